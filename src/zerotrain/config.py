@@ -1,0 +1,226 @@
+"""Typed run configuration: dataclasses, validation that names the bad field, TOML + CLI merge."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration the user can fix; the CLI prints it as one line and exits 2."""
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    # The lesson's tiny GPT: fast enough for 4 ranks on 2 cores.
+    "tiny": dict(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64),
+    # GPT-2-shaped model used by the benchmarks (P = 842,496 with vocab 256).
+    "bench": dict(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256),
+    # Wider, communication-heavy benchmark model.
+    "wide": dict(n_layer=2, n_head=8, n_embd=512, seq_len=64, vocab_size=256),
+    # GPT-2 small (124M).
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257),
+}
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    seq_len: int = 16
+    vocab_size: int = 64
+
+
+@dataclass
+class DataConfig:
+    # "synthetic", "synthetic-varlen", or the path of a UTF-8 text file (read as bytes).
+    source: str = "synthetic"
+    # Text only: pack the byte stream into full sequences (True) or one document per sequence,
+    # split on blank lines, padded and label-masked (False).
+    pack: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = -1  # -1: resolved to max(1, steps // 10)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class RunConfig:
+    nproc: int = 1
+    steps: int = 20
+    micro_batch: int = 8
+    accum: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "fp32"  # fp32 | bf16
+    threads: int = 0  # torch threads per rank; 0: cores // nproc, at least 1
+    bucket_mb: float = 4.0  # gradient bucket size in MiB of fp32 values
+    overlap: bool = True  # launch each bucket's reduce-scatter during backward
+    check_every: int = 10  # cross-rank drift check period in steps (0: only at the end)
+    timeout_s: float = 120.0  # collective timeout: a stuck peer fails the job instead of hanging it
+    out: str = ""  # run folder; "" -> runs/<timestamp>
+    metrics: str = ""  # JSONL path; "" -> <out>/metrics.jsonl
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "" -> <out>/checkpoints
+    every: int = 0  # 0: no periodic checkpoints
+    keep: int = 0  # how many committed checkpoints to keep; 0 keeps all
+    resume: str = ""  # "", "auto" or a checkpoint folder
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: ranks x micro-batch x accumulation steps."""
+        return self.run.nproc * self.run.micro_batch * self.run.accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        cfg = cls()
+        merge(cfg, d, origin="config")
+        return cfg
+
+
+SECTIONS = ("model", "data", "optim", "run", "checkpoint")
+
+
+def merge(cfg: Config, overrides: dict[str, Any], origin: str) -> None:
+    """Apply {section: {field: value}} onto cfg, rejecting unknown sections and fields by name."""
+    for section, values in overrides.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+        target = getattr(cfg, section)
+        known = {f.name: f for f in fields(target)}
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigError(f"{origin}: unknown field {section}.{name}")
+            default = getattr(target, name)
+            if isinstance(default, bool) and not isinstance(value, bool):
+                raise ConfigError(f"{origin}: {section}.{name} must be true or false, got {value!r}")
+            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if type(default) is not type(value):
+                raise ConfigError(
+                    f"{origin}: {section}.{name} must be {type(default).__name__}, got {value!r}"
+                )
+            setattr(target, name, value)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: invalid TOML ({e})") from None
+
+
+def apply_preset(cfg: Config, name: str) -> None:
+    if name not in PRESETS:
+        raise ConfigError(f"--preset {name!r} is unknown (known: {', '.join(PRESETS)})")
+    for k, v in PRESETS[name].items():
+        setattr(cfg.model, k, v)
+
+
+def _positive(value: int | float, flag: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{flag} must be positive, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check everything that can be checked before a worker starts; resolve derived defaults."""
+    m, d, o, r, c = cfg.model, cfg.data, cfg.optim, cfg.run, cfg.checkpoint
+    for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
+        _positive(getattr(m, name), "--" + name.replace("_", "-"))
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}")
+    for name in ("nproc", "steps", "micro_batch", "accum"):
+        _positive(getattr(r, name), "--" + name.replace("_", "-"))
+    if r.threads < 0:
+        raise ConfigError(f"--threads must be >= 0, got {r.threads}")
+    _positive(r.bucket_mb, "--bucket-mb")
+    _positive(r.timeout_s, "--timeout")
+    if r.check_every < 0:
+        raise ConfigError(f"--check-every must be >= 0, got {r.check_every}")
+    if r.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--precision must be fp32 or bf16, got {r.precision!r}")
+    if r.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got {r.device!r}")
+    if r.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available on this machine")
+        if r.nproc > torch.cuda.device_count():
+            raise ConfigError(
+                f"--nproc {r.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here"
+            )
+    _positive(o.lr, "--lr")
+    if not (0.0 <= o.min_lr_ratio <= 1.0):
+        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {o.weight_decay}")
+    if o.grad_clip < 0:
+        raise ConfigError(f"--grad-clip must be >= 0, got {o.grad_clip}")
+    for name in ("beta1", "beta2"):
+        if not (0.0 <= getattr(o, name) < 1.0):
+            raise ConfigError(f"--{name} must be in [0, 1), got {getattr(o, name)}")
+    _positive(o.eps, "--eps")
+    if o.warmup_steps < 0:
+        o.warmup_steps = max(1, r.steps // 10)
+    if c.every < 0:
+        raise ConfigError(f"--ckpt-every must be >= 0, got {c.every}")
+    if c.keep < 0:
+        raise ConfigError(f"--keep must be >= 0, got {c.keep}")
+    _validate_data(cfg)
+    for value in (o.lr, o.eps, o.weight_decay, o.grad_clip, r.bucket_mb, r.timeout_s):
+        if not math.isfinite(value):
+            raise ConfigError(f"configuration value {value} is not finite")
+    return cfg
+
+
+def _validate_data(cfg: Config) -> None:
+    d, m = cfg.data, cfg.model
+    if d.source in ("synthetic", "synthetic-varlen"):
+        if d.source == "synthetic-varlen" and m.seq_len < 2:
+            raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
+        return
+    if not os.path.isfile(d.source):
+        raise ConfigError(f"--data {d.source}: no such file (use 'synthetic' or a text file path)")
+    if m.vocab_size < 256:
+        raise ConfigError(f"--vocab-size {m.vocab_size} is too small for byte-level text data (needs 256)")
+    from .data import text_shortfall
+
+    problem = text_shortfall(d.source, m.seq_len, d.pack)
+    if problem:
+        raise ConfigError(f"--data {d.source}: {problem}")

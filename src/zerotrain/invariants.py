@@ -1,0 +1,123 @@
+"""The four invariants every run checks: finite loss, no cross-rank drift, ZeRO-1 memory, checkpoint round trip."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from .comm import Comm
+from .launch import ZeroTrainError
+
+
+class InvariantError(ZeroTrainError):
+    pass
+
+
+def nonfinite_flags(local_loss: float, comm: Comm) -> torch.Tensor:
+    """A one-hot row marking this rank if its loss is NaN/Inf; summed over ranks it names every bad rank."""
+    flags = torch.zeros(comm.world_size, dtype=torch.float64)
+    if not math.isfinite(local_loss):
+        flags[comm.rank] = 1.0
+    return flags
+
+
+def check_finite(step: int, loss: float, grad_norm: float, flags: torch.Tensor) -> None:
+    """(a) Every rank's loss of this step is finite (checked before the optimizer touches anything)."""
+    bad = [r for r, f in enumerate(flags.tolist()) if f != 0]
+    if bad:
+        raise InvariantError(f"invariant (a) failed: non-finite loss at step {step} on rank(s) {bad}")
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise InvariantError(f"invariant (a) failed: non-finite loss {loss} / grad norm {grad_norm} at step {step}")
+
+
+def gather_digests(digest: bytes, comm: Comm) -> list[str]:
+    row = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    rows = comm.all_gather_rows(row, "all_gather_digests")
+    return [bytes(rows[r].tolist()).hex() for r in range(comm.world_size)]
+
+
+def check_no_drift(step: int, digest: bytes, comm: Comm) -> list[str]:
+    """(b) The parameter buffers of all ranks are bitwise identical (sha256 of the bytes)."""
+    digests = gather_digests(digest, comm)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise InvariantError(
+            f"invariant (b) failed: parameters of rank(s) {differ} differ from rank 0 at step {step}"
+        )
+    return digests
+
+
+@dataclass
+class MemoryReport:
+    per_rank: list[int]  # optimizer-state bytes measured on each rank
+    expected: int  # the ZeRO-1 formula for one rank
+    bytes_per_value: int
+    shard_numel: int
+
+    @property
+    def max(self) -> int:
+        return max(self.per_rank)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.per_rank) / len(self.per_rank)
+
+
+def held_bytes(tensors: list[torch.Tensor], exclude: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`, leaving out those that back `exclude`.
+
+    Measured from the storages themselves: a view costs nothing extra, a copy is counted.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in excluded:
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def check_memory(engine, comm: Comm) -> MemoryReport:
+    """(c) Optimizer state held per rank equals the ZeRO-1 formula (bytes per owned value x shard size)."""
+    measured = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+    per_rank = comm.all_gather_rows(torch.tensor([measured], dtype=torch.int64), "all_gather_memory")
+    report = MemoryReport(
+        per_rank=[int(v) for v in per_rank.view(-1).tolist()],
+        expected=engine.expected_state_bytes_per_value() * engine.layout.shard_numel,
+        bytes_per_value=engine.expected_state_bytes_per_value(),
+        shard_numel=engine.layout.shard_numel,
+    )
+    wrong = [r for r, v in enumerate(report.per_rank) if v != report.expected]
+    if wrong:
+        raise InvariantError(
+            f"invariant (c) failed: optimizer state on rank(s) {wrong} is "
+            f"{[report.per_rank[r] for r in wrong]} bytes, ZeRO-1 expects {report.expected} "
+            f"({report.bytes_per_value} x {report.shard_numel})"
+        )
+    return report
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def check_roundtrip(path: str, written: dict[str, dict[str, torch.Tensor]], manifest: dict) -> None:
+    """(d) Each file this rank wrote reads back byte-equal to what was in memory, with the manifest's sha256."""
+    files = {f["name"]: f for f in manifest["files"]}
+    for name, tensors in written.items():
+        full = os.path.join(path, name)
+        with open(full, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        if sha != files[name]["sha256"]:
+            raise InvariantError(f"invariant (d) failed: {full} does not match the sha256 in its manifest")
+        back = load_file(full)
+        for key, t in tensors.items():
+            if key not in back or not _same_bytes(back[key], t.detach().cpu()):
+                raise InvariantError(f"invariant (d) failed: tensor {key} of {full} reads back different bytes")

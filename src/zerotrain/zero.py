@@ -1,0 +1,363 @@
+"""The ZeRO stage-1 engine: flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
+
+Every rank holds the full parameters and full gradients, each a view into one flat buffer. The
+flat buffer is cut into buckets; each bucket is padded to a multiple of the world size and split
+into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
+
+    reduce-scatter each bucket's gradients -> this rank's gradient shard  (one round, per bucket)
+    one all-reduce of a few scalars       -> global grad norm (clipping), loss, flags
+    torch.optim.AdamW on the owned chunks  -> updated master values
+    all-gather each bucket in place        -> every rank's parameters    (one round, per bucket)
+
+Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
+owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
+the parameters are bf16 and an fp32 master shard is kept, 12 bytes per owned value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .comm import Comm
+from .config import OptimConfig
+from .model import is_decayed
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    offset: int  # in the padded flat buffer
+    flat_offset: int  # in the unpadded concatenation of parameters, in layout order
+    bucket: int
+    decay: bool
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    start: int  # [start, end) of the padded flat buffer; (end - start) % world_size == 0
+    end: int
+    decay_end: int  # [start, decay_end) holds decayed params; the rest no-decay params and padding
+    shard_offset: int  # where this bucket's owned chunk sits in each rank's shard
+
+    def chunk_numel(self, world_size: int) -> int:
+        return (self.end - self.start) // world_size
+
+    def chunk(self, rank: int, world_size: int) -> tuple[int, int]:
+        c = self.chunk_numel(world_size)
+        return self.start + rank * c, self.start + (rank + 1) * c
+
+
+class ShardLayout:
+    """Where every parameter lives in the flat buffer, and which flat ranges each rank owns.
+
+    Parameters are laid out in reverse of the model's order, so buckets fill in the order backward
+    produces gradients; within a bucket decayed parameters come first, so each rank's chunk of a
+    bucket splits into at most one decayed and one non-decayed piece for AdamW's param groups.
+    """
+
+    def __init__(self, slots: list[ParamSlot], buckets: list[Bucket], world_size: int):
+        self.slots, self.buckets, self.world_size = slots, buckets, world_size
+        self.numel = sum(s.numel for s in slots)
+        self.padded_numel = buckets[-1].end if buckets else 0
+        self.shard_numel = self.padded_numel // world_size
+
+    @classmethod
+    def build(cls, params: list[tuple[str, tuple[int, ...], bool]], world_size: int, bucket_numel: int):
+        groups, current, size = [], [], 0
+        for name, shape, decay in reversed(params):
+            current.append((name, tuple(shape), decay))
+            size += _numel(shape)
+            if size >= bucket_numel:
+                groups.append(current)
+                current, size = [], 0
+        if current:
+            groups.append(current)
+        slots, buckets, offset, flat_offset, shard_offset = [], [], 0, 0, 0
+        for index, group in enumerate(groups):
+            start = offset
+            ordered = [p for p in group if p[2]] + [p for p in group if not p[2]]
+            decay_end = start + sum(_numel(s) for _, s, d in group if d)
+            for name, shape, decay in ordered:
+                slots.append(ParamSlot(name, shape, _numel(shape), offset, flat_offset, index, decay))
+                offset += _numel(shape)
+                flat_offset += _numel(shape)
+            end = start + -(-(offset - start) // world_size) * world_size  # pad to a multiple of W
+            buckets.append(Bucket(index, start, end, decay_end, shard_offset))
+            shard_offset += (end - start) // world_size
+            offset = end
+        return cls(slots, buckets, world_size)
+
+    def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
+        return [b.chunk(rank, self.world_size) for b in self.buckets]
+
+    def to_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "shard_numel": self.shard_numel,
+            "params": [{**asdict(s), "shape": list(s.shape)} for s in self.slots],
+            "buckets": [asdict(b) for b in self.buckets],
+            "owned_ranges": [[list(r) for r in self.owned_ranges(k)] for k in range(self.world_size)],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardLayout":
+        slots = [ParamSlot(**{**s, "shape": tuple(s["shape"])}) for s in d["params"]]
+        return cls(slots, [Bucket(**b) for b in d["buckets"]], d["world_size"])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass
+class _Piece:
+    """A run of this rank's owned values with one weight-decay setting: one AdamW 'parameter'."""
+
+    flat_lo: int
+    flat_hi: int
+    shard_lo: int
+    decay: bool
+
+    @property
+    def shard_hi(self) -> int:
+        return self.shard_lo + self.flat_hi - self.flat_lo
+
+
+class ZeroOneEngine:
+    """ZeRO-1 over a model: call backward inside `no_sync(...)` as needed, then `reduce_grads` and `apply`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        comm: Comm,
+        optim: OptimConfig,
+        *,
+        bucket_numel: int,
+        precision: str = "fp32",
+        overlap: bool = True,
+    ):
+        self.model, self.comm, self.optim_cfg = model, comm, optim
+        self.precision, self.overlap = precision, overlap
+        W, rank = comm.world_size, comm.rank
+        named = list(model.named_parameters())  # a tied parameter appears once
+        self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], W, bucket_numel)
+        by_name = dict(named)
+        self.params = [by_name[s.name] for s in self.layout.slots]
+        device = self.params[0].device
+        param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        L = self.layout
+
+        # Parameters and gradients become views into flat buffers: no per-step copies or allocations.
+        self.flat_params = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
+        self.flat_grads = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
+        with torch.no_grad():
+            for s, p in zip(L.slots, self.params):
+                view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
+                view.copy_(p.detach())
+                p.data = view
+                p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
+        # In bf16, gradients are accumulated across micro-batches in fp32 before the reduce-scatter.
+        self.grad_accum = self.flat_grads if precision == "fp32" else torch.zeros(L.padded_numel, device=device)
+        self.grad_shard = torch.zeros(L.shard_numel, device=device)
+        # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
+        comm.broadcast(self.flat_params, 0, "broadcast_init")
+
+        self._pieces: list[_Piece] = []
+        for b in L.buckets:
+            lo, hi = b.chunk(rank, W)
+            for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
+                if z > a:
+                    self._pieces.append(_Piece(a, z, b.shard_offset + a - lo, decay))
+        self.master = None
+        if precision == "bf16":
+            self.master = torch.empty(L.shard_numel, device=device)
+            for pc in self._pieces:
+                self.master[pc.shard_lo : pc.shard_hi] = self.flat_params[pc.flat_lo : pc.flat_hi].float()
+        self.exp_avg = torch.zeros(L.shard_numel, device=device)
+        self.exp_avg_sq = torch.zeros(L.shard_numel, device=device)
+        self._master_views = []
+        decayed, plain = [], []
+        for pc in self._pieces:
+            if self.master is None:
+                m = self.flat_params[pc.flat_lo : pc.flat_hi]  # alias: fp32 master is the parameter itself
+            else:
+                m = self.master[pc.shard_lo : pc.shard_hi]
+            m.grad = self.grad_shard[pc.shard_lo : pc.shard_hi]
+            self._master_views.append(m)
+            (decayed if pc.decay else plain).append(m)
+        groups = [g for g in ({"params": decayed, "weight_decay": optim.weight_decay},
+                              {"params": plain, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True
+        )
+        # AdamW's moments become views into two flat shard tensors: one allocation each, and the
+        # shard's state is exactly what a checkpoint stores. AdamW uses state it finds present.
+        for pc, m in zip(self._pieces, self._master_views):
+            self.optimizer.state[m] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": self.exp_avg[pc.shard_lo : pc.shard_hi],
+                "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
+            }
+
+        self._sync = True
+        self._ready = [0] * len(L.buckets)
+        self._bucket_sizes = [0] * len(L.buckets)
+        for s in L.slots:
+            self._bucket_sizes[s.bucket] += 1
+        self._launched: list = []  # async work handles, in bucket order
+        self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
+        if overlap or precision == "bf16":
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ---------------------------------------------------------------- backward side
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True):
+        """Within this context, backward accumulates gradients locally and communicates nothing.
+
+        Use it for every micro-batch but the last of an accumulation window, as with DDP.
+        """
+        previous, self._sync = self._sync, not enabled
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        s = self._slot_of[id(p)]
+        if self.precision == "bf16":
+            with torch.no_grad():
+                self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
+                p.grad.zero_()
+        if self._sync and self.overlap:
+            self._ready[s.bucket] += 1
+            # Launch in bucket order only, so every rank issues the same collectives in the same order.
+            while len(self._launched) < len(self._ready) and \
+                    self._ready[len(self._launched)] == self._bucket_sizes[len(self._launched)]:
+                self._launch(len(self._launched))
+
+    def _launch(self, index: int) -> None:
+        b = self.layout.buckets[index]
+        c = b.chunk_numel(self.comm.world_size)
+        out = self.grad_shard[b.shard_offset : b.shard_offset + c]
+        work = self.comm.reduce_scatter(out, self.grad_accum[b.start : b.end], "reduce_scatter_grads", async_op=True)
+        self._launched.append(work)
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation window."""
+        self.flat_grads.zero_()
+        if self.grad_accum is not self.flat_grads:
+            self.grad_accum.zero_()
+        self._ready = [0] * len(self._ready)
+        self._launched = []
+
+    # ---------------------------------------------------------------- optimizer side
+    def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Finish the gradient reduce-scatter; all-reduce [grad sum of squares, *extras] in one call.
+
+        Returns the global pre-clip gradient norm and the extras summed over ranks.
+        """
+        while len(self._launched) < len(self.layout.buckets):
+            self._launch(len(self._launched))
+        for work in self._launched:
+            work.wait()
+        sumsq = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float64).square()
+        extras = extras.to(device=sumsq.device, dtype=torch.float64).reshape(-1)
+        stats = self.comm.all_reduce(torch.cat([sumsq.view(1), extras]), "all_reduce_stats").cpu()
+        return float(stats[0].sqrt()), stats[1:]
+
+    def apply(self, lr: float, grad_norm: float) -> None:
+        """Clip by the global norm, AdamW on this rank's shard, all-gather the updated parameters."""
+        clip = self.optim_cfg.grad_clip
+        if clip > 0 and grad_norm > clip:
+            self.grad_shard.mul_(clip / (grad_norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self._publish_params()
+
+    def _publish_params(self) -> None:
+        """Write the owned master values into the parameter buffer and all-gather every bucket."""
+        if self.master is not None:
+            for pc in self._pieces:
+                self.flat_params[pc.flat_lo : pc.flat_hi] = self.master[pc.shard_lo : pc.shard_hi]
+        works = []
+        for b in self.layout.buckets:
+            lo, hi = b.chunk(self.comm.rank, self.comm.world_size)
+            bucket = self.flat_params[b.start : b.end]
+            works.append(self.comm.all_gather(bucket, self.flat_params[lo:hi], "all_gather_params", async_op=True))
+        for work in works:
+            work.wait()
+
+    # ---------------------------------------------------------------- state
+    def param_digest(self) -> bytes:
+        """sha256 of the whole parameter buffer: equal on every rank iff parameters are bitwise equal."""
+        return hashlib.sha256(self.flat_params.detach().cpu().view(torch.uint8).numpy()).digest()
+
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizer keeps for this rank's shard: master values and moments."""
+        out = list(self._master_views)
+        for m in self._master_views:
+            out += [self.optimizer.state[m]["exp_avg"], self.optimizer.state[m]["exp_avg_sq"]]
+        return out
+
+    def expected_state_bytes_per_value(self) -> int:
+        """ZeRO-1 formula: 8 bytes (moments) per owned value in fp32, 12 (plus fp32 master) in bf16."""
+        return 8 if self.master is None else 12
+
+    def master_shard(self) -> torch.Tensor:
+        """This rank's fp32 master values as one shard-length tensor (a copy in fp32 mode)."""
+        if self.master is not None:
+            return self.master
+        out = torch.empty(self.layout.shard_numel, device=self.flat_params.device)
+        for pc in self._pieces:
+            out[pc.shard_lo : pc.shard_hi] = self.flat_params[pc.flat_lo : pc.flat_hi]
+        return out
+
+    @property
+    def step_count(self) -> int:
+        m = self._master_views[0] if self._master_views else None
+        return int(self.optimizer.state[m]["step"]) if m is not None else 0
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "master": self.master_shard().float().contiguous(),
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+            "step": torch.tensor([self.step_count], dtype=torch.int64),
+        }
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Restore this rank's shard (same layout), then all-gather so parameters follow the masters."""
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if tuple(sd[key].shape) != (self.layout.shard_numel,):
+                raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
+                                 f"expected ({self.layout.shard_numel},)")
+        with torch.no_grad():
+            self.exp_avg.copy_(sd["exp_avg"])
+            self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+            step = float(sd["step"].item())
+            for m in self._master_views:
+                self.optimizer.state[m]["step"] = torch.tensor(step)
+            if self.master is not None:
+                self.master.copy_(sd["master"])
+            else:
+                for pc in self._pieces:
+                    self.flat_params[pc.flat_lo : pc.flat_hi] = sd["master"][pc.shard_lo : pc.shard_hi]
+            self._publish_params()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's parameters in its own state_dict names, fp32, one independent tensor each."""
+        return {s.name: p.detach().float().cpu().clone() for s, p in zip(self.layout.slots, self.params)}
