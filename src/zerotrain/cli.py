@@ -127,7 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo
+    from . import bench, demo
 
     parser = _Parser(prog="zerotrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_flags(p)
     p.set_defaults(func=cmd_train)
     demo.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,51 @@
+"""`zerotrain bench`: benchmark commands that report figures (tests assert correctness, never timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+
+SCHEMA_VERSION = 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies")
+    benches = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
+    for module in _bench_modules():
+        module.add_parser(benches)
+
+
+def _bench_modules() -> list:
+    """Each benchmark lives in its own module with an add_parser(subparsers) function."""
+    return []
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
