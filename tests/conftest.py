@@ -1,4 +1,4 @@
-"""Shared test setup: small configs and a bounded multi-process runner."""
+"""Shared test setup: tiny configs, a one-rank process group for unit tests, child-process checks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,51 @@ import os
 import sys
 
 import pytest
+import torch.distributed as dist
 
 # Job functions for spawned ranks must be importable by module name in the children.
 sys.path.insert(0, os.path.dirname(__file__))
+
+from zerotrain.config import Config, validate  # noqa: E402
+from zerotrain.train import resolve_paths  # noqa: E402
+
+
+def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Config:
+    """The lesson's tiny GPT with small buckets, so multi-bucket code paths are exercised."""
+    cfg = Config()
+    cfg.run.nproc, cfg.run.micro_batch, cfg.run.accum, cfg.run.steps = nproc, micro, accum, steps
+    cfg.run.progress = False
+    cfg.run.bucket_mb = 0.01  # ~2.6K values: several buckets for the 28K-parameter model
+    cfg.run.out = str(tmp_path)
+    cfg.run.timeout_s = 60
+    for k, v in run.items():
+        setattr(cfg.run, k, v)
+    return resolve_paths(validate(cfg))
+
+
+@pytest.fixture
+def one_rank():
+    """A real gloo process group of world size 1 on 127.0.0.1, torn down after the test."""
+    from zerotrain.comm import Comm
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield Comm()
+    finally:
+        dist.destroy_process_group()
+
+
+def child_pids() -> list[int]:
+    """Live child processes of this process (to check that a job reaped its ranks)."""
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.append(int(pid))
+    return out

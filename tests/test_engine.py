@@ -1,0 +1,107 @@
+"""The ZeRO-1 engine on one rank: views not copies, the memory formula, PyTorch AdamW numerics."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from zerotrain.data import BatchSchedule, make_source
+from zerotrain.invariants import held_bytes
+from zerotrain.model import build_model, is_decayed, summed_token_loss
+from zerotrain.schedule import lr_at
+from zerotrain.train import build_engine
+
+
+def run_steps(engine, cfg, steps):
+    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=cfg.run.accum,
+                             rank=0, world_size=1)
+    for step in range(steps):
+        batch = schedule.batch(step)
+        engine.zero_grad()
+        for i, (x, y) in enumerate(batch.micro_batches):
+            with engine.no_sync(i < len(batch.micro_batches) - 1):
+                (summed_token_loss(engine.model(x), y) / batch.global_tokens).backward()
+        norm, _ = engine.reduce_grads(torch.zeros(0))
+        engine.apply(lr_at(step, cfg.optim, cfg.run.steps), norm)
+
+
+def test_parameters_and_grads_are_views_of_the_flat_buffers(tmp_path, one_rank):
+    engine = build_engine(tiny_config(tmp_path), one_rank)
+    flat_p, flat_g = engine.flat_params.untyped_storage().data_ptr(), engine.flat_grads.untyped_storage().data_ptr()
+    for p in engine.model.parameters():
+        assert p.untyped_storage().data_ptr() == flat_p
+        assert p.grad.untyped_storage().data_ptr() == flat_g
+    run_steps(engine, tiny_config(tmp_path), 1)
+    for p in engine.model.parameters():  # still views after backward and an optimizer step
+        assert p.untyped_storage().data_ptr() == flat_p
+
+
+def test_fp32_master_is_the_parameter_buffer_so_state_is_8_bytes_per_value(tmp_path, one_rank):
+    engine = build_engine(tiny_config(tmp_path), one_rank)
+    S = engine.layout.shard_numel
+    flat = engine.flat_params.untyped_storage().data_ptr()
+    masters = engine._master_views
+    assert masters and all(m.untyped_storage().data_ptr() == flat for m in masters)
+    assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]) == 8 * S
+    # planted bug: a redundant fp32 master copy is measured, not hidden
+    copies = [m.clone() for m in masters]
+    assert held_bytes(engine.optimizer_state_tensors() + copies, exclude=[engine.flat_params]) == 12 * S
+
+
+def test_bf16_keeps_an_fp32_master_shard_12_bytes_per_value(tmp_path, one_rank):
+    cfg = tiny_config(tmp_path, precision="bf16")
+    engine = build_engine(cfg, one_rank)
+    assert engine.flat_params.dtype == torch.bfloat16 and engine.master.dtype == torch.float32
+    assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]) == 12 * engine.layout.shard_numel
+    run_steps(engine, cfg, 2)
+    # parameters are the bf16 rounding of the fp32 masters (one rank: the shard is the whole buffer)
+    assert torch.equal(engine.master_shard().bfloat16(), engine.flat_params)
+    assert not torch.equal(engine.master_shard(), engine.flat_params.float())  # the master keeps more bits
+    assert torch.isfinite(engine.flat_params.float()).all()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, accum):
+    cfg = tiny_config(tmp_path, micro=8 // accum, accum=accum)
+    cfg.optim.grad_clip = 0.0
+    engine = build_engine(cfg, one_rank)
+    run_steps(engine, cfg, 3)
+
+    def reference(lr_scale):
+        model = build_model(cfg.model, cfg.run.seed)
+        params = list(model.named_parameters())
+        o = cfg.optim
+        opt = torch.optim.AdamW([
+            {"params": [p for n, p in params if is_decayed(n, p)], "weight_decay": o.weight_decay},
+            {"params": [p for n, p in params if not is_decayed(n, p)], "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        source = make_source(cfg)
+        for step in range(3):
+            x, y = source.sequences(step, range(8))
+            opt.zero_grad()
+            (summed_token_loss(model(x), y) / source.token_count(step, 8)).backward()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, o, cfg.run.steps) * lr_scale
+            opt.step()
+        return dict(model.named_parameters())
+
+    ref = reference(1.0)
+    worst = max((ref[s.name].detach() - p.detach()).abs().max().item()
+                for s, p in zip(engine.layout.slots, engine.params))
+    # One micro-batch sums in the same order as the reference; with two, float rounding differs and
+    # AdamW's normalisation magnifies it for near-zero gradients, hence the issue's 1e-4 bound.
+    assert worst < (1e-6 if accum == 1 else 1e-4)
+    wrong = reference(1.1)  # planted bug: a 10% different learning rate is caught
+    assert max((wrong[s.name].detach() - p.detach()).abs().max().item()
+               for s, p in zip(engine.layout.slots, engine.params)) > 1e-4
+
+
+def test_one_reduce_scatter_and_one_all_gather_round_per_step(tmp_path, one_rank):
+    cfg = tiny_config(tmp_path, micro=2, accum=4)
+    engine = build_engine(cfg, one_rank)
+    before = dict(one_rank.calls)
+    run_steps(engine, cfg, 3)
+    calls = {k: v - before.get(k, 0) for k, v in one_rank.calls.items()}
+    n = len(engine.layout.buckets)
+    assert n > 1
+    assert calls["reduce_scatter_grads"] == 3 * n and calls["all_gather_params"] == 3 * n
+    assert calls["all_reduce_stats"] == 3
