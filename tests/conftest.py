@@ -42,15 +42,20 @@ def one_rank():
 
 
 def child_pids() -> list[int]:
-    """Live child processes of this process (to check that a job reaped its ranks)."""
+    """Live child processes of this process (to check that a job reaped its ranks).
+
+    multiprocessing's resource tracker, started once by the first spawn and shared, is not a rank.
+    """
     me, out = os.getpid(), []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] != "Z":
+            if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
                 out.append(int(pid))
     return out

@@ -1,0 +1,118 @@
+"""Job functions run by spawned ranks in the multi-process tests (importable by module name)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from zerotrain import checkpoint, train as train_module
+from zerotrain.comm import Comm
+from zerotrain.config import Config
+from zerotrain.train import train
+
+
+def summary(result) -> dict:
+    return {
+        "losses": [r["loss"] for r in result.records],
+        "grad_norms": [r["grad_norm"] for r in result.records],
+        "digests": result.digests,
+        "memory": vars(result.memory),
+        "calls": result.comm_calls,
+        "start": result.start_step,
+    }
+
+
+def params_job(cfg: Config, comm: Comm) -> dict:
+    """Train; return the log and the final parameters by name."""
+    holder = {}
+    result = train(cfg, comm, after_update=lambda step, engine: holder.update(engine=engine))
+    out = summary(result)
+    out["params"] = holder["engine"].full_state_dict()
+    return out
+
+
+def naive_mean_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: weight every micro-batch equally (its mean loss times its capacity) on varlen data."""
+
+    def mean_weighted(logits, targets):
+        mean = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                                                 ignore_index=-100)
+        return mean * targets.numel()
+
+    train_module.summed_token_loss = mean_weighted
+    return params_job(cfg, comm)
+
+
+def interrupted_job(cfg: Config, comm: Comm) -> dict:
+    """Uninterrupted run, then a fresh run resumed from the first checkpoint; both summaries."""
+    first = params_job(cfg, comm)
+    resumed = copy.deepcopy(cfg)
+    resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.checkpoint.every))
+    resumed.checkpoint.every = 0
+    resumed.run.metrics = ""
+    return {"first": first, "resumed": params_job(resumed, comm)}
+
+
+def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a resume that loses AdamW's moments."""
+    real_load = checkpoint.load
+
+    def load_without_moments(path, engine, comm):
+        step = real_load(path, engine, comm)
+        engine.exp_avg.zero_()
+        engine.exp_avg_sq.zero_()
+        return step
+
+    train_module.checkpoint.load = load_without_moments
+    return interrupted_job(cfg, comm)
+
+
+def resume_job(cfg: Config, comm: Comm) -> dict:
+    return params_job(cfg, comm)
+
+
+def drift_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: rank 1 nudges one parameter after step 2."""
+
+    def nudge(step, engine):
+        if step == 2 and comm.rank == 1:
+            with torch.no_grad():
+                engine.flat_params[7] += 1e-3
+
+    return summary(train(cfg, comm, after_update=nudge))
+
+
+def nan_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: rank 1's parameters become NaN after step 2."""
+
+    def poison(step, engine):
+        if step == 2 and comm.rank == 1:
+            with torch.no_grad():
+                engine.flat_params.fill_(float("nan"))
+
+    return summary(train(cfg, comm, after_update=poison))
+
+
+def crash_in_save_job(cfg: Config, comm: Comm) -> dict:
+    """Rank 1 dies while writing the step-4 checkpoint, after rank 0 wrote its files."""
+    real_save_file = checkpoint.save_file
+
+    def save_file(tensors, path, *args, **kwargs):
+        if comm.rank == 1 and "step_00000004" in path:
+            os._exit(9)
+        return real_save_file(tensors, path, *args, **kwargs)
+
+    checkpoint.save_file = save_file
+    return summary(train(cfg, comm))
+
+
+def no_sync_ignored_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: communication starts on every micro-batch, before accumulation is complete."""
+    from contextlib import nullcontext
+
+    from zerotrain.zero import ZeroOneEngine
+
+    ZeroOneEngine.no_sync = lambda self, enabled=True: nullcontext()
+    return params_job(cfg, comm)

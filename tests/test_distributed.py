@@ -1,0 +1,133 @@
+"""Multi-process runs on gloo over 127.0.0.1: split invariance, resume, resharding, memory, drift, NaN, crashes."""
+
+import os
+
+import pytest
+import torch
+
+import dist_jobs
+from conftest import child_pids, tiny_config
+from zerotrain import checkpoint
+from zerotrain.launch import JobFailed, run_job
+
+LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(job, cfg):
+    return run_job(job, cfg, time_limit=LIMIT)
+
+
+def max_rel(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def max_abs_params(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("data", ["synthetic", "synthetic-varlen"])
+def test_split_over_ranks_and_micro_batches_does_not_change_the_math(tmp_path, data):
+    runs = {}
+    for nproc, micro, accum in [(1, 8, 1), (2, 2, 2), (4, 1, 2)]:
+        cfg = tiny_config(tmp_path / f"{nproc}{micro}{accum}", nproc=nproc, micro=micro, accum=accum)
+        cfg.data.source = data
+        runs[(nproc, micro, accum)] = run(dist_jobs.params_job, cfg)
+    base = runs[(1, 8, 1)]
+    for split, r in runs.items():
+        assert len(r["losses"]) == 5
+        assert max_rel(r["losses"], base["losses"]) <= 1e-5, split
+        assert max_rel(r["grad_norms"], base["grad_norms"]) <= 1e-5, split
+        assert max_abs_params(r["params"], base["params"]) <= 1e-4, split
+    if data == "synthetic-varlen":
+        # planted bug: per-micro-batch mean weighting is caught on variable-length data
+        cfg = tiny_config(tmp_path / "naive", nproc=4, micro=1, accum=2)
+        cfg.data.source = data
+        naive = run(dist_jobs.naive_mean_job, cfg)
+        assert max_rel(naive["losses"], base["losses"]) > 1e-3
+
+
+def test_resume_is_bitwise_identical_and_a_lossy_resume_is_caught(tmp_path):
+    cfg = tiny_config(tmp_path / "a", nproc=2, micro=2, accum=2, steps=6)
+    cfg.checkpoint.every = 3
+    out = run(dist_jobs.interrupted_job, cfg)
+    first, resumed = out["first"], out["resumed"]
+    assert resumed["start"] == 3
+    assert resumed["losses"] == first["losses"][3:]  # exact float equality, every step
+    assert resumed["digests"] == first["digests"]
+    assert all(torch.equal(first["params"][k], resumed["params"][k]) for k in first["params"])
+    final = os.path.join(cfg.checkpoint.dir, "step_00000006", "model.safetensors")
+    from safetensors.torch import load_file
+    on_disk = load_file(final)
+    assert all(torch.equal(on_disk[k], resumed["params"][k]) for k in on_disk)
+
+    cfg = tiny_config(tmp_path / "b", nproc=2, micro=2, accum=2, steps=6)
+    cfg.checkpoint.every = 3
+    out = run(dist_jobs.forgetful_resume_job, cfg)
+    assert out["resumed"]["digests"] != out["first"]["digests"]
+    assert out["resumed"]["losses"] != out["first"]["losses"][3:]
+
+
+def test_resume_at_another_world_size_reshards_the_optimizer_state(tmp_path):
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, accum=2, steps=6)
+    cfg.checkpoint.every = 3
+    full = run(dist_jobs.params_job, cfg)
+    resumed_cfg = tiny_config(tmp_path, nproc=4, micro=1, accum=2, steps=6)
+    resumed_cfg.checkpoint.resume = os.path.join(cfg.checkpoint.dir, "step_00000003")
+    resumed_cfg.checkpoint.dir = str(tmp_path / "ck4")
+    resumed = run(dist_jobs.resume_job, resumed_cfg)
+    assert resumed["start"] == 3
+    assert max_rel(resumed["losses"], full["losses"][3:]) <= 1e-5
+    assert max_abs_params(resumed["params"], full["params"]) <= 1e-4
+    # planted bug: resuming without the moments is far outside those bounds
+    bad_cfg = tiny_config(tmp_path / "bad", nproc=2, micro=2, accum=2, steps=6)
+    bad_cfg.checkpoint.every = 3
+    bad = run(dist_jobs.forgetful_resume_job, bad_cfg)["resumed"]
+    assert max_abs_params(bad["params"], full["params"]) > 1e-4
+
+
+@pytest.mark.parametrize("nproc", [3, 4])
+def test_optimizer_memory_matches_zero1_on_every_rank(tmp_path, nproc):
+    cfg = tiny_config(tmp_path, nproc=nproc, micro=1, accum=1, steps=2)
+    mem = run(dist_jobs.params_job, cfg)["memory"]
+    assert mem["per_rank"] == [mem["expected"]] * nproc
+    assert mem["expected"] == 8 * mem["shard_numel"]
+    assert mem["shard_numel"] * nproc >= 28_032  # padded P / N
+
+
+def test_drift_on_one_rank_stops_the_run_naming_it(tmp_path):
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=6, check_every=2)
+    with pytest.raises(JobFailed, match=r"invariant \(b\) failed: parameters of rank\(s\) \[1\] differ from rank 0 at step 2"):
+        run(dist_jobs.drift_job, cfg)
+    assert child_pids() == []
+
+
+def test_nan_on_one_rank_stops_the_run_naming_step_and_rank(tmp_path):
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=6)
+    with pytest.raises(JobFailed, match=r"invariant \(a\) failed: non-finite loss at step 3 on rank\(s\) \[1\]"):
+        run(dist_jobs.nan_job, cfg)
+    assert child_pids() == []
+
+
+def test_a_rank_dying_mid_checkpoint_leaves_only_committed_checkpoints(tmp_path):
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=6)
+    cfg.checkpoint.every = 2
+    with pytest.raises(JobFailed, match="rank 1 failed with exit code 9"):
+        run(dist_jobs.crash_in_save_job, cfg)
+    assert child_pids() == []
+    root = cfg.checkpoint.dir
+    assert checkpoint.committed_steps(root) == ["step_00000002"]
+    assert sorted(os.listdir(root)) == [".step_00000004.tmp", "latest", "step_00000002"]
+    assert checkpoint.resolve_resume("auto", root).endswith("step_00000002")
+
+
+def test_overlap_gives_bitwise_the_same_result_and_early_communication_is_caught(tmp_path):
+    results = {}
+    for overlap in (True, False):
+        cfg = tiny_config(tmp_path / str(overlap), nproc=2, micro=2, accum=2, steps=3, overlap=overlap)
+        results[overlap] = run(dist_jobs.params_job, cfg)
+    assert results[True]["digests"] == results[False]["digests"]
+    assert results[True]["losses"] == results[False]["losses"]
+    cfg = tiny_config(tmp_path / "early", nproc=2, micro=2, accum=2, steps=3, overlap=True)
+    early = run(dist_jobs.no_sync_ignored_job, cfg)
+    assert early["digests"] != results[False]["digests"]
