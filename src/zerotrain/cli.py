@@ -111,12 +111,17 @@ def check_resume(cfg: Config) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .launch import run_job
+    from .launch import in_torchrun, run_job
     from .train import resolve_paths, train_job
 
-    cfg = resolve_paths(config_from_args(args))
+    cfg = config_from_args(args)
+    if in_torchrun():  # torchrun decides the world; --nproc does not apply
+        cfg.run.nproc = int(os.environ["WORLD_SIZE"])
+    cfg = resolve_paths(cfg)
     check_resume(cfg)
     summary = run_job(train_job, cfg)
+    if in_torchrun() and os.environ["RANK"] != "0":
+        return 0
     last = summary["records"][-1] if summary["records"] else None
     print(f"zerotrain: trained to step {cfg.run.steps} on {cfg.run.nproc} rank(s); "
           + (f"final loss {last['loss']:.4f}; " if last else "")

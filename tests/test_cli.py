@@ -1,0 +1,111 @@
+"""The command line as a user meets it: the demo end to end, train and resume, torchrun, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerotrain.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def zerotrain(*args, cwd=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def test_demo_proves_the_four_invariants_and_a_bitwise_resume(tmp_path):
+    r = zerotrain("demo", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for line in ("(a) finite loss", "(b) parameters bitwise identical", "(c) optimizer memory", "(d) checkpoints"):
+        assert any(line in l and l.endswith("PASS") for l in r.stdout.splitlines()), line
+    assert "RESUME VERIFIED" in r.stdout
+    report = json.load(open(tmp_path / "report.json"))
+    assert report["world_size"] == 4 and report["steps"] == 20 and report["param_count"] == 28_032
+    assert len(report["losses"]) == 20 and report["losses"][-1] < report["losses"][0] - 0.5
+    assert len(set(report["param_hashes"])) == 1 and report["resume_verified"] is True
+    assert report["optimizer_bytes"] == [report["expected_bytes"]] * 4
+    assert report["checkpoint_path"].endswith("step_00000010")
+    assert report["resumed_losses"] == report["losses"][10:]
+    assert report["comm_calls_per_step"]["reduce_scatter_grads"] == report["comm_calls_per_step"]["all_gather_params"]
+    assert os.path.isfile(os.path.join(report["checkpoint_path"], "manifest.json"))
+
+
+def test_demo_wall_clock_limit_stops_a_run_with_one_line(tmp_path):
+    r = zerotrain("demo", "--out", str(tmp_path), "--time-limit", "1")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == \
+        "zerotrain: FAILED: the job exceeded its wall-clock limit of 1 s; all ranks were stopped"
+    assert "Traceback" not in r.stderr
+
+
+def test_train_writes_metrics_and_resume_auto_continues(tmp_path):
+    args = ["train", "--nproc", "2", "--micro-batch", "2", "--accum", "2", "--out", str(tmp_path),
+            "--ckpt-every", "2", "--no-progress", "--keep", "2"]
+    r = zerotrain(*args, "--steps", "4")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [rec["step"] for rec in records] == [1, 2, 3, 4]
+    assert set(records[0]) >= {"step", "loss", "grad_norm", "lr", "tokens", "step_ms", "batch_sequences"}
+    assert records[0]["tokens"] == 8 * 16 and records[0]["batch_sequences"] == 8
+    r = zerotrain(*args, "--steps", "6", "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
+
+
+def test_torchrun_job_is_joined_not_respawned(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[run]\nnproc = 4\n")  # ignored: torchrun's world size decides
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", "--steps", "2", "--micro-batch", "2",
+           "--out", str(tmp_path), "--no-progress", "--config", str(toml)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("zerotrain: trained to step 2 on 2 rank(s)") == 1  # rank 0 only
+    assert len(open(tmp_path / "metrics.jsonl").readlines()) == 2
+
+
+def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
+    r = zerotrain("train", "--n-embd", "30", "--n-head", "4")
+    assert r.returncode == 2
+    assert r.stderr == "zerotrain: error: --n-embd 30 is not divisible by --n-head 4\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "0"], "--nproc must be positive, got 0"),
+    (["--n-layer", "-1"], "--n-layer must be positive, got -1"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--data", "nope.txt"], "--data nope.txt: no such file"),
+    (["--precision", "fp8"], "--precision must be fp32 or bf16, got 'fp8'"),
+    (["--resume", "no/such/folder"], "--resume no/such/folder: no such checkpoint folder"),
+])
+def test_bad_flags_name_the_bad_value(capsys, args, message):
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    assert main(["train", "--data", str(short)]) == 2
+    assert "fewer than one sequence of --seq-len 16" in capsys.readouterr().err
+    ck = tmp_path / "ck" / "step_00000002"
+    ck.mkdir(parents=True)
+    (ck / "manifest.json").write_text(json.dumps({"format": "zerotrain-checkpoint", "version": 1, "step": 2,
+                                                  "config": {"model": {"n_layer": 2, "n_head": 4, "n_embd": 64,
+                                                                        "seq_len": 16, "vocab_size": 64}}}))
+    assert main(["train", "--resume", str(ck)]) == 2
+    assert "incompatible model: checkpoint has model.n_embd=64, this run has 32" in capsys.readouterr().err
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\nn_embd = 48\nn_head = 5\n")
+    assert main(["train", "--config", str(toml)]) == 2
+    assert "--n-embd 48 is not divisible by --n-head 5" in capsys.readouterr().err
+    toml.write_text("[modle]\n")
+    assert main(["train", "--config", str(toml)]) == 2
+    assert "unknown section [modle]" in capsys.readouterr().err
