@@ -50,7 +50,7 @@ def test_train_writes_metrics_and_resume_auto_continues(tmp_path):
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [rec["step"] for rec in records] == [1, 2, 3, 4]
     assert set(records[0]) >= {"step", "loss", "grad_norm", "lr", "tokens", "step_ms", "batch_sequences"}
-    assert records[0]["tokens"] == 8 * 16 and records[0]["batch_sequences"] == 8
+    assert records[0]["tokens"] == records[0]["batch_tokens"] == 8 * 16 and records[0]["batch_sequences"] == 8
     r = zerotrain(*args, "--steps", "6", "--resume", "auto")
     assert r.returncode == 0, r.stderr
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]

@@ -75,8 +75,10 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             if r.check_every and done % r.check_every == 0:
                 invariants.check_no_drift(done, engine.param_digest(), comm)
             step_s = time.perf_counter() - t0
+            # tokens: unmasked target tokens of the global batch; batch_*: the effective batch's capacity
             record = dict(step=done, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
-                          batch_sequences=schedule.global_batch, step_ms=1000 * step_s,
+                          batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
+                          step_ms=1000 * step_s,
                           tokens_per_s=batch.global_tokens / step_s)
             records.append(record)
             metrics.log(record)
