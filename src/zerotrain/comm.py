@@ -27,6 +27,9 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        # NCCL moves only CUDA tensors; small metadata rows travel through the current device.
+        cuda = self.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
@@ -64,10 +67,11 @@ class Comm:
         return tensor
 
     def all_gather_rows(self, row: torch.Tensor, purpose: str) -> torch.Tensor:
-        """Stack one small tensor from every rank into a (world_size, *row.shape) tensor."""
-        out = torch.empty((self.world_size, *row.shape), dtype=row.dtype, device=row.device)
+        """Stack one small tensor from every rank into a (world_size, *row.shape) CPU tensor."""
+        row = row.to(self.device)
+        out = torch.empty((self.world_size, *row.shape), dtype=row.dtype, device=self.device)
         self.all_gather(out.view(-1), row.reshape(-1), purpose)
-        return out
+        return out.cpu()
 
     def all_gather_json(self, obj, purpose: str) -> list:
         """Small JSON metadata (file names, sizes, hashes) from every rank; JSON, never pickle."""

@@ -72,6 +72,7 @@ class RunConfig:
     threads: int = 0  # torch threads per rank; 0: cores // nproc, at least 1
     bucket_mb: float = 4.0  # gradient bucket size in MiB of fp32 values
     overlap: bool = True  # launch each bucket's reduce-scatter during backward
+    compile: bool = False  # run the model's forward and backward through torch.compile
     check_every: int = 10  # cross-rank drift check period in steps (0: only at the end)
     timeout_s: float = 120.0  # collective timeout: a stuck peer fails the job instead of hanging it
     out: str = ""  # run folder; "" -> runs/<timestamp>

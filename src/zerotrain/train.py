@@ -45,6 +45,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     r = cfg.run
     engine = build_engine(cfg, comm)
     model, device = engine.model, engine.flat_params.device
+    if r.compile:
+        model = torch.compile(model)  # parameters stay views into the engine's flat buffer
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
                              rank=comm.rank, world_size=comm.world_size)
     resume = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
@@ -91,7 +93,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
         metrics.close()
     digests = invariants.check_no_drift(r.steps, engine.param_digest(), comm)
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
-    norms = comm.all_gather_rows(norm.to(device), "all_gather_norms").view(-1).tolist()
+    norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
     return TrainResult(records, start, digests, norms, memory, saved, dict(comm.calls), dict(comm.bytes),
                        engine.layout.numel)
 
