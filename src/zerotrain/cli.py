@@ -54,6 +54,7 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
     p.add_argument("--no-pack", action="store_true", help="text data: one blank-line separated document per sequence")
     p.add_argument("--no-overlap", action="store_true", help="reduce-scatter after backward instead of during it")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     p.set_defaults(_flag_defaults=defaults or {})
 
 
@@ -80,6 +81,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         given.setdefault("run", {})["overlap"] = False
     if args.no_progress:
         given.setdefault("run", {})["progress"] = False
+    if args.compile:
+        given.setdefault("run", {})["compile"] = True
     merge(cfg, given, origin="command line")
     text = cfg.data.source not in ("synthetic", "synthetic-varlen")
     if text and "vocab_size" not in given.get("model", {}):
