@@ -129,10 +129,11 @@ def _print_report(rep: dict, cfg: Config) -> None:
           f"{calls.get('all_gather_params', 0):g} all-gather, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "
           f"(accum {cfg.run.accum})")
     print("\ninvariants")
-    print(f"  (a) finite loss on every rank, all {rep['steps']} steps ............ PASS")
-    print(f"  (b) parameters bitwise identical on all {W} ranks ............ PASS")
-    print(f"  (c) optimizer memory = ZeRO-1 formula on every rank ......... PASS")
-    print(f"  (d) checkpoints read back byte-equal ({len(rep['checkpoints'])} saved) .............. PASS")
+    for text in (f"(a) finite loss on every rank, all {rep['steps']} steps",
+                 f"(b) parameters bitwise identical on all {W} ranks",
+                 "(c) optimizer memory = ZeRO-1 formula on every rank",
+                 f"(d) checkpoints read back byte-equal ({len(rep['checkpoints'])} saved)"):
+        print(f"  {text + ' ':.<62} PASS")
     print(f"\nRESUME VERIFIED: resumed from {os.path.basename(rep['checkpoint_path'])}, trained to step "
           f"{rep['steps']} again: losses of steps {rep['resumed_from_step'] + 1}-{rep['steps']} and final parameters "
           f"are bitwise identical to the uninterrupted run")
