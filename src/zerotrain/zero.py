@@ -24,7 +24,12 @@ import torch
 
 from .comm import Comm
 from .config import OptimConfig
+from .launch import ZeroTrainError
 from .model import is_decayed
+
+
+class GradientOrderError(ZeroTrainError):
+    """A gradient arrived for a bucket whose reduce-scatter had already started."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,11 @@ class ZeroOneEngine:
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
         if self._sync and self.overlap:
+            if s.bucket < len(self._launched):
+                # Without this, the gradient would silently miss the reduction.
+                raise GradientOrderError(
+                    f"the gradient of {s.name} arrived after its bucket was reduced: run the backward of "
+                    "every micro-batch but the last inside engine.no_sync()")
             self._ready[s.bucket] += 1
             # Launch in bucket order only, so every rank issues the same collectives in the same order.
             while len(self._launched) < len(self._ready) and \
