@@ -221,7 +221,8 @@ class ZeroOneEngine:
         self._bucket_sizes = [0] * len(L.buckets)
         for s in L.slots:
             self._bucket_sizes[s.bucket] += 1
-        self._launched: list = []  # async work handles, in bucket order
+        self._launched = 0  # buckets whose reduce-scatter has started this window, in bucket order
+        self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         if overlap or precision == "bf16":
             for p in self.params:
@@ -247,23 +248,24 @@ class ZeroOneEngine:
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
         if self._sync and self.overlap:
-            if s.bucket < len(self._launched):
+            if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(
                     f"the gradient of {s.name} arrived after its bucket was reduced: run the backward of "
                     "every micro-batch but the last inside engine.no_sync()")
             self._ready[s.bucket] += 1
             # Launch in bucket order only, so every rank issues the same collectives in the same order.
-            while len(self._launched) < len(self._ready) and \
-                    self._ready[len(self._launched)] == self._bucket_sizes[len(self._launched)]:
-                self._launch(len(self._launched))
+            while self._launched < len(self._ready) and \
+                    self._ready[self._launched] == self._bucket_sizes[self._launched]:
+                self._launch(self._launched)
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
         c = b.chunk_numel(self.comm.world_size)
         out = self.grad_shard[b.shard_offset : b.shard_offset + c]
         work = self.comm.reduce_scatter(out, self.grad_accum[b.start : b.end], "reduce_scatter_grads", async_op=True)
-        self._launched.append(work)
+        self._pending.append(work)
+        self._launched += 1
 
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
@@ -271,7 +273,7 @@ class ZeroOneEngine:
         if self.grad_accum is not self.flat_grads:
             self.grad_accum.zero_()
         self._ready = [0] * len(self._ready)
-        self._launched = []
+        self._launched = 0
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -279,10 +281,12 @@ class ZeroOneEngine:
 
         Returns the global pre-clip gradient norm and the extras summed over ranks.
         """
-        while len(self._launched) < len(self.layout.buckets):
-            self._launch(len(self._launched))
-        for work in self._launched:
+        while self._launched < len(self.layout.buckets):
+            self._launch(self._launched)
+        for work in self._pending:
             work.wait()
+        # Gloo's work objects hold tensors; one that outlives the process group aborts the process at exit.
+        self._pending.clear()
         sumsq = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float64).square()
         extras = extras.to(device=sumsq.device, dtype=torch.float64).reshape(-1)
         stats = self.comm.all_reduce(torch.cat([sumsq.view(1), extras]), "all_reduce_stats").cpu()
