@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
 
 def _bench_modules() -> list:
     """Each benchmark lives in its own module with an add_parser(subparsers) function."""
-    return []
+    from . import bench_accum
+
+    return [bench_accum]
 
 
 def machine_info() -> dict:

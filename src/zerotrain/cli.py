@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo
+    from . import bench, demo, equivalence
 
     parser = _Parser(prog="zerotrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
     demo.add_parser(sub)
     bench.add_parser(sub)
+    equivalence.add_parser(sub)
     return parser
 
 
