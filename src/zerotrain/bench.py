@@ -20,9 +20,9 @@ def add_parser(sub) -> None:
 
 def _bench_modules() -> list:
     """Each benchmark lives in its own module with an add_parser(subparsers) function."""
-    from . import bench_accum
+    from . import bench_accum, bench_compare
 
-    return [bench_accum]
+    return [bench_accum, bench_compare]
 
 
 def machine_info() -> dict:
