@@ -149,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .launch import in_torchrun
+
+    code = _run(argv)
+    if in_torchrun():
+        # A rank ends like a spawned one, without interpreter teardown: gloo's worker threads can
+        # still hold tensors after destroy_process_group, and tearing those down at exit aborts.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     from .launch import JobFailed
 
     try:
