@@ -35,7 +35,9 @@ def in_torchrun() -> bool:
 
 
 def default_threads(cfg: Config) -> int:
-    return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.nproc)
+    """Threads per rank: the machine's cores shared by the ranks on this machine."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.nproc))
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // local_ranks)
 
 
 def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: float | None = None) -> Any:
