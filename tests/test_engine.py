@@ -6,21 +6,18 @@ import torch
 from conftest import tiny_config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.invariants import held_bytes
-from zerotrain.model import build_model, is_decayed, summed_token_loss
+from zerotrain.model import adamw_param_groups, build_model, summed_token_loss
 from zerotrain.schedule import lr_at
-from zerotrain.train import build_engine
+from zerotrain.train import accumulate_gradients, build_engine
 
 
 def run_steps(engine, cfg, steps, forward=None):
-    forward = engine.model if forward is None else forward
     schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=cfg.run.accum,
                              rank=0, world_size=1)
     for step in range(steps):
         batch = schedule.batch(step)
         engine.zero_grad()
-        for i, (x, y) in enumerate(batch.micro_batches):
-            with engine.no_sync(i < len(batch.micro_batches) - 1):
-                (summed_token_loss(forward(x), y) / batch.global_tokens).backward()
+        accumulate_gradients(engine, batch, forward)
         norm, _ = engine.reduce_grads(torch.zeros(0))
         engine.apply(lr_at(step, cfg.optim, cfg.run.steps), norm)
     return norm
@@ -70,12 +67,9 @@ def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, 
 
     def reference(lr_scale):
         model = build_model(cfg.model, cfg.run.seed)
-        params = list(model.named_parameters())
         o = cfg.optim
-        opt = torch.optim.AdamW([
-            {"params": [p for n, p in params if is_decayed(n, p)], "weight_decay": o.weight_decay},
-            {"params": [p for n, p in params if not is_decayed(n, p)], "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        opt = torch.optim.AdamW(adamw_param_groups(model.named_parameters(), o.weight_decay),
+                                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         source = make_source(cfg)
         for step in range(3):
             x, y = source.sequences(step, range(8))

@@ -41,3 +41,16 @@ def test_layout_survives_a_json_round_trip():
     layout = ShardLayout.build(PARAMS, 3, 3000)
     again = ShardLayout.from_dict(layout.to_dict())
     assert again.to_dict() == layout.to_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_shards_assemble_back_into_the_flat_buffer(world_size):
+    import torch
+
+    layout = ShardLayout.build(PARAMS, world_size, 3000)
+    flat = torch.arange(layout.padded_numel, dtype=torch.float32)
+    shards = [layout.shard(flat, r) for r in range(world_size)]
+    assert all(s.numel() == layout.shard_numel for s in shards)
+    assert torch.equal(layout.assemble(shards), flat)
+    shards[-1][0] += 1  # planted bug: a wrong value in one shard shows up in the assembled buffer
+    assert not torch.equal(layout.assemble(shards), flat)

@@ -33,6 +33,7 @@ from .bench import machine_info, percentile, write_json
 from .comm import Comm
 from .config import Config, ConfigError
 from .data import BatchSchedule, StepBatch, make_source
+from .launch import rank_device
 from .schedule import lr_at
 
 SCHEMA, SCHEMA_VERSION = "zerotrain.bench.compare", 1
@@ -81,7 +82,7 @@ class Plan:
 
 def compare_job(cfg: Config, comm: Comm, plan: Plan) -> dict:
     """Build the plan's strategies on this rank, alternate them, and return every rank's measurements."""
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
+    device = rank_device(cfg)
     schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=cfg.run.accum,
                              rank=comm.rank, world_size=comm.world_size)
     batches: dict[int, StepBatch] = {}

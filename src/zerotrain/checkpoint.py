@@ -209,16 +209,12 @@ def load(path: str, engine: ZeroOneEngine, comm: Comm) -> int:
     verify_files(path, manifest, names)
     shards = [load_file(os.path.join(path, n)) for n in names]
     sd = {"step": shards[0]["step"]}
+    old_at = {s.name: s.offset for s in old.slots}
     for key in STATE_KEYS:
-        old_flat = torch.zeros(old.padded_numel)
-        for r, shard in enumerate(shards):
-            for b in old.buckets:
-                lo, hi = b.chunk(r, old.world_size)
-                old_flat[lo:hi] = shard[key][b.shard_offset : b.shard_offset + hi - lo]
+        old_flat = old.assemble([shard[key] for shard in shards])
         new_flat = torch.zeros(new.padded_numel)
-        old_at = {s.name: s.offset for s in old.slots}
         for s in new.slots:
             new_flat[s.offset : s.offset + s.numel] = old_flat[old_at[s.name] : old_at[s.name] + s.numel]
-        sd[key] = torch.cat([new_flat[lo:hi] for lo, hi in new.owned_ranges(comm.rank)])
+        sd[key] = new.shard(new_flat, comm.rank)
     engine.load_shard_state_dict(sd)
     return manifest["step"]

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from .comm import Comm
 from .config import Config, ConfigError
 from .data import IGNORE, BatchSchedule, make_source
-from .model import build_model, is_decayed, summed_token_loss
+from .launch import rank_device
+from .model import adamw_param_groups, build_model, summed_token_loss
 from .train import build_engine
 from .zero import ZeroOneEngine
 
@@ -78,7 +79,7 @@ def add_parser(sub) -> None:
 # ------------------------------------------------------------------------------------------ reference
 def full_batch_reference(cfg: Config, lr: float) -> dict:
     """One backward over the whole global batch in plain PyTorch, then one SGD and one AdamW step."""
-    device = _device(cfg)
+    device = rank_device(cfg)
     model = build_model(cfg.model, cfg.run.seed).to(device)
     x, y = make_source(cfg).sequences(STEP, range(cfg.global_batch))
     initial = _by_name(model.named_parameters())
@@ -88,10 +89,7 @@ def full_batch_reference(cfg: Config, lr: float) -> dict:
     loss.backward()
     grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
     o = cfg.optim
-    named = list(model.named_parameters())
-    groups = [g for g in ({"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": o.weight_decay},
-                          {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0})
-              if g["params"]]
+    groups = adamw_param_groups(model.named_parameters(), o.weight_decay)
     if o.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
     torch.optim.AdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps).step()
@@ -158,13 +156,8 @@ def reduced_grads(engine: ZeroOneEngine, comm: Comm) -> dict[str, torch.Tensor]:
     Compared by name, in the unpadded per-parameter order: the flat layout's padding, and so every
     offset, depends on the world size, while a parameter's gradient must not.
     """
-    L, W = engine.layout, comm.world_size
-    rows = comm.all_gather_rows(engine.grad_shard, "all_gather_equivalence").cpu()
-    flat = torch.zeros(L.padded_numel)
-    for b in L.buckets:
-        c = b.chunk_numel(W)
-        for k in range(W):
-            flat[b.start + k * c : b.start + (k + 1) * c] = rows[k, b.shard_offset : b.shard_offset + c]
+    L = engine.layout
+    flat = L.assemble(comm.all_gather_rows(engine.grad_shard, "all_gather_equivalence"))
     return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in L.slots}
 
 
@@ -326,10 +319,6 @@ def _row_line(row: dict, result: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ small pieces
-def _device(cfg: Config) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
-
-
 def _by_name(named) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in named}
 

@@ -34,6 +34,11 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def rank_device(cfg: Config) -> torch.device:
+    """This rank's device: its CUDA device (set when the rank started) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
+
+
 def default_threads(cfg: Config) -> int:
     """Threads per rank: the machine's cores shared by the ranks on this machine."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.nproc))

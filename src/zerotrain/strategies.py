@@ -20,7 +20,8 @@ from .comm import Comm
 from .config import Config
 from .data import StepBatch
 from .invariants import held_bytes
-from .model import build_model, is_decayed, summed_token_loss
+from .launch import rank_device
+from .model import adamw_param_groups, build_model, summed_token_loss
 
 NAMES = ("zerotrain", "ddp", "ddp_zero", "fsdp2")
 LABELS = {
@@ -104,20 +105,6 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if t is not None else 0
 
 
-def _device(cfg: Config) -> torch.device:
-    if cfg.run.device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _adamw_groups(named_params, cfg: Config) -> list[dict]:
-    """The engine's two groups: weight decay on matrices only (model.is_decayed)."""
-    decayed = [p for n, p in named_params if is_decayed(n, p)]
-    plain = [p for n, p in named_params if not is_decayed(n, p)]
-    return [g for g in ({"params": decayed, "weight_decay": cfg.optim.weight_decay},
-                        {"params": plain, "weight_decay": 0.0}) if g["params"]]
-
-
 def _adamw_options(cfg: Config) -> dict:
     o = cfg.optim
     return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
@@ -148,14 +135,11 @@ class ZeroTrainStrategy:
         self.comm = comm
 
     def step(self, batch: StepBatch, lr: float) -> None:
+        from .train import accumulate_gradients
+
         e = self.engine
         e.zero_grad()
-        loss_sum, last = 0.0, len(batch.micro_batches) - 1
-        for i, (x, y) in enumerate(batch.micro_batches):
-            with e.no_sync(i < last):
-                token_loss = summed_token_loss(e.model(x), y)
-                (token_loss / batch.global_tokens).backward()
-            loss_sum += token_loss.item()  # the loop of train.train reads every micro-batch's loss
+        loss_sum = accumulate_gradients(e, batch)
         grad_norm, _ = e.reduce_grads(torch.tensor([loss_sum], dtype=torch.float64))
         e.apply(lr, grad_norm)
 
@@ -180,7 +164,7 @@ class _TorchStrategy:
     def __init__(self, cfg: Config, comm: Comm):
         self.counter = CollectiveCounter(comm.world_size)
         self.world_size, self.clip = comm.world_size, cfg.optim.grad_clip
-        self.model = build_model(cfg.model, cfg.run.seed).to(_device(cfg))
+        self.model = build_model(cfg.model, cfg.run.seed).to(rank_device(cfg))
 
     def _sync_context(self, sync: bool):
         raise NotImplementedError
@@ -220,7 +204,7 @@ class DDPStrategy(_TorchStrategy):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         super().__init__(cfg, comm)
-        self.model = DDP(self.model, device_ids=[_device(cfg).index] if cfg.run.device == "cuda" else None)
+        self.model = DDP(self.model, device_ids=[rank_device(cfg).index] if cfg.run.device == "cuda" else None)
         counter = self.counter
 
         def counted_allreduce(_, bucket):
@@ -233,7 +217,8 @@ class DDPStrategy(_TorchStrategy):
         self.optimizer = self._build_optimizer(cfg)
 
     def _build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(_adamw_groups(list(self.model.module.named_parameters()), cfg), **_adamw_options(cfg))
+        groups = adamw_param_groups(self.model.module.named_parameters(), cfg.optim.weight_decay)
+        return torch.optim.AdamW(groups, **_adamw_options(cfg))
 
     def _sync_context(self, sync: bool):
         return contextlib.nullcontext() if sync else self.model.no_sync()
@@ -246,7 +231,8 @@ class DDPZeroStrategy(DDPStrategy):
     def _build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(_adamw_groups(list(self.model.module.named_parameters()), cfg),
+        groups = adamw_param_groups(self.model.module.named_parameters(), cfg.optim.weight_decay)
+        return ZeroRedundancyOptimizer(groups,
                                        optimizer_class=torch.optim.AdamW, **_adamw_options(cfg))
 
     def state_bytes(self) -> int:
@@ -263,11 +249,11 @@ class FSDP2Strategy(_TorchStrategy):
         from torch.distributed.fsdp import fully_shard
 
         super().__init__(cfg, comm)
-        mesh = init_device_mesh(_device(cfg).type, (comm.world_size,))
+        mesh = init_device_mesh(rank_device(cfg).type, (comm.world_size,))
         for block in self.model.transformer.h:
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
-        self.optimizer = torch.optim.AdamW(_adamw_groups(list(self.model.named_parameters()), cfg),
+        self.optimizer = torch.optim.AdamW(adamw_param_groups(self.model.named_parameters(), cfg.optim.weight_decay),
                                            **_adamw_options(cfg))
 
     def _sync_context(self, sync: bool):

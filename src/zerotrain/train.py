@@ -12,7 +12,8 @@ import torch
 from . import checkpoint, invariants
 from .comm import Comm
 from .config import Config
-from .data import BatchSchedule, make_source
+from .data import BatchSchedule, StepBatch, make_source
+from .launch import rank_device
 from .metrics import Metrics
 from .model import build_model, summed_token_loss
 from .schedule import lr_at
@@ -33,18 +34,34 @@ class TrainResult:
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
-    model = build_model(cfg.model, cfg.run.seed).to(device)
+    model = build_model(cfg.model, cfg.run.seed).to(rank_device(cfg))
     bucket_numel = max(1, int(cfg.run.bucket_mb * 2**20 / 4))
     return ZeroOneEngine(model, comm, cfg.optim, bucket_numel=bucket_numel,
                          precision=cfg.run.precision, overlap=cfg.run.overlap)
+
+
+def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None) -> float:
+    """Forward and backward every micro-batch of this rank; return its summed token loss.
+
+    Each micro-batch's loss is its sum of token losses over the global token count, so the
+    accumulated gradient is the global batch's mean-token-loss gradient whatever the split.
+    """
+    forward = engine.model if forward is None else forward
+    device = engine.flat_params.device
+    loss_sum, last = 0.0, len(batch.micro_batches) - 1
+    for i, (x, y) in enumerate(batch.micro_batches):
+        with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
+            token_loss = summed_token_loss(forward(x.to(device)), y.to(device))
+            (token_loss / batch.global_tokens).backward()
+        loss_sum += token_loss.item()
+    return loss_sum
 
 
 def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None) -> TrainResult:
     """Train to cfg.run.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills."""
     r = cfg.run
     engine = build_engine(cfg, comm)
-    model, device = engine.model, engine.flat_params.device
+    model = engine.model
     if r.compile:
         model = torch.compile(model)  # parameters stay views into the engine's flat buffer
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
@@ -59,12 +76,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             t0 = time.perf_counter()
             batch = schedule.batch(step)
             engine.zero_grad()
-            loss_sum, last = 0.0, len(batch.micro_batches) - 1
-            for i, (x, y) in enumerate(batch.micro_batches):
-                with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
-                    token_loss = summed_token_loss(model(x.to(device)), y.to(device))
-                    (token_loss / batch.global_tokens).backward()
-                loss_sum += token_loss.item()
+            loss_sum = accumulate_gradients(engine, batch, model)
             flags = invariants.nonfinite_flags(loss_sum, comm)
             grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags]))
             loss = float(totals[0]) / batch.global_tokens

@@ -102,6 +102,20 @@ class ShardLayout:
     def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
         return [b.chunk(rank, self.world_size) for b in self.buckets]
 
+    def assemble(self, shards) -> torch.Tensor:
+        """The padded flat buffer from every rank's shard (shards[r] is rank r's, in shard order)."""
+        flat = torch.zeros(self.padded_numel, dtype=shards[0].dtype)
+        for b in self.buckets:
+            c = b.chunk_numel(self.world_size)
+            for rank, shard in enumerate(shards):
+                lo, hi = b.chunk(rank, self.world_size)
+                flat[lo:hi] = shard[b.shard_offset : b.shard_offset + c]
+        return flat
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of a padded flat buffer: its owned ranges, concatenated."""
+        return torch.cat([flat[lo:hi] for lo, hi in self.owned_ranges(rank)])
+
     def to_dict(self) -> dict:
         return {
             "world_size": self.world_size,
@@ -335,10 +349,7 @@ class ZeroOneEngine:
         """This rank's fp32 master values as one shard-length tensor (a copy in fp32 mode)."""
         if self.master is not None:
             return self.master
-        out = torch.empty(self.layout.shard_numel, device=self.flat_params.device)
-        for pc in self._pieces:
-            out[pc.shard_lo : pc.shard_hi] = self.flat_params[pc.flat_lo : pc.flat_hi]
-        return out
+        return self.layout.shard(self.flat_params, self.comm.rank)
 
     @property
     def step_count(self) -> int:
