@@ -6,7 +6,8 @@ import torch
 from conftest import tiny_config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.invariants import held_bytes
-from zerotrain.model import adamw_param_groups, build_model, summed_token_loss
+from zerotrain.model import build_model, summed_token_loss
+from zerotrain.optim import adamw_param_groups, build_adamw
 from zerotrain.schedule import lr_at
 from zerotrain.train import accumulate_gradients, build_engine
 
@@ -68,8 +69,8 @@ def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, 
     def reference(lr_scale):
         model = build_model(cfg.model, cfg.run.seed)
         o = cfg.optim
-        opt = torch.optim.AdamW(adamw_param_groups(model.named_parameters(), o.weight_decay),
-                                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        # the same torch AdamW implementation (fused or foreach) the engine picked, on whole parameters
+        opt = build_adamw(adamw_param_groups(model.named_parameters(), o.weight_decay), o)
         source = make_source(cfg)
         for step in range(3):
             x, y = source.sequences(step, range(8))

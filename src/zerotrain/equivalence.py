@@ -26,7 +26,8 @@ from .comm import Comm
 from .config import Config, ConfigError
 from .data import IGNORE, BatchSchedule, make_source
 from .launch import rank_device
-from .model import adamw_param_groups, build_model, summed_token_loss
+from .model import build_model, summed_token_loss
+from .optim import adamw_param_groups
 from .train import build_engine
 from .zero import ZeroOneEngine
 

@@ -115,14 +115,6 @@ def is_decayed(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2 and not name.endswith("wpe.weight")
 
 
-def adamw_param_groups(named_params, weight_decay: float) -> list[dict]:
-    """AdamW's two param groups for whole parameters: decayed matrices, and everything else."""
-    named_params = list(named_params)
-    groups = ({"params": [p for n, p in named_params if is_decayed(n, p)], "weight_decay": weight_decay},
-              {"params": [p for n, p in named_params if not is_decayed(n, p)], "weight_decay": 0.0})
-    return [g for g in groups if g["params"]]
-
-
 def build_model(cfg: ModelConfig, seed: int) -> GPT:
     """The same seed gives the same initial parameters on every rank and every run."""
     gen_state = torch.random.get_rng_state()

@@ -21,7 +21,8 @@ from .config import Config
 from .data import StepBatch
 from .invariants import held_bytes
 from .launch import rank_device
-from .model import adamw_param_groups, build_model, summed_token_loss
+from .model import build_model, summed_token_loss
+from .optim import adamw_options, adamw_param_groups, build_adamw
 
 NAMES = ("zerotrain", "ddp", "ddp_zero", "fsdp2")
 LABELS = {
@@ -103,11 +104,6 @@ def _nbytes(t) -> int:
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
     return t.numel() * t.element_size() if t is not None else 0
-
-
-def _adamw_options(cfg: Config) -> dict:
-    o = cfg.optim
-    return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -218,7 +214,7 @@ class DDPStrategy(_TorchStrategy):
 
     def _build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
         groups = adamw_param_groups(self.model.module.named_parameters(), cfg.optim.weight_decay)
-        return torch.optim.AdamW(groups, **_adamw_options(cfg))
+        return build_adamw(groups, cfg.optim)
 
     def _sync_context(self, sync: bool):
         return contextlib.nullcontext() if sync else self.model.no_sync()
@@ -233,7 +229,8 @@ class DDPZeroStrategy(DDPStrategy):
 
         groups = adamw_param_groups(self.model.module.named_parameters(), cfg.optim.weight_decay)
         return ZeroRedundancyOptimizer(groups,
-                                       optimizer_class=torch.optim.AdamW, **_adamw_options(cfg))
+                                       optimizer_class=torch.optim.AdamW,
+                                       **adamw_options(cfg.optim, rank_device(cfg)))
 
     def state_bytes(self) -> int:
         # The local AdamW holds the state; the wrapper's own `state` is only filled when consolidating.
@@ -253,8 +250,8 @@ class FSDP2Strategy(_TorchStrategy):
         for block in self.model.transformer.h:
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(self.model.named_parameters(), cfg.optim.weight_decay),
-                                           **_adamw_options(cfg))
+        self.optimizer = build_adamw(adamw_param_groups(self.model.named_parameters(), cfg.optim.weight_decay),
+                                     cfg.optim)
 
     def _sync_context(self, sync: bool):
         self.model.set_requires_gradient_sync(sync)

@@ -26,6 +26,7 @@ from .comm import Comm
 from .config import OptimConfig
 from .launch import ZeroTrainError
 from .model import is_decayed
+from .optim import build_adamw
 
 
 class GradientOrderError(ZeroTrainError):
@@ -218,14 +219,14 @@ class ZeroOneEngine:
             (decayed if pc.decay else plain).append(m)
         groups = [g for g in ({"params": decayed, "weight_decay": optim.weight_decay},
                               {"params": plain, "weight_decay": 0.0}) if g["params"]]
-        self.optimizer = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True
-        )
+        self.optimizer = build_adamw(groups, optim)
+        # Fused AdamW keeps its step counters on the parameters' device, the others on the CPU.
+        self._step_device = device if self.optimizer.defaults.get("fused") else torch.device("cpu")
         # AdamW's moments become views into two flat shard tensors: one allocation each, and the
         # shard's state is exactly what a checkpoint stores. AdamW uses state it finds present.
         for pc, m in zip(self._pieces, self._master_views):
             self.optimizer.state[m] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(0.0, device=self._step_device),
                 "exp_avg": self.exp_avg[pc.shard_lo : pc.shard_hi],
                 "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
             }
@@ -375,7 +376,7 @@ class ZeroOneEngine:
             self.exp_avg_sq.copy_(sd["exp_avg_sq"])
             step = float(sd["step"].item())
             for m in self._master_views:
-                self.optimizer.state[m]["step"] = torch.tensor(step)
+                self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
             if self.master is not None:
                 self.master.copy_(sd["master"])
             else:
