@@ -116,3 +116,26 @@ def no_sync_ignored_job(cfg: Config, comm: Comm) -> dict:
 
     ZeroOneEngine.no_sync = lambda self, enabled=True: nullcontext()
     return params_job(cfg, comm)
+
+
+def collectives_job(cfg: Config, comm: Comm) -> dict:
+    """Three buckets in flight at once through Comm's reduce-scatter, then through its all-gather.
+
+    Rank r's bucket b holds values fixed by (r, b), so the test can rebuild every rank's input.
+    """
+    W, sizes = comm.world_size, [6 * comm.world_size, 9 * comm.world_size, 3 * comm.world_size]
+    inputs = [collective_input(comm.rank, b, n) for b, n in enumerate(sizes)]
+    shards = [torch.full((n // W,), float("nan")) for n in sizes]
+    works = [comm.reduce_scatter(s, x.clone(), "test", async_op=True) for s, x in zip(shards, inputs)]
+    for w in works:
+        w.wait()
+    gathered = [torch.full((n,), float("nan")) for n in sizes]
+    works = [comm.all_gather(g, s, "test", async_op=True) for g, s in zip(gathered, shards)]
+    for w in works:
+        w.wait()
+    return {"rank": comm.rank, "shards": shards, "gathered": gathered, "sizes": sizes}
+
+
+def collective_input(rank: int, bucket: int, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * bucket + rank)
+    return torch.randn(numel, generator=gen)

@@ -26,6 +26,22 @@ def max_abs_params(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_reduce_scatter_and_all_gather_sum_in_rank_order_with_buckets_in_flight(tmp_path, nproc):
+    out = run(dist_jobs.collectives_job, tiny_config(tmp_path, nproc=nproc))
+    for b, n in enumerate(out["sizes"]):
+        inputs = [dist_jobs.collective_input(r, b, n) for r in range(nproc)]
+        total = inputs[0].clone()
+        for x in inputs[1:]:
+            total += x  # rank order: what every run at this world size must reproduce bitwise
+        assert torch.equal(out["gathered"][b], total), b
+        assert torch.equal(out["shards"][b], total.chunk(nproc)[0]), b  # rank 0's shard
+        # each rank's contribution shows: a reduction that missed any one rank would fail above
+        for skip in range(nproc):
+            partial = sum(x for r, x in enumerate(inputs) if r != skip)
+            assert not torch.allclose(partial, total)
+
+
 @pytest.mark.parametrize("data", ["synthetic", "synthetic-varlen"])
 def test_split_over_ranks_and_micro_batches_does_not_change_the_math(tmp_path, data):
     runs = {}

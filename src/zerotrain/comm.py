@@ -57,6 +57,8 @@ class Comm:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
+        self._tag = 0
+        self._scratch_buffers: dict[tuple, torch.Tensor] = {}
 
     def _count(self, purpose: str, nbytes: float) -> None:
         self.calls[purpose] += 1
@@ -68,32 +70,76 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op=False):
         """Sum `input` (a flat bucket) over ranks; rank r receives chunk r of it in `output`.
 
-        On gloo, `input` is scratch afterwards: it runs as one reduce per chunk to the chunk's owner,
-        which measured faster than gloo's reduce-scatter (2 ranks, 1M values: 3.6 ms vs 6.0-6.4 ms).
+        On gloo it runs point to point: every rank sends chunk k straight to its owner k and sums the
+        W-1 chunks it receives with its own, in rank order. Each rank sends (W-1)/W of the bucket, as in
+        a ring, and measured 2.3x faster than one gloo reduce per chunk and 2.6x faster than gloo's
+        reduce-scatter (2 ranks, 7 buckets of 1M values: 13 ms vs 30 ms and 33 ms).
         """
         W = self.world_size
         self._count(purpose, input.numel() * input.element_size() * (W - 1) / W)
         if self.backend != "gloo":
             return _finish(_reduce_scatter_flat(output, input, group=self.group, async_op=async_op), async_op)
-        chunks = input.chunk(W)
-        works = [dist.reduce(chunks[k], dst=k, group=self.group, async_op=True) for k in range(W)]
-        return _finish(_Works(works, then=lambda: output.copy_(chunks[self.rank])), async_op)
+        if W == 1:
+            output.copy_(input)
+            return _finish(_Works([]), async_op)
+        chunks, me = input.chunk(W), self.rank
+        peers = [k for k in range(W) if k != me]
+        # The first peer's chunk lands in `output` itself; any others need room of their own.
+        received = {peers[0]: output}
+        received.update({k: self._scratch(output, i) for i, k in enumerate(peers[1:])})
+        tag = self._next_tag()
+        works = [self._send(chunks[k], k, tag) for k in peers]
+        works += [self._recv(received[k], k, tag) for k in peers]
+
+        def total():
+            # received[peers[0]] + the rest in rank order: the sum in rank order, since a + b == b + a.
+            for k in range(W):
+                if k != peers[0]:
+                    output.add_(chunks[me] if k == me else received[k])
+
+        return _finish(_Works(works, then=total), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op=False):
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of it.
 
-        On gloo it runs as one broadcast per chunk from its owner, which measured faster than gloo's
-        all-gather (2 ranks, 1M values: 2.3 ms vs 3.0 ms).
+        On gloo it runs point to point: every rank sends its chunk to every other rank, which receives
+        it in place. That measured 2x faster than gloo's all-gather and 1.5x faster than one broadcast
+        per chunk (2 ranks, 7 buckets of 1M values: 10 ms vs 20 ms and 15 ms).
         """
         W = self.world_size
         self._count(purpose, output.numel() * output.element_size() * (W - 1) / W)
         if self.backend != "gloo":
             return _finish(_all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
-        chunks = output.chunk(W)
-        if chunks[self.rank].data_ptr() != input.data_ptr():
-            chunks[self.rank].copy_(input)
-        works = [dist.broadcast(chunks[k], src=k, group=self.group, async_op=True) for k in range(W)]
+        chunks, me = output.chunk(W), self.rank
+        if chunks[me].data_ptr() != input.data_ptr():
+            chunks[me].copy_(input)
+        peers = [k for k in range(W) if k != me]
+        tag = self._next_tag()
+        works = [self._send(chunks[me], k, tag) for k in peers]
+        works += [self._recv(chunks[k], k, tag) for k in peers]
         return _finish(_Works(works), async_op)
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int):
+        return dist.isend(tensor, group_dst=peer, group=self.group, tag=tag)
+
+    def _recv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return dist.irecv(tensor, group_src=peer, group=self.group, tag=tag)
+
+    def _next_tag(self) -> int:
+        """A fresh tag per collective, so concurrent ones never match each other's messages."""
+        self._tag = (self._tag + 1) % 2**30
+        return self._tag
+
+    def _scratch(self, output: torch.Tensor, index: int) -> torch.Tensor:
+        """Receive room for a reduce-scatter with W > 2, made once per output buffer and reused.
+
+        Keyed by the output's memory, so buckets in flight together never share it.
+        """
+        key = (output.data_ptr(), output.numel(), output.dtype, index)
+        buf = self._scratch_buffers.get(key)
+        if buf is None:
+            buf = self._scratch_buffers[key] = torch.empty_like(output)
+        return buf
 
     def all_reduce(self, tensor: torch.Tensor, purpose: str) -> torch.Tensor:
         W = self.world_size
