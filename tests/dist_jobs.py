@@ -26,10 +26,9 @@ def summary(result) -> dict:
 
 def params_job(cfg: Config, comm: Comm) -> dict:
     """Train; return the log and the final parameters by name."""
-    holder = {}
-    result = train(cfg, comm, after_update=lambda step, engine: holder.update(engine=engine))
+    result = train(cfg, comm)  # no after_update hook: it would wait for the all-gather every step
     out = summary(result)
-    out["params"] = holder["engine"].full_state_dict()
+    out["params"] = result.engine.full_state_dict()
     return out
 
 
@@ -139,3 +138,17 @@ def collectives_job(cfg: Config, comm: Comm) -> dict:
 def collective_input(rank: int, bucket: int, numel: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * bucket + rank)
     return torch.randn(numel, generator=gen)
+
+
+def unwaited_forward_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: forward reads parameters without waiting for their bucket's all-gather."""
+    from zerotrain.zero import ZeroOneEngine
+
+    real_wait = ZeroOneEngine.wait_params
+
+    def wait_params(self, buckets=None):
+        if buckets is None:  # the forward pre-hooks name their buckets; they now skip the wait
+            real_wait(self)
+
+    ZeroOneEngine.wait_params = wait_params
+    return params_job(cfg, comm)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from zerotrain.cli import main
+from zerotrain.cli import build_parser, config_from_args, main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,12 +82,25 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--data", "nope.txt"], "--data nope.txt: no such file"),
     (["--precision", "fp8"], "--precision must be fp32 or bf16, got 'fp8'"),
+    (["--overlap", "yes"], "--overlap must be auto, on or off, got 'yes'"),
     (["--resume", "no/such/folder"], "--resume no/such/folder: no such checkpoint folder"),
 ])
 def test_bad_flags_name_the_bad_value(capsys, args, message):
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("flags, device, enabled", [
+    ([], "cpu", False),  # on CPU gloo's copies compete with compute for the cores: measured slower
+    ([], "cuda", True),
+    (["--overlap", "on"], "cpu", True),
+    (["--no-overlap"], "cuda", False),
+])
+def test_overlap_auto_is_on_with_cuda_only_and_flags_override_it(flags, device, enabled):
+    cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+    cfg.run.device = device
+    assert cfg.run.overlap_enabled is enabled
 
 
 def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_path, capsys):

@@ -137,14 +137,18 @@ def test_a_rank_dying_mid_checkpoint_leaves_only_committed_checkpoints(tmp_path)
     assert checkpoint.resolve_resume("auto", root).endswith("step_00000002")
 
 
-def test_overlap_gives_bitwise_the_same_result_and_early_communication_is_caught(tmp_path):
+def test_overlap_gives_bitwise_the_same_result_and_early_or_stale_use_is_caught(tmp_path):
     results = {}
-    for overlap in (True, False):
-        cfg = tiny_config(tmp_path / str(overlap), nproc=2, micro=2, accum=2, steps=3, overlap=overlap)
+    for overlap in ("on", "off"):
+        cfg = tiny_config(tmp_path / overlap, nproc=2, micro=2, accum=2, steps=3, overlap=overlap)
         results[overlap] = run(dist_jobs.params_job, cfg)
-    assert results[True]["digests"] == results[False]["digests"]
-    assert results[True]["losses"] == results[False]["losses"]
+    assert results["on"]["digests"] == results["off"]["digests"]
+    assert results["on"]["losses"] == results["off"]["losses"]
     # planted bug: a loop that forgets no_sync would reduce partial gradients; the engine refuses
-    cfg = tiny_config(tmp_path / "early", nproc=2, micro=2, accum=2, steps=3, overlap=True)
+    cfg = tiny_config(tmp_path / "early", nproc=2, micro=2, accum=2, steps=3, overlap="on")
     with pytest.raises(JobFailed, match="arrived after its bucket was reduced"):
         run(dist_jobs.no_sync_ignored_job, cfg)
+    # planted bug: a forward that does not wait for its parameters' all-gather trains on stale values
+    cfg = tiny_config(tmp_path / "stale", nproc=2, micro=2, accum=2, steps=3, overlap="on")
+    with pytest.raises(JobFailed, match="was used while its all-gather was in flight"):
+        run(dist_jobs.unwaited_forward_job, cfg)

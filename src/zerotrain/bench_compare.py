@@ -105,11 +105,13 @@ def compare_job(cfg: Config, comm: Comm, plan: Plan) -> dict:
         strategy = built[name]
         dist.barrier()  # the previous strategy's stragglers must not land in this one's timings
         calls_before, bytes_before = strategy.comm_counts()
-        for _ in range(steps):
+        for i in range(steps):
             b = batch(done[name])
             lr = lr_at(done[name], cfg.optim, plan.lr_steps)
             t0 = time.perf_counter()
             strategy.step(b, lr)
+            if i == steps - 1:
+                strategy.settle()  # the block's timings hold all of its communication, and no other's
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
@@ -228,7 +230,8 @@ def markdown(summary: dict, cfg: Config, plan: Plan) -> str:
         f"P = {summary['param_count']:,}; {summary['world_size']} rank(s) x {r.threads} thread(s), "
         f"micro-batch {r.micro_batch} x accum {r.accum}, {summary['global_tokens_per_step']:.0f} tokens/step, {r.device}",
         f"{plan.repeats} alternating repeats x {plan.steps} timed steps per strategy after {plan.warmup} warm-up steps; "
-        "a step is timed from zero_grad to updated parameters, data generation excluded; "
+        "a step is timed from zero_grad to the optimizer update, data generation excluded (an all-gather "
+        "running behind the next forward is timed there, and the last step of a block waits for its own); "
         "paired: median over repeats of the ratio within a repeat",
         "",
         "| strategy | step ms median | p10-p90 ms | tokens/s | vs DDP (paired) | opt. state/rank max (mean) | B/param | "

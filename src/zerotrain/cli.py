@@ -19,6 +19,8 @@ TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--precision", "run", "precision", str, "fp32, or bf16 parameters with an fp32 master shard"),
     ("--threads", "run", "threads", int, "torch threads per rank (0: cores / nproc)"),
     ("--bucket-mb", "run", "bucket_mb", float, "gradient bucket size in MiB"),
+    ("--overlap", "run", "overlap", str, "communicate during compute: reduce-scatter in backward, all-gather in "
+                                         "the next forward: on, off, or auto (on with CUDA, off on CPU)"),
     ("--check-every", "run", "check_every", int, "cross-rank drift check period in steps"),
     ("--timeout", "run", "timeout_s", float, "collective timeout in seconds"),
     ("--out", "run", "out", str, "run folder (default runs/<timestamp>)"),
@@ -52,7 +54,7 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
     for flag, _, _, typ, help_ in TRAINING_FLAGS:
         p.add_argument(flag, type=typ, default=None, help=help_)
     p.add_argument("--no-pack", action="store_true", help="text data: one blank-line separated document per sequence")
-    p.add_argument("--no-overlap", action="store_true", help="reduce-scatter after backward instead of during it")
+    p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     p.set_defaults(_flag_defaults=defaults or {})
@@ -78,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.no_pack:
         given.setdefault("data", {})["pack"] = False
     if args.no_overlap:
-        given.setdefault("run", {})["overlap"] = False
+        given.setdefault("run", {})["overlap"] = "off"
     if args.no_progress:
         given.setdefault("run", {})["progress"] = False
     if args.compile:

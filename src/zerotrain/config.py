@@ -71,13 +71,19 @@ class RunConfig:
     precision: str = "fp32"  # fp32 | bf16
     threads: int = 0  # torch threads per rank; 0: cores // nproc, at least 1
     bucket_mb: float = 4.0  # gradient bucket size in MiB of fp32 values
-    overlap: bool = True  # launch each bucket's reduce-scatter during backward
+    # on: reduce-scatter during backward, all-gather during the next forward; off: between them;
+    # auto: on with CUDA, off on CPU, where gloo's copies need the cores the compute threads hold
+    overlap: str = "auto"
     compile: bool = False  # run the model's forward and backward through torch.compile
     check_every: int = 10  # cross-rank drift check period in steps (0: only at the end)
     timeout_s: float = 120.0  # collective timeout: a stuck peer fails the job instead of hanging it
     out: str = ""  # run folder; "" -> runs/<timestamp>
     metrics: str = ""  # JSONL path; "" -> <out>/metrics.jsonl
     progress: bool = True
+
+    @property
+    def overlap_enabled(self) -> bool:
+        return self.overlap == "on" or (self.overlap == "auto" and self.device == "cuda")
 
 
 @dataclass
@@ -175,6 +181,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--check-every must be >= 0, got {r.check_every}")
     if r.precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision must be fp32 or bf16, got {r.precision!r}")
+    if r.overlap not in ("auto", "on", "off"):
+        raise ConfigError(f"--overlap must be auto, on or off, got {r.overlap!r}")
     if r.device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda, got {r.device!r}")
     if r.device == "cuda":

@@ -139,6 +139,10 @@ class ZeroTrainStrategy:
         grad_norm, _ = e.reduce_grads(torch.tensor([loss_sum], dtype=torch.float64))
         e.apply(lr, grad_norm)
 
+    def settle(self) -> None:
+        """Finish the all-gather still running behind the next forward (timed, at the end of a block)."""
+        self.engine.wait_params()
+
     def comm_counts(self) -> tuple[Counter, Counter]:
         """Calls and bytes so far, by purpose, from the engine's own Comm counters."""
         return self.comm.snapshot()
@@ -179,6 +183,9 @@ class _TorchStrategy:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+
+    def settle(self) -> None:
+        """Nothing of a step outlives it."""
 
     def comm_counts(self) -> tuple[Counter, Counter]:
         """Calls and bytes so far, by torch.distributed function."""

@@ -31,13 +31,16 @@ class TrainResult:
     comm_calls: dict[str, int] = field(default_factory=dict)  # totals over the run, by purpose
     comm_bytes: dict[str, int] = field(default_factory=dict)
     param_count: int = 0
+    engine: ZeroOneEngine | None = None  # for callers that inspect the final state
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
     model = build_model(cfg.model, cfg.run.seed).to(rank_device(cfg))
     bucket_numel = max(1, int(cfg.run.bucket_mb * 2**20 / 4))
-    return ZeroOneEngine(model, comm, cfg.optim, bucket_numel=bucket_numel,
-                         precision=cfg.run.precision, overlap=cfg.run.overlap)
+    overlap = cfg.run.overlap_enabled
+    # A compiled forward cannot stop midway to wait for a bucket, so it gets its parameters up front.
+    return ZeroOneEngine(model, comm, cfg.optim, bucket_numel=bucket_numel, precision=cfg.run.precision,
+                         overlap=overlap, gather_in_forward=overlap and not cfg.run.compile)
 
 
 def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None) -> float:
@@ -85,6 +88,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             engine.apply(lr, grad_norm)
             done = step + 1
             if after_update:
+                engine.wait_params()
                 after_update(done, engine)
             if r.check_every and done % r.check_every == 0:
                 invariants.check_no_drift(done, engine.param_digest(), comm)
@@ -107,7 +111,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
     return TrainResult(records, start, digests, norms, memory, saved, dict(comm.calls), dict(comm.bytes),
-                       engine.layout.numel)
+                       engine.layout.numel, engine)
 
 
 def train_job(cfg: Config, comm: Comm) -> dict:

@@ -9,6 +9,11 @@ into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step
     torch.optim.AdamW on the owned chunks  -> updated master values
     all-gather each bucket in place        -> every rank's parameters    (one round, per bucket)
 
+With overlap on, each bucket's reduce-scatter starts in backward as soon as its gradients are
+complete, and the all-gather runs behind the next forward: the buckets are launched in forward
+order and each module's forward pre-hook waits only for the buckets holding its own parameters.
+Whatever reads parameters outside forward calls `wait_params()` first (the engine's own readers do).
+
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
 the parameters are bf16 and an fp32 master shard is kept, 12 bytes per owned value.
@@ -31,6 +36,10 @@ from .optim import build_adamw
 
 class GradientOrderError(ZeroTrainError):
     """A gradient arrived for a bucket whose reduce-scatter had already started."""
+
+
+class StaleParameterError(ZeroTrainError):
+    """A parameter was used while the all-gather bringing its new value was still in flight."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +176,14 @@ class ZeroOneEngine:
         bucket_numel: int,
         precision: str = "fp32",
         overlap: bool = True,
+        gather_in_forward: bool | None = None,
     ):
+        """`overlap`: reduce-scatter during backward and, unless `gather_in_forward` is False (as it
+        must be for a compiled model, whose forward cannot wait on a collective midway), all-gather
+        during the next forward."""
         self.model, self.comm, self.optim_cfg = model, comm, optim
         self.precision, self.overlap = precision, overlap
+        self.gather_in_forward = overlap if gather_in_forward is None else gather_in_forward
         W, rank = comm.world_size, comm.rank
         named = list(model.named_parameters())  # a tied parameter appears once
         self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], W, bucket_numel)
@@ -239,9 +253,15 @@ class ZeroOneEngine:
         self._launched = 0  # buckets whose reduce-scatter has started this window, in bucket order
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
-        if overlap or precision == "bf16":
+        self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
+        if overlap or precision == "bf16" or self.gather_in_forward:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.gather_in_forward:
+            for module in model.modules():
+                buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)})
+                if buckets:
+                    module.register_forward_pre_hook(lambda _m, _args, b=tuple(buckets): self.wait_params(b))
 
     # ---------------------------------------------------------------- backward side
     @contextlib.contextmanager
@@ -258,6 +278,11 @@ class ZeroOneEngine:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         s = self._slot_of[id(p)]
+        if s.bucket in self._gathering:
+            # Forward read this parameter before its all-gather finished: the gradient is of stale values.
+            raise StaleParameterError(
+                f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
+                "before reading parameters outside the model's forward")
         if self.precision == "bf16":
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
@@ -308,31 +333,50 @@ class ZeroOneEngine:
         return float(stats[0].sqrt()), stats[1:]
 
     def apply(self, lr: float, grad_norm: float) -> None:
-        """Clip by the global norm, AdamW on this rank's shard, all-gather the updated parameters."""
+        """Clip by the global norm, AdamW on this rank's shard, all-gather the updated parameters.
+
+        With `gather_in_forward` the all-gather is still in flight on return (see `wait_params`).
+        """
+        self.wait_params()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
         clip = self.optim_cfg.grad_clip
         if clip > 0 and grad_norm > clip:
             self.grad_shard.mul_(clip / (grad_norm + 1e-6))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self._publish_params()
+        self._publish_params(wait=not self.gather_in_forward)
 
-    def _publish_params(self) -> None:
-        """Write the owned master values into the parameter buffer and all-gather every bucket."""
+    def _publish_params(self, wait: bool = True) -> None:
+        """Write the owned master values into the parameter buffer and all-gather every bucket.
+
+        Buckets are launched in forward order (the layout is reverse-forward), so the first module's
+        parameters arrive first.
+        """
+        self.wait_params()
         if self.master is not None:
             for pc in self._pieces:
                 self.flat_params[pc.flat_lo : pc.flat_hi] = self.master[pc.shard_lo : pc.shard_hi]
-        works = []
-        for b in self.layout.buckets:
+        for b in reversed(self.layout.buckets):
             lo, hi = b.chunk(self.comm.rank, self.comm.world_size)
             bucket = self.flat_params[b.start : b.end]
-            works.append(self.comm.all_gather(bucket, self.flat_params[lo:hi], "all_gather_params", async_op=True))
-        for work in works:
-            work.wait()
+            self._gathering[b.index] = self.comm.all_gather(
+                bucket, self.flat_params[lo:hi], "all_gather_params", async_op=True)
+        if wait:
+            self.wait_params()
+
+    def wait_params(self, buckets=None) -> None:
+        """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
+        if not self._gathering:
+            return
+        for index in sorted(self._gathering, reverse=True) if buckets is None else buckets:
+            work = self._gathering.pop(index, None)
+            if work is not None:
+                work.wait()
 
     # ---------------------------------------------------------------- state
     def param_digest(self) -> bytes:
         """sha256 of the whole parameter buffer: equal on every rank iff parameters are bitwise equal."""
+        self.wait_params()
         return hashlib.sha256(self.flat_params.detach().cpu().view(torch.uint8).numpy()).digest()
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
@@ -350,6 +394,7 @@ class ZeroOneEngine:
         """This rank's fp32 master values as one shard-length tensor (a copy in fp32 mode)."""
         if self.master is not None:
             return self.master
+        self.wait_params()
         return self.layout.shard(self.flat_params, self.comm.rank)
 
     @property
@@ -371,6 +416,7 @@ class ZeroOneEngine:
             if tuple(sd[key].shape) != (self.layout.shard_numel,):
                 raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
                                  f"expected ({self.layout.shard_numel},)")
+        self.wait_params()
         with torch.no_grad():
             self.exp_avg.copy_(sd["exp_avg"])
             self.exp_avg_sq.copy_(sd["exp_avg_sq"])
@@ -386,4 +432,5 @@ class ZeroOneEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters in its own state_dict names, fp32, one independent tensor each."""
+        self.wait_params()
         return {s.name: p.detach().float().cpu().clone() for s, p in zip(self.layout.slots, self.params)}
