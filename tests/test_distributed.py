@@ -63,8 +63,9 @@ def test_split_over_ranks_and_micro_batches_does_not_change_the_math(tmp_path, d
         assert max_rel(naive["losses"], base["losses"]) > 1e-3
 
 
-def test_resume_is_bitwise_identical_and_a_lossy_resume_is_caught(tmp_path):
-    cfg = tiny_config(tmp_path / "a", nproc=2, micro=2, accum=2, steps=6)
+@pytest.mark.parametrize("overlap", ["off", "on"])  # on: checkpoints are taken with all-gathers in flight
+def test_resume_is_bitwise_identical_and_a_lossy_resume_is_caught(tmp_path, overlap):
+    cfg = tiny_config(tmp_path / "a", nproc=2, micro=2, accum=2, steps=6, overlap=overlap)
     cfg.checkpoint.every = 3
     out = run(dist_jobs.interrupted_job, cfg)
     first, resumed = out["first"], out["resumed"]
@@ -77,7 +78,7 @@ def test_resume_is_bitwise_identical_and_a_lossy_resume_is_caught(tmp_path):
     on_disk = load_file(final)
     assert all(torch.equal(on_disk[k], resumed["params"][k]) for k in on_disk)
 
-    cfg = tiny_config(tmp_path / "b", nproc=2, micro=2, accum=2, steps=6)
+    cfg = tiny_config(tmp_path / "b", nproc=2, micro=2, accum=2, steps=6, overlap=overlap)
     cfg.checkpoint.every = 3
     out = run(dist_jobs.forgetful_resume_job, cfg)
     assert out["resumed"]["digests"] != out["first"]["digests"]

@@ -350,9 +350,8 @@ class ZeroOneEngine:
         """Write the owned master values into the parameter buffer and all-gather every bucket.
 
         Buckets are launched in forward order (the layout is reverse-forward), so the first module's
-        parameters arrive first.
+        parameters arrive first. Callers have finished the previous all-gathers (`wait_params`).
         """
-        self.wait_params()
         if self.master is not None:
             for pc in self._pieces:
                 self.flat_params[pc.flat_lo : pc.flat_hi] = self.master[pc.shard_lo : pc.shard_hi]
@@ -368,7 +367,7 @@ class ZeroOneEngine:
         """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
         if not self._gathering:
             return
-        for index in sorted(self._gathering, reverse=True) if buckets is None else buckets:
+        for index in list(self._gathering) if buckets is None else buckets:  # launch order: forward order
             work = self._gathering.pop(index, None)
             if work is not None:
                 work.wait()
