@@ -91,16 +91,17 @@ def test_bad_flags_name_the_bad_value(capsys, args, message):
     assert len(err.strip().splitlines()) == 1 and message in err
 
 
-@pytest.mark.parametrize("flags, device, enabled", [
-    ([], "cpu", False),  # on CPU gloo's copies compete with compute for the cores: measured slower
-    ([], "cuda", True),
-    (["--overlap", "on"], "cpu", True),
-    (["--no-overlap"], "cuda", False),
+@pytest.mark.parametrize("flags, device, compile, backward, forward", [
+    ([], "cpu", False, False, False),  # on CPU overlapping measured no faster
+    ([], "cuda", False, True, True),
+    ([], "cuda", True, True, False),  # a compiled forward cannot wait for a bucket midway
+    (["--overlap", "on"], "cpu", False, True, True),
+    (["--no-overlap"], "cuda", False, False, False),
 ])
-def test_overlap_auto_is_on_with_cuda_only_and_flags_override_it(flags, device, enabled):
+def test_overlap_auto_chooses_per_device_and_flags_override_it(flags, device, compile, backward, forward):
     cfg = config_from_args(build_parser().parse_args(["train", *flags]))
-    cfg.run.device = device
-    assert cfg.run.overlap_enabled is enabled
+    cfg.run.device, cfg.run.compile = device, compile
+    assert (cfg.run.reduce_in_backward, cfg.run.gather_in_forward) == (backward, forward)
 
 
 def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_path, capsys):

@@ -37,10 +37,8 @@ class TrainResult:
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
     model = build_model(cfg.model, cfg.run.seed).to(rank_device(cfg))
     bucket_numel = max(1, int(cfg.run.bucket_mb * 2**20 / 4))
-    overlap = cfg.run.overlap_enabled
-    # A compiled forward cannot stop midway to wait for a bucket, so it gets its parameters up front.
     return ZeroOneEngine(model, comm, cfg.optim, bucket_numel=bucket_numel, precision=cfg.run.precision,
-                         overlap=overlap, gather_in_forward=overlap and not cfg.run.compile)
+                         reduce_in_backward=cfg.run.reduce_in_backward, gather_in_forward=cfg.run.gather_in_forward)
 
 
 def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None) -> float:

@@ -9,8 +9,9 @@ into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step
     torch.optim.AdamW on the owned chunks  -> updated master values
     all-gather each bucket in place        -> every rank's parameters    (one round, per bucket)
 
-With overlap on, each bucket's reduce-scatter starts in backward as soon as its gradients are
-complete, and the all-gather runs behind the next forward: the buckets are launched in forward
+Communication can hide behind compute, each half on its own switch: with `reduce_in_backward` each
+bucket's reduce-scatter starts in backward as soon as its gradients are complete; with
+`gather_in_forward` the all-gather runs behind the next forward: the buckets are launched in forward
 order and each module's forward pre-hook waits only for the buckets holding its own parameters.
 Whatever reads parameters outside forward calls `wait_params()` first (the engine's own readers do).
 
@@ -175,15 +176,13 @@ class ZeroOneEngine:
         *,
         bucket_numel: int,
         precision: str = "fp32",
-        overlap: bool = True,
-        gather_in_forward: bool | None = None,
+        reduce_in_backward: bool = True,
+        gather_in_forward: bool = True,
     ):
-        """`overlap`: reduce-scatter during backward and, unless `gather_in_forward` is False (as it
-        must be for a compiled model, whose forward cannot wait on a collective midway), all-gather
-        during the next forward."""
+        """`gather_in_forward` must be False for a compiled model, whose forward cannot wait midway."""
         self.model, self.comm, self.optim_cfg = model, comm, optim
-        self.precision, self.overlap = precision, overlap
-        self.gather_in_forward = overlap if gather_in_forward is None else gather_in_forward
+        self.precision = precision
+        self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         W, rank = comm.world_size, comm.rank
         named = list(model.named_parameters())  # a tied parameter appears once
         self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], W, bucket_numel)
@@ -254,10 +253,10 @@ class ZeroOneEngine:
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
-        if overlap or precision == "bf16" or self.gather_in_forward:
+        if reduce_in_backward or precision == "bf16" or gather_in_forward:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        if self.gather_in_forward:
+        if gather_in_forward:
             for module in model.modules():
                 buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)})
                 if buckets:
@@ -287,7 +286,7 @@ class ZeroOneEngine:
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
-        if self._sync and self.overlap:
+        if self._sync and self.reduce_in_backward:
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(
