@@ -228,7 +228,8 @@ def markdown(summary: dict, cfg: Config, plan: Plan) -> str:
     lines = [
         f"GPT {m.n_layer} layers / {m.n_head} heads / {m.n_embd} wide, seq {m.seq_len}, vocab {m.vocab_size}: "
         f"P = {summary['param_count']:,}; {summary['world_size']} rank(s) x {r.threads} thread(s), "
-        f"micro-batch {r.micro_batch} x accum {r.accum}, {summary['global_tokens_per_step']:.0f} tokens/step, {r.device}",
+        f"micro-batch {r.micro_batch} x accum {r.accum}, {summary['global_tokens_per_step']:.0f} tokens/step, {r.device}; "
+        f"zerotrain overlap {'on' if r.reduce_in_backward else 'off'} (--overlap {r.overlap})",
         f"{plan.repeats} alternating repeats x {plan.steps} timed steps per strategy after {plan.warmup} warm-up steps; "
         "a step is timed from zero_grad to the optimizer update, data generation excluded (an all-gather "
         "running behind the next forward is timed there, and the last step of a block waits for its own); "
