@@ -31,7 +31,7 @@ def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Confi
 @pytest.fixture
 def one_rank():
     """A real gloo process group of world size 1 on 127.0.0.1, torn down after the test."""
-    from zerotrain.comm import Comm
+    from zerotrain.parallel import Comm
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

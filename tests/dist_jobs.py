@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 
 import torch
 
 from zerotrain import checkpoint, train as train_module
-from zerotrain.comm import Comm
+from zerotrain.parallel import Comm
 from zerotrain.config import Config
 from zerotrain.train import train
 
@@ -96,14 +97,15 @@ def nan_job(cfg: Config, comm: Comm) -> dict:
 
 def crash_in_save_job(cfg: Config, comm: Comm) -> dict:
     """Rank 1 dies while writing the step-4 checkpoint, after rank 0 wrote its files."""
-    real_save_file = checkpoint.save_file
+    save_module = importlib.import_module("zerotrain.checkpoint.save")
+    real_save_file = save_module.save_file
 
     def save_file(tensors, path, *args, **kwargs):
         if comm.rank == 1 and "step_00000004" in path:
             os._exit(9)
         return real_save_file(tensors, path, *args, **kwargs)
 
-    checkpoint.save_file = save_file
+    save_module.save_file = save_file
     return summary(train(cfg, comm))
 
 
@@ -111,7 +113,7 @@ def no_sync_ignored_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: communication starts on every micro-batch, before accumulation is complete."""
     from contextlib import nullcontext
 
-    from zerotrain.zero import ZeroOneEngine
+    from zerotrain.parallel import ZeroOneEngine
 
     ZeroOneEngine.no_sync = lambda self, enabled=True: nullcontext()
     return params_job(cfg, comm)
@@ -142,7 +144,7 @@ def collective_input(rank: int, bucket: int, numel: int) -> torch.Tensor:
 
 def unwaited_forward_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: forward reads parameters without waiting for their bucket's all-gather."""
-    from zerotrain.zero import ZeroOneEngine
+    from zerotrain.parallel import ZeroOneEngine
 
     real_wait = ZeroOneEngine.wait_params
 

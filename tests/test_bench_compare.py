@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from conftest import tiny_config
-from zerotrain import strategies
-from zerotrain.bench_compare import AGREEMENT_BOUND, agreement_failures, param_gaps
+from zerotrain.bench import baselines as strategies
+from zerotrain.bench.compare import AGREEMENT_BOUND, agreement_failures, param_gaps
 from zerotrain.cli import main
-from zerotrain.comm import Comm
+from zerotrain.parallel import Comm
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.launch import run_job

@@ -1,5 +1,6 @@
 """Checkpoints on one rank: manifest, atomic commit, latest, retention, integrity and round trip (d)."""
 
+import importlib
 import json
 import os
 
@@ -61,7 +62,7 @@ def test_save_is_atomic_and_retention_keeps_the_newest(tmp_path, one_rank, monke
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save_file", crash)  # a crash in the middle of writing step 4
+    monkeypatch.setattr(importlib.import_module("zerotrain.checkpoint.save"), "save_file", crash)  # a crash in the middle of writing step 4
     with pytest.raises(OSError):
         checkpoint.save(root, 4, engine, one_rank, cfg.to_dict(), keep=2)
     assert checkpoint.committed_steps(root) == ["step_00000002", "step_00000003"]

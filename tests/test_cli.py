@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from zerotrain.cli import build_parser, config_from_args, main
+from zerotrain.cli import build_parser, main
+from zerotrain.flags import config_from_args
 
 pytestmark = pytest.mark.timeout(300)
 

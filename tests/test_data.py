@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from zerotrain.config import Config, ConfigError, validate
-from zerotrain.data import IGNORE, BatchSchedule, SyntheticSource, TextSource, make_source
+from zerotrain.config import Config, ConfigError
+from zerotrain.data import IGNORE, check_source, BatchSchedule, SyntheticSource, TextSource, make_source
 
 
 def global_batch(source, step, world, micro, accum):
@@ -70,10 +70,10 @@ def test_bad_data_is_a_config_error(tmp_path):
     cfg = Config()
     cfg.data.source = str(tmp_path / "missing.txt")
     with pytest.raises(ConfigError, match="missing.txt: no such file"):
-        validate(cfg)
+        check_source(cfg)
     short = tmp_path / "short.txt"
     short.write_bytes(b"abc")
     cfg.data.source, cfg.model.vocab_size = str(short), 256
     with pytest.raises(ConfigError, match="fewer than one sequence"):
-        validate(cfg)
+        check_source(cfg)
     assert make_source(Config()).vocab_size == 64

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from collections import Counter
 
-from zerotrain import zero
-from zerotrain.comm import Comm
+from zerotrain.parallel import engine as zero
+from zerotrain.parallel import Comm
 from zerotrain.config import Config
-from zerotrain.equivalence import BOUND
+from zerotrain.commands.equivalence import BOUND
 from zerotrain.launch import run_job
 from zerotrain.train import train
 

@@ -4,7 +4,7 @@ import pytest
 
 from zerotrain.config import ModelConfig
 from zerotrain.model import build_model, is_decayed
-from zerotrain.zero import ShardLayout
+from zerotrain.parallel import ShardLayout
 
 PARAMS = [(n, tuple(p.shape), is_decayed(n, p))
           for n, p in build_model(ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64), 0).named_parameters()]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -175,7 +174,7 @@ def _positive(value: int | float, flag: str) -> None:
 
 def validate(cfg: Config) -> Config:
     """Check everything that can be checked before a worker starts; resolve derived defaults."""
-    m, d, o, r, c = cfg.model, cfg.data, cfg.optim, cfg.run, cfg.checkpoint
+    m, o, r, c = cfg.model, cfg.optim, cfg.run, cfg.checkpoint
     for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
         _positive(getattr(m, name), "--" + name.replace("_", "-"))
     if m.n_embd % m.n_head:
@@ -220,25 +219,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--ckpt-every must be >= 0, got {c.every}")
     if c.keep < 0:
         raise ConfigError(f"--keep must be >= 0, got {c.keep}")
-    _validate_data(cfg)
     for value in (o.lr, o.eps, o.weight_decay, o.grad_clip, r.bucket_mb, r.timeout_s):
         if not math.isfinite(value):
             raise ConfigError(f"configuration value {value} is not finite")
     return cfg
 
-
-def _validate_data(cfg: Config) -> None:
-    d, m = cfg.data, cfg.model
-    if d.source in ("synthetic", "synthetic-varlen"):
-        if d.source == "synthetic-varlen" and m.seq_len < 2:
-            raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
-        return
-    if not os.path.isfile(d.source):
-        raise ConfigError(f"--data {d.source}: no such file (use 'synthetic' or a text file path)")
-    if m.vocab_size < 256:
-        raise ConfigError(f"--vocab-size {m.vocab_size} is too small for byte-level text data (needs 256)")
-    from .data import text_shortfall
-
-    problem = text_shortfall(d.source, m.seq_len, d.pack)
-    if problem:
-        raise ConfigError(f"--data {d.source}: {problem}")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
-from .comm import Comm
-from .launch import ZeroTrainError
+from .errors import ZeroTrainError
+from .parallel import Comm
 
 
 class InvariantError(ZeroTrainError):

@@ -18,12 +18,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
 from .config import Config
-
-
-class ZeroTrainError(RuntimeError):
-    """A failure zerotrain detected and can explain in one line (an invariant, a bad checkpoint...)."""
+from .errors import ZeroTrainError
+from .parallel import Comm
 
 
 class JobFailed(RuntimeError):

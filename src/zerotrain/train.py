@@ -10,14 +10,13 @@ from typing import Callable
 import torch
 
 from . import checkpoint, invariants
-from .comm import Comm
 from .config import Config
 from .data import BatchSchedule, StepBatch, make_source
 from .launch import rank_device
 from .metrics import Metrics
 from .model import build_model, summed_token_loss
+from .parallel import Comm, ZeroOneEngine
 from .schedule import lr_at
-from .zero import ZeroOneEngine
 
 
 @dataclass

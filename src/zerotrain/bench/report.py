@@ -1,4 +1,4 @@
-"""`zerotrain bench`: benchmark commands that report figures (tests assert correctness, never timings)."""
+"""What every benchmark report shares: the machine it ran on, percentiles, and JSON writing."""
 
 from __future__ import annotations
 
@@ -9,20 +9,6 @@ import platform
 import torch
 
 SCHEMA_VERSION = 1
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies")
-    benches = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
-    for module in _bench_modules():
-        module.add_parser(benches)
-
-
-def _bench_modules() -> list:
-    """Each benchmark lives in its own module with an add_parser(subparsers) function."""
-    from . import bench_accum, bench_compare
-
-    return [bench_accum, bench_compare]
 
 
 def machine_info() -> dict:

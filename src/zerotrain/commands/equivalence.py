@@ -22,14 +22,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .comm import Comm
-from .config import Config, ConfigError
-from .data import IGNORE, BatchSchedule, make_source
-from .launch import rank_device
-from .model import build_model, summed_token_loss
-from .optim import adamw_param_groups
-from .train import build_engine
-from .zero import ZeroOneEngine
+from ..config import Config, ConfigError
+from ..data import IGNORE, BatchSchedule, make_source
+from ..launch import rank_device
+from ..model import build_model, summed_token_loss
+from ..optim import adamw_param_groups
+from ..parallel import Comm, ZeroOneEngine
+from ..train import build_engine
 
 BOUND = 1e-4  # max-abs difference allowed on gradients and on parameters after one step
 STEP = 0  # the global batch of this step is the one checked
@@ -66,7 +65,7 @@ class Split:
 
 
 def add_parser(sub) -> None:
-    from .cli import add_training_flags
+    from ..flags import add_training_flags
 
     p = sub.add_parser("equivalence", help="prove that micro-batching and ranks do not change the gradient or the step")
     add_training_flags(p, defaults=EQUIVALENCE_DEFAULTS)
@@ -231,8 +230,8 @@ def micro_batch_tokens(cfg: Config, data: str) -> list[int]:
 
 
 def cmd_equivalence(args: argparse.Namespace) -> int:
-    from .cli import config_from_args
-    from .launch import run_job
+    from ..flags import config_from_args
+    from ..launch import run_job
 
     cfg = config_from_args(args)
     if cfg.run.nproc * cfg.run.accum < 2:

@@ -1,4 +1,4 @@
-"""Token sources and the batch schedule: (seed, step, global sample index) -> one training sequence.
+"""Token sources: (seed, step, global sample index) -> one training sequence.
 
 Every sequence of step s is a pure function of (seed, s, its index in the global batch), so how the
 global batch is split over ranks and micro-batches never changes what is trained on, and resuming
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .config import Config
+from ..config import Config, ConfigError
 
 IGNORE = -100  # label of a masked position, as PyTorch's cross_entropy ignore_index
 _TOKENS, _LENGTH = 0, 1  # independent random streams per sample
@@ -138,29 +137,17 @@ def make_source(cfg: Config):
     return TextSource(d.source, m.seq_len, seed, pack=d.pack)
 
 
-@dataclass
-class StepBatch:
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's (inputs, labels), in order
-    global_tokens: int  # unmasked target tokens in the whole global batch, all ranks together
-
-    @property
-    def local_tokens(self) -> int:
-        return sum(int((y != IGNORE).sum()) for _, y in self.micro_batches)
-
-
-class BatchSchedule:
-    """Splits step s's global batch: rank r owns a contiguous block of micro_batch x accum sequences."""
-
-    def __init__(self, source, *, micro_batch: int, accum: int, rank: int, world_size: int):
-        self.source, self.micro_batch, self.accum = source, micro_batch, accum
-        self.rank, self.world_size = rank, world_size
-        self.global_batch = world_size * micro_batch * accum
-
-    def batch(self, step: int) -> StepBatch:
-        per_rank = self.micro_batch * self.accum
-        first = self.rank * per_rank
-        micro = []
-        for a in range(self.accum):
-            lo = first + a * self.micro_batch
-            micro.append(self.source.sequences(step, range(lo, lo + self.micro_batch)))
-        return StepBatch(micro, self.source.token_count(step, self.global_batch))
+def check_source(cfg: Config) -> None:
+    """Reject a data source that cannot feed this model, before any worker starts (ConfigError)."""
+    d, m = cfg.data, cfg.model
+    if d.source in ("synthetic", "synthetic-varlen"):
+        if d.source == "synthetic-varlen" and m.seq_len < 2:
+            raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
+        return
+    if not os.path.isfile(d.source):
+        raise ConfigError(f"--data {d.source}: no such file (use 'synthetic' or a text file path)")
+    if m.vocab_size < 256:
+        raise ConfigError(f"--vocab-size {m.vocab_size} is too small for byte-level text data (needs 256)")
+    problem = text_shortfall(d.source, m.seq_len, d.pack)
+    if problem:
+        raise ConfigError(f"--data {d.source}: {problem}")

@@ -9,10 +9,10 @@ import os
 import tempfile
 import time
 
-from .comm import Comm
-from .config import Config
-from .invariants import InvariantError
-from .train import train
+from ..config import Config, ConfigError
+from ..invariants import InvariantError
+from ..parallel import Comm
+from ..train import train
 
 DEMO_DEFAULTS = {
     "run.nproc": 4, "run.steps": 20, "run.micro_batch": 4, "run.accum": 2, "run.check_every": 5,
@@ -21,7 +21,7 @@ DEMO_DEFAULTS = {
 
 
 def add_parser(sub) -> None:
-    from .cli import add_training_flags
+    from ..flags import add_training_flags
 
     p = sub.add_parser("demo", help="the self-verifying end-to-end demo (no arguments needed)")
     add_training_flags(p, defaults=DEMO_DEFAULTS)
@@ -77,9 +77,9 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .cli import config_from_args
-    from .launch import run_job
-    from .train import resolve_paths
+    from ..flags import config_from_args
+    from ..launch import run_job
+    from ..train import resolve_paths
 
     cfg = config_from_args(args)
     if not cfg.run.out:
@@ -87,8 +87,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg.run.metrics = ""
     cfg = resolve_paths(cfg)
     if not (0 < args.resume_from < cfg.run.steps):
-        from .config import ConfigError
-
         raise ConfigError(f"--resume-from {args.resume_from} must be between 1 and --steps - 1 ({cfg.run.steps - 1})")
     cfg.checkpoint.every = args.resume_from
     cfg.checkpoint.resume = ""

@@ -28,13 +28,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from . import strategies as S
-from .bench import machine_info, percentile, write_json
-from .comm import Comm
-from .config import Config, ConfigError
-from .data import BatchSchedule, StepBatch, make_source
-from .launch import rank_device
-from .schedule import lr_at
+from ..config import Config, ConfigError
+from ..data import BatchSchedule, StepBatch, make_source
+from ..launch import rank_device
+from ..parallel import Comm
+from ..schedule import lr_at
+from . import baselines as S
+from .report import machine_info, percentile, write_json
 
 SCHEMA, SCHEMA_VERSION = "zerotrain.bench.compare", 1
 AGREEMENT_BOUND = 1e-5  # max |final parameter - DDP + AdamW's|: the strategies compute the same thing
@@ -50,7 +50,7 @@ COMPARE_DEFAULTS = {
 
 
 def add_parser(benches) -> None:
-    from .cli import add_training_flags
+    from ..flags import add_training_flags
 
     p = benches.add_parser(
         "compare", help="zerotrain ZeRO-1 vs DDP, ZeroRedundancyOptimizer and FSDP2, side by side",
@@ -295,8 +295,8 @@ def _require_matplotlib() -> None:
 
 def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
     """The validated config, the main run's plan, and whether to measure weak scaling."""
-    from .cli import config_from_args
-    from .launch import default_threads, in_torchrun
+    from ..flags import config_from_args
+    from ..launch import default_threads, in_torchrun
 
     if in_torchrun():
         raise ConfigError("bench compare starts its own ranks (it also needs a 1-rank run): run it without torchrun")
@@ -330,7 +330,7 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .launch import run_job
+    from ..launch import run_job
 
     _require_matplotlib()
     cfg, plan, weak_scaling = config_and_plan(args)

@@ -17,9 +17,9 @@ import time
 from collections import Counter
 from datetime import datetime, timezone
 
-from .bench import SCHEMA_VERSION, machine_info, percentile, write_json
-from .comm import Comm
-from .config import PRESETS, Config, ConfigError
+from ..config import PRESETS, Config, ConfigError
+from ..parallel import Comm
+from .report import SCHEMA_VERSION, machine_info, percentile, write_json
 
 SCHEMA = "zerotrain.accum-curve"
 DEFAULT_GRID = "1,2,4,8,16"
@@ -39,7 +39,7 @@ WARMUP, QUICK_WARMUP = 2, 1
 
 
 def add_parser(benches) -> None:
-    from .cli import add_training_flags
+    from ..flags import add_training_flags
 
     p = benches.add_parser("accum", help="throughput and optimizer-step rate vs gradient accumulation steps",
                            description="--steps is the number of timed optimizer steps per grid point.")
@@ -63,7 +63,7 @@ def parse_grid(text: str) -> list[int]:
 
 def accum_curve_job(cfg: Config, comm: Comm, *, grid: list[int], warmup: int) -> list[dict] | None:
     """Train warmup + cfg.run.steps steps at every accumulation of the grid; rank 0 returns one point each."""
-    from .train import train
+    from ..train import train
 
     points = []
     for accum in grid:
@@ -101,8 +101,8 @@ def _point(cfg: Config, world_size: int, timed: list[dict], calls: Counter, nbyt
 
 
 def cmd_accum(args: argparse.Namespace) -> int:
-    from .cli import config_from_args
-    from .launch import run_job
+    from ..flags import config_from_args
+    from ..launch import run_job
 
     import_matplotlib()  # before the sweep: a missing plotting library should not cost a run
     if args.accum is not None:

@@ -1,0 +1,12 @@
+"""`zerotrain bench`: benchmark commands that report figures (tests assert correctness, never timings)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies")
+    benches = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
+    from . import accum, compare  # each benchmark lives in its own module with add_parser(subparsers)
+
+    for module in (accum, compare):
+        module.add_parser(benches)

@@ -1,0 +1,93 @@
+"""The training flags every command shares, and how they become a validated Config."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import Config, ConfigError, apply_preset, load_toml, merge, validate
+from .data import check_source
+
+# flag -> (section, field, type, help)
+TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
+    ("--nproc", "run", "nproc", int, "local ranks to spawn (ignored under torchrun)"),
+    ("--steps", "run", "steps", int, "optimizer steps"),
+    ("--micro-batch", "run", "micro_batch", int, "sequences per rank per micro-batch"),
+    ("--accum", "run", "accum", int, "micro-batches per optimizer step"),
+    ("--seed", "run", "seed", int, "seed of the model init and the data"),
+    ("--device", "run", "device", str, "cpu (gloo) or cuda (NCCL)"),
+    ("--precision", "run", "precision", str, "fp32, or bf16 parameters with an fp32 master shard"),
+    ("--threads", "run", "threads", int, "torch threads per rank (0: cores / nproc)"),
+    ("--bucket-mb", "run", "bucket_mb", float, "gradient bucket size in MiB"),
+    ("--overlap", "run", "overlap", str, "communicate during compute: reduce-scatter in backward, all-gather in "
+                                         "the next forward: on, off, or auto (on with CUDA, off on CPU)"),
+    ("--check-every", "run", "check_every", int, "cross-rank drift check period in steps"),
+    ("--timeout", "run", "timeout_s", float, "collective timeout in seconds"),
+    ("--out", "run", "out", str, "run folder (default runs/<timestamp>)"),
+    ("--metrics", "run", "metrics", str, "metrics JSONL path (default <out>/metrics.jsonl)"),
+    ("--n-layer", "model", "n_layer", int, "transformer blocks"),
+    ("--n-head", "model", "n_head", int, "attention heads"),
+    ("--n-embd", "model", "n_embd", int, "embedding width"),
+    ("--seq-len", "model", "seq_len", int, "tokens per sequence"),
+    ("--vocab-size", "model", "vocab_size", int, "vocabulary size (256 for text files)"),
+    ("--data", "data", "source", str, "synthetic, synthetic-varlen, or a UTF-8 text file"),
+    ("--lr", "optim", "lr", float, "peak learning rate"),
+    ("--min-lr-ratio", "optim", "min_lr_ratio", float, "final learning rate as a fraction of --lr"),
+    ("--warmup-steps", "optim", "warmup_steps", int, "linear warmup steps (default steps/10)"),
+    ("--weight-decay", "optim", "weight_decay", float, "AdamW weight decay on matrices"),
+    ("--grad-clip", "optim", "grad_clip", float, "clip the global gradient norm (0: off)"),
+    ("--ckpt-dir", "checkpoint", "dir", str, "checkpoint folder (default <out>/checkpoints)"),
+    ("--ckpt-every", "checkpoint", "every", int, "save every K steps (0: never)"),
+    ("--keep", "checkpoint", "keep", int, "committed checkpoints to keep (0: all)"),
+    ("--resume", "checkpoint", "resume", str, "'auto' (from <ckpt-dir>/latest if any) or a checkpoint folder"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] | None = None) -> None:
+    p.add_argument("--config", help="TOML file with [model] [data] [optim] [run] [checkpoint] tables")
+    p.add_argument("--preset", help="model size preset: tiny, bench, wide, gpt2")
+    for flag, _, _, typ, help_ in TRAINING_FLAGS:
+        p.add_argument(flag, type=typ, default=None, help=help_)
+    p.add_argument("--no-pack", action="store_true", help="text data: one blank-line separated document per sequence")
+    p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
+    p.set_defaults(_flag_defaults=defaults or {})
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """defaults <- subcommand defaults <- --config TOML <- --preset <- flags; then validate."""
+    cfg = Config()
+    overrides: dict[str, dict] = {}
+    for key, value in args._flag_defaults.items():
+        section, name = key.split(".")
+        overrides.setdefault(section, {})[name] = value
+    merge(cfg, overrides, origin="defaults")
+    if args.config:
+        merge(cfg, load_toml(args.config), origin=args.config)
+    if args.preset:
+        apply_preset(cfg, args.preset)
+    given: dict[str, dict] = {}
+    for flag, section, name, _, _ in TRAINING_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            given.setdefault(section, {})[name] = value
+    if args.no_pack:
+        given.setdefault("data", {})["pack"] = False
+    if args.no_overlap:
+        given.setdefault("run", {})["overlap"] = "off"
+    if args.no_progress:
+        given.setdefault("run", {})["progress"] = False
+    if args.compile:
+        given.setdefault("run", {})["compile"] = True
+    merge(cfg, given, origin="command line")
+    text = cfg.data.source not in ("synthetic", "synthetic-varlen")
+    if text and "vocab_size" not in given.get("model", {}):
+        cfg.model.vocab_size = 256  # bytes
+    validate(cfg)
+    check_source(cfg)
+    return cfg

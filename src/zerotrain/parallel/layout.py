@@ -1,0 +1,115 @@
+"""The flat layout ZeRO-1 shards: where each parameter lives, the buckets, and which ranges each rank owns."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    offset: int  # in the padded flat buffer
+    flat_offset: int  # in the unpadded concatenation of parameters, in layout order
+    bucket: int
+    decay: bool
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    start: int  # [start, end) of the padded flat buffer; (end - start) % world_size == 0
+    end: int
+    decay_end: int  # [start, decay_end) holds decayed params; the rest no-decay params and padding
+    shard_offset: int  # where this bucket's owned chunk sits in each rank's shard
+
+    def chunk_numel(self, world_size: int) -> int:
+        return (self.end - self.start) // world_size
+
+    def chunk(self, rank: int, world_size: int) -> tuple[int, int]:
+        c = self.chunk_numel(world_size)
+        return self.start + rank * c, self.start + (rank + 1) * c
+
+
+class ShardLayout:
+    """Where every parameter lives in the flat buffer, and which flat ranges each rank owns.
+
+    Parameters are laid out in reverse of the model's order, so buckets fill in the order backward
+    produces gradients; within a bucket decayed parameters come first, so each rank's chunk of a
+    bucket splits into at most one decayed and one non-decayed piece for AdamW's param groups.
+    """
+
+    def __init__(self, slots: list[ParamSlot], buckets: list[Bucket], world_size: int):
+        self.slots, self.buckets, self.world_size = slots, buckets, world_size
+        self.numel = sum(s.numel for s in slots)
+        self.padded_numel = buckets[-1].end if buckets else 0
+        self.shard_numel = self.padded_numel // world_size
+
+    @classmethod
+    def build(cls, params: list[tuple[str, tuple[int, ...], bool]], world_size: int, bucket_numel: int):
+        groups, current, size = [], [], 0
+        for name, shape, decay in reversed(params):
+            current.append((name, tuple(shape), decay))
+            size += _numel(shape)
+            if size >= bucket_numel:
+                groups.append(current)
+                current, size = [], 0
+        if current:
+            groups.append(current)
+        slots, buckets, offset, flat_offset, shard_offset = [], [], 0, 0, 0
+        for index, group in enumerate(groups):
+            start = offset
+            ordered = [p for p in group if p[2]] + [p for p in group if not p[2]]
+            decay_end = start + sum(_numel(s) for _, s, d in group if d)
+            for name, shape, decay in ordered:
+                slots.append(ParamSlot(name, shape, _numel(shape), offset, flat_offset, index, decay))
+                offset += _numel(shape)
+                flat_offset += _numel(shape)
+            end = start + -(-(offset - start) // world_size) * world_size  # pad to a multiple of W
+            buckets.append(Bucket(index, start, end, decay_end, shard_offset))
+            shard_offset += (end - start) // world_size
+            offset = end
+        return cls(slots, buckets, world_size)
+
+    def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
+        return [b.chunk(rank, self.world_size) for b in self.buckets]
+
+    def assemble(self, shards) -> torch.Tensor:
+        """The padded flat buffer from every rank's shard (shards[r] is rank r's, in shard order)."""
+        flat = torch.zeros(self.padded_numel, dtype=shards[0].dtype)
+        for b in self.buckets:
+            c = b.chunk_numel(self.world_size)
+            for rank, shard in enumerate(shards):
+                lo, hi = b.chunk(rank, self.world_size)
+                flat[lo:hi] = shard[b.shard_offset : b.shard_offset + c]
+        return flat
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of a padded flat buffer: its owned ranges, concatenated."""
+        return torch.cat([flat[lo:hi] for lo, hi in self.owned_ranges(rank)])
+
+    def to_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "shard_numel": self.shard_numel,
+            "params": [{**asdict(s), "shape": list(s.shape)} for s in self.slots],
+            "buckets": [asdict(b) for b in self.buckets],
+            "owned_ranges": [[list(r) for r in self.owned_ranges(k)] for k in range(self.world_size)],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardLayout":
+        slots = [ParamSlot(**{**s, "shape": tuple(s["shape"])}) for s in d["params"]]
+        return cls(slots, [Bucket(**b) for b in d["buckets"]], d["world_size"])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
