@@ -76,6 +76,7 @@ class RunConfig:
     compile: bool = False  # run the model's forward and backward through torch.compile
     check_every: int = 10  # cross-rank drift check period in steps (0: only at the end)
     timeout_s: float = 120.0  # collective timeout: a stuck peer fails the job instead of hanging it
+    max_restarts: int = 0  # elastic restarts of the whole group after a worker dies; each resumes from a checkpoint
     out: str = ""  # run folder; "" -> runs/<timestamp>
     metrics: str = ""  # JSONL path; "" -> <out>/metrics.jsonl
     progress: bool = True
@@ -100,6 +101,17 @@ class CheckpointConfig:
     every: int = 0  # 0: no periodic checkpoints
     keep: int = 0  # how many committed checkpoints to keep; 0 keeps all
     resume: str = ""  # "", "auto" or a checkpoint folder
+    every_minutes: float = 0.0  # also save by wall clock, rank 0's, whichever of the two comes due first; 0: off
+    async_save: bool = False  # write in a background thread from CPU staging buffers while training goes on
+    overwrite: bool = False  # a fresh run may replace the checkpoints and metrics already in its folders
+
+
+@dataclass
+class GuardConfig:
+    on_anomaly: str = "rollback"  # rollback | abort: what a non-finite loss or gradient norm or a loss spike does
+    spike_factor: float = 3.0  # a loss above spike_factor x the median of the last spike_window steps is a spike
+    spike_window: int = 20
+    max_rollbacks: int = 3  # past this many rollbacks the run stops with an error
 
 
 @dataclass
@@ -109,6 +121,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
     def global_batch(self) -> int:
@@ -125,7 +138,7 @@ class Config:
         return cfg
 
 
-SECTIONS = ("model", "data", "optim", "run", "checkpoint")
+SECTIONS = ("model", "data", "optim", "run", "checkpoint", "guard")
 
 
 def merge(cfg: Config, overrides: dict[str, Any], origin: str) -> None:
@@ -174,7 +187,7 @@ def _positive(value: int | float, flag: str) -> None:
 
 def validate(cfg: Config) -> Config:
     """Check everything that can be checked before a worker starts; resolve derived defaults."""
-    m, o, r, c = cfg.model, cfg.optim, cfg.run, cfg.checkpoint
+    m, o, r, c, g = cfg.model, cfg.optim, cfg.run, cfg.checkpoint, cfg.guard
     for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
         _positive(getattr(m, name), "--" + name.replace("_", "-"))
     if m.n_embd % m.n_head:
@@ -219,6 +232,17 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--ckpt-every must be >= 0, got {c.every}")
     if c.keep < 0:
         raise ConfigError(f"--keep must be >= 0, got {c.keep}")
+    if not (c.every_minutes >= 0 and math.isfinite(c.every_minutes)):
+        raise ConfigError(f"--ckpt-every-minutes must be >= 0, got {c.every_minutes}")
+    if r.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {r.max_restarts}")
+    if g.on_anomaly not in ("rollback", "abort"):
+        raise ConfigError(f"--on-anomaly must be rollback or abort, got {g.on_anomaly!r}")
+    if not (g.spike_factor > 1.0 and math.isfinite(g.spike_factor)):
+        raise ConfigError(f"--spike-factor must be a number above 1, got {g.spike_factor}")
+    _positive(g.spike_window, "--spike-window")
+    if g.max_rollbacks < 0:
+        raise ConfigError(f"--max-rollbacks must be >= 0, got {g.max_rollbacks}")
     for value in (o.lr, o.eps, o.weight_decay, o.grad_clip, r.bucket_mb, r.timeout_s):
         if not math.isfinite(value):
             raise ConfigError(f"configuration value {value} is not finite")

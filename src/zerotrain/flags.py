@@ -21,7 +21,9 @@ TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--overlap", "run", "overlap", str, "communicate during compute: reduce-scatter in backward, all-gather in "
                                          "the next forward: on, off, or auto (on with CUDA, off on CPU)"),
     ("--check-every", "run", "check_every", int, "cross-rank drift check period in steps"),
-    ("--timeout", "run", "timeout_s", float, "collective timeout in seconds"),
+    ("--timeout", "run", "timeout_s", float, "collective timeout in seconds: a rank that stops answering fails the job"),
+    ("--max-restarts", "run", "max_restarts", int, "restart the group after a worker dies, resuming from the newest "
+                                                   "checkpoint that verifies (as torchrun's option)"),
     ("--out", "run", "out", str, "run folder (default runs/<timestamp>)"),
     ("--metrics", "run", "metrics", str, "metrics JSONL path (default <out>/metrics.jsonl)"),
     ("--n-layer", "model", "n_layer", int, "transformer blocks"),
@@ -37,8 +39,14 @@ TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--grad-clip", "optim", "grad_clip", float, "clip the global gradient norm (0: off)"),
     ("--ckpt-dir", "checkpoint", "dir", str, "checkpoint folder (default <out>/checkpoints)"),
     ("--ckpt-every", "checkpoint", "every", int, "save every K steps (0: never)"),
+    ("--ckpt-every-minutes", "checkpoint", "every_minutes", float, "save every M minutes of wall clock (0: never); "
+                                                                  "with --ckpt-every, whichever comes due first"),
     ("--keep", "checkpoint", "keep", int, "committed checkpoints to keep (0: all)"),
-    ("--resume", "checkpoint", "resume", str, "'auto' (from <ckpt-dir>/latest if any) or a checkpoint folder"),
+    ("--resume", "checkpoint", "resume", str, "'auto' (the newest checkpoint that verifies, if any) or a checkpoint folder"),
+    ("--on-anomaly", "guard", "on_anomaly", str, "rollback (restore the last checkpoint, skip the bad data) or abort"),
+    ("--spike-factor", "guard", "spike_factor", float, "a loss above F x the median of the window is a spike"),
+    ("--spike-window", "guard", "spike_window", int, "steps in the loss median the spike test uses"),
+    ("--max-rollbacks", "guard", "max_rollbacks", int, "rollbacks allowed before the run stops with an error"),
 ]
 
 
@@ -48,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] | None = None) -> None:
-    p.add_argument("--config", help="TOML file with [model] [data] [optim] [run] [checkpoint] tables")
+    p.add_argument("--config", help="TOML file with [model] [data] [optim] [run] [checkpoint] [guard] tables")
     p.add_argument("--preset", help="model size preset: tiny, bench, wide, gpt2")
     for flag, _, _, typ, help_ in TRAINING_FLAGS:
         p.add_argument(flag, type=typ, default=None, help=help_)
@@ -56,6 +64,8 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
     p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background while training goes on")
+    p.add_argument("--overwrite", action="store_true", help="a fresh run may replace the checkpoints and metrics in its folder")
     p.set_defaults(_flag_defaults=defaults or {})
 
 
@@ -84,6 +94,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         given.setdefault("run", {})["progress"] = False
     if args.compile:
         given.setdefault("run", {})["compile"] = True
+    if args.async_save:
+        given.setdefault("checkpoint", {})["async_save"] = True
+    if args.overwrite:
+        given.setdefault("checkpoint", {})["overwrite"] = True
     merge(cfg, given, origin="command line")
     text = cfg.data.source not in ("synthetic", "synthetic-varlen")
     if text and "vocab_size" not in given.get("model", {}):
