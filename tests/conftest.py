@@ -12,7 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from zerotrain.config import Config, validate  # noqa: E402
-from zerotrain.train import resolve_paths  # noqa: E402
+from zerotrain.run_folder import resolve_paths  # noqa: E402
 
 
 def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Config:

@@ -98,14 +98,14 @@ def nan_job(cfg: Config, comm: Comm) -> dict:
 def crash_in_save_job(cfg: Config, comm: Comm) -> dict:
     """Rank 1 dies while writing the step-4 checkpoint, after rank 0 wrote its files."""
     save_module = importlib.import_module("zerotrain.checkpoint.save")
-    real_save_file = save_module.save_file
+    real_write = save_module.write_safetensors
 
-    def save_file(tensors, path, *args, **kwargs):
+    def write_safetensors(path, tensors, **kwargs):
         if comm.rank == 1 and "step_00000004" in path:
             os._exit(9)
-        return real_save_file(tensors, path, *args, **kwargs)
+        return real_write(path, tensors, **kwargs)
 
-    save_module.save_file = save_file
+    save_module.write_safetensors = write_safetensors
     return summary(train(cfg, comm))
 
 
@@ -154,3 +154,11 @@ def unwaited_forward_job(cfg: Config, comm: Comm) -> dict:
 
     ZeroOneEngine.wait_params = wait_params
     return params_job(cfg, comm)
+
+
+def raising_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: an ordinary exception (not a zerotrain error) in rank 1."""
+    if comm.rank == 1:
+        raise ValueError("a bug in rank 1")
+    comm.barrier("test")
+    return {}

@@ -1,36 +1,99 @@
-"""Checkpoints on one rank: manifest, atomic commit, latest, retention, integrity and round trip (d)."""
+"""Checkpoints: the streamed file format, manifest, atomic commit, async writer, retention, crashes, verified load."""
 
+import hashlib
 import importlib
 import json
+import multiprocessing
 import os
+import struct
+import time
+import traceback
 
 import pytest
 import torch
-from safetensors.torch import load_file
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config
 from test_engine import run_steps
+
 from zerotrain import checkpoint
+from zerotrain.checkpoint.stream import read_safetensors, write_safetensors
 from zerotrain.invariants import InvariantError, check_roundtrip
+from zerotrain.parallel import Comm
 from zerotrain.train import build_engine
 
+commit_module = importlib.import_module("zerotrain.checkpoint.commit")
+save_module = importlib.import_module("zerotrain.checkpoint.save")  # `checkpoint.save` is the function
+SHARD = "optim-rank00000-of-00001.safetensors"
 
-def test_manifest_describes_the_checkpoint(tmp_path, one_rank):
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def folder_hashes(path):
+    return {n: sha(os.path.join(path, n)) for n in sorted(os.listdir(path))}
+
+
+def trained(tmp_path, one_rank, steps=2):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
-    run_steps(engine, cfg, 2)
+    run_steps(engine, cfg, steps)
+    return cfg, engine
+
+
+# ---------------------------------------------------------------- the file format
+def test_streamed_files_are_the_bytes_safetensors_writes_and_a_malformed_header_is_refused(tmp_path):
+    tensors = {"master": torch.randn(1000), "step": torch.tensor([7]), "b": torch.randn(3, 5).bfloat16(),
+               "exp_avg": torch.rand(1000), "empty": torch.zeros(0), "flag": torch.tensor([True, False])}
+    ours, theirs = str(tmp_path / "ours.safetensors"), str(tmp_path / "theirs.safetensors")
+    halfway = []
+    record = write_safetensors(ours, tensors, halfway=lambda: halfway.append(os.path.getsize(ours)))
+    save_file(tensors, theirs)
+    assert open(ours, "rb").read() == open(theirs, "rb").read()  # byte for byte the library's format
+    assert record.sha256 == sha(ours) and record.bytes == os.path.getsize(ours)  # hashed while writing
+    assert len(halfway) == 1  # the hook ran once, midway
+    back = load_file(ours)
+    assert all(torch.equal(back[k], t) for k, t in tensors.items())
+    mine, again = read_safetensors(theirs)
+    assert again == record.__class__("theirs.safetensors", record.bytes, record.sha256)
+    assert all(torch.equal(mine[k], t) for k, t in tensors.items())
+    # planted: a header whose byte ranges overlap is refused, not read as garbage
+    data = bytearray(open(ours, "rb").read())
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    header["exp_avg"]["data_offsets"] = header["master"]["data_offsets"]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    open(ours, "wb").write(bytes(data[:8]) + text + bytes(data[8 + n :]))
+    with pytest.raises(checkpoint.CheckpointError, match="not a valid safetensors file.*gap or overlap"):
+        read_safetensors(ours)
+
+
+# ---------------------------------------------------------------- manifest and (d)
+def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path, one_rank):
+    cfg, engine = trained(tmp_path, one_rank)
     path, written, manifest = checkpoint.save(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
     assert os.path.basename(path) == "step_00000002"
     on_disk = json.load(open(os.path.join(path, "manifest.json")))
+    assert on_disk == manifest
     assert on_disk["format"] == "zerotrain-checkpoint" and on_disk["step"] == 2 and on_disk["world_size"] == 1
     assert on_disk["param_count"] == 28_032 and on_disk["config"]["model"]["n_embd"] == 32
     names = {f["name"] for f in on_disk["files"]}
-    assert names == {"model.safetensors", "optim-rank00000-of-00001.safetensors"} == set(os.listdir(path)) - {"manifest.json"}
+    assert names == {"model.safetensors", SHARD} == set(os.listdir(path)) - {"manifest.json"}  # no sidecars left
+    assert all(f["sha256"] == sha(os.path.join(path, f["name"])) for f in on_disk["files"])
     assert on_disk["layout"]["owned_ranges"][0] == [[b["start"], b["end"]] for b in on_disk["layout"]["buckets"]]
     model = load_file(os.path.join(path, "model.safetensors"))  # plain safetensors, no torch.distributed
     assert torch.equal(model["transformer.wte.weight"], engine.model.transformer.wte.weight.detach())
     assert open(tmp_path / "ck" / "latest").read().strip() == "step_00000002"
     check_roundtrip(path, written, manifest)
+
+    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck2"), one_rank, extra_manifest_fn=lambda: {"data_skips": [[3, 5]]})
+    path, _, _ = writer.save(2, engine, {"threads_per_rank": 1, "config": cfg.to_dict()})
+    loaded = checkpoint.load(path, build_engine(cfg, one_rank), one_rank)
+    assert loaded["data_skips"] == [[3, 5]] and loaded["threads_per_rank"] == 1 and loaded["step"] == 2
+    with pytest.raises(ValueError, match=r"\['step'\] are the writer's own"):
+        writer.save(3, engine, {"step": 9})
 
 
 def test_round_trip_check_catches_a_corrupted_file_and_a_changed_tensor(tmp_path, one_rank):
@@ -41,53 +104,291 @@ def test_round_trip_check_catches_a_corrupted_file_and_a_changed_tensor(tmp_path
     changed["model.safetensors"]["transformer.wpe.weight"][0, 0] += 1.0
     with pytest.raises(InvariantError, match=r"invariant \(d\).*transformer.wpe.weight"):
         check_roundtrip(path, changed, manifest)
-    shard = os.path.join(path, "optim-rank00000-of-00001.safetensors")
+    shard = os.path.join(path, SHARD)
     data = bytearray(open(shard, "rb").read())
     data[-1] ^= 0xFF
     open(shard, "wb").write(bytes(data))
     with pytest.raises(InvariantError, match=r"invariant \(d\).*sha256"):
         check_roundtrip(path, written, manifest)
-    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
-        checkpoint.load(path, engine, one_rank)
 
 
-def test_save_is_atomic_and_retention_keeps_the_newest(tmp_path, one_rank, monkeypatch):
-    cfg = tiny_config(tmp_path)
-    engine = build_engine(cfg, one_rank)
-    root = str(tmp_path / "ck")
-    for step in (1, 2, 3):
-        checkpoint.save(root, step, engine, one_rank, cfg.to_dict(), keep=2)
-    assert checkpoint.committed_steps(root) == ["step_00000002", "step_00000003"]
-
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(importlib.import_module("zerotrain.checkpoint.save"), "save_file", crash)  # a crash in the middle of writing step 4
-    with pytest.raises(OSError):
-        checkpoint.save(root, 4, engine, one_rank, cfg.to_dict(), keep=2)
-    assert checkpoint.committed_steps(root) == ["step_00000002", "step_00000003"]
-    assert not os.path.exists(os.path.join(root, "step_00000004"))
-    assert checkpoint.resolve_resume("auto", root).endswith("step_00000003")
-
-
-def test_resume_restores_the_exact_state(tmp_path, one_rank):
-    cfg = tiny_config(tmp_path)
-    engine = build_engine(cfg, one_rank)
-    run_steps(engine, cfg, 2)
+def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_touching_the_engine(tmp_path, one_rank):
+    cfg, engine = trained(tmp_path, one_rank)
     path, _, _ = checkpoint.save(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
     fresh = build_engine(cfg, one_rank)
     assert not torch.equal(fresh.flat_params, engine.flat_params)
-    assert checkpoint.load(path, fresh, one_rank) == 2
+    assert checkpoint.load(path, fresh, one_rank)["step"] == 2
     assert torch.equal(fresh.flat_params, engine.flat_params)
     assert torch.equal(fresh.exp_avg, engine.exp_avg) and torch.equal(fresh.exp_avg_sq, engine.exp_avg_sq)
     assert fresh.step_count == engine.step_count == 2
+
+    shard = os.path.join(path, SHARD)
+    good = open(shard, "rb").read()
+    data = bytearray(good)
+    data[-100] ^= 0x01  # one bit of a master value (master's bytes come last: F32 tensors by name)
+    open(shard, "wb").write(bytes(data))
+    assert not torch.equal(load_file(shard)["master"], engine.master_shard())  # planted: an unchecked load takes it
+    untouched = build_engine(cfg, one_rank)
+    before = untouched.flat_params.clone()
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{SHARD}: sha256 .* \(corrupt\)"):
+        checkpoint.load(path, untouched, one_rank)
+    assert torch.equal(untouched.flat_params, before)
+    open(shard, "wb").write(good)
+
+    manifest_file = os.path.join(path, "manifest.json")
+    manifest = json.load(open(manifest_file))
+    manifest["layout"]["owned_ranges"][0][1][0] -= 10  # bucket 1's range reaches into bucket 0's
+    json.dump(manifest, open(manifest_file, "w"))
+    with pytest.raises(checkpoint.CheckpointError, match="manifest.json: owned ranges overlap"):
+        checkpoint.load(path, untouched, one_rank)
+    assert torch.equal(untouched.flat_params, before)
 
 
 def test_incompatible_or_foreign_folders_are_refused(tmp_path, one_rank):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
-    path, _, manifest = checkpoint.save(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
+    _, _, manifest = checkpoint.save(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
     assert checkpoint.incompatibility(manifest, {**vars(cfg.model), "n_embd": 64}) == \
         "checkpoint has model.n_embd=32, this run has 64"
     with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing"):
         checkpoint.read_manifest(str(tmp_path))
+
+
+# ---------------------------------------------------------------- retention
+def test_retention_keeps_what_latest_names_and_never_touches_newer_folders(tmp_path, one_rank, monkeypatch):
+    cfg, engine = trained(tmp_path, one_rank, steps=1)
+    root = str(tmp_path / "ck")
+    checkpoint.save(root, 20, engine, one_rank, cfg.to_dict(), keep=2)  # a run that got to step 20 ...
+    for step in (5, 10):  # ... restarted from an earlier step in the same folder
+        checkpoint.save(root, step, engine, one_rank, cfg.to_dict(), keep=2)
+    assert checkpoint.read_latest(root) == "step_00000010"
+    assert checkpoint.committed_steps(root) == ["step_00000005", "step_00000010", "step_00000020"]
+    checkpoint.save(root, 15, engine, one_rank, cfg.to_dict(), keep=2)
+    assert checkpoint.committed_steps(root) == ["step_00000010", "step_00000015", "step_00000020"]
+    assert checkpoint.find_resumable(root) == (os.path.join(root, "step_00000015"), [])
+
+    def newest_by_name(root, keep):  # planted: the old rule, keep the newest `keep` names
+        import shutil
+        for name in checkpoint.committed_steps(root)[:-keep]:
+            shutil.rmtree(os.path.join(root, name))
+
+    monkeypatch.setattr(commit_module, "retain", newest_by_name)
+    root = str(tmp_path / "old-rule")
+    checkpoint.save(root, 20, engine, one_rank, cfg.to_dict(), keep=1)
+    checkpoint.save(root, 5, engine, one_rank, cfg.to_dict(), keep=1)
+    assert not os.path.isdir(os.path.join(root, checkpoint.read_latest(root)))  # latest names a deleted folder
+
+
+# ---------------------------------------------------------------- the async writer
+def slow_copies(monkeypatch, seconds=0.3):
+    real = save_module._Staging.copy_from
+
+    def copy_from(self, engine, step_count):
+        time.sleep(seconds)  # a copy long enough that training reaches its next update meanwhile
+        real(self, engine, step_count)
+
+    monkeypatch.setattr(save_module._Staging, "copy_from", copy_from)
+
+
+def test_async_save_writes_bitwise_the_files_of_a_sync_save_while_training_goes_on(tmp_path, one_rank, monkeypatch):
+    cfg, engine = trained(tmp_path, one_rank)
+    slow_copies(monkeypatch)
+    sync_path, _, _ = checkpoint.save(str(tmp_path / "sync"), 2, engine, one_rank, cfg.to_dict())
+    writer = checkpoint.CheckpointWriter(str(tmp_path / "async"), one_rank, async_save=True)
+    writer.start(2, engine, {"config": cfg.to_dict()})
+    assert not writer.local_done()
+    run_steps(engine, cfg, 1)  # the next update waits for the staging copy, not for the write
+    async_path = writer.finish()
+    assert folder_hashes(async_path) == folder_hashes(sync_path)  # manifest.json included
+    assert writer.finish() is None and writer.local_done()
+
+    staged = writer._staging.master.data_ptr()
+    writer.start(3, engine, {"config": cfg.to_dict()})
+    assert writer._staging.master.data_ptr() == staged  # staging buffers are reused, not reallocated
+    writer.finish()
+
+    # planted: an update that does not wait for the copy leaks the next step's state into the files
+    sync_path, _, _ = checkpoint.save(str(tmp_path / "sync"), 3, engine, one_rank, cfg.to_dict())
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "_wait_staged", lambda self: None)
+    unguarded = checkpoint.CheckpointWriter(str(tmp_path / "unguarded"), one_rank, async_save=True)
+    unguarded.start(3, engine, {"config": cfg.to_dict()})
+    run_steps(engine, cfg, 1)
+    assert folder_hashes(unguarded.finish())[SHARD] != folder_hashes(sync_path)[SHARD]
+
+
+def test_async_writer_refuses_a_second_save_in_flight_and_an_early_commit(tmp_path, one_rank, monkeypatch):
+    _, engine = trained(tmp_path, one_rank)
+    slow_copies(monkeypatch)
+    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck"), one_rank, async_save=True)
+    assert writer.local_done() and writer.commit_pending() is None and writer.finish() is None
+    writer.start(2, engine, {})
+    assert writer.pending_step == 2
+    with pytest.raises(RuntimeError, match="save of step 2 is in flight"):
+        writer.start(3, engine, {})
+    with pytest.raises(RuntimeError, match="save of step 2 is in flight"):
+        writer.save(3, engine, {})
+    with pytest.raises(RuntimeError, match="still writing step 2"):
+        writer.commit_pending()
+    while not writer.local_done():
+        time.sleep(0.01)
+    assert writer.commit_pending() == str(tmp_path / "ck" / "step_00000002")
+    assert checkpoint.read_latest(str(tmp_path / "ck")) == "step_00000002"
+
+
+def test_an_async_save_checks_its_files_read_back_and_a_lossy_disk_fails_invariant_d(tmp_path, one_rank, monkeypatch):
+    _, engine = trained(tmp_path, one_rank)
+    root = str(tmp_path / "ck")
+    writer = checkpoint.CheckpointWriter(root, one_rank, async_save=True)
+    writer.start(2, engine, {})
+    assert writer.finish() == os.path.join(root, "step_00000002")  # read back equal: committed
+    real = save_module.write_safetensors
+
+    def lossy(path, tensors, **kwargs):  # planted: the disk keeps one bit other than it was given
+        record = real(path, tensors, **kwargs)
+        if path.endswith(SHARD):
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last ^ 1]))
+        return record
+
+    monkeypatch.setattr(save_module, "write_safetensors", lossy)
+    writer.start(3, engine, {})
+    while True:
+        try:
+            if writer.local_done():
+                pytest.fail("a file that reads back different bytes was accepted")
+        except InvariantError as e:
+            assert f"invariant (d) failed: {root}/.step_00000003.tmp/{SHARD} reads back different bytes: master" in str(e)
+            break
+        time.sleep(0.01)
+    assert checkpoint.read_latest(root) == "step_00000002"
+
+
+# ---------------------------------------------------------------- crashes
+def test_a_save_failing_midway_leaves_the_previous_checkpoint_and_latest(tmp_path, one_rank):
+    cfg, engine = trained(tmp_path, one_rank)
+    root = str(tmp_path / "ck")
+    checkpoint.save(root, 2, engine, one_rank, cfg.to_dict(), keep=2)
+
+    def disk_full(step):
+        raise OSError(28, "No space left on device")
+
+    writer = checkpoint.CheckpointWriter(root, one_rank, keep=2, halfway_hook=disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"rank 0: writing .*step_00000003.tmp/{SHARD} failed"):
+        writer.save(3, engine, {"config": cfg.to_dict()})
+    writer.start(4, engine, {"config": cfg.to_dict()})
+    while True:
+        try:
+            if writer.local_done():
+                break
+        except checkpoint.CheckpointError as e:
+            assert f"step_00000004.tmp/{SHARD} failed" in str(e)
+            break
+        time.sleep(0.01)
+    assert writer.pending_step is None  # the failed save is dropped; the writer can save again
+    assert checkpoint.committed_steps(root) == ["step_00000002"]
+    assert checkpoint.read_latest(root) == "step_00000002"
+    assert checkpoint.find_resumable(root) == (os.path.join(root, "step_00000002"), [])
+
+
+def test_a_process_killed_midway_through_an_async_save_leaves_the_previous_checkpoint_and_latest(tmp_path):
+    root = str(tmp_path / "ck")
+    codes, _ = spawn(killed_mid_save_job, 1, tmp_path, root)
+    assert codes == [9]
+    assert checkpoint.committed_steps(root) == ["step_00000002"]
+    assert checkpoint.read_latest(root) == "step_00000002"
+    half = os.path.getsize(os.path.join(root, ".step_00000003.tmp", SHARD))
+    assert 0 < half < os.path.getsize(os.path.join(root, "step_00000002", SHARD))  # it died mid-file
+    assert checkpoint.find_resumable(root) == (os.path.join(root, "step_00000002"), [])
+
+
+def killed_mid_save_job(rank, comm, tmp_path, root):
+    cfg = tiny_config(tmp_path)
+    engine = build_engine(cfg, comm)
+    run_steps(engine, cfg, 2)
+    checkpoint.save(root, 2, engine, comm, cfg.to_dict())
+    writer = checkpoint.CheckpointWriter(root, comm, async_save=True, halfway_hook=lambda step: os._exit(9))
+    writer.start(3, engine, {"config": cfg.to_dict()})
+    run_steps(engine, cfg, 1)
+    writer.finish()
+    return {}
+
+
+# ---------------------------------------------------------------- two ranks
+def test_two_ranks_commit_sync_and_async_saves_and_an_unshared_folder_stops_every_rank(tmp_path):
+    root = str(tmp_path / "ck")
+    codes, results = spawn(two_rank_job, 2, tmp_path, root)
+    assert codes == [0, 0], results
+    assert results[0]["paths"] == results[1]["paths"] == [os.path.join(root, checkpoint.step_name(s)) for s in (1, 2, 3)]
+    assert results[0]["verified"] == [True, True, True]
+    assert results[0]["loaded_equal"] and results[1]["loaded_equal"]
+    for r in (0, 1):  # both ranks learn rank 0's verdict; neither is left waiting
+        assert "rank 0 cannot see rank 1's files" in results[r]["unshared"]
+        assert "must be on a filesystem shared by all nodes" in results[r]["unshared"]
+    assert checkpoint.read_latest(root) == "step_00000003"
+    names = {f["name"] for f in checkpoint.read_manifest(os.path.join(root, "step_00000003"))["files"]}
+    assert names == {"model.safetensors", "optim-rank00000-of-00002.safetensors", "optim-rank00001-of-00002.safetensors"}
+
+
+def two_rank_job(rank, comm, tmp_path, root):
+    cfg = tiny_config(tmp_path, nproc=2)
+    engine = build_engine(cfg, comm)
+    run_steps(engine, cfg, 1)
+    writer = checkpoint.CheckpointWriter(root, comm, keep=3, async_save=True)
+    paths = [writer.save(1, engine, {"config": cfg.to_dict()})[0]]
+    run_steps(engine, cfg, 1)
+    writer.start(2, engine, {"config": cfg.to_dict()})
+    while True:  # the loop's per-step all-reduce carries "my write is done" as a flag
+        run_steps(engine, cfg, 1)
+        not_done = comm.all_reduce(torch.tensor([0.0 if writer.local_done() else 1.0]), "test")
+        if not_done.item() == 0:
+            break
+    paths.append(writer.commit_pending())
+    writer.start(3, engine, {"config": cfg.to_dict()})
+    paths.append(writer.finish())
+    fresh = build_engine(cfg, comm)
+    checkpoint.load(paths[-1], fresh, comm)
+    out = {"paths": paths, "loaded_equal": torch.equal(fresh.flat_params, engine.flat_params)}
+    if rank == 0:
+        out["verified"] = [all(c.ok for c in checkpoint.verify(p)) for p in paths]
+    elsewhere = root if rank == 0 else str(tmp_path / "node1-local-disk")  # rank 1 on a disk rank 0 cannot see
+    try:
+        checkpoint.CheckpointWriter(elsewhere, comm).save(4, engine, {})
+    except checkpoint.CheckpointError as e:
+        out["unshared"] = str(e)
+    return out
+
+
+def spawn(job, world_size, tmp_path, *args, timeout=120):
+    """Run `job(rank, comm, tmp_path, *args)` in `world_size` fresh processes; (exit codes, results by rank)."""
+    ctx = multiprocessing.get_context("spawn")
+    store = tmp_path / "store"
+    procs = [ctx.Process(target=_rank_main, args=(job, r, world_size, str(store), tmp_path, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world_size):
+        file = tmp_path / f"result-{r}.json"
+        results.append(json.loads(file.read_text()) if file.exists() else None)
+    return [p.exitcode for p in procs], results
+
+
+def _rank_main(job, rank, world_size, store, tmp_path, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        out = job(rank, Comm(), tmp_path, *args)
+    except BaseException:
+        out = {"error": traceback.format_exc()}
+    (tmp_path / f"result-{rank}.json").write_text(json.dumps(out))
+    os._exit(0)  # without interpreter teardown: gloo threads can still hold tensors (see cli.main)

@@ -110,11 +110,10 @@ def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_pat
     short.write_text("tiny")
     assert main(["train", "--data", str(short)]) == 2
     assert "fewer than one sequence of --seq-len 16" in capsys.readouterr().err
-    ck = tmp_path / "ck" / "step_00000002"
-    ck.mkdir(parents=True)
-    (ck / "manifest.json").write_text(json.dumps({"format": "zerotrain-checkpoint", "version": 1, "step": 2,
-                                                  "config": {"model": {"n_layer": 2, "n_head": 4, "n_embd": 64,
-                                                                        "seq_len": 16, "vocab_size": 64}}}))
+    other = tmp_path / "other"  # a real checkpoint, of a wider model
+    assert zerotrain("train", "--n-embd", "64", "--steps", "1", "--ckpt-every", "1", "--no-progress",
+                     "--out", str(other)).returncode == 0
+    ck = other / "checkpoints" / "step_00000001"
     assert main(["train", "--resume", str(ck)]) == 2
     assert "incompatible model: checkpoint has model.n_embd=64, this run has 32" in capsys.readouterr().err
     toml = tmp_path / "run.toml"

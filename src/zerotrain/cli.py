@@ -12,7 +12,7 @@ from .flags import _Parser
 
 def build_parser() -> argparse.ArgumentParser:
     from . import bench
-    from .commands import demo, equivalence, train
+    from .commands import demo, equivalence, train, verify
 
     parser = _Parser(prog="zerotrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     bench.add_parser(sub)
     equivalence.add_parser(sub)
+    verify.add_parser(sub)
     return parser
 
 
@@ -37,17 +38,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    from .launch import JobFailed
+    from .launch import Interrupted, JobFailed, in_torchrun
 
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except ConfigError as e:
-        print(f"zerotrain: error: {e}", file=sys.stderr)
+        if not in_torchrun() or os.environ["RANK"] == "0":  # every rank agrees on it; one says it
+            print(f"zerotrain: error: {e}", file=sys.stderr)
         return 2
     except JobFailed as e:
         print(f"zerotrain: FAILED: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(f"zerotrain: {e}", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130

@@ -1,4 +1,4 @@
-"""Per-step metrics: a progress line on rank 0 and one JSON object per step in a JSONL file."""
+"""Per-step metrics: a progress line on rank 0, one JSON object per step (and per event) in a JSONL file."""
 
 from __future__ import annotations
 
@@ -10,20 +10,24 @@ from tqdm import tqdm
 
 
 class Metrics:
-    """Rank 0 writes; other ranks hold a no-op instance so the loop needs no rank checks."""
+    """Rank 0 writes; other ranks hold a no-op instance so the loop needs no rank checks.
+
+    The file is only ever appended to. A run resuming at step s first drops the records of steps after
+    s (they belong to work that was not committed), rewriting the file atomically; `dropped_after` is
+    the last step it dropped, which tells a restart how many steps it lost.
+    """
 
     def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int):
         self.active = active
         self.file = None
         self.bar = None
+        self.dropped_after = start
         if not active:
             return
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            kept = _records_up_to(path, start) if start else []
-            self.file = open(path, "w")
-            for record in kept:  # a resumed run rewrites the steps after its checkpoint
-                self.file.write(json.dumps(record) + "\n")
+            self.dropped_after = _truncate_after(path, start)
+            self.file = open(path, "a")
         if progress:
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
                             dynamic_ncols=True, leave=True)
@@ -31,12 +35,29 @@ class Metrics:
     def log(self, record: dict) -> None:
         if not self.active:
             return
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+        self._write(record)
         if self.bar:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
+
+    def event(self, record: dict, message: str | None = None) -> None:
+        """An event (restart, rollback, stop) in the metrics, and its line on screen."""
+        if not self.active:
+            return
+        self._write(record)
+        if message:
+            if self.bar:
+                self.bar.write(f"zerotrain: {message}", file=sys.stderr)
+                if "to_step" in record:  # a rollback moves the bar back
+                    self.bar.n = record["to_step"]
+                    self.bar.refresh()
+            else:
+                print(f"zerotrain: {message}", file=sys.stderr, flush=True)
+
+    def _write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
         if self.bar:
@@ -45,9 +66,20 @@ class Metrics:
             self.file.close()
 
 
-def _records_up_to(path: str, step: int) -> list[dict]:
+def _truncate_after(path: str, step: int) -> int:
+    """Keep the records of steps <= step (and the events before them); return the last step seen."""
     if not os.path.isfile(path):
-        return []
+        return step
     with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if r.get("step", 0) <= step]
+        lines = [line for line in f if line.strip()]
+    records = [json.loads(line) for line in lines]
+    last = max((r["step"] for r in records if "step" in r and "event" not in r), default=step)
+    kept = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
+    if len(kept) < len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return last

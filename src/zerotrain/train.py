@@ -1,18 +1,21 @@
-"""The training loop: schedule -> micro-batches -> engine step -> invariants -> metrics -> checkpoint."""
+"""The training loop: schedule -> micro-batches -> engine step -> guard and invariants -> metrics -> checkpoint."""
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from . import checkpoint, invariants
+from . import checkpoint, control, invariants
 from .config import Config
 from .data import BatchSchedule, StepBatch, make_source
-from .launch import rank_device
+from .faults import Faults
+from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
+from .launch import rank_device, restart_count, stop_request
 from .metrics import Metrics
 from .model import build_model, summed_token_loss
 from .parallel import Comm, ZeroOneEngine
@@ -31,6 +34,11 @@ class TrainResult:
     comm_bytes: dict[str, int] = field(default_factory=dict)
     param_count: int = 0
     engine: ZeroOneEngine | None = None  # for callers that inspect the final state
+    stopped: dict | None = None  # {"signal", "step", "checkpoint"} when a stop signal ended the run early
+    rollbacks: list[dict] = field(default_factory=list)
+    resumed_from: str | None = None
+    per_rank: dict[str, list[int]] = field(default_factory=dict)  # bytes held and peak RSS, one entry per rank
+    wall_s: float = 0.0
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
@@ -40,11 +48,12 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
                          reduce_in_backward=cfg.run.reduce_in_backward, gather_in_forward=cfg.run.gather_in_forward)
 
 
-def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None) -> float:
+def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0) -> float:
     """Forward and backward every micro-batch of this rank; return its summed token loss.
 
     Each micro-batch's loss is its sum of token losses over the global token count, so the
     accumulated gradient is the global batch's mean-token-loss gradient whatever the split.
+    `loss_factor` is 1 except when a fault injects a NaN.
     """
     forward = engine.model if forward is None else forward
     device = engine.flat_params.device
@@ -52,38 +61,129 @@ def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None) 
     for i, (x, y) in enumerate(batch.micro_batches):
         with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
             token_loss = summed_token_loss(forward(x.to(device)), y.to(device))
+            if loss_factor != 1.0:
+                token_loss = token_loss * loss_factor
             (token_loss / batch.global_tokens).backward()
         loss_sum += token_loss.item()
     return loss_sum
 
 
+class _Saver:
+    """When to save and how: every K steps, every M minutes (rank 0's clock), on a stop and at the end."""
+
+    def __init__(self, cfg: Config, comm: Comm, faults: Faults, on_commit: Callable[[int], None]):
+        c = cfg.checkpoint
+        self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
+        self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
+        self.clock = control.SaveClock(c.every_minutes, comm.rank == 0)
+        self.writer = checkpoint.CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save,
+                                                  halfway_hook=faults.save_hook())
+        self.config = cfg.to_dict()
+        self.committed: list[str] = []
+
+    def due(self, step: int, last: int, decision: control.Decision) -> bool:
+        by_steps = self.every and step % self.every == 0
+        return decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == last))
+
+    def save(self, step: int, engine: ZeroOneEngine, state: dict, wait: bool) -> None:
+        """Save `step` with the loop's own `state` (data skips, guard window) in the manifest."""
+        extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **state}
+        self.clock.saved()
+        if self.writer.async_save and not wait:
+            self.finish()  # at most one save in flight
+            self.writer.start(step, engine, extra)
+            return
+        self.finish()
+        path, written, manifest = self.writer.save(step, engine, extra)
+        invariants.check_roundtrip(path, written, manifest)
+        self._committed(path)
+
+    def commit_written(self) -> None:
+        self._committed(self.writer.commit_pending())
+
+    def finish(self) -> None:
+        self._committed(self.writer.finish())
+
+    def _committed(self, path: str | None) -> None:
+        if path:
+            self.committed.append(path)
+            self.on_commit(int(os.path.basename(path)[len("step_"):]))
+
+
+def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, str | None]:
+    """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
+
+    After an elastic restart every rank resumes from the newest checkpoint that verifies, as rank 0 finds it.
+    """
+    path = cfg.checkpoint.resume or None
+    if restart_count() > 0:
+        found = checkpoint.find_resumable(cfg.checkpoint.dir)[0] if comm.rank == 0 else None
+        path = comm.all_gather_json(found, "agree_resume")[0] or path
+    if path is None:
+        return 0, {}, None
+    manifest = checkpoint.load(path, engine, comm)
+    threads = manifest.get("threads_per_rank")
+    if comm.rank == 0 and threads and threads != torch.get_num_threads():
+        print(f"zerotrain: warning: {os.path.basename(path)} was written with {threads} threads per rank, this run "
+              f"has {torch.get_num_threads()}: the continuation is exact only up to float reordering", flush=True)
+    return manifest["step"], manifest, path
+
+
 def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None) -> TrainResult:
     """Train to cfg.run.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills."""
-    r = cfg.run
+    t_start = time.perf_counter()
+    r, W = cfg.run, comm.world_size
     engine = build_engine(cfg, comm)
-    model = engine.model
-    if r.compile:
-        model = torch.compile(model)  # parameters stay views into the engine's flat buffer
+    model = torch.compile(engine.model) if r.compile else engine.model  # parameters stay views into the flat buffer
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
-                             rank=comm.rank, world_size=comm.world_size)
-    resume = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
-    start = checkpoint.load(resume, engine, comm) if resume else 0
+                             rank=comm.rank, world_size=W)
+    faults, stop = Faults.from_env(comm.rank, restart_count()), stop_request()
+    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
+    rollback = RollbackPolicy(cfg.guard.max_rollbacks)
+    saver = _Saver(cfg, comm, faults, on_commit=rollback.note_commit)
+    start, manifest, resumed_from = _resume(cfg, engine, comm)
+    skips = manifest.get("data_skips", [])
+    if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
+        detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
     metrics = Metrics(r.metrics, active=comm.rank == 0, progress=r.progress, start=start, total=r.steps)
-    records, saved = [], []
+    if restart_count() > 0:
+        metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
+                       "steps_lost": metrics.dropped_after - start},
+                      f"restart {restart_count()}: resumed from step {start}, "
+                      f"{metrics.dropped_after - start} step(s) lost")
+    records, rollbacks, stopped = [], [], None
+    step = start
     try:
-        for step in range(start, r.steps):
-            t0 = time.perf_counter()
-            batch = schedule.batch(step)
-            engine.zero_grad()
-            loss_sum = accumulate_gradients(engine, batch, model)
-            flags = invariants.nonfinite_flags(loss_sum, comm)
-            grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags]))
-            loss = float(totals[0]) / batch.global_tokens
-            invariants.check_finite(step + 1, loss, grad_norm, totals[1:])
-            lr = lr_at(step, cfg.optim, r.steps)
-            engine.apply(lr, grad_norm)
+        while step < r.steps:
             done = step + 1
+            comm.step = done
+            t0 = time.perf_counter()
+            faults.before_collectives(done, lambda: stop.requested)
+            batch = schedule.batch(data_step(step, skips))
+            engine.zero_grad()
+            loss_sum = accumulate_gradients(engine, batch, model, faults.loss_factor(done))
+            flags = control.local_flags(save_by_clock=saver.clock.due(), stop=stop.requested,
+                                        save_written=saver.writer.local_done())
+            grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64),
+                                                               invariants.nonfinite_flags(loss_sum, comm), flags]))
+            loss = float(totals[0]) / batch.global_tokens
+            decision = control.decide(totals[1 + W:], W)
+            if decision.save_written:
+                saver.commit_written()
+            anomaly = detector.check(done, loss, grad_norm, invariants.flagged_ranks(totals[1 : 1 + W]))
+            if anomaly:  # decided before anything is updated: the bad step is never applied
+                if cfg.guard.on_anomaly == "abort":
+                    raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
+                saver.finish()
+                step, skips, event = _roll_back(anomaly, rollback, skips, engine, comm, cfg)
+                detector.rewind(step)
+                rollbacks.append(event)
+                metrics.event(event, event["message"])
+                continue
+            lr = lr_at(step, cfg.optim, r.steps) * faults.lr_factor(done)
+            engine.apply(lr, grad_norm)
+            detector.accept(done, loss)
             if after_update:
                 engine.wait_params()
                 after_update(done, engine)
@@ -93,41 +193,64 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             # tokens: unmasked target tokens of the global batch; batch_*: the effective batch's capacity
             record = dict(step=done, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
                           batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
-                          step_ms=1000 * step_s,
-                          tokens_per_s=batch.global_tokens / step_s)
+                          step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
             records.append(record)
             metrics.log(record)
-            if cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == r.steps):
-                path, written, manifest = checkpoint.save(
-                    cfg.checkpoint.dir, done, engine, comm, cfg.to_dict(), keep=cfg.checkpoint.keep)
-                invariants.check_roundtrip(path, written, manifest)
-                saved.append(path)
+            if saver.due(done, r.steps, decision):
+                saver.save(done, engine, {"data_skips": skips, "guard": detector.state_dict()},
+                           wait=decision.stop or done == r.steps)
+            if decision.stop:
+                stopped = {"signal": stop.signal_name or "SIGTERM", "step": done,
+                           "checkpoint": saver.committed[-1] if saver.committed else None}
+                metrics.event({"event": "stop", "step": done, "signal": stopped["signal"]})
+                break
+            step = done
+        saver.finish()
     finally:
         metrics.close()
-    digests = invariants.check_no_drift(r.steps, engine.param_digest(), comm)
+    digests = invariants.check_no_drift(comm.step, engine.param_digest(), comm)
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
-    return TrainResult(records, start, digests, norms, memory, saved, dict(comm.calls), dict(comm.bytes),
-                       engine.layout.numel, engine)
+    return TrainResult(records, start, digests, norms, memory, saver.committed, dict(comm.calls), dict(comm.bytes),
+                       engine.layout.numel, engine, stopped, rollbacks, resumed_from, _per_rank_bytes(engine, comm),
+                       time.perf_counter() - t_start)
+
+
+def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngine, comm: Comm, cfg: Config):
+    """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly."""
+    committed = [int(n[len("step_"):]) for n in checkpoint.committed_steps(cfg.checkpoint.dir)]
+    target = policy.decide(anomaly, committed)
+    checkpoint.load(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(target)), engine, comm)
+    # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.
+    new_skips = skip_after_rollback(skips, target, anomaly.step)
+    first = data_step(target, [p for p in skips if p[0] < target]) + 1
+    last = data_step(anomaly.step - 1, skips) + 1
+    event = {"event": "rollback", "step": anomaly.step, "to_step": target, "reason": anomaly.reason,
+             "skipped_data_steps": [first, last], "rollback": policy.rollbacks,
+             "message": f"rollback {policy.rollbacks}/{cfg.guard.max_rollbacks}: {anomaly.reason}; restored "
+                        f"{checkpoint.step_name(target)}, skipping data steps {first}-{last}"}
+    return target, new_skips, event
+
+
+def _per_rank_bytes(engine: ZeroOneEngine, comm: Comm) -> dict[str, list[int]]:
+    """Parameter, gradient and optimizer bytes each rank holds, and its peak resident memory."""
+    grads = {id(t): t for t in (engine.flat_grads, engine.grad_accum, engine.grad_shard)}
+    row = torch.tensor([
+        engine.flat_params.numel() * engine.flat_params.element_size(),
+        sum(t.numel() * t.element_size() for t in grads.values()),
+        invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
+    ], dtype=torch.int64)
+    rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
+    return {key: [int(r[i]) for r in rows] for i, key in enumerate(("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                                    "peak_rss_bytes"))}
 
 
 def train_job(cfg: Config, comm: Comm) -> dict:
-    """The job behind `zerotrain train`: rank 0 returns a summary."""
+    """The job behind `zerotrain train`: rank 0 returns what the command reports and writes to summary.json."""
     result = train(cfg, comm)
     return {"records": result.records, "digests": result.digests, "checkpoints": result.checkpoints,
-            "memory": vars(result.memory), "param_count": result.param_count,
-            "start_step": result.start_step}
-
-
-def resolve_paths(cfg: Config) -> Config:
-    """Fill the run folder, metrics file and checkpoint folder defaults (before workers start)."""
-    r, c = cfg.run, cfg.checkpoint
-    if not r.out:
-        r.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    r.out = os.path.abspath(r.out)
-    if not r.metrics:
-        r.metrics = os.path.join(r.out, "metrics.jsonl")
-    if not c.dir:
-        c.dir = os.path.join(r.out, "checkpoints")
-    c.dir = os.path.abspath(c.dir)
-    return cfg
+            "memory": vars(result.memory), "param_count": result.param_count, "start_step": result.start_step,
+            "stopped": result.stopped, "rollbacks": result.rollbacks, "resumed_from": result.resumed_from,
+            "per_rank": result.per_rank, "restarts": restart_count(), "wall_s": result.wall_s,
+            "threads_per_rank": torch.get_num_threads(), "world_size": comm.world_size, "config": cfg.to_dict()}

@@ -1,10 +1,12 @@
-"""Sharded checkpoints: the format, the atomic save, and verified loading with resharding."""
+"""Sharded checkpoints: the format, the atomic (sync or async) writer, verification, and verified loading with resharding."""
 
-from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, incompatibility,
-                     read_manifest, shard_name, step_name)
-from .load import load, resolve_resume, verify_files
-from .save import committed_steps, save
+from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_steps,
+                     incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name)
+from .load import find_resumable, load, resolve_resume
+from .save import CheckpointWriter, save
+from .verify import Check, verify, verify_or_raise
 
-__all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "CheckpointError", "committed_steps",
-           "incompatibility", "load", "read_manifest", "resolve_resume", "save", "shard_name", "step_name",
-           "verify_files"]
+__all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
+           "CheckpointWriter", "committed_steps", "find_resumable", "incompatibility", "load", "read_latest",
+           "read_manifest", "resolve_resume", "save", "shard_name", "step_folders", "step_name", "verify",
+           "verify_or_raise"]

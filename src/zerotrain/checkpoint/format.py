@@ -1,21 +1,34 @@
-"""The checkpoint format: folder and file names, the manifest, and the low-level file helpers.
+"""The checkpoint format: folder and file names, the manifest and its schema, what `latest` names.
 
 A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, `model.safetensors` (the full
-fp32 model, loadable without torch.distributed) and one `optim-rank{r}-of-{W}.safetensors` per rank.
-Safetensors and JSON only: nothing is unpickled.
+fp32 model, loadable without torch.distributed) and one `optim-rank{r}-of-{W}.safetensors` per rank
+(its master values, exp_avg, exp_avg_sq and the optimizer step). `latest` in the checkpoint root
+names the newest committed folder. Safetensors and JSON only: nothing is unpickled.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 
 from ..errors import ZeroTrainError
 
 FORMAT, VERSION = "zerotrain-checkpoint", 1
 MODEL_FILE, MANIFEST, LATEST = "model.safetensors", "manifest.json", "latest"
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+STEP_FOLDER = re.compile(r"step_(\d{8})")
+
+# The keys the writer records, with their JSON types; callers add their own keys beside these.
+MANIFEST_SCHEMA = {"format": str, "version": int, "step": int, "world_size": int, "param_count": int,
+                   "precision": str, "torch_version": str, "layout": dict, "files": list}
+LAYOUT_SCHEMA = {"world_size": int, "numel": int, "padded_numel": int, "shard_numel": int, "params": list,
+                 "buckets": list, "owned_ranges": list}
+PARAM_SCHEMA = {"name": str, "shape": list, "numel": int, "offset": int, "flat_offset": int, "bucket": int,
+                "decay": bool}
+BUCKET_SCHEMA = {"index": int, "start": int, "end": int, "decay_end": int, "shard_offset": int}
+FILE_SCHEMA = {"name": str, "bytes": int, "sha256": str}
+PRECISIONS = ("fp32", "bf16")
 
 
 class CheckpointError(ZeroTrainError):
@@ -26,8 +39,40 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a committed folder's name (`step_00000012` -> 12), or None for any other name."""
+    match = STEP_FOLDER.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def shard_name(rank: int, world_size: int) -> str:
     return f"optim-rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def expected_files(world_size: int) -> list[str]:
+    return [MODEL_FILE] + [shard_name(r, world_size) for r in range(world_size)]
+
+
+def step_folders(root: str) -> list[str]:
+    """Every committed step folder's name under `root` (manifest or not), newest first."""
+    if not os.path.isdir(root):
+        return []
+    names = [n for n in os.listdir(root) if step_of(n) is not None and os.path.isdir(os.path.join(root, n))]
+    return sorted(names, key=step_of, reverse=True)
+
+
+def committed_steps(root: str) -> list[str]:
+    """Committed step folders that hold a manifest, oldest first."""
+    return sorted(n for n in step_folders(root) if os.path.isfile(os.path.join(root, n, MANIFEST)))
+
+
+def read_latest(root: str) -> str | None:
+    """The folder name `latest` holds, or None if there is no `latest`."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _fsync_path(path: str) -> None:
@@ -38,34 +83,77 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def schema_problem(manifest) -> str | None:
+    """Why `manifest` does not have the writer's keys with their types, format and version, or None."""
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    problem = _typed(manifest, MANIFEST_SCHEMA, "manifest")
+    if problem:
+        return problem
+    if manifest["format"] != FORMAT or manifest["version"] != VERSION:
+        return f"format {manifest['format']!r} version {manifest['version']} is not {FORMAT!r} version {VERSION}"
+    if manifest["precision"] not in PRECISIONS:
+        return f"precision {manifest['precision']!r} is not one of {PRECISIONS}"
+    if manifest["world_size"] < 1:
+        return f"world_size {manifest['world_size']} is not positive"
+    layout = manifest["layout"]
+    problem = _typed(layout, LAYOUT_SCHEMA, "layout")
+    for i, p in enumerate(layout["params"] if problem is None else []):
+        problem = problem or _typed(p, PARAM_SCHEMA, f"layout.params[{i}]")
+        if problem is None and not all(_count(d) for d in p["shape"]):
+            problem = f"layout.params[{i}].shape {p['shape']} is not a list of sizes"
+    for i, b in enumerate(layout["buckets"] if problem is None else []):
+        problem = problem or _typed(b, BUCKET_SCHEMA, f"layout.buckets[{i}]")
+    if problem is None and not all(isinstance(ranges, list) and all(
+            isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in ranges)
+            for ranges in layout["owned_ranges"]):
+        problem = "layout.owned_ranges is not a list of [start, end] lists per rank"
+    for i, f in enumerate(manifest["files"] if problem is None else []):
+        problem = problem or _typed(f, FILE_SCHEMA, f"files[{i}]")
+        if problem is None and not re.fullmatch(r"[0-9a-f]{64}", f["sha256"]):
+            problem = f"files[{i}].sha256 {f['sha256']!r} is not 64 hex digits"
+    return problem
+
+
+def _typed(obj, schema: dict, where: str) -> str | None:
+    if not isinstance(obj, dict):
+        return f"{where} is a {type(obj).__name__}, not an object"
+    for key, kind in schema.items():
+        if key not in obj:
+            return f"{where} has no {key!r}"
+        value = obj[key]
+        if kind is int and not _count(value):
+            return f"{where}.{key} is {value!r}, expected a non-negative integer"
+        if not isinstance(value, kind):
+            return f"{where}.{key} is a {type(value).__name__}, expected {kind.__name__}"
+    return None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint folder `path`, checked against the schema (CheckpointError if not)."""
     file = os.path.join(path, MANIFEST)
     try:
         with open(file) as f:
             manifest = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a checkpoint: {MANIFEST} is missing") from None
-    except json.JSONDecodeError as e:
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r} "
-            f"is not {FORMAT!r} version {VERSION}"
-        )
+    problem = schema_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{file}: {problem}")
     return manifest
 
 
 def incompatibility(manifest: dict, model_config: dict) -> str | None:
     """Why a checkpoint cannot initialise this model, or None."""
-    theirs = manifest["config"]["model"]
+    theirs = manifest.get("config", {}).get("model")
+    if theirs is None:
+        return "checkpoint records no model config"
     for key, value in model_config.items():
         if theirs.get(key) != value:
             return f"checkpoint has model.{key}={theirs.get(key)}, this run has {value}"

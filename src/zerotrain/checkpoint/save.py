@@ -1,97 +1,316 @@
-"""Saving a checkpoint atomically: every rank writes and fsyncs its files, rank 0 commits and moves `latest`.
+"""Writing checkpoints: each rank writes and hashes its own files, synchronously or behind training.
 
-Files are written under a temporary folder name, renamed into place only when every rank's files
-are fsynced; `latest` is then replaced atomically, so a reader never sees a half-written checkpoint.
+`CheckpointWriter.save` writes at once (all ranks call it together; two small collectives share
+each rank's outcome and rank 0's commit verdict, so no rank waits on one that failed).
+`start` saves asynchronously: the state is copied into reusable CPU staging buffers and a
+background thread writes, hashes, fsyncs and reads the files back (invariant (d)), then writes
+this rank's sidecar. The thread issues no collectives: the training loop learns that every rank
+is done through its own per-step all-reduce (`local_done()` as a flag) and then calls
+`commit_pending()` on every rank; `finish()` does wait-agree-commit with one collective.
+
+On the CPU the staging copy itself runs in the background thread, behind the next forward and
+backward, which leave the saved state untouched: an optimizer step pre-hook makes the next
+update wait for the copy. On CUDA the copies are queued on the training stream at `start`
+(into pinned memory) and the thread waits for them before writing.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import save_file
 
+from ..invariants import InvariantError
 from ..parallel import Comm, ZeroOneEngine
-from .format import FORMAT, LATEST, MANIFEST, MODEL_FILE, VERSION, _fsync_path, _sha256, shard_name, step_name
+from .commit import commit, tmp_name, write_sidecar
+from .format import (FORMAT, MANIFEST_SCHEMA, MODEL_FILE, VERSION, CheckpointError, shard_name, step_name)
+from .stream import FileRecord, differing_bytes, write_safetensors
+
+
+@dataclass
+class _Pending:
+    """The one asynchronous save in flight on this rank."""
+
+    step: int
+    base: dict  # the manifest without its file list
+    staged: threading.Event = field(default_factory=threading.Event)  # the state is copied out
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+class CheckpointWriter:
+    """Saves the checkpoints of one run under `root`; all ranks construct it together (one collective).
+
+    `keep`: committed checkpoints to keep (0: all). `async_save`: the run's choice, for the caller
+    (`save` and `start` both work either way). `extra_manifest_fn()`: fields added to every
+    manifest (explicit `extra` wins). `halfway_hook(step)`: called after about half of this rank's
+    shard bytes are written (fault injection); an exception it raises fails the save.
+    """
+
+    def __init__(self, root: str, comm: Comm, *, keep: int = 0, async_save: bool = False,
+                 extra_manifest_fn: Callable[[], dict] | None = None,
+                 halfway_hook: Callable[[int], None] | None = None):
+        self.root, self.comm, self.keep, self.async_save = root, comm, keep, async_save
+        self.extra_manifest_fn, self.halfway_hook = extra_manifest_fn, halfway_hook
+        # One id per writer, agreed by all ranks: a sidecar left by another writer (a crashed run,
+        # a stale copy on one node's own disk) is never taken for one of this writer's.
+        self.session = comm.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
+        self._staging: _Staging | None = None
+        self._pending: _Pending | None = None
+        self._guarded: set[int] = set()  # optimizers whose step waits for the staging copy
+
+    # ------------------------------------------------------------------ synchronous
+    def save(self, step: int, engine: ZeroOneEngine, extra: dict | None = None):
+        """Write and commit step `step` now; (folder, {file: tensors this rank wrote}, manifest) on every rank.
+
+        The tensors are views of the engine's state where possible: valid until the next update.
+        """
+        self._refuse_in_flight("save")
+        base = self._describe(step, engine, extra or {})
+        files = _live_files(engine, self.comm.rank, self.comm.world_size)
+        folder = os.path.join(self.root, tmp_name(step))
+        local, records = None, []
+        try:
+            records = self._write(folder, files, step)
+            write_sidecar(folder, self.comm.rank, self.session, step, records)
+        except Exception as e:  # told to every rank below, so none is left waiting in a collective
+            local = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
+        reports = self.comm.all_gather_json(
+            {"error": str(local) if local else None, "files": [r.to_dict() for r in records]}, "checkpoint_files")
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+        if failed:
+            raise CheckpointError(f"checkpoint step {step} not saved: rank {failed[0][0]}: {failed[0][1]}") from local
+        verdict = None
+        if self.comm.rank == 0:
+            try:
+                commit(self.root, step, base, self.comm.world_size, self.session, self.keep)
+            except (CheckpointError, OSError) as e:
+                verdict = str(e)
+        verdict = self.comm.all_gather_json(verdict, "checkpoint_commit")[0]
+        if verdict:
+            raise CheckpointError(verdict)
+        listed = sorted((f for rep in reports for f in rep["files"]), key=lambda f: f["name"])
+        return os.path.join(self.root, step_name(step)), files, {**base, "files": listed}
+
+    # ------------------------------------------------------------------ asynchronous
+    def start(self, step: int, engine: ZeroOneEngine, extra: dict | None = None) -> None:
+        """Begin saving step `step` behind training; returns once the state's copy is under way."""
+        self._refuse_in_flight("start")
+        base = self._describe(step, engine, extra or {})
+        engine.wait_params()  # an all-gather in flight still writes the parameters being copied
+        if self._staging is None or not self._staging.fits(engine):
+            self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
+        staging, step_count = self._staging, engine.step_count
+        if id(engine.optimizer) not in self._guarded:
+            engine.optimizer.register_step_pre_hook(lambda *_: self._wait_staged())
+            self._guarded.add(id(engine.optimizer))
+        pending = _Pending(step, base)
+        if not staging.copy_in_background:
+            staging.copy_from(engine, step_count)  # queued on the training stream: ordered before the update
+            pending.staged.set()
+        pending.thread = threading.Thread(target=self._background, args=(pending, engine, staging, step_count),
+                                          name=f"zerotrain-save-{step}", daemon=True)
+        self._pending = pending
+        pending.thread.start()
+
+    def _background(self, pending: _Pending, engine: ZeroOneEngine, staging: _Staging, step_count: int) -> None:
+        try:
+            try:
+                if staging.copy_in_background:
+                    staging.copy_from(engine, step_count)
+                else:
+                    staging.wait_copied()
+            finally:
+                pending.staged.set()
+            files = staging.files()
+            folder = os.path.join(self.root, tmp_name(pending.step))
+            records = self._write(folder, files, pending.step)
+            for record in records:  # invariant (d), off the training path
+                read_back_check(os.path.join(folder, record.name), files[record.name])
+            write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
+        except BaseException as e:  # surfaced by local_done() on the training thread
+            pending.error = e
+
+    def _wait_staged(self) -> None:
+        pending = self._pending
+        if pending is not None:
+            pending.staged.wait()
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the save in flight on this rank, or None."""
+        return self._pending.step if self._pending else None
+
+    def local_done(self) -> bool:
+        """This rank's part of the save in flight is written (True when none is); re-raises its failure."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if pending.thread.is_alive():
+            return False
+        if pending.error is not None:
+            self._pending = None
+            raise _as_checkpoint_error(pending)
+        return True
+
+    def commit_pending(self) -> str | None:
+        """Every rank, once all agreed their writes are done: rank 0 commits; returns the folder (None if none)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if not self.local_done():
+            raise RuntimeError(f"commit_pending() while this rank is still writing step {pending.step}: "
+                               "commit only after every rank's local_done() is True")
+        self._pending = None
+        if self.comm.rank == 0:
+            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep)
+        return os.path.join(self.root, step_name(pending.step))
+
+    def finish(self) -> str | None:
+        """All ranks: wait for the save in flight, agree with one collective, commit; None if none was."""
+        pending = self._pending
+        if pending is not None:
+            pending.thread.join()
+        error = _as_checkpoint_error(pending) if pending is not None and pending.error is not None else None
+        states = self.comm.all_gather_json(
+            {"step": pending.step if pending else None, "error": str(error) if error else None}, "checkpoint_finish")
+        failed = [(r, s["error"]) for r, s in enumerate(states) if s["error"]]
+        if failed:
+            self._pending = None
+            raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}") from error
+        steps = {s["step"] for s in states}
+        if steps == {None}:
+            return None
+        if len(steps) > 1:
+            raise RuntimeError(f"ranks disagree on the checkpoint save in flight: steps {sorted(steps, key=str)}")
+        return self.commit_pending()
+
+    # ------------------------------------------------------------------ shared
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"{what}() while the save of step {self._pending.step} is in flight: "
+                               "commit_pending() or finish() it first")
+
+    def _describe(self, step: int, engine: ZeroOneEngine, extra: dict) -> dict:
+        """The manifest without its file list; the caller's fields beside the writer's own."""
+        extra = {**(self.extra_manifest_fn() if self.extra_manifest_fn else {}), **extra}
+        clash = sorted(set(extra) & set(MANIFEST_SCHEMA))
+        if clash:
+            raise ValueError(f"manifest field(s) {clash} are the writer's own; name extra fields otherwise")
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "world_size": self.comm.world_size,
+            "param_count": engine.layout.numel,
+            "precision": engine.precision,
+            "torch_version": torch.__version__,
+            "layout": engine.layout.to_dict(),
+            **extra,
+        }
+
+    def _write(self, folder: str, files: dict[str, dict[str, torch.Tensor]], step: int) -> list[FileRecord]:
+        """Write this rank's files into `folder`, each fsynced; failures name the file."""
+        shard, hook = shard_name(self.comm.rank, self.comm.world_size), self.halfway_hook
+        records = []
+        for name, tensors in files.items():
+            path = os.path.join(folder, name)
+            halfway = (lambda: hook(step)) if hook is not None and name == shard else None
+            try:
+                os.makedirs(folder, exist_ok=True)
+                records.append(write_safetensors(path, tensors, halfway=halfway))
+            except Exception as e:
+                raise CheckpointError(f"writing {path} failed: {e}") from e
+        return records
 
 
 def save(root: str, step: int, engine: ZeroOneEngine, comm: Comm, config: dict, keep: int = 0):
-    """Write step `step` under `root` atomically; return (folder, {file: tensors this rank wrote}, manifest)."""
-    rank, W = comm.rank, comm.world_size
-    final = os.path.join(root, step_name(step))
-    tmp = os.path.join(root, "." + step_name(step) + ".tmp")
+    """Write step `step` under `root` synchronously; (folder, {file: tensors this rank wrote}, manifest)."""
+    return CheckpointWriter(root, comm, keep=keep).save(step, engine, {"config": config})
+
+
+def read_back_check(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Invariant (d) for one written file: it reads back as exactly the bytes written (header and tensors).
+
+    As check_roundtrip does for a synchronous save, but by comparing with the staged tensors chunk by
+    chunk: equal bytes also prove the sha256 recorded while writing is the file's, without hashing again.
+    """
+    where = differing_bytes(path, tensors)
+    if where:
+        raise InvariantError(f"invariant (d) failed: {path} reads back different bytes: {where}")
+
+
+def _as_checkpoint_error(pending: _Pending) -> BaseException:
+    e = pending.error
+    if isinstance(e, (CheckpointError, InvariantError)):
+        return e
+    wrapped = CheckpointError(f"saving step {pending.step} failed: {type(e).__name__}: {e}")
+    wrapped.__cause__ = e
+    return wrapped
+
+
+def _live_files(engine: ZeroOneEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's files for a synchronous save, from the engine's state (views where it is already fp32 on CPU)."""
+    engine.wait_params()
+    files = {shard_name(rank, world_size): {k: v.detach().cpu().contiguous()
+                                            for k, v in engine.shard_state_dict().items()}}
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash mid-save is never committed
-        os.makedirs(tmp)
-    comm.barrier("checkpoint_barrier")
-    written = {shard_name(rank, W): engine.shard_state_dict()}
-    if rank == 0:
-        written[MODEL_FILE] = engine.full_state_dict()
-    infos = []
-    for name, tensors in written.items():
-        path = os.path.join(tmp, name)
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
-        _fsync_path(path)
-        infos.append({"name": name, "bytes": os.path.getsize(path), "sha256": _sha256(path)})
-    files = [info for rank_infos in comm.all_gather_json(infos, "checkpoint_files") for info in rank_infos]
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "world_size": W,
-        "param_count": engine.layout.numel,
-        "precision": engine.precision,
-        "torch_version": torch.__version__,
-        "layout": engine.layout.to_dict(),
-        "config": config,
-        "files": sorted(files, key=lambda f: f["name"]),
-    }
-    if rank == 0:
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_path(tmp)
-        _commit(tmp, final)
-        _point_latest(root, step_name(step))
-        if keep:
-            _retain(root, keep)
-    comm.barrier("checkpoint_barrier")
-    return final, written, manifest
+        files[MODEL_FILE] = {n: p.detach().float().cpu().contiguous() for n, p in engine.model.named_parameters()}
+    return files
 
 
-def _commit(tmp: str, final: str) -> None:
-    """Rename the finished folder into place; an older folder of the same step is replaced."""
-    old = None
-    if os.path.exists(final):
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(os.path.dirname(final))
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+class _Staging:
+    """Reusable CPU copies of one rank's checkpoint state: allocated at the first async save, reused after.
 
+    Pinned when the engine is on CUDA, so the device-to-host copies run without blocking training.
+    """
 
-def _point_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
-    _fsync_path(root)
+    def __init__(self, engine: ZeroOneEngine, rank: int, world_size: int):
+        L = engine.layout
+        self.layout, self.rank, self.world_size = L, rank, world_size
+        self.device = engine.flat_params.device
+        self.copy_in_background = self.device.type == "cpu"
+        pin = self.device.type == "cuda"
+        self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
+        self.step = torch.zeros(1, dtype=torch.int64)
+        # Rank 0 also writes the full model: the parameter buffer as fp32 (bf16 upcasts exactly).
+        self.params = torch.empty(L.padded_numel, pin_memory=pin) if rank == 0 else None
+        self._copied = None
 
+    def fits(self, engine: ZeroOneEngine) -> bool:
+        return engine.layout is self.layout and engine.flat_params.device == self.device
 
-def committed_steps(root: str) -> list[str]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".old")
-                  and os.path.isfile(os.path.join(root, n, MANIFEST)))
+    def copy_from(self, engine: ZeroOneEngine, step_count: int) -> None:
+        L, non_blocking = self.layout, not self.copy_in_background  # CUDA: queued, not waited for
+        with torch.no_grad():
+            if engine.master is not None:
+                self.master.copy_(engine.master, non_blocking=non_blocking)
+            else:  # fp32: the masters are this rank's chunks of the parameter buffer
+                for b in L.buckets:
+                    lo, hi = b.chunk(self.rank, self.world_size)
+                    self.master[b.shard_offset : b.shard_offset + hi - lo].copy_(engine.flat_params[lo:hi],
+                                                                                non_blocking=non_blocking)
+            self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
+            self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
+            if self.params is not None:
+                self.params.copy_(engine.flat_params, non_blocking=non_blocking)
+        self.step.fill_(step_count)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
+    def wait_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
 
-def _retain(root: str, keep: int) -> None:
-    for name in committed_steps(root)[:-keep]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    def files(self) -> dict[str, dict[str, torch.Tensor]]:
+        shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
+        files = {shard_name(self.rank, self.world_size): shard}
+        if self.params is not None:
+            files[MODEL_FILE] = {s.name: self.params[s.offset : s.offset + s.numel].view(s.shape)
+                                 for s in self.layout.slots}
+        return files

@@ -79,17 +79,17 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..flags import config_from_args
     from ..launch import run_job
-    from ..train import resolve_paths
+    from ..run_folder import prepare_run
 
     cfg = config_from_args(args)
     if not cfg.run.out:
         cfg.run.out = tempfile.mkdtemp(prefix="zerotrain-demo-")
     cfg.run.metrics = ""
-    cfg = resolve_paths(cfg)
     if not (0 < args.resume_from < cfg.run.steps):
         raise ConfigError(f"--resume-from {args.resume_from} must be between 1 and --steps - 1 ({cfg.run.steps - 1})")
     cfg.checkpoint.every = args.resume_from
     cfg.checkpoint.resume = ""
+    cfg = prepare_run(cfg)  # an --out holding an earlier run is refused, as for train
     os.makedirs(cfg.run.out, exist_ok=True)
     print(f"zerotrain demo: {cfg.run.nproc} ranks x micro-batch {cfg.run.micro_batch} x accum {cfg.run.accum} "
           f"(global batch {cfg.global_batch}), {cfg.run.steps} steps, checkpoint every {cfg.checkpoint.every}")

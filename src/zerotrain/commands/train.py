@@ -1,15 +1,17 @@
-"""`zerotrain train`: resolve the run folder and the resume point, launch the ranks, report the result."""
+"""`zerotrain train`: prepare the run folder and the resume point, launch the ranks, report and summarise."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 
-from .. import checkpoint
-from ..config import Config, ConfigError
+from ..checkpoint import committed_steps
 from ..flags import add_training_flags, config_from_args
 from ..launch import in_torchrun, run_job
-from ..train import resolve_paths, train_job
+from ..run_folder import SUMMARY, prepare_run
+from ..train import train_job
 
 
 def add_parser(sub) -> None:
@@ -18,40 +20,82 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def check_resume(cfg: Config) -> None:
-    """Resolve --resume and reject a missing or incompatible checkpoint before any worker starts."""
-    spec = cfg.checkpoint.resume
-    if spec and spec != "auto" and not os.path.isdir(spec):
-        raise ConfigError(f"--resume {spec}: no such checkpoint folder")
-    path = checkpoint.resolve_resume(spec, cfg.checkpoint.dir)
-    if path is None:
-        cfg.checkpoint.resume = ""
-        return
-    try:
-        manifest = checkpoint.read_manifest(path)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"--resume {spec}: {e}") from None
-    problem = checkpoint.incompatibility(manifest, vars(cfg.model))
-    if problem:
-        raise ConfigError(f"--resume {path}: incompatible model: {problem}")
-    if manifest["step"] > cfg.run.steps:
-        raise ConfigError(f"--resume {path}: checkpoint is at step {manifest['step']}, past --steps {cfg.run.steps}")
-    cfg.checkpoint.resume = path
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if in_torchrun():  # torchrun decides the world; --nproc does not apply
         cfg.run.nproc = int(os.environ["WORLD_SIZE"])
-    cfg = resolve_paths(cfg)
-    check_resume(cfg)
-    summary = run_job(train_job, cfg)
+    result = run_job(train_job, cfg, prepare=prepare_run)
     if in_torchrun() and os.environ["RANK"] != "0":
         return 0
-    last = summary["records"][-1] if summary["records"] else None
-    print(f"zerotrain: trained to step {cfg.run.steps} on {cfg.run.nproc} rank(s); "
+    summary = write_summary(result, result["config"])
+    last = result["records"][-1] if result["records"] else None
+    stopped = result["stopped"]
+    if stopped:
+        saved = os.path.basename(stopped["checkpoint"]) if stopped["checkpoint"] else "nothing"
+        print(f"zerotrain: stopped by {stopped['signal']} at step {stopped['step']}; saved {saved}; "
+              "continue with --resume auto")
+        return 0
+    print(f"zerotrain: trained to step {summary['steps']} on {result['world_size']} rank(s); "
           + (f"final loss {last['loss']:.4f}; " if last else "")
-          + f"metrics {cfg.run.metrics}")
-    for path in summary["checkpoints"][-1:]:
+          + f"metrics {result['config']['run']['metrics']}")
+    for path in result["checkpoints"][-1:]:
         print(f"zerotrain: last checkpoint {path}")
+    print(f"zerotrain: summary {summary['path']}: " + summary_line(summary))
     return 0
+
+
+def write_summary(result: dict, config: dict) -> dict:
+    """<out>/summary.json: the run in a few numbers, with per-rank memory and its max and mean across ranks."""
+    records = _step_records(config["run"]["metrics"]) or result["records"]  # the whole run, resumes included
+    per_rank = result["per_rank"]
+    root = config["checkpoint"]["dir"]
+    summary = {
+        "steps": records[-1]["step"] if records else result["start_step"],
+        "start_step": result["start_step"],
+        "resumed_from": result["resumed_from"],
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "tokens": sum(r["tokens"] for r in records),
+        "wall_s": round(result["wall_s"], 3),  # of this invocation
+        "world_size": result["world_size"],
+        "threads_per_rank": result["threads_per_rank"],
+        "param_count": result["param_count"],
+        "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
+        "restarts": result["restarts"],
+        "rollbacks": len(result["rollbacks"]),
+        "stopped": result["stopped"],
+        "per_rank": per_rank,
+        "max": {k: max(v) for k, v in per_rank.items()},
+        "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
+    }
+    path = os.path.join(config["run"]["out"], SUMMARY)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(path + ".tmp", path)
+    summary["path"] = path
+    return summary
+
+
+def _step_records(path: str) -> list[dict]:
+    """The step records of the metrics file (the last of each step, after rollbacks), in step order."""
+    if not path or not os.path.isfile(path):
+        return []
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line) if line.strip() else {}
+            if "event" not in record and "step" in record:
+                by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def summary_line(s: dict) -> str:
+    mib = 2**20
+    loss = f"loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, " if s["first_loss"] is not None else ""
+    return (f"{s['steps']} steps, {loss}{s['tokens']:,} tokens, {s['wall_s']:.1f} s, "
+            f"{len(s['checkpoints'])} checkpoint(s), {s['restarts']} restart(s), {s['rollbacks']} rollback(s); "
+            f"per rank max/mean: params {s['max']['param_bytes'] / mib:.1f}/{s['mean']['param_bytes'] / mib:.1f} MiB, "
+            f"grads {s['max']['grad_bytes'] / mib:.1f}/{s['mean']['grad_bytes'] / mib:.1f} MiB, "
+            f"optimizer {s['max']['optimizer_bytes'] / mib:.1f}/{s['mean']['optimizer_bytes'] / mib:.1f} MiB, "
+            f"peak RSS {s['max']['peak_rss_bytes'] / mib:.0f}/{s['mean']['peak_rss_bytes'] / mib:.0f} MiB")

@@ -9,26 +9,38 @@ collective is chosen here, per backend, by measurement.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
+from ..errors import ZeroTrainError
+
 # torch 2.13 renames the flat variants; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(ZeroTrainError):
+    """A collective failed: a peer stopped answering within the timeout, or is gone (`peer_lost`)."""
+
+    def __init__(self, message: str, peer_lost: bool):
+        super().__init__(message)
+        self.peer_lost = peer_lost
+
+
 class _Works:
     """Several async collectives that together make one; `wait()` waits for all, then runs `then`."""
 
-    def __init__(self, works: list, then=None):
-        self.works, self.then = works, then
+    def __init__(self, works: list, then=None, guard=None):
+        self.works, self.then, self.guard = works, then, guard or contextlib.nullcontext
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        with self.guard():
+            for work in self.works:
+                work.wait()
         self.works = []  # gloo work objects must not outlive the process group
         if self.then:
             self.then()
@@ -47,8 +59,9 @@ def _finish(work, async_op: bool):
 class Comm:
     """A process group plus call and byte counters keyed by purpose (e.g. "reduce_scatter_grads")."""
 
-    def __init__(self, group=None):
-        self.group = group
+    def __init__(self, group=None, timeout_s: float | None = None):
+        self.group, self.timeout_s = group, timeout_s
+        self.step = 0  # the optimizer step the loop is in, for failure messages
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
@@ -64,6 +77,33 @@ class Comm:
         self.calls[purpose] += 1
         self.bytes[purpose] += int(nbytes)
 
+    @contextlib.contextmanager
+    def _guard(self, purpose: str):
+        """Turn a collective's failure into one line naming this rank's step and the collective's purpose."""
+        try:
+            yield
+        except RuntimeError as e:  # torch.distributed's errors derive from RuntimeError
+            if isinstance(e, ZeroTrainError):
+                raise
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = text.split(" This is typically")[0]  # gloo appends generic advice
+            where = f"collective {purpose} at step {self.step}"
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                bound = f" after {self.timeout_s:g} s" if self.timeout_s else ""
+                raise CollectiveError(f"{where} timed out{bound}: another rank stopped answering "
+                                      "(hung, or slower than --timeout allows)", peer_lost=False) from None
+            raise CollectiveError(f"{where} failed: another rank is gone ({text})", peer_lost=True) from None
+
+    def _guarded(self, work, purpose: str, async_op: bool):
+        """Wait now, or hand back an async handle whose wait is guarded."""
+        if isinstance(work, _Works):
+            work.guard = lambda: self._guard(purpose)
+            return _finish(work, async_op)
+        if async_op:
+            return _Works([work] if work is not None else [], guard=lambda: self._guard(purpose))
+        with self._guard(purpose):
+            return _finish(work, False)
+
     def snapshot(self) -> tuple[Counter, Counter]:
         return Counter(self.calls), Counter(self.bytes)
 
@@ -78,7 +118,9 @@ class Comm:
         W = self.world_size
         self._count(purpose, input.numel() * input.element_size() * (W - 1) / W)
         if self.backend != "gloo":
-            return _finish(_reduce_scatter_flat(output, input, group=self.group, async_op=async_op), async_op)
+            with self._guard(purpose):
+                work = _reduce_scatter_flat(output, input, group=self.group, async_op=async_op)
+            return self._guarded(work, purpose, async_op)
         if W == 1:
             output.copy_(input)
             return _finish(_Works([]), async_op)
@@ -88,8 +130,9 @@ class Comm:
         received = {peers[0]: output}
         received.update({k: self._scratch(output, i) for i, k in enumerate(peers[1:])})
         tag = self._next_tag()
-        works = [self._send(chunks[k], k, tag) for k in peers]
-        works += [self._recv(received[k], k, tag) for k in peers]
+        with self._guard(purpose):
+            works = [self._send(chunks[k], k, tag) for k in peers]
+            works += [self._recv(received[k], k, tag) for k in peers]
 
         def total():
             # received[peers[0]] + the rest in rank order: the sum in rank order, since a + b == b + a.
@@ -97,7 +140,7 @@ class Comm:
                 if k != peers[0]:
                     output.add_(chunks[me] if k == me else received[k])
 
-        return _finish(_Works(works, then=total), async_op)
+        return self._guarded(_Works(works, then=total), purpose, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op=False):
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of it.
@@ -109,15 +152,18 @@ class Comm:
         W = self.world_size
         self._count(purpose, output.numel() * output.element_size() * (W - 1) / W)
         if self.backend != "gloo":
-            return _finish(_all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
+            with self._guard(purpose):
+                work = _all_gather_flat(output, input, group=self.group, async_op=async_op)
+            return self._guarded(work, purpose, async_op)
         chunks, me = output.chunk(W), self.rank
         if chunks[me].data_ptr() != input.data_ptr():
             chunks[me].copy_(input)
         peers = [k for k in range(W) if k != me]
         tag = self._next_tag()
-        works = [self._send(chunks[me], k, tag) for k in peers]
-        works += [self._recv(chunks[k], k, tag) for k in peers]
-        return _finish(_Works(works), async_op)
+        with self._guard(purpose):
+            works = [self._send(chunks[me], k, tag) for k in peers]
+            works += [self._recv(chunks[k], k, tag) for k in peers]
+        return self._guarded(_Works(works), purpose, async_op)
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int):
         return dist.isend(tensor, group_dst=peer, group=self.group, tag=tag)
@@ -144,12 +190,14 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, purpose: str) -> torch.Tensor:
         W = self.world_size
         self._count(purpose, tensor.numel() * tensor.element_size() * 2 * (W - 1) / W)
-        dist.all_reduce(tensor, group=self.group)
+        with self._guard(purpose):
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int, purpose: str) -> torch.Tensor:
         self._count(purpose, tensor.numel() * tensor.element_size() if self.rank == src else 0)
-        dist.broadcast(tensor, src, group=self.group)
+        with self._guard(purpose):
+            dist.broadcast(tensor, src, group=self.group)
         return tensor
 
     def all_gather_rows(self, row: torch.Tensor, purpose: str) -> torch.Tensor:
@@ -170,4 +218,5 @@ class Comm:
 
     def barrier(self, purpose: str) -> None:
         self._count(purpose, 0)
-        dist.barrier(group=self.group)
+        with self._guard(purpose):
+            dist.barrier(group=self.group)

@@ -1,0 +1,275 @@
+"""Checking a checkpoint folder against its manifest: names, sizes, hashes, the layout's partition, shards, model.
+
+`verify(path)` runs every check and returns one `Check` each, in this order, stopping after the
+first group that has a failure (later groups read what an earlier one found bad):
+
+    manifest   manifest.json is present, valid JSON, and has the writer's keys and types (schema)
+    name       each listed name stays inside the folder: no `..`, no path, no symlink leading out
+    files      it lists model.safetensors and one optimizer shard per rank of its world size
+    size       each file has the recorded size ...
+    sha256     ... and the recorded sha256
+    partition  the buckets tile the padded flat buffer, the owned ranges of all ranks cover it exactly
+               once (no gap, no overlap), and each is the chunk of its bucket the recorded world size
+               implies (the one the loader assembles shards with)
+    shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
+    model      model.safetensors equals the masters assembled through the layout (in bf16, the
+               masters rounded to bf16: the parameters the model file was written from)
+
+Loading runs the same checks on the files it reads (see load.py) before restoring anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from ..parallel import ShardLayout
+from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, schema_problem, shard_name)
+from .stream import FileRecord, read_header, sha256_file
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # which check: manifest, json, schema, files, name, size, sha256, partition, shard, model
+    ok: bool
+    detail: str  # why it failed ("" when ok)
+    file: str  # the file it is about, relative to the checkpoint folder
+
+    def line(self) -> str:
+        text = f"{'ok' if self.ok else 'FAIL':<4} {self.name} {self.file}"
+        return text if self.ok else f"{text}: {self.detail}"
+
+
+def verify(path: str) -> list[Check]:
+    """Every check of the checkpoint folder `path`, in order, up to the first group with a failure."""
+    checks: list[Check] = []
+
+    def group(results) -> bool:
+        checks.extend(results)
+        return all(c.ok for c in results)
+
+    manifest = _manifest_checks(path, checks)
+    if manifest is None:
+        return checks
+    listed = [f["name"] for f in manifest["files"]]
+    entries = {f["name"]: f for f in manifest["files"]}
+    if not group([_check("name", n, name_problem(path, n)) for n in listed]):
+        return checks
+    if not group([_check("files", MANIFEST, files_problem(manifest))]):
+        return checks
+    sizes = [_check("size", n, size_problem(path, entries[n])) for n in listed]
+    if not group(sizes):
+        return checks
+    if not group([_check("sha256", n, hash_problem(path, entries[n])) for n in listed]):
+        return checks
+    if not group([_check("partition", MANIFEST, partition_problem(manifest))]):
+        return checks
+    shard_numel = manifest["layout"]["shard_numel"]
+    shards = [shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])]
+    if not group([_check("shard", n, _header_problem(path, n, shard_numel)) for n in shards]):
+        return checks
+    group([_check("model", MODEL_FILE, model_problem(path, manifest))])
+    return checks
+
+
+def verify_or_raise(path: str) -> None:
+    """Raise CheckpointError naming the first bad file of `path` and why; return if every check passes."""
+    bad = first_failure(verify(path))
+    if bad:
+        raise CheckpointError(failure_message(path, bad))
+
+
+def first_failure(checks: list[Check]) -> Check | None:
+    return next((c for c in checks if not c.ok), None)
+
+
+def failure_message(path: str, check: Check) -> str:
+    return f"{os.path.join(path, check.file)}: {check.detail}"
+
+
+def _check(name: str, file: str, problem: str | None) -> Check:
+    return Check(name, problem is None, problem or "", file)
+
+
+def _manifest_checks(path: str, checks: list[Check]) -> dict | None:
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        checks.append(Check("manifest", False, f"{MANIFEST} is missing: not a committed checkpoint", MANIFEST))
+        return None
+    checks.append(Check("manifest", True, "", MANIFEST))
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        checks.append(Check("json", False, f"not valid JSON ({e})", MANIFEST))
+        return None
+    checks.append(Check("json", True, "", MANIFEST))
+    problem = schema_problem(manifest)
+    checks.append(_check("schema", MANIFEST, problem))
+    return None if problem else manifest
+
+
+def files_problem(manifest: dict) -> str | None:
+    """Why the manifest's file list is not exactly the model file and one shard per rank, or None."""
+    listed = [f["name"] for f in manifest["files"]]
+    expected = expected_files(manifest["world_size"])
+    twice = sorted({n for n in listed if listed.count(n) > 1})
+    if twice:
+        return f"lists {twice[0]} more than once"
+    missing = [n for n in expected if n not in listed]
+    if missing:
+        return f"does not list {missing[0]} (world size {manifest['world_size']})"
+    extra = [n for n in listed if n not in expected]
+    if extra:
+        return f"lists {extra[0]!r}, which is not a file of a world-size-{manifest['world_size']} checkpoint"
+    return None
+
+
+def name_problem(folder: str, name: str) -> str | None:
+    """Why file `name` of a manifest could leave checkpoint `folder`, or None."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        return f"file name {name!r} is not a plain name inside the checkpoint folder"
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([real, real_folder]) != real_folder or real == real_folder:
+        return f"is a symlink to {real}, outside the checkpoint folder"
+    return None
+
+
+def size_problem(folder: str, entry: dict) -> str | None:
+    file = os.path.join(folder, entry["name"])
+    if not os.path.isfile(file):
+        return "is missing"
+    size = os.path.getsize(file)
+    if size != entry["bytes"]:
+        return f"has {size} bytes, {MANIFEST} records {entry['bytes']} (truncated or overwritten)"
+    return None
+
+
+def hash_problem(folder: str, entry: dict) -> str | None:
+    _, digest = sha256_file(os.path.join(folder, entry["name"]))
+    return record_problem(FileRecord(entry["name"], entry["bytes"], digest), entry)
+
+
+def record_problem(record: FileRecord, entry: dict) -> str | None:
+    """Why the bytes read (their size and sha256) are not what the manifest recorded, or None."""
+    if record.bytes != entry["bytes"]:
+        return f"has {record.bytes} bytes, {MANIFEST} records {entry['bytes']} (truncated or overwritten)"
+    if record.sha256 != entry["sha256"]:
+        return f"sha256 {record.sha256[:12]}... differs from {entry['sha256'][:12]}... in {MANIFEST} (corrupt)"
+    return None
+
+
+def partition_problem(manifest: dict) -> str | None:
+    """Why the layout's buckets, parameters and owned ranges are not a consistent exact partition, or None."""
+    W, L = manifest["world_size"], manifest["layout"]
+    buckets, owned = L["buckets"], L["owned_ranges"]
+    if L["world_size"] != W:
+        return f"layout.world_size {L['world_size']} differs from world_size {W}"
+    if not buckets:
+        return "layout has no buckets"
+    if buckets[-1]["end"] != L["padded_numel"] or L["shard_numel"] * W != L["padded_numel"]:
+        return (f"buckets end at {buckets[-1]['end']}, padded_numel is {L['padded_numel']}, "
+                f"shard_numel {L['shard_numel']} x world size {W}")
+    end = shard_offset = 0
+    for i, b in enumerate(buckets):
+        if b["index"] != i or b["start"] != end or b["end"] <= b["start"] or (b["end"] - b["start"]) % W:
+            return f"bucket {i} [{b['start']}, {b['end']}) does not follow bucket {i - 1} in multiples of world size {W}"
+        if not b["start"] <= b["decay_end"] <= b["end"] or b["shard_offset"] != shard_offset:
+            return f"bucket {i} has decay_end {b['decay_end']} or shard_offset {b['shard_offset']} out of place"
+        end, shard_offset = b["end"], shard_offset + (b["end"] - b["start"]) // W
+    if len(owned) != W or any(len(ranges) != len(buckets) for ranges in owned):
+        return f"owned_ranges has {len(owned)} ranks, expected {W} ranks with one range per bucket ({len(buckets)})"
+    pieces = sorted((lo, hi, r) for r, ranges in enumerate(owned) for lo, hi in ranges)
+    at, previous = 0, None
+    for lo, hi, r in pieces:  # together, every rank's ranges tile the padded flat buffer exactly once
+        if hi <= lo:
+            return f"rank {r}'s owned range [{lo}, {hi}) is empty or reversed"
+        if lo < at:
+            return f"owned ranges overlap: rank {previous[2]}'s [{previous[0]}, {previous[1]}) and rank {r}'s [{lo}, {hi})"
+        if lo > at:
+            return f"[{at}, {lo}) of the flat buffer is owned by no rank"
+        at, previous = hi, (lo, hi, r)
+    if at != L["padded_numel"]:
+        return f"[{at}, {L['padded_numel']}) of the flat buffer is owned by no rank"
+    for i, b in enumerate(buckets):  # and they are the chunks the loader assembles shards with
+        c = (b["end"] - b["start"]) // W
+        for r in range(W):
+            if owned[r][i] != [b["start"] + r * c, b["start"] + (r + 1) * c]:
+                return f"rank {r}'s range {owned[r][i]} of bucket {i} is not its chunk {r} of {W}"
+    taken, numel = [], 0
+    for p in L["params"]:
+        size = 1
+        for d in p["shape"]:
+            size *= d
+        b = buckets[p["bucket"]] if p["bucket"] < len(buckets) else None
+        if size != p["numel"] or b is None or not b["start"] <= p["offset"] <= p["offset"] + size <= b["end"]:
+            return f"parameter {p['name']} ({p['numel']} values at {p['offset']}) does not fit its shape or bucket"
+        taken.append((p["offset"], p["offset"] + size, p["name"]))
+        numel += size
+    for (_, hi, a), (lo, _, b) in zip(sorted(taken), sorted(taken)[1:]):
+        if lo < hi:
+            return f"parameters {a} and {b} overlap in the flat buffer"
+    if numel != L["numel"] or numel != manifest["param_count"]:
+        return f"parameters hold {numel} values, layout.numel is {L['numel']}, param_count {manifest['param_count']}"
+    return None
+
+
+def shard_problem(found: dict[str, tuple[str, list[int]]], shard_numel: int) -> str | None:
+    """Why a shard's tensors (name -> (dtype code, shape)) are not what the layout implies, or None."""
+    expected = {**{k: ("F32", [shard_numel]) for k in STATE_KEYS}, "step": ("I64", [1])}
+    for key, (dtype, shape) in expected.items():
+        if key not in found:
+            return f"has no tensor {key!r}"
+        if (found[key][0], list(found[key][1])) != (dtype, shape):
+            return f"tensor {key} is {found[key][0]} {list(found[key][1])}, the layout implies {dtype} {shape}"
+    extra = sorted(set(found) - set(expected))
+    return f"holds an unexpected tensor {extra[0]!r}" if extra else None
+
+
+def _header_problem(folder: str, name: str, shard_numel: int) -> str | None:
+    try:
+        return shard_problem(read_header(os.path.join(folder, name)), shard_numel)
+    except CheckpointError as e:
+        return str(e)
+
+
+def layout_of(manifest: dict, path: str) -> ShardLayout:
+    """The manifest's layout as a ShardLayout; CheckpointError if its entries do not make one."""
+    try:
+        return ShardLayout.from_dict(manifest["layout"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: layout does not describe a ShardLayout ({e})") from None
+
+
+def model_problem(folder: str, manifest: dict) -> str | None:
+    """Why model.safetensors is not the masters assembled through the layout, or None."""
+    try:
+        layout = layout_of(manifest, folder)
+    except CheckpointError as e:
+        return str(e)
+    masters = []
+    for r in range(layout.world_size):
+        with safe_open(os.path.join(folder, shard_name(r, layout.world_size)), framework="pt") as f:
+            masters.append(f.get_tensor("master"))
+    flat = layout.assemble(masters)
+    if manifest["precision"] == "bf16":  # the model file holds the bf16 parameters, upcast exactly
+        flat = flat.bfloat16().float()
+    with safe_open(os.path.join(folder, MODEL_FILE), framework="pt") as f:
+        names = set(f.keys())
+        for s in layout.slots:
+            if s.name not in names:
+                return f"has no tensor {s.name}"
+            t = f.get_tensor(s.name)
+            if t.dtype != torch.float32 or tuple(t.shape) != s.shape:
+                return f"tensor {s.name} is {t.dtype} {tuple(t.shape)}, the layout implies float32 {s.shape}"
+            want = flat[s.offset : s.offset + s.numel].view(s.shape)
+            if not torch.equal(t.view(torch.int32), want.view(torch.int32)):  # bitwise, NaN included
+                diff = (t - want).abs().nan_to_num(float("inf")).max().item()
+                return f"tensor {s.name} differs from the assembled master shards (max |diff| {diff:.3g})"
+        extra = sorted(names - {s.name for s in layout.slots})
+    return f"holds a tensor {extra[0]!r} the layout does not have" if extra else None

@@ -1,0 +1,87 @@
+"""The per-step control channel: decisions every rank must share, carried as flags in the step's one all-reduce.
+
+A save by wall clock, a stop signal, an async save finished everywhere: each is a flag that a rank
+sets locally and that travels in the scalar all-reduce every step already makes, summed over ranks.
+Every rank then reads the same sums and decides the same thing, so no rank waits in a save that
+another skipped, no extra collective runs per step, and no background thread issues a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Order of the control flags in the reduction, after the loss and the per-rank non-finite flags.
+SAVE_BY_CLOCK, STOP, SAVE_WRITTEN = range(3)
+N_FLAGS = 3
+
+
+class StopRequest:
+    """SIGTERM or SIGINT asks this rank to finish its step, save and exit; a second one exits at once.
+
+    A launcher that cannot signal its ranks directly (zerotrain's own, which the ranks' parent process
+    runs) writes a stop file instead, which `requested` also looks for.
+    """
+
+    def __init__(self, stop_file: str | None = None):
+        self.stop_file = stop_file
+        self.signal_name: str | None = None
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signal_name is not None:  # the second signal: no save, exit now (130 for SIGINT, 143 for SIGTERM)
+            os._exit(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        if self.signal_name is None and self.stop_file and os.path.exists(self.stop_file):
+            with open(self.stop_file) as f:
+                self.signal_name = f.read().strip() or "SIGTERM"
+        return self.signal_name is not None
+
+
+class SaveClock:
+    """Rank 0's wall clock decides when a save is due by time; 0 minutes turns it off."""
+
+    def __init__(self, every_minutes: float, is_rank0: bool):
+        self.period_s = every_minutes * 60.0
+        self.active = is_rank0 and self.period_s > 0
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.active and time.monotonic() - self.last >= self.period_s
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+@dataclass
+class Decision:
+    """What every rank agreed on this step, read from the summed flags."""
+
+    save_by_clock: bool
+    stop: bool
+    save_written: bool  # every rank finished writing the async save in flight
+
+
+def local_flags(*, save_by_clock: bool, stop: bool, save_written: bool) -> torch.Tensor:
+    flags = torch.zeros(N_FLAGS, dtype=torch.float64)
+    flags[SAVE_BY_CLOCK], flags[STOP], flags[SAVE_WRITTEN] = save_by_clock, stop, save_written
+    return flags
+
+
+def decide(summed: torch.Tensor, world_size: int) -> Decision:
+    """Any rank's clock or stop flag counts; a written save counts only when every rank has written it."""
+    return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop=bool(summed[STOP] > 0),
+                    save_written=bool(summed[SAVE_WRITTEN] == world_size))

@@ -1,0 +1,280 @@
+"""Production runs as a user meets them: faults injected through ZEROTRAIN_FAULTS, nothing committed ever lost.
+
+Every fault is planned deterministically (a step and a rank), never by sleeps or timing luck; each test
+also shows what happens without the protection it proves, or the planted fault it catches.
+"""
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dist_jobs
+from conftest import child_pids, tiny_config
+from zerotrain import checkpoint
+from zerotrain.launch import JobFailed, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress"]
+
+
+def zerotrain(*args, faults=None, timeout=240, cwd=None):
+    env = dict(os.environ)
+    env.pop("ZEROTRAIN_FAULTS", None)
+    if faults:
+        env["ZEROTRAIN_FAULTS"] = faults
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+def last_line(r) -> str:
+    return r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+
+
+def records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def steps_of(run_dir):
+    return [r["step"] for r in records(run_dir) if "event" not in r]
+
+
+def events(run_dir, kind):
+    return [r for r in records(run_dir) if r.get("event") == kind]
+
+
+def checkpoint_files(folder) -> dict[str, str]:
+    """sha256 of every data file of a checkpoint (the manifest aside, which records the run's own flags)."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def final_state(run_dir, step):
+    return checkpoint_files(os.path.join(run_dir, "checkpoints", checkpoint.step_name(step)))
+
+
+def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps_what_latest_names(tmp_path):
+    out = str(tmp_path / "R")
+    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "4", "--out", out)
+    assert r.returncode == 0, r.stderr
+    before = (steps_of(out), sorted(os.listdir(os.path.join(out, "checkpoints"))))
+
+    # The reproduction of the data loss: a fresh, shorter run into the same folder with --keep 2.
+    r = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "4", "--keep", "2", "--out", out)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "already holds an earlier run's checkpoints (newest step_00000008)" in r.stderr
+    assert "--resume auto" in r.stderr and "--overwrite" in r.stderr
+    assert (steps_of(out), sorted(os.listdir(os.path.join(out, "checkpoints")))) == before  # untouched
+
+    r = zerotrain("train", *TINY, "--steps", "12", "--ckpt-every", "4", "--keep", "2", "--out", out,
+                  "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert steps_of(out) == list(range(1, 13))  # appended, not rewritten
+    root = os.path.join(out, "checkpoints")
+    assert sorted(os.listdir(root)) == ["latest", "step_00000008", "step_00000012"]
+    assert checkpoint.resolve_resume("auto", root).endswith("step_00000012")
+
+    r = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "4", "--keep", "2", "--out", out, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert "--overwrite: removed" in r.stderr
+    assert steps_of(out) == [1, 2, 3, 4]
+    assert sorted(os.listdir(root)) == ["latest", "step_00000004"]
+
+    empty = str(tmp_path / "empty")
+    r = zerotrain("train", *TINY, "--steps", "2", "--out", empty, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "--resume auto: no checkpoint in" in r.stderr and "starting fresh" in r.stderr
+
+    afile = tmp_path / "a-file"
+    afile.write_text("not a folder")
+    r = zerotrain("train", *TINY, "--steps", "2", "--out", str(afile))
+    assert r.returncode == 2 and r.stderr == f"zerotrain: error: --out {afile} is a file, not a folder\n"
+
+
+def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path):
+    args = [*TINY, "--steps", "6", "--ckpt-every", "4"]
+    whole, stopped = str(tmp_path / "whole"), str(tmp_path / "stopped")
+    assert zerotrain("train", *args, "--out", whole).returncode == 0
+
+    r = zerotrain("train", *args, "--out", stopped, faults="sigterm@step=3,rank=1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == \
+        "zerotrain: stopped by SIGTERM at step 3; saved step_00000003; continue with --resume auto"
+    assert steps_of(stopped) == [1, 2, 3]
+    r = zerotrain("train", *args, "--out", stopped, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert steps_of(stopped) == list(range(1, 7))
+    assert final_state(stopped, 6) == final_state(whole, 6)
+    # what the comparison would catch: a run that differs at all has other files
+    assert final_state(stopped, 3) != final_state(whole, 6)
+
+
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bitwise_identical(tmp_path):
+    args = [*TINY, "--steps", "6", "--ckpt-every", "2"]
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    assert zerotrain("train", *args, "--out", whole).returncode == 0
+
+    r = zerotrain("train", *args, "--out", killed, "--max-restarts", "1", faults="kill@step=5,rank=1")
+    assert r.returncode == 0, r.stderr
+    restart = events(killed, "restart")
+    assert len(restart) == 1 and restart[0]["step"] == 4 and restart[0]["steps_lost"] == 0
+    assert steps_of(killed) == list(range(1, 7))
+    assert final_state(killed, 6) == final_state(whole, 6)
+    assert json.load(open(os.path.join(killed, "summary.json")))["restarts"] == 1
+
+    # without restarts the same fault ends the job, naming the rank that died
+    r = zerotrain("train", *args, "--out", str(tmp_path / "norestart"), faults="kill@step=5,rank=1")
+    assert r.returncode == 1
+    assert last_line(r) == "zerotrain: FAILED: rank 1 was killed by signal SIGKILL"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_crash_inside_a_save_leaves_the_previous_checkpoint_and_latest_intact(tmp_path, mode):
+    out = str(tmp_path / mode)
+    extra = ["--async-save"] if mode == "async" else []
+    r = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--out", out, *extra,
+                  faults="crash_in_save@step=4,rank=1")
+    assert r.returncode == 1
+    assert last_line(r) == "zerotrain: FAILED: rank 1 failed with exit code 75 (see its output above)"
+    root = os.path.join(out, "checkpoints")
+    assert checkpoint.committed_steps(root) == ["step_00000002"]
+    assert checkpoint.resolve_resume("auto", root).endswith("step_00000002")
+    checkpoint.verify_or_raise(os.path.join(root, "step_00000002"))
+    r = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--out", out, *extra, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert steps_of(out) == list(range(1, 7))
+
+
+def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint_naming_the_bad_file(tmp_path):
+    out = str(tmp_path / "R")
+    assert zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out).returncode == 0
+    shard = os.path.join(out, "checkpoints", "step_00000004", checkpoint.shard_name(1, 2))
+    with open(shard, "r+b") as f:  # the planted fault: one flipped byte
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = zerotrain("verify", shard.rsplit(os.sep, 1)[0])
+    assert r.returncode == 1 and checkpoint.shard_name(1, 2) in r.stdout.strip().splitlines()[-1]
+    r = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--out", out, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "step_00000004 fails verification" in r.stderr and checkpoint.shard_name(1, 2) in r.stderr
+    assert "falling back to step_00000002" in r.stderr
+    assert steps_of(out) == list(range(1, 7))
+
+
+def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROTRAIN_FAULTS", "hang@step=3,rank=1")
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=6, timeout_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed, match=r"rank 0: collective \w+ at step 3 timed out after 5 s"):
+        run_job(dist_jobs.params_job, cfg, time_limit=120)
+    assert time.monotonic() - t0 < 5 + 25  # start-up, the timeout, the group's shutdown
+    assert child_pids() == []
+
+
+def test_nan_and_lr_spike_roll_back_log_it_and_the_run_completes(tmp_path):
+    out = str(tmp_path / "nan")
+    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", out, faults="nan@step=5,rank=1")
+    assert r.returncode == 0, r.stderr
+    (rollback,) = events(out, "rollback")
+    assert rollback["step"] == 5 and rollback["to_step"] == 4 and rollback["skipped_data_steps"] == [5, 5]
+    assert "non-finite loss on rank(s) [1]" in rollback["reason"] and "rollback 1/3" in r.stderr
+    assert steps_of(out)[-1] == 8 and json.load(open(os.path.join(out, "summary.json")))["rollbacks"] == 1
+    # the planted fault without the guard's rollback: the run stops before the bad update
+    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", str(tmp_path / "abort"),
+                  "--on-anomaly", "abort", faults="nan@step=5,rank=1")
+    assert r.returncode == 1 and "invariant (a) failed: non-finite loss on rank(s) [1] at step 5" in last_line(r)
+
+    # A real instability: checkpoints every step, so the newest holds the damage and the guard goes back further.
+    out = str(tmp_path / "spike")
+    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "1", "--lr", "1e-2", "--spike-factor", "1.05", "--out", out,
+                  faults="lr_spike@step=5,factor=1e4")
+    assert r.returncode == 0, r.stderr
+    rollbacks = events(out, "rollback")
+    assert [e["to_step"] for e in rollbacks] == [5, 4]  # came back right after restoring step 5
+    assert steps_of(out)[-1] == 8
+    final = [rec for rec in records(out) if "event" not in rec][-1]
+    assert final["loss"] < 2 * records(out)[0]["loss"]
+
+
+def test_wall_clock_cadence_saves_when_rank_0s_clock_says_so(tmp_path):
+    out = str(tmp_path / "often")
+    r = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every-minutes", "1e-9", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert checkpoint.committed_steps(os.path.join(out, "checkpoints")) == [checkpoint.step_name(s) for s in (1, 2, 3, 4)]
+    out = str(tmp_path / "rarely")
+    r = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every-minutes", "60", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert checkpoint.committed_steps(os.path.join(out, "checkpoints")) == ["step_00000004"]  # the last step only
+
+
+def test_async_save_writes_bitwise_the_checkpoints_a_sync_save_writes(tmp_path):
+    results = {}
+    for mode, extra in (("sync", []), ("async", ["--async-save"])):
+        out = str(tmp_path / mode)
+        r = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--out", out, *extra)
+        assert r.returncode == 0, r.stderr
+        results[mode] = {s: final_state(out, s) for s in (2, 4, 6)}
+    assert results["async"] == results["sync"]
+    assert len(set(str(v) for v in results["sync"].values())) == 3  # each step's files differ from the others
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path):
+    args = ["--steps", "4", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "4",
+            "--threads", "1"]
+    single = str(tmp_path / "single")
+    assert zerotrain("train", "--nproc", "2", *args, "--out", single).returncode == 0
+    port, nodes = _free_port(), str(tmp_path / "nodes")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "zerotrain", "train", *args,
+                               "--out", nodes], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert final_state(nodes, 4) == final_state(single, 4)
+    manifest = checkpoint.read_manifest(os.path.join(nodes, "checkpoints", "step_00000004"))
+    assert manifest["threads_per_rank"] == 1
+
+
+def test_torchrun_ranks_agree_on_one_default_run_folder(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", "--steps", "2", "--micro-batch", "2",
+           "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (folder,) = os.listdir(tmp_path / "runs")
+    assert steps_of(str(tmp_path / "runs" / folder)) == [1, 2]
+
+
+def test_an_exception_in_a_rank_is_one_line_naming_the_rank_and_its_logged_traceback(tmp_path):
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=2)
+    with pytest.raises(JobFailed) as failed:
+        run_job(dist_jobs.raising_job, cfg, time_limit=120)
+    log = os.path.join(cfg.run.out, "logs", "rank00001.log")
+    assert str(failed.value) == f"rank 1: ValueError: a bug in rank 1 (traceback in {log})"
+    assert "Traceback" in open(log).read() and "raising_job" in open(log).read()
+    assert child_pids() == []

@@ -1,0 +1,180 @@
+"""`zerotrain verify` and resume fallback: a good checkpoint verifies; each planted corruption is named and skipped."""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_config
+from test_engine import run_steps
+
+from zerotrain import checkpoint
+from zerotrain.checkpoint.verify import model_problem
+from zerotrain.commands.verify import cmd_verify
+from zerotrain.config import ConfigError
+from zerotrain.parallel import ShardLayout
+from zerotrain.train import build_engine
+
+SHARD = "optim-rank00000-of-00001.safetensors"
+
+
+def two_checkpoints(tmp_path, one_rank, **run):
+    """A root with committed steps 1 and 2 (different states); latest names step 2."""
+    cfg = tiny_config(tmp_path, **run)
+    engine = build_engine(cfg, one_rank)
+    root = str(tmp_path / "ck")
+    for step in (1, 2):
+        run_steps(engine, cfg, 1)
+        checkpoint.save(root, step, engine, one_rank, cfg.to_dict())
+    return root, os.path.join(root, "step_00000001"), os.path.join(root, "step_00000002")
+
+
+def verify_command(path, capsys):
+    code = cmd_verify(argparse.Namespace(path=path))
+    return code, capsys.readouterr().out.strip().splitlines()
+
+
+def rewrite_manifest(folder, change):
+    file = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(file))
+    change(manifest)
+    json.dump(manifest, open(file, "w"))
+
+
+def flip_a_byte(folder, tmp_path):
+    path = os.path.join(folder, SHARD)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(path, "wb").write(bytes(data))
+
+
+def truncate(folder, tmp_path):
+    path = os.path.join(folder, SHARD)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) - 4])
+
+
+def delete_manifest(folder, tmp_path):
+    os.remove(os.path.join(folder, "manifest.json"))
+
+
+def traversal_name(folder, tmp_path):
+    shutil.copy(os.path.join(folder, SHARD), os.path.join(folder, "..", "x"))  # a real file out there
+
+    def rename(manifest):
+        next(f for f in manifest["files"] if f["name"] == SHARD)["name"] = "../x"
+
+    rewrite_manifest(folder, rename)
+
+
+def symlink_out(folder, tmp_path):
+    outside = str(tmp_path / "elsewhere.safetensors")
+    shutil.move(os.path.join(folder, "model.safetensors"), outside)  # same bytes: only the link is wrong
+    os.symlink(outside, os.path.join(folder, "model.safetensors"))
+
+
+def overlapping_ranges(folder, tmp_path):
+    def overlap(manifest):
+        manifest["layout"]["owned_ranges"][0][1][0] -= 10  # bucket 1's range reaches into bucket 0's
+
+    rewrite_manifest(folder, overlap)
+
+
+def model_differs(folder, tmp_path):
+    path = os.path.join(folder, "model.safetensors")
+    model = load_file(path)
+    model["transformer.wpe.weight"][0, 0] += 1e-3
+    save_file(model, path)
+    size, digest = os.path.getsize(path), hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+    def record(manifest):  # the manifest agrees with the new file: only the content check can tell
+        entry = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
+        entry["bytes"], entry["sha256"] = size, digest
+
+    rewrite_manifest(folder, record)
+
+
+CORRUPTIONS = {  # planted corruption -> (the check that catches it, the file it names, why)
+    "flipped byte": (flip_a_byte, "sha256", SHARD, "corrupt"),
+    "truncated shard": (truncate, "size", SHARD, "truncated"),
+    "deleted manifest": (delete_manifest, "manifest", "manifest.json", "is missing"),
+    "traversal name": (traversal_name, "name", "../x", "not a plain name"),
+    "symlink out": (symlink_out, "name", "model.safetensors", "outside the checkpoint folder"),
+    "overlapping ranges": (overlapping_ranges, "partition", "manifest.json", "owned ranges overlap"),
+    "model differs": (model_differs, "model", "model.safetensors", "differs from the assembled master shards"),
+}
+
+
+def test_a_good_checkpoint_and_root_verify(tmp_path, one_rank, capsys):
+    root, _, step2 = two_checkpoints(tmp_path, one_rank)
+    checks = checkpoint.verify(step2)
+    assert [c.name for c in checks] == ["manifest", "json", "schema", "name", "name", "files", "size", "size",
+                                        "sha256", "sha256", "partition", "shard", "model"]
+    assert all(c.ok for c in checks)
+    checkpoint.verify_or_raise(step2)
+    code, lines = verify_command(step2, capsys)
+    assert code == 0 and f"ok   sha256 {SHARD}" in lines and lines[-1].startswith("verified: 1 checkpoint,")
+    code, lines = verify_command(root, capsys)
+    assert code == 0 and lines[0] == f"== {step2} (latest)" and lines[-1].startswith("verified: 2 checkpoints")
+    assert checkpoint.find_resumable(root) == (step2, [])
+
+
+def test_a_bf16_checkpoint_verifies_against_its_masters_rounded_to_bf16(tmp_path, one_rank):
+    _, _, step2 = two_checkpoints(tmp_path, one_rank, precision="bf16")
+    checkpoint.verify_or_raise(step2)
+    # planted: a model file of the unrounded fp32 masters is not what a bf16 run trains with
+    shard = load_file(os.path.join(step2, SHARD))
+    L = ShardLayout.from_dict(checkpoint.read_manifest(step2)["layout"])
+    flat = L.assemble([shard["master"]])
+    assert not torch.equal(flat, flat.bfloat16().float())
+    model_file = os.path.join(step2, "model.safetensors")
+    save_file({s.name: flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in L.slots}, model_file)
+    assert "differs from the assembled master shards" in model_problem(step2, checkpoint.read_manifest(step2))
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_planted_corruption_fails_verify_naming_the_file_and_resume_falls_back(tmp_path, one_rank, capsys, corruption):
+    corrupt, check, file, why = CORRUPTIONS[corruption]
+    root, step1, step2 = two_checkpoints(tmp_path, one_rank)
+    corrupt(step2, tmp_path)
+    bad = [c for c in checkpoint.verify(step2) if not c.ok]
+    assert (bad[0].name, bad[0].file) == (check, file) and why in bad[0].detail
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.verify_or_raise(step2)
+    assert str(raised.value).startswith(os.path.join(step2, file) + ": ") and why in str(raised.value)
+
+    code, lines = verify_command(step2, capsys)
+    assert code == 1 and f"FAIL {check} {file}: " in "\n".join(lines)
+    assert lines[-1].startswith(f"FAILED: {os.path.join(step2, file)}: ") and why in lines[-1]
+    code, lines = verify_command(root, capsys)  # the root: step 2 fails, step 1 still verifies
+    assert code == 1 and lines[-1].startswith(f"FAILED: {os.path.join(step2, file)}: ")
+
+    path, skipped = checkpoint.find_resumable(root)
+    assert path == step1
+    assert [name for name, _ in skipped] == ["step_00000002"] and os.path.join(step2, file) in skipped[0][1]
+    assert checkpoint.resolve_resume("auto", root) == step1
+
+
+def test_nothing_to_resume_and_nothing_that_verifies_are_told_apart(tmp_path, one_rank):
+    assert checkpoint.find_resumable(str(tmp_path / "empty")) == (None, [])
+    assert checkpoint.resolve_resume("auto", str(tmp_path / "empty")) is None
+    root, step1, step2 = two_checkpoints(tmp_path, one_rank)
+    flip_a_byte(step1, tmp_path)
+    truncate(step2, tmp_path)
+    path, skipped = checkpoint.find_resumable(root)
+    assert path is None and [name for name, _ in skipped] == ["step_00000002", "step_00000001"]
+    with pytest.raises(checkpoint.CheckpointError, match=f"no checkpoint under {root} verifies: .*{SHARD}"):
+        checkpoint.resolve_resume("auto", root)
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("step_00000009\n")  # latest naming a folder that is not there
+    assert checkpoint.find_resumable(root)[1][0] == ("step_00000009", f"{root}/latest names step_00000009, which does not exist")
+
+
+def test_verify_of_a_missing_path_is_a_user_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such checkpoint folder or checkpoint root"):
+        cmd_verify(argparse.Namespace(path=str(tmp_path / "nope")))
