@@ -19,7 +19,7 @@ from test_engine import run_steps
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import read_safetensors, write_safetensors
-from zerotrain.invariants import InvariantError, check_roundtrip
+from zerotrain.invariants import InvariantError
 from zerotrain.parallel import Comm
 from zerotrain.train import build_engine
 
@@ -86,7 +86,6 @@ def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path
     model = load_file(os.path.join(path, "model.safetensors"))  # plain safetensors, no torch.distributed
     assert torch.equal(model["transformer.wte.weight"], engine.model.transformer.wte.weight.detach())
     assert open(tmp_path / "ck" / "latest").read().strip() == "step_00000002"
-    check_roundtrip(path, written, manifest)
 
     writer = checkpoint.CheckpointWriter(str(tmp_path / "ck2"), one_rank, extra_manifest_fn=lambda: {"data_skips": [[3, 5]]})
     path, _, _ = writer.save(2, engine, {"threads_per_rank": 1, "config": cfg.to_dict()})
@@ -96,20 +95,32 @@ def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path
         writer.save(3, engine, {"step": 9})
 
 
-def test_round_trip_check_catches_a_corrupted_file_and_a_changed_tensor(tmp_path, one_rank):
+def test_a_sync_save_checks_invariant_d_before_committing_and_a_lossy_disk_is_caught(tmp_path, one_rank, monkeypatch):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
-    path, written, manifest = checkpoint.save(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
-    changed = {name: {k: v.clone() for k, v in t.items()} for name, t in written.items()}
-    changed["model.safetensors"]["transformer.wpe.weight"][0, 0] += 1.0
-    with pytest.raises(InvariantError, match=r"invariant \(d\).*transformer.wpe.weight"):
-        check_roundtrip(path, changed, manifest)
-    shard = os.path.join(path, SHARD)
-    data = bytearray(open(shard, "rb").read())
-    data[-1] ^= 0xFF
-    open(shard, "wb").write(bytes(data))
-    with pytest.raises(InvariantError, match=r"invariant \(d\).*sha256"):
-        check_roundtrip(path, written, manifest)
+    root = str(tmp_path / "ck")
+    path, written, _ = checkpoint.save(root, 1, engine, one_rank, cfg.to_dict())
+    save_module.read_back_check(os.path.join(path, SHARD), written[SHARD])  # what save() checked: equal
+    changed = {k: v.clone() for k, v in written["model.safetensors"].items()}
+    changed["transformer.wpe.weight"][0, 0] += 1.0
+    with pytest.raises(InvariantError, match=r"invariant \(d\) failed: .*transformer.wpe.weight"):
+        save_module.read_back_check(os.path.join(path, "model.safetensors"), changed)
+    real = save_module.write_safetensors
+
+    def lossy(path, tensors, **kwargs):  # planted: the disk keeps one bit other than it was given
+        record = real(path, tensors, **kwargs)
+        if path.endswith(SHARD):
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last ^ 1]))
+        return record
+
+    monkeypatch.setattr(save_module, "write_safetensors", lossy)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 2 not saved: rank 0: .*invariant \(d\) failed"):
+        checkpoint.save(root, 2, engine, one_rank, cfg.to_dict())
+    assert checkpoint.committed_steps(root) == ["step_00000001"]  # the bad checkpoint was never committed
 
 
 def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_touching_the_engine(tmp_path, one_rank):

@@ -210,6 +210,20 @@ def test_nan_and_lr_spike_roll_back_log_it_and_the_run_completes(tmp_path):
     assert final["loss"] < 2 * records(out)[0]["loss"]
 
 
+def test_a_rollback_with_an_async_save_in_flight_restores_one_checkpoint_on_every_rank(tmp_path):
+    out = str(tmp_path / "async")
+    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--async-save", "--out", out,
+                  faults="nan@step=5,rank=1")
+    assert r.returncode == 0, r.stderr
+    (rollback,) = events(out, "rollback")
+    assert rollback["to_step"] == 4  # the async save of step 4 was committed before the rollback chose
+    root = os.path.join(out, "checkpoints")
+    assert checkpoint.committed_steps(root)[-1] == "step_00000008"
+    checkpoint.verify_or_raise(os.path.join(root, "step_00000008"))
+    manifest = checkpoint.read_manifest(os.path.join(root, "step_00000008"))
+    assert manifest["data_skips"] == [[4, 1]]  # step 5's batch is never trained on again
+
+
 def test_wall_clock_cadence_saves_when_rank_0s_clock_says_so(tmp_path):
     out = str(tmp_path / "often")
     r = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every-minutes", "1e-9", "--out", out)
@@ -258,6 +272,21 @@ def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path
     assert final_state(nodes, 4) == final_state(single, 4)
     manifest = checkpoint.read_manifest(os.path.join(nodes, "checkpoints", "step_00000004"))
     assert manifest["threads_per_rank"] == 1
+
+
+def test_torchrun_restarts_a_killed_rank_in_the_same_default_run_folder_bitwise_like_no_fault(tmp_path):
+    args = ["--steps", "6", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "2", "--threads", "1"]
+    whole = str(tmp_path / "whole")
+    assert zerotrain("train", "--nproc", "2", *args, "--out", whole).returncode == 0
+    env = dict(os.environ, ZEROTRAIN_FAULTS="kill@step=5,rank=1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path / "whole", env=env)
+    assert r.returncode == 0, r.stderr
+    (folder,) = os.listdir(tmp_path / "whole" / "runs")  # the restarted group kept the first attempt's folder
+    run_dir = str(tmp_path / "whole" / "runs" / folder)
+    assert [e["step"] for e in events(run_dir, "restart")] == [4]
+    assert final_state(run_dir, 6) == final_state(whole, 6)
 
 
 def test_torchrun_ranks_agree_on_one_default_run_folder(tmp_path):

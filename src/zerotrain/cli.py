@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    from .errors import ZeroTrainError
     from .launch import Interrupted, JobFailed, in_torchrun
 
     try:
@@ -47,7 +48,7 @@ def _run(argv: list[str] | None) -> int:
         if not in_torchrun() or os.environ["RANK"] == "0":  # every rank agrees on it; one says it
             print(f"zerotrain: error: {e}", file=sys.stderr)
         return 2
-    except JobFailed as e:
+    except (JobFailed, ZeroTrainError) as e:  # a zerotrain error outside the ranks (e.g. no checkpoint verifies)
         print(f"zerotrain: FAILED: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 # Order of the control flags in the reduction, after the loss and the per-rank non-finite flags.
-SAVE_BY_CLOCK, STOP, SAVE_WRITTEN = range(3)
-N_FLAGS = 3
+SAVE_BY_CLOCK, STOP_TERM, STOP_INT, SAVE_WRITTEN = range(4)
+N_FLAGS = 4
 
 
 class StopRequest:
@@ -71,17 +71,24 @@ class Decision:
     """What every rank agreed on this step, read from the summed flags."""
 
     save_by_clock: bool
-    stop: bool
+    stop_signal: str | None  # "SIGTERM" or "SIGINT" when a stop was asked on any rank (SIGTERM wins)
     save_written: bool  # every rank finished writing the async save in flight
 
+    @property
+    def stop(self) -> bool:
+        return self.stop_signal is not None
 
-def local_flags(*, save_by_clock: bool, stop: bool, save_written: bool) -> torch.Tensor:
+
+def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_written: bool) -> torch.Tensor:
     flags = torch.zeros(N_FLAGS, dtype=torch.float64)
-    flags[SAVE_BY_CLOCK], flags[STOP], flags[SAVE_WRITTEN] = save_by_clock, stop, save_written
+    flags[SAVE_BY_CLOCK], flags[SAVE_WRITTEN] = save_by_clock, save_written
+    if stop_signal is not None:
+        flags[STOP_INT if stop_signal == "SIGINT" else STOP_TERM] = 1
     return flags
 
 
 def decide(summed: torch.Tensor, world_size: int) -> Decision:
     """Any rank's clock or stop flag counts; a written save counts only when every rank has written it."""
-    return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop=bool(summed[STOP] > 0),
+    stop = "SIGTERM" if summed[STOP_TERM] > 0 else "SIGINT" if summed[STOP_INT] > 0 else None
+    return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop_signal=stop,
                     save_written=bool(summed[SAVE_WRITTEN] == world_size))

@@ -339,24 +339,41 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
     The elastic agent keeps one store for the whole job; without a prefix, a restarted group would read
     the addresses the dead group published there and try to connect to ranks that no longer exist.
     """
+    global _job_store
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}  # rank 0 hosts a store of its own, new for each attempt
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    _job_store = store
     return {"store": dist.PrefixStore(f"zerotrain/attempt{restart_count()}", store),
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+_job_store = None  # the elastic agent's store, which outlives a restart
+_AGREED = "zerotrain/agreed_run"
+
+
 def _agree(cfg: Config, comm: Comm, prepare: Callable[[Config], Config]) -> Config:
-    """Rank 0 prepares the run (paths, resume point) and every rank adopts its result, or its error."""
+    """Rank 0 prepares the run (paths, resume point) and every rank adopts its result, or its error.
+
+    A restarted group adopts what the first attempt agreed (kept in the agent's store), so it keeps the
+    run folder, its default name included, and does not take its own checkpoints for an earlier run's.
+    """
     payload = {}
     if comm.rank == 0:
         try:
-            payload = {"config": prepare(cfg).to_dict()}
+            if restart_count() > 0 and _job_store is not None and _job_store.check([_AGREED]):
+                payload = json.loads(_job_store.get(_AGREED))
+            else:
+                payload = {"config": prepare(cfg).to_dict()}
+                if _job_store is not None:
+                    _job_store.set(_AGREED, json.dumps(payload))
         except ConfigError as e:
-            payload = {"error": str(e)}
+            payload = {"error": str(e), "user": True}
+        except ZeroTrainError as e:
+            payload = {"error": str(e), "user": False}
     agreed = comm.all_gather_json(payload, "agree_run")[0]
     if "error" in agreed:
-        raise ConfigError(agreed["error"])
+        raise (ConfigError if agreed["user"] else ZeroTrainError)(agreed["error"])
     return Config.from_dict(agreed["config"])
 
 

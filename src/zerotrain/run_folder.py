@@ -13,7 +13,7 @@ import time
 
 from . import checkpoint
 from .config import Config, ConfigError
-from .launch import JobFailed
+from .launch import restart_count
 
 SUMMARY = "summary.json"
 
@@ -38,23 +38,29 @@ def say(message: str) -> None:
 
 
 def prepare_run(cfg: Config) -> Config:
-    """Resolve paths, refuse to clobber an earlier run, and pin --resume to one verified checkpoint folder."""
+    """Resolve paths, refuse to clobber an earlier run, and pin --resume to one verified checkpoint folder.
+
+    A restarted attempt that had to prepare again only resolves paths: the folder holds its own first
+    attempt, and the loop resumes from the newest checkpoint that verifies.
+    """
     cfg = resolve_paths(cfg)
+    if restart_count() > 0:
+        return cfg
     r, c = cfg.run, cfg.checkpoint
     for flag, path in (("--out", r.out), ("--ckpt-dir", c.dir)):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path} is a file, not a folder")
     if os.path.isdir(r.metrics):
         raise ConfigError(f"--metrics {r.metrics} is a folder, not a file")
-    explicit = c.resume not in ("", "auto")
-    if c.resume == "auto":
+    explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
+    if auto:
         c.resume = _newest_verified(c.dir) or ""
     elif explicit:
         c.resume = _explicit(c.resume)
-    if not c.resume:
-        _claim_for_a_fresh_run(cfg)
-    else:
+    if c.resume:
         _check_resumable(cfg, verify=explicit)  # --resume auto verified it already
+    elif not auto:  # --resume auto with nothing committed continues the folder from step 0
+        _claim_for_a_fresh_run(cfg)
     return cfg
 
 
@@ -95,7 +101,7 @@ def _newest_verified(root: str) -> str | None:
     for folder, reason in skipped:
         say(f"--resume auto: {os.path.basename(folder)} fails verification ({reason})")
     if path is None and skipped:
-        raise JobFailed(f"--resume auto: no checkpoint in {root} verifies")
+        raise checkpoint.CheckpointError(f"--resume auto: no checkpoint in {root} verifies")
     if path is None:
         say(f"--resume auto: no checkpoint in {root}; starting fresh")
     elif skipped:
@@ -124,4 +130,4 @@ def _check_resumable(cfg: Config, verify: bool) -> None:
         try:
             checkpoint.verify_or_raise(path)
         except checkpoint.CheckpointError as e:
-            raise JobFailed(f"--resume {path}: {e}") from None
+            raise checkpoint.CheckpointError(f"--resume {path}: {e}") from None

@@ -94,8 +94,7 @@ class _Saver:
             self.writer.start(step, engine, extra)
             return
         self.finish()
-        path, written, manifest = self.writer.save(step, engine, extra)
-        invariants.check_roundtrip(path, written, manifest)
+        path, _, _ = self.writer.save(step, engine, extra)  # invariant (d) is checked inside, on every rank
         self._committed(path)
 
     def commit_written(self) -> None:
@@ -107,7 +106,7 @@ class _Saver:
     def _committed(self, path: str | None) -> None:
         if path:
             self.committed.append(path)
-            self.on_commit(int(os.path.basename(path)[len("step_"):]))
+            self.on_commit(checkpoint.step_of(os.path.basename(path)))
 
 
 def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, str | None]:
@@ -117,8 +116,16 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
     """
     path = cfg.checkpoint.resume or None
     if restart_count() > 0:
-        found = checkpoint.find_resumable(cfg.checkpoint.dir)[0] if comm.rank == 0 else None
-        path = comm.all_gather_json(found, "agree_resume")[0] or path
+        found = {}
+        if comm.rank == 0:
+            newest, skipped = checkpoint.find_resumable(cfg.checkpoint.dir)
+            found = {"path": newest, "skipped": skipped}
+            for folder, reason in skipped:
+                print(f"zerotrain: restart: {os.path.basename(folder)} fails verification ({reason})", flush=True)
+        found = comm.all_gather_json(found, "agree_resume")[0]
+        if found["path"] is None and found["skipped"]:
+            raise checkpoint.CheckpointError(f"restart: no checkpoint in {cfg.checkpoint.dir} verifies")
+        path = found["path"] or path
     if path is None:
         return 0, {}, None
     manifest = checkpoint.load(path, engine, comm)
@@ -163,7 +170,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             batch = schedule.batch(data_step(step, skips))
             engine.zero_grad()
             loss_sum = accumulate_gradients(engine, batch, model, faults.loss_factor(done))
-            flags = control.local_flags(save_by_clock=saver.clock.due(), stop=stop.requested,
+            flags = control.local_flags(save_by_clock=saver.clock.due(),
+                                        stop_signal=stop.signal_name if stop.requested else None,
                                         save_written=saver.writer.local_done())
             grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64),
                                                                invariants.nonfinite_flags(loss_sum, comm), flags]))
@@ -173,9 +181,9 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
                 saver.commit_written()
             anomaly = detector.check(done, loss, grad_norm, invariants.flagged_ranks(totals[1 : 1 + W]))
             if anomaly:  # decided before anything is updated: the bad step is never applied
+                saver.finish()  # commit what is written; a rollback may need it
                 if cfg.guard.on_anomaly == "abort":
                     raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
-                saver.finish()
                 step, skips, event = _roll_back(anomaly, rollback, skips, engine, comm, cfg)
                 detector.rewind(step)
                 rollbacks.append(event)
@@ -200,7 +208,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
                 saver.save(done, engine, {"data_skips": skips, "guard": detector.state_dict()},
                            wait=decision.stop or done == r.steps)
             if decision.stop:
-                stopped = {"signal": stop.signal_name or "SIGTERM", "step": done,
+                stopped = {"signal": decision.stop_signal, "step": done,
                            "checkpoint": saver.committed[-1] if saver.committed else None}
                 metrics.event({"event": "stop", "step": done, "signal": stopped["signal"]})
                 break
@@ -218,9 +226,14 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
 
 def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngine, comm: Comm, cfg: Config):
     """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly."""
-    committed = [int(n[len("step_"):]) for n in checkpoint.committed_steps(cfg.checkpoint.dir)]
+    # Rank 0 committed the checkpoints; the others may not see its last rename yet: its list decides.
+    root = cfg.checkpoint.dir
+    committed = comm.all_gather_json(checkpoint.committed_step_numbers(root) if comm.rank == 0 else None,
+                                     "agree_rollback")[0]
     target = policy.decide(anomaly, committed)
-    checkpoint.load(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(target)), engine, comm)
+    checkpoint.load(os.path.join(root, checkpoint.step_name(target)), engine, comm)
+    if comm.rank == 0:  # a crash from here on resumes the timeline the run continues, not the abandoned one
+        checkpoint.point_latest(root, checkpoint.step_name(target))
     # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.
     new_skips = skip_after_rollback(skips, target, anomaly.step)
     first = data_step(target, [p for p in skips if p[0] < target]) + 1

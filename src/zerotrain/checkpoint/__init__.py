@@ -1,12 +1,13 @@
 """Sharded checkpoints: the format, the atomic (sync or async) writer, verification, and verified loading with resharding."""
 
-from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_steps,
-                     incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name)
+from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_step_numbers,
+                     committed_steps, incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name, step_of)
 from .load import find_resumable, load, resolve_resume
+from .commit import point_latest
 from .save import CheckpointWriter, save
 from .verify import Check, verify, verify_or_raise
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
-           "CheckpointWriter", "committed_steps", "find_resumable", "incompatibility", "load", "read_latest",
-           "read_manifest", "resolve_resume", "save", "shard_name", "step_folders", "step_name", "verify",
+           "CheckpointWriter", "committed_step_numbers", "committed_steps", "find_resumable", "incompatibility", "load", "point_latest", "read_latest",
+           "read_manifest", "resolve_resume", "save", "shard_name", "step_folders", "step_name", "step_of", "verify",
            "verify_or_raise"]

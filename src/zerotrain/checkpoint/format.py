@@ -66,6 +66,11 @@ def committed_steps(root: str) -> list[str]:
     return sorted(n for n in step_folders(root) if os.path.isfile(os.path.join(root, n, MANIFEST)))
 
 
+def committed_step_numbers(root: str) -> list[int]:
+    """The steps of the committed checkpoints under `root`, oldest first."""
+    return [step_of(n) for n in committed_steps(root)]
+
+
 def read_latest(root: str) -> str | None:
     """The folder name `latest` holds, or None if there is no `latest`."""
     try:

@@ -76,6 +76,8 @@ class CheckpointWriter:
         local, records = None, []
         try:
             records = self._write(folder, files, step)
+            for name, tensors in files.items():  # invariant (d), before any rank commits
+                read_back_check(os.path.join(folder, name), tensors)
             write_sidecar(folder, self.comm.rank, self.session, step, records)
         except Exception as e:  # told to every rank below, so none is left waiting in a collective
             local = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
@@ -236,8 +238,9 @@ def save(root: str, step: int, engine: ZeroOneEngine, comm: Comm, config: dict, 
 def read_back_check(path: str, tensors: dict[str, torch.Tensor]) -> None:
     """Invariant (d) for one written file: it reads back as exactly the bytes written (header and tensors).
 
-    As check_roundtrip does for a synchronous save, but by comparing with the staged tensors chunk by
-    chunk: equal bytes also prove the sha256 recorded while writing is the file's, without hashing again.
+    Compared with the written tensors chunk by chunk: equal bytes also prove the sha256 recorded while
+    writing is the file's own, without hashing again. Sync saves check before the commit, async ones in
+    their background thread.
     """
     where = differing_bytes(path, tensors)
     if where:
