@@ -8,6 +8,7 @@ another skipped, no extra collective runs per step, and no background thread iss
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -51,6 +52,24 @@ class StopRequest:
         return self.signal_name is not None
 
 
+_stop: StopRequest | None = None
+
+
+def stop_request() -> StopRequest:
+    """This rank's stop request (signals, or the launcher's stop file); created when the rank starts."""
+    global _stop
+    if _stop is None:
+        _stop = StopRequest()
+    return _stop
+
+
+def install_stop_request(stop_file: str | None) -> StopRequest:
+    """Called once as a rank starts: its signal handlers, and the launcher's stop file if it has one."""
+    global _stop
+    _stop = StopRequest(stop_file).install()
+    return _stop
+
+
 class SaveClock:
     """Rank 0's wall clock decides when a save is due by time; 0 minutes turns it off."""
 
@@ -77,6 +96,29 @@ class Decision:
     @property
     def stop(self) -> bool:
         return self.stop_signal is not None
+
+
+@dataclass
+class Reduced:
+    """The step's one all-reduce, read: global loss sum and gradient norm, bad ranks, the shared decision."""
+
+    loss_sum: float
+    grad_norm: float
+    nonfinite_ranks: list[int]
+    decision: Decision
+
+
+def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: str | None,
+                save_written: bool) -> Reduced:
+    """Finish the gradient reduce-scatter and all-reduce [grad norm^2, loss, non-finite flags, control flags] once."""
+    W = engine.comm.world_size
+    nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
+    nonfinite[engine.comm.rank] = not math.isfinite(loss_sum)
+    flags = local_flags(save_by_clock=save_by_clock, stop_signal=stop_signal, save_written=save_written)
+    grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64), nonfinite,
+                                                       flags]))
+    bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
+    return Reduced(float(totals[0]), grad_norm, bad, decide(totals[1 + W :], W))
 
 
 def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_written: bool) -> torch.Tensor:

@@ -1,12 +1,13 @@
-"""The invariants every run checks: finite loss (a), no cross-rank drift (b), ZeRO-1 memory (c).
+"""The invariants every run checks: no cross-rank drift (b) and ZeRO-1 memory (c); where (a) and (d) live.
 
-Invariant (d), every checkpoint file reads back byte-equal, is checked by the checkpoint writer itself
-(checkpoint/save.py, read_back_check) before the checkpoint is committed.
+(a) Every rank's loss is finite: each rank's flag travels in the step's all-reduce (control.reduce_step)
+and the guard refuses the update before the optimizer runs (guard.AnomalyDetector, InvariantError on abort).
+(d) Every checkpoint file reads back byte-equal: the checkpoint writer checks it before the commit
+(checkpoint/save.py, read_back_check).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -17,22 +18,6 @@ from .parallel import Comm
 
 class InvariantError(ZeroTrainError):
     pass
-
-
-def nonfinite_flags(local_loss: float, comm: Comm) -> torch.Tensor:
-    """A one-hot row marking this rank if its loss is NaN/Inf; summed over ranks it names every bad rank."""
-    flags = torch.zeros(comm.world_size, dtype=torch.float64)
-    if not math.isfinite(local_loss):
-        flags[comm.rank] = 1.0
-    return flags
-
-
-def flagged_ranks(summed_flags: torch.Tensor) -> list[int]:
-    """(a) The ranks whose loss of this step was not finite, from the summed one-hot rows.
-
-    The guard refuses the step's update when this is not empty, before the optimizer touches anything.
-    """
-    return [r for r, f in enumerate(summed_flags.tolist()) if f != 0]
 
 
 def gather_digests(digest: bytes, comm: Comm) -> list[str]:

@@ -1,10 +1,9 @@
-"""Start N local ranks through PyTorch's elastic launcher, or join a torchrun job; own the process group and failures."""
+"""Start N local ranks through PyTorch's elastic launcher, or join a torchrun job; own each rank's process group."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
 import json
 import logging
 import os
@@ -14,7 +13,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from typing import Any, Callable
 
@@ -22,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, ConfigError
-from .control import StopRequest
+from .control import install_stop_request
 from .errors import ZeroTrainError
+from .failures import failure_reason, report_failure, restart_count
 from .parallel import Comm
+from .supervise import STOP_FILE, LauncherSignals, Reaper, stop_descendants
 
 
 class JobFailed(RuntimeError):
@@ -44,22 +44,6 @@ def default_threads(cfg: Config) -> int:
     """Threads per rank: the machine's cores shared by the ranks on this machine."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.nproc))
     return cfg.run.threads or max(1, (os.cpu_count() or 1) // local_ranks)
-
-
-def restart_count() -> int:
-    """Which attempt of an elastic job this rank belongs to: 0 first, then one more per restart."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-_stop: StopRequest | None = None
-
-
-def stop_request() -> StopRequest:
-    """This rank's stop request (signals, or the launcher's stop file); created when the rank starts."""
-    global _stop
-    if _stop is None:
-        _stop = StopRequest()
-    return _stop
 
 
 class Interrupted(Exception):
@@ -89,9 +73,9 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
         cfg = prepare(cfg)
     job_dir = tempfile.mkdtemp(prefix="zerotrain-job-")
     launched = _ElasticThread(job, cfg, job_dir)
-    stop = _LauncherSignals(os.path.join(job_dir, STOP_FILE))
+    stop = LauncherSignals(os.path.join(job_dir, STOP_FILE))
     deadline = time.monotonic() + time_limit if time_limit else None
-    reaper = _Reaper(job_dir)
+    reaper = Reaper(job_dir)
     try:
         stop.install()
         launched.start()
@@ -99,73 +83,15 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
             launched.join(0.05)
             reaper.poll()
             if stop.hard_stop:
-                _stop_descendants(launched)
+                stop_descendants(launched)
                 raise Interrupted(stop.hard_stop, 128 + signal.Signals[stop.hard_stop].value)
             if deadline and time.monotonic() > deadline:
-                _stop_descendants(launched)
+                stop_descendants(launched)
                 raise JobFailed(f"the job exceeded its wall-clock limit of {time_limit:g} s; all ranks were stopped")
         return launched.outcome(job_dir)
     finally:
         stop.restore()
         shutil.rmtree(job_dir, ignore_errors=True)
-
-
-STOP_FILE = "stop"
-
-
-class _LauncherSignals:
-    """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, the second asks for a hard stop."""
-
-    def __init__(self, stop_file: str):
-        self.stop_file, self.hard_stop, self._previous = stop_file, None, {}
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum, _frame) -> None:
-        name = signal.Signals(signum).name
-        if os.path.exists(self.stop_file):
-            self.hard_stop = name
-            return
-        with open(self.stop_file + ".tmp", "w") as f:
-            f.write(name)
-        os.replace(self.stop_file + ".tmp", self.stop_file)
-        print(f"zerotrain: {name} received: every rank finishes its current step and saves; "
-              f"send it again to stop at once", file=sys.stderr, flush=True)
-
-
-class _Reaper:
-    """Once a rank has reported a failure, the ranks of that attempt still running get a second, then SIGKILL.
-
-    The elastic agent stops a failed group with SIGTERM and waits up to 30 s before SIGKILL; a rank hung
-    inside a collective or a C call never runs its SIGTERM handler, so without this the job would outlive
-    its --timeout by half a minute. Each rank records its pid per attempt, so a restarted group is spared.
-    """
-
-    GRACE_S = 1.0
-
-    def __init__(self, job_dir: str):
-        self.job_dir, self.handled, self.due = job_dir, set(), {}
-
-    def poll(self) -> None:
-        failures = os.path.join(self.job_dir, "failures")
-        for name in os.listdir(failures) if os.path.isdir(failures) else []:
-            attempt = name.split("-")[0]
-            if attempt not in self.handled:
-                self.handled.add(attempt)
-                self.due[attempt] = time.monotonic() + self.GRACE_S
-        for attempt, when in list(self.due.items()):
-            if time.monotonic() > when:
-                del self.due[attempt]
-                for path in glob.glob(os.path.join(self.job_dir, "pids", f"{attempt}-*")):
-                    with open(path) as f:
-                        _signal(int(f.read()), signal.SIGKILL)
 
 
 class _ElasticThread(threading.Thread):
@@ -206,89 +132,8 @@ class _ElasticThread(threading.Thread):
         if self.error is None:
             return self.results[0]
         if isinstance(self.error, ChildFailedError):
-            raise JobFailed(_failure_reason(job_dir, self.error)) from None
+            raise JobFailed(failure_reason(job_dir, self.error)) from None
         raise JobFailed(f"the launcher failed: {type(self.error).__name__}: {self.error}") from None
-
-
-def _stop_descendants(agent: threading.Thread, grace_s: float = 2.0) -> None:
-    """SIGTERM every process below this one, SIGKILL whatever is left after `grace_s`, let the agent wind down.
-
-    The agent's thread must end before the interpreter does: its stores' threads abort the process otherwise.
-    """
-    victims = _descendants()
-    for pid in victims:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in victims):
-        time.sleep(0.05)
-    for pid in victims:
-        _signal(pid, signal.SIGKILL)
-    agent.join(timeout=15)
-
-
-def _descendants() -> list[int]:
-    """Live processes below this one (multiprocessing's shared resource tracker excepted)."""
-    parent_of = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    tracker = b"resource_tracker" in f.read()
-            except OSError:
-                continue
-            if fields[0] != "Z" and not tracker:
-                parent_of[int(entry)] = int(fields[1])
-    found, frontier = [], {os.getpid()}
-    while frontier:
-        children = [pid for pid, ppid in parent_of.items() if ppid in frontier and pid not in found]
-        found += children
-        frontier = set(children)
-    return found
-
-
-def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _failure_reason(job_dir: str, error) -> str:
-    """The one line that explains a failed job, from the ranks' own reports of its last attempt.
-
-    A failure zerotrain explained (an invariant, a timeout) comes first; then a rank that died without
-    a word (killed by a signal, or exited), since the others then only saw their peer vanish; then the
-    earliest report.
-    """
-    reports = []
-    for path in glob.glob(os.path.join(job_dir, "failures", "*.json")):
-        with open(path) as f:
-            reports.append(json.load(f))
-    last_attempt = max((r["attempt"] for r in reports), default=0)
-    reports = [r for r in reports if r["attempt"] == last_attempt]
-    explained = sorted((r for r in reports if r["kind"] == "explained"), key=lambda r: r["time"])
-    if explained:
-        return explained[0]["message"]
-    reported = {r["rank"] for r in reports}
-    for rank, failure in sorted(error.failures.items()):
-        if rank not in reported and failure.exitcode < 0:
-            return f"rank {rank} was killed by signal {failure.signal_name()}"
-        if rank not in reported:
-            return f"rank {rank} failed with exit code {failure.exitcode} (see its output above)"
-    if reports:
-        return min(reports, key=lambda r: r["time"])["message"]
-    rank, failure = error.get_first_failure()
-    return f"rank {rank} failed with exit code {failure.exitcode}"
 
 
 def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None,
@@ -298,8 +143,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     Any exception ends the rank with one line naming the rank and the error (the traceback goes to
     `<out>/logs/rank{R}.log`): in the job folder for the launcher to show, or on stderr under torchrun.
     """
-    global _stop
-    _stop = StopRequest(os.path.join(job_dir, STOP_FILE) if job_dir else None).install()
+    install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None)
     if job_dir:  # for the launcher's reaper
         os.makedirs(os.path.join(job_dir, "pids"), exist_ok=True)
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:
@@ -321,7 +165,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         dist.destroy_process_group()
         raise  # the same on every rank: the command line reports it (exit 2)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line naming the rank
-        _report_failure(e, rank, cfg, job_dir)
+        report_failure(e, rank, cfg, job_dir)
         sys.stdout.flush()
         sys.stderr.flush()
         if getattr(e, "peer_lost", False):
@@ -375,38 +219,3 @@ def _agree(cfg: Config, comm: Comm, prepare: Callable[[Config], Config]) -> Conf
     if "error" in agreed:
         raise (ConfigError if agreed["user"] else ZeroTrainError)(agreed["error"])
     return Config.from_dict(agreed["config"])
-
-
-def _report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None) -> None:
-    explained = isinstance(error, ZeroTrainError) and not getattr(error, "peer_lost", False)
-    message = f"rank {rank}: {error}" if isinstance(error, ZeroTrainError) else \
-        f"rank {rank}: {type(error).__name__}: {error}"
-    log = _write_traceback(rank, cfg)
-    if log and not explained:
-        message += f" (traceback in {log})"
-    if job_dir is None:
-        print(f"zerotrain: {message}", file=sys.stderr, flush=True)
-        return
-    os.makedirs(os.path.join(job_dir, "failures"), exist_ok=True)
-    report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": message,
-              "kind": "explained" if explained else "exception"}
-    with open(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), "w") as f:
-        json.dump(report, f)
-
-
-def _write_traceback(rank: int, cfg: Config) -> str | None:
-    """Append this rank's traceback to <out>/logs/rank{R}.log (or a temporary file); return its path."""
-    text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {restart_count()}\n{traceback.format_exc()}"
-    for folder in (os.path.join(cfg.run.out, "logs") if cfg.run.out else None, tempfile.gettempdir()):
-        if folder is None:
-            continue
-        try:
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, f"rank{rank:05d}.log" if folder != tempfile.gettempdir()
-                                else f"zerotrain-rank{rank:05d}.log")
-            with open(path, "a") as f:
-                f.write(text)
-            return path
-        except OSError:
-            continue
-    return None

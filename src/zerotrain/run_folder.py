@@ -13,7 +13,7 @@ import time
 
 from . import checkpoint
 from .config import Config, ConfigError
-from .launch import restart_count
+from .failures import restart_count
 
 SUMMARY = "summary.json"
 

@@ -15,7 +15,8 @@ from .config import Config
 from .data import BatchSchedule, StepBatch, make_source
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
-from .launch import rank_device, restart_count, stop_request
+from .failures import restart_count
+from .launch import rank_device
 from .metrics import Metrics
 from .model import build_model, summed_token_loss
 from .parallel import Comm, ZeroOneEngine
@@ -68,47 +69,6 @@ def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, 
     return loss_sum
 
 
-class _Saver:
-    """When to save and how: every K steps, every M minutes (rank 0's clock), on a stop and at the end."""
-
-    def __init__(self, cfg: Config, comm: Comm, faults: Faults, on_commit: Callable[[int], None]):
-        c = cfg.checkpoint
-        self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
-        self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
-        self.clock = control.SaveClock(c.every_minutes, comm.rank == 0)
-        self.writer = checkpoint.CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save,
-                                                  halfway_hook=faults.save_hook())
-        self.config = cfg.to_dict()
-        self.committed: list[str] = []
-
-    def due(self, step: int, last: int, decision: control.Decision) -> bool:
-        by_steps = self.every and step % self.every == 0
-        return decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == last))
-
-    def save(self, step: int, engine: ZeroOneEngine, state: dict, wait: bool) -> None:
-        """Save `step` with the loop's own `state` (data skips, guard window) in the manifest."""
-        extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **state}
-        self.clock.saved()
-        if self.writer.async_save and not wait:
-            self.finish()  # at most one save in flight
-            self.writer.start(step, engine, extra)
-            return
-        self.finish()
-        path, _, _ = self.writer.save(step, engine, extra)  # invariant (d) is checked inside, on every rank
-        self._committed(path)
-
-    def commit_written(self) -> None:
-        self._committed(self.writer.commit_pending())
-
-    def finish(self) -> None:
-        self._committed(self.writer.finish())
-
-    def _committed(self, path: str | None) -> None:
-        if path:
-            self.committed.append(path)
-            self.on_commit(checkpoint.step_of(os.path.basename(path)))
-
-
 def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, str | None]:
     """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
 
@@ -144,10 +104,10 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     model = torch.compile(engine.model) if r.compile else engine.model  # parameters stay views into the flat buffer
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
                              rank=comm.rank, world_size=W)
-    faults, stop = Faults.from_env(comm.rank, restart_count()), stop_request()
+    faults, stop = Faults.from_env(comm.rank, restart_count()), control.stop_request()
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
     rollback = RollbackPolicy(cfg.guard.max_rollbacks)
-    saver = _Saver(cfg, comm, faults, on_commit=rollback.note_commit)
+    saver = checkpoint.SaveCadence(cfg, comm, on_commit=rollback.note_commit, halfway_hook=faults.save_hook())
     start, manifest, resumed_from = _resume(cfg, engine, comm)
     skips = manifest.get("data_skips", [])
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
@@ -155,10 +115,9 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     memory = invariants.check_memory(engine, comm)
     metrics = Metrics(r.metrics, active=comm.rank == 0, progress=r.progress, start=start, total=r.steps)
     if restart_count() > 0:
+        lost = metrics.dropped_after - start
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
-                       "steps_lost": metrics.dropped_after - start},
-                      f"restart {restart_count()}: resumed from step {start}, "
-                      f"{metrics.dropped_after - start} step(s) lost")
+                       "steps_lost": lost}, f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost")
     records, rollbacks, stopped = [], [], None
     step = start
     try:
@@ -170,24 +129,17 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             batch = schedule.batch(data_step(step, skips))
             engine.zero_grad()
             loss_sum = accumulate_gradients(engine, batch, model, faults.loss_factor(done))
-            flags = control.local_flags(save_by_clock=saver.clock.due(),
-                                        stop_signal=stop.signal_name if stop.requested else None,
-                                        save_written=saver.writer.local_done())
-            grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64),
-                                                               invariants.nonfinite_flags(loss_sum, comm), flags]))
-            loss = float(totals[0]) / batch.global_tokens
-            decision = control.decide(totals[1 + W:], W)
+            reduced = control.reduce_step(engine, loss_sum, save_by_clock=saver.clock.due(),
+                                          stop_signal=stop.signal_name if stop.requested else None,
+                                          save_written=saver.writer.local_done())
+            loss, grad_norm, decision = reduced.loss_sum / batch.global_tokens, reduced.grad_norm, reduced.decision
             if decision.save_written:
                 saver.commit_written()
-            anomaly = detector.check(done, loss, grad_norm, invariants.flagged_ranks(totals[1 : 1 + W]))
-            if anomaly:  # decided before anything is updated: the bad step is never applied
-                saver.finish()  # commit what is written; a rollback may need it
-                if cfg.guard.on_anomaly == "abort":
-                    raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
-                step, skips, event = _roll_back(anomaly, rollback, skips, engine, comm, cfg)
-                detector.rewind(step)
-                rollbacks.append(event)
-                metrics.event(event, event["message"])
+            # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
+            anomaly = detector.check(done, loss, grad_norm, reduced.nonfinite_ranks)
+            if anomaly:
+                step, skips = _handle_anomaly(anomaly, cfg, engine, comm, saver, rollback, detector, skips,
+                                              metrics, rollbacks)
                 continue
             lr = lr_at(step, cfg.optim, r.steps) * faults.lr_factor(done)
             engine.apply(lr, grad_norm)
@@ -197,13 +149,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
                 after_update(done, engine)
             if r.check_every and done % r.check_every == 0:
                 invariants.check_no_drift(done, engine.param_digest(), comm)
-            step_s = time.perf_counter() - t0
-            # tokens: unmasked target tokens of the global batch; batch_*: the effective batch's capacity
-            record = dict(step=done, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
-                          batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
-                          step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
-            records.append(record)
-            metrics.log(record)
+            records.append(_record(done, loss, grad_norm, lr, batch, schedule, cfg, time.perf_counter() - t0))
+            metrics.log(records[-1])
             if saver.due(done, r.steps, decision):
                 saver.save(done, engine, {"data_skips": skips, "guard": detector.state_dict()},
                            wait=decision.stop or done == r.steps)
@@ -222,6 +169,28 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     return TrainResult(records, start, digests, norms, memory, saver.committed, dict(comm.calls), dict(comm.bytes),
                        engine.layout.numel, engine, stopped, rollbacks, resumed_from, _per_rank_bytes(engine, comm),
                        time.perf_counter() - t_start)
+
+
+def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,
+            cfg: Config, step_s: float) -> dict:
+    """One step's metrics. tokens: unmasked target tokens of the global batch; batch_*: its capacity."""
+    return dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
+                batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
+                step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
+
+
+def _handle_anomaly(anomaly, cfg: Config, engine: ZeroOneEngine, comm: Comm, saver: checkpoint.SaveCadence,
+                    policy: RollbackPolicy, detector: AnomalyDetector, skips: list, metrics: Metrics,
+                    rollbacks: list) -> tuple[int, list]:
+    """Abort, or roll back; returns the step to continue from and the data skips then in force."""
+    saver.finish()  # commit what is already written: a rollback may need it
+    if cfg.guard.on_anomaly == "abort":
+        raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
+    step, skips, event = _roll_back(anomaly, policy, skips, engine, comm, cfg)
+    detector.rewind(step)
+    rollbacks.append(event)
+    metrics.event(event, event["message"])
+    return step, skips
 
 
 def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngine, comm: Comm, cfg: Config):

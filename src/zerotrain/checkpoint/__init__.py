@@ -5,9 +5,10 @@ from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, 
 from .load import find_resumable, load, resolve_resume
 from .commit import point_latest
 from .save import CheckpointWriter, save
+from .cadence import SaveCadence
 from .verify import Check, verify, verify_or_raise
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
-           "CheckpointWriter", "committed_step_numbers", "committed_steps", "find_resumable", "incompatibility", "load", "point_latest", "read_latest",
+           "CheckpointWriter", "SaveCadence", "committed_step_numbers", "committed_steps", "find_resumable", "incompatibility", "load", "point_latest", "read_latest",
            "read_manifest", "resolve_resume", "save", "shard_name", "step_folders", "step_name", "step_of", "verify",
            "verify_or_raise"]

@@ -1,0 +1,54 @@
+"""When the loop saves (every K steps, every M minutes of rank 0's clock, on a stop, at the end), through one writer."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from .. import control
+from ..config import Config
+from ..parallel import Comm, ZeroOneEngine
+from .format import step_of
+from .save import CheckpointWriter
+
+
+class SaveCadence:
+    """When to save and how: every K steps, every M minutes (rank 0's clock), on a stop and at the end."""
+
+    def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], halfway_hook=None):
+        c = cfg.checkpoint
+        self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
+        self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
+        self.clock = control.SaveClock(c.every_minutes, comm.rank == 0)
+        self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook)
+        self.config = cfg.to_dict()
+        self.committed: list[str] = []
+
+    def due(self, step: int, last: int, decision: control.Decision) -> bool:
+        by_steps = self.every and step % self.every == 0
+        return decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == last))
+
+    def save(self, step: int, engine: ZeroOneEngine, state: dict, wait: bool) -> None:
+        """Save `step` with the loop's own `state` (data skips, guard window) in the manifest."""
+        extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **state}
+        self.clock.saved()
+        if self.writer.async_save and not wait:
+            self.finish()  # at most one save in flight
+            self.writer.start(step, engine, extra)
+            return
+        self.finish()
+        path, _, _ = self.writer.save(step, engine, extra)  # invariant (d) is checked inside, on every rank
+        self._committed(path)
+
+    def commit_written(self) -> None:
+        self._committed(self.writer.commit_pending())
+
+    def finish(self) -> None:
+        self._committed(self.writer.finish())
+
+    def _committed(self, path: str | None) -> None:
+        if path:
+            self.committed.append(path)
+            self.on_commit(step_of(os.path.basename(path)))

@@ -1,0 +1,125 @@
+"""The launcher's watch over its ranks: SIGINT/SIGTERM (stop, then hard stop), reaping a failed attempt's ranks.
+
+zerotrain's launcher runs torch's elastic agent in a thread and keeps the main thread for this: the
+first signal writes the stop file every rank polls, the second stops every rank at once; once a rank
+has reported a failure, the ranks of its attempt still running are killed after a short grace.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import sys
+import threading
+import time
+
+STOP_FILE = "stop"
+
+
+class LauncherSignals:
+    """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, the second asks for a hard stop."""
+
+    def __init__(self, stop_file: str):
+        self.stop_file, self.hard_stop, self._previous = stop_file, None, {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if os.path.exists(self.stop_file):
+            self.hard_stop = name
+            return
+        with open(self.stop_file + ".tmp", "w") as f:
+            f.write(name)
+        os.replace(self.stop_file + ".tmp", self.stop_file)
+        print(f"zerotrain: {name} received: every rank finishes its current step and saves; "
+              f"send it again to stop at once", file=sys.stderr, flush=True)
+
+
+class Reaper:
+    """Once a rank has reported a failure, the ranks of that attempt still running get a second, then SIGKILL.
+
+    The elastic agent stops a failed group with SIGTERM and waits up to 30 s before SIGKILL; a rank hung
+    inside a collective or a C call never runs its SIGTERM handler, so without this the job would outlive
+    its --timeout by half a minute. Each rank records its pid per attempt, so a restarted group is spared.
+    """
+
+    GRACE_S = 1.0
+
+    def __init__(self, job_dir: str):
+        self.job_dir, self.handled, self.due = job_dir, set(), {}
+
+    def poll(self) -> None:
+        failures = os.path.join(self.job_dir, "failures")
+        for name in os.listdir(failures) if os.path.isdir(failures) else []:
+            attempt = name.split("-")[0]
+            if attempt not in self.handled:
+                self.handled.add(attempt)
+                self.due[attempt] = time.monotonic() + self.GRACE_S
+        for attempt, when in list(self.due.items()):
+            if time.monotonic() > when:
+                del self.due[attempt]
+                for path in glob.glob(os.path.join(self.job_dir, "pids", f"{attempt}-*")):
+                    with open(path) as f:
+                        _signal(int(f.read()), signal.SIGKILL)
+
+
+def stop_descendants(agent: threading.Thread, grace_s: float = 2.0) -> None:
+    """SIGTERM every process below this one, SIGKILL whatever is left after `grace_s`, let the agent wind down.
+
+    The agent's thread must end before the interpreter does: its stores' threads abort the process otherwise.
+    """
+    victims = _descendants()
+    for pid in victims:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(pid) for pid in victims):
+        time.sleep(0.05)
+    for pid in victims:
+        _signal(pid, signal.SIGKILL)
+    agent.join(timeout=15)
+
+
+def _descendants() -> list[int]:
+    """Live processes below this one (multiprocessing's shared resource tracker excepted)."""
+    parent_of = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    tracker = b"resource_tracker" in f.read()
+            except OSError:
+                continue
+            if fields[0] != "Z" and not tracker:
+                parent_of[int(entry)] = int(fields[1])
+    found, frontier = [], {os.getpid()}
+    while frontier:
+        children = [pid for pid, ppid in parent_of.items() if ppid in frontier and pid not in found]
+        found += children
+        frontier = set(children)
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
