@@ -95,6 +95,22 @@ def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path
         writer.save(3, engine, {"step": 9})
 
 
+def lossy_disk(real_write):
+    """Planted fault: a disk that keeps the last bit of every shard other than it was given."""
+
+    def write(path, tensors, **kwargs):
+        record = real_write(path, tensors, **kwargs)
+        if path.endswith(SHARD):
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last ^ 1]))
+        return record
+
+    return write
+
+
 def test_a_sync_save_checks_invariant_d_before_committing_and_a_lossy_disk_is_caught(tmp_path, one_rank, monkeypatch):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
@@ -105,19 +121,7 @@ def test_a_sync_save_checks_invariant_d_before_committing_and_a_lossy_disk_is_ca
     changed["transformer.wpe.weight"][0, 0] += 1.0
     with pytest.raises(InvariantError, match=r"invariant \(d\) failed: .*transformer.wpe.weight"):
         save_module.read_back_check(os.path.join(path, "model.safetensors"), changed)
-    real = save_module.write_safetensors
-
-    def lossy(path, tensors, **kwargs):  # planted: the disk keeps one bit other than it was given
-        record = real(path, tensors, **kwargs)
-        if path.endswith(SHARD):
-            with open(path, "r+b") as f:
-                f.seek(-1, os.SEEK_END)
-                last = f.read(1)[0]
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([last ^ 1]))
-        return record
-
-    monkeypatch.setattr(save_module, "write_safetensors", lossy)
+    monkeypatch.setattr(save_module, "write_safetensors", lossy_disk(save_module.write_safetensors))
     with pytest.raises(checkpoint.CheckpointError, match=r"step 2 not saved: rank 0: .*invariant \(d\) failed"):
         checkpoint.save(root, 2, engine, one_rank, cfg.to_dict())
     assert checkpoint.committed_steps(root) == ["step_00000001"]  # the bad checkpoint was never committed
@@ -252,19 +256,7 @@ def test_an_async_save_checks_its_files_read_back_and_a_lossy_disk_fails_invaria
     writer = checkpoint.CheckpointWriter(root, one_rank, async_save=True)
     writer.start(2, engine, {})
     assert writer.finish() == os.path.join(root, "step_00000002")  # read back equal: committed
-    real = save_module.write_safetensors
-
-    def lossy(path, tensors, **kwargs):  # planted: the disk keeps one bit other than it was given
-        record = real(path, tensors, **kwargs)
-        if path.endswith(SHARD):
-            with open(path, "r+b") as f:
-                f.seek(-1, os.SEEK_END)
-                last = f.read(1)[0]
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([last ^ 1]))
-        return record
-
-    monkeypatch.setattr(save_module, "write_safetensors", lossy)
+    monkeypatch.setattr(save_module, "write_safetensors", lossy_disk(save_module.write_safetensors))
     writer.start(3, engine, {})
     while True:
         try:
