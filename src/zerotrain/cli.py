@@ -12,7 +12,7 @@ from .flags import _Parser
 
 def build_parser() -> argparse.ArgumentParser:
     from . import bench
-    from .commands import demo, equivalence, train, verify
+    from .commands import demo, equivalence, plot, train, verify
 
     parser = _Parser(prog="zerotrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     equivalence.add_parser(sub)
     verify.add_parser(sub)
+    plot.add_parser(sub)
     return parser
 
 

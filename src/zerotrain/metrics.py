@@ -40,6 +40,11 @@ class Metrics:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
 
+    def announce(self, line: str) -> None:
+        """A line for the person watching (the run's start line), on rank 0."""
+        if self.active:
+            print(f"zerotrain: {line}", flush=True)
+
     def event(self, record: dict, message: str | None = None) -> None:
         """An event (restart, rollback, stop) in the metrics, and its line on screen."""
         if not self.active:

@@ -96,8 +96,12 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
     return manifest["step"], manifest, path
 
 
-def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None) -> TrainResult:
-    """Train to cfg.run.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills."""
+def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None,
+          announce: bool = True) -> TrainResult:
+    """Train to cfg.run.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills.
+
+    `announce` prints the start line on rank 0 (the demo prints its own header instead).
+    """
     t_start = time.perf_counter()
     r, W = cfg.run, comm.world_size
     engine = build_engine(cfg, comm)
@@ -114,6 +118,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
         detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
     metrics = Metrics(r.metrics, active=comm.rank == 0, progress=r.progress, start=start, total=r.steps)
+    if announce:
+        metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from))
     if restart_count() > 0:
         lost = metrics.dropped_after - start
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
@@ -169,6 +175,18 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     return TrainResult(records, start, digests, norms, memory, saver.committed, dict(comm.calls), dict(comm.bytes),
                        engine.layout.numel, engine, stopped, rollbacks, resumed_from, _per_rank_bytes(engine, comm),
                        time.perf_counter() - t_start)
+
+
+def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
+    """Model size, global batch and its split, data, run folder, and where the run starts."""
+    m, r = cfg.model, cfg.run
+    describe = getattr(schedule.source, "describe", None)
+    data = describe() if describe else cfg.data.source
+    where = f"resumed from step {start} ({resumed_from})" if resumed_from else "starting at step 0"
+    return (f"GPT {engine.layout.numel:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
+            f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
+            f"{schedule.global_batch * m.seq_len:,} tokens ({schedule.world_size} ranks x micro {r.micro_batch} x "
+            f"accum {r.accum}); data {data}; run folder {r.out}; {where}, {r.steps} steps")
 
 
 def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,

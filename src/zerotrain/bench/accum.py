@@ -70,7 +70,7 @@ def accum_curve_job(cfg: Config, comm: Comm, *, grid: list[int], warmup: int) ->
         point_cfg = copy.deepcopy(cfg)
         point_cfg.run.accum, point_cfg.run.steps = accum, warmup + cfg.run.steps
         before_calls, before_bytes = comm.snapshot()
-        result = train(point_cfg, comm)
+        result = train(point_cfg, comm, announce=False)
         calls, nbytes = Counter(comm.calls) - before_calls, Counter(comm.bytes) - before_bytes
         points.append(_point(point_cfg, comm.world_size, result.records[warmup:], calls, nbytes))
     return points if comm.rank == 0 else None

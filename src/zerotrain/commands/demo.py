@@ -32,12 +32,12 @@ def add_parser(sub) -> None:
 
 def demo_job(cfg: Config, comm: Comm) -> dict:
     """Train from scratch, then again from the step-k checkpoint with fresh objects; compare bitwise."""
-    first = train(cfg, comm)
+    first = train(cfg, comm, announce=False)
     resumed_cfg = copy.deepcopy(cfg)
     resumed_cfg.checkpoint.resume = os.path.join(cfg.checkpoint.dir, f"step_{cfg.checkpoint.every:08d}")
     resumed_cfg.checkpoint.every = 0  # leave the first run's checkpoints as they are
     resumed_cfg.run.metrics = os.path.join(cfg.run.out, "metrics-resumed.jsonl")
-    second = train(resumed_cfg, comm)
+    second = train(resumed_cfg, comm, announce=False)
     tail = {r["step"]: r["loss"] for r in first.records if r["step"] > second.start_step}
     same_losses = all(tail[r["step"]] == r["loss"] for r in second.records) and len(tail) == len(second.records)
     same_params = first.digests == second.digests
