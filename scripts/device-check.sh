@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU readiness on one CUDA device, offline, in under 5 minutes: the demo, GPT-2 small bf16 throughput and MFU, bench compare.
+# GPU readiness on one CUDA device, offline, in about 5 minutes: the demo, GPT-2 small bf16 throughput and MFU,
+# bench compare, and the production path (async saves, a stop and its resume, bench ckpt).
 #
 # usage: scripts/device-check.sh OUTDIR
-# Everything lands in OUTDIR: device-check.log, demo/, throughput/ (metrics.jsonl), throughput.json, compare/.
+# Everything lands in OUTDIR: device-check.log, demo/, throughput/ (metrics.jsonl), throughput.json, compare/,
+# stopped/, ckpt/.
 # ZT_DEVICE=cpu ZT_PRESET=tiny rehearse the same plumbing on a machine without a GPU.
 set -euo pipefail
 
@@ -16,10 +18,10 @@ exec > >(tee "$OUT/device-check.log") 2>&1
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 
-echo "== 1/3 demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume"
+echo "== 1/4 demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume"
 timeout 75 zerotrain demo --device "$DEVICE" --nproc 1 --out "$OUT/demo"
 
-echo "== 2/3 throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps"
+echo "== 2/4 throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps"
 # Micro-batch 16 x 1024 tokens keeps the GPU busy; the drift check runs once, at the end.
 timeout 110 zerotrain train --device "$DEVICE" --nproc 1 --preset "$PRESET" --precision bf16 \
     --micro-batch 16 --steps 30 --check-every 0 --no-progress --out "$OUT/throughput"
@@ -62,7 +64,15 @@ print(f"{preset}: P = {P:,}, {tokens_per_s:,.0f} tokens/s, {model_flops / 1e12:.
       f"{peak / 1e12:.1f} measured bf16 matmul peak: MFU {100 * model_flops / peak:.1f}%")
 PY
 
-echo "== 3/3 bench compare at world size 1"
+echo "== 3/4 bench compare at world size 1"
 timeout 110 zerotrain bench compare --quick --device "$DEVICE" --nproc 1 --out "$OUT/compare"
+
+echo "== 4/4 production: async saves from pinned staging, a SIGTERM stop and its resume, bench ckpt"
+ZEROTRAIN_FAULTS="sigterm@step=6" timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench \
+    --steps 12 --ckpt-every 2 --async-save --no-progress --out "$OUT/stopped"
+timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save \
+    --no-progress --out "$OUT/stopped" --resume auto
+zerotrain verify "$OUT/stopped/checkpoints" | tail -1
+timeout 60 zerotrain bench ckpt --quick --device "$DEVICE" --out "$OUT/ckpt"
 
 echo "device check done: $OUT"
