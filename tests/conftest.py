@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch.distributed as dist
 
 # Job functions for spawned ranks must be importable by module name in the children.
 sys.path.insert(0, os.path.dirname(__file__))
+# Prepared text inputs go to a cache of this test session (inherited by subprocesses), not the user's.
+os.environ["ZEROTRAIN_CACHE"] = tempfile.mkdtemp(prefix="zerotrain-test-cache-")
+atexit.register(shutil.rmtree, os.environ["ZEROTRAIN_CACHE"], True)
 
 from zerotrain.config import Config, validate  # noqa: E402
 from zerotrain.run_folder import resolve_paths  # noqa: E402
@@ -18,6 +24,7 @@ from zerotrain.run_folder import resolve_paths  # noqa: E402
 def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Config:
     """The lesson's tiny GPT with small buckets, so multi-bucket code paths are exercised."""
     cfg = Config()
+    cfg.data.source = "synthetic"  # the default corpus is for users; unit tests learn the tiny Markov chain
     cfg.run.nproc, cfg.run.micro_batch, cfg.run.accum, cfg.run.steps = nproc, micro, accum, steps
     cfg.run.progress = False
     cfg.run.bucket_mb = 0.01  # ~2.6K values: several buckets for the 28K-parameter model

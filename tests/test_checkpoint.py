@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import struct
+import threading
 import time
 import traceback
 
@@ -195,34 +196,49 @@ def test_retention_keeps_what_latest_names_and_never_touches_newer_folders(tmp_p
 
 
 # ---------------------------------------------------------------- the async writer
-def slow_copies(monkeypatch, seconds=0.3):
-    real = save_module._Staging.copy_from
+def held_copies(monkeypatch, engine):
+    """The staging copy waits until training has reached its next update, deterministically, with no sleep.
+
+    It proceeds once the update either waits for it (the writer's pre-hook, as it should) or has
+    already happened (an optimizer that does not wait: the planted bug then leaks the new state).
+    """
+    reached = threading.Event()
+    real_copy, real_wait = save_module._Staging.copy_from, checkpoint.CheckpointWriter._wait_staged
 
     def copy_from(self, engine, step_count):
-        time.sleep(seconds)  # a copy long enough that training reaches its next update meanwhile
-        real(self, engine, step_count)
+        assert reached.wait(timeout=60), "training never reached its next update"
+        real_copy(self, engine, step_count)
+
+    def wait_staged(self):
+        reached.set()
+        real_wait(self)
 
     monkeypatch.setattr(save_module._Staging, "copy_from", copy_from)
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "_wait_staged", wait_staged)
+    engine.optimizer.register_step_post_hook(lambda *_: reached.set())
+    return reached
 
 
 def test_async_save_writes_bitwise_the_files_of_a_sync_save_while_training_goes_on(tmp_path, one_rank, monkeypatch):
     cfg, engine = trained(tmp_path, one_rank)
-    slow_copies(monkeypatch)
+    reached = held_copies(monkeypatch, engine)
     sync_path, _, _ = checkpoint.save(str(tmp_path / "sync"), 2, engine, one_rank, cfg.to_dict())
     writer = checkpoint.CheckpointWriter(str(tmp_path / "async"), one_rank, async_save=True)
     writer.start(2, engine, {"config": cfg.to_dict()})
-    assert not writer.local_done()
+    assert not writer.local_done()  # the copy is held until training reaches its next update
     run_steps(engine, cfg, 1)  # the next update waits for the staging copy, not for the write
     async_path = writer.finish()
     assert folder_hashes(async_path) == folder_hashes(sync_path)  # manifest.json included
     assert writer.finish() is None and writer.local_done()
 
     staged = writer._staging.master.data_ptr()
+    reached.set()
     writer.start(3, engine, {"config": cfg.to_dict()})
     assert writer._staging.master.data_ptr() == staged  # staging buffers are reused, not reallocated
     writer.finish()
 
     # planted: an update that does not wait for the copy leaks the next step's state into the files
+    reached.clear()
     sync_path, _, _ = checkpoint.save(str(tmp_path / "sync"), 3, engine, one_rank, cfg.to_dict())
     monkeypatch.setattr(checkpoint.CheckpointWriter, "_wait_staged", lambda self: None)
     unguarded = checkpoint.CheckpointWriter(str(tmp_path / "unguarded"), one_rank, async_save=True)
@@ -233,7 +249,7 @@ def test_async_save_writes_bitwise_the_files_of_a_sync_save_while_training_goes_
 
 def test_async_writer_refuses_a_second_save_in_flight_and_an_early_commit(tmp_path, one_rank, monkeypatch):
     _, engine = trained(tmp_path, one_rank)
-    slow_copies(monkeypatch)
+    reached = held_copies(monkeypatch, engine)  # the save stays in flight until the test lets it go
     writer = checkpoint.CheckpointWriter(str(tmp_path / "ck"), one_rank, async_save=True)
     assert writer.local_done() and writer.commit_pending() is None and writer.finish() is None
     writer.start(2, engine, {})
@@ -244,6 +260,7 @@ def test_async_writer_refuses_a_second_save_in_flight_and_an_early_commit(tmp_pa
         writer.save(3, engine, {})
     with pytest.raises(RuntimeError, match="still writing step 2"):
         writer.commit_pending()
+    reached.set()
     while not writer.local_done():
         time.sleep(0.01)
     assert writer.commit_pending() == str(tmp_path / "ck" / "step_00000002")

@@ -45,7 +45,7 @@ def test_demo_wall_clock_limit_stops_a_run_with_one_line(tmp_path):
 
 def test_train_writes_metrics_and_resume_auto_continues(tmp_path):
     args = ["train", "--nproc", "2", "--micro-batch", "2", "--accum", "2", "--out", str(tmp_path),
-            "--ckpt-every", "2", "--no-progress", "--keep", "2"]
+            "--ckpt-every", "2", "--no-progress", "--keep", "2", "--data", "synthetic"]
     r = zerotrain(*args, "--steps", "4")
     assert r.returncode == 0, r.stderr
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
@@ -64,7 +64,7 @@ def test_torchrun_job_is_joined_not_respawned(tmp_path):
     toml.write_text("[run]\nnproc = 4\n")  # ignored: torchrun's world size decides
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", "--steps", "2", "--micro-batch", "2",
-           "--out", str(tmp_path), "--no-progress", "--config", str(toml)]
+           "--out", str(tmp_path), "--no-progress", "--config", str(toml), "--data", "synthetic"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("zerotrain: trained to step 2 on 2 rank(s)") == 1  # rank 0 only
@@ -87,7 +87,7 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
     (["--resume", "no/such/folder"], "--resume no/such/folder: no such checkpoint folder"),
 ])
 def test_bad_flags_name_the_bad_value(capsys, args, message):
-    assert main(["train", *args]) == 2
+    assert main(["train", "--data", "synthetic", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err
 
@@ -100,7 +100,7 @@ def test_bad_flags_name_the_bad_value(capsys, args, message):
     (["--no-overlap"], "cuda", False, False, False),
 ])
 def test_overlap_auto_chooses_per_device_and_flags_override_it(flags, device, compile, backward, forward):
-    cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+    cfg = config_from_args(build_parser().parse_args(["train", "--data", "synthetic", *flags]))
     cfg.run.device, cfg.run.compile = device, compile
     assert (cfg.run.reduce_in_backward, cfg.run.gather_in_forward) == (backward, forward)
 
@@ -112,9 +112,9 @@ def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_pat
     assert "fewer than one sequence of --seq-len 16" in capsys.readouterr().err
     other = tmp_path / "other"  # a real checkpoint, of a wider model
     assert zerotrain("train", "--n-embd", "64", "--steps", "1", "--ckpt-every", "1", "--no-progress",
-                     "--out", str(other)).returncode == 0
+                     "--data", "synthetic", "--out", str(other)).returncode == 0
     ck = other / "checkpoints" / "step_00000001"
-    assert main(["train", "--resume", str(ck)]) == 2
+    assert main(["train", "--data", "synthetic", "--resume", str(ck)]) == 2
     assert "incompatible model: checkpoint has model.n_embd=64, this run has 32" in capsys.readouterr().err
     toml = tmp_path / "run.toml"
     toml.write_text("[model]\nn_embd = 48\nn_head = 5\n")

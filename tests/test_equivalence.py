@@ -92,6 +92,7 @@ def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> di
 
 def _rounds(eager: bool, accums: list[int]) -> dict:
     cfg = Config()
+    cfg.data.source = "synthetic"
     cfg.run.nproc, cfg.run.micro_batch, cfg.run.steps = 2, 1, 2
     cfg.run.bucket_mb = 0.02  # several buckets, so "one round" means one call per bucket
     cfg.run.overlap = "on"  # buckets launch from backward's hooks, where a missed no_sync would show

@@ -21,7 +21,7 @@ from zerotrain.launch import JobFailed, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
-TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress"]
+TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "--data", "synthetic"]
 
 
 def zerotrain(*args, faults=None, timeout=240, cwd=None):
@@ -253,7 +253,7 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path):
-    args = ["--steps", "4", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "4",
+    args = ["--steps", "4", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "4", "--data", "synthetic",
             "--threads", "1"]
     single = str(tmp_path / "single")
     assert zerotrain("train", "--nproc", "2", *args, "--out", single).returncode == 0
@@ -275,7 +275,8 @@ def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path
 
 
 def test_torchrun_restarts_a_killed_rank_in_the_same_default_run_folder_bitwise_like_no_fault(tmp_path):
-    args = ["--steps", "6", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "2", "--threads", "1"]
+    args = ["--steps", "6", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "2", "--threads", "1",
+            "--data", "synthetic"]
     whole = str(tmp_path / "whole")
     assert zerotrain("train", "--nproc", "2", *args, "--out", whole).returncode == 0
     env = dict(os.environ, ZEROTRAIN_FAULTS="kill@step=5,rank=1")
@@ -292,7 +293,7 @@ def test_torchrun_restarts_a_killed_rank_in_the_same_default_run_folder_bitwise_
 def test_torchrun_ranks_agree_on_one_default_run_folder(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", "--steps", "2", "--micro-batch", "2",
-           "--no-progress"]
+           "--no-progress", "--data", "synthetic"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     (folder,) = os.listdir(tmp_path / "runs")
@@ -307,3 +308,19 @@ def test_an_exception_in_a_rank_is_one_line_naming_the_rank_and_its_logged_trace
     assert str(failed.value) == f"rank 1: ValueError: a bug in rank 1 (traceback in {log})"
     assert "Traceback" in open(log).read() and "raising_job" in open(log).read()
     assert child_pids() == []
+
+
+def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_agrees(tmp_path):
+    out = str(tmp_path / "stdlib")
+    r = zerotrain("train", "--nproc", "2", "--micro-batch", "4", "--steps", "30", "--lr", "1e-2", "--eval-every", "10",
+                  "--ckpt-every", "30", "--no-progress", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "data --data python-stdlib" in r.stdout and "GPT 34,176 parameters" in r.stdout  # the start line
+    steps = [rec for rec in records(out) if "event" not in rec]
+    val = [rec["val_loss"] for rec in steps if "val_loss" in rec]
+    assert [rec["step"] for rec in steps if "val_loss" in rec] == [10, 20, 30]
+    assert val[-1] < val[0] - 0.1 and steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    # `zerotrain eval` on the final checkpoint computes the same validation batches
+    r = zerotrain("eval", os.path.join(out, "checkpoints", "step_00000030"), "--batches", "8", "--batch-size", "8")
+    assert r.returncode == 0, r.stderr
+    assert f"val_loss {val[-1]:.6f}" in r.stdout

@@ -12,7 +12,8 @@ from .flags import _Parser
 
 def build_parser() -> argparse.ArgumentParser:
     from . import bench
-    from .commands import demo, equivalence, plot, train, verify
+    from .commands import demo, equivalence, export, plot, prepare, sample, train, verify
+    from .commands import eval as evaluate  # the module's name shadows the builtin
 
     parser = _Parser(prog="zerotrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -21,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     equivalence.add_parser(sub)
     verify.add_parser(sub)
+    prepare.add_parser(sub)
+    sample.add_parser(sub)
+    evaluate.add_parser(sub)
+    export.add_parser(sub)
     plot.add_parser(sub)
     return parser
 

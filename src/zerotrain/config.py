@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -40,11 +41,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "synthetic", "synthetic-varlen", or the path of a UTF-8 text file (read as bytes).
-    source: str = "synthetic"
-    # Text only: pack the byte stream into full sequences (True) or one document per sequence,
-    # split on blank lines, padded and label-masked (False).
+    # "python-stdlib" (this interpreter's standard-library sources, as bytes), "synthetic",
+    # "synthetic-varlen", a UTF-8 text file or folder (as bytes), or token files: a folder with
+    # *train*.bin / *val*.bin (zerotrain prepare, nanoGPT, llm.c) or one .bin file. See data/resolve.py.
+    source: str = "python-stdlib"
+    # Pack the token stream into full sequences (True) or one document per sequence, padded and
+    # label-masked (False; documents end with the end-of-text token).
     pack: bool = True
+    glob: str = "**/*.txt"  # a text folder's files
+    val_fraction: float = 0.05  # text inputs: the documents set aside for validation (by a hash of their name)
+    cache_dir: str = ""  # prepared text inputs; "" -> $ZEROTRAIN_CACHE or ~/.cache/zerotrain
 
 
 @dataclass
@@ -80,6 +86,9 @@ class RunConfig:
     out: str = ""  # run folder; "" -> runs/<timestamp>
     metrics: str = ""  # JSONL path; "" -> <out>/metrics.jsonl
     progress: bool = True
+    eval_every: int = 0  # validation loss every K steps and at the end (0: never)
+    eval_batches: int = 8  # fixed validation batches, each ranks x micro-batch sequences
+    tensorboard: bool = False  # also log to <out>/tensorboard (needs the tensorboard package)
 
     @property
     def reduce_in_backward(self) -> bool:
@@ -234,6 +243,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--keep must be >= 0, got {c.keep}")
     if not (c.every_minutes >= 0 and math.isfinite(c.every_minutes)):
         raise ConfigError(f"--ckpt-every-minutes must be >= 0, got {c.every_minutes}")
+    if r.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'zerotrain[tb]'")
+    if r.eval_every < 0:
+        raise ConfigError(f"--eval-every must be >= 0, got {r.eval_every}")
+    _positive(r.eval_batches, "--eval-batches")
     if r.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {r.max_restarts}")
     if g.on_anomaly not in ("rollback", "abort"):

@@ -22,6 +22,8 @@ TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
                                          "the next forward: on, off, or auto (on with CUDA, off on CPU)"),
     ("--check-every", "run", "check_every", int, "cross-rank drift check period in steps"),
     ("--timeout", "run", "timeout_s", float, "collective timeout in seconds: a rank that stops answering fails the job"),
+    ("--eval-every", "run", "eval_every", int, "validation loss every K steps and at the end (0: never)"),
+    ("--eval-batches", "run", "eval_batches", int, "fixed validation batches of ranks x micro-batch sequences"),
     ("--max-restarts", "run", "max_restarts", int, "restart the group after a worker dies, resuming from the newest "
                                                    "checkpoint that verifies (as torchrun's option)"),
     ("--out", "run", "out", str, "run folder (default runs/<timestamp>)"),
@@ -30,8 +32,14 @@ TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--n-head", "model", "n_head", int, "attention heads"),
     ("--n-embd", "model", "n_embd", int, "embedding width"),
     ("--seq-len", "model", "seq_len", int, "tokens per sequence"),
-    ("--vocab-size", "model", "vocab_size", int, "vocabulary size (256 for text files)"),
-    ("--data", "data", "source", str, "synthetic, synthetic-varlen, or a UTF-8 text file"),
+    ("--vocab-size", "model", "vocab_size", int, "vocabulary size (default: the data's; synthetic data: 64)"),
+    ("--data", "data", "source", str, "python-stdlib (the default: this Python's standard library as bytes), "
+                                      "synthetic, synthetic-varlen, a UTF-8 text file or folder, or token files "
+                                      "(a folder with train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c)"),
+    ("--glob", "data", "glob", str, "a text folder's files (default **/*.txt)"),
+    ("--val-fraction", "data", "val_fraction", float, "text: fraction of documents held out for validation (0.05)"),
+    ("--data-cache", "data", "cache_dir", str, "where text inputs are prepared (default $ZEROTRAIN_CACHE or "
+                                               "~/.cache/zerotrain)"),
     ("--lr", "optim", "lr", float, "peak learning rate"),
     ("--min-lr-ratio", "optim", "min_lr_ratio", float, "final learning rate as a fraction of --lr"),
     ("--warmup-steps", "optim", "warmup_steps", int, "linear warmup steps (default steps/10)"),
@@ -58,12 +66,18 @@ class _Parser(argparse.ArgumentParser):
 def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] | None = None) -> None:
     p.add_argument("--config", help="TOML file with [model] [data] [optim] [run] [checkpoint] [guard] tables")
     p.add_argument("--preset", help="model size preset: tiny, bench, wide, gpt2")
-    for flag, _, _, typ, help_ in TRAINING_FLAGS:
-        p.add_argument(flag, type=typ, default=None, help=help_)
-    p.add_argument("--no-pack", action="store_true", help="text data: one blank-line separated document per sequence")
+    shown = Config()
+    for key, value in (defaults or {}).items():  # a command's own defaults (the demo's) are the ones shown
+        section, name = key.split(".")
+        setattr(getattr(shown, section), name, value)
+    for flag, section, name, typ, help_ in TRAINING_FLAGS:
+        default = getattr(getattr(shown, section), name)
+        p.add_argument(flag, type=typ, default=None, help=f"{help_} (default: {_show(flag, default)})")
+    p.add_argument("--no-pack", action="store_true", help="one document per sequence (padded, masked), not packed")
     p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
+    p.add_argument("--tensorboard", action="store_true", help="also log to <out>/tensorboard ('zerotrain[tb]')")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background while training goes on")
     p.add_argument("--overwrite", action="store_true", help="a fresh run may replace the checkpoints and metrics in its folder")
     p.set_defaults(_flag_defaults=defaults or {})
@@ -77,8 +91,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         section, name = key.split(".")
         overrides.setdefault(section, {})[name] = value
     merge(cfg, overrides, origin="defaults")
+    vocab_given = False  # by the user: --vocab-size or the TOML; otherwise the data decides
     if args.config:
-        merge(cfg, load_toml(args.config), origin=args.config)
+        toml = load_toml(args.config)
+        merge(cfg, toml, origin=args.config)
+        vocab_given = "vocab_size" in toml.get("model", {})
     if args.preset:
         apply_preset(cfg, args.preset)
     given: dict[str, dict] = {}
@@ -94,14 +111,22 @@ def config_from_args(args: argparse.Namespace) -> Config:
         given.setdefault("run", {})["progress"] = False
     if args.compile:
         given.setdefault("run", {})["compile"] = True
+    if args.tensorboard:
+        given.setdefault("run", {})["tensorboard"] = True
     if args.async_save:
         given.setdefault("checkpoint", {})["async_save"] = True
     if args.overwrite:
         given.setdefault("checkpoint", {})["overwrite"] = True
     merge(cfg, given, origin="command line")
-    text = cfg.data.source not in ("synthetic", "synthetic-varlen")
-    if text and "vocab_size" not in given.get("model", {}):
-        cfg.model.vocab_size = 256  # bytes
     validate(cfg)
-    check_source(cfg)
+    check_source(cfg, vocab_given=vocab_given or "vocab_size" in given.get("model", {}))
     return cfg
+
+
+def _show(flag: str, default) -> str:
+    """A default as --help shows it: the empty string and -1 mean 'derived', said in words."""
+    derived = {"--out": "runs/<timestamp>", "--metrics": "<out>/metrics.jsonl", "--ckpt-dir": "<out>/checkpoints",
+               "--warmup-steps": "steps/10", "--resume": "none", "--threads": "cores / local ranks"}
+    if flag in derived and default in ("", -1, 0):
+        return derived[flag]
+    return str(default)

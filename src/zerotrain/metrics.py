@@ -17,10 +17,12 @@ class Metrics:
     the last step it dropped, which tells a restart how many steps it lost.
     """
 
-    def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int):
+    def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int,
+                 tensorboard: str | None = None):
         self.active = active
         self.file = None
         self.bar = None
+        self.board = None
         self.dropped_after = start
         if not active:
             return
@@ -28,6 +30,10 @@ class Metrics:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.dropped_after = _truncate_after(path, start)
             self.file = open(path, "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # the [tb] extra; checked when the config was
+
+            self.board = SummaryWriter(tensorboard, purge_step=start + 1)
         if progress:
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
                             dynamic_ncols=True, leave=True)
@@ -36,8 +42,15 @@ class Metrics:
         if not self.active:
             return
         self._write(record)
+        if self.board:
+            for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
+                if record.get(key) is not None:
+                    self.board.add_scalar(key, record[key], record["step"])
         if self.bar:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if "val_loss" in record:
+                postfix["val"] = f"{record['val_loss']:.4f}"
+            self.bar.set_postfix(**postfix, refresh=False)
             self.bar.update(1)
 
     def announce(self, line: str) -> None:
@@ -65,6 +78,8 @@ class Metrics:
             self.file.flush()
 
     def close(self) -> None:
+        if self.board:
+            self.board.close()
         if self.bar:
             self.bar.close()
         if self.file:

@@ -1,4 +1,8 @@
-"""The GPT: a GPT-2-architecture decoder whose parameter names map one-to-one onto Hugging Face's GPT-2."""
+"""The GPT: a GPT-2-architecture decoder whose parameter names map one-to-one onto Hugging Face's GPT-2.
+
+Training calls `model(idx)`. Generation passes a `KVCache` as well: each attention layer then
+stores the keys and values of the positions it has seen and computes only the new ones.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,33 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 
+class KVCache:
+    """The keys and values of every layer for the first `length` positions, preallocated to seq_len.
+
+    Filled by `GPT.forward(idx, cache)`: the new tokens sit at positions length .. length + T - 1,
+    and each layer attends over all the positions stored so far. It holds at most seq_len positions
+    (the learned position embedding has no more); the caller decides what happens past that
+    (generate.py slides a window and refills the cache).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        shape = (cfg.n_layer, batch, cfg.n_head, cfg.seq_len, cfg.n_embd // cfg.n_head)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer`'s keys and values (B, H, T, D) of the new positions; all of them so far."""
+        end = self.length + k.shape[2]
+        self.keys[layer, :, :, self.length : end] = k
+        self.values[layer, :, :, self.length : end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -18,12 +49,28 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            past = cache.length
+            k, v = cache.append(layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(past, T, x.device),
+                                               is_causal=past == 0)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """New query i (at position past + i) sees keys 0 .. past + i; None where no mask is needed.
+
+    With nothing cached SDPA's own causal mask is exact; one new query sees every key.
+    """
+    if past == 0 or T == 1:
+        return None
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
 
 
 class MLP(nn.Module):
@@ -45,8 +92,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -76,6 +123,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.register_load_state_dict_pre_hook(_tied_head_from_embedding)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -86,14 +134,38 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab) for token ids of shape (batch, time)."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab) for token ids of shape (batch, time).
+
+        With a cache, `idx` continues the positions already in it, and the cache grows by time.
+        """
         T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
+        past = 0 if cache is None else cache.length
+        if past + T > self.cfg.seq_len:
+            raise ValueError(f"{past} cached + {T} new positions exceed seq_len {self.cfg.seq_len}")
+        pos = torch.arange(past, past + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.length += T
         return self.lm_head(self.transformer.ln_f(x))
+
+
+def _tied_head_from_embedding(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+    """Strict loading accepts a state dict without `lm_head.weight`, as model.safetensors stores it.
+
+    The head is the token embedding (one tensor), so it is saved once, under transformer.wte.weight.
+    A state dict that holds both (state_dict() does) must hold the same values in each.
+    """
+    head, wte = prefix + "lm_head.weight", prefix + "transformer.wte.weight"
+    if wte not in state_dict:
+        return
+    if head not in state_dict:
+        state_dict[head] = state_dict[wte]
+    elif state_dict[head] is not state_dict[wte] and not torch.equal(state_dict[head], state_dict[wte]):
+        error_msgs.append(f"{head} differs from {wte}, but the two are one tied tensor")
 
 
 def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from . import checkpoint, control, invariants
 from .config import Config
 from .data import BatchSchedule, StepBatch, make_source
+from .evaluate import validation_loss
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
 from .failures import restart_count
@@ -108,6 +109,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     model = torch.compile(engine.model) if r.compile else engine.model  # parameters stay views into the flat buffer
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
                              rank=comm.rank, world_size=W)
+    val_source = make_source(cfg, split="val") if r.eval_every else None
     faults, stop = Faults.from_env(comm.rank, restart_count()), control.stop_request()
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
     rollback = RollbackPolicy(cfg.guard.max_rollbacks)
@@ -117,7 +119,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
-    metrics = Metrics(r.metrics, active=comm.rank == 0, progress=r.progress, start=start, total=r.steps)
+    metrics = Metrics(r.metrics, active=comm.rank == 0, progress=r.progress, start=start, total=r.steps,
+                      tensorboard=os.path.join(r.out, "tensorboard") if r.tensorboard else None)
     if announce:
         metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from))
     if restart_count() > 0:
@@ -156,6 +159,9 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
             if r.check_every and done % r.check_every == 0:
                 invariants.check_no_drift(done, engine.param_digest(), comm)
             records.append(_record(done, loss, grad_norm, lr, batch, schedule, cfg, time.perf_counter() - t0))
+            if r.eval_every and (done % r.eval_every == 0 or done == r.steps):
+                records[-1]["val_loss"] = validation_loss(engine.model, val_source, comm, batches=r.eval_batches,
+                                                          micro_batch=r.micro_batch)
             metrics.log(records[-1])
             if saver.due(done, r.steps, decision):
                 saver.save(done, engine, {"data_skips": skips, "guard": detector.state_dict()},

@@ -32,9 +32,11 @@ STEP_PURPOSES = ("reduce_scatter_grads", "all_reduce_stats", "all_gather_params"
 ACCUM_DEFAULTS = {
     **{f"model.{k}": v for k, v in PRESETS["bench"].items()},
     "run.nproc": 2, "run.micro_batch": 8, "run.steps": 6, "run.check_every": 0, "run.progress": False,
+    "data.source": "synthetic",  # timing, not learning: no corpus to prepare
 }
 # The tiny model and a few steps: the whole sweep in well under two minutes on two cores.
-QUICK_DEFAULTS = {"run.nproc": 2, "run.micro_batch": 4, "run.steps": 5, "run.check_every": 0, "run.progress": False}
+QUICK_DEFAULTS = {"run.nproc": 2, "run.micro_batch": 4, "run.steps": 5, "run.check_every": 0, "run.progress": False,
+                  "data.source": "synthetic"}
 WARMUP, QUICK_WARMUP = 2, 1
 
 

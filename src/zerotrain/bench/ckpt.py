@@ -117,6 +117,7 @@ def _config(size: dict, device: str, out: str) -> Config:
     cfg.model.seq_len = min(cfg.model.seq_len, size["seq_len"])
     cfg.run.micro_batch, cfg.run.device, cfg.run.out, cfg.run.progress = size["micro_batch"], device, out, False
     cfg.run.overlap = "off"  # nothing in flight at the step boundary: the stall is the save's alone
+    cfg.data.source = "synthetic"
     return validate(cfg)
 
 

@@ -46,6 +46,7 @@ SIZES = {  # warm-up steps, repeats, timed steps per strategy per repeat
 COMPARE_DEFAULTS = {
     "run.nproc": 2, "run.threads": 1, "run.micro_batch": 8, "run.progress": False,
     "optim.grad_clip": 0.0,  # clipping off in all four; --grad-clip turns it on in all four
+    "data.source": "synthetic",  # timing, not learning: no corpus to prepare
 }
 
 

@@ -9,8 +9,9 @@ import torch
 
 from .. import control
 from ..config import Config
+from ..data import checkpoint_tokenizer
 from ..parallel import Comm, ZeroOneEngine
-from .format import step_of
+from .format import TOKENIZER_FILE, step_of
 from .save import CheckpointWriter
 
 
@@ -22,7 +23,10 @@ class SaveCadence:
         self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
         self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
         self.clock = control.SaveClock(c.every_minutes, comm.rank == 0)
-        self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook)
+        # the data's tokenizer travels with every checkpoint, so sampling and export use the same one
+        self.tokenizer, tokenizer_file = checkpoint_tokenizer(cfg)
+        self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook,
+                                       copied_files={TOKENIZER_FILE: tokenizer_file} if tokenizer_file else None)
         self.config = cfg.to_dict()
         self.committed: list[str] = []
 
@@ -33,6 +37,8 @@ class SaveCadence:
     def save(self, step: int, engine: ZeroOneEngine, state: dict, wait: bool) -> None:
         """Save `step` with the loop's own `state` (data skips, guard window) in the manifest."""
         extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **state}
+        if self.tokenizer:
+            extra["tokenizer"] = self.tokenizer
         self.clock.saved()
         if self.writer.async_save and not wait:
             self.finish()  # at most one save in flight

@@ -1,9 +1,11 @@
 """The checkpoint format: folder and file names, the manifest and its schema, what `latest` names.
 
 A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, `model.safetensors` (the full
-fp32 model, loadable without torch.distributed) and one `optim-rank{r}-of-{W}.safetensors` per rank
-(its master values, exp_avg, exp_avg_sq and the optimizer step). `latest` in the checkpoint root
-names the newest committed folder. Safetensors and JSON only: nothing is unpickled.
+fp32 model, loadable without torch.distributed), one `optim-rank{r}-of-{W}.safetensors` per rank
+(its master values, exp_avg, exp_avg_sq and the optimizer step) and, when the data has a BPE,
+its `tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file).
+`latest` in the checkpoint root names the newest committed folder. Safetensors and JSON only:
+nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..errors import ZeroTrainError
 
 FORMAT, VERSION = "zerotrain-checkpoint", 1
 MODEL_FILE, MANIFEST, LATEST = "model.safetensors", "manifest.json", "latest"
+TOKENIZER_FILE = "tokenizer.json"  # the data's BPE, copied by rank 0 when there is one (manifest["tokenizer"]["file"])
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 STEP_FOLDER = re.compile(r"step_(\d{8})")
 
@@ -49,8 +52,10 @@ def shard_name(rank: int, world_size: int) -> str:
     return f"optim-rank{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def expected_files(world_size: int) -> list[str]:
-    return [MODEL_FILE] + [shard_name(r, world_size) for r in range(world_size)]
+def expected_files(world_size: int, tokenizer: dict | None = None) -> list[str]:
+    """The model file, one shard per rank, and the tokenizer file when the manifest's tokenizer record names one."""
+    extra = [TOKENIZER_FILE] if isinstance(tokenizer, dict) and tokenizer.get("file") == TOKENIZER_FILE else []
+    return [MODEL_FILE] + [shard_name(r, world_size) for r in range(world_size)] + extra
 
 
 def step_folders(root: str) -> list[str]:

@@ -16,6 +16,7 @@ update wait for the copy. On CUDA the copies are queued on the training stream a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import uuid
@@ -49,12 +50,15 @@ class CheckpointWriter:
     (`save` and `start` both work either way). `extra_manifest_fn()`: fields added to every
     manifest (explicit `extra` wins). `halfway_hook(step)`: called after about half of this rank's
     shard bytes are written (fault injection); an exception it raises fails the save.
+    `copied_files`: {name in the checkpoint: source path} that rank 0 copies into every checkpoint
+    (the tokenizer), listed in the manifest with size and sha256 like every file.
     """
 
     def __init__(self, root: str, comm: Comm, *, keep: int = 0, async_save: bool = False,
                  extra_manifest_fn: Callable[[], dict] | None = None,
-                 halfway_hook: Callable[[int], None] | None = None):
+                 halfway_hook: Callable[[int], None] | None = None, copied_files: dict[str, str] | None = None):
         self.root, self.comm, self.keep, self.async_save = root, comm, keep, async_save
+        self.copied_files = copied_files or {}
         self.extra_manifest_fn, self.halfway_hook = extra_manifest_fn, halfway_hook
         # One id per writer, agreed by all ranks: a sidecar left by another writer (a crashed run,
         # a stale copy on one node's own disk) is never taken for one of this writer's.
@@ -131,8 +135,8 @@ class CheckpointWriter:
             files = staging.files()
             folder = os.path.join(self.root, tmp_name(pending.step))
             records = self._write(folder, files, pending.step)
-            for record in records:  # invariant (d), off the training path
-                read_back_check(os.path.join(folder, record.name), files[record.name])
+            for name, tensors in files.items():  # invariant (d), off the training path
+                read_back_check(os.path.join(folder, name), tensors)
             write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
         except BaseException as e:  # surfaced by local_done() on the training thread
             pending.error = e
@@ -227,12 +231,28 @@ class CheckpointWriter:
                 records.append(write_safetensors(path, tensors, halfway=halfway))
             except Exception as e:
                 raise CheckpointError(f"writing {path} failed: {e}") from e
+        for name, source in self.copied_files.items() if self.comm.rank == 0 else ():
+            try:
+                records.append(copy_file(source, os.path.join(folder, name)))
+            except OSError as e:
+                raise CheckpointError(f"copying {source} into {folder} failed: {e}") from e
         return records
 
 
 def save(root: str, step: int, engine: ZeroOneEngine, comm: Comm, config: dict, keep: int = 0):
     """Write step `step` under `root` synchronously; (folder, {file: tensors this rank wrote}, manifest)."""
     return CheckpointWriter(root, comm, keep=keep).save(step, engine, {"config": config})
+
+
+def copy_file(source: str, path: str) -> FileRecord:
+    """Copy `source` to `path`, fsynced; its record is of the bytes written."""
+    with open(source, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileRecord(os.path.basename(path), len(data), hashlib.sha256(data).hexdigest())
 
 
 def read_back_check(path: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -5,7 +5,8 @@ first group that has a failure (later groups read what an earlier one found bad)
 
     manifest   manifest.json is present, valid JSON, and has the writer's keys and types (schema)
     name       each listed name stays inside the folder: no `..`, no path, no symlink leading out
-    files      it lists model.safetensors and one optimizer shard per rank of its world size
+    files      it lists model.safetensors, one optimizer shard per rank of its world size, and
+               tokenizer.json when its "tokenizer" record names it
     size       each file has the recorded size ...
     sha256     ... and the recorded sha256
     partition  the buckets tile the padded flat buffer, the owned ranges of all ranks cover it exactly
@@ -116,7 +117,7 @@ def _manifest_checks(path: str, checks: list[Check]) -> dict | None:
 def files_problem(manifest: dict) -> str | None:
     """Why the manifest's file list is not exactly the model file and one shard per rank, or None."""
     listed = [f["name"] for f in manifest["files"]]
-    expected = expected_files(manifest["world_size"])
+    expected = expected_files(manifest["world_size"], manifest.get("tokenizer"))
     twice = sorted({n for n in listed if listed.count(n) > 1})
     if twice:
         return f"lists {twice[0]} more than once"

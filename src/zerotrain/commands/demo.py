@@ -17,6 +17,7 @@ from ..train import train
 DEMO_DEFAULTS = {
     "run.nproc": 4, "run.steps": 20, "run.micro_batch": 4, "run.accum": 2, "run.check_every": 5,
     "run.progress": False, "checkpoint.every": 10, "optim.lr": 1e-2, "guard.on_anomaly": "abort",
+    "data.source": "synthetic",  # the lesson's Markov chain: learnable in 20 steps, nothing to read
 }
 
 

@@ -1,0 +1,165 @@
+"""Prepared corpora: documents -> tokens -> train.bin / val.bin (llm.c layout) + meta.json; the cache of text inputs.
+
+`prepare_corpus` is what `zerotrain prepare` runs, and what training on text runs once per input: a
+text input (the standard library, a file, a folder) is tokenized as bytes into a folder of the
+cache, `$ZEROTRAIN_CACHE` or `~/.cache/zerotrain`, named by the sha256 of its documents' names,
+splits and bytes. Ranks then only read that folder. Building it is safe when several processes
+start at once: one builds under a file lock into a temporary folder and renames it into place (a
+folder that exists is complete); the others wait for the lock and find it there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..config import ConfigError
+from .documents import TextInput
+from .tokenfiles import LlmcWriter
+from .tokenizer import TOKENIZER_FILE, ByteTokenizer, parse_tokenizer_spec, tokenizer_record, train_bpe
+
+FORMAT, VERSION = "zerotrain-tokens", 1
+META = "meta.json"
+SPLITS = ("train", "val")
+ENCODE_BATCH = 256  # documents per encode_batch call (the BPE encodes them on all cores)
+
+
+def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dict:
+    """Write `source` tokenized into folder `out` (created): [tokenizer.json], train.bin, val.bin, meta.json.
+
+    Every document is followed by the end-of-text token. A BPE is trained on the training documents
+    only. Returns the metadata written to meta.json (token counts, sha256 of each file, timings).
+    """
+    t_start = time.perf_counter()
+    kind, vocab = parse_tokenizer_spec(tokenizer)
+    os.makedirs(out, exist_ok=True)
+    timings = {}
+    if kind == "bpe":
+        n_train = sum(d.split == "train" for d in source.documents)
+        tok = train_bpe((data.decode("utf-8") for doc, data in source if doc.split == "train"), vocab, n_train)
+        tok.save(os.path.join(out, TOKENIZER_FILE))
+        timings["tokenizer_train_s"] = time.perf_counter() - t_start
+    else:
+        tok = ByteTokenizer()
+    t_encode = time.perf_counter()
+    writers = {s: LlmcWriter(os.path.join(out, f"{s}.bin"), tok.vocab_size) for s in SPLITS}
+    documents, text_bytes = dict.fromkeys(SPLITS, 0), 0
+    pending: list[tuple[str, bytes]] = []
+
+    def flush() -> None:
+        if kind == "bpe":
+            encoded = tok.encode_batch([data.decode("utf-8") for _, data in pending])
+        else:
+            encoded = [np.frombuffer(data, dtype=np.uint8) for _, data in pending]
+        for (split, _), ids in zip(pending, encoded):
+            writers[split].write(np.append(np.asarray(ids, dtype=np.int64), tok.eot_id))
+            documents[split] += 1
+        pending.clear()
+
+    content = source.hasher()
+    for doc, data in source:
+        content.update(doc, data)
+        pending.append((doc.split, data))
+        text_bytes += len(data)
+        if len(pending) == ENCODE_BATCH:
+            flush()
+    flush()
+    for w in writers.values():
+        w.close()
+    timings["encode_s"] = time.perf_counter() - t_encode
+    files = {}
+    for s in SPLITS:
+        size, digest = sha256_file(writers[s].path)
+        files[s] = {"file": f"{s}.bin", "tokens": writers[s].count, "documents": documents[s], "bytes": size,
+                    "sha256": digest}
+    timings["total_s"] = time.perf_counter() - t_start
+    tokens = sum(f["tokens"] for f in files.values())
+    meta = {
+        "format": FORMAT, "version": VERSION,
+        "tokenizer": tokenizer_record(tok), "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+        "layout": f"llm.c v{writers['train'].version}",
+        **files,
+        "source": {"kind": source.kind, "input": source.label, "val_fraction": source.val_fraction,
+                   "text_bytes": text_bytes, "skipped": source.skipped},
+        "python_version": sys.version.split()[0],
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+        "content_hash": content.hexdigest(),
+        "tokens_per_s": round(tokens / max(timings["total_s"], 1e-9)),  # end to end, tokenizer training included
+        "encode_tokens_per_s": round(tokens / max(timings["encode_s"], 1e-9)),
+    }
+    write_json_atomic(os.path.join(out, META), meta)
+    return meta
+
+
+def sha256_file(path: str) -> tuple[int, str]:
+    """Size and sha256 of a file, read in 16 MiB blocks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+def cache_root(configured: str = "") -> str:
+    """Where prepared text inputs are kept: --data-cache, else $ZEROTRAIN_CACHE, else ~/.cache/zerotrain."""
+    if configured:
+        return configured
+    if os.environ.get("ZEROTRAIN_CACHE"):
+        return os.environ["ZEROTRAIN_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "zerotrain")
+
+
+def cached_corpus(source: TextInput, root: str) -> str:
+    """The folder of `source` prepared as bytes under cache `root`, built first if it is not there."""
+    key = source.content_hash()
+    stem = source.kind if source.kind == "python-stdlib" else os.path.basename(os.path.normpath(source.label))
+    name = f"{re.sub(r'[^A-Za-z0-9._-]+', '_', stem)[:48]}-{key[:16]}"
+    final = os.path.join(root, name)
+    if os.path.isdir(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    with _locked(os.path.join(root, f".{name}.lock")):
+        if os.path.isdir(final):  # another process built it while this one waited
+            return final
+        tmp = os.path.join(root, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            if prepare_corpus(source, tmp, "bytes")["content_hash"] != key:
+                raise ConfigError(f"--data {source.label} changed while it was being prepared; run again")
+            try:
+                os.rename(tmp, final)
+            except OSError:  # built meanwhile by a process that shares the folder but not the lock
+                if not os.path.isdir(final):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@contextmanager
+def _locked(path: str):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

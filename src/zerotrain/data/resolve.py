@@ -1,0 +1,193 @@
+"""What `--data` names, resolved to token files and a vocabulary, and checked against the model before any rank starts.
+
+    synthetic, synthetic-varlen   generated sequences (no files; the model's --vocab-size)
+    python-stdlib (the default)   this interpreter's standard-library sources, prepared as bytes into the cache
+    a text file / text folder     UTF-8 text (--glob picks a folder's files), prepared as bytes into the cache
+    a folder with *train*.bin     token files: a zerotrain prepared folder, nanoGPT's or llm.c's (*val*.bin: validation)
+    a .bin file                   one token file (its *val* sibling, if any, for validation)
+
+The model's vocabulary comes from the data unless --vocab-size (flag or TOML) sets it: bytes have 256
+ids, a prepared folder or a folder with meta.json states its own, other token files the largest id
++ 1 (with a note). An explicit --vocab-size smaller than that is an error naming both numbers. Token
+ids are checked against the vocabulary once, by a chunked scan of every file, before ranks start
+(and again per sequence, as a cheap guard against files changed under a running job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from ..config import Config, ConfigError
+from .corpus import META, cache_root, cached_corpus
+from .documents import STDLIB, text_input
+from .tokenfiles import max_token, open_token_file
+from .tokenizer import TOKENIZER_FILE, BPETokenizer, tokenizer_record
+
+SYNTHETIC = ("synthetic", "synthetic-varlen")
+
+
+@dataclass
+class DataSpec:
+    """Token files per split and what their folder says about their vocabulary and tokenizer."""
+
+    name: str  # --data as given
+    kind: str  # "synthetic" or "tokens"
+    folder: str = ""  # the token folder (a cache folder for text inputs)
+    train: list[str] = field(default_factory=list)
+    val: list[str] = field(default_factory=list)
+    vocab_size: int | None = None  # stated by meta.json; None: not stated
+    eot_id: int | None = None  # the end-of-text id, when known (needed by --no-pack)
+    tokenizer: dict | None = None  # {"kind", "vocab_size", "eot_id"[, "file"]}: what a checkpoint records
+    tokenizer_file: str | None = None  # the tokenizer.json a checkpoint copies
+    notes: list[str] = field(default_factory=list)
+    train_tokens: int = 0  # filled by check_source
+    val_tokens: int = 0
+
+    def describe(self) -> str:
+        """One line for the start of a run: what is trained on, in tokens."""
+        if self.kind == "synthetic":
+            return self.name
+        tokenizer = f"{self.tokenizer['kind']} tokenizer, " if self.tokenizer else ""
+        return (f"{self.name} ({tokenizer}{self.train_tokens:,} train / {self.val_tokens:,} val tokens"
+                + (f", prepared in {self.folder}" if self.folder != self.name else "") + ")")
+
+
+def resolve_data(cfg: Config) -> DataSpec:
+    """The DataSpec of cfg.data.source; text inputs are prepared into the cache first if they are not there."""
+    d = cfg.data
+    src = d.source
+    if src in SYNTHETIC:
+        return DataSpec(src, "synthetic")
+    if src != STDLIB and not os.path.exists(src):
+        raise ConfigError(f"--data {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
+                          "folder, or a folder of .bin token files)")
+    if os.path.isdir(src) and _bins(src):
+        return token_folder(src, src)
+    if os.path.isfile(src) and src.endswith(".bin"):
+        return token_file(src)
+    folder = cached_corpus(text_input(src, d.glob, d.val_fraction), cache_root(d.cache_dir))
+    return token_folder(folder, src)
+
+
+def _bins(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".bin") and os.path.isfile(os.path.join(folder, n)))
+
+
+def token_folder(folder: str, name: str) -> DataSpec:
+    """A folder of .bin token files: names containing "train" for training, "val" for validation."""
+    bins = _bins(folder)
+    train = [os.path.join(folder, n) for n in bins if "train" in n]
+    val = [os.path.join(folder, n) for n in bins if "val" in n and "train" not in n]
+    if not train:
+        raise ConfigError(f"--data {name}: no training token file (a .bin whose name contains 'train') among {bins}")
+    return _described(DataSpec(name, "tokens", folder, train, val), folder)
+
+
+def token_file(path: str) -> DataSpec:
+    """One .bin token file for training; validation from the sibling named with 'val' for 'train', if there is one."""
+    folder, base = os.path.split(path)
+    sibling = os.path.join(folder, base.replace("train", "val")) if "train" in base else ""
+    val = [sibling] if sibling and os.path.isfile(sibling) else []
+    return _described(DataSpec(path, "tokens", folder or ".", [path], val), folder or ".")
+
+
+def _described(spec: DataSpec, folder: str) -> DataSpec:
+    """Fill vocabulary, end-of-text and tokenizer from the folder's meta.json and tokenizer.json (never meta.pkl)."""
+    meta_path = os.path.join(folder, META)
+    meta = None
+    if os.path.isfile(meta_path):
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--data {spec.name}: {meta_path} is not valid JSON ({e})") from None
+        if not isinstance(meta, dict) or not _count(meta.get("vocab_size")):
+            raise ConfigError(f"--data {spec.name}: {meta_path} has no positive integer \"vocab_size\"")
+        spec.vocab_size = meta["vocab_size"]
+        spec.eot_id = meta.get("eot_id") if _count(meta.get("eot_id"), zero=True) else None
+        if isinstance(meta.get("tokenizer"), dict):
+            spec.tokenizer = meta["tokenizer"]
+    elif os.path.isfile(os.path.join(folder, "meta.pkl")):
+        spec.notes.append(f"{os.path.join(folder, 'meta.pkl')} is not read (zerotrain never unpickles); "
+                          "write {\"vocab_size\": N} to meta.json beside it, or pass --vocab-size")
+    tok_file = os.path.join(folder, TOKENIZER_FILE)
+    if os.path.isfile(tok_file):
+        spec.tokenizer_file = tok_file
+        if spec.tokenizer is None:
+            try:
+                spec.tokenizer = tokenizer_record(BPETokenizer.from_file(tok_file))
+            except Exception as e:  # not a tokenizers file, or one without <|endoftext|>
+                raise ConfigError(f"--data {spec.name}: {tok_file} is not a usable tokenizer ({e})") from None
+            spec.eot_id = spec.tokenizer["eot_id"] if spec.eot_id is None else spec.eot_id
+    elif spec.tokenizer and spec.tokenizer.get("file"):
+        raise ConfigError(f"--data {spec.name}: {meta_path} names {spec.tokenizer['file']}, which is missing")
+    return spec
+
+
+def _count(value, zero: bool = False) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
+
+
+def prepare_source(cfg: Config) -> None:
+    """Build what the data source needs on disk (the cache of a text input) once, before the ranks start.
+
+    For the launcher: ranks then only read. Cheap when already built (it hashes the input to find it).
+    """
+    resolve_data(cfg)
+
+
+def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
+    """Reject a data source that cannot feed this model (ConfigError) and resolve the vocabulary from it.
+
+    `vocab_given`: the user set --vocab-size (flag or TOML); otherwise cfg.model.vocab_size is set from
+    the data. Prepares a text input into the cache (so ranks find it built) and scans every token file.
+    """
+    d, m = cfg.data, cfg.model
+    if d.source in SYNTHETIC:
+        if d.source == "synthetic-varlen" and m.seq_len < 2:
+            raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
+        return DataSpec(d.source, "synthetic")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
+    spec = resolve_data(cfg)
+    files = [open_token_file(p) for p in spec.train + spec.val]
+    spec.train_tokens = sum(len(f) for f in files[: len(spec.train)])
+    spec.val_tokens = sum(len(f) for f in files[len(spec.train) :])
+    top_file, top_id, top_pos = max(((f, *max_token(f)) for f in files), key=lambda scan: scan[1])
+    if vocab_given:
+        if spec.vocab_size and m.vocab_size < spec.vocab_size:
+            raise ConfigError(f"--vocab-size {m.vocab_size} is too small for --data {d.source}: its vocabulary has "
+                              f"{spec.vocab_size} ids")
+        origin = f"--vocab-size {m.vocab_size}"
+    elif spec.vocab_size:
+        m.vocab_size = spec.vocab_size
+        origin = f"vocabulary size {m.vocab_size} stated by {os.path.join(spec.folder, META)}"
+    else:
+        m.vocab_size = max(top_id + 1, 1)
+        origin = f"vocabulary size {m.vocab_size}"
+        spec.notes.append(f"--data {d.source} does not state its vocabulary (no meta.json): using the largest token "
+                          f"id + 1 = {m.vocab_size}; set --vocab-size to choose it (GPT-2's is 50257)")
+    if top_id >= m.vocab_size:
+        raise ConfigError(f"--data {d.source}: token id {top_id} at position {top_pos} of {top_file.path} is not "
+                          f"below the {origin}")
+    longest = max(len(f) for f in files[: len(spec.train)])  # a window never crosses files
+    if d.pack and longest < m.seq_len + 1:
+        raise ConfigError(f"--data {d.source}: {longest} tokens in its longest training file, fewer than one "
+                          f"sequence of --seq-len {m.seq_len} plus its target")
+    if not d.pack and spec.eot_id is None:
+        raise ConfigError(f"--data {d.source}: --no-pack needs document boundaries, and its folder states no "
+                          "end-of-text id (meta.json \"eot_id\")")
+    for note in spec.notes:
+        print(f"zerotrain: note: {note}", file=sys.stderr, flush=True)
+    return spec
+
+
+def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, str | None]:
+    """What a checkpoint keeps of the data's tokenizer: (its manifest record, the tokenizer.json to copy), or Nones."""
+    if cfg.data.source in SYNTHETIC:
+        return None, None
+    spec = resolve_data(cfg)
+    return spec.tokenizer, spec.tokenizer_file

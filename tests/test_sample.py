@@ -1,0 +1,125 @@
+"""Generation: the KV cache computes what full recomputation does, past the context too; `zerotrain sample`."""
+
+import pytest
+import torch
+
+from test_api import run_cli, train_checkpoint
+
+import zerotrain
+from zerotrain.config import ModelConfig
+from zerotrain.generate import generate, next_token, window_start
+from zerotrain.model import GPT, KVCache
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny GPT trained on the Zen of Python as bytes (see test_api.train_checkpoint): its run folder."""
+    return train_checkpoint(str(tmp_path_factory.mktemp("run")))
+
+
+def drop_last_position(monkeypatch):
+    """Planted bug: each layer attends over every cached position but the newest."""
+    append = KVCache.append
+
+    def lossy(self, layer, k, v):
+        keys, values = append(self, layer, k, v)
+        return keys[:, :, :-1], values[:, :, :-1]
+
+    monkeypatch.setattr(KVCache, "append", lossy)
+
+
+def test_cached_logits_equal_a_full_forward_and_a_cache_that_drops_the_last_position_is_caught(run, monkeypatch):
+    model = zerotrain.load_model(run)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def incremental(chunk=True):  # a prefill of 5, a chunk of 3 (the masked path), then one token at a time
+        cache = KVCache(model.cfg, 2)
+        with torch.no_grad():
+            parts = [model(idx[:, :5], cache), model(idx[:, 5:8], cache)] if chunk else [model(idx[:, :8], cache)]
+            parts += [model(idx[:, t : t + 1], cache) for t in range(8, 16)]
+        assert cache.length == 16
+        return torch.cat(parts, dim=1)
+
+    with torch.no_grad():
+        full = model(idx)
+    torch.testing.assert_close(incremental(), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="exceed seq_len 16"):
+        model(torch.zeros(2, 17, dtype=torch.long), KVCache(model.cfg, 2))
+    drop_last_position(monkeypatch)
+    assert (incremental(chunk=False) - full).abs().max() > 1e-3
+
+
+def test_greedy_is_identical_with_and_without_the_cache_past_the_context_and_a_lossy_cache_is_caught(run, monkeypatch):
+    model = zerotrain.load_model(run)
+    prompts = torch.tensor([list(b"Bea"), list(b"Now"), list(b"Fla")])
+    with_cache = generate(model, prompts, 40, temperature=0)  # 40 tokens: the seq-16 window jumps 7 times
+    without = generate(model, prompts, 40, temperature=0, kv_cache=False)
+    assert with_cache.shape == (3, 40)
+    assert torch.equal(with_cache, without)
+    assert len(set(with_cache[0].tolist())) > 1  # not a degenerate repetition of one token
+    # before the first jump, both equal the plain greedy loop over the whole sequence
+    seq = prompts.clone()
+    for _ in range(16 - 3):
+        seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(with_cache[:, :13], seq[:, 3:])
+    drop_last_position(monkeypatch)
+    assert not torch.equal(generate(model, prompts, 40, temperature=0), without)
+
+
+def test_the_cache_computes_each_position_once_between_window_jumps(run):
+    model = zerotrain.load_model(run)
+    fed = []
+    handle = model.register_forward_pre_hook(lambda m, args: fed.append(args[0].shape[1]))
+    try:
+        generate(model, torch.tensor([[1, 2, 3]]), 40, temperature=0)
+        cached, fed[:] = list(fed), []
+        generate(model, torch.tensor([[1, 2, 3]]), 40, temperature=0, kv_cache=False)
+        full = list(fed)
+    finally:
+        handle.remove()
+    # seq 16, keep 12: the prompt, one position per token, and a refill of the 12 kept whenever the window
+    # overflows: at sequence lengths 17, 22, 27, 32, 37, 42 (12 kept + 4 new fill it, the 5th jumps)
+    assert cached == [3] + [1] * 13 + ([12] + [1] * 4) * 5 + [12]
+    assert len(cached) == 40  # one forward per generated token but the last (its logits are not needed)
+    assert all(n <= 16 for n in full) and sum(full) > 3 * sum(cached)
+
+
+def test_the_window_never_exceeds_the_context_and_keeps_its_last_tokens():
+    seq_len, keep, start = 16, 12, 0
+    for n in range(1, 200):
+        new = window_start(start, n, seq_len, keep)
+        assert 1 <= n - new <= seq_len
+        assert new == start or n - new == keep  # unchanged, or jumped to keep the last `keep`
+        start = new
+    with pytest.raises(ValueError, match="keep must be in"):
+        generate(GPT(ModelConfig()), torch.tensor([[1]]), 2, keep=0)
+
+
+def test_top_k_1_is_greedy_and_ids_past_the_tokenizer_vocabulary_are_never_drawn():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    assert torch.equal(next_token(logits, 2.0, 1, g), logits.argmax(-1))
+    assert torch.equal(next_token(logits, 0.0, None, g), logits.argmax(-1))
+    logits[:, 40:] += 100.0  # the model's favourites lie past the tokenizer's 40 ids
+    assert next_token(logits, 1.0, None, g, vocab_limit=40).max() < 40
+
+
+def test_sample_prints_only_the_text_and_the_same_seed_gives_the_same_text(run, capsys):
+    def sample(*flags):
+        assert run_cli(["sample", run, "--prompt", "hi", "--max-new-tokens", "40", *flags]) == 0
+        return capsys.readouterr()
+
+    first, again, other = sample("--seed", "1"), sample("--seed", "1"), sample("--seed", "2")
+    assert first.out == again.out and first.out != other.out
+    assert "tokens/s" in first.err and "tokens/s" not in first.out
+    greedy, greedy_full = sample("--temperature", "0"), sample("--temperature", "0", "--no-kv-cache")
+    assert greedy.out == greedy_full.out and "no KV cache" in greedy_full.err
+    two = sample("--seed", "1", "--num-samples", "2", "--top-k", "10")
+    assert two.out.count("\n---\n") == 1
+
+
+def test_a_prompt_outside_the_models_vocabulary_is_refused_in_one_line(tmp_path, capsys):
+    small = train_checkpoint(str(tmp_path / "v64"), synthetic_vocab=64, steps=1)
+    assert run_cli(["sample", small, "--prompt", "hello"]) == 2
+    assert "token id 111, outside this model's vocabulary of 64" in capsys.readouterr().err
+    assert run_cli(["sample", small, "--max-new-tokens", "5"]) == 0  # no prompt: starts from end-of-text (id 0)
