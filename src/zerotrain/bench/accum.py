@@ -18,6 +18,7 @@ from collections import Counter
 from datetime import datetime, timezone
 
 from ..config import PRESETS, Config, ConfigError
+from ..figures import pyplot
 from ..parallel import Comm
 from .report import SCHEMA_VERSION, machine_info, percentile, write_json
 
@@ -106,7 +107,7 @@ def cmd_accum(args: argparse.Namespace) -> int:
     from ..flags import config_from_args
     from ..launch import run_job
 
-    import_matplotlib()  # before the sweep: a missing plotting library should not cost a run
+    pyplot("accum-curve.png")  # before the sweep: a missing plotting library should not cost a run
     if args.accum is not None:
         raise ConfigError(f"--accum {args.accum}: bench accum sweeps the accumulation steps; use --grid")
     if args.quick:
@@ -159,19 +160,9 @@ def print_table(points: list[dict]) -> None:
               f"{calls:>14} {p['bytes_per_step'] / 1024:9.1f}")
 
 
-def import_matplotlib():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("matplotlib is needed to draw accum-curve.png: pip install 'zerotrain[plot]'") from None
-    return matplotlib
-
-
 def plot_curve(points: list[dict], path: str, title: str) -> None:
     """Two panels against effective batch: samples/s; optimizer steps/s with step time."""
-    matplotlib = import_matplotlib()
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
+    plt = pyplot("accum-curve.png")
 
     batch = [p["effective_batch"] for p in points]
     fig, (left, right) = plt.subplots(1, 2, figsize=FIGURE_SIZE_IN, dpi=FIGURE_DPI)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..data import BatchSchedule, StepBatch, make_source
+from ..figures import pyplot
 from ..launch import rank_device
 from ..parallel import Comm
 from ..schedule import lr_at
@@ -259,10 +260,7 @@ def markdown(summary: dict, cfg: Config, plan: Plan) -> str:
 
 
 def plot(summary: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench compare's compare.png")
 
     res = list(summary["strategies"].values())
     labels = [textwrap.fill(r["label"], 16) for r in res]
@@ -285,13 +283,6 @@ def plot(summary: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError("bench compare draws compare.png with matplotlib, which is not installed: "
-                          "pip install 'zerotrain[plot]'") from None
 
 
 def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
@@ -333,7 +324,7 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
 def cmd_compare(args: argparse.Namespace) -> int:
     from ..launch import run_job
 
-    _require_matplotlib()
+    pyplot("bench compare's compare.png")  # before the runs: a missing plotting library should not cost them
     cfg, plan, weak_scaling = config_and_plan(args)
     out = cfg.run.out
     os.makedirs(out, exist_ok=True)

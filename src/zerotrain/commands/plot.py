@@ -7,6 +7,7 @@ import json
 import os
 
 from ..config import ConfigError
+from ..figures import pyplot
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
 
@@ -39,13 +40,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     records = read_steps(path)
     if not records:
         raise ConfigError(f"plot {path}: no step records to plot")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # headless: files only
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("plot needs matplotlib: pip install 'zerotrain[plot]'") from None
+    plt = pyplot("zerotrain plot")
     out = args.out or os.path.join(os.path.dirname(path), "metrics.png")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(13, 3.6), dpi=110)
     steps = [r["step"] for r in records]
