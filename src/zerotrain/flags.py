@@ -72,7 +72,8 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
         setattr(getattr(shown, section), name, value)
     for flag, section, name, typ, help_ in TRAINING_FLAGS:
         default = getattr(getattr(shown, section), name)
-        p.add_argument(flag, type=typ, default=None, help=f"{help_} (default: {_show(flag, default)})")
+        shown_default = "" if "(default" in help_ else f" (default: {_show(flag, default)})"  # said in help_ itself
+        p.add_argument(flag, type=typ, default=None, help=help_ + shown_default)
     p.add_argument("--no-pack", action="store_true", help="one document per sequence (padded, masked), not packed")
     p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
     p.add_argument("--no-progress", action="store_true", help="no progress line")

@@ -56,7 +56,10 @@ class Metrics:
     def announce(self, line: str) -> None:
         """A line for the person watching (the run's start line), on rank 0."""
         if self.active:
-            print(f"zerotrain: {line}", flush=True)
+            if self.bar:
+                self.bar.write(f"zerotrain: {line}", file=sys.stdout)  # above the progress bar, not on it
+            else:
+                print(f"zerotrain: {line}", flush=True)
 
     def event(self, record: dict, message: str | None = None) -> None:
         """An event (restart, rollback, stop) in the metrics, and its line on screen."""

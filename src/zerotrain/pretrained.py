@@ -96,7 +96,7 @@ def load_from(source: ModelSource) -> GPT:
         detail = str(e).split("\n\t")[1] if "\n\t" in str(e) else str(e)
         raise CheckpointError(f"{os.path.join(folder, MODEL_FILE)} does not fit the model its config describes: "
                               f"{detail.strip()}") from None
-    return model.eval()
+    return model.eval().requires_grad_(False)  # for inference: no autograd graph kept
 
 
 def _read_tensors(file: str) -> dict[str, torch.Tensor]:

@@ -90,6 +90,12 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
     if path is None:
         return 0, {}, None
     manifest = checkpoint.load(path, engine, comm)
+    theirs = manifest.get("config", {}).get("run", {})
+    schedule = (theirs.get("steps"), theirs.get("nproc", 0) * theirs.get("micro_batch", 0) * theirs.get("accum", 0))
+    if comm.rank == 0 and schedule != (cfg.run.steps, cfg.global_batch):
+        print(f"zerotrain: warning: {os.path.basename(path)} was trained for {schedule[0]} steps of global batch "
+              f"{schedule[1]}; this run has {cfg.run.steps} steps of {cfg.global_batch}: the learning-rate schedule "
+              "and the data order continue differently from the original run", flush=True)
     threads = manifest.get("threads_per_rank")
     if comm.rank == 0 and threads and threads != torch.get_num_threads():
         print(f"zerotrain: warning: {os.path.basename(path)} was written with {threads} threads per rank, this run "
@@ -189,6 +195,8 @@ def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, sta
     describe = getattr(schedule.source, "describe", None)
     data = describe() if describe else cfg.data.source
     where = f"resumed from step {start} ({resumed_from})" if resumed_from else "starting at step 0"
+    if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
+        where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
     return (f"GPT {engine.layout.numel:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({schedule.world_size} ranks x micro {r.micro_batch} x "

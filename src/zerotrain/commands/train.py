@@ -62,7 +62,7 @@ def write_summary(result: dict, config: dict) -> dict:
         "param_count": result["param_count"],
         "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
         "restarts": result["restarts"],
-        "rollbacks": len(result["rollbacks"]),
+        "rollbacks": _count_events(config["run"]["metrics"], "rollback") or len(result["rollbacks"]),
         "stopped": result["stopped"],
         "per_rank": per_rank,
         "max": {k: max(v) for k, v in per_rank.items()},
@@ -75,6 +75,14 @@ def write_summary(result: dict, config: dict) -> dict:
     os.replace(path + ".tmp", path)
     summary["path"] = path
     return summary
+
+
+def _count_events(path: str, kind: str) -> int:
+    """Events of one kind in the metrics file: the whole run's, restarts and resumes included."""
+    if not path or not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return sum(json.loads(line).get("event") == kind for line in f if line.strip())
 
 
 def _step_records(path: str) -> list[dict]:
