@@ -92,6 +92,16 @@ def test_bad_flags_name_the_bad_value(capsys, args, message):
     assert len(err.strip().splitlines()) == 1 and message in err
 
 
+def test_tensorboard_without_its_package_names_the_extra(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert main(["train", "--tensorboard"]) == 2
+    assert capsys.readouterr().err == \
+        "zerotrain: error: --tensorboard needs the tensorboard package: pip install 'zerotrain[tb]'\n"
+
+
 @pytest.mark.parametrize("flags, device, compile, backward, forward", [
     ([], "cpu", False, False, False),  # on CPU overlapping measured no faster
     ([], "cuda", False, True, True),
