@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from zerotrain.cli import main
-from zerotrain.commands.plot import read_steps
+from zerotrain.metrics import read_step_records
 
 
 def write_metrics(path, records):
@@ -19,7 +19,7 @@ def test_plot_writes_a_png_that_decodes_and_uses_the_last_record_of_each_step(tm
     records += [{"event": "rollback", "step": 6, "to_step": 4},
                 {"step": 5, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 900.0}]  # step 5 again, after the rollback
     write_metrics(tmp_path / "metrics.jsonl", records)
-    steps = read_steps(str(tmp_path / "metrics.jsonl"))
+    steps = read_step_records(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and steps[4]["loss"] == 3.0
     assert main(["plot", str(tmp_path)]) == 0
     image = plt.imread(tmp_path / "metrics.png")

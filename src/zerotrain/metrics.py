@@ -106,3 +106,24 @@ def _truncate_after(path: str, step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return last
+
+
+def read_step_records(path: str) -> list[dict]:
+    """The step records of a metrics file, in step order; a step replayed after a rollback keeps its last record."""
+    by_step = {}
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line) if line.strip() else {}
+                if "event" not in record and "step" in record:
+                    by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def count_events(path: str, kind: str) -> int:
+    """Events of one kind in a metrics file: the whole run's, restarts and resumes included."""
+    if not path or not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return sum(json.loads(line).get("event") == kind for line in f if line.strip())
+

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from ..config import ConfigError
 from ..figures import pyplot
+from ..metrics import read_step_records
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
 
@@ -21,23 +21,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_plot)
 
 
-def read_steps(path: str) -> list[dict]:
-    """The step records of a metrics file, the last record of each step (a rollback replays steps)."""
-    by_step = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                if "event" not in record and "step" in record:
-                    by_step[record["step"]] = {**by_step.get(record["step"], {}), **record}
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     path = args.run_dir if os.path.isfile(args.run_dir) else os.path.join(args.run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"plot {args.run_dir}: no metrics.jsonl there")
-    records = read_steps(path)
+    records = read_step_records(path)
     if not records:
         raise ConfigError(f"plot {path}: no step records to plot")
     plt = pyplot("zerotrain plot")

@@ -10,6 +10,7 @@ import statistics
 from ..checkpoint import committed_steps
 from ..flags import add_training_flags, config_from_args
 from ..launch import in_torchrun, run_job
+from ..metrics import count_events, read_step_records
 from ..run_folder import SUMMARY, prepare_run
 from ..train import train_job
 
@@ -46,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def write_summary(result: dict, config: dict) -> dict:
     """<out>/summary.json: the run in a few numbers, with per-rank memory and its max and mean across ranks."""
-    records = _step_records(config["run"]["metrics"]) or result["records"]  # the whole run, resumes included
+    records = read_step_records(config["run"]["metrics"]) or result["records"]  # the whole run, resumes included
     per_rank = result["per_rank"]
     root = config["checkpoint"]["dir"]
     summary = {
@@ -62,7 +63,7 @@ def write_summary(result: dict, config: dict) -> dict:
         "param_count": result["param_count"],
         "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
         "restarts": result["restarts"],
-        "rollbacks": _count_events(config["run"]["metrics"], "rollback") or len(result["rollbacks"]),
+        "rollbacks": count_events(config["run"]["metrics"], "rollback") or len(result["rollbacks"]),
         "stopped": result["stopped"],
         "per_rank": per_rank,
         "max": {k: max(v) for k, v in per_rank.items()},
@@ -75,27 +76,6 @@ def write_summary(result: dict, config: dict) -> dict:
     os.replace(path + ".tmp", path)
     summary["path"] = path
     return summary
-
-
-def _count_events(path: str, kind: str) -> int:
-    """Events of one kind in the metrics file: the whole run's, restarts and resumes included."""
-    if not path or not os.path.isfile(path):
-        return 0
-    with open(path) as f:
-        return sum(json.loads(line).get("event") == kind for line in f if line.strip())
-
-
-def _step_records(path: str) -> list[dict]:
-    """The step records of the metrics file (the last of each step, after rollbacks), in step order."""
-    if not path or not os.path.isfile(path):
-        return []
-    by_step = {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line) if line.strip() else {}
-            if "event" not in record and "step" in record:
-                by_step[record["step"]] = record
-    return [by_step[k] for k in sorted(by_step)]
 
 
 def summary_line(s: dict) -> str:
