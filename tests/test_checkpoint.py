@@ -88,8 +88,8 @@ def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path
     assert torch.equal(model["transformer.wte.weight"], engine.model.transformer.wte.weight.detach())
     assert open(tmp_path / "ck" / "latest").read().strip() == "step_00000002"
 
-    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck2"), one_rank, extra_manifest_fn=lambda: {"data_skips": [[3, 5]]})
-    path, _, _ = writer.save(2, engine, {"threads_per_rank": 1, "config": cfg.to_dict()})
+    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck2"), one_rank)
+    path, _, _ = writer.save(2, engine, {"data_skips": [[3, 5]], "threads_per_rank": 1, "config": cfg.to_dict()})
     loaded = checkpoint.load(path, build_engine(cfg, one_rank), one_rank)
     assert loaded["data_skips"] == [[3, 5]] and loaded["threads_per_rank"] == 1 and loaded["step"] == 2
     with pytest.raises(ValueError, match=r"\['step'\] are the writer's own"):

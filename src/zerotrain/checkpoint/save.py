@@ -47,19 +47,17 @@ class CheckpointWriter:
     """Saves the checkpoints of one run under `root`; all ranks construct it together (one collective).
 
     `keep`: committed checkpoints to keep (0: all). `async_save`: the run's choice, for the caller
-    (`save` and `start` both work either way). `extra_manifest_fn()`: fields added to every
-    manifest (explicit `extra` wins). `halfway_hook(step)`: called after about half of this rank's
+    (`save` and `start` both work either way). `halfway_hook(step)`: called after about half of this rank's
     shard bytes are written (fault injection); an exception it raises fails the save.
     `copied_files`: {name in the checkpoint: source path} that rank 0 copies into every checkpoint
     (the tokenizer), listed in the manifest with size and sha256 like every file.
     """
 
     def __init__(self, root: str, comm: Comm, *, keep: int = 0, async_save: bool = False,
-                 extra_manifest_fn: Callable[[], dict] | None = None,
                  halfway_hook: Callable[[int], None] | None = None, copied_files: dict[str, str] | None = None):
         self.root, self.comm, self.keep, self.async_save = root, comm, keep, async_save
         self.copied_files = copied_files or {}
-        self.extra_manifest_fn, self.halfway_hook = extra_manifest_fn, halfway_hook
+        self.halfway_hook = halfway_hook
         # One id per writer, agreed by all ranks: a sidecar left by another writer (a crashed run,
         # a stale copy on one node's own disk) is never taken for one of this writer's.
         self.session = comm.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
@@ -203,7 +201,6 @@ class CheckpointWriter:
 
     def _describe(self, step: int, engine: ZeroOneEngine, extra: dict) -> dict:
         """The manifest without its file list; the caller's fields beside the writer's own."""
-        extra = {**(self.extra_manifest_fn() if self.extra_manifest_fn else {}), **extra}
         clash = sorted(set(extra) & set(MANIFEST_SCHEMA))
         if clash:
             raise ValueError(f"manifest field(s) {clash} are the writer's own; name extra fields otherwise")
