@@ -162,3 +162,73 @@ def raising_job(cfg: Config, comm: Comm) -> dict:
         raise ValueError("a bug in rank 1")
     comm.barrier("test")
     return {}
+
+
+def tp_params_job(cfg: Config, comm: Comm) -> dict:
+    """Train with TP; the log, the full parameters, and every rank's replicated parameters (rank order)."""
+    result = train(cfg, comm)
+    out = summary(result)
+    out["params"] = result.engine.full_state_dict()
+    out["replicated"] = _replicated_on_every_rank(result.engine, comm)
+    return out
+
+
+def _replicated_on_every_rank(engine, comm: Comm) -> torch.Tensor:
+    """(world_size, n) tensor: row r is rank r's replicated parameter values, in layout order."""
+    values = torch.cat([p.detach().reshape(-1) for s, p in zip(engine.layout.slots, engine.params)
+                        if s.name not in engine.tp_slices])
+    return comm.all_gather_rows(values, "test_gather_replicated")
+
+
+def tp_no_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the column-parallel input's backward skips its all-reduce (each rank keeps a partial sum)."""
+    from zerotrain import tp
+
+    tp._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+    return tp_params_job(cfg, comm)
+
+
+def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the column-parallel input's backward averages over the TP group instead of summing."""
+    from zerotrain import tp
+
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, "all_reduce_tp_grads")
+        return grad / ctx.comm.world_size, None
+
+    tp._CopyToTP.backward = staticmethod(backward)
+    return tp_params_job(cfg, comm)
+
+
+def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: every TP rank counts the replicated gradients in the global norm (T times in all)."""
+    from zerotrain.parallel import engine as engine_module
+
+    def counted(self):
+        ranges = self._owned(self._sliced_flat) + self._owned(self._replicated_flat)
+        return sum(torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square() for a, z in ranges)
+
+    engine_module.ZeroOneEngine._counted_grad_sumsq = counted
+    return tp_params_job(cfg, comm)
+
+
+def _nudge_job(cfg: Config, comm: Comm, rank: int, sliced: bool) -> dict:
+    def nudge(step, engine):
+        if step == 2 and comm.rank == rank:
+            slot = next(s for s in engine.layout.slots if (s.name in engine.tp_slices) == sliced)
+            with torch.no_grad():
+                engine.flat_params[slot.offset] = torch.nextafter(engine.flat_params[slot.offset],
+                                                                  torch.tensor(float("inf")))  # one ulp
+
+    return summary(train(cfg, comm, after_update=nudge))
+
+
+def tp_drift_replicated_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: TP rank 1 of replica 0 (rank 1) moves one replicated value by one ulp after step 2."""
+    return _nudge_job(cfg, comm, rank=1, sliced=False)
+
+
+def tp_drift_sliced_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: rank 3 (TP rank 1 of replica 1) moves one value of its TP slice by one ulp after step 2."""
+    return _nudge_job(cfg, comm, rank=3, sliced=True)

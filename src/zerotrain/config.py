@@ -68,6 +68,7 @@ class OptimConfig:
 @dataclass
 class RunConfig:
     nproc: int = 1
+    tp: int = 1  # tensor-parallel degree: ranks that split each layer; the rest of nproc is data parallelism
     steps: int = 20
     micro_batch: int = 8
     accum: int = 1
@@ -89,6 +90,11 @@ class RunConfig:
     eval_every: int = 0  # validation loss every K steps and at the end (0: never)
     eval_batches: int = 8  # fixed validation batches, each ranks x micro-batch sequences
     tensorboard: bool = False  # also log to <out>/tensorboard (needs the tensorboard package)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: the world size over the TP degree."""
+        return max(1, self.nproc // self.tp)
 
     @property
     def reduce_in_backward(self) -> bool:
@@ -134,8 +140,8 @@ class Config:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: ranks x micro-batch x accumulation steps."""
-        return self.run.nproc * self.run.micro_batch * self.run.accum
+        """Sequences per optimizer step: DP replicas x micro-batch x accumulation steps (TP ranks share theirs)."""
+        return self.run.dp * self.run.micro_batch * self.run.accum
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -203,6 +209,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}")
     for name in ("nproc", "steps", "micro_batch", "accum"):
         _positive(getattr(r, name), "--" + name.replace("_", "-"))
+    _positive(r.tp, "--tp")
+    if r.nproc % r.tp:
+        raise ConfigError(f"--tp {r.tp} does not divide the world size {r.nproc} (--nproc): ranks form TP x DP")
+    if m.n_head % r.tp:
+        raise ConfigError(f"--tp {r.tp} does not divide --n-head {m.n_head}: each TP rank keeps whole attention heads")
+    # The MLP width 4 x n_embd is then divisible too: n_head divides n_embd.
     if r.threads < 0:
         raise ConfigError(f"--threads must be >= 0, got {r.threads}")
     _positive(r.bucket_mb, "--bucket-mb")

@@ -111,11 +111,14 @@ class Reduced:
 def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: str | None,
                 save_written: bool) -> Reduced:
     """Finish the gradient reduce-scatter and all-reduce [grad norm^2, loss, non-finite flags, control flags] once."""
-    W = engine.comm.world_size
+    world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
+    W = world.world_size
     nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
-    nonfinite[engine.comm.rank] = not math.isfinite(loss_sum)
+    nonfinite[world.rank] = not math.isfinite(loss_sum)
     flags = local_flags(save_by_clock=save_by_clock, stop_signal=stop_signal, save_written=save_written)
-    grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([loss_sum], dtype=torch.float64), nonfinite,
+    # The TP ranks of a replica compute the same loss: only the first one's counts.
+    counted_loss = loss_sum if tp_rank == 0 else 0.0
+    grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
                                                        flags]))
     bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
     return Reduced(float(totals[0]), grad_norm, bad, decide(totals[1 + W :], W))

@@ -10,6 +10,8 @@ from .data import check_source
 # flag -> (section, field, type, help)
 TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--nproc", "run", "nproc", int, "local ranks to spawn (ignored under torchrun)"),
+    ("--tp", "run", "tp", int, "tensor-parallel degree: ranks that split each layer's heads and MLP (divides --nproc; "
+                               "rank = dp_index x tp + tp_index)"),
     ("--steps", "run", "steps", int, "optimizer steps"),
     ("--micro-batch", "run", "micro_batch", int, "sequences per rank per micro-batch"),
     ("--accum", "run", "accum", int, "micro-batches per optimizer step"),

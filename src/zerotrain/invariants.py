@@ -13,28 +13,32 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ZeroTrainError
-from .parallel import Comm
+from .parallel import Comm, Mesh
+from .parallel.digest import digest_hex
 
 
 class InvariantError(ZeroTrainError):
     pass
 
 
-def gather_digests(digest: bytes, comm: Comm) -> list[str]:
-    row = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    rows = comm.all_gather_rows(row, "all_gather_digests")
-    return [bytes(rows[r].tolist()).hex() for r in range(comm.world_size)]
+def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
+    """(b) Replicated parameters are bitwise equal on every rank, each TP slice across its DP group.
 
-
-def check_no_drift(step: int, digest: bytes, comm: Comm) -> list[str]:
-    """(b) The parameter buffers of all ranks are bitwise identical (sha256 of the bytes)."""
-    digests = gather_digests(digest, comm)
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise InvariantError(
-            f"invariant (b) failed: parameters of rank(s) {differ} differ from rank 0 at step {step}"
-        )
-    return digests
+    `digests` is this rank's engine.param_digests() (rows: replicated, sliced); only these few
+    bytes per rank travel. Returns each rank's digests as hex, rank order.
+    """
+    rows = mesh.world.all_gather_rows(digests.to(torch.int64), "all_gather_digests")
+    T = mesh.tp_size
+    replicated = [r for r in range(len(rows)) if not torch.equal(rows[r, 0], rows[0, 0])]
+    # Rank t (DP index 0) holds TP slice t; every rank d*T + t must hold the same values.
+    sliced = [r for r in range(len(rows)) if not torch.equal(rows[r, 1], rows[r % T, 1])]
+    if replicated:
+        what = "replicated parameters" if T > 1 else "parameters"
+        raise InvariantError(f"invariant (b) failed: {what} of rank(s) {replicated} differ from rank 0 at step {step}")
+    if sliced:
+        raise InvariantError(f"invariant (b) failed: the TP slices of rank(s) {sliced} differ from their DP group's "
+                             f"first rank ({sorted({r % T for r in sliced})}) at step {step}")
+    return [digest_hex(rows[r].reshape(-1)) for r in range(len(rows))]
 
 
 @dataclass

@@ -45,14 +45,15 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head = cfg.n_head  # heads computed here: n_head / T under tensor parallelism (tp.py)
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -60,7 +61,7 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(layer, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(past, T, x.device),
                                                is_causal=past == 0)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim))
 
 
 def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None:

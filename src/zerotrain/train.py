@@ -20,15 +20,16 @@ from .failures import restart_count
 from .launch import rank_device
 from .metrics import Metrics
 from .model import build_model, summed_token_loss
-from .parallel import Comm, ZeroOneEngine
+from .parallel import Comm, Mesh, ZeroOneEngine
 from .schedule import lr_at
+from .tp import parallelize
 
 
 @dataclass
 class TrainResult:
     records: list[dict]  # one metrics record per step run here
     start_step: int
-    digests: list[str]  # per-rank sha256 of the final parameters
+    digests: list[str]  # per-rank digest of the final parameters (replicated, then TP-sliced values)
     param_norms: list[float]  # per-rank L2 norm of the final parameters
     memory: invariants.MemoryReport
     checkpoints: list[str] = field(default_factory=list)
@@ -44,10 +45,15 @@ class TrainResult:
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
-    model = build_model(cfg.model, cfg.run.seed).to(rank_device(cfg))
+    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO-1 engine over the DP group."""
+    mesh = Mesh.build(comm, cfg.run.tp)
+    model = build_model(cfg.model, cfg.run.seed)
+    if mesh.tp_size > 1:
+        parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp)
     bucket_numel = max(1, int(cfg.run.bucket_mb * 2**20 / 4))
-    return ZeroOneEngine(model, comm, cfg.optim, bucket_numel=bucket_numel, precision=cfg.run.precision,
-                         reduce_in_backward=cfg.run.reduce_in_backward, gather_in_forward=cfg.run.gather_in_forward)
+    return ZeroOneEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
+                         precision=cfg.run.precision, reduce_in_backward=cfg.run.reduce_in_backward,
+                         gather_in_forward=cfg.run.gather_in_forward, mesh=mesh)
 
 
 def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0) -> float:
@@ -91,7 +97,8 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
         return 0, {}, None
     manifest = checkpoint.load(path, engine, comm)
     theirs = manifest.get("config", {}).get("run", {})
-    schedule = (theirs.get("steps"), theirs.get("nproc", 0) * theirs.get("micro_batch", 0) * theirs.get("accum", 0))
+    replicas = theirs.get("nproc", 0) // theirs.get("tp", 1)
+    schedule = (theirs.get("steps"), replicas * theirs.get("micro_batch", 0) * theirs.get("accum", 0))
     if comm.rank == 0 and schedule != (cfg.run.steps, cfg.global_batch):
         print(f"zerotrain: warning: {os.path.basename(path)} was trained for {schedule[0]} steps of global batch "
               f"{schedule[1]}; this run has {cfg.run.steps} steps of {cfg.global_batch}: the learning-rate schedule "
@@ -110,11 +117,12 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     `announce` prints the start line on rank 0 (the demo prints its own header instead).
     """
     t_start = time.perf_counter()
-    r, W = cfg.run, comm.world_size
+    r = cfg.run
     engine = build_engine(cfg, comm)
     model = torch.compile(engine.model) if r.compile else engine.model  # parameters stay views into the flat buffer
+    mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
-                             rank=comm.rank, world_size=W)
+                             rank=mesh.dp_rank, world_size=mesh.dp_size)
     val_source = make_source(cfg, split="val") if r.eval_every else None
     faults, stop = Faults.from_env(comm.rank, restart_count()), control.stop_request()
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
@@ -138,7 +146,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     try:
         while step < r.steps:
             done = step + 1
-            comm.step = done
+            mesh.set_step(done)
             t0 = time.perf_counter()
             faults.before_collectives(done, lambda: stop.requested)
             batch = schedule.batch(data_step(step, skips))
@@ -163,10 +171,10 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
                 engine.wait_params()
                 after_update(done, engine)
             if r.check_every and done % r.check_every == 0:
-                invariants.check_no_drift(done, engine.param_digest(), comm)
+                invariants.check_no_drift(done, engine.param_digests(), mesh)
             records.append(_record(done, loss, grad_norm, lr, batch, schedule, cfg, time.perf_counter() - t0))
             if r.eval_every and (done % r.eval_every == 0 or done == r.steps):
-                records[-1]["val_loss"] = validation_loss(engine.model, val_source, comm, batches=r.eval_batches,
+                records[-1]["val_loss"] = validation_loss(engine.model, val_source, mesh, batches=r.eval_batches,
                                                           micro_batch=r.micro_batch)
             metrics.log(records[-1])
             if saver.due(done, r.steps, decision):
@@ -181,11 +189,12 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
         saver.finish()
     finally:
         metrics.close()
-    digests = invariants.check_no_drift(comm.step, engine.param_digest(), comm)
+    digests = invariants.check_no_drift(comm.step, engine.param_digests(), mesh)
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
-    return TrainResult(records, start, digests, norms, memory, saver.committed, dict(comm.calls), dict(comm.bytes),
-                       engine.layout.numel, engine, stopped, rollbacks, resumed_from, _per_rank_bytes(engine, comm),
+    calls, nbytes = mesh.counters()
+    return TrainResult(records, start, digests, norms, memory, saver.committed, calls, nbytes,
+                       engine.param_count, engine, stopped, rollbacks, resumed_from, _per_rank_bytes(engine, comm),
                        time.perf_counter() - t_start)
 
 
@@ -197,9 +206,11 @@ def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, sta
     where = f"resumed from step {start} ({resumed_from})" if resumed_from else "starting at step 0"
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
-    return (f"GPT {engine.layout.numel:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
+    split = (f"TP {r.tp} x DP {schedule.world_size} = {r.tp * schedule.world_size} ranks" if r.tp > 1
+             else f"{schedule.world_size} ranks")
+    return (f"GPT {engine.param_count:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
-            f"{schedule.global_batch * m.seq_len:,} tokens ({schedule.world_size} ranks x micro {r.micro_batch} x "
+            f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {r.micro_batch} x "
             f"accum {r.accum}); data {data}; run folder {r.out}; {where}, {r.steps} steps")
 
 

@@ -1,7 +1,8 @@
-"""Data parallelism: the ZeRO-1 engine, its flat shard layout, and the counted collectives it runs on."""
+"""Data and tensor parallelism: the ZeRO-1 engine, its flat shard layout, the TP x DP mesh, counted collectives."""
 
 from .comm import Comm
 from .engine import GradientOrderError, StaleParameterError, ZeroOneEngine
 from .layout import Bucket, ParamSlot, ShardLayout
+from .mesh import Mesh
 
-__all__ = ["Bucket", "Comm", "GradientOrderError", "ParamSlot", "ShardLayout", "StaleParameterError", "ZeroOneEngine"]
+__all__ = ["Bucket", "Comm", "GradientOrderError", "Mesh", "ParamSlot", "ShardLayout", "StaleParameterError", "ZeroOneEngine"]

@@ -197,7 +197,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int, purpose: str) -> torch.Tensor:
         self._count(purpose, tensor.numel() * tensor.element_size() if self.rank == src else 0)
         with self._guard(purpose):
-            dist.broadcast(tensor, src, group=self.group)
+            dist.broadcast(tensor, group_src=src, group=self.group)  # src: a rank of this group
         return tensor
 
     def all_gather_rows(self, row: torch.Tensor, purpose: str) -> torch.Tensor:

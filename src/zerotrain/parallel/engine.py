@@ -15,6 +15,11 @@ bucket's reduce-scatter starts in backward as soon as its gradients are complete
 order and each module's forward pre-hook waits only for the buckets holding its own parameters.
 Whatever reads parameters outside forward calls `wait_params()` first (the engine's own readers do).
 
+With tensor parallelism (a `Mesh` with tp > 1) the model holds this rank's TP slices and the
+replicated parameters; the flat buffer holds exactly those, and all of the above runs over the DP
+group (the ranks holding the same slices). The scalar all-reduce spans the world: the gradient norm
+counts each TP slice once (every rank its own) and each replicated value once (TP rank 0's copy).
+
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
 the parameters are bf16 and an fp32 master shard is kept, 12 bytes per owned value.
@@ -23,7 +28,7 @@ the parameters are bf16 and an fp32 master shard is kept, 12 bytes per owned val
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +38,9 @@ from ..errors import ZeroTrainError
 from ..model import is_decayed
 from ..optim import build_adamw
 from .comm import Comm
+from .digest import tensor_digest
 from .layout import ShardLayout
+from .mesh import Mesh
 
 
 class GradientOrderError(ZeroTrainError):
@@ -71,9 +78,15 @@ class ZeroOneEngine:
         precision: str = "fp32",
         reduce_in_backward: bool = True,
         gather_in_forward: bool = True,
+        mesh: Mesh | None = None,
     ):
-        """`gather_in_forward` must be False for a compiled model, whose forward cannot wait midway."""
+        """ZeRO-1 runs over `comm` (the DP group of `mesh` when there is one).
+
+        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway.
+        """
         self.model, self.comm, self.optim_cfg = model, comm, optim
+        self.mesh = mesh or Mesh.single(comm)
+        self.tp_slices = getattr(model, "tp_slices", {})  # name -> TPSlice of the parameters split by TP
         self.precision = precision
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         W, rank = comm.world_size, comm.rank
@@ -99,6 +112,10 @@ class ZeroOneEngine:
         self.grad_shard = torch.zeros(L.shard_numel, device=device)
         # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
         comm.broadcast(self.flat_params, 0, "broadcast_init")
+        self._sliced_flat, self._replicated_flat = self._split_by_tp(L.slots)
+        # The shard ranges whose squared gradients this rank adds to the global norm (_counted_grad_sumsq).
+        self._sumsq_ranges = self._owned(self._sliced_flat) + (
+            self._owned(self._replicated_flat) if self.mesh.tp_rank == 0 else [])
 
         self._pieces: list[_Piece] = []
         for b in L.buckets:
@@ -154,6 +171,33 @@ class ZeroOneEngine:
                 buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)})
                 if buckets:
                     module.register_forward_pre_hook(lambda _m, _args, b=tuple(buckets): self.wait_params(b))
+
+    def _split_by_tp(self, slots) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The flat buffer's ranges of TP-sliced values and of the rest (replicated values and padding)."""
+        cuts = sorted((s.offset, s.offset + s.numel) for s in slots if s.name in self.tp_slices)
+        sliced, replicated, at = [], [], 0
+        for lo, hi in cuts:
+            if lo > at:
+                replicated.append((at, lo))
+            if sliced and sliced[-1][1] == lo:
+                sliced[-1] = (sliced[-1][0], hi)
+            else:
+                sliced.append((lo, hi))
+            at = hi
+        if at < self.layout.padded_numel:
+            replicated.append((at, self.layout.padded_numel))
+        return sliced, replicated
+
+    def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The parts of `flat_ranges` this rank owns, as ranges of its shard."""
+        out = []
+        for b in self.layout.buckets:
+            lo, hi = b.chunk(self.comm.rank, self.comm.world_size)
+            for a, z in flat_ranges:
+                a, z = max(a, lo), min(z, hi)
+                if z > a:
+                    out.append((b.shard_offset + a - lo, b.shard_offset + z - lo))
+        return out
 
     # ---------------------------------------------------------------- backward side
     @contextlib.contextmanager
@@ -219,10 +263,23 @@ class ZeroOneEngine:
             work.wait()
         # Gloo's work objects hold tensors; one that outlives the process group aborts the process at exit.
         self._pending.clear()
-        sumsq = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float64).square()
+        sumsq = self._counted_grad_sumsq()
         extras = extras.to(device=sumsq.device, dtype=torch.float64).reshape(-1)
-        stats = self.comm.all_reduce(torch.cat([sumsq.view(1), extras]), "all_reduce_stats").cpu()
+        stats = self.mesh.world.all_reduce(torch.cat([sumsq.view(1), extras]), "all_reduce_stats").cpu()
         return float(stats[0].sqrt()), stats[1:]
+
+    def _counted_grad_sumsq(self) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once.
+
+        Each rank owns distinct values of its TP slices; the replicated values are owned identically
+        by every TP rank of a DP group's chunk, so only TP rank 0 counts them.
+        """
+        if self.mesh.tp_size == 1:
+            return torch.linalg.vector_norm(self.grad_shard, dtype=torch.float64).square()
+        total = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
+        for a, z in self._sumsq_ranges:
+            total += torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square()
+        return total
 
     def apply(self, lr: float, grad_norm: float) -> None:
         """Clip by the global norm, AdamW on this rank's shard, all-gather the updated parameters.
@@ -265,10 +322,18 @@ class ZeroOneEngine:
                 work.wait()
 
     # ---------------------------------------------------------------- state
-    def param_digest(self) -> bytes:
-        """sha256 of the whole parameter buffer: equal on every rank iff parameters are bitwise equal."""
+    def param_digests(self) -> torch.Tensor:
+        """Digests of [replicated parameters, this rank's TP slices], one row each, computed on the buffer's device.
+
+        Equal rows mean bitwise equal values (tensor_digest): replicated rows must match on every
+        rank, sliced rows across each DP group. Without TP everything is in the first row.
+        """
         self.wait_params()
-        return hashlib.sha256(self.flat_params.detach().cpu().view(torch.uint8).numpy()).digest()
+        flat = self.flat_params.detach()
+        if self.mesh.tp_size == 1:
+            replicated = tensor_digest(flat)
+            return torch.stack([replicated, torch.zeros_like(replicated)])
+        return torch.stack([tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)])
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor the optimizer keeps for this rank's shard: master values and moments."""
@@ -287,6 +352,12 @@ class ZeroOneEngine:
             return self.master
         self.wait_params()
         return self.layout.shard(self.flat_params, self.comm.rank)
+
+    @property
+    def param_count(self) -> int:
+        """Parameters of the full model (each TP-sliced tensor counted at its full size)."""
+        return sum(math.prod(self.tp_slices[s.name].full_shape) if s.name in self.tp_slices else s.numel
+                   for s in self.layout.slots)
 
     @property
     def step_count(self) -> int:
@@ -322,6 +393,27 @@ class ZeroOneEngine:
             self._publish_params()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's parameters in its own state_dict names, fp32, one independent tensor each."""
+        """The full model's parameters in its state_dict names, fp32 on the CPU, one independent tensor each.
+
+        With TP the split tensors are gathered from the TP group: a collective every rank of this
+        rank's TP group calls together.
+        """
         self.wait_params()
-        return {s.name: p.detach().float().cpu().clone() for s, p in zip(self.layout.slots, self.params)}
+        if self.mesh.tp_size == 1:
+            return {s.name: p.detach().float().cpu().clone() for s, p in zip(self.layout.slots, self.params)}
+        T = self.mesh.tp_size
+        gathered = torch.empty(T * self.layout.padded_numel, dtype=self.flat_params.dtype,
+                               device=self.flat_params.device)
+        self.mesh.tp.all_gather(gathered, self.flat_params, "all_gather_tp_state")
+        ranks = gathered.float().cpu().chunk(T)
+        out = {}
+        for s in self.layout.slots:
+            if s.name not in self.tp_slices:
+                out[s.name] = ranks[0][s.offset : s.offset + s.numel].view(s.shape).clone()
+                continue
+            cut = self.tp_slices[s.name]
+            full = torch.empty(cut.full_shape)
+            for t in range(T):
+                cut.place(full, ranks[t][s.offset : s.offset + s.numel].view(s.shape), t)
+            out[s.name] = full
+        return out

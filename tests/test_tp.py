@@ -1,0 +1,135 @@
+"""Tensor parallelism composed with ZeRO-1: the same math on every mesh, replicas that stay equal, counted norms."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dist_jobs
+from conftest import child_pids, tiny_config
+from zerotrain.config import ModelConfig
+from zerotrain.launch import JobFailed, run_job
+from zerotrain.model import build_model
+from zerotrain.tp import plan
+
+LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
+pytestmark = pytest.mark.timeout(300)
+
+# The same global batch of 8 sequences on every mesh: DP replicas x micro-batch x accumulation.
+MESHES = {"TP1xDP2": dict(nproc=2, tp=1, micro=2, accum=2),
+          "TP2xDP2": dict(nproc=4, tp=2, micro=2, accum=2),
+          "TP2xDP1": dict(nproc=2, tp=2, micro=2, accum=4)}
+
+
+def run(job, tmp_path, name, **overrides):
+    mesh = {**MESHES[name], **overrides}
+    cfg = tiny_config(tmp_path / name, nproc=mesh["nproc"], micro=mesh["micro"], accum=mesh["accum"], steps=5,
+                      tp=mesh["tp"])
+    cfg.optim.grad_clip = 0.5  # below the tiny model's gradient norms: every step is clipped
+    return run_job(job, cfg, time_limit=LIMIT)
+
+
+def max_rel(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def max_abs_params(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("meshes")
+    return {name: run(dist_jobs.tp_params_job, tmp, name) for name in MESHES}
+
+
+def agrees(run, base) -> bool:
+    """The equivalence check: losses and norms within 1e-5 relative, parameters within 1e-4."""
+    return (max_rel(run["losses"], base["losses"]) <= 1e-5 and max_rel(run["grad_norms"], base["grad_norms"]) <= 1e-5
+            and max_abs_params(run["params"], base["params"]) <= 1e-4)
+
+
+def test_every_mesh_computes_the_same_steps_and_a_wrong_backward_all_reduce_is_caught(meshes, tmp_path):
+    base = meshes["TP1xDP2"]
+    for name, r in meshes.items():
+        assert len(r["losses"]) == 5
+        assert max_rel(r["losses"], base["losses"]) <= 1e-5, name
+        assert max_rel(r["grad_norms"], base["grad_norms"]) <= 1e-5, name
+        assert max_abs_params(r["params"], base["params"]) <= 1e-4, name
+        assert r["params"]["transformer.h.0.attn.c_attn.weight"].shape == (96, 32)  # full tensors, gathered
+    # the activations really are all-reduced within a TP group, and only there
+    assert meshes["TP2xDP2"]["calls"]["all_reduce_tp_activations"] > 0
+    assert "all_reduce_tp_activations" not in base["calls"]
+    # planted bug: each rank keeps its partial input gradient of c_attn / c_fc; the TP ranks' replicated
+    # gradients then differ, and so do their updates: invariant (b) stops the run
+    with pytest.raises(JobFailed, match=r"invariant \(b\) failed: replicated parameters of rank\(s\) \[1\]"):
+        run(dist_jobs.tp_no_grad_all_reduce_job, tmp_path, "TP2xDP1")
+    # planted bug: the all-reduce averages instead of summing; the ranks stay equal, the math is wrong
+    averaged = run(dist_jobs.tp_averaged_grad_all_reduce_job, tmp_path, "TP2xDP1")
+    assert not agrees(averaged, base)
+    assert max_rel(averaged["grad_norms"], base["grad_norms"]) > 1e-3
+
+
+def test_replicated_parameters_stay_bitwise_equal_on_every_rank(meshes):
+    for name in ("TP2xDP2", "TP2xDP1"):
+        rows = meshes[name]["replicated"]
+        assert rows.shape[0] == MESHES[name]["nproc"] and rows.shape[1] > 2000  # embeddings, norms, biases
+        for r in range(1, rows.shape[0]):
+            assert torch.equal(rows[r], rows[0]), (name, r)
+    digests = [d.split("-") for d in meshes["TP2xDP2"]["digests"]]  # per rank: replicated (2), sliced (2)
+    assert len({tuple(d[:2]) for d in digests}) == 1
+    assert digests[0][2:] == digests[2][2:] and digests[1][2:] == digests[3][2:]  # TP slice t across its DP group
+    assert digests[0][2:] != digests[1][2:]  # the two TP ranks hold different slices
+
+
+def test_one_ulp_drift_on_one_tp_rank_trips_invariant_b_naming_the_rank(tmp_path):
+    cfg = tiny_config(tmp_path / "rep", nproc=4, tp=2, micro=2, steps=4, check_every=2)
+    with pytest.raises(JobFailed, match=r"invariant \(b\) failed: replicated parameters of rank\(s\) \[1\] differ "
+                                        r"from rank 0 at step 2"):
+        run_job(dist_jobs.tp_drift_replicated_job, cfg, time_limit=LIMIT)
+    cfg = tiny_config(tmp_path / "sliced", nproc=4, tp=2, micro=2, steps=4, check_every=2)
+    with pytest.raises(JobFailed, match=r"invariant \(b\) failed: the TP slices of rank\(s\) \[3\] differ from "
+                                        r"their DP group's first rank \(\[1\]\) at step 2"):
+        run_job(dist_jobs.tp_drift_sliced_job, cfg, time_limit=LIMIT)
+    assert child_pids() == []
+
+
+def test_the_gradient_norm_counts_replicated_values_once_and_a_double_count_is_caught(meshes, tmp_path):
+    base = meshes["TP1xDP2"]
+    assert max_rel(meshes["TP2xDP1"]["grad_norms"], base["grad_norms"]) <= 1e-5
+    # planted bug: both TP ranks add the replicated gradients; with clipping on, the update changes
+    doubled = run(dist_jobs.tp_double_counted_norm_job, tmp_path, "TP2xDP1")
+    assert min(n / b for n, b in zip(doubled["grad_norms"], base["grad_norms"])) > 1 + 1e-3
+    assert not agrees(doubled, base)
+
+
+def test_tp_slices_tile_every_split_tensor_exactly_once():
+    cfg = ModelConfig(n_layer=1, n_head=4, n_embd=8)
+    model = build_model(cfg, seed=0)
+    full = dict(model.named_parameters())
+    for tp in (2, 4):
+        for name, cut in plan(cfg, tp).items():
+            assert cut.full_shape == tuple(full[name].shape)
+            rebuilt = torch.full(cut.full_shape, float("nan"))
+            for r in range(tp):
+                assert cut.take(full[name], r).shape == cut.local_shape()
+                cut.place(rebuilt, cut.take(full[name], r), r)
+            assert torch.equal(rebuilt, full[name].detach()), (name, tp)
+    # c_attn: rank 0 holds the first head block of each of q, k and v
+    assert plan(cfg, 2)["transformer.h.0.attn.c_attn.weight"].parts[0] == ((0, 4), (8, 12), (16, 20))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc", "4", "--tp", "3"], "--tp 3 does not divide the world size 4 (--nproc)"),
+    (["--nproc", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "--tp 2 does not divide --n-head 3"),
+    (["--nproc", "2", "--tp", "0"], "--tp must be positive, got 0"),
+])
+def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, flags, message):
+    p = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--data", "synthetic", "--out", str(tmp_path),
+                        *flags], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"zerotrain: error: {message}"), p.stderr
+    assert "Traceback" not in p.stderr
