@@ -1,5 +1,6 @@
 """Tensor parallelism composed with ZeRO-1: the same math on every mesh, replicas that stay equal, counted norms."""
 
+import json
 import subprocess
 import sys
 
@@ -133,3 +134,37 @@ def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, flags, m
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"zerotrain: error: {message}"), p.stderr
     assert "Traceback" not in p.stderr
+
+
+def zerotrain(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_tp2_passes_the_four_invariants_and_the_bitwise_resume_on_tp2_x_dp2(tmp_path):
+    r = zerotrain("demo", "--tp", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "TP 2 x DP 2 = 4 ranks" in r.stdout
+    for line in ("(a) finite loss", "(b) replicas bitwise equal", "(c) optimizer memory", "(d) checkpoints"):
+        assert any(line in l and l.endswith("PASS") for l in r.stdout.splitlines()), line
+    assert "RESUME VERIFIED" in r.stdout
+    report = json.load(open(tmp_path / "report.json"))
+    assert report["world_size"] == 4 and report["tp"] == 2 and report["param_count"] == 28_032
+    assert report["losses"][-1] < report["losses"][0] - 0.5 and report["resumed_losses"] == report["losses"][10:]
+    words = [h.split("-") for h in report["param_hashes"]]
+    assert len({tuple(w[:2]) for w in words}) == 1 and words[0][2:] == words[2][2:] != words[1][2:] == words[3][2:]
+    assert report["optimizer_bytes"] == [report["expected_bytes"]] * 4
+    # each rank holds its TP slices and the replicated parameters: 62,080 bytes against the full 112,128
+    assert max(report["param_bytes"]) < 0.6 * 4 * report["param_count"]
+    assert report["comm_calls_per_step"]["all_reduce_tp_activations"] == 2 * 2 * 2  # 2 per block, 2 blocks, accum 2
+
+
+def test_equivalence_tp2_adds_mesh_rows_that_pass_and_still_catches_the_wrong_weightings(tmp_path):
+    r = zerotrain("equivalence", "--tp", "2", "--nproc", "4", "--accum", "2", "--json", str(tmp_path / "eq.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.load(open(tmp_path / "eq.json"))
+    splits = [row["split"] for row in report["checked"]]
+    assert splits == ["1 x 8 x 1", "1 x 2 x 4", "4 x 2 x 2 (TP 2 x DP 2)", "4 x 2 x 1"]
+    for row in report["checked"]:
+        assert row["passed"] and row["initial_params_match"], row["split"]
+        assert max(row["grad_max_abs_diff"], row["adamw_param_max_abs_diff"]) <= 1e-4
+    assert report["wrong_variants_caught"] and all(row["tp"] == 2 for row in report["wrong_variants"])

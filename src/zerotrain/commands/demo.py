@@ -1,4 +1,7 @@
-"""`zerotrain demo`: tiny GPT, 4 ranks, 20 steps, checkpoint at 10, the four invariants and a bitwise resume."""
+"""`zerotrain demo`: tiny GPT, 4 ranks, 20 steps, checkpoint at 10, the four invariants and a bitwise resume.
+
+With `--tp 2` the 4 ranks are a TP 2 x DP 2 mesh: each block's heads and MLP split across 2 ranks.
+"""
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
     m = first.memory
     return {
         "world_size": comm.world_size,
+        "tp": cfg.run.tp,
         "steps": cfg.run.steps,
         "param_count": first.param_count,
         "global_batch": cfg.global_batch,
@@ -71,7 +75,9 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
         "resumed_param_hashes": second.digests,
         "resume_verified": True,
         "comm_calls_per_step": {k: v / cfg.run.steps for k, v in first.comm_calls.items()
-                                if k in ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats")},
+                                if k in ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats",
+                                         "all_reduce_tp_activations", "all_reduce_tp_grads")},
+        "param_bytes": first.per_rank["param_bytes"],
         "invariants": {"a_finite_loss": True, "b_no_drift": True, "c_zero1_memory": True,
                        "d_checkpoint_roundtrip": True},
     }
@@ -92,7 +98,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg.checkpoint.resume = ""
     cfg = prepare_run(cfg)  # an --out holding an earlier run is refused, as for train
     os.makedirs(cfg.run.out, exist_ok=True)
-    print(f"zerotrain demo: {cfg.run.nproc} ranks x micro-batch {cfg.run.micro_batch} x accum {cfg.run.accum} "
+    mesh = f"TP {cfg.run.tp} x DP {cfg.run.dp} = " if cfg.run.tp > 1 else ""
+    print(f"zerotrain demo: {mesh}{cfg.run.nproc} ranks x micro-batch {cfg.run.micro_batch} x accum {cfg.run.accum} "
           f"(global batch {cfg.global_batch}), {cfg.run.steps} steps, checkpoint every {cfg.checkpoint.every}")
     print(f"output folder: {cfg.run.out}", flush=True)
     t0 = time.perf_counter()
@@ -114,22 +121,29 @@ def _print_report(rep: dict, cfg: Config) -> None:
     for i, (loss, gn) in enumerate(zip(rep["losses"], rep["grad_norms"]), start=1):
         mark = "  <- checkpoint" if f"step_{i:08d}" in " ".join(rep["checkpoints"]) else ""
         print(f"{i:4d}   {loss:.5f}   {gn:.5f}{mark}")
-    print("\nrank   parameter sha256 (first 16)   parameter norm   optimizer bytes")
+    T = rep["tp"]
+    # the digests' hex: replicated parameters (2 words), then this rank's TP slices (2 words)
+    print("\nrank   replicated digest   TP-slice digest    parameter norm   parameter bytes   optimizer bytes")
     for r in range(W):
-        print(f"{r:4d}   {rep['param_hashes'][r][:16]}              {rep['param_norms'][r]:.6f}     "
-              f"{rep['optimizer_bytes'][r]:,}")
+        words = rep["param_hashes"][r].split("-")
+        sliced = words[2][:16] if T > 1 else "-"
+        print(f"{r:4d}   {words[0][:16]}    {sliced:<16}   {rep['param_norms'][r]:.6f}         "
+              f"{rep['param_bytes'][r]:>9,}         {rep['optimizer_bytes'][r]:,}")
     print(f"optimizer bytes: max {rep['optimizer_bytes_max']:,}, mean {rep['optimizer_bytes_mean']:,.0f}, "
-          f"ZeRO-1 formula {rep['bytes_per_value']} x padded P / N = {rep['bytes_per_value']} x {rep['shard_numel']:,}"
+          f"ZeRO-1 formula {rep['bytes_per_value']} x {'padded P / N' if T == 1 else 'padded local P / DP'} = {rep['bytes_per_value']} x {rep['shard_numel']:,}"
           f" = {rep['expected_bytes']:,} ({cfg.run.precision}: "
           + ("moments only, the fp32 master is the parameter buffer" if rep["bytes_per_value"] == 8
              else "fp32 master + moments") + ")")
     calls = rep["comm_calls_per_step"]
     print(f"collectives per optimizer step: {calls.get('reduce_scatter_grads', 0):g} reduce-scatter, "
           f"{calls.get('all_gather_params', 0):g} all-gather, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "
-          f"(accum {cfg.run.accum})")
+          f"(accum {cfg.run.accum})" + (f"; per TP rank {calls.get('all_reduce_tp_activations', 0):g} activation and "
+                                        f"{calls.get('all_reduce_tp_grads', 0):g} gradient all-reduces"
+                                        if T > 1 else ""))
     print("\ninvariants")
     for text in (f"(a) finite loss on every rank, all {rep['steps']} steps",
-                 f"(b) parameters bitwise identical on all {W} ranks",
+                 f"(b) parameters bitwise identical on all {W} ranks" if T == 1 else
+                 "(b) replicas bitwise equal (TP slices per DP group)",
                  "(c) optimizer memory = ZeRO-1 formula on every rank",
                  f"(d) checkpoints read back byte-equal ({len(rep['checkpoints'])} saved)"):
         print(f"  {text + ' ':.<62} PASS")

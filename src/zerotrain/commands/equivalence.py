@@ -2,7 +2,8 @@
 
 One global batch (that of step 0) is computed several ways: once as a single full-batch backward in
 plain PyTorch (the reference), then through the ZeRO-1 engine as one micro-batch on 1 rank, as
-ranks x accum micro-batches on 1 rank, and as the configured split on N ranks. Each engine run is
+ranks x accum micro-batches on 1 rank, and as the configured split on N ranks (with `--tp T`, on the
+TP x DP mesh, beside the same ranks as plain data parallelism). Each engine run is
 compared with the reference on the reduced gradient, on the parameters after one plain SGD step
 (p - lr * g, which unlike AdamW is not invariant to the gradient's scale) and after the engine's own
 AdamW step. Two deliberately wrong loss weightings run on the same split and must fail the bound:
@@ -58,10 +59,12 @@ class Split:
     data: str = ""  # "" -> the configured data source
     expect_pass: bool = True  # False for the deliberately wrong variants
     note: str = ""
+    tp: int = 1  # tensor-parallel degree: ranks / tp data-parallel replicas
 
     @property
     def name(self) -> str:
-        return f"{self.ranks} x {self.micro_batch} x {self.accum}"
+        mesh = f" (TP {self.tp} x DP {self.ranks // self.tp})" if self.tp > 1 else ""
+        return f"{self.ranks} x {self.micro_batch} x {self.accum}{mesh}"
 
 
 def add_parser(sub) -> None:
@@ -106,18 +109,22 @@ def full_batch_reference(cfg: Config, lr: float) -> dict:
 # ------------------------------------------------------------------------------------------ engine runs
 def engine_step(cfg: Config, comm: Comm, split: Split, lr: float) -> dict:
     """One optimizer step of `split` through the engine, as train.train runs it; full tensors on every rank."""
-    engine = build_engine(cfg, comm)
+    meshed = copy.deepcopy(cfg)
+    meshed.run.tp = split.tp
+    engine = build_engine(meshed, comm)
+    mesh = engine.mesh
     schedule = BatchSchedule(make_source(_with_data(cfg, split.data)), micro_batch=split.micro_batch,
-                             accum=split.accum, rank=comm.rank, world_size=comm.world_size)
+                             accum=split.accum, rank=mesh.dp_rank, world_size=mesh.dp_size)
     batch = schedule.batch(STEP)
     initial = engine.full_state_dict()
-    before = Counter(comm.calls)
+    before = Counter(mesh.counters()[0])
     engine.zero_grad()
-    loss_sum = backward_micro_batches(engine, batch, split.weighting, chunks=split.accum * comm.world_size)
-    grad_norm, totals = engine.reduce_grads(torch.tensor([loss_sum], dtype=torch.float64))
-    grads = reduced_grads(engine, comm)
+    loss_sum = backward_micro_batches(engine, batch, split.weighting, chunks=split.accum * mesh.dp_size)
+    counted = loss_sum if mesh.tp_rank == 0 else 0.0  # a replica's TP ranks compute the same loss
+    grad_norm, totals = engine.reduce_grads(torch.tensor([counted], dtype=torch.float64))
+    grads = reduced_grads(engine)
     engine.apply(lr, grad_norm)
-    calls = Counter(comm.calls) - before
+    calls = Counter(mesh.counters()[0]) - before
     return {
         "loss": float(totals[0]) / batch.global_tokens,
         "initial": initial,
@@ -150,15 +157,15 @@ def backward_micro_batches(engine: ZeroOneEngine, batch, weighting: str, chunks:
     return loss_sum
 
 
-def reduced_grads(engine: ZeroOneEngine, comm: Comm) -> dict[str, torch.Tensor]:
-    """The reduced gradient by parameter name, from every rank's shard.
+def reduced_grads(engine: ZeroOneEngine) -> dict[str, torch.Tensor]:
+    """The reduced gradient of the full model by parameter name, from every rank's shard and TP slice.
 
     Compared by name, in the unpadded per-parameter order: the flat layout's padding, and so every
     offset, depends on the world size, while a parameter's gradient must not.
     """
     L = engine.layout
-    flat = L.assemble(comm.all_gather_rows(engine.grad_shard, "all_gather_equivalence"))
-    return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in L.slots}
+    flat = L.assemble(engine.comm.all_gather_rows(engine.grad_shard, "all_gather_equivalence"))
+    return engine.full_tensors(flat.to(engine.grad_shard.device))
 
 
 def equivalence_job(cfg: Config, comm: Comm, *, splits: list[Split], lr: float) -> list[dict] | None:
@@ -207,16 +214,20 @@ def plan(cfg: Config, weighting: str, tokens: list[int]) -> tuple[list[Split], l
     `tokens` are the unmasked tokens of each micro-batch, which decide where mean weighting can be shown wrong.
     """
     r = cfg.run
-    G, chunks = cfg.global_batch, r.nproc * r.accum
+    G, chunks = cfg.global_batch, r.dp * r.accum
     one_rank = [Split(1, G, 1, weighting, note="full batch through the engine"),
                 Split(1, r.micro_batch, chunks, weighting, note=f"{chunks} chunked backwards on 1 rank")]
-    n_ranks = [Split(r.nproc, r.micro_batch, r.accum, weighting, note="the configured split")] if r.nproc > 1 else []
+    n_ranks = [Split(r.nproc, r.micro_batch, r.accum, weighting, note="the configured split", tp=r.tp)] \
+        if r.nproc > 1 else []
+    if r.tp > 1 and G % r.nproc == 0:
+        n_ranks.append(Split(r.nproc, G // r.nproc, 1, weighting, note="the same ranks, data-parallel only"))
     mean_data, mean_note = "", ""
     if len(set(tokens)) == 1:
         # Mean weighting is exact when every micro-batch holds as many tokens; show it where it is not.
         mean_data, mean_note = "synthetic-varlen", "on synthetic-varlen: every micro-batch of this data has equal tokens"
-    wrong = [Split(r.nproc, r.micro_batch, r.accum, "unscaled", expect_pass=False),
-             Split(r.nproc, r.micro_batch, r.accum, "mean", data=mean_data, expect_pass=False, note=mean_note)]
+    wrong = [Split(r.nproc, r.micro_batch, r.accum, "unscaled", expect_pass=False, tp=r.tp),
+             Split(r.nproc, r.micro_batch, r.accum, "mean", data=mean_data, expect_pass=False, note=mean_note,
+                   tp=r.tp)]
     if r.nproc > 1:
         return one_rank, n_ranks + wrong
     return one_rank[:1] + [Split(1, r.micro_batch, r.accum, weighting, note="the configured split")] + wrong, []
@@ -277,7 +288,8 @@ def _print_header(cfg: Config, lr: float, tokens: list[int], broken: str | None)
     m, r = cfg.model, cfg.run
     print(f"zerotrain equivalence: GPT {m.n_layer} layers, width {m.n_embd}, seq {m.seq_len}, vocab {m.vocab_size}; "
           f"data {cfg.data.source}{'' if cfg.data.pack else ' (unpacked)'}; seed {r.seed}")
-    print(f"global batch of step {STEP}: {cfg.global_batch} sequences = {r.nproc} ranks x micro-batch "
+    ranks = f"DP {r.dp} replicas (TP {r.tp} x DP {r.dp} = {r.nproc} ranks)" if r.tp > 1 else f"{r.nproc} ranks"
+    print(f"global batch of step {STEP}: {cfg.global_batch} sequences = {ranks} x micro-batch "
           f"{r.micro_batch} x accum {r.accum}; {sum(tokens)} unmasked target tokens")
     print(f"unmasked tokens per micro-batch: {tokens}")
     print(f"reference: one full-batch backward in plain PyTorch (mean over every unmasked token); "
@@ -340,5 +352,5 @@ def _with_data(cfg: Config, data: str) -> Config:
 def _on_one_rank(cfg: Config) -> Config:
     """The same global batch on one rank: its accumulation takes over every rank's micro-batches."""
     out = copy.deepcopy(cfg)
-    out.run.nproc, out.run.accum = 1, cfg.run.nproc * cfg.run.accum
+    out.run.nproc, out.run.tp, out.run.accum = 1, 1, cfg.run.dp * cfg.run.accum
     return out

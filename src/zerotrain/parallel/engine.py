@@ -401,11 +401,20 @@ class ZeroOneEngine:
         self.wait_params()
         if self.mesh.tp_size == 1:
             return {s.name: p.detach().float().cpu().clone() for s, p in zip(self.layout.slots, self.params)}
+        return self.full_tensors(self.flat_params)
+
+    def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The full model's tensors, by name, fp32 on the CPU, from a buffer in this rank's flat layout.
+
+        The split tensors are gathered from every rank of the TP group, which all call this together.
+        """
         T = self.mesh.tp_size
-        gathered = torch.empty(T * self.layout.padded_numel, dtype=self.flat_params.dtype,
-                               device=self.flat_params.device)
-        self.mesh.tp.all_gather(gathered, self.flat_params, "all_gather_tp_state")
-        ranks = gathered.float().cpu().chunk(T)
+        if T == 1:
+            ranks = [flat.detach().float().cpu()]
+        else:
+            gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+            self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), "all_gather_tp_state")
+            ranks = gathered.float().cpu().chunk(T)
         out = {}
         for s in self.layout.slots:
             if s.name not in self.tp_slices:
