@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU readiness on one CUDA device, offline, in about 5 minutes: the demo, GPT-2 small bf16 throughput and MFU,
-# bench compare, and the production path (async saves, a stop and its resume, bench ckpt).
+# bench compare, the production path (async saves, a stop and its resume, bench ckpt), and tensor parallelism
+# (demo --tp 2 where 2 GPUs are visible; on one GPU the drift digest's cost on the GPU instead).
 #
 # usage: scripts/device-check.sh OUTDIR
 # Everything lands in OUTDIR: device-check.log, demo/, throughput/ (metrics.jsonl), throughput.json, compare/,
-# stopped/, ckpt/.
+# stopped/, ckpt/, tp/.
 # ZT_DEVICE=cpu ZT_PRESET=tiny rehearse the same plumbing on a machine without a GPU.
 set -euo pipefail
 
@@ -18,10 +19,10 @@ exec > >(tee "$OUT/device-check.log") 2>&1
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 
-echo "== 1/4 demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume"
+echo "== 1/5 demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume"
 timeout 75 zerotrain demo --device "$DEVICE" --nproc 1 --out "$OUT/demo"
 
-echo "== 2/4 throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps"
+echo "== 2/5 throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps"
 # Micro-batch 16 x 1024 tokens keeps the GPU busy; the drift check runs once, at the end.
 timeout 110 zerotrain train --device "$DEVICE" --nproc 1 --preset "$PRESET" --precision bf16 \
     --micro-batch 16 --steps 30 --check-every 0 --no-progress --out "$OUT/throughput"
@@ -64,15 +65,48 @@ print(f"{preset}: P = {P:,}, {tokens_per_s:,.0f} tokens/s, {model_flops / 1e12:.
       f"{peak / 1e12:.1f} measured bf16 matmul peak: MFU {100 * model_flops / peak:.1f}%")
 PY
 
-echo "== 3/4 bench compare at world size 1"
+echo "== 3/5 bench compare at world size 1"
 timeout 110 zerotrain bench compare --quick --device "$DEVICE" --nproc 1 --out "$OUT/compare"
 
-echo "== 4/4 production: async saves from pinned staging, a SIGTERM stop and its resume, bench ckpt"
+echo "== 4/5 production: async saves from pinned staging, a SIGTERM stop and its resume, bench ckpt"
 ZEROTRAIN_FAULTS="sigterm@step=6" timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench \
     --steps 12 --ckpt-every 2 --async-save --no-progress --out "$OUT/stopped"
 timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save \
     --no-progress --out "$OUT/stopped" --resume auto
 zerotrain verify "$OUT/stopped/checkpoints" | tail -1
 timeout 60 zerotrain bench ckpt --quick --device "$DEVICE" --out "$OUT/ckpt"
+
+echo "== 5/5 tensor parallelism: demo --tp 2 (NCCL needs a GPU per rank), and the on-device drift digest"
+GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$DEVICE" = cpu ] || [ "$GPUS" -ge 2 ]; then
+    NPROC=$([ "$DEVICE" = cpu ] && echo 4 || echo 2)
+    timeout 90 zerotrain demo --device "$DEVICE" --nproc "$NPROC" --tp 2 --out "$OUT/tp/demo"
+else
+    echo "demo --tp 2 skipped: $GPUS CUDA device(s) here, TP over NCCL needs one per rank"
+fi
+python - "$DEVICE" "$PRESET" <<'PY'
+"""The drift check's digest of GPT-2's parameter buffer on the device, against one bf16 training step."""
+import sys, time
+
+import torch
+
+from zerotrain.config import PRESETS, ModelConfig
+from zerotrain.parallel.digest import tensor_digest
+
+device, preset = sys.argv[1], sys.argv[2]
+with torch.device("meta"):
+    from zerotrain.model import GPT
+    P = sum(p.numel() for p in GPT(ModelConfig(**PRESETS[preset])).parameters())
+for dtype in (torch.float32, torch.bfloat16):
+    flat = torch.randn(P, device=device).to(dtype)
+    tensor_digest(flat)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        tensor_digest(flat)
+    sync()
+    print(f"digest of {P:,} {dtype} values on {device}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms")
+PY
 
 echo "device check done: $OUT"
