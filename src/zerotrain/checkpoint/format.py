@@ -1,11 +1,18 @@
 """The checkpoint format: folder and file names, the manifest and its schema, what `latest` names.
 
 A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, `model.safetensors` (the full
-fp32 model, loadable without torch.distributed), one `optim-rank{r}-of-{W}.safetensors` per rank
-(its master values, exp_avg, exp_avg_sq and the optimizer step) and, when the data has a BPE,
-its `tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file).
+fp32 model in GPT-2 names, whatever the mesh, loadable without torch.distributed), one
+`optim-rank{r}-of-{W}.safetensors` per rank of the world (its ZeRO shard of its local flat buffer:
+master values, exp_avg, exp_avg_sq and the optimizer step) and, when the data has a BPE, its
+`tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file).
 `latest` in the checkpoint root names the newest committed folder. Safetensors and JSON only:
 nothing is unpickled.
+
+With tensor parallelism the manifest records the mesh ({"tp": T, "dp": D}, T x D = world_size,
+world rank = dp_index x T + tp_index) and each split parameter's TP slice ("tp_slices": how a TP
+rank's local tensor maps to the full one). "layout" is the local flat layout, the same on every TP
+rank, sharded over the D ranks of a DP group; "param_count" counts the full model. A manifest
+without "mesh" (written before TP) reads as TP 1 x DP world_size.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ import os
 import re
 
 from ..errors import ZeroTrainError
+from ..tp import TPSlice
 
+# Still version 1 with TP: the new keys are additions, and a reader from before TP refuses a TP
+# checkpoint anyway, since its layout.world_size (D) differs from its world_size (T x D).
 FORMAT, VERSION = "zerotrain-checkpoint", 1
 MODEL_FILE, MANIFEST, LATEST = "model.safetensors", "manifest.json", "latest"
 TOKENIZER_FILE = "tokenizer.json"  # the data's BPE, copied by rank 0 when there is one (manifest["tokenizer"]["file"])
@@ -31,6 +41,10 @@ PARAM_SCHEMA = {"name": str, "shape": list, "numel": int, "offset": int, "flat_o
                 "decay": bool}
 BUCKET_SCHEMA = {"index": int, "start": int, "end": int, "decay_end": int, "shard_offset": int}
 FILE_SCHEMA = {"name": str, "bytes": int, "sha256": str}
+# Written by every writer since TP; optional to read (absent: TP 1 x DP world_size).
+MESH_KEYS = ("mesh", "tp_slices")
+MESH_SCHEMA = {"tp": int, "dp": int}
+TP_SLICE_SCHEMA = {"dim": int, "full_shape": list, "parts": list}
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -118,11 +132,56 @@ def schema_problem(manifest) -> str | None:
             isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in ranges)
             for ranges in layout["owned_ranges"]):
         problem = "layout.owned_ranges is not a list of [start, end] lists per rank"
+    problem = problem or _mesh_problem(manifest)
     for i, f in enumerate(manifest["files"] if problem is None else []):
         problem = problem or _typed(f, FILE_SCHEMA, f"files[{i}]")
         if problem is None and not re.fullmatch(r"[0-9a-f]{64}", f["sha256"]):
             problem = f"files[{i}].sha256 {f['sha256']!r} is not 64 hex digits"
     return problem
+
+
+def _mesh_problem(manifest: dict) -> str | None:
+    """Why the mesh and TP slices (when recorded) are not well-typed and consistent with the world size, or None."""
+    if not any(k in manifest for k in MESH_KEYS):
+        return None
+    for have, missing in (MESH_KEYS, MESH_KEYS[::-1]):
+        if missing not in manifest:
+            return f"manifest has {have!r} but no {missing!r}"
+    mesh = manifest["mesh"]
+    problem = _typed(mesh, MESH_SCHEMA, "mesh")
+    if problem:
+        return problem
+    T, D, W = mesh["tp"], mesh["dp"], manifest["world_size"]
+    if T < 1 or D < 1 or T * D != W:
+        return f"mesh TP {T} x DP {D} does not make world_size {W}"
+    if manifest["layout"]["world_size"] != D:
+        return f"layout.world_size {manifest['layout']['world_size']} differs from the mesh's DP size {D}"
+    slices = manifest["tp_slices"]
+    if not isinstance(slices, dict):
+        return f"tp_slices is a {type(slices).__name__}, not an object"
+    for name, d in slices.items():
+        where = f"tp_slices[{name!r}]"
+        problem = _typed(d, TP_SLICE_SCHEMA, where)
+        if problem:
+            return problem
+        if not d["full_shape"] or not all(_count(n) for n in d["full_shape"]) or d["dim"] >= len(d["full_shape"]):
+            return f"{where} has full_shape {d['full_shape']} and dim {d['dim']}, not a shape and one of its dims"
+        if len(d["parts"]) != T or not all(isinstance(ranges, list) and all(
+                isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in ranges)
+                for ranges in d["parts"]):
+            return f"{where}.parts is not a list of [start, end] lists for each of the {T} TP ranks"
+    return None
+
+
+def mesh_of(manifest: dict) -> tuple[int, int]:
+    """(TP, DP) of the mesh that wrote the checkpoint; a manifest from before TP is TP 1 x DP world_size."""
+    mesh = manifest.get("mesh") or {"tp": 1, "dp": manifest["world_size"]}
+    return mesh["tp"], mesh["dp"]
+
+
+def tp_slices_of(manifest: dict) -> dict[str, TPSlice]:
+    """Each split parameter's TP slice, by its full-model name ({} without TP)."""
+    return {name: TPSlice.from_dict(d) for name, d in manifest.get("tp_slices", {}).items()}
 
 
 def _typed(obj, schema: dict, where: str) -> str | None:

@@ -6,9 +6,11 @@ import os
 
 import torch
 
-from ..parallel import Comm, ZeroOneEngine
-from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, read_latest, read_manifest, shard_name,
-                     step_folders, step_of)
+from ..parallel import Comm, ShardLayout, ZeroOneEngine
+from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, mesh_of, read_latest, read_manifest, shard_name,
+                     step_folders, step_of, tp_slices_of)
+from ..tp import full_tensors, local_flat
+from .reshard import full_shapes
 from .stream import DTYPE_CODES, read_safetensors
 from .verify import (failure_message, files_problem, first_failure, layout_of, name_problem, partition_problem,
                      record_problem, shard_problem, verify)
@@ -93,31 +95,45 @@ def _code(t: torch.Tensor) -> str:
 def load(path: str, engine: ZeroOneEngine, comm: Comm) -> dict:
     """Restore parameters, master shard, moments and step into `engine`; return the manifest.
 
-    Everything read is checked first (schema, names, partition, size and sha256 of the very bytes
-    loaded, shard shapes). At the same world size and layout each rank reads only its own shard;
-    otherwise every rank rebuilds the full flat state from all shards (through the manifest's
-    layout) and takes its part.
+    `comm` is the world communicator (shard files are named by world rank); the engine's mesh may
+    differ from the one that wrote the checkpoint. Everything read is checked first (schema, names,
+    partition, size and sha256 of the very bytes loaded, shard shapes), and the checkpoint must hold
+    the same model (full names and full shapes). On the same mesh and local layout each rank reads
+    only its own shard; otherwise see `_reshard`.
     """
     manifest = read_manifest(path)
     check_manifest(path, manifest, [])
-    old = layout_of(manifest, path)
-    new = engine.layout
-    same = old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets
-    ranks = [comm.rank] if same and old.world_size == new.world_size else list(range(old.world_size))
-    check_manifest(path, manifest, [shard_name(r, old.world_size) for r in ranks])
-    if {s.name: s.shape for s in old.slots} != {s.name: s.shape for s in new.slots}:
+    old, old_slices, (old_tp, old_dp) = layout_of(manifest, path), tp_slices_of(manifest), mesh_of(manifest)
+    new, mesh = engine.layout, engine.mesh
+    if full_shapes(old, old_slices) != full_shapes(new, engine.tp_slices):
         raise CheckpointError(f"{path} holds a model with different parameters than this run")
-    if len(ranks) == 1:
+    same = ((old_tp, old_dp) == (mesh.tp_size, mesh.dp_size) and old_slices == engine.tp_slices
+            and old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets)
+    ranks = [comm.rank] if same else list(range(manifest["world_size"]))
+    check_manifest(path, manifest, [shard_name(r, manifest["world_size"]) for r in ranks])
+    if same:
         engine.load_shard_state_dict(read_shard(path, manifest, comm.rank))
-        return manifest
-    shards = [read_shard(path, manifest, r) for r in ranks]
-    sd = {"step": shards[0]["step"]}
-    old_at = {s.name: s.offset for s in old.slots}
-    for key in STATE_KEYS:
-        old_flat = old.assemble([shard[key] for shard in shards])
-        new_flat = torch.zeros(new.padded_numel)
-        for s in new.slots:
-            new_flat[s.offset : s.offset + s.numel] = old_flat[old_at[s.name] : old_at[s.name] + s.numel]
-        sd[key] = new.shard(new_flat, comm.rank)
-    engine.load_shard_state_dict(sd)
+    else:
+        engine.load_shard_state_dict(_reshard([read_shard(path, manifest, r) for r in ranks], manifest, old,
+                                              old_slices, engine))
     return manifest
+
+
+def _reshard(shards: list[dict[str, torch.Tensor]], manifest: dict, old: ShardLayout, old_slices: dict,
+             engine: ZeroOneEngine) -> dict[str, torch.Tensor]:
+    """This rank's shard state on the engine's mesh and layout, from every world rank's old shard.
+
+    Per state key: old TP rank t's flat buffer is assembled from the shards of its DP group (world
+    ranks d x T_old + t), the old TP slices place those into the full model's tensors, and this rank
+    takes its TP slices of them into its new flat buffer, whose ZeRO shard for its DP rank it keeps.
+    Exact: values are only copied. Each rank holds a few full copies of the model meanwhile.
+    """
+    old_tp, old_dp = mesh_of(manifest)
+    mesh, new = engine.mesh, engine.layout
+    sd = {"step": shards[0]["step"]}
+    for key in STATE_KEYS:
+        flats = [old.assemble([shards[d * old_tp + t][key] for d in range(old_dp)]) for t in range(old_tp)]
+        full = full_tensors(old, old_slices, flats)
+        flat = local_flat(new, engine.tp_slices, full, mesh.tp_rank)
+        sd[key] = new.shard(flat, engine.comm.rank)  # engine.comm: the DP group ZeRO-1 shards over
+    return sd

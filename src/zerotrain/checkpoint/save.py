@@ -12,6 +12,10 @@ On the CPU the staging copy itself runs in the background thread, behind the nex
 backward, which leave the saved state untouched: an optimizer step pre-hook makes the next
 update wait for the copy. On CUDA the copies are queued on the training stream at `start`
 (into pinned memory) and the thread waits for them before writing.
+
+With tensor parallelism each rank still writes its own shard (of its local layout); rank 0 writes
+the full model, so the TP ranks of DP replica 0 all-gather their parameter buffers for it first.
+That collective runs on the training thread, in `save` and in `start` alike (see `gather_tp_params`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 from ..invariants import InvariantError
 from ..parallel import Comm, ZeroOneEngine
 from .commit import commit, tmp_name, write_sidecar
-from .format import (FORMAT, MANIFEST_SCHEMA, MODEL_FILE, VERSION, CheckpointError, shard_name, step_name)
+from .format import (FORMAT, MANIFEST_SCHEMA, MESH_KEYS, MODEL_FILE, VERSION, CheckpointError, shard_name,
+                     step_name)
+from ..tp import full_tensors
 from .stream import FileRecord, differing_bytes, write_safetensors
 
 
@@ -102,13 +108,19 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------ asynchronous
     def start(self, step: int, engine: ZeroOneEngine, extra: dict | None = None) -> None:
-        """Begin saving step `step` behind training; returns once the state's copy is under way."""
+        """Begin saving step `step` behind training; returns once the state's copy is under way.
+
+        With TP, the TP ranks of DP replica 0 first all-gather their parameter buffers for rank 0's model
+        file, here on the training thread (no collective runs in the background): a stall of one
+        all-gather of the local parameters for those T ranks, and none for the others.
+        """
         self._refuse_in_flight("start")
         base = self._describe(step, engine, extra or {})
         engine.wait_params()  # an all-gather in flight still writes the parameters being copied
         if self._staging is None or not self._staging.fits(engine):
             self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
         staging, step_count = self._staging, engine.step_count
+        staging.gather_tp(engine)
         if id(engine.optimizer) not in self._guarded:
             engine.optimizer.register_step_pre_hook(lambda *_: self._wait_staged())
             self._guarded.add(id(engine.optimizer))
@@ -201,18 +213,24 @@ class CheckpointWriter:
 
     def _describe(self, step: int, engine: ZeroOneEngine, extra: dict) -> dict:
         """The manifest without its file list; the caller's fields beside the writer's own."""
-        clash = sorted(set(extra) & set(MANIFEST_SCHEMA))
+        clash = sorted(set(extra) & {*MANIFEST_SCHEMA, *MESH_KEYS})
         if clash:
             raise ValueError(f"manifest field(s) {clash} are the writer's own; name extra fields otherwise")
+        mesh = engine.mesh.describe()
+        if mesh["tp"] * mesh["dp"] != self.comm.world_size:
+            raise ValueError(f"the writer's comm has {self.comm.world_size} ranks, the engine's mesh TP {mesh['tp']} "
+                             f"x DP {mesh['dp']}: give the writer the world communicator")
         return {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
             "world_size": self.comm.world_size,
-            "param_count": engine.layout.numel,
+            "mesh": mesh,
+            "param_count": engine.param_count,  # the full model's
             "precision": engine.precision,
             "torch_version": torch.__version__,
-            "layout": engine.layout.to_dict(),
+            "layout": engine.layout.to_dict(),  # this rank's local layout, the same on every TP rank
+            "tp_slices": {name: s.to_dict() for name, s in engine.tp_slices.items()},
             **extra,
         }
 
@@ -274,13 +292,38 @@ def _as_checkpoint_error(pending: _Pending) -> BaseException:
 
 
 def _live_files(engine: ZeroOneEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's files for a synchronous save, from the engine's state (views where it is already fp32 on CPU)."""
+    """This rank's files for a synchronous save, from the engine's state (views where it is already fp32 on CPU).
+
+    `rank` is the world rank: shard files are named by it, whatever the mesh.
+    """
     engine.wait_params()
     files = {shard_name(rank, world_size): {k: v.detach().cpu().contiguous()
                                             for k, v in engine.shard_state_dict().items()}}
+    T = engine.mesh.tp_size
+    if T == 1:
+        if rank == 0:
+            files[MODEL_FILE] = {n: p.detach().float().cpu().contiguous() for n, p in engine.model.named_parameters()}
+        return files
+    gathered = gather_tp_params(engine)  # a collective of DP replica 0's TP ranks
     if rank == 0:
-        files[MODEL_FILE] = {n: p.detach().float().cpu().contiguous() for n, p in engine.model.named_parameters()}
+        files[MODEL_FILE] = full_tensors(engine.layout, engine.tp_slices, gathered.float().cpu().chunk(T))
     return files
+
+
+def gather_tp_params(engine: ZeroOneEngine) -> torch.Tensor | None:
+    """The parameter buffers of DP replica 0's TP ranks, concatenated in TP rank order (T x padded_numel).
+
+    A collective among those T ranks only (world ranks 0 .. T-1, the TP group with dp_rank 0); every
+    other rank returns None at once: the other replicas hold bitwise the same values. In the
+    parameters' dtype (bf16 upcasts to the model file's fp32 exactly, after the transfer).
+    """
+    mesh = engine.mesh
+    if mesh.dp_rank != 0:
+        return None
+    flat = engine.flat_params.detach()
+    out = torch.empty(mesh.tp_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    mesh.tp.all_gather(out, flat, "all_gather_checkpoint_model")
+    return out
 
 
 class _Staging:
@@ -291,14 +334,17 @@ class _Staging:
 
     def __init__(self, engine: ZeroOneEngine, rank: int, world_size: int):
         L = engine.layout
-        self.layout, self.rank, self.world_size = L, rank, world_size
+        self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
+        self.dp_rank = engine.comm.rank  # which chunks of each bucket this rank owns: its rank in the DP group
         self.device = engine.flat_params.device
         self.copy_in_background = self.device.type == "cpu"
         pin = self.device.type == "cuda"
         self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
         self.step = torch.zeros(1, dtype=torch.int64)
-        # Rank 0 also writes the full model: the parameter buffer as fp32 (bf16 upcasts exactly).
-        self.params = torch.empty(L.padded_numel, pin_memory=pin) if rank == 0 else None
+        # Rank 0 also writes the full model: the parameter buffer as fp32 (bf16 upcasts exactly); with TP,
+        # the buffers of every TP rank of DP replica 0, one after another (gather_tp).
+        self.tp_size, self.tp_slices = engine.mesh.tp_size, engine.tp_slices
+        self.params = torch.empty(self.tp_size * L.padded_numel, pin_memory=pin) if rank == 0 else None
         self._copied = None
 
     def fits(self, engine: ZeroOneEngine) -> bool:
@@ -311,17 +357,29 @@ class _Staging:
                 self.master.copy_(engine.master, non_blocking=non_blocking)
             else:  # fp32: the masters are this rank's chunks of the parameter buffer
                 for b in L.buckets:
-                    lo, hi = b.chunk(self.rank, self.world_size)
+                    lo, hi = b.chunk(self.dp_rank, L.world_size)
                     self.master[b.shard_offset : b.shard_offset + hi - lo].copy_(engine.flat_params[lo:hi],
                                                                                 non_blocking=non_blocking)
             self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
             self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
-            if self.params is not None:
+            if self.params is not None and self.tp_size == 1:  # with TP, gather_tp has filled them
                 self.params.copy_(engine.flat_params, non_blocking=non_blocking)
         self.step.fill_(step_count)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def gather_tp(self, engine: ZeroOneEngine) -> None:
+        """With TP: all-gather DP replica 0's parameter buffers into rank 0's `params` (training thread only).
+
+        On CUDA the copy to pinned memory is queued on the training stream, before copy_from's event.
+        """
+        if self.tp_size == 1:
+            return
+        gathered = gather_tp_params(engine)
+        if self.params is not None:
+            with torch.no_grad():
+                self.params.copy_(gathered, non_blocking=not self.copy_in_background)
 
     def wait_copied(self) -> None:
         if self._copied is not None:
@@ -331,6 +389,5 @@ class _Staging:
         shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
         files = {shard_name(self.rank, self.world_size): shard}
         if self.params is not None:
-            files[MODEL_FILE] = {s.name: self.params[s.offset : s.offset + s.numel].view(s.shape)
-                                 for s in self.layout.slots}
+            files[MODEL_FILE] = full_tensors(self.layout, self.tp_slices, self.params.chunk(self.tp_size))
         return files

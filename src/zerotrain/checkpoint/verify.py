@@ -5,16 +5,20 @@ first group that has a failure (later groups read what an earlier one found bad)
 
     manifest   manifest.json is present, valid JSON, and has the writer's keys and types (schema)
     name       each listed name stays inside the folder: no `..`, no path, no symlink leading out
-    files      it lists model.safetensors, one optimizer shard per rank of its world size, and
-               tokenizer.json when its "tokenizer" record names it
+    files      it lists model.safetensors, one optimizer shard per rank of its world size (T x D with
+               TP), and tokenizer.json when its "tokenizer" record names it
     size       each file has the recorded size ...
     sha256     ... and the recorded sha256
-    partition  the buckets tile the padded flat buffer, the owned ranges of all ranks cover it exactly
-               once (no gap, no overlap), and each is the chunk of its bucket the recorded world size
-               implies (the one the loader assembles shards with)
+    partition  the buckets tile the padded flat buffer, the owned ranges of all ranks (the D ranks of
+               a DP group) cover it exactly once (no gap, no overlap), and each is the chunk of its
+               bucket the DP size implies (the one the loader assembles shards with); each TP slice's
+               parts tile its full tensor, every TP rank an equal share of the layout's shape; the
+               full model's parameters add up to param_count
     shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
-    model      model.safetensors equals the masters assembled through the layout (in bf16, the
-               masters rounded to bf16: the parameters the model file was written from)
+    replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's
+    model      model.safetensors equals the masters assembled through the layout, with TP placed
+               through the TP slices (full names, full shapes); in bf16, the masters rounded to bf16:
+               the parameters the model file was written from
 
 Loading runs the same checks on the files it reads (see load.py) before restoring anything.
 """
@@ -22,6 +26,7 @@ Loading runs the same checks on the files it reads (see load.py) before restorin
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -29,13 +34,16 @@ import torch
 from safetensors import safe_open
 
 from ..parallel import ShardLayout
-from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, schema_problem, shard_name)
+from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, mesh_of, schema_problem,
+                     shard_name, tp_slices_of)
+from ..tp import full_tensors
+from .reshard import replicated_mismatch
 from .stream import FileRecord, read_header, sha256_file
 
 
 @dataclass(frozen=True)
 class Check:
-    name: str  # which check: manifest, json, schema, files, name, size, sha256, partition, shard, model
+    name: str  # which check: manifest, json, schema, files, name, size, sha256, partition, shard, replicas, model
     ok: bool
     detail: str  # why it failed ("" when ok)
     file: str  # the file it is about, relative to the checkpoint folder
@@ -69,9 +77,11 @@ def verify(path: str) -> list[Check]:
         return checks
     if not group([_check("partition", MANIFEST, partition_problem(manifest))]):
         return checks
-    shard_numel = manifest["layout"]["shard_numel"]
+    shard_numel = manifest["layout"]["shard_numel"]  # of the local layout: every world rank's shard has it
     shards = [shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])]
     if not group([_check("shard", n, _header_problem(path, n, shard_numel)) for n in shards]):
+        return checks
+    if mesh_of(manifest)[0] > 1 and not group([replicas_check(path, manifest)]):
         return checks
     group([_check("model", MODEL_FILE, model_problem(path, manifest))])
     return checks
@@ -166,8 +176,11 @@ def record_problem(record: FileRecord, entry: dict) -> str | None:
 
 
 def partition_problem(manifest: dict) -> str | None:
-    """Why the layout's buckets, parameters and owned ranges are not a consistent exact partition, or None."""
-    W, L = manifest["world_size"], manifest["layout"]
+    """Why the layout's buckets, parameters, owned ranges and TP slices are not a consistent exact partition, or None.
+
+    The layout is sharded over a DP group: W below is the DP size (the world size without TP).
+    """
+    W, L = mesh_of(manifest)[1], manifest["layout"]
     buckets, owned = L["buckets"], L["owned_ranges"]
     if L["world_size"] != W:
         return f"layout.world_size {L['world_size']} differs from world_size {W}"
@@ -215,8 +228,39 @@ def partition_problem(manifest: dict) -> str | None:
     for (_, hi, a), (lo, _, b) in zip(sorted(taken), sorted(taken)[1:]):
         if lo < hi:
             return f"parameters {a} and {b} overlap in the flat buffer"
-    if numel != L["numel"] or numel != manifest["param_count"]:
-        return f"parameters hold {numel} values, layout.numel is {L['numel']}, param_count {manifest['param_count']}"
+    if numel != L["numel"]:
+        return f"parameters hold {numel} values, layout.numel is {L['numel']}"
+    problem = tp_slices_problem(manifest)
+    if problem:
+        return problem
+    slices = manifest.get("tp_slices", {})
+    full = sum(math.prod(slices[p["name"]]["full_shape"] if p["name"] in slices else p["shape"]) for p in L["params"])
+    if full != manifest["param_count"]:
+        return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
+    return None
+
+
+def tp_slices_problem(manifest: dict) -> str | None:
+    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None."""
+    T = mesh_of(manifest)[0]
+    shapes = {p["name"]: p["shape"] for p in manifest["layout"]["params"]}
+    for name, d in manifest.get("tp_slices", {}).items():
+        if name not in shapes:
+            return f"tp_slices names {name}, which is not a parameter of the layout"
+        extent = d["full_shape"][d["dim"]]
+        widths = [sum(hi - lo for lo, hi in ranges) for ranges in d["parts"]]
+        pieces = sorted((lo, hi, t) for t, ranges in enumerate(d["parts"]) for lo, hi in ranges)
+        at = 0
+        for lo, hi, t in pieces:  # every TP rank's parts together tile [0, extent) of the split dim once
+            if hi <= lo or lo != at:
+                return (f"tp_slices[{name!r}]: TP rank {t}'s part [{lo}, {hi}) leaves a gap or overlaps at {at} "
+                        f"of dim {d['dim']}")
+            at = hi
+        local = list(d["full_shape"])
+        local[d["dim"]] = widths[0]
+        if at != extent or len(set(widths)) != 1 or shapes[name] != local:
+            return (f"tp_slices[{name!r}] splits dim {d['dim']} of {d['full_shape']} into parts of {widths} "
+                    f"covering {at}, not {T} equal parts of the layout's shape {shapes[name]}")
     return None
 
 
@@ -247,30 +291,60 @@ def layout_of(manifest: dict, path: str) -> ShardLayout:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: layout does not describe a ShardLayout ({e})") from None
 
 
+def tp_masters(folder: str, manifest: dict, layout: ShardLayout) -> list[torch.Tensor]:
+    """Each TP rank's padded flat buffer of masters, assembled from the shards of its DP group (world ranks d x T + t).
+
+    In bf16, rounded to bf16 and back: the parameters the model file was written from.
+    """
+    T, D = mesh_of(manifest)
+    flats = []
+    for t in range(T):
+        masters = []
+        for d in range(D):
+            with safe_open(os.path.join(folder, shard_name(d * T + t, T * D)), framework="pt") as f:
+                masters.append(f.get_tensor("master"))
+        flat = layout.assemble(masters)
+        flats.append(flat.bfloat16().float() if manifest["precision"] == "bf16" else flat)
+    return flats
+
+
+def replicas_check(folder: str, manifest: dict) -> Check:
+    """Every TP rank's masters of the replicated parameters equal TP rank 0's (which the model file holds)."""
+    try:
+        layout = layout_of(manifest, folder)
+    except CheckpointError as e:
+        return _check("replicas", MANIFEST, str(e))
+    T, D = mesh_of(manifest)
+    flats = tp_masters(folder, manifest, layout)
+    mismatch = replicated_mismatch(layout, tp_slices_of(manifest), flats)
+    if mismatch is None:
+        return _check("replicas", MANIFEST, None)
+    name, t, at = mismatch
+    bucket = next(b for b in layout.buckets if b.start <= at < b.end)
+    d = (at - bucket.start) // bucket.chunk_numel(D)  # the DP rank whose shard holds the differing value
+    return _check("replicas", shard_name(d * T + t, T * D),
+                  f"master of replicated tensor {name} differs from TP rank 0's ({shard_name(d * T, T * D)}) "
+                  "although every TP rank holds it identically")
+
+
 def model_problem(folder: str, manifest: dict) -> str | None:
-    """Why model.safetensors is not the masters assembled through the layout, or None."""
+    """Why model.safetensors is not the full model of the masters (through the layout and TP slices), or None."""
     try:
         layout = layout_of(manifest, folder)
     except CheckpointError as e:
         return str(e)
-    masters = []
-    for r in range(layout.world_size):
-        with safe_open(os.path.join(folder, shard_name(r, layout.world_size)), framework="pt") as f:
-            masters.append(f.get_tensor("master"))
-    flat = layout.assemble(masters)
-    if manifest["precision"] == "bf16":  # the model file holds the bf16 parameters, upcast exactly
-        flat = flat.bfloat16().float()
+    full = full_tensors(layout, tp_slices_of(manifest), tp_masters(folder, manifest, layout))
     with safe_open(os.path.join(folder, MODEL_FILE), framework="pt") as f:
         names = set(f.keys())
-        for s in layout.slots:
-            if s.name not in names:
-                return f"has no tensor {s.name}"
-            t = f.get_tensor(s.name)
-            if t.dtype != torch.float32 or tuple(t.shape) != s.shape:
-                return f"tensor {s.name} is {t.dtype} {tuple(t.shape)}, the layout implies float32 {s.shape}"
-            want = flat[s.offset : s.offset + s.numel].view(s.shape)
+        for name, want in full.items():
+            if name not in names:
+                return f"has no tensor {name}"
+            t = f.get_tensor(name)
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(want.shape):
+                return (f"tensor {name} is {t.dtype} {tuple(t.shape)}, the layout and TP slices imply "
+                        f"float32 {tuple(want.shape)}")
             if not torch.equal(t.view(torch.int32), want.view(torch.int32)):  # bitwise, NaN included
                 diff = (t - want).abs().nan_to_num(float("inf")).max().item()
-                return f"tensor {s.name} differs from the assembled master shards (max |diff| {diff:.3g})"
-        extra = sorted(names - {s.name for s in layout.slots})
+                return f"tensor {name} differs from the assembled master shards (max |diff| {diff:.3g})"
+        extra = sorted(names - set(full))
     return f"holds a tensor {extra[0]!r} the layout does not have" if extra else None

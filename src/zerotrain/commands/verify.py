@@ -1,4 +1,4 @@
-"""`zerotrain verify PATH`: check a checkpoint folder, or every checkpoint under a root, against its manifest."""
+"""`zerotrain verify PATH`: check a checkpoint folder (any mesh), or every checkpoint under a root, against its manifest."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "verify", help="check checkpoints: manifest, file names, sizes, sha256, layout, shards, model",
         description="PATH is a checkpoint folder (step_XXXXXXXX), or a checkpoint root: then what `latest` names "
-                    "and every committed step folder, newest first. Prints one line per check; exits 0 when "
-                    "every check passes, 1 naming the first bad file and why.")
+                    "and every committed step folder, newest first. Checkpoints of any TP x DP mesh: one shard "
+                    "per rank, and model.safetensors the full model the shards assemble to through the layout "
+                    "and the TP slices. Prints one line per check; exits 0 when every check passes, 1 naming "
+                    "the first bad file and why.")
     p.add_argument("path", help="a step folder or a checkpoint root")
     p.set_defaults(func=cmd_verify)
 

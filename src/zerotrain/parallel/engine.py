@@ -37,6 +37,7 @@ from ..config import OptimConfig
 from ..errors import ZeroTrainError
 from ..model import is_decayed
 from ..optim import build_adamw
+from ..tp import full_tensors
 from .comm import Comm
 from .digest import tensor_digest
 from .layout import ShardLayout
@@ -415,14 +416,4 @@ class ZeroOneEngine:
             gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
             self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), "all_gather_tp_state")
             ranks = gathered.float().cpu().chunk(T)
-        out = {}
-        for s in self.layout.slots:
-            if s.name not in self.tp_slices:
-                out[s.name] = ranks[0][s.offset : s.offset + s.numel].view(s.shape).clone()
-                continue
-            cut = self.tp_slices[s.name]
-            full = torch.empty(cut.full_shape)
-            for t in range(T):
-                cut.place(full, ranks[t][s.offset : s.offset + s.numel].view(s.shape), t)
-            out[s.name] = full
-        return out
+        return {name: t.clone() for name, t in full_tensors(self.layout, self.tp_slices, ranks).items()}

@@ -1,0 +1,34 @@
+"""Between each TP rank's local flat buffer and the full model's tensors: how checkpoints cross meshes.
+
+TP rank t's flat buffer (its parameters in the local ShardLayout, the same layout on every TP rank)
+holds t's slice of each split parameter, which its `TPSlice` places in the full tensor, and a copy of
+every replicated parameter. The model file is written from the full tensors, verified against them,
+and optimizer state moves to another mesh through them: old shards -> each old TP rank's flat buffer
+-> full tensors -> this rank's slices -> its new flat buffer -> its new shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel import ShardLayout
+from ..tp import TPSlice
+
+
+def full_shapes(layout: ShardLayout, slices: dict[str, TPSlice]) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in the full model, by name (a split parameter's full shape, not its slice's)."""
+    return {s.name: tuple(slices[s.name].full_shape) if s.name in slices else s.shape for s in layout.slots}
+
+
+def replicated_mismatch(layout: ShardLayout, slices: dict[str, TPSlice], flats) -> tuple[str, int, int] | None:
+    """(name, TP rank, flat index) of the first replicated value whose copy differs bitwise from TP rank 0's."""
+    for s in layout.slots:
+        if s.name in slices:
+            continue
+        want = flats[0][s.offset : s.offset + s.numel]
+        for t, flat in enumerate(flats[1:], start=1):
+            got = flat[s.offset : s.offset + s.numel]
+            differs = (got.view(torch.uint8) != want.view(torch.uint8)).view(-1, want.element_size()).any(1)
+            if differs.any():
+                return s.name, t, s.offset + int(differs.nonzero()[0])
+    return None
