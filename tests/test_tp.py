@@ -20,13 +20,15 @@ pytestmark = pytest.mark.timeout(300)
 # The same global batch of 8 sequences on every mesh: DP replicas x micro-batch x accumulation.
 MESHES = {"TP1xDP2": dict(nproc=2, tp=1, micro=2, accum=2),
           "TP2xDP2": dict(nproc=4, tp=2, micro=2, accum=2),
-          "TP2xDP1": dict(nproc=2, tp=2, micro=2, accum=4)}
+          "TP2xDP1": dict(nproc=2, tp=2, micro=2, accum=4),
+          # reduce-scatters in backward and all-gathers behind the next forward, beside the TP all-reduces
+          "TP2xDP2 overlapped": dict(nproc=4, tp=2, micro=2, accum=2, overlap="on")}
 
 
 def run(job, tmp_path, name, **overrides):
     mesh = {**MESHES[name], **overrides}
-    cfg = tiny_config(tmp_path / name, nproc=mesh["nproc"], micro=mesh["micro"], accum=mesh["accum"], steps=5,
-                      tp=mesh["tp"])
+    cfg = tiny_config(tmp_path / name.replace(" ", "-"), micro=mesh.pop("micro"), accum=mesh.pop("accum"), steps=5,
+                      **mesh)
     cfg.optim.grad_clip = 0.5  # below the tiny model's gradient norms: every step is clipped
     return run_job(job, cfg, time_limit=LIMIT)
 
