@@ -90,16 +90,25 @@ class ZeroOneEngine:
         self.tp_slices = getattr(model, "tp_slices", {})  # name -> TPSlice of the parameters split by TP
         self.precision = precision
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
-        W, rank = comm.world_size, comm.rank
         named = list(model.named_parameters())  # a tied parameter appears once
-        self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], W, bucket_numel)
+        self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named],
+                                        comm.world_size, bucket_numel)
         by_name = dict(named)
         self.params = [by_name[s.name] for s in self.layout.slots]
-        device = self.params[0].device
-        param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        L = self.layout
+        self._build_flat_buffers()
+        # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
+        comm.broadcast(self.flat_params, 0, "broadcast_init")
+        self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
+        # The shard ranges whose squared gradients this rank adds to the global norm (_counted_grad_sumsq).
+        self._sumsq_ranges = self._owned(self._sliced_flat) + (
+            self._owned(self._replicated_flat) if self.mesh.tp_rank == 0 else [])
+        self._build_optimizer()
+        self._register_hooks()
 
-        # Parameters and gradients become views into flat buffers: no per-step copies or allocations.
+    def _build_flat_buffers(self) -> None:
+        """Parameters and gradients become views into flat buffers: no per-step copies or allocations."""
+        L, device = self.layout, self.params[0].device
+        param_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
         self.flat_grads = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
         with torch.no_grad():
@@ -109,15 +118,13 @@ class ZeroOneEngine:
                 p.data = view
                 p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
         # In bf16, gradients are accumulated across micro-batches in fp32 before the reduce-scatter.
-        self.grad_accum = self.flat_grads if precision == "fp32" else torch.zeros(L.padded_numel, device=device)
+        self.grad_accum = self.flat_grads if self.precision == "fp32" else torch.zeros(L.padded_numel, device=device)
         self.grad_shard = torch.zeros(L.shard_numel, device=device)
-        # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
-        comm.broadcast(self.flat_params, 0, "broadcast_init")
-        self._sliced_flat, self._replicated_flat = self._split_by_tp(L.slots)
-        # The shard ranges whose squared gradients this rank adds to the global norm (_counted_grad_sumsq).
-        self._sumsq_ranges = self._owned(self._sliced_flat) + (
-            self._owned(self._replicated_flat) if self.mesh.tp_rank == 0 else [])
 
+    def _build_optimizer(self) -> None:
+        """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
+        L, device = self.layout, self.flat_params.device
+        W, rank = self.comm.world_size, self.comm.rank
         self._pieces: list[_Piece] = []
         for b in L.buckets:
             lo, hi = b.chunk(rank, W)
@@ -125,7 +132,7 @@ class ZeroOneEngine:
                 if z > a:
                     self._pieces.append(_Piece(a, z, b.shard_offset + a - lo, decay))
         self.master = None
-        if precision == "bf16":
+        if self.precision == "bf16":
             self.master = torch.empty(L.shard_numel, device=device)
             for pc in self._pieces:
                 self.master[pc.shard_lo : pc.shard_hi] = self.flat_params[pc.flat_lo : pc.flat_hi].float()
@@ -141,9 +148,9 @@ class ZeroOneEngine:
             m.grad = self.grad_shard[pc.shard_lo : pc.shard_hi]
             self._master_views.append(m)
             (decayed if pc.decay else plain).append(m)
-        groups = [g for g in ({"params": decayed, "weight_decay": optim.weight_decay},
+        groups = [g for g in ({"params": decayed, "weight_decay": self.optim_cfg.weight_decay},
                               {"params": plain, "weight_decay": 0.0}) if g["params"]]
-        self.optimizer = build_adamw(groups, optim)
+        self.optimizer = build_adamw(groups, self.optim_cfg)
         # Fused AdamW keeps its step counters on the parameters' device, the others on the CPU.
         self._step_device = device if self.optimizer.defaults.get("fused") else torch.device("cpu")
         # AdamW's moments become views into two flat shard tensors: one allocation each, and the
@@ -155,6 +162,9 @@ class ZeroOneEngine:
                 "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
             }
 
+    def _register_hooks(self) -> None:
+        """Bucket bookkeeping, and the hooks that launch reduce-scatters in backward and wait in forward."""
+        L = self.layout
         self._sync = True
         self._ready = [0] * len(L.buckets)
         self._bucket_sizes = [0] * len(L.buckets)
@@ -164,11 +174,11 @@ class ZeroOneEngine:
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
-        if reduce_in_backward or precision == "bf16" or gather_in_forward:
+        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        if gather_in_forward:
-            for module in model.modules():
+        if self.gather_in_forward:
+            for module in self.model.modules():
                 buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)})
                 if buckets:
                     module.register_forward_pre_hook(lambda _m, _args, b=tuple(buckets): self.wait_params(b))
