@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies, checkpoint speed")
+    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies, checkpoint speed, tensor vs data parallelism")
     benches = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
-    from . import accum, ckpt, compare  # each benchmark lives in its own module with add_parser(subparsers)
+    from . import accum, ckpt, compare, tp  # each benchmark lives in its own module with add_parser(subparsers)
 
-    for module in (accum, compare, ckpt):
+    for module in (accum, compare, ckpt, tp):
         module.add_parser(benches)
