@@ -15,12 +15,11 @@ import functools
 import os
 import time
 from collections import Counter
-from datetime import datetime, timezone
 
 from ..config import PRESETS, Config, ConfigError
 from ..figures import pyplot
 from ..parallel import Comm
-from .report import SCHEMA_VERSION, machine_info, percentile, write_json
+from .report import percentile, report_header, write_json
 
 SCHEMA = "zerotrain.accum-curve"
 DEFAULT_GRID = "1,2,4,8,16"
@@ -126,10 +125,7 @@ def cmd_accum(args: argparse.Namespace) -> int:
           f"{warmup} warm-up + {cfg.run.steps} timed steps per point", flush=True)
     points = run_job(functools.partial(accum_curve_job, grid=grid, warmup=warmup), cfg, time_limit=args.time_limit)
     report = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        **report_header(SCHEMA),
         "config": cfg.to_dict(),
         "grid": grid,
         "warmup_steps": warmup,

@@ -22,7 +22,6 @@ import os
 import shutil
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from ..config import PRESETS, Config, ConfigError, validate
 from ..data import BatchSchedule, make_source
 from ..parallel import Comm
 from ..schedule import lr_at
-from .report import SCHEMA_VERSION, machine_info, write_json
+from .report import report_header, write_json
 
 SCHEMA = "zerotrain.bench.ckpt"
 SAVE_TARGET, STALL_TARGET = 0.8, 0.1  # save_gbps / disk_write_gbps >= ; async_stall_s / sync_save_s <=
@@ -85,10 +84,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         shutil.rmtree(scratch, ignore_errors=True)
     report = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        **report_header(SCHEMA),
         "preset": size["preset"],
         "model": vars(cfg.model),
         "device": args.device,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from datetime import datetime, timezone
 
 import torch
 
@@ -20,6 +21,12 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def report_header(schema: str) -> dict:
+    """The fields every benchmark report starts with: its schema and version, when, and on what machine."""
+    return {"schema": schema, "schema_version": SCHEMA_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info()}
 
 
 def percentile(values: list[float], q: float) -> float:

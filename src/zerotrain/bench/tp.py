@@ -30,14 +30,13 @@ import os
 import statistics
 import time
 from collections import Counter
-from datetime import datetime, timezone
 
 import torch
 
 from ..config import PRESETS, Config, ConfigError
 from ..figures import pyplot
 from ..parallel import Comm
-from .report import SCHEMA_VERSION, machine_info, percentile, write_json
+from .report import percentile, report_header, write_json
 
 SCHEMA = "zerotrain.bench.tp"
 PARAM_RATIO_TARGET = 0.55  # per-rank parameter bytes, TP2 / TP1: at most
@@ -295,10 +294,7 @@ def cmd_tp(args: argparse.Namespace) -> int:
             jobs[key].append(run_job(job, configs[key], time_limit=args.time_limit))
     rows = [summarize(tp, dp, configs[tp, dp], jobs[tp, dp], cores) for tp, dp in meshes]
     report = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        **report_header(SCHEMA),
         "config": cfg.to_dict(),
         "meshes": [mesh_name(*k) for k in meshes],
         "global_batch": gb,
