@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from zerotrain.cli import build_parser, main
+from zerotrain.config import ConfigError
 from zerotrain.flags import config_from_args
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,16 +60,33 @@ def test_train_writes_metrics_and_resume_auto_continues(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
 
 
-def test_torchrun_job_is_joined_not_respawned(tmp_path):
+def test_torchrun_job_is_joined_not_respawned_and_its_world_size_decides_tp(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text("[run]\nnproc = 4\n")  # ignored: torchrun's world size decides
+    toml.write_text("[run]\nnproc = 3\n")  # ignored: torchrun's world size decides (3 would refuse --tp 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", "--steps", "2", "--micro-batch", "2",
-           "--out", str(tmp_path), "--no-progress", "--config", str(toml), "--data", "synthetic"]
+           "--out", str(tmp_path), "--no-progress", "--config", str(toml), "--data", "synthetic", "--tp", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("zerotrain: trained to step 2 on 2 rank(s)") == 1  # rank 0 only
+    assert "TP 2 x DP 1 = 2 ranks" in r.stdout
     assert len(open(tmp_path / "metrics.jsonl").readlines()) == 2
+
+
+def test_under_torchrun_the_gpu_count_is_checked_against_this_node_s_ranks(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    # rank 0 of 2 nodes x 8 GPUs: a world of 16, 8 of them here
+    for key, value in {"RANK": "0", "WORLD_SIZE": "16", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(key, value)
+    args = build_parser().parse_args(["train", "--device", "cuda", "--data", "synthetic", "--tp", "4"])
+    cfg = config_from_args(args)
+    assert (cfg.run.nproc, cfg.run.dp) == (16, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "9")  # planted: more ranks on this node than GPUs
+    with pytest.raises(ConfigError, match="--nproc 9 exceeds the 8 CUDA devices here"):
+        config_from_args(build_parser().parse_args(["train", "--device", "cuda", "--data", "synthetic"]))
 
 
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path):

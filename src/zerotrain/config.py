@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -232,9 +233,11 @@ def validate(cfg: Config) -> Config:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is available on this machine")
-        if r.nproc > torch.cuda.device_count():
+        # Under torchrun nproc is the world; this machine runs LOCAL_WORLD_SIZE of its ranks.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", r.nproc))
+        if local > torch.cuda.device_count():
             raise ConfigError(
-                f"--nproc {r.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here"
+                f"--nproc {local} exceeds the {torch.cuda.device_count()} CUDA devices here"
             )
     _positive(o.lr, "--lr")
     if not (0.0 <= o.min_lr_ratio <= 1.0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .config import Config, ConfigError, apply_preset, load_toml, merge, validate
 from .data import check_source
@@ -120,6 +121,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         given.setdefault("checkpoint", {})["async_save"] = True
     if args.overwrite:
         given.setdefault("checkpoint", {})["overwrite"] = True
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # under torchrun: it decides the world
+        given.setdefault("run", {})["nproc"] = int(os.environ["WORLD_SIZE"])
     merge(cfg, given, origin="command line")
     validate(cfg)
     check_source(cfg, vocab_given=vocab_given or "vocab_size" in given.get("model", {}))

@@ -8,7 +8,6 @@ import os
 import statistics
 
 from ..checkpoint import committed_steps
-from ..config import validate
 from ..flags import add_training_flags, config_from_args
 from ..launch import in_torchrun, run_job
 from ..metrics import count_events, read_step_records
@@ -23,10 +22,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    if in_torchrun():  # torchrun decides the world; --nproc does not apply
-        cfg.run.nproc = int(os.environ["WORLD_SIZE"])
-        validate(cfg)  # the world size is known only now: does --tp divide it?
+    cfg = config_from_args(args)  # under torchrun, nproc is torchrun's world size
     result = run_job(train_job, cfg, prepare=prepare_run)
     if in_torchrun() and os.environ["RANK"] != "0":
         return 0
