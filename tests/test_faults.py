@@ -199,3 +199,13 @@ def test_sigterm_whose_stop_never_arrives_fails_after_the_bounded_wait():
     lines = launcher.stdout.splitlines()
     assert lines[0].startswith(f"{ENV}: sigterm at step 3 on rank 0: no stop request reached this rank within 1 s")
     assert lines[1] == "launcher received 1 SIGTERM; worker exit 0"
+
+
+def test_an_lr_spike_fires_on_every_rank_of_its_tp_group_and_other_faults_on_their_rank_only():
+    planned = Faults.parse("lr_spike@step=3,rank=3,factor=10;nan@step=3,rank=3")
+    # with --tp 2, ranks 2 and 3 are one replica: both update the replicated parameters with the spike
+    assert [f.kind for f in planned.for_rank(2, tp=2).planned] == ["lr_spike"]
+    assert [f.kind for f in planned.for_rank(3, tp=2).planned] == ["lr_spike", "nan"]
+    assert planned.for_rank(1, tp=2).planned == ()
+    assert planned.for_rank(2, tp=1).planned == ()  # without TP, rank 3's alone
+    assert planned.for_rank(3, tp=2).lr_factor(3) == 10.0

@@ -124,14 +124,17 @@ def test_tp_slices_tile_every_split_tensor_exactly_once():
     assert plan(cfg, 2)["transformer.h.0.attn.c_attn.weight"].parts[0] == ((0, 4), (8, 12), (16, 20))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--nproc", "4", "--tp", "3"], "--tp 3 does not divide the world size 4 (--nproc)"),
-    (["--nproc", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "--tp 2 does not divide --n-head 3"),
-    (["--nproc", "2", "--tp", "0"], "--tp must be positive, got 0"),
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--nproc", "4", "--tp", "3"], "--tp 3 does not divide the world size 4 (--nproc)"),
+    (["train", "--nproc", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "--tp 2 does not divide --n-head 3"),
+    (["train", "--nproc", "2", "--tp", "0"], "--tp must be positive, got 0"),
+    (["equivalence", "--nproc", "2", "--tp", "2", "--accum", "1"], "1 DP replica(s) x --accum 1 gives one micro-batch"),
+    (["bench", "compare", "--nproc", "2", "--tp", "2"], "--tp 2: bench compare compares data-parallel strategies"),
+    (["bench", "accum", "--tp", "2"], "--tp 2: bench accum measures data parallelism"),
 ])
-def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, flags, message):
-    p = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--data", "synthetic", "--out", str(tmp_path),
-                        *flags], capture_output=True, text=True, timeout=60)
+def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, argv, message):
+    p = subprocess.run([sys.executable, "-m", "zerotrain", *argv, "--data", "synthetic", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"zerotrain: error: {message}"), p.stderr

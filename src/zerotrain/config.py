@@ -89,7 +89,7 @@ class RunConfig:
     metrics: str = ""  # JSONL path; "" -> <out>/metrics.jsonl
     progress: bool = True
     eval_every: int = 0  # validation loss every K steps and at the end (0: never)
-    eval_batches: int = 8  # fixed validation batches, each ranks x micro-batch sequences
+    eval_batches: int = 8  # fixed validation batches, each DP replicas x micro-batch sequences
     tensorboard: bool = False  # also log to <out>/tensorboard (needs the tensorboard package)
 
     @property

@@ -7,7 +7,8 @@ N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is
     kill           the rank SIGKILLs itself during step N, before that step's collectives
     hang           the rank blocks forever before step N's collectives (only being killed ends it)
     nan            the rank's loss of step N becomes NaN (loss_factor)
-    lr_spike       step N's learning rate is multiplied by F (lr_factor)
+    lr_spike       step N's learning rate is multiplied by F (lr_factor); with --tp on every rank of R's TP
+                   group, which update the replicated parameters together (one rank alone would split replicas)
     crash_in_save  the rank exits with CRASH_IN_SAVE_EXIT halfway through writing its shard of checkpoint N
     sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
                    request is seen, so the stop lands at step N whatever the signal's delivery time
@@ -115,16 +116,19 @@ class Faults:
         return cls([_parse_entry(e) for e in entries if e])
 
     @classmethod
-    def from_env(cls, rank: int, attempt: int | None = None) -> "Faults":
+    def from_env(cls, rank: int, attempt: int | None = None, tp: int = 1) -> "Faults":
         """This rank's faults from ZEROTRAIN_FAULTS; attempt defaults to TORCHELASTIC_RESTART_COUNT (0 if unset)."""
         if attempt is None:
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         # Parsed in every attempt, so a typo is reported even when nothing would fire.
-        return cls.parse(os.environ.get(ENV, "")).for_rank(rank, attempt)
+        return cls.parse(os.environ.get(ENV, "")).for_rank(rank, attempt, tp)
 
-    def for_rank(self, rank: int, attempt: int = 0) -> "Faults":
-        """The faults of `rank`; none after an elastic restart (attempt > 0), so the restart can recover."""
-        return Faults([f for f in self.planned if f.rank == rank and attempt == 0])
+    def for_rank(self, rank: int, attempt: int = 0, tp: int = 1) -> "Faults":
+        """The faults of `rank` (lr_spike: of its TP group of `tp` ranks); none after an elastic restart (attempt > 0)."""
+        def mine(f: Fault) -> bool:
+            return f.rank // tp == rank // tp if f.kind == "lr_spike" else f.rank == rank
+
+        return Faults([f for f in self.planned if mine(f) and attempt == 0])
 
     def describe(self) -> str:
         if not self.planned:

@@ -26,7 +26,7 @@ TRAINING_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--check-every", "run", "check_every", int, "cross-rank drift check period in steps"),
     ("--timeout", "run", "timeout_s", float, "collective timeout in seconds: a rank that stops answering fails the job"),
     ("--eval-every", "run", "eval_every", int, "validation loss every K steps and at the end (0: never)"),
-    ("--eval-batches", "run", "eval_batches", int, "fixed validation batches of ranks x micro-batch sequences"),
+    ("--eval-batches", "run", "eval_batches", int, "fixed validation batches of DP replicas x micro-batch sequences"),
     ("--max-restarts", "run", "max_restarts", int, "restart the group after a worker dies, resuming from the newest "
                                                    "checkpoint that verifies (as torchrun's option)"),
     ("--out", "run", "out", str, "run folder (default runs/<timestamp>)"),

@@ -124,7 +124,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
                              rank=mesh.dp_rank, world_size=mesh.dp_size)
     val_source = make_source(cfg, split="val") if r.eval_every else None
-    faults, stop = Faults.from_env(comm.rank, restart_count()), control.stop_request()
+    faults, stop = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size), control.stop_request()
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
     rollback = RollbackPolicy(cfg.guard.max_rollbacks)
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=rollback.note_commit, halfway_hook=faults.save_hook())

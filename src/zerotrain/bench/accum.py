@@ -109,6 +109,8 @@ def cmd_accum(args: argparse.Namespace) -> int:
     pyplot("accum-curve.png")  # before the sweep: a missing plotting library should not cost a run
     if args.accum is not None:
         raise ConfigError(f"--accum {args.accum}: bench accum sweeps the accumulation steps; use --grid")
+    if args.tp not in (None, 1):
+        raise ConfigError(f"--tp {args.tp}: bench accum measures data parallelism; zerotrain bench tp compares meshes")
     if args.quick:
         args._flag_defaults = QUICK_DEFAULTS
     warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else WARMUP)

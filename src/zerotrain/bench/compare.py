@@ -300,6 +300,9 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
             args.micro_batch = 1
     args.preset = args.preset or "bench"
     cfg = config_from_args(args)
+    if cfg.run.tp != 1:
+        raise ConfigError(f"--tp {cfg.run.tp}: bench compare compares data-parallel strategies; "
+                          "zerotrain bench tp compares TP x DP meshes")
     if cfg.run.precision != "fp32":
         raise ConfigError(f"--precision {cfg.run.precision}: bench compare compares fp32 training only "
                           "(the PyTorch strategies keep fp32 parameters)")

@@ -74,7 +74,7 @@ def add_parser(benches) -> None:
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step, the same for every mesh "
                                                     "(default 8, --quick 4); divisible by every mesh's DP")
     p.add_argument("--warmup", type=int, help="untimed steps per job (default 2, --quick 1)")
-    p.add_argument("--repeats", type=int, help="alternating rounds of one job per mesh (default 2, --quick 1)")
+    p.add_argument("--repeats", type=int, help="alternating rounds of one job per mesh (default 4, --quick 1)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 timed steps, global batch 4")
     p.add_argument("--time-limit", type=float, default=600.0, help="wall-clock limit of each job in seconds")
     p.set_defaults(func=cmd_tp)

@@ -183,7 +183,7 @@ def partition_problem(manifest: dict) -> str | None:
     W, L = mesh_of(manifest)[1], manifest["layout"]
     buckets, owned = L["buckets"], L["owned_ranges"]
     if L["world_size"] != W:
-        return f"layout.world_size {L['world_size']} differs from world_size {W}"
+        return f"layout.world_size {L['world_size']} differs from the DP size {W} (world_size / mesh.tp)"
     if not buckets:
         return "layout has no buckets"
     if buckets[-1]["end"] != L["padded_numel"] or L["shard_numel"] * W != L["padded_numel"]:

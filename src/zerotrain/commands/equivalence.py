@@ -245,8 +245,9 @@ def cmd_equivalence(args: argparse.Namespace) -> int:
     from ..launch import run_job
 
     cfg = config_from_args(args)
-    if cfg.run.nproc * cfg.run.accum < 2:
-        raise ConfigError("--nproc 1 --accum 1 gives one micro-batch per step: nothing to compare; raise --accum")
+    if cfg.run.dp * cfg.run.accum < 2:
+        raise ConfigError(f"{cfg.run.dp} DP replica(s) x --accum {cfg.run.accum} gives one micro-batch per step: "
+                          "nothing to compare; raise --accum")
     if cfg.run.precision != "fp32":
         raise ConfigError(f"--precision {cfg.run.precision}: equivalence is checked in fp32, where rounding "
                           f"stays far below the {BOUND:g} bound; drop --precision")

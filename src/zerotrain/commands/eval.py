@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default=None, help="data to evaluate on, as train's --data (default: the checkpoint's)")
     p.add_argument("--batches", type=int, default=20, help="validation batches (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="sequences per batch (default: the run's ranks x micro-batch)")
+                   help="sequences per batch (default: the run's DP replicas x micro-batch, as training evaluated)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -39,7 +39,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)
-    batch = args.batch_size or cfg.run.nproc * cfg.run.micro_batch
+    batch = args.batch_size or cfg.run.dp * cfg.run.micro_batch
     loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val"), range(args.batches), batch,
                                         cfg.run.micro_batch, tokenizer)
     if tokens == 0:

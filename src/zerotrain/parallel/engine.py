@@ -282,8 +282,8 @@ class ZeroOneEngine:
     def _counted_grad_sumsq(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm, so that the world's sum counts every value once.
 
-        Each rank owns distinct values of its TP slices; the replicated values are owned identically
-        by every TP rank of a DP group's chunk, so only TP rank 0 counts them.
+        Every rank's TP slices are its own values: each counts its owned chunk of them. Every DP group
+        owns the same chunks of the replicated values, one copy per TP rank: only TP rank 0's group counts them.
         """
         if self.mesh.tp_size == 1:
             return torch.linalg.vector_norm(self.grad_shard, dtype=torch.float64).square()
