@@ -55,17 +55,21 @@ def interrupted_job(cfg: Config, comm: Comm) -> dict:
     return {"first": first, "resumed": params_job(resumed, comm)}
 
 
-def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
-    """Planted bug: a resume that loses AdamW's moments."""
-    real_load = checkpoint.load
+def without_moments(load):
+    """Planted bug: `load` that then loses AdamW's moments."""
 
     def load_without_moments(path, engine, comm):
-        step = real_load(path, engine, comm)
+        manifest = load(path, engine, comm)
         engine.exp_avg.zero_()
         engine.exp_avg_sq.zero_()
-        return step
+        return manifest
 
-    train_module.checkpoint.load = load_without_moments
+    return load_without_moments
+
+
+def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a resume that loses AdamW's moments."""
+    train_module.checkpoint.load = without_moments(checkpoint.load)
     return interrupted_job(cfg, comm)
 
 

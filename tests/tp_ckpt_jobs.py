@@ -9,6 +9,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from dist_jobs import without_moments
 from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.parallel import Comm
@@ -96,14 +97,7 @@ def cross_mesh_resume_job(cfg: Config, comm: Comm, planted: str = "") -> dict:
             load_module.tp_slices_of = real
     elif planted == "no moments":
         real = checkpoint.load
-
-        def load_without_moments(path, engine, comm):
-            manifest = real(path, engine, comm)
-            engine.exp_avg.zero_()
-            engine.exp_avg_sq.zero_()
-            return manifest
-
-        checkpoint.load = load_without_moments
+        checkpoint.load = without_moments(real)
         try:
             _dump_loaded_state(cfg, comm, "planted")
         finally:
