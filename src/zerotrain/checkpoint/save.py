@@ -317,13 +317,9 @@ def gather_tp_params(engine: ZeroOneEngine) -> torch.Tensor | None:
     other rank returns None at once: the other replicas hold bitwise the same values. In the
     parameters' dtype (bf16 upcasts to the model file's fp32 exactly, after the transfer).
     """
-    mesh = engine.mesh
-    if mesh.dp_rank != 0:
+    if engine.mesh.dp_rank != 0:
         return None
-    flat = engine.flat_params.detach()
-    out = torch.empty(mesh.tp_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    mesh.tp.all_gather(out, flat, "all_gather_checkpoint_model")
-    return out
+    return engine.gather_tp(engine.flat_params, "all_gather_checkpoint_model")
 
 
 class _Staging:

@@ -410,8 +410,6 @@ class ZeroOneEngine:
         rank's TP group calls together.
         """
         self.wait_params()
-        if self.mesh.tp_size == 1:
-            return {s.name: p.detach().float().cpu().clone() for s, p in zip(self.layout.slots, self.params)}
         return self.full_tensors(self.flat_params)
 
     def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -419,11 +417,17 @@ class ZeroOneEngine:
 
         The split tensors are gathered from every rank of the TP group, which all call this together.
         """
+        ranks = self.gather_tp(flat, "all_gather_tp_state").float().cpu().chunk(self.mesh.tp_size)
+        return {name: t.clone() for name, t in full_tensors(self.layout, self.tp_slices, ranks).items()}
+
+    def gather_tp(self, flat: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Every TP rank's buffer in this rank's flat layout, concatenated in TP rank order (`flat` itself without TP).
+
+        A collective of this rank's TP group.
+        """
         T = self.mesh.tp_size
         if T == 1:
-            ranks = [flat.detach().float().cpu()]
-        else:
-            gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-            self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), "all_gather_tp_state")
-            ranks = gathered.float().cpu().chunk(T)
-        return {name: t.clone() for name, t in full_tensors(self.layout, self.tp_slices, ranks).items()}
+            return flat.detach()
+        gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+        self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), purpose)
+        return gathered
