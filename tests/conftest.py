@@ -18,7 +18,7 @@ os.environ["ZEROTRAIN_CACHE"] = tempfile.mkdtemp(prefix="zerotrain-test-cache-")
 atexit.register(shutil.rmtree, os.environ["ZEROTRAIN_CACHE"], True)
 
 from zerotrain.config import Config, validate  # noqa: E402
-from zerotrain.run_folder import resolve_paths  # noqa: E402
+from zerotrain.runtime.run_folder import resolve_paths  # noqa: E402
 
 
 def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Config:

@@ -8,10 +8,11 @@ import os
 
 import torch
 
-from zerotrain import checkpoint, train as train_module
-from zerotrain.parallel import Comm
+from zerotrain import checkpoint
 from zerotrain.config import Config
-from zerotrain.train import train
+from zerotrain.parallel import Comm
+from zerotrain.training import loop as train_module
+from zerotrain.training.loop import train
 
 
 def summary(result) -> dict:
@@ -186,22 +187,22 @@ def _replicated_on_every_rank(engine, comm: Comm) -> torch.Tensor:
 
 def tp_no_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward skips its all-reduce (each rank keeps a partial sum)."""
-    from zerotrain import tp
+    from zerotrain.model import layers
 
-    tp._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+    layers._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
     return tp_params_job(cfg, comm)
 
 
 def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward averages over the TP group instead of summing."""
-    from zerotrain import tp
+    from zerotrain.model import layers
 
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         ctx.comm.all_reduce(grad, "all_reduce_tp_grads")
         return grad / ctx.comm.world_size, None
 
-    tp._CopyToTP.backward = staticmethod(backward)
+    layers._CopyToTP.backward = staticmethod(backward)
     return tp_params_job(cfg, comm)
 
 

@@ -8,21 +8,22 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
-
 from conftest import tiny_config
+from safetensors.torch import load_file, save_file
 from test_engine import run_steps
 
 import zerotrain
-from zerotrain import checkpoint, cli
+from zerotrain import checkpoint
 from zerotrain.checkpoint import CheckpointError
-from zerotrain.commands import eval as eval_command
-from zerotrain.commands import export as export_command
-from zerotrain.commands import sample as sample_command
-from zerotrain.config import ConfigError, ModelConfig
+from zerotrain.cli import main as cli
+from zerotrain.cli.commands import eval as eval_command
+from zerotrain.cli.commands import export_model as export_command
+from zerotrain.cli.commands import sample as sample_command
+from zerotrain.config import ModelConfig
 from zerotrain.data import check_source
-from zerotrain.model import GPT
-from zerotrain.train import build_engine
+from zerotrain.errors import ConfigError
+from zerotrain.model.gpt2 import GPT
+from zerotrain.training.loop import build_engine
 
 STEPS = 300
 ZEN = """Beautiful is better than ugly.
@@ -198,7 +199,7 @@ def test_eval_prints_finite_loss_perplexity_and_bits_per_byte_and_learning_shows
 
 
 def test_eval_bits_per_byte_counts_the_bytes_of_the_decoded_tokens(tmp_path):
-    from zerotrain.commands.eval import utf8_bytes
+    from zerotrain.cli.commands.eval import utf8_bytes
     from zerotrain.data.tokenizer import ByteTokenizer, train_bpe
 
     text = "ééé naïve café\n" * 50

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from zerotrain.bench.report import SCHEMA_VERSION
 from zerotrain.bench.accum import FIGURE_DPI, FIGURE_SIZE_IN, SCHEMA, STEP_PURPOSES
+from zerotrain.bench.report import SCHEMA_VERSION
 
 POINT_FIELDS = {
     "accum_steps", "micro_batch", "world_size", "effective_batch", "effective_batch_tokens", "timed_steps",

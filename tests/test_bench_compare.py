@@ -9,16 +9,16 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_config
+
 from zerotrain.bench import baselines as strategies
 from zerotrain.bench.compare import AGREEMENT_BOUND, agreement_failures, param_gaps
-from zerotrain.cli import main
-from zerotrain.parallel import Comm
+from zerotrain.cli.main import main
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, make_source
-from zerotrain.launch import run_job
-from zerotrain.schedule import lr_at
+from zerotrain.parallel import Comm
+from zerotrain.runtime.launch import run_job
+from zerotrain.training.schedule import lr_at
 
 CI_SIZED = ["--quick", "--warmup", "1", "--repeats", "1", "--steps", "1"]
 
@@ -101,7 +101,7 @@ def test_bad_values_are_one_line_errors_with_exit_code_2(argv, named, capsys, tm
 
 
 def test_missing_matplotlib_is_a_one_line_error_with_exit_code_2(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from zerotrain.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from zerotrain.cli.main import main; "
             f"sys.exit(main(['bench', 'compare', '--quick', '--out', {str(tmp_path)!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

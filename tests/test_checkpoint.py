@@ -13,16 +13,15 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
-
 from conftest import tiny_config
+from safetensors.torch import load_file, save_file
 from test_engine import run_steps
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import read_safetensors, write_safetensors
-from zerotrain.invariants import InvariantError
+from zerotrain.errors import InvariantError
 from zerotrain.parallel import Comm
-from zerotrain.train import build_engine
+from zerotrain.training.loop import build_engine
 
 commit_module = importlib.import_module("zerotrain.checkpoint.commit")
 save_module = importlib.import_module("zerotrain.checkpoint.save")  # `checkpoint.save` is the function

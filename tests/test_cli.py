@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from zerotrain.cli import build_parser, main
-from zerotrain.config import ConfigError
-from zerotrain.flags import config_from_args
+from zerotrain.cli.flags import config_from_args
+from zerotrain.cli.main import build_parser, main
+from zerotrain.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,11 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from zerotrain.cli import main
+from zerotrain.cli.main import main
 from zerotrain.config import Config
-from zerotrain.data import (IGNORE, BatchSchedule, SyntheticSource, TokenSource, check_source, load_tokenizer,
-                            make_source, prepare_source)
-from zerotrain.data import corpus, documents
+from zerotrain.data import (
+    IGNORE,
+    BatchSchedule,
+    SyntheticSource,
+    TokenSource,
+    check_source,
+    corpus,
+    documents,
+    load_tokenizer,
+    make_source,
+    prepare_source,
+)
 from zerotrain.data.tokenfiles import HEADER_BYTES, LLMC_MAGIC, open_token_file, write_llmc
 
 

@@ -2,13 +2,13 @@
 
 import os
 
+import dist_jobs
 import pytest
 import torch
-
-import dist_jobs
 from conftest import child_pids, tiny_config
+
 from zerotrain import checkpoint
-from zerotrain.launch import JobFailed, run_job
+from zerotrain.runtime.launch import JobFailed, run_job
 
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)

@@ -2,14 +2,14 @@
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from zerotrain.data import BatchSchedule, make_source
-from zerotrain.invariants import held_bytes
-from zerotrain.model import build_model, summed_token_loss
-from zerotrain.optim import adamw_param_groups, build_adamw
-from zerotrain.schedule import lr_at
-from zerotrain.train import accumulate_gradients, build_engine
+from zerotrain.model.gpt2 import build_model, summed_token_loss
+from zerotrain.parallel.optim import adamw_param_groups, build_adamw
+from zerotrain.training.invariants import held_bytes
+from zerotrain.training.loop import accumulate_gradients, build_engine
+from zerotrain.training.schedule import lr_at
 
 
 def run_steps(engine, cfg, steps, forward=None):

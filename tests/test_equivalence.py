@@ -9,12 +9,12 @@ import subprocess
 import sys
 from collections import Counter
 
-from zerotrain.parallel import engine as zero
-from zerotrain.parallel import Comm
+from zerotrain.cli.commands.equivalence import BOUND
 from zerotrain.config import Config
-from zerotrain.commands.equivalence import BOUND
-from zerotrain.launch import run_job
-from zerotrain.train import train
+from zerotrain.parallel import Comm
+from zerotrain.parallel import engine as zero
+from zerotrain.runtime.launch import run_job
+from zerotrain.training.loop import train
 
 CLI_TIMEOUT_S = 240
 

@@ -5,11 +5,10 @@ import os
 
 import pytest
 import torch
-
 from test_api import IDX, run_cli, step_folder, train_checkpoint
 
 import zerotrain
-from zerotrain import export
+from zerotrain.hub import export
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from zerotrain.config import ConfigError
-from zerotrain.faults import CRASH_IN_SAVE_EXIT, ENV, Fault, Faults
+from zerotrain.errors import ConfigError
+from zerotrain.training.faults import CRASH_IN_SAVE_EXIT, ENV, Fault, Faults
 
 
 def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -107,7 +107,7 @@ def test_before_collectives_of_other_steps_and_ranks_returns_at_once():
 
 def test_kill_sigkills_the_rank_at_its_step():
     child = run_child("""
-        from zerotrain.faults import Faults
+        from zerotrain.training.faults import Faults
         faults = Faults.parse("kill@step=3,rank=1").for_rank(1)
         for step in range(1, 6):
             faults.before_collectives(step)
@@ -121,7 +121,7 @@ def test_kill_sigkills_the_rank_at_its_step():
 def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import signal
-        from zerotrain.faults import Faults
+        from zerotrain.training.faults import Faults
         signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM handled", flush=True))
         faults = Faults.parse("hang@step=2").for_rank(0)
         faults.before_collectives(1)
@@ -146,7 +146,7 @@ def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
 
 def test_crash_in_save_exits_with_its_code_halfway_through_its_step_checkpoint():
     child = run_child("""
-        from zerotrain.faults import Faults
+        from zerotrain.training.faults import Faults
         halfway = Faults.parse("crash_in_save@step=4,rank=1").for_rank(1).save_hook()
         for step in (2, 4, 6):
             print("writing", step, flush=True)
@@ -173,7 +173,7 @@ LAUNCHER = """
 WORKER = """
 import signal
 from zerotrain.errors import ZeroTrainError
-from zerotrain.faults import Faults
+from zerotrain.training.faults import Faults
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # the rank's own stop request
 faults = Faults.parse("sigterm@step=3").for_rank(0)

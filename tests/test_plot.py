@@ -5,8 +5,8 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from zerotrain.cli import main
-from zerotrain.metrics import read_step_records
+from zerotrain.cli.main import main
+from zerotrain.training.metrics import read_step_records
 
 
 def write_metrics(path, records):

@@ -6,16 +6,15 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import tiny_config
 
 from zerotrain import checkpoint
-from zerotrain.commands import prepare
-from zerotrain.config import ConfigError
+from zerotrain.cli.commands import prepare
+from zerotrain.cli.flags import _Parser
 from zerotrain.data import check_source, load_tokenizer, make_source
 from zerotrain.data.tokenfiles import HEADER_BYTES, LLMC_MAGIC
 from zerotrain.data.tokenizer import EOT_TEXT
-from zerotrain.flags import _Parser
+from zerotrain.errors import ConfigError
 
 TEXT = "\n\n".join(
     f"def function_{i}(x, y):\n    \"\"\"Return the {i}th combination of x and y.\"\"\"\n"
@@ -120,7 +119,7 @@ def test_prepare_refuses_a_non_utf8_input_and_an_occupied_outdir(tmp_path):
 
 
 def test_checkpoints_keep_the_tokenizer_and_verify_catches_a_changed_one(prepared, tmp_path, one_rank):
-    from zerotrain.train import train
+    from zerotrain.training.loop import train
 
     cfg = tiny_config(tmp_path, steps=2)
     cfg.data.source, cfg.checkpoint.every = str(prepared), 2
@@ -147,7 +146,7 @@ def test_checkpoints_keep_the_tokenizer_and_verify_catches_a_changed_one(prepare
 
 
 def test_byte_level_runs_record_the_byte_tokenizer_without_a_file(tmp_path, one_rank):
-    from zerotrain.train import train
+    from zerotrain.training.loop import train
 
     (tmp_path / "t.txt").write_text(TEXT)
     cfg = tiny_config(tmp_path / "run", steps=1)

@@ -12,12 +12,12 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import dist_jobs
+import pytest
 from conftest import child_pids, tiny_config
+
 from zerotrain import checkpoint
-from zerotrain.launch import JobFailed, run_job
+from zerotrain.runtime.launch import JobFailed, run_job
 
 pytestmark = pytest.mark.timeout(300)
 

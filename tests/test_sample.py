@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
 from test_api import run_cli, train_checkpoint
 
 import zerotrain
 from zerotrain.config import ModelConfig
-from zerotrain.generate import generate, next_token, window_start
-from zerotrain.model import GPT, KVCache
+from zerotrain.model.generate import generate, next_token, window_start
+from zerotrain.model.gpt2 import GPT, KVCache
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,14 @@ import json
 import subprocess
 import sys
 
+import dist_jobs
 import pytest
 import torch
-
-import dist_jobs
 from conftest import child_pids, tiny_config
+
 from zerotrain.config import ModelConfig
-from zerotrain.launch import JobFailed, run_job
-from zerotrain.model import build_model
-from zerotrain.tp import plan
+from zerotrain.model.gpt2 import build_model, plan
+from zerotrain.runtime.launch import JobFailed, run_job
 
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)

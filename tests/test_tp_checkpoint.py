@@ -13,16 +13,16 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 import tp_ckpt_jobs
 from conftest import tiny_config
+from safetensors.torch import load_file, save_file
+
 from zerotrain import checkpoint
-from zerotrain.commands.verify import cmd_verify
-from zerotrain.launch import run_job
+from zerotrain.cli.commands.verify_checkpoint import cmd_verify
+from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import ShardLayout
-from zerotrain.tp import TPSlice
-from zerotrain.train import build_engine
+from zerotrain.runtime.launch import run_job
+from zerotrain.training.loop import build_engine
 
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 STATE = ("master", "exp_avg", "exp_avg_sq")

@@ -8,17 +8,16 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import tiny_config
+from safetensors.torch import load_file, save_file
 from test_engine import run_steps
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint.verify import model_problem
-from zerotrain.commands.verify import cmd_verify
-from zerotrain.config import ConfigError
+from zerotrain.cli.commands.verify_checkpoint import cmd_verify
+from zerotrain.errors import ConfigError
 from zerotrain.parallel import ShardLayout
-from zerotrain.train import build_engine
+from zerotrain.training.loop import build_engine
 
 SHARD = "optim-rank00000-of-00001.safetensors"
 

@@ -7,14 +7,14 @@ import importlib
 import os
 
 import torch
+from dist_jobs import without_moments
 from safetensors.torch import save_file
 
-from dist_jobs import without_moments
 from zerotrain import checkpoint
 from zerotrain.config import Config
+from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import Comm
-from zerotrain.tp import TPSlice
-from zerotrain.train import build_engine, train
+from zerotrain.training.loop import build_engine, train
 
 load_module = importlib.import_module("zerotrain.checkpoint.load")  # `checkpoint.load` is the function
 

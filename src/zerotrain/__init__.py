@@ -17,13 +17,13 @@ def load_model(path: str):
     Verified before it is read, returned in eval mode on the CPU: `model(idx)` maps a (B, T) integer
     tensor to (B, T, vocab) logits.
     """
-    from .pretrained import load_model as load  # torch is imported on first use, not by `import zerotrain`
+    from zerotrain.hub.pretrained import load_model as load  # torch is imported on first use, not by `import zerotrain`
 
     return load(path)
 
 
 def load_tokenizer(path: str):
     """The tokenizer of the same paths: `encode(text)`, `decode(ids)`, `vocab_size`, `eot_id`, `kind`."""
-    from .pretrained import load_tokenizer as load
+    from zerotrain.hub.pretrained import load_tokenizer as load
 
     return load(path)

@@ -9,14 +9,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from zerotrain.errors import ConfigError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration the user can fix; the CLI prints it as one line and exits 2."""
 
 
 PRESETS: dict[str, dict[str, int]] = {

@@ -16,9 +16,11 @@ import os
 import time
 from collections import Counter
 
-from ..config import PRESETS, Config, ConfigError
-from ..figures import pyplot
-from ..parallel import Comm
+from zerotrain.cli.figures import pyplot
+from zerotrain.config import PRESETS, Config
+from zerotrain.errors import ConfigError
+from zerotrain.parallel import Comm
+
 from .report import percentile, report_header, write_json
 
 SCHEMA = "zerotrain.accum-curve"
@@ -41,7 +43,7 @@ WARMUP, QUICK_WARMUP = 2, 1
 
 
 def add_parser(benches) -> None:
-    from ..flags import add_training_flags
+    from zerotrain.cli.flags import add_training_flags
 
     p = benches.add_parser("accum", help="throughput and optimizer-step rate vs gradient accumulation steps",
                            description="--steps is the number of timed optimizer steps per grid point.")
@@ -65,7 +67,7 @@ def parse_grid(text: str) -> list[int]:
 
 def accum_curve_job(cfg: Config, comm: Comm, *, grid: list[int], warmup: int) -> list[dict] | None:
     """Train warmup + cfg.run.steps steps at every accumulation of the grid; rank 0 returns one point each."""
-    from ..train import train
+    from zerotrain.training.loop import train
 
     points = []
     for accum in grid:
@@ -103,8 +105,8 @@ def _point(cfg: Config, world_size: int, timed: list[dict], calls: Counter, nbyt
 
 
 def cmd_accum(args: argparse.Namespace) -> int:
-    from ..flags import config_from_args
-    from ..launch import run_job
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.runtime.launch import run_job
 
     pyplot("accum-curve.png")  # before the sweep: a missing plotting library should not cost a run
     if args.accum is not None:

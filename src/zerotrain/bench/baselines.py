@@ -16,13 +16,13 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ..config import Config
-from ..data import StepBatch
-from ..invariants import held_bytes
-from ..launch import rank_device
-from ..model import build_model, summed_token_loss
-from ..optim import adamw_options, adamw_param_groups, build_adamw
-from ..parallel import Comm
+from zerotrain.config import Config
+from zerotrain.data import StepBatch
+from zerotrain.model.gpt2 import build_model, summed_token_loss
+from zerotrain.parallel import Comm
+from zerotrain.parallel.optim import adamw_options, adamw_param_groups, build_adamw
+from zerotrain.runtime.launch import rank_device
+from zerotrain.training.invariants import held_bytes
 
 NAMES = ("zerotrain", "ddp", "ddp_zero", "fsdp2")
 LABELS = {
@@ -125,13 +125,13 @@ class ZeroTrainStrategy:
     """zerotrain's engine, driven as train.train drives it."""
 
     def __init__(self, cfg: Config, comm: Comm):
-        from ..train import build_engine
+        from zerotrain.training.loop import build_engine
 
         self.engine = build_engine(cfg, comm)
         self.comm = comm
 
     def step(self, batch: StepBatch, lr: float) -> None:
-        from ..train import accumulate_gradients
+        from zerotrain.training.loop import accumulate_gradients
 
         e = self.engine
         e.zero_grad()

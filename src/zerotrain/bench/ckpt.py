@@ -26,12 +26,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint
-from ..checkpoint.stream import sha256_file, write_durably, write_safetensors
-from ..config import PRESETS, Config, ConfigError, validate
-from ..data import BatchSchedule, make_source
-from ..parallel import Comm
-from ..schedule import lr_at
+from zerotrain import checkpoint
+from zerotrain.checkpoint.stream import sha256_file, write_durably, write_safetensors
+from zerotrain.config import PRESETS, Config, validate
+from zerotrain.data import BatchSchedule, make_source
+from zerotrain.errors import ConfigError
+from zerotrain.parallel import Comm
+from zerotrain.training.schedule import lr_at
+
 from .report import report_header, write_json
 
 SCHEMA = "zerotrain.bench.ckpt"
@@ -119,7 +121,7 @@ def _config(size: dict, device: str, out: str) -> Config:
 
 def measure(cfg: Config, comm: Comm, scratch: str, repeats: int) -> dict:
     """Every figure of the report, from one engine trained a step at a time."""
-    from ..train import accumulate_gradients, build_engine
+    from zerotrain.training.loop import accumulate_gradients, build_engine
 
     engine = build_engine(cfg, comm)
     schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=1, rank=0, world_size=1)

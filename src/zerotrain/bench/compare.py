@@ -28,12 +28,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ConfigError
-from ..data import BatchSchedule, StepBatch, make_source
-from ..figures import pyplot
-from ..launch import rank_device
-from ..parallel import Comm
-from ..schedule import lr_at
+from zerotrain.cli.figures import pyplot
+from zerotrain.config import Config
+from zerotrain.data import BatchSchedule, StepBatch, make_source
+from zerotrain.errors import ConfigError
+from zerotrain.parallel import Comm
+from zerotrain.runtime.launch import rank_device
+from zerotrain.training.schedule import lr_at
+
 from . import baselines as S
 from .report import machine_info, percentile, write_json
 
@@ -52,7 +54,7 @@ COMPARE_DEFAULTS = {
 
 
 def add_parser(benches) -> None:
-    from ..flags import add_training_flags
+    from zerotrain.cli.flags import add_training_flags
 
     p = benches.add_parser(
         "compare", help="zerotrain ZeRO-1 vs DDP, ZeroRedundancyOptimizer and FSDP2, side by side",
@@ -287,8 +289,8 @@ def plot(summary: dict, path: str) -> None:
 
 def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
     """The validated config, the main run's plan, and whether to measure weak scaling."""
-    from ..flags import config_from_args
-    from ..launch import default_threads, in_torchrun
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.runtime.launch import default_threads, in_torchrun
 
     if in_torchrun():
         raise ConfigError("bench compare starts its own ranks (it also needs a 1-rank run): run it without torchrun")
@@ -325,7 +327,7 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..launch import run_job
+    from zerotrain.runtime.launch import run_job
 
     pyplot("bench compare's compare.png")  # before the runs: a missing plotting library should not cost them
     cfg, plan, weak_scaling = config_and_plan(args)

@@ -33,9 +33,11 @@ from collections import Counter
 
 import torch
 
-from ..config import PRESETS, Config, ConfigError
-from ..figures import pyplot
-from ..parallel import Comm
+from zerotrain.cli.figures import pyplot
+from zerotrain.config import PRESETS, Config
+from zerotrain.errors import ConfigError
+from zerotrain.parallel import Comm
+
 from .report import percentile, report_header, write_json
 
 SCHEMA = "zerotrain.bench.tp"
@@ -62,7 +64,7 @@ FIGURE_DPI = 100
 
 
 def add_parser(benches) -> None:
-    from ..flags import add_training_flags
+    from zerotrain.cli.flags import add_training_flags
 
     p = benches.add_parser(
         "tp", help="tensor vs data parallelism: step time, tokens/s, per-rank bytes and communication per mesh",
@@ -101,7 +103,7 @@ def mesh_name(tp: int, dp: int) -> str:
 
 def tp_job(cfg: Config, comm: Comm, *, warmup: int) -> dict | None:
     """Train warmup + timed steps on this mesh; rank 0 returns its measurements, then the TP all-reduce probe."""
-    from ..train import train
+    from zerotrain.training.loop import train
 
     result = train(cfg, comm, announce=False)
     calls, nbytes = dict(result.comm_calls), dict(result.comm_bytes)  # before the probes add their own
@@ -244,8 +246,8 @@ def comparisons(rows: list[dict]) -> dict:
 
 
 def cmd_tp(args: argparse.Namespace) -> int:
-    from ..flags import config_from_args
-    from ..launch import in_torchrun, run_job
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.runtime.launch import in_torchrun, run_job
 
     pyplot("bench tp's bench-tp.png")  # before the runs: a missing plotting library should not cost them
     if in_torchrun():
@@ -324,7 +326,7 @@ def cmd_tp(args: argparse.Namespace) -> int:
 
 
 def _validate_mesh(cfg: Config, tp: int, dp: int) -> None:
-    from ..config import validate
+    from zerotrain.config import validate
 
     try:
         validate(cfg)

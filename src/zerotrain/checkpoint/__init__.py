@@ -1,11 +1,27 @@
 """Sharded checkpoints: the format, the atomic (sync or async) writer, verification, and verified loading with resharding."""
 
-from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_step_numbers,
-                     committed_steps, incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name, step_of)
-from .load import find_resumable, load, resolve_resume
-from .commit import point_latest
-from .save import CheckpointWriter, save
 from .cadence import SaveCadence
+from .commit import point_latest
+from .format import (
+                     FORMAT,
+                     LATEST,
+                     MANIFEST,
+                     MODEL_FILE,
+                     STATE_KEYS,
+                     VERSION,
+                     CheckpointError,
+                     committed_step_numbers,
+                     committed_steps,
+                     incompatibility,
+                     read_latest,
+                     read_manifest,
+                     shard_name,
+                     step_folders,
+                     step_name,
+                     step_of,
+)
+from .load import find_resumable, load, resolve_resume
+from .save import CheckpointWriter, save
 from .verify import Check, verify, verify_or_raise
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",

@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 import torch
 
-from .. import control
-from ..config import Config
-from ..data import checkpoint_tokenizer
-from ..parallel import Comm, ZeroOneEngine
+from zerotrain.config import Config
+from zerotrain.data import checkpoint_tokenizer
+from zerotrain.parallel import Comm, ZeroOneEngine
+
 from .format import TOKENIZER_FILE, step_of
 from .save import CheckpointWriter
+
+
+class SaveClock:
+    """Rank 0's wall clock decides when a save is due by time; 0 minutes turns it off."""
+
+    def __init__(self, every_minutes: float, is_rank0: bool):
+        self.period_s = every_minutes * 60.0
+        self.active = is_rank0 and self.period_s > 0
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.active and time.monotonic() - self.last >= self.period_s
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 class SaveCadence:
@@ -22,7 +38,7 @@ class SaveCadence:
         c = cfg.checkpoint
         self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
         self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
-        self.clock = control.SaveClock(c.every_minutes, comm.rank == 0)
+        self.clock = SaveClock(c.every_minutes, comm.rank == 0)
         # the data's tokenizer travels with every checkpoint, so sampling and export use the same one
         self.tokenizer, tokenizer_file = checkpoint_tokenizer(cfg)
         self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook,
@@ -30,7 +46,7 @@ class SaveCadence:
         self.config = cfg.to_dict()
         self.committed: list[str] = []
 
-    def due(self, step: int, last: int, decision: control.Decision) -> bool:
+    def due(self, step: int, last: int, decision) -> bool:
         by_steps = self.every and step % self.every == 0
         return decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == last))
 

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from .format import (LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name, step_of)
+from .format import LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name, step_of
 from .stream import FileRecord
 
 SIDECAR_PREFIX = "files-rank"

@@ -21,8 +21,8 @@ import json
 import os
 import re
 
-from ..errors import ZeroTrainError
-from ..tp import TPSlice
+from zerotrain.errors import CheckpointError
+from zerotrain.model.layers import TPSlice
 
 # Still version 1 with TP: the new keys are additions, and a reader from before TP refuses a TP
 # checkpoint anyway, since its layout.world_size (D) differs from its world_size (T x D).
@@ -46,10 +46,6 @@ MESH_KEYS = ("mesh", "tp_slices")
 MESH_SCHEMA = {"tp": int, "dp": int}
 TP_SLICE_SCHEMA = {"dim": int, "full_shape": list, "parts": list}
 PRECISIONS = ("fp32", "bf16")
-
-
-class CheckpointError(ZeroTrainError):
-    pass
 
 
 def step_name(step: int) -> str:

@@ -6,14 +6,35 @@ import os
 
 import torch
 
-from ..parallel import Comm, ShardLayout, ZeroOneEngine
-from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, mesh_of, read_latest, read_manifest, shard_name,
-                     step_folders, step_of, tp_slices_of)
-from ..tp import full_tensors, local_flat
+from zerotrain.parallel import Comm, ShardLayout, ZeroOneEngine
+from zerotrain.parallel.tp_slices import full_tensors, local_flat
+
+from .format import (
+    LATEST,
+    MANIFEST,
+    STATE_KEYS,
+    CheckpointError,
+    mesh_of,
+    read_latest,
+    read_manifest,
+    shard_name,
+    step_folders,
+    step_of,
+    tp_slices_of,
+)
 from .reshard import full_shapes
 from .stream import DTYPE_CODES, read_safetensors
-from .verify import (failure_message, files_problem, first_failure, layout_of, name_problem, partition_problem,
-                     record_problem, shard_problem, verify)
+from .verify import (
+    failure_message,
+    files_problem,
+    first_failure,
+    layout_of,
+    name_problem,
+    partition_problem,
+    record_problem,
+    shard_problem,
+    verify,
+)
 
 
 def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:

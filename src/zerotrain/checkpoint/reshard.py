@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel import ShardLayout
-from ..tp import TPSlice
+from zerotrain.model.layers import TPSlice
+from zerotrain.parallel import ShardLayout
 
 
 def full_shapes(layout: ShardLayout, slices: dict[str, TPSlice]) -> dict[str, tuple[int, ...]]:

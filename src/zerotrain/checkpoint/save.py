@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..invariants import InvariantError
-from ..parallel import Comm, ZeroOneEngine
+from zerotrain.errors import InvariantError
+from zerotrain.parallel import Comm, ZeroOneEngine
+from zerotrain.parallel.tp_slices import full_tensors
+
 from .commit import commit, tmp_name, write_sidecar
-from .format import (FORMAT, MANIFEST_SCHEMA, MESH_KEYS, MODEL_FILE, VERSION, CheckpointError, shard_name,
-                     step_name)
-from ..tp import full_tensors
+from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, MODEL_FILE, VERSION, CheckpointError, shard_name, step_name
 from .stream import FileRecord, differing_bytes, write_safetensors
 
 

@@ -33,10 +33,20 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from ..parallel import ShardLayout
-from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, mesh_of, schema_problem,
-                     shard_name, tp_slices_of)
-from ..tp import full_tensors
+from zerotrain.parallel import ShardLayout
+from zerotrain.parallel.tp_slices import full_tensors
+
+from .format import (
+    MANIFEST,
+    MODEL_FILE,
+    STATE_KEYS,
+    CheckpointError,
+    expected_files,
+    mesh_of,
+    schema_problem,
+    shard_name,
+    tp_slices_of,
+)
 from .reshard import replicated_mismatch
 from .stream import FileRecord, read_header, sha256_file
 

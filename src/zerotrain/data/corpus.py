@@ -23,7 +23,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..config import ConfigError
+from zerotrain.errors import ConfigError
+
 from .documents import TextInput
 from .tokenfiles import LlmcWriter
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, parse_tokenizer_spec, tokenizer_record, train_bpe

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..config import ConfigError
+from zerotrain.errors import ConfigError
 
 STDLIB = "python-stdlib"
 # Not the standard library's text: its test suites, installed packages, caches.

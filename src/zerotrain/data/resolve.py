@@ -20,7 +20,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError
+from zerotrain.config import Config
+from zerotrain.errors import ConfigError
+
 from .corpus import META, cache_root, cached_corpus
 from .documents import STDLIB, text_input
 from .tokenfiles import max_token, open_token_file

@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import Config, ConfigError
+from zerotrain.config import Config
+from zerotrain.errors import ConfigError
+
 from .resolve import resolve_data
 from .tokenfiles import TokenFile, open_token_file, positions_of
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import ConfigError
+from zerotrain.errors import ConfigError
 
 LLMC_MAGIC, HEADER_INTS = 20240520, 256
 HEADER_BYTES = HEADER_INTS * 4

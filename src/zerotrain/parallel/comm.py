@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ..errors import ZeroTrainError
+from zerotrain.errors import ZeroTrainError
 
 # torch 2.13 renames the flat variants; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

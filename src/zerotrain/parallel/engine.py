@@ -33,15 +33,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import OptimConfig
-from ..errors import ZeroTrainError
-from ..model import is_decayed
-from ..optim import build_adamw
-from ..tp import full_tensors
+from zerotrain.config import OptimConfig
+from zerotrain.errors import ZeroTrainError
+from zerotrain.model.gpt2 import is_decayed
+
 from .comm import Comm
 from .digest import tensor_digest
 from .layout import ShardLayout
 from .mesh import Mesh
+from .optim import build_adamw
+from .tp_slices import full_tensors
 
 
 class GradientOrderError(ZeroTrainError):

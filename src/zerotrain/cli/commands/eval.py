@@ -1,0 +1,109 @@
+"""`zerotrain eval CKPT`: validation loss, perplexity and bits per byte of a trained model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+
+from zerotrain.config import Config
+from zerotrain.data import IGNORE, check_source, make_source
+from zerotrain.errors import ConfigError
+from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
+from zerotrain.model.gpt2 import summed_token_loss
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="validation loss, perplexity and bits per byte of a checkpoint",
+        description="Evaluates the model on validation batches 0..N-1 of the data source (by default the one the "
+                    "checkpoint was trained on), each of the run's global micro-batch (ranks x micro-batch "
+                    "sequences): the batches training's --eval-every reports as val_loss. Prints one line on stdout: "
+                    "val_loss (nats per token), perplexity = exp(val_loss) and bits_per_byte = val_loss / ln 2 x "
+                    "tokens / UTF-8 bytes of the evaluated tokens (1 byte per token for the byte tokenizer).")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root, run folder or exported "
+                                                     "folder (an exported one needs --data)")
+    p.add_argument("--data", default=None, help="data to evaluate on, as train's --data (default: the checkpoint's)")
+    p.add_argument("--batches", type=int, default=20, help="validation batches (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per batch (default: the run's DP replicas x micro-batch, as training evaluated)")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.batches < 1:
+        raise ConfigError(f"--batches must be at least 1, got {args.batches}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    source = locate(args.checkpoint)
+    model, tokenizer = load_from(source), tokenizer_of(source.folder)
+    cfg = _data_config(source, model, tokenizer, args.data)
+    batch = args.batch_size or cfg.run.dp * cfg.run.micro_batch
+    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val"), range(args.batches), batch,
+                                        cfg.run.micro_batch, tokenizer)
+    if tokens == 0:
+        raise ConfigError(f"{args.batches} batches of {cfg.data.source} hold no target tokens")
+    loss = loss_sum / tokens
+    bpb = loss / math.log(2) * tokens / nbytes
+    print(f"val_loss {loss:.6f}  perplexity {math.exp(loss):.6g}  bits_per_byte {bpb:.6f}  "
+          f"({tokens:,} tokens, {nbytes:,} bytes: {args.batches} batches x {batch} sequences of {cfg.data.source}, "
+          f"validation split)")
+    return 0
+
+
+def _data_config(source, model, tokenizer, data: str | None) -> Config:
+    """The run's config with --data applied (an exported model has none: defaults, its model, --data), checked.
+
+    The data must fit the model's vocabulary and, where its folder names a tokenizer, be the model's.
+    """
+    if source.config is not None:
+        cfg = Config.from_dict(source.config)
+    elif data is None:
+        raise ConfigError(f"eval {source.folder}: an exported model records no training data; pass --data")
+    else:
+        cfg = Config()
+        cfg.model = dataclasses.replace(model.cfg)
+    if data is not None:
+        cfg.data.source = data
+    spec = check_source(cfg, vocab_given=True)
+    theirs = spec.tokenizer
+    if theirs and (theirs.get("kind"), theirs.get("vocab_size")) != (tokenizer.kind, tokenizer.vocab_size):
+        raise ConfigError(f"--data {cfg.data.source} is tokenized as {theirs.get('kind')} with {theirs.get('vocab_size')} "
+                          f"ids, the model's tokenizer is {tokenizer.kind} with {tokenizer.vocab_size}")
+    return cfg
+
+
+@torch.inference_mode()
+def evaluate(model, source, steps, batch: int, micro_batch: int, tokenizer) -> tuple[float, int, int]:
+    """(summed token loss, target tokens, their UTF-8 bytes) over `batch` sequences at each data step.
+
+    The bytes of BPE tokens are those of each sequence's targets decoded together, so a character
+    split over several tokens counts once; an end-of-text token counts one byte, as the byte
+    tokenizer's (its NUL), not the 13 of the text `<|endoftext|>` it decodes to.
+    """
+    loss_sum, tokens, nbytes = 0.0, 0, 0
+    for step in steps:
+        for lo in range(0, batch, micro_batch):
+            x, y = source.sequences(step, range(lo, min(batch, lo + micro_batch)))
+            loss_sum += float(summed_token_loss(model(x), y))
+            counted = int((y != IGNORE).sum())
+            tokens += counted
+            if tokenizer.kind == "bytes":
+                nbytes += counted
+            else:
+                nbytes += sum(utf8_bytes(tokenizer, row[row != IGNORE].tolist()) for row in y)
+    return loss_sum, tokens, nbytes
+
+
+def utf8_bytes(tokenizer, ids: list[int]) -> int:
+    """UTF-8 bytes of the text `ids` decode to, each end-of-text token counted as one byte."""
+    total, run = 0, []
+    for i in ids + [tokenizer.eot_id]:
+        if i == tokenizer.eot_id:
+            total += len(tokenizer.decode(run).encode("utf-8")) + 1
+            run = []
+        else:
+            run.append(i)
+    return total - 1  # the eot appended to close the last run

@@ -1,0 +1,38 @@
+"""`zerotrain export CKPT OUT --format hf|safetensors`: write a trained model for other tools."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from zerotrain.data.tokenizer import tokenizer_record
+from zerotrain.hub.export import FORMATS, check_destination, export_model
+from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face GPT-2 folder or as bare safetensors",
+        description="hf: a folder transformers.GPT2LMHeadModel.from_pretrained(OUT) loads (config.json, "
+                    "model.safetensors, and tokenizer.json + tokenizer_config.json for a BPE model; transformers is "
+                    "not needed to write it). safetensors: zerotrain's own state dict and a config.json. Either "
+                    "loads with zerotrain.load_model(OUT). The checkpoint is verified first.")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root or run folder")
+    p.add_argument("out", metavar="OUT", help="the folder to write (refused when it holds files, unless --overwrite)")
+    p.add_argument("--format", required=True, choices=FORMATS, help="hf or safetensors")
+    p.add_argument("--overwrite", action="store_true", help="replace the exported files in a non-empty OUT")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    check_destination(args.out, args.format, args.overwrite)  # before the checkpoint is read and verified
+    source = locate(args.checkpoint)
+    model, tokenizer = load_from(source), tokenizer_of(source.folder)
+    bpe = tokenizer.kind == "bpe"
+    step = source.manifest["step"] if source.manifest else None
+    written = export_model(model, args.out, args.format, tokenizer_folder=source.folder if bpe else None,
+                           eot_id=tokenizer.eot_id, tokenizer_info=tokenizer_record(tokenizer),
+                           source={"path": os.path.abspath(source.folder), "step": step}, overwrite=args.overwrite)
+    what = f"step {step} of {source.folder}" if step is not None else source.folder
+    print(f"exported {what} as {args.format} to {args.out}: {', '.join(written)}")
+    return 0

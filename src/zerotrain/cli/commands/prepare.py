@@ -1,0 +1,66 @@
+"""`zerotrain prepare INPUT OUTDIR`: tokenize text (bytes, or a BPE trained here) into token files to train on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+
+from zerotrain.data.corpus import prepare_corpus
+from zerotrain.data.documents import STDLIB, text_input
+from zerotrain.data.tokenizer import parse_tokenizer_spec
+from zerotrain.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "prepare", help="tokenize text into train.bin / val.bin (bytes or a locally trained BPE)",
+        description="INPUT is a UTF-8 text file (documents: blank-line separated paragraphs), a folder of text "
+                    "files (documents: files) or python-stdlib. Writes OUTDIR/train.bin and val.bin (llm.c layout: "
+                    "uint16 tokens, or uint32 for vocabularies above 65536), meta.json and, for BPE, tokenizer.json. "
+                    "Train on it with `zerotrain train --data OUTDIR`: the vocabulary and tokenizer come from it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("input", help="a UTF-8 text file, a folder of text files, or python-stdlib")
+    p.add_argument("outdir", help="the folder to write (must not exist, or be empty, unless --overwrite)")
+    p.add_argument("--tokenizer", default="bytes", help="bytes, or bpe:N: a byte-level BPE of N ids trained on the "
+                                                        "training documents (nothing is downloaded)")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="fraction of documents held out for validation")
+    p.add_argument("--glob", default="**/*.txt", help="which files of a folder INPUT are read")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTDIR if it holds files")
+    p.set_defaults(func=cmd_prepare)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    try:
+        parse_tokenizer_spec(args.tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.input != STDLIB and not os.path.exists(args.input):
+        raise ConfigError(f"prepare {args.input}: no such file or folder (a UTF-8 text file, a folder, or {STDLIB})")
+    out = os.path.normpath(args.outdir)
+    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not args.overwrite):
+        raise ConfigError(f"prepare: {out} already exists and is not an empty folder (use --overwrite to replace it)")
+    source = text_input(args.input, args.glob, args.val_fraction)
+    tmp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # written whole, then renamed into place
+    try:
+        meta = prepare_corpus(source, tmp, args.tokenizer)
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(prepared_line(out, meta))
+    return 0
+
+
+def prepared_line(out: str, meta: dict) -> str:
+    t, tr, va = meta["timings"], meta["train"], meta["val"]
+    train_s = f", tokenizer training {t['tokenizer_train_s']:.1f} s" if "tokenizer_train_s" in t else ""
+    return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
+            f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['tokens']:,} tokens "
+            f"({tr['documents']} documents), val {va['tokens']:,} tokens ({va['documents']} documents); "
+            f"{t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s end to end (encoding {t['encode_s']:.1f} s"
+            f"{train_s}, {meta['source']['text_bytes']:,} bytes of text)")

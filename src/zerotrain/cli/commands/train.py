@@ -1,0 +1,87 @@
+"""`zerotrain train`: prepare the run folder and the resume point, launch the ranks, report and summarise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from zerotrain.checkpoint import committed_steps
+from zerotrain.cli.flags import add_training_flags, config_from_args
+from zerotrain.runtime.launch import in_torchrun, run_job
+from zerotrain.runtime.run_folder import SUMMARY, prepare_run
+from zerotrain.training.loop import train_job
+from zerotrain.training.metrics import count_events, read_step_records
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT data-parallel with ZeRO-1")
+    add_training_flags(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # under torchrun, nproc is torchrun's world size
+    result = run_job(train_job, cfg, prepare=prepare_run)
+    if in_torchrun() and os.environ["RANK"] != "0":
+        return 0
+    summary = write_summary(result, result["config"])
+    last = result["records"][-1] if result["records"] else None
+    stopped = result["stopped"]
+    if stopped:
+        saved = os.path.basename(stopped["checkpoint"]) if stopped["checkpoint"] else "nothing"
+        print(f"zerotrain: stopped by {stopped['signal']} at step {stopped['step']}; saved {saved}; "
+              "continue with --resume auto")
+        return 0
+    print(f"zerotrain: trained to step {summary['steps']} on {result['world_size']} rank(s); "
+          + (f"final loss {last['loss']:.4f}; " if last else "")
+          + f"metrics {result['config']['run']['metrics']}")
+    for path in result["checkpoints"][-1:]:
+        print(f"zerotrain: last checkpoint {path}")
+    print(f"zerotrain: summary {summary['path']}: " + summary_line(summary))
+    return 0
+
+
+def write_summary(result: dict, config: dict) -> dict:
+    """<out>/summary.json: the run in a few numbers, with per-rank memory and its max and mean across ranks."""
+    records = read_step_records(config["run"]["metrics"]) or result["records"]  # the whole run, resumes included
+    per_rank = result["per_rank"]
+    root = config["checkpoint"]["dir"]
+    summary = {
+        "steps": records[-1]["step"] if records else result["start_step"],
+        "start_step": result["start_step"],
+        "resumed_from": result["resumed_from"],
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "tokens": sum(r["tokens"] for r in records),
+        "wall_s": round(result["wall_s"], 3),  # of this invocation
+        "world_size": result["world_size"],
+        "threads_per_rank": result["threads_per_rank"],
+        "param_count": result["param_count"],
+        "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
+        "restarts": result["restarts"],
+        "rollbacks": count_events(config["run"]["metrics"], "rollback") or len(result["rollbacks"]),
+        "stopped": result["stopped"],
+        "per_rank": per_rank,
+        "max": {k: max(v) for k, v in per_rank.items()},
+        "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
+    }
+    path = os.path.join(config["run"]["out"], SUMMARY)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(path + ".tmp", path)
+    summary["path"] = path
+    return summary
+
+
+def summary_line(s: dict) -> str:
+    mib = 2**20
+    loss = f"loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, " if s["first_loss"] is not None else ""
+    return (f"{s['steps']} steps, {loss}{s['tokens']:,} tokens, {s['wall_s']:.1f} s, "
+            f"{len(s['checkpoints'])} checkpoint(s), {s['restarts']} restart(s), {s['rollbacks']} rollback(s); "
+            f"per rank max/mean: params {s['max']['param_bytes'] / mib:.1f}/{s['mean']['param_bytes'] / mib:.1f} MiB, "
+            f"grads {s['max']['grad_bytes'] / mib:.1f}/{s['mean']['grad_bytes'] / mib:.1f} MiB, "
+            f"optimizer {s['max']['optimizer_bytes'] / mib:.1f}/{s['mean']['optimizer_bytes'] / mib:.1f} MiB, "
+            f"peak RSS {s['max']['peak_rss_bytes'] / mib:.0f}/{s['mean']['peak_rss_bytes'] / mib:.0f} MiB")

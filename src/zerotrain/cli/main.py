@@ -1,0 +1,73 @@
+"""The `zerotrain` command line: the parser, dispatch to a command, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zerotrain.errors import ConfigError
+
+from .flags import _Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zerotrain import bench
+
+    from .commands import demo, equivalence, plot, prepare, sample, train
+    from .commands import eval as evaluate  # the module's name shadows the builtin
+    from .commands import export_model as export
+    from .commands import verify_checkpoint as verify
+
+    parser = _Parser(prog="zerotrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train.add_parser(sub)
+    demo.add_parser(sub)
+    bench.add_parser(sub)
+    equivalence.add_parser(sub)
+    verify.add_parser(sub)
+    prepare.add_parser(sub)
+    sample.add_parser(sub)
+    evaluate.add_parser(sub)
+    export.add_parser(sub)
+    plot.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from zerotrain.runtime.launch import in_torchrun
+
+    code = _run(argv)
+    if in_torchrun():
+        # A rank ends like a spawned one, without interpreter teardown: gloo's worker threads can
+        # still hold tensors after destroy_process_group, and tearing those down at exit aborts.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
+    from zerotrain.errors import ZeroTrainError
+    from zerotrain.runtime.launch import Interrupted, JobFailed, in_torchrun
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except ConfigError as e:
+        if not in_torchrun() or os.environ["RANK"] == "0":  # every rank agrees on it; one says it
+            print(f"zerotrain: error: {e}", file=sys.stderr)
+        return 2
+    except (JobFailed, ZeroTrainError) as e:  # a zerotrain error outside the ranks (e.g. no checkpoint verifies)
+        print(f"zerotrain: FAILED: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"zerotrain: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("zerotrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

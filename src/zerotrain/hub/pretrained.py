@@ -1,0 +1,131 @@
+"""Loading a trained model for use: from a checkpoint (folder, root or run folder) or an exported folder.
+
+A checkpoint is verified first (names, sizes, sha256, layout, and model.safetensors against the
+master shards), then its model.safetensors is loaded strictly; an exported folder's config.json is
+checked against the architecture zerotrain builds. Safetensors and JSON only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from zerotrain.checkpoint import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    committed_steps,
+    read_latest,
+    read_manifest,
+    verify_or_raise,
+)
+from zerotrain.config import ModelConfig
+from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
+from zerotrain.errors import ConfigError
+from zerotrain.model.gpt2 import GPT
+
+from .export import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, from_hf_state_dict, read_export_config
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a checkpoint step folder or an exported folder."""
+
+    folder: str
+    kind: str  # "checkpoint", "hf" or "safetensors"
+    manifest: dict | None = None  # the checkpoint's, verified
+
+    @property
+    def config(self) -> dict | None:
+        """The checkpoint's resolved training config (None for an exported folder)."""
+        return self.manifest.get("config") if self.manifest else None
+
+
+def model_folder(path: str) -> str:
+    """The folder holding the model that `path` names.
+
+    A checkpoint folder or an exported folder is itself; a checkpoint root gives what its `latest`
+    names (or, without `latest`, its newest committed step); a run folder gives its checkpoints/.
+    """
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a folder"
+        raise ConfigError(f"{path} {what}: expected a checkpoint folder, a checkpoint root or an exported model")
+    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        return path
+    root = path
+    if read_latest(root) is None and not committed_steps(root) and os.path.isdir(os.path.join(path, "checkpoints")):
+        root = os.path.join(path, "checkpoints")  # a run folder
+    latest = read_latest(root)
+    if latest is not None:
+        if not os.path.isdir(os.path.join(root, latest)):
+            raise CheckpointError(f"{os.path.join(root, LATEST)} names {latest}, which does not exist")
+        return os.path.join(root, latest)
+    steps = committed_steps(root)
+    if steps:
+        return os.path.join(root, steps[-1])
+    raise ConfigError(f"{path} holds no checkpoint (no manifest.json, latest or step folder) and no exported "
+                      f"model (no config.json)")
+
+
+def locate(path: str) -> ModelSource:
+    """The verified source of the model `path` names (CheckpointError if a checkpoint does not verify)."""
+    folder = model_folder(path)
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        verify_or_raise(folder)
+        return ModelSource(folder, "checkpoint", read_manifest(folder))
+    kind, _, _ = read_export_config(folder)
+    return ModelSource(folder, kind)
+
+
+def load_model(path: str) -> GPT:
+    """The model `path` names, in eval mode on the CPU: `model(idx)` maps (B, T) token ids to (B, T, vocab) logits."""
+    return load_from(locate(path))
+
+
+def load_from(source: ModelSource) -> GPT:
+    folder = source.folder
+    if source.kind == "checkpoint":
+        model_cfg = source.manifest.get("config", {}).get("model")
+        try:
+            cfg = ModelConfig(**model_cfg)
+        except TypeError as e:
+            raise CheckpointError(f"{os.path.join(folder, MANIFEST)}: config.model is not a model config ({e})") from None
+    else:
+        _, cfg, _ = read_export_config(folder)
+    tensors = _read_tensors(os.path.join(folder, MODEL_FILE))
+    if source.kind == "hf":
+        tensors = from_hf_state_dict(tensors)
+    model = GPT(cfg)
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:  # missing, unexpected or misshapen tensors: name the first
+        detail = str(e).split("\n\t")[1] if "\n\t" in str(e) else str(e)
+        raise CheckpointError(f"{os.path.join(folder, MODEL_FILE)} does not fit the model its config describes: "
+                              f"{detail.strip()}") from None
+    return model.eval().requires_grad_(False)  # for inference: no autograd graph kept
+
+
+def _read_tensors(file: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of the model `path` names (its tokenizer.json for BPE, else bytes), or of a data folder.
+
+    data.tokenizer.load_tokenizer, after resolving a run folder or a checkpoint root to its checkpoint.
+    """
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
+        try:
+            path = model_folder(path)
+        except ConfigError:  # a prepared data folder of bytes, or any folder without a tokenizer.json
+            pass
+    return tokenizer_of(path)

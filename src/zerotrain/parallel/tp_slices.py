@@ -1,0 +1,37 @@
+"""Full tensors <-> TP ranks' flat buffers: how the engine and checkpoints gather and scatter TP slices."""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.model.layers import TPSlice
+
+
+def full_tensors(layout, slices: dict[str, TPSlice], flats) -> dict[str, torch.Tensor]:
+    """The full model's tensors by name, from flats[t] = TP rank t's padded flat buffer (T = len(flats)).
+
+    Split parameters are placed from every TP rank's slice; replicated ones are TP rank 0's copy (views
+    of flats[0], which every TP rank holds bitwise equal). All in the flats' dtype and device.
+    """
+    full = {}
+    for s in layout.slots:
+        local = [flat[s.offset : s.offset + s.numel].view(s.shape) for flat in flats]
+        if s.name in slices:
+            tp_slice = slices[s.name]
+            full[s.name] = torch.empty(tp_slice.full_shape, dtype=flats[0].dtype, device=flats[0].device)
+            for t, piece in enumerate(local):
+                tp_slice.place(full[s.name], piece, t)
+        else:
+            full[s.name] = local[0]
+    return full
+
+
+def local_flat(layout, slices: dict[str, TPSlice], full: dict[str, torch.Tensor],
+               tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s padded flat buffer in `layout` from the full tensors (zeros in the padding)."""
+    first = next(iter(full.values()))
+    flat = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
+    for s in layout.slots:
+        value = slices[s.name].take(full[s.name], tp_rank) if s.name in slices else full[s.name]
+        flat[s.offset : s.offset + s.numel] = value.reshape(-1)
+    return flat

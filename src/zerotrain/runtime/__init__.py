@@ -1,0 +1,1 @@
+"""Processes: launching ranks locally or under torchrun, supervising them, their failures, the run folder."""

@@ -1,0 +1,82 @@
+"""A failed rank's one line: written by the rank (its traceback logged to a file), read back by the launcher."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+from zerotrain.config import Config
+from zerotrain.errors import ZeroTrainError
+
+
+def restart_count() -> int:
+    """Which attempt of an elastic job this rank belongs to: 0 first, then one more per restart."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None) -> None:
+    explained = isinstance(error, ZeroTrainError) and not getattr(error, "peer_lost", False)
+    message = f"rank {rank}: {error}" if isinstance(error, ZeroTrainError) else \
+        f"rank {rank}: {type(error).__name__}: {error}"
+    log = _write_traceback(rank, cfg)
+    if log and not explained:
+        message += f" (traceback in {log})"
+    if job_dir is None:
+        print(f"zerotrain: {message}", file=sys.stderr, flush=True)
+        return
+    os.makedirs(os.path.join(job_dir, "failures"), exist_ok=True)
+    report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": message,
+              "kind": "explained" if explained else "exception"}
+    with open(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def _write_traceback(rank: int, cfg: Config) -> str | None:
+    """Append this rank's traceback to <out>/logs/rank{R}.log (or a temporary file); return its path."""
+    text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {restart_count()}\n{traceback.format_exc()}"
+    for folder in (os.path.join(cfg.run.out, "logs") if cfg.run.out else None, tempfile.gettempdir()):
+        if folder is None:
+            continue
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"rank{rank:05d}.log" if folder != tempfile.gettempdir()
+                                else f"zerotrain-rank{rank:05d}.log")
+            with open(path, "a") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def failure_reason(job_dir: str, error) -> str:
+    """The one line that explains a failed job, from the ranks' own reports of its last attempt.
+
+    A failure zerotrain explained (an invariant, a timeout) comes first; then a rank that died without
+    a word (killed by a signal, or exited), since the others then only saw their peer vanish; then the
+    earliest report.
+    """
+    reports = []
+    for path in glob.glob(os.path.join(job_dir, "failures", "*.json")):
+        with open(path) as f:
+            reports.append(json.load(f))
+    last_attempt = max((r["attempt"] for r in reports), default=0)
+    reports = [r for r in reports if r["attempt"] == last_attempt]
+    explained = sorted((r for r in reports if r["kind"] == "explained"), key=lambda r: r["time"])
+    if explained:
+        return explained[0]["message"]
+    reported = {r["rank"] for r in reports}
+    for rank, failure in sorted(error.failures.items()):
+        if rank not in reported and failure.exitcode < 0:
+            return f"rank {rank} was killed by signal {failure.signal_name()}"
+        if rank not in reported:
+            return f"rank {rank} failed with exit code {failure.exitcode} (see its output above)"
+    if reports:
+        return min(reports, key=lambda r: r["time"])["message"]
+    rank, failure = error.get_first_failure()
+    return f"rank {rank} failed with exit code {failure.exitcode}"

@@ -1,0 +1,222 @@
+"""Start N local ranks through PyTorch's elastic launcher, or join a torchrun job; own each rank's process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.config import Config
+from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.parallel import Comm
+
+from .failures import failure_reason, report_failure, restart_count
+from .stop import install_stop_request
+from .supervise import STOP_FILE, LauncherSignals, Reaper, stop_descendants
+
+
+class JobFailed(RuntimeError):
+    """The distributed job did not succeed; the message is the one line to show the user."""
+
+
+def in_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def rank_device(cfg: Config) -> torch.device:
+    """This rank's device: its CUDA device (set when the rank started) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
+
+
+def default_threads(cfg: Config) -> int:
+    """Threads per rank: the machine's cores shared by the ranks on this machine."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.nproc))
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+class Interrupted(Exception):
+    """A second SIGINT/SIGTERM stopped the job at once; `code` is the exit code (128 + signal)."""
+
+    def __init__(self, signal_name: str, code: int):
+        super().__init__(f"stopped at once by a second {signal_name}; what was not yet committed is lost")
+        self.code = code
+
+
+def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: float | None = None,
+            prepare: Callable[[Config], Config] | None = None) -> Any:
+    """Run `job(cfg, comm)` on every rank and return rank 0's result.
+
+    `prepare(cfg)` resolves what all ranks must agree on (paths, the checkpoint to resume): it runs once,
+    here before the ranks start, or under torchrun on rank 0, whose result every rank then adopts.
+
+    Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) this process is one rank and runs the job itself.
+    Otherwise `cfg.run.nproc` local ranks are spawned by torch's elastic agent with rendezvous on
+    127.0.0.1 and `cfg.run.max_restarts` restarts. The agent runs in a thread so that this process
+    keeps SIGINT and SIGTERM: the first asks every rank to finish its step and save, the second (or
+    the wall-clock limit) stops every rank at once.
+    """
+    if in_torchrun():
+        return _worker(job, cfg, None, prepare)
+    if prepare:
+        cfg = prepare(cfg)
+    job_dir = tempfile.mkdtemp(prefix="zerotrain-job-")
+    launched = _ElasticThread(job, cfg, job_dir)
+    stop = LauncherSignals(os.path.join(job_dir, STOP_FILE))
+    deadline = time.monotonic() + time_limit if time_limit else None
+    reaper = Reaper(job_dir)
+    try:
+        stop.install()
+        launched.start()
+        while launched.is_alive():
+            launched.join(0.05)
+            reaper.poll()
+            if stop.hard_stop:
+                stop_descendants(launched)
+                raise Interrupted(stop.hard_stop, 128 + signal.Signals[stop.hard_stop].value)
+            if deadline and time.monotonic() > deadline:
+                stop_descendants(launched)
+                raise JobFailed(f"the job exceeded its wall-clock limit of {time_limit:g} s; all ranks were stopped")
+        return launched.outcome(job_dir)
+    finally:
+        stop.restore()
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+class _ElasticThread(threading.Thread):
+    """torch's elastic agent, run off the main thread so that it leaves the signal handlers to us."""
+
+    def __init__(self, job, cfg: Config, job_dir: str):
+        super().__init__(daemon=True, name="zerotrain-elastic-agent")
+        self.job, self.cfg, self.job_dir = job, cfg, job_dir
+        self.results, self.error = None, None
+
+    def run(self) -> None:
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        for name in ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        options = dict(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=self.cfg.run.nproc,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",  # the OS picks a free port
+            run_id=uuid.uuid4().hex,
+            max_restarts=self.cfg.run.max_restarts,
+            monitor_interval=0.05,
+            start_method="spawn",
+            local_addr="127.0.0.1",
+        )
+        if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+            options["shutdown_timeout"] = 3  # after a failure, how long a rank may take to exit before SIGKILL
+        try:
+            self.results = elastic_launch(LaunchConfig(**options), _worker)(self.job, self.cfg, self.job_dir, None)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which explains it
+            self.error = e
+
+    def outcome(self, job_dir: str) -> Any:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if self.error is None:
+            return self.results[0]
+        if isinstance(self.error, ChildFailedError):
+            raise JobFailed(failure_reason(job_dir, self.error)) from None
+        raise JobFailed(f"the launcher failed: {type(self.error).__name__}: {self.error}") from None
+
+
+def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None,
+            prepare: Callable[[Config], Config] | None) -> Any:
+    """One rank: set threads and device, join the process group, run the job, always leave the group.
+
+    Any exception ends the rank with one line naming the rank and the error (the traceback goes to
+    `<out>/logs/rank{R}.log`): in the job folder for the launcher to show, or on stderr under torchrun.
+    """
+    install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None)
+    if job_dir:  # for the launcher's reaper
+        os.makedirs(os.path.join(job_dir, "pids"), exist_ok=True)
+        with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:
+            f.write(str(os.getpid()))
+    torch.set_num_threads(default_threads(cfg))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.run.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if cfg.run.device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.run.timeout_s)
+    dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+    rank = dist.get_rank()
+    try:
+        comm = Comm(timeout_s=cfg.run.timeout_s)
+        if prepare:
+            cfg = _agree(cfg, comm, prepare)
+        result = job(cfg, comm)
+    except ConfigError:
+        dist.destroy_process_group()
+        raise  # the same on every rank: the command line reports it (exit 2)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line naming the rank
+        report_failure(e, rank, cfg, job_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if getattr(e, "peer_lost", False):
+            # Stay a moment, so the agent sees first the rank that died without a word: the cause.
+            time.sleep(2.0)
+        # Leave at once: tearing down a group whose peer is gone can block on its unfinished transfers.
+        os._exit(1)
+    dist.destroy_process_group()
+    return result
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict:
+    """init_process_group's store, under a prefix of its own for each elastic attempt.
+
+    The elastic agent keeps one store for the whole job; without a prefix, a restarted group would read
+    the addresses the dead group published there and try to connect to ranks that no longer exist.
+    """
+    global _job_store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # rank 0 hosts a store of its own, new for each attempt
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    _job_store = store
+    return {"store": dist.PrefixStore(f"zerotrain/attempt{restart_count()}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+_job_store = None  # the elastic agent's store, which outlives a restart
+_AGREED = "zerotrain/agreed_run"
+
+
+def _agree(cfg: Config, comm: Comm, prepare: Callable[[Config], Config]) -> Config:
+    """Rank 0 prepares the run (paths, resume point) and every rank adopts its result, or its error.
+
+    A restarted group adopts what the first attempt agreed (kept in the agent's store), so it keeps the
+    run folder, its default name included, and does not take its own checkpoints for an earlier run's.
+    """
+    payload = {}
+    if comm.rank == 0:
+        try:
+            if restart_count() > 0 and _job_store is not None and _job_store.check([_AGREED]):
+                payload = json.loads(_job_store.get(_AGREED))
+            else:
+                payload = {"config": prepare(cfg).to_dict()}
+                if _job_store is not None:
+                    _job_store.set(_AGREED, json.dumps(payload))
+        except ConfigError as e:
+            payload = {"error": str(e), "user": True}
+        except ZeroTrainError as e:
+            payload = {"error": str(e), "user": False}
+    agreed = comm.all_gather_json(payload, "agree_run")[0]
+    if "error" in agreed:
+        raise (ConfigError if agreed["user"] else ZeroTrainError)(agreed["error"])
+    return Config.from_dict(agreed["config"])

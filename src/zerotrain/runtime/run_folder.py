@@ -1,0 +1,135 @@
+"""The run folder: paths resolved once, nothing a fresh run did not create overwritten, the checkpoint to resume found.
+
+`prepare_run` runs once per job (in the launcher, or on rank 0 under torchrun, whose answer every
+rank adopts), so every rank writes to the same folders and resumes from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+from zerotrain import checkpoint
+from zerotrain.config import Config
+from zerotrain.errors import ConfigError
+
+from .failures import restart_count
+
+SUMMARY = "summary.json"
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """Fill the run folder, metrics file and checkpoint folder defaults; make them absolute."""
+    r, c = cfg.run, cfg.checkpoint
+    if not r.out:
+        r.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    r.out = os.path.abspath(r.out)
+    if not r.metrics:
+        r.metrics = os.path.join(r.out, "metrics.jsonl")
+    r.metrics = os.path.abspath(r.metrics)
+    if not c.dir:
+        c.dir = os.path.join(r.out, "checkpoints")
+    c.dir = os.path.abspath(c.dir)
+    return cfg
+
+
+def say(message: str) -> None:
+    print(f"zerotrain: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_run(cfg: Config) -> Config:
+    """Resolve paths, refuse to clobber an earlier run, and pin --resume to one verified checkpoint folder.
+
+    A restarted attempt that had to prepare again only resolves paths: the folder holds its own first
+    attempt, and the loop resumes from the newest checkpoint that verifies.
+    """
+    cfg = resolve_paths(cfg)
+    if restart_count() > 0:
+        return cfg
+    r, c = cfg.run, cfg.checkpoint
+    for flag, path in (("--out", r.out), ("--ckpt-dir", c.dir)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path} is a file, not a folder")
+    if os.path.isdir(r.metrics):
+        raise ConfigError(f"--metrics {r.metrics} is a folder, not a file")
+    explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
+    if auto:
+        c.resume = _newest_verified(c.dir) or ""
+    elif explicit:
+        c.resume = _explicit(c.resume)
+    if c.resume:
+        _check_resumable(cfg, verify=explicit)  # --resume auto verified it already
+    elif not auto:  # --resume auto with nothing committed continues the folder from step 0
+        _claim_for_a_fresh_run(cfg)
+    return cfg
+
+
+def earlier_run(cfg: Config) -> list[str]:
+    """What an earlier run left that a fresh run would overwrite: checkpoints, `latest`, metrics."""
+    found = [os.path.join(cfg.checkpoint.dir, n) for n in checkpoint.committed_steps(cfg.checkpoint.dir)]
+    latest = os.path.join(cfg.checkpoint.dir, checkpoint.LATEST)
+    if os.path.isfile(latest):
+        found.append(latest)
+    for path in (cfg.run.metrics, os.path.join(cfg.run.out, SUMMARY)):
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
+            found.append(path)
+    return found
+
+
+def _claim_for_a_fresh_run(cfg: Config) -> None:
+    found = earlier_run(cfg)
+    if not found:
+        return
+    if not cfg.checkpoint.overwrite:
+        steps = [os.path.basename(p) for p in found if os.path.basename(p).startswith("step_")]
+        what = (f"checkpoints (newest {steps[-1]})" if steps else "") + \
+            (" and " if steps and len(found) > len(steps) else "") + \
+            (", ".join(os.path.basename(p) for p in found if not os.path.basename(p).startswith("step_"))
+             if len(found) > len(steps) else "")
+        raise ConfigError(f"{cfg.run.out} already holds an earlier run's {what}: continue it with --resume auto, "
+                          "or replace it with --overwrite")
+    for path in found:  # the user asked for it by name
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    say(f"--overwrite: removed {len(found)} item(s) of the earlier run in {cfg.run.out}")
+
+
+def _newest_verified(root: str) -> str | None:
+    path, skipped = checkpoint.find_resumable(root)
+    for folder, reason in skipped:
+        say(f"--resume auto: {os.path.basename(folder)} fails verification ({reason})")
+    if path is None and skipped:
+        raise checkpoint.CheckpointError(f"--resume auto: no checkpoint in {root} verifies")
+    if path is None:
+        say(f"--resume auto: no checkpoint in {root}; starting fresh")
+    elif skipped:
+        say(f"--resume auto: falling back to {os.path.basename(path)}, the newest checkpoint that verifies")
+    return path
+
+
+def _explicit(spec: str) -> str:
+    if not os.path.isdir(spec):
+        raise ConfigError(f"--resume {spec}: no such checkpoint folder")
+    return os.path.abspath(checkpoint.resolve_resume(spec, spec))
+
+
+def _check_resumable(cfg: Config, verify: bool) -> None:
+    path = cfg.checkpoint.resume
+    try:
+        manifest = checkpoint.read_manifest(path)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"--resume {path}: {e}") from None
+    problem = checkpoint.incompatibility(manifest, vars(cfg.model))
+    if problem:
+        raise ConfigError(f"--resume {path}: incompatible model: {problem}")
+    if manifest["step"] > cfg.run.steps:
+        raise ConfigError(f"--resume {path}: checkpoint is at step {manifest['step']}, past --steps {cfg.run.steps}")
+    if verify:
+        try:
+            checkpoint.verify_or_raise(path)
+        except checkpoint.CheckpointError as e:
+            raise checkpoint.CheckpointError(f"--resume {path}: {e}") from None

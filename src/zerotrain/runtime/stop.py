@@ -1,0 +1,55 @@
+"""A rank's stop request: SIGTERM or SIGINT, or the stop file of a launcher that cannot signal its ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+class StopRequest:
+    """SIGTERM or SIGINT asks this rank to finish its step, save and exit; a second one exits at once.
+
+    A launcher that cannot signal its ranks directly (zerotrain's own, which the ranks' parent process
+    runs) writes a stop file instead, which `requested` also looks for.
+    """
+
+    def __init__(self, stop_file: str | None = None):
+        self.stop_file = stop_file
+        self.signal_name: str | None = None
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signal_name is not None:  # the second signal: no save, exit now (130 for SIGINT, 143 for SIGTERM)
+            os._exit(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        if self.signal_name is None and self.stop_file and os.path.exists(self.stop_file):
+            with open(self.stop_file) as f:
+                self.signal_name = f.read().strip() or "SIGTERM"
+        return self.signal_name is not None
+
+
+_stop: StopRequest | None = None
+
+
+def stop_request() -> StopRequest:
+    """This rank's stop request (signals, or the launcher's stop file); created when the rank starts."""
+    global _stop
+    if _stop is None:
+        _stop = StopRequest()
+    return _stop
+
+
+def install_stop_request(stop_file: str | None) -> StopRequest:
+    """Called once as a rank starts: its signal handlers, and the launcher's stop file if it has one."""
+    global _stop
+    _stop = StopRequest(stop_file).install()
+    return _stop

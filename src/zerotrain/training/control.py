@@ -1,0 +1,72 @@
+"""The per-step control channel: decisions every rank must share, carried as flags in the step's one all-reduce.
+
+A save by wall clock, a stop signal, an async save finished everywhere: each is a flag that a rank
+sets locally and that travels in the scalar all-reduce every step already makes, summed over ranks.
+Every rank then reads the same sums and decides the same thing, so no rank waits in a save that
+another skipped, no extra collective runs per step, and no background thread issues a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Order of the control flags in the reduction, after the loss and the per-rank non-finite flags.
+SAVE_BY_CLOCK, STOP_TERM, STOP_INT, SAVE_WRITTEN = range(4)
+N_FLAGS = 4
+
+
+@dataclass
+class Decision:
+    """What every rank agreed on this step, read from the summed flags."""
+
+    save_by_clock: bool
+    stop_signal: str | None  # "SIGTERM" or "SIGINT" when a stop was asked on any rank (SIGTERM wins)
+    save_written: bool  # every rank finished writing the async save in flight
+
+    @property
+    def stop(self) -> bool:
+        return self.stop_signal is not None
+
+
+@dataclass
+class Reduced:
+    """The step's one all-reduce, read: global loss sum and gradient norm, bad ranks, the shared decision."""
+
+    loss_sum: float
+    grad_norm: float
+    nonfinite_ranks: list[int]
+    decision: Decision
+
+
+def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: str | None,
+                save_written: bool) -> Reduced:
+    """Finish the gradient reduce-scatter and all-reduce [grad norm^2, loss, non-finite flags, control flags] once."""
+    world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
+    W = world.world_size
+    nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
+    nonfinite[world.rank] = not math.isfinite(loss_sum)
+    flags = local_flags(save_by_clock=save_by_clock, stop_signal=stop_signal, save_written=save_written)
+    # The TP ranks of a replica compute the same loss: only the first one's counts.
+    counted_loss = loss_sum if tp_rank == 0 else 0.0
+    grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
+                                                       flags]))
+    bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
+    return Reduced(float(totals[0]), grad_norm, bad, decide(totals[1 + W :], W))
+
+
+def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_written: bool) -> torch.Tensor:
+    flags = torch.zeros(N_FLAGS, dtype=torch.float64)
+    flags[SAVE_BY_CLOCK], flags[SAVE_WRITTEN] = save_by_clock, save_written
+    if stop_signal is not None:
+        flags[STOP_INT if stop_signal == "SIGINT" else STOP_TERM] = 1
+    return flags
+
+
+def decide(summed: torch.Tensor, world_size: int) -> Decision:
+    """Any rank's clock or stop flag counts; a written save counts only when every rank has written it."""
+    stop = "SIGTERM" if summed[STOP_TERM] > 0 else "SIGINT" if summed[STOP_INT] > 0 else None
+    return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop_signal=stop,
+                    save_written=bool(summed[SAVE_WRITTEN] == world_size))

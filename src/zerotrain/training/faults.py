@@ -1,0 +1,189 @@
+"""Deterministic fault injection for tests and drills, planned by the ZEROTRAIN_FAULTS environment variable.
+
+    ZEROTRAIN_FAULTS="kind@step=N[,rank=R][,factor=F];..."
+
+N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100).
+
+    kill           the rank SIGKILLs itself during step N, before that step's collectives
+    hang           the rank blocks forever before step N's collectives (only being killed ends it)
+    nan            the rank's loss of step N becomes NaN (loss_factor)
+    lr_spike       step N's learning rate is multiplied by F (lr_factor); with --tp on every rank of R's TP
+                   group, which update the replicated parameters together (one rank alone would split replicas)
+    crash_in_save  the rank exits with CRASH_IN_SAVE_EXIT halfway through writing its shard of checkpoint N
+    sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
+                   request is seen, so the stop lands at step N whatever the signal's delivery time
+
+Faults fire only in the first attempt of an elastic job (a restart must be able to recover), and each at most
+once per process: after a rollback the same step number comes again and must run clean. Each method fires a
+fault on its first call for the step, so the loop calls each once per step (loss_factor once per micro-batch
+is fine: one NaN micro-batch makes the step's loss NaN).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from zerotrain.errors import ConfigError, ZeroTrainError
+
+ENV = "ZEROTRAIN_FAULTS"
+KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "sigterm")
+FORMAT = "kind@step=N[,rank=R][,factor=F]"
+# Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
+CRASH_IN_SAVE_EXIT = 75
+DEFAULT_LR_FACTOR = 100.0
+# sigterm: how often and how long the rank polls for its own stop request after signalling the launcher.
+STOP_POLL_S = 0.01
+STOP_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int  # 1-based optimizer step
+    rank: int = 0
+    factor: float = DEFAULT_LR_FACTOR  # lr_spike only
+
+    def describe(self) -> str:
+        what = f"lr_spike x{self.factor:g}" if self.kind == "lr_spike" else self.kind
+        return f"{what} at step {self.step} on rank {self.rank}"
+
+
+def _parse_int(entry: str, key: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ConfigError(f"{ENV}: {key} must be an integer >= {minimum}, got {text!r} in {entry!r}")
+    return value
+
+
+def _parse_entry(entry: str) -> Fault:
+    kind, at, params = entry.partition("@")
+    kind = kind.strip()
+    if kind not in KINDS:
+        raise ConfigError(f"{ENV}: unknown fault kind {kind!r} in {entry!r} (known: {', '.join(KINDS)})")
+    if not at:
+        raise ConfigError(f"{ENV}: {entry!r} names no step (format: {FORMAT})")
+    values: dict[str, str] = {}
+    for item in params.split(","):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if key not in ("step", "rank", "factor") or not eq:
+            raise ConfigError(f"{ENV}: cannot read {item.strip()!r} in {entry!r} (format: {FORMAT})")
+        if key in values:
+            raise ConfigError(f"{ENV}: {key} is given twice in {entry!r}")
+        values[key] = value
+    if "step" not in values:
+        raise ConfigError(f"{ENV}: {entry!r} names no step (format: {FORMAT})")
+    fault = Fault(kind, _parse_int(entry, "step", values["step"], 1),
+                  _parse_int(entry, "rank", values.get("rank", "0"), 0))
+    if "factor" in values:
+        if kind != "lr_spike":
+            raise ConfigError(f"{ENV}: factor applies only to lr_spike, not {kind}, in {entry!r}")
+        try:
+            factor = float(values["factor"])
+        except ValueError:
+            factor = math.nan
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"{ENV}: factor must be a positive number, got {values['factor']!r} in {entry!r}")
+        fault = Fault(kind, fault.step, fault.rank, factor)
+    return fault
+
+
+def _announce(fault: Fault) -> None:
+    # Said before acting, on stderr: a rank that dies or hangs on purpose should not look like a bug.
+    print(f"zerotrain: {ENV}: {fault.describe()}", file=sys.stderr, flush=True)
+
+
+class Faults:
+    """The faults planned for one process, each fired at most once."""
+
+    def __init__(self, planned: list[Fault] | tuple[Fault, ...] = ()):
+        self.planned: tuple[Fault, ...] = tuple(planned)
+        self.fired: set[Fault] = set()
+
+    @classmethod
+    def parse(cls, text: str) -> "Faults":
+        """Every fault in `text` (all ranks); raises ConfigError naming the first bad entry."""
+        entries = [e.strip() for e in text.split(";")]
+        return cls([_parse_entry(e) for e in entries if e])
+
+    @classmethod
+    def from_env(cls, rank: int, attempt: int | None = None, tp: int = 1) -> "Faults":
+        """This rank's faults from ZEROTRAIN_FAULTS; attempt defaults to TORCHELASTIC_RESTART_COUNT (0 if unset)."""
+        if attempt is None:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # Parsed in every attempt, so a typo is reported even when nothing would fire.
+        return cls.parse(os.environ.get(ENV, "")).for_rank(rank, attempt, tp)
+
+    def for_rank(self, rank: int, attempt: int = 0, tp: int = 1) -> "Faults":
+        """The faults of `rank` (lr_spike: of its TP group of `tp` ranks); none after an elastic restart (attempt > 0)."""
+        def mine(f: Fault) -> bool:
+            return f.rank // tp == rank // tp if f.kind == "lr_spike" else f.rank == rank
+
+        return Faults([f for f in self.planned if mine(f) and attempt == 0])
+
+    def describe(self) -> str:
+        if not self.planned:
+            return "no faults planned"
+        return "faults planned: " + "; ".join(f.describe() for f in self.planned)
+
+    def _fire(self, step: int, *kinds: str) -> list[Fault]:
+        due = [f for f in self.planned if f.step == step and f.kind in kinds and f not in self.fired]
+        self.fired.update(due)
+        return due
+
+    def before_collectives(self, step: int, stop_seen: Callable[[], bool] | None = None,
+                           stop_wait_s: float = STOP_WAIT_S) -> None:
+        """kill, hang and sigterm of step `step`, in the order written; call before the step's first collective.
+
+        `stop_seen()` tells whether this rank's own stop request (set by its SIGTERM handler) has arrived.
+        """
+        for fault in self._fire(step, "kill", "hang", "sigterm"):
+            _announce(fault)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "hang":
+                while True:  # sleep resumes after a handled signal (PEP 475): only SIGKILL ends this
+                    time.sleep(3600)
+            else:
+                self._signal_launcher(fault, stop_seen, stop_wait_s)
+
+    @staticmethod
+    def _signal_launcher(fault: Fault, stop_seen: Callable[[], bool] | None, stop_wait_s: float) -> None:
+        if stop_seen is None:
+            raise ValueError("the sigterm fault needs stop_seen(), the rank's own stop request")
+        os.kill(os.getppid(), signal.SIGTERM)
+        deadline = time.monotonic() + stop_wait_s
+        while not stop_seen():
+            if time.monotonic() > deadline:
+                raise ZeroTrainError(
+                    f"{ENV}: {fault.describe()}: no stop request reached this rank within {stop_wait_s:g} s "
+                    f"of signalling the launcher (pid {os.getppid()})")
+            time.sleep(STOP_POLL_S)
+
+    def loss_factor(self, step: int) -> float:
+        """NaN if a nan fault is due at `step`, else 1.0; the loop multiplies this rank's loss by it before backward."""
+        return math.nan if self._fire(step, "nan") else 1.0
+
+    def lr_factor(self, step: int) -> float:
+        """The product of the lr_spike factors due at `step` (1.0 if none)."""
+        return math.prod(f.factor for f in self._fire(step, "lr_spike"))
+
+    def save_hook(self) -> Callable[[int], None] | None:
+        """The checkpoint writer's halfway_hook(step), exiting at a planned crash_in_save step; None if none planned."""
+        if not any(f.kind == "crash_in_save" for f in self.planned):
+            return None
+
+        def crash_halfway(step: int) -> None:
+            for fault in self._fire(step, "crash_in_save"):
+                _announce(fault)
+                os._exit(CRASH_IN_SAVE_EXIT)  # no cleanup, no flush: like a machine losing power mid-write
+
+        return crash_halfway

@@ -1,0 +1,87 @@
+"""The invariants every run checks: no cross-rank drift (b) and ZeRO-1 memory (c); where (a) and (d) live.
+
+(a) Every rank's loss is finite: each rank's flag travels in the step's all-reduce (control.reduce_step)
+and the guard refuses the update before the optimizer runs (guard.AnomalyDetector, InvariantError on abort).
+(d) Every checkpoint file reads back byte-equal: the checkpoint writer checks it before the commit
+(checkpoint/save.py, read_back_check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.errors import InvariantError
+from zerotrain.parallel import Comm, Mesh
+from zerotrain.parallel.digest import digest_hex
+
+
+def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
+    """(b) Replicated parameters are bitwise equal on every rank, each TP slice across its DP group.
+
+    `digests` is this rank's engine.param_digests() (rows: replicated, sliced); only these few
+    bytes per rank travel. Returns each rank's digests as hex, rank order.
+    """
+    rows = mesh.world.all_gather_rows(digests.to(torch.int64), "all_gather_digests")
+    T = mesh.tp_size
+    replicated = [r for r in range(len(rows)) if not torch.equal(rows[r, 0], rows[0, 0])]
+    # Rank t (DP index 0) holds TP slice t; every rank d*T + t must hold the same values.
+    sliced = [r for r in range(len(rows)) if not torch.equal(rows[r, 1], rows[r % T, 1])]
+    if replicated:
+        what = "replicated parameters" if T > 1 else "parameters"
+        raise InvariantError(f"invariant (b) failed: {what} of rank(s) {replicated} differ from rank 0 at step {step}")
+    if sliced:
+        raise InvariantError(f"invariant (b) failed: the TP slices of rank(s) {sliced} differ from their DP group's "
+                             f"first rank ({sorted({r % T for r in sliced})}) at step {step}")
+    return [digest_hex(rows[r].reshape(-1)) for r in range(len(rows))]
+
+
+@dataclass
+class MemoryReport:
+    per_rank: list[int]  # optimizer-state bytes measured on each rank
+    expected: int  # the ZeRO-1 formula for one rank
+    bytes_per_value: int
+    shard_numel: int
+
+    @property
+    def max(self) -> int:
+        return max(self.per_rank)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.per_rank) / len(self.per_rank)
+
+
+def held_bytes(tensors: list[torch.Tensor], exclude: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`, leaving out those that back `exclude`.
+
+    Measured from the storages themselves: a view costs nothing extra, a copy is counted.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in excluded:
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def check_memory(engine, comm: Comm) -> MemoryReport:
+    """(c) Optimizer state held per rank equals the ZeRO-1 formula (bytes per owned value x shard size)."""
+    measured = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+    per_rank = comm.all_gather_rows(torch.tensor([measured], dtype=torch.int64), "all_gather_memory")
+    report = MemoryReport(
+        per_rank=[int(v) for v in per_rank.view(-1).tolist()],
+        expected=engine.expected_state_bytes_per_value() * engine.layout.shard_numel,
+        bytes_per_value=engine.expected_state_bytes_per_value(),
+        shard_numel=engine.layout.shard_numel,
+    )
+    wrong = [r for r, v in enumerate(report.per_rank) if v != report.expected]
+    if wrong:
+        raise InvariantError(
+            f"invariant (c) failed: optimizer state on rank(s) {wrong} is "
+            f"{[report.per_rank[r] for r in wrong]} bytes, ZeRO-1 expects {report.expected} "
+            f"({report.bytes_per_value} x {report.shard_numel})"
+        )
+    return report
