@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ["ZEROTRAIN_CACHE"] = tempfile.mkdtemp(prefix="zerotrain-test-cache-")
 atexit.register(shutil.rmtree, os.environ["ZEROTRAIN_CACHE"], True)
 
-from zerotrain.config import Config, validate  # noqa: E402
+from zerotrain.config import Config, resolve, setting_for, validate  # noqa: E402
 from zerotrain.runtime.run_folder import resolve_paths  # noqa: E402
 
 
@@ -25,14 +25,15 @@ def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Confi
     """The lesson's tiny GPT with small buckets, so multi-bucket code paths are exercised."""
     cfg = Config()
     cfg.data.source = "synthetic"  # the default corpus is for users; unit tests learn the tiny Markov chain
-    cfg.run.nproc, cfg.run.micro_batch, cfg.run.accum, cfg.run.steps = nproc, micro, accum, steps
-    cfg.run.progress = False
-    cfg.run.bucket_mb = 0.01  # ~2.6K values: several buckets for the 28K-parameter model
-    cfg.run.out = str(tmp_path)
-    cfg.run.timeout_s = 60
-    for k, v in run.items():
-        setattr(cfg.run, k, v)
-    return resolve_paths(validate(cfg))
+    cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.accum, cfg.loop.steps = nproc, micro, accum, steps
+    cfg.logging.progress = False
+    cfg.parallel.bucket_mb = 0.01  # ~2.6K values: several buckets for the 28K-parameter model
+    cfg.logging.out = str(tmp_path)
+    cfg.launch.timeout = 60
+    for key, value in run.items():
+        s = setting_for(key)
+        setattr(getattr(cfg, s.section), s.name, value)
+    return resolve_paths(resolve(validate(cfg)))
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ def interrupted_job(cfg: Config, comm: Comm) -> dict:
     resumed = copy.deepcopy(cfg)
     resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.checkpoint.every))
     resumed.checkpoint.every = 0
-    resumed.run.metrics = ""
+    resumed.logging.metrics = ""
     return {"first": first, "resumed": params_job(resumed, comm)}
 
 

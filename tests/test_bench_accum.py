@@ -33,13 +33,13 @@ def test_quick_sweep_writes_schema_json_and_a_two_panel_png_of_the_expected_size
     report = json.loads((tmp_path / "accum-curve.json").read_text())
     assert report["schema"] == SCHEMA and report["schema_version"] == SCHEMA_VERSION
     assert {"platform", "cpu_count", "torch"} <= report["machine"].keys()
-    assert report["config"]["run"]["nproc"] == 2
+    assert report["config"]["launch"]["nproc"] == 2
     assert report["grid"] == [1, 2, 4, 8, 16]
     points = report["points"]
     assert [p["accum_steps"] for p in points] == [1, 2, 4, 8, 16]
     for p in points:
         assert POINT_FIELDS <= p.keys()
-        assert p["world_size"] == 2 and p["micro_batch"] == report["config"]["run"]["micro_batch"]
+        assert p["world_size"] == 2 and p["micro_batch"] == report["config"]["loop"]["micro_batch"]
         assert p["effective_batch"] == p["world_size"] * p["micro_batch"] * p["accum_steps"]
         assert p["timed_steps"] == report["timed_steps"]
         for key in ("samples_per_s", "tokens_per_s", "optimizer_steps_per_s", "step_time_median_s", "bytes_per_step"):

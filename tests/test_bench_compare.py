@@ -61,12 +61,12 @@ def planted_lr_job(cfg: Config, comm: Comm) -> dict:
     planted.optim.lr *= 1.5
     runs = {name: (strategies.build(name, cfg, comm), cfg) for name in strategies.NAMES}
     runs["zerotrain_lr_x1.5"] = (strategies.build("zerotrain", planted, comm), planted)
-    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=cfg.run.accum,
+    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                              rank=comm.rank, world_size=comm.world_size)
-    for step in range(cfg.run.steps):
+    for step in range(cfg.loop.steps):
         batch = schedule.batch(step)
         for strategy, c in runs.values():
-            strategy.step(batch, lr_at(step, c.optim, c.run.steps))
+            strategy.step(batch, lr_at(step, c.optim, c.loop.steps))
     return param_gaps({name: s.full_params() for name, (s, _) in runs.items()}, "ddp")
 
 

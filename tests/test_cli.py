@@ -62,7 +62,7 @@ def test_train_writes_metrics_and_resume_auto_continues(tmp_path):
 
 def test_torchrun_job_is_joined_not_respawned_and_its_world_size_decides_tp(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text("[run]\nnproc = 3\n")  # ignored: torchrun's world size decides (3 would refuse --tp 2)
+    toml.write_text("[launch]\nnproc = 3\n")  # ignored: torchrun's world size decides (3 would refuse --tp 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", "--steps", "2", "--micro-batch", "2",
            "--out", str(tmp_path), "--no-progress", "--config", str(toml), "--data", "synthetic", "--tp", "2"]
@@ -83,7 +83,7 @@ def test_under_torchrun_the_gpu_count_is_checked_against_this_node_s_ranks(monke
         monkeypatch.setenv(key, value)
     args = build_parser().parse_args(["train", "--device", "cuda", "--data", "synthetic", "--tp", "4"])
     cfg = config_from_args(args)
-    assert (cfg.run.nproc, cfg.run.dp) == (16, 4)
+    assert (cfg.launch.nproc, cfg.dp) == (16, 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "9")  # planted: more ranks on this node than GPUs
     with pytest.raises(ConfigError, match="--nproc 9 exceeds the 8 CUDA devices here"):
         config_from_args(build_parser().parse_args(["train", "--device", "cuda", "--data", "synthetic"]))
@@ -129,8 +129,8 @@ def test_tensorboard_without_its_package_names_the_extra(capsys, monkeypatch):
 ])
 def test_overlap_auto_chooses_per_device_and_flags_override_it(flags, device, compile, backward, forward):
     cfg = config_from_args(build_parser().parse_args(["train", "--data", "synthetic", *flags]))
-    cfg.run.device, cfg.run.compile = device, compile
-    assert (cfg.run.reduce_in_backward, cfg.run.gather_in_forward) == (backward, forward)
+    cfg.launch.device, cfg.loop.compile = device, compile
+    assert (cfg.reduce_in_backward, cfg.gather_in_forward) == (backward, forward)
 
 
 def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_path, capsys):
@@ -150,4 +150,4 @@ def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_pat
     assert "--n-embd 48 is not divisible by --n-head 5" in capsys.readouterr().err
     toml.write_text("[modle]\n")
     assert main(["train", "--config", str(toml)]) == 2
-    assert "unknown section [modle]" in capsys.readouterr().err
+    assert "unknown table [modle] (did you mean [model]?" in capsys.readouterr().err

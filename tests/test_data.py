@@ -285,13 +285,13 @@ def test_validation_batches_are_fixed_whatever_the_seed_and_apart_from_training(
     check_source(cfg)
     val = make_source(cfg, split="val")
     first = [val.sequences(k, range(8))[0] for k in range(3)]
-    cfg.run.seed = 7
+    cfg.loop.seed = 7
     again = make_source(cfg, split="val")
     assert all(torch.equal(a, again.sequences(k, range(8))[0]) for k, a in enumerate(first))
     assert all(int(a.min()) >= 500 for a in first)  # drawn from val.bin only
     assert not torch.equal(first[0], first[1])
     # planted bug: validation seeded by the run seed would change with --seed
-    seeded = TokenSource(again.files, cfg.model.seq_len, cfg.run.seed, cfg.model.vocab_size)
+    seeded = TokenSource(again.files, cfg.model.seq_len, cfg.loop.seed, cfg.model.vocab_size)
     assert not torch.equal(seeded.sequences(0, range(8))[0], first[0])
 
 

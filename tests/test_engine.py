@@ -13,14 +13,14 @@ from zerotrain.training.schedule import lr_at
 
 
 def run_steps(engine, cfg, steps, forward=None):
-    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=cfg.run.accum,
+    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                              rank=0, world_size=1)
     for step in range(steps):
         batch = schedule.batch(step)
         engine.zero_grad()
         accumulate_gradients(engine, batch, forward)
         norm, _ = engine.reduce_grads(torch.zeros(0))
-        engine.apply(lr_at(step, cfg.optim, cfg.run.steps), norm)
+        engine.apply(lr_at(step, cfg.optim, cfg.loop.steps), norm)
     return norm
 
 
@@ -67,7 +67,7 @@ def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, 
     run_steps(engine, cfg, 3)
 
     def reference(lr_scale):
-        model = build_model(cfg.model, cfg.run.seed)
+        model = build_model(cfg.model, cfg.loop.seed)
         o = cfg.optim
         # the same torch AdamW implementation (fused or foreach) the engine picked, on whole parameters
         opt = build_adamw(adamw_param_groups(model.named_parameters(), o.weight_decay), o)
@@ -77,7 +77,7 @@ def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, 
             opt.zero_grad()
             (summed_token_loss(model(x), y) / source.token_count(step, 8)).backward()
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, o, cfg.run.steps) * lr_scale
+                g["lr"] = lr_at(step, o, cfg.loop.steps) * lr_scale
             opt.step()
         return dict(model.named_parameters())
 

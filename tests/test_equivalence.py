@@ -30,7 +30,7 @@ def test_equivalence_passes_on_the_default_config_and_catches_the_wrong_weightin
     proc, report = run_equivalence(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and report["passed"]
-    assert report["config"]["data"]["source"] == "synthetic-varlen"
+    assert report["config"]["data"]["data"] == "synthetic-varlen"  # the TOML key of --data
     assert len(set(report["micro_batch_tokens"])) > 1  # micro-batches really carry different token counts
     assert [row["split"] for row in report["checked"]] == ["1 x 16 x 1", "1 x 2 x 8", "2 x 2 x 4"]
     for row in report["checked"]:
@@ -79,24 +79,24 @@ def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> di
     out = {}
     for accum in accums:
         c = copy.deepcopy(cfg)
-        c.run.accum = accum
+        c.loop.accum = accum
         before = Counter(comm.calls)
         engine = train(c, comm).engine
         calls = Counter(comm.calls) - before
         buckets = len(engine.layout.buckets)
         out[accum] = {"buckets": buckets,
-                      "reduce_scatter": calls["reduce_scatter_grads"] / (c.run.steps * buckets),
-                      "all_gather": calls["all_gather_params"] / (c.run.steps * buckets)}
+                      "reduce_scatter": calls["reduce_scatter_grads"] / (c.loop.steps * buckets),
+                      "all_gather": calls["all_gather_params"] / (c.loop.steps * buckets)}
     return out if comm.rank == 0 else None
 
 
 def _rounds(eager: bool, accums: list[int]) -> dict:
     cfg = Config()
     cfg.data.source = "synthetic"
-    cfg.run.nproc, cfg.run.micro_batch, cfg.run.steps = 2, 1, 2
-    cfg.run.bucket_mb = 0.02  # several buckets, so "one round" means one call per bucket
-    cfg.run.overlap = "on"  # buckets launch from backward's hooks, where a missed no_sync would show
-    cfg.run.progress, cfg.run.check_every, cfg.run.timeout_s = False, 0, 60.0
+    cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.steps = 2, 1, 2
+    cfg.parallel.bucket_mb = 0.02  # several buckets, so "one round" means one call per bucket
+    cfg.parallel.overlap = "on"  # buckets launch from backward's hooks, where a missed no_sync would show
+    cfg.logging.progress, cfg.loop.check_every, cfg.launch.timeout = False, 0, 60.0
     return run_job(functools.partial(rounds_job, accums=accums, eager=eager), cfg, time_limit=120)
 
 

@@ -177,7 +177,7 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint_naming_the_bad_
 
 def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROTRAIN_FAULTS", "hang@step=3,rank=1")
-    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=6, timeout_s=5)
+    cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=6, timeout=5)
     t0 = time.monotonic()
     with pytest.raises(JobFailed, match=r"rank 0: collective \w+ at step 3 timed out after 5 s"):
         run_job(dist_jobs.params_job, cfg, time_limit=120)
@@ -304,7 +304,7 @@ def test_an_exception_in_a_rank_is_one_line_naming_the_rank_and_its_logged_trace
     cfg = tiny_config(tmp_path, nproc=2, micro=2, steps=2)
     with pytest.raises(JobFailed) as failed:
         run_job(dist_jobs.raising_job, cfg, time_limit=120)
-    log = os.path.join(cfg.run.out, "logs", "rank00001.log")
+    log = os.path.join(cfg.logging.out, "logs", "rank00001.log")
     assert str(failed.value) == f"rank 1: ValueError: a bug in rank 1 (traceback in {log})"
     assert "Traceback" in open(log).read() and "raising_job" in open(log).read()
     assert child_pids() == []

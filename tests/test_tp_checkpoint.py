@@ -198,9 +198,9 @@ def test_a_resume_on_another_mesh_restores_the_exact_state_and_a_misplaced_or_lo
     assert out["loaded"]["mesh"] == {"tp": tp, "dp": nproc // tp}
     # (i) right after loading, the new ranks' shards hold bitwise the checkpoint's full master, moments and step
     want = checkpoint_state(cfg.checkpoint.resume)
-    assert differences(loaded_state(cfg.run.out, "real", out["loaded"]), want) == []
+    assert differences(loaded_state(cfg.logging.out, "real", out["loaded"]), want) == []
     # planted: the same check catches a load that places the old TP slices wrongly or loses the moments
-    bad = differences(loaded_state(cfg.run.out, "planted", out["loaded"]), want)
+    bad = differences(loaded_state(cfg.logging.out, "planted", out["loaded"]), want)
     assert {"swapped slices": "master transformer.h.0.attn.c_attn.weight",
             "no moments": "exp_avg transformer.wte.weight"}[planted] in bad
     # (ii) and the run continues as the uninterrupted one did, up to float order

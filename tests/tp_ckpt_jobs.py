@@ -57,16 +57,16 @@ def run_then_resume_on_the_same_mesh_job(cfg: Config, comm: Comm) -> dict:
     first = train(cfg, comm)
     folders = {}
     for way in ("sync", "async"):
-        writer = checkpoint.CheckpointWriter(os.path.join(cfg.run.out, way), comm)
+        writer = checkpoint.CheckpointWriter(os.path.join(cfg.logging.out, way), comm)
         if way == "sync":
-            folders[way] = writer.save(cfg.run.steps, first.engine, {"config": cfg.to_dict()})[0]
+            folders[way] = writer.save(cfg.loop.steps, first.engine, {"config": cfg.to_dict()})[0]
         else:
-            writer.start(cfg.run.steps, first.engine, {"config": cfg.to_dict()})
+            writer.start(cfg.loop.steps, first.engine, {"config": cfg.to_dict()})
             folders[way] = writer.finish()
     resumed = copy.deepcopy(cfg)
     resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(3))
     resumed.checkpoint.every = 0
-    resumed.run.metrics = ""
+    resumed.logging.metrics = ""
     return {"first": summary(first, comm), "resumed": summary(train(resumed, comm), comm), "folders": folders}
 
 
@@ -75,7 +75,7 @@ def _dump_loaded_state(cfg: Config, comm: Comm, tag: str) -> dict:
     engine = build_engine(cfg, comm)
     checkpoint.load(cfg.checkpoint.resume, engine, comm)
     state = {k: v.detach().cpu().contiguous() for k, v in engine.shard_state_dict().items()}
-    save_file(state, os.path.join(cfg.run.out, f"state-{tag}-rank{comm.rank:02d}.safetensors"))
+    save_file(state, os.path.join(cfg.logging.out, f"state-{tag}-rank{comm.rank:02d}.safetensors"))
     return {"layout": engine.layout.to_dict(), "mesh": engine.mesh.describe(),
             "tp_slices": {n: s.to_dict() for n, s in engine.tp_slices.items()}}
 
@@ -117,6 +117,6 @@ def resume_without_moments_job(cfg: Config, comm: Comm) -> dict:
 def bf16_saves_job(cfg: Config, comm: Comm) -> dict:
     """bf16 with TP: train (saving sync at the end), then save the final state async; both folders."""
     result = train(cfg, comm)
-    writer = checkpoint.CheckpointWriter(os.path.join(cfg.run.out, "async"), comm)
-    writer.start(cfg.run.steps, result.engine, {"config": cfg.to_dict()})
+    writer = checkpoint.CheckpointWriter(os.path.join(cfg.logging.out, "async"), comm)
+    writer.start(cfg.loop.steps, result.engine, {"config": cfg.to_dict()})
     return {"sync": result.checkpoints[-1], "async": writer.finish(), "params": full_params(result.engine, comm)}

@@ -1,13 +1,18 @@
-"""Typed run configuration: dataclasses, validation that names the bad field, TOML + CLI merge."""
+"""The run configuration: every setting declared once (key, default, help, rule), pure validation, derived values.
+
+A setting is a dataclass field declared with `setting(...)`. Its key is its TOML name in its
+section's table and, with dashes, its flag: `ckpt_every` under `[checkpoint]` is `--ckpt-every`.
+The flag table, the TOML loader, `--help` and the README's training reference are all built from
+these declarations, so they cannot disagree. `validate` is pure (it reads, never changes);
+`resolve` fills in the derived values (warmup from steps) in one place after it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
+import difflib
 import math
-import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from zerotrain.errors import ConfigError
 
@@ -15,6 +20,33 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a setting's value must satisfy, and how the error says it."""
+
+    says: str
+    holds: Callable[[Any], bool]
+
+
+POSITIVE = Rule("must be positive", lambda v: v > 0)
+NON_NEGATIVE = Rule("must be >= 0", lambda v: v >= 0)
+FRACTION = Rule("must be in [0, 1]", lambda v: 0 <= v <= 1)
+BETA = Rule("must be in [0, 1)", lambda v: 0 <= v < 1)
+ABOVE_ONE = Rule("must be a number above 1", lambda v: v > 1)
+
+
+def one_of(*choices: str) -> Rule:
+    return Rule("must be " + ", ".join(choices[:-1]) + f" or {choices[-1]}", lambda v: v in choices)
+
+
+def setting(default, help: str, *, rule: Rule | None = None, key: str | None = None, shown: str | None = None):
+    """Declare a setting: its default, its help, the rule its value obeys, and its key when not the field's name.
+
+    `shown` is how `--help` and the README state a default that is derived (`runs/<timestamp>`).
+    """
+    return field(default=default, metadata={"help": help, "rule": rule, "key": key, "shown": shown})
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -31,101 +63,106 @@ PRESETS: dict[str, dict[str, int]] = {
 
 @dataclass
 class ModelConfig:
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 32
-    seq_len: int = 16
-    vocab_size: int = 64
+    n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
+    n_head: int = setting(4, "attention heads", rule=POSITIVE)
+    n_embd: int = setting(32, "embedding width", rule=POSITIVE)
+    seq_len: int = setting(16, "tokens per sequence", rule=POSITIVE)
+    vocab_size: int = setting(64, "vocabulary size; when not given, the data's", rule=POSITIVE,
+                              shown="the data's; synthetic data: 64")
 
 
 @dataclass
 class DataConfig:
-    # "python-stdlib" (this interpreter's standard-library sources, as bytes), "synthetic",
-    # "synthetic-varlen", a UTF-8 text file or folder (as bytes), or token files: a folder with
-    # *train*.bin / *val*.bin (zerotrain prepare, nanoGPT, llm.c) or one .bin file. See data/resolve.py.
-    source: str = "python-stdlib"
-    # Pack the token stream into full sequences (True) or one document per sequence, padded and
-    # label-masked (False; documents end with the end-of-text token).
-    pack: bool = True
-    glob: str = "**/*.txt"  # a text folder's files
-    val_fraction: float = 0.05  # text inputs: the documents set aside for validation (by a hash of their name)
-    cache_dir: str = ""  # prepared text inputs; "" -> $ZEROTRAIN_CACHE or ~/.cache/zerotrain
+    # What --data names is resolved in data/resolve.py.
+    source: str = setting("python-stdlib", "python-stdlib (this Python's standard library as bytes), synthetic, "
+                          "synthetic-varlen, a UTF-8 text file or folder, or token files (a folder with "
+                          "train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c)", key="data")
+    # Packed sequences (True), or one document per sequence, padded and label-masked (False; documents
+    # end with the end-of-text token).
+    pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
+                         "padded and masked)")
+    glob: str = setting("**/*.txt", "a text folder's files")
+    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation", rule=BETA)
+    cache_dir: str = setting("", "where text inputs are prepared", key="data_cache",
+                             shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = -1  # -1: resolved to max(1, steps // 10)
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
+    lr: float = setting(3e-3, "peak learning rate", rule=POSITIVE)
+    min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr", rule=FRACTION)
+    warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, at least 1)", shown="steps/10")
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices", rule=NON_NEGATIVE)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=BETA)
+    beta2: float = setting(0.95, "AdamW's second-moment decay", rule=BETA)
+    eps: float = setting(1e-8, "AdamW's epsilon", rule=POSITIVE)
+    grad_clip: float = setting(1.0, "clip the global gradient norm (0: off)", rule=NON_NEGATIVE)
 
 
 @dataclass
-class RunConfig:
-    nproc: int = 1
-    tp: int = 1  # tensor-parallel degree: ranks that split each layer; the rest of nproc is data parallelism
-    steps: int = 20
-    micro_batch: int = 8
-    accum: int = 1
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "fp32"  # fp32 | bf16
-    threads: int = 0  # torch threads per rank; 0: cores // nproc, at least 1
-    bucket_mb: float = 4.0  # gradient bucket size in MiB of fp32 values
-    # on: reduce-scatter during backward, all-gather during the next forward; off: neither;
-    # auto: on with CUDA, off on CPU (see reduce_in_backward)
-    overlap: str = "auto"
-    compile: bool = False  # run the model's forward and backward through torch.compile
-    check_every: int = 10  # cross-rank drift check period in steps (0: only at the end)
-    timeout_s: float = 120.0  # collective timeout: a stuck peer fails the job instead of hanging it
-    max_restarts: int = 0  # elastic restarts of the whole group after a worker dies; each resumes from a checkpoint
-    out: str = ""  # run folder; "" -> runs/<timestamp>
-    metrics: str = ""  # JSONL path; "" -> <out>/metrics.jsonl
-    progress: bool = True
-    eval_every: int = 0  # validation loss every K steps and at the end (0: never)
-    eval_batches: int = 8  # fixed validation batches, each DP replicas x micro-batch sequences
-    tensorboard: bool = False  # also log to <out>/tensorboard (needs the tensorboard package)
+class LaunchConfig:
+    nproc: int = setting(1, "local ranks to spawn (ignored under torchrun)", rule=POSITIVE)
+    device: str = setting("cpu", "cpu (gloo) or cuda (NCCL)", rule=one_of("cpu", "cuda"))
+    threads: int = setting(0, "torch threads per rank (0: cores / local ranks)", rule=NON_NEGATIVE,
+                           shown="cores / local ranks")
+    timeout: float = setting(120.0, "collective timeout in seconds: a rank that stops answering fails the job",
+                             rule=POSITIVE)
+    max_restarts: int = setting(0, "restart the group after a worker dies, resuming from the newest checkpoint "
+                                "that verifies (as torchrun's option)", rule=NON_NEGATIVE)
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel replicas: the world size over the TP degree."""
-        return max(1, self.nproc // self.tp)
 
-    @property
-    def reduce_in_backward(self) -> bool:
-        # On CPU gloo's transfers are copies by CPU threads, competing with compute for the cores:
-        # measured no faster overlapped (2 ranks on 2 cores, --preset wide, micro-batch 1, settings
-        # alternated within one run: 68 ms per step with neither, 67-71 with the all-gather behind
-        # the forward, 72-75 with the reduce-scatter in backward).
-        return self.overlap == "on" or (self.overlap == "auto" and self.device == "cuda")
+@dataclass
+class ParallelConfig:
+    tp: int = setting(1, "tensor-parallel degree: ranks that split each layer's heads and MLP (divides --nproc; "
+                      "rank = dp_index x tp + tp_index)", rule=POSITIVE)
+    precision: str = setting("fp32", "fp32, or bf16 parameters with an fp32 master shard",
+                             rule=one_of("fp32", "bf16"))
+    bucket_mb: float = setting(4.0, "gradient bucket size in MiB", rule=POSITIVE)
+    overlap: str = setting("auto", "communicate during compute: reduce-scatter in backward, all-gather in the next "
+                           "forward: on, off, or auto (on with CUDA, off on CPU)", rule=one_of("auto", "on", "off"))
 
-    @property
-    def gather_in_forward(self) -> bool:
-        # The same switch, but a compiled forward cannot stop midway to wait for a bucket.
-        return self.reduce_in_backward and not self.compile
+
+@dataclass
+class LoopConfig:
+    steps: int = setting(20, "optimizer steps", rule=POSITIVE)
+    micro_batch: int = setting(8, "sequences per rank per micro-batch", rule=POSITIVE)
+    accum: int = setting(1, "micro-batches per optimizer step", rule=POSITIVE)
+    seed: int = setting(0, "seed of the model init and the data")
+    compile: bool = setting(False, "run the model's forward and backward through torch.compile")
+    check_every: int = setting(10, "cross-rank drift check period in steps (0: only at the end)", rule=NON_NEGATIVE)
+    eval_every: int = setting(0, "validation loss every K steps and at the end (0: never)", rule=NON_NEGATIVE)
+    eval_batches: int = setting(8, "fixed validation batches of DP replicas x micro-batch sequences", rule=POSITIVE)
+
+
+@dataclass
+class LoggingConfig:
+    out: str = setting("", "run folder", shown="runs/<timestamp>")
+    metrics: str = setting("", "metrics JSONL path", shown="<out>/metrics.jsonl")
+    progress: bool = setting(True, "a progress line (--no-progress: none)")
+    tensorboard: bool = setting(False, "also log to <out>/tensorboard ('zerotrain[tb]')")
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # "" -> <out>/checkpoints
-    every: int = 0  # 0: no periodic checkpoints
-    keep: int = 0  # how many committed checkpoints to keep; 0 keeps all
-    resume: str = ""  # "", "auto" or a checkpoint folder
-    every_minutes: float = 0.0  # also save by wall clock, rank 0's, whichever of the two comes due first; 0: off
-    async_save: bool = False  # write in a background thread from CPU staging buffers while training goes on
-    overwrite: bool = False  # a fresh run may replace the checkpoints and metrics already in its folders
+    dir: str = setting("", "checkpoint folder", key="ckpt_dir", shown="<out>/checkpoints")
+    every: int = setting(0, "save every K steps (0: never)", key="ckpt_every", rule=NON_NEGATIVE)
+    every_minutes: float = setting(0.0, "save every M minutes of wall clock (0: never); with --ckpt-every, "
+                                   "whichever comes due first", key="ckpt_every_minutes", rule=NON_NEGATIVE)
+    keep: int = setting(0, "committed checkpoints to keep (0: all)", rule=NON_NEGATIVE)
+    resume: str = setting("", "'auto' (the newest checkpoint that verifies, if any) or a checkpoint folder",
+                          shown="none")
+    async_save: bool = setting(False, "write checkpoints in the background while training goes on")
+    overwrite: bool = setting(False, "a fresh run may replace the checkpoints and metrics in its folder")
 
 
 @dataclass
 class GuardConfig:
-    on_anomaly: str = "rollback"  # rollback | abort: what a non-finite loss or gradient norm or a loss spike does
-    spike_factor: float = 3.0  # a loss above spike_factor x the median of the last spike_window steps is a spike
-    spike_window: int = 20
-    max_rollbacks: int = 3  # past this many rollbacks the run stops with an error
+    on_anomaly: str = setting("rollback", "rollback (restore the last checkpoint, skip the bad data) or abort: "
+                              "what a non-finite loss or gradient norm or a loss spike does",
+                              rule=one_of("rollback", "abort"))
+    spike_factor: float = setting(3.0, "a loss above F x the median of the window is a spike", rule=ABOVE_ONE)
+    spike_window: int = setting(20, "steps in the loss median the spike test uses", rule=POSITIVE)
+    max_rollbacks: int = setting(3, "rollbacks allowed before the run stops with an error", rule=NON_NEGATIVE)
 
 
 @dataclass
@@ -133,48 +170,141 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
+    def dp(self) -> int:
+        """Data-parallel replicas: the world size over the TP degree."""
+        return max(1, self.launch.nproc // self.parallel.tp)
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step: DP replicas x micro-batch x accumulation steps (TP ranks share theirs)."""
-        return self.run.dp * self.run.micro_batch * self.run.accum
+        return self.dp * self.loop.micro_batch * self.loop.accum
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @property
+    def reduce_in_backward(self) -> bool:
+        # On CPU gloo's transfers are copies by CPU threads, competing with compute for the cores:
+        # measured no faster overlapped (2 ranks on 2 cores, --preset wide, micro-batch 1, settings
+        # alternated within one run: 68 ms per step with neither, 67-71 with the all-gather behind
+        # the forward, 72-75 with the reduce-scatter in backward).
+        overlap = self.parallel.overlap
+        return overlap == "on" or (overlap == "auto" and self.launch.device == "cuda")
+
+    @property
+    def gather_in_forward(self) -> bool:
+        # The same switch, but a compiled forward cannot stop midway to wait for a bucket.
+        return self.reduce_in_backward and not self.loop.compile
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """{section: {key: value}}: the TOML a run could be started from."""
+        return {section: {s.key: getattr(getattr(self, section), s.name) for s in declared(section)}
+                for section in SECTIONS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """The inverse of to_dict; also reads the config of a checkpoint written before the sections were split."""
         cfg = cls()
-        merge(cfg, d, origin="config")
+        merge(cfg, upgrade(d), origin="config")
         return cfg
 
 
-SECTIONS = ("model", "data", "optim", "run", "checkpoint", "guard")
+SECTIONS = ("model", "data", "optim", "launch", "parallel", "loop", "logging", "checkpoint", "guard")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting: where it lives (section, field name) and how users name it (key, flag)."""
+
+    section: str
+    name: str
+    key: str
+    default: Any
+    help: str
+    rule: Rule | None
+    shown: str | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+
+def declared(section: str | None = None) -> Iterator[Setting]:
+    """Every setting, in declaration order (of one section, or of all)."""
+    for name in (section,) if section else SECTIONS:
+        owner = Config.__dataclass_fields__[name].default_factory
+        for f in fields(owner):
+            yield Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
+                          f.metadata.get("rule"), f.metadata.get("shown"))
+
+
+def setting_for(key: str) -> Setting:
+    """The setting a key (or flag) names; ConfigError suggesting the closest key when none does."""
+    key = key.lstrip("-").replace("-", "_")
+    by_key = {s.key: s for s in declared()}
+    if key not in by_key:
+        close = difflib.get_close_matches(key, by_key, n=1)
+        raise ConfigError(f"unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return by_key[key]
+
+
+# Keys of configs written by zerotrain 0.1 (checkpoint manifests): one [run] table, and field names.
+_OLD_KEYS = {("run", "timeout_s"): "timeout", ("data", "source"): "data", ("data", "cache_dir"): "data_cache",
+             ("checkpoint", "dir"): "ckpt_dir", ("checkpoint", "every"): "ckpt_every",
+             ("checkpoint", "every_minutes"): "ckpt_every_minutes"}
+
+
+def upgrade(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict in today's sections and keys, from one written before the [run] table was split."""
+    if "run" not in d and not any((s, k) in _OLD_KEYS for s, values in d.items() for k in values):
+        return d
+    out: dict[str, dict] = {}
+    for section, values in d.items():
+        for key, value in values.items():
+            key = _OLD_KEYS.get((section, key), key)
+            owner = setting_for(key).section if section == "run" else section
+            out.setdefault(owner, {})[key] = value
+    return out
 
 
 def merge(cfg: Config, overrides: dict[str, Any], origin: str) -> None:
-    """Apply {section: {field: value}} onto cfg, rejecting unknown sections and fields by name."""
+    """Apply {section: {key: value}} onto cfg, rejecting unknown sections, keys and types by name."""
     for section, values in overrides.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{origin}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
-        target = getattr(cfg, section)
-        known = {f.name: f for f in fields(target)}
-        for name, value in values.items():
-            if name not in known:
-                raise ConfigError(f"{origin}: unknown field {section}.{name}")
-            default = getattr(target, name)
-            if isinstance(default, bool) and not isinstance(value, bool):
-                raise ConfigError(f"{origin}: {section}.{name} must be true or false, got {value!r}")
-            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            close = difflib.get_close_matches(section, SECTIONS, n=1)
+            hint = f"did you mean [{close[0]}]? " if close else ""
+            raise ConfigError(f"{origin}: unknown table [{section}] ({hint}tables: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: [{section}] must be a table of settings, got {values!r}")
+        known = {s.key: s for s in declared(section)}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"{origin}: {_misplaced(section, key)}")
+            s = known[key]
+            if s.type is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if type(default) is not type(value):
-                raise ConfigError(
-                    f"{origin}: {section}.{name} must be {type(default).__name__}, got {value!r}"
-                )
-            setattr(target, name, value)
+            if type(value) is not s.type:
+                expected = "true or false" if s.type is bool else s.type.__name__
+                raise ConfigError(f"{origin}: {key} in [{section}] must be {expected}, got {value!r}")
+            setattr(getattr(cfg, section), s.name, value)
+
+
+def _misplaced(section: str, key: str) -> str:
+    """An unknown key: the table it belongs in, or the closest key that exists."""
+    try:
+        owner = setting_for(key).section
+    except ConfigError as e:
+        return f"{key} in [{section}]: {e}"
+    return f"{key} belongs in [{owner}], not [{section}]"
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -194,84 +324,32 @@ def apply_preset(cfg: Config, name: str) -> None:
         setattr(cfg.model, k, v)
 
 
-def _positive(value: int | float, flag: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{flag} must be positive, got {value}")
-
-
 def validate(cfg: Config) -> Config:
-    """Check everything that can be checked before a worker starts; resolve derived defaults."""
-    m, o, r, c, g = cfg.model, cfg.optim, cfg.run, cfg.checkpoint, cfg.guard
-    for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
-        _positive(getattr(m, name), "--" + name.replace("_", "-"))
+    """Check every setting against its rule and the settings against each other; change nothing.
+
+    Each error names the flag (the TOML key with underscores) of the value it refuses.
+    """
+    for s in declared():
+        value = getattr(getattr(cfg, s.section), s.name)
+        if s.type is float and not math.isfinite(value):
+            raise ConfigError(f"{s.flag} must be a finite number, got {value}")
+        if s.rule and not s.rule.holds(value):
+            raise ConfigError(f"{s.flag} {s.rule.says}, got {value!r}")
+    m, p = cfg.model, cfg.parallel
     if m.n_embd % m.n_head:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}")
-    for name in ("nproc", "steps", "micro_batch", "accum"):
-        _positive(getattr(r, name), "--" + name.replace("_", "-"))
-    _positive(r.tp, "--tp")
-    if r.nproc % r.tp:
-        raise ConfigError(f"--tp {r.tp} does not divide the world size {r.nproc} (--nproc): ranks form TP x DP")
-    if m.n_head % r.tp:
-        raise ConfigError(f"--tp {r.tp} does not divide --n-head {m.n_head}: each TP rank keeps whole attention heads")
-    # The MLP width 4 x n_embd is then divisible too: n_head divides n_embd.
-    if r.threads < 0:
-        raise ConfigError(f"--threads must be >= 0, got {r.threads}")
-    _positive(r.bucket_mb, "--bucket-mb")
-    _positive(r.timeout_s, "--timeout")
-    if r.check_every < 0:
-        raise ConfigError(f"--check-every must be >= 0, got {r.check_every}")
-    if r.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--precision must be fp32 or bf16, got {r.precision!r}")
-    if r.overlap not in ("auto", "on", "off"):
-        raise ConfigError(f"--overlap must be auto, on or off, got {r.overlap!r}")
-    if r.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu or cuda, got {r.device!r}")
-    if r.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device is available on this machine")
-        # Under torchrun nproc is the world; this machine runs LOCAL_WORLD_SIZE of its ranks.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", r.nproc))
-        if local > torch.cuda.device_count():
-            raise ConfigError(
-                f"--nproc {local} exceeds the {torch.cuda.device_count()} CUDA devices here"
-            )
-    _positive(o.lr, "--lr")
-    if not (0.0 <= o.min_lr_ratio <= 1.0):
-        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {o.min_lr_ratio}")
-    if o.weight_decay < 0:
-        raise ConfigError(f"--weight-decay must be >= 0, got {o.weight_decay}")
-    if o.grad_clip < 0:
-        raise ConfigError(f"--grad-clip must be >= 0, got {o.grad_clip}")
-    for name in ("beta1", "beta2"):
-        if not (0.0 <= getattr(o, name) < 1.0):
-            raise ConfigError(f"--{name} must be in [0, 1), got {getattr(o, name)}")
-    _positive(o.eps, "--eps")
-    if o.warmup_steps < 0:
-        o.warmup_steps = max(1, r.steps // 10)
-    if c.every < 0:
-        raise ConfigError(f"--ckpt-every must be >= 0, got {c.every}")
-    if c.keep < 0:
-        raise ConfigError(f"--keep must be >= 0, got {c.keep}")
-    if not (c.every_minutes >= 0 and math.isfinite(c.every_minutes)):
-        raise ConfigError(f"--ckpt-every-minutes must be >= 0, got {c.every_minutes}")
-    if r.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'zerotrain[tb]'")
-    if r.eval_every < 0:
-        raise ConfigError(f"--eval-every must be >= 0, got {r.eval_every}")
-    _positive(r.eval_batches, "--eval-batches")
-    if r.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {r.max_restarts}")
-    if g.on_anomaly not in ("rollback", "abort"):
-        raise ConfigError(f"--on-anomaly must be rollback or abort, got {g.on_anomaly!r}")
-    if not (g.spike_factor > 1.0 and math.isfinite(g.spike_factor)):
-        raise ConfigError(f"--spike-factor must be a number above 1, got {g.spike_factor}")
-    _positive(g.spike_window, "--spike-window")
-    if g.max_rollbacks < 0:
-        raise ConfigError(f"--max-rollbacks must be >= 0, got {g.max_rollbacks}")
-    for value in (o.lr, o.eps, o.weight_decay, o.grad_clip, r.bucket_mb, r.timeout_s):
-        if not math.isfinite(value):
-            raise ConfigError(f"configuration value {value} is not finite")
+    if cfg.launch.nproc % p.tp:
+        raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
+                          "ranks form TP x DP")
+    if m.n_head % p.tp:  # then the MLP width 4 x n_embd is divisible too: n_head divides n_embd
+        raise ConfigError(f"--tp {p.tp} does not divide --n-head {m.n_head}: each TP rank keeps whole attention heads")
+    if cfg.optim.warmup_steps < -1:
+        raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg
 
+
+def resolve(cfg: Config) -> Config:
+    """Fill in the derived values, after validation: the one place a default depends on another setting."""
+    if cfg.optim.warmup_steps < 0:
+        cfg.optim.warmup_steps = max(1, cfg.loop.steps // 10)
+    return cfg

@@ -32,13 +32,13 @@ FIGURE_DPI = 100
 STEP_PURPOSES = ("reduce_scatter_grads", "all_reduce_stats", "all_gather_params")
 
 ACCUM_DEFAULTS = {
-    **{f"model.{k}": v for k, v in PRESETS["bench"].items()},
-    "run.nproc": 2, "run.micro_batch": 8, "run.steps": 6, "run.check_every": 0, "run.progress": False,
-    "data.source": "synthetic",  # timing, not learning: no corpus to prepare
+    **PRESETS["bench"],
+    "nproc": 2, "micro_batch": 8, "steps": 6, "check_every": 0, "progress": False,
+    "data": "synthetic",  # timing, not learning: no corpus to prepare
 }
 # The tiny model and a few steps: the whole sweep in well under two minutes on two cores.
-QUICK_DEFAULTS = {"run.nproc": 2, "run.micro_batch": 4, "run.steps": 5, "run.check_every": 0, "run.progress": False,
-                  "data.source": "synthetic"}
+QUICK_DEFAULTS = {"nproc": 2, "micro_batch": 4, "steps": 5, "check_every": 0, "progress": False,
+                  "data": "synthetic"}
 WARMUP, QUICK_WARMUP = 2, 1
 
 
@@ -66,13 +66,13 @@ def parse_grid(text: str) -> list[int]:
 
 
 def accum_curve_job(cfg: Config, comm: Comm, *, grid: list[int], warmup: int) -> list[dict] | None:
-    """Train warmup + cfg.run.steps steps at every accumulation of the grid; rank 0 returns one point each."""
+    """Train warmup + cfg.loop.steps steps at every accumulation of the grid; rank 0 returns one point each."""
     from zerotrain.training.loop import train
 
     points = []
     for accum in grid:
         point_cfg = copy.deepcopy(cfg)
-        point_cfg.run.accum, point_cfg.run.steps = accum, warmup + cfg.run.steps
+        point_cfg.loop.accum, point_cfg.loop.steps = accum, warmup + cfg.loop.steps
         before_calls, before_bytes = comm.snapshot()
         result = train(point_cfg, comm, announce=False)
         calls, nbytes = Counter(comm.calls) - before_calls, Counter(comm.bytes) - before_bytes
@@ -81,13 +81,13 @@ def accum_curve_job(cfg: Config, comm: Comm, *, grid: list[int], warmup: int) ->
 
 
 def _point(cfg: Config, world_size: int, timed: list[dict], calls: Counter, nbytes: Counter) -> dict:
-    r, steps = cfg.run, cfg.run.steps  # steps: every step of the point, warm-up included
+    steps = cfg.loop.steps  # steps: every step of the point, warm-up included
     step_s = [rec["step_ms"] / 1000 for rec in timed]
     elapsed = sum(step_s)
-    effective = world_size * r.micro_batch * r.accum
+    effective = world_size * cfg.loop.micro_batch * cfg.loop.accum
     return {
-        "accum_steps": r.accum,
-        "micro_batch": r.micro_batch,
+        "accum_steps": cfg.loop.accum,
+        "micro_batch": cfg.loop.micro_batch,
         "world_size": world_size,
         "effective_batch": effective,
         "effective_batch_tokens": effective * cfg.model.seq_len,
@@ -120,26 +120,26 @@ def cmd_accum(args: argparse.Namespace) -> int:
         raise ConfigError(f"--warmup must be >= 0, got {warmup}")
     grid = parse_grid(args.grid)
     cfg = config_from_args(args)
-    cfg.run.metrics, cfg.checkpoint.every, cfg.checkpoint.resume = "", 0, ""  # the sweep writes only its results
-    out = cfg.run.out or os.path.join("runs", "accum-" + time.strftime("%Y%m%d-%H%M%S"))
+    cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.resume = "", 0, ""  # the sweep writes only its results
+    out = cfg.logging.out or os.path.join("runs", "accum-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     m = cfg.model
     print(f"zerotrain bench accum: GPT {m.n_layer} layers, width {m.n_embd}, seq {m.seq_len}, vocab {m.vocab_size}; "
-          f"{cfg.run.nproc} ranks x micro-batch {cfg.run.micro_batch}; accum {grid}; "
-          f"{warmup} warm-up + {cfg.run.steps} timed steps per point", flush=True)
+          f"{cfg.launch.nproc} ranks x micro-batch {cfg.loop.micro_batch}; accum {grid}; "
+          f"{warmup} warm-up + {cfg.loop.steps} timed steps per point", flush=True)
     points = run_job(functools.partial(accum_curve_job, grid=grid, warmup=warmup), cfg, time_limit=args.time_limit)
     report = {
         **report_header(SCHEMA),
         "config": cfg.to_dict(),
         "grid": grid,
         "warmup_steps": warmup,
-        "timed_steps": cfg.run.steps,
+        "timed_steps": cfg.loop.steps,
         "bytes_counted": "bytes rank 0 sends per optimizer step under the ring algorithm (see comm.py)",
         "points": points,
     }
     json_path, png_path = os.path.join(out, "accum-curve.json"), os.path.join(out, "accum-curve.png")
     write_json(json_path, report)
-    plot_curve(points, png_path, title=f"{cfg.run.nproc} ranks x micro-batch {cfg.run.micro_batch}, "
+    plot_curve(points, png_path, title=f"{cfg.launch.nproc} ranks x micro-batch {cfg.loop.micro_batch}, "
                                         f"GPT {m.n_layer}x{m.n_embd}, seq {m.seq_len}")
     print_table(points)
     print(f"\nwrote {json_path}\nwrote {png_path}")

@@ -164,7 +164,7 @@ class _TorchStrategy:
     def __init__(self, cfg: Config, comm: Comm):
         self.counter = CollectiveCounter(comm.world_size)
         self.world_size, self.clip = comm.world_size, cfg.optim.grad_clip
-        self.model = build_model(cfg.model, cfg.run.seed).to(rank_device(cfg))
+        self.model = build_model(cfg.model, cfg.loop.seed).to(rank_device(cfg))
 
     def _sync_context(self, sync: bool):
         raise NotImplementedError
@@ -207,7 +207,7 @@ class DDPStrategy(_TorchStrategy):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         super().__init__(cfg, comm)
-        self.model = DDP(self.model, device_ids=[rank_device(cfg).index] if cfg.run.device == "cuda" else None)
+        self.model = DDP(self.model, device_ids=[rank_device(cfg).index] if cfg.launch.device == "cuda" else None)
         counter = self.counter
 
         def counted_allreduce(_, bucket):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import sha256_file, write_durably, write_safetensors
-from zerotrain.config import PRESETS, Config, validate
+from zerotrain.config import PRESETS, Config, resolve, validate
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
@@ -113,10 +113,10 @@ def _config(size: dict, device: str, out: str) -> Config:
     for k, v in PRESETS[size["preset"]].items():
         setattr(cfg.model, k, v)
     cfg.model.seq_len = min(cfg.model.seq_len, size["seq_len"])
-    cfg.run.micro_batch, cfg.run.device, cfg.run.out, cfg.run.progress = size["micro_batch"], device, out, False
-    cfg.run.overlap = "off"  # nothing in flight at the step boundary: the stall is the save's alone
+    cfg.loop.micro_batch, cfg.launch.device, cfg.logging.out, cfg.logging.progress = size["micro_batch"], device, out, False
+    cfg.parallel.overlap = "off"  # nothing in flight at the step boundary: the stall is the save's alone
     cfg.data.source = "synthetic"
-    return validate(cfg)
+    return resolve(validate(cfg))
 
 
 def measure(cfg: Config, comm: Comm, scratch: str, repeats: int) -> dict:
@@ -124,7 +124,7 @@ def measure(cfg: Config, comm: Comm, scratch: str, repeats: int) -> dict:
     from zerotrain.training.loop import accumulate_gradients, build_engine
 
     engine = build_engine(cfg, comm)
-    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=1, rank=0, world_size=1)
+    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=1, rank=0, world_size=1)
     steps = [0]
 
     def train_step() -> None:

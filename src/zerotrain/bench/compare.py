@@ -47,9 +47,9 @@ SIZES = {  # warm-up steps, repeats, timed steps per strategy per repeat
     "quick": dict(warmup=2, repeats=5, steps=4),
 }
 COMPARE_DEFAULTS = {
-    "run.nproc": 2, "run.threads": 1, "run.micro_batch": 8, "run.progress": False,
-    "optim.grad_clip": 0.0,  # clipping off in all four; --grad-clip turns it on in all four
-    "data.source": "synthetic",  # timing, not learning: no corpus to prepare
+    "nproc": 2, "threads": 1, "micro_batch": 8, "progress": False,
+    "grad_clip": 0.0,  # clipping off in all four; --grad-clip turns it on in all four
+    "data": "synthetic",  # timing, not learning: no corpus to prepare
 }
 
 
@@ -87,7 +87,7 @@ class Plan:
 def compare_job(cfg: Config, comm: Comm, plan: Plan) -> dict:
     """Build the plan's strategies on this rank, alternate them, and return every rank's measurements."""
     device = rank_device(cfg)
-    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.run.micro_batch, accum=cfg.run.accum,
+    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                              rank=comm.rank, world_size=comm.world_size)
     batches: dict[int, StepBatch] = {}
 
@@ -227,13 +227,13 @@ def summarize(main: dict, probes: dict[str, dict], baseline: dict, plan: Plan, w
 
 
 def markdown(summary: dict, cfg: Config, plan: Plan) -> str:
-    m, r = cfg.model, cfg.run
+    m = cfg.model
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     lines = [
         f"GPT {m.n_layer} layers / {m.n_head} heads / {m.n_embd} wide, seq {m.seq_len}, vocab {m.vocab_size}: "
-        f"P = {summary['param_count']:,}; {summary['world_size']} rank(s) x {r.threads} thread(s), "
-        f"micro-batch {r.micro_batch} x accum {r.accum}, {summary['global_tokens_per_step']:.0f} tokens/step, {r.device}; "
-        f"zerotrain overlap {'on' if r.reduce_in_backward else 'off'} (--overlap {r.overlap})",
+        f"P = {summary['param_count']:,}; {summary['world_size']} rank(s) x {cfg.launch.threads} thread(s), "
+        f"micro-batch {cfg.loop.micro_batch} x accum {cfg.loop.accum}, {summary['global_tokens_per_step']:.0f} tokens/step, {cfg.launch.device}; "
+        f"zerotrain overlap {'on' if cfg.reduce_in_backward else 'off'} (--overlap {cfg.parallel.overlap})",
         f"{plan.repeats} alternating repeats x {plan.steps} timed steps per strategy after {plan.warmup} warm-up steps; "
         "a step is timed from zero_grad to the optimizer update, data generation excluded (an all-gather "
         "running behind the next forward is timed there, and the last step of a block waits for its own); "
@@ -302,11 +302,11 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
             args.micro_batch = 1
     args.preset = args.preset or "bench"
     cfg = config_from_args(args)
-    if cfg.run.tp != 1:
-        raise ConfigError(f"--tp {cfg.run.tp}: bench compare compares data-parallel strategies; "
+    if cfg.parallel.tp != 1:
+        raise ConfigError(f"--tp {cfg.parallel.tp}: bench compare compares data-parallel strategies; "
                           "zerotrain bench tp compares TP x DP meshes")
-    if cfg.run.precision != "fp32":
-        raise ConfigError(f"--precision {cfg.run.precision}: bench compare compares fp32 training only "
+    if cfg.parallel.precision != "fp32":
+        raise ConfigError(f"--precision {cfg.parallel.precision}: bench compare compares fp32 training only "
                           "(the PyTorch strategies keep fp32 parameters)")
     size = SIZES["quick" if args.quick else "full"]
     warmup = size["warmup"] if args.warmup is None else args.warmup
@@ -317,12 +317,12 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     plan = Plan(list(S.NAMES), warmup, repeats, steps, lr_steps=warmup + repeats * steps)
-    cfg.run.steps = plan.total_steps
+    cfg.loop.steps = plan.total_steps
     if args.warmup_steps is None:
         cfg.optim.warmup_steps = max(1, plan.total_steps // 10)
-    cfg.run.threads = default_threads(cfg)  # the 1-rank run keeps the threads per rank
-    if not cfg.run.out:
-        cfg.run.out = os.path.join("runs", time.strftime("bench-compare-%Y%m%d-%H%M%S"))
+    cfg.launch.threads = default_threads(cfg)  # the 1-rank run keeps the threads per rank
+    if not cfg.logging.out:
+        cfg.logging.out = os.path.join("runs", time.strftime("bench-compare-%Y%m%d-%H%M%S"))
     return cfg, plan, args.weak_scaling or not args.quick
 
 
@@ -331,9 +331,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     pyplot("bench compare's compare.png")  # before the runs: a missing plotting library should not cost them
     cfg, plan, weak_scaling = config_and_plan(args)
-    out = cfg.run.out
+    out = cfg.logging.out
     os.makedirs(out, exist_ok=True)
-    print(f"zerotrain bench compare: {', '.join(S.LABELS[n] for n in plan.strategies)} on {cfg.run.nproc} rank(s); "
+    print(f"zerotrain bench compare: {', '.join(S.LABELS[n] for n in plan.strategies)} on {cfg.launch.nproc} rank(s); "
           f"{plan.warmup} warm-up + {plan.repeats} x {plan.steps} timed steps each; output {out}", flush=True)
     t0 = time.perf_counter()
     main = run_job(functools.partial(compare_job, plan=plan), cfg)
@@ -343,7 +343,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     weak = None
     if weak_scaling:
         single = copy.deepcopy(cfg)
-        single.run.nproc = 1
+        single.launch.nproc = 1
         weak = run_job(functools.partial(compare_job, plan=Plan(["zerotrain"], plan.warmup, plan.repeats, plan.steps,
                                                                 plan.lr_steps)), single)
     summary = summarize(main, probes, baseline, plan, weak)

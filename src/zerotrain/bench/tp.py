@@ -53,9 +53,9 @@ SIZES = {  # per job: untimed warm-up steps, timed steps, alternating rounds of 
     "quick": dict(warmup=1, steps=2, repeats=1, global_batch=4),
 }
 TP_DEFAULTS = {
-    **{f"model.{k}": v for k, v in PRESETS["wide"].items()},
-    "run.check_every": 0, "run.progress": False,
-    "data.source": "synthetic",  # timing, not learning: no corpus to prepare
+    **PRESETS["wide"],
+    "check_every": 0, "progress": False,
+    "data": "synthetic",  # timing, not learning: no corpus to prepare
 }
 # The sweep decides these per mesh; a user's value would be silently replaced, so it is refused.
 SWEPT_FLAGS = {"nproc": "--meshes", "tp": "--meshes", "micro_batch": "--global-batch", "accum": "--global-batch"}
@@ -130,8 +130,8 @@ def tp_job(cfg: Config, comm: Comm, *, warmup: int) -> dict | None:
 def _probe_tp_all_reduce(cfg: Config, tp: Comm) -> float:
     """Median ms of one all-reduce of a micro-batch's activations (micro x seq x width) on this TP group."""
     m = cfg.model
-    dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
-    x = torch.ones(cfg.run.micro_batch, m.seq_len, m.n_embd, dtype=dtype, device=tp.device)
+    dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
+    x = torch.ones(cfg.loop.micro_batch, m.seq_len, m.n_embd, dtype=dtype, device=tp.device)
     times = []
     for i in range(PROBE_REPEATS + 2):
         t0 = time.perf_counter()
@@ -160,8 +160,8 @@ def _probe_dp_reduce(engine) -> float:
 def mesh_config(cfg: Config, tp: int, dp: int, global_batch: int) -> Config:
     """The job's config: tp x dp ranks, each DP replica taking its share of the global batch in one micro-batch."""
     c = copy.deepcopy(cfg)
-    c.run.tp, c.run.nproc = tp, tp * dp
-    c.run.micro_batch, c.run.accum = global_batch // dp, 1
+    c.parallel.tp, c.launch.nproc = tp, tp * dp
+    c.loop.micro_batch, c.loop.accum = global_batch // dp, 1
     return c
 
 
@@ -186,10 +186,10 @@ def summarize(tp: int, dp: int, cfg: Config, jobs: list[dict], cores: int | None
         "ranks": tp * dp,
         "threads_per_rank": threads,
         "oversubscribed": tp * dp * threads > (cores or 1),
-        "micro_batch": cfg.run.micro_batch,
-        "accum": cfg.run.accum,
-        "global_batch": dp * cfg.run.micro_batch * cfg.run.accum,
-        "global_batch_tokens": dp * cfg.run.micro_batch * cfg.run.accum * cfg.model.seq_len,
+        "micro_batch": cfg.loop.micro_batch,
+        "accum": cfg.loop.accum,
+        "global_batch": dp * cfg.loop.micro_batch * cfg.loop.accum,
+        "global_batch_tokens": dp * cfg.loop.micro_batch * cfg.loop.accum * cfg.model.seq_len,
         "param_count": first["param_count"],
         "timed_steps": len(step_ms),
         "step_ms_median": median,
@@ -273,14 +273,14 @@ def cmd_tp(args: argparse.Namespace) -> int:
         if gb < 1 or gb % dp:
             raise ConfigError(f"--global-batch {gb}: {mesh_name(tp, dp)} needs a global batch divisible by DP {dp}")
     cfg = config_from_args(args)
-    cfg.run.metrics, cfg.checkpoint.every, cfg.checkpoint.every_minutes = "", 0, 0
+    cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.every_minutes = "", 0, 0
     cfg.checkpoint.resume = ""  # the sweep writes only its results
-    cfg.run.steps = size["warmup"] + size["steps"]  # every step of a job, warm-up included
+    cfg.loop.steps = size["warmup"] + size["steps"]  # every step of a job, warm-up included
     configs = {}
     for tp, dp in meshes:
         configs[tp, dp] = mesh_config(cfg, tp, dp, gb)
         _validate_mesh(configs[tp, dp], tp, dp)
-    out = cfg.run.out or os.path.join("runs", "bench-tp-" + time.strftime("%Y%m%d-%H%M%S"))
+    out = cfg.logging.out or os.path.join("runs", "bench-tp-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     m = cfg.model
     print(f"zerotrain bench tp: GPT {m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, seq {m.seq_len}, "

@@ -164,10 +164,10 @@ def make_source(cfg: Config, split: str = "train"):
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     d, m = cfg.data, cfg.model
-    seed = cfg.run.seed if split == "train" else VAL_SEED
+    seed = cfg.loop.seed if split == "train" else VAL_SEED
     if d.source in ("synthetic", "synthetic-varlen"):
         # the synthetic chain is the run seed's in both splits (validation must measure the same chain)
-        return SyntheticSource(m.vocab_size, m.seq_len, cfg.run.seed, varlen=d.source == "synthetic-varlen",
+        return SyntheticSource(m.vocab_size, m.seq_len, cfg.loop.seed, varlen=d.source == "synthetic-varlen",
                                split=split)
     spec = resolve_data(cfg)
     paths = spec.train if split == "train" else spec.val

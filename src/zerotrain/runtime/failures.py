@@ -39,7 +39,7 @@ def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None
 def _write_traceback(rank: int, cfg: Config) -> str | None:
     """Append this rank's traceback to <out>/logs/rank{R}.log (or a temporary file); return its path."""
     text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {restart_count()}\n{traceback.format_exc()}"
-    for folder in (os.path.join(cfg.run.out, "logs") if cfg.run.out else None, tempfile.gettempdir()):
+    for folder in (os.path.join(cfg.logging.out, "logs") if cfg.logging.out else None, tempfile.gettempdir()):
         if folder is None:
             continue
         try:

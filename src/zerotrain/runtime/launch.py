@@ -38,13 +38,13 @@ def in_torchrun() -> bool:
 
 def rank_device(cfg: Config) -> torch.device:
     """This rank's device: its CUDA device (set when the rank started) or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.launch.device == "cuda" else torch.device("cpu")
 
 
 def default_threads(cfg: Config) -> int:
     """Threads per rank: the machine's cores shared by the ranks on this machine."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.nproc))
-    return cfg.run.threads or max(1, (os.cpu_count() or 1) // local_ranks)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
+    return cfg.launch.threads or max(1, (os.cpu_count() or 1) // local_ranks)
 
 
 class Interrupted(Exception):
@@ -63,8 +63,8 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
     here before the ranks start, or under torchrun on rank 0, whose result every rank then adopts.
 
     Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) this process is one rank and runs the job itself.
-    Otherwise `cfg.run.nproc` local ranks are spawned by torch's elastic agent with rendezvous on
-    127.0.0.1 and `cfg.run.max_restarts` restarts. The agent runs in a thread so that this process
+    Otherwise `cfg.launch.nproc` local ranks are spawned by torch's elastic agent with rendezvous on
+    127.0.0.1 and `cfg.launch.max_restarts` restarts. The agent runs in a thread so that this process
     keeps SIGINT and SIGTERM: the first asks every rank to finish its step and save, the second (or
     the wall-clock limit) stops every rank at once.
     """
@@ -111,11 +111,11 @@ class _ElasticThread(threading.Thread):
         options = dict(
             min_nodes=1,
             max_nodes=1,
-            nproc_per_node=self.cfg.run.nproc,
+            nproc_per_node=self.cfg.launch.nproc,
             rdzv_backend="c10d",
             rdzv_endpoint="127.0.0.1:0",  # the OS picks a free port
             run_id=uuid.uuid4().hex,
-            max_restarts=self.cfg.run.max_restarts,
+            max_restarts=self.cfg.launch.max_restarts,
             monitor_interval=0.05,
             start_method="spawn",
             local_addr="127.0.0.1",
@@ -151,14 +151,14 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
             f.write(str(os.getpid()))
     torch.set_num_threads(default_threads(cfg))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cfg.run.device == "cuda":
+    if cfg.launch.device == "cuda":
         torch.cuda.set_device(local_rank)
-    backend = "nccl" if cfg.run.device == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.run.timeout_s)
+    backend = "nccl" if cfg.launch.device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.launch.timeout)
     dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     rank = dist.get_rank()
     try:
-        comm = Comm(timeout_s=cfg.run.timeout_s)
+        comm = Comm(timeout_s=cfg.launch.timeout)
         if prepare:
             cfg = _agree(cfg, comm, prepare)
         result = job(cfg, comm)

@@ -22,15 +22,15 @@ SUMMARY = "summary.json"
 
 def resolve_paths(cfg: Config) -> Config:
     """Fill the run folder, metrics file and checkpoint folder defaults; make them absolute."""
-    r, c = cfg.run, cfg.checkpoint
-    if not r.out:
-        r.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    r.out = os.path.abspath(r.out)
-    if not r.metrics:
-        r.metrics = os.path.join(r.out, "metrics.jsonl")
-    r.metrics = os.path.abspath(r.metrics)
+    c = cfg.checkpoint
+    if not cfg.logging.out:
+        cfg.logging.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    cfg.logging.out = os.path.abspath(cfg.logging.out)
+    if not cfg.logging.metrics:
+        cfg.logging.metrics = os.path.join(cfg.logging.out, "metrics.jsonl")
+    cfg.logging.metrics = os.path.abspath(cfg.logging.metrics)
     if not c.dir:
-        c.dir = os.path.join(r.out, "checkpoints")
+        c.dir = os.path.join(cfg.logging.out, "checkpoints")
     c.dir = os.path.abspath(c.dir)
     return cfg
 
@@ -48,12 +48,12 @@ def prepare_run(cfg: Config) -> Config:
     cfg = resolve_paths(cfg)
     if restart_count() > 0:
         return cfg
-    r, c = cfg.run, cfg.checkpoint
-    for flag, path in (("--out", r.out), ("--ckpt-dir", c.dir)):
+    c = cfg.checkpoint
+    for flag, path in (("--out", cfg.logging.out), ("--ckpt-dir", c.dir)):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path} is a file, not a folder")
-    if os.path.isdir(r.metrics):
-        raise ConfigError(f"--metrics {r.metrics} is a folder, not a file")
+    if os.path.isdir(cfg.logging.metrics):
+        raise ConfigError(f"--metrics {cfg.logging.metrics} is a folder, not a file")
     explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
     if auto:
         c.resume = _newest_verified(c.dir) or ""
@@ -72,7 +72,7 @@ def earlier_run(cfg: Config) -> list[str]:
     latest = os.path.join(cfg.checkpoint.dir, checkpoint.LATEST)
     if os.path.isfile(latest):
         found.append(latest)
-    for path in (cfg.run.metrics, os.path.join(cfg.run.out, SUMMARY)):
+    for path in (cfg.logging.metrics, os.path.join(cfg.logging.out, SUMMARY)):
         if os.path.isfile(path) and os.path.getsize(path) > 0:
             found.append(path)
     return found
@@ -88,14 +88,14 @@ def _claim_for_a_fresh_run(cfg: Config) -> None:
             (" and " if steps and len(found) > len(steps) else "") + \
             (", ".join(os.path.basename(p) for p in found if not os.path.basename(p).startswith("step_"))
              if len(found) > len(steps) else "")
-        raise ConfigError(f"{cfg.run.out} already holds an earlier run's {what}: continue it with --resume auto, "
+        raise ConfigError(f"{cfg.logging.out} already holds an earlier run's {what}: continue it with --resume auto, "
                           "or replace it with --overwrite")
     for path in found:  # the user asked for it by name
         if os.path.isdir(path):
             shutil.rmtree(path)
         else:
             os.remove(path)
-    say(f"--overwrite: removed {len(found)} item(s) of the earlier run in {cfg.run.out}")
+    say(f"--overwrite: removed {len(found)} item(s) of the earlier run in {cfg.logging.out}")
 
 
 def _newest_verified(root: str) -> str | None:
@@ -126,8 +126,8 @@ def _check_resumable(cfg: Config, verify: bool) -> None:
     problem = checkpoint.incompatibility(manifest, vars(cfg.model))
     if problem:
         raise ConfigError(f"--resume {path}: incompatible model: {problem}")
-    if manifest["step"] > cfg.run.steps:
-        raise ConfigError(f"--resume {path}: checkpoint is at step {manifest['step']}, past --steps {cfg.run.steps}")
+    if manifest["step"] > cfg.loop.steps:
+        raise ConfigError(f"--resume {path}: checkpoint is at step {manifest['step']}, past --steps {cfg.loop.steps}")
     if verify:
         try:
             checkpoint.verify_or_raise(path)

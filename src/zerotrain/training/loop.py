@@ -48,14 +48,14 @@ class TrainResult:
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
     """The model (this rank's TP slice of it when --tp > 1) and its ZeRO-1 engine over the DP group."""
-    mesh = Mesh.build(comm, cfg.run.tp)
-    model = build_model(cfg.model, cfg.run.seed)
+    mesh = Mesh.build(comm, cfg.parallel.tp)
+    model = build_model(cfg.model, cfg.loop.seed)
     if mesh.tp_size > 1:
         parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp)
-    bucket_numel = max(1, int(cfg.run.bucket_mb * 2**20 / 4))
+    bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     return ZeroOneEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
-                         precision=cfg.run.precision, reduce_in_backward=cfg.run.reduce_in_backward,
-                         gather_in_forward=cfg.run.gather_in_forward, mesh=mesh)
+                         precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
+                         gather_in_forward=cfg.gather_in_forward, mesh=mesh)
 
 
 def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0) -> float:
@@ -98,12 +98,11 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
     if path is None:
         return 0, {}, None
     manifest = checkpoint.load(path, engine, comm)
-    theirs = manifest.get("config", {}).get("run", {})
-    replicas = theirs.get("nproc", 0) // theirs.get("tp", 1)
-    schedule = (theirs.get("steps"), replicas * theirs.get("micro_batch", 0) * theirs.get("accum", 0))
-    if comm.rank == 0 and schedule != (cfg.run.steps, cfg.global_batch):
+    theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
+    schedule = (theirs.loop.steps, theirs.global_batch) if theirs else None
+    if comm.rank == 0 and schedule and schedule != (cfg.loop.steps, cfg.global_batch):
         print(f"zerotrain: warning: {os.path.basename(path)} was trained for {schedule[0]} steps of global batch "
-              f"{schedule[1]}; this run has {cfg.run.steps} steps of {cfg.global_batch}: the learning-rate schedule "
+              f"{schedule[1]}; this run has {cfg.loop.steps} steps of {cfg.global_batch}: the learning-rate schedule "
               "and the data order continue differently from the original run", flush=True)
     threads = manifest.get("threads_per_rank")
     if comm.rank == 0 and threads and threads != torch.get_num_threads():
@@ -114,18 +113,17 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
 
 def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None,
           announce: bool = True) -> TrainResult:
-    """Train to cfg.run.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills.
+    """Train to cfg.loop.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills.
 
     `announce` prints the start line on rank 0 (the demo prints its own header instead).
     """
     t_start = time.perf_counter()
-    r = cfg.run
     engine = build_engine(cfg, comm)
-    model = torch.compile(engine.model) if r.compile else engine.model  # parameters stay views into the flat buffer
+    model = torch.compile(engine.model) if cfg.loop.compile else engine.model  # parameters stay views into the flat buffer
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
-    schedule = BatchSchedule(make_source(cfg), micro_batch=r.micro_batch, accum=r.accum,
+    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                              rank=mesh.dp_rank, world_size=mesh.dp_size)
-    val_source = make_source(cfg, split="val") if r.eval_every else None
+    val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None
     faults, stop = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size), stop_request()
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
     rollback = RollbackPolicy(cfg.guard.max_rollbacks)
@@ -135,8 +133,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
-    metrics = Metrics(r.metrics, active=comm.rank == 0, progress=r.progress, start=start, total=r.steps,
-                      tensorboard=os.path.join(r.out, "tensorboard") if r.tensorboard else None)
+    metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start, total=cfg.loop.steps,
+                      tensorboard=os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None)
     if announce:
         metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from))
     if restart_count() > 0:
@@ -146,7 +144,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     records, rollbacks, stopped = [], [], None
     step = start
     try:
-        while step < r.steps:
+        while step < cfg.loop.steps:
             done = step + 1
             mesh.set_step(done)
             t0 = time.perf_counter()
@@ -166,22 +164,22 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
                 step, skips = _handle_anomaly(anomaly, cfg, engine, comm, saver, rollback, detector, skips,
                                               metrics, rollbacks)
                 continue
-            lr = lr_at(step, cfg.optim, r.steps) * faults.lr_factor(done)
+            lr = lr_at(step, cfg.optim, cfg.loop.steps) * faults.lr_factor(done)
             engine.apply(lr, grad_norm)
             detector.accept(done, loss)
             if after_update:
                 engine.wait_params()
                 after_update(done, engine)
-            if r.check_every and done % r.check_every == 0:
+            if cfg.loop.check_every and done % cfg.loop.check_every == 0:
                 invariants.check_no_drift(done, engine.param_digests(), mesh)
             records.append(_record(done, loss, grad_norm, lr, batch, schedule, cfg, time.perf_counter() - t0))
-            if r.eval_every and (done % r.eval_every == 0 or done == r.steps):
-                records[-1]["val_loss"] = validation_loss(engine.model, val_source, mesh, batches=r.eval_batches,
-                                                          micro_batch=r.micro_batch)
+            if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
+                records[-1]["val_loss"] = validation_loss(engine.model, val_source, mesh, batches=cfg.loop.eval_batches,
+                                                          micro_batch=cfg.loop.micro_batch)
             metrics.log(records[-1])
-            if saver.due(done, r.steps, decision):
+            if saver.due(done, cfg.loop.steps, decision):
                 saver.save(done, engine, {"data_skips": skips, "guard": detector.state_dict()},
-                           wait=decision.stop or done == r.steps)
+                           wait=decision.stop or done == cfg.loop.steps)
             if decision.stop:
                 stopped = {"signal": decision.stop_signal, "step": done,
                            "checkpoint": saver.committed[-1] if saver.committed else None}
@@ -202,18 +200,18 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
 
 def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
     """Model size, global batch and its split, data, run folder, and where the run starts."""
-    m, r = cfg.model, cfg.run
+    m = cfg.model
     describe = getattr(schedule.source, "describe", None)
     data = describe() if describe else cfg.data.source
     where = f"resumed from step {start} ({resumed_from})" if resumed_from else "starting at step 0"
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
-    split = (f"TP {r.tp} x DP {schedule.world_size} = {r.tp * schedule.world_size} ranks" if r.tp > 1
+    split = (f"TP {cfg.parallel.tp} x DP {schedule.world_size} = {cfg.parallel.tp * schedule.world_size} ranks" if cfg.parallel.tp > 1
              else f"{schedule.world_size} ranks")
     return (f"GPT {engine.param_count:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
-            f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {r.micro_batch} x "
-            f"accum {r.accum}); data {data}; run folder {r.out}; {where}, {r.steps} steps")
+            f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
+            f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}, {cfg.loop.steps} steps")
 
 
 def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,

@@ -18,9 +18,9 @@ from zerotrain.parallel import Comm
 from zerotrain.training.loop import train
 
 DEMO_DEFAULTS = {
-    "run.nproc": 4, "run.steps": 20, "run.micro_batch": 4, "run.accum": 2, "run.check_every": 5,
-    "run.progress": False, "checkpoint.every": 10, "optim.lr": 1e-2, "guard.on_anomaly": "abort",
-    "data.source": "synthetic",  # the lesson's Markov chain: learnable in 20 steps, nothing to read
+    "nproc": 4, "steps": 20, "micro_batch": 4, "accum": 2, "check_every": 5,
+    "progress": False, "ckpt_every": 10, "lr": 1e-2, "on_anomaly": "abort",
+    "data": "synthetic",  # the lesson's Markov chain: learnable in 20 steps, nothing to read
 }
 
 
@@ -40,7 +40,7 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
     resumed_cfg = copy.deepcopy(cfg)
     resumed_cfg.checkpoint.resume = os.path.join(cfg.checkpoint.dir, f"step_{cfg.checkpoint.every:08d}")
     resumed_cfg.checkpoint.every = 0  # leave the first run's checkpoints as they are
-    resumed_cfg.run.metrics = os.path.join(cfg.run.out, "metrics-resumed.jsonl")
+    resumed_cfg.logging.metrics = os.path.join(cfg.logging.out, "metrics-resumed.jsonl")
     second = train(resumed_cfg, comm, announce=False)
     tail = {r["step"]: r["loss"] for r in first.records if r["step"] > second.start_step}
     same_losses = all(tail[r["step"]] == r["loss"] for r in second.records) and len(tail) == len(second.records)
@@ -53,8 +53,8 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
     m = first.memory
     return {
         "world_size": comm.world_size,
-        "tp": cfg.run.tp,
-        "steps": cfg.run.steps,
+        "tp": cfg.parallel.tp,
+        "steps": cfg.loop.steps,
         "param_count": first.param_count,
         "global_batch": cfg.global_batch,
         "losses": [r["loss"] for r in first.records],
@@ -67,14 +67,14 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
         "expected_bytes": m.expected,
         "bytes_per_value": m.bytes_per_value,
         "shard_numel": m.shard_numel,
-        "precision": cfg.run.precision,
+        "precision": cfg.parallel.precision,
         "checkpoints": first.checkpoints,
         "checkpoint_path": resumed_cfg.checkpoint.resume,
         "resumed_from_step": second.start_step,
         "resumed_losses": [r["loss"] for r in second.records],
         "resumed_param_hashes": second.digests,
         "resume_verified": True,
-        "comm_calls_per_step": {k: v / cfg.run.steps for k, v in first.comm_calls.items()
+        "comm_calls_per_step": {k: v / cfg.loop.steps for k, v in first.comm_calls.items()
                                 if k in ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats",
                                          "all_reduce_tp_activations", "all_reduce_tp_grads")},
         "param_bytes": first.per_rank["param_bytes"],
@@ -89,23 +89,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from zerotrain.runtime.run_folder import prepare_run
 
     cfg = config_from_args(args)
-    if not cfg.run.out:
-        cfg.run.out = tempfile.mkdtemp(prefix="zerotrain-demo-")
-    cfg.run.metrics = ""
-    if not (0 < args.resume_from < cfg.run.steps):
-        raise ConfigError(f"--resume-from {args.resume_from} must be between 1 and --steps - 1 ({cfg.run.steps - 1})")
+    if not cfg.logging.out:
+        cfg.logging.out = tempfile.mkdtemp(prefix="zerotrain-demo-")
+    cfg.logging.metrics = ""
+    if not (0 < args.resume_from < cfg.loop.steps):
+        raise ConfigError(f"--resume-from {args.resume_from} must be between 1 and --steps - 1 ({cfg.loop.steps - 1})")
     cfg.checkpoint.every = args.resume_from
     cfg.checkpoint.resume = ""
     cfg = prepare_run(cfg)  # an --out holding an earlier run is refused, as for train
-    os.makedirs(cfg.run.out, exist_ok=True)
-    mesh = f"TP {cfg.run.tp} x DP {cfg.run.dp} = " if cfg.run.tp > 1 else ""
-    print(f"zerotrain demo: {mesh}{cfg.run.nproc} ranks x micro-batch {cfg.run.micro_batch} x accum {cfg.run.accum} "
-          f"(global batch {cfg.global_batch}), {cfg.run.steps} steps, checkpoint every {cfg.checkpoint.every}")
-    print(f"output folder: {cfg.run.out}", flush=True)
+    os.makedirs(cfg.logging.out, exist_ok=True)
+    mesh = f"TP {cfg.parallel.tp} x DP {cfg.dp} = " if cfg.parallel.tp > 1 else ""
+    print(f"zerotrain demo: {mesh}{cfg.launch.nproc} ranks x micro-batch {cfg.loop.micro_batch} x accum {cfg.loop.accum} "
+          f"(global batch {cfg.global_batch}), {cfg.loop.steps} steps, checkpoint every {cfg.checkpoint.every}")
+    print(f"output folder: {cfg.logging.out}", flush=True)
     t0 = time.perf_counter()
     report = run_job(demo_job, cfg, time_limit=args.time_limit)
     report["wall_s"] = round(time.perf_counter() - t0, 2)
-    report_path = os.path.join(cfg.run.out, "report.json")
+    report_path = os.path.join(cfg.logging.out, "report.json")
     with open(report_path, "w") as f:
         json.dump(report, f, indent=1)
     _print_report(report, cfg)
@@ -131,13 +131,13 @@ def _print_report(rep: dict, cfg: Config) -> None:
               f"{rep['param_bytes'][r]:>9,}         {rep['optimizer_bytes'][r]:,}")
     print(f"optimizer bytes: max {rep['optimizer_bytes_max']:,}, mean {rep['optimizer_bytes_mean']:,.0f}, "
           f"ZeRO-1 formula {rep['bytes_per_value']} x {'padded P / N' if T == 1 else 'padded local P / DP'} = {rep['bytes_per_value']} x {rep['shard_numel']:,}"
-          f" = {rep['expected_bytes']:,} ({cfg.run.precision}: "
+          f" = {rep['expected_bytes']:,} ({cfg.parallel.precision}: "
           + ("moments only, the fp32 master is the parameter buffer" if rep["bytes_per_value"] == 8
              else "fp32 master + moments") + ")")
     calls = rep["comm_calls_per_step"]
     print(f"collectives per optimizer step: {calls.get('reduce_scatter_grads', 0):g} reduce-scatter, "
           f"{calls.get('all_gather_params', 0):g} all-gather, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "
-          f"(accum {cfg.run.accum})" + (f"; per TP rank {calls.get('all_reduce_tp_activations', 0):g} activation and "
+          f"(accum {cfg.loop.accum})" + (f"; per TP rank {calls.get('all_reduce_tp_activations', 0):g} activation and "
                                         f"{calls.get('all_reduce_tp_grads', 0):g} gradient all-reduces"
                                         if T > 1 else ""))
     print("\ninvariants")

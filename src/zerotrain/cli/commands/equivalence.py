@@ -37,7 +37,7 @@ STEP = 0  # the global batch of this step is the one checked
 
 # Variable-length data by default, where per-micro-batch mean weighting is visibly wrong.
 EQUIVALENCE_DEFAULTS = {
-    "run.nproc": 2, "run.micro_batch": 2, "run.accum": 4, "data.source": "synthetic-varlen", "run.progress": False,
+    "nproc": 2, "micro_batch": 2, "accum": 4, "data": "synthetic-varlen", "progress": False,
 }
 
 # How a micro-batch's summed token loss is scaled before its backward.
@@ -84,7 +84,7 @@ def add_parser(sub) -> None:
 def full_batch_reference(cfg: Config, lr: float) -> dict:
     """One backward over the whole global batch in plain PyTorch, then one SGD and one AdamW step."""
     device = rank_device(cfg)
-    model = build_model(cfg.model, cfg.run.seed).to(device)
+    model = build_model(cfg.model, cfg.loop.seed).to(device)
     x, y = make_source(cfg).sequences(STEP, range(cfg.global_batch))
     initial = _by_name(model.named_parameters())
     logits = model(x.to(device))
@@ -111,7 +111,7 @@ def full_batch_reference(cfg: Config, lr: float) -> dict:
 def engine_step(cfg: Config, comm: Comm, split: Split, lr: float) -> dict:
     """One optimizer step of `split` through the engine, as train.train runs it; full tensors on every rank."""
     meshed = copy.deepcopy(cfg)
-    meshed.run.tp = split.tp
+    meshed.parallel.tp = split.tp
     engine = build_engine(meshed, comm)
     mesh = engine.mesh
     schedule = BatchSchedule(make_source(_with_data(cfg, split.data)), micro_batch=split.micro_batch,
@@ -214,29 +214,28 @@ def plan(cfg: Config, weighting: str, tokens: list[int]) -> tuple[list[Split], l
 
     `tokens` are the unmasked tokens of each micro-batch, which decide where mean weighting can be shown wrong.
     """
-    r = cfg.run
-    G, chunks = cfg.global_batch, r.dp * r.accum
+    G, chunks = cfg.global_batch, cfg.dp * cfg.loop.accum
     one_rank = [Split(1, G, 1, weighting, note="full batch through the engine"),
-                Split(1, r.micro_batch, chunks, weighting, note=f"{chunks} chunked backwards on 1 rank")]
-    n_ranks = [Split(r.nproc, r.micro_batch, r.accum, weighting, note="the configured split", tp=r.tp)] \
-        if r.nproc > 1 else []
-    if r.tp > 1 and G % r.nproc == 0:
-        n_ranks.append(Split(r.nproc, G // r.nproc, 1, weighting, note="the same ranks, data-parallel only"))
+                Split(1, cfg.loop.micro_batch, chunks, weighting, note=f"{chunks} chunked backwards on 1 rank")]
+    n_ranks = [Split(cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.accum, weighting, note="the configured split", tp=cfg.parallel.tp)] \
+        if cfg.launch.nproc > 1 else []
+    if cfg.parallel.tp > 1 and G % cfg.launch.nproc == 0:
+        n_ranks.append(Split(cfg.launch.nproc, G // cfg.launch.nproc, 1, weighting, note="the same ranks, data-parallel only"))
     mean_data, mean_note = "", ""
     if len(set(tokens)) == 1:
         # Mean weighting is exact when every micro-batch holds as many tokens; show it where it is not.
         mean_data, mean_note = "synthetic-varlen", "on synthetic-varlen: every micro-batch of this data has equal tokens"
-    wrong = [Split(r.nproc, r.micro_batch, r.accum, "unscaled", expect_pass=False, tp=r.tp),
-             Split(r.nproc, r.micro_batch, r.accum, "mean", data=mean_data, expect_pass=False, note=mean_note,
-                   tp=r.tp)]
-    if r.nproc > 1:
+    wrong = [Split(cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.accum, "unscaled", expect_pass=False, tp=cfg.parallel.tp),
+             Split(cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.accum, "mean", data=mean_data, expect_pass=False, note=mean_note,
+                   tp=cfg.parallel.tp)]
+    if cfg.launch.nproc > 1:
         return one_rank, n_ranks + wrong
-    return one_rank[:1] + [Split(1, r.micro_batch, r.accum, weighting, note="the configured split")] + wrong, []
+    return one_rank[:1] + [Split(1, cfg.loop.micro_batch, cfg.loop.accum, weighting, note="the configured split")] + wrong, []
 
 
 def micro_batch_tokens(cfg: Config, data: str) -> list[int]:
     """Unmasked target tokens of each micro-batch of the global batch, in global order."""
-    source, m = make_source(_with_data(cfg, data)), cfg.run.micro_batch
+    source, m = make_source(_with_data(cfg, data)), cfg.loop.micro_batch
     return [int((source.sequences(STEP, range(j * m, (j + 1) * m))[1] != IGNORE).sum())
             for j in range(cfg.global_batch // m)]
 
@@ -246,13 +245,13 @@ def cmd_equivalence(args: argparse.Namespace) -> int:
     from zerotrain.runtime.launch import run_job
 
     cfg = config_from_args(args)
-    if cfg.run.dp * cfg.run.accum < 2:
-        raise ConfigError(f"{cfg.run.dp} DP replica(s) x --accum {cfg.run.accum} gives one micro-batch per step: "
+    if cfg.dp * cfg.loop.accum < 2:
+        raise ConfigError(f"{cfg.dp} DP replica(s) x --accum {cfg.loop.accum} gives one micro-batch per step: "
                           "nothing to compare; raise --accum")
-    if cfg.run.precision != "fp32":
-        raise ConfigError(f"--precision {cfg.run.precision}: equivalence is checked in fp32, where rounding "
+    if cfg.parallel.precision != "fp32":
+        raise ConfigError(f"--precision {cfg.parallel.precision}: equivalence is checked in fp32, where rounding "
                           f"stays far below the {BOUND:g} bound; drop --precision")
-    cfg.run.progress = False
+    cfg.logging.progress = False
     weighting = BREAKS[args.break_] if args.break_ else "token"
     lr = cfg.optim.lr
     tokens = micro_batch_tokens(cfg, "")
@@ -287,12 +286,12 @@ def cmd_equivalence(args: argparse.Namespace) -> int:
 
 
 def _print_header(cfg: Config, lr: float, tokens: list[int], broken: str | None) -> None:
-    m, r = cfg.model, cfg.run
+    m = cfg.model
     print(f"zerotrain equivalence: GPT {m.n_layer} layers, width {m.n_embd}, seq {m.seq_len}, vocab {m.vocab_size}; "
-          f"data {cfg.data.source}{'' if cfg.data.pack else ' (unpacked)'}; seed {r.seed}")
-    ranks = f"DP {r.dp} replicas (TP {r.tp} x DP {r.dp} = {r.nproc} ranks)" if r.tp > 1 else f"{r.nproc} ranks"
+          f"data {cfg.data.source}{'' if cfg.data.pack else ' (unpacked)'}; seed {cfg.loop.seed}")
+    ranks = f"DP {cfg.dp} replicas (TP {cfg.parallel.tp} x DP {cfg.dp} = {cfg.launch.nproc} ranks)" if cfg.parallel.tp > 1 else f"{cfg.launch.nproc} ranks"
     print(f"global batch of step {STEP}: {cfg.global_batch} sequences = {ranks} x micro-batch "
-          f"{r.micro_batch} x accum {r.accum}; {sum(tokens)} unmasked target tokens")
+          f"{cfg.loop.micro_batch} x accum {cfg.loop.accum}; {sum(tokens)} unmasked target tokens")
     print(f"unmasked tokens per micro-batch: {tokens}")
     print(f"reference: one full-batch backward in plain PyTorch (mean over every unmasked token); "
           f"one step at lr {lr:g}; bound {BOUND:g} max-abs")
@@ -354,5 +353,5 @@ def _with_data(cfg: Config, data: str) -> Config:
 def _on_one_rank(cfg: Config) -> Config:
     """The same global batch on one rank: its accumulation takes over every rank's micro-batches."""
     out = copy.deepcopy(cfg)
-    out.run.nproc, out.run.tp, out.run.accum = 1, 1, cfg.run.dp * cfg.run.accum
+    out.launch.nproc, out.parallel.tp, out.loop.accum = 1, 1, cfg.dp * cfg.loop.accum
     return out

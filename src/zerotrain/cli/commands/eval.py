@@ -40,9 +40,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)
-    batch = args.batch_size or cfg.run.dp * cfg.run.micro_batch
+    batch = args.batch_size or cfg.dp * cfg.loop.micro_batch
     loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val"), range(args.batches), batch,
-                                        cfg.run.micro_batch, tokenizer)
+                                        cfg.loop.micro_batch, tokenizer)
     if tokens == 0:
         raise ConfigError(f"{args.batches} batches of {cfg.data.source} hold no target tokens")
     loss = loss_sum / tokens

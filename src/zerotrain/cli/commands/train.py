@@ -9,6 +9,7 @@ import statistics
 
 from zerotrain.checkpoint import committed_steps
 from zerotrain.cli.flags import add_training_flags, config_from_args
+from zerotrain.config import Config
 from zerotrain.runtime.launch import in_torchrun, run_job
 from zerotrain.runtime.run_folder import SUMMARY, prepare_run
 from zerotrain.training.loop import train_job
@@ -36,7 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"zerotrain: trained to step {summary['steps']} on {result['world_size']} rank(s); "
           + (f"final loss {last['loss']:.4f}; " if last else "")
-          + f"metrics {result['config']['run']['metrics']}")
+          + f"metrics {result['config']['logging']['metrics']}")
     for path in result["checkpoints"][-1:]:
         print(f"zerotrain: last checkpoint {path}")
     print(f"zerotrain: summary {summary['path']}: " + summary_line(summary))
@@ -45,9 +46,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def write_summary(result: dict, config: dict) -> dict:
     """<out>/summary.json: the run in a few numbers, with per-rank memory and its max and mean across ranks."""
-    records = read_step_records(config["run"]["metrics"]) or result["records"]  # the whole run, resumes included
+    cfg = Config.from_dict(config)
+    records = read_step_records(cfg.logging.metrics) or result["records"]  # the whole run, resumes included
     per_rank = result["per_rank"]
-    root = config["checkpoint"]["dir"]
+    root = cfg.checkpoint.dir
     summary = {
         "steps": records[-1]["step"] if records else result["start_step"],
         "start_step": result["start_step"],
@@ -61,13 +63,13 @@ def write_summary(result: dict, config: dict) -> dict:
         "param_count": result["param_count"],
         "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
         "restarts": result["restarts"],
-        "rollbacks": count_events(config["run"]["metrics"], "rollback") or len(result["rollbacks"]),
+        "rollbacks": count_events(cfg.logging.metrics, "rollback") or len(result["rollbacks"]),
         "stopped": result["stopped"],
         "per_rank": per_rank,
         "max": {k: max(v) for k, v in per_rank.items()},
         "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
     }
-    path = os.path.join(config["run"]["out"], SUMMARY)
+    path = os.path.join(cfg.logging.out, SUMMARY)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)

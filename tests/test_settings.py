@@ -1,0 +1,141 @@
+"""Every setting is declared once: its flag, TOML key, help and default come from that declaration and agree everywhere."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+
+from zerotrain import config as config_module
+from zerotrain.cli.flags import reference_table, shown_default
+from zerotrain.cli.main import build_parser
+from zerotrain.config import ABOVE_ONE, BETA, FRACTION, NON_NEGATIVE, POSITIVE, Config, declared, merge, validate
+from zerotrain.errors import ConfigError
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def expected_names():
+    """What the declaration promises: for each setting, its TOML key and the flag that is that key with dashes."""
+    return [(s, s.key, "--" + s.key.replace("_", "-")) for s in declared()]
+
+
+def train_help() -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["train"]
+    return " ".join(sub.format_help().split())  # one line: argparse wraps help text
+
+
+def help_default(help_text: str, s) -> str | None:
+    """The default `--help` states for a setting: the first "(default: ...)" after its flag's own entry."""
+    entry = f"{s.flag}, --no-{s.flag[2:]}" if s.type is bool else f"{s.flag} {s.key.upper()}"
+    found = re.search(re.escape(entry) + r" .*?\(default: ([^)]*)\)", help_text)
+    return found.group(1) if found else None
+
+
+def readme_rows() -> dict[str, list[str]]:
+    """The README's training reference table: flag cell -> cells."""
+    rows = {}
+    for line in open(README):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `--") and len(cells) == 4:
+            rows[cells[0].split("`")[1]] = cells
+    return rows
+
+
+def sample_value(s):
+    if s.type is bool:
+        return not s.default
+    return "some-value" if s.type is str else s.default + s.type(3)
+
+
+def check_flags_and_keys_agree():
+    """Each setting: `--flag V` on the command line and `key = V` in its TOML table give the same value;
+    --help lists the flag with its default; the README's reference has the flag, table, key and default."""
+    parser, help_text, rows = build_parser(), train_help(), readme_rows()
+    for s, key, flag in expected_names():
+        value = sample_value(s)
+        argv = ["train", flag if value is True else f"--no-{flag[2:]}"] if s.type is bool else ["train", flag, str(value)]
+        args = parser.parse_args(argv)
+        from_toml = Config()
+        merge(from_toml, {s.section: {key: value}}, origin="test")
+        assert getattr(args, key, None) == value == getattr(getattr(from_toml, s.section), s.name), flag
+        assert help_default(help_text, s) == shown_default(s, s.default), flag
+        assert flag in rows, f"{flag} is missing from the README's training reference"
+        assert rows[flag][1] == f"`[{s.section}] {key}`" and rows[flag][2] == f"`{shown_default(s, s.default)}`", flag
+
+
+def test_every_flag_and_toml_key_comes_from_the_declaration_and_agrees_with_help_and_readme():
+    check_flags_and_keys_agree()
+    assert len({s.key for s in declared()}) == len(list(declared()))  # a key names one setting
+    assert reference_table() in open(README).read()  # the README's table is the one the declarations give
+
+
+def test_a_setting_whose_flag_differs_from_its_toml_key_is_caught(monkeypatch):
+    """Planted: the parser names --ckpt-every --checkpoint-every while TOML still says ckpt_every."""
+    real = config_module.Setting.flag.fget
+    monkeypatch.setattr(config_module.Setting, "flag",
+                        property(lambda s: "--checkpoint-every" if s.key == "ckpt_every" else real(s)))
+    with pytest.raises(AssertionError, match="--ckpt-every"):
+        check_flags_and_keys_agree()
+
+
+BAD = {POSITIVE: 0, NON_NEGATIVE: -1, FRACTION: 1.5, BETA: 1.0, ABOVE_ONE: 1.0}
+
+
+@pytest.mark.parametrize("s", [s for s in declared() if s.rule or s.type is float], ids=lambda s: s.key)
+def test_every_validation_error_names_a_flag_that_exists(s):
+    flags = {o for a in build_parser()._actions if a.dest == "command"
+             for o in a.choices["train"]._option_string_actions}
+    bad_values = [BAD.get(s.rule, "not-a-choice" if s.type is str else None)] + ([math.nan] if s.type is float else [])
+    for bad in [b for b in bad_values if b is not None]:
+        cfg = Config()
+        setattr(getattr(cfg, s.section), s.name, type(s.default)(bad) if s.type is not str else bad)
+        with pytest.raises(ConfigError) as raised:
+            validate(cfg)
+        message = str(raised.value)
+        assert message.startswith(s.flag + " "), message
+        assert set(re.findall(r"--[a-z][a-z0-9-]*", message)) <= flags, message
+
+
+def test_cross_setting_errors_name_flags_that_exist():
+    flags = {o for a in build_parser()._actions if a.dest == "command"
+             for o in a.choices["train"]._option_string_actions}
+    for section, values in (("model", {"n_embd": 30}), ("parallel", {"tp": 3}), ("optim", {"warmup_steps": -2})):
+        cfg = Config()
+        cfg.launch.nproc = 2
+        merge(cfg, {section: values}, origin="test")
+        with pytest.raises(ConfigError) as raised:
+            validate(cfg)
+        assert set(re.findall(r"--[a-z][a-z0-9-]*", str(raised.value))) <= flags, str(raised.value)
+
+
+def test_validation_is_pure_and_derived_values_are_resolved_after_it():
+    cfg = Config()
+    cfg.loop.steps = 50
+    before = cfg.to_dict()
+    validate(cfg)
+    assert cfg.to_dict() == before and cfg.optim.warmup_steps == -1
+    config_module.resolve(cfg)
+    assert cfg.optim.warmup_steps == 5
+
+
+def test_an_unknown_or_misplaced_toml_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"timeout_s in \[launch\]: unknown setting 'timeout_s' \(did you mean 'timeout'\?\)"):
+        merge(Config(), {"launch": {"timeout_s": 5.0}}, origin="x.toml")
+    with pytest.raises(ConfigError, match=r"nproc belongs in \[launch\], not \[loop\]"):
+        merge(Config(), {"loop": {"nproc": 2}}, origin="x.toml")
+
+
+def test_a_config_written_before_the_run_table_was_split_still_reads():
+    """Checkpoint manifests of zerotrain 0.1 keep one [run] table and field names; they load into today's sections."""
+    old = {"model": {"n_layer": 3}, "data": {"source": "synthetic", "cache_dir": "/c"},
+           "run": {"nproc": 4, "tp": 2, "steps": 7, "timeout_s": 9.0, "out": "/o"},
+           "checkpoint": {"dir": "/o/ck", "every": 5, "every_minutes": 0.5}}
+    cfg = Config.from_dict(old)
+    assert (cfg.model.n_layer, cfg.data.source, cfg.data.cache_dir) == (3, "synthetic", "/c")
+    assert (cfg.launch.nproc, cfg.parallel.tp, cfg.loop.steps, cfg.launch.timeout, cfg.logging.out) == (4, 2, 7, 9.0, "/o")
+    assert (cfg.checkpoint.dir, cfg.checkpoint.every, cfg.checkpoint.every_minutes) == ("/o/ck", 5, 0.5)
+    assert Config.from_dict(cfg.to_dict()) == cfg
