@@ -1,30 +1,53 @@
-"""Validation loss: the mean token loss over a fixed set of validation batches, every rank computing its part."""
+"""Validation loss: the summed token loss over fixed validation batches, for training's --eval-every and `zerotrain eval`."""
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import torch
 
-from zerotrain.data import IGNORE, BatchSchedule
-from zerotrain.model.gpt2 import summed_token_loss
+from zerotrain.data import IGNORE
+from zerotrain.model import summed_token_loss
 from zerotrain.parallel import Mesh
 
 
+def validation_sequences(source, batches: int, *, batch: int, micro_batch: int,
+                         first: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences first .. first + batch of validation batches 0 .. batches - 1, micro_batch at a time.
+
+    Batch k is fixed by the source (a pure function of k and the index), so a replica's block of it
+    and the whole of it hold the same sequences.
+    """
+    for k in range(batches):
+        for lo in range(first, first + batch, micro_batch):
+            yield source.sequences(k, range(lo, min(first + batch, lo + micro_batch)))
+
+
 @torch.no_grad()
+def summed_loss(model: torch.nn.Module, micro_batches, on_targets: Callable[[torch.Tensor], None] | None = None
+                ) -> tuple[float, int]:
+    """(summed token loss, target tokens) over (inputs, labels) pairs; `on_targets(labels)` sees each pair's labels."""
+    device = next(model.parameters()).device
+    loss_sum, tokens = 0.0, 0
+    for x, y in micro_batches:
+        loss_sum += float(summed_token_loss(model(x.to(device)), y.to(device)))
+        tokens += int((y != IGNORE).sum())
+        if on_targets is not None:
+            on_targets(y)
+    return loss_sum, tokens
+
+
 def validation_loss(model: torch.nn.Module, source, mesh: Mesh, *, batches: int, micro_batch: int) -> float:
-    """Mean loss over validation batches 0..batches-1 of `source`, whose batch k is fixed.
+    """Mean loss over validation batches 0..batches-1 of `source`, the same on every rank.
 
     Each batch holds (DP replicas) x micro_batch sequences; each replica computes its own block (its
     TP ranks together, counted once), and one all-reduce of [summed token loss, token count] gives
     every rank the same mean, whatever the split.
     """
-    schedule = BatchSchedule(source, micro_batch=micro_batch, accum=1, rank=mesh.dp_rank, world_size=mesh.dp_size)
-    device = next(model.parameters()).device
-    totals = torch.zeros(2, dtype=torch.float64)
-    for k in range(batches):
-        for x, y in schedule.batch(k).micro_batches:
-            loss = float(summed_token_loss(model(x.to(device)), y.to(device)))  # every TP rank runs the forward
-            if mesh.tp_rank == 0:
-                totals[0] += loss
-                totals[1] += int((y != IGNORE).sum())
+    block = validation_sequences(source, batches, batch=micro_batch, micro_batch=micro_batch,
+                                 first=mesh.dp_rank * micro_batch)
+    loss_sum, tokens = summed_loss(model, block)  # every TP rank runs the forward
+    counted = mesh.tp_rank == 0
+    totals = torch.tensor([loss_sum if counted else 0.0, tokens if counted else 0], dtype=torch.float64)
     totals = mesh.world.all_reduce(totals.to(mesh.world.device), "all_reduce_eval").cpu()
     return float(totals[0] / totals[1])

@@ -12,7 +12,7 @@ from zerotrain.config import Config
 from zerotrain.data import IGNORE, check_source, make_source
 from zerotrain.errors import ConfigError
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
-from zerotrain.model.gpt2 import summed_token_loss
+from zerotrain.training.evaluate import summed_loss, validation_sequences
 
 
 def add_parser(sub) -> None:
@@ -41,7 +41,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)
     batch = args.batch_size or cfg.dp * cfg.loop.micro_batch
-    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val"), range(args.batches), batch,
+    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val"), args.batches, batch,
                                         cfg.loop.micro_batch, tokenizer)
     if tokens == 0:
         raise ConfigError(f"{args.batches} batches of {cfg.data.source} hold no target tokens")
@@ -75,25 +75,24 @@ def _data_config(source, model, tokenizer, data: str | None) -> Config:
     return cfg
 
 
-@torch.inference_mode()
-def evaluate(model, source, steps, batch: int, micro_batch: int, tokenizer) -> tuple[float, int, int]:
-    """(summed token loss, target tokens, their UTF-8 bytes) over `batch` sequences at each data step.
+def evaluate(model, source, batches: int, batch: int, micro_batch: int, tokenizer) -> tuple[float, int, int]:
+    """(summed token loss, target tokens, their UTF-8 bytes) over validation batches 0..batches-1 of `batch` sequences.
 
     The bytes of BPE tokens are those of each sequence's targets decoded together, so a character
     split over several tokens counts once; an end-of-text token counts one byte, as the byte
     tokenizer's (its NUL), not the 13 of the text `<|endoftext|>` it decodes to.
     """
-    loss_sum, tokens, nbytes = 0.0, 0, 0
-    for step in steps:
-        for lo in range(0, batch, micro_batch):
-            x, y = source.sequences(step, range(lo, min(batch, lo + micro_batch)))
-            loss_sum += float(summed_token_loss(model(x), y))
-            counted = int((y != IGNORE).sum())
-            tokens += counted
-            if tokenizer.kind == "bytes":
-                nbytes += counted
-            else:
-                nbytes += sum(utf8_bytes(tokenizer, row[row != IGNORE].tolist()) for row in y)
+    nbytes = 0
+
+    def count_bytes(y: torch.Tensor) -> None:
+        nonlocal nbytes
+        if tokenizer.kind == "bytes":
+            nbytes += int((y != IGNORE).sum())
+        else:
+            nbytes += sum(utf8_bytes(tokenizer, row[row != IGNORE].tolist()) for row in y)
+
+    sequences = validation_sequences(source, batches, batch=batch, micro_batch=micro_batch)
+    loss_sum, tokens = summed_loss(model, sequences, on_targets=count_bytes)
     return loss_sum, tokens, nbytes
 
 
