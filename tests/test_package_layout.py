@@ -12,9 +12,11 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 PACKAGE = os.path.join(SRC, "zerotrain")
 
 # Each part may import what is below it (a lower number) and its own folder's modules, nothing else:
-# cli -> commands / bench -> hub, training -> runtime -> checkpoint -> parallel -> model, data -> config -> errors.
+# cli -> commands / bench -> hub, training -> runtime -> checkpoint -> parallel -> model, data -> config -> errors,
+# durable (whole-or-absent file writes).
 LEVELS = {
     "zerotrain.errors": 0,
+    "zerotrain.durable": 0,
     "zerotrain.config": 1,
     "zerotrain.data": 2,
     "zerotrain.model": 2,

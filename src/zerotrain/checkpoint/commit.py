@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 
+from zerotrain.durable import write_atomic, write_json
+
 from .format import LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name, step_of
 from .stream import FileRecord
 
@@ -35,10 +37,8 @@ def write_sidecar(folder: str, rank: int, session: str, step: int, records: list
     (the files, the folder's entries, the manifest) is made durable by the writer and the commit.
     """
     body = {"session": session, "step": step, "rank": rank, "files": [r.to_dict() for r in records]}
-    path = os.path.join(folder, sidecar_name(rank))
-    with open(path + ".part", "w") as f:
-        f.write(json.dumps(body, indent=1))
-    os.replace(path + ".part", path)  # whole or absent: rank 0 never reads half a list
+    # whole or absent: rank 0 never reads half a list
+    write_json(os.path.join(folder, sidecar_name(rank)), body, durable=False)
 
 
 def read_sidecars(folder: str, world_size: int, session: str, step: int) -> list[dict]:
@@ -76,7 +76,7 @@ def commit(root: str, step: int, base: dict, world_size: int, session: str, keep
     for name in os.listdir(tmp):  # the sidecars, and debris a crashed earlier attempt at this step left
         if name not in listed:
             _remove(os.path.join(tmp, name))
-    _write_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+    write_json(os.path.join(tmp, MANIFEST), manifest)
     _fsync_path(tmp)
     final = os.path.join(root, step_name(step))
     _rename_into_place(tmp, final)
@@ -85,14 +85,6 @@ def commit(root: str, step: int, base: dict, world_size: int, session: str, keep
         retain(root, keep)
     _clear_debris(root, step)
     return final, manifest
-
-
-def _write_durably(path: str, text: str) -> None:
-    with open(path + ".part", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
 
 
 def _remove(path: str) -> None:
@@ -117,7 +109,7 @@ def _rename_into_place(tmp: str, final: str) -> None:
 
 def point_latest(root: str, name: str) -> None:
     """Replace `latest` atomically: a reader sees the old name or the new one, never a partial file."""
-    _write_durably(os.path.join(root, LATEST), name + "\n")
+    write_atomic(os.path.join(root, LATEST), name + "\n")
     _fsync_path(root)
 
 

@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+from zerotrain.durable import write_atomic
+
 STOP_FILE = "stop"
 
 
@@ -37,9 +39,7 @@ class LauncherSignals:
         if os.path.exists(self.stop_file):
             self.hard_stop = name
             return
-        with open(self.stop_file + ".tmp", "w") as f:
-            f.write(name)
-        os.replace(self.stop_file + ".tmp", self.stop_file)
+        write_atomic(self.stop_file, name, durable=False)
         print(f"zerotrain: {name} received: every rank finishes its current step and saves; "
               f"send it again to stop at once", file=sys.stderr, flush=True)
 

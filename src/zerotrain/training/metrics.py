@@ -8,6 +8,8 @@ import sys
 
 from tqdm import tqdm
 
+from zerotrain.durable import write_atomic
+
 
 class Metrics:
     """Rank 0 writes; other ranks hold a no-op instance so the loop needs no rank checks.
@@ -99,12 +101,7 @@ def _truncate_after(path: str, step: int) -> int:
     last = max((r["step"] for r in records if "step" in r and "event" not in r), default=step)
     kept = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
     if len(kept) < len(lines):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
     return last
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
 from zerotrain.checkpoint import committed_steps
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import Config
+from zerotrain.durable import write_json
 from zerotrain.runtime.launch import in_torchrun, run_job
 from zerotrain.runtime.run_folder import SUMMARY, prepare_run
 from zerotrain.training.loop import train_job
@@ -71,9 +71,7 @@ def write_summary(result: dict, config: dict) -> dict:
     }
     path = os.path.join(cfg.logging.out, SUMMARY)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, summary, durable=False)
     summary["path"] = path
     return summary
 

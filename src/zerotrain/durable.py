@@ -1,0 +1,33 @@
+"""Whole-or-absent file writes: write a temporary sibling, fsync it (when the file must survive a crash), rename it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def write_atomic(path: str, data: str | bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` in one rename, so a reader sees the old file or the new one, never half of one.
+
+    `durable` fsyncs the bytes before the rename (checkpoint manifests, metrics, cached data); files
+    that only need to be whole while their writer lives (a rank's sidecar, a stop request) skip it.
+    The temporary name carries the pid, so two processes never write the same one; the file gets
+    the umask's mode, as any file the process creates.
+    """
+    tmp = f"{path}.{os.getpid()}.part"
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path: str, obj, *, durable: bool = True) -> None:
+    """`obj` as indented JSON at `path`, whole or absent."""
+    write_atomic(path, json.dumps(obj, indent=1), durable=durable)
