@@ -6,7 +6,18 @@ import argparse
 import importlib.util
 import os
 
-from zerotrain.config import Config, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for, validate
+from zerotrain.config import (
+    Config,
+    Rule,
+    Setting,
+    apply_preset,
+    declared,
+    load_toml,
+    merge,
+    resolve,
+    setting_for,
+    validate,
+)
 from zerotrain.data import check_source
 from zerotrain.errors import ConfigError
 
@@ -14,6 +25,24 @@ from zerotrain.errors import ConfigError
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, no usage dump
         raise ConfigError(f"{self.prog}: {message}")
+
+
+def checked(typ: type, rule: Rule):
+    """An argparse type for a command's own flag, held to one of config's rules (the settings' are checked there).
+
+    A refused value is argparse's one-line error naming the flag: `argument --top-k: must be positive, got 0`.
+    """
+    def parse(text: str):
+        try:
+            value = typ(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if typ is int else 'a number'}, got {text!r}")
+        if not rule.holds(value):
+            raise argparse.ArgumentTypeError(f"{rule.says}, got {value}")
+        return value
+
+    parse.__name__ = typ.__name__
+    return parse
 
 
 def shown_default(s: Setting, value) -> str:

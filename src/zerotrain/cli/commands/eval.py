@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from zerotrain.config import Config
+from zerotrain.cli.flags import checked
+from zerotrain.config import POSITIVE, Config
 from zerotrain.data import IGNORE, check_source, make_source
 from zerotrain.errors import ConfigError
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
@@ -26,17 +27,13 @@ def add_parser(sub) -> None:
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root, run folder or exported "
                                                      "folder (an exported one needs --data)")
     p.add_argument("--data", default=None, help="data to evaluate on, as train's --data (default: the checkpoint's)")
-    p.add_argument("--batches", type=int, default=20, help="validation batches (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batches", type=checked(int, POSITIVE), default=20, help="validation batches (default: %(default)s)")
+    p.add_argument("--batch-size", type=checked(int, POSITIVE), default=None,
                    help="sequences per batch (default: the run's DP replicas x micro-batch, as training evaluated)")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if args.batches < 1:
-        raise ConfigError(f"--batches must be at least 1, got {args.batches}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)

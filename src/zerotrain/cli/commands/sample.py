@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from zerotrain.cli.flags import checked
+from zerotrain.config import NON_NEGATIVE, POSITIVE
 from zerotrain.errors import ConfigError
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
 from zerotrain.model.generate import default_keep, generate
@@ -26,15 +28,15 @@ def add_parser(sub) -> None:
                     "refilled from those tokens, with or without the cache alike.")
     p.add_argument("checkpoint", metavar="CKPT", help="the model to sample from")
     p.add_argument("--prompt", default="", help="text to continue (default: empty, start from the end-of-text token)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per sample (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=checked(int, POSITIVE), default=256, help="tokens to generate per sample (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="softmax temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=None, help="draw only from the K most likely tokens (default: all)")
+    p.add_argument("--top-k", type=checked(int, POSITIVE), default=None, help="draw only from the K most likely tokens (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws: the same seed gives the same text "
                                                        "(default: %(default)s)")
-    p.add_argument("--num-samples", type=int, default=1, help="samples, generated as one batch (default: %(default)s)")
+    p.add_argument("--num-samples", type=checked(int, POSITIVE), default=1, help="samples, generated as one batch (default: %(default)s)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context for every token")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=checked(int, NON_NEGATIVE), default=0,
                    help="torch threads (default: %(default)s, PyTorch's choice: one per core). On a machine whose "
                         "cores are busy with other work, 1 avoids waiting on descheduled threads at every small op")
     p.set_defaults(func=cmd_sample)
@@ -43,14 +45,6 @@ def add_parser(sub) -> None:
 def check_sampling_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ConfigError(f"--num-samples must be at least 1, got {args.num_samples}")
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0 (0: PyTorch's default), got {args.threads}")
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
