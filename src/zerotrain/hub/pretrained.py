@@ -11,8 +11,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from zerotrain.checkpoint import (
     LATEST,
@@ -23,6 +21,7 @@ from zerotrain.checkpoint import (
     read_manifest,
     verify_or_raise,
 )
+from zerotrain.checkpoint.stream import read_safetensors
 from zerotrain.config import ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
 from zerotrain.errors import ConfigError
@@ -110,11 +109,12 @@ def load_from(source: ModelSource) -> GPT:
 
 
 def _read_tensors(file: str) -> dict[str, torch.Tensor]:
+    """The file's tensors, through the same checked reader checkpoints are loaded with."""
     try:
-        return load_file(file)
+        return read_safetensors(file)[0]
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing") from None
-    except (SafetensorError, OSError) as e:
+    except OSError as e:
         raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
 
 
