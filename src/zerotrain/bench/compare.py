@@ -23,6 +23,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -87,6 +88,40 @@ class Plan:
 def compare_job(cfg: Config, comm: Comm, plan: Plan) -> dict:
     """Build the plan's strategies on this rank, alternate them, and return every rank's measurements."""
     device = rank_device(cfg)
+    batch = _shared_batches(cfg, comm, device)
+    built = {name: S.build(name, cfg, comm) for name in plan.strategies}
+    tally = _Tally.empty(plan.strategies)
+    run = functools.partial(_run_block, built=built, tally=tally, batch=batch, cfg=cfg, plan=plan, device=device)
+    for name in plan.strategies:
+        run(name, plan.warmup, timed=False)
+    for r in range(plan.repeats):
+        k = r % max(1, len(plan.strategies))
+        for name in plan.strategies[k:] + plan.strategies[:k]:
+            run(name, plan.steps, timed=True)
+    ranks = comm.all_gather_json(_local_measurements(built, tally, device), "bench_results")
+    return _job_result(built, ranks, tally.tokens, comm.world_size)
+
+
+@dataclass
+class _Tally:
+    """What one rank has measured so far: the steps each strategy has taken, and the cost of its timed ones."""
+
+    done: dict[str, int]
+    times: dict[str, list[float]]
+    comm_calls: dict[str, Counter]
+    comm_bytes: dict[str, Counter]
+    tokens: list[int]  # global tokens of each timed step of the first strategy
+
+    @classmethod
+    def empty(cls, names: list[str]) -> _Tally:
+        """Nothing measured yet for any of `names`."""
+        return cls(done={name: 0 for name in names}, times={name: [] for name in names},
+                   comm_calls={name: Counter() for name in names}, comm_bytes={name: Counter() for name in names},
+                   tokens=[])
+
+
+def _shared_batches(cfg: Config, comm: Comm, device: torch.device) -> Callable[[int], StepBatch]:
+    """A function returning this rank's batch of a step, on its device, made on first use."""
     schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                              rank=comm.rank, world_size=comm.world_size)
     batches: dict[int, StepBatch] = {}
@@ -98,53 +133,50 @@ def compare_job(cfg: Config, comm: Comm, plan: Plan) -> dict:
             batches[step] = StepBatch([(x.to(device), y.to(device)) for x, y in b.micro_batches], b.global_tokens)
         return batches[step]
 
-    built = {name: S.build(name, cfg, comm) for name in plan.strategies}
-    done = {name: 0 for name in plan.strategies}
-    times: dict[str, list[float]] = {name: [] for name in plan.strategies}
-    comm_calls = {name: Counter() for name in plan.strategies}
-    comm_bytes = {name: Counter() for name in plan.strategies}
-    tokens: list[int] = []
+    return batch
 
-    def run(name: str, steps: int, timed: bool) -> None:
-        strategy = built[name]
-        dist.barrier()  # the previous strategy's stragglers must not land in this one's timings
-        calls_before, bytes_before = strategy.comm_counts()
-        for i in range(steps):
-            b = batch(done[name])
-            lr = lr_at(done[name], cfg.optim, plan.lr_steps)
-            t0 = time.perf_counter()
-            strategy.step(b, lr)
-            if i == steps - 1:
-                strategy.settle()  # the block's timings hold all of its communication, and no other's
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            done[name] += 1
-            if timed:
-                times[name].append(elapsed)
-                if name == plan.strategies[0]:
-                    tokens.append(b.global_tokens)
+
+def _run_block(name: str, steps: int, timed: bool, *, built: dict, tally: _Tally, batch: Callable[[int], StepBatch],
+               cfg: Config, plan: Plan, device: torch.device) -> None:
+    """`steps` optimizer steps of one strategy, continuing from its last; timed ones are added to the tally."""
+    strategy = built[name]
+    dist.barrier()  # the previous strategy's stragglers must not land in this one's timings
+    calls_before, bytes_before = strategy.comm_counts()
+    for i in range(steps):
+        b = batch(tally.done[name])
+        lr = lr_at(tally.done[name], cfg.optim, plan.lr_steps)
+        t0 = time.perf_counter()
+        strategy.step(b, lr)
+        if i == steps - 1:
+            strategy.settle()  # the block's timings hold all of its communication, and no other's
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        tally.done[name] += 1
         if timed:
-            calls_after, bytes_after = strategy.comm_counts()
-            comm_calls[name].update(calls_after - calls_before)
-            comm_bytes[name].update(bytes_after - bytes_before)
+            tally.times[name].append(elapsed)
+            if name == plan.strategies[0]:
+                tally.tokens.append(b.global_tokens)
+    if timed:
+        calls_after, bytes_after = strategy.comm_counts()
+        tally.comm_calls[name].update(calls_after - calls_before)
+        tally.comm_bytes[name].update(bytes_after - bytes_before)
 
-    for name in plan.strategies:
-        run(name, plan.warmup, timed=False)
-    for r in range(plan.repeats):
-        k = r % max(1, len(plan.strategies))
-        for name in plan.strategies[k:] + plan.strategies[:k]:
-            run(name, plan.steps, timed=True)
 
-    local = {
-        "step_s": times,
-        "comm_calls": comm_calls,
-        "comm_bytes": comm_bytes,
+def _local_measurements(built: dict, tally: _Tally, device: torch.device) -> dict:
+    """This rank's measurements, as gathered from every rank: timings, communication, state and peak memory."""
+    return {
+        "step_s": tally.times,
+        "comm_calls": tally.comm_calls,
+        "comm_bytes": tally.comm_bytes,
         "state_bytes": {name: s.state_bytes() for name, s in built.items()},
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
         "peak_cuda_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
     }
-    ranks = comm.all_gather_json(local, "bench_results")
+
+
+def _job_result(built: dict, ranks: list[dict], tokens: list[int], world_size: int) -> dict:
+    """The job's result: every rank's measurements, and how far each strategy's final parameters are from DDP's."""
     finals = {name: s.full_params() for name, s in built.items()}
     params = next(iter(finals.values()), {})
     return {
@@ -152,7 +184,7 @@ def compare_job(cfg: Config, comm: Comm, plan: Plan) -> dict:
         "tokens_per_step": tokens,
         "param_count": sum(t.numel() for t in params.values()),
         "param_gaps": param_gaps(finals, REFERENCE),
-        "world_size": comm.world_size,
+        "world_size": world_size,
     }
 
 

@@ -246,16 +246,38 @@ def comparisons(rows: list[dict]) -> dict:
 
 
 def cmd_tp(args: argparse.Namespace) -> int:
-    from zerotrain.cli.flags import config_from_args
-    from zerotrain.runtime.launch import in_torchrun, run_job
-
+    """Run every mesh's jobs in alternating rounds and write bench-tp.json, bench-tp.md and bench-tp.png."""
     pyplot("bench tp's bench-tp.png")  # before the runs: a missing plotting library should not cost them
+    _refuse_torchrun_and_swept_flags(args)
+    size = _resolve_size(args)
+    cores = os.cpu_count()
+    meshes = _resolve_meshes(args.meshes, size["global_batch"], cores)
+    cfg = _sweep_config(args, size)
+    configs = _mesh_configs(cfg, meshes, size["global_batch"])
+    out = _output_folder(cfg)
+    _announce(cfg, meshes, size, out)
+    t0, load_before = time.perf_counter(), os.getloadavg()
+    jobs = _run_rounds(meshes, configs, size, args.time_limit)
+    rows = [summarize(tp, dp, configs[tp, dp], jobs[tp, dp], cores) for tp, dp in meshes]
+    report = _build_report(cfg, meshes, size, rows, load_before, t0)
+    _write_report(report, out)
+    return 0
+
+
+def _refuse_torchrun_and_swept_flags(args: argparse.Namespace) -> None:
+    """Refuse a run under torchrun, and the flags the sweep sets per mesh."""
+    from zerotrain.runtime.launch import in_torchrun
+
     if in_torchrun():
         raise ConfigError("bench tp starts its own ranks, one job per mesh: run it without torchrun")
     for name, instead in SWEPT_FLAGS.items():
         value = getattr(args, name)
         if value is not None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: bench tp sets it per mesh; use {instead}")
+
+
+def _resolve_size(args: argparse.Namespace) -> dict:
+    """Warm-up, timed steps, repeats and global batch: the size's defaults, overridden by the flags given."""
     size = dict(SIZES["quick" if args.quick else "full"])
     for key in ("warmup", "repeats", "global_batch", "steps"):
         if getattr(args, key) is not None:
@@ -266,40 +288,77 @@ def cmd_tp(args: argparse.Namespace) -> int:
         raise ConfigError(f"--repeats must be >= 1, got {size['repeats']}")
     if size["steps"] < 1:
         raise ConfigError(f"--steps must be >= 1 (the timed steps per job), got {size['steps']}")
-    cores = os.cpu_count()
-    meshes = parse_meshes(args.meshes) if args.meshes else default_meshes(cores)
-    gb = size["global_batch"]
+    return size
+
+
+def _resolve_meshes(text: str | None, gb: int, cores: int | None) -> list[tuple[int, int]]:
+    """The (tp, dp) meshes to run, from --meshes or the machine's cores; each must split the global batch."""
+    meshes = parse_meshes(text) if text else default_meshes(cores)
     for tp, dp in meshes:
         if gb < 1 or gb % dp:
             raise ConfigError(f"--global-batch {gb}: {mesh_name(tp, dp)} needs a global batch divisible by DP {dp}")
+    return meshes
+
+
+def _sweep_config(args: argparse.Namespace, size: dict) -> Config:
+    """The config every mesh's config starts from: no metrics, no checkpoints, warm-up and timed steps in one run."""
+    from zerotrain.cli.flags import config_from_args
+
     cfg = config_from_args(args)
     cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.every_minutes = "", 0, 0
     cfg.checkpoint.resume = ""  # the sweep writes only its results
     cfg.loop.steps = size["warmup"] + size["steps"]  # every step of a job, warm-up included
+    return cfg
+
+
+def _mesh_configs(cfg: Config, meshes: list[tuple[int, int]], gb: int) -> dict[tuple[int, int], Config]:
+    """Each mesh's validated config, before any job starts."""
     configs = {}
     for tp, dp in meshes:
         configs[tp, dp] = mesh_config(cfg, tp, dp, gb)
         _validate_mesh(configs[tp, dp], tp, dp)
+    return configs
+
+
+def _output_folder(cfg: Config) -> str:
+    """The results' folder, created: --out, else a new timestamped one under runs/."""
     out = cfg.logging.out or os.path.join("runs", "bench-tp-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
+    return out
+
+
+def _announce(cfg: Config, meshes: list[tuple[int, int]], size: dict, out: str) -> None:
+    """One line saying what the sweep is about to run, and where its results go."""
     m = cfg.model
     print(f"zerotrain bench tp: GPT {m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, seq {m.seq_len}, "
-          f"vocab {m.vocab_size}; meshes {', '.join(mesh_name(*k) for k in meshes)}; global batch {gb}; "
+          f"vocab {m.vocab_size}; meshes {', '.join(mesh_name(*k) for k in meshes)}; "
+          f"global batch {size['global_batch']}; "
           f"{size['repeats']} round(s) of {size['warmup']} warm-up + {size['steps']} timed steps per mesh; "
           f"output {out}", flush=True)
-    t0, load_before = time.perf_counter(), os.getloadavg()
+
+
+def _run_rounds(meshes: list[tuple[int, int]], configs: dict, size: dict,
+                time_limit: float) -> dict[tuple[int, int], list[dict]]:
+    """Every round's job of every mesh, rank 0's measurements per mesh; odd rounds run the meshes in reverse."""
+    from zerotrain.runtime.launch import run_job
+
     jobs: dict[tuple[int, int], list[dict]] = {k: [] for k in meshes}
     for r in range(size["repeats"]):
         order = meshes if r % 2 == 0 else meshes[::-1]
         for key in order:
             job = functools.partial(tp_job, warmup=size["warmup"])
-            jobs[key].append(run_job(job, configs[key], time_limit=args.time_limit))
-    rows = [summarize(tp, dp, configs[tp, dp], jobs[tp, dp], cores) for tp, dp in meshes]
+            jobs[key].append(run_job(job, configs[key], time_limit=time_limit))
+    return jobs
+
+
+def _build_report(cfg: Config, meshes: list[tuple[int, int]], size: dict, rows: list[dict],
+                  load_before: tuple[float, float, float], t0: float) -> dict:
+    """The JSON report: the sweep's settings, one row per mesh, the comparisons and their explanation."""
     report = {
         **report_header(SCHEMA),
         "config": cfg.to_dict(),
         "meshes": [mesh_name(*k) for k in meshes],
-        "global_batch": gb,
+        "global_batch": size["global_batch"],
         "warmup_steps": size["warmup"],
         "timed_steps": size["steps"],
         "repeats": size["repeats"],
@@ -314,6 +373,11 @@ def cmd_tp(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - t0, 2),
     }
     report["explanation"] = explain(report)
+    return report
+
+
+def _write_report(report: dict, out: str) -> None:
+    """bench-tp.json, .md and .png into `out`, then the table and where they went on stdout."""
     json_path, md_path, png_path = (os.path.join(out, f"bench-tp.{ext}") for ext in ("json", "md", "png"))
     write_json(json_path, report)
     table = markdown(report)
@@ -322,7 +386,6 @@ def cmd_tp(args: argparse.Namespace) -> int:
     plot(report, png_path)
     print(table)
     print(f"wrote bench-tp.json, bench-tp.md, bench-tp.png to {out} ({report['wall_s']:.0f} s)")
-    return 0
 
 
 def _validate_mesh(cfg: Config, tp: int, dp: int) -> None:

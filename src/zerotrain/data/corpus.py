@@ -44,6 +44,19 @@ def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dic
     t_start = time.perf_counter()
     kind, vocab = parse_tokenizer_spec(tokenizer)
     os.makedirs(out, exist_ok=True)
+    tok, timings = _tokenizer(source, out, kind, vocab, t_start)
+    t_encode = time.perf_counter()
+    writers, documents, text_bytes, content = _encode(source, out, tok, kind)
+    timings["encode_s"] = time.perf_counter() - t_encode
+    files = _file_records(writers, documents)
+    timings["total_s"] = time.perf_counter() - t_start
+    meta = _meta(source, tok, writers["train"].version, files, text_bytes, timings, content)
+    write_json_atomic(os.path.join(out, META), meta)
+    return meta
+
+
+def _tokenizer(source: TextInput, out: str, kind: str, vocab: int, t_start: float) -> tuple[object, dict[str, float]]:
+    """The tokenizer, a BPE trained on the training documents (saved into `out`) or bytes, and the timings so far."""
     timings = {}
     if kind == "bpe":
         n_train = sum(d.split == "train" for d in source.documents)
@@ -52,43 +65,58 @@ def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dic
         timings["tokenizer_train_s"] = time.perf_counter() - t_start
     else:
         tok = ByteTokenizer()
-    t_encode = time.perf_counter()
+    return tok, timings
+
+
+def _encode(source: TextInput, out: str, tok, kind: str) -> tuple[dict[str, LlmcWriter], dict[str, int], int, object]:
+    """Every document into its split's .bin file; the writers (closed), documents per split, text bytes, hasher."""
     writers = {s: LlmcWriter(os.path.join(out, f"{s}.bin"), tok.vocab_size) for s in SPLITS}
     documents, text_bytes = dict.fromkeys(SPLITS, 0), 0
     pending: list[tuple[str, bytes]] = []
-
-    def flush() -> None:
-        if kind == "bpe":
-            encoded = tok.encode_batch([data.decode("utf-8") for _, data in pending])
-        else:
-            encoded = [np.frombuffer(data, dtype=np.uint8) for _, data in pending]
-        for (split, _), ids in zip(pending, encoded):
-            writers[split].write(np.append(np.asarray(ids, dtype=np.int64), tok.eot_id))
-            documents[split] += 1
-        pending.clear()
-
     content = source.hasher()
     for doc, data in source:
         content.update(doc, data)
         pending.append((doc.split, data))
         text_bytes += len(data)
         if len(pending) == ENCODE_BATCH:
-            flush()
-    flush()
+            _flush(pending, tok, kind, writers, documents)
+    _flush(pending, tok, kind, writers, documents)
     for w in writers.values():
         w.close()
-    timings["encode_s"] = time.perf_counter() - t_encode
+    return writers, documents, text_bytes, content
+
+
+def _flush(pending: list[tuple[str, bytes]], tok, kind: str, writers: dict[str, LlmcWriter],
+           documents: dict[str, int]) -> None:
+    """Encode the pending documents as one batch, append each with its end-of-text token, and empty the list."""
+    if kind == "bpe":
+        encoded = tok.encode_batch([data.decode("utf-8") for _, data in pending])
+    else:
+        encoded = [np.frombuffer(data, dtype=np.uint8) for _, data in pending]
+    for (split, _), ids in zip(pending, encoded):
+        writers[split].write(np.append(np.asarray(ids, dtype=np.int64), tok.eot_id))
+        documents[split] += 1
+    pending.clear()
+
+
+def _file_records(writers: dict[str, LlmcWriter], documents: dict[str, int]) -> dict[str, dict]:
+    """meta.json's record of each split's file: tokens, documents, bytes and sha256."""
     files = {}
     for s in SPLITS:
         size, digest = sha256_file(writers[s].path)
         files[s] = {"file": f"{s}.bin", "tokens": writers[s].count, "documents": documents[s], "bytes": size,
                     "sha256": digest}
-    timings["total_s"] = time.perf_counter() - t_start
+    return files
+
+
+def _meta(source: TextInput, tok, layout_version: int, files: dict[str, dict], text_bytes: int,
+          timings: dict[str, float], content) -> dict:
+    """meta.json's contents: format, tokenizer, files, source, timings and throughput."""
     tokens = sum(f["tokens"] for f in files.values())
-    meta = {
+    return {
         "format": FORMAT, "version": VERSION,
         "tokenizer": tokenizer_record(tok), "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-        "layout": f"llm.c v{writers['train'].version}",
+        "layout": f"llm.c v{layout_version}",
         **files,
         "source": {"kind": source.kind, "input": source.label, "val_fraction": source.val_fraction,
                    "text_bytes": text_bytes, "skipped": source.skipped},
@@ -98,8 +126,6 @@ def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dic
         "tokens_per_s": round(tokens / max(timings["total_s"], 1e-9)),  # end to end, tokenizer training included
         "encode_tokens_per_s": round(tokens / max(timings["encode_s"], 1e-9)),
     }
-    write_json_atomic(os.path.join(out, META), meta)
-    return meta
 
 
 def sha256_file(path: str) -> tuple[int, str]:
