@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from zerotrain.durable import write_json
 from zerotrain.errors import ConfigError
 
 from .documents import TextInput
@@ -51,7 +51,7 @@ def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dic
     files = _file_records(writers, documents)
     timings["total_s"] = time.perf_counter() - t_start
     meta = _meta(source, tok, writers["train"].version, files, text_bytes, timings, content)
-    write_json_atomic(os.path.join(out, META), meta)
+    write_json(os.path.join(out, META), meta)
     return meta
 
 
@@ -136,14 +136,6 @@ def sha256_file(path: str) -> tuple[int, str]:
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    with open(path + ".part", "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
 
 
 def cache_root(configured: str = "") -> str:
