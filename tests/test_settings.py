@@ -11,7 +11,7 @@ import pytest
 from zerotrain import config as config_module
 from zerotrain.cli.flags import reference_table, shown_default
 from zerotrain.cli.main import build_parser
-from zerotrain.config import ABOVE_ONE, BETA, FRACTION, NON_NEGATIVE, POSITIVE, Config, declared, merge, validate
+from zerotrain.config import ABOVE_ONE, BELOW_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Config, declared, merge, validate
 from zerotrain.errors import ConfigError
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -82,7 +82,7 @@ def test_a_setting_whose_flag_differs_from_its_toml_key_is_caught(monkeypatch):
         check_flags_and_keys_agree()
 
 
-BAD = {POSITIVE: 0, NON_NEGATIVE: -1, FRACTION: 1.5, BETA: 1.0, ABOVE_ONE: 1.0}
+BAD = {POSITIVE: 0, NON_NEGATIVE: -1, FRACTION: 1.5, BELOW_ONE: 1.0, ABOVE_ONE: 1.0}
 
 
 @pytest.mark.parametrize("s", [s for s in declared() if s.rule or s.type is float], ids=lambda s: s.key)

@@ -33,7 +33,7 @@ class Rule:
 POSITIVE = Rule("must be positive", lambda v: v > 0)
 NON_NEGATIVE = Rule("must be >= 0", lambda v: v >= 0)
 FRACTION = Rule("must be in [0, 1]", lambda v: 0 <= v <= 1)
-BETA = Rule("must be in [0, 1)", lambda v: 0 <= v < 1)
+BELOW_ONE = Rule("must be in [0, 1)", lambda v: 0 <= v < 1)
 ABOVE_ONE = Rule("must be a number above 1", lambda v: v > 1)
 
 
@@ -82,7 +82,7 @@ class DataConfig:
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
                          "padded and masked)")
     glob: str = setting("**/*.txt", "a text folder's files")
-    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation", rule=BETA)
+    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation", rule=BELOW_ONE)
     cache_dir: str = setting("", "where text inputs are prepared", key="data_cache",
                              shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain")
 
@@ -93,8 +93,8 @@ class OptimConfig:
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr", rule=FRACTION)
     warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, at least 1)", shown="steps/10")
     weight_decay: float = setting(0.1, "AdamW weight decay on matrices", rule=NON_NEGATIVE)
-    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=BETA)
-    beta2: float = setting(0.95, "AdamW's second-moment decay", rule=BETA)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=BELOW_ONE)
+    beta2: float = setting(0.95, "AdamW's second-moment decay", rule=BELOW_ONE)
     eps: float = setting(1e-8, "AdamW's epsilon", rule=POSITIVE)
     grad_clip: float = setting(1.0, "clip the global gradient norm (0: off)", rule=NON_NEGATIVE)
 

@@ -152,8 +152,6 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
         if d.source == "synthetic-varlen" and m.seq_len < 2:
             raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
         return DataSpec(d.source, "synthetic")
-    if not 0.0 <= d.val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
     spec = resolve_data(cfg)
     files = [open_token_file(p) for p in spec.train + spec.val]
     spec.train_tokens = sum(len(f) for f in files[: len(spec.train)])

@@ -7,6 +7,8 @@ import os
 import shutil
 import uuid
 
+from zerotrain.cli.flags import checked
+from zerotrain.config import BELOW_ONE
 from zerotrain.data.corpus import prepare_corpus
 from zerotrain.data.documents import STDLIB, text_input
 from zerotrain.data.tokenizer import parse_tokenizer_spec
@@ -25,7 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("outdir", help="the folder to write (must not exist, or be empty, unless --overwrite)")
     p.add_argument("--tokenizer", default="bytes", help="bytes, or bpe:N: a byte-level BPE of N ids trained on the "
                                                         "training documents (nothing is downloaded)")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="fraction of documents held out for validation")
+    p.add_argument("--val-fraction", type=checked(float, BELOW_ONE), default=0.05, help="fraction of documents held out for validation")
     p.add_argument("--glob", default="**/*.txt", help="which files of a folder INPUT are read")
     p.add_argument("--overwrite", action="store_true", help="replace OUTDIR if it holds files")
     p.set_defaults(func=cmd_prepare)
@@ -36,8 +38,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         parse_tokenizer_spec(args.tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not 0.0 <= args.val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.input != STDLIB and not os.path.exists(args.input):
         raise ConfigError(f"prepare {args.input}: no such file or folder (a UTF-8 text file, a folder, or {STDLIB})")
     out = os.path.normpath(args.outdir)
