@@ -70,7 +70,7 @@ def without_moments(load):
 
 def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a resume that loses AdamW's moments."""
-    train_module.checkpoint.load = without_moments(checkpoint.load)
+    train_module.checkpoint.load_checkpoint = without_moments(checkpoint.load_checkpoint)
     return interrupted_job(cfg, comm)
 
 

@@ -77,7 +77,7 @@ def train_checkpoint(root: str, *, steps: int = STEPS, synthetic_vocab: int | No
         engine = build_engine(cfg, comm)
         if steps:
             run_steps(engine, cfg, steps)
-        checkpoint.save(cfg.checkpoint.dir, steps, engine, comm, cfg.to_dict())
+        checkpoint.save_checkpoint(cfg.checkpoint.dir, steps, engine, comm, cfg.to_dict())
     finally:
         torch.set_num_threads(threads)
         dist.destroy_process_group()

@@ -11,17 +11,8 @@ import sys
 import pytest
 
 from zerotrain.bench.report import SCHEMA_VERSION
-from zerotrain.bench.tp import (
-    FIGURE_DPI,
-    FIGURE_SIZE_IN,
-    PARAM_RATIO_TARGET,
-    SCHEMA,
-    TP_PURPOSES,
-    comparisons,
-    default_meshes,
-    explain,
-    parse_meshes,
-)
+from zerotrain.bench.tp import (FIGURE_DPI, FIGURE_SIZE_IN, PARAM_RATIO_TARGET, SCHEMA, TP_PURPOSES, comparisons,
+                                default_meshes, explain, parse_meshes)
 from zerotrain.cli.main import main
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.model.gpt2 import plan

@@ -24,7 +24,8 @@ from zerotrain.parallel import Comm
 from zerotrain.training.loop import build_engine
 
 commit_module = importlib.import_module("zerotrain.checkpoint.commit")
-save_module = importlib.import_module("zerotrain.checkpoint.save")  # `checkpoint.save` is the function
+from zerotrain.checkpoint import save as save_module  # noqa: E402
+
 SHARD = "optim-rank00000-of-00001.safetensors"
 
 
@@ -73,7 +74,7 @@ def test_streamed_files_are_the_bytes_safetensors_writes_and_a_malformed_header_
 # ---------------------------------------------------------------- manifest and (d)
 def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path, one_rank):
     cfg, engine = trained(tmp_path, one_rank)
-    path, written, manifest = checkpoint.save(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
+    path, written, manifest = checkpoint.save_checkpoint(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
     assert os.path.basename(path) == "step_00000002"
     on_disk = json.load(open(os.path.join(path, "manifest.json")))
     assert on_disk == manifest
@@ -89,7 +90,7 @@ def test_manifest_describes_the_checkpoint_and_keeps_the_callers_fields(tmp_path
 
     writer = checkpoint.CheckpointWriter(str(tmp_path / "ck2"), one_rank)
     path, _, _ = writer.save(2, engine, {"data_skips": [[3, 5]], "threads_per_rank": 1, "config": cfg.to_dict()})
-    loaded = checkpoint.load(path, build_engine(cfg, one_rank), one_rank)
+    loaded = checkpoint.load_checkpoint(path, build_engine(cfg, one_rank), one_rank)
     assert loaded["data_skips"] == [[3, 5]] and loaded["threads_per_rank"] == 1 and loaded["step"] == 2
     with pytest.raises(ValueError, match=r"\['step'\] are the writer's own"):
         writer.save(3, engine, {"step": 9})
@@ -115,7 +116,7 @@ def test_a_sync_save_checks_invariant_d_before_committing_and_a_lossy_disk_is_ca
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
     root = str(tmp_path / "ck")
-    path, written, _ = checkpoint.save(root, 1, engine, one_rank, cfg.to_dict())
+    path, written, _ = checkpoint.save_checkpoint(root, 1, engine, one_rank, cfg.to_dict())
     save_module.read_back_check(os.path.join(path, SHARD), written[SHARD])  # what save() checked: equal
     changed = {k: v.clone() for k, v in written["model.safetensors"].items()}
     changed["transformer.wpe.weight"][0, 0] += 1.0
@@ -123,16 +124,16 @@ def test_a_sync_save_checks_invariant_d_before_committing_and_a_lossy_disk_is_ca
         save_module.read_back_check(os.path.join(path, "model.safetensors"), changed)
     monkeypatch.setattr(save_module, "write_safetensors", lossy_disk(save_module.write_safetensors))
     with pytest.raises(checkpoint.CheckpointError, match=r"step 2 not saved: rank 0: .*invariant \(d\) failed"):
-        checkpoint.save(root, 2, engine, one_rank, cfg.to_dict())
+        checkpoint.save_checkpoint(root, 2, engine, one_rank, cfg.to_dict())
     assert checkpoint.committed_steps(root) == ["step_00000001"]  # the bad checkpoint was never committed
 
 
 def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_touching_the_engine(tmp_path, one_rank):
     cfg, engine = trained(tmp_path, one_rank)
-    path, _, _ = checkpoint.save(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
+    path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
     fresh = build_engine(cfg, one_rank)
     assert not torch.equal(fresh.flat_params, engine.flat_params)
-    assert checkpoint.load(path, fresh, one_rank)["step"] == 2
+    assert checkpoint.load_checkpoint(path, fresh, one_rank)["step"] == 2
     assert torch.equal(fresh.flat_params, engine.flat_params)
     assert torch.equal(fresh.exp_avg, engine.exp_avg) and torch.equal(fresh.exp_avg_sq, engine.exp_avg_sq)
     assert fresh.step_count == engine.step_count == 2
@@ -146,7 +147,7 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_
     untouched = build_engine(cfg, one_rank)
     before = untouched.flat_params.clone()
     with pytest.raises(checkpoint.CheckpointError, match=rf"{SHARD}: sha256 .* \(corrupt\)"):
-        checkpoint.load(path, untouched, one_rank)
+        checkpoint.load_checkpoint(path, untouched, one_rank)
     assert torch.equal(untouched.flat_params, before)
     open(shard, "wb").write(good)
 
@@ -155,14 +156,14 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_
     manifest["layout"]["owned_ranges"][0][1][0] -= 10  # bucket 1's range reaches into bucket 0's
     json.dump(manifest, open(manifest_file, "w"))
     with pytest.raises(checkpoint.CheckpointError, match="manifest.json: owned ranges overlap"):
-        checkpoint.load(path, untouched, one_rank)
+        checkpoint.load_checkpoint(path, untouched, one_rank)
     assert torch.equal(untouched.flat_params, before)
 
 
 def test_incompatible_or_foreign_folders_are_refused(tmp_path, one_rank):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
-    _, _, manifest = checkpoint.save(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
+    _, _, manifest = checkpoint.save_checkpoint(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
     assert checkpoint.incompatibility(manifest, {**vars(cfg.model), "n_embd": 64}) == \
         "checkpoint has model.n_embd=32, this run has 64"
     with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing"):
@@ -173,12 +174,12 @@ def test_incompatible_or_foreign_folders_are_refused(tmp_path, one_rank):
 def test_retention_keeps_what_latest_names_and_never_touches_newer_folders(tmp_path, one_rank, monkeypatch):
     cfg, engine = trained(tmp_path, one_rank, steps=1)
     root = str(tmp_path / "ck")
-    checkpoint.save(root, 20, engine, one_rank, cfg.to_dict(), keep=2)  # a run that got to step 20 ...
+    checkpoint.save_checkpoint(root, 20, engine, one_rank, cfg.to_dict(), keep=2)  # a run that got to step 20 ...
     for step in (5, 10):  # ... restarted from an earlier step in the same folder
-        checkpoint.save(root, step, engine, one_rank, cfg.to_dict(), keep=2)
+        checkpoint.save_checkpoint(root, step, engine, one_rank, cfg.to_dict(), keep=2)
     assert checkpoint.read_latest(root) == "step_00000010"
     assert checkpoint.committed_steps(root) == ["step_00000005", "step_00000010", "step_00000020"]
-    checkpoint.save(root, 15, engine, one_rank, cfg.to_dict(), keep=2)
+    checkpoint.save_checkpoint(root, 15, engine, one_rank, cfg.to_dict(), keep=2)
     assert checkpoint.committed_steps(root) == ["step_00000010", "step_00000015", "step_00000020"]
     assert checkpoint.find_resumable(root) == (os.path.join(root, "step_00000015"), [])
 
@@ -189,8 +190,8 @@ def test_retention_keeps_what_latest_names_and_never_touches_newer_folders(tmp_p
 
     monkeypatch.setattr(commit_module, "retain", newest_by_name)
     root = str(tmp_path / "old-rule")
-    checkpoint.save(root, 20, engine, one_rank, cfg.to_dict(), keep=1)
-    checkpoint.save(root, 5, engine, one_rank, cfg.to_dict(), keep=1)
+    checkpoint.save_checkpoint(root, 20, engine, one_rank, cfg.to_dict(), keep=1)
+    checkpoint.save_checkpoint(root, 5, engine, one_rank, cfg.to_dict(), keep=1)
     assert not os.path.isdir(os.path.join(root, checkpoint.read_latest(root)))  # latest names a deleted folder
 
 
@@ -221,7 +222,7 @@ def held_copies(monkeypatch, engine):
 def test_async_save_writes_bitwise_the_files_of_a_sync_save_while_training_goes_on(tmp_path, one_rank, monkeypatch):
     cfg, engine = trained(tmp_path, one_rank)
     reached = held_copies(monkeypatch, engine)
-    sync_path, _, _ = checkpoint.save(str(tmp_path / "sync"), 2, engine, one_rank, cfg.to_dict())
+    sync_path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "sync"), 2, engine, one_rank, cfg.to_dict())
     writer = checkpoint.CheckpointWriter(str(tmp_path / "async"), one_rank, async_save=True)
     writer.start(2, engine, {"config": cfg.to_dict()})
     assert not writer.local_done()  # the copy is held until training reaches its next update
@@ -238,7 +239,7 @@ def test_async_save_writes_bitwise_the_files_of_a_sync_save_while_training_goes_
 
     # planted: an update that does not wait for the copy leaks the next step's state into the files
     reached.clear()
-    sync_path, _, _ = checkpoint.save(str(tmp_path / "sync"), 3, engine, one_rank, cfg.to_dict())
+    sync_path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "sync"), 3, engine, one_rank, cfg.to_dict())
     monkeypatch.setattr(checkpoint.CheckpointWriter, "_wait_staged", lambda self: None)
     unguarded = checkpoint.CheckpointWriter(str(tmp_path / "unguarded"), one_rank, async_save=True)
     unguarded.start(3, engine, {"config": cfg.to_dict()})
@@ -289,7 +290,7 @@ def test_an_async_save_checks_its_files_read_back_and_a_lossy_disk_fails_invaria
 def test_a_save_failing_midway_leaves_the_previous_checkpoint_and_latest(tmp_path, one_rank):
     cfg, engine = trained(tmp_path, one_rank)
     root = str(tmp_path / "ck")
-    checkpoint.save(root, 2, engine, one_rank, cfg.to_dict(), keep=2)
+    checkpoint.save_checkpoint(root, 2, engine, one_rank, cfg.to_dict(), keep=2)
 
     def disk_full(step):
         raise OSError(28, "No space left on device")
@@ -327,7 +328,7 @@ def killed_mid_save_job(rank, comm, tmp_path, root):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, comm)
     run_steps(engine, cfg, 2)
-    checkpoint.save(root, 2, engine, comm, cfg.to_dict())
+    checkpoint.save_checkpoint(root, 2, engine, comm, cfg.to_dict())
     writer = checkpoint.CheckpointWriter(root, comm, async_save=True, halfway_hook=lambda step: os._exit(9))
     writer.start(3, engine, {"config": cfg.to_dict()})
     run_steps(engine, cfg, 1)
@@ -368,10 +369,10 @@ def two_rank_job(rank, comm, tmp_path, root):
     writer.start(3, engine, {"config": cfg.to_dict()})
     paths.append(writer.finish())
     fresh = build_engine(cfg, comm)
-    checkpoint.load(paths[-1], fresh, comm)
+    checkpoint.load_checkpoint(paths[-1], fresh, comm)
     out = {"paths": paths, "loaded_equal": torch.equal(fresh.flat_params, engine.flat_params)}
     if rank == 0:
-        out["verified"] = [all(c.ok for c in checkpoint.verify(p)) for p in paths]
+        out["verified"] = [all(c.ok for c in checkpoint.verify_checkpoint(p)) for p in paths]
     elsewhere = root if rank == 0 else str(tmp_path / "node1-local-disk")  # rank 1 on a disk rank 0 cannot see
     try:
         checkpoint.CheckpointWriter(elsewhere, comm).save(4, engine, {})

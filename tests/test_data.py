@@ -11,18 +11,8 @@ import torch
 
 from zerotrain.cli.main import main
 from zerotrain.config import Config
-from zerotrain.data import (
-    IGNORE,
-    BatchSchedule,
-    SyntheticSource,
-    TokenSource,
-    check_source,
-    corpus,
-    documents,
-    load_tokenizer,
-    make_source,
-    prepare_source,
-)
+from zerotrain.data import (IGNORE, BatchSchedule, SyntheticSource, TokenSource, check_source, corpus, documents,
+                            load_tokenizer, make_source, prepare_source)
 from zerotrain.data.tokenfiles import HEADER_BYTES, LLMC_MAGIC, open_token_file, write_llmc
 
 

@@ -6,15 +6,8 @@ import math
 import pytest
 
 from zerotrain.errors import ZeroTrainError
-from zerotrain.training.guard import (
-    Anomaly,
-    AnomalyDetector,
-    NoCheckpointToRestore,
-    RollbackExhausted,
-    RollbackPolicy,
-    data_step,
-    skip_after_rollback,
-)
+from zerotrain.training.guard import (Anomaly, AnomalyDetector, NoCheckpointToRestore, RollbackExhausted,
+                                      RollbackPolicy, data_step, skip_after_rollback)
 
 
 def detector_with(losses, factor=3.0, window=20):

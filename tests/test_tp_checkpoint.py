@@ -214,7 +214,7 @@ def test_a_resume_on_another_mesh_restores_the_exact_state_and_a_misplaced_or_lo
 def test_verify_passes_a_tp_checkpoint_and_names_the_corrupt_file(saved, tmp_path, capsys):
     cfg, _ = saved["tp2dp2"]
     good = step_folder(cfg, 3)
-    checks = checkpoint.verify(good)
+    checks = checkpoint.verify_checkpoint(good)
     assert all(c.ok for c in checks) and [c.name for c in checks][-2:] == ["replicas", "model"]
     assert sum(c.name == "shard" for c in checks) == 4
     assert cmd_verify(argparse.Namespace(path=cfg.checkpoint.dir)) == 0
@@ -244,20 +244,20 @@ def test_verify_passes_a_tp_checkpoint_and_names_the_corrupt_file(saved, tmp_pat
     tensors["master"][at] += 1.0
     save_file(tensors, path)
     rewrite(drifted, lambda m: _record_file(m, drifted, shard))
-    bad = next(c for c in checkpoint.verify(drifted) if not c.ok)
+    bad = next(c for c in checkpoint.verify_checkpoint(drifted) if not c.ok)
     assert (bad.name, bad.file) == ("replicas", shard) and f"replicated tensor {name} differs" in bad.detail
 
     # the manifest's TP slices swapped between the ranks: the model file is not the model they describe
     swapped = copy("swapped")
     rewrite(swapped, lambda m: m["tp_slices"].update(
         {n: {**d, "parts": d["parts"][::-1]} for n, d in m["tp_slices"].items()}))
-    bad = next(c for c in checkpoint.verify(swapped) if not c.ok)
+    bad = next(c for c in checkpoint.verify_checkpoint(swapped) if not c.ok)
     assert (bad.name, bad.file) == ("model", "model.safetensors") and "differs from the assembled master" in bad.detail
 
     # a mesh that does not make the world size is refused by the schema check
     wrong = copy("wrong-mesh")
     rewrite(wrong, lambda m: m["mesh"].update(dp=4))
-    bad = next(c for c in checkpoint.verify(wrong) if not c.ok)
+    bad = next(c for c in checkpoint.verify_checkpoint(wrong) if not c.ok)
     assert (bad.name, bad.detail) == ("schema", "mesh TP 2 x DP 4 does not make world_size 4")
 
 
@@ -289,15 +289,15 @@ def _record_file(manifest, folder, name):
 def test_a_manifest_from_before_tp_reads_and_loads_as_tp1(tmp_path, one_rank):
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
-    path, _, _ = checkpoint.save(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
+    path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
     rewrite(path, lambda m: [m.pop("mesh"), m.pop("tp_slices")])
-    assert all(c.ok for c in checkpoint.verify(path))
+    assert all(c.ok for c in checkpoint.verify_checkpoint(path))
     fresh = build_engine(cfg, one_rank)
-    assert checkpoint.load(path, fresh, one_rank)["step"] == 1
+    assert checkpoint.load_checkpoint(path, fresh, one_rank)["step"] == 1
     assert torch.equal(fresh.flat_params, engine.flat_params)
     rewrite(path, lambda m: m.update(mesh={"tp": 1, "dp": 1}))  # one of the two new keys alone is refused
     with pytest.raises(checkpoint.CheckpointError, match="has 'mesh' but no 'tp_slices'"):
-        checkpoint.load(path, fresh, one_rank)
+        checkpoint.load_checkpoint(path, fresh, one_rank)
 
 
 # ---------------------------------------------------------------- bf16
@@ -306,7 +306,7 @@ def test_a_bf16_tp_checkpoint_verifies_and_async_and_sync_saves_agree(tmp_path):
     cfg.checkpoint.every = 2
     out = run(tp_ckpt_jobs.bf16_saves_job, cfg)
     for folder in (out["sync"], out["async"]):
-        assert all(c.ok for c in checkpoint.verify(folder)), [c.line() for c in checkpoint.verify(folder)]
+        assert all(c.ok for c in checkpoint.verify_checkpoint(folder)), [c.line() for c in checkpoint.verify_checkpoint(folder)]
     files = [n for n in os.listdir(out["sync"]) if n != "manifest.json"]
     assert all(open(os.path.join(out["sync"], n), "rb").read() == open(os.path.join(out["async"], n), "rb").read()
                for n in files)

@@ -29,7 +29,7 @@ def two_checkpoints(tmp_path, one_rank, **run):
     root = str(tmp_path / "ck")
     for step in (1, 2):
         run_steps(engine, cfg, 1)
-        checkpoint.save(root, step, engine, one_rank, cfg.to_dict())
+        checkpoint.save_checkpoint(root, step, engine, one_rank, cfg.to_dict())
     return root, os.path.join(root, "step_00000001"), os.path.join(root, "step_00000002")
 
 
@@ -111,7 +111,7 @@ CORRUPTIONS = {  # planted corruption -> (the check that catches it, the file it
 
 def test_a_good_checkpoint_and_root_verify(tmp_path, one_rank, capsys):
     root, _, step2 = two_checkpoints(tmp_path, one_rank)
-    checks = checkpoint.verify(step2)
+    checks = checkpoint.verify_checkpoint(step2)
     assert [c.name for c in checks] == ["manifest", "json", "schema", "name", "name", "files", "size", "size",
                                         "sha256", "sha256", "partition", "shard", "model"]
     assert all(c.ok for c in checks)
@@ -141,7 +141,7 @@ def test_a_planted_corruption_fails_verify_naming_the_file_and_resume_falls_back
     corrupt, check, file, why = CORRUPTIONS[corruption]
     root, step1, step2 = two_checkpoints(tmp_path, one_rank)
     corrupt(step2, tmp_path)
-    bad = [c for c in checkpoint.verify(step2) if not c.ok]
+    bad = [c for c in checkpoint.verify_checkpoint(step2) if not c.ok]
     assert (bad[0].name, bad[0].file) == (check, file) and why in bad[0].detail
     with pytest.raises(checkpoint.CheckpointError) as raised:
         checkpoint.verify_or_raise(step2)

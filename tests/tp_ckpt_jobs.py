@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 
 import torch
@@ -11,12 +10,11 @@ from dist_jobs import without_moments
 from safetensors.torch import save_file
 
 from zerotrain import checkpoint
+from zerotrain.checkpoint import load as load_module  # noqa: E402
 from zerotrain.config import Config
 from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import Comm
 from zerotrain.training.loop import build_engine, train
-
-load_module = importlib.import_module("zerotrain.checkpoint.load")  # `checkpoint.load` is the function
 
 
 def full_params(engine, comm: Comm) -> dict[str, torch.Tensor] | None:
@@ -73,7 +71,7 @@ def run_then_resume_on_the_same_mesh_job(cfg: Config, comm: Comm) -> dict:
 def _dump_loaded_state(cfg: Config, comm: Comm, tag: str) -> dict:
     """Build a fresh engine on this mesh, load cfg.checkpoint.resume into it, write every rank's shard state."""
     engine = build_engine(cfg, comm)
-    checkpoint.load(cfg.checkpoint.resume, engine, comm)
+    checkpoint.load_checkpoint(cfg.checkpoint.resume, engine, comm)
     state = {k: v.detach().cpu().contiguous() for k, v in engine.shard_state_dict().items()}
     save_file(state, os.path.join(cfg.logging.out, f"state-{tag}-rank{comm.rank:02d}.safetensors"))
     return {"layout": engine.layout.to_dict(), "mesh": engine.mesh.describe(),
@@ -96,12 +94,12 @@ def cross_mesh_resume_job(cfg: Config, comm: Comm, planted: str = "") -> dict:
         finally:
             load_module.tp_slices_of = real
     elif planted == "no moments":
-        real = checkpoint.load
-        checkpoint.load = without_moments(real)
+        real = checkpoint.load_checkpoint
+        checkpoint.load_checkpoint = without_moments(real)
         try:
             _dump_loaded_state(cfg, comm, "planted")
         finally:
-            checkpoint.load = real
+            checkpoint.load_checkpoint = real
     out["resumed"] = summary(train(cfg, comm), comm)
     return out
 

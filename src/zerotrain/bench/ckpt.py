@@ -121,6 +121,22 @@ def _config(size: dict, device: str, out: str) -> Config:
 
 def measure(cfg: Config, comm: Comm, scratch: str, repeats: int) -> dict:
     """Every figure of the report, from one engine trained a step at a time."""
+    engine, train_step, steps = _trainer(cfg, comm)
+    train_step()  # warm-up: allocations, first-call costs
+    writer = checkpoint.CheckpointWriter(os.path.join(scratch, "checkpoints"), comm, keep=2, async_save=True)
+    extra = {"config": cfg.to_dict()}
+    nbytes, shard_bytes = _checkpoint_sizes(writer, engine, extra, steps[0])
+    disk_s, sync_s = _disk_and_sync_saves(train_step, writer, engine, extra, steps, scratch, nbytes, repeats)
+    path = os.path.join(writer.root, checkpoint.step_name(steps[0]))
+    file_s = _file_writes(os.path.join(scratch, "file.safetensors"), engine, repeats)
+    load_s, verify_s = _loads_and_verifies(path, engine, comm, repeats)
+    stall = _async_stall(train_step, writer, engine, extra, steps, repeats, statistics.median(sync_s))
+    return _figures(engine.layout.numel, nbytes, shard_bytes, disk_s=disk_s, sync_s=sync_s, file_s=file_s,
+                    load_s=load_s, verify_s=verify_s, stall=stall)
+
+
+def _trainer(cfg: Config, comm: Comm) -> tuple:
+    """The engine, a function that trains it one step further, and the one-item list counting its steps."""
     from zerotrain.training.loop import accumulate_gradients, build_engine
 
     engine = build_engine(cfg, comm)
@@ -137,15 +153,21 @@ def measure(cfg: Config, comm: Comm, scratch: str, repeats: int) -> dict:
             torch.cuda.synchronize()
         steps[0] += 1
 
-    train_step()  # warm-up: allocations, first-call costs
-    root = os.path.join(scratch, "checkpoints")
-    writer = checkpoint.CheckpointWriter(root, comm, keep=2, async_save=True)
-    extra = {"config": cfg.to_dict()}
+    return engine, train_step, steps
 
-    path, _, manifest = writer.save(steps[0], engine, extra)  # untimed: learns the checkpoint's size
+
+def _checkpoint_sizes(writer, engine, extra: dict, step: int) -> tuple[int, int]:
+    """Bytes of the whole checkpoint and of this rank's shard, from one untimed save."""
+    _, _, manifest = writer.save(step, engine, extra)
     nbytes = sum(f["bytes"] for f in manifest["files"])
     shard = checkpoint.shard_name(0, 1)
     shard_bytes = next(f["bytes"] for f in manifest["files"] if f["name"] == shard)
+    return nbytes, shard_bytes
+
+
+def _disk_and_sync_saves(train_step, writer, engine, extra: dict, steps: list[int], scratch: str, nbytes: int,
+                         repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each plain-file write of the checkpoint's bytes and of each synchronous save, alternated."""
     sync_s, disk_s = [], []
     plain = os.path.join(scratch, "plain.bin")
 
@@ -160,22 +182,29 @@ def measure(cfg: Config, comm: Comm, scratch: str, repeats: int) -> dict:
         train_step()
         for times, run in ways[r % 2 :] + ways[: r % 2]:
             times.append(run())
-    path = os.path.join(writer.root, checkpoint.step_name(steps[0]))
-    file_s = _file_writes(os.path.join(scratch, "file.safetensors"), engine, repeats)
+    return disk_s, sync_s
+
+
+def _loads_and_verifies(path: str, engine, comm: Comm, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each verified load of the checkpoint at `path` and of each verify of it, one after the other."""
     load_s, verify_s = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        checkpoint.load(path, engine, comm)
+        checkpoint.load_checkpoint(path, engine, comm)
         load_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         checkpoint.verify_or_raise(path)
         verify_s.append(time.perf_counter() - t0)
+    return load_s, verify_s
 
-    stall = _async_stall(train_step, writer, engine, extra, steps, repeats, statistics.median(sync_s))
+
+def _figures(param_count: int, nbytes: int, shard_bytes: int, *, disk_s: list[float], sync_s: list[float],
+             file_s: dict[str, list[float]], load_s: list[float], verify_s: list[float], stall: dict) -> dict:
+    """The report's figures from the timings: medians, bandwidths, ratios, and every sample."""
     sync_save_s, disk = statistics.median(sync_s), nbytes / statistics.median(disk_s) / 1e9
     save = nbytes / sync_save_s / 1e9
     return {
-        "param_count": engine.layout.numel,
+        "param_count": param_count,
         "bytes": nbytes,
         "shard_bytes": shard_bytes,
         "disk_write_gbps": disk,

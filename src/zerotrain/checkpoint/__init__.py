@@ -2,29 +2,15 @@
 
 from .cadence import SaveCadence
 from .commit import point_latest
-from .format import (
-                     FORMAT,
-                     LATEST,
-                     MANIFEST,
-                     MODEL_FILE,
-                     STATE_KEYS,
-                     VERSION,
-                     CheckpointError,
-                     committed_step_numbers,
-                     committed_steps,
-                     incompatibility,
-                     read_latest,
-                     read_manifest,
-                     shard_name,
-                     step_folders,
-                     step_name,
-                     step_of,
-)
-from .load import find_resumable, load, resolve_resume
-from .save import CheckpointWriter, save
-from .verify import Check, verify, verify_or_raise
+from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_step_numbers,
+                     committed_steps, incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name,
+                     step_of)
+from .load import find_resumable, load_checkpoint, resolve_resume
+from .save import CheckpointWriter, save_checkpoint
+from .verify import Check, verify_checkpoint, verify_or_raise
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
-           "CheckpointWriter", "SaveCadence", "committed_step_numbers", "committed_steps", "find_resumable", "incompatibility", "load", "point_latest", "read_latest",
-           "read_manifest", "resolve_resume", "save", "shard_name", "step_folders", "step_name", "step_of", "verify",
+           "CheckpointWriter", "SaveCadence", "committed_step_numbers", "committed_steps", "find_resumable",
+           "incompatibility", "load_checkpoint", "point_latest", "read_latest", "read_manifest", "resolve_resume",
+           "save_checkpoint", "shard_name", "step_folders", "step_name", "step_of", "verify_checkpoint",
            "verify_or_raise"]

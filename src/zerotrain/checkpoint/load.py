@@ -9,32 +9,12 @@ import torch
 from zerotrain.parallel import Comm, ShardLayout, ZeroOneEngine
 from zerotrain.parallel.tp_slices import full_tensors, local_flat
 
-from .format import (
-    LATEST,
-    MANIFEST,
-    STATE_KEYS,
-    CheckpointError,
-    mesh_of,
-    read_latest,
-    read_manifest,
-    shard_name,
-    step_folders,
-    step_of,
-    tp_slices_of,
-)
+from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, mesh_of, read_latest, read_manifest, shard_name,
+                      step_folders, step_of, tp_slices_of)
 from .reshard import full_shapes
 from .stream import DTYPE_CODES, read_safetensors
-from .verify import (
-    failure_message,
-    files_problem,
-    first_failure,
-    layout_of,
-    name_problem,
-    partition_problem,
-    record_problem,
-    shard_problem,
-    verify,
-)
+from .verify import (failure_message, files_problem, first_failure, layout_of, name_problem, partition_problem,
+                     record_problem, shard_problem, verify_checkpoint)
 
 
 def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -59,7 +39,7 @@ def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:
                 skipped.append((latest, f"{os.path.join(root, LATEST)} names {latest}, which does not exist"))
     for name in names:
         path = os.path.join(root, name)
-        bad = first_failure(verify(path))
+        bad = first_failure(verify_checkpoint(path))
         if bad is None:
             return path, skipped
         skipped.append((name, failure_message(path, bad)))
@@ -113,7 +93,7 @@ def _code(t: torch.Tensor) -> str:
     return DTYPE_CODES.get(t.dtype, str(t.dtype))
 
 
-def load(path: str, engine: ZeroOneEngine, comm: Comm) -> dict:
+def load_checkpoint(path: str, engine: ZeroOneEngine, comm: Comm) -> dict:
     """Restore parameters, master shard, moments and step into `engine`; return the manifest.
 
     `comm` is the world communicator (shard files are named by world rank); the engine's mesh may
@@ -156,5 +136,5 @@ def _reshard(shards: list[dict[str, torch.Tensor]], manifest: dict, old: ShardLa
         flats = [old.assemble([shards[d * old_tp + t][key] for d in range(old_dp)]) for t in range(old_tp)]
         full = full_tensors(old, old_slices, flats)
         flat = local_flat(new, engine.tp_slices, full, mesh.tp_rank)
-        sd[key] = new.shard(flat, engine.comm.rank)  # engine.comm: the DP group ZeRO-1 shards over
+        sd[key] = new.shard(flat, engine.dp.rank)  # engine.dp: the DP group ZeRO-1 shards over
     return sd

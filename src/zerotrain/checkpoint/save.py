@@ -254,7 +254,7 @@ class CheckpointWriter:
         return records
 
 
-def save(root: str, step: int, engine: ZeroOneEngine, comm: Comm, config: dict, keep: int = 0):
+def save_checkpoint(root: str, step: int, engine: ZeroOneEngine, comm: Comm, config: dict, keep: int = 0):
     """Write step `step` under `root` synchronously; (folder, {file: tensors this rank wrote}, manifest)."""
     return CheckpointWriter(root, comm, keep=keep).save(step, engine, {"config": config})
 
@@ -331,7 +331,7 @@ class _Staging:
     def __init__(self, engine: ZeroOneEngine, rank: int, world_size: int):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
-        self.dp_rank = engine.comm.rank  # which chunks of each bucket this rank owns: its rank in the DP group
+        self.dp_rank = engine.dp.rank  # which chunks of each bucket this rank owns: its rank in the DP group
         self.device = engine.flat_params.device
         self.copy_in_background = self.device.type == "cpu"
         pin = self.device.type == "cuda"

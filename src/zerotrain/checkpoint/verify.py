@@ -1,6 +1,6 @@
 """Checking a checkpoint folder against its manifest: names, sizes, hashes, the layout's partition, shards, model.
 
-`verify(path)` runs every check and returns one `Check` each, in this order, stopping after the
+`verify_checkpoint(path)` runs every check and returns one `Check` each, in this order, stopping after the
 first group that has a failure (later groups read what an earlier one found bad):
 
     manifest   manifest.json is present, valid JSON, and has the writer's keys and types (schema)
@@ -36,17 +36,8 @@ from safetensors import safe_open
 from zerotrain.parallel import ShardLayout
 from zerotrain.parallel.tp_slices import full_tensors
 
-from .format import (
-    MANIFEST,
-    MODEL_FILE,
-    STATE_KEYS,
-    CheckpointError,
-    expected_files,
-    mesh_of,
-    schema_problem,
-    shard_name,
-    tp_slices_of,
-)
+from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, mesh_of, schema_problem,
+                      shard_name, tp_slices_of)
 from .reshard import replicated_mismatch
 from .stream import FileRecord, read_header, sha256_file
 
@@ -63,7 +54,7 @@ class Check:
         return text if self.ok else f"{text}: {self.detail}"
 
 
-def verify(path: str) -> list[Check]:
+def verify_checkpoint(path: str) -> list[Check]:
     """Every check of the checkpoint folder `path`, in order, up to the first group with a failure."""
     checks: list[Check] = []
 
@@ -99,7 +90,7 @@ def verify(path: str) -> list[Check]:
 
 def verify_or_raise(path: str) -> None:
     """Raise CheckpointError naming the first bad file of `path` and why; return if every check passes."""
-    bad = first_failure(verify(path))
+    bad = first_failure(verify_checkpoint(path))
     if bad:
         raise CheckpointError(failure_message(path, bad))
 

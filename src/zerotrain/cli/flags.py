@@ -6,18 +6,8 @@ import argparse
 import importlib.util
 import os
 
-from zerotrain.config import (
-    Config,
-    Rule,
-    Setting,
-    apply_preset,
-    declared,
-    load_toml,
-    merge,
-    resolve,
-    setting_for,
-    validate,
-)
+from zerotrain.config import (Config, Rule, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for,
+                               validate)
 from zerotrain.data import check_source
 from zerotrain.errors import ConfigError
 

@@ -12,15 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.checkpoint import (
-    LATEST,
-    MANIFEST,
-    CheckpointError,
-    committed_steps,
-    read_latest,
-    read_manifest,
-    verify_or_raise,
-)
+from zerotrain.checkpoint import (LATEST, MANIFEST, CheckpointError, committed_steps, read_latest, read_manifest,
+                                   verify_or_raise)
 from zerotrain.checkpoint.stream import read_safetensors
 from zerotrain.config import ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of

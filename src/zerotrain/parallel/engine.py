@@ -73,7 +73,7 @@ class ZeroOneEngine:
     def __init__(
         self,
         model: torch.nn.Module,
-        comm: Comm,
+        dp: Comm,
         optim: OptimConfig,
         *,
         bucket_numel: int,
@@ -82,23 +82,23 @@ class ZeroOneEngine:
         gather_in_forward: bool = True,
         mesh: Mesh | None = None,
     ):
-        """ZeRO-1 runs over `comm` (the DP group of `mesh` when there is one).
+        """ZeRO-1 shards over `dp`, the data-parallel group (of `mesh` when there is one).
 
         `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway.
         """
-        self.model, self.comm, self.optim_cfg = model, comm, optim
-        self.mesh = mesh or Mesh.single(comm)
+        self.model, self.dp, self.optim_cfg = model, dp, optim
+        self.mesh = mesh or Mesh.single(dp)
         self.tp_slices = getattr(model, "tp_slices", {})  # name -> TPSlice of the parameters split by TP
         self.precision = precision
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         named = list(model.named_parameters())  # a tied parameter appears once
         self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named],
-                                        comm.world_size, bucket_numel)
+                                        dp.world_size, bucket_numel)
         by_name = dict(named)
         self.params = [by_name[s.name] for s in self.layout.slots]
         self._build_flat_buffers()
         # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
-        comm.broadcast(self.flat_params, 0, "broadcast_init")
+        dp.broadcast(self.flat_params, 0, "broadcast_init")
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
         # The shard ranges whose squared gradients this rank adds to the global norm (_counted_grad_sumsq).
         self._sumsq_ranges = self._owned(self._sliced_flat) + (
@@ -125,7 +125,7 @@ class ZeroOneEngine:
     def _build_optimizer(self) -> None:
         """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
         L, device = self.layout, self.flat_params.device
-        W, rank = self.comm.world_size, self.comm.rank
+        W, rank = self.dp.world_size, self.dp.rank
         self._pieces: list[_Piece] = []
         for b in L.buckets:
             lo, hi = b.chunk(rank, W)
@@ -204,7 +204,7 @@ class ZeroOneEngine:
         """The parts of `flat_ranges` this rank owns, as ranges of its shard."""
         out = []
         for b in self.layout.buckets:
-            lo, hi = b.chunk(self.comm.rank, self.comm.world_size)
+            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
             for a, z in flat_ranges:
                 a, z = max(a, lo), min(z, hi)
                 if z > a:
@@ -249,9 +249,9 @@ class ZeroOneEngine:
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
-        c = b.chunk_numel(self.comm.world_size)
+        c = b.chunk_numel(self.dp.world_size)
         out = self.grad_shard[b.shard_offset : b.shard_offset + c]
-        work = self.comm.reduce_scatter(out, self.grad_accum[b.start : b.end], "reduce_scatter_grads", async_op=True)
+        work = self.dp.reduce_scatter(out, self.grad_accum[b.start : b.end], "reduce_scatter_grads", async_op=True)
         self._pending.append(work)
         self._launched += 1
 
@@ -317,9 +317,9 @@ class ZeroOneEngine:
             for pc in self._pieces:
                 self.flat_params[pc.flat_lo : pc.flat_hi] = self.master[pc.shard_lo : pc.shard_hi]
         for b in reversed(self.layout.buckets):
-            lo, hi = b.chunk(self.comm.rank, self.comm.world_size)
+            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
             bucket = self.flat_params[b.start : b.end]
-            self._gathering[b.index] = self.comm.all_gather(
+            self._gathering[b.index] = self.dp.all_gather(
                 bucket, self.flat_params[lo:hi], "all_gather_params", async_op=True)
         if wait:
             self.wait_params()
@@ -363,7 +363,7 @@ class ZeroOneEngine:
         if self.master is not None:
             return self.master
         self.wait_params()
-        return self.layout.shard(self.flat_params, self.comm.rank)
+        return self.layout.shard(self.flat_params, self.dp.rank)
 
     @property
     def param_count(self) -> int:

@@ -97,7 +97,7 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
         path = found["path"] or path
     if path is None:
         return 0, {}, None
-    manifest = checkpoint.load(path, engine, comm)
+    manifest = checkpoint.load_checkpoint(path, engine, comm)
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
     schedule = (theirs.loop.steps, theirs.global_batch) if theirs else None
     if comm.rank == 0 and schedule and schedule != (cfg.loop.steps, cfg.global_batch):
@@ -111,6 +111,33 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
     return manifest["step"], manifest, path
 
 
+@dataclass
+class _Run:
+    """What one run on this rank is made of, and what it has done so far."""
+
+    engine: ZeroOneEngine
+    model: torch.nn.Module  # the engine's model, or its compiled forward (parameters stay views of the flat buffer)
+    schedule: BatchSchedule
+    val_source: object | None
+    faults: Faults
+    stop: object  # this rank's stop request
+    detector: AnomalyDetector
+    policy: RollbackPolicy
+    saver: checkpoint.SaveCadence
+    metrics: Metrics
+    memory: invariants.MemoryReport
+    start: int
+    resumed_from: str | None
+    skips: list  # data steps skipped after rollbacks, in force now
+    records: list[dict] = field(default_factory=list)
+    rollbacks: list[dict] = field(default_factory=list)
+    stopped: dict | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.engine.mesh
+
+
 def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None,
           announce: bool = True) -> TrainResult:
     """Train to cfg.loop.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills.
@@ -118,84 +145,120 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
     `announce` prints the start line on rank 0 (the demo prints its own header instead).
     """
     t_start = time.perf_counter()
+    run = _start(cfg, comm, announce)
+    step = run.start
+    try:
+        while step < cfg.loop.steps:
+            done = step + 1
+            run.mesh.set_step(done)
+            t0 = time.perf_counter()
+            run.faults.before_collectives(done, lambda: run.stop.requested)
+            batch = run.schedule.batch(data_step(step, run.skips))
+            run.engine.zero_grad()
+            loss_sum = accumulate_gradients(run.engine, batch, run.model, run.faults.loss_factor(done))
+            reduced = _reduce(run, loss_sum)
+            loss, grad_norm = reduced.loss_sum / batch.global_tokens, reduced.grad_norm
+            # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
+            anomaly = run.detector.check(done, loss, grad_norm, reduced.nonfinite_ranks)
+            if anomaly:
+                step = _handle_anomaly(anomaly, cfg, run, comm)
+                continue
+            lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
+            run.engine.apply(lr, grad_norm)
+            run.detector.accept(done, loss)
+            _check_after_update(cfg, run, done, after_update)
+            _log_step(cfg, run, _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, time.perf_counter() - t0))
+            _maybe_save(cfg, run, done, reduced.decision)
+            if reduced.decision.stop:
+                break
+            step = done
+        run.saver.finish()
+    finally:
+        run.metrics.close()
+    return _finish(run, comm, t_start)
+
+
+def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
+    """Build the engine, the data, the guard, the saver and the metrics; resume if asked; say where the run starts."""
     engine = build_engine(cfg, comm)
-    model = torch.compile(engine.model) if cfg.loop.compile else engine.model  # parameters stay views into the flat buffer
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                              rank=mesh.dp_rank, world_size=mesh.dp_size)
+    model = torch.compile(engine.model) if cfg.loop.compile else engine.model
     val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None
-    faults, stop = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size), stop_request()
+    faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
-    rollback = RollbackPolicy(cfg.guard.max_rollbacks)
-    saver = checkpoint.SaveCadence(cfg, comm, on_commit=rollback.note_commit, halfway_hook=faults.save_hook())
+    policy = RollbackPolicy(cfg.guard.max_rollbacks)
+    saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook())
     start, manifest, resumed_from = _resume(cfg, engine, comm)
-    skips = manifest.get("data_skips", [])
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
-    metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start, total=cfg.loop.steps,
-                      tensorboard=os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None)
+    tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
+    metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
+                      total=cfg.loop.steps, tensorboard=tensorboard)
     if announce:
         metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from))
     if restart_count() > 0:
         lost = metrics.dropped_after - start
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
-                       "steps_lost": lost}, f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost")
-    records, rollbacks, stopped = [], [], None
-    step = start
-    try:
-        while step < cfg.loop.steps:
-            done = step + 1
-            mesh.set_step(done)
-            t0 = time.perf_counter()
-            faults.before_collectives(done, lambda: stop.requested)
-            batch = schedule.batch(data_step(step, skips))
-            engine.zero_grad()
-            loss_sum = accumulate_gradients(engine, batch, model, faults.loss_factor(done))
-            reduced = control.reduce_step(engine, loss_sum, save_by_clock=saver.clock.due(),
-                                          stop_signal=stop.signal_name if stop.requested else None,
-                                          save_written=saver.writer.local_done())
-            loss, grad_norm, decision = reduced.loss_sum / batch.global_tokens, reduced.grad_norm, reduced.decision
-            if decision.save_written:
-                saver.commit_written()
-            # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
-            anomaly = detector.check(done, loss, grad_norm, reduced.nonfinite_ranks)
-            if anomaly:
-                step, skips = _handle_anomaly(anomaly, cfg, engine, comm, saver, rollback, detector, skips,
-                                              metrics, rollbacks)
-                continue
-            lr = lr_at(step, cfg.optim, cfg.loop.steps) * faults.lr_factor(done)
-            engine.apply(lr, grad_norm)
-            detector.accept(done, loss)
-            if after_update:
-                engine.wait_params()
-                after_update(done, engine)
-            if cfg.loop.check_every and done % cfg.loop.check_every == 0:
-                invariants.check_no_drift(done, engine.param_digests(), mesh)
-            records.append(_record(done, loss, grad_norm, lr, batch, schedule, cfg, time.perf_counter() - t0))
-            if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
-                records[-1]["val_loss"] = validation_loss(engine.model, val_source, mesh, batches=cfg.loop.eval_batches,
-                                                          micro_batch=cfg.loop.micro_batch)
-            metrics.log(records[-1])
-            if saver.due(done, cfg.loop.steps, decision):
-                saver.save(done, engine, {"data_skips": skips, "guard": detector.state_dict()},
-                           wait=decision.stop or done == cfg.loop.steps)
-            if decision.stop:
-                stopped = {"signal": decision.stop_signal, "step": done,
-                           "checkpoint": saver.committed[-1] if saver.committed else None}
-                metrics.event({"event": "stop", "step": done, "signal": stopped["signal"]})
-                break
-            step = done
-        saver.finish()
-    finally:
-        metrics.close()
-    digests = invariants.check_no_drift(comm.step, engine.param_digests(), mesh)
+                       "steps_lost": lost},
+                      f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost")
+    return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,
+                stop=stop_request(), detector=detector, policy=policy, saver=saver, metrics=metrics, memory=memory,
+                start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []))
+
+
+def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
+    """The step's one all-reduce, with this rank's control flags; commit an async save every rank has written."""
+    reduced = control.reduce_step(run.engine, loss_sum, save_by_clock=run.saver.clock.due(),
+                                  stop_signal=run.stop.signal_name if run.stop.requested else None,
+                                  save_written=run.saver.writer.local_done())
+    if reduced.decision.save_written:
+        run.saver.commit_written()
+    return reduced
+
+
+def _check_after_update(cfg: Config, run: _Run, done: int, after_update) -> None:
+    """The fault drills' hook, then invariant (b) every --check-every steps."""
+    if after_update:
+        run.engine.wait_params()
+        after_update(done, run.engine)
+    if cfg.loop.check_every and done % cfg.loop.check_every == 0:
+        invariants.check_no_drift(done, run.engine.param_digests(), run.mesh)
+
+
+def _log_step(cfg: Config, run: _Run, record: dict) -> None:
+    """The step's record, with the validation loss when it is due, to the metrics."""
+    done = record["step"]
+    if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
+        record["val_loss"] = validation_loss(run.engine.model, run.val_source, run.mesh,
+                                             batches=cfg.loop.eval_batches, micro_batch=cfg.loop.micro_batch)
+    run.records.append(record)
+    run.metrics.log(record)
+
+
+def _maybe_save(cfg: Config, run: _Run, done: int, decision: control.Decision) -> None:
+    """Save when the cadence, the clock or a stop says so; a stop also ends the run, recorded as such."""
+    if run.saver.due(done, cfg.loop.steps, decision):
+        run.saver.save(done, run.engine, {"data_skips": run.skips, "guard": run.detector.state_dict()},
+                       wait=decision.stop or done == cfg.loop.steps)
+    if decision.stop:
+        run.stopped = {"signal": decision.stop_signal, "step": done,
+                       "checkpoint": run.saver.committed[-1] if run.saver.committed else None}
+        run.metrics.event({"event": "stop", "step": done, "signal": run.stopped["signal"]})
+
+
+def _finish(run: _Run, comm: Comm, t_start: float) -> TrainResult:
+    """Invariant (b) at the end, each rank's final norm and bytes held, the run's collective counts."""
+    engine = run.engine
+    digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
-    calls, nbytes = mesh.counters()
-    return TrainResult(records, start, digests, norms, memory, saver.committed, calls, nbytes,
-                       engine.param_count, engine, stopped, rollbacks, resumed_from, _per_rank_bytes(engine, comm),
-                       time.perf_counter() - t_start)
+    calls, nbytes = run.mesh.counters()
+    return TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
+                       engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
+                       _per_rank_bytes(engine, comm), time.perf_counter() - t_start)
 
 
 def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
@@ -206,8 +269,8 @@ def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, sta
     where = f"resumed from step {start} ({resumed_from})" if resumed_from else "starting at step 0"
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
-    split = (f"TP {cfg.parallel.tp} x DP {schedule.world_size} = {cfg.parallel.tp * schedule.world_size} ranks" if cfg.parallel.tp > 1
-             else f"{schedule.world_size} ranks")
+    tp, dp = cfg.parallel.tp, schedule.world_size
+    split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} ranks"
     return (f"GPT {engine.param_count:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
@@ -222,18 +285,16 @@ def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatc
                 step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
 
 
-def _handle_anomaly(anomaly, cfg: Config, engine: ZeroOneEngine, comm: Comm, saver: checkpoint.SaveCadence,
-                    policy: RollbackPolicy, detector: AnomalyDetector, skips: list, metrics: Metrics,
-                    rollbacks: list) -> tuple[int, list]:
-    """Abort, or roll back; returns the step to continue from and the data skips then in force."""
-    saver.finish()  # commit what is already written: a rollback may need it
+def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
+    """Abort, or roll back; returns the step to continue from (the data skips then in force are the run's)."""
+    run.saver.finish()  # commit what is already written: a rollback may need it
     if cfg.guard.on_anomaly == "abort":
         raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
-    step, skips, event = _roll_back(anomaly, policy, skips, engine, comm, cfg)
-    detector.rewind(step)
-    rollbacks.append(event)
-    metrics.event(event, event["message"])
-    return step, skips
+    step, run.skips, event = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)
+    run.detector.rewind(step)
+    run.rollbacks.append(event)
+    run.metrics.event(event, event["message"])
+    return step
 
 
 def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngine, comm: Comm, cfg: Config):
@@ -243,7 +304,7 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngi
     committed = comm.all_gather_json(checkpoint.committed_step_numbers(root) if comm.rank == 0 else None,
                                      "agree_rollback")[0]
     target = policy.decide(anomaly, committed)
-    checkpoint.load(os.path.join(root, checkpoint.step_name(target)), engine, comm)
+    checkpoint.load_checkpoint(os.path.join(root, checkpoint.step_name(target)), engine, comm)
     if comm.rank == 0:  # a crash from here on resumes the timeline the run continues, not the abandoned one
         checkpoint.point_latest(root, checkpoint.step_name(target))
     # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.

@@ -165,7 +165,7 @@ def reduced_grads(engine: ZeroOneEngine) -> dict[str, torch.Tensor]:
     offset, depends on the world size, while a parameter's gradient must not.
     """
     L = engine.layout
-    flat = L.assemble(engine.comm.all_gather_rows(engine.grad_shard, "all_gather_equivalence"))
+    flat = L.assemble(engine.dp.all_gather_rows(engine.grad_shard, "all_gather_equivalence"))
     return engine.full_tensors(flat.to(engine.grad_shard.device))
 
 

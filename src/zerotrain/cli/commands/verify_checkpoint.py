@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from zerotrain.checkpoint import LATEST, MANIFEST, read_latest, step_folders, verify
+from zerotrain.checkpoint import LATEST, MANIFEST, read_latest, step_folders, verify_checkpoint
 from zerotrain.checkpoint.format import step_of
 from zerotrain.checkpoint.verify import failure_message, first_failure
 from zerotrain.errors import ConfigError
@@ -36,7 +36,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"FAIL latest {LATEST}: {line}")
             first_bad = first_bad or line
             continue
-        checks = verify(folder)
+        checks = verify_checkpoint(folder)
         folders += 1
         for check in checks:
             print(check.line())
