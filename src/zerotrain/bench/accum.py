@@ -17,7 +17,8 @@ import time
 from collections import Counter
 
 from zerotrain.cli.figures import pyplot
-from zerotrain.config import PRESETS, Config
+from zerotrain.cli.flags import checked
+from zerotrain.config import NON_NEGATIVE, PRESETS, Config
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
 
@@ -49,7 +50,7 @@ def add_parser(benches) -> None:
                            description="--steps is the number of timed optimizer steps per grid point.")
     add_training_flags(p, defaults=ACCUM_DEFAULTS)
     p.add_argument("--grid", default=DEFAULT_GRID, help=f"accumulation steps to sweep (default {DEFAULT_GRID})")
-    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per point (default {WARMUP}, --quick {QUICK_WARMUP})")
+    p.add_argument("--warmup", type=checked(int, NON_NEGATIVE), default=None, help=f"untimed steps per point (default {WARMUP}, --quick {QUICK_WARMUP})")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
     p.add_argument("--time-limit", type=float, default=1800.0, help="hard wall-clock limit of the sweep in seconds")
     p.set_defaults(func=cmd_accum)
@@ -116,8 +117,6 @@ def cmd_accum(args: argparse.Namespace) -> int:
     if args.quick:
         args._flag_defaults = QUICK_DEFAULTS
     warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else WARMUP)
-    if warmup < 0:
-        raise ConfigError(f"--warmup must be >= 0, got {warmup}")
     grid = parse_grid(args.grid)
     cfg = config_from_args(args)
     cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.resume = "", 0, ""  # the sweep writes only its results

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import sha256_file, write_durably, write_safetensors
-from zerotrain.config import PRESETS, Config, resolve, validate
+from zerotrain.cli.flags import checked
+from zerotrain.config import NON_NEGATIVE, POSITIVE, PRESETS, Config, resolve, validate
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
@@ -51,8 +52,8 @@ def add_parser(benches) -> None:
                            description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="--preset wide: under a minute")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default gpt2, --quick wide)")
-    p.add_argument("--repeats", type=int, help="repetitions of each measurement (default 3)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads for the training steps (0: torch's default)")
+    p.add_argument("--repeats", type=checked(int, POSITIVE), help="repetitions of each measurement (default 3)")
+    p.add_argument("--threads", type=checked(int, NON_NEGATIVE), default=0, help="torch threads for the training steps (0: torch's default)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", default="", help="folder for bench-ckpt.json/.md and the scratch checkpoints")
     p.set_defaults(func=cmd_ckpt)
@@ -63,8 +64,6 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.preset:
         size["preset"] = args.preset
     if args.repeats is not None:
-        if args.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
         size["repeats"] = args.repeats
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible")

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.cli.figures import pyplot
-from zerotrain.config import Config
+from zerotrain.cli.flags import checked
+from zerotrain.config import POSITIVE, Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
@@ -65,8 +66,9 @@ def add_parser(benches) -> None:
     add_training_flags(p, defaults=COMPARE_DEFAULTS)
     p.add_argument("--quick", action="store_true", help="fewer steps (well under 3 minutes on 2 cores)")
     p.add_argument("--heavy", action="store_true", help="communication-heavy case: --preset wide, micro-batch 1")
-    p.add_argument("--repeats", type=int, help="alternating rounds of timed steps (default 7, quick 5)")
-    p.add_argument("--warmup", type=int, help="untimed steps per strategy before timing (not the LR warmup)")
+    p.add_argument("--repeats", type=checked(int, POSITIVE), help="alternating rounds of timed steps (default 7, quick 5)")
+    p.add_argument("--warmup", type=checked(int, POSITIVE), help="untimed steps per strategy before timing, at least one: "
+                   "the first step includes one-time setup (not the LR warmup)")
     p.add_argument("--weak-scaling", action="store_true",
                    help="also time zerotrain on 1 rank (always on without --quick)")
     p.set_defaults(func=cmd_compare)
@@ -344,10 +346,6 @@ def config_and_plan(args: argparse.Namespace) -> tuple[Config, Plan, bool]:
     warmup = size["warmup"] if args.warmup is None else args.warmup
     repeats = size["repeats"] if args.repeats is None else args.repeats
     steps = size["steps"] if args.steps is None else args.steps
-    if warmup < 1:
-        raise ConfigError(f"--warmup must be >= 1 (the first step includes one-time setup), got {warmup}")
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     plan = Plan(list(S.NAMES), warmup, repeats, steps, lr_steps=warmup + repeats * steps)
     cfg.loop.steps = plan.total_steps
     if args.warmup_steps is None:

@@ -34,7 +34,8 @@ from collections import Counter
 import torch
 
 from zerotrain.cli.figures import pyplot
-from zerotrain.config import PRESETS, Config
+from zerotrain.cli.flags import checked
+from zerotrain.config import NON_NEGATIVE, POSITIVE, PRESETS, Config
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
 
@@ -73,10 +74,10 @@ def add_parser(benches) -> None:
                     "purpose. --steps is the timed steps per job.")
     add_training_flags(p, defaults=TP_DEFAULTS)
     p.add_argument("--meshes", help="TPxDP meshes to run, e.g. 1x2,2x1,2x2 (default 1x2,2x1, and 2x2 with >= 4 cores)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step, the same for every mesh "
+    p.add_argument("--global-batch", type=checked(int, POSITIVE), help="sequences per optimizer step, the same for every mesh "
                                                     "(default 8, --quick 4); divisible by every mesh's DP")
-    p.add_argument("--warmup", type=int, help="untimed steps per job (default 2, --quick 1)")
-    p.add_argument("--repeats", type=int, help="alternating rounds of one job per mesh (default 4, --quick 1)")
+    p.add_argument("--warmup", type=checked(int, NON_NEGATIVE), help="untimed steps per job (default 2, --quick 1)")
+    p.add_argument("--repeats", type=checked(int, POSITIVE), help="alternating rounds of one job per mesh (default 4, --quick 1)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 timed steps, global batch 4")
     p.add_argument("--time-limit", type=float, default=600.0, help="wall-clock limit of each job in seconds")
     p.set_defaults(func=cmd_tp)
@@ -282,12 +283,6 @@ def _resolve_size(args: argparse.Namespace) -> dict:
     for key in ("warmup", "repeats", "global_batch", "steps"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)
-    if size["warmup"] < 0:
-        raise ConfigError(f"--warmup must be >= 0, got {size['warmup']}")
-    if size["repeats"] < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {size['repeats']}")
-    if size["steps"] < 1:
-        raise ConfigError(f"--steps must be >= 1 (the timed steps per job), got {size['steps']}")
     return size
 
 
