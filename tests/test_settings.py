@@ -139,3 +139,45 @@ def test_a_config_written_before_the_run_table_was_split_still_reads():
     assert (cfg.launch.nproc, cfg.parallel.tp, cfg.loop.steps, cfg.launch.timeout, cfg.logging.out) == (4, 2, 7, 9.0, "/o")
     assert (cfg.checkpoint.dir, cfg.checkpoint.every, cfg.checkpoint.every_minutes) == ("/o/ck", 5, 0.5)
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def every_option() -> set[str]:
+    """Every flag of every command and bench of the CLI."""
+    found, parsers = set(), [build_parser()]
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            found.update(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action.choices, dict):
+                parsers.extend(p for p in action.choices.values() if hasattr(p, "_actions"))
+    return found
+
+
+def flags_named_by_config_errors(source: str) -> set[str]:
+    """The --flags written in the messages of every `raise ConfigError(...)` in a module's source."""
+    import ast
+
+    named = set()
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", None) == "ConfigError"):
+            for part in ast.walk(node.exc):
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                    named.update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", part.value))
+    return named
+
+
+def test_every_flag_a_config_error_names_exists():
+    """Whatever raises the error (config, data, a command), the flag it tells the user about is one they can pass."""
+    package = os.path.join(os.path.dirname(__file__), "..", "src", "zerotrain")
+    options, unknown = every_option(), {}
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                missing = flags_named_by_config_errors(open(path).read()) - options
+                if missing:
+                    unknown[os.path.relpath(path, package)] = sorted(missing)
+    assert unknown == {}
+    planted = 'raise ConfigError(f"--beta3 must be in [0, 1), got {x}")'  # a flag that does not exist
+    assert flags_named_by_config_errors(planted) - options == {"--beta3"}
