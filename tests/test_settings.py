@@ -181,3 +181,17 @@ def test_every_flag_a_config_error_names_exists():
     assert unknown == {}
     planted = 'raise ConfigError(f"--beta3 must be in [0, 1), got {x}")'  # a flag that does not exist
     assert flags_named_by_config_errors(planted) - options == {"--beta3"}
+
+
+def test_a_toml_of_zerotrain_0_1_is_told_where_its_run_table_went_and_a_mistyped_flag_gets_a_suggestion(tmp_path):
+    from zerotrain.cli.main import main
+
+    old = tmp_path / "old.toml"
+    old.write_text("[run]\nnproc = 2\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"the \[run\] table is now .*belong in \[launch\], \[loop\]"):
+        merge(Config(), {"run": {"nproc": 2, "steps": 5}}, origin=str(old))
+    assert main(["train", "--config", str(old)]) == 2
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --ckpt-evry 3 \(did you mean --ckpt-every\?\)"):
+        build_parser().parse_args(["train", "--ckpt-evry", "3"])
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --frobnicate$"):
+        build_parser().parse_args(["train", "--frobnicate"])

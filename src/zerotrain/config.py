@@ -279,6 +279,11 @@ def upgrade(d: dict[str, Any]) -> dict[str, Any]:
 def merge(cfg: Config, overrides: dict[str, Any], origin: str) -> None:
     """Apply {section: {key: value}} onto cfg, rejecting unknown sections, keys and types by name."""
     for section, values in overrides.items():
+        if section == "run":  # zerotrain 0.1's one table for all of these
+            owners = sorted({_owner(k) for k in values if _owner(k)}, key=SECTIONS.index)
+            raise ConfigError(f"{origin}: the [run] table is now [launch], [parallel], [loop] and [logging]"
+                              + (f"; its settings here belong in {', '.join(f'[{o}]' for o in owners)}"
+                                 if owners else ""))
         if section not in SECTIONS:
             close = difflib.get_close_matches(section, SECTIONS, n=1)
             hint = f"did you mean [{close[0]}]? " if close else ""
@@ -296,6 +301,14 @@ def merge(cfg: Config, overrides: dict[str, Any], origin: str) -> None:
                 expected = "true or false" if s.type is bool else s.type.__name__
                 raise ConfigError(f"{origin}: {key} in [{section}] must be {expected}, got {value!r}")
             setattr(getattr(cfg, section), s.name, value)
+
+
+def _owner(key: str) -> str | None:
+    """The table a key belongs in, or None for a key that names no setting."""
+    try:
+        return setting_for(key).section
+    except ConfigError:
+        return None
 
 
 def _misplaced(section: str, key: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
 
@@ -14,7 +15,21 @@ from zerotrain.errors import ConfigError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, no usage dump
+        if message.startswith("unrecognized arguments: "):
+            message += _did_you_mean(message.split(": ", 1)[1].split()[0], self)
         raise ConfigError(f"{self.prog}: {message}")
+
+
+def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
+    """The closest flag of this parser and its subcommands (argparse reports a subcommand's unknown flag at the top)."""
+    options, parsers = set(), [parser]
+    while parsers:
+        p = parsers.pop()
+        options.update(o for o in p._option_string_actions if o.startswith("--"))
+        parsers.extend(c for a in p._actions if isinstance(a.choices, dict) for c in a.choices.values()
+                       if isinstance(c, argparse.ArgumentParser))
+    close = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.75) if word.startswith("--") else []
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def checked(typ: type, rule: Rule):
