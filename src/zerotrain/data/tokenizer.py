@@ -4,10 +4,15 @@ Both share one convention: the end-of-text token (the separator between document
 it is the NUL byte, which never occurs in accepted text (a NUL marks a file as binary), so the
 vocabulary stays 256; for BPE it is the special token `<|endoftext|>`, which the trainer places first.
 `decode` renders it as the text `<|endoftext|>`, and `encode` maps that text back to it, for both.
+
+The byte tokenizer also has a `tokenizers` twin (`ByteTokenizer.to_hf`) for Hugging Face exports: a
+BPE without merges over GPT-2's 256 byte characters. `load_tokenizer` recognises its tokenizer.json and
+gives the ByteTokenizer back.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -41,6 +46,47 @@ class ByteTokenizer:
             parts += [run.decode("utf-8", "replace"), EOT_TEXT if i == self.eot_id else "\ufffd"]
             run = bytearray()
         return "".join(parts) + run.decode("utf-8", "replace")
+
+    def to_hf(self):
+        """This tokenizer as a Hugging Face `tokenizers.Tokenizer`: the same ids for every text, the same decode.
+
+        A BPE with no merges after GPT-2's ByteLevel pre-tokenizer: each UTF-8 byte becomes its printable
+        character (bytes_to_unicode) and each character one token, whose id is the byte's value. The NUL
+        byte's character is left out of the vocabulary and `<|endoftext|>` (id 0) is the unknown token,
+        so a NUL encodes to 0 as here, and id 0 decodes to the text `<|endoftext|>` as here.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        tokenizer = Tokenizer(models.BPE(vocab=bytes_hf_vocab(), merges=[], unk_token=EOT_TEXT))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([EOT_TEXT])  # matched whole in text, before the pre-tokenizer splits it
+        return tokenizer
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer applies to UTF-8 bytes."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # '!'..'~', '¡'..'¬', '®'..'ÿ'
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def bytes_hf_vocab() -> dict[str, int]:
+    """The byte tokenizer's vocabulary in `tokenizers` terms: each byte's character -> the byte, NUL's as EOT."""
+    return {EOT_TEXT: BYTES_EOT, **{c: b for b, c in bytes_to_unicode().items() if b != BYTES_EOT}}
+
+
+def is_bytes_tokenizer_json(path: str) -> bool:
+    """Whether `path` is the byte tokenizer's tokenizer.json (ByteTokenizer.to_hf saved): a BPE of the byte
+    vocabulary with no merges. A trained BPE never is one: it has at least 257 ids."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError:  # not JSON: BPETokenizer.from_file says what is wrong with it
+        return False
+    model = data.get("model") if isinstance(data, dict) else None
+    return isinstance(model, dict) and model.get("type") == "BPE" and not model.get("merges") and \
+        model.get("vocab") == bytes_hf_vocab()
 
 
 class BPETokenizer:
@@ -115,11 +161,12 @@ def tokenizer_record(tokenizer) -> dict:
 def load_tokenizer(path: str):
     """The tokenizer of a checkpoint folder (or root), a prepared data folder, an exported folder or a tokenizer.json.
 
-    A folder with tokenizer.json gives the BPE tokenizer it holds; a folder without one, the byte tokenizer.
+    A folder with tokenizer.json gives the BPE tokenizer it holds; a folder without one, or whose
+    tokenizer.json is the byte tokenizer's (an hf export of a bytes model), the byte tokenizer.
     The result has encode(text) -> list[int], decode(ids) -> str, vocab_size, eot_id and kind.
     """
     if os.path.isfile(path):
-        return BPETokenizer.from_file(path)
+        return ByteTokenizer() if is_bytes_tokenizer_json(path) else BPETokenizer.from_file(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such folder or tokenizer.json")
     latest = os.path.join(path, "latest")  # a checkpoint root: the checkpoint `latest` names
@@ -127,7 +174,7 @@ def load_tokenizer(path: str):
         with open(latest) as f:
             path = os.path.join(path, f.read().strip())
     file = os.path.join(path, TOKENIZER_FILE)
-    if os.path.isfile(file):
+    if os.path.isfile(file) and not is_bytes_tokenizer_json(file):
         return BPETokenizer.from_file(file)
     return ByteTokenizer()
 

@@ -3,9 +3,12 @@
 `hf` is what `transformers.GPT2LMHeadModel.from_pretrained(folder)` loads: config.json in GPT-2's
 format, written by hand (transformers is not needed to export), model.safetensors in GPT-2's
 names, which are zerotrain's, with the four per-block matrices transposed to Conv1D's (in, out)
-layout, and the tokenizer (tokenizer.json, tokenizer_config.json) when the model has a BPE one.
+layout, and the tokenizer (tokenizer.json, tokenizer_config.json): a BPE's as trained, the byte
+tokenizer's built as its `tokenizers` twin (data.tokenizer.ByteTokenizer.to_hf), so that
+`transformers.AutoTokenizer.from_pretrained(folder)` gives zerotrain's ids either way.
 `safetensors` is zerotrain's own state dict with a config.json that `zerotrain.load_model` reads.
-Both store the tied head once, as transformer.wte.weight.
+Both store the tied head once, as transformer.wte.weight. The folder and its files get the modes the
+process umask gives, as checkpoints do.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
-import tempfile
 
 import torch
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint import CheckpointError
 from zerotrain.config import ModelConfig
+from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer
 from zerotrain.errors import ConfigError
 from zerotrain.model.gpt2 import GPT
 
@@ -72,7 +76,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """zerotrain's ModelConfig for a GPT-2 config.json; CheckpointError for a GPT-2 variant zerotrain does not build."""
     unsupported = [(k, config.get(k, default), want) for k, default, want in (
-        ("activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh")), ("n_inner", None, (None, 4 * config.get("n_embd", 0))),
+        ("activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
+        ("n_inner", None, (None, 4 * config.get("n_embd", 0))),
         ("layer_norm_epsilon", 1e-5, (1e-5,)), ("tie_word_embeddings", True, (True,)),
         ("scale_attn_weights", True, (True,)), ("scale_attn_by_inverse_layer_idx", False, (False,)),
         ("add_cross_attention", False, (False,)))
@@ -115,25 +120,27 @@ def export_model(model: GPT, out: str, fmt: str, *, tokenizer_folder: str | None
                  tokenizer_info: dict | None = None, source: dict | None = None, overwrite: bool = False) -> list[str]:
     """Write `model` to folder `out` in format `fmt`; the names of the files written.
 
-    `tokenizer_folder` holds tokenizer.json for a BPE model (None: bytes, nothing to copy). The files
-    are written into a temporary folder beside `out` and moved into place when all are written.
+    `tokenizer_folder` holds tokenizer.json for a BPE model; None is the byte tokenizer, for which `hf`
+    writes its tokenizers twin when the model's vocabulary holds the 256 bytes. The files are written
+    into a temporary folder beside `out` and moved into place when all are written.
     """
     check_destination(out, fmt, overwrite)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
+    tmp = make_staging_folder(out)
     try:
         if fmt == "hf":
-            save_file(to_hf_state_dict(model), os.path.join(tmp, MODEL_FILE), metadata={"format": "pt"})
             _write_json(os.path.join(tmp, CONFIG_FILE), hf_config(model.cfg, eot_id))
+            _save_model_file(to_hf_state_dict(model), tmp)
             if tokenizer_folder is not None:
-                _write_hf_tokenizer(tokenizer_folder, tmp, eot_id, model.cfg.seq_len)
+                shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
+            elif model.cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text tokenizer fits
+                ByteTokenizer().to_hf().save(os.path.join(tmp, TOKENIZER_FILE))
+            if os.path.isfile(os.path.join(tmp, TOKENIZER_FILE)):
+                _write_hf_tokenizer_config(tmp, eot_id, model.cfg.seq_len)
         else:
-            save_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()},
-                      os.path.join(tmp, MODEL_FILE), metadata={"format": "pt"})
             _write_json(os.path.join(tmp, CONFIG_FILE), {
                 "format": ZEROTRAIN_FORMAT, "version": 1, "model": dataclasses.asdict(model.cfg),
                 "tokenizer": tokenizer_info, "source": source})
+            _save_model_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, tmp)
             if tokenizer_folder is not None:
                 shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
         written = sorted(os.listdir(tmp))
@@ -150,14 +157,41 @@ def check_destination(out: str, fmt: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"export {out}: exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ConfigError(f"export {out}: the folder is not empty (pass --overwrite to replace the exported files in it)")
+        raise ConfigError(f"export {out}: the folder is not empty (pass --overwrite to replace the exported files "
+                          f"in it)")
 
 
-def _write_hf_tokenizer(tokenizer_folder: str, out: str, eot_id: int | None, seq_len: int) -> None:
-    """tokenizer.json as trained, and a tokenizer_config.json that makes it a PreTrainedTokenizerFast."""
-    src = os.path.join(tokenizer_folder, TOKENIZER_FILE)
-    shutil.copyfile(src, os.path.join(out, TOKENIZER_FILE))
-    with open(src) as f:
+def make_staging_folder(out: str) -> str:
+    """A new empty folder beside `out` with a unique name, for the export to be written into.
+
+    os.mkdir, not tempfile.mkdtemp: mkdtemp makes the folder 0700 whatever the umask, and the export
+    renamed from it would stay unreadable to the group (a shared model folder, a serving user).
+    """
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    while True:
+        tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(tmp)  # exclusive: fails rather than share a folder with another export
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _save_model_file(tensors: dict[str, torch.Tensor], folder: str) -> None:
+    """folder/model.safetensors, with the mode of folder/config.json (written first, by open(), under the umask).
+
+    save_file creates a 0600 temporary file and renames it (safetensors 0.8), so the weights would be
+    private whatever the umask; copying config.json's mode is the umask's without changing it process-wide.
+    """
+    path = os.path.join(folder, MODEL_FILE)
+    save_file(tensors, path, metadata={"format": "pt"})
+    shutil.copymode(os.path.join(folder, CONFIG_FILE), path)
+
+
+def _write_hf_tokenizer_config(out: str, eot_id: int | None, seq_len: int) -> None:
+    """A tokenizer_config.json that makes out/tokenizer.json a PreTrainedTokenizerFast with its end-of-text token."""
+    with open(os.path.join(out, TOKENIZER_FILE)) as f:
         added = json.load(f).get("added_tokens", [])
     eot = next((t["content"] for t in added if t.get("id") == eot_id), None)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len,

@@ -14,9 +14,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "export", help="write a checkpoint as a Hugging Face GPT-2 folder or as bare safetensors",
         description="hf: a folder transformers.GPT2LMHeadModel.from_pretrained(OUT) loads (config.json, "
-                    "model.safetensors, and tokenizer.json + tokenizer_config.json for a BPE model; transformers is "
-                    "not needed to write it). safetensors: zerotrain's own state dict and a config.json. Either "
-                    "loads with zerotrain.load_model(OUT). The checkpoint is verified first.")
+                    "model.safetensors) with tokenizer.json + tokenizer_config.json, which "
+                    "transformers.AutoTokenizer.from_pretrained(OUT) loads with zerotrain's ids: a BPE's as trained, "
+                    "the bytes tokenizer's as an equivalent byte-level tokenizer (transformers is not needed to "
+                    "write it). safetensors: zerotrain's own state dict and a config.json. Either loads with "
+                    "zerotrain.load_model(OUT). The checkpoint is verified first; the folder's modes follow the umask.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root or run folder")
     p.add_argument("out", metavar="OUT", help="the folder to write (refused when it holds files, unless --overwrite)")
     p.add_argument("--format", required=True, choices=FORMATS, help="hf or safetensors")
