@@ -205,9 +205,60 @@ def test_nan_and_lr_spike_roll_back_log_it_and_the_run_completes(tmp_path):
     assert r.returncode == 0, r.stderr
     rollbacks = events(out, "rollback")
     assert [e["to_step"] for e in rollbacks] == [5, 4]  # came back right after restoring step 5
-    assert steps_of(out)[-1] == 8
+    assert steps_of(out) == list(range(1, 9))  # one record per step: the abandoned steps' records went
     final = [rec for rec in records(out) if "event" not in rec][-1]
     assert final["loss"] < 2 * records(out)[0]["loss"]
+
+
+def test_metrics_keep_one_record_per_step_after_a_rollback_and_count_rollbacks_across_restarts(tmp_path):
+    """A spike rolls back past logged steps, then a rank is killed and the group restarts from an earlier
+    checkpoint: the file holds one record per step, and the summary counts the first attempt's rollbacks."""
+    out = str(tmp_path / "both")
+    r = zerotrain("train", *TINY, "--steps", "10", "--ckpt-every", "1", "--lr", "1e-2", "--spike-factor", "1.05",
+                  "--max-restarts", "1", "--out", out, faults="lr_spike@step=5,factor=1e4;kill@step=9,rank=1")
+    assert r.returncode == 0, r.stderr
+    assert steps_of(out) == list(range(1, 11))
+    rollbacks, restarts = events(out, "rollback"), events(out, "restart")
+    assert len(restarts) == 1 and len(rollbacks) >= 2 and r.stderr.count("zerotrain: rollback ") == len(rollbacks)
+    assert json.load(open(os.path.join(out, "summary.json")))["rollbacks"] == len(rollbacks)
+
+
+def test_a_rewind_drops_the_abandoned_records_and_a_resume_keeps_every_event(tmp_path, monkeypatch):
+    """The metrics file through the Metrics the loop uses; planted: a rewind that keeps the abandoned records, and a
+    resume truncation that drops events past the resumed step (as it did), each caught."""
+    from zerotrain.training import metrics as metrics_module
+    from zerotrain.training.metrics import Metrics, count_events
+
+    def timeline(path):
+        m = Metrics(path, active=True, progress=False, start=0, total=8)
+        for step in range(1, 7):
+            m.log({"step": step, "loss": 1.0, "tokens_per_s": 1.0})
+        m.rewind(4)
+        m.event({"event": "rollback", "step": 7, "to_step": 4})
+        for step in range(5, 9):
+            m.log({"step": step, "loss": 0.5, "tokens_per_s": 1.0})
+        m.close()
+        Metrics(path, active=True, progress=False, start=6, total=8).close()  # a restart resuming at step 6
+        return [json.loads(line) for line in open(path)]
+
+    kept = timeline(str(tmp_path / "good.jsonl"))
+    assert [r["step"] for r in kept if "event" not in r] == [1, 2, 3, 4, 5, 6]
+    assert count_events(str(tmp_path / "good.jsonl"), "rollback") == 1
+    monkeypatch.setattr(Metrics, "rewind", lambda self, step: None)
+    steps = [r["step"] for r in timeline(str(tmp_path / "norewind.jsonl")) if "event" not in r]
+    assert steps == [1, 2, 3, 4, 5, 6, 5, 6]
+    monkeypatch.undo()
+    real = metrics_module._truncate_after
+
+    def drops_events(path, step):  # the old rule: keep only what is at or before the resumed step
+        if os.path.isfile(path):
+            lines = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= step]
+            open(path, "w").writelines(lines)
+        return real(path, step)
+
+    monkeypatch.setattr(metrics_module, "_truncate_after", drops_events)
+    timeline(str(tmp_path / "dropped.jsonl"))
+    assert count_events(str(tmp_path / "dropped.jsonl"), "rollback") == 0
 
 
 def test_a_rollback_with_an_async_save_in_flight_restores_one_checkpoint_on_every_rank(tmp_path):

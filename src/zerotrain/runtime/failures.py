@@ -11,6 +11,7 @@ import time
 import traceback
 
 from zerotrain.config import Config
+from zerotrain.durable import write_json
 from zerotrain.errors import ZeroTrainError
 
 
@@ -32,8 +33,32 @@ def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None
     os.makedirs(os.path.join(job_dir, "failures"), exist_ok=True)
     report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": message,
               "kind": "explained" if explained else "exception"}
-    with open(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), "w") as f:
-        json.dump(report, f)
+    write_json(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), report,
+               durable=False)  # whole or absent: the launcher may read it while the rank still writes
+
+
+def report_user_error(error: Exception, rank: int, job_dir: str) -> None:
+    """A ConfigError a rank raised (the same on every rank that reaches it): for the launcher to print as is."""
+    os.makedirs(os.path.join(job_dir, "failures"), exist_ok=True)
+    report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": str(error), "kind": "user"}
+    write_json(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), report,
+               durable=False)
+
+
+def user_error(job_dir: str) -> str | None:
+    """The earliest user error a rank of the job's last attempt reported, or None."""
+    reports = _last_attempt_reports(job_dir)
+    mistakes = sorted((r for r in reports if r["kind"] == "user"), key=lambda r: r["time"])
+    return mistakes[0]["message"] if mistakes else None
+
+
+def _last_attempt_reports(job_dir: str) -> list[dict]:
+    reports = []
+    for path in glob.glob(os.path.join(job_dir, "failures", "*.json")):
+        with open(path) as f:
+            reports.append(json.load(f))
+    last_attempt = max((r["attempt"] for r in reports), default=0)
+    return [r for r in reports if r["attempt"] == last_attempt]
 
 
 def _write_traceback(rank: int, cfg: Config) -> str | None:
@@ -61,12 +86,7 @@ def failure_reason(job_dir: str, error) -> str:
     a word (killed by a signal, or exited), since the others then only saw their peer vanish; then the
     earliest report.
     """
-    reports = []
-    for path in glob.glob(os.path.join(job_dir, "failures", "*.json")):
-        with open(path) as f:
-            reports.append(json.load(f))
-    last_attempt = max((r["attempt"] for r in reports), default=0)
-    reports = [r for r in reports if r["attempt"] == last_attempt]
+    reports = _last_attempt_reports(job_dir)
     explained = sorted((r for r in reports if r["kind"] == "explained"), key=lambda r: r["time"])
     if explained:
         return explained[0]["message"]

@@ -23,7 +23,8 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
 
-from .failures import failure_reason, report_failure, restart_count
+from .failures import failure_reason, report_failure, report_user_error, restart_count, user_error
+from .run_folder import release_run_folders
 from .stop import install_stop_request
 from .supervise import STOP_FILE, LauncherSignals, Reaper, stop_descendants
 
@@ -93,6 +94,7 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
     finally:
         stop.restore()
         shutil.rmtree(job_dir, ignore_errors=True)
+        release_run_folders()
 
 
 class _ElasticThread(threading.Thread):
@@ -132,6 +134,9 @@ class _ElasticThread(threading.Thread):
 
         if self.error is None:
             return self.results[0]
+        mistake = user_error(job_dir)
+        if mistake:  # a setting a rank found wrong (data it cannot read, a fault spec): the user's to fix
+            raise ConfigError(mistake)
         if isinstance(self.error, ChildFailedError):
             raise JobFailed(failure_reason(job_dir, self.error)) from None
         raise JobFailed(f"the launcher failed: {type(self.error).__name__}: {self.error}") from None
@@ -162,9 +167,13 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         if prepare:
             cfg = _agree(cfg, comm, prepare)
         result = job(cfg, comm)
-    except ConfigError:
-        dist.destroy_process_group()
-        raise  # the same on every rank: the command line reports it (exit 2)
+    except ConfigError as e:
+        if job_dir is None:  # under torchrun: the command line reports it (exit 2)
+            dist.destroy_process_group()
+            raise
+        report_user_error(e, rank, job_dir)  # the launcher reports it as the command line would (exit 2)
+        sys.stderr.flush()
+        os._exit(2)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line naming the rank
         report_failure(e, rank, cfg, job_dir)
         sys.stdout.flush()
@@ -208,6 +217,7 @@ def _agree(cfg: Config, comm: Comm, prepare: Callable[[Config], Config]) -> Conf
         try:
             if restart_count() > 0 and _job_store is not None and _job_store.check([_AGREED]):
                 payload = json.loads(_job_store.get(_AGREED))
+                prepare(Config.from_dict(payload["config"]))  # this attempt's rank 0 takes the run folder again
             else:
                 payload = {"config": prepare(cfg).to_dict()}
                 if _job_store is not None:

@@ -2,12 +2,20 @@
 
 `prepare_run` runs once per job (in the launcher, or on rank 0 under torchrun, whose answer every
 rank adopts), so every rank writes to the same folders and resumes from the same checkpoint.
+
+A live run holds its folder: the process that prepared it (the launcher, or rank 0 under torchrun)
+keeps an exclusive `flock` on `<out>/.zerotrain.lock` for its whole life. The kernel releases it when
+that process ends, however it ends; a torchrun restart's new rank 0 takes it again. A second run into
+the same folder, fresh or `--resume auto`, is refused in one line naming the holder.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
+import socket
 import sys
 import time
 
@@ -18,6 +26,44 @@ from zerotrain.errors import ConfigError
 from .failures import restart_count
 
 SUMMARY = "summary.json"
+LOCK = ".zerotrain.lock"
+_held: dict[str, int] = {}  # run folder -> the descriptor whose flock holds it, for this process's life
+
+
+def hold_run_folder(out: str) -> None:
+    """Take this run's folder for the life of this process, or refuse (ConfigError) naming the run that has it."""
+    if out in _held:  # this process prepared it already (a restarted attempt, or a caller running jobs in turn)
+        return
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise ConfigError(f"--out {out} is in use by another run ({holder}): wait for it to end, or choose "
+                          "another --out") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                             "command": " ".join(os.path.basename(a) if i == 0 else a
+                                                 for i, a in enumerate(sys.argv))}).encode())
+    _held[out] = fd
+
+
+def release_run_folders() -> None:
+    """Let go of the folders this process holds (a caller that runs jobs in turn; the kernel does it at exit)."""
+    while _held:
+        _, fd = _held.popitem()
+        os.close(fd)  # closing the descriptor releases its flock
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"]))
+        return f"pid {info['pid']} on {info['host']} since {since}: {info['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet said who it is"
 
 
 def resolve_paths(cfg: Config) -> Config:
@@ -46,6 +92,7 @@ def prepare_run(cfg: Config) -> Config:
     attempt, and the loop resumes from the newest checkpoint that verifies.
     """
     cfg = resolve_paths(cfg)
+    hold_run_folder(cfg.logging.out)
     if restart_count() > 0:
         return cfg
     c = cfg.checkpoint
@@ -91,10 +138,11 @@ def _claim_for_a_fresh_run(cfg: Config) -> None:
         raise ConfigError(f"{cfg.logging.out} already holds an earlier run's {what}: continue it with --resume auto, "
                           "or replace it with --overwrite")
     for path in found:  # the user asked for it by name
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
+        try:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        except OSError as e:
+            raise ConfigError(f"--overwrite: cannot remove {e.filename or path} of the earlier run ({e.strerror})") \
+                from None
     say(f"--overwrite: removed {len(found)} item(s) of the earlier run in {cfg.logging.out}")
 
 

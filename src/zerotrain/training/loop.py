@@ -270,7 +270,7 @@ def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, sta
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
     tp, dp = cfg.parallel.tp, schedule.world_size
-    split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} ranks"
+    split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} rank{'s' * (dp != 1)}"
     return (f"GPT {engine.param_count:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
@@ -293,6 +293,7 @@ def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
     step, run.skips, event = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)
     run.detector.rewind(step)
     run.rollbacks.append(event)
+    run.metrics.rewind(step)  # the abandoned steps' records go; the replay logs them again
     run.metrics.event(event, event["message"])
     return step
 

@@ -14,14 +14,17 @@ from zerotrain.durable import write_atomic
 class Metrics:
     """Rank 0 writes; other ranks hold a no-op instance so the loop needs no rank checks.
 
-    The file is only ever appended to. A run resuming at step s first drops the records of steps after
-    s (they belong to work that was not committed), rewriting the file atomically; `dropped_after` is
-    the last step it dropped, which tells a restart how many steps it lost.
+    The file is appended to. A run resuming at step s first drops the step records after s (they
+    belong to work that was not committed), and a rollback to step s drops those of the abandoned steps,
+    rewriting the file atomically, so the file holds one record per step of the timeline that trained.
+    Events (restart, rollback, stop) are history and always kept. `dropped_after` is the last step a
+    resume dropped, which tells a restart how many steps it lost.
     """
 
     def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int,
                  tensorboard: str | None = None):
         self.active = active
+        self.path, self.tensorboard = path, tensorboard
         self.file = None
         self.bar = None
         self.board = None
@@ -77,6 +80,20 @@ class Metrics:
             else:
                 print(f"zerotrain: {message}", file=sys.stderr, flush=True)
 
+    def rewind(self, step: int) -> None:
+        """A rollback to `step`: the abandoned steps' records go (file and TensorBoard); the replay writes them anew."""
+        if not self.active:
+            return
+        if self.file:
+            self.file.close()
+            _truncate_after(self.path, step)
+            self.file = open(self.path, "a")
+        if self.board:  # a writer's purge_step hides the steps from there on in what TensorBoard shows
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board.close()
+            self.board = SummaryWriter(self.tensorboard, purge_step=step + 1)
+
     def _write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
@@ -92,14 +109,14 @@ class Metrics:
 
 
 def _truncate_after(path: str, step: int) -> int:
-    """Keep the records of steps <= step (and the events before them); return the last step seen."""
+    """Keep the step records of steps <= step, and every event; return the last step seen."""
     if not os.path.isfile(path):
         return step
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     records = [json.loads(line) for line in lines]
     last = max((r["step"] for r in records if "step" in r and "event" not in r), default=step)
-    kept = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
+    kept = [line for line, r in zip(lines, records) if "event" in r or r.get("step", 0) <= step]
     if len(kept) < len(lines):
         write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
     return last

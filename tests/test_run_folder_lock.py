@@ -1,0 +1,84 @@
+"""A live run holds its folder: a second run into it is refused in one line naming the holder, and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import tiny_config
+from test_production import TINY, checkpoint_files, last_line, zerotrain
+
+from zerotrain.runtime import run_folder
+from zerotrain.runtime.run_folder import LOCK, prepare_run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def start_hung_run(out: str) -> subprocess.Popen:
+    """A real run that resumes the folder and hangs before step 6's collectives (ZEROTRAIN_FAULTS), holding it."""
+    env = dict(os.environ, ZEROTRAIN_FAULTS="hang@step=6")
+    return subprocess.Popen([sys.executable, "-m", "zerotrain", "train", *TINY, "--steps", "8", "--ckpt-every", "2",
+                             "--resume", "auto", "--out", out], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_holder(out: str, pid: int, limit_s: float = 120.0) -> dict:
+    """The lock file once the process `pid` has taken the folder (it writes its pid after the lock is held)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(out, LOCK)) as f:
+                info = json.loads(f.read() or "{}")
+            if info.get("pid") == pid:
+                return info
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{out} was not taken by pid {pid} within {limit_s} s")
+
+
+def test_a_second_run_into_a_live_runs_folder_is_refused_naming_it_and_the_first_runs_files_stay(tmp_path):
+    out = str(tmp_path / "same")
+    assert zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out).returncode == 0
+    before = {step: checkpoint_files(os.path.join(out, "checkpoints", f"step_{step:08d}")) for step in (2, 4)}
+    live = start_hung_run(out)
+    try:
+        wait_for_holder(out, live.pid)
+        for extra in (["--overwrite", "--seed", "7"], ["--resume", "auto"]):  # fresh (the most destructive) and auto
+            second = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out, *extra)
+            assert second.returncode == 2, second.stderr
+            assert last_line(second).startswith(f"zerotrain: error: --out {out} is in use by another run (pid "
+                                                f"{live.pid} on ")
+            assert "Traceback" not in second.stderr
+        assert {step: checkpoint_files(os.path.join(out, "checkpoints", f"step_{step:08d}"))
+                for step in (2, 4)} == before
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)  # the live run dies without a word: the kernel releases its lock
+        live.communicate(timeout=60)
+    # nothing holds the folder any more: the next run takes it and continues from the newest checkpoint
+    after = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--resume", "auto", "--out", out)
+    assert after.returncode == 0, after.stderr
+
+
+def test_the_folder_check_is_the_lock_a_planted_no_op_lock_lets_a_second_run_in(tmp_path, monkeypatch):
+    """prepare_run refuses a held folder because of the lock alone: with hold_run_folder planted as a no-op, it
+    would let a second run into a folder another process is training in."""
+    out = str(tmp_path / "held")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from zerotrain.runtime.run_folder import "
+                               f"hold_run_folder; hold_run_folder({out!r}); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        cfg = tiny_config(tmp_path, steps=2)
+        cfg.logging.out, cfg.logging.metrics, cfg.checkpoint.dir = out, "", ""
+        with pytest.raises(run_folder.ConfigError, match=f"in use by another run \\(pid {holder.pid} "):
+            prepare_run(cfg)
+        monkeypatch.setattr(run_folder, "hold_run_folder", lambda out: None)  # planted: nothing holds the folder
+        assert prepare_run(cfg).logging.out == out  # the second run would have gone ahead
+    finally:
+        holder.communicate("", timeout=30)
