@@ -32,7 +32,7 @@ LEVELS = {
     "zerotrain.cli.main": 9,
     "zerotrain.cli": 9,
     "zerotrain.__main__": 10,
-    "zerotrain": 10,  # the public API (load_model, load_tokenizer)
+    "zerotrain": 7,  # the public API (load_model, load_tokenizer, __version__): above hub, below the CLI
 }
 TOP_LEVEL_LIMIT = 6
 

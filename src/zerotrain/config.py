@@ -77,6 +77,8 @@ class DataConfig:
     source: str = setting("python-stdlib", "python-stdlib (this Python's standard library as bytes), synthetic, "
                           "synthetic-varlen, a UTF-8 text file or folder, or token files (a folder with "
                           "train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c)", key="data")
+    val_data: str = setting("", "validation data for --eval-every, as --data: a text file or folder or token files "
+                            "(its validation split if it has one, else all of it)", shown="--data's validation split")
     # Packed sequences (True), or one document per sequence, padded and label-masked (False; documents
     # end with the end-of-text token).
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "

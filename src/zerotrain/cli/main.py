@@ -6,9 +6,15 @@ import argparse
 import os
 import sys
 
+from zerotrain import __version__
 from zerotrain.errors import ConfigError
 
 from .flags import _Parser
+
+
+DESCRIPTION = ("Train GPT language models data- and tensor-parallel on torch.distributed with a ZeRO-1 optimizer, "
+               "exact resume and correctness invariants checked on every run. Start with `zerotrain demo`; "
+               "`zerotrain COMMAND --help` shows a command's flags and defaults.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands import export_model as export
     from .commands import verify_checkpoint as verify
 
-    parser = _Parser(prog="zerotrain", description=__doc__)
+    parser = _Parser(prog="zerotrain", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"zerotrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train.add_parser(sub)
     demo.add_parser(sub)

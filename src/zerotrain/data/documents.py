@@ -155,7 +155,7 @@ def folder_input(folder: str, glob: str, val_fraction: float) -> TextInput:
     if not files:
         raise ConfigError(f"--data {folder}: no file matches --glob {glob!r}")
     names = [p.relative_to(folder).as_posix() for p in files]
-    return TextInput("text-folder", f"{folder} ({len(files)} files matching {glob!r})", names,
+    return TextInput("text-folder", f"{folder} ({len(files)} file{'s' * (len(files) != 1)} matching {glob!r})", names,
                      [_reader(str(p)) for p in files], val_fraction)
 
 

@@ -35,7 +35,7 @@ SYNTHETIC = ("synthetic", "synthetic-varlen")
 class DataSpec:
     """Token files per split and what their folder says about their vocabulary and tokenizer."""
 
-    name: str  # --data as given
+    name: str  # --data (or --val-data) as given
     kind: str  # "synthetic" or "tokens"
     folder: str = ""  # the token folder (a cache folder for text inputs)
     train: list[str] = field(default_factory=list)
@@ -47,6 +47,7 @@ class DataSpec:
     notes: list[str] = field(default_factory=list)
     train_tokens: int = 0  # filled by check_source
     val_tokens: int = 0
+    flag: str = "--data"  # the flag that named it, for messages
 
     def describe(self) -> str:
         """One line for the start of a run: what is trained on, in tokens."""
@@ -57,43 +58,61 @@ class DataSpec:
                 + (f", prepared in {self.folder}" if self.folder != self.name else "") + ")")
 
 
-def resolve_data(cfg: Config) -> DataSpec:
-    """The DataSpec of cfg.data.source; text inputs are prepared into the cache first if they are not there."""
+def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
+                 val_fraction: float | None = None) -> DataSpec:
+    """The DataSpec of cfg.data.source (or of `source`, named by `flag`); text is prepared into the cache first."""
     d = cfg.data
-    src = d.source
+    src = d.source if source is None else source
     if src in SYNTHETIC:
-        return DataSpec(src, "synthetic")
+        return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
-        raise ConfigError(f"--data {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
+        raise ConfigError(f"{flag} {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
                           "folder, or a folder of .bin token files)")
     if os.path.isdir(src) and _bins(src):
-        return token_folder(src, src)
+        return token_folder(src, src, flag)
     if os.path.isfile(src) and src.endswith(".bin"):
-        return token_file(src)
-    folder = cached_corpus(text_input(src, d.glob, d.val_fraction), cache_root(d.cache_dir))
-    return token_folder(folder, src)
+        return token_file(src, flag)
+    fraction = d.val_fraction if val_fraction is None else val_fraction
+    folder = cached_corpus(text_input(src, d.glob, fraction), cache_root(d.cache_dir))
+    return token_folder(folder, src, flag)
+
+
+def validation_files(cfg: Config) -> tuple[list[str], str]:
+    """The token files validation reads, and what supplies them (for messages).
+
+    --val-data PATH: its validation split if it has one, else all of it (a text input: every document);
+    otherwise the validation split of --data.
+    """
+    d = cfg.data
+    if d.val_data:
+        if d.source in SYNTHETIC:
+            raise ConfigError(f"--val-data {d.val_data}: --data {d.source} generates its own validation sequences")
+        spec = resolve_data(cfg, d.val_data, "--val-data", val_fraction=0.0)
+        held_out = any(len(open_token_file(p)) for p in spec.val)
+        return spec.val if held_out else spec.train, f"--val-data {d.val_data}"
+    return resolve_data(cfg).val, f"--data {d.source}"
 
 
 def _bins(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.endswith(".bin") and os.path.isfile(os.path.join(folder, n)))
 
 
-def token_folder(folder: str, name: str) -> DataSpec:
+def token_folder(folder: str, name: str, flag: str = "--data") -> DataSpec:
     """A folder of .bin token files: names containing "train" for training, "val" for validation."""
     bins = _bins(folder)
     train = [os.path.join(folder, n) for n in bins if "train" in n]
     val = [os.path.join(folder, n) for n in bins if "val" in n and "train" not in n]
     if not train:
-        raise ConfigError(f"--data {name}: no training token file (a .bin whose name contains 'train') among {bins}")
-    return _described(DataSpec(name, "tokens", folder, train, val), folder)
+        raise ConfigError(f"{flag} {name}: no training token file (a .bin whose name contains 'train') among {bins}")
+    return _described(DataSpec(name, "tokens", folder, train, val, flag=flag), folder)
 
 
-def token_file(path: str) -> DataSpec:
+def token_file(path: str, flag: str = "--data") -> DataSpec:
     """One .bin token file for training; validation from the sibling named with 'val' for 'train', if there is one."""
     folder, base = os.path.split(path)
     sibling = os.path.join(folder, base.replace("train", "val")) if "train" in base else ""
     val = [sibling] if sibling and os.path.isfile(sibling) else []
-    return _described(DataSpec(path, "tokens", folder or ".", [path], val), folder or ".")
+    return _described(DataSpec(path, "tokens", folder or ".", [path], val, flag=flag), folder or ".")
 
 
 def _described(spec: DataSpec, folder: str) -> DataSpec:
@@ -105,9 +124,9 @@ def _described(spec: DataSpec, folder: str) -> DataSpec:
             with open(meta_path) as f:
                 meta = json.load(f)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"--data {spec.name}: {meta_path} is not valid JSON ({e})") from None
+            raise ConfigError(f"{spec.flag} {spec.name}: {meta_path} is not valid JSON ({e})") from None
         if not isinstance(meta, dict) or not _count(meta.get("vocab_size")):
-            raise ConfigError(f"--data {spec.name}: {meta_path} has no positive integer \"vocab_size\"")
+            raise ConfigError(f"{spec.flag} {spec.name}: {meta_path} has no positive integer \"vocab_size\"")
         spec.vocab_size = meta["vocab_size"]
         spec.eot_id = meta.get("eot_id") if _count(meta.get("eot_id"), zero=True) else None
         if isinstance(meta.get("tokenizer"), dict):
@@ -122,10 +141,10 @@ def _described(spec: DataSpec, folder: str) -> DataSpec:
             try:
                 spec.tokenizer = tokenizer_record(BPETokenizer.from_file(tok_file))
             except Exception as e:  # not a tokenizers file, or one without <|endoftext|>
-                raise ConfigError(f"--data {spec.name}: {tok_file} is not a usable tokenizer ({e})") from None
+                raise ConfigError(f"{spec.flag} {spec.name}: {tok_file} is not a usable tokenizer ({e})") from None
             spec.eot_id = spec.tokenizer["eot_id"] if spec.eot_id is None else spec.eot_id
     elif spec.tokenizer and spec.tokenizer.get("file"):
-        raise ConfigError(f"--data {spec.name}: {meta_path} names {spec.tokenizer['file']}, which is missing")
+        raise ConfigError(f"{spec.flag} {spec.name}: {meta_path} names {spec.tokenizer['file']}, which is missing")
     return spec
 
 
@@ -151,11 +170,19 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
     if d.source in SYNTHETIC:
         if d.source == "synthetic-varlen" and m.seq_len < 2:
             raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
+        if d.val_data:
+            validation_files(cfg)  # refuses: synthetic data makes its own validation sequences
         return DataSpec(d.source, "synthetic")
     spec = resolve_data(cfg)
-    files = [open_token_file(p) for p in spec.train + spec.val]
+    val_paths, val_origin = validation_files(cfg) if d.val_data else (spec.val, f"--data {d.source}")
+    files = [open_token_file(p) for p in spec.train + val_paths]
     spec.train_tokens = sum(len(f) for f in files[: len(spec.train)])
     spec.val_tokens = sum(len(f) for f in files[len(spec.train) :])
+    if cfg.loop.eval_every and spec.val_tokens == 0:
+        why = "" if d.val_data else " (a single document, or --val-fraction 0, sets nothing aside; token files " \
+                                    "need a sibling whose name has 'val')"
+        raise ConfigError(f"--eval-every {cfg.loop.eval_every} needs validation tokens and {val_origin} has none{why}: "
+                          "pass --val-data PATH")
     top_file, top_id, top_pos = max(((f, *max_token(f)) for f in files), key=lambda scan: scan[1])
     if vocab_given:
         if spec.vocab_size and m.vocab_size < spec.vocab_size:

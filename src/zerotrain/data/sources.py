@@ -15,7 +15,7 @@ import torch
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
-from .resolve import resolve_data
+from .resolve import resolve_data, validation_files
 from .tokenfiles import TokenFile, open_token_file, positions_of
 
 IGNORE = -100  # label of a masked position, as PyTorch's cross_entropy ignore_index
@@ -170,10 +170,11 @@ def make_source(cfg: Config, split: str = "train"):
         return SyntheticSource(m.vocab_size, m.seq_len, cfg.loop.seed, varlen=d.source == "synthetic-varlen",
                                split=split)
     spec = resolve_data(cfg)
-    paths = spec.train if split == "train" else spec.val
+    paths, origin = (spec.train, f"--data {d.source}") if split == "train" else validation_files(cfg)
     files = [f for f in (open_token_file(p) for p in paths) if len(f)]
     if not files:
-        why = " (a single document, or --val-fraction 0: nothing was set aside)" if split == "val" else ""
-        raise ConfigError(f"--data {d.source} has no {split} tokens{why}")
+        why = " (a single document, or --val-fraction 0: nothing was set aside; --val-data PATH supplies it)" \
+            if split == "val" else ""
+        raise ConfigError(f"{origin} has no {split} tokens{why}")
     return TokenSource(files, m.seq_len, seed, m.vocab_size, pack=d.pack, eot_id=spec.eot_id,
-                       name=f"--data {d.source} ({split})")
+                       name=f"{origin} ({split})")

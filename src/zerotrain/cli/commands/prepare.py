@@ -61,6 +61,7 @@ def prepared_line(out: str, meta: dict) -> str:
     train_s = f", tokenizer training {t['tokenizer_train_s']:.1f} s" if "tokenizer_train_s" in t else ""
     return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
             f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['tokens']:,} tokens "
-            f"({tr['documents']} documents), val {va['tokens']:,} tokens ({va['documents']} documents); "
+            f"({tr['documents']} document{'s' * (tr['documents'] != 1)}), val {va['tokens']:,} tokens "
+            f"({va['documents']} document{'s' * (va['documents'] != 1)}); "
             f"{t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s end to end (encoding {t['encode_s']:.1f} s"
             f"{train_s}, {meta['source']['text_bytes']:,} bytes of text)")
