@@ -37,9 +37,10 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
                         "(known: kill, hang, nan, lr_spike, crash_in_save, sigterm)")),
     ("kill", "'kill' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@rank=1", "'kill@rank=1' names no step (format: kind@step=N[,rank=R][,factor=F])"),
-    ("kill@step=x", "step must be an integer >= 1, got 'x' in 'kill@step=x'"),
-    ("kill@step=0", "step must be an integer >= 1, got '0' in 'kill@step=0'"),
-    ("kill@step=2.5", "step must be an integer >= 1, got '2.5' in 'kill@step=2.5'"),
+    ("kill@step=x", "step must be an integer >= 0, got 'x' in 'kill@step=x'"),  # kill, hang: 0 is start-up
+    ("kill@step=-1", "step must be an integer >= 0, got '-1' in 'kill@step=-1'"),
+    ("nan@step=0", "step must be an integer >= 1, got '0' in 'nan@step=0'"),
+    ("sigterm@step=2.5", "step must be an integer >= 1, got '2.5' in 'sigterm@step=2.5'"),
     ("nan@step=2,rank=-1", "rank must be an integer >= 0, got '-1' in 'nan@step=2,rank=-1'"),
     ("nan@step=2,when=now", ("cannot read 'when=now' in 'nan@step=2,when=now' "
                              "(format: kind@step=N[,rank=R][,factor=F])")),

@@ -7,6 +7,7 @@ also shows what happens without the protection it proves, or the planted fault i
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -137,7 +138,9 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bi
     # without restarts the same fault ends the job, naming the rank that died
     r = zerotrain("train", *args, "--out", str(tmp_path / "norestart"), faults="kill@step=5,rank=1")
     assert r.returncode == 1
-    assert last_line(r) == "zerotrain: FAILED: rank 1 was killed by signal SIGKILL"
+    assert last_line(r).startswith("zerotrain: FAILED: rank 1 was killed by signal SIGKILL (a SIGKILL that nobody "
+                                   "sent comes from the kernel's out-of-memory killer: this run asks each rank for "
+                                   "about ")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -375,3 +378,80 @@ def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_a
     r = zerotrain("eval", os.path.join(out, "checkpoints", "step_00000030"), "--batches", "8", "--batch-size", "8")
     assert r.returncode == 0, r.stderr
     assert f"val_loss {val[-1]:.6f}" in r.stdout
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Live processes of a process group (a launcher started in a session of its own, and its ranks)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    tracker = b"resource_tracker" in f.read()  # multiprocessing's, gone once its pipe closes
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z" and not tracker:
+                alive.append(int(entry))
+    return alive
+
+
+def test_a_signal_before_the_first_step_ends_the_job_at_once_with_nothing_to_save(tmp_path):
+    """Rank 0 hangs while it starts (hang@step=0): a SIGTERM then cannot be answered by a save, so the launcher
+    stops every rank at once, says so in one line and exits 128 + 15, leaving no rank behind."""
+    env = dict(os.environ, ZEROTRAIN_FAULTS="hang@step=0")
+    out = str(tmp_path / "early")
+    job = subprocess.Popen([sys.executable, "-m", "zerotrain", "train", *TINY, "--steps", "4", "--ckpt-every", "1",
+                            "--out", out], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                           start_new_session=True)
+    try:
+        for line in job.stderr:  # the rank says what it does before it hangs
+            if "hang before the first step on rank 0" in line:
+                break
+        job.send_signal(signal.SIGTERM)
+        rest = job.communicate(timeout=60)[1]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGTERM
+    assert rest.strip().splitlines()[-1] == "zerotrain: stopped by SIGTERM before the first step: nothing to save"
+    assert not os.path.isdir(os.path.join(out, "checkpoints")) or not os.listdir(os.path.join(out, "checkpoints"))
+    deadline = time.monotonic() + 30  # killed ranks take a moment to be reaped once their launcher is gone
+    while _group_alive(job.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_alive(job.pid) == []
+
+
+def test_the_launcher_hard_stops_only_while_a_rank_is_still_starting(tmp_path):
+    """The first signal is a hard stop while a rank has not begun stepping, and the save-and-stop request once
+    every rank has; planted: a launcher that ignores the ranks' stepping files asks starting ranks to save."""
+    from zerotrain.runtime.supervise import LauncherSignals
+
+    stepping = [str(tmp_path / f"stepping-rank{r}") for r in range(2)]
+    open(stepping[0], "w").close()  # rank 1 still starts
+    early = LauncherSignals(str(tmp_path / "stop"), stepping)
+    early._on_signal(signal.SIGTERM, None)
+    assert early.hard_stop == "SIGTERM" and early.before_first_step and not os.path.exists(tmp_path / "stop")
+    planted = LauncherSignals(str(tmp_path / "stop"), [])  # planted: no rank's start-up is known
+    planted._on_signal(signal.SIGTERM, None)
+    assert planted.hard_stop is None and os.path.exists(tmp_path / "stop")  # it would wait for a save
+    os.remove(tmp_path / "stop")
+    open(stepping[1], "w").close()  # now every rank steps
+    late = LauncherSignals(str(tmp_path / "stop"), stepping)
+    late._on_signal(signal.SIGTERM, None)
+    assert late.hard_stop is None and open(tmp_path / "stop").read() == "SIGTERM"
+
+
+def test_a_rank_signalled_before_its_first_step_exits_at_once_and_after_it_finishes_the_step():
+    code = ("import os, signal, sys\n"
+            "from zerotrain.runtime.stop import install_stop_request\n"
+            "stop = install_stop_request(None)\n"
+            "if sys.argv[1] == 'stepping':\n"
+            "    stop.begin_stepping()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('requested', stop.requested, flush=True)\n")
+    early = subprocess.run([sys.executable, "-c", code, "starting"], capture_output=True, text=True, timeout=60)
+    assert early.returncode == 128 + signal.SIGTERM and early.stdout == ""
+    late = subprocess.run([sys.executable, "-c", code, "stepping"], capture_output=True, text=True, timeout=60)
+    assert late.returncode == 0 and late.stdout == "requested True\n"

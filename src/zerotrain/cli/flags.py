@@ -109,15 +109,25 @@ def by_section(values: dict[str, object]) -> dict[str, dict[str, object]]:
     return out
 
 
+# Ranks per core beyond which a CPU run only waits: start-up and rendezvous grow with the ranks, not the work.
+MAX_CPU_RANKS_PER_CORE = 8
+
+
 def check_environment(cfg: Config) -> None:
-    """What this machine must have for the run: the CUDA devices it asks for, the optional packages it uses."""
+    """What this machine must have for the run: cores or CUDA devices for its ranks, the optional packages it uses."""
+    cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
+    if cfg.launch.device == "cpu" and local > MAX_CPU_RANKS_PER_CORE * cores:
+        raise ConfigError(f"--nproc {local} starts {local} ranks on this machine's {cores} core"
+                          f"{'s' * (cores != 1)}: more than {MAX_CPU_RANKS_PER_CORE * cores} "
+                          f"({MAX_CPU_RANKS_PER_CORE} per core) only wait on each other; spread them over machines "
+                          "with torchrun")
     if cfg.launch.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is available on this machine")
         # Under torchrun nproc is the world; this machine runs LOCAL_WORLD_SIZE of its ranks.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
         if local > torch.cuda.device_count():
             raise ConfigError(f"--nproc {local} exceeds the {torch.cuda.device_count()} CUDA devices here")
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:

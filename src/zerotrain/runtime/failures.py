@@ -79,7 +79,19 @@ def _write_traceback(rank: int, cfg: Config) -> str | None:
     return None
 
 
-def failure_reason(job_dir: str, error) -> str:
+def memory_asked(cfg: Config) -> str:
+    """What a run asks of each rank's memory, in round figures: the likely cause when the kernel kills a rank."""
+    m, gib = cfg.model, 2**30
+    d, L, V, T = m.n_embd, m.n_layer, m.vocab_size, m.seq_len
+    params = V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
+    state = params * (4 + 4 + 8 / cfg.dp)  # fp32 parameters and gradients, AdamW's two moments sharded over DP
+    logits = cfg.loop.micro_batch * T * V * 4
+    return (f"this run asks each rank for about {state / gib:.3g} GiB of parameters, gradients and optimizer state "
+            f"and {logits / gib:.3g} GiB for the logits of one micro-batch (--micro-batch {cfg.loop.micro_batch} x "
+            f"--seq-len {T} x vocabulary {V}), before the other activations")
+
+
+def failure_reason(job_dir: str, error, cfg: Config | None = None) -> str:
     """The one line that explains a failed job, from the ranks' own reports of its last attempt.
 
     A failure zerotrain explained (an invariant, a timeout) comes first; then a rank that died without
@@ -93,7 +105,9 @@ def failure_reason(job_dir: str, error) -> str:
     reported = {r["rank"] for r in reports}
     for rank, failure in sorted(error.failures.items()):
         if rank not in reported and failure.exitcode < 0:
-            return f"rank {rank} was killed by signal {failure.signal_name()}"
+            why = (f" (a SIGKILL that nobody sent comes from the kernel's out-of-memory killer: {memory_asked(cfg)})"
+                   if failure.signal_name() == "SIGKILL" and cfg is not None else "")
+            return f"rank {rank} was killed by signal {failure.signal_name()}{why}"
         if rank not in reported:
             return f"rank {rank} failed with exit code {failure.exitcode} (see its output above)"
     if reports:

@@ -26,7 +26,7 @@ from zerotrain.parallel import Comm
 from .failures import failure_reason, report_failure, report_user_error, restart_count, user_error
 from .run_folder import release_run_folders
 from .stop import install_stop_request
-from .supervise import STOP_FILE, LauncherSignals, Reaper, stop_descendants
+from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, stop_descendants
 
 
 class JobFailed(RuntimeError):
@@ -51,8 +51,9 @@ def default_threads(cfg: Config) -> int:
 class Interrupted(Exception):
     """A second SIGINT/SIGTERM stopped the job at once; `code` is the exit code (128 + signal)."""
 
-    def __init__(self, signal_name: str, code: int):
-        super().__init__(f"stopped at once by a second {signal_name}; what was not yet committed is lost")
+    def __init__(self, signal_name: str, code: int, before_first_step: bool = False):
+        super().__init__(f"stopped by {signal_name} before the first step: nothing to save" if before_first_step
+                         else f"stopped at once by a second {signal_name}; what was not yet committed is lost")
         self.code = code
 
 
@@ -75,7 +76,8 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
         cfg = prepare(cfg)
     job_dir = tempfile.mkdtemp(prefix="zerotrain-job-")
     launched = _ElasticThread(job, cfg, job_dir)
-    stop = LauncherSignals(os.path.join(job_dir, STOP_FILE))
+    stepping = [os.path.join(job_dir, STEPPING_FILE.format(rank=r)) for r in range(cfg.launch.nproc)]
+    stop = LauncherSignals(os.path.join(job_dir, STOP_FILE), stepping)
     deadline = time.monotonic() + time_limit if time_limit else None
     reaper = Reaper(job_dir)
     try:
@@ -86,7 +88,7 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
             reaper.poll()
             if stop.hard_stop:
                 stop_descendants(launched)
-                raise Interrupted(stop.hard_stop, 128 + signal.Signals[stop.hard_stop].value)
+                raise Interrupted(stop.hard_stop, 128 + signal.Signals[stop.hard_stop].value, stop.before_first_step)
             if deadline and time.monotonic() > deadline:
                 stop_descendants(launched)
                 raise JobFailed(f"the job exceeded its wall-clock limit of {time_limit:g} s; all ranks were stopped")
@@ -138,7 +140,7 @@ class _ElasticThread(threading.Thread):
         if mistake:  # a setting a rank found wrong (data it cannot read, a fault spec): the user's to fix
             raise ConfigError(mistake)
         if isinstance(self.error, ChildFailedError):
-            raise JobFailed(failure_reason(job_dir, self.error)) from None
+            raise JobFailed(failure_reason(job_dir, self.error, self.cfg)) from None
         raise JobFailed(f"the launcher failed: {type(self.error).__name__}: {self.error}") from None
 
 
@@ -149,7 +151,8 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     Any exception ends the rank with one line naming the rank and the error (the traceback goes to
     `<out>/logs/rank{R}.log`): in the job folder for the launcher to show, or on stderr under torchrun.
     """
-    install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None)
+    install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None,
+                         os.path.join(job_dir, STEPPING_FILE.format(rank=os.environ["RANK"])) if job_dir else None)
     if job_dir:  # for the launcher's reaper
         os.makedirs(os.path.join(job_dir, "pids"), exist_ok=True)
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:

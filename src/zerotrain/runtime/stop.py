@@ -11,12 +11,15 @@ class StopRequest:
     """SIGTERM or SIGINT asks this rank to finish its step, save and exit; a second one exits at once.
 
     A launcher that cannot signal its ranks directly (zerotrain's own, which the ranks' parent process
-    runs) writes a stop file instead, which `requested` also looks for.
+    runs) writes a stop file instead, which `requested` also looks for. Until the loop is about to
+    start its first step (`begin_stepping`), there is nothing to save: a signal then ends the rank at
+    once. `begin_stepping` leaves `stepping_file` for the launcher, which then knows the same.
     """
 
-    def __init__(self, stop_file: str | None = None):
-        self.stop_file = stop_file
+    def __init__(self, stop_file: str | None = None, stepping_file: str | None = None):
+        self.stop_file, self.stepping_file = stop_file, stepping_file
         self.signal_name: str | None = None
+        self.stepping = False
 
     def install(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
@@ -25,9 +28,16 @@ class StopRequest:
         return self
 
     def _on_signal(self, signum, _frame) -> None:
-        if self.signal_name is not None:  # the second signal: no save, exit now (130 for SIGINT, 143 for SIGTERM)
+        # Before the first step (nothing to save) or at the second signal: exit now (130 for SIGINT, 143 for SIGTERM).
+        if self.signal_name is not None or not self.stepping:
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
+
+    def begin_stepping(self) -> None:
+        """The loop's first step is next: from now on a signal finishes the step and saves."""
+        self.stepping = True
+        if self.stepping_file:
+            open(self.stepping_file, "a").close()
 
     @property
     def requested(self) -> bool:
@@ -48,8 +58,8 @@ def stop_request() -> StopRequest:
     return _stop
 
 
-def install_stop_request(stop_file: str | None) -> StopRequest:
-    """Called once as a rank starts: its signal handlers, and the launcher's stop file if it has one."""
+def install_stop_request(stop_file: str | None, stepping_file: str | None = None) -> StopRequest:
+    """Called once as a rank starts: its signal handlers, and the launcher's stop and stepping files if it has one."""
     global _stop
-    _stop = StopRequest(stop_file).install()
+    _stop = StopRequest(stop_file, stepping_file).install()
     return _stop

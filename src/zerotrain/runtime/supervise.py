@@ -17,13 +17,18 @@ import time
 from zerotrain.durable import write_atomic
 
 STOP_FILE = "stop"
+STEPPING_FILE = "stepping-rank{rank}"  # left by each rank as it starts its first step
 
 
 class LauncherSignals:
-    """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, the second asks for a hard stop."""
+    """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, the second asks for a hard stop.
 
-    def __init__(self, stop_file: str):
-        self.stop_file, self.hard_stop, self._previous = stop_file, None, {}
+    Before every rank has started its first step there is nothing to save: the first signal asks for a hard stop.
+    """
+
+    def __init__(self, stop_file: str, stepping_files: list[str] | None = None):
+        self.stop_file, self.stepping_files = stop_file, stepping_files or []
+        self.hard_stop, self.before_first_step, self._previous = None, False, {}
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -36,6 +41,9 @@ class LauncherSignals:
 
     def _on_signal(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
+        if not all(os.path.exists(p) for p in self.stepping_files):  # a rank still starts: no save can happen
+            self.hard_stop, self.before_first_step = name, True
+            return
         if os.path.exists(self.stop_file):
             self.hard_stop = name
             return
@@ -85,6 +93,9 @@ def stop_descendants(agent: threading.Thread, grace_s: float = 2.0) -> None:
         time.sleep(0.05)
     for pid in victims:
         _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s  # a killed process takes a moment to go: leave none behind
+    while time.monotonic() < deadline and any(_alive(pid) for pid in victims):
+        time.sleep(0.05)
     agent.join(timeout=15)
 
 

@@ -3,6 +3,7 @@
     ZEROTRAIN_FAULTS="kind@step=N[,rank=R][,factor=F];..."
 
 N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100).
+kill and hang also take step=0: while the rank starts, before its first step (nothing to save yet).
 
     kill           the rank SIGKILLs itself during step N, before that step's collectives
     hang           the rank blocks forever before step N's collectives (only being killed ends it)
@@ -33,6 +34,7 @@ from zerotrain.errors import ConfigError, ZeroTrainError
 
 ENV = "ZEROTRAIN_FAULTS"
 KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "sigterm")
+STARTUP_KINDS = ("kill", "hang")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
 CRASH_IN_SAVE_EXIT = 75
@@ -51,7 +53,8 @@ class Fault:
 
     def describe(self) -> str:
         what = f"lr_spike x{self.factor:g}" if self.kind == "lr_spike" else self.kind
-        return f"{what} at step {self.step} on rank {self.rank}"
+        when = "before the first step" if self.step == 0 else f"at step {self.step}"
+        return f"{what} {when} on rank {self.rank}"
 
 
 def _parse_int(entry: str, key: str, text: str, minimum: int) -> int:
@@ -81,7 +84,7 @@ def _parse_entry(entry: str) -> Fault:
         values[key] = value
     if "step" not in values:
         raise ConfigError(f"{ENV}: {entry!r} names no step (format: {FORMAT})")
-    fault = Fault(kind, _parse_int(entry, "step", values["step"], 1),
+    fault = Fault(kind, _parse_int(entry, "step", values["step"], 0 if kind in STARTUP_KINDS else 1),
                   _parse_int(entry, "rank", values.get("rank", "0"), 0))
     if "factor" in values:
         if kind != "lr_spike":

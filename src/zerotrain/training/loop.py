@@ -204,8 +204,11 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
                        "steps_lost": lost},
                       f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost")
+    faults.before_collectives(0)  # step=0 faults: while the rank starts
+    stop = stop_request()
+    stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,
-                stop=stop_request(), detector=detector, policy=policy, saver=saver, metrics=metrics, memory=memory,
+                stop=stop, detector=detector, policy=policy, saver=saver, metrics=metrics, memory=memory,
                 start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []))
 
 
