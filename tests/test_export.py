@@ -28,7 +28,7 @@ def read_json(folder: str, name: str) -> dict:
 
 
 def hf_logits(folder: str) -> torch.Tensor:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the [test] extra installs it: a missing one fails, never skips
     model, info = transformers.GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # tied, as zerotrain's
@@ -87,7 +87,7 @@ def test_export_refuses_a_non_empty_folder_in_one_line_and_overwrite_replaces_on
 
 
 def test_a_bpe_checkpoint_exports_its_tokenizer_as_a_pretrained_tokenizer_fast(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the [test] extra installs it: a missing one fails, never skips
     from zerotrain.data.tokenizer import train_bpe
 
     text = "def f(x):\n    return x + 1\n\n" * 20 + "class Zen:\n    beautiful = better\n" * 20
@@ -139,7 +139,7 @@ TEXTS = ["def ", "\u00e9\u20ac", "  two  spaces\n\ttab \U0001f600 <|endoftext|>n
 
 def test_a_bytes_model_exports_a_tokenizer_autotokenizer_loads_with_zerotrains_ids_and_a_naive_vocab_is_caught(
         run, tmp_path, monkeypatch):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the [test] extra installs it: a missing one fails, never skips
     out = str(tmp_path / "hf")
     assert run_cli(["export", run, out, "--format", "hf"]) == 0
     theirs, ours = transformers.AutoTokenizer.from_pretrained(out), ByteTokenizer()
@@ -161,7 +161,7 @@ def test_a_bytes_model_exports_a_tokenizer_autotokenizer_loads_with_zerotrains_i
 
 
 def test_transformers_generate_on_a_bytes_hf_export_gives_zerotrains_greedy_tokens(run, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the [test] extra installs it: a missing one fails, never skips
     out = str(tmp_path / "hf")
     assert run_cli(["export", run, out, "--format", "hf"]) == 0
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)

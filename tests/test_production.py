@@ -455,3 +455,30 @@ def test_a_rank_signalled_before_its_first_step_exits_at_once_and_after_it_finis
     assert early.returncode == 128 + signal.SIGTERM and early.stdout == ""
     late = subprocess.run([sys.executable, "-c", code, "stepping"], capture_output=True, text=True, timeout=60)
     assert late.returncode == 0 and late.stdout == "requested True\n"
+
+
+def sleeping_job(cfg, comm):
+    """Every rank blocks: only being stopped ends it."""
+    while True:
+        time.sleep(3600)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["ranks-only", "planted-every-descendant"])
+def test_stopping_a_job_ends_its_ranks_and_spares_the_callers_other_children(tmp_path, monkeypatch, planted):
+    """run_job used as a library, by a process with a child of its own: the wall-clock limit stops the job's
+    ranks and leaves the sibling alone; planted: the old rule, every descendant, kills the sibling too."""
+    from zerotrain.runtime import launch as launch_module
+    from zerotrain.runtime import supervise
+
+    if planted:
+        real = supervise.stop_descendants
+        monkeypatch.setattr(supervise, "stop_descendants", lambda agent, spare: real(agent, spare=set()))
+        monkeypatch.setattr(launch_module, "stop_descendants", supervise.stop_descendants)
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with pytest.raises(JobFailed, match="wall-clock limit of 3 s"):
+            run_job(sleeping_job, tiny_config(tmp_path, nproc=2), time_limit=3)
+        assert child_pids() == ([] if planted else [sibling.pid])  # the ranks are gone either way
+    finally:
+        sibling.kill()
+        sibling.wait(timeout=30)

@@ -26,7 +26,7 @@ from zerotrain.parallel import Comm
 from .failures import failure_reason, report_failure, report_user_error, restart_count, user_error
 from .run_folder import release_run_folders
 from .stop import install_stop_request
-from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, stop_descendants
+from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
 
 
 class JobFailed(RuntimeError):
@@ -82,15 +82,16 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
     reaper = Reaper(job_dir)
     try:
         stop.install()
+        present = set(descendants())  # a caller's own children, which a stop must spare
         launched.start()
         while launched.is_alive():
             launched.join(0.05)
             reaper.poll()
             if stop.hard_stop:
-                stop_descendants(launched)
+                stop_descendants(launched, spare=present)
                 raise Interrupted(stop.hard_stop, 128 + signal.Signals[stop.hard_stop].value, stop.before_first_step)
             if deadline and time.monotonic() > deadline:
-                stop_descendants(launched)
+                stop_descendants(launched, spare=present)
                 raise JobFailed(f"the job exceeded its wall-clock limit of {time_limit:g} s; all ranks were stopped")
         return launched.outcome(job_dir)
     finally:

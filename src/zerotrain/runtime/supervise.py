@@ -80,12 +80,13 @@ class Reaper:
                         _signal(int(f.read()), signal.SIGKILL)
 
 
-def stop_descendants(agent: threading.Thread, grace_s: float = 2.0) -> None:
-    """SIGTERM every process below this one, SIGKILL whatever is left after `grace_s`, let the agent wind down.
+def stop_descendants(agent: threading.Thread, spare: set[int], grace_s: float = 2.0) -> None:
+    """SIGTERM the processes below this one that the job started (all but `spare`, those there before it), SIGKILL
+    what is left after `grace_s`, let the agent wind down. A caller's own children are left alone.
 
     The agent's thread must end before the interpreter does: its stores' threads abort the process otherwise.
     """
-    victims = _descendants()
+    victims = [pid for pid in descendants() if pid not in spare]
     for pid in victims:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -99,7 +100,7 @@ def stop_descendants(agent: threading.Thread, grace_s: float = 2.0) -> None:
     agent.join(timeout=15)
 
 
-def _descendants() -> list[int]:
+def descendants() -> list[int]:
     """Live processes below this one (multiprocessing's shared resource tracker excepted)."""
     parent_of = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
