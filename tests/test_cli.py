@@ -22,7 +22,7 @@ def zerotrain(*args, cwd=None, timeout=240):
 def test_demo_proves_the_four_invariants_and_a_bitwise_resume(tmp_path):
     r = zerotrain("demo", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    for line in ("(a) finite loss", "(b) parameters bitwise identical", "(c) optimizer memory", "(d) checkpoints"):
+    for line in ("(a) finite loss", "(b) parameters bitwise identical", "(c) AdamW's state = ZeRO-1 formula", "(d) checkpoints"):
         assert any(line in l and l.endswith("PASS") for l in r.stdout.splitlines()), line
     assert "RESUME VERIFIED" in r.stdout
     report = json.load(open(tmp_path / "report.json"))

@@ -348,10 +348,16 @@ class ZeroOneEngine:
         return torch.stack([tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)])
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the optimizer keeps for this rank's shard: master values and moments."""
-        out = list(self._master_views)
-        for m in self._master_views:
-            out += [self.optimizer.state[m]["exp_avg"], self.optimizer.state[m]["exp_avg_sq"]]
+        """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps
+        for each of them now (after updates it may have replaced or added tensors), and the engine's flat moments.
+
+        AdamW's 0-dim step counters are left out: the ZeRO-1 formula counts per-value state.
+        """
+        out = [*self._master_views, self.exp_avg, self.exp_avg_sq]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                out += [t for t in self.optimizer.state.get(p, {}).values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0]
         return out
 
     def expected_state_bytes_per_value(self) -> int:

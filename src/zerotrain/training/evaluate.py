@@ -1,4 +1,4 @@
-"""Validation loss: the summed token loss over fixed validation batches, for training's --eval-every and `zerotrain eval`."""
+"""Validation loss: the summed token loss over fixed validation batches, for --eval-every and `zerotrain eval`."""
 
 from __future__ import annotations
 

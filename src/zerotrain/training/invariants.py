@@ -67,8 +67,12 @@ def held_bytes(tensors: list[torch.Tensor], exclude: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def check_memory(engine, comm: Comm) -> MemoryReport:
-    """(c) Optimizer state held per rank equals the ZeRO-1 formula (bytes per owned value x shard size)."""
+def check_memory(engine, comm: Comm, step: int = 0) -> MemoryReport:
+    """(c) Optimizer state held per rank equals the ZeRO-1 formula (bytes per owned value x shard size).
+
+    Measured from the storages behind the optimizer's own state tensors, so it is checked again after
+    updates (every --check-every steps and at the end): state AdamW allocates later is counted then.
+    """
     measured = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
     per_rank = comm.all_gather_rows(torch.tensor([measured], dtype=torch.int64), "all_gather_memory")
     report = MemoryReport(
@@ -80,7 +84,7 @@ def check_memory(engine, comm: Comm) -> MemoryReport:
     wrong = [r for r, v in enumerate(report.per_rank) if v != report.expected]
     if wrong:
         raise InvariantError(
-            f"invariant (c) failed: optimizer state on rank(s) {wrong} is "
+            f"invariant (c) failed at step {step}: optimizer state on rank(s) {wrong} is "
             f"{[report.per_rank[r] for r in wrong]} bytes, ZeRO-1 expects {report.expected} "
             f"({report.bytes_per_value} x {report.shard_numel})"
         )

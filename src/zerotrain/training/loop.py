@@ -223,12 +223,13 @@ def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
 
 
 def _check_after_update(cfg: Config, run: _Run, done: int, after_update) -> None:
-    """The fault drills' hook, then invariant (b) every --check-every steps."""
+    """The fault drills' hook, then invariants (b) and (c) every --check-every steps."""
     if after_update:
         run.engine.wait_params()
         after_update(done, run.engine)
     if cfg.loop.check_every and done % cfg.loop.check_every == 0:
         invariants.check_no_drift(done, run.engine.param_digests(), run.mesh)
+        run.memory = invariants.check_memory(run.engine, run.mesh.world, done)
 
 
 def _log_step(cfg: Config, run: _Run, record: dict) -> None:
@@ -256,6 +257,7 @@ def _finish(run: _Run, comm: Comm, t_start: float) -> TrainResult:
     """Invariant (b) at the end, each rank's final norm and bytes held, the run's collective counts."""
     engine = run.engine
     digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
+    run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
     calls, nbytes = run.mesh.counters()
