@@ -482,3 +482,13 @@ def test_stopping_a_job_ends_its_ranks_and_spares_the_callers_other_children(tmp
     finally:
         sibling.kill()
         sibling.wait(timeout=30)
+
+
+def test_the_resume_warning_says_what_changes_steps_change_the_schedule_only_a_new_global_batch_the_data():
+    from zerotrain.training.loop import _schedule_change
+
+    steps_only = _schedule_change((200, 16), (300, 16))
+    assert "--steps 300 instead of 200" in steps_only and "learning-rate schedule" in steps_only
+    assert "data" not in steps_only  # the batch of step s is sequences 0..15 of step s either way
+    batch = _schedule_change((200, 16), (200, 32))
+    assert "global batch of 32 sequences instead of 16 changes each step's data" in batch and "--steps" not in batch

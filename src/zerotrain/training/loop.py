@@ -101,9 +101,7 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
     schedule = (theirs.loop.steps, theirs.global_batch) if theirs else None
     if comm.rank == 0 and schedule and schedule != (cfg.loop.steps, cfg.global_batch):
-        print(f"zerotrain: warning: {os.path.basename(path)} was trained for {schedule[0]} steps of global batch "
-              f"{schedule[1]}; this run has {cfg.loop.steps} steps of {cfg.global_batch}: the learning-rate schedule "
-              "and the data order continue differently from the original run", flush=True)
+        print(f"zerotrain: warning: {_schedule_change(schedule, (cfg.loop.steps, cfg.global_batch))}", flush=True)
     threads = manifest.get("threads_per_rank")
     if comm.rank == 0 and threads and threads != torch.get_num_threads():
         print(f"zerotrain: warning: {os.path.basename(path)} was written with {threads} threads per rank, this run "
@@ -136,6 +134,19 @@ class _Run:
     @property
     def mesh(self) -> Mesh:
         return self.engine.mesh
+
+
+def _schedule_change(theirs: tuple[int, int], ours: tuple[int, int]) -> str:
+    """What a resume with another --steps or global batch changes: the learning rate spans --steps, and a step's
+    batch is sequences 0..G-1 of that step, so the data changes only with the global batch."""
+    (steps, batch), (new_steps, new_batch) = theirs, ours
+    said = []
+    if new_steps != steps:
+        said.append(f"--steps {new_steps} instead of {steps} continues on another learning-rate schedule")
+    if new_batch != batch:
+        said.append(f"a global batch of {new_batch} sequences instead of {batch} changes each step's data and the "
+                    "learning rate's per-token scale")
+    return "resuming with " + "; ".join(said) + " (the checkpoint's run is otherwise continued exactly)"
 
 
 def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None,
