@@ -78,6 +78,24 @@ def resume_job(cfg: Config, comm: Comm) -> dict:
     return params_job(cfg, comm)
 
 
+def reshard_without_moments_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug in the resharding path itself: the state it rebuilds for another world size loses the moments."""
+    from zerotrain.checkpoint import load as load_module
+
+    real, called = load_module._reshard, []
+
+    def lossy(*args, **kwargs):
+        called.append(True)
+        state = real(*args, **kwargs)
+        return {k: (v.zero_() if k in ("exp_avg", "exp_avg_sq") else v) for k, v in state.items()}
+
+    load_module._reshard = lossy
+    try:
+        return {**params_job(cfg, comm), "resharded": bool(called)}
+    finally:
+        load_module._reshard = real
+
+
 def drift_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: rank 1 nudges one parameter after step 2."""
 

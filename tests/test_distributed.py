@@ -96,11 +96,11 @@ def test_resume_at_another_world_size_reshards_the_optimizer_state(tmp_path):
     assert resumed["start"] == 3
     assert max_rel(resumed["losses"], full["losses"][3:]) <= 1e-5
     assert max_abs_params(resumed["params"], full["params"]) <= 1e-4
-    # planted bug: resuming without the moments is far outside those bounds
-    bad_cfg = tiny_config(tmp_path / "bad", nproc=2, micro=2, accum=2, steps=6)
-    bad_cfg.checkpoint.every = 3
-    bad = run(dist_jobs.forgetful_resume_job, bad_cfg)["resumed"]
-    assert max_abs_params(bad["params"], full["params"]) > 1e-4
+    # planted in the resharding path the 4-rank resume takes: losing the moments there is far outside those bounds
+    bad_cfg = tiny_config(tmp_path / "bad", nproc=4, micro=1, accum=2, steps=6)
+    bad_cfg.checkpoint.resume, bad_cfg.checkpoint.dir = resumed_cfg.checkpoint.resume, str(tmp_path / "ck4bad")
+    bad = run(dist_jobs.reshard_without_moments_job, bad_cfg)
+    assert bad["resharded"] and max_abs_params(bad["params"], full["params"]) > 1e-4
 
 
 @pytest.mark.parametrize("nproc", [3, 4])

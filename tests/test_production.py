@@ -118,8 +118,12 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path
     assert r.returncode == 0, r.stderr
     assert steps_of(stopped) == list(range(1, 7))
     assert final_state(stopped, 6) == final_state(whole, 6)
-    # what the comparison would catch: a run that differs at all has other files
-    assert final_state(stopped, 3) != final_state(whole, 6)
+    # what the comparison catches: the same resume with a learning rate 1e-7 relative off ends in other files
+    nudged = str(tmp_path / "nudged")
+    step3 = os.path.join(stopped, "checkpoints", checkpoint.step_name(3))
+    r = zerotrain("train", *args, "--out", nudged, "--resume", step3, "--lr", "0.0030000003")
+    assert r.returncode == 0, r.stderr
+    assert final_state(nudged, 6) != final_state(whole, 6)
 
 
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bitwise_identical(tmp_path):
