@@ -12,6 +12,7 @@ with this interpreter's folder first on PATH, so `zerotrain` and `python3` are t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -156,11 +157,40 @@ def test_readme_marks_its_recipes_to_run():
         assert expensive in manual
     # The first recipe's folder is what the later recipes (resume, sample, eval, export, plot) use.
     assert len(GROUPS["stdlib"]) >= 6 and "--out runs/stdlib" in GROUPS["stdlib"][0].code
+    assert set(PROMISES) <= set(GROUPS)  # a renamed folder must not drop a promise's check
+
+
+def metrics_of(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+
+
+def eval_reproduces_val_loss(workdir: Path) -> None:
+    """`zerotrain eval runs/stdlib --batches 8` prints the last val_loss of runs/stdlib/metrics.jsonl."""
+    out = subprocess.run([sys.executable, "-m", "zerotrain", "eval", "runs/stdlib", "--batches", "8"], cwd=workdir,
+                         capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    assert out.returncode == 0, out.stderr
+    printed = float(out.stdout.split()[1])
+    logged = [r["val_loss"] for r in metrics_of(workdir / "runs" / "stdlib") if "val_loss" in r][-1]
+    assert abs(printed - logged) <= 5e-7, (printed, logged)  # the six decimals eval prints
+
+
+def meshes_continue_to_the_same_losses(workdir: Path) -> None:
+    """The TP 2 run continued as TP 1 x DP 2 from step 10 reaches the same losses, within float reordering."""
+    tp2 = {r["step"]: r["loss"] for r in metrics_of(workdir / "runs" / "tp2")}
+    tp1 = {r["step"]: r["loss"] for r in metrics_of(workdir / "runs" / "tp1")}
+    assert sorted(tp1) == list(range(11, 21))
+    assert max(abs(tp1[s] - tp2[s]) / abs(tp2[s]) for s in tp1) <= 1e-5
+
+
+# What the README says a recipe does, checked after its blocks ran (not only their exit codes).
+PROMISES = {"stdlib": eval_reproduces_val_loss, "meshes": meshes_continue_to_the_same_losses}
 
 
 @pytest.mark.parametrize("group", list(GROUPS), ids=list(GROUPS))
 def test_cheap_recipe_runs_as_written(group, tmp_path):
     run_blocks(GROUPS[group], tmp_path)
+    if group in PROMISES:
+        PROMISES[group](tmp_path)
 
 
 # --- the runner can fail -------------------------------------------------------------------------------------
