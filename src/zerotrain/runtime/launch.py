@@ -161,6 +161,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     torch.set_num_threads(default_threads(cfg))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.launch.device == "cuda":
+        deterministic_cuda()
         torch.cuda.set_device(local_rank)
     backend = "nccl" if cfg.launch.device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.launch.timeout)
@@ -189,6 +190,19 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         os._exit(1)
     dist.destroy_process_group()
     return result
+
+
+def deterministic_cuda() -> None:
+    """What bitwise resume and bitwise-equal TP replicas need from CUDA: deterministic kernels.
+
+    cuBLAS picks its reduction order by workspace unless told a fixed one (set before its first use);
+    cuDNN's autotuner may pick another algorithm per process. Where an op has no deterministic CUDA
+    kernel, PyTorch warns (warn_only) rather than failing the run.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:
