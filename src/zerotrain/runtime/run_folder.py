@@ -92,13 +92,13 @@ def prepare_run(cfg: Config) -> Config:
     attempt, and the loop resumes from the newest checkpoint that verifies.
     """
     cfg = resolve_paths(cfg)
-    hold_run_folder(cfg.logging.out)
-    if restart_count() > 0:
-        return cfg
     c = cfg.checkpoint
     for flag, path in (("--out", cfg.logging.out), ("--ckpt-dir", c.dir)):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path} is a file, not a folder")
+    hold_run_folder(cfg.logging.out)
+    if restart_count() > 0:
+        return cfg
     if os.path.isdir(cfg.logging.metrics):
         raise ConfigError(f"--metrics {cfg.logging.metrics} is a folder, not a file")
     explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
