@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import random
+import subprocess
+import sys
 
 import pytest
 
@@ -10,11 +14,16 @@ from zerotrain.training.guard import (Anomaly, AnomalyDetector, NoCheckpointToRe
                                       RollbackPolicy, data_step, skip_after_rollback)
 
 
-def detector_with(losses, factor=3.0, window=20):
-    d = AnomalyDetector(factor, window)
+def detector_with(losses, factor=3.0, window=20, grad_norms=None, **sigmas):
+    d = AnomalyDetector(factor, window, **sigmas)
     for i, loss in enumerate(losses, start=1):
-        d.accept(i, loss)
+        d.accept(i, loss, None if grad_norms is None else grad_norms[i - 1])
     return d
+
+
+def old_rule(window):
+    """The guard before the outlier test: non-finite, or a loss above 3 x the window's median."""
+    return AnomalyDetector(3.0, window, loss_sigmas=math.inf)
 
 
 # --- AnomalyDetector -------------------------------------------------------------------------------------------
@@ -87,6 +96,130 @@ def test_accepting_an_earlier_step_without_rewinding_is_refused():
         d.accept(8, 1.0)
     d.rewind(7)
     d.accept(8, 1.0)
+
+
+# --- the outlier test ------------------------------------------------------------------------------------------
+
+# The tiny model on 2 ranks (micro-batch 2, accumulation 2, synthetic data, 14 steps), its update of step 9 made
+# with a 1000x learning rate and nothing refused (metrics of `zerotrain train` with --spike-window 4): from step 10
+# on the model is ruined and its loss sits near ln(64) = 4.159, the loss of a uniform guess.
+RUINED_LOSSES = [4.1842, 4.0774, 4.0283, 3.9973, 3.9379, 3.8853, 3.8637, 3.8462, 3.7863,
+                 4.1311, 4.1369, 4.1057, 4.1152, 4.1588]
+RUINED_NORMS = [1.275, 1.0291, 1.4815, 1.4179, 1.3681, 1.2722, 1.427, 1.3437, 1.0356,
+                3.091, 2.5968, 2.6483, 3.2649, 4.6208]
+
+
+def first_refusal(detector, losses, norms, start=1):
+    """Run the loop's check-then-accept over the steps; the first Anomaly, or None if every step was applied."""
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=start):
+        anomaly = detector.check(step, loss, norm, [])
+        if anomaly:
+            return anomaly
+        detector.accept(step, loss)
+    return None
+
+
+def test_the_first_step_on_a_model_ruined_by_an_lr_spike_is_refused_and_the_median_ratio_never_refuses_one():
+    caught = first_refusal(AnomalyDetector(3.0, 5), RUINED_LOSSES, RUINED_NORMS)
+    assert caught.step == 10 and caught.kind == "spike"
+    assert caught.reason == ("loss 4.131 at step 10 is 34.4 sd above the trend 3.759 of the last 5 steps, and the "
+                             "gradient norm 3.091 is 16.5 sd above those steps' median 1.344")
+    # planted: the old rule alone (3 x the median) applies the ruined steps 10-14 and never refuses one
+    assert first_refusal(old_rule(5), RUINED_LOSSES, RUINED_NORMS) is None
+
+
+def test_a_loss_back_at_ln_v_after_a_plateau_is_refused_though_below_3x_the_median():
+    rng = random.Random(0)
+    plateau = [2.0 + rng.gauss(0, 0.02) for _ in range(40)]
+    norms = [0.8 * math.exp(rng.gauss(0, 0.1)) for _ in range(40)]
+    ln_v = math.log(64)
+    assert ln_v < 3 * 2.0  # the ratio test can never see it
+    d = detector_with(plateau, grad_norms=norms)
+    assert d.check(41, ln_v, 2.5, []).kind == "spike"
+    assert detector_with(plateau, grad_norms=norms, loss_sigmas=math.inf).check(41, ln_v, 2.5, []) is None  # planted
+    # a hard batch (high loss, ordinary gradient norm) or an odd one (high norm, ordinary loss) is not damage
+    assert d.check(41, ln_v, 0.8, []) is None and d.check(41, 2.0, 5.0, []) is None
+
+
+def ordinary_run(seed, steps=300):
+    """A falling, noisy loss with hard batches (+0.6, ~15 sd, every 37th step) and a heavy-tailed gradient norm
+    with odd batches (4x, every 53rd step), never both on one step: what an ordinary run looks like."""
+    rng = random.Random(seed)
+    losses = [2.2 + 2.0 * math.exp(-t / 40) + rng.gauss(0, 0.04) + (0.6 if t % 37 == 0 else 0.0)
+              for t in range(1, steps + 1)]
+    norms = [0.7 * math.exp(rng.gauss(0, 0.15)) * (4.0 if t % 53 == 0 else 1.0) for t in range(1, steps + 1)]
+    return losses, norms
+
+
+def refusals(detector, losses, norms):
+    """The steps refused when every other step is applied (no rollback: the run goes on)."""
+    refused = []
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        if detector.check(step, loss, norm, []):
+            refused.append(step)
+        else:
+            detector.accept(step, loss)
+    return refused
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ordinary_noise_hard_batches_and_odd_gradient_norms_raise_no_alarm_and_either_test_alone_would(seed):
+    losses, norms = ordinary_run(seed)
+    assert refusals(AnomalyDetector(3.0, 20), losses, norms) == []
+    # planted: the loss test without the gradient norm's corroboration refuses every hard batch, and the
+    # gradient-norm test alone, even at the loss's bar, every odd one (both some noisy steps besides)
+    hard, odd = {t for t in range(21, 301) if t % 37 == 0}, {t for t in range(21, 301) if t % 53 == 0}
+    assert hard <= set(refusals(AnomalyDetector(3.0, 20, grad_norm_sigmas=-math.inf), losses, norms))
+    assert odd <= set(refusals(AnomalyDetector(3.0, 20, loss_sigmas=-math.inf, grad_norm_sigmas=9.0), losses, norms))
+
+
+def test_the_outlier_test_waits_for_a_full_window_of_at_least_five_steps():
+    losses, norms = [2.0, 2.01, 1.99, 2.0] * 10, [0.8, 0.82, 0.79, 0.81] * 10
+    ruined = (4.16, 2.5)  # 2.08 x the median: only the outlier test can refuse it
+    assert detector_with(losses[:19], grad_norms=norms[:19]).check(20, *ruined, []) is None  # 19 of 20: warming up
+    assert detector_with(losses[:20], grad_norms=norms[:20]).check(21, *ruined, []).kind == "spike"
+    assert detector_with(losses[:5], window=5, grad_norms=norms[:5]).check(6, *ruined, []).kind == "spike"
+    assert detector_with(losses, window=4, grad_norms=norms).check(41, *ruined, []) is None  # off below 5
+    # after a rollback the window refills from the restored step
+    d = detector_with(losses, grad_norms=norms)
+    d.rewind(15)
+    assert d.check(16, *ruined, []) is None
+    for step in range(16, 21):
+        d.accept(step, 2.0, 0.8)
+    assert d.check(21, *ruined, []).kind == "spike"
+
+
+def test_accept_takes_the_gradient_norm_check_was_given_for_the_step():
+    d = detector_with([2.0] * 20, grad_norms=[0.8] * 20)
+    assert d.check(21, 2.0, 0.9, []) is None
+    d.accept(21, 2.0)  # as the loop calls it
+    d.accept(22, 2.0)  # never checked: recorded without a norm, and the outlier test waits for a window without gaps
+    assert d.state_dict()["grad_norms"][-2:] == [0.9, None]
+    assert d.check(23, 4.16, 2.5, []) is None
+    for step in range(23, 43):
+        d.accept(step, 2.0 + 0.01 * (step % 3), 0.8 + 0.01 * (step % 2))
+    assert d.check(43, 4.16, 2.5, []).kind == "spike"
+
+
+def test_a_resumed_detector_decides_as_the_uninterrupted_one_and_an_old_checkpoints_state_still_loads():
+    losses, norms = ordinary_run(0, steps=60)
+    uninterrupted = detector_with(losses, grad_norms=norms)
+    saved = json.loads(json.dumps(uninterrupted.state_dict()))
+    assert len(saved["steps"]) == len(saved["losses"]) == len(saved["grad_norms"]) == 20
+    resumed = AnomalyDetector(3.0, 20)
+    resumed.load_state_dict(saved)
+    later = [(61, 2.3, 0.7), (62, 4.16, 2.8), (62, 2.9, 0.7), (62, 2.3, 3.0)]  # ordinary, ruined, hard, odd
+    decisions = [d.check(*s, []) for d in (uninterrupted, resumed) for s in later]
+    assert decisions[:4] == decisions[4:] and decisions[1].kind == "spike"
+    # the state a checkpoint of the current version holds ({"steps", "losses"}) loads: the ratio test applies
+    # at once, the outlier test once a full window of gradient norms has been accepted again
+    old = AnomalyDetector(3.0, 20)
+    old.load_state_dict({"steps": saved["steps"], "losses": saved["losses"]})
+    assert old.check(61, 9.5, 0.7, []).kind == "spike" and old.check(62, 4.16, 2.8, []) is None  # planted: misses
+    first_refusal(old, losses[:20], norms[:20], start=61)
+    assert old.check(81, 4.16, 2.8, []).kind == "spike"
+    with pytest.raises(ValueError, match="2 gradient norms for 3 steps"):
+        AnomalyDetector(3.0, 20).load_state_dict({"steps": [1, 2, 3], "losses": [2.0] * 3, "grad_norms": [1.0] * 2})
 
 
 # --- RollbackPolicy --------------------------------------------------------------------------------------------
@@ -192,3 +325,38 @@ def test_a_second_rollback_to_the_same_checkpoint_uses_the_current_skips_not_the
 def test_a_rollback_must_restore_a_step_before_the_refused_one():
     with pytest.raises(ValueError, match="must come before"):
         skip_after_rollback([], 17, 17)
+
+
+# --- through the CLI -------------------------------------------------------------------------------------------
+
+TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "--data", "synthetic",
+        "--steps", "14", "--ckpt-every", "2"]
+
+
+def train_with_lr_spike(out, *flags):
+    """`zerotrain train` of the tiny model whose update of step 9 uses a 1000x learning rate; its metrics."""
+    env = dict(os.environ, ZEROTRAIN_FAULTS="lr_spike@step=9,factor=1000")
+    r = subprocess.run([sys.executable, "-m", "zerotrain", "train", *TINY, "--out", out, *flags],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.timeout(300)
+def test_a_1000x_lr_spike_is_rolled_back_by_the_cli_and_the_old_median_rule_would_have_trained_on(tmp_path):
+    guarded = train_with_lr_spike(str(tmp_path / "guarded"), "--spike-window", "5")
+    (rollback,) = [r for r in guarded if r.get("event") == "rollback"]
+    assert rollback["step"] == 10 and rollback["to_step"] == 8 and rollback["skipped_data_steps"] == [9, 10]
+    # The same run with a window of 4 (the outlier test off, the 3 x median test on): the ruined model's steps are
+    # applied and logged; replayed through the detector they get the decision the CLI made, word for word
+    unguarded = train_with_lr_spike(str(tmp_path / "unguarded"), "--spike-window", "4")
+    assert not [r for r in unguarded if r.get("event")]
+    steps = [r for r in unguarded if "event" not in r]
+    losses, norms = [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
+    assert all(abs(loss - math.log(64)) < 0.1 for loss in losses[9:])  # ruined: it stays near ln(64)
+    assert first_refusal(AnomalyDetector(3.0, 5), losses, norms).reason == rollback["reason"]
+    # planted: the old rule alone applies every ruined step at --spike-window 5 too
+    assert first_refusal(old_rule(5), losses, norms) is None
+    final = [r["loss"] for r in guarded if "event" not in r][-1]
+    assert final < losses[-1] - 0.3  # the rolled-back run learns on; the ruined one does not

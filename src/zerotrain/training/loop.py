@@ -176,7 +176,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine
                 continue
             lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
             run.engine.apply(lr, grad_norm)
-            run.detector.accept(done, loss)
+            run.detector.accept(done, loss, grad_norm)
             _check_after_update(cfg, run, done, after_update)
             _log_step(cfg, run, _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, time.perf_counter() - t0))
             _maybe_save(cfg, run, done, reduced.decision)
