@@ -49,12 +49,10 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def child_pids() -> list[int]:
-    """Live child processes of this process (to check that a job reaped its ranks).
-
-    multiprocessing's resource tracker, started once by the first spawn and shared, is not a rank.
-    """
-    me, out = os.getpid(), []
+def live_processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every live process, zombies and multiprocessing's shared resource
+    tracker (started once by the first spawn, not a rank) left out."""
+    out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
@@ -64,6 +62,11 @@ def child_pids() -> list[int]:
                     cmdline = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-                out.append(int(pid))
+            if fields[0] != "Z" and b"resource_tracker" not in cmdline:
+                out.append((int(pid), int(fields[1]), int(fields[2])))
     return out
+
+
+def child_pids() -> list[int]:
+    """Live child processes of this process (to check that a job reaped its ranks)."""
+    return [pid for pid, parent, _ in live_processes() if parent == os.getpid()]

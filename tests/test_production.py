@@ -15,7 +15,7 @@ import time
 
 import dist_jobs
 import pytest
-from conftest import child_pids, tiny_config
+from conftest import child_pids, live_processes, tiny_config
 
 from zerotrain import checkpoint
 from zerotrain.runtime.launch import JobFailed, run_job
@@ -386,19 +386,7 @@ def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_a
 
 def _group_alive(pgid: int) -> list[int]:
     """Live processes of a process group (a launcher started in a session of its own, and its ranks)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    tracker = b"resource_tracker" in f.read()  # multiprocessing's, gone once its pipe closes
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z" and not tracker:
-                alive.append(int(entry))
-    return alive
+    return [pid for pid, _, group in live_processes() if group == pgid]
 
 
 def test_a_signal_before_the_first_step_ends_the_job_at_once_with_nothing_to_save(tmp_path):
