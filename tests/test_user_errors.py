@@ -88,12 +88,12 @@ def test_a_config_error_raised_inside_the_ranks_is_one_line_and_exit_2_under_the
 
 def test_under_torchrun_a_rank_s_config_error_is_said_once_and_the_ranks_exit_2(tmp_path):
     """torchrun ends with its own report and exit code 1 whatever its ranks exit with; zerotrain's part is the one
-    line (rank 0 says it), no zerotrain traceback, and exit code 2 from every rank."""
+    line (rank 0 says it at once and exits 2; torchrun then stops the other rank), no zerotrain traceback."""
     r = zerotrain("train", *TINY[2:], "--data", "synthetic", "--out", str(tmp_path / "run"), faults="explode@step=x",
                   torchrun=True)
     errors = [line for line in r.stderr.splitlines() if line.startswith("zerotrain: error: ")]
     assert errors == [errors[0]] and "unknown fault kind 'explode'" in errors[0], r.stderr[-2000:]
-    assert r.returncode != 0 and r.stderr.count("exitcode  : 2") == 2
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr
     assert "zerotrain/" not in r.stderr.split("zerotrain: error: ")[0]  # no traceback through zerotrain's code
 
 

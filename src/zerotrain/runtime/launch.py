@@ -173,9 +173,8 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
             cfg = _agree(cfg, comm, prepare)
         result = job(cfg, comm)
     except ConfigError as e:
-        if job_dir is None:  # under torchrun: the command line reports it (exit 2)
-            dist.destroy_process_group()
-            raise
+        if job_dir is None:
+            _say_under_torchrun(e, rank)
         report_user_error(e, rank, job_dir)  # the launcher reports it as the command line would (exit 2)
         sys.stderr.flush()
         os._exit(2)
@@ -190,6 +189,25 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         os._exit(1)
     dist.destroy_process_group()
     return result
+
+
+# Under torchrun, how long a rank other than 0 that found a user error waits before saying it itself.
+TORCHRUN_USER_ERROR_GRACE_S = 10.0
+
+
+def _say_under_torchrun(error: ConfigError, rank: int) -> None:
+    """A user error under torchrun: one line, exit 2.
+
+    Rank 0 says it and exits at once. Every rank that reads the same settings finds the same error, and
+    torchrun stops the others as soon as rank 0 has failed (a rank not yet stepping exits on the signal);
+    a rank still running after the grace found an error of its own (data missing on its machine) and
+    says it, naming itself.
+    """
+    if rank != 0:
+        time.sleep(TORCHRUN_USER_ERROR_GRACE_S)
+    print(f"zerotrain: error: {error}" if rank == 0 else f"zerotrain: error: rank {rank}: {error}",
+          file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def deterministic_cuda() -> None:
