@@ -149,8 +149,8 @@ def _print_report(rep: dict, cfg: Config) -> None:
                  + (f" ({refused} refused and rolled back)" if refused else ""),
                  f"(b) parameters bitwise identical on all {W} ranks" if T == 1 else
                  "(b) replicas bitwise equal (TP slices per DP group)",
-                 "(c) AdamW's state = ZeRO-1 formula on every rank, measured at "
-                 + (f"steps {every}, {2 * every}, ... and " if every else "") + f"step {rep['steps']}",
+                 "(c) AdamW's state = ZeRO-1 formula, every rank, at step "
+                 + (f"{every}, {2 * every}, ..., " if every else "") + f"{rep['steps']}",
                  f"(d) checkpoints read back byte-equal ({len(rep['checkpoints'])} saved)"):
         print(f"  {text + ' ':.<70} PASS")
     print(f"\nRESUME VERIFIED: resumed from {os.path.basename(rep['checkpoint_path'])}, trained to step "
