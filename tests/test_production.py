@@ -213,8 +213,10 @@ def test_nan_and_lr_spike_roll_back_log_it_and_the_run_completes(tmp_path):
     rollbacks = events(out, "rollback")
     assert [e["to_step"] for e in rollbacks] == [5, 4]  # came back right after restoring step 5
     assert steps_of(out) == list(range(1, 9))  # one record per step: the abandoned steps' records went
-    final = [rec for rec in records(out) if "event" not in rec][-1]
-    assert final["loss"] < 2 * records(out)[0]["loss"]
+    losses = {rec["step"]: rec["loss"] for rec in records(out) if "event" not in rec}
+    # restored to an undamaged model, it learns on: below the loss of the step it was restored to (a ruined
+    # model sits near ln V = 4.16 here, above every loss of the timeline that trained)
+    assert losses[8] < losses[rollbacks[-1]["to_step"]]
 
 
 def test_metrics_keep_one_record_per_step_after_a_rollback_and_count_rollbacks_across_restarts(tmp_path):
