@@ -77,11 +77,11 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
     return token_folder(folder, src, flag)
 
 
-def validation_files(cfg: Config) -> tuple[list[str], str]:
+def validation_files(cfg: Config, spec: DataSpec | None = None) -> tuple[list[str], str]:
     """The token files validation reads, and what supplies them (for messages).
 
     --val-data PATH: its validation split if it has one, else all of it (a text input: every document);
-    otherwise the validation split of --data.
+    otherwise the validation split of --data (`spec`, when the caller resolved it already).
     """
     d = cfg.data
     if d.val_data:
@@ -90,7 +90,7 @@ def validation_files(cfg: Config) -> tuple[list[str], str]:
         spec = resolve_data(cfg, d.val_data, "--val-data", val_fraction=0.0)
         held_out = any(len(open_token_file(p)) for p in spec.val)
         return spec.val if held_out else spec.train, f"--val-data {d.val_data}"
-    return resolve_data(cfg).val, f"--data {d.source}"
+    return (spec or resolve_data(cfg)).val, f"--data {d.source}"
 
 
 def _bins(folder: str) -> list[str]:
@@ -174,7 +174,7 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
             validation_files(cfg)  # refuses: synthetic data makes its own validation sequences
         return DataSpec(d.source, "synthetic")
     spec = resolve_data(cfg)
-    val_paths, val_origin = validation_files(cfg) if d.val_data else (spec.val, f"--data {d.source}")
+    val_paths, val_origin = validation_files(cfg, spec)
     files = [open_token_file(p) for p in spec.train + val_paths]
     spec.train_tokens = sum(len(f) for f in files[: len(spec.train)])
     spec.val_tokens = sum(len(f) for f in files[len(spec.train) :])

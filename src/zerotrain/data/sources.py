@@ -170,7 +170,7 @@ def make_source(cfg: Config, split: str = "train"):
         return SyntheticSource(m.vocab_size, m.seq_len, cfg.loop.seed, varlen=d.source == "synthetic-varlen",
                                split=split)
     spec = resolve_data(cfg)
-    paths, origin = (spec.train, f"--data {d.source}") if split == "train" else validation_files(cfg)
+    paths, origin = (spec.train, f"--data {d.source}") if split == "train" else validation_files(cfg, spec)
     files = [f for f in (open_token_file(p) for p in paths) if len(f)]
     if not files:
         why = " (a single document, or --val-fraction 0: nothing was set aside; --val-data PATH supplies it)" \
