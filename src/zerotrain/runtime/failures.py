@@ -30,17 +30,18 @@ def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None
     if job_dir is None:
         print(f"zerotrain: {message}", file=sys.stderr, flush=True)
         return
-    os.makedirs(os.path.join(job_dir, "failures"), exist_ok=True)
-    report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": message,
-              "kind": "explained" if explained else "exception"}
-    write_json(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), report,
-               durable=False)  # whole or absent: the launcher may read it while the rank still writes
+    _write_report(job_dir, rank, message, "explained" if explained else "exception")
 
 
 def report_user_error(error: Exception, rank: int, job_dir: str) -> None:
     """A ConfigError a rank raised (the same on every rank that reaches it): for the launcher to print as is."""
+    _write_report(job_dir, rank, str(error), "user")
+
+
+def _write_report(job_dir: str, rank: int, message: str, kind: str) -> None:
+    """This rank's report of this attempt in the job folder, whole or absent: the launcher may read it meanwhile."""
     os.makedirs(os.path.join(job_dir, "failures"), exist_ok=True)
-    report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": str(error), "kind": "user"}
+    report = {"rank": rank, "attempt": restart_count(), "time": time.time(), "message": message, "kind": kind}
     write_json(os.path.join(job_dir, "failures", f"attempt{restart_count()}-rank{rank:05d}.json"), report,
                durable=False)
 
