@@ -177,3 +177,54 @@ def test_nothing_to_resume_and_nothing_that_verifies_are_told_apart(tmp_path, on
 def test_verify_of_a_missing_path_is_a_user_error(tmp_path):
     with pytest.raises(ConfigError, match="no such checkpoint folder or checkpoint root"):
         cmd_verify(argparse.Namespace(path=str(tmp_path / "nope")))
+
+
+class Readers:
+    """W readers of one checkpoint in this process, seen from reader `rank`: a W-rank group's all-gather."""
+
+    def __init__(self, path: str, world_size: int, rank: int = 0):
+        self.path, self.rank, self.world_size, self.io = path, rank, world_size, self
+
+    def all_gather_json(self, mine, purpose):
+        from zerotrain.checkpoint.verify import verify_checkpoint
+        every = [[[c.name, c.ok, c.detail, c.file] for c in verify_checkpoint(self.path, part=(r, self.world_size))]
+                 for r in range(self.world_size)]
+        assert every[self.rank] == mine
+        return every
+
+
+def together(path, readers=3, rank=0):
+    from zerotrain.checkpoint.verify import verify_together
+    return verify_together(path, Readers(path, readers, rank))
+
+
+def test_readers_share_the_reading_checks_each_file_and_tensor_once(tmp_path, one_rank):
+    _, _, step2 = two_checkpoints(tmp_path, one_rank)
+    parts = [checkpoint.verify_checkpoint(step2, part=(r, 2)) for r in range(2)]
+    hashed = [[c.file for c in p if c.name == "sha256"] for p in parts]
+    assert sorted(hashed[0] + hashed[1]) == sorted(["model.safetensors", SHARD]) and all(hashed)
+    cheap = [[(c.name, c.file) for c in p if c.name not in ("sha256", "model")] for p in parts]
+    assert cheap[0] == cheap[1]  # every reader runs every cheap check
+    assert all(c.ok for c in together(step2)) and [c.name for c in together(step2)] == \
+        [c.name for c in checkpoint.verify_checkpoint(step2)]
+
+
+@pytest.mark.parametrize("corruption", ["flipped byte", "model differs", "truncated shard"])
+def test_a_corruption_fails_verification_together_whichever_reader_reads_it(tmp_path, one_rank, corruption,
+                                                                             monkeypatch):
+    corrupt, check, file, why = CORRUPTIONS[corruption]
+    root, step1, step2 = two_checkpoints(tmp_path, one_rank)
+    corrupt(step2, tmp_path)
+    for readers in (1, 2, 3):
+        for rank in range(readers):  # every rank sees the same verdict, whoever read the bad bytes
+            bad = [c for c in together(step2, readers, rank) if not c.ok]
+            assert (bad[0].name, bad[0].file) == (check, file) and why in bad[0].detail
+    if check == "size":
+        return  # a cheap check: every reader runs it
+    # planted: each rank keeps only its own share's verdicts, so what another reader found is lost on it
+    from zerotrain.checkpoint import verify
+    missed = []
+    for rank in range(2):
+        monkeypatch.setattr(verify, "merge_checks", lambda every, r=rank: every[r])
+        missed.append(all(c.ok for c in together(step2, 2, rank)))
+    assert any(missed)

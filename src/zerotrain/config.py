@@ -109,6 +109,9 @@ class LaunchConfig:
                            shown="cores / local ranks")
     timeout: float = setting(120.0, "collective timeout in seconds: a rank that stops answering fails the job",
                              rule=POSITIVE)
+    io_timeout: float = setting(1800.0, "how long a rank waits in seconds for the others to write, read or verify "
+                                "a checkpoint (saves, resume, restart, rollback), apart from --timeout",
+                                rule=POSITIVE)
     max_restarts: int = setting(0, "restart the group after a worker dies, resuming from the newest checkpoint "
                                 "that verifies (as torchrun's option)", rule=NON_NEGATIVE)
 
@@ -193,10 +196,9 @@ class Config:
 
     @property
     def reduce_in_backward(self) -> bool:
-        # On CPU gloo's transfers are copies by CPU threads, competing with compute for the cores:
-        # measured no faster overlapped (2 ranks on 2 cores, --preset wide, micro-batch 1, settings
-        # alternated within one run: 68 ms per step with neither, 67-71 with the all-gather behind
-        # the forward, 72-75 with the reduce-scatter in backward).
+        # On CPU gloo's transfers are copies by CPU threads, competing with compute for the cores, so
+        # overlap is off by default there; compare on a machine with `zerotrain train --preset wide --micro-batch 1
+        # --nproc 2 --overlap on` and `--overlap off` (step_ms in the metrics).
         overlap = self.parallel.overlap
         return overlap == "on" or (overlap == "auto" and self.launch.device == "cuda")
 

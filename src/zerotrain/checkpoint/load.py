@@ -14,17 +14,34 @@ from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, mesh_of, rea
 from .reshard import full_shapes
 from .stream import DTYPE_CODES, read_safetensors
 from .verify import (failure_message, files_problem, first_failure, layout_of, name_problem, partition_problem,
-                     record_problem, shard_problem, verify_checkpoint)
+                     record_problem, shard_problem, verify_checkpoint, verify_together)
 
 
-def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:
+def find_resumable(root: str, comm: Comm | None = None) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest checkpoint under `root` that verifies, and (folder, why) for each newer one that did not.
 
     Tried in order: what `latest` names, then the committed step folders older than it, newest
     first (folders newer than `latest` belong to a run that was restarted from an earlier step:
     they are not this run's history). None with an empty list: there is nothing to resume from.
     None with a non-empty list: checkpoints were there and none verifies, an error for the caller.
+
+    With `comm`, every rank calls this together: rank 0's view of the folder decides which candidates
+    there are, and every rank verifies its share of each (verify_together); the same answer on every rank.
     """
+    names, skipped = _candidates(root)
+    if comm is not None:
+        names, skipped = comm.io.all_gather_json([names, skipped], "agree_resume")[0]
+    for name in names:
+        path = os.path.join(root, name)
+        bad = first_failure(verify_checkpoint(path) if comm is None else verify_together(path, comm))
+        if bad is None:
+            return path, [tuple(s) for s in skipped]
+        skipped.append((name, failure_message(path, bad)))
+    return None, [tuple(s) for s in skipped]
+
+
+def _candidates(root: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The step folders find_resumable tries, newest first, and (name, why) for what `latest` names in vain."""
     latest = read_latest(root)
     names = step_folders(root)
     skipped: list[tuple[str, str]] = []
@@ -37,13 +54,7 @@ def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:
                 names.insert(0, latest)
             else:
                 skipped.append((latest, f"{os.path.join(root, LATEST)} names {latest}, which does not exist"))
-    for name in names:
-        path = os.path.join(root, name)
-        bad = first_failure(verify_checkpoint(path))
-        if bad is None:
-            return path, skipped
-        skipped.append((name, failure_message(path, bad)))
-    return None, skipped
+    return names, skipped
 
 
 def resolve_resume(spec: str, root: str) -> str | None:

@@ -1,7 +1,9 @@
 """Writing checkpoints: each rank writes and hashes its own files, synchronously or behind training.
 
 `CheckpointWriter.save` writes at once (all ranks call it together; two small collectives share
-each rank's outcome and rank 0's commit verdict, so no rank waits on one that failed).
+each rank's outcome and rank 0's commit verdict, so no rank waits on one that failed). The writer's
+collectives run on `comm.io`, whose wait is --io-timeout: rank 0 writes and reads back the full
+model while the others, done with their shards, wait for it.
 `start` saves asynchronously: the state is copied into reusable CPU staging buffers and a
 background thread writes, hashes, fsyncs and reads the files back (invariant (d)), then writes
 this rank's sidecar. The thread issues no collectives: the training loop learns that every rank
@@ -79,17 +81,17 @@ class CheckpointWriter:
         """
         self._refuse_in_flight("save")
         base = self._describe(step, engine, extra or {})
-        files = _live_files(engine, self.comm.rank, self.comm.world_size)
         folder = os.path.join(self.root, tmp_name(step))
-        local, records = None, []
+        local, records, files = None, [], {}
         try:
+            files = _live_files(engine, self.comm.rank, self.comm.world_size)
             records = self._write(folder, files, step)
             for name, tensors in files.items():  # invariant (d), before any rank commits
                 read_back_check(os.path.join(folder, name), tensors)
             write_sidecar(folder, self.comm.rank, self.session, step, records)
         except Exception as e:  # told to every rank below, so none is left waiting in a collective
             local = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
-        reports = self.comm.all_gather_json(
+        reports = self.comm.io.all_gather_json(
             {"error": str(local) if local else None, "files": [r.to_dict() for r in records]}, "checkpoint_files")
         failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
         if failed:
@@ -100,7 +102,7 @@ class CheckpointWriter:
                 commit(self.root, step, base, self.comm.world_size, self.session, self.keep)
             except (CheckpointError, OSError) as e:
                 verdict = str(e)
-        verdict = self.comm.all_gather_json(verdict, "checkpoint_commit")[0]
+        verdict = self.comm.io.all_gather_json(verdict, "checkpoint_commit")[0]
         if verdict:
             raise CheckpointError(verdict)
         listed = sorted((f for rep in reports for f in rep["files"]), key=lambda f: f["name"])
@@ -161,6 +163,18 @@ class CheckpointWriter:
         """The step of the save in flight on this rank, or None."""
         return self._pending.step if self._pending else None
 
+    def poll(self) -> tuple[bool, BaseException | None]:
+        """(written, error) of this rank's part of the save in flight, without raising (written when none is).
+
+        The loop shares both in its step's all-reduce, so a writer's failure reaches every rank in that step.
+        """
+        pending = self._pending
+        if pending is None:
+            return True, None
+        if pending.thread.is_alive():
+            return False, None
+        return pending.error is None, (_as_checkpoint_error(pending) if pending.error is not None else None)
+
     def local_done(self) -> bool:
         """This rank's part of the save in flight is written (True when none is); re-raises its failure."""
         pending = self._pending
@@ -192,7 +206,7 @@ class CheckpointWriter:
         if pending is not None:
             pending.thread.join()
         error = _as_checkpoint_error(pending) if pending is not None and pending.error is not None else None
-        states = self.comm.all_gather_json(
+        states = self.comm.io.all_gather_json(
             {"step": pending.step if pending else None, "error": str(error) if error else None}, "checkpoint_finish")
         failed = [(r, s["error"]) for r, s in enumerate(states) if s["error"]]
         if failed:

@@ -21,6 +21,10 @@ first group that has a failure (later groups read what an earlier one found bad)
                the parameters the model file was written from
 
 Loading runs the same checks on the files it reads (see load.py) before restoring anything.
+
+`verify_checkpoint(path, part=(r, W))` runs rank r's share of the checks that read file data (sha256,
+replicas, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run its
+share at once and merges the results, so a restart verifies at the speed of W readers, not one.
 """
 
 from __future__ import annotations
@@ -54,9 +58,18 @@ class Check:
         return text if self.ok else f"{text}: {self.detail}"
 
 
-def verify_checkpoint(path: str) -> list[Check]:
-    """Every check of the checkpoint folder `path`, in order, up to the first group with a failure."""
+# The checks in the order verify_checkpoint runs them; the last three read file data and are shared out by `part`.
+ORDER = ("manifest", "json", "schema", "name", "files", "size", "sha256", "partition", "shard", "replicas", "model")
+
+
+def verify_checkpoint(path: str, part: tuple[int, int] | None = None) -> list[Check]:
+    """Every check of the checkpoint folder `path`, in order, up to the first group with a failure.
+
+    With `part=(r, W)`: of the checks that read file data, only reader r's share of W (files and model
+    tensors balanced by bytes; the replicas check on the last reader); every cheap check in full.
+    """
     checks: list[Check] = []
+    r, W = part or (0, 1)
 
     def group(results) -> bool:
         checks.extend(results)
@@ -74,7 +87,8 @@ def verify_checkpoint(path: str) -> list[Check]:
     sizes = [_check("size", n, size_problem(path, entries[n])) for n in listed]
     if not group(sizes):
         return checks
-    if not group([_check("sha256", n, hash_problem(path, entries[n])) for n in listed]):
+    hashed = _share([(n, entries[n]["bytes"]) for n in listed], W)[r]
+    if not group([_check("sha256", n, hash_problem(path, entries[n])) for n in hashed]):
         return checks
     if not group([_check("partition", MANIFEST, partition_problem(manifest))]):
         return checks
@@ -82,10 +96,51 @@ def verify_checkpoint(path: str) -> list[Check]:
     shards = [shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])]
     if not group([_check("shard", n, _header_problem(path, n, shard_numel)) for n in shards]):
         return checks
-    if mesh_of(manifest)[0] > 1 and not group([replicas_check(path, manifest)]):
+    if mesh_of(manifest)[0] > 1 and r == W - 1 and not group([replicas_check(path, manifest)]):
         return checks
-    group([_check("model", MODEL_FILE, model_problem(path, manifest))])
+    sizes = [(p["name"], math.prod(_full_shape(manifest, p))) for p in manifest["layout"]["params"]]
+    group([_check("model", MODEL_FILE, model_problem(path, manifest, names=_share(sizes, W)[r]))])
     return checks
+
+
+def verify_together(path: str, comm) -> list[Check]:
+    """verify_checkpoint's checks of `path`, each rank of `comm` reading its share; the same merged list on every rank.
+
+    A check that fails on any rank fails (a rank that cannot see a file says so); the list stops after the
+    first group with a failure, as verify_checkpoint's does. The wait is comm.io's (--io-timeout).
+    """
+    mine = verify_checkpoint(path, part=(comm.rank, comm.world_size))
+    every = comm.io.all_gather_json([[c.name, c.ok, c.detail, c.file] for c in mine], "verify_checkpoint")
+    return merge_checks([[Check(*row) for row in rows] for rows in every])
+
+
+def merge_checks(every: list[list[Check]]) -> list[Check]:
+    """Every reader's checks as one list in ORDER: a failure on any reader wins; cut after the first failing group."""
+    merged: dict[tuple[str, str], Check] = {}
+    for checks in every:
+        for c in checks:
+            if (c.name, c.file) not in merged or not c.ok and merged[(c.name, c.file)].ok:
+                merged[(c.name, c.file)] = c
+    checks = sorted(merged.values(), key=lambda c: ORDER.index(c.name))  # stable: each reader's order within a check
+    bad = first_failure(checks)
+    return checks if bad is None else [c for c in checks if ORDER.index(c.name) <= ORDER.index(bad.name)]
+
+
+def _share(items: list[tuple[str, int]], readers: int) -> list[list[str]]:
+    """`items` (name, bytes) split over `readers`, largest first to the least loaded: each reader's names in order."""
+    shares: list[list[str]] = [[] for _ in range(readers)]
+    load = [0] * readers
+    for name, size in sorted(items, key=lambda item: -item[1]):
+        least = load.index(min(load))
+        shares[least].append(name)
+        load[least] += size
+    order = {name: i for i, (name, _) in enumerate(items)}
+    return [sorted(names, key=order.get) for names in shares]
+
+
+def _full_shape(manifest: dict, param: dict) -> list[int]:
+    slices = manifest.get("tp_slices", {})
+    return slices[param["name"]]["full_shape"] if param["name"] in slices else param["shape"]
 
 
 def verify_or_raise(path: str) -> None:
@@ -234,8 +289,7 @@ def partition_problem(manifest: dict) -> str | None:
     problem = tp_slices_problem(manifest)
     if problem:
         return problem
-    slices = manifest.get("tp_slices", {})
-    full = sum(math.prod(slices[p["name"]]["full_shape"] if p["name"] in slices else p["shape"]) for p in L["params"])
+    full = sum(math.prod(_full_shape(manifest, p)) for p in L["params"])
     if full != manifest["param_count"]:
         return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
     return None
@@ -328,17 +382,27 @@ def replicas_check(folder: str, manifest: dict) -> Check:
                   "although every TP rank holds it identically")
 
 
-def model_problem(folder: str, manifest: dict) -> str | None:
-    """Why model.safetensors is not the full model of the masters (through the layout and TP slices), or None."""
+def model_problem(folder: str, manifest: dict, names: list[str] | None = None) -> str | None:
+    """Why model.safetensors is not the full model of the masters (through the layout and TP slices), or None.
+
+    `names`: only those tensors (a reader's share); the file's extra tensors are checked by the share with the
+    first parameter. None: all.
+    """
     try:
         layout = layout_of(manifest, folder)
     except CheckpointError as e:
         return str(e)
+    if names is not None and not names:
+        return None
     full = full_tensors(layout, tp_slices_of(manifest), tp_masters(folder, manifest, layout))
+    params = manifest["layout"]["params"]
+    checks_extra = names is None or (bool(params) and params[0]["name"] in names)
     with safe_open(os.path.join(folder, MODEL_FILE), framework="pt") as f:
-        names = set(f.keys())
+        present = set(f.keys())
         for name, want in full.items():
-            if name not in names:
+            if names is not None and name not in names:
+                continue
+            if name not in present:
                 return f"has no tensor {name}"
             t = f.get_tensor(name)
             if t.dtype != torch.float32 or tuple(t.shape) != tuple(want.shape):
@@ -347,5 +411,5 @@ def model_problem(folder: str, manifest: dict) -> str | None:
             if not torch.equal(t.view(torch.int32), want.view(torch.int32)):  # bitwise, NaN included
                 diff = (t - want).abs().nan_to_num(float("inf")).max().item()
                 return f"tensor {name} differs from the assembled master shards (max |diff| {diff:.3g})"
-        extra = sorted(names - set(full))
+        extra = sorted(present - set(full)) if checks_extra else []
     return f"holds a tensor {extra[0]!r} the layout does not have" if extra else None

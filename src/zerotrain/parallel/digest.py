@@ -50,10 +50,8 @@ def tensor_digest(flat: torch.Tensor, ranges: list[tuple[int, int]] | None = Non
 
     `ranges` picks [lo, hi) pieces of `flat` (positions stay global, so the same values at other
     positions give another digest); None hashes all of it. Work goes in pieces of `chunk` values, so
-    temporaries stay at 2 * 8 * chunk bytes (16 MB at the default) whatever the buffer size.
-    Measured on GPT-2 small's 124,439,808 fp32 values, 2-core CPU, median of 5 (sha256: 231-239 ms):
-    chunk 2**20: 55 ms on 2 threads, 85-92 ms on 1; 2**22: 100-108 / 150 ms; 2**24: 196-212 / 268-285 ms
-    (the two buffers fit in L3 at 2**20). On a GPU a larger chunk means fewer kernel launches: re-measure there.
+    temporaries stay at 2 * 8 * chunk bytes (16 MB at the default) whatever the buffer size, small
+    enough for the CPU's cache. On a GPU a larger chunk means fewer kernel launches.
     """
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError(f"tensor_digest wants a contiguous 1-D buffer, got shape {tuple(flat.shape)} "

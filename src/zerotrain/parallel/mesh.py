@@ -67,14 +67,15 @@ class Mesh:
 
     def set_step(self, step: int) -> None:
         """The optimizer step the loop is in, for every communicator's failure messages."""
-        for comm in (self.world, self.dp, self.tp):
+        for comm in (self.world, self.world.io, self.dp, self.tp):
             if comm is not None:
                 comm.step = step
 
     def counters(self) -> tuple[dict, dict]:
         """Calls and bytes by purpose, summed over this rank's communicators."""
         calls, nbytes = {}, {}
-        for comm in {id(c): c for c in (self.world, self.dp, self.tp) if c is not None}.values():
+        comms = (self.world, self.world.io, self.dp, self.tp)
+        for comm in {id(c): c for c in comms if c is not None}.values():
             for k, v in comm.calls.items():
                 calls[k] = calls.get(k, 0) + v
             for k, v in comm.bytes.items():

@@ -17,10 +17,8 @@ def adamw_param_groups(named_params, weight_decay: float) -> list[dict]:
 
 
 def adamw_options(optim: OptimConfig, device: torch.device) -> dict:
-    """AdamW's keyword arguments: fused where this torch and device have it, else foreach.
-
-    Fused measured 3-6x faster than foreach on CPU (3.2M values in 14 tensors: 1.9 ms vs 6-12 ms).
-    """
+    """AdamW's keyword arguments: fused where this torch and device have it (one kernel over every tensor of a
+    group), else foreach."""
     options = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     try:
         torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)

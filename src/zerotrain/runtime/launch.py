@@ -168,7 +168,9 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     rank = dist.get_rank()
     try:
-        comm = Comm(timeout_s=cfg.launch.timeout)
+        io_timeout = datetime.timedelta(seconds=cfg.launch.io_timeout)  # new_group: every rank, in one order
+        io = Comm(dist.new_group(timeout=io_timeout), timeout_s=cfg.launch.io_timeout, timeout_flag="--io-timeout")
+        comm = Comm(timeout_s=cfg.launch.timeout, io=io)
         if prepare:
             cfg = _agree(cfg, comm, prepare)
         result = job(cfg, comm)
@@ -262,7 +264,7 @@ def _agree(cfg: Config, comm: Comm, prepare: Callable[[Config], Config]) -> Conf
             payload = {"error": str(e), "user": True}
         except ZeroTrainError as e:
             payload = {"error": str(e), "user": False}
-    agreed = comm.all_gather_json(payload, "agree_run")[0]
+    agreed = comm.io.all_gather_json(payload, "agree_run")[0]  # rank 0 may verify a checkpoint meanwhile
     if "error" in agreed:
         raise (ConfigError if agreed["user"] else ZeroTrainError)(agreed["error"])
     return Config.from_dict(agreed["config"])

@@ -4,12 +4,16 @@ A save by wall clock, a stop signal, an async save finished everywhere: each is 
 sets locally and that travels in the scalar all-reduce every step already makes, summed over ranks.
 Every rank then reads the same sums and decides the same thing, so no rank waits in a save that
 another skipped, no extra collective runs per step, and no background thread issues a collective.
+
+A rank that cannot go on (its async writer failed) says so in the same all-reduce instead of leaving
+before it: every rank learns which rank failed at once, on any backend and across nodes, instead of
+waiting out the collective timeout for a peer that will never come.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +29,7 @@ class Decision:
     save_by_clock: bool
     stop_signal: str | None  # "SIGTERM" or "SIGINT" when a stop was asked on any rank (SIGTERM wins)
     save_written: bool  # every rank finished writing the async save in flight
+    failed_ranks: list[int] = field(default_factory=list)  # ranks that cannot go on (their own error says why)
 
     @property
     def stop(self) -> bool:
@@ -42,19 +47,24 @@ class Reduced:
 
 
 def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: str | None,
-                save_written: bool) -> Reduced:
-    """Finish the gradient reduce-scatter and all-reduce [grad norm^2, loss, non-finite flags, control flags] once."""
+                save_written: bool, failed: bool = False) -> Reduced:
+    """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags] once
+    (with the gradient norm's square)."""
     world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
     W = world.world_size
     nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
     nonfinite[world.rank] = not math.isfinite(loss_sum)
+    failing = torch.zeros(W, dtype=torch.float64)  # one-hot as well
+    failing[world.rank] = failed
     flags = local_flags(save_by_clock=save_by_clock, stop_signal=stop_signal, save_written=save_written)
     # The TP ranks of a replica compute the same loss: only the first one's counts.
     counted_loss = loss_sum if tp_rank == 0 else 0.0
     grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
-                                                       flags]))
+                                                       failing, flags]))
     bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
-    return Reduced(float(totals[0]), grad_norm, bad, decide(totals[1 + W :], W))
+    decision = decide(totals[1 + 2 * W :], W)
+    decision.failed_ranks = [r for r, f in enumerate(totals[1 + W : 1 + 2 * W].tolist()) if f != 0]
+    return Reduced(float(totals[0]), grad_norm, bad, decision)
 
 
 def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_written: bool) -> torch.Tensor:

@@ -11,6 +11,7 @@ kill and hang also take step=0: while the rank starts, before its first step (no
     lr_spike       step N's learning rate is multiplied by F (lr_factor); with --tp on every rank of R's TP
                    group, which update the replicated parameters together (one rank alone would split replicas)
     crash_in_save  the rank exits with CRASH_IN_SAVE_EXIT halfway through writing its shard of checkpoint N
+    save_error     the rank's writer fails (an OSError, the rank lives on) halfway through its shard of checkpoint N
     sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
                    request is seen, so the stop lands at step N whatever the signal's delivery time
 
@@ -33,7 +34,7 @@ from typing import Callable
 from zerotrain.errors import ConfigError, ZeroTrainError
 
 ENV = "ZEROTRAIN_FAULTS"
-KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "sigterm")
+KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "sigterm")
 STARTUP_KINDS = ("kill", "hang")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
@@ -180,13 +181,16 @@ class Faults:
         return math.prod(f.factor for f in self._fire(step, "lr_spike"))
 
     def save_hook(self) -> Callable[[int], None] | None:
-        """The checkpoint writer's halfway_hook(step), exiting at a planned crash_in_save step; None if none planned."""
-        if not any(f.kind == "crash_in_save" for f in self.planned):
+        """The checkpoint writer's halfway_hook(step), exiting at a planned crash_in_save step or failing at a
+        save_error step; None if none is planned."""
+        if not any(f.kind in ("crash_in_save", "save_error") for f in self.planned):
             return None
 
-        def crash_halfway(step: int) -> None:
-            for fault in self._fire(step, "crash_in_save"):
+        def fail_halfway(step: int) -> None:
+            for fault in self._fire(step, "crash_in_save", "save_error"):
                 _announce(fault)
-                os._exit(CRASH_IN_SAVE_EXIT)  # no cleanup, no flush: like a machine losing power mid-write
+                if fault.kind == "crash_in_save":
+                    os._exit(CRASH_IN_SAVE_EXIT)  # no cleanup, no flush: like a machine losing power mid-write
+                raise OSError(f"{ENV}: injected write failure ({fault.describe()})")
 
-        return crash_halfway
+        return fail_halfway

@@ -62,8 +62,8 @@ GRAD_NORM_SIGMAS = 3.0
 # rounding, not batch noise (measured over 20-step windows: at least 0.005 for the loss, 0.03 for the gradient norm).
 MIN_RELATIVE_SPREAD = 1e-3
 MAD_TO_SD = 1.4826
-# The trend's slope costs O(points^2): measured 0.04 ms a check at --spike-window 20, 1.4 ms at 128, 320 ms at 1000.
-# Longer windows take every k-th step for the slope, so it stays at most 128 points (8,128 pairs).
+# The trend's slope costs O(points^2) (all pairs): longer windows take every k-th step for the slope, so it stays
+# at most 128 points (8,128 pairs).
 MAX_SLOPE_POINTS = 128
 
 

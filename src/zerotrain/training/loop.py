@@ -15,6 +15,7 @@ from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
 from zerotrain.model.gpt2 import build_model, parallelize, summed_token_loss
 from zerotrain.parallel import Comm, Mesh, ZeroOneEngine
+from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
 from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.stop import stop_request
@@ -81,23 +82,21 @@ def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, 
 def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, str | None]:
     """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
 
-    After an elastic restart every rank resumes from the newest checkpoint that verifies, as rank 0 finds it.
+    After an elastic restart every rank resumes from the newest checkpoint that verifies, every rank verifying
+    its share of each candidate (find_resumable with comm), waiting for the others up to --io-timeout.
     """
     path = cfg.checkpoint.resume or None
     if restart_count() > 0:
-        found = {}
-        if comm.rank == 0:
-            newest, skipped = checkpoint.find_resumable(cfg.checkpoint.dir)
-            found = {"path": newest, "skipped": skipped}
-            for folder, reason in skipped:
-                print(f"zerotrain: restart: {os.path.basename(folder)} fails verification ({reason})", flush=True)
-        found = comm.all_gather_json(found, "agree_resume")[0]
-        if found["path"] is None and found["skipped"]:
+        newest, skipped = checkpoint.find_resumable(cfg.checkpoint.dir, comm)
+        for folder, reason in skipped if comm.rank == 0 else ():
+            print(f"zerotrain: restart: {os.path.basename(folder)} fails verification ({reason})", flush=True)
+        if newest is None and skipped:
             raise checkpoint.CheckpointError(f"restart: no checkpoint in {cfg.checkpoint.dir} verifies")
-        path = found["path"] or path
+        path = newest or path
     if path is None:
         return 0, {}, None
     manifest = checkpoint.load_checkpoint(path, engine, comm)
+    comm.io.barrier("checkpoint_loaded")  # a rank slower to read waits out --io-timeout, not the next step's --timeout
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
     schedule = (theirs.loop.steps, theirs.global_batch) if theirs else None
     if comm.rank == 0 and schedule and schedule != (cfg.loop.steps, cfg.global_batch):
@@ -224,10 +223,22 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
 
 
 def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
-    """The step's one all-reduce, with this rank's control flags; commit an async save every rank has written."""
+    """The step's one all-reduce, with this rank's control flags; commit an async save every rank has written.
+
+    A failed async save is said in the all-reduce, not raised before it: every rank then stops together,
+    the failed one with its own error, the others naming it.
+    """
+    written, error = run.saver.writer.poll()
     reduced = control.reduce_step(run.engine, loss_sum, save_by_clock=run.saver.clock.due(),
                                   stop_signal=run.stop.signal_name if run.stop.requested else None,
-                                  save_written=run.saver.writer.local_done())
+                                  save_written=written, failed=error is not None)
+    failed = reduced.decision.failed_ranks
+    if failed:
+        if error is not None:
+            raise error
+        step = run.engine.mesh.world.step
+        raise CollectiveError(f"step {step}: rank {failed[0]} failed before the step's all-reduce (its own line says "
+                              "why)", peer_lost=True)
     if reduced.decision.save_written:
         run.saver.commit_written()
     return reduced
@@ -318,10 +329,11 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngi
     """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly."""
     # Rank 0 committed the checkpoints; the others may not see its last rename yet: its list decides.
     root = cfg.checkpoint.dir
-    committed = comm.all_gather_json(checkpoint.committed_step_numbers(root) if comm.rank == 0 else None,
-                                     "agree_rollback")[0]
+    committed = comm.io.all_gather_json(checkpoint.committed_step_numbers(root) if comm.rank == 0 else None,
+                                        "agree_rollback")[0]
     target = policy.decide(anomaly, committed)
     checkpoint.load_checkpoint(os.path.join(root, checkpoint.step_name(target)), engine, comm)
+    comm.io.barrier("checkpoint_loaded")
     if comm.rank == 0:  # a crash from here on resumes the timeline the run continues, not the abandoned one
         checkpoint.point_latest(root, checkpoint.step_name(target))
     # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.

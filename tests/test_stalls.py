@@ -1,0 +1,74 @@
+"""No hidden stalls: checkpoint I/O waits with --io-timeout, and a rank's writer failure stops every rank at once."""
+
+import datetime
+import os
+import time
+
+import torch.distributed as dist
+from conftest import tiny_config
+from test_checkpoint import spawn
+
+from zerotrain import checkpoint
+from zerotrain.checkpoint import save as save_module
+from zerotrain.parallel import Comm
+from zerotrain.training.loop import build_engine, train
+
+STEP_TIMEOUT_S = 2  # the collectives' --timeout in these jobs; the spawned group's own wait is torch's 30 min
+
+
+def comm_with_short_timeout(io: Comm) -> Comm:
+    """The step's communicator with a short wait; `io` (the spawned group, with a long one) for checkpoint I/O."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
+    return Comm(group, timeout_s=STEP_TIMEOUT_S, io=io)
+
+
+def slow_disk_save_job(rank, io, tmp_path, planted):
+    comm = comm_with_short_timeout(io)
+    if planted:  # planted: the writer's collectives wait with --timeout, as before --io-timeout
+        comm.io = comm
+    cfg = tiny_config(tmp_path / "cfg", nproc=2)
+    engine = build_engine(cfg, comm)
+    stall = (lambda step: time.sleep(3 * STEP_TIMEOUT_S)) if rank == 1 else None  # a slow disk under rank 1
+    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck"), comm, halfway_hook=stall)
+    try:
+        return {"saved": writer.save(1, engine, {})[0]}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"error": str(e)}
+
+
+def test_a_save_slower_than_the_step_timeout_waits_with_the_io_timeout(tmp_path):
+    (tmp_path / "ok").mkdir(), (tmp_path / "planted").mkdir()
+    codes, results = spawn(slow_disk_save_job, 2, tmp_path / "ok", False, timeout=120)
+    assert codes == [0, 0] and [r.get("saved") for r in results] == [str(tmp_path / "ok" / "ck" / "step_00000001")] * 2
+    checkpoint.verify_or_raise(results[0]["saved"])
+    codes, results = spawn(slow_disk_save_job, 2, tmp_path / "planted", True, timeout=120)
+    assert "timed out after 2 s" in results[0]["error"] and "--timeout" in results[0]["error"]
+
+
+def failing_async_writer_job(rank, io, tmp_path, planted):
+    """Rank 1's async writer fails at step 2; like a rank whose peers cannot see it leave (NCCL, another node),
+    it stays alive after its error until rank 0 has finished."""
+    os.environ["ZEROTRAIN_FAULTS"] = "save_error@step=2,rank=1"
+    if planted:  # planted: the writer's failure is raised before the step's all-reduce, as before
+        save_module.CheckpointWriter.poll = lambda self: (self.local_done(), None)
+    comm = comm_with_short_timeout(io)
+    cfg = tiny_config(tmp_path / "run", nproc=2, steps=6, ckpt_every=2, async_save=True)
+    try:
+        train(cfg, comm, announce=False)
+        out = {"error": None}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out = {"error": str(e)}
+    deadline = time.monotonic() + 60
+    while rank == 1 and not (tmp_path / "result-0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return out
+
+
+def test_an_async_writer_failure_on_one_rank_stops_every_rank_in_that_step(tmp_path):
+    (tmp_path / "ok").mkdir(), (tmp_path / "planted").mkdir()
+    codes, results = spawn(failing_async_writer_job, 2, tmp_path / "ok", False, timeout=120)
+    assert "injected write failure" in results[1]["error"]
+    assert results[0]["error"].startswith("step 3: rank 1 failed before the step's all-reduce")
+    codes, results = spawn(failing_async_writer_job, 2, tmp_path / "planted", True, timeout=120)
+    assert "injected write failure" in results[1]["error"]
+    assert "timed out after 2 s" in results[0]["error"]  # rank 0 waited out the collective for a rank long gone
