@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU readiness on one CUDA device, offline, in about 5 minutes: the demo, GPT-2 small bf16 throughput and MFU,
-# bench compare, the production path (async saves, a stop and its resume, bench ckpt), and tensor parallelism
+# GPU readiness on one CUDA device, offline, in about 5 minutes: the demo, GPT-2 small bf16 throughput and MFU and
+# what deterministic kernels cost, bench compare, the production path (async saves, a stop and its resume, bitwise
+# equal to an uninterrupted run, bench ckpt), and tensor parallelism
 # (demo --tp 2 where 2 GPUs are visible; on one GPU the drift digest's cost on the GPU instead).
 #
 # usage: scripts/device-check.sh OUTDIR
@@ -28,7 +29,7 @@ timeout 110 zerotrain train --device "$DEVICE" --nproc 1 --preset "$PRESET" --pr
     --micro-batch 16 --steps 30 --check-every 0 --no-progress --out "$OUT/throughput"
 python - "$OUT" "$PRESET" <<'PY'
 """Tokens/s from the run's metrics; MFU = 6 * P * tokens/s over a bf16 matmul peak measured here."""
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 
 import torch
 
@@ -57,8 +58,32 @@ sync()
 peak = reps * 2 * n**3 / (time.perf_counter() - t0)
 
 model_flops = 6 * P * tokens_per_s  # forward + backward; attention's own FLOPs are not counted
+
+
+def step_time(deterministic: bool) -> float:
+    """Median forward + backward of the preset in bf16, with or without the deterministic settings ranks use."""
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, not deterministic
+    cfg = ModelConfig(**PRESETS[preset])
+    model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (8 if device == "cuda" else 2, cfg.seq_len), device=device)
+    times = []
+    for i in range(8):
+        sync()
+        t0 = time.perf_counter()
+        model(idx).float().logsumexp(-1).mean().backward()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic_cuda() sets in each rank
+free, strict = step_time(False), step_time(True)
 result = {"preset": preset, "params": P, "tokens_per_s": tokens_per_s, "model_flops_per_s": model_flops,
-          "bf16_matmul_peak_flops_per_s": peak, "matmul_size": n, "mfu": model_flops / peak}
+          "bf16_matmul_peak_flops_per_s": peak, "matmul_size": n, "mfu": model_flops / peak,
+          "step_s_nondeterministic": free, "step_s_deterministic": strict, "deterministic_cost": strict / free}
+print(f"deterministic kernels (what bitwise resume and TP replicas need): forward + backward {strict * 1e3:.1f} ms "
+      f"against {free * 1e3:.1f} ms without, {strict / free:.2f}x")
 with open(f"{out}/throughput.json", "w") as f:
     json.dump(result, f, indent=1)
 print(f"{preset}: P = {P:,}, {tokens_per_s:,.0f} tokens/s, {model_flops / 1e12:.1f} TFLOP/s of "
@@ -74,6 +99,22 @@ ZEROTRAIN_FAULTS="sigterm@step=6" timeout 60 zerotrain train --device "$DEVICE" 
 timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save \
     --no-progress --out "$OUT/stopped" --resume auto
 zerotrain verify "$OUT/stopped/checkpoints" | tail -1
+timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save \
+    --no-progress --out "$OUT/uninterrupted"
+python - "$OUT" <<'PY'
+"""Bitwise resume on the device: step 12's files (model and optimizer shard) equal, sha256 by sha256."""
+import json, sys
+
+def hashes(run):
+    with open(f"{sys.argv[1]}/{run}/checkpoints/step_00000012/manifest.json") as f:
+        return {e["name"]: e["sha256"] for e in json.load(f)["files"]}
+
+stopped, whole = hashes("stopped"), hashes("uninterrupted")
+differ = sorted(n for n in whole if stopped.get(n) != whole[n])
+print("bitwise resume: " + ("stopped + resumed == uninterrupted at step 12, every file" if not differ else
+                            f"FAILED: {differ} differ"))
+sys.exit(1 if differ else 0)
+PY
 timeout 60 zerotrain bench ckpt --quick --device "$DEVICE" --out "$OUT/ckpt"
 
 echo "== 5/5 tensor parallelism: demo --tp 2 (NCCL needs a GPU per rank), and the on-device drift digest"

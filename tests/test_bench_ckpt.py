@@ -29,6 +29,7 @@ def test_bench_ckpt_writes_its_json_report_and_markdown_table(tmp_path, capsys):
     table = (out / "bench-ckpt.md").read_text()
     assert table.startswith("# bench ckpt: tiny on cpu")
     assert "| measure | result | target |" in table and "| synchronous save |" in table
-    assert "| async save: training time lost |" in table and len(table.strip().splitlines()) == 15
+    assert "| async save: training time lost |" in table and len(table.strip().splitlines()) == 16
+    assert isinstance(report["async_kept"], bool) and "| what --async-save does here |" in table
     assert sorted(os.listdir(out)) == ["bench-ckpt.json", "bench-ckpt.md"]  # the scratch checkpoints are gone
     assert "wrote bench-ckpt.json and bench-ckpt.md" in capsys.readouterr().out

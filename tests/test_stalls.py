@@ -8,8 +8,11 @@ import torch.distributed as dist
 from conftest import tiny_config
 from test_checkpoint import spawn
 
+from test_production import TINY, events, final_state, zerotrain
+
 from zerotrain import checkpoint
 from zerotrain.checkpoint import save as save_module
+from zerotrain.checkpoint.cadence import AsyncCost
 from zerotrain.parallel import Comm
 from zerotrain.training.loop import build_engine, train
 
@@ -46,9 +49,9 @@ def test_a_save_slower_than_the_step_timeout_waits_with_the_io_timeout(tmp_path)
 
 
 def failing_async_writer_job(rank, io, tmp_path, planted):
-    """Rank 1's async writer fails at step 2; like a rank whose peers cannot see it leave (NCCL, another node),
+    """Rank 1's async writer fails at step 4; like a rank whose peers cannot see it leave (NCCL, another node),
     it stays alive after its error until rank 0 has finished."""
-    os.environ["ZEROTRAIN_FAULTS"] = "save_error@step=2,rank=1"
+    os.environ["ZEROTRAIN_FAULTS"] = "save_error@step=4,rank=1"  # step 2: the first save, synchronous
     if planted:  # planted: the writer's failure is raised before the step's all-reduce, as before
         save_module.CheckpointWriter.poll = lambda self: (self.local_done(), None)
     comm = comm_with_short_timeout(io)
@@ -68,7 +71,39 @@ def test_an_async_writer_failure_on_one_rank_stops_every_rank_in_that_step(tmp_p
     (tmp_path / "ok").mkdir(), (tmp_path / "planted").mkdir()
     codes, results = spawn(failing_async_writer_job, 2, tmp_path / "ok", False, timeout=120)
     assert "injected write failure" in results[1]["error"]
-    assert results[0]["error"].startswith("step 3: rank 1 failed before the step's all-reduce")
+    assert results[0]["error"].startswith("step 5: rank 1 failed before the step's all-reduce")
     codes, results = spawn(failing_async_writer_job, 2, tmp_path / "planted", True, timeout=120)
     assert "injected write failure" in results[1]["error"]
     assert "timed out after 2 s" in results[0]["error"]  # rank 0 waited out the collective for a rank long gone
+
+
+def test_an_async_save_is_judged_by_the_training_time_it_cost_against_a_synchronous_save():
+    cost = AsyncCost()
+    cost.sync_s = 1.0
+    for seconds in (0.10, 0.11, 0.09):
+        cost.step(seconds)  # no save in flight: the baseline, median 0.10
+    cost.started(0.01)
+    for seconds in (0.30, 0.30, 0.10):
+        cost.step(seconds)
+    cost.committed()
+    assert cost.last == (0.01 + 0.70 - 3 * 0.10, 1.0) and not cost.slower  # 0.41 s of training: cheaper
+    cost.started(0.01)
+    cost.step(0.90)
+    cost.start_s += 0.50  # the next save had to wait for this one (SaveCadence.finish)
+    cost.committed()
+    assert cost.last[0] > 1.0 and cost.slower and cost.recent == type(cost.recent)([0.10, 0.11, 0.09])
+
+
+def test_async_saves_that_cost_more_than_a_synchronous_save_turn_synchronous_with_one_line(tmp_path):
+    """The async writer's staging copy is held up (a writer with no core of its own), so the next optimizer step
+    waits for it: every rank then saves synchronously, saying so once, and the files stay bitwise the same."""
+    out = str(tmp_path / "stalled")
+    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--async-save", "--out", out,
+                  faults="slow_staging@step=4,rank=1")
+    assert r.returncode == 0, r.stderr
+    (event,) = events(out, "async_save_off")
+    assert 5 <= event["step"] <= 8 and "saving synchronously from now on" in r.stderr
+    assert r.stderr.count("--async-save: an async save cost") == 1
+    sync = str(tmp_path / "sync")
+    assert zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", sync).returncode == 0
+    assert all(final_state(out, s) == final_state(sync, s) for s in (2, 4, 6, 8))

@@ -11,6 +11,8 @@ checkpoint). Every figure is measured in the same run, into the same folder:
     verify_s          `zerotrain verify` of the whole checkpoint
     async_stall_s     training time one async save costs: windows of K steps with and without a save
                       started at their first step boundary, alternated; the difference of medians
+    async_kept        whether a run with --async-save keeps saving in the background here: it does while an
+                      async save costs training no more than a synchronous save (checkpoint.cadence.AsyncCost)
 
 Targets: save >= 0.8x the disk's bandwidth; an async save's stall <= 0.1x a synchronous save.
 """
@@ -217,6 +219,7 @@ def _figures(param_count: int, nbytes: int, shard_bytes: int, *, disk_s: list[fl
         "verify_s": statistics.median(verify_s),
         **stall,
         "async_stall_vs_sync_save": stall["async_stall_s"] / sync_save_s,
+        "async_kept": stall["async_stall_s"] <= sync_save_s,
         "samples": {"sync_save_s": sync_s, "disk_write_s": disk_s, "load_s": load_s, "verify_s": verify_s,
                     **{f"file_write_s_{way}": s for way, s in file_s.items()}},
     }
@@ -336,6 +339,8 @@ def markdown(report: dict) -> str:
         ("async save: training time lost", f"{report['async_stall_s']:.3f} s, "
                                            f"{report['async_stall_vs_sync_save']:.2f}x a synchronous save",
          f"<= {STALL_TARGET}x: {'met' if report['met']['async_stall'] else 'NOT met'}"),
+        ("what --async-save does here", "keeps saving in the background" if report["async_kept"] else
+         "saves synchronously after its first async save (which cost more than a synchronous one)", ""),
     ]
     m = report["machine"]
     head = (f"# bench ckpt: {report['preset']} on {report['device']}, {m['cpu_count']} cores, torch {m['torch']}\n\n"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections import deque
 from typing import Callable
 
 import torch
@@ -31,10 +33,48 @@ class SaveClock:
         self.last = time.monotonic()
 
 
+class AsyncCost:
+    """What an async save costs training, measured on this rank against what a synchronous save costs here.
+
+    The run's first save is synchronous and timed: what a save costs when training waits for it. An async
+    save costs start() plus the time its steps took, from start() until the step that commits it, beyond
+    the same number of steps at the median step time of the last steps with no save in flight. Where that is
+    more than the synchronous save (a CPU whose cores the training threads already hold: the writer's
+    copying and hashing then displace training rather than run beside it), the save should have been
+    synchronous: `slower` says so, and the loop's all-reduce makes every rank save synchronously from then on.
+    """
+
+    def __init__(self):
+        self.sync_s: float | None = None  # the first save's duration
+        self.recent: deque[float] = deque(maxlen=20)  # step seconds with no save in flight
+        self.start_s = 0.0
+        self.window: list[float] | None = None  # step seconds while an async save is in flight
+        self.last: tuple[float, float] | None = None  # (cost, sync_s) of the last async save judged
+        self.slower = False
+
+    def step(self, seconds: float) -> None:
+        (self.recent if self.window is None else self.window).append(seconds)
+
+    def started(self, seconds: float) -> None:
+        self.start_s, self.window = seconds, []
+
+    def committed(self) -> None:
+        """Judge the async save just committed."""
+        if self.window is None or self.sync_s is None:
+            return
+        window, self.window = self.window, None
+        if not self.recent:
+            return
+        cost = self.start_s + sum(window) - len(window) * statistics.median(self.recent)
+        self.last = (cost, self.sync_s)
+        self.slower = self.slower or cost > self.sync_s
+
+
 class SaveCadence:
     """When to save and how: every K steps, every M minutes (rank 0's clock), on a stop and at the end."""
 
-    def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], halfway_hook=None):
+    def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], halfway_hook=None,
+                 staging_hook=None):
         c = cfg.checkpoint
         self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
         self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
@@ -42,9 +82,11 @@ class SaveCadence:
         # the data's tokenizer travels with every checkpoint, so sampling and export use the same one
         self.tokenizer, tokenizer_file = checkpoint_tokenizer(cfg)
         self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook,
+                                       staging_hook=staging_hook,
                                        copied_files={TOKENIZER_FILE: tokenizer_file} if tokenizer_file else None)
         self.config = cfg.to_dict()
         self.committed: list[str] = []
+        self.cost = AsyncCost()
 
     def due(self, step: int, last: int, decision) -> bool:
         by_steps = self.every and step % self.every == 0
@@ -56,19 +98,41 @@ class SaveCadence:
         if self.tokenizer:
             extra["tokenizer"] = self.tokenizer
         self.clock.saved()
-        if self.writer.async_save and not wait:
+        if self.writer.async_save and not wait and self.cost.sync_s is not None:
             self.finish()  # at most one save in flight
+            t0 = time.perf_counter()
             self.writer.start(step, engine, extra)
+            self.cost.started(time.perf_counter() - t0)
             return
         self.finish()
+        t0 = time.perf_counter()
         path, _, _ = self.writer.save(step, engine, extra)  # invariant (d) is checked inside, on every rank
+        if self.cost.sync_s is None:
+            self.cost.sync_s = time.perf_counter() - t0
         self._committed(path)
+
+    def step_took(self, seconds: float) -> None:
+        """One training step's time, for judging async saves."""
+        self.cost.step(seconds)
+
+    def save_synchronously(self) -> str:
+        """Every rank, once any rank measured an async save costing more than a synchronous one: say why, once."""
+        self.writer.async_save = False
+        cost, sync_s = self.cost.last or (float("nan"), float("nan"))
+        return (f"--async-save: an async save cost {cost:.3g} s of training here, a synchronous save {sync_s:.3g} s "
+                "(no spare core for the writer?): saving synchronously from now on")
 
     def commit_written(self) -> None:
         self._committed(self.writer.commit_pending())
+        self.cost.committed()
 
     def finish(self) -> None:
-        self._committed(self.writer.finish())
+        t0 = time.perf_counter()
+        path = self.writer.finish()  # training waits here for a save still in flight: part of its cost
+        self._committed(path)
+        if path:
+            self.cost.start_s += time.perf_counter() - t0
+            self.cost.committed()
 
     def _committed(self, path: str | None) -> None:
         if path:

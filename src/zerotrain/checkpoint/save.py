@@ -56,16 +56,18 @@ class CheckpointWriter:
 
     `keep`: committed checkpoints to keep (0: all). `async_save`: the run's choice, for the caller
     (`save` and `start` both work either way). `halfway_hook(step)`: called after about half of this rank's
-    shard bytes are written (fault injection); an exception it raises fails the save.
+    shard bytes are written (fault injection); an exception it raises fails the save. `staging_hook(step)`:
+    called in an async save's thread before it copies the state (fault injection: a late copy).
     `copied_files`: {name in the checkpoint: source path} that rank 0 copies into every checkpoint
     (the tokenizer), listed in the manifest with size and sha256 like every file.
     """
 
     def __init__(self, root: str, comm: Comm, *, keep: int = 0, async_save: bool = False,
-                 halfway_hook: Callable[[int], None] | None = None, copied_files: dict[str, str] | None = None):
+                 halfway_hook: Callable[[int], None] | None = None, copied_files: dict[str, str] | None = None,
+                 staging_hook: Callable[[int], None] | None = None):
         self.root, self.comm, self.keep, self.async_save = root, comm, keep, async_save
         self.copied_files = copied_files or {}
-        self.halfway_hook = halfway_hook
+        self.halfway_hook, self.staging_hook = halfway_hook, staging_hook
         # One id per writer, agreed by all ranks: a sidecar left by another writer (a crashed run,
         # a stale copy on one node's own disk) is never taken for one of this writer's.
         self.session = comm.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
@@ -138,6 +140,8 @@ class CheckpointWriter:
     def _background(self, pending: _Pending, engine: ZeroOneEngine, staging: _Staging, step_count: int) -> None:
         try:
             try:
+                if self.staging_hook is not None:
+                    self.staging_hook(pending.step)
                 if staging.copy_in_background:
                     staging.copy_from(engine, step_count)
                 else:

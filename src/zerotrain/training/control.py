@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 # Order of the control flags in the reduction, after the loss and the per-rank non-finite flags.
-SAVE_BY_CLOCK, STOP_TERM, STOP_INT, SAVE_WRITTEN = range(4)
-N_FLAGS = 4
+SAVE_BY_CLOCK, STOP_TERM, STOP_INT, SAVE_WRITTEN, ASYNC_SLOWER = range(5)
+N_FLAGS = 5
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Decision:
     stop_signal: str | None  # "SIGTERM" or "SIGINT" when a stop was asked on any rank (SIGTERM wins)
     save_written: bool  # every rank finished writing the async save in flight
     failed_ranks: list[int] = field(default_factory=list)  # ranks that cannot go on (their own error says why)
+    async_slower: bool = False  # a rank measured an async save costing more than a synchronous one
 
     @property
     def stop(self) -> bool:
@@ -47,7 +48,7 @@ class Reduced:
 
 
 def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: str | None,
-                save_written: bool, failed: bool = False) -> Reduced:
+                save_written: bool, failed: bool = False, async_slower: bool = False) -> Reduced:
     """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags] once
     (with the gradient norm's square)."""
     world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
@@ -57,6 +58,7 @@ def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: st
     failing = torch.zeros(W, dtype=torch.float64)  # one-hot as well
     failing[world.rank] = failed
     flags = local_flags(save_by_clock=save_by_clock, stop_signal=stop_signal, save_written=save_written)
+    flags[ASYNC_SLOWER] = async_slower
     # The TP ranks of a replica compute the same loss: only the first one's counts.
     counted_loss = loss_sum if tp_rank == 0 else 0.0
     grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
@@ -79,4 +81,5 @@ def decide(summed: torch.Tensor, world_size: int) -> Decision:
     """Any rank's clock or stop flag counts; a written save counts only when every rank has written it."""
     stop = "SIGTERM" if summed[STOP_TERM] > 0 else "SIGINT" if summed[STOP_INT] > 0 else None
     return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop_signal=stop,
-                    save_written=bool(summed[SAVE_WRITTEN] == world_size))
+                    save_written=bool(summed[SAVE_WRITTEN] == world_size),
+                    async_slower=bool(summed[ASYNC_SLOWER] > 0))

@@ -2,7 +2,8 @@
 
     ZEROTRAIN_FAULTS="kind@step=N[,rank=R][,factor=F];..."
 
-N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100).
+N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100)
+or slow_staging's delay in seconds (default 1).
 kill and hang also take step=0: while the rank starts, before its first step (nothing to save yet).
 
     kill           the rank SIGKILLs itself during step N, before that step's collectives
@@ -12,6 +13,8 @@ kill and hang also take step=0: while the rank starts, before its first step (no
                    group, which update the replicated parameters together (one rank alone would split replicas)
     crash_in_save  the rank exits with CRASH_IN_SAVE_EXIT halfway through writing its shard of checkpoint N
     save_error     the rank's writer fails (an OSError, the rank lives on) halfway through its shard of checkpoint N
+    slow_staging   the rank's async save of checkpoint N copies its state F seconds late (default 1), as a writer
+                   with no core of its own would: the next update waits for the copy
     sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
                    request is seen, so the stop lands at step N whatever the signal's delivery time
 
@@ -34,12 +37,13 @@ from typing import Callable
 from zerotrain.errors import ConfigError, ZeroTrainError
 
 ENV = "ZEROTRAIN_FAULTS"
-KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "sigterm")
+KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "slow_staging", "sigterm")
 STARTUP_KINDS = ("kill", "hang")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
 CRASH_IN_SAVE_EXIT = 75
 DEFAULT_LR_FACTOR = 100.0
+DEFAULT_STAGING_DELAY_S = 1.0
 # sigterm: how often and how long the rank polls for its own stop request after signalling the launcher.
 STOP_POLL_S = 0.01
 STOP_WAIT_S = 60.0
@@ -50,10 +54,11 @@ class Fault:
     kind: str
     step: int  # 1-based optimizer step
     rank: int = 0
-    factor: float = DEFAULT_LR_FACTOR  # lr_spike only
+    factor: float = DEFAULT_LR_FACTOR  # lr_spike's factor; slow_staging's delay in seconds
 
     def describe(self) -> str:
-        what = f"lr_spike x{self.factor:g}" if self.kind == "lr_spike" else self.kind
+        what = {"lr_spike": f"lr_spike x{self.factor:g}", "slow_staging": f"slow_staging {self.factor:g} s"}.get(
+            self.kind, self.kind)
         when = "before the first step" if self.step == 0 else f"at step {self.step}"
         return f"{what} {when} on rank {self.rank}"
 
@@ -88,8 +93,8 @@ def _parse_entry(entry: str) -> Fault:
     fault = Fault(kind, _parse_int(entry, "step", values["step"], 0 if kind in STARTUP_KINDS else 1),
                   _parse_int(entry, "rank", values.get("rank", "0"), 0))
     if "factor" in values:
-        if kind != "lr_spike":
-            raise ConfigError(f"{ENV}: factor applies only to lr_spike, not {kind}, in {entry!r}")
+        if kind not in ("lr_spike", "slow_staging"):
+            raise ConfigError(f"{ENV}: factor applies only to lr_spike and slow_staging, not {kind}, in {entry!r}")
         try:
             factor = float(values["factor"])
         except ValueError:
@@ -97,6 +102,8 @@ def _parse_entry(entry: str) -> Fault:
         if not (math.isfinite(factor) and factor > 0):
             raise ConfigError(f"{ENV}: factor must be a positive number, got {values['factor']!r} in {entry!r}")
         fault = Fault(kind, fault.step, fault.rank, factor)
+    elif kind == "slow_staging":
+        fault = Fault(kind, fault.step, fault.rank, DEFAULT_STAGING_DELAY_S)
     return fault
 
 
@@ -194,3 +201,16 @@ class Faults:
                 raise OSError(f"{ENV}: injected write failure ({fault.describe()})")
 
         return fail_halfway
+
+    def staging_hook(self) -> Callable[[int], None] | None:
+        """The async writer's staging_hook(step), run in its thread before it copies the state; None if no
+        slow_staging is planned."""
+        if not any(f.kind == "slow_staging" for f in self.planned):
+            return None
+
+        def late(step: int) -> None:
+            for fault in self._fire(step, "slow_staging"):
+                _announce(fault)
+                time.sleep(fault.factor)
+
+        return late

@@ -199,7 +199,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
-    saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook())
+    saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
+                                   staging_hook=faults.staging_hook())
     start, manifest, resumed_from = _resume(cfg, engine, comm)
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
@@ -231,7 +232,8 @@ def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
     written, error = run.saver.writer.poll()
     reduced = control.reduce_step(run.engine, loss_sum, save_by_clock=run.saver.clock.due(),
                                   stop_signal=run.stop.signal_name if run.stop.requested else None,
-                                  save_written=written, failed=error is not None)
+                                  save_written=written, failed=error is not None,
+                                  async_slower=run.saver.writer.async_save and run.saver.cost.slower)
     failed = reduced.decision.failed_ranks
     if failed:
         if error is not None:
@@ -241,6 +243,10 @@ def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
                               "why)", peer_lost=True)
     if reduced.decision.save_written:
         run.saver.commit_written()
+    if reduced.decision.async_slower and run.saver.writer.async_save:
+        message = run.saver.save_synchronously()
+        run.metrics.event({"event": "async_save_off", "step": run.engine.mesh.world.step, "message": message},
+                          message)
     return reduced
 
 
@@ -262,6 +268,7 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
                                              batches=cfg.loop.eval_batches, micro_batch=cfg.loop.micro_batch)
     run.records.append(record)
     run.metrics.log(record)
+    run.saver.step_took(record["step_ms"] / 1000)
 
 
 def _maybe_save(cfg: Config, run: _Run, done: int, decision: control.Decision) -> None:
