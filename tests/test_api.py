@@ -22,7 +22,7 @@ from zerotrain.cli.commands import sample as sample_command
 from zerotrain.config import ModelConfig
 from zerotrain.data import check_source
 from zerotrain.errors import ConfigError
-from zerotrain.model.gpt2 import GPT
+from zerotrain.model import GPT
 from zerotrain.training.loop import build_engine
 
 STEPS = 300

@@ -15,7 +15,7 @@ from zerotrain.bench.tp import (FIGURE_DPI, FIGURE_SIZE_IN, PARAM_RATIO_TARGET, 
                                 default_meshes, explain, parse_meshes)
 from zerotrain.cli.main import main
 from zerotrain.config import PRESETS, ModelConfig
-from zerotrain.model.gpt2 import plan
+from zerotrain.model import plan
 
 ROW_FIELDS = {
     "mesh", "tp", "dp", "ranks", "threads_per_rank", "oversubscribed", "micro_batch", "accum", "global_batch",

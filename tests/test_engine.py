@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_config
 
 from zerotrain.data import BatchSchedule, make_source
-from zerotrain.model.gpt2 import build_model, summed_token_loss
+from zerotrain.model import build_model, summed_token_loss
 from zerotrain.parallel.optim import adamw_param_groups, build_adamw
 from zerotrain.training.invariants import held_bytes
 from zerotrain.training.loop import accumulate_gradients, build_engine

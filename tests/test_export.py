@@ -1,5 +1,6 @@
 """`zerotrain export`: a Hugging Face GPT-2 folder transformers loads with our logits and ids; bare safetensors."""
 
+import dataclasses
 import json
 import os
 import stat
@@ -12,7 +13,7 @@ from test_api import IDX, run_cli, step_folder, train_checkpoint
 import zerotrain
 from zerotrain.data import tokenizer as tokenizer_module
 from zerotrain.data.tokenizer import ByteTokenizer
-from zerotrain.hub import export
+from zerotrain.hub import export, mapping
 from zerotrain.model.generate import generate
 
 
@@ -47,7 +48,8 @@ def test_hf_export_gives_transformers_logits_within_1e_4_and_a_wrong_transpose_i
         ours = zerotrain.load_model(run)(IDX)
     assert (hf_logits(out) - ours).abs().max() < 1e-4
     # planted: the one square Conv1D matrix left untransposed still loads, and the logits check catches it
-    monkeypatch.setattr(export, "CONV1D_WEIGHTS", ("attn.c_attn.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))
+    monkeypatch.setitem(mapping.MAPPINGS, "gpt2", dataclasses.replace(
+        mapping.MAPPINGS["gpt2"], transposed=("attn.c_attn.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")))
     assert run_cli(["export", run, str(tmp_path / "wrong"), "--format", "hf"]) == 0
     assert (hf_logits(str(tmp_path / "wrong")) - ours).abs().max() > 1e-3
 

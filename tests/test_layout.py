@@ -3,7 +3,7 @@
 import pytest
 
 from zerotrain.config import ModelConfig
-from zerotrain.model.gpt2 import build_model, is_decayed
+from zerotrain.model import build_model, is_decayed
 from zerotrain.parallel import ShardLayout
 
 PARAMS = [(n, tuple(p.shape), is_decayed(n, p))

@@ -5,7 +5,7 @@ import math
 import torch
 
 from zerotrain.config import ModelConfig
-from zerotrain.model.gpt2 import GPT, build_model, is_decayed, summed_token_loss
+from zerotrain.model import GPT, build_model, is_decayed, summed_token_loss
 
 TINY = ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64)
 

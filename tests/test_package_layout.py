@@ -24,7 +24,7 @@ LEVELS = {
     "zerotrain.checkpoint": 4,
     "zerotrain.runtime": 5,
     "zerotrain.training": 6,
-    "zerotrain.hub": 6,
+    "zerotrain.hub": 5,  # below training: --init-from fills the model the loop builds
     "zerotrain.cli.flags": 7,
     "zerotrain.cli.figures": 7,
     "zerotrain.bench": 8,

@@ -92,7 +92,7 @@ def test_prepare_bytes_and_the_byte_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--tokenizer", "bpe:100"], "needs N >= 257"),
-    (["--tokenizer", "wordpiece"], "use bytes or bpe:N"),
+    (["--tokenizer", "wordpiece"], "use bytes, bpe:N"),
     (["--val-fraction", "1"], "argument --val-fraction: must be in [0, 1)"),
 ])
 def test_prepare_refuses_bad_options_in_one_line(tmp_path, argv, message):

@@ -375,7 +375,7 @@ def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_a
     r = zerotrain("train", "--nproc", "2", "--micro-batch", "4", "--steps", "30", "--lr", "1e-2", "--eval-every", "10",
                   "--ckpt-every", "30", "--no-progress", "--out", out)
     assert r.returncode == 0, r.stderr
-    assert "data --data python-stdlib" in r.stdout and "GPT 34,176 parameters" in r.stdout  # the start line
+    assert "data --data python-stdlib" in r.stdout and "GPT-2 34,176 parameters" in r.stdout  # the start line
     steps = [rec for rec in records(out) if "event" not in rec]
     val = [rec["val_loss"] for rec in steps if "val_loss" in rec]
     assert [rec["step"] for rec in steps if "val_loss" in rec] == [10, 20, 30]

@@ -7,7 +7,7 @@ from test_api import run_cli, train_checkpoint
 import zerotrain
 from zerotrain.config import ModelConfig
 from zerotrain.model.generate import generate, next_token, window_start
-from zerotrain.model.gpt2 import GPT, KVCache
+from zerotrain.model import GPT, KVCache
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from conftest import child_pids, tiny_config
 
 from zerotrain.config import ModelConfig
-from zerotrain.model.gpt2 import build_model, plan
+from zerotrain.model import build_model, plan
 from zerotrain.runtime.launch import JobFailed, run_job
 
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI

@@ -49,26 +49,59 @@ def setting(default, help: str, *, rule: Rule | None = None, key: str | None = N
     return field(default=default, metadata={"help": help, "rule": rule, "key": key, "shown": shown})
 
 
-PRESETS: dict[str, dict[str, int]] = {
+# Every preset states the whole architecture, so a preset never inherits another's (--arch llama --preset gpt2).
+_GPT2 = dict(arch="gpt2", n_kv_head=0, intermediate_size=0, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True)
+PRESETS: dict[str, dict] = {
     # The lesson's tiny GPT: fast enough for 4 ranks on 2 cores.
-    "tiny": dict(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64),
+    "tiny": dict(_GPT2, n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64),
     # GPT-2-shaped model used by the benchmarks (P = 842,496 with vocab 256).
-    "bench": dict(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256),
+    "bench": dict(_GPT2, n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=256),
     # Wider, communication-heavy benchmark model.
-    "wide": dict(n_layer=2, n_head=8, n_embd=512, seq_len=64, vocab_size=256),
+    "wide": dict(_GPT2, n_layer=2, n_head=8, n_embd=512, seq_len=64, vocab_size=256),
     # GPT-2 small (124M).
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257),
+    "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50257),
+    # A tiny Llama for tests and the demo: grouped-query attention (2 KV heads for 4 query heads), untied head.
+    "llama-tiny": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, seq_len=16,
+                       vocab_size=64, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    # SmolLM-135M's shape (Hugging Face's HuggingFaceTB/SmolLM-135M).
+    "smollm-135m": dict(arch="llama", n_layer=30, n_head=9, n_kv_head=3, n_embd=576, intermediate_size=1536,
+                        seq_len=2048, vocab_size=49152, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True),
 }
+
+
+ARCHS = ("gpt2", "llama")
 
 
 @dataclass
 class ModelConfig:
+    arch: str = setting("gpt2", "architecture: gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama "
+                        "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases)",
+                        rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
+    n_kv_head: int = setting(0, "key/value heads of grouped-query attention (llama; divides --n-head)",
+                             rule=NON_NEGATIVE, shown="--n-head")
     n_embd: int = setting(32, "embedding width", rule=POSITIVE)
+    intermediate_size: int = setting(0, "the MLP's hidden width", rule=NON_NEGATIVE, shown="4 x --n-embd")
     seq_len: int = setting(16, "tokens per sequence", rule=POSITIVE)
     vocab_size: int = setting(64, "vocabulary size; when not given, the data's", rule=POSITIVE,
                               shown="the data's; synthetic data: 64")
+    rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE)
+    norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
+    tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
+                                   "its own; llama)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
 
 
 @dataclass
@@ -157,6 +190,9 @@ class CheckpointConfig:
     resume: str = setting("", "'auto' (the newest checkpoint that verifies, if any) or a checkpoint folder",
                           shown="none")
     async_save: bool = setting(False, "write checkpoints in the background while training goes on")
+    init_from: str = setting("", "start from these weights: a local Hugging Face folder (model_type gpt2 or llama, "
+                             "safetensors) or a zerotrain checkpoint or export; its architecture, sizes and "
+                             "tokenizer come with it (weights only: a fresh optimizer and schedule)", shown="none")
     overwrite: bool = setting(False, "a fresh run may replace the checkpoints and metrics in its folder")
 
 
@@ -360,8 +396,22 @@ def validate(cfg: Config) -> Config:
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")
-    if m.n_head % p.tp:  # then the MLP width 4 x n_embd is divisible too: n_head divides n_embd
+    if m.n_head % m.kv_heads:
+        raise ConfigError(f"--n-kv-head {m.n_kv_head} does not divide --n-head {m.n_head}: each KV head serves a whole "
+                          "group of query heads")
+    if m.arch == "gpt2" and (m.kv_heads != m.n_head or not m.tie_embeddings):
+        raise ConfigError(f"--arch gpt2 has one KV head per head and a tied head: --n-kv-head {m.n_kv_head} and "
+                          f"--no-tie-embeddings are for --arch llama")
+    if m.arch == "llama" and m.head_dim % 2:
+        raise ConfigError(f"--arch llama: the head width --n-embd / --n-head = {m.head_dim} must be even (rotary "
+                          "embeddings rotate pairs)")
+    if m.n_head % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide --n-head {m.n_head}: each TP rank keeps whole attention heads")
+    if m.kv_heads % p.tp:
+        raise ConfigError(f"--tp {p.tp} does not divide the KV heads (--n-kv-head {m.kv_heads}): each TP rank keeps "
+                          "whole KV heads")
+    if m.ffn_width % p.tp:
+        raise ConfigError(f"--tp {p.tp} does not divide the MLP width (--intermediate-size {m.ffn_width})")
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zerotrain.config import Config
 from zerotrain.data import StepBatch
-from zerotrain.model.gpt2 import build_model, summed_token_loss
+from zerotrain.model import build_model, summed_token_loss
 from zerotrain.parallel import Comm
 from zerotrain.parallel.optim import adamw_options, adamw_param_groups, build_adamw
 from zerotrain.runtime.launch import rank_device

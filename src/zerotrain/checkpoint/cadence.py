@@ -74,7 +74,7 @@ class SaveCadence:
     """When to save and how: every K steps, every M minutes (rank 0's clock), on a stop and at the end."""
 
     def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], halfway_hook=None,
-                 staging_hook=None):
+                 staging_hook=None, manifest_extra: dict | None = None):
         c = cfg.checkpoint
         self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
         self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
@@ -85,6 +85,7 @@ class SaveCadence:
                                        staging_hook=staging_hook,
                                        copied_files={TOKENIZER_FILE: tokenizer_file} if tokenizer_file else None)
         self.config = cfg.to_dict()
+        self.manifest_extra = manifest_extra or {}  # e.g. where --init-from's weights came from
         self.committed: list[str] = []
         self.cost = AsyncCost()
 
@@ -94,7 +95,7 @@ class SaveCadence:
 
     def save(self, step: int, engine: ZeroOneEngine, state: dict, wait: bool) -> None:
         """Save `step` with the loop's own `state` (data skips, guard window) in the manifest."""
-        extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **state}
+        extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **self.manifest_extra, **state}
         if self.tokenizer:
             extra["tokenizer"] = self.tokenizer
         self.clock.saved()

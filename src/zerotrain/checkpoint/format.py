@@ -21,6 +21,7 @@ import json
 import os
 import re
 
+from zerotrain.config import ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
 
@@ -219,6 +220,7 @@ def incompatibility(manifest: dict, model_config: dict) -> str | None:
     theirs = manifest.get("config", {}).get("model")
     if theirs is None:
         return "checkpoint records no model config"
+    theirs = {**vars(ModelConfig()), **theirs}  # settings added since it was written have their defaults
     for key, value in model_config.items():
         if theirs.get(key) != value:
             return f"checkpoint has model.{key}={theirs.get(key)}, this run has {value}"

@@ -7,10 +7,11 @@ import difflib
 import importlib.util
 import os
 
-from zerotrain.config import (Config, Rule, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for,
+from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for,
                                validate)
 from zerotrain.data import check_source
 from zerotrain.errors import ConfigError
+from zerotrain.hub.init_from import adopt, weight_source
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +64,7 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
     """One flag per declared setting; `defaults` ({key: value}) are a command's own (the demo's), shown as such."""
     p.add_argument("--config", help="TOML file with [model] [data] [optim] [launch] [parallel] [loop] [logging] "
                                     "[checkpoint] [guard] tables; keys are the flags' names with underscores")
-    p.add_argument("--preset", help="model size preset: tiny, bench, wide, gpt2")
+    p.add_argument("--preset", help="model preset: " + ", ".join(PRESETS))
     defaults = defaults or {}
     for key in defaults:
         setting_for(key)  # a command's defaults name settings that exist
@@ -95,6 +96,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # under torchrun: it decides the world
         given["nproc"] = int(os.environ["WORLD_SIZE"])
     merge(cfg, by_section(given), origin="command line")
+    if cfg.checkpoint.init_from:  # the model, its sizes and its vocabulary come from the weights
+        source = weight_source(cfg.checkpoint.init_from)
+        stated = set(given) | set(toml.get("model", {}) if args.config else {}) | \
+            (set(PRESETS[args.preset]) if args.preset else set())
+        cfg.model = adopt(cfg.model, source, stated)
+        cfg.checkpoint.init_from, vocab_given = source.folder, True
     resolve(validate(cfg))
     check_environment(cfg)
     check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)

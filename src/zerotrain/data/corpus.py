@@ -27,7 +27,8 @@ from zerotrain.errors import ConfigError
 
 from .documents import TextInput
 from .tokenfiles import LlmcWriter
-from .tokenizer import TOKENIZER_FILE, ByteTokenizer, parse_tokenizer_spec, tokenizer_record, train_bpe
+from .tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, parse_tokenizer_spec, tokenizer_file,
+                        tokenizer_record, train_bpe)
 
 FORMAT, VERSION = "zerotrain-tokens", 1
 META = "meta.json"
@@ -38,13 +39,14 @@ ENCODE_BATCH = 256  # documents per encode_batch call (the BPE encodes them on a
 def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dict:
     """Write `source` tokenized into folder `out` (created): [tokenizer.json], train.bin, val.bin, meta.json.
 
+    `tokenizer`: bytes, bpe:N, or a tokenizer.json (or a model folder holding one), copied into `out`.
     Every document is followed by the end-of-text token. A BPE is trained on the training documents
     only. Returns the metadata written to meta.json (token counts, sha256 of each file, timings).
     """
     t_start = time.perf_counter()
     kind, vocab = parse_tokenizer_spec(tokenizer)
     os.makedirs(out, exist_ok=True)
-    tok, timings = _tokenizer(source, out, kind, vocab, t_start)
+    tok, timings = _tokenizer(source, out, kind, vocab, t_start, tokenizer)
     t_encode = time.perf_counter()
     writers, documents, text_bytes, content = _encode(source, out, tok, kind)
     timings["encode_s"] = time.perf_counter() - t_encode
@@ -55,10 +57,15 @@ def prepare_corpus(source: TextInput, out: str, tokenizer: str = "bytes") -> dic
     return meta
 
 
-def _tokenizer(source: TextInput, out: str, kind: str, vocab: int, t_start: float) -> tuple[object, dict[str, float]]:
-    """The tokenizer, a BPE trained on the training documents (saved into `out`) or bytes, and the timings so far."""
+def _tokenizer(source: TextInput, out: str, kind: str, vocab: int, t_start: float,
+               spec: str) -> tuple[object, dict[str, float]]:
+    """The tokenizer, a BPE trained on the training documents or one given (saved into `out`) or bytes, and the
+    timings so far."""
     timings = {}
-    if kind == "bpe":
+    if kind == "file":
+        shutil.copyfile(tokenizer_file(spec), os.path.join(out, TOKENIZER_FILE))
+        tok = BPETokenizer.from_file(os.path.join(out, TOKENIZER_FILE))
+    elif kind == "bpe":
         n_train = sum(d.split == "train" for d in source.documents)
         tok = train_bpe((data.decode("utf-8") for doc, data in source if doc.split == "train"), vocab, n_train)
         tok.save(os.path.join(out, TOKENIZER_FILE))
@@ -89,7 +96,7 @@ def _encode(source: TextInput, out: str, tok, kind: str) -> tuple[dict[str, Llmc
 def _flush(pending: list[tuple[str, bytes]], tok, kind: str, writers: dict[str, LlmcWriter],
            documents: dict[str, int]) -> None:
     """Encode the pending documents as one batch, append each with its end-of-text token, and empty the list."""
-    if kind == "bpe":
+    if kind in ("bpe", "file"):
         encoded = tok.encode_batch([data.decode("utf-8") for _, data in pending])
     else:
         encoded = [np.frombuffer(data, dtype=np.uint8) for _, data in pending]
@@ -148,10 +155,27 @@ def cache_root(configured: str = "") -> str:
     return os.path.join(base, "zerotrain")
 
 
-def cached_corpus(source: TextInput, root: str) -> str:
-    """The folder of `source` prepared as bytes under cache `root`, built first if it is not there."""
-    key = source.content_hash()
+def cached_corpus(source: TextInput, root: str, tokenizer: str | None = None) -> str:
+    """The folder of `source` prepared under cache `root`, built first if it is not there: as bytes, or with the
+    tokenizer.json `tokenizer` (a model's), whose bytes are part of the folder's name."""
+    content = key = source.content_hash()
+    if tokenizer is not None:
+        key = hashlib.sha256((content + sha256_file(tokenizer)[1]).encode()).hexdigest()
     stem = source.kind if source.kind == "python-stdlib" else os.path.basename(os.path.normpath(source.label))
+
+    def build(tmp: str) -> None:
+        if prepare_corpus(source, tmp, tokenizer or "bytes")["content_hash"] != content:
+            raise ConfigError(f"--data {source.label} changed while it was being prepared; run again")
+
+    return cached_folder(root, stem, key, build)
+
+
+def cached_folder(root: str, stem: str, key: str, build) -> str:
+    """The cache folder `<stem>-<key>` under `root`, made by `build(tmp)` first if it is not there.
+
+    Safe when several processes start at once: one builds under a file lock into a temporary folder and
+    renames it into place (a folder that exists is complete); the others wait for the lock and find it there.
+    """
     name = f"{re.sub(r'[^A-Za-z0-9._-]+', '_', stem)[:48]}-{key[:16]}"
     final = os.path.join(root, name)
     if os.path.isdir(final):
@@ -162,8 +186,7 @@ def cached_corpus(source: TextInput, root: str) -> str:
             return final
         tmp = os.path.join(root, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            if prepare_corpus(source, tmp, "bytes")["content_hash"] != key:
-                raise ConfigError(f"--data {source.label} changed while it was being prepared; run again")
+            build(tmp)
             try:
                 os.rename(tmp, final)
             except OSError:  # built meanwhile by a process that shares the folder but not the lock

@@ -15,6 +15,7 @@ ids are checked against the vocabulary once, by a chunked scan of every file, be
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -23,10 +24,11 @@ from dataclasses import dataclass, field
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
-from .corpus import META, cache_root, cached_corpus
+from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
+from .jsonl import prepare_jsonl, read_records, refuse_table
 from .tokenfiles import max_token, open_token_file
-from .tokenizer import TOKENIZER_FILE, BPETokenizer, tokenizer_record
+from .tokenizer import TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, tokenizer_record
 
 SYNTHETIC = ("synthetic", "synthetic-varlen")
 
@@ -67,14 +69,34 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
         raise ConfigError(f"{flag} {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
-                          "folder, or a folder of .bin token files)")
+                          "folder, a .jsonl file of records, or a folder of .bin token files)")
     if os.path.isdir(src) and _bins(src):
         return token_folder(src, src, flag)
     if os.path.isfile(src) and src.endswith(".bin"):
         return token_file(src, flag)
+    refuse_table(src, flag)
     fraction = d.val_fraction if val_fraction is None else val_fraction
-    folder = cached_corpus(text_input(src, d.glob, fraction), cache_root(d.cache_dir))
+    if os.path.isfile(src) and src.endswith(".jsonl"):
+        return token_folder(cached_jsonl(src, cache_root(d.cache_dir), model_tokenizer(cfg), fraction), src, flag)
+    folder = cached_corpus(text_input(src, d.glob, fraction), cache_root(d.cache_dir), model_tokenizer(cfg))
     return token_folder(folder, src, flag)
+
+
+def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float) -> str:
+    """The folder of JSON Lines `path` tokenized (bytes, or `tokenizer`) with its loss masks, in the cache."""
+    read_records(path)  # a bad line is named before anything is built
+    parts = [sha256_file(path)[1], sha256_file(tokenizer)[1] if tokenizer else "bytes", repr(val_fraction)]
+    key = hashlib.sha256("/".join(parts).encode()).hexdigest()
+    return cached_folder(root, os.path.basename(path), key,
+                         lambda tmp: prepare_jsonl(path, tmp, tokenizer or "bytes", val_fraction))
+
+
+def model_tokenizer(cfg: Config) -> str | None:
+    """The tokenizer.json of --init-from's model (text is tokenized with it), or None: bytes."""
+    if not cfg.checkpoint.init_from:
+        return None
+    file = os.path.join(cfg.checkpoint.init_from, TOKENIZER_FILE)
+    return file if os.path.isfile(file) and not is_bytes_tokenizer_json(file) else None
 
 
 def validation_files(cfg: Config, spec: DataSpec | None = None) -> tuple[list[str], str]:

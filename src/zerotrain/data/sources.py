@@ -114,22 +114,28 @@ class TokenSource:
 
     def sequences(self, step: int, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = np.zeros((len(indices), self.seq_len + 1), dtype=np.int64)
+        context = np.zeros((len(indices), self.seq_len + 1), dtype=bool)  # a prompt's tokens: no loss on them
         lengths = []
         for row, i in enumerate(indices):
             f, start, end = self._window(step, i)
             tokens[row, : end - start] = self.files[f].tokens[start:end]
+            if self.files[f].mask is not None:
+                context[row, : end - start] = self.files[f].mask[start:end] == 0
             lengths.append(end - start)
         if len(indices) and tokens.max() >= self.vocab_size:  # the start-up scan saw these files; they changed
             row = int(np.argmax(tokens.max(axis=1)))
             f, start, _ = self._window(step, indices[row])
             raise ValueError(f"{self.files[f].path}: token id {int(tokens[row].max())} near position {start} is not "
                              f"below the vocabulary size {self.vocab_size}")
-        return _inputs_and_labels(tokens, lengths)
+        x, y = _inputs_and_labels(tokens, lengths)
+        y[torch.from_numpy(context[:, 1:])] = IGNORE
+        return x, y
 
     def token_count(self, step: int, global_batch: int) -> int:
-        if self.pack:
-            return global_batch * self.seq_len
-        return sum(end - start - 1 for _, start, end in (self._window(step, i) for i in range(global_batch)))
+        """Target tokens the loss counts in step `step`'s global batch: not padding, not a prompt's."""
+        windows = [self._window(step, i) for i in range(global_batch)]
+        return sum(end - start - 1 if self.files[f].mask is None else int(self.files[f].mask[start + 1 : end].sum())
+                   for f, start, end in windows)
 
 
 def _inputs_and_labels(tokens: np.ndarray, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,18 +31,37 @@ SCAN_CHUNK = 1 << 24  # tokens per chunk of a scan: 32-64 MiB of file at a time
 
 @dataclass
 class TokenFile:
-    """One memory-mapped token file: `tokens` is a read-only view of its token array."""
+    """One memory-mapped token file: `tokens` is a read-only view of its token array; `mask`, when the file has a
+    `.mask` sibling (JSON Lines data), one byte per token: 1 where the token is a target the loss counts."""
 
     path: str
     layout: str  # "llm.c v1", "llm.c v2" or "nanoGPT"
     tokens: np.ndarray
+    mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
+def mask_path(path: str) -> str:
+    """The loss mask beside token file `path`: train.bin -> train.mask."""
+    return (path[:-4] if path.endswith(".bin") else path) + ".mask"
+
+
 def open_token_file(path: str) -> TokenFile:
-    """Memory-map `path` as an llm.c or nanoGPT token file; ConfigError if it is neither."""
+    """Memory-map `path` (and its loss mask, if any) as an llm.c or nanoGPT token file; ConfigError if it is neither."""
+    file = _open_tokens(path)
+    mask = mask_path(path)
+    if os.path.isfile(mask):
+        size = os.path.getsize(mask)
+        if size != len(file):
+            raise ConfigError(f"{mask}: {size} mask bytes for the {len(file)} tokens of {path}: written by another "
+                              "preparation, or truncated")
+        file.mask = np.memmap(mask, dtype=np.uint8, mode="r") if size else np.zeros(0, dtype=np.uint8)
+    return file
+
+
+def _open_tokens(path: str) -> TokenFile:
     size = os.path.getsize(path)
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS) if size >= HEADER_BYTES else None
     problem = damaged_llmc_header(header, size) if header is not None else None

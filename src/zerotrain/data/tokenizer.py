@@ -89,17 +89,24 @@ def is_bytes_tokenizer_json(path: str) -> bool:
         model.get("vocab") == bytes_hf_vocab()
 
 
+# End-of-text tokens, first found wins: zerotrain's and GPT-2's, then Llama 2's, Llama 3's, Gemma's.
+EOT_CANDIDATES = (EOT_TEXT, "</s>", "<|end_of_text|>", "<eos>")
+
+
 class BPETokenizer:
-    """A Hugging Face `tokenizers` byte-level BPE (tokenizer.json) with `<|endoftext|>` as its end-of-text token."""
+    """A Hugging Face `tokenizers` tokenizer (tokenizer.json): zerotrain's byte-level BPE, or a model's own.
+
+    Its end-of-text token is the first of EOT_CANDIDATES it has.
+    """
 
     kind = "bpe"
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        eot = tokenizer.token_to_id(EOT_TEXT)
+        eot = next((i for i in map(tokenizer.token_to_id, EOT_CANDIDATES) if i is not None), None)
         if eot is None:
-            raise ValueError(f"the tokenizer has no {EOT_TEXT} token")
+            raise ValueError(f"the tokenizer has none of the end-of-text tokens {', '.join(EOT_CANDIDATES)}")
         self.eot_id = eot
 
     @classmethod
@@ -136,13 +143,27 @@ def train_bpe(texts, vocab_size: int, length: int | None = None) -> BPETokenizer
     return BPETokenizer(tokenizer)
 
 
+def tokenizer_file(spec: str) -> str | None:
+    """The tokenizer.json a --tokenizer PATH names (the file, or a folder holding one); None if it names none."""
+    path = os.path.join(spec, TOKENIZER_FILE) if os.path.isdir(spec) else spec
+    return path if os.path.isfile(path) and path.endswith(".json") else None
+
+
 def parse_tokenizer_spec(spec: str) -> tuple[str, int]:
-    """`bytes` -> ("bytes", 256); `bpe:N` -> ("bpe", N). ValueError naming what is accepted."""
+    """`bytes` -> ("bytes", 256); `bpe:N` -> ("bpe", N); a tokenizer.json or a folder with one -> ("file", its
+    vocabulary size). ValueError naming what is accepted."""
     if spec == "bytes":
         return "bytes", BYTES_VOCAB
+    file = tokenizer_file(spec)
+    if file is not None:
+        try:
+            return "file", BPETokenizer.from_file(file).vocab_size
+        except Exception as e:  # noqa: BLE001 - the tokenizers library's errors, said in one line
+            raise ValueError(f"--tokenizer {spec}: {file} is not a usable tokenizer ({e})") from None
     m = re.fullmatch(r"bpe:(\d+)", spec)
     if not m:
-        raise ValueError(f"--tokenizer {spec!r}: use bytes or bpe:N (N the vocabulary size, e.g. bpe:4096)")
+        raise ValueError(f"--tokenizer {spec!r}: use bytes, bpe:N (N the vocabulary size, e.g. bpe:4096), or a "
+                         "tokenizer.json or a model folder holding one")
     n = int(m.group(1))
     if n < BYTES_VOCAB + 1:
         raise ValueError(f"--tokenizer {spec}: a byte-level BPE needs N >= {BYTES_VOCAB + 1} "

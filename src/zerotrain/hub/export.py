@@ -1,9 +1,8 @@
-"""Exported model folders: a Hugging Face GPT-2 folder or bare safetensors with a config, written and read.
+"""Exported model folders: a Hugging Face folder (GPT-2 or Llama) or bare safetensors with a config, written and read.
 
-`hf` is what `transformers.GPT2LMHeadModel.from_pretrained(folder)` loads: config.json in GPT-2's
-format, written by hand (transformers is not needed to export), model.safetensors in GPT-2's
-names, which are zerotrain's, with the four per-block matrices transposed to Conv1D's (in, out)
-layout, and the tokenizer (tokenizer.json, tokenizer_config.json): a BPE's as trained, the byte
+`hf` is what `transformers.GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(folder)` loads: config.json in
+Hugging Face's format, written by hand (transformers is not needed to export), model.safetensors in Hugging Face's
+names and layouts through the architecture's table in mapping.py, and the tokenizer (tokenizer.json, tokenizer_config.json): a BPE's as trained, the byte
 tokenizer's built as its `tokenizers` twin (data.tokenizer.ByteTokenizer.to_hf), so that
 `transformers.AutoTokenizer.from_pretrained(folder)` gives zerotrain's ids either way.
 `safetensors` is zerotrain's own state dict with a config.json that `zerotrain.load_model` reads.
@@ -26,70 +25,16 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.config import ModelConfig
 from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer
 from zerotrain.errors import ConfigError
-from zerotrain.model.gpt2 import GPT
+
+from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
 
 FORMATS = ("hf", "safetensors")
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 TOKENIZER_FILE, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 ZEROTRAIN_FORMAT = "zerotrain-model"
-# Hugging Face's GPT-2 keeps these as Conv1D, whose weight is (in, out): nn.Linear's transposed.
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Every file an export writes: with --overwrite these are replaced or removed, nothing else is touched.
 EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG, "special_tokens_map.json",
                 "generation_config.json")
-
-
-def is_conv1d(name: str) -> bool:
-    return name.endswith(CONV1D_WEIGHTS) and name.startswith("transformer.h.")
-
-
-def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's tensors in GPT-2's layout, fp32, the tied head stored once."""
-    return {n: (p.detach().t() if is_conv1d(n) else p.detach()).float().contiguous()
-            for n, p in model.named_parameters()}
-
-
-def from_hf_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT-2's tensors in zerotrain's layout; the attention-mask buffers some versions save are dropped."""
-    return {n: (t.t().contiguous() if is_conv1d(n) else t) for n, t in tensors.items()
-            if not n.endswith((".attn.bias", ".attn.masked_bias"))}
-
-
-def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
-    """GPT-2's config.json for this model: the architecture zerotrain trains, nothing left to defaults that differ."""
-    eot = eot_id if eot_id is not None and 0 <= eot_id < cfg.vocab_size else None
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None,  # None: 4 * n_embd, as zerotrain's MLP
-        "activation_function": "gelu_new",  # GELU with the tanh approximation, as model.MLP
-        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's default
-        "tie_word_embeddings": True,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # zerotrain trains without dropout
-        "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": eot, "eos_token_id": eot,
-        "dtype": "float32",
-    }
-
-
-def model_config_from_hf(config: dict, where: str) -> ModelConfig:
-    """zerotrain's ModelConfig for a GPT-2 config.json; CheckpointError for a GPT-2 variant zerotrain does not build."""
-    unsupported = [(k, config.get(k, default), want) for k, default, want in (
-        ("activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
-        ("n_inner", None, (None, 4 * config.get("n_embd", 0))),
-        ("layer_norm_epsilon", 1e-5, (1e-5,)), ("tie_word_embeddings", True, (True,)),
-        ("scale_attn_weights", True, (True,)), ("scale_attn_by_inverse_layer_idx", False, (False,)),
-        ("add_cross_attention", False, (False,)))
-        if config.get(k, default) not in want]
-    if unsupported:
-        key, value, want = unsupported[0]
-        raise CheckpointError(f"{where}: {key} = {value!r}; zerotrain's GPT has {want[0]!r}")
-    try:
-        return ModelConfig(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                           seq_len=config["n_positions"], vocab_size=config["vocab_size"])
-    except KeyError as e:
-        raise CheckpointError(f"{where}: no {e.args[0]!r}") from None
 
 
 def read_export_config(folder: str) -> tuple[str, ModelConfig, dict]:
@@ -110,13 +55,13 @@ def read_export_config(folder: str) -> tuple[str, ModelConfig, dict]:
             return "safetensors", ModelConfig(**config["model"]), config
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: 'model' is not a zerotrain model config ({e})") from None
-    if config.get("model_type") == "gpt2":
+    if config.get("model_type") in BY_MODEL_TYPE:
         return "hf", model_config_from_hf(config, path), config
-    raise CheckpointError(f"{path}: neither a zerotrain export (format {ZEROTRAIN_FORMAT!r}) nor a GPT-2 config "
-                          f"(model_type 'gpt2')")
+    raise CheckpointError(f"{path}: neither a zerotrain export (format {ZEROTRAIN_FORMAT!r}) nor a Hugging Face config "
+                          f"of model_type {' or '.join(repr(t) for t in BY_MODEL_TYPE)}")
 
 
-def export_model(model: GPT, out: str, fmt: str, *, tokenizer_folder: str | None, eot_id: int | None,
+def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder: str | None, eot_id: int | None,
                  tokenizer_info: dict | None = None, source: dict | None = None, overwrite: bool = False) -> list[str]:
     """Write `model` to folder `out` in format `fmt`; the names of the files written.
 
@@ -129,7 +74,7 @@ def export_model(model: GPT, out: str, fmt: str, *, tokenizer_folder: str | None
     try:
         if fmt == "hf":
             _write_json(os.path.join(tmp, CONFIG_FILE), hf_config(model.cfg, eot_id))
-            _save_model_file(to_hf_state_dict(model), tmp)
+            _save_model_file(MAPPINGS[model.cfg.arch].to_hf(dict(model.named_parameters())), tmp)
             if tokenizer_folder is not None:
                 shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
             elif model.cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text tokenizer fits

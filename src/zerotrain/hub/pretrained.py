@@ -18,9 +18,10 @@ from zerotrain.checkpoint.stream import read_safetensors
 from zerotrain.config import ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
 from zerotrain.errors import ConfigError
-from zerotrain.model.gpt2 import GPT
+from zerotrain.model import model_class
 
-from .export import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, from_hf_state_dict, read_export_config
+from .export import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, read_export_config
+from .mapping import MAPPINGS
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,12 @@ def locate(path: str) -> ModelSource:
     return ModelSource(folder, kind)
 
 
-def load_model(path: str) -> GPT:
+def load_model(path: str) -> torch.nn.Module:
     """The model `path` names, in eval mode on the CPU: `model(idx)` maps (B, T) token ids to (B, T, vocab) logits."""
     return load_from(locate(path))
 
 
-def load_from(source: ModelSource) -> GPT:
+def load_from(source: ModelSource) -> torch.nn.Module:
     folder = source.folder
     if source.kind == "checkpoint":
         model_cfg = source.manifest.get("config", {}).get("model")
@@ -90,8 +91,8 @@ def load_from(source: ModelSource) -> GPT:
         _, cfg, _ = read_export_config(folder)
     tensors = _read_tensors(os.path.join(folder, MODEL_FILE))
     if source.kind == "hf":
-        tensors = from_hf_state_dict(tensors)
-    model = GPT(cfg)
+        tensors = MAPPINGS[cfg.arch].from_hf(tensors)
+    model = model_class(cfg)(cfg)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:  # missing, unexpected or misshapen tensors: name the first

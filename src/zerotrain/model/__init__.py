@@ -1,6 +1,72 @@
-"""The models zerotrain trains: GPT-2 (gpt2.py), the layers every architecture shares (layers.py), sampling (generate.py)."""
+"""The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py), the layers both share
+(layers.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick the architecture from
+the config's `arch`."""
 
-from .gpt2 import GPT, KVCache, build_model, is_decayed, parallelize, summed_token_loss
-from .layers import TPSlice
+from __future__ import annotations
 
-__all__ = ["GPT", "KVCache", "TPSlice", "build_model", "is_decayed", "parallelize", "summed_token_loss"]
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerotrain.config import ModelConfig
+
+from . import gpt2, llama
+from .gpt2 import GPT
+from .layers import KVCache, TPSlice
+from .llama import Llama
+
+ARCHITECTURES = {"gpt2": (GPT, gpt2), "llama": (Llama, llama)}
+ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama"}  # how messages name them
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    return ARCHITECTURES[cfg.arch][0]
+
+
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The same seed gives the same initial parameters on every rank and every run."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return model_class(cfg)(cfg)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """The architecture's TP slice of every split parameter, by its name in the full model."""
+    return ARCHITECTURES[cfg.arch][1].plan(cfg, tp)
+
+
+def parallelize(model: nn.Module, tp_size: int, tp_rank: int, comm) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan."""
+    return ARCHITECTURES[model.cfg.arch][1].parallelize(model, tp_size, tp_rank, comm)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """The full model's parameters (a tied head counted once), from shapes alone."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(cfg)(cfg).parameters())
+
+
+def is_decayed(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices only: not on biases, norm gains or GPT-2's position embedding.
+
+    The token embedding (tied to the head in GPT-2) is a matrix of a matmul and is decayed.
+    """
+    return p.dim() >= 2 and not name.endswith("wpe.weight")
+
+
+def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over unmasked target tokens (label -100 is ignored).
+
+    A sum, not a mean: the caller divides by the global token count so that any split of the
+    global batch over ranks and micro-batches yields the same gradient.
+    """
+    return F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed", "model_class",
+           "param_count", "parallelize", "plan", "summed_token_loss"]

@@ -1,4 +1,4 @@
-"""Generating tokens from a GPT: greedy or temperature / top-k sampling, with or without a KV cache.
+"""Generating tokens from a model (GPT-2 or Llama): greedy or temperature / top-k sampling, with or without a KV cache.
 
 Past the context. The learned position embedding has seq_len positions, so the model sees a window
 of at most seq_len tokens of the sequence. When the next token would not fit, the window jumps
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .gpt2 import GPT, KVCache
+from .layers import KVCache
 
 
 def default_keep(seq_len: int) -> int:
@@ -32,7 +32,7 @@ def window_start(start: int, n: int, seq_len: int, keep: int) -> int:
 
 
 @torch.inference_mode()
-def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None, kv_cache: bool = True,
              keep: int | None = None, vocab_limit: int | None = None) -> torch.Tensor:
     """The (B, max_new_tokens) tokens that follow `prompt` (B, T0), T0 >= 1.
@@ -50,7 +50,7 @@ def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, *, temperatu
         raise ValueError("generation needs a prompt of at least one token")
     if max_new_tokens <= 0:
         return prompt.new_empty(B, 0)
-    weight = model.transformer.wte.weight
+    weight = model.embedding.weight
     tokens = torch.empty(B, n + max_new_tokens, dtype=torch.long, device=weight.device)
     tokens[:, :n] = prompt
     cache = KVCache(model.cfg, B, weight.device, weight.dtype) if kv_cache else None

@@ -14,34 +14,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import ColumnParallelLinear, RowParallelLinear, TPSlice
-
-
-class KVCache:
-    """The keys and values of every layer for the first `length` positions, preallocated to seq_len.
-
-    Filled by `GPT.forward(idx, cache)`: the new tokens sit at positions length .. length + T - 1,
-    and each layer attends over all the positions stored so far. It holds at most seq_len positions
-    (the learned position embedding has no more); the caller decides what happens past that
-    (generate.py slides a window and refills the cache).
-    """
-
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
-        shape = (cfg.n_layer, batch, cfg.n_head, cfg.seq_len, cfg.n_embd // cfg.n_head)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store layer `layer`'s keys and values (B, H, T, D) of the new positions; all of them so far."""
-        end = self.length + k.shape[2]
-        self.keys[layer, :, :, self.length : end] = k
-        self.values[layer, :, :, self.length : end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+from .layers import ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, tied_head_hook
 
 
 class CausalSelfAttention(nn.Module):
@@ -56,31 +29,15 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            past = cache.length
-            k, v = cache.append(layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(past, T, x.device),
-                                               is_causal=past == 0)
+        y = attend(q, k, v, cache, layer)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim))
-
-
-def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None:
-    """New query i (at position past + i) sees keys 0 .. past + i; None where no mask is needed.
-
-    With nothing cached SDPA's own causal mask is exact; one new query sees every key.
-    """
-    if past == 0 or T == 1:
-        return None
-    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.ffn_width)
+        self.c_proj = nn.Linear(cfg.ffn_width, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # GPT-2 uses the tanh approximation of GELU ("gelu_new" in Hugging Face).
@@ -90,9 +47,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
@@ -115,18 +72,26 @@ class GPT(nn.Module):
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
                 h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd),
+                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps),
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
+        self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2 scales the init of projections that write into the residual stream by
         # 1/sqrt(2 * n_layer), so the residual's variance does not grow with depth.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-        self.register_load_state_dict_pre_hook(_tied_head_from_embedding)
+        self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "transformer.wte.weight"))
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def tie_weights(self) -> None:
+        """The head is the token embedding's tensor, as in GPT-2 (again after moving off the meta device)."""
+        self.lm_head.weight = self.transformer.wte.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -155,50 +120,6 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def _tied_head_from_embedding(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-    """Strict loading accepts a state dict without `lm_head.weight`, as model.safetensors stores it.
-
-    The head is the token embedding (one tensor), so it is saved once, under transformer.wte.weight.
-    A state dict that holds both (state_dict() does) must hold the same values in each.
-    """
-    head, wte = prefix + "lm_head.weight", prefix + "transformer.wte.weight"
-    if wte not in state_dict:
-        return
-    if head not in state_dict:
-        state_dict[head] = state_dict[wte]
-    elif state_dict[head] is not state_dict[wte] and not torch.equal(state_dict[head], state_dict[wte]):
-        error_msgs.append(f"{head} differs from {wte}, but the two are one tied tensor")
-
-
-def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over unmasked target tokens (label -100 is ignored).
-
-    A sum, not a mean: the caller divides by the global token count so that any split of the
-    global batch over ranks and micro-batches yields the same gradient.
-    """
-    return F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
-    )
-
-
-def is_decayed(name: str, p: torch.Tensor) -> bool:
-    """Weight decay on matrices only: not on biases, LayerNorm gains or the position embedding.
-
-    The token embedding is tied to the LM head, so it is a matrix of a matmul and is decayed.
-    """
-    return p.dim() >= 2 and not name.endswith("wpe.weight")
-
-
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """The same seed gives the same initial parameters on every rank and every run."""
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        return GPT(cfg)
-    finally:
-        torch.random.set_rng_state(gen_state)
-
 # Tensor parallelism (Megatron-style), applied to the full model after it is built from the seed:
 #     attention: c_attn column-parallel (rank r keeps heads r*H/T .. (r+1)*H/T of q, k and v),
 #                attention over its own heads, c_proj row-parallel (the matching input columns)
@@ -211,12 +132,11 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
     """The TP slice of every split parameter, by its name in the full model."""
-    C = cfg.n_embd
-    c, f = C // tp, 4 * C // tp
+    C, F_ = cfg.n_embd, cfg.ffn_width
+    c, f = C // tp, F_ // tp
 
-    def rows(width: int, copies: int = 1) -> tuple:  # per rank: its block of each of `copies` stacked blocks
-        return tuple(tuple((k * width * tp + r * width, k * width * tp + (r + 1) * width) for k in range(copies))
-                     for r in range(tp))
+    def rows(width: int, copies: int = 1) -> tuple:
+        return blocks(width, tp, copies)
 
     slices = {}
     for i in range(cfg.n_layer):
@@ -224,9 +144,9 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
         slices[h + "attn.c_attn.weight"] = TPSlice(0, (3 * C, C), rows(c, 3))  # q, k and v of rank r's heads
         slices[h + "attn.c_attn.bias"] = TPSlice(0, (3 * C,), rows(c, 3))
         slices[h + "attn.c_proj.weight"] = TPSlice(1, (C, C), rows(c))  # the matching input columns
-        slices[h + "mlp.c_fc.weight"] = TPSlice(0, (4 * C, C), rows(f))
-        slices[h + "mlp.c_fc.bias"] = TPSlice(0, (4 * C,), rows(f))
-        slices[h + "mlp.c_proj.weight"] = TPSlice(1, (C, 4 * C), rows(f))
+        slices[h + "mlp.c_fc.weight"] = TPSlice(0, (F_, C), rows(f))
+        slices[h + "mlp.c_fc.bias"] = TPSlice(0, (F_,), rows(f))
+        slices[h + "mlp.c_proj.weight"] = TPSlice(1, (C, F_), rows(f))
     return slices
 
 

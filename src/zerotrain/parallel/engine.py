@@ -35,7 +35,7 @@ import torch
 
 from zerotrain.config import OptimConfig
 from zerotrain.errors import ZeroTrainError
-from zerotrain.model.gpt2 import is_decayed
+from zerotrain.model import is_decayed
 
 from .comm import Comm
 from .digest import tensor_digest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zerotrain.config import OptimConfig
-from zerotrain.model.gpt2 import is_decayed
+from zerotrain.model import is_decayed
 
 
 def adamw_param_groups(named_params, weight_decay: float) -> list[dict]:

@@ -13,6 +13,7 @@ import traceback
 from zerotrain.config import Config
 from zerotrain.durable import write_json
 from zerotrain.errors import ZeroTrainError
+from zerotrain.model import param_count
 
 
 def restart_count() -> int:
@@ -83,8 +84,8 @@ def _write_traceback(rank: int, cfg: Config) -> str | None:
 def memory_asked(cfg: Config) -> str:
     """What a run asks of each rank's memory, in round figures: the likely cause when the kernel kills a rank."""
     m, gib = cfg.model, 2**30
-    d, L, V, T = m.n_embd, m.n_layer, m.vocab_size, m.seq_len
-    params = V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d
+    V, T = m.vocab_size, m.seq_len
+    params = param_count(m)
     state = params * (4 + 4 + 8 / cfg.dp)  # fp32 parameters and gradients, AdamW's two moments sharded over DP
     logits = cfg.loop.micro_batch * T * V * 4
     return (f"this run asks each rank for about {state / gib:.3g} GiB of parameters, gradients and optimizer state "

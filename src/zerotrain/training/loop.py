@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -13,7 +14,8 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
-from zerotrain.model.gpt2 import build_model, parallelize, summed_token_loss
+from zerotrain.hub.init_from import load_local, weight_source
+from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
 from zerotrain.parallel import Comm, Mesh, ZeroOneEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
@@ -48,11 +50,20 @@ class TrainResult:
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
-    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO-1 engine over the DP group."""
+    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO-1 engine over the DP group.
+
+    From the seed, or with --init-from from those weights: built on the meta device and filled with the
+    slices this rank trains, read from the files (no full copy of a split tensor on any rank).
+    """
     mesh = Mesh.build(comm, cfg.parallel.tp)
-    model = build_model(cfg.model, cfg.loop.seed)
-    if mesh.tp_size > 1:
-        parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp)
+    source = weight_source(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    with torch.device("meta") if source else contextlib.nullcontext():
+        model = build_model(cfg.model, cfg.loop.seed)
+        slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp) if mesh.tp_size > 1 else {}
+    if source:
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        load_local(model, source, slices, mesh.tp_rank)
     bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     return ZeroOneEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
@@ -199,8 +210,11 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
+    origin = {}  # rank 0 commits manifests: it alone hashes --init-from's files for them
+    if cfg.checkpoint.init_from and comm.rank == 0 and (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
+        origin = {"init_from": weight_source(cfg.checkpoint.init_from).record()}
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
-                                   staging_hook=faults.staging_hook())
+                                   staging_hook=faults.staging_hook(), manifest_extra=origin)
     start, manifest, resumed_from = _resume(cfg, engine, comm)
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
@@ -305,7 +319,8 @@ def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, sta
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
     tp, dp = cfg.parallel.tp, schedule.world_size
     split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} rank{'s' * (dp != 1)}"
-    return (f"GPT {engine.param_count:,} parameters ({m.n_layer} layers, {m.n_head} heads, width {m.n_embd}, "
+    heads = f"{m.n_head} heads" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.n_head else "")
+    return (f"{ARCH_NAMES[m.arch]} {engine.param_count:,} parameters ({m.n_layer} layers, {heads}, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
             f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}, {cfg.loop.steps} steps")

@@ -14,6 +14,7 @@ import time
 
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError, InvariantError
+from zerotrain.model import ARCH_NAMES
 from zerotrain.parallel import Comm
 from zerotrain.training.loop import train
 
@@ -117,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _print_report(rep: dict, cfg: Config) -> None:
     W = rep["world_size"]
-    print(f"\nmodel: GPT {cfg.model.n_layer} layers, {cfg.model.n_head} heads, width {cfg.model.n_embd}, "
+    print(f"\nmodel: {ARCH_NAMES[cfg.model.arch]} {cfg.model.n_layer} layers, {cfg.model.n_head} heads, width {cfg.model.n_embd}, "
           f"vocab {cfg.model.vocab_size}, seq {cfg.model.seq_len}: P = {rep['param_count']:,} parameters")
     print("\nstep   loss      grad_norm")
     for i, (loss, gn) in enumerate(zip(rep["losses"], rep["grad_norms"]), start=1):

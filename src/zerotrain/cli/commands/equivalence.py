@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from zerotrain.config import Config, OptimConfig
 from zerotrain.data import IGNORE, BatchSchedule, make_source
 from zerotrain.errors import ConfigError
-from zerotrain.model.gpt2 import build_model, summed_token_loss
+from zerotrain.model import ARCH_NAMES, build_model, summed_token_loss
 from zerotrain.parallel import Comm, ZeroOneEngine
 from zerotrain.parallel.optim import adamw_param_groups
 from zerotrain.runtime.launch import rank_device
@@ -419,7 +419,7 @@ def check(cfg: Config, *, weighting: str = "token", time_limit: float | None = 3
 
 def _print_header(cfg: Config, lr: float, tokens: list[int], broken: str | None) -> None:
     m = cfg.model
-    print(f"zerotrain equivalence: GPT {m.n_layer} layers, width {m.n_embd}, seq {m.seq_len}, vocab {m.vocab_size}; "
+    print(f"zerotrain equivalence: {ARCH_NAMES[m.arch]} {m.n_layer} layers, width {m.n_embd}, seq {m.seq_len}, vocab {m.vocab_size}; "
           f"data {cfg.data.source}{'' if cfg.data.pack else ' (unpacked)'}; seed {cfg.loop.seed}")
     ranks = f"DP {cfg.dp} replicas (TP {cfg.parallel.tp} x DP {cfg.dp} = {cfg.launch.nproc} ranks)" \
         if cfg.parallel.tp > 1 else f"{cfg.launch.nproc} ranks"

@@ -10,6 +10,7 @@ import uuid
 from zerotrain.cli.flags import checked
 from zerotrain.config import BELOW_ONE
 from zerotrain.data.corpus import prepare_corpus
+from zerotrain.data.jsonl import prepare_jsonl, refuse_table
 from zerotrain.data.documents import STDLIB, text_input
 from zerotrain.data.tokenizer import parse_tokenizer_spec
 from zerotrain.errors import ConfigError
@@ -19,14 +20,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "prepare", help="tokenize text into train.bin / val.bin (bytes or a locally trained BPE)",
         description="INPUT is a UTF-8 text file (documents: blank-line separated paragraphs), a folder of text "
-                    "files (documents: files) or python-stdlib. Writes OUTDIR/train.bin and val.bin (llm.c layout: "
+                    "files (documents: files), python-stdlib, or a .jsonl file of records ({\"text\": ...} or "
+                    "{\"prompt\": ..., \"completion\": ...}: only the completion is trained on, through "
+                    "train.mask / val.mask beside the tokens). Writes OUTDIR/train.bin and val.bin (llm.c layout: "
                     "uint16 tokens, or uint32 for vocabularies above 65536), meta.json and, for BPE, tokenizer.json. "
                     "Train on it with `zerotrain train --data OUTDIR`: the vocabulary and tokenizer come from it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("input", help="a UTF-8 text file, a folder of text files, or python-stdlib")
+    p.add_argument("input", help="a UTF-8 text file, a folder of text files, python-stdlib, or a .jsonl file")
     p.add_argument("outdir", help="the folder to write (must not exist, or be empty, unless --overwrite)")
-    p.add_argument("--tokenizer", default="bytes", help="bytes, or bpe:N: a byte-level BPE of N ids trained on the "
-                                                        "training documents (nothing is downloaded)")
+    p.add_argument("--tokenizer", default="bytes", help="bytes; bpe:N, a byte-level BPE of N ids trained on the "
+                                                        "training documents; or PATH, a tokenizer.json or a model "
+                                                        "folder holding one (nothing is downloaded)")
     p.add_argument("--val-fraction", type=checked(float, BELOW_ONE), default=0.05, help="fraction of documents held out for validation")
     p.add_argument("--glob", default="**/*.txt", help="which files of a folder INPUT are read")
     p.add_argument("--overwrite", action="store_true", help="replace OUTDIR if it holds files")
@@ -39,14 +43,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.input != STDLIB and not os.path.exists(args.input):
-        raise ConfigError(f"prepare {args.input}: no such file or folder (a UTF-8 text file, a folder, or {STDLIB})")
+        raise ConfigError(f"prepare {args.input}: no such file or folder (a UTF-8 text file, a folder, a .jsonl file of records, or {STDLIB})")
     out = os.path.normpath(args.outdir)
     if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not args.overwrite):
         raise ConfigError(f"prepare: {out} already exists and is not an empty folder (use --overwrite to replace it)")
-    source = text_input(args.input, args.glob, args.val_fraction)
+    refuse_table(args.input, "prepare")
+    records = args.input.endswith(".jsonl") and os.path.isfile(args.input)
+    source = None if records else text_input(args.input, args.glob, args.val_fraction)
     tmp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # written whole, then renamed into place
     try:
-        meta = prepare_corpus(source, tmp, args.tokenizer)
+        meta = prepare_jsonl(args.input, tmp, args.tokenizer, args.val_fraction) if records else \
+            prepare_corpus(source, tmp, args.tokenizer)
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -58,6 +65,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def prepared_line(out: str, meta: dict) -> str:
     t, tr, va = meta["timings"], meta["train"], meta["val"]
+    if meta.get("loss_mask"):
+        return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
+                f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['records']:,} records, "
+                f"{tr['tokens']:,} tokens of which {tr['trained_tokens']:,} trained on; val {va['records']:,} "
+                f"records, {va['tokens']:,} tokens; {t['total_s']:.1f} s")
     train_s = f", tokenizer training {t['tokenizer_train_s']:.1f} s" if "tokenizer_train_s" in t else ""
     return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
             f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['tokens']:,} tokens "

@@ -1,0 +1,151 @@
+"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases.
+
+Parameter names are Hugging Face's `LlamaForCausalLM` names and every matrix is stored as it is there
+(nn.Linear's (out, in)), so the mapping to and from Hugging Face (hub/mapping.py) is the identity.
+Rotary embeddings follow Hugging Face's rotate-half convention: imported q and k weights need no
+permutation. The head is tied to the token embedding unless `tie_embeddings` is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerotrain.config import ModelConfig
+
+from .layers import (ColumnParallelLinear, KVCache, RMSNorm, RowParallelLinear, TPSlice, apply_rotary, attend,
+                     blocks, copy_to_tp, rotary_tables, tied_head_hook)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        C, D = cfg.n_embd, cfg.head_dim
+        self.head_dim = D
+        self.tp_comm = None  # under TP: q, k and v share one all-reduce of their input's gradient (parallelize)
+        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=False)
+        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
+                layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        x = copy_to_tp(x, self.tp_comm)
+        # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        y = attend(q, k, v, cache, layer)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tp_comm = None  # as LlamaAttention's: gate and up share one all-reduce
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_width, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_width, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_width, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_comm)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, rotary, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """Token embedding, pre-RMSNorm blocks with rotary attention, final RMSNorm, LM head (tied or its own)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            layers=nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer)),
+            norm=RMSNorm(cfg.n_embd, cfg.norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if cfg.tie_embeddings:
+            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
+        for module in self.modules():  # Hugging Face's initialisation: N(0, 0.02) matrices, unit norms
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def tie_weights(self) -> None:
+        """The head is the token embedding's tensor, when tied (again after moving off the meta device)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        T = idx.shape[1]
+        past = 0 if cache is None else cache.length
+        if past + T > self.cfg.seq_len:
+            raise ValueError(f"{past} cached + {T} new positions exceed seq_len {self.cfg.seq_len}")
+        x = self.model.embed_tokens(idx)
+        rotary = rotary_tables(torch.arange(past, past + T, device=idx.device), self.cfg.head_dim,
+                               self.cfg.rope_theta)
+        for layer, block in enumerate(self.model.layers):
+            x = block(x, rotary, cache, layer)
+        if cache is not None:
+            cache.length += T
+        return self.lm_head(self.model.norm(x))
+
+
+# Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads
+# (r*KV/T ..: the KV heads its q heads attend with), o_proj row-parallel over the matching input columns;
+# gate_proj and up_proj column-parallel, down_proj row-parallel. Embedding, norms and head are replicated.
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """The TP slice of every split parameter, by its name in the full model."""
+    C, D, F_ = cfg.n_embd, cfg.head_dim, cfg.ffn_width
+    q, kv = cfg.n_head * D, cfg.kv_heads * D
+    slices = {}
+    for i in range(cfg.n_layer):
+        h = f"model.layers.{i}."
+        slices[h + "self_attn.q_proj.weight"] = TPSlice(0, (q, C), blocks(q // tp, tp))
+        slices[h + "self_attn.k_proj.weight"] = TPSlice(0, (kv, C), blocks(kv // tp, tp))
+        slices[h + "self_attn.v_proj.weight"] = TPSlice(0, (kv, C), blocks(kv // tp, tp))
+        slices[h + "self_attn.o_proj.weight"] = TPSlice(1, (C, q), blocks(q // tp, tp))
+        slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
+        slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
+        slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))
+    return slices
+
+
+def parallelize(model: Llama, tp_size: int, tp_rank: int, comm) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan."""
+    slices = plan(model.cfg, tp_size)
+    for i, block in enumerate(model.model.layers):
+        h = f"model.layers.{i}."
+        attn, mlp = block.self_attn, block.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{h}self_attn.{name}.weight"], None,
+                                                     tp_rank, None))
+        attn.tp_comm = comm
+        attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
+                                                    tp_rank, None))
+        mlp.tp_comm = comm
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+    model.tp_slices = slices
+    return slices
