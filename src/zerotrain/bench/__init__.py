@@ -4,9 +4,10 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies, checkpoint speed, tensor vs data parallelism")
+    p = sub.add_parser("bench", help="benchmarks: accumulation curve, comparison with PyTorch's strategies, checkpoint "
+                                     "speed, tensor vs data parallelism, the model against transformers'")
     benches = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
-    from . import accum, ckpt, compare, tp  # each benchmark lives in its own module with add_parser(subparsers)
+    from . import accum, ckpt, compare, model, tp  # each benchmark lives in its own module with add_parser(subparsers)
 
-    for module in (accum, compare, ckpt, tp):
+    for module in (accum, compare, ckpt, tp, model):
         module.add_parser(benches)

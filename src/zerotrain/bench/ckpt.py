@@ -37,7 +37,7 @@ from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
 from zerotrain.training.schedule import lr_at
 
-from .report import report_header, write_json
+from .report import report_header, write_report
 
 SCHEMA = "zerotrain.bench.ckpt"
 SAVE_TARGET, STALL_TARGET = 0.8, 0.1  # save_gbps / disk_write_gbps >= ; async_stall_s / sync_save_s <=
@@ -99,13 +99,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
                 "async_stall": figures["async_stall_vs_sync_save"] <= STALL_TARGET},
         "wall_s": time.perf_counter() - t0,
     }
-    os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "bench-ckpt.json"), report)
-    table = markdown(report)
-    with open(os.path.join(out, "bench-ckpt.md"), "w") as f:
-        f.write(table)
-    print(table)
-    print(f"wrote bench-ckpt.json and bench-ckpt.md to {out} ({report['wall_s']:.0f} s)")
+    write_report(out, "bench-ckpt", report, markdown(report))
     return 0
 
 

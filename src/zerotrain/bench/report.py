@@ -44,3 +44,13 @@ def write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
+
+
+def write_report(out: str, name: str, report: dict, table: str) -> None:
+    """<out>/<name>.json and <name>.md, the table printed, and where they went."""
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, f"{name}.json"), report)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table)
+    print(table)
+    print(f"wrote {name}.json and {name}.md to {out} ({report['wall_s']:.0f} s)")
