@@ -158,6 +158,9 @@ class ParallelConfig:
     bucket_mb: float = setting(4.0, "gradient bucket size in MiB", rule=POSITIVE)
     overlap: str = setting("auto", "communicate during compute: reduce-scatter in backward, all-gather in the next "
                            "forward: on, off, or auto (on with CUDA, off on CPU)", rule=one_of("auto", "on", "off"))
+    activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
+                                            "the block in the backward (less memory, more compute); or none",
+                                            rule=one_of("none", "blocks"))
 
 
 @dataclass

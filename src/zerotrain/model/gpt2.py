@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, tied_head_hook
+from .layers import ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, run_block, tied_head_hook
 
 
 class CausalSelfAttention(nn.Module):
@@ -67,6 +67,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
@@ -114,7 +115,7 @@ class GPT(nn.Module):
         pos = torch.arange(past, past + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer)
+            x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer)
         if cache is not None:
             cache.length += T
         return self.lm_head(self.transformer.ln_f(x))

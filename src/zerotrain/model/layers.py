@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -221,3 +222,12 @@ def tied_head_hook(head: str, embedding: str):
             error_msgs.append(f"{h} differs from {e}, but the two are one tied tensor")
 
     return hook
+
+
+def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:
+    """block(x, *args); with `recompute` (activation checkpointing, while training) only x is kept for the
+    backward, which runs the block's forward again to get what it needs (same values: no dropout, and the
+    RNG state is restored). Generation (a cache in args) and no-grad evaluation never recompute."""
+    if recompute and torch.is_grad_enabled() and x.requires_grad:
+        return checkpoint(block, x, *args, use_reentrant=False)
+    return block(x, *args)

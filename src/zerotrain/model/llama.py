@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .layers import (ColumnParallelLinear, KVCache, RMSNorm, RowParallelLinear, TPSlice, apply_rotary, attend,
-                     blocks, copy_to_tp, rotary_tables, tied_head_hook)
+                     blocks, copy_to_tp, rotary_tables, run_block, tied_head_hook)
 
 
 class LlamaAttention(nn.Module):
@@ -72,6 +72,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
             layers=nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer)),
@@ -103,7 +104,7 @@ class Llama(nn.Module):
         rotary = rotary_tables(torch.arange(past, past + T, device=idx.device), self.cfg.head_dim,
                                self.cfg.rope_theta)
         for layer, block in enumerate(self.model.layers):
-            x = block(x, rotary, cache, layer)
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer)
         if cache is not None:
             cache.length += T
         return self.lm_head(self.model.norm(x))

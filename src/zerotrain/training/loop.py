@@ -64,6 +64,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
         model.to_empty(device="cpu")
         model.tie_weights()
         load_local(model, source, slices, mesh.tp_rank)
+    model.recompute_blocks = cfg.parallel.activation_checkpointing == "blocks"
     bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
     return ZeroOneEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
