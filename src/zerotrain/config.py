@@ -402,9 +402,10 @@ def validate(cfg: Config) -> Config:
     if m.n_head % m.kv_heads:
         raise ConfigError(f"--n-kv-head {m.n_kv_head} does not divide --n-head {m.n_head}: each KV head serves a whole "
                           "group of query heads")
-    if m.arch == "gpt2" and (m.kv_heads != m.n_head or not m.tie_embeddings):
-        raise ConfigError(f"--arch gpt2 has one KV head per head and a tied head: --n-kv-head {m.n_kv_head} and "
-                          f"--no-tie-embeddings are for --arch llama")
+    if m.arch == "gpt2" and m.kv_heads != m.n_head:
+        raise ConfigError(f"--arch gpt2 has one KV head per head: --n-kv-head {m.n_kv_head} is for --arch llama")
+    if m.arch == "gpt2" and not m.tie_embeddings:
+        raise ConfigError("--arch gpt2 ties its head to the token embedding: --no-tie-embeddings is for --arch llama")
     if m.arch == "llama" and m.head_dim % 2:
         raise ConfigError(f"--arch llama: the head width --n-embd / --n-head = {m.head_dim} must be even (rotary "
                           "embeddings rotate pairs)")
