@@ -71,10 +71,13 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     models = {name: (root / name, hf_model(root / name, arch, **kw)) for name, arch, kw in (
         ("llama", "llama", {}), ("llama-mha", "llama", {"kv": 4, "tie": True, "theta": 10000.0}), ("gpt2", "gpt2", {}))}
+    # saved from the bare GPT2Model, as the original gpt2 files are: names without "transformer."
+    models["gpt2-bare"] = (root / "gpt2-bare", models["gpt2"][1])
+    models["gpt2"][1].transformer.save_pretrained(str(root / "gpt2-bare"))
     return models
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-mha", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "llama-mha", "gpt2", "gpt2-bare"])
 def test_zerotrain_computes_the_logits_and_first_loss_transformers_does(folders, one_rank, name):
     folder, hf = folders[name]
     ours, engine = zerotrain_logits(folder, one_rank)

@@ -37,8 +37,9 @@ class WeightSource:
     folder: str
     kind: str  # "hf", "safetensors" (a zerotrain export) or "checkpoint"
     model: ModelConfig
-    files: dict[str, str]  # tensor name -> the safetensors file holding it
+    files: dict[str, str]  # tensor name (zerotrain's) -> the safetensors file holding it
     mapping: HFMapping | None  # hf: the architecture's layouts; a zerotrain folder stores its own
+    stored: dict[str, str] = dataclasses.field(default_factory=dict)  # zerotrain's name -> the file's, where they differ
 
     @property
     def tokenizer_file(self) -> str | None:
@@ -69,7 +70,12 @@ def weight_source(path: str) -> WeightSource:
         kind, model, _ = read_export_config(folder)
     except CheckpointError as e:
         raise ConfigError(f"--init-from {path}: {e}") from None
-    return WeightSource(folder, kind, model, _tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None)
+    files, mapping = _tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
+    if mapping is None:
+        return WeightSource(folder, kind, model, files, None)
+    names = {mapping.canonical(n): n for n in files}
+    return WeightSource(folder, kind, model, {z: files[n] for z, n in names.items()}, mapping,
+                        {z: n for z, n in names.items() if z != n})
 
 
 def _tensor_files(folder: str) -> dict[str, str]:
@@ -144,12 +150,12 @@ def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp
             f = opened.get(file) or opened.setdefault(file, safe_open(file, framework="pt"))
             tp_slice = tp_slices.get(name)
             full = tuple(tp_slice.full_shape) if tp_slice else tuple(param.shape)
-            stored = tuple(f.get_slice(name).get_shape())
+            stored = tuple(f.get_slice(source.stored.get(name, name)).get_shape())
             want = tuple(reversed(full)) if transposed(name) else full
             if stored != want:
                 raise CheckpointError(f"--init-from {source.folder}: {name} is {list(stored)} in "
                                       f"{os.path.basename(file)}, the model needs {list(want)}")
-            local = _read(f, name, tp_slice, tp_rank, transposed(name))
+            local = _read(f, source.stored.get(name, name), tp_slice, tp_rank, transposed(name))
             with torch.no_grad():
                 param.copy_(local.to(param.dtype))
     finally:

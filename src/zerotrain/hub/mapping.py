@@ -28,6 +28,13 @@ class HFMapping:
     transposed: tuple[str, ...]  # suffixes of per-block matrices stored (in, out)
     ignored: tuple[str, ...]  # suffixes of tensors their files may hold that are not parameters
 
+    def canonical(self, name: str) -> str:
+        """A tensor's name as zerotrain's model has it. GPT-2 folders saved from the bare GPT2Model (the original
+        `gpt2` files among them) drop the `transformer.` prefix: it is put back."""
+        if self.arch == "gpt2" and not name.startswith((self.block_prefix.split(".")[0] + ".", "lm_head.")):
+            return "transformer." + name
+        return name
+
     def is_transposed(self, name: str) -> bool:
         return bool(self.transposed) and name.startswith(self.block_prefix) and name.endswith(self.transposed)
 
@@ -37,7 +44,8 @@ class HFMapping:
 
     def from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hugging Face's tensors in zerotrain's layout; tensors that are not parameters are dropped."""
-        return {n: (t.t().contiguous() if self.is_transposed(n) else t) for n, t in tensors.items()
+        named = {self.canonical(n): t for n, t in tensors.items()}
+        return {n: (t.t().contiguous() if self.is_transposed(n) else t) for n, t in named.items()
                 if not n.endswith(self.ignored)}
 
 
