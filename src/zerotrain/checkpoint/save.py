@@ -7,7 +7,7 @@ model while the others, done with their shards, wait for it.
 `start` saves asynchronously: the state is copied into reusable CPU staging buffers and a
 background thread writes, hashes, fsyncs and reads the files back (invariant (d)), then writes
 this rank's sidecar. The thread issues no collectives: the training loop learns that every rank
-is done through its own per-step all-reduce (`local_done()` as a flag) and then calls
+is done through its own per-step all-reduce (`poll()` as flags: written, failed) and then calls
 `commit_pending()` on every rank; `finish()` does wait-agree-commit with one collective.
 
 On the CPU the staging copy itself runs in the background thread, behind the next forward and
@@ -154,7 +154,7 @@ class CheckpointWriter:
             for name, tensors in files.items():  # invariant (d), off the training path
                 read_back_check(os.path.join(folder, name), tensors)
             write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
-        except BaseException as e:  # surfaced by local_done() on the training thread
+        except BaseException as e:  # surfaced by poll() on the training thread
             pending.error = e
 
     def _wait_staged(self) -> None:
@@ -181,15 +181,11 @@ class CheckpointWriter:
 
     def local_done(self) -> bool:
         """This rank's part of the save in flight is written (True when none is); re-raises its failure."""
-        pending = self._pending
-        if pending is None:
-            return True
-        if pending.thread.is_alive():
-            return False
-        if pending.error is not None:
+        written, error = self.poll()
+        if error is not None:
             self._pending = None
-            raise _as_checkpoint_error(pending)
-        return True
+            raise error
+        return written
 
     def commit_pending(self) -> str | None:
         """Every rank, once all agreed their writes are done: rank 0 commits; returns the folder (None if none)."""
