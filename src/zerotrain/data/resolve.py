@@ -26,7 +26,7 @@ from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
-from .jsonl import prepare_jsonl, read_records, refuse_table
+from .jsonl import prepare_jsonl, refuse_table
 from .tokenfiles import max_token, open_token_file
 from .tokenizer import TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, tokenizer_record
 
@@ -84,7 +84,6 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
 
 def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float) -> str:
     """The folder of JSON Lines `path` tokenized (bytes, or `tokenizer`) with its loss masks, in the cache."""
-    read_records(path)  # a bad line is named before anything is built
     parts = [sha256_file(path)[1], sha256_file(tokenizer)[1] if tokenizer else "bytes", repr(val_fraction)]
     key = hashlib.sha256("/".join(parts).encode()).hexdigest()
     return cached_folder(root, os.path.basename(path), key,

@@ -133,6 +133,8 @@ class TokenSource:
 
     def token_count(self, step: int, global_batch: int) -> int:
         """Target tokens the loss counts in step `step`'s global batch: not padding, not a prompt's."""
+        if self.pack and all(f.mask is None for f in self.files):
+            return global_batch * self.seq_len  # every window is full and every target counts
         windows = [self._window(step, i) for i in range(global_batch)]
         return sum(end - start - 1 if self.files[f].mask is None else int(self.files[f].mask[start + 1 : end].sum())
                    for f, start, end in windows)

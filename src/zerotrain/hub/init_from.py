@@ -19,10 +19,10 @@ from safetensors import safe_open
 
 from zerotrain.checkpoint import MANIFEST, CheckpointError, read_manifest, verify_or_raise
 from zerotrain.checkpoint.stream import read_header, sha256_file
-from zerotrain.config import ModelConfig
+from zerotrain.config import ModelConfig, setting_for
 from zerotrain.errors import ConfigError
 
-from .export import MODEL_FILE, TOKENIZER_FILE, read_export_config
+from .export import MODEL_FILE, read_export_config
 from .mapping import MAPPINGS, HFMapping
 from .pretrained import model_folder
 
@@ -41,11 +41,6 @@ class WeightSource:
     mapping: HFMapping | None  # hf: the architecture's layouts; a zerotrain folder stores its own
     stored: dict[str, str] = dataclasses.field(default_factory=dict)  # zerotrain's name -> the file's, where they differ
 
-    @property
-    def tokenizer_file(self) -> str | None:
-        file = os.path.join(self.folder, TOKENIZER_FILE)
-        return file if os.path.isfile(file) else None
-
     def record(self) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's sha256."""
         return {"path": self.folder, "kind": self.kind,
@@ -53,8 +48,12 @@ class WeightSource:
                           for f in sorted(set(self.files.values()))]}
 
 
-def weight_source(path: str) -> WeightSource:
-    """The weights `path` names; ConfigError (exit 2) for a folder zerotrain cannot start from, naming why."""
+def weight_source(path: str, verify: bool = True) -> WeightSource:
+    """The weights `path` names; ConfigError (exit 2) for a folder zerotrain cannot start from, naming why.
+
+    A zerotrain checkpoint is verified first unless `verify` is False: the ranks read a source the launcher
+    (or torchrun's rank 0, in config_from_args) has verified already.
+    """
     if not os.path.exists(path):
         raise ConfigError(f"--init-from {path}: no such folder")
     if not os.path.isdir(path):
@@ -63,7 +62,8 @@ def weight_source(path: str) -> WeightSource:
     try:
         folder = os.path.abspath(model_folder(path))
         if os.path.isfile(os.path.join(folder, MANIFEST)):
-            verify_or_raise(folder)
+            if verify:
+                verify_or_raise(folder)
             manifest = read_manifest(folder)
             model = ModelConfig(**manifest["config"]["model"])
             return WeightSource(folder, "checkpoint", model, _tensor_files(folder), None)
@@ -105,10 +105,6 @@ def _tensor_files(folder: str) -> dict[str, str]:
     raise ConfigError(f"--init-from {folder}: no {MODEL_FILE} or {INDEX_FILE}")
 
 
-# How --init-from's model settings are named when one contradicts a flag.
-_FLAG = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(ModelConfig)}
-
-
 def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelConfig:
     """The run's model: the source's, where no flag or TOML key in `given` says otherwise; ConfigError if one does.
 
@@ -123,7 +119,7 @@ def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelCon
         if key == "seq_len" and source.model.arch == "llama" and mine <= value:
             theirs[key] = mine
             continue
-        raise ConfigError(f"{_FLAG[key]} {mine} contradicts --init-from {source.folder}, whose model has {key} = "
+        raise ConfigError(f"{setting_for(key).flag} {mine} contradicts --init-from {source.folder}, whose model has {key} = "
                           f"{value}: leave it out, the model's comes with it")
     return ModelConfig(**theirs)
 

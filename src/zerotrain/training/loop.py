@@ -56,7 +56,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
     slices this rank trains, read from the files (no full copy of a split tensor on any rank).
     """
     mesh = Mesh.build(comm, cfg.parallel.tp)
-    source = weight_source(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    source = weight_source(cfg.checkpoint.init_from, verify=False) if cfg.checkpoint.init_from else None
     with torch.device("meta") if source else contextlib.nullcontext():
         model = build_model(cfg.model, cfg.loop.seed)
         slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp) if mesh.tp_size > 1 else {}
@@ -213,7 +213,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
     origin = {}  # rank 0 commits manifests: it alone hashes --init-from's files for them
     if cfg.checkpoint.init_from and comm.rank == 0 and (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
-        origin = {"init_from": weight_source(cfg.checkpoint.init_from).record()}
+        origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record()}
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
                                    staging_hook=faults.staging_hook(), manifest_extra=origin)
     start, manifest, resumed_from = _resume(cfg, engine, comm)
