@@ -82,27 +82,22 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def _models(transformers, arch: str, size: dict):
-    """transformers' model at random initialisation and zerotrain's holding the same weights; fp32, SDPA."""
-    from zerotrain.hub.mapping import MAPPINGS
+    """transformers' model at random initialisation and zerotrain's holding the same weights; fp32, SDPA.
+
+    transformers' config is the one `export --format hf` writes for zerotrain's (hub/mapping.py: hf_config).
+    """
+    from zerotrain.hub.mapping import MAPPINGS, hf_config
     from zerotrain.model import model_class
 
-    torch.manual_seed(0)
+    shape = {k: size[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
     if arch == "llama":
-        cfg = ModelConfig(arch="llama", n_layer=size["n_layer"], n_head=size["n_head"], n_kv_head=size["n_kv_head"],
-                          n_embd=size["n_embd"], intermediate_size=size["intermediate_size"],
-                          seq_len=size["seq_len"] + size["new_tokens"], vocab_size=size["vocab_size"],
-                          tie_embeddings=False, norm_eps=1e-6)
-        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_width,
-            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-            max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
-            attn_implementation="sdpa"))
-    else:
-        cfg = ModelConfig(arch="gpt2", n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"],
-                          seq_len=size["seq_len"] + size["new_tokens"], vocab_size=size["vocab_size"])
-        theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=cfg.vocab_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
-            n_positions=cfg.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
+        shape.update(n_kv_head=size["n_kv_head"], intermediate_size=size["intermediate_size"], tie_embeddings=False,
+                     norm_eps=1e-6)
+    cfg = ModelConfig(arch=arch, seq_len=size["seq_len"] + size["new_tokens"], **shape)
+    config = hf_config(cfg, None)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(config.pop("model_type"), **config), attn_implementation="sdpa")
     ours = model_class(cfg)(cfg)
     ours.load_state_dict(MAPPINGS[arch].from_hf(theirs.state_dict()), strict=True)
     theirs.generation_config.eos_token_id = None  # generate every token asked for
