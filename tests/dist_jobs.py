@@ -136,9 +136,9 @@ def no_sync_ignored_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: communication starts on every micro-batch, before accumulation is complete."""
     from contextlib import nullcontext
 
-    from zerotrain.parallel import ZeroOneEngine
+    from zerotrain.parallel import ZeroEngine
 
-    ZeroOneEngine.no_sync = lambda self, enabled=True: nullcontext()
+    ZeroEngine.no_sync = lambda self, enabled=True: nullcontext()
     return params_job(cfg, comm)
 
 
@@ -167,15 +167,15 @@ def collective_input(rank: int, bucket: int, numel: int) -> torch.Tensor:
 
 def unwaited_forward_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: forward reads parameters without waiting for their bucket's all-gather."""
-    from zerotrain.parallel import ZeroOneEngine
+    from zerotrain.parallel import ZeroEngine
 
-    real_wait = ZeroOneEngine.wait_params
+    real_wait = ZeroEngine.wait_params
 
     def wait_params(self, buckets=None):
         if buckets is None:  # the forward pre-hooks name their buckets; they now skip the wait
             real_wait(self)
 
-    ZeroOneEngine.wait_params = wait_params
+    ZeroEngine.wait_params = wait_params
     return params_job(cfg, comm)
 
 
@@ -232,7 +232,7 @@ def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
         ranges = self._owned(self._sliced_flat) + self._owned(self._replicated_flat)
         return sum(torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square() for a, z in ranges)
 
-    engine_module.ZeroOneEngine._counted_grad_sumsq = counted
+    engine_module.ZeroEngine._counted_grad_sumsq = counted
     return tp_params_job(cfg, comm)
 
 

@@ -123,20 +123,20 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
     allocates moments of its own at the first step. (c) before step 1 cannot see them; (c) at the drift-check
     period, in the loop the product runs, does."""
     from zerotrain.errors import InvariantError
-    from zerotrain.parallel import ZeroOneEngine
+    from zerotrain.parallel import ZeroEngine
     from zerotrain.training.loop import train
 
     cfg = tiny_config(tmp_path, steps=4)
     cfg.loop.check_every = 2
     result = train(cfg, one_rank)
     assert result.memory.per_rank == [result.memory.expected]  # measured after step 4's update
-    real = ZeroOneEngine._build_optimizer
+    real = ZeroEngine._build_optimizer
 
     def own_moments(self):
         real(self)
         self.optimizer.state.clear()
 
-    monkeypatch.setattr(ZeroOneEngine, "_build_optimizer", own_moments)
+    monkeypatch.setattr(ZeroEngine, "_build_optimizer", own_moments)
     cfg = tiny_config(tmp_path / "planted", steps=4)
     cfg.loop.check_every = 2
     with pytest.raises(InvariantError, match=r"invariant \(c\) failed at step 2: optimizer state on rank\(s\) \[0\]"):

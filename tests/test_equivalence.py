@@ -109,21 +109,21 @@ def local_token_scaling_job(cfg: Config, comm: Comm, **kwargs):
 
 def adamw_one_step_ahead_job(cfg: Config, comm: Comm, **kwargs):
     """Planted bug: the engine's AdamW step counter starts at 1, so the first update gets step 2's bias correction."""
-    real_init = zero.ZeroOneEngine.__init__
+    real_init = zero.ZeroEngine.__init__
 
     def init_one_step_ahead(self, *args, **kw):
         real_init(self, *args, **kw)
         for state in self.optimizer.state.values():
             state["step"] += 1
 
-    zero.ZeroOneEngine.__init__ = init_one_step_ahead
+    zero.ZeroEngine.__init__ = init_one_step_ahead
     return equivalence_job(cfg, comm, **kwargs)
 
 
 def unclipped_apply_job(cfg: Config, comm: Comm, **kwargs):
     """Planted bug: the engine's apply never clips by the global gradient norm."""
-    real_apply = zero.ZeroOneEngine.apply
-    zero.ZeroOneEngine.apply = lambda self, lr, grad_norm: real_apply(self, lr, 0.0)
+    real_apply = zero.ZeroEngine.apply
+    zero.ZeroEngine.apply = lambda self, lr, grad_norm: real_apply(self, lr, 0.0)
     return equivalence_job(cfg, comm, **kwargs)
 
 
@@ -143,7 +143,7 @@ def _eager_blocking_on_grad_ready(self, p):
 
 def eager_reduce_job(cfg: Config, comm: Comm, **kwargs):
     """Planted bug: every micro-batch's backward reduce-scatters, as if no_sync were ignored."""
-    zero.ZeroOneEngine._on_grad_ready = _eager_blocking_on_grad_ready
+    zero.ZeroEngine._on_grad_ready = _eager_blocking_on_grad_ready
     return equivalence_job(cfg, comm, **kwargs)
 
 
@@ -198,7 +198,7 @@ def _eager_on_grad_ready(self, p):
 def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> dict | None:
     """Train 2 steps at each accumulation; collective rounds per optimizer step (calls per bucket)."""
     if eager:
-        zero.ZeroOneEngine._on_grad_ready = _eager_on_grad_ready
+        zero.ZeroEngine._on_grad_ready = _eager_on_grad_ready
     out = {}
     for accum in accums:
         c = copy.deepcopy(cfg)

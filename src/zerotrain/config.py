@@ -158,6 +158,9 @@ class ParallelConfig:
     bucket_mb: float = setting(4.0, "gradient bucket size in MiB", rule=POSITIVE)
     overlap: str = setting("auto", "communicate during compute: reduce-scatter in backward, all-gather in the next "
                            "forward: on, off, or auto (on with CUDA, off on CPU)", rule=one_of("auto", "on", "off"))
+    zero: int = setting(1, "ZeRO stage: 1 shards the optimizer state over the DP ranks; 2 also the gradients (each "
+                        "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed)",
+                        rule=Rule("must be 1 or 2", lambda v: v in (1, 2)))
     activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
                                             "the block in the backward (less memory, more compute); or none",
                                             rule=one_of("none", "blocks"))

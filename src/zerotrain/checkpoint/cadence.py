@@ -12,7 +12,7 @@ import torch
 
 from zerotrain.config import Config
 from zerotrain.data import checkpoint_tokenizer
-from zerotrain.parallel import Comm, ZeroOneEngine
+from zerotrain.parallel import Comm, ZeroEngine
 
 from .format import TOKENIZER_FILE, step_of
 from .save import CheckpointWriter
@@ -93,7 +93,7 @@ class SaveCadence:
         by_steps = self.every and step % self.every == 0
         return decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == last))
 
-    def save(self, step: int, engine: ZeroOneEngine, state: dict, wait: bool) -> None:
+    def save(self, step: int, engine: ZeroEngine, state: dict, wait: bool) -> None:
         """Save `step` with the loop's own `state` (data skips, guard window) in the manifest."""
         extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **self.manifest_extra, **state}
         if self.tokenizer:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from zerotrain.parallel import Comm, ShardLayout, ZeroOneEngine
+from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 from zerotrain.parallel.tp_slices import full_tensors, local_flat
 
 from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, mesh_of, read_latest, read_manifest, shard_name,
@@ -104,7 +104,7 @@ def _code(t: torch.Tensor) -> str:
     return DTYPE_CODES.get(t.dtype, str(t.dtype))
 
 
-def load_checkpoint(path: str, engine: ZeroOneEngine, comm: Comm) -> dict:
+def load_checkpoint(path: str, engine: ZeroEngine, comm: Comm) -> dict:
     """Restore parameters, master shard, moments and step into `engine`; return the manifest.
 
     `comm` is the world communicator (shard files are named by world rank); the engine's mesh may
@@ -132,7 +132,7 @@ def load_checkpoint(path: str, engine: ZeroOneEngine, comm: Comm) -> dict:
 
 
 def _reshard(shards: list[dict[str, torch.Tensor]], manifest: dict, old: ShardLayout, old_slices: dict,
-             engine: ZeroOneEngine) -> dict[str, torch.Tensor]:
+             engine: ZeroEngine) -> dict[str, torch.Tensor]:
     """This rank's shard state on the engine's mesh and layout, from every world rank's old shard.
 
     Per state key: old TP rank t's flat buffer is assembled from the shards of its DP group (world

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerotrain.errors import InvariantError
-from zerotrain.parallel import Comm, ZeroOneEngine
+from zerotrain.parallel import Comm, ZeroEngine
 from zerotrain.parallel.tp_slices import full_tensors
 
 from .commit import commit, tmp_name, write_sidecar
@@ -76,7 +76,7 @@ class CheckpointWriter:
         self._guarded: set[int] = set()  # optimizers whose step waits for the staging copy
 
     # ------------------------------------------------------------------ synchronous
-    def save(self, step: int, engine: ZeroOneEngine, extra: dict | None = None):
+    def save(self, step: int, engine: ZeroEngine, extra: dict | None = None):
         """Write and commit step `step` now; (folder, {file: tensors this rank wrote}, manifest) on every rank.
 
         The tensors are views of the engine's state where possible: valid until the next update.
@@ -111,7 +111,7 @@ class CheckpointWriter:
         return os.path.join(self.root, step_name(step)), files, {**base, "files": listed}
 
     # ------------------------------------------------------------------ asynchronous
-    def start(self, step: int, engine: ZeroOneEngine, extra: dict | None = None) -> None:
+    def start(self, step: int, engine: ZeroEngine, extra: dict | None = None) -> None:
         """Begin saving step `step` behind training; returns once the state's copy is under way.
 
         With TP, the TP ranks of DP replica 0 first all-gather their parameter buffers for rank 0's model
@@ -137,7 +137,7 @@ class CheckpointWriter:
         self._pending = pending
         pending.thread.start()
 
-    def _background(self, pending: _Pending, engine: ZeroOneEngine, staging: _Staging, step_count: int) -> None:
+    def _background(self, pending: _Pending, engine: ZeroEngine, staging: _Staging, step_count: int) -> None:
         try:
             try:
                 if self.staging_hook is not None:
@@ -225,7 +225,7 @@ class CheckpointWriter:
             raise RuntimeError(f"{what}() while the save of step {self._pending.step} is in flight: "
                                "commit_pending() or finish() it first")
 
-    def _describe(self, step: int, engine: ZeroOneEngine, extra: dict) -> dict:
+    def _describe(self, step: int, engine: ZeroEngine, extra: dict) -> dict:
         """The manifest without its file list; the caller's fields beside the writer's own."""
         clash = sorted(set(extra) & {*MANIFEST_SCHEMA, *MESH_KEYS})
         if clash:
@@ -268,7 +268,7 @@ class CheckpointWriter:
         return records
 
 
-def save_checkpoint(root: str, step: int, engine: ZeroOneEngine, comm: Comm, config: dict, keep: int = 0):
+def save_checkpoint(root: str, step: int, engine: ZeroEngine, comm: Comm, config: dict, keep: int = 0):
     """Write step `step` under `root` synchronously; (folder, {file: tensors this rank wrote}, manifest)."""
     return CheckpointWriter(root, comm, keep=keep).save(step, engine, {"config": config})
 
@@ -305,7 +305,7 @@ def _as_checkpoint_error(pending: _Pending) -> BaseException:
     return wrapped
 
 
-def _live_files(engine: ZeroOneEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's files for a synchronous save, from the engine's state (views where it is already fp32 on CPU).
 
     `rank` is the world rank: shard files are named by it, whatever the mesh.
@@ -324,7 +324,7 @@ def _live_files(engine: ZeroOneEngine, rank: int, world_size: int) -> dict[str, 
     return files
 
 
-def gather_tp_params(engine: ZeroOneEngine) -> torch.Tensor | None:
+def gather_tp_params(engine: ZeroEngine) -> torch.Tensor | None:
     """The parameter buffers of DP replica 0's TP ranks, concatenated in TP rank order (T x padded_numel).
 
     A collective among those T ranks only (world ranks 0 .. T-1, the TP group with dp_rank 0); every
@@ -342,7 +342,7 @@ class _Staging:
     Pinned when the engine is on CUDA, so the device-to-host copies run without blocking training.
     """
 
-    def __init__(self, engine: ZeroOneEngine, rank: int, world_size: int):
+    def __init__(self, engine: ZeroEngine, rank: int, world_size: int):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
         self.dp_rank = engine.dp.rank  # which chunks of each bucket this rank owns: its rank in the DP group
@@ -357,10 +357,10 @@ class _Staging:
         self.params = torch.empty(self.tp_size * L.padded_numel, pin_memory=pin) if rank == 0 else None
         self._copied = None
 
-    def fits(self, engine: ZeroOneEngine) -> bool:
+    def fits(self, engine: ZeroEngine) -> bool:
         return engine.layout is self.layout and engine.flat_params.device == self.device
 
-    def copy_from(self, engine: ZeroOneEngine, step_count: int) -> None:
+    def copy_from(self, engine: ZeroEngine, step_count: int) -> None:
         L, non_blocking = self.layout, not self.copy_in_background  # CUDA: queued, not waited for
         with torch.no_grad():
             if engine.master is not None:
@@ -379,7 +379,7 @@ class _Staging:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def gather_tp(self, engine: ZeroOneEngine) -> None:
+    def gather_tp(self, engine: ZeroEngine) -> None:
         """With TP: all-gather DP replica 0's parameter buffers into rank 0's `params` (training thread only).
 
         On CUDA the copy to pinned memory is queued on the training stream, before copy_from's event.

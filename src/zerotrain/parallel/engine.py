@@ -1,7 +1,6 @@
-"""The ZeRO stage-1 engine: flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
+"""The ZeRO engine (stage 1 or 2): flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
 
-Every rank holds the full parameters and full gradients, each a view into one flat buffer. The
-flat buffer is cut into buckets; each bucket is padded to a multiple of the world size and split
+Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets; each bucket is padded to a multiple of the world size and split
 into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
 
     reduce-scatter each bucket's gradients -> this rank's gradient shard  (one round, per bucket)
@@ -19,6 +18,14 @@ With tensor parallelism (a `Mesh` with tp > 1) the model holds this rank's TP sl
 replicated parameters; the flat buffer holds exactly those, and all of the above runs over the DP
 group (the ranks holding the same slices). The scalar all-reduce spans the world: the gradient norm
 counts each TP slice once (every rank its own) and each replicated value once (TP rank 0's copy).
+
+Stage 1 keeps full gradients too, views into one flat gradient buffer. Stage 2 keeps none between steps:
+backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's
+first gradient arrives, and the parameter's .grad is dropped. In the backward of the last micro-batch a
+complete bucket is reduce-scattered into this rank's shard and its buffer freed once the reduce-scatter is done,
+so a rank holds its 1/W of the gradients plus the buckets in flight. With accumulation the buffers stay through
+the window (one reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the
+same order, so both stages compute bitwise the same shard.
 
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
@@ -67,8 +74,8 @@ class _Piece:
         return self.shard_lo + self.flat_hi - self.flat_lo
 
 
-class ZeroOneEngine:
-    """ZeRO-1 over a model: call backward inside `no_sync(...)` as needed, then `reduce_grads` and `apply`."""
+class ZeroEngine:
+    """ZeRO over a model: call backward inside `no_sync(...)` as needed, then `reduce_grads` and `apply`."""
 
     def __init__(
         self,
@@ -81,15 +88,16 @@ class ZeroOneEngine:
         reduce_in_backward: bool = True,
         gather_in_forward: bool = True,
         mesh: Mesh | None = None,
+        stage: int = 1,
     ):
-        """ZeRO-1 shards over `dp`, the data-parallel group (of `mesh` when there is one).
+        """ZeRO stage `stage` (1 or 2) shards over `dp`, the data-parallel group (of `mesh` when there is one).
 
         `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway.
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
         self.tp_slices = getattr(model, "tp_slices", {})  # name -> TPSlice of the parameters split by TP
-        self.precision = precision
+        self.precision, self.stage = precision, stage
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         named = list(model.named_parameters())  # a tied parameter appears once
         self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named],
@@ -107,20 +115,25 @@ class ZeroOneEngine:
         self._register_hooks()
 
     def _build_flat_buffers(self) -> None:
-        """Parameters and gradients become views into flat buffers: no per-step copies or allocations."""
+        """Parameters (and stage 1's gradients) become views into flat buffers: no per-step copies or allocations."""
         L, device = self.layout, self.params[0].device
         param_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
-        self.flat_grads = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
+        # Stage 2: no full gradient buffer; a bucket's gradients live in _bucket_grads[index] while it fills.
+        self.flat_grads = torch.zeros(L.padded_numel if self.stage == 1 else 0, dtype=param_dtype, device=device)
         with torch.no_grad():
             for s, p in zip(L.slots, self.params):
                 view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
                 view.copy_(p.detach())
                 p.data = view
-                p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
-        # In bf16, gradients are accumulated across micro-batches in fp32 before the reduce-scatter.
-        self.grad_accum = self.flat_grads if self.precision == "fp32" else torch.zeros(L.padded_numel, device=device)
+                if self.stage == 1:
+                    p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
+        # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
+        self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage == 2 else \
+            torch.zeros(L.padded_numel, device=device)
         self.grad_shard = torch.zeros(L.shard_numel, device=device)
+        self._bucket_grads: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its fp32 gradients, while held
+        self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
     def _build_optimizer(self) -> None:
         """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
@@ -175,7 +188,7 @@ class ZeroOneEngine:
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
-        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward:
+        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage == 2:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.gather_in_forward:
@@ -231,11 +244,17 @@ class ZeroOneEngine:
             raise StaleParameterError(
                 f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
                 "before reading parameters outside the model's forward")
-        if self.precision == "bf16":
+        if self.stage == 2:
+            b = self.layout.buckets[s.bucket]
+            with torch.no_grad():
+                self._bucket_grad(s.bucket)[s.offset - b.start : s.offset - b.start + s.numel].add_(
+                    p.grad.reshape(-1).float())
+            p.grad = None  # autograd's gradient tensor goes; the bucket holds the sum
+        elif self.precision == "bf16":
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
-        if self._sync and self.reduce_in_backward:
+        if self._sync and (self.reduce_in_backward or self.stage == 2):
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(
@@ -251,9 +270,43 @@ class ZeroOneEngine:
         b = self.layout.buckets[index]
         c = b.chunk_numel(self.dp.world_size)
         out = self.grad_shard[b.shard_offset : b.shard_offset + c]
-        work = self.dp.reduce_scatter(out, self.grad_accum[b.start : b.end], "reduce_scatter_grads", async_op=True)
-        self._pending.append(work)
+        grads = self.grad_accum[b.start : b.end] if self.stage == 1 else self._bucket_grad(index)
+        work = self.dp.reduce_scatter(out, grads, "reduce_scatter_grads", async_op=True)
+        self._pending.append((index, work))
         self._launched += 1
+        if self.stage == 2:
+            # One reduce-scatter in flight while the next bucket fills (none without overlap): wait for the older
+            # ones and free their gradients, so a rank holds about two buckets beside its shard.
+            self._finish_reduces(keep=1 if self.reduce_in_backward else 0)
+
+    def _finish_reduces(self, keep: int = 0) -> None:
+        """Wait for the launched reduce-scatters but the newest `keep`; stage 2 frees their buckets' gradients."""
+        while len(self._pending) > keep:
+            index, work = self._pending.pop(0)
+            # Gloo's work objects hold tensors; one that outlives the process group aborts the process at exit.
+            work.wait()
+            self._release(index)
+
+    def _bucket_grad(self, index: int) -> torch.Tensor:
+        """Stage 2: bucket `index`'s fp32 gradient buffer, allocated (zeroed) when its first gradient arrives."""
+        grads = self._bucket_grads.get(index)
+        if grads is None:
+            b = self.layout.buckets[index]
+            grads = self._bucket_grads[index] = torch.zeros(b.end - b.start, device=self.flat_params.device)
+            self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes())
+        return grads
+
+    def _release(self, index: int) -> None:
+        """Stage 2: bucket `index`'s gradients are in the shard; its full-size buffer goes."""
+        self._bucket_grads.pop(index, None)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor the engine holds now: stage 1's full buffers, stage 2's buckets in use, the shard."""
+        held = {id(t): t for t in (self.flat_grads, self.grad_accum, self.grad_shard, *self._bucket_grads.values())}
+        return list(held.values())
+
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.grad_tensors())
 
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
@@ -271,10 +324,7 @@ class ZeroOneEngine:
         """
         while self._launched < len(self.layout.buckets):
             self._launch(self._launched)
-        for work in self._pending:
-            work.wait()
-        # Gloo's work objects hold tensors; one that outlives the process group aborts the process at exit.
-        self._pending.clear()
+        self._finish_reduces()
         sumsq = self._counted_grad_sumsq()
         extras = extras.to(device=sumsq.device, dtype=torch.float64).reshape(-1)
         stats = self.mesh.world.all_reduce(torch.cat([sumsq.view(1), extras]), "all_reduce_stats").cpu()

@@ -16,7 +16,7 @@ from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
-from zerotrain.parallel import Comm, Mesh, ZeroOneEngine
+from zerotrain.parallel import Comm, Mesh, ZeroEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
 from zerotrain.runtime.launch import rank_device
@@ -41,7 +41,7 @@ class TrainResult:
     comm_calls: dict[str, int] = field(default_factory=dict)  # totals over the run, by purpose
     comm_bytes: dict[str, int] = field(default_factory=dict)
     param_count: int = 0
-    engine: ZeroOneEngine | None = None  # for callers that inspect the final state
+    engine: ZeroEngine | None = None  # for callers that inspect the final state
     stopped: dict | None = None  # {"signal", "step", "checkpoint"} when a stop signal ended the run early
     rollbacks: list[dict] = field(default_factory=list)
     resumed_from: str | None = None
@@ -49,8 +49,8 @@ class TrainResult:
     wall_s: float = 0.0
 
 
-def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
-    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO-1 engine over the DP group.
+def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
+    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1 or 2) over the DP group.
 
     From the seed, or with --init-from from those weights: built on the meta device and filled with the
     slices this rank trains, read from the files (no full copy of a split tensor on any rank).
@@ -66,12 +66,12 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroOneEngine:
         load_local(model, source, slices, mesh.tp_rank)
     model.recompute_blocks = cfg.parallel.activation_checkpointing == "blocks"
     bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
-    return ZeroOneEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
+    return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
-                         gather_in_forward=cfg.gather_in_forward, mesh=mesh)
+                         gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero)
 
 
-def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0) -> float:
+def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0) -> float:
     """Forward and backward every micro-batch of this rank; return its summed token loss.
 
     Each micro-batch's loss is its sum of token losses over the global token count, so the
@@ -91,7 +91,7 @@ def accumulate_gradients(engine: ZeroOneEngine, batch: StepBatch, forward=None, 
     return loss_sum
 
 
-def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, str | None]:
+def _resume(cfg: Config, engine: ZeroEngine, comm: Comm) -> tuple[int, dict, str | None]:
     """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
 
     After an elastic restart every rank resumes from the newest checkpoint that verifies, every rank verifying
@@ -124,7 +124,7 @@ def _resume(cfg: Config, engine: ZeroOneEngine, comm: Comm) -> tuple[int, dict, 
 class _Run:
     """What one run on this rank is made of, and what it has done so far."""
 
-    engine: ZeroOneEngine
+    engine: ZeroEngine
     model: torch.nn.Module  # the engine's model, or its compiled forward (parameters stay views of the flat buffer)
     schedule: BatchSchedule
     val_source: object | None
@@ -160,7 +160,7 @@ def _schedule_change(theirs: tuple[int, int], ours: tuple[int, int]) -> str:
     return "resuming with " + "; ".join(said) + " (the checkpoint's run is otherwise continued exactly)"
 
 
-def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroOneEngine], None] | None = None,
+def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], None] | None = None,
           announce: bool = True) -> TrainResult:
     """Train to cfg.loop.steps, resuming if asked; `after_update(step, engine)` is a hook for fault drills.
 
@@ -310,7 +310,7 @@ def _finish(run: _Run, comm: Comm, t_start: float) -> TrainResult:
                        _per_rank_bytes(engine, comm), time.perf_counter() - t_start)
 
 
-def _start_line(cfg: Config, engine: ZeroOneEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
+def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
     """Model size, global batch and its split, data, run folder, and where the run starts."""
     m = cfg.model
     describe = getattr(schedule.source, "describe", None)
@@ -348,7 +348,7 @@ def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
     return step
 
 
-def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngine, comm: Comm, cfg: Config):
+def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine, comm: Comm, cfg: Config):
     """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly."""
     # Rank 0 committed the checkpoints; the others may not see its last rename yet: its list decides.
     root = cfg.checkpoint.dir
@@ -370,18 +370,19 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroOneEngi
     return target, new_skips, event
 
 
-def _per_rank_bytes(engine: ZeroOneEngine, comm: Comm) -> dict[str, list[int]]:
-    """Parameter, gradient and optimizer bytes each rank holds, and its peak resident memory."""
-    grads = {id(t): t for t in (engine.flat_grads, engine.grad_accum, engine.grad_shard)}
+def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
+    """Parameter, gradient and optimizer bytes each rank holds (gradients: between steps, and the most held at once
+    during one, stage 2's buckets in flight included), and its peak resident memory."""
     row = torch.tensor([
         engine.flat_params.numel() * engine.flat_params.element_size(),
-        sum(t.numel() * t.element_size() for t in grads.values()),
+        engine.grad_bytes(),
+        engine.grad_peak_bytes,
         invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
     ], dtype=torch.int64)
     rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
-    return {key: [int(r[i]) for r in rows] for i, key in enumerate(("param_bytes", "grad_bytes", "optimizer_bytes",
-                                                                    "peak_rss_bytes"))}
+    return {key: [int(r[i]) for r in rows] for i, key in enumerate(("param_bytes", "grad_bytes", "grad_peak_bytes",
+                                                                    "optimizer_bytes", "peak_rss_bytes"))}
 
 
 def train_job(cfg: Config, comm: Comm) -> dict:

@@ -41,7 +41,7 @@ from zerotrain.config import Config, OptimConfig
 from zerotrain.data import IGNORE, BatchSchedule, make_source
 from zerotrain.errors import ConfigError
 from zerotrain.model import ARCH_NAMES, build_model, summed_token_loss
-from zerotrain.parallel import Comm, ZeroOneEngine
+from zerotrain.parallel import Comm, ZeroEngine
 from zerotrain.parallel.optim import adamw_param_groups
 from zerotrain.runtime.launch import rank_device
 from zerotrain.training import control, loop
@@ -189,7 +189,7 @@ def one_step(cfg: Config, comm: Comm, split: Split, lr: float, *, sgd: bool) -> 
     }
 
 
-def _use_plain_sgd(engine: ZeroOneEngine, lr: float) -> None:
+def _use_plain_sgd(engine: ZeroEngine, lr: float) -> None:
     """Plain SGD (p - lr * g) on the engine's shard in place of AdamW; `engine.apply` still clips and all-gathers."""
     engine.optimizer = torch.optim.SGD([{"params": g["params"]} for g in engine.optimizer.param_groups], lr=lr)
 
@@ -216,7 +216,7 @@ def planted_weighting(weighting: str, global_tokens: int, chunks: int):
         loop.summed_token_loss = real
 
 
-def reduced_grads(engine: ZeroOneEngine) -> dict[str, torch.Tensor]:
+def reduced_grads(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     """The reduced gradient of the full model by parameter name, from every rank's shard and TP slice.
 
     Compared by name, in the unpadded per-parameter order: the flat layout's padding, and so every

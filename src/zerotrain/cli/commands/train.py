@@ -82,6 +82,6 @@ def summary_line(s: dict) -> str:
     return (f"{s['steps']} steps, {loss}{s['tokens']:,} tokens, {s['wall_s']:.1f} s, "
             f"{len(s['checkpoints'])} checkpoint(s), {s['restarts']} restart(s), {s['rollbacks']} rollback(s); "
             f"per rank max/mean: params {s['max']['param_bytes'] / mib:.1f}/{s['mean']['param_bytes'] / mib:.1f} MiB, "
-            f"grads {s['max']['grad_bytes'] / mib:.1f}/{s['mean']['grad_bytes'] / mib:.1f} MiB, "
+            f"grads {s['max']['grad_peak_bytes'] / mib:.1f}/{s['mean']['grad_peak_bytes'] / mib:.1f} MiB at most, "
             f"optimizer {s['max']['optimizer_bytes'] / mib:.1f}/{s['mean']['optimizer_bytes'] / mib:.1f} MiB, "
             f"peak RSS {s['max']['peak_rss_bytes'] / mib:.0f}/{s['mean']['peak_rss_bytes'] / mib:.0f} MiB")
