@@ -139,5 +139,14 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
     monkeypatch.setattr(ZeroEngine, "_build_optimizer", own_moments)
     cfg = tiny_config(tmp_path / "planted", steps=4)
     cfg.loop.check_every = 2
+    # The memory plan's check, after the first step, finds the extra state first...
+    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of optimizer "
+                                             r"state, the plan [\d,]+"):
+        train(cfg, one_rank)
+    # ...and without it, (c) at the drift-check period does.
+    from zerotrain.training import loop
+    monkeypatch.setattr(loop, "check_plan", lambda *args: None)
+    cfg = tiny_config(tmp_path / "planted-unplanned", steps=4)
+    cfg.loop.check_every = 2
     with pytest.raises(InvariantError, match=r"invariant \(c\) failed at step 2: optimizer state on rank\(s\) \[0\]"):
         train(cfg, one_rank)

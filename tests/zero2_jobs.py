@@ -35,6 +35,6 @@ def freed_early_job(cfg: Config, comm: Comm) -> dict:
 
 
 def never_freed_job(cfg: Config, comm: Comm) -> dict:
-    """Planted bug: a reduced bucket's gradients are kept, so the next step accumulates onto them (twice counted)."""
+    """Planted bug: a reduced bucket's gradients are kept, so the next step would accumulate onto them."""
     ZeroEngine._release = lambda self, index: None
     return stage_job(cfg, comm)

@@ -165,6 +165,11 @@ class ParallelConfig:
                                             "the block in the backward (less memory, more compute); or none",
                                             rule=one_of("none", "blocks"))
 
+    @property
+    def bucket_numel(self) -> int:
+        """Values per gradient bucket (--bucket-mb of fp32)."""
+        return max(1, int(self.bucket_mb * 2**20 / 4))
+
 
 @dataclass
 class LoopConfig:

@@ -20,7 +20,7 @@ DESCRIPTION = ("Train GPT language models data- and tensor-parallel on torch.dis
 def build_parser() -> argparse.ArgumentParser:
     from zerotrain import bench
 
-    from .commands import demo, equivalence, plot, prepare, sample, train
+    from .commands import demo, equivalence, plan, plot, prepare, sample, train
     from .commands import eval as evaluate  # the module's name shadows the builtin
     from .commands import export_model as export
     from .commands import verify_checkpoint as verify
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     bench.add_parser(sub)
     equivalence.add_parser(sub)
+    plan.add_parser(sub)
     verify.add_parser(sub)
     prepare.add_parser(sub)
     sample.add_parser(sub)

@@ -1,8 +1,8 @@
 """Data and tensor parallelism: the ZeRO-1 engine, its flat shard layout, the TP x DP mesh, counted collectives."""
 
 from .comm import Comm
-from .engine import GradientOrderError, StaleParameterError, ZeroEngine
+from .engine import GradientOrderError, StaleParameterError, ZeroEngine, layout_of
 from .layout import Bucket, ParamSlot, ShardLayout
 from .mesh import Mesh
 
-__all__ = ["Bucket", "Comm", "GradientOrderError", "Mesh", "ParamSlot", "ShardLayout", "StaleParameterError", "ZeroEngine"]
+__all__ = ["Bucket", "Comm", "GradientOrderError", "Mesh", "ParamSlot", "ShardLayout", "StaleParameterError", "ZeroEngine", "layout_of"]

@@ -60,6 +60,12 @@ class StaleParameterError(ZeroTrainError):
     """A parameter was used while the all-gather bringing its new value was still in flight."""
 
 
+def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
+    """The flat layout an engine over `model` uses (a model on the meta device gives the same one)."""
+    named = list(model.named_parameters())  # a tied parameter appears once
+    return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
+
+
 @dataclass
 class _Piece:
     """A run of this rank's owned values with one weight-decay setting: one AdamW 'parameter'."""
@@ -99,10 +105,8 @@ class ZeroEngine:
         self.tp_slices = getattr(model, "tp_slices", {})  # name -> TPSlice of the parameters split by TP
         self.precision, self.stage = precision, stage
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
-        named = list(model.named_parameters())  # a tied parameter appears once
-        self.layout = ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named],
-                                        dp.world_size, bucket_numel)
-        by_name = dict(named)
+        self.layout = layout_of(model, dp.world_size, bucket_numel)
+        by_name = dict(model.named_parameters())
         self.params = [by_name[s.name] for s in self.layout.slots]
         self._build_flat_buffers()
         # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.

@@ -23,10 +23,13 @@ from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.stop import stop_request
 
 from . import control, invariants
+from .activations import saved_for_backward
 from .evaluate import validation_loss
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
 from .metrics import Metrics
+from .memory_plan import MemoryPlan, memory_plan
+from .memory_plan import check as check_plan
 from .schedule import lr_at
 
 
@@ -47,6 +50,7 @@ class TrainResult:
     resumed_from: str | None = None
     per_rank: dict[str, list[int]] = field(default_factory=dict)  # bytes held and peak RSS, one entry per rank
     wall_s: float = 0.0
+    plan: dict = field(default_factory=dict)  # the memory plan's rows and what the run measured against them
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
@@ -65,25 +69,32 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
         model.tie_weights()
         load_local(model, source, slices, mesh.tp_rank)
     model.recompute_blocks = cfg.parallel.activation_checkpointing == "blocks"
-    bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / 4))
-    return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=bucket_numel,
+    return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
                          gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero)
 
 
-def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0) -> float:
+def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
+                         saved: list | None = None) -> float:
     """Forward and backward every micro-batch of this rank; return its summed token loss.
 
     Each micro-batch's loss is its sum of token losses over the global token count, so the
     accumulated gradient is the global batch's mean-token-loss gradient whatever the split.
-    `loss_factor` is 1 except when a fault injects a NaN.
+    `loss_factor` is 1 except when a fault injects a NaN. With a `saved` list, the bytes the first
+    micro-batch keeps for its backward are counted (saved-tensor hooks) and appended to it.
     """
     forward = engine.model if forward is None else forward
     device = engine.flat_params.device
     loss_sum, last = 0.0, len(batch.micro_batches) - 1
     for i, (x, y) in enumerate(batch.micro_batches):
         with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
-            token_loss = summed_token_loss(forward(x.to(device)), y.to(device))
+            def loss() -> torch.Tensor:
+                return summed_token_loss(forward(x.to(device)), y.to(device))
+            if saved is not None and i == 0:
+                nbytes, token_loss = saved_for_backward(loss, engine.params)
+                saved.append(nbytes)
+            else:
+                token_loss = loss()
             if loss_factor != 1.0:
                 token_loss = token_loss * loss_factor
             (token_loss / batch.global_tokens).backward()
@@ -138,6 +149,9 @@ class _Run:
     start: int
     resumed_from: str | None
     skips: list  # data steps skipped after rollbacks, in force now
+    plan: MemoryPlan
+    saved_bytes: list = field(default_factory=list)  # what the first micro-batch kept for its backward
+    plan_checked: bool = False
     records: list[dict] = field(default_factory=list)
     rollbacks: list[dict] = field(default_factory=list)
     stopped: dict | None = None
@@ -177,7 +191,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             run.faults.before_collectives(done, lambda: run.stop.requested)
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
-            loss_sum = accumulate_gradients(run.engine, batch, run.model, run.faults.loss_factor(done))
+            count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
+            loss_sum = accumulate_gradients(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             reduced = _reduce(run, loss_sum)
             loss, grad_norm = reduced.loss_sum / batch.global_tokens, reduced.grad_norm
             # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
@@ -223,8 +238,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
                       total=cfg.loop.steps, tensorboard=tensorboard)
+    plan = memory_plan(cfg, world_size=comm.world_size)
     if announce:
-        metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from))
+        metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from) + "; " + plan.summary())
     if restart_count() > 0:
         lost = metrics.dropped_after - start
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
@@ -235,7 +251,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,
                 stop=stop, detector=detector, policy=policy, saver=saver, metrics=metrics, memory=memory,
-                start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []))
+                start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan)
 
 
 def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
@@ -266,10 +282,18 @@ def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
 
 
 def _check_after_update(cfg: Config, run: _Run, done: int, after_update) -> None:
-    """The fault drills' hook, then invariants (b) and (c) every --check-every steps."""
+    """The fault drills' hook, the memory plan after the first step, then invariants (b) and (c) every
+    --check-every steps."""
     if after_update:
         run.engine.wait_params()
         after_update(done, run.engine)
+    if not run.plan_checked:
+        run.plan_checked = True
+        warning = check_plan(run.plan, run.engine, run.mesh.world, run.saved_bytes[0] if run.saved_bytes else None,
+                             done)
+        if warning:
+            run.metrics.event({"event": "plan_activations", "step": done, "measured": run.saved_bytes[0],
+                               "planned": run.plan.rows["activations"]}, "warning: " + warning)
     if cfg.loop.check_every and done % cfg.loop.check_every == 0:
         invariants.check_no_drift(done, run.engine.param_digests(), run.mesh)
         run.memory = invariants.check_memory(run.engine, run.mesh.world, done)
@@ -307,7 +331,7 @@ def _finish(run: _Run, comm: Comm, t_start: float) -> TrainResult:
     calls, nbytes = run.mesh.counters()
     return TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
                        engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
-                       _per_rank_bytes(engine, comm), time.perf_counter() - t_start)
+                       _per_rank_bytes(engine, comm), time.perf_counter() - t_start, _plan_report(run))
 
 
 def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
@@ -385,6 +409,12 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
                                                                     "optimizer_bytes", "peak_rss_bytes"))}
 
 
+def _plan_report(run: _Run) -> dict:
+    """The plan's rows and total, beside the activations rank 0's first micro-batch saved (None: not counted)."""
+    return {"rows": run.plan.rows, "total": run.plan.total, "micro_batch": run.plan.micro_batch,
+            "activations_measured": run.saved_bytes[0] if run.saved_bytes else None}
+
+
 def train_job(cfg: Config, comm: Comm) -> dict:
     """The job behind `zerotrain train`: rank 0 returns what the command reports and writes to summary.json."""
     result = train(cfg, comm)
@@ -392,4 +422,5 @@ def train_job(cfg: Config, comm: Comm) -> dict:
             "memory": vars(result.memory), "param_count": result.param_count, "start_step": result.start_step,
             "stopped": result.stopped, "rollbacks": result.rollbacks, "resumed_from": result.resumed_from,
             "per_rank": result.per_rank, "restarts": restart_count(), "wall_s": result.wall_s,
-            "threads_per_rank": torch.get_num_threads(), "world_size": comm.world_size, "config": cfg.to_dict()}
+            "threads_per_rank": torch.get_num_threads(), "world_size": comm.world_size, "config": cfg.to_dict(),
+            "plan": result.plan}

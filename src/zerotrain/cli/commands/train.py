@@ -17,7 +17,7 @@ from zerotrain.training.metrics import count_events, read_step_records
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT data-parallel with ZeRO-1")
+    p = sub.add_parser("train", help="train a GPT or Llama data- and tensor-parallel with ZeRO")
     add_training_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -66,6 +66,7 @@ def write_summary(result: dict, config: dict) -> dict:
         "rollbacks": count_events(cfg.logging.metrics, "rollback") or len(result["rollbacks"]),
         "stopped": result["stopped"],
         "per_rank": per_rank,
+        "plan": result["plan"],
         "max": {k: max(v) for k, v in per_rank.items()},
         "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
     }

@@ -1,0 +1,86 @@
+"""`zerotrain plan [training flags] [--device-memory 80GiB]`: what each rank will hold, before the run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from zerotrain.cli.flags import add_training_flags, config_from_args
+from zerotrain.config import Config
+from zerotrain.model import ARCH_NAMES, param_count
+from zerotrain.training.memory_plan import ROWS, gib, largest_micro_batch, memory_plan, parse_bytes
+
+# How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
+HOW = {
+    "parameters": "P x {p}",
+    "gradients": "{grads}",
+    "optimizer_state": "shard x 8 (AdamW's two moments)",
+    "master_weights": "{master}",
+    "gradient_buckets": "{buckets}",
+    "activations": "saved for the backward, {B} x {T} tokens{recompute}",
+    "communication": "{comm}",
+    "checkpoint_staging": "{staging}",
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="what each rank will hold (parameters, gradients, optimizer, activations...), "
+                                    "and the largest micro-batch that fits",
+                       description="Prints, for the run the training flags describe, the bytes each rank will hold "
+                                   "by kind: exact for the state (from the layout the engine builds), the activations "
+                                   "from the model's formula. `zerotrain train` prints the total in its start line "
+                                   "and checks it after its first step.")
+    add_training_flags(p)
+    p.add_argument("--device-memory", metavar="SIZE", help="memory of one rank's device (80GiB, 40GB, 512MiB): "
+                                                           "also print the largest micro-batch that fits")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    device_bytes = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    cfg = config_from_args(args, environment=False)  # a plan for a machine that is not this one
+    plan = memory_plan(cfg)
+    fits = largest_micro_batch(cfg, device_bytes) if device_bytes is not None else None
+    report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
+              "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
+              "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
+              "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
+              "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits}
+    print(json.dumps(report, indent=2) if args.json else table(cfg, report))
+    return 0
+
+
+def table(cfg: Config, r: dict) -> str:
+    p = cfg.parallel
+    bf16 = p.precision == "bf16"
+    notes = {
+        "p": 2 if bf16 else 4,
+        "grads": "shard x 4" if p.zero == 2 else
+                 f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''} + shard x 4",
+        "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
+        "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
+                    "two largest buckets x 4" if cfg.loop.accum == 1 else "every bucket, through the window"),
+        "B": r["micro_batch"], "T": r["seq_len"],
+        "recompute": ", blocks recomputed" if p.activation_checkpointing == "blocks" else "",
+        "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
+        "staging": ("--async-save: shard x 12, rank 0 also the model x 4" +
+                    (" (host memory)" if r["device"] == "cuda" else "")) if cfg.checkpoint.async_save else
+                   "none (--async-save stages copies)",
+    }
+    mesh = f"TP {r['tp']} x DP {r['dp']}" if r["tp"] > 1 else f"DP {r['dp']}"
+    lines = [f"zerotrain plan: {r['model']} {r['parameters']:,} parameters on {mesh} ({r['device']}), ZeRO-{r['zero']}, "
+             f"{r['precision']}, micro-batch {r['micro_batch']} x {r['seq_len']} tokens, accum {cfg.loop.accum}; "
+             "per rank (rank 0):", ""]
+    width = max(len(label) for _, label in ROWS)
+    for key, label in ROWS:
+        lines.append(f"  {label:<{width}}  {gib(r['rows'][key]):>11}  {HOW[key].format(**notes)}")
+    where = "on the device; staging is host memory" if r["device"] == "cuda" else "in RAM"
+    lines += ["", f"  {'total, at the peak of a step':<{width}}  {gib(r['total']):>11}  {where}; torch's own "
+              "runtime not included"]
+    if r["device_memory"] is not None:
+        fits = r["largest_micro_batch"]
+        lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: " +
+                     (str(fits) if fits else "none: the state alone does not fit (--zero 2, --tp, bf16, "
+                                             "or more ranks)"))
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Predicted activation memory: the bytes autograd saves for the backward of one micro-batch's forward and loss.
+
+The prediction is what `training.activations.saved_for_backward` measures (each saved storage once, the
+parameters left out) for `summed_token_loss(model(x), y)` on one rank, in eager mode. Per rank, with
+B sequences of T tokens, width C, ffn width F, vocabulary V, head_dim D, H query and KV key/value heads
+(H/tp, KV/tp and F/tp under tensor parallelism: column-parallel outputs are split, row-parallel outputs
+and everything between the blocks are whole), `a` bytes per activation (4 fp32, 2 bf16):
+
+    GPT-2 block  2 LayerNorms  2 x (2 BTC a + 2 BT a)               input, output (the next linear's), mean, rstd
+                 attention     BT (H + 2 KV) D a + BTHD a + BHT 4   q k v, output, logsumexp
+                 GELU MLP      2 BTF a                              c_fc's output (GELU's input), GELU's output
+    Llama block  2 RMSNorms    2 x (BTC 4 + BT 4 + 2 BTC a)         fp32 input, rsqrt, normalized, output
+                 attention     as GPT-2's (q and k rotated); in bf16 also the rotary tables cast per use, 4 TD a
+                 SwiGLU MLP    4 BTF a                              gate, silu(gate), up, their product
+    outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
+                 tables 2 TD 4), the final norm as a block's, and the loss: fp32 log-probabilities BTV 4,
+                 targets BT 8.
+
+That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "blocks" each block keeps
+only its input, BTC a (torch.utils.checkpoint, non-reentrant, saves its tensor arguments; Llama's rotary
+tables travel in a tuple, which it holds by reference: alive, 2 T D 4 bytes, but not a saved tensor, so
+counted neither here nor by the measurement), and for a large vocabulary the loss's BTV 4 is then most of
+what remains (GPT-2 124M, B 1, T 1024, fp32: 206 of 250 MB).
+
+Attention is counted as SDPA's fused kernels save it: q, k, v, output and per-row logsumexp, never the
+T x T matrix. That is measured on the CPU path (flash attention for CPU); CUDA's flash, memory-efficient
+and cuDNN kernels save the same list (plus a few bytes of RNG state; memory-efficient pads the logsumexp
+to a multiple of 32 rows), not measured here. SDPA's math fallback (an explicit mask, a shape or dtype no
+fused kernel takes) saves the T x T attention probabilities as well and is not what this predicts.
+LayerNorm's mean and rstd are counted in the activation dtype, as on CPU; CUDA keeps them in fp32 (4 BT
+bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fused kernels need instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerotrain.config import ModelConfig
+
+FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
+INDEX = 8  # bytes: int64 token ids, positions and targets
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """One rank's sizes for one micro-batch: heads, kv_heads and ffn are this rank's share under TP."""
+
+    B: int
+    T: int
+    C: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    act: int  # bytes of an activation element
+
+    @property
+    def BT(self) -> int:
+        return self.B * self.T
+
+
+# Each term below names the tensors autograd saves and returns their bytes.
+
+def layer_norm(s: RankShape) -> int:
+    """LayerNorm: its input, mean and rstd per token (activation dtype on CPU), and its output (saved by the
+    linear that reads it)."""
+    return 2 * s.BT * s.C * s.act + 2 * s.BT * s.act
+
+
+def rms_norm(s: RankShape) -> int:
+    """RMSNorm (computed in fp32): the fp32 input (x itself in fp32, a copy in bf16), rsqrt per token, the
+    normalized input cast back (saved for the gain's gradient) and the output (saved by the next linear)."""
+    return s.BT * s.C * FP32 + s.BT * FP32 + 2 * s.BT * s.C * s.act
+
+
+def attention_inputs(s: RankShape) -> int:
+    """q, k and v as SDPA saves them: (B, heads or kv_heads, T, D); GPT-2's are views of c_attn's output."""
+    return s.BT * (s.heads + 2 * s.kv_heads) * s.head_dim * s.act
+
+
+def attention_output(s: RankShape) -> int:
+    """SDPA's output, stored (B, T, heads, D): also the output projection's input, one storage."""
+    return s.BT * s.heads * s.head_dim * s.act
+
+
+def attention_logsumexp(s: RankShape) -> int:
+    """SDPA's per-row logsumexp (B, heads, T), fp32 in every precision: all the backward needs of the softmax."""
+    return s.B * s.heads * s.T * FP32
+
+
+def attention(s: RankShape) -> int:
+    return attention_inputs(s) + attention_output(s) + attention_logsumexp(s)
+
+
+def gelu_mlp(s: RankShape) -> int:
+    """c_fc's output (GELU's input) and GELU's output (c_proj's input); c_fc's input is the norm's output."""
+    return 2 * s.BT * s.ffn * s.act
+
+
+def swiglu_mlp(s: RankShape) -> int:
+    """gate_proj's output (silu's input), silu's output and up_proj's output (the product's factors), and
+    their product (down_proj's input)."""
+    return 4 * s.BT * s.ffn * s.act
+
+
+def rotary_casts(s: RankShape) -> int:
+    """In bf16 apply_rotary casts cos and sin to bf16 for q and again for k: four (T, D) copies per block,
+    saved by the multiplications. In fp32 the cast is a no-op: the shared fp32 tables are saved, once
+    (rotary_tables)."""
+    if s.act == FP32:
+        return 0
+    return 4 * s.T * s.head_dim * s.act
+
+
+def rotary_tables(s: RankShape) -> int:
+    """cos and sin (T, D) in fp32, computed once per forward and shared by every block."""
+    return 2 * s.T * s.head_dim * FP32
+
+
+def block_input(s: RankShape) -> int:
+    """What a recomputed block keeps: its input x (B, T, C)."""
+    return s.BT * s.C * s.act
+
+
+def loss(s: RankShape) -> int:
+    """cross_entropy on fp32 logits: log_softmax's output (B*T, V) in fp32, the targets and nll_loss's
+    total weight (a scalar). The logits themselves are not saved."""
+    return s.BT * s.vocab * FP32 + s.BT * INDEX + FP32
+
+
+def gpt2_block(s: RankShape) -> int:
+    return 2 * layer_norm(s) + attention(s) + gelu_mlp(s)
+
+
+def llama_block(s: RankShape) -> int:
+    return 2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s)
+
+
+def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
+                     recompute: str = "none") -> dict[str, int]:
+    """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
+
+    Returns {"per_block", "blocks", "embedding", "head", "loss", "total"}, where total = blocks + embedding
+    + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's positions;
+    Llama's fp32 rotary tables), the final norm with the head's input, and the loss. The formula is in the
+    module docstring; `precision` is the parameters' dtype (--precision), `recompute` --activation-checkpointing.
+    """
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    if tp < 1:
+        raise ValueError(f"tp must be at least 1, got {tp}")
+    if recompute not in ("none", "blocks"):
+        raise ValueError(f"recompute must be none or blocks, got {recompute!r}")
+    for what, n in (("n_head", cfg.n_head), ("kv heads", cfg.kv_heads), ("ffn width", cfg.ffn_width)):
+        if n % tp:
+            raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
+    s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp, kv_heads=cfg.kv_heads // tp,
+                  head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision])
+    llama = cfg.arch == "llama"
+    if recompute == "blocks":
+        per_block = block_input(s)
+    else:
+        per_block = llama_block(s) if llama else gpt2_block(s)
+    embedding = s.BT * INDEX  # token ids, saved by the embedding lookup
+    if llama and recompute == "none" and precision == "fp32":
+        # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none).
+        embedding += rotary_tables(s)
+    if not llama:
+        embedding += s.T * INDEX  # positions, saved by the position embedding
+    head = rms_norm(s) if llama else layer_norm(s)  # the final norm; its output is the head's input
+    blocks = cfg.n_layer * per_block
+    total_loss = loss(s)
+    return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
+            "total": blocks + embedding + head + total_loss}

@@ -1,0 +1,171 @@
+"""The memory plan: what each rank will hold, before the run (`zerotrain plan`), checked by the run itself.
+
+State bytes come from the layout the engine will build (the model built on the meta device, split as the
+rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
+
+    parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
+    gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
+                         stage 2: shard x 4                                   held between steps
+    gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (one in its
+                         reduce-scatter while the next fills); every bucket (padded P x 4) through a window
+    optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
+    master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
+    activations          model.memory.activation_bytes for one micro-batch    what autograd keeps for backward
+    communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
+    checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
+
+where P is the rank's parameters (its TP slices and the replicated ones) and shard = padded P / DP. Figures
+are rank 0's, the busiest (staging), for the peak of a step; torch's own runtime (the interpreter and its
+libraries on CPU, the CUDA context and allocator slack on a GPU) is not in them.
+
+A run checks the plan once, after its first step (`check`): the state bytes against the tensors its engine
+holds, exactly (a gradient bucket never freed, or an extra buffer, fails it as invariant (c) fails for the
+optimizer), and the activation bytes against the saved-tensor count of its first micro-batch, within 10%.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.config import Config
+from zerotrain.errors import ConfigError
+from zerotrain.model import build_model, parallelize
+from zerotrain.model.memory import activation_bytes
+from zerotrain.parallel import Comm, ZeroEngine, layout_of
+
+from .invariants import InvariantError, held_bytes
+
+# The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
+ROWS = (("parameters", "parameters"), ("gradients", "gradients (between steps)"),
+        ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
+        ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
+        ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
+STATE = ("parameters", "gradients", "optimizer_state", "master_weights")
+ACTIVATION_TOLERANCE = 0.10
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank by row (ROWS), and what they were computed for."""
+
+    rows: dict[str, int]
+    micro_batch: int
+    dp: int
+    tp: int
+    device: str
+
+    @property
+    def total(self) -> int:
+        """The peak of a step on the device: staging is host memory with CUDA."""
+        return sum(v for k, v in self.rows.items() if k != "checkpoint_staging" or self.device == "cpu")
+
+    def summary(self) -> str:
+        return f"plan {gib(self.total)} per rank (zerotrain plan)"
+
+
+def gib(n: float) -> str:
+    if n == 0:
+        return "0"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | None = None) -> MemoryPlan:
+    """What a rank of `cfg`'s run will hold (rank 0's figures; the state is every rank's), on --nproc ranks or
+    `world_size`, with --micro-batch sequences or `micro_batch`."""
+    p, tp = cfg.parallel, cfg.parallel.tp
+    dp = (world_size or cfg.launch.nproc) // tp
+    B = micro_batch or cfg.loop.micro_batch
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.loop.seed)
+        if tp > 1:
+            parallelize(model, tp, 0, None)
+    L = layout_of(model, dp, p.bucket_numel)
+    psize = 2 if p.precision == "bf16" else 4
+    padded, shard = L.padded_numel, L.shard_numel
+    if p.zero == 1:
+        grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + shard * 4
+        buckets = 0
+    else:
+        grads = shard * 4
+        sizes = sorted(b.end - b.start for b in L.buckets)
+        buckets = 4 * (sum(sizes[-2:]) if cfg.loop.accum == 1 else padded)
+    staging = (shard * 12 + tp * padded * 4) if cfg.checkpoint.async_save else 0
+    rows = {
+        "parameters": padded * psize,
+        "gradients": grads,
+        "optimizer_state": shard * 8,
+        "master_weights": shard * 4 if p.precision == "bf16" else 0,
+        "gradient_buckets": buckets,
+        "activations": activation_bytes(cfg.model, B, cfg.model.seq_len, tp=tp, precision=p.precision,
+                                        recompute=p.activation_checkpointing)["total"],
+        "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
+        "checkpoint_staging": staging,
+    }
+    return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
+
+
+def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16) -> int:
+    """The largest micro-batch whose plan fits in `device_bytes` (0 if not even 1 does)."""
+    fixed = memory_plan(cfg, 1)
+    base = fixed.total - fixed.rows["activations"]
+    if base + fixed.rows["activations"] > device_bytes:
+        return 0
+    per = lambda b: activation_bytes(cfg.model, b, cfg.model.seq_len, tp=cfg.parallel.tp,  # noqa: E731
+                                     precision=cfg.parallel.precision,
+                                     recompute=cfg.parallel.activation_checkpointing)["total"]
+    lo, hi = 1, limit
+    while lo < hi:  # activations grow with the micro-batch: bisect
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if base + per(mid) <= device_bytes else (lo, mid - 1)
+    return lo
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, flag: str = "--device-memory") -> int:
+    """'80GiB', '80 GB', '512MiB', '1.5TiB' or a byte count; ConfigError naming the value otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{flag} {text!r} is not a size: give a positive number with a unit, e.g. 80GiB, 40GB "
+                          "or 512MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def measured_state(engine: ZeroEngine) -> dict[str, int]:
+    """The state rows as the engine holds them now (between steps)."""
+    master = engine.master.numel() * 4 if engine.master is not None else 0
+    optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+    return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
+            "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master}
+
+
+def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | None, step: int) -> str | None:
+    """Check the plan against what every rank holds after `step`: the state exactly, or InvariantError naming
+    the rank and row; the gradient peak within the planned buckets. Returns a warning line when the first
+    micro-batch's saved activations (`saved_bytes`, rank 0's; None: not counted) are off by more than 10%."""
+    held = measured_state(engine)
+    row = [held[k] for k in STATE] + [engine.grad_peak_bytes]
+    rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
+    peak = plan.rows["gradients"] + plan.rows["gradient_buckets"]
+    for rank, measured in enumerate(rows):
+        for key, value in zip(STATE, measured):
+            if value != plan.rows[key]:
+                raise InvariantError(f"memory plan failed at step {step}: rank {rank} holds {value:,} bytes of "
+                                     f"{key.replace('_', ' ')}, the plan {plan.rows[key]:,}")
+        if measured[-1] > peak:
+            raise InvariantError(f"memory plan failed at step {step}: rank {rank} held {measured[-1]:,} bytes of "
+                                 f"gradients at once, the plan at most {peak:,}")
+    if saved_bytes is None:
+        return None
+    planned = plan.rows["activations"]
+    if abs(saved_bytes - planned) > ACTIVATION_TOLERANCE * saved_bytes:
+        return (f"memory plan: the first micro-batch saved {gib(saved_bytes)} of activations for the backward, "
+                f"the plan {gib(planned)} ({(planned - saved_bytes) / saved_bytes:+.0%}, beyond "
+                f"{ACTIVATION_TOLERANCE:.0%})")
+    return None

@@ -1,0 +1,98 @@
+"""model/memory.py's predicted activation bytes agree with what autograd saves, and a planted omission is caught.
+
+The measurement is training.activations.saved_for_backward over `summed_token_loss(model(x), y)`, as the
+training loop runs it; bf16 is the model cast to bf16, as the engine's bf16 parameters make it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_checkpoint import spawn
+
+from zerotrain.config import PRESETS, ModelConfig
+from zerotrain.model import build_model, memory, parallelize, summed_token_loss
+from zerotrain.model.memory import activation_bytes
+from zerotrain.training.activations import saved_for_backward
+
+# The formula is byte-exact on the CPU path today; the tolerance leaves room for kernels that pad or keep
+# statistics in another dtype (CUDA), while a forgotten activation tensor still exceeds it.
+TOLERANCE = 0.05
+
+CONFIGS = {"gpt2": ModelConfig(**PRESETS["tiny"]), "llama": ModelConfig(**PRESETS["llama-tiny"])}  # llama: GQA 4/2
+SHAPES = [(2, 16), (3, 13)]  # (micro_batch, seq_len): a second, odd shape so B and T enter separately
+
+
+def measured_bytes(model, micro_batch: int, seq_len: int, precision: str, recompute: str) -> int:
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.recompute_blocks = recompute == "blocks"
+    ids = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].clone(), ids[:, 1:].clone()  # separate storages, as the data sources make them
+    saved, _ = saved_for_backward(lambda: summed_token_loss(model(x), y), model.parameters())
+    return saved
+
+
+def assert_predicted(predicted: int, measured: int, tolerance: float = TOLERANCE) -> None:
+    error = (predicted - measured) / measured
+    print(f"predicted {predicted} measured {measured} error {error:+.2%}")
+    assert abs(error) <= tolerance, f"predicted {predicted} bytes, measured {measured}: {error:+.1%}"
+
+
+@pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_predicted_activation_bytes_match_what_autograd_saves(arch, recompute, precision, micro_batch, seq_len):
+    cfg = CONFIGS[arch]
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute)
+    predicted = activation_bytes(cfg, micro_batch, seq_len, precision=precision, recompute=recompute)
+    assert_predicted(predicted["total"], measured)
+
+
+def tp_bytes_job(rank, comm, tmp_path):
+    """Each TP rank's measured bytes for each architecture and precision, at micro-batch 2, seq_len 16.
+
+    Blocks kept whole only: a recomputed block keeps its whole input, which TP does not split (and the first
+    checkpoint costs each fresh process seconds of imports).
+    """
+    out = {}
+    for arch, cfg in CONFIGS.items():
+        for precision in ("fp32", "bf16"):
+            model = build_model(cfg, seed=0)
+            parallelize(model, 2, rank, comm)
+            out[f"{arch} {precision}"] = measured_bytes(model, 2, 16, precision, "none")
+    return out
+
+
+def test_predicted_activation_bytes_under_tp2_match_each_ranks_measurement(tmp_path):
+    codes, results = spawn(tp_bytes_job, 2, tmp_path, timeout=90)
+    assert codes == [0, 0] and all(r is not None and "error" not in r for r in results), results
+    for measured in results:
+        assert len(measured) == 4
+        for case, saved in measured.items():
+            arch, precision = case.split()
+            predicted = activation_bytes(CONFIGS[arch], 2, 16, tp=2, precision=precision)
+            assert_predicted(predicted["total"], saved)
+            # Split heads and MLP: less than a whole model's bytes, more than half (norms, head, loss are whole).
+            whole = activation_bytes(CONFIGS[arch], 2, 16, precision=precision)["total"]
+            assert 0.5 * whole < saved < whole
+
+
+def test_a_formula_that_forgets_the_attention_output_is_caught(monkeypatch):
+    # A narrow MLP (ffn = width) and four blocks: the attention output is 9% of the bytes, past the tolerance.
+    cfg = dataclasses.replace(CONFIGS["gpt2"], n_layer=4, intermediate_size=32)
+    measured = measured_bytes(build_model(cfg, seed=0), 2, 16, "fp32", "none")
+    assert_predicted(activation_bytes(cfg, 2, 16)["total"], measured)
+    monkeypatch.setattr(memory, "attention_output", lambda s: 0)  # planted: SDPA's output not counted
+    with pytest.raises(AssertionError):
+        assert_predicted(activation_bytes(cfg, 2, 16)["total"], measured)
+
+
+def test_impossible_settings_are_refused_with_the_value():
+    with pytest.raises(ValueError, match="tp 3 does not divide the n_head"):
+        activation_bytes(CONFIGS["gpt2"], 2, 16, tp=3)
+    with pytest.raises(ValueError, match="'fp16'"):
+        activation_bytes(CONFIGS["gpt2"], 2, 16, precision="fp16")

@@ -1,0 +1,100 @@
+"""The memory plan: `zerotrain plan`, and the check every run makes of it after its first step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_config
+
+from zerotrain.cli import main as cli
+from zerotrain.training import loop
+from zerotrain.training import memory_plan as plan_module
+from zerotrain.training.invariants import InvariantError
+from zerotrain.training.loop import train
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(zero=2), dict(zero=2, precision="bf16", accum=2),
+                                      dict(precision="bf16", activation_checkpointing="blocks"),
+                                      dict(zero=2, preset="llama-tiny", activation_checkpointing="blocks")],
+                         ids=["zero1", "zero2", "zero2-bf16-accum2", "zero1-bf16-blocks", "llama-zero2-blocks"])
+def test_a_run_holds_exactly_the_planned_state_and_saves_the_planned_activations(tmp_path, one_rank, settings):
+    settings = dict(settings)
+    preset = settings.pop("preset", None)
+    if preset:
+        from zerotrain.config import PRESETS
+        settings.update(PRESETS[preset])
+    cfg = tiny_config(tmp_path, steps=2, **settings)
+    result = train(cfg, one_rank, announce=False)  # the run checks its state against the plan itself, exactly
+    rows, engine = result.plan["rows"], result.engine
+    assert plan_module.measured_state(engine) == {k: rows[k] for k in plan_module.STATE}
+    assert engine.grad_peak_bytes <= rows["gradients"] + rows["gradient_buckets"]
+    measured = result.plan["activations_measured"]
+    assert abs(rows["activations"] - measured) <= 0.10 * measured
+
+
+def test_state_the_plan_does_not_foresee_stops_the_run_naming_rank_and_kind(tmp_path, one_rank, monkeypatch):
+    real = plan_module.memory_plan
+
+    def off_by_one_moment(cfg, *args, **kwargs):  # planted: the plan forgets one value of optimizer state
+        planned = real(cfg, *args, **kwargs)
+        planned.rows["optimizer_state"] -= 8
+        return planned
+    monkeypatch.setattr(loop, "memory_plan", off_by_one_moment)
+    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of "
+                                             r"optimizer state, the plan [\d,]+"):
+        train(tiny_config(tmp_path, steps=2), one_rank, announce=False)
+
+
+def test_activations_off_the_plan_by_more_than_10_percent_are_said(tmp_path, one_rank, monkeypatch, capsys):
+    real = plan_module.activation_bytes
+
+    def without_attention(*args, **kwargs):  # planted: a formula that forgets part of what autograd keeps
+        out = dict(real(*args, **kwargs))
+        out["total"] = int(out["total"] * 0.85)
+        return out
+    cfg = tiny_config(tmp_path / "right", steps=2)
+    train(cfg, one_rank, announce=False)
+    assert "memory plan" not in capsys.readouterr().err
+    monkeypatch.setattr(plan_module, "activation_bytes", without_attention)
+    cfg = tiny_config(tmp_path / "wrong", steps=2)
+    result = train(cfg, one_rank, announce=False)
+    err = capsys.readouterr().err
+    assert "warning: memory plan: the first micro-batch saved" in err and "(-15%, beyond 10%)" in err
+    events = [json.loads(line) for line in open(cfg.logging.metrics) if '"event"' in line]
+    assert [e["measured"] for e in events if e["event"] == "plan_activations"] == \
+        [result.plan["activations_measured"]]
+
+
+def plan_json(capsys, *argv) -> dict:
+    assert cli.main(["plan", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_command_json_and_the_largest_micro_batch_that_fits(capsys):
+    base = ["--preset", "gpt2", "--nproc", "2", "--data", "synthetic", "--device", "cuda"]
+    one, two = plan_json(capsys, *base), plan_json(capsys, *base, "--zero", "2")
+    assert set(one) >= {"rows", "total", "largest_micro_batch", "device_memory", "micro_batch", "zero", "tp", "dp"}
+    assert [k for k, _ in plan_module.ROWS] == list(one["rows"]) and one["total"] == sum(one["rows"].values())
+    state = lambda r: sum(r["rows"][k] for k in plan_module.STATE)  # noqa: E731
+    assert state(two) <= 0.85 * state(one)  # gpt2 at DP 2: stage 2's state against stage 1's
+    fit = plan_json(capsys, *base, "--device-memory", "20GiB")
+    B = fit["largest_micro_batch"]
+    assert fit["device_memory"] == 20 * 2**30 and B > 1
+    assert plan_json(capsys, *base, "--micro-batch", str(B))["total"] <= 20 * 2**30
+    assert plan_json(capsys, *base, "--micro-batch", str(B + 1))["total"] > 20 * 2**30
+    assert cli.main(["plan", *base, "--tp", "2", "--activation-checkpointing", "blocks"]) == 0
+    table = capsys.readouterr().out
+    assert "TP 2 x DP 1" in table and "activations (one micro-batch)" in table and "blocks recomputed" in table
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nproc", "8", "--tp", "3"], "--tp 3 does not divide the world size 8"),
+    (["--device-memory", "lots"], "--device-memory 'lots' is not a size"),
+    (["--device-memory", "0GiB"], "--device-memory '0GiB' is not a size"),
+    (["--zero", "3"], "--zero must be 1 or 2, got 3"),
+])
+def test_plan_refuses_bad_settings_in_one_line(capsys, argv, says):
+    assert cli.main(["plan", "--preset", "tiny", "--data", "synthetic", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
