@@ -17,6 +17,8 @@ kill and hang also take step=0: while the rank starts, before its first step (no
                    with no core of its own would: the next update waits for the copy
     sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
                    request is seen, so the stop lands at step N whatever the signal's delivery time
+    oom            the rank runs out of memory during step N, before that step's collectives (torch's
+                   OutOfMemoryError, as an allocation beyond the device raises it)
 
 Faults fire only in the first attempt of an elastic job (a restart must be able to recover), and each at most
 once per process: after a rollback the same step number comes again and must run clean. Each method fires a
@@ -34,10 +36,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from zerotrain.errors import ConfigError, ZeroTrainError
 
 ENV = "ZEROTRAIN_FAULTS"
-KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "slow_staging", "sigterm")
+KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "slow_staging", "sigterm", "oom")
 STARTUP_KINDS = ("kill", "hang")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
@@ -152,12 +156,14 @@ class Faults:
 
     def before_collectives(self, step: int, stop_seen: Callable[[], bool] | None = None,
                            stop_wait_s: float = STOP_WAIT_S) -> None:
-        """kill, hang and sigterm of step `step`, in the order written; call before the step's first collective.
+        """kill, hang, sigterm and oom of step `step`, in the order written; call before the step's first collective.
 
         `stop_seen()` tells whether this rank's own stop request (set by its SIGTERM handler) has arrived.
         """
-        for fault in self._fire(step, "kill", "hang", "sigterm"):
+        for fault in self._fire(step, "kill", "hang", "sigterm", "oom"):
             _announce(fault)
+            if fault.kind == "oom":
+                raise torch.OutOfMemoryError(f"{ENV}: {fault.describe()}")
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":

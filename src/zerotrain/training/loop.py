@@ -14,6 +14,7 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
+from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
 from zerotrain.parallel import Comm, Mesh, ZeroEngine
@@ -28,7 +29,7 @@ from .evaluate import validation_loss
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
 from .metrics import Metrics
-from .memory_plan import MemoryPlan, memory_plan
+from .memory_plan import MemoryPlan, memory_plan, out_of_memory
 from .memory_plan import check as check_plan
 from .schedule import lr_at
 
@@ -210,6 +211,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
                 break
             step = done
         run.saver.finish()
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise ZeroTrainError(out_of_memory(run.plan, cfg, step + 1, e)) from e
     finally:
         run.metrics.close()
     return _finish(run, comm, t_start)

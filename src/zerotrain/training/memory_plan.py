@@ -169,3 +169,17 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
                 f"the plan {gib(planned)} ({(planned - saved_bytes) / saved_bytes:+.0%}, beyond "
                 f"{ACTIVATION_TOLERANCE:.0%})")
     return None
+
+
+def out_of_memory(plan: MemoryPlan, cfg: Config, step: int, error: BaseException) -> str:
+    """The line a rank that ran out of memory says: what failed, what the plan expected, and what holds less."""
+    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    largest = sorted(((v, k) for k, v in plan.rows.items() if v), reverse=True)[:3]
+    held = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for v, k in largest)
+    less = [f for f, on in (("--zero 2", cfg.parallel.zero == 1),
+                             ("--activation-checkpointing blocks", cfg.parallel.activation_checkpointing == "none"),
+                             (f"--micro-batch {cfg.loop.micro_batch // 2}", cfg.loop.micro_batch > 1),
+                             ("--precision bf16", cfg.parallel.precision == "fp32")) if on]
+    return (f"out of memory in step {step} ({said}); the plan for this run is {gib(plan.total)} per rank, mostly "
+            f"{held}" + (f"; {', '.join(less)} hold less" if less else "") +
+            " (zerotrain plan with these flags and --device-memory shows what fits)")
