@@ -15,6 +15,7 @@ from test_checkpoint import spawn
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.model import build_model, memory, parallelize, summed_token_loss
 from zerotrain.model.memory import activation_bytes
+from zerotrain.model.layers import head_loss
 from zerotrain.training.activations import saved_for_backward
 
 # The formula is byte-exact on the CPU path today; the tolerance leaves room for kernels that pad or keep
@@ -28,10 +29,11 @@ SHAPES = [(2, 16), (3, 13)]  # (micro_batch, seq_len): a second, odd shape so B 
 def measured_bytes(model, micro_batch: int, seq_len: int, precision: str, recompute: str) -> int:
     if precision == "bf16":
         model.to(torch.bfloat16)
-    model.recompute_blocks = recompute == "blocks"
+    model.recompute_blocks = recompute in ("blocks", "full")
     ids = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1].clone(), ids[:, 1:].clone()  # separate storages, as the data sources make them
-    saved, _ = saved_for_backward(lambda: summed_token_loss(model(x), y), model.parameters())
+    saved, _ = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, recompute == "full"),
+                                  model.parameters())
     return saved
 
 
@@ -43,7 +45,7 @@ def assert_predicted(predicted: int, measured: int, tolerance: float = TOLERANCE
 
 @pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("recompute", ["none", "blocks"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_predicted_activation_bytes_match_what_autograd_saves(arch, recompute, precision, micro_batch, seq_len):
     cfg = CONFIGS[arch]

@@ -12,13 +12,14 @@ from zerotrain.training.activations import saved_for_backward
 from zerotrain.training.loop import train
 
 
-def gradients(preset: str, recompute: bool):
+def gradients(preset: str, recompute: bool, head: bool = False):
     cfg = tiny_config("/tmp", **PRESETS[preset])
     model = build_model(cfg.model, seed=0)
     model.recompute_blocks = recompute
     x = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len), generator=torch.Generator().manual_seed(1))
     y = torch.roll(x, -1, dims=1)
-    saved, loss = saved_for_backward(lambda: summed_token_loss(model(x), y), model.parameters())
+    saved, loss = saved_for_backward(lambda: layers.head_loss(model, x, y, summed_token_loss, head),
+                                     model.parameters())
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, saved
 
@@ -29,6 +30,9 @@ def test_recomputed_blocks_give_bitwise_the_same_gradients_and_keep_fewer_bytes(
     recomputed, recomputed_bytes = gradients(preset, recompute=True)
     assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
     assert recomputed_bytes < 0.7 * kept_bytes
+    full, full_bytes = gradients(preset, recompute=True, head=True)  # the head and the loss recomputed too
+    assert all(torch.equal(kept[n], full[n]) for n in kept)
+    assert full_bytes < recomputed_bytes
 
 
 def test_a_block_recomputed_on_stale_inputs_is_caught(monkeypatch):
@@ -42,13 +46,24 @@ def test_a_block_recomputed_on_stale_inputs_is_caught(monkeypatch):
     assert not all(torch.equal(kept[n], recomputed[n]) for n in kept)
 
 
+def test_a_head_recomputed_on_stale_inputs_is_caught(monkeypatch):
+    kept, _ = gradients("tiny", recompute=False)
+    real = layers.checkpoint
+
+    def stale(fn, h, **kw):  # planted: the head's recomputation sees a detached copy of the final norm's output
+        return real(fn, h.detach(), **kw) + 0 * h.sum()
+    monkeypatch.setattr(layers, "checkpoint", stale)
+    recomputed, _ = gradients("tiny", recompute=False, head=True)
+    assert not all(torch.equal(kept[n], recomputed[n]) for n in kept)
+
+
 def test_a_run_with_recomputed_blocks_trains_bitwise_like_one_without(tmp_path, one_rank):
     runs = {}
-    for mode in ("none", "blocks"):
+    for mode in ("none", "blocks", "full"):
         cfg = tiny_config(tmp_path / mode, steps=3, activation_checkpointing=mode)
         result = train(cfg, one_rank, announce=False)
         runs[mode] = ([r["loss"] for r in result.records], result.digests)
-    assert runs["none"] == runs["blocks"]
+    assert runs["none"] == runs["blocks"] == runs["full"]
 
 
 def test_recomputed_blocks_under_tp_train_bitwise_like_kept_ones(tmp_path):

@@ -31,11 +31,12 @@ def test_quick_bench_measures_every_variant_beside_an_exact_plan(tmp_path):
         assert r["measured"]["peak_rss_bytes"] > r["planned"]["total"] > 0
     one, two = rows["ZeRO-1"]["measured"], rows["ZeRO-2"]["measured"]
     assert two["grad_bytes"] < one["grad_bytes"] / 2 + 1 and two["param_bytes"] == one["param_bytes"]
-    assert rows["ZeRO-1 + checkpointing"]["measured"]["activations"] < one["activations"]
+    blocks, full = rows["ZeRO-1 + blocks"]["measured"], rows["ZeRO-1 + full"]["measured"]
+    assert full["activations"] < blocks["activations"] < one["activations"]
     assert rows["TP 2"]["measured"]["param_bytes"] < one["param_bytes"]
     c = report["comparisons"]
     assert c["plan_state_exact_everywhere"] and set(c["met"]) >= {"zero2_state_ratio", "plan"}
-    assert "| ZeRO-2 + checkpointing |" in (tmp_path / "bench-memory.md").read_text()
+    assert "| ZeRO-2 + full |" in (tmp_path / "bench-memory.md").read_text()
     image = matplotlib.image.imread(tmp_path / "bench-memory.png")
     assert image.shape[:2] == (FIGURE_SIZE_IN[1] * FIGURE_DPI, FIGURE_SIZE_IN[0] * FIGURE_DPI)
 

@@ -162,8 +162,9 @@ class ParallelConfig:
                         "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed)",
                         rule=Rule("must be 1 or 2", lambda v: v in (1, 2)))
     activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
-                                            "the block in the backward (less memory, more compute); or none",
-                                            rule=one_of("none", "blocks"))
+                                            "the block in the backward (less memory, more compute); full: the "
+                                            "blocks, and the head with the loss too (not with --compile); or none",
+                                            rule=one_of("none", "blocks", "full"))
 
     @property
     def bucket_numel(self) -> int:
@@ -424,6 +425,9 @@ def validate(cfg: Config) -> Config:
                           "whole KV heads")
     if m.ffn_width % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the MLP width (--intermediate-size {m.ffn_width})")
+    if p.activation_checkpointing == "full" and cfg.loop.compile:
+        raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
+                          "use blocks with --compile")
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg

@@ -1,5 +1,6 @@
 """`zerotrain bench memory`: what each rank holds, measured beside the plan, for ZeRO-1, ZeRO-2, activation
-checkpointing and TP 2, with the step time each costs; JSON, a markdown table and a figure.
+checkpointing (blocks, and full: blocks, head and loss) and TP 2, with the step time each costs; JSON, a markdown
+table and a figure.
 
 Every variant runs one model on 2 ranks, each rank taking the same micro-batch (accumulation 1), so per-rank
 activations compare directly; TP 2 x DP 1 therefore computes half the global batch of the DP 2 variants.
@@ -12,7 +13,7 @@ timed steps, after --warmup untimed ones.
 
 Targets (issue "Bigger models per rank"): at DP 2, ZeRO-2's state bytes (parameters + gradients +
 optimizer) <= 0.85x ZeRO-1's, its gradient bytes <= 1/2 of ZeRO-1's plus two buckets, its step time within
-1.05x of ZeRO-1's; activation checkpointing's saved bytes <= 0.3x without; the plan's state exact and its
+1.05x of ZeRO-1's; activation checkpointing's saved bytes <= 0.3x without (blocks; full reported beside); the plan's state exact and its
 activations within 10%.
 """
 
@@ -36,11 +37,12 @@ from zerotrain.parallel import Comm
 from .report import percentile, report_header, write_report
 
 SCHEMA = "zerotrain.bench.memory"
-VARIANTS = {  # name -> (ZeRO stage, TP degree, activation checkpointing)
+VARIANTS = {  # name -> (ZeRO stage, TP degree, --activation-checkpointing)
     "ZeRO-1": (1, 1, "none"),
-    "ZeRO-1 + checkpointing": (1, 1, "blocks"),
+    "ZeRO-1 + blocks": (1, 1, "blocks"),
+    "ZeRO-1 + full": (1, 1, "full"),
     "ZeRO-2": (2, 1, "none"),
-    "ZeRO-2 + checkpointing": (2, 1, "blocks"),
+    "ZeRO-2 + full": (2, 1, "full"),
     "TP 2": (1, 2, "none"),
 }
 SIZES = {
@@ -61,8 +63,8 @@ def add_parser(benches) -> None:
 
     p = benches.add_parser(
         "memory", help="per-rank bytes by kind, beside the plan, for ZeRO-1, ZeRO-2, activation checkpointing, TP 2",
-        description="Train one model on 2 ranks as ZeRO-1, ZeRO-2, each with and without activation checkpointing, "
-                    "and TP 2; report per-rank parameter, gradient, optimizer and activation bytes and peak RSS, the "
+        description="Train one model on 2 ranks as ZeRO-1 (without activation checkpointing, with blocks, and full), "
+                    "ZeRO-2 (without, and full) and TP 2; report per-rank parameter, gradient, optimizer and activation bytes and peak RSS, the "
                     "memory plan's prediction beside each, and the step time. --steps is the timed steps per job.")
     add_training_flags(p, defaults={"check_every": 0, "progress": False, "data": "synthetic"})
     p.add_argument("--warmup", type=checked(int, NON_NEGATIVE), help="untimed steps per job (default 1)")
@@ -168,7 +170,7 @@ def summarize(name: str, cfg: Config, jobs: list[dict]) -> dict:
 def comparisons(rows: list[dict]) -> dict:
     by = {r["variant"]: r for r in rows}
     one, two = by["ZeRO-1"], by["ZeRO-2"]
-    ckpt = by["ZeRO-1 + checkpointing"]
+    blocks, full = by["ZeRO-1 + blocks"], by["ZeRO-1 + full"]
     # Paired by round: a round's variants ran back to back, under much the same load.
     paired = lambda a, b: statistics.median(x / y for x, y in zip(a["step_ms_per_repeat"], b["step_ms_per_repeat"]))  # noqa: E731
     out = {
@@ -178,8 +180,10 @@ def comparisons(rows: list[dict]) -> dict:
         "zero1_grad_bytes_half_plus_two_buckets": one["measured"]["grad_peak_bytes"] / 2 +
                                                    (two["planned"]["grad_peak_bytes"] - two["planned"]["grad_bytes"]),
         "zero2_step_time_ratio": paired(two, one),
-        "checkpointing_activation_ratio": ckpt["measured"]["activations"] / one["measured"]["activations"],
-        "checkpointing_step_time_ratio": paired(ckpt, one),
+        "checkpointing_activation_ratio": blocks["measured"]["activations"] / one["measured"]["activations"],
+        "checkpointing_step_time_ratio": paired(blocks, one),
+        "full_checkpointing_activation_ratio": full["measured"]["activations"] / one["measured"]["activations"],
+        "full_checkpointing_step_time_ratio": paired(full, one),
         "plan_state_exact_everywhere": all(r["plan_state_exact"] for r in rows),
         "plan_activation_error_max": max(abs(r["plan_activation_error"]) for r in rows),
     }
@@ -189,6 +193,8 @@ def comparisons(rows: list[dict]) -> dict:
         "zero2_step_time_ratio": out["zero2_step_time_ratio"] <= TARGETS["zero2_step_time_ratio_max"],
         "checkpointing_activation_ratio":
             out["checkpointing_activation_ratio"] <= TARGETS["checkpointing_activation_ratio_max"],
+        "full_checkpointing_activation_ratio":
+            out["full_checkpointing_activation_ratio"] <= TARGETS["checkpointing_activation_ratio_max"],
         "plan": out["plan_state_exact_everywhere"] and
             out["plan_activation_error_max"] <= TARGETS["plan_activation_error_max"],
     }
@@ -224,9 +230,11 @@ def table(report: dict) -> str:
         f"plus two buckets {mib(c['zero1_grad_bytes_half_plus_two_buckets'])} {unit} ({met('zero2_grad_bytes')}).",
         f"- ZeRO-2 step time / ZeRO-1's: {c['zero2_step_time_ratio']:.3f} (paired by round; target <= "
         f"{TARGETS['zero2_step_time_ratio_max']}: {met('zero2_step_time_ratio')}).",
-        f"- Activation checkpointing: saved bytes {c['checkpointing_activation_ratio']:.3f}x (target <= "
+        f"- Activation checkpointing, blocks: saved bytes {c['checkpointing_activation_ratio']:.3f}x (target <= "
         f"{TARGETS['checkpointing_activation_ratio_max']}: {met('checkpointing_activation_ratio')}), step time "
-        f"{c['checkpointing_step_time_ratio']:.3f}x: the price of running each block's forward twice.",
+        f"{c['checkpointing_step_time_ratio']:.3f}x: the price of running each block's forward twice. Full (the "
+        f"head and the loss too): {c['full_checkpointing_activation_ratio']:.3f}x, step time "
+        f"{c['full_checkpointing_step_time_ratio']:.3f}x.",
         f"- The plan: state bytes exact in every variant: {'yes' if c['plan_state_exact_everywhere'] else 'NO'}; "
         f"activations off by at most {c['plan_activation_error_max']:.1%} ({met('plan')}).",
     ]

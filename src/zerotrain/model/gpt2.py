@@ -108,6 +108,10 @@ class GPT(nn.Module):
 
         With a cache, `idx` continues the positions already in it, and the cache grows by time.
         """
+        return self.lm_head(self.hidden(idx, cache))
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final norm's output, the head's input: (batch, time, width)."""
         T = idx.shape[1]
         past = 0 if cache is None else cache.length
         if past + T > self.cfg.seq_len:
@@ -118,7 +122,7 @@ class GPT(nn.Module):
             x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer)
         if cache is not None:
             cache.length += T
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.transformer.ln_f(x)
 
 
 # Tensor parallelism (Megatron-style), applied to the full model after it is built from the seed:

@@ -224,6 +224,15 @@ def tied_head_hook(head: str, embedding: str):
     return hook
 
 
+def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, recompute: bool) -> torch.Tensor:
+    """loss(model(idx), targets); with `recompute` (--activation-checkpointing full, while training) the head and
+    the loss keep only the final norm's output for the backward, which computes the logits again (same values),
+    instead of the loss's fp32 log-probabilities (batch x time x vocab)."""
+    if not (recompute and torch.is_grad_enabled()):
+        return loss(model(idx), targets)
+    return checkpoint(lambda h: loss(model.lm_head(h), targets), model.hidden(idx), use_reentrant=False)
+
+
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:
     """block(x, *args); with `recompute` (activation checkpointing, while training) only x is kept for the
     backward, which runs the block's forward again to get what it needs (same values: no dropout, and the

@@ -96,6 +96,11 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with a cache, as GPT's."""
+        return self.lm_head(self.hidden(idx, cache))
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final norm's output, the head's input: (batch, time, width)."""
         T = idx.shape[1]
         past = 0 if cache is None else cache.length
         if past + T > self.cfg.seq_len:
@@ -107,7 +112,7 @@ class Llama(nn.Module):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer)
         if cache is not None:
             cache.length += T
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
 
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads

@@ -20,7 +20,8 @@ That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "
 only its input, BTC a (torch.utils.checkpoint, non-reentrant, saves its tensor arguments; Llama's rotary
 tables travel in a tuple, which it holds by reference: alive, 2 T D 4 bytes, but not a saved tensor, so
 counted neither here nor by the measurement), and for a large vocabulary the loss's BTV 4 is then most of
-what remains (GPT-2 124M, B 1, T 1024, fp32: 206 of 250 MB).
+what remains (GPT-2 124M, B 1, T 1024, fp32: 206 of 250 MB). With recompute "full" the head and the loss
+run under a checkpoint too, whose input is the final norm's output: the loss keeps nothing more.
 
 Attention is counted as SDPA's fused kernels save it: q, k, v, output and per-row logsumexp, never the
 T x T matrix. That is measured on the CPU path (flash attention for CPU); CUDA's flash, memory-efficient
@@ -151,15 +152,15 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     if tp < 1:
         raise ValueError(f"tp must be at least 1, got {tp}")
-    if recompute not in ("none", "blocks"):
-        raise ValueError(f"recompute must be none or blocks, got {recompute!r}")
+    if recompute not in ("none", "blocks", "full"):
+        raise ValueError(f"recompute must be none, blocks or full, got {recompute!r}")
     for what, n in (("n_head", cfg.n_head), ("kv heads", cfg.kv_heads), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
     s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp, kv_heads=cfg.kv_heads // tp,
                   head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision])
     llama = cfg.arch == "llama"
-    if recompute == "blocks":
+    if recompute != "none":
         per_block = block_input(s)
     else:
         per_block = llama_block(s) if llama else gpt2_block(s)
@@ -171,6 +172,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         embedding += s.T * INDEX  # positions, saved by the position embedding
     head = rms_norm(s) if llama else layer_norm(s)  # the final norm; its output is the head's input
     blocks = cfg.n_layer * per_block
-    total_loss = loss(s)
+    # full: the head and the loss run under a checkpoint whose one input is the final norm's output (counted in
+    # `head`); their log-probabilities are computed again in the backward, not kept.
+    total_loss = 0 if recompute == "full" else loss(s)
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
             "total": blocks + embedding + head + total_loss}

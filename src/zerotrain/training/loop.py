@@ -17,6 +17,7 @@ from zerotrain.data import BatchSchedule, StepBatch, make_source
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
+from zerotrain.model.layers import head_loss
 from zerotrain.parallel import Comm, Mesh, ZeroEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
@@ -69,7 +70,8 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
         model.to_empty(device="cpu")
         model.tie_weights()
         load_local(model, source, slices, mesh.tp_rank)
-    model.recompute_blocks = cfg.parallel.activation_checkpointing == "blocks"
+    model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
+    model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
                          gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero)
@@ -90,7 +92,8 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     for i, (x, y) in enumerate(batch.micro_batches):
         with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
             def loss() -> torch.Tensor:
-                return summed_token_loss(forward(x.to(device)), y.to(device))
+                return head_loss(forward, x.to(device), y.to(device), summed_token_loss,
+                                 getattr(engine.model, "recompute_head", False))
             if saved is not None and i == 0:
                 nbytes, token_loss = saved_for_backward(loss, engine.params)
                 saved.append(nbytes)

@@ -177,7 +177,7 @@ def out_of_memory(plan: MemoryPlan, cfg: Config, step: int, error: BaseException
     largest = sorted(((v, k) for k, v in plan.rows.items() if v), reverse=True)[:3]
     held = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for v, k in largest)
     less = [f for f, on in (("--zero 2", cfg.parallel.zero == 1),
-                             ("--activation-checkpointing blocks", cfg.parallel.activation_checkpointing == "none"),
+                             ("--activation-checkpointing full", cfg.parallel.activation_checkpointing != "full"),
                              (f"--micro-batch {cfg.loop.micro_batch // 2}", cfg.loop.micro_batch > 1),
                              ("--precision bf16", cfg.parallel.precision == "fp32")) if on]
     return (f"out of memory in step {step} ({said}); the plan for this run is {gib(plan.total)} per rank, mostly "

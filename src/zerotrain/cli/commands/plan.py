@@ -62,7 +62,8 @@ def table(cfg: Config, r: dict) -> str:
         "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
                     "two largest buckets x 4" if cfg.loop.accum == 1 else "every bucket, through the window"),
         "B": r["micro_batch"], "T": r["seq_len"],
-        "recompute": ", blocks recomputed" if p.activation_checkpointing == "blocks" else "",
+        "recompute": {"none": "", "blocks": ", blocks recomputed",
+                      "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
         "staging": ("--async-save: shard x 12, rank 0 also the model x 4" +
                     (" (host memory)" if r["device"] == "cuda" else "")) if cfg.checkpoint.async_save else
