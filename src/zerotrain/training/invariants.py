@@ -85,7 +85,7 @@ def check_memory(engine, comm: Comm, step: int = 0) -> MemoryReport:
     if wrong:
         raise InvariantError(
             f"invariant (c) failed at step {step}: optimizer state on rank(s) {wrong} is "
-            f"{[report.per_rank[r] for r in wrong]} bytes, ZeRO-1 expects {report.expected} "
+            f"{[report.per_rank[r] for r in wrong]} bytes, the ZeRO formula expects {report.expected} "
             f"({report.bytes_per_value} x {report.shard_numel})"
         )
     return report
