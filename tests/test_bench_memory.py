@@ -19,7 +19,7 @@ def test_quick_bench_measures_every_variant_beside_an_exact_plan(tmp_path):
     import matplotlib.image
 
     proc = subprocess.run([sys.executable, "-m", "zerotrain", "bench", "memory", "--quick", "--steps", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+                           "--warmup", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench-memory.json").read_text())
     assert report["schema"] == SCHEMA and report["schema_version"] == SCHEMA_VERSION
