@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +28,17 @@ def summary(result) -> dict:
     }
 
 
+def in_turn_job(cfg: Config, comm: Comm, jobs: list[tuple[Callable[[Config, Comm], Any], Config]]) -> list:
+    """Run the (job, config) pairs one after another on the same ranks; their results, in order.
+
+    Starting the ranks (spawn, import torch, rendezvous) costs more than training the tiny model, so a test
+    that needs several runs at one world size starts the ranks once. `cfg` only launches them: every config
+    in `jobs` must have its world size. A planted job restores what it patched, so the jobs after it run the
+    real code.
+    """
+    return [job(c, comm) for job, c in jobs]
+
+
 def params_job(cfg: Config, comm: Comm) -> dict:
     """Train; return the log and the final parameters by name."""
     result = train(cfg, comm)  # no after_update hook: it would wait for the all-gather every step
@@ -42,8 +55,12 @@ def naive_mean_job(cfg: Config, comm: Comm) -> dict:
                                                  ignore_index=-100)
         return mean * targets.numel()
 
+    real = train_module.summed_token_loss
     train_module.summed_token_loss = mean_weighted
-    return params_job(cfg, comm)
+    try:
+        return params_job(cfg, comm)
+    finally:
+        train_module.summed_token_loss = real
 
 
 def interrupted_job(cfg: Config, comm: Comm) -> dict:
@@ -70,8 +87,12 @@ def without_moments(load):
 
 def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a resume that loses AdamW's moments."""
-    train_module.checkpoint.load_checkpoint = without_moments(checkpoint.load_checkpoint)
-    return interrupted_job(cfg, comm)
+    real = train_module.checkpoint.load_checkpoint
+    train_module.checkpoint.load_checkpoint = without_moments(real)
+    try:
+        return interrupted_job(cfg, comm)
+    finally:
+        train_module.checkpoint.load_checkpoint = real
 
 
 def resume_job(cfg: Config, comm: Comm) -> dict:
@@ -220,8 +241,12 @@ def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
         ctx.comm.all_reduce(grad, "all_reduce_tp_grads")
         return grad / ctx.comm.world_size, None
 
+    real = layers._CopyToTP.__dict__["backward"]
     layers._CopyToTP.backward = staticmethod(backward)
-    return tp_params_job(cfg, comm)
+    try:
+        return tp_params_job(cfg, comm)
+    finally:
+        layers._CopyToTP.backward = real
 
 
 def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
@@ -232,8 +257,12 @@ def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
         ranges = self._owned(self._sliced_flat) + self._owned(self._replicated_flat)
         return sum(torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square() for a, z in ranges)
 
+    real = engine_module.ZeroEngine._counted_grad_sumsq
     engine_module.ZeroEngine._counted_grad_sumsq = counted
-    return tp_params_job(cfg, comm)
+    try:
+        return tp_params_job(cfg, comm)
+    finally:
+        engine_module.ZeroEngine._counted_grad_sumsq = real
 
 
 def _nudge_job(cfg: Config, comm: Comm, rank: int, sliced: bool) -> dict:

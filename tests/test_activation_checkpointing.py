@@ -67,18 +67,22 @@ def test_a_run_with_recomputed_blocks_trains_bitwise_like_one_without(tmp_path, 
 
 
 def test_recomputed_blocks_under_tp_train_bitwise_like_kept_ones(tmp_path):
+    import functools
     import json
-    import subprocess
-    import sys
 
+    import dist_jobs
+
+    from zerotrain.runtime.launch import run_job
+
+    modes = ("none", "blocks")
+    cfgs = {mode: tiny_config(tmp_path / mode, nproc=2, tp=2, micro=4, steps=3, ckpt_every=3,
+                              activation_checkpointing=mode, **PRESETS["llama-tiny"]) for mode in modes}
+    # both runs in turn on one start of the 2 ranks
+    run_job(functools.partial(dist_jobs.in_turn_job, jobs=[(dist_jobs.tp_params_job, cfg) for cfg in cfgs.values()]),
+            cfgs["none"], time_limit=120)
     hashes = {}
-    for mode in ("none", "blocks"):
-        out = tmp_path / mode
-        r = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--preset", "llama-tiny", "--data", "synthetic",
-                            "--nproc", "2", "--tp", "2", "--steps", "3", "--ckpt-every", "3", "--no-progress",
-                            "--activation-checkpointing", mode, "--out", str(out)], capture_output=True, text=True,
-                           timeout=240)
-        assert r.returncode == 0, r.stderr
-        manifest = json.loads((out / "checkpoints" / "step_00000003" / "manifest.json").read_text())
+    for mode, cfg in cfgs.items():
+        manifest = json.loads((tmp_path / mode / "checkpoints" / "step_00000003" / "manifest.json").read_text())
+        assert manifest["mesh"] == {"tp": 2, "dp": 1}
         hashes[mode] = {f["name"]: f["sha256"] for f in manifest["files"]}
     assert hashes["none"] == hashes["blocks"]  # the recomputation's all-reduces run again, to the same values

@@ -6,15 +6,14 @@ import copy
 import dataclasses
 import functools
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
+from dist_jobs import in_turn_job
 
 from zerotrain.cli.commands.equivalence import BOUND, check, equivalence_job
 from zerotrain.cli.flags import config_from_args
-from zerotrain.cli.main import build_parser
+from zerotrain.cli.main import build_parser, main
 from zerotrain.config import Config
 from zerotrain.parallel import Comm
 from zerotrain.parallel import engine as zero
@@ -22,23 +21,34 @@ from zerotrain.runtime.launch import run_job
 from zerotrain.training import loop
 from zerotrain.training.loop import train
 
-CLI_TIMEOUT_S = 240
 SAFETY = 5  # float reordering must stay this many times below the bound on the default config
 
 
-def run_equivalence(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+@dataclasses.dataclass
+class Ran:
+    """What the user sees of one `zerotrain equivalence`."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_equivalence(tmp_path, capsys, *flags: str) -> tuple[Ran, dict]:
+    """The command through its entry point, in this process (it starts the ranks itself); its output and report."""
     report = tmp_path / "equivalence.json"
-    proc = subprocess.run([sys.executable, "-m", "zerotrain", "equivalence", "--json", str(report), *flags],
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-    return proc, (json.loads(report.read_text()) if report.exists() else {})
+    capsys.readouterr()
+    code = main(["equivalence", "--json", str(report), *flags])
+    out, err = capsys.readouterr()
+    return Ran(code, out, err), (json.loads(report.read_text()) if report.exists() else {})
 
 
 def failed(row: dict) -> set[str]:
     return {name for name, ok in row["criteria"].items() if not ok}
 
 
-def test_equivalence_passes_on_the_default_config_within_relative_bounds_and_catches_the_wrong_weightings(tmp_path):
-    proc, report = run_equivalence(tmp_path)
+def test_equivalence_passes_on_the_default_config_within_relative_bounds_and_catches_the_wrong_weightings(tmp_path,
+                                                                                                          capsys):
+    proc, report = run_equivalence(tmp_path, capsys)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and report["passed"]
     assert report["bound"] == BOUND == 1e-5
@@ -71,8 +81,8 @@ def test_equivalence_passes_on_the_default_config_within_relative_bounds_and_cat
     assert proc.stdout.count("FAIL (caught: gradient, sgd)") == 2
 
 
-def test_equivalence_exits_nonzero_when_the_loss_scaling_is_broken(tmp_path):
-    proc, report = run_equivalence(tmp_path, "--break", "scaling")
+def test_equivalence_exits_nonzero_when_the_loss_scaling_is_broken(tmp_path, capsys):
+    proc, report = run_equivalence(tmp_path, capsys, "--break", "scaling")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert not report["passed"] and report["break"] == "scaling"
     chunked = [row for row in report["checked"] if row["micro_batch"] * row["ranks"] < report["global_batch"]]
@@ -82,8 +92,8 @@ def test_equivalence_exits_nonzero_when_the_loss_scaling_is_broken(tmp_path):
     assert whole and all(row["passed"] for row in whole)  # one micro-batch is its own mean: unscaled is exact
 
 
-def test_per_micro_batch_mean_weighting_on_varlen_data_misses_the_bound_by_far(tmp_path):
-    proc, report = run_equivalence(tmp_path, "--break", "mean-weighting")
+def test_per_micro_batch_mean_weighting_on_varlen_data_misses_the_bound_by_far(tmp_path, capsys):
+    proc, report = run_equivalence(tmp_path, capsys, "--break", "mean-weighting")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = {row["split"]: row for row in report["checked"]}
     # One micro-batch is its own mean: exact. Chunks of unequal token counts are not.
@@ -197,41 +207,50 @@ def _eager_on_grad_ready(self, p):
 
 def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> dict | None:
     """Train 2 steps at each accumulation; collective rounds per optimizer step (calls per bucket)."""
+    real = zero.ZeroEngine._on_grad_ready
     if eager:
         zero.ZeroEngine._on_grad_ready = _eager_on_grad_ready
     out = {}
-    for accum in accums:
-        c = copy.deepcopy(cfg)
-        c.loop.accum = accum
-        before = Counter(comm.calls)
-        engine = train(c, comm).engine
-        calls = Counter(comm.calls) - before
-        buckets = len(engine.layout.buckets)
-        out[accum] = {"buckets": buckets,
-                      "reduce_scatter": calls["reduce_scatter_grads"] / (c.loop.steps * buckets),
-                      "all_gather": calls["all_gather_params"] / (c.loop.steps * buckets)}
+    try:
+        for accum in accums:
+            c = copy.deepcopy(cfg)
+            c.loop.accum = accum
+            before = Counter(comm.calls)
+            engine = train(c, comm).engine
+            calls = Counter(comm.calls) - before
+            buckets = len(engine.layout.buckets)
+            out[accum] = {"buckets": buckets,
+                          "reduce_scatter": calls["reduce_scatter_grads"] / (c.loop.steps * buckets),
+                          "all_gather": calls["all_gather_params"] / (c.loop.steps * buckets)}
+    finally:
+        zero.ZeroEngine._on_grad_ready = real
     return out if comm.rank == 0 else None
 
 
-def _rounds(eager: bool, accums: list[int]) -> dict:
+@pytest.fixture(scope="module")
+def rounds() -> dict:
+    """Rounds per step of the real engine at accumulation 1, 4 and 16, then ("eager") of the planted engine at 4;
+    both on one start of 2 ranks, the planted one last."""
     cfg = Config()
     cfg.data.source = "synthetic"
     cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.steps = 2, 1, 2
     cfg.parallel.bucket_mb = 0.02  # several buckets, so "one round" means one call per bucket
     cfg.parallel.overlap = "on"  # buckets launch from backward's hooks, where a missed no_sync would show
     cfg.logging.progress, cfg.loop.check_every, cfg.launch.timeout = False, 0, 60.0
-    return run_job(functools.partial(rounds_job, accums=accums, eager=eager), cfg, time_limit=120)
+    jobs = [(functools.partial(rounds_job, accums=[1, 4, 16], eager=False), cfg),
+            (functools.partial(rounds_job, accums=[4], eager=True), cfg)]
+    real, eager = run_job(functools.partial(in_turn_job, jobs=jobs), cfg, time_limit=120)
+    return {**real, "eager": eager}
 
 
-def test_one_reduce_scatter_round_and_one_all_gather_round_per_step_for_accum_1_4_16():
-    rounds = _rounds(eager=False, accums=[1, 4, 16])
+def test_one_reduce_scatter_round_and_one_all_gather_round_per_step_for_accum_1_4_16(rounds):
     for accum in (1, 4, 16):
         assert rounds[accum]["buckets"] > 1
         assert rounds[accum]["reduce_scatter"] == 1, (accum, rounds[accum])
         assert rounds[accum]["all_gather"] == 1, (accum, rounds[accum])
 
 
-def test_round_count_catches_an_engine_that_communicates_every_micro_batch():
-    rounds = _rounds(eager=True, accums=[4])
-    assert rounds[4]["reduce_scatter"] == 4
-    assert rounds[4]["all_gather"] == 1
+def test_round_count_catches_an_engine_that_communicates_every_micro_batch(rounds):
+    eager = rounds["eager"]
+    assert eager[4]["reduce_scatter"] == 4
+    assert eager[4]["all_gather"] == 1

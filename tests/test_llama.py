@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from test_checkpoint import spawn
 
 from zerotrain.cli.flags import config_from_args
-from zerotrain.cli.main import build_parser
+from zerotrain.cli.main import build_parser, main
 from zerotrain.hub import init_from, mapping
 from zerotrain.model import llama as llama_module
 from zerotrain.model import summed_token_loss
@@ -131,11 +131,23 @@ def tp_logits_job(rank, comm, tmp_path, folder):
     return {"logits": logits.tolist(), "shapes": shapes}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_tp2_computes_the_logits_transformers_does_from_each_ranks_own_slices(folders, tmp_path, name):
-    folder, hf = folders[name]
-    codes, results = spawn(tp_logits_job, 2, tmp_path, str(folder))
+def tp_logits_of_each_job(rank, comm, tmp_path, folders):
+    return {name: tp_logits_job(rank, comm, tmp_path, folder) for name, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_logits(folders, tmp_path_factory):
+    """{name: each TP 2 rank's logits and parameter shapes} of the Llama and the GPT-2, on one start of 2 ranks."""
+    codes, results = spawn(tp_logits_of_each_job, 2, tmp_path_factory.mktemp("tp-logits"),
+                           {name: str(folders[name][0]) for name in ("llama", "gpt2")})
     assert codes == [0, 0], results
+    return {name: [r[name] for r in results] for name in ("llama", "gpt2")}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_tp2_computes_the_logits_transformers_does_from_each_ranks_own_slices(folders, tp_logits, name):
+    _, hf = folders[name]
+    results = tp_logits[name]
     for r in results:
         assert (torch.tensor(r["logits"]) - hf_logits(hf)).abs().max() < 1e-4
     split = "model.layers.0.self_attn.q_proj.weight" if name == "llama" else "transformer.h.0.attn.c_attn.weight"
@@ -202,8 +214,7 @@ def test_a_llama_trains_reshards_exports_what_transformers_loads_and_inits_from_
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(again, losses[2:])) and len(again) == 2
     # export the TP-trained model; transformers loads it and computes zerotrain's logits
     hf_out = str(tmp_path / "hf")
-    r = zerotrain("export", out, hf_out, "--format", "hf")
-    assert r.returncode == 0, r.stderr
+    assert main(["export", out, hf_out, "--format", "hf"]) == 0  # the command's entry point, in this process
     import zerotrain as zt
     with torch.no_grad():
         theirs = transformers.LlamaForCausalLM.from_pretrained(hf_out)(IDS).logits
@@ -221,10 +232,10 @@ def test_a_llama_demo_verifies_its_invariants_and_a_bitwise_resume(tmp_path):
     assert "model: Llama 2 layers" in r.stdout and "RESUME VERIFIED" in r.stdout
 
 
-def test_llama_splits_and_tp2_give_the_full_batch_gradient_and_step(tmp_path):
+def test_llama_splits_and_tp2_give_the_full_batch_gradient_and_step(tmp_path, capsys):
     report = tmp_path / "equivalence.json"
-    r = zerotrain("equivalence", "--preset", "llama-tiny", "--nproc", "4", "--tp", "2", "--json", str(report))
-    assert r.returncode == 0, r.stdout + r.stderr
+    code = main(["equivalence", "--preset", "llama-tiny", "--nproc", "4", "--tp", "2", "--json", str(report)])
+    assert code == 0, capsys.readouterr()
     result = json.loads(report.read_text())
     assert result["passed"] and result["wrong_variants_caught"] and result["config"]["model"]["arch"] == "llama"
     # 1 rank (accumulating), TP 2 x DP 2 and 4 plain DP ranks, each against the full batch on one rank

@@ -7,6 +7,7 @@ also shows what happens without the protection it proves, or the planted fault i
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,11 +19,14 @@ import pytest
 from conftest import child_pids, live_processes, tiny_config
 
 from zerotrain import checkpoint
+from zerotrain.cli.main import main
 from zerotrain.runtime.launch import JobFailed, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
-TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "--data", "synthetic"]
+# --threads 1 (a 2-core machine's default): the launcher's ranks and torchrun's, one or two per node, all
+# compute alike, so the runs of every drill can be compared bitwise with one uninterrupted run.
+TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "--data", "synthetic", "--threads", "1"]
 
 
 def zerotrain(*args, faults=None, timeout=240, cwd=None):
@@ -65,17 +69,31 @@ def final_state(run_dir, step):
     return checkpoint_files(os.path.join(run_dir, "checkpoints", checkpoint.step_name(step)))
 
 
-def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps_what_latest_names(tmp_path):
-    out = str(tmp_path / "R")
-    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "4", "--out", out)
+SIX_STEPS = ["--steps", "6", "--ckpt-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    """The run folder of `train TINY --steps 6 --ckpt-every 2`, never stopped: the files every fault drill of six
+    steps must end with. A checkpoint's data files hold the training state only, whatever cadence saved them."""
+    out = str(tmp_path_factory.mktemp("uninterrupted") / "whole")
+    r = zerotrain("train", *TINY, *SIX_STEPS, "--out", out)
     assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps_what_latest_names(tmp_path,
+                                                                                                   uninterrupted):
+    out = str(tmp_path / "R")
+    shutil.copytree(uninterrupted, out)  # an earlier run's folder: 6 steps, checkpoints at steps 2, 4 and 6
     before = (steps_of(out), sorted(os.listdir(os.path.join(out, "checkpoints"))))
+    assert before == ([1, 2, 3, 4, 5, 6], ["latest", "step_00000002", "step_00000004", "step_00000006"])
 
     # The reproduction of the data loss: a fresh, shorter run into the same folder with --keep 2.
     r = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "4", "--keep", "2", "--out", out)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert "already holds an earlier run's checkpoints (newest step_00000008)" in r.stderr
+    assert "already holds an earlier run's checkpoints (newest step_00000006)" in r.stderr
     assert "--resume auto" in r.stderr and "--overwrite" in r.stderr
     assert (steps_of(out), sorted(os.listdir(os.path.join(out, "checkpoints")))) == before  # untouched
 
@@ -104,10 +122,9 @@ def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps
     assert r.returncode == 2 and r.stderr == f"zerotrain: error: --out {afile} is a file, not a folder\n"
 
 
-def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path):
-    args = [*TINY, "--steps", "6", "--ckpt-every", "4"]
-    whole, stopped = str(tmp_path / "whole"), str(tmp_path / "stopped")
-    assert zerotrain("train", *args, "--out", whole).returncode == 0
+def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path, uninterrupted):
+    args = [*TINY, "--steps", "6", "--ckpt-every", "4"]  # the stop comes before the first save: only its own saves
+    whole, stopped = uninterrupted, str(tmp_path / "stopped")
 
     r = zerotrain("train", *args, "--out", stopped, faults="sigterm@step=3,rank=1")
     assert r.returncode == 0, r.stderr
@@ -126,10 +143,10 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path
     assert final_state(nudged, 6) != final_state(whole, 6)
 
 
-def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bitwise_identical(tmp_path):
-    args = [*TINY, "--steps", "6", "--ckpt-every", "2"]
-    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    assert zerotrain("train", *args, "--out", whole).returncode == 0
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bitwise_identical(tmp_path,
+                                                                                                 uninterrupted):
+    args = [*TINY, *SIX_STEPS]
+    whole, killed = uninterrupted, str(tmp_path / "killed")
 
     r = zerotrain("train", *args, "--out", killed, "--max-restarts", "1", faults="kill@step=5,rank=1")
     assert r.returncode == 0, r.stderr
@@ -164,22 +181,23 @@ def test_a_crash_inside_a_save_leaves_the_previous_checkpoint_and_latest_intact(
     assert steps_of(out) == list(range(1, 7))
 
 
-def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint_naming_the_bad_file(tmp_path):
+def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint_naming_the_bad_file(tmp_path, capsys, uninterrupted):
     out = str(tmp_path / "R")
-    assert zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out).returncode == 0
-    shard = os.path.join(out, "checkpoints", "step_00000004", checkpoint.shard_name(1, 2))
+    shutil.copytree(uninterrupted, out)  # checkpoints at steps 2, 4 and 6
+    shard = os.path.join(out, "checkpoints", "step_00000006", checkpoint.shard_name(1, 2))
     with open(shard, "r+b") as f:  # the planted fault: one flipped byte
         f.seek(200)
         byte = f.read(1)
         f.seek(200)
         f.write(bytes([byte[0] ^ 0xFF]))
-    r = zerotrain("verify", shard.rsplit(os.sep, 1)[0])
-    assert r.returncode == 1 and checkpoint.shard_name(1, 2) in r.stdout.strip().splitlines()[-1]
-    r = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--out", out, "--resume", "auto")
+    assert main(["verify", shard.rsplit(os.sep, 1)[0]]) == 1
+    assert checkpoint.shard_name(1, 2) in capsys.readouterr().out.strip().splitlines()[-1]
+    r = zerotrain("train", *TINY, *SIX_STEPS, "--out", out, "--resume", "auto")
     assert r.returncode == 0, r.stderr
-    assert "step_00000004 fails verification" in r.stderr and checkpoint.shard_name(1, 2) in r.stderr
-    assert "falling back to step_00000002" in r.stderr
+    assert "step_00000006 fails verification" in r.stderr and checkpoint.shard_name(1, 2) in r.stderr
+    assert "falling back to step_00000004" in r.stderr
     assert steps_of(out) == list(range(1, 7))
+    assert final_state(out, 6) == final_state(uninterrupted, 6)  # steps 5 and 6 trained again, as they were
 
 
 def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective(tmp_path, monkeypatch):
@@ -295,13 +313,12 @@ def test_wall_clock_cadence_saves_when_rank_0s_clock_says_so(tmp_path):
     assert checkpoint.committed_steps(os.path.join(out, "checkpoints")) == ["step_00000004"]  # the last step only
 
 
-def test_async_save_writes_bitwise_the_checkpoints_a_sync_save_writes(tmp_path):
-    results = {}
-    for mode, extra in (("sync", []), ("async", ["--async-save"])):
-        out = str(tmp_path / mode)
-        r = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--out", out, *extra)
-        assert r.returncode == 0, r.stderr
-        results[mode] = {s: final_state(out, s) for s in (2, 4, 6)}
+def test_async_save_writes_bitwise_the_checkpoints_a_sync_save_writes(tmp_path, uninterrupted):
+    out = str(tmp_path / "async")
+    r = zerotrain("train", *TINY, *SIX_STEPS, "--out", out, "--async-save")
+    assert r.returncode == 0, r.stderr
+    results = {mode: {s: final_state(run, s) for s in (2, 4, 6)}
+               for mode, run in (("sync", uninterrupted), ("async", out))}
     assert results["async"] == results["sync"]
     assert len(set(str(v) for v in results["sync"].values())) == 3  # each step's files differ from the others
 
@@ -312,11 +329,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path):
-    args = ["--steps", "4", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "4", "--data", "synthetic",
-            "--threads", "1"]
-    single = str(tmp_path / "single")
-    assert zerotrain("train", "--nproc", "2", *args, "--out", single).returncode == 0
+def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path, uninterrupted):
+    # The uninterrupted run's flags less --nproc; its --threads 1 keeps a node's one rank off the other's core.
+    assert TINY[:2] == ["--nproc", "2"] and "--threads" in TINY
+    args = [*TINY[2:], *SIX_STEPS]
+    single = uninterrupted
     port, nodes = _free_port(), str(tmp_path / "nodes")
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "1", "--rdzv-backend", "c10d",
@@ -329,25 +346,24 @@ def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert final_state(nodes, 4) == final_state(single, 4)
-    manifest = checkpoint.read_manifest(os.path.join(nodes, "checkpoints", "step_00000004"))
+    assert final_state(nodes, 6) == final_state(single, 6)
+    manifest = checkpoint.read_manifest(os.path.join(nodes, "checkpoints", "step_00000006"))
     assert manifest["threads_per_rank"] == 1
 
 
-def test_torchrun_restarts_a_killed_rank_in_the_same_default_run_folder_bitwise_like_no_fault(tmp_path):
-    args = ["--steps", "6", "--micro-batch", "2", "--accum", "2", "--no-progress", "--ckpt-every", "2", "--threads", "1",
-            "--data", "synthetic"]
-    whole = str(tmp_path / "whole")
-    assert zerotrain("train", "--nproc", "2", *args, "--out", whole).returncode == 0
+def test_torchrun_restarts_a_killed_rank_in_the_same_default_run_folder_bitwise_like_no_fault(tmp_path,
+                                                                                                uninterrupted):
+    assert TINY[:2] == ["--nproc", "2"]  # the uninterrupted run's flags less --nproc
+    args = [*TINY[2:], *SIX_STEPS]
     env = dict(os.environ, ZEROTRAIN_FAULTS="kill@step=5,rank=1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path / "whole", env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
-    (folder,) = os.listdir(tmp_path / "whole" / "runs")  # the restarted group kept the first attempt's folder
-    run_dir = str(tmp_path / "whole" / "runs" / folder)
+    (folder,) = os.listdir(tmp_path / "runs")  # the restarted group kept the first attempt's folder
+    run_dir = str(tmp_path / "runs" / folder)
     assert [e["step"] for e in events(run_dir, "restart")] == [4]
-    assert final_state(run_dir, 6) == final_state(whole, 6)
+    assert final_state(run_dir, 6) == final_state(uninterrupted, 6)
 
 
 def test_torchrun_ranks_agree_on_one_default_run_folder(tmp_path):
@@ -370,7 +386,7 @@ def test_an_exception_in_a_rank_is_one_line_naming_the_rank_and_its_logged_trace
     assert child_pids() == []
 
 
-def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_agrees(tmp_path):
+def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_agrees(tmp_path, capsys):
     out = str(tmp_path / "stdlib")
     r = zerotrain("train", "--nproc", "2", "--micro-batch", "4", "--steps", "30", "--lr", "1e-2", "--eval-every", "10",
                   "--ckpt-every", "30", "--no-progress", "--out", out)
@@ -381,9 +397,8 @@ def test_thirty_steps_on_the_embedded_corpus_lower_train_and_val_loss_and_eval_a
     assert [rec["step"] for rec in steps if "val_loss" in rec] == [10, 20, 30]
     assert val[-1] < val[0] - 0.1 and steps[-1]["loss"] < steps[0]["loss"] - 0.5
     # `zerotrain eval` on the final checkpoint computes the same validation batches
-    r = zerotrain("eval", os.path.join(out, "checkpoints", "step_00000030"), "--batches", "8", "--batch-size", "8")
-    assert r.returncode == 0, r.stderr
-    assert f"val_loss {val[-1]:.6f}" in r.stdout
+    assert main(["eval", os.path.join(out, "checkpoints", "step_00000030"), "--batches", "8", "--batch-size", "8"]) == 0
+    assert f"val_loss {val[-1]:.6f}" in capsys.readouterr().out
 
 
 def _group_alive(pgid: int) -> list[int]:

@@ -12,6 +12,8 @@ with this interpreter's folder first on PATH, so `zerotrain` and `python3` are t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -166,10 +168,13 @@ def metrics_of(run: Path) -> list[dict]:
 
 def eval_reproduces_val_loss(workdir: Path) -> None:
     """`zerotrain eval runs/stdlib --batches 8` prints the last val_loss of runs/stdlib/metrics.jsonl."""
-    out = subprocess.run([sys.executable, "-m", "zerotrain", "eval", "runs/stdlib", "--batches", "8"], cwd=workdir,
-                         capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert out.returncode == 0, out.stderr
-    printed = float(out.stdout.split()[1])
+    from zerotrain.cli.main import main
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):  # the command's entry point, in this process: no second interpreter
+        code = main(["eval", str(workdir / "runs" / "stdlib"), "--batches", "8"])
+    assert code == 0
+    printed = float(stdout.getvalue().split()[1])
     logged = [r["val_loss"] for r in metrics_of(workdir / "runs" / "stdlib") if "val_loss" in r][-1]
     assert abs(printed - logged) <= 5e-7, (printed, logged)  # the six decimals eval prints
 

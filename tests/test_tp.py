@@ -1,5 +1,6 @@
 """Tensor parallelism composed with ZeRO-1: the same math on every mesh, replicas that stay equal, counted norms."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 from conftest import child_pids, tiny_config
 
+from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
 from zerotrain.model import build_model, plan
 from zerotrain.runtime.launch import JobFailed, run_job
@@ -22,14 +24,21 @@ MESHES = {"TP1xDP2": dict(nproc=2, tp=1, micro=2, accum=2),
           "TP2xDP1": dict(nproc=2, tp=2, micro=2, accum=4),
           # reduce-scatters in backward and all-gathers behind the next forward, beside the TP all-reduces
           "TP2xDP2 overlapped": dict(nproc=4, tp=2, micro=2, accum=2, overlap="on")}
+# Planted bugs that still train to the end, run on TP2xDP1 beside the meshes (a bug that stops the run has its own job).
+PLANTED = {"averaged TP all-reduce": dist_jobs.tp_averaged_grad_all_reduce_job,
+           "double-counted norm": dist_jobs.tp_double_counted_norm_job}
 
 
-def run(job, tmp_path, name, **overrides):
-    mesh = {**MESHES[name], **overrides}
+def mesh_config(tmp_path, name, mesh="", **overrides):
+    mesh = {**MESHES[mesh or name], **overrides}
     cfg = tiny_config(tmp_path / name.replace(" ", "-"), micro=mesh.pop("micro"), accum=mesh.pop("accum"), steps=5,
                       **mesh)
     cfg.optim.grad_clip = 0.5  # below the tiny model's gradient norms: every step is clipped
-    return run_job(job, cfg, time_limit=LIMIT)
+    return cfg
+
+
+def run(job, tmp_path, name, **overrides):
+    return run_job(job, mesh_config(tmp_path, name, **overrides), time_limit=LIMIT)
 
 
 def max_rel(a, b):
@@ -42,9 +51,28 @@ def max_abs_params(a, b):
 
 
 @pytest.fixture(scope="module")
-def meshes(tmp_path_factory):
+def runs(tmp_path_factory):
+    """tp_params_job's result on every mesh and for every PLANTED bug, by name. The runs of one world size take
+    turns on one start of its ranks (TP1xDP2 first, so that its collective counts are its own)."""
     tmp = tmp_path_factory.mktemp("meshes")
-    return {name: run(dist_jobs.tp_params_job, tmp, name) for name in MESHES}
+    jobs = [(name, dist_jobs.tp_params_job, mesh_config(tmp, name)) for name in MESHES]
+    jobs += [(bug, job, mesh_config(tmp, bug, mesh="TP2xDP1")) for bug, job in PLANTED.items()]
+    out = {}
+    for nproc in sorted({cfg.launch.nproc for _, _, cfg in jobs}):
+        mine = [(name, job, cfg) for name, job, cfg in jobs if cfg.launch.nproc == nproc]
+        in_turn = functools.partial(dist_jobs.in_turn_job, jobs=[(job, cfg) for _, job, cfg in mine])
+        out.update(zip([name for name, _, _ in mine], run_job(in_turn, mine[0][2], time_limit=LIMIT)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def meshes(runs):
+    return {name: runs[name] for name in MESHES}
+
+
+@pytest.fixture(scope="module")
+def planted(runs):
+    return {bug: runs[bug] for bug in PLANTED}
 
 
 def agrees(run, base) -> bool:
@@ -53,7 +81,7 @@ def agrees(run, base) -> bool:
             and max_abs_params(run["params"], base["params"]) <= 1e-4)
 
 
-def test_every_mesh_computes_the_same_steps_and_a_wrong_backward_all_reduce_is_caught(meshes, tmp_path):
+def test_every_mesh_computes_the_same_steps_and_a_wrong_backward_all_reduce_is_caught(meshes, planted, tmp_path):
     base = meshes["TP1xDP2"]
     for name, r in meshes.items():
         assert len(r["losses"]) == 5
@@ -69,7 +97,7 @@ def test_every_mesh_computes_the_same_steps_and_a_wrong_backward_all_reduce_is_c
     with pytest.raises(JobFailed, match=r"invariant \(b\) failed: replicated parameters of rank\(s\) \[1\]"):
         run(dist_jobs.tp_no_grad_all_reduce_job, tmp_path, "TP2xDP1")
     # planted bug: the all-reduce averages instead of summing; the ranks stay equal, the math is wrong
-    averaged = run(dist_jobs.tp_averaged_grad_all_reduce_job, tmp_path, "TP2xDP1")
+    averaged = planted["averaged TP all-reduce"]
     assert not agrees(averaged, base)
     assert max_rel(averaged["grad_norms"], base["grad_norms"]) > 1e-3
 
@@ -98,11 +126,11 @@ def test_one_ulp_drift_on_one_tp_rank_trips_invariant_b_naming_the_rank(tmp_path
     assert child_pids() == []
 
 
-def test_the_gradient_norm_counts_replicated_values_once_and_a_double_count_is_caught(meshes, tmp_path):
+def test_the_gradient_norm_counts_replicated_values_once_and_a_double_count_is_caught(meshes, planted):
     base = meshes["TP1xDP2"]
     assert max_rel(meshes["TP2xDP1"]["grad_norms"], base["grad_norms"]) <= 1e-5
     # planted bug: both TP ranks add the replicated gradients; with clipping on, the update changes
-    doubled = run(dist_jobs.tp_double_counted_norm_job, tmp_path, "TP2xDP1")
+    doubled = planted["double-counted norm"]
     assert min(n / b for n, b in zip(doubled["grad_norms"], base["grad_norms"])) > 1 + 1e-3
     assert not agrees(doubled, base)
 
@@ -131,13 +159,12 @@ def test_tp_slices_tile_every_split_tensor_exactly_once():
     (["bench", "compare", "--nproc", "2", "--tp", "2"], "--tp 2: bench compare compares data-parallel strategies"),
     (["bench", "accum", "--tp", "2"], "--tp 2: bench accum measures data parallelism"),
 ])
-def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, argv, message):
-    p = subprocess.run([sys.executable, "-m", "zerotrain", *argv, "--data", "synthetic", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"zerotrain: error: {message}"), p.stderr
-    assert "Traceback" not in p.stderr
+def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, argv, message, capsys):
+    assert main([*argv, "--data", "synthetic", "--out", str(tmp_path)]) == 2  # the command line's own entry point
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"zerotrain: error: {message}"), err
+    assert "Traceback" not in err
 
 
 def zerotrain(*args, timeout=240):
@@ -162,9 +189,9 @@ def test_demo_tp2_passes_the_four_invariants_and_the_bitwise_resume_on_tp2_x_dp2
     assert report["comm_calls_per_step"]["all_reduce_tp_activations"] == 2 * 2 * 2  # 2 per block, 2 blocks, accum 2
 
 
-def test_equivalence_tp2_adds_mesh_rows_that_pass_and_still_catches_the_wrong_weightings(tmp_path):
-    r = zerotrain("equivalence", "--tp", "2", "--nproc", "4", "--accum", "2", "--json", str(tmp_path / "eq.json"))
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_equivalence_tp2_adds_mesh_rows_that_pass_and_still_catches_the_wrong_weightings(tmp_path, capsys):
+    code = main(["equivalence", "--tp", "2", "--nproc", "4", "--accum", "2", "--json", str(tmp_path / "eq.json")])
+    assert code == 0, capsys.readouterr()
     report = json.load(open(tmp_path / "eq.json"))
     splits = [row["split"] for row in report["checked"]]
     assert splits == ["1 x 8 x 1", "1 x 2 x 4", "4 x 2 x 2 (TP 2 x DP 2)", "4 x 2 x 1"]

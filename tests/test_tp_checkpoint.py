@@ -1,16 +1,19 @@
 """Tensor-parallel checkpoints: a full-model file whatever the mesh, exact resharding across meshes, verify.
 
-Two saved runs serve every test (spawned once per module): TP 2 x DP 2 and TP 1 x DP 4 of the tiny
-model, 6 steps of the same global batch (8 sequences), checkpoints at steps 3 and 6.
+Two saved runs serve every test (spawned once per module): TP 2 x DP 2 and TP 1 x DP 4 of the tiny model,
+6 steps of the same global batch (8 sequences), checkpoints at steps 3 and 6; the resumes on other meshes
+from their step-3 checkpoints run in the same module fixture.
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import os
 import shutil
 import struct
 
+import dist_jobs
 import pytest
 import torch
 import tp_ckpt_jobs
@@ -42,17 +45,50 @@ def step_folder(cfg, step):
     return os.path.join(cfg.checkpoint.dir, checkpoint.step_name(step))
 
 
+# A resume on another mesh: new mesh -> (saved run, nproc, tp, micro, planted bug the exactness check must catch)
+RESHARDS = {
+    "tp2dp2->tp1dp2": ("tp2dp2", 2, 1, 2, "swapped slices"),
+    "tp2dp2->tp2dp1": ("tp2dp2", 2, 2, 4, "swapped slices"),
+    "tp1dp4->tp2dp2": ("tp1dp4", 4, 2, 2, "no moments"),
+}
+RESHARD_JOBS = {"swapped slices": tp_ckpt_jobs.resume_swapped_slices_job,
+                "no moments": tp_ckpt_jobs.resume_without_moments_job}
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """The TP 2 x DP 2 run (also resumed from step 3 on its own mesh, and saved sync and async at the end)
-    and the TP 1 x DP 4 run, each saving at steps 3 and 6."""
-    runs = {}
+def runs(tmp_path_factory):
+    """{"saved": {name: (cfg, result)}, "resharded": {case: (cfg, result)}}: the TP 2 x DP 2 run (also resumed
+    from step 3 on its own mesh, and saved sync and async at the end) and the TP 1 x DP 4 run, each saving at
+    steps 3 and 6, then every RESHARDS resume from their step-3 checkpoints.
+
+    The runs of one world size take turns on one start of its ranks: starting ranks costs more than the tiny
+    model's steps. 4 ranks go first: they write the checkpoints the 2-rank resumes read.
+    """
+    saved = {}
     for name, job, (nproc, tp, micro) in (("tp2dp2", tp_ckpt_jobs.run_then_resume_on_the_same_mesh_job, (4, 2, 2)),
                                           ("tp1dp4", tp_ckpt_jobs.train_and_save_job, (4, 1, 1))):
         cfg = config(tmp_path_factory.mktemp(name), nproc, tp, micro)
         cfg.checkpoint.every = 3
-        runs[name] = (cfg, run(job, cfg))
-    return runs
+        saved[name] = (job, cfg)
+    resharded = {}
+    for case, (source, nproc, tp, micro, planted) in RESHARDS.items():
+        cfg = config(tmp_path_factory.mktemp(case.replace("->", "-to-")), nproc, tp, micro)
+        cfg.checkpoint.resume = step_folder(saved[source][1], 3)
+        resharded[case] = (RESHARD_JOBS[planted], cfg)
+    jobs = {("saved", name): job_cfg for name, job_cfg in saved.items()}
+    jobs.update({("resharded", case): job_cfg for case, job_cfg in resharded.items()})
+    out = {"saved": {}, "resharded": {}}
+    for nproc in (4, 2):
+        mine = {key: job_cfg for key, job_cfg in jobs.items() if job_cfg[1].launch.nproc == nproc}
+        results = run(functools.partial(dist_jobs.in_turn_job, jobs=list(mine.values())), next(iter(mine.values()))[1])
+        for ((kind, name), (_, cfg)), result in zip(mine.items(), results):
+            out[kind][name] = (cfg, result)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(runs):
+    return runs["saved"]
 
 
 def max_rel(a, b):
@@ -177,24 +213,13 @@ def test_a_tp_resume_on_the_same_mesh_is_bitwise_identical(saved):
 
 
 # ---------------------------------------------------------------- resharding across meshes
-RESHARDS = {  # new mesh -> (saved run, nproc, tp, micro, planted bug the exactness check must catch)
-    "tp2dp2->tp1dp2": ("tp2dp2", 2, 1, 2, "swapped slices"),
-    "tp2dp2->tp2dp1": ("tp2dp2", 2, 2, 4, "swapped slices"),
-    "tp1dp4->tp2dp2": ("tp1dp4", 4, 2, 2, "no moments"),
-}
-
-
 @pytest.mark.parametrize("case", list(RESHARDS))
-def test_a_resume_on_another_mesh_restores_the_exact_state_and_a_misplaced_or_lossy_load_is_caught(
-        saved, tmp_path, case):
+def test_a_resume_on_another_mesh_restores_the_exact_state_and_a_misplaced_or_lossy_load_is_caught(runs, case):
     source, nproc, tp, micro, planted = RESHARDS[case]
-    src_cfg, src_out = saved[source]
+    src_cfg, src_out = runs["saved"][source]
     uninterrupted = src_out.get("first", src_out)
-    cfg = config(tmp_path, nproc, tp, micro)
-    cfg.checkpoint.resume = step_folder(src_cfg, 3)
-    job = {"swapped slices": tp_ckpt_jobs.resume_swapped_slices_job,
-           "no moments": tp_ckpt_jobs.resume_without_moments_job}[planted]
-    out = run(job, cfg)
+    cfg, out = runs["resharded"][case]  # resumed from step_folder(src_cfg, 3) by RESHARD_JOBS[planted]
+    assert cfg.checkpoint.resume == step_folder(src_cfg, 3)
     assert out["loaded"]["mesh"] == {"tp": tp, "dp": nproc // tp}
     # (i) right after loading, the new ranks' shards hold bitwise the checkpoint's full master, moments and step
     want = checkpoint_state(cfg.checkpoint.resume)
