@@ -1,4 +1,4 @@
-"""model/memory.py's predicted activation bytes agree with what autograd saves, and a planted omission is caught.
+"""model/activation_memory.py's predicted activation bytes agree with what autograd saves, and a planted omission is caught.
 
 The measurement is training.activations.saved_for_backward over `summed_token_loss(model(x), y)`, as the
 training loop runs it; bf16 is the model cast to bf16, as the engine's bf16 parameters make it.
@@ -13,8 +13,9 @@ import torch
 from test_checkpoint import spawn
 
 from zerotrain.config import PRESETS, ModelConfig
-from zerotrain.model import build_model, memory, parallelize, summed_token_loss
-from zerotrain.model.memory import activation_bytes
+from zerotrain.model import activation_memory as memory
+from zerotrain.model import build_model, parallelize, summed_token_loss
+from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.model.layers import head_loss
 from zerotrain.training.activations import saved_for_backward
 

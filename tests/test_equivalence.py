@@ -148,7 +148,7 @@ def _eager_blocking_on_grad_ready(self, p):
     self._ready[s.bucket] += 1
     if self._ready[s.bucket] % self._bucket_sizes[s.bucket] == 0:
         self._launch(s.bucket)
-        self._pending.pop().wait()
+        self._finish_reduces()
 
 
 def eager_reduce_job(cfg: Config, comm: Comm, **kwargs):

@@ -10,7 +10,7 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          reduce-scatter while the next fills); every bucket (padded P x 4) through a window
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
-    activations          model.memory.activation_bytes for one micro-batch    what autograd keeps for backward
+    activations          model.activation_memory.activation_bytes for one micro-batch    what autograd keeps for backward
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
 
@@ -33,7 +33,7 @@ import torch
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize
-from zerotrain.model.memory import activation_bytes
+from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.parallel import Comm, ZeroEngine, layout_of
 
 from .invariants import InvariantError, held_bytes
