@@ -23,11 +23,11 @@ from zerotrain.training.schedule import lr_at
 CI_SIZED = ["--quick", "--warmup", "1", "--repeats", "1", "--steps", "1"]
 
 
-def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path, capsys):
+def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path):
     out = tmp_path / "compare"
-    code = main(["bench", "compare", *CI_SIZED, "--out", str(out)])  # in this process: it starts the ranks itself
-    stdout, stderr = capsys.readouterr()
-    assert code == 0, stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "bench", "compare", *CI_SIZED, "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "compare.json").read_text())
     assert (report["schema"], report["version"]) == ("zerotrain.bench.compare", 1)
     results = report["strategies"]
@@ -47,7 +47,7 @@ def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path, caps
     assert results["ddp_zero"]["comm_bytes_per_step"]["vs_one_allreduce"] == pytest.approx(1.5, rel=1e-3)
     table = (out / "compare.md").read_text()
     assert all(r["label"] in table for r in results.values())
-    assert "| strategy |" in stdout
+    assert "| strategy |" in proc.stdout
 
     import matplotlib.pyplot as plt
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -105,8 +106,9 @@ def test_per_micro_batch_mean_weighting_on_varlen_data_misses_the_bound_by_far(t
 
 
 # ------------------------------------------------------------------ bugs planted in the code `zerotrain train` runs
-# Each job runs in the spawned ranks: it plants its bug there, then runs the command's own job.
-def local_token_scaling_job(cfg: Config, comm: Comm, **kwargs):
+# Each bug is planted in the spawned ranks, around the command's own job, and removed after it.
+@contextlib.contextmanager
+def local_token_scaling():
     """Planted bug: the loop's accumulation divides by this rank's token count instead of the global one."""
     real = loop.accumulate_gradients
 
@@ -114,10 +116,14 @@ def local_token_scaling_job(cfg: Config, comm: Comm, **kwargs):
         return real(engine, dataclasses.replace(batch, global_tokens=batch.local_tokens), forward, loss_factor)
 
     loop.accumulate_gradients = locally_scaled
-    return equivalence_job(cfg, comm, **kwargs)
+    try:
+        yield
+    finally:
+        loop.accumulate_gradients = real
 
 
-def adamw_one_step_ahead_job(cfg: Config, comm: Comm, **kwargs):
+@contextlib.contextmanager
+def adamw_one_step_ahead():
     """Planted bug: the engine's AdamW step counter starts at 1, so the first update gets step 2's bias correction."""
     real_init = zero.ZeroEngine.__init__
 
@@ -127,14 +133,21 @@ def adamw_one_step_ahead_job(cfg: Config, comm: Comm, **kwargs):
             state["step"] += 1
 
     zero.ZeroEngine.__init__ = init_one_step_ahead
-    return equivalence_job(cfg, comm, **kwargs)
+    try:
+        yield
+    finally:
+        zero.ZeroEngine.__init__ = real_init
 
 
-def unclipped_apply_job(cfg: Config, comm: Comm, **kwargs):
+@contextlib.contextmanager
+def unclipped_apply():
     """Planted bug: the engine's apply never clips by the global gradient norm."""
     real_apply = zero.ZeroEngine.apply
     zero.ZeroEngine.apply = lambda self, lr, grad_norm: real_apply(self, lr, 0.0)
-    return equivalence_job(cfg, comm, **kwargs)
+    try:
+        yield
+    finally:
+        zero.ZeroEngine.apply = real_apply
 
 
 def _eager_blocking_on_grad_ready(self, p):
@@ -151,18 +164,56 @@ def _eager_blocking_on_grad_ready(self, p):
         self._finish_reduces()
 
 
-def eager_reduce_job(cfg: Config, comm: Comm, **kwargs):
+@contextlib.contextmanager
+def eager_reduce():
     """Planted bug: every micro-batch's backward reduce-scatters, as if no_sync were ignored."""
+    real = zero.ZeroEngine._on_grad_ready
     zero.ZeroEngine._on_grad_ready = _eager_blocking_on_grad_ready
-    return equivalence_job(cfg, comm, **kwargs)
+    try:
+        yield
+    finally:
+        zero.ZeroEngine._on_grad_ready = real
+
+
+# name: (the bug, the --overlap its check runs with: on, so that buckets launch from backward's hooks)
+PLANTED = {"local-token-scaling": (local_token_scaling, None),
+           "adamw-bias-correction": (adamw_one_step_ahead, None),
+           "no-clipping": (unclipped_apply, None),
+           "reduce-every-micro-batch": (eager_reduce, "on")}
+
+
+def planted_equivalence_job(cfg: Config, comm: Comm, **kwargs) -> list[dict] | None:
+    """equivalence_job once per PLANTED bug, each planted for its own run only; every row names its bug."""
+    rows = []
+    for name, (bug, overlap) in PLANTED.items():
+        c = copy.deepcopy(cfg)
+        c.parallel.overlap = overlap or c.parallel.overlap
+        with bug():
+            out = equivalence_job(c, comm, **kwargs)
+        rows += [{**row, "planted": name} for row in out or []]
+    return rows if comm.rank == 0 else None
 
 
 def equivalence_config(*flags: str) -> Config:
     return config_from_args(build_parser().parse_args(["equivalence", *flags]))
 
 
-def test_a_local_token_count_scaling_planted_in_the_loops_accumulation_fails_equivalence():
-    report = check(equivalence_config(), job=local_token_scaling_job, time_limit=120)
+@pytest.fixture(scope="module")
+def planted() -> dict[str, dict]:
+    """check()'s verdict on each PLANTED bug: {name: {"passed", "checked"}}, as check() would give it for that bug
+    alone. The bugs take turns on the ranks of one check (one rank, then the configured ranks): starting ranks
+    costs more than the tiny model's step."""
+    report = check(equivalence_config(), job=planted_equivalence_job, time_limit=120)
+    out = {}
+    for name in PLANTED:
+        checked = [row for row in report["checked"] if row["planted"] == name]
+        out[name] = {"checked": checked, "passed": all(row["passed"] for row in checked)}  # as check() decides
+    assert all(out[name]["checked"] for name in PLANTED)
+    return out
+
+
+def test_a_local_token_count_scaling_planted_in_the_loops_accumulation_fails_equivalence(planted):
+    report = planted["local-token-scaling"]
     assert not report["passed"]
     rows = {row["split"]: row for row in report["checked"]}
     # On one rank the local count is the global one: the bug is invisible there, and the rows pass.
@@ -172,16 +223,16 @@ def test_a_local_token_count_scaling_planted_in_the_loops_accumulation_fails_equ
     assert bad["adamw_rel_diff"] <= BOUND  # the update of the gradient it was given is still AdamW's
 
 
-@pytest.mark.parametrize("job, flags, fails, on_one_micro_batch", [
+@pytest.mark.parametrize("bug, fails, on_one_micro_batch", [
     # AdamW's step against PyTorch's on the same gradient; the SGD run's optimizer is not the engine's AdamW
-    (adamw_one_step_ahead_job, (), {"adamw"}, True),
+    ("adamw-bias-correction", {"adamw"}, True),
     # SGD's step is proportional to the clip factor; AdamW's first step sees it only through eps, on near-zero values
-    (unclipped_apply_job, (), {"sgd", "adamw"}, True),
+    ("no-clipping", {"sgd", "adamw"}, True),
     # the gradient stays right (the last reduce-scatter carries the whole sum); one micro-batch has one round anyway
-    (eager_reduce_job, ("--overlap", "on"), {"rounds"}, False),
+    ("reduce-every-micro-batch", {"rounds"}, False),
 ], ids=["adamw-bias-correction", "no-clipping", "reduce-every-micro-batch"])
-def test_each_criterion_fails_on_its_own_while_the_gradient_passes(job, flags, fails, on_one_micro_batch):
-    report = check(equivalence_config(*flags), job=job, time_limit=120)
+def test_each_criterion_fails_on_its_own_while_the_gradient_passes(planted, bug, fails, on_one_micro_batch):
+    report = planted[bug]
     assert not report["passed"]
     for row in report["checked"]:
         assert row["criteria"]["gradient"] and row["grad_rel_diff"] <= BOUND, row

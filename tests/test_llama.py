@@ -226,10 +226,11 @@ def test_a_llama_trains_reshards_exports_what_transformers_loads_and_inits_from_
         assert torch.equal(start, ours)
 
 
-def test_a_llama_demo_verifies_its_invariants_and_a_bitwise_resume(tmp_path):
-    r = zerotrain("demo", "--preset", "llama-tiny", "--nproc", "2", "--out", str(tmp_path / "demo"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "model: Llama 2 layers" in r.stdout and "RESUME VERIFIED" in r.stdout
+def test_a_llama_demo_verifies_its_invariants_and_a_bitwise_resume(tmp_path, capsys):
+    code = main(["demo", "--preset", "llama-tiny", "--nproc", "2", "--out", str(tmp_path / "demo")])  # in this process
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "model: Llama 2 layers" in out and "RESUME VERIFIED" in out
 
 
 def test_llama_splits_and_tp2_give_the_full_batch_gradient_and_step(tmp_path, capsys):

@@ -40,13 +40,20 @@ def slow_disk_save_job(rank, io, tmp_path, planted):
         return {"error": str(e)}
 
 
+def slow_disk_saves_job(rank, io, tmp_path):
+    """The slow save as it is, then planted, on one start of the ranks: the planted one's timeout leaves the ranks
+    out of step, so it goes last."""
+    return {way: slow_disk_save_job(rank, io, tmp_path / way, way == "planted") for way in ("ok", "planted")}
+
+
 def test_a_save_slower_than_the_step_timeout_waits_with_the_io_timeout(tmp_path):
     (tmp_path / "ok").mkdir(), (tmp_path / "planted").mkdir()
-    codes, results = spawn(slow_disk_save_job, 2, tmp_path / "ok", False, timeout=120)
-    assert codes == [0, 0] and [r.get("saved") for r in results] == [str(tmp_path / "ok" / "ck" / "step_00000001")] * 2
-    checkpoint.verify_or_raise(results[0]["saved"])
-    codes, results = spawn(slow_disk_save_job, 2, tmp_path / "planted", True, timeout=120)
-    assert "timed out after 2 s" in results[0]["error"] and "--timeout" in results[0]["error"]
+    codes, results = spawn(slow_disk_saves_job, 2, tmp_path, timeout=120)
+    assert codes == [0, 0], results
+    ok, planted = [r["ok"] for r in results], [r["planted"] for r in results]
+    assert [r.get("saved") for r in ok] == [str(tmp_path / "ok" / "ck" / "step_00000001")] * 2
+    checkpoint.verify_or_raise(ok[0]["saved"])
+    assert "timed out after 2 s" in planted[0]["error"] and "--timeout" in planted[0]["error"]
 
 
 def failing_async_writer_job(rank, io, tmp_path, planted):
