@@ -1,7 +1,8 @@
 """The ZeRO engine (stage 1 or 2): flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
 
-Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets; each bucket is padded to a multiple of the world size and split
-into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
+Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
+each bucket is padded to a multiple of the world size and split into W equal chunks, and rank r owns chunk r
+of every bucket. Per optimizer step:
 
     reduce-scatter each bucket's gradients -> this rank's gradient shard  (one round, per bucket)
     one all-reduce of a few scalars       -> global grad norm (clipping), loss, flags
@@ -23,9 +24,12 @@ Stage 1 keeps full gradients too, views into one flat gradient buffer. Stage 2 k
 backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's
 first gradient arrives, and the parameter's .grad is dropped. In the backward of the last micro-batch a
 complete bucket is reduce-scattered into this rank's shard and its buffer freed once the reduce-scatter is done,
-so a rank holds its 1/W of the gradients plus the buckets in flight. With accumulation the buffers stay through
-the window (one reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the
-same order, so both stages compute bitwise the same shard.
+so a rank holds its 1/W of the gradients plus the buckets in flight, as many as fit in the bytes of the two
+largest buckets: a bucket's buffer, when its first gradient arrives, waits for the oldest reduce-scatters until it
+fits (stage 2 reduces in backward whatever `reduce_in_backward` says: holding every bucket until after backward
+would be stage 1's memory). With accumulation the buffers stay through the window (one reduce-scatter round per
+step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both stages compute bitwise
+the same shard.
 
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
@@ -58,6 +62,12 @@ class GradientOrderError(ZeroTrainError):
 
 class StaleParameterError(ZeroTrainError):
     """A parameter was used while the all-gather bringing its new value was still in flight."""
+
+
+def stage2_bucket_budget(layout: ShardLayout) -> int:
+    """Stage 2's most bytes of full-size gradient buckets at once, at accumulation 1: the two largest buckets."""
+    sizes = sorted(b.end - b.start for b in layout.buckets)
+    return 4 * sum(sizes[-2:])
 
 
 def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
@@ -137,6 +147,7 @@ class ZeroEngine:
             torch.zeros(L.padded_numel, device=device)
         self.grad_shard = torch.zeros(L.shard_numel, device=device)
         self._bucket_grads: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its fp32 gradients, while held
+        self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
     def _build_optimizer(self) -> None:
@@ -278,10 +289,6 @@ class ZeroEngine:
         work = self.dp.reduce_scatter(out, grads, "reduce_scatter_grads", async_op=True)
         self._pending.append((index, work))
         self._launched += 1
-        if self.stage == 2:
-            # One reduce-scatter in flight while the next bucket fills (none without overlap): wait for the older
-            # ones and free their gradients, so a rank holds about two buckets beside its shard.
-            self._finish_reduces(keep=1 if self.reduce_in_backward else 0)
 
     def _finish_reduces(self, keep: int = 0) -> None:
         """Wait for the launched reduce-scatters but the newest `keep`; stage 2 frees their buckets' gradients."""
@@ -296,9 +303,16 @@ class ZeroEngine:
         grads = self._bucket_grads.get(index)
         if grads is None:
             b = self.layout.buckets[index]
+            # Reduce-scatters in flight keep their buckets until waited for: wait for the oldest until this one
+            # fits in the budget (the first micro-batches of a window launch none, and keep every bucket).
+            while self._pending and self._bucket_bytes() + 4 * (b.end - b.start) > self._bucket_budget:
+                self._finish_reduces(keep=len(self._pending) - 1)
             grads = self._bucket_grads[index] = torch.zeros(b.end - b.start, device=self.flat_params.device)
             self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes())
         return grads
+
+    def _bucket_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._bucket_grads.values())
 
     def _release(self, index: int) -> None:
         """Stage 2: bucket `index`'s gradients are in the shard; its full-size buffer goes."""

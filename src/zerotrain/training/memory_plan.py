@@ -6,11 +6,12 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
                          stage 2: shard x 4                                   held between steps
-    gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (one in its
-                         reduce-scatter while the next fills); every bucket (padded P x 4) through a window
+    gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (the buckets in
+                         their reduce-scatters and the one filling fit in it); every bucket (padded P x 4) through
+                         a window
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
-    activations          model.activation_memory.activation_bytes for one micro-batch    what autograd keeps for backward
+    activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
 
@@ -34,7 +35,7 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize
 from zerotrain.model.activation_memory import activation_bytes
-from zerotrain.parallel import Comm, ZeroEngine, layout_of
+from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 
 from .invariants import InvariantError, held_bytes
 
@@ -90,8 +91,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         buckets = 0
     else:
         grads = shard * 4
-        sizes = sorted(b.end - b.start for b in L.buckets)
-        buckets = 4 * (sum(sizes[-2:]) if cfg.loop.accum == 1 else padded)
+        buckets = stage2_bucket_budget(L) if cfg.loop.accum == 1 else 4 * padded
     staging = (shard * 12 + tp * padded * 4) if cfg.checkpoint.async_save else 0
     rows = {
         "parameters": padded * psize,
