@@ -1,10 +1,11 @@
-"""Shared test setup: tiny configs, a one-rank process group for unit tests, child-process checks."""
+"""Shared test setup: tiny configs, a one-rank process group, commands run in-process, child-process checks."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -70,3 +71,29 @@ def live_processes() -> list[tuple[int, int, int]]:
 def child_pids() -> list[int]:
     """Live child processes of this process (to check that a job reaped its ranks)."""
     return [pid for pid, parent, _ in live_processes() if parent == os.getpid()]
+
+
+def zerotrain_here(capfd, *argv: str, faults: str | None = None) -> subprocess.CompletedProcess:
+    """`zerotrain ARGV` through its entry point in this process, as `python -m zerotrain` runs it: the exit code, and
+    the output of this process and of the ranks it starts (processes of their own, writing to the captured fds).
+
+    ZEROTRAIN_FAULTS is `faults` for this command alone. A command refused after taking its run folder leaves it
+    held by this process, where a command's own process would have ended and freed it: it is let go here.
+    """
+    from zerotrain.cli.main import main
+    from zerotrain.runtime.run_folder import release_run_folders
+    from zerotrain.training.faults import ENV
+
+    capfd.readouterr()
+    saved = os.environ.pop(ENV, None)
+    if faults:
+        os.environ[ENV] = faults
+    try:
+        code = main(list(argv))
+    finally:
+        os.environ.pop(ENV, None)
+        if saved is not None:
+            os.environ[ENV] = saved
+        release_run_folders()
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["zerotrain", *argv], code, out, err)

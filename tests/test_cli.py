@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import zerotrain_here
 
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser, main
@@ -19,8 +20,8 @@ def zerotrain(*args, cwd=None, timeout=240):
                           timeout=timeout, cwd=cwd)
 
 
-def test_demo_proves_the_four_invariants_and_a_bitwise_resume(tmp_path):
-    r = zerotrain("demo", "--out", str(tmp_path))
+def test_demo_proves_the_four_invariants_and_a_bitwise_resume(tmp_path, capfd):
+    r = zerotrain_here(capfd, "demo", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     for line in ("(a) finite loss", "(b) parameters bitwise identical", "(c) AdamW's state = ZeRO-1 formula", "(d) checkpoints"):
         assert any(line in l and l.endswith("PASS") for l in r.stdout.splitlines()), line
@@ -44,16 +45,16 @@ def test_demo_wall_clock_limit_stops_a_run_with_one_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_train_writes_metrics_and_resume_auto_continues(tmp_path):
+def test_train_writes_metrics_and_resume_auto_continues(tmp_path, capfd):
     args = ["train", "--nproc", "2", "--micro-batch", "2", "--accum", "2", "--out", str(tmp_path),
             "--ckpt-every", "2", "--no-progress", "--keep", "2", "--data", "synthetic"]
-    r = zerotrain(*args, "--steps", "4")
+    r = zerotrain_here(capfd, *args, "--steps", "4")
     assert r.returncode == 0, r.stderr
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [rec["step"] for rec in records] == [1, 2, 3, 4]
     assert set(records[0]) >= {"step", "loss", "grad_norm", "lr", "tokens", "step_ms", "batch_sequences"}
     assert records[0]["tokens"] == records[0]["batch_tokens"] == 8 * 16 and records[0]["batch_sequences"] == 8
-    r = zerotrain(*args, "--steps", "6", "--resume", "auto")
+    r = zerotrain_here(capfd, *args, "--steps", "6", "--resume", "auto")
     assert r.returncode == 0, r.stderr
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5, 6]
@@ -133,21 +134,21 @@ def test_overlap_auto_chooses_per_device_and_flags_override_it(flags, device, co
     assert (cfg.reduce_in_backward, cfg.gather_in_forward) == (backward, forward)
 
 
-def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_path, capsys):
+def test_short_data_file_and_incompatible_checkpoint_fail_before_workers(tmp_path, capfd):
     short = tmp_path / "short.txt"
     short.write_text("tiny")
     assert main(["train", "--data", str(short)]) == 2
-    assert "fewer than one sequence of --seq-len 16" in capsys.readouterr().err
+    assert "fewer than one sequence of --seq-len 16" in capfd.readouterr().err
     other = tmp_path / "other"  # a real checkpoint, of a wider model
-    assert zerotrain("train", "--n-embd", "64", "--steps", "1", "--ckpt-every", "1", "--no-progress",
-                     "--data", "synthetic", "--out", str(other)).returncode == 0
+    assert zerotrain_here(capfd, "train", "--n-embd", "64", "--steps", "1", "--ckpt-every", "1", "--no-progress",
+                          "--data", "synthetic", "--out", str(other)).returncode == 0
     ck = other / "checkpoints" / "step_00000001"
     assert main(["train", "--data", "synthetic", "--resume", str(ck)]) == 2
-    assert "incompatible model: checkpoint has model.n_embd=64, this run has 32" in capsys.readouterr().err
+    assert "incompatible model: checkpoint has model.n_embd=64, this run has 32" in capfd.readouterr().err
     toml = tmp_path / "run.toml"
     toml.write_text("[model]\nn_embd = 48\nn_head = 5\n")
     assert main(["train", "--config", str(toml)]) == 2
-    assert "--n-embd 48 is not divisible by --n-head 5" in capsys.readouterr().err
+    assert "--n-embd 48 is not divisible by --n-head 5" in capfd.readouterr().err
     toml.write_text("[modle]\n")
     assert main(["train", "--config", str(toml)]) == 2
-    assert "unknown table [modle] (did you mean [model]?" in capsys.readouterr().err
+    assert "unknown table [modle] (did you mean [model]?" in capfd.readouterr().err

@@ -4,10 +4,9 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
+from conftest import zerotrain_here
 
 from zerotrain.errors import ZeroTrainError
 from zerotrain.training.guard import (Anomaly, AnomalyDetector, NoCheckpointToRestore, RollbackExhausted,
@@ -333,24 +332,22 @@ TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "
         "--steps", "14", "--ckpt-every", "2"]
 
 
-def train_with_lr_spike(out, *flags):
+def train_with_lr_spike(capfd, out, *flags):
     """`zerotrain train` of the tiny model whose update of step 9 uses a 1000x learning rate; its metrics."""
-    env = dict(os.environ, ZEROTRAIN_FAULTS="lr_spike@step=9,factor=1000")
-    r = subprocess.run([sys.executable, "-m", "zerotrain", "train", *TINY, "--out", out, *flags],
-                       capture_output=True, text=True, timeout=240, env=env)
+    r = zerotrain_here(capfd, "train", *TINY, "--out", out, *flags, faults="lr_spike@step=9,factor=1000")
     assert r.returncode == 0, r.stderr
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.mark.timeout(300)
-def test_a_1000x_lr_spike_is_rolled_back_by_the_cli_and_the_old_median_rule_would_have_trained_on(tmp_path):
-    guarded = train_with_lr_spike(str(tmp_path / "guarded"), "--spike-window", "5")
+def test_a_1000x_lr_spike_is_rolled_back_by_the_cli_and_the_old_median_rule_would_have_trained_on(tmp_path, capfd):
+    guarded = train_with_lr_spike(capfd, str(tmp_path / "guarded"), "--spike-window", "5")
     (rollback,) = [r for r in guarded if r.get("event") == "rollback"]
     assert rollback["step"] == 10 and rollback["to_step"] == 8 and rollback["skipped_data_steps"] == [9, 10]
     # The same run with a window of 4 (the outlier test off, the 3 x median test on): the ruined model's steps are
     # applied and logged; replayed through the detector they get the decision the CLI made, word for word
-    unguarded = train_with_lr_spike(str(tmp_path / "unguarded"), "--spike-window", "4")
+    unguarded = train_with_lr_spike(capfd, str(tmp_path / "unguarded"), "--spike-window", "4")
     assert not [r for r in unguarded if r.get("event")]
     steps = [r for r in unguarded if "event" not in r]
     losses, norms = [r["loss"] for r in steps], [r["grad_norm"] for r in steps]

@@ -2,55 +2,49 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import tiny_config
-from test_production import TINY, checkpoint_files, last_line, zerotrain
+from conftest import tiny_config, zerotrain_here
+from test_production import TINY, checkpoint_files, last_line
 
+from zerotrain.cli.flags import config_from_args
+from zerotrain.cli.main import build_parser
 from zerotrain.runtime import run_folder
-from zerotrain.runtime.run_folder import LOCK, prepare_run
+from zerotrain.runtime.run_folder import prepare_run, release_run_folders
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def start_hung_run(out: str) -> subprocess.Popen:
-    """A real run that resumes the folder and hangs before step 6's collectives (ZEROTRAIN_FAULTS), holding it."""
+    """A real run that commits checkpoints 2 and 4, then hangs before step 6's collectives (ZEROTRAIN_FAULTS),
+    holding its folder."""
     env = dict(os.environ, ZEROTRAIN_FAULTS="hang@step=6")
     return subprocess.Popen([sys.executable, "-m", "zerotrain", "train", *TINY, "--steps", "8", "--ckpt-every", "2",
-                             "--resume", "auto", "--out", out], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--out", out], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
-def wait_for_holder(out: str, pid: int, limit_s: float = 120.0) -> dict:
-    """The lock file once the process `pid` has taken the folder (it writes its pid after the lock is held)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            with open(os.path.join(out, LOCK)) as f:
-                info = json.loads(f.read() or "{}")
-            if info.get("pid") == pid:
-                return info
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{out} was not taken by pid {pid} within {limit_s} s")
+def wait_until_hung(run: subprocess.Popen) -> None:
+    """Read the run's stderr until its rank 0 says it hangs at step 6: step 4's checkpoint is committed by then."""
+    for line in run.stderr:
+        if "hang at step 6 on rank 0" in line:
+            return
+    raise AssertionError(f"the run ended (exit code {run.wait(timeout=60)}) before it hung at step 6")
 
 
-def test_a_second_run_into_a_live_runs_folder_is_refused_naming_it_and_the_first_runs_files_stay(tmp_path):
+def test_a_second_run_into_a_live_runs_folder_is_refused_naming_it_and_the_first_runs_files_stay(tmp_path, capfd):
     out = str(tmp_path / "same")
-    assert zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out).returncode == 0
-    before = {step: checkpoint_files(os.path.join(out, "checkpoints", f"step_{step:08d}")) for step in (2, 4)}
     live = start_hung_run(out)
     try:
-        wait_for_holder(out, live.pid)
+        wait_until_hung(live)
+        before = {step: checkpoint_files(os.path.join(out, "checkpoints", f"step_{step:08d}")) for step in (2, 4)}
+        assert all(before.values())
         for extra in (["--overwrite", "--seed", "7"], ["--resume", "auto"]):  # fresh (the most destructive) and auto
-            second = zerotrain("train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out, *extra)
+            second = zerotrain_here(capfd, "train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out, *extra)
             assert second.returncode == 2, second.stderr
             assert last_line(second).startswith(f"zerotrain: error: --out {out} is in use by another run (pid "
                                                 f"{live.pid} on ")
@@ -60,9 +54,14 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_naming_it_and_the_first
     finally:
         os.killpg(live.pid, signal.SIGKILL)  # the live run dies without a word: the kernel releases its lock
         live.communicate(timeout=60)
-    # nothing holds the folder any more: the next run takes it and continues from the newest checkpoint
-    after = zerotrain("train", *TINY, "--steps", "6", "--ckpt-every", "2", "--resume", "auto", "--out", out)
-    assert after.returncode == 0, after.stderr
+    # nothing holds the folder any more: the next run takes it (prepare_run, where `train` takes its folder), to
+    # continue from the newest checkpoint
+    after = config_from_args(build_parser().parse_args(["train", *TINY, "--steps", "6", "--ckpt-every", "2",
+                                                         "--resume", "auto", "--out", out]))
+    try:
+        assert prepare_run(after).checkpoint.resume == os.path.join(out, "checkpoints", "step_00000004")
+    finally:
+        release_run_folders()
 
 
 def test_the_folder_check_is_the_lock_a_planted_no_op_lock_lets_a_second_run_in(tmp_path, monkeypatch):

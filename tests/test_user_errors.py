@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, zerotrain_here
 
 from zerotrain.data.tokenfiles import write_llmc
 from zerotrain.errors import ConfigError
@@ -60,21 +60,21 @@ def one_document_text(tmp_path):
 
 @pytest.mark.parametrize("make_data", [llmc_bin_without_val, nanogpt_folder_with_only_train, one_document_text])
 def test_eval_every_without_validation_data_is_refused_before_the_ranks_start_naming_the_flag_that_supplies_it(
-        tmp_path, make_data):
+        tmp_path, capfd, make_data):
     data, why = make_data(tmp_path)
-    line = one_line_error(zerotrain("train", *TINY, "--data", data, "--eval-every", "10", "--out",
-                                    str(tmp_path / "run")))
+    line = one_line_error(zerotrain_here(capfd, "train", *TINY, "--data", data, "--eval-every", "10", "--out",
+                                         str(tmp_path / "run")))
     assert line.startswith("zerotrain: error: --eval-every 10 needs validation tokens and --data ")
     assert why in line and line.endswith("pass --val-data PATH")
     assert not os.path.exists(tmp_path / "run" / "logs")  # no rank started
 
 
-def test_val_data_supplies_the_validation_tokens(tmp_path):
+def test_val_data_supplies_the_validation_tokens(tmp_path, capfd):
     data, _ = one_document_text(tmp_path)
     val = tmp_path / "val.txt"
     val.write_text("held-out text, a paragraph of its own.\n\nAnd a second one, to be sure there is enough. " * 6)
-    r = zerotrain("train", *TINY, "--data", data, "--val-data", str(val), "--eval-every", "3",
-                  "--out", str(tmp_path / "run"))
+    r = zerotrain_here(capfd, "train", *TINY, "--data", data, "--val-data", str(val), "--eval-every", "3",
+                       "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
     assert "val_loss" in open(tmp_path / "run" / "metrics.jsonl").readlines()[-1]
 
