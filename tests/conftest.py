@@ -77,8 +77,8 @@ def zerotrain_here(capfd, *argv: str, faults: str | None = None) -> subprocess.C
     """`zerotrain ARGV` through its entry point in this process, as `python -m zerotrain` runs it: the exit code, and
     the output of this process and of the ranks it starts (processes of their own, writing to the captured fds).
 
-    ZEROTRAIN_FAULTS is `faults` for this command alone. A command refused after taking its run folder leaves it
-    held by this process, where a command's own process would have ended and freed it: it is let go here.
+    ZEROTRAIN_FAULTS is `faults` for this command alone. Any run folder the command still holds is let go here, as
+    the end of its own process would let it go.
     """
     from zerotrain.cli.main import main
     from zerotrain.runtime.run_folder import release_run_folders

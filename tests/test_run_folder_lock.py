@@ -81,3 +81,32 @@ def test_the_folder_check_is_the_lock_a_planted_no_op_lock_lets_a_second_run_in(
         assert prepare_run(cfg).logging.out == out  # the second run would have gone ahead
     finally:
         holder.communicate("", timeout=30)
+
+
+def test_a_run_refused_after_taking_its_folder_lets_it_go(tmp_path, monkeypatch):
+    """run_job's prepare may take the run folder and then refuse the run: the folder is let go at once, so a caller
+    that goes on living (a notebook, a sweep) does not keep the next run out. Planted: the release skipped."""
+    from zerotrain.runtime import launch
+
+    def take_then_refuse(cfg):
+        run_folder.hold_run_folder(str(tmp_path / "run"))
+        raise run_folder.ConfigError("refused after taking the folder")
+
+    def other_process_takes_it() -> bool:
+        probe = subprocess.run([sys.executable, "-c", "from zerotrain.runtime.run_folder import hold_run_folder; "
+                                f"hold_run_folder({str(tmp_path / 'run')!r})"], capture_output=True, text=True,
+                               timeout=60)
+        return probe.returncode == 0
+
+    cfg = tiny_config(tmp_path, steps=1)
+    with pytest.raises(run_folder.ConfigError, match="refused after taking"):
+        launch.run_job(lambda cfg, comm: None, cfg, prepare=take_then_refuse)
+    assert other_process_takes_it()
+
+    monkeypatch.setattr(launch, "release_run_folders", lambda: None)  # planted: the refusal keeps the folder
+    try:
+        with pytest.raises(run_folder.ConfigError, match="refused after taking"):
+            launch.run_job(lambda cfg, comm: None, cfg, prepare=take_then_refuse)
+        assert not other_process_takes_it()
+    finally:
+        release_run_folders()

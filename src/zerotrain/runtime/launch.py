@@ -73,7 +73,11 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
     if in_torchrun():
         return _worker(job, cfg, None, prepare)
     if prepare:
-        cfg = prepare(cfg)
+        try:
+            cfg = prepare(cfg)
+        except BaseException:
+            release_run_folders()  # a refusal after taking the folder must not keep it from the next run
+            raise
     job_dir = tempfile.mkdtemp(prefix="zerotrain-job-")
     launched = _ElasticThread(job, cfg, job_dir)
     stepping = [os.path.join(job_dir, STEPPING_FILE.format(rank=r)) for r in range(cfg.launch.nproc)]
