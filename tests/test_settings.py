@@ -200,3 +200,7 @@ def test_a_toml_of_zerotrain_0_1_is_told_where_its_run_table_went_and_a_mistyped
         build_parser().parse_args(["train", "--ckpt-evry", "3"])
     with pytest.raises(ConfigError, match=r"unrecognized arguments: --frobnicate$"):
         build_parser().parse_args(["train", "--frobnicate"])
+    # Another command's flag is named as such, not offered back as its own closest match.
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --time-limit 8 \(--time-limit is a flag of "
+                                          r"[a-z ,]*zerotrain demo[a-z ,]* only\)$"):
+        build_parser().parse_args(["train", "--time-limit", "8"])

@@ -18,18 +18,27 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, no usage dump
         if message.startswith("unrecognized arguments: "):
             message += _did_you_mean(message.split(": ", 1)[1].split()[0], self)
-        raise ConfigError(f"{self.prog}: {message}")
+        # A command's parser names its command; the top parser's name is the one every error line starts with.
+        raise ConfigError(f"{self.prog}: {message}" if " " in self.prog else message)
 
 
 def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
-    """The closest flag of this parser and its subcommands (argparse reports a subcommand's unknown flag at the top)."""
-    options, parsers = set(), [parser]
+    """The commands that have flag `word`, if it is another command's flag; else the closest flag of this parser and
+    its subcommands (argparse reports a subcommand's unknown flag at the top)."""
+    owners: dict[str, list[str]] = {}  # flag -> the programs that take it
+    parsers = [parser]
     while parsers:
         p = parsers.pop()
-        options.update(o for o in p._option_string_actions if o.startswith("--"))
+        for option in p._option_string_actions:
+            if option.startswith("--"):
+                owners.setdefault(option, []).append(p.prog)
         parsers.extend(c for a in p._actions if isinstance(a.choices, dict) for c in a.choices.values()
                        if isinstance(c, argparse.ArgumentParser))
-    close = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.75) if word.startswith("--") else []
+    if not word.startswith("--"):
+        return ""
+    if word in owners:
+        return f" ({word} is a flag of {', '.join(sorted(set(owners[word])))} only)"
+    close = difflib.get_close_matches(word, sorted(owners), n=1, cutoff=0.75)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
