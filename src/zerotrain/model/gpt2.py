@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, run_block, tied_head_hook
+from .layers import (ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, new_positions,
+                     run_block, tied_head_hook)
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,16 +113,11 @@ class GPT(nn.Module):
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
-        T = idx.shape[1]
-        past = 0 if cache is None else cache.length
-        if past + T > self.cfg.seq_len:
-            raise ValueError(f"{past} cached + {T} new positions exceed seq_len {self.cfg.seq_len}")
-        pos = torch.arange(past, past + T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.seq_len))
         for layer, block in enumerate(self.transformer.h):
             x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer)
         if cache is not None:
-            cache.length += T
+            cache.length += idx.shape[1]
         return self.transformer.ln_f(x)
 
 

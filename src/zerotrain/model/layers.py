@@ -140,6 +140,15 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+def new_positions(idx: torch.Tensor, cache: KVCache | None, seq_len: int) -> torch.Tensor:
+    """The positions of `idx`'s tokens, (time,): after those already in `cache`, refused past `seq_len`."""
+    T = idx.shape[1]
+    past = 0 if cache is None else cache.length
+    if past + T > seq_len:
+        raise ValueError(f"{past} cached + {T} new positions exceed seq_len {seq_len}")
+    return torch.arange(past, past + T, device=idx.device)
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, head_dim) of rotary embeddings at `positions`, in fp32, rotate-half layout: frequency i
     at columns i and i + head_dim / 2."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .layers import (ColumnParallelLinear, KVCache, RMSNorm, RowParallelLinear, TPSlice, apply_rotary, attend,
-                     blocks, copy_to_tp, rotary_tables, run_block, tied_head_hook)
+                     blocks, copy_to_tp, new_positions, rotary_tables, run_block, tied_head_hook)
 
 
 class LlamaAttention(nn.Module):
@@ -101,17 +101,12 @@ class Llama(nn.Module):
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
-        T = idx.shape[1]
-        past = 0 if cache is None else cache.length
-        if past + T > self.cfg.seq_len:
-            raise ValueError(f"{past} cached + {T} new positions exceed seq_len {self.cfg.seq_len}")
         x = self.model.embed_tokens(idx)
-        rotary = rotary_tables(torch.arange(past, past + T, device=idx.device), self.cfg.head_dim,
-                               self.cfg.rope_theta)
+        rotary = rotary_tables(new_positions(idx, cache, self.cfg.seq_len), self.cfg.head_dim, self.cfg.rope_theta)
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer)
         if cache is not None:
-            cache.length += T
+            cache.length += idx.shape[1]
         return self.model.norm(x)
 
 
