@@ -7,6 +7,7 @@ import importlib
 import os
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -55,12 +56,8 @@ def naive_mean_job(cfg: Config, comm: Comm) -> dict:
                                                  ignore_index=-100)
         return mean * targets.numel()
 
-    real = train_module.summed_token_loss
-    train_module.summed_token_loss = mean_weighted
-    try:
+    with mock.patch.object(train_module, "summed_token_loss", mean_weighted):
         return params_job(cfg, comm)
-    finally:
-        train_module.summed_token_loss = real
 
 
 def interrupted_job(cfg: Config, comm: Comm) -> dict:
@@ -87,12 +84,9 @@ def without_moments(load):
 
 def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a resume that loses AdamW's moments."""
-    real = train_module.checkpoint.load_checkpoint
-    train_module.checkpoint.load_checkpoint = without_moments(real)
-    try:
+    with mock.patch.object(train_module.checkpoint, "load_checkpoint",
+                           without_moments(train_module.checkpoint.load_checkpoint)):
         return interrupted_job(cfg, comm)
-    finally:
-        train_module.checkpoint.load_checkpoint = real
 
 
 def resume_job(cfg: Config, comm: Comm) -> dict:
@@ -110,11 +104,8 @@ def reshard_without_moments_job(cfg: Config, comm: Comm) -> dict:
         state = real(*args, **kwargs)
         return {k: (v.zero_() if k in ("exp_avg", "exp_avg_sq") else v) for k, v in state.items()}
 
-    load_module._reshard = lossy
-    try:
+    with mock.patch.object(load_module, "_reshard", lossy):
         return {**params_job(cfg, comm), "resharded": bool(called)}
-    finally:
-        load_module._reshard = real
 
 
 def drift_job(cfg: Config, comm: Comm) -> dict:
@@ -241,12 +232,8 @@ def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
         ctx.comm.all_reduce(grad, "all_reduce_tp_grads")
         return grad / ctx.comm.world_size, None
 
-    real = layers._CopyToTP.__dict__["backward"]
-    layers._CopyToTP.backward = staticmethod(backward)
-    try:
+    with mock.patch.object(layers._CopyToTP, "backward", staticmethod(backward)):
         return tp_params_job(cfg, comm)
-    finally:
-        layers._CopyToTP.backward = real
 
 
 def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
@@ -257,12 +244,8 @@ def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
         ranges = self._owned(self._sliced_flat) + self._owned(self._replicated_flat)
         return sum(torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square() for a, z in ranges)
 
-    real = engine_module.ZeroEngine._counted_grad_sumsq
-    engine_module.ZeroEngine._counted_grad_sumsq = counted
-    try:
+    with mock.patch.object(engine_module.ZeroEngine, "_counted_grad_sumsq", counted):
         return tp_params_job(cfg, comm)
-    finally:
-        engine_module.ZeroEngine._counted_grad_sumsq = real
 
 
 def _nudge_job(cfg: Config, comm: Comm, rank: int, sliced: bool) -> dict:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 from collections import Counter
+from unittest import mock
 
 import pytest
 from dist_jobs import in_turn_job
@@ -106,8 +107,8 @@ def test_per_micro_batch_mean_weighting_on_varlen_data_misses_the_bound_by_far(t
 
 
 # ------------------------------------------------------------------ bugs planted in the code `zerotrain train` runs
-# Each bug is planted in the spawned ranks, around the command's own job, and removed after it.
-@contextlib.contextmanager
+# Each bug is planted in the spawned ranks, around the command's own job, and removed after it: each function
+# gives a context manager (mock.patch.object) that plants it.
 def local_token_scaling():
     """Planted bug: the loop's accumulation divides by this rank's token count instead of the global one."""
     real = loop.accumulate_gradients
@@ -115,14 +116,9 @@ def local_token_scaling():
     def locally_scaled(engine, batch, forward=None, loss_factor=1.0):
         return real(engine, dataclasses.replace(batch, global_tokens=batch.local_tokens), forward, loss_factor)
 
-    loop.accumulate_gradients = locally_scaled
-    try:
-        yield
-    finally:
-        loop.accumulate_gradients = real
+    return mock.patch.object(loop, "accumulate_gradients", locally_scaled)
 
 
-@contextlib.contextmanager
 def adamw_one_step_ahead():
     """Planted bug: the engine's AdamW step counter starts at 1, so the first update gets step 2's bias correction."""
     real_init = zero.ZeroEngine.__init__
@@ -132,22 +128,13 @@ def adamw_one_step_ahead():
         for state in self.optimizer.state.values():
             state["step"] += 1
 
-    zero.ZeroEngine.__init__ = init_one_step_ahead
-    try:
-        yield
-    finally:
-        zero.ZeroEngine.__init__ = real_init
+    return mock.patch.object(zero.ZeroEngine, "__init__", init_one_step_ahead)
 
 
-@contextlib.contextmanager
 def unclipped_apply():
     """Planted bug: the engine's apply never clips by the global gradient norm."""
     real_apply = zero.ZeroEngine.apply
-    zero.ZeroEngine.apply = lambda self, lr, grad_norm: real_apply(self, lr, 0.0)
-    try:
-        yield
-    finally:
-        zero.ZeroEngine.apply = real_apply
+    return mock.patch.object(zero.ZeroEngine, "apply", lambda self, lr, grad_norm: real_apply(self, lr, 0.0))
 
 
 def _eager_blocking_on_grad_ready(self, p):
@@ -164,15 +151,9 @@ def _eager_blocking_on_grad_ready(self, p):
         self._finish_reduces()
 
 
-@contextlib.contextmanager
 def eager_reduce():
     """Planted bug: every micro-batch's backward reduce-scatters, as if no_sync were ignored."""
-    real = zero.ZeroEngine._on_grad_ready
-    zero.ZeroEngine._on_grad_ready = _eager_blocking_on_grad_ready
-    try:
-        yield
-    finally:
-        zero.ZeroEngine._on_grad_ready = real
+    return mock.patch.object(zero.ZeroEngine, "_on_grad_ready", _eager_blocking_on_grad_ready)
 
 
 # name: (the bug, the --overlap its check runs with: on, so that buckets launch from backward's hooks)
@@ -258,11 +239,9 @@ def _eager_on_grad_ready(self, p):
 
 def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> dict | None:
     """Train 2 steps at each accumulation; collective rounds per optimizer step (calls per bucket)."""
-    real = zero.ZeroEngine._on_grad_ready
-    if eager:
-        zero.ZeroEngine._on_grad_ready = _eager_on_grad_ready
     out = {}
-    try:
+    planted = mock.patch.object(zero.ZeroEngine, "_on_grad_ready", _eager_on_grad_ready)
+    with planted if eager else contextlib.nullcontext():
         for accum in accums:
             c = copy.deepcopy(cfg)
             c.loop.accum = accum
@@ -273,8 +252,6 @@ def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> di
             out[accum] = {"buckets": buckets,
                           "reduce_scatter": calls["reduce_scatter_grads"] / (c.loop.steps * buckets),
                           "all_gather": calls["all_gather_params"] / (c.loop.steps * buckets)}
-    finally:
-        zero.ZeroEngine._on_grad_ready = real
     return out if comm.rank == 0 else None
 
 
