@@ -2,12 +2,11 @@
 
 import functools
 import json
-import subprocess
 
 import dist_jobs
 import pytest
 import torch
-from conftest import child_pids, tiny_config
+from conftest import child_pids, tiny_config, zerotrain_here
 
 from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
@@ -166,16 +165,8 @@ def test_bad_tp_settings_are_one_line_errors_with_exit_code_2(tmp_path, argv, me
     assert "Traceback" not in err
 
 
-def zerotrain(capsys, *args) -> subprocess.CompletedProcess:
-    """`zerotrain ARGS` through its entry point in this process (it starts its ranks itself): exit code and output."""
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["zerotrain", *args], code, out, err)
-
-
-def test_demo_tp2_passes_the_four_invariants_and_the_bitwise_resume_on_tp2_x_dp2(tmp_path, capsys):
-    r = zerotrain(capsys, "demo", "--tp", "2", "--out", str(tmp_path))
+def test_demo_tp2_passes_the_four_invariants_and_the_bitwise_resume_on_tp2_x_dp2(tmp_path, capfd):
+    r = zerotrain_here(capfd, "demo", "--tp", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "TP 2 x DP 2 = 4 ranks" in r.stdout
     for line in ("(a) finite loss", "(b) replicas bitwise equal", "(c) AdamW's state = ZeRO-1 formula", "(d) checkpoints"):
