@@ -58,7 +58,8 @@ def test_train_writes_metrics_and_resume_auto_continues(tmp_path, capfd):
     assert r.returncode == 0, r.stderr
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5, 6]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".zerotrain.lock", "latest", "step_00000004",
+                                                            "step_00000006"]
 
 
 def test_torchrun_job_is_joined_not_respawned_and_its_world_size_decides_tp(tmp_path):

@@ -34,7 +34,8 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
 
 @pytest.mark.parametrize("spec, message", [
     ("explode@step=3", ("unknown fault kind 'explode' in 'explode@step=3' "
-                        "(known: kill, hang, nan, lr_spike, crash_in_save, save_error, slow_staging, sigterm, oom)")),
+                        "(known: kill, hang, nan, lr_spike, crash_in_save, save_error, disk_full, slow_staging, sigterm, "
+                        "oom)")),
     ("kill", "'kill' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@rank=1", "'kill@rank=1' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@step=x", "step must be an integer >= 0, got 'x' in 'kill@step=x'"),  # kill, hang: 0 is start-up

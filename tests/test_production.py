@@ -121,7 +121,7 @@ def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps
     assert steps_of(empty) == [1, 2]
     assert steps_of(out) == list(range(1, 13))  # appended, not rewritten
     root = os.path.join(out, "checkpoints")
-    assert sorted(os.listdir(root)) == ["latest", "step_00000008", "step_00000012"]
+    assert sorted(os.listdir(root)) == [".zerotrain.lock", "latest", "step_00000008", "step_00000012"]
     assert checkpoint.resolve_resume("auto", root).endswith("step_00000012")
 
     r = zerotrain_here(capfd, "train", *TINY, "--steps", "4", "--ckpt-every", "4", "--keep", "2", "--out", out,
@@ -129,7 +129,7 @@ def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps
     assert r.returncode == 0, r.stderr
     assert "--overwrite: removed" in r.stderr
     assert steps_of(out) == [1, 2, 3, 4]
-    assert sorted(os.listdir(root)) == ["latest", "step_00000004"]
+    assert sorted(os.listdir(root)) == [".zerotrain.lock", "latest", "step_00000004"]
 
     afile = tmp_path / "a-file"
     afile.write_text("not a folder")
@@ -418,7 +418,7 @@ def test_a_signal_before_the_first_step_ends_the_job_at_once_with_nothing_to_sav
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 128 + signal.SIGTERM
     assert rest.strip().splitlines()[-1] == "zerotrain: stopped by SIGTERM before the first step: nothing to save"
-    assert not os.path.isdir(os.path.join(out, "checkpoints")) or not os.listdir(os.path.join(out, "checkpoints"))
+    assert not checkpoint.committed_steps(os.path.join(out, "checkpoints"))
     deadline = time.monotonic() + 30  # killed ranks take a moment to be reaped once their launcher is gone
     while _group_alive(job.pid) and time.monotonic() < deadline:
         time.sleep(0.1)

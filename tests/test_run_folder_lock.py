@@ -19,12 +19,12 @@ from zerotrain.runtime.run_folder import prepare_run, release_run_folders
 pytestmark = pytest.mark.timeout(300)
 
 
-def start_hung_run(out: str) -> subprocess.Popen:
+def start_hung_run(out: str, *extra: str) -> subprocess.Popen:
     """A real run that commits checkpoints 2 and 4, then hangs before step 6's collectives (ZEROTRAIN_FAULTS),
-    holding its folder."""
+    holding its folders."""
     env = dict(os.environ, ZEROTRAIN_FAULTS="hang@step=6")
     return subprocess.Popen([sys.executable, "-m", "zerotrain", "train", *TINY, "--steps", "8", "--ckpt-every", "2",
-                             "--out", out], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--out", out, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
@@ -36,30 +36,50 @@ def wait_until_hung(run: subprocess.Popen) -> None:
     raise AssertionError(f"the run ended (exit code {run.wait(timeout=60)}) before it hung at step 6")
 
 
-def test_a_second_run_into_a_live_runs_folder_is_refused_naming_it_and_the_first_runs_files_stay(tmp_path, capfd):
-    out = str(tmp_path / "same")
-    live = start_hung_run(out)
+def test_a_second_run_into_any_folder_of_a_live_run_is_refused_naming_it_and_the_first_runs_files_stay(
+        tmp_path, capfd, monkeypatch):
+    """A live run holds --out, --ckpt-dir and the --metrics folder: a second run into any of them, fresh (the most
+    destructive) or --resume auto, is refused in one line; planted: a lock that covers --out only lets a run with
+    another --out into the live run's checkpoints."""
+    out, ckpt, metrics = str(tmp_path / "same"), str(tmp_path / "shared-ckpt"), str(tmp_path / "shared-metrics")
+    live = start_hung_run(out, "--ckpt-dir", ckpt, "--metrics", os.path.join(metrics, "m.jsonl"))
     try:
         wait_until_hung(live)
-        before = {step: checkpoint_files(os.path.join(out, "checkpoints", f"step_{step:08d}")) for step in (2, 4)}
+        before = {step: checkpoint_files(os.path.join(ckpt, f"step_{step:08d}")) for step in (2, 4)}
         assert all(before.values())
-        for extra in (["--overwrite", "--seed", "7"], ["--resume", "auto"]):  # fresh (the most destructive) and auto
-            second = zerotrain_here(capfd, "train", *TINY, "--steps", "4", "--ckpt-every", "2", "--out", out, *extra)
-            assert second.returncode == 2, second.stderr
-            assert last_line(second).startswith(f"zerotrain: error: --out {out} is in use by another run (pid "
-                                                f"{live.pid} on ")
-            assert "Traceback" not in second.stderr
-        assert {step: checkpoint_files(os.path.join(out, "checkpoints", f"step_{step:08d}"))
-                for step in (2, 4)} == before
+        second = ["train", *TINY, "--steps", "4", "--ckpt-every", "2"]
+        refusals = [(["--out", out, "--overwrite", "--seed", "7"], f"--out {out}"),
+                    (["--out", out, "--resume", "auto"], f"--out {out}"),
+                    (["--out", str(tmp_path / "b"), "--ckpt-dir", ckpt, "--seed", "7"], f"--ckpt-dir {ckpt}"),
+                    (["--out", str(tmp_path / "c"), "--metrics", os.path.join(metrics, "other.jsonl")],
+                     f"--metrics folder {metrics}")]
+        for extra, held in refusals:
+            r = zerotrain_here(capfd, *second, *extra)
+            assert r.returncode == 2, r.stderr
+            assert last_line(r).startswith(f"zerotrain: error: {held} is in use by another run (pid {live.pid} on ")
+            assert "Traceback" not in r.stderr
+        assert not os.path.exists(tmp_path / "b" / "checkpoints") and not os.path.exists(tmp_path / "c")
+        assert {step: checkpoint_files(os.path.join(ckpt, f"step_{step:08d}")) for step in (2, 4)} == before
+
+        # planted: the lock covers --out only; the run with another --out would have trained into the live run's
+        # checkpoints (its folder is prepared as `train` prepares it; no rank is started)
+        monkeypatch.setattr(run_folder, "output_folders", lambda cfg: [("--out", cfg.logging.out)])
+        planted = config_from_args(build_parser().parse_args([*second, "--out", str(tmp_path / "d"), "--ckpt-dir",
+                                                              ckpt, "--resume", "auto"]))
+        try:
+            assert prepare_run(planted).checkpoint.resume == os.path.join(ckpt, "step_00000004")
+        finally:
+            release_run_folders()
     finally:
         os.killpg(live.pid, signal.SIGKILL)  # the live run dies without a word: the kernel releases its lock
         live.communicate(timeout=60)
-    # nothing holds the folder any more: the next run takes it (prepare_run, where `train` takes its folder), to
+    monkeypatch.undo()
+    # nothing holds the folders any more: the next run takes them (prepare_run, where `train` takes its folders), to
     # continue from the newest checkpoint
     after = config_from_args(build_parser().parse_args(["train", *TINY, "--steps", "6", "--ckpt-every", "2",
-                                                         "--resume", "auto", "--out", out]))
+                                                         "--resume", "auto", "--out", out, "--ckpt-dir", ckpt]))
     try:
-        assert prepare_run(after).checkpoint.resume == os.path.join(out, "checkpoints", "step_00000004")
+        assert prepare_run(after).checkpoint.resume == os.path.join(ckpt, "step_00000004")
     finally:
         release_run_folders()
 
@@ -77,7 +97,7 @@ def test_the_folder_check_is_the_lock_a_planted_no_op_lock_lets_a_second_run_in(
         cfg.logging.out, cfg.logging.metrics, cfg.checkpoint.dir = out, "", ""
         with pytest.raises(run_folder.ConfigError, match=f"in use by another run \\(pid {holder.pid} "):
             prepare_run(cfg)
-        monkeypatch.setattr(run_folder, "hold_run_folder", lambda out: None)  # planted: nothing holds the folder
+        monkeypatch.setattr(run_folder, "hold_run_folder", lambda out, flag="--out": None)  # planted: nothing held
         assert prepare_run(cfg).logging.out == out  # the second run would have gone ahead
     finally:
         holder.communicate("", timeout=30)

@@ -433,6 +433,16 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def notes(cfg: Config) -> list[str]:
+    """What a valid, resolved config does that its user may not expect: one line each, said before the run."""
+    said = []
+    o, steps = cfg.optim, cfg.loop.steps
+    if o.warmup_steps >= steps > 0:
+        said.append(f"--warmup-steps {o.warmup_steps} is not shorter than --steps {steps}: the learning rate rises "
+                    f"for the whole run and ends at {steps / o.warmup_steps:.0%} of --lr {o.lr:g}")
+    return said
+
+
 def resolve(cfg: Config) -> Config:
     """Fill in the derived values, after validation: the one place a default depends on another setting."""
     if cfg.optim.warmup_steps < 0:

@@ -22,9 +22,11 @@ def write_atomic(path: str, data: str | bytes, *, durable: bool = True) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file: say which
+            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Callable
@@ -97,6 +98,8 @@ class CheckpointWriter:
             {"error": str(local) if local else None, "files": [r.to_dict() for r in records]}, "checkpoint_files")
         failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
         if failed:
+            if self.comm.rank == 0:  # every rank is past its writes: what this save left goes, not to fill a disk
+                shutil.rmtree(folder, ignore_errors=True)
             raise CheckpointError(f"checkpoint step {step} not saved: rank {failed[0][0]}: {failed[0][1]}") from local
         verdict = None
         if self.comm.rank == 0:
@@ -138,6 +141,7 @@ class CheckpointWriter:
         pending.thread.start()
 
     def _background(self, pending: _Pending, engine: ZeroEngine, staging: _Staging, step_count: int) -> None:
+        files: dict = {}
         try:
             try:
                 if self.staging_hook is not None:
@@ -156,6 +160,8 @@ class CheckpointWriter:
             write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.error = e
+            for name in files:  # this rank's part of a save that can no longer commit
+                _discard(os.path.join(self.root, tmp_name(pending.step), name))
 
     def _wait_staged(self) -> None:
         pending = self._pending
@@ -259,6 +265,7 @@ class CheckpointWriter:
                 os.makedirs(folder, exist_ok=True)
                 records.append(write_safetensors(path, tensors, halfway=halfway))
             except Exception as e:
+                _discard(path)  # a partial file holds the space a full disk lacks
                 raise CheckpointError(f"writing {path} failed: {e}") from e
         for name, source in self.copied_files.items() if self.comm.rank == 0 else ():
             try:
@@ -266,6 +273,13 @@ class CheckpointWriter:
             except OSError as e:
                 raise CheckpointError(f"copying {source} into {folder} failed: {e}") from e
         return records
+
+
+def _discard(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def save_checkpoint(root: str, step: int, engine: ZeroEngine, comm: Comm, config: dict, keep: int = 0):

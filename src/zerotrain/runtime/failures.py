@@ -64,15 +64,19 @@ def _last_attempt_reports(job_dir: str) -> list[dict]:
 
 
 def _write_traceback(rank: int, cfg: Config) -> str | None:
-    """Append this rank's traceback to <out>/logs/rank{R}.log (or a temporary file); return its path."""
+    """Append this rank's traceback to <out>/logs/rank{R}.log, or where that cannot be written (a full disk) to a
+    temporary folder of this process's own; return its path."""
+    global _fallback_logs
     text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {restart_count()}\n{traceback.format_exc()}"
-    for folder in (os.path.join(cfg.logging.out, "logs") if cfg.logging.out else None, tempfile.gettempdir()):
+    for folder in (os.path.join(cfg.logging.out, "logs") if cfg.logging.out else None, "fallback"):
         if folder is None:
             continue
         try:
+            if folder == "fallback":
+                _fallback_logs = _fallback_logs or tempfile.mkdtemp(prefix="zerotrain-logs-")
+                folder = _fallback_logs
             os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, f"rank{rank:05d}.log" if folder != tempfile.gettempdir()
-                                else f"zerotrain-rank{rank:05d}.log")
+            path = os.path.join(folder, f"rank{rank:05d}.log")
             with open(path, "a") as f:
                 f.write(text)
             return path
@@ -81,16 +85,27 @@ def _write_traceback(rank: int, cfg: Config) -> str | None:
     return None
 
 
+_fallback_logs: str | None = None  # this process's own temporary log folder, made when the run folder fails it
+
+
 def memory_asked(cfg: Config) -> str:
     """What a run asks of each rank's memory, in round figures: the likely cause when the kernel kills a rank."""
-    m, gib = cfg.model, 2**30
+    m = cfg.model
     V, T = m.vocab_size, m.seq_len
     params = param_count(m)
     state = params * (4 + 4 + 8 / cfg.dp)  # fp32 parameters and gradients, AdamW's two moments sharded over DP
     logits = cfg.loop.micro_batch * T * V * 4
-    return (f"this run asks each rank for about {state / gib:.3g} GiB of parameters, gradients and optimizer state "
-            f"and {logits / gib:.3g} GiB for the logits of one micro-batch (--micro-batch {cfg.loop.micro_batch} x "
+    return (f"this run asks each rank for about {_readable(state)} of parameters, gradients and optimizer state "
+            f"and {_readable(logits)} for the logits of one micro-batch (--micro-batch {cfg.loop.micro_batch} x "
             f"--seq-len {T} x vocabulary {V}), before the other activations")
+
+
+def _readable(n: float) -> str:
+    """Bytes in the largest unit that keeps at least one whole unit: 1.5 GiB, 380 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} bytes"
 
 
 def failure_reason(job_dir: str, error, cfg: Config | None = None) -> str:

@@ -3,14 +3,17 @@
 `prepare_run` runs once per job (in the launcher, or on rank 0 under torchrun, whose answer every
 rank adopts), so every rank writes to the same folders and resumes from the same checkpoint.
 
-A live run holds its folder: the process that prepared it (the launcher, or rank 0 under torchrun)
-keeps an exclusive `flock` on `<out>/.zerotrain.lock` for its whole life. The kernel releases it when
-that process ends, however it ends; a torchrun restart's new rank 0 takes it again. A second run into
-the same folder, fresh or `--resume auto`, is refused in one line naming the holder.
+A live run holds every folder it writes (`--out`, `--ckpt-dir`, the `--metrics` file's folder): the
+process that prepared it (the launcher, or rank 0 under torchrun) keeps an exclusive `flock` on
+`.zerotrain.lock` in each for its whole life. The kernel releases them when that process ends, however it
+ends; a torchrun restart's new rank 0 takes them again. A second run into any of them, fresh or
+`--resume auto`, is refused in one line naming the folder and the holder. Taking a folder is also the check
+that it can be written, made before any rank starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -27,27 +30,70 @@ from .failures import restart_count
 
 SUMMARY = "summary.json"
 LOCK = ".zerotrain.lock"
-_held: dict[str, int] = {}  # run folder -> the descriptor whose flock holds it, for this process's life
+_held: dict[str, int] = {}  # folder -> the descriptor whose flock holds it, for this process's life
 
 
-def hold_run_folder(out: str) -> None:
-    """Take this run's folder for the life of this process, or refuse (ConfigError) naming the run that has it."""
+def output_folders(cfg: Config) -> list[tuple[str, str]]:
+    """(flag, folder) of every folder the run writes into, each once; paths resolved (resolve_paths)."""
+    folders: dict[str, str] = {}
+    for flag, folder in (("--out", cfg.logging.out), ("--ckpt-dir", cfg.checkpoint.dir),
+                         ("--metrics folder", os.path.dirname(cfg.logging.metrics))):
+        folders.setdefault(folder, flag)  # TensorBoard writes into <out>/tensorboard, held with --out
+    return [(flag, folder) for folder, flag in folders.items()]
+
+
+def hold_run_folder(out: str, flag: str = "--out") -> None:
+    """Take a folder of this run for the life of this process, or refuse (ConfigError) naming the run that has it.
+
+    Creating the folder and its lock file, and writing who holds it, are the check that the folder can be
+    written: a folder that cannot is refused here, naming the flag, before any rank starts.
+    """
     if out in _held:  # this process prepared it already (a restarted attempt, or a caller running jobs in turn)
         return
-    os.makedirs(out, exist_ok=True)
-    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    lock = os.path.join(out, LOCK)
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise ConfigError(f"{flag} {out} cannot be written: {e.strerror} ({e.filename or lock})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise ConfigError(f"--out {out} is in use by another run ({holder}): wait for it to end, or choose "
-                          "another --out") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                             "command": " ".join(os.path.basename(a) if i == 0 else a
-                                                 for i, a in enumerate(sys.argv))}).encode())
+        raise ConfigError(f"{flag} {out} is in use by another run ({holder}): wait for it to end, or choose "
+                          f"another {flag}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                                 "command": " ".join(os.path.basename(a) if i == 0 else a
+                                                     for i, a in enumerate(sys.argv))}).encode())
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"{flag} {out} cannot be written: {e.strerror} ({lock})") from None
     _held[out] = fd
+
+
+def hold_output_folders(cfg: Config) -> None:
+    """Take every folder the run writes (output_folders), or refuse naming the first that is held or unwritable;
+    a refused run leaves no folder it made."""
+    made: list[str] = []  # folders this call creates, parents before children
+    try:
+        for flag, folder in output_folders(cfg):
+            missing, path = [], folder
+            while not os.path.exists(path):
+                missing.insert(0, path)
+                path = os.path.dirname(path)
+            made += missing
+            hold_run_folder(folder, flag)
+    except ConfigError:
+        for folder in reversed(made):
+            if folder in _held:
+                os.close(_held.pop(folder))
+                os.remove(os.path.join(folder, LOCK))
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
 
 
 def release_run_folders() -> None:
@@ -91,16 +137,20 @@ def prepare_run(cfg: Config) -> Config:
     A restarted attempt that had to prepare again only resolves paths: the folder holds its own first
     attempt, and the loop resumes from the newest checkpoint that verifies.
     """
+    named = bool(cfg.logging.out)
     cfg = resolve_paths(cfg)
     c = cfg.checkpoint
+    if not named and restart_count() == 0:  # what goes there may not be what the user expects
+        say(f"no --out given: this run's folder (summary.json, logs/) is {cfg.logging.out}")
     for flag, path in (("--out", cfg.logging.out), ("--ckpt-dir", c.dir)):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path} is a file, not a folder")
-    hold_run_folder(cfg.logging.out)
-    if restart_count() > 0:
-        return cfg
     if os.path.isdir(cfg.logging.metrics):
         raise ConfigError(f"--metrics {cfg.logging.metrics} is a folder, not a file")
+    hold_output_folders(cfg)
+    if restart_count() > 0:
+        _clear_uncommitted_saves(c.dir)
+        return cfg
     explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
     if auto:
         c.resume = _newest_verified(c.dir) or ""
@@ -110,7 +160,19 @@ def prepare_run(cfg: Config) -> Config:
         _check_resumable(cfg, verify=explicit)  # --resume auto verified it already
     elif not auto:  # --resume auto with nothing committed continues the folder from step 0
         _claim_for_a_fresh_run(cfg)
+    _clear_uncommitted_saves(c.dir)
     return cfg
+
+
+def _clear_uncommitted_saves(root: str) -> None:
+    """Remove what saves that never committed left in the checkpoint folder (`.step_N.tmp/`: a crash or a full disk
+    mid-save): nothing reads them, and they hold disk space. This run holds the folder, so no live run writes there."""
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        if name.startswith(".step_") and name.endswith(".tmp") and os.path.isdir(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            say(f"removed {name} in {root}, left by a save that never committed")
 
 
 def earlier_run(cfg: Config) -> list[str]:

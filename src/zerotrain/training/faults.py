@@ -13,6 +13,8 @@ kill and hang also take step=0: while the rank starts, before its first step (no
                    group, which update the replicated parameters together (one rank alone would split replicas)
     crash_in_save  the rank exits with CRASH_IN_SAVE_EXIT halfway through writing its shard of checkpoint N
     save_error     the rank's writer fails (an OSError, the rank lives on) halfway through its shard of checkpoint N
+    disk_full      the rank's disk fills halfway through its shard of checkpoint N: the write fails with ENOSPC,
+                   naming no file, as the operating system's write does
     slow_staging   the rank's async save of checkpoint N copies its state F seconds late (default 1), as a writer
                    with no core of its own would: the next update waits for the copy
     sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
@@ -28,6 +30,7 @@ is fine: one NaN micro-batch makes the step's loss NaN).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -39,9 +42,12 @@ from typing import Callable
 import torch
 
 from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.runtime.failures import restart_count
 
 ENV = "ZEROTRAIN_FAULTS"
-KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "slow_staging", "sigterm", "oom")
+KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "disk_full", "slow_staging", "sigterm",
+         "oom")
+SAVE_KINDS = ("crash_in_save", "save_error", "disk_full")  # the kinds the checkpoint writer's halfway hook fires
 STARTUP_KINDS = ("kill", "hang")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
@@ -129,11 +135,19 @@ class Faults:
         entries = [e.strip() for e in text.split(";")]
         return cls([_parse_entry(e) for e in entries if e])
 
+    def check_ranks(self, world_size: int) -> "Faults":
+        """ConfigError naming the first fault planned for a rank the job does not have: it would never fire."""
+        for fault in self.planned:
+            if fault.rank >= world_size:
+                raise ConfigError(f"{ENV}: {fault.kind}@step={fault.step},rank={fault.rank} names rank {fault.rank}, "
+                                  f"but the job has {world_size} rank(s) (0-{world_size - 1})")
+        return self
+
     @classmethod
     def from_env(cls, rank: int, attempt: int | None = None, tp: int = 1) -> "Faults":
-        """This rank's faults from ZEROTRAIN_FAULTS; attempt defaults to TORCHELASTIC_RESTART_COUNT (0 if unset)."""
+        """This rank's faults from ZEROTRAIN_FAULTS; attempt defaults to the one the job's ranks agreed on."""
         if attempt is None:
-            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            attempt = restart_count()
         # Parsed in every attempt, so a typo is reported even when nothing would fire.
         return cls.parse(os.environ.get(ENV, "")).for_rank(rank, attempt, tp)
 
@@ -195,15 +209,17 @@ class Faults:
 
     def save_hook(self) -> Callable[[int], None] | None:
         """The checkpoint writer's halfway_hook(step), exiting at a planned crash_in_save step or failing at a
-        save_error step; None if none is planned."""
-        if not any(f.kind in ("crash_in_save", "save_error") for f in self.planned):
+        save_error or disk_full step; None if none is planned."""
+        if not any(f.kind in SAVE_KINDS for f in self.planned):
             return None
 
         def fail_halfway(step: int) -> None:
-            for fault in self._fire(step, "crash_in_save", "save_error"):
+            for fault in self._fire(step, *SAVE_KINDS):
                 _announce(fault)
                 if fault.kind == "crash_in_save":
                     os._exit(CRASH_IN_SAVE_EXIT)  # no cleanup, no flush: like a machine losing power mid-write
+                if fault.kind == "disk_full":
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 raise OSError(f"{ENV}: injected write failure ({fault.describe()})")
 
         return fail_halfway

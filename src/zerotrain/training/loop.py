@@ -345,7 +345,8 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     m = cfg.model
     describe = getattr(schedule.source, "describe", None)
     data = describe() if describe else cfg.data.source
-    where = f"resumed from step {start} ({resumed_from})" if resumed_from else "starting at step 0"
+    where = (f"resuming from step {start} ({resumed_from}) to step {cfg.loop.steps}" if resumed_from
+             else f"training steps 1-{cfg.loop.steps}")
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
     tp, dp = cfg.parallel.tp, schedule.world_size
@@ -354,7 +355,7 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     return (f"{ARCH_NAMES[m.arch]} {engine.param_count:,} parameters ({m.n_layer} layers, {heads}, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
-            f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}, {cfg.loop.steps} steps")
+            f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}")
 
 
 def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,

@@ -39,9 +39,8 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter  # the [tb] extra; checked when the config was
 
             self.board = SummaryWriter(tensorboard, purge_step=start + 1)
-        if progress:
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
-                            dynamic_ncols=True, leave=True)
+        # The bar starts with the first step, after the start line: a line printed beside a drawn bar lands on it.
+        self._bar_span = (start, total) if progress else None
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -51,6 +50,10 @@ class Metrics:
             for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
                 if record.get(key) is not None:
                     self.board.add_scalar(key, record[key], record["step"])
+        if self._bar_span and self.bar is None:
+            start, total = self._bar_span
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True, leave=True)
         if self.bar:
             postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if "val_loss" in record:
@@ -59,12 +62,9 @@ class Metrics:
             self.bar.update(1)
 
     def announce(self, line: str) -> None:
-        """A line for the person watching (the run's start line), on rank 0."""
+        """A line for the person watching (the run's start line), on rank 0, before the progress bar starts."""
         if self.active:
-            if self.bar:
-                self.bar.write(f"zerotrain: {line}", file=sys.stdout)  # above the progress bar, not on it
-            else:
-                print(f"zerotrain: {line}", flush=True)
+            print(f"zerotrain: {line}", flush=True)
 
     def event(self, record: dict, message: str | None = None) -> None:
         """An event (restart, rollback, stop) in the metrics, and its line on screen."""
@@ -96,8 +96,11 @@ class Metrics:
 
     def _write(self, record: dict) -> None:
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk's write names no file
+                raise OSError(e.errno, e.strerror, self.path) from e
 
     def close(self) -> None:
         if self.board:

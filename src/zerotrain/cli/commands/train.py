@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 from zerotrain.checkpoint import committed_steps
 from zerotrain.cli.flags import add_training_flags, config_from_args
-from zerotrain.config import Config
+from zerotrain.config import Config, notes
 from zerotrain.durable import write_json
 from zerotrain.runtime.launch import in_torchrun, run_job
 from zerotrain.runtime.run_folder import SUMMARY, prepare_run
+from zerotrain.training.faults import ENV as FAULTS_ENV
+from zerotrain.training.faults import Faults
 from zerotrain.training.loop import train_job
 from zerotrain.training.metrics import count_events, read_step_records
 
@@ -24,6 +27,10 @@ def add_parser(sub) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # under torchrun, nproc is torchrun's world size
+    Faults.parse(os.environ.get(FAULTS_ENV, "")).check_ranks(cfg.launch.nproc)
+    if not in_torchrun() or os.environ["RANK"] == "0":
+        for note in notes(cfg):
+            print(f"zerotrain: note: {note}", file=sys.stderr, flush=True)
     result = run_job(train_job, cfg, prepare=prepare_run)
     if in_torchrun() and os.environ["RANK"] != "0":
         return 0
