@@ -155,6 +155,15 @@ def cache_root(configured: str = "") -> str:
     return os.path.join(base, "zerotrain")
 
 
+def _cache_setting(root: str) -> str:
+    """How the user chose cache folder `root`, for messages: the variable, the flag, or the default."""
+    if os.environ.get("ZEROTRAIN_CACHE") == root:
+        return f"ZEROTRAIN_CACHE={root}"
+    if root == cache_root():
+        return f"the data cache {root} (set ZEROTRAIN_CACHE or --data-cache to use another)"
+    return f"--data-cache {root}"
+
+
 def cached_corpus(source: TextInput, root: str, tokenizer: str | None = None) -> str:
     """The folder of `source` prepared under cache `root`, built first if it is not there: as bytes, or with the
     tokenizer.json `tokenizer` (a model's), whose bytes are part of the folder's name."""
@@ -180,8 +189,15 @@ def cached_folder(root: str, stem: str, key: str, build) -> str:
     final = os.path.join(root, name)
     if os.path.isdir(final):
         return final
-    os.makedirs(root, exist_ok=True)
-    with _locked(os.path.join(root, f".{name}.lock")):
+    lock = os.path.join(root, f".{name}.lock")
+    try:  # where a cache folder that cannot be written (a file, below a file, read-only) fails first
+        os.makedirs(root, exist_ok=True)
+        open(lock, "a").close()
+    except OSError as e:
+        why = "a file, not a folder" if os.path.isfile(root) else e.strerror.lower()
+        raise ConfigError(f"{_cache_setting(root)}: cannot keep prepared data there ({why}): name a folder this user "
+                          "can write") from None
+    with _locked(lock):
         if os.path.isdir(final):  # another process built it while this one waited
             return final
         tmp = os.path.join(root, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
