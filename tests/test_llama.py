@@ -172,8 +172,8 @@ def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_
     r = zerotrain("train", "--init-from", str(pickled), "--data", "synthetic", "--out", str(tmp_path / "r1"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"zerotrain: error: --init-from {pickled}: holds pytorch_model.bin but no model.safetensors: zerotrain never "
-        "unpickles weights; save them as safetensors first (transformers: save_pretrained(folder, "
-        "safe_serialization=True))"]
+        "unpickles weights; convert them first (transformers: AutoModelForCausalLM.from_pretrained(folder)"
+        ".save_pretrained(folder) writes model.safetensors)"]
 
     r = zerotrain("train", "--init-from", str(sharded), "--n-layer", "3", "--data", "synthetic",
                   "--out", str(tmp_path / "r2"))
@@ -188,10 +188,10 @@ def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_
     save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
     r = zerotrain("train", "--init-from", str(missing), "--data", "synthetic", "--steps", "1", "--no-progress",
                   "--out", str(tmp_path / "r3"))
-    assert r.returncode == 1
+    assert r.returncode == 2  # found from the headers before any rank starts
     assert r.stderr.strip().splitlines()[-1] == (
-        f"zerotrain: FAILED: rank 0: --init-from {missing}: no tensor model.layers.1.mlp.up_proj.weight in its "
-        "weight files")
+        f"zerotrain: error: --init-from {missing}: no tensor model.layers.1.mlp.up_proj.weight in model.safetensors, "
+        "which the model its config describes has")
 
 
 def test_a_llama_trains_reshards_exports_what_transformers_loads_and_inits_from_its_checkpoint(folders, tmp_path,

@@ -91,11 +91,21 @@ def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: floa
 
 
 def model_tokenizer(cfg: Config) -> str | None:
-    """The tokenizer.json of --init-from's model (text is tokenized with it), or None: bytes."""
+    """The tokenizer.json of --init-from's model (text is tokenized with it), or None: bytes.
+
+    ConfigError if it has no end-of-text token, which ends each document.
+    """
     if not cfg.checkpoint.init_from:
         return None
     file = os.path.join(cfg.checkpoint.init_from, TOKENIZER_FILE)
-    return file if os.path.isfile(file) and not is_bytes_tokenizer_json(file) else None
+    if not os.path.isfile(file) or is_bytes_tokenizer_json(file):
+        return None
+    try:
+        BPETokenizer.from_file(file)
+    except ValueError as e:
+        raise ConfigError(f"--init-from {cfg.checkpoint.init_from}: {file}: {e}, one of which ends each document of "
+                          f"--data {cfg.data.source} (token files or synthetic data need none)") from None
+    return file
 
 
 def validation_files(cfg: Config, spec: DataSpec | None = None) -> tuple[list[str], str]:

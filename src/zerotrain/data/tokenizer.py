@@ -111,9 +111,7 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> "BPETokenizer":
-        from tokenizers import Tokenizer
-
-        return cls(Tokenizer.from_file(path))
+        return cls(read_tokenizer_file(path))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -128,6 +126,17 @@ class BPETokenizer:
 
     def save(self, path: str) -> None:
         self.tokenizer.save(path)
+
+
+def read_tokenizer_file(path: str):
+    """The `tokenizers.Tokenizer` saved in `path`; ValueError with the library's one line on why the file is not one
+    (`missing field `unk_token` at line 1 column 58`)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception carrying serde's message
+        raise ValueError(str(e)) from None
 
 
 def train_bpe(texts, vocab_size: int, length: int | None = None) -> BPETokenizer:

@@ -7,7 +7,8 @@ tokenizer's built as its `tokenizers` twin (data.tokenizer.ByteTokenizer.to_hf),
 `transformers.AutoTokenizer.from_pretrained(folder)` gives zerotrain's ids either way.
 `safetensors` is zerotrain's own state dict with a config.json that `zerotrain.load_model` reads.
 Both store the tied head once, as transformer.wte.weight. The folder and its files get the modes the
-process umask gives, as checkpoints do.
+process umask gives, as checkpoints do. Read back (read_export_config, tensor_files), a folder's weights
+may also be the shards a model.safetensors.index.json names, as Hugging Face saves large models.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint import CheckpointError
-from zerotrain.config import ModelConfig
+from zerotrain.checkpoint.stream import read_header
+from zerotrain.config import Config, ModelConfig, merge, validate
 from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer
 from zerotrain.errors import ConfigError
 
@@ -30,6 +32,8 @@ from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
 
 FORMATS = ("hf", "safetensors")
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded folder's: which shard holds each tensor
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILE, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 ZEROTRAIN_FORMAT = "zerotrain-model"
 # Every file an export writes: with --overwrite these are replaced or removed, nothing else is touched.
@@ -51,14 +55,58 @@ def read_export_config(folder: str) -> tuple[str, ModelConfig, dict]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     if config.get("format") == ZEROTRAIN_FORMAT:
-        try:
-            return "safetensors", ModelConfig(**config["model"]), config
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{path}: 'model' is not a zerotrain model config ({e})") from None
-    if config.get("model_type") in BY_MODEL_TYPE:
+        return "safetensors", _zerotrain_model(config.get("model"), path), config
+    kind = config.get("model_type")
+    if isinstance(kind, str) and kind in BY_MODEL_TYPE:
         return "hf", model_config_from_hf(config, path), config
-    raise CheckpointError(f"{path}: neither a zerotrain export (format {ZEROTRAIN_FORMAT!r}) nor a Hugging Face config "
-                          f"of model_type {' or '.join(repr(t) for t in BY_MODEL_TYPE)}")
+    supported = f"model_type {' or '.join(repr(t) for t in BY_MODEL_TYPE)}, or a zerotrain export (format " \
+                f"{ZEROTRAIN_FORMAT!r})"
+    if kind is None:
+        raise CheckpointError(f"{path}: no model_type and no format: zerotrain reads {supported}")
+    raise CheckpointError(f"{path}: model_type {kind!r} is not one zerotrain builds: it reads {supported}")
+
+
+def _zerotrain_model(values, path: str) -> ModelConfig:
+    """A zerotrain export's "model", held to the rules and types of the model settings a run's are."""
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path}: 'model' is not a zerotrain model config, got {values!r}")
+    cfg = Config()
+    try:
+        merge(cfg, {"model": values}, origin="'model'")
+        validate(cfg)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return cfg.model
+
+
+def tensor_files(folder: str) -> dict[str, str]:
+    """Tensor name -> file: model.safetensors, or the shards a model.safetensors.index.json names.
+
+    CheckpointError, saying what the folder holds instead, when it has neither.
+    """
+    single, index = os.path.join(folder, MODEL_FILE), os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(single):
+        return {name: single for name in read_header(single)}
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            names = weight_map.items()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{INDEX_FILE} has no readable weight_map ({e})") from None
+        files = {}
+        for name, file in names:
+            full = os.path.join(folder, file) if isinstance(file, str) else ""
+            if os.path.basename(full) != file or not os.path.isfile(full):
+                raise CheckpointError(f"{INDEX_FILE} names {file!r} for {name}, which is not a file in the folder")
+            files[name] = full
+        return files
+    pickles = sorted(n for n in os.listdir(folder) if n.endswith(PICKLES))
+    if pickles:
+        raise CheckpointError(f"holds {pickles[0]} but no {MODEL_FILE}: zerotrain never unpickles weights; convert "
+                              "them first (transformers: AutoModelForCausalLM.from_pretrained(folder)"
+                              ".save_pretrained(folder) writes model.safetensors)")
+    raise CheckpointError(f"no {MODEL_FILE} or {INDEX_FILE}")
 
 
 def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder: str | None, eot_id: int | None,

@@ -5,6 +5,8 @@ naming both values) and brings its tokenizer. Each rank reads only the slices of
 (safetensors' lazy slicing, through the architecture's table in mapping.py), into a model built on the
 meta device: no rank ever holds a full copy of a tensor it trains TP-sharded. Weights only: the optimizer
 and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
+The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
+config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
 
 from __future__ import annotations
@@ -20,14 +22,21 @@ from safetensors import safe_open
 from zerotrain.checkpoint import MANIFEST, CheckpointError, read_manifest, verify_or_raise
 from zerotrain.checkpoint.stream import read_header, sha256_file
 from zerotrain.config import ModelConfig, setting_for
+from zerotrain.data.tokenizer import TOKENIZER_FILE, read_tokenizer_file
 from zerotrain.errors import ConfigError
+from zerotrain.model import model_class
 
-from .export import MODEL_FILE, read_export_config
+from .export import INDEX_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS, HFMapping
 from .pretrained import model_folder
 
-INDEX_FILE = "model.safetensors.index.json"
-PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+FLOATING = ("F64", "F32", "BF16", "F16")  # safetensors dtypes a parameter can be read from
+# Tensors of Llama-family models zerotrain's llama does not build: a folder whose config.json says llama but holds
+# these is another family relabelled.
+FOREIGN = {"self_attn.q_proj.bias": "q/k/v biases are Qwen2's", "self_attn.k_proj.bias": "q/k/v biases are Qwen2's",
+           "self_attn.v_proj.bias": "q/k/v biases are Qwen2's", "self_attn.q_norm.weight": "q/k norms are Qwen3's",
+           "self_attn.k_norm.weight": "q/k norms are Qwen3's", "self_attn.qkv_proj.weight": "a fused qkv_proj is Phi-3's",
+           "mlp.gate_up_proj.weight": "a fused gate_up_proj is Phi-3's"}
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,10 @@ class WeightSource:
 def weight_source(path: str, verify: bool = True) -> WeightSource:
     """The weights `path` names; ConfigError (exit 2) for a folder zerotrain cannot start from, naming why.
 
-    A zerotrain checkpoint is verified first unless `verify` is False: the ranks read a source the launcher
-    (or torchrun's rank 0, in config_from_args) has verified already.
+    With `verify` (the launcher, or each rank under torchrun, in config_from_args) the folder is checked whole
+    before any rank starts, from headers alone: a checkpoint verified, config.json's types and values, every
+    tensor's name, shape and dtype and every file's size against its safetensors header, and tokenizer.json
+    read. The ranks then read a source that was checked already (`verify` False).
     """
     if not os.path.exists(path):
         raise ConfigError(f"--init-from {path}: no such folder")
@@ -60,17 +71,34 @@ def weight_source(path: str, verify: bool = True) -> WeightSource:
         raise ConfigError(f"--init-from {path}: not a folder (a Hugging Face model folder, a zerotrain checkpoint, "
                           "run folder or export)")
     try:
-        folder = os.path.abspath(model_folder(path))
-        if os.path.isfile(os.path.join(folder, MANIFEST)):
-            if verify:
-                verify_or_raise(folder)
-            manifest = read_manifest(folder)
-            model = ModelConfig(**manifest["config"]["model"])
-            return WeightSource(folder, "checkpoint", model, _tensor_files(folder), None)
-        kind, model, _ = read_export_config(folder)
+        source = _source(os.path.abspath(model_folder(path)), verify)
+        if verify:
+            check_tensors(source, expected_shapes(source.model))
+            _check_tokenizer(os.path.join(source.folder, TOKENIZER_FILE))
     except CheckpointError as e:
         raise ConfigError(f"--init-from {path}: {e}") from None
-    files, mapping = _tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
+    return source
+
+
+def _check_tokenizer(file: str) -> None:
+    """A folder's tokenizer.json, if it has one, must be one the tokenizers library reads (its end-of-text token is
+    needed, and checked, only where text is tokenized with it: data.resolve.model_tokenizer)."""
+    if os.path.isfile(file):
+        try:
+            read_tokenizer_file(file)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: the tokenizers library cannot read it ({e})") from None
+
+
+def _source(folder: str, verify: bool) -> WeightSource:
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        if verify:
+            verify_or_raise(folder)
+        manifest = read_manifest(folder)
+        model = ModelConfig(**manifest["config"]["model"])
+        return WeightSource(folder, "checkpoint", model, tensor_files(folder), None)
+    kind, model, _ = read_export_config(folder)
+    files, mapping = tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
     if mapping is None:
         return WeightSource(folder, kind, model, files, None)
     names = {mapping.canonical(n): n for n in files}
@@ -78,31 +106,46 @@ def weight_source(path: str, verify: bool = True) -> WeightSource:
                         {z: n for z, n in names.items() if z != n})
 
 
-def _tensor_files(folder: str) -> dict[str, str]:
-    """Tensor name -> file: model.safetensors, or the shards a model.safetensors.index.json names."""
-    single, index = os.path.join(folder, MODEL_FILE), os.path.join(folder, INDEX_FILE)
-    if os.path.isfile(single):
-        return {name: single for name in read_header(single)}
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"--init-from {folder}: {INDEX_FILE} has no readable weight_map ({e})") from None
-        files = {}
-        for name, file in weight_map.items():
-            full = os.path.join(folder, file)
-            if os.path.basename(file) != file or not os.path.isfile(full):
-                raise ConfigError(f"--init-from {folder}: {INDEX_FILE} names {file!r} for {name}, which is not a "
-                                  "file in the folder")
-            files[name] = full
-        return files
-    pickles = sorted(n for n in os.listdir(folder) if n.endswith(PICKLES))
-    if pickles:
-        raise ConfigError(f"--init-from {folder}: holds {pickles[0]} but no {MODEL_FILE}: zerotrain never unpickles "
-                          "weights; save them as safetensors first (transformers: save_pretrained(folder, "
-                          "safe_serialization=True))")
-    raise ConfigError(f"--init-from {folder}: no {MODEL_FILE} or {INDEX_FILE}")
+def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's full shape in zerotrain's names (a tied head once, as the embedding), from the meta device."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in model_class(model)(model).named_parameters()}
+
+
+def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> None:
+    """CheckpointError naming the first tensor of the source's files that is extra, missing, misshapen or not
+    floating point against `shapes` (full shapes, zerotrain's layout), and the file; from the headers alone."""
+    mapping = source.mapping or MAPPINGS[source.model.arch]
+    transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
+    ignored = mapping.ignored + (("lm_head.weight",) if source.model.tie_embeddings else ())
+    extra = sorted(n for n in source.files if n not in shapes and not n.endswith(ignored))
+    if extra:
+        hint = next((why for suffix, why in FOREIGN.items() if extra[0].endswith(suffix)), None) \
+            if source.model.arch == "llama" else None
+        said = f"the {source.model.arch} model it describes does not have" + \
+            (f" ({hint}: config.json says llama, its weights say otherwise)" if hint else "")
+        raise CheckpointError(f"{os.path.basename(source.files[extra[0]])} holds {extra[0]}, which {said}")
+    held = sorted({os.path.basename(f) for f in source.files.values()})
+    if not held:
+        raise CheckpointError("its weight files hold no tensors")
+    headers: dict[str, dict] = {}
+    for name, full in shapes.items():
+        file = source.files.get(name)
+        if file is None:
+            raise CheckpointError(f"no tensor {name} in {held[0] if len(held) == 1 else INDEX_FILE}, which the model "
+                                  "its config describes has")
+        header = headers.get(file) or headers.setdefault(file, read_header(file))
+        stored_name = source.stored.get(name, name)
+        if stored_name not in header:
+            raise CheckpointError(f"{INDEX_FILE} puts {stored_name} in {os.path.basename(file)}, which does not hold it")
+        dtype, stored = header[stored_name][0], tuple(header[stored_name][1])
+        want = tuple(reversed(full)) if transposed(name) else full
+        if stored != want:
+            raise CheckpointError(f"{name} is {list(stored)} in {os.path.basename(file)}, the model its config "
+                                  f"describes needs {list(want)}")
+        if dtype not in FLOATING:
+            raise CheckpointError(f"{name} is {dtype} in {os.path.basename(file)}, not a floating-point type "
+                                  f"({', '.join(FLOATING)})")
 
 
 def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelConfig:
@@ -127,31 +170,22 @@ def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelCon
 def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp_rank: int) -> None:
     """Fill `model` (this rank's parameters, TP-sliced by `tp_slices`) from the source, each rank reading its slices.
 
-    CheckpointError naming the first tensor that is missing, extra or of the wrong shape.
+    CheckpointError naming the first tensor that is missing, extra or of the wrong shape (check_tensors).
     """
     mapping = source.mapping or MAPPINGS[source.model.arch]
     transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
     params = dict(model.named_parameters())  # a tied head appears once, under the embedding's name
-    ignored = mapping.ignored + (("lm_head.weight",) if source.model.tie_embeddings else ())
-    extra = sorted(n for n in source.files if n not in params and not n.endswith(ignored))
-    if extra:
-        raise CheckpointError(f"--init-from {source.folder}: {os.path.basename(source.files[extra[0]])} holds "
-                              f"{extra[0]}, which the {source.model.arch} model it describes does not have")
+    try:  # checked before the ranks start already; cheap (headers only), and a file may have changed since
+        check_tensors(source, {n: tuple(tp_slices[n].full_shape) if n in tp_slices else tuple(p.shape)
+                               for n, p in params.items()})
+    except CheckpointError as e:
+        raise CheckpointError(f"--init-from {source.folder}: {e}") from None
     opened: dict[str, object] = {}
     try:
         for name, param in params.items():
-            file = source.files.get(name)
-            if file is None:
-                raise CheckpointError(f"--init-from {source.folder}: no tensor {name} in its weight files")
+            file = source.files[name]
             f = opened.get(file) or opened.setdefault(file, safe_open(file, framework="pt"))
-            tp_slice = tp_slices.get(name)
-            full = tuple(tp_slice.full_shape) if tp_slice else tuple(param.shape)
-            stored = tuple(f.get_slice(source.stored.get(name, name)).get_shape())
-            want = tuple(reversed(full)) if transposed(name) else full
-            if stored != want:
-                raise CheckpointError(f"--init-from {source.folder}: {name} is {list(stored)} in "
-                                      f"{os.path.basename(file)}, the model needs {list(want)}")
-            local = _read(f, source.stored.get(name, name), tp_slice, tp_rank, transposed(name))
+            local = _read(f, source.stored.get(name, name), tp_slices.get(name), tp_rank, transposed(name))
             with torch.no_grad():
                 param.copy_(local.to(param.dtype))
     finally:

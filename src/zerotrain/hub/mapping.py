@@ -11,6 +11,7 @@ the same table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,21 +92,53 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
 
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """zerotrain's ModelConfig for a Hugging Face config.json of model_type gpt2 or llama; CheckpointError naming
-    the first setting zerotrain's architecture does not have."""
+    the first key whose value is of the wrong type or out of range, or a setting zerotrain's architecture does
+    not have."""
     kind = config.get("model_type")
     if kind not in BY_MODEL_TYPE:
         raise CheckpointError(f"{where}: model_type {kind!r}; zerotrain builds {' and '.join(BY_MODEL_TYPE)}")
-    try:
-        return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
-    except KeyError as e:
-        raise CheckpointError(f"{where}: no {e.args[0]!r}") from None
+    return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
+
+
+_REQUIRED = object()
+
+
+def _count(config: dict, key: str, where: str, default=_REQUIRED) -> int:
+    """config[key], a positive integer; `default` where it is absent or null (required without one)."""
+    if key not in config and default is _REQUIRED:
+        raise CheckpointError(f"{where}: no {key!r}")
+    value = config.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive(config: dict, key: str, where: str, default: float) -> float:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise CheckpointError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _table(config: dict, key: str, where: str) -> dict:
+    value = config.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise CheckpointError(f"{where}: {key} must be an object or null, got {value!r}")
+    return value or {}
+
+
+def _divides(config: dict, where: str, part: str, whole: str) -> None:
+    if config[whole] % config[part]:
+        raise CheckpointError(f"{where}: {whole} {config[whole]} is not divisible by {part} {config[part]}")
 
 
 def _refuse(config: dict, where: str, expected: tuple) -> None:
     for key, default, allowed in expected:
-        if config.get(key, default) not in allowed:
-            raise CheckpointError(f"{where}: {key} = {config.get(key, default)!r}; zerotrain's "
-                                  f"{config['model_type']} has {allowed[0]!r}")
+        value = config.get(key, default)
+        if not any(type(value) is type(a) and value == a for a in allowed):  # 1 is not True
+            raise CheckpointError(f"{where}: {key} = {value!r}; zerotrain's {config['model_type']} has {allowed[0]!r}")
 
 
 def _gpt2_config(config: dict, where: str) -> ModelConfig:
@@ -113,30 +146,46 @@ def _gpt2_config(config: dict, where: str) -> ModelConfig:
         ("activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
         ("tie_word_embeddings", True, (True,)), ("scale_attn_weights", True, (True,)),
         ("scale_attn_by_inverse_layer_idx", False, (False,)), ("add_cross_attention", False, (False,))))
-    inner = config.get("n_inner")
-    return ModelConfig(arch="gpt2", n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                       intermediate_size=0 if inner in (None, 4 * config["n_embd"]) else inner,
-                       seq_len=config["n_positions"], vocab_size=config["vocab_size"],
-                       norm_eps=config.get("layer_norm_epsilon", 1e-5))
+    sizes = {key: _count(config, key, where) for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")}
+    _divides(sizes, where, "n_head", "n_embd")
+    inner = _count(config, "n_inner", where, default=0)
+    return ModelConfig(arch="gpt2", n_layer=sizes["n_layer"], n_head=sizes["n_head"], n_embd=sizes["n_embd"],
+                       intermediate_size=0 if inner == 4 * sizes["n_embd"] else inner,
+                       seq_len=sizes["n_positions"], vocab_size=sizes["vocab_size"],
+                       norm_eps=_positive(config, "layer_norm_epsilon", where, 1e-5))
 
 
 def _llama_config(config: dict, where: str) -> ModelConfig:
     _refuse(config, where, (
         ("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)), ("mlp_bias", False, (False,)),
         ("pretraining_tp", 1, (1,))))
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
+    sizes = {key: _count(config, key, where) for key in ("num_hidden_layers", "num_attention_heads", "hidden_size",
+                                                           "intermediate_size", "max_position_embeddings",
+                                                           "vocab_size")}
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
+    _divides(sizes, where, "num_attention_heads", "hidden_size")
+    _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    head_dim = _count(config, "head_dim", where, default=hidden // heads)
+    if head_dim != hidden // heads:
+        raise CheckpointError(f"{where}: head_dim = {head_dim}; zerotrain's llama has hidden_size / "
+                              f"num_attention_heads = {hidden // heads}")
+    if head_dim % 2:
+        raise CheckpointError(f"{where}: hidden_size / num_attention_heads = {head_dim} must be even (rotary "
+                              "embeddings rotate pairs)")
+    rope = _table(config, "rope_parameters", where)
+    scaling = _table(config, "rope_scaling", where) or ({} if rope.get("rope_type", "default") == "default" else rope)
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         raise CheckpointError(f"{where}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r}; zerotrain's "
                               "llama has plain rotary embeddings")
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim", hidden // heads) != hidden // heads:
-        raise CheckpointError(f"{where}: head_dim = {config['head_dim']}; zerotrain's llama has hidden_size / "
-                              f"num_attention_heads = {hidden // heads}")
-    return ModelConfig(arch="llama", n_layer=config["num_hidden_layers"], n_head=heads,
-                       n_kv_head=config.get("num_key_value_heads") or heads, n_embd=hidden,
-                       intermediate_size=config["intermediate_size"], seq_len=config["max_position_embeddings"],
-                       vocab_size=config["vocab_size"], rope_theta=float(rope.get("rope_theta",
-                                                                                  config.get("rope_theta", 10000.0))),
-                       norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings",
-                                                                                            False))
+    theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
+        _positive(config, "rope_theta", where, 10000.0)
+    return ModelConfig(arch="llama", n_layer=sizes["num_hidden_layers"], n_head=heads,
+                       n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
+                       intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
+                       vocab_size=sizes["vocab_size"], rope_theta=theta,
+                       norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
+                       tie_embeddings=tied)
