@@ -2,7 +2,9 @@
 
 A checkpoint is verified first (names, sizes, sha256, layout, and model.safetensors against the
 master shards), then its model.safetensors is loaded strictly; an exported folder's config.json is
-checked against the architecture zerotrain builds. Safetensors and JSON only: nothing is unpickled.
+checked against the architecture zerotrain builds, and its model.safetensors, or the shards its
+model.safetensors.index.json names (export.tensor_files, as --init-from reads them), loaded strictly.
+Safetensors and JSON only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
 from zerotrain.errors import ConfigError
 from zerotrain.model import model_class
 
-from .export import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, read_export_config
+from .export import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS
 
 
@@ -89,7 +91,7 @@ def load_from(source: ModelSource) -> torch.nn.Module:
             raise CheckpointError(f"{os.path.join(folder, MANIFEST)}: config.model is not a model config ({e})") from None
     else:
         _, cfg, _ = read_export_config(folder)
-    tensors = _read_tensors(os.path.join(folder, MODEL_FILE))
+    tensors, where = _read_tensors(folder)
     if source.kind == "hf":
         tensors = MAPPINGS[cfg.arch].from_hf(tensors)
     model = model_class(cfg)(cfg)
@@ -97,19 +99,25 @@ def load_from(source: ModelSource) -> torch.nn.Module:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:  # missing, unexpected or misshapen tensors: name the first
         detail = str(e).split("\n\t")[1] if "\n\t" in str(e) else str(e)
-        raise CheckpointError(f"{os.path.join(folder, MODEL_FILE)} does not fit the model its config describes: "
-                              f"{detail.strip()}") from None
+        raise CheckpointError(f"{where} does not fit the model its config describes: {detail.strip()}") from None
     return model.eval().requires_grad_(False)  # for inference: no autograd graph kept
 
 
-def _read_tensors(file: str) -> dict[str, torch.Tensor]:
-    """The file's tensors, through the same checked reader checkpoints are loaded with."""
+def _read_tensors(folder: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The folder's tensors, from model.safetensors or the shards its index names, through the same checked reader
+    checkpoints are loaded with; and how messages name where they came from."""
     try:
-        return read_safetensors(file)[0]
-    except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
+        files = tensor_files(folder)
+    except CheckpointError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    tensors, held = {}, sorted(set(files.values()))
+    for file in held:
+        try:
+            read = read_safetensors(file)[0]
+        except OSError as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
+        tensors.update((name, read[name]) for name, f in files.items() if f == file and name in read)
+    return tensors, held[0] if len(held) == 1 else f"the shards of {os.path.join(folder, INDEX_FILE)}"
 
 
 def load_tokenizer(path: str):
