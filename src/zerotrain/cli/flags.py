@@ -6,6 +6,7 @@ import argparse
 import difflib
 import importlib.util
 import os
+import sys
 
 from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for,
                                validate)
@@ -103,7 +104,8 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
     given = {s.key: getattr(args, s.key) for s in declared() if getattr(args, s.key) is not None}
     if args.no_overlap:
         given["overlap"] = "off"
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # under torchrun: it decides the world
+    torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if torchrun:  # it decides the world
         given["nproc"] = int(os.environ["WORLD_SIZE"])
     merge(cfg, by_section(given), origin="command line")
     if cfg.checkpoint.init_from:  # the model, its sizes and its vocabulary come from the weights
@@ -116,7 +118,18 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
     if environment:
         check_environment(cfg)
     check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
+    if torchrun:
+        _note_torchrun_restarts(cfg, "max_restarts" in given or bool(args.config and "max_restarts" in
+                                                                     toml.get("launch", {})))
     return cfg
+
+
+def _note_torchrun_restarts(cfg: Config, given: bool) -> None:
+    """Under torchrun its agent restarts the ranks: rank 0 says that a --max-restarts given to zerotrain does not."""
+    if given and os.environ["RANK"] == "0":
+        print(f"zerotrain: note: --max-restarts {cfg.launch.max_restarts} is for zerotrain's own launcher; under "
+              f"torchrun, restarts are torchrun's --max-restarts ({os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')} "
+              "for this job)", file=sys.stderr, flush=True)
 
 
 def by_section(values: dict[str, object]) -> dict[str, dict[str, object]]:
