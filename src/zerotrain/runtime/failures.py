@@ -17,8 +17,24 @@ from zerotrain.model import param_count
 
 
 def restart_count() -> int:
-    """Which attempt of an elastic job this rank belongs to: 0 first, then one more per restart."""
+    """Which attempt of an elastic job this rank belongs to: 0 first, then one more each time the group re-forms.
+
+    The ranks agree on it as they join (launch._agree_attempt): TORCHELASTIC_RESTART_COUNT is only this
+    node's count, which a node restarted because another node failed does not raise. Before the ranks
+    have agreed, or without the agent's store, this node's count.
+    """
+    if _agreed_attempt is not None:
+        return _agreed_attempt
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def adopt_attempt(attempt: int) -> None:
+    """The attempt every rank of this group agreed on: what restart_count() says from now on in this process."""
+    global _agreed_attempt
+    _agreed_attempt = attempt
+
+
+_agreed_attempt: int | None = None
 
 
 def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None) -> None:

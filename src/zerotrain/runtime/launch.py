@@ -23,7 +23,7 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
 
-from .failures import failure_reason, report_failure, report_user_error, restart_count, user_error
+from .failures import adopt_attempt, failure_reason, report_failure, report_user_error, restart_count, user_error
 from .run_folder import release_run_folders
 from .stop import install_stop_request
 from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
@@ -169,9 +169,9 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         torch.cuda.set_device(local_rank)
     backend = "nccl" if cfg.launch.device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.launch.timeout)
-    dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
     try:
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))  # failing to join: one line too
         io_timeout = datetime.timedelta(seconds=cfg.launch.io_timeout)  # new_group: every rank, in one order
         io = Comm(dist.new_group(timeout=io_timeout), timeout_s=cfg.launch.io_timeout, timeout_flag="--io-timeout")
         comm = Comm(timeout_s=cfg.launch.timeout, io=io)
@@ -240,8 +240,48 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
         return {}  # rank 0 hosts a store of its own, new for each attempt
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     _job_store = store
-    return {"store": dist.PrefixStore(f"zerotrain/attempt{restart_count()}", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = _agree_attempt(store, rank, world_size, timeout)
+    adopt_attempt(attempt)  # restart_count() from here on: faults, the run folder, resume, reports
+    return {"store": dist.PrefixStore(f"zerotrain/attempt{attempt}", store), "rank": rank, "world_size": world_size}
+
+
+_ATTEMPTS = "zerotrain/attempts"  # how many groups rank 0 has started in this job's store
+
+
+def _agree_attempt(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> int:
+    """Which attempt of the job this group is, the same on every rank: 0, then one more each time a group forms.
+
+    torchrun's TORCHELASTIC_RESTART_COUNT cannot say it across nodes: a node restarted because another node
+    failed does not count that restart (torch/distributed/elastic/agent/server/api.py), so after the first
+    restart the nodes' counts differ, and so did the prefixes built from them. Instead rank 0 of each group
+    counts one more attempt in the job's store. That store keeps what every earlier attempt wrote, so another
+    rank cannot just read the count (it may still be the last attempt's): it asks under a token new to its
+    process, and takes the count rank 0 writes under that token. Rank 0 answers every token it sees, stale
+    ones too, until every rank has taken its count; the groups of two attempts never overlap, since each
+    node's agent stops its ranks before the next rendezvous.
+    """
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"zerotrain/ask/rank{rank}", token)
+        store.wait([f"zerotrain/answer/{token}"], timeout)
+        attempt = int(store.get(f"zerotrain/answer/{token}"))
+        store.add(f"zerotrain/attempt{attempt}/joined", 1)
+        return attempt
+    attempt = store.add(_ATTEMPTS, 1) - 1
+    answered: dict[int, bytes] = {}
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(f"zerotrain/attempt{attempt}/joined", 0) < world_size - 1:
+        for r in range(1, world_size):
+            ask = f"zerotrain/ask/rank{r}"
+            if store.check([ask]) and (token := store.get(ask)) != answered.get(r):
+                store.set(f"zerotrain/answer/{token.decode()}", str(attempt))
+                answered[r] = token
+        if time.monotonic() > deadline:
+            raise ZeroTrainError(f"the other ranks did not all join attempt {attempt} of the job within --timeout "
+                                 f"{timeout.total_seconds():g} s")
+        time.sleep(0.01)
+    return attempt
 
 
 _job_store = None  # the elastic agent's store, which outlives a restart
