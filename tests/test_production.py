@@ -102,7 +102,8 @@ def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_retention_keeps
     out = str(tmp_path / "R")
     shutil.copytree(uninterrupted, out)  # an earlier run's folder: 6 steps, checkpoints at steps 2, 4 and 6
     before = (steps_of(out), sorted(os.listdir(os.path.join(out, "checkpoints"))))
-    assert before == ([1, 2, 3, 4, 5, 6], ["latest", "step_00000002", "step_00000004", "step_00000006"])
+    assert before == ([1, 2, 3, 4, 5, 6], [".zerotrain.lock", "latest", "step_00000002", "step_00000004",
+                                           "step_00000006"])
 
     # The reproduction of the data loss: a fresh, shorter run into the same folder with --keep 2.
     r = zerotrain_here(capfd, "train", *TINY, "--steps", "4", "--ckpt-every", "4", "--keep", "2", "--out", out)

@@ -145,3 +145,10 @@ def test_the_start_line_is_printed_before_the_progress_bar_is_drawn(tmp_path, ca
 def test_the_memory_hint_of_a_small_model_reads_in_a_unit_of_its_size(tmp_path):
     said = failures.memory_asked(tiny_config(tmp_path))
     assert "about 438 KiB of parameters, gradients and optimizer state and 32 KiB for the logits" in said, said
+
+
+def test_a_run_refused_after_taking_its_folders_leaves_none_it_made(tmp_path, capfd):
+    r = zerotrain_here(capfd, "train", *TINY, "--steps", "2", "--out", str(tmp_path / "new" / "run"),
+                       "--resume", str(tmp_path / "no-such"))
+    assert one_line_error(r) == f"zerotrain: error: --resume {tmp_path / 'no-such'}: no such checkpoint folder"
+    assert os.listdir(tmp_path) == []

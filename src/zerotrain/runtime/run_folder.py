@@ -74,10 +74,10 @@ def hold_run_folder(out: str, flag: str = "--out") -> None:
     _held[out] = fd
 
 
-def hold_output_folders(cfg: Config) -> None:
+def hold_output_folders(cfg: Config) -> list[str]:
     """Take every folder the run writes (output_folders), or refuse naming the first that is held or unwritable;
-    a refused run leaves no folder it made."""
-    made: list[str] = []  # folders this call creates, parents before children
+    the folders this call made, parents before children (a refused run leaves none of them: let_go)."""
+    made: list[str] = []
     try:
         for flag, folder in output_folders(cfg):
             missing, path = [], folder
@@ -87,13 +87,20 @@ def hold_output_folders(cfg: Config) -> None:
             made += missing
             hold_run_folder(folder, flag)
     except ConfigError:
-        for folder in reversed(made):
-            if folder in _held:
-                os.close(_held.pop(folder))
-                os.remove(os.path.join(folder, LOCK))
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+        let_go(made)
         raise
+    return made
+
+
+def let_go(made: list[str]) -> None:
+    """A refused run: release the folders in `made` and remove them, as far as they hold nothing but their lock."""
+    for folder in reversed(made):
+        if folder in _held:
+            os.close(_held.pop(folder))
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, LOCK))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def release_run_folders() -> None:
@@ -140,27 +147,31 @@ def prepare_run(cfg: Config) -> Config:
     named = bool(cfg.logging.out)
     cfg = resolve_paths(cfg)
     c = cfg.checkpoint
-    if not named and restart_count() == 0:  # what goes there may not be what the user expects
-        say(f"no --out given: this run's folder (summary.json, logs/) is {cfg.logging.out}")
     for flag, path in (("--out", cfg.logging.out), ("--ckpt-dir", c.dir)):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path} is a file, not a folder")
     if os.path.isdir(cfg.logging.metrics):
         raise ConfigError(f"--metrics {cfg.logging.metrics} is a folder, not a file")
-    hold_output_folders(cfg)
+    made = hold_output_folders(cfg)
     if restart_count() > 0:
         _clear_uncommitted_saves(c.dir)
         return cfg
-    explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
-    if auto:
-        c.resume = _newest_verified(c.dir) or ""
-    elif explicit:
-        c.resume = _explicit(c.resume)
-    if c.resume:
-        _check_resumable(cfg, verify=explicit)  # --resume auto verified it already
-    elif not auto:  # --resume auto with nothing committed continues the folder from step 0
-        _claim_for_a_fresh_run(cfg)
+    try:
+        explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
+        if auto:
+            c.resume = _newest_verified(c.dir) or ""
+        elif explicit:
+            c.resume = _explicit(c.resume)
+        if c.resume:
+            _check_resumable(cfg, verify=explicit)  # --resume auto verified it already
+        elif not auto:  # --resume auto with nothing committed continues the folder from step 0
+            _claim_for_a_fresh_run(cfg)
+    except BaseException:
+        let_go(made)
+        raise
     _clear_uncommitted_saves(c.dir)
+    if not named:  # what goes there may not be what the user expects
+        say(f"no --out given: this run's folder (summary.json, logs/) is {cfg.logging.out}")
     return cfg
 
 
