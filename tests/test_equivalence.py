@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import json
 from collections import Counter
 from unittest import mock
@@ -137,30 +138,31 @@ def unclipped_apply():
     return mock.patch.object(zero.ZeroEngine, "apply", lambda self, lr, grad_norm: real_apply(self, lr, 0.0))
 
 
-def _eager_blocking_on_grad_ready(self, p):
-    """Planted bug: every micro-batch's backward reduce-scatters its bucket, as if no_sync were ignored.
+def publishing_twice():
+    """Planted bug: the engine's apply all-gathers the updated parameters a second time (its own _publish_params,
+    once more): the values are the same, the parameter traffic doubles."""
+    real_apply = zero.ZeroEngine.apply
 
-    Each reduce-scatter is waited for at once (`_eager_on_grad_ready`'s stay in flight together, racing
-    for the shard they write and the buffer backward adds to), so the last one, of the whole accumulated
-    sum, leaves the gradient right: only the rounds show the bug.
-    """
-    s = self._slot_of[id(p)]
-    self._ready[s.bucket] += 1
-    if self._ready[s.bucket] % self._bucket_sizes[s.bucket] == 0:
-        self._launch(s.bucket)
-        self._finish_reduces()
+    def apply_and_publish_again(self, lr, grad_norm):
+        real_apply(self, lr, grad_norm)
+        self.wait_params()
+        self._publish_params(wait=not self.gather_in_forward)
 
-
-def eager_reduce():
-    """Planted bug: every micro-batch's backward reduce-scatters, as if no_sync were ignored."""
-    return mock.patch.object(zero.ZeroEngine, "_on_grad_ready", _eager_blocking_on_grad_ready)
+    return mock.patch.object(zero.ZeroEngine, "apply", apply_and_publish_again)
 
 
-# name: (the bug, the --overlap its check runs with: on, so that buckets launch from backward's hooks)
+def ignored_no_sync():
+    """Planted bug: the engine's no_sync holds nothing back, so every micro-batch's backward launches its buckets'
+    reduce-scatters from the engine's own gradient hook."""
+    real = zero.ZeroEngine.no_sync
+    return mock.patch.object(zero.ZeroEngine, "no_sync", lambda self, enabled=True: real(self, False))
+
+
+# name: (the bug, the --overlap its check runs with)
 PLANTED = {"local-token-scaling": (local_token_scaling, None),
            "adamw-bias-correction": (adamw_one_step_ahead, None),
            "no-clipping": (unclipped_apply, None),
-           "reduce-every-micro-batch": (eager_reduce, "on")}
+           "all-gather-twice": (publishing_twice, None)}
 
 
 def planted_equivalence_job(cfg: Config, comm: Comm, **kwargs) -> list[dict] | None:
@@ -209,9 +211,9 @@ def test_a_local_token_count_scaling_planted_in_the_loops_accumulation_fails_equ
     ("adamw-bias-correction", {"adamw"}, True),
     # SGD's step is proportional to the clip factor; AdamW's first step sees it only through eps, on near-zero values
     ("no-clipping", {"sgd", "adamw"}, True),
-    # the gradient stays right (the last reduce-scatter carries the whole sum); one micro-batch has one round anyway
-    ("reduce-every-micro-batch", {"rounds"}, False),
-], ids=["adamw-bias-correction", "no-clipping", "reduce-every-micro-batch"])
+    # the parameters stay right (the second all-gather brings the same values), on one micro-batch too
+    ("all-gather-twice", {"rounds"}, True),
+], ids=["adamw-bias-correction", "no-clipping", "all-gather-twice"])
 def test_each_criterion_fails_on_its_own_while_the_gradient_passes(planted, bug, fails, on_one_micro_batch):
     report = planted[bug]
     assert not report["passed"]
@@ -225,28 +227,27 @@ def test_each_criterion_fails_on_its_own_while_the_gradient_passes(planted, bug,
     if "sgd" in fails:  # unclipped, the step is grad_norm / clip times the clipped one
         assert rows["2 x 2 x 4"]["sgd_rel_diff"] == pytest.approx(rows["2 x 2 x 4"]["grad_norm"] - 1, rel=1e-3)
     if "rounds" in fails:
-        assert rows["2 x 2 x 4"]["reduce_scatter_rounds"] == 4 and rows["1 x 2 x 8"]["reduce_scatter_rounds"] == 8
+        assert rows["2 x 2 x 4"]["all_gather_rounds"] == 2 and rows["2 x 2 x 4"]["reduce_scatter_rounds"] == 1
 
 
 # ------------------------------------------------------------------ one collective round per optimizer step
-def _eager_on_grad_ready(self, p):
-    """Planted bug: every micro-batch's backward reduce-scatters its bucket, as if no_sync were ignored."""
-    s = self._slot_of[id(p)]
-    self._ready[s.bucket] += 1
-    if self._ready[s.bucket] % self._bucket_sizes[s.bucket] == 0:
-        self._launch(s.bucket)
-
-
-def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> dict | None:
-    """Train 2 steps at each accumulation; collective rounds per optimizer step (calls per bucket)."""
+def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], bug=None) -> dict | None:
+    """Train 2 steps at each accumulation with `bug` (a PLANTED-style patch) planted if given; collective rounds per
+    optimizer step (calls per bucket), or the GradientOrderError that stopped the run and the reduce-scatters
+    issued before it."""
     out = {}
-    planted = mock.patch.object(zero.ZeroEngine, "_on_grad_ready", _eager_on_grad_ready)
-    with planted if eager else contextlib.nullcontext():
+    with bug() if bug else contextlib.nullcontext():
         for accum in accums:
             c = copy.deepcopy(cfg)
             c.loop.accum = accum
             before = Counter(comm.calls)
-            engine = train(c, comm).engine
+            try:
+                engine = train(c, comm).engine
+            except zero.GradientOrderError as e:
+                gc.collect()  # the engine's unwaited reduce-scatters go while the process group is alive
+                calls = Counter(comm.calls) - before
+                out[accum] = {"error": str(e), "reduce_scatter_calls": calls["reduce_scatter_grads"]}
+                continue
             calls = Counter(comm.calls) - before
             buckets = len(engine.layout.buckets)
             out[accum] = {"buckets": buckets,
@@ -257,18 +258,19 @@ def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], eager: bool) -> di
 
 @pytest.fixture(scope="module")
 def rounds() -> dict:
-    """Rounds per step of the real engine at accumulation 1, 4 and 16, then ("eager") of the planted engine at 4;
-    both on one start of 2 ranks, the planted one last."""
+    """Rounds per step of the real engine at accumulation 1, 4 and 16, then of the engine with each planted bug at
+    4 ("all-gather-twice", "ignored-no-sync"); all on one start of 2 ranks, the planted ones last."""
     cfg = Config()
     cfg.data.source = "synthetic"
     cfg.launch.nproc, cfg.loop.micro_batch, cfg.loop.steps = 2, 1, 2
     cfg.parallel.bucket_mb = 0.02  # several buckets, so "one round" means one call per bucket
     cfg.parallel.overlap = "on"  # buckets launch from backward's hooks, where a missed no_sync would show
     cfg.logging.progress, cfg.loop.check_every, cfg.launch.timeout = False, 0, 60.0
-    jobs = [(functools.partial(rounds_job, accums=[1, 4, 16], eager=False), cfg),
-            (functools.partial(rounds_job, accums=[4], eager=True), cfg)]
-    real, eager = run_job(functools.partial(in_turn_job, jobs=jobs), cfg, time_limit=120)
-    return {**real, "eager": eager}
+    jobs = [(functools.partial(rounds_job, accums=[1, 4, 16]), cfg),
+            (functools.partial(rounds_job, accums=[4], bug=publishing_twice), cfg),
+            (functools.partial(rounds_job, accums=[4], bug=ignored_no_sync), cfg)]
+    real, twice, no_sync = run_job(functools.partial(in_turn_job, jobs=jobs), cfg, time_limit=120)
+    return {**real, "all-gather-twice": twice, "ignored-no-sync": no_sync}
 
 
 def test_one_reduce_scatter_round_and_one_all_gather_round_per_step_for_accum_1_4_16(rounds):
@@ -278,7 +280,13 @@ def test_one_reduce_scatter_round_and_one_all_gather_round_per_step_for_accum_1_
         assert rounds[accum]["all_gather"] == 1, (accum, rounds[accum])
 
 
-def test_round_count_catches_an_engine_that_communicates_every_micro_batch(rounds):
-    eager = rounds["eager"]
-    assert eager[4]["reduce_scatter"] == 4
-    assert eager[4]["all_gather"] == 1
+def test_round_count_catches_an_engine_that_all_gathers_twice_per_step(rounds):
+    assert rounds["all-gather-twice"][4] == {**rounds[4], "all_gather": 2}
+
+
+def test_an_engine_whose_no_sync_holds_nothing_back_stops_before_a_second_reduce_scatter_round(rounds):
+    stopped = rounds["ignored-no-sync"][4]
+    # the first micro-batch's backward reduced every bucket; the second's first gradient found its bucket reduced
+    assert stopped["reduce_scatter_calls"] == rounds[4]["buckets"]
+    assert stopped["error"].startswith("the gradient of ") and "arrived after its bucket was reduced: run the " \
+        "backward of every micro-batch but the last inside engine.no_sync()" in stopped["error"]
