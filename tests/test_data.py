@@ -85,12 +85,16 @@ def test_split_over_ranks_and_micro_batches_does_not_change_the_global_batch(var
 def test_varlen_batches_mask_padding_and_vary_in_real_tokens():
     source = SyntheticSource(64, 16, seed=0, varlen=True)
     x, y = source.sequences(0, range(32))
+    # The lengths are a stream of their own: the same sequences at full length hold every row's tokens, the last
+    # target of a full row (which no input shows) included.
+    full_x, full_y = SyntheticSource(64, 16, seed=0).sequences(0, range(32))
+    assert torch.equal(full_y[:, :-1], full_x[:, 1:])  # labels are the inputs shifted by one
     real = (y != IGNORE).sum(dim=1)
-    assert real.min() >= 1 and real.max() <= 16 and len(set(real.tolist())) > 4
+    assert real.min() == 1 and real.max() == 16 and len(set(real.tolist())) > 4  # both ends of the range
     for row in range(32):
-        n = int(real[row])
-        assert torch.equal(y[row, :n], x[row, 1 : n + 1]) if n < 16 else True
-        assert (y[row, n:] == IGNORE).all()
+        n = int(real[row])  # n targets, n + 1 real tokens: the inputs hold min(n + 1, 16) of them
+        assert torch.equal(y[row, :n], full_y[row, :n]) and (y[row, n:] == IGNORE).all()
+        assert torch.equal(x[row, : n + 1], full_x[row, : n + 1]) and (x[row, n + 1 :] == 0).all()
 
 
 def test_synthetic_data_follows_its_markov_chain():

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import transformers  # a test dependency (pyproject's [test] extra): missing, the module fails to import, loudly
 from safetensors.torch import load_file, save_file
 from test_checkpoint import spawn
 
@@ -24,8 +25,6 @@ from zerotrain.hub import init_from, mapping
 from zerotrain.model import llama as llama_module
 from zerotrain.model import summed_token_loss
 from zerotrain.training.loop import build_engine
-
-transformers = pytest.importorskip("transformers")  # a test extra: installed by the README's test command
 
 SEQ, VOCAB = 16, 96
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
