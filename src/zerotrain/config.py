@@ -214,9 +214,10 @@ class GuardConfig:
                               "what a non-finite loss or gradient norm or a loss spike does",
                               rule=one_of("rollback", "abort"))
     spike_factor: float = setting(3.0, "a loss above F x the median of the window is a spike", rule=ABOVE_ONE)
-    spike_window: int = setting(20, "accepted steps the spike tests look back on: the loss median, and, once full "
-                                "and at least 5, the loss trend and gradient-norm median of the outlier test",
-                                rule=POSITIVE)
+    spike_window: int = setting(20, "accepted steps the spike tests look back on: the loss median; the loss trend "
+                                "and gradient-norm median of the outlier test, once full; the loss trend of the "
+                                "ruin test (a loss back at ln(vocabulary)), from 5 steps; a window below 5 turns "
+                                "both trend tests off", rule=POSITIVE)
     max_rollbacks: int = setting(3, "rollbacks allowed before the run stops with an error", rule=NON_NEGATIVE)
 
 

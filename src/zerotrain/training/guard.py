@@ -58,7 +58,20 @@ MIN_SPIKE_HISTORY = 5
 # 4.6, since the median of a falling loss lags it; the gradient norm alone reached 22 sd on ordinary odd batches.
 LOSS_SIGMAS = 9.0
 GRAD_NORM_SIGMAS = 3.0
-# The smallest spread the outlier test assumes, as a fraction of the window's median: below it, differences are
+# The ruin test's bars. An lr spike can send a model back to the loss of a uniform guess over its vocabulary, ln(V),
+# or past it, whatever its size, without its gradient norm standing out (issue 27: GPT-2 2 x 40, V = 97, on 2 ranks,
+# a 1000x lr_spike on rank 0 at step 9: loss 4.36 -> 4.55, gradient norm 1.84 -> 2.17). Measured in units that do
+# not depend on the model: the fraction of its headroom ln(V) - trend the loss gave back, the rise and the headroom
+# in robust sd of the window. `zerotrain bench spikes` (bench/spikes.py: GPT-2 2 x 40 V = 97, Llama 2 x 32 V = 64,
+# GPT-2 4 x 64 V = 2048 on synthetic data, the bench preset V = 256 on python-stdlib; 5 seeds x 300 steps each,
+# windows 5, 10 and 20: 17,700 checks of ordinary steps): no ordinary step with its rise and headroom above 5 sd gave
+# back more than 0.33 of the headroom, the steps giving back half or more (all in steps 6-10) rose or had learned
+# at most 1.7 sd, and none came more than 2.6 sd past ln(V). The first step after a 1000x spike on rank 0 of 2 gave
+# back 91% or more (issue 27's run: 10.5-12.5 sd above the trend) or went past ln(V) by 9.7 sd or more; a model
+# that had learned less than 5 sd is not told from noise (GPT-2 2 x 40 spiked at step 9 of 300: 0.07 below ln(V)).
+LOST_FRACTION = 0.5
+RUIN_SIGMAS = 5.0
+# The smallest spread the trend tests assume, as a fraction of the window's median: below it, differences are
 # rounding, not batch noise (measured over 20-step windows: at least 0.005 for the loss, 0.03 for the gradient norm).
 MIN_RELATIVE_SPREAD = 1e-3
 MAD_TO_SD = 1.4826
@@ -81,13 +94,17 @@ def theil_sen_at(xs: list[int], ys: list[float], x: float) -> tuple[float, list[
     return intercept + slope * x, [y - (intercept + slope * xi) for xi, y in zip(xs, ys)]
 
 
-def sigmas_above(value: float, center: float, residuals: list[float], typical: float) -> float:
-    """How many robust standard deviations of `residuals` `value` lies above `center` (negative: below).
+def robust_spread(residuals: list[float], typical: float) -> float:
+    """The robust standard deviation of `residuals` (1.4826 x their median absolute value), at least
+    MIN_RELATIVE_SPREAD x |typical|, so a window that happens to be nearly constant does not make every small
+    rise an outlier; 0 only for a window of zeros."""
+    return max(MAD_TO_SD * statistics.median(abs(r) for r in residuals), MIN_RELATIVE_SPREAD * abs(typical))
 
-    The spread is at least MIN_RELATIVE_SPREAD x |typical|, so a window that happens to be nearly constant
-    does not make every small rise an outlier.
-    """
-    spread = max(MAD_TO_SD * statistics.median(abs(r) for r in residuals), MIN_RELATIVE_SPREAD * abs(typical))
+
+def sigmas_above(value: float, center: float, residuals: list[float], typical: float) -> float:
+    """How many robust standard deviations of `residuals` (robust_spread) `value` lies above `center`
+    (negative: below)."""
+    spread = robust_spread(residuals, typical)
     if spread == 0.0:  # a window of zeros
         return math.inf if value > center else 0.0
     return (value - center) / spread
@@ -103,25 +120,40 @@ class AnomalyDetector:
         vocabulary: that is above F x the median only while the median is below ln(V) / F;
       - the outlier test (spike): the loss is more than `loss_sigmas` robust standard deviations above the
         robust (Theil-Sen) trend of the window's losses, where they were heading, and the gradient norm is more
-        than `grad_norm_sigmas` above the window's median gradient norm. Damage shows in both; an ordinary
-        odd batch raises one of them, not both (see LOSS_SIGMAS for the measurements).
+        than `grad_norm_sigmas` above the window's median gradient norm. A blow-up shows in both; an ordinary
+        odd batch raises one of them, not both (see LOSS_SIGMAS for the measurements);
+      - the ruin test (spike; with `vocab_size`): the trend is below ln(V), the loss rose at least `ruin_sigmas`
+        sd above it, and it is back near ln(V) (the model had learned at least `ruin_sigmas` sd, its headroom
+        ln(V) - trend, and the loss gave back at least `lost_fraction` of it) or past ln(V) by `ruin_sigmas` sd,
+        worse than a uniform guess. Measured in units of the model's own progress and noise, so the bars hold
+        at any size and vocabulary; the gradient norm, which a ruined model's need not raise, is not asked
+        (see LOST_FRACTION).
     The ratio test applies once min(window, 5) losses have been accepted; the outlier test once the window is
-    full (which serves as its warm-up, over the fast first steps of a run) and holds at least 5 steps (a smaller
-    window turns it off). Counted since the start of the run, the resume, or the step rolled back to; until then
-    only the non-finite tests can refuse a step. Short windows give it few samples: on the ordinary runs of
-    LOSS_SIGMAS' measurement, 61 of 4,150 steps crossed both bars at --spike-window 5, 1 at 10, none at 20.
+    full (which serves as its warm-up, over the fast first steps of a run); the ruin test once 5 losses have been
+    accepted, on the trend of those in the window (its sd bars are its warm-up: early in a run the headroom is
+    within the noise). A window below 5 turns both trend tests off. Counted since the start of the run, the
+    resume, or the step rolled back to; until then only the non-finite tests can refuse a step. Short windows
+    give the outlier test few samples: on the ordinary runs of LOSS_SIGMAS' measurement, 61 of 4,150 steps
+    crossed both bars at --spike-window 5, 1 at 10, none at 20 (`zerotrain bench spikes`: 18-45 of 1,500 per
+    shape at 5, 0-4 at 10, none at 20); the ruin test raised none at any of them.
 
     The history is the accepted (step, loss, gradient norm) triples of the current timeline: `rewind(to_step)`
     forgets those after the restored checkpoint, so after a rollback the window is the one the restored model
     had, the same one a fresh process resuming from that checkpoint with `load_state_dict` gets.
     """
 
-    def __init__(self, spike_factor: float, window: int, *, loss_sigmas: float = LOSS_SIGMAS,
-                 grad_norm_sigmas: float = GRAD_NORM_SIGMAS):
+    def __init__(self, spike_factor: float, window: int, *, vocab_size: int | None = None,
+                 loss_sigmas: float = LOSS_SIGMAS, grad_norm_sigmas: float = GRAD_NORM_SIGMAS,
+                 ruin_sigmas: float = RUIN_SIGMAS, lost_fraction: float = LOST_FRACTION):
         self.spike_factor = spike_factor
         self.window = window
         self.loss_sigmas = loss_sigmas  # math.inf turns the outlier test off
         self.grad_norm_sigmas = grad_norm_sigmas
+        # ln(V): the loss of a uniform guess, which a ruined model returns to; None turns the ruin test off
+        self.uniform_loss = math.log(vocab_size) if vocab_size else None
+        self.vocab_size = vocab_size
+        self.ruin_sigmas = ruin_sigmas
+        self.lost_fraction = lost_fraction
         # Every accepted step of this timeline, not only the window: a rollback may go back further than
         # `window` steps and must find the steps that preceded the restored checkpoint (24 bytes a step).
         self._steps: list[int] = []
@@ -149,23 +181,45 @@ class AnomalyDetector:
             if loss > self.spike_factor * median:
                 return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is above {self.spike_factor} x "
                                               f"the median {median:.4g} of the last {len(recent)} steps")
-        return self._outlier(step, loss, grad_norm)
+        return self._against_trend(step, loss, grad_norm)
 
-    def _outlier(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
-        """The outlier test: the loss far above the window's trend, and the gradient norm above its median."""
+    def _against_trend(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
+        """The outlier test and the ruin test: the loss against where the window's losses were heading."""
         steps, losses = self._steps[-self.window:], self._losses[-self.window:]
-        grad_norms = self._grad_norms[-self.window:]
-        if len(steps) < max(self.window, MIN_SPIKE_HISTORY) or None in grad_norms:
+        if len(steps) < MIN_SPIKE_HISTORY or self.window < MIN_SPIKE_HISTORY:
             return None
         expected, residuals = theil_sen_at(steps, losses, step)
+        spread = robust_spread(residuals, statistics.median(losses))
         loss_sd = sigmas_above(loss, expected, residuals, statistics.median(losses))
-        median_norm = statistics.median(grad_norms)
-        norm_sd = sigmas_above(grad_norm, median_norm, [g - median_norm for g in grad_norms], median_norm)
-        if loss_sd > self.loss_sigmas and norm_sd > self.grad_norm_sigmas:
-            return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is {loss_sd:.1f} sd above the trend "
-                                          f"{expected:.4g} of the last {len(steps)} steps, and the gradient "
-                                          f"norm {grad_norm:.4g} is {norm_sd:.1f} sd above those steps' median "
-                                          f"{median_norm:.4g}")
+        grad_norms = self._grad_norms[-self.window:]
+        if len(steps) == self.window and loss_sd > self.loss_sigmas and None not in grad_norms:
+            median_norm = statistics.median(grad_norms)
+            norm_sd = sigmas_above(grad_norm, median_norm, [g - median_norm for g in grad_norms], median_norm)
+            if norm_sd > self.grad_norm_sigmas:
+                return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is {loss_sd:.1f} sd above the trend "
+                                              f"{expected:.4g} of the last {len(steps)} steps, and the gradient "
+                                              f"norm {grad_norm:.4g} is {norm_sd:.1f} sd above those steps' median "
+                                              f"{median_norm:.4g}")
+        return self._ruined(step, loss, expected, spread, len(steps)) if spread else None  # 0: a window of zeros
+
+    def _ruined(self, step: int, loss: float, expected: float, spread: float, n: int) -> Anomaly | None:
+        """The ruin test: a model that had learned (its trend below ln(V)) back at or past a uniform guess."""
+        if self.uniform_loss is None:
+            return None
+        headroom, k = self.uniform_loss - expected, self.ruin_sigmas  # headroom: what the model had learned
+        if headroom <= 0 or loss - expected < k * spread:
+            return None
+        uniform = f"ln({self.vocab_size}) = {self.uniform_loss:.4g}, the loss of a uniform guess"
+        trend = f"the trend {expected:.4g} of the last {n} steps"
+        sd = (loss - expected) / spread
+        if loss - self.uniform_loss >= k * spread:
+            past = (loss - self.uniform_loss) / spread
+            return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is {past:.1f} sd above {uniform}, and "
+                                          f"{sd:.1f} sd above {trend}")
+        if headroom >= k * spread and loss - expected >= self.lost_fraction * headroom:
+            return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is back near {uniform}: {sd:.1f} sd "
+                                          f"above {trend}, it gave back {(loss - expected) / headroom:.0%} of the "
+                                          f"{headroom:.3g} that the trend was below it")
         return None
 
     def accept(self, step: int, loss: float, grad_norm: float | None = None) -> None:

@@ -230,7 +230,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     model = torch.compile(engine.model) if cfg.loop.compile else engine.model
     val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
-    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window)
+    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, vocab_size=cfg.model.vocab_size)
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
     origin = {}  # rank 0 commits manifests: it alone hashes --init-from's files for them
     if cfg.checkpoint.init_from and comm.rank == 0 and (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
