@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 from conftest import tiny_config
@@ -28,9 +29,31 @@ def test_a_run_holds_exactly_the_planned_state_and_saves_the_planned_activations
     result = train(cfg, one_rank, announce=False)  # the run checks its state against the plan itself, exactly
     rows, engine = result.plan["rows"], result.engine
     assert plan_module.measured_state(engine) == {k: rows[k] for k in plan_module.STATE}
+    # and the tensors found by walking the engine, its model and its optimizer, measured without the layout
+    assert plan_module.held_state_bytes(engine) == sum(rows[k] for k in plan_module.STATE)
     assert engine.grad_peak_bytes <= rows["gradients"] + rows["gradient_buckets"]
-    measured = result.plan["activations_measured"]
-    assert abs(rows["activations"] - measured) <= 0.10 * measured
+    assert rows["activations"] == result.plan["activations_measured"]  # to the byte on CPU
+
+
+def test_a_layout_mistake_the_plan_shares_with_the_engine_is_caught_by_the_tensors_found(tmp_path, one_rank):
+    """Planted: the layout (ShardLayout.build, which the engine and the plan both lay out with) leaves out the
+    model's last parameter. The engine then keeps it, and its gradient, outside the flat buffers; the row-by-row
+    accounting agrees with the plan, the walk over the tensors held does not."""
+    from zerotrain.parallel.layout import ShardLayout
+    from zerotrain.training.loop import build_engine
+
+    real = ShardLayout.build.__func__
+    forgetful = classmethod(lambda cls, params, *args: real(cls, params[:-1], *args))
+    with mock.patch.object(ShardLayout, "build", forgetful):
+        cfg = tiny_config(tmp_path / "engine", steps=2)
+        engine, rows = build_engine(cfg, one_rank), plan_module.memory_plan(cfg, world_size=1).rows
+        assert plan_module.measured_state(engine) == {k: rows[k] for k in plan_module.STATE}  # the shared mistake
+        left_out = list(engine.model.parameters())[-1]
+        assert plan_module.held_state_bytes(engine) == sum(rows[k] for k in plan_module.STATE) + left_out.nbytes
+        with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes in the "
+                                                 r"tensors of its engine, model and optimizer, the plan's state "
+                                                 r"[\d,]+"):
+            train(tiny_config(tmp_path / "run", steps=2), one_rank, announce=False)
 
 
 def test_state_the_plan_does_not_foresee_stops_the_run_naming_rank_and_kind(tmp_path, one_rank, monkeypatch):

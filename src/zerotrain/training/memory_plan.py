@@ -22,6 +22,10 @@ libraries on CPU, the CUDA context and allocator slack on a GPU) is not in them.
 A run checks the plan once, after its first step (`check`): the state bytes against the tensors its engine
 holds, exactly (a gradient bucket never freed, or an extra buffer, fails it as invariant (c) fails for the
 optimizer), and the activation bytes against the saved-tensor count of its first micro-batch, within 10%.
+The state is measured twice: row by row through the engine's own accounting (its buffers, which the plan
+derives from the same layout), and as one total found by walking every tensor the engine, the model's
+parameters and gradients and the optimizer's state hold (`held_state_bytes`), which shares no function with
+the plan: a mistake in the layout or the bucket budget that both would make alike fails the total.
 """
 
 from __future__ import annotations
@@ -145,19 +149,47 @@ def measured_state(engine: ZeroEngine) -> dict[str, int]:
             "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master}
 
 
+def held_state_bytes(engine: ZeroEngine) -> int:
+    """Bytes of the distinct storages behind every tensor the engine's attributes, its model's parameters and
+    their gradients, and its optimizer's state hold now: found by walking them, not through the engine's
+    accounting or its layout. AdamW's 0-dim step counters are left out, as the plan leaves them out."""
+    found: list[torch.Tensor] = []
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            walk(list(value.values()))
+
+    walk(list(vars(engine).values()))
+    walk([(p, p.grad) for p in engine.model.parameters()])
+    walk(list(engine.optimizer.state.values()))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found if t.dim() > 0}
+    return sum(storages.values())
+
+
 def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | None, step: int) -> str | None:
-    """Check the plan against what every rank holds after `step`: the state exactly, or InvariantError naming
-    the rank and row; the gradient peak within the planned buckets. Returns a warning line when the first
-    micro-batch's saved activations (`saved_bytes`, rank 0's; None: not counted) are off by more than 10%."""
+    """Check the plan against what every rank holds after `step`: the state exactly, row by row and as the total
+    of the tensors found (`held_state_bytes`), or InvariantError naming the rank and row; the gradient peak within
+    the planned buckets. Returns a warning line when the first micro-batch's saved activations (`saved_bytes`,
+    rank 0's; None: not counted) are off by more than 10%."""
     held = measured_state(engine)
-    row = [held[k] for k in STATE] + [engine.grad_peak_bytes]
+    row = [held[k] for k in STATE] + [held_state_bytes(engine), engine.grad_peak_bytes]
     rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
     peak = plan.rows["gradients"] + plan.rows["gradient_buckets"]
+    state = sum(plan.rows[k] for k in STATE)
     for rank, measured in enumerate(rows):
         for key, value in zip(STATE, measured):
             if value != plan.rows[key]:
                 raise InvariantError(f"memory plan failed at step {step}: rank {rank} holds {value:,} bytes of "
                                      f"{key.replace('_', ' ')}, the plan {plan.rows[key]:,}")
+        if measured[len(STATE)] != state:
+            raise InvariantError(f"memory plan failed at step {step}: rank {rank} holds {measured[len(STATE)]:,} "
+                                 f"bytes in the tensors of its engine, model and optimizer, the plan's state "
+                                 f"{state:,}")
         if measured[-1] > peak:
             raise InvariantError(f"memory plan failed at step {step}: rank {rank} held {measured[-1]:,} bytes of "
                                  f"gradients at once, the plan at most {peak:,}")
