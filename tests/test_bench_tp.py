@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import io
 import json
 import math
-import subprocess
-import sys
+from unittest import mock
 
 import pytest
+import torch
 
+from zerotrain.bench import tp as tp_bench
 from zerotrain.bench.report import SCHEMA_VERSION
 from zerotrain.bench.tp import (FIGURE_DPI, FIGURE_SIZE_IN, PARAM_RATIO_TARGET, SCHEMA, TP_PURPOSES, comparisons,
-                                default_meshes, explain, parse_meshes)
-from zerotrain.cli.main import main
+                                default_meshes, explain, parse_meshes, tp_job)
+from zerotrain.cli.main import build_parser, main
 from zerotrain.config import PRESETS, ModelConfig
-from zerotrain.model import plan
+from zerotrain.model import build_model, gpt2, plan
+from zerotrain.runtime.launch import run_job
 
 ROW_FIELDS = {
     "mesh", "tp", "dp", "ranks", "threads_per_rank", "oversubscribed", "micro_batch", "accum", "global_batch",
@@ -34,13 +39,23 @@ def tp_rank_numel(param_count: int, tp: int) -> int:
     return param_count - sum(math.prod(s.full_shape) - math.prod(s.local_shape()) for s in split)
 
 
-def test_quick_bench_writes_one_row_per_mesh_and_tp2_halves_parameter_bytes_with_tp_collectives_only_there(tmp_path):
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[int, str, object]:
+    """`zerotrain bench tp --quick --meshes 1x2,2x1` through its entry point, in this process (it starts the ranks):
+    its exit code, what it printed, and its output folder."""
+    out = tmp_path_factory.mktemp("bench-tp")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "tp", "--quick", "--meshes", "1x2,2x1", "--out", str(out)])
+    return code, printed.getvalue(), out
+
+
+def test_quick_bench_writes_one_row_per_mesh_and_tp2_halves_parameter_bytes_with_tp_collectives_only_there(quick):
     import matplotlib.image
 
-    proc = subprocess.run([sys.executable, "-m", "zerotrain", "bench", "tp", "--quick", "--meshes", "1x2,2x1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "| mesh |" in proc.stdout
+    code, stdout, tmp_path = quick
+    assert code == 0, stdout[-2000:]
+    assert "| mesh |" in stdout
 
     report = json.loads((tmp_path / "bench-tp.json").read_text())
     assert report["schema"] == SCHEMA and report["schema_version"] == SCHEMA_VERSION
@@ -108,17 +123,56 @@ def fake_row(tp: int, dp: int, param_bytes: int, step_ms: float) -> dict:
             "tp_all_reduce_probe_ms": 0.5 if tp > 1 else None, "dp_reduce_grads_probe_ms": 3.0 if dp > 1 else None}
 
 
-def test_param_target_is_met_by_a_halved_slice_and_missed_by_a_tp_rank_that_keeps_the_whole_model():
+def test_param_target_is_met_by_a_halved_slice_and_the_worst_tp2_row_decides():
     honest = [fake_row(1, 2, 4000, 100.0), fake_row(2, 1, 2100, 120.0)]
     c = comparisons(honest)
     assert c["param_bytes_ratio_tp2_vs_tp1"] == pytest.approx(0.525) and c["met"]["param_bytes_ratio_tp2_vs_tp1"]
     assert c["step_time_ratio_tp2xdp1_vs_tp1xdp2"] == pytest.approx(1.2)
-    planted = copy.deepcopy(honest)
-    planted[1]["param_bytes_per_rank"] = 4000  # TP that forgot to drop the full weights
-    assert comparisons(planted)["met"]["param_bytes_ratio_tp2_vs_tp1"] is False
-    # The worst TP2 row decides.
     assert comparisons(honest + [fake_row(2, 2, 2300, 90.0)])["param_bytes_ratio_tp2_vs_tp1"] == pytest.approx(0.575)
     assert comparisons([fake_row(1, 2, 4000, 100.0)])["met"]["param_bytes_ratio_tp2_vs_tp1"] is None
+
+
+def keeping_the_full_weights():
+    """Planted bug: GPT-2's TP parallelize replaces the split layers by this rank's slices but keeps the full blocks
+    too, as a submodule of the model: their weights stay parameters, which the engine lays out and holds."""
+    real = gpt2.parallelize
+
+    def parallelize_keeping_the_full_blocks(model, tp_size, tp_rank, comm):
+        full = copy.deepcopy(model.transformer.h)
+        slices = real(model, tp_size, tp_rank, comm)
+        model.full_blocks = full
+        return slices
+
+    return mock.patch.object(gpt2, "parallelize", parallelize_keeping_the_full_blocks)
+
+
+def planted_tp_job(cfg, comm, *, warmup: int) -> dict | None:
+    """The bench's own job on this mesh, with keeping_the_full_weights planted in the ranks."""
+    with keeping_the_full_weights():
+        return tp_job(cfg, comm, warmup=warmup)
+
+
+def test_a_tp_rank_that_keeps_the_full_weights_misses_the_parameter_target(quick):
+    # The bench's own job on TP2 x DP1 with the bug planted, one step, against the quick bench's TP1 x DP2 row.
+    code, _, out = quick
+    assert code == 0
+    tp1 = next(r for r in json.loads((out / "bench-tp.json").read_text())["rows"] if r["tp"] == 1)
+    args = build_parser().parse_args(["bench", "tp", "--quick", "--warmup", "0", "--steps", "1",
+                                      "--out", str(out / "planted")])
+    size = tp_bench._resolve_size(args)
+    cfg = tp_bench._mesh_configs(tp_bench._sweep_config(args, size), [(2, 1)], size["global_batch"])[2, 1]
+    planted = tp_bench.summarize(2, 1, cfg, [run_job(functools.partial(planted_tp_job, warmup=0), cfg,
+                                                     time_limit=120)], 2)
+    c = comparisons([tp1, planted])
+    assert c["met"]["param_bytes_ratio_tp2_vs_tp1"] is False
+    # What the bench measured (the engine's flat buffer): this rank's slices and the replicated parameters, and the
+    # full blocks besides; more than the whole model a TP1 rank holds.
+    with torch.device("meta"):
+        whole = build_model(ModelConfig(**PRESETS["wide"]), seed=0)
+    full_blocks = sum(p.numel() for name, p in whole.named_parameters() if name.startswith("transformer.h."))
+    P = tp1["param_count"]
+    assert planted["param_bytes_per_rank"] == pytest.approx(4 * (tp_rank_numel(P, 2) + full_blocks), rel=1e-3)
+    assert c["param_bytes_ratio_tp2_vs_tp1"] > 1
 
 
 @pytest.mark.parametrize("tp_ms, says", [(120.0, "TP2 x DP1 is 1.20x slower per step than TP1 x DP2 (120 vs 100 ms"),
