@@ -51,8 +51,9 @@ def one_rank():
 
 
 def live_processes() -> list[tuple[int, int, int]]:
-    """(pid, parent pid, process group) of every live process, zombies and multiprocessing's shared resource
-    tracker (started once by the first spawn, not a rank) left out."""
+    """(pid, parent pid, process group) of every live process, zombies, multiprocessing's shared resource tracker
+    and the forkserver the ranks are forked from (each started once, by the first launch; neither is a rank) left
+    out."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -63,7 +64,7 @@ def live_processes() -> list[tuple[int, int, int]]:
                     cmdline = f.read()
             except OSError:
                 continue
-            if fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            if fields[0] != "Z" and b"resource_tracker" not in cmdline and b"multiprocessing.forkserver" not in cmdline:
                 out.append((int(pid), int(fields[1]), int(fields[2])))
     return out
 

@@ -267,3 +267,9 @@ def tp_drift_replicated_job(cfg: Config, comm: Comm) -> dict:
 def tp_drift_sliced_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: rank 3 (TP rank 1 of replica 1) moves one value of its TP slice by one ulp after step 2."""
     return _nudge_job(cfg, comm, rank=3, sliced=True)
+
+
+def environment_probe_job(cfg, comm):
+    """Each rank prints and returns ZT_PROBE as it finds it: the launcher's value at launch, not the forkserver's."""
+    print(f"rank {comm.rank} sees ZT_PROBE={os.environ.get('ZT_PROBE')}", flush=True)
+    return os.environ.get("ZT_PROBE")

@@ -152,3 +152,21 @@ def test_a_run_refused_after_taking_its_folders_leaves_none_it_made(tmp_path, ca
                        "--resume", str(tmp_path / "no-such"))
     assert one_line_error(r) == f"zerotrain: error: --resume {tmp_path / 'no-such'}: no such checkpoint folder"
     assert os.listdir(tmp_path) == []
+
+
+def test_ranks_take_the_launchers_environment_and_output_as_they_are_at_each_launch(tmp_path, capfd, monkeypatch):
+    """The ranks are forked from a server started at the first launch: a variable set or removed since, and an
+    output redirected since (pytest's capture, per test), reach the ranks of the next launch all the same."""
+    import dist_jobs
+
+    from zerotrain.runtime.launch import run_job
+
+    for value in ("first", "second", None):
+        if value is None:
+            monkeypatch.delenv("ZT_PROBE")
+        else:
+            monkeypatch.setenv("ZT_PROBE", value)
+        capfd.readouterr()
+        assert run_job(dist_jobs.environment_probe_job, tiny_config(tmp_path, nproc=2), time_limit=120) == value
+        out = capfd.readouterr().out
+        assert f"rank 0 sees ZT_PROBE={value}" in out and f"rank 1 sees ZT_PROBE={value}" in out

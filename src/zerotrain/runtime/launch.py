@@ -23,6 +23,7 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
 
+from . import rank_start
 from .failures import adopt_attempt, failure_reason, report_failure, report_user_error, restart_count, user_error
 from .run_folder import release_run_folders
 from .stop import install_stop_request
@@ -126,13 +127,15 @@ class _ElasticThread(threading.Thread):
             run_id=uuid.uuid4().hex,
             max_restarts=self.cfg.launch.max_restarts,
             monitor_interval=0.05,
-            start_method="spawn",
+            start_method=rank_start.START_METHOD,
             local_addr="127.0.0.1",
         )
         if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
             options["shutdown_timeout"] = 3  # after a failure, how long a rank may take to exit before SIGKILL
+        rank_start.preload()
         try:
-            self.results = elastic_launch(LaunchConfig(**options), _worker)(self.job, self.cfg, self.job_dir, None)
+            self.results = elastic_launch(LaunchConfig(**options), _worker)(self.job, self.cfg, self.job_dir, None,
+                                                                            rank_start.LauncherState())
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which explains it
             self.error = e
 
@@ -150,12 +153,14 @@ class _ElasticThread(threading.Thread):
 
 
 def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None,
-            prepare: Callable[[Config], Config] | None) -> Any:
+            prepare: Callable[[Config], Config] | None, launcher: rank_start.LauncherState | None = None) -> Any:
     """One rank: set threads and device, join the process group, run the job, always leave the group.
 
     Any exception ends the rank with one line naming the rank and the error (the traceback goes to
     `<out>/logs/rank{R}.log`): in the job folder for the launcher to show, or on stderr under torchrun.
     """
+    if launcher is not None:  # a rank of zerotrain's own launcher
+        rank_start.adopt(launcher)
     install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None,
                          os.path.join(job_dir, STEPPING_FILE.format(rank=os.environ["RANK"])) if job_dir else None)
     if job_dir:  # for the launcher's reaper

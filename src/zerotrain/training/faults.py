@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.runtime.rank_start import launcher_pid
 from zerotrain.runtime.failures import restart_count
 
 ENV = "ZEROTRAIN_FAULTS"
@@ -190,13 +191,13 @@ class Faults:
     def _signal_launcher(fault: Fault, stop_seen: Callable[[], bool] | None, stop_wait_s: float) -> None:
         if stop_seen is None:
             raise ValueError("the sigterm fault needs stop_seen(), the rank's own stop request")
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(launcher_pid(), signal.SIGTERM)
         deadline = time.monotonic() + stop_wait_s
         while not stop_seen():
             if time.monotonic() > deadline:
                 raise ZeroTrainError(
                     f"{ENV}: {fault.describe()}: no stop request reached this rank within {stop_wait_s:g} s "
-                    f"of signalling the launcher (pid {os.getppid()})")
+                    f"of signalling the launcher (pid {launcher_pid()})")
             time.sleep(STOP_POLL_S)
 
     def loss_factor(self, step: int) -> float:
