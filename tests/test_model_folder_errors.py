@@ -24,7 +24,7 @@ from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.data.tokenizer import train_bpe
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 - a [test] dependency: missing, the module fails loudly rather than skipping
 
 pytestmark = pytest.mark.timeout(300)
 

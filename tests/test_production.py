@@ -364,6 +364,8 @@ def test_torchrun_ranks_agree_on_one_default_run_folder_and_restart_a_killed_ran
     # one folder: the first attempt's ranks agreed on one default name, and the restarted group kept it
     (folder,) = os.listdir(tmp_path / "runs")
     run_dir = str(tmp_path / "runs" / folder)
+    # said once, by the first attempt's rank 0, since no --out named it
+    assert r.stderr.count(f"zerotrain: no --out given: this run's folder (summary.json, logs/) is {run_dir}\n") == 1
     assert [e["step"] for e in events(run_dir, "restart")] == [4]
     assert steps_of(run_dir) == list(range(1, 7))
     assert final_state(run_dir, 6) == final_state(uninterrupted, 6)
