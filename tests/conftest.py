@@ -51,10 +51,11 @@ def one_rank():
 
 
 def live_processes() -> list[tuple[int, int, int]]:
-    """(pid, parent pid, process group) of every live process, zombies, multiprocessing's shared resource tracker
-    and the forkserver the ranks are forked from (each started once, by the first launch; neither is a rank) left
-    out."""
-    out = []
+    """(pid, parent pid, process group) of every live process, zombies and multiprocessing's shared resource tracker
+    left out. The forkserver local ranks are forked from (started by a launch, it lives as long as its launcher; it
+    is not a rank) is left out too and seen through: a rank's parent is given as the forkserver's parent, the
+    launcher, as a spawned rank's would be."""
+    procs = {}
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
@@ -64,9 +65,13 @@ def live_processes() -> list[tuple[int, int, int]]:
                     cmdline = f.read()
             except OSError:
                 continue
-            if fields[0] != "Z" and b"resource_tracker" not in cmdline and b"multiprocessing.forkserver" not in cmdline:
-                out.append((int(pid), int(fields[1]), int(fields[2])))
-    return out
+            if fields[0] != "Z" and b"resource_tracker" not in cmdline:
+                procs[int(pid)] = (int(fields[1]), int(fields[2]), b"multiprocessing.forkserver" in cmdline)
+    # a forked rank keeps the server's command line: the server is the one whose parent is not a forkserver
+    servers = {pid: parent for pid, (parent, _, forked) in procs.items()
+               if forked and not procs.get(parent, (0, 0, False))[2]}
+    return [(pid, servers.get(parent, parent), group) for pid, (parent, group, _) in procs.items()
+            if pid not in servers]
 
 
 def child_pids() -> list[int]:
