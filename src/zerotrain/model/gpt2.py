@@ -1,6 +1,7 @@
 """The GPT: a GPT-2-architecture decoder whose parameter names map one-to-one onto Hugging Face's GPT-2.
 
-Training calls `model(idx)`. Generation passes a `KVCache` as well: each attention layer then
+Training calls `model(idx)`, or `model(idx, segments=segments)` for packed records, each attending only to
+itself with its positions restarting at 0. Generation passes a `KVCache` as well: each attention layer then
 stores the keys and values of the positions it has seen and computes only the new ones.
 """
 
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import (ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, new_positions,
-                     run_block, tied_head_hook)
+from .layers import (ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, document_attention,
+                     new_positions, run_block, tied_head_hook)
 
 
 class CausalSelfAttention(nn.Module):
@@ -26,11 +27,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, documents=None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = attend(q, k, v, cache, layer)
+        y = attend(q, k, v, cache, layer, documents)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim))
 
 
@@ -53,8 +54,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, documents=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -104,18 +105,23 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, time, vocab) for token ids of shape (batch, time).
 
-        With a cache, `idx` continues the positions already in it, and the cache grows by time.
+        With a cache, `idx` continues the positions already in it, and the cache grows by time. With
+        `segments` (batch, time; the record of each token, non-decreasing along time), a token attends only to
+        the earlier tokens of its record, and its position is its place in the record.
         """
-        return self.lm_head(self.hidden(idx, cache))
+        return self.lm_head(self.hidden(idx, cache, segments))
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
-        x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.seq_len))
+        x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.seq_len, segments))
+        documents = None if segments is None else document_attention(segments, x.dtype)
         for layer, block in enumerate(self.transformer.h):
-            x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer)
+            x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer, documents)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.transformer.ln_f(x)

@@ -1,5 +1,6 @@
 """Layers shared by every architecture: Megatron's column- and row-parallel linears and the TPSlice they hold,
-RMSNorm, rotary position embeddings, the attention core (causal, grouped-query, with a KV cache) and the cache.
+RMSNorm, rotary position embeddings, the attention core (causal, grouped-query, document-masked, with a KV
+cache) and the cache.
 
 Each block's two matrix pairs are split across the T ranks of a TP group so that a block costs
 one all-reduce forward and one backward per pair:
@@ -13,11 +14,13 @@ split parameters to slices, which is what the layers take and what checkpoints r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 
@@ -140,22 +143,45 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def new_positions(idx: torch.Tensor, cache: KVCache | None, seq_len: int) -> torch.Tensor:
-    """The positions of `idx`'s tokens, (time,): after those already in `cache`, refused past `seq_len`."""
+def new_positions(idx: torch.Tensor, cache: KVCache | None, seq_len: int,
+                  segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions of `idx`'s tokens: (time,) after those already in `cache`, refused past `seq_len`; with
+    `segments` (batch, time), each token's position within its record (positions_from_segments)."""
     T = idx.shape[1]
+    if segments is not None:
+        if cache is not None:
+            raise ValueError("segments and a KV cache cannot be combined: a cache continues one sequence")
+        if segments.shape != idx.shape:
+            raise ValueError(f"segments of shape {tuple(segments.shape)} do not match the inputs' {tuple(idx.shape)}")
+        if T > seq_len:
+            raise ValueError(f"{T} positions exceed seq_len {seq_len}")
+        return positions_from_segments(segments)
     past = 0 if cache is None else cache.length
     if past + T > seq_len:
         raise ValueError(f"{past} cached + {T} new positions exceed seq_len {seq_len}")
     return torch.arange(past, past + T, device=idx.device)
 
 
+def positions_from_segments(segments: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its record, (batch, time): 0 at a record's first token (where the segment
+    id changes along time, and at time 0), counting up to its last."""
+    steps = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, steps, 0).cummax(dim=1).values  # the latest record start at or before each token
+    return steps - first
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, head_dim) of rotary embeddings at `positions`, in fp32, rotate-half layout: frequency i
-    at columns i and i + head_dim / 2."""
+    """cos and sin of rotary embeddings at `positions`, in fp32, rotate-half layout: frequency i at columns i and
+    i + head_dim / 2. Positions (T,) give tables (T, head_dim), shared by the batch; positions (B, T) of packed
+    records give (B, 1, T, head_dim), one table per row, shared by its heads."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
                                 / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
+    if positions.dim() == 2:
+        angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
@@ -192,18 +218,45 @@ class KVCache:
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None,
-           layer: int = 0) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+           documents: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k and v (B, KV, T, D), KV dividing H (each KV head serves H / KV
-    query heads); with a cache, k and v are appended to it first and q continues its positions."""
+    query heads); with a cache, k and v are appended to it first and q continues its positions. `documents`
+    (from document_attention, built once per forward) restricts each token to the earlier tokens of its own
+    record."""
     past = 0
     if cache is not None:
+        if documents is not None:
+            raise ValueError("document masks and a KV cache cannot be combined: a cache continues one sequence")
         past = cache.length
         k, v = cache.append(layer, k, v)
-    mask = _causal_mask(past, q.shape[2], q.device)
+    grouped = k.shape[1] != q.shape[1]
+    if isinstance(documents, BlockMask):
+        return compiled_flex_attention()(q, k, v, block_mask=documents, enable_gqa=grouped)
+    mask = documents if documents is not None else _causal_mask(past, q.shape[2], q.device)
+    if grouped and repeats_kv_heads(q.device.type, q.dtype, masked=mask is not None):
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+        grouped = False
     # enable_gqa: each KV head serves its group of query heads without copies of k and v
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and past == 0,
+                                          enable_gqa=grouped)
+
+
+def repeats_kv_heads(device_type: str, dtype: torch.dtype, masked: bool = False) -> bool:
+    """Whether attend copies each KV head to its query heads before SDPA instead of passing enable_gqa: where
+    no fused kernel takes grouped-query attention, so that SDPA's math kernel (T x T memory) does not run.
+
+    CPU: the flash kernel takes GQA, masks, fp32 and bf16 (what autograd saves is measured in
+    test_activation_bytes: k and v at KV heads), so never. CUDA: only the flash kernel takes enable_gqa, and it
+    takes neither fp32 nor an explicit mask; the memory-efficient kernel takes both, but not GQA.
+    """
+    return device_type == "cuda" and (dtype == torch.float32 or masked)
+
+
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (B, KV, T, D) as (B, KV * n, T, D): KV head j serves query heads j * n .. (j + 1) * n - 1, the grouping
+    enable_gqa uses."""
+    return x.repeat_interleave(n, dim=1)
 
 
 def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None:
@@ -214,6 +267,54 @@ def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None
     if past == 0 or T == 1:
         return None
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+def document_kernel(device_type: str) -> str:
+    """The kernel packed records attend with: "flex" (FlexAttention over a block mask, which never builds the
+    T x T mask) on CUDA, "mask" (SDPA with document_mask) elsewhere: FlexAttention has no backward on CPU."""
+    return "flex" if device_type == "cuda" else "mask"
+
+
+def document_attention(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | BlockMask:
+    """What attend takes for the records in `segments` (B, T), for activations of `dtype`: built once per
+    forward and shared by every layer, and by every head (and so by every TP rank's heads)."""
+    if document_kernel(segments.device.type) == "flex":
+        return document_block_mask(segments)
+    return document_mask(segments, dtype)
+
+
+def document_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's additive mask (B, 1, T, T) for block-diagonal causal attention: 0 where query t may see key s
+    (s <= t and both in one record), -inf elsewhere.
+
+    Additive in the activations' dtype rather than boolean: SDPA's CPU kernel converts a boolean mask to this
+    form in every call and saves the copy for the backward (n_layer x B T T x 4 bytes, measured); one mask
+    of the right dtype is saved as it is, by every layer, once.
+    """
+    T = segments.shape[1]
+    same_record = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    allowed = (same_record & causal).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill_(~allowed, float("-inf"))
+
+
+def document_block_mask(segments: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask for block-diagonal causal attention over `segments` (B, T), one per row and
+    shared by the heads (H None); compiled, so the T x T mask is never built, only its 128 x 128 blocks' lists."""
+    B, T = segments.shape
+
+    def same_record_causal(b, h, q, kv):
+        return (segments[b, q] == segments[b, kv]) & (q >= kv)
+
+    return create_block_mask(same_record_causal, B, None, T, T, device=segments.device,
+                             _compile=segments.device.type == "cuda")
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process: uncompiled it runs a reference implementation that builds
+    the T x T scores."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def tied_head_hook(head: str, embedding: str):
@@ -233,13 +334,18 @@ def tied_head_hook(head: str, embedding: str):
     return hook
 
 
-def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, recompute: bool) -> torch.Tensor:
-    """loss(model(idx), targets); with `recompute` (--activation-checkpointing full, while training) the head and
-    the loss keep only the final norm's output for the backward, which computes the logits again (same values),
-    instead of the loss's fp32 log-probabilities (batch x time x vocab)."""
+def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, recompute: bool,
+              segments: torch.Tensor | None = None) -> torch.Tensor:
+    """loss(model(idx, segments=segments), targets); with `recompute` (--activation-checkpointing full, while
+    training) the head and the loss keep only the final norm's output for the backward, which computes the
+    logits again (same values), instead of the loss's fp32 log-probabilities (batch x time x vocab).
+
+    `segments` (batch, time): the record each input token belongs to, for packed records (None: one document
+    per row)."""
     if not (recompute and torch.is_grad_enabled()):
-        return loss(model(idx), targets)
-    return checkpoint(lambda h: loss(model.lm_head(h), targets), model.hidden(idx), use_reentrant=False)
+        return loss(model(idx, segments=segments), targets)
+    return checkpoint(lambda h: loss(model.lm_head(h), targets), model.hidden(idx, segments=segments),
+                      use_reentrant=False)
 
 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:

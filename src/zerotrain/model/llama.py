@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .layers import (ColumnParallelLinear, KVCache, RMSNorm, RowParallelLinear, TPSlice, apply_rotary, attend,
-                     blocks, copy_to_tp, new_positions, rotary_tables, run_block, tied_head_hook)
+                     blocks, copy_to_tp, document_attention, new_positions, rotary_tables, run_block, tied_head_hook)
 
 
 class LlamaAttention(nn.Module):
@@ -30,13 +30,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
-                layer: int) -> torch.Tensor:
+                layer: int, documents=None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.tp_comm)
         # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        y = attend(q, k, v, cache, layer)
+        y = attend(q, k, v, cache, layer, documents)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -61,8 +61,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, rotary, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer)
+    def forward(self, x, rotary, cache: KVCache | None = None, layer: int = 0, documents=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -95,16 +95,20 @@ class Llama(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab); with a cache, as GPT's."""
-        return self.lm_head(self.hidden(idx, cache))
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with a cache or with segments (packed records), as GPT's."""
+        return self.lm_head(self.hidden(idx, cache, segments))
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
         x = self.model.embed_tokens(idx)
-        rotary = rotary_tables(new_positions(idx, cache, self.cfg.seq_len), self.cfg.head_dim, self.cfg.rope_theta)
+        positions = new_positions(idx, cache, self.cfg.seq_len, segments)
+        rotary = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        documents = None if segments is None else document_attention(segments, x.dtype)
         for layer, block in enumerate(self.model.layers):
-            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer)
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, documents)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.model.norm(x)
