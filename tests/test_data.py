@@ -21,7 +21,7 @@ def global_batch(source, step, world, micro, accum, schedule=BatchSchedule):
     for rank in range(world):
         batch = schedule(source, micro_batch=micro, accum=accum, rank=rank, world_size=world).batch(step)
         counts.add(batch.global_tokens)
-        for x, y in batch.micro_batches:
+        for x, y, _ in batch.micro_batches:
             assert x.shape == (micro, source.seq_len)
             xs.append(x)
             ys.append(y)
@@ -84,10 +84,10 @@ def test_split_over_ranks_and_micro_batches_does_not_change_the_global_batch(var
 
 def test_varlen_batches_mask_padding_and_vary_in_real_tokens():
     source = SyntheticSource(64, 16, seed=0, varlen=True)
-    x, y = source.sequences(0, range(32))
+    x, y, _ = source.sequences(0, range(32))
     # The lengths are a stream of their own: the same sequences at full length hold every row's tokens, the last
     # target of a full row (which no input shows) included.
-    full_x, full_y = SyntheticSource(64, 16, seed=0).sequences(0, range(32))
+    full_x, full_y, _ = SyntheticSource(64, 16, seed=0).sequences(0, range(32))
     assert torch.equal(full_y[:, :-1], full_x[:, 1:])  # labels are the inputs shifted by one
     real = (y != IGNORE).sum(dim=1)
     assert real.min() == 1 and real.max() == 16 and len(set(real.tolist())) > 4  # both ends of the range
@@ -99,7 +99,7 @@ def test_varlen_batches_mask_padding_and_vary_in_real_tokens():
 
 def test_synthetic_data_follows_its_markov_chain():
     source = SyntheticSource(64, 16, seed=0)
-    x, y = source.sequences(0, range(64))
+    x, y, _ = source.sequences(0, range(64))
     follows = (torch.from_numpy(source.perm)[x] == y).float().mean().item()
     assert 0.75 < follows < 0.9  # 80% chain + 20% noise (which can hit the chain by chance)
 
@@ -122,14 +122,14 @@ def test_nanogpt_token_folder_trains_as_is_with_tokens_above_255(tmp_path):
     assert cfg.model.vocab_size == 1000 and spec.val == [str(folder / "val.bin")]
     source = make_source(cfg)
     assert isinstance(source.files[0].tokens, np.memmap)  # read through a memmap, never loaded whole
-    x, y = source.sequences(0, range(32))
+    x, y, _ = source.sequences(0, range(32))
     assert int(x.max()) > 255
     for row in range(32):  # every sequence is a window of the file, its labels the next tokens
         window = np.concatenate([x[row].numpy(), y[row, -1:].numpy()])
         starts = np.flatnonzero(np.lib.stride_tricks.sliding_window_view(train, 17).__eq__(window).all(axis=1))
         assert len(starts) and torch.equal(y[row, :-1], x[row, 1:])
     assert_split_invariant(source)
-    vx, _ = make_source(cfg, split="val").sequences(0, range(4))
+    vx, _, _ = make_source(cfg, split="val").sequences(0, range(4))
     assert all(np.isin(vx[r].numpy(), val).all() for r in range(4))
 
 
@@ -163,7 +163,7 @@ def test_llmc_token_files_with_header_train_as_is(tmp_path, version, top):
         spec = check_source(cfg)
         assert cfg.model.vocab_size == top + 1 and spec.val == [str(folder / "tiny_val.bin")]
     source = make_source(cfg)
-    x, _ = source.sequences(0, range(16))
+    x, _, _ = source.sequences(0, range(16))
     assert int(x.max()) > 255 and open_token_file(str(folder / "tiny_train.bin")).layout == f"llm.c v{version}"
     assert_split_invariant(source)
 
@@ -247,8 +247,8 @@ def test_text_folder_splits_by_file_and_unpacked_sequences_are_documents(tmp_pat
     originals = {(folder / f"doc{i:02d}.txt").read_text() for i in range(40)}
     assert set(train_docs) | set(val_docs) == originals and not set(train_docs) & set(val_docs)
     cfg.data.pack = False
-    source = make_source(cfg)
-    x, y = source.sequences(0, range(16))
+    source = make_source(cfg, global_batch=16)
+    x, y, _ = source.sequences(0, range(16))
     for row in range(16):  # one document per sequence: it starts a document and ends with end-of-text
         n = int((y[row] != IGNORE).sum())
         text = bytes(x[row, :n].tolist() + [int(y[row, n - 1])])
@@ -268,7 +268,7 @@ def test_one_text_file_splits_by_blank_line_paragraphs(tmp_path):
              for s in ("train", "val")}
     assert sorted(split["train"] + split["val"]) == sorted(paragraphs) and split["val"] and split["train"]
     source = make_source(cfg)
-    x, _ = source.sequences(0, range(4))
+    x, _, _ = source.sequences(0, range(4))
     assert all(piece in path.read_bytes() for r in x.tolist() for piece in bytes(r).split(b"\0"))
 
 

@@ -100,7 +100,7 @@ def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, 
         opt = build_adamw(adamw_param_groups(model.named_parameters(), o.weight_decay), o)
         source = make_source(cfg)
         for step in range(3):
-            x, y = source.sequences(step, range(8))
+            x, y, _ = source.sequences(step, range(8))
             opt.zero_grad()
             (summed_token_loss(model(x), y) / source.token_count(step, 8)).backward()
             for g in opt.param_groups:

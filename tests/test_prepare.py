@@ -75,7 +75,7 @@ def test_training_on_a_prepared_folder_takes_its_vocabulary_and_tokenizer(prepar
     cfg.data.source = str(prepared)
     spec = check_source(cfg)
     assert cfg.model.vocab_size == 300 and spec.tokenizer_file == str(prepared / "tokenizer.json")
-    x, _ = make_source(cfg).sequences(0, range(8))
+    x, _, _ = make_source(cfg).sequences(0, range(8))
     assert int(x.max()) < 300
 
 

@@ -189,6 +189,9 @@ class LoggingConfig:
     out: str = setting("", "run folder", shown="runs/<timestamp>")
     metrics: str = setting("", "metrics JSONL path", shown="<out>/metrics.jsonl")
     progress: bool = setting(True, "a progress line (--no-progress: none)")
+    epochs: int = setting(0, "passes over the records instead of --steps (JSON Lines records, or documents with "
+                          "--no-pack): each record once per epoch; the steps follow from the records and the global "
+                          "batch, an epoch's last step taking what is left (0: --steps decides)", rule=NON_NEGATIVE)
     tensorboard: bool = setting(False, "also log to <out>/tensorboard ('zerotrain[tb]')")
 
 

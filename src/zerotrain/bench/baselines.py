@@ -135,7 +135,7 @@ class ZeroTrainStrategy:
 
         e = self.engine
         e.zero_grad()
-        loss_sum = accumulate_gradients(e, batch)
+        loss_sum = float(accumulate_gradients(e, batch))
         grad_norm, _ = e.reduce_grads(torch.tensor([loss_sum], dtype=torch.float64))
         e.apply(lr, grad_norm)
 
@@ -173,7 +173,7 @@ class _TorchStrategy:
         with self.counter.patched():
             self.optimizer.zero_grad()
             last = len(batch.micro_batches) - 1
-            for i, (x, y) in enumerate(batch.micro_batches):
+            for i, (x, y, _) in enumerate(batch.micro_batches):  # synthetic rows: no segments
                 with self._sync_context(i == last):
                     token_loss = summed_token_loss(self.model(x), y)
                     (token_loss / batch.global_tokens * self.world_size).backward()

@@ -132,7 +132,7 @@ def _shared_batches(cfg: Config, comm: Comm, device: torch.device) -> Callable[[
         # Generated once and shared by all strategies, outside the timed region.
         if step not in batches:
             b = schedule.batch(step)
-            batches[step] = StepBatch([(x.to(device), y.to(device)) for x, y in b.micro_batches], b.global_tokens)
+            batches[step] = StepBatch([m.to(device) for m in b.micro_batches], b.global_tokens)
         return batches[step]
 
     return batch

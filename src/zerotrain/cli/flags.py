@@ -10,7 +10,7 @@ import sys
 
 from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for,
                                validate)
-from zerotrain.data import check_source
+from zerotrain.data import check_source, epoch_steps
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
 
@@ -114,10 +114,16 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
             (set(PRESETS[args.preset]) if args.preset else set())
         cfg.model = adopt(cfg.model, source, stated)
         cfg.checkpoint.init_from, vocab_given = source.folder, True
-    resolve(validate(cfg))
+    validate(cfg)
     if environment:
         check_environment(cfg)
     check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
+    if cfg.loop.epochs:  # the steps follow from the records; derived values (warmup) from the steps
+        if "steps" in given or (args.config and "steps" in toml.get("loop", {})):
+            raise ConfigError(f"--epochs {cfg.loop.epochs} and --steps {cfg.loop.steps} both say how long to train: "
+                              "give one")
+        cfg.loop.steps = epoch_steps(cfg)
+    resolve(cfg)
     if torchrun:
         _note_torchrun_restarts(cfg, "max_restarts" in given or bool(args.config and "max_restarts" in
                                                                      toml.get("launch", {})))

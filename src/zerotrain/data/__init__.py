@@ -1,9 +1,12 @@
-"""Training data: token sources (pure functions of seed, step and index), the batch schedule, tokenizers, corpora."""
+"""Training data: token sources (pure functions of seed, step and index), records in epochs, the batch schedule,
+tokenizers, corpora."""
 
-from .batches import BatchSchedule, StepBatch
+from .batches import IGNORE, BatchSchedule, MicroBatch, StepBatch, on_device
+from .packing import RecordSource
 from .resolve import DataSpec, check_source, checkpoint_tokenizer, prepare_source, resolve_data
-from .sources import IGNORE, SyntheticSource, TokenSource, make_source
+from .sources import SyntheticSource, TokenSource, epoch_steps, make_source
 from .tokenizer import load_tokenizer
 
-__all__ = ["IGNORE", "BatchSchedule", "DataSpec", "StepBatch", "SyntheticSource", "TokenSource", "check_source",
-           "checkpoint_tokenizer", "load_tokenizer", "make_source", "prepare_source", "resolve_data"]
+__all__ = ["IGNORE", "BatchSchedule", "DataSpec", "MicroBatch", "RecordSource", "StepBatch", "SyntheticSource",
+           "TokenSource", "check_source", "checkpoint_tokenizer", "epoch_steps", "load_tokenizer", "make_source",
+           "on_device", "prepare_source", "resolve_data"]

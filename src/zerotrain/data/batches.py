@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
-from .sources import IGNORE
+IGNORE = -100  # label of a masked position, as PyTorch's cross_entropy ignore_index
+
+
+class MicroBatch(NamedTuple):
+    """Rows of one forward: inputs and labels [B, T]; with packed records, which record each position belongs to."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor  # the next token, IGNORE where no loss is taken
+    # [B, T] record index within its row, non-decreasing along T (padding has an id of its own); None: every row is
+    # one document, attended causally as a whole
+    segments: torch.Tensor | None = None
+
+    def to(self, device, non_blocking: bool = False) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
+
+    def pin_memory(self) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.pin_memory() for t in self))
 
 
 @dataclass
 class StepBatch:
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's (inputs, labels), in order
+    micro_batches: list[MicroBatch]  # this rank's, in order
     global_tokens: int  # unmasked target tokens in the whole global batch, all ranks together
 
     @property
     def local_tokens(self) -> int:
-        return sum(int((y != IGNORE).sum()) for _, y in self.micro_batches)
+        return sum(int((m.labels != IGNORE).sum()) for m in self.micro_batches)
 
 
 class BatchSchedule:
@@ -26,6 +43,12 @@ class BatchSchedule:
         self.source, self.micro_batch, self.accum = source, micro_batch, accum
         self.rank, self.world_size = rank, world_size
         self.global_batch = world_size * micro_batch * accum
+        # A source of records in epochs lays each step's rows out for one global batch size: another would
+        # silently read rows twice or skip them
+        rows = getattr(source, "global_batch", self.global_batch)
+        if rows != self.global_batch:
+            raise ValueError(f"the source lays out steps of {rows} sequences, the schedule's global batch is "
+                             f"{self.global_batch} ({world_size} x {micro_batch} x {accum})")
 
     def batch(self, step: int) -> StepBatch:
         per_rank = self.micro_batch * self.accum
@@ -35,3 +58,33 @@ class BatchSchedule:
             lo = first + a * self.micro_batch
             micro.append(self.source.sequences(step, range(lo, lo + self.micro_batch)))
         return StepBatch(micro, self.source.token_count(step, self.global_batch))
+
+
+def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iterator[MicroBatch]:
+    """The micro-batches on `device`, in order. On CPU they are used where they are.
+
+    On CUDA each is pinned and copied on a side stream one micro-batch ahead, so the next copy runs
+    while this one computes and the host never waits for a copy; the compute stream waits for the
+    copy's end before it reads, and the copies are marked as used by it so the allocator keeps them.
+    """
+    if device.type != "cuda":
+        yield from micro_batches
+        return
+    copies, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def issue(micro: MicroBatch) -> MicroBatch:
+        with torch.cuda.stream(copies):
+            return micro.pin_memory().to(device, non_blocking=True)
+
+    pending = iter(micro_batches)
+    ahead = next(pending, None)
+    ahead = issue(ahead) if ahead is not None else None
+    while ahead is not None:
+        compute.wait_stream(copies)
+        current = ahead
+        for t in current:
+            if t is not None:
+                t.record_stream(compute)
+        after = next(pending, None)
+        ahead = issue(after) if after is not None else None
+        yield current

@@ -6,13 +6,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from zerotrain.data import IGNORE
+from zerotrain.data import IGNORE, MicroBatch
 from zerotrain.model import summed_token_loss
 from zerotrain.parallel import Mesh
 
 
 def validation_sequences(source, batches: int, *, batch: int, micro_batch: int,
-                         first: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                         first: int = 0) -> Iterator[MicroBatch]:
     """Sequences first .. first + batch of validation batches 0 .. batches - 1, micro_batch at a time.
 
     Batch k is fixed by the source (a pure function of k and the index), so a replica's block of it
@@ -26,11 +26,12 @@ def validation_sequences(source, batches: int, *, batch: int, micro_batch: int,
 @torch.no_grad()
 def summed_loss(model: torch.nn.Module, micro_batches, on_targets: Callable[[torch.Tensor], None] | None = None
                 ) -> tuple[float, int]:
-    """(summed token loss, target tokens) over (inputs, labels) pairs; `on_targets(labels)` sees each pair's labels."""
+    """(summed token loss, target tokens) over micro-batches; `on_targets(labels)` sees each one's labels."""
     device = next(model.parameters()).device
     loss_sum, tokens = 0.0, 0
-    for x, y in micro_batches:
-        loss_sum += float(summed_token_loss(model(x.to(device)), y.to(device)))
+    for x, y, segments in micro_batches:
+        records = {} if segments is None else {"segments": segments.to(device)}  # packed: each record to itself
+        loss_sum += float(summed_token_loss(model(x.to(device), **records), y.to(device)))
         tokens += int((y != IGNORE).sum())
         if on_targets is not None:
             on_targets(y)

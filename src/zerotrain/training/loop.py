@@ -13,7 +13,7 @@ import torch
 
 from zerotrain import checkpoint
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, StepBatch, make_source
+from zerotrain.data import BatchSchedule, StepBatch, make_source, on_device
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
@@ -77,9 +77,15 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
                          gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero)
 
 
+# The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
+# the same additions in the same order give the same bits without a host sync per micro-batch
+LOSS_SUM_DTYPE = torch.float64
+
+
 def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
-                         saved: list | None = None) -> float:
-    """Forward and backward every micro-batch of this rank; return its summed token loss.
+                         saved: list | None = None) -> torch.Tensor:
+    """Forward and backward every micro-batch of this rank; return its summed token loss (a 0-d tensor on the device:
+    the caller reads it once, for the step's all-reduce).
 
     Each micro-batch's loss is its sum of token losses over the global token count, so the
     accumulated gradient is the global batch's mean-token-loss gradient whatever the split.
@@ -88,12 +94,15 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     """
     forward = engine.model if forward is None else forward
     device = engine.flat_params.device
-    loss_sum, last = 0.0, len(batch.micro_batches) - 1
-    for i, (x, y) in enumerate(batch.micro_batches):
+    loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
+    last = len(batch.micro_batches) - 1
+    for i, micro in enumerate(on_device(batch.micro_batches, device)):
         with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
+            records = {} if micro.segments is None else {"segments": micro.segments}  # packed: each to itself
+
             def loss() -> torch.Tensor:
-                return head_loss(forward, x.to(device), y.to(device), summed_token_loss,
-                                 getattr(engine.model, "recompute_head", False))
+                return head_loss(forward, micro.inputs, micro.labels, summed_token_loss,
+                                 getattr(engine.model, "recompute_head", False), **records)
             if saved is not None and i == 0:
                 nbytes, token_loss = saved_for_backward(loss, engine.params)
                 saved.append(nbytes)
@@ -102,7 +111,7 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
             if loss_factor != 1.0:
                 token_loss = token_loss * loss_factor
             (token_loss / batch.global_tokens).backward()
-        loss_sum += token_loss.item()
+        loss_sum += token_loss.detach().to(LOSS_SUM_DTYPE)
     return loss_sum
 
 
@@ -260,14 +269,14 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                 start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan)
 
 
-def _reduce(run: _Run, loss_sum: float) -> control.Reduced:
+def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
     """The step's one all-reduce, with this rank's control flags; commit an async save every rank has written.
 
     A failed async save is said in the all-reduce, not raised before it: every rank then stops together,
     the failed one with its own error, the others naming it.
     """
     written, error = run.saver.writer.poll()
-    reduced = control.reduce_step(run.engine, loss_sum, save_by_clock=run.saver.clock.due(),
+    reduced = control.reduce_step(run.engine, float(loss_sum), save_by_clock=run.saver.clock.due(),
                                   stop_signal=run.stop.signal_name if run.stop.requested else None,
                                   save_written=written, failed=error is not None,
                                   async_slower=run.saver.writer.async_save and run.saver.cost.slower)
@@ -347,6 +356,9 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     data = describe() if describe else cfg.data.source
     where = (f"resuming from step {start} ({resumed_from}) to step {cfg.loop.steps}" if resumed_from
              else f"training steps 1-{cfg.loop.steps}")
+    epochs = getattr(schedule.source, "epochs_in", None)  # records: what the steps cover
+    if epochs:
+        where += f" ({epochs(cfg.loop.steps)})"
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
     tp, dp = cfg.parallel.tp, schedule.world_size

@@ -107,9 +107,9 @@ def full_batch_reference(cfg: Config, lr: float) -> dict:
     """One backward over the whole global batch in plain PyTorch, then one clipped SGD and one clipped AdamW step."""
     device = rank_device(cfg)
     model = build_model(cfg.model, cfg.loop.seed).to(device)
-    x, y = make_source(cfg).sequences(STEP, range(cfg.global_batch))
+    x, y, segments = make_source(cfg).sequences(STEP, range(cfg.global_batch))
     initial = _by_name(model.named_parameters())
-    logits = model(x.to(device))
+    logits = model(x.to(device), **({} if segments is None else {"segments": segments.to(device)}))
     # The definition the splits must reproduce: the mean over every unmasked token of the global batch.
     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1), ignore_index=IGNORE)
     loss.backward()
@@ -171,7 +171,7 @@ def one_step(cfg: Config, comm: Comm, split: Split, lr: float, *, sgd: bool) -> 
     before = Counter(mesh.counters()[0])
     engine.zero_grad()
     with planted_weighting(split.weighting, batch.global_tokens, chunks=split.accum * mesh.dp_size):
-        loss_sum = loop.accumulate_gradients(engine, batch)
+        loss_sum = float(loop.accumulate_gradients(engine, batch))
     reduced = control.reduce_step(engine, loss_sum, save_by_clock=False, stop_signal=None, save_written=False)
     grads = reduced_grads(engine)  # before apply, which clips the shard in place
     engine.apply(lr, reduced.grad_norm)
@@ -185,7 +185,7 @@ def one_step(cfg: Config, comm: Comm, split: Split, lr: float, *, sgd: bool) -> 
         "buckets": len(engine.layout.buckets),
         "reduce_scatter_calls": calls["reduce_scatter_grads"],
         "all_gather_calls": calls["all_gather_params"],
-        "micro_batch_tokens": [int((y != IGNORE).sum()) for _, y in batch.micro_batches],
+        "micro_batch_tokens": [int((y != IGNORE).sum()) for _, y, _ in batch.micro_batches],
     }
 
 
@@ -346,7 +346,7 @@ def plan(cfg: Config, weighting: str, tokens: list[int]) -> tuple[list[Split], l
 def micro_batch_tokens(cfg: Config, data: str) -> list[int]:
     """Unmasked target tokens of each micro-batch of the global batch, in global order."""
     source, m = make_source(_with_data(cfg, data)), cfg.loop.micro_batch
-    return [int((source.sequences(STEP, range(j * m, (j + 1) * m))[1] != IGNORE).sum())
+    return [int((source.sequences(STEP, range(j * m, (j + 1) * m)).labels != IGNORE).sum())
             for j in range(cfg.global_batch // m)]
 
 

@@ -38,7 +38,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)
     batch = args.batch_size or cfg.dp * cfg.loop.micro_batch
-    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val"), args.batches, batch,
+    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val", global_batch=batch), args.batches, batch,
                                         cfg.loop.micro_batch, tokenizer)
     if tokens == 0:
         raise ConfigError(f"{args.batches} batches of {cfg.data.source} hold no target tokens")
