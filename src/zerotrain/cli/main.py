@@ -57,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     from zerotrain.errors import ZeroTrainError
-    from zerotrain.runtime.launch import Interrupted, JobFailed, in_torchrun
+    from zerotrain.runtime.launch import Interrupted, JobFailed, in_torchrun, say_under_torchrun
 
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except ConfigError as e:
-        if not in_torchrun() or os.environ["RANK"] == "0":  # every rank agrees on it; one says it
-            print(f"zerotrain: error: {e}", file=sys.stderr)
+        if in_torchrun():  # every rank finds it: rank 0 says it at once, the others only if torchrun lets them be
+            say_under_torchrun(e, int(os.environ["RANK"]))
+        print(f"zerotrain: error: {e}", file=sys.stderr)
         return 2
     except (JobFailed, ZeroTrainError) as e:  # a zerotrain error outside the ranks (e.g. no checkpoint verifies)
         print(f"zerotrain: FAILED: {e}", file=sys.stderr)

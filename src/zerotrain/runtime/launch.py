@@ -185,7 +185,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         result = job(cfg, comm)
     except ConfigError as e:
         if job_dir is None:
-            _say_under_torchrun(e, rank)
+            say_under_torchrun(e, rank)
         report_user_error(e, rank, job_dir)  # the launcher reports it as the command line would (exit 2)
         sys.stderr.flush()
         os._exit(2)
@@ -206,7 +206,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
 TORCHRUN_USER_ERROR_GRACE_S = 10.0
 
 
-def _say_under_torchrun(error: ConfigError, rank: int) -> None:
+def say_under_torchrun(error: ConfigError, rank: int) -> None:
     """A user error under torchrun: one line, exit 2.
 
     Rank 0 says it and exits at once. Every rank that reads the same settings finds the same error, and
