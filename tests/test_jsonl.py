@@ -1,64 +1,118 @@
-"""Fine-tuning data: JSON Lines records, the prompt masked out of the loss, bad lines named, tables refused."""
+"""Fine-tuning data: JSON Lines and JSON records, the prompt masked out of the loss, a record index, output independent of
+the chunk and the threads, bad lines named, tables refused."""
 
 from __future__ import annotations
 
+import filecmp
 import json
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
-import torch
+from conftest import tiny_config
+from model_folders import read_prepared, tokenizer_folder, write_jsonl
+from test_user_errors import one_line_error
 
 from zerotrain.data import jsonl as jsonl_module
-from zerotrain.data import sources as sources_module
+from zerotrain.data import resolve_data
 from zerotrain.data import tokenfiles
 from zerotrain.data.jsonl import prepare_jsonl, read_records
-from zerotrain.data.packing import RecordSource, file_records
-from zerotrain.data.sources import IGNORE, TokenSource
 from zerotrain.data.tokenfiles import open_token_file
 from zerotrain.errors import ConfigError
 
+pytestmark = pytest.mark.timeout(300)
+
 RECORDS = [{"prompt": f"Q{i}:", "completion": f" answer {i}"} for i in range(12)] + [{"text": "plain"}]
+PREPARED = ("train.bin", "train.mask", "train.records", "val.bin", "val.mask", "val.records", "tokenizer.json")
 
 
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
-
-
-def unpacked(folder, seq_len=24):
-    files = [open_token_file(str(folder / "train.bin"))]
-    return RecordSource(files, file_records(files, eot_id=0), seq_len, seed=0, vocab_size=256, global_batch=8,
-                        pack=False)
-
-
-def test_only_the_completion_and_its_end_of_text_are_targets(tmp_path):
+def test_only_the_completion_and_its_end_of_text_are_targets_and_the_index_marks_each_record(tmp_path):
     meta = prepare_jsonl(write_jsonl(tmp_path / "ft.jsonl", RECORDS), str(tmp_path / "out"), val_fraction=0.0)
-    assert meta["loss_mask"] and meta["train"]["records"] == 13
-    source = unpacked(tmp_path / "out")
-    x, y, _ = source.sequences(0, range(8))
-    completions = {f" answer {i}" for i in range(12)} | {"lain"}  # a text record: all but its first token
-    for row in range(8):
-        targets = bytes(int(t) for t in y[row] if t != IGNORE)
-        assert targets[-1] == 0 and targets[:-1].decode() in completions  # the end-of-text id of bytes is 0
-    assert source.token_count(0, 8) == int((y != IGNORE).sum())  # the loss divides by the trained tokens only
-    packed = TokenSource(source.files, 24, seed=0, vocab_size=256)
-    _, y, _ = packed.sequences(3, range(4))
-    assert packed.token_count(3, 4) == int((y != IGNORE).sum()) < 4 * 24  # prompts inside windows carry no loss
+    assert meta["loss_mask"] and meta["train"]["record_count"] == 13 and meta["train"]["records"] == "train.records"
+    records = read_prepared(tmp_path / "out")
+    offsets = np.fromfile(tmp_path / "out" / "train.records", dtype="<u8")
+    assert len(offsets) == 14 and offsets[0] == 0 and offsets[-1] == meta["train"]["tokens"]  # n_records + 1
+    for record, (tokens, mask) in zip(RECORDS, records):
+        assert bytes(tokens[mask == 0].tolist()).decode() == record.get("prompt", "")  # bytes: the prompt is the context
+        assert bytes(tokens[mask == 1][:-1].tolist()).decode() == record.get("completion", record.get("text"))
+        assert tokens[-1] == 0 and mask[-1] == 1  # the end-of-text id of bytes is 0, trained on
+    assert meta["train"]["trained_tokens"] == sum(int(m.sum()) for _, m in records)
+    assert meta["train"]["longest_record"] == max(len(t) for t, _ in records)
 
 
-def test_a_source_that_forgets_the_mask_trains_on_the_prompt(tmp_path, monkeypatch):
+def test_a_reader_that_forgets_the_mask_sees_the_prompt_as_targets(tmp_path, monkeypatch):
     prepare_jsonl(write_jsonl(tmp_path / "ft.jsonl", RECORDS[:12]), str(tmp_path / "out"), val_fraction=0.0)
-    _, y, _ = unpacked(tmp_path / "out").sequences(0, range(4))
-    assert not any(b":" in bytes(int(t) for t in row if t != IGNORE) for row in y)  # the prompts end in ":"
-    # planted: the mask beside the tokens is not read
-    monkeypatch.setattr(tokenfiles, "mask_path", lambda path: path + ".nowhere")
-    _, y, _ = unpacked(tmp_path / "out").sequences(0, range(4))
-    assert any(b":" in bytes(int(t) for t in row if t != IGNORE) for row in y)
+    file = open_token_file(str(tmp_path / "out" / "train.bin"))
+    assert b":" not in bytes(np.asarray(file.tokens)[np.asarray(file.mask) == 1])  # the prompts end in ":"
+    monkeypatch.setattr(tokenfiles, "mask_path", lambda path: path + ".nowhere")  # planted: the mask is not read
+    assert open_token_file(str(tmp_path / "out" / "train.bin")).mask is None
+
+
+def prepared_files_equal(a, b) -> bool:
+    return all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in PREPARED)
+
+
+@pytest.fixture(scope="module")
+def bpe_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bpe")
+    tokenizer_folder(folder)
+    return folder
+
+
+def test_the_output_does_not_depend_on_the_chunk_or_the_threads_and_a_planted_chunk_numbering_is_caught(
+        bpe_folder, tmp_path, monkeypatch):
+    records = [{"prompt": f"Question {i}:", "completion": f" {2 * i}"} if i % 3 else {"text": f"The user asks {i}."}
+               for i in range(40)]
+    jsonl = write_jsonl(tmp_path / "ft.jsonl", records)
+    prepare_jsonl(jsonl, str(tmp_path / "whole"), str(bpe_folder), val_fraction=0.3)
+    monkeypatch.setattr(jsonl_module, "CHUNK_RECORDS", 3)
+    prepare_jsonl(jsonl, str(tmp_path / "chunks"), str(bpe_folder), val_fraction=0.3)
+    assert prepared_files_equal(tmp_path / "whole", tmp_path / "chunks")
+    for threads in ("1", "2"):  # the tokenizers library's thread pool, in a process of its own
+        env = {**os.environ, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true"}
+        subprocess.run([sys.executable, "-m", "zerotrain", "prepare", jsonl, str(tmp_path / f"threads-{threads}"),
+                        "--tokenizer", str(bpe_folder), "--val-fraction", "0.3"], check=True, env=env, timeout=120,
+                       capture_output=True)
+        assert prepared_files_equal(tmp_path / "whole", tmp_path / f"threads-{threads}")
+    split_of = jsonl_module.SplitOf.__call__
+    # planted: records numbered within their chunk, not the file (the split would depend on the chunk size)
+    monkeypatch.setattr(jsonl_module.SplitOf, "__call__", lambda self, i: split_of(self, i % 3))
+    prepare_jsonl(jsonl, str(tmp_path / "planted"), str(bpe_folder), val_fraction=0.3)
+    assert not prepared_files_equal(tmp_path / "whole", tmp_path / "planted")
+
+
+def test_a_json_file_is_read_as_records_never_as_text(tmp_path, capfd):
+    from conftest import zerotrain_here
+
+    lines = write_jsonl(tmp_path / "ft.jsonl", RECORDS)
+    (tmp_path / "saved.json").write_text(open(lines).read())  # JSON Lines as pandas and datasets save .json
+    (tmp_path / "alpaca.json").write_text(json.dumps(RECORDS, indent=2))  # an array of records
+    prepare_jsonl(lines, str(tmp_path / "from-lines"), val_fraction=0.0)
+    for name in ("saved.json", "alpaca.json"):
+        prepare_jsonl(str(tmp_path / name), str(tmp_path / name[:-5]), val_fraction=0.0)
+        for split_file in ("train.bin", "train.mask", "train.records"):
+            assert filecmp.cmp(tmp_path / "from-lines" / split_file, tmp_path / name[:-5] / split_file, shallow=False)
+    cfg = tiny_config(tmp_path)
+    cfg.data.source, cfg.data.cache_dir, cfg.data.val_fraction = str(tmp_path / "alpaca.json"), str(tmp_path / "c"), 0.0
+    spec = resolve_data(cfg)  # train --data alpaca.json: records with their mask, not braces and keys as text
+    assert os.path.isfile(os.path.join(spec.folder, "train.mask"))
+    assert open_token_file(spec.train[0]).tokens.tobytes() == open_token_file(
+        str(tmp_path / "from-lines" / "train.bin")).tokens.tobytes()
+    (tmp_path / "text.json").write_text('"just a string"')
+    line = one_line_error(zerotrain_here(capfd, "train", "--data", str(tmp_path / "text.json"), "--steps", "1",
+                                         "--data-cache", str(tmp_path / "c"), "--no-progress"))
+    assert f"{tmp_path / 'text.json'}: a .json file is read as a JSON array of records or as JSON Lines" in line
+    with pytest.raises(ConfigError, match=r"alpaca2\.json\[1\]: has neither"):
+        (tmp_path / "alpaca2.json").write_text(json.dumps([RECORDS[0], {"instruction": "x"}]))
+        read_records(str(tmp_path / "alpaca2.json"))
 
 
 @pytest.mark.parametrize("line, why", [
     ('{"text": "ok"', "not JSON"),
     ('["text"]', "a JSON list, not an object"),
-    ('{"prompt": "only"}', 'has neither "text" nor "prompt" and "completion" (keys: prompt)'),
+    ('{"prompt": "only"}', 'has neither "text" nor "prompt" and "completion" nor "messages" (keys: prompt)'),
     ('{"prompt": "x", "completion": 3}', '"completion" is 3, not a string'),
     ('{"text": null}', '"text" is None, not a string'),
 ])
@@ -70,8 +124,14 @@ def test_a_bad_line_is_named_by_its_number(tmp_path, line, why):
     assert str(raised.value).startswith(f"{path}:3: ") and why in str(raised.value)
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not UTF-8 text"):
+        prepare_jsonl(str(path), str(tmp_path / "out"))
+
+
 def test_a_table_is_refused_with_a_hint(tmp_path):
     for name in ("data.csv", "data.parquet"):
         with pytest.raises(ConfigError, match="a table is not read as text; write its text column as JSON Lines"):
             jsonl_module.refuse_table(str(tmp_path / name), "--data")
-    assert sources_module.IGNORE == -100 and torch.tensor([IGNORE]).item() == -100

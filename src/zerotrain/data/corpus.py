@@ -63,8 +63,8 @@ def _tokenizer(source: TextInput, out: str, kind: str, vocab: int, t_start: floa
     timings so far."""
     timings = {}
     if kind == "file":
+        tok = BPETokenizer.from_file(tokenizer_file(spec))  # its end-of-text token as its folder names it
         shutil.copyfile(tokenizer_file(spec), os.path.join(out, TOKENIZER_FILE))
-        tok = BPETokenizer.from_file(os.path.join(out, TOKENIZER_FILE))
     elif kind == "bpe":
         n_train = sum(d.split == "train" for d in source.documents)
         tok = train_bpe((data.decode("utf-8") for doc, data in source if doc.split == "train"), vocab, n_train)

@@ -1,20 +1,34 @@
-"""Fine-tuning data: a JSON Lines file of records, tokenized into token files with a loss mask.
+"""Fine-tuning data: JSON Lines (or JSON) records, tokenized as the model's tokenizer encodes them, into token files
+with a loss mask and a record index.
 
-    {"text": "..."}                          every token is trained on
-    {"prompt": "...", "completion": "..."}   the prompt is context: only the completion's tokens are trained on
+    {"text": "..."}                               every token is trained on
+    {"prompt": "...", "completion": "..."}        the prompt is context: only the completion is trained on
+    {"messages": [{"role": ..., "content": ...}]} a chat in the model's chat template: its assistant turns are trained
+                                                  on (chat.py)
 
-Each record becomes prompt tokens + completion tokens (or the text's) + the end-of-text token, and
-`train.mask` / `val.mask` hold one byte per token: 1 where the token is a target the loss counts, 0 for
-a prompt's. The sources mask those labels (-100), so the prompt carries no loss through the token-weighted
-loss every run uses. Records are split into train and val by the hash of their line number
-(--val-fraction). A line that is not a JSON object with those fields, as strings, is a ConfigError naming
-its line. CSV and Parquet are not read as text: a hint says how to make JSONL of them.
+A record is encoded as the tokenizer encodes the whole of it: the special tokens its post-processor
+puts before a text (a Llama's BOS) once, at the start; prompt and completion as one text, so nothing
+comes between them and the boundary is where the tokenizer's own tokens fall (the token holding the
+completion's first character is trained on: it is what the model has to emit); then the model's
+end-of-text token (tokenizer.end_of_text_id). No special token is trained on but that one (and, in a
+chat, the template's end-of-turn token inside an assistant turn). `{split}.mask` holds one byte per
+token, 1 where the token is a target the loss counts; `{split}.records` the little-endian uint64
+offset of each record's first token, then the end offset (n_records + 1 values): packing keeps each
+record to itself by it.
+
+The file is streamed, never whole in memory (a JSON array is: it is one value): CHUNK_RECORDS records
+at a time are parsed, rendered and tokenized on all cores (the tokenizers library's batch encoding,
+which returns them in order), then appended; the output does not depend on the chunk size or the
+number of threads. A record goes to train or val by the hash of its index (--val-fraction; a first
+pass counts the records, so that with two or more each split gets one). A record that is not one of
+the shapes above is a ConfigError naming file:line. CSV and Parquet are refused with a hint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -22,11 +36,22 @@ import numpy as np
 from zerotrain.durable import write_json
 from zerotrain.errors import ConfigError
 
-from .documents import assign_splits
+from .chat import ChatTemplate, check_messages
+from .documents import fraction_of
 from .tokenfiles import LlmcWriter
 from .tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, tokenizer_file, tokenizer_record
 
+FORMAT, VERSION = "zerotrain-tokens", 2  # 2: a split's "records" names its record index; "record_count" counts them
+SPLITS = ("train", "val")
+CHUNK_RECORDS = 4096  # records per batch encoding: enough for every core, a few MB of text in memory
+RECORD_FILES = (".jsonl", ".json")
 TABLES = (".csv", ".tsv", ".parquet")  # refused with a hint: not text, and no column is guessed
+SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [{"role": ..., "content": ...}, ...]}'
+
+
+def is_records_file(path: str) -> bool:
+    """Whether `path` is a file of records (.jsonl, or .json: never read as text)."""
+    return os.path.isfile(path) and path.lower().endswith(RECORD_FILES)
 
 
 def refuse_table(path: str, flag: str) -> None:
@@ -36,78 +61,273 @@ def refuse_table(path: str, flag: str) -> None:
                           ".jsonl file")
 
 
-def read_records(path: str) -> list[tuple[str, str]]:
-    """(prompt, completion) per record; a text record is ("", text). ConfigError naming the first bad line."""
-    records = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        try:
-            lines = list(f)
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{path}:{number}: a JSON {type(record).__name__}, not an object with \"text\" or "
-                              "\"prompt\" and \"completion\"")
-        if "text" in record:
-            fields = {"text": record["text"]}
-        elif "prompt" in record and "completion" in record:
-            fields = {"prompt": record["prompt"], "completion": record["completion"]}
-        else:
-            raise ConfigError(f"{path}:{number}: has neither \"text\" nor \"prompt\" and \"completion\" (keys: "
-                              f"{', '.join(sorted(record)) or 'none'})")
-        wrong = next((k for k, v in fields.items() if not isinstance(v, str)), None)
-        if wrong:
-            raise ConfigError(f"{path}:{number}: \"{wrong}\" is {fields[wrong]!r}, not a string")
-        records.append(("", fields["text"]) if "text" in fields else (fields["prompt"], fields["completion"]))
+def iter_records(path: str, progress=None):
+    """(where, JSON value) of each record of `path`, streamed; `where` is file:line (file[i] in a JSON array).
+
+    `progress(n)` is told the bytes read. ConfigError naming the line that is not UTF-8 or not JSON.
+    """
+    with open(path, "rb") as f:
+        first = f.read(4096).lstrip()[:1]
+        f.seek(0)
+        if path.lower().endswith(".json") and first == b"[":
+            yield from _array_records(path, f)
+            return
+        if path.lower().endswith(".json") and first not in (b"{", b""):
+            raise ConfigError(f"{path}: a .json file is read as a JSON array of records or as JSON Lines (one object "
+                              f"per line), and this one starts with {first.decode('utf-8', 'replace')!r}")
+        for number, line in enumerate(f, start=1):
+            if progress:
+                progress(len(line))
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") \
+                    from None
+            try:
+                yield f"{path}:{number}", json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
+
+
+def _array_records(path: str, f):
+    try:
+        records = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    yield from ((f"{path}[{i}]", r) for i, r in enumerate(records))
+
+
+def parse_record(record, where: str) -> tuple:
+    """("text", text), ("completion", prompt, completion) or ("chat", messages); ConfigError naming `where`."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: a JSON {type(record).__name__}, not an object: {SHAPES}")
+    if "messages" in record:
+        return ("chat", check_messages(record, where))
+    if "text" in record:
+        fields = {"text": record["text"]}
+    elif "prompt" in record and "completion" in record:
+        fields = {"prompt": record["prompt"], "completion": record["completion"]}
+    else:
+        raise ConfigError(f"{where}: has neither \"text\" nor \"prompt\" and \"completion\" nor \"messages\" (keys: "
+                          f"{', '.join(sorted(record)) or 'none'})")
+    wrong = next((k for k, v in fields.items() if not isinstance(v, str)), None)
+    if wrong:
+        raise ConfigError(f"{where}: \"{wrong}\" is {fields[wrong]!r}, not a string")
+    return ("text", fields["text"]) if "text" in fields else ("completion", fields["prompt"], fields["completion"])
+
+
+def read_records(path: str) -> list[tuple]:
+    """Every record of `path`, parsed (parse_record); ConfigError naming the first bad one, or a file of none."""
+    records = [parse_record(r, where) for where, r in iter_records(path)]
     if not records:
         raise ConfigError(f"{path}: no records")
     return records
 
 
-def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: float = 0.05) -> dict:
-    """Tokenize the records of `path` into folder `out` (created): train/val .bin and .mask, meta.json, and the
-    tokenizer.json when `tokenizer` is a file (bytes otherwise). Returns meta.json's contents."""
-    t0 = time.perf_counter()
-    records = read_records(path)
-    os.makedirs(out, exist_ok=True)
-    if tokenizer == "bytes":
-        tok = ByteTokenizer()
-    else:
-        file = tokenizer_file(tokenizer)
-        if file is None:
-            raise ConfigError(f"--tokenizer {tokenizer}: JSON Lines data takes bytes or a tokenizer.json (or a model "
-                              "folder holding one)")
-        tok = BPETokenizer.from_file(file)
-        tok.save(os.path.join(out, TOKENIZER_FILE))
-    splits = assign_splits([f"{os.path.basename(path)}:{i}" for i in range(len(records))], val_fraction)
-    writers = {s: LlmcWriter(os.path.join(out, f"{s}.bin"), tok.vocab_size) for s in ("train", "val")}
-    masks = {s: open(os.path.join(out, f"{s}.mask"), "wb") for s in ("train", "val")}
-    counts = {s: {"records": 0, "trained_tokens": 0} for s in ("train", "val")}
+class SplitOf:
+    """Which split record i of `count` goes to: assign_splits' rule (val where the record's name hashes below
+    val_fraction; with two or more records and val_fraction > 0, the lowest hash to val and the highest to train
+    if a split would be empty), one record at a time, without holding a name per record."""
+
+    def __init__(self, stem: str, count: int, val_fraction: float):
+        self.stem, self.val_fraction, self.forced = stem, val_fraction, {}
+        if val_fraction > 0 and count >= 2:
+            fractions = (self.fraction(i) for i in range(count))
+            low = high = (self.fraction(0), 0)
+            for i, f in enumerate(fractions):
+                low, high = min(low, (f, i)), max(high, (f, i))
+            if low[0] >= val_fraction:
+                self.forced[low[1]] = "val"
+            if high[0] < val_fraction:
+                self.forced[high[1]] = "train"
+
+    def fraction(self, index: int) -> float:
+        return fraction_of(f"{self.stem}:{index}")
+
+    def __call__(self, index: int) -> str:
+        return self.forced.get(index) or ("val" if self.fraction(index) < self.val_fraction else "train")
+
+
+def record_tokenizer(spec: str):
+    """The tokenizer a --tokenizer SPEC names for records: bytes, or a tokenizer.json (or a model folder holding one),
+    its special tokens as the folder beside it names them. ConfigError for anything else."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    file = tokenizer_file(spec)
+    if file is None:
+        only = " (it has tokenizer.model only: transformers writes tokenizer.json with AutoTokenizer.from_pretrained" \
+               f"('{spec}').save_pretrained('{spec}'))" if os.path.isfile(os.path.join(spec, "tokenizer.model")) else ""
+        raise ConfigError(f"--tokenizer {spec}: JSON Lines data takes bytes or a tokenizer.json (or a model folder "
+                          f"holding one){only}")
     try:
-        for (prompt, completion), split in zip(records, splits):
-            context, target = tok.encode(prompt) if prompt else [], tok.encode(completion)
-            tokens = np.array([*context, *target, tok.eot_id], dtype=np.int64)
-            mask = np.array([0] * len(context) + [1] * (len(target) + 1), dtype=np.uint8)
-            writers[split].write(tokens)
-            masks[split].write(mask.tobytes())
-            counts[split]["records"] += 1
-            counts[split]["trained_tokens"] += int(mask.sum())
-    finally:
-        for f in masks.values():
+        return BPETokenizer.from_file(file)
+    except ValueError as e:
+        raise ConfigError(f"--tokenizer {spec}: {file} {e}") from None
+
+
+def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, mask) of each parsed record of the chunk (parse_record's tuples with their `where` last), in order."""
+    if isinstance(tok, ByteTokenizer):
+        return [_bytes_record(r, tok) for r in chunk]
+    prefix = np.asarray(tok.prefix_ids, dtype=np.int64)
+    texts = [r for r in chunk if r[0] == "text"]
+    rest = [r for r in chunk if r[0] != "text"]
+    rendered = [chat.render(r[1], r[-1]) if r[0] == "chat" else (r[1] + r[2], len(r[1])) for r in rest]
+    plain = iter(tok.encode_pieces([r[1] for r in texts]))
+    offsets = iter(tok.encode_pieces([text for text, _ in rendered], offsets=True))
+    where = iter(rendered)
+    untrained = np.asarray([i for i in tok.special_ids if i != tok.eot_id], dtype=np.int64)
+    out = []
+    for r in chunk:
+        if r[0] == "text":
+            ids = np.asarray(next(plain).ids, dtype=np.int64)
+            mask = np.ones(len(ids), dtype=np.uint8)
+        else:
+            encoding, (_, bounds) = next(offsets), next(where)
+            ids = np.asarray(encoding.ids, dtype=np.int64)
+            mask = _span_mask(encoding, bounds) if r[0] == "chat" else _completion_mask(encoding, bounds)
+        if r[0] == "chat":  # the template ends each turn; its BOS, if it writes one, is not doubled
+            if len(prefix) and not np.array_equal(ids[: len(prefix)], prefix):
+                ids, mask = np.concatenate([prefix, ids]), np.concatenate([np.zeros(len(prefix), np.uint8), mask])
+        else:
+            mask[np.isin(ids, untrained)] = 0  # a special token written in the text is context, never a target
+            ids = np.concatenate([prefix, ids, [tok.eot_id]])
+            mask = np.concatenate([np.zeros(len(prefix), np.uint8), mask, [1]]).astype(np.uint8)
+        out.append((ids, mask))
+    return out
+
+
+def _completion_mask(encoding, boundary: int) -> np.ndarray:
+    """1 from the token holding character `boundary` (the completion's first) on."""
+    n = len(encoding.ids)
+    first = encoding.char_to_token(boundary) if n else None  # None past the text's end
+    if first is None:  # an empty completion, or a character no token holds: the first token past the boundary
+        first = next((j for j, (_, end) in enumerate(encoding.offsets) if end > boundary), n)
+    mask = np.zeros(n, dtype=np.uint8)
+    mask[first:] = 1
+    return mask
+
+
+def _span_mask(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for every token that overlaps one of the character spans, as transformers' assistant mask."""
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(offsets), dtype=bool)
+    for start, end in spans:
+        mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+    return mask.astype(np.uint8)
+
+
+def _bytes_record(record: tuple, tok: ByteTokenizer) -> tuple[np.ndarray, np.ndarray]:
+    if record[0] == "chat":
+        ChatTemplate.of(tok, record[-1])  # refuses: bytes have no chat template
+    context, target = (tok.encode(record[1]), tok.encode(record[2])) if record[0] == "completion" else \
+        ([], tok.encode(record[1]))
+    ids = np.array([*context, *target, tok.eot_id], dtype=np.int64)
+    mask = np.array([0] * len(context) + [1] * (len(target) + 1), dtype=np.uint8)
+    if len(target):
+        mask[len(context) : -1][ids[len(context) : -1] == tok.eot_id] = 0  # a written <|endoftext|> is context
+    return ids, mask
+
+
+class SplitWriter:
+    """One split's token file, loss mask and record index, appended a chunk at a time."""
+
+    def __init__(self, out: str, split: str, vocab_size: int):
+        self.tokens = LlmcWriter(os.path.join(out, f"{split}.bin"), vocab_size)
+        self.mask = open(os.path.join(out, f"{split}.mask"), "wb")
+        self.index = open(os.path.join(out, f"{split}.records"), "wb")
+        self.records = self.trained = self.longest = 0
+
+    def write(self, records: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        if not records:
+            return
+        lengths = np.array([len(ids) for ids, _ in records], dtype=np.int64)
+        starts = self.tokens.count + np.concatenate([[0], np.cumsum(lengths[:-1])])
+        self.index.write(starts.astype("<u8").tobytes())
+        self.tokens.write(np.concatenate([ids for ids, _ in records]))
+        mask = np.concatenate([m for _, m in records])
+        self.mask.write(mask.tobytes())
+        self.records += len(records)
+        self.trained += int(mask.sum(dtype=np.int64))
+        self.longest = max(self.longest, int(lengths.max()))
+
+    def close(self) -> None:
+        self.index.write(np.array([self.tokens.count], dtype="<u8").tobytes())  # the end offset
+        for f in (self.index, self.mask):
+            f.flush()
+            os.fsync(f.fileno())
             f.close()
-        for w in writers.values():
-            w.close()
-    meta = {"format": "zerotrain-tokens", "version": 1, "tokenizer": tokenizer_record(tok),
-            "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "loss_mask": True,
-            **{s: {"file": f"{s}.bin", "mask": f"{s}.mask", "tokens": writers[s].count, **counts[s]}
-               for s in ("train", "val")},
-            "source": {"kind": "jsonl", "input": os.path.abspath(path), "val_fraction": val_fraction},
-            "timings": {"total_s": round(time.perf_counter() - t0, 3)}}
+        self.tokens.close()
+
+    def entry(self, split: str) -> dict:
+        return {"file": f"{split}.bin", "mask": f"{split}.mask", "records": f"{split}.records",
+                "tokens": self.tokens.count, "record_count": self.records, "trained_tokens": self.trained,
+                "longest_record": self.longest}
+
+
+def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: float = 0.05) -> dict:
+    """Tokenize the records of `path` into folder `out` (created): train/val .bin, .mask and .records, meta.json,
+    and the tokenizer.json when `tokenizer` is one (bytes otherwise). Returns meta.json's contents."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    tok = record_tokenizer(tokenizer)
+    count = sum(1 for _ in _record_lines(path))
+    if not count:
+        raise ConfigError(f"{path}: no records")
+    split_of = SplitOf(os.path.basename(path), count, val_fraction)
+    os.makedirs(out, exist_ok=True)
+    if isinstance(tok, BPETokenizer):
+        tok.save(os.path.join(out, TOKENIZER_FILE))
+    writers = {s: SplitWriter(out, s, tok.vocab_size) for s in SPLITS}
+    chat, chats = None, 0
+    with tqdm(total=os.path.getsize(path), unit="B", unit_scale=True, desc=f"prepare {os.path.basename(path)}",
+              file=sys.stderr, disable=None, leave=False) as bar:
+        try:
+            chunk, splits = [], []
+            for index, (where, value) in enumerate(iter_records(path, bar.update)):
+                record = (*parse_record(value, where), where)
+                if record[0] == "chat":
+                    chat = chat or ChatTemplate.of(tok, where)
+                    chats += 1
+                chunk.append(record)
+                splits.append(split_of(index))
+                if len(chunk) == CHUNK_RECORDS:
+                    _write_chunk(chunk, splits, tok, chat, writers)
+            _write_chunk(chunk, splits, tok, chat, writers)
+        finally:
+            for w in writers.values():
+                w.close()
+    total_s = time.perf_counter() - t0
+    tokens = sum(w.tokens.count for w in writers.values())
+    meta = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_record(tok), "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "bos_ids": list(getattr(tok, "prefix_ids", [])), "loss_mask": True,
+            **{s: w.entry(s) for s, w in writers.items()},
+            "source": {"kind": "jsonl", "input": os.path.abspath(path), "val_fraction": val_fraction, "chats": chats,
+                       "chat_template": "generation markers" if chat and chat.marked else
+                       "growing prefixes" if chat else None},
+            "timings": {"total_s": round(total_s, 3)}, "tokens_per_s": round(tokens / max(total_s, 1e-9))}
     write_json(os.path.join(out, "meta.json"), meta)
     return meta
+
+
+def _record_lines(path: str):
+    """The records of `path` without parsing them where it can (JSON Lines: its non-blank lines): the first pass."""
+    if path.lower().endswith(".json"):
+        yield from iter_records(path)
+        return
+    with open(path, "rb") as f:
+        yield from (line for line in f if line.strip())
+
+
+def _write_chunk(chunk: list[tuple], splits: list[str], tok, chat, writers: dict[str, SplitWriter]) -> None:
+    """Encode the pending records as one batch, append each to its split, and empty the lists."""
+    encoded = encode_chunk(chunk, tok, chat)
+    for s, writer in writers.items():
+        writer.write([e for e, split in zip(encoded, splits) if split == s])
+    chunk.clear()
+    splits.clear()

@@ -26,9 +26,11 @@ from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
-from .jsonl import prepare_jsonl, refuse_table
+from .jsonl import VERSION as JSONL_VERSION
+from .jsonl import is_records_file, prepare_jsonl, refuse_table
 from .tokenfiles import max_token, open_token_file
-from .tokenizer import TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, tokenizer_record
+from .tokenizer import (TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, read_tokenizer_file, tokenizer_digest,
+                        tokenizer_record)
 
 SYNTHETIC = ("synthetic", "synthetic-varlen")
 
@@ -69,43 +71,96 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
         raise ConfigError(f"{flag} {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
-                          "folder, a .jsonl file of records, or a folder of .bin token files)")
+                          "folder, a .jsonl or .json file of records, or a folder of .bin token files)")
     if os.path.isdir(src) and _bins(src):
         return token_folder(src, src, flag)
     if os.path.isfile(src) and src.endswith(".bin"):
         return token_file(src, flag)
     refuse_table(src, flag)
     fraction = d.val_fraction if val_fraction is None else val_fraction
-    if os.path.isfile(src) and src.endswith(".jsonl"):
+    if is_records_file(src):
         return token_folder(cached_jsonl(src, cache_root(d.cache_dir), model_tokenizer(cfg), fraction), src, flag)
     folder = cached_corpus(text_input(src, d.glob, fraction), cache_root(d.cache_dir), model_tokenizer(cfg))
     return token_folder(folder, src, flag)
 
 
 def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float) -> str:
-    """The folder of JSON Lines `path` tokenized (bytes, or `tokenizer`) with its loss masks, in the cache."""
-    parts = [sha256_file(path)[1], sha256_file(tokenizer)[1] if tokenizer else "bytes", repr(val_fraction)]
+    """The folder of JSON Lines `path` tokenized (bytes, or the tokenizer.json `tokenizer`, with the special tokens and
+    chat template of its folder) with its loss masks and record index, in the cache."""
+    parts = [sha256_file(path)[1], tokenizer_digest(tokenizer) if tokenizer else "bytes", repr(val_fraction),
+             f"records v{JSONL_VERSION}"]
     key = hashlib.sha256("/".join(parts).encode()).hexdigest()
     return cached_folder(root, os.path.basename(path), key,
                          lambda tmp: prepare_jsonl(path, tmp, tokenizer or "bytes", val_fraction))
 
 
 def model_tokenizer(cfg: Config) -> str | None:
-    """The tokenizer.json of --init-from's model (text is tokenized with it), or None: bytes.
+    """The tokenizer.json of --init-from's model (text is tokenized with it), or None: bytes (a zerotrain model of
+    bytes, or no --init-from).
 
-    ConfigError if it has no end-of-text token, which ends each document.
+    ConfigError if it names no end-of-text token, which ends each document, or if the model is a Hugging Face
+    folder without tokenizer.json (older Llama and Mistral folders ship only tokenizer.model): its text would
+    otherwise be trained as bytes the model has never seen.
     """
-    if not cfg.checkpoint.init_from:
+    folder = cfg.checkpoint.init_from
+    if not folder:
         return None
-    file = os.path.join(cfg.checkpoint.init_from, TOKENIZER_FILE)
-    if not os.path.isfile(file) or is_bytes_tokenizer_json(file):
+    file = os.path.join(folder, TOKENIZER_FILE)
+    if not os.path.isfile(file):
+        if _zerotrain_folder(folder):
+            return None
+        only = " (only tokenizer.model)" if os.path.isfile(os.path.join(folder, "tokenizer.model")) else ""
+        raise ConfigError(f"--init-from {folder}: no {TOKENIZER_FILE}{only}, and --data {cfg.data.source} is text, "
+                          "tokenized with the model's tokenizer; write it with transformers (AutoTokenizer."
+                          f"from_pretrained('{folder}').save_pretrained('{folder}')) or give token files prepared "
+                          "with the model's tokenizer")
+    if is_bytes_tokenizer_json(file):
         return None
     try:
         BPETokenizer.from_file(file)
     except ValueError as e:
-        raise ConfigError(f"--init-from {cfg.checkpoint.init_from}: {file}: {e}, one of which ends each document of "
-                          f"--data {cfg.data.source} (token files or synthetic data need none)") from None
+        raise ConfigError(f"--init-from {folder}: {file} {e}; it ends each record and document of --data "
+                          f"{cfg.data.source} (token files or synthetic data need none)") from None
     return file
+
+
+def _zerotrain_folder(folder: str) -> bool:
+    """A zerotrain checkpoint or export (its manifest or config.json records its tokenizer), not a Hugging Face folder."""
+    if os.path.isfile(os.path.join(folder, "manifest.json")):
+        return True
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f).get("format") == "zerotrain-model"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_model_tokenizer(cfg: Config, spec: DataSpec) -> None:
+    """With --init-from, data that states its tokenizer (a prepared folder) must have been tokenized with the model's:
+    ConfigError naming both otherwise. Data that states none (nanoGPT's or llm.c's token files) is taken as it is."""
+    folder = cfg.checkpoint.init_from
+    if not folder or spec.tokenizer is None:
+        return
+    file = os.path.join(folder, TOKENIZER_FILE)
+    if os.path.isfile(file) and not is_bytes_tokenizer_json(file):
+        model = BPETokenizer.from_file(file)
+        theirs = f"its tokenizer.json (vocabulary {model.vocab_size}, end-of-text id {model.eot_id})"
+    elif os.path.isfile(file) or _zerotrain_folder(folder):
+        model, theirs = None, "bytes"
+    else:
+        model, theirs = None, f"no {TOKENIZER_FILE}"
+    data = spec.tokenizer
+    ours = "bytes" if data.get("kind") == "bytes" else \
+        f"{spec.tokenizer_file or 'a BPE'} (vocabulary {data.get('vocab_size')}, end-of-text id {data.get('eot_id')})"
+    if model is None:
+        same = theirs == "bytes" and data.get("kind") == "bytes"
+    else:
+        same = data.get("kind") == "bpe" and spec.tokenizer_file is not None and data.get("eot_id") == model.eot_id \
+            and read_tokenizer_file(spec.tokenizer_file).to_str() == model.tokenizer.to_str()
+    if not same:
+        raise ConfigError(f"{spec.flag} {spec.name} was prepared with {ours}, not with the tokenizer of --init-from "
+                          f"{folder} ({theirs}): prepare it again with `zerotrain prepare INPUT OUT --tokenizer "
+                          f"{folder}`, or give the text or JSON Lines file itself")
 
 
 def validation_files(cfg: Config, spec: DataSpec | None = None) -> tuple[list[str], str]:
@@ -214,8 +269,15 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
                                     "need a sibling whose name has 'val')"
         raise ConfigError(f"--eval-every {cfg.loop.eval_every} needs validation tokens and {val_origin} has none{why}: "
                           "pass --val-data PATH")
+    check_model_tokenizer(cfg, spec)
     top_file, top_id, top_pos = max(((f, *max_token(f)) for f in files), key=lambda scan: scan[1])
-    if vocab_given:
+    if vocab_given and cfg.checkpoint.init_from:  # the model's vocabulary, not a flag the user passed
+        if spec.vocab_size and m.vocab_size < spec.vocab_size:
+            raise ConfigError(f"--data {d.source}: its vocabulary has {spec.vocab_size} ids, more than the "
+                              f"{m.vocab_size} of --init-from {cfg.checkpoint.init_from}: prepare it with the model's "
+                              f"tokenizer (--tokenizer {cfg.checkpoint.init_from})")
+        origin = f"vocabulary of --init-from {cfg.checkpoint.init_from} ({m.vocab_size} ids)"
+    elif vocab_given:
         if spec.vocab_size and m.vocab_size < spec.vocab_size:
             raise ConfigError(f"--vocab-size {m.vocab_size} is too small for --data {d.source}: its vocabulary has "
                               f"{spec.vocab_size} ids")

@@ -4,6 +4,8 @@ Both share one convention: the end-of-text token (the separator between document
 it is the NUL byte, which never occurs in accepted text (a NUL marks a file as binary), so the
 vocabulary stays 256; for BPE it is the special token `<|endoftext|>`, which the trainer places first.
 `decode` renders it as the text `<|endoftext|>`, and `encode` maps that text back to it, for both.
+A model's own tokenizer.json keeps the end-of-text token its folder names (`end_of_text_id`: its
+tokenizer_config.json's eos_token, or its eos_token_id) and the BOS its post-processor adds.
 
 The byte tokenizer also has a `tokenizers` twin (`ByteTokenizer.to_hf`) for Hugging Face exports: a
 BPE without merges over GPT-2's 256 byte characters. `load_tokenizer` recognises its tokenizer.json and
@@ -12,12 +14,14 @@ gives the ByteTokenizer back.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a chat template
 BYTES_VOCAB, BYTES_EOT = 256, 0
 _EOT_SPLIT = re.compile(re.escape(EOT_TEXT))
 
@@ -89,29 +93,33 @@ def is_bytes_tokenizer_json(path: str) -> bool:
         model.get("vocab") == bytes_hf_vocab()
 
 
-# End-of-text tokens, first found wins: zerotrain's and GPT-2's, then Llama 2's, Llama 3's, Gemma's.
-EOT_CANDIDATES = (EOT_TEXT, "</s>", "<|end_of_text|>", "<eos>")
+# What a folder says its end-of-text token is, beside tokenizer.json: transformers' files, then zerotrain's records.
+TOKENIZER_CONFIG, SPECIAL_ID_FILES, OWN_RECORDS = "tokenizer_config.json", ("generation_config.json", "config.json"), \
+    ("meta.json", "manifest.json")
+NO_EOT = (f"names no end-of-text token (no eos_token in {TOKENIZER_CONFIG}, no eos_token_id in "
+          f"{' or '.join(SPECIAL_ID_FILES)} that is one of its added tokens, no {EOT_TEXT})")
 
 
 class BPETokenizer:
     """A Hugging Face `tokenizers` tokenizer (tokenizer.json): zerotrain's byte-level BPE, or a model's own.
 
-    Its end-of-text token is the first of EOT_CANDIDATES it has.
+    Its end-of-text token is the one the folder of tokenizer.json names (`end_of_text_id`). `prefix_ids` are the
+    special tokens its post-processor puts before a text (a Llama's BOS), `special_ids` its special tokens.
     """
 
     kind = "bpe"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, folder: str | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        eot = next((i for i in map(tokenizer.token_to_id, EOT_CANDIDATES) if i is not None), None)
-        if eot is None:
-            raise ValueError(f"the tokenizer has none of the end-of-text tokens {', '.join(EOT_CANDIDATES)}")
-        self.eot_id = eot
+        self.eot_id = end_of_text_id(tokenizer, folder)
+        self.special_ids = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self.prefix_ids = post_processor_prefix(tokenizer)
+        self.folder = folder
 
     @classmethod
     def from_file(cls, path: str) -> "BPETokenizer":
-        return cls(read_tokenizer_file(path))
+        return cls(read_tokenizer_file(path), os.path.dirname(os.path.abspath(path)))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -124,8 +132,74 @@ class BPETokenizer:
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         return [e.ids for e in encode(texts)]
 
+    def encode_pieces(self, texts: list[str], offsets: bool = False) -> list:
+        """Many texts on all cores, each as the tokenizer encodes the whole text, without the special tokens its
+        post-processor adds (the caller places BOS and EOS once per record): `tokenizers.Encoding`s, with their
+        character offsets when `offsets`."""
+        if offsets:
+            return self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        return encode(texts, add_special_tokens=False)
+
     def save(self, path: str) -> None:
         self.tokenizer.save(path)
+
+
+def end_of_text_id(tokenizer, folder: str | None) -> int:
+    """The id of the end-of-text token the folder beside tokenizer.json names; ValueError (NO_EOT) if it names none.
+
+    In order: zerotrain's own record of it (a prepared folder's meta.json, a checkpoint's manifest.json);
+    tokenizer_config.json's eos_token (a model folder, as transformers reads it); generation_config.json's or
+    config.json's eos_token_id (the first, if a list), where it is one of the tokenizer's added tokens (a folder
+    whose config.json is a library default for another vocabulary names an ordinary token); the tokenizer's
+    own <|endoftext|> (zerotrain's BPE, GPT-2's). Never a guess among other names.
+    """
+    if folder:
+        meta, manifest = (_read_json(folder, name) for name in OWN_RECORDS)
+        record = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
+        own = meta.get("eot_id", record.get("eot_id"))
+        if _is_id(own, tokenizer):
+            return own
+        eos = _read_json(folder, TOKENIZER_CONFIG).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            if tokenizer.token_to_id(eos) is None:
+                raise ValueError(f"{TOKENIZER_CONFIG} names eos_token {eos!r}, which tokenizer.json does not have")
+            return tokenizer.token_to_id(eos)
+        added = tokenizer.get_added_tokens_decoder()
+        for name in SPECIAL_ID_FILES:
+            eos_id = _read_json(folder, name).get("eos_token_id")
+            eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+            if _is_id(eos_id, tokenizer) and eos_id in added:
+                return eos_id
+    if tokenizer.token_to_id(EOT_TEXT) is None:
+        raise ValueError(NO_EOT)
+    return tokenizer.token_to_id(EOT_TEXT)
+
+
+def post_processor_prefix(tokenizer) -> list[int]:
+    """The special tokens the tokenizer's post-processor puts before a text: [BOS] for `<s> $A`, [] for GPT-2's."""
+    encoding = tokenizer.encode("a", add_special_tokens=True)
+    prefix = []
+    for i, special in zip(encoding.ids, encoding.special_tokens_mask):
+        if not special:
+            break
+        prefix.append(i)
+    return prefix
+
+
+def _is_id(value, tokenizer) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tokenizer.get_vocab_size()
+
+
+def _read_json(folder: str, name: str) -> dict:
+    """The JSON object in folder/name, or {} (absent, or not an object: the model folder check says what is wrong)."""
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def read_tokenizer_file(path: str):
@@ -178,6 +252,19 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int]:
         raise ValueError(f"--tokenizer {spec}: a byte-level BPE needs N >= {BYTES_VOCAB + 1} "
                          f"(256 bytes and {EOT_TEXT})")
     return "bpe", n
+
+
+def tokenizer_digest(file: str) -> str:
+    """sha256 over tokenizer.json and the files beside it that decide its special tokens and chat template: what a
+    cache of data tokenized with it is named by."""
+    h = hashlib.sha256()
+    folder = os.path.dirname(os.path.abspath(file))
+    for name in (os.path.basename(file), TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE, *SPECIAL_ID_FILES):
+        path = file if name == os.path.basename(file) else os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
 
 
 def tokenizer_record(tokenizer) -> dict:

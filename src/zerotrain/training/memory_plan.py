@@ -5,6 +5,7 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
+                         (on one DP rank no shard: it is the fp32 buffer itself)
                          stage 2: shard x 4                                   held between steps
     gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (the buckets in
                          their reduce-scatters and the one filling fit in it); every bucket (padded P x 4) through
@@ -91,7 +92,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     if p.zero == 1:
-        grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + shard * 4
+        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
+        grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
         buckets = 0
     else:
         grads = shard * 4

@@ -10,7 +10,7 @@ import uuid
 from zerotrain.cli.flags import checked
 from zerotrain.config import BELOW_ONE
 from zerotrain.data.corpus import prepare_corpus
-from zerotrain.data.jsonl import prepare_jsonl, refuse_table
+from zerotrain.data.jsonl import is_records_file, prepare_jsonl, refuse_table
 from zerotrain.data.documents import STDLIB, text_input
 from zerotrain.data.tokenizer import parse_tokenizer_spec
 from zerotrain.errors import ConfigError
@@ -20,9 +20,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "prepare", help="tokenize text into train.bin / val.bin (bytes or a locally trained BPE)",
         description="INPUT is a UTF-8 text file (documents: blank-line separated paragraphs), a folder of text "
-                    "files (documents: files), python-stdlib, or a .jsonl file of records ({\"text\": ...} or "
-                    "{\"prompt\": ..., \"completion\": ...}: only the completion is trained on, through "
-                    "train.mask / val.mask beside the tokens). Writes OUTDIR/train.bin and val.bin (llm.c layout: "
+                    "files (documents: files), python-stdlib, or a .jsonl (or .json) file of records ({\"text\": ...}, "
+                    "{\"prompt\": ..., \"completion\": ...}: only the completion is trained on, or {\"messages\": "
+                    "[...]}: a chat in the tokenizer folder's chat template, its assistant turns trained on; through "
+                    "train.mask / val.mask beside the tokens, and train.records / val.records: where each record "
+                    "starts). Writes OUTDIR/train.bin and val.bin (llm.c layout: "
                     "uint16 tokens, or uint32 for vocabularies above 65536), meta.json and, for BPE, tokenizer.json. "
                     "Train on it with `zerotrain train --data OUTDIR`: the vocabulary and tokenizer come from it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -48,7 +50,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not args.overwrite):
         raise ConfigError(f"prepare: {out} already exists and is not an empty folder (use --overwrite to replace it)")
     refuse_table(args.input, "prepare")
-    records = args.input.endswith(".jsonl") and os.path.isfile(args.input)
+    records = is_records_file(args.input)
     source = None if records else text_input(args.input, args.glob, args.val_fraction)
     tmp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # written whole, then renamed into place
     try:
@@ -66,10 +68,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def prepared_line(out: str, meta: dict) -> str:
     t, tr, va = meta["timings"], meta["train"], meta["val"]
     if meta.get("loss_mask"):
+        bos = f", BOS id {meta['bos_ids'][0]} once per record" if meta.get("bos_ids") else ""
+        chats = f"; {meta['source']['chats']:,} chats (assistant turns by {meta['source']['chat_template']})" \
+            if meta["source"].get("chats") else ""
         return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
-                f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['records']:,} records, "
-                f"{tr['tokens']:,} tokens of which {tr['trained_tokens']:,} trained on; val {va['records']:,} "
-                f"records, {va['tokens']:,} tokens; {t['total_s']:.1f} s")
+                f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}{bos}); train {tr['record_count']:,} records, "
+                f"{tr['tokens']:,} tokens of which {tr['trained_tokens']:,} trained on, the longest record "
+                f"{tr['longest_record']:,} tokens; val {va['record_count']:,} records, {va['tokens']:,} tokens"
+                f"{chats}; {t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s")
     train_s = f", tokenizer training {t['tokenizer_train_s']:.1f} s" if "tokenizer_train_s" in t else ""
     return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
             f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['tokens']:,} tokens "

@@ -1,0 +1,76 @@
+"""Tiny model and tokenizer folders built locally: a Llama-style BPE (post-processor `<s> $A`), ChatML templates with and
+without `{% generation %}` markers, saved by transformers as a downloaded instruct model has them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+TEXTS = [f"Question {i}: what is {i} plus {i}? Answer: {2 * i}. The user asks and the assistant answers." for i in
+         range(300)]
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0..4
+BOS, EOS, IM_START, IM_END = 1, 2, 3, 4
+VOCAB = 400
+CHATML_MARKED = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] != 'assistant' %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% else %}{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = CHATML_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def bpe(bos: bool = True) -> Tokenizer:
+    """A byte-level BPE of VOCAB ids with SPECIALS first; with `bos`, a Llama's post-processor (`<s> $A`)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TEXTS, trainer=trainer)
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                                 special_tokens=[("<s>", BOS)])
+    return tokenizer
+
+
+def tokenizer_folder(folder, *, template: str | None = None, eos: str = "</s>", bos: bool = True):
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) as transformers saves them; the transformers
+    tokenizer."""
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe(bos), bos_token="<s>", eos_token=eos,
+                                              unk_token="<unk>")
+    if template is not None:
+        hf.chat_template = template
+    hf.save_pretrained(str(folder))
+    return hf
+
+
+def llama_folder(folder, **tokenizer):
+    """A tiny random Llama of VOCAB ids with the tokenizer folder's files beside its weights."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=BOS, eos_token_id=EOS)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    return tokenizer_folder(folder, **tokenizer)
+
+
+def write_jsonl(path, records) -> str:
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def read_prepared(folder, split: str = "train"):
+    """[(tokens, mask)] of each record of a prepared folder's split, by its record index."""
+    from zerotrain.data.tokenfiles import open_token_file
+
+    file = open_token_file(os.path.join(str(folder), f"{split}.bin"))
+    offsets = np.fromfile(os.path.join(str(folder), f"{split}.records"), dtype="<u8").astype(int)
+    return [(np.asarray(file.tokens[a:b], dtype=int), np.asarray(file.mask[a:b], dtype=int))
+            for a, b in zip(offsets[:-1], offsets[1:])]
