@@ -150,4 +150,5 @@ for dtype in (torch.float32, torch.bfloat16):
     print(f"digest of {P:,} {dtype} values on {device}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms")
 PY
 
+echo "== the loss sum stays on the GPU (no host sync per micro-batch, the same bits), micro-batches pinned and copied ahead"; timeout 120 python -m pytest -q -p no:cacheprovider tests/test_accumulate.py
 echo "device check done: $OUT"
