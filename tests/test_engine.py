@@ -190,3 +190,26 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
     cfg.loop.check_every = 2
     with pytest.raises(InvariantError, match=r"invariant \(c\) failed at step 2: optimizer state on rank\(s\) \[0\]"):
         train(cfg, one_rank)
+
+
+def test_one_rank_holds_one_gradient_buffer_trains_bitwise_as_with_a_shard_copy_and_a_copy_is_caught(
+        tmp_path, one_rank, monkeypatch):
+    """On one rank the stage-1 gradient shard is the flat gradient buffer itself; planted: the engine keeps a
+    full-size shard copy, as before (training is the same, bitwise): the run's memory plan check catches it."""
+    from zerotrain.errors import InvariantError
+    from zerotrain.training.loop import train
+
+    cfg = tiny_config(tmp_path / "one", steps=3)
+    one = build_engine(cfg, one_rank)
+    assert one.grad_shard.untyped_storage().data_ptr() == one.flat_grads.untyped_storage().data_ptr()
+    assert one.grad_bytes() == 4 * one.layout.padded_numel  # one fp32 gradient per value (padding included)
+    run_steps(one, cfg, 3)
+    train(cfg, one_rank)  # the plan's gradient row, checked after step 1, is the engine's one buffer
+
+    monkeypatch.setattr(ZeroEngine, "owns_whole_buckets", property(lambda self: False))
+    copied = build_engine(cfg, one_rank)
+    assert copied.grad_bytes() == 8 * copied.layout.padded_numel
+    run_steps(copied, cfg, 3)
+    assert torch.equal(copied.flat_params, one.flat_params)
+    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
+        train(tiny_config(tmp_path / "copied", steps=3), one_rank)

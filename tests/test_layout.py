@@ -5,6 +5,7 @@ import pytest
 from zerotrain.config import ModelConfig
 from zerotrain.model import build_model, is_decayed
 from zerotrain.parallel import ShardLayout
+from zerotrain.parallel.layout import NORM_CHUNK
 
 PARAMS = [(n, tuple(p.shape), is_decayed(n, p))
           for n, p in build_model(ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64), 0).named_parameters()]
@@ -16,7 +17,9 @@ def test_owned_ranges_partition_the_padded_buffer(world_size, bucket_numel):
     layout = ShardLayout.build(PARAMS, world_size, bucket_numel)
     assert layout.numel == 28_032
     assert layout.padded_numel % world_size == 0
-    assert layout.padded_numel - layout.numel < world_size * len(layout.buckets)  # padding is minimal
+    # padding is the least that gives every rank whole chunks of the gradient norm's grid in every bucket
+    assert all(b.chunk_numel(world_size) % NORM_CHUNK == 0 for b in layout.buckets)
+    assert layout.padded_numel - layout.numel < world_size * NORM_CHUNK * len(layout.buckets)
     covered = sorted(r for rank in range(world_size) for r in layout.owned_ranges(rank))
     assert covered[0][0] == 0 and covered[-1][1] == layout.padded_numel
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # disjoint and gap-free

@@ -120,13 +120,14 @@ class Comm:
         """
         W = self.world_size
         self._count(purpose, input.numel() * input.element_size() * (W - 1) / W)
+        if W == 1:  # the sum over one rank is its own values: nothing moves (nothing at all where they alias)
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _finish(_Works([]), async_op)
         if self.backend != "gloo":
             with self._guard(purpose):
                 work = _reduce_scatter_flat(output, input, group=self.group, async_op=async_op)
             return self._guarded(work, purpose, async_op)
-        if W == 1:
-            output.copy_(input)
-            return _finish(_Works([]), async_op)
         chunks, me = input.chunk(W), self.rank
         peers = [k for k in range(W) if k != me]
         # The first peer's chunk lands in `output` itself; any others need room of their own.

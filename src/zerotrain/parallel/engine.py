@@ -1,11 +1,11 @@
 """The ZeRO engine (stage 1 or 2): flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
 
 Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
-each bucket is padded to a multiple of the world size and split into W equal chunks, and rank r owns chunk r
-of every bucket. Per optimizer step:
+each bucket is padded to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's
+grid, grad_norm.py) and split into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
 
     reduce-scatter each bucket's gradients -> this rank's gradient shard  (one round, per bucket)
-    one all-reduce of a few scalars       -> global grad norm (clipping), loss, flags
+    one all-reduce of a few scalars       -> global grad norm (clipping; grad_norm.py), loss, flags
     torch.optim.AdamW on the owned chunks  -> updated master values
     all-gather each bucket in place        -> every rank's parameters    (one round, per bucket)
 
@@ -20,16 +20,16 @@ replicated parameters; the flat buffer holds exactly those, and all of the above
 group (the ranks holding the same slices). The scalar all-reduce spans the world: the gradient norm
 counts each TP slice once (every rank its own) and each replicated value once (TP rank 0's copy).
 
-Stage 1 keeps full gradients too, views into one flat gradient buffer. Stage 2 keeps none between steps:
-backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's
-first gradient arrives, and the parameter's .grad is dropped. In the backward of the last micro-batch a
-complete bucket is reduce-scattered into this rank's shard and its buffer freed once the reduce-scatter is done,
-so a rank holds its 1/W of the gradients plus the buckets in flight, as many as fit in the bytes of the two
-largest buckets: a bucket's buffer, when its first gradient arrives, waits for the oldest reduce-scatters until it
-fits (stage 2 reduces in backward whatever `reduce_in_backward` says: holding every bucket until after backward
-would be stage 1's memory). With accumulation the buffers stay through the window (one reduce-scatter round per
-step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both stages compute bitwise
-the same shard.
+Stage 1 keeps full gradients too, views into one flat gradient buffer (on one DP rank the shard is that buffer, not
+a copy). Stage 2 keeps none between steps: backward's gradient of each parameter is added into its bucket's own
+fp32 buffer, allocated when the bucket's first gradient arrives, and the parameter's .grad is dropped. In the
+backward of the last micro-batch a complete bucket is reduce-scattered into this rank's shard and its buffer freed
+once the reduce-scatter is done, so a rank holds its 1/W of the gradients plus the buckets in flight, as many as
+fit in the bytes of the two largest buckets: a bucket's buffer, when its first gradient arrives, waits for the
+oldest reduce-scatters until it fits (stage 2 reduces in backward whatever `reduce_in_backward` says: holding every
+bucket until after backward would be stage 1's memory). With accumulation the buffers stay through the window (one
+reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both
+stages compute bitwise the same shard.
 
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
@@ -48,6 +48,7 @@ from zerotrain.config import OptimConfig
 from zerotrain.errors import ZeroTrainError
 from zerotrain.model import is_decayed
 
+from . import grad_norm
 from .comm import Comm
 from .digest import tensor_digest
 from .layout import ShardLayout
@@ -145,10 +146,17 @@ class ZeroEngine:
         # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
         self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage == 2 else \
             torch.zeros(L.padded_numel, device=device)
-        self.grad_shard = torch.zeros(L.shard_numel, device=device)
+        # A rank that owns every bucket whole (one DP rank) reduces nothing: in stage 1 its shard is the fp32
+        # gradient buffer itself, not a copy of it (at 124M: 476 MiB of gradients instead of 951).
+        self.grad_shard = self.grad_accum if self.owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
         self._bucket_grads: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its fp32 gradients, while held
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
+
+    @property
+    def owns_whole_buckets(self) -> bool:
+        """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer (a view, no copy)."""
+        return self.stage == 1 and self.dp.world_size == 1
 
     def _build_optimizer(self) -> None:
         """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
@@ -336,30 +344,30 @@ class ZeroEngine:
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """Finish the gradient reduce-scatter; all-reduce [grad sum of squares, *extras] in one call.
+        """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
 
-        Returns the global pre-clip gradient norm and the extras summed over ranks.
+        Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
+        summed over ranks.
         """
         while self._launched < len(self.layout.buckets):
             self._launch(self._launched)
         self._finish_reduces()
-        sumsq = self._counted_grad_sumsq()
-        extras = extras.to(device=sumsq.device, dtype=torch.float64).reshape(-1)
-        stats = self.mesh.world.all_reduce(torch.cat([sumsq.view(1), extras]), "all_reduce_stats").cpu()
-        return float(stats[0].sqrt()), stats[1:]
+        limbs = grad_norm.exact_sum_limbs(self._counted_grad_sumsq())
+        extras = extras.to(dtype=torch.float64).reshape(-1).cpu()
+        stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.grad_shard.device),
+                                           "all_reduce_stats").cpu()
+        return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
 
     def _counted_grad_sumsq(self) -> torch.Tensor:
-        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once.
+        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once: the
+        squared norms of its pieces of the norm's chunk grid (grad_norm.py), summed exactly by reduce_grads.
 
         Every rank's TP slices are its own values: each counts its owned chunk of them. Every DP group
         owns the same chunks of the replicated values, one copy per TP rank: only TP rank 0's group counts them.
         """
         if self.mesh.tp_size == 1:
-            return torch.linalg.vector_norm(self.grad_shard, dtype=torch.float64).square()
-        total = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
-        for a, z in self._sumsq_ranges:
-            total += torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square()
-        return total
+            return grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
+        return grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
 
     def apply(self, lr: float, grad_norm: float) -> None:
         """Clip by the global norm, AdamW on this rank's shard, all-gather the updated parameters.

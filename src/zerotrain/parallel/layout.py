@@ -6,6 +6,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+# Values per chunk of the gradient norm's grid (grad_norm.py). Every bucket is padded to a multiple of
+# world_size x NORM_CHUNK, so each rank's share of a bucket is whole chunks of one grid, the same at every
+# world size: at most world_size x 256 - 1 values of padding per bucket (0.05% of a 4 MiB bucket at 8 ranks).
+NORM_CHUNK = 256
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -21,7 +26,7 @@ class ParamSlot:
 @dataclass(frozen=True)
 class Bucket:
     index: int
-    start: int  # [start, end) of the padded flat buffer; (end - start) % world_size == 0
+    start: int  # [start, end) of the padded flat buffer; (end - start) % (world_size * NORM_CHUNK) == 0
     end: int
     decay_end: int  # [start, decay_end) holds decayed params; the rest no-decay params and padding
     shard_offset: int  # where this bucket's owned chunk sits in each rank's shard
@@ -40,6 +45,7 @@ class ShardLayout:
     Parameters are laid out in reverse of the model's order, so buckets fill in the order backward
     produces gradients; within a bucket decayed parameters come first, so each rank's chunk of a
     bucket splits into at most one decayed and one non-decayed piece for AdamW's param groups.
+    Buckets are grouped by `bucket_numel` alone, so a bucket holds the same parameters at every world size.
     """
 
     def __init__(self, slots: list[ParamSlot], buckets: list[Bucket], world_size: int):
@@ -68,7 +74,8 @@ class ShardLayout:
                 slots.append(ParamSlot(name, shape, _numel(shape), offset, flat_offset, index, decay))
                 offset += _numel(shape)
                 flat_offset += _numel(shape)
-            end = start + -(-(offset - start) // world_size) * world_size  # pad to a multiple of W
+            unit = world_size * NORM_CHUNK  # every rank's share is whole norm chunks
+            end = start + -(-(offset - start) // unit) * unit
             buckets.append(Bucket(index, start, end, decay_end, shard_offset))
             shard_offset += (end - start) // world_size
             offset = end

@@ -1,0 +1,106 @@
+"""The gradient norm: chunked fp32 norms summed exactly, within float rounding of a float64 norm, and the same bits at
+every world size, in the engine's own reduce_grads too; a chunking per rank instead of the buckets' grid is caught."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from zerotrain.config import ModelConfig
+from zerotrain.model import build_model, is_decayed
+from zerotrain.parallel import ShardLayout, grad_norm
+from zerotrain.runtime.launch import run_job
+
+MODEL = build_model(ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32, vocab_size=500), 0)
+PARAMS = [(n, tuple(p.shape), is_decayed(n, p)) for n, p in MODEL.named_parameters()]
+BUCKET_NUMELS = [3000, 10**9]  # many buckets (parameters wider than one), and one
+WORLD_SIZES = [1, 2, 3, 4, 5]
+
+
+def gradients(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients of every parameter, their scales spread over seven orders of magnitude, as a model's are."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) * 10.0 ** float(torch.randint(-5, 3, (1,), generator=g))
+            for name, shape, _ in PARAMS}
+
+
+def world_norm(grads: dict[str, torch.Tensor], world_size: int, bucket_numel: int) -> float:
+    """The norm ZeroEngine.reduce_grads computes at `world_size` ranks of reduced gradients `grads`: each rank's part
+    from its shard of the layout, the parts summed as the step's all-reduce sums them."""
+    layout = ShardLayout.build(PARAMS, world_size, bucket_numel)
+    flat = torch.zeros(layout.padded_numel)
+    for s in layout.slots:
+        flat[s.offset : s.offset + s.numel] = grads[s.name].reshape(-1)
+    parts = [grad_norm.exact_sum_limbs(grad_norm.chunk_squares(layout.shard(flat, r), [(0, layout.shard_numel)]))
+             for r in range(world_size)]
+    return grad_norm.norm_of_limbs(torch.stack(parts).sum(0))
+
+
+def test_the_chunked_norm_is_a_float64_norm_to_float_rounding():
+    grads = gradients()
+    reference = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]), dtype=torch.float64)
+    for bucket_numel in BUCKET_NUMELS:
+        assert abs(world_norm(grads, 1, bucket_numel) / reference.item() - 1) < 1e-6  # measured: 1e-8
+    # planted: the norm of the gradients rounded to bf16 (as if taken of a bf16 copy), in the engine's own function
+    real = grad_norm.chunk_squares
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grad_norm, "chunk_squares", lambda shard, ranges: real(shard.bfloat16().float(), ranges))
+        assert abs(world_norm(grads, 1, BUCKET_NUMELS[0]) / reference.item() - 1) > 1e-6
+
+
+def test_non_finite_gradients_give_a_non_finite_norm():
+    grads = gradients()
+    name = PARAMS[3][0]
+    grads[name].view(-1)[7] = float("inf")
+    assert world_norm(grads, 2, BUCKET_NUMELS[0]) == float("inf")
+    grads[name].view(-1)[7] = float("nan")
+    assert math.isnan(world_norm(grads, 3, BUCKET_NUMELS[0]))
+
+
+def per_rank_chunks(shard, ranges):
+    """Planted: each rank chunks its own ranges into four equal pieces, wherever the world size puts them."""
+    return [piece.view(1, -1) for a, z in ranges for piece in shard[a:z].chunk(4)]
+
+
+@pytest.mark.parametrize("bucket_numel", BUCKET_NUMELS)
+def test_the_norm_is_bitwise_the_same_at_every_world_size_and_a_per_rank_chunking_is_caught(bucket_numel,
+                                                                                           monkeypatch):
+    grads = gradients(1)
+    norms = {w: world_norm(grads, w, bucket_numel) for w in WORLD_SIZES}
+    assert len(set(norms.values())) == 1, norms
+    monkeypatch.setattr(grad_norm, "norm_chunks", per_rank_chunks)
+    planted = {w: world_norm(grads, w, bucket_numel) for w in WORLD_SIZES}
+    assert len(set(planted.values())) > 1, planted
+
+
+def engine_norm_job(cfg, comm) -> float:
+    """The norm reduce_grads returns for the same reduced gradients at this job's world size: rank 0's local
+    gradients are the test's, the others' zero, so the reduce-scatter's sums are exactly them."""
+    from zerotrain.training.loop import build_engine
+
+    engine = build_engine(cfg, comm)
+    grads = gradients(2)
+    engine.zero_grad()
+    with torch.no_grad():
+        for s in engine.layout.slots:
+            engine.flat_grads[s.offset : s.offset + s.numel] = grads[s.name].reshape(-1) if comm.rank == 0 else 0
+    norm, _ = engine.reduce_grads(torch.zeros(0))
+    return norm
+
+
+def per_rank_chunks_norm_job(cfg, comm) -> float:
+    """engine_norm_job with the planted per-rank chunking in this rank's engine."""
+    grad_norm.norm_chunks = per_rank_chunks
+    return engine_norm_job(cfg, comm)
+
+
+def test_the_engine_reduces_the_same_norm_bits_on_one_two_and_three_ranks(tmp_path):
+    cfgs = {n: tiny_config(tmp_path / str(n), nproc=n, threads=1, n_embd=64, vocab_size=500, seq_len=32)
+            for n in (1, 2, 3)}
+    honest = {n: run_job(engine_norm_job, cfg, time_limit=120) for n, cfg in cfgs.items()}
+    assert len(set(honest.values())) == 1, honest
+    # the in-process account above is the engine's, to the bit
+    assert honest[1] == world_norm(gradients(2), 1, cfgs[1].parallel.bucket_numel)
+    planted = {n: run_job(per_rank_chunks_norm_job, cfg, time_limit=120) for n, cfg in cfgs.items()}
+    assert len(set(planted.values())) > 1, planted
