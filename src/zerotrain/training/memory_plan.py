@@ -210,7 +210,10 @@ def out_of_memory(plan: MemoryPlan, cfg: Config, step: int, error: BaseException
     said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     largest = sorted(((v, k) for k, v in plan.rows.items() if v), reverse=True)[:3]
     held = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for v, k in largest)
-    less = [f for f, on in (("--zero 2", cfg.parallel.zero == 1),
+    # Stage 2 holds less only where it frees buckets in the backward: at accumulation 1, over more than one DP rank
+    # (through a window it keeps every bucket, and one rank's stage 1 already holds a single gradient buffer).
+    zero2_holds_less = cfg.parallel.zero == 1 and cfg.loop.accum == 1 and plan.dp > 1
+    less = [f for f, on in (("--zero 2", zero2_holds_less),
                              ("--activation-checkpointing full", cfg.parallel.activation_checkpointing != "full"),
                              (f"--micro-batch {cfg.loop.micro_batch // 2}", cfg.loop.micro_batch > 1),
                              ("--precision bf16", cfg.parallel.precision == "fp32")) if on]
