@@ -1,5 +1,5 @@
 """model/activation_memory.py's predicted activation bytes equal what autograd saves on CPU, to the byte, and a
-planted omission is caught in every configuration.
+planted omission is caught in every configuration: packed records (their document mask) and the KV-head repeat too.
 
 The measurement is training.activations.saved_for_backward over `summed_token_loss(model(x), y)`, as the
 training loop runs it; bf16 is the model cast to bf16, as the engine's bf16 parameters make it.
@@ -16,7 +16,7 @@ from test_checkpoint import spawn
 
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.model import activation_memory as memory
-from zerotrain.model import build_model, parallelize, summed_token_loss
+from zerotrain.model import build_model, layers, parallelize, summed_token_loss
 from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.model.layers import head_loss
 from zerotrain.training.activations import saved_for_backward
@@ -28,15 +28,21 @@ SHAPES = [(2, 16), (3, 13)]  # (micro_batch, seq_len): a second, odd shape so B 
 OMITTED = {"none": "attention_output", "blocks": "block_input", "full": "block_input"}
 
 
-def measured_bytes(model, micro_batch: int, seq_len: int, precision: str, recompute: str) -> int:
+def measured_bytes(model, micro_batch: int, seq_len: int, precision: str, recompute: str,
+                   segments: torch.Tensor | None = None) -> int:
     if precision == "bf16":
         model.to(torch.bfloat16)
     model.recompute_blocks = recompute in ("blocks", "full")
     ids = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1].clone(), ids[:, 1:].clone()  # separate storages, as the data sources make them
-    saved, _ = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, recompute == "full"),
+    saved, _ = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, recompute == "full", segments),
                                   model.parameters())
     return saved
+
+
+def packed_segments(micro_batch: int, seq_len: int) -> torch.Tensor:
+    """Records of 5 tokens back to back in every row (the last one shorter)."""
+    return (torch.arange(seq_len) // 5).expand(micro_batch, seq_len).contiguous()
 
 
 def predicted_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, omitted: str | None = None, **kw) -> int:
@@ -65,6 +71,41 @@ def test_a_narrow_mlp_and_four_blocks_are_counted_to_the_byte():
     measured = measured_bytes(build_model(cfg, seed=0), 2, 16, "fp32", "none")
     assert predicted_bytes(cfg, 2, 16) == measured
     assert predicted_bytes(cfg, 2, 16, "gelu_mlp") < measured
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_records_document_mask_and_positions_are_counted_to_the_byte_and_a_missing_mask_is_caught(
+        arch, recompute, precision):
+    cfg = CONFIGS[arch]
+    measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, recompute, packed_segments(2, 16))
+    kw = dict(precision=precision, recompute=recompute, documents=True)
+    assert predicted_bytes(cfg, 2, 16, **kw) == measured
+    assert predicted_bytes(cfg, 2, 16, "document_mask", **kw) < measured
+    # The mask (B T T a on CPU) and, for records, positions per row: more than the same batch unpacked.
+    assert measured >= predicted_bytes(cfg, 2, 16, precision=precision, recompute=recompute) + 2 * 16 * 16 * 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_kv_heads_repeated_for_sdpa_are_counted_to_the_byte_and_counting_them_at_kv_heads_is_caught(
+        packed, precision, monkeypatch):
+    """The repeat runs on CUDA (fp32, or a mask); selected here on CPU, where it runs the same code."""
+    cfg = CONFIGS["llama"]
+    monkeypatch.setattr(layers, "repeats_kv_heads", lambda *a, **k: True)
+    segments = packed_segments(2, 16) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
+    kw = dict(precision=precision, documents=packed)
+    assert predicted_bytes(cfg, 2, 16, **kw) == measured
+    at_kv_heads = lambda s: s.BT * (s.heads + 2 * s.kv_heads) * s.head_dim * s.act  # noqa: E731
+    with mock.patch.object(memory, "attention_inputs", at_kv_heads):  # planted: the copies forgotten
+        assert activation_bytes(cfg, 2, 16, **kw)["total"] < measured
+    # On CUDA in fp32 the plan counts them without being told.
+    monkeypatch.undo()
+    assert (activation_bytes(cfg, 2, 16, device="cuda")["total"]
+            == activation_bytes(cfg, 2, 16)["total"] + cfg.n_layer * 2 * 2 * 16 * (cfg.n_head - cfg.kv_heads)
+            * cfg.head_dim * 4)
 
 
 def tp_bytes_job(rank, comm, tmp_path):

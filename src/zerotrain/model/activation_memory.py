@@ -15,6 +15,14 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
                  tables 2 TD 4), the final norm as a block's, and the loss: fp32 log-probabilities BTV 4,
                  targets BT 8.
+    packed       records in a batch (segments): positions and rotary tables per row (B times the above:
+                 GPT-2's positions BT 8, Llama's tables 2 BTD 4 and in bf16 its casts 4 BTD a per block) and
+                 the document mask, built once per forward and saved by every layer's SDPA as one storage:
+                 B T T a on the mask kernel (CPU; CUDA without FlexAttention); on CUDA FlexAttention's block
+                 mask instead, 8 int32 tables of B x ceil(T/128) or its square (not measured here: FlexAttention
+                 has no backward on CPU).
+    GQA repeat   where attend copies the KV heads to the query heads (layers.repeats_kv_heads: CUDA fp32, or an
+                 explicit mask on CUDA), SDPA saves k and v at H heads: 2 BT (H - KV) D a more per block.
 
 That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "blocks" each block keeps
 only its input, BTC a (torch.utils.checkpoint, non-reentrant, saves its tensor arguments; Llama's rotary
@@ -36,11 +44,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from zerotrain.config import ModelConfig
+
+from . import layers
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
 INDEX = 8  # bytes: int64 token ids, positions and targets
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+INT32 = 4  # bytes: FlexAttention's block-mask tables
+FLEX_BLOCK = 128  # FlexAttention's default block size, query and key
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,9 @@ class RankShape:
     ffn: int
     vocab: int
     act: int  # bytes of an activation element
+    position_rows: int = 1  # rows of positions and rotary tables: 1 shared by the batch, B for packed records
+    kv_repeated: bool = False  # k and v copied to the query heads before SDPA (layers.repeats_kv_heads)
+    documents: str = ""  # the document kernel of packed records (layers.document_kernel), "" without records
 
     @property
     def BT(self) -> int:
@@ -77,8 +95,10 @@ def rms_norm(s: RankShape) -> int:
 
 
 def attention_inputs(s: RankShape) -> int:
-    """q, k and v as SDPA saves them: (B, heads or kv_heads, T, D); GPT-2's are views of c_attn's output."""
-    return s.BT * (s.heads + 2 * s.kv_heads) * s.head_dim * s.act
+    """q, k and v as SDPA saves them: (B, heads or kv_heads, T, D); GPT-2's are views of c_attn's output. Copied
+    to the query heads (kv_repeated), k and v are saved at heads; the copy itself saves nothing."""
+    kv = s.heads if s.kv_repeated else s.kv_heads
+    return s.BT * (s.heads + 2 * kv) * s.head_dim * s.act
 
 
 def attention_output(s: RankShape) -> int:
@@ -112,12 +132,30 @@ def rotary_casts(s: RankShape) -> int:
     (rotary_tables)."""
     if s.act == FP32:
         return 0
-    return 4 * s.T * s.head_dim * s.act
+    return 4 * s.position_rows * s.T * s.head_dim * s.act
 
 
 def rotary_tables(s: RankShape) -> int:
-    """cos and sin (T, D) in fp32, computed once per forward and shared by every block."""
-    return 2 * s.T * s.head_dim * FP32
+    """cos and sin (T, D) in fp32, computed once per forward and shared by every block; for packed records one
+    pair per row (B, 1, T, D)."""
+    return 2 * s.position_rows * s.T * s.head_dim * FP32
+
+
+def positions(s: RankShape) -> int:
+    """GPT-2's positions, saved by the position embedding: (T,), or (B, T) for packed records."""
+    return s.position_rows * s.T * INDEX
+
+
+def document_mask(s: RankShape) -> int:
+    """What packed records attend through, built once per forward and saved as one storage by every layer:
+    the additive (B, 1, T, T) mask in the activation dtype (the "mask" kernel), or FlexAttention's block mask
+    ("flex"): kv and q block counts (B, 1, n) and indices (B, 1, n, n), each partial and full, n = ceil(T/128)."""
+    if s.documents == "mask":
+        return s.B * s.T * s.T * s.act
+    if s.documents == "flex":
+        n = -(-s.T // FLEX_BLOCK)
+        return 4 * s.B * (n + n * n) * INT32
+    return 0
 
 
 def block_input(s: RankShape) -> int:
@@ -140,13 +178,15 @@ def llama_block(s: RankShape) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
-                     recompute: str = "none") -> dict[str, int]:
+                     recompute: str = "none", device: str = "cpu", documents: bool = False) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
     Returns {"per_block", "blocks", "embedding", "head", "loss", "total"}, where total = blocks + embedding
     + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's positions;
-    Llama's fp32 rotary tables), the final norm with the head's input, and the loss. The formula is in the
-    module docstring; `precision` is the parameters' dtype (--precision), `recompute` --activation-checkpointing.
+    Llama's fp32 rotary tables; the document mask of packed records), the final norm with the head's input,
+    and the loss. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
+    `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
+    whether the micro-batches carry segments (packed records).
     """
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
@@ -157,19 +197,26 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     for what, n in (("n_head", cfg.n_head), ("kv heads", cfg.kv_heads), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
+    kernel = layers.document_kernel(device) if documents else ""
+    # FlexAttention takes GQA itself; SDPA is given the document mask, or for the KV cache's mask none in training.
+    repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex"
+                and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
     s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp, kv_heads=cfg.kv_heads // tp,
-                  head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision])
+                  head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision],
+                  position_rows=micro_batch if documents else 1, kv_repeated=repeated, documents=kernel)
     llama = cfg.arch == "llama"
     if recompute != "none":
         per_block = block_input(s)
     else:
         per_block = llama_block(s) if llama else gpt2_block(s)
-    embedding = s.BT * INDEX  # token ids, saved by the embedding lookup
+    # Token ids, saved by the embedding lookup; the document mask, saved by every SDPA (and, recomputed, by every
+    # block's checkpoint, which saves its tensor arguments), one storage.
+    embedding = s.BT * INDEX + document_mask(s)
     if llama and recompute == "none" and precision == "fp32":
         # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none).
         embedding += rotary_tables(s)
     if not llama:
-        embedding += s.T * INDEX  # positions, saved by the position embedding
+        embedding += positions(s)
     head = rms_norm(s) if llama else layer_norm(s)  # the final norm; its output is the head's input
     blocks = cfg.n_layer * per_block
     # full: the head and the loss run under a checkpoint whose one input is the final norm's output (counted in
