@@ -31,7 +31,7 @@ def slow_disk_save_job(rank, io, tmp_path, planted):
     if planted:  # planted: the writer's collectives wait with --timeout, as before --io-timeout
         comm.io = comm
     cfg = tiny_config(tmp_path / "cfg", nproc=2)
-    engine = build_engine(cfg, comm)
+    engine = build_engine(cfg, io)  # the long wait: only the save is timed, however slowly a loaded machine starts
     stall = (lambda step: time.sleep(3 * STEP_TIMEOUT_S)) if rank == 1 else None  # a slow disk under rank 1
     writer = checkpoint.CheckpointWriter(str(tmp_path / "ck"), comm, halfway_hook=stall)
     try:
