@@ -13,6 +13,7 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
+                         (with packed records also their document mask: B T T a on CPU, a block mask on CUDA)
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
 
@@ -78,9 +79,11 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | None = None) -> MemoryPlan:
+def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | None = None,
+                documents: bool = False) -> MemoryPlan:
     """What a rank of `cfg`'s run will hold (rank 0's figures; the state is every rank's), on --nproc ranks or
-    `world_size`, with --micro-batch sequences or `micro_batch`."""
+    `world_size`, with --micro-batch sequences or `micro_batch`; `documents`: its micro-batches carry segments
+    (packed records), whose attention mask the activations then count."""
     p, tp = cfg.parallel, cfg.parallel.tp
     dp = (world_size or cfg.launch.nproc) // tp
     B = micro_batch or cfg.loop.micro_batch
@@ -106,22 +109,24 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "master_weights": shard * 4 if p.precision == "bf16" else 0,
         "gradient_buckets": buckets,
         "activations": activation_bytes(cfg.model, B, cfg.model.seq_len, tp=tp, precision=p.precision,
-                                        recompute=p.activation_checkpointing)["total"],
+                                        recompute=p.activation_checkpointing, device=cfg.launch.device,
+                                        documents=documents)["total"],
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
     }
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
 
 
-def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16) -> int:
+def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
     """The largest micro-batch whose plan fits in `device_bytes` (0 if not even 1 does)."""
-    fixed = memory_plan(cfg, 1)
+    fixed = memory_plan(cfg, 1, documents=documents)
     base = fixed.total - fixed.rows["activations"]
     if base + fixed.rows["activations"] > device_bytes:
         return 0
     per = lambda b: activation_bytes(cfg.model, b, cfg.model.seq_len, tp=cfg.parallel.tp,  # noqa: E731
                                      precision=cfg.parallel.precision,
-                                     recompute=cfg.parallel.activation_checkpointing)["total"]
+                                     recompute=cfg.parallel.activation_checkpointing, device=cfg.launch.device,
+                                     documents=documents)["total"]
     lo, hi = 1, limit
     while lo < hi:  # activations grow with the micro-batch: bisect
         mid = (lo + hi + 1) // 2
