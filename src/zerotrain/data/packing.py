@@ -1,4 +1,4 @@
-"""Records in epochs: each record once per epoch, in an order set by (seed, epoch), packed whole into windows or one per row.
+"""Records in epochs: each once per epoch, in an order set by (seed, epoch), packed whole into windows or one per row.
 
 A record is a JSON Lines record (its prompt, completion or text and the end-of-text token; the
 `.records` index beside the token file says where each starts) or, with --no-pack, a document of a
@@ -79,6 +79,12 @@ def _read_offsets(path: str, tokens: int) -> np.ndarray:
     return offsets
 
 
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The records of epoch `epoch` in the order it reads them: a permutation drawn from (seed, epoch) alone."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, _EPOCH_ORDER])))
+    return rng.permutation(n)
+
+
 def best_fit(costs: np.ndarray, capacity: int) -> np.ndarray:
     """The window of each item, placed in order into the window with the least room that still takes it (the earliest
     such window on a tie), or into a new one. Windows are numbered in the order they open."""
@@ -132,8 +138,7 @@ class RecordSource:
         if epoch in self._epochs:
             self._epochs.move_to_end(epoch)
             return self._epochs[epoch]
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, _EPOCH_ORDER])))
-        order = rng.permutation(len(self.records))
+        order = epoch_order(self.seed, epoch, len(self.records))
         if self.pack:
             window = best_fit(self.cost[order], self.seq_len)
             order = order[np.argsort(window, kind="stable")]  # by window, each window's records in epoch order

@@ -1,0 +1,59 @@
+"""Job functions of test_epochs' multi-rank run (importable by module name in the ranks): training that records the
+records each rank's rows held, step by step."""
+
+from __future__ import annotations
+
+import copy
+import os
+from unittest import mock
+
+import torch
+
+from zerotrain import checkpoint
+from zerotrain.config import Config
+from zerotrain.data import IGNORE, BatchSchedule
+from zerotrain.parallel import Comm
+from zerotrain.training import loop
+from zerotrain.training.loop import train
+
+
+def record_pieces(mb) -> list[list[list[int]]]:
+    """The [inputs, labels] of every record in a packed micro-batch (padding and empty rows left out)."""
+    out = []
+    for row in range(mb.inputs.shape[0]):
+        for s in torch.unique_consecutive(mb.segments[row]):
+            at = mb.segments[row] == s
+            if (mb.labels[row, at] != IGNORE).any():
+                out.append([mb.inputs[row, at].tolist(), mb.labels[row, at].tolist()])
+    return out
+
+
+def recorded_train(cfg: Config, comm: Comm) -> dict:
+    """Train; the losses, the digests, and {data step: the records every rank computed in it}."""
+    seen: dict[int, list] = {}
+    real = BatchSchedule.batch
+
+    def recording(self, step):
+        batch = real(self, step)
+        seen[step] = [p for mb in batch.micro_batches for p in record_pieces(mb)]
+        return batch
+
+    with mock.patch.object(BatchSchedule, "batch", recording):
+        result = train(cfg, comm)
+    every_rank = comm.io.all_gather_json({str(k): v for k, v in seen.items()}, "gather_seen_records")
+    steps = {int(k) for rank in every_rank for k in rank}
+    return {"losses": [r["loss"] for r in result.records], "digests": result.digests, "start": result.start_step,
+            "seen": {k: [p for rank in every_rank for p in rank.get(str(k), [])] for k in sorted(steps)}}
+
+
+def epochs_resume_job(cfg: Config, comm: Comm, *, resume_at: int) -> dict:
+    """An uninterrupted run saving at `resume_at`; a fresh run resumed from that checkpoint; and, planted, a resume
+    that forgets the data position (its data steps count from 0 again)."""
+    first = recorded_train(cfg, comm)
+    resumed = copy.deepcopy(cfg)
+    resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(resume_at))
+    resumed.checkpoint.every, resumed.logging.metrics = 0, ""
+    again = recorded_train(resumed, comm)
+    with mock.patch.object(loop, "data_step", lambda step, skips: step - resume_at):
+        forgetful = recorded_train(resumed, comm)
+    return {"first": first, "resumed": again, "forgetful": forgetful}

@@ -1,0 +1,151 @@
+"""Epochs: every record exactly once per epoch, in an order set by (seed, epoch), whatever the ranks, micro-batches
+and packing; --epochs derives the steps; a resume mid-epoch continues the same order, bitwise."""
+
+from __future__ import annotations
+
+import functools
+
+import epoch_jobs
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from test_packing import expected_rows, make_records, record_source, write_records
+
+from zerotrain.cli.flags import config_from_args
+from zerotrain.cli.main import build_parser, main
+from zerotrain.data import BatchSchedule, epoch_steps, packing
+from zerotrain.runtime.launch import run_job
+
+SPLITS = [(1, 6, 1), (2, 3, 1), (3, 2, 1), (3, 1, 2)]  # ranks x micro-batch x accumulation: 6 rows a step
+
+
+def global_rows(source, step, world, micro, accum):
+    """Step `step`'s rows as the ranks compute them, in rank order: (inputs, labels, segments or None)."""
+    parts = []
+    for rank in range(world):
+        batch = BatchSchedule(source, micro_batch=micro, accum=accum, rank=rank, world_size=world).batch(step)
+        parts += batch.micro_batches
+    segments = None if parts[0].segments is None else torch.cat([m.segments for m in parts])
+    return torch.cat([m.inputs for m in parts]), torch.cat([m.labels for m in parts]), segments
+
+
+def records_of_epoch(source, epoch, world, micro, accum):
+    """Every record the ranks' rows of `epoch` hold, as (inputs, labels)."""
+    found = []
+    for step in range(source.first_step(epoch), source.first_step(epoch + 1)):
+        x, y, seg = global_rows(source, step, world, micro, accum)
+        for row in range(x.shape[0]):
+            ids = seg[row] if seg is not None else (x[row] == 0).long()  # unpacked: the record, then padding
+            for s in torch.unique_consecutive(ids):
+                at = ids == s
+                if (y[row, at] != -100).any():
+                    found.append((tuple(x[row, at].tolist()), tuple(y[row, at].tolist())))
+    return found
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_every_record_once_per_epoch_across_1_2_and_3_ranks_and_a_sampler_with_replacement_is_caught(
+        tmp_path, monkeypatch, pack):
+    records = make_records(45)
+    folder = write_records(tmp_path / "d", records)
+    wanted = sorted(expected_rows(records))
+    source = record_source(folder, global_batch=6, pack=pack)
+    for step in range(source.first_step(2)):  # the split does not change a step's rows
+        base = global_rows(source, step, *SPLITS[0])
+        for split in SPLITS[1:]:
+            assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(global_rows(source, step, *split),
+                                                                                      base)), (step, split)
+    for epoch in range(2):
+        for world, micro, accum in SPLITS:
+            assert sorted(records_of_epoch(source, epoch, world, micro, accum)) == wanted, (epoch, world)
+    for world in (1, 2, 3):  # other global batches lay the epochs out over other steps, each record still once
+        other = record_source(folder, global_batch=2 * world, pack=pack)
+        assert sorted(records_of_epoch(other, 1, world, 2, 1)) == wanted
+
+    # planted: each epoch draws its records with replacement
+    monkeypatch.setattr(packing, "epoch_order",
+                        lambda seed, epoch, n: np.random.default_rng([seed, epoch]).integers(n, size=n))
+    drawn = record_source(folder, global_batch=6, pack=pack)
+    assert sorted(records_of_epoch(drawn, 0, 1, 6, 1)) != wanted
+    monkeypatch.undo()
+    # planted: each rank numbers its rows from 0, so the rows a rank reads depend on the world size
+    real = BatchSchedule.batch
+
+    def rank_local(self, step):
+        rank, self.rank = self.rank, 0
+        try:
+            return real(self, step)
+        finally:
+            self.rank = rank
+
+    monkeypatch.setattr(BatchSchedule, "batch", rank_local)
+    assert sorted(records_of_epoch(source, 0, 1, 6, 1)) == wanted  # one rank cannot tell
+    assert sorted(records_of_epoch(source, 0, 2, 3, 1)) != wanted
+
+
+def test_the_order_depends_only_on_seed_and_epoch(tmp_path):
+    folder = write_records(tmp_path / "d", make_records(45))
+
+    def windows(source, epoch):  # the epoch's rows in order, whatever steps they are laid out over
+        return [r for step in range(source.first_step(epoch), source.first_step(epoch + 1))
+                for r in global_rows(source, step, 1, source.global_batch, 1)[0].tolist() if any(r)]
+
+    a, b = record_source(folder, global_batch=4), record_source(folder, global_batch=7)
+    assert windows(a, 1) == windows(b, 1)  # packing and order do not see the global batch
+    assert windows(a, 0) != windows(a, 1)  # each epoch its own order
+    assert windows(a, 1) != windows(record_source(folder, global_batch=4, seed=1), 1)
+    assert windows(a, 3) == windows(record_source(folder, global_batch=4), 3)  # a fresh source, the same epoch
+
+
+def parse(argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]), environment=False)
+
+
+def test_epochs_derive_the_steps_and_are_refused_with_steps_or_without_records(tmp_path, capsys):
+    folder = write_records(tmp_path / "d", make_records(45))
+    common = ["--data", str(folder), "--seq-len", "32", "--micro-batch", "3", "--nproc", "2"]
+    cfg = parse(common + ["--epochs", "3"])
+    source = record_source(folder, global_batch=6)
+    assert cfg.loop.steps == source.first_step(3) == epoch_steps(cfg)
+    assert cfg.optim.warmup_steps == max(1, cfg.loop.steps // 10)  # derived from the derived steps
+    assert source.first_step(3) == sum(-(-source.rows_in_epoch(e) // 6) for e in range(3))  # a partial last step
+    assert parse(common + ["--epochs", "3", "--no-pack"]).loop.steps == 3 * -(-45 // 6)
+    for argv, says in [(common + ["--epochs", "2", "--steps", "9"], "--epochs 2 and --steps 9 both say how long"),
+                       (["--data", "synthetic", "--epochs", "2"], "--epochs 2: --data synthetic is read as random "
+                                                                  "windows, not records")]:
+        assert main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_run_sees_each_record_once_per_epoch_and_resumes_mid_epoch_bitwise(tmp_path, capfd):
+    records = make_records(80)
+    folder = write_records(tmp_path / "d", records)
+    cfg = tiny_config(tmp_path / "run", nproc=2, micro=2, accum=2, steps=1)
+    cfg.data.source, cfg.model.vocab_size, cfg.model.seq_len, cfg.loop.epochs = str(folder), 256, 32, 2
+    cfg.loop.steps = epoch_steps(cfg)
+    source = record_source(folder, global_batch=8)
+    epoch_end = source.first_step(1)
+    resume_at = epoch_end // 2  # inside the first epoch
+    assert 0 < resume_at < epoch_end < cfg.loop.steps == source.first_step(2)
+    cfg.checkpoint.every = resume_at
+    out = run_job(functools.partial(epoch_jobs.epochs_resume_job, resume_at=resume_at), cfg, time_limit=120)
+    printed = capfd.readouterr().out
+    assert f"80 records, packed {80 / source.rows_in_epoch(0):.1f} per window of 32" in printed
+    assert f"training steps 1-{cfg.loop.steps} (2 epochs)" in printed
+
+    first, resumed, forgetful = out["first"], out["resumed"], out["forgetful"]
+    wanted = sorted(expected_rows(records))
+    for epoch in range(2):  # what the ranks trained on: each record once per epoch
+        seen = [tuple(map(tuple, p)) for step in range(source.first_step(epoch), source.first_step(epoch + 1))
+                for p in first["seen"][step]]
+        assert sorted(seen) == wanted, epoch
+    assert resumed["start"] == resume_at and len(first["losses"]) == cfg.loop.steps
+    assert resumed["losses"] == first["losses"][resume_at:]  # exact, every step
+    assert resumed["digests"] == first["digests"]
+    assert all(resumed["seen"][s] == first["seen"][s] for s in range(resume_at, cfg.loop.steps))
+    # planted: the resume forgets where the data was and starts the epoch's order over
+    assert forgetful["seen"][0] == first["seen"][0] and forgetful["losses"] != first["losses"][resume_at:]
+    assert forgetful["digests"] != first["digests"]
