@@ -23,6 +23,10 @@ def run(tmp_path_factory):
     return train_checkpoint(str(tmp_path_factory.mktemp("run")))
 
 
+HF_FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+            "tokenizer_config.json"]
+
+
 def read_json(folder: str, name: str) -> dict:
     with open(os.path.join(folder, name)) as f:
         return json.load(f)
@@ -44,6 +48,7 @@ def test_hf_export_gives_transformers_logits_within_1e_4_and_a_wrong_transpose_i
     assert (config["model_type"], config["activation_function"], config["n_positions"]) == ("gpt2", "gelu_new", 16)
     assert (config["layer_norm_epsilon"], config["tie_word_embeddings"]) == (1e-5, True)
     assert config["bos_token_id"] == config["eos_token_id"] == 0  # the byte tokenizer's end-of-text
+    assert read_json(out, "generation_config.json") == {"bos_token_id": 0, "eos_token_id": 0}  # where generate stops
     with torch.no_grad():
         ours = zerotrain.load_model(run)(IDX)
     assert (hf_logits(out) - ours).abs().max() < 1e-4
@@ -58,16 +63,16 @@ def test_hf_export_gives_transformers_logits_within_1e_4_and_a_wrong_transpose_i
 def test_an_export_loads_back_with_the_checkpoints_logits_and_tokenizer(run, tmp_path, fmt):
     out = str(tmp_path / fmt)
     assert run_cli(["export", run, out, "--format", fmt]) == 0
-    # hf: the byte tokenizer's twin for transformers; safetensors: config.json's record says bytes
-    tokenizer_files = ["tokenizer.json", "tokenizer_config.json"] if fmt == "hf" else []
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", *tokenizer_files]
+    # hf: the byte tokenizer's twin for transformers, its configuration, generate's; safetensors: config.json's
+    # record says bytes
+    assert sorted(os.listdir(out)) == (HF_FILES if fmt == "hf" else ["config.json", "model.safetensors"])
     with torch.no_grad():
         assert torch.equal(zerotrain.load_model(out)(IDX), zerotrain.load_model(run)(IDX))
     assert zerotrain.load_tokenizer(out).kind == "bytes"  # the hf tokenizer.json is recognised as the bytes one
     if fmt == "safetensors":
         config = read_json(out, "config.json")
         assert config["model"]["seq_len"] == 16 and config["source"]["step"] == 300
-        assert config["tokenizer"] == {"kind": "bytes", "vocab_size": 256, "eot_id": 0}
+        assert config["tokenizer"] == {"kind": "bytes", "vocab_size": 256, "eot_id": 0, "context_length": 16}
 
 
 def test_export_refuses_a_non_empty_folder_in_one_line_and_overwrite_replaces_only_export_files(run, tmp_path, capsys):
@@ -81,9 +86,9 @@ def test_export_refuses_a_non_empty_folder_in_one_line_and_overwrite_replaces_on
     assert err.count("\n") == 1 and "is not empty (pass --overwrite" in err
     assert sorted(os.listdir(out)) == ["notes.txt", "special_tokens_map.json", "tokenizer.json"]  # untouched
     assert run_cli(["export", run, str(out), "--format", "hf", "--overwrite"]) == 0
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "notes.txt", "tokenizer.json",
-                                       "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == sorted(HF_FILES + ["notes.txt"])
     assert zerotrain.load_tokenizer(str(out)).kind == "bytes"  # tokenizer.json replaced by the bytes one
+    assert read_json(str(out), "special_tokens_map.json")["eos_token"] == "<|endoftext|>"  # and the map
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # the staging folder is gone
     assert run_cli(["export", run, str(out / "notes.txt"), "--format", "hf"]) == 2  # a file is no folder
 
@@ -103,6 +108,7 @@ def test_a_bpe_checkpoint_exports_its_tokenizer_as_a_pretrained_tokenizer_fast(t
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     assert isinstance(theirs, transformers.PreTrainedTokenizerFast)  # TokenizersBackend in transformers 5
     assert theirs.eos_token == theirs.bos_token == "<|endoftext|>" and theirs.eos_token_id == bpe.eot_id
+    assert theirs.unk_token is None  # a byte-level BPE has a token for every byte: nothing is unknown
     sample = "def g(y):\n    return y"
     assert theirs(sample)["input_ids"] == bpe.encode(sample)
     assert read_json(out, "config.json")["eos_token_id"] == bpe.eot_id
@@ -146,6 +152,7 @@ def test_a_bytes_model_exports_a_tokenizer_autotokenizer_loads_with_zerotrains_i
     assert run_cli(["export", run, out, "--format", "hf"]) == 0
     theirs, ours = transformers.AutoTokenizer.from_pretrained(out), ByteTokenizer()
     assert len(theirs) == 256 and theirs.eos_token == "<|endoftext|>" and theirs.eos_token_id == ours.eot_id == 0
+    assert theirs.unk_token == "<|endoftext|>"  # the twin's unknown: a NUL byte encodes to it, as zerotrain's
     assert theirs("def ")["input_ids"] == ours.encode("def ") == [100, 101, 102, 32]
     assert theirs("\u00e9\u20ac")["input_ids"] == ours.encode("\u00e9\u20ac") == [0xC3, 0xA9, 0xE2, 0x82, 0xAC]
     for text in TEXTS:
@@ -173,8 +180,8 @@ def test_transformers_generate_on_a_bytes_hf_export_gives_zerotrains_greedy_toke
         ids = inputs["input_ids"][0].tolist()
         assert ids == ByteTokenizer().encode(prompt)
         ours = generate(zerotrain.load_model(run), torch.tensor([ids]), 10, temperature=0)[0].tolist()
-        with torch.no_grad():  # no eos: zerotrain's sampler does not stop at end-of-text either
-            theirs = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None,
+        with torch.no_grad():  # no eos: neither stops at the end of text (sample --ignore-eos)
+            theirs = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=[],
                                     pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
         assert theirs == ours, prompt
         assert tokenizer.decode(theirs) == ByteTokenizer().decode(ours)

@@ -14,7 +14,7 @@ from zerotrain.config import Config
 from zerotrain.data import checkpoint_tokenizer
 from zerotrain.parallel import Comm, ZeroEngine
 
-from .format import TOKENIZER_FILE, step_of
+from .format import step_of
 from .save import CheckpointWriter
 
 
@@ -79,11 +79,12 @@ class SaveCadence:
         self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
         self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
         self.clock = SaveClock(c.every_minutes, comm.rank == 0)
-        # the data's tokenizer travels with every checkpoint, so sampling and export use the same one
-        self.tokenizer, tokenizer_file = checkpoint_tokenizer(cfg)
+        # the tokenizer (the model's, with its configuration, under --init-from) travels with every checkpoint, so
+        # sampling and export use the same one
+        self.tokenizer, tokenizer_files = checkpoint_tokenizer(cfg)
         self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook,
                                        staging_hook=staging_hook,
-                                       copied_files={TOKENIZER_FILE: tokenizer_file} if tokenizer_file else None)
+                                       copied_files=tokenizer_files or None)
         self.config = cfg.to_dict()
         self.manifest_extra = manifest_extra or {}  # e.g. where --init-from's weights came from
         self.committed: list[str] = []

@@ -4,7 +4,9 @@ A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, `model.safe
 fp32 model in GPT-2 names, whatever the mesh, loadable without torch.distributed), one
 `optim-rank{r}-of-{W}.safetensors` per rank of the world (its ZeRO shard of its local flat buffer:
 master values, exp_avg, exp_avg_sq and the optimizer step) and, when the data has a BPE, its
-`tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file).
+`tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file); a run started
+--init-from a model keeps that model's tokenizer.json and the files configuring it, which the record lists
+under "files" (tokenizer_config.json ...: data.tokenizer_config), with its context length and special ids.
 `latest` in the checkpoint root names the newest committed folder. Safetensors and JSON only:
 nothing is unpickled.
 
@@ -64,8 +66,12 @@ def shard_name(rank: int, world_size: int) -> str:
 
 
 def expected_files(world_size: int, tokenizer: dict | None = None) -> list[str]:
-    """The model file, one shard per rank, and the tokenizer file when the manifest's tokenizer record names one."""
-    extra = [TOKENIZER_FILE] if isinstance(tokenizer, dict) and tokenizer.get("file") == TOKENIZER_FILE else []
+    """The model file, one shard per rank, and the tokenizer files the manifest's tokenizer record names: its "file"
+    (tokenizer.json) and, from an --init-from model, the "files" that configure it (tokenizer_config.json ...)."""
+    tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
+    extra = [TOKENIZER_FILE] if tokenizer.get("file") == TOKENIZER_FILE else []
+    listed = tokenizer.get("files")
+    extra += [n for n in listed if isinstance(n, str)] if isinstance(listed, list) else []
     return [MODEL_FILE] + [shard_name(r, world_size) for r in range(world_size)] + extra
 
 

@@ -6,7 +6,7 @@ first group that has a failure (later groups read what an earlier one found bad)
     manifest   manifest.json is present, valid JSON, and has the writer's keys and types (schema)
     name       each listed name stays inside the folder: no `..`, no path, no symlink leading out
     files      it lists model.safetensors, one optimizer shard per rank of its world size (T x D with
-               TP), and tokenizer.json when its "tokenizer" record names it
+               TP), and the tokenizer files its "tokenizer" record names (tokenizer.json, "files")
     size       each file has the recorded size ...
     sha256     ... and the recorded sha256
     partition  the buckets tile the padded flat buffer, the owned ranges of all ranks (the D ranks of

@@ -31,6 +31,7 @@ from .jsonl import is_records_file, prepare_jsonl, refuse_table
 from .tokenfiles import max_token, open_token_file
 from .tokenizer import (TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, read_tokenizer_file, tokenizer_digest,
                         tokenizer_record)
+from .tokenizer_config import config_files, model_facts
 
 SYNTHETIC = ("synthetic", "synthetic-varlen")
 
@@ -305,9 +306,29 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
     return spec
 
 
-def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, str | None]:
-    """What a checkpoint keeps of the data's tokenizer: (its manifest record, the tokenizer.json to copy), or Nones."""
-    if cfg.data.source in SYNTHETIC:
-        return None, None
-    spec = resolve_data(cfg)
-    return spec.tokenizer, spec.tokenizer_file
+def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
+    """What a checkpoint keeps of the tokenizer: (its manifest record or None, {file name: the file to copy}).
+
+    Without --init-from, the data's tokenizer.json, if it has one. With --init-from, the model's own: its
+    tokenizer.json and the files that configure it (tokenizer_config.json, special_tokens_map.json,
+    chat_template.jinja, generation_config.json; the record lists them under "files"), and its context length and
+    special ids, which an export writes back (tokenizer_config.model_facts): on any data, synthetic too.
+    """
+    spec = None if cfg.data.source in SYNTHETIC else resolve_data(cfg)
+    record = dict(spec.tokenizer) if spec and spec.tokenizer else None
+    copied = {TOKENIZER_FILE: spec.tokenizer_file} if spec and spec.tokenizer_file else {}
+    model = cfg.checkpoint.init_from
+    if not model:
+        return record, copied
+    own = os.path.join(model, TOKENIZER_FILE)
+    if os.path.isfile(own) and not is_bytes_tokenizer_json(own):
+        if record is None or record.get("kind") != "bpe":
+            try:
+                record = tokenizer_record(BPETokenizer.from_file(own))
+            except ValueError:  # no end-of-text token it knows: the model's facts name its eos
+                record = {"kind": "bpe", "vocab_size": read_tokenizer_file(own).get_vocab_size(), "eot_id": None}
+        copied, record["file"] = {TOKENIZER_FILE: own}, TOKENIZER_FILE
+    files = config_files(model)
+    copied.update(files)
+    record = {**(record or {}), **model_facts(model), **({"files": sorted(files)} if files else {})}
+    return record or None, copied

@@ -2,9 +2,14 @@
 
 `hf` is what `transformers.GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(folder)` loads: config.json in
 Hugging Face's format, written by hand (transformers is not needed to export), model.safetensors in Hugging Face's
-names and layouts through the architecture's table in mapping.py, and the tokenizer (tokenizer.json, tokenizer_config.json): a BPE's as trained, the byte
-tokenizer's built as its `tokenizers` twin (data.tokenizer.ByteTokenizer.to_hf), so that
-`transformers.AutoTokenizer.from_pretrained(folder)` gives zerotrain's ids either way.
+names and layouts through the architecture's table in mapping.py, and the tokenizer (tokenizer.json): a BPE's
+as trained or as the --init-from model had it, the byte tokenizer's built as its `tokenizers` twin
+(data.tokenizer.ByteTokenizer.to_hf), so that `transformers.AutoTokenizer.from_pretrained(folder)` gives
+zerotrain's ids either way. An --init-from model's tokenizer_config.json (chat template, special tokens),
+special_tokens_map.json, chat_template.jinja and generation_config.json are written as it had them, and its
+context length and special ids into config.json: the training window is a training setting, the model keeps
+its context. A model of zerotrain's own gets zerotrain's tokenizer_config.json, special_tokens_map.json and
+generation_config.json (its end-of-text token as bos and eos).
 `safetensors` is zerotrain's own state dict with a config.json that `zerotrain.load_model` reads.
 Both store the tied head once, as transformer.wte.weight. The folder and its files get the modes the
 process umask gives, as checkpoints do. Read back (read_export_config, tensor_files), a folder's weights
@@ -26,6 +31,7 @@ from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.stream import read_header
 from zerotrain.config import Config, ModelConfig, merge, validate
 from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer
+from zerotrain.data.tokenizer_config import CONFIG_FILES, SPECIAL_IDS, config_files
 from zerotrain.errors import ConfigError
 
 from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
@@ -34,11 +40,13 @@ FORMATS = ("hf", "safetensors")
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded folder's: which shard holds each tensor
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-TOKENIZER_FILE, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG = "tokenizer_config.json", "special_tokens_map.json", \
+    "generation_config.json"  # of data.tokenizer_config.CONFIG_FILES, those zerotrain writes when a model lacks them
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # tokenizer_config.json's, as the map has them
 ZEROTRAIN_FORMAT = "zerotrain-model"
 # Every file an export writes: with --overwrite these are replaced or removed, nothing else is touched.
-EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG, "special_tokens_map.json",
-                "generation_config.json")
+EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, *CONFIG_FILES)
 
 
 def read_export_config(folder: str) -> tuple[str, ModelConfig, dict]:
@@ -110,32 +118,40 @@ def tensor_files(folder: str) -> dict[str, str]:
 
 
 def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder: str | None, eot_id: int | None,
-                 tokenizer_info: dict | None = None, source: dict | None = None, overwrite: bool = False) -> list[str]:
+                 tokenizer_info: dict | None = None, source: dict | None = None, overwrite: bool = False,
+                 config_folder: str | None = None) -> list[str]:
     """Write `model` to folder `out` in format `fmt`; the names of the files written.
 
     `tokenizer_folder` holds tokenizer.json for a BPE model; None is the byte tokenizer, for which `hf`
-    writes its tokenizers twin when the model's vocabulary holds the 256 bytes. The files are written
-    into a temporary folder beside `out` and moved into place when all are written.
+    writes its tokenizers twin when the model's vocabulary holds the 256 bytes. The files that configure the
+    tokenizer and generation which `config_folder` holds (a checkpoint keeps an --init-from model's:
+    tokenizer_config.json, special_tokens_map.json, chat_template.jinja, generation_config.json) are copied as
+    they are; `hf` writes zerotrain's own for those it lacks. `tokenizer_info` is the tokenizer record, with the
+    special ids of the model (written to config.json); the model's context is its seq_len, which
+    pretrained.load_from gives back to a Llama fine-tuned on a shorter window.
+    The files are written into a temporary folder beside `out` and moved into place when all are written.
     """
     check_destination(out, fmt, overwrite)
+    info, cfg = tokenizer_info or {}, model.cfg
     tmp = make_staging_folder(out)
     try:
+        for name, path in (config_files(config_folder) if config_folder else {}).items():
+            shutil.copyfile(path, os.path.join(tmp, name))
+        if tokenizer_folder is not None:
+            shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
         if fmt == "hf":
-            _write_json(os.path.join(tmp, CONFIG_FILE), hf_config(model.cfg, eot_id))
-            _save_model_file(MAPPINGS[model.cfg.arch].to_hf(dict(model.named_parameters())), tmp)
-            if tokenizer_folder is not None:
-                shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
-            elif model.cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text tokenizer fits
+            special = {key: info[key] for key in SPECIAL_IDS if key in info}
+            _write_json(os.path.join(tmp, CONFIG_FILE), {**hf_config(cfg, eot_id), **special})
+            _save_model_file(MAPPINGS[cfg.arch].to_hf(dict(model.named_parameters())), tmp)
+            if tokenizer_folder is None and cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text fits
                 ByteTokenizer().to_hf().save(os.path.join(tmp, TOKENIZER_FILE))
-            if os.path.isfile(os.path.join(tmp, TOKENIZER_FILE)):
-                _write_hf_tokenizer_config(tmp, eot_id, model.cfg.seq_len)
+            _write_missing_hf_configs(tmp, eot_id, cfg.seq_len, bytes_tokenizer=tokenizer_folder is None,
+                                      special=special)
         else:
             _write_json(os.path.join(tmp, CONFIG_FILE), {
-                "format": ZEROTRAIN_FORMAT, "version": 1, "model": dataclasses.asdict(model.cfg),
+                "format": ZEROTRAIN_FORMAT, "version": 1, "model": dataclasses.asdict(cfg),
                 "tokenizer": tokenizer_info, "source": source})
             _save_model_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, tmp)
-            if tokenizer_folder is not None:
-                shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
         written = sorted(os.listdir(tmp))
         _move_into_place(tmp, out, written)
     finally:
@@ -182,16 +198,35 @@ def _save_model_file(tensors: dict[str, torch.Tensor], folder: str) -> None:
     shutil.copymode(os.path.join(folder, CONFIG_FILE), path)
 
 
-def _write_hf_tokenizer_config(out: str, eot_id: int | None, seq_len: int) -> None:
-    """A tokenizer_config.json that makes out/tokenizer.json a PreTrainedTokenizerFast with its end-of-text token."""
+def _write_missing_hf_configs(out: str, eot_id: int | None, context: int, *, bytes_tokenizer: bool,
+                              special: dict) -> None:
+    """What transformers needs beside out/tokenizer.json that the model did not bring: tokenizer_config.json (a
+    PreTrainedTokenizerFast with its special tokens), special_tokens_map.json and generation_config.json (the ids
+    generate() stops at). Nothing is written next to no tokenizer.json but generation_config.json."""
+    if os.path.isfile(os.path.join(out, TOKENIZER_FILE)) and not os.path.isfile(os.path.join(out, TOKENIZER_CONFIG)):
+        _write_json(os.path.join(out, TOKENIZER_CONFIG), _tokenizer_config(out, eot_id, context, bytes_tokenizer))
+    if os.path.isfile(os.path.join(out, TOKENIZER_CONFIG)) and not os.path.isfile(os.path.join(out, SPECIAL_TOKENS_MAP)):
+        with open(os.path.join(out, TOKENIZER_CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+        _write_json(os.path.join(out, SPECIAL_TOKENS_MAP), {key: config[key] for key in SPECIAL_TOKENS if config.get(key)})
+    eot = eot_id if eot_id is not None and eot_id >= 0 else None
+    ids = special or ({"bos_token_id": eot, "eos_token_id": eot} if eot is not None else {})
+    if ids and not os.path.isfile(os.path.join(out, GENERATION_CONFIG)):
+        _write_json(os.path.join(out, GENERATION_CONFIG), ids)
+
+
+def _tokenizer_config(out: str, eot_id: int | None, context: int, bytes_tokenizer: bool) -> dict:
+    """zerotrain's tokenizer_config.json: documents are separated by the end-of-text token, which therefore begins
+    and ends each (bos = eos, as GPT-2's); the byte tokenizer's twin maps the NUL byte to it, its unknown token,
+    while a byte-level BPE has a token for every byte and so no unknown one."""
     with open(os.path.join(out, TOKENIZER_FILE)) as f:
         added = json.load(f).get("added_tokens", [])
     eot = next((t["content"] for t in added if t.get("id") == eot_id), None)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len,
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
               "clean_up_tokenization_spaces": False}
     if eot is not None:
-        config.update(bos_token=eot, eos_token=eot, unk_token=eot)
-    _write_json(os.path.join(out, TOKENIZER_CONFIG), config)
+        config.update(bos_token=eot, eos_token=eot, **({"unk_token": eot} if bytes_tokenizer else {}))
+    return config
 
 
 def _move_into_place(tmp: str, out: str, written: list[str]) -> None:

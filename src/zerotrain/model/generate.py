@@ -1,4 +1,5 @@
-"""Generating tokens from a model (GPT-2 or Llama): greedy or temperature / top-k sampling, with or without a KV cache.
+"""Generating tokens from a model (GPT-2 or Llama): greedy or temperature / top-k sampling, with or without a KV cache,
+up to the model's end-of-text or end-of-turn token.
 
 Past the context. The learned position embedding has seq_len positions, so the model sees a window
 of at most seq_len tokens of the sequence. When the next token would not fit, the window jumps
@@ -17,6 +18,8 @@ prints the tokens per second of each on a machine.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from .layers import KVCache
@@ -34,12 +37,16 @@ def window_start(start: int, n: int, seq_len: int, keep: int) -> int:
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None, kv_cache: bool = True,
-             keep: int | None = None, vocab_limit: int | None = None) -> torch.Tensor:
-    """The (B, max_new_tokens) tokens that follow `prompt` (B, T0), T0 >= 1.
+             keep: int | None = None, vocab_limit: int | None = None,
+             stop_ids: Collection[int] | None = None) -> torch.Tensor:
+    """The (B, L) tokens that follow `prompt` (B, T0), T0 >= 1: L = max_new_tokens, or fewer with `stop_ids`.
 
     temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / temperature),
     restricted to the top_k most likely when top_k is given, with `generator`'s random stream.
     `vocab_limit` excludes ids at or above it (a vocabulary padded beyond the tokenizer's).
+    `stop_ids` (end of text, end of turn): a row ends at the first it draws, which it keeps, and repeats that
+    token from there, as transformers' generate pads a finished row; generation stops once every row has ended
+    (until_stop cuts a row there). The draws of the rows still going are those they would be without it.
     """
     seq_len = model.cfg.seq_len
     keep = default_keep(seq_len) if keep is None else keep
@@ -53,13 +60,18 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
     weight = model.embedding.weight
     tokens = torch.empty(B, n + max_new_tokens, dtype=torch.long, device=weight.device)
     tokens[:, :n] = prompt
+    stops = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=weight.device)
+    ended = torch.zeros(B, dtype=torch.bool, device=weight.device)
+    first = n
     cache = KVCache(model.cfg, B, weight.device, weight.dtype) if kv_cache else None
     start = window_start(0, n, seq_len, keep)
     logits = model(tokens[:, start:n], cache)[:, -1]
     for i in range(max_new_tokens):
-        tokens[:, n] = next_token(logits, temperature, top_k, generator, vocab_limit)
+        drawn = next_token(logits, temperature, top_k, generator, vocab_limit)
+        tokens[:, n] = torch.where(ended, tokens[:, n - 1], drawn)
+        ended |= torch.isin(tokens[:, n], stops)
         n += 1
-        if i == max_new_tokens - 1:
+        if i == max_new_tokens - 1 or bool(ended.all()):
             break
         new_start = window_start(start, n, seq_len, keep)
         if cache is None:  # recompute the whole window
@@ -70,7 +82,13 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
         else:  # only the newest token is new to the cache
             logits = model(tokens[:, n - 1 : n], cache)[:, -1]
         start = new_start
-    return tokens[:, n - max_new_tokens : n]
+    return tokens[:, first:n]
+
+
+def until_stop(ids: list[int], stop_ids: Collection[int] | None) -> tuple[list[int], bool]:
+    """`ids` up to and including the first of `stop_ids`, and whether it holds one."""
+    end = next((i for i, t in enumerate(ids) if t in (stop_ids or ())), None)
+    return (ids, False) if end is None else (ids[: end + 1], True)
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,

@@ -6,18 +6,22 @@ import argparse
 import os
 
 from zerotrain.data.tokenizer import tokenizer_record
+from zerotrain.data.tokenizer_config import model_facts
 from zerotrain.hub.export import FORMATS, check_destination, export_model
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "export", help="write a checkpoint as a Hugging Face GPT-2 folder or as bare safetensors",
-        description="hf: a folder transformers.GPT2LMHeadModel.from_pretrained(OUT) loads (config.json, "
-                    "model.safetensors) with tokenizer.json + tokenizer_config.json, which "
-                    "transformers.AutoTokenizer.from_pretrained(OUT) loads with zerotrain's ids: a BPE's as trained, "
-                    "the bytes tokenizer's as an equivalent byte-level tokenizer (transformers is not needed to "
-                    "write it). safetensors: zerotrain's own state dict and a config.json. Either loads with "
+        "export", help="write a checkpoint as a Hugging Face GPT-2 or Llama folder or as bare safetensors",
+        description="hf: a folder transformers' AutoModelForCausalLM.from_pretrained(OUT) loads (config.json, "
+                    "model.safetensors) with tokenizer.json, tokenizer_config.json, special_tokens_map.json and "
+                    "generation_config.json, which transformers.AutoTokenizer.from_pretrained(OUT) loads with "
+                    "zerotrain's ids: a BPE's as trained, the bytes tokenizer's as an equivalent byte-level "
+                    "tokenizer (transformers is not needed to write it). A run started with --init-from exports "
+                    "its model's tokenizer configuration as the model had it (chat template, bos/eos/pad, "
+                    "chat_template.jinja, generation_config.json) and the model's context length, not the training "
+                    "window. safetensors: zerotrain's own state dict and a config.json. Either loads with "
                     "zerotrain.load_model(OUT). The checkpoint is verified first; the folder's modes follow the umask.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root or run folder")
     p.add_argument("out", metavar="OUT", help="the folder to write (refused when it holds files, unless --overwrite)")
@@ -32,8 +36,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     bpe = tokenizer.kind == "bpe"
     step = source.manifest["step"] if source.manifest else None
+    # what the checkpoint kept of an --init-from model (its context, special ids), on zerotrain's own record
+    info = {**tokenizer_record(tokenizer), **model_facts(source.folder)}
     written = export_model(model, args.out, args.format, tokenizer_folder=source.folder if bpe else None,
-                           eot_id=tokenizer.eot_id, tokenizer_info=tokenizer_record(tokenizer),
+                           eot_id=tokenizer.eot_id, tokenizer_info=info, config_folder=source.folder,
                            source={"path": os.path.abspath(source.folder), "step": step}, overwrite=args.overwrite)
     what = f"step {step} of {source.folder}" if step is not None else source.folder
     print(f"exported {what} as {args.format} to {args.out}: {', '.join(written)}")

@@ -11,9 +11,11 @@ import torch
 
 from zerotrain.cli.flags import checked
 from zerotrain.config import NON_NEGATIVE, POSITIVE
+from zerotrain.data.tokenizer_config import model_facts, stop_ids
 from zerotrain.errors import ConfigError
+from zerotrain.hub.chat_prompt import chat_prompt, chat_tokenizer, end_of_turn
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
-from zerotrain.model.generate import default_keep, generate
+from zerotrain.model.generate import default_keep, generate, until_stop
 
 SEPARATOR = "---"
 
@@ -21,13 +23,23 @@ SEPARATOR = "---"
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "sample", help="generate text from a checkpoint or an exported model",
-        description="Prints the generated continuation of --prompt on stdout (with --num-samples > 1, samples are "
-                    f"separated by a line '{SEPARATOR}'); the speed goes to stderr. CKPT is a checkpoint folder, a "
-                    "checkpoint root (what `latest` names), a run folder, or an exported folder. Past the model's "
+        description="Prints the generated continuation of --prompt, or the reply to --chat, on stdout, up to the "
+                    "model's end-of-text token (the eos of generation_config.json where the model has one; with "
+                    "--chat also the template's end of turn), which is not printed (with --num-samples > 1, "
+                    f"samples are separated by a line '{SEPARATOR}'); the speed goes to stderr. CKPT is a "
+                    "checkpoint folder, a checkpoint root (what `latest` names), a run folder, or an exported folder. Past the model's "
                     "context (seq_len tokens) the window jumps forward keeping its last 3/4 and the KV cache is "
                     "refilled from those tokens, with or without the cache alike.")
     p.add_argument("checkpoint", metavar="CKPT", help="the model to sample from")
-    p.add_argument("--prompt", default="", help="text to continue (default: empty, start from the end-of-text token)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default="", help="text to continue (default: empty, start from the model's "
+                                                   "beginning-of-text token, else its end-of-text token)")
+    text.add_argument("--chat", metavar="MESSAGE", default=None,
+                      help="a user message, rendered with the model's chat template (transformers' "
+                           "apply_chat_template, the assistant's turn opened); the reply ends at the template's "
+                           "end-of-turn token or the model's end of text")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate all --max-new-tokens, past the end-of-text token (e.g. to measure speed)")
     p.add_argument("--max-new-tokens", type=checked(int, POSITIVE), default=256, help="tokens to generate per sample (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="softmax temperature; 0 is greedy (default: %(default)s)")
@@ -54,23 +66,38 @@ def cmd_sample(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     V = model.cfg.vocab_size
-    ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id if tokenizer.eot_id < V else 0]
+    facts = model_facts(source.folder)  # what the checkpoint kept of its --init-from model: bos, eos
+    stops = set(stop_ids(facts) or [tokenizer.eot_id])
+    if args.chat is not None:
+        chat = chat_tokenizer(source.folder)
+        ids = chat_prompt(chat, args.chat)
+        stops |= {end_of_turn(chat)} - {None}
+    elif args.prompt:
+        ids = tokenizer.encode(args.prompt)
+    else:
+        bos = facts.get("bos_token_id")
+        ids = [bos if isinstance(bos, int) and bos < V else tokenizer.eot_id if tokenizer.eot_id < V else 0]
     if not ids:
         raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens")
     if max(ids) >= V:
         raise ConfigError(f"--prompt encodes to token id {max(ids)}, outside this model's vocabulary of {V} "
                           f"(trained on data with another tokenizer?)")
+    stops = set() if args.ignore_eos else {i for i in stops if i < V}
     prompt = torch.tensor([ids] * args.num_samples)
     generator = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   generator=generator, kv_cache=not args.no_kv_cache, vocab_limit=min(V, tokenizer.vocab_size))
+                   generator=generator, kv_cache=not args.no_kv_cache, vocab_limit=min(V, tokenizer.vocab_size),
+                   stop_ids=stops)
     seconds = time.perf_counter() - t0
-    texts = [tokenizer.decode(row.tolist()) for row in out]
+    rows = [until_stop(row.tolist(), stops) for row in out]
+    texts = [tokenizer.decode(row[:-1] if ended else row) for row, ended in rows]  # the text, not its stop token
     print(f"\n{SEPARATOR}\n".join(texts))
-    tokens = out.numel()
+    tokens, ended = sum(len(row) for row, _ in rows), sum(e for _, e in rows)
     keep = default_keep(model.cfg.seq_len)
-    print(f"sampled {args.num_samples} x {args.max_new_tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.0f} "
-          f"tokens/s ({'no KV cache' if args.no_kv_cache else 'KV cache'}, context {model.cfg.seq_len}, "
-          f"window keeps {keep} past it, {torch.get_num_threads()} thread(s))", file=sys.stderr)
+    stopped = f"{ended} of {args.num_samples} ended at {'/'.join(map(tokenizer.decode, ([i] for i in sorted(stops))))}" \
+        if stops else "--ignore-eos"
+    print(f"sampled {tokens} tokens ({args.num_samples} x at most {args.max_new_tokens}; {stopped}) in {seconds:.2f} "
+          f"s: {tokens / seconds:,.0f} tokens/s ({'no KV cache' if args.no_kv_cache else 'KV cache'}, context "
+          f"{model.cfg.seq_len}, window keeps {keep} past it, {torch.get_num_threads()} thread(s))", file=sys.stderr)
     return 0
