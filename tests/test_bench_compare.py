@@ -55,6 +55,22 @@ def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
+def test_quick_compare_trains_a_llama_with_all_four_strategies_and_they_agree_with_ddp(tmp_path):
+    out = tmp_path / "compare-llama"
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "bench", "compare", *CI_SIZED, "--arch", "llama",
+                           "--preset", "llama-tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "compare.json").read_text())
+    assert report["config"]["model"]["arch"] == "llama"
+    results = report["strategies"]
+    assert set(results) == set(strategies.NAMES)  # FSDP2 among them: it shards Llama's blocks, not GPT-2's
+    for name, r in results.items():
+        assert r["param_max_abs_diff_vs_ddp"] <= AGREEMENT_BOUND, name
+    assert results["fsdp2"]["optimizer_state_bytes"]["max"] < results["ddp"]["optimizer_state_bytes"]["max"]
+    assert report["agreement_failures"] == []
+
+
 def planted_lr_job(cfg: Config, comm: Comm) -> dict:
     """All four strategies, plus zerotrain with 1.5x the learning rate, trained on the same batches."""
     planted = copy.deepcopy(cfg)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from zerotrain.config import Config
 from zerotrain.data import StepBatch
+from zerotrain.hub.mapping import MAPPINGS
 from zerotrain.model import build_model, summed_token_loss
 from zerotrain.parallel import Comm
 from zerotrain.parallel.optim import adamw_options, adamw_param_groups, build_adamw
@@ -254,7 +255,9 @@ class FSDP2Strategy(_TorchStrategy):
 
         super().__init__(cfg, comm)
         mesh = init_device_mesh(rank_device(cfg).type, (comm.world_size,))
-        for block in self.model.transformer.h:
+        # The architecture's table names where its blocks live (transformer.h in GPT-2, model.layers in Llama).
+        blocks = self.model.get_submodule(MAPPINGS[cfg.model.arch].block_prefix.rstrip("."))
+        for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
         self.optimizer = build_adamw(adamw_param_groups(self.model.named_parameters(), cfg.optim.weight_decay),
