@@ -1,33 +1,52 @@
 #!/usr/bin/env bash
-# GPU readiness on one CUDA device, offline, in about 5 minutes: the demo, GPT-2 small bf16 throughput and MFU and
-# what deterministic kernels cost, bench compare, the production path (async saves, a stop and its resume, bitwise
-# equal to an uninterrupted run, bench ckpt), and tensor parallelism
-# (demo --tp 2 where 2 GPUs are visible; on one GPU the drift digest's cost on the GPU instead).
+# GPU readiness on one CUDA device, offline, each check under its own time limit: the demo, GPT-2 small bf16
+# throughput and MFU and what deterministic kernels cost, bench compare (GPT-2 and Llama), the production path (async
+# saves, a stop and its resume, bitwise equal to an uninterrupted run, bench ckpt), tensor parallelism (demo --tp 2
+# where 2 GPUs are visible; on one GPU the drift digest's cost on the GPU instead), and what only a GPU can show:
+# the CUDA cases of the tests that name this script (the loss kept on the device, the gradient norm's bits at every
+# world size), packed attention and Llama's fp32 grouped-query attention on fused kernels.
 #
 # usage: scripts/device-check.sh OUTDIR
 # Everything lands in OUTDIR: device-check.log, demo/, throughput/ (metrics.jsonl), throughput.json, compare/,
-# stopped/, ckpt/, tp/.
+# compare-llama/, stopped/, ckpt/, tp/. Each check is one `check TITLE SECONDS COMMAND...` line: a failed one is
+# named and the others still run; the script exits 1 if any failed.
 # ZT_DEVICE=cpu ZT_PRESET=tiny rehearse the same plumbing on a machine without a GPU.
-set -euo pipefail
+set -uo pipefail
 
 OUT=${1:?usage: scripts/device-check.sh OUTDIR}
 DEVICE=${ZT_DEVICE:-cuda}
 PRESET=${ZT_PRESET:-gpt2}
+GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null \
+       || echo "no torch")
+if [ "$DEVICE" = cuda ] && [ "$GPUS" = 0 -o "$GPUS" = "no torch" ]; then
+    echo "device-check.sh: no CUDA device here ($([ "$GPUS" = 0 ] && echo "torch sees none" || echo "python has no torch")):" \
+         "run it on a GPU machine, or rehearse the plumbing with ZT_DEVICE=cpu ZT_PRESET=tiny" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee "$OUT/device-check.log") 2>&1
 
+FAILED=()
+check() {  # check TITLE SECONDS COMMAND...: a header, the command under a time limit, a failure named, not fatal
+    local title=$1 limit=$2
+    shift 2
+    echo "== $title"
+    timeout "$limit" "$@" || { echo "FAILED: $title"; FAILED+=("$title"); }
+}
+tests() { python -m pytest -q -p no:cacheprovider "$@"; }  # the CUDA cases of a test file (DEVICES in it)
+
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 
-echo "== 1/5 demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume"
-timeout 75 zerotrain demo --device "$DEVICE" --nproc 1 --out "$OUT/demo"
+check "demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume" 75 \
+    zerotrain demo --device "$DEVICE" --nproc 1 --out "$OUT/demo"
 
-echo "== 2/5 throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps"
 # Micro-batch 16 x 1024 tokens keeps the GPU busy; the drift check runs once, at the end.
-timeout 110 zerotrain train --device "$DEVICE" --nproc 1 --preset "$PRESET" --precision bf16 \
+check "throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps" 110 \
+    zerotrain train --device "$DEVICE" --nproc 1 --preset "$PRESET" --precision bf16 \
     --micro-batch 16 --steps 30 --check-every 0 --no-progress --out "$OUT/throughput"
-python - "$OUT" "$PRESET" <<'PY'
+check "MFU of that run, and what deterministic kernels cost" 120 python - "$OUT" "$PRESET" <<'PY'
 """Tokens/s from the run's metrics; MFU = 6 * P * tokens/s over a bf16 matmul peak measured here."""
 import json, os, statistics, sys, time
 
@@ -90,18 +109,17 @@ print(f"{preset}: P = {P:,}, {tokens_per_s:,.0f} tokens/s, {model_flops / 1e12:.
       f"{peak / 1e12:.1f} measured bf16 matmul peak: MFU {100 * model_flops / peak:.1f}%")
 PY
 
-echo "== 3/5 bench compare at world size 1"
-timeout 110 zerotrain bench compare --quick --device "$DEVICE" --nproc 1 --out "$OUT/compare"
+check "bench compare at world size 1" 110 zerotrain bench compare --quick --device "$DEVICE" --nproc 1 --out "$OUT/compare"
+check "bench compare --arch llama at world size 1" 110 \
+    zerotrain bench compare --quick --arch llama --device "$DEVICE" --nproc 1 --out "$OUT/compare-llama"
 
-echo "== 4/5 production: async saves from pinned staging, a SIGTERM stop and its resume, bench ckpt"
-ZEROTRAIN_FAULTS="sigterm@step=6" timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench \
-    --steps 12 --ckpt-every 2 --async-save --no-progress --out "$OUT/stopped"
-timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save \
-    --no-progress --out "$OUT/stopped" --resume auto
-zerotrain verify "$OUT/stopped/checkpoints" | tail -1
-timeout 60 zerotrain train --device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save \
-    --no-progress --out "$OUT/uninterrupted"
-python - "$OUT" <<'PY'
+SAVES=(--device "$DEVICE" --nproc 1 --preset bench --steps 12 --ckpt-every 2 --async-save --no-progress)
+check "production: async saves from pinned staging, a SIGTERM stop at step 6" 60 \
+    env ZEROTRAIN_FAULTS="sigterm@step=6" zerotrain train "${SAVES[@]}" --out "$OUT/stopped"
+check "its resume" 60 zerotrain train "${SAVES[@]}" --out "$OUT/stopped" --resume auto
+check "verify its checkpoints" 60 zerotrain verify "$OUT/stopped/checkpoints"
+check "an uninterrupted run" 60 zerotrain train "${SAVES[@]}" --out "$OUT/uninterrupted"
+check "bitwise resume: stopped + resumed == uninterrupted" 30 python - "$OUT" <<'PY'
 """Bitwise resume on the device: step 12's files (model and optimizer shard) equal, sha256 by sha256."""
 import json, sys
 
@@ -115,17 +133,15 @@ print("bitwise resume: " + ("stopped + resumed == uninterrupted at step 12, ever
                             f"FAILED: {differ} differ"))
 sys.exit(1 if differ else 0)
 PY
-timeout 60 zerotrain bench ckpt --quick --device "$DEVICE" --out "$OUT/ckpt"
+check "bench ckpt" 60 zerotrain bench ckpt --quick --device "$DEVICE" --out "$OUT/ckpt"
 
-echo "== 5/5 tensor parallelism: demo --tp 2 (NCCL needs a GPU per rank), and the on-device drift digest"
-GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$DEVICE" = cpu ] || [ "$GPUS" -ge 2 ]; then
-    NPROC=$([ "$DEVICE" = cpu ] && echo 4 || echo 2)
-    timeout 90 zerotrain demo --device "$DEVICE" --nproc "$NPROC" --tp 2 --out "$OUT/tp/demo"
+    check "tensor parallelism: demo --tp 2" 90 zerotrain demo --device "$DEVICE" \
+        --nproc "$([ "$DEVICE" = cpu ] && echo 4 || echo 2)" --tp 2 --out "$OUT/tp/demo"
 else
-    echo "demo --tp 2 skipped: $GPUS CUDA device(s) here, TP over NCCL needs one per rank"
+    echo "== demo --tp 2 skipped: $GPUS CUDA device(s) here, TP over NCCL needs one per rank"
 fi
-python - "$DEVICE" "$PRESET" <<'PY'
+check "the drift digest's cost on the device" 60 python - "$DEVICE" "$PRESET" <<'PY'
 """The drift check's digest of GPT-2's parameter buffer on the device, against one bf16 training step."""
 import sys, time
 
@@ -150,5 +166,15 @@ for dtype in (torch.float32, torch.bfloat16):
     print(f"digest of {P:,} {dtype} values on {device}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms")
 PY
 
-echo "== the loss sum stays on the GPU (no host sync per micro-batch, the same bits), micro-batches pinned and copied ahead"; timeout 120 python -m pytest -q -p no:cacheprovider tests/test_accumulate.py
+# The CUDA cases of the tests (each file's DEVICES): one line each.
+check "the loss sum stays on the GPU (no host sync per micro-batch, the same bits), micro-batches pinned and copied ahead" \
+    120 tests tests/test_accumulate.py
+check "the gradient norm: the same bits at world sizes 1-5, on the GPU's reductions too" 90 tests tests/test_grad_norm.py
+check "packed records attend only to themselves (FlexAttention, compiled, with its backward), Llama's fp32 GQA \
+through a fused kernel, the block mask's memory against the T x T mask" 300 python scripts/packed_attention_check.py "$DEVICE"
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+    printf 'device check FAILED (%d): %s\n' "${#FAILED[@]}" "$(IFS=';'; echo "${FAILED[*]}")"
+    exit 1
+fi
 echo "device check done: $OUT"

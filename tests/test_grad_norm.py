@@ -16,6 +16,7 @@ MODEL = build_model(ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32, voca
 PARAMS = [(n, tuple(p.shape), is_decayed(n, p)) for n, p in MODEL.named_parameters()]
 BUCKET_NUMELS = [3000, 10**9]  # many buckets (parameters wider than one), and one
 WORLD_SIZES = [1, 2, 3, 4, 5]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # scripts/device-check.sh runs the CUDA case
 
 
 def gradients(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -25,11 +26,11 @@ def gradients(seed: int = 0) -> dict[str, torch.Tensor]:
             for name, shape, _ in PARAMS}
 
 
-def world_norm(grads: dict[str, torch.Tensor], world_size: int, bucket_numel: int) -> float:
+def world_norm(grads: dict[str, torch.Tensor], world_size: int, bucket_numel: int, device: str = "cpu") -> float:
     """The norm ZeroEngine.reduce_grads computes at `world_size` ranks of reduced gradients `grads`: each rank's part
     from its shard of the layout, the parts summed as the step's all-reduce sums them."""
     layout = ShardLayout.build(PARAMS, world_size, bucket_numel)
-    flat = torch.zeros(layout.padded_numel)
+    flat = torch.zeros(layout.padded_numel, device=device)
     for s in layout.slots:
         flat[s.offset : s.offset + s.numel] = grads[s.name].reshape(-1)
     parts = [grad_norm.exact_sum_limbs(grad_norm.chunk_squares(layout.shard(flat, r), [(0, layout.shard_numel)]))
@@ -63,14 +64,15 @@ def per_rank_chunks(shard, ranges):
     return [piece.view(1, -1) for a, z in ranges for piece in shard[a:z].chunk(4)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bucket_numel", BUCKET_NUMELS)
-def test_the_norm_is_bitwise_the_same_at_every_world_size_and_a_per_rank_chunking_is_caught(bucket_numel,
+def test_the_norm_is_bitwise_the_same_at_every_world_size_and_a_per_rank_chunking_is_caught(bucket_numel, device,
                                                                                            monkeypatch):
     grads = gradients(1)
-    norms = {w: world_norm(grads, w, bucket_numel) for w in WORLD_SIZES}
+    norms = {w: world_norm(grads, w, bucket_numel, device) for w in WORLD_SIZES}
     assert len(set(norms.values())) == 1, norms
     monkeypatch.setattr(grad_norm, "norm_chunks", per_rank_chunks)
-    planted = {w: world_norm(grads, w, bucket_numel) for w in WORLD_SIZES}
+    planted = {w: world_norm(grads, w, bucket_numel, device) for w in WORLD_SIZES}
     assert len(set(planted.values())) > 1, planted
 
 
