@@ -14,9 +14,13 @@ import torch.distributed as dist
 
 # Job functions for spawned ranks must be importable by module name in the children.
 sys.path.insert(0, os.path.dirname(__file__))
-# Prepared text inputs go to a cache of this test session (inherited by subprocesses), not the user's.
-os.environ["ZEROTRAIN_CACHE"] = tempfile.mkdtemp(prefix="zerotrain-test-cache-")
-atexit.register(shutil.rmtree, os.environ["ZEROTRAIN_CACHE"], True)
+# Prepared text inputs go to a cache of this test session (inherited by subprocesses), not the user's. The processes
+# this session starts that import this file (pytest-xdist's workers, ranks running a test's job) use the session's:
+# what one prepared, the others find built (the cache locks each entry while it is built), and none leaves its own.
+if not (os.environ.get("ZEROTRAIN_TEST_CACHE") == os.environ.get("ZEROTRAIN_CACHE")
+        and os.path.isdir(os.environ.get("ZEROTRAIN_CACHE", ""))):
+    os.environ["ZEROTRAIN_CACHE"] = os.environ["ZEROTRAIN_TEST_CACHE"] = tempfile.mkdtemp(prefix="zerotrain-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ZEROTRAIN_CACHE"], True)
 
 from zerotrain.config import Config, resolve, setting_for, validate  # noqa: E402
 from zerotrain.runtime.run_folder import resolve_paths  # noqa: E402
