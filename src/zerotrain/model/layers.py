@@ -232,7 +232,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
         k, v = cache.append(layer, k, v)
     grouped = k.shape[1] != q.shape[1]
     if isinstance(documents, BlockMask):
-        return compiled_flex_attention()(q, k, v, block_mask=documents, enable_gqa=grouped)
+        # Inside a compiled model (--compile) the model's graph compiles flex_attention with it.
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        return flex(q, k, v, block_mask=documents, enable_gqa=grouped)
     mask = documents if documents is not None else _causal_mask(past, q.shape[2], q.device)
     if grouped and repeats_kv_heads(q.device.type, q.dtype, masked=mask is not None):
         k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
@@ -307,7 +309,7 @@ def document_block_mask(segments: torch.Tensor) -> BlockMask:
         return (segments[b, q] == segments[b, kv]) & (q >= kv)
 
     return create_block_mask(same_record_causal, B, None, T, T, device=segments.device,
-                             _compile=segments.device.type == "cuda")
+                             _compile=segments.device.type == "cuda" and not torch.compiler.is_compiling())
 
 
 @functools.cache
