@@ -99,7 +99,7 @@ def test_a_window_holds_whole_records_from_their_first_token_each_with_its_segme
         assert sorted(found) == sorted(wanted)  # each record once, whole, from its first token, prompt masked
     rows = source.rows_in_epoch(0)
     assert len(source.records) / rows > 1.5  # windows hold several records
-    assert "41 records" in source.describe() and "1 longer than --seq-len 32 + 1 tokens, truncated" in \
+    assert "41 records" in source.describe() and "1 longer than the window (--seq-len 32 + 1 tokens), truncated" in \
         source.describe() and "1 with no trained token in the window, left out" in source.describe()
     mb = source.sequences(0, range(6))
     assert int((mb.labels != IGNORE).sum()) == source.token_count(0, 6)

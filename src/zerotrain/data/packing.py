@@ -231,7 +231,7 @@ class RecordSource:
         else:
             said.append("one per sequence")
         if self.truncated:
-            said.append(f"{self.truncated:,} longer than --seq-len {self.seq_len} + 1 tokens, truncated")
+            said.append(f"{self.truncated:,} longer than the window (--seq-len {self.seq_len} + 1 tokens), truncated")
         if self.left_out:
             said.append(f"{self.left_out:,} with no trained token in the window, left out")
         return f"{self.name}: {self.token_total:,} tokens, " + ", ".join(said)
