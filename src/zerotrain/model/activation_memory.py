@@ -34,8 +34,10 @@ run under a checkpoint too, whose input is the final norm's output: the loss kee
 Attention is counted as SDPA's fused kernels save it: q, k, v, output and per-row logsumexp, never the
 T x T matrix. That is measured on the CPU path (flash attention for CPU); CUDA's flash, memory-efficient
 and cuDNN kernels save the same list (plus a few bytes of RNG state; memory-efficient pads the logsumexp
-to a multiple of 32 rows), not measured here. SDPA's math fallback (an explicit mask, a shape or dtype no
-fused kernel takes) saves the T x T attention probabilities as well and is not what this predicts.
+to a multiple of 32 rows), not measured here. The CPU flash kernel takes the document mask (it saves the mask,
+counted above, and nothing T x T besides). SDPA's math fallback (a shape or dtype no fused kernel takes; on
+CUDA, GQA that attend does not repeat) saves the T x T attention probabilities as well and is not what this
+predicts.
 LayerNorm's mean and rstd are counted in the activation dtype, as on CPU; CUDA keeps them in fp32 (4 BT
 bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fused kernels need instead.
 """
@@ -198,7 +200,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
     kernel = layers.document_kernel(device) if documents else ""
-    # FlexAttention takes GQA itself; SDPA is given the document mask, or for the KV cache's mask none in training.
+    # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records.
     repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex"
                 and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
     s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp, kv_heads=cfg.kv_heads // tp,
