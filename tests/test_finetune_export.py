@@ -254,6 +254,10 @@ def test_sample_chat_renders_the_template_and_ends_at_the_end_of_turn_and_a_miss
     # planted: the end of turn not read from the template, only the model's end of text stops the reply
     monkeypatch.setattr(sample_command, "end_of_turn", lambda tokenizer: None)
     assert sample(capsys, run, "--chat", MESSAGE) != tokenizer.decode(theirs[:-1])
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed: one line naming the extra
+    capsys.readouterr()
+    assert run_cli(["sample", run, "--chat", MESSAGE]) == 2
+    assert capsys.readouterr().err.strip().endswith("pip install 'zerotrain[hf]'")
 
 
 def test_sample_chat_without_a_template_is_refused_in_one_line(tmp_path, capsys):

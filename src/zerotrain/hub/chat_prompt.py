@@ -30,8 +30,8 @@ def chat_tokenizer(folder: str):
     try:
         import transformers
     except ImportError:
-        raise ConfigError("--chat renders the model's chat template with transformers: pip install transformers") \
-            from None
+        raise ConfigError("--chat renders the model's chat template with transformers: pip install "
+                          "'zerotrain[hf]'") from None
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
