@@ -12,8 +12,8 @@ are absolute: after a slide by one every cached key and value is stale, so the c
 recomputed at every step and stop paying once the context is full. `keep=seq_len` gives that rule.
 With keep = 3/4 seq_len the model always sees at least 3/4 of a context, and a refill is one forward
 of the kept tokens each time the window overflows (every seq_len - keep + 1 tokens: 96 per 33 on
-the bench preset). `zerotrain sample RUN --max-new-tokens 256`, with and without `--no-kv-cache`,
-prints the tokens per second of each on a machine.
+the bench preset). `zerotrain sample RUN --max-new-tokens 256 --ignore-eos`, with and without
+`--no-kv-cache`, prints the tokens per second of each on a machine.
 """
 
 from __future__ import annotations
