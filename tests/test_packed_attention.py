@@ -169,6 +169,17 @@ def test_flex_attention_block_mask_gives_each_record_alone_and_a_mask_without_re
     assert worst() > CAUGHT
 
 
+def test_packed_records_take_flex_attention_on_cuda_where_triton_compiles_it_else_the_mask(monkeypatch):
+    assert layers.document_kernel("cpu") == "mask"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert layers.document_kernel("cuda") == "flex"  # planned for a CUDA machine: CUDA builds ship Triton
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(layers, "has_triton", lambda: True)
+    assert layers.document_kernel("cuda") == "flex"
+    monkeypatch.setattr(layers, "has_triton", lambda: False)
+    assert layers.document_kernel("cuda") == "mask"
+
+
 def test_kv_heads_are_repeated_where_no_fused_kernel_takes_gqa():
     assert layers.repeats_kv_heads("cuda", torch.float32)  # flash takes no fp32; memory-efficient no GQA
     assert not layers.repeats_kv_heads("cuda", torch.bfloat16)  # flash takes GQA itself

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils._triton import has_triton
 from torch.utils.checkpoint import checkpoint
 
 
@@ -273,8 +274,15 @@ def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None
 
 def document_kernel(device_type: str) -> str:
     """The kernel packed records attend with: "flex" (FlexAttention over a block mask, which never builds the
-    T x T mask) on CUDA, "mask" (SDPA with document_mask) elsewhere: FlexAttention has no backward on CPU."""
-    return "flex" if device_type == "cuda" else "mask"
+    T x T mask) on CUDA, "mask" (SDPA with document_mask) elsewhere: FlexAttention has no backward on CPU.
+
+    FlexAttention's CUDA kernels are compiled by Triton: a CUDA device Triton cannot compile for (or a torch
+    without it) takes the mask. Planned from a machine without CUDA, a CUDA run is taken to have Triton, which
+    CUDA builds of torch ship.
+    """
+    if device_type != "cuda":
+        return "mask"
+    return "mask" if torch.cuda.is_available() and not has_triton() else "flex"
 
 
 def document_attention(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | BlockMask:
