@@ -133,5 +133,6 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path):
 
 def test_a_table_is_refused_with_a_hint(tmp_path):
     for name in ("data.csv", "data.parquet"):
-        with pytest.raises(ConfigError, match="a table is not read as text; write its text column as JSON Lines"):
+        with pytest.raises(ConfigError, match="a table is not read as text; write its text, prompt/completion or "
+                                              r"messages columns as JSON Lines \(pandas: pd.read_"):
             jsonl_module.refuse_table(str(tmp_path / name), "--data")

@@ -85,8 +85,9 @@ class ChatTemplate:
         if template is None:
             named = f"{folder} has" if folder else "the byte tokenizer has"
             raise ConfigError(f"{where}: a chat record, and {named} no chat template (\"chat_template\" in "
-                              f"{TOKENIZER_CONFIG} or {CHAT_TEMPLATE_FILE}): give the model folder of an instruct "
-                              "model as the tokenizer, or write records as {\"prompt\", \"completion\"}")
+                              f"{TOKENIZER_CONFIG} or {CHAT_TEMPLATE_FILE}): fine-tune an instruct model's folder "
+                              "(--init-from, or prepare's --tokenizer), or write records as {\"prompt\", "
+                              "\"completion\"}")
         config = _tokenizer_config(folder)
         hf = tokenizer.tokenizer
         tokens = {k: v.get("content") if isinstance(v, dict) else v for k in TEMPLATE_TOKENS

@@ -17,11 +17,12 @@ offset of each record's first token, then the end offset (n_records + 1 values):
 record to itself by it.
 
 The file is streamed, never whole in memory (a JSON array is: it is one value): CHUNK_RECORDS records
-at a time are parsed, rendered and tokenized on all cores (the tokenizers library's batch encoding,
-which returns them in order), then appended; the output does not depend on the chunk size or the
+at a time are parsed, then rendered and tokenized on all cores (the tokenizers library's batch
+encoding, which returns them in order) while the next chunk is parsed, then appended; the output does not depend on the chunk size or the
 number of threads. A record goes to train or val by the hash of its index (--val-fraction; a first
 pass counts the records, so that with two or more each split gets one). A record that is not one of
-the shapes above is a ConfigError naming file:line. CSV and Parquet are refused with a hint.
+the shapes above is a ConfigError naming file:line. CSV and Parquet are refused with a hint (pandas writes
+them as JSON Lines in one line; no column is guessed).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -56,9 +58,10 @@ def is_records_file(path: str) -> bool:
 
 def refuse_table(path: str, flag: str) -> None:
     if path.lower().endswith(TABLES):
-        raise ConfigError(f"{flag} {path}: a table is not read as text; write its text column as JSON Lines "
-                          "(one {\"text\": ...} or {\"prompt\": ..., \"completion\": ...} per line) and give the "
-                          ".jsonl file")
+        reader = "read_parquet" if path.lower().endswith(".parquet") else "read_csv"
+        raise ConfigError(f"{flag} {path}: a table is not read as text; write its text, prompt/completion or messages "
+                          f"columns as JSON Lines (pandas: pd.{reader}(path).to_json('data.jsonl', orient='records', "
+                          "lines=True)) and give the .jsonl file")
 
 
 def iter_records(path: str, progress=None):
@@ -285,10 +288,11 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
         tok.save(os.path.join(out, TOKENIZER_FILE))
     writers = {s: SplitWriter(out, s, tok.vocab_size) for s in SPLITS}
     chat, chats = None, 0
+    # One chunk is encoded (the tokenizers library's threads, without the GIL) while the next is read and parsed.
     with tqdm(total=os.path.getsize(path), unit="B", unit_scale=True, desc=f"prepare {os.path.basename(path)}",
-              file=sys.stderr, disable=None, leave=False) as bar:
+              file=sys.stderr, disable=None, leave=False) as bar, ThreadPoolExecutor(1) as encoder:
         try:
-            chunk, splits = [], []
+            chunk, splits, pending = [], [], None
             for index, (where, value) in enumerate(iter_records(path, bar.update)):
                 record = (*parse_record(value, where), where)
                 if record[0] == "chat":
@@ -297,8 +301,11 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
                 chunk.append(record)
                 splits.append(split_of(index))
                 if len(chunk) == CHUNK_RECORDS:
-                    _write_chunk(chunk, splits, tok, chat, writers)
-            _write_chunk(chunk, splits, tok, chat, writers)
+                    _write_chunk(pending, writers)
+                    pending = encoder.submit(encode_chunk, chunk, tok, chat), splits
+                    chunk, splits = [], []
+            _write_chunk(pending, writers)
+            _write_chunk((encoder.submit(encode_chunk, chunk, tok, chat), splits), writers)
         finally:
             for w in writers.values():
                 w.close()
@@ -324,10 +331,11 @@ def _record_lines(path: str):
         yield from (line for line in f if line.strip())
 
 
-def _write_chunk(chunk: list[tuple], splits: list[str], tok, chat, writers: dict[str, SplitWriter]) -> None:
-    """Encode the pending records as one batch, append each to its split, and empty the lists."""
-    encoded = encode_chunk(chunk, tok, chat)
+def _write_chunk(pending, writers: dict[str, SplitWriter]) -> None:
+    """Append each record of an encoded chunk ((the future of encode_chunk, the records' splits), or None) to its
+    split, in the chunk's order."""
+    if pending is None:
+        return
+    encoded, splits = pending[0].result(), pending[1]
     for s, writer in writers.items():
         writer.write([e for e, split in zip(encoded, splits) if split == s])
-    chunk.clear()
-    splits.clear()
