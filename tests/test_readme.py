@@ -1,13 +1,15 @@
-"""The README's recipes run as written, and its quickstart holds exactly the commands CI and the demo run.
+"""The README's and docs/'s recipes run as written, and the quickstart holds exactly the commands CI and the demo run.
 
-A fenced block is a recipe to run when the line before its opening fence is a marker:
+A fenced block in README.md or docs/*.md is a recipe to run when the line before its opening fence is a marker:
 
     <!-- run: cheap -->               this test runs it, alone in a fresh folder
     <!-- run: cheap, dir=NAME -->     this test runs it in folder NAME, after the earlier blocks marked NAME
     <!-- run: manual -->              too slow or needs a cluster: left to the reader
 
-Shell blocks run with `bash -eo pipefail`, ```python blocks with this interpreter, in a temporary folder,
-with this interpreter's folder first on PATH, so `zerotrain` and `python3` are the ones under test.
+The blocks of one folder run in the order of README.md, then docs/*.md by file name, each file's in its own order,
+so that a run folder one recipe makes (`runs/stdlib`) is made once and used by the recipes of every file that
+reads it. Shell blocks run with `bash -eo pipefail`, ```python blocks with this interpreter, in a temporary
+folder, with this interpreter's folder first on PATH, so `zerotrain` and `python3` are the ones under test.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,8 +34,9 @@ MARKER = re.compile(r"<!--\s*run:\s*(?P<kind>cheap|manual)\s*(?:,\s*dir=(?P<dir>
 FENCE = re.compile(r"^(?P<fence>`{3,})(?P<lang>[\w-]*)\s*$")
 SHELLS = ("", "bash", "sh", "shell", "console")
 BLOCK_TIMEOUT_S = 180
-# Fewer cheap blocks than this means markers were lost: the recipes would silently stop being tested.
-MIN_CHEAP_BLOCKS = 13
+# Fewer cheap blocks than this, over README.md and docs/, means markers were lost: the recipes would silently stop
+# being tested.
+MIN_CHEAP_BLOCKS = 17
 
 TEST_COMMAND = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[test]' "
                 "&& .venv/bin/python -m pytest -q")
@@ -41,6 +45,7 @@ DEMO_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 
 
 @dataclass(frozen=True)
 class Block:
+    source: str  # the file, relative to the repository: README.md, docs/data.md
     line: int  # of the opening fence, 1-based
     lang: str
     code: str
@@ -49,36 +54,47 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.source}:{self.line}"
 
 
-def parse_blocks(text: str) -> list[Block]:
+def read_docs(root: Path = ROOT) -> dict[str, str]:
+    """README.md, then docs/*.md by name: each file's text under its path relative to the repository."""
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return {f.relative_to(root).as_posix(): f.read_text() for f in files}
+
+
+def parse_blocks(text: str, source: str = "README.md") -> list[Block]:
     """Every fenced block, with the run marker on the line before it; a marker not followed by a fence is an error."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
         marker = MARKER.fullmatch(lines[i].strip())
         if marker and not (i + 1 < len(lines) and FENCE.match(lines[i + 1])):
-            raise ValueError(f"README.md:{i + 1}: {lines[i].strip()} is not followed by a fenced block")
+            raise ValueError(f"{source}:{i + 1}: {lines[i].strip()} is not followed by a fenced block")
         fence = FENCE.match(lines[i])
         if not fence:
             i += 1
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence["fence"]), None)
         if end is None:
-            raise ValueError(f"README.md:{i + 1}: the fenced block never closes")
+            raise ValueError(f"{source}:{i + 1}: the fenced block never closes")
         before = MARKER.fullmatch(lines[i - 1].strip()) if i > 0 else None
         kind = before["kind"] if before else None
-        group = before["dir"] if before and before["dir"] else f"line{i + 1}"
-        blocks.append(Block(i + 1, fence["lang"], "\n".join(lines[i + 1 : end]) + "\n", kind, group))
+        group = before["dir"] if before and before["dir"] else f"{source}:{i + 1}"
+        blocks.append(Block(source, i + 1, fence["lang"], "\n".join(lines[i + 1 : end]) + "\n", kind, group))
         i = end + 1
     return blocks
 
 
-def cheap_groups(text: str) -> dict[str, list[Block]]:
-    """The cheap blocks by folder, each folder's blocks in README order, folders in order of first appearance."""
+def all_blocks(docs: dict[str, str]) -> list[Block]:
+    return [b for source, text in docs.items() for b in parse_blocks(text, source)]
+
+
+def cheap_groups(docs: dict[str, str]) -> dict[str, list[Block]]:
+    """The cheap blocks by folder, each folder's blocks in the order of `docs` (README.md first) and of each file,
+    folders in order of first appearance."""
     groups: dict[str, list[Block]] = {}
-    for block in parse_blocks(text):
+    for block in all_blocks(docs):
         if block.kind == "cheap":
             groups.setdefault(block.group, []).append(block)
     return groups
@@ -117,8 +133,9 @@ def fenced_block_after(text: str, marker: str) -> list[str]:
     return blocks[0].code.splitlines()
 
 
-README_TEXT = README.read_text()
-GROUPS = cheap_groups(README_TEXT)
+DOCS = read_docs()
+README_TEXT = DOCS["README.md"]
+GROUPS = cheap_groups(DOCS)
 
 
 # --- the quickstart ------------------------------------------------------------------------------------------
@@ -149,17 +166,105 @@ def test_ci_extracts_the_readme_test_command_as_one_line():
 # --- the recipes ---------------------------------------------------------------------------------------------
 
 
-def test_readme_marks_its_recipes_to_run():
-    blocks = parse_blocks(README_TEXT)
+def test_the_docs_mark_their_recipes_to_run():
+    blocks = all_blocks(DOCS)
     cheap = [b for b in blocks if b.kind == "cheap"]
     assert len(cheap) >= MIN_CHEAP_BLOCKS, f"only {len(cheap)} blocks marked <!-- run: cheap -->"
     assert all(b.lang in SHELLS + ("python",) for b in cheap)
     manual = " ".join(b.code for b in blocks if b.kind == "manual")
     for expensive in ("prepare python-stdlib", "torchrun", "srun"):  # documented, run by the reader
         assert expensive in manual
-    # The first recipe's folder is what the later recipes (resume, sample, eval, export, plot) use.
-    assert len(GROUPS["stdlib"]) >= 6 and "--out runs/stdlib" in GROUPS["stdlib"][0].code
+    # The README holds the three recipes for real jobs; the run they need to be real (GPUs, a cluster) is manual.
+    readme = {b.group for b in cheap if b.source == "README.md"}
+    assert {"plan", "finetune", "resized"} <= readme, readme
+    # The first recipe's folder is what the later recipes (sample, eval, export, plot, verify) use, in other files.
+    assert "--out runs/stdlib" in GROUPS["stdlib"][0].code and GROUPS["stdlib"][0].source == "docs/data.md"
+    assert len(GROUPS["stdlib"]) >= 6 and len({b.source for b in GROUPS["stdlib"]}) >= 3
     assert set(PROMISES) <= set(GROUPS)  # a renamed folder must not drop a promise's check
+
+
+def torchrun_problems(blocks: list[Block]) -> list[str]:
+    """What is wrong with the zerotrain command of each torchrun recipe: flags the parser refuses, a run that would
+    train on the CPU (no --device cuda), or a --max-restarts given to zerotrain, which only its own launcher reads."""
+    from zerotrain.cli.main import build_parser
+    from zerotrain.config import setting_for
+    from zerotrain.errors import ConfigError
+
+    problems = []
+    for block in blocks:
+        for command in block.code.replace("\\\n", " ").splitlines():
+            if "torchrun" not in command or " -m zerotrain " not in command:
+                continue
+            argv = shlex.split(command.split(" -m zerotrain ", 1)[1])
+            try:
+                args = build_parser().parse_args(argv)
+            except (ConfigError, SystemExit) as e:
+                problems.append(f"{block.name}: {e}")
+                continue
+            device = args.device or setting_for("device").default  # the parser leaves what is not given as None
+            if device != "cuda":
+                problems.append(f"{block.name}: trains on {device}: give --device cuda")
+            if "--max-restarts" in argv:
+                problems.append(f"{block.name}: --max-restarts under torchrun is torchrun's own, not zerotrain's")
+    return problems
+
+
+def test_the_torchrun_recipes_train_on_the_gpus_and_leave_restarts_to_torchrun():
+    torchrun = [b for b in all_blocks(DOCS) if "torchrun" in b.code and " -m zerotrain " in b.code]
+    assert {b.source for b in torchrun} >= {"README.md", "docs/production.md"}
+    assert torchrun_problems(torchrun) == []
+    assert "restarts under torchrun are torchrun's own `--max-restarts`" in " ".join(README_TEXT.split()).lower()
+    # Planted: the issue's broken example, on CPU and with zerotrain's --max-restarts, in the README's recipe.
+    recipe = next(b for b in torchrun if b.source == "README.md")
+    broken = recipe.code.replace("--device cuda ", "").replace("--resume auto", "--resume auto --max-restarts 3")
+    found = torchrun_problems(parse_blocks(README_TEXT.replace(recipe.code, broken)))
+    assert any("trains on cpu" in p for p in found) and any("--max-restarts" in p for p in found), found
+    misspelt = recipe.code.replace("--ckpt-every-minutes", "--ckpt-evry-minutes")
+    assert torchrun_problems(parse_blocks(README_TEXT.replace(recipe.code, misspelt)))
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but hyphens and underscores dropped, spaces
+    to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors of a markdown file's headings (outside fenced blocks), the repeated ones numbered as GitHub does."""
+    inside = {n for b in parse_blocks(text) for n in range(b.line, b.line + b.code.count("\n") + 2)}
+    found: set[str] = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        heading = re.match(r"^#{1,6} (.+)$", line)
+        if heading and n not in inside:
+            base = slug(heading[1])
+            found.add(next(a for a in [base] + [f"{base}-{i}" for i in range(1, 99)] if a not in found))
+    return found
+
+
+def broken_links(docs: dict[str, str]) -> list[str]:
+    """Relative links in the docs that name a missing file or a heading their file does not have."""
+    broken = []
+    for source, text in docs.items():
+        for target in re.findall(r"\]\((?![a-z]+:)([^)\s]+)\)", text):
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(source), path)) if path else source
+            if resolved not in docs and not (ROOT / resolved).exists():
+                broken.append(f"{source}: {target}: no file {resolved}")
+            elif anchor and resolved in docs and anchor not in anchors(docs[resolved]):
+                broken.append(f"{source}: {target}: no heading #{anchor} in {resolved}")
+    return broken
+
+
+def test_the_readme_links_every_docs_file_and_every_link_lands():
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)[#)]", README_TEXT))
+    assert linked == {s for s in DOCS if s.startswith("docs/")}
+    assert broken_links(DOCS) == []
+    # Planted: a heading renamed under the links that point at it, and a link to a file that is not there.
+    renamed = dict(DOCS, **{"docs/production.md": DOCS["docs/production.md"].replace("## Fault injection",
+                                                                                      "## Faults")})
+    assert any("#fault-injection" in b for b in broken_links(renamed))
+    assert broken_links({"README.md": "see [the guide](docs/guide.md)"}) == ["README.md: docs/guide.md: no file "
+                                                                             "docs/guide.md"]
 
 
 def metrics_of(run: Path) -> list[dict]:
@@ -187,8 +292,21 @@ def meshes_continue_to_the_same_losses(workdir: Path) -> None:
     assert max(abs(tp1[s] - tp2[s]) / abs(tp2[s]) for s in tp1) <= 1e-5
 
 
-# What the README says a recipe does, checked after its blocks ran (not only their exit codes).
-PROMISES = {"stdlib": eval_reproduces_val_loss, "meshes": meshes_continue_to_the_same_losses}
+def the_stopped_run_went_on_from_its_stop_on_four_ranks(workdir: Path) -> None:
+    """The README's stop, resume and resize: stopped by SIGTERM at step 20 with step 20 saved, then steps 21-40 on
+    4 ranks from that checkpoint, the metrics reading as one run of steps 1-40."""
+    run = workdir / "runs" / "resized"
+    events = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" in r]
+    assert [(e["event"], e["step"], e["signal"]) for e in events] == [("stop", 20, "SIGTERM")]
+    assert [r["step"] for r in metrics_of(run)] == list(range(1, 41))
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["world_size"], summary["start_step"], summary["steps"]) == (4, 20, 40)
+    assert summary["resumed_from"].endswith("step_00000020")
+
+
+# What the docs say a recipe does, checked after its blocks ran (not only their exit codes).
+PROMISES = {"stdlib": eval_reproduces_val_loss, "meshes": meshes_continue_to_the_same_losses,
+            "resized": the_stopped_run_went_on_from_its_stop_on_four_ranks}
 
 
 @pytest.mark.parametrize("group", list(GROUPS), ids=list(GROUPS))
@@ -221,22 +339,37 @@ exit 1
 
 
 def test_the_runner_fails_on_a_failing_command_and_skips_manual_blocks(tmp_path):
-    groups = cheap_groups(FAILING)
-    assert list(groups) == ["line3", "x"]  # the manual block is not run
-    with pytest.raises(AssertionError, match=r"README.md:3: exit code 1"):
-        run_blocks(groups["line3"], tmp_path)  # a failing line in the middle of a block fails it
-    with pytest.raises(AssertionError, match=r"exit code 3"):
+    groups = cheap_groups({"docs/failing.md": FAILING, "README.md": "<!-- run: cheap, dir=x -->\n```bash\ntrue\n```\n"})
+    assert list(groups) == ["docs/failing.md:3", "x"]  # the manual block is not run
+    assert [b.name for b in groups["x"]] == ["docs/failing.md:10", "README.md:2"]  # one folder, the files' order
+    with pytest.raises(AssertionError, match=r"docs/failing.md:3: exit code 1"):
+        run_blocks(groups["docs/failing.md:3"], tmp_path)  # a failing line in the middle of a block fails it
+    with pytest.raises(AssertionError, match=r"docs/failing.md:10: exit code 3"):
         run_blocks(groups["x"], tmp_path)
     with pytest.raises(AssertionError, match=r"still running after 1 s"):
         run_blocks(parse_blocks("<!-- run: cheap -->\n```bash\nsleep 30\n```\n"), tmp_path, timeout=1)
-    with pytest.raises(ValueError, match="not followed by a fenced block"):
-        parse_blocks("<!-- run: cheap -->\n\n```bash\ntrue\n```\n")
+    with pytest.raises(ValueError, match="docs/x.md:1: .* not followed by a fenced block"):
+        parse_blocks("<!-- run: cheap -->\n\n```bash\ntrue\n```\n", "docs/x.md")
 
 
-def test_a_broken_readme_recipe_is_caught(tmp_path):
-    # A planted bug in a copy of the README: the first recipe gets a width its head count does not divide.
+def test_a_broken_recipe_is_caught(tmp_path):
+    # A planted bug in a copy of the docs: the first recipe gets a width its head count does not divide.
     first = GROUPS["stdlib"][0]
     assert "zerotrain train" in first.code
-    broken = README_TEXT.replace(first.code, first.code.replace("zerotrain train", "zerotrain train --n-head 3", 1))
-    with pytest.raises(AssertionError, match=r"exit code 2(.|\n)*n_embd|exit code 2(.|\n)*head"):
+    text = DOCS[first.source]
+    broken = dict(DOCS, **{first.source: text.replace(first.code, first.code.replace("zerotrain train",
+                                                                                     "zerotrain train --n-head 3", 1))})
+    with pytest.raises(AssertionError, match=rf"{first.source}:{first.line}: exit code 2(.|\n)*(n_embd|head)"):
         run_blocks(cheap_groups(broken)["stdlib"][:1], tmp_path)
+
+
+def test_a_broken_promise_is_caught(tmp_path):
+    # The promise checks read the run's own files: a resumed run that restarted from step 0 instead fails them.
+    run = tmp_path / "runs" / "resized"
+    run.mkdir(parents=True)
+    records = [{"step": s, "loss": 1.0} for s in range(1, 21)] + [{"event": "stop", "step": 20, "signal": "SIGTERM"}]
+    records += [{"step": s, "loss": 1.0} for s in range(1, 41)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"world_size": 4, "start_step": 0, "steps": 40, "resumed_from": None}))
+    with pytest.raises(AssertionError):
+        the_stopped_run_went_on_from_its_stop_on_four_ranks(tmp_path)

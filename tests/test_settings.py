@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +16,8 @@ from zerotrain.cli.main import build_parser
 from zerotrain.config import ABOVE_ONE, BELOW_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Config, declared, merge, validate
 from zerotrain.errors import ConfigError
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+REFERENCE = os.path.join(os.path.dirname(__file__), "..", "docs", "reference.md")
+REGEN = os.path.join(os.path.dirname(__file__), "..", "scripts", "regen_reference.py")
 
 
 def expected_names():
@@ -35,10 +38,10 @@ def help_default(help_text: str, s) -> str | None:
     return found.group(1) if found else None
 
 
-def readme_rows() -> dict[str, list[str]]:
-    """The README's training reference table: flag cell -> cells."""
+def reference_rows() -> dict[str, list[str]]:
+    """docs/reference.md's flag table: flag cell -> cells."""
     rows = {}
-    for line in open(README):
+    for line in open(REFERENCE):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| `--") and len(cells) == 4:
             rows[cells[0].split("`")[1]] = cells
@@ -53,8 +56,8 @@ def sample_value(s):
 
 def check_flags_and_keys_agree():
     """Each setting: `--flag V` on the command line and `key = V` in its TOML table give the same value;
-    --help lists the flag with its default; the README's reference has the flag, table, key and default."""
-    parser, help_text, rows = build_parser(), train_help(), readme_rows()
+    --help lists the flag with its default; docs/reference.md has the flag, table, key and default."""
+    parser, help_text, rows = build_parser(), train_help(), reference_rows()
     for s, key, flag in expected_names():
         value = sample_value(s)
         if s.type is bool:
@@ -66,14 +69,41 @@ def check_flags_and_keys_agree():
         merge(from_toml, {s.section: {key: value}}, origin="test")
         assert getattr(args, key, None) == value == getattr(getattr(from_toml, s.section), s.name), flag
         assert help_default(help_text, s) == shown_default(s, s.default), flag
-        assert flag in rows, f"{flag} is missing from the README's training reference"
+        assert flag in rows, f"{flag} is missing from docs/reference.md (run scripts/regen_reference.py)"
         assert rows[flag][1] == f"`[{s.section}] {key}`" and rows[flag][2] == f"`{shown_default(s, s.default)}`", flag
 
 
-def test_every_flag_and_toml_key_comes_from_the_declaration_and_agrees_with_help_and_readme():
+def test_every_flag_and_toml_key_comes_from_the_declaration_and_agrees_with_help_and_the_reference():
     check_flags_and_keys_agree()
     assert len({s.key for s in declared()}) == len(list(declared()))  # a key names one setting
-    assert reference_table() in open(README).read()  # the README's table is the one the declarations give
+    # docs/reference.md's table is the one the declarations give (scripts/regen_reference.py writes it)
+    assert reference_table() in open(REFERENCE).read()
+
+
+def test_regen_reference_rewrites_a_stale_table_and_leaves_the_rest(tmp_path):
+    current = open(REFERENCE).read()
+    stale = tmp_path / "reference.md"
+    drop = next(line for line in current.splitlines() if line.startswith("| `--ckpt-every` "))
+    stale.write_text(current.replace(drop + "\n", ""))  # a setting declared since the table was written
+    run = [sys.executable, REGEN, str(stale)]
+    assert subprocess.run(run + ["--check"], capture_output=True).returncode == 1
+    assert "--ckpt-every" not in reference_rows_of(stale.read_text())  # --check changes nothing
+    assert subprocess.run(run, capture_output=True).returncode == 0
+    rewritten = stale.read_text()
+    assert reference_table() in rewritten and outside_the_table(rewritten) == outside_the_table(current)
+    assert subprocess.run(run + ["--check"], capture_output=True).returncode == 0
+    stale.write_text(current.replace("<!-- end of flag table -->", ""))  # a file whose table cannot be found
+    done = subprocess.run(run, capture_output=True, text=True)
+    assert done.returncode == 2 and "markers" in done.stderr
+
+
+def reference_rows_of(text: str) -> set[str]:
+    return {line.split("`")[1] for line in text.splitlines() if line.startswith("| `--")}
+
+
+def outside_the_table(text: str) -> str:
+    head, rest = text.split("<!-- flag table:", 1)
+    return head + rest.split("<!-- end of flag table -->", 1)[1]
 
 
 def test_a_setting_whose_flag_differs_from_its_toml_key_is_caught(monkeypatch):
