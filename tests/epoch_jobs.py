@@ -43,12 +43,13 @@ def recorded_train(cfg: Config, comm: Comm) -> dict:
     every_rank = comm.io.all_gather_json({str(k): v for k, v in seen.items()}, "gather_seen_records")
     steps = {int(k) for rank in every_rank for k in rank}
     return {"losses": [r["loss"] for r in result.records], "digests": result.digests, "start": result.start_step,
-            "seen": {k: [p for rank in every_rank for p in rank.get(str(k), [])] for k in sorted(steps)}}
+            "plan": result.plan, "seen": {k: [p for rank in every_rank for p in rank.get(str(k), [])] for k in sorted(steps)}}
 
 
 def epochs_resume_job(cfg: Config, comm: Comm, *, resume_at: int) -> dict:
     """An uninterrupted run saving at `resume_at`; a fresh run resumed from that checkpoint; and, planted, a resume
-    that forgets the data position (its data steps count from 0 again)."""
+    that forgets the data position (its data steps count from 0 again), and one whose memory plan leaves out the
+    packed records' attention mask."""
     first = recorded_train(cfg, comm)
     resumed = copy.deepcopy(cfg)
     resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(resume_at))
@@ -56,4 +57,7 @@ def epochs_resume_job(cfg: Config, comm: Comm, *, resume_at: int) -> dict:
     again = recorded_train(resumed, comm)
     with mock.patch.object(loop, "data_step", lambda step, skips: step - resume_at):
         forgetful = recorded_train(resumed, comm)
-    return {"first": first, "resumed": again, "forgetful": forgetful}
+    real_plan = loop.memory_plan
+    with mock.patch.object(loop, "memory_plan", lambda cfg, world_size, documents: real_plan(cfg, world_size)):
+        unplanned = recorded_train(resumed, comm)  # planted: the plan is not told that the rows carry segments
+    return {"first": first, "resumed": again, "forgetful": forgetful, "unplanned": unplanned}

@@ -120,7 +120,7 @@ def test_epochs_derive_the_steps_and_are_refused_with_steps_or_without_records(t
 
 
 @pytest.mark.timeout(300)
-def test_a_two_rank_run_sees_each_record_once_per_epoch_and_resumes_mid_epoch_bitwise(tmp_path, capfd):
+def test_two_ranks_see_each_record_once_per_epoch_resume_mid_epoch_bitwise_and_plan_the_masks(tmp_path, capfd):
     records = make_records(80)
     folder = write_records(tmp_path / "d", records)
     cfg = tiny_config(tmp_path / "run", nproc=2, micro=2, accum=2, steps=1)
@@ -149,3 +149,7 @@ def test_a_two_rank_run_sees_each_record_once_per_epoch_and_resumes_mid_epoch_bi
     # planted: the resume forgets where the data was and starts the epoch's order over
     assert forgetful["seen"][0] == first["seen"][0] and forgetful["losses"] != first["losses"][resume_at:]
     assert forgetful["digests"] != first["digests"]
+    # the memory plan counts the records' attention mask: the activations it plans are what the first step saved
+    plan, unplanned = first["plan"], out["unplanned"]["plan"]
+    assert plan["activations_measured"] == plan["rows"]["activations"]
+    assert unplanned["activations_measured"] > unplanned["rows"]["activations"]  # planted: the mask left out

@@ -203,15 +203,19 @@ def _write_missing_hf_configs(out: str, eot_id: int | None, context: int, *, byt
     """What transformers needs beside out/tokenizer.json that the model did not bring: tokenizer_config.json (a
     PreTrainedTokenizerFast with its special tokens), special_tokens_map.json and generation_config.json (the ids
     generate() stops at). Nothing is written next to no tokenizer.json but generation_config.json."""
-    if os.path.isfile(os.path.join(out, TOKENIZER_FILE)) and not os.path.isfile(os.path.join(out, TOKENIZER_CONFIG)):
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(out, name))
+
+    if has(TOKENIZER_FILE) and not has(TOKENIZER_CONFIG):
         _write_json(os.path.join(out, TOKENIZER_CONFIG), _tokenizer_config(out, eot_id, context, bytes_tokenizer))
-    if os.path.isfile(os.path.join(out, TOKENIZER_CONFIG)) and not os.path.isfile(os.path.join(out, SPECIAL_TOKENS_MAP)):
+    if has(TOKENIZER_CONFIG) and not has(SPECIAL_TOKENS_MAP):
         with open(os.path.join(out, TOKENIZER_CONFIG), encoding="utf-8") as f:
             config = json.load(f)
-        _write_json(os.path.join(out, SPECIAL_TOKENS_MAP), {key: config[key] for key in SPECIAL_TOKENS if config.get(key)})
+        tokens = {key: config[key] for key in SPECIAL_TOKENS if config.get(key)}
+        _write_json(os.path.join(out, SPECIAL_TOKENS_MAP), tokens)
     eot = eot_id if eot_id is not None and eot_id >= 0 else None
     ids = special or ({"bos_token_id": eot, "eos_token_id": eot} if eot is not None else {})
-    if ids and not os.path.isfile(os.path.join(out, GENERATION_CONFIG)):
+    if ids and not has(GENERATION_CONFIG):
         _write_json(os.path.join(out, GENERATION_CONFIG), ids)
 
 

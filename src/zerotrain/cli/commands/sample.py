@@ -24,16 +24,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "sample", help="generate text from a checkpoint or an exported model",
         description="Prints the generated continuation of --prompt, or the reply to --chat, on stdout, up to the "
-                    "model's end-of-text token (the eos of generation_config.json where the model has one; with "
-                    "--chat also the template's end of turn), which is not printed (with --num-samples > 1, "
-                    f"samples are separated by a line '{SEPARATOR}'); the speed goes to stderr. CKPT is a "
-                    "checkpoint folder, a checkpoint root (what `latest` names), a run folder, or an exported folder. Past the model's "
-                    "context (seq_len tokens) the window jumps forward keeping its last 3/4 and the KV cache is "
-                    "refilled from those tokens, with or without the cache alike.")
+                    "model's end-of-text token (the eos ids of its generation_config.json or config.json, and the "
+                    "tokenizer's end of text; with --chat also the template's end of turn), which is not printed "
+                    f"(with --num-samples > 1, samples are separated by a line '{SEPARATOR}'); the speed goes to "
+                    "stderr. CKPT is a checkpoint folder, a checkpoint root (what `latest` names), a run folder, or "
+                    "an exported folder. Past the model's context (seq_len tokens) the window jumps forward keeping "
+                    "its last 3/4 and the KV cache is refilled from those tokens, with or without the cache alike.")
     p.add_argument("checkpoint", metavar="CKPT", help="the model to sample from")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--prompt", default="", help="text to continue (default: empty, start from the model's "
-                                                   "beginning-of-text token, else its end-of-text token)")
+    text.add_argument("--prompt", default="", help="text to continue (default: empty, start from the end-of-text "
+                                                   "token)")
     text.add_argument("--chat", metavar="MESSAGE", default=None,
                       help="a user message, rendered with the model's chat template (transformers' "
                            "apply_chat_template, the assistant's turn opened); the reply ends at the template's "
@@ -66,17 +66,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     V = model.cfg.vocab_size
-    facts = model_facts(source.folder)  # what the checkpoint kept of its --init-from model: bos, eos
-    stops = set(stop_ids(facts) or [tokenizer.eot_id])
+    facts = model_facts(source.folder)  # what the checkpoint kept of its --init-from model
+    # the model's eos ids, and the end-of-text token zerotrain's data ends each document and record with (where a
+    # folder's config.json states transformers' placeholder ids, only this one is the model's)
+    stops = set(stop_ids(facts)) | {tokenizer.eot_id} - {None}
     if args.chat is not None:
         chat = chat_tokenizer(source.folder)
         ids = chat_prompt(chat, args.chat)
         stops |= {end_of_turn(chat)} - {None}
-    elif args.prompt:
-        ids = tokenizer.encode(args.prompt)
     else:
-        bos = facts.get("bos_token_id")
-        ids = [bos if isinstance(bos, int) and bos < V else tokenizer.eot_id if tokenizer.eot_id < V else 0]
+        ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id if tokenizer.eot_id < V else 0]
     if not ids:
         raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens")
     if max(ids) >= V:
@@ -95,8 +94,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     print(f"\n{SEPARATOR}\n".join(texts))
     tokens, ended = sum(len(row) for row, _ in rows), sum(e for _, e in rows)
     keep = default_keep(model.cfg.seq_len)
-    stopped = f"{ended} of {args.num_samples} ended at {'/'.join(map(tokenizer.decode, ([i] for i in sorted(stops))))}" \
-        if stops else "--ignore-eos"
+    at = "/".join(tokenizer.decode([i]) for i in sorted(stops))
+    stopped = f"{ended} of {args.num_samples} ended at {at}" if stops else "--ignore-eos"
     print(f"sampled {tokens} tokens ({args.num_samples} x at most {args.max_new_tokens}; {stopped}) in {seconds:.2f} "
           f"s: {tokens / seconds:,.0f} tokens/s ({'no KV cache' if args.no_kv_cache else 'KV cache'}, context "
           f"{model.cfg.seq_len}, window keeps {keep} past it, {torch.get_num_threads()} thread(s))", file=sys.stderr)
