@@ -73,7 +73,7 @@ def test_the_output_does_not_depend_on_the_chunk_or_the_threads_and_a_planted_ch
     for threads in ("1", "2"):  # the tokenizers library's thread pool, in a process of its own
         env = {**os.environ, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true"}
         subprocess.run([sys.executable, "-m", "zerotrain", "prepare", jsonl, str(tmp_path / f"threads-{threads}"),
-                        "--tokenizer", str(bpe_folder), "--val-fraction", "0.3"], check=True, env=env, timeout=120,
+                        "--tokenizer", str(bpe_folder), "--val-fraction", "0.3"], check=True, env=env, timeout=240,
                        capture_output=True)
         assert prepared_files_equal(tmp_path / "whole", tmp_path / f"threads-{threads}")
     split_of = jsonl_module.SplitOf.__call__

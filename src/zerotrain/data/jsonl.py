@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 
 import numpy as np
 
@@ -172,47 +173,54 @@ def record_tokenizer(spec: str):
         raise ConfigError(f"--tokenizer {spec}: {file} {e}") from None
 
 
-def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, mask) of each parsed record of the chunk (parse_record's tuples with their `where` last), in order."""
+def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> list[tuple[list[int], bytes]]:
+    """(tokens, mask) of each parsed record of the chunk (parse_record's tuples with their `where` last), in order.
+
+    Lists and bytes, not arrays: a record is a few C-level joins, and the chunk becomes one array when it is written
+    (measured on 300-token records: numpy calls per record made prepare 1.41x the CPU time of the tokenizers
+    library's encode_batch_fast of the same texts, lists 1.29x).
+    """
     if isinstance(tok, ByteTokenizer):
         return [_bytes_record(r, tok) for r in chunk]
-    prefix = np.asarray(tok.prefix_ids, dtype=np.int64)
+    prefix, eot = list(tok.prefix_ids), tok.eot_id
     texts = [r for r in chunk if r[0] == "text"]
     rest = [r for r in chunk if r[0] != "text"]
     rendered = [chat.render(r[1], r[-1]) if r[0] == "chat" else (r[1] + r[2], len(r[1])) for r in rest]
     plain = iter(tok.encode_pieces([r[1] for r in texts]))
     offsets = iter(tok.encode_pieces([text for text, _ in rendered], offsets=True))
     where = iter(rendered)
-    untrained = np.asarray([i for i in tok.special_ids if i != tok.eot_id], dtype=np.int64)
+    untrained = set(tok.special_ids) - {eot}
     out = []
     for r in chunk:
-        if r[0] == "text":
-            ids = np.asarray(next(plain).ids, dtype=np.int64)
-            mask = np.ones(len(ids), dtype=np.uint8)
-        else:
-            encoding, (_, bounds) = next(offsets), next(where)
-            ids = np.asarray(encoding.ids, dtype=np.int64)
-            mask = _span_mask(encoding, bounds) if r[0] == "chat" else _completion_mask(encoding, bounds)
         if r[0] == "chat":  # the template ends each turn; its BOS, if it writes one, is not doubled
-            if len(prefix) and not np.array_equal(ids[: len(prefix)], prefix):
-                ids, mask = np.concatenate([prefix, ids]), np.concatenate([np.zeros(len(prefix), np.uint8), mask])
+            encoding, (_, spans) = next(offsets), next(where)
+            ids, mask = encoding.ids, _span_mask(encoding, spans).tobytes()
+            if prefix and ids[: len(prefix)] != prefix:
+                ids, mask = prefix + ids, bytes(len(prefix)) + mask
+            out.append((ids, mask))
+            continue
+        if r[0] == "text":
+            ids, first = next(plain).ids, 0
         else:
-            mask[np.isin(ids, untrained)] = 0  # a special token written in the text is context, never a target
-            ids = np.concatenate([prefix, ids, [tok.eot_id]])
-            mask = np.concatenate([np.zeros(len(prefix), np.uint8), mask, [1]]).astype(np.uint8)
-        out.append((ids, mask))
+            encoding, (_, boundary) = next(offsets), next(where)
+            ids, first = encoding.ids, _completion_start(encoding, boundary)
+        mask = bytes(len(prefix) + first) + b"\1" * (len(ids) - first + 1)  # ... and the end-of-text token
+        if not untrained.isdisjoint(ids):  # a special token written in the text is context, never a target
+            mask = bytearray(mask)
+            for j, i in enumerate(ids):
+                if i in untrained:
+                    mask[len(prefix) + j] = 0
+            mask = bytes(mask)
+        out.append((prefix + ids + [eot], mask))
     return out
 
 
-def _completion_mask(encoding, boundary: int) -> np.ndarray:
-    """1 from the token holding character `boundary` (the completion's first) on."""
-    n = len(encoding.ids)
-    first = encoding.char_to_token(boundary) if n else None  # None past the text's end
+def _completion_start(encoding, boundary: int) -> int:
+    """The first token of the completion: the one holding character `boundary` (the completion's first)."""
+    first = encoding.char_to_token(boundary) if encoding.ids else None  # None past the text's end
     if first is None:  # an empty completion, or a character no token holds: the first token past the boundary
-        first = next((j for j, (_, end) in enumerate(encoding.offsets) if end > boundary), n)
-    mask = np.zeros(n, dtype=np.uint8)
-    mask[first:] = 1
-    return mask
+        first = next((j for j, (_, end) in enumerate(encoding.offsets) if end > boundary), len(encoding.ids))
+    return first
 
 
 def _span_mask(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -224,16 +232,14 @@ def _span_mask(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
     return mask.astype(np.uint8)
 
 
-def _bytes_record(record: tuple, tok: ByteTokenizer) -> tuple[np.ndarray, np.ndarray]:
+def _bytes_record(record: tuple, tok: ByteTokenizer) -> tuple[list[int], bytes]:
     if record[0] == "chat":
         ChatTemplate.of(tok, record[-1])  # refuses: bytes have no chat template
     context, target = (tok.encode(record[1]), tok.encode(record[2])) if record[0] == "completion" else \
         ([], tok.encode(record[1]))
-    ids = np.array([*context, *target, tok.eot_id], dtype=np.int64)
-    mask = np.array([0] * len(context) + [1] * (len(target) + 1), dtype=np.uint8)
-    if len(target):
-        mask[len(context) : -1][ids[len(context) : -1] == tok.eot_id] = 0  # a written <|endoftext|> is context
-    return ids, mask
+    # a written <|endoftext|> (id 0) is context, never a target; the one that ends the record is
+    mask = bytes(len(context)) + bytes(int(i != tok.eot_id) for i in target) + b"\1"
+    return [*context, *target, tok.eot_id], mask
 
 
 class SplitWriter:
@@ -245,17 +251,18 @@ class SplitWriter:
         self.index = open(os.path.join(out, f"{split}.records"), "wb")
         self.records = self.trained = self.longest = 0
 
-    def write(self, records: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def write(self, records: list[tuple[list[int], bytes]]) -> None:
         if not records:
             return
-        lengths = np.array([len(ids) for ids, _ in records], dtype=np.int64)
+        lengths = np.array([len(mask) for _, mask in records], dtype=np.int64)
         starts = self.tokens.count + np.concatenate([[0], np.cumsum(lengths[:-1])])
         self.index.write(starts.astype("<u8").tobytes())
-        self.tokens.write(np.concatenate([ids for ids, _ in records]))
-        mask = np.concatenate([m for _, m in records])
-        self.mask.write(mask.tobytes())
+        self.tokens.write(np.fromiter(chain.from_iterable(ids for ids, _ in records), dtype=self.tokens.dtype,
+                                      count=int(lengths.sum())))
+        mask = b"".join(m for _, m in records)
+        self.mask.write(mask)
         self.records += len(records)
-        self.trained += int(mask.sum(dtype=np.int64))
+        self.trained += int(np.frombuffer(mask, dtype=np.uint8).sum(dtype=np.int64))
         self.longest = max(self.longest, int(lengths.max()))
 
     def close(self) -> None:
