@@ -175,6 +175,9 @@ class ParallelConfig:
 @dataclass
 class LoopConfig:
     steps: int = setting(20, "optimizer steps", rule=POSITIVE)
+    epochs: int = setting(0, "passes over the records instead of --steps (JSON Lines records, or documents with "
+                          "--no-pack): each record once per epoch; the steps follow from the records and the global "
+                          "batch, an epoch's last step taking what is left (0: --steps decides)", rule=NON_NEGATIVE)
     micro_batch: int = setting(8, "sequences per rank per micro-batch", rule=POSITIVE)
     accum: int = setting(1, "micro-batches per optimizer step", rule=POSITIVE)
     seed: int = setting(0, "seed of the model init and the data")
@@ -189,9 +192,6 @@ class LoggingConfig:
     out: str = setting("", "run folder", shown="runs/<timestamp>")
     metrics: str = setting("", "metrics JSONL path", shown="<out>/metrics.jsonl")
     progress: bool = setting(True, "a progress line (--no-progress: none)")
-    epochs: int = setting(0, "passes over the records instead of --steps (JSON Lines records, or documents with "
-                          "--no-pack): each record once per epoch; the steps follow from the records and the global "
-                          "batch, an epoch's last step taking what is left (0: --steps decides)", rule=NON_NEGATIVE)
     tensorboard: bool = setting(False, "also log to <out>/tensorboard ('zerotrain[tb]')")
 
 

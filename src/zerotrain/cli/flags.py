@@ -169,6 +169,8 @@ def check_environment(cfg: Config) -> None:
             raise ConfigError(f"--nproc {local} exceeds the {torch.cuda.device_count()} CUDA devices here")
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'zerotrain[tb]'")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb {cfg.logging.wandb} needs the wandb package: pip install 'zerotrain[wandb]'")
 
 
 def reference_table() -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -13,7 +12,7 @@ import torch
 
 from zerotrain import checkpoint
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
+from zerotrain.data import BatchSchedule, StepBatch, make_source, on_device
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
@@ -29,10 +28,12 @@ from .activations import saved_for_backward
 from .evaluate import validation_loss
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
-from .metrics import Metrics
+from .metrics import Metrics, summarize
 from .memory_plan import MemoryPlan, memory_plan, out_of_memory
 from .memory_plan import check as check_plan
+from .profiling import StepProfiler
 from .schedule import lr_at
+from .throughput import Peak, Throughput, peak_flops, peak_memory
 
 
 @dataclass
@@ -53,6 +54,7 @@ class TrainResult:
     per_rank: dict[str, list[int]] = field(default_factory=dict)  # bytes held and peak RSS, one entry per rank
     wall_s: float = 0.0
     plan: dict = field(default_factory=dict)  # the memory plan's rows and what the run measured against them
+    report: dict = field(default_factory=dict)  # what train_job returns; with summary.json's figures on rank 0
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
@@ -163,6 +165,8 @@ class _Run:
     resumed_from: str | None
     skips: list  # data steps skipped after rollbacks, in force now
     plan: MemoryPlan
+    throughput: Throughput
+    profiler: StepProfiler
     saved_bytes: list = field(default_factory=list)  # what the first micro-batch kept for its backward
     plan_checked: bool = False
     records: list[dict] = field(default_factory=list)
@@ -195,12 +199,13 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
     """
     t_start = time.perf_counter()
     run = _start(cfg, comm, announce)
-    step = run.start
+    step, result = run.start, None
     try:
         while step < cfg.loop.steps:
             done = step + 1
             run.mesh.set_step(done)
             t0 = time.perf_counter()
+            run.profiler.at_step(done)
             run.faults.before_collectives(done, lambda: run.stop.requested)
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
@@ -223,11 +228,13 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
                 break
             step = done
         run.saver.finish()
+        run.profiler.close()
+        result = _finish(run, comm, t_start, cfg)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise ZeroTrainError(out_of_memory(run.plan, cfg, step + 1, e)) from e
     finally:
-        run.metrics.close()
-    return _finish(run, comm, t_start)
+        run.metrics.close(result.report.get("summary") if result else None)
+    return result
 
 
 def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
@@ -252,11 +259,14 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     memory = invariants.check_memory(engine, comm)
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
-                      total=cfg.loop.steps, tensorboard=tensorboard)
-    packed = isinstance(schedule.source, RecordSource) and schedule.source.pack  # rows carry segments
-    plan = memory_plan(cfg, world_size=comm.world_size, documents=packed)
+                      total=cfg.loop.steps, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
+    plan = memory_plan(cfg, world_size=comm.world_size)
+    # rank 0 logs the records, so it alone finds the peak MFU is measured against (on CPU: times a matmul)
+    peak = peak_flops(cfg, rank_device(cfg)) if comm.rank == 0 else Peak(None, "rank 0's")
+    throughput = Throughput(cfg, comm.world_size, peak)
     if announce:
-        metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from) + "; " + plan.summary())
+        metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from) + "; " + plan.summary() + "; "
+                         + throughput.describe() + metrics.where())
     if restart_count() > 0:
         lost = metrics.dropped_after - start
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
@@ -267,7 +277,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,
                 stop=stop, detector=detector, policy=policy, saver=saver, metrics=metrics, memory=memory,
-                start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan)
+                start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan,
+                throughput=throughput, profiler=StepProfiler(cfg.logging.profile_steps, cfg.logging.out, comm.rank,
+                                                             rank_device(cfg)))
 
 
 def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
@@ -316,8 +328,11 @@ def _check_after_update(cfg: Config, run: _Run, done: int, after_update) -> None
 
 
 def _log_step(cfg: Config, run: _Run, record: dict) -> None:
-    """The step's record, with the validation loss when it is due, to the metrics."""
+    """The step's record, with its throughput, this rank's peak memory and the validation loss when it is due, to
+    the metrics."""
     done = record["step"]
+    record.update(run.throughput.of_step(record["step_ms"] / 1000, record["tokens"], record["batch_tokens"]),
+                  **peak_memory(run.engine.flat_params.device))
     if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
         record["val_loss"] = validation_loss(run.engine.model, run.val_source, run.mesh,
                                              batches=cfg.loop.eval_batches, micro_batch=cfg.loop.micro_batch)
@@ -337,17 +352,22 @@ def _maybe_save(cfg: Config, run: _Run, done: int, decision: control.Decision) -
         run.metrics.event({"event": "stop", "step": done, "signal": run.stopped["signal"]})
 
 
-def _finish(run: _Run, comm: Comm, t_start: float) -> TrainResult:
-    """Invariant (b) at the end, each rank's final norm and bytes held, the run's collective counts."""
+def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
+    """Invariant (b) at the end, each rank's final norm and bytes held, the run's collective counts; what the
+    command reports, and on rank 0 the summary."""
     engine = run.engine
     digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
     run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
     calls, nbytes = run.mesh.counters()
-    return TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
-                       engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
-                       _per_rank_bytes(engine, comm), time.perf_counter() - t_start, _plan_report(run))
+    result = TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
+                         engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
+                         _per_rank_bytes(engine, comm), time.perf_counter() - t_start, _plan_report(run))
+    result.report = _report(result, cfg, comm, run.throughput)
+    if run.metrics.active:  # rank 0 wrote the metrics: summary.json's figures, and W&B's summary
+        result.report["summary"] = summarize(result.report)
+    return result
 
 
 def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
@@ -416,17 +436,19 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine,
 
 def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     """Parameter, gradient and optimizer bytes each rank holds (gradients: between steps, and the most held at once
-    during one, stage 2's buckets in flight included), and its peak resident memory."""
+    during one, stage 2's buckets in flight included), its peak resident memory and, on CUDA, its device's peak."""
+    peaks = peak_memory(engine.flat_params.device)
     row = torch.tensor([
         engine.flat_params.numel() * engine.flat_params.element_size(),
         engine.grad_bytes(),
         engine.grad_peak_bytes,
         invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
+        peaks["peak_host_bytes"],
+        *([peaks["peak_device_bytes"]] if "peak_device_bytes" in peaks else []),
     ], dtype=torch.int64)
     rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
-    return {key: [int(r[i]) for r in rows] for i, key in enumerate(("param_bytes", "grad_bytes", "grad_peak_bytes",
-                                                                    "optimizer_bytes", "peak_rss_bytes"))}
+    keys = ("param_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "peak_rss_bytes", "peak_device_bytes")
+    return {key: [int(r[i]) for r in rows] for i, key in enumerate(keys[:len(row)])}
 
 
 def _plan_report(run: _Run) -> dict:
@@ -437,10 +459,14 @@ def _plan_report(run: _Run) -> dict:
 
 def train_job(cfg: Config, comm: Comm) -> dict:
     """The job behind `zerotrain train`: rank 0 returns what the command reports and writes to summary.json."""
-    result = train(cfg, comm)
+    return train(cfg, comm).report
+
+
+def _report(result: TrainResult, cfg: Config, comm: Comm, throughput: Throughput) -> dict:
+    """What the command reports of a run (rank 0's is what it gets)."""
     return {"records": result.records, "digests": result.digests, "checkpoints": result.checkpoints,
             "memory": vars(result.memory), "param_count": result.param_count, "start_step": result.start_step,
             "stopped": result.stopped, "rollbacks": result.rollbacks, "resumed_from": result.resumed_from,
             "per_rank": result.per_rank, "restarts": restart_count(), "wall_s": result.wall_s,
             "threads_per_rank": torch.get_num_threads(), "world_size": comm.world_size, "config": cfg.to_dict(),
-            "plan": result.plan}
+            "plan": result.plan, "throughput": throughput.state()}

@@ -1,14 +1,24 @@
-"""Per-step metrics: a progress line on rank 0, one JSON object per step (and per event) in a JSONL file."""
+"""The run's metrics on rank 0: each step's record (JSONL, the progress line, TensorBoard, W&B) and the summary."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import statistics
 import sys
 
 from tqdm import tqdm
 
+from zerotrain.checkpoint import committed_steps
+from zerotrain.config import Config
 from zerotrain.durable import write_atomic
+
+# What TensorBoard shows of a step record (W&B takes every number in it)
+BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu")
+WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
+# A step record's figures the summary gives the median of: the first step's warm-up does not move a median
+THROUGHPUT_KEYS = ("tokens_per_s_per_rank", "flops_per_s_per_rank", "mfu")
 
 
 class Metrics:
@@ -22,12 +32,13 @@ class Metrics:
     """
 
     def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int,
-                 tensorboard: str | None = None):
+                 tensorboard: str | None = None, wandb: str | None = None, config: Config | None = None):
         self.active = active
         self.path, self.tensorboard = path, tensorboard
         self.file = None
         self.bar = None
         self.board = None
+        self.wandb = None
         self.dropped_after = start
         if not active:
             return
@@ -39,6 +50,8 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter  # the [tb] extra; checked when the config was
 
             self.board = SummaryWriter(tensorboard, purge_step=start + 1)
+        if wandb:
+            self.wandb = _wandb_run(wandb, config, resumed=start > 0)
         # The bar starts with the first step, after the start line: a line printed beside a drawn bar lands on it.
         self._bar_span = (start, total) if progress else None
 
@@ -47,15 +60,19 @@ class Metrics:
             return
         self._write(record)
         if self.board:
-            for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
+            for key in BOARD_KEYS:
                 if record.get(key) is not None:
                     self.board.add_scalar(key, record[key], record["step"])
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
         if self._bar_span and self.bar is None:
             start, total = self._bar_span
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
                             dynamic_ncols=True, leave=True)
         if self.bar:
             postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if "mfu" in record:
+                postfix["mfu"] = f"{record['mfu']:.3g}"
             if "val_loss" in record:
                 postfix["val"] = f"{record['val_loss']:.4f}"
             self.bar.set_postfix(**postfix, refresh=False)
@@ -65,6 +82,14 @@ class Metrics:
         """A line for the person watching (the run's start line), on rank 0, before the progress bar starts."""
         if self.active:
             print(f"zerotrain: {line}", flush=True)
+
+    def where(self) -> str:
+        """Where the metrics go besides the JSONL file, for the start line."""
+        if not self.wandb:
+            return ""
+        at = (f"offline in {os.path.dirname(self.wandb.dir)} ('wandb sync' uploads it)" if self.wandb.offline
+              else self.wandb.url)
+        return f"; W&B run {self.wandb.name} of project {self.wandb.project}: {at}"
 
     def event(self, record: dict, message: str | None = None) -> None:
         """An event (restart, rollback, stop) in the metrics, and its line on screen."""
@@ -102,13 +127,78 @@ class Metrics:
             except OSError as e:  # a full disk's write names no file
                 raise OSError(e.errno, e.strerror, self.path) from e
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
+        """Close every logger; the W&B run ends with the run's summary, or as failed without one."""
+        if self.wandb:
+            if summary is not None:
+                self.wandb.summary.update(summary)
+            self.wandb.finish(exit_code=0 if summary is not None else 1)
+            self.wandb = None
         if self.board:
             self.board.close()
         if self.bar:
             self.bar.close()
         if self.file:
             self.file.close()
+
+
+def _wandb_run(project: str, config: Config | None, resumed: bool):
+    """A W&B run of `project` with the run's config, named after the run folder; quiet: zerotrain says where it is.
+
+    A resumed or restarted run continues the W&B run its folder started (its id is kept in <out>/wandb/), so the
+    whole timeline is one W&B run; offline, each invocation is a folder of that id, which `wandb sync` joins.
+    """
+    import wandb  # the [wandb] extra; checked when the config was
+
+    out = config.logging.out if config else os.getcwd()
+    id_file = os.path.join(out, "wandb", WANDB_ID)
+    if resumed and os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = secrets.token_hex(6)  # W&B takes any short id unique in its project
+        os.makedirs(os.path.dirname(id_file), exist_ok=True)
+        write_atomic(id_file, run_id + "\n", durable=False)
+    run = wandb.init(project=project, name=os.path.basename(os.path.abspath(out)), dir=out, id=run_id,
+                     resume="allow", config=config.to_dict() if config else None,
+                     settings=wandb.Settings(console="off", silent=True))
+    # a rollback replays steps: the step is the x-axis, W&B's own counter only orders the records
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
+
+
+def summarize(report: dict) -> dict:
+    """summary.json's figures from what rank 0 reports: the run in a few numbers, throughput (each figure's median
+    over the steps) and memory per rank with its max and mean across ranks."""
+    cfg = Config.from_dict(report["config"])
+    records = read_step_records(cfg.logging.metrics) or report["records"]  # the whole run, resumes included
+    per_rank, root = report["per_rank"], cfg.checkpoint.dir
+    throughput = dict(report.get("throughput", {}))
+    for key in THROUGHPUT_KEYS:
+        values = [r[key] for r in records if key in r]
+        throughput[key] = statistics.median(values) if values else None
+    return {
+        "steps": records[-1]["step"] if records else report["start_step"],
+        "start_step": report["start_step"],
+        "resumed_from": report["resumed_from"],
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "tokens": sum(r["tokens"] for r in records),
+        "wall_s": round(report["wall_s"], 3),  # of this invocation
+        "world_size": report["world_size"],
+        "threads_per_rank": report["threads_per_rank"],
+        "param_count": report["param_count"],
+        "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
+        "restarts": report["restarts"],
+        "rollbacks": count_events(cfg.logging.metrics, "rollback") or len(report["rollbacks"]),
+        "stopped": report["stopped"],
+        "throughput": throughput,
+        "per_rank": per_rank,
+        "plan": report["plan"],
+        "max": {k: max(v) for k, v in per_rank.items()},
+        "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
+    }
 
 
 def _truncate_after(path: str, step: int) -> int:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
-from zerotrain.checkpoint import committed_steps
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import Config, notes
 from zerotrain.durable import write_json
@@ -16,7 +14,7 @@ from zerotrain.runtime.run_folder import SUMMARY, prepare_run
 from zerotrain.training.faults import ENV as FAULTS_ENV
 from zerotrain.training.faults import Faults
 from zerotrain.training.loop import train_job
-from zerotrain.training.metrics import count_events, read_step_records
+from zerotrain.training.throughput import flop_rate
 
 
 def add_parser(sub) -> None:
@@ -34,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = run_job(train_job, cfg, prepare=prepare_run)
     if in_torchrun() and os.environ["RANK"] != "0":
         return 0
-    summary = write_summary(result, result["config"])
+    summary = write_summary(result)
     last = result["records"][-1] if result["records"] else None
     stopped = result["stopped"]
     if stopped:
@@ -51,37 +49,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_summary(result: dict, config: dict) -> dict:
-    """<out>/summary.json: the run in a few numbers, with per-rank memory and its max and mean across ranks."""
-    cfg = Config.from_dict(config)
-    records = read_step_records(cfg.logging.metrics) or result["records"]  # the whole run, resumes included
-    per_rank = result["per_rank"]
-    root = cfg.checkpoint.dir
-    summary = {
-        "steps": records[-1]["step"] if records else result["start_step"],
-        "start_step": result["start_step"],
-        "resumed_from": result["resumed_from"],
-        "first_loss": records[0]["loss"] if records else None,
-        "last_loss": records[-1]["loss"] if records else None,
-        "tokens": sum(r["tokens"] for r in records),
-        "wall_s": round(result["wall_s"], 3),  # of this invocation
-        "world_size": result["world_size"],
-        "threads_per_rank": result["threads_per_rank"],
-        "param_count": result["param_count"],
-        "checkpoints": [os.path.join(root, name) for name in committed_steps(root)],
-        "restarts": result["restarts"],
-        "rollbacks": count_events(cfg.logging.metrics, "rollback") or len(result["rollbacks"]),
-        "stopped": result["stopped"],
-        "per_rank": per_rank,
-        "plan": result["plan"],
-        "max": {k: max(v) for k, v in per_rank.items()},
-        "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
-    }
-    path = os.path.join(cfg.logging.out, SUMMARY)
+def write_summary(result: dict) -> dict:
+    """<out>/summary.json: the summary rank 0 made of the run (training.metrics.summarize), with its path."""
+    summary = result["summary"]
+    path = os.path.join(Config.from_dict(result["config"]).logging.out, SUMMARY)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(path, summary, durable=False)
-    summary["path"] = path
-    return summary
+    return {**summary, "path": path}
 
 
 def summary_line(s: dict) -> str:
@@ -92,4 +66,15 @@ def summary_line(s: dict) -> str:
             f"per rank max/mean: params {s['max']['param_bytes'] / mib:.1f}/{s['mean']['param_bytes'] / mib:.1f} MiB, "
             f"grads {s['max']['grad_peak_bytes'] / mib:.1f}/{s['mean']['grad_peak_bytes'] / mib:.1f} MiB at most, "
             f"optimizer {s['max']['optimizer_bytes'] / mib:.1f}/{s['mean']['optimizer_bytes'] / mib:.1f} MiB, "
-            f"peak RSS {s['max']['peak_rss_bytes'] / mib:.0f}/{s['mean']['peak_rss_bytes'] / mib:.0f} MiB")
+            f"peak RSS {s['max']['peak_rss_bytes'] / mib:.0f}/{s['mean']['peak_rss_bytes'] / mib:.0f} MiB"
+            + (f", device {s['max']['peak_device_bytes'] / mib:.0f}/{s['mean']['peak_device_bytes'] / mib:.0f} MiB"
+               if "peak_device_bytes" in s["max"] else "") + throughput_line(s["throughput"]))
+
+
+def throughput_line(t: dict) -> str:
+    """The median step's figures per rank, when the run has step records."""
+    if t.get("tokens_per_s_per_rank") is None:
+        return ""
+    mfu = f", MFU {t['mfu']:.3g}" if t.get("mfu") is not None else ""
+    return (f"; median step per rank: {t['tokens_per_s_per_rank']:,.0f} tokens/s, "
+            f"{flop_rate(t['flops_per_s_per_rank'])}{mfu}")

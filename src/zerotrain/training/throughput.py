@@ -1,0 +1,206 @@
+"""What a step achieves on its device: tokens/s, model FLOP/s and MFU per rank against the device's peak, and memory.
+
+The model FLOPs of one token, forward and backward (PaLM, appendix B; Chinchilla's count without embeddings):
+
+    flops_per_token = 6 * N + 12 * L * T * d
+
+N is the weights of the matmuls a token goes through: per block attention's q, k, v and output projections
+(d x (d + 2 * kv_width + d)) and the MLP's matrices (2 x d x ffn for GPT-2, 3 for Llama's SwiGLU), plus the head
+(V x d; a tied head too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the
+weight's gradients). 12 L T d is attention's scores Q K^T and their product with V: 2 matmuls of 2 T d FLOPs per
+token and layer forward, twice that backward, over the whole T x T (the causal half SDPA may skip is counted, as is
+conventional). Embedding lookups, biases, norms, activations, softmax and the loss are left out. The recompute of
+--activation-checkpointing is not counted: MFU counts the model's work, not the hardware's. Every position of the
+batch counts as a token (padding too: the matmuls run on it). tests/test_throughput.py checks the formula against
+torch's FlopCounterMode on the model's forward and backward.
+
+Per rank: the global batch's model FLOPs over the ranks. TP ranks split a replica's matmuls, DP ranks the batch;
+the head each TP rank computes again is the model's work once. MFU = model FLOP/s per rank / the peak of one device.
+
+The peak: `--peak-flops`; on CUDA the device's dense figure from CUDA_PEAKS at the precision its matmuls run in
+(bf16; tf32 when PyTorch's fp32 matmul precision allows it; else fp32); on CPU a matmul of the model's MLP shape
+timed once (0.05-0.3 s) and cached by CPU model, threads per rank, torch version, dtype and shape in
+`$ZEROTRAIN_CACHE` or `~/.cache/zerotrain` (the user's cache, not the run folder: every run on this machine then
+measures against the same figure, so MFUs compare across runs). A figure timed while the machine is busier than its
+cores is not cached: it would make every later run's MFU look too high.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.config import Config, ModelConfig
+from zerotrain.data.corpus import cache_root
+from zerotrain.durable import write_json
+
+PEAK_CACHE = "peak_flops.json"
+
+# Dense (no structured sparsity) peaks in FLOP/s of one device: (bf16, tf32, fp32), from NVIDIA's datasheets and
+# architecture whitepapers. The first name contained in torch.cuda.get_device_name() is the device: a longer name
+# comes before a name it contains ("A100" before "A10", "L40S" before "L4").
+CUDA_PEAKS: tuple[tuple[str, float, float, float], ...] = (
+    ("H100 PCIe", 756e12, 378e12, 51.2e12),
+    ("H100 NVL", 835e12, 417.5e12, 60e12),
+    ("H100", 989.4e12, 494.7e12, 66.9e12),  # SXM5 (HBM3)
+    ("H200 NVL", 835e12, 417.5e12, 60e12),
+    ("H200", 989.4e12, 494.7e12, 66.9e12),  # GH200's GPU too: the name contains it
+    ("A100", 312e12, 156e12, 19.5e12),  # SXM4 and PCIe alike
+    ("A10G", 125e12, 62.5e12, 31.2e12),  # AWS's A10, without a datasheet of its own: the A10's figures
+    ("A10", 125e12, 62.5e12, 31.2e12),
+    ("L40S", 362.05e12, 183.2e12, 91.6e12),
+    ("L40", 181e12, 90.5e12, 90.5e12),
+    ("L4", 121e12, 60e12, 30.3e12),
+    ("RTX 4090", 165.2e12, 82.6e12, 82.6e12),  # GeForce: bf16 with fp32 accumulation, half the fp16 rate
+    ("RTX 3090", 71e12, 35.6e12, 35.6e12),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The FLOP/s one device does at the run's precision (None: not known), and where the figure comes from."""
+
+    flops: float | None
+    source: str
+
+
+def matmul_params(m: ModelConfig) -> int:
+    """The weights of the matmuls one token goes through: every block's projections and MLP, and the head."""
+    d, kv_width = m.n_embd, m.kv_heads * m.head_dim
+    mlp_matrices = 3 if m.arch == "llama" else 2  # SwiGLU's gate, up and down; GPT-2's up and down
+    per_block = d * (d + 2 * kv_width) + d * d + mlp_matrices * d * m.ffn_width
+    return m.n_layer * per_block + m.vocab_size * d
+
+
+def model_flops_per_token(m: ModelConfig) -> int:
+    """6 N + 12 L T d: the model's forward and backward FLOPs per token (the module docstring says what counts)."""
+    return 6 * matmul_params(m) + 12 * m.n_layer * m.seq_len * m.n_embd
+
+
+def peak_flops(cfg: Config, device: torch.device) -> Peak:
+    """The peak of one of this run's devices: --peak-flops, else the table (CUDA) or a measured matmul (CPU)."""
+    if cfg.logging.peak_flops:
+        return Peak(cfg.logging.peak_flops, "--peak-flops")
+    bf16 = cfg.parallel.precision == "bf16"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        precision = "bf16" if bf16 else "tf32" if tf32 else "fp32"
+        for known, *figures in CUDA_PEAKS:
+            if known.lower() in name.lower():
+                return Peak(figures[("bf16", "tf32", "fp32").index(precision)], f"{name} dense {precision}, table")
+        return Peak(None, f"{name} is not in zerotrain's table of devices: --peak-flops F (FLOP/s) gives MFU")
+    m = cfg.model
+    shape = (min(cfg.loop.micro_batch * m.seq_len, 1024), m.n_embd, max(1, m.ffn_width // cfg.parallel.tp))
+    return cpu_peak(shape, torch.bfloat16 if bf16 else torch.float32)
+
+
+def cpu_peak(shape: tuple[int, int, int], dtype: torch.dtype, cache: str | None = None) -> Peak:
+    """A (M x K) @ (K x N) matmul's FLOP/s on this CPU with this rank's threads: cached, or timed now and cached."""
+    threads = torch.get_num_threads()
+    key = f"{cpu_model()}; {threads} threads; torch {torch.__version__}; {dtype}; {'x'.join(map(str, shape))}"
+    path = os.path.join(cache or cache_root(), PEAK_CACHE)
+    known = _read_cache(path)
+    what = f"CPU {str(dtype).removeprefix('torch.')} matmul {'x'.join(map(str, shape))}, {threads} thread" + \
+        "s" * (threads != 1)
+    if key in known:
+        return Peak(known[key], f"{what}: measured before, cached in {path}")
+    flops = time_matmul(shape, dtype)
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        return Peak(flops, f"{what}: measured now, not cached (load average {load:.1f} on {cores} cores)")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, {**_read_cache(path), key: flops}, durable=False)
+    except OSError as e:
+        return Peak(flops, f"{what}: measured now, not cached ({e.strerror}: {path})")
+    return Peak(flops, f"{what}: measured now, cached in {path}")
+
+
+def time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, budget_s: float = 0.25, timings: int = 3) -> float:
+    """The best FLOP/s of `timings` batches of matmuls of `shape`, each batch long enough for the clock, or of what
+    `budget_s` allows (after one untimed warm-up): about 0.05 s for a tiny model, 0.3 s for GPT-2's MLP."""
+    M, K, N = shape
+    a, b = torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
+    out = torch.mm(a, b)
+    best, reps, timed, start = float("inf"), 1, 0, time.perf_counter()
+    while timed < timings and time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        took = time.perf_counter() - t0
+        best = min(best, took / reps)
+        if took < 0.01:  # too short for the clock: twice the calls next time
+            reps *= 2
+        else:
+            timed += 1
+    return 2 * M * K * N / best
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_cache(path: str) -> dict[str, float]:
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+class Throughput:
+    """A step's figures per rank from its time: tokens/s, model FLOP/s, MFU; and this rank's peak memory."""
+
+    def __init__(self, cfg: Config, world_size: int, peak: Peak):
+        self.flops_per_token = model_flops_per_token(cfg.model)
+        self.world_size, self.peak = world_size, peak
+
+    def of_step(self, step_s: float, tokens: int, positions: int) -> dict:
+        """`tokens` trained (unmasked targets) and `positions` computed (the batch's capacity) by all ranks."""
+        flops = positions * self.flops_per_token / self.world_size / step_s
+        figures = dict(tokens_per_s_per_rank=tokens / self.world_size / step_s, flops_per_s_per_rank=flops)
+        if self.peak.flops:
+            figures["mfu"] = flops / self.peak.flops
+        return figures
+
+    def describe(self) -> str:
+        """For the start line: the FLOPs per token and the peak MFU is measured against."""
+        peak = f"{flop_rate(self.peak.flops)} per rank" if self.peak.flops else "an unknown peak"
+        return (f"{self.flops_per_token / 1e6:,.2f} MFLOP per token (6N + 12LTd); MFU against {peak} "
+                f"({self.peak.source})")
+
+    def state(self) -> dict:
+        """What the summary states beside the step figures."""
+        return {"flops_per_token": self.flops_per_token, "peak_flops": self.peak.flops,
+                "peak_source": self.peak.source}
+
+
+def flop_rate(flops_per_s: float) -> str:
+    """FLOP/s as a person reads them: 24.4 GFLOP/s, 989.4 TFLOP/s."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:,.1f} TFLOP/s"
+    return f"{flops_per_s / 1e9:,.2f} GFLOP/s" if flops_per_s < 10e9 else f"{flops_per_s / 1e9:,.1f} GFLOP/s"
+
+
+def peak_memory(device: torch.device) -> dict:
+    """This rank's peak memory so far: resident on the host, and allocated on its CUDA device."""
+    figures = {"peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux gives KiB
+    if device.type == "cuda":
+        figures["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return figures

@@ -1,0 +1,291 @@
+"""Throughput a user can read: the FLOPs formula against torch's count, the peak MFU is measured against, the figures
+in the step records, the progress line and summary.json, W&B's offline run, and --profile-steps' traces."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import statistics
+import struct
+import sys
+import tempfile
+
+import pytest
+import torch
+from conftest import zerotrain_here
+from test_user_errors import one_line_error
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from zerotrain.cli.flags import config_from_args
+from zerotrain.cli.main import build_parser
+from zerotrain.config import PRESETS, Config, ModelConfig, notes
+from zerotrain.model import build_model, summed_token_loss
+from zerotrain.model.layers import head_loss
+from zerotrain.training import throughput
+from zerotrain.training.metrics import Metrics, read_step_records
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY = ["--preset", "tiny", "--data", "synthetic", "--micro-batch", "2", "--threads", "1", "--no-progress"]
+
+
+def counted_flops(m: ModelConfig, batch: int = 2, recompute: bool = False) -> int:
+    """What torch's FlopCounterMode counts in one forward and backward of the model (SDPA's math kernel: the CPU's
+    fused one has no FLOP formula in the counter)."""
+    model = build_model(m, 0)
+    model.recompute_blocks = recompute
+    idx = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        head_loss(model, idx, idx, summed_token_loss, False).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_model_flops_per_token_equals_torchs_count_and_a_planted_mistake_is_caught(preset, monkeypatch):
+    m = ModelConfig(**{**PRESETS[preset], "seq_len": 24})  # T != d: the attention term's T and d are told apart
+    tokens = 2 * m.seq_len
+    assert throughput.model_flops_per_token(m) * tokens == counted_flops(m)
+
+    # planted in the product's formula: Llama's SwiGLU counted as two matrices like GPT-2's MLP; GPT-2's tied head
+    # left out as if it were only the embedding
+    honest = throughput.matmul_params
+
+    def mistaken(c: ModelConfig) -> int:
+        if c.arch == "llama":
+            return honest(c) - c.n_layer * c.n_embd * c.ffn_width
+        return honest(c) - c.vocab_size * c.n_embd
+
+    monkeypatch.setattr(throughput, "matmul_params", mistaken)
+    assert throughput.model_flops_per_token(m) * tokens != counted_flops(m)
+
+
+def test_the_recompute_of_activation_checkpointing_is_not_counted():
+    """The blocks' recompute runs (most of) their forward again: torch counts it, the model's FLOPs (and MFU) do not."""
+    m = ModelConfig(**PRESETS["tiny"])
+    tokens = 2 * m.seq_len
+    assert counted_flops(m, recompute=True) > throughput.model_flops_per_token(m) * tokens == counted_flops(m)
+
+
+def test_cuda_peaks_come_from_the_table_by_device_name_at_the_runs_precision_and_peak_flops_overrides(monkeypatch):
+    cfg = Config()
+    cuda = torch.device("cuda", 0)
+
+    def peak(name: str, precision: str = "fp32") -> float | None:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        cfg.parallel.precision = precision
+        return throughput.peak_flops(cfg, cuda).flops
+
+    # a name that contains another device's is that device, not the shorter one
+    assert peak("NVIDIA A100-SXM4-80GB", "bf16") == 312e12 and peak("NVIDIA A10G", "bf16") == 125e12
+    assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12 and peak("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak("NVIDIA L40S", "bf16") == 362.05e12 and peak("NVIDIA L4", "bf16") == 121e12
+    assert peak("NVIDIA H200") == 66.9e12  # fp32 matmuls at PyTorch's default precision ("highest": no TF32)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert peak("NVIDIA H200") == 494.7e12
+    assert peak("NVIDIA Quantum 9000") is None
+    assert "--peak-flops" in throughput.peak_flops(cfg, cuda).source  # the way to give it
+    cfg.logging.peak_flops = 2.5e14
+    assert peak("NVIDIA H200") == 2.5e14
+
+
+def test_the_cpu_peak_is_timed_once_and_cached_by_machine_threads_and_shape_but_not_under_load(tmp_path, monkeypatch):
+    shape = (64, 32, 128)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    first = throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+    assert first.flops > 0 and "measured now, cached" in first.source
+
+    def timed(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    honest_time = throughput.time_matmul
+    monkeypatch.setattr(throughput, "time_matmul", timed)
+    again = throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+    assert again.flops == first.flops and "measured before" in again.source
+    # another thread count is another key: timed anew
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    with pytest.raises(AssertionError, match="timed again"):
+        throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+
+    # a machine busier than its cores: timed, said, and not kept
+    monkeypatch.setattr(throughput, "time_matmul", honest_time)
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 0.0, 0.0))
+    busy = throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+    assert "not cached (load average 64.0" in busy.source
+    assert len(json.load(open(tmp_path / throughput.PEAK_CACHE))) == 1
+
+
+@contextlib.contextmanager
+def captured_output():
+    """What this process prints and what the ranks write to its descriptors 1 and 2: {"out": ..., "err": ...}."""
+    files = [tempfile.TemporaryFile(mode="w+", buffering=1) for _ in range(2)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    for fd, f in zip((1, 2), files):
+        os.dup2(f.fileno(), fd)
+    texts = {}
+    try:
+        with contextlib.redirect_stdout(files[0]), contextlib.redirect_stderr(files[1]):
+            yield texts
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        for name, f in zip(("out", "err"), files):
+            f.seek(0)
+            texts[name] = f.read()
+            f.close()
+
+
+def run_train(*argv: str) -> tuple[int, dict]:
+    from zerotrain.cli.main import main
+    from zerotrain.runtime.run_folder import release_run_folders
+
+    with captured_output() as texts:
+        try:
+            code = main(["train", *argv])
+        finally:
+            release_run_folders()
+    return code, texts
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """4 steps of the tiny GPT on 2 ranks, steps 2 and 3 traced: (run folder, what it printed)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    code, printed = run_train(*TINY, "--nproc", "2", "--steps", "4", "--profile-steps", "2:3", "--out", str(out))
+    assert code == 0, printed["err"][-2000:]
+    return out, printed
+
+
+def test_step_records_and_summary_hold_tokens_per_s_flops_mfu_and_peak_memory_per_rank(two_ranks):
+    out, printed = two_ranks
+    records = read_step_records(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["tokens_per_s_per_rank"] > 0 and r["flops_per_s_per_rank"] > 0 and 0 < r["mfu"] < 1, r
+        assert r["tokens_per_s_per_rank"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert r["peak_host_bytes"] > 0
+    summary = json.load(open(out / "summary.json"))
+    figures = summary["throughput"]
+    for key in ("tokens_per_s_per_rank", "flops_per_s_per_rank", "mfu"):
+        assert figures[key] == statistics.median(r[key] for r in records)
+    assert 0 < figures["mfu"] < 1 and figures["peak_flops"] > 0
+    for r in records:  # the figures are the stated formula over the stated peak
+        flops = figures["flops_per_token"] * r["batch_tokens"] / 2 / (r["step_ms"] / 1000)
+        assert r["flops_per_s_per_rank"] == pytest.approx(flops) and \
+            r["mfu"] == pytest.approx(flops / figures["peak_flops"])
+    assert figures["flops_per_token"] == throughput.model_flops_per_token(ModelConfig(**PRESETS["tiny"]))
+    assert len(summary["per_rank"]["peak_rss_bytes"]) == 2 and min(summary["per_rank"]["peak_rss_bytes"]) > 0
+    # the start line says what MFU is measured against, the summary line what the median step did
+    assert f"MFU against {throughput.flop_rate(figures['peak_flops'])} per rank (CPU float32 matmul 32x32x128, " \
+           "1 thread: measured " in printed["out"]
+    assert f"MFU {figures['mfu']:.3g}" in printed["out"].splitlines()[-1]
+
+
+def test_profile_steps_writes_a_loadable_chrome_trace_per_rank_of_those_steps(two_ranks):
+    out, _ = two_ranks
+    traces = sorted(os.listdir(out / "profile"))
+    assert traces == ["steps000002-000003-rank00000.json", "steps000002-000003-rank00001.json"]
+    for name in traces:
+        events = json.load(open(out / "profile" / name))["traceEvents"]
+        steps = {e["name"] for e in events if e.get("name", "").startswith("step ")}
+        assert steps == {"step 2", "step 3"}, steps
+        assert any(e.get("name", "").startswith("aten::mm") for e in events)  # the steps' compute is in it
+
+
+def test_the_progress_line_shows_mfu(tmp_path, capfd):
+    metrics = Metrics(str(tmp_path / "m.jsonl"), active=True, progress=True, start=0, total=2)
+    metrics.log(dict(step=1, loss=4.0, tokens_per_s=1000.0, mfu=0.4321))
+    metrics.close()
+    assert "mfu=0.432" in capfd.readouterr().err
+
+
+def wandb_records(folder: str) -> list:
+    """The records of the offline W&B run `folder` (<out>/wandb/offline-run-*), read from its transaction log (the LevelDB log format:
+    32 KiB blocks of records, each a 7-byte header (checksum, length, type: full, first, middle, last) and its bytes,
+    after a 7-byte file header) as W&B's own protobuf records."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = glob.glob(os.path.join(folder, "run-*.wandb"))
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def items(update) -> dict:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in update}
+
+
+def test_wandb_offline_run_holds_the_runs_losses_config_and_summary_and_a_resume_continues_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    argv = [*TINY, "--nproc", "1", "--wandb", "zerotrain-test", "--out", str(out), "--ckpt-every", "2"]
+    code, printed = run_train(*argv, "--steps", "2")
+    assert code == 0, printed["err"][-2000:]
+    assert "W&B run run of project zerotrain-test: offline in " in printed["out"]
+    code, printed = run_train(*argv, "--steps", "3", "--resume", "auto")
+    assert code == 0, printed["err"][-2000:]
+
+    first, resumed = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
+    assert first.split("-")[-1] == resumed.split("-")[-1]  # one W&B run: the resume continues the first's id
+    steps = read_step_records(str(out / "metrics.jsonl"))
+    history = [items(r.history.item) for folder in (first, resumed) for r in wandb_records(folder)
+               if r.WhichOneof("record_type") == "history"]
+    assert [(h["step"], h["loss"], h["mfu"]) for h in history] == [(r["step"], r["loss"], r["mfu"]) for r in steps]
+
+    records = wandb_records(resumed)
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == "zerotrain-test" and run.display_name == "run"
+    config = items(run.config.update)
+    given = config_from_args(build_parser().parse_args(["train", *argv, "--steps", "3"])).to_dict()
+    for section in ("model", "data", "optim", "parallel", "loop", "guard"):
+        assert config[section] == given[section], section
+    assert config["logging"]["wandb"] == "zerotrain-test"
+    summary = json.load(open(out / "summary.json"))
+    logged = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            logged.update(items(r.summary.update))
+    assert logged["last_loss"] == summary["last_loss"] and logged["throughput"] == summary["throughput"]
+
+
+def test_bad_peak_flops_and_profile_steps_and_wandb_without_its_package_are_one_line_errors(tmp_path, capfd,
+                                                                                            monkeypatch):
+    base = ["train", *TINY, "--steps", "4", "--out", str(tmp_path / "run")]
+    cases = [(["--peak-flops", "-1"], "--peak-flops must be >= 0, got -1.0"),
+             (["--peak-flops", "fast"], "argument --peak-flops: invalid float value: 'fast'"),
+             (["--profile-steps", "3:2"], "--profile-steps must be A:B, the first and last step to trace "
+                                          "(1 <= A <= B), got '3:2'"),
+             (["--profile-steps", "0:2"], "got '0:2'"), (["--profile-steps", "3"], "got '3'")]
+    for argv, message in cases:
+        r = zerotrain_here(capfd, *base, *argv)
+        assert message in one_line_error(r), (argv, r.stderr)
+    # a trace past the last step is said before the run, not refused (the steps may come from --epochs)
+    cfg = Config()
+    cfg.loop.steps, cfg.logging.profile_steps = 4, "3:9"
+    assert "--profile-steps 3:9 ends after the last step, 4: the trace ends with the run" in notes(cfg)
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else found(name, *a))
+    r = zerotrain_here(capfd, *base, "--wandb", "my-project")
+    assert one_line_error(r) == ("zerotrain: error: --wandb my-project needs the wandb package: "
+                                 "pip install 'zerotrain[wandb]'")
