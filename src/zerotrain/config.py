@@ -37,6 +37,18 @@ BELOW_ONE = Rule("must be in [0, 1)", lambda v: 0 <= v < 1)
 ABOVE_ONE = Rule("must be a number above 1", lambda v: v > 1)
 
 
+def step_range(text: str) -> tuple[int, int] | None:
+    """Steps A to B from "A:B" (1 <= A <= B), or None for anything else."""
+    first, colon, last = text.partition(":")
+    if not (colon and first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+        return None
+    return int(first), int(last)
+
+
+STEP_RANGE = Rule("must be A:B, the first and last step to trace (1 <= A <= B)",
+                  lambda v: v == "" or step_range(v) is not None)
+
+
 def one_of(*choices: str) -> Rule:
     return Rule("must be " + ", ".join(choices[:-1]) + f" or {choices[-1]}", lambda v: v in choices)
 
@@ -193,6 +205,13 @@ class LoggingConfig:
     metrics: str = setting("", "metrics JSONL path", shown="<out>/metrics.jsonl")
     progress: bool = setting(True, "a progress line (--no-progress: none)")
     tensorboard: bool = setting(False, "also log to <out>/tensorboard ('zerotrain[tb]')")
+    wandb: str = setting("", "also log each step, the config and the summary to this Weights & Biases project, from "
+                         "rank 0 ('zerotrain[wandb]'; WANDB_MODE=offline logs without a network)", shown="none")
+    peak_flops: float = setting(0.0, "the peak FLOP/s of one device that MFU is measured against (0: CUDA devices "
+                                "from zerotrain's table, at the run's precision; CPU: a matmul timed once and cached)",
+                                rule=NON_NEGATIVE, shown="the device's")
+    profile_steps: str = setting("", "trace steps A to B (A:B) with torch.profiler: one chrome trace per rank in "
+                                 "<out>/profile/", rule=STEP_RANGE, shown="none")
 
 
 @dataclass
@@ -444,6 +463,11 @@ def notes(cfg: Config) -> list[str]:
     if o.warmup_steps >= steps > 0:
         said.append(f"--warmup-steps {o.warmup_steps} is not shorter than --steps {steps}: the learning rate rises "
                     f"for the whole run and ends at {steps / o.warmup_steps:.0%} of --lr {o.lr:g}")
+    traced = step_range(cfg.logging.profile_steps)
+    if traced and traced[1] > steps:
+        said.append(f"--profile-steps {cfg.logging.profile_steps} " + (
+            f"starts after the last step, {steps}: nothing is traced" if traced[0] > steps else
+            f"ends after the last step, {steps}: the trace ends with the run"))
     return said
 
 

@@ -57,7 +57,8 @@ def table(cfg: Config, r: dict) -> str:
     notes = {
         "p": 2 if bf16 else 4,
         "grads": "shard x 4" if p.zero == 2 else
-                 f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''} + shard x 4",
+                 f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
+                 f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
         "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
                     "two largest buckets x 4" if cfg.loop.accum == 1 else "every bucket, through the window"),
