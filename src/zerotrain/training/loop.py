@@ -12,7 +12,7 @@ import torch
 
 from zerotrain import checkpoint
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, StepBatch, make_source, on_device
+from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
@@ -260,7 +260,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
                       total=cfg.loop.steps, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
-    plan = memory_plan(cfg, world_size=comm.world_size)
+    packed = isinstance(schedule.source, RecordSource) and schedule.source.pack  # rows carry segments
+    plan = memory_plan(cfg, world_size=comm.world_size, documents=packed)
     # rank 0 logs the records, so it alone finds the peak MFU is measured against (on CPU: times a matmul)
     peak = peak_flops(cfg, rank_device(cfg)) if comm.rank == 0 else Peak(None, "rank 0's")
     throughput = Throughput(cfg, comm.world_size, peak)
