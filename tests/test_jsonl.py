@@ -1,5 +1,5 @@
-"""Fine-tuning data: JSON Lines and JSON records, the prompt masked out of the loss, a record index, output independent of
-the chunk and the threads, bad lines named, tables refused."""
+"""Fine-tuning data: JSON Lines, JSON and Parquet records, the prompt masked out of the loss, a record index, output
+independent of the chunk and the threads, bad lines named, CSV refused."""
 
 from __future__ import annotations
 
@@ -109,6 +109,35 @@ def test_a_json_file_is_read_as_records_never_as_text(tmp_path, capfd):
         read_records(str(tmp_path / "alpaca2.json"))
 
 
+def test_a_parquet_file_is_read_by_its_record_columns_as_the_same_json_lines(bpe_folder, tmp_path, capfd):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import zerotrain_here
+
+    chats = [{"messages": [{"role": "user", "content": f"Question {i}:"}, {"role": "assistant", "content": f"{i}"}],
+              "source": "x"} for i in range(5)]
+    tables = {"pc": RECORDS[:12], "text": [{"text": f"The user asks {i}.", "id": i} for i in range(7)], "chats": chats}
+    chatml = tmp_path / "chatml"
+    from model_folders import CHATML
+
+    tokenizer_folder(chatml, template=CHATML, eos="<|im_end|>")
+    for name, records in tables.items():
+        tokenizer = str(chatml if name == "chats" else bpe_folder)
+        pq.write_table(pa.Table.from_pylist(records), tmp_path / f"{name}.parquet", row_group_size=4)
+        # val_fraction 0: the split hashes the file's name, which differs
+        prepare_jsonl(write_jsonl(tmp_path / f"{name}.jsonl", records), str(tmp_path / f"{name}-lines"), tokenizer, 0.0)
+        prepare_jsonl(str(tmp_path / f"{name}.parquet"), str(tmp_path / f"{name}-parquet"), tokenizer, 0.0)
+        assert all(filecmp.cmp(tmp_path / f"{name}-lines" / n, tmp_path / f"{name}-parquet" / n, shallow=False)
+                   for n in PREPARED if n != "tokenizer.json")
+    pq.write_table(pa.Table.from_pylist([{"instruction": "x", "output": "y"}]), tmp_path / "alpaca.parquet")
+    line = one_line_error(zerotrain_here(capfd, "prepare", str(tmp_path / "alpaca.parquet"), str(tmp_path / "o")))
+    assert f"{tmp_path / 'alpaca.parquet'}: no \"messages\", \"text\" or \"prompt\" and \"completion\" column " \
+           "(columns: instruction, output)" in line
+    pq.write_table(pa.Table.from_pylist([{"text": "fine"}, {"text": None}]), tmp_path / "null.parquet")
+    with pytest.raises(ConfigError, match=r"null\.parquet\[1\]: \"text\" is None, not a string"):
+        read_records(str(tmp_path / "null.parquet"))
+
+
 @pytest.mark.parametrize("line, why", [
     ('{"text": "ok"', "not JSON"),
     ('["text"]', "a JSON list, not an object"),
@@ -132,7 +161,7 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path):
 
 
 def test_a_table_is_refused_with_a_hint(tmp_path):
-    for name in ("data.csv", "data.parquet"):
+    for name in ("data.csv", "data.tsv"):
         with pytest.raises(ConfigError, match="a table is not read as text; write its text, prompt/completion or "
                                               r"messages columns as JSON Lines \(pandas: pd.read_"):
             jsonl_module.refuse_table(str(tmp_path / name), "--data")

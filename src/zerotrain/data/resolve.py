@@ -72,7 +72,7 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
         raise ConfigError(f"{flag} {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
-                          "folder, a .jsonl or .json file of records, or a folder of .bin token files)")
+                          "folder, a .jsonl, .json or .parquet file of records, or a folder of .bin token files)")
     if os.path.isdir(src) and _bins(src):
         return token_folder(src, src, flag)
     if os.path.isfile(src) and src.endswith(".bin"):
