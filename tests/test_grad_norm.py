@@ -42,7 +42,7 @@ def test_the_chunked_norm_is_a_float64_norm_to_float_rounding():
     grads = gradients()
     reference = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]), dtype=torch.float64)
     for bucket_numel in BUCKET_NUMELS:
-        assert abs(world_norm(grads, 1, bucket_numel) / reference.item() - 1) < 1e-6  # measured: 1e-8
+        assert abs(world_norm(grads, 1, bucket_numel) / reference.item() - 1) < 1e-6  # measured: 1.3e-9
     # planted: the norm of the gradients rounded to bf16 (as if taken of a bf16 copy), in the engine's own function
     real = grad_norm.chunk_squares
     with pytest.MonkeyPatch.context() as mp:
