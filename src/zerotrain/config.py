@@ -136,10 +136,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(3e-3, "peak learning rate", rule=POSITIVE)
+    lr: float = setting(3e-3, "peak learning rate", rule=POSITIVE, shown="0.003; with --init-from 2e-05")
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr", rule=FRACTION)
-    warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, at least 1)", shown="steps/10")
-    weight_decay: float = setting(0.1, "AdamW weight decay on matrices", rule=NON_NEGATIVE)
+    warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, with --init-from steps x 0.03; at "
+                                "least 1)", shown="steps/10; with --init-from steps x 0.03")
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices", rule=NON_NEGATIVE,
+                                  shown="0.1; with --init-from 0")
     beta1: float = setting(0.9, "AdamW's first-moment decay", rule=BELOW_ONE)
     beta2: float = setting(0.95, "AdamW's second-moment decay", rule=BELOW_ONE)
     eps: float = setting(1e-8, "AdamW's epsilon", rule=POSITIVE)
@@ -471,8 +473,24 @@ def notes(cfg: Config) -> list[str]:
     return said
 
 
+# Fine-tuning (--init-from) starts from a trained model, which pretraining's lr 3e-3 and weight decay 0.1 would
+# wreck in its first steps. Full fine-tuning of small models is commonly run at 1e-5..5e-5 without weight decay
+# and with a warmup of a few percent of the steps (Alpaca's and TRL's SFT recipes: lr 2e-5, warmup ratio 0.03;
+# transformers' Trainer: weight decay 0). These apply where the user (flag or TOML) and the command set nothing.
+FINE_TUNING = {"lr": 2e-5, "weight_decay": 0.0}
+FINE_TUNING_WARMUP_PERCENT = 3  # of the steps, as --warmup-steps -1 means with --init-from
+
+
+def fine_tuning_defaults(cfg: Config, stated: set[str]) -> None:
+    """Set --init-from's optimizer defaults (FINE_TUNING) for the keys not in `stated`, those the user gave."""
+    for key, value in FINE_TUNING.items():
+        if key not in stated:
+            setattr(cfg.optim, key, value)
+
+
 def resolve(cfg: Config) -> Config:
     """Fill in the derived values, after validation: the one place a default depends on another setting."""
     if cfg.optim.warmup_steps < 0:
-        cfg.optim.warmup_steps = max(1, cfg.loop.steps // 10)
+        percent = FINE_TUNING_WARMUP_PERCENT if cfg.checkpoint.init_from else 10
+        cfg.optim.warmup_steps = max(1, cfg.loop.steps * percent // 100)
     return cfg

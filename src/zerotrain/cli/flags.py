@@ -8,8 +8,8 @@ import importlib.util
 import os
 import sys
 
-from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, load_toml, merge, resolve, setting_for,
-                               validate)
+from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, load_toml,
+                               merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
@@ -114,6 +114,8 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
             (set(PRESETS[args.preset]) if args.preset else set())
         cfg.model = adopt(cfg.model, source, stated)
         cfg.checkpoint.init_from, vocab_given = source.folder, True
+        fine_tuning_defaults(cfg, set(given) | set(args._flag_defaults) |  # lr and decay; warmup: resolve
+                             (set(toml.get("optim", {})) if args.config else set()))
     validate(cfg)
     if environment:
         check_environment(cfg)

@@ -381,6 +381,10 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     epochs = getattr(schedule.source, "epochs_in", None)  # records: what the steps cover
     if epochs:
         where += f" ({epochs(cfg.loop.steps)})"
+    if cfg.checkpoint.init_from:  # fine-tuning's own defaults (config.FINE_TUNING) unless set: say what applies
+        o = cfg.optim
+        where += (f"; fine-tuning at lr {o.lr:g}, weight decay {o.weight_decay:g}, warmup {o.warmup_steps} "
+                  f"step{'s' * (o.warmup_steps != 1)}")
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
     tp, dp = cfg.parallel.tp, schedule.world_size
