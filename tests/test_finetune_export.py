@@ -170,6 +170,10 @@ def test_the_export_renders_the_sources_chat_and_keeps_its_context_and_a_trainin
         (theirs.bos_token, theirs.eos_token, theirs.pad_token, theirs.model_max_length)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.max_position_embeddings == CONTEXT[arch]
+    own = str(tmp_path / "zerotrain")  # zerotrain's own format keeps the context and the template too
+    assert run_cli(["export", run, own, "--format", "safetensors"]) == 0
+    assert read_json(own, "config.json")["model"]["seq_len"] == CONTEXT[arch]
+    assert read_json(own, "tokenizer_config.json") == read_json(source, "tokenizer_config.json")
     # planted: what the checkpoint kept of the source left unread: the model loads with the training window, the
     # export writes zerotrain's own tokenizer files
     monkeypatch.setattr(pretrained, "model_facts", lambda folder: {})
