@@ -80,3 +80,4 @@ def test_micro_batches_reach_the_device_in_order_and_stay_where_they_are_on_cpu(
         assert torch.equal(d.inputs.cpu(), m.inputs) and torch.equal(d.labels.cpu(), m.labels)
         if device == "cpu":
             assert d is m  # no copy on CPU
+    assert all(a is b for a, b in zip(on_device(moved, torch.device(device)), moved))  # there already: as they are

@@ -66,6 +66,7 @@ def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iter
     On CUDA each is pinned and copied on a side stream one micro-batch ahead, so the next copy runs
     while this one computes and the host never waits for a copy; the compute stream waits for the
     copy's end before it reads, and the copies are marked as used by it so the allocator keeps them.
+    Micro-batches already on the device are used as they are.
     """
     if device.type != "cuda":
         yield from micro_batches
@@ -73,6 +74,8 @@ def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iter
     copies, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
     def issue(micro: MicroBatch) -> MicroBatch:
+        if micro.inputs.device.type == "cuda":  # moved there already (bench compare shares its batches so)
+            return micro
         with torch.cuda.stream(copies):
             return micro.pin_memory().to(device, non_blocking=True)
 
