@@ -271,3 +271,34 @@ def test_sample_chat_without_a_template_is_refused_in_one_line(tmp_path, capsys)
     assert run_cli(["sample", run, "--chat", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no chat template" in err and "--prompt" in err
+
+
+END_OF_TURN = {  # a template, and the special token it ends an assistant's turn with (None: it writes none)
+    "chatml": (CHATML, "<|im_end|>"),
+    "llama3": ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] }}<|eot_id|>{% endfor %}", "<|eot_id|>"),
+    "zephyr": ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}", "</s>"),
+    "gemma": ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+              "{{ m['content'] }}<end_of_turn>\n{% endfor %}", "<end_of_turn>"),
+    "plain": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(END_OF_TURN))
+def test_the_end_of_turn_is_the_first_special_token_the_template_writes_after_a_reply(name, tmp_path):
+    from zerotrain.hub.chat_prompt import chat_tokenizer, end_of_turn
+
+    template, expected = END_OF_TURN[name]
+    specials = ["<|begin_of_text|>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="</s>")
+    fast.chat_template = template
+    fast.save_pretrained(str(tmp_path))
+    found = end_of_turn(chat_tokenizer(str(tmp_path)))
+    assert found == (None if expected is None else tok.token_to_id(expected))
