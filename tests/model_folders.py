@@ -1,5 +1,5 @@
-"""Tiny model and tokenizer folders built locally: a Llama-style BPE (post-processor `<s> $A`), ChatML templates with and
-without `{% generation %}` markers, saved by transformers as a downloaded instruct model has them."""
+"""Tiny model and tokenizer folders built locally: a Llama-style BPE (post-processor `<s> $A`), ChatML templates with
+and without `{% generation %}` markers, saved by transformers as a downloaded instruct model has them."""
 
 from __future__ import annotations
 

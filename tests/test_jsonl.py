@@ -35,7 +35,7 @@ def test_only_the_completion_and_its_end_of_text_are_targets_and_the_index_marks
     offsets = np.fromfile(tmp_path / "out" / "train.records", dtype="<u8")
     assert len(offsets) == 14 and offsets[0] == 0 and offsets[-1] == meta["train"]["tokens"]  # n_records + 1
     for record, (tokens, mask) in zip(RECORDS, records):
-        assert bytes(tokens[mask == 0].tolist()).decode() == record.get("prompt", "")  # bytes: the prompt is the context
+        assert bytes(tokens[mask == 0].tolist()).decode() == record.get("prompt", "")  # bytes: the prompt is context
         assert bytes(tokens[mask == 1][:-1].tolist()).decode() == record.get("completion", record.get("text"))
         assert tokens[-1] == 0 and mask[-1] == 1  # the end-of-text id of bytes is 0, trained on
     assert meta["train"]["trained_tokens"] == sum(int(m.sum()) for _, m in records)

@@ -1,4 +1,4 @@
-"""Chat records: a conversation rendered with the model folder's own chat template, and the spans of it the loss trains on.
+"""Chat records: a conversation rendered with the model folder's chat template, and the spans of it the loss trains on.
 
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant", ...}, ...]}
 

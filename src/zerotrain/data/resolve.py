@@ -126,7 +126,7 @@ def model_tokenizer(cfg: Config) -> str | None:
 
 
 def _zerotrain_folder(folder: str) -> bool:
-    """A zerotrain checkpoint or export (its manifest or config.json records its tokenizer), not a Hugging Face folder."""
+    """A zerotrain checkpoint or export (its manifest or config.json records its tokenizer), not a Hugging Face one."""
     if os.path.isfile(os.path.join(folder, "manifest.json")):
         return True
     try:

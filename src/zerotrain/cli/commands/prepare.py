@@ -18,9 +18,10 @@ from zerotrain.errors import ConfigError
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "prepare", help="tokenize text into train.bin / val.bin (bytes or a locally trained BPE)",
+        "prepare", help="tokenize text or records into token files (bytes, a local BPE, or a model's tokenizer)",
         description="INPUT is a UTF-8 text file (documents: blank-line separated paragraphs), a folder of text "
-                    "files (documents: files), python-stdlib, or a .jsonl (.json, .parquet) file of records ({\"text\": ...}, "
+                    "files (documents: files), python-stdlib, or a .jsonl (.json, .parquet) file of records "
+                    "({\"text\": ...}, "
                     "{\"prompt\": ..., \"completion\": ...}: only the completion is trained on, or {\"messages\": "
                     "[...]}: a chat in the tokenizer folder's chat template, its assistant turns trained on; through "
                     "train.mask / val.mask beside the tokens, and train.records / val.records: where each record "

@@ -1,0 +1,121 @@
+"""Benchmark `zerotrain prepare` on a large JSON Lines file: peak RSS against the file size, tokens/s against the
+tokenizers library's own batch encoding of the same texts on the same cores.
+
+    python scripts/bench_prepare.py --mb 50 200 [--baseline-max-mb 50] [--dir /tmp/bench-prepare]
+
+Each size: a JSON Lines file of prompt/completion and text records (made-up words, a BPE of 8192 ids trained on a
+sample of them), prepared by `zerotrain prepare`'s prepare_jsonl in a process of its own (its own peak RSS, getrusage;
+the CLI adds its imports, torch's among them, about 350 MB), then the same
+records' texts (prompt + completion, or text) encoded with `Tokenizer.encode_batch_fast` in batches of 4096 from
+memory, in a process of its own (reading and JSON parsing not counted: the library's own speed). On a shared machine
+the tokens per CPU second (getrusage, all threads) compare the work; tokens/s the wall time. prepare's tokens/s
+are its own (meta.json: reading, parsing, encoding, writing; not the interpreter's start). Everything it
+writes is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+PREPARE = r"""
+import json, resource, sys
+from zerotrain.data.jsonl import prepare_jsonl  # what `zerotrain prepare` runs, without the CLI's torch import
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+c0 = cpu()  # after the imports: the interpreter's start is not prepare's work
+prepare_jsonl(sys.argv[1], sys.argv[2], sys.argv[3])
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_s": cpu() - c0}))
+"""
+BASELINE = r"""
+import json, resource, sys, time
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(sys.argv[2])
+texts = []
+for line in open(sys.argv[1], encoding="utf-8"):
+    r = json.loads(line)
+    texts.append(r["text"] if "text" in r else r["prompt"] + r["completion"])
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+t0, c0, tokens = time.perf_counter(), cpu(), 0
+for i in range(0, len(texts), 4096):
+    tokens += sum(len(e.ids) for e in tok.encode_batch_fast(texts[i:i + 4096], add_special_tokens=False))
+print(json.dumps({"tokens": tokens, "s": time.perf_counter() - t0, "cpu_s": cpu() - c0}))
+"""
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCABULARY) for _ in range(n))
+
+
+rng0 = random.Random(0)
+VOCABULARY = ["".join(rng0.choice("etaoinshrdlcumwfgypbvk") for _ in range(rng0.randint(2, 9))) for _ in range(5000)]
+
+
+def write_jsonl(path: str, megabytes: int) -> int:
+    rng, size, records = random.Random(megabytes), 0, 0
+    with open(path, "w") as f:
+        while size < megabytes << 20:
+            record = {"text": words(rng, rng.randint(50, 400))} if records % 4 == 0 else \
+                {"prompt": words(rng, rng.randint(20, 120)) + "\n",
+                 "completion": " " + words(rng, rng.randint(20, 200))}
+            line = json.dumps(record) + "\n"
+            f.write(line)
+            size += len(line)
+            records += 1
+    return records
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mb", type=int, nargs="+", default=[50, 200])
+    p.add_argument("--dir", default="/tmp/bench-prepare")
+    p.add_argument("--baseline-max-mb", type=int, default=None, help="compare with encode_batch only up to this size")
+    args = p.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    try:
+        from zerotrain.data.tokenizer import train_bpe
+
+        rng = random.Random(1)
+        folder = os.path.join(args.dir, "tokenizer")
+        os.makedirs(folder, exist_ok=True)
+        train_bpe([words(rng, 200) for _ in range(2000)], 8192).save(os.path.join(folder, "tokenizer.json"))
+        for mb in args.mb:
+            jsonl = os.path.join(args.dir, f"data-{mb}.jsonl")
+            records = write_jsonl(jsonl, mb)
+            out = os.path.join(args.dir, f"out-{mb}")
+            t0 = time.perf_counter()
+            run = subprocess.run([sys.executable, "-c", PREPARE, jsonl, out, folder], check=True, capture_output=True,
+                                 text=True)
+            prepare_s = time.perf_counter() - t0
+            usage = json.loads(run.stdout.splitlines()[-1])  # of the prepare process alone
+            with open(os.path.join(out, "meta.json")) as f:
+                meta = json.load(f)
+            tokens = meta["train"]["tokens"] + meta["val"]["tokens"]
+            row = {"file_mb": round(os.path.getsize(jsonl) / 2**20, 1), "records": records, "tokens": tokens,
+                   "process_s": round(prepare_s, 1), "prepare_s": meta["timings"]["total_s"],
+                   "prepare_tokens_per_s": meta["tokens_per_s"], "prepare_peak_rss_mb": round(usage["peak_rss_mb"]),
+                   "prepare_tokens_per_cpu_s": round(tokens / usage["cpu_s"])}
+            if args.baseline_max_mb is None or mb <= args.baseline_max_mb:
+                base = json.loads(subprocess.run([sys.executable, "-c", BASELINE, jsonl, os.path.join(
+                    folder, "tokenizer.json")], check=True, capture_output=True, text=True).stdout)
+                row["encode_batch_tokens_per_s"] = round(base["tokens"] / base["s"])
+                row["ratio"] = round(meta["tokens_per_s"] / row["encode_batch_tokens_per_s"], 2)
+                row["encode_batch_tokens_per_cpu_s"] = round(base["tokens"] / base["cpu_s"])
+            print(json.dumps(row), flush=True)
+            shutil.rmtree(out)
+            os.remove(jsonl)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
