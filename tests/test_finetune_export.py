@@ -170,6 +170,8 @@ def test_the_export_renders_the_sources_chat_and_keeps_its_context_and_a_trainin
         (theirs.bos_token, theirs.eos_token, theirs.pad_token, theirs.model_max_length)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.max_position_embeddings == CONTEXT[arch]
+    import zerotrain  # zerotrain's loader takes inputs up to the context too, from the checkpoint and the export
+    assert zerotrain.load_model(run).cfg.seq_len == zerotrain.load_model(out).cfg.seq_len == CONTEXT[arch]
     own = str(tmp_path / "zerotrain")  # zerotrain's own format keeps the context and the template too
     assert run_cli(["export", run, own, "--format", "safetensors"]) == 0
     assert read_json(own, "config.json")["model"]["seq_len"] == CONTEXT[arch]
