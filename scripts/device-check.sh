@@ -25,6 +25,7 @@ if [ "$DEVICE" = cuda ] && [ "$GPUS" = 0 -o "$GPUS" = "no torch" ]; then
 fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."  # the checkout: tests/ and scripts/ are read from it
 exec > >(tee "$OUT/device-check.log") 2>&1
 
 FAILED=()
@@ -34,7 +35,7 @@ check() {  # check TITLE SECONDS COMMAND...: a header, the command under a time 
     echo "== $title"
     timeout "$limit" "$@" || { echo "FAILED: $title"; FAILED+=("$title"); }
 }
-tests() { python -m pytest -q -p no:cacheprovider "$@"; }  # the CUDA cases of a test file (DEVICES in it)
+PYTEST=(python -m pytest -q -p no:cacheprovider)  # a test file's CUDA cases (its DEVICES) with its CPU ones
 
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
@@ -46,7 +47,7 @@ check "demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume" 75 \
 check "throughput: preset $PRESET, bf16 parameters with fp32 master, 30 steps" 110 \
     zerotrain train --device "$DEVICE" --nproc 1 --preset "$PRESET" --precision bf16 \
     --micro-batch 16 --steps 30 --check-every 0 --no-progress --out "$OUT/throughput"
-check "MFU of that run, and what deterministic kernels cost" 120 python - "$OUT" "$PRESET" <<'PY'
+check "MFU of that run, and what deterministic kernels cost" 300 python - "$OUT" "$PRESET" <<'PY'
 """Tokens/s from the run's metrics; MFU = 6 * P * tokens/s over a bf16 matmul peak measured here."""
 import json, os, statistics, sys, time
 
@@ -168,8 +169,8 @@ PY
 
 # The CUDA cases of the tests (each file's DEVICES): one line each.
 check "the loss sum stays on the GPU (no host sync per micro-batch, the same bits), micro-batches pinned and copied ahead" \
-    120 tests tests/test_accumulate.py
-check "the gradient norm: the same bits at world sizes 1-5, on the GPU's reductions too" 90 tests tests/test_grad_norm.py
+    120 "${PYTEST[@]}" tests/test_accumulate.py
+check "the gradient norm: the same bits at world sizes 1-5, on the GPU's reductions too" 90 "${PYTEST[@]}" tests/test_grad_norm.py
 check "packed records attend only to themselves (FlexAttention, compiled, with its backward), Llama's fp32 GQA \
 through a fused kernel, the block mask's memory against the T x T mask" 300 python scripts/packed_attention_check.py "$DEVICE"
 
