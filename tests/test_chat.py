@@ -131,3 +131,18 @@ def test_chats_without_a_chat_template_and_bad_chats_given_to_train_are_refused_
                                          "--no-progress", "--out", str(tmp_path / "run")))
     assert f"{tmp_path / 'bad.jsonl'}:2: no assistant message" in line
     assert not (tmp_path / "run").exists() and not [p for p in cache.iterdir() if p.is_dir()]  # nothing half-made
+
+
+def test_train_on_chats_prepares_them_with_the_models_template_and_trains_only_the_assistant(tmp_path, capfd):
+    model = tmp_path / "instruct"
+    hf = llama_folder(model, template=CHATML_MARKED, eos="<|im_end|>")
+    write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CHATS])
+    cache = tmp_path / "cache"
+    r = zerotrain_here(capfd, "train", "--init-from", str(model), "--data", str(tmp_path / "chats.jsonl"),
+                       "--data-cache", str(cache), "--val-fraction", "0", "--steps", "2", "--micro-batch", "2",
+                       "--no-progress", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert json.load(open(folder / "meta.json"))["source"]["chats"] == len(CHATS)
+    assert [(list(t), list(m)) for t, m in read_prepared(folder)] == transformers_view(hf)
+    assert "(train): " in r.stdout and " 3 records, " in r.stdout  # the start line counts them
