@@ -132,3 +132,8 @@ def test_a_vocabulary_too_large_for_the_model_is_not_blamed_on_vocab_size(model,
     line = one_line_error(zerotrain_here(capfd, "train", "--init-from", str(model), "--data", str(tmp_path / "bins"),
                                          "--steps", "1", "--no-progress"))
     assert f"is not below the vocabulary of --init-from {model} ({VOCAB} ids)" in line and "--vocab-size" not in line
+    (tmp_path / "bins" / "meta.json").write_text(json.dumps({"vocab_size": VOCAB + 5}))  # states it, no tokenizer
+    line = one_line_error(zerotrain_here(capfd, "train", "--init-from", str(model), "--data", str(tmp_path / "bins"),
+                                         "--steps", "1", "--no-progress"))
+    assert f"its vocabulary has {VOCAB + 5} ids, more than the {VOCAB} of --init-from {model}" in line
+    assert "--vocab-size" not in line
