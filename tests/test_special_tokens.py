@@ -137,3 +137,15 @@ def test_a_vocabulary_too_large_for_the_model_is_not_blamed_on_vocab_size(model,
                                          "--steps", "1", "--no-progress"))
     assert f"its vocabulary has {VOCAB + 5} ids, more than the {VOCAB} of --init-from {model}" in line
     assert "--vocab-size" not in line
+
+
+def test_a_completion_that_starts_inside_a_token_trains_that_token_and_is_counted(llama, tmp_path, capfd):
+    folder, hf = llama
+    records = [{"prompt": "The user ask", "completion": "s and the assistant answers."}, RECORDS[0]]
+    r = zerotrain_here(capfd, "prepare", write_jsonl(tmp_path / "ft.jsonl", records), str(tmp_path / "out"),
+                       "--tokenizer", str(folder), "--val-fraction", "0")
+    assert r.returncode == 0 and "1 training completions start inside a token" in r.stdout, r.stdout
+    assert json.load(open(tmp_path / "out" / "meta.json"))["train"]["completions_inside_a_token"] == 1
+    (tokens, mask), _ = read_prepared(tmp_path / "out")
+    assert list(tokens) == hf("The user asks and the assistant answers.")["input_ids"] + [EOS]  # the whole, as one
+    assert hf.decode(tokens[mask == 1][:-1]) == " asks and the assistant answers."  # " asks" holds the prompt's " ask"

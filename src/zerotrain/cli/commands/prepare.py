@@ -67,6 +67,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inside(split: dict) -> str:
+    n = split.get("completions_inside_a_token")
+    return f"; {n:,} training completions start inside a token that also holds the prompt's end (trained on: " \
+           "a prompt that ends in a space or newline the tokenizer splits at avoids it)" if n else ""
+
+
 def prepared_line(out: str, meta: dict) -> str:
     t, tr, va = meta["timings"], meta["train"], meta["val"]
     if meta.get("loss_mask"):
@@ -77,7 +83,7 @@ def prepared_line(out: str, meta: dict) -> str:
                 f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}{bos}); train {tr['record_count']:,} records, "
                 f"{tr['tokens']:,} tokens of which {tr['trained_tokens']:,} trained on, the longest record "
                 f"{tr['longest_record']:,} tokens; val {va['record_count']:,} records, {va['tokens']:,} tokens"
-                f"{chats}; {t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s")
+                f"{chats}{_inside(tr)}; {t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s")
     train_s = f", tokenizer training {t['tokenizer_train_s']:.1f} s" if "tokenizer_train_s" in t else ""
     return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
             f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['tokens']:,} tokens "
