@@ -13,7 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 TEXTS = [f"Question {i}: what is {i} plus {i}? Answer: {2 * i}. The user asks and the assistant answers." for i in
          range(300)]
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0..4
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>"]  # ids 0..7
 BOS, EOS, IM_START, IM_END = 1, 2, 3, 4
 VOCAB = 400
 CHATML_MARKED = (
@@ -23,6 +24,13 @@ CHATML_MARKED = (
     "{% endgeneration %}{{ '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 CHATML = CHATML_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+LLAMA3_MARKED = (  # Llama 3's layout: a header per message, the turn ended by <|eot_id|>, no newline between turns
+    "{{- bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA3 = LLAMA3_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
 def bpe(bos: bool = True) -> Tokenizer:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 from conftest import zerotrain_here
-from model_folders import BOS, CHATML, CHATML_MARKED, IM_END, llama_folder, read_prepared, tokenizer_folder, \
-    write_jsonl
+from model_folders import BOS, CHATML, CHATML_MARKED, IM_END, LLAMA3, LLAMA3_MARKED, llama_folder, read_prepared, \
+    tokenizer_folder, write_jsonl
 from test_user_errors import one_line_error
 
 from zerotrain.data import chat as chat_module
@@ -73,10 +73,17 @@ def test_tokens_and_mask_equal_transformers_assistant_mask_and_a_planted_cut_tur
     assert ours(capfd, tmp_path, folder, "planted") != expected
 
 
+@pytest.mark.parametrize("layout", ["chatml", "llama3"])
 def test_a_template_without_markers_gives_the_markers_mask_and_a_planted_trained_header_is_caught(
-        folders, tmp_path, capfd, monkeypatch):
-    marked = ours(capfd, tmp_path, folders["marked"][0], "marked")
-    assert ours(capfd, tmp_path, folders["plain"][0], "plain") == marked
+        folders, tmp_path, capfd, monkeypatch, layout):
+    if layout == "chatml":
+        marked_folder, plain_folder = folders["marked"][0], folders["plain"][0]
+    else:
+        marked_folder, plain_folder = tmp_path / "llama3-marked", tmp_path / "llama3"
+        tokenizer_folder(marked_folder, template=LLAMA3_MARKED, eos="<|eot_id|>")
+        tokenizer_folder(plain_folder, template=LLAMA3, eos="<|eot_id|>")
+    marked = ours(capfd, tmp_path, marked_folder, "marked")
+    assert ours(capfd, tmp_path, plain_folder, "plain") == marked
     assert json.load(open(tmp_path / "plain" / "meta.json"))["source"]["chat_template"] == "growing prefixes"
     text = chat_module.ChatTemplate._text
 
@@ -84,7 +91,7 @@ def test_a_template_without_markers_gives_the_markers_mask_and_a_planted_trained
         return text(self, messages, where)
 
     monkeypatch.setattr(chat_module.ChatTemplate, "_text", no_generation_prompt)
-    assert ours(capfd, tmp_path, folders["plain"][0], "planted") != marked
+    assert ours(capfd, tmp_path, plain_folder, "planted") != marked
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp_path, capfd):
