@@ -27,8 +27,8 @@ from zerotrain.errors import ConfigError
 
 from .documents import TextInput
 from .tokenfiles import LlmcWriter
-from .tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, parse_tokenizer_spec, tokenizer_file,
-                        tokenizer_record, train_bpe)
+from .tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, parse_tokenizer_spec, tokenizer_digest,
+                        tokenizer_file, tokenizer_record, train_bpe)
 
 FORMAT, VERSION = "zerotrain-tokens", 1
 META = "meta.json"
@@ -166,10 +166,11 @@ def _cache_setting(root: str) -> str:
 
 def cached_corpus(source: TextInput, root: str, tokenizer: str | None = None) -> str:
     """The folder of `source` prepared under cache `root`, built first if it is not there: as bytes, or with the
-    tokenizer.json `tokenizer` (a model's), whose bytes are part of the folder's name."""
+    tokenizer.json `tokenizer` (a model's), whose bytes and the files beside it that name its end-of-text token are
+    part of the folder's name."""
     content = key = source.content_hash()
     if tokenizer is not None:
-        key = hashlib.sha256((content + sha256_file(tokenizer)[1]).encode()).hexdigest()
+        key = hashlib.sha256((content + tokenizer_digest(tokenizer)).encode()).hexdigest()
     stem = source.kind if source.kind == "python-stdlib" else os.path.basename(os.path.normpath(source.label))
 
     def build(tmp: str) -> None:
