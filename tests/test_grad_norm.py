@@ -1,5 +1,5 @@
-"""The gradient norm: chunked fp32 norms summed exactly, within float rounding of a float64 norm, and the same bits at
-every world size, in the engine's own reduce_grads too; a chunking per rank instead of the buckets' grid is caught."""
+"""The gradient norm: chunks' fp32 sums of squares summed exactly, within float rounding of a float64 norm, and the same
+bits at every world size (and device), in the engine's own reduce_grads too; a chunking per rank is caught."""
 
 import math
 
@@ -71,6 +71,7 @@ def test_the_norm_is_bitwise_the_same_at_every_world_size_and_a_per_rank_chunkin
     grads = gradients(1)
     norms = {w: world_norm(grads, w, bucket_numel, device) for w in WORLD_SIZES}
     assert len(set(norms.values())) == 1, norms
+    assert norms[1] == world_norm(grads, 1, bucket_numel, "cpu")  # and on every device (elementwise adds only)
     monkeypatch.setattr(grad_norm, "norm_chunks", per_rank_chunks)
     planted = {w: world_norm(grads, w, bucket_numel, device) for w in WORLD_SIZES}
     assert len(set(planted.values())) > 1, planted
