@@ -30,7 +30,8 @@ def with_table(text: str, table: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("path", nargs="?", default=REFERENCE, help="the reference to rewrite (default docs/reference.md)")
+    parser.add_argument("path", nargs="?", default=REFERENCE,
+                        help="the reference to rewrite (default docs/reference.md)")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the table is out of date")
     args = parser.parse_args(argv)
     from zerotrain.cli.flags import reference_table
