@@ -226,8 +226,8 @@ class RecordSource:
         said = [f"{len(self.records):,} records"]
         if self.pack:
             rows = self.rows_in_epoch(0)
-            said.append(f"packed {len(self.records) / rows:.1f} per window of {self.seq_len} ({rows:,} windows in "
-                        "epoch 1)")
+            said.append(f"packed {len(self.records) / rows:.1f} per window of {self.seq_len} ({rows:,} window"
+                        f"{'s' if rows != 1 else ''} in epoch 1)")
         else:
             said.append("one per sequence")
         if self.truncated:

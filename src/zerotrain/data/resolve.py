@@ -28,6 +28,7 @@ from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
 from .jsonl import VERSION as JSONL_VERSION
 from .jsonl import is_records_file, prepare_jsonl, refuse_table
+from .packing import has_records
 from .tokenfiles import max_token, open_token_file
 from .tokenizer import (TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, read_tokenizer_file, tokenizer_digest,
                         tokenizer_record)
@@ -295,7 +296,8 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
         raise ConfigError(f"--data {d.source}: token id {top_id} at position {top_pos} of {top_file.path} is not "
                           f"below the {origin}")
     longest = max(len(f) for f in files[: len(spec.train)])  # a window never crosses files
-    if d.pack and longest < m.seq_len + 1:
+    records = any(has_records(f) for f in files[: len(spec.train)])  # packed whole, however short: no window to fill
+    if d.pack and not records and longest < m.seq_len + 1:
         raise ConfigError(f"--data {d.source}: {longest} tokens in its longest training file, fewer than one "
                           f"sequence of --seq-len {m.seq_len} plus its target")
     if not d.pack and spec.eot_id is None:
