@@ -136,3 +136,29 @@ def test_a_rank_out_of_memory_says_so_in_one_line_with_the_plan(tmp_path):
     assert r.returncode == 1 and len(failed) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert failed[0].startswith("zerotrain: FAILED: rank 1: out of memory in step 2 (")
     assert "the plan for this run is" in failed[0] and "--zero 2" in failed[0]
+
+
+def test_zerotrain_plan_of_packed_records_counts_the_document_mask_the_run_saves(tmp_path, capfd, monkeypatch):
+    """`zerotrain plan` on JSON Lines (records packed whole, each row carrying segments) gives the rows the run's own
+    plan gives and the activations its first step measures; a plan that leaves the document mask out is caught."""
+    from conftest import zerotrain_here
+
+    from zerotrain.cli.commands import plan as plan_command
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}", "completion": f"answer {i}"}) + "\n"
+                            for i in range(30)))
+    args = ["--data", str(data), "--seq-len", "64", "--micro-batch", "4"]
+
+    def plan_rows() -> dict:
+        r = zerotrain_here(capfd, "plan", *args, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["rows"]
+
+    r = zerotrain_here(capfd, "train", *args, "--steps", "1", "--no-progress", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    run = json.load(open(tmp_path / "run" / "summary.json"))["plan"]
+    rows = plan_rows()
+    assert rows == run["rows"] and rows["activations"] == run["activations_measured"]
+    monkeypatch.setattr(plan_command, "packs_records", lambda cfg: False)  # planted: the plan forgets the mask
+    assert plan_rows()["activations"] < run["activations_measured"]

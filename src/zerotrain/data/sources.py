@@ -14,6 +14,8 @@ nanoGPT's training does (documents are long, and a window anywhere in them is a 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -21,8 +23,9 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
 from .batches import IGNORE, MicroBatch
-from .packing import RecordSource, file_records, has_records
-from .resolve import resolve_data, validation_files
+from .jsonl import RECORD_FILES
+from .packing import RecordSource, file_records, has_records, records_path
+from .resolve import SYNTHETIC, resolve_data, validation_files
 from .tokenfiles import TokenFile, open_token_file
 
 __all__ = ["IGNORE", "RecordSource", "SyntheticSource", "TokenSource", "epoch_steps", "make_source"]
@@ -180,3 +183,17 @@ def epoch_steps(cfg: Config) -> int:
                           "records (epochs count passes over JSON Lines records, or over documents with --no-pack): "
                           "give --steps")
     return source.first_step(cfg.loop.epochs)
+
+
+def packs_records(cfg: Config) -> bool:
+    """Whether the training rows will carry record segments (records packed whole), told from the --data path alone,
+    without preparing it: what `zerotrain plan` needs to count the document mask for a run on another machine."""
+    d = cfg.data
+    if not d.pack or d.source in SYNTHETIC:
+        return False
+    if d.source.lower().endswith(RECORD_FILES):
+        return True
+    if os.path.isdir(d.source):
+        return any(name.endswith((".records", ".mask")) for name in os.listdir(d.source))
+    stem = d.source[:-4] if d.source.endswith(".bin") else d.source
+    return os.path.isfile(records_path(d.source)) or os.path.isfile(stem + ".mask")

@@ -7,6 +7,7 @@ import json
 
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import Config
+from zerotrain.data import packs_records
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.training.memory_plan import ROWS, gib, largest_micro_batch, memory_plan, parse_bytes
 
@@ -40,8 +41,9 @@ def add_parser(sub) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     device_bytes = parse_bytes(args.device_memory) if args.device_memory is not None else None
     cfg = config_from_args(args, environment=False)  # a plan for a machine that is not this one
-    plan = memory_plan(cfg)
-    fits = largest_micro_batch(cfg, device_bytes) if device_bytes is not None else None
+    documents = packs_records(cfg)  # packed records: the attention's document mask is saved too
+    plan = memory_plan(cfg, documents=documents)
+    fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
