@@ -167,16 +167,18 @@ def test_a_table_is_refused_with_a_hint(tmp_path):
             jsonl_module.refuse_table(str(tmp_path / name), "--data")
 
 
-def test_records_shorter_than_one_window_train_packed_and_a_text_that_short_is_still_refused(tmp_path, capfd):
+def test_records_shorter_than_one_window_train_packed_each_step_records_its_epoch_and_a_short_text_is_refused(tmp_path, capfd):
     """Records are packed whole into windows, so a file of fewer tokens than one window still trains; a text (read as
     random windows over one stream) that short cannot fill a window and stays refused."""
     from conftest import zerotrain_here
 
     data = write_jsonl(tmp_path / "few.jsonl", [{"prompt": "a", "completion": "b"}] * 4)
-    r = zerotrain_here(capfd, "train", "--data", data, "--seq-len", "64", "--steps", "1", "--micro-batch", "1",
+    r = zerotrain_here(capfd, "train", "--data", data, "--seq-len", "64", "--steps", "2", "--micro-batch", "1",
                        "--val-fraction", "0", "--no-progress", "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
     assert "4 records, packed 4.0 per window of 64 (1 window in epoch 1)" in r.stdout, r.stdout
+    with open(tmp_path / "run" / "metrics.jsonl") as f:  # one window per epoch: each step is an epoch of its own
+        assert [json.loads(line).get("epoch") for line in f] == [1, 2]
     text = tmp_path / "few.txt"
     text.write_text("ab" * 10)
     r = zerotrain_here(capfd, "train", "--data", str(text), "--seq-len", "64", "--steps", "1", "--no-progress",

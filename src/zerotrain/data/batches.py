@@ -30,6 +30,7 @@ class MicroBatch(NamedTuple):
 class StepBatch:
     micro_batches: list[MicroBatch]  # this rank's, in order
     global_tokens: int  # unmasked target tokens in the whole global batch, all ranks together
+    epoch: int | None = None  # 1-based, for sources of records read in epochs
 
     @property
     def local_tokens(self) -> int:
@@ -57,7 +58,8 @@ class BatchSchedule:
         for a in range(self.accum):
             lo = first + a * self.micro_batch
             micro.append(self.source.sequences(step, range(lo, lo + self.micro_batch)))
-        return StepBatch(micro, self.source.token_count(step, self.global_batch))
+        epoch = self.source.locate(step)[0] + 1 if hasattr(self.source, "locate") else None
+        return StepBatch(micro, self.source.token_count(step, self.global_batch), epoch)
 
 
 def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iterator[MicroBatch]:

@@ -399,9 +399,12 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
 def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,
             cfg: Config, step_s: float) -> dict:
     """One step's metrics. tokens: unmasked target tokens of the global batch; batch_*: its capacity."""
-    return dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
-                batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
-                step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
+    record = dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
+                  batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
+                  step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
+    if batch.epoch is not None:  # records read in epochs: which one this step's rows are from
+        record["epoch"] = batch.epoch
+    return record
 
 
 def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
