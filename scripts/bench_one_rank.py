@@ -1,0 +1,126 @@
+"""One rank's optimizer step and peak memory: zerotrain's engine against a plain transformers + torch AdamW loop.
+
+Every run is a fresh process (peak resident memory cannot be split between two models in one), the runs alternate
+in rounds whose order reverses each round, so that drift in the machine's load spreads over all of them. Both train
+GPT-2 of the preset's shape on the same random tokens with fused AdamW and gradient clipping at 1.0; transformers'
+model is GPT2LMHeadModel with SDPA. `--variant NAME=SRC` adds zerotrain from another source folder (e.g. an older
+commit's `git archive` unpacked), for before/after tables.
+
+    python scripts/bench_one_rank.py --preset gpt2 --seq-len 128 --rounds 3 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def run_one(kind: str, args: argparse.Namespace) -> dict:
+    """This process trains `kind` (zerotrain or transformers) for args.steps steps: seconds per step, peak RSS."""
+    import torch
+
+    from zerotrain.config import PRESETS
+
+    torch.set_num_threads(args.threads)
+    shape = {**PRESETS[args.preset], "seq_len": args.seq_len}
+    ids = torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq_len + 1),
+                        generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    step = (_zerotrain_step if kind == "zerotrain" else _transformers_step)(shape, x, y, args)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _zerotrain_step(shape: dict, x, y, args):
+    import torch
+    import torch.distributed as dist
+
+    from zerotrain.bench.baselines import ZeroTrainStrategy
+    from zerotrain.config import Config, resolve, validate
+    from zerotrain.data import MicroBatch, StepBatch
+    from zerotrain.parallel import Comm
+
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
+    cfg = Config()
+    for key, value in shape.items():
+        setattr(cfg.model, key, value)
+    cfg.data.source = "synthetic"
+    cfg.loop.micro_batch, cfg.launch.nproc, cfg.launch.threads = x.shape[0], 1, args.threads
+    strategy = ZeroTrainStrategy(resolve(validate(cfg)), Comm())
+    batch = StepBatch([MicroBatch(x, y, None)], x.numel())
+
+    def step() -> None:
+        strategy.step(batch, cfg.optim.lr)
+        strategy.settle()
+
+    return step
+
+
+def _transformers_step(shape: dict, x, y, args):
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
+                                     n_positions=shape["seq_len"], vocab_size=shape["vocab_size"])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=True)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(x, labels=x).loss.backward()  # transformers shifts the labels itself: the same next-token loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return step
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is not counted")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=SRC",
+                   help="also zerotrain from the source folder SRC, labelled NAME")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this one and print its result
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args)))
+        return 0
+    runs = {"zerotrain": ("zerotrain", None), "transformers": ("transformers", None)}
+    runs.update({name: ("zerotrain", src) for name, src in (v.split("=", 1) for v in args.variant)})
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    for r in range(args.rounds):
+        for name in list(runs) if r % 2 == 0 else reversed(list(runs)):
+            kind, src = runs[name]
+            env = {**os.environ, **({"PYTHONPATH": src} if src else {})}
+            child = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+                     "--threads", str(args.threads), "--steps", str(args.steps), "--one", kind]
+            out = subprocess.run([sys.executable, __file__, *child], env=env, capture_output=True, text=True,
+                                 check=True).stdout
+            results[name].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"| {args.preset}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.threads} thread(s), "
+          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run |\n| --- | ---: | ---: |")
+    for name, rs in results.items():
+        step = statistics.median(t for r in rs for t in r["step_s"][1:])
+        peaks = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in rs)
+        print(f"| {name} | {step:.3f} | {peaks} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
