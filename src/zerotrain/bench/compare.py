@@ -1,6 +1,6 @@
 """`zerotrain bench compare`: ZeRO-1 against DDP, ZeroRedundancyOptimizer and FSDP2, alternated in one run.
 
-All four strategies are built side by side in the same ranks and take turns: every strategy first
+All four strategies (either architecture) are built side by side in the same ranks and take turns: every strategy first
 runs untimed warm-up steps, then each repeat runs `steps` timed optimizer steps of every strategy,
 the order rotating from repeat to repeat so that drift in machine load spreads over all of them.
 A strategy always continues from its own last step, so at the end every strategy has trained the
@@ -34,6 +34,7 @@ from zerotrain.cli.flags import checked
 from zerotrain.config import POSITIVE, Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
 from zerotrain.errors import ConfigError
+from zerotrain.model import ARCH_NAMES
 from zerotrain.parallel import Comm
 from zerotrain.runtime.launch import rank_device
 from zerotrain.training.schedule import lr_at
@@ -60,9 +61,9 @@ def add_parser(benches) -> None:
 
     p = benches.add_parser(
         "compare", help="zerotrain ZeRO-1 vs DDP, ZeroRedundancyOptimizer and FSDP2, side by side",
-        description="Train the same GPT with four data-parallel strategies, alternating them, and report "
-                    "step time, tokens/s, optimizer state, peak memory, bytes communicated and final-parameter "
-                    "agreement. --steps is the timed steps per strategy per repeat.")
+        description="Train the same model (GPT-2 or Llama) with four data-parallel strategies, alternating them, "
+                    "and report step time, tokens/s, optimizer state, peak memory, bytes communicated and "
+                    "final-parameter agreement. --steps is the timed steps per strategy per repeat.")
     add_training_flags(p, defaults=COMPARE_DEFAULTS)
     p.add_argument("--quick", action="store_true", help="fewer steps (well under 3 minutes on 2 cores)")
     p.add_argument("--heavy", action="store_true", help="communication-heavy case: --preset wide, micro-batch 1")
@@ -264,7 +265,8 @@ def markdown(summary: dict, cfg: Config, plan: Plan) -> str:
     m = cfg.model
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     lines = [
-        f"GPT {m.n_layer} layers / {m.n_head} heads / {m.n_embd} wide, seq {m.seq_len}, vocab {m.vocab_size}: "
+        f"{ARCH_NAMES[m.arch]} {m.n_layer} layers / {m.n_head} heads / {m.n_embd} wide, seq {m.seq_len}, "
+        f"vocab {m.vocab_size}: "
         f"P = {summary['param_count']:,}; {summary['world_size']} rank(s) x {cfg.launch.threads} thread(s), "
         f"micro-batch {cfg.loop.micro_batch} x accum {cfg.loop.accum}, {summary['global_tokens_per_step']:.0f} tokens/step, {cfg.launch.device}; "
         f"zerotrain overlap {'on' if cfg.reduce_in_backward else 'off'} (--overlap {cfg.parallel.overlap})",
