@@ -1,7 +1,7 @@
 """Four data-parallel strategies behind one interface: one optimizer step, its state, its counted bytes.
 
 zerotrain's ZeRO-1 engine, torch DDP + AdamW, DDP + ZeroRedundancyOptimizer(AdamW) and FSDP2
-(`fully_shard`, no resharding after forward) train the same GPT from the same seed on the same
+(`fully_shard`, no resharding after forward) train the same model (GPT-2 or Llama) from the same seed on the same
 batches with the same AdamW hyperparameters and weight-decay groups, so their final parameters
 must agree. Each strategy counts the bytes its own collectives send, under the ring accounting
 of comm.py: (W-1)/W of the buffer for reduce-scatter and all-gather, 2(W-1)/W for all-reduce,
