@@ -360,7 +360,7 @@ class ZeroEngine:
 
     def _counted_grad_sumsq(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm, so that the world's sum counts every value once: the
-        squared norms of its pieces of the norm's chunk grid (grad_norm.py), summed exactly by reduce_grads.
+        sums of squares of its pieces of the norm's chunk grid (grad_norm.py), summed exactly by reduce_grads.
 
         Every rank's TP slices are its own values: each counts its owned chunk of them. Every DP group
         owns the same chunks of the replicated values, one copy per TP rank: only TP rank 0's group counts them.
