@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -80,21 +79,28 @@ def test_every_flag_and_toml_key_comes_from_the_declaration_and_agrees_with_help
     assert reference_table() in open(REFERENCE).read()
 
 
-def test_regen_reference_rewrites_a_stale_table_and_leaves_the_rest(tmp_path):
-    current = open(REFERENCE).read()
+def regen_reference():
+    """scripts/regen_reference.py as a module, so its main() runs in this process."""
+    spec = importlib.util.spec_from_file_location("regen_reference", REGEN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_regen_reference_rewrites_a_stale_table_and_leaves_the_rest(tmp_path, capsys):
+    regen, current = regen_reference(), open(REFERENCE).read()
     stale = tmp_path / "reference.md"
     drop = next(line for line in current.splitlines() if line.startswith("| `--ckpt-every` "))
     stale.write_text(current.replace(drop + "\n", ""))  # a setting declared since the table was written
-    run = [sys.executable, REGEN, str(stale)]
-    assert subprocess.run(run + ["--check"], capture_output=True).returncode == 1
+    assert regen.main([str(stale), "--check"]) == 1
     assert "--ckpt-every" not in reference_rows_of(stale.read_text())  # --check changes nothing
-    assert subprocess.run(run, capture_output=True).returncode == 0
+    assert regen.main([str(stale)]) == 0
     rewritten = stale.read_text()
     assert reference_table() in rewritten and outside_the_table(rewritten) == outside_the_table(current)
-    assert subprocess.run(run + ["--check"], capture_output=True).returncode == 0
+    assert regen.main([str(stale), "--check"]) == 0
     stale.write_text(current.replace("<!-- end of flag table -->", ""))  # a file whose table cannot be found
-    done = subprocess.run(run, capture_output=True, text=True)
-    assert done.returncode == 2 and "markers" in done.stderr
+    capsys.readouterr()
+    assert regen.main([str(stale)]) == 2 and "markers" in capsys.readouterr().err
 
 
 def reference_rows_of(text: str) -> set[str]:
