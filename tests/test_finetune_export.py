@@ -19,12 +19,13 @@ import pytest
 import torch
 import transformers  # a test dependency (pyproject's [test] extra): missing, the module fails to import, loudly
 from test_api import run_cli
+from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from zerotrain import checkpoint
+from zerotrain import checkpoint, load_model
 from zerotrain.cli.commands import export_model as export_command
 from zerotrain.cli.commands import sample as sample_command
-from zerotrain.hub import pretrained
+from zerotrain.config import ModelConfig
 from zerotrain.model import generate as generate_module
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -98,11 +99,11 @@ def zerotrain(*args, timeout=240):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{arch: (source folder, run folder)}: each source fine-tuned 2 steps on one rank, the Llama at
-    --seq-len 64 (its context is 2048), the GPT-2 at its own 32 (its learned position table fixes it)."""
+    """{arch: (source folder, run folder)}: each source fine-tuned 2 steps on one rank on a shorter window than its
+    context: the Llama at --seq-len 64 (its context is 2048), the GPT-2 at 16 (its learned position table has 32)."""
     root = tmp_path_factory.mktemp("finetune")
     found = {}
-    for arch, window in (("llama", ["--seq-len", "64"]), ("gpt2", [])):
+    for arch, window in (("llama", ["--seq-len", "64"]), ("gpt2", ["--seq-len", "16"])):
         source = model_folder(root / arch, arch)
         run = str(root / f"{arch}-run")
         r = zerotrain("train", "--init-from", source, "--data", "synthetic", *window, "--steps", "2", "--lr", "2e-5",
@@ -171,30 +172,40 @@ def test_the_export_renders_the_sources_chat_and_keeps_its_context_and_a_trainin
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.max_position_embeddings == CONTEXT[arch]
     import zerotrain  # zerotrain's loader takes inputs up to the context too, from the checkpoint and the export
-    assert zerotrain.load_model(run).cfg.seq_len == zerotrain.load_model(out).cfg.seq_len == CONTEXT[arch]
+    assert zerotrain.load_model(run).cfg.positions == zerotrain.load_model(out).cfg.positions == CONTEXT[arch]
     own = str(tmp_path / "zerotrain")  # zerotrain's own format keeps the context and the template too
     assert run_cli(["export", run, own, "--format", "safetensors"]) == 0
-    assert read_json(own, "config.json")["model"]["seq_len"] == CONTEXT[arch]
+    assert ModelConfig(**read_json(own, "config.json")["model"]).positions == CONTEXT[arch]
     assert read_json(own, "tokenizer_config.json") == read_json(source, "tokenizer_config.json")
-    # planted: what the checkpoint kept of the source left unread: the model loads with the training window, the
-    # export writes zerotrain's own tokenizer files
-    monkeypatch.setattr(pretrained, "model_facts", lambda folder: {})
+    # planted: what the checkpoint kept of the source's tokenizer left unread: the export writes zerotrain's own files
     monkeypatch.setattr(export_command, "model_facts", lambda folder: {})
     monkeypatch.setattr("zerotrain.hub.export.config_files", lambda folder: {})
     wrong = str(tmp_path / "wrong")
     assert run_cli(["export", run, wrong, "--format", "hf"]) == 0
-    if arch == "llama":
-        assert read_json(wrong, "config.json")["max_position_embeddings"] == 64
     assert transformers.AutoTokenizer.from_pretrained(wrong).chat_template is None
+    # planted: the model's positions taken to be the training window: a Llama exports the window as its context; a
+    # GPT-2's position table, longer than the window, no longer fits the model
+    monkeypatch.setattr(ModelConfig, "positions", property(lambda self: self.seq_len))
+    window = str(tmp_path / "window")
+    if arch == "llama":
+        assert run_cli(["export", run, window, "--format", "hf"]) == 0
+        assert read_json(window, "config.json")["max_position_embeddings"] == 64
+    else:
+        assert run_cli(["export", run, window, "--format", "hf"]) == 1
 
 
-def test_a_gpt2_source_trains_at_its_own_context_and_a_shorter_window_is_refused_in_one_line(runs, tmp_path):
+def test_a_gpt2_trains_on_a_shorter_window_keeping_its_position_table_and_a_longer_one_is_refused(runs, tmp_path):
     source, run = runs["gpt2"]
-    assert checkpoint.read_manifest(step_folder(run))["config"]["model"]["seq_len"] == CONTEXT["gpt2"]
-    r = zerotrain("train", "--init-from", source, "--data", "synthetic", "--seq-len", "16", "--out",
-                  str(tmp_path / "short"))
+    model = checkpoint.read_manifest(step_folder(run))["config"]["model"]
+    assert (model["seq_len"], model["context"]) == (16, CONTEXT["gpt2"])
+    kept = load_model(run).transformer.wpe.weight
+    with safe_open(os.path.join(source, "model.safetensors"), "pt") as f:
+        table = f.get_tensor("transformer.wpe.weight")
+    assert kept.shape == table.shape and torch.equal(kept[16:], table[16:])  # the rows past the window: untrained
+    r = zerotrain("train", "--init-from", source, "--data", "synthetic", "--seq-len", "64", "--out",
+                  str(tmp_path / "long"))
     assert r.returncode == 2 and r.stderr.strip() == (
-        f"zerotrain: error: --seq-len 16 contradicts --init-from {source}, whose model has seq_len = 32: leave it "
+        f"zerotrain: error: --seq-len 64 contradicts --init-from {source}, whose model has seq_len = 32: leave it "
         "out, the model's comes with it")
 
 

@@ -95,7 +95,10 @@ class ModelConfig:
                              rule=NON_NEGATIVE, shown="--n-head")
     n_embd: int = setting(32, "embedding width", rule=POSITIVE)
     intermediate_size: int = setting(0, "the MLP's hidden width", rule=NON_NEGATIVE, shown="4 x --n-embd")
-    seq_len: int = setting(16, "tokens per sequence", rule=POSITIVE)
+    seq_len: int = setting(16, "tokens per sequence: the training window", rule=POSITIVE)
+    context: int = setting(0, "positions the model holds, exported as its context (GPT-2's position table); an "
+                              "--init-from model's comes with it: a shorter window trains it whole",
+                           rule=NON_NEGATIVE, shown="--seq-len")
     vocab_size: int = setting(64, "vocabulary size; when not given, the data's", rule=POSITIVE,
                               shown="the data's; synthetic data: 64")
     rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE)
@@ -106,6 +109,11 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
+
+    @property
+    def positions(self) -> int:
+        """The positions the model holds: its context, or the training window where none is set."""
+        return self.context or self.seq_len
 
     @property
     def head_dim(self) -> int:
@@ -430,6 +438,9 @@ def validate(cfg: Config) -> Config:
     m, p = cfg.model, cfg.parallel
     if m.n_embd % m.n_head:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}")
+    if m.context and m.context < m.seq_len:
+        raise ConfigError(f"--context {m.context} is shorter than --seq-len {m.seq_len}: the model holds at least the "
+                          "positions it trains on")
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")

@@ -145,7 +145,7 @@ def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder
             _save_model_file(MAPPINGS[cfg.arch].to_hf(dict(model.named_parameters())), tmp)
             if tokenizer_folder is None and cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text fits
                 ByteTokenizer().to_hf().save(os.path.join(tmp, TOKENIZER_FILE))
-            _write_missing_hf_configs(tmp, eot_id, cfg.seq_len, bytes_tokenizer=tokenizer_folder is None,
+            _write_missing_hf_configs(tmp, eot_id, cfg.positions, bytes_tokenizer=tokenizer_folder is None,
                                       special=special)
         else:
             _write_json(os.path.join(tmp, CONFIG_FILE), {

@@ -151,16 +151,15 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
 def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelConfig:
     """The run's model: the source's, where no flag or TOML key in `given` says otherwise; ConfigError if one does.
 
-    A Llama may train on shorter sequences than its positions (rotary embeddings have no table); a GPT-2's learned
-    position table fixes its sequence length.
+    A model may train on a shorter window (--seq-len) than the positions it holds, which it keeps (its context).
     """
     theirs = dataclasses.asdict(source.model)
     for key, value in theirs.items():
         mine = getattr(model, key)
         if key not in given or mine == value:
             continue
-        if key == "seq_len" and source.model.arch == "llama" and mine <= value:
-            theirs[key] = mine
+        if key == "seq_len" and mine <= source.model.positions:
+            theirs["seq_len"], theirs["context"] = mine, source.model.positions
             continue
         raise ConfigError(f"{setting_for(key).flag} {mine} contradicts --init-from {source.folder}, whose model has {key} = "
                           f"{value}: leave it out, the model's comes with it")

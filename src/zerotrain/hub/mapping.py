@@ -66,7 +66,7 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
     if cfg.arch == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.positions, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
             "n_head": cfg.n_head, "n_inner": cfg.intermediate_size or None,  # None: 4 * n_embd
             "activation_function": "gelu_new",  # GELU with the tanh approximation, as model.gpt2.MLP
             "layer_norm_epsilon": cfg.norm_eps,
@@ -81,7 +81,7 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.positions, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True,

@@ -10,7 +10,6 @@ Safetensors and JSON only: nothing is unpickled.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -21,7 +20,6 @@ from zerotrain.checkpoint import (LATEST, MANIFEST, CheckpointError, committed_s
 from zerotrain.checkpoint.stream import read_safetensors
 from zerotrain.config import ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
-from zerotrain.data.tokenizer_config import model_facts
 from zerotrain.errors import ConfigError
 from zerotrain.model import model_class
 
@@ -92,9 +90,6 @@ def load_from(source: ModelSource) -> torch.nn.Module:
             cfg = ModelConfig(**model_cfg)
         except TypeError as e:
             raise CheckpointError(f"{os.path.join(folder, MANIFEST)}: config.model is not a model config ({e})") from None
-        context = model_facts(folder).get("context_length", 0)
-        if cfg.arch == "llama" and context > cfg.seq_len:  # trained on a shorter window than its --init-from model's
-            cfg = dataclasses.replace(cfg, seq_len=context)  # context: rotary positions need no table, so it keeps it
     else:
         _, cfg, _ = read_export_config(folder)
     tensors, where = _read_tensors(folder)

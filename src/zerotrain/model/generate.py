@@ -48,7 +48,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
     token from there, as transformers' generate pads a finished row; generation stops once every row has ended
     (until_stop cuts a row there). The draws of the rows still going are those they would be without it.
     """
-    seq_len = model.cfg.seq_len
+    seq_len = model.cfg.positions  # the model's context, not the window it was trained on
     keep = default_keep(seq_len) if keep is None else keep
     if not 1 <= keep <= seq_len:
         raise ValueError(f"keep must be in [1, seq_len={seq_len}], got {keep}")

@@ -73,7 +73,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
+                wpe=nn.Embedding(cfg.positions, cfg.n_embd),  # rows past --seq-len: kept, not trained
                 h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
                 ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps),
             )
@@ -118,7 +118,7 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
-        x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.seq_len, segments))
+        x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.positions, segments))
         documents = None if segments is None else document_attention(segments, x.dtype)
         for layer, block in enumerate(self.transformer.h):
             x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer, documents)

@@ -203,7 +203,7 @@ class KVCache:
     """
 
     def __init__(self, cfg, batch: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        shape = (cfg.n_layer, batch, cfg.kv_heads, cfg.seq_len, cfg.head_dim)
+        shape = (cfg.n_layer, batch, cfg.kv_heads, cfg.positions, cfg.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0

@@ -104,7 +104,7 @@ class Llama(nn.Module):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
         x = self.model.embed_tokens(idx)
-        positions = new_positions(idx, cache, self.cfg.seq_len, segments)
+        positions = new_positions(idx, cache, self.cfg.positions, segments)
         rotary = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         documents = None if segments is None else document_attention(segments, x.dtype)
         for layer, block in enumerate(self.model.layers):

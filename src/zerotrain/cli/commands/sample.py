@@ -93,10 +93,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     texts = [tokenizer.decode(row[:-1] if ended else row) for row, ended in rows]  # the text, not its stop token
     print(f"\n{SEPARATOR}\n".join(texts))
     tokens, ended = sum(len(row) for row, _ in rows), sum(e for _, e in rows)
-    keep = default_keep(model.cfg.seq_len)
+    keep = default_keep(model.cfg.positions)
     at = "/".join(tokenizer.decode([i]) for i in sorted(stops))
     stopped = f"{ended} of {args.num_samples} ended at {at}" if stops else "--ignore-eos"
     print(f"sampled {tokens} tokens ({args.num_samples} x at most {args.max_new_tokens}; {stopped}) in {seconds:.2f} "
           f"s: {tokens / seconds:,.0f} tokens/s ({'no KV cache' if args.no_kv_cache else 'KV cache'}, context "
-          f"{model.cfg.seq_len}, window keeps {keep} past it, {torch.get_num_threads()} thread(s))", file=sys.stderr)
+          f"{model.cfg.positions}, window keeps {keep} past it, {torch.get_num_threads()} thread(s))", file=sys.stderr)
     return 0
