@@ -107,3 +107,13 @@ def zerotrain_here(capfd, *argv: str, faults: str | None = None) -> subprocess.C
         release_run_folders()
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["zerotrain", *argv], code, out, err)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`): the tests that share a module-scoped fixture (an expensive run they all
+    assert on) go to one worker, so it is made once; every other test goes wherever a worker is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for name in getattr(item, "fixturenames", ()) for d in (info.name2fixturedefs.get(name, ()) if info else ())]
+        if any(d.scope in ("module", "package", "class") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
