@@ -39,7 +39,7 @@ BLOCK_TIMEOUT_S = 180
 MIN_CHEAP_BLOCKS = 24
 
 TEST_COMMAND = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[test]' "
-                "&& .venv/bin/python -m pytest -q")
+                "&& .venv/bin/python -m pytest -q -n 3 --dist loadgroup")
 DEMO_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/zerotrain demo"
 
 
