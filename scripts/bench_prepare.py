@@ -6,7 +6,7 @@ tokenizers library's own batch encoding of the same texts on the same cores.
 Each size: a JSON Lines file of prompt/completion and text records (made-up words, a BPE of 8192 ids trained on a
 sample of them), prepared by `zerotrain prepare`'s prepare_jsonl in a process of its own (its own peak RSS, getrusage;
 the CLI adds its imports, torch's among them, about 350 MB), then the same
-records' texts (prompt + completion, or text) encoded with `Tokenizer.encode_batch_fast` in batches of 4096 from
+records' texts (prompt + completion, or text) encoded with `Tokenizer.encode_batch` (--baseline) in batches of 4096 from
 memory, in a process of its own (reading and JSON parsing not counted: the library's own speed). On a shared machine
 the tokens per CPU second (getrusage, all threads) compare the work; tokens/s the wall time. prepare's tokens/s
 are its own (meta.json: reading, parsing, encoding, writing; not the interpreter's start). Everything it
@@ -47,7 +47,7 @@ def cpu():
     return usage.ru_utime + usage.ru_stime
 t0, c0, tokens = time.perf_counter(), cpu(), 0
 for i in range(0, len(texts), 4096):
-    tokens += sum(len(e.ids) for e in tok.encode_batch_fast(texts[i:i + 4096], add_special_tokens=False))
+    tokens += sum(len(e.ids) for e in getattr(tok, sys.argv[3])(texts[i:i + 4096], add_special_tokens=False))
 print(json.dumps({"tokens": tokens, "s": time.perf_counter() - t0, "cpu_s": cpu() - c0}))
 """
 
@@ -79,6 +79,9 @@ def main() -> None:
     p.add_argument("--mb", type=int, nargs="+", default=[50, 200])
     p.add_argument("--dir", default="/tmp/bench-prepare")
     p.add_argument("--baseline-max-mb", type=int, default=None, help="compare with encode_batch only up to this size")
+    p.add_argument("--baseline", choices=("encode_batch", "encode_batch_fast"), default="encode_batch",
+                   help="the library's call to compare with: encode_batch (the issue's target; offsets computed, as "
+                        "prepare needs them for prompt/completion boundaries) or encode_batch_fast (no offsets)")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     try:
@@ -106,10 +109,11 @@ def main() -> None:
                    "prepare_tokens_per_cpu_s": round(tokens / usage["cpu_s"])}
             if args.baseline_max_mb is None or mb <= args.baseline_max_mb:
                 base = json.loads(subprocess.run([sys.executable, "-c", BASELINE, jsonl, os.path.join(
-                    folder, "tokenizer.json")], check=True, capture_output=True, text=True).stdout)
-                row["encode_batch_tokens_per_s"] = round(base["tokens"] / base["s"])
-                row["ratio"] = round(meta["tokens_per_s"] / row["encode_batch_tokens_per_s"], 2)
-                row["encode_batch_tokens_per_cpu_s"] = round(base["tokens"] / base["cpu_s"])
+                    folder, "tokenizer.json"), args.baseline], check=True, capture_output=True, text=True).stdout)
+                row["baseline"] = args.baseline
+                row["baseline_tokens_per_s"] = round(base["tokens"] / base["s"])
+                row["ratio"] = round(meta["tokens_per_s"] / row["baseline_tokens_per_s"], 2)
+                row["baseline_tokens_per_cpu_s"] = round(base["tokens"] / base["cpu_s"])
             print(json.dumps(row), flush=True)
             shutil.rmtree(out)
             os.remove(jsonl)
