@@ -21,13 +21,12 @@ The characters become tokens in jsonl.py: a token is trained on when it overlaps
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 from zerotrain.errors import ConfigError
 
-from .tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG
+from .tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, read_json_object
 
 ROLES = ("system", "user", "assistant")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -37,7 +36,7 @@ TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # what t
 def chat_template_of(folder: str) -> str | None:
     """The folder's chat template: tokenizer_config.json's `chat_template` (a string, or a list of named templates,
     of which "default"), else chat_template.jinja; None if it has neither."""
-    config = _tokenizer_config(folder)
+    config = read_json_object(folder, TOKENIZER_CONFIG)
     template = config.get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -88,7 +87,7 @@ class ChatTemplate:
                               f"{TOKENIZER_CONFIG} or {CHAT_TEMPLATE_FILE}): fine-tune an instruct model's folder "
                               "(--init-from, or prepare's --tokenizer), or write records as {\"prompt\", "
                               "\"completion\"}")
-        config = _tokenizer_config(folder)
+        config = read_json_object(folder, TOKENIZER_CONFIG)
         hf = tokenizer.tokenizer
         tokens = {k: v.get("content") if isinstance(v, dict) else v for k in TEMPLATE_TOKENS
                   if isinstance(v := config.get(k), (str, dict))}
@@ -136,12 +135,3 @@ class ChatTemplate:
         except TemplateError as e:
             raise ConfigError(f"{where}: the chat template of {self.folder} refuses this conversation "
                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-
-
-def _tokenizer_config(folder: str) -> dict:
-    try:
-        with open(os.path.join(folder, TOKENIZER_CONFIG), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}

@@ -155,12 +155,12 @@ def end_of_text_id(tokenizer, folder: str | None) -> int:
     own <|endoftext|> (zerotrain's BPE, GPT-2's). Never a guess among other names.
     """
     if folder:
-        meta, manifest = (_read_json(folder, name) for name in OWN_RECORDS)
+        meta, manifest = (read_json_object(folder, name) for name in OWN_RECORDS)
         record = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
         own = meta.get("eot_id", record.get("eot_id"))
         if _is_id(own, tokenizer):
             return own
-        eos = _read_json(folder, TOKENIZER_CONFIG).get("eos_token")
+        eos = read_json_object(folder, TOKENIZER_CONFIG).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str):
             if tokenizer.token_to_id(eos) is None:
@@ -168,7 +168,7 @@ def end_of_text_id(tokenizer, folder: str | None) -> int:
             return tokenizer.token_to_id(eos)
         added = tokenizer.get_added_tokens_decoder()
         for name in SPECIAL_ID_FILES:
-            eos_id = _read_json(folder, name).get("eos_token_id")
+            eos_id = read_json_object(folder, name).get("eos_token_id")
             eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
             if _is_id(eos_id, tokenizer) and eos_id in added:
                 return eos_id
@@ -192,8 +192,9 @@ def _is_id(value, tokenizer) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tokenizer.get_vocab_size()
 
 
-def _read_json(folder: str, name: str) -> dict:
-    """The JSON object in folder/name, or {} (absent, or not an object: the model folder check says what is wrong)."""
+def read_json_object(folder: str, name: str) -> dict:
+    """The JSON object in folder/name, or {} (absent, or not an object: the model folder check reads it strictly and
+    says what is wrong)."""
     try:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             value = json.load(f)

@@ -14,8 +14,9 @@ the model it started from, so a chain of fine-tunes keeps them.
 
 from __future__ import annotations
 
-import json
 import os
+
+from .tokenizer import read_json_object
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -31,8 +32,8 @@ def config_files(folder: str) -> dict[str, str]:
 def model_facts(folder: str) -> dict:
     """{"context_length": N, "bos_token_id": ..., "eos_token_id": ..., "pad_token_id": ...}, as far as the folder
     (a Hugging Face model folder, a zerotrain checkpoint or export) states them; eos_token_id may be a list."""
-    manifest = _read(folder, "manifest.json")
-    config = _read(folder, "config.json")
+    manifest = read_json_object(folder, "manifest.json")
+    config = read_json_object(folder, "config.json")
     if manifest or config.get("format") == "zerotrain-model":  # zerotrain's own: its record, carried forward
         own = manifest or config
         record = own.get("tokenizer") if isinstance(own.get("tokenizer"), dict) else {}
@@ -40,7 +41,7 @@ def model_facts(folder: str) -> dict:
         facts = {key: record[key] for key in SPECIAL_IDS if _is_ids(record.get(key))}
         context = record.get("context_length", model.get("seq_len") if isinstance(model, dict) else None)
     else:
-        generation = _read(folder, "generation_config.json")
+        generation = read_json_object(folder, "generation_config.json")
         facts = {key: source[key] for source in (config, generation) for key in SPECIAL_IDS if _is_ids(source.get(key))}
         context = next((config[key] for key in CONTEXT_KEYS if key in config), None)
     if _is_count(context):
@@ -52,16 +53,6 @@ def stop_ids(facts: dict) -> list[int]:
     """The end-of-sequence ids of `facts` (model_facts, or a tokenizer record): eos_token_id, one or a list."""
     eos = facts.get("eos_token_id")
     return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def _read(folder: str, name: str) -> dict:
-    """The JSON object in folder/name; {} when it is absent or not one (the model folder check reads it strictly)."""
-    try:
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _is_count(value) -> bool:
