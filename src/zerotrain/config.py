@@ -2,7 +2,7 @@
 
 A setting is a dataclass field declared with `setting(...)`. Its key is its TOML name in its
 section's table and, with dashes, its flag: `ckpt_every` under `[checkpoint]` is `--ckpt-every`.
-The flag table, the TOML loader, `--help` and the README's training reference are all built from
+The flag table, the TOML loader, `--help` and docs/reference.md's table are all built from
 these declarations, so they cannot disagree. `validate` is pure (it reads, never changes);
 `resolve` fills in the derived values (warmup from steps) in one place after it.
 """

@@ -176,7 +176,7 @@ def check_environment(cfg: Config) -> None:
 
 
 def reference_table() -> str:
-    """The README's training reference: every setting's flag, TOML table and key, default and meaning."""
+    """The training reference in docs/reference.md: every setting's flag, TOML table and key, default and meaning."""
     rows = ["| flag | TOML | default | meaning |", "| --- | --- | --- | --- |"]
     for s in declared():
         flag = f"`{s.flag}` / `--no-{s.flag[2:]}`" if s.type is bool else f"`{s.flag}`"
