@@ -81,7 +81,8 @@ class SyntheticSource:
 
 class TokenSource:
     """Token files, memory-mapped, as packed training sequences: each a window of seq_len + 1 tokens at a
-    seeded random start, inside one file (documents run on across their end-of-text tokens)."""
+    seeded random start, inside one file (documents run on across their end-of-text tokens). Files with a loss
+    mask or a record index are records, read by packing.RecordSource: every target of a window here counts."""
 
     def __init__(self, files: list[TokenFile], seq_len: int, seed: int, vocab_size: int, name: str = ""):
         self.files, self.seq_len, self.seed, self.vocab_size = files, seq_len, seed, vocab_size
@@ -108,28 +109,19 @@ class TokenSource:
 
     def sequences(self, step: int, indices: range) -> MicroBatch:
         tokens = np.zeros((len(indices), self.seq_len + 1), dtype=np.int64)
-        context = np.zeros((len(indices), self.seq_len + 1), dtype=bool)  # a prompt's tokens: no loss on them
         for row, i in enumerate(indices):
             f, start, end = self._window(step, i)
             tokens[row] = self.files[f].tokens[start:end]
-            if self.files[f].mask is not None:
-                context[row] = self.files[f].mask[start:end] == 0
         if len(indices) and tokens.max() >= self.vocab_size:  # the start-up scan saw these files; they changed
             row = int(np.argmax(tokens.max(axis=1)))
             f, start, _ = self._window(step, indices[row])
             raise ValueError(f"{self.files[f].path}: token id {int(tokens[row].max())} near position {start} is not "
                              f"below the vocabulary size {self.vocab_size}")
-        x, y = _inputs_and_labels(tokens, [self.seq_len + 1] * len(indices))
-        y[torch.from_numpy(context[:, 1:])] = IGNORE
-        return MicroBatch(x, y)
+        return MicroBatch(*_inputs_and_labels(tokens, [self.seq_len + 1] * len(indices)))
 
     def token_count(self, step: int, global_batch: int) -> int:
-        """Target tokens the loss counts in step `step`'s global batch: not a prompt's."""
-        if all(f.mask is None for f in self.files):
-            return global_batch * self.seq_len  # every window is full and every target counts
-        windows = [self._window(step, i) for i in range(global_batch)]
-        return sum(end - start - 1 if self.files[f].mask is None else int(self.files[f].mask[start + 1 : end].sum())
-                   for f, start, end in windows)
+        """Target tokens the loss counts in step `step`'s global batch: every window is full, every target counts."""
+        return global_batch * self.seq_len
 
 
 def _inputs_and_labels(tokens: np.ndarray, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
