@@ -29,12 +29,12 @@ def summed_loss(model: torch.nn.Module, micro_batches, on_targets: Callable[[tor
     """(summed token loss, target tokens) over micro-batches; `on_targets(labels)` sees each one's labels."""
     device = next(model.parameters()).device
     loss_sum, tokens = 0.0, 0
-    for x, y, segments in micro_batches:
-        records = {} if segments is None else {"segments": segments.to(device)}  # packed: each record to itself
-        loss_sum += float(summed_token_loss(model(x.to(device), **records), y.to(device)))
-        tokens += int((y != IGNORE).sum())
+    for micro in micro_batches:
+        x, y, segments = micro.to(device)  # packed records' segments: each record attends to itself
+        loss_sum += float(summed_token_loss(model(x, segments=segments), y))
+        tokens += int((micro.labels != IGNORE).sum())
         if on_targets is not None:
-            on_targets(y)
+            on_targets(micro.labels)
     return loss_sum, tokens
 
 

@@ -100,11 +100,9 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     last = len(batch.micro_batches) - 1
     for i, micro in enumerate(on_device(batch.micro_batches, device)):
         with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
-            records = {} if micro.segments is None else {"segments": micro.segments}  # packed: each to itself
-
-            def loss() -> torch.Tensor:
+            def loss() -> torch.Tensor:  # with packed records' segments, each record attends to itself
                 return head_loss(forward, micro.inputs, micro.labels, summed_token_loss,
-                                 getattr(engine.model, "recompute_head", False), **records)
+                                 getattr(engine.model, "recompute_head", False), segments=micro.segments)
             if saved is not None and i == 0:
                 nbytes, token_loss = saved_for_backward(loss, engine.params)
                 saved.append(nbytes)
