@@ -289,3 +289,15 @@ def test_bad_peak_flops_and_profile_steps_and_wandb_without_its_package_are_one_
     r = zerotrain_here(capfd, *base, "--wandb", "my-project")
     assert one_line_error(r) == ("zerotrain: error: --wandb my-project needs the wandb package: "
                                  "pip install 'zerotrain[wandb]'")
+
+
+def test_wandb_online_without_a_login_is_a_one_line_error_before_any_step(tmp_path, capfd, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_CONFIG_DIR", "NETRC"):  # no stored login either
+        monkeypatch.setenv(name, str(tmp_path / "home"))
+    out = tmp_path / "run"
+    r = zerotrain_here(capfd, "train", *TINY, "--nproc", "1", "--steps", "2", "--out", str(out), "--wandb", "proj")
+    assert one_line_error(r).startswith("zerotrain: error: --wandb proj: W&B cannot log (No API key configured")
+    assert "run 'wandb login', or set WANDB_MODE=offline" in r.stderr
+    assert not read_step_records(str(out / "metrics.jsonl"))

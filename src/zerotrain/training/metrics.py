@@ -13,6 +13,7 @@ from tqdm import tqdm
 from zerotrain.checkpoint import committed_steps
 from zerotrain.config import Config
 from zerotrain.durable import write_atomic
+from zerotrain.errors import ConfigError
 
 # What TensorBoard shows of a step record (W&B takes every number in it)
 BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu")
@@ -159,9 +160,13 @@ def _wandb_run(project: str, config: Config | None, resumed: bool):
         run_id = secrets.token_hex(6)  # W&B takes any short id unique in its project
         os.makedirs(os.path.dirname(id_file), exist_ok=True)
         write_atomic(id_file, run_id + "\n", durable=False)
-    run = wandb.init(project=project, name=os.path.basename(os.path.abspath(out)), dir=out, id=run_id,
-                     resume="allow", config=config.to_dict() if config else None,
-                     settings=wandb.Settings(console="off", silent=True))
+    try:
+        run = wandb.init(project=project, name=os.path.basename(os.path.abspath(out)), dir=out, id=run_id,
+                         resume="allow", config=config.to_dict() if config else None,
+                         settings=wandb.Settings(console="off", silent=True))
+    except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:  # not logged in, a bad key: the user's
+        raise ConfigError(f"--wandb {project}: W&B cannot log ({e}): run 'wandb login', or set WANDB_MODE=offline "
+                          "to log without a network") from None
     # a rollback replays steps: the step is the x-axis, W&B's own counter only orders the records
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
