@@ -58,6 +58,7 @@ def runs(tmp_path_factory):
             "tp4": (tp_kv_jobs.saved_state_job, config(tmp, "tp4", 4, 4, 2, ckpt_every=SAVED_AT)),
             "unsummed": (tp_kv_jobs.unsummed_replicas_job, config(tmp, "unsummed", 4, 4, 2)),
             "averaged": (tp_kv_jobs.averaged_replicas_job, config(tmp, "averaged", 4, 4, 2)),
+            "double-counted": (tp_kv_jobs.double_counted_norm_job, config(tmp, "double-counted", 4, 4, 2)),
             "mqa tp1": (tp_kv_jobs.train_job, config(tmp, "mqa-tp1", 1, 2, 1, MQA)),
             "mqa tp2": (tp_kv_jobs.train_job, config(tmp, "mqa-tp2", 2, 2, 2, MQA))}
     saved = os.path.join(cfgs["tp4"][1].checkpoint.dir, checkpoint.step_name(SAVED_AT))
@@ -102,6 +103,15 @@ def test_tp4_over_2_kv_heads_trains_as_tp1_and_averaged_replica_gradients_are_ca
     averaged = runs["averaged"]
     assert len(averaged["losses"]) == STEPS and not agrees(averaged, base)
     assert max_abs(averaged["params"], base["params"]) > 1e-4
+
+
+def test_the_gradient_norm_counts_a_replicated_kv_head_once_and_a_count_per_replica_is_caught(runs):
+    base = runs["tp1"]
+    assert max_rel(runs["tp4"]["grad_norms"], base["grad_norms"]) <= 1e-5
+    # planted: each replica adds its copy of the head's gradient; with clipping on, the updates change too
+    doubled = runs["double-counted"]
+    assert min(n / b for n, b in zip(doubled["grad_norms"], base["grad_norms"])) > 1 + 1e-3
+    assert not agrees(doubled, base)
 
 
 def test_mqa_at_tp2_trains_as_tp1_with_its_one_kv_head_on_both_tp_ranks(runs):

@@ -11,7 +11,7 @@ from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.errors import InvariantError
 from zerotrain.model import build_model, llama, parallelize
-from zerotrain.model.layers import _SumOverReplicas, kv_replicas
+from zerotrain.model.layers import TPSlice, _SumOverReplicas, kv_replicas
 from zerotrain.parallel import Comm, Mesh
 from zerotrain.training.loop import build_engine, train
 
@@ -84,6 +84,12 @@ def averaged_replicas_job(cfg: Config, comm: Comm) -> dict:
         return grad / ctx.comm.world_size, None
 
     with mock.patch.object(_SumOverReplicas, "backward", staticmethod(backward)):
+        return train_job(cfg, comm)
+
+
+def double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: every replica of a KV head counts its gradient in the global norm (each head twice at TP 4)."""
+    with mock.patch.object(TPSlice, "first_holder", lambda self, rank: rank):
         return train_job(cfg, comm)
 
 
