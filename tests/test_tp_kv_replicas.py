@@ -270,8 +270,8 @@ def test_the_plan_counts_each_ranks_replicated_kv_head_and_the_activation_formul
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "4", "--tp", "4", "--n-head", "12", "--n-kv-head", "3", "--n-embd", "48"],
      "--tp 4 neither divides the KV heads (--n-kv-head 3) nor is a multiple of them"),
-    (["--nproc", "9", "--tp", "9", "--preset", "smollm-135m"], "--tp 9 does not divide the MLP width (--intermediate-size "
-                                                               "1536)"),
+    (["--nproc", "9", "--tp", "9", "--preset", "smollm-135m"],
+     "--tp 9 does not divide the MLP width (--intermediate-size 1536)"),
 ])
 def test_a_tp_that_no_kv_head_split_fits_is_a_one_line_error_with_exit_code_2(tmp_path, argv, message, capsys):
     assert main(["train", "--arch", "llama", *argv, "--data", "synthetic", "--out", str(tmp_path)]) == 2

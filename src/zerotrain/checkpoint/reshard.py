@@ -2,9 +2,10 @@
 
 TP rank t's flat buffer (its parameters in the local ShardLayout, the same layout on every TP rank)
 holds t's slice of each split parameter, which its `TPSlice` places in the full tensor (a KV head on
-several TP ranks: the same rows on each), and a copy of every replicated parameter. The model file is written from the full tensors, verified against them,
-and optimizer state moves to another mesh through them: old shards -> each old TP rank's flat buffer
--> full tensors -> this rank's slices -> its new flat buffer -> its new shard.
+several TP ranks: the same rows on each), and a copy of every replicated parameter. The model file is
+written from the full tensors, verified against them, and optimizer state moves to another mesh through
+them: old shards -> each old TP rank's flat buffer -> full tensors -> this rank's slices -> its new flat
+buffer -> its new shard.
 """
 
 from __future__ import annotations

@@ -103,7 +103,13 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _SumOverReplicas(torch.autograd.Function):
-    """A weight replicated on the ranks of `comm`: each rank's gradient is the part of its own query heads."""
+    """A weight replicated on the ranks of `comm`: each rank's gradient is the part of its own query heads.
+
+    Summed here, per micro-batch, rather than by the engine once per step: every reader of .grad (ZeRO stage 1 or
+    2, bf16's fp32 accumulation, activation checkpointing, a frozen base) then sees the whole gradient. The cost is
+    small beside the TP all-reduces it sits among: one head's k or v rows per layer (measured on a tiny Llama at
+    TP 4 over 2 KV heads: 32 KB per step beside 393 KB of activation and input-gradient all-reduces).
+    """
 
     @staticmethod
     def forward(ctx, weight, comm):
