@@ -456,9 +456,9 @@ def validate(cfg: Config) -> Config:
                           "embeddings rotate pairs)")
     if m.n_head % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide --n-head {m.n_head}: each TP rank keeps whole attention heads")
-    if m.kv_heads % p.tp:
-        raise ConfigError(f"--tp {p.tp} does not divide the KV heads (--n-kv-head {m.kv_heads}): each TP rank keeps "
-                          "whole KV heads")
+    if m.kv_heads % p.tp and p.tp % m.kv_heads:
+        raise ConfigError(f"--tp {p.tp} neither divides the KV heads (--n-kv-head {m.kv_heads}) nor is a multiple of "
+                          "them: each TP rank keeps whole KV heads, or one KV head shared with the ranks of its group")
     if m.ffn_width % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the MLP width (--intermediate-size {m.ffn_width})")
     if p.activation_checkpointing == "full" and cfg.loop.compile:

@@ -12,10 +12,12 @@ first group that has a failure (later groups read what an earlier one found bad)
     partition  the buckets tile the padded flat buffer, the owned ranges of all ranks (the D ranks of
                a DP group) cover it exactly once (no gap, no overlap), and each is the chunk of its
                bucket the DP size implies (the one the loader assembles shards with); each TP slice's
-               parts tile its full tensor, every TP rank an equal share of the layout's shape; the
+               distinct parts tile its full tensor (replicated KV heads: the same parts on several TP
+               ranks), every TP rank an equal share of the layout's shape; the
                full model's parameters add up to param_count
     shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
-    replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's
+    replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's, and those of
+               a KV head on several TP ranks equal its first rank's
     model      model.safetensors equals the masters assembled through the layout, with TP placed
                through the TP slices (full names, full shapes); in bf16, the masters rounded to bf16:
                the parameters the model file was written from
@@ -296,7 +298,10 @@ def partition_problem(manifest: dict) -> str | None:
 
 
 def tp_slices_problem(manifest: dict) -> str | None:
-    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None."""
+    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None.
+
+    TP ranks holding the same parts (a KV head replicated on several ranks) count as one in the tiling.
+    """
     T = mesh_of(manifest)[0]
     shapes = {p["name"]: p["shape"] for p in manifest["layout"]["params"]}
     for name, d in manifest.get("tp_slices", {}).items():
@@ -304,9 +309,10 @@ def tp_slices_problem(manifest: dict) -> str | None:
             return f"tp_slices names {name}, which is not a parameter of the layout"
         extent = d["full_shape"][d["dim"]]
         widths = [sum(hi - lo for lo, hi in ranges) for ranges in d["parts"]]
-        pieces = sorted((lo, hi, t) for t, ranges in enumerate(d["parts"]) for lo, hi in ranges)
+        pieces = sorted((lo, hi, t) for t, ranges in enumerate(d["parts"]) for lo, hi in ranges
+                        if d["parts"].index(ranges) == t)
         at = 0
-        for lo, hi, t in pieces:  # every TP rank's parts together tile [0, extent) of the split dim once
+        for lo, hi, t in pieces:  # the TP ranks' distinct parts together tile [0, extent) of the split dim once
             if hi <= lo or lo != at:
                 return (f"tp_slices[{name!r}]: TP rank {t}'s part [{lo}, {hi}) leaves a gap or overlaps at {at} "
                         f"of dim {d['dim']}")
@@ -374,12 +380,13 @@ def replicas_check(folder: str, manifest: dict) -> Check:
     mismatch = replicated_mismatch(layout, tp_slices_of(manifest), flats)
     if mismatch is None:
         return _check("replicas", MANIFEST, None)
-    name, t, at = mismatch
+    name, t, at, ref = mismatch
     bucket = next(b for b in layout.buckets if b.start <= at < b.end)
     d = (at - bucket.start) // bucket.chunk_numel(D)  # the DP rank whose shard holds the differing value
+    holders = "every TP rank holds" if ref == 0 else f"TP ranks {ref} and {t} hold"
     return _check("replicas", shard_name(d * T + t, T * D),
-                  f"master of replicated tensor {name} differs from TP rank 0's ({shard_name(d * T, T * D)}) "
-                  "although every TP rank holds it identically")
+                  f"master of replicated tensor {name} differs from TP rank {ref}'s ({shard_name(d * T + ref, T * D)}) "
+                  f"although {holders} it identically")
 
 
 def model_problem(folder: str, manifest: dict, names: list[str] | None = None) -> str | None:

@@ -38,9 +38,12 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
     return ARCHITECTURES[cfg.arch][1].plan(cfg, tp)
 
 
-def parallelize(model: nn.Module, tp_size: int, tp_rank: int, comm) -> dict[str, TPSlice]:
-    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan."""
-    return ARCHITECTURES[model.cfg.arch][1].parallelize(model, tp_size, tp_rank, comm)
+def parallelize(model: nn.Module, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan.
+
+    `comm`: the TP group; `kv_comm`: the TP ranks that hold this rank's KV heads too (more TP ranks than KV heads).
+    """
+    return ARCHITECTURES[model.cfg.arch][1].parallelize(model, tp_size, tp_rank, comm, kv_comm)
 
 
 def param_count(cfg: ModelConfig) -> int:

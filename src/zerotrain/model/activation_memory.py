@@ -196,14 +196,15 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         raise ValueError(f"tp must be at least 1, got {tp}")
     if recompute not in ("none", "blocks", "full"):
         raise ValueError(f"recompute must be none, blocks or full, got {recompute!r}")
-    for what, n in (("n_head", cfg.n_head), ("kv heads", cfg.kv_heads), ("ffn width", cfg.ffn_width)):
+    for what, n in (("n_head", cfg.n_head), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
     kernel = layers.document_kernel(device) if documents else ""
     # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records.
     repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex"
                 and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
-    s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp, kv_heads=cfg.kv_heads // tp,
+    s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp,
+                  kv_heads=layers.kv_heads_per_rank(cfg.kv_heads, tp),  # 1 where TP replicates each KV head
                   head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision],
                   position_rows=micro_batch if documents else 1, kv_repeated=repeated, documents=kernel)
     llama = cfg.arch == "llama"

@@ -157,10 +157,11 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
     return slices
 
 
-def parallelize(model: nn.Module, tp_size: int, tp_rank: int, comm) -> dict[str, TPSlice]:
+def parallelize(model: nn.Module, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
     """Replace the full model's split layers by this rank's parallel ones, in place; return the plan.
 
-    `comm` is the TP group's communicator. The full weights are dropped as each layer is replaced.
+    `comm` is the TP group's communicator. The full weights are dropped as each layer is replaced. `kv_comm` is
+    unused: GPT-2 has a KV head per head, which --tp always divides, so no head is replicated.
     """
     slices = plan(model.cfg, tp_size)
     for i, block in enumerate(model.transformer.h):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .layers import (ColumnParallelLinear, KVCache, RMSNorm, RowParallelLinear, TPSlice, apply_rotary, attend,
-                     blocks, copy_to_tp, document_attention, new_positions, rotary_tables, run_block, tied_head_hook)
+                     blocks, copy_to_tp, document_attention, kv_head_blocks, new_positions, rotary_tables, run_block,
+                     tied_head_hook)
 
 
 class LlamaAttention(nn.Module):
@@ -115,20 +116,23 @@ class Llama(nn.Module):
 
 
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads
-# (r*KV/T ..: the KV heads its q heads attend with), o_proj row-parallel over the matching input columns;
-# gate_proj and up_proj column-parallel, down_proj row-parallel. Embedding, norms and head are replicated.
+# (r*KV/T ..: the KV heads its q heads attend with; with T a multiple of KV, head r // (T/KV), replicated on T/KV
+# ranks), o_proj row-parallel over the matching input columns; gate_proj and up_proj column-parallel, down_proj
+# row-parallel. Embedding, norms and head are replicated.
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
-    """The TP slice of every split parameter, by its name in the full model."""
+    """The TP slice of every split parameter, by its name in the full model (a replicated KV head's slices are the
+    same rows on each of its ranks)."""
     C, D, F_ = cfg.n_embd, cfg.head_dim, cfg.ffn_width
     q, kv = cfg.n_head * D, cfg.kv_heads * D
+    kv_rows = kv_head_blocks(cfg.kv_heads, D, tp)
     slices = {}
     for i in range(cfg.n_layer):
         h = f"model.layers.{i}."
         slices[h + "self_attn.q_proj.weight"] = TPSlice(0, (q, C), blocks(q // tp, tp))
-        slices[h + "self_attn.k_proj.weight"] = TPSlice(0, (kv, C), blocks(kv // tp, tp))
-        slices[h + "self_attn.v_proj.weight"] = TPSlice(0, (kv, C), blocks(kv // tp, tp))
+        slices[h + "self_attn.k_proj.weight"] = TPSlice(0, (kv, C), kv_rows)
+        slices[h + "self_attn.v_proj.weight"] = TPSlice(0, (kv, C), kv_rows)
         slices[h + "self_attn.o_proj.weight"] = TPSlice(1, (C, q), blocks(q // tp, tp))
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
@@ -136,15 +140,20 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
     return slices
 
 
-def parallelize(model: Llama, tp_size: int, tp_rank: int, comm) -> dict[str, TPSlice]:
-    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan."""
+def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan.
+
+    `kv_comm`: the TP ranks holding this rank's KV heads, when there are more TP ranks than KV heads (the mesh's
+    kv group); their k_proj and v_proj gradients are summed over it.
+    """
     slices = plan(model.cfg, tp_size)
     for i, block in enumerate(model.model.layers):
         h = f"model.layers.{i}."
         attn, mlp = block.self_attn, block.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{h}self_attn.{name}.weight"], None,
-                                                     tp_rank, None))
+            replicas = kv_comm if name != "q_proj" else None
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{h}self_attn.{name}.weight"],
+                                                     slices.get(f"{h}self_attn.{name}.bias"), tp_rank, None, replicas))
         attn.tp_comm = comm
         attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
         for name in ("gate_proj", "up_proj"):

@@ -18,7 +18,8 @@ Whatever reads parameters outside forward calls `wait_params()` first (the engin
 With tensor parallelism (a `Mesh` with tp > 1) the model holds this rank's TP slices and the
 replicated parameters; the flat buffer holds exactly those, and all of the above runs over the DP
 group (the ranks holding the same slices). The scalar all-reduce spans the world: the gradient norm
-counts each TP slice once (every rank its own) and each replicated value once (TP rank 0's copy).
+counts each TP slice once (every rank its own; a KV head on several TP ranks, its first rank's) and each
+replicated value once (TP rank 0's copy).
 
 Stage 1 keeps full gradients too, views into one flat gradient buffer (on one DP rank the shard is that buffer, not
 a copy). Stage 2 keeps none between steps: backward's gradient of each parameter is added into its bucket's own
@@ -123,9 +124,15 @@ class ZeroEngine:
         # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
         dp.broadcast(self.flat_params, 0, "broadcast_init")
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
+        # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
+        # in the norm by the first of them only.
+        t = self.mesh.tp_rank
+        self._kv_shared_flat = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
+                                                  and self.tp_slices[s.name].holders(t) > 1])[0]
+        counted = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
+                                     and self.tp_slices[s.name].first_holder(t) == t])[0]
         # The shard ranges whose squared gradients this rank adds to the global norm (_counted_grad_sumsq).
-        self._sumsq_ranges = self._owned(self._sliced_flat) + (
-            self._owned(self._replicated_flat) if self.mesh.tp_rank == 0 else [])
+        self._sumsq_ranges = self._owned(counted) + (self._owned(self._replicated_flat) if t == 0 else [])
         self._build_optimizer()
         self._register_hooks()
 
@@ -411,17 +418,22 @@ class ZeroEngine:
 
     # ---------------------------------------------------------------- state
     def param_digests(self) -> torch.Tensor:
-        """Digests of [replicated parameters, this rank's TP slices], one row each, computed on the buffer's device.
+        """Digests of [replicated parameters, this rank's TP slices], one row each, computed on the buffer's device;
+        with KV heads on several TP ranks, a third row: this rank's slices of them.
 
         Equal rows mean bitwise equal values (tensor_digest): replicated rows must match on every
-        rank, sliced rows across each DP group. Without TP everything is in the first row.
+        rank, sliced rows across each DP group, KV rows across each KV group. Without TP everything is in the
+        first row.
         """
         self.wait_params()
         flat = self.flat_params.detach()
         if self.mesh.tp_size == 1:
             replicated = tensor_digest(flat)
             return torch.stack([replicated, torch.zeros_like(replicated)])
-        return torch.stack([tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)])
+        rows = [tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)]
+        if self.mesh.kv_replicas > 1:
+            rows.append(tensor_digest(flat, self._kv_shared_flat))
+        return torch.stack(rows)
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps

@@ -18,10 +18,11 @@ from zerotrain.parallel.digest import digest_hex
 
 
 def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
-    """(b) Replicated parameters are bitwise equal on every rank, each TP slice across its DP group.
+    """(b) Replicated parameters are bitwise equal on every rank, each TP slice across its DP group, and a KV head
+    on several TP ranks across its KV group.
 
-    `digests` is this rank's engine.param_digests() (rows: replicated, sliced); only these few
-    bytes per rank travel. Returns each rank's digests as hex, rank order.
+    `digests` is this rank's engine.param_digests() (rows: replicated, sliced, and with KV groups the KV heads'
+    slices); only these few bytes per rank travel. Returns each rank's digests as hex, rank order.
     """
     rows = mesh.world.all_gather_rows(digests.to(torch.int64), "all_gather_digests")
     T = mesh.tp_size
@@ -34,6 +35,12 @@ def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
     if sliced:
         raise InvariantError(f"invariant (b) failed: the TP slices of rank(s) {sliced} differ from their DP group's "
                              f"first rank ({sorted({r % T for r in sliced})}) at step {step}")
+    # A KV group is a run of kv_replicas consecutive ranks of one TP group; its first rank is the reference.
+    R = mesh.kv_replicas
+    shared = [r for r in range(len(rows)) if R > 1 and not torch.equal(rows[r, 2], rows[r - r % R, 2])]
+    if shared:
+        raise InvariantError(f"invariant (b) failed: the KV heads of rank(s) {shared} differ from their KV group's "
+                             f"first rank ({sorted({r - r % R for r in shared})}) at step {step}")
     return [digest_hex(rows[r].reshape(-1)) for r in range(len(rows))]
 
 

@@ -16,7 +16,7 @@ from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, 
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
-from zerotrain.model.layers import head_loss
+from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.parallel import Comm, Mesh, ZeroEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
@@ -63,11 +63,11 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     From the seed, or with --init-from from those weights: built on the meta device and filled with the
     slices this rank trains, read from the files (no full copy of a split tensor on any rank).
     """
-    mesh = Mesh.build(comm, cfg.parallel.tp)
+    mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
     source = weight_source(cfg.checkpoint.init_from, verify=False) if cfg.checkpoint.init_from else None
     with torch.device("meta") if source else contextlib.nullcontext():
         model = build_model(cfg.model, cfg.loop.seed)
-        slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp) if mesh.tp_size > 1 else {}
+        slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
     if source:
         model.to_empty(device="cpu")
         model.tie_weights()
