@@ -87,7 +87,8 @@ def read_prepared(folder, split: str = "train"):
 # Tiny random models of each Llama-family member zerotrain builds, fp32, with what sets each member apart: Llama 3.1's
 # rope scaling (its original context below the positions, so that the scaling changes the logits), Qwen2's q/k/v
 # biases and a tied head, Qwen3's q/k norms with heads wider than hidden / heads, Mistral's window shorter than the
-# positions. Weights drawn at std 0.2, so that a dropped piece moves the logits well beyond 1e-4.
+# positions. Weights drawn at std 0.2 (biases and norm gains moved off 0 and 1 as much), so that a dropped piece moves
+# the logits well beyond 1e-4.
 FAMILY_SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2,
                     rope_theta=500.0)
@@ -115,5 +116,9 @@ def family_folder(folder, family: str, **changes):
     eval mode."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(family_config(family, **changes), attn_implementation="sdpa")
+    with torch.no_grad():  # transformers starts biases at 0 and norm gains at 1: a dropped one would change nothing
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(str(folder))
     return model.eval()

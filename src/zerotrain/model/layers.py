@@ -254,8 +254,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     """Causal attention of q (B, H, T, D) over k and v (B, KV, T, D), KV dividing H (each KV head serves H / KV
     query heads); with a cache, k and v are appended to it first and q continues its positions. `documents`
     (from document_attention or window_attention, built once per forward) restricts each token to the earlier
-    tokens of its own record and of its window. `window` (with a cache, where no `documents` are given): each
-    query sees at most this many keys, its own included (0: all)."""
+    tokens of its own record and of its window. `window` applies to a cache's positions: each query sees at most
+    this many keys, its own included (0: all); without a cache the window is the `documents` mask's, built once."""
     past = 0
     if cache is not None:
         if documents is not None:
@@ -267,7 +267,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
         # Inside a compiled model (--compile) the model's graph compiles flex_attention with it.
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
         return flex(q, k, v, block_mask=documents, enable_gqa=grouped)
-    mask = documents if documents is not None else _causal_mask(past, q.shape[2], q.device, window)
+    mask = documents if documents is not None else \
+        _causal_mask(past, q.shape[2], q.device, window if cache is not None else 0)
     if grouped and repeats_kv_heads(q.device.type, q.dtype, masked=mask is not None):
         k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         grouped = False

@@ -49,13 +49,19 @@ class LlamaAttention(nn.Module):
         # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         if hasattr(self, "q_norm"):
-            # A TP rank normalizes its own heads only, so each gain's gradient is a partial sum over the TP group:
-            # copy_to_tp all-reduces it, and the replicated gains stay equal on every rank.
-            q = self.q_norm(q, copy_to_tp(self.q_norm.weight, self.tp_comm))
-            k = self.k_norm(k, copy_to_tp(self.k_norm.weight, self.tp_comm))
+            q, k = normalize_heads(self.q_norm, q, self.tp_comm), normalize_heads(self.k_norm, k, self.tp_comm)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         y = attend(q, k, v, cache, layer, documents, self.window)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def normalize_heads(norm: RMSNorm, x: torch.Tensor, comm) -> torch.Tensor:
+    """Qwen3's RMSNorm of each head of x (B, heads, T, D), one gain of D shared by the heads.
+
+    Under TP a rank normalizes its own heads only, so the gain's gradient is a partial sum over the TP group
+    (`comm`): copy_to_tp all-reduces it, and the replicated gain stays equal on every rank.
+    """
+    return norm(x, copy_to_tp(norm.weight, comm))
 
 
 class LlamaMLP(nn.Module):
