@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -24,10 +25,12 @@ from test_activation_bytes import measured_bytes, packed_segments, predicted_byt
 from test_checkpoint import spawn
 from test_user_errors import one_line_error
 
+import zerotrain
 from zerotrain.cli.commands import equivalence
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.config import PRESETS, ModelConfig
+from zerotrain.errors import CheckpointError
 from zerotrain.hub import init_from, mapping
 from zerotrain.hub.export import export_model
 from zerotrain.model import build_model, layers, param_count, summed_token_loss
@@ -124,9 +127,11 @@ def test_an_export_is_loaded_by_transformers_as_the_same_family_with_the_same_lo
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(loaded).__name__ == HF_CLASSES[family]
     assert (hf_logits_and_loss(loaded)[0] - ours).abs().max() < EXACT
-    # config.json both ways: the export read back is the model that was exported
+    # config.json both ways: the export read back is the model that was exported, by zerotrain.load_model too
     config = json.loads((out / "config.json").read_text())
     assert mapping.model_config_from_hf(config, "config.json") == engine.model.cfg
+    with torch.no_grad():
+        assert torch.equal(zerotrain.load_model(str(out))(IDS), ours)
 
 
 def test_llama3_rope_scaling_is_read_from_rope_scaling_and_rope_parameters_alike():
@@ -151,6 +156,20 @@ def test_an_unknown_rope_type_is_refused_in_one_line_naming_it(folders, tmp_path
                        "--no-progress", "--out", str(tmp_path / "run"))
     line = one_line_error(r)
     assert str(folder) in line and "rope_type 'yarn'" in line and "llama3" in line, line
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type 'linear'"),
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),  # the older key
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 500.0}, "rope_type 'longrope'"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "no 'low_freq_factor'"),
+    ("use_sliding_window", True, "use_sliding_window = True"),  # Qwen2's window: zerotrain's qwen2 has none
+])
+def test_what_zerotrain_does_not_implement_is_refused_naming_it_never_ignored(field, value, said):
+    config = family_config("qwen2").to_dict()
+    config[field] = value
+    with pytest.raises(CheckpointError, match="^config.json: .*" + re.escape(said)):
+        mapping.model_config_from_hf(config, "config.json")
 
 
 # Mistral's window, shorter than the sequence: packed records (the window inside each record) and the KV cache.
