@@ -1,8 +1,8 @@
-"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases.
+"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention; Qwen2, Qwen3, Mistral.
 
 Its members are options of this one decoder, as the config's `arch` implies them (config.LLAMA_FAMILY):
 
-    llama    as above; Llama 3.1's rope scaling (--rope-scaling llama3) rescales the rotary frequencies
+    llama    no biases; Llama 3.1's rope scaling (--rope-scaling llama3) rescales the rotary frequencies
     qwen2    biases on q, k and v (not on o_proj): Qwen2 and Qwen2.5
     qwen3    an RMSNorm of every q and k head (one gain of head_dim) before rotary; heads may be narrower or
              wider than n_embd / n_head (--head-width)
