@@ -24,6 +24,7 @@ from model_folders import LLAMA3_ROPE, WINDOW, family_config, family_folder
 from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
 from test_checkpoint import spawn
 from test_user_errors import one_line_error
+from torch.nn.attention.flex_attention import flex_attention
 
 import zerotrain
 from zerotrain.cli.commands import equivalence
@@ -193,6 +194,32 @@ def test_mistral_packed_records_attend_within_their_window_and_a_mask_without_it
     real = layers.document_mask
     monkeypatch.setattr(layers, "document_mask", lambda segments, dtype, window=0: real(segments, dtype))
     assert packed_vs_alone(model, hf) > CAUGHT
+
+
+def flex_vs_mask(model) -> float:
+    """max |logits through FlexAttention's block masks (CUDA's kernel choice) - through SDPA's masks|, unpacked and
+    packed rows alike. FlexAttention runs uncompiled here: its reference implementation, which CPU has."""
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    with torch.no_grad():
+        masked = [model(IDS), model(IDS, segments=segments)]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(layers, "document_kernel", lambda device_type: "flex")
+            m.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
+            flex = [model(IDS), model(IDS, segments=segments)]
+    return max((a - b).abs().max().item() for a, b in zip(masked, flex))
+
+
+def test_the_flex_attention_masks_cuda_takes_hold_the_window_and_block_masks_without_it_are_caught(folders,
+                                                                                                   monkeypatch):
+    model = init_from_model(folders["mistral"][0])
+    assert flex_vs_mask(model) < EXACT
+    # planted, each alone: the window left out of a block mask (a window as long as the row is no window)
+    windowless = {"window_block_mask": lambda real: lambda T, window, device: real(T, T, device),
+                  "document_block_mask": lambda real: lambda segments, window=0: real(segments)}
+    for name, plant in windowless.items():
+        with monkeypatch.context() as m:
+            m.setattr(layers, name, plant(getattr(layers, name)))
+            assert flex_vs_mask(model) > CAUGHT
 
 
 def init_from_model(folder):

@@ -333,12 +333,14 @@ def document_attention(segments: torch.Tensor, dtype: torch.dtype, window: int =
 
 
 def window_attention(T: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | BlockMask | None:
-    """What attend takes for one sequence per row under a sliding window: None where the window holds the whole
-    sequence (SDPA's causal mask is exact), else the mask of one record spanning each row (document_attention's,
-    shared by the rows: a single row of segments)."""
+    """What attend takes for one sequence per row under a sliding window, built once per forward and shared by the
+    rows: None where the window holds the whole sequence (SDPA's causal mask is exact), else FlexAttention's block
+    mask (CUDA, document_kernel) or the mask of one record spanning the row (1, 1, T, T)."""
     if not 0 < window < T:
         return None
-    return document_attention(torch.zeros(1, T, dtype=torch.long, device=device), dtype, window)
+    if document_kernel(device.type) == "flex":
+        return window_block_mask(T, window, device)
+    return document_mask(torch.zeros(1, T, dtype=torch.long, device=device), dtype, window)
 
 
 def document_mask(segments: torch.Tensor, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
@@ -370,6 +372,17 @@ def document_block_mask(segments: torch.Tensor, window: int = 0) -> BlockMask:
 
     return create_block_mask(same_record_causal, B, None, T, T, device=segments.device,
                              _compile=segments.device.type == "cuda" and not torch.compiler.is_compiling())
+
+
+def window_block_mask(T: int, window: int, device: torch.device) -> BlockMask:
+    """FlexAttention's block mask for causal attention within a sliding window, shared by the batch and the heads
+    (B and H None): blocks wholly outside the window are skipped."""
+
+    def causal_in_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < window)
+
+    return create_block_mask(causal_in_window, None, None, T, T, device=device,
+                             _compile=device.type == "cuda" and not torch.compiler.is_compiling())
 
 
 @functools.cache
