@@ -87,8 +87,8 @@ def read_prepared(folder, split: str = "train"):
 # Tiny random models of each Llama-family member zerotrain builds, fp32, with what sets each member apart: Llama 3.1's
 # rope scaling (its original context below the positions, so that the scaling changes the logits), Qwen2's q/k/v
 # biases and a tied head, Qwen3's q/k norms with heads wider than hidden / heads, Mistral's window shorter than the
-# positions. Weights drawn at std 0.2 (biases and norm gains moved off 0 and 1 as much), so that a dropped piece moves
-# the logits well beyond 1e-4.
+# positions, Phi-3's fused projections (and a window). Weights drawn at std 0.2 (biases and norm gains moved off 0
+# and 1 as much), so that a dropped piece moves the logits well beyond 1e-4.
 FAMILY_SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2,
                     rope_theta=500.0)
@@ -108,6 +108,9 @@ def family_config(family: str, **changes):
         return transformers.Qwen3Config(**{"head_dim": 12, **sizes})
     if family == "mistral":
         return transformers.MistralConfig(**{"sliding_window": WINDOW, **sizes})
+    if family == "phi3":  # q, k and v in one qkv_proj, gate and up in one gate_up_proj; a window too
+        return transformers.Phi3Config(**{"sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
+                                          "eos_token_id": 2, **sizes})
     raise ValueError(f"no tiny model of family {family!r}")
 
 

@@ -1,13 +1,13 @@
-"""The Llama family's members against transformers: Llama 3.1's rope scaling, Qwen2, Qwen3 and Mistral, each exact.
+"""The Llama family's members against transformers: Llama 3.1's rope scaling, Qwen2, Qwen3, Mistral, Phi-3; exact.
 
 Every model is a tiny random transformers model built locally (model_folders.family_folder: fp32, what sets each
 member apart made to matter), read through --init-from's path. For each: logits within 1e-4 and the first loss
 within 1e-5 relative at TP 1 (in this process) and TP 2 (one start of 2 ranks for all of them), and the export
 round trip (transformers loads it as the same family and computes the same logits). A planted bug per member,
 in the code path zerotrain runs, is caught by the same comparison: the q/k/v biases dropped, the q/k norms skipped,
-the rope scaling ignored, the window not applied. Mistral's window is checked shorter than the sequence in
-packed records and through the KV cache `sample` decodes with; Qwen3's splits over ranks and micro-batches, and
-its TP 2 checkpoint resumed at TP 1.
+the rope scaling ignored, the window not applied, Phi-3's fused rows misread. Mistral's window is checked shorter
+than the sequence in packed records, on FlexAttention's path and through the KV cache `sample` decodes with;
+Qwen3's splits over ranks and micro-batches, and its TP 2 checkpoint resumed at TP 1.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from zerotrain.runtime.run_folder import resolve_paths
 
 pytestmark = pytest.mark.timeout(300)
 
-FAMILIES = ("llama3", "qwen2", "qwen3", "mistral")  # llama3: a Llama with Llama 3.1's rope scaling
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "phi3")  # llama3: a Llama with Llama 3.1's rope scaling
 HF_CLASSES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}
+              "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 SEQ, VOCAB = 32, 96  # model_folders.FAMILY_SIZES: every position the models hold, beyond the window and the
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))  # original rope context
 EXACT, CAUGHT = 1e-4, 1e-2  # the logits bound, and what a planted bug must exceed (100x)
@@ -92,7 +92,8 @@ def test_each_family_computes_the_logits_and_first_loss_transformers_does(folder
     cfg = engine.model.cfg  # what makes the family: read from its config.json
     assert (cfg.arch, cfg.rope_scaling, cfg.head_dim, cfg.sliding_window, cfg.tie_embeddings) == {
         "llama3": ("llama", "llama3", 8, 0, False), "qwen2": ("qwen2", "none", 8, 0, True),
-        "qwen3": ("qwen3", "none", 12, 0, False), "mistral": ("mistral", "none", 8, WINDOW, False)}[family]
+        "qwen3": ("qwen3", "none", 12, 0, False), "mistral": ("mistral", "none", 8, WINDOW, False),
+        "phi3": ("phi3", "none", 8, WINDOW, False)}[family]
 
 
 def dropped_biases(mp):
@@ -107,6 +108,9 @@ PLANTED = {  # family: the bug, planted in zerotrain's own function
     "qwen3": ("q/k norms skipped", lambda mp: mp.setattr(llama_module, "normalize_heads", lambda norm, x, comm: x)),
     "llama3": ("rope scaling ignored", lambda mp: mp.setattr(llama_module, "rope_scaling", lambda cfg: None)),
     "mistral": ("window not applied", lambda mp: mp.setattr(llama_module, "window_attention", lambda *a: None)),
+    "phi3": ("gate and up read from each other's rows of gate_up_proj", lambda mp: mp.setitem(
+        mapping.MAPPINGS, "phi3", dataclasses.replace(mapping.MAPPINGS["phi3"], fused=(
+            mapping.PHI3_FUSED[0], ("mlp.gate_up_proj.weight", ("mlp.up_proj.weight", "mlp.gate_proj.weight")))))),
 }
 
 
@@ -258,7 +262,7 @@ def test_mistral_decodes_through_the_kv_cache_within_its_window_and_a_cache_with
 
 # plan: parameter counts and activation bytes of the new pieces, exact.
 
-@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b"])
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b", "phi-3-mini-4k"])
 def test_each_presets_parameters_are_those_of_transformers_model_from_the_config_zerotrain_exports(preset):
     cfg = ModelConfig(**PRESETS[preset])
     config = mapping.hf_config(cfg, None)
@@ -292,7 +296,8 @@ def tp2_job(rank, comm, tmp_path, folders, qwen3_run):
     out = {}
     for family, folder in folders.items():
         logits, loss, engine = zerotrain_logits(folder, comm, "--nproc", "2", "--tp", "2")
-        out[family] = {"logits": logits.tolist(), "loss": loss,
+        cfg = engine.model.cfg
+        out[family] = {"logits": logits.tolist(), "loss": loss, "q_full": cfg.n_head * cfg.head_dim,
                        "q_rows": engine.model.model.layers[0].self_attn.q_proj.weight.shape[0]}
     cfg = resolve_paths(config_for(folders["qwen3"], "--nproc", "2", "--tp", "2", *qwen3_run))
     out["qwen3 run"] = [r["loss"] for r in train(cfg, comm, announce=False).records]
@@ -320,7 +325,7 @@ def test_tp2_computes_the_logits_and_first_loss_transformers_does(folders, tp2, 
         r = rank[family]
         assert (torch.tensor(r["logits"]) - theirs).abs().max() < EXACT
         assert abs(r["loss"] - their_loss) <= 1e-5 * their_loss
-        assert r["q_rows"] == hf.model.layers[0].self_attn.q_proj.weight.shape[0] // 2  # its half of the heads
+        assert r["q_rows"] == r["q_full"] // 2  # its half of the heads
 
 
 def test_a_qwen3_tp2_checkpoint_resumes_at_tp1_with_the_same_losses_and_swapped_slices_are_caught(

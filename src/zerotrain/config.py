@@ -94,6 +94,10 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": dict(arch="mistral", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                        seq_len=2048, vocab_size=32768, rope_theta=1000000.0, norm_eps=1e-5,
                        tie_embeddings=False),
+    # microsoft/Phi-3-mini-4k-instruct: 32 heads without GQA, a window of 2047 tokens.
+    "phi-3-mini-4k": dict(arch="phi3", n_layer=32, n_head=32, n_kv_head=32, n_embd=3072, intermediate_size=8192,
+                          seq_len=2048, vocab_size=32064, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
+                          sliding_window=2047),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -102,9 +106,11 @@ PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
 # The Llama family: one decoder (model/llama.py) whose members differ in options each implies. qwen2: biases on q, k
-# and v; qwen3: RMSNorm of q and k per head; mistral: a sliding window (--sliding-window). Every member takes
+# and v; qwen3: RMSNorm of q and k per head; mistral and phi3: a sliding window (--sliding-window; Phi-3's fused
+# projections are a matter of its files, hub/mapping.py). Every member takes
 # --head-width and --rope-scaling, as their Hugging Face configs do.
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+WINDOWED = ("mistral", "phi3")  # the members with a sliding window
 ARCHS = ("gpt2", *LLAMA_FAMILY)
 ROPE_SCALINGS = ("none", "llama3")
 
@@ -114,7 +120,8 @@ class ModelConfig:
     arch: str = setting("gpt2", "architecture: gpt2 (learned positions, LayerNorm, GELU MLP, biases), llama "
                         "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases), or a member of "
                         "the Llama family: qwen2 (biases on q, k and v), qwen3 (RMSNorm of q and k per head), "
-                        "mistral (sliding-window attention)", rule=one_of(*ARCHS))
+                        "mistral (sliding-window attention), phi3 (Phi-3: a sliding window, fused projections in its "
+                        "files)", rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
     n_kv_head: int = setting(0, "key/value heads of grouped-query attention (Llama family; divides --n-head)",
@@ -139,8 +146,8 @@ class ModelConfig:
                                            "are kept (in between: interpolated)", rule=POSITIVE)
     rope_original_context: int = setting(8192, "llama3 rope scaling: the context the model was pretrained at",
                                          rule=POSITIVE)
-    sliding_window: int = setting(0, "each token attends to at most this many tokens, itself included (mistral; 0: "
-                                  "all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
+    sliding_window: int = setting(0, "each token attends to at most this many tokens, itself included (mistral, "
+                                  "phi3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -511,9 +518,9 @@ def validate(cfg: Config) -> Config:
                           f"{m.head_width} and --rope-scaling {m.rope_scaling} are for the Llama family")
     if m.llama_family and m.head_dim % 2:
         raise ConfigError(f"--arch {m.arch}: the head width {m.head_dim} must be even (rotary embeddings rotate pairs)")
-    if m.sliding_window and m.arch != "mistral":
-        raise ConfigError(f"--sliding-window {m.sliding_window} is mistral's: --arch {m.arch} attends to every "
-                          "earlier token")
+    if m.sliding_window and m.arch not in WINDOWED:
+        raise ConfigError(f"--sliding-window {m.sliding_window} is for --arch {' or '.join(WINDOWED)}: --arch {m.arch} "
+                          "attends to every earlier token")
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

@@ -5,7 +5,9 @@ and export alike, so the two cannot drift apart.
            (in, out): nn.Linear's transposed. The attention-mask buffers some versions save are not parameters.
     llama  names are Hugging Face's Llama names and matrices are stored as nn.Linear's: the identity. Qwen2,
            Qwen3 and Mistral, the Llama family's other members, name their tensors the same way (Qwen2's q/k/v
-           biases and Qwen3's q_norm / k_norm under the same self_attn. prefix): the identity too.
+           biases and Qwen3's q_norm / k_norm under the same self_attn. prefix): the identity too. Phi-3 stacks
+           q, k and v in one qkv_proj and gate and up in one gate_up_proj (by rows, in that order): zerotrain's
+           model keeps them apart, and the table says which rows of the stored tensor each one is.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's rope scaling is read from `rope_scaling` (older transformers and the
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import ModelConfig
+from zerotrain.config import WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 
 
@@ -35,6 +37,7 @@ class HFMapping:
     block_prefix: str
     transposed: tuple[str, ...]  # suffixes of per-block matrices stored (in, out)
     ignored: tuple[str, ...]  # suffixes of tensors their files may hold that are not parameters
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (stored suffix, zerotrain's suffixes stacked in it by rows)
 
     def canonical(self, name: str) -> str:
         """A tensor's name as zerotrain's model has it. GPT-2 folders saved from the bare GPT2Model (the original
@@ -46,15 +49,52 @@ class HFMapping:
     def is_transposed(self, name: str) -> bool:
         return bool(self.transposed) and name.startswith(self.block_prefix) and name.endswith(self.transposed)
 
+    def unfused(self, name: str, cfg: ModelConfig) -> list[tuple[str, int, int | None]]:
+        """The parameters a stored tensor holds: [(zerotrain's name, its first row, its rows)]; one tensor stored
+        as it is gives [(name, 0, None)]."""
+        for stored, parts in self.fused:
+            if name.startswith(self.block_prefix) and name.endswith(stored):
+                prefix, at, out = name[: -len(stored)], 0, []
+                for part in parts:
+                    out.append((prefix + part, at, PART_ROWS[part](cfg)))
+                    at += out[-1][2]
+                return out
+        return [(name, 0, None)]
+
     def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """zerotrain's tensors (names -> tensors) in Hugging Face's layout, fp32 and contiguous."""
-        return {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
+        out = {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
+        for stored, parts in self.fused:
+            for name in [n for n in out if n.startswith(self.block_prefix) and n.endswith(parts[0])]:
+                prefix = name[: -len(parts[0])]
+                out[prefix + stored] = torch.cat([out.pop(prefix + part) for part in parts])
+        return out
 
-    def from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_hf(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Hugging Face's tensors in zerotrain's layout; tensors that are not parameters are dropped."""
         named = {self.canonical(n): t for n, t in tensors.items()}
-        return {n: (t.t().contiguous() if self.is_transposed(n) else t) for n, t in named.items()
-                if not n.endswith(self.ignored)}
+        out = {}
+        for n, t in named.items():
+            if n.endswith(self.ignored):
+                continue
+            if self.is_transposed(n):
+                t = t.t().contiguous()
+            for part, at, rows in self.unfused(n, cfg):
+                out[part] = t if rows is None else t[at : at + rows]
+        return out
+
+
+# The rows of each matrix Phi-3 stacks, from the model's sizes.
+PART_ROWS = {
+    "self_attn.q_proj.weight": lambda c: c.n_head * c.head_dim,
+    "self_attn.k_proj.weight": lambda c: c.kv_heads * c.head_dim,
+    "self_attn.v_proj.weight": lambda c: c.kv_heads * c.head_dim,
+    "mlp.gate_proj.weight": lambda c: c.ffn_width,
+    "mlp.up_proj.weight": lambda c: c.ffn_width,
+}
+PHI3_FUSED = (("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight")),
+              ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
 
 
 MAPPINGS = {
@@ -64,6 +104,7 @@ MAPPINGS = {
     **{arch: HFMapping(arch, arch, cls, "model.layers.", (), (".rotary_emb.inv_freq",)) for arch, cls in (
         ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
         ("mistral", "MistralForCausalLM"))},
+    "phi3": HFMapping("phi3", "phi3", "Phi3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",), PHI3_FUSED),
 }
 BY_MODEL_TYPE = {m.model_type: m for m in MAPPINGS.values()}
 
@@ -104,6 +145,9 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
             config.update(attention_bias=False)
     else:
         config.update(sliding_window=cfg.sliding_window or None)
+        if cfg.arch == "phi3":  # Phi3Config's pad_token_id (32000) would not fit a smaller vocabulary
+            config.update(original_max_position_embeddings=cfg.positions, partial_rotary_factor=1.0,
+                          resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=eot)
     return config
 
 
@@ -189,6 +233,7 @@ _FIXED = {
     "qwen3": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)),
               ("use_sliding_window", False, (False,))),
     "mistral": (("hidden_act", "silu", ("silu",)),),
+    "phi3": (("hidden_act", "silu", ("silu",)), ("partial_rotary_factor", 1.0, (1.0, 1))),
 }
 
 
@@ -211,7 +256,7 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     if head_dim % 2:
         raise CheckpointError(f"{where}: head_dim {head_dim} must be even (rotary embeddings rotate pairs)")
     window = 0
-    if arch == "mistral":
+    if arch in WINDOWED:
         window = _count(config, "sliding_window", where, default=0)
     rope = _table(config, "rope_parameters", where)
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
@@ -235,6 +280,9 @@ def _rope_settings(config: dict, where: str) -> dict:
     key = "rope_scaling" if _table(config, "rope_scaling", where) else "rope_parameters"
     scaling = _table(config, key, where)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:  # where transformers 5 puts Phi-3's
+        raise CheckpointError(f"{where}: {key} has partial_rotary_factor {scaling['partial_rotary_factor']!r}; "
+                              "zerotrain rotates the whole head (1.0)")
     if kind == "default":
         return {}
     if kind != "llama3":

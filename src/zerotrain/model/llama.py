@@ -1,4 +1,5 @@
-"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention; Qwen2, Qwen3, Mistral.
+"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention; Qwen2, Qwen3, Mistral,
+Phi-3.
 
 Its members are options of this one decoder, as the config's `arch` implies them (config.LLAMA_FAMILY):
 
@@ -7,6 +8,7 @@ Its members are options of this one decoder, as the config's `arch` implies them
     qwen3    an RMSNorm of every q and k head (one gain of head_dim) before rotary; heads may be narrower or
              wider than n_embd / n_head (--head-width)
     mistral  each token attends to the last `sliding_window` tokens only (0: to all), in training and in the cache
+    phi3     Mistral's window; its files stack q, k, v (and gate, up) in one matrix, which hub/mapping.py splits
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MistralForCausalLM` names (the same scheme) and every matrix is stored as it is there (nn.Linear's (out, in)),
