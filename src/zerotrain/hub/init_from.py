@@ -3,7 +3,8 @@
 The source decides the architecture, the sizes and the vocabulary (a flag that says otherwise is refused,
 naming both values) and brings its tokenizer. Each rank reads only the slices of the tensors it trains
 (safetensors' lazy slicing, through the architecture's table in mapping.py), into a model built on the
-meta device: no rank ever holds a full copy of a tensor it trains TP-sharded. Weights only: the optimizer
+meta device: no rank ever holds a full copy of a tensor it trains TP-sharded (nor of a fused one, Phi-3's
+qkv_proj: a rank reads the rows of its parts' slices). Weights only: the optimizer
 and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
