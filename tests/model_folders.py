@@ -82,3 +82,46 @@ def read_prepared(folder, split: str = "train"):
     offsets = np.fromfile(os.path.join(str(folder), f"{split}.records"), dtype="<u8").astype(int)
     return [(np.asarray(file.tokens[a:b], dtype=int), np.asarray(file.mask[a:b], dtype=int))
             for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+# Tiny random models of each Llama-family member zerotrain builds, fp32, with what sets each member apart: Llama 3.1's
+# rope scaling (its original context below the positions, so that the scaling changes the logits), Qwen2's q/k/v
+# biases and a tied head, Qwen3's q/k norms with heads wider than hidden / heads, Mistral's window shorter than the
+# positions, Phi-3's fused projections (and a window). Weights drawn at std 0.2 (biases and norm gains moved off 0
+# and 1 as much), so that a dropped piece moves the logits well beyond 1e-4.
+FAMILY_SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2,
+                    rope_theta=500.0)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+WINDOW = 5
+
+
+def family_config(family: str, **changes):
+    """The transformers config of the tiny `family` model (llama3 is Llama with Llama 3.1's rope scaling)."""
+    sizes = {**FAMILY_SIZES, **changes}
+    if family in ("llama", "llama3"):
+        return transformers.LlamaConfig(**sizes, **({"rope_scaling": LLAMA3_ROPE} if family == "llama3" else {}))
+    if family == "qwen2":
+        return transformers.Qwen2Config(**{"tie_word_embeddings": True, **sizes})
+    if family == "qwen3":
+        return transformers.Qwen3Config(**{"head_dim": 12, **sizes})
+    if family == "mistral":
+        return transformers.MistralConfig(**{"sliding_window": WINDOW, **sizes})
+    if family == "phi3":  # q, k and v in one qkv_proj, gate and up in one gate_up_proj; a window too
+        return transformers.Phi3Config(**{"sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
+                                          "eos_token_id": 2, **sizes})
+    raise ValueError(f"no tiny model of family {family!r}")
+
+
+def family_folder(folder, family: str, **changes):
+    """A tiny random model of `family` saved by transformers in `folder` (safetensors, config.json); the model, in
+    eval mode."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(family, **changes), attn_implementation="sdpa")
+    with torch.no_grad():  # transformers starts biases at 0 and norm gains at 1: a dropped one would change nothing
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(folder))
+    return model.eval()

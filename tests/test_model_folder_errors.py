@@ -2,8 +2,8 @@
 
 Each folder is a tiny random Hugging Face model built locally with `transformers` (test_llama's hf_model), broken
 one way: its tokenizer, its config.json's types and values, its safetensors files (read from their headers), a
-Qwen2 / Qwen3 / Phi-3 relabelled as llama, a refused model_type, pickled weights. `zerotrain.load_model` reads the
-sharded folders `--init-from` reads.
+Qwen2 / Qwen3 / Phi-3 relabelled as llama, a model_type zerotrain does not build, pickled weights.
+`zerotrain.load_model` reads the sharded folders `--init-from` reads.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
 
 
 def hf_family(folder, name: str) -> None:
-    """A tiny random model of a Llama-like family zerotrain does not build, saved in `folder`."""
+    """A tiny random model of a Llama-like family saved in `folder`: Qwen2, Qwen3 or Phi-3, which zerotrain builds
+    under their own model_type and refuses relabelled as llama."""
     torch.manual_seed(0)
     if name == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE))
@@ -123,7 +124,8 @@ BROKEN = {
                               ["config.json", "num_attention_heads", "got 0"]),
     "num_hidden_layers a string": ("llama", lambda d: edit_json(d / "config.json", num_hidden_layers="2"),
                                    "synthetic", ["config.json", "num_hidden_layers", "got '2'"]),
-    "hidden_size not divisible by the heads": ("llama", lambda d: edit_json(d / "config.json", hidden_size=30),
+    "hidden_size not divisible by the heads": ("llama", lambda d: edit_json(d / "config.json", hidden_size=30,
+                                                                            head_dim=None),  # no width of their own
                                                "synthetic", ["config.json", "hidden_size 30", "num_attention_heads 4"]),
     "gpt2 n_embd null": ("gpt2", lambda d: edit_json(d / "config.json", n_embd=None), "synthetic",
                          ["config.json", "n_embd", "got None"]),
@@ -138,8 +140,8 @@ BROKEN = {
     "Qwen2 relabelled llama": ("qwen2", relabel_llama, "synthetic", ["model.safetensors", "k_proj.bias", "Qwen2"]),
     "Qwen3 relabelled llama": ("qwen3", relabel_llama, "synthetic", ["model.safetensors", "k_norm", "Qwen3"]),
     "Phi-3 relabelled llama": ("phi3", relabel_llama, "synthetic", ["model.safetensors", "gate_up_proj", "Phi-3"]),
-    "model_type qwen2": ("qwen2", lambda d: None, "synthetic",
-                         ["config.json", "model_type 'qwen2'", "'gpt2'", "'llama'"]),
+    "model_type falcon": ("phi3", lambda d: edit_json(d / "config.json", model_type="falcon"), "synthetic",
+                          ["config.json", "model_type 'falcon'", "'gpt2'", "'llama'", "'phi3'"]),
     "zerotrain export with n_layer a string": ("llama", as_zerotrain_export, "synthetic",
                                                ["config.json", "n_layer", "'2'"]),
     "pickled weights": ("llama", lambda d: os.rename(d / "model.safetensors", d / "pytorch_model.bin"), "synthetic",

@@ -85,7 +85,7 @@ def packed_vs_alone(model, recompute: str, seed: int = 0) -> tuple[float, float]
 
 def causal_only(real):
     """A planted leak: the document mask of one record per row, whatever the segments say."""
-    return lambda segments, dtype: real(torch.zeros_like(segments), dtype)
+    return lambda segments, dtype, window=0: real(torch.zeros_like(segments), dtype, window)
 
 
 def unrestarted(segments: torch.Tensor) -> torch.Tensor:

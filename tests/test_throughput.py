@@ -4,6 +4,7 @@ in the step records, the progress line and summary.json, W&B's offline run, and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -44,18 +45,25 @@ def counted_flops(m: ModelConfig, batch: int = 2, recompute: bool = False) -> in
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+# Qwen3's heads are wider than n_embd / n_head (12 x 4 = 48 against 32): the attention widths are the heads', not d.
+SHAPES = {"tiny": PRESETS["tiny"], "llama-tiny": PRESETS["llama-tiny"],
+          "qwen3": {**PRESETS["llama-tiny"], "arch": "qwen3", "head_width": 12}}
+
+
+@pytest.mark.parametrize("preset", list(SHAPES))
 def test_model_flops_per_token_equals_torchs_count_and_a_planted_mistake_is_caught(preset, monkeypatch):
-    m = ModelConfig(**{**PRESETS[preset], "seq_len": 24})  # T != d: the attention term's T and d are told apart
+    m = ModelConfig(**{**SHAPES[preset], "seq_len": 24})  # T != d: the attention term's T and d are told apart
     tokens = 2 * m.seq_len
     assert throughput.model_flops_per_token(m) * tokens == counted_flops(m)
 
     # planted in the product's formula: Llama's SwiGLU counted as two matrices like GPT-2's MLP; GPT-2's tied head
-    # left out as if it were only the embedding
+    # left out as if it were only the embedding; Qwen3's projections as wide as d
     honest = throughput.matmul_params
 
     def mistaken(c: ModelConfig) -> int:
-        if c.arch == "llama":
+        if c.head_width:
+            return honest(dataclasses.replace(c, head_width=0))
+        if c.llama_family:
             return honest(c) - c.n_layer * c.n_embd * c.ffn_width
         return honest(c) - c.vocab_size * c.n_embd
 

@@ -78,22 +78,57 @@ PRESETS: dict[str, dict] = {
     # SmolLM-135M's shape (Hugging Face's HuggingFaceTB/SmolLM-135M).
     "smollm-135m": dict(arch="llama", n_layer=30, n_head=9, n_kv_head=3, n_embd=576, intermediate_size=1536,
                         seq_len=2048, vocab_size=49152, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True),
+    # The shapes of meta-llama/Llama-3.2-1B, Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B and mistralai/Mistral-7B-v0.3 (their
+    # config.json), at a 2048-token window (their contexts are 32k-128k: --context gives one, and sample's KV cache
+    # holds all of it).
+    "llama-3.2-1b": dict(arch="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
+                         seq_len=2048, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5,
+                         tie_embeddings=True, rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                         rope_high_freq_factor=4.0, rope_original_context=8192),
+    "qwen2.5-0.5b": dict(arch="qwen2", n_layer=24, n_head=14, n_kv_head=2, n_embd=896, intermediate_size=4864,
+                         seq_len=2048, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6,
+                         tie_embeddings=True),
+    "qwen3-0.6b": dict(arch="qwen3", n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_width=128,
+                       intermediate_size=3072, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
+                       norm_eps=1e-6, tie_embeddings=True),
+    "mistral-7b": dict(arch="mistral", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                       seq_len=2048, vocab_size=32768, rope_theta=1000000.0, norm_eps=1e-5,
+                       tie_embeddings=False),
+    # microsoft/Phi-3-mini-4k-instruct: 32 heads without GQA, a window of 2047 tokens.
+    "phi-3-mini-4k": dict(arch="phi3", n_layer=32, n_head=32, n_kv_head=32, n_embd=3072, intermediate_size=8192,
+                          seq_len=2048, vocab_size=32064, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
+                          sliding_window=2047),
 }
+# What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
+_PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
+              rope_high_freq_factor=4.0, rope_original_context=8192, sliding_window=0)
+PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
-ARCHS = ("gpt2", "llama")
+# The Llama family: one decoder (model/llama.py) whose members differ in options each implies. qwen2: biases on q, k
+# and v; qwen3: RMSNorm of q and k per head; mistral and phi3: a sliding window (--sliding-window; Phi-3's fused
+# projections are a matter of its files, hub/mapping.py). Every member takes
+# --head-width and --rope-scaling, as their Hugging Face configs do.
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+WINDOWED = ("mistral", "phi3")  # the members with a sliding window
+ARCHS = ("gpt2", *LLAMA_FAMILY)
+ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclass
 class ModelConfig:
-    arch: str = setting("gpt2", "architecture: gpt2 (learned positions, LayerNorm, GELU MLP, biases) or llama "
-                        "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases)",
-                        rule=one_of(*ARCHS))
+    arch: str = setting("gpt2", "architecture: gpt2 (learned positions, LayerNorm, GELU MLP, biases), llama "
+                        "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases), or a member of "
+                        "the Llama family: qwen2 (biases on q, k and v), qwen3 (RMSNorm of q and k per head), "
+                        "mistral (sliding-window attention), phi3 (Phi-3: a sliding window, fused projections in its "
+                        "files)", rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
-    n_kv_head: int = setting(0, "key/value heads of grouped-query attention (llama; divides --n-head)",
+    n_kv_head: int = setting(0, "key/value heads of grouped-query attention (Llama family; divides --n-head)",
                              rule=NON_NEGATIVE, shown="--n-head")
     n_embd: int = setting(32, "embedding width", rule=POSITIVE)
+    head_width: int = setting(0, "width of each attention head, Hugging Face's head_dim (Llama family; Qwen3's "
+                              "differs from --n-embd / --n-head)", rule=NON_NEGATIVE, shown="--n-embd / --n-head")
     intermediate_size: int = setting(0, "the MLP's hidden width", rule=NON_NEGATIVE, shown="4 x --n-embd")
     seq_len: int = setting(16, "tokens per sequence: the training window", rule=POSITIVE)
     context: int = setting(0, "positions the model holds, exported as its context (GPT-2's position table); an "
@@ -102,6 +137,17 @@ class ModelConfig:
     vocab_size: int = setting(64, "vocabulary size; when not given, the data's", rule=POSITIVE,
                               shown="the data's; synthetic data: 64")
     rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE)
+    rope_scaling: str = setting("none", "rotary frequencies rescaled for a longer context: none, or llama3 (Llama "
+                                "3.1's, with the four --rope-* settings below)", rule=one_of(*ROPE_SCALINGS))
+    rope_factor: float = setting(8.0, "llama3 rope scaling: how much the low frequencies are slowed", rule=POSITIVE)
+    rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original context / this are "
+                                          "slowed by --rope-factor", rule=POSITIVE)
+    rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original context / this "
+                                           "are kept (in between: interpolated)", rule=POSITIVE)
+    rope_original_context: int = setting(8192, "llama3 rope scaling: the context the model was pretrained at",
+                                         rule=POSITIVE)
+    sliding_window: int = setting(0, "each token attends to at most this many tokens, itself included (mistral, "
+                                  "phi3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -117,7 +163,22 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        """Each attention head's width: --head-width, or the embedding width over the heads."""
+        return self.head_width or self.n_embd // self.n_head
+
+    @property
+    def llama_family(self) -> bool:
+        return self.arch in LLAMA_FAMILY
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q, k and v (not on the output projection): Qwen2's."""
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's."""
+        return self.arch == "qwen3"
 
     @property
     def ffn_width(self) -> int:
@@ -234,9 +295,10 @@ class CheckpointConfig:
     resume: str = setting("", "'auto' (the newest checkpoint that verifies, if any) or a checkpoint folder",
                           shown="none")
     async_save: bool = setting(False, "write checkpoints in the background while training goes on")
-    init_from: str = setting("", "start from these weights: a local Hugging Face folder (model_type gpt2 or llama, "
-                             "safetensors) or a zerotrain checkpoint or export; its architecture, sizes and "
-                             "tokenizer come with it (weights only: a fresh optimizer and schedule)", shown="none")
+    init_from: str = setting("", "start from these weights: a local Hugging Face folder (model_type gpt2, "
+                             "llama, qwen2, qwen3 or mistral; safetensors) or a zerotrain checkpoint or export; its "
+                             "architecture, sizes and tokenizer come with it (weights only: a fresh optimizer and "
+                             "schedule)", shown="none")
     overwrite: bool = setting(False, "a fresh run may replace the checkpoints and metrics in its folder")
 
 
@@ -436,7 +498,7 @@ def validate(cfg: Config) -> Config:
         if s.rule and not s.rule.holds(value):
             raise ConfigError(f"{s.flag} {s.rule.says}, got {value!r}")
     m, p = cfg.model, cfg.parallel
-    if m.n_embd % m.n_head:
+    if m.n_embd % m.n_head and not m.head_width:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}")
     if m.context and m.context < m.seq_len:
         raise ConfigError(f"--context {m.context} is shorter than --seq-len {m.seq_len}: the model holds at least the "
@@ -451,9 +513,17 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--arch gpt2 has one KV head per head: --n-kv-head {m.n_kv_head} is for --arch llama")
     if m.arch == "gpt2" and not m.tie_embeddings:
         raise ConfigError("--arch gpt2 ties its head to the token embedding: --no-tie-embeddings is for --arch llama")
-    if m.arch == "llama" and m.head_dim % 2:
-        raise ConfigError(f"--arch llama: the head width --n-embd / --n-head = {m.head_dim} must be even (rotary "
-                          "embeddings rotate pairs)")
+    if m.arch == "gpt2" and (m.head_width or m.rope_scaling != "none"):
+        raise ConfigError(f"--arch gpt2 has heads of --n-embd / --n-head and no rotary embeddings: --head-width "
+                          f"{m.head_width} and --rope-scaling {m.rope_scaling} are for the Llama family")
+    if m.llama_family and m.head_dim % 2:
+        raise ConfigError(f"--arch {m.arch}: the head width {m.head_dim} must be even (rotary embeddings rotate pairs)")
+    if m.sliding_window and m.arch not in WINDOWED:
+        raise ConfigError(f"--sliding-window {m.sliding_window} is for --arch {' or '.join(WINDOWED)}: --arch {m.arch} "
+                          "attends to every earlier token")
+    if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
+        raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
+                          f"{m.rope_high_freq_factor}")
     if m.n_head % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide --n-head {m.n_head}: each TP rank keeps whole attention heads")
     if m.kv_heads % p.tp and p.tp % m.kv_heads:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from zerotrain.cli.flags import checked
-from zerotrain.config import POSITIVE, ModelConfig
+from zerotrain.config import LLAMA_FAMILY, POSITIVE, WINDOWED, ModelConfig
 from zerotrain.errors import ConfigError
 
 from .report import report_header, write_report
@@ -40,7 +40,8 @@ SIZES = {  # the model's shape, the training batch, the generation's prompt and 
 def add_parser(benches) -> None:
     p = benches.add_parser("model", help="zerotrain's model vs transformers' of the same shape: train step and "
                                          "generation", description=__doc__.split("\n\n")[1])
-    p.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
+    p.add_argument("--arch", choices=(*LLAMA_FAMILY, "gpt2"), default="llama",
+                   help="the architecture (mistral and phi3 with a sliding window of half the training sequence)")
     p.add_argument("--quick", action="store_true", help="a small model: seconds")
     p.add_argument("--repeats", type=checked(int, POSITIVE), help="alternating rounds (default 5, quick 3)")
     p.add_argument("--out", default="", help="folder for bench-model.json and bench-model.md")
@@ -90,16 +91,16 @@ def _models(transformers, arch: str, size: dict):
     from zerotrain.model import model_class
 
     shape = {k: size[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
-    if arch == "llama":
+    if arch in LLAMA_FAMILY:
         shape.update(n_kv_head=size["n_kv_head"], intermediate_size=size["intermediate_size"], tie_embeddings=False,
-                     norm_eps=1e-6)
+                     norm_eps=1e-6, sliding_window=size["seq_len"] // 2 if arch in WINDOWED else 0)
     cfg = ModelConfig(arch=arch, seq_len=size["seq_len"] + size["new_tokens"], **shape)
     config = hf_config(cfg, None)
     torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(config.pop("model_type"), **config), attn_implementation="sdpa")
     ours = model_class(cfg)(cfg)
-    ours.load_state_dict(MAPPINGS[arch].from_hf(theirs.state_dict()), strict=True)
+    ours.load_state_dict(MAPPINGS[arch].from_hf(theirs.state_dict(), cfg), strict=True)
     theirs.generation_config.eos_token_id = None  # generate every token asked for
     theirs.generation_config.pad_token_id = 0
     return ours.train(), theirs.train(), cfg

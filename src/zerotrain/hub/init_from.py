@@ -3,7 +3,8 @@
 The source decides the architecture, the sizes and the vocabulary (a flag that says otherwise is refused,
 naming both values) and brings its tokenizer. Each rank reads only the slices of the tensors it trains
 (safetensors' lazy slicing, through the architecture's table in mapping.py), into a model built on the
-meta device: no rank ever holds a full copy of a tensor it trains TP-sharded. Weights only: the optimizer
+meta device: no rank ever holds a full copy of a tensor it trains TP-sharded (nor of a fused one, Phi-3's
+qkv_proj: a rank reads the rows of its parts' slices). Weights only: the optimizer
 and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
@@ -49,6 +50,7 @@ class WeightSource:
     files: dict[str, str]  # tensor name (zerotrain's) -> the safetensors file holding it
     mapping: HFMapping | None  # hf: the architecture's layouts; a zerotrain folder stores its own
     stored: dict[str, str] = dataclasses.field(default_factory=dict)  # zerotrain's name -> the file's, where they differ
+    first_row: dict[str, int] = dataclasses.field(default_factory=dict)  # a part of a fused tensor (Phi-3's qkv_proj)
 
     def record(self) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's sha256."""
@@ -101,9 +103,14 @@ def _source(folder: str, verify: bool) -> WeightSource:
     files, mapping = tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
     if mapping is None:
         return WeightSource(folder, kind, model, files, None)
-    names = {mapping.canonical(n): n for n in files}
+    names, first_row = {}, {}
+    for n in files:  # zerotrain's names: a fused tensor's parts each name its rows of it
+        for z, at, rows in mapping.unfused(mapping.canonical(n), model):
+            names[z] = n
+            if rows is not None:
+                first_row[z] = at
     return WeightSource(folder, kind, model, {z: files[n] for z, n in names.items()}, mapping,
-                        {z: n for z, n in names.items() if z != n})
+                        {z: n for z, n in names.items() if z != n}, first_row)
 
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -128,6 +135,10 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
     held = sorted({os.path.basename(f) for f in source.files.values()})
     if not held:
         raise CheckpointError("its weight files hold no tensors")
+    fused_rows: dict[str, int] = {}  # a fused tensor's rows: its parts'
+    for name in source.first_row:
+        if name in shapes:
+            fused_rows[source.stored[name]] = fused_rows.get(source.stored[name], 0) + shapes[name][0]
     headers: dict[str, dict] = {}
     for name, full in shapes.items():
         file = source.files.get(name)
@@ -140,6 +151,8 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
             raise CheckpointError(f"{INDEX_FILE} puts {stored_name} in {os.path.basename(file)}, which does not hold it")
         dtype, stored = header[stored_name][0], tuple(header[stored_name][1])
         want = tuple(reversed(full)) if transposed(name) else full
+        if name in source.first_row:
+            name, want = stored_name, (fused_rows[stored_name], *full[1:])  # the fused tensor whole
         if stored != want:
             raise CheckpointError(f"{name} is {list(stored)} in {os.path.basename(file)}, the model its config "
                                   f"describes needs {list(want)}")
@@ -184,14 +197,28 @@ def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp
         for name, param in params.items():
             file = source.files[name]
             f = opened.get(file) or opened.setdefault(file, safe_open(file, framework="pt"))
-            local = _read(f, source.stored.get(name, name), tp_slices.get(name), tp_rank, transposed(name))
+            local = _read(f, source.stored.get(name, name), tp_slices.get(name), tp_rank, transposed(name),
+                          source.first_row.get(name), param_rows(name, param, tp_slices))
             with torch.no_grad():
                 param.copy_(local.to(param.dtype))
     finally:
         opened.clear()
 
 
-def _read(f, name: str, tp_slice, rank: int, transposed: bool) -> torch.Tensor:
+def param_rows(name: str, param: torch.Tensor, tp_slices: dict) -> int:
+    """The rows of parameter `name` in the full model."""
+    return tp_slices[name].full_shape[0] if name in tp_slices else param.shape[0]
+
+
+def _read(f, name: str, tp_slice, rank: int, transposed: bool, first_row: int | None = None,
+          rows: int = 0) -> torch.Tensor:
+    """Stored tensor `name`, or this rank's TP slice of it; with `first_row`, of its `rows` rows from there (a part
+    of a fused tensor, which is never transposed and split along its rows)."""
+    if first_row is not None:
+        lazy = f.get_slice(name)
+        if tp_slice is None:
+            return lazy[first_row : first_row + rows]
+        return torch.cat([lazy[first_row + lo : first_row + hi] for lo, hi in tp_slice.parts[rank]])
     if tp_slice is None:
         t = f.get_tensor(name)
         return t.t() if transposed else t

@@ -3,7 +3,16 @@ and export alike, so the two cannot drift apart.
 
     gpt2   names are Hugging Face's GPT-2 names; the four per-block matrices are Conv1D there, whose weight is
            (in, out): nn.Linear's transposed. The attention-mask buffers some versions save are not parameters.
-    llama  names are Hugging Face's Llama names and matrices are stored as nn.Linear's: the identity.
+    llama  names are Hugging Face's Llama names and matrices are stored as nn.Linear's: the identity. Qwen2,
+           Qwen3 and Mistral, the Llama family's other members, name their tensors the same way (Qwen2's q/k/v
+           biases and Qwen3's q_norm / k_norm under the same self_attn. prefix): the identity too. Phi-3 stacks
+           q, k and v in one qkv_proj and gate and up in one gate_up_proj (by rows, in that order): zerotrain's
+           model keeps them apart, and the table says which rows of the stored tensor each one is.
+
+config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
+and written from it (hf_config); Llama 3.1's rope scaling is read from `rope_scaling` (older transformers and the
+published configs) or `rope_parameters` (what transformers 5 writes), and written as `rope_scaling`, which both
+read. A field zerotrain's model does not have (another rope type, Qwen's use_sliding_window) is refused, naming it.
 
 A tied head is stored once, under the token embedding's name. init_from.py reads each rank's TP slices through
 the same table.
@@ -16,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import ModelConfig
+from zerotrain.config import WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 
 
@@ -28,6 +37,7 @@ class HFMapping:
     block_prefix: str
     transposed: tuple[str, ...]  # suffixes of per-block matrices stored (in, out)
     ignored: tuple[str, ...]  # suffixes of tensors their files may hold that are not parameters
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (stored suffix, zerotrain's suffixes stacked in it by rows)
 
     def canonical(self, name: str) -> str:
         """A tensor's name as zerotrain's model has it. GPT-2 folders saved from the bare GPT2Model (the original
@@ -39,22 +49,62 @@ class HFMapping:
     def is_transposed(self, name: str) -> bool:
         return bool(self.transposed) and name.startswith(self.block_prefix) and name.endswith(self.transposed)
 
+    def unfused(self, name: str, cfg: ModelConfig) -> list[tuple[str, int, int | None]]:
+        """The parameters a stored tensor holds: [(zerotrain's name, its first row, its rows)]; one tensor stored
+        as it is gives [(name, 0, None)]."""
+        for stored, parts in self.fused:
+            if name.startswith(self.block_prefix) and name.endswith(stored):
+                prefix, at, out = name[: -len(stored)], 0, []
+                for part in parts:
+                    out.append((prefix + part, at, PART_ROWS[part](cfg)))
+                    at += out[-1][2]
+                return out
+        return [(name, 0, None)]
+
     def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """zerotrain's tensors (names -> tensors) in Hugging Face's layout, fp32 and contiguous."""
-        return {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
+        out = {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
+        for stored, parts in self.fused:
+            for name in [n for n in out if n.startswith(self.block_prefix) and n.endswith(parts[0])]:
+                prefix = name[: -len(parts[0])]
+                out[prefix + stored] = torch.cat([out.pop(prefix + part) for part in parts])
+        return out
 
-    def from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_hf(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Hugging Face's tensors in zerotrain's layout; tensors that are not parameters are dropped."""
         named = {self.canonical(n): t for n, t in tensors.items()}
-        return {n: (t.t().contiguous() if self.is_transposed(n) else t) for n, t in named.items()
-                if not n.endswith(self.ignored)}
+        out = {}
+        for n, t in named.items():
+            if n.endswith(self.ignored):
+                continue
+            if self.is_transposed(n):
+                t = t.t().contiguous()
+            for part, at, rows in self.unfused(n, cfg):
+                out[part] = t if rows is None else t[at : at + rows]
+        return out
+
+
+# The rows of each matrix Phi-3 stacks, from the model's sizes.
+PART_ROWS = {
+    "self_attn.q_proj.weight": lambda c: c.n_head * c.head_dim,
+    "self_attn.k_proj.weight": lambda c: c.kv_heads * c.head_dim,
+    "self_attn.v_proj.weight": lambda c: c.kv_heads * c.head_dim,
+    "mlp.gate_proj.weight": lambda c: c.ffn_width,
+    "mlp.up_proj.weight": lambda c: c.ffn_width,
+}
+PHI3_FUSED = (("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight")),
+              ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
 
 
 MAPPINGS = {
     "gpt2": HFMapping("gpt2", "gpt2", "GPT2LMHeadModel", "transformer.h.",
                       ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
                       (".attn.bias", ".attn.masked_bias")),
-    "llama": HFMapping("llama", "llama", "LlamaForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
+    **{arch: HFMapping(arch, arch, cls, "model.layers.", (), (".rotary_emb.inv_freq",)) for arch, cls in (
+        ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+        ("mistral", "MistralForCausalLM"))},
+    "phi3": HFMapping("phi3", "phi3", "Phi3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",), PHI3_FUSED),
 }
 BY_MODEL_TYPE = {m.model_type: m for m in MAPPINGS.values()}
 
@@ -77,26 +127,45 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
             "bos_token_id": eot, "eos_token_id": eot,
             "dtype": "float32",
         }
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    config = {
+        "architectures": [MAPPINGS[cfg.arch].hf_class], "model_type": cfg.arch,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.positions, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True,
+        "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": eot, "eos_token_id": eot,
         "dtype": "float32",
     }
+    if cfg.arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif cfg.arch in ("qwen2", "qwen3"):  # every layer attends to every earlier token
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+        if cfg.arch == "qwen3":
+            config.update(attention_bias=False)
+    else:
+        config.update(sliding_window=cfg.sliding_window or None)
+        if cfg.arch == "phi3":  # Phi3Config's pad_token_id (32000) would not fit a smaller vocabulary
+            config.update(original_max_position_embeddings=cfg.positions, partial_rotary_factor=1.0,
+                          resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=eot)
+    return config
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict | None:
+    if cfg.rope_scaling == "none":
+        return None
+    return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context}
 
 
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
-    """zerotrain's ModelConfig for a Hugging Face config.json of model_type gpt2 or llama; CheckpointError naming
+    """zerotrain's ModelConfig for a Hugging Face config.json of a model_type in MAPPINGS; CheckpointError naming
     the first key whose value is of the wrong type or out of range, or a setting zerotrain's architecture does
     not have."""
     kind = config.get("model_type")
     if kind not in BY_MODEL_TYPE:
-        raise CheckpointError(f"{where}: model_type {kind!r}; zerotrain builds {' and '.join(BY_MODEL_TYPE)}")
+        raise CheckpointError(f"{where}: model_type {kind!r}; zerotrain builds {', '.join(BY_MODEL_TYPE)}")
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -155,10 +224,23 @@ def _gpt2_config(config: dict, where: str) -> ModelConfig:
                        norm_eps=_positive(config, "layer_norm_epsilon", where, 1e-5))
 
 
+# Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that
+# says how the model computes, beyond the sizes.
+_FIXED = {
+    "llama": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)), ("mlp_bias", False, (False,)),
+              ("pretraining_tp", 1, (1,))),
+    "qwen2": (("hidden_act", "silu", ("silu",)), ("use_sliding_window", False, (False,))),
+    "qwen3": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)),
+              ("use_sliding_window", False, (False,))),
+    "mistral": (("hidden_act", "silu", ("silu",)),),
+    "phi3": (("hidden_act", "silu", ("silu",)), ("partial_rotary_factor", 1.0, (1.0, 1))),
+}
+
+
 def _llama_config(config: dict, where: str) -> ModelConfig:
-    _refuse(config, where, (
-        ("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)), ("mlp_bias", False, (False,)),
-        ("pretraining_tp", 1, (1,))))
+    """A member of the Llama family: llama, qwen2, qwen3 or mistral (their config.json share the size fields)."""
+    arch = config["model_type"]
+    _refuse(config, where, _FIXED[arch])
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
@@ -167,25 +249,52 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
                                                            "vocab_size")}
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
-    _divides(sizes, where, "num_attention_heads", "hidden_size")
     _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    if config.get("head_dim") is None:  # heads of hidden_size / num_attention_heads
+        _divides(sizes, where, "num_attention_heads", "hidden_size")
     head_dim = _count(config, "head_dim", where, default=hidden // heads)
-    if head_dim != hidden // heads:
-        raise CheckpointError(f"{where}: head_dim = {head_dim}; zerotrain's llama has hidden_size / "
-                              f"num_attention_heads = {hidden // heads}")
     if head_dim % 2:
-        raise CheckpointError(f"{where}: hidden_size / num_attention_heads = {head_dim} must be even (rotary "
-                              "embeddings rotate pairs)")
+        raise CheckpointError(f"{where}: head_dim {head_dim} must be even (rotary embeddings rotate pairs)")
+    window = 0
+    if arch in WINDOWED:
+        window = _count(config, "sliding_window", where, default=0)
     rope = _table(config, "rope_parameters", where)
-    scaling = _table(config, "rope_scaling", where) or ({} if rope.get("rope_type", "default") == "default" else rope)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise CheckpointError(f"{where}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r}; zerotrain's "
-                              "llama has plain rotary embeddings")
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
         _positive(config, "rope_theta", where, 10000.0)
-    return ModelConfig(arch="llama", n_layer=sizes["num_hidden_layers"], n_head=heads,
+    return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads,
                        n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
+                       head_width=0 if head_dim * heads == hidden else head_dim,
                        intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
                        vocab_size=sizes["vocab_size"], rope_theta=theta,
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
-                       tie_embeddings=tied)
+                       tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where))
+
+
+ROPE_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_settings(config: dict, where: str) -> dict:
+    """ModelConfig's rope scaling settings from `rope_scaling` (published configs, older transformers) or, where
+    that is absent or null, `rope_parameters` (transformers 5); CheckpointError naming a rope type zerotrain does
+    not implement, or a llama3 field missing or out of range."""
+    key = "rope_scaling" if _table(config, "rope_scaling", where) else "rope_parameters"
+    scaling = _table(config, key, where)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:  # where transformers 5 puts Phi-3's
+        raise CheckpointError(f"{where}: {key} has partial_rotary_factor {scaling['partial_rotary_factor']!r}; "
+                              "zerotrain rotates the whole head (1.0)")
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise CheckpointError(f"{where}: {key} has rope_type {kind!r}, which zerotrain does not implement (it has "
+                              "'default' and 'llama3')")
+    missing = [k for k in ROPE_LLAMA3 if k not in scaling]
+    if missing:
+        raise CheckpointError(f"{where}: {key} of rope_type 'llama3' has no {missing[0]!r}")
+    factors = {k: _positive(scaling, k, f"{where} {key}", 0.0) for k in ROPE_LLAMA3[:3]}
+    if factors["low_freq_factor"] >= factors["high_freq_factor"]:
+        raise CheckpointError(f"{where}: {key} low_freq_factor {factors['low_freq_factor']} must be below "
+                              f"high_freq_factor {factors['high_freq_factor']}")
+    return dict(rope_scaling="llama3", rope_factor=factors["factor"], rope_low_freq_factor=factors["low_freq_factor"],
+                rope_high_freq_factor=factors["high_freq_factor"],
+                rope_original_context=_count(scaling, "original_max_position_embeddings", f"{where} {key}"))

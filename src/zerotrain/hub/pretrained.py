@@ -94,7 +94,7 @@ def load_from(source: ModelSource) -> torch.nn.Module:
         _, cfg, _ = read_export_config(folder)
     tensors, where = _read_tensors(folder)
     if source.kind == "hf":
-        tensors = MAPPINGS[cfg.arch].from_hf(tensors)
+        tensors = MAPPINGS[cfg.arch].from_hf(tensors, cfg)
     model = model_class(cfg)(cfg)
     try:
         model.load_state_dict(tensors, strict=True)

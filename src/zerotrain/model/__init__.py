@@ -1,6 +1,6 @@
-"""The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py), the layers both share
-(layers.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick the architecture from
-the config's `arch`."""
+"""The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
+Phi-3), the layers both share (layers.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
+the architecture from the config's `arch`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zerotrain.config import ModelConfig
+from zerotrain.config import LLAMA_FAMILY, ModelConfig
 
 from . import gpt2, llama
 from .gpt2 import GPT
 from .layers import KVCache, TPSlice
 from .llama import Llama
 
-ARCHITECTURES = {"gpt2": (GPT, gpt2), "llama": (Llama, llama)}
-ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama"}  # how messages name them
+# Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
+ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY}}
+ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+              "phi3": "Phi-3"}  # how messages name them
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

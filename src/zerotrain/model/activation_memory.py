@@ -12,6 +12,8 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
     Llama block  2 RMSNorms    2 x (BTC 4 + BT 4 + 2 BTC a)         fp32 input, rsqrt, normalized, output
                  attention     as GPT-2's (q and k rotated); in bf16 also the rotary tables cast per use, 4 TD a
                  SwiGLU MLP    4 BTF a                              gate, silu(gate), up, their product
+                 q/k norms     (H + KV) x (BTD 4 + BT 4 + BTD a)    Qwen3: fp32 input, rsqrt, normalized, per head
+                 (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
                  tables 2 TD 4), the final norm as a block's, and the loss: fp32 log-probabilities BTV 4,
                  targets BT 8.
@@ -21,6 +23,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  B T T a on the mask kernel (CPU; CUDA without FlexAttention); on CUDA FlexAttention's block
                  mask instead, 8 int32 tables of B x ceil(T/128) or its square (not measured here: FlexAttention
                  has no backward on CPU).
+    window       Mistral's sliding window shorter than T, without records: the window's mask, one row shared by the
+                 batch, as the records' (T T a, or FlexAttention's tables at B = 1); with records, the records'
+                 mask holds the window too, at no extra bytes.
     GQA repeat   where attend copies the KV heads to the query heads (layers.repeats_kv_heads: CUDA fp32, or an
                  explicit mask on CUDA), SDPA saves k and v at H heads: 2 BT (H - KV) D a more per block.
 
@@ -75,7 +80,8 @@ class RankShape:
     act: int  # bytes of an activation element
     position_rows: int = 1  # rows of positions and rotary tables: 1 shared by the batch, B for packed records
     kv_repeated: bool = False  # k and v copied to the query heads before SDPA (layers.repeats_kv_heads)
-    documents: str = ""  # the document kernel of packed records (layers.document_kernel), "" without records
+    documents: str = ""  # the kernel of the records' or the window's mask (layers.document_kernel), "" without one
+    mask_rows: int = 0  # rows of the document or window mask: B for packed records, 1 for a window alone
 
     @property
     def BT(self) -> int:
@@ -153,10 +159,10 @@ def document_mask(s: RankShape) -> int:
     the additive (B, 1, T, T) mask in the activation dtype (the "mask" kernel), or FlexAttention's block mask
     ("flex"): kv and q block counts (B, 1, n) and indices (B, 1, n, n), each partial and full, n = ceil(T/128)."""
     if s.documents == "mask":
-        return s.B * s.T * s.T * s.act
+        return s.mask_rows * s.T * s.T * s.act
     if s.documents == "flex":
         n = -(-s.T // FLEX_BLOCK)
-        return 4 * s.B * (n + n * n) * INT32
+        return 4 * s.mask_rows * (n + n * n) * INT32
     return 0
 
 
@@ -175,8 +181,16 @@ def gpt2_block(s: RankShape) -> int:
     return 2 * layer_norm(s) + attention(s) + gelu_mlp(s)
 
 
-def llama_block(s: RankShape) -> int:
-    return 2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s)
+def qk_norms(s: RankShape) -> int:
+    """Qwen3's RMSNorm of each q and k head (computed in fp32): the fp32 input (the projection's output itself in
+    fp32, a copy in bf16), rsqrt per head and token, and the normalized input cast back (saved for the gain's
+    gradient); the output is rotated, which saves only the tables."""
+    rows = s.BT * (s.heads + s.kv_heads)
+    return rows * s.head_dim * FP32 + rows * FP32 + rows * s.head_dim * s.act
+
+
+def llama_block(s: RankShape, qk_norm: bool = False) -> int:
+    return 2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
@@ -199,19 +213,21 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     for what, n in (("n_head", cfg.n_head), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
-    kernel = layers.document_kernel(device) if documents else ""
-    # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records.
+    windowed = 0 < cfg.sliding_window < seq_len  # a mask even without records (layers.window_attention)
+    kernel = layers.document_kernel(device) if documents or windowed else ""
+    # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
     repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex"
                 and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
     s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp,
                   kv_heads=layers.kv_heads_per_rank(cfg.kv_heads, tp),  # 1 where TP replicates each KV head
                   head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision],
-                  position_rows=micro_batch if documents else 1, kv_repeated=repeated, documents=kernel)
-    llama = cfg.arch == "llama"
+                  position_rows=micro_batch if documents else 1, kv_repeated=repeated, documents=kernel,
+                  mask_rows=micro_batch if documents else 1)
+    llama = cfg.llama_family
     if recompute != "none":
         per_block = block_input(s)
     else:
-        per_block = llama_block(s) if llama else gpt2_block(s)
+        per_block = llama_block(s, cfg.qk_norm) if llama else gpt2_block(s)
     # Token ids, saved by the embedding lookup; the document mask, saved by every SDPA (and, recomputed, by every
     # block's checkpoint, which saves its tensor arguments), one storage.
     embedding = s.BT * INDEX + document_mask(s)

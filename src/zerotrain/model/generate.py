@@ -1,5 +1,8 @@
-"""Generating tokens from a model (GPT-2 or Llama): greedy or temperature / top-k sampling, with or without a KV cache,
-up to the model's end-of-text or end-of-turn token.
+"""Generating tokens from a model (GPT-2 or the Llama family): greedy or temperature / top-k sampling, with or without
+a KV cache, up to the model's end-of-text or end-of-turn token.
+
+A sliding window (Mistral's) is the attention mask's, not the cache's: the cache keeps every position of the
+model's context and each new token attends to the last `sliding_window` of them, as transformers' logits do.
 
 Past the context. The learned position embedding has seq_len positions, so the model sees a window
 of at most seq_len tokens of the sequence. When the next token would not fit, the window jumps

@@ -1,6 +1,6 @@
 """Layers shared by every architecture: Megatron's column- and row-parallel linears and the TPSlice they hold,
-RMSNorm, rotary position embeddings, the attention core (causal, grouped-query, document-masked, with a KV
-cache) and the cache.
+RMSNorm, rotary position embeddings (with Llama 3's frequency scaling), the attention core (causal, grouped-query,
+document-masked, windowed, with a KV cache) and the cache.
 
 Each block's two matrix pairs are split across the T ranks of a TP group so that a block costs
 one all-reduce forward and one backward per pair:
@@ -22,6 +22,7 @@ other rank's are.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -207,9 +208,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the gain as the caller passes it (Qwen3's q/k norms under TP: see LlamaAttention), else own."""
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        gain = self.weight if weight is None else weight
+        return gain * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def new_positions(idx: torch.Tensor, cache: KVCache | None, seq_len: int,
@@ -241,12 +244,39 @@ def positions_from_segments(segments: torch.Tensor) -> torch.Tensor:
     return steps - first
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's rope scaling: wavelengths longer than original_context / low_freq_factor turn `factor` times
+    slower, those shorter than original_context / high_freq_factor stay, and those between are interpolated
+    smoothly; the context grows without retraining the high frequencies that encode nearby order."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int
+
+    def rescale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        wavelength = 2 * math.pi / inv_freq
+        slowed = inv_freq / self.factor
+        smooth = (self.original_context / wavelength - self.low_freq_factor) / \
+            (self.high_freq_factor - self.low_freq_factor)
+        between = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        out = torch.where(wavelength > self.original_context / self.low_freq_factor, slowed, inv_freq)
+        in_between = (wavelength >= self.original_context / self.high_freq_factor) & \
+            (wavelength <= self.original_context / self.low_freq_factor)
+        return torch.where(in_between, between, out)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  scaling: Llama3Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of rotary embeddings at `positions`, in fp32, rotate-half layout: frequency i at columns i and
     i + head_dim / 2. Positions (T,) give tables (T, head_dim), shared by the batch; positions (B, T) of packed
-    records give (B, 1, T, head_dim), one table per row, shared by its heads."""
+    records give (B, 1, T, head_dim), one table per row, shared by its heads. `scaling` rescales the
+    frequencies (Llama 3.1's)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
                                 / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.rescale(inv_freq)
     freqs = positions.float()[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     if positions.dim() == 2:
@@ -288,11 +318,12 @@ class KVCache:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-           documents: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+           documents: torch.Tensor | BlockMask | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k and v (B, KV, T, D), KV dividing H (each KV head serves H / KV
     query heads); with a cache, k and v are appended to it first and q continues its positions. `documents`
-    (from document_attention, built once per forward) restricts each token to the earlier tokens of its own
-    record."""
+    (from document_attention or window_attention, built once per forward) restricts each token to the earlier
+    tokens of its own record and of its window. `window` applies to a cache's positions: each query sees at most
+    this many keys, its own included (0: all); without a cache the window is the `documents` mask's, built once."""
     past = 0
     if cache is not None:
         if documents is not None:
@@ -304,7 +335,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
         # Inside a compiled model (--compile) the model's graph compiles flex_attention with it.
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
         return flex(q, k, v, block_mask=documents, enable_gqa=grouped)
-    mask = documents if documents is not None else _causal_mask(past, q.shape[2], q.device)
+    mask = documents if documents is not None else \
+        _causal_mask(past, q.shape[2], q.device, window if cache is not None else 0)
     if grouped and repeats_kv_heads(q.device.type, q.dtype, masked=mask is not None):
         k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         grouped = False
@@ -330,14 +362,20 @@ def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.repeat_interleave(n, dim=1)
 
 
-def _causal_mask(past: int, T: int, device: torch.device) -> torch.Tensor | None:
-    """New query i (at position past + i) sees keys 0 .. past + i; None where no mask is needed.
+def _causal_mask(past: int, T: int, device: torch.device, window: int = 0) -> torch.Tensor | None:
+    """New query i (at position past + i) sees keys 0 .. past + i, and with a window only the last `window` of
+    them; None where no mask is needed.
 
-    With nothing cached SDPA's own causal mask is exact; one new query sees every key.
+    With nothing cached SDPA's own causal mask is exact; one new query sees every key. The cache keeps every
+    position (generate.py refills it past the context), so the window is the mask's, never the cache's shape.
     """
-    if past == 0 or T == 1:
+    windowed = 0 < window < past + T
+    if (past == 0 or T == 1) and not windowed:
         return None
-    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
+    query = torch.arange(past, past + T, device=device)[:, None]
+    key = torch.arange(past + T, device=device)[None, :]
+    allowed = key <= query
+    return allowed & (key > query - window) if windowed else allowed
 
 
 def document_kernel(device_type: str) -> str:
@@ -353,17 +391,29 @@ def document_kernel(device_type: str) -> str:
     return "mask" if torch.cuda.is_available() and not has_triton() else "flex"
 
 
-def document_attention(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | BlockMask:
+def document_attention(segments: torch.Tensor, dtype: torch.dtype, window: int = 0) -> torch.Tensor | BlockMask:
     """What attend takes for the records in `segments` (B, T), for activations of `dtype`: built once per
-    forward and shared by every layer, and by every head (and so by every TP rank's heads)."""
+    forward and shared by every layer, and by every head (and so by every TP rank's heads). With a `window`
+    each token sees at most that many of its record's tokens, itself included."""
     if document_kernel(segments.device.type) == "flex":
-        return document_block_mask(segments)
-    return document_mask(segments, dtype)
+        return document_block_mask(segments, window)
+    return document_mask(segments, dtype, window)
 
 
-def document_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def window_attention(T: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | BlockMask | None:
+    """What attend takes for one sequence per row under a sliding window, built once per forward and shared by the
+    rows: None where the window holds the whole sequence (SDPA's causal mask is exact), else FlexAttention's block
+    mask (CUDA, document_kernel) or the mask of one record spanning the row (1, 1, T, T)."""
+    if not 0 < window < T:
+        return None
+    if document_kernel(device.type) == "flex":
+        return window_block_mask(T, window, device)
+    return document_mask(torch.zeros(1, T, dtype=torch.long, device=device), dtype, window)
+
+
+def document_mask(segments: torch.Tensor, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
     """SDPA's additive mask (B, 1, T, T) for block-diagonal causal attention: 0 where query t may see key s
-    (s <= t and both in one record), -inf elsewhere.
+    (s <= t and both in one record, and t - s < window if there is one), -inf elsewhere.
 
     Additive in the activations' dtype rather than boolean: SDPA's CPU kernel converts a boolean mask to this
     form in every call and saves the copy for the backward (n_layer x B T T x 4 bytes, measured); one mask
@@ -372,20 +422,35 @@ def document_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     T = segments.shape[1]
     same_record = segments[:, :, None] == segments[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    if window:
+        causal = causal.triu(diagonal=1 - window)  # key s within the last `window` positions of query t
     allowed = (same_record & causal).unsqueeze(1)
     return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill_(~allowed, float("-inf"))
 
 
-def document_block_mask(segments: torch.Tensor) -> BlockMask:
+def document_block_mask(segments: torch.Tensor, window: int = 0) -> BlockMask:
     """FlexAttention's block mask for block-diagonal causal attention over `segments` (B, T), one per row and
-    shared by the heads (H None); compiled, so the T x T mask is never built, only its 128 x 128 blocks' lists."""
+    shared by the heads (H None); compiled, so the T x T mask is never built, only its 128 x 128 blocks' lists.
+    A `window` is one more term of the mask_mod, so its blocks beyond the window are skipped."""
     B, T = segments.shape
 
     def same_record_causal(b, h, q, kv):
-        return (segments[b, q] == segments[b, kv]) & (q >= kv)
+        allowed = (segments[b, q] == segments[b, kv]) & (q >= kv)
+        return allowed & (q - kv < window) if window else allowed
 
     return create_block_mask(same_record_causal, B, None, T, T, device=segments.device,
                              _compile=segments.device.type == "cuda" and not torch.compiler.is_compiling())
+
+
+def window_block_mask(T: int, window: int, device: torch.device) -> BlockMask:
+    """FlexAttention's block mask for causal attention within a sliding window, shared by the batch and the heads
+    (B and H None): blocks wholly outside the window are skipped."""
+
+    def causal_in_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < window)
+
+    return create_block_mask(causal_in_window, None, None, T, T, device=device,
+                             _compile=device.type == "cuda" and not torch.compiler.is_compiling())
 
 
 @functools.cache

@@ -1,9 +1,20 @@
-"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases.
+"""The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention; Qwen2, Qwen3, Mistral,
+Phi-3.
 
-Parameter names are Hugging Face's `LlamaForCausalLM` names and every matrix is stored as it is there
-(nn.Linear's (out, in)), so the mapping to and from Hugging Face (hub/mapping.py) is the identity.
-Rotary embeddings follow Hugging Face's rotate-half convention: imported q and k weights need no
-permutation. The head is tied to the token embedding unless `tie_embeddings` is off.
+Its members are options of this one decoder, as the config's `arch` implies them (config.LLAMA_FAMILY):
+
+    llama    no biases; Llama 3.1's rope scaling (--rope-scaling llama3) rescales the rotary frequencies
+    qwen2    biases on q, k and v (not on o_proj): Qwen2 and Qwen2.5
+    qwen3    an RMSNorm of every q and k head (one gain of head_dim) before rotary; heads may be narrower or
+             wider than n_embd / n_head (--head-width)
+    mistral  each token attends to the last `sliding_window` tokens only (0: to all), in training and in the cache
+    phi3     Mistral's window; its files stack q, k, v (and gate, up) in one matrix, which hub/mapping.py splits
+
+Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+`MistralForCausalLM` names (the same scheme) and every matrix is stored as it is there (nn.Linear's (out, in)),
+so the mapping to and from Hugging Face (hub/mapping.py) is the identity. Rotary embeddings follow Hugging Face's
+rotate-half convention: imported q and k weights need no permutation. The head is tied to the token embedding
+unless `tie_embeddings` is off.
 """
 
 from __future__ import annotations
@@ -14,21 +25,24 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import (ColumnParallelLinear, KVCache, RMSNorm, RowParallelLinear, TPSlice, apply_rotary, attend,
-                     blocks, copy_to_tp, document_attention, kv_head_blocks, new_positions, rotary_tables, run_block,
-                     tied_head_hook)
+from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, RMSNorm, RowParallelLinear, TPSlice, apply_rotary,
+                     attend, blocks, copy_to_tp, document_attention, kv_head_blocks, new_positions, rotary_tables,
+                     run_block, tied_head_hook, window_attention)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         C, D = cfg.n_embd, cfg.head_dim
-        self.head_dim = D
+        self.head_dim, self.window = D, cfg.sliding_window
         self.tp_comm = None  # under TP: q, k and v share one all-reduce of their input's gradient (parallelize)
-        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=False)
-        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.norm_eps)
+            self.k_norm = RMSNorm(D, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
@@ -36,9 +50,20 @@ class LlamaAttention(nn.Module):
         x = copy_to_tp(x, self.tp_comm)
         # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if hasattr(self, "q_norm"):
+            q, k = normalize_heads(self.q_norm, q, self.tp_comm), normalize_heads(self.k_norm, k, self.tp_comm)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        y = attend(q, k, v, cache, layer, documents)
+        y = attend(q, k, v, cache, layer, documents, self.window)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def normalize_heads(norm: RMSNorm, x: torch.Tensor, comm) -> torch.Tensor:
+    """Qwen3's RMSNorm of each head of x (B, heads, T, D), one gain of D shared by the heads.
+
+    Under TP a rank normalizes its own heads only, so the gain's gradient is a partial sum over the TP group
+    (`comm`): copy_to_tp all-reduces it, and the replicated gain stays equal on every rank.
+    """
+    return norm(x, copy_to_tp(norm.weight, comm))
 
 
 class LlamaMLP(nn.Module):
@@ -106,13 +131,25 @@ class Llama(nn.Module):
         """The final norm's output, the head's input: (batch, time, width)."""
         x = self.model.embed_tokens(idx)
         positions = new_positions(idx, cache, self.cfg.positions, segments)
-        rotary = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        documents = None if segments is None else document_attention(segments, x.dtype)
+        rotary = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, rope_scaling(self.cfg))
+        window = self.cfg.sliding_window
+        if segments is not None:
+            documents = document_attention(segments, x.dtype, window)
+        else:  # with a cache, attend applies the window to the cached positions itself
+            documents = None if cache is not None else window_attention(idx.shape[1], window, x.dtype, x.device)
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, documents)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.model.norm(x)
+
+
+def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | None:
+    """The rotary frequencies' scaling the config names (--rope-scaling), or None."""
+    if cfg.rope_scaling == "none":
+        return None
+    return Llama3Scaling(cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                         cfg.rope_original_context)
 
 
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads
@@ -134,6 +171,10 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
         slices[h + "self_attn.k_proj.weight"] = TPSlice(0, (kv, C), kv_rows)
         slices[h + "self_attn.v_proj.weight"] = TPSlice(0, (kv, C), kv_rows)
         slices[h + "self_attn.o_proj.weight"] = TPSlice(1, (C, q), blocks(q // tp, tp))
+        if cfg.qkv_bias:  # Qwen2's q, k and v biases: split as their weights' rows
+            slices[h + "self_attn.q_proj.bias"] = TPSlice(0, (q,), blocks(q // tp, tp))
+            for name in ("k_proj", "v_proj"):
+                slices[f"{h}self_attn.{name}.bias"] = TPSlice(0, (kv,), kv_rows)
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))

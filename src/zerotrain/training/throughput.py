@@ -2,17 +2,20 @@
 
 The model FLOPs of one token, forward and backward (PaLM, appendix B; Chinchilla's count without embeddings):
 
-    flops_per_token = 6 * N + 12 * L * T * d
+    flops_per_token = 6 * N + 12 * L * T * a
 
 N is the weights of the matmuls a token goes through: per block attention's q, k, v and output projections
-(d x (d + 2 * kv_width + d)) and the MLP's matrices (2 x d x ffn for GPT-2, 3 for Llama's SwiGLU), plus the head
-(V x d; a tied head too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the
-weight's gradients). 12 L T d is attention's scores Q K^T and their product with V: 2 matmuls of 2 T d FLOPs per
-token and layer forward, twice that backward, over the whole T x T (the causal half SDPA may skip is counted, as is
-conventional). Embedding lookups, biases, norms, activations, softmax and the loss are left out. The recompute of
---activation-checkpointing is not counted: MFU counts the model's work, not the hardware's. Every position of the
-batch counts as a token (padding too: the matmuls run on it). tests/test_throughput.py checks the formula against
-torch's FlopCounterMode on the model's forward and backward.
+(d x (a + 2 * kv_width + a), a = heads x head_dim: d itself unless the heads have a width of their own, as Qwen3's)
+and the MLP's matrices (2 x d x ffn for GPT-2, 3 for the Llama family's SwiGLU), plus the head (V x d; a tied head
+too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the weight's gradients).
+12 L T a is attention's scores Q K^T and their product with V: 2 matmuls of 2 T a FLOPs per token and layer
+forward, twice that backward, over the whole T x T (the causal half SDPA may skip is counted, as is conventional).
+A sliding window shorter than T (Mistral's) is counted as the causal half is: over the whole T x T, which SDPA
+with a mask computes (a kernel that skips masked blocks, FlexAttention, does about window / T of it).
+Embedding lookups, biases, norms (Qwen3's q/k norms too), activations, softmax and the loss are left out. The
+recompute of --activation-checkpointing is not counted: MFU counts the model's work, not the hardware's. Every
+position of the batch counts as a token (padding too: the matmuls run on it). tests/test_throughput.py checks the
+formula against torch's FlopCounterMode on the model's forward and backward.
 
 Per rank: the global batch's model FLOPs over the ranks. TP ranks split a replica's matmuls, DP ranks the batch;
 the head each TP rank computes again is the model's work once. MFU = model FLOP/s per rank / the peak of one device.
@@ -72,15 +75,15 @@ class Peak:
 
 def matmul_params(m: ModelConfig) -> int:
     """The weights of the matmuls one token goes through: every block's projections and MLP, and the head."""
-    d, kv_width = m.n_embd, m.kv_heads * m.head_dim
-    mlp_matrices = 3 if m.arch == "llama" else 2  # SwiGLU's gate, up and down; GPT-2's up and down
-    per_block = d * (d + 2 * kv_width) + d * d + mlp_matrices * d * m.ffn_width
+    d, q_width, kv_width = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim
+    mlp_matrices = 3 if m.llama_family else 2  # SwiGLU's gate, up and down; GPT-2's up and down
+    per_block = d * (q_width + 2 * kv_width) + q_width * d + mlp_matrices * d * m.ffn_width
     return m.n_layer * per_block + m.vocab_size * d
 
 
 def model_flops_per_token(m: ModelConfig) -> int:
-    """6 N + 12 L T d: the model's forward and backward FLOPs per token (the module docstring says what counts)."""
-    return 6 * matmul_params(m) + 12 * m.n_layer * m.seq_len * m.n_embd
+    """6 N + 12 L T a: the model's forward and backward FLOPs per token (the module docstring says what counts)."""
+    return 6 * matmul_params(m) + 12 * m.n_layer * m.seq_len * m.n_head * m.head_dim
 
 
 def peak_flops(cfg: Config, device: torch.device) -> Peak:
