@@ -137,9 +137,9 @@ def keeping_the_full_weights():
     too, as a submodule of the model: their weights stay parameters, which the engine lays out and holds."""
     real = gpt2.parallelize
 
-    def parallelize_keeping_the_full_blocks(model, tp_size, tp_rank, comm):
+    def parallelize_keeping_the_full_blocks(model, tp_size, tp_rank, comm, *args):
         full = copy.deepcopy(model.transformer.h)
-        slices = real(model, tp_size, tp_rank, comm)
+        slices = real(model, tp_size, tp_rank, comm, *args)
         model.full_blocks = full
         return slices
 
