@@ -13,10 +13,12 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
-from zerotrain.errors import ZeroTrainError
+from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
 from zerotrain.model.layers import head_loss
+from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import Comm, Mesh, ZeroEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
@@ -72,6 +74,8 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
         model.to_empty(device="cpu")
         model.tie_weights()
         load_local(model, source, slices, mesh.tp_rank)
+    if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
+        add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
@@ -131,6 +135,11 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm) -> tuple[int, dict, str
         path = newest or path
     if path is None:
         return 0, {}, None
+    if cfg.lora.rank:  # adapters are trained on one base: refuse another (rank 0 hashes its files)
+        mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path) if comm.rank == 0 else None
+        mismatch = comm.io.all_gather_json(mismatch, "agree_lora_base")[0]
+        if mismatch:
+            raise ConfigError(mismatch)
     manifest = checkpoint.load_checkpoint(path, engine, comm)
     comm.io.barrier("checkpoint_loaded")  # a rank slower to read waits out --io-timeout, not the next step's --timeout
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None

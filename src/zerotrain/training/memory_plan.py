@@ -4,6 +4,7 @@ State bytes come from the layout the engine will build (the model built on the m
 rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
+    frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
                          (on one DP rank no shard: it is the fp32 buffer itself)
                          stage 2: shard x 4                                   held between steps
@@ -17,7 +18,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
 
-where P is the rank's parameters (its TP slices and the replicated ones) and shard = padded P / DP. Figures
+where P is the rank's trained parameters (its TP slices and the replicated ones; a LoRA run's adapters), B the
+rank's frozen ones and shard = padded P / DP. Figures
 are rank 0's, the busiest (staging), for the peak of a step; torch's own runtime (the interpreter and its
 libraries on CPU, the CUDA context and allocator slack on a GPU) is not in them.
 
@@ -41,16 +43,18 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize
 from zerotrain.model.activation_memory import activation_bytes
+from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
+from zerotrain.parallel.engine import frozen_parameters
 
 from .invariants import InvariantError, held_bytes
 
 # The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
-ROWS = (("parameters", "parameters"), ("gradients", "gradients (between steps)"),
+ROWS = (("parameters", "parameters"), ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
-STATE = ("parameters", "gradients", "optimizer_state", "master_weights")
+STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights")
 ACTIVATION_TOLERANCE = 0.10
 
 
@@ -91,6 +95,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         model = build_model(cfg.model, cfg.loop.seed)
         if tp > 1:
             parallelize(model, tp, 0, None)
+        if cfg.lora.rank:
+            add_adapters(model, cfg.lora, cfg.loop.seed)
     L = layout_of(model, dp, p.bucket_numel)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
@@ -104,6 +110,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     staging = (shard * 12 + tp * padded * 4) if cfg.checkpoint.async_save else 0
     rows = {
         "parameters": padded * psize,
+        "frozen_base": sum(p.numel() for _, p in frozen_parameters(model)) * psize,
         "gradients": grads,
         "optimizer_state": shard * 8,
         "master_weights": shard * 4 if p.precision == "bf16" else 0,
@@ -153,6 +160,7 @@ def measured_state(engine: ZeroEngine) -> dict[str, int]:
     master = engine.master.numel() * 4 if engine.master is not None else 0
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
     return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
+            "frozen_base": sum(p.numel() * p.element_size() for _, p in engine.frozen),
             "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master}
 
 

@@ -14,6 +14,7 @@ from zerotrain.training.memory_plan import ROWS, gib, largest_micro_batch, memor
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
     "parameters": "P x {p}",
+    "frozen_base": "{frozen}",
     "gradients": "{grads}",
     "optimizer_state": "shard x 8 (AdamW's two moments)",
     "master_weights": "{master}",
@@ -58,6 +59,8 @@ def table(cfg: Config, r: dict) -> str:
     bf16 = p.precision == "bf16"
     notes = {
         "p": 2 if bf16 else 4,
+        "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
+                   f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
         "grads": "shard x 4" if p.zero == 2 else
                  f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
