@@ -90,7 +90,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
     `comm`: the TP group under tensor parallelism (model.tp_slices holds its plan), else None. The adapters'
     slices are added to model.tp_slices, and model.lora records `cfg`.
     """
-    model.requires_grad_(False)
+    freeze_base(model)
     base_slices = getattr(model, "tp_slices", {})
     generator = torch.Generator().manual_seed(seed)
     slices = {}
@@ -110,7 +110,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
             down = slices[name + ".lora_A.weight"].take(down, tp_rank)
         device, dtype = module.weight.device, module.weight.dtype
         module.lora_A = LoRADown(down.to(device, dtype), split, comm)
-        module.lora_B = LoRAUp(torch.zeros(module.weight.shape[0], cfg.rank, device=device, dtype=dtype))
+        module.lora_B = LoRAUp(initial_up(module.weight.shape[0], cfg.rank).to(device, dtype))
         module.lora_dropout = nn.Dropout(cfg.dropout)
         module.lora_scale = lora_scale(cfg)
         if split == "column" and module.comm is not None:
@@ -122,6 +122,16 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
     model.tp_slices = {**base_slices, **slices}
     model.lora = cfg
     return slices
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Every parameter the model has before its adapters: no gradients, so no optimizer state or reduction."""
+    model.requires_grad_(False)
+
+
+def initial_up(out_features: int, rank: int) -> torch.Tensor:
+    """B at the start: zero, so that B A adds nothing and the first forward is the base's (LoRA's and peft's init)."""
+    return torch.zeros(out_features, rank)
 
 
 def _add_adapter_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""Jobs the LoRA tests run on 2 ranks (importable by module name in the spawned ranks)."""
+
+from __future__ import annotations
+
+from dist_jobs import summary
+
+from zerotrain.config import Config
+from zerotrain.errors import InvariantError
+from zerotrain.parallel import Comm
+from zerotrain.training.loop import train
+
+
+def lora_job(cfg: Config, comm: Comm) -> dict:
+    """Train; the log, the full adapters (TP slices gathered), and what each rank holds for the optimizer."""
+    result = train(cfg, comm)
+    engine = result.engine
+    out = summary(result)
+    out["params"] = engine.full_state_dict()
+    out["per_rank"] = result.per_rank
+    out["shard_numel"], out["padded_numel"] = engine.layout.shard_numel, engine.layout.padded_numel
+    out["trained"] = [s.name for s in engine.layout.slots]
+    out["frozen_grads"] = [n for n, p in engine.frozen if p.grad is not None]
+    return out
+
+
+def lora_unsummed_a_grad_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a column-parallel base's A keeps each TP rank's partial gradient (no all-reduce over TP)."""
+    from zerotrain.model import lora
+
+    saved = lora._SumGradOverTP.backward
+    lora._SumGradOverTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+    try:
+        return lora_job(cfg, comm)
+    except InvariantError as e:  # raised on every rank alike: the ranks stay together for the next job
+        return {"invariant": str(e)}
+    finally:
+        lora._SumGradOverTP.backward = saved
