@@ -8,9 +8,11 @@ import os
 import shutil
 
 import lora_jobs
+import peft
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from conftest import tiny_config, zerotrain_here
 from dist_jobs import in_turn_job
 from model_folders import llama_folder
@@ -24,9 +26,6 @@ from zerotrain.model import lora, summed_token_loss
 from zerotrain.parallel import Comm
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import train
-
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
 
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)

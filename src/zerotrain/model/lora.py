@@ -111,7 +111,8 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
         device, dtype = module.weight.device, module.weight.dtype
         module.lora_A = LoRADown(down.to(device, dtype), split, comm)
         module.lora_B = LoRAUp(initial_up(module.weight.shape[0], cfg.rank).to(device, dtype))
-        module.lora_dropout = nn.Dropout(cfg.dropout)
+        # as peft: no dropout module at 0 (nn.Dropout(0) still copies its input in training)
+        module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
         module.lora_scale = lora_scale(cfg)
         if split == "column" and module.comm is not None:
             # GPT-2's column-parallel linears sum their input's gradient themselves: here the input is copied to
