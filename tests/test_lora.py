@@ -311,3 +311,42 @@ def test_zero1_over_two_ranks_shards_the_adapters_optimizer_state_and_the_base_h
     assert dp2["per_rank"]["optimizer_bytes"] == [8 * dp2["shard_numel"]] * 2  # exp_avg and exp_avg_sq of the shard
     assert tp1["per_rank"]["optimizer_bytes"] == [8 * tp1["padded_numel"]]
     assert dp2["frozen_grads"] == []
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+PLANNED = {"llama, every linear": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64,
+                                       tie_embeddings=False),
+           "llama, q and v, recomputed blocks": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64,
+                                                     lora_targets="q_proj,v_proj", activation_checkpointing="blocks"),
+           "gpt2, c_attn": dict(lora_targets="c_attn")}
+
+
+def planned_run(tmp_path, group, name):
+    cfg = tiny_config(tmp_path / name.replace(" ", "-").replace(",", ""), steps=1, micro=2, seq_len=16,
+                      lora_rank=RANK, **PLANNED[name])
+    return train(cfg, group, announce=False).plan
+
+
+def test_the_plan_counts_lora_exactly_and_a_plan_without_the_adapters_activations_is_caught(tmp_path, group,
+                                                                                           monkeypatch):
+    """The run checks the state rows (the frozen base's among them) exactly after its first step; the activations
+    it saved are compared here, to the byte."""
+    from zerotrain.training import memory_plan
+
+    for name in PLANNED:
+        plan = planned_run(tmp_path, group, name)
+        assert plan["rows"]["frozen_base"] > 0 and plan["activations_measured"] == plan["rows"]["activations"], name
+    monkeypatch.setattr(memory_plan, "adapter_activations", lambda cfg, model, micro_batch: 0)  # planted
+    plan = planned_run(tmp_path / "planted", group, "llama, every linear")
+    assert plan["activations_measured"] != plan["rows"]["activations"]
+
+
+def test_a_plan_without_the_frozen_base_fails_the_runs_own_check(tmp_path, group, monkeypatch):
+    from zerotrain.errors import InvariantError
+    from zerotrain.training import memory_plan
+
+    monkeypatch.setattr(memory_plan, "frozen_parameters", lambda model: [])  # planted: the base counted as nothing
+    with pytest.raises(InvariantError, match="rank 0 holds .* bytes of frozen base, the plan 0"):
+        planned_run(tmp_path, group, "gpt2, c_attn")

@@ -361,7 +361,8 @@ def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:
     """block(x, *args); with `recompute` (activation checkpointing, while training) only x is kept for the
     backward, which runs the block's forward again to get what it needs (same values: no dropout, and the
-    RNG state is restored). Generation (a cache in args) and no-grad evaluation never recompute."""
-    if recompute and torch.is_grad_enabled() and x.requires_grad:
+    RNG state is restored). Generation (a cache in args) and no-grad evaluation never recompute. The first block's
+    input needs no gradient under a frozen embedding (LoRA), and is recomputed all the same."""
+    if recompute and torch.is_grad_enabled():
         return checkpoint(block, x, *args, use_reentrant=False)
     return block(x, *args)

@@ -108,7 +108,8 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
                 return head_loss(forward, micro.inputs, micro.labels, summed_token_loss,
                                  getattr(engine.model, "recompute_head", False), segments=micro.segments)
             if saved is not None and i == 0:
-                nbytes, token_loss = saved_for_backward(loss, engine.params)
+                # every parameter is held anyway, a LoRA run's frozen base too (its linears save their weights)
+                nbytes, token_loss = saved_for_backward(loss, list(engine.model.parameters()))
                 saved.append(nbytes)
             else:
                 token_loss = loss()

@@ -42,8 +42,8 @@ import torch
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize
-from zerotrain.model.activation_memory import activation_bytes
-from zerotrain.model.lora import add_adapters
+from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
+from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters
 
@@ -117,11 +117,49 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "gradient_buckets": buckets,
         "activations": activation_bytes(cfg.model, B, cfg.model.seq_len, tp=tp, precision=p.precision,
                                         recompute=p.activation_checkpointing, device=cfg.launch.device,
-                                        documents=documents)["total"],
+                                        documents=documents)["total"] + adapter_activations(cfg, model, B),
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
     }
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
+
+
+def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -> int:
+    """What a LoRA run saves for the backward beyond (+) or short of (-) the model's formula, which is full
+    training's (activation_memory.py):
+
+        + each adapter's A output (B T R), which its B reads
+        - what only a trained base weight's gradient needs: the token ids (and GPT-2's positions) of the frozen
+          embedding; the final norm's output (the frozen head's input); Llama's normalized inputs of its RMSNorms
+          (a frozen gain's); a linear's input that no adapter reads (the norms' outputs, before q/k/v and gate/up;
+          the MLP's down-projection input); the first norm's internals (its input, the embedding's output, needs
+          no gradient)
+
+    Recomputed blocks keep only their inputs: then the embedding's and the head's inputs alone differ.
+    """
+    if not cfg.lora.rank:
+        return 0
+    m, size = cfg.model, 2 if cfg.parallel.precision == "bf16" else 4
+    B, T, C = micro_batch, m.seq_len, m.n_embd
+    BTC, BTF = B * T * C * size, B * T * m.ffn_width // cfg.parallel.tp * size
+    fewer = B * T * INDEX + (T * INDEX if m.arch == "gpt2" else 0)  # the embedding's ids and positions
+    fewer += BTC if m.arch == "llama" else 0  # the final RMSNorm's normalized input
+    if cfg.parallel.activation_checkpointing == "full":
+        return -fewer  # the head runs under a checkpoint too, which saves its input either way
+    fewer += BTC  # the head's input
+    if cfg.parallel.activation_checkpointing == "blocks":
+        return -fewer
+    targets = set(cfg.lora.modules(m.arch))
+    if m.arch == "llama":
+        fewer += 2 * m.n_layer * BTC + B * T * C * FP32 + B * T * FP32  # normalized; the first's input and rsqrt
+        unread = [BTC * (not targets & {"q_proj", "k_proj", "v_proj"}), BTC * (not targets & {"gate_proj", "up_proj"}),
+                  BTF * ("down_proj" not in targets)]
+    else:
+        fewer += BTC + 2 * B * T * size  # the first LayerNorm's input, mean and rstd
+        unread = [BTC * ("c_attn" not in targets), BTC * ("c_fc" not in targets), BTF * ("c_proj" not in targets)]
+    fewer += m.n_layer * sum(unread)
+    adapters = len(adapted_modules(model, cfg.lora.modules(m.arch)))
+    return adapters * micro_batch * m.seq_len * cfg.lora.rank * size - fewer
 
 
 def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
