@@ -16,7 +16,7 @@ from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, 
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import load_local, weight_source
-from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
+from zerotrain.model import ARCH_NAMES, build_model, param_count, parallelize, summed_token_loss
 from zerotrain.model.layers import head_loss
 from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import Comm, Mesh, ZeroEngine
@@ -398,7 +398,11 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     tp, dp = cfg.parallel.tp, schedule.world_size
     split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} rank{'s' * (dp != 1)}"
     heads = f"{m.n_head} heads" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.n_head else "")
-    return (f"{ARCH_NAMES[m.arch]} {engine.param_count:,} parameters ({m.n_layer} layers, {heads}, width {m.n_embd}, "
+    size = f"{engine.param_count:,} parameters"
+    if cfg.lora.rank:  # the engine's are the adapters
+        size = (f"{param_count(m):,} parameters, frozen, with LoRA rank {cfg.lora.rank} adapters on "
+                f"{', '.join(cfg.lora.modules(m.arch))}: {engine.param_count:,} trained")
+    return (f"{ARCH_NAMES[m.arch]} {size} ({m.n_layer} layers, {heads}, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
             f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}")
