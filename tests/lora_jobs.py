@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from dist_jobs import summary
 
 from zerotrain.config import Config
@@ -35,3 +36,19 @@ def lora_unsummed_a_grad_job(cfg: Config, comm: Comm) -> dict:
         return {"invariant": str(e)}
     finally:
         lora._SumGradOverTP.backward = saved
+
+
+def lora_drifted_base_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: after step 1, rank 1's frozen base (not in the engine's buffers) moves by one ulp."""
+
+    def drift(step, engine):
+        if step == 1 and comm.rank == 1:
+            weight = dict(engine.frozen)["model.norm.weight"]
+            with torch.no_grad():
+                weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+
+    try:
+        train(cfg, comm, after_update=drift)
+    except InvariantError as e:  # raised on every rank alike
+        return {"invariant": str(e)}
+    return {}

@@ -278,10 +278,12 @@ def meshes(tmp_path_factory, group):
                                              activation_checkpointing="blocks")),
             (lora_jobs.lora_job, gpt2_config(tmp / "gpt2-tp2", nproc=2, tp=2)),
             (lora_jobs.lora_job, mesh_config(tmp / "dp2", nproc=2, micro=1)),  # DP 2 x 1: the same 2 sequences
-            (lora_jobs.lora_unsummed_a_grad_job, mesh_config(tmp / "planted", nproc=2, tp=2))]
+            (lora_jobs.lora_unsummed_a_grad_job, mesh_config(tmp / "planted", nproc=2, tp=2)),
+            (lora_jobs.lora_drifted_base_job, mesh_config(tmp / "drifted", nproc=2, micro=1))]
     two = run_job(functools.partial(in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
     one, gpt2 = lora_jobs.lora_job(mesh_config(tmp / "tp1"), group), lora_jobs.lora_job(gpt2_config(tmp / "g1"), group)
-    return {"TP2": two[0], "GPT-2 TP2": two[1], "DP2": two[2], "planted": two[3], "TP1": one, "GPT-2 TP1": gpt2}
+    return {"TP2": two[0], "GPT-2 TP2": two[1], "DP2": two[2], "planted": two[3], "drifted": two[4], "TP1": one,
+            "GPT-2 TP1": gpt2}
 
 
 def rel(a, b) -> float:
@@ -350,3 +352,8 @@ def test_a_plan_without_the_frozen_base_fails_the_runs_own_check(tmp_path, group
     monkeypatch.setattr(memory_plan, "frozen_parameters", lambda model: [])  # planted: the base counted as nothing
     with pytest.raises(InvariantError, match="rank 0 holds .* bytes of frozen base, the plan 0"):
         planned_run(tmp_path, group, "gpt2, c_attn")
+
+
+def test_invariant_b_checks_the_frozen_base_and_a_drifted_base_on_one_replica_is_caught(meshes):
+    assert meshes["DP2"]["digests"][0] == meshes["DP2"]["digests"][1]
+    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 3" in meshes["drifted"]["invariant"]

@@ -114,12 +114,13 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
         # as peft: no dropout module at 0 (nn.Dropout(0) still copies its input in training)
         module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
         module.lora_scale = lora_scale(cfg)
+        module.lora_hooks = [module.register_forward_hook(_add_adapter_output)]
         if split == "column" and module.comm is not None:
             # GPT-2's column-parallel linears sum their input's gradient themselves: here the input is copied to
             # the TP group once, before the base and the adapters both read it, so that one all-reduce sums both.
             module.lora_input_comm, module.comm = module.comm, None
-            module.register_forward_pre_hook(lambda m, args: (copy_to_tp(args[0], m.lora_input_comm), *args[1:]))
-        module.register_forward_hook(_add_adapter_output)
+            module.lora_hooks.append(module.register_forward_pre_hook(
+                lambda m, args: (copy_to_tp(args[0], m.lora_input_comm), *args[1:])))
     model.tp_slices = {**base_slices, **slices}
     model.lora = cfg
     return slices
@@ -151,13 +152,11 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 
     A model without TP only (load_model's, export's).
     """
-    for _, module in adapted_modules(model, tuple(n.rsplit(".", 1)[-1] for n, _ in model.named_modules())):
-        if not hasattr(module, "lora_A"):
-            continue
+    for module in [m for m in model.modules() if hasattr(m, "lora_hooks")]:
         delta = module.lora_B.weight.float() @ module.lora_A.weight.float()
         module.weight.copy_((module.weight.float() + module.lora_scale * delta).to(module.weight.dtype))
-        del module.lora_A, module.lora_B, module.lora_dropout
-        module._forward_hooks.clear()
-        module._forward_pre_hooks.clear()
+        for hook in module.lora_hooks:
+            hook.remove()
+        del module.lora_A, module.lora_B, module.lora_dropout, module.lora_hooks
     model.__dict__.pop("lora", None)
     return model

@@ -31,6 +31,9 @@ bucket until after backward would be stage 1's memory). With accumulation the bu
 reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both
 stages compute bitwise the same shard.
 
+The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
+their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
+
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
 the parameters are bf16 and an fp32 master shard is kept, 12 bytes per owned value.
