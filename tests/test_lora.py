@@ -211,6 +211,23 @@ def test_logits_equal_the_peft_adapter_and_the_merged_export_and_a_wrong_alpha_i
     assert (peft_logits(tmp_path / "wrong") - ours).abs().max() > 1e-3
 
 
+def test_a_gpt2_adapter_exports_to_peft_on_its_conv1d_layers(group, tmp_path):
+    """GPT-2's c_attn, c_proj and c_fc are transformers' Conv1D (fan-in-fan-out): peft's adapters on them are the
+    same A (R x in) and B (out x R) as zerotrain's."""
+    base = str(tmp_path / "gpt2")
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                         n_positions=16)).save_pretrained(base)
+    result = train(lora_config(tmp_path / "run", base, steps=2, ckpt_every=2), group, announce=False)
+    assert main(["export", result.checkpoints[-1], str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    idx = inputs(64)
+    ours = logits_of(result.engine.model, idx)
+    assert (theirs(input_ids=idx).logits.detach() - ours).abs().max() <= 1e-4
+    assert (logits_of(load_model(base), idx) - ours).abs().max() > 1e-3  # the adapters trained
+
+
 def adapters_of(result) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in result.engine.model.named_parameters() if ".lora_" in n}
 
