@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 
 import lora_jobs
@@ -250,6 +251,21 @@ def test_a_lora_resume_is_bitwise_and_a_lossy_resume_is_caught(trained, base, gr
     monkeypatch.setattr(ZeroEngine, "load_shard_state_dict", lossy)
     lost = adapters_of(train(lora_config(tmp_path / "lossy", base, resume=halfway), group, announce=False))
     assert not all(torch.equal(final[n], lost[n]) for n in final)
+
+
+def test_a_resume_that_would_train_other_adapters_or_every_weight_is_refused(trained, base, group, tmp_path):
+    from zerotrain.errors import ConfigError
+
+    halfway = trained[0].checkpoints[0]
+    for change, said in (({"lora_rank": 0}, "this one would train every weight (--lora-rank 0)"),
+                         ({"lora_alpha": 2 * ALPHA}, f"alpha {2 * ALPHA:g}, on q_proj"),
+                         ({"lora_targets": "q_proj"}, "this one would train LoRA adapters of rank 4, alpha 8, on q_proj:")):
+        cfg = lora_config(tmp_path / str(len(said)), base, resume=halfway)
+        for key, value in change.items():
+            setattr(cfg.lora, key.removeprefix("lora_"), value)
+        with pytest.raises(ConfigError, match=f"its run trained LoRA adapters of rank 4, alpha 8, on q_proj,k_proj.*"
+                                              f"{re.escape(said)}"):
+            train(cfg, group, announce=False)
 
 
 def test_a_resume_on_another_base_is_refused_in_one_line(trained, base, tmp_path, capfd):

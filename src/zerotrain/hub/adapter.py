@@ -29,13 +29,17 @@ PEFT_PREFIX = "base_model.model."  # what peft's LoraModel puts before the wrapp
 
 
 def base_mismatch(manifest: dict, cfg: Config, path: str) -> str | None:
-    """Why resuming the LoRA checkpoint at `path` with `cfg` would train its adapters on another base, or None.
+    """Why resuming the checkpoint at `path` with `cfg` would train other adapters (or every weight where it trained
+    adapters, or adapters where it trained every weight) or its adapters on another base, or None.
 
-    Its base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same base) or,
+    A LoRA run's base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same base) or,
     without --init-from, the random model its seed builds.
     """
     theirs = manifest.get("init_from")
     run = Config.from_dict(manifest["config"])
+    if describe(run) != describe(cfg):
+        return (f"--resume {path}: its run trained {describe(run)}, this one would train {describe(cfg)}: give the "
+                "checkpoint's --lora-rank, --lora-alpha and --lora-targets")
     if not run.lora.rank:
         return None
     if theirs is None:
@@ -56,6 +60,14 @@ def base_mismatch(manifest: dict, cfg: Config, path: str) -> str | None:
             return (f"--init-from {cfg.checkpoint.init_from} is not the base the adapters of {path} were trained on: "
                     f"its {entry['name']} has {said}, the base's {entry['sha256'][:12]}...")
     return None
+
+
+def describe(cfg: Config) -> str:
+    """What a run trains, as resume messages say it: every weight, or which adapters at which scale."""
+    lora = cfg.lora
+    if not lora.rank:
+        return "every weight (--lora-rank 0)"
+    return f"LoRA adapters of rank {lora.rank}, alpha {lora.alpha:g}, on {','.join(lora.modules(cfg.model.arch))}"
 
 
 def peft_config(run: Config, base_path: str | None) -> dict:

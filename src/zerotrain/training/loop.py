@@ -136,11 +136,11 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm) -> tuple[int, dict, str
         path = newest or path
     if path is None:
         return 0, {}, None
-    if cfg.lora.rank:  # adapters are trained on one base: refuse another (rank 0 hashes its files)
-        mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path) if comm.rank == 0 else None
-        mismatch = comm.io.all_gather_json(mismatch, "agree_lora_base")[0]
-        if mismatch:
-            raise ConfigError(mismatch)
+    # the same adapters (or none) on the same base, or a one-line refusal (rank 0 hashes a LoRA base's files)
+    mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path) if comm.rank == 0 else None
+    mismatch = comm.io.all_gather_json(mismatch, "agree_lora_base")[0]
+    if mismatch:
+        raise ConfigError(mismatch)
     manifest = checkpoint.load_checkpoint(path, engine, comm)
     comm.io.barrier("checkpoint_loaded")  # a rank slower to read waits out --io-timeout, not the next step's --timeout
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
