@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import shutil
+import types
 
 import lora_jobs
 import peft
@@ -99,8 +100,7 @@ def test_the_first_forward_equals_the_base_and_a_nonzero_initial_b_is_caught(bas
 def one_linear_with_adapters(seed: int) -> torch.nn.Module:
     """A q_proj of 48 -> 24 features alone, with its adapters drawn from `seed`."""
     model = torch.nn.Module()
-    model.cfg = LoraConfig()  # add_adapters reads model.cfg.arch only
-    model.cfg.arch = "llama"
+    model.cfg = types.SimpleNamespace(arch="llama")  # what add_adapters reads of a model's config
     model.q_proj = torch.nn.Linear(48, 24, bias=False)
     lora.add_adapters(model, LoraConfig(rank=RANK, alpha=ALPHA, targets="q_proj"), seed)
     return model.q_proj

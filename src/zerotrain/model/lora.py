@@ -95,18 +95,18 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
     generator = torch.Generator().manual_seed(seed)
     slices = {}
     for name, module in adapted_modules(model, cfg.modules(model.cfg.arch)):
-        weight = base_slices.get(name + ".weight")
-        out_full, in_full = weight.full_shape if weight is not None else tuple(module.weight.shape)
+        base_slice = base_slices.get(name + ".weight")
+        out_full, in_full = base_slice.full_shape if base_slice is not None else tuple(module.weight.shape)
         down = torch.empty(cfg.rank, in_full, device="cpu")  # drawn on the CPU also for a model on the meta device
         # peft's init (nn.Linear's): kaiming-uniform, a = sqrt(5), drawn whole so that every TP degree gets the same A
         nn.init.kaiming_uniform_(down, a=math.sqrt(5), generator=generator)
         split = None
         if isinstance(module, ColumnParallelLinear):
             split = "column"
-            slices[name + ".lora_B.weight"] = TPSlice(0, (out_full, cfg.rank), weight.parts)
+            slices[name + ".lora_B.weight"] = TPSlice(0, (out_full, cfg.rank), base_slice.parts)
         elif isinstance(module, RowParallelLinear):
             split = "row"
-            slices[name + ".lora_A.weight"] = TPSlice(1, (cfg.rank, in_full), weight.parts)
+            slices[name + ".lora_A.weight"] = TPSlice(1, (cfg.rank, in_full), base_slice.parts)
             down = slices[name + ".lora_A.weight"].take(down, tp_rank)
         device, dtype = module.weight.device, module.weight.dtype
         module.lora_A = LoRADown(down.to(device, dtype), split, comm)
