@@ -54,8 +54,8 @@ def base(tmp_path_factory):
     return str(folder)
 
 
-def lora_config(out, base: str | None, steps=4, **over):
-    cfg = tiny_config(out, steps=steps, micro=2, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, **over)
+def lora_config(out, base: str | None, steps=4, micro=2, **over):
+    cfg = tiny_config(out, steps=steps, micro=micro, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, **over)
     cfg.optim.lr = 1e-2  # adapters move visibly in a few steps
     if base is not None:
         cfg.checkpoint.init_from = base
@@ -210,6 +210,20 @@ def test_logits_equal_the_peft_adapter_and_the_merged_export_and_a_wrong_alpha_i
     monkeypatch.setattr(adapter, "peft_config", lambda run, path: {**real(run, path), "lora_alpha": RANK})  # planted
     assert main(["export", step, str(tmp_path / "wrong"), "--format", "peft"]) == 0
     assert (peft_logits(tmp_path / "wrong") - ours).abs().max() > 1e-3
+
+
+def test_lora_composes_with_bf16_zero2_accumulation_and_full_activation_checkpointing(group, base, tmp_path):
+    """The run's own checks pass (invariants, the plan's state exactly); the base is held as the file's values in
+    bf16, untouched; the plan's activations are what the first micro-batch saved."""
+    cfg = lora_config(tmp_path, base, steps=2, precision="bf16", zero=2, accum=2, micro=1,
+                      activation_checkpointing="full")
+    result = train(cfg, group, announce=False)
+    stored = load_file(os.path.join(base, "model.safetensors"))
+    frozen = dict(result.engine.frozen)
+    assert frozen.keys() == stored.keys()
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, stored[n].to(torch.bfloat16)) for n, p in frozen.items())
+    assert result.plan["activations_measured"] == result.plan["rows"]["activations"]
+    assert all(".lora_" in s.name for s in result.engine.layout.slots)
 
 
 def test_a_gpt2_adapter_exports_to_peft_on_its_conv1d_layers(group, tmp_path):
