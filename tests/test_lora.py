@@ -276,7 +276,8 @@ def test_a_resume_that_would_train_other_adapters_or_every_weight_is_refused(tra
     halfway = trained[0].checkpoints[0]
     for change, said in (({"lora_rank": 0}, "this one would train every weight (--lora-rank 0)"),
                          ({"lora_alpha": 2 * ALPHA}, f"alpha {2 * ALPHA:g}, on q_proj"),
-                         ({"lora_targets": "q_proj"}, "this one would train LoRA adapters of rank 4, alpha 8, on q_proj:")):
+                         ({"lora_targets": "q_proj"},
+                          "this one would train LoRA adapters of rank 4, alpha 8, on q_proj:")):
         cfg = lora_config(tmp_path / str(len(said)), base, resume=halfway)
         for key, value in change.items():
             setattr(cfg.lora, key.removeprefix("lora_"), value)
@@ -406,4 +407,5 @@ def test_a_plan_without_the_frozen_base_fails_the_runs_own_check(tmp_path, group
 
 def test_invariant_b_checks_the_frozen_base_and_a_drifted_base_on_one_replica_is_caught(meshes):
     assert meshes["DP2"]["digests"][0] == meshes["DP2"]["digests"][1]
-    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 3" in meshes["drifted"]["invariant"]
+    caught = meshes["drifted"]["invariant"]
+    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 3" in caught

@@ -255,8 +255,8 @@ def _held_bytes(model, ids: torch.Tensor, loss_of) -> dict[str, int]:
 def lora_markdown(report: dict) -> str:
     t, mem, m = report["train_step_s"], report["memory_bytes"], report["machine"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    head = (f"# bench model --lora: smollm-135m shape, {report['layers']} of its 30 blocks, {report['params']:,} parameters, "
-            f"LoRA rank {report['lora_rank']} ({report['adapter_params']:,} adapter parameters), batch "
+    head = (f"# bench model --lora: smollm-135m shape, {report['layers']} of its 30 blocks, {report['params']:,} "
+            f"parameters, LoRA rank {report['lora_rank']} ({report['adapter_params']:,} adapter parameters), batch "
             f"{report['batch']} x {report['seq_len']}, fp32, {report['threads']} threads, {m['cpu_count']} cores, "
             f"torch {m['torch']}; logits agree with peft's to {report['logits_max_abs_diff']:.1e}\n\n"
             "| run | train step | parameters | gradients | AdamW state | activations saved |\n"

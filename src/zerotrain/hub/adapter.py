@@ -32,8 +32,8 @@ def base_mismatch(manifest: dict, cfg: Config, path: str) -> str | None:
     """Why resuming the checkpoint at `path` with `cfg` would train other adapters (or every weight where it trained
     adapters, or adapters where it trained every weight) or its adapters on another base, or None.
 
-    A LoRA run's base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same base) or,
-    without --init-from, the random model its seed builds.
+    A LoRA run's base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same
+    base) or, without --init-from, the random model its seed builds.
     """
     theirs = manifest.get("init_from")
     run = Config.from_dict(manifest["config"])
