@@ -49,7 +49,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
-              "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits}
+              "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
+              "lora_rank": cfg.lora.rank}
     print(json.dumps(report, indent=2) if args.json else table(cfg, report))
     return 0
 
@@ -76,7 +77,8 @@ def table(cfg: Config, r: dict) -> str:
                    "none (--async-save stages copies)",
     }
     mesh = f"TP {r['tp']} x DP {r['dp']}" if r["tp"] > 1 else f"DP {r['dp']}"
-    lines = [f"zerotrain plan: {r['model']} {r['parameters']:,} parameters on {mesh} ({r['device']}), ZeRO-{r['zero']}, "
+    lora = f" with LoRA rank {r['lora_rank']} adapters" if r["lora_rank"] else ""
+    lines = [f"zerotrain plan: {r['model']} {r['parameters']:,} parameters{lora} on {mesh} ({r['device']}), ZeRO-{r['zero']}, "
              f"{r['precision']}, micro-batch {r['micro_batch']} x {r['seq_len']} tokens, accum {cfg.loop.accum}; "
              "per rank (rank 0):", ""]
     width = max(len(label) for _, label in ROWS)
