@@ -286,6 +286,25 @@ def test_a_resume_that_would_train_other_adapters_or_every_weight_is_refused(tra
             train(cfg, group, announce=False)
 
 
+def test_a_random_base_is_rebuilt_from_its_seed_to_resume_and_load_and_another_seed_is_refused(group, tmp_path):
+    from zerotrain.errors import ConfigError
+
+    def config(name, **over):
+        return tiny_config(tmp_path / name, steps=3, micro=2, lora_rank=RANK, lora_alpha=ALPHA, seed=3, **over)
+
+    whole = train(config("whole", ckpt_every=1), group, announce=False)
+    resumed = train(config("resumed", resume=whole.checkpoints[0]), group, announce=False)
+    final, again = adapters_of(whole), adapters_of(resumed)
+    assert all(torch.equal(final[n], again[n]) for n in final)
+    idx = inputs(64)
+    assert (logits_of(load_model(whole.checkpoints[-1]), idx) - logits_of(whole.engine.model, idx)).abs().max() <= 1e-5
+    with pytest.raises(ConfigError, match="--seed 4 builds another random base than the one its adapters were "
+                                          "trained on \\(--seed 3\\)"):
+        cfg = config("other-seed", resume=whole.checkpoints[0])
+        cfg.loop.seed = 4
+        train(cfg, group, announce=False)
+
+
 def test_a_resume_on_another_base_is_refused_in_one_line(trained, base, tmp_path, capfd):
     _, _, step = trained
     other = tmp_path / "other-base"
