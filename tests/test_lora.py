@@ -207,6 +207,11 @@ def test_logits_equal_the_peft_adapter_and_the_merged_export_and_a_wrong_alpha_i
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     assert (merged.eval()(input_ids=idx).logits.detach() - ours).abs().max() <= 1e-4
     assert (logits_of(load_model(step), idx) - ours).abs().max() <= 1e-4  # what sample and eval load
+    capsys.readouterr()
+    assert main(["sample", step, "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert main(["eval", step, "--batches", "2"]) == 0
+    said = capsys.readouterr()
+    assert "sampled 4 tokens" in said.err and "val_loss" in said.out
     from zerotrain.hub import adapter
 
     real = adapter.peft_config
