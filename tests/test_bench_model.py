@@ -24,3 +24,24 @@ def test_bench_model_writes_its_json_report_and_markdown_table(tmp_path, capsys,
     table = (out / "bench-model.md").read_text()
     assert table.startswith(f"# bench model: {arch} (quick)") and len(table.strip().splitlines()) == 6
     assert "wrote bench-model.json and bench-model.md" in capsys.readouterr().out
+
+
+def test_bench_model_lora_reports_zerotrain_lora_full_fine_tuning_and_peft_side_by_side(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "out"
+    args = parser.parse_args(["bench", "model", "--lora", "--layers", "1", "--seq-len", "16", "--repeats", "1",
+                              "--out", str(out)])
+    assert args.func(args) == 0
+    report = json.loads((out / "bench-model-lora.json").read_text())
+    assert report["schema"] == "zerotrain.bench.model.lora" and report["lora_rank"] == 16
+    assert report["logits_max_abs_diff"] < 1e-4  # the same base and adapters: the timing compares like with like
+    runs = {"zerotrain LoRA", "peft LoRA", "zerotrain full"}
+    assert set(report["train_step_s"]) == runs and all(v > 0 for v in report["train_step_s"].values())
+    mem = report["memory_bytes"]
+    # LoRA's AdamW state is the adapters' moments (8 bytes each); full fine-tuning's every parameter's
+    lora, peft = mem["zerotrain LoRA"]["optimizer_state"], mem["peft LoRA"]["optimizer_state"]
+    assert lora == 8 * report["adapter_params"] == peft
+    assert mem["zerotrain full"]["optimizer_state"] == 8 * report["params"]
+    table = (out / "bench-model-lora.md").read_text()
+    assert table.startswith("# bench model --lora: smollm-135m shape, 1 of its 30 blocks")

@@ -60,7 +60,10 @@ def runs(tmp_path_factory):
             "averaged": (tp_kv_jobs.averaged_replicas_job, config(tmp, "averaged", 4, 4, 2)),
             "double-counted": (tp_kv_jobs.double_counted_norm_job, config(tmp, "double-counted", 4, 4, 2)),
             "mqa tp1": (tp_kv_jobs.train_job, config(tmp, "mqa-tp1", 1, 2, 1, MQA)),
-            "mqa tp2": (tp_kv_jobs.train_job, config(tmp, "mqa-tp2", 2, 2, 2, MQA))}
+            "mqa tp2": (tp_kv_jobs.train_job, config(tmp, "mqa-tp2", 2, 2, 2, MQA)),
+            "lora tp1": (tp_kv_jobs.lora_job, config(tmp, "lora-tp1", 1, 2, 1)),
+            "lora tp4": (tp_kv_jobs.lora_job, config(tmp, "lora-tp4", 4, 4, 2)),
+            "lora unsummed B": (tp_kv_jobs.lora_unsummed_b_job, config(tmp, "lora-unsummed", 4, 4, 2))}
     saved = os.path.join(cfgs["tp4"][1].checkpoint.dir, checkpoint.step_name(SAVED_AT))
     cfgs["tp4->tp2"] = (tp_kv_jobs.resume_job, config(tmp, "tp4-tp2", 2, 2, 2, resume=saved))
     jobs = [(job, cfg) for job, cfg in cfgs.values()]
@@ -278,3 +281,14 @@ def test_a_tp_that_no_kv_head_split_fits_is_a_one_line_error_with_exit_code_2(tm
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"zerotrain: error: {message}"), err
+
+
+def test_lora_at_tp4_over_2_kv_heads_trains_as_tp1_and_an_unsummed_replicated_b_trips_invariant_b(runs):
+    base, tp4 = runs["lora tp1"], runs["lora tp4"]
+    assert set(tp4["params"]) == set(base["params"]) and all(".lora_" in n for n in tp4["params"])
+    assert len(tp4["losses"]) == STEPS and agrees(tp4, base)
+    # the adapters moved: B left zero, and the k/v adapters' replicas are among what agrees with TP 1
+    assert tp4["params"]["model.layers.0.self_attn.k_proj.lora_B.weight"].abs().max() > 1e-4
+    # planted: a replicated KV head's B keeps its rank's part of the gradient; the replicas drift apart
+    assert "invariant (b)" in runs["lora unsummed B"]["invariant"]
+    assert "KV heads" in runs["lora unsummed B"]["invariant"]

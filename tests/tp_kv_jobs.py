@@ -67,7 +67,7 @@ def kv_slices_on_every_rank(engine, comm: Comm) -> torch.Tensor:
 def unsummed_replicas_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: each replica of a KV head keeps its own query heads' part of the gradient (the replica group's
     all-reduce skipped); the error invariant (b) raises."""
-    with mock.patch.object(_SumOverReplicas, "backward", staticmethod(lambda ctx, grad: (grad, None))):
+    with mock.patch.object(_SumOverReplicas, "backward", staticmethod(lambda ctx, grad: (grad, None, None))):
         try:
             train(cfg, comm)
         except InvariantError as e:
@@ -81,7 +81,7 @@ def averaged_replicas_job(cfg: Config, comm: Comm) -> dict:
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         ctx.comm.all_reduce(grad, "all_reduce_kv_replica_grads")
-        return grad / ctx.comm.world_size, None
+        return grad / ctx.comm.world_size, None, None
 
     with mock.patch.object(_SumOverReplicas, "backward", staticmethod(backward)):
         return train_job(cfg, comm)
@@ -126,3 +126,23 @@ def saved_state_job(cfg: Config, comm: Comm) -> dict:
     out = train_job(cfg, comm, keep)
     out["saved"] = saved
     return out
+
+
+def lora_job(cfg: Config, comm: Comm) -> dict:
+    """A LoRA run (rank 4 on every linear of the blocks, the base frozen): its log and full adapters, or the error
+    invariant (b) raised (the ranks stay together for the next job)."""
+    cfg.lora.rank, cfg.lora.alpha = 4, 8.0
+    try:
+        result = train(cfg, comm)
+        return {**summary(result), "params": result.engine.full_state_dict()}
+    except InvariantError as e:
+        return {"invariant": str(e)}
+
+
+def lora_unsummed_b_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the B of a replicated KV head's k_proj or v_proj keeps its own query heads' part of the gradient
+    (its replica group's sum skipped), as its base's would without sum_over_replicas."""
+    from zerotrain.model import lora
+
+    with mock.patch.object(lora.LoRAUp, "forward", lambda self, h: torch.nn.functional.linear(h, self.weight)):
+        return lora_job(cfg, comm)

@@ -315,6 +315,36 @@ class GuardConfig:
     max_rollbacks: int = setting(3, "rollbacks allowed before the run stops with an error", rule=NON_NEGATIVE)
 
 
+# The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
+LORA_MODULES = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                "gpt2": ("c_attn", "c_proj", "c_fc")}
+ALL_LINEAR = "all"
+
+
+@dataclass
+class LoraConfig:
+    # QLoRA (Dettmers et al. 2023) found adapters on every linear of the blocks needed to match full fine-tuning,
+    # where attention-only adapters fall short; peft calls that choice "all-linear" (the head excluded), as here.
+    rank: int = setting(0, "LoRA rank R: train low-rank adapters on the blocks' linears, the base frozen (0: every "
+                        "weight trains)", key="lora_rank", rule=NON_NEGATIVE)
+    alpha: float = setting(16.0, "LoRA alpha A: the adapters' output is scaled by A / R", key="lora_alpha",
+                           rule=POSITIVE)
+    dropout: float = setting(0.0, "dropout on the adapters' input while training", key="lora_dropout",
+                             rule=BELOW_ONE)
+    targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
+                           "(llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: c_attn, "
+                           "c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
+                           "not the head)",
+                           key="lora_targets")
+
+    def modules(self, arch: str) -> tuple[str, ...]:
+        """The module names --lora-targets picks for `arch`, in the architecture's order."""
+        if self.targets == ALL_LINEAR:
+            return LORA_MODULES[arch]
+        named = {t.strip() for t in self.targets.split(",")}
+        return tuple(m for m in LORA_MODULES[arch] if m in named)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -326,6 +356,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def dp(self) -> int:
@@ -363,7 +394,7 @@ class Config:
         return cfg
 
 
-SECTIONS = ("model", "data", "optim", "launch", "parallel", "loop", "logging", "checkpoint", "guard")
+SECTIONS = ("model", "data", "optim", "launch", "parallel", "loop", "logging", "checkpoint", "guard", "lora")
 
 
 @dataclass(frozen=True)
@@ -534,6 +565,15 @@ def validate(cfg: Config) -> Config:
     if p.activation_checkpointing == "full" and cfg.loop.compile:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")
+    if cfg.lora.targets != ALL_LINEAR:
+        known = LORA_MODULES[m.arch]
+        for name in (t.strip() for t in cfg.lora.targets.split(",")):
+            if name not in known:
+                raise ConfigError(f"--lora-targets {name!r} is not a linear of --arch {m.arch}'s blocks (they are "
+                                  f"{', '.join(known)}, or {ALL_LINEAR})")
+    if cfg.lora.rank and cfg.lora.dropout and p.tp > 1:
+        raise ConfigError(f"--lora-dropout {cfg.lora.dropout:g} with --tp {p.tp}: the TP ranks would draw different "
+                          "dropout masks for one input; use --lora-dropout 0 with tensor parallelism")
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg

@@ -11,11 +11,18 @@ drift in the machine's load spreads over both, as medians:
 
 Target: zerotrain no slower than transformers on both (time ratio <= 1.0). Writes bench-model.json and
 bench-model.md to --out.
+
+With --lora: the train step of LoRA at rank 16 (alpha 32, adapters on every linear of the blocks) on the
+smollm-135m shape (--layers fewer of its blocks for a quicker run), against zerotrain's full fine-tuning and peft's
+LoRA on transformers' model, the same weights, batch and adapters, alternated; and each one's memory: the
+parameter, gradient and AdamW state bytes it holds, and what its forward saves for the backward. Writes
+bench-model-lora.json and bench-model-lora.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
@@ -45,6 +52,11 @@ def add_parser(benches) -> None:
     p.add_argument("--quick", action="store_true", help="a small model: seconds")
     p.add_argument("--repeats", type=checked(int, POSITIVE), help="alternating rounds (default 5, quick 3)")
     p.add_argument("--out", default="", help="folder for bench-model.json and bench-model.md")
+    p.add_argument("--lora", action="store_true", help="LoRA rank 16 on the smollm-135m shape against full "
+                                                       "fine-tuning and peft on transformers: step time and memory")
+    p.add_argument("--layers", type=checked(int, POSITIVE), help="--lora: blocks of the smollm-135m shape (30)")
+    p.add_argument("--seq-len", type=checked(int, POSITIVE), default=128, help="--lora: tokens per sequence")
+    p.add_argument("--batch", type=checked(int, POSITIVE), default=1, help="--lora: sequences per step")
     p.set_defaults(func=cmd_model)
 
 
@@ -53,6 +65,8 @@ def cmd_model(args: argparse.Namespace) -> int:
         import transformers
     except ImportError:
         raise ConfigError("bench model compares with transformers: pip install 'zerotrain[hf]'") from None
+    if args.lora:
+        return cmd_lora(args, transformers)
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.repeats:
         size["repeats"] = args.repeats
@@ -82,7 +96,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _models(transformers, arch: str, size: dict):
+def _models(transformers, arch: str, size: dict, tie_embeddings: bool = False):
     """transformers' model at random initialisation and zerotrain's holding the same weights; fp32, SDPA.
 
     transformers' config is the one `export --format hf` writes for zerotrain's (hub/mapping.py: hf_config).
@@ -92,8 +106,9 @@ def _models(transformers, arch: str, size: dict):
 
     shape = {k: size[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
     if arch in LLAMA_FAMILY:
-        shape.update(n_kv_head=size["n_kv_head"], intermediate_size=size["intermediate_size"], tie_embeddings=False,
-                     norm_eps=1e-6, sliding_window=size["seq_len"] // 2 if arch in WINDOWED else 0)
+        shape.update(n_kv_head=size["n_kv_head"], intermediate_size=size["intermediate_size"],
+                     tie_embeddings=tie_embeddings, norm_eps=1e-6,
+                     sliding_window=size["seq_len"] // 2 if arch in WINDOWED else 0)
     cfg = ModelConfig(arch=arch, seq_len=size["seq_len"] + size["new_tokens"], **shape)
     config = hf_config(cfg, None)
     torch.manual_seed(0)
@@ -168,3 +183,88 @@ def markdown(report: dict) -> str:
             f"torch {m['torch']}; logits agree to {report['logits_max_abs_diff']:.1e}\n\n"
             "| measure | zerotrain | transformers | zerotrain / transformers | target <= 1.0 |\n|---|---|---|---|---|\n")
     return head + "".join(f"| {' | '.join(row)} |\n" for row in rows)
+
+
+LORA_RANK, LORA_ALPHA = 16, 32.0
+
+
+def cmd_lora(args: argparse.Namespace, transformers) -> int:
+    """--lora: the three train steps, alternated, and what each holds."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("bench model --lora compares with peft: pip install 'zerotrain[peft]'") from None
+    from zerotrain.config import PRESETS, LoraConfig
+    from zerotrain.model.lora import add_adapters
+
+    shape = {k: v for k, v in PRESETS["smollm-135m"].items() if k != "seq_len"}
+    shape["n_layer"] = args.layers or (2 if args.quick else shape["n_layer"])
+    size = {**shape, "batch": args.batch, "seq_len": args.seq_len + 1, "new_tokens": 0}
+    repeats = args.repeats or (3 if args.quick else 5)
+    out = args.out or os.path.join("runs", "model-lora-" + time.strftime("%Y%m%d-%H%M%S"))
+    t0 = time.perf_counter()
+    lora = LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)
+    full, theirs, cfg = _models(transformers, "llama", size, tie_embeddings=True)
+    ours = copy.deepcopy(full)
+    add_adapters(ours, lora, seed=0)
+    twin = peft.get_peft_model(theirs, peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                                      target_modules=list(lora.modules("llama"))))
+    ours_by_name = dict(ours.named_parameters())
+    with torch.no_grad():  # the same adapters in both: A drawn by zerotrain, B zero
+        for name, p in twin.named_parameters():
+            if ".lora_" in name:
+                p.copy_(ours_by_name[name.removeprefix("base_model.model.").replace(".default", "")])
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits_diff = (ours(ids) - twin(input_ids=ids).logits).abs().max().item()
+    peft_loss = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
+    runs = {"zerotrain LoRA": (ours, _our_loss), "peft LoRA": (twin, peft_loss), "zerotrain full": (full, _our_loss)}
+    memory = {name: _held_bytes(model, ids, loss) for name, (model, loss) in runs.items()}
+    steps = _alternate(repeats, {name: _train_step(model, ids, loss) for name, (model, loss) in runs.items()})
+    median = {k: statistics.median(v) for k, v in steps.items()}
+    report = {**report_header(SCHEMA + ".lora"), "model": vars(cfg), "lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA,
+              "layers": cfg.n_layer, "threads": torch.get_num_threads(), "batch": args.batch,
+              "seq_len": args.seq_len, "params": sum(p.numel() for p in full.parameters()),
+              "adapter_params": sum(p.numel() for p in ours.parameters() if p.requires_grad),
+              "logits_max_abs_diff": logits_diff, "train_step_s": median, "memory_bytes": memory,
+              "samples": {"train_step_s": steps},
+              "ratio_to_peft": median["zerotrain LoRA"] / median["peft LoRA"],
+              "ratio_to_full": median["zerotrain LoRA"] / median["zerotrain full"]}
+    report["met"] = {"no_slower_than_peft": report["ratio_to_peft"] <= 1.0}
+    report["wall_s"] = time.perf_counter() - t0
+    write_report(out, "bench-model-lora", report, lora_markdown(report))
+    return 0
+
+
+def _held_bytes(model, ids: torch.Tensor, loss_of) -> dict[str, int]:
+    """Parameter, gradient and AdamW state bytes after one step, and the bytes its forward saves for the backward
+    (the parameters left out)."""
+    from zerotrain.training.activations import saved_for_backward
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4)
+    saved, loss = saved_for_backward(lambda: loss_of(model, ids), list(model.parameters()))
+    loss.backward()
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+    held = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in trained if p.grad is not None),
+            "optimizer_state": state, "activations": saved}
+    optimizer.zero_grad(set_to_none=True)
+    return held
+
+
+def lora_markdown(report: dict) -> str:
+    t, mem, m = report["train_step_s"], report["memory_bytes"], report["machine"]
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    head = (f"# bench model --lora: smollm-135m shape, {report['layers']} of its 30 blocks, {report['params']:,} "
+            f"parameters, LoRA rank {report['lora_rank']} ({report['adapter_params']:,} adapter parameters), batch "
+            f"{report['batch']} x {report['seq_len']}, fp32, {report['threads']} threads, {m['cpu_count']} cores, "
+            f"torch {m['torch']}; logits agree with peft's to {report['logits_max_abs_diff']:.1e}\n\n"
+            "| run | train step | parameters | gradients | AdamW state | activations saved |\n"
+            "|---|---|---|---|---|---|\n")
+    rows = [f"| {name} | {t[name] * 1e3:.1f} ms | {mib(mem[name]['parameters'])} | {mib(mem[name]['gradients'])} | "
+            f"{mib(mem[name]['optimizer_state'])} | {mib(mem[name]['activations'])} |\n" for name in t]
+    verdict = "met" if report["met"]["no_slower_than_peft"] else "NOT met"
+    return head + "".join(rows) + (f"\nzerotrain LoRA / peft LoRA: {report['ratio_to_peft']:.2f}x (target <= 1.0: "
+                                   f"{verdict}); zerotrain LoRA / full fine-tuning: {report['ratio_to_full']:.2f}x\n")

@@ -330,7 +330,9 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
     T = engine.mesh.tp_size
     if T == 1:
         if rank == 0:
-            files[MODEL_FILE] = {n: p.detach().float().cpu().contiguous() for n, p in engine.model.named_parameters()}
+            # the trained parameters (a LoRA run's adapters; its frozen base is the manifest's init_from record)
+            files[MODEL_FILE] = {s.name: p.detach().float().cpu().contiguous()
+                                 for s, p in zip(engine.layout.slots, engine.params)}
         return files
     gathered = gather_tp_params(engine)  # a collective of DP replica 0's TP ranks
     if rank == 0:

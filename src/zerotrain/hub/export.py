@@ -36,7 +36,7 @@ from zerotrain.errors import ConfigError
 
 from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
 
-FORMATS = ("hf", "safetensors")
+FORMATS = ("hf", "safetensors", "peft")  # peft: a LoRA run's adapters (adapter.export_peft)
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded folder's: which shard holds each tensor
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -97,6 +97,9 @@ def _source(folder: str, verify: bool) -> WeightSource:
         if verify:
             verify_or_raise(folder)
         manifest = read_manifest(folder)
+        if manifest["config"].get("lora", {}).get("lora_rank"):  # its model.safetensors holds the adapters alone
+            raise CheckpointError(f"{folder} holds a LoRA run's adapters, not a whole model: start from it merged "
+                                  "(zerotrain export RUN OUT --format safetensors, then --init-from OUT)")
         model = ModelConfig(**manifest["config"]["model"])
         return WeightSource(folder, "checkpoint", model, tensor_files(folder), None)
     kind, model, _ = read_export_config(folder)

@@ -5,6 +5,8 @@ master shards), then its model.safetensors is loaded strictly (a Llama that trai
 the model it started from gets that model's context back, from the manifest's tokenizer record); an exported
 folder's config.json is checked against the architecture zerotrain builds, and its model.safetensors, or the shards its
 model.safetensors.index.json names (export.tensor_files, as --init-from reads them), loaded strictly.
+A LoRA run's checkpoint holds its adapters only: its base is rebuilt (the --init-from model its manifest records,
+loaded from the same files by sha256, or the random base its seed gives) and the adapters are merged into it.
 Safetensors and JSON only: nothing is unpickled.
 """
 
@@ -17,11 +19,12 @@ import torch
 
 from zerotrain.checkpoint import (LATEST, MANIFEST, CheckpointError, committed_steps, read_latest, read_manifest,
                                    verify_or_raise)
-from zerotrain.checkpoint.stream import read_safetensors
-from zerotrain.config import ModelConfig
+from zerotrain.checkpoint.stream import read_safetensors, sha256_file
+from zerotrain.config import Config, ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
 from zerotrain.errors import ConfigError
-from zerotrain.model import model_class
+from zerotrain.model import build_model, model_class
+from zerotrain.model.lora import add_adapters, adapter_names, merge_adapters
 
 from .export import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS
@@ -93,6 +96,8 @@ def load_from(source: ModelSource) -> torch.nn.Module:
     else:
         _, cfg, _ = read_export_config(folder)
     tensors, where = _read_tensors(folder)
+    if source.kind == "checkpoint" and source.manifest["config"].get("lora", {}).get("lora_rank"):
+        return _lora_model(source, tensors, where)
     if source.kind == "hf":
         tensors = MAPPINGS[cfg.arch].from_hf(tensors, cfg)
     model = model_class(cfg)(cfg)
@@ -102,6 +107,44 @@ def load_from(source: ModelSource) -> torch.nn.Module:
         detail = str(e).split("\n\t")[1] if "\n\t" in str(e) else str(e)
         raise CheckpointError(f"{where} does not fit the model its config describes: {detail.strip()}") from None
     return model.eval().requires_grad_(False)  # for inference: no autograd graph kept
+
+
+def _lora_model(source: ModelSource, tensors: dict[str, torch.Tensor], where: str) -> torch.nn.Module:
+    """A LoRA checkpoint's model: its base with the adapters merged in (the plain architecture, for inference)."""
+    run = Config.from_dict(source.config)
+    record = source.manifest.get("init_from")
+    if record is not None:
+        problem = base_problem(record)
+        if problem:
+            raise CheckpointError(f"{source.folder} is a LoRA run's adapters: {problem}")
+        model = load_from(locate(record["path"]))
+    else:  # a random base: the one the run's seed builds
+        model = build_model(run.model, run.loop.seed)
+    add_adapters(model, run.lora, run.loop.seed)
+    names = adapter_names(model)
+    if sorted(tensors) != sorted(names):
+        wrong = sorted(set(tensors) ^ set(names))[0]
+        raise CheckpointError(f"{where} does not hold the adapters its config describes: {wrong}")
+    model.load_state_dict(tensors, strict=False)
+    return merge_adapters(model).eval().requires_grad_(False)
+
+
+def base_problem(record: dict) -> str | None:
+    """Why the files of the base a manifest's init_from `record` names are no longer those it recorded, or None."""
+    folder = record["path"]
+    try:
+        files = {os.path.basename(f): f for f in set(tensor_files(folder).values())} if os.path.isdir(folder) else {}
+    except CheckpointError:
+        files = {}
+    for entry in record["files"]:
+        file = files.get(entry["name"])
+        if file is None:
+            return f"its base {os.path.join(folder, entry['name'])} is missing"
+        digest = sha256_file(file)[1]
+        if digest != entry["sha256"]:
+            return (f"its base {file} has changed (sha256 {digest[:12]}..., the run trained on "
+                    f"{entry['sha256'][:12]}...)")
+    return None
 
 
 def _read_tensors(folder: str) -> tuple[dict[str, torch.Tensor], str]:

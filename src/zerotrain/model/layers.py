@@ -104,7 +104,10 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _SumOverReplicas(torch.autograd.Function):
-    """A weight replicated on the ranks of `comm`: each rank's gradient is the part of its own query heads.
+    """A weight replicated on the ranks of `comm` of which each rank computes only part of the gradient (a KV head
+    on several ranks: its own query heads' part; a LoRA A on a column-parallel base: its own output slice's part):
+    identity forward, the weight's gradient all-reduced over `comm` backward (the input's gradient stays partial,
+    for the block's copy_to_tp all-reduce).
 
     Summed here, per micro-batch, rather than by the engine once per step: every reader of .grad (ZeRO stage 1 or
     2, bf16's fp32 accumulation, activation checkpointing, a frozen base) then sees the whole gradient. The cost is
@@ -113,23 +116,25 @@ class _SumOverReplicas(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight, comm):
-        ctx.comm = comm
+    def forward(ctx, weight, comm, collective):
+        ctx.comm, ctx.collective = comm, collective
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, "all_reduce_kv_replica_grads")
-        return grad, None
+        ctx.comm.all_reduce(grad, ctx.collective)
+        return grad, None, None
 
 
-def sum_over_replicas(weight: torch.Tensor | None, comm) -> torch.Tensor | None:
-    """`weight` (a KV head's rows, replicated on the ranks of `comm`), whose gradient is summed over those ranks;
-    itself without replicas (`comm` None) or without a gradient (a frozen weight: nothing to sum)."""
+def sum_over_replicas(weight: torch.Tensor | None, comm, collective: str = "all_reduce_kv_replica_grads"
+                      ) -> torch.Tensor | None:
+    """`weight` (replicated on the ranks of `comm`, each computing part of its gradient), whose gradient is summed
+    over those ranks (the all-reduce counted as `collective`); itself without replicas (`comm` None) or without a
+    gradient (a frozen weight: nothing to sum)."""
     if comm is None or weight is None or not weight.requires_grad:
         return weight
-    return _SumOverReplicas.apply(weight, comm)
+    return _SumOverReplicas.apply(weight, comm, collective)
 
 
 def copy_to_tp(x: torch.Tensor, comm) -> torch.Tensor:
@@ -494,7 +499,8 @@ def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:
     """block(x, *args); with `recompute` (activation checkpointing, while training) only x is kept for the
     backward, which runs the block's forward again to get what it needs (same values: no dropout, and the
-    RNG state is restored). Generation (a cache in args) and no-grad evaluation never recompute."""
-    if recompute and torch.is_grad_enabled() and x.requires_grad:
+    RNG state is restored). Generation (a cache in args) and no-grad evaluation never recompute. The first block's
+    input needs no gradient under a frozen embedding (LoRA), and is recomputed all the same."""
+    if recompute and torch.is_grad_enabled():
         return checkpoint(block, x, *args, use_reentrant=False)
     return block(x, *args)

@@ -32,6 +32,9 @@ bucket until after backward would be stage 1's memory). With accumulation the bu
 reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both
 stages compute bitwise the same shard.
 
+The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
+their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
+
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
 the parameters are bf16 and an fp32 master shard is kept, 12 bytes per owned value.
@@ -73,9 +76,18 @@ def stage2_bucket_budget(layout: ShardLayout) -> int:
 
 
 def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
-    """The flat layout an engine over `model` uses (a model on the meta device gives the same one)."""
-    named = list(model.named_parameters())  # a tied parameter appears once
+    """The flat layout an engine over `model` uses (a model on the meta device gives the same one): its trainable
+    parameters; frozen ones (a LoRA run's base) have no gradients, no optimizer state and are never reduced."""
+    named = trainable_parameters(model)  # a tied parameter appears once
     return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def frozen_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
 
 @dataclass
@@ -114,12 +126,15 @@ class ZeroEngine:
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
-        self.tp_slices = getattr(model, "tp_slices", {})  # name -> TPSlice of the parameters split by TP
         self.precision, self.stage = precision, stage
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         self.layout = layout_of(model, dp.world_size, bucket_numel)
         by_name = dict(model.named_parameters())
         self.params = [by_name[s.name] for s in self.layout.slots]
+        # name -> TPSlice of the trained parameters split by TP; the frozen ones' (model_slices) only for invariant (b)
+        self.model_slices = getattr(model, "tp_slices", {})
+        self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
+        self.frozen = frozen_parameters(model)
         self._build_flat_buffers()
         # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
         dp.broadcast(self.flat_params, 0, "broadcast_init")
@@ -150,6 +165,8 @@ class ZeroEngine:
                 p.data = view
                 if self.stage == 1:
                     p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
+            for _, p in self.frozen:  # computed with in the parameters' dtype, never updated
+                p.data = p.data.to(param_dtype)
         # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
         self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage == 2 else \
             torch.zeros(L.padded_numel, device=device)
@@ -223,7 +240,8 @@ class ZeroEngine:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.gather_in_forward:
             for module in self.model.modules():
-                buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)})
+                buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)
+                                  if id(p) in self._slot_of})
                 if buckets:
                     module.register_forward_pre_hook(lambda _m, _args, b=tuple(buckets): self.wait_params(b))
 
@@ -428,11 +446,17 @@ class ZeroEngine:
         self.wait_params()
         flat = self.flat_params.detach()
         if self.mesh.tp_size == 1:
-            replicated = tensor_digest(flat)
-            return torch.stack([replicated, torch.zeros_like(replicated)])
-        rows = [tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)]
-        if self.mesh.kv_replicas > 1:
-            rows.append(tensor_digest(flat, self._kv_shared_flat))
+            rows = [tensor_digest(flat), torch.zeros(2, dtype=torch.int64, device=flat.device)]
+        else:
+            rows = [tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)]
+            if self.mesh.kv_replicas > 1:
+                rows.append(tensor_digest(flat, self._kv_shared_flat))
+        if self.frozen:  # a LoRA run's base: the trained values' digest and each frozen tensor's, digested again
+            for row, sliced in enumerate((False, True)):
+                held = [tensor_digest(p.detach().reshape(-1)) for n, p in self.frozen
+                        if (n in self.model_slices) == sliced]
+                if held:
+                    rows[row] = tensor_digest(torch.cat([rows[row], *held]))
         return torch.stack(rows)
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:

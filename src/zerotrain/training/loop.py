@@ -13,10 +13,12 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
-from zerotrain.errors import ZeroTrainError
+from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import load_local, weight_source
-from zerotrain.model import ARCH_NAMES, build_model, parallelize, summed_token_loss
+from zerotrain.model import ARCH_NAMES, build_model, param_count, parallelize, summed_token_loss
 from zerotrain.model.layers import head_loss, kv_replicas
+from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import Comm, Mesh, ZeroEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
@@ -72,6 +74,8 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
         model.to_empty(device="cpu")
         model.tie_weights()
         load_local(model, source, slices, mesh.tp_rank)
+    if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
+        add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
@@ -104,7 +108,8 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
                 return head_loss(forward, micro.inputs, micro.labels, summed_token_loss,
                                  getattr(engine.model, "recompute_head", False), segments=micro.segments)
             if saved is not None and i == 0:
-                nbytes, token_loss = saved_for_backward(loss, engine.params)
+                # every parameter is held anyway, a LoRA run's frozen base too (its linears save their weights)
+                nbytes, token_loss = saved_for_backward(loss, list(engine.model.parameters()))
                 saved.append(nbytes)
             else:
                 token_loss = loss()
@@ -131,6 +136,11 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm) -> tuple[int, dict, str
         path = newest or path
     if path is None:
         return 0, {}, None
+    # the same adapters (or none) on the same base, or a one-line refusal (rank 0 hashes a LoRA base's files)
+    mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path) if comm.rank == 0 else None
+    mismatch = comm.io.all_gather_json(mismatch, "agree_lora_base")[0]
+    if mismatch:
+        raise ConfigError(mismatch)
     manifest = checkpoint.load_checkpoint(path, engine, comm)
     comm.io.barrier("checkpoint_loaded")  # a rank slower to read waits out --io-timeout, not the next step's --timeout
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
@@ -388,7 +398,11 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     tp, dp = cfg.parallel.tp, schedule.world_size
     split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} rank{'s' * (dp != 1)}"
     heads = f"{m.n_head} heads" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.n_head else "")
-    return (f"{ARCH_NAMES[m.arch]} {engine.param_count:,} parameters ({m.n_layer} layers, {heads}, width {m.n_embd}, "
+    size = f"{engine.param_count:,} parameters"
+    if cfg.lora.rank:  # the engine's are the adapters
+        size = (f"{param_count(m):,} parameters, frozen, with LoRA rank {cfg.lora.rank} adapters on "
+                f"{', '.join(cfg.lora.modules(m.arch))}: {engine.param_count:,} trained")
+    return (f"{ARCH_NAMES[m.arch]} {size} ({m.n_layer} layers, {heads}, width {m.n_embd}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
             f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
             f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}")

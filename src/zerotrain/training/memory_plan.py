@@ -4,6 +4,7 @@ State bytes come from the layout the engine will build (the model built on the m
 rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
+    frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
                          (on one DP rank no shard: it is the fp32 buffer itself)
                          stage 2: shard x 4                                   held between steps
@@ -17,7 +18,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
 
-where P is the rank's parameters (its TP slices and the replicated ones) and shard = padded P / DP. Figures
+where P is the rank's trained parameters (its TP slices and the replicated ones; a LoRA run's adapters), B the
+rank's frozen ones and shard = padded P / DP. Figures
 are rank 0's, the busiest (staging), for the peak of a step; torch's own runtime (the interpreter and its
 libraries on CPU, the CUDA context and allocator slack on a GPU) is not in them.
 
@@ -40,17 +42,19 @@ import torch
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize
-from zerotrain.model.activation_memory import activation_bytes
+from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
+from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
+from zerotrain.parallel.engine import frozen_parameters
 
 from .invariants import InvariantError, held_bytes
 
 # The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
-ROWS = (("parameters", "parameters"), ("gradients", "gradients (between steps)"),
+ROWS = (("parameters", "parameters"), ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
-STATE = ("parameters", "gradients", "optimizer_state", "master_weights")
+STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights")
 ACTIVATION_TOLERANCE = 0.10
 
 
@@ -91,6 +95,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         model = build_model(cfg.model, cfg.loop.seed)
         if tp > 1:
             parallelize(model, tp, 0, None)
+        if cfg.lora.rank:
+            add_adapters(model, cfg.lora, cfg.loop.seed)
     L = layout_of(model, dp, p.bucket_numel)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
@@ -104,17 +110,56 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     staging = (shard * 12 + tp * padded * 4) if cfg.checkpoint.async_save else 0
     rows = {
         "parameters": padded * psize,
+        "frozen_base": sum(p.numel() for _, p in frozen_parameters(model)) * psize,
         "gradients": grads,
         "optimizer_state": shard * 8,
         "master_weights": shard * 4 if p.precision == "bf16" else 0,
         "gradient_buckets": buckets,
         "activations": activation_bytes(cfg.model, B, cfg.model.seq_len, tp=tp, precision=p.precision,
                                         recompute=p.activation_checkpointing, device=cfg.launch.device,
-                                        documents=documents)["total"],
+                                        documents=documents)["total"] + adapter_activations(cfg, model, B),
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
     }
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
+
+
+def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -> int:
+    """What a LoRA run saves for the backward beyond (+) or short of (-) the model's formula, which is full
+    training's (activation_memory.py):
+
+        + each adapter's A output (B T R), which its B reads
+        - what only a trained base weight's gradient needs: the token ids (and GPT-2's positions) of the frozen
+          embedding; the final norm's output (the frozen head's input); Llama's normalized inputs of its RMSNorms
+          (a frozen gain's); a linear's input that no adapter reads (the norms' outputs, before q/k/v and gate/up;
+          the MLP's down-projection input); the first norm's internals (its input, the embedding's output, needs
+          no gradient)
+
+    Recomputed blocks keep only their inputs: then the embedding's and the head's inputs alone differ.
+    """
+    if not cfg.lora.rank:
+        return 0
+    m, size = cfg.model, 2 if cfg.parallel.precision == "bf16" else 4
+    B, T, C = micro_batch, m.seq_len, m.n_embd
+    BTC, BTF = B * T * C * size, B * T * m.ffn_width // cfg.parallel.tp * size
+    fewer = B * T * INDEX + (T * INDEX if m.arch == "gpt2" else 0)  # the embedding's ids and positions
+    fewer += BTC if m.arch == "llama" else 0  # the final RMSNorm's normalized input
+    if cfg.parallel.activation_checkpointing == "full":
+        return -fewer  # the head runs under a checkpoint too, which saves its input either way
+    fewer += BTC  # the head's input
+    if cfg.parallel.activation_checkpointing == "blocks":
+        return -fewer
+    targets = set(cfg.lora.modules(m.arch))
+    if m.arch == "llama":
+        fewer += 2 * m.n_layer * BTC + B * T * C * FP32 + B * T * FP32  # normalized; the first's input and rsqrt
+        unread = [BTC * (not targets & {"q_proj", "k_proj", "v_proj"}), BTC * (not targets & {"gate_proj", "up_proj"}),
+                  BTF * ("down_proj" not in targets)]
+    else:
+        fewer += BTC + 2 * B * T * size  # the first LayerNorm's input, mean and rstd
+        unread = [BTC * ("c_attn" not in targets), BTC * ("c_fc" not in targets), BTF * ("c_proj" not in targets)]
+    fewer += m.n_layer * sum(unread)
+    adapters = len(adapted_modules(model, cfg.lora.modules(m.arch)))
+    return adapters * micro_batch * m.seq_len * cfg.lora.rank * size - fewer
 
 
 def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
@@ -153,6 +198,7 @@ def measured_state(engine: ZeroEngine) -> dict[str, int]:
     master = engine.master.numel() * 4 if engine.master is not None else 0
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
     return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
+            "frozen_base": sum(p.numel() * p.element_size() for _, p in engine.frozen),
             "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master}
 
 

@@ -7,6 +7,7 @@ import os
 
 from zerotrain.data.tokenizer import tokenizer_record
 from zerotrain.data.tokenizer_config import model_facts
+from zerotrain.hub.adapter import export_peft
 from zerotrain.hub.export import FORMATS, check_destination, export_model
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
 
@@ -25,7 +26,10 @@ def add_parser(sub) -> None:
                     "zerotrain.load_model(OUT). The checkpoint is verified first; the folder's modes follow the umask.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root or run folder")
     p.add_argument("out", metavar="OUT", help="the folder to write (refused when it holds files, unless --overwrite)")
-    p.add_argument("--format", required=True, choices=FORMATS, help="hf or safetensors")
+    p.add_argument("--format", required=True, choices=FORMATS,
+                   help="hf or safetensors (a LoRA run's with its adapters merged), or peft: a LoRA run's adapters "
+                        "as adapter_config.json and adapter_model.safetensors, which "
+                        "peft.PeftModel.from_pretrained(base, OUT) loads")
     p.add_argument("--overwrite", action="store_true", help="replace the exported files in a non-empty OUT")
     p.set_defaults(func=cmd_export)
 
@@ -33,6 +37,11 @@ def add_parser(sub) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     check_destination(args.out, args.format, args.overwrite)  # before the checkpoint is read and verified
     source = locate(args.checkpoint)
+    if args.format == "peft":
+        written = export_peft(source, args.out)
+        print(f"exported the adapters of step {source.manifest['step']} of {source.folder} as peft to {args.out}: "
+              f"{', '.join(written)}")
+        return 0
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     bpe = tokenizer.kind == "bpe"
     step = source.manifest["step"] if source.manifest else None

@@ -14,6 +14,7 @@ from zerotrain.training.memory_plan import ROWS, gib, largest_micro_batch, memor
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
     "parameters": "P x {p}",
+    "frozen_base": "{frozen}",
     "gradients": "{grads}",
     "optimizer_state": "shard x 8 (AdamW's two moments)",
     "master_weights": "{master}",
@@ -48,7 +49,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
-              "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits}
+              "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
+              "lora_rank": cfg.lora.rank}
     print(json.dumps(report, indent=2) if args.json else table(cfg, report))
     return 0
 
@@ -58,6 +60,8 @@ def table(cfg: Config, r: dict) -> str:
     bf16 = p.precision == "bf16"
     notes = {
         "p": 2 if bf16 else 4,
+        "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
+                   f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
         "grads": "shard x 4" if p.zero == 2 else
                  f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
@@ -73,7 +77,8 @@ def table(cfg: Config, r: dict) -> str:
                    "none (--async-save stages copies)",
     }
     mesh = f"TP {r['tp']} x DP {r['dp']}" if r["tp"] > 1 else f"DP {r['dp']}"
-    lines = [f"zerotrain plan: {r['model']} {r['parameters']:,} parameters on {mesh} ({r['device']}), ZeRO-{r['zero']}, "
+    lora = f" with LoRA rank {r['lora_rank']} adapters" if r["lora_rank"] else ""
+    lines = [f"zerotrain plan: {r['model']} {r['parameters']:,} parameters{lora} on {mesh} ({r['device']}), ZeRO-{r['zero']}, "
              f"{r['precision']}, micro-batch {r['micro_batch']} x {r['seq_len']} tokens, accum {cfg.loop.accum}; "
              "per rank (rank 0):", ""]
     width = max(len(label) for _, label in ROWS)

@@ -1,0 +1,107 @@
+"""A LoRA run's adapters outside training: the base a resume must train them on, and their PEFT folder.
+
+A checkpoint of a LoRA run holds the adapters and their optimizer state, not the base: its manifest records the
+base's identity instead (init_from: the --init-from folder and each weight file's sha256), or, for a random base,
+its config holds the model and the seed that build it again. `zerotrain export --format peft` writes what
+`peft.PeftModel.from_pretrained(base, OUT)` loads: adapter_config.json and adapter_model.safetensors, the
+adapters under peft's names (`base_model.model.` + zerotrain's, which are Hugging Face's module paths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from safetensors.torch import save_file
+
+from zerotrain.checkpoint import MODEL_FILE
+from zerotrain.checkpoint.stream import read_safetensors
+from zerotrain.config import Config
+from zerotrain.errors import ConfigError
+
+from .export import make_staging_folder
+from .init_from import weight_source
+from .pretrained import ModelSource
+
+ADAPTER_CONFIG, ADAPTER_MODEL = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # what peft's LoraModel puts before the wrapped model's own names
+
+
+def base_mismatch(manifest: dict, cfg: Config, path: str) -> str | None:
+    """Why resuming the checkpoint at `path` with `cfg` would train other adapters (or every weight where it trained
+    adapters, or adapters where it trained every weight) or its adapters on another base, or None.
+
+    A LoRA run's base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same
+    base) or, without --init-from, the random model its seed builds.
+    """
+    theirs = manifest.get("init_from")
+    run = Config.from_dict(manifest["config"])
+    if describe(run) != describe(cfg):
+        return (f"--resume {path}: its run trained {describe(run)}, this one would train {describe(cfg)}: give the "
+                "checkpoint's --lora-rank, --lora-alpha and --lora-targets")
+    if not run.lora.rank:
+        return None
+    if theirs is None:
+        if cfg.checkpoint.init_from:
+            return (f"--resume {path}: its adapters were trained on a random base (--seed {run.loop.seed}), not on "
+                    f"--init-from {cfg.checkpoint.init_from}")
+        if cfg.loop.seed != run.loop.seed:
+            return (f"--resume {path}: --seed {cfg.loop.seed} builds another random base than the one its adapters "
+                    f"were trained on (--seed {run.loop.seed})")
+        return None
+    if not cfg.checkpoint.init_from:
+        return f"--resume {path}: its adapters were trained on the base {theirs['path']}: give it as --init-from"
+    mine = {f["name"]: f["sha256"] for f in weight_source(cfg.checkpoint.init_from, verify=False).record()["files"]}
+    for entry in theirs["files"]:
+        if mine.get(entry["name"]) != entry["sha256"]:
+            now = mine.get(entry["name"])
+            said = f"sha256 {now[:12]}..." if now else "no such file"
+            return (f"--init-from {cfg.checkpoint.init_from} is not the base the adapters of {path} were trained on: "
+                    f"its {entry['name']} has {said}, the base's {entry['sha256'][:12]}...")
+    return None
+
+
+def describe(cfg: Config) -> str:
+    """What a run trains, as resume messages say it: every weight, or which adapters at which scale."""
+    lora = cfg.lora
+    if not lora.rank:
+        return "every weight (--lora-rank 0)"
+    return f"LoRA adapters of rank {lora.rank}, alpha {lora.alpha:g}, on {','.join(lora.modules(cfg.model.arch))}"
+
+
+def peft_config(run: Config, base_path: str | None) -> dict:
+    """adapter_config.json: peft's LoraConfig of the run's adapters (GPT-2's Conv1D layers are fan-in-fan-out)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+            "r": run.lora.rank, "lora_alpha": run.lora.alpha, "lora_dropout": run.lora.dropout,
+            "target_modules": list(run.lora.modules(run.model.arch)), "bias": "none",
+            "fan_in_fan_out": run.model.arch == "gpt2", "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": False}
+
+
+def export_peft(source: ModelSource, out: str) -> list[str]:
+    """Write the adapters of the LoRA checkpoint `source` to folder `out` as peft's; the names of the files written.
+
+    `out` was checked by export.check_destination. The files go into a folder beside `out`, then into place.
+    """
+    if source.kind != "checkpoint" or not (source.config or {}).get("lora", {}).get("lora_rank"):
+        raise ConfigError(f"--format peft: {source.folder} is not a checkpoint of a LoRA run (--lora-rank): it has "
+                          "no adapters; export it as hf or safetensors")
+    run = Config.from_dict(source.config)
+    adapters = read_safetensors(os.path.join(source.folder, MODEL_FILE))[0]
+    record = source.manifest.get("init_from")
+    tmp = make_staging_folder(out)
+    try:
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(peft_config(run, record["path"] if record else None), f, indent=2)
+            f.write("\n")
+        save_file({PEFT_PREFIX + n: t.contiguous() for n, t in adapters.items()}, os.path.join(tmp, ADAPTER_MODEL),
+                  metadata={"format": "pt"})
+        shutil.copymode(os.path.join(tmp, ADAPTER_CONFIG), os.path.join(tmp, ADAPTER_MODEL))
+        written = sorted(os.listdir(tmp))
+        os.makedirs(out, exist_ok=True)
+        for name in written:
+            os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written

@@ -1,0 +1,152 @@
+"""LoRA adapters on a model's linears: y = W x + (alpha / R) B A dropout(x), the base W frozen.
+
+Each adapted linear keeps its own parameters and names; it gains two children, `lora_A` (R x in, initialised as
+peft does: kaiming-uniform with a = sqrt(5)) and `lora_B` (out x R, zero, so the first forward is the base's),
+and a forward hook that adds their product. The adapters' names are therefore peft's without its
+`base_model.model.` prefix (`model.layers.0.self_attn.q_proj.lora_A.weight`): the export is a rename.
+
+Under tensor parallelism the adapters follow their base's split (Megatron's rules, applied to B A):
+
+    column-parallel base (y_r = W_r x):  A replicated, B split on the output like W.  Each rank's gradient of A is
+        a partial sum over its output slice, so it is all-reduced over the TP group (layers.sum_over_replicas); the
+        gradient of x through A stays partial like the base's, for the copy_to_tp all-reduce that sums the input's.
+        A KV head's base replicated on several TP ranks has its B replicated with it, its gradient summed likewise.
+    row-parallel base (y = sum_r W_r x_r):  A split on the input like W, B replicated.  A's output is a partial
+        sum, all-reduced before B (as the base's output is, by _ReduceFromTP); B then sees the full, replicated input.
+
+The full A is drawn from the seed on every rank and each rank keeps its slice, so the adapters are the same at
+every TP degree and world size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerotrain.config import LoraConfig
+
+from .layers import ColumnParallelLinear, RowParallelLinear, TPSlice, _ReduceFromTP, copy_to_tp, sum_over_replicas
+
+
+def lora_scale(cfg: LoraConfig) -> float:
+    """What the adapters' product is multiplied by: alpha / rank (LoRA's, and peft's without rslora)."""
+    return cfg.alpha / cfg.rank
+
+
+class LoRADown(nn.Module):
+    """A: the rank-R projection of the input; `split` says how its base is split over the TP group `comm`."""
+
+    def __init__(self, weight: torch.Tensor, split: str | None, comm):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.split, self.comm = split, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split == "column":
+            return F.linear(x, sum_over_replicas(self.weight, self.comm, "all_reduce_tp_grads"))
+        h = F.linear(x, self.weight)
+        return _ReduceFromTP.apply(h, self.comm) if self.split == "row" else h
+
+
+class LoRAUp(nn.Module):
+    """B: back from rank R to the base's output features (this rank's slice of them under a column split).
+
+    `replicas`: the TP ranks holding the same output features (a KV head replicated on several ranks, as its base
+    is), over which B's gradient is summed as the base's would be; None when no other rank holds them."""
+
+    def __init__(self, weight: torch.Tensor, replicas=None):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.replicas = replicas
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, sum_over_replicas(self.weight, self.replicas))
+
+
+def adapted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the blocks' linears named in `targets` (their last name part), in the model's order."""
+    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, kinds) and n.rsplit(".", 1)[-1] in targets and n != "lm_head"]
+
+
+def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0, comm=None) -> dict[str, TPSlice]:
+    """Freeze `model` and give each target linear its adapters, in place; the TP slices of the split adapters.
+
+    `comm`: the TP group under tensor parallelism (model.tp_slices holds its plan), else None. The adapters'
+    slices are added to model.tp_slices, and model.lora records `cfg`.
+    """
+    freeze_base(model)
+    base_slices = getattr(model, "tp_slices", {})
+    generator = torch.Generator().manual_seed(seed)
+    slices = {}
+    for name, module in adapted_modules(model, cfg.modules(model.cfg.arch)):
+        base_slice = base_slices.get(name + ".weight")
+        out_full, in_full = base_slice.full_shape if base_slice is not None else tuple(module.weight.shape)
+        down = torch.empty(cfg.rank, in_full, device="cpu")  # drawn on the CPU also for a model on the meta device
+        # peft's init (nn.Linear's): kaiming-uniform, a = sqrt(5), drawn whole so that every TP degree gets the same A
+        nn.init.kaiming_uniform_(down, a=math.sqrt(5), generator=generator)
+        split = None
+        if isinstance(module, ColumnParallelLinear):
+            split = "column"
+            slices[name + ".lora_B.weight"] = TPSlice(0, (out_full, cfg.rank), base_slice.parts)
+        elif isinstance(module, RowParallelLinear):
+            split = "row"
+            slices[name + ".lora_A.weight"] = TPSlice(1, (cfg.rank, in_full), base_slice.parts)
+            down = slices[name + ".lora_A.weight"].take(down, tp_rank)
+        device, dtype = module.weight.device, module.weight.dtype
+        module.lora_A = LoRADown(down.to(device, dtype), split, comm)
+        module.lora_B = LoRAUp(initial_up(module.weight.shape[0], cfg.rank).to(device, dtype),
+                               getattr(module, "replicas", None))
+        # as peft: no dropout module at 0 (nn.Dropout(0) still copies its input in training)
+        module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+        module.lora_scale = lora_scale(cfg)
+        module.lora_hooks = [module.register_forward_hook(_add_adapter_output)]
+        if split == "column" and module.comm is not None:
+            # GPT-2's column-parallel linears sum their input's gradient themselves: here the input is copied to
+            # the TP group once, before the base and the adapters both read it, so that one all-reduce sums both.
+            module.lora_input_comm, module.comm = module.comm, None
+            module.lora_hooks.append(module.register_forward_pre_hook(
+                lambda m, args: (copy_to_tp(args[0], m.lora_input_comm), *args[1:])))
+    model.tp_slices = {**base_slices, **slices}
+    model.lora = cfg
+    return slices
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Every parameter the model has before its adapters: no gradients, so no optimizer state or reduction."""
+    model.requires_grad_(False)
+
+
+def initial_up(out_features: int, rank: int) -> torch.Tensor:
+    """B at the start: zero, so that B A adds nothing and the first forward is the base's (LoRA's and peft's init)."""
+    return torch.zeros(out_features, rank)
+
+
+def _add_adapter_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    x = module.lora_dropout(args[0])
+    return out + module.lora_scale * module.lora_B(module.lora_A(x))
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The adapters' parameter names, in the model's order."""
+    return [n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n]
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W + alpha / R B A) and remove it: the plain architecture again.
+
+    A model without TP only (load_model's, export's).
+    """
+    for module in [m for m in model.modules() if hasattr(m, "lora_hooks")]:
+        delta = module.lora_B.weight.float() @ module.lora_A.weight.float()
+        module.weight.copy_((module.weight.float() + module.lora_scale * delta).to(module.weight.dtype))
+        for hook in module.lora_hooks:
+            hook.remove()
+        del module.lora_A, module.lora_B, module.lora_dropout, module.lora_hooks
+    model.__dict__.pop("lora", None)
+    return model

@@ -1,0 +1,435 @@
+"""LoRA: adapters that start as the base, train alone, match peft's math, export to peft and merged, resume on
+their own base only, and give the same result at TP 2 as at TP 1."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import types
+
+import lora_jobs
+import peft
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from conftest import tiny_config, zerotrain_here
+from dist_jobs import in_turn_job
+from model_folders import llama_folder
+from safetensors.torch import load_file, save_file
+
+from zerotrain import load_model
+from zerotrain.cli.main import main
+from zerotrain.config import LoraConfig
+from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.model import lora, summed_token_loss
+from zerotrain.parallel import Comm
+from zerotrain.runtime.launch import run_job
+from zerotrain.training.loop import train
+
+LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
+pytestmark = pytest.mark.timeout(300)
+RANK, ALPHA = 4, 8.0  # scale 2: alpha alone (the planted bug) is 4 times too large
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def group():
+    """One gloo rank on 127.0.0.1 for the module's in-process runs."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield Comm()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Llama saved by transformers, with its tokenizer."""
+    folder = tmp_path_factory.mktemp("base") / "llama"
+    llama_folder(folder)
+    return str(folder)
+
+
+def lora_config(out, base: str | None, steps=4, micro=2, **over):
+    cfg = tiny_config(out, steps=steps, micro=micro, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, **over)
+    cfg.optim.lr = 1e-2  # adapters move visibly in a few steps
+    if base is not None:
+        cfg.checkpoint.init_from = base
+        cfg.model = adopt(cfg.model, weight_source(base), {"seq_len"})
+    return cfg
+
+
+def logits_of(model, idx):
+    with torch.no_grad():
+        return model.eval()(idx).float()
+
+
+def inputs(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def trained(group, base, tmp_path_factory):
+    """4 LoRA steps from the base, checkpointed at 2 and 4: the run, and its step-4 checkpoint."""
+    cfg = lora_config(tmp_path_factory.mktemp("lora-run"), base, ckpt_every=2)
+    result = train(cfg, group, announce=False)
+    return result, cfg, result.checkpoints[-1]
+
+
+# ----------------------------------------------------------------------------- in one process, no training
+
+
+def zerotrain_with_adapters(base: str, seed: int = 0):
+    model = load_model(base).requires_grad_(False)
+    lora.add_adapters(model, LoraConfig(rank=RANK, alpha=ALPHA), seed)
+    return model
+
+
+def test_the_first_forward_equals_the_base_and_a_nonzero_initial_b_is_caught(base, monkeypatch):
+    idx = inputs(400)
+    plain = logits_of(load_model(base), idx)
+    assert torch.equal(logits_of(zerotrain_with_adapters(base), idx), plain)  # B zero: B A x adds exact zeros
+    monkeypatch.setattr(lora, "initial_up", lambda out, rank: torch.full((out, rank), 0.01))
+    assert not torch.equal(logits_of(zerotrain_with_adapters(base), idx), plain)
+
+
+def one_linear_with_adapters(seed: int) -> torch.nn.Module:
+    """A q_proj of 48 -> 24 features alone, with its adapters drawn from `seed`."""
+    model = torch.nn.Module()
+    model.cfg = types.SimpleNamespace(arch="llama")  # what add_adapters reads of a model's config
+    model.q_proj = torch.nn.Linear(48, 24, bias=False)
+    lora.add_adapters(model, LoraConfig(rank=RANK, alpha=ALPHA, targets="q_proj"), seed)
+    return model.q_proj
+
+
+def test_the_adapters_are_drawn_from_the_seed_as_peft_draws_them():
+    """A: kaiming-uniform with a = sqrt(5), i.e. within 1 / sqrt(fan_in) (peft's nn.Linear init); one per seed."""
+    a, again, other = (one_linear_with_adapters(seed) for seed in (0, 0, 1))
+    down = a.lora_A.weight
+    assert torch.equal(down, again.lora_A.weight) and not torch.equal(down, other.lora_A.weight)
+    assert 0.9 / 48**0.5 < down.abs().max() <= 1 / 48**0.5
+    assert torch.equal(a.lora_B.weight, torch.zeros(24, RANK))
+
+
+def peft_twin(base: str, model) -> torch.nn.Module:
+    """peft's LoRA on transformers' model of the same base, holding `model`'s adapters."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    twin = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                    target_modules=list(TARGETS)))
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if ".lora_" in name:
+                p.copy_(ours[name.removeprefix("base_model.model.").replace(".default", "")])
+    return twin
+
+
+def adapter_grads_against_peft(base: str) -> float:
+    """The largest relative difference (by norm) between zerotrain's and peft's gradients of each A and B on one
+    batch, with B nonzero (at B = 0 A's gradient is zero) and the same adapters in both."""
+    model = zerotrain_with_adapters(base)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    twin = peft_twin(base, model)
+    idx = inputs(400)
+    targets = torch.roll(idx, -1, dims=1)
+    summed_token_loss(model.train()(idx), targets).backward()
+    summed_token_loss(twin.train()(input_ids=idx).logits, targets).backward()
+    ours = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+              for n, p in twin.named_parameters() if p.requires_grad}
+    assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 * 2
+    return max(((ours[n] - theirs[n]).norm() / theirs[n].norm()).item() for n in ours)
+
+
+def test_adapter_gradients_equal_peft_and_a_wrong_scale_is_caught(base, monkeypatch):
+    assert adapter_grads_against_peft(base) <= 1e-5
+    monkeypatch.setattr(lora, "lora_scale", lambda cfg: cfg.alpha)  # planted: alpha, not alpha / rank
+    assert adapter_grads_against_peft(base) > 1e-2
+
+
+# ----------------------------------------------------------------------------- a trained run
+
+
+def base_tensors_unchanged(model, base: str) -> bool:
+    """Every frozen tensor of the trained model is bitwise the base file's."""
+    stored = load_file(os.path.join(base, "model.safetensors"))
+    frozen = {n: p for n, p in model.named_parameters() if ".lora_" not in n}
+    assert frozen.keys() == stored.keys()
+    return all(torch.equal(p.detach(), stored[n]) for n, p in frozen.items())
+
+
+def test_training_moves_only_the_adapters_and_an_unfrozen_base_is_caught(trained, base, group, tmp_path, monkeypatch):
+    result, _, _ = trained
+    assert base_tensors_unchanged(result.engine.model, base)
+    assert any(p.abs().max() > 0 for n, p in result.engine.model.named_parameters() if ".lora_B." in n)
+    monkeypatch.setattr(lora, "freeze_base", lambda model: None)  # planted: the base trains too
+    unfrozen = train(lora_config(tmp_path, base, steps=2), group, announce=False)
+    assert not base_tensors_unchanged(unfrozen.engine.model, base)
+    # ... and holds optimizer state for it: 8 bytes of moments per base value, beyond the adapters' alone
+    base_values = sum(t.numel() for t in load_file(os.path.join(base, "model.safetensors")).values())
+    assert result.per_rank["optimizer_bytes"] == [8 * result.engine.layout.padded_numel]
+    adapter_values = sum(p.numel() for p in result.engine.params)
+    assert unfrozen.per_rank["optimizer_bytes"][0] >= 8 * (base_values + adapter_values)
+
+
+def test_the_checkpoint_holds_the_adapters_and_the_base_by_sha256(trained):
+    _, _, step = trained
+    import json
+
+    with open(os.path.join(step, "manifest.json")) as f:
+        manifest = json.load(f)
+    held = load_file(os.path.join(step, "model.safetensors"))
+    assert held and all(".lora_A." in n or ".lora_B." in n for n in held)
+    assert [f["name"] for f in manifest["init_from"]["files"]] == ["model.safetensors"]
+    assert len(manifest["init_from"]["files"][0]["sha256"]) == 64
+
+
+def test_logits_equal_the_peft_adapter_and_the_merged_export_and_a_wrong_alpha_is_caught(trained, base, tmp_path,
+                                                                                       monkeypatch, capsys):
+    result, _, step = trained
+    idx = inputs(400)
+    ours = logits_of(result.engine.model, idx)
+    assert main(["export", step, str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert main(["export", step, str(tmp_path / "merged"), "--format", "hf"]) == 0
+
+    def peft_logits(folder):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        return peft.PeftModel.from_pretrained(hf, str(folder)).eval()(input_ids=idx).logits.detach()
+
+    assert (peft_logits(tmp_path / "adapter") - ours).abs().max() <= 1e-4
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    assert (merged.eval()(input_ids=idx).logits.detach() - ours).abs().max() <= 1e-4
+    assert (logits_of(load_model(step), idx) - ours).abs().max() <= 1e-4  # what sample and eval load
+    capsys.readouterr()
+    assert main(["sample", step, "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert main(["eval", step, "--batches", "2"]) == 0
+    said = capsys.readouterr()
+    assert "sampled 4 tokens" in said.err and "val_loss" in said.out
+    from zerotrain.hub import adapter
+
+    real = adapter.peft_config
+    monkeypatch.setattr(adapter, "peft_config", lambda run, path: {**real(run, path), "lora_alpha": RANK})  # planted
+    assert main(["export", step, str(tmp_path / "wrong"), "--format", "peft"]) == 0
+    assert (peft_logits(tmp_path / "wrong") - ours).abs().max() > 1e-3
+
+
+def test_lora_composes_with_bf16_zero2_accumulation_and_full_activation_checkpointing(group, base, tmp_path):
+    """The run's own checks pass (invariants, the plan's state exactly); the base is held as the file's values in
+    bf16, untouched; the plan's activations are what the first micro-batch saved."""
+    cfg = lora_config(tmp_path, base, steps=2, precision="bf16", zero=2, accum=2, micro=1,
+                      activation_checkpointing="full")
+    result = train(cfg, group, announce=False)
+    stored = load_file(os.path.join(base, "model.safetensors"))
+    frozen = dict(result.engine.frozen)
+    assert frozen.keys() == stored.keys()
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, stored[n].to(torch.bfloat16)) for n, p in frozen.items())
+    assert result.plan["activations_measured"] == result.plan["rows"]["activations"]
+    assert all(".lora_" in s.name for s in result.engine.layout.slots)
+
+
+def test_a_gpt2_adapter_exports_to_peft_on_its_conv1d_layers(group, tmp_path):
+    """GPT-2's c_attn, c_proj and c_fc are transformers' Conv1D (fan-in-fan-out): peft's adapters on them are the
+    same A (R x in) and B (out x R) as zerotrain's."""
+    base = str(tmp_path / "gpt2")
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                         n_positions=16)).save_pretrained(base)
+    result = train(lora_config(tmp_path / "run", base, steps=2, ckpt_every=2), group, announce=False)
+    assert main(["export", result.checkpoints[-1], str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    idx = inputs(64)
+    ours = logits_of(result.engine.model, idx)
+    assert (theirs(input_ids=idx).logits.detach() - ours).abs().max() <= 1e-4
+    assert (logits_of(load_model(base), idx) - ours).abs().max() > 1e-3  # the adapters trained
+
+
+def adapters_of(result) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in result.engine.model.named_parameters() if ".lora_" in n}
+
+
+def test_a_lora_resume_is_bitwise_and_a_lossy_resume_is_caught(trained, base, group, tmp_path, monkeypatch):
+    result, _, _ = trained
+    halfway = result.checkpoints[0]
+    resumed = train(lora_config(tmp_path / "resumed", base, resume=halfway), group, announce=False)
+    assert resumed.start_step == 2
+    assert [r["loss"] for r in resumed.records] == [r["loss"] for r in result.records[2:]]
+    final, again = adapters_of(result), adapters_of(resumed)
+    assert all(torch.equal(final[n], again[n]) for n in final)
+    from zerotrain.parallel import ZeroEngine
+
+    real = ZeroEngine.load_shard_state_dict
+
+    def lossy(self, sd):  # planted: the second moments are not restored
+        real(self, {**sd, "exp_avg_sq": torch.zeros_like(sd["exp_avg_sq"])})
+
+    monkeypatch.setattr(ZeroEngine, "load_shard_state_dict", lossy)
+    lost = adapters_of(train(lora_config(tmp_path / "lossy", base, resume=halfway), group, announce=False))
+    assert not all(torch.equal(final[n], lost[n]) for n in final)
+
+
+def test_a_resume_that_would_train_other_adapters_or_every_weight_is_refused(trained, base, group, tmp_path):
+    from zerotrain.errors import ConfigError
+
+    halfway = trained[0].checkpoints[0]
+    for change, said in (({"lora_rank": 0}, "this one would train every weight (--lora-rank 0)"),
+                         ({"lora_alpha": 2 * ALPHA}, f"alpha {2 * ALPHA:g}, on q_proj"),
+                         ({"lora_targets": "q_proj"},
+                          "this one would train LoRA adapters of rank 4, alpha 8, on q_proj:")):
+        cfg = lora_config(tmp_path / str(len(said)), base, resume=halfway)
+        for key, value in change.items():
+            setattr(cfg.lora, key.removeprefix("lora_"), value)
+        with pytest.raises(ConfigError, match=f"its run trained LoRA adapters of rank 4, alpha 8, on q_proj,k_proj.*"
+                                              f"{re.escape(said)}"):
+            train(cfg, group, announce=False)
+
+
+def test_a_random_base_is_rebuilt_from_its_seed_to_resume_and_load_and_another_seed_is_refused(group, tmp_path):
+    from zerotrain.errors import ConfigError
+
+    def config(name, **over):
+        return tiny_config(tmp_path / name, steps=3, micro=2, lora_rank=RANK, lora_alpha=ALPHA, seed=3, **over)
+
+    whole = train(config("whole", ckpt_every=1), group, announce=False)
+    resumed = train(config("resumed", resume=whole.checkpoints[0]), group, announce=False)
+    final, again = adapters_of(whole), adapters_of(resumed)
+    assert all(torch.equal(final[n], again[n]) for n in final)
+    idx = inputs(64)
+    assert (logits_of(load_model(whole.checkpoints[-1]), idx) - logits_of(whole.engine.model, idx)).abs().max() <= 1e-5
+    with pytest.raises(ConfigError, match="--seed 4 builds another random base than the one its adapters were "
+                                          "trained on \\(--seed 3\\)"):
+        cfg = config("other-seed", resume=whole.checkpoints[0])
+        cfg.loop.seed = 4
+        train(cfg, group, announce=False)
+
+
+def test_a_resume_on_another_base_is_refused_in_one_line(trained, base, tmp_path, capfd):
+    _, _, step = trained
+    other = tmp_path / "other-base"
+    shutil.copytree(base, other)
+    weights = load_file(os.path.join(other, "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1e-3
+    save_file(weights, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
+    done = zerotrain_here(capfd, "train", "--init-from", str(other), "--resume", os.path.dirname(step), "--data",
+                          "synthetic", "--steps", "4", "--micro-batch", "2", "--seq-len", "16", "--lora-rank",
+                          str(RANK), "--lora-alpha", str(ALPHA), "--out", str(tmp_path / "refused"), "--no-progress")
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert done.returncode == 2, done.stderr
+    assert len(errors) == 1 and "is not the base the adapters of" in errors[0] and "model.safetensors" in errors[0]
+    assert "Traceback" not in done.stderr
+
+
+# ----------------------------------------------------------------------------- 2 ranks: TP and ZeRO
+
+
+def mesh_config(out, micro=2, **mesh):
+    cfg = tiny_config(out, steps=3, micro=micro, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, arch="llama",
+                      n_head=4, n_kv_head=2, intermediate_size=64, tie_embeddings=False, **mesh)
+    cfg.optim.lr, cfg.optim.grad_clip = 1e-2, 0.05  # every step clipped: the norm is the adapters' over the mesh
+    return cfg
+
+
+def gpt2_config(out, **mesh):
+    """GPT-2's c_attn and c_fc sum their input's gradient themselves: the adapters share that all-reduce."""
+    cfg = tiny_config(out, steps=3, micro=2, lora_rank=RANK, lora_alpha=ALPHA, **mesh)
+    cfg.optim.lr, cfg.optim.grad_clip = 1e-2, 0.05
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory, group):
+    """One start of 2 ranks: TP 2, TP 2 with A's gradient left partial (planted), ZeRO-1 over DP 2; and TP 1 in
+    this process, on the same global batch of 2 sequences and the same random base (the seed's)."""
+    tmp = tmp_path_factory.mktemp("lora-meshes")
+    # TP 2 also with accumulation (2 micro-batches of 1) and recomputed blocks: neither changes the math
+    jobs = [(lora_jobs.lora_job, mesh_config(tmp / "tp2", nproc=2, tp=2, micro=1, accum=2,
+                                             activation_checkpointing="blocks")),
+            (lora_jobs.lora_job, gpt2_config(tmp / "gpt2-tp2", nproc=2, tp=2)),
+            (lora_jobs.lora_job, mesh_config(tmp / "dp2", nproc=2, micro=1)),  # DP 2 x 1: the same 2 sequences
+            (lora_jobs.lora_unsummed_a_grad_job, mesh_config(tmp / "planted", nproc=2, tp=2)),
+            (lora_jobs.lora_drifted_base_job, mesh_config(tmp / "drifted", nproc=2, micro=1))]
+    two = run_job(functools.partial(in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
+    one, gpt2 = lora_jobs.lora_job(mesh_config(tmp / "tp1"), group), lora_jobs.lora_job(gpt2_config(tmp / "g1"), group)
+    return {"TP2": two[0], "GPT-2 TP2": two[1], "DP2": two[2], "planted": two[3], "drifted": two[4], "TP1": one,
+            "GPT-2 TP1": gpt2}
+
+
+def rel(a, b) -> float:
+    return max(((x - y).norm() / y.norm()).item() if torch.is_tensor(x) else abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def agrees(run, base) -> bool:
+    names = sorted(base["params"])
+    return (sorted(run["params"]) == names and rel(run["losses"], base["losses"]) <= 1e-5
+            and rel(run["grad_norms"], base["grad_norms"]) <= 1e-5
+            and rel([run["params"][n] for n in names], [base["params"][n] for n in names]) <= 1e-5)
+
+
+def test_tp2_lora_equals_tp1_and_a_partial_a_gradient_is_caught(meshes):
+    assert agrees(meshes["TP2"], meshes["TP1"])
+    assert agrees(meshes["GPT-2 TP2"], meshes["GPT-2 TP1"])
+    # planted: each TP rank steps its replicated A by its own partial gradient; invariant (b) stops the run
+    assert "invariant (b) failed: replicated parameters of rank(s) [1] differ" in meshes["planted"]["invariant"]
+    assert meshes["TP2"]["frozen_grads"] == [] and all(".lora_" in n for n in meshes["TP2"]["trained"])
+
+
+def test_zero1_over_two_ranks_shards_the_adapters_optimizer_state_and_the_base_holds_none(meshes):
+    dp2, tp1 = meshes["DP2"], meshes["TP1"]
+    assert agrees(dp2, tp1)
+    adapters = sum(t.numel() for t in tp1["params"].values())
+    assert dp2["shard_numel"] * 2 == dp2["padded_numel"] and adapters <= dp2["padded_numel"] < adapters + 2 * 256 * 8
+    assert dp2["per_rank"]["optimizer_bytes"] == [8 * dp2["shard_numel"]] * 2  # exp_avg and exp_avg_sq of the shard
+    assert tp1["per_rank"]["optimizer_bytes"] == [8 * tp1["padded_numel"]]
+    assert dp2["frozen_grads"] == []
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+PLANNED = {"llama, every linear": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64,
+                                       tie_embeddings=False),
+           "llama, q and v, recomputed blocks": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64,
+                                                     lora_targets="q_proj,v_proj", activation_checkpointing="blocks"),
+           "gpt2, c_attn": dict(lora_targets="c_attn")}
+
+
+def planned_run(tmp_path, group, name):
+    cfg = tiny_config(tmp_path / name.replace(" ", "-").replace(",", ""), steps=1, micro=2, seq_len=16,
+                      lora_rank=RANK, **PLANNED[name])
+    return train(cfg, group, announce=False).plan
+
+
+def test_the_plan_counts_lora_exactly_and_a_plan_without_the_adapters_activations_is_caught(tmp_path, group,
+                                                                                           monkeypatch):
+    """The run checks the state rows (the frozen base's among them) exactly after its first step; the activations
+    it saved are compared here, to the byte."""
+    from zerotrain.training import memory_plan
+
+    for name in PLANNED:
+        plan = planned_run(tmp_path, group, name)
+        assert plan["rows"]["frozen_base"] > 0 and plan["activations_measured"] == plan["rows"]["activations"], name
+    monkeypatch.setattr(memory_plan, "adapter_activations", lambda cfg, model, micro_batch: 0)  # planted
+    plan = planned_run(tmp_path / "planted", group, "llama, every linear")
+    assert plan["activations_measured"] != plan["rows"]["activations"]
+
+
+def test_a_plan_without_the_frozen_base_fails_the_runs_own_check(tmp_path, group, monkeypatch):
+    from zerotrain.errors import InvariantError
+    from zerotrain.training import memory_plan
+
+    monkeypatch.setattr(memory_plan, "frozen_parameters", lambda model: [])  # planted: the base counted as nothing
+    with pytest.raises(InvariantError, match="rank 0 holds .* bytes of frozen base, the plan 0"):
+        planned_run(tmp_path, group, "gpt2, c_attn")
+
+
+def test_invariant_b_checks_the_frozen_base_and_a_drifted_base_on_one_replica_is_caught(meshes):
+    assert meshes["DP2"]["digests"][0] == meshes["DP2"]["digests"][1]
+    caught = meshes["drifted"]["invariant"]
+    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 3" in caught
