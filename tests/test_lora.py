@@ -433,3 +433,38 @@ def test_invariant_b_checks_the_frozen_base_and_a_drifted_base_on_one_replica_is
     assert meshes["DP2"]["digests"][0] == meshes["DP2"]["digests"][1]
     caught = meshes["drifted"]["invariant"]
     assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 3" in caught
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3"])
+def test_every_llama_family_member_takes_adapters_on_its_seven_linears_starting_as_its_base(arch):
+    from zerotrain.config import ModelConfig
+    from zerotrain.model import build_model
+
+    cfg = ModelConfig(arch=arch, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, seq_len=16,
+                      vocab_size=64, **({"sliding_window": 8} if arch in ("mistral", "phi3") else {}))
+    model, ids = build_model(cfg, 0), torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids)
+    lora.add_adapters(model, LoraConfig(rank=RANK, alpha=ALPHA), seed=0)
+    adapted = {n.rsplit(".", 1)[-1] for n, _ in lora.adapted_modules(model, TARGETS)}
+    assert adapted == set(TARGETS) and len(lora.adapter_names(model)) == 2 * len(TARGETS)
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+
+
+def test_a_phi3_runs_adapters_export_merged_and_refuse_peft_in_one_line(tmp_path, capfd):
+    # Phi-3's Hugging Face layers fuse q, k, v (qkv_proj) and gate, up (gate_up_proj): no peft target holds an adapter
+    # of zerotrain's q_proj alone
+    out = tmp_path / "run"
+    r = zerotrain_here(capfd, "train", "--preset", "llama-tiny", "--arch", "phi3", "--data", "synthetic",
+                       "--lora-rank", "4", "--steps", "2", "--ckpt-every", "2", "--no-progress", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft")
+    assert r.returncode == 2 and "is a Phi-3, whose Hugging Face model fuses q, k, v in qkv_proj" in r.stderr
+    assert not (tmp_path / "adapter").exists()
+    r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "merged"), "--format", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (merged(ids).logits - load_model(str(out))(ids)).abs().max() < 1e-4

@@ -316,8 +316,10 @@ class GuardConfig:
 
 
 # The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
-LORA_MODULES = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                "gpt2": ("c_attn", "c_proj", "c_fc")}
+# Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
+LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
+                **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                   for arch in LLAMA_FAMILY}}
 ALL_LINEAR = "all"
 
 
@@ -332,8 +334,8 @@ class LoraConfig:
     dropout: float = setting(0.0, "dropout on the adapters' input while training", key="lora_dropout",
                              rule=BELOW_ONE)
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
-                           "(llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: c_attn, "
-                           "c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
+                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
+                           "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
                            "not the head)",
                            key="lora_targets")
 

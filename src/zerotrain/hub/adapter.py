@@ -88,6 +88,10 @@ def export_peft(source: ModelSource, out: str) -> list[str]:
         raise ConfigError(f"--format peft: {source.folder} is not a checkpoint of a LoRA run (--lora-rank): it has "
                           "no adapters; export it as hf or safetensors")
     run = Config.from_dict(source.config)
+    if run.model.arch == "phi3":  # its Hugging Face layers fuse q, k, v and gate, up: peft's targets are those
+        raise ConfigError(f"--format peft: {source.folder} is a Phi-3, whose Hugging Face model fuses q, k, v in "
+                          "qkv_proj and gate, up in gate_up_proj, where zerotrain's adapters are on each; export "
+                          "the merged model with --format hf")
     adapters = read_safetensors(os.path.join(source.folder, MODEL_FILE))[0]
     record = source.manifest.get("init_from")
     tmp = make_staging_folder(out)
