@@ -22,9 +22,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
-from zerotrain.config import PRESETS, Config, ModelConfig, notes
+from zerotrain.config import PRESETS, Config, LoraConfig, ModelConfig, notes
 from zerotrain.model import build_model, summed_token_loss
 from zerotrain.model.layers import head_loss
+from zerotrain.model.lora import add_adapters
 from zerotrain.training import throughput
 from zerotrain.training.metrics import Metrics, read_step_records
 
@@ -33,10 +34,12 @@ pytestmark = pytest.mark.timeout(240)
 TINY = ["--preset", "tiny", "--data", "synthetic", "--micro-batch", "2", "--threads", "1", "--no-progress"]
 
 
-def counted_flops(m: ModelConfig, batch: int = 2, recompute: bool = False) -> int:
+def counted_flops(m: ModelConfig, batch: int = 2, recompute: bool = False, lora: LoraConfig | None = None) -> int:
     """What torch's FlopCounterMode counts in one forward and backward of the model (SDPA's math kernel: the CPU's
-    fused one has no FLOP formula in the counter)."""
+    fused one has no FLOP formula in the counter); with `lora`, of the model with its adapters and a frozen base."""
     model = build_model(m, 0)
+    if lora is not None:
+        add_adapters(model, lora, seed=0)
     model.recompute_blocks = recompute
     idx = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=torch.Generator().manual_seed(0))
     counter = FlopCounterMode(display=False)
@@ -69,6 +72,25 @@ def test_model_flops_per_token_equals_torchs_count_and_a_planted_mistake_is_caug
 
     monkeypatch.setattr(throughput, "matmul_params", mistaken)
     assert throughput.model_flops_per_token(m) * tokens != counted_flops(m)
+
+
+# Targets that leave the first block's q, k or v (or its whole attention) without a gradient: what autograd skips there
+LORA_TARGETS = [("tiny", "all"), ("tiny", "c_fc"), ("llama-tiny", "all"), ("llama-tiny", "k_proj,down_proj"),
+                ("llama-tiny", "up_proj"), ("qwen3", "q_proj,v_proj")]
+
+
+@pytest.mark.parametrize("preset, targets", LORA_TARGETS)
+def test_a_lora_runs_flops_are_what_it_computes_and_counting_its_frozen_base_as_trained_is_caught(preset, targets,
+                                                                                                   monkeypatch):
+    m = ModelConfig(**{**SHAPES[preset], "seq_len": 24})
+    lora, tokens = LoraConfig(rank=4, alpha=8.0, targets=targets), 2 * m.seq_len
+    assert throughput.model_flops_per_token(m, lora) * tokens == counted_flops(m, lora=lora)
+    assert throughput.model_flops_per_token(m, lora) < throughput.model_flops_per_token(m)
+    # planted: the frozen base's weight gradients counted, as a full run's (the MFU a LoRA run reported before)
+    monkeypatch.setattr(throughput, "lora_flops_per_token",
+                        lambda c, lo: 6 * throughput.matmul_params(c) + 6 * c.n_layer * lo.rank * sum(
+                            i + o for _, i, o in throughput.adapted_shapes(c, lo)))
+    assert throughput.model_flops_per_token(m, lora) * tokens != counted_flops(m, lora=lora)
 
 
 def test_the_recompute_of_activation_checkpointing_is_not_counted():

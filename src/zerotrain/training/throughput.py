@@ -15,7 +15,8 @@ with a mask computes (a kernel that skips masked blocks, FlexAttention, does abo
 Embedding lookups, biases, norms (Qwen3's q/k norms too), activations, softmax and the loss are left out. The
 recompute of --activation-checkpointing is not counted: MFU counts the model's work, not the hardware's. Every
 position of the batch counts as a token (padding too: the matmuls run on it). tests/test_throughput.py checks the
-formula against torch's FlopCounterMode on the model's forward and backward.
+formula against torch's FlopCounterMode on the model's forward and backward. A LoRA run (--lora-rank) counts
+what it computes: 4 N for the frozen base (no weight gradients), 6 per adapter weight (lora_flops_per_token).
 
 Per rank: the global batch's model FLOPs over the ranks. TP ranks split a replica's matmuls, DP ranks the batch;
 the head each TP rank computes again is the model's work once. MFU = model FLOP/s per rank / the peak of one device.
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import Config, ModelConfig
+from zerotrain.config import Config, LoraConfig, ModelConfig
 from zerotrain.data.corpus import cache_root
 from zerotrain.durable import write_json
 
@@ -81,9 +82,62 @@ def matmul_params(m: ModelConfig) -> int:
     return m.n_layer * per_block + m.vocab_size * d
 
 
-def model_flops_per_token(m: ModelConfig) -> int:
-    """6 N + 12 L T a: the model's forward and backward FLOPs per token (the module docstring says what counts)."""
+def model_flops_per_token(m: ModelConfig, lora: LoraConfig | None = None) -> int:
+    """6 N + 12 L T a: the model's forward and backward FLOPs per token (the module docstring says what counts); with
+    LoRA adapters (`lora` of a rank), what a run with a frozen base computes (lora_flops_per_token)."""
+    if lora is not None and lora.rank:
+        return lora_flops_per_token(m, lora)
     return 6 * matmul_params(m) + 12 * m.n_layer * m.seq_len * m.n_head * m.head_dim
+
+
+def adapted_shapes(m: ModelConfig, lora: LoraConfig) -> list[tuple[str, int, int]]:
+    """(module name, in, out) of each linear of one block that carries adapters, in the block's order."""
+    d, q, kv, f = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim, m.ffn_width
+    if m.llama_family:
+        linears = [("q_proj", d, q), ("k_proj", d, kv), ("v_proj", d, kv), ("o_proj", q, d), ("gate_proj", d, f),
+                   ("up_proj", d, f), ("down_proj", f, d)]
+    else:  # GPT-2's c_proj names the attention's output and the MLP's down projection alike
+        linears = [("c_attn", d, 3 * d), ("c_proj", d, d), ("c_fc", d, f), ("c_proj", f, d)]
+    targets = lora.modules(m.arch)
+    return [linear for linear in linears if linear[0] in targets]
+
+
+def lora_flops_per_token(m: ModelConfig, lora: LoraConfig) -> int:
+    """A LoRA run's FLOPs per token, forward and backward, attention's included: each frozen weight 2 forward and 2
+    for its input's gradient (no weight gradient), each adapter weight (R x (in + out) per adapted linear) 6 as a
+    trained weight's, attention 12 L T a; less what autograd skips in the first block (first_block_skips)."""
+    adapters = m.n_layer * lora.rank * sum(i + o for _, i, o in adapted_shapes(m, lora))
+    attention = 12 * m.n_layer * m.seq_len * m.n_head * m.head_dim
+    return 4 * matmul_params(m) + 6 * adapters + attention - first_block_skips(m, lora)
+
+
+def first_block_skips(m: ModelConfig, lora: LoraConfig) -> int:
+    """The FLOPs per token autograd does not compute in a LoRA run's first block, whose input (the frozen embedding)
+    needs no gradient: a linear's input gradient (its base's 2 x in x out, its A's 2 R in) wherever its input needs
+    none, and attention's backward matmuls (2 T a each: dQ, dK, dP for either, dV) for the q, k, v that need none.
+    Every later block's input needs a gradient: each block has adapters, whose output joins the residual stream."""
+    d, a, kv, f, R = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim, m.ffn_width, lora.rank
+    targets = set(lora.modules(m.arch))
+    if m.llama_family:
+        q, k, v = ("q_proj" in targets), ("k_proj" in targets), ("v_proj" in targets)
+        o, up = "o_proj" in targets, bool({"gate_proj", "up_proj"} & targets)
+        linears = [("q_proj", d, a, False), ("k_proj", d, kv, False), ("v_proj", d, kv, False)]
+        mlp = [("gate_proj", d, f), ("up_proj", d, f)]
+        down = ("down_proj", f, d)
+    else:
+        q = k = v = "c_attn" in targets
+        o, up = "c_proj" in targets, "c_fc" in targets  # c_proj: the attention's output and the MLP's alike
+        linears = [("c_attn", d, 3 * d, False)]
+        mlp = [("c_fc", d, f)]
+        down = ("c_proj", f, d)
+    attended = q or k or v  # the attention's output needs a gradient
+    mlp_input = attended or o
+    linears += [(("o_proj" if m.llama_family else "c_proj"), a, d, attended)]
+    linears += [(name, i, out, mlp_input) for name, i, out in mlp]
+    linears += [(*down, mlp_input or up)]
+    skipped = sum(2 * i * out + (2 * R * i if name in targets else 0) for name, i, out, needed in linears if not needed)
+    attention_backward = 2 * m.seq_len * a * (q + k + (q or k) + v)
+    return skipped + 8 * m.seq_len * a - attention_backward
 
 
 def peak_flops(cfg: Config, device: torch.device) -> Peak:
@@ -171,7 +225,8 @@ class Throughput:
     """A step's figures per rank from its time: tokens/s, model FLOP/s, MFU; and this rank's peak memory."""
 
     def __init__(self, cfg: Config, world_size: int, peak: Peak):
-        self.flops_per_token = model_flops_per_token(cfg.model)
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.lora)
+        self.formula = "4N + 6N_lora + 12LTd" if cfg.lora.rank else "6N + 12LTd"  # a LoRA run's frozen base: 4N
         self.world_size, self.peak = world_size, peak
 
     def of_step(self, step_s: float, tokens: int, positions: int) -> dict:
@@ -185,7 +240,7 @@ class Throughput:
     def describe(self) -> str:
         """For the start line: the FLOPs per token and the peak MFU is measured against."""
         peak = f"{flop_rate(self.peak.flops)} per rank" if self.peak.flops else "an unknown peak"
-        return (f"{self.flops_per_token / 1e6:,.2f} MFLOP per token (6N + 12LTd); MFU against {peak} "
+        return (f"{self.flops_per_token / 1e6:,.2f} MFLOP per token ({self.formula}); MFU against {peak} "
                 f"({self.peak.source})")
 
     def state(self) -> dict:
