@@ -37,6 +37,9 @@ LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)
 GQA = dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64)  # head_dim 8
 MQA = {**GQA, "n_kv_head": 1}
+# The other members, each with what sets it apart: Qwen2's k/v biases are replicated with their heads' rows
+FAMILIES = {"qwen2": dict(arch="qwen2"), "qwen3": dict(arch="qwen3", head_width=12),
+            "mistral": dict(arch="mistral", sliding_window=6), "phi3": dict(arch="phi3", sliding_window=6)}
 STEPS, SAVED_AT = 4, 2
 STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -61,6 +64,8 @@ def runs(tmp_path_factory):
             "double-counted": (tp_kv_jobs.double_counted_norm_job, config(tmp, "double-counted", 4, 4, 2)),
             "mqa tp1": (tp_kv_jobs.train_job, config(tmp, "mqa-tp1", 1, 2, 1, MQA)),
             "mqa tp2": (tp_kv_jobs.train_job, config(tmp, "mqa-tp2", 2, 2, 2, MQA)),
+            **{f"{arch} logits": (tp_kv_jobs.logits_job, config(tmp, f"{arch}-logits", 4, 1, 1, {**GQA, **family}))
+               for arch, family in FAMILIES.items()},
             "lora tp1": (tp_kv_jobs.lora_job, config(tmp, "lora-tp1", 1, 2, 1)),
             "lora tp4": (tp_kv_jobs.lora_job, config(tmp, "lora-tp4", 4, 4, 2)),
             "lora unsummed B": (tp_kv_jobs.lora_unsummed_b_job, config(tmp, "lora-unsummed", 4, 4, 2))}
@@ -93,6 +98,12 @@ def test_tp4_over_2_kv_heads_gives_tp1_logits_and_kv_heads_dealt_to_the_wrong_ra
     assert runs["logits"]["max_diff"] <= 1e-5 and runs["mqa logits"]["max_diff"] <= 1e-5
     # planted: rank r holds KV head r % KV instead of the one its query heads attend with
     assert runs["logits"]["round_robin_max_diff"] > 1e-2
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_every_family_at_tp4_over_2_kv_heads_gives_tp1_logits_and_heads_dealt_to_the_wrong_ranks_are_caught(runs, arch):
+    assert runs[f"{arch} logits"]["max_diff"] <= 1e-5
+    assert runs[f"{arch} logits"]["round_robin_max_diff"] > 1e-2
 
 
 def test_tp4_over_2_kv_heads_trains_as_tp1_and_averaged_replica_gradients_are_caught(runs):
