@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
@@ -41,9 +42,9 @@ def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Confi
     return resolve_paths(resolve(validate(cfg)))
 
 
-@pytest.fixture
-def one_rank():
-    """A real gloo process group of world size 1 on 127.0.0.1, torn down after the test."""
+@contextlib.contextmanager
+def world_of_one():
+    """A real gloo process group of world size 1 on 127.0.0.1 (its Comm), torn down on leaving."""
     from zerotrain.parallel import Comm
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
@@ -52,6 +53,13 @@ def one_rank():
         yield Comm()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank():
+    """world_of_one for one test."""
+    with world_of_one() as comm:
+        yield comm
 
 
 def live_processes() -> list[tuple[int, int, int]]:

@@ -13,9 +13,8 @@ import lora_jobs
 import peft
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
-from conftest import tiny_config, zerotrain_here
+from conftest import tiny_config, world_of_one, zerotrain_here
 from dist_jobs import in_turn_job
 from model_folders import llama_folder
 from safetensors.torch import load_file, save_file
@@ -25,7 +24,6 @@ from zerotrain.cli.main import main
 from zerotrain.config import LoraConfig
 from zerotrain.hub.init_from import adopt, weight_source
 from zerotrain.model import lora, summed_token_loss
-from zerotrain.parallel import Comm
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import train
 
@@ -38,12 +36,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def group():
     """One gloo rank on 127.0.0.1 for the module's in-process runs."""
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield Comm()
-    finally:
-        dist.destroy_process_group()
+    with world_of_one() as comm:
+        yield comm
 
 
 @pytest.fixture(scope="module")
