@@ -242,8 +242,9 @@ class ParallelConfig:
     overlap: str = setting("auto", "communicate during compute: reduce-scatter in backward, all-gather in the next "
                            "forward: on, off, or auto (on with CUDA, off on CPU)", rule=one_of("auto", "on", "off"))
     zero: int = setting(1, "ZeRO stage: 1 shards the optimizer state over the DP ranks; 2 also the gradients (each "
-                        "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed)",
-                        rule=Rule("must be 1 or 2", lambda v: v in (1, 2)))
+                        "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed); 3 "
+                        "also the parameters (each transformer block's buckets gathered for its forward and again for "
+                        "its backward, released after each)", rule=Rule("must be 1, 2 or 3", lambda v: v in (1, 2, 3)))
     activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
                                             "the block in the backward (less memory, more compute); full: the "
                                             "blocks, and the head with the loss too (not with --compile); or none",
@@ -519,6 +520,18 @@ def apply_preset(cfg: Config, name: str) -> None:
         setattr(cfg.model, k, v)
 
 
+def _check_zero3(cfg: Config) -> None:
+    """What --zero 3 does not compose with yet, refused in one line each."""
+    p = cfg.parallel
+    refused = [(p.tp > 1, f"--tp {p.tp}"), (p.precision != "fp32", f"--precision {p.precision}"),
+               (p.activation_checkpointing != "none", f"--activation-checkpointing {p.activation_checkpointing}"),
+               (cfg.loop.compile, "--compile"), (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"),
+               (cfg.checkpoint.async_save, "--async-save")]
+    for bad, flag in refused:
+        if bad:
+            raise ConfigError(f"--zero 3 does not work with {flag} yet: use --zero 2 for it, or leave {flag} out")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting against its rule and the settings against each other; change nothing.
 
@@ -536,6 +549,8 @@ def validate(cfg: Config) -> Config:
     if m.context and m.context < m.seq_len:
         raise ConfigError(f"--context {m.context} is shorter than --seq-len {m.seq_len}: the model holds at least the "
                           "positions it trains on")
+    if p.zero == 3:
+        _check_zero3(cfg)
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")

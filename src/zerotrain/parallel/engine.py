@@ -136,8 +136,7 @@ class ZeroEngine:
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
         self.frozen = frozen_parameters(model)
         self._build_flat_buffers()
-        # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
-        dp.broadcast(self.flat_params, 0, "broadcast_init")
+        self._sync_initial_values()
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
         # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
         # in the norm by the first of them only.
@@ -177,6 +176,10 @@ class ZeroEngine:
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
+    def _sync_initial_values(self) -> None:
+        """DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical."""
+        self.dp.broadcast(self.flat_params, 0, "broadcast_init")
+
     @property
     def owns_whole_buckets(self) -> bool:
         """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer (a view, no copy)."""
@@ -202,10 +205,7 @@ class ZeroEngine:
         self._master_views = []
         decayed, plain = [], []
         for pc in self._pieces:
-            if self.master is None:
-                m = self.flat_params[pc.flat_lo : pc.flat_hi]  # alias: fp32 master is the parameter itself
-            else:
-                m = self.master[pc.shard_lo : pc.shard_hi]
+            m = self._master_of(pc)
             m.grad = self.grad_shard[pc.shard_lo : pc.shard_hi]
             self._master_views.append(m)
             (decayed if pc.decay else plain).append(m)
@@ -223,6 +223,12 @@ class ZeroEngine:
                 "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
             }
 
+    def _master_of(self, pc: _Piece) -> torch.Tensor:
+        """The fp32 master values of piece `pc`: in fp32 the owned parameter values themselves (an alias)."""
+        if self.master is None:
+            return self.flat_params[pc.flat_lo : pc.flat_hi]
+        return self.master[pc.shard_lo : pc.shard_hi]
+
     def _register_hooks(self) -> None:
         """Bucket bookkeeping, and the hooks that launch reduce-scatters in backward and wait in forward."""
         L = self.layout
@@ -235,7 +241,7 @@ class ZeroEngine:
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
-        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage == 2:
+        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage >= 2:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.gather_in_forward:
@@ -292,7 +298,7 @@ class ZeroEngine:
             raise StaleParameterError(
                 f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
                 "before reading parameters outside the model's forward")
-        if self.stage == 2:
+        if self.stage >= 2:
             b = self.layout.buckets[s.bucket]
             with torch.no_grad():
                 self._bucket_grad(s.bucket)[s.offset - b.start : s.offset - b.start + s.numel].add_(
@@ -302,7 +308,7 @@ class ZeroEngine:
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
-        if self._sync and (self.reduce_in_backward or self.stage == 2):
+        if self._sync and (self.reduce_in_backward or self.stage >= 2):
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(

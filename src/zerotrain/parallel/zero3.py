@@ -1,0 +1,316 @@
+"""ZeRO stage 3: each DP rank holds only its owned chunk of every parameter; a unit's buckets are whole only while used.
+
+The flat layout is stage 1's and 2's (same buckets, same padding, same owned chunks), so the optimizer shard, the
+gradient norm's grid and the checkpoint are theirs too. What changes is where the parameters live:
+
+    between steps          this rank's owned chunks only (`flat_params` is the shard: the fp32 masters themselves)
+    a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
+                           their storage released after it (forward hook)
+    a unit's backward      gathered again when autograd first unpacks a weight the unit's forward saved
+                           (saved-tensor hooks: the saved weight is kept as a reference, not the tensor), and
+                           released once every parameter of the unit has its gradient
+    gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
+                           arrives, its full-size buffer freed
+
+Units: each transformer block is one; the rest (embeddings, final norm and the head, tied or not) is the root unit,
+whole through the model's whole forward, since a tied head needs the embedding again at the end. A bucket that
+straddles two units is whole while either needs it. Every parameter is a permanent view of its bucket's buffer;
+releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold nothing.
+
+Gathers are synchronous: on CPU (gloo over loopback, 2 cores) a transfer behind compute takes the cores the compute
+needs (DESIGN.md), so a one-unit-ahead prefetch was not built; with CUDA it would be the next step.
+
+The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 (at any
+accumulation: the buckets' gradients stay through the window, one reduce-scatter round per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zerotrain.errors import ZeroTrainError
+
+from .digest import tensor_digest
+from .engine import ZeroEngine, _Piece, stage2_bucket_budget
+
+
+class ReleasedParameterError(ZeroTrainError):
+    """A parameter was read while its bucket's storage was released (not gathered)."""
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """Where a parameter view saved for backward lies: its unit, its bucket, and its place in the bucket's buffer."""
+
+    unit: int
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were active around the model's forward."""
+
+    unpack: Callable
+    packed: object
+
+
+def _current_saved_tensors_hooks():
+    """The (pack, unpack) saved-tensor hooks active now, or None: the engine's own hooks pass what is not a weight
+    on to them (the innermost hooks are the only ones torch calls)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks if hooks is not None and hooks[0] is not None else None
+
+
+def model_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose parameters are gathered together: the root model first, then every transformer block
+    (the members of the model's first ModuleList), in forward order."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            return [model, *module]
+    return [model]
+
+
+class ZeroThreeEngine(ZeroEngine):
+    """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, mesh=None, **_ignored):
+        super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision="fp32", reduce_in_backward=True,
+                         gather_in_forward=False, mesh=mesh, stage=3)
+
+    # ---------------------------------------------------------------- building
+    def _build_flat_buffers(self) -> None:
+        """Rank 0's initial values, broadcast a bucket at a time, keep only this rank's chunks: the shard."""
+        L, device = self.layout, self.params[0].device
+        W, rank = self.dp.world_size, self.dp.rank
+        self.flat_params = torch.zeros(L.shard_numel, device=device)  # the owned chunks: the fp32 masters
+        self.bucket_params: list[torch.Tensor] = []  # each bucket's full-size buffer, its storage held only while whole
+        by_bucket: dict[int, list] = {}
+        for s, p in zip(L.slots, self.params):
+            by_bucket.setdefault(s.bucket, []).append((s, p))
+        with torch.no_grad():
+            for b in L.buckets:
+                buffer = torch.zeros(b.end - b.start, device=device)
+                for s, p in by_bucket[b.index]:
+                    view = buffer[s.offset - b.start : s.offset - b.start + s.numel]
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view(s.shape)
+                self.dp.broadcast(buffer, 0, "broadcast_init")  # as stages 1 and 2: every rank starts from rank 0's
+                lo, hi = b.chunk(rank, W)
+                self.flat_params[b.shard_offset : b.shard_offset + hi - lo] = buffer[lo - b.start : hi - b.start]
+                buffer.untyped_storage().resize_(0)
+                self.bucket_params.append(buffer)
+        self.flat_grads = torch.zeros(0, device=device)
+        self.grad_accum = self.flat_grads
+        self.grad_shard = torch.zeros(L.shard_numel, device=device)
+        self._bucket_grads: dict[int, torch.Tensor] = {}
+        self._bucket_budget = stage2_bucket_budget(L)
+        self.grad_peak_bytes = self.grad_bytes()
+        self.whole: set[int] = set()  # buckets whose buffers hold their values now
+        self.param_peak_bytes = self.param_bytes()
+
+    def _sync_initial_values(self) -> None:
+        """Done bucket by bucket while the shard is built (_build_flat_buffers)."""
+
+    def _master_of(self, pc: _Piece) -> torch.Tensor:
+        return self.flat_params[pc.shard_lo : pc.shard_hi]  # the shard is the fp32 master
+
+    @property
+    def owns_whole_buckets(self) -> bool:
+        return False
+
+    def _register_hooks(self) -> None:
+        """Stage 2's gradient hooks, and the units' gather and release hooks."""
+        super()._register_hooks()
+        self.units = model_units(self.model)
+        in_block = {id(p) for u in self.units[1:] for p in u.parameters()}
+        self.unit_buckets: list[tuple[int, ...]] = []
+        self._unit_of: dict[int, int] = {}  # parameter -> its unit
+        for index, unit in enumerate(self.units):
+            params = [p for p in unit.parameters() if id(p) in self._slot_of and (index > 0) == (id(p) in in_block)]
+            self.unit_buckets.append(tuple(sorted({self._slot_of[id(p)].bucket for p in params})))
+            self._unit_of.update({id(p): index for p in params})
+        self._unit_sizes = [sum(1 for u in self._unit_of.values() if u == i) for i in range(len(self.units))]
+        self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
+        self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
+        self._current: list[int] = []  # the units whose forward is running, innermost last
+        self._outer_hooks = None
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        for index, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
+            unit.register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
+
+    # ---------------------------------------------------------------- gather and release
+    def gather_unit(self, unit: int, phase: str) -> None:
+        """Make `unit`'s buckets whole, held for `phase` ("forward" or "backward")."""
+        for b in self.unit_buckets[unit]:
+            holders = self._holds.setdefault(b, set())
+            if b not in self.whole:
+                self._gather_bucket(b)
+            holders.add((unit, phase))
+        self.check_whole(unit)
+
+    def check_whole(self, unit: int) -> None:
+        """Raise unless every parameter of `unit` is in a gathered bucket (from the parameters, not the unit's list)."""
+        for p in self.units[unit].parameters():
+            s = self._slot_of.get(id(p))
+            if s is not None and self._unit_of.get(id(p)) == unit and s.bucket not in self.whole:
+                raise ReleasedParameterError(f"{s.name} was used while its bucket {s.bucket} was not gathered "
+                                             f"(unit {unit})")
+
+    def release_unit(self, unit: int, phase: str) -> None:
+        """`unit` no longer needs its buckets for `phase`; a bucket no unit holds is released."""
+        for b in self.unit_buckets[unit]:
+            holders = self._holds.get(b, set())
+            holders.discard((unit, phase))
+            if not holders:
+                self._release_bucket(b)
+
+    def release_all(self) -> None:
+        """Release every bucket (before the optimizer updates the shard: no stale copy survives the step)."""
+        self._holds.clear()
+        for b in list(self.whole):
+            self._release_bucket(b)
+        self._arrived = [0] * len(self.units)
+
+    def _gather_bucket(self, index: int) -> None:
+        b, buffer = self.layout.buckets[index], self.bucket_params[index]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        c = b.chunk_numel(self.dp.world_size)
+        self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c], "all_gather_params")
+        self.whole.add(index)
+        self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes())
+
+    def _release_bucket(self, index: int) -> None:
+        self.bucket_params[index].untyped_storage().resize_(0)
+        self.whole.discard(index)
+
+    def param_bytes(self) -> int:
+        """Parameter bytes held now: the shard and the buckets whole at the moment."""
+        whole = sum(self.bucket_params[b].numel() for b in self.whole)
+        return 4 * (self.flat_params.numel() + whole)
+
+    # ---------------------------------------------------------------- hooks
+    def _enter_unit(self, unit: int) -> None:
+        if unit == 0 and torch.is_grad_enabled():
+            self._outer_hooks = _current_saved_tensors_hooks()
+            self._saved_hooks.__enter__()
+        self._current.append(unit)
+        self.gather_unit(unit, "forward")
+
+    def _leave_unit(self, unit: int) -> None:
+        self._current.pop()
+        self.release_unit(unit, "forward")
+        if unit == 0 and torch.is_grad_enabled():
+            self._saved_hooks.__exit__(None, None, None)
+
+    def _pack(self, tensor: torch.Tensor):
+        """A tensor saved for backward that is a view of a bucket buffer is kept as where it lies, not as itself:
+        its bucket is released after the forward, and gathered again when backward unpacks it."""
+        if self._current and tensor.device == self.flat_params.device and tensor.untyped_storage().size():
+            ptr = tensor.untyped_storage().data_ptr()
+            for b in self.whole:
+                if self.bucket_params[b].untyped_storage().data_ptr() == ptr:
+                    unit = self._unit_owning(b)
+                    return _SavedWeight(unit, b, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        if self._outer_hooks is not None:  # hooks around the model's forward (activations.py counts the bytes saved)
+            return _Outer(self._outer_hooks[1], self._outer_hooks[0](tensor))
+        return tensor
+
+    def _unit_owning(self, bucket: int) -> int:
+        """The innermost running unit that holds `bucket` (the one whose weight is being saved)."""
+        for unit in reversed(self._current):
+            if bucket in self.unit_buckets[unit]:
+                return unit
+        return self._current[-1]
+
+    def _unpack(self, packed):
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        if not isinstance(packed, _SavedWeight):
+            return packed
+        unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
+        if (unit, "backward") not in self._holds.get(b, set()):
+            self.gather_unit(unit, "backward")
+        if b not in self.whole:
+            raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
+        return self.bucket_params[b].as_strided(shape, stride, offset)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        super()._on_grad_ready(p)
+        unit = self._unit_of[id(p)]
+        self._arrived[unit] += 1
+        if self._arrived[unit] == self._unit_sizes[unit]:  # the unit's backward is done
+            self._arrived[unit] = 0
+            self.release_unit(unit, "backward")
+
+    # ---------------------------------------------------------------- optimizer side
+    def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
+        self.release_all()
+        return super().reduce_grads(extras)
+
+    def apply(self, lr: float, grad_norm: float) -> None:
+        self.release_all()
+        super().apply(lr, grad_norm)
+
+    def _publish_params(self, wait: bool = True) -> None:
+        """Nothing to send: AdamW updated the shard itself, and every unit is gathered from it when next used."""
+
+    def wait_params(self, buckets=None) -> None:
+        """Gathers are synchronous: nothing is ever in flight."""
+
+    # ---------------------------------------------------------------- state
+    def gathered_flat(self) -> torch.Tensor:
+        """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
+        flat = torch.empty(self.layout.padded_numel, device=self.flat_params.device)
+        for b in self.layout.buckets:
+            c = b.chunk_numel(self.dp.world_size)
+            self.dp.all_gather(flat[b.start : b.end], self.flat_params[b.shard_offset : b.shard_offset + c],
+                               "all_gather_state")
+        return flat
+
+    def param_digests(self) -> torch.Tensor:
+        """Invariant (b) for sharded parameters: the digest of what this rank computes with, every bucket as it holds
+        it now, or as gathered from the shards where it is released. Every DP rank must see the same values: a
+        bucket kept whole past the step (stale) or gathered wrong differs from the others' fresh gather."""
+        rows = []
+        for b in self.layout.buckets:
+            if b.index in self.whole:
+                rows.append(tensor_digest(self.bucket_params[b.index].detach()))
+            else:
+                self._gather_bucket(b.index)
+                rows.append(tensor_digest(self.bucket_params[b.index].detach()))
+                self._release_bucket(b.index)
+        digest = tensor_digest(torch.cat(rows))
+        return torch.stack([digest, torch.zeros(2, dtype=torch.int64, device=digest.device)])
+
+    def master_shard(self) -> torch.Tensor:
+        return self.flat_params
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = super().shard_state_dict()
+        sd["master"] = self.flat_params.clone()  # an independent copy, as stages 1 and 2 hand over
+        return sd
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if tuple(sd[key].shape) != (self.layout.shard_numel,):
+                raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
+                                 f"expected ({self.layout.shard_numel},)")
+        self.release_all()
+        with torch.no_grad():
+            self.exp_avg.copy_(sd["exp_avg"])
+            self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+            step = float(sd["step"].item())
+            for m in self._master_views:
+                self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+            self.flat_params.copy_(sd["master"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's parameters by name, fp32 on the CPU: a collective of the DP group."""
+        return self.full_tensors(self.gathered_flat())
