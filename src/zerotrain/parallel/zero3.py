@@ -35,6 +35,7 @@ from zerotrain.errors import ZeroTrainError
 
 from .digest import tensor_digest
 from .engine import ZeroEngine, _Piece, stage2_bucket_budget
+from .layout import ShardLayout
 
 
 class ReleasedParameterError(ZeroTrainError):
@@ -74,6 +75,33 @@ def model_units(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(module, torch.nn.ModuleList):
             return [model, *module]
     return [model]
+
+
+def unit_parameters(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Each unit's trained parameters (model_units' order): a block's own; the root's, those in no block."""
+    units = model_units(model)
+    named = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # a tied parameter once
+    in_block = {id(p) for u in units[1:] for p in u.parameters()}
+    out = [[(named[id(p)], p) for p in units[0].parameters() if id(p) in named and id(p) not in in_block]]
+    out += [[(named[id(p)], p) for p in u.parameters() if id(p) in named] for u in units[1:]]
+    return out
+
+
+def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int, ...]]:
+    """The buckets each unit's parameters lie in (a bucket at a boundary is in both units' lists)."""
+    bucket_of = {s.name: s.bucket for s in layout.slots}
+    return [tuple(sorted({bucket_of[n] for n, _ in params})) for params in unit_parameters(model)]
+
+
+def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout) -> int:
+    """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and the
+    backward) with two neighbouring blocks (a block's backward gathers it while the next one's last gradients may
+    still be arriving), fp32."""
+    units = unit_buckets(model, layout)
+    root, blocks = set(units[0]), units[1:] or [()]
+    pairs = [set(blocks[i]) | set(blocks[i + 1]) for i in range(len(blocks) - 1)] or [set(blocks[0])]
+    size = {b.index: b.end - b.start for b in layout.buckets}
+    return 4 * max(sum(size[b] for b in root | pair) for pair in pairs)
 
 
 class ZeroThreeEngine(ZeroEngine):
@@ -128,14 +156,10 @@ class ZeroThreeEngine(ZeroEngine):
         """Stage 2's gradient hooks, and the units' gather and release hooks."""
         super()._register_hooks()
         self.units = model_units(self.model)
-        in_block = {id(p) for u in self.units[1:] for p in u.parameters()}
-        self.unit_buckets: list[tuple[int, ...]] = []
-        self._unit_of: dict[int, int] = {}  # parameter -> its unit
-        for index, unit in enumerate(self.units):
-            params = [p for p in unit.parameters() if id(p) in self._slot_of and (index > 0) == (id(p) in in_block)]
-            self.unit_buckets.append(tuple(sorted({self._slot_of[id(p)].bucket for p in params})))
-            self._unit_of.update({id(p): index for p in params})
-        self._unit_sizes = [sum(1 for u in self._unit_of.values() if u == i) for i in range(len(self.units))]
+        self.unit_buckets = unit_buckets(self.model, self.layout)
+        params = unit_parameters(self.model)
+        self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
+        self._unit_sizes = [len(unit) for unit in params]
         self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
         self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
         self._current: list[int] = []  # the units whose forward is running, innermost last
