@@ -94,14 +94,14 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int,
 
 
 def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout) -> int:
-    """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and the
-    backward) with two neighbouring blocks (a block's backward gathers it while the next one's last gradients may
-    still be arriving), fp32."""
+    """The most parameter bytes whole at once beyond the shard, fp32: the root unit (whole through the forward and
+    the backward) with the largest block. A block's backward gathers it after the next block's last gradient has
+    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so two blocks are never
+    whole together; the run's check of the plan would say so if they were."""
     units = unit_buckets(model, layout)
     root, blocks = set(units[0]), units[1:] or [()]
-    pairs = [set(blocks[i]) | set(blocks[i + 1]) for i in range(len(blocks) - 1)] or [set(blocks[0])]
     size = {b.index: b.end - b.start for b in layout.buckets}
-    return 4 * max(sum(size[b] for b in root | pair) for pair in pairs)
+    return 4 * max(sum(size[b] for b in root | set(block)) for block in blocks)
 
 
 class ZeroThreeEngine(ZeroEngine):
@@ -177,7 +177,6 @@ class ZeroThreeEngine(ZeroEngine):
             if b not in self.whole:
                 self._gather_bucket(b)
             holders.add((unit, phase))
-        self.check_whole(unit)
 
     def check_whole(self, unit: int) -> None:
         """Raise unless every parameter of `unit` is in a gathered bucket (from the parameters, not the unit's list)."""
@@ -226,6 +225,7 @@ class ZeroThreeEngine(ZeroEngine):
             self._saved_hooks.__enter__()
         self._current.append(unit)
         self.gather_unit(unit, "forward")
+        self.check_whole(unit)
 
     def _leave_unit(self, unit: int) -> None:
         self._current.pop()
@@ -261,6 +261,7 @@ class ZeroThreeEngine(ZeroEngine):
         unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
         if (unit, "backward") not in self._holds.get(b, set()):
             self.gather_unit(unit, "backward")
+            self.check_whole(unit)
         if b not in self.whole:
             raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
         return self.bucket_params[b].as_strided(shape, stride, offset)

@@ -5,7 +5,7 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
                          stage 3: shard x 4                                   the owned chunks (the masters)
-    parameter units      stage 3 only, during a step: the root unit's buckets with two neighbouring blocks' x 4
+    parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x 4
                          (zero3.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4

@@ -61,7 +61,7 @@ def table(cfg: Config, r: dict) -> str:
     bf16 = p.precision == "bf16"
     notes = {
         "params": "shard x 4 (this rank's chunks: the fp32 masters)" if p.zero == 3 else f"P x {2 if bf16 else 4}",
-        "units": ("the root unit (embeddings, final norm, head) and two neighbouring blocks, gathered x 4"
+        "units": ("the root unit (embeddings, final norm, head) and the largest block, gathered x 4"
                   if p.zero == 3 else "none: every parameter is held whole (ZeRO-3 gathers units)"),
         "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
                    f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
