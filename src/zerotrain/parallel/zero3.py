@@ -207,7 +207,8 @@ class ZeroThreeEngine(ZeroEngine):
         b, buffer = self.layout.buckets[index], self.bucket_params[index]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         c = b.chunk_numel(self.dp.world_size)
-        self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c], "all_gather_params")
+        # Counted apart from stages 1 and 2's one round per step ("all_gather_params"), which stage 3 never runs.
+        self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c], "all_gather_units")
         self.whole.add(index)
         self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes())
 
