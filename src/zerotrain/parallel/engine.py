@@ -1,4 +1,4 @@
-"""The ZeRO engine (stage 1 or 2): flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
+"""The ZeRO engine (stage 1 or 2; stage 3 builds on it in zero3.py): flat layout, buckets, reduce-scatter, AdamW, gather.
 
 Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
 each bucket is padded to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's
@@ -120,7 +120,7 @@ class ZeroEngine:
         mesh: Mesh | None = None,
         stage: int = 1,
     ):
-        """ZeRO stage `stage` (1 or 2) shards over `dp`, the data-parallel group (of `mesh` when there is one).
+        """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh` when there is one).
 
         `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway.
         """
