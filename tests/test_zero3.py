@@ -2,7 +2,7 @@
 bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, resumable at every stage.
 
 One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2 and
-3, accumulation 1 and 2, checkpoints at step 2, resumes across stages, and four planted bugs. One start of 3 ranks
+3, accumulation 1 and 2, checkpoints at step 2, resumes across stages, a rollback by the guard, and four planted bugs. One start of 3 ranks
 resumes the 2-rank checkpoints of both stages at 3 ranks. The 1-rank resume, load_model and the refusals run in
 this process.
 """
@@ -59,6 +59,9 @@ def runs(tmp_path_factory):
             "reduced twice": (stage, config(tmp, "twice", 3)),
             "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3))}
     cfgs["reduced twice"] = (zero3_jobs.reduced_twice_job, cfgs["reduced twice"][1])
+    for zero in (2, 3):
+        cfgs[f"rollback z{zero}"] = (zero3_jobs.rolled_back_job,
+                                     config(tmp, f"rollback-z{zero}", zero, ckpt_every=SAVED_AT))
     z2, z3 = cfgs["gpt2 z2"][1], cfgs["gpt2 z3"][1]
     cfgs["z3 -> z1"] = (stage, config(tmp, "z3-z1", 1, resume=saved(z3)))
     cfgs["z2 -> z3"] = (stage, config(tmp, "z2-z3", 3, resume=saved(z2)))
@@ -99,6 +102,13 @@ def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(run
     assert rows["parameters"] == three["param_bytes"]
     assert three["param_peak_bytes"] == rows["parameters"] + rows["parameter_units"]
     assert rows["parameter_units"] < 2 * three["param_bytes"]  # less than the whole model's padded parameters
+
+
+def test_the_guard_rolls_stage3_back_as_it_rolls_stage2_back(runs):
+    two, three = runs["rollback z2"], runs["rollback z3"]
+    assert len(three["rollbacks"]) == 1 and three["rollbacks"] == two["rollbacks"]
+    assert three["losses"] == two["losses"]
+    assert all(torch.equal(three["params"][k], t) for k, t in two["params"].items())
 
 
 def test_the_planted_bugs_are_caught(runs):

@@ -91,3 +91,11 @@ def stale_units_job(cfg: Config, comm: Comm) -> str:
 
     with mock.patch.object(ZeroThreeEngine, "_gather_bucket", stale):
         return _error_of(cfg, comm, InvariantError)
+
+
+def rolled_back_job(cfg: Config, comm: Comm) -> dict:
+    """A NaN loss on rank 1 at step 3: the guard rolls back to the step-2 checkpoint and skips the data steps."""
+    with mock.patch.dict("os.environ", {"ZEROTRAIN_FAULTS": "nan@step=3,rank=1"}):
+        result = train(cfg, comm)
+    return {"losses": [r["loss"] for r in result.records], "rollbacks": result.rollbacks,
+            "params": result.engine.full_state_dict()}
