@@ -15,13 +15,16 @@ from zerotrain.training.loop import train
 
 def stage_job(cfg: Config, comm: Comm) -> dict:
     """Train; the log, the final parameters, and the parameter bytes the engine holds (now and at most)."""
+    before = comm.snapshot()[0]
     result = train(cfg, comm)
     out = summary(result)
+    out["run_calls"] = comm.snapshot()[0] - before  # this run's (the counters span the jobs run in turn)
     engine = result.engine
     out["params"] = engine.full_state_dict()
     out["param_bytes"] = engine.flat_params.numel() * engine.flat_params.element_size()
     out["param_peak_bytes"] = getattr(engine, "param_peak_bytes", out["param_bytes"])
     out["whole_after_step"] = sorted(getattr(engine, "whole", ()))
+    out["grad_peak_bytes"] = engine.grad_peak_bytes
     out["plan"] = result.plan
     return out
 

@@ -245,6 +245,11 @@ class ParallelConfig:
                         "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed); 3 "
                         "also the parameters (each transformer block's buckets gathered for its forward and again for "
                         "its backward, released after each)", rule=Rule("must be 1, 2 or 3", lambda v: v in (1, 2, 3)))
+    grad_reduce: str = setting("step", "how --zero 2 and 3 reduce accumulated gradients: step (every bucket's full-size "
+                               "gradients kept through the window, one reduce-scatter round per step) or micro-batch "
+                               "(each micro-batch's buckets reduce-scattered into the fp32 shard, which accumulates: "
+                               "the shard and two buckets of gradient memory at any --accum, --accum times the "
+                               "traffic)", rule=one_of("step", "micro-batch"))
     activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
                                             "the block in the backward (less memory, more compute); full: the "
                                             "blocks, and the head with the loss too (not with --compile); or none",
@@ -551,6 +556,8 @@ def validate(cfg: Config) -> Config:
                           "positions it trains on")
     if p.zero == 3:
         _check_zero3(cfg)
+    if p.grad_reduce == "micro-batch" and p.zero == 1:
+        raise ConfigError("--grad-reduce micro-batch needs --zero 2 or 3: stage 1 keeps full gradients anyway")
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")

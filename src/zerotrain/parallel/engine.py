@@ -119,14 +119,17 @@ class ZeroEngine:
         gather_in_forward: bool = True,
         mesh: Mesh | None = None,
         stage: int = 1,
+        grad_reduce: str = "step",
     ):
         """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh` when there is one).
 
-        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway.
+        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway. `grad_reduce`
+        "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets into the shard, which accumulates.
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
         self.precision, self.stage = precision, stage
+        self.per_micro_batch = grad_reduce == "micro-batch" and stage >= 2
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         self.layout = layout_of(model, dp.world_size, bucket_numel)
         by_name = dict(model.named_parameters())
@@ -308,7 +311,7 @@ class ZeroEngine:
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
-        if self._sync and (self.reduce_in_backward or self.stage >= 2):
+        if (self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2):
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(
@@ -319,12 +322,21 @@ class ZeroEngine:
             while self._launched < len(self._ready) and \
                     self._ready[self._launched] == self._bucket_sizes[self._launched]:
                 self._launch(self._launched)
+            if self.per_micro_batch and self._launched == len(self._ready):  # this micro-batch's share is sent
+                self._finish_reduces()
+                self._ready = [0] * len(self._ready)
+                self._launched = 0
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
         c = b.chunk_numel(self.dp.world_size)
         out = self.grad_shard[b.shard_offset : b.shard_offset + c]
         grads = self.grad_accum[b.start : b.end] if self.stage == 1 else self._bucket_grad(index)
+        if self.per_micro_batch:
+            # The shard accumulates over the window: its sum so far goes into this rank's own chunk of the bucket
+            # (which it does not send), so the reduce-scatter's result is the sum so far plus every rank's part.
+            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
+            grads[lo - b.start : hi - b.start].add_(out)
         work = self.dp.reduce_scatter(out, grads, "reduce_scatter_grads", async_op=True)
         self._pending.append((index, work))
         self._launched += 1
@@ -372,6 +384,8 @@ class ZeroEngine:
             self.grad_accum.zero_()
         self._ready = [0] * len(self._ready)
         self._launched = 0
+        if self.per_micro_batch:
+            self.grad_shard.zero_()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -380,7 +394,9 @@ class ZeroEngine:
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
         summed over ranks.
         """
-        while self._launched < len(self.layout.buckets):
+        # With --grad-reduce micro-batch every micro-batch's backward has launched all its buckets already, unless
+        # a parameter had no gradient in it.
+        while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)):
             self._launch(self._launched)
         self._finish_reduces()
         limbs = grad_norm.exact_sum_limbs(self._counted_grad_sumsq())

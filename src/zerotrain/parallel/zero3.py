@@ -109,9 +109,10 @@ def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout) -> int:
 class ZeroThreeEngine(ZeroEngine):
     """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, mesh=None, **_ignored):
+    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, mesh=None, grad_reduce="step",
+                 **_ignored):
         super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision="fp32", reduce_in_backward=True,
-                         gather_in_forward=False, mesh=mesh, stage=3)
+                         gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce)
 
     # ---------------------------------------------------------------- building
     def _build_flat_buffers(self) -> None:

@@ -81,7 +81,8 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
     return engine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
-                         gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero)
+                         gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
+                  grad_reduce=cfg.parallel.grad_reduce)
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so

@@ -70,7 +70,8 @@ def table(cfg: Config, r: dict) -> str:
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
         "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
-                    "two largest buckets x 4" if cfg.loop.accum == 1 else "every bucket, through the window"),
+                    "two largest buckets x 4" if cfg.loop.accum == 1 or p.grad_reduce == "micro-batch" else
+                    "every bucket, through the window"),
         "B": r["micro_batch"], "T": r["seq_len"],
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
