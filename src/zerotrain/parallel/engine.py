@@ -30,7 +30,9 @@ fit in the bytes of the two largest buckets: a bucket's buffer, when its first g
 oldest reduce-scatters until it fits (stage 2 reduces in backward whatever `reduce_in_backward` says: holding every
 bucket until after backward would be stage 1's memory). With accumulation the buffers stay through the window (one
 reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both
-stages compute bitwise the same shard.
+stages compute bitwise the same shard. With `grad_reduce="micro-batch"` every micro-batch's buckets are
+reduce-scattered and freed instead, into the shard, which accumulates over the window: the two buckets' memory at any
+accumulation, for accumulation x the reduce-scatter traffic (and another order of the additions: not bitwise).
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
