@@ -204,7 +204,7 @@ class ZeroEngine:
         if self.precision == "bf16":
             self.master = torch.empty(L.shard_numel, device=device)
             for pc in self._pieces:
-                self.master[pc.shard_lo : pc.shard_hi] = self.flat_params[pc.flat_lo : pc.flat_hi].float()
+                self.master[pc.shard_lo : pc.shard_hi] = self._owned_params(pc).float()
         self.exp_avg = torch.zeros(L.shard_numel, device=device)
         self.exp_avg_sq = torch.zeros(L.shard_numel, device=device)
         self._master_views = []
@@ -231,8 +231,12 @@ class ZeroEngine:
     def _master_of(self, pc: _Piece) -> torch.Tensor:
         """The fp32 master values of piece `pc`: in fp32 the owned parameter values themselves (an alias)."""
         if self.master is None:
-            return self.flat_params[pc.flat_lo : pc.flat_hi]
+            return self._owned_params(pc)
         return self.master[pc.shard_lo : pc.shard_hi]
+
+    def _owned_params(self, pc: _Piece) -> torch.Tensor:
+        """The parameter values of piece `pc` (a view of the flat buffer)."""
+        return self.flat_params[pc.flat_lo : pc.flat_hi]
 
     def _register_hooks(self) -> None:
         """Bucket bookkeeping, and the hooks that launch reduce-scatters in backward and wait in forward."""

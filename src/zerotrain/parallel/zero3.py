@@ -3,7 +3,8 @@
 The flat layout is stage 1's and 2's (same buckets, same padding, same owned chunks), so the optimizer shard, the
 gradient norm's grid and the checkpoint are theirs too. What changes is where the parameters live:
 
-    between steps          this rank's owned chunks only (`flat_params` is the shard: the fp32 masters themselves)
+    between steps          this rank's owned chunks only (`flat_params` is the shard: in fp32 the masters themselves;
+                           in bf16 the values gathered, rounded from an fp32 master shard after each update)
     a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
                            their storage released after it (forward hook)
     a unit's backward      gathered again when autograd first unpacks a weight the unit's forward saved
@@ -95,23 +96,23 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int,
     return [tuple(sorted({bucket_of[n] for n, _ in params})) for params in unit_parameters(model)]
 
 
-def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout) -> int:
-    """The most parameter bytes whole at once beyond the shard, fp32: the root unit (whole through the forward and
+def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4) -> int:
+    """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
     the backward) with the largest block. A block's backward gathers it after the next block's last gradient has
     arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so two blocks are never
     whole together; the run's check of the plan would say so if they were."""
     units = unit_buckets(model, layout)
     root, blocks = set(units[0]), units[1:] or [()]
     size = {b.index: b.end - b.start for b in layout.buckets}
-    return 4 * max(sum(size[b] for b in root | set(block)) for block in blocks)
+    return element_size * max(sum(size[b] for b in root | set(block)) for block in blocks)
 
 
 class ZeroThreeEngine(ZeroEngine):
     """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, mesh=None, grad_reduce="step",
-                 **_ignored):
-        super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision="fp32", reduce_in_backward=True,
+    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
+                 grad_reduce="step", **_ignored):
+        super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
                          gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce)
 
     # ---------------------------------------------------------------- building
@@ -119,14 +120,16 @@ class ZeroThreeEngine(ZeroEngine):
         """Rank 0's initial values, broadcast a bucket at a time, keep only this rank's chunks: the shard."""
         L, device = self.layout, self.params[0].device
         W, rank = self.dp.world_size, self.dp.rank
-        self.flat_params = torch.zeros(L.shard_numel, device=device)  # the owned chunks: the fp32 masters
+        # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
         self.bucket_params: list[torch.Tensor] = []  # each bucket's full-size buffer, its storage held only while whole
         by_bucket: dict[int, list] = {}
         for s, p in zip(L.slots, self.params):
             by_bucket.setdefault(s.bucket, []).append((s, p))
         with torch.no_grad():
             for b in L.buckets:
-                buffer = torch.zeros(b.end - b.start, device=device)
+                buffer = torch.zeros(b.end - b.start, dtype=dtype, device=device)
                 for s, p in by_bucket[b.index]:
                     view = buffer[s.offset - b.start : s.offset - b.start + s.numel]
                     view.copy_(p.detach().reshape(-1))
@@ -148,8 +151,8 @@ class ZeroThreeEngine(ZeroEngine):
     def _sync_initial_values(self) -> None:
         """Done bucket by bucket while the shard is built (_build_flat_buffers)."""
 
-    def _master_of(self, pc: _Piece) -> torch.Tensor:
-        return self.flat_params[pc.shard_lo : pc.shard_hi]  # the shard is the fp32 master
+    def _owned_params(self, pc: _Piece) -> torch.Tensor:
+        return self.flat_params[pc.shard_lo : pc.shard_hi]  # flat_params is the shard
 
     @property
     def owns_whole_buckets(self) -> bool:
@@ -220,7 +223,7 @@ class ZeroThreeEngine(ZeroEngine):
     def param_bytes(self) -> int:
         """Parameter bytes held now: the shard and the buckets whole at the moment."""
         whole = sum(self.bucket_params[b].numel() for b in self.whole)
-        return 4 * (self.flat_params.numel() + whole)
+        return self.flat_params.element_size() * (self.flat_params.numel() + whole)
 
     # ---------------------------------------------------------------- hooks
     def _enter_unit(self, unit: int) -> None:
@@ -290,7 +293,10 @@ class ZeroThreeEngine(ZeroEngine):
         super().apply(lr, grad_norm)
 
     def _publish_params(self, wait: bool = True) -> None:
-        """Nothing to send: AdamW updated the shard itself, and every unit is gathered from it when next used."""
+        """Nothing to send: AdamW updated the shard (in bf16 its master, rounded into it here), and every unit is
+        gathered from it when next used."""
+        if self.master is not None:
+            self.flat_params.copy_(self.master)
 
     def wait_params(self, buckets=None) -> None:
         """Gathers are synchronous: nothing is ever in flight."""
@@ -298,7 +304,7 @@ class ZeroThreeEngine(ZeroEngine):
     # ---------------------------------------------------------------- state
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
-        flat = torch.empty(self.layout.padded_numel, device=self.flat_params.device)
+        flat = torch.empty(self.layout.padded_numel, dtype=self.flat_params.dtype, device=self.flat_params.device)
         for b in self.layout.buckets:
             c = b.chunk_numel(self.dp.world_size)
             self.dp.all_gather(flat[b.start : b.end], self.flat_params[b.shard_offset : b.shard_offset + c],
@@ -321,11 +327,12 @@ class ZeroThreeEngine(ZeroEngine):
         return torch.stack([digest, torch.zeros(2, dtype=torch.int64, device=digest.device)])
 
     def master_shard(self) -> torch.Tensor:
-        return self.flat_params
+        return self.flat_params if self.master is None else self.master
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         sd = super().shard_state_dict()
-        sd["master"] = self.flat_params.clone()  # an independent copy, as stages 1 and 2 hand over
+        if self.master is None:
+            sd["master"] = self.flat_params.clone()  # an independent copy, as stages 1 and 2 hand over
         return sd
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -340,6 +347,8 @@ class ZeroThreeEngine(ZeroEngine):
             step = float(sd["step"].item())
             for m in self._master_views:
                 self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+            if self.master is not None:
+                self.master.copy_(sd["master"])
             self.flat_params.copy_(sd["master"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

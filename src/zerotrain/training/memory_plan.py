@@ -4,8 +4,8 @@ State bytes come from the layout the engine will build (the model built on the m
 rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
-                         stage 3: shard x 4                                   the owned chunks (the masters)
-    parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x 4
+                         stage 3: shard x (4 | 2)                             the owned chunks (fp32: the masters)
+    parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2)
                          (zero3.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
@@ -104,7 +104,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     L = layout_of(model, dp, p.bucket_numel)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
-    units = units_whole_bytes(model, L) if p.zero == 3 else 0
+    units = units_whole_bytes(model, L, 2 if p.precision == "bf16" else 4) if p.zero == 3 else 0
     if p.zero == 1:
         # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
         grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)

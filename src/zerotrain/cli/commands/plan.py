@@ -60,8 +60,10 @@ def table(cfg: Config, r: dict) -> str:
     p = cfg.parallel
     bf16 = p.precision == "bf16"
     notes = {
-        "params": "shard x 4 (this rank's chunks: the fp32 masters)" if p.zero == 3 else f"P x {2 if bf16 else 4}",
-        "units": ("the root unit (embeddings, final norm, head) and the largest block, gathered x 4"
+        "params": (f"shard x {2 if bf16 else 4} (this rank's chunks{'' if bf16 else ': the fp32 masters'})"
+                   if p.zero == 3 else f"P x {2 if bf16 else 4}"),
+        "units": ("the root unit (embeddings, final norm, head) and the largest block, gathered x "
+                  f"{2 if bf16 else 4}"
                   if p.zero == 3 else "none: every parameter is held whole (ZeRO-3 gathers units)"),
         "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
                    f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
