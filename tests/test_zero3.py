@@ -1,10 +1,11 @@
 """--zero 3: each DP rank holds its owned chunk of every parameter, units gathered for their forward and backward;
 bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, resumable at every stage.
 
-One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2 and
-3, accumulation 1 and 2 (both --grad-reduce modes), bf16, checkpoints at step 2, resumes across stages, a rollback
-by the guard, and four planted bugs. One start of 3 ranks resumes the 2-rank checkpoints of both stages at 3 ranks. The 1-rank resume, load_model and the refusals run in
-this process.
+One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
+and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks, checkpoints at step 2, resumes
+across stages, a rollback by the guard, and the planted bugs. One start of 3 ranks resumes the 2-rank checkpoints
+of both stages at 3 ranks. The 1-rank resume, load_model, the plan's planted error and the refusals run in this
+process.
 """
 
 import functools
@@ -56,9 +57,13 @@ def runs(tmp_path_factory):
             "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2)),
             "bf16 z2": (stage, config(tmp, "bf16-z2", 2, accum=2, precision="bf16")),
             "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16")),
+            "recompute z2": (stage, config(tmp, "recompute-z2", 2, activation_checkpointing="blocks")),
+            "recompute z3": (stage, config(tmp, "recompute-z3", 3, activation_checkpointing="blocks")),
             "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
             "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
             "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
+            "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
+                                       config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
             "wrong unit": (zero3_jobs.wrong_unit_job, config(tmp, "wrong", 3)),
             "reduced twice": (stage, config(tmp, "twice", 3)),
             "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3))}
@@ -93,7 +98,7 @@ def same_training(a: dict, b: dict) -> bool:
         all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
-@pytest.mark.parametrize("pair", ["gpt2", "llama", "accum", "bf16"])
+@pytest.mark.parametrize("pair", ["gpt2", "llama", "accum", "bf16", "recompute"])
 def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(runs, pair):
     two, three = runs[f"{pair} z2"], runs[f"{pair} z3"]
     # The same layout, gradient additions and reduce-scatters: the same bits, with accumulation too.
@@ -139,6 +144,9 @@ def test_the_guard_rolls_stage3_back_as_it_rolls_stage2_back(runs):
 def test_the_planted_bugs_are_caught(runs):
     # A unit released after its forward and not gathered again for its backward.
     assert "was used while its bucket" in runs["freed before backward"]
+    # ... and a block recomputed in its backward (activation checkpointing) without gathering it.
+    recomputed = runs["recompute not gathered"]
+    assert "was used while its bucket" in recomputed and "transformer.h." in recomputed  # a block's parameter
     # A block's forward gathering its neighbour's buckets.
     assert "was used while its bucket" in runs["wrong unit"]
     # The first block's gradients reduce-scattered into the shard twice: stage 2's training is not reproduced.
@@ -198,7 +206,7 @@ def test_stage3_resumes_on_one_rank(runs, one_rank, tmp_path):
     assert max_rel(final, reference) < 1e-5
 
 
-@pytest.mark.parametrize("flag", [dict(tp=2), dict(activation_checkpointing="blocks"), dict(compile=True),
+@pytest.mark.parametrize("flag", [dict(tp=2), dict(activation_checkpointing="full"), dict(compile=True),
                                   dict(lora_rank=4), dict(async_save=True)],
                          ids=["tp", "checkpointing", "compile", "lora", "async-save"])
 def test_what_stage3_does_not_compose_with_yet_is_refused_in_one_line(tmp_path, flag):

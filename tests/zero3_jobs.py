@@ -8,7 +8,7 @@ import torch
 from dist_jobs import summary
 
 from zerotrain.config import Config
-from zerotrain.parallel import Comm, ReleasedParameterError, ZeroThreeEngine
+from zerotrain.parallel import Comm, ReleasedParameterError, ZeroThreeEngine, zero3
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import train
 
@@ -102,3 +102,15 @@ def rolled_back_job(cfg: Config, comm: Comm) -> dict:
         result = train(cfg, comm)
     return {"losses": [r["loss"] for r in result.records], "rollbacks": result.rollbacks,
             "params": result.engine.full_state_dict()}
+
+
+def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: a block's forward recomputed in its backward (activation checkpointing) is not gathered."""
+    real = ZeroThreeEngine.gather_unit
+
+    def not_in_backward(self, unit, phase):
+        if unit == 0 or not zero3._in_backward():
+            real(self, unit, phase)
+
+    with mock.patch.object(ZeroThreeEngine, "gather_unit", not_in_backward):
+        return _error_of(cfg, comm)

@@ -245,11 +245,11 @@ class ParallelConfig:
                         "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed); 3 "
                         "also the parameters (each transformer block's buckets gathered for its forward and again for "
                         "its backward, released after each)", rule=Rule("must be 1, 2 or 3", lambda v: v in (1, 2, 3)))
-    grad_reduce: str = setting("step", "how --zero 2 and 3 reduce accumulated gradients: step (every bucket's full-size "
-                               "gradients kept through the window, one reduce-scatter round per step) or micro-batch "
-                               "(each micro-batch's buckets reduce-scattered into the fp32 shard, which accumulates: "
-                               "the shard and two buckets of gradient memory at any --accum, --accum times the "
-                               "traffic)", rule=one_of("step", "micro-batch"))
+    grad_reduce: str = setting("step", "how --zero 2 and 3 reduce accumulated gradients: step (every bucket's "
+                               "full-size gradients kept through the window, one reduce-scatter round per step) or "
+                               "micro-batch (each micro-batch's buckets reduce-scattered into the fp32 shard, which "
+                               "accumulates: the shard and two buckets of gradient memory at any --accum, --accum "
+                               "times the traffic)", rule=one_of("step", "micro-batch"))
     activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
                                             "the block in the backward (less memory, more compute); full: the "
                                             "blocks, and the head with the loss too (not with --compile); or none",
@@ -529,7 +529,7 @@ def _check_zero3(cfg: Config) -> None:
     """What --zero 3 does not compose with yet, refused in one line each."""
     p = cfg.parallel
     refused = [(p.tp > 1, f"--tp {p.tp}"),
-               (p.activation_checkpointing != "none", f"--activation-checkpointing {p.activation_checkpointing}"),
+               (p.activation_checkpointing == "full", "--activation-checkpointing full"),
                (cfg.loop.compile, "--compile"), (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"),
                (cfg.checkpoint.async_save, "--async-save")]
     for bad, flag in refused:

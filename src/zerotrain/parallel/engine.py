@@ -1,4 +1,4 @@
-"""The ZeRO engine (stage 1 or 2; stage 3 builds on it in zero3.py): flat layout, buckets, reduce-scatter, AdamW, gather.
+"""The ZeRO engine (stages 1 and 2; zero3.py builds stage 3 on it): flat layout, buckets, reduce-scatter, AdamW.
 
 Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
 each bucket is padded to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's
@@ -123,7 +123,8 @@ class ZeroEngine:
         stage: int = 1,
         grad_reduce: str = "step",
     ):
-        """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh` when there is one).
+        """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh`
+        when there is one).
 
         `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway. `grad_reduce`
         "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets into the shard, which accumulates.

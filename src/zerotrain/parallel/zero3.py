@@ -20,6 +20,10 @@ of width 256, 1 MiB buckets, the step went from 1.30x stage 2's time to 1.26x). 
 straddles two units is whole while either needs it. Every parameter is a permanent view of its bucket's buffer;
 releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold nothing.
 
+With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
+saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
+(`full` recomputes the head outside the model's forward, past the root unit's hooks: refused.)
+
 Gathers are synchronous: on CPU (gloo over loopback, 2 cores) a transfer behind compute takes the cores the compute
 needs (DESIGN.md), so a one-unit-ahead prefetch was not built; with CUDA it would be the next step.
 
@@ -69,6 +73,11 @@ def _current_saved_tensors_hooks():
     on to them (the innermost hooks are the only ones torch calls)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks if hooks is not None and hooks[0] is not None else None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def model_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -227,6 +236,12 @@ class ZeroThreeEngine(ZeroEngine):
 
     # ---------------------------------------------------------------- hooks
     def _enter_unit(self, unit: int) -> None:
+        if _in_backward():
+            # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
+            # as it has what the backward needs, before the forward hook: held for the backward, released with it.
+            self.gather_unit(unit, "backward")
+            self.check_whole(unit)
+            return
         if unit == 0 and torch.is_grad_enabled():
             self._outer_hooks = _current_saved_tensors_hooks()
             self._saved_hooks.__enter__()
@@ -235,6 +250,8 @@ class ZeroThreeEngine(ZeroEngine):
         self.check_whole(unit)
 
     def _leave_unit(self, unit: int) -> None:
+        if _in_backward():
+            return
         self._current.pop()
         if unit == 0 and torch.is_grad_enabled():
             # The head's backward comes first and needs the root again: it stays whole for it, not gathered twice.

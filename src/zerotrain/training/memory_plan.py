@@ -54,7 +54,8 @@ from zerotrain.parallel.zero3 import units_whole_bytes
 from .invariants import InvariantError, held_bytes
 
 # The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
-ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole (ZeRO-3)"), ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
+ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole (ZeRO-3)"),
+        ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
