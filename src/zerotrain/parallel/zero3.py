@@ -24,11 +24,13 @@ With --activation-checkpointing blocks a block's forward runs again in its backw
 saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
 (`full` recomputes the head outside the model's forward, past the root unit's hooks: refused.)
 
-Gathers are synchronous: on CPU (gloo over loopback, 2 cores) a transfer behind compute takes the cores the compute
-needs (DESIGN.md), so a one-unit-ahead prefetch was not built; with CUDA it would be the next step.
+Gathers are synchronous. A one-block-ahead prefetch of the forward's gathers (async, waited for by the block's
+pre-hook) was measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256: 1.07x stage 2's step against 1.09x
+(4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of
+overlap on 2 cores; it was not kept. With CUDA a prefetch on its own stream is the next step.
 
 The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 (at any
-accumulation: the buckets' gradients stay through the window, one reduce-scatter round per step).
+accumulation, with --grad-reduce step or micro-batch).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class ZeroThreeEngine(ZeroEngine):
 
     def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
                  grad_reduce="step", **_ignored):
+        # _ignored: stage 1's and 2's overlap switches; stage 3 reduces in backward and gathers when a unit runs.
         super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
                          gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce)
 
