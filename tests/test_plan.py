@@ -115,7 +115,7 @@ def test_plan_command_json_and_the_largest_micro_batch_that_fits(capsys):
     (["--nproc", "8", "--tp", "3"], "--tp 3 does not divide the world size 8"),
     (["--device-memory", "lots"], "--device-memory 'lots' is not a size"),
     (["--device-memory", "0GiB"], "--device-memory '0GiB' is not a size"),
-    (["--zero", "3"], "--zero must be 1 or 2, got 3"),
+    (["--zero", "4"], "--zero must be 1, 2 or 3, got 4"),
 ])
 def test_plan_refuses_bad_settings_in_one_line(capsys, argv, says):
     assert cli.main(["plan", "--preset", "tiny", "--data", "synthetic", *argv]) == 2

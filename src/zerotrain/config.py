@@ -242,8 +242,14 @@ class ParallelConfig:
     overlap: str = setting("auto", "communicate during compute: reduce-scatter in backward, all-gather in the next "
                            "forward: on, off, or auto (on with CUDA, off on CPU)", rule=one_of("auto", "on", "off"))
     zero: int = setting(1, "ZeRO stage: 1 shards the optimizer state over the DP ranks; 2 also the gradients (each "
-                        "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed)",
-                        rule=Rule("must be 1 or 2", lambda v: v in (1, 2)))
+                        "bucket is reduce-scattered as its last gradient arrives, and its full-size storage freed); 3 "
+                        "also the parameters (each transformer block's buckets gathered for its forward and again for "
+                        "its backward, released after each)", rule=Rule("must be 1, 2 or 3", lambda v: v in (1, 2, 3)))
+    grad_reduce: str = setting("step", "how --zero 2 and 3 reduce accumulated gradients: step (every bucket's "
+                               "full-size gradients kept through the window, one reduce-scatter round per step) or "
+                               "micro-batch (each micro-batch's buckets reduce-scattered into the fp32 shard, which "
+                               "accumulates: the shard and two buckets of gradient memory at any --accum, --accum "
+                               "times the traffic)", rule=one_of("step", "micro-batch"))
     activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
                                             "the block in the backward (less memory, more compute); full: the "
                                             "blocks, and the head with the loss too (not with --compile); or none",
@@ -519,6 +525,18 @@ def apply_preset(cfg: Config, name: str) -> None:
         setattr(cfg.model, k, v)
 
 
+def _check_zero3(cfg: Config) -> None:
+    """What --zero 3 does not compose with yet, refused in one line each."""
+    p = cfg.parallel
+    refused = [(p.tp > 1, f"--tp {p.tp}"),
+               (p.activation_checkpointing == "full", "--activation-checkpointing full"),
+               (cfg.loop.compile, "--compile"), (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"),
+               (cfg.checkpoint.async_save, "--async-save")]
+    for bad, flag in refused:
+        if bad:
+            raise ConfigError(f"--zero 3 does not work with {flag} yet: use --zero 2 for it, or leave {flag} out")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting against its rule and the settings against each other; change nothing.
 
@@ -536,6 +554,10 @@ def validate(cfg: Config) -> Config:
     if m.context and m.context < m.seq_len:
         raise ConfigError(f"--context {m.context} is shorter than --seq-len {m.seq_len}: the model holds at least the "
                           "positions it trains on")
+    if p.zero == 3:
+        _check_zero3(cfg)
+    if p.grad_reduce == "micro-batch" and p.zero == 1:
+        raise ConfigError("--grad-reduce micro-batch needs --zero 2 or 3: stage 1 keeps full gradients anyway")
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")

@@ -328,6 +328,11 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
     files = {shard_name(rank, world_size): {k: v.detach().cpu().contiguous()
                                             for k, v in engine.shard_state_dict().items()}}
     T = engine.mesh.tp_size
+    if T == 1 and engine.stage == 3:  # sharded parameters: every DP rank takes part in gathering them
+        model = engine.full_state_dict()
+        if rank == 0:
+            files[MODEL_FILE] = model
+        return files
     if T == 1:
         if rank == 0:
             # the trained parameters (a LoRA run's adapters; its frozen base is the manifest's init_from record)

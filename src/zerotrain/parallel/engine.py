@@ -1,4 +1,4 @@
-"""The ZeRO engine (stage 1 or 2): flat layout, gradient buckets, reduce-scatter, AdamW on the shard, all-gather.
+"""The ZeRO engine (stages 1 and 2; zero3.py builds stage 3 on it): flat layout, buckets, reduce-scatter, AdamW.
 
 Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
 each bucket is padded to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's
@@ -30,7 +30,9 @@ fit in the bytes of the two largest buckets: a bucket's buffer, when its first g
 oldest reduce-scatters until it fits (stage 2 reduces in backward whatever `reduce_in_backward` says: holding every
 bucket until after backward would be stage 1's memory). With accumulation the buffers stay through the window (one
 reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both
-stages compute bitwise the same shard.
+stages compute bitwise the same shard. With `grad_reduce="micro-batch"` every micro-batch's buckets are
+reduce-scattered and freed instead, into the shard, which accumulates over the window: the two buckets' memory at any
+accumulation, for accumulation x the reduce-scatter traffic (and another order of the additions: not bitwise).
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
@@ -119,14 +121,18 @@ class ZeroEngine:
         gather_in_forward: bool = True,
         mesh: Mesh | None = None,
         stage: int = 1,
+        grad_reduce: str = "step",
     ):
-        """ZeRO stage `stage` (1 or 2) shards over `dp`, the data-parallel group (of `mesh` when there is one).
+        """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh`
+        when there is one).
 
-        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway.
+        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway. `grad_reduce`
+        "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets into the shard, which accumulates.
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
         self.precision, self.stage = precision, stage
+        self.per_micro_batch = grad_reduce == "micro-batch" and stage >= 2
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
         self.layout = layout_of(model, dp.world_size, bucket_numel)
         by_name = dict(model.named_parameters())
@@ -136,8 +142,7 @@ class ZeroEngine:
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
         self.frozen = frozen_parameters(model)
         self._build_flat_buffers()
-        # DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical.
-        dp.broadcast(self.flat_params, 0, "broadcast_init")
+        self._sync_initial_values()
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
         # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
         # in the norm by the first of them only.
@@ -177,6 +182,10 @@ class ZeroEngine:
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
+    def _sync_initial_values(self) -> None:
+        """DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical."""
+        self.dp.broadcast(self.flat_params, 0, "broadcast_init")
+
     @property
     def owns_whole_buckets(self) -> bool:
         """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer (a view, no copy)."""
@@ -196,16 +205,13 @@ class ZeroEngine:
         if self.precision == "bf16":
             self.master = torch.empty(L.shard_numel, device=device)
             for pc in self._pieces:
-                self.master[pc.shard_lo : pc.shard_hi] = self.flat_params[pc.flat_lo : pc.flat_hi].float()
+                self.master[pc.shard_lo : pc.shard_hi] = self._owned_params(pc).float()
         self.exp_avg = torch.zeros(L.shard_numel, device=device)
         self.exp_avg_sq = torch.zeros(L.shard_numel, device=device)
         self._master_views = []
         decayed, plain = [], []
         for pc in self._pieces:
-            if self.master is None:
-                m = self.flat_params[pc.flat_lo : pc.flat_hi]  # alias: fp32 master is the parameter itself
-            else:
-                m = self.master[pc.shard_lo : pc.shard_hi]
+            m = self._master_of(pc)
             m.grad = self.grad_shard[pc.shard_lo : pc.shard_hi]
             self._master_views.append(m)
             (decayed if pc.decay else plain).append(m)
@@ -223,6 +229,16 @@ class ZeroEngine:
                 "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
             }
 
+    def _master_of(self, pc: _Piece) -> torch.Tensor:
+        """The fp32 master values of piece `pc`: in fp32 the owned parameter values themselves (an alias)."""
+        if self.master is None:
+            return self._owned_params(pc)
+        return self.master[pc.shard_lo : pc.shard_hi]
+
+    def _owned_params(self, pc: _Piece) -> torch.Tensor:
+        """The parameter values of piece `pc` (a view of the flat buffer)."""
+        return self.flat_params[pc.flat_lo : pc.flat_hi]
+
     def _register_hooks(self) -> None:
         """Bucket bookkeeping, and the hooks that launch reduce-scatters in backward and wait in forward."""
         L = self.layout
@@ -235,7 +251,7 @@ class ZeroEngine:
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
-        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage == 2:
+        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage >= 2:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.gather_in_forward:
@@ -292,7 +308,7 @@ class ZeroEngine:
             raise StaleParameterError(
                 f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
                 "before reading parameters outside the model's forward")
-        if self.stage == 2:
+        if self.stage >= 2:
             b = self.layout.buckets[s.bucket]
             with torch.no_grad():
                 self._bucket_grad(s.bucket)[s.offset - b.start : s.offset - b.start + s.numel].add_(
@@ -302,7 +318,7 @@ class ZeroEngine:
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
-        if self._sync and (self.reduce_in_backward or self.stage == 2):
+        if (self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2):
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(
@@ -313,12 +329,21 @@ class ZeroEngine:
             while self._launched < len(self._ready) and \
                     self._ready[self._launched] == self._bucket_sizes[self._launched]:
                 self._launch(self._launched)
+            if self.per_micro_batch and self._launched == len(self._ready):  # this micro-batch's share is sent
+                self._finish_reduces()
+                self._ready = [0] * len(self._ready)
+                self._launched = 0
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
         c = b.chunk_numel(self.dp.world_size)
         out = self.grad_shard[b.shard_offset : b.shard_offset + c]
         grads = self.grad_accum[b.start : b.end] if self.stage == 1 else self._bucket_grad(index)
+        if self.per_micro_batch:
+            # The shard accumulates over the window: its sum so far goes into this rank's own chunk of the bucket
+            # (which it does not send), so the reduce-scatter's result is the sum so far plus every rank's part.
+            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
+            grads[lo - b.start : hi - b.start].add_(out)
         work = self.dp.reduce_scatter(out, grads, "reduce_scatter_grads", async_op=True)
         self._pending.append((index, work))
         self._launched += 1
@@ -366,6 +391,8 @@ class ZeroEngine:
             self.grad_accum.zero_()
         self._ready = [0] * len(self._ready)
         self._launched = 0
+        if self.per_micro_batch:
+            self.grad_shard.zero_()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -374,7 +401,9 @@ class ZeroEngine:
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
         summed over ranks.
         """
-        while self._launched < len(self.layout.buckets):
+        # With --grad-reduce micro-batch every micro-batch's backward has launched all its buckets already, unless
+        # a parameter had no gradient in it.
+        while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)):
             self._launch(self._launched)
         self._finish_reduces()
         limbs = grad_norm.exact_sum_limbs(self._counted_grad_sumsq())

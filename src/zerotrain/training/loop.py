@@ -19,7 +19,7 @@ from zerotrain.hub.init_from import load_local, weight_source
 from zerotrain.model import ARCH_NAMES, build_model, param_count, parallelize, summed_token_loss
 from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters
-from zerotrain.parallel import Comm, Mesh, ZeroEngine
+from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
 from zerotrain.runtime.launch import rank_device
@@ -60,7 +60,7 @@ class TrainResult:
 
 
 def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
-    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1 or 2) over the DP group.
+    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the DP group.
 
     From the seed, or with --init-from from those weights: built on the meta device and filled with the
     slices this rank trains, read from the files (no full copy of a split tensor on any rank).
@@ -78,9 +78,11 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
-    return ZeroEngine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
+    engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
+    return engine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                          precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
-                         gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero)
+                         gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
+                  grad_reduce=cfg.parallel.grad_reduce)
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so

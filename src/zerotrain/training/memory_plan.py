@@ -4,13 +4,16 @@ State bytes come from the layout the engine will build (the model built on the m
 rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
+                         stage 3: shard x (4 | 2)                             the owned chunks (fp32: the masters)
+    parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2)
+                         (zero3.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
                          (on one DP rank no shard: it is the fp32 buffer itself)
                          stage 2: shard x 4                                   held between steps
     gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (the buckets in
                          their reduce-scatters and the one filling fit in it); every bucket (padded P x 4) through
-                         a window
+                         a window, unless --grad-reduce micro-batch (then the two largest at any accumulation)
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
@@ -46,11 +49,13 @@ from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters
+from zerotrain.parallel.zero3 import units_whole_bytes
 
 from .invariants import InvariantError, held_bytes
 
 # The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
-ROWS = (("parameters", "parameters"), ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
+ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole (ZeRO-3)"),
+        ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
@@ -100,16 +105,19 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     L = layout_of(model, dp, p.bucket_numel)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
+    units = units_whole_bytes(model, L, 2 if p.precision == "bf16" else 4) if p.zero == 3 else 0
     if p.zero == 1:
         # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
         grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
         buckets = 0
     else:
         grads = shard * 4
-        buckets = stage2_bucket_budget(L) if cfg.loop.accum == 1 else 4 * padded
+        per_micro_batch = cfg.loop.accum == 1 or p.grad_reduce == "micro-batch"
+        buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
     staging = (shard * 12 + tp * padded * 4) if cfg.checkpoint.async_save else 0
     rows = {
-        "parameters": padded * psize,
+        "parameters": (shard if p.zero == 3 else padded) * psize,  # ZeRO-3: the owned chunks only
+        "parameter_units": units,
         "frozen_base": sum(p.numel() for _, p in frozen_parameters(model)) * psize,
         "gradients": grads,
         "optimizer_state": shard * 8,
@@ -230,7 +238,8 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     the planned buckets. Returns a warning line when the first micro-batch's saved activations (`saved_bytes`,
     rank 0's; None: not counted) are off by more than 10%."""
     held = measured_state(engine)
-    row = [held[k] for k in STATE] + [held_state_bytes(engine), engine.grad_peak_bytes]
+    param_peak = getattr(engine, "param_peak_bytes", held["parameters"])  # ZeRO-3: the shard and units whole
+    row = [held[k] for k in STATE] + [held_state_bytes(engine), param_peak, engine.grad_peak_bytes]
     rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
     peak = plan.rows["gradients"] + plan.rows["gradient_buckets"]
     state = sum(plan.rows[k] for k in STATE)
@@ -243,6 +252,10 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
             raise InvariantError(f"memory plan failed at step {step}: rank {rank} holds {measured[len(STATE)]:,} "
                                  f"bytes in the tensors of its engine, model and optimizer, the plan's state "
                                  f"{state:,}")
+        if measured[-2] > plan.rows["parameters"] + plan.rows["parameter_units"]:
+            raise InvariantError(f"memory plan failed at step {step}: rank {rank} held {measured[-2]:,} bytes of "
+                                 f"parameters at once, the plan at most "
+                                 f"{plan.rows['parameters'] + plan.rows['parameter_units']:,}")
         if measured[-1] > peak:
             raise InvariantError(f"memory plan failed at step {step}: rank {rank} held {measured[-1]:,} bytes of "
                                  f"gradients at once, the plan at most {peak:,}")

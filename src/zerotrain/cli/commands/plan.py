@@ -13,7 +13,8 @@ from zerotrain.training.memory_plan import ROWS, gib, largest_micro_batch, memor
 
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
-    "parameters": "P x {p}",
+    "parameters": "{params}",
+    "parameter_units": "{units}",
     "frozen_base": "{frozen}",
     "gradients": "{grads}",
     "optimizer_state": "shard x 8 (AdamW's two moments)",
@@ -59,15 +60,20 @@ def table(cfg: Config, r: dict) -> str:
     p = cfg.parallel
     bf16 = p.precision == "bf16"
     notes = {
-        "p": 2 if bf16 else 4,
+        "params": (f"shard x {2 if bf16 else 4} (this rank's chunks{'' if bf16 else ': the fp32 masters'})"
+                   if p.zero == 3 else f"P x {2 if bf16 else 4}"),
+        "units": ("the root unit (embeddings, final norm, head) and the largest block, gathered x "
+                  f"{2 if bf16 else 4}"
+                  if p.zero == 3 else "none: every parameter is held whole (ZeRO-3 gathers units)"),
         "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
                    f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
-        "grads": "shard x 4" if p.zero == 2 else
+        "grads": "shard x 4" if p.zero >= 2 else
                  f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
         "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
-                    "two largest buckets x 4" if cfg.loop.accum == 1 else "every bucket, through the window"),
+                    "two largest buckets x 4" if cfg.loop.accum == 1 or p.grad_reduce == "micro-batch" else
+                    "every bucket, through the window"),
         "B": r["micro_batch"], "T": r["seq_len"],
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],

@@ -1,0 +1,376 @@
+"""ZeRO stage 3: each DP rank holds only its owned chunk of every parameter; a unit's buckets are whole only while used.
+
+The flat layout is stage 1's and 2's (same buckets, same padding, same owned chunks), so the optimizer shard, the
+gradient norm's grid and the checkpoint are theirs too. What changes is where the parameters live:
+
+    between steps          this rank's owned chunks only (`flat_params` is the shard: in fp32 the masters themselves;
+                           in bf16 the values gathered, rounded from an fp32 master shard after each update)
+    a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
+                           their storage released after it (forward hook)
+    a unit's backward      gathered again when autograd first unpacks a weight the unit's forward saved
+                           (saved-tensor hooks: the saved weight is kept as a reference, not the tensor), and
+                           released once every parameter of the unit has its gradient
+    gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
+                           arrives, its full-size buffer freed
+
+Units: each transformer block is one; the rest (embeddings, final norm and the head, tied or not) is the root unit,
+whole from the model's forward to the end of its backward: a tied head needs the embedding again at the end of the
+forward, and the head's backward comes first (kept whole rather than gathered again: on 2 CPU ranks, 8 blocks
+of width 256, 1 MiB buckets, the step went from 1.30x stage 2's time to 1.26x). A bucket that
+straddles two units is whole while either needs it. Every parameter is a permanent view of its bucket's buffer;
+releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold nothing.
+
+With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
+saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
+(`full` recomputes the head outside the model's forward, past the root unit's hooks: refused.)
+
+Gathers are synchronous. A one-block-ahead prefetch of the forward's gathers (async, waited for by the block's
+pre-hook) was measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256: 1.07x stage 2's step against 1.09x
+(4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of
+overlap on 2 cores; it was not kept. With CUDA a prefetch on its own stream is the next step.
+
+The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 (at any
+accumulation, with --grad-reduce step or micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zerotrain.errors import ZeroTrainError
+
+from .digest import tensor_digest
+from .engine import ZeroEngine, _Piece, stage2_bucket_budget
+from .layout import ShardLayout
+
+
+class ReleasedParameterError(ZeroTrainError):
+    """A parameter was read while its bucket's storage was released (not gathered)."""
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """Where a parameter view saved for backward lies: its unit, its bucket, and its place in the bucket's buffer."""
+
+    unit: int
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were active around the model's forward."""
+
+    unpack: Callable
+    packed: object
+
+
+def _current_saved_tensors_hooks():
+    """The (pack, unpack) saved-tensor hooks active now, or None: the engine's own hooks pass what is not a weight
+    on to them (the innermost hooks are the only ones torch calls)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks if hooks is not None and hooks[0] is not None else None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def model_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose parameters are gathered together: the root model first, then every transformer block
+    (the members of the model's first ModuleList), in forward order."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            return [model, *module]
+    return [model]
+
+
+def unit_parameters(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Each unit's trained parameters (model_units' order): a block's own; the root's, those in no block."""
+    units = model_units(model)
+    named = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # a tied parameter once
+    in_block = {id(p) for u in units[1:] for p in u.parameters()}
+    out = [[(named[id(p)], p) for p in units[0].parameters() if id(p) in named and id(p) not in in_block]]
+    out += [[(named[id(p)], p) for p in u.parameters() if id(p) in named] for u in units[1:]]
+    return out
+
+
+def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int, ...]]:
+    """The buckets each unit's parameters lie in (a bucket at a boundary is in both units' lists)."""
+    bucket_of = {s.name: s.bucket for s in layout.slots}
+    return [tuple(sorted({bucket_of[n] for n, _ in params})) for params in unit_parameters(model)]
+
+
+def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4) -> int:
+    """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
+    the backward) with the largest block. A block's backward gathers it after the next block's last gradient has
+    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so two blocks are never
+    whole together; the run's check of the plan would say so if they were."""
+    units = unit_buckets(model, layout)
+    root, blocks = set(units[0]), units[1:] or [()]
+    size = {b.index: b.end - b.start for b in layout.buckets}
+    return element_size * max(sum(size[b] for b in root | set(block)) for block in blocks)
+
+
+class ZeroThreeEngine(ZeroEngine):
+    """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
+                 grad_reduce="step", **_ignored):
+        # _ignored: stage 1's and 2's overlap switches; stage 3 reduces in backward and gathers when a unit runs.
+        super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
+                         gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce)
+
+    # ---------------------------------------------------------------- building
+    def _build_flat_buffers(self) -> None:
+        """Rank 0's initial values, broadcast a bucket at a time, keep only this rank's chunks: the shard."""
+        L, device = self.layout, self.params[0].device
+        W, rank = self.dp.world_size, self.dp.rank
+        # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
+        self.bucket_params: list[torch.Tensor] = []  # each bucket's full-size buffer, its storage held only while whole
+        by_bucket: dict[int, list] = {}
+        for s, p in zip(L.slots, self.params):
+            by_bucket.setdefault(s.bucket, []).append((s, p))
+        with torch.no_grad():
+            for b in L.buckets:
+                buffer = torch.zeros(b.end - b.start, dtype=dtype, device=device)
+                for s, p in by_bucket[b.index]:
+                    view = buffer[s.offset - b.start : s.offset - b.start + s.numel]
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view(s.shape)
+                self.dp.broadcast(buffer, 0, "broadcast_init")  # as stages 1 and 2: every rank starts from rank 0's
+                lo, hi = b.chunk(rank, W)
+                self.flat_params[b.shard_offset : b.shard_offset + hi - lo] = buffer[lo - b.start : hi - b.start]
+                buffer.untyped_storage().resize_(0)
+                self.bucket_params.append(buffer)
+        self.flat_grads = torch.zeros(0, device=device)
+        self.grad_accum = self.flat_grads
+        self.grad_shard = torch.zeros(L.shard_numel, device=device)
+        self._bucket_grads: dict[int, torch.Tensor] = {}
+        self._bucket_budget = stage2_bucket_budget(L)
+        self.grad_peak_bytes = self.grad_bytes()
+        self.whole: set[int] = set()  # buckets whose buffers hold their values now
+        self.param_peak_bytes = self.param_bytes()
+
+    def _sync_initial_values(self) -> None:
+        """Done bucket by bucket while the shard is built (_build_flat_buffers)."""
+
+    def _owned_params(self, pc: _Piece) -> torch.Tensor:
+        return self.flat_params[pc.shard_lo : pc.shard_hi]  # flat_params is the shard
+
+    @property
+    def owns_whole_buckets(self) -> bool:
+        return False
+
+    def _register_hooks(self) -> None:
+        """Stage 2's gradient hooks, and the units' gather and release hooks."""
+        super()._register_hooks()
+        self.units = model_units(self.model)
+        self.unit_buckets = unit_buckets(self.model, self.layout)
+        params = unit_parameters(self.model)
+        self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
+        self._unit_sizes = [len(unit) for unit in params]
+        self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
+        self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
+        self._current: list[int] = []  # the units whose forward is running, innermost last
+        self._outer_hooks = None
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        for index, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
+            unit.register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
+
+    # ---------------------------------------------------------------- gather and release
+    def gather_unit(self, unit: int, phase: str) -> None:
+        """Make `unit`'s buckets whole, held for `phase` ("forward" or "backward")."""
+        for b in self.unit_buckets[unit]:
+            holders = self._holds.setdefault(b, set())
+            if b not in self.whole:
+                self._gather_bucket(b)
+            holders.add((unit, phase))
+
+    def check_whole(self, unit: int) -> None:
+        """Raise unless every parameter of `unit` is in a gathered bucket (from the parameters, not the unit's list)."""
+        for p in self.units[unit].parameters():
+            s = self._slot_of.get(id(p))
+            if s is not None and self._unit_of.get(id(p)) == unit and s.bucket not in self.whole:
+                raise ReleasedParameterError(f"{s.name} was used while its bucket {s.bucket} was not gathered "
+                                             f"(unit {unit})")
+
+    def release_unit(self, unit: int, phase: str) -> None:
+        """`unit` no longer needs its buckets for `phase`; a bucket no unit holds is released."""
+        for b in self.unit_buckets[unit]:
+            holders = self._holds.get(b, set())
+            holders.discard((unit, phase))
+            if not holders:
+                self._release_bucket(b)
+
+    def release_all(self) -> None:
+        """Release every bucket (before the optimizer updates the shard: no stale copy survives the step)."""
+        self._holds.clear()
+        for b in list(self.whole):
+            self._release_bucket(b)
+        self._arrived = [0] * len(self.units)
+
+    def _gather_bucket(self, index: int) -> None:
+        b, buffer = self.layout.buckets[index], self.bucket_params[index]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        c = b.chunk_numel(self.dp.world_size)
+        # Counted apart from stages 1 and 2's one round per step ("all_gather_params"), which stage 3 never runs.
+        self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c], "all_gather_units")
+        self.whole.add(index)
+        self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes())
+
+    def _release_bucket(self, index: int) -> None:
+        self.bucket_params[index].untyped_storage().resize_(0)
+        self.whole.discard(index)
+
+    def param_bytes(self) -> int:
+        """Parameter bytes held now: the shard and the buckets whole at the moment."""
+        whole = sum(self.bucket_params[b].numel() for b in self.whole)
+        return self.flat_params.element_size() * (self.flat_params.numel() + whole)
+
+    # ---------------------------------------------------------------- hooks
+    def _enter_unit(self, unit: int) -> None:
+        if _in_backward():
+            # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
+            # as it has what the backward needs, before the forward hook: held for the backward, released with it.
+            self.gather_unit(unit, "backward")
+            self.check_whole(unit)
+            return
+        if unit == 0 and torch.is_grad_enabled():
+            self._outer_hooks = _current_saved_tensors_hooks()
+            self._saved_hooks.__enter__()
+        self._current.append(unit)
+        self.gather_unit(unit, "forward")
+        self.check_whole(unit)
+
+    def _leave_unit(self, unit: int) -> None:
+        if _in_backward():
+            return
+        self._current.pop()
+        if unit == 0 and torch.is_grad_enabled():
+            # The head's backward comes first and needs the root again: it stays whole for it, not gathered twice.
+            self.gather_unit(0, "backward")
+            self._saved_hooks.__exit__(None, None, None)
+        self.release_unit(unit, "forward")
+
+    def _pack(self, tensor: torch.Tensor):
+        """A tensor saved for backward that is a view of a bucket buffer is kept as where it lies, not as itself:
+        its bucket is released after the forward, and gathered again when backward unpacks it."""
+        if self._current and tensor.device == self.flat_params.device and tensor.untyped_storage().size():
+            ptr = tensor.untyped_storage().data_ptr()
+            for b in self.whole:
+                if self.bucket_params[b].untyped_storage().data_ptr() == ptr:
+                    unit = self._unit_owning(b)
+                    return _SavedWeight(unit, b, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        if self._outer_hooks is not None:  # hooks around the model's forward (activations.py counts the bytes saved)
+            return _Outer(self._outer_hooks[1], self._outer_hooks[0](tensor))
+        return tensor
+
+    def _unit_owning(self, bucket: int) -> int:
+        """The innermost running unit that holds `bucket` (the one whose weight is being saved)."""
+        for unit in reversed(self._current):
+            if bucket in self.unit_buckets[unit]:
+                return unit
+        return self._current[-1]
+
+    def _unpack(self, packed):
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        if not isinstance(packed, _SavedWeight):
+            return packed
+        unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
+        if (unit, "backward") not in self._holds.get(b, set()):
+            self.gather_unit(unit, "backward")
+            self.check_whole(unit)
+        if b not in self.whole:
+            raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
+        return self.bucket_params[b].as_strided(shape, stride, offset)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        super()._on_grad_ready(p)
+        unit = self._unit_of[id(p)]
+        self._arrived[unit] += 1
+        if self._arrived[unit] == self._unit_sizes[unit]:  # the unit's backward is done
+            self._arrived[unit] = 0
+            self.release_unit(unit, "backward")
+
+    # ---------------------------------------------------------------- optimizer side
+    def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
+        self.release_all()
+        return super().reduce_grads(extras)
+
+    def apply(self, lr: float, grad_norm: float) -> None:
+        self.release_all()
+        super().apply(lr, grad_norm)
+
+    def _publish_params(self, wait: bool = True) -> None:
+        """Nothing to send: AdamW updated the shard (in bf16 its master, rounded into it here), and every unit is
+        gathered from it when next used."""
+        if self.master is not None:
+            self.flat_params.copy_(self.master)
+
+    def wait_params(self, buckets=None) -> None:
+        """Gathers are synchronous: nothing is ever in flight."""
+
+    # ---------------------------------------------------------------- state
+    def gathered_flat(self) -> torch.Tensor:
+        """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
+        flat = torch.empty(self.layout.padded_numel, dtype=self.flat_params.dtype, device=self.flat_params.device)
+        for b in self.layout.buckets:
+            c = b.chunk_numel(self.dp.world_size)
+            self.dp.all_gather(flat[b.start : b.end], self.flat_params[b.shard_offset : b.shard_offset + c],
+                               "all_gather_state")
+        return flat
+
+    def param_digests(self) -> torch.Tensor:
+        """Invariant (b) for sharded parameters: the digest of what this rank computes with, every bucket as it holds
+        it now, or as gathered from the shards where it is released. Every DP rank must see the same values: a
+        bucket kept whole past the step (stale) or gathered wrong differs from the others' fresh gather."""
+        rows = []
+        for b in self.layout.buckets:
+            if b.index in self.whole:
+                rows.append(tensor_digest(self.bucket_params[b.index].detach()))
+            else:
+                self._gather_bucket(b.index)
+                rows.append(tensor_digest(self.bucket_params[b.index].detach()))
+                self._release_bucket(b.index)
+        digest = tensor_digest(torch.cat(rows))
+        return torch.stack([digest, torch.zeros(2, dtype=torch.int64, device=digest.device)])
+
+    def master_shard(self) -> torch.Tensor:
+        return self.flat_params if self.master is None else self.master
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = super().shard_state_dict()
+        if self.master is None:
+            sd["master"] = self.flat_params.clone()  # an independent copy, as stages 1 and 2 hand over
+        return sd
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if tuple(sd[key].shape) != (self.layout.shard_numel,):
+                raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
+                                 f"expected ({self.layout.shard_numel},)")
+        self.release_all()
+        with torch.no_grad():
+            self.exp_avg.copy_(sd["exp_avg"])
+            self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+            step = float(sd["step"].item())
+            for m in self._master_views:
+                self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+            if self.master is not None:
+                self.master.copy_(sd["master"])
+            self.flat_params.copy_(sd["master"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's parameters by name, fp32 on the CPU: a collective of the DP group."""
+        return self.full_tensors(self.gathered_flat())

@@ -1,0 +1,225 @@
+"""--zero 3: each DP rank holds its owned chunk of every parameter, units gathered for their forward and backward;
+bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, resumable at every stage.
+
+One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
+and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks, checkpoints at step 2, resumes
+across stages, a rollback by the guard, and the planted bugs. One start of 3 ranks resumes the 2-rank checkpoints
+of both stages at 3 ranks. The 1-rank resume, load_model, the plan's planted error and the refusals run in this
+process.
+"""
+
+import functools
+import os
+
+import dist_jobs
+import pytest
+import torch
+import zero3_jobs
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+from zerotrain import checkpoint, load_model
+from zerotrain.cli.main import main
+from zerotrain.errors import ConfigError
+from zerotrain.runtime.launch import run_job
+from zerotrain.training.loop import train
+from zerotrain.training import memory_plan as plan_module
+from zerotrain.training.invariants import InvariantError
+
+LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
+pytestmark = pytest.mark.timeout(300)
+LLAMA = dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, tie_embeddings=False)
+STEPS, SAVED_AT = 4, 2
+
+
+def config(tmp, name, zero, nproc=2, accum=1, model=None, **run):
+    """Global batch 8 sequences, every step clipped (the norm decides every update), (b) checked every step."""
+    cfg = tiny_config(tmp / name, nproc=nproc, zero=zero, micro=8 // (nproc * accum) if nproc != 3 else 2,
+                      accum=accum, check_every=1, **{"steps": STEPS, **run}, **(model or {}))
+    cfg.optim.grad_clip = 0.5  # below the tiny models' gradient norms
+    return cfg
+
+
+def saved(cfg, step=SAVED_AT) -> str:
+    return os.path.join(cfg.checkpoint.dir, checkpoint.step_name(step))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each job's rank-0 result by name, all on one start of 2 ranks, in turn."""
+    tmp = tmp_path_factory.mktemp("zero3")
+    stage = zero3_jobs.stage_job
+    cfgs = {"gpt2 z2": (stage, config(tmp, "gpt2-z2", 2, ckpt_every=SAVED_AT)),
+            "gpt2 z3": (stage, config(tmp, "gpt2-z3", 3, ckpt_every=SAVED_AT)),
+            "llama z2": (stage, config(tmp, "llama-z2", 2, model=LLAMA)),
+            "llama z3": (stage, config(tmp, "llama-z3", 3, model=LLAMA)),
+            "accum z2": (stage, config(tmp, "accum-z2", 2, accum=2)),
+            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2)),
+            "bf16 z2": (stage, config(tmp, "bf16-z2", 2, accum=2, precision="bf16")),
+            "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16")),
+            "recompute z2": (stage, config(tmp, "recompute-z2", 2, activation_checkpointing="blocks")),
+            "recompute z3": (stage, config(tmp, "recompute-z3", 3, activation_checkpointing="blocks")),
+            "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
+            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
+            "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
+            "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
+                                       config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
+            "wrong unit": (zero3_jobs.wrong_unit_job, config(tmp, "wrong", 3)),
+            "reduced twice": (stage, config(tmp, "twice", 3)),
+            "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3))}
+    cfgs["reduced twice"] = (zero3_jobs.reduced_twice_job, cfgs["reduced twice"][1])
+    for zero in (2, 3):
+        cfgs[f"rollback z{zero}"] = (zero3_jobs.rolled_back_job,
+                                     config(tmp, f"rollback-z{zero}", zero, ckpt_every=SAVED_AT))
+    z2, z3 = cfgs["gpt2 z2"][1], cfgs["gpt2 z3"][1]
+    cfgs["z3 -> z1"] = (stage, config(tmp, "z3-z1", 1, resume=saved(z3)))
+    cfgs["z2 -> z3"] = (stage, config(tmp, "z2-z3", 3, resume=saved(z2)))
+    jobs = list(cfgs.values())
+    results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
+    out = dict(zip(cfgs, results))
+    out["configs"] = {name: cfg for name, (_, cfg) in cfgs.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_ranks(runs, tmp_path_factory):
+    """The 2-rank step-2 checkpoints of stages 2 and 3, each resumed at stage 3 and at stage 2 on 3 ranks."""
+    tmp = tmp_path_factory.mktemp("zero3-3")
+    z2, z3 = runs["configs"]["gpt2 z2"], runs["configs"]["gpt2 z3"]
+    cfgs = {"z3 -> 3 ranks z3": config(tmp, "z3-3z3", 3, nproc=3, resume=saved(z3)),
+            "z2 -> 3 ranks z2": config(tmp, "z2-3z2", 2, nproc=3, resume=saved(z2))}
+    jobs = [(zero3_jobs.stage_job, cfg) for cfg in cfgs.values()]
+    results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
+    return dict(zip(cfgs, results))
+
+
+def same_training(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"] and \
+        all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+@pytest.mark.parametrize("pair", ["gpt2", "llama", "accum", "bf16", "recompute"])
+def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(runs, pair):
+    two, three = runs[f"{pair} z2"], runs[f"{pair} z3"]
+    # The same layout, gradient additions and reduce-scatters: the same bits, with accumulation too.
+    assert same_training(two, three)
+    assert three["params"].keys() == two["params"].keys()
+    # Between steps a rank holds its chunks only: half the padded parameters on 2 ranks, no unit left whole.
+    assert three["param_bytes"] * 2 == two["param_bytes"] and three["whole_after_step"] == []
+    # During a step: the shard with the root unit and one block whole at most, as the plan says to the byte.
+    rows = three["plan"]["rows"]
+    assert rows["parameters"] == three["param_bytes"]
+    assert three["param_peak_bytes"] == rows["parameters"] + rows["parameter_units"]
+    assert rows["parameter_units"] < 2 * three["param_bytes"]  # less than the whole model's padded parameters
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(((a[k] - t).abs().max() / t.abs().max()).item() for k, t in b.items())
+
+
+def test_grad_reduce_micro_batch_accumulates_in_the_shard_close_to_one_reduce_per_step(runs):
+    step, two, three = runs["accum z2"], runs["micro z2"], runs["micro z3"]
+    # Another order of the same additions (each micro-batch summed over the ranks, then over the window): the
+    # gradient norms and losses within 1e-5; the parameters looser, as AdamW divides each near-zero gradient value by
+    # its own magnitude (float noise there moves a value by up to lr: zerotrain equivalence reports the same).
+    for micro in (two, three):
+        assert max(abs(x - y) / y for x, y in zip(micro["grad_norms"], step["grad_norms"])) < 1e-5
+        assert max(abs(x - y) / y for x, y in zip(micro["losses"], step["losses"])) < 1e-5
+        assert max_rel(micro["params"], step["params"]) < 1e-3
+        assert micro["run_calls"]["reduce_scatter_grads"] == 2 * step["run_calls"]["reduce_scatter_grads"]  # accum x
+    # Stage 3 computes stage 2's micro-batch reduction bitwise.
+    assert same_training(two, three)
+    # The gradient memory: the shard and at most two buckets, where a step's reduction keeps every bucket.
+    rows = three["plan"]["rows"]
+    assert three["grad_peak_bytes"] <= rows["gradients"] + rows["gradient_buckets"] < step["grad_peak_bytes"]
+
+
+def test_the_guard_rolls_stage3_back_as_it_rolls_stage2_back(runs):
+    two, three = runs["rollback z2"], runs["rollback z3"]
+    assert len(three["rollbacks"]) == 1 and three["rollbacks"] == two["rollbacks"]
+    assert three["losses"] == two["losses"]
+    assert all(torch.equal(three["params"][k], t) for k, t in two["params"].items())
+
+
+def test_the_planted_bugs_are_caught(runs):
+    # A unit released after its forward and not gathered again for its backward.
+    assert "was used while its bucket" in runs["freed before backward"]
+    # ... and a block recomputed in its backward (activation checkpointing) without gathering it.
+    recomputed = runs["recompute not gathered"]
+    assert "was used while its bucket" in recomputed and "transformer.h." in recomputed  # a block's parameter
+    # A block's forward gathering its neighbour's buckets.
+    assert "was used while its bucket" in runs["wrong unit"]
+    # The first block's gradients reduce-scattered into the shard twice: stage 2's training is not reproduced.
+    twice, two = runs["reduced twice"], runs["gpt2 z2"]
+    assert twice["losses"][0] == two["losses"][0] and twice["grad_norms"][0] > two["grad_norms"][0]
+    assert not same_training(twice, two)
+    # Rank 1 computing with stale copies of its units after the first update: invariant (b) across the DP ranks.
+    assert "invariant (b) failed" in runs["stale units"] and "rank(s) [1]" in runs["stale units"]
+
+
+def test_a_stage3_checkpoint_resumes_at_stage1_and_a_stage2_one_at_stage3(runs):
+    z2, z3 = runs["gpt2 z2"], runs["gpt2 z3"]
+    assert runs["z3 -> z1"]["start"] == runs["z2 -> z3"]["start"] == SAVED_AT
+    for resumed, reference in (("z3 -> z1", z3), ("z2 -> z3", z2)):
+        r = runs[resumed]
+        assert r["losses"] == reference["losses"][SAVED_AT:]
+        assert all(torch.equal(r["params"][k], reference["params"][k]) for k in reference["params"])
+
+
+def test_a_stage3_checkpoint_holds_the_full_model_and_stage2s_shards(runs):
+    z2, z3 = (runs["configs"][n] for n in ("gpt2 z2", "gpt2 z3"))
+    # load_model reads the model file, which sample, eval and export read too: the full model, as stage 2 saves it.
+    for cfg, result in ((z3, runs["gpt2 z3"]), (z2, runs["gpt2 z2"])):
+        model = load_model(saved(cfg, STEPS))
+        state = {n: p for n, p in model.named_parameters()}
+        assert all(torch.equal(state[n], t) for n, t in result["params"].items())
+    for rank in range(2):
+        name = checkpoint.format.shard_name(rank, 2)
+        a = load_file(os.path.join(saved(z2), name))
+        b = load_file(os.path.join(saved(z3), name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_stage3_resumes_on_another_world_size_as_stage2_does(three_ranks):
+    a, b = three_ranks["z3 -> 3 ranks z3"], three_ranks["z2 -> 3 ranks z2"]
+    assert a["start"] == b["start"] == SAVED_AT
+    assert same_training(a, b)
+    # The run's own check of the plan passed on 3 ranks too; a third of the padded parameters each.
+    assert a["plan"]["rows"]["parameters"] == a["param_bytes"] and a["param_bytes"] * 3 == b["param_bytes"]
+
+
+def test_a_planted_error_in_the_stage3_plan_is_caught_by_the_run(one_rank, tmp_path, monkeypatch):
+    real = plan_module.units_whole_bytes
+    monkeypatch.setattr(plan_module, "units_whole_bytes", lambda *args: real(*args) - 4)
+    with pytest.raises(InvariantError, match="bytes of parameters at once"):
+        train(config(tmp_path, "short", 3, nproc=1, steps=1), one_rank)
+
+
+def test_stage3_resumes_on_one_rank(runs, one_rank, tmp_path):
+    z3 = runs["configs"]["gpt2 z3"]
+    cfg = config(tmp_path, "one", 3, nproc=1, resume=saved(z3))
+    result = train(cfg, one_rank)
+    assert result.start_step == SAVED_AT
+    final = result.engine.full_state_dict()
+    reference = runs["gpt2 z3"]["params"]
+    # One rank sums the gradients in another order: close, not bitwise.
+    assert max_rel(final, reference) < 1e-5
+
+
+@pytest.mark.parametrize("flag", [dict(tp=2), dict(activation_checkpointing="full"), dict(compile=True),
+                                  dict(lora_rank=4), dict(async_save=True)],
+                         ids=["tp", "checkpointing", "compile", "lora", "async-save"])
+def test_what_stage3_does_not_compose_with_yet_is_refused_in_one_line(tmp_path, flag):
+    with pytest.raises(ConfigError, match="--zero 3 does not work with"):
+        tiny_config(tmp_path, nproc=2, zero=3, **flag)
+
+
+def test_a_refused_stage3_flag_exits_2_without_a_traceback(tmp_path, capsys):
+    code = main(["train", "--zero", "3", "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "r"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--zero 3 does not work with --tp 2" in err and "Traceback" not in err
+
+
+def test_grad_reduce_micro_batch_is_refused_at_stage1(tmp_path):
+    with pytest.raises(ConfigError, match="--grad-reduce micro-batch needs --zero 2 or 3"):
+        tiny_config(tmp_path, nproc=2, zero=1, accum=2, grad_reduce="micro-batch")

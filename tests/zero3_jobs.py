@@ -1,0 +1,116 @@
+"""Jobs of the ZeRO-3 tests, run by spawned ranks (importable by module name); planted bugs patch the engine itself."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+from dist_jobs import summary
+
+from zerotrain.config import Config
+from zerotrain.parallel import Comm, ReleasedParameterError, ZeroThreeEngine, zero3
+from zerotrain.training.invariants import InvariantError
+from zerotrain.training.loop import train
+
+
+def stage_job(cfg: Config, comm: Comm) -> dict:
+    """Train; the log, the final parameters, and the parameter bytes the engine holds (now and at most)."""
+    before = comm.snapshot()[0]
+    result = train(cfg, comm)
+    out = summary(result)
+    out["run_calls"] = comm.snapshot()[0] - before  # this run's (the counters span the jobs run in turn)
+    engine = result.engine
+    out["params"] = engine.full_state_dict()
+    out["param_bytes"] = engine.flat_params.numel() * engine.flat_params.element_size()
+    out["param_peak_bytes"] = getattr(engine, "param_peak_bytes", out["param_bytes"])
+    out["whole_after_step"] = sorted(getattr(engine, "whole", ()))
+    out["grad_peak_bytes"] = engine.grad_peak_bytes
+    out["plan"] = result.plan
+    return out
+
+
+def _error_of(cfg: Config, comm: Comm, error=ReleasedParameterError) -> str:
+    try:
+        train(cfg, comm)
+    except error as e:
+        return str(e)
+    return "no error"
+
+
+def freed_before_backward_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: a unit's buckets are not gathered again for its backward (released after its forward)."""
+    real = ZeroThreeEngine.gather_unit
+
+    def forward_only(self, unit, phase):
+        if phase == "forward":
+            real(self, unit, phase)
+
+    with mock.patch.object(ZeroThreeEngine, "gather_unit", forward_only):
+        return _error_of(cfg, comm)
+
+
+def wrong_unit_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: a block's forward gathers its neighbour's buckets (the two blocks swapped)."""
+    real = ZeroThreeEngine.gather_unit
+
+    def neighbour(self, unit, phase):
+        blocks = len(self.units) - 1
+        real(self, unit % blocks + 1 if unit else 0, phase)
+
+    with mock.patch.object(ZeroThreeEngine, "gather_unit", neighbour):
+        return _error_of(cfg, comm)
+
+
+def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the buckets of the first block's parameters are reduce-scattered into the shard twice."""
+    real = ZeroThreeEngine._release
+
+    def again(self, index):
+        if index in self.unit_buckets[1] and index in self._bucket_grads:
+            b = self.layout.buckets[index]
+            out = self.grad_shard[b.shard_offset : b.shard_offset + b.chunk_numel(self.dp.world_size)]
+            twice = torch.empty_like(out)
+            self.dp.reduce_scatter(twice, self._bucket_grads[index], "reduce_scatter_grads")
+            out.add_(twice)
+        real(self, index)
+
+    with mock.patch.object(ZeroThreeEngine, "_release", again):
+        return stage_job(cfg, comm)
+
+
+def stale_units_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: rank 1 keeps a copy of each bucket as first gathered and computes with it ever after (it still
+    takes part in every gather), so after the first update its units are stale. The error invariant (b) raises."""
+    if comm.rank != 1:
+        return _error_of(cfg, comm, InvariantError)
+    real, first = ZeroThreeEngine._gather_bucket, {}
+
+    def stale(self, index):
+        real(self, index)
+        if index in first:
+            self.bucket_params[index].copy_(first[index])
+        else:
+            first[index] = self.bucket_params[index].clone()
+
+    with mock.patch.object(ZeroThreeEngine, "_gather_bucket", stale):
+        return _error_of(cfg, comm, InvariantError)
+
+
+def rolled_back_job(cfg: Config, comm: Comm) -> dict:
+    """A NaN loss on rank 1 at step 3: the guard rolls back to the step-2 checkpoint and skips the data steps."""
+    with mock.patch.dict("os.environ", {"ZEROTRAIN_FAULTS": "nan@step=3,rank=1"}):
+        result = train(cfg, comm)
+    return {"losses": [r["loss"] for r in result.records], "rollbacks": result.rollbacks,
+            "params": result.engine.full_state_dict()}
+
+
+def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: a block's forward recomputed in its backward (activation checkpointing) is not gathered."""
+    real = ZeroThreeEngine.gather_unit
+
+    def not_in_backward(self, unit, phase):
+        if unit == 0 or not zero3._in_backward():
+            real(self, unit, phase)
+
+    with mock.patch.object(ZeroThreeEngine, "gather_unit", not_in_backward):
+        return _error_of(cfg, comm)
