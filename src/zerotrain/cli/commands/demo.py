@@ -78,8 +78,8 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
         "resumed_param_hashes": second.digests,
         "resume_verified": True,
         "comm_calls_per_step": {k: v / cfg.loop.steps for k, v in first.comm_calls.items()
-                                if k in ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats",
-                                         "all_reduce_tp_activations", "all_reduce_tp_grads")},
+                                if k in ("reduce_scatter_grads", "all_gather_params", "all_gather_units",
+                                         "all_reduce_stats", "all_reduce_tp_activations", "all_reduce_tp_grads")},
         "param_bytes": first.per_rank["param_bytes"],
         "invariants": {"a_finite_loss": True, "b_no_drift": True, "c_zero1_memory": True,
                        "d_checkpoint_roundtrip": True},
@@ -138,8 +138,11 @@ def _print_report(rep: dict, cfg: Config) -> None:
           + ("moments only, the fp32 master is the parameter buffer" if rep["bytes_per_value"] == 8
              else "fp32 master + moments") + ")")
     calls = rep["comm_calls_per_step"]
+    # stage 3 gathers each unit when it is used (each block twice, the root once) instead of one round after the update
+    gathers = (f"{calls.get('all_gather_units', 0):g} unit all-gathers" if cfg.parallel.zero == 3
+               else f"{calls.get('all_gather_params', 0):g} all-gather")
     print(f"collectives per optimizer step: {calls.get('reduce_scatter_grads', 0):g} reduce-scatter, "
-          f"{calls.get('all_gather_params', 0):g} all-gather, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "
+          f"{gathers}, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "
           f"(accum {cfg.loop.accum})" + (f"; per TP rank {calls.get('all_reduce_tp_activations', 0):g} activation and "
                                         f"{calls.get('all_reduce_tp_grads', 0):g} gradient all-reduces"
                                         if T > 1 else ""))
