@@ -117,11 +117,12 @@ def zerotrain_here(capfd, *argv: str, faults: str | None = None) -> subprocess.C
     return subprocess.CompletedProcess(["zerotrain", *argv], code, out, err)
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """Under pytest-xdist (`--dist loadgroup`): the tests that share a module-scoped fixture (an expensive run they all
-    assert on) go to one worker, so it is made once; every other test goes wherever a worker is free."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = [d for name in getattr(item, "fixturenames", ()) for d in (info.name2fixturedefs.get(name, ()) if info else ())]
-        if any(d.scope in ("module", "package", "class") for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    assert on) go to one worker, so it is made once; every other test goes wherever a worker is free. Marked as each
+    test is collected, so the marks are there when xdist's worker reads them into the node ids its scheduler groups
+    by (its pytest_collection_modifyitems; pytest 9.2's node ids no longer take them: pyproject pins below it)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = [d for name in getattr(item, "fixturenames", ()) for d in (info.name2fixturedefs.get(name, ()) if info else ())]
+    if any(d.scope in ("module", "package", "class") for d in defs):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))

