@@ -4,9 +4,12 @@ their own base only, and give the same result at TP 2 as at TP 1."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import types
 
 import lora_jobs
@@ -462,3 +465,22 @@ def test_a_phi3_runs_adapters_export_merged_and_refuse_peft_in_one_line(tmp_path
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (merged(ids).logits - load_model(str(out))(ids)).abs().max() < 1e-4
+
+
+def test_a_lora_run_stopped_by_a_signal_without_a_save_cadence_records_its_base_and_resumes_on_it(base, tmp_path,
+                                                                                                   capfd):
+    # The stop's save is the run's only checkpoint: its manifest must name the base all the same (without it the
+    # adapters would read as trained on a random base, and the resume on their own base would be refused)
+    out = tmp_path / "run"
+    argv = ["train", "--init-from", base, "--data", "synthetic", "--seq-len", "16", "--micro-batch", "2",
+            "--lora-rank", "4", "--no-progress", "--out", str(out)]
+    env = {**os.environ, "ZEROTRAIN_FAULTS": "sigterm@step=2"}
+    r = subprocess.run([sys.executable, "-m", "zerotrain", *argv, "--steps", "5"], capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert r.returncode == 0 and "stopped by SIGTERM at step 2" in r.stdout + r.stderr, r.stderr[-2000:]
+    manifest = json.load(open(out / "checkpoints" / "step_00000002" / "manifest.json"))
+    assert [f["name"] for f in manifest["init_from"]["files"]] == ["model.safetensors"]
+    r = zerotrain_here(capfd, *argv, "--steps", "5", "--resume", "auto")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.load(open(out / "summary.json"))
+    assert summary["start_step"] == 2 and summary["steps"] == 5

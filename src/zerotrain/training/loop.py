@@ -258,8 +258,10 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, vocab_size=cfg.model.vocab_size)
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
-    origin = {}  # rank 0 commits manifests: it alone hashes --init-from's files for them
-    if cfg.checkpoint.init_from and comm.rank == 0 and (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
+    # rank 0 commits manifests: it alone hashes --init-from's files for them; whatever the cadence, since a stop
+    # signal or a rollback saves too (and a LoRA checkpoint's base is this record)
+    origin = {}
+    if cfg.checkpoint.init_from and comm.rank == 0:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record()}
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
                                    staging_hook=faults.staging_hook(), manifest_extra=origin)
