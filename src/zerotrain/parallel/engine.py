@@ -533,23 +533,31 @@ class ZeroEngine:
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Restore this rank's shard (same layout), then all-gather so parameters follow the masters."""
+        self._check_shard(sd)
+        self.wait_params()
+        with torch.no_grad():
+            self._restore_optimizer_state(sd)
+            if self.master is None:
+                for pc in self._pieces:
+                    self.flat_params[pc.flat_lo : pc.flat_hi] = sd["master"][pc.shard_lo : pc.shard_hi]
+            self._publish_params()
+
+    def _check_shard(self, sd: dict[str, torch.Tensor]) -> None:
+        """ValueError unless `sd`'s master and moments are this rank's shard of this layout."""
         for key in ("master", "exp_avg", "exp_avg_sq"):
             if tuple(sd[key].shape) != (self.layout.shard_numel,):
                 raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
                                  f"expected ({self.layout.shard_numel},)")
-        self.wait_params()
-        with torch.no_grad():
-            self.exp_avg.copy_(sd["exp_avg"])
-            self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-            step = float(sd["step"].item())
-            for m in self._master_views:
-                self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
-            if self.master is not None:
-                self.master.copy_(sd["master"])
-            else:
-                for pc in self._pieces:
-                    self.flat_params[pc.flat_lo : pc.flat_hi] = sd["master"][pc.shard_lo : pc.shard_hi]
-            self._publish_params()
+
+    def _restore_optimizer_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """AdamW's moments and step count from `sd`, and the fp32 master shard where one is kept apart."""
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+        step = float(sd["step"].item())
+        for m in self._master_views:
+            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+        if self.master is not None:
+            self.master.copy_(sd["master"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's parameters in its state_dict names, fp32 on the CPU, one independent tensor each.

@@ -356,19 +356,10 @@ class ZeroThreeEngine(ZeroEngine):
         return sd
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            if tuple(sd[key].shape) != (self.layout.shard_numel,):
-                raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
-                                 f"expected ({self.layout.shard_numel},)")
+        self._check_shard(sd)
         self.release_all()
         with torch.no_grad():
-            self.exp_avg.copy_(sd["exp_avg"])
-            self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-            step = float(sd["step"].item())
-            for m in self._master_views:
-                self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
-            if self.master is not None:
-                self.master.copy_(sd["master"])
+            self._restore_optimizer_state(sd)
             self.flat_params.copy_(sd["master"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
