@@ -29,6 +29,16 @@ def summary(result) -> dict:
     }
 
 
+def error_of_training(cfg: Config, comm: Comm, error: type[Exception]) -> str:
+    """Train; the message of the `error` the run raised (on every rank alike, so the ranks stay together for the
+    next job), or "no error"."""
+    try:
+        train(cfg, comm)
+    except error as e:
+        return str(e)
+    return "no error"
+
+
 def in_turn_job(cfg: Config, comm: Comm, jobs: list[tuple[Callable[[Config, Comm], Any], Config]]) -> list:
     """Run the (job, config) pairs one after another on the same ranks; their results, in order.
 

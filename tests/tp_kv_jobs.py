@@ -5,7 +5,7 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
-from dist_jobs import summary
+from dist_jobs import error_of_training, summary
 
 from zerotrain import checkpoint
 from zerotrain.config import Config
@@ -68,11 +68,7 @@ def unsummed_replicas_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: each replica of a KV head keeps its own query heads' part of the gradient (the replica group's
     all-reduce skipped); the error invariant (b) raises."""
     with mock.patch.object(_SumOverReplicas, "backward", staticmethod(lambda ctx, grad: (grad, None, None))):
-        try:
-            train(cfg, comm)
-        except InvariantError as e:
-            return str(e)
-    return "no error"
+        return error_of_training(cfg, comm, InvariantError)
 
 
 def averaged_replicas_job(cfg: Config, comm: Comm) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
-from dist_jobs import summary
+from dist_jobs import error_of_training, summary
 
 from zerotrain.config import Config
 from zerotrain.parallel import Comm, ReleasedParameterError, ZeroThreeEngine, zero3
@@ -29,14 +29,6 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     return out
 
 
-def _error_of(cfg: Config, comm: Comm, error=ReleasedParameterError) -> str:
-    try:
-        train(cfg, comm)
-    except error as e:
-        return str(e)
-    return "no error"
-
-
 def freed_before_backward_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: a unit's buckets are not gathered again for its backward (released after its forward)."""
     real = ZeroThreeEngine.gather_unit
@@ -46,7 +38,7 @@ def freed_before_backward_job(cfg: Config, comm: Comm) -> str:
             real(self, unit, phase)
 
     with mock.patch.object(ZeroThreeEngine, "gather_unit", forward_only):
-        return _error_of(cfg, comm)
+        return error_of_training(cfg, comm, ReleasedParameterError)
 
 
 def wrong_unit_job(cfg: Config, comm: Comm) -> str:
@@ -58,7 +50,7 @@ def wrong_unit_job(cfg: Config, comm: Comm) -> str:
         real(self, unit % blocks + 1 if unit else 0, phase)
 
     with mock.patch.object(ZeroThreeEngine, "gather_unit", neighbour):
-        return _error_of(cfg, comm)
+        return error_of_training(cfg, comm, ReleasedParameterError)
 
 
 def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
@@ -82,7 +74,7 @@ def stale_units_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: rank 1 keeps a copy of each bucket as first gathered and computes with it ever after (it still
     takes part in every gather), so after the first update its units are stale. The error invariant (b) raises."""
     if comm.rank != 1:
-        return _error_of(cfg, comm, InvariantError)
+        return error_of_training(cfg, comm, InvariantError)
     real, first = ZeroThreeEngine._gather_bucket, {}
 
     def stale(self, index):
@@ -93,7 +85,7 @@ def stale_units_job(cfg: Config, comm: Comm) -> str:
             first[index] = self.bucket_params[index].clone()
 
     with mock.patch.object(ZeroThreeEngine, "_gather_bucket", stale):
-        return _error_of(cfg, comm, InvariantError)
+        return error_of_training(cfg, comm, InvariantError)
 
 
 def rolled_back_job(cfg: Config, comm: Comm) -> dict:
@@ -113,4 +105,4 @@ def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
             real(self, unit, phase)
 
     with mock.patch.object(ZeroThreeEngine, "gather_unit", not_in_backward):
-        return _error_of(cfg, comm)
+        return error_of_training(cfg, comm, ReleasedParameterError)
