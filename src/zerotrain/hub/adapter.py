@@ -21,19 +21,19 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
 from .export import make_staging_folder
-from .init_from import weight_source
 from .pretrained import ModelSource
 
 ADAPTER_CONFIG, ADAPTER_MODEL = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what peft's LoraModel puts before the wrapped model's own names
 
 
-def base_mismatch(manifest: dict, cfg: Config, path: str) -> str | None:
+def base_mismatch(manifest: dict, cfg: Config, path: str, base: dict | None) -> str | None:
     """Why resuming the checkpoint at `path` with `cfg` would train other adapters (or every weight where it trained
     adapters, or adapters where it trained every weight) or its adapters on another base, or None.
 
     A LoRA run's base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same
-    base) or, without --init-from, the random model its seed builds.
+    base) or, without --init-from, the random model its seed builds. `base`: this run's record of its --init-from
+    files (WeightSource.record, hashed once for its own manifests too), None without --init-from.
     """
     theirs = manifest.get("init_from")
     run = Config.from_dict(manifest["config"])
@@ -52,7 +52,7 @@ def base_mismatch(manifest: dict, cfg: Config, path: str) -> str | None:
         return None
     if not cfg.checkpoint.init_from:
         return f"--resume {path}: its adapters were trained on the base {theirs['path']}: give it as --init-from"
-    mine = {f["name"]: f["sha256"] for f in weight_source(cfg.checkpoint.init_from, verify=False).record()["files"]}
+    mine = {f["name"]: f["sha256"] for f in base["files"]}
     for entry in theirs["files"]:
         if mine.get(entry["name"]) != entry["sha256"]:
             now = mine.get(entry["name"])

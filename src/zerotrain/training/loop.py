@@ -122,11 +122,12 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     return loss_sum
 
 
-def _resume(cfg: Config, engine: ZeroEngine, comm: Comm) -> tuple[int, dict, str | None]:
+def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None) -> tuple[int, dict, str | None]:
     """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
 
     After an elastic restart every rank resumes from the newest checkpoint that verifies, every rank verifying
-    its share of each candidate (find_resumable with comm), waiting for the others up to --io-timeout.
+    its share of each candidate (find_resumable with comm), waiting for the others up to --io-timeout. `base`: rank
+    0's record of the --init-from files (hashed once, for the manifests too), which a LoRA checkpoint's must match.
     """
     path = cfg.checkpoint.resume or None
     if restart_count() > 0:
@@ -139,7 +140,7 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm) -> tuple[int, dict, str
     if path is None:
         return 0, {}, None
     # the same adapters (or none) on the same base, or a one-line refusal (rank 0 hashes a LoRA base's files)
-    mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path) if comm.rank == 0 else None
+    mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path, base) if comm.rank == 0 else None
     mismatch = comm.io.all_gather_json(mismatch, "agree_lora_base")[0]
     if mismatch:
         raise ConfigError(mismatch)
@@ -265,7 +266,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record()}
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
                                    staging_hook=faults.staging_hook(), manifest_extra=origin)
-    start, manifest, resumed_from = _resume(cfg, engine, comm)
+    start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
