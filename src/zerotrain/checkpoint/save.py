@@ -328,7 +328,7 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
     files = {shard_name(rank, world_size): {k: v.detach().cpu().contiguous()
                                             for k, v in engine.shard_state_dict().items()}}
     T = engine.mesh.tp_size
-    if T == 1 and engine.stage == 3:  # sharded parameters: every DP rank takes part in gathering them
+    if engine.stage == 3:  # sharded parameters: every rank takes part in gathering them (DP group, then TP group)
         model = engine.full_state_dict()
         if rank == 0:
             files[MODEL_FILE] = model

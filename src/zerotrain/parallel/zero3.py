@@ -332,19 +332,37 @@ class ZeroThreeEngine(ZeroEngine):
         return flat
 
     def param_digests(self) -> torch.Tensor:
-        """Invariant (b) for sharded parameters: the digest of what this rank computes with, every bucket as it holds
-        it now, or as gathered from the shards where it is released. Every DP rank must see the same values: a
-        bucket kept whole past the step (stale) or gathered wrong differs from the others' fresh gather."""
-        rows = []
+        """Invariant (b) for sharded parameters: the digests of what this rank computes with, every bucket as it holds
+        it now, or as gathered from the shards where it is released; the rows are stage 1's and 2's (one without TP;
+        with TP the replicated values, this rank's TP slices, and with KV groups the KV heads' slices).
+
+        Every DP rank must see the same values: a bucket kept whole past the step (stale) or gathered wrong differs
+        from the others' fresh gather. With TP the replicated rows are checked across the TP ranks too, which own
+        and update the same chunks of them apart: a replicated value whose gradient differs between TP ranks (the
+        KV replicas' sum skipped, say) shows as differing gathers.
+        """
+        if self.mesh.tp_size == 1:
+            kinds = [[(0, self.layout.padded_numel)]]
+        else:
+            kinds = [self._replicated_flat, self._sliced_flat] + \
+                ([self._kv_shared_flat] if self.mesh.kv_replicas > 1 else [])
+        rows: list[list[torch.Tensor]] = [[] for _ in kinds]
         for b in self.layout.buckets:
-            if b.index in self.whole:
-                rows.append(tensor_digest(self.bucket_params[b.index].detach()))
-            else:
+            released = b.index not in self.whole
+            if released:
                 self._gather_bucket(b.index)
-                rows.append(tensor_digest(self.bucket_params[b.index].detach()))
+            buffer = self.bucket_params[b.index].detach()
+            for row, ranges in zip(rows, kinds):
+                # Each bucket's part of the row, positions counted from the bucket's start.
+                inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges
+                          if lo < b.end and hi > b.start]
+                row.append(tensor_digest(buffer, inside))
+            if released:
                 self._release_bucket(b.index)
-        digest = tensor_digest(torch.cat(rows))
-        return torch.stack([digest, torch.zeros(2, dtype=torch.int64, device=digest.device)])
+        digests = [tensor_digest(torch.cat(row)) for row in rows]
+        if len(digests) == 1:
+            digests.append(torch.zeros_like(digests[0]))
+        return torch.stack(digests)
 
     def master_shard(self) -> torch.Tensor:
         return self.flat_params if self.master is None else self.master
