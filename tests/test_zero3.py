@@ -3,8 +3,9 @@ bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, r
 
 One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks, checkpoints at step 2, resumes
-across stages, a rollback by the guard, and the planted bugs. One start of 3 ranks resumes the 2-rank checkpoints
-of both stages at 3 ranks. The 1-rank resume, load_model, the plan's planted error and the refusals run in this
+across stages, a rollback by the guard, and the planted bugs. One start of 3 ranks resumes the 2-rank
+checkpoints of both stages at 3 ranks, and trains stages 2 and 3 there (Llama; GPT-2 with accumulation). TP x
+ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume, load_model, the plan's planted error and the refusals run in this
 process.
 """
 
@@ -61,6 +62,9 @@ def runs(tmp_path_factory):
             "recompute z3": (stage, config(tmp, "recompute-z3", 3, activation_checkpointing="blocks")),
             "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
             "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
+            "llama accum z2": (stage, config(tmp, "llama-accum-z2", 2, accum=2, model=LLAMA)),
+            "llama accum z3": (stage, config(tmp, "llama-accum-z3", 3, accum=2, model=LLAMA)),
+            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA, grad_reduce="micro-batch")),
             "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
             "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
                                        config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
@@ -73,6 +77,7 @@ def runs(tmp_path_factory):
                                      config(tmp, f"rollback-z{zero}", zero, ckpt_every=SAVED_AT))
     z2, z3 = cfgs["gpt2 z2"][1], cfgs["gpt2 z3"][1]
     cfgs["z3 -> z1"] = (stage, config(tmp, "z3-z1", 1, resume=saved(z3)))
+    cfgs["z3 -> z2"] = (stage, config(tmp, "z3-z2", 2, resume=saved(z3)))
     cfgs["z2 -> z3"] = (stage, config(tmp, "z2-z3", 3, resume=saved(z2)))
     jobs = list(cfgs.values())
     results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
@@ -83,11 +88,17 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def three_ranks(runs, tmp_path_factory):
-    """The 2-rank step-2 checkpoints of stages 2 and 3, each resumed at stage 3 and at stage 2 on 3 ranks."""
+    """The 2-rank step-2 checkpoints of stages 2 and 3, each resumed at stage 3 and at stage 2 on 3 ranks; and stages
+    2 and 3 trained from the start on 3 ranks (Llama at accumulation 1, GPT-2 at 2 in both --grad-reduce modes)."""
     tmp = tmp_path_factory.mktemp("zero3-3")
     z2, z3 = runs["configs"]["gpt2 z2"], runs["configs"]["gpt2 z3"]
     cfgs = {"z3 -> 3 ranks z3": config(tmp, "z3-3z3", 3, nproc=3, resume=saved(z3)),
-            "z2 -> 3 ranks z2": config(tmp, "z2-3z2", 2, nproc=3, resume=saved(z2))}
+            "z2 -> 3 ranks z2": config(tmp, "z2-3z2", 2, nproc=3, resume=saved(z2)),
+            "llama z2": config(tmp, "llama-z2", 2, nproc=3, model=LLAMA),
+            "llama z3": config(tmp, "llama-z3", 3, nproc=3, model=LLAMA),
+            "accum z2": config(tmp, "accum-z2", 2, nproc=3, accum=2),
+            "accum z3": config(tmp, "accum-z3", 3, nproc=3, accum=2),
+            "micro z3": config(tmp, "micro-z3", 3, nproc=3, accum=2, grad_reduce="micro-batch")}
     jobs = [(zero3_jobs.stage_job, cfg) for cfg in cfgs.values()]
     results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
     return dict(zip(cfgs, results))
@@ -134,6 +145,13 @@ def test_grad_reduce_micro_batch_accumulates_in_the_shard_close_to_one_reduce_pe
     assert three["grad_peak_bytes"] <= rows["gradients"] + rows["gradient_buckets"] < step["grad_peak_bytes"]
 
 
+def test_stage3_with_accumulation_on_llama_is_stage2_and_within_1e5_per_micro_batch(runs):
+    step, three, micro = runs["llama accum z2"], runs["llama accum z3"], runs["llama micro z3"]
+    assert same_training(step, three)
+    assert max(abs(x - y) / y for x, y in zip(micro["grad_norms"], step["grad_norms"])) < 1e-5
+    assert max(abs(x - y) / y for x, y in zip(micro["losses"], step["losses"])) < 1e-5
+
+
 def test_the_guard_rolls_stage3_back_as_it_rolls_stage2_back(runs):
     two, three = runs["rollback z2"], runs["rollback z3"]
     assert len(three["rollbacks"]) == 1 and three["rollbacks"] == two["rollbacks"]
@@ -157,10 +175,11 @@ def test_the_planted_bugs_are_caught(runs):
     assert "invariant (b) failed" in runs["stale units"] and "rank(s) [1]" in runs["stale units"]
 
 
-def test_a_stage3_checkpoint_resumes_at_stage1_and_a_stage2_one_at_stage3(runs):
+def test_a_stage3_checkpoint_resumes_at_stages_1_and_2_and_a_stage2_one_at_stage3(runs):
+    # (a stage 1 checkpoint resumed at stage 3: tests/test_zero3_tp.py, across TP degrees too)
     z2, z3 = runs["gpt2 z2"], runs["gpt2 z3"]
-    assert runs["z3 -> z1"]["start"] == runs["z2 -> z3"]["start"] == SAVED_AT
-    for resumed, reference in (("z3 -> z1", z3), ("z2 -> z3", z2)):
+    assert all(runs[n]["start"] == SAVED_AT for n in ("z3 -> z1", "z3 -> z2", "z2 -> z3"))
+    for resumed, reference in (("z3 -> z1", z3), ("z3 -> z2", z3), ("z2 -> z3", z2)):
         r = runs[resumed]
         assert r["losses"] == reference["losses"][SAVED_AT:]
         assert all(torch.equal(r["params"][k], reference["params"][k]) for k in reference["params"])
@@ -186,6 +205,17 @@ def test_stage3_resumes_on_another_world_size_as_stage2_does(three_ranks):
     assert same_training(a, b)
     # The run's own check of the plan passed on 3 ranks too; a third of the padded parameters each.
     assert a["plan"]["rows"]["parameters"] == a["param_bytes"] and a["param_bytes"] * 3 == b["param_bytes"]
+
+
+def test_stage3_trains_bitwise_like_stage2_on_3_ranks_and_within_1e5_per_micro_batch(three_ranks):
+    assert same_training(three_ranks["llama z2"], three_ranks["llama z3"])
+    step, micro = three_ranks["accum z2"], three_ranks["accum z3"]
+    assert same_training(step, micro)
+    micro = three_ranks["micro z3"]
+    assert max(abs(x - y) / y for x, y in zip(micro["grad_norms"], step["grad_norms"])) < 1e-5
+    assert max(abs(x - y) / y for x, y in zip(micro["losses"], step["losses"])) < 1e-5
+    # A third of the padded parameters each (the run checked its plan's rows too).
+    assert three_ranks["llama z3"]["param_bytes"] * 3 == three_ranks["llama z2"]["param_bytes"]
 
 
 def test_a_planted_error_in_the_stage3_plan_is_caught_by_the_run(one_rank, tmp_path, monkeypatch):

@@ -29,6 +29,10 @@ pre-hook) was measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256: 
 (4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of
 overlap on 2 cores; it was not kept. With CUDA a prefetch on its own stream is the next step.
 
+With --tp the model holds this rank's TP slices and the replicated parameters, and all of the above runs over the DP
+group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
+in the block's backward, before the gradient reaches its bucket.
+
 The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 (at any
 accumulation, with --grad-reduce step or micro-batch).
 """
@@ -337,9 +341,9 @@ class ZeroThreeEngine(ZeroEngine):
         with TP the replicated values, this rank's TP slices, and with KV groups the KV heads' slices).
 
         Every DP rank must see the same values: a bucket kept whole past the step (stale) or gathered wrong differs
-        from the others' fresh gather. With TP the replicated rows are checked across the TP ranks too, which own
-        and update the same chunks of them apart: a replicated value whose gradient differs between TP ranks (the
-        KV replicas' sum skipped, say) shows as differing gathers.
+        from the others' fresh gather. With TP the replicated row is checked across the TP ranks too, and the KV row
+        across each KV group: their DP groups own and update the same chunks apart, so a gradient that differs
+        between them (the KV replicas' sum skipped, say) shows as differing gathers.
         """
         if self.mesh.tp_size == 1:
             kinds = [[(0, self.layout.padded_numel)]]
