@@ -3,7 +3,7 @@ checkpoints that resume across TP degrees and stages, invariant (b) over the DP,
 
 One start of 4 ranks (module fixture, jobs in turn) serves every test: a tiny Llama with one KV head (so the KV head
 lives on both TP ranks) and GPT-2 at stages 2 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16 with
-recomputed blocks, a planted skipped KV-replica sum, and resumes TP 2 stage 3 -> TP 1 stage 1 and back. `verify`
+recomputed blocks, a planted skipped KV-replica sum and stale units, and resumes TP 2 stage 3 -> TP 1 stage 1 and back. `verify`
 of the stage-3 TP checkpoint runs in this process.
 """
 
@@ -57,7 +57,8 @@ def runs(tmp_path_factory):
             "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16",
                                       activation_checkpointing="blocks")),
             "tp1 z1": (stage, config(tmp, "tp1-z1", 1, tp=1, ckpt_every=SAVED_AT)),
-            "unsummed": (tp_kv_jobs.unsummed_replicas_job, config(tmp, "unsummed", 3))}
+            "unsummed": (tp_kv_jobs.unsummed_replicas_job, config(tmp, "unsummed", 3)),
+            "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3))}
     z2, z3, tp1 = (cfgs[n][1] for n in ("llama z2", "llama z3", "tp1 z1"))
     cfgs["z3 -> tp1 z1"] = (stage, config(tmp, "z3-tp1", 1, tp=1, resume=saved(z3)))
     cfgs["z2 -> tp1 z1"] = (stage, config(tmp, "z2-tp1", 1, tp=1, resume=saved(z2)))
@@ -98,10 +99,13 @@ def test_stage3_at_tp2_reduces_per_micro_batch_within_1e5_of_one_reduce_per_step
     assert micro["grad_peak_bytes"] < step["grad_peak_bytes"]
 
 
-def test_a_skipped_kv_replica_sum_at_stage3_is_caught_by_invariant_b(runs):
+def test_a_skipped_kv_replica_sum_and_stale_units_at_stage3_are_caught_by_invariant_b(runs):
     # Each TP rank updates the shared KV head with its own query heads' part of the gradient only: the gathered KV
     # rows differ across the KV group.
-    assert "invariant (b) failed: the KV heads of rank(s)" in runs["unsummed"]
+    assert "invariant (b) failed: the KV heads of rank(s) [1, 3]" in runs["unsummed"]
+    # Rank 1 (TP rank 1 of DP replica 0) computing with its units as first gathered: its replicated values differ
+    # from every other rank's fresh gather.
+    assert "invariant (b) failed: replicated parameters of rank(s) [1]" in runs["stale units"]
 
 
 def test_a_tp2_stage3_checkpoint_holds_stage2s_files_and_verifies(runs):
