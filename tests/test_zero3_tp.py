@@ -3,7 +3,7 @@ checkpoints that resume across TP degrees and stages, invariant (b) over the DP,
 
 One start of 4 ranks (module fixture, jobs in turn) serves every test: a tiny Llama with one KV head (so the KV head
 lives on both TP ranks) and GPT-2 at stages 2 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16 with
-recomputed blocks, a planted skipped KV-replica sum and stale units, and resumes TP 2 stage 3 -> TP 1 stage 1 and back. `verify`
+recomputed blocks, a rollback by the guard, a planted skipped KV-replica sum, stale units and a unit's gradients reduced twice, and resumes TP 2 stage 3 -> TP 1 stage 1 and back. `verify`
 of the stage-3 TP checkpoint runs in this process.
 """
 
@@ -58,7 +58,10 @@ def runs(tmp_path_factory):
                                       activation_checkpointing="blocks")),
             "tp1 z1": (stage, config(tmp, "tp1-z1", 1, tp=1, ckpt_every=SAVED_AT)),
             "unsummed": (tp_kv_jobs.unsummed_replicas_job, config(tmp, "unsummed", 3)),
-            "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3))}
+            "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3)),
+            "reduced twice": (zero3_jobs.reduced_twice_job, config(tmp, "twice", 3)),
+            **{f"rollback z{zero}": (zero3_jobs.rolled_back_job,
+                                     config(tmp, f"rollback-z{zero}", zero, ckpt_every=SAVED_AT)) for zero in (2, 3)}}
     z2, z3, tp1 = (cfgs[n][1] for n in ("llama z2", "llama z3", "tp1 z1"))
     cfgs["z3 -> tp1 z1"] = (stage, config(tmp, "z3-tp1", 1, tp=1, resume=saved(z3)))
     cfgs["z2 -> tp1 z1"] = (stage, config(tmp, "z2-tp1", 1, tp=1, resume=saved(z2)))
@@ -91,6 +94,12 @@ def test_stage3_at_tp2_trains_bitwise_like_stage2_holding_a_shard_of_each_slice(
     assert len(three["digests"]) == 4
 
 
+def test_a_unit_reduced_twice_at_tp2_breaks_the_equality_with_stage2(runs):
+    twice, two = runs["reduced twice"], runs["llama z2"]
+    assert twice["losses"][0] == two["losses"][0] and twice["grad_norms"][0] > two["grad_norms"][0]
+    assert not same_training(twice, two)
+
+
 def test_stage3_at_tp2_reduces_per_micro_batch_within_1e5_of_one_reduce_per_step(runs):
     step, micro = runs["accum z3"], runs["micro z3"]
     assert max_rel(micro["grad_norms"], step["grad_norms"]) < 1e-5
@@ -106,6 +115,13 @@ def test_a_skipped_kv_replica_sum_and_stale_units_at_stage3_are_caught_by_invari
     # Rank 1 (TP rank 1 of DP replica 0) computing with its units as first gathered: its replicated values differ
     # from every other rank's fresh gather.
     assert "invariant (b) failed: replicated parameters of rank(s) [1]" in runs["stale units"]
+
+
+def test_the_guard_rolls_stage3_at_tp2_back_as_it_rolls_stage2_back(runs):
+    two, three = runs["rollback z2"], runs["rollback z3"]
+    assert len(three["rollbacks"]) == 1 and three["rollbacks"] == two["rollbacks"]
+    assert three["losses"] == two["losses"]
+    assert all(torch.equal(three["params"][k], t) for k, t in two["params"].items())
 
 
 def test_a_tp2_stage3_checkpoint_holds_stage2s_files_and_verifies(runs):
