@@ -3,8 +3,9 @@ checkpoints that resume across TP degrees and stages, invariant (b) over the DP,
 
 One start of 4 ranks (module fixture, jobs in turn) serves every test: a tiny Llama with one KV head (so the KV head
 lives on both TP ranks) and GPT-2 at stages 2 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16 with
-recomputed blocks, a rollback by the guard, a planted skipped KV-replica sum, stale units and a unit's gradients reduced twice, and resumes TP 2 stage 3 -> TP 1 stage 1 and back. `verify`
-of the stage-3 TP checkpoint runs in this process.
+recomputed blocks, a rollback by the guard, planted bugs (a skipped KV-replica sum, stale units, a unit's gradients
+reduced twice), and resumes TP 2 stage 3 -> TP 1 stage 1 and back. `verify` of the stage-3 TP checkpoint runs in
+this process.
 """
 
 import functools
