@@ -3,9 +3,10 @@ bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, r
 
 One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks, checkpoints at step 2, resumes
-across stages, a rollback by the guard, and the planted bugs. One start of 3 ranks resumes the 2-rank checkpoints
-of both stages at 3 ranks. The 1-rank resume, load_model, the plan's planted error and the refusals run in this
-process.
+across stages, a rollback by the guard, and the planted bugs; the initial model (engine built, no step) at stages
+1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3. One start of 3 ranks resumes the 2-rank
+checkpoints of both stages at 3 ranks and builds the initial model at stages 1-3. The 1-rank resume and initial
+models, load_model, the plan's planted error and the refusals run in this process.
 """
 
 import functools

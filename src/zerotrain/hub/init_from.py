@@ -2,9 +2,10 @@
 
 The source decides the architecture, the sizes and the vocabulary (a flag that says otherwise is refused,
 naming both values) and brings its tokenizer. Each rank reads only the slices of the tensors it trains
-(safetensors' lazy slicing, through the architecture's table in mapping.py), into a model built on the
-meta device: no rank ever holds a full copy of a tensor it trains TP-sharded (nor of a fused one, Phi-3's
-qkv_proj: a rank reads the rows of its parts' slices). Weights only: the optimizer
+(safetensors' lazy slicing, through the architecture's table in mapping.py), one tensor at a time, straight into
+the engine's flat buffers (FileValues: the model is built on the meta device): no rank ever holds a full copy of a
+tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads the rows of its parts' slices),
+and at ZeRO-3 a rank reads only the tensors that lie partly in its owned chunks. Weights only: the optimizer
 and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.

@@ -79,5 +79,5 @@ def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     )
 
 
-__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed", "meta_model",
-           "model_class", "param_count", "parallelize", "plan", "summed_token_loss"]
+__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",
+           "meta_model", "model_class", "param_count", "parallelize", "plan", "summed_token_loss"]
