@@ -156,6 +156,7 @@ class ZeroEngine:
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
         self.frozen = frozen_parameters(model)
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
+        self._materialise_outside_layout()
         self._build_flat_buffers()
         self._init = None  # the source is read only while the buffers are built
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
@@ -196,6 +197,14 @@ class ZeroEngine:
         self._bucket_grads: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its fp32 gradients, while held
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
+
+    def _materialise_outside_layout(self) -> None:
+        """A parameter on the meta device that the flat buffers will not hold (a frozen one) gets its own tensor."""
+        in_layout = {s.name for s in self.layout.slots}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p.is_meta and name not in in_layout:
+                    adopt_view(p, self._initial_value(name, p).to(self.device))
 
     def _initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
