@@ -5,7 +5,7 @@ import math
 import torch
 
 from zerotrain.config import ModelConfig
-from zerotrain.model import GPT, build_model, is_decayed, summed_token_loss
+from zerotrain.model import GPT, build_model, init, is_decayed, summed_token_loss
 
 TINY = ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=64)
 
@@ -62,3 +62,36 @@ def test_decay_on_matrices_and_tied_embedding_only():
     assert "transformer.wte.weight" in decayed and "transformer.h.0.mlp.c_fc.weight" in decayed
     assert "transformer.wpe.weight" not in decayed
     assert not any(n.endswith("bias") or ".ln_" in n for n in decayed)
+
+
+def other_model(cfg: ModelConfig) -> dict:
+    """The model one block deeper and with more positions: every block's parameters come after another wpe."""
+    return dict(build_model(ModelConfig(**{**vars(cfg), "n_layer": 3, "seq_len": 64}), 3).named_parameters())
+
+
+def test_each_parameter_starts_from_its_name_and_its_architectures_rule_alone_and_a_shared_generator_is_caught(
+        monkeypatch):
+    cfg = ModelConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=256, seq_len=32)
+    model, deeper = dict(build_model(cfg, 3).named_parameters()), other_model(cfg)
+    # the same name and shape draw the same values, whatever else the model holds; another seed, others
+    assert torch.equal(model["transformer.wte.weight"], deeper["transformer.wte.weight"])
+    assert torch.equal(model["transformer.h.1.mlp.c_fc.weight"], deeper["transformer.h.1.mlp.c_fc.weight"])
+    assert not torch.equal(model["transformer.wte.weight"], build_model(cfg, 4).transformer.wte.weight)
+    # and no two parameters of one shape draw the same values (each has its own generator)
+    assert not torch.equal(model["transformer.h.0.mlp.c_fc.weight"], model["transformer.h.1.mlp.c_fc.weight"])
+    # GPT-2's rule: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm gains 1
+    assert abs(model["transformer.h.0.mlp.c_fc.weight"].std().item() - 0.02) < 0.001
+    assert abs(model["transformer.h.0.attn.c_proj.weight"].std().item() - 0.02 / math.sqrt(4)) < 0.001
+    assert abs(deeper["transformer.h.0.mlp.c_proj.weight"].std().item() - 0.02 / math.sqrt(6)) < 0.001
+    assert torch.equal(model["transformer.h.0.ln_1.weight"], torch.ones(64))
+    assert not model["transformer.h.0.attn.c_attn.bias"].any() and not model["transformer.ln_f.bias"].any()
+    tied = build_model(cfg, 3)
+    assert tied.lm_head.weight is tied.transformer.wte.weight  # tied again after the meta device
+    # planted: one generator shared by the parameters in the order they are drawn (the old, order-dependent init)
+    shared = {}
+    monkeypatch.setattr(init, "parameter_generator",
+                        lambda seed, name: shared.setdefault(seed, torch.Generator().manual_seed(seed)))
+    model = dict(build_model(cfg, 3).named_parameters())
+    shared.clear()
+    assert not torch.equal(model["transformer.h.1.mlp.c_fc.weight"],
+                           other_model(cfg)["transformer.h.1.mlp.c_fc.weight"])

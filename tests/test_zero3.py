@@ -3,10 +3,11 @@ bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, r
 
 One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks, checkpoints at step 2, resumes
-across stages, a rollback by the guard, and the planted bugs. One start of 3 ranks resumes the 2-rank
-checkpoints of both stages at 3 ranks, and trains stages 2 and 3 there (Llama; GPT-2 with accumulation). TP x
-ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume, load_model, the plan's planted error and the refusals run in this
-process.
+across stages, a rollback by the guard, and the planted bugs; the initial model (engine built, no step) at stages
+1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3. One start of 3 ranks resumes the 2-rank
+checkpoints of both stages at 3 ranks, trains stages 2 and 3 there (Llama; GPT-2 with accumulation) and builds the
+initial model at stages 1-3. TP x ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume and initial models,
+load_model, the plan's planted error and the refusals run in this process.
 """
 
 import functools
@@ -22,8 +23,10 @@ from safetensors.torch import load_file
 from zerotrain import checkpoint, load_model
 from zerotrain.cli.main import main
 from zerotrain.errors import ConfigError
+from zerotrain.hub.export import export_model
+from zerotrain.model import build_model, init
 from zerotrain.runtime.launch import run_job
-from zerotrain.training.loop import train
+from zerotrain.training.loop import build_engine, train
 from zerotrain.training import memory_plan as plan_module
 from zerotrain.training.invariants import InvariantError
 
@@ -75,6 +78,13 @@ def runs(tmp_path_factory):
     for zero in (2, 3):
         cfgs[f"rollback z{zero}"] = (zero3_jobs.rolled_back_job,
                                      config(tmp, f"rollback-z{zero}", zero, ckpt_every=SAVED_AT))
+    for zero in (1, 2, 3):
+        cfgs[f"initial z{zero}"] = (zero3_jobs.initial_model_job, config(tmp, f"initial-z{zero}", zero))
+    cfgs["initial llama z3"] = (zero3_jobs.initial_model_job, config(tmp, "initial-llama", 3, model=LLAMA))
+    cfgs["initial tp2 z1"] = (zero3_jobs.initial_model_job, config(tmp, "initial-tp2", 1, tp=2))
+    cfgs["owner-seeded init z3"] = (zero3_jobs.owner_seeded_init_job, config(tmp, "owner-seeded", 3))
+    cfgs["init-from z3"] = (zero3_jobs.init_from_reads_job,
+                            config(tmp, "init-from", 3, init_from=exported(tmp, cfgs["initial z3"][1])))
     z2, z3 = cfgs["gpt2 z2"][1], cfgs["gpt2 z3"][1]
     cfgs["z3 -> z1"] = (stage, config(tmp, "z3-z1", 1, resume=saved(z3)))
     cfgs["z3 -> z2"] = (stage, config(tmp, "z3-z2", 2, resume=saved(z3)))
@@ -100,8 +110,58 @@ def three_ranks(runs, tmp_path_factory):
             "accum z3": config(tmp, "accum-z3", 3, nproc=3, accum=2),
             "micro z3": config(tmp, "micro-z3", 3, nproc=3, accum=2, grad_reduce="micro-batch")}
     jobs = [(zero3_jobs.stage_job, cfg) for cfg in cfgs.values()]
+    for zero in (1, 2, 3):
+        cfgs[f"initial z{zero}"] = config(tmp, f"initial-z{zero}", zero, nproc=3)
+        jobs.append((zero3_jobs.initial_model_job, cfgs[f"initial z{zero}"]))
     results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
     return dict(zip(cfgs, results))
+
+
+def exported(tmp, cfg) -> str:
+    """A zerotrain export of the config's model drawn from another seed: weights the seed would not give."""
+    out = str(tmp / "init-from-source")
+    export_model(build_model(cfg.model, cfg.loop.seed + 1), out, "safetensors", tokenizer_folder=None, eot_id=None)
+    return out
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_initial_model_is_bitwise_the_same_on_1_2_and_3_ranks_at_every_stage_and_at_tp2(runs, three_ranks,
+                                                                                          one_rank, tmp_path):
+    cfg = runs["configs"]["initial z1"]
+    whole = build_model(cfg.model, cfg.loop.seed).state_dict()
+    whole.pop("lm_head.weight")  # the tied head: the embedding's tensor, once in the engine's state
+    for zero in (1, 2, 3):
+        one = build_engine(config(tmp_path, f"one-z{zero}", zero, nproc=1), one_rank).full_state_dict()
+        assert same_tensors(one, whole)
+        assert same_tensors(runs[f"initial z{zero}"], whole)
+        assert same_tensors(three_ranks[f"initial z{zero}"], whole)
+    assert same_tensors(runs["initial tp2 z1"], whole)
+    llama = runs["configs"]["initial llama z3"]
+    assert same_tensors(runs["initial llama z3"], build_model(llama.model, llama.loop.seed).state_dict())
+
+
+def test_an_init_that_depends_on_the_owner_gives_another_initial_model_on_2_ranks(runs, one_rank, tmp_path,
+                                                                                monkeypatch):
+    real = init.parameter_generator  # planted as on the ranks: rank 0's generators, here the only rank's
+    monkeypatch.setattr(init, "parameter_generator", lambda seed, name: real(seed, f"{name}/0"))
+    one = build_engine(config(tmp_path, "one", 3, nproc=1), one_rank).full_state_dict()
+    planted = runs["owner-seeded init z3"]
+    assert not same_tensors(planted, one)  # rank 1's chunks were drawn by rank 1's generators
+    # the first bucket's first chunk is rank 0's on 2 ranks too, drawn as on one rank
+    assert torch.equal(planted["transformer.wte.weight"][0], one["transformer.wte.weight"][0])
+
+
+def test_init_from_at_stage3_reads_only_the_tensors_a_rank_owns_part_of_one_at_a_time(runs):
+    run, cfg = runs["init-from z3"], runs["configs"]["init-from z3"]
+    source = load_file(os.path.join(cfg.checkpoint.init_from, "model.safetensors"))
+    assert same_tensors(run["initial"], {k: source[k] for k in run["initial"]})
+    assert not same_tensors(run["initial"], runs["initial z3"])  # the file's values, not the seed's
+    names = [name for name, _ in run["read"]]
+    assert names == run["owned"] and len(names) < len(run["initial"])  # rank 0 skipped what rank 1 owns alone
+    assert all(numel == run["initial"][name].numel() for name, numel in run["read"])  # one parameter per read
 
 
 def same_training(a: dict, b: dict) -> bool:

@@ -8,9 +8,11 @@ import torch
 from dist_jobs import error_of_training, summary
 
 from zerotrain.config import Config
+from zerotrain.hub.init_from import FileValues
+from zerotrain.model import init
 from zerotrain.parallel import Comm, ReleasedParameterError, ZeroThreeEngine, zero3
 from zerotrain.training.invariants import InvariantError
-from zerotrain.training.loop import train
+from zerotrain.training.loop import build_engine, train
 
 
 def stage_job(cfg: Config, comm: Comm) -> dict:
@@ -106,3 +108,34 @@ def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
 
     with mock.patch.object(ZeroThreeEngine, "gather_unit", not_in_backward):
         return error_of_training(cfg, comm, ReleasedParameterError)
+
+
+def initial_model_job(cfg: Config, comm: Comm) -> dict:
+    """The engine's initial model, gathered whole after its construction, before any step."""
+    return build_engine(cfg, comm).full_state_dict()
+
+
+def owner_seeded_init_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each parameter's generator is seeded with the rank too, so each owner draws its chunks on its
+    own (the same values on one rank as ever, other ones wherever another rank owns a part)."""
+    real = init.parameter_generator
+    with mock.patch.object(init, "parameter_generator", lambda seed, name: real(seed, f"{name}/{comm.rank}")):
+        return initial_model_job(cfg, comm)
+
+
+def init_from_reads_job(cfg: Config, comm: Comm) -> dict:
+    """--init-from: the initial model, the tensors this rank read (name, values) in order, and the parameters whose
+    flat range lies partly in this rank's owned chunks."""
+    real, read = FileValues.values, []
+
+    def recorded(self, name, shape):
+        values = real(self, name, shape)
+        read.append((name, values.numel()))
+        return values
+
+    with mock.patch.object(FileValues, "values", recorded):
+        engine = build_engine(cfg, comm)
+    L, W = engine.layout, comm.world_size
+    chunks = [L.buckets[s.bucket].chunk(comm.rank, W) for s in L.slots]
+    owned = [s.name for s, (lo, hi) in zip(L.slots, chunks) if max(lo, s.offset) < min(hi, s.offset + s.numel)]
+    return {"initial": engine.full_state_dict(), "read": read, "owned": owned}

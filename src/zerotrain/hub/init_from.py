@@ -2,9 +2,10 @@
 
 The source decides the architecture, the sizes and the vocabulary (a flag that says otherwise is refused,
 naming both values) and brings its tokenizer. Each rank reads only the slices of the tensors it trains
-(safetensors' lazy slicing, through the architecture's table in mapping.py), into a model built on the
-meta device: no rank ever holds a full copy of a tensor it trains TP-sharded (nor of a fused one, Phi-3's
-qkv_proj: a rank reads the rows of its parts' slices). Weights only: the optimizer
+(safetensors' lazy slicing, through the architecture's table in mapping.py), one tensor at a time, straight into
+the engine's flat buffers (FileValues: the model is built on the meta device): no rank ever holds a full copy of a
+tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads the rows of its parts' slices),
+and at ZeRO-3 a rank reads only the tensors that lie partly in its owned chunks. Weights only: the optimizer
 and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
@@ -182,30 +183,46 @@ def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelCon
     return ModelConfig(**theirs)
 
 
-def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp_rank: int) -> None:
-    """Fill `model` (this rank's parameters, TP-sliced by `tp_slices`) from the source, each rank reading its slices.
+class FileValues:
+    """Initial values from --init-from's files (model/init.py's interface): each tensor this rank trains read on its
+    own, its TP slice only (safetensors' lazy slicing), so at most one tensor is read beyond what the rank keeps.
 
-    CheckpointError naming the first tensor that is missing, extra or of the wrong shape (check_tensors).
+    CheckpointError naming the first tensor that is missing, extra or of the wrong shape (check_tensors), at once.
     """
-    mapping = source.mapping or MAPPINGS[source.model.arch]
-    transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
-    params = dict(model.named_parameters())  # a tied head appears once, under the embedding's name
-    try:  # checked before the ranks start already; cheap (headers only), and a file may have changed since
-        check_tensors(source, {n: tuple(tp_slices[n].full_shape) if n in tp_slices else tuple(p.shape)
-                               for n, p in params.items()})
-    except CheckpointError as e:
-        raise CheckpointError(f"--init-from {source.folder}: {e}") from None
-    opened: dict[str, object] = {}
+
+    def __init__(self, source: WeightSource, model: torch.nn.Module, tp_slices: dict, tp_rank: int):
+        self.source, self.tp_slices, self.tp_rank = source, tp_slices, tp_rank
+        mapping = source.mapping or MAPPINGS[source.model.arch]
+        self.transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
+        self.rows = {n: param_rows(n, p, tp_slices) for n, p in model.named_parameters()}  # a tied head once
+        try:  # checked before the ranks start already; cheap (headers only), and a file may have changed since
+            check_tensors(source, {n: tuple(tp_slices[n].full_shape) if n in tp_slices else tuple(p.shape)
+                                   for n, p in model.named_parameters()})
+        except CheckpointError as e:
+            raise CheckpointError(f"--init-from {source.folder}: {e}") from None
+        self._opened: dict[str, object] = {}
+
+    def values(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        file = self.source.files[name]
+        f = self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
+        local = _read(f, self.source.stored.get(name, name), self.tp_slices.get(name), self.tp_rank,
+                      self.transposed(name), self.source.first_row.get(name), self.rows[name])
+        return local.to(torch.float32)
+
+    def close(self) -> None:
+        self._opened.clear()
+
+
+def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp_rank: int) -> None:
+    """Fill `model` (this rank's parameters, TP-sliced by `tp_slices`, on a device) from the source, each rank
+    reading its slices (FileValues)."""
+    values = FileValues(source, model, tp_slices, tp_rank)
     try:
-        for name, param in params.items():
-            file = source.files[name]
-            f = opened.get(file) or opened.setdefault(file, safe_open(file, framework="pt"))
-            local = _read(f, source.stored.get(name, name), tp_slices.get(name), tp_rank, transposed(name),
-                          source.first_row.get(name), param_rows(name, param, tp_slices))
-            with torch.no_grad():
-                param.copy_(local.to(param.dtype))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(values.values(name, tuple(param.shape)).to(param.dtype))
     finally:
-        opened.clear()
+        values.close()
 
 
 def param_rows(name: str, param: torch.Tensor, tp_slices: dict) -> int:

@@ -12,6 +12,7 @@ from zerotrain.config import LLAMA_FAMILY, ModelConfig
 
 from . import gpt2, llama
 from .gpt2 import GPT
+from .init import SeedValues, materialise
 from .layers import KVCache, TPSlice
 from .llama import Llama
 
@@ -25,14 +26,19 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
     return ARCHITECTURES[cfg.arch][0]
 
 
-def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
-    """The same seed gives the same initial parameters on every rank and every run."""
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+def meta_model(cfg: ModelConfig) -> nn.Module:
+    """The model's modules on the meta device: shapes, no values (the engine fills them, model/init.py)."""
+    with torch.device("meta"):
         return model_class(cfg)(cfg)
-    finally:
-        torch.random.set_rng_state(gen_state)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The whole model on the CPU, each parameter from (seed, its name) alone (model/init.py): bitwise what the
+    engine's shards hold at any world size, TP degree and stage. Under `torch.device("meta")`, shapes only."""
+    model = meta_model(cfg)
+    if torch.get_default_device().type == "meta":
+        return model
+    return materialise(model, SeedValues(cfg, seed))
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
@@ -73,5 +79,5 @@ def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     )
 
 
-__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed", "model_class",
-           "param_count", "parallelize", "plan", "summed_token_loss"]
+__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",
+           "meta_model", "model_class", "param_count", "parallelize", "plan", "summed_token_loss"]

@@ -79,13 +79,7 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.tie_weights()
-        self.apply(self._init_weights)
-        # GPT-2 scales the init of projections that write into the residual stream by
-        # 1/sqrt(2 * n_layer), so the residual's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.tie_weights()  # initial values: init_rule, below (model/init.py draws them)
         self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "transformer.wte.weight"))
 
     @property
@@ -95,15 +89,6 @@ class GPT(nn.Module):
     def tie_weights(self) -> None:
         """The head is the token embedding's tensor, as in GPT-2 (again after moving off the meta device)."""
         self.lm_head.weight = self.transformer.wte.weight
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,6 +112,22 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
 
+def init_rule(cfg: ModelConfig, name: str):
+    """How parameter `name` starts (model/init.py draws it): ("normal", std), "zeros" or "ones".
+
+    GPT-2's: N(0, 0.02) matrices and embeddings, zero biases, LayerNorm gains 1. The projections that write into
+    the residual stream (c_proj) start at 0.02 / sqrt(2 * n_layer), so the residual's variance does not grow with
+    depth.
+    """
+    if ".ln_" in name:  # ln_1, ln_2, ln_f
+        return "ones" if name.endswith(".weight") else "zeros"
+    if name.endswith(".bias"):
+        return "zeros"
+    if name.endswith("c_proj.weight"):
+        return ("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
+    return ("normal", 0.02)
+
+
 # Tensor parallelism (Megatron-style), applied to the full model after it is built from the seed:
 #     attention: c_attn column-parallel (rank r keeps heads r*H/T .. (r+1)*H/T of q, k and v),
 #                attention over its own heads, c_proj row-parallel (the matching input columns)
@@ -134,7 +135,8 @@ class GPT(nn.Module):
 # Everything else (embeddings, position embeddings, layer norms, the tied head, the row-parallel
 # biases, added once after the all-reduce) is replicated: every TP rank computes it identically, so
 # the activations, the loss and the replicated gradients are bitwise equal across the TP group.
-# The model is built whole and then sliced, so TP = 1 and TP = T start from the same parameters.
+# Each parameter is drawn whole from its own generator and then sliced (model/init.py), so TP = 1 and TP = T start
+# from the same parameters; the model is built on the meta device and sliced there, before any value exists.
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:

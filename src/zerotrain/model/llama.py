@@ -19,6 +19,8 @@ unless `tie_embeddings` is off.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -108,9 +110,7 @@ class Llama(nn.Module):
         self.tie_weights()
         if cfg.tie_embeddings:
             self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
-        for module in self.modules():  # Hugging Face's initialisation: N(0, 0.02) matrices, unit norms
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        # initial values: init_rule, below (model/init.py draws them)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -150,6 +150,19 @@ def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | None:
         return None
     return Llama3Scaling(cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                          cfg.rope_original_context)
+
+
+def init_rule(cfg: ModelConfig, name: str):
+    """How parameter `name` starts (model/init.py draws it): ("normal", std), ("uniform", bound) or "ones".
+
+    Hugging Face's initialisation: N(0, 0.02) matrices and embeddings, unit norm gains. Qwen2's q, k and v biases
+    keep nn.Linear's own init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as zerotrain's Llama always gave them.
+    """
+    if name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, norm, q_norm, k_norm
+        return "ones"
+    if name.endswith(".bias"):
+        return ("uniform", 1 / math.sqrt(cfg.n_embd))
+    return ("normal", 0.02)
 
 
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads

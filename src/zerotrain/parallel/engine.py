@@ -84,6 +84,15 @@ def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> Sha
     return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
 
 
+def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """Make parameter `p` a view of `view`'s storage, in place (a parameter on the meta device is swapped for one:
+    its identity, the tie of a tied head and every reference to it stay)."""
+    if p.is_meta:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+    else:
+        p.data = view
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -122,12 +131,17 @@ class ZeroEngine:
         mesh: Mesh | None = None,
         stage: int = 1,
         grad_reduce: str = "step",
+        init=None,
+        device: torch.device | str | None = None,
     ):
         """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh`
         when there is one).
 
         `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway. `grad_reduce`
         "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets into the shard, which accumulates.
+        A model built on the meta device (model.meta_model) is filled straight into the flat buffers on `device` from
+        `init` (model/init.py's SeedValues, or --init-from's FileValues), one parameter at a time; a model with
+        values keeps them (every rank's must be equal: nothing is broadcast).
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
@@ -141,8 +155,10 @@ class ZeroEngine:
         self.model_slices = getattr(model, "tp_slices", {})
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
         self.frozen = frozen_parameters(model)
+        self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
+        self._materialise_outside_layout()
         self._build_flat_buffers()
-        self._sync_initial_values()
+        self._init = None  # the source is read only while the buffers are built
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
         # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
         # in the norm by the first of them only.
@@ -158,7 +174,7 @@ class ZeroEngine:
 
     def _build_flat_buffers(self) -> None:
         """Parameters (and stage 1's gradients) become views into flat buffers: no per-step copies or allocations."""
-        L, device = self.layout, self.params[0].device
+        L, device = self.layout, self.device
         param_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
         # Stage 2: no full gradient buffer; a bucket's gradients live in _bucket_grads[index] while it fills.
@@ -166,8 +182,8 @@ class ZeroEngine:
         with torch.no_grad():
             for s, p in zip(L.slots, self.params):
                 view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
-                view.copy_(p.detach())
-                p.data = view
+                view.copy_(self._initial_value(s.name, p))
+                adopt_view(p, view)
                 if self.stage == 1:
                     p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
             for _, p in self.frozen:  # computed with in the parameters' dtype, never updated
@@ -182,9 +198,22 @@ class ZeroEngine:
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
-    def _sync_initial_values(self) -> None:
-        """DDP-style init sync, the one broadcast: afterwards all-gathers keep every rank identical."""
-        self.dp.broadcast(self.flat_params, 0, "broadcast_init")
+    def _materialise_outside_layout(self) -> None:
+        """A parameter on the meta device that the flat buffers will not hold (a frozen one) gets its own tensor."""
+        in_layout = {s.name for s in self.layout.slots}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p.is_meta and name not in in_layout:
+                    adopt_view(p, self._initial_value(name, p).to(self.device))
+
+    def _initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
+        device, else its own.
+
+        Nothing is broadcast (a DDP-style broadcast of rank 0's values would be a whole model of traffic at start-up,
+        and would hide an init that depends on the rank): every rank computes, or reads, the same values.
+        """
+        return self._init.values(name, tuple(p.shape)) if p.is_meta else p.detach()
 
     @property
     def owns_whole_buckets(self) -> bool:

@@ -47,7 +47,7 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from .digest import tensor_digest
-from .engine import ZeroEngine, _Piece, stage2_bucket_budget
+from .engine import ZeroEngine, _Piece, adopt_view, stage2_bucket_budget
 from .layout import ShardLayout
 
 
@@ -126,15 +126,18 @@ class ZeroThreeEngine(ZeroEngine):
     """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
-                 grad_reduce="step", **_ignored):
+                 grad_reduce="step", init=None, device=None, **_ignored):
         # _ignored: stage 1's and 2's overlap switches; stage 3 reduces in backward and gathers when a unit runs.
         super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
-                         gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce)
+                         gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce,
+                         init=init, device=device)
 
     # ---------------------------------------------------------------- building
     def _build_flat_buffers(self) -> None:
-        """Rank 0's initial values, broadcast a bucket at a time, keep only this rank's chunks: the shard."""
-        L, device = self.layout, self.params[0].device
+        """The shard: for each parameter, its values (this rank's TP slice of them) kept only where its flat range
+        lies in this rank's owned chunks; a parameter with nothing owned here is never computed or read. Every
+        parameter becomes a view of its bucket's full-size buffer, whose storage is held only while gathered."""
+        L, device = self.layout, self.device
         W, rank = self.dp.world_size, self.dp.rank
         # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
@@ -145,15 +148,15 @@ class ZeroThreeEngine(ZeroEngine):
             by_bucket.setdefault(s.bucket, []).append((s, p))
         with torch.no_grad():
             for b in L.buckets:
-                buffer = torch.zeros(b.end - b.start, dtype=dtype, device=device)
-                for s, p in by_bucket[b.index]:
-                    view = buffer[s.offset - b.start : s.offset - b.start + s.numel]
-                    view.copy_(p.detach().reshape(-1))
-                    p.data = view.view(s.shape)
-                self.dp.broadcast(buffer, 0, "broadcast_init")  # as stages 1 and 2: every rank starts from rank 0's
+                buffer = torch.empty(b.end - b.start, dtype=dtype, device=device)  # never written: no pages touched
                 lo, hi = b.chunk(rank, W)
-                self.flat_params[b.shard_offset : b.shard_offset + hi - lo] = buffer[lo - b.start : hi - b.start]
-                buffer.untyped_storage().resize_(0)
+                for s, p in by_bucket[b.index]:
+                    first, last = max(lo, s.offset), min(hi, s.offset + s.numel)  # its values this rank owns
+                    if last > first:
+                        values = self._initial_value(s.name, p).reshape(-1)[first - s.offset : last - s.offset]
+                        self.flat_params[b.shard_offset + first - lo : b.shard_offset + last - lo] = values
+                    adopt_view(p, buffer[s.offset - b.start : s.offset - b.start + s.numel].view(s.shape))
+                buffer.untyped_storage().resize_(0)  # the views keep their shapes, not its bytes
                 self.bucket_params.append(buffer)
         self.flat_grads = torch.zeros(0, device=device)
         self.grad_accum = self.flat_grads
@@ -163,9 +166,6 @@ class ZeroThreeEngine(ZeroEngine):
         self.grad_peak_bytes = self.grad_bytes()
         self.whole: set[int] = set()  # buckets whose buffers hold their values now
         self.param_peak_bytes = self.param_bytes()
-
-    def _sync_initial_values(self) -> None:
-        """Done bucket by bucket while the shard is built (_build_flat_buffers)."""
 
     def _owned_params(self, pc: _Piece) -> torch.Tensor:
         return self.flat_params[pc.shard_lo : pc.shard_hi]  # flat_params is the shard

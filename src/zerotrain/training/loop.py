@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,8 +14,9 @@ from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
-from zerotrain.hub.init_from import load_local, weight_source
-from zerotrain.model import ARCH_NAMES, build_model, param_count, parallelize, summed_token_loss
+from zerotrain.hub.init_from import FileValues, weight_source
+from zerotrain.model import ARCH_NAMES, meta_model, param_count, parallelize, summed_token_loss
+from zerotrain.model.init import SeedValues, materialise
 from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
@@ -62,27 +62,28 @@ class TrainResult:
 def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the DP group.
 
-    From the seed, or with --init-from from those weights: built on the meta device and filled with the
-    slices this rank trains, read from the files (no full copy of a split tensor on any rank).
+    The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
+    from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
+    at a time: stage 3 keeps only its owned chunks, so no rank holds the whole model. A LoRA run's frozen base is
+    materialised whole first (stages 1 and 2), its adapters then added.
     """
     mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
-    source = weight_source(cfg.checkpoint.init_from, verify=False) if cfg.checkpoint.init_from else None
-    with torch.device("meta") if source else contextlib.nullcontext():
-        model = build_model(cfg.model, cfg.loop.seed)
-        slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
-    if source:
-        model.to_empty(device="cpu")
-        model.tie_weights()
-        load_local(model, source, slices, mesh.tp_rank)
+    model = meta_model(cfg.model)
+    slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
+    if cfg.checkpoint.init_from:
+        init = FileValues(weight_source(cfg.checkpoint.init_from, verify=False), model, slices, mesh.tp_rank)
+    else:
+        init = SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
+        materialise(model, init, rank_device(cfg))
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
-    return engine(model.to(rank_device(cfg)), mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
-                         precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
-                         gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
-                  grad_reduce=cfg.parallel.grad_reduce)
+    return engine(model, mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
+                  precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
+                  gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
+                  grad_reduce=cfg.parallel.grad_reduce, init=init, device=rank_device(cfg))
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
