@@ -24,6 +24,7 @@ from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
 
 from . import rank_start
+from .allocator import return_large_blocks_to_os
 from .failures import adopt_attempt, failure_reason, report_failure, report_user_error, restart_count, user_error
 from .run_folder import release_run_folders
 from .stop import install_stop_request
@@ -168,6 +169,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:
             f.write(str(os.getpid()))
     torch.set_num_threads(default_threads(cfg))
+    return_large_blocks_to_os()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.launch.device == "cuda":
         deterministic_cuda()
