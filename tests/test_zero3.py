@@ -182,6 +182,8 @@ def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(run
     assert rows["parameters"] == three["param_bytes"]
     assert three["param_peak_bytes"] == rows["parameters"] + rows["parameter_units"]
     assert rows["parameter_units"] < 2 * three["param_bytes"]  # less than the whole model's padded parameters
+    # Each rank's reported norm is that of the model it computes with, not of its shard (sums in another order)
+    assert all(abs(n - two["param_norms"][0]) <= 1e-6 * n for n in three["param_norms"] + two["param_norms"])
 
 
 def max_rel(a: dict, b: dict) -> float:

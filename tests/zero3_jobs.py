@@ -28,6 +28,7 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     out["whole_after_step"] = sorted(getattr(engine, "whole", ()))
     out["grad_peak_bytes"] = engine.grad_peak_bytes
     out["plan"] = result.plan
+    out["param_norms"] = result.param_norms
     return out
 
 

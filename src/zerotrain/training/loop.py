@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -375,6 +376,9 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
     norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
     norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
+    if engine.stage == 3:  # each rank holds its shard: the norm of what it computes with is its DP group's (d*T + t)
+        T = run.mesh.tp_size
+        norms = [math.sqrt(sum(n * n for q, n in enumerate(norms) if q % T == r % T)) for r in range(len(norms))]
     calls, nbytes = run.mesh.counters()
     result = TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
