@@ -83,6 +83,7 @@ def runs(tmp_path_factory):
     cfgs["initial llama z3"] = (zero3_jobs.initial_model_job, config(tmp, "initial-llama", 3, model=LLAMA))
     cfgs["initial tp2 z1"] = (zero3_jobs.initial_model_job, config(tmp, "initial-tp2", 1, tp=2))
     cfgs["owner-seeded init z3"] = (zero3_jobs.owner_seeded_init_job, config(tmp, "owner-seeded", 3))
+    cfgs["rank-seeded start z2"] = (zero3_jobs.rank_seeded_start_job, config(tmp, "rank-seeded", 2))
     cfgs["init-from z3"] = (zero3_jobs.init_from_reads_job,
                             config(tmp, "init-from", 3, init_from=exported(tmp, cfgs["initial z3"][1])))
     z2, z3 = cfgs["gpt2 z2"][1], cfgs["gpt2 z3"][1]
@@ -152,6 +153,13 @@ def test_an_init_that_depends_on_the_owner_gives_another_initial_model_on_2_rank
     assert not same_tensors(planted, one)  # rank 1's chunks were drawn by rank 1's generators
     # the first bucket's first chunk is rank 0's on 2 ranks too, drawn as on one rank
     assert torch.equal(planted["transformer.wte.weight"][0], one["transformer.wte.weight"][0])
+
+
+def test_replicas_that_start_from_other_models_are_caught_before_the_first_step(runs):
+    # Stages 1 and 2 hold a copy of the model on every rank and nothing is broadcast: invariant (b) at the start
+    # finds a rank-seeded init (planted) before its gradients are averaged over models that differ.
+    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 0" in \
+        runs["rank-seeded start z2"]
 
 
 def test_init_from_at_stage3_reads_only_the_tensors_a_rank_owns_part_of_one_at_a_time(runs):

@@ -124,6 +124,14 @@ def owner_seeded_init_job(cfg: Config, comm: Comm) -> dict:
         return initial_model_job(cfg, comm)
 
 
+def rank_seeded_start_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug at stages 1 and 2: the replicas start from other models (generators seeded with the rank); the
+    run's error, or "no error"."""
+    real = init.parameter_generator
+    with mock.patch.object(init, "parameter_generator", lambda seed, name: real(seed, f"{name}/{comm.rank}")):
+        return error_of_training(cfg, comm, InvariantError)
+
+
 def init_from_reads_job(cfg: Config, comm: Comm) -> dict:
     """--init-from: the initial model, the tensors this rank read (name, values) in order, and the parameters whose
     flat range lies partly in this rank's owned chunks."""

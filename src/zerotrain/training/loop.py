@@ -269,6 +269,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
                                    staging_hook=faults.staging_hook(), manifest_extra=origin)
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
+    if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
+        invariants.check_no_drift(start, engine.param_digests(), mesh)
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
         detector.load_state_dict(manifest["guard"])
     memory = invariants.check_memory(engine, comm)
