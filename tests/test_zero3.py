@@ -2,9 +2,9 @@
 bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, resumable at every stage.
 
 One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
-and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks, checkpoints at step 2, resumes
-across stages, a rollback by the guard, and the planted bugs; the initial model (engine built, no step) at stages
-1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3. One start of 3 ranks resumes the 2-rank
+and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks and heads (full), checkpoints at
+step 2, resumes across stages, a rollback by the guard, and the planted bugs; the initial model (engine built, no
+step) at stages 1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3. One start of 3 ranks resumes the 2-rank
 checkpoints of both stages at 3 ranks, trains stages 2 and 3 there (Llama; GPT-2 with accumulation) and builds the
 initial model at stages 1-3. TP x ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume and initial models,
 load_model, the plan's planted error and the refusals run in this process.
@@ -63,6 +63,10 @@ def runs(tmp_path_factory):
             "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16")),
             "recompute z2": (stage, config(tmp, "recompute-z2", 2, activation_checkpointing="blocks")),
             "recompute z3": (stage, config(tmp, "recompute-z3", 3, activation_checkpointing="blocks")),
+            "full z2": (stage, config(tmp, "full-z2", 2, accum=2, activation_checkpointing="full")),
+            "full z3": (stage, config(tmp, "full-z3", 3, accum=2, activation_checkpointing="full")),
+            "llama full z2": (stage, config(tmp, "llama-full-z2", 2, model=LLAMA, activation_checkpointing="full")),
+            "llama full z3": (stage, config(tmp, "llama-full-z3", 3, model=LLAMA, activation_checkpointing="full")),
             "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
             "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
             "llama accum z2": (stage, config(tmp, "llama-accum-z2", 2, accum=2, model=LLAMA)),
@@ -71,6 +75,8 @@ def runs(tmp_path_factory):
             "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
             "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
                                        config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
+            "root not held": (zero3_jobs.root_not_held_job,
+                              config(tmp, "root-freed", 3, activation_checkpointing="full")),
             "wrong unit": (zero3_jobs.wrong_unit_job, config(tmp, "wrong", 3)),
             "reduced twice": (stage, config(tmp, "twice", 3)),
             "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3))}
@@ -177,7 +183,7 @@ def same_training(a: dict, b: dict) -> bool:
         all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
-@pytest.mark.parametrize("pair", ["gpt2", "llama", "accum", "bf16", "recompute"])
+@pytest.mark.parametrize("pair", ["gpt2", "llama", "accum", "bf16", "recompute", "full", "llama full"])
 def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(runs, pair):
     two, three = runs[f"{pair} z2"], runs[f"{pair} z3"]
     # The same layout, gradient additions and reduce-scatters: the same bits, with accumulation too.
@@ -235,6 +241,9 @@ def test_the_planted_bugs_are_caught(runs):
     # ... and a block recomputed in its backward (activation checkpointing) without gathering it.
     recomputed = runs["recompute not gathered"]
     assert "was used while its bucket" in recomputed and "transformer.h." in recomputed  # a block's parameter
+    # ... and the root unit not held for the backward, where --activation-checkpointing full recomputes the head.
+    root = runs["root not held"]
+    assert "was used while its bucket" in root and "(unit 0)" in root
     # A block's forward gathering its neighbour's buckets.
     assert "was used while its bucket" in runs["wrong unit"]
     # The first block's gradients reduce-scattered into the shard twice: stage 2's training is not reproduced.
@@ -307,9 +316,8 @@ def test_stage3_resumes_on_one_rank(runs, one_rank, tmp_path):
     assert max_rel(final, reference) < 1e-4
 
 
-@pytest.mark.parametrize("flag", [dict(activation_checkpointing="full"), dict(compile=True),
-                                  dict(lora_rank=4), dict(async_save=True)],
-                         ids=["checkpointing", "compile", "lora", "async-save"])
+@pytest.mark.parametrize("flag", [dict(compile=True), dict(lora_rank=4), dict(async_save=True)],
+                         ids=["compile", "lora", "async-save"])
 def test_what_stage3_does_not_compose_with_yet_is_refused_in_one_line(tmp_path, flag):
     with pytest.raises(ConfigError, match="--zero 3 does not work with"):
         tiny_config(tmp_path, nproc=2, zero=3, **flag)

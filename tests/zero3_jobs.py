@@ -111,6 +111,19 @@ def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
         return error_of_training(cfg, comm, ReleasedParameterError)
 
 
+def root_not_held_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: the root unit (embeddings, final norm, head) is released after the forward, not held for the
+    backward, where the head's backward (recomputed with --activation-checkpointing full) comes first."""
+    real = ZeroThreeEngine.gather_unit
+
+    def forward_only_root(self, unit, phase):
+        if unit or phase == "forward":
+            real(self, unit, phase)
+
+    with mock.patch.object(ZeroThreeEngine, "gather_unit", forward_only_root):
+        return error_of_training(cfg, comm, ReleasedParameterError)
+
+
 def initial_model_job(cfg: Config, comm: Comm) -> dict:
     """The engine's initial model, gathered whole after its construction, before any step."""
     return build_engine(cfg, comm).full_state_dict()

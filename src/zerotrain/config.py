@@ -527,9 +527,7 @@ def apply_preset(cfg: Config, name: str) -> None:
 
 def _check_zero3(cfg: Config) -> None:
     """What --zero 3 does not compose with yet, refused in one line each."""
-    p = cfg.parallel
-    refused = [(p.activation_checkpointing == "full", "--activation-checkpointing full"),
-               (cfg.loop.compile, "--compile"), (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"),
+    refused = [(cfg.loop.compile, "--compile"), (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"),
                (cfg.checkpoint.async_save, "--async-save")]
     for bad, flag in refused:
         if bad:

@@ -489,11 +489,15 @@ def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, 
     logits again (same values), instead of the loss's fp32 log-probabilities (batch x time x vocab).
 
     `segments` (batch, time): the record each input token belongs to, for packed records (None: one document
-    per row)."""
+    per row). The head runs inside the model's call either way, so hooks around it (ZeRO-3's root unit, gathered
+    for the forward and held for the backward) see it."""
     if not (recompute and torch.is_grad_enabled()):
         return loss(model(idx, segments=segments), targets)
-    return checkpoint(lambda h: loss(model.lm_head(h), targets), model.hidden(idx, segments=segments),
-                      use_reentrant=False)
+
+    def recomputed_head(h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda h: loss(model.lm_head(h), targets), h, use_reentrant=False)
+
+    return model(idx, segments=segments, head=recomputed_head)
 
 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:

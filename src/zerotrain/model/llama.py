@@ -122,9 +122,9 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab); with a cache or with segments (packed records), as GPT's."""
-        return self.lm_head(self.hidden(idx, cache, segments))
+                segments: torch.Tensor | None = None, head=None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with a cache, segments (packed records) or a head, as GPT's."""
+        return (head or self.lm_head)(self.hidden(idx, cache, segments))
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

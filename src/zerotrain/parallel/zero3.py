@@ -22,7 +22,7 @@ releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep t
 
 With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
 saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
-(`full` recomputes the head outside the model's forward, past the root unit's hooks: refused.)
+`full` recomputes the head and the loss too, inside the model's call (layers.head_loss), so in the root unit's hold.
 
 Gathers are synchronous. A one-block-ahead prefetch of the forward's gathers (async, waited for by the block's
 pre-hook) was measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256: 1.07x stage 2's step against 1.09x
@@ -190,6 +190,8 @@ class ZeroThreeEngine(ZeroEngine):
         for index, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
             unit.register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
+        # The head runs in the backward too with --activation-checkpointing full (recomputed inside the root's hold).
+        self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(0))
 
     # ---------------------------------------------------------------- gather and release
     def gather_unit(self, unit: int, phase: str) -> None:
