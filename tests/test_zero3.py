@@ -4,9 +4,9 @@ bitwise the same training as stage 2, checkpoints in stage 1's and 2's format, r
 One start of 2 ranks serves the 2-rank tests (module fixture): GPT-2 (tied head) and an untied Llama at stages 2
 and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks and heads (full), checkpoints at
 step 2, resumes across stages, a rollback by the guard, and the planted bugs; the initial model (engine built, no
-step) at stages 1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3. One start of 3 ranks resumes the 2-rank
-checkpoints of both stages at 3 ranks, trains stages 2 and 3 there (Llama; GPT-2 with accumulation) and builds the
-initial model at stages 1-3. TP x ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume and initial models,
+step) at stages 1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3; the prefetch (--overlap
+on). One start of 3 ranks resumes the 2-rank checkpoints of both stages at 3 ranks, trains stages 2 and 3 there
+(Llama; GPT-2 with accumulation) and builds the initial model at stages 1-3. TP x ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume and initial models,
 load_model, the plan's planted error and the refusals run in this process.
 """
 
@@ -67,11 +67,19 @@ def runs(tmp_path_factory):
             "full z3": (stage, config(tmp, "full-z3", 3, accum=2, activation_checkpointing="full")),
             "llama full z2": (stage, config(tmp, "llama-full-z2", 2, model=LLAMA, activation_checkpointing="full")),
             "llama full z3": (stage, config(tmp, "llama-full-z3", 3, model=LLAMA, activation_checkpointing="full")),
+            "prefetch z3": (stage, config(tmp, "prefetch-z3", 3, accum=2, overlap="on")),
+            "llama prefetch z3": (stage, config(tmp, "llama-prefetch-z3", 3, model=LLAMA, overlap="on")),
+            "recompute prefetch z3": (stage, config(tmp, "recompute-prefetch-z3", 3, overlap="on",
+                                                    activation_checkpointing="blocks")),
+            "prefetch skips a unit": (zero3_jobs.prefetch_skips_a_unit_job,
+                                      config(tmp, "prefetch-skips", 3, accum=2, overlap="on")),
+            "stale prefetch": (zero3_jobs.stale_prefetch_job, config(tmp, "stale-prefetch", 3, overlap="on")),
             "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
             "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
             "llama accum z2": (stage, config(tmp, "llama-accum-z2", 2, accum=2, model=LLAMA)),
             "llama accum z3": (stage, config(tmp, "llama-accum-z3", 3, accum=2, model=LLAMA)),
-            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA, grad_reduce="micro-batch")),
+            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA,
+                                             grad_reduce="micro-batch")),
             "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
             "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
                                        config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
@@ -204,6 +212,39 @@ def max_rel(a: dict, b: dict) -> float:
     return max(((a[k] - t).abs().max() / t.abs().max()).item() for k, t in b.items())
 
 
+def on_demand_per_micro_batch(unit_buckets) -> int:
+    """The bucket gathers a prefetch cannot start early: the root's for the forward, and the last block's for its
+    backward (released after its forward, needed first), less the buckets it shares with the root."""
+    return len(unit_buckets[0]) + len(set(unit_buckets[-1]) - set(unit_buckets[0]))
+
+
+@pytest.mark.parametrize("pair", [("accum z2", "accum z3", "prefetch z3"),
+                                  ("llama z2", "llama z3", "llama prefetch z3"),
+                                  ("recompute z2", "recompute z3", "recompute prefetch z3")],
+                         ids=["accum", "llama", "recompute"])
+def test_the_prefetch_gathers_each_unit_one_ahead_and_trains_bitwise_like_stage2(runs, pair):
+    two, three, prefetched = (runs[name] for name in pair)
+    assert same_training(two, prefetched)
+    # The same gathers moved earlier (fewer: a bucket two neighbouring blocks share stays whole between them): all
+    # but the root's and the last block's run behind the unit before them.
+    calls, plain = prefetched["run_calls"], three["run_calls"]
+    assert calls["all_gather_units"] + calls["prefetch_units"] <= plain["all_gather_units"]
+    assert calls["all_gather_check"] == plain["all_gather_check"]  # invariant (b)'s, every step
+    micro_batches = len(prefetched["losses"]) * runs["configs"][pair[2]].loop.accum
+    assert calls["all_gather_units"] == micro_batches * on_demand_per_micro_batch(prefetched["unit_buckets"])
+    # Two neighbouring blocks whole (or arriving) beside the root at most, as the plan says to the byte.
+    rows = prefetched["plan"]["rows"]
+    assert prefetched["param_peak_bytes"] == rows["parameters"] + rows["parameter_units"] > three["param_peak_bytes"]
+
+
+def test_a_prefetch_of_the_wrong_unit_or_a_stale_one_is_caught(runs):
+    # Prefetching block u+2 while block u runs: block u+1 is gathered when it runs, not behind block u.
+    skipped, right = runs["prefetch skips a unit"], runs["prefetch z3"]
+    assert skipped["run_calls"]["all_gather_units"] > right["run_calls"]["all_gather_units"]
+    # A prefetch launched before the optimizer's update and computed with after it: refused by the unit's gather.
+    assert "holds values gathered before the shard's last update" in runs["stale prefetch"]
+
+
 def test_grad_reduce_micro_batch_accumulates_in_the_shard_close_to_one_reduce_per_step(runs):
     step, two, three = runs["accum z2"], runs["micro z2"], runs["micro z3"]
     # Another order of the same additions (each micro-batch summed over the ranks, then over the window): the
@@ -299,7 +340,7 @@ def test_stage3_trains_bitwise_like_stage2_on_3_ranks_and_within_1e5_per_micro_b
 
 def test_a_planted_error_in_the_stage3_plan_is_caught_by_the_run(one_rank, tmp_path, monkeypatch):
     real = plan_module.units_whole_bytes
-    monkeypatch.setattr(plan_module, "units_whole_bytes", lambda *args: real(*args) - 4)
+    monkeypatch.setattr(plan_module, "units_whole_bytes", lambda *args, **kw: real(*args, **kw) - 4)
     with pytest.raises(InvariantError, match="bytes of parameters at once"):
         train(config(tmp_path, "short", 3, nproc=1, steps=1), one_rank)
 

@@ -10,7 +10,7 @@ from dist_jobs import error_of_training, summary
 from zerotrain.config import Config
 from zerotrain.hub.init_from import FileValues
 from zerotrain.model import init
-from zerotrain.parallel import Comm, ReleasedParameterError, ZeroThreeEngine, zero3
+from zerotrain.parallel import Comm, ReleasedParameterError, StaleParameterError, ZeroThreeEngine, zero3
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import build_engine, train
 
@@ -26,6 +26,7 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     out["param_bytes"] = engine.flat_params.numel() * engine.flat_params.element_size()
     out["param_peak_bytes"] = getattr(engine, "param_peak_bytes", out["param_bytes"])
     out["whole_after_step"] = sorted(getattr(engine, "whole", ()))
+    out["unit_buckets"] = getattr(engine, "unit_buckets", None)
     out["grad_peak_bytes"] = engine.grad_peak_bytes
     out["plan"] = result.plan
     out["param_norms"] = result.param_norms
@@ -80,8 +81,8 @@ def stale_units_job(cfg: Config, comm: Comm) -> str:
         return error_of_training(cfg, comm, InvariantError)
     real, first = ZeroThreeEngine._gather_bucket, {}
 
-    def stale(self, index):
-        real(self, index)
+    def stale(self, index, *args, **kwargs):
+        real(self, index, *args, **kwargs)
         if index in first:
             self.bucket_params[index].copy_(first[index])
         else:
@@ -122,6 +123,33 @@ def root_not_held_job(cfg: Config, comm: Comm) -> str:
 
     with mock.patch.object(ZeroThreeEngine, "gather_unit", forward_only_root):
         return error_of_training(cfg, comm, ReleasedParameterError)
+
+
+def prefetch_skips_a_unit_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each prefetch gathers the unit after the one that runs next (block u+2 while u runs)."""
+    real = ZeroThreeEngine.prefetch_unit
+
+    def one_too_far(self, unit):
+        if unit + 1 < len(self.units):
+            real(self, unit + 1)
+
+    with mock.patch.object(ZeroThreeEngine, "prefetch_unit", one_too_far):
+        return stage_job(cfg, comm)
+
+
+def stale_prefetch_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: block 1's gather is prefetched as the step releases its units, before the optimizer updates the
+    shard, and the next step's forward computes with it (from step 2 on: after step 1 the memory plan's check would
+    find the bucket held past the step first)."""
+    real = ZeroThreeEngine.release_all
+
+    def prefetch_before_the_update(self):
+        real(self)
+        if self._updates:
+            self.prefetch_unit(1)
+
+    with mock.patch.object(ZeroThreeEngine, "release_all", prefetch_before_the_update):
+        return error_of_training(cfg, comm, StaleParameterError)
 
 
 def initial_model_job(cfg: Config, comm: Comm) -> dict:

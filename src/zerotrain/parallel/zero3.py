@@ -24,10 +24,15 @@ With --activation-checkpointing blocks a block's forward runs again in its backw
 saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
 `full` recomputes the head and the loss too, inside the model's call (layers.head_loss), so in the root unit's hold.
 
-Gathers are synchronous. A one-block-ahead prefetch of the forward's gathers (async, waited for by the block's
-pre-hook) was measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256: 1.07x stage 2's step against 1.09x
-(4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of
-overlap on 2 cores; it was not kept. With CUDA a prefetch on its own stream is the next step.
+With --overlap on (the default with CUDA) the next unit is prefetched one unit ahead: entering the root's forward
+launches block 1's all-gather, entering block u's forward launches block u+1's, and gathering block u for its backward
+launches block u-1's; the unit waits for it when it runs. So at most the root and two neighbouring blocks are whole or
+in flight at once (units_whole_bytes). With NCCL an async all-gather runs on NCCL's own stream, behind the compute on
+the default stream, which waits for it only when the unit needs it. Every gather is tagged with the number of updates
+the shard has had: a unit that would compute with values gathered before the last update (a prefetch that outlived
+a step) raises StaleParameterError instead. On CPU the prefetch is off unless asked for: measured on 2 CPU ranks (gloo
+over loopback, 2 cores), width 256, a forward prefetch gave 1.07x stage 2's step against 1.09x (4 blocks, 4 MiB
+buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of overlap on 2 cores.
 
 With --tp the model holds this rank's TP slices and the replicated parameters, and all of the above runs over the DP
 group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
@@ -47,7 +52,7 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from .digest import tensor_digest
-from .engine import ZeroEngine, _Piece, adopt_view, stage2_bucket_budget
+from .engine import StaleParameterError, ZeroEngine, _Piece, adopt_view, stage2_bucket_budget
 from .layout import ShardLayout
 
 
@@ -111,13 +116,17 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int,
     return [tuple(sorted({bucket_of[n] for n, _ in params})) for params in unit_parameters(model)]
 
 
-def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4) -> int:
+def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4,
+                      prefetch: bool = False) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
-    the backward) with the largest block. A block's backward gathers it after the next block's last gradient has
-    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so two blocks are never
-    whole together; the run's check of the plan would say so if they were."""
+    the backward) with the largest block, or with `prefetch` the largest two neighbouring blocks (the one running
+    and the one being gathered for next). A block's backward gathers it after the next block's last gradient has
+    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so without a prefetch two
+    blocks are never whole together; the run's check of the plan would say so if they were."""
     units = unit_buckets(model, layout)
     root, blocks = set(units[0]), units[1:] or [()]
+    if prefetch and len(blocks) > 1:
+        blocks = [a + b for a, b in zip(blocks, blocks[1:])]
     size = {b.index: b.end - b.start for b in layout.buckets}
     return element_size * max(sum(size[b] for b in root | set(block)) for block in blocks)
 
@@ -126,8 +135,10 @@ class ZeroThreeEngine(ZeroEngine):
     """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
-                 grad_reduce="step", init=None, device=None, **_ignored):
-        # _ignored: stage 1's and 2's overlap switches; stage 3 reduces in backward and gathers when a unit runs.
+                 grad_reduce="step", init=None, device=None, gather_in_forward: bool = False, **_ignored):
+        """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. _ignored: stage 1's
+        and 2's reduce_in_backward; stage 3 always reduces in backward."""
+        self.prefetch = gather_in_forward
         super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
                          gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce,
                          init=init, device=device)
@@ -165,6 +176,9 @@ class ZeroThreeEngine(ZeroEngine):
         self._bucket_budget = stage2_bucket_budget(L)
         self.grad_peak_bytes = self.grad_bytes()
         self.whole: set[int] = set()  # buckets whose buffers hold their values now
+        self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
+        self._updates = 0  # the shard's updates so far (steps applied, checkpoints loaded)
+        self._gathered_at: dict[int, int] = {}  # bucket -> self._updates when its gather was launched
         self.param_peak_bytes = self.param_bytes()
 
     def _owned_params(self, pc: _Piece) -> torch.Tensor:
@@ -195,12 +209,35 @@ class ZeroThreeEngine(ZeroEngine):
 
     # ---------------------------------------------------------------- gather and release
     def gather_unit(self, unit: int, phase: str) -> None:
-        """Make `unit`'s buckets whole, held for `phase` ("forward" or "backward")."""
+        """Make `unit`'s buckets whole, held for `phase` ("forward" or "backward"): waiting for a prefetch in flight,
+        gathering now what is neither whole nor in flight."""
         for b in self.unit_buckets[unit]:
             holders = self._holds.setdefault(b, set())
-            if b not in self.whole:
+            holders.discard((unit, "prefetch"))
+            if b in self._in_flight:
+                self._in_flight.pop(b).wait()
+                self.whole.add(b)
+            elif b not in self.whole:
                 self._gather_bucket(b)
+            if self._gathered_at[b] != self._updates:
+                raise StaleParameterError(f"bucket {b} of unit {unit} holds values gathered before the shard's last "
+                                          "update (a gather that outlived its step)")
             holders.add((unit, phase))
+
+    def prefetch_unit(self, unit: int) -> None:
+        """Launch the all-gathers of `unit`'s buckets that are neither whole nor in flight, held for it until it
+        gathers them (gather_unit waits for them then)."""
+        for b in self.unit_buckets[unit]:
+            self._holds.setdefault(b, set()).add((unit, "prefetch"))
+            if b not in self.whole and b not in self._in_flight:
+                self._gather_bucket(b, async_op=True)
+
+    def _prefetch_after(self, unit: int, backward: bool) -> None:
+        """With prefetch on, launch the gather of the unit that runs after `unit`: the next block in the forward (block
+        1 after the root), the previous one in the backward (the root stays whole through the backward)."""
+        after = unit - 1 if backward else unit + 1
+        if self.prefetch and 1 <= after < len(self.units):
+            self.prefetch_unit(after)
 
     def check_whole(self, unit: int) -> None:
         """Raise unless every parameter of `unit` is in a gathered bucket (from the parameters, not the unit's list)."""
@@ -219,19 +256,36 @@ class ZeroThreeEngine(ZeroEngine):
                 self._release_bucket(b)
 
     def release_all(self) -> None:
-        """Release every bucket (before the optimizer updates the shard: no stale copy survives the step)."""
+        """Release every bucket, prefetches in flight too (before the optimizer updates the shard: no stale copy
+        survives the step)."""
         self._holds.clear()
+        self._land_prefetches()
         for b in list(self.whole):
             self._release_bucket(b)
         self._arrived = [0] * len(self.units)
 
-    def _gather_bucket(self, index: int) -> None:
+    def _land_prefetches(self) -> None:
+        """Wait for every prefetch in flight: its buckets are whole (a buffer is never released while a gather writes
+        into it)."""
+        for b in list(self._in_flight):
+            self._in_flight.pop(b).wait()
+            self.whole.add(b)
+
+    def _gather_bucket(self, index: int, async_op: bool = False, purpose: str = "all_gather_units") -> None:
+        """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
+        by gather_unit or release_all). Counted apart from stages 1 and 2's one round per step ("all_gather_params"),
+        which stage 3 never runs: a gather a unit waits for at once as "all_gather_units", a prefetch as
+        "prefetch_units", invariant (b)'s as "all_gather_check"."""
         b, buffer = self.layout.buckets[index], self.bucket_params[index]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         c = b.chunk_numel(self.dp.world_size)
-        # Counted apart from stages 1 and 2's one round per step ("all_gather_params"), which stage 3 never runs.
-        self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c], "all_gather_units")
-        self.whole.add(index)
+        self._gathered_at[index] = self._updates
+        work = self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c],
+                                  "prefetch_units" if async_op else purpose, async_op=async_op)
+        if async_op:
+            self._in_flight[index] = work
+        else:
+            self.whole.add(index)
         self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes())
 
     def _release_bucket(self, index: int) -> None:
@@ -239,8 +293,8 @@ class ZeroThreeEngine(ZeroEngine):
         self.whole.discard(index)
 
     def param_bytes(self) -> int:
-        """Parameter bytes held now: the shard and the buckets whole at the moment."""
-        whole = sum(self.bucket_params[b].numel() for b in self.whole)
+        """Parameter bytes held now: the shard and the buckets whole or being gathered at the moment."""
+        whole = sum(self.bucket_params[b].numel() for b in self.whole | set(self._in_flight))
         return self.flat_params.element_size() * (self.flat_params.numel() + whole)
 
     # ---------------------------------------------------------------- hooks
@@ -248,8 +302,7 @@ class ZeroThreeEngine(ZeroEngine):
         if _in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
-            self.gather_unit(unit, "backward")
-            self.check_whole(unit)
+            self._gather_for_backward(unit)
             return
         if unit == 0 and torch.is_grad_enabled():
             self._outer_hooks = _current_saved_tensors_hooks()
@@ -257,6 +310,14 @@ class ZeroThreeEngine(ZeroEngine):
         self._current.append(unit)
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
+        self._prefetch_after(unit, backward=False)
+
+    def _gather_for_backward(self, unit: int) -> None:
+        """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next."""
+        if any((unit, "backward") not in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
+            self.gather_unit(unit, "backward")
+            self.check_whole(unit)
+            self._prefetch_after(unit, backward=True)
 
     def _leave_unit(self, unit: int) -> None:
         if _in_backward():
@@ -294,9 +355,7 @@ class ZeroThreeEngine(ZeroEngine):
         if not isinstance(packed, _SavedWeight):
             return packed
         unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
-        if (unit, "backward") not in self._holds.get(b, set()):
-            self.gather_unit(unit, "backward")
-            self.check_whole(unit)
+        self._gather_for_backward(unit)
         if b not in self.whole:
             raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
         return self.bucket_params[b].as_strided(shape, stride, offset)
@@ -317,6 +376,7 @@ class ZeroThreeEngine(ZeroEngine):
     def apply(self, lr: float, grad_norm: float) -> None:
         self.release_all()
         super().apply(lr, grad_norm)
+        self._updates += 1
 
     def _publish_params(self, wait: bool = True) -> None:
         """Nothing to send: AdamW updated the shard (in bf16 its master, rounded into it here), and every unit is
@@ -353,10 +413,11 @@ class ZeroThreeEngine(ZeroEngine):
             kinds = [self._replicated_flat, self._sliced_flat] + \
                 ([self._kv_shared_flat] if self.mesh.kv_replicas > 1 else [])
         rows: list[list[torch.Tensor]] = [[] for _ in kinds]
+        self._land_prefetches()
         for b in self.layout.buckets:
             released = b.index not in self.whole
             if released:
-                self._gather_bucket(b.index)
+                self._gather_bucket(b.index, purpose="all_gather_check")
             buffer = self.bucket_params[b.index].detach()
             for row, ranges in zip(rows, kinds):
                 # Each bucket's part of the row, positions counted from the bucket's start.
@@ -385,6 +446,7 @@ class ZeroThreeEngine(ZeroEngine):
         with torch.no_grad():
             self._restore_optimizer_state(sd)
             self.flat_params.copy_(sd["master"])
+        self._updates += 1
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's parameters by name, fp32 on the CPU: a collective of the DP group."""

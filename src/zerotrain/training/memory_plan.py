@@ -105,7 +105,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     L = layout_of(model, dp, p.bucket_numel)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
-    units = units_whole_bytes(model, L, 2 if p.precision == "bf16" else 4) if p.zero == 3 else 0
+    units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward) if p.zero == 3 else 0
     if p.zero == 1:
         # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
         grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)

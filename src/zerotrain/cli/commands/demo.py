@@ -79,7 +79,8 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
         "resume_verified": True,
         "comm_calls_per_step": {k: v / cfg.loop.steps for k, v in first.comm_calls.items()
                                 if k in ("reduce_scatter_grads", "all_gather_params", "all_gather_units",
-                                         "all_reduce_stats", "all_reduce_tp_activations", "all_reduce_tp_grads")},
+                                         "prefetch_units", "all_reduce_stats", "all_reduce_tp_activations",
+                                         "all_reduce_tp_grads")},
         "param_bytes": first.per_rank["param_bytes"],
         "invariants": {"a_finite_loss": True, "b_no_drift": True, "c_zero1_memory": True,
                        "d_checkpoint_roundtrip": True},
@@ -139,7 +140,8 @@ def _print_report(rep: dict, cfg: Config) -> None:
              else "fp32 master + moments") + ")")
     calls = rep["comm_calls_per_step"]
     # stage 3 gathers each unit when it is used (each block twice, the root once) instead of one round after the update
-    gathers = (f"{calls.get('all_gather_units', 0):g} unit all-gathers" if cfg.parallel.zero == 3
+    unit_gathers = calls.get("all_gather_units", 0) + calls.get("prefetch_units", 0)  # prefetched: --overlap on
+    gathers = (f"{unit_gathers:g} unit all-gathers" if cfg.parallel.zero == 3
                else f"{calls.get('all_gather_params', 0):g} all-gather")
     print(f"collectives per optimizer step: {calls.get('reduce_scatter_grads', 0):g} reduce-scatter, "
           f"{gathers}, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "
