@@ -139,8 +139,11 @@ check "bench ckpt" 60 zerotrain bench ckpt --quick --device "$DEVICE" --out "$OU
 if [ "$DEVICE" = cpu ] || [ "$GPUS" -ge 2 ]; then
     check "tensor parallelism: demo --tp 2" 90 zerotrain demo --device "$DEVICE" \
         --nproc "$([ "$DEVICE" = cpu ] && echo 4 || echo 2)" --tp 2 --out "$OUT/tp/demo"
+    # --overlap on: the default with CUDA (each unit's gather prefetched one unit ahead, on NCCL's stream)
+    check "ZeRO-3 with the prefetch: demo --zero 3 on 2 ranks" 90 zerotrain demo --device "$DEVICE" --nproc 2 \
+        --zero 3 --overlap on --out "$OUT/zero3/demo"
 else
-    echo "== demo --tp 2 skipped: $GPUS CUDA device(s) here, TP over NCCL needs one per rank"
+    echo "== demo --tp 2 and --zero 3 on 2 ranks skipped: $GPUS CUDA device(s) here, NCCL needs one per rank"
 fi
 check "the drift digest's cost on the device" 60 python - "$DEVICE" "$PRESET" <<'PY'
 """The drift check's digest of GPT-2's parameter buffer on the device, against one bf16 training step."""
