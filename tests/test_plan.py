@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from unittest import mock
 
@@ -162,3 +163,117 @@ def test_zerotrain_plan_of_packed_records_counts_the_document_mask_the_run_saves
     assert rows == run["rows"] and rows["activations"] == run["activations_measured"]
     monkeypatch.setattr(plan_command, "packs_records", lambda cfg: False)  # planted: the plan forgets the mask
     assert plan_rows()["activations"] < run["activations_measured"]
+
+
+# The largest model of a run's shape (--n-layer varied, every other setting as given): the tests' own plans are
+# the real memory_plan's, whatever a test plants in the one the search calls.
+REAL_PLAN = plan_module.memory_plan
+
+
+def plan_at_depth(cfg, n_layer: int) -> int:
+    deeper = copy.deepcopy(cfg)
+    deeper.model.n_layer = n_layer
+    return REAL_PLAN(deeper).total
+
+
+def deepest_fits_and_one_more_does_not(cfg, device_bytes: int, found) -> bool:
+    return plan_at_depth(cfg, found.n_layer) <= device_bytes < plan_at_depth(cfg, found.n_layer + 1)
+
+
+SHAPES = {"zero1": dict(nproc=4), "zero3-llama-bf16-blocks": dict(nproc=4, zero=3, preset="llama-tiny",
+                                                                  precision="bf16", activation_checkpointing="blocks")}
+
+
+def shape(tmp_path, name: str, **more):
+    settings = {**SHAPES[name], **more}
+    preset = settings.pop("preset", None)
+    if preset:
+        from zerotrain.config import PRESETS
+        settings.update(PRESETS[preset])
+    return tiny_config(tmp_path, **settings)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("given, room_of, spare, expected", [(2, 37, 0, 37), (2, 37, -1, 36), (40, 5, 1, 5),
+                                                             (2, 1, 0, 1)],
+                         ids=["up-to-exactly-37", "up-to-a-byte-short-of-37", "down-from-40-to-5", "just-1"])
+def test_the_largest_model_of_the_shape_fits_and_one_layer_more_does_not(tmp_path, name, given, room_of, spare,
+                                                                         expected):
+    """The device holds the plan of `room_of` blocks, `spare` bytes more; the search starts at the given depth."""
+    from zerotrain.model import param_count
+
+    cfg = shape(tmp_path, name, n_layer=given)
+    device_bytes = plan_at_depth(cfg, room_of) + spare
+    found = plan_module.largest_model(cfg, device_bytes)
+    assert deepest_fits_and_one_more_does_not(cfg, device_bytes, found)
+    assert (found.n_layer, found.capped) == (expected, False)
+    deeper = copy.deepcopy(cfg)
+    deeper.model.n_layer = found.n_layer
+    assert found.parameters == param_count(deeper.model)
+    assert plan_module.largest_model(cfg, plan_at_depth(cfg, 1) - 1) is None
+
+
+def test_a_search_that_misjudges_the_plans_is_caught_both_ways(tmp_path, monkeypatch):
+    """Planted in the plan the search calls: one that forgets half the optimizer state finds a model too deep to
+    fit; one that counts a byte too many stops a layer short of the largest that fits."""
+    cfg = shape(tmp_path, "zero3-llama-bf16-blocks")
+    device_bytes = plan_at_depth(cfg, 37)
+    assert deepest_fits_and_one_more_does_not(cfg, device_bytes, plan_module.largest_model(cfg, device_bytes))
+
+    def planted(change):
+        def plan(cfg, *args, **kwargs):
+            planned = REAL_PLAN(cfg, *args, **kwargs)
+            planned.rows["optimizer_state"] = change(planned.rows["optimizer_state"])
+            return planned
+        return plan
+    monkeypatch.setattr(plan_module, "memory_plan", planted(lambda b: b // 2))
+    found = plan_module.largest_model(cfg, device_bytes)
+    assert found.n_layer > 37 and plan_at_depth(cfg, found.n_layer) > device_bytes
+    assert not deepest_fits_and_one_more_does_not(cfg, device_bytes, found)
+    monkeypatch.setattr(plan_module, "memory_plan", planted(lambda b: b + 1))
+    found = plan_module.largest_model(cfg, device_bytes)
+    assert found.n_layer == 36 and plan_at_depth(cfg, 37) <= device_bytes
+    assert not deepest_fits_and_one_more_does_not(cfg, device_bytes, found)
+
+
+@pytest.mark.parametrize("expected", [50, 77], ids=["bracketed-from-above", "bracketed-from-below"])
+def test_the_depth_search_is_exact_where_the_total_is_far_from_linear_in_the_depth(tmp_path, monkeypatch, expected):
+    """Newton's steps miss a total with a stair every 8 blocks (a slope of a few bytes, then 10 MB): from 2 blocks
+    they end above 50 and below 77. The bracket from there and its bisection still end on the deepest plan that
+    fits, by the plan the search is given (a cap of 128 blocks keeps the probes cheap)."""
+    cfg = shape(tmp_path, "zero1")
+    probed = []
+
+    def stairs(cfg, *args, **kwargs):
+        planned = REAL_PLAN(cfg, *args, **kwargs)
+        planned.rows["activations"] += 10**7 * (cfg.model.n_layer // 8)
+        probed.append(cfg.model.n_layer)
+        return planned
+    monkeypatch.setattr(plan_module, "memory_plan", stairs)
+    total = lambda n: stairs(plan_module.with_depth(cfg, n)).total  # noqa: E731
+    device_bytes = total(expected) + 1
+    probed.clear()
+    found = plan_module.largest_model(cfg, device_bytes, cap=128)
+    assert found.n_layer == expected and total(expected) <= device_bytes < total(expected + 1)
+    assert len(probed) > 10  # far more than Newton's converged pairs: the bracket did the work
+
+
+def test_the_depth_search_stops_at_its_cap_and_says_so(tmp_path):
+    cfg = shape(tmp_path, "zero1")
+    found = plan_module.largest_model(cfg, 2**40, cap=12)
+    assert (found.n_layer, found.capped) == (12, True) and plan_at_depth(cfg, 12) <= 2**40
+
+
+def test_plan_command_says_the_largest_model_of_the_shape(capsys):
+    base = ["--preset", "llama-tiny", "--nproc", "4", "--zero", "3", "--data", "synthetic", "--micro-batch", "2"]
+    room = plan_json(capsys, *base, "--n-layer", "30")["total"]
+    fit = plan_json(capsys, *base, "--device-memory", str(room))
+    assert plan_json(capsys, *base)["largest_model"] is None  # without --device-memory
+    deepest = fit["largest_model"]
+    assert deepest == {"n_layer": 30, "parameters": plan_json(capsys, *base, "--n-layer", "30")["parameters"],
+                       "capped": False}
+    assert plan_json(capsys, *base, "--n-layer", "31")["total"] > room
+    assert plan_json(capsys, *base, "--device-memory", str(room // 100))["largest_model"] is None
+    assert cli.main(["plan", *base, "--device-memory", str(room)]) == 0
+    assert f"largest model of this shape in {plan_module.gib(room)}: 30 layers ({deepest['parameters']:,} " \
+           "parameters) at micro-batch 2" in capsys.readouterr().out

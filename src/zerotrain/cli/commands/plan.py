@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import Config
 from zerotrain.data import packs_records
 from zerotrain.model import ARCH_NAMES, param_count
-from zerotrain.training.memory_plan import ROWS, gib, largest_micro_batch, memory_plan, parse_bytes
+from zerotrain.training.memory_plan import (ROWS, gib, largest_micro_batch, largest_model, memory_plan,
+                                            parse_bytes)
 
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
@@ -28,14 +30,16 @@ HOW = {
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="what each rank will hold (parameters, gradients, optimizer, activations...), "
-                                    "and the largest micro-batch that fits",
+                                    "and the largest micro-batch and model depth that fit",
                        description="Prints, for the run the training flags describe, the bytes each rank will hold "
                                    "by kind: exact for the state (from the layout the engine builds), the activations "
                                    "from the model's formula. `zerotrain train` prints the total in its start line "
                                    "and checks it after its first step.")
     add_training_flags(p)
     p.add_argument("--device-memory", metavar="SIZE", help="memory of one rank's device (80GiB, 40GB, 512MiB): "
-                                                           "also print the largest micro-batch that fits")
+                                                           "also print the largest micro-batch that fits, and the "
+                                                           "largest model of this shape (the most --n-layer, every "
+                                                           "other setting as given)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
@@ -46,12 +50,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     documents = packs_records(cfg)  # packed records: the attention's document mask is saved too
     plan = memory_plan(cfg, documents=documents)
     fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
+    deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
-              "lora_rank": cfg.lora.rank}
+              "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank}
     print(json.dumps(report, indent=2) if args.json else table(cfg, report))
     return 0
 
@@ -98,4 +103,18 @@ def table(cfg: Config, r: dict) -> str:
         lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: " +
                      (str(fits) if fits else "none: the state alone does not fit (--zero 2, --tp, bf16, "
                                              "or more ranks)"))
+        lines.append(f"  largest model of this shape in {gib(r['device_memory'])}: "
+                     f"{deepest_line(r['largest_model'], r['micro_batch'])}")
     return "\n".join(lines)
+
+
+def deepest_line(deepest: dict | None, micro_batch: int) -> str:
+    """The table's words for largest_model's answer (the report's dict of it)."""
+    if deepest is None:
+        return f"none: not even one block fits at micro-batch {micro_batch}"
+    n, count = deepest["n_layer"], deepest["parameters"]
+    size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count:,}"
+    layers = f"{n} layer{'s' if n > 1 else ''}"
+    if deepest["capped"]:
+        return f"{layers} or more at micro-batch {micro_batch} ({size} parameters at {n}, where the search stops)"
+    return f"{layers} ({size} parameters) at micro-batch {micro_batch}"
