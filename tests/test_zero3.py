@@ -25,6 +25,7 @@ from zerotrain.cli.main import main
 from zerotrain.errors import ConfigError
 from zerotrain.hub.export import export_model
 from zerotrain.model import build_model, init
+from zerotrain.parallel import zero3
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import build_engine, train
 from zerotrain.training import memory_plan as plan_module
@@ -212,10 +213,12 @@ def max_rel(a: dict, b: dict) -> float:
     return max(((a[k] - t).abs().max() / t.abs().max()).item() for k, t in b.items())
 
 
-def on_demand_per_micro_batch(unit_buckets) -> int:
+def on_demand_per_micro_batch(unit_buckets, untied: bool) -> int:
     """The bucket gathers a prefetch cannot start early: the root's for the forward, and the last block's for its
-    backward (released after its forward, needed first), less the buckets it shares with the root."""
-    return len(unit_buckets[0]) + len(set(unit_buckets[-1]) - set(unit_buckets[0]))
+    backward (released after its forward, needed first after the head's), less the buckets it shares with the root
+    (an untied head, the last unit, is released before it)."""
+    last_block = unit_buckets[-2] if untied else unit_buckets[-1]
+    return len(unit_buckets[0]) + len(set(last_block) - set(unit_buckets[0]))
 
 
 @pytest.mark.parametrize("pair", [("accum z2", "accum z3", "prefetch z3"),
@@ -231,7 +234,8 @@ def test_the_prefetch_gathers_each_unit_one_ahead_and_trains_bitwise_like_stage2
     assert calls["all_gather_units"] + calls["prefetch_units"] <= plain["all_gather_units"]
     assert calls["all_gather_check"] == plain["all_gather_check"]  # invariant (b)'s, every step
     micro_batches = len(prefetched["losses"]) * runs["configs"][pair[2]].loop.accum
-    assert calls["all_gather_units"] == micro_batches * on_demand_per_micro_batch(prefetched["unit_buckets"])
+    assert calls["all_gather_units"] == micro_batches * on_demand_per_micro_batch(prefetched["unit_buckets"],
+                                                                                  pair[0].startswith("llama"))
     # Two neighbouring blocks whole (or arriving) beside the root at most, as the plan says to the byte.
     rows = prefetched["plan"]["rows"]
     assert prefetched["param_peak_bytes"] == rows["parameters"] + rows["parameter_units"] > three["param_peak_bytes"]
@@ -336,6 +340,24 @@ def test_stage3_trains_bitwise_like_stage2_on_3_ranks_and_within_1e5_per_micro_b
     assert max(abs(x - y) / y for x, y in zip(micro["losses"], step["losses"])) < 1e-5
     # A third of the padded parameters each (the run checked its plan's rows too).
     assert three_ranks["llama z3"]["param_bytes"] * 3 == three_ranks["llama z2"]["param_bytes"]
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["synchronous", "prefetch"])
+def test_an_untied_embedding_and_head_are_never_whole_together(tmp_path, monkeypatch, prefetch):
+    # A large vocabulary's two largest tensors: the embedding is a unit before the first block, the head (with the
+    # final norm) one after the last; the root held them both, with a block, before (planted: the head read as tied).
+    # The plan's row is what the run holds at its peak (the stage-3 tests above check it to the byte).
+    cfg = config(tmp_path, "vocab", 3, nproc=4, model=dict(LLAMA, vocab_size=4096), bucket_mb=0.05,
+                 overlap="on" if prefetch else "off")
+    with torch.device("meta"):
+        model = build_model(cfg.model, 0)
+    vocab_bytes = 4 * model.lm_head.weight.numel()  # the embedding's, the head's: fp32
+    block_bytes = 4 * sum(p.numel() for p in model.model.layers[0].parameters())
+    edges = 2 * 4 * cfg.parallel.bucket_numel  # a bucket at each end of the units whole, shared with a neighbour
+    units = plan_module.memory_plan(cfg).rows["parameter_units"]
+    assert units <= vocab_bytes + (2 if prefetch else 1) * block_bytes + edges < 2 * vocab_bytes
+    monkeypatch.setattr(zero3, "untied_head", lambda model: False)
+    assert plan_module.memory_plan(cfg).rows["parameter_units"] > 2 * vocab_bytes
 
 
 def test_a_planted_error_in_the_stage3_plan_is_caught_by_the_run(one_rank, tmp_path, monkeypatch):

@@ -86,6 +86,11 @@ class GPT(nn.Module):
     def embedding(self) -> nn.Embedding:
         return self.transformer.wte
 
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm between the last block and the head."""
+        return self.transformer.ln_f
+
     def tie_weights(self) -> None:
         """The head is the token embedding's tensor, as in GPT-2 (again after moving off the meta device)."""
         self.lm_head.weight = self.transformer.wte.weight

@@ -116,6 +116,11 @@ class Llama(nn.Module):
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm between the last block and the head."""
+        return self.model.norm
+
     def tie_weights(self) -> None:
         """The head is the token embedding's tensor, when tied (again after moving off the meta device)."""
         if self.cfg.tie_embeddings:

@@ -13,11 +13,15 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
     gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
                            arrives, its full-size buffer freed
 
-Units: each transformer block is one; the rest (embeddings, final norm and the head, tied or not) is the root unit,
-whole from the model's forward to the end of its backward: a tied head needs the embedding again at the end of the
-forward, and the head's backward comes first (kept whole rather than gathered again: on 2 CPU ranks, 8 blocks
-of width 256, 1 MiB buckets, the step went from 1.30x stage 2's time to 1.26x). A bucket that
-straddles two units is whole while either needs it. Every parameter is a permanent view of its bucket's buffer;
+Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
+small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
+the end of its backward: the head needs the embedding again at the end of the forward, the head's backward comes
+first, and the tied weight's gradient is complete only at the end (kept whole rather than gathered again: on 2 CPU
+ranks, 8 blocks of width 256, 1 MiB buckets, the step went from 1.30x stage 2's time to 1.26x). With an untied
+head the embedding and the head are units of their own, the two largest tensors of a large-vocabulary model never
+whole together: the embedding before the first block (released after its forward: its backward reads no weight),
+the final norm with the head after the last block (whole from the norm's forward into their backward, which comes
+first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its bucket's buffer;
 releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold nothing.
 
 With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
@@ -91,22 +95,34 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def model_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules whose parameters are gathered together: the root model first, then every transformer block
-    (the members of the model's first ModuleList), in forward order."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList):
-            return [model, *module]
-    return [model]
+def model_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
+    """The units in forward order, each the modules that run it (the first's forward begins it, the last's ends
+    it): the root model; with an untied head its embedding; every transformer block (the members of the model's
+    first ModuleList); with an untied head its final norm and head."""
+    blocks = next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+    if untied_head(model):
+        return [(model,), (model.embedding,), *((b,) for b in blocks), (model.final_norm, model.lm_head)]
+    return [(model,), *((b,) for b in blocks)]
+
+
+def untied_head(model: torch.nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    return head is not None and head.weight is not model.embedding.weight
+
+
+def held_into_backward(model: torch.nn.Module) -> set[int]:
+    """The units kept whole from their forward into their backward, which follows at once: the root, and the
+    untied head (the last unit)."""
+    return {0, len(model_units(model)) - 1} if untied_head(model) else {0}
 
 
 def unit_parameters(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Each unit's trained parameters (model_units' order): a block's own; the root's, those in no block."""
+    """Each unit's trained parameters (model_units' order): the other units' own; the root's, those in no other."""
     units = model_units(model)
     named = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # a tied parameter once
-    in_block = {id(p) for u in units[1:] for p in u.parameters()}
-    out = [[(named[id(p)], p) for p in units[0].parameters() if id(p) in named and id(p) not in in_block]]
-    out += [[(named[id(p)], p) for p in u.parameters() if id(p) in named] for u in units[1:]]
+    elsewhere = {id(p) for unit in units[1:] for m in unit for p in m.parameters()}
+    out = [[(named[id(p)], p) for p in model.parameters() if id(p) in named and id(p) not in elsewhere]]
+    out += [[(named[id(p)], p) for m in unit for p in m.parameters() if id(p) in named] for unit in units[1:]]
     return out
 
 
@@ -119,16 +135,16 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int,
 def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4,
                       prefetch: bool = False) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
-    the backward) with the largest block, or with `prefetch` the largest two neighbouring blocks (the one running
-    and the one being gathered for next). A block's backward gathers it after the next block's last gradient has
+    the backward) with the largest other unit, or with `prefetch` the largest two neighbouring ones (the one running
+    and the one being gathered for next). A unit's backward gathers it after the next unit's last gradient has
     arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so without a prefetch two
-    blocks are never whole together; the run's check of the plan would say so if they were."""
+    of them are never whole together; the run's check of the plan would say so if they were."""
     units = unit_buckets(model, layout)
-    root, blocks = set(units[0]), units[1:] or [()]
-    if prefetch and len(blocks) > 1:
-        blocks = [a + b for a, b in zip(blocks, blocks[1:])]
+    root, others = set(units[0]), units[1:] or [()]
+    if prefetch and len(others) > 1:
+        others = [a + b for a, b in zip(others, others[1:])]
     size = {b.index: b.end - b.start for b in layout.buckets}
-    return element_size * max(sum(size[b] for b in root | set(block)) for block in blocks)
+    return element_size * max(sum(size[b] for b in root | set(unit)) for unit in others)
 
 
 class ZeroThreeEngine(ZeroEngine):
@@ -193,6 +209,9 @@ class ZeroThreeEngine(ZeroEngine):
         super()._register_hooks()
         self.units = model_units(self.model)
         self.unit_buckets = unit_buckets(self.model, self.layout)
+        self._held_into_backward = held_into_backward(self.model)
+        first, end = (2, len(self.units) - 1) if untied_head(self.model) else (1, len(self.units))
+        self._blocks = set(range(first, end))  # the transformer blocks' units
         params = unit_parameters(self.model)
         self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
         self._unit_sizes = [len(unit) for unit in params]
@@ -202,10 +221,11 @@ class ZeroThreeEngine(ZeroEngine):
         self._outer_hooks = None
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         for index, unit in enumerate(self.units):
-            unit.register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
-            unit.register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
-        # The head runs in the backward too with --activation-checkpointing full (recomputed inside the root's hold).
-        self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(0))
+            unit[0].register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
+            unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
+        # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
+        head = self._unit_of[id(self.model.lm_head.weight)]
+        self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
 
     # ---------------------------------------------------------------- gather and release
     def gather_unit(self, unit: int, phase: str) -> None:
@@ -233,15 +253,17 @@ class ZeroThreeEngine(ZeroEngine):
                 self._gather_bucket(b, async_op=True)
 
     def _prefetch_after(self, unit: int, backward: bool) -> None:
-        """With prefetch on, launch the gather of the unit that runs after `unit`: the next block in the forward (block
-        1 after the root), the previous one in the backward (the root stays whole through the backward)."""
+        """With prefetch on, launch the gather of the unit that runs after `unit`: the next one in the forward, the
+        previous block in the backward (the root and an untied head are held from their forward; an untied
+        embedding's backward reads no weight)."""
         after = unit - 1 if backward else unit + 1
-        if self.prefetch and 1 <= after < len(self.units):
+        if self.prefetch and (after in self._blocks if backward else after < len(self.units)):
             self.prefetch_unit(after)
 
     def check_whole(self, unit: int) -> None:
-        """Raise unless every parameter of `unit` is in a gathered bucket (from the parameters, not the unit's list)."""
-        for p in self.units[unit].parameters():
+        """Raise unless every parameter of `unit` is in a gathered bucket (from the modules' parameters, not the unit's
+        list)."""
+        for p in (p for module in self.units[unit] for p in module.parameters()):
             s = self._slot_of.get(id(p))
             if s is not None and self._unit_of.get(id(p)) == unit and s.bucket not in self.whole:
                 raise ReleasedParameterError(f"{s.name} was used while its bucket {s.bucket} was not gathered "
@@ -323,9 +345,11 @@ class ZeroThreeEngine(ZeroEngine):
         if _in_backward():
             return
         self._current.pop()
+        if unit in self._held_into_backward and torch.is_grad_enabled():
+            # The head's backward comes first and needs its unit (and a tied one the root) again: it stays whole for
+            # it, not gathered twice.
+            self.gather_unit(unit, "backward")
         if unit == 0 and torch.is_grad_enabled():
-            # The head's backward comes first and needs the root again: it stays whole for it, not gathered twice.
-            self.gather_unit(0, "backward")
             self._saved_hooks.__exit__(None, None, None)
         self.release_unit(unit, "forward")
 
