@@ -1,14 +1,18 @@
 """The checkpoint format: folder and file names, the manifest and its schema, what `latest` names.
 
-A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, `model.safetensors` (the full
-fp32 model in GPT-2 names, whatever the mesh, loadable without torch.distributed), one
-`optim-rank{r}-of-{W}.safetensors` per rank of the world (its ZeRO shard of its local flat buffer:
-master values, exp_avg, exp_avg_sq and the optimizer step) and, when the data has a BPE, its
+A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, one `optim-rank{r}-of-{W}.safetensors` per
+rank of the world (its ZeRO shard of its local flat buffer: master values, exp_avg, exp_avg_sq and the optimizer
+step; the masters are the model: checkpoint/model.py assembles it, whatever the mesh, without torch.distributed)
+and, when the data has a BPE, its
 `tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file); a run started
 --init-from a model keeps that model's tokenizer.json and the files configuring it, which the record lists
 under "files" (tokenizer_config.json ...: data.tokenizer_config), with its context length and special ids.
 `latest` in the checkpoint root names the newest committed folder. Safetensors and JSON only:
 nothing is unpickled.
+
+Versions: 2 stores the parameters once, in the shards. 1 (written before) also held `model.safetensors`, the full
+fp32 model (in bf16 runs the masters rounded to bf16) in zerotrain's names, written by rank 0 alone; it is still
+read, verified (the model file against the masters) and resumed.
 
 With tensor parallelism the manifest records the mesh ({"tp": T, "dp": D}, T x D = world_size,
 world rank = dp_index x T + tp_index) and each split parameter's TP slice ("tp_slices": how a TP
@@ -30,6 +34,7 @@ from zerotrain.model.layers import TPSlice
 # Still version 1 with TP: the new keys are additions, and a reader from before TP refuses a TP
 # checkpoint anyway, since its layout.world_size (D) differs from its world_size (T x D).
 FORMAT, VERSION = "zerotrain-checkpoint", 1
+READABLE_VERSIONS = (1, 2)  # 2: no model file, the parameters stored once (the shards' masters)
 MODEL_FILE, MANIFEST, LATEST = "model.safetensors", "manifest.json", "latest"
 TOKENIZER_FILE = "tokenizer.json"  # the data's BPE, copied by rank 0 when there is one (manifest["tokenizer"]["file"])
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -65,14 +70,16 @@ def shard_name(rank: int, world_size: int) -> str:
     return f"optim-rank{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def expected_files(world_size: int, tokenizer: dict | None = None) -> list[str]:
-    """The model file, one shard per rank, and the tokenizer files the manifest's tokenizer record names: its "file"
-    (tokenizer.json) and, from an --init-from model, the "files" that configure it (tokenizer_config.json ...)."""
+def expected_files(world_size: int, tokenizer: dict | None = None, version: int = VERSION) -> list[str]:
+    """The model file (version 1 only), one shard per rank, and the tokenizer files the manifest's tokenizer record
+    names: its "file" (tokenizer.json) and, from an --init-from model, the "files" that configure it
+    (tokenizer_config.json ...)."""
     tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
     extra = [TOKENIZER_FILE] if tokenizer.get("file") == TOKENIZER_FILE else []
     listed = tokenizer.get("files")
     extra += [n for n in listed if isinstance(n, str)] if isinstance(listed, list) else []
-    return [MODEL_FILE] + [shard_name(r, world_size) for r in range(world_size)] + extra
+    model = [MODEL_FILE] if version == 1 else []
+    return model + [shard_name(r, world_size) for r in range(world_size)] + extra
 
 
 def step_folders(root: str) -> list[str]:
@@ -117,8 +124,9 @@ def schema_problem(manifest) -> str | None:
     problem = _typed(manifest, MANIFEST_SCHEMA, "manifest")
     if problem:
         return problem
-    if manifest["format"] != FORMAT or manifest["version"] != VERSION:
-        return f"format {manifest['format']!r} version {manifest['version']} is not {FORMAT!r} version {VERSION}"
+    if manifest["format"] != FORMAT or manifest["version"] not in READABLE_VERSIONS:
+        return (f"format {manifest['format']!r} version {manifest['version']} is not {FORMAT!r} version "
+                f"{' or '.join(map(str, READABLE_VERSIONS))}")
     if manifest["precision"] not in PRECISIONS:
         return f"precision {manifest['precision']!r} is not one of {PRECISIONS}"
     if manifest["world_size"] < 1:

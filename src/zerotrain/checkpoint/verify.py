@@ -5,8 +5,9 @@ first group that has a failure (later groups read what an earlier one found bad)
 
     manifest   manifest.json is present, valid JSON, and has the writer's keys and types (schema)
     name       each listed name stays inside the folder: no `..`, no path, no symlink leading out
-    files      it lists model.safetensors, one optimizer shard per rank of its world size (T x D with
-               TP), and the tokenizer files its "tokenizer" record names (tokenizer.json, "files")
+    files      it lists one optimizer shard per rank of its world size (T x D with TP), the tokenizer files
+               its "tokenizer" record names (tokenizer.json, "files") and, at format version 1 only,
+               model.safetensors
     size       each file has the recorded size ...
     sha256     ... and the recorded sha256
     partition  the buckets tile the padded flat buffer, the owned ranges of all ranks (the D ranks of
@@ -18,9 +19,10 @@ first group that has a failure (later groups read what an earlier one found bad)
     shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
     replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's, and those of
                a KV head on several TP ranks equal its first rank's
-    model      model.safetensors equals the masters assembled through the layout, with TP placed
-               through the TP slices (full names, full shapes); in bf16, the masters rounded to bf16:
-               the parameters the model file was written from
+    model      (version 1) model.safetensors equals the masters assembled through the layout, with TP
+               placed through the TP slices (full names, full shapes); in bf16, the masters rounded to
+               bf16: the parameters the model file was written from. Version 2 has no model file: the
+               masters are the model
 
 Loading runs the same checks on the files it reads (see load.py) before restoring anything.
 
@@ -100,8 +102,9 @@ def verify_checkpoint(path: str, part: tuple[int, int] | None = None) -> list[Ch
         return checks
     if mesh_of(manifest)[0] > 1 and r == W - 1 and not group([replicas_check(path, manifest)]):
         return checks
-    sizes = [(p["name"], math.prod(_full_shape(manifest, p))) for p in manifest["layout"]["params"]]
-    group([_check("model", MODEL_FILE, model_problem(path, manifest, names=_share(sizes, W)[r]))])
+    if MODEL_FILE in entries:  # format version 1: the model file beside the masters it was written from
+        sizes = [(p["name"], math.prod(_full_shape(manifest, p))) for p in manifest["layout"]["params"]]
+        group([_check("model", MODEL_FILE, model_problem(path, manifest, names=_share(sizes, W)[r]))])
     return checks
 
 
@@ -183,9 +186,10 @@ def _manifest_checks(path: str, checks: list[Check]) -> dict | None:
 
 
 def files_problem(manifest: dict) -> str | None:
-    """Why the manifest's file list is not exactly the model file and one shard per rank, or None."""
+    """Why the manifest's file list is not exactly one shard per rank, the tokenizer's files and (version 1) the model
+    file, or None."""
     listed = [f["name"] for f in manifest["files"]]
-    expected = expected_files(manifest["world_size"], manifest.get("tokenizer"))
+    expected = expected_files(manifest["world_size"], manifest.get("tokenizer"), manifest["version"])
     twice = sorted({n for n in listed if listed.count(n) > 1})
     if twice:
         return f"lists {twice[0]} more than once"
