@@ -272,12 +272,13 @@ def test_verify_passes_a_tp_checkpoint_and_names_the_corrupt_file(saved, tmp_pat
     bad = next(c for c in checkpoint.verify_checkpoint(drifted) if not c.ok)
     assert (bad.name, bad.file) == ("replicas", shard) and f"replicated tensor {name} differs" in bad.detail
 
-    # the manifest's TP slices swapped between the ranks: the model file is not the model they describe
+    # the manifest's TP slices swapped between the ranks: not the slices its model config gives at TP 2, through
+    # which the model is assembled from the shards
     swapped = copy("swapped")
     rewrite(swapped, lambda m: m["tp_slices"].update(
         {n: {**d, "parts": d["parts"][::-1]} for n, d in m["tp_slices"].items()}))
     bad = next(c for c in checkpoint.verify_checkpoint(swapped) if not c.ok)
-    assert (bad.name, bad.file) == ("model", "model.safetensors") and "differs from the assembled master" in bad.detail
+    assert (bad.name, bad.file) == ("partition", "manifest.json") and "not the slice TP 2 gives it" in bad.detail
 
     # a mesh that does not make the world size is refused by the schema check
     wrong = copy("wrong-mesh")

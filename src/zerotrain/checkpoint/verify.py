@@ -14,8 +14,10 @@ first group that has a failure (later groups read what an earlier one found bad)
                a DP group) cover it exactly once (no gap, no overlap), and each is the chunk of its
                bucket the DP size implies (the one the loader assembles shards with); each TP slice's
                distinct parts tile its full tensor (replicated KV heads: the same parts on several TP
-               ranks), every TP rank an equal share of the layout's shape; the
-               full model's parameters add up to param_count
+               ranks), every TP rank an equal share of the layout's shape, and they are the slices
+               the manifest's model config gives at its TP degree (the model is assembled through
+               them: a manifest with slices swapped would assemble another model); the full
+               model's parameters add up to param_count
     shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
     replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's, and those of
                a KV head on several TP ranks equal its first rank's
@@ -41,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from zerotrain.config import ModelConfig
+from zerotrain.model import plan
 from zerotrain.parallel import ShardLayout
 from zerotrain.parallel.tp_slices import full_tensors
 
@@ -292,7 +296,7 @@ def partition_problem(manifest: dict) -> str | None:
             return f"parameters {a} and {b} overlap in the flat buffer"
     if numel != L["numel"]:
         return f"parameters hold {numel} values, layout.numel is {L['numel']}"
-    problem = tp_slices_problem(manifest)
+    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest)
     if problem:
         return problem
     full = sum(math.prod(_full_shape(manifest, p)) for p in L["params"])
@@ -326,6 +330,27 @@ def tp_slices_problem(manifest: dict) -> str | None:
         if at != extent or len(set(widths)) != 1 or shapes[name] != local:
             return (f"tp_slices[{name!r}] splits dim {d['dim']} of {d['full_shape']} into parts of {widths} "
                     f"covering {at}, not {T} equal parts of the layout's shape {shapes[name]}")
+    return None
+
+
+def planned_slices_problem(manifest: dict) -> str | None:
+    """Why the TP slices of the layout's parameters are not those the manifest's model config splits them into at its
+    TP degree (model.plan), or None; a manifest without a model config, or a parameter the plan does not know (a
+    LoRA adapter), is not compared."""
+    T = mesh_of(manifest)[0]
+    config = manifest.get("config")
+    if T == 1 or not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return None
+    try:
+        planned = plan(ModelConfig(**config["model"]), T)
+    except (TypeError, ValueError) as e:
+        return f"config.model does not describe a model ({e})"
+    recorded = manifest["tp_slices"]
+    for p in manifest["layout"]["params"]:
+        name = p["name"]
+        if name in planned and recorded.get(name) != planned[name].to_dict():
+            return (f"tp_slices[{name!r}] is {recorded.get(name)}, not the slice TP {T} gives it: "
+                    f"{planned[name].to_dict()}")
     return None
 
 
