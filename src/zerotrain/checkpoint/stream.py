@@ -12,6 +12,9 @@ the GIL on large buffers, so the two overlap. On the development machine (2 core
 file, fsync included) hashing inline ran at 0.55x a plain write's throughput, in a thread at 0.9x;
 save_file followed by a re-read to hash ran at 0.2x. Reading hashes the same way, into one
 buffer the tensors are then views of, so what is verified is exactly what is loaded.
+
+Every byte this process writes or reads here is counted (`bytes_counted`; `count_read` for readers elsewhere,
+such as a reshard's ranged reads): the run reports each rank's checkpoint I/O.
 """
 
 from __future__ import annotations
@@ -40,10 +43,30 @@ DTYPE_CODES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_COUNTS = {"checkpoint_bytes_written": 0, "checkpoint_bytes_read": 0}  # this process's, since it started
+_COUNTS_LOCK = threading.Lock()  # an async save writes from its own thread
 _RANK = {code: i for i, code in enumerate(DTYPE_CODES.values())}
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 assert sys.byteorder == "little", "safetensors stores little-endian bytes; this writer copies memory as is"
+
+
+def count_read(n: int) -> None:
+    """Count `n` checkpoint bytes read by this process."""
+    with _COUNTS_LOCK:
+        _COUNTS["checkpoint_bytes_read"] += n
+
+
+def _count_written(n: int) -> None:
+    with _COUNTS_LOCK:
+        _COUNTS["checkpoint_bytes_written"] += n
+
+
+def bytes_counted() -> dict[str, int]:
+    """The checkpoint bytes this process has written and read so far (saves and their read-back, loads, reshards,
+    verification's hashing), by name: checkpoint_bytes_written, checkpoint_bytes_read."""
+    with _COUNTS_LOCK:
+        return dict(_COUNTS)
 
 
 @dataclass(frozen=True)
@@ -147,6 +170,7 @@ def write_durably(path: str, views: list[memoryview], on_block: Callable[[memory
                 while block.nbytes:  # a raw write may take fewer bytes than offered
                     n = f.write(block)
                     block, written = block[n:], written + n
+                    _count_written(n)
                 if not half_done and written * 2 >= total:
                     half_done = True
                     halfway()
@@ -170,6 +194,7 @@ def differing_bytes(path: str, tensors: dict[str, torch.Tensor]) -> str | None:
             for lo in range(0, view.nbytes, CHUNK):
                 want = expected[lo : lo + CHUNK]
                 got = buffer[: f.readinto(memoryview(buffer)[: want.size])]
+                count_read(got.size)
                 if got.size != want.size or not np.array_equal(got, want):
                     return f"{name} differs at file byte {offset + lo} (or the file ends early)"
             offset += view.nbytes
@@ -186,6 +211,7 @@ def sha256_file(path: str) -> tuple[int, str]:
             while block := f.read(CHUNK):
                 hasher.update(block)
                 size += len(block)
+                count_read(len(block))
         return size, hasher.hexdigest()
     finally:
         hasher.close()
@@ -205,6 +231,7 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], FileRecord]:
                     raise CheckpointError(f"{path} shrank while it was read ({got} of {size} bytes)")
                 hasher.update(view[got : got + n])
                 got += n
+                count_read(n)
             if f.read(1):
                 raise CheckpointError(f"{path} grew while it was read (more than {size} bytes)")
             digest = hasher.hexdigest()
@@ -218,12 +245,15 @@ def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
+        count_read(len(prefix))
         if len(prefix) < 8:
             raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, shorter than its header length")
         (n,) = struct.unpack("<Q", prefix)
         if n > size - 8:
             raise CheckpointError(f"{path} is not a safetensors file: header of {n} bytes in a {size}-byte file")
-        entries = _header_entries(f.read(n), size - 8 - n, path)
+        text = f.read(n)
+        count_read(len(text))
+        entries = _header_entries(text, size - 8 - n, path)
     return {name: (e["dtype"], e["shape"]) for name, e in entries.items()}
 
 

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from zerotrain import checkpoint
+from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
 from zerotrain.errors import ConfigError, ZeroTrainError
@@ -54,7 +55,7 @@ class TrainResult:
     stopped: dict | None = None  # {"signal", "step", "checkpoint"} when a stop signal ended the run early
     rollbacks: list[dict] = field(default_factory=list)
     resumed_from: str | None = None
-    per_rank: dict[str, list[int]] = field(default_factory=dict)  # bytes held and peak RSS, one entry per rank
+    per_rank: dict[str, list[int]] = field(default_factory=dict)  # bytes held, peak RSS, checkpoint I/O: one per rank
     wall_s: float = 0.0
     plan: dict = field(default_factory=dict)  # the memory plan's rows and what the run measured against them
     report: dict = field(default_factory=dict)  # what train_job returns; with summary.json's figures on rank 0
@@ -384,11 +385,20 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     calls, nbytes = run.mesh.counters()
     result = TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
-                         _per_rank_bytes(engine, comm), time.perf_counter() - t_start, _plan_report(run))
+                         {**_per_rank_bytes(engine, comm), **_checkpoint_bytes(comm)}, time.perf_counter() - t_start,
+                         _plan_report(run))
     result.report = _report(result, cfg, comm, run.throughput)
     if run.metrics.active:  # rank 0 wrote the metrics: summary.json's figures, and W&B's summary
         result.report["summary"] = summarize(result.report)
     return result
+
+
+def _checkpoint_bytes(comm: Comm) -> dict[str, list[int]]:
+    """The checkpoint bytes each rank's process has written and read (saves and their read-back, loads, reshards,
+    verification), one entry per rank."""
+    counted = bytes_counted()
+    rows = comm.all_gather_rows(torch.tensor(list(counted.values()), dtype=torch.int64), "all_gather_checkpoint_bytes")
+    return {key: [int(v) for v in rows[:, i].tolist()] for i, key in enumerate(counted)}
 
 
 def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start: int, resumed_from) -> str:
