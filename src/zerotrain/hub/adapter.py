@@ -4,7 +4,8 @@ A checkpoint of a LoRA run holds the adapters and their optimizer state, not the
 base's identity instead (init_from: the --init-from folder and each weight file's sha256), or, for a random base,
 its config holds the model and the seed that build it again. `zerotrain export --format peft` writes what
 `peft.PeftModel.from_pretrained(base, OUT)` loads: adapter_config.json and adapter_model.safetensors, the
-adapters under peft's names (`base_model.model.` + zerotrain's, which are Hugging Face's module paths).
+adapters under peft's names (`base_model.model.` + zerotrain's, which are Hugging Face's module paths), in their
+full shapes as the checkpoint holds them (checkpoint.checkpoint_model: its model file, or its shards' masters).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import shutil
 
 from safetensors.torch import save_file
 
-from zerotrain.checkpoint import MODEL_FILE
-from zerotrain.checkpoint.stream import read_safetensors
+from zerotrain.checkpoint import checkpoint_model
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
@@ -92,7 +92,7 @@ def export_peft(source: ModelSource, out: str) -> list[str]:
         raise ConfigError(f"--format peft: {source.folder} is a Phi-3, whose Hugging Face model fuses q, k, v in "
                           "qkv_proj and gate, up in gate_up_proj, where zerotrain's adapters are on each; export "
                           "the merged model with --format hf")
-    adapters = read_safetensors(os.path.join(source.folder, MODEL_FILE))[0]
+    adapters = checkpoint_model(source.folder, source.manifest)
     record = source.manifest.get("init_from")
     tmp = make_staging_folder(out)
     try:

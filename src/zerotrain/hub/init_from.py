@@ -5,8 +5,11 @@ naming both values) and brings its tokenizer. Each rank reads only the slices of
 (safetensors' lazy slicing, through the architecture's table in mapping.py), one tensor at a time, straight into
 the engine's flat buffers (FileValues: the model is built on the meta device): no rank ever holds a full copy of a
 tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads the rows of its parts' slices),
-and at ZeRO-3 a rank reads only the tensors that lie partly in its owned chunks. Weights only: the optimizer
-and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
+and at ZeRO-3 a rank reads only the tensors that lie partly in its owned chunks. A zerotrain checkpoint without a
+model file (format 2) stores its model as its shards' masters: a rank reads each tensor it trains from the byte
+ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP slice of it (there, one full
+tensor is held beyond what the rank keeps). Weights only: the optimizer and the schedule start fresh. Pickle files
+(pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
@@ -21,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from zerotrain.checkpoint import MANIFEST, CheckpointError, read_manifest, verify_or_raise
+from zerotrain.checkpoint import (MANIFEST, CheckpointError, ShardedModel, has_model_file, read_manifest, shard_name,
+                                   verify_or_raise)
 from zerotrain.checkpoint.stream import read_header, sha256_file
 from zerotrain.config import ModelConfig, setting_for
 from zerotrain.data.tokenizer import TOKENIZER_FILE, read_tokenizer_file
@@ -52,12 +56,17 @@ class WeightSource:
     mapping: HFMapping | None  # hf: the architecture's layouts; a zerotrain folder stores its own
     stored: dict[str, str] = dataclasses.field(default_factory=dict)  # zerotrain's name -> the file's, where they differ
     first_row: dict[str, int] = dataclasses.field(default_factory=dict)  # a part of a fused tensor (Phi-3's qkv_proj)
+    # A checkpoint without a model file (format 2): its shards, whose masters are its model, by name -> the sha256
+    # its manifest records (and the source was verified against)
+    shards: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict:
-        """What a checkpoint's manifest records of it: the folder, its kind, each weight file's sha256."""
+        """What a checkpoint's manifest records of it: the folder, its kind, each weight file's sha256 (a checkpoint's
+        shards as their manifest records them: hashing them again would read the optimizer state too)."""
+        files = [{"name": name, "sha256": digest} for name, digest in sorted(self.shards.items())]
         return {"path": self.folder, "kind": self.kind,
-                "files": [{"name": os.path.basename(f), "sha256": sha256_file(f)[1]}
-                          for f in sorted(set(self.files.values()))]}
+                "files": files or [{"name": os.path.basename(f), "sha256": sha256_file(f)[1]}
+                                   for f in sorted(set(self.files.values()))]}
 
 
 def weight_source(path: str, verify: bool = True) -> WeightSource:
@@ -102,6 +111,10 @@ def _source(folder: str, verify: bool) -> WeightSource:
             raise CheckpointError(f"{folder} holds a LoRA run's adapters, not a whole model: start from it merged "
                                   "(zerotrain export RUN OUT --format safetensors, then --init-from OUT)")
         model = ModelConfig(**manifest["config"]["model"])
+        if not has_model_file(manifest):  # format 2: the model is the shards' masters
+            names = {shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])}
+            shards = {f["name"]: f["sha256"] for f in manifest["files"] if f["name"] in names}
+            return WeightSource(folder, "checkpoint", model, {}, None, shards=shards)
         return WeightSource(folder, "checkpoint", model, tensor_files(folder), None)
     kind, model, _ = read_export_config(folder)
     files, mapping = tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
@@ -125,7 +138,15 @@ def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> None:
     """CheckpointError naming the first tensor of the source's files that is extra, missing, misshapen or not
-    floating point against `shapes` (full shapes, zerotrain's layout), and the file; from the headers alone."""
+    floating point against `shapes` (full shapes, zerotrain's layout), and the file; from the headers alone (a
+    format-2 checkpoint: from its manifest's layout and TP slices)."""
+    if source.shards:
+        held = ShardedModel(source.folder).shapes  # from the manifest: nothing is read from the shards
+        for name in sorted(set(held) | set(shapes)):
+            if held.get(name) != shapes.get(name):
+                raise CheckpointError(f"its shards hold {name} as {list(held.get(name) or [])}, the model its config "
+                                      f"describes needs {list(shapes.get(name) or [])}")
+        return
     mapping = source.mapping or MAPPINGS[source.model.arch]
     transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
     ignored = mapping.ignored + (("lm_head.weight",) if source.model.tie_embeddings else ())
@@ -201,8 +222,12 @@ class FileValues:
         except CheckpointError as e:
             raise CheckpointError(f"--init-from {source.folder}: {e}") from None
         self._opened: dict[str, object] = {}
+        self._shards = ShardedModel(source.folder) if source.shards else None
 
     def values(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._shards is not None:  # a checkpoint without a model file: the full tensor from its shards' masters
+            full, tp_slice = self._shards.tensor(name), self.tp_slices.get(name)
+            return full if tp_slice is None else tp_slice.take(full, self.tp_rank)
         file = self.source.files[name]
         f = self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
         local = _read(f, self.source.stored.get(name, name), self.tp_slices.get(name), self.tp_rank,
@@ -211,6 +236,8 @@ class FileValues:
 
     def close(self) -> None:
         self._opened.clear()
+        if self._shards is not None:
+            self._shards.close()
 
 
 def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp_rank: int) -> None:

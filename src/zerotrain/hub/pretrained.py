@@ -1,7 +1,8 @@
 """Loading a trained model for use: from a checkpoint (folder, root or run folder) or an exported folder.
 
-A checkpoint is verified first (names, sizes, sha256, layout, and model.safetensors against the
-master shards), then its model.safetensors is loaded strictly (a Llama that trained on a shorter window than
+A checkpoint is verified first (names, sizes, sha256, layout, and a format-1 model.safetensors against the
+master shards), then its model is loaded strictly: the model file when its manifest lists one, else the model its
+shards' masters assemble to (checkpoint.checkpoint_model) (a Llama that trained on a shorter window than
 the model it started from gets that model's context back, from the manifest's tokenizer record); an exported
 folder's config.json is checked against the architecture zerotrain builds, and its model.safetensors, or the shards its
 model.safetensors.index.json names (export.tensor_files, as --init-from reads them), loaded strictly.
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.checkpoint import (LATEST, MANIFEST, CheckpointError, committed_steps, read_latest, read_manifest,
-                                   verify_or_raise)
+from zerotrain.checkpoint import (LATEST, MANIFEST, MODEL_FILE, CheckpointError, checkpoint_model, committed_steps,
+                                   has_model_file, read_latest, read_manifest, verify_or_raise)
 from zerotrain.checkpoint.stream import read_safetensors, sha256_file
 from zerotrain.config import Config, ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
@@ -95,7 +96,11 @@ def load_from(source: ModelSource) -> torch.nn.Module:
             raise CheckpointError(f"{os.path.join(folder, MANIFEST)}: config.model is not a model config ({e})") from None
     else:
         _, cfg, _ = read_export_config(folder)
-    tensors, where = _read_tensors(folder)
+    if source.kind == "checkpoint":  # verified by locate
+        tensors = checkpoint_model(folder, source.manifest)
+        where = os.path.join(folder, MODEL_FILE) if has_model_file(source.manifest) else f"the shards of {folder}"
+    else:
+        tensors, where = _read_tensors(folder)
     if source.kind == "checkpoint" and source.manifest["config"].get("lora", {}).get("lora_rank"):
         return _lora_model(source, tensors, where)
     if source.kind == "hf":
@@ -130,8 +135,25 @@ def _lora_model(source: ModelSource, tensors: dict[str, torch.Tensor], where: st
 
 
 def base_problem(record: dict) -> str | None:
-    """Why the files of the base a manifest's init_from `record` names are no longer those it recorded, or None."""
+    """Why the files of the base a manifest's init_from `record` names are no longer those it recorded, or None.
+
+    A base that is a checkpoint is compared with the sha256 its manifest records (its model file, or its shards
+    without one), which loading it verifies the files against: its shards are not hashed twice.
+    """
     folder = record["path"]
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        try:
+            listed = {f["name"]: f["sha256"] for f in read_manifest(folder)["files"]}
+        except CheckpointError as e:
+            return f"its base {folder} is no longer a readable checkpoint ({e})"
+        for entry in record["files"]:
+            file, digest = os.path.join(folder, entry["name"]), listed.get(entry["name"])
+            if digest is None:
+                return f"its base {file} is missing (its {MANIFEST} does not list it)"
+            if digest != entry["sha256"]:
+                return (f"its base {file} has changed (sha256 {digest[:12]}... in its {MANIFEST}, the run trained on "
+                        f"{entry['sha256'][:12]}...)")
+        return None
     try:
         files = {os.path.basename(f): f for f in set(tensor_files(folder).values())} if os.path.isdir(folder) else {}
     except CheckpointError:
