@@ -42,6 +42,34 @@ def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Confi
     return resolve_paths(resolve(validate(cfg)))
 
 
+def as_version_1(folder: str) -> None:
+    """Turn the checkpoint `folder` into format version 1, as zerotrain wrote them before it stored the parameters
+    once: beside the shards, model.safetensors, the full model assembled from their masters (in a bf16 run rounded to
+    bf16), listed in the manifest with its size and sha256."""
+    import hashlib
+    import json
+
+    from safetensors.torch import save_file
+
+    from zerotrain.checkpoint.format import MANIFEST, MODEL_FILE, tp_slices_of
+    from zerotrain.checkpoint.verify import layout_of, tp_masters
+    from zerotrain.parallel.tp_slices import full_tensors
+
+    with open(os.path.join(folder, MANIFEST)) as f:
+        manifest = json.load(f)
+    layout = layout_of(manifest, folder)
+    model = full_tensors(layout, tp_slices_of(manifest), tp_masters(folder, manifest, layout))
+    path = os.path.join(folder, MODEL_FILE)
+    save_file({name: t.contiguous().clone() for name, t in model.items()}, path)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    manifest["version"] = 1
+    manifest["files"] = sorted(manifest["files"] + [{"name": MODEL_FILE, "bytes": os.path.getsize(path),
+                                                      "sha256": digest}], key=lambda f: f["name"])
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
 @contextlib.contextmanager
 def world_of_one():
     """A real gloo process group of world size 1 on 127.0.0.1 (its Comm), torn down on leaving."""

@@ -114,7 +114,7 @@ IDX = torch.tensor([[1, 5, 9, 200, 3, 3, 7, 0, 255, 12, 40, 41, 42, 43, 44, 45]]
 
 # ---------------------------------------------------------------- strict loading of model.safetensors
 def test_model_safetensors_loads_strictly_and_a_head_that_differs_from_the_embedding_is_refused(run):
-    tensors = load_file(os.path.join(step_folder(run), "model.safetensors"))
+    tensors = checkpoint.checkpoint_model(step_folder(run))
     assert "lm_head.weight" not in tensors  # the tied head is stored once, as transformer.wte.weight
     model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=256))
     model.load_state_dict(tensors, strict=True)
@@ -132,7 +132,7 @@ def test_model_safetensors_loads_strictly_and_a_head_that_differs_from_the_embed
 
 # ---------------------------------------------------------------- load_model, load_tokenizer
 def test_load_model_gives_the_trained_model_from_a_step_folder_a_checkpoint_root_or_a_run_folder(run):
-    tensors = load_file(os.path.join(step_folder(run), "model.safetensors"))
+    tensors = checkpoint.checkpoint_model(step_folder(run))
     reference = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=256))
     reference.load_state_dict(tensors)
     want = reference(IDX)
@@ -150,11 +150,11 @@ def test_load_model_verifies_first_a_corrupt_checkpoint_is_refused_naming_the_fi
 
     copy = str(tmp_path / checkpoint.step_name(STEPS))
     shutil.copytree(step_folder(run), copy)
-    file = os.path.join(copy, "model.safetensors")
+    file = os.path.join(copy, checkpoint.shard_name(0, 1))
     tensors = load_file(file)
-    tensors["transformer.wte.weight"][0, 0] += 1.0  # same size, other bytes
+    tensors["master"][0] += 1.0  # same size, other bytes
     save_file(tensors, file)
-    with pytest.raises(CheckpointError, match=r"model.safetensors: sha256 .* \(corrupt\)"):
+    with pytest.raises(CheckpointError, match=r"optim-rank00000-of-00001.safetensors: sha256 .* \(corrupt\)"):
         zerotrain.load_model(copy)
     with pytest.raises(ConfigError, match="does not exist"):
         zerotrain.load_model(str(tmp_path / "nowhere"))

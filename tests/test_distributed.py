@@ -121,9 +121,7 @@ def test_resume_is_bitwise_identical_and_a_lossy_resume_is_caught(resumes, overl
     assert resumed["losses"] == first["losses"][3:]  # exact float equality, every step
     assert resumed["digests"] == first["digests"]
     assert all(torch.equal(first["params"][k], resumed["params"][k]) for k in first["params"])
-    final = os.path.join(cfg.checkpoint.dir, "step_00000006", "model.safetensors")
-    from safetensors.torch import load_file
-    on_disk = load_file(final)
+    on_disk = checkpoint.checkpoint_model(os.path.join(cfg.checkpoint.dir, "step_00000006"))
     assert all(torch.equal(on_disk[k], resumed["params"][k]) for k in on_disk)
 
     # planted bug: a resume that loses AdamW's moments

@@ -22,7 +22,7 @@ from dist_jobs import in_turn_job
 from model_folders import llama_folder
 from safetensors.torch import load_file, save_file
 
-from zerotrain import load_model
+from zerotrain import checkpoint, load_model
 from zerotrain.cli.main import main
 from zerotrain.config import LoraConfig
 from zerotrain.hub.init_from import adopt, weight_source
@@ -182,7 +182,7 @@ def test_the_checkpoint_holds_the_adapters_and_the_base_by_sha256(trained):
 
     with open(os.path.join(step, "manifest.json")) as f:
         manifest = json.load(f)
-    held = load_file(os.path.join(step, "model.safetensors"))
+    held = checkpoint.checkpoint_model(step)
     assert held and all(".lora_A." in n or ".lora_B." in n for n in held)
     assert [f["name"] for f in manifest["init_from"]["files"]] == ["model.safetensors"]
     assert len(manifest["init_from"]["files"][0]["sha256"]) == 64

@@ -135,11 +135,9 @@ def verification_bound(path) -> int:
 
 
 def own_files(cfg, rank: int) -> int:
-    """The bytes of the safetensors files rank `rank` wrote into the run's step-2 checkpoint: its shard, and on
-    rank 0 the model file."""
-    path, world = folder(cfg), cfg.launch.nproc
-    names = [checkpoint.shard_name(rank, world)] + ([checkpoint.MODEL_FILE] if rank == 0 else [])
-    return sum(os.path.getsize(os.path.join(path, n)) for n in names)
+    """The bytes of the safetensors file rank `rank` wrote into the run's step-2 checkpoint: its shard (format 2: no
+    rank writes the model, which is the shards' masters)."""
+    return os.path.getsize(os.path.join(folder(cfg), checkpoint.shard_name(rank, cfg.launch.nproc)))
 
 
 # ---------------------------------------------------------------- counting
@@ -155,6 +153,30 @@ def test_a_save_counts_the_bytes_of_each_ranks_own_files_and_reads_them_back_onc
         cfg, out = runs["saved"][name]
         assert out["per_rank"][reshard_jobs.WRITTEN] == [own_files(cfg, r) for r in range(cfg.launch.nproc)]
         assert out["per_rank"][reshard_jobs.READ] == out["per_rank"][reshard_jobs.WRITTEN]
+
+
+def test_a_rank_that_writes_the_whole_model_at_a_save_is_caught_by_its_byte_count(tmp_path, one_rank, monkeypatch):
+    from zerotrain.checkpoint import save as save_module
+    from zerotrain.training.loop import build_engine
+
+    cfg = tiny_config(tmp_path)
+    engine = build_engine(cfg, one_rank)
+    real = save_module._live_files
+
+    def with_the_model(engine, rank, world_size):  # planted: rank 0 writes the whole model too, as before format 2
+        files = real(engine, rank, world_size)
+        files[checkpoint.MODEL_FILE] = engine.full_state_dict()
+        return files
+
+    written_beyond_the_shard = []
+    for step, planted in ((1, False), (2, True)):
+        if planted:
+            monkeypatch.setattr(save_module, "_live_files", with_the_model)
+        before = bytes_counted()[reshard_jobs.WRITTEN]
+        path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), step, engine, one_rank, cfg.to_dict())
+        shard = os.path.getsize(os.path.join(path, checkpoint.shard_name(0, 1)))
+        written_beyond_the_shard.append(bytes_counted()[reshard_jobs.WRITTEN] - before - shard)
+    assert written_beyond_the_shard[0] == 0 and written_beyond_the_shard[1] > 4 * 28_032  # the planted fp32 model
 
 
 # ---------------------------------------------------------------- resharding across processes

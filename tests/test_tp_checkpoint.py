@@ -11,13 +11,12 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 
 import dist_jobs
 import pytest
 import torch
 import tp_ckpt_jobs
-from conftest import tiny_config
+from conftest import as_version_1, tiny_config
 from safetensors.torch import load_file, save_file
 
 from zerotrain import checkpoint
@@ -100,13 +99,6 @@ def max_abs(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def header(path) -> bytes:
-    """A safetensors file's length prefix and JSON header: every name, dtype, shape and byte range."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        return prefix + f.read(struct.unpack("<Q", prefix)[0])
-
-
 def full_state(shards, layout: ShardLayout, slices: dict, tp: int, dp: int) -> dict:
     """{key: {name: full tensor}} and the step, by hand from every world rank's shard (shards[r]).
 
@@ -161,30 +153,29 @@ def differences(got: dict, want: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------- saving
-def test_a_tp_model_file_is_the_full_model_with_the_names_shapes_and_bytes_layout_of_a_tp1_one(saved):
+def test_a_tp_checkpoint_holds_the_full_model_in_its_shards_with_the_names_and_shapes_of_a_tp1_one(saved):
     (cfg2, out2), (cfg1, _) = saved["tp2dp2"], saved["tp1dp4"]
     tp2, tp1 = step_folder(cfg2, 3), step_folder(cfg1, 3)
     manifest = checkpoint.read_manifest(tp2)
     assert manifest["world_size"] == 4 and manifest["mesh"] == {"tp": 2, "dp": 2}
     assert manifest["layout"]["world_size"] == 2 and manifest["param_count"] == 28_032
     assert len(manifest["tp_slices"]) == 6 * 2  # 6 split tensors per block, 2 blocks
-    assert sorted(f["name"] for f in manifest["files"]) == \
-        ["model.safetensors"] + [checkpoint.shard_name(r, 4) for r in range(4)]
+    assert sorted(f["name"] for f in manifest["files"]) == [checkpoint.shard_name(r, 4) for r in range(4)]
     tp1_manifest = checkpoint.read_manifest(tp1)
     assert tp1_manifest["mesh"] == {"tp": 1, "dp": 4} and tp1_manifest["tp_slices"] == {}
 
-    # the same names, dtypes, shapes and byte ranges as a TP 1 checkpoint's file: bitwise equal headers
-    model2, model1 = os.path.join(tp2, "model.safetensors"), os.path.join(tp1, "model.safetensors")
-    assert header(model2) == header(model1) and os.path.getsize(model2) == os.path.getsize(model1)
+    # the same names, dtypes and shapes as a TP 1 checkpoint's model
+    model2, model1 = checkpoint.checkpoint_model(tp2), checkpoint.checkpoint_model(tp1)
+    assert {n: (t.dtype, t.shape) for n, t in model2.items()} == {n: (t.dtype, t.shape) for n, t in model1.items()}
     # ... holding the same model: the two runs differ only by float order (the bound of test_distributed's
     # split invariance; AdamW's first steps amplify last-bit gradient differences to a few 1e-5)
-    assert max_abs(load_file(model2), load_file(model1)) <= 1e-4
+    assert max_abs(model2, model1) <= 1e-4
     # bitwise the masters of the shards, assembled by hand through the layout and the TP slices
     masters = checkpoint_state(tp2)["master"]
-    on_disk = load_file(model2)
+    on_disk = model2
     assert all(torch.equal(on_disk[n], masters[n]) for n in masters)
     # and, at the end, bitwise the parameters the ranks hold
-    final = load_file(os.path.join(step_folder(cfg2, 6), "model.safetensors"))
+    final = checkpoint.checkpoint_model(step_folder(cfg2, 6))
     assert all(torch.equal(final[n], p) for n, p in out2["first"]["params"].items())
     # planted: the TP ranks' slices placed the other way round are not the model
     manifest["tp_slices"] = {n: {**d, "parts": d["parts"][::-1]} for n, d in manifest["tp_slices"].items()}
@@ -199,7 +190,7 @@ def test_an_async_tp_save_writes_bitwise_the_files_of_a_sync_one(saved):
     contents = {way: {n: open(os.path.join(f, n), "rb").read() for n in sorted(os.listdir(f))}
                 for way, f in folders.items()}
     shards = [checkpoint.shard_name(r, 4) for r in range(4)]
-    assert sorted(contents["sync"]) == ["manifest.json", "model.safetensors"] + shards
+    assert sorted(contents["sync"]) == ["manifest.json"] + shards
     assert contents["async"] == contents["sync"]  # manifest.json included
 
 
@@ -240,7 +231,7 @@ def test_verify_passes_a_tp_checkpoint_and_names_the_corrupt_file(saved, tmp_pat
     cfg, _ = saved["tp2dp2"]
     good = step_folder(cfg, 3)
     checks = checkpoint.verify_checkpoint(good)
-    assert all(c.ok for c in checks) and [c.name for c in checks][-2:] == ["replicas", "model"]
+    assert all(c.ok for c in checks) and [c.name for c in checks][-1] == "replicas"
     assert sum(c.name == "shard" for c in checks) == 4
     assert cmd_verify(argparse.Namespace(path=cfg.checkpoint.dir)) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verified: 2 checkpoints")
@@ -249,6 +240,11 @@ def test_verify_passes_a_tp_checkpoint_and_names_the_corrupt_file(saved, tmp_pat
         folder = str(tmp_path / name / "step_00000003")
         shutil.copytree(good, folder)
         return folder
+
+    version_1 = copy("version-1")  # written before format 2: its model file checked against the TP masters
+    as_version_1(version_1)
+    checks = checkpoint.verify_checkpoint(version_1)
+    assert all(c.ok for c in checks) and [c.name for c in checks][-2:] == ["replicas", "model"]
 
     shard = checkpoint.shard_name(3, 4)  # world rank 3: DP rank 1, TP rank 1
     flipped = copy("flipped")
@@ -336,5 +332,5 @@ def test_a_bf16_tp_checkpoint_verifies_and_async_and_sync_saves_agree(tmp_path):
     files = [n for n in os.listdir(out["sync"]) if n != "manifest.json"]
     assert all(open(os.path.join(out["sync"], n), "rb").read() == open(os.path.join(out["async"], n), "rb").read()
                for n in files)
-    model = load_file(os.path.join(out["sync"], "model.safetensors"))
+    model = checkpoint.checkpoint_model(out["sync"])
     assert all(torch.equal(model[n], p) for n, p in out["params"].items())  # the bf16 parameters, upcast exactly

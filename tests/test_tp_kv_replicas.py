@@ -151,7 +151,7 @@ def test_a_tp4_checkpoint_holds_each_kv_head_once_and_verifies(runs, tmp_path):
     assert manifest["mesh"] == {"tp": 4, "dp": 1}
     assert manifest["tp_slices"]["model.layers.0.self_attn.k_proj.weight"]["parts"] == [[[0, 8]], [[0, 8]],
                                                                                         [[8, 16]], [[8, 16]]]
-    on_disk = load_file(os.path.join(folder, "model.safetensors"))
+    on_disk = checkpoint.checkpoint_model(folder)
     assert on_disk["model.layers.1.self_attn.v_proj.weight"].shape == (16, 32)
     assert all(torch.equal(on_disk[n], t) for n, t in runs["tp4"]["saved"]["master"].items())
     assert all(c.ok for c in checkpoint.verify_checkpoint(folder))
@@ -206,7 +206,7 @@ def test_a_tp4_checkpoint_loads_on_one_rank_exactly_and_swapped_kv_groups_are_ca
 
 def test_init_from_a_tp4_checkpoint_gives_each_rank_the_kv_head_of_its_query_heads(runs, monkeypatch):
     source = weight_source(runs["saved folder"], verify=False)
-    full = load_file(os.path.join(runs["saved folder"], "model.safetensors"))
+    full = checkpoint.checkpoint_model(runs["saved folder"])
     cfg = runs["configs"]["tp4"].model
     D = cfg.head_dim
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import as_version_1, tiny_config
 from safetensors.torch import load_file, save_file
 from test_engine import run_steps
 
@@ -73,8 +73,8 @@ def traversal_name(folder, tmp_path):
 
 def symlink_out(folder, tmp_path):
     outside = str(tmp_path / "elsewhere.safetensors")
-    shutil.move(os.path.join(folder, "model.safetensors"), outside)  # same bytes: only the link is wrong
-    os.symlink(outside, os.path.join(folder, "model.safetensors"))
+    shutil.move(os.path.join(folder, SHARD), outside)  # same bytes: only the link is wrong
+    os.symlink(outside, os.path.join(folder, SHARD))
 
 
 def overlapping_ranges(folder, tmp_path):
@@ -85,6 +85,7 @@ def overlapping_ranges(folder, tmp_path):
 
 
 def model_differs(folder, tmp_path):
+    as_version_1(folder)  # a checkpoint written before format 2: its model file beside the masters
     path = os.path.join(folder, "model.safetensors")
     model = load_file(path)
     model["transformer.wpe.weight"][0, 0] += 1e-3
@@ -103,15 +104,21 @@ CORRUPTIONS = {  # planted corruption -> (the check that catches it, the file it
     "truncated shard": (truncate, "size", SHARD, "truncated"),
     "deleted manifest": (delete_manifest, "manifest", "manifest.json", "is missing"),
     "traversal name": (traversal_name, "name", "../x", "not a plain name"),
-    "symlink out": (symlink_out, "name", "model.safetensors", "outside the checkpoint folder"),
+    "symlink out": (symlink_out, "name", SHARD, "outside the checkpoint folder"),
     "overlapping ranges": (overlapping_ranges, "partition", "manifest.json", "owned ranges overlap"),
     "model differs": (model_differs, "model", "model.safetensors", "differs from the assembled master shards"),
 }
 
 
 def test_a_good_checkpoint_and_root_verify(tmp_path, one_rank, capsys):
-    root, _, step2 = two_checkpoints(tmp_path, one_rank)
+    root, step1, step2 = two_checkpoints(tmp_path, one_rank)
     checks = checkpoint.verify_checkpoint(step2)
+    assert checkpoint.read_manifest(step2)["version"] == 2  # the parameters stored once: in the shard
+    assert [c.name for c in checks] == ["manifest", "json", "schema", "name", "files", "size", "sha256", "partition",
+                                        "shard"]
+    assert all(c.ok for c in checks)
+    as_version_1(step1)  # a checkpoint written before format 2 verifies, its model file against the masters
+    checks = checkpoint.verify_checkpoint(step1)
     assert [c.name for c in checks] == ["manifest", "json", "schema", "name", "name", "files", "size", "size",
                                         "sha256", "sha256", "partition", "shard", "model"]
     assert all(c.ok for c in checks)
@@ -125,6 +132,8 @@ def test_a_good_checkpoint_and_root_verify(tmp_path, one_rank, capsys):
 
 def test_a_bf16_checkpoint_verifies_against_its_masters_rounded_to_bf16(tmp_path, one_rank):
     _, _, step2 = two_checkpoints(tmp_path, one_rank, precision="bf16")
+    checkpoint.verify_or_raise(step2)
+    as_version_1(step2)  # format 1's model file: the masters rounded to bf16
     checkpoint.verify_or_raise(step2)
     # planted: a model file of the unrounded fp32 masters is not what a bf16 run trains with
     shard = load_file(os.path.join(step2, SHARD))
@@ -200,6 +209,7 @@ def together(path, readers=3, rank=0):
 
 def test_readers_share_the_reading_checks_each_file_and_tensor_once(tmp_path, one_rank):
     _, _, step2 = two_checkpoints(tmp_path, one_rank)
+    as_version_1(step2)  # two files, and the model file's tensors
     parts = [checkpoint.verify_checkpoint(step2, part=(r, 2)) for r in range(2)]
     hashed = [[c.file for c in p if c.name == "sha256"] for p in parts]
     assert sorted(hashed[0] + hashed[1]) == sorted(["model.safetensors", SHARD]) and all(hashed)

@@ -31,10 +31,10 @@ from zerotrain.config import ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
 
-# Still version 1 with TP: the new keys are additions, and a reader from before TP refuses a TP
-# checkpoint anyway, since its layout.world_size (D) differs from its world_size (T x D).
-FORMAT, VERSION = "zerotrain-checkpoint", 1
-READABLE_VERSIONS = (1, 2)  # 2: no model file, the parameters stored once (the shards' masters)
+# 2: no model file, the parameters stored once (the shards' masters). (TP's keys came within version 1: additions, and
+# a reader from before TP refuses a TP checkpoint anyway, since its layout.world_size (D) differs from its world_size.)
+FORMAT, VERSION = "zerotrain-checkpoint", 2
+READABLE_VERSIONS = (1, 2)
 MODEL_FILE, MANIFEST, LATEST = "model.safetensors", "manifest.json", "latest"
 TOKENIZER_FILE = "tokenizer.json"  # the data's BPE, copied by rank 0 when there is one (manifest["tokenizer"]["file"])
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

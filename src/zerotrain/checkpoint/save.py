@@ -1,9 +1,10 @@
-"""Writing checkpoints: each rank writes and hashes its own files, synchronously or behind training.
+"""Writing checkpoints: each rank writes and hashes its own share, synchronously or behind training.
 
+A rank's share is its shard: its chunks of the flat layout's masters (the parameters, stored once: no rank
+gathers or writes the whole model) and of the optimizer state; rank 0 also copies the tokenizer's files.
 `CheckpointWriter.save` writes at once (all ranks call it together; two small collectives share
 each rank's outcome and rank 0's commit verdict, so no rank waits on one that failed). The writer's
-collectives run on `comm.io`, whose wait is --io-timeout: rank 0 writes and reads back the full
-model while the others, done with their shards, wait for it.
+collectives run on `comm.io`, whose wait is --io-timeout.
 `start` saves asynchronously: the state is copied into reusable CPU staging buffers and a
 background thread writes, hashes, fsyncs and reads the files back (invariant (d)), then writes
 this rank's sidecar. The thread issues no collectives: the training loop learns that every rank
@@ -15,9 +16,9 @@ backward, which leave the saved state untouched: an optimizer step pre-hook make
 update wait for the copy. On CUDA the copies are queued on the training stream at `start`
 (into pinned memory) and the thread waits for them before writing.
 
-With tensor parallelism each rank still writes its own shard (of its local layout); rank 0 writes
-the full model, so the TP ranks of DP replica 0 all-gather their parameter buffers for it first.
-That collective runs on the training thread, in `save` and in `start` alike (see `gather_tp_params`).
+With tensor parallelism each rank writes its own shard of its local layout; the manifest's TP slices say
+how the TP ranks' parameters make the full model (checkpoint/model.py). Checkpoints of format version 1
+(written before) also held `model.safetensors`, the full model rank 0 gathered and wrote.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ import torch
 
 from zerotrain.errors import InvariantError
 from zerotrain.parallel import Comm, ZeroEngine
-from zerotrain.parallel.tp_slices import full_tensors
 
 from .commit import commit, tmp_name, write_sidecar
-from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, MODEL_FILE, VERSION, CheckpointError, shard_name, step_name
+from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
 from .stream import FileRecord, differing_bytes, write_safetensors
 
 
@@ -115,19 +115,13 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------ asynchronous
     def start(self, step: int, engine: ZeroEngine, extra: dict | None = None) -> None:
-        """Begin saving step `step` behind training; returns once the state's copy is under way.
-
-        With TP, the TP ranks of DP replica 0 first all-gather their parameter buffers for rank 0's model
-        file, here on the training thread (no collective runs in the background): a stall of one
-        all-gather of the local parameters for those T ranks, and none for the others.
-        """
+        """Begin saving step `step` behind training; returns once the state's copy is under way (no collective)."""
         self._refuse_in_flight("start")
         base = self._describe(step, engine, extra or {})
         engine.wait_params()  # an all-gather in flight still writes the parameters being copied
         if self._staging is None or not self._staging.fits(engine):
             self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
         staging, step_count = self._staging, engine.step_count
-        staging.gather_tp(engine)
         if id(engine.optimizer) not in self._guarded:
             engine.optimizer.register_step_pre_hook(lambda *_: self._wait_staged())
             self._guarded.add(id(engine.optimizer))
@@ -320,41 +314,13 @@ def _as_checkpoint_error(pending: _Pending) -> BaseException:
 
 
 def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's files for a synchronous save, from the engine's state (views where it is already fp32 on CPU).
-
-    `rank` is the world rank: shard files are named by it, whatever the mesh.
+    """This rank's file for a synchronous save, its shard, from the engine's state (views where it is already fp32 on
+    the CPU). `rank` is the world rank: shard files are named by it, whatever the mesh. A LoRA run's shard holds its
+    adapters; its frozen base is the manifest's init_from record.
     """
     engine.wait_params()
-    files = {shard_name(rank, world_size): {k: v.detach().cpu().contiguous()
-                                            for k, v in engine.shard_state_dict().items()}}
-    T = engine.mesh.tp_size
-    if engine.stage == 3:  # sharded parameters: every rank takes part in gathering them (DP group, then TP group)
-        model = engine.full_state_dict()
-        if rank == 0:
-            files[MODEL_FILE] = model
-        return files
-    if T == 1:
-        if rank == 0:
-            # the trained parameters (a LoRA run's adapters; its frozen base is the manifest's init_from record)
-            files[MODEL_FILE] = {s.name: p.detach().float().cpu().contiguous()
-                                 for s, p in zip(engine.layout.slots, engine.params)}
-        return files
-    gathered = gather_tp_params(engine)  # a collective of DP replica 0's TP ranks
-    if rank == 0:
-        files[MODEL_FILE] = full_tensors(engine.layout, engine.tp_slices, gathered.float().cpu().chunk(T))
-    return files
-
-
-def gather_tp_params(engine: ZeroEngine) -> torch.Tensor | None:
-    """The parameter buffers of DP replica 0's TP ranks, concatenated in TP rank order (T x padded_numel).
-
-    A collective among those T ranks only (world ranks 0 .. T-1, the TP group with dp_rank 0); every
-    other rank returns None at once: the other replicas hold bitwise the same values. In the
-    parameters' dtype (bf16 upcasts to the model file's fp32 exactly, after the transfer).
-    """
-    if engine.mesh.dp_rank != 0:
-        return None
-    return engine.gather_tp(engine.flat_params, "all_gather_checkpoint_model")
+    return {shard_name(rank, world_size): {k: v.detach().cpu().contiguous()
+                                           for k, v in engine.shard_state_dict().items()}}
 
 
 class _Staging:
@@ -372,10 +338,6 @@ class _Staging:
         pin = self.device.type == "cuda"
         self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
         self.step = torch.zeros(1, dtype=torch.int64)
-        # Rank 0 also writes the full model: the parameter buffer as fp32 (bf16 upcasts exactly); with TP,
-        # the buffers of every TP rank of DP replica 0, one after another (gather_tp).
-        self.tp_size, self.tp_slices = engine.mesh.tp_size, engine.tp_slices
-        self.params = torch.empty(self.tp_size * L.padded_numel, pin_memory=pin) if rank == 0 else None
         self._copied = None
 
     def fits(self, engine: ZeroEngine) -> bool:
@@ -386,6 +348,8 @@ class _Staging:
         with torch.no_grad():
             if engine.master is not None:
                 self.master.copy_(engine.master, non_blocking=non_blocking)
+            elif engine.stage == 3:  # fp32 at stage 3: the parameter buffer is the shard of masters
+                self.master.copy_(engine.flat_params, non_blocking=non_blocking)
             else:  # fp32: the masters are this rank's chunks of the parameter buffer
                 for b in L.buckets:
                     lo, hi = b.chunk(self.dp_rank, L.world_size)
@@ -393,24 +357,10 @@ class _Staging:
                                                                                 non_blocking=non_blocking)
             self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
             self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
-            if self.params is not None and self.tp_size == 1:  # with TP, gather_tp has filled them
-                self.params.copy_(engine.flat_params, non_blocking=non_blocking)
         self.step.fill_(step_count)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-
-    def gather_tp(self, engine: ZeroEngine) -> None:
-        """With TP: all-gather DP replica 0's parameter buffers into rank 0's `params` (training thread only).
-
-        On CUDA the copy to pinned memory is queued on the training stream, before copy_from's event.
-        """
-        if self.tp_size == 1:
-            return
-        gathered = gather_tp_params(engine)
-        if self.params is not None:
-            with torch.no_grad():
-                self.params.copy_(gathered, non_blocking=not self.copy_in_background)
 
     def wait_copied(self) -> None:
         if self._copied is not None:
@@ -418,7 +368,4 @@ class _Staging:
 
     def files(self) -> dict[str, dict[str, torch.Tensor]]:
         shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
-        files = {shard_name(self.rank, self.world_size): shard}
-        if self.params is not None:
-            files[MODEL_FILE] = full_tensors(self.layout, self.tp_slices, self.params.chunk(self.tp_size))
-        return files
+        return {shard_name(self.rank, self.world_size): shard}

@@ -19,11 +19,11 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
                          (with packed records also their document mask: B T T a on CPU, a block mask on CUDA)
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
-    checkpoint staging   --async-save: shard x 12, and on rank 0 the full model x 4 (host memory with CUDA)
+    checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA)
 
 where P is the rank's trained parameters (its TP slices and the replicated ones; a LoRA run's adapters), B the
 rank's frozen ones and shard = padded P / DP. Figures
-are rank 0's, the busiest (staging), for the peak of a step; torch's own runtime (the interpreter and its
+are rank 0's, for the peak of a step; torch's own runtime (the interpreter and its
 libraries on CPU, the CUDA context and allocator slack on a GPU) is not in them.
 
 A run checks the plan once, after its first step (`check`): the state bytes against the tensors its engine
@@ -124,7 +124,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         grads = shard * 4
         per_micro_batch = cfg.loop.accum == 1 or p.grad_reduce == "micro-batch"
         buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
-    staging = (shard * 12 + tp * padded * 4) if cfg.checkpoint.async_save else 0
+    staging = shard * 12 if cfg.checkpoint.async_save else 0
     rows = {
         "parameters": (shard if p.zero == 3 else padded) * psize,  # ZeRO-3: the owned chunks only
         "parameter_units": units,

@@ -84,7 +84,7 @@ def table(cfg: Config, r: dict) -> str:
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
-        "staging": ("--async-save: shard x 12, rank 0 also the model x 4" +
+        "staging": ("--async-save: shard x 12" +
                     (" (host memory)" if r["device"] == "cuda" else "")) if cfg.checkpoint.async_save else
                    "none (--async-save stages copies)",
     }
