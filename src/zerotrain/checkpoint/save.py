@@ -201,7 +201,9 @@ class CheckpointWriter:
         return os.path.join(self.root, step_name(pending.step))
 
     def finish(self) -> str | None:
-        """All ranks: wait for the save in flight, agree with one collective, commit; None if none was."""
+        """All ranks: wait for the save in flight, agree with one collective, commit, and agree on rank 0's commit
+        (a second collective: on return the checkpoint is in place on every rank, as after `save`, so a rollback or
+        a reader right after finds it); the folder, or None if no save was in flight."""
         pending = self._pending
         if pending is not None:
             pending.thread.join()
@@ -217,7 +219,15 @@ class CheckpointWriter:
             return None
         if len(steps) > 1:
             raise RuntimeError(f"ranks disagree on the checkpoint save in flight: steps {sorted(steps, key=str)}")
-        return self.commit_pending()
+        verdict = None
+        try:
+            path = self.commit_pending()
+        except (CheckpointError, OSError) as e:  # rank 0's commit: told to every rank below
+            verdict, path = str(e), None
+        verdict = self.comm.io.all_gather_json(verdict, "checkpoint_commit")[0]
+        if verdict:
+            raise CheckpointError(verdict)
+        return path
 
     # ------------------------------------------------------------------ shared
     def _refuse_in_flight(self, what: str) -> None:
