@@ -1,4 +1,4 @@
-"""Full tensors <-> TP ranks' flat buffers: how the engine and checkpoints gather and scatter TP slices."""
+"""Full tensors from TP ranks' flat buffers: how the engine and checkpoints put TP slices together."""
 
 from __future__ import annotations
 
@@ -27,13 +27,3 @@ def full_tensors(layout, slices: dict[str, TPSlice], flats) -> dict[str, torch.T
             full[s.name] = local[0]
     return full
 
-
-def local_flat(layout, slices: dict[str, TPSlice], full: dict[str, torch.Tensor],
-               tp_rank: int) -> torch.Tensor:
-    """TP rank `tp_rank`'s padded flat buffer in `layout` from the full tensors (zeros in the padding)."""
-    first = next(iter(full.values()))
-    flat = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
-    for s in layout.slots:
-        value = slices[s.name].take(full[s.name], tp_rank) if s.name in slices else full[s.name]
-        flat[s.offset : s.offset + s.numel] = value.reshape(-1)
-    return flat

@@ -16,9 +16,9 @@ def add_parser(sub) -> None:
         "verify", help="check checkpoints: manifest, file names, sizes, sha256, layout, shards, model",
         description="PATH is a checkpoint folder (step_XXXXXXXX), or a checkpoint root: then what `latest` names "
                     "and every committed step folder, newest first. Checkpoints of any TP x DP mesh: one shard "
-                    "per rank, and model.safetensors the full model the shards assemble to through the layout "
-                    "and the TP slices. Prints one line per check; exits 0 when every check passes, 1 naming "
-                    "the first bad file and why.")
+                    "per rank, whose masters assemble to the full model through the layout and the TP slices "
+                    "(format 1 also held it as model.safetensors, checked against them). Prints one line per "
+                    "check; exits 0 when every check passes, 1 naming the first bad file and why.")
     p.add_argument("path", help="a step folder or a checkpoint root")
     p.set_defaults(func=cmd_verify)
 
