@@ -21,8 +21,9 @@ ranks, 8 blocks of width 256, 1 MiB buckets, the step went from 1.30x stage 2's 
 head the embedding and the head are units of their own, the two largest tensors of a large-vocabulary model never
 whole together: the embedding before the first block (released after its forward: its backward reads no weight),
 the final norm with the head after the last block (whole from the norm's forward into their backward, which comes
-first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its bucket's buffer;
-releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold nothing.
+first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its
+bucket's buffer; releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold
+nothing.
 
 With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
 saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
