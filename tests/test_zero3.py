@@ -6,8 +6,8 @@ and 3, accumulation 1 and 2 (both --grad-reduce modes), bf16, recomputed blocks 
 step 2, resumes across stages, a rollback by the guard, and the planted bugs; the initial model (engine built, no
 step) at stages 1-3 and TP 2, an owner-seeded init (planted), and --init-from at stage 3; the prefetch (--overlap
 on). One start of 3 ranks resumes the 2-rank checkpoints of both stages at 3 ranks, trains stages 2 and 3 there
-(Llama; GPT-2 with accumulation) and builds the initial model at stages 1-3. TP x ZeRO-3 is tests/test_zero3_tp.py's. The 1-rank resume and initial models,
-load_model, the plan's planted error and the refusals run in this process.
+(Llama; GPT-2 with accumulation) and builds the initial model at stages 1-3. TP x ZeRO-3 is tests/test_zero3_tp.py's.
+The 1-rank resume and initial models, load_model, the plan's planted error and the refusals run in this process.
 """
 
 import functools
