@@ -67,9 +67,9 @@ def table(cfg: Config, r: dict) -> str:
     notes = {
         "params": (f"shard x {2 if bf16 else 4} (this rank's chunks{'' if bf16 else ': the fp32 masters'})"
                    if p.zero == 3 else f"P x {2 if bf16 else 4}"),
-        "units": (f"the root unit (embeddings, final norm, head) and the largest "
-                  f"{'two neighbouring blocks (prefetch: --overlap)' if cfg.gather_in_forward else 'block'}, "
-                  f"gathered x {2 if bf16 else 4}"
+        "units": (f"the root unit and the largest "
+                  f"{'two neighbouring units (prefetch: --overlap)' if cfg.gather_in_forward else 'other unit'} "
+                  f"(blocks; an untied head's embedding, final norm with head), gathered x {2 if bf16 else 4}"
                   if p.zero == 3 else "none: every parameter is held whole (ZeRO-3 gathers units)"),
         "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
                    f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
