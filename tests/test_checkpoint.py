@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from test_engine import run_steps
 
 from zerotrain import checkpoint
+from zerotrain.checkpoint import stream
 from zerotrain.checkpoint.stream import read_safetensors, write_safetensors
-from zerotrain.errors import InvariantError
 from zerotrain.parallel import Comm
 from zerotrain.runtime import rank_start
 from zerotrain.training.loop import build_engine
@@ -113,20 +113,35 @@ def lossy_disk(real_write):
     return write
 
 
-def test_a_sync_save_checks_invariant_d_before_committing_and_a_lossy_disk_is_caught(tmp_path, one_rank, monkeypatch):
+def test_a_save_never_reads_its_files_back_and_a_lossy_disk_is_caught_by_the_first_reader(tmp_path, one_rank,
+                                                                                           monkeypatch):
+    """Invariant (d): a file's sha256 is taken from the bytes as they are written, so a disk that keeps other bytes
+    is caught by whoever reads the file first (verify, a load), sync or async, and a save reads nothing back.
+    Planted: a writer that hashes the file as it lies on disk records the disk's bytes, and the loss goes unseen."""
     cfg = tiny_config(tmp_path)
     engine = build_engine(cfg, one_rank)
     root = str(tmp_path / "ck")
-    path, written, _ = checkpoint.save_checkpoint(root, 1, engine, one_rank, cfg.to_dict())
-    save_module.read_back_check(os.path.join(path, SHARD), written[SHARD])  # what save() checked: equal
-    changed = {k: v.clone() for k, v in written[SHARD].items()}
-    changed["exp_avg"][0] += 1.0
-    with pytest.raises(InvariantError, match=r"invariant \(d\) failed: .*exp_avg"):
-        save_module.read_back_check(os.path.join(path, SHARD), changed)
+    read_before = stream.bytes_counted()["checkpoint_bytes_read"]
+    checkpoint.save_checkpoint(root, 1, engine, one_rank, cfg.to_dict())
+    assert stream.bytes_counted()["checkpoint_bytes_read"] == read_before  # nothing read back
     monkeypatch.setattr(save_module, "write_safetensors", lossy_disk(save_module.write_safetensors))
-    with pytest.raises(checkpoint.CheckpointError, match=r"step 2 not saved: rank 0: .*invariant \(d\) failed"):
-        checkpoint.save_checkpoint(root, 2, engine, one_rank, cfg.to_dict())
-    assert checkpoint.committed_steps(root) == ["step_00000001"]  # the bad checkpoint was never committed
+    lossy = [checkpoint.save_checkpoint(root, 2, engine, one_rank, cfg.to_dict())[0]]
+    writer = checkpoint.CheckpointWriter(root, one_rank, async_save=True)
+    writer.start(3, engine, {"config": cfg.to_dict()})
+    lossy.append(writer.finish())
+    for path in lossy:
+        bad = checkpoint.verify.first_failure(checkpoint.verify_checkpoint(path))
+        assert (bad.name, bad.file) == ("sha256", SHARD), bad
+        with pytest.raises(checkpoint.CheckpointError, match=rf"{SHARD}: .*sha256"):
+            checkpoint.load_checkpoint(path, build_engine(cfg, one_rank), one_rank)
+
+    def hashed_on_disk(path, tensors, **kwargs):  # planted: the record describes the disk, not what was written
+        record = lossy_disk(stream.write_safetensors)(path, tensors, **kwargs)
+        return stream.FileRecord(record.name, *stream.sha256_file(path))
+
+    monkeypatch.setattr(save_module, "write_safetensors", hashed_on_disk)
+    unseen = checkpoint.save_checkpoint(root, 4, engine, one_rank, cfg.to_dict())[0]
+    assert all(c.ok for c in checkpoint.verify_checkpoint(unseen))
 
 
 def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_touching_the_engine(tmp_path, one_rank):
@@ -268,25 +283,6 @@ def test_async_writer_refuses_a_second_save_in_flight_and_an_early_commit(tmp_pa
     assert checkpoint.read_latest(str(tmp_path / "ck")) == "step_00000002"
 
 
-def test_an_async_save_checks_its_files_read_back_and_a_lossy_disk_fails_invariant_d(tmp_path, one_rank, monkeypatch):
-    _, engine = trained(tmp_path, one_rank)
-    root = str(tmp_path / "ck")
-    writer = checkpoint.CheckpointWriter(root, one_rank, async_save=True)
-    writer.start(2, engine, {})
-    assert writer.finish() == os.path.join(root, "step_00000002")  # read back equal: committed
-    monkeypatch.setattr(save_module, "write_safetensors", lossy_disk(save_module.write_safetensors))
-    writer.start(3, engine, {})
-    while True:
-        try:
-            if writer.local_done():
-                pytest.fail("a file that reads back different bytes was accepted")
-        except InvariantError as e:
-            assert f"invariant (d) failed: {root}/.step_00000003.tmp/{SHARD} reads back different bytes: master" in str(e)
-            break
-        time.sleep(0.01)
-    assert checkpoint.read_latest(root) == "step_00000002"
-
-
 # ---------------------------------------------------------------- crashes
 def test_a_save_failing_midway_leaves_the_previous_checkpoint_and_latest(tmp_path, one_rank):
     cfg, engine = trained(tmp_path, one_rank)
@@ -361,12 +357,13 @@ def two_rank_job(rank, comm, tmp_path, root):
     paths = [writer.save(1, engine, {"config": cfg.to_dict()})[0]]
     run_steps(engine, cfg, 1)
     writer.start(2, engine, {"config": cfg.to_dict()})
-    while True:  # the loop's per-step all-reduce carries "my write is done" as a flag
+    path = None
+    while path is None:  # the loop's per-step all-reduce carries "my part of this phase is done" as a flag
         run_steps(engine, cfg, 1)
         not_done = comm.all_reduce(torch.tensor([0.0 if writer.local_done() else 1.0]), "test")
-        if not_done.item() == 0:
-            break
-    paths.append(writer.commit_pending())
+        if not_done.item() == 0:  # written everywhere: rank 0 commits in its thread; then committed: the folder
+            path = writer.advance()
+    paths.append(path)
     writer.start(3, engine, {"config": cfg.to_dict()})
     real_commit = save_module.commit
     if rank == 0:  # a slow commit (shared storage): finish() returns on no rank before the checkpoint is in place

@@ -35,7 +35,7 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
 @pytest.mark.parametrize("spec, message", [
     ("explode@step=3", ("unknown fault kind 'explode' in 'explode@step=3' "
                         "(known: kill, hang, nan, lr_spike, crash_in_save, save_error, disk_full, slow_staging, sigterm, "
-                        "oom)")),
+                        "oom, slow_storage)")),
     ("kill", "'kill' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@rank=1", "'kill@rank=1' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@step=x", "step must be an integer >= 0, got 'x' in 'kill@step=x'"),  # kill, hang: 0 is start-up
@@ -47,7 +47,7 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
                              "(format: kind@step=N[,rank=R][,factor=F])")),
     ("nan@step=2,rank", "cannot read 'rank' in 'nan@step=2,rank' (format: kind@step=N[,rank=R][,factor=F])"),
     ("nan@step=2,step=3", "step is given twice in 'nan@step=2,step=3'"),
-    ("nan@step=2,factor=5", "factor applies only to lr_spike and slow_staging, not nan, in 'nan@step=2,factor=5'"),
+    ("nan@step=2,factor=5", "factor applies only to lr_spike, slow_staging, slow_storage, not nan, in 'nan@step=2,factor=5'"),
     ("lr_spike@step=2,factor=inf", "factor must be a positive number, got 'inf' in 'lr_spike@step=2,factor=inf'"),
     ("lr_spike@step=2,factor=big", "factor must be a positive number, got 'big' in 'lr_spike@step=2,factor=big'"),
 ])

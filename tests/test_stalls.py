@@ -13,7 +13,7 @@ from test_production import TINY, events, final_state, zerotrain
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint import save as save_module
-from zerotrain.checkpoint.cadence import AsyncCost
+from zerotrain.checkpoint.checkpointer import AsyncCost
 from zerotrain.parallel import Comm
 from zerotrain.training.loop import build_engine, train
 
@@ -107,7 +107,7 @@ def test_an_async_save_is_judged_by_the_training_time_it_cost_against_a_synchron
     assert cost.last == (0.01 + 0.70 - 3 * 0.10, 1.0) and not cost.slower  # 0.41 s of training: cheaper
     cost.started(0.01)
     cost.step(0.90)
-    cost.start_s += 0.50  # the next save had to wait for this one (SaveCadence.finish)
+    cost.start_s += 0.50  # the next save had to wait for this one (Checkpointer.finish)
     cost.committed()
     assert cost.last[0] > 1.0 and cost.slower and cost.recent == type(cost.recent)([0.10, 0.11, 0.09])
 
@@ -125,3 +125,85 @@ def test_async_saves_that_cost_more_than_a_synchronous_save_turn_synchronous_wit
     sync = str(tmp_path / "sync")
     assert zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", sync).returncode == 0
     assert all(final_state(out, s) == final_state(sync, s) for s in (2, 4, 6, 8))
+
+
+# ---------------------------------------------------------------- slow storage off the step's timeout
+SLOW_S = 1.2  # slow_storage's seconds per file: one file stays under STEP_TIMEOUT_S, two go past it
+
+
+def slow_init_from_job(rank, io, tmp_path, source):
+    """Rank 0's storage is slow from its start (2 x SLOW_S per file): it hashes --init-from's one weight file for the
+    manifests while rank 1, with nothing to hash, waits for the digests. Then planted: the digests gathered on the
+    step's timeout group."""
+    os.environ["ZEROTRAIN_FAULTS"] = f"slow_storage@step=0,rank=0,factor={2 * SLOW_S}"
+    out = {}
+    for way in ("ok", "planted"):
+        comm = comm_with_short_timeout(io)
+        if way == "planted":
+            comm.io = comm
+        cfg = tiny_config(tmp_path / way, nproc=2, steps=2, init_from=source)
+        try:
+            result = train(cfg, comm, announce=False)
+            out[way] = {"error": None, "steps": len(result.records)}
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[way] = {"error": str(e)}
+    return out
+
+
+def test_slow_storage_under_init_from_hashing_waits_with_the_io_timeout_and_the_ranks_share_the_hashing(tmp_path):
+    from test_zero3 import exported
+
+    cfg = tiny_config(tmp_path / "source")
+    source = exported(tmp_path, cfg)
+    codes, results = spawn(slow_init_from_job, 2, tmp_path, source, timeout=120)
+    assert [r["ok"] for r in results] == [{"error": None, "steps": 2}] * 2, results
+    assert results[1]["planted"]["error"].startswith("collective hash_init_from at step 0 timed out after 2 s")
+
+
+def slow_commit_job(rank, io, tmp_path, planted):
+    """Rank 0's storage turns slow at step 8 (SLOW_S per file), whose save is async: its write (one file) stays
+    under the step's timeout, its commit (the manifest, then retention deleting step 4: two files) does not. The
+    run must survive: the commit runs in a thread of rank 0's, and the ranks learn it is done through the steps'
+    all-reduces. Planted: rank 0 commits on its training thread as soon as every rank has written.
+
+    So that the commit phase deterministically begins at step 9, each rank's poll waits for its own write to end
+    (the test's doing; rank 0's slow write then holds its step 9 by SLOW_S, under the timeout)."""
+    os.environ["ZEROTRAIN_FAULTS"] = f"slow_storage@step=8,rank=0,factor={SLOW_S}"
+    real_poll = save_module.CheckpointWriter.poll
+
+    def written_first(self):
+        pending = self._pending
+        if pending is not None and not pending.committing:
+            pending.thread.join()
+        return real_poll(self)
+
+    save_module.CheckpointWriter.poll = written_first
+    if planted:
+        real_advance = save_module.CheckpointWriter.advance
+
+        def commit_on_the_training_thread(self):
+            path = real_advance(self)
+            if self._pending is not None and self._pending.committing and self._pending.commit_thread:
+                self._pending.commit_thread.join()
+            return path
+
+        save_module.CheckpointWriter.advance = commit_on_the_training_thread
+    comm = comm_with_short_timeout(io)
+    cfg = tiny_config(tmp_path / "run", nproc=2, steps=12, ckpt_every=4, async_save=True, keep=1)
+    try:
+        result = train(cfg, comm, announce=False)
+        return {"error": None, "checkpoints": [os.path.basename(p) for p in result.checkpoints]}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"error": str(e)}
+
+
+def test_slow_storage_under_an_async_commit_and_retention_does_not_hold_a_step(tmp_path):
+    (tmp_path / "ok").mkdir(), (tmp_path / "planted").mkdir()
+    codes, results = spawn(slow_commit_job, 2, tmp_path / "ok", False, timeout=120)
+    assert codes == [0, 0] and results[0] == results[1], results
+    assert results[0] == {"error": None, "checkpoints": ["step_00000004", "step_00000008", "step_00000012"]}
+    root = tmp_path / "ok" / "run" / "checkpoints"
+    assert checkpoint.committed_steps(str(root)) == ["step_00000012"]  # keep 1: retention deleted 4 and 8
+    checkpoint.verify_or_raise(str(root / "step_00000012"))
+    codes, results = spawn(slow_commit_job, 2, tmp_path / "planted", True, timeout=120)
+    assert re.fullmatch(r"collective \w+ at step (9|10) timed out after 2 s: .*", results[1]["error"]), results

@@ -12,7 +12,7 @@ checkpoint). Every figure is measured in the same run, into the same folder:
     async_stall_s     training time one async save costs: windows of K steps with and without a save
                       started at their first step boundary, alternated; the difference of medians
     async_kept        whether a run with --async-save keeps saving in the background here: it does while an
-                      async save costs training no more than a synchronous save (checkpoint.cadence.AsyncCost)
+                      async save costs training no more than a synchronous save (checkpoint.checkpointer.AsyncCost)
 
 Targets: save >= 0.8x the disk's bandwidth; an async save's stall <= 0.1x a synchronous save.
 """

@@ -1,6 +1,6 @@
 """Sharded checkpoints: the format, the atomic (sync or async) writer, verification, and verified loading with resharding."""
 
-from .cadence import SaveCadence
+from .checkpointer import Checkpointer, SaveFlags, WriterHooks
 from .commit import point_latest
 from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_step_numbers,
                      committed_steps, incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name,
@@ -11,7 +11,7 @@ from .save import CheckpointWriter, save_checkpoint
 from .verify import Check, verify_checkpoint, verify_or_raise
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
-           "CheckpointWriter", "SaveCadence", "ShardedModel", "checkpoint_model", "committed_step_numbers",
-           "committed_steps", "find_resumable", "has_model_file", "incompatibility", "load_checkpoint", "point_latest",
-           "read_latest", "read_manifest", "resolve_resume", "save_checkpoint", "shard_name", "step_folders",
-           "step_name", "step_of", "verify_checkpoint", "verify_or_raise"]
+           "Checkpointer", "CheckpointWriter", "SaveFlags", "ShardedModel", "WriterHooks", "checkpoint_model",
+           "committed_step_numbers", "committed_steps", "find_resumable", "has_model_file", "incompatibility",
+           "load_checkpoint", "point_latest", "read_latest", "read_manifest", "resolve_resume", "save_checkpoint",
+           "shard_name", "step_folders", "step_name", "step_of", "verify_checkpoint", "verify_or_raise"]

@@ -17,7 +17,7 @@ import shutil
 from zerotrain.durable import write_atomic, write_json
 
 from .format import LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name, step_of
-from .stream import FileRecord
+from .stream import FileRecord, storage_delay
 
 SIDECAR_PREFIX = "files-rank"
 
@@ -77,6 +77,7 @@ def commit(root: str, step: int, base: dict, world_size: int, session: str, keep
         if name not in listed:
             _remove(os.path.join(tmp, name))
     write_json(os.path.join(tmp, MANIFEST), manifest)
+    storage_delay(os.path.getsize(os.path.join(tmp, MANIFEST)))
     _fsync_path(tmp)
     final = os.path.join(root, step_name(step))
     _rename_into_place(tmp, final)
@@ -124,7 +125,9 @@ def retain(root: str, keep: int) -> None:
         return
     older = [n for n in committed_steps(root) if step_of(n) < latest]  # oldest first
     for name in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        folder = os.path.join(root, name)
+        storage_delay(sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file()))
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _clear_debris(root: str, step: int) -> None:

@@ -2,14 +2,18 @@
 
 A rank's share is its shard: its chunks of the flat layout's masters (the parameters, stored once: no rank
 gathers or writes the whole model) and of the optimizer state; rank 0 also copies the tokenizer's files.
+Each file's sha256 is taken from the bytes as they are written (stream.py), never by reading the file back:
+every reader (a load, a reshard, `zerotrain verify`) checks what it reads against it.
 `CheckpointWriter.save` writes at once (all ranks call it together; two small collectives share
 each rank's outcome and rank 0's commit verdict, so no rank waits on one that failed). The writer's
 collectives run on `comm.io`, whose wait is --io-timeout.
-`start` saves asynchronously: the state is copied into reusable CPU staging buffers and a
-background thread writes, hashes, fsyncs and reads the files back (invariant (d)), then writes
-this rank's sidecar. The thread issues no collectives: the training loop learns that every rank
-is done through its own per-step all-reduce (`poll()` as flags: written, failed) and then calls
-`commit_pending()` on every rank; `finish()` does wait-agree-commit with one collective.
+`start` saves asynchronously, in two phases that run behind training. Writing: the state is copied into
+reusable CPU staging buffers and a background thread writes, hashes and fsyncs the files, then this rank's
+sidecar. Committing, once every rank has written: rank 0's commit (the manifest, the rename into place,
+`latest`, retention) runs in a thread of its own. The threads issue no collectives: the training loop learns
+that every rank's part of the current phase is done through its own per-step all-reduce (`poll()` as flags:
+done, failed) and then calls `advance()` on every rank; `finish()` waits for both phases with two collectives.
+No file I/O of an async save runs on the training thread, so slow storage delays the save, never a step.
 
 On the CPU the staging copy itself runs in the background thread, behind the next forward and
 backward, which leave the saved state untouched: an optimizer step pre-hook makes the next
@@ -38,7 +42,7 @@ from zerotrain.parallel import Comm, ZeroEngine
 
 from .commit import commit, tmp_name, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
-from .stream import FileRecord, differing_bytes, write_safetensors
+from .stream import FileRecord, storage_delay, write_safetensors
 
 
 @dataclass
@@ -48,8 +52,11 @@ class _Pending:
     step: int
     base: dict  # the manifest without its file list
     staged: threading.Event = field(default_factory=threading.Event)  # the state is copied out
-    thread: threading.Thread | None = None
+    thread: threading.Thread | None = None  # writing this rank's files
     error: BaseException | None = None
+    committing: bool = False  # every rank has written: rank 0 commits
+    commit_thread: threading.Thread | None = None  # rank 0's
+    commit_error: BaseException | None = None
 
 
 class CheckpointWriter:
@@ -71,7 +78,7 @@ class CheckpointWriter:
         self.halfway_hook, self.staging_hook = halfway_hook, staging_hook
         # One id per writer, agreed by all ranks: a sidecar left by another writer (a crashed run,
         # a stale copy on one node's own disk) is never taken for one of this writer's.
-        self.session = comm.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
+        self.session = comm.io.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
         self._staging: _Staging | None = None
         self._pending: _Pending | None = None
         self._guarded: set[int] = set()  # optimizers whose step waits for the staging copy
@@ -89,8 +96,6 @@ class CheckpointWriter:
         try:
             files = _live_files(engine, self.comm.rank, self.comm.world_size)
             records = self._write(folder, files, step)
-            for name, tensors in files.items():  # invariant (d), before any rank commits
-                read_back_check(os.path.join(folder, name), tensors)
             write_sidecar(folder, self.comm.rank, self.session, step, records)
         except Exception as e:  # told to every rank below, so none is left waiting in a collective
             local = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
@@ -149,8 +154,6 @@ class CheckpointWriter:
             files = staging.files()
             folder = os.path.join(self.root, tmp_name(pending.step))
             records = self._write(folder, files, pending.step)
-            for name, tensors in files.items():  # invariant (d), off the training path
-                read_back_check(os.path.join(folder, name), tensors)
             write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.error = e
@@ -168,36 +171,85 @@ class CheckpointWriter:
         return self._pending.step if self._pending else None
 
     def poll(self) -> tuple[bool, BaseException | None]:
-        """(written, error) of this rank's part of the save in flight, without raising (written when none is).
+        """(done, error) of this rank's part of the save in flight's current phase, without raising (done when none
+        is in flight). Writing: this rank's files are written. Committing: rank 0's commit is done (the other ranks
+        have no part in it).
 
         The loop shares both in its step's all-reduce, so a writer's failure reaches every rank in that step.
         """
         pending = self._pending
         if pending is None:
             return True, None
+        if pending.committing:
+            thread = pending.commit_thread
+            if thread is None:
+                return True, None
+            if thread.is_alive():
+                return False, None
+            return pending.commit_error is None, pending.commit_error
         if pending.thread.is_alive():
             return False, None
         return pending.error is None, (_as_checkpoint_error(pending) if pending.error is not None else None)
 
     def local_done(self) -> bool:
-        """This rank's part of the save in flight is written (True when none is); re-raises its failure."""
-        written, error = self.poll()
+        """This rank's part of the save in flight's current phase is done (True when none is); re-raises its
+        failure."""
+        done, error = self.poll()
         if error is not None:
             self._pending = None
             raise error
-        return written
+        return done
 
-    def commit_pending(self) -> str | None:
-        """Every rank, once all agreed their writes are done: rank 0 commits; returns the folder (None if none)."""
+    def advance(self) -> str | None:
+        """Every rank, once the step's all-reduce says every rank's part of the current phase is done.
+
+        After the writes, rank 0 starts the commit in its own thread (None is returned); after the commit, the save
+        is over: its folder is returned on every rank.
+        """
         pending = self._pending
         if pending is None:
             return None
         if not self.local_done():
+            raise RuntimeError(f"advance() while this rank's part of saving step {pending.step} is not done: "
+                               "advance only after every rank's poll() says done")
+        if pending.committing:
+            self._pending = None
+            return os.path.join(self.root, step_name(pending.step))
+        pending.committing = True
+        if self.comm.rank == 0:
+            pending.commit_thread = threading.Thread(target=self._commit_in_background, args=(pending,),
+                                                     name=f"zerotrain-commit-{pending.step}", daemon=True)
+            pending.commit_thread.start()
+        return None
+
+    def _commit_in_background(self, pending: _Pending) -> None:
+        try:
+            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep)
+        except BaseException as e:  # surfaced by poll() on the training thread
+            pending.commit_error = e if isinstance(e, CheckpointError) else \
+                CheckpointError(f"committing step {pending.step} failed: {type(e).__name__}: {e}")
+
+    def _commit(self, pending: _Pending) -> None:
+        """Rank 0, on the training thread: commit the written save, or wait for the commit thread's."""
+        if pending.commit_thread is not None:
+            pending.commit_thread.join()
+            if pending.commit_error is not None:
+                raise pending.commit_error
+        else:
+            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep)
+
+    def commit_pending(self) -> str | None:
+        """Every rank, once all agreed their writes are done: rank 0 commits now, on this thread (or waits for its
+        commit thread); the folder (None if no save was in flight)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if not pending.committing and not self.local_done():
             raise RuntimeError(f"commit_pending() while this rank is still writing step {pending.step}: "
                                "commit only after every rank's local_done() is True")
         self._pending = None
         if self.comm.rank == 0:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep)
+            self._commit(pending)
         return os.path.join(self.root, step_name(pending.step))
 
     def finish(self) -> str | None:
@@ -299,19 +351,8 @@ def copy_file(source: str, path: str) -> FileRecord:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    storage_delay(len(data))
     return FileRecord(os.path.basename(path), len(data), hashlib.sha256(data).hexdigest())
-
-
-def read_back_check(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Invariant (d) for one written file: it reads back as exactly the bytes written (header and tensors).
-
-    Compared with the written tensors chunk by chunk: equal bytes also prove the sha256 recorded while
-    writing is the file's own, without hashing again. Sync saves check before the commit, async ones in
-    their background thread.
-    """
-    where = differing_bytes(path, tensors)
-    if where:
-        raise InvariantError(f"invariant (d) failed: {path} reads back different bytes: {where}")
 
 
 def _as_checkpoint_error(pending: _Pending) -> BaseException:

@@ -5,7 +5,8 @@ little-endian header length, a JSON header giving each tensor's dtype, shape and
 (tensors ordered by dtype, widest first, then by name; the header padded with spaces to a multiple
 of 8 so the data is aligned), then the raw little-endian tensor bytes in header order. Writing
 them here instead of with save_file lets the hash be taken from the memory being written (no
-second read of the file) and lets a hook run midway through a file (fault injection).
+second read of the file) and lets a hook run midway through a file (fault injection). That hash is the file's
+integrity: nothing reads a file back after writing it; every reader checks the bytes it reads against it.
 
 sha256 runs in a second thread, one chunk behind the write: hashlib and file writes both release
 the GIL on large buffers, so the two overlap. On the development machine (2 cores, one 1.5 GB
@@ -15,6 +16,11 @@ buffer the tensors are then views of, so what is verified is exactly what is loa
 
 Every byte this process writes or reads here is counted (`bytes_counted`; `count_read` for readers elsewhere,
 such as a reshard's ranged reads): the run reports each rank's checkpoint I/O.
+
+`slow_storage(F)` (fault injection: storage shared by many nodes, or far away) makes every checkpoint file this
+process reads or writes from then on cost F seconds per MiB, and at least F per file (`storage_delay`, which the
+commit calls for the manifest and retention for each folder it deletes; the sidecars and `latest`, a few bytes
+each, are not charged).
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ import queue
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from .format import CheckpointError
@@ -45,6 +51,8 @@ DTYPE_CODES = {
 }
 _COUNTS = {"checkpoint_bytes_written": 0, "checkpoint_bytes_read": 0}  # this process's, since it started
 _COUNTS_LOCK = threading.Lock()  # an async save writes from its own thread
+MIB = 1 << 20
+_SLOW = {"s_per_mib": 0.0}  # slow_storage's delay; 0: storage as it is
 _RANK = {code: i for i, code in enumerate(DTYPE_CODES.values())}
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
@@ -62,9 +70,21 @@ def _count_written(n: int) -> None:
         _COUNTS["checkpoint_bytes_written"] += n
 
 
+def slow_storage(seconds_per_mib: float) -> None:
+    """Fault injection: from now on each checkpoint file this process reads or writes costs `seconds_per_mib` per
+    MiB, and at least that much per file (0 turns it off)."""
+    _SLOW["s_per_mib"] = seconds_per_mib
+
+
+def storage_delay(nbytes: int) -> None:
+    """What slow_storage charges for reading or writing one file of `nbytes` (nothing unless it is on)."""
+    if _SLOW["s_per_mib"]:
+        time.sleep(_SLOW["s_per_mib"] * max(nbytes, MIB) / MIB)
+
+
 def bytes_counted() -> dict[str, int]:
-    """The checkpoint bytes this process has written and read so far (saves and their read-back, loads, reshards,
-    verification's hashing), by name: checkpoint_bytes_written, checkpoint_bytes_read."""
+    """The checkpoint bytes this process has written and read so far (saves, loads, reshards, verification's
+    hashing), by name: checkpoint_bytes_written, checkpoint_bytes_read."""
     with _COUNTS_LOCK:
         return dict(_COUNTS)
 
@@ -175,32 +195,8 @@ def write_durably(path: str, views: list[memoryview], on_block: Callable[[memory
                     half_done = True
                     halfway()
         os.fsync(f.fileno())
+    storage_delay(written)
     return written
-
-
-def differing_bytes(path: str, tensors: dict[str, torch.Tensor]) -> str | None:
-    """Where the file at `path` differs from the bytes `write_safetensors(path, tensors)` writes, or None.
-
-    Compared chunk by chunk through one reusable buffer: no second copy of the file in memory and no
-    second hash. Equal bytes also mean the sha256 taken while writing is the file's own.
-    """
-    head, ordered = header_bytes(tensors)
-    parts = [("header", memoryview(head))] + [(name, _byte_view(t)) for name, t in ordered]
-    buffer = np.empty(CHUNK, dtype=np.uint8)
-    offset = 0
-    with open(path, "rb", buffering=0) as f:
-        for name, view in parts:
-            expected = np.frombuffer(view, dtype=np.uint8)
-            for lo in range(0, view.nbytes, CHUNK):
-                want = expected[lo : lo + CHUNK]
-                got = buffer[: f.readinto(memoryview(buffer)[: want.size])]
-                count_read(got.size)
-                if got.size != want.size or not np.array_equal(got, want):
-                    return f"{name} differs at file byte {offset + lo} (or the file ends early)"
-            offset += view.nbytes
-        if f.read(1):
-            return f"the file is longer than the {offset} bytes written"
-    return None
 
 
 def sha256_file(path: str) -> tuple[int, str]:
@@ -212,6 +208,7 @@ def sha256_file(path: str) -> tuple[int, str]:
                 hasher.update(block)
                 size += len(block)
                 count_read(len(block))
+        storage_delay(size)
         return size, hasher.hexdigest()
     finally:
         hasher.close()
@@ -234,6 +231,7 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], FileRecord]:
                 count_read(n)
             if f.read(1):
                 raise CheckpointError(f"{path} grew while it was read (more than {size} bytes)")
+            storage_delay(size)
             digest = hasher.hexdigest()
         finally:
             hasher.close()
@@ -254,6 +252,7 @@ def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
         text = f.read(n)
         count_read(len(text))
         entries = _header_entries(text, size - 8 - n, path)
+    storage_delay(8 + n)
     return {name: (e["dtype"], e["shape"]) for name, e in entries.items()}
 
 

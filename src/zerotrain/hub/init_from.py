@@ -27,6 +27,7 @@ from safetensors import safe_open
 from zerotrain.checkpoint import (MANIFEST, CheckpointError, ShardedModel, has_model_file, read_manifest, shard_name,
                                    verify_or_raise)
 from zerotrain.checkpoint.stream import read_header, sha256_file
+from zerotrain.checkpoint.verify import _share
 from zerotrain.config import ModelConfig, setting_for
 from zerotrain.data.tokenizer import TOKENIZER_FILE, read_tokenizer_file
 from zerotrain.errors import ConfigError
@@ -60,13 +61,26 @@ class WeightSource:
     # its manifest records (and the source was verified against)
     shards: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def record(self) -> dict:
+    def record(self, comm=None) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's sha256 (a checkpoint's
-        shards as their manifest records them: hashing them again would read the optimizer state too)."""
-        files = [{"name": name, "sha256": digest} for name, digest in sorted(self.shards.items())]
+        shards as their manifest records them: hashing them again would read the optimizer state too).
+
+        With `comm`, every rank calls this together: each weight file is hashed by one rank (shared by size) and
+        the digests gathered under --io-timeout, so W ranks hash the model in 1/W of the time and no rank waits
+        for another's hashing on the step's timeout. Every rank gets the record.
+        """
+        if self.shards:
+            return {"path": self.folder, "kind": self.kind,
+                    "files": [{"name": name, "sha256": digest} for name, digest in sorted(self.shards.items())]}
+        paths = sorted(set(self.files.values()), key=os.path.basename)
+        rank, readers = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+        mine = _share([(f, os.path.getsize(f)) for f in paths], readers)[rank]
+        digests = {os.path.basename(f): sha256_file(f)[1] for f in mine}
+        if comm is not None:
+            digests = {name: d for every in comm.io.all_gather_json(digests, "hash_init_from") for name, d in
+                       every.items()}
         return {"path": self.folder, "kind": self.kind,
-                "files": files or [{"name": os.path.basename(f), "sha256": sha256_file(f)[1]}
-                                   for f in sorted(set(self.files.values()))]}
+                "files": [{"name": os.path.basename(f), "sha256": digests[os.path.basename(f)]} for f in paths]}
 
 
 def weight_source(path: str, verify: bool = True) -> WeightSource:

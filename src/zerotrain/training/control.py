@@ -1,11 +1,11 @@
 """The per-step control channel: decisions every rank must share, carried as flags in the step's one all-reduce.
 
-A save by wall clock, a stop signal, an async save finished everywhere: each is a flag that a rank
+A save by wall clock, a stop signal, a phase of an async save done everywhere: each is a flag that a rank
 sets locally and that travels in the scalar all-reduce every step already makes, summed over ranks.
 Every rank then reads the same sums and decides the same thing, so no rank waits in a save that
 another skipped, no extra collective runs per step, and no background thread issues a collective.
 
-A rank that cannot go on (its async writer failed) says so in the same all-reduce instead of leaving
+A rank that cannot go on (its async writer or commit failed) says so in the same all-reduce instead of leaving
 before it: every rank learns which rank failed at once, on any backend and across nodes, instead of
 waiting out the collective timeout for a peer that will never come.
 """
@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerotrain.checkpoint import SaveFlags
+
 # Order of the control flags in the reduction, after the loss and the per-rank non-finite flags.
-SAVE_BY_CLOCK, STOP_TERM, STOP_INT, SAVE_WRITTEN, ASYNC_SLOWER = range(5)
+SAVE_BY_CLOCK, STOP_TERM, STOP_INT, SAVE_DONE, ASYNC_SLOWER = range(5)
 N_FLAGS = 5
+NO_SAVE = SaveFlags(by_clock=False, done=False, error=None, async_slower=False)  # a step no checkpointer takes part in
 
 
 @dataclass
@@ -28,7 +31,7 @@ class Decision:
 
     save_by_clock: bool
     stop_signal: str | None  # "SIGTERM" or "SIGINT" when a stop was asked on any rank (SIGTERM wins)
-    save_written: bool  # every rank finished writing the async save in flight
+    save_done: bool  # every rank's part of the async save in flight's current phase is done (written, committed)
     failed_ranks: list[int] = field(default_factory=list)  # ranks that cannot go on (their own error says why)
     async_slower: bool = False  # a rank measured an async save costing more than a synchronous one
 
@@ -47,18 +50,17 @@ class Reduced:
     decision: Decision
 
 
-def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: str | None,
-                save_written: bool, failed: bool = False, async_slower: bool = False) -> Reduced:
+def reduce_step(engine, loss_sum: float, *, stop_signal: str | None, saving: SaveFlags) -> Reduced:
     """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags] once
-    (with the gradient norm's square)."""
+    (with the gradient norm's square); `saving` is the checkpointer's flags."""
     world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
     W = world.world_size
     nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
     nonfinite[world.rank] = not math.isfinite(loss_sum)
     failing = torch.zeros(W, dtype=torch.float64)  # one-hot as well
-    failing[world.rank] = failed
-    flags = local_flags(save_by_clock=save_by_clock, stop_signal=stop_signal, save_written=save_written)
-    flags[ASYNC_SLOWER] = async_slower
+    failing[world.rank] = saving.error is not None
+    flags = local_flags(save_by_clock=saving.by_clock, stop_signal=stop_signal, save_done=saving.done)
+    flags[ASYNC_SLOWER] = saving.async_slower
     # The TP ranks of a replica compute the same loss: only the first one's counts.
     counted_loss = loss_sum if tp_rank == 0 else 0.0
     grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
@@ -69,17 +71,17 @@ def reduce_step(engine, loss_sum: float, *, save_by_clock: bool, stop_signal: st
     return Reduced(float(totals[0]), grad_norm, bad, decision)
 
 
-def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_written: bool) -> torch.Tensor:
+def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_done: bool) -> torch.Tensor:
     flags = torch.zeros(N_FLAGS, dtype=torch.float64)
-    flags[SAVE_BY_CLOCK], flags[SAVE_WRITTEN] = save_by_clock, save_written
+    flags[SAVE_BY_CLOCK], flags[SAVE_DONE] = save_by_clock, save_done
     if stop_signal is not None:
         flags[STOP_INT if stop_signal == "SIGINT" else STOP_TERM] = 1
     return flags
 
 
 def decide(summed: torch.Tensor, world_size: int) -> Decision:
-    """Any rank's clock or stop flag counts; a written save counts only when every rank has written it."""
+    """Any rank's clock or stop flag counts; a save's phase is done only when every rank's part of it is."""
     stop = "SIGTERM" if summed[STOP_TERM] > 0 else "SIGINT" if summed[STOP_INT] > 0 else None
     return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop_signal=stop,
-                    save_written=bool(summed[SAVE_WRITTEN] == world_size),
+                    save_done=bool(summed[SAVE_DONE] == world_size),
                     async_slower=bool(summed[ASYNC_SLOWER] > 0))

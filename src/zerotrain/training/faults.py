@@ -2,9 +2,9 @@
 
     ZEROTRAIN_FAULTS="kind@step=N[,rank=R][,factor=F];..."
 
-N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100)
-or slow_staging's delay in seconds (default 1).
-kill and hang also take step=0: while the rank starts, before its first step (nothing to save yet).
+N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100),
+slow_staging's delay in seconds (default 1) or slow_storage's seconds per MiB (default 1).
+kill, hang and slow_storage also take step=0: while the rank starts, before its first step.
 
     kill           the rank SIGKILLs itself during step N, before that step's collectives
     hang           the rank blocks forever before step N's collectives (only being killed ends it)
@@ -21,6 +21,9 @@ kill and hang also take step=0: while the rank starts, before its first step (no
                    request is seen, so the stop lands at step N whatever the signal's delivery time
     oom            the rank runs out of memory during step N, before that step's collectives (torch's
                    OutOfMemoryError, as an allocation beyond the device raises it)
+    slow_storage   from step N on (0: from its start), every checkpoint file the rank reads or writes costs F seconds
+                   per MiB and at least F per file: hashing --init-from's files, saves, commits, retention, loads,
+                   verification (storage shared by many nodes, or far away)
 
 Faults fire only in the first attempt of an elastic job (a restart must be able to recover), and each at most
 once per process: after a rollback the same step number comes again and must run clean. Each method fires a
@@ -41,20 +44,24 @@ from typing import Callable
 
 import torch
 
+from zerotrain.checkpoint import WriterHooks
+from zerotrain.checkpoint.stream import slow_storage
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.runtime.rank_start import launcher_pid
 from zerotrain.runtime.failures import restart_count
 
 ENV = "ZEROTRAIN_FAULTS"
 KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "disk_full", "slow_staging", "sigterm",
-         "oom")
+         "oom", "slow_storage")
 SAVE_KINDS = ("crash_in_save", "save_error", "disk_full")  # the kinds the checkpoint writer's halfway hook fires
-STARTUP_KINDS = ("kill", "hang")  # the kinds that step=0 fires while the rank starts
+STARTUP_KINDS = ("kill", "hang", "slow_storage")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
 CRASH_IN_SAVE_EXIT = 75
 DEFAULT_LR_FACTOR = 100.0
 DEFAULT_STAGING_DELAY_S = 1.0
+FACTOR_DEFAULTS = {"lr_spike": DEFAULT_LR_FACTOR, "slow_staging": DEFAULT_STAGING_DELAY_S,
+                   "slow_storage": 1.0}  # the kinds that take a factor
 # sigterm: how often and how long the rank polls for its own stop request after signalling the launcher.
 STOP_POLL_S = 0.01
 STOP_WAIT_S = 60.0
@@ -65,11 +72,11 @@ class Fault:
     kind: str
     step: int  # 1-based optimizer step
     rank: int = 0
-    factor: float = DEFAULT_LR_FACTOR  # lr_spike's factor; slow_staging's delay in seconds
+    factor: float = DEFAULT_LR_FACTOR  # lr_spike's factor; slow_staging's delay in seconds; slow_storage's s per MiB
 
     def describe(self) -> str:
-        what = {"lr_spike": f"lr_spike x{self.factor:g}", "slow_staging": f"slow_staging {self.factor:g} s"}.get(
-            self.kind, self.kind)
+        what = {"lr_spike": f"lr_spike x{self.factor:g}", "slow_staging": f"slow_staging {self.factor:g} s",
+                "slow_storage": f"slow_storage {self.factor:g} s per MiB"}.get(self.kind, self.kind)
         when = "before the first step" if self.step == 0 else f"at step {self.step}"
         return f"{what} {when} on rank {self.rank}"
 
@@ -104,8 +111,8 @@ def _parse_entry(entry: str) -> Fault:
     fault = Fault(kind, _parse_int(entry, "step", values["step"], 0 if kind in STARTUP_KINDS else 1),
                   _parse_int(entry, "rank", values.get("rank", "0"), 0))
     if "factor" in values:
-        if kind not in ("lr_spike", "slow_staging"):
-            raise ConfigError(f"{ENV}: factor applies only to lr_spike and slow_staging, not {kind}, in {entry!r}")
+        if kind not in FACTOR_DEFAULTS:
+            raise ConfigError(f"{ENV}: factor applies only to {', '.join(FACTOR_DEFAULTS)}, not {kind}, in {entry!r}")
         try:
             factor = float(values["factor"])
         except ValueError:
@@ -113,8 +120,8 @@ def _parse_entry(entry: str) -> Fault:
         if not (math.isfinite(factor) and factor > 0):
             raise ConfigError(f"{ENV}: factor must be a positive number, got {values['factor']!r} in {entry!r}")
         fault = Fault(kind, fault.step, fault.rank, factor)
-    elif kind == "slow_staging":
-        fault = Fault(kind, fault.step, fault.rank, DEFAULT_STAGING_DELAY_S)
+    elif kind in FACTOR_DEFAULTS:
+        fault = Fault(kind, fault.step, fault.rank, FACTOR_DEFAULTS[kind])
     return fault
 
 
@@ -171,15 +178,18 @@ class Faults:
 
     def before_collectives(self, step: int, stop_seen: Callable[[], bool] | None = None,
                            stop_wait_s: float = STOP_WAIT_S) -> None:
-        """kill, hang, sigterm and oom of step `step`, in the order written; call before the step's first collective.
+        """kill, hang, sigterm, oom and slow_storage of step `step`, in the order written; call before the step's first
+        collective (step 0: as the rank starts, before it reads or hashes any file).
 
         `stop_seen()` tells whether this rank's own stop request (set by its SIGTERM handler) has arrived.
         """
-        for fault in self._fire(step, "kill", "hang", "sigterm", "oom"):
+        for fault in self._fire(step, "kill", "hang", "sigterm", "oom", "slow_storage"):
             _announce(fault)
-            if fault.kind == "oom":
+            if fault.kind == "slow_storage":
+                slow_storage(fault.factor)
+            elif fault.kind == "oom":
                 raise torch.OutOfMemoryError(f"{ENV}: {fault.describe()}")
-            if fault.kind == "kill":
+            elif fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":
                 while True:  # sleep resumes after a handled signal (PEP 475): only SIGKILL ends this
@@ -224,6 +234,10 @@ class Faults:
                 raise OSError(f"{ENV}: injected write failure ({fault.describe()})")
 
         return fail_halfway
+
+    def writer_hooks(self) -> WriterHooks:
+        """What the checkpoint writer is handed: save_hook and staging_hook."""
+        return WriterHooks(halfway=self.save_hook(), staging=self.staging_hook())
 
     def staging_hook(self) -> Callable[[int], None] | None:
         """The async writer's staging_hook(step), run in its thread before it copies the state; None if no

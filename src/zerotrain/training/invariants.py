@@ -2,8 +2,9 @@
 
 (a) Every rank's loss is finite: each rank's flag travels in the step's all-reduce (control.reduce_step)
 and the guard refuses the update before the optimizer runs (guard.AnomalyDetector, InvariantError on abort).
-(d) Every checkpoint file reads back byte-equal: the checkpoint writer checks it before the commit
-(checkpoint/save.py, read_back_check).
+(d) Every checkpoint file is the bytes written: the writer takes each file's sha256 from the bytes as it writes
+them (checkpoint/stream.py), and every reader checks what it reads against the manifest's (a load, a reshard,
+`zerotrain verify`; the demo verifies each checkpoint it saved).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class _Run:
     stop: object  # this rank's stop request
     detector: AnomalyDetector
     policy: RollbackPolicy
-    saver: checkpoint.SaveCadence
+    checkpointer: checkpoint.Checkpointer
     metrics: Metrics
     memory: invariants.MemoryReport
     start: int
@@ -236,12 +236,13 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             run.engine.apply(lr, grad_norm)
             run.detector.accept(done, loss, grad_norm)
             _check_after_update(cfg, run, done, after_update)
-            _log_step(cfg, run, _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, time.perf_counter() - t0))
-            _maybe_save(cfg, run, done, reduced.decision)
+            step_s = time.perf_counter() - t0
+            _log_step(cfg, run, _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, step_s))
+            _save_or_stop(cfg, run, done, reduced.decision, step_s)
             if reduced.decision.stop:
                 break
             step = done
-        run.saver.finish()
+        run.checkpointer.finish()
         run.profiler.close()
         result = _finish(run, comm, t_start, cfg)
     except (torch.OutOfMemoryError, MemoryError) as e:
@@ -252,7 +253,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
 
 
 def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
-    """Build the engine, the data, the guard, the saver and the metrics; resume if asked; say where the run starts."""
+    """Build the engine, the data, the guard, the checkpointer and the metrics; resume if asked; say where the run
+    starts."""
     engine = build_engine(cfg, comm)
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
@@ -260,15 +262,16 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     model = torch.compile(engine.model) if cfg.loop.compile else engine.model
     val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
+    faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, vocab_size=cfg.model.vocab_size)
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
-    # rank 0 commits manifests: it alone hashes --init-from's files for them; whatever the cadence, since a stop
+    # the manifests record --init-from's files, hashed by the ranks together: whatever the cadence, since a stop
     # signal or a rollback saves too (and a LoRA checkpoint's base is this record)
     origin = {}
-    if cfg.checkpoint.init_from and comm.rank == 0:
-        origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record()}
-    saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
-                                   staging_hook=faults.staging_hook(), manifest_extra=origin)
+    if cfg.checkpoint.init_from:
+        origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record(comm)}
+    checkpointer = checkpoint.Checkpointer(cfg, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
+                                           manifest_extra=origin)
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
@@ -291,38 +294,33 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
                        "steps_lost": lost},
                       f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost")
-    faults.before_collectives(0)  # step=0 faults: while the rank starts
     stop = stop_request()
     stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,
-                stop=stop, detector=detector, policy=policy, saver=saver, metrics=metrics, memory=memory,
+                stop=stop, detector=detector, policy=policy, checkpointer=checkpointer, metrics=metrics, memory=memory,
                 start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan,
                 throughput=throughput, profiler=StepProfiler(cfg.logging.profile_steps, cfg.logging.out, comm.rank,
                                                              rank_device(cfg)))
 
 
 def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
-    """The step's one all-reduce, with this rank's control flags; commit an async save every rank has written.
+    """The step's one all-reduce, with this rank's control flags; then the checkpointer acts on what was agreed.
 
     A failed async save is said in the all-reduce, not raised before it: every rank then stops together,
     the failed one with its own error, the others naming it.
     """
-    written, error = run.saver.writer.poll()
-    reduced = control.reduce_step(run.engine, float(loss_sum), save_by_clock=run.saver.clock.due(),
-                                  stop_signal=run.stop.signal_name if run.stop.requested else None,
-                                  save_written=written, failed=error is not None,
-                                  async_slower=run.saver.writer.async_save and run.saver.cost.slower)
+    saving = run.checkpointer.flags()
+    reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving,
+                                  stop_signal=run.stop.signal_name if run.stop.requested else None)
     failed = reduced.decision.failed_ranks
     if failed:
-        if error is not None:
-            raise error
+        if saving.error is not None:
+            raise saving.error
         step = run.engine.mesh.world.step
         raise CollectiveError(f"step {step}: rank {failed[0]} failed before the step's all-reduce (its own line says "
                               "why)", peer_lost=True)
-    if reduced.decision.save_written:
-        run.saver.commit_written()
-    if reduced.decision.async_slower and run.saver.writer.async_save:
-        message = run.saver.save_synchronously()
+    message = run.checkpointer.after_reduce(reduced.decision)
+    if message:
         run.metrics.event({"event": "async_save_off", "step": run.engine.mesh.world.step, "message": message},
                           message)
     return reduced
@@ -357,17 +355,15 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
                                              batches=cfg.loop.eval_batches, micro_batch=cfg.loop.micro_batch)
     run.records.append(record)
     run.metrics.log(record)
-    run.saver.step_took(record["step_ms"] / 1000)
 
 
-def _maybe_save(cfg: Config, run: _Run, done: int, decision: control.Decision) -> None:
-    """Save when the cadence, the clock or a stop says so; a stop also ends the run, recorded as such."""
-    if run.saver.due(done, cfg.loop.steps, decision):
-        run.saver.save(done, run.engine, {"data_skips": run.skips, "guard": run.detector.state_dict()},
-                       wait=decision.stop or done == cfg.loop.steps)
+def _save_or_stop(cfg: Config, run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
+    """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
+    run.checkpointer.after_step(done, run.engine, {"data_skips": run.skips, "guard": run.detector.state_dict()},
+                                decision, step_s)
     if decision.stop:
-        run.stopped = {"signal": decision.stop_signal, "step": done,
-                       "checkpoint": run.saver.committed[-1] if run.saver.committed else None}
+        committed = run.checkpointer.committed
+        run.stopped = {"signal": decision.stop_signal, "step": done, "checkpoint": committed[-1] if committed else None}
         run.metrics.event({"event": "stop", "step": done, "signal": run.stopped["signal"]})
 
 
@@ -383,7 +379,7 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
         T = run.mesh.tp_size
         norms = [math.sqrt(sum(n * n for q, n in enumerate(norms) if q % T == r % T)) for r in range(len(norms))]
     calls, nbytes = run.mesh.counters()
-    result = TrainResult(run.records, run.start, digests, norms, run.memory, run.saver.committed, calls, nbytes,
+    result = TrainResult(run.records, run.start, digests, norms, run.memory, run.checkpointer.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
                          {**_per_rank_bytes(engine, comm), **_checkpoint_bytes(comm)}, time.perf_counter() - t_start,
                          _plan_report(run))
@@ -394,8 +390,8 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
 
 
 def _checkpoint_bytes(comm: Comm) -> dict[str, list[int]]:
-    """The checkpoint bytes each rank's process has written and read (saves and their read-back, loads, reshards,
-    verification), one entry per rank."""
+    """The checkpoint bytes each rank's process has written and read (saves, loads, reshards, verification), one
+    entry per rank."""
     counted = bytes_counted()
     rows = comm.all_gather_rows(torch.tensor(list(counted.values()), dtype=torch.int64), "all_gather_checkpoint_bytes")
     return {key: [int(v) for v in rows[:, i].tolist()] for i, key in enumerate(counted)}
@@ -443,7 +439,7 @@ def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatc
 
 def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
     """Abort, or roll back; returns the step to continue from (the data skips then in force are the run's)."""
-    run.saver.finish()  # commit what is already written: a rollback may need it
+    run.checkpointer.finish()  # commit what is already written: a rollback may need it
     if cfg.guard.on_anomaly == "abort":
         raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
     step, run.skips, event = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)

@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 
+from zerotrain.checkpoint.verify import failure_message, first_failure, verify_together
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError, InvariantError
 from zerotrain.model import ARCH_NAMES
@@ -38,6 +39,10 @@ def add_parser(sub) -> None:
 def demo_job(cfg: Config, comm: Comm) -> dict:
     """Train from scratch, then again from the step-k checkpoint with fresh objects; compare bitwise."""
     first = train(cfg, comm, announce=False)
+    for path in first.checkpoints:  # invariant (d): each file read by one rank, against the sha256 taken as written
+        bad = first_failure(verify_together(path, comm))
+        if bad is not None:
+            raise InvariantError(f"invariant (d) failed: {failure_message(path, bad)}")
     resumed_cfg = copy.deepcopy(cfg)
     resumed_cfg.checkpoint.resume = os.path.join(cfg.checkpoint.dir, f"step_{cfg.checkpoint.every:08d}")
     resumed_cfg.checkpoint.every = 0  # leave the first run's checkpoints as they are
@@ -157,7 +162,7 @@ def _print_report(rep: dict, cfg: Config) -> None:
                  "(b) replicas bitwise equal (TP slices per DP group)",
                  "(c) AdamW's state = ZeRO-1 formula, every rank, at step "
                  + (f"{every}, {2 * every}, ..., " if every else "") + f"{rep['steps']}",
-                 f"(d) checkpoints read back byte-equal ({len(rep['checkpoints'])} saved)"):
+                 f"(d) checkpoints verify: sha256 as written = as read ({len(rep['checkpoints'])} saved)"):
         print(f"  {text + ' ':.<70} PASS")
     print(f"\nRESUME VERIFIED: resumed from {os.path.basename(rep['checkpoint_path'])}, trained to step "
           f"{rep['steps']} again: losses of steps {rep['resumed_from_step'] + 1}-{rep['steps']} and final parameters "

@@ -173,7 +173,7 @@ def one_step(cfg: Config, comm: Comm, split: Split, lr: float, *, sgd: bool) -> 
     engine.zero_grad()
     with planted_weighting(split.weighting, batch.global_tokens, chunks=split.accum * mesh.dp_size):
         loss_sum = float(loop.accumulate_gradients(engine, batch))
-    reduced = control.reduce_step(engine, loss_sum, save_by_clock=False, stop_signal=None, save_written=False)
+    reduced = control.reduce_step(engine, loss_sum, stop_signal=None, saving=control.NO_SAVE)
     grads = reduced_grads(engine)  # before apply, which clips the shard in place
     engine.apply(lr, reduced.grad_norm)
     calls = Counter(mesh.counters()[0]) - before
