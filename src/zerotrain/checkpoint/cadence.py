@@ -74,7 +74,7 @@ class SaveCadence:
     """When to save and how: every K steps, every M minutes (rank 0's clock), on a stop and at the end."""
 
     def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], halfway_hook=None,
-                 staging_hook=None, manifest_extra: dict | None = None):
+                 staging_hook=None, manifest_extra: dict | None = None, commit_hook=None):
         c = cfg.checkpoint
         self.on_commit = on_commit  # the rollback policy learns which checkpoints exist
         self.every, self.enabled = c.every, bool(c.every or c.every_minutes)
@@ -83,7 +83,7 @@ class SaveCadence:
         # sampling and export use the same one
         self.tokenizer, tokenizer_files = checkpoint_tokenizer(cfg)
         self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=halfway_hook,
-                                       staging_hook=staging_hook,
+                                       staging_hook=staging_hook, commit_hook=commit_hook,
                                        copied_files=tokenizer_files or None)
         self.config = cfg.to_dict()
         self.manifest_extra = manifest_extra or {}  # e.g. where --init-from's weights came from

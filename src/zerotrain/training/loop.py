@@ -270,7 +270,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     if cfg.checkpoint.init_from and comm.rank == 0:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record()}
     saver = checkpoint.SaveCadence(cfg, comm, on_commit=policy.note_commit, halfway_hook=faults.save_hook(),
-                                   staging_hook=faults.staging_hook(), manifest_extra=origin)
+                                   staging_hook=faults.staging_hook(), manifest_extra=origin,
+                                   commit_hook=faults.commit_hook())
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
