@@ -58,9 +58,11 @@ def checkpoints_to_verify(path: str) -> list[tuple[str, str | None]]:
     if not is_root:
         return [(path, None)]
     latest = read_latest(path)
-    folder = committed_folder(path, latest) if latest else None
-    aside = folder is not None and folder != os.path.join(path, latest)
-    out = [(folder, " (latest: moved aside by a re-save that stopped between its renames; the next run in this "
-                    "folder puts it back)" if aside else " (latest)")] if latest else []
+    out = []
+    if latest:
+        folder = committed_folder(path, latest)  # step_N.old/ when a re-save of step N stopped between its renames
+        out.append((folder, " (latest)" if folder == os.path.join(path, latest) else
+                    " (latest: moved aside by a re-save that stopped between its renames; the next run in this "
+                    "folder puts it back)"))
     out += [(os.path.join(path, n), "") for n in step_folders(path) if n != latest]
     return out
