@@ -34,8 +34,10 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
 
 @pytest.mark.parametrize("spec, message", [
     ("explode@step=3", ("unknown fault kind 'explode' in 'explode@step=3' "
-                        "(known: kill, hang, nan, lr_spike, crash_in_save, save_error, disk_full, slow_staging, sigterm, "
-                        "oom, slow_storage)")),
+                        "(known: kill, hang, nan, lr_spike, crash_in_save, crash_in_commit, save_error, disk_full, "
+                        "slow_staging, sigterm, oom, slow_storage)")),
+    ("crash_in_commit@step=4,rank=1", ("crash_in_commit fires on rank 0, which alone commits checkpoints, not rank 1, "
+                                       "in 'crash_in_commit@step=4,rank=1'")),
     ("kill", "'kill' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@rank=1", "'kill@rank=1' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@step=x", "step must be an integer >= 0, got 'x' in 'kill@step=x'"),  # kill, hang: 0 is start-up
@@ -157,6 +159,21 @@ def test_crash_in_save_exits_with_its_code_halfway_through_its_step_checkpoint()
     """)
     assert child.returncode == CRASH_IN_SAVE_EXIT == 75
     assert child.stdout.split("\n") == ["writing 2", "wrote 2", "writing 4", ""]
+
+
+def test_crash_in_commit_exits_with_its_code_at_its_step_and_only_then():
+    assert Faults.parse("crash_in_save@step=4").for_rank(0).commit_hook() is None  # the writer's commit runs as ever
+    child = run_child("""
+        from zerotrain.training.faults import Faults
+        between = Faults.parse("crash_in_commit@step=4").for_rank(0).commit_hook()
+        for step in (2, 4, 6):
+            print("renaming", step, flush=True)
+            between(step)
+            print("renamed", step, flush=True)
+    """)
+    assert child.returncode == CRASH_IN_SAVE_EXIT == 75
+    assert child.stdout.split("\n") == ["renaming 2", "renamed 2", "renaming 4", ""]
+    assert "crash_in_commit at step 4 on rank 0" in child.stderr
 
 
 LAUNCHER = """

@@ -1,10 +1,10 @@
 """Sharded checkpoints: the format, the atomic (sync or async) writer, verification, and verified loading with resharding."""
 
 from .checkpointer import Checkpointer, SaveFlags, WriterHooks
-from .commit import point_latest
-from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_step_numbers,
-                     committed_steps, incompatibility, read_latest, read_manifest, shard_name, step_folders, step_name,
-                     step_of)
+from .commit import point_latest, put_back_moved_aside
+from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_folder,
+                     committed_step_numbers, committed_steps, incompatibility, read_latest, read_manifest, shard_name,
+                     step_folders, step_name, step_of)
 from .load import find_resumable, load_checkpoint, resolve_resume
 from .model import ShardedModel, checkpoint_model, has_model_file
 from .save import CheckpointWriter, save_checkpoint
@@ -12,6 +12,7 @@ from .verify import Check, verify_checkpoint, verify_or_raise
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
            "Checkpointer", "CheckpointWriter", "SaveFlags", "ShardedModel", "WriterHooks", "checkpoint_model",
-           "committed_step_numbers", "committed_steps", "find_resumable", "has_model_file", "incompatibility",
-           "load_checkpoint", "point_latest", "read_latest", "read_manifest", "resolve_resume", "save_checkpoint",
-           "shard_name", "step_folders", "step_name", "step_of", "verify_checkpoint", "verify_or_raise"]
+           "committed_folder", "committed_step_numbers", "committed_steps", "find_resumable", "has_model_file",
+           "incompatibility", "load_checkpoint", "point_latest", "put_back_moved_aside", "read_latest",
+           "read_manifest", "resolve_resume", "save_checkpoint", "shard_name", "step_folders", "step_name", "step_of",
+           "verify_checkpoint", "verify_or_raise"]

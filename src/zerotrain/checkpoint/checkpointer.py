@@ -100,6 +100,7 @@ class WriterHooks:
 
     halfway: Callable[[int], None] | None = None
     staging: Callable[[int], None] | None = None
+    commit: Callable[[int], None] | None = None
 
 
 class Checkpointer:
@@ -120,7 +121,8 @@ class Checkpointer:
         # sampling and export use the same one
         self.tokenizer, tokenizer_files = checkpoint_tokenizer(cfg)
         self.writer = CheckpointWriter(c.dir, comm, keep=c.keep, async_save=c.async_save, halfway_hook=hooks.halfway,
-                                       staging_hook=hooks.staging, copied_files=tokenizer_files or None)
+                                       staging_hook=hooks.staging, commit_hook=hooks.commit,
+                                       copied_files=tokenizer_files or None)
         self.config = cfg.to_dict()
         self.manifest_extra = manifest_extra or {}
         self.committed: list[str] = []

@@ -6,6 +6,19 @@ rank 0 alone reads every sidecar (which is also how it finds out whether it sees
 files at all), writes and fsyncs the manifest, renames the folder to `step_XXXXXXXX/`, replaces
 `latest` atomically, and only then applies retention. A crash anywhere before the rename leaves a
 `.tmp` folder nobody reads; after it, `latest` still names the previous checkpoint until replaced.
+
+Re-saving a step whose folder exists (a run resumed from an earlier checkpoint, or replaying after a rollback)
+takes two renames: the committed `step_N/` aside to `step_N.old/`, then the new folder into place. No portable
+rename replaces a non-empty folder in one step (Linux's renameat2 exchange does, but not on every filesystem, and
+Python has no call for it), and no order of operations helps: `latest` may name `step_N` itself, and pointing it
+at an older step for the moment would send a crash's resume back past step N. So the state between the two
+renames is recognised instead, wherever it matters: a `step_N.old/` holding its manifest with no `step_N/` beside
+it IS step N's committed checkpoint. Readers (find_resumable, `zerotrain verify`, load_model) resolve `latest`
+through format.committed_folder and change nothing; the processes that hold the folder put it back
+(put_back_moved_aside): the launcher as it prepares a run (run_folder.prepare_run, before it looks for the
+checkpoint to resume), rank 0 after an elastic restart, and rank 0 before every commit. A `step_N.old/` beside a
+committed `step_N/` is the copy a finished re-save replaced, and goes. Retention deletes step folders only
+(committed_steps), so a moved-aside folder is never deleted while it is the only copy of its checkpoint.
 """
 
 from __future__ import annotations
@@ -13,10 +26,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Callable
 
 from zerotrain.durable import write_atomic, write_json
 
-from .format import LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name, step_of
+from .format import (ASIDE, LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name,
+                     step_of)
 from .stream import FileRecord, storage_delay
 
 SIDECAR_PREFIX = "files-rank"
@@ -67,8 +82,13 @@ def _unshared(rank: int, folder: str, name: str) -> CheckpointError:
         "filesystem shared by all nodes (set --ckpt-dir to such a folder)")
 
 
-def commit(root: str, step: int, base: dict, world_size: int, session: str, keep: int) -> tuple[str, dict]:
-    """Rank 0: turn the written `.tmp` folder of `step` into the committed checkpoint; (path, manifest)."""
+def commit(root: str, step: int, base: dict, world_size: int, session: str, keep: int,
+           between_renames: Callable[[int], None] | None = None) -> tuple[str, dict]:
+    """Rank 0: turn the written `.tmp` folder of `step` into the committed checkpoint; (path, manifest).
+
+    `between_renames(step)`: called after an existing folder of the step is moved aside, before the new one is
+    renamed into place (fault injection: a crash there)."""
+    put_back_moved_aside(root)  # what a crash between an earlier re-save's renames left, before anything moves
     tmp = os.path.join(root, tmp_name(step))
     files = read_sidecars(tmp, world_size, session, step)
     manifest = {**base, "files": sorted(files, key=lambda f: f["name"])}
@@ -80,7 +100,7 @@ def commit(root: str, step: int, base: dict, world_size: int, session: str, keep
     storage_delay(os.path.getsize(os.path.join(tmp, MANIFEST)))
     _fsync_path(tmp)
     final = os.path.join(root, step_name(step))
-    _rename_into_place(tmp, final)
+    _rename_into_place(tmp, final, (lambda: between_renames(step)) if between_renames else None)
     point_latest(root, step_name(step))
     if keep:
         retain(root, keep)
@@ -95,17 +115,44 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def _rename_into_place(tmp: str, final: str) -> None:
-    """Rename the finished folder into place; an older folder of the same step is replaced."""
+def _rename_into_place(tmp: str, final: str, between: Callable[[], None] | None = None) -> None:
+    """Rename the finished folder into place; an older folder of the same step is moved aside, then removed."""
     old = None
     if os.path.exists(final):
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = final + ASIDE
+        shutil.rmtree(old, ignore_errors=True)  # a copy an earlier re-save replaced: `final` is there
         os.rename(final, old)
+    if between is not None:
+        between()
     os.rename(tmp, final)
     _fsync_path(os.path.dirname(final))
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def put_back_moved_aside(root: str) -> list[str]:
+    """Settle what re-saves left moved aside under `root`; the step folders put back, by name.
+
+    `step_N.old/` with its manifest and no `step_N/`: a re-save crashed between its two renames, and it is step N's
+    committed checkpoint: renamed back to `step_N/`. `step_N.old/` beside a committed `step_N/` (manifest present):
+    the copy a finished re-save replaced, removed. Anything else is left as it is. Only a process that holds the
+    folder calls this (the launcher preparing the run, rank 0 restarting or committing): a reader changes nothing.
+    """
+    if not os.path.isdir(root):
+        return []
+    restored = []
+    for name in sorted(os.listdir(root)):
+        final = name[: -len(ASIDE)]
+        if not name.endswith(ASIDE) or step_of(final) is None or not os.path.isdir(os.path.join(root, name)):
+            continue
+        if not os.path.exists(os.path.join(root, final)) and os.path.isfile(os.path.join(root, name, MANIFEST)):
+            os.rename(os.path.join(root, name), os.path.join(root, final))
+            restored.append(final)
+        elif os.path.isfile(os.path.join(root, final, MANIFEST)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if restored:
+        _fsync_path(root)
+    return restored
 
 
 def point_latest(root: str, name: str) -> None:
@@ -118,7 +165,8 @@ def retain(root: str, keep: int) -> None:
     """Keep `keep` committed checkpoints counting the one `latest` names; delete only older ones.
 
     Folders newer than `latest` (a run restarted from an earlier step) and what `latest` names are
-    never touched; ordering is by step number, not by name or time.
+    never touched; ordering is by step number, not by name or time. A `step_N.old/` folder is no step folder:
+    retention never deletes one (put_back_moved_aside settles them).
     """
     latest = step_of(read_latest(root) or "")
     if latest is None:

@@ -8,7 +8,9 @@ and, when the data has a BPE, its
 --init-from a model keeps that model's tokenizer.json and the files configuring it, which the record lists
 under "files" (tokenizer_config.json ...: data.tokenizer_config), with its context length and special ids.
 `latest` in the checkpoint root names the newest committed folder. Safetensors and JSON only:
-nothing is unpickled.
+nothing is unpickled. A re-save of a step moves its committed folder aside to `step_{step:08d}.old/` for a moment
+(checkpoint/commit.py); when a crash leaves it there with no `step_{step:08d}/`, it is that checkpoint
+(committed_folder), and the next run in the folder puts it back.
 
 Versions: 2 stores the parameters once, in the shards. 1 (written before) also held `model.safetensors`, the full
 fp32 model (in bf16 runs the masters rounded to bf16) in zerotrain's names, written by rank 0 alone; it is still
@@ -39,6 +41,7 @@ MODEL_FILE, MANIFEST, LATEST = "model.safetensors", "manifest.json", "latest"
 TOKENIZER_FILE = "tokenizer.json"  # the data's BPE, copied by rank 0 when there is one (manifest["tokenizer"]["file"])
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 STEP_FOLDER = re.compile(r"step_(\d{8})")
+ASIDE = ".old"  # step_N.old/: the committed step_N/ while a re-save of step N renames its own folder into place
 
 # The keys the writer records, with their JSON types; callers add their own keys beside these.
 MANIFEST_SCHEMA = {"format": str, "version": int, "step": int, "world_size": int, "param_count": int,
@@ -98,6 +101,16 @@ def committed_steps(root: str) -> list[str]:
 def committed_step_numbers(root: str) -> list[int]:
     """The steps of the committed checkpoints under `root`, oldest first."""
     return [step_of(n) for n in committed_steps(root)]
+
+
+def committed_folder(root: str, name: str) -> str:
+    """The folder of the committed checkpoint `name` (a step folder's name) under `root`: `root/name`, or
+    `root/name.old` when a re-save of that step crashed between its two renames, which left the committed folder
+    there (manifest and all) and no `root/name`. Readers resolve `latest` through this and change nothing."""
+    path = os.path.join(root, name)
+    if not os.path.isdir(path) and os.path.isfile(os.path.join(path + ASIDE, MANIFEST)):
+        return path + ASIDE
+    return path
 
 
 def read_latest(root: str) -> str | None:

@@ -9,8 +9,8 @@ from safetensors import safe_open
 
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 
-from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, mesh_of, read_latest, read_manifest, shard_name,
-                      step_folders, step_of, tp_slices_of)
+from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, mesh_of, read_latest,
+                      read_manifest, shard_name, step_folders, step_of, tp_slices_of)
 from .reshard import Read, full_shapes, shard_reads
 from .stream import DTYPE_CODES, count_read, read_safetensors
 from .verify import (failure_message, files_problem, first_failure, layout_of, name_problem, partition_problem,
@@ -50,8 +50,9 @@ def _candidates(root: str) -> tuple[list[str], list[tuple[str, str]]]:
             skipped.append((LATEST, f"{os.path.join(root, LATEST)} names {latest!r}, not a step folder"))
         else:
             names = [n for n in names if step_of(n) < step_of(latest)]
-            if os.path.isdir(os.path.join(root, latest)):
-                names.insert(0, latest)
+            folder = committed_folder(root, latest)  # step_N.old/: a re-save of step N stopped between its renames
+            if os.path.isdir(folder):
+                names.insert(0, os.path.basename(folder))
             else:
                 skipped.append((latest, f"{os.path.join(root, LATEST)} names {latest}, which does not exist"))
     return names, skipped

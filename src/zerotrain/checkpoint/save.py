@@ -65,17 +65,19 @@ class CheckpointWriter:
     `keep`: committed checkpoints to keep (0: all). `async_save`: the run's choice, for the caller
     (`save` and `start` both work either way). `halfway_hook(step)`: called after about half of this rank's
     shard bytes are written (fault injection); an exception it raises fails the save. `staging_hook(step)`:
-    called in an async save's thread before it copies the state (fault injection: a late copy).
+    called in an async save's thread before it copies the state (fault injection: a late copy). `commit_hook(step)`:
+    called by rank 0's commit between moving an existing folder of the step aside and renaming the new one into
+    place (fault injection: a crash between the two renames of a re-save).
     `copied_files`: {name in the checkpoint: source path} that rank 0 copies into every checkpoint
     (the tokenizer), listed in the manifest with size and sha256 like every file.
     """
 
     def __init__(self, root: str, comm: Comm, *, keep: int = 0, async_save: bool = False,
                  halfway_hook: Callable[[int], None] | None = None, copied_files: dict[str, str] | None = None,
-                 staging_hook: Callable[[int], None] | None = None):
+                 staging_hook: Callable[[int], None] | None = None, commit_hook: Callable[[int], None] | None = None):
         self.root, self.comm, self.keep, self.async_save = root, comm, keep, async_save
         self.copied_files = copied_files or {}
-        self.halfway_hook, self.staging_hook = halfway_hook, staging_hook
+        self.halfway_hook, self.staging_hook, self.commit_hook = halfway_hook, staging_hook, commit_hook
         # One id per writer, agreed by all ranks: a sidecar left by another writer (a crashed run,
         # a stale copy on one node's own disk) is never taken for one of this writer's.
         self.session = comm.io.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
@@ -109,7 +111,7 @@ class CheckpointWriter:
         verdict = None
         if self.comm.rank == 0:
             try:
-                commit(self.root, step, base, self.comm.world_size, self.session, self.keep)
+                commit(self.root, step, base, self.comm.world_size, self.session, self.keep, self.commit_hook)
             except (CheckpointError, OSError) as e:
                 verdict = str(e)
         verdict = self.comm.io.all_gather_json(verdict, "checkpoint_commit")[0]
@@ -224,7 +226,8 @@ class CheckpointWriter:
 
     def _commit_in_background(self, pending: _Pending) -> None:
         try:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep)
+            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep,
+                   self.commit_hook)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.commit_error = e if isinstance(e, CheckpointError) else \
                 CheckpointError(f"committing step {pending.step} failed: {type(e).__name__}: {e}")
@@ -236,7 +239,8 @@ class CheckpointWriter:
             if pending.commit_error is not None:
                 raise pending.commit_error
         else:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep)
+            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep,
+                   self.commit_hook)
 
     def commit_pending(self) -> str | None:
         """Every rank, once all agreed their writes are done: rank 0 commits now, on this thread (or waits for its

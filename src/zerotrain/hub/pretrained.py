@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.checkpoint import (LATEST, MANIFEST, MODEL_FILE, CheckpointError, checkpoint_model, committed_steps,
-                                   has_model_file, read_latest, read_manifest, verify_or_raise)
+from zerotrain.checkpoint import (LATEST, MANIFEST, MODEL_FILE, CheckpointError, checkpoint_model, committed_folder,
+                                   committed_steps, has_model_file, read_latest, read_manifest, verify_or_raise)
 from zerotrain.checkpoint.stream import read_safetensors, sha256_file
 from zerotrain.config import Config, ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
@@ -61,9 +61,10 @@ def model_folder(path: str) -> str:
         root = os.path.join(path, "checkpoints")  # a run folder
     latest = read_latest(root)
     if latest is not None:
-        if not os.path.isdir(os.path.join(root, latest)):
+        folder = committed_folder(root, latest)  # step_N.old/ when a re-save of step N stopped between its renames
+        if not os.path.isdir(folder):
             raise CheckpointError(f"{os.path.join(root, LATEST)} names {latest}, which does not exist")
-        return os.path.join(root, latest)
+        return folder
     steps = committed_steps(root)
     if steps:
         return os.path.join(root, steps[-1])

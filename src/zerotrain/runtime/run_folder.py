@@ -153,6 +153,7 @@ def prepare_run(cfg: Config) -> Config:
     if os.path.isdir(cfg.logging.metrics):
         raise ConfigError(f"--metrics {cfg.logging.metrics} is a folder, not a file")
     made = hold_output_folders(cfg)
+    _put_back_moved_aside(c.dir)  # before the checkpoint to resume is looked for: it may be the one put back
     if restart_count() > 0:
         _clear_uncommitted_saves(c.dir)
         return cfg
@@ -184,6 +185,13 @@ def _clear_uncommitted_saves(root: str) -> None:
         if name.startswith(".step_") and name.endswith(".tmp") and os.path.isdir(os.path.join(root, name)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             say(f"removed {name} in {root}, left by a save that never committed")
+
+
+def _put_back_moved_aside(root: str) -> None:
+    """Put back a committed step folder that a re-save moved aside (`step_N.old/`) and did not replace (a crash between
+    its two renames), so `latest` names a folder that is there; this run holds the folder (checkpoint/commit.py)."""
+    for name in checkpoint.put_back_moved_aside(root):
+        say(f"put {name} back in {root}: a re-save of that step stopped between moving it aside and replacing it")
 
 
 def earlier_run(cfg: Config) -> list[str]:

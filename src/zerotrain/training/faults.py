@@ -12,6 +12,11 @@ kill, hang and slow_storage also take step=0: while the rank starts, before its 
     lr_spike       step N's learning rate is multiplied by F (lr_factor); with --tp on every rank of R's TP
                    group, which update the replicated parameters together (one rank alone would split replicas)
     crash_in_save  the rank exits with CRASH_IN_SAVE_EXIT halfway through writing its shard of checkpoint N
+    crash_in_commit
+                   rank 0 (which alone commits; no other rank is accepted) exits with CRASH_IN_SAVE_EXIT while it
+                   commits checkpoint N, between moving the step's existing folder aside and renaming the new one
+                   into place (a re-save: a run resumed from an earlier checkpoint reached N; when N has no folder
+                   yet, just before the rename)
     save_error     the rank's writer fails (an OSError, the rank lives on) halfway through its shard of checkpoint N
     disk_full      the rank's disk fills halfway through its shard of checkpoint N: the write fails with ENOSPC,
                    naming no file, as the operating system's write does
@@ -51,8 +56,8 @@ from zerotrain.runtime.rank_start import launcher_pid
 from zerotrain.runtime.failures import restart_count
 
 ENV = "ZEROTRAIN_FAULTS"
-KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "save_error", "disk_full", "slow_staging", "sigterm",
-         "oom", "slow_storage")
+KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "crash_in_commit", "save_error", "disk_full",
+         "slow_staging", "sigterm", "oom", "slow_storage")
 SAVE_KINDS = ("crash_in_save", "save_error", "disk_full")  # the kinds the checkpoint writer's halfway hook fires
 STARTUP_KINDS = ("kill", "hang", "slow_storage")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
@@ -110,6 +115,9 @@ def _parse_entry(entry: str) -> Fault:
         raise ConfigError(f"{ENV}: {entry!r} names no step (format: {FORMAT})")
     fault = Fault(kind, _parse_int(entry, "step", values["step"], 0 if kind in STARTUP_KINDS else 1),
                   _parse_int(entry, "rank", values.get("rank", "0"), 0))
+    if kind == "crash_in_commit" and fault.rank != 0:
+        raise ConfigError(f"{ENV}: crash_in_commit fires on rank 0, which alone commits checkpoints, not rank "
+                          f"{fault.rank}, in {entry!r}")
     if "factor" in values:
         if kind not in FACTOR_DEFAULTS:
             raise ConfigError(f"{ENV}: factor applies only to {', '.join(FACTOR_DEFAULTS)}, not {kind}, in {entry!r}")
@@ -236,8 +244,21 @@ class Faults:
         return fail_halfway
 
     def writer_hooks(self) -> WriterHooks:
-        """What the checkpoint writer is handed: save_hook and staging_hook."""
-        return WriterHooks(halfway=self.save_hook(), staging=self.staging_hook())
+        """What the checkpoint writer is handed: save_hook, staging_hook and commit_hook."""
+        return WriterHooks(halfway=self.save_hook(), staging=self.staging_hook(), commit=self.commit_hook())
+
+    def commit_hook(self) -> Callable[[int], None] | None:
+        """The checkpoint writer's commit_hook(step), run by rank 0's commit between its two renames: exits at a
+        planned crash_in_commit step; None if none is planned."""
+        if not any(f.kind == "crash_in_commit" for f in self.planned):
+            return None
+
+        def crash_between_renames(step: int) -> None:
+            for fault in self._fire(step, "crash_in_commit"):
+                _announce(fault)
+                os._exit(CRASH_IN_SAVE_EXIT)  # the step's folder is moved aside, the new one not yet in place
+
+        return crash_between_renames
 
     def staging_hook(self) -> Callable[[int], None] | None:
         """The async writer's staging_hook(step), run in its thread before it copies the state; None if no

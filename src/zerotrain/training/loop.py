@@ -134,6 +134,8 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None) -> t
     """
     path = cfg.checkpoint.resume or None
     if restart_count() > 0:
+        if comm.rank == 0:  # a crash between a re-save's renames: before rank 0 names the candidates (find_resumable)
+            checkpoint.put_back_moved_aside(cfg.checkpoint.dir)
         newest, skipped = checkpoint.find_resumable(cfg.checkpoint.dir, comm)
         for folder, reason in skipped if comm.rank == 0 else ():
             print(f"zerotrain: restart: {os.path.basename(folder)} fails verification ({reason})", flush=True)

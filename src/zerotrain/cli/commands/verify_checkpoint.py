@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from zerotrain.checkpoint import LATEST, MANIFEST, read_latest, step_folders, verify_checkpoint
+from zerotrain.checkpoint import LATEST, MANIFEST, committed_folder, read_latest, step_folders, verify_checkpoint
 from zerotrain.checkpoint.format import step_of
 from zerotrain.checkpoint.verify import failure_message, first_failure
 from zerotrain.errors import ConfigError
@@ -58,6 +58,11 @@ def checkpoints_to_verify(path: str) -> list[tuple[str, str | None]]:
     if not is_root:
         return [(path, None)]
     latest = read_latest(path)
-    out = [(os.path.join(path, latest), " (latest)")] if latest else []
+    out = []
+    if latest:
+        folder = committed_folder(path, latest)  # step_N.old/ when a re-save of step N stopped between its renames
+        out.append((folder, " (latest)" if folder == os.path.join(path, latest) else
+                    " (latest: moved aside by a re-save that stopped between its renames; the next run in this "
+                    "folder puts it back)"))
     out += [(os.path.join(path, n), "") for n in step_folders(path) if n != latest]
     return out
