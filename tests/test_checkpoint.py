@@ -419,3 +419,40 @@ def _rank_main(job, rank, world_size, store, tmp_path, args):
         out = {"error": traceback.format_exc()}
     (tmp_path / f"result-{rank}.json").write_text(json.dumps(out))
     os._exit(0)  # without interpreter teardown: gloo threads can still hold tensors (see cli.main)
+
+
+def test_hashing_behind_a_read_holds_at_most_a_few_blocks_and_an_unbounded_queue_is_caught(tmp_path, monkeypatch):
+    """sha256_file's blocks are fresh bytes: a reader faster than the hash must wait, not queue the file in memory.
+    The hash thread is held until the reader finds the queue full (or is done), so the largest backlog is what the
+    queue lets through. Planted: an unbounded queue (maxsize 0) lets the whole file pile up."""
+    monkeypatch.setattr(stream, "CHUNK", 64)
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 5)  # 20 blocks
+    real_run, real_update, real_close = stream._Hasher._run, stream._Hasher.update, stream._Hasher.close
+
+    def backlog(queued):
+        gate, peak = threading.Event(), [0]
+
+        def run(self):
+            gate.wait()
+            real_run(self)
+
+        def update(self, block):
+            if self._queue.full():
+                gate.set()
+            real_update(self, block)
+            peak[0] = max(peak[0], self._queue.qsize())
+
+        def close(self):
+            gate.set()
+            real_close(self)
+
+        monkeypatch.setattr(stream._Hasher, "QUEUED", queued)
+        monkeypatch.setattr(stream._Hasher, "_run", run)
+        monkeypatch.setattr(stream._Hasher, "update", update)
+        monkeypatch.setattr(stream._Hasher, "close", close)
+        assert stream.sha256_file(str(path)) == (1280, sha(path))
+        return peak[0]
+
+    assert backlog(stream._Hasher.QUEUED) <= stream._Hasher.QUEUED
+    assert backlog(0) == 20

@@ -104,12 +104,16 @@ class FileRecord:
 class _Hasher:
     """sha256 of a sequence of buffers, computed in a thread while the caller moves on to the next one.
 
-    The buffers must stay unchanged until `hexdigest()` returns (they are views, not copies).
+    The buffers must stay unchanged until `hexdigest()` returns (they are views, not copies). At most QUEUED
+    blocks wait: a reader faster than the hash (sha256_file's blocks are fresh bytes) waits rather than holding
+    the whole file in memory.
     """
+
+    QUEUED = 4
 
     def __init__(self, threaded: bool = True):
         self._sha = hashlib.sha256()
-        self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
+        self._queue: queue.Queue | None = queue.Queue(maxsize=self.QUEUED) if threaded else None
         self._thread = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="zerotrain-sha256", daemon=True)
