@@ -184,3 +184,27 @@ def test_records_shorter_than_one_window_train_packed_each_step_records_its_epoc
     r = zerotrain_here(capfd, "train", "--data", str(text), "--seq-len", "64", "--steps", "1", "--no-progress",
                        "--out", str(tmp_path / "text"))
     assert r.returncode == 2 and "fewer than one sequence of --seq-len 64" in r.stderr, r.stderr
+
+
+def test_a_process_hashes_its_input_once_and_again_only_when_a_file_of_it_changes(tmp_path, monkeypatch):
+    """A run resolves its training and validation data separately: the input is hashed once per process to find its
+    prepared copy. Planted: a process that remembers nothing hashes it at every resolution."""
+    from zerotrain.data import resolve as resolve_module
+
+    cfg = tiny_config(tmp_path)
+    cfg.data.source = write_jsonl(tmp_path / "records.jsonl", [{"text": f"record {i}"} for i in range(8)])
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    hashed, real = [], resolve_module.sha256_file
+    monkeypatch.setattr(resolve_module, "sha256_file", lambda path: (hashed.append(path), real(path))[1])
+    first = resolve_data(cfg).folder
+    assert resolve_data(cfg).folder == first and len(hashed) == 1
+    write_jsonl(cfg.data.source, [{"text": f"record {i}"} for i in range(9)])  # changed: another size
+    assert resolve_data(cfg).folder != first and len(hashed) == 2
+
+    class Forgetful(dict):
+        def __contains__(self, key):
+            return False
+
+    monkeypatch.setattr(resolve_module, "_PREPARED", Forgetful())
+    resolve_data(cfg), resolve_data(cfg)
+    assert len(hashed) == 4

@@ -80,10 +80,34 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
         return token_file(src, flag)
     refuse_table(src, flag)
     fraction = d.val_fraction if val_fraction is None else val_fraction
-    if is_records_file(src):
-        return token_folder(cached_jsonl(src, cache_root(d.cache_dir), model_tokenizer(cfg), fraction), src, flag)
-    folder = cached_corpus(text_input(src, d.glob, fraction), cache_root(d.cache_dir), model_tokenizer(cfg))
-    return token_folder(folder, src, flag)
+    tokenizer, root = model_tokenizer(cfg), cache_root(d.cache_dir)
+    # the input is hashed to find its prepared copy once per process (a run asks for its training and validation
+    # data separately), and again only if a file of it changed since
+    key = (src, d.glob, fraction, root, tokenizer, _stat_signature(src, tokenizer and os.path.dirname(tokenizer)))
+    if key not in _PREPARED:
+        if is_records_file(src):
+            _PREPARED[key] = cached_jsonl(src, root, tokenizer, fraction)
+        else:
+            _PREPARED[key] = cached_corpus(text_input(src, d.glob, fraction), root, tokenizer)
+    return token_folder(_PREPARED[key], src, flag)
+
+
+_PREPARED: dict[tuple, str] = {}  # this process's prepared folders, by input and the stat of its files
+
+
+def _stat_signature(*paths: str | None) -> tuple:
+    """Size and modification time of every file under `paths` (python-stdlib: this interpreter's, which do not
+    change), to notice a changed input without reading it."""
+    signature = []
+    for path in paths:
+        if path is None or path == STDLIB:
+            continue
+        walked = os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]
+        for folder, _, names in walked:
+            for name in sorted(names):
+                st = os.stat(os.path.join(folder, name))
+                signature.append((folder, name, st.st_size, st.st_mtime_ns))
+    return tuple(signature)
 
 
 def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float) -> str:
