@@ -17,7 +17,6 @@ config.json's types and values, every tensor's name, shape and dtype, every file
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 

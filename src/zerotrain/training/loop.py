@@ -240,7 +240,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             _check_after_update(cfg, run, done, after_update)
             step_s = time.perf_counter() - t0
             _log_step(cfg, run, _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, step_s))
-            _save_or_stop(cfg, run, done, reduced.decision, step_s)
+            _save_or_stop(run, done, reduced.decision, step_s)
             if reduced.decision.stop:
                 break
             step = done
@@ -359,7 +359,7 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
     run.metrics.log(record)
 
 
-def _save_or_stop(cfg: Config, run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
+def _save_or_stop(run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
     """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
     run.checkpointer.after_step(done, run.engine, {"data_skips": run.skips, "guard": run.detector.state_dict()},
                                 decision, step_s)
