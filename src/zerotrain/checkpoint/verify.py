@@ -30,7 +30,9 @@ Loading runs the same checks on the files it reads (see load.py) before restorin
 
 `verify_checkpoint(path, part=(r, W))` runs rank r's share of the checks that read file data (sha256,
 replicas, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run its
-share at once and merges the results, so a restart verifies at the speed of W readers, not one.
+share at once and merges the results, so a reshard verifies at the speed of W readers, not one.
+`checks_beside_own_shard` is a same-mesh load's share: there each rank hashes its own shard as it reads it, so
+only the other files and the cross-file checks are left to share out.
 """
 
 from __future__ import annotations
