@@ -172,9 +172,9 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
-        same = _same_mesh(path, manifest, engine)
         refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
-        if same and not refused:
+        same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
+        if same:
             shard = _read_own_share(path, manifest, comm)
     except CheckpointError as e:
         problem = str(e)
