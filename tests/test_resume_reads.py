@@ -6,7 +6,8 @@ them: that is the shard's verification. So after --resume PATH, --resume auto or
 exactly its shard's file, and the ranks' sum is the checkpoint's listed files (a run on synthetic data has no
 tokenizer file; the manifest is JSON, read by every rank and not counted). The launcher reads manifests only: it
 counts no checkpoint bytes. Planted: every rank checking every file before it reads its own shard (what a restart
-did before), and the launcher verifying the checkpoint it names, are both caught by these counts.
+did before), and the launcher verifying the checkpoint it names, are both caught by these counts. A version-1
+checkpoint's model file is read once too, by one rank, and a corrupt one is refused.
 """
 
 import functools
@@ -212,9 +213,30 @@ def test_resume_auto_past_a_corrupt_shard_of_rank_1_falls_back_said_once_by_rank
     r = zerotrain_here(capfd, "train", "--nproc", "3", *TINY, "--steps", "5", "--out", out, "--resume", "auto")
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("--resume auto: step_00000004 is the newest checkpoint") == 1  # the launcher names it
-    failed = re.findall(rf"--resume auto: step_00000004 fails verification \({re.escape(shard)}: {SHARD_BYTES_DIFFER}\)",
-                        r.stderr)
+    said = rf"--resume auto: step_00000004 fails verification \({re.escape(shard)}: {SHARD_BYTES_DIFFER}\)"
+    failed = re.findall(said, r.stderr)
     assert len(failed) == 1, r.stderr  # rank 0 says it, once
     assert r.stderr.count("--resume auto: falling back to step_00000002, the newest checkpoint that verifies") == 1
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["start_step"] == 2 and summary["resumed_from"] == os.path.join(root, checkpoint.step_name(2))
+
+
+# ---------------------------------------------------------------- format version 1: the model file, read once too
+def test_a_version_1_checkpoint_resumes_reading_its_model_file_once_and_a_corrupt_one_is_refused(tmp_path, one_rank):
+    from conftest import as_version_1
+
+    from zerotrain.training.loop import build_engine
+
+    cfg = tiny_config(tmp_path)
+    engine = build_engine(cfg, one_rank)
+    path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), 1, engine, one_rank, cfg.to_dict())
+    as_version_1(path)
+    sizes = file_sizes(path)
+    assert set(sizes) == {checkpoint.shard_name(0, 1), checkpoint.MODEL_FILE}
+    before = bytes_counted()[READ]
+    assert checkpoint.load_checkpoint(path, build_engine(cfg, one_rank), one_rank)["version"] == 1
+    assert bytes_counted()[READ] - before == sum(sizes.values())  # the shard as it loads, the model file hashed
+    model_file = os.path.join(path, checkpoint.MODEL_FILE)
+    flip_a_byte(model_file, at=os.path.getsize(model_file) - 4)  # planted: one byte of the model's last tensor
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{re.escape(checkpoint.MODEL_FILE)}: {SHARD_BYTES_DIFFER}"):
+        checkpoint.load_checkpoint(path, build_engine(cfg, one_rank), one_rank)

@@ -3,8 +3,8 @@ state restored or resharded.
 
 `resume` is every load's path: a restart, `--resume auto`, `--resume PATH`, a rollback (load_checkpoint). On the
 mesh and layout that wrote the checkpoint, each rank reads its own shard once, hashing the bytes it loads; on another,
-the ranks verify the files together and then read by ranges. find_resumable is the one-process search (`zerotrain
-verify`, the API), not the ranks'.
+the ranks verify the files together and then read by ranges. find_resumable and resolve_resume are the same search
+in one process, every file read there: for a caller outside the ranks, never at a run's start.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
-from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import FileValues, weight_source
 from zerotrain.model import ARCH_NAMES, meta_model, param_count, parallelize, summed_token_loss
