@@ -93,9 +93,16 @@ def without_moments(load):
 
 
 def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
-    """Planted bug: a resume that loses AdamW's moments."""
-    with mock.patch.object(train_module.checkpoint, "load_checkpoint",
-                           without_moments(train_module.checkpoint.load_checkpoint)):
+    """Planted bug: a resume (checkpoint.resume, which the loop calls) that loses AdamW's moments."""
+    real = train_module.checkpoint.resume
+
+    def resume_without_moments(target, engine, comm, **kwargs):
+        found = real(target, engine, comm, **kwargs)
+        engine.exp_avg.zero_()
+        engine.exp_avg_sq.zero_()
+        return found
+
+    with mock.patch.object(train_module.checkpoint, "resume", resume_without_moments):
         return interrupted_job(cfg, comm)
 
 

@@ -81,8 +81,9 @@ def test_a_crash_between_the_renames_of_a_resave_leaves_latest_resolvable_and_a_
         prepared = prepare_run(cfg)
     finally:
         release_run_folders()
-    assert prepared.checkpoint.resume == os.path.join(root, STEP_4)
-    assert f"put {STEP_4} back in {root}" in capfd.readouterr().err
+    assert prepared.checkpoint.resume == "auto"  # the ranks resolve it: they find step 4 put back
+    err = capfd.readouterr().err
+    assert f"put {STEP_4} back in {root}" in err and f"--resume auto: {STEP_4} is the newest checkpoint" in err
     assert checkpoint.committed_steps(root) == [STEP_2, STEP_4]  # nothing committed deleted
     assert hashes(os.path.join(root, STEP_4)) == committed  # the committed copy, not the crashed re-save's
     assert not os.path.exists(aside) and not os.path.exists(os.path.join(root, ".step_00000004.tmp"))
@@ -96,12 +97,14 @@ def test_a_crash_between_the_renames_of_a_resave_leaves_latest_resolvable_and_a_
     monkeypatch.setattr(checkpoint, "put_back_moved_aside", lambda root: [])
     assert checkpoint.find_resumable(root)[0] == os.path.join(root, STEP_2)
     assert zerotrain_here(capfd, "verify", root).returncode == 1
+    names, skipped = checkpoint.resume_candidates(root)  # what the ranks try, in order
+    assert names == [STEP_2] and skipped[0][1].endswith(f"latest names {STEP_4}, which does not exist")
     cfg.checkpoint.resume = "auto"
     try:
-        assert prepare_run(cfg).checkpoint.resume == os.path.join(root, STEP_2)
+        prepare_run(cfg)
     finally:
         release_run_folders()
-    assert f"latest names {STEP_4}, which does not exist" in capfd.readouterr().err
+    assert f"--resume auto: {STEP_2} is the newest checkpoint" in capfd.readouterr().err
 
 
 def test_a_moved_aside_copy_beside_its_committed_step_is_debris_and_an_only_copy_survives_retention(tmp_path, one_rank):

@@ -67,7 +67,9 @@ def test_a_second_run_into_any_folder_of_a_live_run_is_refused_naming_it_and_the
         planted = config_from_args(build_parser().parse_args([*second, "--out", str(tmp_path / "d"), "--ckpt-dir",
                                                               ckpt, "--resume", "auto"]))
         try:
-            assert prepare_run(planted).checkpoint.resume == os.path.join(ckpt, "step_00000004")
+            capfd.readouterr()
+            assert prepare_run(planted).checkpoint.resume == "auto"  # the ranks verify and resume the newest
+            assert "--resume auto: step_00000004 is the newest checkpoint" in capfd.readouterr().err
         finally:
             release_run_folders()
     finally:
@@ -79,7 +81,8 @@ def test_a_second_run_into_any_folder_of_a_live_run_is_refused_naming_it_and_the
     after = config_from_args(build_parser().parse_args(["train", *TINY, "--steps", "6", "--ckpt-every", "2",
                                                          "--resume", "auto", "--out", out, "--ckpt-dir", ckpt]))
     try:
-        assert prepare_run(after).checkpoint.resume == os.path.join(ckpt, "step_00000004")
+        assert prepare_run(after).checkpoint.resume == "auto"
+        assert "--resume auto: step_00000004 is the newest checkpoint" in capfd.readouterr().err
     finally:
         release_run_folders()
 

@@ -5,7 +5,7 @@ from .commit import point_latest, put_back_moved_aside
 from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_folder,
                      committed_step_numbers, committed_steps, incompatibility, read_latest, read_manifest, shard_name,
                      step_folders, step_name, step_of)
-from .load import find_resumable, load_checkpoint, resolve_resume
+from .load import find_resumable, is_checkpoint_root, load_checkpoint, resolve_resume, resume, resume_candidates
 from .model import ShardedModel, checkpoint_model, has_model_file
 from .save import CheckpointWriter, save_checkpoint
 from .verify import Check, verify_checkpoint, verify_or_raise
@@ -13,6 +13,6 @@ from .verify import Check, verify_checkpoint, verify_or_raise
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "MODEL_FILE", "STATE_KEYS", "VERSION", "Check", "CheckpointError",
            "Checkpointer", "CheckpointWriter", "SaveFlags", "ShardedModel", "WriterHooks", "checkpoint_model",
            "committed_folder", "committed_step_numbers", "committed_steps", "find_resumable", "has_model_file",
-           "incompatibility", "load_checkpoint", "point_latest", "put_back_moved_aside", "read_latest",
-           "read_manifest", "resolve_resume", "save_checkpoint", "shard_name", "step_folders", "step_name", "step_of",
-           "verify_checkpoint", "verify_or_raise"]
+           "incompatibility", "is_checkpoint_root", "load_checkpoint", "point_latest", "put_back_moved_aside",
+           "read_latest", "read_manifest", "resolve_resume", "resume", "resume_candidates", "save_checkpoint",
+           "shard_name", "step_folders", "step_name", "step_of", "verify_checkpoint", "verify_or_raise"]

@@ -1,47 +1,55 @@
-"""Loading a checkpoint: find the newest one that verifies, check what is read, restore or reshard the state."""
+"""Loading a checkpoint: the one to resume found, every file's data read by one rank and checked as it is read, the
+state restored or resharded.
+
+`resume` is every load's path: a restart, `--resume auto`, `--resume PATH`, a rollback (load_checkpoint). On the
+mesh and layout that wrote the checkpoint, each rank reads its own shard once, hashing the bytes it loads; on another,
+the ranks verify the files together and then read by ranges. find_resumable and resolve_resume are the same search
+in one process, every file read there: for a caller outside the ranks, never at a run's start.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 
+from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 
 from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, mesh_of, read_latest,
                       read_manifest, shard_name, step_folders, step_of, tp_slices_of)
 from .reshard import Read, full_shapes, shard_reads
-from .stream import DTYPE_CODES, count_read, read_safetensors
-from .verify import (failure_message, files_problem, first_failure, layout_of, name_problem, partition_problem,
-                     record_problem, shard_problem, verify_checkpoint, verify_together)
+from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
+from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, layout_of, name_problem,
+                     partition_problem, record_problem, shard_problem, size_problem, verify_checkpoint,
+                     verify_together)
 
 
-def find_resumable(root: str, comm: Comm | None = None) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest checkpoint under `root` that verifies, and (folder, why) for each newer one that did not.
+def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint under `root` that verifies (in this process, every file read here), and (folder, why)
+    for each newer one that did not.
 
-    Tried in order: what `latest` names, then the committed step folders older than it, newest
-    first (folders newer than `latest` belong to a run that was restarted from an earlier step:
-    they are not this run's history). None with an empty list: there is nothing to resume from.
-    None with a non-empty list: checkpoints were there and none verifies, an error for the caller.
-
-    With `comm`, every rank calls this together: rank 0's view of the folder decides which candidates
-    there are, and every rank verifies its share of each (verify_together); the same answer on every rank.
+    Tried in order: resume_candidates(root). None with an empty list: there is nothing to resume from. None with a
+    non-empty list: checkpoints were there and none verifies, an error for the caller.
     """
-    names, skipped = _candidates(root)
-    if comm is not None:
-        names, skipped = comm.io.all_gather_json([names, skipped], "agree_resume")[0]
+    names, skipped = resume_candidates(root)
     for name in names:
         path = os.path.join(root, name)
-        bad = first_failure(verify_checkpoint(path) if comm is None else verify_together(path, comm))
+        bad = first_failure(verify_checkpoint(path))
         if bad is None:
-            return path, [tuple(s) for s in skipped]
+            return path, skipped
         skipped.append((name, failure_message(path, bad)))
-    return None, [tuple(s) for s in skipped]
+    return None, skipped
 
 
-def _candidates(root: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """The step folders find_resumable tries, newest first, and (name, why) for what `latest` names in vain."""
+def resume_candidates(root: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The step folders under `root` a resume tries, newest first, and (name, why) for what `latest` names in vain.
+
+    What `latest` names, then the committed step folders older than it, newest first (folders newer than `latest`
+    belong to a run that was restarted from an earlier step: they are not this run's history).
+    """
     latest = read_latest(root)
     names = step_folders(root)
     skipped: list[tuple[str, str]] = []
@@ -58,8 +66,16 @@ def _candidates(root: str) -> tuple[list[str], list[tuple[str, str]]]:
     return names, skipped
 
 
+def is_checkpoint_root(path: str) -> bool:
+    """Whether the folder `path` holds checkpoints (a `latest`, or step folders and no manifest of its own) rather than
+    being one."""
+    return os.path.isfile(os.path.join(path, LATEST)) or (
+        not os.path.isfile(os.path.join(path, MANIFEST)) and bool(step_folders(path)))
+
+
 def resolve_resume(spec: str, root: str) -> str | None:
-    """The checkpoint folder to resume from: "" -> none; "auto" -> the newest under `root` that verifies; a path.
+    """The checkpoint folder to resume from, found in this process: "" -> none; "auto" -> the newest under `root`
+    that verifies; a path.
 
     A checkpoint root given as the path is searched like "auto". Raises CheckpointError when
     checkpoints are there but none verifies, naming each one's first bad file.
@@ -67,8 +83,7 @@ def resolve_resume(spec: str, root: str) -> str | None:
     if not spec:
         return None
     if spec != "auto":
-        if not (os.path.isfile(os.path.join(spec, LATEST)) or
-                (not os.path.isfile(os.path.join(spec, MANIFEST)) and step_folders(spec))):
+        if not is_checkpoint_root(spec):
             return spec
         root = spec  # a checkpoint root was given
     path, skipped = find_resumable(root)
@@ -86,16 +101,19 @@ def check_manifest(path: str, manifest: dict, reading: list[str]) -> None:
 
 
 def read_shard(path: str, manifest: dict, rank: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s optimizer shard, its bytes hashed as they are read and checked before use."""
+    """Rank `rank`'s optimizer shard, its bytes hashed as they are read and checked against the manifest before they
+    are parsed; then its tensors' dtypes and shapes."""
     name = shard_name(rank, manifest["world_size"])
     file = os.path.join(path, name)
     entry = next(f for f in manifest["files"] if f["name"] == name)
-    try:
-        tensors, record = read_safetensors(file)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: is missing") from None
-    problem = record_problem(record, entry) or shard_problem(
-        {k: (_code(t), list(t.shape)) for k, t in tensors.items()}, manifest["layout"]["shard_numel"])
+    problem = size_problem(path, entry)
+    if problem is None:
+        data, record = read_hashed(file)
+        problem = record_problem(record, entry)
+    if problem is None:
+        tensors = parse_safetensors(data, file)
+        problem = shard_problem({k: (_code(t), list(t.shape)) for k, t in tensors.items()},
+                                manifest["layout"]["shard_numel"])
     if problem:
         raise CheckpointError(f"{file}: {problem}")
     return tensors
@@ -105,37 +123,103 @@ def _code(t: torch.Tensor) -> str:
     return DTYPE_CODES.get(t.dtype, str(t.dtype))
 
 
-def load_checkpoint(path: str, engine: ZeroEngine, comm: Comm) -> dict:
-    """Restore parameters, master shard, moments and step into `engine`; return the manifest.
+def resume(target: str, engine: ZeroEngine, comm: Comm, *, search: bool,
+           refuse: Callable[[dict, str], str | None] | None = None) -> tuple[str | None, dict, list[tuple[str, str]]]:
+    """Restore into `engine` the checkpoint `target` names, each file's data read by one rank: (folder, its manifest,
+    (name, why) of each candidate skipped).
 
-    `comm` is the world communicator (shard files are named by world rank); the engine's mesh may
-    differ from the one that wrote the checkpoint. Everything read is checked first, and the checkpoint
-    must hold the same model (full names and full shapes). On the same mesh and local layout each rank
-    reads only its own shard, checking the size and sha256 of the very bytes loaded and the shard's
-    shapes. Otherwise (another world size, TP degree or bucket size) the ranks verify the checkpoint
-    together, each hashing its share of the files, and each then reads only the ranges of the old
-    shards it will own (`_reshard`).
+    `search`: `target` is a checkpoint root; its candidates (resume_candidates, newest first) are tried in turn, each
+    that fails skipped, the first that verifies restored; (None, {}, skipped) when none does (an error for the caller
+    when `skipped` is not empty). Otherwise `target` is one checkpoint folder, and a failure raises CheckpointError
+    naming the file and the problem. Every rank calls this together; rank 0's view of the folder decides the candidates.
+    `refuse(manifest, folder)`: rank 0's reason to refuse a candidate (a ConfigError on every rank), or None.
     """
-    manifest = read_manifest(path)
-    check_manifest(path, manifest, [])
+    view = None
+    if comm.rank == 0:
+        names, skipped = resume_candidates(target) if search else ([""], [])
+        view = [[os.path.join(target, n) if n else target for n in names], skipped]
+    paths, skipped = comm.io.all_gather_json(view, "agree_resume")[0]
+    skipped = [tuple(s) for s in skipped]
+    for path in paths:
+        manifest, problem = _load_verified(path, engine, comm, refuse)
+        if problem is None:
+            return path, manifest, skipped
+        if not search:
+            raise CheckpointError(problem)
+        skipped.append((os.path.basename(path), problem))
+    return None, {}, skipped
+
+
+def load_checkpoint(path: str, engine: ZeroEngine, comm: Comm) -> dict:
+    """Restore the checkpoint folder `path` into `engine` (resume without a search); its manifest."""
+    return resume(path, engine, comm, search=False)[1]
+
+
+def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[dict, str | None]:
+    """Restore the checkpoint at `path` into `engine` if it verifies: (manifest, None); else ({}, the first problem a
+    rank found), the engine untouched.
+
+    `comm` is the world communicator (shard files are named by world rank); the engine's mesh may differ from the one
+    that wrote the checkpoint, but it must hold the same model (full names and full shapes). Every rank runs the checks
+    that read no file data. On the same mesh and local layout each rank then reads its own shard whole, hashing it as
+    it is read: that is its verification, and the shard is read once. The other files' checks (tokenizer files; at
+    version 1 the model file, against the masters) are shared out over the ranks, the TP replicas check on the last
+    (checks_beside_own_shard). One all_gather_json agrees every rank's outcome before anything is restored.
+    Otherwise (another world size, TP degree or bucket size) a ranged read cannot hash what it loads: the ranks
+    verify the checkpoint together, each file hashed by one of them, and each then reads only the ranges of the old
+    shards it will own (_reshard).
+    """
+    manifest, shard, problem, refused = {}, None, None, None
+    try:
+        manifest = read_manifest(path)
+        check_manifest(path, manifest, [])
+        refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
+        same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
+        if same:
+            shard = _read_own_share(path, manifest, comm)
+    except CheckpointError as e:
+        problem = str(e)
+    except OSError as e:  # a file this rank cannot read: the others must hear of it, not wait for it
+        problem = f"{e.filename or path}: cannot be read ({e.strerror})"
+    outcomes = comm.io.all_gather_json([problem, refused], "resume_outcome")
+    if outcomes[0][1]:
+        raise ConfigError(outcomes[0][1])
+    problem = next((p for p, _ in outcomes if p), None)
+    if problem is not None:
+        return {}, problem
+    if same:
+        engine.load_shard_state_dict(shard)
+        return manifest, None
+    bad = first_failure(verify_together(path, comm))
+    if bad is not None:
+        return {}, failure_message(path, bad)
+    old, old_slices = layout_of(manifest, path), tp_slices_of(manifest)
+    # engine.dp: the DP group ZeRO shards over (its rank is the DP rank)
+    engine.load_shard_state_dict(_reshard(path, manifest, old, old_slices, engine.layout, engine.tp_slices,
+                                          engine.mesh.tp_rank, engine.dp.rank))
+    return manifest, None
+
+
+def _same_mesh(path: str, manifest: dict, engine: ZeroEngine) -> bool:
+    """Whether `engine` has the checkpoint's mesh, TP slices and local layout (each rank's shard loads as it is);
+    CheckpointError when it holds another model."""
     old, old_slices, (old_tp, old_dp) = layout_of(manifest, path), tp_slices_of(manifest), mesh_of(manifest)
     new, mesh = engine.layout, engine.mesh
     if full_shapes(old, old_slices) != full_shapes(new, engine.tp_slices):
         raise CheckpointError(f"{path} holds a model with different parameters than this run")
-    same = ((old_tp, old_dp) == (mesh.tp_size, mesh.dp_size) and old_slices == engine.tp_slices
+    return ((old_tp, old_dp) == (mesh.tp_size, mesh.dp_size) and old_slices == engine.tp_slices
             and old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets)
-    if same:
-        check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
-        engine.load_shard_state_dict(read_shard(path, manifest, comm.rank))
-        return manifest
-    # a ranged read cannot hash what it loads: the whole checkpoint is verified first, each file by one rank
-    bad = first_failure(verify_together(path, comm))
+
+
+def _read_own_share(path: str, manifest: dict, comm: Comm) -> dict[str, torch.Tensor]:
+    """This world rank's shard, hashed as it is read, then its share of the other files' checks; CheckpointError
+    naming the first bad file."""
+    check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
+    shard = read_shard(path, manifest, comm.rank)
+    bad = first_failure(checks_beside_own_shard(path, manifest, (comm.rank, comm.world_size)))
     if bad is not None:
         raise CheckpointError(failure_message(path, bad))
-    # engine.dp: the DP group ZeRO shards over (its rank is the DP rank)
-    engine.load_shard_state_dict(_reshard(path, manifest, old, old_slices, new, engine.tp_slices, mesh.tp_rank,
-                                          engine.dp.rank))
-    return manifest
+    return shard
 
 
 def _reshard(path: str, manifest: dict, old: ShardLayout, old_slices: dict, new: ShardLayout, new_slices: dict,

@@ -220,6 +220,13 @@ def sha256_file(path: str) -> tuple[int, str]:
 
 def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], FileRecord]:
     """Every tensor of a safetensors file, as views of one buffer, and the size and sha256 of those bytes."""
+    data, record = read_hashed(path)
+    return parse_safetensors(data, path), record
+
+
+def read_hashed(path: str) -> tuple[torch.Tensor, FileRecord]:
+    """A whole file in one uint8 buffer, and the size and sha256 of those bytes (hashed as they are read): a reader
+    can compare them with the manifest before parsing what may be corrupt."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         data = torch.empty(size, dtype=torch.uint8)
@@ -239,7 +246,7 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], FileRecord]:
             digest = hasher.hexdigest()
         finally:
             hasher.close()
-    return parse_safetensors(data, path), FileRecord(os.path.basename(path), size, digest)
+    return data, FileRecord(os.path.basename(path), size, digest)
 
 
 def read_header(path: str) -> dict[str, tuple[str, list[int]]]:

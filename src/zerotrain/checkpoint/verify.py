@@ -30,7 +30,9 @@ Loading runs the same checks on the files it reads (see load.py) before restorin
 
 `verify_checkpoint(path, part=(r, W))` runs rank r's share of the checks that read file data (sha256,
 replicas, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run its
-share at once and merges the results, so a restart verifies at the speed of W readers, not one.
+share at once and merges the results, so a reshard verifies at the speed of W readers, not one.
+`checks_beside_own_shard` is a same-mesh load's share: there each rank hashes its own shard as it reads it, so
+only the other files and the cross-file checks are left to share out.
 """
 
 from __future__ import annotations
@@ -104,12 +106,41 @@ def verify_checkpoint(path: str, part: tuple[int, int] | None = None) -> list[Ch
     shards = [shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])]
     if not group([_check("shard", n, _header_problem(path, n, shard_numel)) for n in shards]):
         return checks
-    if mesh_of(manifest)[0] > 1 and r == W - 1 and not group([replicas_check(path, manifest)]):
-        return checks
-    if MODEL_FILE in entries:  # format version 1: the model file beside the masters it was written from
-        sizes = [(p["name"], math.prod(_full_shape(manifest, p))) for p in manifest["layout"]["params"]]
-        group([_check("model", MODEL_FILE, model_problem(path, manifest, names=_share(sizes, W)[r]))])
+    group(cross_file_checks(path, manifest, (r, W)))
     return checks
+
+
+def cross_file_checks(path: str, manifest: dict, part: tuple[int, int]) -> list[Check]:
+    """Reader r of W's share of the checks that compare files with one another, run once each file's own checks
+    passed: replicas (TP only, on the last reader), then model (version 1, its tensors dealt out by size); none after
+    a failure."""
+    r, W = part
+    checks = []
+    if mesh_of(manifest)[0] > 1 and r == W - 1:
+        checks.append(replicas_check(path, manifest))
+        if not checks[-1].ok:
+            return checks
+    if MODEL_FILE in {f["name"] for f in manifest["files"]}:  # version 1: the model file beside its masters
+        sizes = [(p["name"], math.prod(_full_shape(manifest, p))) for p in manifest["layout"]["params"]]
+        checks.append(_check("model", MODEL_FILE, model_problem(path, manifest, names=_share(sizes, W)[r])))
+    return checks
+
+
+def checks_beside_own_shard(path: str, manifest: dict, part: tuple[int, int]) -> list[Check]:
+    """Reader r of W's share of the data checks a load on the checkpoint's own mesh needs besides each world rank
+    reading (and hashing) its own shard: the size and sha256 of the other listed files (tokenizer files; version 1's
+    model file), dealt out by _share, then cross_file_checks; none after the first failure. With W the checkpoint's
+    world size, every file is read by one reader."""
+    shards = {shard_name(i, manifest["world_size"]) for i in range(manifest["world_size"])}
+    others = [(f["name"], f["bytes"]) for f in manifest["files"] if f["name"] not in shards]
+    entries = {f["name"]: f for f in manifest["files"]}
+    checks = []
+    for name in _share(others, part[1])[part[0]]:
+        checks.append(_check("sha256", name, name_problem(path, name) or size_problem(path, entries[name])
+                             or hash_problem(path, entries[name])))
+        if not checks[-1].ok:
+            return checks
+    return checks + cross_file_checks(path, manifest, part)
 
 
 def verify_together(path: str, comm) -> list[Check]:

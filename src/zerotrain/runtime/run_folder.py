@@ -139,10 +139,13 @@ def say(message: str) -> None:
 
 
 def prepare_run(cfg: Config) -> Config:
-    """Resolve paths, refuse to clobber an earlier run, and pin --resume to one verified checkpoint folder.
+    """Resolve paths, refuse to clobber an earlier run, and check --resume as far as no checkpoint data is read.
 
-    A restarted attempt that had to prepare again only resolves paths: the folder holds its own first
-    attempt, and the loop resumes from the newest checkpoint that verifies.
+    The checks here read `latest` and manifests only: the checkpoint is compatible with the model, not past --steps,
+    its manifest well formed. Verifying the files is the ranks' (checkpoint.resume: each file read by one rank as it is
+    loaded), so --resume auto and a checkpoint root keep their value here, and the ranks pick the newest checkpoint
+    that verifies; this names the one they try first. A restarted attempt that had to prepare again only resolves
+    paths: the folder holds its own first attempt, and the loop resumes from the newest checkpoint that verifies.
     """
     named = bool(cfg.logging.out)
     cfg = resolve_paths(cfg)
@@ -158,14 +161,16 @@ def prepare_run(cfg: Config) -> Config:
         _clear_uncommitted_saves(c.dir)
         return cfg
     try:
-        explicit, auto = c.resume not in ("", "auto"), c.resume == "auto"
-        if auto:
-            c.resume = _newest_verified(c.dir) or ""
-        elif explicit:
+        if c.resume == "auto":
+            if not _name_first_candidate(cfg, c.dir, "--resume auto"):
+                c.resume = ""  # nothing committed: the run continues the folder from step 0
+        elif c.resume:
             c.resume = _explicit(c.resume)
-        if c.resume:
-            _check_resumable(cfg, verify=explicit)  # --resume auto verified it already
-        elif not auto:  # --resume auto with nothing committed continues the folder from step 0
+            if checkpoint.is_checkpoint_root(c.resume):
+                _name_first_candidate(cfg, c.resume, f"--resume {c.resume}")
+            else:
+                _check_resumable(cfg, c.resume)
+        else:
             _claim_for_a_fresh_run(cfg)
     except BaseException:
         let_go(made)
@@ -227,38 +232,44 @@ def _claim_for_a_fresh_run(cfg: Config) -> None:
     say(f"--overwrite: removed {len(found)} item(s) of the earlier run in {cfg.logging.out}")
 
 
-def _newest_verified(root: str) -> str | None:
-    path, skipped = checkpoint.find_resumable(root)
-    for folder, reason in skipped:
-        say(f"--resume auto: {os.path.basename(folder)} fails verification ({reason})")
-    if path is None and skipped:
-        raise checkpoint.CheckpointError(f"--resume auto: no checkpoint in {root} verifies")
-    if path is None:
-        say(f"--resume auto: no checkpoint in {root}; starting fresh")
-    elif skipped:
-        say(f"--resume auto: falling back to {os.path.basename(path)}, the newest checkpoint that verifies")
-    return path
+def _name_first_candidate(cfg: Config, root: str, label: str) -> bool:
+    """Say which checkpoint under `root` the ranks try first, after its cheap checks; False when there is none.
+
+    The first is the newest whose manifest reads (one that does not fails the ranks' verification too, and they say
+    so); when none reads, the ranks say why each fails.
+    """
+    names, skipped = checkpoint.resume_candidates(root)
+    if not names and not skipped:
+        say(f"{label}: no checkpoint in {root}; starting fresh")
+        return False
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            manifest = checkpoint.read_manifest(path)
+        except checkpoint.CheckpointError:
+            continue
+        _check_resumable(cfg, path, manifest)
+        say(f"{label}: {name} is the newest checkpoint; the ranks verify it as they load it")
+        break
+    return True
 
 
 def _explicit(spec: str) -> str:
     if not os.path.isdir(spec):
         raise ConfigError(f"--resume {spec}: no such checkpoint folder")
-    return os.path.abspath(checkpoint.resolve_resume(spec, spec))
+    return os.path.abspath(spec)
 
 
-def _check_resumable(cfg: Config, verify: bool) -> None:
-    path = cfg.checkpoint.resume
-    try:
-        manifest = checkpoint.read_manifest(path)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"--resume {path}: {e}") from None
+def _check_resumable(cfg: Config, path: str, manifest: dict | None = None) -> None:
+    """Refuse (ConfigError) a checkpoint whose manifest does not read, holds another model or is past --steps; its
+    files are the ranks' to verify."""
+    if manifest is None:
+        try:
+            manifest = checkpoint.read_manifest(path)
+        except checkpoint.CheckpointError as e:
+            raise ConfigError(f"--resume {path}: {e}") from None
     problem = checkpoint.incompatibility(manifest, vars(cfg.model))
     if problem:
         raise ConfigError(f"--resume {path}: incompatible model: {problem}")
     if manifest["step"] > cfg.loop.steps:
         raise ConfigError(f"--resume {path}: checkpoint is at step {manifest['step']}, past --steps {cfg.loop.steps}")
-    if verify:
-        try:
-            checkpoint.verify_or_raise(path)
-        except checkpoint.CheckpointError as e:
-            raise checkpoint.CheckpointError(f"--resume {path}: {e}") from None

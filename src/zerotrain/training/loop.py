@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -14,7 +14,7 @@ from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
-from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import FileValues, weight_source
 from zerotrain.model import ARCH_NAMES, meta_model, param_count, parallelize, summed_token_loss
@@ -25,6 +25,7 @@ from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
 from zerotrain.runtime.launch import rank_device
+from zerotrain.runtime.run_folder import say
 from zerotrain.runtime.stop import stop_request
 
 from . import control, invariants
@@ -128,28 +129,42 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
 def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None) -> tuple[int, dict, str | None]:
     """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
 
-    After an elastic restart every rank resumes from the newest checkpoint that verifies, every rank verifying
-    its share of each candidate (find_resumable with comm), waiting for the others up to --io-timeout. `base`: rank
-    0's record of the --init-from files (hashed once, for the manifests too), which a LoRA checkpoint's must match.
+    After an elastic restart and with --resume auto, the newest checkpoint in --ckpt-dir that verifies; with --resume
+    PATH that folder (a checkpoint root: its newest that verifies); a restart of a run started with --resume PATH
+    falls back to PATH when its own folder has none. The ranks verify as they read (checkpoint.resume): each file's
+    data is read by one rank, waiting for the others up to --io-timeout; rank 0 says which newer checkpoints failed.
+    `base`: the record of the --init-from files (hashed once, for the manifests too), which a LoRA checkpoint's must
+    match.
     """
-    path = cfg.checkpoint.resume or None
+    spec = cfg.checkpoint.resume
+    searches = []  # (what the messages call it, folder, whether it is a checkpoint root to search)
     if restart_count() > 0:
-        if comm.rank == 0:  # a crash between a re-save's renames: before rank 0 names the candidates (find_resumable)
+        if comm.rank == 0:  # a crash between a re-save's renames: before rank 0 names the candidates
             checkpoint.put_back_moved_aside(cfg.checkpoint.dir)
-        newest, skipped = checkpoint.find_resumable(cfg.checkpoint.dir, comm)
-        for folder, reason in skipped if comm.rank == 0 else ():
-            print(f"zerotrain: restart: {os.path.basename(folder)} fails verification ({reason})", flush=True)
-        if newest is None and skipped:
-            raise checkpoint.CheckpointError(f"restart: no checkpoint in {cfg.checkpoint.dir} verifies")
-        path = newest or path
-    if path is None:
+        searches.append(("restart", cfg.checkpoint.dir, True))
+    elif spec == "auto":
+        searches.append(("--resume auto", cfg.checkpoint.dir, True))
+    if spec not in ("", "auto"):
+        searches.append((f"--resume {spec}", spec, checkpoint.is_checkpoint_root(spec)))
+
+    def refuse(manifest: dict, path: str) -> str | None:  # the same adapters (or none) on the same base
+        return base_mismatch(manifest, cfg, path, base)
+
+    for label, target, search in searches:
+        try:
+            path, manifest, skipped = checkpoint.resume(target, engine, comm, search=search, refuse=refuse)
+        except checkpoint.CheckpointError as e:
+            raise checkpoint.CheckpointError(f"{label}: {e}") from None
+        for name, reason in skipped if comm.rank == 0 else ():
+            say(f"{label}: {name} fails verification ({reason})")
+        if path is None and skipped:
+            raise checkpoint.CheckpointError(f"{label}: no checkpoint in {target} verifies")
+        if path is not None:
+            if skipped and comm.rank == 0:
+                say(f"{label}: falling back to {os.path.basename(path)}, the newest checkpoint that verifies")
+            break
+    else:
         return 0, {}, None
-    # the same adapters (or none) on the same base, or a one-line refusal (rank 0 hashes a LoRA base's files)
-    mismatch = base_mismatch(checkpoint.read_manifest(path), cfg, path, base) if comm.rank == 0 else None
-    mismatch = comm.io.all_gather_json(mismatch, "agree_lora_base")[0]
-    if mismatch:
-        raise ConfigError(mismatch)
-    manifest = checkpoint.load_checkpoint(path, engine, comm)
     comm.io.barrier("checkpoint_loaded")  # a rank slower to read waits out --io-timeout, not the next step's --timeout
     theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
     schedule = (theirs.loop.steps, theirs.global_batch) if theirs else None
@@ -272,9 +287,11 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     origin = {}
     if cfg.checkpoint.init_from:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record(comm)}
-    checkpointer = checkpoint.Checkpointer(cfg, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
-                                           manifest_extra=origin)
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
+    # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
+    recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
+    checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
+                                           manifest_extra=origin)
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
