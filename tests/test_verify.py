@@ -207,13 +207,15 @@ def together(path, readers=3, rank=0):
     return verify_together(path, Readers(path, readers, rank))
 
 
-def test_readers_share_the_reading_checks_each_file_and_tensor_once(tmp_path, one_rank):
+def test_readers_share_the_reading_checks_each_file_header_and_tensor_once(tmp_path, one_rank):
     _, _, step2 = two_checkpoints(tmp_path, one_rank)
     as_version_1(step2)  # two files, and the model file's tensors
     parts = [checkpoint.verify_checkpoint(step2, part=(r, 2)) for r in range(2)]
     hashed = [[c.file for c in p if c.name == "sha256"] for p in parts]
     assert sorted(hashed[0] + hashed[1]) == sorted(["model.safetensors", SHARD]) and all(hashed)
-    cheap = [[(c.name, c.file) for c in p if c.name not in ("sha256", "model")] for p in parts]
+    headers = [[c.file for c in p if c.name == "shard"] for p in parts]
+    assert sorted(headers[0] + headers[1]) == [SHARD]  # each shard's header read by one reader
+    cheap = [[(c.name, c.file) for c in p if c.name not in ("sha256", "model", "shard")] for p in parts]
     assert cheap[0] == cheap[1]  # every reader runs every cheap check
     assert all(c.ok for c in together(step2)) and [c.name for c in together(step2)] == \
         [c.name for c in checkpoint.verify_checkpoint(step2)]

@@ -28,8 +28,8 @@ first group that has a failure (later groups read what an earlier one found bad)
 
 Loading runs the same checks on the files it reads (see load.py) before restoring anything.
 
-`verify_checkpoint(path, part=(r, W))` runs rank r's share of the checks that read file data (sha256,
-replicas, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run its
+`verify_checkpoint(path, part=(r, W))` runs rank r's share of the checks that read file data (sha256, shard
+headers, replicas, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run its
 share at once and merges the results, so a reshard verifies at the speed of W readers, not one.
 `checks_beside_own_shard` is a same-mesh load's share: there each rank hashes its own shard as it reads it, so
 only the other files and the cross-file checks are left to share out.
@@ -103,7 +103,8 @@ def verify_checkpoint(path: str, part: tuple[int, int] | None = None) -> list[Ch
     if not group([_check("partition", MANIFEST, partition_problem(manifest))]):
         return checks
     shard_numel = manifest["layout"]["shard_numel"]  # of the local layout: every world rank's shard has it
-    shards = [shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])]
+    # each reader the headers of its share of the shards: W readers of W shards open one file each, not W
+    shards = _share([(shard_name(q, manifest["world_size"]), 1) for q in range(manifest["world_size"])], W)[r]
     if not group([_check("shard", n, _header_problem(path, n, shard_numel)) for n in shards]):
         return checks
     group(cross_file_checks(path, manifest, (r, W)))
