@@ -213,3 +213,29 @@ def test_one_rank_holds_one_gradient_buffer_trains_bitwise_as_with_a_shard_copy_
     assert torch.equal(copied.flat_params, one.flat_params)
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
         train(tiny_config(tmp_path / "copied", steps=3), one_rank)
+
+
+def test_a_window_copies_each_first_gradient_in_and_a_parameter_without_one_reads_zero(tmp_path, one_rank,
+                                                                                         monkeypatch):
+    """Stage 1 in fp32 neither zeroes the gradient buffer nor adds the first micro-batch's gradients to zeros: each
+    is copied in as it arrives. A parameter that gets no gradient in a window must then read zero, not the last
+    window's. Planted: the zeroing of such parameters skipped, and the last window's gradient leaks into the norm."""
+    cfg = tiny_config(tmp_path)
+
+    def second_window_norm(engine) -> tuple[float, float]:
+        run_steps(engine, cfg, 1)  # a whole window: every gradient arrives
+        first = engine.layout.slots[0]
+        engine.zero_grad()
+        for p in engine.params[1:]:  # as backward leaves them: .grad set, the engine's hook run
+            p.grad = torch.ones_like(p)
+            engine._on_grad_ready(p)
+        norm, _ = engine.reduce_grads(torch.zeros(0))
+        return norm, float(engine.flat_grads[first.offset : first.offset + first.numel].abs().max())
+
+    honest = build_engine(cfg, one_rank)
+    assert honest.flat_grads.count_nonzero() == 0
+    norm, skipped_max = second_window_norm(honest)
+    assert skipped_max == 0.0 and norm == pytest.approx(sum(p.numel() for p in honest.params[1:]) ** 0.5)
+    monkeypatch.setattr(ZeroEngine, "_zero_grads_not_taken", lambda self: self._awaiting.clear())
+    planted_norm, planted_max = second_window_norm(build_engine(cfg, one_rank))
+    assert planted_max > 0 and planted_norm > norm

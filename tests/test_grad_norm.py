@@ -85,9 +85,9 @@ def engine_norm_job(cfg, comm) -> float:
     engine = build_engine(cfg, comm)
     grads = gradients(2)
     engine.zero_grad()
-    with torch.no_grad():
-        for s in engine.layout.slots:
-            engine.flat_grads[s.offset : s.offset + s.numel] = grads[s.name].reshape(-1) if comm.rank == 0 else 0
+    for s, p in zip(engine.layout.slots, engine.params):  # as backward leaves them: .grad set, the engine's hook run
+        p.grad = grads[s.name].clone() if comm.rank == 0 else torch.zeros_like(grads[s.name])
+        engine._on_grad_ready(p)
     norm, _ = engine.reduce_grads(torch.zeros(0))
     return norm
 

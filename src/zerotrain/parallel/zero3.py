@@ -188,6 +188,7 @@ class ZeroThreeEngine(ZeroEngine):
                 self.bucket_params.append(buffer)
         self.flat_grads = torch.zeros(0, device=device)
         self.grad_accum = self.flat_grads
+        self._grad_views, self._awaiting = None, set()  # gradients go to the buckets, as at stage 2
         self.grad_shard = torch.zeros(L.shard_numel, device=device)
         self._bucket_grads: dict[int, torch.Tensor] = {}
         self._bucket_budget = stage2_bucket_budget(L)
