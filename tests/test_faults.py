@@ -148,32 +148,26 @@ def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
     assert "returned" not in out and "hang at step 2 on rank 0" in err
 
 
-def test_crash_in_save_exits_with_its_code_halfway_through_its_step_checkpoint():
-    child = run_child("""
+@pytest.mark.parametrize("spec, rank, hook", [("crash_in_save@step=4,rank=1", 1, "save_hook"),
+                                               ("crash_in_commit@step=4", 0, "commit_hook")])
+def test_a_crash_in_a_save_or_its_commit_exits_with_its_code_at_its_step_and_only_then(spec, rank, hook):
+    """crash_in_save halfway through writing the rank's shard, crash_in_commit between the commit's renames."""
+    child = run_child(f"""
         from zerotrain.training.faults import Faults
-        halfway = Faults.parse("crash_in_save@step=4,rank=1").for_rank(1).save_hook()
+        hook = Faults.parse("{spec}").for_rank({rank}).{hook}()
         for step in (2, 4, 6):
-            print("writing", step, flush=True)
-            halfway(step)
-            print("wrote", step, flush=True)
+            print("before", step, flush=True)
+            hook(step)
+            print("after", step, flush=True)
     """)
     assert child.returncode == CRASH_IN_SAVE_EXIT == 75
-    assert child.stdout.split("\n") == ["writing 2", "wrote 2", "writing 4", ""]
+    assert child.stdout.split("\n") == ["before 2", "after 2", "before 4", ""]
+    assert f"{spec.split('@')[0]} at step 4 on rank {rank}" in child.stderr
 
 
-def test_crash_in_commit_exits_with_its_code_at_its_step_and_only_then():
+def test_only_crash_in_commit_gives_the_writer_a_commit_hook():
     assert Faults.parse("crash_in_save@step=4").for_rank(0).commit_hook() is None  # the writer's commit runs as ever
-    child = run_child("""
-        from zerotrain.training.faults import Faults
-        between = Faults.parse("crash_in_commit@step=4").for_rank(0).commit_hook()
-        for step in (2, 4, 6):
-            print("renaming", step, flush=True)
-            between(step)
-            print("renamed", step, flush=True)
-    """)
-    assert child.returncode == CRASH_IN_SAVE_EXIT == 75
-    assert child.stdout.split("\n") == ["renaming 2", "renamed 2", "renaming 4", ""]
-    assert "crash_in_commit at step 4 on rank 0" in child.stderr
+    assert callable(Faults.parse("crash_in_commit@step=4").for_rank(0).commit_hook())
 
 
 LAUNCHER = """
