@@ -154,3 +154,14 @@ def pytest_itemcollected(item):
     defs = [d for name in getattr(item, "fixturenames", ()) for d in (info.name2fixturedefs.get(name, ()) if info else ())]
     if any(d.scope in ("module", "package", "class") for d in defs):
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def pytest_collection_modifyitems(items):
+    """The README's and docs/' recipes are collected first. Each is one test, and among the longest (a recipe
+    starts a dozen processes); pytest-xdist hands out the groups of a module fixture first, then single tests in
+    collection order, so a recipe collected late (test_readme sorts after most files) would be the run's tail, its
+    worker busy while the others have nothing left."""
+    recipes = [item for item in items if item.originalname == "test_cheap_recipe_runs_as_written"]
+    if recipes:
+        rest = [item for item in items if item.originalname != "test_cheap_recipe_runs_as_written"]
+        items[:] = recipes + rest

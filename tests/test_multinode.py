@@ -1,8 +1,9 @@
 """Two torchrun nodes on loopback: a rank of one is killed, both nodes restart, and the group re-forms from the last
-checkpoint and trains on as if nothing had happened.
+checkpoint, in the run folder the first attempt named, and trains on as if nothing had happened.
 
 Each node is a torchrun of its own (`--nnodes 2 --nproc-per-node 1`, c10d rendezvous on 127.0.0.1), so each node's
-agent counts its restarts by itself, as on two machines.
+agent counts its restarts by itself, as on two machines. That two nodes never stopped train bitwise like zerotrain's
+own launcher is test_production.py's; here the restarted nodes are compared with the launcher's run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch.distributed as dist
 from conftest import live_processes
 
 from zerotrain import checkpoint
+from zerotrain.cli.main import main
 from zerotrain.runtime import launch
+from zerotrain.runtime.run_folder import release_run_folders
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,24 +67,27 @@ def _free_port() -> int:
 
 
 class TwoNodes:
-    """`torchrun --nnodes 2 ... ENTRY train TINY --out OUT` twice, one per node, on a port the OS picked.
+    """`torchrun --nnodes 2 ... ENTRY train TINY --out OUT` twice, one per node, on a port the OS picked, in the
+    folder `cwd`; with `out` None, no --out is given, and `out` is the one run folder found in `cwd/runs` once the
+    drill is over.
 
     Rank 0 is sent one SIGTERM as it hangs: it keeps hanging (a stepping rank's first SIGTERM only asks it to save
     after its step), and its agent's SIGTERM, the second, then ends it at once rather than after torch's 30 s
     shutdown grace.
     """
 
-    def __init__(self, out: str, entry: list[str], *, faults: str | None = None, enough=lambda drill: False):
-        self.out, self.enough = out, enough
+    def __init__(self, out: str | None, entry: list[str], *, cwd: str, faults: str | None = None,
+                 enough=lambda drill: False):
+        self.out, self.cwd, self.enough = out, cwd, enough
         env = {k: v for k, v in os.environ.items() if k != "ZEROTRAIN_FAULTS"}
         if faults:
             env["ZEROTRAIN_FAULTS"] = faults
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-               *entry, "train", *TINY, "--max-restarts", "5", "--out", out]
+               *entry, "train", *TINY, "--max-restarts", "5", *(["--out", out] if out else [])]
         self.begun = time.monotonic()
         self.procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                       start_new_session=True) for _ in range(2)]
+                                       cwd=cwd, start_new_session=True) for _ in range(2)]
         self.lines: list[list[str]] = [[], []]
         self.readers = [threading.Thread(target=into.extend, args=(p.stdout,), daemon=True)
                         for p, into in zip(self.procs, self.lines)]
@@ -131,6 +137,10 @@ class TwoNodes:
             p.wait(30)
         for t in self.readers:
             t.join(10)
+        if self.out is None:
+            runs = os.path.join(self.cwd, "runs")
+            self.folders = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
+            self.out = os.path.join(runs, self.folders[0]) if self.folders else None
 
     @staticmethod
     def _ranks(procs: list[subprocess.Popen]) -> list[int]:
@@ -149,17 +159,24 @@ def _a_failure_or_a_third_start(drill: TwoNodes) -> bool:
 
 
 @pytest.fixture(scope="module")
-def drills(tmp_path_factory) -> dict[str, TwoNodes]:
-    """Three two-node runs at once (each mostly waits on its own starts): uninterrupted; rank 1 killed at step 5;
-    the same with the old store prefix planted in the ranks, stopped as soon as a rank fails."""
+def drills(tmp_path_factory) -> dict[str, TwoNodes | str]:
+    """The run folder of zerotrain's own launcher on 2 ranks (TINY, never stopped: the files the restarted nodes must
+    end with), then two two-node runs at once (each mostly waits on its own starts): rank 1 killed at step 5, with
+    no --out (the ranks name the run folder); the same with the old store prefix planted in the ranks, stopped as
+    soon as a rank fails."""
     root = tmp_path_factory.mktemp("two_nodes")
+    launcher = str(root / "launcher")
+    try:
+        assert main(["train", "--nproc", "2", *TINY, "--out", launcher]) == 0
+    finally:
+        release_run_folders()
     wrapper = root / "planted_zerotrain.py"
     wrapper.write_text(PLANTED)
+    (root / "restarted").mkdir()
     runs: dict[str, TwoNodes] = {}
     try:
-        runs["uninterrupted"] = TwoNodes(str(root / "uninterrupted"), ["-m", "zerotrain"])
-        runs["restarted"] = TwoNodes(str(root / "restarted"), ["-m", "zerotrain"], faults=FAULTS)
-        runs["planted"] = TwoNodes(str(root / "planted"), [str(wrapper)], faults=FAULTS,
+        runs["restarted"] = TwoNodes(None, ["-m", "zerotrain"], cwd=str(root / "restarted"), faults=FAULTS)
+        runs["planted"] = TwoNodes(str(root / "planted"), [str(wrapper)], cwd=str(root), faults=FAULTS,
                                    enough=_a_failure_or_a_third_start)
         while not all([run.poll() for run in runs.values()]):
             time.sleep(0.1)
@@ -169,7 +186,7 @@ def drills(tmp_path_factory) -> dict[str, TwoNodes]:
     for name, run in runs.items():
         print(f"two nodes, {name}: {run.wall_s:.1f} s, exit codes {run.returncodes}, rank 0 started "
               f"{run.rank0_starts} time(s) on each node")
-    return runs
+    return {"launcher": launcher, **runs}
 
 
 def re_formed_at_the_first_restart(drill: TwoNodes) -> str:
@@ -196,18 +213,23 @@ def model_tensors(run_dir: str, step: int) -> dict[str, bytes]:
             for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")}
 
 
-def test_two_torchrun_nodes_restart_a_killed_rank_re_form_the_group_and_finish_bitwise_like_no_fault(drills):
-    whole, restarted = drills["uninterrupted"], drills["restarted"]
-    assert whole.returncodes == [0, 0], "\n".join(whole.outputs)
+def test_two_torchrun_nodes_restart_a_killed_rank_re_form_the_group_in_its_run_folder_and_finish_bitwise_like_no_fault(
+        drills):
+    whole, restarted = drills["launcher"], drills["restarted"]
     assert re_formed_at_the_first_restart(restarted) == "", "\n".join(restarted.outputs)
     assert "kill at step 5 on rank 1" in "".join(restarted.outputs)
+    # one folder: the first attempt's ranks agreed on one default name, and the restarted group kept it; said once,
+    # by the first attempt's rank 0, since no --out named it
+    assert len(restarted.folders) == 1, restarted.folders
+    said = f"zerotrain: no --out given: this run's folder (summary.json, logs/) is {restarted.out}\n"
+    assert "".join(restarted.outputs).count(said) == 1, "\n".join(restarted.outputs)
     steps = [r["step"] for r in records(restarted.out) if "event" not in r]
     restarts = [r for r in records(restarted.out) if r.get("event") == "restart"]
     assert [(r["attempt"], r["step"], r["steps_lost"]) for r in restarts] == [(1, 4, 0)]
     assert steps == [1, 2, 3, 4, 5, 6]
     with open(os.path.join(restarted.out, "summary.json")) as f:
         assert json.load(f)["restarts"] == 1
-    assert model_tensors(restarted.out, 6) == model_tensors(whole.out, 6)
+    assert model_tensors(restarted.out, 6) == model_tensors(whole, 6)
 
 
 def test_an_attempt_counted_by_each_node_planted_in_the_ranks_never_re_forms_the_group(drills):

@@ -331,6 +331,7 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path, uninterrupted):
+    # (torchrun restarting a killed rank, in the run folder its first attempt named: test_multinode.py)
     # The uninterrupted run's flags less --nproc; its --threads 1 keeps a node's one rank off the other's core.
     assert TINY[:2] == ["--nproc", "2"] and "--threads" in TINY
     args = [*TINY[2:], *SIX_STEPS]
@@ -350,25 +351,6 @@ def test_two_torchrun_nodes_on_loopback_train_bitwise_like_one_launcher(tmp_path
     assert final_state(nodes, 6) == final_state(single, 6)
     manifest = checkpoint.read_manifest(os.path.join(nodes, "checkpoints", "step_00000006"))
     assert manifest["threads_per_rank"] == 1
-
-
-def test_torchrun_ranks_agree_on_one_default_run_folder_and_restart_a_killed_rank_in_it_bitwise_like_no_fault(
-        tmp_path, uninterrupted):
-    assert TINY[:2] == ["--nproc", "2"]  # the uninterrupted run's flags less --nproc
-    args = [*TINY[2:], *SIX_STEPS]
-    env = dict(os.environ, ZEROTRAIN_FAULTS="kill@step=5,rank=1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "zerotrain", "train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr
-    # one folder: the first attempt's ranks agreed on one default name, and the restarted group kept it
-    (folder,) = os.listdir(tmp_path / "runs")
-    run_dir = str(tmp_path / "runs" / folder)
-    # said once, by the first attempt's rank 0, since no --out named it
-    assert r.stderr.count(f"zerotrain: no --out given: this run's folder (summary.json, logs/) is {run_dir}\n") == 1
-    assert [e["step"] for e in events(run_dir, "restart")] == [4]
-    assert steps_of(run_dir) == list(range(1, 7))
-    assert final_state(run_dir, 6) == final_state(uninterrupted, 6)
 
 
 def test_an_exception_in_a_rank_is_one_line_naming_the_rank_and_its_logged_traceback(tmp_path):
