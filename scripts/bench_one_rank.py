@@ -3,8 +3,10 @@
 Every run is a fresh process (peak resident memory cannot be split between two models in one), the runs alternate
 in rounds whose order reverses each round, so that drift in the machine's load spreads over all of them. Both train
 GPT-2 of the preset's shape on the same random tokens with fused AdamW and gradient clipping at 1.0; transformers'
-model is GPT2LMHeadModel with SDPA. `--variant NAME=SRC` adds zerotrain from another source folder (e.g. an older
-commit's `git archive` unpacked), for before/after tables.
+model is GPT2LMHeadModel with SDPA. zerotrain runs as the local launcher's ranks run, with their allocator settings
+(runtime/allocator.py: large blocks back to the OS, huge pages asked for); transformers as a script runs, with
+glibc's defaults, and, with `--same-allocator`, once more with zerotrain's settings. `--variant NAME=SRC` adds
+zerotrain from another source folder (e.g. an older commit's `git archive` unpacked), for before/after tables.
 
     python scripts/bench_one_rank.py --preset gpt2 --seq-len 128 --rounds 3 --steps 4
 """
@@ -27,18 +29,26 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
 
     from zerotrain.config import PRESETS
 
+    if args.rank_allocator:
+        from zerotrain.runtime.allocator import return_large_blocks_to_os
+
+        return_large_blocks_to_os()
     torch.set_num_threads(args.threads)
     shape = {**PRESETS[args.preset], "seq_len": args.seq_len}
     ids = torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     step = (_zerotrain_step if kind == "zerotrain" else _transformers_step)(shape, x, y, args)
-    times = []
-    for _ in range(args.steps):
+    times, faults_then = [], 0
+    for i in range(args.steps):
+        if i == 1:
+            faults_then = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"step_s": times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    faults = (use.ru_minflt - faults_then) / max(1, args.steps - 1)
+    return {"step_s": times, "peak_rss_mib": use.ru_maxrss / 1024, "page_faults_per_step": faults}
 
 
 def _zerotrain_step(shape: dict, x, y, args):
@@ -96,29 +106,40 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per run; the first is not counted")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=SRC",
                    help="also zerotrain from the source folder SRC, labelled NAME")
+    p.add_argument("--same-allocator", action="store_true",
+                   help="also transformers with the allocator settings of zerotrain's ranks")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this one and print its result
+    p.add_argument("--rank-allocator", action="store_true", help=argparse.SUPPRESS)  # the child's malloc: a rank's
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return 0
+    from zerotrain.runtime.allocator import huge_pages_environment
+
     runs = {"zerotrain": ("zerotrain", None), "transformers": ("transformers", None)}
+    if args.same_allocator:
+        runs["transformers, zerotrain's allocator settings"] = ("transformers", None)
     runs.update({name: ("zerotrain", src) for name, src in (v.split("=", 1) for v in args.variant)})
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for r in range(args.rounds):
         for name in list(runs) if r % 2 == 0 else reversed(list(runs)):
             kind, src = runs[name]
-            env = {**os.environ, **({"PYTHONPATH": src} if src else {})}
+            as_rank = kind == "zerotrain" or name.endswith("allocator settings")
+            env = {**os.environ, **({"PYTHONPATH": src} if src else {}), **(huge_pages_environment() if as_rank else {})}
             child = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-                     "--threads", str(args.threads), "--steps", str(args.steps), "--one", kind]
+                     "--threads", str(args.threads), "--steps", str(args.steps), "--one", kind,
+                     *(["--rank-allocator"] if as_rank else [])]
             out = subprocess.run([sys.executable, __file__, *child], env=env, capture_output=True, text=True,
                                  check=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
     print(f"| {args.preset}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.threads} thread(s), "
-          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run |\n| --- | ---: | ---: |")
+          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run | page faults per step (past the first) |\n"
+          "| --- | ---: | ---: | ---: |")
     for name, rs in results.items():
         step = statistics.median(t for r in rs for t in r["step_s"][1:])
         peaks = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in rs)
-        print(f"| {name} | {step:.3f} | {peaks} |")
+        faults = statistics.median(r["page_faults_per_step"] for r in rs)
+        print(f"| {name} | {step:.3f} | {peaks} | {faults:,.0f} |")
     return 0
 
 

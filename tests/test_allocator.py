@@ -1,8 +1,10 @@
-"""A rank's freed large blocks go back to the OS (runtime/allocator.py), where glibc's heap would keep them."""
+"""A rank's freed large blocks go back to the OS, and its new ones come in huge pages (runtime/allocator.py)."""
 
+import os
 import subprocess
 import sys
 
+from zerotrain.runtime import allocator
 from zerotrain.runtime.allocator import return_large_blocks_to_os
 
 # Fresh processes (the threshold is process-wide): a 2 MiB block freed (glibc raises its threshold to 2 MiB), then
@@ -40,3 +42,58 @@ def test_freed_large_blocks_leave_the_process_and_glibcs_default_keeps_them():
 def test_a_threshold_the_user_set_is_left_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert return_large_blocks_to_os() is False
+
+
+# A process forked from the server the local launcher's ranks fork from (rank_start.start_server) touches 64 MiB
+# and prints how much of what it holds is in huge pages, and the launcher's GLIBC_TUNABLES after the start.
+RANK_MODULE = """
+def huge_mib(queue):
+    block = bytearray(64 << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    with open("/proc/self/smaps_rollup") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    queue.put(kib / 1024)
+"""
+HUGE_IN_A_RANK = """
+import multiprocessing, os, sys
+from zerotrain.runtime import rank_start
+import touch
+if sys.argv[1] == "planted":
+    rank_start.huge_pages_environment = lambda: {}
+rank_start.start_server()
+ctx = multiprocessing.get_context(rank_start.START_METHOD)
+queue = ctx.Queue()
+p = ctx.Process(target=touch.huge_mib, args=(queue,))
+p.start()
+print(queue.get(timeout=60), os.environ.get("GLIBC_TUNABLES"))
+p.join(60)
+"""
+
+
+def huge_mib_in_a_rank(tmp_path, arm: str) -> tuple[float, str]:
+    (tmp_path / "touch.py").write_text(RANK_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    out = subprocess.run([sys.executable, "-c", HUGE_IN_A_RANK, arm], capture_output=True, text=True, timeout=120,
+                         env=env, check=True).stdout.split()
+    return float(out[0]), out[1]
+
+
+def test_ranks_ask_for_huge_pages_where_the_kernel_gives_them_on_request_and_the_launcher_keeps_its_environment(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    if allocator.transparent_huge_pages() != "madvise":
+        assert allocator.huge_pages_environment() == {}  # the kernel gives them always, or never: nothing to ask
+        return
+    assert allocator.huge_pages_environment() == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    huge, launchers = huge_mib_in_a_rank(tmp_path, "product")
+    assert huge >= 32, huge
+    assert launchers == "None"  # set for the server's start only
+    huge, _ = huge_mib_in_a_rank(tmp_path, "planted")  # planted: the server started without asking
+    assert huge < 8, huge
+
+
+def test_tunables_the_user_set_are_left_alone(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert allocator.huge_pages_environment() == {}

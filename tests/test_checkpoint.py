@@ -389,7 +389,7 @@ def spawn(job, world_size, tmp_path, *args, timeout=120):
     The processes are forked from the forkserver local ranks start from (torch imported once), not spawned: a
     spawned process imports torch again, about 3 s of CPU each.
     """
-    rank_start.preload()
+    rank_start.start_server()
     ctx = multiprocessing.get_context(rank_start.START_METHOD)
     store = tmp_path / "store"
     procs = [ctx.Process(target=_rank_main, args=(job, r, world_size, str(store), tmp_path, args))

@@ -133,7 +133,7 @@ class _ElasticThread(threading.Thread):
         )
         if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
             options["shutdown_timeout"] = 3  # after a failure, how long a rank may take to exit before SIGKILL
-        rank_start.preload()
+        rank_start.start_server()
         try:
             self.results = elastic_launch(LaunchConfig(**options), _worker)(self.job, self.cfg, self.job_dir, None,
                                                                             rank_start.LauncherState())

@@ -21,7 +21,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
+
+from .allocator import huge_pages_environment
 
 START_METHOD = "forkserver"
 PRELOAD = ["zerotrain.runtime.launch", "zerotrain.training.loop",
@@ -31,9 +33,22 @@ PRELOAD = ["zerotrain.runtime.launch", "zerotrain.training.loop",
 _SERVER_ENV = dict(os.environ)
 
 
-def preload() -> None:
-    """Name the modules the server imports; effective for the server's start, at this process's first launch."""
+def start_server() -> None:
+    """Start the server the ranks fork from, unless it runs already: with PRELOAD imported, and with malloc asking
+    for huge pages where the kernel gives them on request (allocator.py). The launcher's own environment is left as
+    it was, so the ranks' (and what they start) is the launcher's."""
     multiprocessing.set_forkserver_preload(PRELOAD)
+    extra = huge_pages_environment()
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class LauncherState:
