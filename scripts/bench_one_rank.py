@@ -24,7 +24,8 @@ import time
 
 
 def run_one(kind: str, args: argparse.Namespace) -> dict:
-    """This process trains `kind` (zerotrain or transformers) for args.steps steps: seconds per step, peak RSS."""
+    """This process trains `kind` (zerotrain or transformers) for args.steps steps: seconds per step, peak RSS, and
+    the page faults and CPU seconds of a step past the first."""
     import torch
 
     from zerotrain.config import PRESETS
@@ -39,16 +40,19 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
                         generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     step = (_zerotrain_step if kind == "zerotrain" else _transformers_step)(shape, x, y, args)
-    times, faults_then = [], 0
+    times, then = [], None
     for i in range(args.steps):
         if i == 1:
-            faults_then = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            then = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    faults = (use.ru_minflt - faults_then) / max(1, args.steps - 1)
-    return {"step_s": times, "peak_rss_mib": use.ru_maxrss / 1024, "page_faults_per_step": faults}
+    use, counted = resource.getrusage(resource.RUSAGE_SELF), max(1, args.steps - 1)
+    then = then or use
+    faults = (use.ru_minflt - then.ru_minflt) / counted
+    user, system = (use.ru_utime - then.ru_utime) / counted, (use.ru_stime - then.ru_stime) / counted
+    return {"step_s": times, "peak_rss_mib": use.ru_maxrss / 1024, "page_faults_per_step": faults,
+            "user_s": user, "system_s": system}
 
 
 def _zerotrain_step(shape: dict, x, y, args):
@@ -96,6 +100,15 @@ def _transformers_step(shape: dict, x, y, args):
     return step
 
 
+def rank_environment(env: dict[str, str]) -> dict[str, str]:
+    """What the local launcher of the zerotrain that `env` imports adds to its ranks' environment at their start
+    (nothing, for a zerotrain from before it asked for huge pages)."""
+    ask = ("import json\ntry:\n    from zerotrain.runtime.allocator import huge_pages_environment\n"
+           "except ImportError:\n    huge_pages_environment = dict\nprint(json.dumps(huge_pages_environment()))")
+    return json.loads(subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True,
+                                     check=True).stdout)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2")
@@ -114,8 +127,6 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return 0
-    from zerotrain.runtime.allocator import huge_pages_environment
-
     runs = {"zerotrain": ("zerotrain", None), "transformers": ("transformers", None)}
     if args.same_allocator:
         runs["transformers, zerotrain's allocator settings"] = ("transformers", None)
@@ -125,7 +136,8 @@ def main() -> int:
         for name in list(runs) if r % 2 == 0 else reversed(list(runs)):
             kind, src = runs[name]
             as_rank = kind == "zerotrain" or name.endswith("allocator settings")
-            env = {**os.environ, **({"PYTHONPATH": src} if src else {}), **(huge_pages_environment() if as_rank else {})}
+            env = {**os.environ, **({"PYTHONPATH": src} if src else {})}
+            env.update(rank_environment(env) if as_rank else {})
             child = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
                      "--threads", str(args.threads), "--steps", str(args.steps), "--one", kind,
                      *(["--rank-allocator"] if as_rank else [])]
@@ -133,13 +145,14 @@ def main() -> int:
                                  check=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
     print(f"| {args.preset}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.threads} thread(s), "
-          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run | page faults per step (past the first) |\n"
-          "| --- | ---: | ---: | ---: |")
+          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run | page faults per step (past the first) | "
+          "CPU s per step, user + system (median) |\n| --- | ---: | ---: | ---: | ---: |")
     for name, rs in results.items():
         step = statistics.median(t for r in rs for t in r["step_s"][1:])
         peaks = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in rs)
         faults = statistics.median(r["page_faults_per_step"] for r in rs)
-        print(f"| {name} | {step:.3f} | {peaks} | {faults:,.0f} |")
+        user, system = (statistics.median(r[k] for r in rs) for k in ("user_s", "system_s"))
+        print(f"| {name} | {step:.3f} | {peaks} | {faults:,.0f} | {user:.3f} + {system:.3f} |")
     return 0
 
 
