@@ -26,18 +26,21 @@ def run_steps(engine, cfg, steps, forward=None, grads=None):
         accumulate_gradients(engine, batch, forward)
         norm, _ = engine.reduce_grads(torch.zeros(0))
         if grads is not None:
-            grads.append(engine.grad_shard.clone())
+            grads.append(engine.gradient_shard().clone())
         engine.apply(lr_at(step, cfg.optim, cfg.loop.steps), norm)
     return norm
 
 
-def test_parameters_and_grads_are_views_of_the_flat_buffers(tmp_path, one_rank):
+def test_parameters_are_views_of_the_flat_buffer_and_one_ranks_gradients_are_autograds_own(tmp_path, one_rank):
     engine = build_engine(tiny_config(tmp_path), one_rank)
-    flat_p, flat_g = engine.flat_params.untyped_storage().data_ptr(), engine.flat_grads.untyped_storage().data_ptr()
+    flat_p = engine.flat_params.untyped_storage().data_ptr()
+    assert engine.grads_in_params and engine.flat_grads.numel() == 0
     for p in engine.model.parameters():
         assert p.untyped_storage().data_ptr() == flat_p
-        assert p.grad.untyped_storage().data_ptr() == flat_g
     run_steps(engine, tiny_config(tmp_path), 1)
+    grads = {p.grad.untyped_storage().data_ptr() for p in engine.params}
+    assert len(grads) == len(engine.params) and flat_p not in grads  # one tensor each, none a copy's view
+    assert engine.grad_bytes() == 4 * engine.layout.numel
     for p in engine.model.parameters():  # still views after backward and an optimizer step
         assert p.untyped_storage().data_ptr() == flat_p
 
@@ -125,7 +128,12 @@ def test_engine_step_matches_torch_adamw_on_the_whole_model(tmp_path, one_rank, 
     assert worst(planted) > 10 * bound  # measured: 6e-3
 
 
-def test_one_reduce_scatter_and_one_all_gather_round_per_step(tmp_path, one_rank):
+@pytest.mark.parametrize("path", ["in params", "flat buffer"])
+def test_one_reduce_scatter_and_one_all_gather_round_per_step(tmp_path, one_rank, monkeypatch, path):
+    """The flat buffer's path (more ranks') reduce-scatters each bucket once a step; one rank's gradients in the
+    parameters have nothing to reduce."""
+    if path == "flat buffer":
+        monkeypatch.setattr(ZeroEngine, "grads_in_params", property(lambda self: False))
     cfg = tiny_config(tmp_path, micro=2, accum=4)
     engine = build_engine(cfg, one_rank)
     before = dict(one_rank.calls)
@@ -133,7 +141,8 @@ def test_one_reduce_scatter_and_one_all_gather_round_per_step(tmp_path, one_rank
     calls = {k: v - before.get(k, 0) for k, v in one_rank.calls.items()}
     n = len(engine.layout.buckets)
     assert n > 1
-    assert calls["reduce_scatter_grads"] == 3 * n and calls["all_gather_params"] == 3 * n
+    assert calls.get("reduce_scatter_grads", 0) == (3 * n if path == "flat buffer" else 0)
+    assert calls["all_gather_params"] == 3 * n
     assert calls["all_reduce_stats"] == 3
 
 
@@ -192,35 +201,47 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
         train(cfg, one_rank)
 
 
-def test_one_rank_holds_one_gradient_buffer_trains_bitwise_as_with_a_shard_copy_and_a_copy_is_caught(
-        tmp_path, one_rank, monkeypatch):
-    """On one rank the stage-1 gradient shard is the flat gradient buffer itself; planted: the engine keeps a
-    full-size shard copy, as before (training is the same, bitwise): the run's memory plan check catches it."""
+def flat_gradient_buffer():
+    """Planted: one rank keeps the flat gradient buffer (and copies each gradient into it), as more ranks do."""
+    return mock.patch.object(ZeroEngine, "grads_in_params", property(lambda self: False))
+
+
+def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_buffer_and_the_buffer_is_caught(
+        tmp_path, one_rank):
+    """On one rank (stage 1, fp32) the gradients are autograd's own tensors: no flat buffer, no copy, and the same
+    training, bitwise (accumulation, clipping and the norm's bits included). Planted: the flat buffer kept; the run's
+    memory plan check catches it."""
     from zerotrain.errors import InvariantError
     from zerotrain.training.loop import train
 
-    cfg = tiny_config(tmp_path / "one", steps=3)
-    one = build_engine(cfg, one_rank)
-    assert one.grad_shard.untyped_storage().data_ptr() == one.flat_grads.untyped_storage().data_ptr()
-    assert one.grad_bytes() == 4 * one.layout.padded_numel  # one fp32 gradient per value (padding included)
-    run_steps(one, cfg, 3)
-    train(cfg, one_rank)  # the plan's gradient row, checked after step 1, is the engine's one buffer
+    cfg = tiny_config(tmp_path / "one", steps=3, accum=2, grad_clip=0.05)
+    one, grads = build_engine(cfg, one_rank), []
+    norm = run_steps(one, cfg, 3, grads=grads)
+    assert norm > cfg.optim.grad_clip  # the clipping ran
+    train(cfg, one_rank)  # the plan's gradient row, checked after step 1, is autograd's gradients
 
-    monkeypatch.setattr(ZeroEngine, "owns_whole_buckets", property(lambda self: False))
-    copied = build_engine(cfg, one_rank)
-    assert copied.grad_bytes() == 8 * copied.layout.padded_numel
-    run_steps(copied, cfg, 3)
-    assert torch.equal(copied.flat_params, one.flat_params)
-    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
-        train(tiny_config(tmp_path / "copied", steps=3), one_rank)
+    with flat_gradient_buffer():
+        buffered = build_engine(cfg, one_rank)
+        assert buffered.grad_bytes() == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
+        buffered_grads = []
+        assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
+        assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
+        assert torch.equal(buffered.flat_params, one.flat_params)
+        with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
+            train(tiny_config(tmp_path / "buffered", steps=3), one_rank)
 
 
-def test_a_window_copies_each_first_gradient_in_and_a_parameter_without_one_reads_zero(tmp_path, one_rank,
-                                                                                         monkeypatch):
-    """Stage 1 in fp32 neither zeroes the gradient buffer nor adds the first micro-batch's gradients to zeros: each
-    is copied in as it arrives. A parameter that gets no gradient in a window must then read zero, not the last
-    window's. Planted: the zeroing of such parameters skipped, and the last window's gradient leaks into the norm."""
+@pytest.mark.parametrize("path", ["in params", "flat buffer"])
+def test_a_parameter_without_a_gradient_in_a_window_reads_zero_not_the_last_windows(tmp_path, one_rank, monkeypatch,
+                                                                                      path):
+    """One rank reads autograd's gradients where they are; more ranks' stage 1 in fp32 copies each window's first
+    gradient into the flat buffer as it arrives (neither zeroing it nor adding to zeros). Either way a parameter that
+    gets no gradient in a window must read zero, not the last window's. Planted: the window's start keeps the
+    parameters' gradients (in params), or the zeroing of the flat buffer's untaken views skipped, and the last
+    window's gradient leaks into the norm."""
     cfg = tiny_config(tmp_path)
+    if path == "flat buffer":
+        monkeypatch.setattr(ZeroEngine, "grads_in_params", property(lambda self: False))
 
     def second_window_norm(engine) -> tuple[float, float]:
         run_steps(engine, cfg, 1)  # a whole window: every gradient arrives
@@ -230,12 +251,15 @@ def test_a_window_copies_each_first_gradient_in_and_a_parameter_without_one_read
             p.grad = torch.ones_like(p)
             engine._on_grad_ready(p)
         norm, _ = engine.reduce_grads(torch.zeros(0))
-        return norm, float(engine.flat_grads[first.offset : first.offset + first.numel].abs().max())
+        return norm, float(engine.gradient_shard()[first.offset : first.offset + first.numel].abs().max())
 
     honest = build_engine(cfg, one_rank)
     assert honest.flat_grads.count_nonzero() == 0
     norm, skipped_max = second_window_norm(honest)
     assert skipped_max == 0.0 and norm == pytest.approx(sum(p.numel() for p in honest.params[1:]) ** 0.5)
-    monkeypatch.setattr(ZeroEngine, "_zero_grads_not_taken", lambda self: self._awaiting.clear())
+    if path == "flat buffer":
+        monkeypatch.setattr(ZeroEngine, "_zero_grads_not_taken", lambda self: self._awaiting.clear())
+    else:
+        monkeypatch.setattr(ZeroEngine, "zero_grad", lambda self: None)
     planted_norm, planted_max = second_window_norm(build_engine(cfg, one_rank))
     assert planted_max > 0 and planted_norm > norm

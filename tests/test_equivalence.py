@@ -66,7 +66,8 @@ def test_equivalence_passes_on_the_default_config_within_relative_bounds_and_cat
             assert row[key] <= BOUND / SAFETY, (row["split"], name, row[key])
             assert row["margins"][name] is None or row["margins"][name] == pytest.approx(BOUND / row[key])
         assert row["grad_max_abs_diff"] <= BOUND and row["loss_rel_diff"] <= BOUND
-        assert row["reduce_scatter_rounds"] == 1 and row["all_gather_rounds"] == 1
+        # one rank's gradients stay in its parameters: nothing to reduce-scatter
+        assert row["reduce_scatter_rounds"] == (0 if row["ranks"] == 1 else 1) and row["all_gather_rounds"] == 1
     chunked = report["checked"][1:]
     assert all(row["grad_rel_diff"] > 0 for row in chunked)  # the splits really reorder the sums
     for name, key in (("gradient", "grad_rel_diff"), ("sgd", "sgd_rel_diff"), ("adamw", "adamw_rel_diff")):

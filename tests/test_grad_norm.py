@@ -107,3 +107,23 @@ def test_the_engine_reduces_the_same_norm_bits_on_one_two_and_three_ranks(tmp_pa
     assert honest[1] == world_norm(gradients(2), 1, cfgs[1].parallel.bucket_numel)
     planted = {n: run_job(per_rank_chunks_norm_job, cfg, time_limit=120) for n, cfg in cfgs.items()}
     assert len(set(planted.values())) > 1, planted
+
+
+@pytest.mark.parametrize("bucket_numel", BUCKET_NUMELS)
+def test_one_ranks_norm_of_the_parameters_own_gradients_is_the_flat_buffers_bits_and_another_grid_is_caught(
+        bucket_numel, monkeypatch):
+    """One rank reads each parameter's gradient where autograd left it (engine.grads_in_params): the rows that span
+    two parameters, or padding, are put together from their parts. Its limbs must be the flat buffer's, bit for bit.
+    Planted: the parts put in rows of another width."""
+    grads = gradients(3)
+    layout = ShardLayout.build(PARAMS, 1, bucket_numel)
+    pieces = [(s.offset, grads[s.name].reshape(-1)) for s in layout.slots]
+    assert any(s.offset % grad_norm.NORM_CHUNK for s in layout.slots)  # rows that span parameters
+    flat = torch.zeros(layout.padded_numel)
+    for offset, g in pieces:
+        flat[offset : offset + g.numel()] = g
+    expected = grad_norm.exact_sum_limbs(grad_norm.chunk_squares(flat, [(0, layout.padded_numel)]))
+    assert torch.equal(grad_norm.exact_sum_limbs(grad_norm.scattered_chunk_squares(pieces)), expected)
+    assert grad_norm.norm_of_limbs(expected) == world_norm(grads, 2, bucket_numel)
+    monkeypatch.setattr(grad_norm, "NORM_CHUNK", grad_norm.NORM_CHUNK // 2)
+    assert not torch.equal(grad_norm.exact_sum_limbs(grad_norm.scattered_chunk_squares(pieces)), expected)

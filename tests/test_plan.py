@@ -39,18 +39,27 @@ def test_a_run_holds_exactly_the_planned_state_and_saves_the_planned_activations
 def test_a_layout_mistake_the_plan_shares_with_the_engine_is_caught_by_the_tensors_found(tmp_path, one_rank):
     """Planted: the layout (ShardLayout.build, which the engine and the plan both lay out with) leaves out the
     model's last parameter. The engine then keeps it, and its gradient, outside the flat buffers; the row-by-row
-    accounting agrees with the plan, the walk over the tensors held does not."""
+    accounting agrees with the plan, the walk over the tensors held does not (after a step, as the run checks: one
+    rank's gradients are autograd's, made in the backward)."""
+    import torch
+
+    from zerotrain.data import BatchSchedule, make_source
     from zerotrain.parallel.layout import ShardLayout
-    from zerotrain.training.loop import build_engine
+    from zerotrain.training.loop import accumulate_gradients, build_engine
 
     real = ShardLayout.build.__func__
     forgetful = classmethod(lambda cls, params, *args: real(cls, params[:-1], *args))
     with mock.patch.object(ShardLayout, "build", forgetful):
         cfg = tiny_config(tmp_path / "engine", steps=2)
         engine, rows = build_engine(cfg, one_rank), plan_module.memory_plan(cfg, world_size=1).rows
+        engine.zero_grad()
+        accumulate_gradients(engine, BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch,
+                                                   accum=cfg.loop.accum, rank=0, world_size=1).batch(0))
+        engine.apply(1e-3, engine.reduce_grads(torch.zeros(0))[0])
         assert plan_module.measured_state(engine) == {k: rows[k] for k in plan_module.STATE}  # the shared mistake
         left_out = list(engine.model.parameters())[-1]
-        assert plan_module.held_state_bytes(engine) == sum(rows[k] for k in plan_module.STATE) + left_out.nbytes
+        assert left_out.grad is not None  # autograd gives the left-out parameter a gradient too, outside the engine
+        assert plan_module.held_state_bytes(engine) == sum(rows[k] for k in plan_module.STATE) + 2 * left_out.nbytes
         with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes in the "
                                                  r"tensors of its engine, model and optimizer, the plan's state "
                                                  r"[\d,]+"):

@@ -21,9 +21,10 @@ group (the ranks holding the same slices). The scalar all-reduce spans the world
 counts each TP slice once (every rank its own; a KV head on several TP ranks, its first rank's) and each
 replicated value once (TP rank 0's copy).
 
-Stage 1 keeps full gradients too, views into one flat gradient buffer (on one DP rank the shard is that buffer, not
-a copy). Stage 2 keeps none between steps: backward's gradient of each parameter is added into its bucket's own
-fp32 buffer, allocated when the bucket's first gradient arrives, and the parameter's .grad is dropped. In the
+Stage 1 keeps full gradients too, views into one flat gradient buffer; but one rank (one DP rank without TP, in
+fp32) has nothing to reduce and keeps no flat gradient buffer: each parameter's gradient is autograd's own tensor,
+as in a plain PyTorch loop, read where it is by the norm and AdamW (grads_in_params). Stage 2 keeps no gradients
+between steps: backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's first gradient arrives, and the parameter's .grad is dropped. In the
 backward of the last micro-batch a complete bucket is reduce-scattered into this rank's shard and its buffer freed
 once the reduce-scatter is done, so a rank holds its 1/W of the gradients plus the buckets in flight, as many as
 fit in the bytes of the two largest buckets: a bucket's buffer, when its first gradient arrives, waits for the
@@ -156,6 +157,7 @@ class ZeroEngine:
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
         self.frozen = frozen_parameters(model)
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
+        self._grads_in_params = stage == 1 and precision == "fp32" and dp.world_size == 1 and self.mesh.tp_size == 1
         self._materialise_outside_layout()
         self._build_flat_buffers()
         self._init = None  # the source is read only while the buffers are built
@@ -178,18 +180,19 @@ class ZeroEngine:
         param_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
         # Stage 2: no full gradient buffer; a bucket's gradients live in _bucket_grads[index] while it fills.
-        self.flat_grads = torch.zeros(L.padded_numel if self.stage == 1 else 0, dtype=param_dtype, device=device)
+        flat_grads = self.stage == 1 and not self.grads_in_params
+        self.flat_grads = torch.zeros(L.padded_numel if flat_grads else 0, dtype=param_dtype, device=device)
         # Stage 1 in fp32: each parameter's .grad is its view of flat_grads, except in the first micro-batch of a
         # window, where autograd's own gradient is copied in (_take_first_grad): no zeroing and no addition to zeros
         # (at 124M on one thread, two passes over 476 MiB a step fewer)
-        self._grad_views: dict[int, torch.Tensor] | None = {} if self.stage == 1 and self.precision == "fp32" else None
+        self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
         self._awaiting: set[int] = set()  # the parameters whose first gradient of the window has not arrived
         with torch.no_grad():
             for s, p in zip(L.slots, self.params):
                 view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
                 view.copy_(self._initial_value(s.name, p))
                 adopt_view(p, view)
-                if self.stage == 1:
+                if flat_grads:
                     p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
                     if self._grad_views is not None:
                         self._grad_views[id(p)] = p.grad
@@ -199,7 +202,8 @@ class ZeroEngine:
         self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage == 2 else \
             torch.zeros(L.padded_numel, device=device)
         # A rank that owns every bucket whole (one DP rank) reduces nothing: in stage 1 its shard is the fp32
-        # gradient buffer itself, not a copy of it (at 124M: 476 MiB of gradients instead of 951).
+        # gradient buffer itself, not a copy of it (at 124M: 476 MiB of gradients instead of 951); without TP,
+        # the parameters' own gradients (grads_in_params), and no shard tensor.
         self.grad_shard = self.grad_accum if self.owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
         self._bucket_grads: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its fp32 gradients, while held
         self._bucket_budget = stage2_bucket_budget(self.layout)
@@ -227,12 +231,21 @@ class ZeroEngine:
         """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer (a view, no copy)."""
         return self.stage == 1 and self.dp.world_size == 1
 
+    @property
+    def grads_in_params(self) -> bool:
+        """One rank (one DP rank without TP), stage 1 in fp32: autograd's gradients are the gradients, read where they
+        are. A flat buffer would be a copy of them each step, held through the forward too (at 124M on one thread:
+        476 MiB, and a 100 ms copy a step)."""
+        return self._grads_in_params
+
     def _build_optimizer(self) -> None:
         """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
         L, device = self.layout, self.flat_params.device
         W, rank = self.dp.world_size, self.dp.rank
         self._pieces: list[_Piece] = []
-        for b in L.buckets:
+        if self.grads_in_params:  # one piece per parameter, whose .grad is its gradient (the shard is the buffer)
+            self._pieces = [_Piece(s.offset, s.offset + s.numel, s.offset, s.decay) for s in L.slots]
+        for b in L.buckets if not self.grads_in_params else []:
             lo, hi = b.chunk(rank, W)
             for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
                 if z > a:
@@ -248,7 +261,8 @@ class ZeroEngine:
         decayed, plain = [], []
         for pc in self._pieces:
             m = self._master_of(pc)
-            m.grad = self.grad_shard[pc.shard_lo : pc.shard_hi]
+            if not self.grads_in_params:  # otherwise each step's are the parameters' (apply)
+                m.grad = self.grad_shard[pc.shard_lo : pc.shard_hi]
             self._master_views.append(m)
             (decayed if pc.decay else plain).append(m)
         groups = [g for g in ({"params": decayed, "weight_decay": self.optim_cfg.weight_decay},
@@ -367,6 +381,8 @@ class ZeroEngine:
             raise StaleParameterError(
                 f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
                 "before reading parameters outside the model's forward")
+        if self.grads_in_params:
+            return  # autograd's gradient is the gradient: nothing to take, add or send
         if self.stage >= 2:
             b = self.layout.buckets[s.bucket]
             with torch.no_grad():
@@ -438,6 +454,8 @@ class ZeroEngine:
     def grad_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor the engine holds now: stage 1's full buffers, stage 2's buckets in use, the shard."""
         held = {id(t): t for t in (self.flat_grads, self.grad_accum, self.grad_shard, *self._bucket_grads.values())}
+        if self.grads_in_params:
+            held.update((id(p.grad), p.grad) for p in self.params if p.grad is not None)
         return list(held.values())
 
     def grad_bytes(self) -> int:
@@ -445,10 +463,11 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
-        if self._grad_views is not None:
+        if self.grads_in_params or self._grad_views is not None:
             for p in self.params:
-                p.grad = None  # autograd's first gradient becomes .grad, then _take_first_grad copies it in
-            self._awaiting = set(self._grad_views)
+                # autograd's first gradient becomes .grad (and, with a flat buffer, _take_first_grad copies it in)
+                p.grad = None
+            self._awaiting = set(self._grad_views or ())
         else:
             self.flat_grads.zero_()
         if self.grad_accum is not self.flat_grads:
@@ -465,11 +484,14 @@ class ZeroEngine:
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
         summed over ranks.
         """
+        if self.grads_in_params:
+            self._zero_grads_not_given()
         if self._awaiting:
             self._zero_grads_not_taken()
         # With --grad-reduce micro-batch every micro-batch's backward has launched all its buckets already, unless
-        # a parameter had no gradient in it.
-        while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)):
+        # a parameter had no gradient in it. One rank's gradients in its parameters have nothing to reduce.
+        while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)) and \
+                not self.grads_in_params:
             self._launch(self._launched)
         self._finish_reduces()
         limbs = grad_norm.exact_sum_limbs(self._counted_grad_sumsq())
@@ -478,6 +500,23 @@ class ZeroEngine:
                                            "all_reduce_stats").cpu()
         return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
 
+    def _zero_grads_not_given(self) -> None:
+        """One rank's gradients in its parameters: a parameter autograd gave no gradient in the window reads zero,
+        as its view of a flat buffer would (AdamW still decays it, as on more ranks)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes())
+
+    def gradient_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient shard, after reduce_grads (with grads_in_params: assembled, a copy)."""
+        if not self.grads_in_params:
+            return self.grad_shard
+        shard = torch.zeros(self.layout.shard_numel, device=self.device)
+        for s, p in zip(self.layout.slots, self.params):
+            shard[s.offset : s.offset + s.numel] = p.grad.reshape(-1)
+        return shard
+
     def _counted_grad_sumsq(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm, so that the world's sum counts every value once: the
         sums of squares of its pieces of the norm's chunk grid (grad_norm.py), summed exactly by reduce_grads.
@@ -485,6 +524,9 @@ class ZeroEngine:
         Every rank's TP slices are its own values: each counts its owned chunk of them. Every DP group
         owns the same chunks of the replicated values, one copy per TP rank: only TP rank 0's group counts them.
         """
+        if self.grads_in_params:  # the flat buffer's rows, put together where they span parameters: the same bits
+            return grad_norm.scattered_chunk_squares([(s.offset, p.grad.reshape(-1))
+                                                      for s, p in zip(self.layout.slots, self.params)])
         if self.mesh.tp_size == 1:
             return grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
         return grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
@@ -496,11 +538,18 @@ class ZeroEngine:
         """
         self.wait_params()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
         clip = self.optim_cfg.grad_clip
+        if self.grads_in_params:
+            for m, p in zip(self._master_views, self.params):
+                m.grad = p.grad.reshape(-1)
         if clip > 0 and grad_norm > clip:
-            self.grad_shard.mul_(clip / (grad_norm + 1e-6))
+            for g in [m.grad for m in self._master_views] if self.grads_in_params else [self.grad_shard]:
+                g.mul_(clip / (grad_norm + 1e-6))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.grads_in_params:
+            for m in self._master_views:
+                m.grad = None  # the parameters' .grad alone hold them, until zero_grad lets them go
         self._publish_params(wait=not self.gather_in_forward)
 
     def _publish_params(self, wait: bool = True) -> None:

@@ -90,6 +90,29 @@ def chunk_squares(shard: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.T
     return torch.cat(sums).double()
 
 
+def scattered_chunk_squares(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """chunk_squares of the flat buffer that holds each 1-D tensor of `pieces` at its offset and zeros elsewhere,
+    without that buffer: the rows inside one tensor are read where they are, and each row that spans tensors (or
+    padding) is put together from its parts, zeros in between. The rows are the buffer's, value for value, so the
+    sums are its bits (a row of zeros, all padding, adds 0); their order is another, which the exact sum ignores.
+    """
+    C, parts, sums = NORM_CHUNK, {}, []
+    for offset, t in pieces:
+        end = offset + t.numel()
+        head, body = min(end, -(-offset // C) * C), max(offset, end // C * C)
+        if body > head:
+            sums.append(chunk_squares(t[head - offset : body - offset], [(0, body - head)]))
+        for lo, hi in ((offset, head), (max(head, body), end)):
+            if hi > lo:
+                if lo // C not in parts:
+                    parts[lo // C] = t.new_zeros(C)
+                row = parts[lo // C]
+                row[lo % C : lo % C + hi - lo] = t[lo - offset : hi - offset]
+    if parts:
+        sums.append(chunk_squares(torch.stack(list(parts.values())).reshape(-1), [(0, C * len(parts))]))
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+
+
 def exact_sum_limbs(squares: torch.Tensor) -> torch.Tensor:
     """This rank's part of the step's all-reduce (N_VALUES float64, on the CPU): the exact sum of `squares` (float64,
     0 or at least 2^-298, as every fp32 value and every square of one is) as N_LIMBS integer limbs, then 0; or, where

@@ -9,7 +9,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          (zero3.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
-                         (on one DP rank no shard: it is the fp32 buffer itself)
+                         (on one DP rank no shard: it is the fp32 buffer itself; on one rank in fp32, no
+                         buffer: unpadded P x 4, autograd's own gradients)
                          stage 2: shard x 4                                   held between steps
     gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (the buckets in
                          their reduce-scatters and the one filling fit in it); every bucket (padded P x 4) through
@@ -116,7 +117,10 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward) if p.zero == 3 else 0
-    if p.zero == 1:
+    if p.zero == 1 and dp == 1 and tp == 1 and p.precision == "fp32":
+        grads = L.numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
+        buckets = 0
+    elif p.zero == 1:
         # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
         grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
         buckets = 0

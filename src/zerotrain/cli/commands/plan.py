@@ -74,6 +74,8 @@ def table(cfg: Config, r: dict) -> str:
         "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
                    f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
         "grads": "shard x 4" if p.zero >= 2 else
+                 "P x 4 (autograd's own, one per parameter, on one rank: no flat buffer)"
+                 if r["dp"] == 1 and p.tp == 1 and not bf16 else
                  f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
