@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from conftest import zerotrain_here
+
 from zerotrain.bench.accum import FIGURE_DPI, FIGURE_SIZE_IN, SCHEMA, STEP_PURPOSES
 from zerotrain.bench.report import SCHEMA_VERSION
 
@@ -23,10 +25,10 @@ def zerotrain(*args: str, env: dict | None = None, timeout: float = 30) -> subpr
                           timeout=timeout, env=env)
 
 
-def test_quick_sweep_writes_schema_json_and_a_two_panel_png_of_the_expected_size(tmp_path):
+def test_quick_sweep_writes_schema_json_and_a_two_panel_png_of_the_expected_size(tmp_path, capfd):
     import matplotlib.image
 
-    proc = zerotrain("bench", "accum", "--quick", "--out", str(tmp_path), timeout=240)
+    proc = zerotrain_here(capfd, "bench", "accum", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "samples/s" in proc.stdout and "opt steps/s" in proc.stdout
 
@@ -68,7 +70,7 @@ def test_missing_matplotlib_is_a_one_line_error_with_the_install_hint(tmp_path):
     assert "pip install 'zerotrain[plot]'" in proc.stderr
 
 
-def test_bad_grid_is_a_one_line_error_naming_the_value(tmp_path):
-    proc = zerotrain("bench", "accum", "--quick", "--grid", "1,x,4", "--out", str(tmp_path))
+def test_bad_grid_is_a_one_line_error_naming_the_value(tmp_path, capfd):
+    proc = zerotrain_here(capfd, "bench", "accum", "--quick", "--grid", "1,x,4", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "--grid '1,x,4'" in proc.stderr and proc.stderr.strip().count("\n") == 0

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, zerotrain_here
 
 from zerotrain.bench import baselines as strategies
 from zerotrain.bench.compare import AGREEMENT_BOUND, agreement_failures, param_gaps
@@ -23,10 +23,9 @@ from zerotrain.training.schedule import lr_at
 CI_SIZED = ["--quick", "--warmup", "1", "--repeats", "1", "--steps", "1"]
 
 
-def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path):
+def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path, capfd):
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "-m", "zerotrain", "bench", "compare", *CI_SIZED, "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = zerotrain_here(capfd, "bench", "compare", *CI_SIZED, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "compare.json").read_text())
     assert (report["schema"], report["version"]) == ("zerotrain.bench.compare", 1)
@@ -55,11 +54,10 @@ def test_quick_compare_writes_four_strategies_that_agree_with_ddp(tmp_path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_quick_compare_trains_a_llama_with_all_four_strategies_and_they_agree_with_ddp(tmp_path):
+def test_quick_compare_trains_a_llama_with_all_four_strategies_and_they_agree_with_ddp(tmp_path, capfd):
     out = tmp_path / "compare-llama"
-    proc = subprocess.run([sys.executable, "-m", "zerotrain", "bench", "compare", *CI_SIZED, "--arch", "llama",
-                           "--preset", "llama-tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = zerotrain_here(capfd, "bench", "compare", *CI_SIZED, "--arch", "llama", "--preset", "llama-tiny",
+                          "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "compare.json").read_text())
     assert report["config"]["model"]["arch"] == "llama"

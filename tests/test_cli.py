@@ -15,11 +15,6 @@ from zerotrain.errors import ConfigError
 pytestmark = pytest.mark.timeout(300)
 
 
-def zerotrain(*args, cwd=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
-
-
 def test_demo_proves_the_four_invariants_and_a_bitwise_resume(tmp_path, capfd):
     r = zerotrain_here(capfd, "demo", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
@@ -37,8 +32,8 @@ def test_demo_proves_the_four_invariants_and_a_bitwise_resume(tmp_path, capfd):
     assert os.path.isfile(os.path.join(report["checkpoint_path"], "manifest.json"))
 
 
-def test_demo_wall_clock_limit_stops_a_run_with_one_line(tmp_path):
-    r = zerotrain("demo", "--out", str(tmp_path), "--time-limit", "1")
+def test_demo_wall_clock_limit_stops_a_run_with_one_line(tmp_path, capfd):
+    r = zerotrain_here(capfd, "demo", "--out", str(tmp_path), "--time-limit", "1")
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == \
         "zerotrain: FAILED: the job exceeded its wall-clock limit of 1 s; all ranks were stopped"
@@ -91,8 +86,8 @@ def test_under_torchrun_the_gpu_count_is_checked_against_this_node_s_ranks(monke
         config_from_args(build_parser().parse_args(["train", "--device", "cuda", "--data", "synthetic"]))
 
 
-def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
-    r = zerotrain("train", "--n-embd", "30", "--n-head", "4")
+def test_user_errors_are_one_line_with_exit_code_2(tmp_path, capfd):
+    r = zerotrain_here(capfd, "train", "--n-embd", "30", "--n-head", "4")
     assert r.returncode == 2
     assert r.stderr == "zerotrain: error: --n-embd 30 is not divisible by --n-head 4\n"
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import transformers  # a test dependency (pyproject's [test] extra): missing, the module fails to import, loudly
+from conftest import zerotrain_here
 from test_api import run_cli
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -93,10 +93,6 @@ def greedy(model, ids: list[int], n: int = 12, **eos) -> list[int]:
     return out
 
 
-def zerotrain(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{arch: (source folder, run folder)}: each source fine-tuned 2 steps on one rank on a shorter window than its
@@ -106,9 +102,8 @@ def runs(tmp_path_factory):
     for arch, window in (("llama", ["--seq-len", "64"]), ("gpt2", ["--seq-len", "16"])):
         source = model_folder(root / arch, arch)
         run = str(root / f"{arch}-run")
-        r = zerotrain("train", "--init-from", source, "--data", "synthetic", *window, "--steps", "2", "--lr", "2e-5",
-                      "--micro-batch", "2", "--ckpt-every", "2", "--no-progress", "--out", run)
-        assert r.returncode == 0, r.stderr
+        assert run_cli(["train", "--init-from", source, "--data", "synthetic", *window, "--steps", "2", "--lr",
+                        "2e-5", "--micro-batch", "2", "--ckpt-every", "2", "--no-progress", "--out", run]) == 0
         found[arch] = (source, run)
     return found
 
@@ -194,7 +189,8 @@ def test_the_export_renders_the_sources_chat_and_keeps_its_context_and_a_trainin
         assert run_cli(["export", run, window, "--format", "hf"]) == 1
 
 
-def test_a_gpt2_trains_on_a_shorter_window_keeping_its_position_table_and_a_longer_one_is_refused(runs, tmp_path):
+def test_a_gpt2_trains_on_a_shorter_window_keeping_its_position_table_and_a_longer_one_is_refused(runs, tmp_path,
+                                                                                                  capfd):
     source, run = runs["gpt2"]
     model = checkpoint.read_manifest(step_folder(run))["config"]["model"]
     assert (model["seq_len"], model["context"]) == (16, CONTEXT["gpt2"])
@@ -202,8 +198,8 @@ def test_a_gpt2_trains_on_a_shorter_window_keeping_its_position_table_and_a_long
     with safe_open(os.path.join(source, "model.safetensors"), "pt") as f:
         table = f.get_tensor("transformer.wpe.weight")
     assert kept.shape == table.shape and torch.equal(kept[16:], table[16:])  # the rows past the window: untrained
-    r = zerotrain("train", "--init-from", source, "--data", "synthetic", "--seq-len", "64", "--out",
-                  str(tmp_path / "long"))
+    r = zerotrain_here(capfd, "train", "--init-from", source, "--data", "synthetic", "--seq-len", "64", "--out",
+                       str(tmp_path / "long"))
     assert r.returncode == 2 and r.stderr.strip() == (
         f"zerotrain: error: --seq-len 64 contradicts --init-from {source}, whose model has seq_len = 32: leave it "
         "out, the model's comes with it")

@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers  # a test dependency (pyproject's [test] extra): missing, the module fails to import, loudly
+from conftest import zerotrain_here
 from safetensors.torch import load_file, save_file
 from test_checkpoint import spawn
 
@@ -154,11 +153,8 @@ def test_tp2_computes_the_logits_transformers_does_from_each_ranks_own_slices(fo
     assert results[0]["shapes"][split][0] == full // 2  # each rank read its half, not the full tensor
 
 
-def zerotrain(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_missing_tensors(tmp_path, one_rank):
+def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_missing_tensors(tmp_path, one_rank,
+                                                                                                capfd):
     sharded = tmp_path / "sharded"
     hf = hf_model(sharded, "llama", shard="20KB")
     assert (sharded / init_from.INDEX_FILE).exists() and len(list(sharded.glob("*.safetensors"))) > 1
@@ -168,13 +164,13 @@ def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_
     pickled = tmp_path / "pickled"
     hf_model(pickled, "llama")
     os.rename(pickled / "model.safetensors", pickled / "pytorch_model.bin")
-    r = zerotrain("train", "--init-from", str(pickled), "--data", "synthetic", "--out", str(tmp_path / "r1"))
+    r = zerotrain_here(capfd, "train", "--init-from", str(pickled), "--data", "synthetic", "--out", str(tmp_path / "r1"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"zerotrain: error: --init-from {pickled}: holds pytorch_model.bin but no model.safetensors: zerotrain never "
         "unpickles weights; convert them first (transformers: AutoModelForCausalLM.from_pretrained(folder)"
         ".save_pretrained(folder) writes model.safetensors)"]
 
-    r = zerotrain("train", "--init-from", str(sharded), "--n-layer", "3", "--data", "synthetic",
+    r = zerotrain_here(capfd, "train", "--init-from", str(sharded), "--n-layer", "3", "--data", "synthetic",
                   "--out", str(tmp_path / "r2"))
     assert r.returncode == 2 and r.stderr.strip() == (
         f"zerotrain: error: --n-layer 3 contradicts --init-from {sharded}, whose model has n_layer = 2: leave it "
@@ -185,7 +181,7 @@ def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_
     tensors = load_file(missing / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
-    r = zerotrain("train", "--init-from", str(missing), "--data", "synthetic", "--steps", "1", "--no-progress",
+    r = zerotrain_here(capfd, "train", "--init-from", str(missing), "--data", "synthetic", "--steps", "1", "--no-progress",
                   "--out", str(tmp_path / "r3"))
     assert r.returncode == 2  # found from the headers before any rank starts
     assert r.stderr.strip().splitlines()[-1] == (
@@ -194,19 +190,19 @@ def test_init_from_reads_a_sharded_index_and_refuses_pickles_contradictions_and_
 
 
 def test_a_llama_trains_reshards_exports_what_transformers_loads_and_inits_from_its_checkpoint(folders, tmp_path,
-                                                                                                 one_rank):
+                                                                                                 one_rank, capfd):
     folder, _ = folders["llama"]
     out = str(tmp_path / "tp2")
     common = ["--init-from", str(folder), "--data", "synthetic", "--micro-batch", "4", "--no-progress",
               "--steps", "4", "--ckpt-every", "2"]
-    r = zerotrain("train", *common, "--nproc", "2", "--tp", "2", "--out", out)
+    r = zerotrain_here(capfd, "train", *common, "--nproc", "2", "--tp", "2", "--out", out)
     assert r.returncode == 0, r.stderr
     losses = [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
     manifest = json.load(open(os.path.join(out, "checkpoints", "step_00000004", "manifest.json")))
     assert manifest["init_from"]["path"] == str(folder) and manifest["init_from"]["files"][0]["sha256"]
     # TP 2 -> TP 1 from step 2: the same losses within float reordering
     resumed = str(tmp_path / "tp1")
-    r = zerotrain("train", *common, "--nproc", "1", "--out", resumed,
+    r = zerotrain_here(capfd, "train", *common, "--nproc", "1", "--out", resumed,
                   "--resume", os.path.join(out, "checkpoints", "step_00000002"))
     assert r.returncode == 0, r.stderr
     again = [json.loads(line)["loss"] for line in open(os.path.join(resumed, "metrics.jsonl")) if '"loss"' in line]

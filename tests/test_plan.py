@@ -133,15 +133,11 @@ def test_plan_refuses_bad_settings_in_one_line(capsys, argv, says):
     assert len(err) == 1 and says in err[0], err
 
 
-def test_a_rank_out_of_memory_says_so_in_one_line_with_the_plan(tmp_path):
-    import os
-    import subprocess
-    import sys
+def test_a_rank_out_of_memory_says_so_in_one_line_with_the_plan(tmp_path, capfd):
+    from conftest import zerotrain_here
 
-    env = {**os.environ, "ZEROTRAIN_FAULTS": "oom@step=2,rank=1"}
-    r = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--preset", "tiny", "--data", "synthetic",
-                        "--nproc", "2", "--steps", "3", "--no-progress", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=240, env=env)
+    r = zerotrain_here(capfd, "train", "--preset", "tiny", "--data", "synthetic", "--nproc", "2", "--steps", "3",
+                       "--no-progress", "--out", str(tmp_path / "run"), faults="oom@step=2,rank=1")
     failed = [line for line in r.stderr.splitlines() if line.startswith("zerotrain: FAILED")]
     assert r.returncode == 1 and len(failed) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert failed[0].startswith("zerotrain: FAILED: rank 1: out of memory in step 2 (")

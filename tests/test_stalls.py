@@ -6,10 +6,10 @@ import re
 import time
 
 import torch.distributed as dist
-from conftest import tiny_config
+from conftest import tiny_config, zerotrain_here
 from test_checkpoint import spawn
 
-from test_production import TINY, events, final_state, zerotrain
+from test_production import TINY, events, final_state
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint import save as save_module
@@ -112,18 +112,18 @@ def test_an_async_save_is_judged_by_the_training_time_it_cost_against_a_synchron
     assert cost.last[0] > 1.0 and cost.slower and cost.recent == type(cost.recent)([0.10, 0.11, 0.09])
 
 
-def test_async_saves_that_cost_more_than_a_synchronous_save_turn_synchronous_with_one_line(tmp_path):
+def test_async_saves_that_cost_more_than_a_synchronous_save_turn_synchronous_with_one_line(tmp_path, capfd):
     """The async writer's staging copy is held up (a writer with no core of its own), so the next optimizer step
     waits for it: every rank then saves synchronously, saying so once, and the files stay bitwise the same."""
     out = str(tmp_path / "stalled")
-    r = zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--async-save", "--out", out,
-                  faults="slow_staging@step=4,rank=1")
+    r = zerotrain_here(capfd, "train", *TINY, "--steps", "8", "--ckpt-every", "2", "--async-save", "--out", out,
+                       faults="slow_staging@step=4,rank=1")
     assert r.returncode == 0, r.stderr
     (event,) = events(out, "async_save_off")
     assert 5 <= event["step"] <= 8 and "saving synchronously from now on" in r.stderr
     assert r.stderr.count("--async-save: an async save cost") == 1
     sync = str(tmp_path / "sync")
-    assert zerotrain("train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", sync).returncode == 0
+    assert zerotrain_here(capfd, "train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", sync).returncode == 0
     assert all(final_state(out, s) == final_state(sync, s) for s in (2, 4, 6, 8))
 
 

@@ -79,10 +79,10 @@ def test_val_data_supplies_the_validation_tokens(tmp_path, capfd):
     assert "val_loss" in open(tmp_path / "run" / "metrics.jsonl").readlines()[-1]
 
 
-def test_a_config_error_raised_inside_the_ranks_is_one_line_and_exit_2_under_the_launcher(tmp_path):
+def test_a_config_error_raised_inside_the_ranks_is_one_line_and_exit_2_under_the_launcher(tmp_path, capfd):
     """A bad ZEROTRAIN_FAULTS spec is found by each rank as it starts (the launcher never parses it)."""
-    line = one_line_error(zerotrain("train", *TINY, "--data", "synthetic", "--out", str(tmp_path / "run"),
-                                    faults="explode@step=x"))
+    line = one_line_error(zerotrain_here(capfd, "train", *TINY, "--data", "synthetic", "--out", str(tmp_path / "run"),
+                                         faults="explode@step=x"))
     assert line.startswith("zerotrain: error: ZEROTRAIN_FAULTS: unknown fault kind 'explode' in 'explode@step=x'")
 
 
