@@ -145,7 +145,8 @@ def main() -> int:
                                  check=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
     print(f"| {args.preset}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.threads} thread(s), "
-          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run | page faults per step (past the first) | "
+          f"{args.rounds} rounds | step s (median past the first) | peak RSS MiB per run | "
+          "page faults per step (past the first) | "
           "CPU s per step, user + system (median) |\n| --- | ---: | ---: | ---: | ---: |")
     for name, rs in results.items():
         step = statistics.median(t for r in rs for t in r["step_s"][1:])

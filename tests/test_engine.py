@@ -227,7 +227,8 @@ def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_b
         assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
         assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
         assert torch.equal(buffered.flat_params, one.flat_params)
-        with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
+        with pytest.raises(InvariantError,
+                           match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
             train(tiny_config(tmp_path / "buffered", steps=3), one_rank)
 
 

@@ -24,7 +24,8 @@ replicated value once (TP rank 0's copy).
 Stage 1 keeps full gradients too, views into one flat gradient buffer; but one rank (one DP rank without TP, in
 fp32) has nothing to reduce and keeps no flat gradient buffer: each parameter's gradient is autograd's own tensor,
 as in a plain PyTorch loop, read where it is by the norm and AdamW (grads_in_params). Stage 2 keeps no gradients
-between steps: backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's first gradient arrives, and the parameter's .grad is dropped. In the
+between steps: backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when
+the bucket's first gradient arrives, and the parameter's .grad is dropped. In the
 backward of the last micro-batch a complete bucket is reduce-scattered into this rank's shard and its buffer freed
 once the reduce-scatter is done, so a rank holds its 1/W of the gradients plus the buckets in flight, as many as
 fit in the bytes of the two largest buckets: a bucket's buffer, when its first gradient arrives, waits for the
@@ -245,11 +246,12 @@ class ZeroEngine:
         self._pieces: list[_Piece] = []
         if self.grads_in_params:  # one piece per parameter, whose .grad is its gradient (the shard is the buffer)
             self._pieces = [_Piece(s.offset, s.offset + s.numel, s.offset, s.decay) for s in L.slots]
-        for b in L.buckets if not self.grads_in_params else []:
-            lo, hi = b.chunk(rank, W)
-            for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
-                if z > a:
-                    self._pieces.append(_Piece(a, z, b.shard_offset + a - lo, decay))
+        else:
+            for b in L.buckets:
+                lo, hi = b.chunk(rank, W)
+                for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
+                    if z > a:
+                        self._pieces.append(_Piece(a, z, b.shard_offset + a - lo, decay))
         self.master = None
         if self.precision == "bf16":
             self.master = torch.empty(L.shard_numel, device=device)
