@@ -9,7 +9,10 @@ A fenced block in README.md or docs/*.md is a recipe to run when the line before
 The blocks of one folder run in the order of README.md, then docs/*.md by file name, each file's in its own order,
 so that a run folder one recipe makes (`runs/stdlib`) is made once and used by the recipes of every file that
 reads it. Shell blocks run with `bash -eo pipefail`, ```python blocks with this interpreter, in a temporary
-folder, with this interpreter's folder first on PATH, so `zerotrain` and `python3` are the ones under test.
+folder, with this interpreter's folder first on PATH, so `python3` is the one under test. The `zerotrain`
+commands of a shell block run by zerotrain's entry point in this test's process (command_server.py: the same
+argument list, folder, environment and output, without importing torch twice per command); one given
+ZEROTRAIN_FAULTS runs as the installed console script.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from command_server import CommandServer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -100,28 +105,35 @@ def cheap_groups(docs: dict[str, str]) -> dict[str, list[Block]]:
     return groups
 
 
-def run_blocks(blocks: list[Block], workdir: Path, timeout: float = BLOCK_TIMEOUT_S) -> None:
-    """Run the blocks in order in `workdir`; AssertionError naming the block, its exit code and output tail."""
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    for block in blocks:
-        if block.lang == "python":
-            argv = [sys.executable, "-c", block.code]
-        elif block.lang in SHELLS:
-            argv = ["bash", "-eo", "pipefail", "-c", block.code]
-        else:
-            raise AssertionError(f"{block.name}: a block marked to run must be bash or python, not {block.lang!r}")
-        # A session of its own, so that a timeout ends the ranks zerotrain started too, not only the shell.
-        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise AssertionError(f"{block.name}: still running after {timeout} s:\n{block.code}") from None
-        if proc.returncode != 0:
-            raise AssertionError(f"{block.name}: exit code {proc.returncode}:\n{block.code}\n--- output (tail) ---\n"
-                                 f"{output[-3000:]}")
+def run_blocks(blocks: list[Block], workdir: Path, timeout: float = BLOCK_TIMEOUT_S) -> int:
+    """Run the blocks in order in `workdir`, their `zerotrain` commands served by this process (command_server.py);
+    AssertionError naming the block, its exit code and output tail. Returns how many commands were served."""
+    server = CommandServer()
+    env = server.environment(dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+                                  + os.environ.get("PATH", "")))
+    try:
+        for block in blocks:
+            if block.lang == "python":
+                argv = [sys.executable, "-c", block.code]
+            elif block.lang in SHELLS:
+                argv = ["bash", "-eo", "pipefail", "-c", block.code]
+            else:
+                raise AssertionError(f"{block.name}: a block marked to run must be bash or python, not {block.lang!r}")
+            with tempfile.TemporaryFile("w+") as output:
+                # A session of its own, so that a timeout ends the ranks zerotrain started too, not only the shell.
+                proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+                if not server.wait(proc, timeout):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    raise AssertionError(f"{block.name}: still running after {timeout} s:\n{block.code}")
+                if proc.returncode != 0:
+                    output.seek(0)
+                    raise AssertionError(f"{block.name}: exit code {proc.returncode}:\n{block.code}\n"
+                                         f"--- output (tail) ---\n{output.read()[-3000:]}")
+        return server.served
+    finally:
+        server.close()
 
 
 def fenced_block_after(text: str, marker: str) -> list[str]:
@@ -350,6 +362,14 @@ def test_the_runner_fails_on_a_failing_command_and_skips_manual_blocks(tmp_path)
         run_blocks(parse_blocks("<!-- run: cheap -->\n```bash\nsleep 30\n```\n"), tmp_path, timeout=1)
     with pytest.raises(ValueError, match="docs/x.md:1: .* not followed by a fenced block"):
         parse_blocks("<!-- run: cheap -->\n\n```bash\ntrue\n```\n", "docs/x.md")
+
+
+def test_a_recipe_s_zerotrain_commands_run_in_this_process_unless_given_faults(tmp_path):
+    from zerotrain import __version__
+
+    script = "zerotrain --version > versions.txt\nZEROTRAIN_FAULTS=kill@step=9 zerotrain --version >> versions.txt\n"
+    assert run_blocks(parse_blocks(f"<!-- run: cheap -->\n```bash\n{script}```\n"), tmp_path) == 1  # served: one
+    assert (tmp_path / "versions.txt").read_text() == f"zerotrain {__version__}\n" * 2  # same output either way
 
 
 def test_a_broken_recipe_is_caught(tmp_path):
