@@ -1,14 +1,17 @@
 """One rank's optimizer step and peak memory: zerotrain's engine against a plain transformers + torch AdamW loop.
 
 Every run is a fresh process (peak resident memory cannot be split between two models in one), the runs alternate
-in rounds whose order reverses each round, so that drift in the machine's load spreads over all of them. Both train
-GPT-2 of the preset's shape on the same random tokens with fused AdamW and gradient clipping at 1.0; transformers'
-model is GPT2LMHeadModel with SDPA. zerotrain runs as the local launcher's ranks run, with their allocator settings
-(runtime/allocator.py: large blocks back to the OS, huge pages asked for); transformers as a script runs, with
-glibc's defaults, and, with `--same-allocator`, once more with zerotrain's settings. `--variant NAME=SRC` adds
-zerotrain from another source folder (e.g. an older commit's `git archive` unpacked), for before/after tables.
+in rounds whose order reverses each round, so that drift in the machine's load spreads over all of them. All train
+the preset's shape on the same random tokens with fused AdamW and gradient clipping at 1.0; transformers' model is
+GPT2LMHeadModel or, for a Llama-family preset, LlamaForCausalLM, with SDPA; `--litgpt` adds litgpt's GPT in the
+same loop (a Llama-family preset, litgpt installed beside zerotrain). zerotrain runs as the local launcher's ranks
+run, with their allocator settings (runtime/allocator.py: large blocks back to the OS, huge pages asked for); the
+others as a script runs, with glibc's defaults, and transformers, with `--same-allocator`, once more with
+zerotrain's settings. `--variant NAME=SRC` adds zerotrain from another source folder (e.g. an older commit's
+`git archive` unpacked), for before/after tables.
 
     python scripts/bench_one_rank.py --preset gpt2 --seq-len 128 --rounds 3 --steps 4
+    python scripts/bench_one_rank.py --preset smollm-135m --seq-len 128 --rounds 3 --steps 5 --litgpt
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     ids = torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    step = (_zerotrain_step if kind == "zerotrain" else _transformers_step)(shape, x, y, args)
+    step = {"zerotrain": _zerotrain_step, "transformers": _transformers_step, "litgpt": _litgpt_step}[kind](
+        shape, x, y, args)
     times, then = [], None
     for i in range(args.steps):
         if i == 1:
@@ -84,12 +88,18 @@ def _transformers_step(shape: dict, x, y, args):
     import torch
     import transformers
 
-    config = transformers.GPT2Config(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
-                                     n_positions=shape["seq_len"], vocab_size=shape["vocab_size"])
+    if shape["arch"] == "gpt2":
+        config = transformers.GPT2Config(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
+                                         n_positions=shape["seq_len"], vocab_size=shape["vocab_size"])
+    else:  # the Llama family's shape, as a LlamaForCausalLM
+        config = transformers.LlamaConfig(
+            hidden_size=shape["n_embd"], intermediate_size=shape["intermediate_size"],
+            num_hidden_layers=shape["n_layer"], num_attention_heads=shape["n_head"],
+            num_key_value_heads=shape["n_kv_head"] or shape["n_head"], vocab_size=shape["vocab_size"],
+            max_position_embeddings=shape["seq_len"], rope_theta=shape["rope_theta"], rms_norm_eps=shape["norm_eps"],
+            tie_word_embeddings=shape["tie_embeddings"])
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=True)
+    optimizer = _adamw(model, torch)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -98,6 +108,45 @@ def _transformers_step(shape: dict, x, y, args):
         optimizer.step()
 
     return step
+
+
+def _litgpt_step(shape: dict, x, y, args):
+    """litgpt's model (litgpt.GPT) of the Llama-family shape in the same loop as transformers'. litgpt keeps its
+    output head apart from the token embedding: tied here when the shape ties them, so all hold the same
+    parameters. (Tied at nn.Embedding's N(0, 1) instead, the logits saturate and the head's gradient matmuls run
+    on subnormal numbers, 30x slower.)"""
+    import litgpt
+    import torch
+
+    if shape["arch"] == "gpt2":
+        raise SystemExit("--litgpt compares a Llama-family preset (litgpt has no GPT-2)")
+    config = litgpt.Config(
+        n_layer=shape["n_layer"], n_head=shape["n_head"], n_query_groups=shape["n_kv_head"] or shape["n_head"],
+        n_embd=shape["n_embd"], intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
+        padded_vocab_size=shape["vocab_size"], block_size=shape["seq_len"], rope_base=int(shape["rope_theta"]),
+        norm_eps=shape["norm_eps"], bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+        parallel_residual=False, rotary_percentage=1.0)
+    model = litgpt.GPT(config).train()
+    model.apply(model._init_weights)  # N(0, 0.02), as litgpt's pretraining starts (and transformers' models)
+    if shape["tie_embeddings"]:
+        model.lm_head.weight = model.transformer.wte.weight
+    optimizer = _adamw(model, torch)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return step
+
+
+def _adamw(model, torch):
+    """Fused AdamW, weight decay 0.1 on the matrices only: zerotrain's defaults."""
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=True)
 
 
 def rank_environment(env: dict[str, str]) -> dict[str, str]:
@@ -121,6 +170,8 @@ def main() -> int:
                    help="also zerotrain from the source folder SRC, labelled NAME")
     p.add_argument("--same-allocator", action="store_true",
                    help="also transformers with the allocator settings of zerotrain's ranks")
+    p.add_argument("--litgpt", action="store_true",
+                   help="also litgpt's model in the same loop (a Llama-family preset; litgpt installed beside)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this one and print its result
     p.add_argument("--rank-allocator", action="store_true", help=argparse.SUPPRESS)  # the child's malloc: a rank's
     args = p.parse_args()
@@ -130,6 +181,8 @@ def main() -> int:
     runs = {"zerotrain": ("zerotrain", None), "transformers": ("transformers", None)}
     if args.same_allocator:
         runs["transformers, zerotrain's allocator settings"] = ("transformers", None)
+    if args.litgpt:
+        runs["litgpt"] = ("litgpt", None)
     runs.update({name: ("zerotrain", src) for name, src in (v.split("=", 1) for v in args.variant)})
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for r in range(args.rounds):
