@@ -118,8 +118,6 @@ def _litgpt_step(shape: dict, x, y, args):
     import litgpt
     import torch
 
-    if shape["arch"] == "gpt2":
-        raise SystemExit("--litgpt compares a Llama-family preset (litgpt has no GPT-2)")
     config = litgpt.Config(
         n_layer=shape["n_layer"], n_head=shape["n_head"], n_query_groups=shape["n_kv_head"] or shape["n_head"],
         n_embd=shape["n_embd"], intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
@@ -178,6 +176,10 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return 0
+    from zerotrain.config import PRESETS
+
+    if args.litgpt and PRESETS[args.preset]["arch"] == "gpt2":
+        p.error(f"--litgpt needs a Llama-family preset (litgpt has no GPT-2), not {args.preset}")
     runs = {"zerotrain": ("zerotrain", None), "transformers": ("transformers", None)}
     if args.same_allocator:
         runs["transformers, zerotrain's allocator settings"] = ("transformers", None)
