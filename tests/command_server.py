@@ -81,14 +81,17 @@ class CommandServer:
 
     def _serve(self, conn: socket.socket) -> None:
         _, fds, _, _ = socket.recv_fds(conn, 1, 2)
-        request = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
         try:
+            if len(fds) != 2:  # a client that died as it connected: it gets no code, and bash sees it fail
+                return
+            request = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
             code = run_here(request["argv"], request["cwd"], request["env"], fds[0], fds[1])
         finally:
             for fd in fds:
                 os.close(fd)
         self.served += 1
-        conn.sendall(str(code).encode())
+        with contextlib.suppress(OSError):  # a client killed meanwhile (the block's timeout) hears nothing
+            conn.sendall(str(code).encode())
 
     def close(self) -> None:
         self.listener.close()
