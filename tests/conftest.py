@@ -26,9 +26,9 @@ if not (os.environ.get("ZEROTRAIN_TEST_CACHE") == os.environ.get("ZEROTRAIN_CACH
 
 def compile_checkout() -> None:
     """Bytecode for zerotrain's sources in this checkout and for tests/, written once here. Python reads bytecode where
-    it finds it, but with PYTHONDONTWRITEBYTECODE set (as on the machines CI runs on) it writes none: each of the
+    it finds it, but with PYTHONDONTWRITEBYTECODE set (as on the 2-core development machine) it writes none: each of the
     suite's hundreds of interpreters (ranks, launchers, torchrun's ranks) would compile 18,000 lines of zerotrain
-    anew, 0.3 s of CPU each, about 50 s of the suite's. An installed zerotrain (pip compiled it) is left alone."""
+    anew, 0.3 s of CPU each, about 55 s of the suite's CPU. An installed zerotrain (pip compiled it) is left alone."""
     import compileall
     import importlib.util
 
