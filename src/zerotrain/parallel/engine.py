@@ -86,6 +86,13 @@ def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> Sha
     return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
 
 
+def keeps_autograd_grads(stage: int, precision: str, dp_size: int, tp_size: int) -> bool:
+    """One rank (one DP rank without TP), stage 1 in fp32: autograd's gradients are the gradients, read where they
+    are. A flat buffer would be a copy of them each step, held through the forward too (at 124M on one thread:
+    476 MiB, and a 100 ms copy a step). The engine (grads_in_params) and the memory plan both ask this."""
+    return stage == 1 and precision == "fp32" and dp_size == 1 and tp_size == 1
+
+
 def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:
     """Make parameter `p` a view of `view`'s storage, in place (a parameter on the meta device is swapped for one:
     its identity, the tie of a tied head and every reference to it stay)."""
@@ -158,7 +165,7 @@ class ZeroEngine:
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
         self.frozen = frozen_parameters(model)
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
-        self._grads_in_params = stage == 1 and precision == "fp32" and dp.world_size == 1 and self.mesh.tp_size == 1
+        self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)
         self._materialise_outside_layout()
         self._build_flat_buffers()
         self._init = None  # the source is read only while the buffers are built
@@ -234,9 +241,8 @@ class ZeroEngine:
 
     @property
     def grads_in_params(self) -> bool:
-        """One rank (one DP rank without TP), stage 1 in fp32: autograd's gradients are the gradients, read where they
-        are. A flat buffer would be a copy of them each step, held through the forward too (at 124M on one thread:
-        476 MiB, and a 100 ms copy a step)."""
+        """Whether this rank's gradients stay in its parameters, with no flat gradient buffer (keeps_autograd_grads):
+        decided once, as the engine is built."""
         return self._grads_in_params
 
     def _build_optimizer(self) -> None:

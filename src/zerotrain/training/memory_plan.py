@@ -55,7 +55,7 @@ from zerotrain.model import build_model, parallelize, param_count
 from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
-from zerotrain.parallel.engine import frozen_parameters
+from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import units_whole_bytes
 
 from .invariants import InvariantError, held_bytes
@@ -117,7 +117,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward) if p.zero == 3 else 0
-    if p.zero == 1 and dp == 1 and tp == 1 and p.precision == "fp32":
+    if keeps_autograd_grads(p.zero, p.precision, dp, tp):
         grads = L.numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
         buckets = 0
     elif p.zero == 1:

@@ -9,6 +9,7 @@ import json
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import Config
 from zerotrain.data import packs_records
+from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.training.memory_plan import (ROWS, gib, largest_micro_batch, largest_model, memory_plan,
                                             parse_bytes)
@@ -75,7 +76,7 @@ def table(cfg: Config, r: dict) -> str:
                    f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
         "grads": "shard x 4" if p.zero >= 2 else
                  "P x 4 (autograd's own, one per parameter, on one rank: no flat buffer)"
-                 if r["dp"] == 1 and p.tp == 1 and not bf16 else
+                 if keeps_autograd_grads(p.zero, p.precision, r["dp"], p.tp) else
                  f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
