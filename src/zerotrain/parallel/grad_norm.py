@@ -41,6 +41,13 @@ N_VALUES = N_LIMBS + 1
 BLOCK_VALUES = {False: 1 << 19, True: 1 << 24}
 
 
+def grid_cut(a: int, z: int) -> tuple[int, int]:
+    """The first and the last multiple of NORM_CHUNK within [a, z], or (z, z) where none is: [a, head) is the end of a
+    chunk, [head, body) whole chunks, [body, z) the start of one."""
+    head = min(z, -(-a // NORM_CHUNK) * NORM_CHUNK)  # the first multiple at or after a
+    return head, max(head, z // NORM_CHUNK * NORM_CHUNK)  # the last at or before z
+
+
 def norm_chunks(shard: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
     """The `ranges` of `shard` cut at every multiple of NORM_CHUNK, as 2-D views: one row per chunk (or piece of one).
 
@@ -49,8 +56,7 @@ def norm_chunks(shard: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torc
     """
     C, pieces = NORM_CHUNK, []
     for a, z in ranges:
-        head = min(z, -(-a // C) * C)  # the first multiple of C at or after a
-        body = max(head, z // C * C)  # the last at or before z
+        head, body = grid_cut(a, z)
         if head > a:
             pieces.append(shard[a:head].view(1, -1))
         if body > head:
@@ -99,10 +105,10 @@ def scattered_chunk_squares(pieces: list[tuple[int, torch.Tensor]]) -> torch.Ten
     C, parts, sums = NORM_CHUNK, {}, []
     for offset, t in pieces:
         end = offset + t.numel()
-        head, body = min(end, -(-offset // C) * C), max(offset, end // C * C)
+        head, body = grid_cut(offset, end)
         if body > head:
             sums.append(chunk_squares(t[head - offset : body - offset], [(0, body - head)]))
-        for lo, hi in ((offset, head), (max(head, body), end)):
+        for lo, hi in ((offset, head), (body, end)):
             if hi > lo:
                 if lo // C not in parts:
                     parts[lo // C] = t.new_zeros(C)
