@@ -15,6 +15,11 @@ from zerotrain.training.loop import accumulate_gradients, build_engine
 from zerotrain.training.schedule import lr_at
 
 
+def plant_flat_gradient_buffer(monkeypatch) -> None:
+    """Planted: one rank keeps the flat gradient buffer (and copies each gradient into it), as more ranks do."""
+    monkeypatch.setattr(ZeroEngine, "grads_in_params", property(lambda self: False))
+
+
 def run_steps(engine, cfg, steps, forward=None, grads=None):
     """Train `steps` optimizer steps as the loop does; the last pre-clip gradient norm. With a `grads` list, each
     step's reduced gradient shard is appended to it (a copy, before the update)."""
@@ -133,7 +138,7 @@ def test_one_reduce_scatter_and_one_all_gather_round_per_step(tmp_path, one_rank
     """The flat buffer's path (more ranks') reduce-scatters each bucket once a step; one rank's gradients in the
     parameters have nothing to reduce."""
     if path == "flat buffer":
-        monkeypatch.setattr(ZeroEngine, "grads_in_params", property(lambda self: False))
+        plant_flat_gradient_buffer(monkeypatch)
     cfg = tiny_config(tmp_path, micro=2, accum=4)
     engine = build_engine(cfg, one_rank)
     before = dict(one_rank.calls)
@@ -201,13 +206,8 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
         train(cfg, one_rank)
 
 
-def flat_gradient_buffer():
-    """Planted: one rank keeps the flat gradient buffer (and copies each gradient into it), as more ranks do."""
-    return mock.patch.object(ZeroEngine, "grads_in_params", property(lambda self: False))
-
-
 def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_buffer_and_the_buffer_is_caught(
-        tmp_path, one_rank):
+        tmp_path, one_rank, monkeypatch):
     """On one rank (stage 1, fp32) the gradients are autograd's own tensors: no flat buffer, no copy, and the same
     training, bitwise (accumulation, clipping and the norm's bits included). Planted: the flat buffer kept; the run's
     memory plan check catches it."""
@@ -220,16 +220,15 @@ def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_b
     assert norm > cfg.optim.grad_clip  # the clipping ran
     train(cfg, one_rank)  # the plan's gradient row, checked after step 1, is autograd's gradients
 
-    with flat_gradient_buffer():
-        buffered = build_engine(cfg, one_rank)
-        assert buffered.grad_bytes() == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
-        buffered_grads = []
-        assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
-        assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
-        assert torch.equal(buffered.flat_params, one.flat_params)
-        with pytest.raises(InvariantError,
-                           match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
-            train(tiny_config(tmp_path / "buffered", steps=3), one_rank)
+    plant_flat_gradient_buffer(monkeypatch)
+    buffered = build_engine(cfg, one_rank)
+    assert buffered.grad_bytes() == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
+    buffered_grads = []
+    assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
+    assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
+    assert torch.equal(buffered.flat_params, one.flat_params)
+    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
+        train(tiny_config(tmp_path / "buffered", steps=3), one_rank)
 
 
 @pytest.mark.parametrize("path", ["in params", "flat buffer"])
@@ -242,7 +241,7 @@ def test_a_parameter_without_a_gradient_in_a_window_reads_zero_not_the_last_wind
     window's gradient leaks into the norm."""
     cfg = tiny_config(tmp_path)
     if path == "flat buffer":
-        monkeypatch.setattr(ZeroEngine, "grads_in_params", property(lambda self: False))
+        plant_flat_gradient_buffer(monkeypatch)
 
     def second_window_norm(engine) -> tuple[float, float]:
         run_steps(engine, cfg, 1)  # a whole window: every gradient arrives
