@@ -99,7 +99,7 @@ def _transformers_step(shape: dict, x, y, args):
             max_position_embeddings=shape["seq_len"], rope_theta=shape["rope_theta"], rms_norm_eps=shape["norm_eps"],
             tie_word_embeddings=shape["tie_embeddings"])
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
-    optimizer = _adamw(model, torch)
+    optimizer = _adamw(model)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -128,7 +128,7 @@ def _litgpt_step(shape: dict, x, y, args):
     model.apply(model._init_weights)  # N(0, 0.02), as litgpt's pretraining starts (and transformers' models)
     if shape["tie_embeddings"]:
         model.lm_head.weight = model.transformer.wte.weight
-    optimizer = _adamw(model, torch)
+    optimizer = _adamw(model)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -140,8 +140,10 @@ def _litgpt_step(shape: dict, x, y, args):
     return step
 
 
-def _adamw(model, torch):
+def _adamw(model):
     """Fused AdamW, weight decay 0.1 on the matrices only: zerotrain's defaults."""
+    import torch
+
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=True)
