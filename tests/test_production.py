@@ -158,6 +158,122 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path
     assert final_state(nudged, 6) != final_state(whole, 6)
 
 
+def in_own_session(tmp_path, *args, faults, python_first=()):
+    """`zerotrain ARGS` in a process group of its own (a group signal then reaches only the job), with `faults`;
+    `python_first`: lines run in the launcher's interpreter before the command (a planted bug). What the group
+    still holds 10 s after the launcher has exited is killed (a planted bug can orphan ranks) and returned as `left`."""
+    code = "\n".join([*python_first, "import sys", "from zerotrain.cli.main import main", "sys.exit(main(sys.argv[1:]))"])
+    env = dict(os.environ, ZEROTRAIN_FAULTS=faults)
+    with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
+        job = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=out, stderr=err, text=True,
+                               start_new_session=True)
+        try:
+            job.wait(timeout=240)
+        finally:
+            deadline = time.monotonic() + 10  # the ranks' server ends once its launcher has gone
+            while (left := _in_group(job.pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            job.wait()
+        out.seek(0)
+        err.seek(0)
+        r = subprocess.CompletedProcess(job.args, job.returncode, out.read(), err.read())
+    r.left = left
+    return r
+
+
+def _in_group(pgid: int) -> list[int]:
+    """Every live process of a process group: ranks orphaned by their server's death included."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except OSError:
+            continue
+        if state != "Z" and int(group) == pgid:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group_is_one_stop_saved_at_its_step_and_the_resumed_run_is_bitwise_identical(
+        tmp_path, uninterrupted, kind):
+    """Ctrl-C in a terminal (SIGINT), `timeout` or `kill -TERM -- -PGID` (SIGTERM) signal the launcher, the ranks'
+    server and every rank at once: one request, saved at its step, exit 0. Planted: a server that dies of SIGTERM
+    (multiprocessing's own) took with it the ranks' exit codes, and every rank that saved was reported as 255."""
+    args = [*TINY, "--steps", "6", "--ckpt-every", "4"]
+    stopped = str(tmp_path / "stopped")
+    r = in_own_session(tmp_path, "train", *args, "--out", stopped, faults=f"group_{kind.lower()}@step=3,rank=1")
+    assert r.returncode == 0 and r.left == [], r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"zerotrain: {kind} received: every rank finishes its current step "
+                                                 "and saves; send it again to stop at once")
+    assert r.stdout.strip().splitlines()[-1] == \
+        f"zerotrain: stopped by {kind} at step 3; saved step_00000003; continue with --resume auto"
+    assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000003"]
+    if kind == "SIGTERM":
+        planted = in_own_session(tmp_path, "train", *args, "--out", str(tmp_path / "planted"), faults="group_sigterm@step=3",
+                                 python_first=["import zerotrain.runtime.rank_start as r",
+                                               "r.SERVER_FLAG = 'NOT_THE_SERVER'"])
+        assert planted.returncode == 1 and "failed with exit code 255" in planted.stderr, planted.stderr
+        return
+    resumed, = train_in_turn([*args, "--out", stopped, "--resume", "auto"])
+    assert resumed["start_step"] == 3 and steps_of(stopped) == list(range(1, 7))
+    assert final_state(stopped, 6) == final_state(uninterrupted, 6)
+
+
+def test_one_stop_delivered_twice_is_one_request_and_a_later_second_signal_stops_at_once(tmp_path, monkeypatch):
+    """The rank and the launcher count a signal within SAME_STOP_S of the first as that stop delivered again (a group
+    signal that torchrun's agent, or `timeout`, delivers once more); one sent later stops at once. Planted: counting
+    every delivery as a request (a window of 0) stops at once on one Ctrl-C under torchrun."""
+    from zerotrain.runtime import stop as stop_module
+    from zerotrain.runtime.stop import SAME_STOP_S, StopRequest
+    from zerotrain.runtime.supervise import LauncherSignals
+
+    now = [100.0]
+    exits = []
+    monkeypatch.setattr(stop_module.os, "_exit", exits.append)
+
+    def deliver(handler, after_s):
+        now[0] += after_s
+        handler._on_signal(signal.SIGINT, None)
+
+    def launcher():
+        open(tmp_path / "stepping", "w").close()
+        return LauncherSignals(str(tmp_path / "stop"), [str(tmp_path / "stepping")], clock=lambda: now[0])
+
+    def rank():
+        request = StopRequest(str(tmp_path / "stop"), clock=lambda: now[0])
+        request.begin_stepping()
+        return request
+
+    def drill():
+        """(launcher's hard stop, rank's exits) for a stop delivered twice 10 ms apart, then a second 2 s later."""
+        seen = []
+        for when in (0.01, SAME_STOP_S + 1):
+            if os.path.exists(tmp_path / "stop"):
+                os.remove(tmp_path / "stop")
+            exits.clear()
+            ours, theirs = launcher(), rank()
+            for handler in (ours, theirs):
+                deliver(handler, 0)
+                deliver(handler, when)
+            seen.append((ours.hard_stop, list(exits), theirs.requested))
+        return seen
+
+    assert drill() == [(None, [], True), ("SIGINT", [128 + signal.SIGINT], True)]
+    # the stop file the launcher writes is not a signal: the rank's own copy of the group's signal is still its first
+    exits.clear()
+    open(tmp_path / "stop", "w").write("SIGINT")
+    theirs = rank()
+    assert theirs.requested
+    deliver(theirs, 0)
+    assert exits == []
+    monkeypatch.setattr(stop_module, "SAME_STOP_S", 0.0)  # planted: every delivery counts
+    assert drill()[0] == ("SIGINT", [128 + signal.SIGINT], True)
+
+
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bitwise_identical(tmp_path, capfd,
                                                                                                  uninterrupted):
     args = [*TINY, *SIX_STEPS]

@@ -14,13 +14,21 @@ forked rank would otherwise take from the server rather than from its launcher n
   output since, as pytest does per test, would not see the ranks'). The launcher's descriptors themselves are
   sent to the rank (the way multiprocessing sends a pipe), so the rank writes where the launcher writes, sharing
   its file offset as an inherited descriptor does.
+
+The server also outlives a stop signal sent to the launcher's whole process group (a terminal's Ctrl-C, `timeout`,
+`kill -TERM -- -PGID`): multiprocessing's server ignores SIGINT but not SIGTERM, and killed it takes with it the
+pipe through which the launcher learns its ranks' exit codes, so every rank that saved and exited 0 was reported
+as exit code 255. Here it ignores SIGTERM too; each rank takes SIGTERM's default back as it starts (and its own
+stop handler after that, stop.py), and the server still ends when its launcher closes its pipe.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from multiprocessing import forkserver, reduction
 
 from .allocator import huge_pages_environment
@@ -31,6 +39,11 @@ PRELOAD = ["zerotrain.runtime.launch", "zerotrain.training.loop",
 
 # In the forkserver, imported before any fork: the environment every rank starts from.
 _SERVER_ENV = dict(os.environ)
+# Set in the server's environment alone (start_server): the process importing this module with it is the server.
+SERVER_FLAG = "ZEROTRAIN_RANK_SERVER"
+
+if os.environ.get(SERVER_FLAG) == "1" and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop signal to the process group is the ranks' to answer
 
 
 def start_server() -> None:
@@ -38,7 +51,7 @@ def start_server() -> None:
     for huge pages where the kernel gives them on request (allocator.py). The launcher's own environment is left as
     it was, so the ranks' (and what they start) is the launcher's."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    extra = huge_pages_environment()
+    extra = {**huge_pages_environment(), SERVER_FLAG: "1"}
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:
@@ -65,7 +78,9 @@ class LauncherState:
 
 
 def _in_rank(environ: dict[str, str], pid: int, stdout, stderr) -> LauncherState:
-    """Unpickled in the rank, before the job: the launcher's streams and environment (with the agent's variables)."""
+    """Unpickled in the rank, before the job: the launcher's streams and environment (with the agent's variables),
+    and SIGTERM's default, which the server ignores."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.stdout.flush()
     sys.stderr.flush()
     for sent, fd in ((stdout, 1), (stderr, 2)):
@@ -84,6 +99,11 @@ def adopt(state: LauncherState) -> None:
     os.environ.update(state.environ)
     os.environ.update(agent)
     _launcher_pid = state.pid
+
+
+def server_pid() -> int | None:
+    """The running server's pid (None before the first launch): the launcher's, kept for its later jobs."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def launcher_pid() -> int:

@@ -16,19 +16,24 @@ import time
 
 from zerotrain.durable import write_atomic
 
+from .stop import SignalCount
+
 STOP_FILE = "stop"
 STEPPING_FILE = "stepping-rank{rank}"  # left by each rank as it starts its first step
 
 
 class LauncherSignals:
-    """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, the second asks for a hard stop.
+    """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, a second request asks for a hard stop.
 
-    Before every rank has started its first step there is nothing to save: the first signal asks for a hard stop.
+    A signal to the whole process group reaches the launcher and every rank at once; it is one request, and so is
+    the same signal delivered again within SAME_STOP_S (stop.py). Before every rank has started its first step
+    there is nothing to save: the first signal asks for a hard stop.
     """
 
-    def __init__(self, stop_file: str, stepping_files: list[str] | None = None):
+    def __init__(self, stop_file: str, stepping_files: list[str] | None = None, clock=time.monotonic):
         self.stop_file, self.stepping_files = stop_file, stepping_files or []
         self.hard_stop, self.before_first_step, self._previous = None, False, {}
+        self.signals = SignalCount(clock)
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -44,8 +49,10 @@ class LauncherSignals:
         if not all(os.path.exists(p) for p in self.stepping_files):  # a rank still starts: no save can happen
             self.hard_stop, self.before_first_step = name, True
             return
-        if os.path.exists(self.stop_file):
+        if self.signals.is_second():
             self.hard_stop = name
+            return
+        if os.path.exists(self.stop_file):  # the first request, delivered again
             return
         write_atomic(self.stop_file, name, durable=False)
         print(f"zerotrain: {name} received: every rank finishes its current step and saves; "

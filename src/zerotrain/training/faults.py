@@ -24,6 +24,10 @@ kill, hang and slow_storage also take step=0: while the rank starts, before its 
                    with no core of its own would: the next update waits for the copy
     sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
                    request is seen, so the stop lands at step N whatever the signal's delivery time
+    group_sigint, group_sigterm
+                   the same with SIGINT or SIGTERM sent to the launcher's whole process group (the launcher, the
+                   ranks' server, every rank), as a terminal's Ctrl-C, `timeout` or `kill -- -PGID` send it; run
+                   the job in a process group of its own (setsid)
     oom            the rank runs out of memory during step N, before that step's collectives (torch's
                    OutOfMemoryError, as an allocation beyond the device raises it)
     slow_storage   from step N on (0: from its start), every checkpoint file the rank reads or writes costs F seconds
@@ -57,7 +61,7 @@ from zerotrain.runtime.failures import restart_count
 
 ENV = "ZEROTRAIN_FAULTS"
 KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "crash_in_commit", "save_error", "disk_full",
-         "slow_staging", "sigterm", "oom", "slow_storage")
+         "slow_staging", "sigterm", "group_sigint", "group_sigterm", "oom", "slow_storage")
 SAVE_KINDS = ("crash_in_save", "save_error", "disk_full")  # the kinds the checkpoint writer's halfway hook fires
 STARTUP_KINDS = ("kill", "hang", "slow_storage")  # the kinds that step=0 fires while the rank starts
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
@@ -67,6 +71,7 @@ DEFAULT_LR_FACTOR = 100.0
 DEFAULT_STAGING_DELAY_S = 1.0
 FACTOR_DEFAULTS = {"lr_spike": DEFAULT_LR_FACTOR, "slow_staging": DEFAULT_STAGING_DELAY_S,
                    "slow_storage": 1.0}  # the kinds that take a factor
+SIGNALS = {"sigterm": signal.SIGTERM, "group_sigint": signal.SIGINT, "group_sigterm": signal.SIGTERM}
 # sigterm: how often and how long the rank polls for its own stop request after signalling the launcher.
 STOP_POLL_S = 0.01
 STOP_WAIT_S = 60.0
@@ -186,12 +191,12 @@ class Faults:
 
     def before_collectives(self, step: int, stop_seen: Callable[[], bool] | None = None,
                            stop_wait_s: float = STOP_WAIT_S) -> None:
-        """kill, hang, sigterm, oom and slow_storage of step `step`, in the order written; call before the step's first
+        """kill, hang, the signals, oom and slow_storage of step `step`, in the order written; call before the step's first
         collective (step 0: as the rank starts, before it reads or hashes any file).
 
         `stop_seen()` tells whether this rank's own stop request (set by its SIGTERM handler) has arrived.
         """
-        for fault in self._fire(step, "kill", "hang", "sigterm", "oom", "slow_storage"):
+        for fault in self._fire(step, "kill", "hang", *SIGNALS, "oom", "slow_storage"):
             _announce(fault)
             if fault.kind == "slow_storage":
                 slow_storage(fault.factor)
@@ -208,8 +213,11 @@ class Faults:
     @staticmethod
     def _signal_launcher(fault: Fault, stop_seen: Callable[[], bool] | None, stop_wait_s: float) -> None:
         if stop_seen is None:
-            raise ValueError("the sigterm fault needs stop_seen(), the rank's own stop request")
-        os.kill(launcher_pid(), signal.SIGTERM)
+            raise ValueError(f"the {fault.kind} fault needs stop_seen(), the rank's own stop request")
+        if fault.kind == "sigterm":
+            os.kill(launcher_pid(), signal.SIGTERM)
+        else:
+            os.killpg(os.getpgid(launcher_pid()), SIGNALS[fault.kind])
         deadline = time.monotonic() + stop_wait_s
         while not stop_seen():
             if time.monotonic() > deadline:
