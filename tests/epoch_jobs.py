@@ -11,7 +11,7 @@ import torch
 
 from zerotrain import checkpoint
 from zerotrain.config import Config
-from zerotrain.data import IGNORE, BatchSchedule
+from zerotrain.data import IGNORE, BatchSchedule, RecordSource
 from zerotrain.parallel import Comm
 from zerotrain.training import loop
 from zerotrain.training.loop import train
@@ -28,14 +28,26 @@ def record_pieces(mb) -> list[list[list[int]]]:
     return out
 
 
+def step_times_batch(real):
+    """Planted: the row mapping before layouts, step k of an epoch at rows k*G for G the global batch the run has
+    now, whatever rows the steps before it read (`real`: RecordSource.step_rows)."""
+    def rows(self, step):
+        today = copy.copy(self)
+        today.continue_layout([], 0)  # the run's global batch from the first step on
+        return real(today, step)
+    return rows
+
+
 def recorded_train(cfg: Config, comm: Comm) -> dict:
-    """Train; the losses, the digests, and {data step: the records every rank computed in it}."""
+    """Train; the losses, the digests, {data step: the records every rank computed in it} and {data step: its epoch}."""
     seen: dict[int, list] = {}
+    epochs: dict[int, int] = {}
     real = BatchSchedule.batch
 
     def recording(self, step):
         batch = real(self, step)
         seen[step] = [p for mb in batch.micro_batches for p in record_pieces(mb)]
+        epochs[step] = batch.epoch
         return batch
 
     with mock.patch.object(BatchSchedule, "batch", recording):
@@ -43,13 +55,15 @@ def recorded_train(cfg: Config, comm: Comm) -> dict:
     every_rank = comm.io.all_gather_json({str(k): v for k, v in seen.items()}, "gather_seen_records")
     steps = {int(k) for rank in every_rank for k in rank}
     return {"losses": [r["loss"] for r in result.records], "digests": result.digests, "start": result.start_step,
-            "plan": result.plan, "seen": {k: [p for rank in every_rank for p in rank.get(str(k), [])] for k in sorted(steps)}}
+            "plan": result.plan, "epochs": epochs,
+            "seen": {k: [p for rank in every_rank for p in rank.get(str(k), [])] for k in sorted(steps)}}
 
 
-def epochs_resume_job(cfg: Config, comm: Comm, *, resume_at: int) -> dict:
-    """An uninterrupted run saving at `resume_at`; a fresh run resumed from that checkpoint; and, planted, a resume
-    that forgets the data position (its data steps count from 0 again), and one whose memory plan leaves out the
-    packed records' attention mask."""
+def epochs_resume_job(cfg: Config, comm: Comm, *, resume_at: int, resized_steps: int, resized_out: str) -> dict:
+    """An uninterrupted run saving at `resume_at`; a fresh run resumed from that checkpoint; one resumed from it at
+    another global batch (micro-batch 1 x accum 3) to `resized_steps`, saving its last step in `resized_out`; and,
+    planted, a resume that forgets the data position (its data steps count from 0 again), one whose memory plan
+    leaves out the packed records' attention mask, and the resized resume with the rows of step x G."""
     first = recorded_train(cfg, comm)
     resumed = copy.deepcopy(cfg)
     resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(resume_at))
@@ -60,4 +74,12 @@ def epochs_resume_job(cfg: Config, comm: Comm, *, resume_at: int) -> dict:
     real_plan = loop.memory_plan
     with mock.patch.object(loop, "memory_plan", lambda cfg, world_size, documents: real_plan(cfg, world_size)):
         unplanned = recorded_train(resumed, comm)  # planted: the plan is not told that the rows carry segments
-    return {"first": first, "resumed": again, "forgetful": forgetful, "unplanned": unplanned}
+    resized = copy.deepcopy(resumed)
+    resized.loop.micro_batch, resized.loop.accum, resized.loop.steps = 1, 3, resized_steps
+    resized.logging.out, resized.checkpoint.dir, resized.checkpoint.every = resized_out, resized_out, resized_steps
+    other_batch = recorded_train(resized, comm)
+    resized.checkpoint.every = 0
+    with mock.patch.object(RecordSource, "step_rows", step_times_batch(RecordSource.step_rows)):
+        step_times_g = recorded_train(resized, comm)
+    return {"first": first, "resumed": again, "forgetful": forgetful, "unplanned": unplanned,
+            "other_batch": other_batch, "step_times_g": step_times_g}

@@ -44,12 +44,24 @@ class BatchSchedule:
         self.source, self.micro_batch, self.accum = source, micro_batch, accum
         self.rank, self.world_size = rank, world_size
         self.global_batch = world_size * micro_batch * accum
-        # A source of records in epochs lays each step's rows out for one global batch size: another would
-        # silently read rows twice or skip them
+        # A source of records in epochs lays the steps it is asked for out for one global batch size (a resume
+        # at another continues its layout: resume()); another would silently read rows twice or skip them
         rows = getattr(source, "global_batch", self.global_batch)
         if rows != self.global_batch:
             raise ValueError(f"the source lays out steps of {rows} sequences, the schedule's global batch is "
                              f"{self.global_batch} ({world_size} x {micro_batch} x {accum})")
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the schedule: for records in epochs, the global batches the run has had and
+        from which data step (the row the next step reads follows from them); other sources need nothing."""
+        layout = getattr(self.source, "layout", None)
+        return {} if layout is None else {"data_layout": layout}
+
+    def resume(self, state: dict, at: int, global_batch: int) -> None:
+        """Continue, from data step `at`, the run whose checkpoint holds `state` (its state_dict(), merged into the
+        manifest); `global_batch`, that run's, stands for the layout of a checkpoint written without one."""
+        if hasattr(self.source, "continue_layout"):
+            self.source.continue_layout(state.get("data_layout") or [[0, global_batch]], at)
 
     def batch(self, step: int) -> StepBatch:
         per_rank = self.micro_batch * self.accum

@@ -11,11 +11,16 @@ IGNORE labels. Unpacked, each record is a row of its own. A record longer than t
 first seq_len + 1 tokens (counted in `describe`); a record left with no trained token is left out
 (it would add nothing to the loss or the gradient).
 
-The rows of an epoch are laid out over steps of `global_batch` rows: step k of the epoch holds rows
-k*G .. k*G + G - 1, its last step only what is left (the rest of its rows are empty: no token, no
-loss), so every step lies in one epoch and `--epochs N` is a whole number of steps. A data step's
-rows are a function of (seed, data step, global batch, seq_len) alone: how the ranks and
-micro-batches split them changes nothing, and a resume needs only the step.
+The rows of an epoch are read in order, a global batch of rows a step, its last step only what is
+left (the rest of its rows are empty: no token, no loss), so every step lies in one epoch and
+`--epochs N` is a whole number of steps. Where a data step starts is a function of the rows the
+steps before it consumed: the source keeps its layout, the [first data step, global batch] of each
+stretch of steps the run has had (one pair unless a resume changed the global batch; checkpoints
+keep it), so a resume at another global batch continues at the row where the run stopped, and each
+record is still read once per epoch. With one global batch G, step k of an epoch holds rows
+k*G .. k*G + G - 1: a data step's rows are a function of (seed, data step, layout, seq_len) alone, so
+how the ranks and micro-batches split them changes nothing, and a resume needs only the step and the
+layout.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import heapq
 import math
 import os
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -112,6 +118,15 @@ def best_fit(costs: np.ndarray, capacity: int) -> np.ndarray:
     return window
 
 
+class _Stretch(NamedTuple):
+    """Steps of one epoch at one global batch: step `first` + j reads rows `row` + j * `batch` onwards."""
+
+    first: int  # data step
+    epoch: int
+    row: int
+    batch: int
+
+
 class RecordSource:
     """Records, each seen once per epoch, as training rows: packed windows with segment ids, or one record per row."""
 
@@ -130,7 +145,9 @@ class RecordSource:
         if not len(self.records):
             raise ConfigError(f"{self.name}: no record with a trained token in a window of --seq-len {seq_len}")
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-        self._first_steps = [0]  # the first data step of epochs 0, 1, ... as far as laid out
+        # [first data step, global batch] of each stretch of steps the run has had (continue_layout adds one)
+        self.layout = [[0, global_batch]]
+        self._stretches: list[_Stretch] = []  # as far as laid out, in order
 
     # ---------------------------------------------------------------- the epochs
     def epoch_rows(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,21 +171,54 @@ class RecordSource:
     def rows_in_epoch(self, epoch: int) -> int:
         return len(self.records) if not self.pack else len(self.epoch_rows(epoch)[1]) - 1
 
+    # ---------------------------------------------------------------- the steps over the epochs
+    def continue_layout(self, layout: list[list[int]], at: int) -> None:
+        """Continue from data step `at` the layout of a checkpoint's run ([first data step, global batch] pairs) at
+        this source's global batch: the steps before `at` keep the rows they had, step `at` reads on from the row
+        where they stopped."""
+        kept = [[int(first), int(batch)] for first, batch in layout if int(first) < at]
+        if kept and kept[0][0] != 0 or any(b[0] <= a[0] or b[1] < 1 for a, b in zip([[-1, 1]] + kept, kept)):
+            raise ValueError(f"not a data layout (increasing first steps from 0, positive global batches): {layout}")
+        if not kept or kept[-1][1] != self.global_batch:
+            kept.append([int(at), self.global_batch])
+        self.layout, self._stretches = kept, []
+
+    def _stretch_after(self, last: _Stretch | None) -> _Stretch:
+        """The stretch of steps after `last`: the rest of its epoch at the next global batch where the layout changes
+        it before the epoch ends, else the next epoch from its first row."""
+        if last is None:
+            return _Stretch(0, 0, 0, self.layout[0][1])
+        end = last.first + math.ceil((self.rows_in_epoch(last.epoch) - last.row) / last.batch)
+        change = next((first for first, _ in self.layout if first > last.first), None)
+        if change is not None and change < end:
+            return _Stretch(change, last.epoch, last.row + (change - last.first) * last.batch, self._batch_at(change))
+        return _Stretch(end, last.epoch + 1, 0, self._batch_at(end))
+
+    def _batch_at(self, step: int) -> int:
+        return next(batch for first, batch in reversed(self.layout) if first <= step)
+
+    def _stretch_of(self, *, step: int | None = None, epoch: int | None = None) -> _Stretch:
+        """The stretch data step `step` lies in, or the first of epoch `epoch`, laying the stretches out as far as
+        needed."""
+        stretches = self._stretches
+        while not stretches or (stretches[-1].first <= step if epoch is None else stretches[-1].epoch < epoch):
+            stretches.append(self._stretch_after(stretches[-1] if stretches else None))
+        if epoch is None:
+            return stretches[bisect.bisect_right(stretches, step, key=lambda s: s.first) - 1]
+        return stretches[bisect.bisect_left(stretches, epoch, key=lambda s: s.epoch)]
+
+    def step_rows(self, step: int) -> tuple[int, int, int]:
+        """(epoch, first row in it, rows a step) of data step `step`: where the steps before it stopped."""
+        s = self._stretch_of(step=step)
+        return s.epoch, s.row + (step - s.first) * s.batch, s.batch
+
     def first_step(self, epoch: int) -> int:
         """The first data step of epoch `epoch` (0-based): the steps of the epochs before it."""
-        while len(self._first_steps) <= epoch:
-            e = len(self._first_steps) - 1
-            self._first_steps.append(self._first_steps[-1] + math.ceil(self.rows_in_epoch(e) / self.global_batch))
-        return self._first_steps[epoch]
+        return self._stretch_of(epoch=epoch).first
 
     def locate(self, step: int) -> tuple[int, int]:
         """(epoch, step within it) of data step `step`."""
-        if not self.pack:  # every epoch has the same rows
-            per_epoch = math.ceil(len(self.records) / self.global_batch)
-            return divmod(step, per_epoch)
-        epoch = 0
-        while self.first_step(epoch + 1) <= step:
-            epoch += 1
+        epoch = self.step_rows(step)[0]
         return epoch, step - self.first_step(epoch)
 
     def epochs_in(self, steps: int) -> str:
@@ -182,15 +232,15 @@ class RecordSource:
 
     # ---------------------------------------------------------------- a step's rows
     def sequences(self, step: int, indices: range) -> MicroBatch:
-        epoch, k = self.locate(step)
+        epoch, first, batch = self.step_rows(step)
         order, bounds, _ = self.epoch_rows(epoch)
         rows, T = len(bounds) - 1, self.seq_len
         x = np.zeros((len(indices), T), dtype=np.int64)
         y = np.full((len(indices), T), IGNORE, dtype=np.int64)
         seg = np.zeros((len(indices), T), dtype=np.int64)
         for row, i in enumerate(indices):
-            r = k * self.global_batch + i
-            if r >= rows:
+            r = first + i
+            if i >= batch or r >= rows:
                 continue  # past the epoch's last row: an empty row of its last step
             at = 0
             for s, rec in enumerate(order[bounds[r] : bounds[r + 1]]):
@@ -211,11 +261,10 @@ class RecordSource:
 
     def token_count(self, step: int, global_batch: int) -> int:
         """Target tokens the loss counts in step `step`'s global batch: not padding, not a prompt's."""
-        if global_batch != self.global_batch:
-            raise ValueError(f"steps are laid out for {self.global_batch} rows, not {global_batch}")
-        epoch, k = self.locate(step)
-        per_row = self.epoch_rows(epoch)[2]
-        return int(per_row[k * global_batch : (k + 1) * global_batch].sum())
+        epoch, first, batch = self.step_rows(step)
+        if global_batch != batch:
+            raise ValueError(f"step {step} is laid out for {batch} rows, not {global_batch}")
+        return int(self.epoch_rows(epoch)[2][first : first + batch].sum())
 
     # ---------------------------------------------------------------- for the start line
     @property

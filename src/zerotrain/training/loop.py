@@ -166,10 +166,6 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None) -> t
     else:
         return 0, {}, None
     comm.io.barrier("checkpoint_loaded")  # a rank slower to read waits out --io-timeout, not the next step's --timeout
-    theirs = Config.from_dict(manifest["config"]) if "config" in manifest else None
-    schedule = (theirs.loop.steps, theirs.global_batch) if theirs else None
-    if comm.rank == 0 and schedule and schedule != (cfg.loop.steps, cfg.global_batch):
-        print(f"zerotrain: warning: {_schedule_change(schedule, (cfg.loop.steps, cfg.global_batch))}", flush=True)
     threads = manifest.get("threads_per_rank")
     if comm.rank == 0 and threads and threads != torch.get_num_threads():
         print(f"zerotrain: warning: {os.path.basename(path)} was written with {threads} threads per rank, this run "
@@ -209,16 +205,46 @@ class _Run:
         return self.engine.mesh
 
 
-def _schedule_change(theirs: tuple[int, int], ours: tuple[int, int]) -> str:
-    """What a resume with another --steps or global batch changes: the learning rate spans --steps, and a step's
-    batch is sequences 0..G-1 of that step, so the data changes only with the global batch."""
+def _continue_data(cfg: Config, comm: Comm, schedule: BatchSchedule, manifest: dict, start: int) -> None:
+    """Continue the checkpoint's data where its run stopped (records: at the row, whatever the global batch now);
+    rank 0 says what a changed --steps or global batch changes."""
+    if "config" not in manifest:  # a fresh run
+        return
+    theirs = Config.from_dict(manifest["config"])
+    schedule.resume(manifest, data_step(start, manifest.get("data_skips", [])), theirs.global_batch)
+    if comm.rank != 0:
+        return
+    layout = schedule.state_dict().get("data_layout")
+    epochs = None
+    if cfg.loop.epochs and layout and len(layout) > 1:  # --epochs counted steps as if the batch had never changed
+        epochs = (cfg.loop.epochs, schedule.source.first_step(cfg.loop.epochs))
+    before, now = (theirs.loop.steps, theirs.global_batch), (cfg.loop.steps, cfg.global_batch)
+    if before != now or epochs and epochs[1] != cfg.loop.steps:
+        print(f"zerotrain: warning: {_schedule_change(before, now, records=bool(layout), epochs=epochs)}", flush=True)
+
+
+def _schedule_change(theirs: tuple[int, int], ours: tuple[int, int], *, records: bool = False,
+                     epochs: tuple[int, int] | None = None) -> str:
+    """What a resume with another --steps or global batch changes: the learning rate spans --steps; records in epochs
+    read on from the row where the checkpoint's run stopped, so a new global batch changes only how many a step takes;
+    token windows are sequences 0..G-1 of each step, so the data changes only with the global batch. `epochs`:
+    (--epochs N, the step where N epochs end over this run's layout), when --epochs derived the steps."""
     (steps, batch), (new_steps, new_batch) = theirs, ours
     said = []
     if new_steps != steps:
         said.append(f"--steps {new_steps} instead of {steps} continues on another learning-rate schedule")
-    if new_batch != batch:
-        said.append(f"a global batch of {new_batch} sequences instead of {batch} changes each step's data and the "
-                    "learning rate's per-token scale")
+    if new_batch != batch and records:
+        said.append(f"a global batch of {new_batch} sequences instead of {batch} reads the epoch on from the row where "
+                    f"the checkpoint's run stopped, {new_batch} rows a step (each record still once per epoch), and "
+                    "changes the learning rate's per-token scale")
+    elif new_batch != batch:
+        said.append(f"a global batch of {new_batch} sequences instead of {batch} changes each step's data (step s "
+                    f"reads sequences 0-{new_batch - 1} of step s) and the learning rate's per-token scale")
+    if epochs and epochs[1] != new_steps:
+        n, end = epochs
+        said.append(f"--epochs {n} counted {new_steps} steps as if every step had had {new_batch} rows, but over this "
+                    f"run's global batches its {n} epoch{'s' * (n != 1)} end at step {end} (--steps {end} in place of "
+                    f"--epochs {n} ends there)")
     return "resuming with " + "; ".join(said) + " (the checkpoint's run is otherwise continued exactly)"
 
 
@@ -288,6 +314,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     if cfg.checkpoint.init_from:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record(comm)}
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
+    _continue_data(cfg, comm, schedule, manifest, start)
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
@@ -378,8 +405,8 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
 
 def _save_or_stop(run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
     """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
-    run.checkpointer.after_step(done, run.engine, {"data_skips": run.skips, "guard": run.detector.state_dict()},
-                                decision, step_s)
+    state = {"data_skips": run.skips, **run.schedule.state_dict(), "guard": run.detector.state_dict()}
+    run.checkpointer.after_step(done, run.engine, state, decision, step_s)
     if decision.stop:
         committed = run.checkpointer.committed
         run.stopped = {"signal": decision.stop_signal, "step": done, "checkpoint": committed[-1] if committed else None}
