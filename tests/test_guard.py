@@ -401,6 +401,35 @@ def test_no_committed_checkpoint_before_the_anomaly_is_a_one_line_error_naming_t
     assert issubclass(NoCheckpointToRestore, ZeroTrainError)
 
 
+def test_a_restored_policy_counts_and_chooses_as_the_one_that_saved_its_state_and_a_fresh_one_does_not():
+    """A resumed or restarted run restores the policy from its checkpoint (JSON): it refuses the rollback past
+    --max-rollbacks, goes further back when the anomaly comes back, and skips the abandoned checkpoints, as the
+    policy that wrote the state; planted: a fresh policy (the state not restored) does none of these."""
+    p = RollbackPolicy(max_rollbacks=2)
+    assert p.decide(anomaly(17), [5, 10, 15]) == 15
+    assert p.decide(anomaly(16), [5, 10, 15]) == 10  # came back: 15 is abandoned
+    state = json.loads(json.dumps(p.state_dict()))
+    assert state == {"rollbacks": 2, "last_anomaly_step": 16, "last_target": 10, "committed_since_rollback": False,
+                     "abandoned": [15]}
+    restored, fresh = RollbackPolicy(max_rollbacks=3), RollbackPolicy(max_rollbacks=3)
+    restored.load_state_dict(state)
+    assert restored.rollbacks == 2 and restored.came_back(anomaly(12)) and not fresh.came_back(anomaly(12))
+    assert restored.decide(anomaly(12), [5, 10, 15]) == 5 and fresh.decide(anomaly(12), [5, 10, 15]) == 10
+    restored.load_state_dict(state)
+    assert restored.decide(anomaly(19), [5, 10, 15]) == 10  # not after 15, abandoned ...
+    assert RollbackPolicy(3).decide(anomaly(19), [5, 10, 15]) == 15  # ... which a fresh policy restores
+    # the limit is the resuming run's own: at --max-rollbacks 2 the third rollback of the run is refused
+    at_limit = RollbackPolicy(max_rollbacks=2)
+    at_limit.load_state_dict(state)
+    with pytest.raises(RollbackExhausted, match="it would need rollback 3, more than --max-rollbacks 2"):
+        at_limit.decide(anomaly(30), [5, 10, 15, 20])
+    assert RollbackPolicy(max_rollbacks=2).decide(anomaly(30), [5, 10, 15, 20]) == 20
+    for bad, field in (({**state, "rollbacks": -1}, "rollbacks is -1"), ({**state, "abandoned": None}, "abandoned"),
+                       ({**state, "last_target": "10"}, "last_target is '10'"), ({}, "abandoned")):
+        with pytest.raises(ValueError, match=f"rollback state: {field}"):
+            RollbackPolicy(3).load_state_dict(bad)
+
+
 # --- skipped data ----------------------------------------------------------------------------------------------
 
 def test_after_a_rollback_the_next_update_trains_on_the_batch_after_the_bad_one():
