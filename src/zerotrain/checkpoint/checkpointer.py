@@ -10,8 +10,7 @@ The loop calls a `Checkpointer` three times a step, as DESIGN.md's step list has
     after_step(...)  the step's time (to judge async saves), then save if the cadence, the clock or a stop says so
 
 and `finish()` at the end (or before a rollback); `recommit(...)` after a rollback re-saves the restored step with the
-loop's new state. Saves happen every K steps, every M minutes of rank 0's clock, on a
-stop and at the end. Fault injection reaches the writer through the hooks given at construction.
+loop's new state. Saves happen every K steps, every M minutes of rank 0's clock, on a stop and at the end. Fault injection reaches the writer through the hooks given at construction.
 """
 
 from __future__ import annotations

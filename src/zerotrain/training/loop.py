@@ -294,10 +294,13 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                                            manifest_extra=origin)
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
-    if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
-        detector.load_state_dict(manifest["guard"])
-    if "rollback" in manifest:  # the rollbacks so far, and what the next one may restore
-        policy.load_state_dict(manifest["rollback"])
+    try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
+        if "guard" in manifest:
+            detector.load_state_dict(manifest["guard"])
+        if "rollback" in manifest:
+            policy.load_state_dict(manifest["rollback"])
+    except ValueError as e:  # the manifest is JSON a person can edit
+        raise checkpoint.CheckpointError(f"{os.path.join(resumed_from, checkpoint.MANIFEST)}: {e}") from None
     if resumed_from:  # committed: as the uninterrupted run's policy heard when it saved it
         policy.note_commit(start)
     memory = invariants.check_memory(engine, comm)
