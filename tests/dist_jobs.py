@@ -50,6 +50,13 @@ def in_turn_job(cfg: Config, comm: Comm, jobs: list[tuple[Callable[[Config, Comm
     return [job(c, comm) for job, c in jobs]
 
 
+def undurable_rollback_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: `zerotrain train` whose rollbacks are not made durable (the restored step is not saved again with
+    the new data skips and guard state), in every attempt of an elastic job."""
+    with mock.patch.object(checkpoint.Checkpointer, "recommit", lambda self, step, engine, state: None):
+        return train_module.train_job(cfg, comm)
+
+
 def params_job(cfg: Config, comm: Comm) -> dict:
     """Train; return the log and the final parameters by name."""
     result = train(cfg, comm)  # no after_update hook: it would wait for the all-gather every step

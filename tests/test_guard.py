@@ -7,11 +7,13 @@ import random
 from unittest import mock
 
 import pytest
-from conftest import zerotrain_here
+from conftest import tiny_config, zerotrain_here
 
-from zerotrain.errors import ZeroTrainError
+from zerotrain.errors import CheckpointError, ZeroTrainError
 from zerotrain.training.guard import (Anomaly, AnomalyDetector, NoCheckpointToRestore, RollbackExhausted,
                                       RollbackPolicy, data_step, skip_after_rollback)
+from zerotrain.training.faults import ENV
+from zerotrain.training.loop import train
 
 
 def detector_with(losses, factor=3.0, window=20, grad_norms=None, **bars):
@@ -399,6 +401,61 @@ def test_no_committed_checkpoint_before_the_anomaly_is_a_one_line_error_naming_t
     with pytest.raises(NoCheckpointToRestore, match="came back right after the rollback to step 5"):
         p.decide(anomaly(6), [5])
     assert issubclass(NoCheckpointToRestore, ZeroTrainError)
+
+
+def test_a_restored_policy_counts_and_chooses_as_the_one_that_saved_its_state_and_a_fresh_one_does_not():
+    """A resumed or restarted run restores the policy from its checkpoint (JSON): it refuses the rollback past
+    --max-rollbacks, goes further back when the anomaly comes back, and skips the abandoned checkpoints, as the
+    policy that wrote the state; planted: a fresh policy (the state not restored) does none of these."""
+    p = RollbackPolicy(max_rollbacks=2)
+    assert p.decide(anomaly(17), [5, 10, 15]) == 15
+    assert p.decide(anomaly(16), [5, 10, 15]) == 10  # came back: 15 is abandoned
+    state = json.loads(json.dumps(p.state_dict()))
+    assert state == {"rollbacks": 2, "last_anomaly_step": 16, "last_target": 10, "committed_since_rollback": False,
+                     "abandoned": [15]}
+    restored, fresh = RollbackPolicy(max_rollbacks=3), RollbackPolicy(max_rollbacks=3)
+    restored.load_state_dict(state)
+    assert restored.rollbacks == 2 and restored.came_back(anomaly(12)) and not fresh.came_back(anomaly(12))
+    assert restored.decide(anomaly(12), [5, 10, 15]) == 5 and fresh.decide(anomaly(12), [5, 10, 15]) == 10
+    restored.load_state_dict(state)
+    assert restored.decide(anomaly(19), [5, 10, 15]) == 10  # not after 15, abandoned ...
+    assert RollbackPolicy(3).decide(anomaly(19), [5, 10, 15]) == 15  # ... which a fresh policy restores
+    # the limit is the resuming run's own: at --max-rollbacks 2 the third rollback of the run is refused
+    at_limit = RollbackPolicy(max_rollbacks=2)
+    at_limit.load_state_dict(state)
+    with pytest.raises(RollbackExhausted, match="it would need rollback 3, more than --max-rollbacks 2"):
+        at_limit.decide(anomaly(30), [5, 10, 15, 20])
+    assert RollbackPolicy(max_rollbacks=2).decide(anomaly(30), [5, 10, 15, 20]) == 20
+    for bad, field in (({**state, "rollbacks": -1}, "rollbacks is -1"), ({**state, "abandoned": None}, "abandoned"),
+                       ({**state, "last_target": "10"}, "last_target is '10'"), ({}, "abandoned")):
+        with pytest.raises(ValueError, match=f"rollback state: {field}"):
+            RollbackPolicy(3).load_state_dict(bad)
+
+
+def test_a_resumed_run_counts_the_rollbacks_its_checkpoint_records_and_an_edited_record_is_one_line(
+        tmp_path, one_rank, monkeypatch):
+    """One rank in this process: a NaN at step 3 rolls back once (--max-rollbacks 1); `--resume auto` from step 4
+    meets a NaN at step 5 and stops, the run's second rollback refused. Planted: the state not read on resume
+    (load_state_dict a no-op), the count starts again and the resumed run rolls back; an edited state fails in one
+    line naming the manifest."""
+    first = tiny_config(tmp_path, steps=4, ckpt_every=2, max_rollbacks=1)
+    monkeypatch.setenv(ENV, "nan@step=3")
+    assert [e["to_step"] for e in train(first, one_rank).rollbacks] == [2]
+    resumed = tiny_config(tmp_path, steps=6, ckpt_every=2, max_rollbacks=1, resume="auto")
+    monkeypatch.setenv(ENV, "nan@step=5")
+    with pytest.raises(RollbackExhausted, match="it would need rollback 2, more than --max-rollbacks 1 allows"):
+        train(resumed, one_rank)
+    with mock.patch.object(RollbackPolicy, "load_state_dict", lambda self, state: None):
+        assert [e["rollback"] for e in train(resumed, one_rank).rollbacks] == [1]  # planted: counted from 0
+    manifest = os.path.join(tmp_path, "checkpoints", "step_00000006", "manifest.json")
+    with open(manifest) as f:
+        edited = json.load(f)
+    edited["rollback"]["rollbacks"] = -1
+    with open(manifest, "w") as f:
+        json.dump(edited, f)
+    with pytest.raises(CheckpointError) as e:
+        train(tiny_config(tmp_path, steps=8, ckpt_every=2, resume="auto"), one_rank)
+    assert str(e.value) == f"{manifest}: rollback state: rollbacks is -1, not a non-negative integer"
 
 
 # --- skipped data ----------------------------------------------------------------------------------------------

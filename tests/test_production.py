@@ -351,11 +351,16 @@ def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective
     assert child_pids() == []
 
 
-def test_nan_rolls_back_logs_it_and_the_run_completes_restoring_one_checkpoint_with_an_async_save_in_flight(
-        tmp_path, capfd):
+def test_nan_rolls_back_durably_and_a_crash_before_the_next_save_restarts_on_the_rolled_back_timeline_bitwise(
+        tmp_path, capfd, monkeypatch):
+    """A NaN at step 5 rolls back to checkpoint 4 (its async save in flight as the anomaly comes) and the run
+    completes; the rollback saved step 4 again with the new skips and the rollback count before training went on.
+    The same run with rank 1 killed at step 6, before the next save, restarts from that re-save and ends bitwise
+    like it, skips and count carried; planted: the decision not made durable (no re-save, in the ranks of both
+    attempts), the restart resumes the old checkpoint 4 and trains on the data the rollback skipped."""
+    args = [*TINY, "--steps", "8", "--ckpt-every", "2", "--async-save"]
     out = str(tmp_path / "nan")
-    r = zerotrain_here(capfd, "train", *TINY, "--steps", "8", "--ckpt-every", "2", "--async-save", "--out", out,
-                       faults="nan@step=5,rank=1")
+    r = zerotrain_here(capfd, "train", *args, "--out", out, faults="nan@step=5,rank=1")
     assert r.returncode == 0, r.stderr
     (rollback,) = events(out, "rollback")
     # to step 4: the async save of step 4 was committed before the rollback chose
@@ -364,9 +369,39 @@ def test_nan_rolls_back_logs_it_and_the_run_completes_restoring_one_checkpoint_w
     assert steps_of(out)[-1] == 8 and json.load(open(os.path.join(out, "summary.json")))["rollbacks"] == 1
     root = os.path.join(out, "checkpoints")
     assert checkpoint.committed_steps(root)[-1] == "step_00000008"
-    checkpoint.verify_or_raise(os.path.join(root, "step_00000008"))
-    manifest = checkpoint.read_manifest(os.path.join(root, "step_00000008"))
-    assert manifest["data_skips"] == [[4, 1]]  # step 5's batch is never trained on again
+    for step in (4, 8):  # the re-save of the restored step 4, and the last step
+        checkpoint.verify_or_raise(os.path.join(root, checkpoint.step_name(step)))
+        manifest = checkpoint.read_manifest(os.path.join(root, checkpoint.step_name(step)))
+        assert manifest["data_skips"] == [[4, 1]], step  # step 5's batch is never trained on again
+        assert manifest["rollback"]["rollbacks"] == 1, step
+
+    def restarted(out, job=None):
+        """The same run with rank 1 killed at step 6 and one restart: through the command, or `job` in the ranks."""
+        argv = [*args, "--out", out, "--max-restarts", "1"]
+        faults = "nan@step=5,rank=1;kill@step=6,rank=1"
+        if job is None:
+            r = zerotrain_here(capfd, "train", *argv, faults=faults)
+            assert r.returncode == 0, r.stderr
+            return
+        monkeypatch.setenv("ZEROTRAIN_FAULTS", faults)
+        try:
+            run_job(job, prepare_run(config_from_args(build_parser().parse_args(["train", *argv]))), time_limit=240)
+        finally:
+            release_run_folders()
+            monkeypatch.delenv("ZEROTRAIN_FAULTS")
+
+    killed, planted = str(tmp_path / "killed"), str(tmp_path / "planted")
+    restarted(killed)
+    (restart,) = events(killed, "restart")
+    assert restart["step"] == 4 and len(events(killed, "rollback")) == 1 and steps_of(killed) == list(range(1, 9))
+    assert final_state(killed, 8) == final_state(out, 8)
+    manifest = checkpoint.read_manifest(os.path.join(killed, "checkpoints", "step_00000008"))
+    assert manifest["data_skips"] == [[4, 1]] and manifest["rollback"]["rollbacks"] == 1
+    restarted(planted, dist_jobs.undurable_rollback_job)
+    assert events(planted, "restart")[0]["step"] == 4 and len(events(planted, "rollback")) == 1
+    manifest = checkpoint.read_manifest(os.path.join(planted, "checkpoints", "step_00000008"))
+    assert manifest["data_skips"] == [] and manifest["rollback"]["rollbacks"] == 0  # skips and count lost
+    assert final_state(planted, 8) != final_state(out, 8)
     # the planted fault without the guard's rollback: the run stops before the bad update
     r = zerotrain_here(capfd, "train", *TINY, "--steps", "8", "--ckpt-every", "2", "--out", str(tmp_path / "abort"),
                        "--on-anomaly", "abort", faults="nan@step=5,rank=1")

@@ -9,8 +9,8 @@ The loop calls a `Checkpointer` three times a step, as DESIGN.md's step list has
                      thread; committed: the rollback policy learns of it), or save synchronously from now on
     after_step(...)  the step's time (to judge async saves), then save if the cadence, the clock or a stop says so
 
-and `finish()` at the end (or before a rollback). Saves happen every K steps, every M minutes of rank 0's clock, on a
-stop and at the end. Fault injection reaches the writer through the hooks given at construction.
+and `finish()` at the end (or before a rollback); `recommit(...)` after a rollback re-saves the restored step with the
+loop's new state. Saves happen every K steps, every M minutes of rank 0's clock, on a stop and at the end. Fault injection reaches the writer through the hooks given at construction.
 """
 
 from __future__ import annotations
@@ -153,6 +153,18 @@ class Checkpointer:
         by_steps = self.every and step % self.every == 0
         if decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == self.last)):
             self._save(step, engine, state, wait=decision.stop or step == self.last)
+
+    def recommit(self, step: int, engine: ZeroEngine, state: dict) -> None:
+        """Every rank: save `step` again now, synchronously, with the loop's new `state` in its manifest.
+
+        After a rollback restored checkpoint `step`, the engine holds that checkpoint's training state and the loop
+        has decided new data skips and guard state: this re-save commits them before training goes on (its data
+        files are the restored ones, bit for bit). The committed folder of `step` is replaced as any re-save replaces
+        it (commit.py: moved aside, then the new one renamed into place) and `latest` names it, so a crash at any
+        moment resumes either as if the rollback had not been decided yet or the rolled-back timeline with its
+        skips, never the restored checkpoint with its old ones.
+        """
+        self._save(step, engine, state, wait=True)
 
     def finish(self) -> None:
         """Every rank: wait for the save in flight and commit it (the end of the run, or before a rollback)."""

@@ -9,7 +9,8 @@ without another collective. One step of the loop uses it like this:
     else:
         target = policy.decide(anomaly, committed_steps)                      # raises past the limits
         skips = skip_after_rollback(skips, target, anomaly.step)              # the run's current skips
-        restore checkpoint `target`; detector.rewind(target); continue at step index `target`
+        restore checkpoint `target`; detector.rewind(target)
+        re-save `target` with skips, detector.state_dict(), policy.state_dict(); continue at step index `target`
     after a checkpoint commits: policy.note_commit(step)
 
 Steps named `step` in Anomaly, check, accept, rewind and the policy are 1-based optimizer steps (the number of
@@ -279,7 +280,9 @@ class RollbackPolicy:
 
     Checkpoints after a rollback's target belong to the abandoned timeline: they are not chosen again until
     the run commits that step anew (note_commit), so a rollback never jumps forward into discarded updates.
-    `rollbacks` counts the rollbacks decided in this process.
+    `rollbacks` counts the rollbacks decided in the run: `state_dict()` goes into every checkpoint (and into the
+    re-save of the restored one that makes a rollback durable), `load_state_dict` restores it on resume, so a
+    restarted or resumed run counts against --max-rollbacks, and chooses, as the uninterrupted one would.
     """
 
     def __init__(self, max_rollbacks: int):
@@ -289,6 +292,23 @@ class RollbackPolicy:
         self._last_target: int | None = None
         self._committed_since_rollback = False
         self._abandoned: set[int] = set()
+
+    def state_dict(self) -> dict:
+        """What the next decision depends on, JSON-serialisable."""
+        return {"rollbacks": self.rollbacks, "last_anomaly_step": self._last_anomaly_step,
+                "last_target": self._last_target, "committed_since_rollback": self._committed_since_rollback,
+                "abandoned": sorted(self._abandoned)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict (the limit, --max-rollbacks, stays this run's own); ValueError naming a bad field."""
+        abandoned = state.get("abandoned")
+        if not isinstance(abandoned, list):
+            raise ValueError(f"rollback state: abandoned is {abandoned!r}, not a list of steps")
+        self.rollbacks = _a_step("rollbacks", state.get("rollbacks"))
+        self._last_anomaly_step = _a_step("last_anomaly_step", state.get("last_anomaly_step"), optional=True)
+        self._last_target = _a_step("last_target", state.get("last_target"), optional=True)
+        self._committed_since_rollback = state.get("committed_since_rollback") is True
+        self._abandoned = {_a_step("abandoned", s) for s in abandoned}
 
     def note_commit(self, step: int) -> None:
         """The checkpoint of `step` is committed on every rank (call after each sync or async save commits)."""
@@ -323,6 +343,15 @@ class RollbackPolicy:
         self._committed_since_rollback = False
         self.rollbacks += 1
         return target
+
+
+def _a_step(key: str, value, optional: bool = False) -> int | None:
+    """`value`, a count or step number of a rollback state (None allowed when `optional`); ValueError if not."""
+    if value is None and optional:
+        return None
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"rollback state: {key} is {value!r}, not a non-negative integer")
+    return value
 
 
 # Skipped data after rollbacks. A skip list is a JSON-serialisable list of [at_step, count] pairs, each meaning

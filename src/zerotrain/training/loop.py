@@ -321,8 +321,15 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                                            manifest_extra=origin)
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
-    if "guard" in manifest:  # the spike window, so a resumed run decides as the uninterrupted one would
-        detector.load_state_dict(manifest["guard"])
+    try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
+        if "guard" in manifest:
+            detector.load_state_dict(manifest["guard"])
+        if "rollback" in manifest:
+            policy.load_state_dict(manifest["rollback"])
+    except ValueError as e:  # the manifest is JSON a person can edit
+        raise checkpoint.CheckpointError(f"{os.path.join(resumed_from, checkpoint.MANIFEST)}: {e}") from None
+    if resumed_from:  # committed: as the uninterrupted run's policy heard when it saved it
+        policy.note_commit(start)
     memory = invariants.check_memory(engine, comm)
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
@@ -405,8 +412,7 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
 
 def _save_or_stop(run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
     """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
-    state = {"data_skips": run.skips, **run.schedule.state_dict(), "guard": run.detector.state_dict()}
-    run.checkpointer.after_step(done, run.engine, state, decision, step_s)
+    run.checkpointer.after_step(done, run.engine, _loop_state(run), decision, step_s)
     if decision.stop:
         committed = run.checkpointer.committed
         run.stopped = {"signal": decision.stop_signal, "step": done, "checkpoint": committed[-1] if committed else None}
@@ -483,13 +489,26 @@ def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatc
     return record
 
 
+def _loop_state(run: _Run) -> dict:
+    """What the loop itself puts in a checkpoint's manifest: the data skips in force, the records' layout of global
+    batches, the guard's window and the rollback policy's state, so a resumed run trains on the same data and
+    decides as the uninterrupted one."""
+    return {"data_skips": run.skips, **run.schedule.state_dict(), "guard": run.detector.state_dict(),
+            "rollback": run.policy.state_dict()}
+
+
 def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
-    """Abort, or roll back; returns the step to continue from (the data skips then in force are the run's)."""
+    """Abort, or roll back; returns the step to continue from (the data skips then in force are the run's).
+
+    A rollback's decision is made durable before training goes on: the restored step is saved again with the new
+    skips, window and rollback count (Checkpointer.recommit), so a crash at any later moment resumes the rolled-back
+    timeline (and before it commits, the run as it was before the anomaly)."""
     run.checkpointer.finish()  # commit what is already written: a rollback may need it
     if cfg.guard.on_anomaly == "abort":
         raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
     step, run.skips, event = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)
     run.detector.rewind(step)
+    run.checkpointer.recommit(step, run.engine, _loop_state(run))
     run.rollbacks.append(event)
     run.metrics.rewind(step)  # the abandoned steps' records go; the replay logs them again
     run.metrics.event(event, event["message"])
@@ -505,8 +524,6 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine,
     target = policy.decide(anomaly, committed)
     checkpoint.load_checkpoint(os.path.join(root, checkpoint.step_name(target)), engine, comm)
     comm.io.barrier("checkpoint_loaded")
-    if comm.rank == 0:  # a crash from here on resumes the timeline the run continues, not the abandoned one
-        checkpoint.point_latest(root, checkpoint.step_name(target))
     # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.
     new_skips = skip_after_rollback(skips, target, anomaly.step)
     first = data_step(target, [p for p in skips if p[0] < target]) + 1
