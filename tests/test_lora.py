@@ -269,8 +269,9 @@ def test_a_lora_resume_with_dropout_is_bitwise_and_a_lossy_resume_or_a_seeded_ge
     result, _, _ = trained
     halfway = result.checkpoints[0]
 
-    def resume(name, at=halfway):
-        return train(lora_config(tmp_path / name, base, resume=at, lora_dropout=DROPOUT), group, announce=False)
+    def resume(name, at=halfway, steps=4):
+        return train(lora_config(tmp_path / name, base, steps=steps, resume=at, lora_dropout=DROPOUT), group,
+                     announce=False)
 
     resumed = resume("resumed")
     assert resumed.start_step == 2
@@ -290,9 +291,9 @@ def test_a_lora_resume_with_dropout_is_bitwise_and_a_lossy_resume_or_a_seeded_ge
     assert not all(torch.equal(final[n], lost[n]) for n in final)
     # planted: a stateful generator; its own uninterrupted run and its resume then part at step 3
     monkeypatch.setattr(lora.LoRADropout, "forward", stateful_dropout)
-    whole = train(lora_config(tmp_path / "stateful", base, ckpt_every=2, lora_dropout=DROPOUT), group,
+    whole = train(lora_config(tmp_path / "stateful", base, steps=3, ckpt_every=2, lora_dropout=DROPOUT), group,
                   announce=False)
-    part = resume("stateful-resumed", at=whole.checkpoints[0])
+    part = resume("stateful-resumed", at=whole.checkpoints[0], steps=3)
     assert [r["loss"] for r in part.records] != [r["loss"] for r in whole.records[2:]]
 
 
