@@ -126,6 +126,9 @@ class LoRADropout(nn.Module):
         super().__init__()
         self.p, self.adapter, self.features, self.in_features, self.rows = p, adapter, features, in_features, rows
 
+    # eager under --compile: the keys change every micro-batch and the generators are made per row, which a
+    # compiled graph would guard on and recompile for
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = self.rows.keys
         if keys is None or not self.training:
