@@ -11,9 +11,34 @@ from zerotrain.parallel import Comm
 from zerotrain.training.loop import train
 
 
+# the adapters whose dropout masks lora_job records (a Llama's, in the model's order): layer 0's q_proj, a
+# column-parallel base's (A's input replicated over TP), and its o_proj, a row-parallel base's (A's input split)
+WATCHED = {0: "q_proj", 3: "o_proj"}
+
+
 def lora_job(cfg: Config, comm: Comm) -> dict:
-    """Train; the log, the full adapters (TP slices gathered), and what each rank holds for the optimizer."""
-    result = train(cfg, comm)
+    """Train; the log, the full adapters (TP slices gathered), and what each rank holds for the optimizer.
+
+    With --lora-dropout: "masks", every rank's step-1 masks of the WATCHED adapters' inputs, by row of the global batch
+    ({adapter: [per rank: {row: [T][F] kept bools}]}), as the product's dropout applied them.
+    """
+    from zerotrain.model import lora
+
+    real, masks = lora.LoRADropout.forward, {name: {} for name in WATCHED.values()}
+
+    def recording(self, x):
+        out = real(self, x)
+        if comm.step == 1 and self.rows.rows is not None and self.adapter in WATCHED:
+            kept = (out != 0).tolist()
+            for j, row in enumerate(self.rows.rows):  # the first forward's; a recomputed one overwrites it alike
+                masks[WATCHED[self.adapter]][row] = kept[j]
+        return out
+
+    lora.LoRADropout.forward = recording
+    try:
+        result = train(cfg, comm)
+    finally:
+        lora.LoRADropout.forward = real
     engine = result.engine
     out = summary(result)
     out["params"] = engine.full_state_dict()
@@ -21,7 +46,24 @@ def lora_job(cfg: Config, comm: Comm) -> dict:
     out["shard_numel"], out["padded_numel"] = engine.layout.shard_numel, engine.layout.padded_numel
     out["trained"] = [s.name for s in engine.layout.slots]
     out["frozen_grads"] = [n for n, p in engine.frozen if p.grad is not None]
+    if cfg.lora.dropout:
+        gathered = comm.io.all_gather_json(masks, "lora_masks")
+        out["masks"] = {name: [{int(row): torch.tensor(m) for row, m in rank[name].items()} for rank in gathered]
+                        for name in masks}
     return out
+
+
+def lora_rowless_key_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the dropout key counts a micro-batch's rows from 0, not by their place in the global batch (it
+    leaves out the DP rank): the ranks' first rows draw the same mask."""
+    from zerotrain.model import lora
+
+    real = lora.row_keys
+    lora.row_keys = lambda seed, step, rows: real(seed, step, range(len(rows)))
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        lora.row_keys = real
 
 
 def lora_unsummed_a_grad_job(cfg: Config, comm: Comm) -> dict:

@@ -3,6 +3,7 @@ their own base only, and give the same result at TP 2 as at TP 1."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -16,6 +17,7 @@ import lora_jobs
 import peft
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from conftest import tiny_config, world_of_one, zerotrain_here
 from dist_jobs import in_turn_job
@@ -33,6 +35,7 @@ from zerotrain.training.loop import train
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)
 RANK, ALPHA = 4, 8.0  # scale 2: alpha alone (the planted bug) is 4 times too large
+DROPOUT = 0.5  # the runs that test dropout: half of each adapter's inputs dropped
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -71,8 +74,8 @@ def inputs(vocab: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def trained(group, base, tmp_path_factory):
-    """4 LoRA steps from the base, checkpointed at 2 and 4: the run, and its step-4 checkpoint."""
-    cfg = lora_config(tmp_path_factory.mktemp("lora-run"), base, ckpt_every=2)
+    """4 LoRA steps from the base with dropout, checkpointed at 2 and 4: the run, and its step-4 checkpoint."""
+    cfg = lora_config(tmp_path_factory.mktemp("lora-run"), base, ckpt_every=2, lora_dropout=DROPOUT)
     result = train(cfg, group, announce=False)
     return result, cfg, result.checkpoints[-1]
 
@@ -252,10 +255,25 @@ def adapters_of(result) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in result.engine.model.named_parameters() if ".lora_" in n}
 
 
-def test_a_lora_resume_is_bitwise_and_a_lossy_resume_is_caught(trained, base, group, tmp_path, monkeypatch):
+def stateful_dropout(self, x):
+    """Planted: masks drawn from a generator seeded by --seed once per run (a resume restarts it; a recomputed
+    forward draws the next numbers instead of the first forward's)."""
+    if self.rows.keys is None or not self.training:
+        return x
+    generator = self.rows.__dict__.setdefault("generator", torch.Generator().manual_seed(self.rows.seed))
+    return x * (torch.rand(x.shape, generator=generator) >= self.p) / (1 - self.p)
+
+
+def test_a_lora_resume_with_dropout_is_bitwise_and_a_lossy_resume_or_a_seeded_generators_masks_are_caught(
+        trained, base, group, tmp_path, monkeypatch):
     result, _, _ = trained
     halfway = result.checkpoints[0]
-    resumed = train(lora_config(tmp_path / "resumed", base, resume=halfway), group, announce=False)
+
+    def resume(name, at=halfway, steps=4):
+        return train(lora_config(tmp_path / name, base, steps=steps, resume=at, lora_dropout=DROPOUT), group,
+                     announce=False)
+
+    resumed = resume("resumed")
     assert resumed.start_step == 2
     assert [r["loss"] for r in resumed.records] == [r["loss"] for r in result.records[2:]]
     final, again = adapters_of(result), adapters_of(resumed)
@@ -267,9 +285,83 @@ def test_a_lora_resume_is_bitwise_and_a_lossy_resume_is_caught(trained, base, gr
     def lossy(self, sd):  # planted: the second moments are not restored
         real(self, {**sd, "exp_avg_sq": torch.zeros_like(sd["exp_avg_sq"])})
 
-    monkeypatch.setattr(ZeroEngine, "load_shard_state_dict", lossy)
-    lost = adapters_of(train(lora_config(tmp_path / "lossy", base, resume=halfway), group, announce=False))
+    with monkeypatch.context() as planted:
+        planted.setattr(ZeroEngine, "load_shard_state_dict", lossy)
+        lost = adapters_of(resume("lossy"))
     assert not all(torch.equal(final[n], lost[n]) for n in final)
+    # planted: a stateful generator; its own uninterrupted run and its resume then part at step 3
+    monkeypatch.setattr(lora.LoRADropout, "forward", stateful_dropout)
+    whole = train(lora_config(tmp_path / "stateful", base, steps=3, ckpt_every=2, lora_dropout=DROPOUT), group,
+                  announce=False)
+    part = resume("stateful-resumed", at=whole.checkpoints[0], steps=3)
+    assert [r["loss"] for r in part.records] != [r["loss"] for r in whole.records[2:]]
+
+
+def test_validation_runs_without_dropout_alike_twice_and_dropout_left_on_is_caught(trained, monkeypatch):
+    """The model trained with dropout validates as the model in eval mode (no dropout), pass after pass. Caught:
+    torch's dropout, on whenever the model is in training mode (as before), and masks left on after a training
+    micro-batch."""
+    from zerotrain.data import BatchSchedule, make_source
+    from zerotrain.training import evaluate, loop
+
+    result, cfg, _ = trained
+    engine, source = result.engine, make_source(cfg, split="val")
+
+    def validated(training=True):
+        engine.model.train(training)
+        return evaluate.validation_loss(engine.model, source, engine.mesh, batches=2, micro_batch=2)
+
+    without = validated(training=False)
+    assert validated() == validated() == without
+    with monkeypatch.context() as planted:
+        planted.setattr(lora.LoRADropout, "forward", lambda self, x: F.dropout(x, self.p, self.training))
+        first, second = validated(), validated()
+    assert first != second and without not in (first, second)
+    real = loop.dropout_rows
+
+    @contextlib.contextmanager
+    def leaky(model, step, rows):  # planted: the last micro-batch's rows stay set
+        with real(model, step, rows):
+            yield
+            kept = model.lora_rows.rows, model.lora_rows.keys
+        model.lora_rows.rows, model.lora_rows.keys = kept
+
+    monkeypatch.setattr(loop, "dropout_rows", leaky)
+    try:
+        loop.accumulate_gradients(engine, BatchSchedule(make_source(cfg), micro_batch=2, accum=1, rank=0,
+                                                        world_size=1).batch(0))
+        assert validated() != without
+    finally:
+        engine.model.lora_rows.rows = engine.model.lora_rows.keys = None
+        engine.zero_grad()
+
+
+def gradient_with_dropout(base, group, out, recompute: str) -> list[torch.Tensor]:
+    """The adapters' gradient of one step (2 micro-batches) with dropout, recomputing `recompute` in the backward."""
+    from zerotrain.data import BatchSchedule, make_source
+    from zerotrain.training import loop
+
+    cfg = lora_config(out / recompute, base, steps=1, micro=1, accum=2, lora_dropout=DROPOUT,
+                      activation_checkpointing=recompute)
+    engine = loop.build_engine(cfg, group)
+    engine.mesh.set_step(1)
+    batch = BatchSchedule(make_source(cfg), micro_batch=1, accum=2, rank=0, world_size=1).batch(0)
+    loop.accumulate_gradients(engine, batch)
+    return [p.grad.clone() for p in engine.params]
+
+
+def test_recomputed_forwards_drop_what_the_first_dropped_and_a_stateful_generator_is_caught(base, group, tmp_path,
+                                                                                              monkeypatch):
+    """Activation checkpointing (blocks, or full: the head too) gives the gradient of the run without, bitwise,
+    with dropout 0.5 on every adapter; masks drawn from a seeded generator differ in the recomputed forward."""
+    stored = gradient_with_dropout(base, group, tmp_path, "none")
+    assert any(g.abs().max() > 0 for g in stored)
+    for recompute in ("blocks", "full"):
+        again = gradient_with_dropout(base, group, tmp_path, recompute)
+        assert all(torch.equal(a, b) for a, b in zip(stored, again)), recompute
+    monkeypatch.setattr(lora.LoRADropout, "forward", stateful_dropout)
+    planted = [gradient_with_dropout(base, group, tmp_path / "planted", mode) for mode in ("none", "blocks")]
+    assert not all(torch.equal(a, b) for a, b in zip(*planted))
 
 
 def test_a_resume_that_would_train_other_adapters_or_every_weight_is_refused(trained, base, group, tmp_path):
@@ -326,8 +418,8 @@ def test_a_resume_on_another_base_is_refused_in_one_line(trained, base, tmp_path
 # ----------------------------------------------------------------------------- 2 ranks: TP and ZeRO
 
 
-def mesh_config(out, micro=2, **mesh):
-    cfg = tiny_config(out, steps=3, micro=micro, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, arch="llama",
+def mesh_config(out, micro=2, steps=3, **mesh):
+    cfg = tiny_config(out, steps=steps, micro=micro, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, arch="llama",
                       n_head=4, n_kv_head=2, intermediate_size=64, tie_embeddings=False, **mesh)
     cfg.optim.lr, cfg.optim.grad_clip = 1e-2, 0.05  # every step clipped: the norm is the adapters' over the mesh
     return cfg
@@ -342,20 +434,27 @@ def gpt2_config(out, **mesh):
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory, group):
-    """One start of 2 ranks: TP 2, TP 2 with A's gradient left partial (planted), ZeRO-1 over DP 2; and TP 1 in
-    this process, on the same global batch of 2 sequences and the same random base (the seed's)."""
+    """One start of 2 ranks: TP 2, TP 2 with A's gradient left partial (planted), ZeRO-1 over DP 2, DP 2 with
+    dropout keys that leave out the rank (planted); and TP 1 in this process, on the same global batch of 2
+    sequences and the same random base (the seed's). The compared runs drop half of the adapters' inputs: the masks
+    are keyed by row of the global batch, so every split of it draws the same ones."""
     tmp = tmp_path_factory.mktemp("lora-meshes")
     # TP 2 also with accumulation (2 micro-batches of 1) and recomputed blocks: neither changes the math
     jobs = [(lora_jobs.lora_job, mesh_config(tmp / "tp2", nproc=2, tp=2, micro=1, accum=2,
-                                             activation_checkpointing="blocks")),
-            (lora_jobs.lora_job, gpt2_config(tmp / "gpt2-tp2", nproc=2, tp=2)),
-            (lora_jobs.lora_job, mesh_config(tmp / "dp2", nproc=2, micro=1)),  # DP 2 x 1: the same 2 sequences
+                                             activation_checkpointing="blocks", lora_dropout=DROPOUT)),
+            (lora_jobs.lora_job, gpt2_config(tmp / "gpt2-tp2", nproc=2, tp=2, lora_dropout=DROPOUT)),
+            # DP 2 x 1: the same 2 sequences
+            (lora_jobs.lora_job, mesh_config(tmp / "dp2", nproc=2, micro=1, lora_dropout=DROPOUT)),
             (lora_jobs.lora_unsummed_a_grad_job, mesh_config(tmp / "planted", nproc=2, tp=2)),
-            (lora_jobs.lora_drifted_base_job, mesh_config(tmp / "drifted", nproc=2, micro=1))]
+            (lora_jobs.lora_drifted_base_job, mesh_config(tmp / "drifted", nproc=2, micro=1)),
+            (lora_jobs.lora_rowless_key_job, mesh_config(tmp / "rowless", nproc=2, micro=1, steps=1,
+                                                         lora_dropout=DROPOUT))]
     two = run_job(functools.partial(in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
-    one, gpt2 = lora_jobs.lora_job(mesh_config(tmp / "tp1"), group), lora_jobs.lora_job(gpt2_config(tmp / "g1"), group)
-    return {"TP2": two[0], "GPT-2 TP2": two[1], "DP2": two[2], "planted": two[3], "drifted": two[4], "TP1": one,
-            "GPT-2 TP1": gpt2}
+    # 1 rank x 2 micro-batches of 1, against DP 2 x 1 and TP 2's 2 x 1
+    one = lora_jobs.lora_job(mesh_config(tmp / "tp1", micro=1, accum=2, lora_dropout=DROPOUT), group)
+    gpt2 = lora_jobs.lora_job(gpt2_config(tmp / "g1", lora_dropout=DROPOUT), group)
+    return {"TP2": two[0], "GPT-2 TP2": two[1], "DP2": two[2], "planted": two[3], "drifted": two[4],
+            "rowless": two[5], "TP1": one, "GPT-2 TP1": gpt2}
 
 
 def rel(a, b) -> float:
@@ -367,8 +466,9 @@ def agrees(run, base) -> bool:
     return (sorted(run["params"]) == names and rel(run["losses"], base["losses"]) <= 1e-5
             and rel(run["grad_norms"], base["grad_norms"]) <= 1e-5
             # another summation order over the mesh: float noise, measured 1.1e-5 on the adapters (A and B of
-            # layer 1's q_proj) from the seed's initial model since each parameter is drawn from its own generator
-            and rel([run["params"][n] for n in names], [base["params"][n] for n in names]) <= 2e-5)
+            # layer 1's q_proj) from the seed's initial model since each parameter is drawn from its own generator,
+            # 3.8e-5 (layer 0's up_proj B, TP 2 against 1 rank x 2 micro-batches) with dropout 0.5
+            and rel([run["params"][n] for n in names], [base["params"][n] for n in names]) <= 5e-5)
 
 
 def test_tp2_lora_equals_tp1_and_a_partial_a_gradient_is_caught(meshes):
@@ -377,6 +477,30 @@ def test_tp2_lora_equals_tp1_and_a_partial_a_gradient_is_caught(meshes):
     # planted: each TP rank steps its replicated A by its own partial gradient; invariant (b) stops the run
     assert "invariant (b) failed: replicated parameters of rank(s) [1] differ" in meshes["planted"]["invariant"]
     assert meshes["TP2"]["frozen_grads"] == [] and all(".lora_" in n for n in meshes["TP2"]["trained"])
+
+
+def dp_ranks_differ(masks) -> bool:
+    """Whether DP 2's ranks (micro-batches of 1 row) dropped different inputs of layer 0's q_proj at step 1."""
+    return not torch.equal(masks["q_proj"][0][0], masks["q_proj"][1][1])
+
+
+def test_dropout_masks_are_the_global_batch_rows_on_every_split_and_a_key_without_the_rank_is_caught(meshes):
+    """Step 1's masks of layer 0's q_proj input (replicated over TP) and o_proj input (split over TP), as the runs
+    applied them: the DP ranks' differ (their rows do), each is the one rank's mask of the same row, the TP ranks
+    of a replica agree on q_proj's and hold their slices of o_proj's. Caught: a key that counts a micro-batch's
+    rows from 0 on every rank."""
+    assert agrees(meshes["DP2"], meshes["TP1"])  # 2 ranks x 1 micro-batch = 1 rank x 2, with dropout
+    one, dp2, tp2 = (meshes[k]["masks"] for k in ("TP1", "DP2", "TP2"))
+    q, o = one["q_proj"][0], one["o_proj"][0]  # {row: mask} of the one rank
+    assert sorted(q) == [0, 1] and 0.4 < float(q[0].float().mean()) < 0.6  # about half dropped
+    assert not torch.equal(q[0], q[1]) and not torch.equal(o[0], o[1])  # the rows differ
+    for rank in (0, 1):  # DP 2: rank r computes row r
+        assert all(torch.equal(dp2[name][rank][rank], one[name][0][rank]) for name in ("q_proj", "o_proj"))
+    assert dp_ranks_differ(dp2)
+    for row in (0, 1):  # TP 2: both ranks compute both rows
+        assert torch.equal(tp2["q_proj"][0][row], q[row]) and torch.equal(tp2["q_proj"][1][row], q[row])
+        assert torch.equal(torch.cat([tp2["o_proj"][0][row], tp2["o_proj"][1][row]], dim=-1), o[row])
+    assert not dp_ranks_differ(meshes["rowless"]["masks"])  # planted: rank 1 drew row 0's mask for its row 1
 
 
 def test_zero1_over_two_ranks_shards_the_adapters_optimizer_state_and_the_base_holds_none(meshes):

@@ -591,9 +591,6 @@ def validate(cfg: Config) -> Config:
             if name not in known:
                 raise ConfigError(f"--lora-targets {name!r} is not a linear of --arch {m.arch}'s blocks (they are "
                                   f"{', '.join(known)}, or {ALL_LINEAR})")
-    if cfg.lora.rank and cfg.lora.dropout and p.tp > 1:
-        raise ConfigError(f"--lora-dropout {cfg.lora.dropout:g} with --tp {p.tp}: the TP ranks would draw different "
-                          "dropout masks for one input; use --lora-dropout 0 with tensor parallelism")
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg

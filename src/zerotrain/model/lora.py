@@ -16,11 +16,20 @@ Under tensor parallelism the adapters follow their base's split (Megatron's rule
 
 The full A is drawn from the seed on every rank and each rank keeps its slice, so the adapters are the same at
 every TP degree and world size.
+
+Dropout (peft's: on the adapters' input only) draws each row's mask from a generator seeded by (seed, step, the
+row's index in the step's global batch, the adapter) alone, over the full model's input features. So the masks
+do not depend on how the global batch is split (ranks, micro-batches, TP degree: the TP ranks of a replica agree
+on a replicated input, and a row-parallel base's slice of the input gets its slice of the full mask), a recomputed
+forward (activation checkpointing) draws what the first did, and a resumed run what the uninterrupted one did.
+The masks apply only inside `dropout_rows`, which the training loop opens around each micro-batch's forward and
+backward: validation, evaluation and generation never drop.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -66,6 +75,86 @@ class LoRAUp(nn.Module):
         return F.linear(h, sum_over_replicas(self.weight, self.replicas))
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    """A bijection of 32-bit values whose every output bit depends on every input bit (Wellons' lowbias32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, step: int, rows) -> list[int]:
+    """Each row's dropout key (32 bits) from the seed, the optimizer step and the row's index in the global batch."""
+    base = _mix32(_mix32(_mix32((seed & _MASK32) ^ 0x243F6A88) ^ ((seed >> 32) & _MASK32)) ^ (step & _MASK32))
+    return [_mix32((row & _MASK32) ^ base) for row in rows]
+
+
+def keep_mask(keys: list[int], adapter: int, features: torch.Tensor | None, in_features: int, positions: int,
+              p: float, device: torch.device) -> torch.Tensor:
+    """Which inputs an adapter keeps: [rows, positions, features] bools, each False with probability p.
+
+    Row b's [positions, in_features] draws come from a generator seeded by (keys[b], the adapter's index in the
+    model) alone, so they are the same on every rank and split, and as often as they are asked for; `features`: the
+    indices of those this rank holds (a row-parallel base's input slice), None for all.
+    """
+    drawn = torch.empty(len(keys), positions, in_features, device=device)
+    for row, key in zip(drawn, keys):
+        seed = (_mix32(key ^ _mix32(adapter ^ 0x9E3779B9)) << 32) | _mix32(key ^ _mix32(adapter ^ 0x85EBCA6B))
+        row.uniform_(generator=torch.Generator(device).manual_seed(seed))
+    return (drawn if features is None else drawn[..., features]) >= p
+
+
+class DropoutRows:
+    """What the adapters' dropout draws for, shared by them: the seed, and while a training micro-batch runs, its
+    rows (their indices in the step's global batch) and their keys; else None: no dropout."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.rows: range | None = None
+        self.keys: list[int] | None = None
+
+
+class LoRADropout(nn.Module):
+    """Dropout on an adapter's input, its masks drawn per row by generators keyed by the micro-batch's rows
+    (keep_mask), never by torch's global generator; none outside a training micro-batch (`dropout_rows`)."""
+
+    def __init__(self, p: float, adapter: int, features: torch.Tensor | None, in_features: int, rows: DropoutRows):
+        super().__init__()
+        self.p, self.adapter, self.features, self.in_features, self.rows = p, adapter, features, in_features, rows
+
+    # eager under --compile: the keys change every micro-batch and the generators are made per row, which a
+    # compiled graph would guard on and recompile for
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self.rows.keys
+        if keys is None or not self.training:
+            return x
+        keep = keep_mask(keys, self.adapter, self.features, self.in_features, x.shape[1], self.p, x.device)
+        return (x * keep).mul_(1 / (1 - self.p))  # saves the bool mask for the backward, as nn.Dropout does
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+@contextmanager
+def dropout_rows(model: nn.Module, step: int, rows: range):
+    """Within: the adapters' dropout masks are those of rows `rows` of step `step`'s global batch (a no-op for a
+    model without adapter dropout). Open it around a micro-batch's forward and its backward, which may recompute."""
+    holder = getattr(model, "lora_rows", None)
+    if holder is None:
+        yield
+        return
+    holder.rows, holder.keys = rows, row_keys(holder.seed, step, rows)
+    try:
+        yield
+    finally:
+        holder.rows = holder.keys = None
+
+
 def adapted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     """(name, module) of the blocks' linears named in `targets` (their last name part), in the model's order."""
     kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
@@ -83,7 +172,8 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
     base_slices = getattr(model, "tp_slices", {})
     generator = torch.Generator().manual_seed(seed)
     slices = {}
-    for name, module in adapted_modules(model, cfg.modules(model.cfg.arch)):
+    rows = DropoutRows(seed)
+    for index, (name, module) in enumerate(adapted_modules(model, cfg.modules(model.cfg.arch))):
         base_slice = base_slices.get(name + ".weight")
         out_full, in_full = base_slice.full_shape if base_slice is not None else tuple(module.weight.shape)
         down = torch.empty(cfg.rank, in_full, device="cpu")  # drawn on the CPU also for a model on the meta device
@@ -101,8 +191,13 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
         module.lora_A = LoRADown(down.to(device, dtype), split, comm)
         module.lora_B = LoRAUp(initial_up(module.weight.shape[0], cfg.rank).to(device, dtype),
                                getattr(module, "replicas", None))
-        # as peft: no dropout module at 0 (nn.Dropout(0) still copies its input in training)
-        module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+        # the full model's indices of the input features this rank holds: a row-parallel base's slice of them
+        features = None
+        if split == "row":
+            features = torch.cat([torch.arange(lo, hi, device=device) for lo, hi in base_slice.parts[tp_rank]])
+        # as peft: no dropout module at 0 (a dropout of 0 still copies its input in training)
+        module.lora_dropout = (LoRADropout(cfg.dropout, index, features, in_full, rows) if cfg.dropout
+                               else nn.Identity())
         module.lora_scale = lora_scale(cfg)
         module.lora_hooks = [module.register_forward_hook(_add_adapter_output)]
         if split == "column" and module.comm is not None:
@@ -113,6 +208,8 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
                 lambda m, args: (copy_to_tp(args[0], m.lora_input_comm), *args[1:])))
     model.tp_slices = {**base_slices, **slices}
     model.lora = cfg
+    if cfg.dropout:
+        model.lora_rows = rows
     return slices
 
 
@@ -149,4 +246,5 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             hook.remove()
         del module.lora_A, module.lora_B, module.lora_dropout, module.lora_hooks
     model.__dict__.pop("lora", None)
+    model.__dict__.pop("lora_rows", None)
     return model

@@ -20,7 +20,7 @@ from zerotrain.hub.init_from import FileValues, weight_source
 from zerotrain.model import ARCH_NAMES, meta_model, param_count, parallelize, summed_token_loss
 from zerotrain.model.init import SeedValues, materialise
 from zerotrain.model.layers import head_loss, kv_replicas
-from zerotrain.model.lora import add_adapters
+from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_count
@@ -102,14 +102,19 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     Each micro-batch's loss is its sum of token losses over the global token count, so the
     accumulated gradient is the global batch's mean-token-loss gradient whatever the split.
     `loss_factor` is 1 except when a fault injects a NaN. With a `saved` list, the bytes the first
-    micro-batch keeps for its backward are counted (saved-tensor hooks) and appended to it.
+    micro-batch keeps for its backward are counted (saved-tensor hooks) and appended to it. LoRA's dropout masks
+    are keyed by the step and each row's index in the global batch (BatchSchedule's layout: each DP replica a
+    contiguous block), so they do not depend on the split.
     """
     forward = engine.model if forward is None else forward
     device = engine.flat_params.device
     loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
     last = len(batch.micro_batches) - 1
+    row = engine.mesh.dp_rank * sum(len(m.inputs) for m in batch.micro_batches)
     for i, micro in enumerate(on_device(batch.micro_batches, device)):
-        with engine.no_sync(i < last):  # communicate once per step, after the last micro-batch
+        rows, row = range(row, row + len(micro.inputs)), row + len(micro.inputs)
+        # communicate once per step, after the last micro-batch
+        with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
             def loss() -> torch.Tensor:  # with packed records' segments, each record attends to itself
                 return head_loss(forward, micro.inputs, micro.labels, summed_token_loss,
                                  getattr(engine.model, "recompute_head", False), segments=micro.segments)
