@@ -35,7 +35,7 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
 @pytest.mark.parametrize("spec, message", [
     ("explode@step=3", ("unknown fault kind 'explode' in 'explode@step=3' "
                         "(known: kill, hang, nan, lr_spike, crash_in_save, crash_in_commit, save_error, disk_full, "
-                        "slow_staging, sigterm, oom, slow_storage)")),
+                        "slow_staging, sigterm, group_sigint, group_sigterm, oom, slow_storage)")),
     ("crash_in_commit@step=4,rank=1", ("crash_in_commit fires on rank 0, which alone commits checkpoints, not rank 1, "
                                        "in 'crash_in_commit@step=4,rank=1'")),
     ("kill", "'kill' names no step (format: kind@step=N[,rank=R][,factor=F])"),
