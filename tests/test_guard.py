@@ -327,7 +327,8 @@ def test_the_ruin_test_calls_no_first_step_ruined_and_would_without_its_sd_bars(
     trace = TRACES["ordinary"]["gpt2-2x40-v97"]  # its first 6 losses: 4.580 4.558 4.575 4.575 4.573 4.575
     assert replayed(trace, 20, loss_sigmas=math.inf) == []
     # planted: without the bars, step 6 gives back 94% of a headroom of 0.003 (ln(97) = 4.575), by noise
-    assert first_refused(trace, 20, loss_sigmas=math.inf, ruin_sigmas=0.0).reason == (
+    no_bars = dict(ruin_sigmas=0.0, learned_sigmas=0.0, learned_fraction=0.0)
+    assert first_refused(trace, 20, loss_sigmas=math.inf, **no_bars).reason == (
         "loss 4.575 at step 6 is back near ln(97) = 4.575, the loss of a uniform guess: 0.6 sd above the trend 4.572 "
         "of the last 5 steps, it gave back 94% of the 0.00291 that the trend was below it")
 
