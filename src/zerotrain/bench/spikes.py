@@ -15,9 +15,13 @@ what is there (--replay-only records nothing):
     (--spike-nproc, the default) rank 0's update is its shard, half the model, as in issue 27's run: the GPT-2
     shapes then go back to about ln(V), their gradient norm not always far out; on 1 rank the whole model is
     spiked and its loss mostly blows up past ln(V). A spike whose step N + 1 falls in the window's warm-up (the
-    outlier test waits for a full window) is counted apart.
-Each is also replayed without the guard's ruin test (no vocabulary: the rule before issue 27) and without its
-outlier test (what the ruin test catches alone), for comparison.
+    outlier test waits for a full window) is counted apart;
+  - the default configuration's first steps (issue 37): `zerotrain train` itself, stopped after HEALTHY_STEPS,
+    of HEALTHY_SHAPES from scratch, with a long warmup and after --init-from (--healthy-seeds runs each): every
+    step the guard refuses there, where the loss sits a little below ln(V) for hundreds of steps.
+Each is also replayed without the guard's ruin test (no vocabulary: the rule before issue 27), without its
+outlier test (what the ruin test catches alone) and with issue 27's ruin test (the rule before issue 37), for
+comparison.
 
 The shapes span widths, depths, both architectures and vocabularies of 64 to 2,048, on synthetic data and on
 python-stdlib (the bench preset, whose 5 seeds x 300 steps are the false-alarm target of issue 27).
@@ -31,6 +35,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 from zerotrain.cli.flags import checked
@@ -185,9 +191,6 @@ def healthy_name(shape: str, start: str, seed: int) -> str:
 
 def _zerotrain(args: list[str], out: str, env: dict, time_limit: float) -> list[list[float]]:
     """Run `zerotrain train ARGS --out OUT` in a fresh process; its (step, loss, gradient norm) per step."""
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-m", "zerotrain", "train", *args, "--nproc", "1", "--accum", "2", "--threads", "1",
            "--no-progress", "--overwrite", "--out", out, *GUARD_OFF_FLAGS]
     done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=time_limit)
