@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import statistics
 from unittest import mock
 
 import pytest
@@ -329,9 +330,79 @@ def test_the_ruin_test_calls_no_first_step_ruined_and_would_without_its_sd_bars(
     trace = TRACES["ordinary"]["gpt2-2x40-v97"]  # its first 6 losses: 4.580 4.558 4.575 4.575 4.573 4.575
     assert replayed(trace, 20, loss_sigmas=math.inf) == []
     # planted: without the bars, step 6 gives back 94% of a headroom of 0.003 (ln(97) = 4.575), by noise
-    assert first_refused(trace, 20, loss_sigmas=math.inf, ruin_sigmas=0.0).reason == (
+    no_bars = dict(ruin_sigmas=0.0, learned_sigmas=0.0, learned_fraction=0.0)
+    assert first_refused(trace, 20, loss_sigmas=math.inf, **no_bars).reason == (
         "loss 4.575 at step 6 is back near ln(97) = 4.575, the loss of a uniform guess: 0.6 sd above the trend 4.572 "
         "of the last 5 steps, it gave back 94% of the 0.00291 that the trend was below it")
+
+
+# --- the default configuration's first steps (issue 37) -----------------------------------------------------------
+
+# Real runs written by scripts/guard_healthy_traces.py (bench/spikes.py's record_healthy: `zerotrain train` with the
+# guard out of the way, one rank at --accum 2, the global batch of --nproc 2): the first 300 steps of three shapes on
+# python-stdlib (V = 256), the default configuration (GPT-2 2 x 32) among them, each from scratch on a 100,000-step
+# schedule (warmup 10,000: the learning rate stays below 3% of --lr), on a 1,000,000-step one (long warmup), and
+# fine-tuned (--init-from its own checkpoint after 1,000 steps). Losses to 4 decimals, gradient norms to 3.
+with open(os.path.join(os.path.dirname(__file__), "guard_healthy_traces.json")) as f:
+    HEALTHY = json.load(f)
+TRIALS_RUN = "default-v256-scratch-seed0"  # `zerotrain train --nproc 2 --steps 100000 --ckpt-every 1000`, issue 37
+
+
+def healthy_refusals(name, window, **bars):
+    """The steps the guard refuses in a default-configuration trace, each not accepted (the run goes on)."""
+    trace = HEALTHY["traces"][name]
+    return refusals(AnomalyDetector(3.0, window, vocab_size=HEALTHY["vocab_size"], **bars),
+                    trace["losses"], trace["grad_norms"])
+
+
+def issue_27_ruin_test():
+    """Planted: the ruin test before issue 37, which took half of any headroom above 5 sd back for ruin."""
+    return mock.patch.object(AnomalyDetector, "learned", lambda self, headroom, spread: 1.0)
+
+
+# At --spike-window 5 the ruin test alone refuses one step in each of two of these runs (a 5-step trend is a rough
+# guess: 54% back of 0.409 and 77% of 0.212), the outlier test some more (see LOSS_SIGMAS).
+RUIN_AT_WINDOW_5 = {"default-4x64-v256-scratch-seed0": [58], "default-4x64-v256-long-warmup-seed0": [78]}
+
+
+@pytest.mark.parametrize("name", HEALTHY["traces"])
+def test_the_default_configurations_first_steps_raise_no_alarm_at_the_default_window_nor_the_ruin_test_at_10(name):
+    assert healthy_refusals(name, 20) == []
+    for window in (10, 20):
+        assert healthy_refusals(name, window, loss_sigmas=math.inf) == []
+    assert healthy_refusals(name, 5, loss_sigmas=math.inf) == RUIN_AT_WINDOW_5.get(name, [])
+
+
+def test_the_ruin_test_of_issue_27_stopped_the_trials_run_at_step_78_and_others_of_these_runs():
+    trace = HEALTHY["traces"][TRIALS_RUN]
+    with issue_27_ruin_test():
+        # the trial's message (5.7 sd there, from the losses' full precision)
+        assert first_refusal(AnomalyDetector(3.0, 20, vocab_size=256), trace["losses"], trace["grad_norms"]).reason == (
+            "loss 5.483 at step 78 is back near ln(256) = 5.545, the loss of a uniform guess: 5.6 sd above the trend "
+            "5.378 of the last 20 steps, it gave back 63% of the 0.167 that the trend was below it")
+        alarmed = {w: [name for name in HEALTHY["traces"] if healthy_refusals(name, w, loss_sigmas=math.inf)]
+                   for w in (5, 10, 20)}
+    assert {w: len(names) for w, names in alarmed.items()} == {5: 16, 10: 9, 20: 5}  # of the 21 runs
+    assert alarmed[20] == [TRIALS_RUN, "default-llama-v256-scratch-seed2", "default-llama-v256-scratch-seed3",
+                           "default-4x64-v256-scratch-seed3", "default-v256-long-warmup-seed0"]
+
+
+def test_a_model_that_learned_less_than_its_noise_may_have_hard_batches_but_not_come_back_to_ln_v():
+    rng = random.Random(3)
+    ln_v = math.log(256)
+    early = [ln_v - 0.17 + rng.gauss(0, 0.01) for _ in range(20)]  # 3% of ln(V) learned, about 17 sd
+    d = detector_with(early, grad_norms=[1.0] * 20, vocab_size=256)
+    trend = statistics.median(early)
+    assert d.share_to_give_back(ln_v - trend, 0.01) > 0.8
+    assert d.check(21, trend + 0.65 * (ln_v - trend), 1.0, []) is None  # a hard batch, the trial's step 78
+    assert "back near ln(256)" in d.check(21, ln_v, 1.0, []).reason  # all of it back: ruined
+    with issue_27_ruin_test():  # planted: half of any headroom above 5 sd was enough
+        assert d.check(21, trend + 0.65 * (ln_v - trend), 1.0, []).kind == "spike"
+    # a model that learned a tenth of ln(V) and 10 sd gives back half: ruined, as before
+    learned = detector_with([ln_v - 0.6 + rng.gauss(0, 0.02) for _ in range(20)], grad_norms=[1.0] * 20,
+                            vocab_size=256)
+    assert learned.share_to_give_back(0.6, 0.02) == 0.5
+    assert learned.check(21, ln_v - 0.25, 1.0, []).kind == "spike" and learned.check(21, ln_v - 0.35, 1.0, []) is None
 
 
 # --- RollbackPolicy --------------------------------------------------------------------------------------------

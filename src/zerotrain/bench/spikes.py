@@ -15,9 +15,13 @@ what is there (--replay-only records nothing):
     (--spike-nproc, the default) rank 0's update is its shard, half the model, as in issue 27's run: the GPT-2
     shapes then go back to about ln(V), their gradient norm not always far out; on 1 rank the whole model is
     spiked and its loss mostly blows up past ln(V). A spike whose step N + 1 falls in the window's warm-up (the
-    outlier test waits for a full window) is counted apart.
-Each is also replayed without the guard's ruin test (no vocabulary: the rule before issue 27) and without its
-outlier test (what the ruin test catches alone), for comparison.
+    outlier test waits for a full window) is counted apart;
+  - the default configuration's first steps (issue 37): `zerotrain train` itself, stopped after HEALTHY_STEPS,
+    of HEALTHY_SHAPES from scratch, with a long warmup and after --init-from (--healthy-seeds runs each): every
+    step the guard refuses there, where the loss sits a little below ln(V) for hundreds of steps.
+Each is also replayed without the guard's ruin test (no vocabulary: the rule before issue 27), without its
+outlier test (what the ruin test catches alone) and with issue 27's ruin test (the rule before issue 37), for
+comparison.
 
 The shapes span widths, depths, both architectures and vocabularies of 64 to 2,048, on synthetic data and on
 python-stdlib (the bench preset, whose 5 seeds x 300 steps are the false-alarm target of issue 27).
@@ -30,12 +34,16 @@ import functools
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 from zerotrain.cli.flags import checked
-from zerotrain.config import POSITIVE, PRESETS, Config, GuardConfig, resolve, setting_for, validate
+from zerotrain.config import NON_NEGATIVE, POSITIVE, PRESETS, Config, GuardConfig, resolve, setting_for, validate
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
+from zerotrain.training.guard import RUIN_SIGMAS
 
 from .report import report_header, write_report
 
@@ -57,6 +65,25 @@ POST_SPIKE_STEPS = 5  # steps recorded after a spike: the first is the one the g
 # last one.
 GUARD_OFF = {"spike_factor": 1e12, "spike_window": 1, "on_anomaly": "abort"}
 Spike = tuple[int, float, int]  # (step N, factor F, world size); rank 0's update of step N is spiked
+
+
+# Issue 37: the default configuration's first steps. `zerotrain train --nproc 2 --steps 100000` warms up over a tenth
+# of its schedule, so for its first hundreds of steps the learning rate is a few percent of --lr and the loss falls by
+# about its own noise: a hard batch there is no return to ln(V). Recorded with the command itself, the guard out of the
+# way, on one rank with --accum 2 (the global batch of --nproc 2), stopped by a ZEROTRAIN_FAULTS sigterm after
+# HEALTHY_STEPS steps; each shape from scratch (a tenth of 100,000 steps of warmup), with a long warmup (a tenth of
+# 1,000,000) and fine-tuned (--init-from its own checkpoint after INIT_STEPS steps: lr 2e-5, 3% warmup).
+HEALTHY_SHAPES = {
+    "default-v256": [],  # nothing but the defaults: GPT-2 2 x 32 on python-stdlib, V = 256
+    "default-llama-v256": ["--arch", "llama"],
+    "default-4x64-v256": ["--n-layer", "4", "--n-embd", "64"],
+}
+HEALTHY_STARTS = {"scratch": ["--steps", "100000"], "long-warmup": ["--steps", "1000000"],
+                  "init-from": ["--steps", "100000"]}
+HEALTHY_STEPS = 300
+INIT_STEPS = 1000
+HEALTHY_VOCAB = 256  # python-stdlib's bytes
+GUARD_OFF_FLAGS = ["--spike-factor", "1e12", "--spike-window", "1", "--on-anomaly", "abort"]
 
 
 class _Enough(Exception):
@@ -81,6 +108,9 @@ def add_parser(benches) -> None:
                        ("spike-nproc", "world sizes of the spiked runs (rank 0 spiked: on 2, half the model)")):
         p.add_argument(f"--{flag}", default=DEFAULTS[flag.replace("-", "_")],
                        help=f"{what}, separated by commas (default {DEFAULTS[flag.replace('-', '_')]})")
+    p.add_argument("--healthy-seeds", type=checked(int, NON_NEGATIVE), default=5,
+                   help=f"runs per shape and start of the default configuration's first {HEALTHY_STEPS} steps "
+                        "(default 5; 0: none)")
     p.add_argument("--replay-only", action="store_true", help="record nothing: replay the traces already there")
     p.add_argument("--time-limit", type=float, default=7200.0, help="wall-clock limit of each recording job in s")
     p.set_defaults(func=cmd_spikes)
@@ -155,6 +185,52 @@ def record_job(cfg: Config, comm: Comm, *, runs: list[tuple[int, Spike | None, s
             os.remove(run_cfg.logging.metrics)
 
 
+def healthy_name(shape: str, start: str, seed: int) -> str:
+    return f"{shape}-{start}-seed{seed}-first{HEALTHY_STEPS}.json"
+
+
+def _zerotrain(args: list[str], out: str, env: dict, time_limit: float) -> list[list[float]]:
+    """Run `zerotrain train ARGS --out OUT` in a fresh process; its (step, loss, gradient norm) per step."""
+    cmd = [sys.executable, "-m", "zerotrain", "train", *args, "--nproc", "1", "--accum", "2", "--threads", "1",
+           "--no-progress", "--overwrite", "--out", out, *GUARD_OFF_FLAGS]
+    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=time_limit)
+    if done.returncode != 0:
+        raise ZeroTrainError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [[r["step"], r["loss"], r["grad_norm"]] for r in map(json.loads, f) if "event" not in r]
+
+
+def record_healthy(folder: str, shapes: list[str], starts: list[str], seeds: int, time_limit: float) -> None:
+    """Record the runs of `shapes` x `starts` (of HEALTHY_STARTS) at seeds 0..seeds-1 not in `folder` yet (see
+    HEALTHY_SHAPES)."""
+    from zerotrain.training.faults import ENV
+
+    stop = {ENV: f"sigterm@step={HEALTHY_STEPS}"}
+    for start in starts:
+        schedule = HEALTHY_STARTS[start]
+        for shape in shapes:
+            base = os.path.join(folder, f"{shape}-base{INIT_STEPS}")
+            for seed in range(seeds):
+                path = os.path.join(folder, healthy_name(shape, start, seed))
+                if os.path.exists(path):
+                    continue
+                args = [*HEALTHY_SHAPES[shape], *schedule, "--seed", str(seed)]
+                if start == "init-from":
+                    init = os.path.join(base, "checkpoints", f"step_{INIT_STEPS:08d}")
+                    if not os.path.isdir(init):
+                        print(f"zerotrain bench spikes: training {shape} {INIT_STEPS} steps to fine-tune", flush=True)
+                        _zerotrain([*HEALTHY_SHAPES[shape], "--steps", str(INIT_STEPS), "--ckpt-every",
+                                    str(INIT_STEPS)], base, {ENV: ""}, time_limit)
+                    args = [*schedule, "--seed", str(seed), "--init-from", init]
+                print(f"zerotrain bench spikes: recording {shape} {start} seed {seed}", flush=True)
+                run = path + ".run"
+                steps = _zerotrain(args, run, stop, time_limit)
+                with open(path, "w") as f:
+                    json.dump({"shape": shape, "start": start, "seed": seed, "vocab_size": HEALTHY_VOCAB,
+                               "args": args, "steps": steps}, f)
+                shutil.rmtree(run)
+
+
 def replay(steps: list[list[float]], window: int, vocab_size: int | None, **bars) -> list[tuple[int, str]]:
     """The (step, reason) of every step the guard refuses, at --spike-window `window`; the others are accepted.
 
@@ -192,9 +268,11 @@ def _record_missing(shape: str, wanted: list[tuple[int, Spike | None]], folder: 
 
 
 # The guard, and the guard without each of its tests against the trend: without the ruin test it is the rule before
-# issue 27; without the outlier test (the loss and the gradient norm both far out), what the ruin test sees alone.
+# issue 27; without the outlier test (the loss and the gradient norm both far out), what the ruin test sees alone;
+# with issue 27's ruin test, which let a loss give back half of any headroom above 5 sd (the rule before issue 37).
 VARIANTS = {"guard": {}, "without_ruin_test": {"vocab_size": None},
-            "without_outlier_test": {"loss_sigmas": math.inf}}
+            "without_outlier_test": {"loss_sigmas": math.inf},
+            "issue_27_ruin_test": {"learned_sigmas": RUIN_SIGMAS, "learned_fraction": 0.0}}
 
 
 def _detection(trace: dict, window: int, vocab_size: int | None, **bars) -> dict:
@@ -226,6 +304,38 @@ def summarize(shape: str, traces: list[dict], windows: list[int]) -> list[dict]:
     return rows
 
 
+def summarize_healthy(traces: list[dict], windows: list[int]) -> list[dict]:
+    """One row per (shape, start, window) of the HEALTHY_SHAPES runs: the steps refused, for each of VARIANTS."""
+    rows = []
+    for shape in HEALTHY_SHAPES:
+        for start in HEALTHY_STARTS:
+            runs = [t for t in traces if (t["shape"], t["start"]) == (shape, start)]
+            for window in windows if runs else []:
+                row = {"shape": shape, "start": start, "window": window, "runs": len(runs),
+                       "steps": sum(len(t["steps"]) for t in runs)}
+                for name, change in VARIANTS.items():
+                    bars = {"vocab_size": HEALTHY_VOCAB, **change}
+                    row[name] = [{"seed": t["seed"], "step": step, "reason": reason}
+                                 for t in runs for step, reason in replay(t["steps"], window, **bars)]
+                rows.append(row)
+    return rows
+
+
+def healthy_table(rows: list[dict]) -> str:
+    """Markdown: the steps refused in the default configuration's first steps, per shape, start and window."""
+    lines = [f"The default configuration's first {HEALTHY_STEPS} steps (no fault): steps refused. Each cell: the "
+             "guard, without its ruin test, without its outlier test, with issue 27's ruin test (before issue 37), "
+             "separated by ' \\| '.", "", "| shape | start | window | runs | steps | refused |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        refused = " \\| ".join(str(len(r[v])) for v in VARIANTS)
+        lines.append(f"| {r['shape']} | {r['start']} | {r['window']} | {r['runs']} | {r['steps']} | {refused} |")
+    alarms = [(r["shape"], r["start"], r["window"], a) for r in rows for a in r["guard"]]
+    if alarms:
+        lines.append("\nfalse alarms of the guard:")
+        lines += [f"- {s} {st} window {w}: seed {a['seed']} step {a['step']}: {a['reason']}" for s, st, w, a in alarms]
+    return "\n".join(lines) + "\n"
+
+
 def _caught(detections: list[dict], kind: tuple[float, int]) -> str:
     """'refused at N+1 / runs' for one (factor, world size), the runs whose N+1 falls in the warm-up in brackets."""
     runs = [d for d in detections if (d["factor"], d["nproc"]) == kind]
@@ -240,7 +350,8 @@ def table(rows: list[dict], kinds: list[tuple[float, int]]) -> str:
     heads = " | ".join(f"x{f:g} on rank 0 of {n}" for f, n in kinds)
     lines = ["Spiked runs refused at step N+1 / spiked runs past the window's warm-up (in brackets: those whose "
              "step N+1 falls in the warm-up). Each cell: the guard, without its ruin test (the rule before issue "
-             "27), without its outlier test (the ruin test's own part), separated by ' \\| '.", "",
+             "27), without its outlier test (the ruin test's own part), with issue 27's ruin test (the rule before "
+             "issue 37), separated by ' \\| '.", "",
              f"| shape | window | ordinary steps | false alarms | {heads} |", "|---|---|---|---|" + "---|" * len(kinds)]
     for r in rows:
         alarms = " \\| ".join(str(len(r[v]["false_alarms"])) for v in VARIANTS)
@@ -279,6 +390,8 @@ def cmd_spikes(args: argparse.Namespace) -> int:
     wanted += [(seed, (step, f, n)) for seed in range(args.spike_seeds) for f, n in kinds for step in spikes]
     for shape in [] if args.replay_only else shapes:  # every trace first: the replay takes a moment, training not
         _record_missing(shape, wanted, folder, args.steps, args.time_limit)
+    if args.healthy_seeds and not args.replay_only:
+        record_healthy(folder, list(HEALTHY_SHAPES), list(HEALTHY_STARTS), args.healthy_seeds, args.time_limit)
     rows = []
     for shape in shapes:
         traces = []
@@ -290,7 +403,19 @@ def cmd_spikes(args: argparse.Namespace) -> int:
                 trace["spike"] = None if trace["spike"] is None else tuple(trace["spike"])
                 traces.append(trace)
         rows += summarize(shape, traces, windows)
+    healthy = []
+    for shape in HEALTHY_SHAPES:
+        for start in HEALTHY_STARTS:
+            for seed in range(args.healthy_seeds):
+                path = os.path.join(folder, healthy_name(shape, start, seed))
+                if os.path.exists(path):
+                    with open(path) as f:
+                        healthy.append(json.load(f))
+    healthy_rows = summarize_healthy(healthy, windows)
     report = {**report_header(SCHEMA), "shapes": {s: SHAPES[s] for s in shapes}, "steps": args.steps,
-              "post_spike_steps": POST_SPIKE_STEPS, "rows": rows, "wall_s": time.perf_counter() - t0}
-    write_report(out, "spikes", report, table(rows, kinds))
+              "post_spike_steps": POST_SPIKE_STEPS, "rows": rows,
+              "healthy": {"shapes": HEALTHY_SHAPES, "starts": HEALTHY_STARTS, "steps": HEALTHY_STEPS,
+                          "rows": healthy_rows},
+              "wall_s": time.perf_counter() - t0}
+    write_report(out, "spikes", report, table(rows, kinds) + "\n" + healthy_table(healthy_rows))
     return 0
