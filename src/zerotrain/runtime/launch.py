@@ -25,7 +25,8 @@ from zerotrain.parallel import Comm
 
 from . import rank_start
 from .allocator import return_large_blocks_to_os
-from .failures import adopt_attempt, failure_reason, report_failure, report_user_error, restart_count, user_error
+from .failures import (adopt_attempt, adopt_job_dir, failure_reason, report_failure, report_user_error,
+                       restart_count, user_error)
 from .run_folder import release_run_folders
 from .stop import install_stop_request
 from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
@@ -162,6 +163,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     """
     if launcher is not None:  # a rank of zerotrain's own launcher
         rank_start.adopt(launcher)
+    adopt_job_dir(job_dir)  # where a restarted rank 0 reads why the attempt before failed
     install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None,
                          os.path.join(job_dir, STEPPING_FILE.format(rank=os.environ["RANK"])) if job_dir else None)
     if job_dir:  # for the launcher's reaper
