@@ -167,6 +167,10 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bi
     assert r.returncode == 0, r.stderr
     restart = events(killed, "restart")
     assert len(restart) == 1 and restart[0]["step"] == 4 and restart[0]["steps_lost"] == 0
+    # the restart names the rank that died and why: rank 0 only lost its peer
+    assert restart[0]["failed_rank"] == 1 and restart[0]["cause"].startswith("rank 1 ended without a word (killed")
+    assert "restart 1: resumed from step 4, 0 step(s) lost; attempt 0 failed: rank 1 ended without a word " \
+           "(killed by a signal" in r.stdout + r.stderr
     assert steps_of(killed) == list(range(1, 7))
     assert final_state(killed, 6) == final_state(whole, 6)
     assert json.load(open(os.path.join(killed, "summary.json")))["restarts"] == 1
