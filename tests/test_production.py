@@ -239,6 +239,56 @@ def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective
     assert child_pids() == []
 
 
+# What ProcessGroupNCCL raises at a rank's wait (TORCH_NCCL_BLOCKING_WAIT=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=2), as
+# torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp builds them: a DistBackendError with the watchdog's message.
+NCCL_ERRORS = {
+    "timeout": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+                "OpType=ALLREDUCE, NumelIn=6, NumelOut=6, Timeout(ms)=5000) ran for 5004 milliseconds before timing out.",
+                "collective step_flags at step 3 timed out after 5 s: another rank stopped answering (hung, or slower "
+                "than --timeout allows)", False),
+    "peer": ("NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited or there was a "
+             "network error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network error or a "
+             "remote process exiting prematurely.",
+             "collective step_flags at step 3 failed: another rank is gone (NCCL error in: ../torch/csrc/distributed/"
+             "c10d/NCCLUtils.cpp:77, remote process exited or there was a network error, NCCL version 2.27.3)", True),
+    "local": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, "
+              "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3",
+              "collective step_flags at step 3 failed on this rank (NCCL error in: ../torch/csrc/distributed/c10d/"
+              "NCCLUtils.cpp:77, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3)",
+              False),
+    "gloo timeout": ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv "
+                     "operation to complete", "collective step_flags at step 3 timed out after 5 s: another rank "
+                                              "stopped answering (hung, or slower than --timeout allows)", False),
+}
+
+
+@pytest.mark.parametrize("case", list(NCCL_ERRORS))
+def test_an_nccl_watchdog_error_reaches_the_one_line_report_that_a_gloo_error_does(case, tmp_path, monkeypatch):
+    import types
+
+    import torch.distributed as dist
+
+    from zerotrain.parallel.comm import CollectiveError, Comm
+    from zerotrain.runtime import failures
+    from zerotrain.runtime.launch import process_group_environment
+
+    # NCCL ranks raise the watchdog's error at the call instead of being killed by it; gloo raises there already
+    assert process_group_environment("nccl") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                                 "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert process_group_environment("gloo") == {}
+    raised, line, peer_lost = NCCL_ERRORS[case]
+    comm = types.SimpleNamespace(step=3, timeout_s=5.0, timeout_flag="--timeout")
+    with pytest.raises(CollectiveError) as caught:
+        with Comm._guard(comm, "step_flags"):
+            raise dist.DistBackendError(raised)
+    assert str(caught.value) == line and caught.value.peer_lost == peer_lost
+    # ... and the rank's report, the launcher's one line, as for gloo: explained unless the peer was lost
+    monkeypatch.setattr(failures, "_write_traceback", lambda rank, cfg: None)
+    failures.report_failure(caught.value, 0, tiny_config(tmp_path), str(tmp_path))
+    [report] = failures._reports(str(tmp_path))
+    assert report["message"] == f"rank 0: {line}" and report["kind"] == ("lost a peer" if peer_lost else "explained")
+
+
 def test_nan_rolls_back_logs_it_and_the_run_completes_restoring_one_checkpoint_with_an_async_save_in_flight(
         tmp_path, capfd):
     out = str(tmp_path / "nan")

@@ -177,6 +177,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         deterministic_cuda()
         torch.cuda.set_device(local_rank)
     backend = "nccl" if cfg.launch.device == "cuda" else "gloo"
+    os.environ.update(process_group_environment(backend))
     timeout = datetime.timedelta(seconds=cfg.launch.timeout)
     rank = int(os.environ["RANK"])
     try:
@@ -204,6 +205,25 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         os._exit(1)
     dist.destroy_process_group()
     return result
+
+
+# How NCCL reports a collective that timed out or failed, set in each rank before its process group is made:
+# ProcessGroupNCCL reads them as it starts. By default (and the elastic agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# for its workers) the watchdog thread aborts the communicator and then kills the process (SIGABRT), so no error
+# ever reaches the rank's code: no one-line report, no peer_lost, and a restart could not say why. Instead:
+# - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): the watchdog aborts the communicator (kernels in flight
+#   exit) and leaves the process to the rank;
+# - TORCH_NCCL_BLOCKING_WAIT=1: a wait blocks the rank's thread until its collective is done or the process group's
+#   timeout (--timeout, --io-timeout) has passed, and raises there the watchdog's DistBackendError ("Watchdog caught
+#   collective operation timeout ..."), which comm.collective_error turns into the line gloo's errors get.
+# The cost: the CPU waits for each collective it waits on, where it could queue more kernels; zerotrain already
+# waits for the step's one all-reduce (its flags decide the step).
+NCCL_ERRORS_AT_THE_CALL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def process_group_environment(backend: str) -> dict[str, str]:
+    """The environment a rank sets before it makes its process group of `backend`."""
+    return dict(NCCL_ERRORS_AT_THE_CALL) if backend == "nccl" else {}
 
 
 # Under torchrun, how long a rank other than 0 that found a user error waits before saying it itself.
