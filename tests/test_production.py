@@ -242,8 +242,9 @@ def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective
 # What ProcessGroupNCCL raises at a rank's wait (TORCH_NCCL_BLOCKING_WAIT=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=2), as
 # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp builds them: a DistBackendError with the watchdog's message.
 NCCL_ERRORS = {
-    "timeout": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
-                "OpType=ALLREDUCE, NumelIn=6, NumelOut=6, Timeout(ms)=5000) ran for 5004 milliseconds before timing out.",
+    "timeout": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: "
+                "WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=6, NumelOut=6, Timeout(ms)=5000) ran for 5004 "
+                "milliseconds before timing out.",
                 "collective step_flags at step 3 timed out after 5 s: another rank stopped answering (hung, or slower "
                 "than --timeout allows)", False),
     "peer": ("NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited or there was a "

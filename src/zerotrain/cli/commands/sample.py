@@ -25,9 +25,10 @@ SEPARATOR = "---"
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "sample", help="generate text from a checkpoint or an exported model",
-        description="Prints the generated continuation of --prompt, or the reply to --chat or --messages, on stdout, up to the "
-                    "model's end-of-text token (the eos ids of its generation_config.json or config.json, and the "
-                    "tokenizer's end of text; with --chat also the template's end of turn), which is not printed "
+        description="Prints the generated continuation of --prompt, or the reply to --chat or --messages, on "
+                    "stdout, up to the model's end-of-text token (the eos ids of its generation_config.json or "
+                    "config.json, and the tokenizer's end of text; with a chat also the template's end of turn), "
+                    "which is not printed "
                     f"(with --num-samples > 1, samples are separated by a line '{SEPARATOR}'); the speed goes to "
                     "stderr. CKPT is a checkpoint folder, a checkpoint root (what `latest` names), a run folder, or "
                     "an exported folder. Past the model's context (seq_len tokens) the window jumps forward keeping "
