@@ -48,7 +48,8 @@ Namespaces are one honking great idea -- let's do more of those!
 """.replace("\n", "\n\n")  # one paragraph per line: documents for the validation split
 
 
-def train_checkpoint(root: str, *, steps: int = STEPS, synthetic_vocab: int | None = None) -> str:
+def train_checkpoint(root: str, *, steps: int = STEPS, synthetic_vocab: int | None = None,
+                     val_fraction: float | None = None) -> str:
     """A tiny GPT (seq 16) trained on one rank and saved; its run folder.
 
     On the Zen of Python as bytes by default: 300 steps of 16 sequences at lr 1e-2 (about a second)
@@ -73,6 +74,8 @@ def train_checkpoint(root: str, *, steps: int = STEPS, synthetic_vocab: int | No
             with open(os.path.join(root, "zen.txt"), "w") as f:
                 f.write(ZEN)
             cfg.data.source, cfg.data.cache_dir = os.path.join(root, "zen.txt"), os.path.join(root, "cache")
+            if val_fraction is not None:
+                cfg.data.val_fraction = val_fraction
             check_source(cfg)
         engine = build_engine(cfg, comm)
         if steps:
@@ -196,6 +199,22 @@ def test_eval_prints_finite_loss_perplexity_and_bits_per_byte_and_learning_shows
     assert trained["loss"] < untrained["loss"] - 3
     # the same batches every time
     assert eval_line(capsys, ["eval", run, "--batches", "4"])["loss"] == trained["loss"]
+
+
+def test_eval_of_a_run_that_set_no_validation_aside_takes_held_out_data_whole_and_names_only_its_own_flags(
+        tmp_path, capsys):
+    run = train_checkpoint(str(tmp_path / "all-train"), steps=1, val_fraction=0.0)
+    assert run_cli(["eval", run, "--batches", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zerotrain: error: ") and "set no validation tokens aside" in err
+    assert "--data PATH" in err and "--val-data" not in err and "--val-fraction 0" in err  # why, and eval's flag
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text("Readability counts.\n\nErrors should never pass silently.\n")  # 2 documents
+    line = eval_line(capsys, ["eval", run, "--data", str(held_out), "--batches", "2", "--batch-size", "4"])
+    assert math.isfinite(line["loss"]) and line["rest"].endswith(f"of {held_out}, held out")
+    assert run_cli(["eval", run, "--data", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {tmp_path / 'missing.txt'}: no such file" in err and "--val-data" not in err
 
 
 def test_eval_bits_per_byte_counts_the_bytes_of_the_decoded_tokens(tmp_path):

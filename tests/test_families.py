@@ -207,7 +207,7 @@ def flex_vs_mask(model) -> float:
     with torch.no_grad():
         masked = [model(IDS), model(IDS, segments=segments)]
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(layers, "document_kernel", lambda device_type: "flex")
+            m.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
             m.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
             flex = [model(IDS), model(IDS, segments=segments)]
     return max((a - b).abs().max().item() for a, b in zip(masked, flex))

@@ -226,6 +226,7 @@ def test_two_torchrun_nodes_restart_a_killed_rank_re_form_the_group_in_its_run_f
     steps = [r["step"] for r in records(restarted.out) if "event" not in r]
     restarts = [r for r in records(restarted.out) if r.get("event") == "restart"]
     assert [(r["attempt"], r["step"], r["steps_lost"]) for r in restarts] == [(1, 4, 0)]
+    assert restarts[0]["failed_rank"] is None and "not known here (under torchrun" in restarts[0]["cause"]
     assert steps == [1, 2, 3, 4, 5, 6]
     with open(os.path.join(restarted.out, "summary.json")) as f:
         assert json.load(f)["restarts"] == 1

@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.model import KVCache, build_model, layers, parallelize, summed_token_loss
+from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.model.layers import head_loss, positions_from_segments
 
 CONFIGS = {"gpt2": ModelConfig(**PRESETS["tiny"]), "llama": ModelConfig(**PRESETS["llama-tiny"])}  # llama: GQA 4/2
@@ -150,7 +151,7 @@ def test_flex_attention_block_mask_gives_each_record_alone_and_a_mask_without_re
     model = build_model(CONFIGS[arch], seed=0).eval()
     rows = records(model.cfg.vocab_size)
     x, y, segments = packed_batch(rows)
-    monkeypatch.setattr(layers, "document_kernel", lambda device_type: "flex")
+    monkeypatch.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
     monkeypatch.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
 
     def worst() -> float:
@@ -170,14 +171,46 @@ def test_flex_attention_block_mask_gives_each_record_alone_and_a_mask_without_re
 
 
 def test_packed_records_take_flex_attention_on_cuda_where_triton_compiles_it_else_the_mask(monkeypatch):
-    assert layers.document_kernel("cpu") == "mask"
+    assert layers.document_kernel("cpu", 64) == "mask"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert layers.document_kernel("cuda") == "flex"  # planned for a CUDA machine: CUDA builds ship Triton
+    assert layers.document_kernel("cuda", 64) == "flex"  # planned for a CUDA machine: CUDA builds ship Triton
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(layers, "has_triton", lambda: True)
-    assert layers.document_kernel("cuda") == "flex"
+    assert layers.document_kernel("cuda", 64) == "flex"
     monkeypatch.setattr(layers, "has_triton", lambda: False)
-    assert layers.document_kernel("cuda") == "mask"
+    assert layers.document_kernel("cuda", 64) == "mask"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "gpt2", "smollm-135m"])
+def test_heads_narrower_than_flex_attentions_16_take_the_mask_on_cuda_and_a_planted_flex_choice_is_caught(
+        preset, monkeypatch):
+    """FlexAttention's CUDA kernels refuse heads below 16 (the tiny presets' are 8): the model, the memory plan and
+    the packed attention check all ask document_kernel, which gives them the mask."""
+    from torch._inductor.kernel.flex import flex_attention as inductor_flex
+
+    assert "less than 16" in open(inductor_flex.__file__).read()  # the limit, where torch states it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(layers, "has_triton", lambda: True)
+    cfg = ModelConfig(**PRESETS[preset])
+    expected = "flex" if cfg.head_dim >= 16 else "mask"
+    assert (cfg.head_dim < 16) == (preset in ("tiny", "llama-tiny"))
+    assert layers.document_kernel("cuda", cfg.head_dim) == expected
+    # the memory plan counts the mask's bytes (as on the CPU) for the mask, the block mask's tables for flex
+    planned = {device: activation_bytes(cfg, 2, cfg.seq_len, device=device, documents=True)["embedding"]
+               for device in ("cpu", "cuda")}
+    assert (planned["cuda"] == planned["cpu"]) == (expected == "mask")
+    # the model asks with its own heads' width (a forward of packed records, on the CPU)
+    asked, choose = [], layers.document_kernel
+    monkeypatch.setattr(layers, "document_kernel", lambda device_type, head_dim: asked.append(head_dim) or
+                        choose(device_type, head_dim))
+    small = ModelConfig(**{**PRESETS[preset], "n_layer": 1, "seq_len": 8, "vocab_size": 64})
+    with torch.no_grad():
+        build_model(small, seed=0)(torch.zeros(1, 8, dtype=torch.long), segments=torch.zeros(1, 8, dtype=torch.long))
+    assert asked == [cfg.head_dim]
+    monkeypatch.setattr(layers, "document_kernel", choose)
+    if expected == "mask":  # planted: the head-width rule dropped, as before; FlexAttention would refuse these heads
+        monkeypatch.setattr(layers, "FLEX_MIN_HEAD_DIM", 0)
+        assert layers.document_kernel("cuda", cfg.head_dim) == "flex"
 
 
 def test_kv_heads_are_repeated_where_no_fused_kernel_takes_gqa():

@@ -283,6 +283,10 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bi
     assert r.returncode == 0, r.stderr
     restart = events(killed, "restart")
     assert len(restart) == 1 and restart[0]["step"] == 4 and restart[0]["steps_lost"] == 0
+    # the restart names the rank that died and why: rank 0 only lost its peer
+    assert restart[0]["failed_rank"] == 1 and restart[0]["cause"].startswith("rank 1 ended without a word (killed")
+    assert "restart 1: resumed from step 4, 0 step(s) lost; attempt 0 failed: rank 1 ended without a word " \
+           "(killed by a signal" in r.stdout + r.stderr
     assert steps_of(killed) == list(range(1, 7))
     assert final_state(killed, 6) == final_state(whole, 6)
     assert json.load(open(os.path.join(killed, "summary.json")))["restarts"] == 1
@@ -349,6 +353,57 @@ def test_a_hung_rank_fails_the_job_within_the_timeout_naming_step_and_collective
         run_job(dist_jobs.params_job, cfg, time_limit=120)
     assert time.monotonic() - t0 < 5 + 25  # start-up, the timeout, the group's shutdown
     assert child_pids() == []
+
+
+# What ProcessGroupNCCL raises at a rank's wait (TORCH_NCCL_BLOCKING_WAIT=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=2), as
+# torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp builds them: a DistBackendError with the watchdog's message.
+NCCL_ERRORS = {
+    "timeout": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: "
+                "WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=6, NumelOut=6, Timeout(ms)=5000) ran for 5004 "
+                "milliseconds before timing out.",
+                "collective step_flags at step 3 timed out after 5 s: another rank stopped answering (hung, or slower "
+                "than --timeout allows)", False),
+    "peer": ("NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited or there was a "
+             "network error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network error or a "
+             "remote process exiting prematurely.",
+             "collective step_flags at step 3 failed: another rank is gone (NCCL error in: ../torch/csrc/distributed/"
+             "c10d/NCCLUtils.cpp:77, remote process exited or there was a network error, NCCL version 2.27.3)", True),
+    "local": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, "
+              "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3",
+              "collective step_flags at step 3 failed on this rank (NCCL error in: ../torch/csrc/distributed/c10d/"
+              "NCCLUtils.cpp:77, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3)",
+              False),
+    "gloo timeout": ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv "
+                     "operation to complete", "collective step_flags at step 3 timed out after 5 s: another rank "
+                                              "stopped answering (hung, or slower than --timeout allows)", False),
+}
+
+
+@pytest.mark.parametrize("case", list(NCCL_ERRORS))
+def test_an_nccl_watchdog_error_reaches_the_one_line_report_that_a_gloo_error_does(case, tmp_path, monkeypatch):
+    import types
+
+    import torch.distributed as dist
+
+    from zerotrain.parallel.comm import CollectiveError, Comm
+    from zerotrain.runtime import failures
+    from zerotrain.runtime.launch import process_group_environment
+
+    # NCCL ranks raise the watchdog's error at the call instead of being killed by it; gloo raises there already
+    assert process_group_environment("nccl") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                                 "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert process_group_environment("gloo") == {}
+    raised, line, peer_lost = NCCL_ERRORS[case]
+    comm = types.SimpleNamespace(step=3, timeout_s=5.0, timeout_flag="--timeout")
+    with pytest.raises(CollectiveError) as caught:
+        with Comm._guard(comm, "step_flags"):
+            raise dist.DistBackendError(raised)
+    assert str(caught.value) == line and caught.value.peer_lost == peer_lost
+    # ... and the rank's report, the launcher's one line, as for gloo: explained unless the peer was lost
+    monkeypatch.setattr(failures, "_write_traceback", lambda rank, cfg: None)
+    failures.report_failure(caught.value, 0, tiny_config(tmp_path), str(tmp_path))
+    [report] = failures._reports(str(tmp_path))
+    assert report["message"] == f"rank 0: {line}" and report["kind"] == ("lost a peer" if peer_lost else "explained")
 
 
 def test_nan_rolls_back_durably_and_a_crash_before_the_next_save_restarts_on_the_rolled_back_timeline_bitwise(

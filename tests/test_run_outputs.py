@@ -170,3 +170,21 @@ def test_ranks_take_the_launchers_environment_and_output_as_they_are_at_each_lau
         assert run_job(dist_jobs.environment_probe_job, tiny_config(tmp_path, nproc=2), time_limit=120) == value
         out = capfd.readouterr().out
         assert f"rank 0 sees ZT_PROBE={value}" in out and f"rank 1 sees ZT_PROBE={value}" in out
+
+
+def test_a_restart_names_the_rank_whose_failure_caused_it_and_says_when_the_cause_is_unknown(monkeypatch):
+    def report(rank, kind, t, message=None):
+        return {"rank": rank, "attempt": 0, "time": t, "kind": kind, "message": message or f"rank {rank}: {kind}"}
+
+    killed = [report(0, "lost a peer", 1.0)]  # rank 1 SIGKILLed: no report of its own; rank 0 saw it vanish
+    assert failures.cause_of(killed, {0, 1}) == (1, f"rank 1 {failures.SILENT}")
+    # an error a rank raised comes before the peers it took down, and a timeout zerotrain explained before either
+    crashed = [report(0, "lost a peer", 1.0), report(2, "exception", 2.0, "rank 2: ValueError: x")]
+    assert failures.cause_of(crashed, {0, 1, 2}) == (2, "rank 2: ValueError: x")
+    timed_out = [*crashed, report(3, "explained", 3.0, "rank 3: collective x at step 5 timed out")]
+    assert failures.cause_of(timed_out, {0, 1, 2, 3}) == (3, "rank 3: collective x at step 5 timed out")
+    assert failures.cause_of([], set()) == (None, failures.UNKNOWN_CAUSE)
+    # under torchrun (no job folder of zerotrain's launcher) the cause is said to be unknown, not guessed
+    monkeypatch.setattr(failures, "_job_dir", None)
+    monkeypatch.setattr(failures, "restart_count", lambda: 1)
+    assert failures.restart_cause() == (None, failures.UNKNOWN_CAUSE) and "not known" in failures.UNKNOWN_CAUSE

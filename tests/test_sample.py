@@ -1,4 +1,7 @@
-"""Generation: the KV cache computes what full recomputation does, past the context too; `zerotrain sample`."""
+"""Generation: the KV cache computes what full recomputation does, past the context too; `zerotrain sample`, its
+chats rendered as training rendered them."""
+
+import json
 
 import pytest
 import torch
@@ -122,3 +125,99 @@ def test_a_prompt_outside_the_models_vocabulary_is_refused_in_one_line(tmp_path,
     assert run_cli(["sample", small, "--prompt", "hello"]) == 2
     assert "token id 111, outside this model's vocabulary of 64" in capsys.readouterr().err
     assert run_cli(["sample", small, "--max-new-tokens", "5"]) == 0  # no prompt: starts from end-of-text (id 0)
+
+
+# ---------------------------------------------------------------- sample --chat: the context training gave the model
+CHAT_TURNS = [{"role": "system", "content": "The assistant answers."},
+              {"role": "user", "content": "Question 3: what is 3 plus 3?"}]
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory):
+    """A tiny random Llama whose tokenizer puts a BOS before a text (`<s> $A`) and whose ChatML template writes none:
+    the folder, and training's rendering of CHAT_TURNS + an assistant reply (ids, mask) from encode_chunk, what
+    `prepare` and `train` write for a chat record."""
+    from model_folders import CHATML, llama_folder
+
+    from zerotrain.data.chat import ChatTemplate
+    from zerotrain.data.jsonl import encode_chunk, record_tokenizer
+
+    folder = tmp_path_factory.mktemp("instruct")
+    llama_folder(folder, template=CHATML.replace("{{ bos_token }}", ""), eos="<|im_end|>")
+    tok = record_tokenizer(str(folder))
+    record = ("chat", [*CHAT_TURNS, {"role": "assistant", "content": "Answer: 6."}], "chats.jsonl:1")
+    [(ids, mask)], _ = encode_chunk([record], tok, ChatTemplate.of(tok, "chats.jsonl:1"))
+    return str(folder), ids, mask
+
+
+def fed_prompts(monkeypatch, capsys, *argv) -> list[tuple[list[int], float]]:
+    """The prompt ids `zerotrain sample ARGV` feeds the model and the temperature it samples at, per call."""
+    from zerotrain.cli.commands import sample as sample_command
+
+    seen, real = [], sample_command.generate
+
+    def recording(model, prompt, *args, **kwargs):
+        seen.append((prompt[0].tolist(), kwargs["temperature"]))
+        return real(model, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(sample_command, "generate", recording)
+    capsys.readouterr()
+    assert run_cli(["sample", *argv, "--max-new-tokens", "4", "--threads", "1"]) == 0, capsys.readouterr().err
+    monkeypatch.setattr(sample_command, "generate", real)
+    return seen
+
+
+def test_sample_chat_feeds_the_context_training_rendered_with_its_bos_and_a_missing_bos_is_caught(
+        instruct, tmp_path, monkeypatch, capsys):
+    from model_folders import BOS
+
+    from zerotrain.data import jsonl
+
+    folder, ids, mask = instruct
+    trained_prompt = ids[: list(mask).index(1)]  # what the first trained token was predicted from
+    assert trained_prompt[0] == BOS and trained_prompt.count(BOS) == 1  # training's BOS: the template wrote none
+    args = ["--chat", CHAT_TURNS[1]["content"], "--system", CHAT_TURNS[0]["content"]]
+    [(fed, temperature)] = fed_prompts(monkeypatch, capsys, folder, *args)
+    assert fed == trained_prompt and temperature == 0.0
+    assert CHAT_TURNS[0]["content"] in zerotrain.load_tokenizer(folder).decode(fed)  # --system is rendered
+    # the same conversation from a file, as a training record's messages
+    (tmp_path / "chat.json").write_text(json.dumps({"messages": CHAT_TURNS}))
+    assert fed_prompts(monkeypatch, capsys, folder, "--messages", str(tmp_path / "chat.json"))[0][0] == trained_prompt
+    # without --system the system turn is gone, and the rest is training's rendering of the user turn alone
+    [(alone, _)] = fed_prompts(monkeypatch, capsys, folder, "--chat", CHAT_TURNS[1]["content"])
+    assert CHAT_TURNS[0]["content"] not in zerotrain.load_tokenizer(folder).decode(alone) and alone[0] == BOS
+    # planted: the BOS rule skipped on sample's path (what transformers' apply_chat_template does)
+    monkeypatch.setattr(jsonl, "missing_bos", lambda ids, prefix: [])
+    [(planted, _)] = fed_prompts(monkeypatch, capsys, folder, *args)
+    assert planted != trained_prompt and planted == trained_prompt[1:]
+
+
+def test_sample_chat_is_greedy_by_default_and_samples_when_given_a_temperature(instruct, monkeypatch, capsys):
+    folder, _, _ = instruct
+
+    def reply(*flags) -> str:
+        capsys.readouterr()
+        assert run_cli(["sample", folder, "--chat", "what is 1 plus 1?", "--max-new-tokens", "12", "--ignore-eos",
+                        "--threads", "1", *flags]) == 0
+        return capsys.readouterr().out
+
+    assert reply("--seed", "1") == reply("--seed", "2") == reply("--temperature", "0", "--seed", "3")
+    drawn = {reply("--temperature", "1", "--seed", str(s)) for s in range(3)}
+    assert len(drawn) > 1  # an explicit temperature draws: the seeds differ
+
+
+@pytest.mark.parametrize("content, said", [
+    ("[]", "expected a list of"),
+    ('[{"role": "user"}]', "message 0 is {'role': 'user'}, not an object with"),
+    ('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]', "the last message is the "
+                                                                                    "assistant's"),
+    ("{", "not JSON"),
+])
+def test_a_bad_messages_file_is_refused_in_one_line_naming_it(instruct, tmp_path, capsys, content, said):
+    folder, _, _ = instruct
+    (tmp_path / "m.json").write_text(content)
+    assert run_cli(["sample", folder, "--messages", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--messages {tmp_path / 'm.json'}: {said}" in err, err
+    assert run_cli(["sample", folder, "--prompt", "hi", "--system", "x"]) == 2
+    assert "--system goes with --chat" in capsys.readouterr().err

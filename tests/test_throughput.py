@@ -122,30 +122,101 @@ def test_cuda_peaks_come_from_the_table_by_device_name_at_the_runs_precision_and
     assert peak("NVIDIA H200") == 2.5e14
 
 
+def quiet_timings(monkeypatch, rates=(2.0e9, 2.2e9, 2.1e9), others=(0, 0, 0, 0)) -> list:
+    """time_matmul replaced by fixed figures (no timing luck): each call's FLOP/s and the other processes' runnable
+    threads seen; the load average 0 on 16 cores. The calls are counted in the list returned."""
+    calls = []
+
+    def timed(shape, dtype):
+        calls.append(shape)
+        return list(rates), list(others)
+
+    monkeypatch.setattr(throughput, "time_matmul", timed)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    return calls
+
+
 def test_the_cpu_peak_is_timed_once_and_cached_by_machine_threads_and_shape_but_not_under_load(tmp_path, monkeypatch):
     shape = (64, 32, 128)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    calls = quiet_timings(monkeypatch)
     first = throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
-    assert first.flops > 0 and "measured now, cached" in first.source
-
-    def timed(*args, **kwargs):
-        raise AssertionError("timed again")
-
-    honest_time = throughput.time_matmul
-    monkeypatch.setattr(throughput, "time_matmul", timed)
+    assert first.flops == 2.2e9 and "measured now, cached" in first.source  # the best of the timings
     again = throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
-    assert again.flops == first.flops and "measured before" in again.source
+    assert again.flops == first.flops and "measured before" in again.source and len(calls) == 1
     # another thread count is another key: timed anew
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
-    with pytest.raises(AssertionError, match="timed again"):
-        throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+    throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+    assert len(calls) == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
 
-    # a machine busier than its cores: timed, said, and not kept
-    monkeypatch.setattr(throughput, "time_matmul", honest_time)
+    # a busy machine: timed, said, and not kept
     monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 0.0, 0.0))
-    busy = throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path))
+    busy = throughput.cpu_peak((8, 8, 8), torch.float32, cache=str(tmp_path))
     assert "not cached (load average 64.0" in busy.source
-    assert len(json.load(open(tmp_path / throughput.PEAK_CACHE))) == 1
+    assert len(json.load(open(tmp_path / throughput.PEAK_CACHE))) == 2
+    # forget: the cached figure is dropped and timed again (what a step above the peak asks)
+    quiet_timings(monkeypatch, rates=(3e9,))
+    retimed = first.remeasure()
+    assert retimed.flops == 3e9 and "measured now, cached" in retimed.source
+    assert throughput.cpu_peak(shape, torch.float32, cache=str(tmp_path)).flops == 3e9
+
+
+def test_a_peak_timed_on_a_busy_machine_is_not_cached_and_a_planted_check_that_misses_it_is_caught(
+        tmp_path, monkeypatch):
+    reason = throughput.busy_reason
+    assert reason([2e9, 2.1e9], [0, 1], load=0.5, cores=2, threads=1) is None  # one other thread: a core is free
+    assert reason([2e9, 2.1e9], [0, 2], load=0.5, cores=2, threads=1) == \
+        "2 runnable thread(s) of other processes beside this rank's 1 on 2 cores"
+    assert reason([2e9, 2.1e9], [0, 0], load=2.5, cores=2, threads=1) == "load average 2.5 on 2 cores"
+    assert reason([1e9, 2.1e9], [0, 0], load=0.5, cores=2, threads=1) == \
+        "its timings spread 2.1x: other work took the cores"
+    assert reason([1e9, 2.1e9], [0, 0], load=0.5, cores=16, threads=8) == "its timings spread 2.1x: other work took " \
+                                                                          "the cores"
+    # the rank's own threads need cores too: 8 threads beside 9 others' on 16 cores is busy
+    assert "beside this rank's 8 on 16" in reason([2e9], [9], load=0.5, cores=16, threads=8)
+
+    def cached(rates, others) -> bool:
+        quiet_timings(monkeypatch, rates, others)  # 16 cores
+        path = tmp_path / throughput.PEAK_CACHE
+        if path.exists():
+            path.unlink()
+        throughput.cpu_peak((8, 8, 8), torch.float32, cache=str(tmp_path))
+        return path.exists()
+
+    assert cached([2e9, 2.1e9], [0, 0, 0]) and not cached([2e9, 2.1e9], [0, 20, 0])
+    assert not cached([0.5e9, 2.1e9], [0, 0, 0])
+    monkeypatch.setattr(throughput, "busy_reason", lambda *a: None)  # planted: the busy machine goes unnoticed
+    assert cached([2e9, 2.1e9], [0, 20, 0])
+
+
+def test_an_mfu_above_1_is_never_reported_a_measured_peak_is_timed_again_else_said_unreliable():
+    cfg = Config()
+    said = []
+
+    def step(meter, flops_per_s: float) -> dict:
+        # one rank, one position per step: FLOP/s = flops_per_token / step_s
+        return meter.of_step(meter.flops_per_token / flops_per_s, 1, 1)
+
+    # a measured peak too low for a step: timed again (its cached figure dropped), and the new figure used
+    low = throughput.Peak(1e9, "CPU matmul: measured before", remeasure=lambda: throughput.Peak(4e9, "measured now"))
+    meter = throughput.Throughput(cfg, 1, low, say=said.append)
+    assert step(meter, 0.5e9)["mfu"] == pytest.approx(0.5)
+    assert step(meter, 2e9)["mfu"] == pytest.approx(0.5) and meter.peak.flops == 4e9
+    assert len(said) == 1 and "timed again: 4.00 GFLOP/s" in said[0]
+    # timed again and still beaten: no MFU from then on, said once
+    said.clear()
+    still_low = throughput.Peak(1e9, "CPU matmul", remeasure=lambda: throughput.Peak(1.5e9, "measured now"))
+    meter = throughput.Throughput(cfg, 1, still_low, say=said.append)
+    assert "mfu" not in step(meter, 2e9) and "mfu" not in step(meter, 0.1e9)
+    assert len(said) == 1 and "the peak is unreliable, so no MFU is reported" in said[0]
+    assert "unreliable" in meter.state()["peak_source"]
+    # a table's or --peak-flops' figure is not timed: unreliable at once
+    said.clear()
+    meter = throughput.Throughput(cfg, 1, throughput.Peak(1e9, "--peak-flops"), say=said.append)
+    figures = [step(meter, f) for f in (0.9e9, 1.1e9, 0.9e9)]
+    assert figures[0]["mfu"] == pytest.approx(0.9) and all("mfu" not in f for f in figures[1:])
+    assert len(said) == 1 and "--peak-flops F" in said[0]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from zerotrain.errors import ConfigError
 from .flags import _Parser
 
 
-DESCRIPTION = ("Train GPT language models data- and tensor-parallel on torch.distributed with a ZeRO-1 optimizer, "
+DESCRIPTION = ("Train GPT language models data- and tensor-parallel on torch.distributed with a ZeRO optimizer (stages 1-3), "
                "exact resume and correctness invariants checked on every run. Start with `zerotrain demo`; "
                "`zerotrain COMMAND --help` shows a command's flags and defaults.")
 

@@ -119,6 +119,11 @@ class ChatTemplate:
             spans.append((len(before), len(before) + (max(ends) if ends else len(turn))))
         return text, spans
 
+    def prompt(self, messages: list[dict], where: str) -> str:
+        """The conversation with the assistant's turn opened (the generation prompt): what a reply is generated after,
+        and what training reads as the context of an assistant turn."""
+        return self._text(messages, where, add_generation_prompt=True)
+
     def _text(self, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
         return self._render([messages], where, add_generation_prompt=add_generation_prompt)[0][0]
 

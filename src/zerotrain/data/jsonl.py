@@ -238,9 +238,8 @@ def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> tuple[li
         if r[0] == "chat":  # the template ends each turn; its BOS, if it writes one, is not doubled
             encoding, (_, spans) = next(offsets), next(where)
             ids, mask = encoding.ids, _span_mask(encoding, spans).tobytes()
-            if prefix and ids[: len(prefix)] != prefix:
-                ids, mask = prefix + ids, bytes(len(prefix)) + mask
-            out.append((ids, mask))
+            bos = missing_bos(ids, prefix)
+            out.append((bos + ids, bytes(len(bos)) + mask))
             continue
         if r[0] == "text":
             ids, first = next(plain).ids, 0
@@ -258,6 +257,20 @@ def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> tuple[li
             mask = bytes(mask)
         out.append((prefix + ids + [eot], mask))
     return out, inside
+
+
+def missing_bos(ids: list[int], prefix: list[int]) -> list[int]:
+    """What goes before a rendered chat's ids: the tokenizer's BOS (its post-processor's prefix), unless the template
+    wrote it itself (then it is not doubled)."""
+    return list(prefix) if prefix and ids[: len(prefix)] != list(prefix) else []
+
+
+def encode_chat_prompt(tok, chat: ChatTemplate, messages: list[dict], where: str) -> list[int]:
+    """The token ids of a conversation with the assistant's turn opened, as encode_chunk encodes a chat record up to
+    an assistant turn: the template's text without the tokenizer's special tokens, the BOS placed by missing_bos.
+    What `zerotrain sample --chat` feeds the model, so a model sees at inference the context it was trained on."""
+    ids = tok.encode_pieces([chat.prompt(messages, where)])[0].ids
+    return missing_bos(ids, tok.prefix_ids) + ids
 
 
 def _completion_start(encoding, boundary: int) -> int:

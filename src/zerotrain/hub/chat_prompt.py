@@ -1,8 +1,9 @@
-"""A user message as a model's chat template renders it for the assistant's reply, and the token that ends that reply.
+"""A conversation as a model's chat template renders it for the assistant's reply, and the token that ends that reply.
 
 The template is the model's own (tokenizer_config.json's chat_template or chat_template.jinja, which a checkpoint
-keeps from its --init-from model), rendered by transformers' apply_chat_template with add_generation_prompt, so
-the prompt is what transformers and serving stacks build from the same folder. Where the reply ends is read from
+keeps from its --init-from model), rendered with add_generation_prompt and encoded exactly as training encodes a
+chat record up to an assistant turn (the tokenizer's BOS before a template that writes none included), so the
+model is sampled in the context it was fine-tuned in. Where the reply ends is read from
 the template too: an assistant message rendered by it is followed by the end-of-turn token the template writes
 (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>): the first special token after its content.
 """
@@ -12,34 +13,37 @@ from __future__ import annotations
 import json
 import os
 
+from zerotrain.data.chat import ChatTemplate
+from zerotrain.data.jsonl import encode_chat_prompt
 from zerotrain.errors import ConfigError
 
 PROBE = "zerotrain probes the end of a turn"  # an assistant message's content, found again in the rendering
 
 
-def chat_tokenizer(folder: str):
-    """transformers' tokenizer of `folder`; ConfigError when the folder has no template or transformers is missing."""
+def chat_tokenizer(folder: str, where: str = "--chat"):
+    """transformers' tokenizer of `folder` (which reads the end of a turn); ConfigError naming `where` when the folder
+    has no template or transformers is missing."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
             inline = json.load(f).get("chat_template")
     except (OSError, ValueError, AttributeError):
         inline = None
     if not inline and not os.path.isfile(os.path.join(folder, "chat_template.jinja")):
-        raise ConfigError(f"--chat: {folder} has no chat template (tokenizer_config.json's chat_template or "
+        raise ConfigError(f"{where}: {folder} has no chat template (tokenizer_config.json's chat_template or "
                           "chat_template.jinja; a run keeps its --init-from model's): use --prompt")
     try:
         import transformers
     except ImportError:
-        raise ConfigError("--chat renders the model's chat template with transformers: pip install "
+        raise ConfigError(f"{where}: the model's chat template is rendered by transformers: pip install "
                           "'zerotrain[hf]'") from None
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def chat_prompt(tokenizer, message: str) -> list[int]:
-    """The token ids of one user message and the assistant's turn opened, as the template renders them."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)
-    return list(rendered["input_ids"])
+def chat_prompt(tokenizer, messages: list[dict], where: str = "--chat") -> list[int]:
+    """The token ids of `messages` with the assistant's turn opened, rendered and encoded as training renders a chat
+    record (data.jsonl.encode_chat_prompt): zerotrain's tokenizer of the model folder (BPETokenizer), its BOS placed
+    before a template that writes none, as training placed it."""
+    return encode_chat_prompt(tokenizer, ChatTemplate.of(tokenizer, where), messages, where)
 
 
 def end_of_turn(tokenizer) -> int | None:

@@ -214,7 +214,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
     windowed = 0 < cfg.sliding_window < seq_len  # a mask even without records (layers.window_attention)
-    kernel = layers.document_kernel(device) if documents or windowed else ""
+    kernel = layers.document_kernel(device, cfg.head_dim) if documents or windowed else ""
     # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
     repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex"
                 and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))

@@ -110,7 +110,7 @@ class GPT(nn.Module):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
         x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.positions, segments))
-        documents = None if segments is None else document_attention(segments, x.dtype)
+        documents = None if segments is None else document_attention(segments, x.dtype, self.cfg.head_dim)
         for layer, block in enumerate(self.transformer.h):
             x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer, documents)
         if cache is not None:

@@ -383,35 +383,43 @@ def _causal_mask(past: int, T: int, device: torch.device, window: int = 0) -> to
     return allowed & (key > query - window) if windowed else allowed
 
 
-def document_kernel(device_type: str) -> str:
-    """The kernel packed records attend with: "flex" (FlexAttention over a block mask, which never builds the
-    T x T mask) on CUDA, "mask" (SDPA with document_mask) elsewhere: FlexAttention has no backward on CPU.
+# FlexAttention's Triton kernels refuse heads narrower than this (torch/_inductor/kernel/flex/flex_attention.py:
+# "tl.dot does not support embedding size less than 16"): the tiny presets' heads of 8 take the mask.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def document_kernel(device_type: str, head_dim: int) -> str:
+    """The kernel packed records (and a sliding window) attend with: "flex" (FlexAttention over a block mask, which
+    never builds the T x T mask) on CUDA for heads of at least FLEX_MIN_HEAD_DIM, "mask" (SDPA with document_mask)
+    elsewhere: FlexAttention has no backward on CPU, and its CUDA kernels refuse narrower heads.
 
     FlexAttention's CUDA kernels are compiled by Triton: a CUDA device Triton cannot compile for (or a torch
     without it) takes the mask. Planned from a machine without CUDA, a CUDA run is taken to have Triton, which
     CUDA builds of torch ship.
     """
-    if device_type != "cuda":
+    if device_type != "cuda" or head_dim < FLEX_MIN_HEAD_DIM:
         return "mask"
     return "mask" if torch.cuda.is_available() and not has_triton() else "flex"
 
 
-def document_attention(segments: torch.Tensor, dtype: torch.dtype, window: int = 0) -> torch.Tensor | BlockMask:
-    """What attend takes for the records in `segments` (B, T), for activations of `dtype`: built once per
-    forward and shared by every layer, and by every head (and so by every TP rank's heads). With a `window`
-    each token sees at most that many of its record's tokens, itself included."""
-    if document_kernel(segments.device.type) == "flex":
+def document_attention(segments: torch.Tensor, dtype: torch.dtype, head_dim: int,
+                       window: int = 0) -> torch.Tensor | BlockMask:
+    """What attend takes for the records in `segments` (B, T), for activations of `dtype` and heads of `head_dim`:
+    built once per forward and shared by every layer, and by every head (and so by every TP rank's heads). With a
+    `window` each token sees at most that many of its record's tokens, itself included."""
+    if document_kernel(segments.device.type, head_dim) == "flex":
         return document_block_mask(segments, window)
     return document_mask(segments, dtype, window)
 
 
-def window_attention(T: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | BlockMask | None:
+def window_attention(T: int, window: int, dtype: torch.dtype, device: torch.device,
+                     head_dim: int) -> torch.Tensor | BlockMask | None:
     """What attend takes for one sequence per row under a sliding window, built once per forward and shared by the
     rows: None where the window holds the whole sequence (SDPA's causal mask is exact), else FlexAttention's block
     mask (CUDA, document_kernel) or the mask of one record spanning the row (1, 1, T, T)."""
     if not 0 < window < T:
         return None
-    if document_kernel(device.type) == "flex":
+    if document_kernel(device.type, head_dim) == "flex":
         return window_block_mask(T, window, device)
     return document_mask(torch.zeros(1, T, dtype=torch.long, device=device), dtype, window)
 

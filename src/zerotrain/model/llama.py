@@ -139,9 +139,10 @@ class Llama(nn.Module):
         rotary = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, rope_scaling(self.cfg))
         window = self.cfg.sliding_window
         if segments is not None:
-            documents = document_attention(segments, x.dtype, window)
+            documents = document_attention(segments, x.dtype, self.cfg.head_dim, window)
         else:  # with a cache, attend applies the window to the cached positions itself
-            documents = None if cache is not None else window_attention(idx.shape[1], window, x.dtype, x.device)
+            documents = None if cache is not None else window_attention(idx.shape[1], window, x.dtype, x.device,
+                                                                         self.cfg.head_dim)
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, documents)
         if cache is not None:

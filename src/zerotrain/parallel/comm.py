@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections import Counter
 
 import torch
@@ -29,6 +30,30 @@ class CollectiveError(ZeroTrainError):
     def __init__(self, message: str, peer_lost: bool):
         super().__init__(message)
         self.peer_lost = peer_lost
+
+
+# NCCL's errors as ProcessGroupNCCL raises them at the rank's wait (launch.NCCL_ERRORS_AT_THE_CALL): its watchdog's
+# timeout, "[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation timeout: WorkNCCL(...) ran for
+# 5003 milliseconds before timing out.", and NCCL's own errors, of which only ncclRemoteError ("remote process exited
+# or there was a network error") is a peer's; the others (unhandled cuda error, system, internal) are this rank's.
+_NCCL_PREFIX = re.compile(r"^\[(PG |Rank )[^\]]*\]\s*")
+_PEER_GONE = ("remote process exited", "ncclremoteerror", "connection closed by peer", "connection reset by peer")
+
+
+def collective_error(error: RuntimeError, where: str, timeout_s: float | None,
+                     timeout_flag: str = "--timeout") -> CollectiveError:
+    """The one line for a collective `where` that raised `error` (gloo's at the call, NCCL's from its watchdog at
+    the wait): a timeout (a peer stopped answering), a peer gone (peer_lost), or on NCCL a failure of this rank's."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = _NCCL_PREFIX.sub("", text.split(" This is typically")[0])  # gloo appends generic advice, NCCL its group
+    lower = text.lower()
+    if "timed out" in lower or "timeout" in lower:
+        bound = f" after {timeout_s:g} s" if timeout_s else ""
+        return CollectiveError(f"{where} timed out{bound}: another rank stopped answering (hung, or slower than "
+                               f"{timeout_flag} allows)", peer_lost=False)
+    if "nccl" in lower and not any(sign in lower for sign in _PEER_GONE):
+        return CollectiveError(f"{where} failed on this rank ({text})", peer_lost=False)
+    return CollectiveError(f"{where} failed: another rank is gone ({text})", peer_lost=True)
 
 
 class _Works:
@@ -89,14 +114,8 @@ class Comm:
         except RuntimeError as e:  # torch.distributed's errors derive from RuntimeError
             if isinstance(e, ZeroTrainError):
                 raise
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            text = text.split(" This is typically")[0]  # gloo appends generic advice
-            where = f"collective {purpose} at step {self.step}"
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                bound = f" after {self.timeout_s:g} s" if self.timeout_s else ""
-                raise CollectiveError(f"{where} timed out{bound}: another rank stopped answering "
-                                      f"(hung, or slower than {self.timeout_flag} allows)", peer_lost=False) from None
-            raise CollectiveError(f"{where} failed: another rank is gone ({text})", peer_lost=True) from None
+            raise collective_error(e, f"collective {purpose} at step {self.step}", self.timeout_s,
+                                   self.timeout_flag) from None
 
     def _guarded(self, work, purpose: str, async_op: bool):
         """Wait now, or hand back an async handle whose wait is guarded."""

@@ -37,8 +37,19 @@ def adopt_attempt(attempt: int) -> None:
 _agreed_attempt: int | None = None
 
 
+def adopt_job_dir(job_dir: str | None) -> None:
+    """The job folder of zerotrain's own launcher (None under torchrun): where a restarted rank 0 reads why the
+    attempt before its own failed."""
+    global _job_dir
+    _job_dir = job_dir
+
+
+_job_dir: str | None = None
+
+
 def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None) -> None:
-    explained = isinstance(error, ZeroTrainError) and not getattr(error, "peer_lost", False)
+    peer_lost = bool(getattr(error, "peer_lost", False))
+    explained = isinstance(error, ZeroTrainError) and not peer_lost
     message = f"rank {rank}: {error}" if isinstance(error, ZeroTrainError) else \
         f"rank {rank}: {type(error).__name__}: {error}"
     log = _write_traceback(rank, cfg)
@@ -47,7 +58,7 @@ def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None
     if job_dir is None:
         print(f"zerotrain: {message}", file=sys.stderr, flush=True)
         return
-    _write_report(job_dir, rank, message, "explained" if explained else "exception")
+    _write_report(job_dir, rank, message, "explained" if explained else "lost a peer" if peer_lost else "exception")
 
 
 def report_user_error(error: Exception, rank: int, job_dir: str) -> None:
@@ -71,12 +82,54 @@ def user_error(job_dir: str) -> str | None:
 
 
 def _last_attempt_reports(job_dir: str) -> list[dict]:
+    reports = _reports(job_dir)
+    last_attempt = max((r["attempt"] for r in reports), default=0)
+    return [r for r in reports if r["attempt"] == last_attempt]
+
+
+def _reports(job_dir: str) -> list[dict]:
     reports = []
     for path in glob.glob(os.path.join(job_dir, "failures", "*.json")):
         with open(path) as f:
             reports.append(json.load(f))
-    last_attempt = max((r["attempt"] for r in reports), default=0)
-    return [r for r in reports if r["attempt"] == last_attempt]
+    return reports
+
+
+UNKNOWN_CAUSE = ("its cause is not known here (under torchrun each node's agent restarts its own ranks: the output "
+                 "of the node whose rank failed says which and why)")
+SILENT = "ended without a word (killed by a signal, the kernel's out-of-memory killer's SIGKILL among them, or exited)"
+
+
+def restart_cause() -> tuple[int | None, str]:
+    """Why the attempt before this one failed, for a restarted rank 0 to say: (the rank that failed or None, a line).
+
+    From the job folder of zerotrain's own launcher: every rank of an attempt records its pid as it starts and
+    reports an error it raised. A failure zerotrain explained (an invariant, a timeout) comes first; then an error
+    a rank raised itself; then a rank that left no report (killed, or exited: the others only saw it vanish);
+    then a rank that lost a peer. Under torchrun there is no such folder: the cause is said to be unknown.
+    """
+    if _job_dir is None or restart_count() == 0:
+        return None, UNKNOWN_CAUSE
+    attempt = restart_count() - 1
+    reports = [r for r in _reports(_job_dir) if r["attempt"] == attempt]
+    started = {int(name.rsplit("rank", 1)[1]) for name in
+               map(os.path.basename, glob.glob(os.path.join(_job_dir, "pids", f"attempt{attempt}-rank*")))}
+    return cause_of(reports, started)
+
+
+def cause_of(reports: list[dict], started: set[int]) -> tuple[int | None, str]:
+    """The failed rank and the line that says why, from one attempt's reports and the ranks that started in it."""
+    by_time = sorted(reports, key=lambda r: r["time"])
+    for kind in ("explained", "exception"):
+        first = next((r for r in by_time if r["kind"] == kind), None)
+        if first is not None:
+            return first["rank"], first["message"]
+    silent = sorted(started - {r["rank"] for r in reports})
+    if silent:
+        return silent[0], f"rank {silent[0]} {SILENT}"
+    if by_time:
+        return by_time[0]["rank"], by_time[0]["message"]
+    return None, UNKNOWN_CAUSE
 
 
 def _write_traceback(rank: int, cfg: Config) -> str | None:

@@ -25,7 +25,8 @@ from zerotrain.parallel import Comm
 
 from . import rank_start
 from .allocator import return_large_blocks_to_os
-from .failures import adopt_attempt, failure_reason, report_failure, report_user_error, restart_count, user_error
+from .failures import (adopt_attempt, adopt_job_dir, failure_reason, report_failure, report_user_error,
+                       restart_count, user_error)
 from .run_folder import release_run_folders
 from .stop import install_stop_request
 from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
@@ -163,6 +164,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     """
     if launcher is not None:  # a rank of zerotrain's own launcher
         rank_start.adopt(launcher)
+    adopt_job_dir(job_dir)  # where a restarted rank 0 reads why the attempt before failed
     install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None,
                          os.path.join(job_dir, STEPPING_FILE.format(rank=os.environ["RANK"])) if job_dir else None)
     if job_dir:  # for the launcher's reaper
@@ -176,6 +178,7 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         deterministic_cuda()
         torch.cuda.set_device(local_rank)
     backend = "nccl" if cfg.launch.device == "cuda" else "gloo"
+    os.environ.update(process_group_environment(backend))
     timeout = datetime.timedelta(seconds=cfg.launch.timeout)
     rank = int(os.environ["RANK"])
     try:
@@ -203,6 +206,25 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
         os._exit(1)
     dist.destroy_process_group()
     return result
+
+
+# How NCCL reports a collective that timed out or failed, set in each rank before its process group is made:
+# ProcessGroupNCCL reads them as it starts. By default (and the elastic agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# for its workers) the watchdog thread aborts the communicator and then kills the process (SIGABRT), so no error
+# ever reaches the rank's code: no one-line report, no peer_lost, and a restart could not say why. Instead:
+# - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): the watchdog aborts the communicator (kernels in flight
+#   exit) and leaves the process to the rank;
+# - TORCH_NCCL_BLOCKING_WAIT=1: a wait blocks the rank's thread until its collective is done or the process group's
+#   timeout (--timeout, --io-timeout) has passed, and raises there the watchdog's DistBackendError ("Watchdog caught
+#   collective operation timeout ..."), which comm.collective_error turns into the line gloo's errors get.
+# The cost: the CPU waits for each collective it waits on, where it could queue more kernels; zerotrain already
+# waits for the step's one all-reduce (its flags decide the step).
+NCCL_ERRORS_AT_THE_CALL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def process_group_environment(backend: str) -> dict[str, str]:
+    """The environment a rank sets before it makes its process group of `backend`."""
+    return dict(NCCL_ERRORS_AT_THE_CALL) if backend == "nccl" else {}
 
 
 # Under torchrun, how long a rank other than 0 that found a user error waits before saying it itself.

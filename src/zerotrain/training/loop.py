@@ -23,7 +23,7 @@ from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
 from zerotrain.parallel.comm import CollectiveError
-from zerotrain.runtime.failures import restart_count
+from zerotrain.runtime.failures import restart_cause, restart_count
 from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.run_folder import say
 from zerotrain.runtime.stop import stop_request
@@ -348,10 +348,11 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
         metrics.announce(_start_line(cfg, engine, schedule, start, resumed_from) + "; " + plan.summary() + "; "
                          + throughput.describe() + metrics.where())
     if restart_count() > 0:
-        lost = metrics.dropped_after - start
+        lost, (failed_rank, cause) = metrics.dropped_after - start, restart_cause()
         metrics.event({"event": "restart", "attempt": restart_count(), "step": start, "resumed_from": resumed_from,
-                       "steps_lost": lost},
-                      f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost")
+                       "steps_lost": lost, "failed_rank": failed_rank, "cause": cause},
+                      f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost; attempt "
+                      f"{restart_count() - 1} failed: {cause}")
     stop = stop_request()
     stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,

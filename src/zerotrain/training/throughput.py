@@ -25,18 +25,28 @@ The peak: `--peak-flops`; on CUDA the device's dense figure from CUDA_PEAKS at t
 (bf16; tf32 when PyTorch's fp32 matmul precision allows it; else fp32); on CPU a matmul of the model's MLP shape
 timed once (0.05-0.3 s) and cached by CPU model, threads per rank, torch version, dtype and shape in
 `$ZEROTRAIN_CACHE` or `~/.cache/zerotrain` (the user's cache, not the run folder: every run on this machine then
-measures against the same figure, so MFUs compare across runs). A figure timed while the machine is busier than its
-cores is not cached: it would make every later run's MFU look too high.
+measures against the same figure, so MFUs compare across runs).
+
+A peak timed on a busy machine is too low, and every MFU against it too high (5.86 was seen), so a measurement is
+the best of several timings, and it is not cached when it was taken on a busy machine (busy_reason: a load average
+above the cores, other runnable threads that leave this rank's threads fewer cores than they need, or timings that
+spread as contended ones do). A step whose MFU comes out above 1 proves the peak too low: a CPU peak is dropped
+from the cache and timed again once; if the step still beats it, or the peak was a table's or --peak-flops', no
+MFU above 1 is reported: the run says once that the peak is unreliable, and reports no MFU from there on.
 """
 
 from __future__ import annotations
 
+import functools
+import glob
 import json
 import os
 import platform
 import resource
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -68,10 +78,16 @@ CUDA_PEAKS: tuple[tuple[str, float, float, float], ...] = (
 
 @dataclass(frozen=True)
 class Peak:
-    """The FLOP/s one device does at the run's precision (None: not known), and where the figure comes from."""
+    """The FLOP/s one device does at the run's precision (None: not known), and where the figure comes from;
+    `remeasure` times a measured figure again, dropping it from the cache first (None: a table's or a flag's)."""
 
     flops: float | None
     source: str
+    remeasure: Callable[[], "Peak"] | None = field(default=None, compare=False, repr=False)
+
+
+# A machine is busy when a timing may have lost the cores: what cpu_peak will not cache.
+SPREAD_LIMIT = 1.5  # the fastest timing over the slowest: a quiet machine's repeat within ~1.2x (measured)
 
 
 def matmul_params(m: ModelConfig) -> int:
@@ -158,46 +174,91 @@ def peak_flops(cfg: Config, device: torch.device) -> Peak:
     return cpu_peak(shape, torch.bfloat16 if bf16 else torch.float32)
 
 
-def cpu_peak(shape: tuple[int, int, int], dtype: torch.dtype, cache: str | None = None) -> Peak:
-    """A (M x K) @ (K x N) matmul's FLOP/s on this CPU with this rank's threads: cached, or timed now and cached."""
+def cpu_peak(shape: tuple[int, int, int], dtype: torch.dtype, cache: str | None = None, forget: bool = False) -> Peak:
+    """A (M x K) @ (K x N) matmul's FLOP/s on this CPU with this rank's threads: cached, or timed now (the best of
+    several timings) and cached unless the machine was busy. `forget`: drop the cached figure and time it again."""
     threads = torch.get_num_threads()
     key = f"{cpu_model()}; {threads} threads; torch {torch.__version__}; {dtype}; {'x'.join(map(str, shape))}"
     path = os.path.join(cache or cache_root(), PEAK_CACHE)
     known = _read_cache(path)
     what = f"CPU {str(dtype).removeprefix('torch.')} matmul {'x'.join(map(str, shape))}, {threads} thread" + \
         "s" * (threads != 1)
-    if key in known:
-        return Peak(known[key], f"{what}: measured before, cached in {path}")
-    flops = time_matmul(shape, dtype)
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    again = functools.partial(cpu_peak, shape, dtype, cache, forget=True)
+    if forget and key in known:
+        known.pop(key)
+        _write_cache(path, known)
+    elif key in known:
+        return Peak(known[key], f"{what}: measured before, cached in {path}", again)
+    rates, others = time_matmul(shape, dtype)
+    flops = max(rates)
+    busy = busy_reason(rates, others, os.getloadavg()[0], os.cpu_count() or 1, threads)
+    if busy:
+        return Peak(flops, f"{what}: measured now, not cached ({busy})", again)
+    problem = _write_cache(path, {**_read_cache(path), key: flops})
+    if problem:
+        return Peak(flops, f"{what}: measured now, not cached ({problem})", again)
+    return Peak(flops, f"{what}: measured now, cached in {path}", again)
+
+
+def busy_reason(rates: list[float], others_running: list[int], load: float, cores: int, threads: int) -> str | None:
+    """Why FLOP/s timed as `rates` may not be the CPU's peak (the machine was busy), or None.
+
+    `others_running`: the runnable threads of other processes seen around each timing (/proc/loadavg's running
+    count less this process's own); `load`: the 1-minute load average. Busy: a load average above the cores; other
+    runnable threads that leave fewer cores than this rank's threads; or the fastest timing more than SPREAD_LIMIT
+    times the slowest (a quiet machine repeats a matmul closely; a contended one does not).
+    """
     if load > cores:
-        return Peak(flops, f"{what}: measured now, not cached (load average {load:.1f} on {cores} cores)")
+        return f"load average {load:.1f} on {cores} cores"
+    busiest = max(others_running, default=0)
+    if busiest + threads > cores:
+        return f"{busiest} runnable thread(s) of other processes beside this rank's {threads} on {cores} cores"
+    if len(rates) > 1 and max(rates) > SPREAD_LIMIT * min(rates):
+        return f"its timings spread {max(rates) / min(rates):.1f}x: other work took the cores"
+    return None
+
+
+def others_running() -> int:
+    """The runnable threads of other processes now: /proc/loadavg's running count less this process's runnable
+    threads (its matmul threads may still spin); 0 where /proc is not there to say."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json(path, {**_read_cache(path), key: flops}, durable=False)
-    except OSError as e:
-        return Peak(flops, f"{what}: measured now, not cached ({e.strerror}: {path})")
-    return Peak(flops, f"{what}: measured now, cached in {path}")
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    own = 0
+    for task in glob.glob("/proc/self/task/*/stat"):
+        try:
+            with open(task) as f:
+                own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue
+    return max(0, running - own)
 
 
-def time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, budget_s: float = 0.25, timings: int = 3) -> float:
-    """The best FLOP/s of `timings` batches of matmuls of `shape`, each batch long enough for the clock, or of what
-    `budget_s` allows (after one untimed warm-up): about 0.05 s for a tiny model, 0.3 s for GPT-2's MLP."""
+def time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, budget_s: float = 0.25,
+                timings: int = 5) -> tuple[list[float], list[int]]:
+    """The FLOP/s of each of `timings` batches of matmuls of `shape`, each batch long enough for the clock, or of what
+    `budget_s` allows (after one untimed warm-up): about 0.05 s for a tiny model, 0.3 s for GPT-2's MLP; and the
+    other processes' runnable threads seen after each batch (others_running)."""
     M, K, N = shape
     a, b = torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
     out = torch.mm(a, b)
-    best, reps, timed, start = float("inf"), 1, 0, time.perf_counter()
-    while timed < timings and time.perf_counter() - start < budget_s:
+    rates, others, reps, start = [], [others_running()], 1, time.perf_counter()
+    while len(rates) < timings:
         t0 = time.perf_counter()
         for _ in range(reps):
             torch.mm(a, b, out=out)
         took = time.perf_counter() - t0
-        best = min(best, took / reps)
-        if took < 0.01:  # too short for the clock: twice the calls next time
+        over = time.perf_counter() - start > budget_s
+        if took < 0.01 and not over:  # too short for the clock: twice the calls next time
             reps *= 2
-        else:
-            timed += 1
-    return 2 * M * K * N / best
+            continue
+        rates.append(2 * M * K * N * reps / took)
+        others.append(others_running())
+        if over:
+            break
+    return rates, others
 
 
 def cpu_model() -> str:
@@ -212,6 +273,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _write_cache(path: str, known: dict[str, float]) -> str | None:
+    """Write the cache; what went wrong (for the start line), or None."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, known, durable=False)
+    except OSError as e:
+        return f"{e.strerror}: {path}"
+    return None
+
+
 def _read_cache(path: str) -> dict[str, float]:
     try:
         with open(path) as f:
@@ -224,18 +295,45 @@ def _read_cache(path: str) -> dict[str, float]:
 class Throughput:
     """A step's figures per rank from its time: tokens/s, model FLOP/s, MFU; and this rank's peak memory."""
 
-    def __init__(self, cfg: Config, world_size: int, peak: Peak):
+    def __init__(self, cfg: Config, world_size: int, peak: Peak, say: Callable[[str], None] | None = None):
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.lora)
         self.formula = "4N + 6N_lora + 12LTd" if cfg.lora.rank else "6N + 12LTd"  # a LoRA run's frozen base: 4N
         self.world_size, self.peak = world_size, peak
+        self.say = say or (lambda line: print(f"zerotrain: warning: {line}", file=sys.stderr, flush=True))
+        self.unreliable = False  # a step beat the peak: no MFU is reported from then on
 
     def of_step(self, step_s: float, tokens: int, positions: int) -> dict:
         """`tokens` trained (unmasked targets) and `positions` computed (the batch's capacity) by all ranks."""
         flops = positions * self.flops_per_token / self.world_size / step_s
         figures = dict(tokens_per_s_per_rank=tokens / self.world_size / step_s, flops_per_s_per_rank=flops)
-        if self.peak.flops:
-            figures["mfu"] = flops / self.peak.flops
+        mfu = self.mfu(flops)
+        if mfu is not None:
+            figures["mfu"] = mfu
         return figures
+
+    def mfu(self, flops: float) -> float | None:
+        """flops / the peak, never above 1: a step above the peak has a measured peak timed again once (dropped
+        from the cache), else the peak is said to be unreliable and no MFU is reported from then on."""
+        if not self.peak.flops or self.unreliable:
+            return None
+        if flops <= self.peak.flops:
+            return flops / self.peak.flops
+        low = self.peak
+        if low.remeasure is not None:
+            self.peak = low.remeasure()
+            if self.peak.flops and flops <= self.peak.flops:
+                self.say(f"a step did {flop_rate(flops)} per rank, above the peak of {flop_rate(low.flops)} timed on "
+                         f"a busy machine: dropped from the cache and timed again: {flop_rate(self.peak.flops)} "
+                         f"({self.peak.source})")
+                return flops / self.peak.flops
+        self.unreliable = True
+        peak = flop_rate(self.peak.flops) if self.peak.flops else "no figure"
+        self.peak = replace(self.peak, source=f"{self.peak.source}; unreliable: a step did {flop_rate(flops)} per "
+                                              "rank, above it")
+        self.say(f"a step did {flop_rate(flops)} per rank, above the peak of {peak} MFU is measured against "
+                 f"({low.source}): the peak is unreliable, so no MFU is reported; --peak-flops F (FLOP/s) sets it"
+                 + (" (a CPU peak timed on a quiet machine is cached for later runs)" if low.remeasure else ""))
+        return None
 
     def describe(self) -> str:
         """For the start line: the FLOPs per token and the peak MFU is measured against."""

@@ -11,6 +11,8 @@ import torch
 from zerotrain.cli.flags import checked
 from zerotrain.config import POSITIVE, Config
 from zerotrain.data import IGNORE, check_source, make_source
+from zerotrain.data.resolve import SYNTHETIC, validation_files
+from zerotrain.data.tokenfiles import open_token_file
 from zerotrain.errors import ConfigError
 from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
 from zerotrain.training.evaluate import summed_loss, validation_sequences
@@ -26,7 +28,10 @@ def add_parser(sub) -> None:
                     "tokens / UTF-8 bytes of the evaluated tokens (1 byte per token for the byte tokenizer).")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, checkpoint root, run folder or exported "
                                                      "folder (an exported one needs --data)")
-    p.add_argument("--data", default=None, help="data to evaluate on, as train's --data (default: the checkpoint's)")
+    p.add_argument("--data", default=None,
+                   help="held-out data to evaluate on, as train's --data: a file or text folder is evaluated whole, a "
+                        "prepared folder by its validation split if it has one (default: the validation split of "
+                        "the data the checkpoint was trained on)")
     p.add_argument("--batches", type=checked(int, POSITIVE), default=20, help="validation batches (default: %(default)s)")
     p.add_argument("--batch-size", type=checked(int, POSITIVE), default=None,
                    help="sequences per batch (default: the run's DP replicas x micro-batch, as training evaluated)")
@@ -37,6 +42,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)
+    _check_held_out(cfg, args.data)
     batch = args.batch_size or cfg.dp * cfg.loop.micro_batch
     loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val", global_batch=batch), args.batches, batch,
                                         cfg.loop.micro_batch, tokenizer)
@@ -46,7 +52,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     bpb = loss / math.log(2) * tokens / nbytes
     print(f"val_loss {loss:.6f}  perplexity {math.exp(loss):.6g}  bits_per_byte {bpb:.6f}  "
           f"({tokens:,} tokens, {nbytes:,} bytes: {args.batches} batches x {batch} sequences of {cfg.data.source}, "
-          f"validation split)")
+          f"{'validation split' if args.data is None else 'held out'})")
     return 0
 
 
@@ -64,12 +70,31 @@ def _data_config(source, model, tokenizer, data: str | None) -> Config:
         cfg.model = dataclasses.replace(model.cfg)
     if data is not None:
         cfg.data.source = data
+        # a file given here is held out as a whole: its validation split is all of it (train's --val-data PATH)
+        cfg.data.val_data = None if data in SYNTHETIC else data
+        cfg.data.val_fraction = 0.0  # prepared once, as --data and as validation data alike
+    cfg.loop.eval_every = 0  # training's own demand for validation tokens; _check_held_out says it in eval's words
     spec = check_source(cfg, vocab_given=True)
     theirs = spec.tokenizer
     if theirs and (theirs.get("kind"), theirs.get("vocab_size")) != (tokenizer.kind, tokenizer.vocab_size):
         raise ConfigError(f"--data {cfg.data.source} is tokenized as {theirs.get('kind')} with {theirs.get('vocab_size')} "
                           f"ids, the model's tokenizer is {tokenizer.kind} with {tokenizer.vocab_size}")
     return cfg
+
+
+def _check_held_out(cfg: Config, data: str | None) -> None:
+    """Refuse, in eval's own words, data with no validation tokens: a run that set none aside (--val-fraction 0, a
+    single document) asks for held-out data through --data."""
+    if cfg.data.source in SYNTHETIC:
+        return
+    paths, _ = validation_files(cfg)
+    if any(len(open_token_file(p)) for p in paths):
+        return
+    if data is None:
+        raise ConfigError(f"the data this checkpoint was trained on, {cfg.data.source}, set no validation tokens "
+                          "aside (trained with --val-fraction 0, or on a single document): evaluate on held-out data "
+                          "with --data PATH")
+    raise ConfigError(f"--data {data} holds no tokens to evaluate")
 
 
 def evaluate(model, source, batches: int, batch: int, micro_batch: int, tokenizer) -> tuple[float, int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -11,6 +12,7 @@ import torch
 
 from zerotrain.cli.flags import checked
 from zerotrain.config import NON_NEGATIVE, POSITIVE
+from zerotrain.data.chat import ROLES
 from zerotrain.data.tokenizer_config import model_facts, stop_ids
 from zerotrain.errors import ConfigError
 from zerotrain.hub.chat_prompt import chat_prompt, chat_tokenizer, end_of_turn
@@ -23,9 +25,10 @@ SEPARATOR = "---"
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "sample", help="generate text from a checkpoint or an exported model",
-        description="Prints the generated continuation of --prompt, or the reply to --chat, on stdout, up to the "
-                    "model's end-of-text token (the eos ids of its generation_config.json or config.json, and the "
-                    "tokenizer's end of text; with --chat also the template's end of turn), which is not printed "
+        description="Prints the generated continuation of --prompt, or the reply to --chat or --messages, on "
+                    "stdout, up to the model's end-of-text token (the eos ids of its generation_config.json or "
+                    "config.json, and the tokenizer's end of text; with a chat also the template's end of turn), "
+                    "which is not printed "
                     f"(with --num-samples > 1, samples are separated by a line '{SEPARATOR}'); the speed goes to "
                     "stderr. CKPT is a checkpoint folder, a checkpoint root (what `latest` names), a run folder, or "
                     "an exported folder. Past the model's context (seq_len tokens) the window jumps forward keeping "
@@ -35,14 +38,22 @@ def add_parser(sub) -> None:
     text.add_argument("--prompt", default="", help="text to continue (default: empty, start from the end-of-text "
                                                    "token)")
     text.add_argument("--chat", metavar="MESSAGE", default=None,
-                      help="a user message, rendered with the model's chat template (transformers' "
-                           "apply_chat_template, the assistant's turn opened); the reply ends at the template's "
-                           "end-of-turn token or the model's end of text")
+                      help="a user message, rendered with the model's chat template exactly as training renders a "
+                           "chat record (the template's text with the assistant's turn opened; the tokenizer's BOS "
+                           "before a template that writes none); the reply ends at the template's end-of-turn token "
+                           "or the model's end of text. Greedy unless --temperature is given")
+    text.add_argument("--messages", metavar="FILE", default=None,
+                      help="a JSON file of the conversation so far, rendered as --chat renders its message: a list "
+                           "of {\"role\": \"system\"|\"user\"|\"assistant\", \"content\": TEXT} objects (or a "
+                           "training record's {\"messages\": [...]}) whose last is a user's; the assistant's reply "
+                           "is generated. Greedy unless --temperature is given")
+    p.add_argument("--system", metavar="TEXT", default=None,
+                   help="with --chat: a system message before the user's, as in chats the model was fine-tuned on")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate all --max-new-tokens, past the end-of-text token (e.g. to measure speed)")
     p.add_argument("--max-new-tokens", type=checked(int, POSITIVE), default=256, help="tokens to generate per sample (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="softmax temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="softmax temperature; 0 is greedy (default: 0 with --chat and --messages, else 1)")
     p.add_argument("--top-k", type=checked(int, POSITIVE), default=None, help="draw only from the K most likely tokens (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws: the same seed gives the same text "
                                                        "(default: %(default)s)")
@@ -55,8 +66,46 @@ def add_parser(sub) -> None:
 
 
 def check_sampling_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot be sampled; a chat's default temperature is 0 (a reply, not a draw), text's 1."""
+    if args.temperature is None:
+        args.temperature = 0.0 if args.chat is not None or args.messages is not None else 1.0
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+    if args.system is not None and args.chat is None:
+        raise ConfigError("--system goes with --chat (with --messages FILE, a system message is FILE's first)"
+                          if args.messages is not None else "--system goes with --chat: a system message before "
+                          "the user's")
+
+
+def conversation(args: argparse.Namespace) -> list[dict] | None:
+    """The messages --chat (with --system) or --messages FILE give, or None (plain text); ConfigError naming the
+    file for a conversation that is not one to reply to."""
+    if args.chat is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        return [*system, {"role": "user", "content": args.chat}]
+    if args.messages is None:
+        return None
+    where = f"--messages {args.messages}"
+    try:
+        with open(args.messages, encoding="utf-8") as f:
+            messages = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{where}: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: not JSON ({e})") from None
+    if isinstance(messages, dict) and "messages" in messages:
+        messages = messages["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: expected a list of {{\"role\", \"content\"}} objects (or {{\"messages\": "
+                          f"[...]}}), got {str(messages)[:80]}")
+    for k, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ConfigError(f"{where}: message {k} is {str(m)[:80]}, not an object with \"role\" (one of "
+                              f"{', '.join(ROLES)}) and a string \"content\"")
+    if messages[-1]["role"] != "user":
+        raise ConfigError(f"{where}: the last message is the {messages[-1]['role']}'s; the reply is generated after "
+                          "a user's message")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -70,9 +119,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     # the model's eos ids, and the end-of-text token zerotrain's data ends each document and record with (where a
     # folder's config.json states transformers' placeholder ids, only this one is the model's)
     stops = set(stop_ids(facts)) | {tokenizer.eot_id} - {None}
-    if args.chat is not None:
-        chat = chat_tokenizer(source.folder)
-        ids = chat_prompt(chat, args.chat)
+    messages = conversation(args)
+    if messages is not None:
+        where = "--chat" if args.chat is not None else f"--messages {args.messages}"
+        chat = chat_tokenizer(source.folder, where)
+        ids = chat_prompt(tokenizer, messages, where)
         stops |= {end_of_turn(chat)} - {None}
     else:
         ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id if tokenizer.eot_id < V else 0]
