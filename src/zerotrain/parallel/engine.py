@@ -306,6 +306,9 @@ class ZeroEngine:
         for s in L.slots:
             self._bucket_sizes[s.bucket] += 1
         self._launched = 0  # buckets whose reduce-scatter has started this window, in bucket order
+        self._end_queued = False  # _end_backward is queued to run as this backward ends
+        self._reduces_now = False  # this backward reduces (the window's last, or every one per micro-batch)
+        self._window_reduced = False  # a backward has reduced this window (a later one is too late)
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
@@ -402,20 +405,58 @@ class ZeroEngine:
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
         if (self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2):
+            self._reduces_now = True
+            self._at_end_of_backward()
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
-                raise GradientOrderError(
-                    f"the gradient of {s.name} arrived after its bucket was reduced: run the backward of "
-                    "every micro-batch but the last inside engine.no_sync()")
+                raise GradientOrderError(self._late_gradient(s.name, s.bucket))
             self._ready[s.bucket] += 1
             # Launch in bucket order only, so every rank issues the same collectives in the same order.
             while self._launched < len(self._ready) and \
                     self._ready[self._launched] == self._bucket_sizes[self._launched]:
                 self._launch(self._launched)
-            if self.per_micro_batch and self._launched == len(self._ready):  # this micro-batch's share is sent
-                self._finish_reduces()
-                self._ready = [0] * len(self._ready)
-                self._launched = 0
+
+    def _at_end_of_backward(self) -> None:
+        """Have `_end_backward` run when this backward ends (once per backward; outside one, as a test's direct
+        call of the hook is, nothing is queued)."""
+        if not self._end_queued and torch._C._current_graph_task_id() != -1:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """The end of a backward that reduces (the window's last, or each with --grad-reduce micro-batch).
+
+        A parameter that got no gradient in it (a conditional module's, an expert no token was routed to) never
+        completed its bucket: its gradient is zero. Stages 2 and 3 launch the buckets still waiting now, in bucket
+        order, as every rank does whatever its own parameters got (a bucket with no gradient here is sent as zeros:
+        the other ranks' may have some). Stage 1 leaves them to reduce_grads, which first zeroes the flat buffer's
+        views no gradient was taken into. With --grad-reduce micro-batch the counts start again for the next
+        micro-batch's backward; otherwise the window is reduced, and a gradient of another backward before
+        zero_grad is the caller's mistake (_late_gradient)."""
+        self._end_queued = False
+        if not self._reduces_now:
+            return
+        self._reduces_now = False
+        if self.stage >= 2:
+            while self._launched < len(self._ready):
+                self._launch(self._launched)
+        if self.per_micro_batch:  # this micro-batch's share is sent
+            self._finish_reduces()
+            self._ready = [0] * len(self._ready)
+            self._launched = 0
+        else:
+            self._window_reduced = True
+
+    def _late_gradient(self, name: str, bucket: int) -> str:
+        """What GradientOrderError says: the caller's mistake when an earlier backward already reduced the window
+        (a micro-batch outside no_sync, or no zero_grad before the next window); else the engine's own."""
+        if self._window_reduced:
+            return (f"the gradient of {name} arrived after its bucket was reduced: run the backward of every "
+                    "micro-batch but the last inside engine.no_sync(), and engine.zero_grad() before the next "
+                    "window")
+        return (f"the gradient of {name} arrived after its bucket {bucket} was reduced in the same backward: the "
+                f"engine launched the bucket before all its gradients arrived ({self._ready[bucket]} of "
+                f"{self._bucket_sizes[bucket]} counted; an engine error, not the caller's)")
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
@@ -480,10 +521,18 @@ class ZeroEngine:
             self.flat_grads.zero_()
         if self.grad_accum is not self.flat_grads:
             self.grad_accum.zero_()
-        self._ready = [0] * len(self._ready)
-        self._launched = 0
+        self._reset_window()
         if self.per_micro_batch:
             self.grad_shard.zero_()
+
+    def _reset_window(self) -> None:
+        """The per-window bookkeeping starts again, whatever the last window left (a step that raised midway
+        included): no bucket counted or launched, no end of backward queued, stage 2's bucket buffers gone."""
+        self._ready = [0] * len(self._ready)
+        self._launched = 0
+        self._end_queued = self._reduces_now = self._window_reduced = False
+        if not self._pending:
+            self._bucket_grads.clear()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -388,11 +388,24 @@ class ZeroThreeEngine(ZeroEngine):
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         super()._on_grad_ready(p)
+        self._at_end_of_backward()  # every backward, reducing or not: its units are released at its end
         unit = self._unit_of[id(p)]
         self._arrived[unit] += 1
         if self._arrived[unit] == self._unit_sizes[unit]:  # the unit's backward is done
             self._arrived[unit] = 0
             self.release_unit(unit, "backward")
+
+    def _end_backward(self) -> None:
+        """Stage 2's end of a backward, then every unit released: a unit with a parameter that got no gradient in
+        this backward never counted all its gradients, and would stay whole into the next micro-batch (where its
+        count, carried over, would release it early). After a backward where every gradient arrived nothing is
+        whole by now, and this releases nothing."""
+        super()._end_backward()
+        self.release_all()
+
+    def _reset_window(self) -> None:
+        super()._reset_window()
+        self._arrived = [0] * len(self.units)
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
