@@ -8,8 +8,10 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
     a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
                            their storage released after it (forward hook)
     a unit's backward      gathered again when autograd first unpacks a weight the unit's forward saved
-                           (saved-tensor hooks: the saved weight is kept as a reference, not the tensor), and
-                           released once every parameter of the unit has its gradient
+                           (saved-tensor hooks, entered and left around the model's forward in one place, so a
+                           forward that raises leaves none behind: the saved weight is kept as a reference, not
+                           the tensor), and released once every parameter of the unit has its gradient (or as
+                           the backward ends, where a parameter got none)
     gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
                            arrives, its full-size buffer freed
 
@@ -49,6 +51,7 @@ accumulation, with --grad-reduce step or micro-batch).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -228,6 +231,42 @@ class ZeroThreeEngine(ZeroEngine):
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._unit_of[id(self.model.lm_head.weight)]
         self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
+        # The saved-tensor hooks are entered and left around the model's own forward, in one place: an exception
+        # in it (out of memory, a refused batch) leaves none on the thread's stack (hooks entered by the root's
+        # pre-hook and left by its forward hook stayed there when the forward raised between them).
+        forward = self.model.forward
+
+        def forward_with_saved_tensor_hooks(*args, **kwargs):
+            with self.saved_tensor_hooks():
+                return forward(*args, **kwargs)
+
+        self.model.forward = forward_with_saved_tensor_hooks
+
+    @contextlib.contextmanager
+    def saved_tensor_hooks(self):
+        """Within: a forward that will be differentiated saves the unit weights it uses as where they lie (_pack),
+        left as the block is left, whether it returns or raises; what a forward that raised had gathered and held
+        for itself is released. Outside a differentiated forward (no grad, or a recompute in the backward, whose
+        hooks are the checkpoint's) nothing is entered."""
+        if not torch.is_grad_enabled() or _in_backward():
+            yield
+            return
+        self._outer_hooks = _current_saved_tensors_hooks()
+        try:
+            with self._saved_hooks:
+                yield
+        except BaseException:
+            self._abandon_forward()
+            raise
+
+    def _abandon_forward(self) -> None:
+        """A forward raised: no unit is running, and the buckets only its units held for it are released (those
+        held for a backward stay, released as a backward ends or at the next zero_grad)."""
+        self._current.clear()
+        for b, holders in self._holds.items():
+            holders.difference_update({h for h in holders if h[1] == "forward"})
+            if not holders and b in self.whole:
+                self._release_bucket(b)
 
     # ---------------------------------------------------------------- gather and release
     def gather_unit(self, unit: int, phase: str) -> None:
@@ -328,9 +367,6 @@ class ZeroThreeEngine(ZeroEngine):
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
             self._gather_for_backward(unit)
             return
-        if unit == 0 and torch.is_grad_enabled():
-            self._outer_hooks = _current_saved_tensors_hooks()
-            self._saved_hooks.__enter__()
         self._current.append(unit)
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
@@ -351,8 +387,6 @@ class ZeroThreeEngine(ZeroEngine):
             # The head's backward comes first and needs its unit (and a tied one the root) again: it stays whole for
             # it, not gathered twice.
             self.gather_unit(unit, "backward")
-        if unit == 0 and torch.is_grad_enabled():
-            self._saved_hooks.__exit__(None, None, None)
         self.release_unit(unit, "forward")
 
     def _pack(self, tensor: torch.Tensor):
@@ -404,8 +438,10 @@ class ZeroThreeEngine(ZeroEngine):
         self.release_all()
 
     def _reset_window(self) -> None:
+        """Stage 2's, and no unit whole or running (after a step that ended normally, none is already)."""
         super()._reset_window()
-        self._arrived = [0] * len(self.units)
+        self._current.clear()
+        self.release_all()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
