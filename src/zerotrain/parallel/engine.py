@@ -36,6 +36,10 @@ stages compute bitwise the same shard. With `grad_reduce="micro-batch"` every mi
 reduce-scattered and freed instead, into the shard, which accumulates over the window: the two buckets' memory at any
 accumulation, for accumulation x the reduce-scatter traffic (and another order of the additions: not bitwise).
 
+A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has gradient
+zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 it never completes its bucket, and the end of a
+backward that reduces launches the buckets still waiting, in bucket order on every rank (_end_backward).
+
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
 
