@@ -458,9 +458,9 @@ class ZeroEngine:
             return (f"the gradient of {name} arrived after its bucket was reduced: run the backward of every "
                     "micro-batch but the last inside engine.no_sync(), and engine.zero_grad() before the next "
                     "window")
-        return (f"the gradient of {name} arrived after its bucket {bucket} was reduced in the same backward: the "
-                f"engine launched the bucket before all its gradients arrived ({self._ready[bucket]} of "
-                f"{self._bucket_sizes[bucket]} counted; an engine error, not the caller's)")
+        return (f"the gradient of {name} arrived after its bucket {bucket} was reduced, though no earlier backward "
+                f"reduced this window: the engine launched the bucket before its gradients were complete "
+                f"({self._ready[bucket]} of {self._bucket_sizes[bucket]} counted); an engine error, not the caller's")
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
@@ -516,6 +516,7 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
+        self._reset_window()  # first: a reduce-scatter a failed step left in flight still reads the buffers
         if self.grads_in_params or self._grad_views is not None:
             for p in self.params:
                 # autograd's first gradient becomes .grad (and, with a flat buffer, _take_first_grad copies it in)
@@ -525,18 +526,20 @@ class ZeroEngine:
             self.flat_grads.zero_()
         if self.grad_accum is not self.flat_grads:
             self.grad_accum.zero_()
-        self._reset_window()
         if self.per_micro_batch:
             self.grad_shard.zero_()
 
     def _reset_window(self) -> None:
         """The per-window bookkeeping starts again, whatever the last window left (a step that raised midway
-        included): no bucket counted or launched, no end of backward queued, stage 2's bucket buffers gone."""
+        included): the reduce-scatters it left in flight finished (every rank launched them, in bucket order; their
+        results are overwritten or zeroed), its bucket buffers gone (a late gradient was added into one), no bucket
+        counted or launched, no end of backward queued. After a step that ended normally there is nothing to
+        finish or drop."""
+        self._finish_reduces()
+        self._bucket_grads.clear()
         self._ready = [0] * len(self._ready)
         self._launched = 0
         self._end_queued = self._reduces_now = self._window_reduced = False
-        if not self._pending:
-            self._bucket_grads.clear()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -549,8 +552,9 @@ class ZeroEngine:
             self._zero_grads_not_given()
         if self._awaiting:
             self._zero_grads_not_taken()
-        # With --grad-reduce micro-batch every micro-batch's backward has launched all its buckets already, unless
-        # a parameter had no gradient in it. One rank's gradients in its parameters have nothing to reduce.
+        # Stages 2 and 3 launched every bucket as the reducing backwards ended (_end_backward), unless the hook was
+        # called outside a backward; stage 1 launches here what backward did not. One rank's gradients in its
+        # parameters have nothing to reduce.
         while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)) and \
                 not self.grads_in_params:
             self._launch(self._launched)

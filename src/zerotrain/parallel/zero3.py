@@ -438,10 +438,10 @@ class ZeroThreeEngine(ZeroEngine):
         self.release_all()
 
     def _reset_window(self) -> None:
-        """Stage 2's, and no unit whole or running (after a step that ended normally, none is already)."""
+        """Stage 2's, and no unit running or counting gradients (after a step that ended normally, none is)."""
         super()._reset_window()
         self._current.clear()
-        self.release_all()
+        self._arrived = [0] * len(self.units)
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
