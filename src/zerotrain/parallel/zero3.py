@@ -261,7 +261,7 @@ class ZeroThreeEngine(ZeroEngine):
 
     def _abandon_forward(self) -> None:
         """A forward raised: no unit is running, and the buckets only its units held for it are released (those
-        held for a backward stay, released as a backward ends or at the next zero_grad)."""
+        held for a backward stay, released as the next backward ends or by reduce_grads)."""
         self._current.clear()
         for b, holders in self._holds.items():
             holders.difference_update({h for h in holders if h[1] == "forward"})
