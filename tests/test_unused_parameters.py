@@ -34,14 +34,14 @@ def config(tmp_path, zero, grad_reduce, nproc=1, accum=4):
     return cfg
 
 
-def torch_reference(cfg) -> dict[str, torch.Tensor]:
+def torch_reference(cfg, final: bool = False) -> dict[str, torch.Tensor]:
     """The conditional model trained by plain torch on each step's whole global batch at once; a parameter no
     sequence used has a zero gradient (not None, which AdamW would skip)."""
     model = build_model(cfg.model, cfg.loop.seed)
     o = cfg.optim
     opt = build_adamw(adamw_param_groups(model.named_parameters(), o.weight_decay), o)
     source = make_source(cfg)
-    with unused_params_jobs.norm_skipped_by_data():
+    with unused_params_jobs.norm_skipped_by_data(final=final):
         for step in range(STEPS):
             x, y, _ = source.sequences(step, range(8))
             for p in model.parameters():
@@ -57,9 +57,9 @@ def worst(params: dict, ref: dict) -> float:
     return max((params[n] - ref[n]).abs().max().item() for n in ref)
 
 
-# AdamW's first steps turn float noise in near-zero gradients into steps of up to lr (test_engine): measured 1.7e-6
-# on one rank, 1.6e-6 to 1.8e-6 on 2
-BOUND = 2e-5
+# AdamW's first steps turn float noise in near-zero gradients into steps of up to lr: test_engine's bound with
+# accumulation. Measured: 1.7e-6 on one rank, 1.6e-6 to 1.8e-6 on 2; 2.6e-5 with the final norm skipped
+BOUND = 1e-4
 
 
 def old_end_of_backward(monkeypatch, stage3_release: bool = False) -> None:
@@ -98,6 +98,26 @@ def test_a_parameter_unused_in_some_micro_batches_trains_alike_at_every_stage_an
     old_end_of_backward(monkeypatch, stage3_release=True)
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 held [\d,]+ bytes of parameters"):
         unused_params_jobs.trained(config(tmp_path / "old-units", 3, "step"), one_rank)
+
+
+def test_the_final_norm_unused_in_some_micro_batches_holds_no_bucket_back_and_trains_like_stage1(
+        tmp_path, one_rank, monkeypatch):
+    """The final norm is first in the backward and lies in the first bucket: a bucket waiting for its gradient would
+    hold every bucket after it to the end of the backward (all of them, where --grad-reduce micro-batch plans two).
+    The forward's output says which parameters backward will reach, so the bucket goes as soon as the others are in:
+    the run's strict check of the plan after step 1 passes. Planted: the forward's reach not taken (every bucket
+    waits for every parameter); the gradient peak is beyond the plan."""
+    first = unused_params_jobs.trained(config(tmp_path, 1, "step"), one_rank, final=True)
+    assert first["counts"]["unused"] > 0 and first["counts"]["used"] > 0
+    for zero in (2, 3):
+        run = unused_params_jobs.trained(config(tmp_path, zero, "micro-batch"), one_rank, final=True)
+        assert run["losses"] == first["losses"] and \
+            all(torch.equal(run["params"][n], first["params"][n]) for n in first["params"])
+    assert worst(first["params"], torch_reference(config(tmp_path, 1, "step"), final=True)) < BOUND
+    monkeypatch.setattr(ZeroEngine, "_reached_by_forward", lambda self, *args: None)
+    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 held [\d,]+ bytes of gradients "
+                                             r"at once, the plan at most [\d,]+"):
+        unused_params_jobs.trained(config(tmp_path / "planted", 2, "micro-batch"), one_rank, final=True)
 
 
 @pytest.fixture(scope="module")

@@ -24,30 +24,41 @@ SKIPPED = 0  # the layer whose first norm is skipped
 
 
 @contextlib.contextmanager
-def norm_skipped_by_data(counts: dict | None = None):
-    """Within: block 0's ln_1 is skipped by the sequences whose first token is even. `counts`, if given, counts the
-    forwards with gradients where no sequence used the norm ("unused") and the others ("used")."""
+def norm_skipped_by_data(counts: dict | None = None, final: bool = False):
+    """Within: block 0's ln_1 (with `final`, the final norm ln_f: first in the backward, in the first bucket) is
+    skipped by the sequences whose first token is even. `counts`, if given, counts the forwards with gradients where
+    no sequence used the norm ("unused") and the others ("used")."""
     real_forward, real_block = gpt2.GPT.forward, gpt2.Block.forward
     skips: list[torch.Tensor] = []
 
+    def count(skip) -> None:
+        if counts is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            key = "unused" if bool(skip.all()) else "used"
+            counts[key] = counts.get(key, 0) + 1
+
     def forward(self, idx, *args, **kwargs):
         skips.append(idx[:, 0] % 2 == 0)
+        norm = self.transformer.ln_f
+        if final:
+            skip = skips[-1]
+            count(skip)
+            real_norm = type(norm).forward
+            norm.forward = lambda x: x if bool(skip.all()) else torch.where(skip[:, None, None], x, real_norm(norm, x))
         try:
             return real_forward(self, idx, *args, **kwargs)
         finally:
             skips.pop()
+            norm.__dict__.pop("forward", None)
 
     def block_forward(self, x, cache=None, layer=0, documents=None):
-        if layer != SKIPPED or not skips:
+        if final or layer != SKIPPED or not skips:
             return real_block(self, x, cache, layer, documents)
         skip = skips[-1]
         if bool(skip.all()):
             h = x  # the norm's parameters take no part: they get no gradient
         else:
             h = torch.where(skip[:, None, None], x, self.ln_1(x))
-        if counts is not None and torch.is_grad_enabled() and not torch._C._current_graph_task_id() != -1:
-            key = "unused" if bool(skip.all()) else "used"
-            counts[key] = counts.get(key, 0) + 1
+        count(skip)
         x = x + self.attn(h, cache, layer, documents)
         return x + self.mlp(self.ln_2(x))
 
@@ -55,11 +66,11 @@ def norm_skipped_by_data(counts: dict | None = None):
         yield
 
 
-def trained(cfg: Config, comm: Comm) -> dict:
+def trained(cfg: Config, comm: Comm, final: bool = False) -> dict:
     """Train the conditional model; its losses, the final parameters by name, and how many micro-batches (of this
-    rank) left block 0's first norm unused."""
+    rank) left the skipped norm unused."""
     counts: dict = {}
-    with norm_skipped_by_data(counts):
+    with norm_skipped_by_data(counts, final):
         result = train(cfg, comm)
     return {"losses": [r["loss"] for r in result.records], "params": result.engine.full_state_dict(),
             "counts": counts, "digests": result.digests}

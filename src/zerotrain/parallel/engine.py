@@ -37,8 +37,9 @@ reduce-scattered and freed instead, into the shard, which accumulates over the w
 accumulation, for accumulation x the reduce-scatter traffic (and another order of the additions: not bitwise).
 
 A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has gradient
-zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 it never completes its bucket, and the end of a
-backward that reduces launches the buckets still waiting, in bucket order on every rank (_end_backward).
+zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
+forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
+waiting, in bucket order on every rank (_end_backward).
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
@@ -313,6 +314,10 @@ class ZeroEngine:
         self._end_queued = False  # _end_backward is queued to run as this backward ends
         self._reduces_now = False  # this backward reduces (the window's last, or every one per micro-batch)
         self._window_reduced = False  # a backward has reduced this window (a later one is too late)
+        # The gradients each bucket waits for in the next reducing backward: its parameters that the forward's
+        # output reaches (_reached_by_forward); every one of them when no forward said.
+        self._expected = list(self._bucket_sizes)
+        self._reached: set[int] | None = None
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
@@ -320,6 +325,8 @@ class ZeroEngine:
                 self._grad_views is not None:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.stage >= 2:
+            self.model.register_forward_hook(self._reached_by_forward)
         if self.gather_in_forward:
             for module in self.model.modules():
                 buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)
@@ -414,11 +421,45 @@ class ZeroEngine:
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(self._late_gradient(s.name, s.bucket))
+            if self._reached is not None and id(p) not in self._reached:  # a gradient no forward foresaw: waited for
+                self._reached.add(id(p))
+                self._expected[s.bucket] += 1
             self._ready[s.bucket] += 1
             # Launch in bucket order only, so every rank issues the same collectives in the same order.
             while self._launched < len(self._ready) and \
-                    self._ready[self._launched] == self._bucket_sizes[self._launched]:
+                    self._ready[self._launched] == self._expected[self._launched]:
                 self._launch(self._launched)
+
+    def _reached_by_forward(self, _module, _args, output) -> None:
+        """Stages 2 and 3, after a forward whose backward reduces: the trained parameters its output's autograd graph
+        reaches, the ones backward will give a gradient (as DDP's find_unused_parameters finds them). A bucket then
+        waits only for those: one holding a parameter that no gradient will reach (a skipped module's, an unrouted
+        expert's) is reduced as soon as the ones that will are in, not held (with every bucket after it) to the end of
+        the backward. In the usual step, which reaches every parameter, this changes nothing. Several forwards before
+        one backward add up; a compiled forward is not walked (every parameter is waited for, as before)."""
+        if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch)) or \
+                torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
+            return
+        reached = self._reached if self._reached is not None else set()
+        stack = [t.grad_fn for t in (output if isinstance(output, (tuple, list)) else (output,))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set = set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+            if variable is not None:
+                reached.add(id(variable))
+            else:
+                stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        self._reached = reached
+        expected = [0] * len(self._expected)
+        for s, p in zip(self.layout.slots, self.params):
+            if id(p) in reached:
+                expected[s.bucket] += 1
+        self._expected = expected
 
     def _at_end_of_backward(self) -> None:
         """Have `_end_backward` run when this backward ends (once per backward; outside one, as a test's direct
@@ -444,6 +485,7 @@ class ZeroEngine:
         if self.stage >= 2:
             while self._launched < len(self._ready):
                 self._launch(self._launched)
+        self._expected, self._reached = list(self._bucket_sizes), None
         if self.per_micro_batch:  # this micro-batch's share is sent
             self._finish_reduces()
             self._ready = [0] * len(self._ready)
@@ -460,7 +502,7 @@ class ZeroEngine:
                     "window")
         return (f"the gradient of {name} arrived after its bucket {bucket} was reduced, though no earlier backward "
                 f"reduced this window: the engine launched the bucket before its gradients were complete "
-                f"({self._ready[bucket]} of {self._bucket_sizes[bucket]} counted); an engine error, not the caller's")
+                f"({self._ready[bucket]} of {self._expected[bucket]} counted); an engine error, not the caller's")
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
@@ -540,6 +582,7 @@ class ZeroEngine:
         self._ready = [0] * len(self._ready)
         self._launched = 0
         self._end_queued = self._reduces_now = self._window_reduced = False
+        self._expected, self._reached = list(self._bucket_sizes), None
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
