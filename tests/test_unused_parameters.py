@@ -120,6 +120,21 @@ def test_the_final_norm_unused_in_some_micro_batches_holds_no_bucket_back_and_tr
         unused_params_jobs.trained(config(tmp_path / "planted", 2, "micro-batch"), one_rank, final=True)
 
 
+def test_a_stage3_unit_with_a_parameter_unused_is_released_with_its_other_gradients(tmp_path, one_rank, monkeypatch):
+    """Block 1's first norm skipped by data: block 1's unit waits only for the gradients its forward reached, and is
+    released before block 0 is gathered for its backward, as the plan has it (the root and one block whole). Planted:
+    the unit waits for every parameter, stays whole beside block 0, and the plan's strict check fails."""
+    monkeypatch.setattr(unused_params_jobs, "SKIPPED", 1)
+    step = unused_params_jobs.trained(config(tmp_path, 1, "step"), one_rank)
+    three = unused_params_jobs.trained(config(tmp_path, 3, "step"), one_rank)
+    assert three["counts"]["unused"] > 0 and three["losses"] == step["losses"]
+    assert all(torch.equal(three["params"][n], step["params"][n]) for n in step["params"])
+    monkeypatch.setattr(ZeroThreeEngine, "_unit_waits", lambda self: self._unit_sizes)
+    with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 held [\d,]+ bytes of parameters "
+                                             r"at once, the plan at most [\d,]+"):
+        unused_params_jobs.trained(config(tmp_path / "planted", 3, "step"), one_rank)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Every split of SPLITS on one start of 2 ranks, which see different sequences and so skip the norm in

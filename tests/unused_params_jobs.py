@@ -20,7 +20,7 @@ from zerotrain.model import gpt2
 from zerotrain.parallel import Comm
 from zerotrain.training.loop import train
 
-SKIPPED = 0  # the layer whose first norm is skipped
+SKIPPED = 0  # the layer whose first norm is skipped (tests may set another)
 
 
 @contextlib.contextmanager

@@ -437,7 +437,7 @@ class ZeroEngine:
         expert's) is reduced as soon as the ones that will are in, not held (with every bucket after it) to the end of
         the backward. In the usual step, which reaches every parameter, this changes nothing. Several forwards before
         one backward add up; a compiled forward is not walked (every parameter is waited for, as before)."""
-        if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch)) or \
+        if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.stage == 3)) or \
                 torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
             return
         reached = self._reached if self._reached is not None else set()

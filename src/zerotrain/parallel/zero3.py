@@ -220,6 +220,8 @@ class ZeroThreeEngine(ZeroEngine):
         params = unit_parameters(self.model)
         self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
         self._unit_sizes = [len(unit) for unit in params]
+        self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
+        self._unit_params = [[id(p) for _, p in unit] for unit in params]
         self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
         self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
         self._current: list[int] = []  # the units whose forward is running, innermost last
@@ -425,9 +427,19 @@ class ZeroThreeEngine(ZeroEngine):
         self._at_end_of_backward()  # every backward, reducing or not: its units are released at its end
         unit = self._unit_of[id(p)]
         self._arrived[unit] += 1
-        if self._arrived[unit] == self._unit_sizes[unit]:  # the unit's backward is done
+        if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's backward is done
             self._arrived[unit] = 0
             self.release_unit(unit, "backward")
+
+    def _unit_waits(self) -> list[int]:
+        """How many gradients each unit waits for in this backward: its parameters the forward reached (every one
+        when no forward said), so a unit with a parameter that gets none is released with the rest of its
+        gradients, not held to the end of the backward beside the units gathered after it."""
+        if self._waits is None:
+            reached = self._reached
+            self._waits = list(self._unit_sizes) if reached is None else \
+                [sum(p in reached for p in unit) for unit in self._unit_params]
+        return self._waits
 
     def _end_backward(self) -> None:
         """Stage 2's end of a backward, then every unit released: a unit with a parameter that got no gradient in
@@ -436,12 +448,14 @@ class ZeroThreeEngine(ZeroEngine):
         whole by now, and this releases nothing."""
         super()._end_backward()
         self.release_all()
+        self._expected, self._reached, self._waits = list(self._bucket_sizes), None, None
 
     def _reset_window(self) -> None:
         """Stage 2's, and no unit running or counting gradients (after a step that ended normally, none is)."""
         super()._reset_window()
         self._current.clear()
         self._arrived = [0] * len(self.units)
+        self._waits = None
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
