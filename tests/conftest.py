@@ -40,6 +40,10 @@ def compile_checkout() -> None:
 
 
 compile_checkout()
+# The memory plan's check is strict under the tests: a run whose state differs from the plan by a byte fails (in
+# production the difference is an event and the run goes on). Set here, so the ranks and commands the tests start
+# inherit it.
+os.environ["ZEROTRAIN_STRICT_PLAN"] = "1"
 
 from zerotrain.config import Config, resolve, setting_for, validate  # noqa: E402
 from zerotrain.runtime.run_folder import resolve_paths  # noqa: E402

@@ -199,7 +199,7 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
         train(cfg, one_rank)
     # ...and without it, (c) at the drift-check period does.
     from zerotrain.training import loop
-    monkeypatch.setattr(loop, "check_plan", lambda *args: None)
+    monkeypatch.setattr(loop, "check_plan", lambda *args, **kwargs: None)
     cfg = tiny_config(tmp_path / "planted-unplanned", steps=4)
     cfg.loop.check_every = 2
     with pytest.raises(InvariantError, match=r"invariant \(c\) failed at step 2: optimizer state on rank\(s\) \[0\]"):

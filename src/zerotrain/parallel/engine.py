@@ -36,6 +36,11 @@ stages compute bitwise the same shard. With `grad_reduce="micro-batch"` every mi
 reduce-scattered and freed instead, into the shard, which accumulates over the window: the two buckets' memory at any
 accumulation, for accumulation x the reduce-scatter traffic (and another order of the additions: not bitwise).
 
+A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has gradient
+zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
+forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
+waiting, in bucket order on every rank (_end_backward).
+
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
 
@@ -306,6 +311,13 @@ class ZeroEngine:
         for s in L.slots:
             self._bucket_sizes[s.bucket] += 1
         self._launched = 0  # buckets whose reduce-scatter has started this window, in bucket order
+        self._end_queued = False  # _end_backward is queued to run as this backward ends
+        self._reduces_now = False  # this backward reduces (the window's last, or every one per micro-batch)
+        self._window_reduced = False  # a backward has reduced this window (a later one is too late)
+        # The gradients each bucket waits for in the next reducing backward: its parameters that the forward's
+        # output reaches (_reached_by_forward); every one of them when no forward said.
+        self._expected = list(self._bucket_sizes)
+        self._reached: set[int] | None = None
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
@@ -313,6 +325,8 @@ class ZeroEngine:
                 self._grad_views is not None:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.stage >= 2:
+            self.model.register_forward_hook(self._reached_by_forward)
         if self.gather_in_forward:
             for module in self.model.modules():
                 buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)
@@ -402,20 +416,93 @@ class ZeroEngine:
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
         if (self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2):
+            self._reduces_now = True
+            self._at_end_of_backward()
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
-                raise GradientOrderError(
-                    f"the gradient of {s.name} arrived after its bucket was reduced: run the backward of "
-                    "every micro-batch but the last inside engine.no_sync()")
+                raise GradientOrderError(self._late_gradient(s.name, s.bucket))
+            if self._reached is not None and id(p) not in self._reached:  # a gradient no forward foresaw: waited for
+                self._reached.add(id(p))
+                self._expected[s.bucket] += 1
             self._ready[s.bucket] += 1
             # Launch in bucket order only, so every rank issues the same collectives in the same order.
             while self._launched < len(self._ready) and \
-                    self._ready[self._launched] == self._bucket_sizes[self._launched]:
+                    self._ready[self._launched] == self._expected[self._launched]:
                 self._launch(self._launched)
-            if self.per_micro_batch and self._launched == len(self._ready):  # this micro-batch's share is sent
-                self._finish_reduces()
-                self._ready = [0] * len(self._ready)
-                self._launched = 0
+
+    def _reached_by_forward(self, _module, _args, output) -> None:
+        """Stages 2 and 3, after a forward whose backward reduces: the trained parameters its output's autograd graph
+        reaches, the ones backward will give a gradient (as DDP's find_unused_parameters finds them). A bucket then
+        waits only for those: one holding a parameter that no gradient will reach (a skipped module's, an unrouted
+        expert's) is reduced as soon as the ones that will are in, not held (with every bucket after it) to the end of
+        the backward. In the usual step, which reaches every parameter, this changes nothing. Several forwards before
+        one backward add up; a compiled forward is not walked (every parameter is waited for, as before)."""
+        if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.stage == 3)) or \
+                torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
+            return
+        reached = self._reached if self._reached is not None else set()
+        stack = [t.grad_fn for t in (output if isinstance(output, (tuple, list)) else (output,))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set = set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+            if variable is not None:
+                reached.add(id(variable))
+            else:
+                stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        self._reached = reached
+        expected = [0] * len(self._expected)
+        for s, p in zip(self.layout.slots, self.params):
+            if id(p) in reached:
+                expected[s.bucket] += 1
+        self._expected = expected
+
+    def _at_end_of_backward(self) -> None:
+        """Have `_end_backward` run when this backward ends (once per backward; outside one, as a test's direct
+        call of the hook is, nothing is queued)."""
+        if not self._end_queued and torch._C._current_graph_task_id() != -1:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """The end of a backward that reduces (the window's last, or each with --grad-reduce micro-batch).
+
+        A parameter that got no gradient in it (a conditional module's, an expert no token was routed to) never
+        completed its bucket: its gradient is zero. Stages 2 and 3 launch the buckets still waiting now, in bucket
+        order, as every rank does whatever its own parameters got (a bucket with no gradient here is sent as zeros:
+        the other ranks' may have some). Stage 1 leaves them to reduce_grads, which first zeroes the flat buffer's
+        views no gradient was taken into. With --grad-reduce micro-batch the counts start again for the next
+        micro-batch's backward; otherwise the window is reduced, and a gradient of another backward before
+        zero_grad is the caller's mistake (_late_gradient)."""
+        self._end_queued = False
+        if not self._reduces_now:
+            return
+        self._reduces_now = False
+        if self.stage >= 2:
+            while self._launched < len(self._ready):
+                self._launch(self._launched)
+        self._expected, self._reached = list(self._bucket_sizes), None
+        if self.per_micro_batch:  # this micro-batch's share is sent
+            self._finish_reduces()
+            self._ready = [0] * len(self._ready)
+            self._launched = 0
+        else:
+            self._window_reduced = True
+
+    def _late_gradient(self, name: str, bucket: int) -> str:
+        """What GradientOrderError says: the caller's mistake when an earlier backward already reduced the window
+        (a micro-batch outside no_sync, or no zero_grad before the next window); else the engine's own."""
+        if self._window_reduced:
+            return (f"the gradient of {name} arrived after its bucket was reduced: run the backward of every "
+                    "micro-batch but the last inside engine.no_sync(), and engine.zero_grad() before the next "
+                    "window")
+        return (f"the gradient of {name} arrived after its bucket {bucket} was reduced, though no earlier backward "
+                f"reduced this window: the engine launched the bucket before its gradients were complete "
+                f"({self._ready[bucket]} of {self._expected[bucket]} counted); an engine error, not the caller's")
 
     def _launch(self, index: int) -> None:
         b = self.layout.buckets[index]
@@ -471,6 +558,7 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
+        self._reset_window()  # first: a reduce-scatter a failed step left in flight still reads the buffers
         if self.grads_in_params or self._grad_views is not None:
             for p in self.params:
                 # autograd's first gradient becomes .grad (and, with a flat buffer, _take_first_grad copies it in)
@@ -480,10 +568,21 @@ class ZeroEngine:
             self.flat_grads.zero_()
         if self.grad_accum is not self.flat_grads:
             self.grad_accum.zero_()
-        self._ready = [0] * len(self._ready)
-        self._launched = 0
         if self.per_micro_batch:
             self.grad_shard.zero_()
+
+    def _reset_window(self) -> None:
+        """The per-window bookkeeping starts again, whatever the last window left (a step that raised midway
+        included): the reduce-scatters it left in flight finished (every rank launched them, in bucket order; their
+        results are overwritten or zeroed), its bucket buffers gone (a late gradient was added into one), no bucket
+        counted or launched, no end of backward queued. After a step that ended normally there is nothing to
+        finish or drop."""
+        self._finish_reduces()
+        self._bucket_grads.clear()
+        self._ready = [0] * len(self._ready)
+        self._launched = 0
+        self._end_queued = self._reduces_now = self._window_reduced = False
+        self._expected, self._reached = list(self._bucket_sizes), None
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -496,8 +595,9 @@ class ZeroEngine:
             self._zero_grads_not_given()
         if self._awaiting:
             self._zero_grads_not_taken()
-        # With --grad-reduce micro-batch every micro-batch's backward has launched all its buckets already, unless
-        # a parameter had no gradient in it. One rank's gradients in its parameters have nothing to reduce.
+        # Stages 2 and 3 launched every bucket as the reducing backwards ended (_end_backward), unless the hook was
+        # called outside a backward; stage 1 launches here what backward did not. One rank's gradients in its
+        # parameters have nothing to reduce.
         while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)) and \
                 not self.grads_in_params:
             self._launch(self._launched)

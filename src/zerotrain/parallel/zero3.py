@@ -8,8 +8,10 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
     a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
                            their storage released after it (forward hook)
     a unit's backward      gathered again when autograd first unpacks a weight the unit's forward saved
-                           (saved-tensor hooks: the saved weight is kept as a reference, not the tensor), and
-                           released once every parameter of the unit has its gradient
+                           (saved-tensor hooks, entered and left around the model's forward in one place, so a
+                           forward that raises leaves none behind: the saved weight is kept as a reference, not
+                           the tensor), and released once every parameter of the unit has its gradient (or as
+                           the backward ends, where a parameter got none)
     gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
                            arrives, its full-size buffer freed
 
@@ -49,6 +51,7 @@ accumulation, with --grad-reduce step or micro-batch).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -217,6 +220,8 @@ class ZeroThreeEngine(ZeroEngine):
         params = unit_parameters(self.model)
         self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
         self._unit_sizes = [len(unit) for unit in params]
+        self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
+        self._unit_params = [[id(p) for _, p in unit] for unit in params]
         self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
         self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
         self._current: list[int] = []  # the units whose forward is running, innermost last
@@ -228,6 +233,42 @@ class ZeroThreeEngine(ZeroEngine):
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._unit_of[id(self.model.lm_head.weight)]
         self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
+        # The saved-tensor hooks are entered and left around the model's own forward, in one place: an exception
+        # in it (out of memory, a refused batch) leaves none on the thread's stack (hooks entered by the root's
+        # pre-hook and left by its forward hook stayed there when the forward raised between them).
+        forward = self.model.forward
+
+        def forward_with_saved_tensor_hooks(*args, **kwargs):
+            with self.saved_tensor_hooks():
+                return forward(*args, **kwargs)
+
+        self.model.forward = forward_with_saved_tensor_hooks
+
+    @contextlib.contextmanager
+    def saved_tensor_hooks(self):
+        """Within: a forward that will be differentiated saves the unit weights it uses as where they lie (_pack),
+        left as the block is left, whether it returns or raises; what a forward that raised had gathered and held
+        for itself is released. Outside a differentiated forward (no grad, or a recompute in the backward, whose
+        hooks are the checkpoint's) nothing is entered."""
+        if not torch.is_grad_enabled() or _in_backward():
+            yield
+            return
+        self._outer_hooks = _current_saved_tensors_hooks()
+        try:
+            with self._saved_hooks:
+                yield
+        except BaseException:
+            self._abandon_forward()
+            raise
+
+    def _abandon_forward(self) -> None:
+        """A forward raised: no unit is running, and the buckets only its units held for it are released (those
+        held for a backward stay, released as the next backward ends or by reduce_grads)."""
+        self._current.clear()
+        for b, holders in self._holds.items():
+            holders.difference_update({h for h in holders if h[1] == "forward"})
+            if not holders and b in self.whole:
+                self._release_bucket(b)
 
     # ---------------------------------------------------------------- gather and release
     def gather_unit(self, unit: int, phase: str) -> None:
@@ -328,9 +369,6 @@ class ZeroThreeEngine(ZeroEngine):
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
             self._gather_for_backward(unit)
             return
-        if unit == 0 and torch.is_grad_enabled():
-            self._outer_hooks = _current_saved_tensors_hooks()
-            self._saved_hooks.__enter__()
         self._current.append(unit)
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
@@ -351,8 +389,6 @@ class ZeroThreeEngine(ZeroEngine):
             # The head's backward comes first and needs its unit (and a tied one the root) again: it stays whole for
             # it, not gathered twice.
             self.gather_unit(unit, "backward")
-        if unit == 0 and torch.is_grad_enabled():
-            self._saved_hooks.__exit__(None, None, None)
         self.release_unit(unit, "forward")
 
     def _pack(self, tensor: torch.Tensor):
@@ -388,11 +424,38 @@ class ZeroThreeEngine(ZeroEngine):
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         super()._on_grad_ready(p)
+        self._at_end_of_backward()  # every backward, reducing or not: its units are released at its end
         unit = self._unit_of[id(p)]
         self._arrived[unit] += 1
-        if self._arrived[unit] == self._unit_sizes[unit]:  # the unit's backward is done
+        if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's backward is done
             self._arrived[unit] = 0
             self.release_unit(unit, "backward")
+
+    def _unit_waits(self) -> list[int]:
+        """How many gradients each unit waits for in this backward: its parameters the forward reached (every one
+        when no forward said), so a unit with a parameter that gets none is released with the rest of its
+        gradients, not held to the end of the backward beside the units gathered after it."""
+        if self._waits is None:
+            reached = self._reached
+            self._waits = list(self._unit_sizes) if reached is None else \
+                [sum(p in reached for p in unit) for unit in self._unit_params]
+        return self._waits
+
+    def _end_backward(self) -> None:
+        """Stage 2's end of a backward, then every unit released: a unit with a parameter that got no gradient in
+        this backward never counted all its gradients, and would stay whole into the next micro-batch (where its
+        count, carried over, would release it early). After a backward where every gradient arrived nothing is
+        whole by now, and this releases nothing."""
+        super()._end_backward()
+        self.release_all()
+        self._expected, self._reached, self._waits = list(self._bucket_sizes), None, None
+
+    def _reset_window(self) -> None:
+        """Stage 2's, and no unit running or counting gradients (after a step that ended normally, none is)."""
+        super()._reset_window()
+        self._current.clear()
+        self._arrived = [0] * len(self.units)
+        self._waits = None
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:

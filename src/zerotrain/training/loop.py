@@ -393,8 +393,9 @@ def _check_after_update(cfg: Config, run: _Run, done: int, after_update) -> None
         after_update(done, run.engine)
     if not run.plan_checked:
         run.plan_checked = True
+        # A state row off the plan is an event and a line here (an error under the tests: memory_plan.strict)
         warning = check_plan(run.plan, run.engine, run.mesh.world, run.saved_bytes[0] if run.saved_bytes else None,
-                             done)
+                             done, on_difference=lambda record, line: run.metrics.event(record, "warning: " + line))
         if warning:
             run.metrics.event({"event": "plan_activations", "step": done, "measured": run.saved_bytes[0],
                                "planned": run.plan.rows["activations"]}, "warning: " + warning)
