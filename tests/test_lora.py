@@ -520,7 +520,9 @@ PLANNED = {"llama, every linear": dict(arch="llama", n_head=4, n_kv_head=2, inte
                                        tie_embeddings=False),
            "llama, q and v, recomputed blocks": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64,
                                                      lora_targets="q_proj,v_proj", activation_checkpointing="blocks"),
-           "gpt2, c_attn": dict(lora_targets="c_attn")}
+           "gpt2, c_attn": dict(lora_targets="c_attn"),
+           "llama, every linear, dropout": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64,
+                                                tie_embeddings=False, lora_dropout=DROPOUT)}
 
 
 def planned_run(tmp_path, group, name):

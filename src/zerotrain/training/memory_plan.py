@@ -154,6 +154,7 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
     training's (activation_memory.py):
 
         + each adapter's A output (B T R), which its B reads
+        + with --lora-dropout, what the dropped inputs add (`dropped_inputs`)
         - what only a trained base weight's gradient needs: the token ids (and GPT-2's positions) of the frozen
           embedding; the final norm's output (the frozen head's input); Llama's normalized inputs of its RMSNorms
           (a frozen gain's); a linear's input that no adapter reads (the norms' outputs, before q/k/v and gate/up;
@@ -183,8 +184,41 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
         fewer += BTC + 2 * B * T * size  # the first LayerNorm's input, mean and rstd
         unread = [BTC * ("c_attn" not in targets), BTC * ("c_fc" not in targets), BTF * ("c_proj" not in targets)]
     fewer += m.n_layer * sum(unread)
-    adapters = len(adapted_modules(model, cfg.lora.modules(m.arch)))
-    return adapters * micro_batch * m.seq_len * cfg.lora.rank * size - fewer
+    adapted = adapted_modules(model, cfg.lora.modules(m.arch))
+    dropped = dropped_inputs(model, adapted, size) if cfg.lora.dropout else 0
+    return B * T * (len(adapted) * cfg.lora.rank * size + dropped) - fewer
+
+
+# The linears of a block that read one input, in the order of the forward; the attention's output projection is
+# read from the attention's output, which the attention keeps for its own backward once its inputs need gradients.
+INPUT_GROUPS = {"llama": (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)),
+                "gpt2": (("c_attn",), ("attn.c_proj",), ("c_fc",), ("mlp.c_proj",))}
+AFTER_ATTENTION = 1
+
+
+def dropped_inputs(model: torch.nn.Module, adapted: list, size: int) -> int:
+    """Bytes per token that --lora-dropout saves beyond the adapters' inputs without it.
+
+    Without dropout, the adapters of one input share it: A's backward keeps it once. With dropout each adapter
+    keeps its own dropped copy (w values of `size` bytes, its rank's share of the input's width w), and the mask
+    its dropout needs (w bytes), but only where the input needs a gradient: after the first adapted linear of the
+    forward (the frozen base's activations before it need none). The attention's output, a copy of which the
+    output projection's adapter keeps, the attention then keeps as well.
+    """
+    by_name = dict(adapted)
+    extra, needs_grad = 0, False
+    for block in sorted({name.split(".")[2] for name in by_name}, key=int):  # model.layers.<i>., transformer.h.<i>.
+        for index, group in enumerate(INPUT_GROUPS[model.cfg.arch]):
+            widths = [module.weight.shape[1] for name, module in by_name.items()
+                      if name.split(".")[2] == block and any(name.endswith("." + n) for n in group)]
+            if not widths:
+                continue
+            w = widths[0]
+            extra += (len(widths) - 1) * w * size
+            if needs_grad:
+                extra += len(widths) * w + (w * size if index == AFTER_ATTENTION else 0)
+            needs_grad = True
+    return extra
 
 
 def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
