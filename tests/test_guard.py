@@ -529,6 +529,41 @@ def test_a_resumed_run_counts_the_rollbacks_its_checkpoint_records_and_an_edited
     assert str(e.value) == f"{manifest}: rollback state: rollbacks is -1, not a non-negative integer"
 
 
+def test_a_rollback_past_the_resumed_step_restores_the_guard_window_the_checkpoint_had(tmp_path, one_rank,
+                                                                                       monkeypatch):
+    """One rank in this process, --spike-window 5: NaNs at steps 9 and 10 roll back to step 8, then (the anomaly came
+    back) to step 6. Run whole, and resumed from step 8 of an 8-step run (whose manifest holds only the window before
+    it): the second rollback restores the window step 6 had, steps 2-6, in both, as its re-save records. Planted: the
+    detector rewound in memory (the run's history), which after a resume no longer reaches back past step 8's
+    window: steps 4-6."""
+    from zerotrain.training.guard import AnomalyDetector
+
+    def guard_at_6(name, resume_at_8):
+        cfg = dict(ckpt_every=2, spike_window=5, max_rollbacks=3)
+        if resume_at_8:
+            train(tiny_config(tmp_path / name, steps=8, **cfg), one_rank)
+        monkeypatch.setenv(ENV, "nan@step=9;nan@step=10")
+        rollbacks = train(tiny_config(tmp_path / name, steps=10, resume="auto" if resume_at_8 else "", **cfg),
+                          one_rank).rollbacks
+        monkeypatch.delenv(ENV)
+        assert [e["to_step"] for e in rollbacks] == [8, 6]
+        with open(os.path.join(tmp_path, name, "checkpoints", "step_00000006", "manifest.json")) as f:
+            return json.load(f)["guard"]["steps"]
+
+    assert guard_at_6("whole", False) == guard_at_6("resumed", True) == [2, 3, 4, 5, 6]
+    real_load = AnomalyDetector.load_state_dict
+    calls = []
+
+    def rewind_instead(self, state):  # planted: a rollback rewinds the run's history, as before
+        calls.append(len(calls))
+        if len(calls) == 1:  # the resume's own load
+            return real_load(self, state)
+        self.rewind(state["steps"][-1])
+
+    monkeypatch.setattr(AnomalyDetector, "load_state_dict", rewind_instead)
+    assert guard_at_6("planted", True) == [4, 5, 6]
+
+
 # --- skipped data ----------------------------------------------------------------------------------------------
 
 def test_after_a_rollback_the_next_update_trains_on_the_batch_after_the_bad_one():

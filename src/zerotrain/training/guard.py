@@ -157,7 +157,9 @@ class AnomalyDetector:
 
     The history is the accepted (step, loss, gradient norm) triples of the current timeline: `rewind(to_step)`
     forgets those after the restored checkpoint, so after a rollback the window is the one the restored model
-    had, the same one a fresh process resuming from that checkpoint with `load_state_dict` gets.
+    had, the same one a fresh process resuming from that checkpoint with `load_state_dict` gets. The loop restores
+    a rollback's window from the checkpoint's manifest (rewinding only one written without it): a resumed run's
+    history begins with the window of its checkpoint and may not reach back to an earlier one's.
     """
 
     def __init__(self, spike_factor: float, window: int, *, vocab_size: int | None = None,

@@ -513,8 +513,11 @@ def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
     run.checkpointer.finish()  # commit what is already written: a rollback may need it
     if cfg.guard.on_anomaly == "abort":
         raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
-    step, run.skips, event = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)
-    run.detector.rewind(step)
+    step, run.skips, event, manifest = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)
+    if "guard" in manifest:  # the window the restored step had: a resumed run's history may not reach back to it
+        run.detector.load_state_dict(manifest["guard"])
+    else:
+        run.detector.rewind(step)
     run.checkpointer.recommit(step, run.engine, _loop_state(run))
     run.rollbacks.append(event)
     run.metrics.rewind(step)  # the abandoned steps' records go; the replay logs them again
@@ -523,13 +526,14 @@ def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
 
 
 def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine, comm: Comm, cfg: Config):
-    """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly."""
+    """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly: (its
+    step, the skips now in force, the rollback's event, its manifest)."""
     # Rank 0 committed the checkpoints; the others may not see its last rename yet: its list decides.
     root = cfg.checkpoint.dir
     committed = comm.io.all_gather_json(checkpoint.committed_step_numbers(root) if comm.rank == 0 else None,
                                         "agree_rollback")[0]
     target = policy.decide(anomaly, committed)
-    checkpoint.load_checkpoint(os.path.join(root, checkpoint.step_name(target)), engine, comm)
+    manifest = checkpoint.load_checkpoint(os.path.join(root, checkpoint.step_name(target)), engine, comm)
     comm.io.barrier("checkpoint_loaded")
     # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.
     new_skips = skip_after_rollback(skips, target, anomaly.step)
@@ -539,7 +543,7 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine,
              "skipped_data_steps": [first, last], "rollback": policy.rollbacks,
              "message": f"rollback {policy.rollbacks}/{cfg.guard.max_rollbacks}: {anomaly.reason}; restored "
                         f"{checkpoint.step_name(target)}, skipping data steps {first}-{last}"}
-    return target, new_skips, event
+    return target, new_skips, event, manifest
 
 
 def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
