@@ -184,7 +184,9 @@ def is_records_folder(path: str) -> bool:
     files (a hub download's layout)."""
     if not os.path.isdir(path):
         return False
-    if os.path.isfile(os.path.join(path, STATE)) or os.path.isfile(os.path.join(path, DATASET_DICT)):
+    if os.path.isfile(os.path.join(path, DATASET_DICT)):
+        return True
+    if os.path.isfile(os.path.join(path, STATE)) and any(n.endswith(".arrow") for n in os.listdir(path)):
         return True
     return bool(_parquet_files(path))
 
