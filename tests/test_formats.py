@@ -127,7 +127,7 @@ def inputs(tmp):
     }
 
 
-def test_every_format_prepares_to_the_bytes_of_its_messages_and_a_planted_role_swap_is_caught(
+def test_every_format_prepares_to_the_bytes_of_its_messages_and_planted_role_and_split_bugs_are_caught(
         data, tmp_path, capfd, monkeypatch):
     tmp = data / "each"
     tmp.mkdir()
@@ -142,6 +142,10 @@ def test_every_format_prepares_to_the_bytes_of_its_messages_and_a_planted_role_s
     cfg.data.source, cfg.data.cache_dir, cfg.data.val_fraction = str(tmp / "hub"), str(tmp_path / "c"), 0.0
     cfg.checkpoint.init_from = str(data / "chatml")
     assert same_prepared(resolve_data(cfg).folder, data / "chats-messages")
+    with monkeypatch.context() as planted:  # planted: the shards' names not read for their split (test rows trained on)
+        planted.setattr(formats, "_split_of", lambda relative: None)
+        prepare_jsonl(str(tmp / "hub"), str(tmp / "all-splits"), str(data / "chatml"), 0.0)
+    assert not same_prepared(tmp / "all-splits", data / "chats-messages")
     # planted: the role map reads human as the assistant and gpt as the user
     monkeypatch.setitem(formats.SHAREGPT_ROLES, "human", "assistant")
     monkeypatch.setitem(formats.SHAREGPT_ROLES, "gpt", "user")
@@ -177,10 +181,13 @@ BAD = {  # a record -> what the line says after file:line
                                          {"from": "gpt", "value": "2"}]},
                       "conversations[1] has role 'function_call': tool calls are not trained on yet"),
     "observation": ({"conversations": [{"from": "human", "value": "x"}, {"from": "observation", "value": "4"},
-                                       {"from": "gpt", "value": "4"}]}, "conversations[1] has role 'observation': tool calls"),
-    "tools": ({"conversations": SHAREGPT[0]["conversations"], "tools": "[{\"name\": \"add\"}]"}, 'has "tools": tool calls are not trained on yet'),
+                                       {"from": "gpt", "value": "4"}]},
+                    "conversations[1] has role 'observation': tool calls"),
+    "tools": ({"conversations": SHAREGPT[0]["conversations"], "tools": "[{\"name\": \"add\"}]"},
+              'has "tools": tool calls are not trained on yet'),
     "unknown role": ({"conversations": [{"from": "bot", "value": "x"}]}, "conversations[0] has role 'bot'; a ShareGPT"),
-    "value": ({"conversations": [{"from": "human", "value": 3}]}, 'conversations[0] (human) "value" is 3, not a string'),
+    "value": ({"conversations": [{"from": "human", "value": 3}]},
+              'conversations[0] (human) "value" is 3, not a string'),
     "no assistant": ({"conversations": [{"from": "human", "value": "x"}]}, "no assistant message"),
     "alpaca output": ({"instruction": "x", "output": None}, '"output" is None, not a string'),
     "alpaca history": ({"instruction": "x", "output": "y", "history": ["z"]}, '"history" is [\'z\']'),

@@ -13,10 +13,11 @@ record: the chat path has no tool role yet, and a record is never trained on wit
 is the instruction, then a blank line and the input when the input is not empty; an optional "system" is a first
 system turn and LLaMA-Factory's "history" ([[user, assistant], ...]) the turns before.
 
-Files and folders: `.jsonl.gz` through the standard library, `.jsonl.zst` through the `zstandard` package (the `zstd` extra); a `save_to_disk` folder's data files are Arrow IPC streams (state.json lists
-them), read with pyarrow (the `parquet` extra) without the `datasets` library; a folder of Parquet shards is read file
-by file, sorted by path, of its train split where its files name splits as a hub download does
-(`data/train-00000-of-00002.parquet`). A record of a folder is named by its file and row, file[i].
+Files and folders: `.jsonl.gz` through the standard library, `.jsonl.zst` through the `zstandard` package (the
+`zstd` extra); a `save_to_disk` folder's data files are Arrow IPC streams (state.json lists them), read with pyarrow
+(the `parquet` extra) without the `datasets` library; a folder of Parquet shards is read file by file, sorted by
+path, of its train split where its files name splits as a hub download does (`data/train-00000-of-00002.parquet`).
+A record of a folder is named by its file and row, file[i].
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from zerotrain.errors import ConfigError
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 TOOL_ROLES = ("function_call", "observation", "tool", "function", "tool_call", "ipython")
 # A table's record columns, the first shape found: (the columns that make the shape, the optional ones read with them).
-SHAPES = ((("messages",), ()), (("text",), ()), (("prompt", "completion"), ()), (("conversations",), ("system", "tools")),
-          (("instruction", "output"), ("input", "system", "history")))
+SHAPES = ((("messages",), ()), (("text",), ()), (("prompt", "completion"), ()),
+          (("conversations",), ("system", "tools")), (("instruction", "output"), ("input", "system", "history")))
 COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
 RECORD_NAMES = (".jsonl",)  # what a compressed file holds: JSON Lines, read a line at a time
 STATE, DATASET_DICT = "state.json", "dataset_dict.json"  # what save_to_disk writes beside a data set's Arrow files
@@ -205,7 +206,8 @@ def folder_files(path: str) -> list[str]:
         state = _json(os.path.join(path, STATE))
         files = state.get("_data_files")
         if not isinstance(files, list) or not files or not all(isinstance(f, dict) and "filename" in f for f in files):
-            raise ConfigError(f"{path}: its {STATE} lists no \"_data_files\": not a folder datasets' save_to_disk wrote")
+            raise ConfigError(f"{path}: its {STATE} lists no \"_data_files\": not a folder datasets' save_to_disk "
+                              "wrote")
         if state.get("_indices_data_files"):  # older datasets kept a selection as an index beside the table
             raise ConfigError(f"{path}: saved with an indices mapping (a select or shuffle not applied): save it again "
                               "with a recent datasets, or ds.flatten_indices().save_to_disk(...)")

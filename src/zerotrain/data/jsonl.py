@@ -441,8 +441,9 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
     writers = {s: SplitWriter(out, s, tok.vocab_size) for s in SPLITS}
     chat, chats = None, 0
     # One chunk is encoded (the tokenizers library's threads, without the GIL) while the next is read and parsed.
-    with tqdm(total=records_size(path), unit="B", unit_scale=True, desc=f"prepare {os.path.basename(os.path.normpath(path))}",
-              file=sys.stderr, disable=None, leave=False) as bar, ThreadPoolExecutor(1) as encoder:
+    name = os.path.basename(os.path.normpath(path))
+    with tqdm(total=records_size(path), unit="B", unit_scale=True, desc=f"prepare {name}", file=sys.stderr,
+              disable=None, leave=False) as bar, ThreadPoolExecutor(1) as encoder:
         try:
             chunk, splits, pending = [], [], None
             for index, (where, value) in enumerate(iter_records(path, bar.update)):

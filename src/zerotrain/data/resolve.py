@@ -26,8 +26,8 @@ from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
-from .jsonl import VERSION as JSONL_VERSION
 from .formats import folder_digest
+from .jsonl import VERSION as JSONL_VERSION
 from .jsonl import is_records_file, prepare_jsonl, refuse_table
 from .packing import has_records
 from .tokenfiles import max_token, open_token_file
@@ -74,8 +74,8 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
         raise ConfigError(f"{flag} {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
-                          "folder, a .jsonl, .json or .parquet file of records (or .jsonl.gz, .jsonl.zst, a save_to_disk or Parquet "
-                          "folder), or a folder of .bin token files)")
+                          "folder, a .jsonl, .json or .parquet file of records (or .jsonl.gz, .jsonl.zst, a "
+                          "save_to_disk or Parquet folder), or a folder of .bin token files)")
     if os.path.isdir(src) and _bins(src):
         return token_folder(src, src, flag)
     if os.path.isfile(src) and src.endswith(".bin"):
