@@ -129,10 +129,10 @@ def test_a_parquet_file_is_read_by_its_record_columns_as_the_same_json_lines(bpe
         prepare_jsonl(str(tmp_path / f"{name}.parquet"), str(tmp_path / f"{name}-parquet"), tokenizer, 0.0)
         assert all(filecmp.cmp(tmp_path / f"{name}-lines" / n, tmp_path / f"{name}-parquet" / n, shallow=False)
                    for n in PREPARED if n != "tokenizer.json")
-    pq.write_table(pa.Table.from_pylist([{"instruction": "x", "output": "y"}]), tmp_path / "alpaca.parquet")
-    line = one_line_error(zerotrain_here(capfd, "prepare", str(tmp_path / "alpaca.parquet"), str(tmp_path / "o")))
-    assert f"{tmp_path / 'alpaca.parquet'}: no \"messages\", \"text\" or \"prompt\" and \"completion\" column " \
-           "(columns: instruction, output)" in line
+    pq.write_table(pa.Table.from_pylist([{"question": "x", "answer": "y"}]), tmp_path / "qa.parquet")
+    line = one_line_error(zerotrain_here(capfd, "prepare", str(tmp_path / "qa.parquet"), str(tmp_path / "o")))
+    assert f"{tmp_path / 'qa.parquet'}: no \"messages\", \"text\", \"prompt\" and \"completion\", \"conversations\" " \
+           "(ShareGPT) or \"instruction\" and \"output\" (Alpaca) column (columns: question, answer)" in line
     pq.write_table(pa.Table.from_pylist([{"text": "fine"}, {"text": None}]), tmp_path / "null.parquet")
     with pytest.raises(ConfigError, match=r"null\.parquet\[1\]: \"text\" is None, not a string"):
         read_records(str(tmp_path / "null.parquet"))
@@ -141,7 +141,8 @@ def test_a_parquet_file_is_read_by_its_record_columns_as_the_same_json_lines(bpe
 @pytest.mark.parametrize("line, why", [
     ('{"text": "ok"', "not JSON"),
     ('["text"]', "a JSON list, not an object"),
-    ('{"prompt": "only"}', 'has neither "text" nor "prompt" and "completion" nor "messages" (keys: prompt)'),
+    ('{"prompt": "only"}', 'has neither "text" nor "prompt" and "completion" nor "messages" nor "conversations" '
+                           '(ShareGPT) nor "instruction" and "output" (Alpaca) (keys: prompt)'),
     ('{"prompt": "x", "completion": 3}', '"completion" is 3, not a string'),
     ('{"text": null}', '"text" is None, not a string'),
 ])

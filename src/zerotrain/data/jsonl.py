@@ -25,7 +25,9 @@ hash of its index (--val-fraction; a first pass counts the records, so that with
 split gets one). A record that is not one of the shapes above is a ConfigError naming file:line
 (file[i] in a JSON array or a Parquet file). A Parquet file (what Hugging Face data sets are stored
 in) is read through pyarrow, an optional extra, a row batch at a time: its messages, text, or prompt
-and completion columns. CSV is refused with a hint (no column is guessed).
+and completion columns. CSV is refused with a hint (no column is guessed). The common formats
+(ShareGPT and Alpaca records, gzip or zstd JSON Lines, save_to_disk and Parquet folders) are read
+through formats.py as the same records.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from zerotrain.errors import ConfigError
 
 from .chat import ChatTemplate, check_messages
 from .documents import fraction_of
+from .formats import (arrow_stream, as_messages, compression, decompression_errors, folder_files, inner_name,
+                      is_records_folder, open_records_file, shape_columns)
 from .tokenfiles import LlmcWriter
 from .tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, tokenizer_file, tokenizer_record
 
@@ -53,15 +57,27 @@ SPLITS = ("train", "val")
 # besides its id, and two chunks are in flight: measured +71 MB of RSS at 1024 300-token records (+226 MB at 4096,
 # which also took 1.2x the CPU time).
 CHUNK_RECORDS = 1024
-RECORD_FILES = (".jsonl", ".json", ".parquet")
+RECORD_FILES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".jsonl.zst")
 TABLES = (".csv", ".tsv")  # refused with a hint: not text, and no column is guessed
-COLUMNS = (("messages",), ("text",), ("prompt", "completion"))  # a Parquet file's record columns, first found
-SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [{"role": ..., "content": ...}, ...]}'
+SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...}, {"messages": [{"role": ..., "content": ...}, ...]}, ' \
+    'ShareGPT\'s {"conversations": [...]} or Alpaca\'s {"instruction": ..., "output": ...}'
 
 
 def is_records_file(path: str) -> bool:
-    """Whether `path` is a file of records (.jsonl, .json or .parquet: never read as text)."""
-    return os.path.isfile(path) and path.lower().endswith(RECORD_FILES)
+    """Whether `path` is a file of records (.jsonl, .json or .parquet, .jsonl.gz or .jsonl.zst: never read as text)
+    or a folder of them (save_to_disk's, or Parquet files)."""
+    return (os.path.isfile(path) and path.lower().endswith(RECORD_FILES)) or is_records_folder(path)
+
+
+def records_size(path: str) -> int:
+    """The bytes of a records file, or of the data files of a records folder read: what a progress bar counts."""
+    return sum(os.path.getsize(f) for f in folder_files(path)) if os.path.isdir(path) else os.path.getsize(path)
+
+
+def split_stem(path: str) -> str:
+    """What a record's split is hashed from, with its index: the file's name (data.jsonl for data.jsonl.gz: compressing
+    a file does not move its records), or the folder's."""
+    return os.path.basename(inner_name(os.path.normpath(path)))
 
 
 def refuse_table(path: str, flag: str) -> None:
@@ -77,8 +93,16 @@ def iter_records(path: str, progress=None):
 
     `progress(n)` is told the bytes read. ConfigError naming the line that is not UTF-8 or not JSON.
     """
+    if os.path.isdir(path):
+        for file in folder_files(path):
+            yield from _parquet_records(file, progress) if file.lower().endswith(".parquet") else \
+                _arrow_records(file, progress)
+        return
     if path.lower().endswith(".parquet"):
         yield from _parquet_records(path, progress)
+        return
+    if compression(path):
+        yield from _compressed_records(path, progress)
         return
     with open(path, "rb") as f:
         first = f.read(4096).lstrip()[:1]
@@ -92,17 +116,43 @@ def iter_records(path: str, progress=None):
         for number, line in enumerate(f, start=1):
             if progress:
                 progress(len(line))
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") \
-                    from None
-            try:
-                yield f"{path}:{number}", json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
+            if line.strip():
+                yield _line_record(path, number, line)
+
+
+def _line_record(path: str, number: int, line: bytes):
+    """(file:line, the JSON value of a line); ConfigError naming it when it is not UTF-8 or not JSON."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+    try:
+        return f"{path}:{number}", json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
+
+
+def _compressed_lines(path: str, progress=None):
+    """(number, line) of each line of a .jsonl.gz or .jsonl.zst file, decompressed as it is read; `progress` is told
+    the compressed bytes read. ConfigError naming the file when it is not what its name says."""
+    raw, f = open_records_file(path)
+    with raw, f:
+        read, number = 0, 0
+        try:
+            for number, line in enumerate(f, start=1):
+                if progress and raw.tell() != read:
+                    progress(raw.tell() - read)
+                    read = raw.tell()
+                yield number, line
+        except decompression_errors() as e:
+            raise ConfigError(f"{path}: not a {compression(path)} file, or a damaged one, after line {number} "
+                              f"({e})") from None
+
+
+def _compressed_records(path: str, progress):
+    for number, line in _compressed_lines(path, progress):
+        if line.strip():
+            yield _line_record(path, number, line)
 
 
 def _array_records(path: str, f):
@@ -129,22 +179,54 @@ def _parquet_file(path: str):
         raise ConfigError(f"{path}: not a Parquet file pyarrow reads ({str(e).splitlines()[0]})") from None
 
 
-def _parquet_records(path: str, progress):
-    """A Parquet file's records, a row batch at a time: the first of its COLUMNS it has (what a Hugging Face data
-    set's files hold), other columns not read."""
-    file = _parquet_file(path)
-    names = file.schema_arrow.names
-    columns = next((c for c in COLUMNS if all(n in names for n in c)), None)
+def _record_columns(path: str, names: list[str]) -> list[str]:
+    """The columns of a table its records are read from (formats.shape_columns); ConfigError naming its columns."""
+    columns = shape_columns(names)
     if columns is None:
-        raise ConfigError(f"{path}: no \"messages\", \"text\" or \"prompt\" and \"completion\" column (columns: "
+        raise ConfigError(f"{path}: no \"messages\", \"text\", \"prompt\" and \"completion\", \"conversations\" "
+                          f"(ShareGPT) or \"instruction\" and \"output\" (Alpaca) column (columns: "
                           f"{', '.join(names) or 'none'})")
+    return columns
+
+
+def _parquet_records(path: str, progress):
+    """A Parquet file's records, a row batch at a time: the columns of the first record shape it has (what a Hugging
+    Face data set's files hold), other columns not read."""
+    file = _parquet_file(path)
+    columns = _record_columns(path, file.schema_arrow.names)
     row, size, rows = 0, os.path.getsize(path), max(file.metadata.num_rows, 1)
-    for batch in file.iter_batches(batch_size=CHUNK_RECORDS, columns=list(columns)):
+    for batch in file.iter_batches(batch_size=CHUNK_RECORDS, columns=columns):
         for record in batch.to_pylist():
             yield f"{path}[{row}]", record
             row += 1
         if progress:
             progress(size * batch.num_rows // rows)
+
+
+def _arrow_records(path: str, progress):
+    """The records of an Arrow stream file of a save_to_disk folder, a record batch at a time, as _parquet_records."""
+    import pyarrow
+
+    reader, row = _arrow_reader(path), 0
+    columns = _record_columns(path, reader.schema.names)
+    try:
+        for batch in reader:
+            for record in batch.select(columns).to_pylist():
+                yield f"{path}[{row}]", record
+                row += 1
+    except pyarrow.ArrowException as e:
+        raise ConfigError(f"{path}: a damaged Arrow stream after row {row} ({str(e).splitlines()[0]})") from None
+    if progress:
+        progress(os.path.getsize(path))
+
+
+def _arrow_reader(path: str):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{path}: a save_to_disk folder's Arrow files are read through pyarrow, which is not "
+                          "installed: pip install 'zerotrain[parquet]'") from None
+    return arrow_stream(path)
 
 
 def parse_record(record, where: str) -> tuple:
@@ -157,8 +239,11 @@ def parse_record(record, where: str) -> tuple:
         fields = {"text": record["text"]}
     elif "prompt" in record and "completion" in record:
         fields = {"prompt": record["prompt"], "completion": record["completion"]}
+    elif (chat := as_messages(record, where)) is not None:  # ShareGPT, Alpaca
+        return ("chat", check_messages(chat, where))
     else:
-        raise ConfigError(f"{where}: has neither \"text\" nor \"prompt\" and \"completion\" nor \"messages\" (keys: "
+        raise ConfigError(f"{where}: has neither \"text\" nor \"prompt\" and \"completion\" nor \"messages\" nor "
+                          "\"conversations\" (ShareGPT) nor \"instruction\" and \"output\" (Alpaca) (keys: "
                           f"{', '.join(sorted(record)) or 'none'})")
     wrong = next((k for k, v in fields.items() if not isinstance(v, str)), None)
     if wrong:
@@ -349,15 +434,16 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
     count = _record_count(path)
     if not count:
         raise ConfigError(f"{path}: no records")
-    split_of = SplitOf(os.path.basename(path), count, val_fraction)
+    split_of = SplitOf(split_stem(path), count, val_fraction)
     os.makedirs(out, exist_ok=True)
     if isinstance(tok, BPETokenizer):
         tok.save(os.path.join(out, TOKENIZER_FILE))
     writers = {s: SplitWriter(out, s, tok.vocab_size) for s in SPLITS}
     chat, chats = None, 0
     # One chunk is encoded (the tokenizers library's threads, without the GIL) while the next is read and parsed.
-    with tqdm(total=os.path.getsize(path), unit="B", unit_scale=True, desc=f"prepare {os.path.basename(path)}",
-              file=sys.stderr, disable=None, leave=False) as bar, ThreadPoolExecutor(1) as encoder:
+    name = os.path.basename(os.path.normpath(path))
+    with tqdm(total=records_size(path), unit="B", unit_scale=True, desc=f"prepare {name}", file=sys.stderr,
+              disable=None, leave=False) as bar, ThreadPoolExecutor(1) as encoder:
         try:
             chunk, splits, pending = [], [], None
             for index, (where, value) in enumerate(iter_records(path, bar.update)):
@@ -391,9 +477,14 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
 
 def _record_count(path: str) -> int:
     """How many records `path` holds, without parsing them where it can (JSON Lines: its non-blank lines; Parquet:
-    its metadata): the first pass."""
+    its metadata; Arrow: its batches' row counts): the first pass."""
+    if os.path.isdir(path):
+        return sum(_parquet_file(f).metadata.num_rows if f.lower().endswith(".parquet") else
+                   sum(batch.num_rows for batch in _arrow_reader(f)) for f in folder_files(path))
     if path.lower().endswith(".parquet"):
         return _parquet_file(path).metadata.num_rows
+    if compression(path):
+        return sum(1 for _, line in _compressed_lines(path) if line.strip())
     if path.lower().endswith(".json"):
         return sum(1 for _ in iter_records(path))
     with open(path, "rb") as f:

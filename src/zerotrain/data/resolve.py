@@ -26,6 +26,7 @@ from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
+from .formats import folder_digest
 from .jsonl import VERSION as JSONL_VERSION
 from .jsonl import is_records_file, prepare_jsonl, refuse_table
 from .packing import has_records
@@ -73,7 +74,8 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
         raise ConfigError(f"{flag} {src}: no such file or folder (use python-stdlib, synthetic, a UTF-8 text file or "
-                          "folder, a .jsonl, .json or .parquet file of records, or a folder of .bin token files)")
+                          "folder, a .jsonl, .json or .parquet file of records (or .jsonl.gz, .jsonl.zst, a "
+                          "save_to_disk or Parquet folder), or a folder of .bin token files)")
     if os.path.isdir(src) and _bins(src):
         return token_folder(src, src, flag)
     if os.path.isfile(src) and src.endswith(".bin"):
@@ -113,10 +115,11 @@ def _stat_signature(*paths: str | None) -> tuple:
 def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float) -> str:
     """The folder of JSON Lines `path` tokenized (bytes, or the tokenizer.json `tokenizer`, with the special tokens and
     chat template of its folder) with its loss masks and record index, in the cache."""
-    parts = [sha256_file(path)[1], tokenizer_digest(tokenizer) if tokenizer else "bytes", repr(val_fraction),
+    content = folder_digest(path) if os.path.isdir(path) else sha256_file(path)[1]
+    parts = [content, tokenizer_digest(tokenizer) if tokenizer else "bytes", repr(val_fraction),
              f"records v{JSONL_VERSION}"]
     key = hashlib.sha256("/".join(parts).encode()).hexdigest()
-    return cached_folder(root, os.path.basename(path), key,
+    return cached_folder(root, os.path.basename(os.path.normpath(path)), key,
                          lambda tmp: prepare_jsonl(path, tmp, tokenizer or "bytes", val_fraction))
 
 

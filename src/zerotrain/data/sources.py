@@ -23,6 +23,7 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
 from .batches import IGNORE, MicroBatch
+from .formats import is_records_folder
 from .jsonl import RECORD_FILES
 from .packing import RecordSource, file_records, has_records, records_path
 from .resolve import SYNTHETIC, resolve_data, validation_files
@@ -183,7 +184,7 @@ def packs_records(cfg: Config) -> bool:
     d = cfg.data
     if not d.pack or d.source in SYNTHETIC:
         return False
-    if d.source.lower().endswith(RECORD_FILES):
+    if d.source.lower().endswith(RECORD_FILES) or is_records_folder(d.source):
         return True
     if os.path.isdir(d.source):
         return any(name.endswith((".records", ".mask")) for name in os.listdir(d.source))

@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "prepare", help="tokenize text or records into token files (bytes, a local BPE, or a model's tokenizer)",
         description="INPUT is a UTF-8 text file (documents: blank-line separated paragraphs), a folder of text "
-                    "files (documents: files), python-stdlib, or a .jsonl (.json, .parquet) file of records "
+                    "files (documents: files), python-stdlib, or a .jsonl (.json, .parquet, .jsonl.gz, .jsonl.zst) "
+                    "file of records or a folder of them (save_to_disk's, or Parquet shards; ShareGPT and Alpaca "
+                    "records are read as messages) "
                     "({\"text\": ...}, "
                     "{\"prompt\": ..., \"completion\": ...}: only the completion is trained on, or {\"messages\": "
                     "[...]}: a chat in the tokenizer folder's chat template, its assistant turns trained on; through "
@@ -29,8 +31,9 @@ def add_parser(sub) -> None:
                     "uint16 tokens, or uint32 for vocabularies above 65536), meta.json and, for BPE, tokenizer.json. "
                     "Train on it with `zerotrain train --data OUTDIR`: the vocabulary and tokenizer come from it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("input", help="a UTF-8 text file, a folder of text files, python-stdlib, or a .jsonl, .json or "
-                                     ".parquet file of records")
+    p.add_argument("input", help="a UTF-8 text file, a folder of text files, python-stdlib, or a .jsonl, .json, "
+                                     ".parquet, .jsonl.gz or .jsonl.zst file of records, or a save_to_disk or "
+                                     "Parquet folder")
     p.add_argument("outdir", help="the folder to write (must not exist, or be empty, unless --overwrite)")
     p.add_argument("--tokenizer", default="bytes", help="bytes; bpe:N, a byte-level BPE of N ids trained on the "
                                                         "training documents; or PATH, a tokenizer.json or a model "
