@@ -83,6 +83,8 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
         help_ = f"{s.help} (default: {shown_default(s, default)})"
         if s.type is bool:
             p.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif s.many:  # given several times: kept one per line (config.data_sources reads them)
+            p.add_argument(s.flag, action="append", default=None, metavar=s.key.upper(), help=help_)
         else:
             p.add_argument(s.flag, type=s.type, default=None, metavar=s.key.upper(), help=help_)
     p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
@@ -101,7 +103,8 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
         vocab_given = "vocab_size" in toml.get("model", {})
     if args.preset:
         apply_preset(cfg, args.preset)
-    given = {s.key: getattr(args, s.key) for s in declared() if getattr(args, s.key) is not None}
+    given = {s.key: "\n".join(getattr(args, s.key)) if s.many else getattr(args, s.key)
+             for s in declared() if getattr(args, s.key) is not None}
     if args.no_overlap:
         given["overlap"] = "off"
     torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))

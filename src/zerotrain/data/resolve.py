@@ -21,13 +21,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from zerotrain.config import Config
+from zerotrain.config import Config, data_sources, is_mixture
 from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
 from .jsonl import VERSION as JSONL_VERSION
 from .jsonl import is_records_file, prepare_jsonl, refuse_table
+from .mixture import source_config
 from .packing import has_records
 from .tokenfiles import max_token, open_token_file
 from .tokenizer import (TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, read_tokenizer_file, tokenizer_digest,
@@ -269,7 +270,8 @@ def prepare_source(cfg: Config) -> None:
 
     For the launcher: ranks then only read. Cheap when already built (it hashes the input to find it).
     """
-    resolve_data(cfg)
+    for name, _ in data_sources(cfg.data.source) if is_mixture(cfg.data.source) else [(cfg.data.source, None)]:
+        resolve_data(source_config(cfg, name))
 
 
 def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
@@ -279,6 +281,8 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
     the data. Prepares a text input into the cache (so ranks find it built) and scans every token file.
     """
     d, m = cfg.data, cfg.model
+    if is_mixture(d.source):
+        return _check_mixture_sources(cfg, vocab_given)
     if d.source in SYNTHETIC:
         if d.source == "synthetic-varlen" and m.seq_len < 2:
             raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
@@ -332,6 +336,33 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
     return spec
 
 
+def _check_mixture_sources(cfg: Config, vocab_given: bool) -> DataSpec:
+    """Each source of a mixture checked as --data alone; they must share one vocabulary and tokenizer (the model's
+    vocabulary is theirs). Returns the first source's DataSpec."""
+    checked = []
+    for name, _ in data_sources(cfg.data.source):
+        own = source_config(cfg, name)
+        checked.append((name, check_source(own, vocab_given=vocab_given), own.model.vocab_size))
+    first, spec, vocab = checked[0]
+    for name, other, other_vocab in checked[1:]:
+        if other_vocab != vocab or (spec.tokenizer and other.tokenizer and
+                                    _tokenizer_facts(spec.tokenizer) != _tokenizer_facts(other.tokenizer)):
+            theirs, ours = _tokenizer_said(other, other_vocab), _tokenizer_said(spec, vocab)
+            raise ConfigError(f"--data {name}: {theirs}, --data {first}'s {ours}: the sources of a mixture must share "
+                              "one tokenizer (prepare them with the same one)")
+    cfg.model.vocab_size = vocab
+    return spec
+
+
+def _tokenizer_facts(record: dict) -> tuple:
+    return record.get("kind"), record.get("vocab_size"), record.get("eot_id")
+
+
+def _tokenizer_said(spec: DataSpec, vocab: int) -> str:
+    kind = f"{spec.tokenizer['kind']} tokenizer, " if spec.tokenizer else ""
+    return f"{kind}a vocabulary of {vocab} ids" + (f", end-of-text id {spec.eot_id}" if spec.eot_id is not None else "")
+
+
 def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
     """What a checkpoint keeps of the tokenizer: (its manifest record or None, {file name: the file to copy}).
 
@@ -340,6 +371,9 @@ def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
     chat_template.jinja, generation_config.json; the record lists them under "files"), and its context length and
     special ids, which an export writes back (tokenizer_config.model_facts): on any data, synthetic too.
     """
+    if is_mixture(cfg.data.source):  # the sources share one tokenizer (check_source): the first real one's
+        names = [name for name, _ in data_sources(cfg.data.source) if name not in SYNTHETIC]
+        cfg = source_config(cfg, names[0] if names else "synthetic")
     spec = None if cfg.data.source in SYNTHETIC else resolve_data(cfg)
     record = dict(spec.tokenizer) if spec and spec.tokenizer else None
     copied = {TOKENIZER_FILE: spec.tokenizer_file} if spec and spec.tokenizer_file else {}

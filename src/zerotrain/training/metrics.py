@@ -190,6 +190,7 @@ def summarize(report: dict) -> dict:
         "first_loss": records[0]["loss"] if records else None,
         "last_loss": records[-1]["loss"] if records else None,
         "tokens": sum(r["tokens"] for r in records),
+        **_source_tokens(records),
         "wall_s": round(report["wall_s"], 3),  # of this invocation
         "world_size": report["world_size"],
         "threads_per_rank": report["threads_per_rank"],
@@ -204,6 +205,15 @@ def summarize(report: dict) -> dict:
         "max": {k: max(v) for k, v in per_rank.items()},
         "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
     }
+
+
+def _source_tokens(records: list[dict]) -> dict:
+    """A mixture's tokens by source over the run ({"source_tokens": {name: tokens}}), or nothing for one source."""
+    totals: dict[str, int] = {}
+    for r in records:
+        for name, tokens in r.get("source_tokens", {}).items():
+            totals[name] = totals.get(name, 0) + tokens
+    return {"source_tokens": totals} if totals else {}
 
 
 def _truncate_after(path: str, step: int) -> int:
