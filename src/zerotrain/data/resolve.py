@@ -339,10 +339,15 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
 def _check_mixture_sources(cfg: Config, vocab_given: bool) -> DataSpec:
     """Each source of a mixture checked as --data alone; they must share one vocabulary and tokenizer (the model's
     vocabulary is theirs). Returns the first source's DataSpec."""
-    checked = []
+    checked, synthetic = [], []
     for name, _ in data_sources(cfg.data.source):
         own = source_config(cfg, name)
+        if name in SYNTHETIC:  # generated over the model's vocabulary, whichever the other sources give it
+            synthetic.append(own)
+            continue
         checked.append((name, check_source(own, vocab_given=vocab_given), own.model.vocab_size))
+    if not checked:
+        return DataSpec(cfg.data.source, "synthetic")
     first, spec, vocab = checked[0]
     for name, other, other_vocab in checked[1:]:
         if other_vocab != vocab or (spec.tokenizer and other.tokenizer and
@@ -351,6 +356,9 @@ def _check_mixture_sources(cfg: Config, vocab_given: bool) -> DataSpec:
             raise ConfigError(f"--data {name}: {theirs}, --data {first}'s {ours}: the sources of a mixture must share "
                               "one tokenizer (prepare them with the same one)")
     cfg.model.vocab_size = vocab
+    for own in synthetic:
+        own.model.vocab_size = vocab
+        check_source(own, vocab_given=True)
     return spec
 
 
