@@ -21,7 +21,7 @@ from test_packing import make_records, write_records
 
 from zerotrain import checkpoint
 from zerotrain.cli.main import main
-from zerotrain.config import data_sources
+from zerotrain.config import Config, data_sources, merge
 from zerotrain.data import MixtureSource, make_source, mixture
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import train
@@ -52,6 +52,9 @@ def test_paths_with_colons_stay_whole_and_weights_split_on_the_last_colon():
     assert data_sources("a.jsonl:0.7\nb:c/d.jsonl:3") == [("a.jsonl", 0.7), ("b:c/d.jsonl", 3.0)]
     assert data_sources("C:/data/x.jsonl") == [("C:/data/x.jsonl", None)]  # what follows is no number
     assert data_sources("runs:12:0.5") == [("runs:12", 0.5)]  # a path ending in :NUMBER, given with a weight
+    from_toml = Config()  # TOML: a list, held as the flags given several times hold it
+    merge(from_toml, {"data": {"data": ["a.jsonl:0.7", "b.jsonl:0.3"]}}, origin="test")
+    assert data_sources(from_toml.data.source) == [("a.jsonl", 0.7), ("b.jsonl", 0.3)]
 
 
 def test_rows_follow_the_weights_and_the_split_over_ranks_changes_no_step(tmp_path):

@@ -228,9 +228,8 @@ class DataConfig:
     # What --data names is resolved in data/resolve.py.
     source: str = setting("python-stdlib", "python-stdlib (this Python's standard library as bytes), synthetic, "
                           "synthetic-varlen, a UTF-8 text file or folder, or token files (a folder with "
-                          "train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c); given several times as "
-                          "PATH:WEIGHT (TOML: a list), a mixture whose steps draw rows from each source in proportion "
-                          "to its weight", key="data", many=True)
+                          "train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c); several, each PATH:WEIGHT "
+                          "(TOML: a list): a mixture, rows drawn per step by weight", key="data", many=True)
     val_data: str = setting("", "validation data for --eval-every, as --data: a text file or folder or token files "
                             "(its validation split if it has one, else all of it)", shown="--data's validation split")
     # Packed sequences (True), or one document per sequence, padded and label-masked (False; documents

@@ -70,6 +70,15 @@ def shown_default(s: Setting, value) -> str:
     return str(value)
 
 
+class _OnePerLine(argparse.Action):
+    """A flag that may be given several times (--data A:0.7 --data B:0.3): its values kept one per line, as the
+    setting holds them (config.data_sources reads them)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, values if before is None else f"{before}\n{values}")
+
+
 def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] | None = None) -> None:
     """One flag per declared setting; `defaults` ({key: value}) are a command's own (the demo's), shown as such."""
     p.add_argument("--config", help="TOML file with [model] [data] [optim] [launch] [parallel] [loop] [logging] "
@@ -83,8 +92,8 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
         help_ = f"{s.help} (default: {shown_default(s, default)})"
         if s.type is bool:
             p.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        elif s.many:  # given several times: kept one per line (config.data_sources reads them)
-            p.add_argument(s.flag, action="append", default=None, metavar=s.key.upper(), help=help_)
+        elif s.many:
+            p.add_argument(s.flag, action=_OnePerLine, default=None, metavar=s.key.upper(), help=help_)
         else:
             p.add_argument(s.flag, type=s.type, default=None, metavar=s.key.upper(), help=help_)
     p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")
@@ -103,8 +112,7 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
         vocab_given = "vocab_size" in toml.get("model", {})
     if args.preset:
         apply_preset(cfg, args.preset)
-    given = {s.key: "\n".join(getattr(args, s.key)) if s.many else getattr(args, s.key)
-             for s in declared() if getattr(args, s.key) is not None}
+    given = {s.key: getattr(args, s.key) for s in declared() if getattr(args, s.key) is not None}
     if args.no_overlap:
         given["overlap"] = "off"
     torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))

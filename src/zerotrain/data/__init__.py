@@ -8,6 +8,6 @@ from .resolve import DataSpec, check_source, checkpoint_tokenizer, prepare_sourc
 from .sources import SyntheticSource, TokenSource, epoch_steps, make_source, packs_records
 from .tokenizer import load_tokenizer
 
-__all__ = ["IGNORE", "BatchSchedule", "DataSpec", "MicroBatch", "MixtureSource", "RecordSource", "StepBatch", "SyntheticSource",
-           "TokenSource", "check_source", "checkpoint_tokenizer", "epoch_steps", "load_tokenizer", "make_source",
-           "on_device", "packs_records", "prepare_source", "resolve_data"]
+__all__ = ["IGNORE", "BatchSchedule", "DataSpec", "MicroBatch", "MixtureSource", "RecordSource", "StepBatch",
+           "SyntheticSource", "TokenSource", "check_source", "checkpoint_tokenizer", "epoch_steps", "load_tokenizer",
+           "make_source", "on_device", "packs_records", "prepare_source", "resolve_data"]

@@ -148,7 +148,8 @@ def make_source(cfg: Config, split: str = "train", global_batch: int | None = No
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if is_mixture(cfg.data.source):  # each source a stream of rows (records: one row a data step); validation: its own
         rows = 1 if split == "train" else None
-        sources = {name: make_source(source_config(cfg, name), split, rows) for name, _ in data_sources(cfg.data.source)}
+        sources = {name: make_source(source_config(cfg, name), split, rows)
+                   for name, _ in data_sources(cfg.data.source)}
         return MixtureSource(sources, mixture_weights(cfg), cfg.loop.seed,
                              global_batch or (cfg.global_batch if split == "train" else cfg.dp * cfg.loop.micro_batch))
     d, m = cfg.data, cfg.model
