@@ -20,7 +20,7 @@ from test_epochs import global_rows, row_records
 from test_packing import make_records, write_records
 
 from zerotrain import checkpoint
-from zerotrain.cli.main import main
+from zerotrain.cli.main import build_parser, main
 from zerotrain.config import Config, data_sources, merge
 from zerotrain.data import MixtureSource, make_source, mixture
 from zerotrain.runtime.launch import run_job
@@ -52,6 +52,9 @@ def test_paths_with_colons_stay_whole_and_weights_split_on_the_last_colon():
     assert data_sources("a.jsonl:0.7\nb:c/d.jsonl:3") == [("a.jsonl", 0.7), ("b:c/d.jsonl", 3.0)]
     assert data_sources("C:/data/x.jsonl") == [("C:/data/x.jsonl", None)]  # what follows is no number
     assert data_sources("runs:12:0.5") == [("runs:12", 0.5)]  # a path ending in :NUMBER, given with a weight
+    parser = build_parser()  # --data again without weights: the last wins, as before mixtures
+    assert parser.parse_args(["train", "--data", "a", "--data", "b"]).data == "b"
+    assert parser.parse_args(["train", "--data", "a:1", "--data", "b:3"]).data == "a:1\nb:3"
     from_toml = Config()  # TOML: a list, held as the flags given several times hold it
     merge(from_toml, {"data": {"data": ["a.jsonl:0.7", "b.jsonl:0.3"]}}, origin="test")
     assert data_sources(from_toml.data.source) == [("a.jsonl", 0.7), ("b.jsonl", 0.3)]
@@ -171,6 +174,7 @@ def test_a_bad_weight_or_sources_of_different_vocabularies_are_one_line_exit_2(t
                        (["--data", f"{a}:0", "--data", f"{b}:1"], f"--data {a}:0: the weight '0' is not a positive"),
                        (["--data", f"{a}:0.7", "--data", str(b)], f"--data {b}: a mixture of several --data needs a "
                                                                   "weight on each"),
+                       (["--data", f"{a}:0.7", "--data", f"{a}:0.3"], f"--data {a} is named twice in the mixture"),
                        (["--data", f"{a}:0.7", "--data", f"{b}:0.3"], f"--data {b}: a vocabulary of 300 ids, --data "
                                                                       f"{a}'s a vocabulary of 256 ids")]:
         assert main(["train", "--steps", "1", *argv]) == 2

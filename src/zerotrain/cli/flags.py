@@ -8,8 +8,8 @@ import importlib.util
 import os
 import sys
 
-from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, load_toml,
-                               merge, resolve, setting_for, validate)
+from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, is_mixture,
+                               load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
@@ -72,11 +72,13 @@ def shown_default(s: Setting, value) -> str:
 
 class _OnePerLine(argparse.Action):
     """A flag that may be given several times (--data A:0.7 --data B:0.3): its values kept one per line, as the
-    setting holds them (config.data_sources reads them)."""
+    setting holds them (config.data_sources reads them). Given again without a weight after one without, the last
+    wins, as any other flag's does."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         before = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, values if before is None else f"{before}\n{values}")
+        again = before is not None and (is_mixture(before) or is_mixture(values))
+        setattr(namespace, self.dest, f"{before}\n{values}" if again else values)
 
 
 def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] | None = None) -> None:
