@@ -20,6 +20,7 @@ from test_epochs import global_rows, row_records
 from test_packing import make_records, write_records
 
 from zerotrain import checkpoint
+from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser, main
 from zerotrain.config import Config, data_sources, merge
 from zerotrain.data import MixtureSource, make_source, mixture
@@ -147,6 +148,10 @@ def test_two_ranks_resume_a_mixture_bitwise_with_tokens_and_validation_per_sourc
     cfg.checkpoint.every, cfg.loop.eval_every, cfg.loop.eval_batches = 2, 2, 1
     out = run_job(functools.partial(resume_job, resume_at=2), cfg, time_limit=120)
     printed = capfd.readouterr().out
+    assert main(["eval", os.path.join(cfg.checkpoint.dir, checkpoint.step_name(4))]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and f"trained on a mixture ({folder}, synthetic); evaluate one source with --data" \
+        in err, err
     assert f"data a mixture of 2 sources, rows drawn per step: 0.75 of --data {folder} (train)" in printed
     first, resumed, forgetful = out["first"], out["resumed"], out["forgetful"]
     assert resumed["losses"] == first["losses"][2:] and resumed["digests"] == first["digests"]
@@ -166,6 +171,15 @@ def test_two_ranks_resume_a_mixture_bitwise_with_tokens_and_validation_per_sourc
 
 
 def test_a_bad_weight_or_sources_of_different_vocabularies_are_one_line_exit_2(tmp_path, capsys):
+    raw = []  # nanoGPT's token files state no vocabulary: the model's is the largest id + 1 over all of them
+    for name, top in [("x", 40), ("y", 90)]:
+        (tmp_path / name).mkdir()
+        np.arange(top + 1, dtype=np.uint16).tofile(tmp_path / name / "train.bin")
+        raw.append(str(tmp_path / name))
+    cfg = config_from_args(build_parser().parse_args(["train", "--data", f"{raw[0]}:1", "--data", f"{raw[1]}:1"]),
+                           environment=False)
+    assert cfg.model.vocab_size == 91
+    capsys.readouterr()
     a, b = record_folder(tmp_path / "a"), record_folder(tmp_path / "b")
     (a / "meta.json").write_text(json.dumps({"vocab_size": 256}))
     (b / "meta.json").write_text(json.dumps({"vocab_size": 300}))

@@ -348,27 +348,36 @@ def _check_mixture_sources(cfg: Config, vocab_given: bool) -> DataSpec:
         checked.append((name, check_source(own, vocab_given=vocab_given), own.model.vocab_size))
     if not checked:
         return DataSpec(cfg.data.source, "synthetic")
-    first, spec, vocab = checked[0]
-    for name, other, other_vocab in checked[1:]:
-        if other_vocab != vocab or (spec.tokenizer and other.tokenizer and
-                                    _tokenizer_facts(spec.tokenizer) != _tokenizer_facts(other.tokenizer)):
-            theirs, ours = _tokenizer_said(other, other_vocab), _tokenizer_said(spec, vocab)
-            raise ConfigError(f"--data {name}: {theirs}, --data {first}'s {ours}: the sources of a mixture must share "
-                              "one tokenizer (prepare them with the same one)")
+    # the sources that state their vocabulary (meta.json, a tokenizer) must state the same; one that states none
+    # (token files without meta.json) must fit in it
+    vocab = max(v for _, _, v in checked)
+    stated = [(name, spec, spec.vocab_size or v) for name, spec, v in checked if spec.vocab_size or spec.tokenizer]
+    for other in stated[1:]:
+        if other[2] != stated[0][2] or _tokenizers_differ(stated[0][1], other[1]):
+            raise _not_one_tokenizer(other, stated[0])
+    if stated and stated[0][2] < vocab and not vocab_given:
+        raise _not_one_tokenizer(max(checked, key=lambda c: c[2]), stated[0])
     cfg.model.vocab_size = vocab
     for own in synthetic:
         own.model.vocab_size = vocab
         check_source(own, vocab_given=True)
-    return spec
+    return checked[0][1]
 
 
-def _tokenizer_facts(record: dict) -> tuple:
-    return record.get("kind"), record.get("vocab_size"), record.get("eot_id")
+def _tokenizers_differ(a: DataSpec, b: DataSpec) -> bool:
+    facts = [(t.get("kind"), t.get("vocab_size"), t.get("eot_id")) for t in (a.tokenizer, b.tokenizer) if t]
+    return len(facts) == 2 and facts[0] != facts[1]
 
 
-def _tokenizer_said(spec: DataSpec, vocab: int) -> str:
-    kind = f"{spec.tokenizer['kind']} tokenizer, " if spec.tokenizer else ""
-    return f"{kind}a vocabulary of {vocab} ids" + (f", end-of-text id {spec.eot_id}" if spec.eot_id is not None else "")
+def _not_one_tokenizer(source: tuple[str, DataSpec, int], first: tuple[str, DataSpec, int]) -> ConfigError:
+    """Two sources of a mixture ((name, spec, vocabulary) each) that do not share one tokenizer, in one line."""
+    def said(spec: DataSpec, vocab: int) -> str:
+        kind = f"{spec.tokenizer['kind']} tokenizer, " if spec.tokenizer else ""
+        return f"{kind}a vocabulary of {vocab} ids" + (f", end-of-text id {spec.eot_id}" if spec.eot_id is not None
+                                                       else "")
+    (name, spec, vocab), (first_name, first_spec, first_vocab) = source, first
+    return ConfigError(f"--data {name}: {said(spec, vocab)}, --data {first_name}'s {said(first_spec, first_vocab)}: "
+                       "the sources of a mixture must share one tokenizer (prepare them with the same one)")
 
 
 def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
