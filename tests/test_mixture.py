@@ -65,8 +65,9 @@ def test_rows_follow_the_weights_and_the_split_over_ranks_changes_no_step(tmp_pa
     folder = record_folder(tmp_path / "d")
     source = make_source(mixture_config(tmp_path, folder))
     assert isinstance(source, MixtureSource) and source.names == [str(folder), "synthetic"]
-    assert all(source.counts(s).sum() == 8 for s in range(200))
-    got = shares(source, 200)
+    odd = make_source(mixture_config(tmp_path, folder, micro=6))  # 4.5 and 1.5 rows a step: drawn
+    assert all(odd.counts(s).sum() == 6 and odd.counts(s)[1] in (1, 2) for s in range(200))
+    got = shares(odd, 200)
     assert np.abs(got - [0.75, 0.25]).max() < 0.03, got
     # the records source is read as one stream, row after row: step s reads on from the rows steps 0..s-1 took
     rows = [source.plan(s)[1][source.plan(s)[0] == 0] for s in range(20)]
@@ -86,12 +87,16 @@ def plans(cfg, steps):
 
 def test_the_split_depends_only_on_seed_and_step_and_an_unseeded_draw_is_caught(tmp_path, monkeypatch):
     folder = record_folder(tmp_path / "d")
-    cfg = mixture_config(tmp_path, folder)
+    cfg = mixture_config(tmp_path, folder, micro=6)  # 4.5 and 1.5 rows a step: the counts are drawn too
     first, again = plans(cfg, 5), plans(cfg, 5)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
-    other_seed = plans(mixture_config(tmp_path, folder, seed=1), 5)
+    other_seed = plans(mixture_config(tmp_path, folder, micro=6, seed=1), 5)
     assert not all(np.array_equal(a, b) for a, b in zip(first, other_seed))
-    # planted: the split drawn from torch's global generator, not keyed by (seed, step)
+    # planted: the split's uniforms, then the placement of the rows, drawn from torch's global generator
+    with monkeypatch.context() as m:
+        m.setattr(mixture, "step_uniforms", lambda seed, steps: torch.rand(len(steps), dtype=torch.float64).numpy())
+        planted, planted_again = plans(cfg, 5), plans(cfg, 5)
+        assert not all(np.array_equal(a, b) for a, b in zip(planted, planted_again))
     monkeypatch.setattr(mixture, "step_generator",
                         lambda seed, step: np.random.default_rng(int(torch.randint(2**31, ()))))
     planted, planted_again = plans(cfg, 5), plans(cfg, 5)

@@ -1,7 +1,8 @@
 """Weighted mixtures of data sources: which source each row of a step comes from, and which of its rows it is.
 
 `--data A:0.75 --data B:0.25` trains on both: step s's G rows are split among the sources by systematic sampling
-with one seeded uniform u drawn from (seed, s): source k gets floor(W_k G + u) - floor(W_(k-1) G + u) rows, W_k the
+with one uniform u, a counter-based hash of (seed, s) (so the rows of a stretch of steps are counted at once, without
+a generator per step): source k gets floor(W_k G + u) - floor(W_(k-1) G + u) rows, W_k the
 weights summed through k (so every step has w_k G rows, give or take one, and exactly that on average), and a
 permutation drawn from the same generator spreads those rows over the step's positions, so no rank or micro-batch
 sees one source only. Each source is a stream of rows read in order: row r of a source of records is the r-th row of
@@ -28,8 +29,28 @@ _MIXTURE = 0x313C  # the mixture's own stream of draws: never one of a source's
 
 
 def step_generator(seed: int, step: int) -> np.random.Generator:
-    """The draws that split data step `step` among the sources: keyed by (seed, step) alone."""
+    """The draws that place data step `step`'s rows of each source: keyed by (seed, step) alone."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, _MIXTURE])))
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of uint64 whose outputs for consecutive inputs look independent."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def step_uniforms(seed: int, steps: np.ndarray) -> np.ndarray:
+    """The uniform in [0, 1) that splits each data step of `steps` among the sources: a hash of (seed, step) alone
+    (SplitMix64 over a key drawn from the seed), so a resume at step s counts the rows of steps 0..s-1 in one pass
+    (100,000 steps: milliseconds, where a generator per step took seconds)."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.array([seed % 2**64], dtype=np.uint64) + np.uint64(_MIXTURE) * _GOLDEN)
+        x = _mix(key + (np.asarray(steps, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (x >> np.uint64(11)).astype(np.float64) / 2.0**53
 
 
 def source_config(cfg: Config, name: str) -> Config:
@@ -54,7 +75,7 @@ class MixtureSource:
         cum[-1] = 1.0  # the last bound is the whole batch, whatever the float sum
         self._bounds = np.concatenate([[0.0], cum])
         self.layout = [[0, global_batch]]
-        self._before = [np.zeros(len(self.names), dtype=np.int64)]  # rows each source gave steps 0..s-1, by s
+        self._before = np.zeros((1, len(self.names)), dtype=np.int64)  # row s: what each source gave steps 0..s-1
         self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
@@ -66,29 +87,32 @@ class MixtureSource:
     def _batch_at(self, step: int) -> int:
         return next(batch for first, batch in reversed(self.layout) if first <= step)
 
-    def counts(self, step: int, draws: np.random.Generator | None = None) -> np.ndarray:
-        """Rows each source gives data step `step`: systematic sampling with the step's seeded uniform (the first
-        of `draws`, the step's generator)."""
-        u = (draws or step_generator(self.seed, step)).random()
-        edges = np.floor(self._bounds * self._batch_at(step) + u).astype(np.int64)
-        return np.diff(edges)
+    def counts(self, step: int) -> np.ndarray:
+        """Rows each source gives data step `step`."""
+        return self._counts(np.array([step]))[0]
+
+    def _counts(self, steps: np.ndarray) -> np.ndarray:
+        """[steps, sources]: the rows each source gives each step, by systematic sampling with the step's uniform."""
+        firsts, batches = np.array(self.layout).T
+        batch = batches[np.searchsorted(firsts, steps, side="right") - 1]
+        u = step_uniforms(self.seed, steps)
+        return np.diff(np.floor(self._bounds[None, :] * batch[:, None] + u[:, None]).astype(np.int64), axis=1)
 
     def rows_before(self, step: int) -> np.ndarray:
         """Rows each source gave data steps 0 .. step - 1: where step `step` reads each source on from."""
-        while len(self._before) <= step:
-            s = len(self._before) - 1
-            self._before.append(self._before[-1] + self.counts(s))
+        have = len(self._before) - 1
+        if step > have:  # counted a stretch of steps at a time
+            steps = np.arange(have, max(step, 2 * have, 1024))
+            more = self._before[-1] + np.cumsum(self._counts(steps), axis=0)
+            self._before = np.concatenate([self._before, more])
         return self._before[step]
 
     def plan(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, row of that source's stream) of each of data step `step`'s positions."""
         if step not in self._plans:
-            draws = step_generator(self.seed, step)
-            n = self.counts(step, draws)
-            order = draws.permutation(self._batch_at(step))  # drawn after the uniform of the counts
-            source = np.repeat(np.arange(len(self.names)), n)[order]
-            G = len(source)
-            row = np.empty(G, dtype=np.int64)
+            order = step_generator(self.seed, step).permutation(self._batch_at(step))
+            source = np.repeat(np.arange(len(self.names)), self.counts(step))[order]
+            row = np.empty(len(source), dtype=np.int64)
             for k, first in enumerate(self.rows_before(step)):
                 mine = source == k
                 row[mine] = first + np.arange(int(mine.sum()))
@@ -103,7 +127,7 @@ class MixtureSource:
             raise ValueError(f"not a data layout (increasing first steps from 0, positive global batches): {layout}")
         if not kept or kept[-1][1] != self.global_batch:
             kept.append([int(at), self.global_batch])
-        self.layout, self._before, self._plans = kept, [self._before[0]], {}
+        self.layout, self._before, self._plans = kept, self._before[:1], {}
 
     # ---------------------------------------------------------------- a step's rows
     def sequences(self, step: int, indices: range) -> MicroBatch:
