@@ -26,6 +26,7 @@ from zerotrain.config import Config, data_sources, merge
 from zerotrain.data import MixtureSource, make_source, mixture
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import train
+from zerotrain.training.metrics import Metrics
 
 
 def record_folder(path, n=60, seed=0):
@@ -199,3 +200,24 @@ def test_a_bad_weight_or_sources_of_different_vocabularies_are_one_line_exit_2(t
         assert main(["train", "--steps", "1", *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err, err
+
+
+def test_tensorboard_and_wandb_get_each_sources_figures(tmp_path):
+    logged = []
+
+    class Board:
+        def add_scalar(self, key, value, step):
+            logged.append((key, value, step))
+
+    class Run:
+        def log(self, values):
+            logged.append(values)
+
+    metrics = Metrics(str(tmp_path / "metrics.jsonl"), active=True, progress=False, start=0, total=1)
+    metrics.board, metrics.wandb = Board(), Run()
+    metrics.log({"step": 1, "loss": 2.0, "tokens": 7, "source_tokens": {"a": 5, "b": 2},
+                 "source_val_loss": {"a": 1.5, "b": 2.5}, "val_loss": 1.75})
+    assert {("source_tokens/a", 5, 1), ("source_tokens/b", 2, 1), ("source_val_loss/a", 1.5, 1),
+            ("source_val_loss/b", 2.5, 1), ("val_loss", 1.75, 1)} <= set(logged[:-1])
+    assert {"source_tokens/a": 5, "source_val_loss/b": 2.5, "tokens": 7}.items() <= logged[-1].items()
+    metrics.file.close()

@@ -15,8 +15,9 @@ from zerotrain.config import Config
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 
-# What TensorBoard shows of a step record (W&B takes every number in it)
+# What TensorBoard shows of a step record (W&B takes every number in it); a mixture's figures by source as KEY/NAME
 BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu")
+BY_SOURCE_KEYS = ("source_val_loss", "source_tokens")
 WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
 # A step record's figures the summary gives the median of: the first step's warm-up does not move a median
 THROUGHPUT_KEYS = ("tokens_per_s_per_rank", "flops_per_s_per_rank", "mfu")
@@ -60,12 +61,15 @@ class Metrics:
         if not self.active:
             return
         self._write(record)
+        by_source = {f"{key}/{name}": v for key in BY_SOURCE_KEYS for name, v in record.get(key, {}).items()}
         if self.board:
             for key in BOARD_KEYS:
                 if record.get(key) is not None:
                     self.board.add_scalar(key, record[key], record["step"])
+            for key, value in by_source.items():
+                self.board.add_scalar(key, value, record["step"])
         if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
+            self.wandb.log({**{k: v for k, v in record.items() if isinstance(v, (int, float))}, **by_source})
         if self._bar_span and self.bar is None:
             start, total = self._bar_span
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
