@@ -4,9 +4,11 @@
 with one uniform u, a counter-based hash of (seed, s) (so the rows of a stretch of steps are counted at once, without
 a generator per step): source k gets floor(W_k G + u) - floor(W_(k-1) G + u) rows, W_k the weights summed through k
 (so every step has w_k G rows, give or take one, and exactly that on average), and a permutation drawn from
-(seed, s) spreads those rows over the step's positions, so no rank or micro-batch sees one source only. Each source is a stream of rows read in order: row r of a source of records is the r-th row of
-its epochs laid end to end (its own epoch order, packing and epoch count), row r of a token or synthetic source its
-window drawn from (seed, r). Step s reads source k's rows from C_k(s), the rows the steps before it gave that
+(seed, s) spreads those rows over the step's positions, so no rank or micro-batch sees one source only.
+
+Each source is a stream of rows read in order: row r of a source of records is the r-th row of its epochs laid end
+to end (its own epoch order, packing and epoch count), row r of a token or synthetic source its window drawn from
+(seed, r). Step s reads source k's rows from C_k(s), the rows the steps before it gave that
 source, on: so a step's rows are a function of (seed, data step, the layout of global batches) alone, however ranks
 and micro-batches split them, and a resume needs only the step and the layout. The layout is kept as a source of
 records keeps its own ([first data step, global batch] pairs): a resume at another global batch reads each source
