@@ -53,12 +53,50 @@ def one_of(*choices: str) -> Rule:
     return Rule("must be " + ", ".join(choices[:-1]) + f" or {choices[-1]}", lambda v: v in choices)
 
 
-def setting(default, help: str, *, rule: Rule | None = None, key: str | None = None, shown: str | None = None):
+def setting(default, help: str, *, rule: Rule | None = None, key: str | None = None, shown: str | None = None,
+            many: bool = False):
     """Declare a setting: its default, its help, the rule its value obeys, and its key when not the field's name.
 
-    `shown` is how `--help` and the README state a default that is derived (`runs/<timestamp>`).
+    `shown` is how `--help` and the README state a default that is derived (`runs/<timestamp>`). `many`: a string
+    setting the flag may give several times (a TOML list), its values kept one per line.
     """
-    return field(default=default, metadata={"help": help, "rule": rule, "key": key, "shown": shown})
+    return field(default=default, metadata={"help": help, "rule": rule, "key": key, "shown": shown, "many": many})
+
+
+def data_sources(text: str) -> list[tuple[str, float | None]]:
+    """The (name, weight or None) of each source --data names, one per line (the flag given several times, or a TOML
+    list). `PATH:WEIGHT` splits on the last colon only when what follows it reads as a number, so a path with colons
+    in it stays whole; a path that itself ends in `:NUMBER` is given with a weight after it."""
+    out = []
+    for entry in text.split("\n"):
+        path, colon, tail = entry.rpartition(":")
+        try:
+            weight = float(tail) if colon and path else None
+        except ValueError:
+            weight = None
+        out.append((entry, None) if weight is None else (path, weight))
+    return out
+
+
+def is_mixture(text: str) -> bool:
+    """Whether --data names a mixture (weighted sources) rather than today's one source."""
+    return any(weight is not None for _, weight in data_sources(text))
+
+
+def _check_mixture(text: str) -> None:
+    """A mixture's weights are positive numbers, one on every source, and its sources are named once each."""
+    entries = text.split("\n")
+    sources = data_sources(text)
+    for entry, (_, weight) in zip(entries, sources):
+        if weight is not None and not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(f"--data {entry}: the weight {entry.rpartition(':')[2]!r} is not a positive number")
+    if len(sources) > 1 and any(weight is None for _, weight in sources):
+        entry = next(e for e, (_, w) in zip(entries, sources) if w is None)
+        raise ConfigError(f"--data {entry}: a mixture of several --data needs a weight on each (--data PATH:WEIGHT)")
+    names = [name for name, _ in sources]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ConfigError(f"--data {twice} is named twice in the mixture: give each source once, with its weight")
 
 
 # Every preset states the whole architecture, so a preset never inherits another's (--arch llama --preset gpt2).
@@ -190,7 +228,8 @@ class DataConfig:
     # What --data names is resolved in data/resolve.py.
     source: str = setting("python-stdlib", "python-stdlib (this Python's standard library as bytes), synthetic, "
                           "synthetic-varlen, a UTF-8 text file or folder, or token files (a folder with "
-                          "train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c)", key="data")
+                          "train.bin/val.bin from zerotrain prepare, nanoGPT or llm.c); several, each PATH:WEIGHT "
+                          "(TOML: a list): a mixture, rows drawn per step by weight", key="data", many=True)
     val_data: str = setting("", "validation data for --eval-every, as --data: a text file or folder or token files "
                             "(its validation split if it has one, else all of it)", shown="--data's validation split")
     # Packed sequences (True), or one document per sequence, padded and label-masked (False; documents
@@ -416,6 +455,7 @@ class Setting:
     help: str
     rule: Rule | None
     shown: str | None
+    many: bool = False
 
     @property
     def flag(self) -> str:
@@ -432,7 +472,7 @@ def declared(section: str | None = None) -> Iterator[Setting]:
         owner = Config.__dataclass_fields__[name].default_factory
         for f in fields(owner):
             yield Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
-                          f.metadata.get("rule"), f.metadata.get("shown"))
+                          f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")))
 
 
 def setting_for(key: str) -> Setting:
@@ -485,6 +525,8 @@ def merge(cfg: Config, overrides: dict[str, Any], origin: str) -> None:
             s = known[key]
             if s.type is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+            if s.many and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                value = "\n".join(value)  # a list of several: kept one per line
             if type(value) is not s.type:
                 expected = "true or false" if s.type is bool else s.type.__name__
                 raise ConfigError(f"{origin}: {key} in [{section}] must be {expected}, got {value!r}")
@@ -544,6 +586,13 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{s.flag} must be a finite number, got {value}")
         if s.rule and not s.rule.holds(value):
             raise ConfigError(f"{s.flag} {s.rule.says}, got {value!r}")
+    _check_mixture(cfg.data.source)
+    if is_mixture(cfg.data.source) and cfg.data.val_data:
+        raise ConfigError(f"--val-data {cfg.data.val_data}: a mixture validates each of its sources on its own "
+                          "validation split; leave --val-data out")
+    if is_mixture(cfg.data.source) and cfg.loop.epochs:
+        raise ConfigError(f"--epochs {cfg.loop.epochs}: a mixture's sources each go through epochs at their own pace "
+                          "(the step records count them per source): give --steps")
     m, p = cfg.model, cfg.parallel
     if m.n_embd % m.n_head and not m.head_width:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}")

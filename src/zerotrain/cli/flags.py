@@ -8,8 +8,8 @@ import importlib.util
 import os
 import sys
 
-from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, load_toml,
-                               merge, resolve, setting_for, validate)
+from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, is_mixture,
+                               load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
@@ -70,6 +70,17 @@ def shown_default(s: Setting, value) -> str:
     return str(value)
 
 
+class _OnePerLine(argparse.Action):
+    """A flag that may be given several times (--data A:0.7 --data B:0.3): its values kept one per line, as the
+    setting holds them (config.data_sources reads them). Given again without a weight after one without, the last
+    wins, as any other flag's does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest)
+        again = before is not None and (is_mixture(before) or is_mixture(values))
+        setattr(namespace, self.dest, f"{before}\n{values}" if again else values)
+
+
 def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] | None = None) -> None:
     """One flag per declared setting; `defaults` ({key: value}) are a command's own (the demo's), shown as such."""
     p.add_argument("--config", help="TOML file with [model] [data] [optim] [launch] [parallel] [loop] [logging] "
@@ -83,6 +94,8 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
         help_ = f"{s.help} (default: {shown_default(s, default)})"
         if s.type is bool:
             p.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif s.many:
+            p.add_argument(s.flag, action=_OnePerLine, default=None, metavar=s.key.upper(), help=help_)
         else:
             p.add_argument(s.flag, type=s.type, default=None, metavar=s.key.upper(), help=help_)
     p.add_argument("--no-overlap", action="store_true", help="the same as --overlap off")

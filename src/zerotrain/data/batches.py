@@ -31,6 +31,8 @@ class StepBatch:
     micro_batches: list[MicroBatch]  # this rank's, in order
     global_tokens: int  # unmasked target tokens in the whole global batch, all ranks together
     epoch: int | None = None  # 1-based, for sources of records read in epochs
+    source_tokens: dict[str, int] | None = None  # a mixture's: global_tokens by source, as the user named them
+    source_epochs: dict[str, int] | None = None  # a mixture's: the epoch (1-based) of each source of records
 
     @property
     def local_tokens(self) -> int:
@@ -71,6 +73,9 @@ class BatchSchedule:
             lo = first + a * self.micro_batch
             micro.append(self.source.sequences(step, range(lo, lo + self.micro_batch)))
         epoch = self.source.locate(step)[0] + 1 if hasattr(self.source, "locate") else None
+        if hasattr(self.source, "source_tokens"):  # a mixture: what each source gave
+            tokens = self.source.source_tokens(step)
+            return StepBatch(micro, sum(tokens.values()), None, tokens, self.source.source_epochs(step) or None)
         return StepBatch(micro, self.source.token_count(step, self.global_batch), epoch)
 
 

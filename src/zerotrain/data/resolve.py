@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from zerotrain.config import Config
+from zerotrain.config import Config, data_sources, is_mixture
 from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
@@ -29,6 +29,7 @@ from .documents import STDLIB, text_input
 from .formats import folder_digest
 from .jsonl import VERSION as JSONL_VERSION
 from .jsonl import is_records_file, prepare_jsonl, refuse_table
+from .mixture import source_config
 from .packing import has_records
 from .tokenfiles import max_token, open_token_file
 from .tokenizer import (TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, read_tokenizer_file, tokenizer_digest,
@@ -272,7 +273,8 @@ def prepare_source(cfg: Config) -> None:
 
     For the launcher: ranks then only read. Cheap when already built (it hashes the input to find it).
     """
-    resolve_data(cfg)
+    for name, _ in data_sources(cfg.data.source) if is_mixture(cfg.data.source) else [(cfg.data.source, None)]:
+        resolve_data(source_config(cfg, name))
 
 
 def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
@@ -282,6 +284,8 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
     the data. Prepares a text input into the cache (so ranks find it built) and scans every token file.
     """
     d, m = cfg.data, cfg.model
+    if is_mixture(d.source):
+        return _check_mixture_sources(cfg, vocab_given)
     if d.source in SYNTHETIC:
         if d.source == "synthetic-varlen" and m.seq_len < 2:
             raise ConfigError(f"--data synthetic-varlen needs --seq-len >= 2, got {m.seq_len}")
@@ -335,6 +339,50 @@ def check_source(cfg: Config, *, vocab_given: bool = False) -> DataSpec:
     return spec
 
 
+def _check_mixture_sources(cfg: Config, vocab_given: bool) -> DataSpec:
+    """Each source of a mixture checked as --data alone; they must share one vocabulary and tokenizer (the model's
+    vocabulary is theirs). Returns the first source's DataSpec."""
+    checked, synthetic = [], []
+    for name, _ in data_sources(cfg.data.source):
+        own = source_config(cfg, name)
+        if name in SYNTHETIC:  # generated over the model's vocabulary, whichever the other sources give it
+            synthetic.append(own)
+            continue
+        checked.append((name, check_source(own, vocab_given=vocab_given), own.model.vocab_size))
+    if not checked:
+        return DataSpec(cfg.data.source, "synthetic")
+    # the sources that state their vocabulary (meta.json, a tokenizer) must state the same; one that states none
+    # (token files without meta.json) must fit in it
+    vocab = max(v for _, _, v in checked)
+    stated = [(name, spec, spec.vocab_size or v) for name, spec, v in checked if spec.vocab_size or spec.tokenizer]
+    for other in stated[1:]:
+        if other[2] != stated[0][2] or _tokenizers_differ(stated[0][1], other[1]):
+            raise _not_one_tokenizer(other, stated[0])
+    if stated and stated[0][2] < vocab and not vocab_given:
+        raise _not_one_tokenizer(max(checked, key=lambda c: c[2]), stated[0])
+    cfg.model.vocab_size = vocab
+    for own in synthetic:
+        own.model.vocab_size = vocab
+        check_source(own, vocab_given=True)
+    return checked[0][1]
+
+
+def _tokenizers_differ(a: DataSpec, b: DataSpec) -> bool:
+    facts = [(t.get("kind"), t.get("vocab_size"), t.get("eot_id")) for t in (a.tokenizer, b.tokenizer) if t]
+    return len(facts) == 2 and facts[0] != facts[1]
+
+
+def _not_one_tokenizer(source: tuple[str, DataSpec, int], first: tuple[str, DataSpec, int]) -> ConfigError:
+    """Two sources of a mixture ((name, spec, vocabulary) each) that do not share one tokenizer, in one line."""
+    def said(spec: DataSpec, vocab: int) -> str:
+        kind = f"{spec.tokenizer['kind']} tokenizer, " if spec.tokenizer else ""
+        return f"{kind}a vocabulary of {vocab} ids" + (f", end-of-text id {spec.eot_id}" if spec.eot_id is not None
+                                                       else "")
+    (name, spec, vocab), (first_name, first_spec, first_vocab) = source, first
+    return ConfigError(f"--data {name}: {said(spec, vocab)}, --data {first_name}'s {said(first_spec, first_vocab)}: "
+                       "the sources of a mixture must share one tokenizer (prepare them with the same one)")
+
+
 def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
     """What a checkpoint keeps of the tokenizer: (its manifest record or None, {file name: the file to copy}).
 
@@ -343,6 +391,9 @@ def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
     chat_template.jinja, generation_config.json; the record lists them under "files"), and its context length and
     special ids, which an export writes back (tokenizer_config.model_facts): on any data, synthetic too.
     """
+    if is_mixture(cfg.data.source):  # the sources share one tokenizer (check_source): the first real one's
+        names = [name for name, _ in data_sources(cfg.data.source) if name not in SYNTHETIC]
+        cfg = source_config(cfg, names[0] if names else "synthetic")
     spec = None if cfg.data.source in SYNTHETIC else resolve_data(cfg)
     record = dict(spec.tokenizer) if spec and spec.tokenizer else None
     copied = {TOKENIZER_FILE: spec.tokenizer_file} if spec and spec.tokenizer_file else {}

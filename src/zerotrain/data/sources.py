@@ -19,12 +19,13 @@ import os
 import numpy as np
 import torch
 
-from zerotrain.config import Config
+from zerotrain.config import Config, data_sources, is_mixture
 from zerotrain.errors import ConfigError
 
 from .batches import IGNORE, MicroBatch
 from .formats import is_records_folder
 from .jsonl import RECORD_FILES
+from .mixture import MixtureSource, mixture_weights, source_config
 from .packing import RecordSource, file_records, has_records, records_path
 from .resolve import SYNTHETIC, resolve_data, validation_files
 from .tokenfiles import TokenFile, open_token_file
@@ -146,6 +147,12 @@ def make_source(cfg: Config, split: str = "train", global_batch: int | None = No
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if is_mixture(cfg.data.source):  # each source a stream of rows (records: one row a data step); validation: its own
+        rows = 1 if split == "train" else None
+        sources = {name: make_source(source_config(cfg, name), split, rows)
+                   for name, _ in data_sources(cfg.data.source)}
+        return MixtureSource(sources, mixture_weights(cfg), cfg.loop.seed,
+                             global_batch or (cfg.global_batch if split == "train" else cfg.dp * cfg.loop.micro_batch))
     d, m = cfg.data, cfg.model
     seed = cfg.loop.seed if split == "train" else VAL_SEED
     if d.source in ("synthetic", "synthetic-varlen"):
@@ -182,6 +189,8 @@ def packs_records(cfg: Config) -> bool:
     """Whether the training rows will carry record segments (records packed whole), told from the --data path alone,
     without preparing it: what `zerotrain plan` needs to count the document mask for a run on another machine."""
     d = cfg.data
+    if is_mixture(d.source):
+        return any(packs_records(source_config(cfg, name)) for name, _ in data_sources(d.source))
     if not d.pack or d.source in SYNTHETIC:
         return False
     if d.source.lower().endswith(RECORD_FILES) or is_records_folder(d.source):

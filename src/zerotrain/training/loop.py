@@ -13,7 +13,7 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, RecordSource, StepBatch, make_source, on_device
+from zerotrain.data import BatchSchedule, StepBatch, make_source, on_device
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import FileValues, weight_source
@@ -339,7 +339,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
                       total=cfg.loop.steps, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
-    packed = isinstance(schedule.source, RecordSource) and schedule.source.pack  # rows carry segments
+    packed = getattr(schedule.source, "pack", False)  # packed records (alone or in a mixture): rows carry segments
     plan = memory_plan(cfg, world_size=comm.world_size, documents=packed)
     # rank 0 logs the records, so it alone finds the peak MFU is measured against (on CPU: times a matmul)
     peak = peak_flops(cfg, rank_device(cfg)) if comm.rank == 0 else Peak(None, "rank 0's")
@@ -411,8 +411,15 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
     record.update(run.throughput.of_step(record["step_ms"] / 1000, record["tokens"], record["batch_tokens"]),
                   **peak_memory(run.engine.flat_params.device))
     if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
-        record["val_loss"] = validation_loss(run.engine.model, run.val_source, run.mesh,
-                                             batches=cfg.loop.eval_batches, micro_batch=cfg.loop.micro_batch)
+        sources = getattr(run.val_source, "sources", None)  # a mixture: each source's, and their weighted mean
+        losses = {name: validation_loss(run.engine.model, source, run.mesh, batches=cfg.loop.eval_batches,
+                                        micro_batch=cfg.loop.micro_batch)
+                  for name, source in (sources or {"": run.val_source}).items()}
+        if sources:
+            record["source_val_loss"] = losses
+            record["val_loss"] = sum(run.val_source.weights[name] * loss for name, loss in losses.items())
+        else:
+            record["val_loss"] = losses[""]
     run.records.append(record)
     run.metrics.log(record)
 
@@ -493,6 +500,10 @@ def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatc
                   step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
     if batch.epoch is not None:  # records read in epochs: which one this step's rows are from
         record["epoch"] = batch.epoch
+    if batch.source_tokens is not None:  # a mixture: the tokens each source gave, and its sources' epochs
+        record["source_tokens"] = batch.source_tokens
+    if batch.source_epochs:
+        record["source_epochs"] = batch.source_epochs
     return record
 
 

@@ -15,8 +15,9 @@ from zerotrain.config import Config
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 
-# What TensorBoard shows of a step record (W&B takes every number in it)
+# What TensorBoard shows of a step record (W&B takes every number in it); a mixture's figures by source as KEY/NAME
 BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu")
+BY_SOURCE_KEYS = ("source_val_loss", "source_tokens")
 WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
 # A step record's figures the summary gives the median of: the first step's warm-up does not move a median
 THROUGHPUT_KEYS = ("tokens_per_s_per_rank", "flops_per_s_per_rank", "mfu")
@@ -60,12 +61,15 @@ class Metrics:
         if not self.active:
             return
         self._write(record)
+        by_source = {f"{key}/{name}": v for key in BY_SOURCE_KEYS for name, v in record.get(key, {}).items()}
         if self.board:
             for key in BOARD_KEYS:
                 if record.get(key) is not None:
                     self.board.add_scalar(key, record[key], record["step"])
+            for key, value in by_source.items():
+                self.board.add_scalar(key, value, record["step"])
         if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
+            self.wandb.log({**{k: v for k, v in record.items() if isinstance(v, (int, float))}, **by_source})
         if self._bar_span and self.bar is None:
             start, total = self._bar_span
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
@@ -190,6 +194,7 @@ def summarize(report: dict) -> dict:
         "first_loss": records[0]["loss"] if records else None,
         "last_loss": records[-1]["loss"] if records else None,
         "tokens": sum(r["tokens"] for r in records),
+        **_source_tokens(records),
         "wall_s": round(report["wall_s"], 3),  # of this invocation
         "world_size": report["world_size"],
         "threads_per_rank": report["threads_per_rank"],
@@ -204,6 +209,15 @@ def summarize(report: dict) -> dict:
         "max": {k: max(v) for k, v in per_rank.items()},
         "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
     }
+
+
+def _source_tokens(records: list[dict]) -> dict:
+    """A mixture's tokens by source over the run ({"source_tokens": {name: tokens}}), or nothing for one source."""
+    totals: dict[str, int] = {}
+    for r in records:
+        for name, tokens in r.get("source_tokens", {}).items():
+            totals[name] = totals.get(name, 0) + tokens
+    return {"source_tokens": totals} if totals else {}
 
 
 def _truncate_after(path: str, step: int) -> int:

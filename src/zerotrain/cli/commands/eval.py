@@ -9,7 +9,7 @@ import math
 import torch
 
 from zerotrain.cli.flags import checked
-from zerotrain.config import POSITIVE, Config
+from zerotrain.config import POSITIVE, Config, data_sources, is_mixture
 from zerotrain.data import IGNORE, check_source, make_source
 from zerotrain.data.resolve import SYNTHETIC, validation_files
 from zerotrain.data.tokenfiles import open_token_file
@@ -68,6 +68,9 @@ def _data_config(source, model, tokenizer, data: str | None) -> Config:
     else:
         cfg = Config()
         cfg.model = dataclasses.replace(model.cfg)
+    if data is None and is_mixture(cfg.data.source):
+        names = ", ".join(name for name, _ in data_sources(cfg.data.source))
+        raise ConfigError(f"eval {source.folder}: trained on a mixture ({names}); evaluate one source with --data PATH")
     if data is not None:
         cfg.data.source = data
         # a file given here is held out as a whole: its validation split is all of it (train's --val-data PATH)
