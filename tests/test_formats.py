@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import test_chat
 from conftest import tiny_config, zerotrain_here
 from model_folders import CHATML_MARKED, tokenizer_folder, write_jsonl
 from test_user_errors import one_line_error
@@ -21,16 +22,8 @@ from zerotrain.data.jsonl import prepare_jsonl
 pytestmark = pytest.mark.timeout(120)
 
 PREPARED = ("train.bin", "train.mask", "train.records", "val.bin", "val.mask", "val.records", "tokenizer.json")
-CHATS = [
-    [{"role": "user", "content": "Question 3: what is 3 plus 3?"}, {"role": "assistant", "content": "Answer: 6."}],
-    [{"role": "system", "content": "The assistant answers."}, {"role": "user", "content": "Question 4:"},
-     {"role": "assistant", "content": "8"}, {"role": "user", "content": "and 5 plus 5? ünïcödé"},
-     {"role": "assistant", "content": "Answer: 10, the user asks 🙂"}],
-    [{"role": "user", "content": "what is 1 plus 1?"}, {"role": "assistant", "content": ""},
-     {"role": "user", "content": "again"}, {"role": "assistant", "content": "2\n"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question 7"},
-     {"role": "assistant", "content": "14"}],
-] * 2
+CHATS = [*test_chat.CHATS, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question 7"},
+                            {"role": "assistant", "content": "14"}]] * 2
 SPEAKERS = {"user": "human", "assistant": "gpt", "system": "system"}
 # ShareGPT as it is written: the second chat's system turn as a "system" field (LLaMA-Factory's), extra keys kept out
 SHAREGPT = [{"id": f"c{i}", "conversations": [{"from": SPEAKERS[m["role"]], "value": m["content"]} for m in chat]}
