@@ -158,15 +158,19 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path
     assert final_state(nudged, 6) != final_state(whole, 6)
 
 
-def in_own_session(tmp_path, *args, faults, python_first=()):
+def in_own_session(tmp_path, *args, faults, python_first=(), console_reader_gone=False):
     """`zerotrain ARGS` in a process group of its own (a group signal then reaches only the job), with `faults`;
     `python_first`: lines run in the launcher's interpreter before the command (a planted bug). What the group
-    still holds 10 s after the launcher has exited is killed (a planted bug can orphan ranks) and returned as `left`."""
+    still holds 10 s after the launcher has exited is killed (a planted bug can orphan ranks) and returned as `left`.
+    `console_reader_gone`: its output goes to a pipe whose reader has already gone (nothing of it is returned)."""
     code = "\n".join([*python_first, "import sys", "from zerotrain.cli.main import main", "sys.exit(main(sys.argv[1:]))"])
     env = dict(os.environ, ZEROTRAIN_FAULTS=faults)
+    reader, writer = os.pipe()
+    os.close(reader)
     with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
-        job = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=out, stderr=err, text=True,
-                               start_new_session=True)
+        job = subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True, start_new_session=True,
+                               stdout=writer if console_reader_gone else out, stderr=writer if console_reader_gone else err)
+        os.close(writer)
         try:
             job.wait(timeout=240)
         finally:
@@ -221,6 +225,24 @@ def test_a_signal_to_the_process_group_is_one_stop_saved_at_its_step_and_the_res
     resumed, = train_in_turn([*args, "--out", stopped, "--resume", "auto"])
     assert resumed["start_step"] == 3 and steps_of(stopped) == list(range(1, 7))
     assert final_state(stopped, 6) == final_state(uninterrupted, 6)
+
+
+def test_a_console_whose_reader_is_gone_does_not_end_a_run_stopped_by_a_signal(tmp_path):
+    """`zerotrain train ... | tee log` and Ctrl-C: tee ends with the same signal, so every line the launcher and rank 0
+    write from then on meets a broken pipe; here the reader is gone from the start. The run is stopped and saved at
+    step 3 all the same, exit 0, nothing left behind. Planted: the launcher's console as it was (its "SIGINT
+    received" line raised BrokenPipeError in its signal handler, which ended it)."""
+    args = [*TINY, "--steps", "6", "--ckpt-every", "4"]
+    r = in_own_session(tmp_path, "train", *args, "--out", str(tmp_path / "run"), faults="group_sigint@step=3,rank=1",
+                       console_reader_gone=True)
+    assert r.returncode == 0 and r.left == []
+    assert checkpoint.committed_steps(os.path.join(tmp_path, "run", "checkpoints")) == ["step_00000003"]
+    assert events(str(tmp_path / "run"), "stop") == [{"event": "stop", "step": 3, "signal": "SIGINT"}]
+    planted = in_own_session(tmp_path, "train", *args, "--out", str(tmp_path / "planted"),
+                             faults="group_sigint@step=3,rank=1", console_reader_gone=True,
+                             python_first=["import contextlib, zerotrain.runtime.console as c",
+                                           "c.console_outlives_its_reader = contextlib.nullcontext"])
+    assert planted.returncode != 0
 
 
 def test_one_stop_delivered_twice_is_one_request_and_a_later_second_signal_stops_at_once(tmp_path, monkeypatch):

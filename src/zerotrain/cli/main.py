@@ -43,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zerotrain.runtime.console import console_outlives_its_reader
     from zerotrain.runtime.launch import in_torchrun
 
-    code = _run(argv)
+    with console_outlives_its_reader():  # `zerotrain ... | tee log` and Ctrl-C: tee goes first
+        code = _run(argv)
     if in_torchrun():
         # A rank ends like a spawned one, without interpreter teardown: gloo's worker threads can
         # still hold tensors after destroy_process_group, and tearing those down at exit aborts.

@@ -25,6 +25,7 @@ from zerotrain.parallel import Comm
 
 from . import rank_start
 from .allocator import return_large_blocks_to_os
+from .console import console_outlives_its_reader
 from .failures import (adopt_attempt, adopt_job_dir, failure_reason, report_failure, report_user_error,
                        restart_count, user_error)
 from .run_folder import release_run_folders
@@ -160,8 +161,14 @@ def _worker(job: Callable[[Config, Comm], Any], cfg: Config, job_dir: str | None
     """One rank: set threads and device, join the process group, run the job, always leave the group.
 
     Any exception ends the rank with one line naming the rank and the error (the traceback goes to
-    `<out>/logs/rank{R}.log`): in the job folder for the launcher to show, or on stderr under torchrun.
+    `<out>/logs/rank{R}.log`): in the job folder for the launcher to show, or on stderr under torchrun. The rank's
+    console outlives its reader (console.py).
     """
+    with console_outlives_its_reader():
+        return _rank(job, cfg, job_dir, prepare, launcher)
+
+
+def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.LauncherState | None) -> Any:
     if launcher is not None:  # a rank of zerotrain's own launcher
         rank_start.adopt(launcher)
     adopt_job_dir(job_dir)  # where a restarted rank 0 reads why the attempt before failed
