@@ -202,6 +202,41 @@ def test_a_bad_weight_or_sources_of_different_vocabularies_are_one_line_exit_2(t
         assert err.count("\n") == 1 and says in err, err
 
 
+def test_sources_with_two_tokenizers_of_one_size_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """Two token folders whose tokenizer.json files have the same size and end-of-text id but give ids other tokens
+    (two ids swapped): a mixture of them would train on ids that mean different things. Planted: comparing only the
+    tokenizers' kind, size and end-of-text id lets it through."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from zerotrain.data import resolve
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["the sum of two and three is five"] * 20, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folders = []
+    for name in ("one", "swapped"):
+        state = json.loads(tokenizer.to_str())
+        if name == "swapped":
+            vocab = state["model"]["vocab"]
+            a, b = sorted(vocab, key=vocab.get)[100:102]
+            vocab[a], vocab[b] = vocab[b], vocab[a]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text(json.dumps(state))
+        np.arange(200, dtype=np.uint16).tofile(tmp_path / name / "train.bin")
+        (tmp_path / name / "meta.json").write_text(json.dumps({"vocab_size": tokenizer.get_vocab_size()}))
+        folders.append(str(tmp_path / name))
+    argv = ["train", "--steps", "1", "--data", f"{folders[0]}:0.5", "--data", f"{folders[1]}:0.5"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--data {folders[1]}: " in err, err
+    monkeypatch.setattr(resolve, "read_tokenizer_file", lambda path: tokenizer)  # planted: the files not compared
+    assert config_from_args(build_parser().parse_args(argv), environment=False).model.vocab_size == \
+        tokenizer.get_vocab_size()
+
+
 def test_tensorboard_and_wandb_get_each_sources_figures(tmp_path):
     logged = []
 

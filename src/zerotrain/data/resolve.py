@@ -368,8 +368,13 @@ def _check_mixture_sources(cfg: Config, vocab_given: bool) -> DataSpec:
 
 
 def _tokenizers_differ(a: DataSpec, b: DataSpec) -> bool:
+    """Whether two sources state tokenizers that give ids other meanings: another kind, size or end-of-text id, or
+    two tokenizer.json files of one size whose vocabularies differ."""
     facts = [(t.get("kind"), t.get("vocab_size"), t.get("eot_id")) for t in (a.tokenizer, b.tokenizer) if t]
-    return len(facts) == 2 and facts[0] != facts[1]
+    if len(facts) == 2 and facts[0] != facts[1]:
+        return True
+    files = [spec.tokenizer_file for spec in (a, b) if spec.tokenizer_file]
+    return len(files) == 2 and read_tokenizer_file(files[0]).to_str() != read_tokenizer_file(files[1]).to_str()
 
 
 def _not_one_tokenizer(source: tuple[str, DataSpec, int], first: tuple[str, DataSpec, int]) -> ConfigError:
