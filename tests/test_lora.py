@@ -540,6 +540,13 @@ def test_the_plan_counts_lora_exactly_and_a_plan_without_the_adapters_activation
     for name in PLANNED:
         plan = planned_run(tmp_path, group, name)
         assert plan["rows"]["frozen_base"] > 0 and plan["activations_measured"] == plan["rows"]["activations"], name
+    # the dropout's share is the same for every member of the Llama family (their linears are Llama's)
+    shape = dict(PLANNED["llama, every linear"], micro=2, seq_len=16, lora_rank=RANK)
+    share = {arch: memory_plan.memory_plan(tiny_config(tmp_path / arch, **{**shape, "arch": arch},
+                                                       lora_dropout=DROPOUT)).rows["activations"]
+             - memory_plan.memory_plan(tiny_config(tmp_path / arch, **{**shape, "arch": arch})).rows["activations"]
+             for arch in ("llama", "qwen3", "mistral")}
+    assert share["qwen3"] == share["mistral"] == share["llama"] > 0
     monkeypatch.setattr(memory_plan, "adapter_activations", lambda cfg, model, micro_batch: 0)  # planted
     plan = planned_run(tmp_path / "planted", group, "llama, every linear")
     assert plan["activations_measured"] != plan["rows"]["activations"]

@@ -207,8 +207,9 @@ def dropped_inputs(model: torch.nn.Module, adapted: list, size: int) -> int:
     """
     by_name = dict(adapted)
     extra, needs_grad = 0, False
+    groups = INPUT_GROUPS["llama" if model.cfg.llama_family else "gpt2"]  # Qwen, Mistral, Phi-3: Llama's linears
     for block in sorted({name.split(".")[2] for name in by_name}, key=int):  # model.layers.<i>., transformer.h.<i>.
-        for index, group in enumerate(INPUT_GROUPS[model.cfg.arch]):
+        for index, group in enumerate(groups):
             widths = [module.weight.shape[1] for name, module in by_name.items()
                       if name.split(".")[2] == block and any(name.endswith("." + n) for n in group)]
             if not widths:
