@@ -390,6 +390,13 @@ NCCL_ERRORS = {
              "remote process exiting prematurely.",
              "collective step_flags at step 3 failed: another rank is gone (NCCL error in: ../torch/csrc/distributed/"
              "c10d/NCCLUtils.cpp:77, remote process exited or there was a network error, NCCL version 2.27.3)", True),
+    "peer, said later": ("NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled system error "
+                         "(run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclSystemError: System call "
+                         "(e.g. socket, malloc) or external library call failed or device error.\nLast error:\n"
+                         "socket recv: Connection closed by remote peer",
+                         "collective step_flags at step 3 failed: another rank is gone (NCCL error in: ../torch/csrc/"
+                         "distributed/c10d/NCCLUtils.cpp:77, unhandled system error (run with NCCL_DEBUG=INFO for "
+                         "details), NCCL version 2.27.3)", True),
     "local": ("[PG ID 0 PG GUID 0(default_pg) Rank 0] NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, "
               "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3",
               "collective step_flags at step 3 failed on this rank (NCCL error in: ../torch/csrc/distributed/c10d/"

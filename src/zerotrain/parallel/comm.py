@@ -51,7 +51,8 @@ def collective_error(error: RuntimeError, where: str, timeout_s: float | None,
         bound = f" after {timeout_s:g} s" if timeout_s else ""
         return CollectiveError(f"{where} timed out{bound}: another rank stopped answering (hung, or slower than "
                                f"{timeout_flag} allows)", peer_lost=False)
-    if "nccl" in lower and not any(sign in lower for sign in _PEER_GONE):
+    whole = str(error).lower()  # NCCL says a peer is gone on a later line ("Last error: ... remote peer")
+    if "nccl" in lower and not any(sign in whole for sign in (*_PEER_GONE, "remote peer")):
         return CollectiveError(f"{where} failed on this rank ({text})", peer_lost=False)
     return CollectiveError(f"{where} failed: another rank is gone ({text})", peer_lost=True)
 
