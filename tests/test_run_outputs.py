@@ -172,7 +172,7 @@ def test_ranks_take_the_launchers_environment_and_output_as_they_are_at_each_lau
         assert f"rank 0 sees ZT_PROBE={value}" in out and f"rank 1 sees ZT_PROBE={value}" in out
 
 
-def test_a_restart_names_the_rank_whose_failure_caused_it_and_says_when_the_cause_is_unknown(monkeypatch):
+def test_a_restart_names_the_rank_whose_failure_caused_it_and_says_when_the_cause_is_unknown(monkeypatch, tmp_path):
     def report(rank, kind, t, message=None):
         return {"rank": rank, "attempt": 0, "time": t, "kind": kind, "message": message or f"rank {rank}: {kind}"}
 
@@ -184,6 +184,20 @@ def test_a_restart_names_the_rank_whose_failure_caused_it_and_says_when_the_caus
     timed_out = [*crashed, report(3, "explained", 3.0, "rank 3: collective x at step 5 timed out")]
     assert failures.cause_of(timed_out, {0, 1, 2, 3}) == (3, "rank 3: collective x at step 5 timed out")
     assert failures.cause_of([], set()) == (None, failures.UNKNOWN_CAUSE)
+    # rank 2 SIGKILLed, rank 1 saw it vanish, rank 0 hung in a collective and the launcher's reaper killed it: rank
+    # 2 is the cause, whom the reaper's record tells apart from rank 0 (planted: no record, and rank 0 is blamed)
+    job = tmp_path / "job"
+    for name in ("pids", "reaped"):
+        (job / name).mkdir(parents=True)
+    for rank in range(3):
+        (job / "pids" / f"attempt0-rank{rank}").write_text(str(10_000 + rank))
+    (job / "reaped" / "attempt0-rank0").write_text("")
+    monkeypatch.setattr(failures, "_job_dir", str(job))
+    monkeypatch.setattr(failures, "restart_count", lambda: 1)
+    monkeypatch.setattr(failures, "_reports", lambda job_dir: [report(1, "lost a peer", 1.0)])
+    assert failures.restart_cause() == (2, f"rank 2 {failures.SILENT}")
+    monkeypatch.setattr(failures, "REAPED", "not-recorded")
+    assert failures.restart_cause() == (0, f"rank 0 {failures.SILENT}")
     # under torchrun (no job folder of zerotrain's launcher) the cause is said to be unknown, not guessed
     monkeypatch.setattr(failures, "_job_dir", None)
     monkeypatch.setattr(failures, "restart_count", lambda: 1)

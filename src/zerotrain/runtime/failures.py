@@ -15,6 +15,8 @@ from zerotrain.durable import write_json
 from zerotrain.errors import ZeroTrainError
 from zerotrain.model import param_count
 
+from .supervise import REAPED
+
 
 def restart_count() -> int:
     """Which attempt of an elastic job this rank belongs to: 0 first, then one more each time the group re-forms.
@@ -112,9 +114,12 @@ def restart_cause() -> tuple[int | None, str]:
         return None, UNKNOWN_CAUSE
     attempt = restart_count() - 1
     reports = [r for r in _reports(_job_dir) if r["attempt"] == attempt]
-    started = {int(name.rsplit("rank", 1)[1]) for name in
-               map(os.path.basename, glob.glob(os.path.join(_job_dir, "pids", f"attempt{attempt}-rank*")))}
-    return cause_of(reports, started)
+    def ranks_in(folder: str) -> set[int]:
+        return {int(name.rsplit("rank", 1)[1])
+                for name in map(os.path.basename, glob.glob(os.path.join(_job_dir, folder, f"attempt{attempt}-rank*")))}
+
+    # a rank the launcher's reaper killed (hung in a collective once another had failed) is not a cause
+    return cause_of(reports, ranks_in("pids") - ranks_in(REAPED))
 
 
 def cause_of(reports: list[dict], started: set[int]) -> tuple[int | None, str]:

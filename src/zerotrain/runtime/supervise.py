@@ -20,6 +20,7 @@ from .stop import SignalCount
 
 STOP_FILE = "stop"
 STEPPING_FILE = "stepping-rank{rank}"  # left by each rank as it starts its first step
+REAPED = "reaped"  # the folder of the ranks the reaper killed, named as their pid files: attempt{N}-rank{R}
 
 
 class LauncherSignals:
@@ -84,7 +85,9 @@ class Reaper:
                 del self.due[attempt]
                 for path in glob.glob(os.path.join(self.job_dir, "pids", f"{attempt}-*")):
                     with open(path) as f:
-                        _signal(int(f.read()), signal.SIGKILL)
+                        if _signal(int(f.read()), signal.SIGKILL):  # said, so a restart does not blame it
+                            os.makedirs(os.path.join(self.job_dir, REAPED), exist_ok=True)
+                            open(os.path.join(self.job_dir, REAPED, os.path.basename(path)), "w").close()
 
 
 def stop_descendants(agent: threading.Thread, spare: set[int], grace_s: float = 2.0) -> None:
@@ -129,11 +132,15 @@ def descendants() -> list[int]:
     return found
 
 
-def _signal(pid: int, sig: signal.Signals) -> None:
+def _signal(pid: int, sig: signal.Signals) -> bool:
+    """Send `sig` to `pid` if it lives; whether it did."""
+    if not _alive(pid):
+        return False
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
-        pass
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
