@@ -55,7 +55,7 @@ def old_hooks(self):
 
     @contextlib.contextmanager
     def entered_and_left_apart():
-        if not torch.is_grad_enabled() or zero3._in_backward():
+        if not torch.is_grad_enabled() or zero3.in_backward():
             yield
             return
         self._outer_hooks = zero3._current_saved_tensors_hooks()

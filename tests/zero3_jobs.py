@@ -105,7 +105,7 @@ def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
     real = ZeroThreeEngine.gather_unit
 
     def not_in_backward(self, unit, phase):
-        if unit == 0 or not zero3._in_backward():
+        if unit == 0 or not zero3.in_backward():
             real(self, unit, phase)
 
     with mock.patch.object(ZeroThreeEngine, "gather_unit", not_in_backward):

@@ -129,6 +129,11 @@ class _Piece:
         return self.shard_lo + self.flat_hi - self.flat_lo
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class ZeroEngine:
     """ZeRO over a model: call backward inside `no_sync(...)` as needed, then `reduce_grads` and `apply`."""
 
@@ -438,7 +443,7 @@ class ZeroEngine:
         the backward. In the usual step, which reaches every parameter, this changes nothing. Several forwards before
         one backward add up; a compiled forward is not walked (every parameter is waited for, as before)."""
         if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.stage == 3)) or \
-                torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
+                in_backward() or torch.compiler.is_compiling():
             return
         reached = self._reached if self._reached is not None else set()
         stack = [t.grad_fn for t in (output if isinstance(output, (tuple, list)) else (output,))
@@ -464,7 +469,7 @@ class ZeroEngine:
     def _at_end_of_backward(self) -> None:
         """Have `_end_backward` run when this backward ends (once per backward; outside one, as a test's direct
         call of the hook is, nothing is queued)."""
-        if not self._end_queued and torch._C._current_graph_task_id() != -1:
+        if not self._end_queued and in_backward():
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 

@@ -60,7 +60,7 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from .digest import tensor_digest
-from .engine import StaleParameterError, ZeroEngine, _Piece, adopt_view, stage2_bucket_budget
+from .engine import StaleParameterError, ZeroEngine, _Piece, adopt_view, in_backward, stage2_bucket_budget
 from .layout import ShardLayout
 
 
@@ -92,11 +92,6 @@ def _current_saved_tensors_hooks():
     on to them (the innermost hooks are the only ones torch calls)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks if hooks is not None and hooks[0] is not None else None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread now."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def model_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
@@ -250,7 +245,7 @@ class ZeroThreeEngine(ZeroEngine):
         left as the block is left, whether it returns or raises; what a forward that raised had gathered and held
         for itself is released. Outside a differentiated forward (no grad, or a recompute in the backward, whose
         hooks are the checkpoint's) nothing is entered."""
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or in_backward():
             yield
             return
         self._outer_hooks = _current_saved_tensors_hooks()
@@ -364,7 +359,7 @@ class ZeroThreeEngine(ZeroEngine):
 
     # ---------------------------------------------------------------- hooks
     def _enter_unit(self, unit: int) -> None:
-        if _in_backward():
+        if in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
             self._gather_for_backward(unit)
@@ -382,7 +377,7 @@ class ZeroThreeEngine(ZeroEngine):
             self._prefetch_after(unit, backward=True)
 
     def _leave_unit(self, unit: int) -> None:
-        if _in_backward():
+        if in_backward():
             return
         self._current.pop()
         if unit in self._held_into_backward and torch.is_grad_enabled():
