@@ -90,17 +90,16 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
     reaper = Reaper(job_dir)
     try:
         stop.install()
-        present = set(descendants())  # a caller's own children, which a stop must spare
+        present = set(descendants())  # a caller's own children, which a stop must spare (and the ranks' server)
         launched.start()
         while launched.is_alive():
             launched.join(0.05)
             reaper.poll()
-            spare = present | {rank_start.server_pid()}  # and the ranks' server, kept for this process's next job
             if stop.hard_stop:
-                stop_descendants(launched, spare=spare)
+                stop_descendants(launched, spare=present | {rank_start.server_pid()})
                 raise Interrupted(stop.hard_stop, 128 + signal.Signals[stop.hard_stop].value, stop.before_first_step)
             if deadline and time.monotonic() > deadline:
-                stop_descendants(launched, spare=spare)
+                stop_descendants(launched, spare=present | {rank_start.server_pid()})
                 raise JobFailed(f"the job exceeded its wall-clock limit of {time_limit:g} s; all ranks were stopped")
         return launched.outcome(job_dir)
     finally:
