@@ -419,8 +419,11 @@ def test_an_nccl_watchdog_error_reaches_the_one_line_report_that_a_gloo_error_do
     from zerotrain.runtime.launch import process_group_environment
 
     # NCCL ranks raise the watchdog's error at the call instead of being killed by it; gloo raises there already
-    assert process_group_environment("nccl") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                                                 "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert process_group_environment("nccl", {}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                                     "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    # a blocking wait the user turned off stays off; the agent's error handling (1: kill the process) never stays
+    assert process_group_environment("nccl", {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+                                     ) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
     assert process_group_environment("gloo") == {}
     raised, line, peer_lost = NCCL_ERRORS[case]
     comm = types.SimpleNamespace(step=3, timeout_s=5.0, timeout_flag="--timeout")

@@ -224,13 +224,18 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
 #   timeout (--timeout, --io-timeout) has passed, and raises there the watchdog's DistBackendError ("Watchdog caught
 #   collective operation timeout ..."), which comm.collective_error turns into the line gloo's errors get.
 # The cost: the CPU waits for each collective it waits on, where it could queue more kernels; zerotrain already
-# waits for the step's one all-reduce (its flags decide the step).
+# waits for the step's one all-reduce (its flags decide the step). A TORCH_NCCL_BLOCKING_WAIT the user set is theirs
+# and kept (0: NCCL's asynchronous waits, and its errors reach the rank only as the watchdog's abort); the error
+# handling is always set, since the elastic agent sets it for its workers whatever the user asked.
 NCCL_ERRORS_AT_THE_CALL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+USERS_OWN = ("TORCH_NCCL_BLOCKING_WAIT",)
 
 
-def process_group_environment(backend: str) -> dict[str, str]:
+def process_group_environment(backend: str, environ=os.environ) -> dict[str, str]:
     """The environment a rank sets before it makes its process group of `backend`."""
-    return dict(NCCL_ERRORS_AT_THE_CALL) if backend == "nccl" else {}
+    if backend != "nccl":
+        return {}
+    return {k: v for k, v in NCCL_ERRORS_AT_THE_CALL.items() if not (k in USERS_OWN and k in environ)}
 
 
 # Under torchrun, how long a rank other than 0 that found a user error waits before saying it itself.
