@@ -3,8 +3,8 @@ files with a loss mask and a record index.
 
     {"text": "..."}                               every token is trained on
     {"prompt": "...", "completion": "..."}        the prompt is context: only the completion is trained on
-    {"messages": [{"role": ..., "content": ...}]} a chat in the model's chat template: its assistant turns are trained
-                                                  on (chat.py)
+    {"messages": [{"role": ..., "content": ...}]} a chat in the chat template that trains (with the record's "tools"):
+                                                  its assistant turns are trained on (chat.py, templates.py)
 
 A record is encoded as the tokenizer encodes the whole of it: the special tokens its post-processor
 puts before a text (a Llama's BOS) once, at the start; prompt and completion as one text, so nothing

@@ -273,13 +273,14 @@ class RecordSource:
         return sum(len(f) for f in self.files)
 
     def describe(self) -> str:
-        said = [f"{len(self.records):,} records, {int(self.trained.sum()):,} trained tokens"]
+        said = [f"{len(self.records):,} records"]
         if self.pack:
             rows = self.rows_in_epoch(0)
             said.append(f"packed {len(self.records) / rows:.1f} per window of {self.seq_len} ({rows:,} window"
                         f"{'s' if rows != 1 else ''} in epoch 1)")
         else:
             said.append("one per sequence")
+        said.append(f"{int(self.trained.sum()):,} trained tokens")
         if self.truncated:
             said.append(f"{self.truncated:,} longer than the window (--seq-len {self.seq_len} + 1 tokens), truncated")
         if self.left_out:
