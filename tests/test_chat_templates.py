@@ -286,3 +286,21 @@ def test_train_on_tool_calls_says_per_source_the_records_trained_tokens_and_the_
     assert f"--data {data} (train): " in start and " 8 records, " in start and " trained tokens, " in start
     assert "4 longer than the window (--seq-len 512 + 1 tokens), truncated" in start, start  # the tool chats
     assert "chats rendered with the training variant of qwen3 from TRL" in start, start
+
+
+def test_tool_chats_in_parquet_prepare_as_in_json_lines_and_documents_the_template_drops_are_refused(families,
+                                                                                                   tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    folder, _ = families["qwen3"]
+    records = [TOOL_CHAT, MULTI_TURN, PLAIN_MULTI_TURN]
+    # a table gives every message every key of its column (null where a message has none): absent keys, not nulls
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), tmp_path / "tools.parquet")
+    meta = prepare_jsonl(str(tmp_path / "tools.parquet"), str(tmp_path / "parquet"), str(folder), 0.0)
+    assert meta["train"]["record_count"] == 3
+    assert [(list(t), list(m)) for t, m in read_prepared(tmp_path / "parquet")] == ours(tmp_path, folder, records)[0]
+    documents = {**PLAIN_MULTI_TURN, "documents": [{"title": "Sums", "text": "1 plus 1 is 2."}]}
+    with pytest.raises(ConfigError, match=r"docs\.jsonl:1: the training variant of qwen3 from TRL does not write the "
+                                          r"record's document 0 \('1 plus 1 is 2\.'\)"):
+        ours(tmp_path, folder, [documents], "docs")
