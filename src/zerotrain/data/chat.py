@@ -34,6 +34,7 @@ import os
 
 from zerotrain.errors import ConfigError
 
+from . import templates
 from .templates import GENERATION_TAG, TemplateChoice, choose_template
 from .tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, read_json_object
 
@@ -157,17 +158,17 @@ def unwritten(text: str, messages: list[dict], context: dict) -> str | None:
             for j, part in enumerate(m["content"]):
                 if part["text"].strip() not in text:
                     return f"message {k}'s content part {j} ({_short(part['text'].strip(), 40)})"
-    # a name is written once where a tool is described and once where it is called: count them
-    names: dict[str, tuple[int, str]] = {}
-    for k, m in enumerate(messages):
-        for j, call in enumerate(m.get("tool_calls") or []):
-            name = _tool_name(call)
-            names[name] = (names.get(name, (0, ""))[0] + 1, names.get(name, (0, f"message {k}'s tool call {j}"))[1])
-    for j, tool in enumerate(context.get("tools") or []):
-        name = _tool_name(tool)
+    # a name is written once where a tool is described and once where it is called: count them, so that a template
+    # that writes the tools but drops a call is seen
+    named = [(_tool_name(call), f"message {k}'s tool call {j}") for k, m in enumerate(messages)
+             for j, call in enumerate(m.get("tool_calls") or [])]
+    named += [(_tool_name(tool), f"the record's tool {j}") for j, tool in enumerate(context.get("tools") or [])]
+    names: dict[str, list[str]] = {}
+    for name, what in named:
         if isinstance(name, str):
-            names[name] = (names.get(name, (0, ""))[0] + 1, names.get(name, (0, f"the record's tool {j}"))[1])
-    for name, (count, what) in names.items():
+            names.setdefault(name, []).append(what)
+    for name, whats in names.items():
+        count, what = len(whats), whats[0]
         if text.count(name) < count:
             return f"{what} ({name!r}: written {text.count(name)} of the {count} times the record names it)"
     for j, document in enumerate(context.get("documents") or []):
@@ -244,8 +245,7 @@ class ChatTemplate:
         return text, spans
 
     def _variant_hint(self) -> str:
-        from .templates import trl_folder
-        where_from = "TRL keeps no training variant of it" if trl_folder() else \
+        where_from = "TRL keeps no training variant of it" if templates.trl_folder() else \
             "pip install 'zerotrain[chat]' for TRL's training variants of the common templates (Qwen3, Llama 3, " \
             "Gemma, gpt-oss, ...), swapped in when the model's template is one of them, or"
         return (f"{where_from}; give a training variant with --chat-template FILE (the template with "
