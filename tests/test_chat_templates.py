@@ -10,7 +10,7 @@ import os
 
 import pytest
 import transformers
-from conftest import zerotrain_here
+from conftest import tiny_config, zerotrain_here
 from model_folders import family_folder, read_prepared, write_jsonl
 from test_user_errors import one_line_error
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -304,3 +304,25 @@ def test_tool_chats_in_parquet_prepare_as_in_json_lines_and_documents_the_templa
     with pytest.raises(ConfigError, match=r"docs\.jsonl:1: the training variant of qwen3 from TRL does not write the "
                                           r"record's document 0 \('1 plus 1 is 2\.'\)"):
         ours(tmp_path, folder, [documents], "docs")
+
+
+@pytest.mark.skipif(TRL_TEMPLATES is None, reason="TRL's package holds the real templates (the test extra has it)")
+def test_train_s_chat_template_prepares_with_the_users_file_into_a_cache_of_its_own(families, tmp_path):
+    from zerotrain.data import resolve_data
+
+    folder, hf = families["llama3_1"]
+    records = RECORDS["llama3_1"]
+    (tmp_path / "marked.jinja").write_text(llama3_1_marked(hf.chat_template))
+    cfg = tiny_config(tmp_path)
+    cfg.data.source = write_jsonl(tmp_path / "chats.jsonl", records)
+    cfg.data.cache_dir, cfg.data.val_fraction, cfg.checkpoint.init_from = str(tmp_path / "cache"), 0.0, str(folder)
+    own = resolve_data(cfg).folder
+    cfg.data.chat_template = str(tmp_path / "marked.jinja")
+    spec = resolve_data(cfg)
+    assert spec.folder != own  # the template is part of what the prepared copy is keyed by
+    assert spec.chat_template == f"the chat template of --chat-template {tmp_path / 'marked.jinja'}"
+    assert [(list(t), list(m)) for t, m in read_prepared(spec.folder)] == transformers_view(
+        hf, records, llama3_1_marked(hf.chat_template))
+    cfg.data.source = spec.folder  # token files: rendered already
+    with pytest.raises(ConfigError, match="renders chat records, and --data .* is not records"):
+        resolve_data(cfg)

@@ -74,6 +74,9 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
     """The DataSpec of cfg.data.source (or of `source`, named by `flag`); text is prepared into the cache first."""
     d = cfg.data
     src = d.source if source is None else source
+    if d.chat_template and (src in SYNTHETIC or src.endswith(".bin") or (os.path.isdir(src) and _bins(src))):
+        raise ConfigError(f"--chat-template {d.chat_template}: renders chat records, and {flag} {src} is not records "
+                          "(token files were rendered when they were prepared: prepare them with --chat-template)")
     if src in SYNTHETIC:
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
