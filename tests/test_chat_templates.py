@@ -150,6 +150,20 @@ def ours(tmp_path, folder, records, name="out", chat_template=None):
     return [(list(t), list(m)) for t, m in read_prepared(tmp_path / name)], meta["source"]["template"]
 
 
+def plant_trained_results(monkeypatch) -> None:
+    """Planted: the spans of the tool results (and of the user turns: Gemma 3's records have no tool turn) trained on,
+    the text unchanged."""
+    render = chat_module.ChatTemplate.render
+
+    def trained_results(self, messages, where, **context):
+        text, spans = render(self, messages, where, **context)
+        results = [(at, at + len(m["content"])) for m in messages if m["role"] in ("tool", "user")
+                   if isinstance(m["content"], str) and (at := text.find(m["content"])) >= 0]
+        return text, sorted(spans + results)
+
+    monkeypatch.setattr(chat_module.ChatTemplate, "render", trained_results)
+
+
 def caught(expected, prepare) -> bool:
     """Whether a planted bug shows: the prepared records differ from the oracle's, or preparing them is refused."""
     try:
@@ -187,15 +201,7 @@ def test_tokens_and_mask_equal_transformers_under_trls_training_variant_and_plan
         monkeypatch.setattr(jsonl_module, "check_messages", without_reasoning)
         assert caught(expected, lambda: ours(tmp_path, folder, records, "dropped")[0])
         monkeypatch.undo()
-    render = chat_module.ChatTemplate.render
-
-    def tool_result_trained(self, messages, where, **context):  # planted: tool results (Gemma 3: user turns) trained
-        text, spans = render(self, messages, where, **context)
-        results = [(at, at + len(m["content"])) for m in messages if m["role"] in ("tool", "user")
-                   if (at := text.find(m["content"] if isinstance(m["content"], str) else "\0")) >= 0]
-        return text, sorted(spans + results)
-
-    monkeypatch.setattr(chat_module.ChatTemplate, "render", tool_result_trained)
+    plant_trained_results(monkeypatch)
     assert caught(expected, lambda: ours(tmp_path, folder, records, "tool-trained")[0])
     monkeypatch.undo()
     monkeypatch.setattr(templates_module, "training_variant", lambda template: None)  # planted: the model's own
@@ -220,13 +226,7 @@ def test_llama3_1_trains_its_own_template_by_growing_prefixes_as_its_marked_copy
     got, template = ours(tmp_path, folder, records, "file", chat_template=str(tmp_path / "marked.jinja"))
     assert got == expected and template["origin"] == "file"
 
-    render = chat_module.ChatTemplate._text
-
-    def tool_as_assistant(self, messages, where, **options):  # planted: a tool result read as an assistant turn
-        return render(self, [{**m, "role": "assistant"} if m["role"] == "tool" else m for m in messages], where,
-                      **options)
-
-    monkeypatch.setattr(chat_module.ChatTemplate, "_text", tool_as_assistant)
+    plant_trained_results(monkeypatch)
     assert caught(expected, lambda: ours(tmp_path, folder, records, "planted")[0])
 
 
