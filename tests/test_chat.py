@@ -108,10 +108,19 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
 
 BAD = {
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
-    "unknown role": ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
-                     "message 0 has role 'tool'; a role is one of system, user, assistant"),
-    "content not a string": ({"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
-                             "message 0 (user) has content ['x'], not a string"),
+    "unknown role": ({"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},
+                     "message 0 has role 'bot'; a role is one of system, user, assistant, tool"),
+    "content not text": ({"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
+                         "message 0 (user) has content part 0 'x', not a text part"),
+    "an image part": ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]},
+                                    {"role": "assistant", "content": "y"}]},
+                      "message 0 (user) has content part 0 a 'image' part: zerotrain trains on text"),
+    "content a number": ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},
+                         "message 0 (user) has content 3, not a string or a list of text parts"),
+    "a key not passed on": ({"messages": [{"role": "user", "content": "x"},
+                                          {"role": "assistant", "content": "y", "weight": 0}]},
+                            "message 1 (assistant) has the key 'weight', which zerotrain does not pass to a chat "
+                            "template"),
     "messages not a list": ({"messages": "hello"}, "\"messages\" is 'hello', not a list"),
 }
 

@@ -172,12 +172,12 @@ GOOD = json.dumps(SHAREGPT[0])
 BAD = {  # a record -> what the line says after file:line
     "function call": ({"conversations": [{"from": "human", "value": "add"}, {"from": "function_call", "value": "{}"},
                                          {"from": "gpt", "value": "2"}]},
-                      "conversations[1] has role 'function_call': tool calls are not trained on yet"),
-    "observation": ({"conversations": [{"from": "human", "value": "x"}, {"from": "observation", "value": "4"},
+                      "conversations[1] (function_call) has the value '{}', not the JSON of a call"),
+    "observation": ({"conversations": [{"from": "human", "value": "x"}, {"from": "observation", "value": 4},
                                        {"from": "gpt", "value": "4"}]},
-                    "conversations[1] has role 'observation': tool calls"),
-    "tools": ({"conversations": SHAREGPT[0]["conversations"], "tools": "[{\"name\": \"add\"}]"},
-              'has "tools": tool calls are not trained on yet'),
+                    'conversations[1] (observation) "value" is 4, not a string'),
+    "tools not JSON": ({"conversations": SHAREGPT[0]["conversations"], "tools": "[{name: add}]"},
+                       '"tools" is the string \'[{name: add}]\', which is not JSON'),
     "unknown role": ({"conversations": [{"from": "bot", "value": "x"}]}, "conversations[0] has role 'bot'; a ShareGPT"),
     "value": ({"conversations": [{"from": "human", "value": 3}]},
               'conversations[0] (human) "value" is 3, not a string'),
@@ -205,9 +205,9 @@ def test_bad_rows_of_folders_and_bad_files_are_named_in_one_line(data, tmp_path,
         return one_line_error(zerotrain_here(capfd, "prepare", str(path), str(tmp_path / "out"), "--tokenizer",
                                              str(data / "chatml")))
 
-    bad = [*SHAREGPT[:3], {"conversations": [{"from": "tool", "value": "4"}, {"from": "gpt", "value": "4"}]}]
+    bad = [*SHAREGPT[:3], {"conversations": [{"from": "bot", "value": "4"}, {"from": "gpt", "value": "4"}]}]
     write_shards(tmp_path / "hub", bad, 2)  # rows 0-1 in the first shard, 2-3 in the second
-    assert f"{tmp_path / 'hub' / 'data' / 'train-00001-of-00002.parquet'}[1]: conversations[0] has role 'tool'" \
+    assert f"{tmp_path / 'hub' / 'data' / 'train-00001-of-00002.parquet'}[1]: conversations[0] has role 'bot'" \
            in refused(tmp_path / "hub")
     save_to_disk(tmp_path / "saved", [ALPACA[0], {"instruction": "x", "input": "", "output": None}])
     assert f"{tmp_path / 'saved' / 'data-00000-of-00001.arrow'}[1]: \"output\" is None, not a string" in \

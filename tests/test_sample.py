@@ -145,7 +145,7 @@ def instruct(tmp_path_factory):
     folder = tmp_path_factory.mktemp("instruct")
     llama_folder(folder, template=CHATML.replace("{{ bos_token }}", ""), eos="<|im_end|>")
     tok = record_tokenizer(str(folder))
-    record = ("chat", [*CHAT_TURNS, {"role": "assistant", "content": "Answer: 6."}], "chats.jsonl:1")
+    record = ("chat", [*CHAT_TURNS, {"role": "assistant", "content": "Answer: 6."}], {}, "chats.jsonl:1")
     [(ids, mask)], _ = encode_chunk([record], tok, ChatTemplate.of(tok, "chats.jsonl:1"))
     return str(folder), ids, mask
 

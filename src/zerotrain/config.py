@@ -240,6 +240,9 @@ class DataConfig:
     val_fraction: float = setting(0.05, "text: fraction of documents held out for validation", rule=BELOW_ONE)
     cache_dir: str = setting("", "where text inputs are prepared", key="data_cache",
                              shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain")
+    chat_template: str = setting("", "a Jinja chat template file to render chat records with for training, instead of "
+                                 "the model's own or TRL's training variant of it", shown="the model's, or TRL's "
+                                 "training variant of it")
 
 
 @dataclass

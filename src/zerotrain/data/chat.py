@@ -1,11 +1,19 @@
-"""Chat records: a conversation rendered with the model folder's chat template, and the spans of it the loss trains on.
+"""Chat records: a conversation rendered with a chat template, and the spans of it the loss trains on.
 
-    {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant", ...}, ...]}
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant", ...}, ...],
+     "tools": [...], "documents": [...]}
 
-The template is the folder's (`chat_template` in tokenizer_config.json, or chat_template.jinja) and
-transformers renders it (its sandboxed jinja2 environment, with the `{% generation %}` extension),
-given the folder's special tokens as transformers gives them (bos_token, eos_token, ...). The loss
-counts the assistant's turns, the end-of-turn token the template puts inside them included:
+Messages reach the template as transformers' `apply_chat_template(messages, tools=..., documents=...)` passes them:
+each with every key a template reads (MESSAGE_KEYS: the reasoning, tool calls, the id and name of a tool result;
+content as a string or a list of text parts), the record's `tools` (JSON schemas) and `documents` beside them. A key
+outside MESSAGE_KEYS is refused naming the record, and so is a value the template drops: after rendering, each
+message's reasoning, each tool call's name, each text part and each tool's name must be in the text (a template that
+does not write them would train a turn without them). The `tool` role is context, never trained.
+
+The template is the one templates.py chooses (the user's file, a training variant of a known template, or the model
+folder's own) and transformers renders it (its sandboxed jinja2 environment, with the `{% generation %}` extension),
+given the folder's special tokens as transformers gives them (bos_token, eos_token, ...). The loss counts the
+assistant's turns, the end-of-turn token the template puts inside them included:
 
 - a template with `{% generation %}` markers says which characters those are itself (what
   transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)` reads);
@@ -21,15 +29,19 @@ The characters become tokens in jsonl.py: a token is trained on when it overlaps
 
 from __future__ import annotations
 
+import json
 import os
-import re
 
 from zerotrain.errors import ConfigError
 
+from . import templates
+from .templates import GENERATION_TAG, TemplateChoice, choose_template
 from .tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, read_json_object
 
-ROLES = ("system", "user", "assistant")
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+ROLES = ("system", "user", "assistant", "tool")
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers gives a template each of these names
+MESSAGE_KEYS = ("role", "content", *REASONING_KEYS, "tool_calls", "tool_call_id", "name")
+CONTEXT_KEYS = ("tools", "documents")  # a record's, passed beside its messages
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # what templates read besides messages
 
 
@@ -50,43 +62,150 @@ def chat_template_of(folder: str) -> str | None:
     return None
 
 
-def check_messages(record: dict, where: str) -> list[dict]:
-    """The record's messages; ConfigError naming `where` (file:line) if they are not a conversation to train on."""
+def check_messages(record: dict, where: str) -> tuple[list[dict], dict]:
+    """The record's messages, each with the keys it gives (MESSAGE_KEYS), and its context (`tools`, `documents`: the
+    keys it has, to pass beside them); ConfigError naming `where` (file:line) if they are not a conversation to train
+    on, or hold a key zerotrain does not pass to a template."""
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: \"messages\" is {messages!r}, not a list of {{\"role\", \"content\"}} objects")
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ConfigError(f"{where}: message {k} is {m!r}, not an object with \"role\" and \"content\"")
+        if not isinstance(m, dict) or "role" not in m or not ("content" in m or m.get("tool_calls")):
+            raise ConfigError(f"{where}: message {k} is {_short(m)}, not an object with \"role\" and \"content\"")
         if m["role"] not in ROLES:
             raise ConfigError(f"{where}: message {k} has role {m['role']!r}; a role is one of {', '.join(ROLES)}")
-        if not isinstance(m["content"], str):
-            raise ConfigError(f"{where}: message {k} ({m['role']}) has content {m['content']!r}, not a string")
+        unknown = [key for key in m if key not in MESSAGE_KEYS]
+        if unknown:
+            raise ConfigError(f"{where}: message {k} ({m['role']}) has the key {unknown[0]!r}, which zerotrain does "
+                              f"not pass to a chat template (a message's keys: {', '.join(MESSAGE_KEYS)}): leave it "
+                              "out, or write it as one of these")
+        _check_content(m, k, where)
+        _check_tool_calls(m, k, where)
+        for key in (*REASONING_KEYS, "tool_call_id", "name"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ConfigError(f"{where}: message {k} ({m['role']}) has {key} {_short(m[key])}, not a string")
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: no assistant message: the loss trains on the assistant's turns, and this "
                           "conversation has none")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    context = {key: _list_of_objects(record[key], key, where) for key in CONTEXT_KEYS if record.get(key) is not None}
+    return [dict(m) for m in messages], context
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_content(m: dict, k: int, where: str) -> None:
+    """Content is a string, a list of text parts ({"type": "text", "text": ...}), or absent or null beside tool calls
+    (OpenAI's shape of a turn that only calls tools)."""
+    content = m.get("content")
+    if isinstance(content, str) or (content is None and m.get("tool_calls")):
+        return
+    if isinstance(content, list) and content:
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else None
+                why = f"a {kind!r} part: zerotrain trains on text" if kind not in (None, "text") else \
+                    f"{_short(part)}, not a text part {{\"type\": \"text\", \"text\": ...}}"
+                raise ConfigError(f"{where}: message {k} ({m['role']}) has content part {j} {why}")
+        return
+    raise ConfigError(f"{where}: message {k} ({m['role']}) has content {_short(content)}, not a string or a list of "
+                      "text parts")
+
+
+def _check_tool_calls(m: dict, k: int, where: str) -> None:
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise ConfigError(f"{where}: message {k} ({m['role']}) has tool_calls {_short(calls)}: tool calls are a list "
+                          "on an assistant message")
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", {}), (dict, str))):
+            raise ConfigError(f"{where}: message {k} (assistant) has tool call {j} {_short(call)}, not "
+                              "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
+
+
+def _list_of_objects(value, key: str, where: str) -> list[dict]:
+    """A record's `tools` or `documents`: a list of objects, or that list written as a JSON string (as data sets
+    stored in Parquet often keep it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{where}: \"{key}\" is the string {_short(value)}, which is not JSON") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{where}: \"{key}\" is {_short(value)}, not a list of objects"
+                          + (" (JSON schemas of functions)" if key == "tools" else ""))
+    return value
+
+
+def _tool_name(schema: dict):
+    return (schema.get("function") if isinstance(schema.get("function"), dict) else schema).get("name")
+
+
+def unwritten(text: str, messages: list[dict], context: dict) -> str | None:
+    """What of a conversation the template did not write into `text` (a message's reasoning, a tool call, a text part,
+    a tool, a document), named for a message; None if all of it is there."""
+    for k, m in enumerate(messages):
+        for key in REASONING_KEYS:
+            if isinstance(m.get(key), str) and m[key].strip() and m[key].strip() not in text:
+                return f"message {k}'s {key} ({_short(m[key].strip(), 40)})"
+        if isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if part["text"].strip() not in text:
+                    return f"message {k}'s content part {j} ({_short(part['text'].strip(), 40)})"
+    # a name is written once where a tool is described and once where it is called: count them, so that a template
+    # that writes the tools but drops a call is seen
+    named = [(_tool_name(call), f"message {k}'s tool call {j}") for k, m in enumerate(messages)
+             for j, call in enumerate(m.get("tool_calls") or [])]
+    named += [(_tool_name(tool), f"the record's tool {j}") for j, tool in enumerate(context.get("tools") or [])]
+    names: dict[str, list[str]] = {}
+    for name, what in named:
+        if isinstance(name, str):
+            names.setdefault(name, []).append(what)
+    for name, whats in names.items():
+        count, what = len(whats), whats[0]
+        if text.count(name) < count:
+            return f"{what} ({name!r}: written {text.count(name)} of the {count} times the record names it)"
+    for j, document in enumerate(context.get("documents") or []):
+        said = document.get("text", document.get("content"))
+        if isinstance(said, str) and said.strip() and said.strip() not in text:
+            return f"the record's document {j} ({_short(said.strip(), 40)})"
+    return None
 
 
 class ChatTemplate:
-    """A model folder's chat template and special tokens: conversation -> (text, character spans trained on)."""
+    """A chat template and a model folder's special tokens: conversation -> (text, character spans trained on)."""
 
-    def __init__(self, template: str, folder: str, tokens: dict[str, str], specials: list[str]):
+    def __init__(self, template: str, folder: str, tokens: dict[str, str], specials: list[str],
+                 choice: TemplateChoice | None = None):
         self.template, self.folder, self.tokens = template, folder, tokens
         self.specials = [s for s in specials if s]  # the end of an assistant turn without markers: the last of these
         self.marked = bool(GENERATION_TAG.search(template))
+        self.choice = choice or TemplateChoice(template, "model", folder)
+        self.said = self.choice.describe(self.marked)  # what trains and why
+        self.named = (f"the chat template of {folder}" if self.choice.origin == "model" else
+                      f"the chat template of --chat-template {self.choice.name}" if self.choice.origin == "file" else
+                      f"the training variant of {self.choice.name} from TRL")
 
     @classmethod
-    def of(cls, tokenizer, where: str) -> "ChatTemplate":
-        """The chat template of the BPE `tokenizer`'s folder; ConfigError naming `where` and the folder without one."""
+    def of(cls, tokenizer, where: str, template_file: str | None = None, training: bool = False) -> "ChatTemplate":
+        """The chat template of the BPE `tokenizer`'s folder; with `training`, the one that trains (templates.py:
+        `template_file`, a training variant, or the folder's). ConfigError naming `where` and the folder without
+        one."""
         folder = getattr(tokenizer, "folder", None)
         template = chat_template_of(folder) if folder else None
-        if template is None:
+        choice = choose_template(template, folder, template_file) if training and folder else None
+        if template is None and choice is None:
             named = f"{folder} has" if folder else "the byte tokenizer has"
             raise ConfigError(f"{where}: a chat record, and {named} no chat template (\"chat_template\" in "
                               f"{TOKENIZER_CONFIG} or {CHAT_TEMPLATE_FILE}): fine-tune an instruct model's folder "
-                              "(--init-from, or prepare's --tokenizer), or write records as {\"prompt\", "
-                              "\"completion\"}")
+                              "(--init-from, or prepare's --tokenizer), give one with --chat-template FILE, or write "
+                              "records as {\"prompt\", \"completion\"}")
         config = read_json_object(folder, TOKENIZER_CONFIG)
         hf = tokenizer.tokenizer
         tokens = {k: v.get("content") if isinstance(v, dict) else v for k in TEMPLATE_TOKENS
@@ -95,37 +214,51 @@ class ChatTemplate:
         if tokenizer.prefix_ids:
             tokens.setdefault("bos_token", hf.id_to_token(tokenizer.prefix_ids[0]))
         specials = [hf.id_to_token(i) for i in tokenizer.special_ids]
-        return cls(template, folder, tokens, specials)
+        return cls(choice.text if choice else template, folder, tokens, specials, choice)
 
-    def render(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation as the template writes it, and the [start, end) character spans of its assistant turns."""
+    def render(self, messages: list[dict], where: str, **context) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation as the template writes it (`context`: the record's tools and documents), and the
+        [start, end) character spans of its assistant turns. ConfigError naming `where` when the template leaves out
+        part of it (unwritten)."""
         if self.marked:
-            texts, spans = self._render([messages], where, return_assistant_tokens_mask=True)
-            return texts[0], [tuple(s) for s in spans[0]]
-        text = self._text(messages, where)
-        spans = []
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self._text(messages[:k], where, add_generation_prompt=True)
-            after = self._text(messages[: k + 1], where)
-            if not (after.startswith(before) and text.startswith(after)):
-                raise ConfigError(f"{where}: the chat template of {self.folder} does not render this conversation as "
-                                  f"a growing prefix (assistant message {k} changes what comes before it), so its "
-                                  "assistant turns cannot be told apart: mark them with {% generation %} ... "
-                                  "{% endgeneration %} in the template")
-            turn = after[len(before) :]
-            ends = [turn.rfind(s) + len(s) for s in self.specials if s in turn]
-            spans.append((len(before), len(before) + (max(ends) if ends else len(turn))))
+            texts, spans = self._render([messages], where, return_assistant_tokens_mask=True, **context)
+            text, spans = texts[0], [tuple(s) for s in spans[0]]
+        else:
+            text, spans = self._text(messages, where, **context), []
+            for k, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                before = self._text(messages[:k], where, add_generation_prompt=True, **context)
+                after = self._text(messages[: k + 1], where, **context)
+                if not (after.startswith(before) and text.startswith(after)):
+                    raise ConfigError(f"{where}: {self.named} does not render this conversation as a growing prefix "
+                                      f"(assistant message {k} changes what comes before it), so its assistant turns "
+                                      f"cannot be told apart: {self._variant_hint()}")
+                turn = after[len(before) :]
+                ends = [turn.rfind(s) + len(s) for s in self.specials if s in turn]
+                spans.append((len(before), len(before) + (max(ends) if ends else len(turn))))
+        missing = unwritten(text, messages, context)
+        if missing:
+            raise ConfigError(f"{where}: {self.named} does not write {missing}, so the conversation would be trained "
+                              "on without it: leave it out of the record, or give a template that writes it with "
+                              "--chat-template FILE")
         return text, spans
 
-    def prompt(self, messages: list[dict], where: str) -> str:
+    def _variant_hint(self) -> str:
+        where_from = "TRL keeps no training variant of it" if templates.trl_folder() else \
+            "pip install 'zerotrain[chat]' for TRL's training variants of the common templates (Qwen3, Llama 3, " \
+            "Gemma, gpt-oss, ...), swapped in when the model's template is one of them, or"
+        return (f"{where_from}; give a training variant with --chat-template FILE (the template with "
+                "{% generation %} ... {% endgeneration %} around the assistant's part, earlier turns written as the "
+                "last one)")
+
+    def prompt(self, messages: list[dict], where: str, **context) -> str:
         """The conversation with the assistant's turn opened (the generation prompt): what a reply is generated after,
         and what training reads as the context of an assistant turn."""
-        return self._text(messages, where, add_generation_prompt=True)
+        return self._text(messages, where, add_generation_prompt=True, **context)
 
-    def _text(self, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
-        return self._render([messages], where, add_generation_prompt=add_generation_prompt)[0][0]
+    def _text(self, messages: list[dict], where: str, add_generation_prompt: bool = False, **context) -> str:
+        return self._render([messages], where, add_generation_prompt=add_generation_prompt, **context)[0][0]
 
     def _render(self, conversations: list[list[dict]], where: str, **options):
         try:
@@ -137,6 +270,6 @@ class ChatTemplate:
 
         try:
             return render_jinja_template(conversations, chat_template=self.template, **options, **self.tokens)
-        except TemplateError as e:
-            raise ConfigError(f"{where}: the chat template of {self.folder} refuses this conversation "
+        except (TemplateError, TypeError, ValueError) as e:  # jinja's raise_exception, or a value it cannot handle
+            raise ConfigError(f"{where}: {self.named} refuses this conversation "
                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

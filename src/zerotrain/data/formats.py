@@ -8,8 +8,11 @@ written by `save_to_disk`, and a folder of Parquet shards.
 Both become {"messages": [...]} and are rendered with the model's chat template like any chat, so the same
 conversation prepares to the same bytes in every format. ShareGPT's roles: human/user -> user, gpt/assistant ->
 assistant, system -> system (entries may also be {"role", "content"}); an optional "system" field is a first
-system turn. Tool turns (function_call, observation, tool) and a non-empty "tools" field are refused naming the
-record: the chat path has no tool role yet, and a record is never trained on with content dropped. Alpaca's user turn
+system turn. Tool turns as LLaMA-Factory writes them: a function_call (or tool_call) turn's value is the JSON of a call
+{"name", "arguments"} (or a list of them), an assistant turn with those tool_calls; an observation (tool, function,
+ipython) turn's value is a tool's result, a `tool` message; the "tools" field (a list of function schemas, or its JSON
+string) goes to the template as the record's tools, a bare schema {"name", "parameters", ...} wrapped as
+{"type": "function", "function": ...} (what transformers passes). Alpaca's user turn
 is the instruction, then a blank line and the input when the input is not empty; an optional "system" is a first
 system turn and LLaMA-Factory's "history" ([[user, assistant], ...]) the turns before.
 
@@ -30,10 +33,11 @@ import re
 
 from zerotrain.errors import ConfigError
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-TOOL_ROLES = ("function_call", "observation", "tool", "function", "tool_call", "ipython")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool"}
+CALL_ROLES = ("function_call", "tool_call")  # an assistant turn that calls tools: its value is the calls' JSON
 # A table's record columns, the first shape found: (the columns that make the shape, the optional ones read with them).
-SHAPES = ((("messages",), ()), (("text",), ()), (("prompt", "completion"), ()),
+SHAPES = ((("messages",), ("tools", "documents")), (("text",), ()), (("prompt", "completion"), ()),
           (("conversations",), ("system", "tools")), (("instruction", "output"), ("input", "system", "history")))
 COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
 RECORD_NAMES = (".jsonl",)  # what a compressed file holds: JSON Lines, read a line at a time
@@ -57,7 +61,8 @@ def as_messages(record: dict, where: str) -> dict | None:
     """{"messages": [...]} of a ShareGPT or Alpaca record, None for any other; ConfigError naming `where` for a value
     that is not what the format says."""
     if is_sharegpt(record):
-        return {"messages": _sharegpt(record, where)}
+        tools = _sharegpt_tools(record.get("tools"), where)
+        return {"messages": _sharegpt(record, where), **({"tools": tools} if tools else {})}
     if is_alpaca(record):
         return {"messages": _alpaca(record, where)}
     return None
@@ -78,26 +83,63 @@ def _sharegpt(record: dict, where: str) -> list[dict]:
     turns = record["conversations"]
     if not isinstance(turns, list) or not turns:
         raise ConfigError(f"{where}: \"conversations\" is {turns!r}, not a list of {{\"from\", \"value\"}} objects")
-    if record.get("tools") not in (None, "", "[]", []):
-        raise ConfigError(f"{where}: has \"tools\": tool calls are not trained on yet (the chat path has no tool "
-                          "role); leave such records out")
     messages = _system(record, where)
     for k, turn in enumerate(turns):
         keys = ("from", "value") if isinstance(turn, dict) and "from" in turn else ("role", "content")
         if not isinstance(turn, dict) or any(key not in turn for key in keys):
             raise ConfigError(f"{where}: conversations[{k}] is {turn!r}, not an object with \"from\" and \"value\"")
         role = turn[keys[0]]
-        if role in TOOL_ROLES:
-            raise ConfigError(f"{where}: conversations[{k}] has role {role!r}: tool calls are not trained on yet (the "
-                              "chat path has no tool role); leave such records out")
+        if role in CALL_ROLES:
+            value = _string(turn[keys[1]], f"conversations[{k}] ({role}) \"{keys[1]}\"", where)
+            messages.append({"role": "assistant", "content": "", "tool_calls": _calls(value, k, role, where)})
+            continue
         if role not in SHAREGPT_ROLES:
             raise ConfigError(f"{where}: conversations[{k}] has role {role!r}; a ShareGPT role is one of "
-                              f"{', '.join(SHAREGPT_ROLES)}")
+                              f"{', '.join([*SHAREGPT_ROLES, *CALL_ROLES])}")
         if SHAREGPT_ROLES[role] == "system" and messages and k == 0:
             raise ConfigError(f"{where}: has both a \"system\" field and a first system turn")
         content = _string(turn[keys[1]], f"conversations[{k}] ({role}) \"{keys[1]}\"", where)
         messages.append({"role": SHAREGPT_ROLES[role], "content": content})
     return messages
+
+
+def _calls(value: str, k: int, role: str, where: str) -> list[dict]:
+    """A function_call turn's value, {"name", "arguments"} or a list of them in JSON, as OpenAI-style tool_calls (the
+    arguments an object: a JSON string of one is read)."""
+    try:
+        calls = json.loads(value)
+    except json.JSONDecodeError:
+        calls = None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise ConfigError(f"{where}: conversations[{k}] ({role}) has the value {value[:80]!r}, not the JSON of a call "
+                          "{\"name\": ..., \"arguments\": {...}} or a list of them")
+    out = []
+    for c in calls:
+        arguments = c.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # kept as written: a template writes a string as it is
+        out.append({"type": "function", "function": {"name": c["name"], "arguments": arguments}})
+    return out
+
+
+def _sharegpt_tools(tools, where: str) -> list[dict]:
+    """A ShareGPT record's "tools" (a list of function schemas, or its JSON string) as transformers passes tools to a
+    template: each {"type": "function", "function": schema}."""
+    if tools in (None, ""):
+        return []
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{where}: \"tools\" is the string {tools[:80]!r}, which is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ConfigError(f"{where}: \"tools\" is {str(tools)[:80]!r}, not a list of function schemas")
+    return [t if "function" in t or "name" not in t else {"type": "function", "function": t} for t in tools]
 
 
 def _alpaca(record: dict, where: str) -> list[dict]:
@@ -120,6 +162,16 @@ def alpaca_user(instruction: str, given: str) -> str:
     """An Alpaca record's user turn: the instruction, then a blank line and the input when there is one (the layout of
     Alpaca's own prompt, less its preamble: the chat template frames the turn)."""
     return f"{instruction}\n\n{given}" if given else instruction
+
+
+def table_record(record: dict) -> dict:
+    """A row of a table (Parquet, Arrow) as the record JSON Lines would hold: a table gives every message each key any
+    message of the column has, null where it has none, so keys that are null are a message's absent keys."""
+    messages = record.get("messages")
+    if isinstance(messages, list):
+        record = {**record, "messages": [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                                         for m in messages]}
+    return record
 
 
 def shape_columns(names: list[str]) -> list[str] | None:

@@ -3,8 +3,8 @@ files with a loss mask and a record index.
 
     {"text": "..."}                               every token is trained on
     {"prompt": "...", "completion": "..."}        the prompt is context: only the completion is trained on
-    {"messages": [{"role": ..., "content": ...}]} a chat in the model's chat template: its assistant turns are trained
-                                                  on (chat.py)
+    {"messages": [{"role": ..., "content": ...}]} a chat in the chat template that trains (with the record's "tools"):
+                                                  its assistant turns are trained on (chat.py, templates.py)
 
 A record is encoded as the tokenizer encodes the whole of it: the special tokens its post-processor
 puts before a text (a Llama's BOS) once, at the start; prompt and completion as one text, so nothing
@@ -47,7 +47,7 @@ from zerotrain.errors import ConfigError
 from .chat import ChatTemplate, check_messages
 from .documents import fraction_of
 from .formats import (arrow_stream, as_messages, compression, decompression_errors, folder_files, inner_name,
-                      is_records_folder, open_records_file, shape_columns)
+                      is_records_folder, open_records_file, shape_columns, table_record)
 from .tokenfiles import LlmcWriter
 from .tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, tokenizer_file, tokenizer_record
 
@@ -197,7 +197,7 @@ def _parquet_records(path: str, progress):
     row, size, rows = 0, os.path.getsize(path), max(file.metadata.num_rows, 1)
     for batch in file.iter_batches(batch_size=CHUNK_RECORDS, columns=columns):
         for record in batch.to_pylist():
-            yield f"{path}[{row}]", record
+            yield f"{path}[{row}]", table_record(record)
             row += 1
         if progress:
             progress(size * batch.num_rows // rows)
@@ -212,7 +212,7 @@ def _arrow_records(path: str, progress):
     try:
         for batch in reader:
             for record in batch.select(columns).to_pylist():
-                yield f"{path}[{row}]", record
+                yield f"{path}[{row}]", table_record(record)
                 row += 1
     except pyarrow.ArrowException as e:
         raise ConfigError(f"{path}: a damaged Arrow stream after row {row} ({str(e).splitlines()[0]})") from None
@@ -230,17 +230,18 @@ def _arrow_reader(path: str):
 
 
 def parse_record(record, where: str) -> tuple:
-    """("text", text), ("completion", prompt, completion) or ("chat", messages); ConfigError naming `where`."""
+    """("text", text), ("completion", prompt, completion) or ("chat", messages, context: the record's tools and
+    documents); ConfigError naming `where`."""
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a JSON {type(record).__name__}, not an object: {SHAPES}")
     if "messages" in record:
-        return ("chat", check_messages(record, where))
+        return ("chat", *check_messages(record, where))
     if "text" in record:
         fields = {"text": record["text"]}
     elif "prompt" in record and "completion" in record:
         fields = {"prompt": record["prompt"], "completion": record["completion"]}
     elif (chat := as_messages(record, where)) is not None:  # ShareGPT, Alpaca
-        return ("chat", check_messages(chat, where))
+        return ("chat", *check_messages(chat, where))
     else:
         raise ConfigError(f"{where}: has neither \"text\" nor \"prompt\" and \"completion\" nor \"messages\" nor "
                           "\"conversations\" (ShareGPT) nor \"instruction\" and \"output\" (Alpaca) (keys: "
@@ -313,7 +314,7 @@ def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> tuple[li
     prefix, eot = list(tok.prefix_ids), tok.eot_id
     texts = [r for r in chunk if r[0] == "text"]
     rest = [r for r in chunk if r[0] != "text"]
-    rendered = [chat.render(r[1], r[-1]) if r[0] == "chat" else (r[1] + r[2], len(r[1])) for r in rest]
+    rendered = [chat.render(r[1], r[-1], **r[2]) if r[0] == "chat" else (r[1] + r[2], len(r[1])) for r in rest]
     plain = iter(tok.encode_pieces([r[1] for r in texts]))
     offsets = iter(tok.encode_pieces([text for text, _ in rendered], offsets=True))
     where = iter(rendered)
@@ -424,9 +425,12 @@ class SplitWriter:
                 "longest_record": self.longest, "completions_inside_a_token": self.inside}
 
 
-def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: float = 0.05) -> dict:
+def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: float = 0.05,
+                  chat_template: str | None = None) -> dict:
     """Tokenize the records of `path` into folder `out` (created): train/val .bin, .mask and .records, meta.json,
-    and the tokenizer.json when `tokenizer` is one (bytes otherwise). Returns meta.json's contents."""
+    and the tokenizer.json when `tokenizer` is one (bytes otherwise). Chats are rendered with the template that trains
+    (templates.py: `chat_template`, a file, else a training variant of the folder's, else the folder's). Returns
+    meta.json's contents."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -449,7 +453,7 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
             for index, (where, value) in enumerate(iter_records(path, bar.update)):
                 record = (*parse_record(value, where), where)
                 if record[0] == "chat":
-                    chat = chat or ChatTemplate.of(tok, where)
+                    chat = chat or ChatTemplate.of(tok, where, chat_template, training=True)
                     chats += 1
                 chunk.append(record)
                 splits.append(split_of(index))
@@ -469,7 +473,9 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
             **{s: w.entry(s) for s, w in writers.items()},
             "source": {"kind": "jsonl", "input": os.path.abspath(path), "val_fraction": val_fraction, "chats": chats,
                        "chat_template": "generation markers" if chat and chat.marked else
-                       "growing prefixes" if chat else None},
+                       "growing prefixes" if chat else None,
+                       "template": {"said": chat.said, "origin": chat.choice.origin, "name": chat.choice.name,
+                                    "sha256": chat.choice.digest} if chat else None},
             "timings": {"total_s": round(total_s, 3)}, "tokens_per_s": round(tokens / max(total_s, 1e-9))}
     write_json(os.path.join(out, "meta.json"), meta)
     return meta

@@ -131,8 +131,9 @@ class RecordSource:
     """Records, each seen once per epoch, as training rows: packed windows with segment ids, or one record per row."""
 
     def __init__(self, files: list[TokenFile], records: np.ndarray, seq_len: int, seed: int, vocab_size: int, *,
-                 global_batch: int, pack: bool = True, name: str = ""):
+                 global_batch: int, pack: bool = True, name: str = "", chat_template: str | None = None):
         self.files, self.seq_len, self.seed, self.vocab_size, self.pack = files, seq_len, seed, vocab_size, pack
+        self.chat_template = chat_template  # what rendered its chats and why, for the start line
         self.global_batch = global_batch
         self.name = name or ", ".join(f.path for f in files)
         lengths = records[:, 2] - records[:, 1]
@@ -279,10 +280,15 @@ class RecordSource:
                         f"{'s' if rows != 1 else ''} in epoch 1)")
         else:
             said.append("one per sequence")
+        said.append(f"{int(self.trained.sum()):,} trained tokens")
         if self.truncated:
             said.append(f"{self.truncated:,} longer than the window (--seq-len {self.seq_len} + 1 tokens), truncated")
         if self.left_out:
             said.append(f"{self.left_out:,} with no trained token in the window, left out")
+        if not (self.truncated or self.left_out):
+            said.append("none truncated or left out")
+        if self.chat_template:
+            said.append(f"chats rendered with {self.chat_template}")
         return f"{self.name}: {self.token_total:,} tokens, " + ", ".join(said)
 
 

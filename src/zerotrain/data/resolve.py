@@ -26,11 +26,13 @@ from zerotrain.errors import ConfigError
 
 from .corpus import META, cache_root, cached_corpus, cached_folder, sha256_file
 from .documents import STDLIB, text_input
+from .chat import chat_template_of
 from .formats import folder_digest
 from .jsonl import VERSION as JSONL_VERSION
 from .jsonl import is_records_file, prepare_jsonl, refuse_table
 from .mixture import source_config
 from .packing import has_records
+from .templates import choose_template
 from .tokenfiles import max_token, open_token_file
 from .tokenizer import (TOKENIZER_FILE, BPETokenizer, is_bytes_tokenizer_json, read_tokenizer_file, tokenizer_digest,
                         tokenizer_record)
@@ -56,6 +58,7 @@ class DataSpec:
     train_tokens: int = 0  # filled by check_source
     val_tokens: int = 0
     flag: str = "--data"  # the flag that named it, for messages
+    chat_template: str | None = None  # what rendered its chats and why (meta.json), for the start line
 
     def describe(self) -> str:
         """One line for the start of a run: what is trained on, in tokens."""
@@ -71,6 +74,9 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
     """The DataSpec of cfg.data.source (or of `source`, named by `flag`); text is prepared into the cache first."""
     d = cfg.data
     src = d.source if source is None else source
+    if d.chat_template and (src in SYNTHETIC or src.endswith(".bin") or (os.path.isdir(src) and _bins(src))):
+        raise ConfigError(f"--chat-template {d.chat_template}: renders chat records, and {flag} {src} is not records "
+                          "(token files were rendered when they were prepared: prepare them with --chat-template)")
     if src in SYNTHETIC:
         return DataSpec(src, "synthetic", flag=flag)
     if src != STDLIB and not os.path.exists(src):
@@ -82,14 +88,18 @@ def resolve_data(cfg: Config, source: str | None = None, flag: str = "--data",
     if os.path.isfile(src) and src.endswith(".bin"):
         return token_file(src, flag)
     refuse_table(src, flag)
+    if d.chat_template and not os.path.isfile(d.chat_template):
+        raise ConfigError(f"--chat-template {d.chat_template}: no such file (a Jinja chat template, as "
+                          "chat_template.jinja holds one)")
     fraction = d.val_fraction if val_fraction is None else val_fraction
     tokenizer, root = model_tokenizer(cfg), cache_root(d.cache_dir)
     # the input is hashed to find its prepared copy once per process (a run asks for its training and validation
     # data separately), and again only if a file of it changed since
-    key = (src, d.glob, fraction, root, tokenizer, _stat_signature(src, tokenizer and os.path.dirname(tokenizer)))
+    key = (src, d.glob, fraction, root, tokenizer, d.chat_template,
+           _stat_signature(src, tokenizer and os.path.dirname(tokenizer), d.chat_template or None))
     if key not in _PREPARED:
         if is_records_file(src):
-            _PREPARED[key] = cached_jsonl(src, root, tokenizer, fraction)
+            _PREPARED[key] = cached_jsonl(src, root, tokenizer, fraction, d.chat_template or None)
         else:
             _PREPARED[key] = cached_corpus(text_input(src, d.glob, fraction), root, tokenizer)
     return token_folder(_PREPARED[key], src, flag)
@@ -113,15 +123,24 @@ def _stat_signature(*paths: str | None) -> tuple:
     return tuple(signature)
 
 
-def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float) -> str:
-    """The folder of JSON Lines `path` tokenized (bytes, or the tokenizer.json `tokenizer`, with the special tokens and
-    chat template of its folder) with its loss masks and record index, in the cache."""
+def cached_jsonl(path: str, root: str, tokenizer: str | None, val_fraction: float,
+                 chat_template: str | None = None) -> str:
+    """The folder of JSON Lines `path` tokenized (bytes, or the tokenizer.json `tokenizer`, with the special tokens of
+    its folder and the chat template that trains: `chat_template`, a training variant of the folder's, or the
+    folder's) with its loss masks and record index, in the cache."""
     content = folder_digest(path) if os.path.isdir(path) else sha256_file(path)[1]
     parts = [content, tokenizer_digest(tokenizer) if tokenizer else "bytes", repr(val_fraction),
-             f"records v{JSONL_VERSION}"]
+             f"records v{JSONL_VERSION}", _template_digest(tokenizer, chat_template)]
     key = hashlib.sha256("/".join(parts).encode()).hexdigest()
     return cached_folder(root, os.path.basename(os.path.normpath(path)), key,
-                         lambda tmp: prepare_jsonl(path, tmp, tokenizer or "bytes", val_fraction))
+                         lambda tmp: prepare_jsonl(path, tmp, tokenizer or "bytes", val_fraction, chat_template))
+
+
+def _template_digest(tokenizer: str | None, chat_template: str | None) -> str:
+    """sha256 of the chat template that trains (a TRL upgrade that changes a training variant prepares anew)."""
+    folder = os.path.dirname(os.path.abspath(tokenizer)) if tokenizer else None
+    choice = choose_template(chat_template_of(folder) if folder else None, folder, chat_template)
+    return f"template {choice.digest}" if choice else "no template"
 
 
 def model_tokenizer(cfg: Config) -> str | None:
@@ -247,6 +266,8 @@ def _described(spec: DataSpec, folder: str) -> DataSpec:
         spec.eot_id = meta.get("eot_id") if _count(meta.get("eot_id"), zero=True) else None
         if isinstance(meta.get("tokenizer"), dict):
             spec.tokenizer = meta["tokenizer"]
+        template = (meta.get("source") or {}).get("template") if isinstance(meta.get("source"), dict) else None
+        spec.chat_template = template.get("said") if isinstance(template, dict) else None
     elif os.path.isfile(os.path.join(folder, "meta.pkl")):
         spec.notes.append(f"{os.path.join(folder, 'meta.pkl')} is not read (zerotrain never unpickles); "
                           "write {\"vocab_size\": N} to meta.json beside it, or pass --vocab-size")

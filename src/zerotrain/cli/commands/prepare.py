@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
                                                         "folder holding one (nothing is downloaded)")
     p.add_argument("--val-fraction", type=checked(float, BELOW_ONE), default=0.05, help="fraction of documents held out for validation")
     p.add_argument("--glob", default="**/*.txt", help="which files of a folder INPUT are read")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template file to render chat records with, instead of the tokenizer folder's "
+                        "own or TRL's training variant of it (which is chosen when TRL is installed and the folder's "
+                        "template is one TRL knows)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTDIR if it holds files")
     p.set_defaults(func=cmd_prepare)
 
@@ -56,10 +60,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError(f"prepare: {out} already exists and is not an empty folder (use --overwrite to replace it)")
     refuse_table(args.input, "prepare")
     records = is_records_file(args.input)
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise ConfigError(f"--chat-template {args.chat_template}: no such file (a Jinja chat template, as "
+                          "chat_template.jinja holds one)")
+    if args.chat_template and not records:
+        raise ConfigError(f"--chat-template {args.chat_template}: renders chat records, and {args.input} is text, "
+                          "not a file of records")
     source = None if records else text_input(args.input, args.glob, args.val_fraction)
     tmp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"  # written whole, then renamed into place
     try:
-        meta = prepare_jsonl(args.input, tmp, args.tokenizer, args.val_fraction) if records else \
+        meta = prepare_jsonl(args.input, tmp, args.tokenizer, args.val_fraction, args.chat_template) if records else \
             prepare_corpus(source, tmp, args.tokenizer)
         if os.path.isdir(out):
             shutil.rmtree(out)
@@ -80,13 +90,15 @@ def prepared_line(out: str, meta: dict) -> str:
     t, tr, va = meta["timings"], meta["train"], meta["val"]
     if meta.get("loss_mask"):
         bos = f", BOS id {meta['bos_ids'][0]} once per record" if meta.get("bos_ids") else ""
-        chats = f"; {meta['source']['chats']:,} chats (assistant turns by {meta['source']['chat_template']})" \
-            if meta["source"].get("chats") else ""
-        return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
+        source = meta["source"]
+        chats = f"; {source['chats']:,} chats rendered with {source['template']['said']}" \
+            if source.get("chats") and source.get("template") else ""
+        return (f"zerotrain prepare: {source['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
                 f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}{bos}); train {tr['record_count']:,} records, "
                 f"{tr['tokens']:,} tokens of which {tr['trained_tokens']:,} trained on, the longest record "
-                f"{tr['longest_record']:,} tokens; val {va['record_count']:,} records, {va['tokens']:,} tokens"
-                f"{chats}{_inside(tr)}; {t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s")
+                f"{tr['longest_record']:,} tokens; val {va['record_count']:,} records, {va['tokens']:,} tokens; "
+                f"no record dropped or truncated (a run truncates a record longer than --seq-len + 1 tokens, and says "
+                f"so){chats}{_inside(tr)}; {t['total_s']:.1f} s, {meta['tokens_per_s']:,} tokens/s")
     train_s = f", tokenizer training {t['tokenizer_train_s']:.1f} s" if "tokenizer_train_s" in t else ""
     return (f"zerotrain prepare: {meta['source']['input']} -> {out}: {meta['tokenizer']['kind']} tokenizer, vocab "
             f"{meta['vocab_size']} (end-of-text id {meta['eot_id']}); train {tr['tokens']:,} tokens "
