@@ -154,10 +154,16 @@ def test_two_ranks_resume_a_mixture_bitwise_with_tokens_and_validation_per_sourc
     cfg.checkpoint.every, cfg.loop.eval_every, cfg.loop.eval_batches = 2, 2, 1
     out = run_job(functools.partial(resume_job, resume_at=2), cfg, time_limit=120)
     printed = capfd.readouterr().out
-    assert main(["eval", os.path.join(cfg.checkpoint.dir, checkpoint.step_name(4))]) == 2
-    err = capfd.readouterr().err
-    assert err.count("\n") == 1 and f"trained on a mixture ({folder}, synthetic); evaluate one source with --data" \
-        in err, err
+    # `zerotrain eval` of the run's last checkpoint: each source's validation loss, the one training reported at
+    # that step, and the mixture's by its weights
+    assert main(["eval", os.path.join(cfg.checkpoint.dir, checkpoint.step_name(4)), "--batches", "1"]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    evaluated_at_4 = next(r for r in out["first"]["records"] if r["step"] == 4 and "val_loss" in r)
+    for line, name in zip(lines, (str(folder), "synthetic")):
+        assert f"sequences of {name}, validation split" in line, lines
+        assert float(line.split()[1]) == pytest.approx(evaluated_at_4["source_val_loss"][name], rel=1e-5)
+    assert lines[2].startswith("val_loss ") and "the mixture" in lines[2] and len(lines) == 3, lines
+    assert float(lines[2].split()[1]) == pytest.approx(evaluated_at_4["val_loss"], rel=1e-5)
     assert f"data a mixture of 2 sources, rows drawn per step: 0.75 of --data {folder} (train)" in printed
     first, resumed, forgetful = out["first"], out["resumed"], out["forgetful"]
     assert resumed["losses"] == first["losses"][2:] and resumed["digests"] == first["digests"]

@@ -9,8 +9,9 @@ import math
 import torch
 
 from zerotrain.cli.flags import checked
-from zerotrain.config import POSITIVE, Config, data_sources, is_mixture
+from zerotrain.config import POSITIVE, Config, is_mixture
 from zerotrain.data import IGNORE, check_source, make_source
+from zerotrain.data.mixture import mixture_weights, source_config
 from zerotrain.data.resolve import SYNTHETIC, validation_files
 from zerotrain.data.tokenfiles import open_token_file
 from zerotrain.errors import ConfigError
@@ -31,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default=None,
                    help="held-out data to evaluate on, as train's --data: a file or text folder is evaluated whole, a "
                         "prepared folder by its validation split if it has one (default: the validation split of "
-                        "the data the checkpoint was trained on)")
+                        "the data the checkpoint was trained on; of a mixture, each source's, as training reports "
+                        "source_val_loss, and their mean by the mixture's weights)")
     p.add_argument("--batches", type=checked(int, POSITIVE), default=20, help="validation batches (default: %(default)s)")
     p.add_argument("--batch-size", type=checked(int, POSITIVE), default=None,
                    help="sequences per batch (default: the run's DP replicas x micro-batch, as training evaluated)")
@@ -42,18 +44,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     model, tokenizer = load_from(source), tokenizer_of(source.folder)
     cfg = _data_config(source, model, tokenizer, args.data)
-    _check_held_out(cfg, args.data)
     batch = args.batch_size or cfg.dp * cfg.loop.micro_batch
-    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val", global_batch=batch), args.batches, batch,
+    if args.data is None and is_mixture(cfg.data.source):
+        # each source's validation split on its own, as training's source_val_loss; the mixture's by its weights
+        weights = mixture_weights(cfg)
+        total = sum(weights.values())
+        mean = 0.0
+        for name, weight in weights.items():
+            loss = _evaluate_one(model, tokenizer, source_config(cfg, name), None, args.batches, batch)
+            mean += weight / total * loss
+        print(f"val_loss {mean:.6f}  perplexity {math.exp(mean):.6g}  (the mixture: each source's val_loss above, "
+              f"weighted {', '.join(f'{name}:{w / total:g}' for name, w in weights.items())})")
+        return 0
+    _evaluate_one(model, tokenizer, cfg, args.data, args.batches, batch)
+    return 0
+
+
+def _evaluate_one(model, tokenizer, cfg: Config, data: str | None, batches: int, batch: int) -> float:
+    """Evaluate on one source and print its line: val_loss, perplexity, bits per byte; returns the val_loss."""
+    _check_held_out(cfg, data)
+    loss_sum, tokens, nbytes = evaluate(model, make_source(cfg, split="val", global_batch=batch), batches, batch,
                                         cfg.loop.micro_batch, tokenizer)
     if tokens == 0:
-        raise ConfigError(f"{args.batches} batches of {cfg.data.source} hold no target tokens")
+        raise ConfigError(f"{batches} batches of {cfg.data.source} hold no target tokens")
     loss = loss_sum / tokens
     bpb = loss / math.log(2) * tokens / nbytes
     print(f"val_loss {loss:.6f}  perplexity {math.exp(loss):.6g}  bits_per_byte {bpb:.6f}  "
-          f"({tokens:,} tokens, {nbytes:,} bytes: {args.batches} batches x {batch} sequences of {cfg.data.source}, "
-          f"{'validation split' if args.data is None else 'held out'})")
-    return 0
+          f"({tokens:,} tokens, {nbytes:,} bytes: {batches} batches x {batch} sequences of {cfg.data.source}, "
+          f"{'validation split' if data is None else 'held out'})")
+    return loss
 
 
 def _data_config(source, model, tokenizer, data: str | None) -> Config:
@@ -68,9 +87,6 @@ def _data_config(source, model, tokenizer, data: str | None) -> Config:
     else:
         cfg = Config()
         cfg.model = dataclasses.replace(model.cfg)
-    if data is None and is_mixture(cfg.data.source):
-        names = ", ".join(name for name, _ in data_sources(cfg.data.source))
-        raise ConfigError(f"eval {source.folder}: trained on a mixture ({names}); evaluate one source with --data PATH")
     if data is not None:
         cfg.data.source = data
         # a file given here is held out as a whole: its validation split is all of it (train's --val-data PATH)
