@@ -140,17 +140,17 @@ PRESETS: dict[str, dict] = {
     # 2048-token window.
     "gemma-2-2b": dict(arch="gemma2", n_layer=26, n_head=8, n_kv_head=4, n_embd=2304, head_width=256,
                        intermediate_size=9216, seq_len=2048, vocab_size=256000, rope_theta=10000.0, norm_eps=1e-6,
-                       tie_embeddings=True, sliding_window=4096, sliding_window_pattern=2, query_pre_attn_scalar=256.0,
+                       tie_embeddings=True, sliding_window=4096, sliding_window_pattern=2, query_pre_attn_scalar=256,
                        attn_softcap=50.0, final_softcap=30.0),
     "gemma-3-1b": dict(arch="gemma3", n_layer=26, n_head=4, n_kv_head=1, n_embd=1152, head_width=256,
                        intermediate_size=6912, seq_len=2048, vocab_size=262144, rope_theta=1000000.0, norm_eps=1e-6,
                        tie_embeddings=True, sliding_window=512, sliding_window_pattern=6, rope_local_theta=10000.0,
-                       query_pre_attn_scalar=256.0),
+                       query_pre_attn_scalar=256),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
               rope_high_freq_factor=4.0, rope_original_context=8192, sliding_window=0, sliding_window_pattern=0,
-              rope_local_theta=0.0, query_pre_attn_scalar=0.0, attn_softcap=0.0, final_softcap=0.0)
+              rope_local_theta=0.0, query_pre_attn_scalar=0, attn_softcap=0.0, final_softcap=0.0)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -211,7 +211,7 @@ class ModelConfig:
                                           "slides)", rule=NON_NEGATIVE, shown="0: every layer")
     rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq; 0: "
                                       "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta")
-    query_pre_attn_scalar: float = setting(0.0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
+    query_pre_attn_scalar: int = setting(0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
                                            "the head width)", rule=NON_NEGATIVE, shown="the head width")
     attn_softcap: float = setting(0.0, "attention scores soft-capped to (-S, S) by S tanh(score / S) (gemma2; 0: "
                                   "none)", rule=NON_NEGATIVE, shown="0: none")

@@ -358,7 +358,7 @@ def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied
                        vocab_size=sizes["vocab_size"], rope_theta=theta, rope_local_theta=local,
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
                        sliding_window=window, sliding_window_pattern=pattern,
-                       query_pre_attn_scalar=_positive(config, "query_pre_attn_scalar", where, 256.0),
+                       query_pre_attn_scalar=_count(config, "query_pre_attn_scalar", where, default=256),
                        attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
                        **scaling)
 

@@ -18,8 +18,8 @@ Its members are options of this one decoder, as the config's `arch` implies them
              own rotary base (rope_local_theta, unscaled; the global layers take rope_theta and the rope scaling)
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored as it is there (nn.Linear's (out, in)),
-so the mapping to and from Hugging Face (hub/mapping.py) is the identity. Rotary embeddings follow Hugging Face's
+`MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored
+as it is there (nn.Linear's (out, in)), so the mapping to and from Hugging Face (hub/mapping.py) is the identity. Rotary embeddings follow Hugging Face's
 rotate-half convention: imported q and k weights need no permutation. The head is tied to the token embedding
 unless `tie_embeddings` is off.
 """
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
+from . import layers
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
 from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
                      apply_rotary, attend, blocks, copy_to_tp, document_attention, head_logits, kv_head_blocks,
@@ -194,9 +195,12 @@ def layer_mask(cfg: ModelConfig, idx: torch.Tensor, dtype: torch.dtype, cache: K
         return document_attention(segments, dtype, cfg.head_dim, window)
     if cache is not None:
         return None
-    mask = window_attention(idx.shape[1], window, dtype, idx.device, cfg.head_dim)
-    if mask is None and cfg.attn_softcap:  # one record spanning the row
-        mask = document_attention(torch.zeros_like(idx[:1]), dtype, cfg.head_dim)
+    T = idx.shape[1]
+    mask = window_attention(T, window, dtype, idx.device, cfg.head_dim)
+    if mask is None and cfg.attn_softcap:  # causal: a window of the whole row, or one record spanning it
+        if layers.document_kernel(idx.device.type, cfg.head_dim) == "flex":
+            return layers.window_block_mask(T, T, idx.device)
+        return layers.document_mask(torch.zeros(1, T, dtype=torch.long, device=idx.device), dtype)
     return mask
 
 
