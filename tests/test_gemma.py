@@ -163,26 +163,25 @@ def as_flex(mp):
     mp.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
 
 
-@pytest.mark.parametrize("kernel", ["mask", "flex"])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_packed_records_equal_each_record_alone_and_a_mask_without_the_window_is_caught(folders, monkeypatch,
-                                                                                        family, kernel):
+def test_packed_records_equal_each_record_alone_and_a_mask_without_the_window_is_caught(folders, monkeypatch, family):
     folder, hf = folders[family]
     model = zerotrain.load_model(str(folder))
-    if kernel == "flex":
-        as_flex(monkeypatch)
-        assert (logits(model) - logits(hf)).abs().max() < EXACT  # a row of one record: the causal block mask
     assert packed_vs_alone(model, hf) < EXACT
-    real_block, real_mask = layers.document_block_mask, layers.document_mask  # planted: the records' masks windowless
-    monkeypatch.setattr(layers, "document_block_mask", lambda segments, window=0: real_block(segments))
-    monkeypatch.setattr(layers, "document_mask", lambda segments, dtype, window=0: real_mask(segments, dtype))
+    real = layers.document_mask  # planted: the records' mask without the window
+    monkeypatch.setattr(layers, "document_mask", lambda segments, dtype, window=0: real(segments, dtype))
     assert packed_vs_alone(model, hf) > CAUGHT
 
 
-def test_flex_attention_without_the_score_mod_is_caught(folders, monkeypatch):
+def test_flex_attention_caps_the_scores_in_its_score_mod_within_the_windows_and_without_it_is_caught(folders,
+                                                                                                     monkeypatch):
+    """CUDA's kernel for Gemma 2: FlexAttention with the soft-cap as its score_mod, over the global layers' causal
+    block mask and the sliding layers' window, packed or not (a block mask without the window: test_families)."""
     folder, hf = folders["gemma2"]
     model = zerotrain.load_model(str(folder))
     as_flex(monkeypatch)
+    assert (logits(model) - logits(hf)).abs().max() < EXACT
+    assert packed_vs_alone(model, hf) < EXACT
     monkeypatch.setattr(layers, "tanh_score_mod", lambda cap: None)  # planted: the scores uncapped
     assert (logits(model) - logits(hf)).abs().max() > CAUGHT
 
@@ -197,16 +196,22 @@ def config_for(folder, out, *flags):
 
 
 def tp2_job(rank, comm, tmp_path, folders):
+    """Each family at TP 2; Gemma 2 also over 2 DP ranks at ZeRO-3 (a micro-batch of 1 each: the same global
+    batch)."""
     from zerotrain.training.loop import train
 
-    return {family: [r["loss"] for r in train(config_for(folder, tmp_path / f"{family}-tp2", "--nproc", "2", "--tp",
-                                                         "2"), comm, announce=False).records]
-            for family, folder in folders.items()}
+    def losses(folder, out, *flags):
+        return [r["loss"] for r in train(config_for(folder, tmp_path / out, "--nproc", "2", *flags), comm,
+                                         announce=False).records]
+
+    out = {family: losses(folder, f"{family}-tp2", "--tp", "2") for family, folder in folders.items()}
+    out["gemma2 zero3"] = losses(folders["gemma2"], "gemma2-zero3", "--zero", "3", "--micro-batch", "1")
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(folders, tmp_path_factory):
-    """{family: (TP 1 losses, TP 2 losses, the TP 1 run's folder)}."""
+    """{family: (TP 1 losses, TP 2 losses, the TP 1 run's folder)}; "gemma2 zero3": DP 2 ZeRO-3's losses."""
     from zerotrain.training.loop import train
 
     tmp = tmp_path_factory.mktemp("gemma-runs")
@@ -218,6 +223,7 @@ def runs(folders, tmp_path_factory):
             cfg = config_for(folders[family][0], tmp / f"{family}-tp1")
             out[family] = ([r["loss"] for r in train(cfg, comm, announce=False).records], results[0][family],
                            tmp / f"{family}-tp1")
+    out["gemma2 zero3"] = results[0]["gemma2 zero3"]
     return out
 
 
@@ -226,6 +232,11 @@ def test_tp2_trains_the_losses_tp1_does(runs, family):
     tp1, tp2, _ = runs[family]
     assert len(tp1) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(tp1, tp2)), (tp1, tp2)
     assert tp1[0] != tp1[-1]  # it trained
+
+
+def test_zero3_over_two_ranks_trains_the_losses_one_rank_does(runs):
+    tp1, zero3 = runs["gemma2"][0], runs["gemma2 zero3"]
+    assert len(zero3) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(tp1, zero3)), (tp1, zero3)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -240,6 +251,25 @@ def test_a_trained_export_is_loaded_by_transformers_with_the_same_logits(folders
     assert (logits(loaded) - ours).abs().max() < EXACT
     config = json.loads((out / "config.json").read_text())  # config.json both ways
     assert mapping.model_config_from_hf(config, "config.json") == trained.cfg
+
+
+def test_lora_on_gemma3_is_planned_to_the_byte_and_exports_to_peft_with_the_same_logits(folders, tmp_path):
+    import peft
+
+    from zerotrain.cli.main import main
+    from zerotrain.training.loop import train
+
+    folder, base = folders["gemma3"]
+    with world_of_one() as comm:
+        result = train(config_for(folder, tmp_path / "run", "--lora-rank", "4", "--lora-alpha", "8"), comm,
+                       announce=False)
+    assert result.plan["activations_measured"] == result.plan["rows"]["activations"]  # Gemma's frozen norms
+    step = str(tmp_path / "run" / "checkpoints" / "step_00000003")
+    assert main(["export", step, str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
+    theirs = logits(peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval())
+    ours = logits(zerotrain.load_model(step))
+    assert (ours - theirs).abs().max() < EXACT and (ours - logits(base)).abs().max() > CAUGHT  # the adapters count
 
 
 # config.json: what zerotrain does not implement is refused, naming it.
