@@ -34,6 +34,7 @@ from zerotrain.hub import init_from, mapping
 from zerotrain.hub.export import export_model
 from zerotrain.model import build_model, gemma, layers, param_count
 from zerotrain.model import llama as llama_module
+from zerotrain.model.layers import KVCache
 from zerotrain.runtime.run_folder import resolve_paths
 
 pytestmark = pytest.mark.timeout(300)
@@ -184,6 +185,39 @@ def test_flex_attention_caps_the_scores_in_its_score_mod_within_the_windows_and_
     assert packed_vs_alone(model, hf) < EXACT
     monkeypatch.setattr(layers, "tanh_score_mod", lambda cap: None)  # planted: the scores uncapped
     assert (logits(model) - logits(hf)).abs().max() > CAUGHT
+
+
+def cached_logits(model, prompt: int = 3) -> torch.Tensor:
+    """Logits of IDS through the KV cache: the prompt in one forward, then one token per forward, as sample does."""
+    cache = KVCache(model.cfg, IDS.shape[0])
+    with torch.no_grad():
+        steps = [model(IDS[:, :prompt], cache)] + [model(IDS[:, t : t + 1], cache) for t in range(prompt, SEQ)]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_decoding_through_the_kv_cache_keeps_each_layers_window_and_caps(folders, monkeypatch, family):
+    folder, hf = folders[family]
+    model = zerotrain.load_model(str(folder))
+    assert (cached_logits(model) - logits(hf)).abs().max() < EXACT
+    real = layers._causal_mask  # planted: the cache's mask without the sliding layers' window
+    monkeypatch.setattr(layers, "_causal_mask", lambda past, T, device, window=0: real(past, T, device))
+    assert (cached_logits(model) - logits(hf)).abs().max() > CAUGHT
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_model_from_scratch_starts_as_transformers_initialises_gemma_norms_at_zero(family, tmp_path):
+    """Gemma's gain is 1 + w: its norms' weights start at 0 (transformers' _init_weights), and the export of a model
+    from the seed computes its logits in transformers."""
+    cfg = dataclasses.replace(GEMMA[family], vocab_size=VOCAB)
+    model = build_model(cfg, seed=0).eval()
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert len(norms) == 4 * cfg.n_layer + 1 + (2 * cfg.n_layer if cfg.qk_norm else 0)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in norms)
+    export_model(model, str(tmp_path / "hf"), "hf", tokenizer_folder=None, eot_id=None)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
+    ids = IDS[:, :16]
+    assert (logits(loaded.eval(), ids) - logits(model, ids)).abs().max() < EXACT
 
 
 # Training: 3 steps of --init-from at TP 1 (here) and TP 2 (one start of 2 ranks), the TP 1 run exported.
