@@ -353,7 +353,8 @@ GEMMA = {"gemma2": dataclasses.replace(TINY, arch="gemma2", sliding_window=5, sl
                                        attn_softcap=20.0, final_softcap=30.0, query_pre_attn_scalar=16),
          "gemma3": dataclasses.replace(TINY, arch="gemma3", sliding_window=5, sliding_window_pattern=2,
                                        rope_local_theta=100.0, rope_scaling="linear", query_pre_attn_scalar=16)}
-OMITTED = {"gemma2": ("softcapped_attention", "final_softcap", "gemma_norm"), "gemma3": ("gemma_qk_norms", "gemma_norm")}
+OMITTED = {"gemma2": ("softcapped_attention", "final_softcap", "gemma_norm"),
+           "gemma3": ("gemma_qk_norms", "gemma_norm")}
 
 
 @pytest.mark.parametrize("recompute", ["none", "blocks"])

@@ -19,9 +19,9 @@ Its members are options of this one decoder, as the config's `arch` implies them
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored
-as it is there (nn.Linear's (out, in)), so the mapping to and from Hugging Face (hub/mapping.py) is the identity. Rotary embeddings follow Hugging Face's
-rotate-half convention: imported q and k weights need no permutation. The head is tied to the token embedding
-unless `tie_embeddings` is off.
+as it is there (nn.Linear's (out, in)), so the mapping to and from Hugging Face (hub/mapping.py) is the identity.
+Rotary embeddings follow Hugging Face's rotate-half convention: imported q and k weights need no permutation. The
+head is tied to the token embedding unless `tie_embeddings` is off.
 """
 
 from __future__ import annotations
