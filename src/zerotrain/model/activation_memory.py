@@ -14,9 +14,16 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  SwiGLU MLP    4 BTF a                              gate, silu(gate), up, their product
                  q/k norms     (H + KV) x (BTD 4 + BT 4 + BTD a)    Qwen3: fp32 input, rsqrt, normalized, per head
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
+    Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
+                 RMSNorms       + 2 BTC a                           the two outputs a linear reads
+                 attention      as Llama's with SDPA or FlexAttention; Gemma 2's soft-capped scores on the mask
+                                path: 4 BTHD a + BHTT (a + 4)       q, k and v at H heads, output; capped scores,
+                                (+ BHTT a in bf16)                  fp32 probabilities (and their bf16 copy)
+                 GeGLU MLP      4 BTF a                             as SwiGLU's
+                 q/k norms      (H + KV) x (2 BTD 4 + BT 4) + 2 D 4 Gemma 3's, (1 + w)
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
-                 tables 2 TD 4), the final norm as a block's, and the loss: fp32 log-probabilities BTV 4,
-                 targets BT 8.
+                 tables 2 TD 4, twice for Gemma 3's two bases), the final norm as a block's, and the loss: fp32
+                 log-probabilities BTV 4, targets BT 8; Gemma 2's soft-capped logits, tanh's output BTV a.
     packed       records in a batch (segments): positions and rotary tables per row (B times the above:
                  GPT-2's positions BT 8, Llama's tables 2 BTD 4 and in bf16 its casts 4 BTD a per block) and
                  the document mask, built once per forward and saved by every layer's SDPA as one storage:
@@ -25,7 +32,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  has no backward on CPU).
     window       Mistral's sliding window shorter than T, without records: the window's mask, one row shared by the
                  batch, as the records' (T T a, or FlexAttention's tables at B = 1); with records, the records'
-                 mask holds the window too, at no extra bytes.
+                 mask holds the window too, at no extra bytes. Gemma's sliding and global layers each have their
+                 own mask (two storages); soft-capped scores on the mask path only add theirs, which keeps nothing
+                 (recomputed blocks' checkpoints keep it as an argument).
     GQA repeat   where attend copies the KV heads to the query heads (layers.repeats_kv_heads: CUDA fp32, or an
                  explicit mask on CUDA), SDPA saves k and v at H heads: 2 BT (H - KV) D a more per block.
 
