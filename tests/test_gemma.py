@@ -321,6 +321,19 @@ def test_what_zerotrain_does_not_implement_is_refused_naming_it(field, value, sa
         mapping.model_config_from_hf(config, "config.json")
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--arch", "gemma3", "--attn-softcap", "50"], "--attn-softcap is for --arch gemma2, not --arch gemma3"),
+    (["--arch", "gemma2", "--rope-local-theta", "1e4"], "--rope-local-theta is for --arch gemma3, not --arch gemma2"),
+    (["--sliding-window-pattern", "2"], "--sliding-window-pattern is for --arch gemma2 or gemma3, not --arch llama"),
+    (["--rope-scaling", "linear"], "--rope-scaling linear is for --arch gemma2 or gemma3, not --arch llama"),
+])
+def test_gemmas_settings_elsewhere_are_refused_in_one_line(flags, said, capsys):
+    from zerotrain.cli.main import main
+
+    assert main(["train", "--preset", "llama-tiny", "--data", "synthetic", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"zerotrain: error: {said}"]
+
+
 def test_a_published_gemma3_config_is_read_with_transformers_defaults_for_what_it_leaves_out():
     """google/gemma-3-4b-it's config.json, as published: most of its text_config is left to the defaults."""
     published = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",

@@ -215,8 +215,8 @@ class ModelConfig:
                                            "the head width)", rule=NON_NEGATIVE, shown="the head width")
     attn_softcap: float = setting(0.0, "attention scores soft-capped to (-S, S) by S tanh(score / S) (gemma2; 0: "
                                   "none)", rule=NON_NEGATIVE, shown="0: none")
-    final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2; 0: "
-                                   "none)", rule=NON_NEGATIVE, shown="0: none")
+    final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2, "
+                                   "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none")
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -669,12 +669,16 @@ def validate(cfg: Config) -> Config:
     if m.sliding_window and m.arch not in WINDOWED:
         raise ConfigError(f"--sliding-window {m.sliding_window} is for --arch {' or '.join(WINDOWED)}: --arch {m.arch} "
                           "attends to every earlier token")
-    gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern"), (m.rope_local_theta, "--rope-local-theta"),
-                  (m.query_pre_attn_scalar, "--query-pre-attn-scalar"), (m.attn_softcap, "--attn-softcap"),
-                  (m.final_softcap, "--final-softcap"), (m.rope_scaling == "linear", "--rope-scaling linear")]
-    for value, flag in gemma_only:
-        if value and m.arch not in GEMMA:
-            raise ConfigError(f"{flag} is for --arch gemma2 or gemma3, not --arch {m.arch}")
+    # Gemma's settings, each where transformers' model of the arch has it (its Gemma 3 never caps the scores, its
+    # Gemma 2 has one rotary base), so that an export computes what was trained.
+    gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern", GEMMA),
+                  (m.rope_local_theta, "--rope-local-theta", ("gemma3",)),
+                  (m.query_pre_attn_scalar, "--query-pre-attn-scalar", GEMMA),
+                  (m.attn_softcap, "--attn-softcap", ("gemma2",)), (m.final_softcap, "--final-softcap", GEMMA),
+                  (m.rope_scaling == "linear", "--rope-scaling linear", GEMMA)]
+    for value, flag, archs in gemma_only:
+        if value and m.arch not in archs:
+            raise ConfigError(f"{flag} is for --arch {' or '.join(archs)}, not --arch {m.arch}")
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")
