@@ -144,6 +144,29 @@ def test_a_planted_bug_changes_the_logits(folders, monkeypatch, bug):
     assert (logits(zerotrain.load_model(str(folder))) - logits(hf)).abs().max() > CAUGHT
 
 
+def first_block_input(model, ids) -> torch.Tensor:
+    seen = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    return seen[0]
+
+
+def test_the_embedding_scale_is_rounded_to_the_weights_dtype_as_transformers_casts_it(monkeypatch):
+    """sqrt(1152) = 33.94 is 34.0 in bf16 (Gemma 3 1B's width): the scaled embedding equals transformers' bitwise."""
+    cfg = dataclasses.replace(GEMMA["gemma3"], n_embd=1152, n_head=4, head_width=8, vocab_size=VOCAB, seq_len=SEQ)
+    model = build_model(cfg, seed=0).to(torch.bfloat16)
+    theirs = transformers.models.gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding(VOCAB, 1152, 0, 1152**0.5)
+    theirs.weight.data.copy_(model.model.embed_tokens.weight.float())
+    with torch.no_grad():
+        expected = theirs.to(torch.bfloat16)(IDS)
+    assert gemma.embedding_scale(1152, torch.bfloat16) == 34.0
+    assert torch.equal(first_block_input(model, IDS), expected)
+    monkeypatch.setattr(llama_module, "embedding_scale", lambda width, dtype: width**0.5)  # planted: not rounded
+    assert not torch.equal(first_block_input(model, IDS), expected)
+
+
 # Packed records: the window inside each record, on the mask path and FlexAttention's.
 
 RECORDS = (10, 14)  # tokens of two records packed in one row of SEQ: each longer than the window
