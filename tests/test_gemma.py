@@ -228,11 +228,14 @@ def test_decoding_through_the_kv_cache_keeps_each_layers_window_and_caps(folders
     assert (cached_logits(model) - logits(hf)).abs().max() > CAUGHT
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3 without a local base"])
 def test_a_model_from_scratch_starts_as_transformers_initialises_gemma_norms_at_zero(family, tmp_path):
     """Gemma's gain is 1 + w: its norms' weights start at 0 (transformers' _init_weights), and the export of a model
-    from the seed computes its logits in transformers."""
-    cfg = dataclasses.replace(GEMMA[family], vocab_size=VOCAB)
+    from the seed computes its logits in transformers (a Gemma 3's sliding layers unscaled at --rope-theta where it
+    has no --rope-local-theta)."""
+    cfg = dataclasses.replace(GEMMA[family.split()[0]], vocab_size=VOCAB)
+    if family.endswith("local base"):
+        cfg = dataclasses.replace(cfg, rope_local_theta=0.0)
     model = build_model(cfg, seed=0).eval()
     norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     assert len(norms) == 4 * cfg.n_layer + 1 + (2 * cfg.n_layer if cfg.qk_norm else 0)

@@ -41,7 +41,7 @@ from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling
                      new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
 
 
-def norm(cfg: ModelConfig, dim: int) -> nn.Module:
+def member_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """The member's RMSNorm: Gemma's (1 + w) or Llama's."""
     return GemmaRMSNorm(dim, cfg.norm_eps) if cfg.gemma else RMSNorm(dim, cfg.norm_eps)
 
@@ -59,8 +59,8 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
         if cfg.qk_norm:
-            self.q_norm = norm(cfg, D)
-            self.k_norm = norm(cfg, D)
+            self.q_norm = member_norm(cfg, D)
+            self.k_norm = member_norm(cfg, D)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
@@ -108,13 +108,13 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = norm(cfg, cfg.n_embd)
+        self.input_layernorm = member_norm(cfg, cfg.n_embd)
         self.self_attn = LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = norm(cfg, cfg.n_embd)
+        self.post_attention_layernorm = member_norm(cfg, cfg.n_embd)
         self.mlp = LlamaMLP(cfg)
         if cfg.gemma:
-            self.pre_feedforward_layernorm = norm(cfg, cfg.n_embd)
-            self.post_feedforward_layernorm = norm(cfg, cfg.n_embd)
+            self.pre_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
+            self.post_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
 
     def forward(self, x, rotary, cache: KVCache | None = None, layer: int = 0, documents=None) -> torch.Tensor:
         if hasattr(self, "pre_feedforward_layernorm"):  # Gemma
@@ -135,7 +135,7 @@ class Llama(nn.Module):
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
             layers=nn.ModuleList(LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)),
-            norm=norm(cfg, cfg.n_embd),
+            norm=member_norm(cfg, cfg.n_embd),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -215,10 +215,10 @@ def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | LinearScaling | None:
 
 
 def rope_local(cfg: ModelConfig) -> tuple[float, Llama3Scaling | LinearScaling | None]:
-    """The sliding layers' rotary base and scaling: Gemma 3's local base, unscaled; every other member's sliding
-    layers rotate as its global ones."""
-    if cfg.rope_local_theta:
-        return cfg.rope_local_theta, None
+    """The sliding layers' rotary base and scaling: Gemma 3's local base (--rope-theta without one), unscaled; every
+    other member's sliding layers rotate as its global ones."""
+    if cfg.arch == "gemma3":
+        return cfg.rope_local_theta or cfg.rope_theta, None
     return cfg.rope_theta, rope_scaling(cfg)
 
 
