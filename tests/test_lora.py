@@ -567,13 +567,13 @@ def test_invariant_b_checks_the_frozen_base_and_a_drifted_base_on_one_replica_is
     assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 3" in caught
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
 def test_every_llama_family_member_takes_adapters_on_its_seven_linears_starting_as_its_base(arch):
-    from zerotrain.config import ModelConfig
+    from zerotrain.config import WINDOWED, ModelConfig
     from zerotrain.model import build_model
 
     cfg = ModelConfig(arch=arch, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, seq_len=16,
-                      vocab_size=64, **({"sliding_window": 8} if arch in ("mistral", "phi3") else {}))
+                      vocab_size=64, **({"sliding_window": 8} if arch in WINDOWED else {}))
     model, ids = build_model(cfg, 0), torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(ids)

@@ -136,10 +136,21 @@ PRESETS: dict[str, dict] = {
     "phi-3-mini-4k": dict(arch="phi3", n_layer=32, n_head=32, n_kv_head=32, n_embd=3072, intermediate_size=8192,
                           seq_len=2048, vocab_size=32064, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
                           sliding_window=2047),
+    # google/gemma-2-2b and google/gemma-3-1b-pt (their config.json; Gemma 3 1B's global rope is unscaled), at a
+    # 2048-token window.
+    "gemma-2-2b": dict(arch="gemma2", n_layer=26, n_head=8, n_kv_head=4, n_embd=2304, head_width=256,
+                       intermediate_size=9216, seq_len=2048, vocab_size=256000, rope_theta=10000.0, norm_eps=1e-6,
+                       tie_embeddings=True, sliding_window=4096, sliding_window_pattern=2, query_pre_attn_scalar=256,
+                       attn_softcap=50.0, final_softcap=30.0),
+    "gemma-3-1b": dict(arch="gemma3", n_layer=26, n_head=4, n_kv_head=1, n_embd=1152, head_width=256,
+                       intermediate_size=6912, seq_len=2048, vocab_size=262144, rope_theta=1000000.0, norm_eps=1e-6,
+                       tie_embeddings=True, sliding_window=512, sliding_window_pattern=6, rope_local_theta=10000.0,
+                       query_pre_attn_scalar=256),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
-              rope_high_freq_factor=4.0, rope_original_context=8192, sliding_window=0)
+              rope_high_freq_factor=4.0, rope_original_context=8192, sliding_window=0, sliding_window_pattern=0,
+              rope_local_theta=0.0, query_pre_attn_scalar=0, attn_softcap=0.0, final_softcap=0.0)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -147,10 +158,14 @@ PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 # and v; qwen3: RMSNorm of q and k per head; mistral and phi3: a sliding window (--sliding-window; Phi-3's fused
 # projections are a matter of its files, hub/mapping.py). Every member takes
 # --head-width and --rope-scaling, as their Hugging Face configs do.
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3")
-WINDOWED = ("mistral", "phi3")  # the members with a sliding window
+# gemma2 and gemma3: Gemma's block (four (1 + w) RMSNorms, GeGLU, a scaled embedding), sliding and global layers
+# alternating (--sliding-window-pattern), --query-pre-attn-scalar; Gemma 2's soft-caps, Gemma 3's q/k norms and
+# local rotary base (--rope-local-theta).
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
+WINDOWED = ("mistral", "phi3", *GEMMA)  # the members with a sliding window
 ARCHS = ("gpt2", *LLAMA_FAMILY)
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear")
 
 
 @dataclass
@@ -159,7 +174,10 @@ class ModelConfig:
                         "(rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases), or a member of "
                         "the Llama family: qwen2 (biases on q, k and v), qwen3 (RMSNorm of q and k per head), "
                         "mistral (sliding-window attention), phi3 (Phi-3: a sliding window, fused projections in its "
-                        "files)", rule=one_of(*ARCHS))
+                        "files), gemma2 (Gemma 2: (1 + w) RMSNorms around attention and MLP, GeGLU, a scaled "
+                        "embedding, sliding and global layers alternating, soft-capped logits), gemma3 (Gemma 3: "
+                        "Gemma 2's block with q/k norms and a local rotary base instead of the soft-caps)",
+                        rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
     n_kv_head: int = setting(0, "key/value heads of grouped-query attention (Llama family; divides --n-head)",
@@ -175,9 +193,11 @@ class ModelConfig:
     vocab_size: int = setting(64, "vocabulary size; when not given, the data's", rule=POSITIVE,
                               shown="the data's; synthetic data: 64")
     rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE)
-    rope_scaling: str = setting("none", "rotary frequencies rescaled for a longer context: none, or llama3 (Llama "
-                                "3.1's, with the four --rope-* settings below)", rule=one_of(*ROPE_SCALINGS))
-    rope_factor: float = setting(8.0, "llama3 rope scaling: how much the low frequencies are slowed", rule=POSITIVE)
+    rope_scaling: str = setting("none", "rotary frequencies rescaled for a longer context: none, llama3 (Llama "
+                                "3.1's, with the four --rope-* settings below) or linear (gemma3's global layers: "
+                                "every frequency slowed by --rope-factor)", rule=one_of(*ROPE_SCALINGS))
+    rope_factor: float = setting(8.0, "llama3 and linear rope scaling: how much the (low) frequencies are slowed",
+                                 rule=POSITIVE)
     rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original context / this are "
                                           "slowed by --rope-factor", rule=POSITIVE)
     rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original context / this "
@@ -185,7 +205,18 @@ class ModelConfig:
     rope_original_context: int = setting(8192, "llama3 rope scaling: the context the model was pretrained at",
                                          rule=POSITIVE)
     sliding_window: int = setting(0, "each token attends to at most this many tokens, itself included (mistral, "
-                                  "phi3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
+                                  "phi3, gemma2, gemma3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
+    sliding_window_pattern: int = setting(0, "with --sliding-window, every N-th layer (layers N-1, 2N-1, ...) is "
+                                          "global, the others sliding (Gemma 2: 2, Gemma 3: 6; 0: every layer "
+                                          "slides)", rule=NON_NEGATIVE, shown="0: every layer")
+    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq; 0: "
+                                      "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta")
+    query_pre_attn_scalar: int = setting(0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
+                                           "the head width)", rule=NON_NEGATIVE, shown="the head width")
+    attn_softcap: float = setting(0.0, "attention scores soft-capped to (-S, S) by S tanh(score / S) (gemma2; 0: "
+                                  "none)", rule=NON_NEGATIVE, shown="0: none")
+    final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2, "
+                                   "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none")
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -215,8 +246,25 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's."""
-        return self.arch == "qwen3"
+        """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's and
+        Gemma 3's."""
+        return self.arch in ("qwen3", "gemma3")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's block: (1 + w) RMSNorms in fp32, norms after attention and MLP too, GeGLU, a scaled embedding."""
+        return self.arch in GEMMA
+
+    def sliding(self, layer: int) -> bool:
+        """Whether `layer` attends within --sliding-window (else to every earlier token)."""
+        if not self.sliding_window:
+            return False
+        return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern != 0
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor of q.k: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def ffn_width(self) -> int:
@@ -344,9 +392,9 @@ class CheckpointConfig:
                           shown="none")
     async_save: bool = setting(False, "write checkpoints in the background while training goes on")
     init_from: str = setting("", "start from these weights: a local Hugging Face folder (model_type gpt2, "
-                             "llama, qwen2, qwen3, mistral or phi3; safetensors) or a zerotrain checkpoint or export; its "
-                             "architecture, sizes and tokenizer come with it (weights only: a fresh optimizer and "
-                             "schedule)", shown="none")
+                             "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, or gemma3's language model; "
+                             "safetensors) or a zerotrain checkpoint or export; its architecture, sizes and "
+                             "tokenizer come with it (weights only: a fresh optimizer and schedule)", shown="none")
     overwrite: bool = setting(False, "a fresh run may replace the checkpoints and metrics in its folder")
 
 
@@ -624,6 +672,16 @@ def validate(cfg: Config) -> Config:
     if m.sliding_window and m.arch not in WINDOWED:
         raise ConfigError(f"--sliding-window {m.sliding_window} is for --arch {' or '.join(WINDOWED)}: --arch {m.arch} "
                           "attends to every earlier token")
+    # Gemma's settings, each where transformers' model of the arch has it (its Gemma 3 never caps the scores, its
+    # Gemma 2 has one rotary base), so that an export computes what was trained.
+    gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern", GEMMA),
+                  (m.rope_local_theta, "--rope-local-theta", ("gemma3",)),
+                  (m.query_pre_attn_scalar, "--query-pre-attn-scalar", GEMMA),
+                  (m.attn_softcap, "--attn-softcap", ("gemma2",)), (m.final_softcap, "--final-softcap", GEMMA),
+                  (m.rope_scaling == "linear", "--rope-scaling linear", GEMMA)]
+    for value, flag, archs in gemma_only:
+        if value and m.arch not in archs:
+            raise ConfigError(f"{flag} is for --arch {' or '.join(archs)}, not --arch {m.arch}")
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

@@ -113,7 +113,8 @@ def _models(transformers, arch: str, size: dict, tie_embeddings: bool = False):
     config = hf_config(cfg, None)
     torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(config.pop("model_type"), **config), attn_implementation="sdpa")
+        transformers.AutoConfig.for_model(config.pop("model_type"), **config),
+        attn_implementation="eager" if arch == "gemma2" else "sdpa")  # Gemma 2's soft-cap: transformers has no SDPA
     ours = model_class(cfg)(cfg)
     ours.load_state_dict(MAPPINGS[arch].from_hf(theirs.state_dict(), cfg), strict=True)
     theirs.generation_config.eos_token_id = None  # generate every token asked for

@@ -7,7 +7,11 @@ and export alike, so the two cannot drift apart.
            Qwen3 and Mistral, the Llama family's other members, name their tensors the same way (Qwen2's q/k/v
            biases and Qwen3's q_norm / k_norm under the same self_attn. prefix): the identity too. Phi-3 stacks
            q, k and v in one qkv_proj and gate and up in one gate_up_proj (by rows, in that order): zerotrain's
-           model keeps them apart, and the table says which rows of the stored tensor each one is.
+           model keeps them apart, and the table says which rows of the stored tensor each one is. Gemma 2 and
+           Gemma 3 (gemma3_text) name theirs as Llama does, with Gemma's two more norms per block: the identity.
+           A Gemma 3 folder with a vision tower (model_type gemma3, Gemma3ForConditionalGeneration) is read for its
+           language model, under language_model.model. (published files) or model.language_model. (transformers 5);
+           the vision tower and its projector are skipped, and it exports as the text model (Gemma3ForCausalLM).
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's rope scaling is read from `rope_scaling` (older transformers and the
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import WINDOWED, ModelConfig
+from zerotrain.config import GEMMA, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 
 
@@ -38,13 +42,23 @@ class HFMapping:
     transposed: tuple[str, ...]  # suffixes of per-block matrices stored (in, out)
     ignored: tuple[str, ...]  # suffixes of tensors their files may hold that are not parameters
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (stored suffix, zerotrain's suffixes stacked in it by rows)
+    renamed: tuple[tuple[str, str], ...] = ()  # (stored prefix, zerotrain's prefix)
+    skipped: tuple[str, ...] = ()  # prefixes of tensors of another model in the same files (a vision tower)
 
     def canonical(self, name: str) -> str:
         """A tensor's name as zerotrain's model has it. GPT-2 folders saved from the bare GPT2Model (the original
-        `gpt2` files among them) drop the `transformer.` prefix: it is put back."""
+        `gpt2` files among them) drop the `transformer.` prefix: it is put back. A Gemma 3 language model's
+        prefix inside its multimodal model is taken off."""
         if self.arch == "gpt2" and not name.startswith((self.block_prefix.split(".")[0] + ".", "lm_head.")):
             return "transformer." + name
+        for stored, ours in self.renamed:
+            if name.startswith(stored):
+                return ours + name[len(stored):]
         return name
+
+    def is_ignored(self, name: str) -> bool:
+        """Whether a stored tensor (by its canonical name) is not one of the model's parameters."""
+        return name.endswith(self.ignored) or (bool(self.skipped) and name.startswith(self.skipped))
 
     def is_transposed(self, name: str) -> bool:
         return bool(self.transposed) and name.startswith(self.block_prefix) and name.endswith(self.transposed)
@@ -75,7 +89,7 @@ class HFMapping:
         named = {self.canonical(n): t for n, t in tensors.items()}
         out = {}
         for n, t in named.items():
-            if n.endswith(self.ignored):
+            if self.is_ignored(n):
                 continue
             if self.is_transposed(n):
                 t = t.t().contiguous()
@@ -105,8 +119,16 @@ MAPPINGS = {
         ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
         ("mistral", "MistralForCausalLM"))},
     "phi3": HFMapping("phi3", "phi3", "Phi3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",), PHI3_FUSED),
+    "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
+    "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                        renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
+                                 ("language_model.lm_head.", "lm_head.")),
+                        skipped=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                 "model.multi_modal_projector.")),
 }
 BY_MODEL_TYPE = {m.model_type: m for m in MAPPINGS.values()}
+BY_MODEL_TYPE["gemma3"] = MAPPINGS["gemma3"]  # Gemma3ForConditionalGeneration: its language model
+MULTIMODAL = {"gemma3": "text_config"}  # model_type -> the key of its language model's config
 
 
 def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
@@ -128,7 +150,7 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
             "dtype": "float32",
         }
     config = {
-        "architectures": [MAPPINGS[cfg.arch].hf_class], "model_type": cfg.arch,
+        "architectures": [MAPPINGS[cfg.arch].hf_class], "model_type": MAPPINGS[cfg.arch].model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.positions, "rms_norm_eps": cfg.norm_eps,
@@ -143,6 +165,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
         if cfg.arch == "qwen3":
             config.update(attention_bias=False)
+    elif cfg.gemma:
+        config.update(_gemma_config(cfg))
     else:
         config.update(sliding_window=cfg.sliding_window or None)
         if cfg.arch == "phi3":  # Phi3Config's pad_token_id (32000) would not fit a smaller vocabulary
@@ -151,9 +175,27 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
     return config
 
 
+def _gemma_config(cfg: ModelConfig) -> dict:
+    """Gemma's fields: its activation, attention scale, layer types and windows, soft-caps (Gemma 2's), local rotary
+    base (Gemma 3's, written as the published configs have it, which transformers 5 reads too)."""
+    types = ["sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layer)]
+    config = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                  query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim, attention_bias=False,
+                  layer_types=types, sliding_window=cfg.sliding_window or cfg.positions,  # a number, even unused
+                  final_logit_softcapping=cfg.final_softcap or None, attn_logit_softcapping=cfg.attn_softcap or None,
+                  pad_token_id=None)
+    if cfg.arch == "gemma3":
+        config.update(rope_local_base_freq=cfg.rope_local_theta or cfg.rope_theta,
+                      sliding_window_pattern=cfg.sliding_window_pattern or cfg.n_layer + 1,
+                      use_bidirectional_attention=False)
+    return config
+
+
 def _rope_scaling(cfg: ModelConfig) -> dict | None:
     if cfg.rope_scaling == "none":
         return None
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_factor}
     return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_context}
@@ -166,6 +208,11 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     kind = config.get("model_type")
     if kind not in BY_MODEL_TYPE:
         raise CheckpointError(f"{where}: model_type {kind!r}; zerotrain builds {', '.join(BY_MODEL_TYPE)}")
+    if kind in MULTIMODAL:  # the language model's config, as transformers fills it in
+        text = _table(config, MULTIMODAL[kind], where)
+        config = {**text, "model_type": BY_MODEL_TYPE[kind].model_type,
+                  **{k: config[k] for k in ("tie_word_embeddings",) if k in config}}
+        where = f"{where} {MULTIMODAL[kind]}"
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -234,12 +281,33 @@ _FIXED = {
               ("use_sliding_window", False, (False,))),
     "mistral": (("hidden_act", "silu", ("silu",)),),
     "phi3": (("hidden_act", "silu", ("silu",)), ("partial_rotary_factor", 1.0, (1.0, 1))),
+    **{arch: (("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)), ("attention_bias", False, (False,)),
+              ("use_bidirectional_attention", None, (None, False))) for arch in GEMMA},
 }
+# What transformers' Gemma2Config and Gemma3TextConfig give a field their config.json leaves out (published Gemma 3
+# configs leave out most of their text_config's).
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rope_theta=10000.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0, sliding_window_pattern=6),
+}
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _llama_config(config: dict, where: str) -> ModelConfig:
-    """A member of the Llama family: llama, qwen2, qwen3 or mistral (their config.json share the size fields)."""
-    arch = config["model_type"]
+    """A member of the Llama family: llama, qwen2, qwen3, mistral, phi3, gemma2 or gemma3_text (their config.json
+    share the size fields)."""
+    kind = config["model_type"]
+    arch = BY_MODEL_TYPE[kind].arch
+    if kind in _GEMMA_DEFAULTS:
+        config = {**_GEMMA_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None or k not in (
+            "rope_theta", "rope_local_base_freq", "sliding_window_pattern", "head_dim")}}
     _refuse(config, where, _FIXED[arch])
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -258,6 +326,8 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     window = 0
     if arch in WINDOWED:
         window = _count(config, "sliding_window", where, default=0)
+    if arch in GEMMA:
+        return _gemma(config, where, arch, sizes, head_dim, tied, window)
     rope = _table(config, "rope_parameters", where)
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
         _positive(config, "rope_theta", where, 10000.0)
@@ -270,10 +340,72 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
                        tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where))
 
 
+def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied: bool, window: int) -> ModelConfig:
+    """Gemma 2's or Gemma 3's ModelConfig: the Llama family's sizes, its layer types as a pattern, attention scale,
+    soft-caps and (Gemma 3) two rotary bases."""
+    n, heads, hidden = sizes["num_hidden_layers"], sizes["num_attention_heads"], sizes["hidden_size"]
+    pattern = _layer_pattern(config, where, arch, n)
+    if window == 0 or pattern == 1:  # no layer slides
+        window, pattern = 0, 0
+    caps = {key: 0.0 if config.get(key) is None else _positive(config, key, where, 0.0)
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    if arch == "gemma3" and caps["attn_logit_softcapping"]:  # transformers' Gemma3Attention never applies it
+        caps["attn_logit_softcapping"] = 0.0
+    theta, local, scaling = _gemma_rope(config, where, arch)
+    return ModelConfig(arch=arch, n_layer=n, n_head=heads, n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
+                       head_width=0 if head_dim * heads == hidden else head_dim,
+                       intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
+                       vocab_size=sizes["vocab_size"], rope_theta=theta, rope_local_theta=local,
+                       norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
+                       sliding_window=window, sliding_window_pattern=pattern,
+                       query_pre_attn_scalar=_count(config, "query_pre_attn_scalar", where, default=256),
+                       attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
+                       **scaling)
+
+
+def _layer_pattern(config: dict, where: str, arch: str, n: int) -> int:
+    """Every how many layers one is global (0: none is), from `layer_types` or, without it, the pattern transformers
+    fills it from (Gemma 2: 2; Gemma 3: sliding_window_pattern). CheckpointError for layer types that no pattern
+    gives."""
+    types = config.get("layer_types")
+    if types is None:
+        return 2 if arch == "gemma2" else _count(config, "sliding_window_pattern", where, default=6)
+    if not (isinstance(types, list) and len(types) == n and all(t in LAYER_TYPES for t in types)):
+        raise CheckpointError(f"{where}: layer_types must list {n} of {' or '.join(LAYER_TYPES)}, got {types!r}")
+    for pattern in range(n + 1):
+        if types == ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(n)]:
+            return pattern
+    raise CheckpointError(f"{where}: layer_types {types!r} do not alternate as zerotrain's do (every N-th layer "
+                          "global, the others sliding)")
+
+
+def _gemma_rope(config: dict, where: str, arch: str) -> tuple[float, float, dict]:
+    """(rope_theta, rope_local_theta, rope scaling settings): from transformers 5's rope_parameters (Gemma 3's per
+    layer type) or the published rope_theta, rope_local_base_freq and rope_scaling."""
+    rope = _table(config, "rope_parameters", where)
+    if arch == "gemma3":
+        if "full_attention" in rope or "sliding_attention" in rope:
+            full, local = (_table(rope, key, f"{where} rope_parameters") for key in LAYER_TYPES[::-1])
+            if local.get("rope_type", "default") != "default":
+                raise CheckpointError(f"{where}: rope_parameters sliding_attention has rope_type "
+                                      f"{local['rope_type']!r}; zerotrain's gemma3 rotates its sliding layers "
+                                      "unscaled ('default')")
+            return (_positive(full, "rope_theta", f"{where} rope_parameters full_attention", 1000000.0),
+                    _positive(local, "rope_theta", f"{where} rope_parameters sliding_attention", 10000.0),
+                    _rope_settings({"rope_parameters": full}, where, gemma=True))
+        local_theta = _positive(config, "rope_local_base_freq", where, 10000.0)
+    else:
+        local_theta = 0.0
+    theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
+        _positive(config, "rope_theta", where, 10000.0)
+    return theta, local_theta, _rope_settings(config, where, gemma=True)
+
+
 ROPE_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _rope_settings(config: dict, where: str) -> dict:
+def _rope_settings(config: dict, where: str, gemma: bool = False) -> dict:
     """ModelConfig's rope scaling settings from `rope_scaling` (published configs, older transformers) or, where
     that is absent or null, `rope_parameters` (transformers 5); CheckpointError naming a rope type zerotrain does
     not implement, or a llama3 field missing or out of range."""
@@ -285,6 +417,8 @@ def _rope_settings(config: dict, where: str) -> dict:
                               "zerotrain rotates the whole head (1.0)")
     if kind == "default":
         return {}
+    if kind == "linear" and gemma:
+        return dict(rope_scaling="linear", rope_factor=_positive(scaling, "factor", f"{where} {key}", 0.0))
     if kind != "llama3":
         raise CheckpointError(f"{where}: {key} has rope_type {kind!r}, which zerotrain does not implement (it has "
                               "'default' and 'llama3')")

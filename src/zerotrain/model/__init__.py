@@ -1,5 +1,6 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
-Phi-3), the layers both share (layers.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
+Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (layers.py), and sampling
+(generate.py). `build_model`, `plan` and `parallelize` pick
 the architecture from the config's `arch`."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .llama import Llama
 # Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
 ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY}}
 ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-              "phi3": "Phi-3"}  # how messages name them
+              "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3"}  # how messages name them
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -14,9 +14,16 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  SwiGLU MLP    4 BTF a                              gate, silu(gate), up, their product
                  q/k norms     (H + KV) x (BTD 4 + BT 4 + BTD a)    Qwen3: fp32 input, rsqrt, normalized, per head
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
+    Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
+                 RMSNorms       + 2 BTC a                           the two outputs a linear reads
+                 attention      as Llama's with SDPA or FlexAttention; Gemma 2's soft-capped scores on the mask
+                                path: 4 BTHD a + BHTT (a + 4)       q, k and v at H heads, output; capped scores,
+                                (+ BHTT a in bf16)                  fp32 probabilities (and their bf16 copy)
+                 GeGLU MLP      4 BTF a                             as SwiGLU's
+                 q/k norms      (H + KV) x (2 BTD 4 + BT 4) + 2 D 4 Gemma 3's, (1 + w)
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
-                 tables 2 TD 4), the final norm as a block's, and the loss: fp32 log-probabilities BTV 4,
-                 targets BT 8.
+                 tables 2 TD 4, twice for Gemma 3's two bases), the final norm as a block's, and the loss: fp32
+                 log-probabilities BTV 4, targets BT 8; Gemma 2's soft-capped logits, tanh's output BTV a.
     packed       records in a batch (segments): positions and rotary tables per row (B times the above:
                  GPT-2's positions BT 8, Llama's tables 2 BTD 4 and in bf16 its casts 4 BTD a per block) and
                  the document mask, built once per forward and saved by every layer's SDPA as one storage:
@@ -25,7 +32,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  has no backward on CPU).
     window       Mistral's sliding window shorter than T, without records: the window's mask, one row shared by the
                  batch, as the records' (T T a, or FlexAttention's tables at B = 1); with records, the records'
-                 mask holds the window too, at no extra bytes.
+                 mask holds the window too, at no extra bytes. Gemma's sliding and global layers each have their
+                 own mask (two storages); soft-capped scores on the mask path only add theirs, which keeps nothing
+                 (recomputed blocks' checkpoints keep it as an argument).
     GQA repeat   where attend copies the KV heads to the query heads (layers.repeats_kv_heads: CUDA fp32, or an
                  explicit mask on CUDA), SDPA saves k and v at H heads: 2 BT (H - KV) D a more per block.
 
@@ -56,6 +65,7 @@ import torch
 from zerotrain.config import ModelConfig
 
 from . import layers
+from .llama import rope_local, rope_scaling
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
 INDEX = 8  # bytes: int64 token ids, positions and targets
@@ -193,6 +203,39 @@ def llama_block(s: RankShape, qk_norm: bool = False) -> int:
     return 2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
 
 
+def gemma_norm(s: RankShape) -> int:
+    """Gemma's (1 + w) RMSNorm, all in fp32: the fp32 input (x itself in fp32, a copy in bf16), rsqrt per token, the
+    normalized input in fp32 and the gain 1 + w (C, fp32), both saved by their product; its output is counted where
+    it is read (by a linear: saved; by the residual add: not)."""
+    return 2 * s.BT * s.C * FP32 + s.BT * FP32 + s.C * FP32
+
+
+def gemma_qk_norms(s: RankShape) -> int:
+    """Gemma 3's (1 + w) RMSNorm of each q and k head: as gemma_norm per head and token, with one gain of D each."""
+    rows = s.BT * (s.heads + s.kv_heads)
+    return 2 * rows * s.head_dim * FP32 + rows * FP32 + 2 * s.head_dim * FP32
+
+
+def softcapped_attention(s: RankShape) -> int:
+    """Gemma 2's attention with explicit scores (layers.softcapped_attention): q, and k and v copied to the query
+    heads (B, heads, T, D); the capped scores (tanh's output) and the fp32 probabilities (B, heads, T, T), in bf16
+    also their bf16 copy (the value matmul's input); the output reshaped for the output projection."""
+    probabilities = FP32 + (s.act if s.act != FP32 else 0)
+    return 4 * s.BT * s.heads * s.head_dim * s.act + s.B * s.heads * s.T * s.T * (s.act + probabilities)
+
+
+def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
+    """Four norms, the outputs of the two that a linear reads (input and pre-feedforward), the attention (explicit
+    soft-capped scores where `eager`), GeGLU (as SwiGLU: gate, gelu(gate), up, product)."""
+    return (4 * gemma_norm(s) + 2 * s.BT * s.C * s.act + (softcapped_attention(s) if eager else attention(s))
+            + rotary_casts(s) + swiglu_mlp(s) + (gemma_qk_norms(s) if qk_norm else 0))
+
+
+def final_softcap(s: RankShape) -> int:
+    """Gemma 2's soft-capped logits: tanh's output (B*T, V) in the activation dtype."""
+    return s.BT * s.vocab * s.act
+
+
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
                      recompute: str = "none", device: str = "cpu", documents: bool = False) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
@@ -213,33 +256,57 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     for what, n in (("n_head", cfg.n_head), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
-    windowed = 0 < cfg.sliding_window < seq_len  # a mask even without records (layers.window_attention)
-    kernel = layers.document_kernel(device, cfg.head_dim) if documents or windowed else ""
-    # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
-    repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex"
-                and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
-    s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp,
-                  kv_heads=layers.kv_heads_per_rank(cfg.kv_heads, tp),  # 1 where TP replicates each KV head
-                  head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size, act=ACTIVATION_BYTES[precision],
-                  position_rows=micro_batch if documents else 1, kv_repeated=repeated, documents=kernel,
-                  mask_rows=micro_batch if documents else 1)
     llama = cfg.llama_family
-    if recompute != "none":
-        per_block = block_input(s)
-    else:
-        per_block = llama_block(s, cfg.qk_norm) if llama else gpt2_block(s)
-    # Token ids, saved by the embedding lookup; the document mask, saved by every SDPA (and, recomputed, by every
-    # block's checkpoint, which saves its tensor arguments), one storage.
-    embedding = s.BT * INDEX + document_mask(s)
+    # Each window the layers attend within (0: global; Gemma's alternate), with the mask it is given, built once per
+    # forward and shared by its layers (llama.layer_mask): for packed records, a window shorter than T, or soft-capped
+    # scores (which have no causal mask of their own).
+    windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
+    shapes, masks = {}, 0
+    for window in set(windows):
+        masked = documents or 0 < window < seq_len or bool(cfg.attn_softcap)
+        kernel = layers.document_kernel(device, cfg.head_dim) if masked else ""
+        eager = bool(cfg.attn_softcap) and kernel != "flex"  # softcapped_attention: it copies the KV heads itself
+        # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
+        repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex" and not eager
+                    and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
+        s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp,
+                      kv_heads=layers.kv_heads_per_rank(cfg.kv_heads, tp),  # 1 where TP replicates each KV head
+                      head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size,
+                      act=ACTIVATION_BYTES[precision], position_rows=micro_batch if documents else 1,
+                      kv_repeated=repeated, documents=kernel, mask_rows=micro_batch if documents else 1)
+        if recompute != "none":
+            shapes[window] = block_input(s)
+        elif cfg.gemma:
+            shapes[window] = gemma_block(s, cfg.qk_norm, eager)
+        else:
+            shapes[window] = llama_block(s, cfg.qk_norm) if llama else gpt2_block(s)
+        # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves
+        # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
+        if recompute != "none" or not eager:
+            masks += document_mask(s)
+    per_block = max(shapes.values())
+    # Token ids, saved by the embedding lookup (Gemma's scale is a number: its product keeps nothing); the masks.
+    embedding = s.BT * INDEX + masks
     if llama and recompute == "none" and precision == "fp32":
-        # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none).
-        embedding += rotary_tables(s)
+        # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none): one
+        # pair per rotary base the layers use (Gemma 3's sliding layers have their own).
+        embedding += rotary_tables(s) * rotary_bases(cfg, windows)
     if not llama:
         embedding += positions(s)
-    head = rms_norm(s) if llama else layer_norm(s)  # the final norm; its output is the head's input
-    blocks = cfg.n_layer * per_block
+    if cfg.gemma:  # the final norm; its output is the head's input
+        head = gemma_norm(s) + s.BT * s.C * s.act
+    else:
+        head = rms_norm(s) if llama else layer_norm(s)
+    blocks = sum(shapes[window] for window in windows)
     # full: the head and the loss run under a checkpoint whose one input is the final norm's output (counted in
     # `head`); their log-probabilities are computed again in the backward, not kept.
-    total_loss = 0 if recompute == "full" else loss(s)
+    total_loss = 0 if recompute == "full" else loss(s) + (final_softcap(s) if cfg.final_softcap else 0)
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
             "total": blocks + embedding + head + total_loss}
+
+
+def rotary_bases(cfg: ModelConfig, windows: list[int]) -> int:
+    """The rotary tables the layers rotate with: one pair, or two where the sliding layers have their own base
+    (llama.rope_local) and both kinds of layer are there."""
+    own = rope_local(cfg) != (cfg.rope_theta, rope_scaling(cfg))
+    return 2 if own and any(windows) and not all(windows) else 1

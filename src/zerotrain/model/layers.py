@@ -272,8 +272,18 @@ class Llama3Scaling:
         return torch.where(in_between, between, out)
 
 
+@dataclass(frozen=True)
+class LinearScaling:
+    """Linear rope scaling (Gemma 3's global layers): every frequency `factor` times slower, positions interpolated."""
+
+    factor: float
+
+    def rescale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        return inv_freq / self.factor
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
-                  scaling: Llama3Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scaling: Llama3Scaling | LinearScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of rotary embeddings at `positions`, in fp32, rotate-half layout: frequency i at columns i and
     i + head_dim / 2. Positions (T,) give tables (T, head_dim), shared by the batch; positions (B, T) of packed
     records give (B, 1, T, head_dim), one table per row, shared by its heads. `scaling` rescales the
@@ -323,12 +333,15 @@ class KVCache:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-           documents: torch.Tensor | BlockMask | None = None, window: int = 0) -> torch.Tensor:
+           documents: torch.Tensor | BlockMask | None = None, window: int = 0, scale: float | None = None,
+           softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k and v (B, KV, T, D), KV dividing H (each KV head serves H / KV
     query heads); with a cache, k and v are appended to it first and q continues its positions. `documents`
     (from document_attention or window_attention, built once per forward) restricts each token to the earlier
     tokens of its own record and of its window. `window` applies to a cache's positions: each query sees at most
-    this many keys, its own included (0: all); without a cache the window is the `documents` mask's, built once."""
+    this many keys, its own included (0: all); without a cache the window is the `documents` mask's, built once.
+    `scale`: the scores' factor (None: 1 / sqrt(D)); `softcap`: the scores soft-capped (Gemma 2's), which SDPA
+    cannot do: FlexAttention's score_mod with a block mask, else the explicit scores (softcapped_attention)."""
     past = 0
     if cache is not None:
         if documents is not None:
@@ -339,15 +352,49 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     if isinstance(documents, BlockMask):
         # Inside a compiled model (--compile) the model's graph compiles flex_attention with it.
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-        return flex(q, k, v, block_mask=documents, enable_gqa=grouped)
+        return flex(q, k, v, block_mask=documents, enable_gqa=grouped, scale=scale,
+                    score_mod=tanh_score_mod(softcap) if softcap else None)
     mask = documents if documents is not None else \
         _causal_mask(past, q.shape[2], q.device, window if cache is not None else 0)
+    if softcap:
+        if mask is None:  # every earlier key: the scores are explicit here, so is the causal mask
+            mask = torch.ones(q.shape[2], past + q.shape[2], dtype=torch.bool, device=q.device).tril(past)
+        return softcapped_attention(q, k, v, mask, scale, softcap)
     if grouped and repeats_kv_heads(q.device.type, q.dtype, masked=mask is not None):
         k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         grouped = False
     # enable_gqa: each KV head serves its group of query heads without copies of k and v
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and past == 0,
-                                          enable_gqa=grouped)
+                                          enable_gqa=grouped, scale=scale)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): x squashed into (-cap, cap), near x where |x| << cap (Gemma 2's attention scores and
+    logits); x itself for cap 0. In transformers' order of operations, so that the values are its own."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+                         cap: float) -> torch.Tensor:
+    """softmax(soft_cap(q k^T scale, cap) + mask) v with the scores explicit, as transformers' eager attention: the
+    kernel of soft-capped scores where FlexAttention does not run (CPU, narrow heads, the KV cache). `mask`: additive
+    (document_mask) or boolean (True: attend). Costs the scores: autograd keeps the capped scores and the fp32
+    probabilities (B, H, T, T) and k and v copied to the query heads (activation_memory.softcapped_attention)."""
+    n = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n), repeat_kv(v, n)
+    scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * (scale or q.shape[-1] ** -0.5), cap)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@functools.cache
+def tanh_score_mod(cap: float):
+    """FlexAttention's score_mod for soft-capped scores (one function per cap, so compiled once)."""
+
+    def capped(score, b, h, q, kv):
+        return torch.tanh(score / cap) * cap
+
+    return capped
 
 
 def repeats_kv_heads(device_type: str, dtype: torch.dtype, masked: bool = False) -> bool:
@@ -490,6 +537,12 @@ def tied_head_hook(head: str, embedding: str):
     return hook
 
 
+def head_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The logits of the final norm's output `h`: the head's, soft-capped where the model caps them (Gemma 2's
+    final_softcap). Every path to the logits goes through here: the model's forward and the recomputed head."""
+    return soft_cap(model.lm_head(h), model.cfg.final_softcap)
+
+
 def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, recompute: bool,
               segments: torch.Tensor | None = None) -> torch.Tensor:
     """loss(model(idx, segments=segments), targets); with `recompute` (--activation-checkpointing full, while
@@ -503,7 +556,7 @@ def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, 
         return loss(model(idx, segments=segments), targets)
 
     def recomputed_head(h: torch.Tensor) -> torch.Tensor:
-        return checkpoint(lambda h: loss(model.lm_head(h), targets), h, use_reentrant=False)
+        return checkpoint(lambda h: loss(head_logits(model, h), targets), h, use_reentrant=False)
 
     return model(idx, segments=segments, head=recomputed_head)
 

@@ -1,5 +1,5 @@
 """The Llama-family decoder: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention; Qwen2, Qwen3, Mistral,
-Phi-3.
+Phi-3, Gemma 2 and Gemma 3.
 
 Its members are options of this one decoder, as the config's `arch` implies them (config.LLAMA_FAMILY):
 
@@ -9,12 +9,19 @@ Its members are options of this one decoder, as the config's `arch` implies them
              wider than n_embd / n_head (--head-width)
     mistral  each token attends to the last `sliding_window` tokens only (0: to all), in training and in the cache
     phi3     Mistral's window; its files stack q, k, v (and gate, up) in one matrix, which hub/mapping.py splits
+    gemma2   Gemma's block (model/gemma.py): (1 + w) RMSNorms in fp32, before and after the attention and the MLP
+             (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm),
+             GeGLU, the embedding scaled by sqrt(width); scores scaled by 1 / sqrt(query_pre_attn_scalar); sliding
+             and global layers alternating (every sliding_window_pattern-th layer global); the attention scores
+             and the final logits soft-capped (layers.soft_cap)
+    gemma3   Gemma 2's block without the soft-caps, with (1 + w) q/k norms as Qwen3's, and its sliding layers'
+             own rotary base (rope_local_theta, unscaled; the global layers take rope_theta and the rope scaling)
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`MistralForCausalLM` names (the same scheme) and every matrix is stored as it is there (nn.Linear's (out, in)),
-so the mapping to and from Hugging Face (hub/mapping.py) is the identity. Rotary embeddings follow Hugging Face's
-rotate-half convention: imported q and k weights need no permutation. The head is tied to the token embedding
-unless `tie_embeddings` is off.
+`MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored
+as it is there (nn.Linear's (out, in)), so the mapping to and from Hugging Face (hub/mapping.py) is the identity.
+Rotary embeddings follow Hugging Face's rotate-half convention: imported q and k weights need no permutation. The
+head is tied to the token embedding unless `tie_embeddings` is off.
 """
 
 from __future__ import annotations
@@ -27,24 +34,33 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, RMSNorm, RowParallelLinear, TPSlice, apply_rotary,
-                     attend, blocks, copy_to_tp, document_attention, kv_head_blocks, new_positions, rotary_tables,
-                     run_block, tied_head_hook, window_attention)
+from . import layers
+from .gemma import GemmaRMSNorm, embedding_scale, geglu
+from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
+                     apply_rotary, attend, blocks, copy_to_tp, document_attention, head_logits, kv_head_blocks,
+                     new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
+
+
+def member_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The member's RMSNorm: Gemma's (1 + w) or Llama's."""
+    return GemmaRMSNorm(dim, cfg.norm_eps) if cfg.gemma else RMSNorm(dim, cfg.norm_eps)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         C, D = cfg.n_embd, cfg.head_dim
-        self.head_dim, self.window = D, cfg.sliding_window
+        self.head_dim, self.window = D, cfg.sliding_window if cfg.sliding(layer) else 0
+        self.scale = cfg.attn_scale if cfg.query_pre_attn_scalar else None  # None: SDPA's 1 / sqrt(head_dim)
+        self.softcap = cfg.attn_softcap
         self.tp_comm = None  # under TP: q, k and v share one all-reduce of their input's gradient (parallelize)
         self.q_proj = nn.Linear(C, cfg.n_head * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, cfg.norm_eps)
-            self.k_norm = RMSNorm(D, cfg.norm_eps)
+            self.q_norm = member_norm(cfg, D)
+            self.k_norm = member_norm(cfg, D)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
@@ -55,12 +71,12 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = normalize_heads(self.q_norm, q, self.tp_comm), normalize_heads(self.k_norm, k, self.tp_comm)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        y = attend(q, k, v, cache, layer, documents, self.window)
+        y = attend(q, k, v, cache, layer, documents, self.window, self.scale, self.softcap)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def normalize_heads(norm: RMSNorm, x: torch.Tensor, comm) -> torch.Tensor:
-    """Qwen3's RMSNorm of each head of x (B, heads, T, D), one gain of D shared by the heads.
+def normalize_heads(norm: nn.Module, x: torch.Tensor, comm) -> torch.Tensor:
+    """Qwen3's (Gemma 3's) RMSNorm of each head of x (B, heads, T, D), one gain of D shared by the heads.
 
     Under TP a rank normalizes its own heads only, so the gain's gradient is a partial sum over the TP group
     (`comm`): copy_to_tp all-reduces it, and the replicated gain stays equal on every rank.
@@ -72,24 +88,39 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tp_comm = None  # as LlamaAttention's: gate and up share one all-reduce
+        self.gated = geglu if cfg.gemma else swiglu
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_width, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_width, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_width, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp_comm)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm attention and MLP; Gemma's also normalizes each one's output before the residual adds it
+    (its post_attention_layernorm is that, where Llama's is the MLP's input norm)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.input_layernorm = member_norm(cfg, cfg.n_embd)
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.post_attention_layernorm = member_norm(cfg, cfg.n_embd)
         self.mlp = LlamaMLP(cfg)
+        if cfg.gemma:
+            self.pre_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
+            self.post_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
 
     def forward(self, x, rotary, cache: KVCache | None = None, layer: int = 0, documents=None) -> torch.Tensor:
+        if hasattr(self, "pre_feedforward_layernorm"):  # Gemma
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cache, layer,
+                                                                 documents))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -103,8 +134,8 @@ class Llama(nn.Module):
         self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            layers=nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer)),
-            norm=RMSNorm(cfg.n_embd, cfg.norm_eps),
+            layers=nn.ModuleList(LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)),
+            norm=member_norm(cfg, cfg.n_embd),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -129,43 +160,77 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 segments: torch.Tensor | None = None, head=None) -> torch.Tensor:
         """Logits of shape (batch, time, vocab); with a cache, segments (packed records) or a head, as GPT's."""
-        return (head or self.lm_head)(self.hidden(idx, cache, segments))
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else head_logits(self, h)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
+        cfg = self.cfg
         x = self.model.embed_tokens(idx)
-        positions = new_positions(idx, cache, self.cfg.positions, segments)
-        rotary = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, rope_scaling(self.cfg))
-        window = self.cfg.sliding_window
-        if segments is not None:
-            documents = document_attention(segments, x.dtype, self.cfg.head_dim, window)
-        else:  # with a cache, attend applies the window to the cached positions itself
-            documents = None if cache is not None else window_attention(idx.shape[1], window, x.dtype, x.device,
-                                                                         self.cfg.head_dim)
+        if cfg.gemma:
+            x = x * embedding_scale(cfg.n_embd, x.dtype)
+        positions = new_positions(idx, cache, cfg.positions, segments)
+        rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+        local = rope_local(cfg)  # the sliding layers': their own tables only where they differ (Gemma 3's)
+        sliding_rotary = rotary if local == (cfg.rope_theta, rope_scaling(cfg)) else \
+            rotary_tables(positions, cfg.head_dim, *local)
+        windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
+        masks = {window: layer_mask(cfg, idx, x.dtype, cache, segments, window) for window in set(windows)}
         for layer, block in enumerate(self.model.layers):
-            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, documents)
+            x = run_block(block, self.recompute_blocks and cache is None, x,
+                          sliding_rotary if windows[layer] else rotary, cache, layer, masks[windows[layer]])
         if cache is not None:
             cache.length += idx.shape[1]
         return self.model.norm(x)
 
 
-def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | None:
+def layer_mask(cfg: ModelConfig, idx: torch.Tensor, dtype: torch.dtype, cache: KVCache | None,
+               segments: torch.Tensor | None, window: int):
+    """What attend takes for the layers of `window` (0: global), built once per forward and shared by them: the
+    records' mask (with the window), the window's, or None for SDPA's own causal mask. With a cache, None: attend
+    applies the window to the cached positions itself. Soft-capped scores (Gemma 2) are computed explicitly or by
+    FlexAttention, neither of which has a causal mask of its own: theirs is built here too."""
+    if segments is not None:
+        return document_attention(segments, dtype, cfg.head_dim, window)
+    if cache is not None:
+        return None
+    T = idx.shape[1]
+    mask = window_attention(T, window, dtype, idx.device, cfg.head_dim)
+    if mask is None and cfg.attn_softcap:  # causal: a window of the whole row, or one record spanning it
+        if layers.document_kernel(idx.device.type, cfg.head_dim) == "flex":
+            return layers.window_block_mask(T, T, idx.device)
+        return layers.document_mask(torch.zeros(1, T, dtype=torch.long, device=idx.device), dtype)
+    return mask
+
+
+def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | LinearScaling | None:
     """The rotary frequencies' scaling the config names (--rope-scaling), or None."""
     if cfg.rope_scaling == "none":
         return None
+    if cfg.rope_scaling == "linear":
+        return LinearScaling(cfg.rope_factor)
     return Llama3Scaling(cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                          cfg.rope_original_context)
+
+
+def rope_local(cfg: ModelConfig) -> tuple[float, Llama3Scaling | LinearScaling | None]:
+    """The sliding layers' rotary base and scaling: Gemma 3's local base (--rope-theta without one), unscaled; every
+    other member's sliding layers rotate as its global ones."""
+    if cfg.arch == "gemma3":
+        return cfg.rope_local_theta or cfg.rope_theta, None
+    return cfg.rope_theta, rope_scaling(cfg)
 
 
 def init_rule(cfg: ModelConfig, name: str):
     """How parameter `name` starts (model/init.py draws it): ("normal", std), ("uniform", bound) or "ones".
 
-    Hugging Face's initialisation: N(0, 0.02) matrices and embeddings, unit norm gains. Qwen2's q, k and v biases
-    keep nn.Linear's own init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as zerotrain's Llama always gave them.
+    Hugging Face's initialisation: N(0, 0.02) matrices and embeddings, unit norm gains (Gemma's: a zero weight, its
+    gain is 1 + weight). Qwen2's q, k and v biases keep nn.Linear's own init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as
+    zerotrain's Llama always gave them.
     """
-    if name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, norm, q_norm, k_norm
-        return "ones"
+    if name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, norm, q_norm, k_norm, Gemma's too
+        return "zeros" if cfg.gemma else "ones"
     if name.endswith(".bias"):
         return ("uniform", 1 / math.sqrt(cfg.n_embd))
     return ("normal", 0.02)
@@ -174,7 +239,7 @@ def init_rule(cfg: ModelConfig, name: str):
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads
 # (r*KV/T ..: the KV heads its q heads attend with; with T a multiple of KV, head r // (T/KV), replicated on T/KV
 # ranks), o_proj row-parallel over the matching input columns; gate_proj and up_proj column-parallel, down_proj
-# row-parallel. Embedding, norms and head are replicated.
+# row-parallel. Embedding, norms (Gemma's four per block and its q/k norms too) and head are replicated.
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:

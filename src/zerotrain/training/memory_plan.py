@@ -56,6 +56,7 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
 from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
+from zerotrain.model.layers import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
@@ -159,7 +160,8 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
           embedding; the final norm's output (the frozen head's input); Llama's normalized inputs of its RMSNorms
           (a frozen gain's); a linear's input that no adapter reads (the norms' outputs, before q/k/v and gate/up;
           the MLP's down-projection input); the first norm's internals (its input, the embedding's output, needs
-          no gradient)
+          no gradient); Gemma's (1 + w) norms keep their normalized input in fp32 (its q/k norms' too), which a
+          frozen gain does not need either
 
     Recomputed blocks keep only their inputs: then the embedding's and the head's inputs alone differ.
     """
@@ -169,14 +171,22 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
     B, T, C = micro_batch, m.seq_len, m.n_embd
     BTC, BTF = B * T * C * size, B * T * m.ffn_width // cfg.parallel.tp * size
     fewer = B * T * INDEX + (T * INDEX if m.arch == "gpt2" else 0)  # the embedding's ids and positions
-    fewer += BTC if m.arch == "llama" else 0  # the final RMSNorm's normalized input
+    normalized = B * T * C * FP32 if m.gemma else BTC  # what an RMSNorm keeps for its gain's gradient alone
+    fewer += normalized if m.arch == "llama" or m.gemma else 0  # the final RMSNorm's normalized input
     if cfg.parallel.activation_checkpointing == "full":
         return -fewer  # the head runs under a checkpoint too, which saves its input either way
     fewer += BTC  # the head's input
     if cfg.parallel.activation_checkpointing == "blocks":
         return -fewer
     targets = set(cfg.lora.modules(m.arch))
-    if m.arch == "llama":
+    if m.gemma:  # four norms a block; the first's input, rsqrt and gain (1 + w); q/k norms per head
+        fewer += (4 * m.n_layer - 1) * normalized + 2 * B * T * C * FP32 + B * T * FP32 + C * FP32
+        if m.qk_norm:
+            heads = m.n_head // cfg.parallel.tp + kv_heads_per_rank(m.kv_heads, cfg.parallel.tp)
+            fewer += m.n_layer * B * T * heads * m.head_dim * FP32
+        unread = [BTC * (not targets & {"q_proj", "k_proj", "v_proj"}), BTC * (not targets & {"gate_proj", "up_proj"}),
+                  BTF * ("down_proj" not in targets)]
+    elif m.arch == "llama":
         fewer += 2 * m.n_layer * BTC + B * T * C * FP32 + B * T * FP32  # normalized; the first's input and rsqrt
         unread = [BTC * (not targets & {"q_proj", "k_proj", "v_proj"}), BTC * (not targets & {"gate_proj", "up_proj"}),
                   BTF * ("down_proj" not in targets)]
