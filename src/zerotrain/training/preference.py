@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +157,12 @@ class Preference:
         folder = self.cfg.checkpoint.dir
         if resumed_from:
             self.record = manifest["dpo_reference"]
-            self.reference = read_reference(os.path.join(os.path.dirname(resumed_from), REFERENCE_FILE), self.record)
+            stored = os.path.join(os.path.dirname(resumed_from), REFERENCE_FILE)
+            self.reference = read_reference(stored, self.record)
+            here = os.path.join(folder, REFERENCE_FILE)  # this run's checkpoints record it: beside them too
+            if comm.rank == 0 and not (os.path.isfile(here) and os.path.samefile(here, stored)):
+                os.makedirs(folder, exist_ok=True)
+                shutil.copyfile(stored, here)
         else:
             self.reference = self.score_reference(engine)
             record = {"file": REFERENCE_FILE, "pairs": len(self.source.pairs), "data": pairs_digest(self.source.pairs),
