@@ -34,10 +34,11 @@ LN2 = float(torch.tensor(math.log(2), dtype=torch.float32))  # -log sigmoid(0) i
 LONG = "The user asks and the assistant answers. " * 3  # makes one prompt longer than the window: cut from the left
 PLAIN = [{"prompt": ("" if i != 3 else LONG) + f"Question {i}: what is {i} plus {i}?", "chosen": f" Answer: {2 * i}.",
           "rejected": f" Answer: {2 * i + 1}."} for i in range(8)]
-CHAT = [{"prompt": [{"role": "system", "content": LONG if i == 5 else "Be brief."},
-                    {"role": "user", "content": f"What is {i} plus {i}?"}],
+# Conversations that fit the window: TRL cuts each row on its own (keep_end), so a cut prompt before completions of
+# other lengths has another context in TRL's chosen row than in its rejected one (zerotrain keeps one prompt a pair)
+CHAT = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
          "chosen": [{"role": "assistant", "content": f"It is {2 * i}."}],
-         "rejected": [{"role": "assistant", "content": f"Maybe {2 * i + 3}, or so."}]} for i in range(8)]
+         "rejected": [{"role": "assistant", "content": f"Maybe {2 * i + 3}."}]} for i in range(8)]
 
 
 @pytest.fixture(scope="module")
