@@ -18,8 +18,8 @@ from model_folders import CHATML, llama_folder, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from zerotrain.config import Config
-from zerotrain.data import preference as pairs_module
-from zerotrain.data.preference import Pair, fit, parse_pair, read_pairs
+from zerotrain.data import pairs as pairs_module
+from zerotrain.data.pairs import Pair, fit, parse_pair, read_pairs
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
 from zerotrain.runtime.launch import run_job

@@ -11,7 +11,7 @@ import sys
 from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, is_mixture,
                                load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
-from zerotrain.data.preference import read_pairs
+from zerotrain.data.pairs import read_pairs
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
 

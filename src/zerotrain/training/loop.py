@@ -309,7 +309,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     starts."""
     engine = build_engine(cfg, comm)
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
-    objective = objective_for(cfg)
+    objective = objective_for(cfg, accumulate_gradients)
     schedule = objective.schedule(mesh)
     model = torch.compile(engine.model) if cfg.loop.compile else engine.model
     val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None

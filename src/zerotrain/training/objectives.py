@@ -7,8 +7,6 @@ sft: sequences of tokens (the data's sources), the loss the mean over the global
 
 from __future__ import annotations
 
-import torch
-
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
 
@@ -16,8 +14,8 @@ from zerotrain.data import BatchSchedule, StepBatch, make_source
 class TokenObjective:
     """--method sft: next-token loss on the data's tokens."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, accumulate):
+        self.cfg, self.accumulate = cfg, accumulate  # the loop's own step, which bench and equivalence share
 
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
@@ -33,26 +31,20 @@ class TokenObjective:
     def prepare(self, engine, comm, manifest: dict, resumed_from: str | None, base: dict | None) -> dict:
         return {}
 
-    def accumulate(self, engine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
-                   saved: list | None = None) -> torch.Tensor:
-        from .loop import accumulate_gradients  # the loop's own step, which bench and equivalence share
-
-        return accumulate_gradients(engine, batch, forward, loss_factor, saved)
-
     def loss_units(self, batch: StepBatch) -> int:
         return batch.global_tokens
 
-    def extras(self) -> torch.Tensor | None:
+    def extras(self) -> None:
         return None
 
     def figures(self, totals: list[float], batch: StepBatch) -> dict:
         return {}
 
 
-def objective_for(cfg: Config):
-    """The objective --method names."""
+def objective_for(cfg: Config, accumulate_tokens):
+    """The objective --method names; `accumulate_tokens` is sft's step (loop.accumulate_gradients)."""
     if cfg.objective.method == "dpo":
         from .preference import Preference
 
         return Preference(cfg)
-    return TokenObjective(cfg)
+    return TokenObjective(cfg, accumulate_tokens)

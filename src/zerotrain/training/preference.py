@@ -39,7 +39,7 @@ from safetensors.torch import load, save
 from zerotrain.checkpoint.stream import sha256_file
 from zerotrain.config import REFERENCE_FREE, Config, ObjectiveConfig
 from zerotrain.data import IGNORE, on_device
-from zerotrain.data.preference import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_pairs
+from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_pairs
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 from zerotrain.model.layers import head_loss
