@@ -124,7 +124,7 @@ def runs(data, group, tmp_path_factory, trl):
         cfg = dpo_config(tmp / name, data, records, **over)
         result = train(cfg, group)
         out[name] = {"losses": [r["loss"] for r in result.records], "records": result.records,
-                     "reference": stored_reference(cfg)}
+                     "reference": stored_reference(cfg), "summary": result.report["summary"]}
 
     run("sigmoid")
     run("ipo", dpo_loss="ipo")
@@ -176,7 +176,9 @@ def test_step_one_with_the_policy_as_reference_is_ln2_exactly_and_moves_after_an
     first = runs["sigmoid"]["records"][0]
     assert first["rewards_chosen"] == first["rewards_rejected"] == first["rewards_accuracy"] == 0
     assert first["pairs"] == 8 and first["logps_chosen"] < 0
-    assert runs["sigmoid"]["records"][-1]["rewards_accuracy"] > 0.5 and runs["sigmoid"]["records"][-1]["rewards_margins"] > 0
+    last = runs["sigmoid"]["records"][-1]
+    assert last["rewards_accuracy"] > 0.5 and last["rewards_margins"] > 0
+    assert runs["sigmoid"]["summary"]["preference"] == {k: last[k] for k in dpo_jobs.FIGURES}
     # the planted reference that follows the policy never moves: the check above fails for it
     assert runs["policy as reference"]["losses"] == [LN2, LN2]
 

@@ -602,12 +602,9 @@ def _check_zero3(cfg: Config) -> None:
 
 
 def _check_dpo(cfg: Config) -> None:
-    """What --method dpo needs: a model to tune (its tokenizer and chat template), records, and a reference it can
-    have."""
+    """What --method dpo needs: one file of records, and a reference it can have (the model to tune, --init-from, is
+    asked for where the pairs are read: cli/flags.py; a plan is made without it)."""
     o = cfg.objective
-    if not cfg.checkpoint.init_from:
-        raise ConfigError("--method dpo tunes a trained model: give it with --init-from (its tokenizer encodes the "
-                          "pairs, its weights are the reference)")
     if is_mixture(cfg.data.source) or cfg.loop.epochs:
         raise ConfigError("--method dpo reads one file of preference pairs in --data and trains --steps: no mixture, "
                           "no --epochs")

@@ -134,7 +134,11 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
     if environment:
         check_environment(cfg)
     if cfg.objective.method == "dpo":  # a file of preference pairs, encoded by the --init-from model's tokenizer
-        read_pairs(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len)
+        if not cfg.checkpoint.init_from and environment:  # a plan (another machine's) needs neither
+            raise ConfigError("--method dpo tunes a trained model: give it with --init-from (its tokenizer encodes "
+                              "the pairs, its weights are the reference)")
+        if cfg.checkpoint.init_from:
+            read_pairs(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len)
     else:
         check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
     if cfg.loop.epochs:  # the steps follow from the records; derived values (warmup) from the steps
