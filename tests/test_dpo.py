@@ -274,7 +274,8 @@ def test_a_resume_with_another_base_is_refused_in_one_line(data, group, tmp_path
 
 def test_an_implicit_prompt_is_the_common_first_messages_and_a_bad_record_is_one_line(data, tmp_path):
     explicit = CHAT[0]
-    implicit = {"chosen": explicit["prompt"] + explicit["chosen"], "rejected": explicit["prompt"] + explicit["rejected"]}
+    implicit = {"chosen": explicit["prompt"] + explicit["chosen"],
+                "rejected": explicit["prompt"] + explicit["rejected"]}
     assert parse_pair(implicit, "x:1") == parse_pair(explicit, "x:1")
     with pytest.raises(ConfigError, match=r"^x:2: not a preference pair"):
         parse_pair({"prompt": "a", "completion": "b"}, "x:2")

@@ -360,8 +360,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                       f"{restart_count() - 1} failed: {cause}")
     stop = stop_request()
     stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
-    return _Run(engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source, faults=faults,
-                stop=stop, detector=detector, policy=policy, checkpointer=checkpointer, metrics=metrics, memory=memory,
+    return _Run(engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source,
+                faults=faults, stop=stop, detector=detector, policy=policy, checkpointer=checkpointer,
+                metrics=metrics, memory=memory,
                 start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan,
                 throughput=throughput, profiler=StepProfiler(cfg.logging.profile_steps, cfg.logging.out, comm.rank,
                                                              rank_device(cfg)))
@@ -502,8 +503,9 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
 def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,
             cfg: Config, step_s: float) -> dict:
     """One step's metrics. tokens: unmasked target tokens of the global batch; batch_*: its capacity."""
+    rows = schedule.global_batch * getattr(schedule.source, "unit", ("sequences", 1))[1]  # pairs: 2 rows each
     record = dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
-                  batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
+                  batch_sequences=rows, batch_tokens=rows * cfg.model.seq_len,
                   step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
     if batch.epoch is not None:  # records read in epochs: which one this step's rows are from
         record["epoch"] = batch.epoch
