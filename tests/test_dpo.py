@@ -222,19 +222,25 @@ def test_the_losses_and_figures_are_the_same_at_every_split_and_a_reference_look
 def test_lora_with_the_live_reference_equals_the_precomputed_one_and_adapters_left_on_are_caught(data, group,
                                                                                                tmp_path, monkeypatch):
     def lora(name, **over):
-        cfg = dpo_config(tmp_path / name, data, steps=3, lora_rank=4, lora_alpha=8.0, **over)
+        cfg = dpo_config(tmp_path / name, data, steps=2, lora_rank=4, lora_alpha=8.0, **over)
         return [r["loss"] for r in train(cfg, group).records]
 
     precomputed, live = lora("pre"), lora("live", dpo_reference="live")
-    assert precomputed[0] == LN2 and max(abs(a - b) for a, b in zip(live, precomputed)) <= 1e-6
+    assert precomputed[0] == LN2 and precomputed[1] < LN2 - 1e-4
+    assert max(abs(a - b) for a, b in zip(live, precomputed)) <= 1e-6
     assert not os.path.exists(tmp_path / "live" / "checkpoints" / preference.REFERENCE_FILE)
     monkeypatch.setattr(preference, "adapters_off", lambda model: torch.no_grad())  # planted: the policy, adapters on
-    assert lora("left on", dpo_reference="live")[1:] == [LN2, LN2]
+    assert lora("left on", dpo_reference="live") == [LN2, LN2]
 
 
-def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_policy_is_caught(data, group, tmp_path,
-                                                                                          monkeypatch):
-    whole = train(dpo_config(tmp_path / "whole", data, steps=4, ckpt_every=2), group)
+@pytest.fixture(scope="module")
+def whole(data, group, tmp_path_factory):
+    """4 steps, a checkpoint every 2: what the resumes below continue."""
+    return train(dpo_config(tmp_path_factory.mktemp("dpo-whole"), data, steps=4, ckpt_every=2), group)
+
+
+def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_policy_is_caught(whole, data, group,
+                                                                                          tmp_path, monkeypatch):
     step2 = whole.checkpoints[0]
     assert step2.endswith("step_00000002")
 
@@ -253,9 +259,8 @@ def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_polic
     assert resumed("rescored")[0] != losses
 
 
-def test_a_resume_with_another_base_is_refused_in_one_line(data, group, tmp_path, capfd):
-    cfg = dpo_config(tmp_path / "first", data, steps=2, ckpt_every=2)
-    step = train(cfg, group).checkpoints[-1]
+def test_a_resume_with_another_base_is_refused_in_one_line(whole, data, tmp_path, capfd):
+    step = whole.checkpoints[0]
     other = tmp_path / "other-base"
     shutil.copytree(data["base"], other)
     weights = load_file(os.path.join(other, "model.safetensors"))
@@ -311,3 +316,16 @@ def test_the_plan_counts_the_doubled_micro_batch_and_the_reference(data, tmp_pat
     sft = plan_module.memory_plan(replace(cfg, objective=replace(cfg.objective, method="sft")), micro_batch=8)
     assert plan.rows["activations"] == sft.rows["activations"] and plan.rows["reference"] == 16 * 8
     assert sft.rows["reference"] == 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    ((), "--method dpo tunes a trained model: give it with --init-from"),
+    (("--init-from", "BASE", "--dpo-reference", "live"), "--dpo-reference live is the base with the adapters off"),
+    (("--init-from", "BASE", "--eval-every", "2"), "--eval-every 2: --method dpo reports its metrics per step"),
+    (("--init-from", "BASE", "--dpo-label-smoothing", "0.5"), "--dpo-label-smoothing must be in [0, 0.5)"),
+])
+def test_a_dpo_run_it_cannot_make_is_refused_in_one_line(data, capfd, tmp_path, argv, says):
+    argv = [data["base"] if a == "BASE" else a for a in argv]
+    done = zerotrain_here(capfd, "train", "--method", "dpo", "--data", data["plain"], "--out", str(tmp_path),
+                          "--no-progress", *argv)
+    assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
