@@ -329,3 +329,23 @@ def test_a_dpo_run_it_cannot_make_is_refused_in_one_line(data, capfd, tmp_path, 
     done = zerotrain_here(capfd, "train", "--method", "dpo", "--data", data["plain"], "--out", str(tmp_path),
                           "--no-progress", *argv)
     assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_each_loss_at_the_reference_is_its_known_value_and_the_reference_free_ones_train_without_one(
+        data, group, tmp_path):
+    cfg = dpo_config(tmp_path / "x", data).objective
+    policy, counts = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]]), torch.tensor([[2.0, 5.0], [4.0, 2.0]])
+    at = {loss: preference.pair_losses(replace(cfg, dpo_loss=loss), policy, policy, counts)[0]
+          for loss in ("sigmoid", "ipo", "hinge")}
+    assert torch.equal(at["sigmoid"], torch.full((2,), LN2)) and torch.equal(at["hinge"], torch.ones(2))
+    assert torch.allclose(at["ipo"], torch.full((2,), (1 / (2 * cfg.dpo_beta)) ** 2))
+    smoothed = preference.pair_losses(replace(cfg, dpo_label_smoothing=0.2), policy, policy, counts)[0]
+    assert torch.allclose(smoothed, torch.full((2,), LN2))  # (0.8 ln 2 - 0.2 ln 2) / 0.6
+    # simpo: the length-normalised margin (-1.5 + 1 = -0.5 and -1 + 1 = 0) less gamma; orpo: its NLL and odds ratio
+    simpo = preference.pair_losses(replace(cfg, dpo_loss="simpo"), policy, None, counts)[0]
+    assert torch.allclose(simpo, -torch.nn.functional.logsigmoid(cfg.dpo_beta * torch.tensor([-0.5, 0.0]) - 0.5))
+    orpo, chosen, _ = preference.pair_losses(replace(cfg, dpo_loss="orpo"), policy, None, counts)
+    assert torch.isfinite(orpo).all() and torch.allclose(chosen, cfg.dpo_beta * torch.tensor([-1.5, -1.0]))
+    result = train(dpo_config(tmp_path / "orpo", data, steps=2, dpo_loss="orpo"), group)
+    assert result.records[1]["loss"] < result.records[0]["loss"]
+    assert not os.path.exists(tmp_path / "orpo" / "checkpoints" / preference.REFERENCE_FILE)
