@@ -443,6 +443,30 @@ class LoraConfig:
         return tuple(m for m in LORA_MODULES[arch] if m in named)
 
 
+METHODS = ("sft", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # losses without a reference model
+
+
+@dataclass
+class ObjectiveConfig:
+    # What a batch is and its loss: training/objectives.py (sft), training/preference.py (dpo).
+    method: str = setting("sft", "what the run trains on: sft (next-token loss on the data's tokens) or dpo "
+                          "(preference pairs {\"prompt\", \"chosen\", \"rejected\"}, with --init-from: docs/dpo.md)",
+                          rule=one_of(*METHODS))
+    dpo_loss: str = setting("sigmoid", "the preference loss of --method dpo: sigmoid (DPO), ipo, hinge, or simpo and "
+                            "orpo (no reference model)", rule=one_of(*DPO_LOSSES))
+    dpo_beta: float = setting(0.1, "DPO's beta: the strength of the KL penalty against the reference (simpo, orpo: "
+                              "their beta, the reward scale and the odds ratio's weight)", rule=POSITIVE)
+    dpo_label_smoothing: float = setting(0.0, "sigmoid loss: the assumed probability that a pair's labels are "
+                                         "flipped (robust DPO's; 0: plain DPO)", rule=Rule("must be in [0, 0.5)",
+                                                                                          lambda v: 0 <= v < 0.5))
+    dpo_reference: str = setting("precomputed", "the reference log-probs: precomputed (from the initial weights, "
+                                 "before step 1, over every pair; stored with the checkpoints) or live (LoRA only: "
+                                 "the base with the adapters off, each step)", rule=one_of("precomputed", "live"))
+    simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", rule=NON_NEGATIVE)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -455,6 +479,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     @property
     def dp(self) -> int:
@@ -492,7 +517,8 @@ class Config:
         return cfg
 
 
-SECTIONS = ("model", "data", "optim", "launch", "parallel", "loop", "logging", "checkpoint", "guard", "lora")
+SECTIONS = ("model", "data", "optim", "launch", "parallel", "loop", "logging", "checkpoint", "guard", "lora",
+            "objective")
 
 
 @dataclass(frozen=True)
@@ -626,6 +652,21 @@ def _check_zero3(cfg: Config) -> None:
             raise ConfigError(f"--zero 3 does not work with {flag} yet: use --zero 2 for it, or leave {flag} out")
 
 
+def _check_dpo(cfg: Config) -> None:
+    """What --method dpo needs: one file of records, and a reference it can have (the model to tune, --init-from, is
+    asked for where the pairs are read: cli/flags.py; a plan is made without it)."""
+    o = cfg.objective
+    if is_mixture(cfg.data.source) or cfg.loop.epochs:
+        raise ConfigError("--method dpo reads one file of preference pairs in --data and trains --steps: no mixture, "
+                          "no --epochs")
+    if o.dpo_reference == "live" and not cfg.lora.rank:
+        raise ConfigError("--dpo-reference live is the base with the adapters off: it needs --lora-rank (full "
+                          "fine-tuning uses the precomputed reference)")
+    if cfg.loop.eval_every:
+        raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo reports its metrics per step; held-out "
+                          "pairs are not evaluated yet")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting against its rule and the settings against each other; change nothing.
 
@@ -701,6 +742,8 @@ def validate(cfg: Config) -> Config:
             if name not in known:
                 raise ConfigError(f"--lora-targets {name!r} is not a linear of --arch {m.arch}'s blocks (they are "
                                   f"{', '.join(known)}, or {ALL_LINEAR})")
+    if cfg.objective.method == "dpo":
+        _check_dpo(cfg)
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg

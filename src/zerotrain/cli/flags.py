@@ -11,6 +11,7 @@ import sys
 from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, is_mixture,
                                load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
+from zerotrain.data.pairs import read_pairs
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
 
@@ -132,7 +133,14 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
     validate(cfg)
     if environment:
         check_environment(cfg)
-    check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
+    if cfg.objective.method == "dpo":  # a file of preference pairs, encoded by the --init-from model's tokenizer
+        if not cfg.checkpoint.init_from and environment:  # a plan (another machine's) needs neither
+            raise ConfigError("--method dpo tunes a trained model: give it with --init-from (its tokenizer encodes "
+                              "the pairs, its weights are the reference)")
+        if cfg.checkpoint.init_from:
+            read_pairs(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len)
+    else:
+        check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
     if cfg.loop.epochs:  # the steps follow from the records; derived values (warmup) from the steps
         if "steps" in given or (args.config and "steps" in toml.get("loop", {})):
             raise ConfigError(f"--epochs {cfg.loop.epochs} and --steps {cfg.loop.steps} both say how long to train: "

@@ -248,3 +248,18 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     model.__dict__.pop("lora", None)
     model.__dict__.pop("lora_rows", None)
     return model
+
+
+@contextmanager
+def adapters_off(model: nn.Module):
+    """Within: every adapter adds nothing (its scale 0: the base's output plus zero is the base's, to the bit), so the
+    model computes as its frozen base: a LoRA run's live preference reference."""
+    modules = [m for m in model.modules() if hasattr(m, "lora_hooks")]
+    scales = [m.lora_scale for m in modules]
+    for m in modules:
+        m.lora_scale = 0.0
+    try:
+        yield
+    finally:
+        for m, scale in zip(modules, scales):
+            m.lora_scale = scale

@@ -48,11 +48,14 @@ class Reduced:
     grad_norm: float
     nonfinite_ranks: list[int]
     decision: Decision
+    extras: list[float] = field(default_factory=list)  # the objective's sums (preference figures), over the ranks
 
 
-def reduce_step(engine, loss_sum: float, *, stop_signal: str | None, saving: SaveFlags) -> Reduced:
-    """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags] once
-    (with the gradient norm's square); `saving` is the checkpointer's flags."""
+def reduce_step(engine, loss_sum: float, *, stop_signal: str | None, saving: SaveFlags,
+                extras: torch.Tensor | None = None) -> Reduced:
+    """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags,
+    extras] once (with the gradient norm's square); `saving` is the checkpointer's flags; `extras` the objective's
+    sums (counted once per TP group, as the loss)."""
     world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
     W = world.world_size
     nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
@@ -63,12 +66,13 @@ def reduce_step(engine, loss_sum: float, *, stop_signal: str | None, saving: Sav
     flags[ASYNC_SLOWER] = saving.async_slower
     # The TP ranks of a replica compute the same loss: only the first one's counts.
     counted_loss = loss_sum if tp_rank == 0 else 0.0
+    extra = torch.zeros(0, dtype=torch.float64) if extras is None else extras.to(torch.float64) * (tp_rank == 0)
     grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
-                                                       failing, flags]))
+                                                       failing, flags, extra]))
     bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
-    decision = decide(totals[1 + 2 * W :], W)
+    decision = decide(totals[1 + 2 * W : 1 + 2 * W + N_FLAGS], W)
     decision.failed_ranks = [r for r, f in enumerate(totals[1 + W : 1 + 2 * W].tolist()) if f != 0]
-    return Reduced(float(totals[0]), grad_norm, bad, decision)
+    return Reduced(float(totals[0]), grad_norm, bad, decision, totals[1 + 2 * W + N_FLAGS :].tolist())
 
 
 def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_done: bool) -> torch.Tensor:

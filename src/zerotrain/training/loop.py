@@ -36,6 +36,7 @@ from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollba
 from .metrics import Metrics, summarize
 from .memory_plan import MemoryPlan, memory_plan, out_of_memory
 from .memory_plan import check as check_plan
+from .objectives import objective_for
 from .profiling import StepProfiler
 from .schedule import lr_at
 from .throughput import Peak, Throughput, peak_flops, peak_memory
@@ -131,7 +132,8 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     return loss_sum
 
 
-def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None) -> tuple[int, dict, str | None]:
+def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None,
+            objective) -> tuple[int, dict, str | None]:
     """Restore the checkpoint the run resumes from: (step, its manifest, folder), or (0, {}, None).
 
     After an elastic restart and with --resume auto, the newest checkpoint in --ckpt-dir that verifies; with --resume
@@ -152,8 +154,8 @@ def _resume(cfg: Config, engine: ZeroEngine, comm: Comm, base: dict | None) -> t
     if spec not in ("", "auto"):
         searches.append((f"--resume {spec}", spec, checkpoint.is_checkpoint_root(spec)))
 
-    def refuse(manifest: dict, path: str) -> str | None:  # the same adapters (or none) on the same base
-        return base_mismatch(manifest, cfg, path, base)
+    def refuse(manifest: dict, path: str) -> str | None:  # the same adapters (or none) on the same base, method
+        return base_mismatch(manifest, cfg, path, base) or objective.refuse(manifest, path, base)
 
     for label, target, search in searches:
         try:
@@ -184,6 +186,7 @@ class _Run:
 
     engine: ZeroEngine
     model: torch.nn.Module  # the engine's model, or its compiled forward (parameters stay views of the flat buffer)
+    objective: object  # what --method trains on (objectives.py): its schedule, step and figures
     schedule: BatchSchedule
     val_source: object | None
     faults: Faults
@@ -272,9 +275,9 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
             count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
-            loss_sum = accumulate_gradients(run.engine, batch, run.model, run.faults.loss_factor(done), count)
+            loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             reduced = _reduce(run, loss_sum)
-            loss, grad_norm = reduced.loss_sum / batch.global_tokens, reduced.grad_norm
+            loss, grad_norm = reduced.loss_sum / run.objective.loss_units(batch), reduced.grad_norm
             # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
             anomaly = run.detector.check(done, loss, grad_norm, reduced.nonfinite_ranks)
             if anomaly:
@@ -285,7 +288,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             run.detector.accept(done, loss, grad_norm)
             _check_after_update(cfg, run, done, after_update)
             step_s = time.perf_counter() - t0
-            _log_step(cfg, run, _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, step_s))
+            record = _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, step_s)
+            _log_step(cfg, run, {**record, **run.objective.figures(reduced.extras, batch)})
             _save_or_stop(run, done, reduced.decision, step_s)
             if reduced.decision.stop:
                 break
@@ -305,8 +309,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     starts."""
     engine = build_engine(cfg, comm)
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
-    schedule = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
-                             rank=mesh.dp_rank, world_size=mesh.dp_size)
+    objective = objective_for(cfg, accumulate_gradients)
+    schedule = objective.schedule(mesh)
     model = torch.compile(engine.model) if cfg.loop.compile else engine.model
     val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
@@ -318,8 +322,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     origin = {}
     if cfg.checkpoint.init_from:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record(comm)}
-    start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"))
+    start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"), objective)
     _continue_data(cfg, comm, schedule, manifest, start)
+    origin.update(objective.prepare(engine, comm, manifest, resumed_from, origin.get("init_from")))
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
@@ -355,8 +360,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                       f"{restart_count() - 1} failed: {cause}")
     stop = stop_request()
     stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
-    return _Run(engine=engine, model=model, schedule=schedule, val_source=val_source, faults=faults,
-                stop=stop, detector=detector, policy=policy, checkpointer=checkpointer, metrics=metrics, memory=memory,
+    return _Run(engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source,
+                faults=faults, stop=stop, detector=detector, policy=policy, checkpointer=checkpointer,
+                metrics=metrics, memory=memory,
                 start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan,
                 throughput=throughput, profiler=StepProfiler(cfg.logging.profile_steps, cfg.logging.out, comm.rank,
                                                              rank_device(cfg)))
@@ -370,7 +376,8 @@ def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
     """
     saving = run.checkpointer.flags()
     reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving,
-                                  stop_signal=run.stop.signal_name if run.stop.requested else None)
+                                  stop_signal=run.stop.signal_name if run.stop.requested else None,
+                                  extras=run.objective.extras())
     failed = reduced.decision.failed_ranks
     if failed:
         if saving.error is not None:
@@ -486,17 +493,19 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     if cfg.lora.rank:  # the engine's are the adapters
         size = (f"{param_count(m):,} parameters, frozen, with LoRA rank {cfg.lora.rank} adapters on "
                 f"{', '.join(cfg.lora.modules(m.arch))}: {engine.param_count:,} trained")
+    unit, rows = getattr(schedule.source, "unit", ("sequences", 1))  # preference pairs: 2 sequences each
     return (f"{ARCH_NAMES[m.arch]} {size} ({m.n_layer} layers, {heads}, width {m.n_embd}, "
-            f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} sequences = "
-            f"{schedule.global_batch * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
+            f"seq {m.seq_len}, vocab {m.vocab_size}); global batch {schedule.global_batch} {unit} = "
+            f"{schedule.global_batch * rows * m.seq_len:,} tokens ({split} x micro {cfg.loop.micro_batch} x "
             f"accum {cfg.loop.accum}); data {data}; run folder {cfg.logging.out}; {where}")
 
 
 def _record(step: int, loss: float, grad_norm: float, lr: float, batch: StepBatch, schedule: BatchSchedule,
             cfg: Config, step_s: float) -> dict:
     """One step's metrics. tokens: unmasked target tokens of the global batch; batch_*: its capacity."""
+    rows = schedule.global_batch * getattr(schedule.source, "unit", ("sequences", 1))[1]  # pairs: 2 rows each
     record = dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=batch.global_tokens,
-                  batch_sequences=schedule.global_batch, batch_tokens=schedule.global_batch * cfg.model.seq_len,
+                  batch_sequences=rows, batch_tokens=rows * cfg.model.seq_len,
                   step_ms=1000 * step_s, tokens_per_s=batch.global_tokens / step_s)
     if batch.epoch is not None:  # records read in epochs: which one this step's rows are from
         record["epoch"] = batch.epoch

@@ -18,7 +18,9 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
-                         (with packed records also their document mask: B T T a on CPU, a block mask on CUDA)
+                         (with packed records also their document mask: B T T a on CPU, a block mask on CUDA;
+                         --method dpo: a micro-batch of B pairs is 2B sequences, chosen and rejected)
+    reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA)
 
@@ -52,7 +54,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from zerotrain.config import Config
+from zerotrain.config import REFERENCE_FREE, Config
+from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
 from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
@@ -69,6 +72,7 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
         ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
+        ("reference", "reference log-probs (DPO)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
 STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights")
 ACTIVATION_TOLERANCE = 0.10
@@ -111,6 +115,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     p, tp = cfg.parallel, cfg.parallel.tp
     dp = (world_size or cfg.launch.nproc) // tp
     B = micro_batch or cfg.loop.micro_batch
+    rows = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.loop.seed)
         if tp > 1:
@@ -141,13 +146,26 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "optimizer_state": shard * 8,
         "master_weights": shard * 4 if p.precision == "bf16" else 0,
         "gradient_buckets": buckets,
-        "activations": activation_bytes(cfg.model, B, cfg.model.seq_len, tp=tp, precision=p.precision,
+        "activations": activation_bytes(cfg.model, rows, cfg.model.seq_len, tp=tp, precision=p.precision,
                                         recompute=p.activation_checkpointing, device=cfg.launch.device,
-                                        documents=documents)["total"] + adapter_activations(cfg, model, B),
+                                        documents=documents)["total"] + adapter_activations(cfg, model, rows),
+        "reference": reference_bytes(cfg),
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
     }
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
+
+
+def reference_bytes(cfg: Config) -> int:
+    """--method dpo with a precomputed reference: every pair's two log-probs (float64) on every rank; 0 otherwise
+    (a live reference is the LoRA base with its adapters off: no memory of its own)."""
+    o = cfg.objective
+    if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE or o.dpo_reference != "precomputed":
+        return 0
+    try:
+        return 16 * sum(1 for _ in iter_records(cfg.data.source))
+    except (ConfigError, OSError):  # a plan made where the data is not
+        return 0
 
 
 def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -> int:
@@ -424,7 +442,7 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
         raise InvariantError(differences[0].line(step))
     for difference in differences:
         on_difference(difference.event(step), difference.line(step, stops=False))
-    rest = sum(v for k, v in plan.rows.items() if k in ("activations", "communication")
+    rest = sum(v for k, v in plan.rows.items() if k in ("activations", "reference", "communication")
                or k == "checkpoint_staging" and plan.device == "cpu")
     device = device_memory(engine.flat_params.device)
     for rank, measured in enumerate(rows):

@@ -16,7 +16,9 @@ from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 
 # What TensorBoard shows of a step record (W&B takes every number in it); a mixture's figures by source as KEY/NAME
-BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu")
+BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu",
+              "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
+              "logps_rejected")  # the last six: --method dpo's
 BY_SOURCE_KEYS = ("source_val_loss", "source_tokens")
 WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
 # A step record's figures the summary gives the median of: the first step's warm-up does not move a median
@@ -195,6 +197,7 @@ def summarize(report: dict) -> dict:
         "last_loss": records[-1]["loss"] if records else None,
         "tokens": sum(r["tokens"] for r in records),
         **_source_tokens(records),
+        **_preference(records),
         "wall_s": round(report["wall_s"], 3),  # of this invocation
         "world_size": report["world_size"],
         "threads_per_rank": report["threads_per_rank"],
@@ -209,6 +212,15 @@ def summarize(report: dict) -> dict:
         "max": {k: max(v) for k, v in per_rank.items()},
         "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
     }
+
+
+PREFERENCE_FIGURES = BOARD_KEYS[-6:]
+
+
+def _preference(records: list[dict]) -> dict:
+    """--method dpo: the last step's preference figures ({"preference": {...}}), or nothing."""
+    last = records[-1] if records else {}
+    return {"preference": {k: last[k] for k in PREFERENCE_FIGURES}} if "rewards_chosen" in last else {}
 
 
 def _source_tokens(records: list[dict]) -> dict:

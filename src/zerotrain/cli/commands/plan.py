@@ -24,6 +24,7 @@ HOW = {
     "master_weights": "{master}",
     "gradient_buckets": "{buckets}",
     "activations": "saved for the backward, {B} x {T} tokens{recompute}",
+    "reference": "{reference}",
     "communication": "{comm}",
     "checkpoint_staging": "{staging}",
 }
@@ -65,6 +66,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def table(cfg: Config, r: dict) -> str:
     p = cfg.parallel
     bf16 = p.precision == "bf16"
+    dpo = cfg.objective.method == "dpo"
     notes = {
         "params": (f"shard x {2 if bf16 else 4} (this rank's chunks{'' if bf16 else ': the fp32 masters'})"
                    if p.zero == 3 else f"P x {2 if bf16 else 4}"),
@@ -83,7 +85,9 @@ def table(cfg: Config, r: dict) -> str:
         "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
                     "two largest buckets x 4" if cfg.loop.accum == 1 or p.grad_reduce == "micro-batch" else
                     "every bucket, through the window"),
-        "B": r["micro_batch"], "T": r["seq_len"],
+        "B": f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"], "T": r["seq_len"],
+        "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
+                     "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",

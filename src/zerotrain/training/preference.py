@@ -1,0 +1,277 @@
+"""Preference tuning (--method dpo): sequence log-probs, the reference, the DPO family's losses, one step's pairs.
+
+A pair's chosen and rejected completions are scored in one forward of one micro-batch (its 2B rows: chosen, then
+rejected): a completion's log-prob is the sum, in fp32, of log p(token) over its tokens (the rows' unmasked
+labels). With the reference's log-probs (r_c, r_r) and the policy's (p_c, p_r), Delta = (p_c - r_c) - (p_r - r_r):
+
+    sigmoid   -log sigmoid(beta Delta); with --dpo-label-smoothing e the robust variant (Chowdhury et al. 2024):
+              (-(1 - e) log sigmoid(beta Delta) + e log sigmoid(-beta Delta)) / (1 - 2e)
+    ipo       ((p_c - r_c) / n_c - (p_r - r_r) / n_r - 1 / (2 beta))^2     n: the completion's tokens (TRL's IPO)
+    hinge     max(0, 1 - beta Delta)
+    simpo     -log sigmoid(beta (p_c / n_c - p_r / n_r) - gamma)            no reference (SimPO)
+    orpo      -p_c / n_c - beta log sigmoid(log odds(p_c / n_c) - log odds(p_r / n_r)),  odds(a) = e^a / (1 - e^a)
+              no reference (ORPO; its NLL term is the pair's chosen mean, so that pairs stay the unit)
+
+The rewards are beta (p - r) (simpo and orpo: beta p / n). Each micro-batch's gradient is of its pairs' summed
+loss over the global batch's pair count, so a step's loss is the mean over the global batch's pairs whatever the
+split: the pairs are the unit, as tokens are for SFT.
+
+The reference is by default precomputed before step 1, from the initial weights, over every pair: each DP replica
+scores its share in micro-batches of --micro-batch pairs, every rank running the same number of forwards (the last
+padded with pair 0: ZeRO-3's gathers are collective), and one all-reduce gives every rank all of them. Rank 0
+stores them beside the checkpoints (dpo_reference.safetensors, keyed by the sha256 of the pairs' tokens and of the
+base's weight files), and every checkpoint's manifest records the file's sha256: a resume reads them back, verified,
+and never scores them again from the trained policy; a resume with another base or other pairs is refused. With
+LoRA, --dpo-reference live scores each micro-batch again with the adapters off: the frozen base, no memory beyond it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load, save
+
+from zerotrain.checkpoint.stream import sha256_file
+from zerotrain.config import REFERENCE_FREE, Config, ObjectiveConfig
+from zerotrain.data import IGNORE, on_device
+from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_pairs
+from zerotrain.durable import write_atomic
+from zerotrain.errors import ConfigError
+from zerotrain.model.layers import head_loss
+from zerotrain.model.lora import adapters_off, dropout_rows
+
+from .activations import saved_for_backward
+
+REFERENCE_FILE = "dpo_reference.safetensors"
+# The sums each step reduces, per pair: what the step's record reports as their means over the global batch
+STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
+LOSS_SUM_DTYPE = torch.float64
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[2, rows]: each row's summed log p(label) over its unmasked labels, in fp32, and how many there are."""
+    rows, T = labels.shape
+    token = -F.cross_entropy(logits.float().reshape(rows * T, -1), labels.reshape(-1), ignore_index=IGNORE,
+                             reduction="none").view(rows, T)
+    return torch.stack([token.sum(dim=1), (labels != IGNORE).sum(dim=1).float()])
+
+
+def pair_losses(o: ObjectiveConfig, policy: torch.Tensor, reference: torch.Tensor | None,
+                counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each pair's loss, chosen rewards, rejected rewards) from [2, B] policy log-probs (chosen, rejected), the
+    reference's (None for simpo and orpo) and the completions' token counts."""
+    beta, (p_c, p_r), (n_c, n_r) = o.dpo_beta, policy, counts
+    if o.dpo_loss in REFERENCE_FREE:
+        a_c, a_r = p_c / n_c, p_r / n_r
+        if o.dpo_loss == "simpo":
+            loss = -F.logsigmoid(beta * (a_c - a_r) - o.simpo_gamma)
+        else:  # orpo: log odds(a) = a - log(1 - e^a)
+            log_odds = (a_c - a_r) - (torch.log1p(-torch.exp(a_c)) - torch.log1p(-torch.exp(a_r)))
+            loss = -a_c - beta * F.logsigmoid(log_odds)
+        return loss, beta * a_c.detach(), beta * a_r.detach()
+    ratio_c, ratio_r = p_c - reference[0], p_r - reference[1]
+    delta = ratio_c - ratio_r
+    if o.dpo_loss == "sigmoid":
+        e = o.dpo_label_smoothing
+        loss = -F.logsigmoid(beta * delta)
+        if e:
+            loss = ((1 - e) * loss + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
+    elif o.dpo_loss == "ipo":
+        loss = (ratio_c / n_c - ratio_r / n_r - 1 / (2 * beta)) ** 2
+    else:  # hinge
+        loss = torch.relu(1 - beta * delta)
+    return loss, beta * ratio_c.detach(), beta * ratio_r.detach()
+
+
+def pair_stats(policy: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """The STATS of a micro-batch's pairs, summed (float64)."""
+    return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), policy[0].sum(),
+                        policy[1].sum()]).detach().to(LOSS_SUM_DTYPE)
+
+
+class Preference:
+    """The --method dpo objective: what the loop asks of a method (its schedule, its step's gradients and loss, the
+    figures of its record), and the reference it keeps."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.o = cfg, cfg.objective
+        self.reference: torch.Tensor | None = None  # [pairs, 2] float64: the precomputed reference's log-probs
+        self.record: dict = {}  # what the manifests record of the stored reference
+        self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
+        self.source: PreferenceSource | None = None
+
+    @property
+    def precomputed(self) -> bool:
+        return self.o.dpo_loss not in REFERENCE_FREE and self.o.dpo_reference == "precomputed"
+
+    @property
+    def live(self) -> bool:
+        return self.o.dpo_loss not in REFERENCE_FREE and self.o.dpo_reference == "live"
+
+    def schedule(self, mesh) -> PreferenceSchedule:
+        cfg = self.cfg
+        pairs, counts = read_pairs(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len)
+        self.source = PreferenceSource(pairs, counts, cfg.model.seq_len, cfg.loop.seed, cfg.global_batch,
+                                       f"--data {cfg.data.source}")
+        return PreferenceSchedule(self.source, micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
+                                  rank=mesh.dp_rank, world_size=mesh.dp_size)
+
+    def loss_units(self, batch: PairBatch) -> int:
+        return batch.global_pairs
+
+    # ------------------------------------------------------------------ the reference
+
+    def refuse(self, manifest: dict, path: str, base: dict | None) -> str | None:
+        """Why the checkpoint at `path` cannot be resumed by this run: another method, or its stored reference was
+        scored on another base or other pairs (rank 0 asks, before anything is read)."""
+        theirs = Config.from_dict(manifest["config"]).objective.method
+        if theirs != "dpo":
+            return (f"--resume {path}: its run trained --method {theirs}; --method dpo resumes its own checkpoints "
+                    "(start from this one's export with --init-from)")
+        stored = manifest.get("dpo_reference")
+        if not self.precomputed:
+            return None
+        if stored is None:
+            return f"--resume {path}: its run kept no precomputed reference (--dpo-reference {self.o.dpo_reference})"
+        mine = {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}
+        if stored["base"] != mine:
+            name = next((n for n in sorted(set(stored["base"]) | set(mine)) if stored["base"].get(n) != mine.get(n)))
+            return (f"--init-from {self.cfg.checkpoint.init_from} is not the base the reference of {path} was scored "
+                    f"on: its {name} has sha256 {str(mine.get(name))[:12]}..., the reference's "
+                    f"{str(stored['base'].get(name))[:12]}...")
+        if stored["data"] != pairs_digest(self.source.pairs):
+            return (f"--data {self.cfg.data.source} (at --seq-len {self.cfg.model.seq_len}) is not the pairs the "
+                    f"reference of {path} was scored on")
+        return None
+
+    def prepare(self, engine, comm, manifest: dict, resumed_from: str | None, base: dict | None) -> dict:
+        """Before step 1: the reference log-probs, read back (verified) when the run resumes, else scored from the
+        initial weights and stored; what the manifests record of them ({} without a precomputed reference)."""
+        if not self.precomputed:
+            return {}
+        folder = self.cfg.checkpoint.dir
+        if resumed_from:
+            self.record = manifest["dpo_reference"]
+            stored = os.path.join(os.path.dirname(resumed_from), REFERENCE_FILE)
+            self.reference = read_reference(stored, self.record)
+            here = os.path.join(folder, REFERENCE_FILE)  # this run's checkpoints record it: beside them too
+            if comm.rank == 0 and not (os.path.isfile(here) and os.path.samefile(here, stored)):
+                os.makedirs(folder, exist_ok=True)
+                shutil.copyfile(stored, here)
+        else:
+            self.reference = self.score_reference(engine)
+            record = {"file": REFERENCE_FILE, "pairs": len(self.source.pairs), "data": pairs_digest(self.source.pairs),
+                      "base": {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}}
+            if comm.rank == 0:
+                record["sha256"] = write_reference(os.path.join(folder, REFERENCE_FILE), self.reference, record)
+            self.record = comm.io.all_gather_json(record if comm.rank == 0 else None, "dpo_reference")[0]
+        return {"dpo_reference": self.record}
+
+    @torch.no_grad()
+    def score_reference(self, engine) -> torch.Tensor:
+        """[pairs, 2]: every pair's (chosen, rejected) log-probs under the model as it is now, on every rank."""
+        mesh, B, n = engine.mesh, self.cfg.loop.micro_batch, len(self.source.pairs)
+        forwards = math.ceil(n / (mesh.dp_size * B))  # the same on every rank
+        device = engine.flat_params.device
+        out = torch.zeros(n, 2, dtype=torch.float64)
+        for f in range(forwards):
+            first = (f * mesh.dp_size + mesh.dp_rank) * B
+            ids = [j if j < n else 0 for j in range(first, first + B)]
+            micro = next(iter(on_device([self.source.rows(ids)], device)))
+            logps = sequence_logps(engine.model(micro.inputs), micro.labels)[0].view(2, B).t().cpu()
+            for b, j in enumerate(range(first, first + B)):
+                if j < n:
+                    out[j] = logps[b].to(torch.float64)
+        if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs: the first one's count
+            out.zero_()
+        return mesh.world.all_reduce(out.to(mesh.world.device), "all_reduce_reference").cpu()
+
+    # ------------------------------------------------------------------ the step
+
+    def accumulate(self, engine, batch: PairBatch, forward=None, loss_factor: float = 1.0,
+                   saved: list | None = None) -> torch.Tensor:
+        """Forward and backward every micro-batch of pairs of this rank; return its summed pair loss (a 0-d float64
+        tensor on the device) and keep its STATS' sums for the step's all-reduce (`extras`).
+
+        A micro-batch's gradient is of its pairs' summed loss over the global batch's pair count. LoRA's dropout
+        rows are numbered by the pair's place in the global batch (chosen 2g, rejected 2g + 1), whatever the split.
+        """
+        forward = engine.model if forward is None else forward
+        device = engine.flat_params.device
+        loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
+        self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
+        last = len(batch.micro_batches) - 1
+        first = engine.mesh.dp_rank * sum(len(ids) for ids in batch.pair_ids)
+        recompute = getattr(engine.model, "recompute_head", False)
+        for i, micro in enumerate(on_device(batch.micro_batches, device)):
+            ids = batch.pair_ids[i]
+            B = len(ids)
+            rows = [2 * (first + b) for b in range(B)] + [2 * (first + b) + 1 for b in range(B)]
+            first += B
+            with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
+                def scored() -> torch.Tensor:
+                    return head_loss(forward, micro.inputs, micro.labels, sequence_logps, recompute)
+
+                if saved is not None and i == 0:
+                    nbytes, logps = saved_for_backward(scored, list(engine.model.parameters()))
+                    saved.append(nbytes)
+                else:
+                    logps = scored()
+                policy, counts = logps[0].view(2, B), logps[1].view(2, B)
+                reference = self.reference_of(engine, forward, micro, ids)
+                losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
+                total = losses.sum()
+                if loss_factor != 1.0:
+                    total = total * loss_factor
+                (total / batch.global_pairs).backward()
+            loss_sum += total.detach().to(LOSS_SUM_DTYPE)
+            self.stats += pair_stats(policy.detach().cpu(), chosen.cpu(), rejected.cpu())
+        return loss_sum
+
+    def reference_of(self, engine, forward, micro, ids: list[int]) -> torch.Tensor | None:
+        """[2, B]: the reference log-probs of the micro-batch's pairs (None for the losses without one)."""
+        if self.precomputed:
+            return self.reference[ids].t().to(torch.float32).to(micro.inputs.device)
+        if not self.live:
+            return None
+        with torch.no_grad(), adapters_off(engine.model):
+            return sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids))
+
+    def extras(self) -> torch.Tensor:
+        """What the step's all-reduce sums besides the loss: this rank's STATS sums."""
+        return self.stats
+
+    def figures(self, totals: list[float], batch: PairBatch) -> dict:
+        """The step record's preference figures: the means over the global batch's pairs."""
+        means = {k: v / batch.global_pairs for k, v in zip(STATS, totals)}
+        means["rewards_margins"] = means["rewards_chosen"] - means["rewards_rejected"]
+        return {"pairs": batch.global_pairs, **means}
+
+
+def write_reference(path: str, logps: torch.Tensor, record: dict) -> str:
+    """Store the reference log-probs with their keys, durably; their sha256."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    data = save({"logps": logps.contiguous()}, metadata={"record": json.dumps(record, sort_keys=True)})
+    write_atomic(path, data)
+    return sha256_file(path)[1]
+
+
+def read_reference(path: str, record: dict) -> torch.Tensor:
+    """The stored reference log-probs, verified against the manifest's record; ConfigError naming the file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: the precomputed reference log-probs this checkpoint was trained against are "
+                          "missing (they are stored beside its folder)")
+    digest = sha256_file(path)[1]
+    if digest != record.get("sha256"):
+        raise ConfigError(f"{path}: sha256 {digest[:12]}... is not the {str(record.get('sha256'))[:12]}... the "
+                          "checkpoint's manifest records: the reference log-probs changed")
+    with open(path, "rb") as f:
+        logps = load(f.read())["logps"]
+    if logps.shape != (record["pairs"], 2):
+        raise ConfigError(f"{path}: {tuple(logps.shape)} log-probs, not the {record['pairs']} pairs recorded")
+    return logps

@@ -1,0 +1,36 @@
+"""Jobs the DPO tests run on 2 and 4 ranks (importable by module name in the spawned ranks)."""
+
+from __future__ import annotations
+
+from dist_jobs import summary
+
+from zerotrain.config import Config
+from zerotrain.parallel import Comm
+from zerotrain.training import preference
+from zerotrain.training.loop import train
+
+FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
+           "logps_rejected")
+
+
+def dpo_job(cfg: Config, comm: Comm) -> dict:
+    """Train; the log with the preference figures of each step."""
+    result = train(cfg, comm)
+    out = summary(result)
+    out.update({k: [r[k] for r in result.records] for k in FIGURES})
+    return out
+
+
+def dpo_reference_by_position_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a micro-batch's reference log-probs are looked up by the pairs' places in it, not by the pairs:
+    right only where a micro-batch holds pairs 0..B-1 in order."""
+    real = preference.Preference.reference_of
+
+    def by_position(self, engine, forward, micro, ids):
+        return real(self, engine, forward, micro, list(range(len(ids))))
+
+    preference.Preference.reference_of = by_position
+    try:
+        return dpo_job(cfg, comm)
+    finally:
+        preference.Preference.reference_of = real

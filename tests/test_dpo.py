@@ -1,0 +1,351 @@
+"""Preference tuning (--method dpo): TRL's DPOTrainer as the oracle (pair log-probs, five steps of sigmoid and IPO),
+the same losses at every split, the reference precomputed from the initial weights (or LoRA's base, live), resume."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+from dataclasses import replace
+
+import dpo_jobs
+import pytest
+import torch
+from conftest import tiny_config, world_of_one, zerotrain_here
+from dist_jobs import in_turn_job
+from model_folders import CHATML, llama_folder, write_jsonl
+from safetensors.torch import load_file, save_file
+
+from zerotrain.config import Config
+from zerotrain.data import pairs as pairs_module
+from zerotrain.data.pairs import Pair, fit, parse_pair, read_pairs
+from zerotrain.errors import ConfigError
+from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.runtime.launch import run_job
+from zerotrain.training import memory_plan as plan_module
+from zerotrain.training import preference
+from zerotrain.training.loop import train
+
+LIMIT = 180  # seconds: a deadlocked job fails the test instead of hanging CI
+pytestmark = pytest.mark.timeout(400)
+SEQ = 32
+LN2 = float(torch.tensor(math.log(2), dtype=torch.float32))  # -log sigmoid(0) in fp32
+LONG = "The user asks and the assistant answers. " * 3  # makes one prompt longer than the window: cut from the left
+PLAIN = [{"prompt": ("" if i != 3 else LONG) + f"Question {i}: what is {i} plus {i}?", "chosen": f" Answer: {2 * i}.",
+          "rejected": f" Answer: {2 * i + 1}."} for i in range(8)]
+# Conversations that fit the window: TRL cuts each row on its own (keep_end), so a cut prompt before completions of
+# other lengths has another context in TRL's chosen row than in its rejected one (zerotrain keeps one prompt a pair)
+CHAT = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
+         "chosen": [{"role": "assistant", "content": f"It is {2 * i}."}],
+         "rejected": [{"role": "assistant", "content": f"Maybe {2 * i + 3}."}]} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def group():
+    with world_of_one() as comm:
+        yield comm
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A tiny random Llama with a ChatML template (transformers' save_pretrained), and the pairs as JSON Lines."""
+    tmp = tmp_path_factory.mktemp("dpo-data")
+    llama_folder(tmp / "base", template=CHATML)
+    return {"base": str(tmp / "base"), "plain": write_jsonl(tmp / "plain.jsonl", PLAIN),
+            "chat": write_jsonl(tmp / "chat.jsonl", CHAT)}
+
+
+def dpo_config(out, data, records="plain", steps=5, micro=8, **over) -> Config:
+    """Constant lr 1e-2 (as TRL's runs below), AdamW (0.9, 0.95), no weight decay, clipped at 1."""
+    settings = dict(steps=steps, micro=micro, seq_len=SEQ, data=data[records], init_from=data["base"], method="dpo",
+                    warmup_steps=0, min_lr_ratio=1.0, lr=1e-2, weight_decay=0.0, beta2=0.95, grad_clip=1.0)
+    cfg = tiny_config(out, **{**settings, **over})
+    cfg.model = adopt(cfg.model, weight_source(data["base"]), {"seq_len"})
+    return cfg
+
+
+def stored_reference(cfg: Config) -> torch.Tensor:
+    """[pairs, 2]: the (chosen, rejected) log-probs the run scored before step 1, as it stored them."""
+    return load_file(os.path.join(cfg.checkpoint.dir, preference.REFERENCE_FILE))["logps"]
+
+
+def trl_run(data, records, loss_type="sigmoid", steps=5, out=None):
+    """TRL's DPOTrainer on the same model and pairs: each pair's log-probs under the initial model (its reference
+    forward, on a batch of all eight pairs) and the loss of `steps` steps of 8 pairs at lr 1e-2 (0: none)."""
+    import datasets
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    losses = []
+
+    class Recording(DPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(loss.item())
+            return loss
+
+    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=8, max_steps=max(steps, 1), learning_rate=1e-2,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                     adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.1, loss_type=[loss_type], use_cpu=True,
+                     report_to=[], save_strategy="no", seed=0, optim="adamw_torch", bf16=False,
+                     max_length=SEQ + 1, truncation_mode="keep_end", disable_tqdm=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(data["base"], dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(data["base"])
+    trainer = Recording(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                        processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
+    with torch.no_grad():
+        chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
+    if steps:
+        trainer.train()
+    return {"logps": torch.stack([chosen, rejected], dim=1).double(), "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def trl(data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl")
+    return {"sigmoid": trl_run(data, PLAIN, out=tmp / "s"), "ipo": trl_run(data, PLAIN, "ipo", out=tmp / "i"),
+            "chat": trl_run(data, CHAT, steps=0, out=tmp / "c")}
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / b.abs()).max())
+
+
+@pytest.fixture(scope="module")
+def runs(data, group, tmp_path_factory, trl):
+    """zerotrain's runs beside TRL's (in this process, one rank), and the planted ones."""
+    tmp = tmp_path_factory.mktemp("dpo-runs")
+    out = {}
+
+    def run(name, records="plain", **over):
+        cfg = dpo_config(tmp / name, data, records, **over)
+        result = train(cfg, group)
+        out[name] = {"losses": [r["loss"] for r in result.records], "records": result.records,
+                     "reference": stored_reference(cfg), "summary": result.report["summary"]}
+
+    run("sigmoid")
+    run("ipo", dpo_loss="ipo")
+    run("chat", "chat", steps=1)
+    mp = pytest.MonkeyPatch()
+    try:  # planted: beta applied twice (the loss's beta on a logit already scaled by beta)
+        real = preference.pair_losses
+        mp.setattr(preference, "pair_losses", lambda o, p, r, c: real(replace(o, dpo_beta=o.dpo_beta ** 2), p, r, c))
+        run("beta twice", steps=2)
+        mp.undo()
+        # planted: the reference is the policy itself (its own log-probs, detached), scored every step
+        mp.setattr(preference.Preference, "reference_of",
+                   lambda self, engine, forward, micro, ids: torch.no_grad()(
+                       lambda: preference.sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids)))())
+        run("policy as reference", steps=2)
+        mp.undo()
+        # planted: a prompt too long is cut from the right (its start kept), as a keep_start truncation does
+        mp.setattr(pairs_module, "fit", lambda pair, length: fit(
+            Pair(pair.prompt[: length - max(len(pair.chosen), len(pair.rejected))], pair.chosen, pair.rejected),
+            length))
+        run("prompt cut from the right", steps=1)
+    finally:
+        mp.undo()
+    return out
+
+
+def test_pair_log_probs_equal_trls_plain_and_conversational_and_a_prompt_cut_from_the_right_is_caught(runs, trl):
+    assert rel(runs["sigmoid"]["reference"], trl["sigmoid"]["logps"]) <= 1e-5
+    assert rel(runs["chat"]["reference"], trl["chat"]["logps"]) <= 1e-5
+    # the planted cut differs on the one pair whose prompt is cut (pair 3), and only there
+    planted = runs["prompt cut from the right"]["reference"]
+    assert rel(planted[3], trl["sigmoid"]["logps"][3]) > 1e-3
+    assert rel(torch.cat([planted[:3], planted[4:]]), torch.cat([trl["sigmoid"]["logps"][:3],
+                                                               trl["sigmoid"]["logps"][4:]])) <= 1e-5
+
+
+def test_five_steps_of_sigmoid_and_ipo_equal_trls_and_beta_applied_twice_or_the_policy_as_reference_is_caught(
+        runs, trl):
+    for loss in ("sigmoid", "ipo"):
+        assert len(runs[loss]["losses"]) == len(trl[loss]["losses"]) == 5
+        assert rel(runs[loss]["losses"], trl[loss]["losses"]) <= 1e-5, (runs[loss]["losses"], trl[loss]["losses"])
+    for planted in ("beta twice", "policy as reference"):
+        assert rel(runs[planted]["losses"][1], trl["sigmoid"]["losses"][1]) > 1e-3
+
+
+def test_step_one_with_the_policy_as_reference_is_ln2_exactly_and_moves_after_and_a_frozen_reference_is_caught(runs):
+    losses = runs["sigmoid"]["losses"]
+    assert losses[0] == LN2 and all(loss < LN2 - 1e-3 for loss in losses[1:])
+    first = runs["sigmoid"]["records"][0]
+    assert first["rewards_chosen"] == first["rewards_rejected"] == first["rewards_accuracy"] == 0
+    assert first["pairs"] == 8 and first["logps_chosen"] < 0
+    last = runs["sigmoid"]["records"][-1]
+    assert last["rewards_accuracy"] > 0.5 and last["rewards_margins"] > 0
+    assert runs["sigmoid"]["summary"]["preference"] == {k: last[k] for k in dpo_jobs.FIGURES}
+    # the planted reference that follows the policy never moves: the check above fails for it
+    assert runs["policy as reference"]["losses"] == [LN2, LN2]
+
+
+# ----------------------------------------------------------------------------- every split
+
+@pytest.fixture(scope="module")
+def splits(data, group, tmp_path_factory):
+    """8 pairs a step, 3 steps: 1 rank x 8 here; 2 ranks x 2 x accum 2 at ZeRO-1 and ZeRO-3, TP 2 x 4 x accum 2
+    and a planted reference looked up by position (one start of 2 ranks); 4 ranks x 2 at ZeRO-1 and ZeRO-3."""
+    tmp = tmp_path_factory.mktemp("dpo-splits")
+
+    def config(name, **over):
+        return dpo_config(tmp / name, data, steps=3, **over)
+
+    two = [(dpo_jobs.dpo_job, config("z1-2", nproc=2, micro=2, accum=2)),
+           (dpo_jobs.dpo_job, config("z3-2", nproc=2, micro=2, accum=2, zero=3)),
+           (dpo_jobs.dpo_job, config("tp2", nproc=2, tp=2, micro=4, accum=2)),
+           (dpo_jobs.dpo_reference_by_position_job, config("planted", nproc=2, micro=2, accum=2))]
+    four = [(dpo_jobs.dpo_job, config("z1-4", nproc=4, micro=2)), (dpo_jobs.dpo_job, config("z3-4", nproc=4, micro=2,
+                                                                                            zero=3))]
+    two = run_job(functools.partial(in_turn_job, jobs=two), two[0][1], time_limit=LIMIT)
+    four = run_job(functools.partial(in_turn_job, jobs=four), four[0][1], time_limit=LIMIT)
+    one = dpo_jobs.dpo_job(config("one"), group)
+    return {"1 x 8": one, "2 x 2 x 2 ZeRO-1": two[0], "2 x 2 x 2 ZeRO-3": two[1], "TP 2": two[2], "planted": two[3],
+            "4 x 2 ZeRO-1": four[0], "4 x 2 ZeRO-3": four[1]}
+
+
+def test_the_losses_and_figures_are_the_same_at_every_split_and_a_reference_looked_up_by_position_is_caught(splits):
+    one = splits["1 x 8"]
+    for name in ("2 x 2 x 2 ZeRO-1", "2 x 2 x 2 ZeRO-3", "TP 2", "4 x 2 ZeRO-1", "4 x 2 ZeRO-3"):
+        run = splits[name]
+        assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"])) <= 1e-6, (name, run["losses"])
+        for key in dpo_jobs.FIGURES:
+            assert max(abs(a - b) for a, b in zip(run[key], one[key])) <= 1e-5, (name, key)
+    assert max(abs(a - b) for a, b in zip(splits["planted"]["losses"], one["losses"])) > 1e-4
+
+
+# ----------------------------------------------------------------------------- LoRA, resume, refusals
+
+def test_lora_with_the_live_reference_equals_the_precomputed_one_and_adapters_left_on_are_caught(data, group,
+                                                                                               tmp_path, monkeypatch):
+    def lora(name, **over):
+        cfg = dpo_config(tmp_path / name, data, steps=2, lora_rank=4, lora_alpha=8.0, **over)
+        return [r["loss"] for r in train(cfg, group).records]
+
+    precomputed, live = lora("pre"), lora("live", dpo_reference="live")
+    assert precomputed[0] == LN2 and precomputed[1] < LN2 - 1e-4
+    assert max(abs(a - b) for a, b in zip(live, precomputed)) <= 1e-6
+    assert not os.path.exists(tmp_path / "live" / "checkpoints" / preference.REFERENCE_FILE)
+    monkeypatch.setattr(preference, "adapters_off", lambda model: torch.no_grad())  # planted: the policy, adapters on
+    assert lora("left on", dpo_reference="live") == [LN2, LN2]
+
+
+@pytest.fixture(scope="module")
+def whole(data, group, tmp_path_factory):
+    """4 steps, a checkpoint every 2: what the resumes below continue."""
+    return train(dpo_config(tmp_path_factory.mktemp("dpo-whole"), data, steps=4, ckpt_every=2), group)
+
+
+def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_policy_is_caught(whole, data, group,
+                                                                                          tmp_path, monkeypatch):
+    step2 = whole.checkpoints[0]
+    assert step2.endswith("step_00000002")
+
+    def resumed(name):
+        result = train(dpo_config(tmp_path / name, data, steps=4, resume=step2), group)
+        return [r["loss"] for r in result.records], result.digests
+
+    losses, digests = resumed("resumed")
+    assert losses == [r["loss"] for r in whole.records[2:]] and digests == whole.digests
+    real = preference.Preference.prepare
+
+    def rescored(self, engine, comm, manifest, resumed_from, base):  # planted: the reference scored at the resume
+        return real(self, engine, comm, manifest, None, base)
+
+    monkeypatch.setattr(preference.Preference, "prepare", rescored)
+    assert resumed("rescored")[0] != losses
+
+
+def test_a_resume_with_another_base_is_refused_in_one_line(whole, data, tmp_path, capfd):
+    step = whole.checkpoints[0]
+    other = tmp_path / "other-base"
+    shutil.copytree(data["base"], other)
+    weights = load_file(os.path.join(other, "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1e-3
+    save_file(weights, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
+    done = zerotrain_here(capfd, "train", "--method", "dpo", "--init-from", str(other), "--resume", step, "--data",
+                          data["plain"], "--steps", "4", "--micro-batch", "8", "--seq-len", str(SEQ), "--out",
+                          str(tmp_path / "refused"), "--no-progress")
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert done.returncode == 2, done.stderr
+    assert len(errors) == 1 and "is not the base the reference of" in errors[0] and "model.safetensors" in errors[0]
+    assert "Traceback" not in done.stderr
+
+
+# ----------------------------------------------------------------------------- records
+
+def test_an_implicit_prompt_is_the_common_first_messages_and_a_bad_record_is_one_line(data, tmp_path):
+    explicit = CHAT[0]
+    implicit = {"chosen": explicit["prompt"] + explicit["chosen"],
+                "rejected": explicit["prompt"] + explicit["rejected"]}
+    assert parse_pair(implicit, "x:1") == parse_pair(explicit, "x:1")
+    with pytest.raises(ConfigError, match=r"^x:2: not a preference pair"):
+        parse_pair({"prompt": "a", "completion": "b"}, "x:2")
+    with pytest.raises(ConfigError, match=r"x:3: chosen and rejected are the same conversation"):
+        parse_pair({"chosen": implicit["chosen"], "rejected": implicit["chosen"]}, "x:3")
+
+
+def test_a_pair_is_cut_prompt_first_from_the_left_and_a_completion_is_never_emptied():
+    pair = Pair(tuple(range(10)), (20, 21, 22), (30,))
+    assert fit(pair, 8) == (Pair(tuple(range(5, 10)), (20, 21, 22), (30,)), True, False)
+    assert fit(pair, 13) == (pair, False, False)
+    cut, prompt_cut, completion_cut = fit(Pair((1, 2), tuple(range(20)), (30, 31)), 6)
+    assert cut == Pair((2,), tuple(range(5)), (30, 31)) and prompt_cut and completion_cut
+    assert fit(Pair((1,), (5,), (6,)), 2)[0] == Pair((1,), (5,), (6,))
+
+
+def test_the_start_line_counts_cut_and_dropped_records(data, tmp_path):
+    pairs, counts = read_pairs(data["plain"], data["base"], SEQ)
+    assert len(pairs) == 8 and counts.prompts_cut == 1 and counts.completions_cut == 0 and counts.dropped == 0
+    assert "8 pairs (1 prompt cut from the left" in counts.describe()
+    # an empty chosen still gets the end-of-text token (TRL's rule); after a prompt that ends with it, none
+    dropped = write_jsonl(tmp_path / "d.jsonl", PLAIN[:2] + [{"prompt": "Q", "chosen": "", "rejected": "x"},
+                                                           {"prompt": "Q</s>", "chosen": "", "rejected": "x"}])
+    pairs, counts = read_pairs(dropped, data["base"], SEQ)
+    assert len(pairs) == 3 and pairs[2].chosen == (2,) and counts.dropped == 1
+    assert "3 pairs (0 prompts cut from the left, 0 pairs with completions cut, 1 record dropped" in counts.describe()
+    assert all(len(p.prompt) + max(len(p.chosen), len(p.rejected)) <= SEQ + 1 for p in pairs)
+
+
+def test_the_plan_counts_the_doubled_micro_batch_and_the_reference(data, tmp_path):
+    cfg = dpo_config(tmp_path, data, micro=4)
+    plan = plan_module.memory_plan(cfg)
+    sft = plan_module.memory_plan(replace(cfg, objective=replace(cfg.objective, method="sft")), micro_batch=8)
+    assert plan.rows["activations"] == sft.rows["activations"] and plan.rows["reference"] == 16 * 8
+    assert sft.rows["reference"] == 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    ((), "--method dpo tunes a trained model: give it with --init-from"),
+    (("--init-from", "BASE", "--dpo-reference", "live"), "--dpo-reference live is the base with the adapters off"),
+    (("--init-from", "BASE", "--eval-every", "2"), "--eval-every 2: --method dpo reports its metrics per step"),
+    (("--init-from", "BASE", "--dpo-label-smoothing", "0.5"), "--dpo-label-smoothing must be in [0, 0.5)"),
+])
+def test_a_dpo_run_it_cannot_make_is_refused_in_one_line(data, capfd, tmp_path, argv, says):
+    argv = [data["base"] if a == "BASE" else a for a in argv]
+    done = zerotrain_here(capfd, "train", "--method", "dpo", "--data", data["plain"], "--out", str(tmp_path),
+                          "--no-progress", *argv)
+    assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_each_loss_at_the_reference_is_its_known_value_and_the_reference_free_ones_train_without_one(
+        data, group, tmp_path):
+    cfg = dpo_config(tmp_path / "x", data).objective
+    policy, counts = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]]), torch.tensor([[2.0, 5.0], [4.0, 2.0]])
+    at = {loss: preference.pair_losses(replace(cfg, dpo_loss=loss), policy, policy, counts)[0]
+          for loss in ("sigmoid", "ipo", "hinge")}
+    assert torch.equal(at["sigmoid"], torch.full((2,), LN2)) and torch.equal(at["hinge"], torch.ones(2))
+    assert torch.allclose(at["ipo"], torch.full((2,), (1 / (2 * cfg.dpo_beta)) ** 2))
+    smoothed = preference.pair_losses(replace(cfg, dpo_label_smoothing=0.2), policy, policy, counts)[0]
+    assert torch.allclose(smoothed, torch.full((2,), LN2))  # (0.8 ln 2 - 0.2 ln 2) / 0.6
+    # simpo: the length-normalised margin (-1.5 + 1 = -0.5 and -1 + 1 = 0) less gamma; orpo: its NLL and odds ratio
+    simpo = preference.pair_losses(replace(cfg, dpo_loss="simpo"), policy, None, counts)[0]
+    assert torch.allclose(simpo, -torch.nn.functional.logsigmoid(cfg.dpo_beta * torch.tensor([-0.5, 0.0]) - 0.5))
+    orpo, chosen, _ = preference.pair_losses(replace(cfg, dpo_loss="orpo"), policy, None, counts)
+    assert torch.isfinite(orpo).all() and torch.allclose(chosen, cfg.dpo_beta * torch.tensor([-1.5, -1.0]))
+    result = train(dpo_config(tmp_path / "orpo", data, steps=2, dpo_loss="orpo"), group)
+    assert result.records[1]["loss"] < result.records[0]["loss"]
+    assert not os.path.exists(tmp_path / "orpo" / "checkpoints" / preference.REFERENCE_FILE)
