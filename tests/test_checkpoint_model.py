@@ -114,7 +114,7 @@ def chunk_from_rank_0(monkeypatch) -> None:
     """Planted: DP rank 1's chunks read from DP rank 0's shard (in both assemblies' shard lookup)."""
     real = checkpoint.shard_name
     wrong = lambda rank, world_size: real(0 if rank == 1 else rank, world_size)  # noqa: E731
-    monkeypatch.setattr(verify_module, "shard_name", wrong)  # checkpoint_model assembles with verify.tp_masters
+    monkeypatch.setattr(verify_module, "shard_name", wrong)  # the verifier reads shards by name too
     monkeypatch.setattr(model_module, "shard_name", wrong)
 
 

@@ -405,11 +405,10 @@ class _Staging:
                 self.master.copy_(engine.master, non_blocking=non_blocking)
             elif engine.stage == 3:  # fp32 at stage 3: the parameter buffer is the shard of masters
                 self.master.copy_(engine.flat_params, non_blocking=non_blocking)
-            else:  # fp32: the masters are this rank's chunks of the parameter buffer
-                for b in L.buckets:
-                    lo, hi = b.chunk(self.dp_rank, L.world_size)
-                    self.master[b.shard_offset : b.shard_offset + hi - lo].copy_(engine.flat_params[lo:hi],
-                                                                                non_blocking=non_blocking)
+            else:  # fp32: the masters are this rank's pieces of the parameter buffer
+                for p in L.owned_pieces(self.dp_rank):
+                    self.master[p.shard_offset : p.shard_offset + p.numel].copy_(engine.flat_params[p.start : p.end],
+                                                                                  non_blocking=non_blocking)
             self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
             self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
         self.step.fill_(step_count)
