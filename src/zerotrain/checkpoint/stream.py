@@ -147,29 +147,50 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def header_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    """The length prefix and JSON header of a safetensors file, and the tensors in the order of their bytes."""
-    ordered = sorted(tensors.items(), key=lambda item: (_RANK[DTYPE_CODES[item[1].dtype]], item[0]))
+def _parts(value) -> list[torch.Tensor]:
+    """A tensor to write as its one part, or a 1-D tensor given as the list of its parts (written one after another:
+    a rank's shard straight from the pieces of the buffer that hold it, with no copy to concatenate them)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _meta(value) -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, bytes) of a tensor, or of the 1-D tensor its parts make."""
+    parts = _parts(value)
+    if len(parts) == 1 and not isinstance(value, (list, tuple)):
+        t = parts[0]
+        return t.dtype, list(t.shape), t.numel() * t.element_size()
+    if len({t.dtype for t in parts}) != 1:
+        raise ValueError(f"the parts of a tensor to write have dtypes {sorted({str(t.dtype) for t in parts})}")
+    numel = sum(t.numel() for t in parts)
+    return parts[0].dtype, [numel], numel * parts[0].element_size()
+
+
+def header_bytes(tensors: dict) -> tuple[bytes, list[tuple[str, object]]]:
+    """The length prefix and JSON header of a safetensors file, and the tensors (or lists of parts) in the order of
+    their bytes."""
+    ordered = sorted(tensors.items(), key=lambda item: (_RANK[DTYPE_CODES[_meta(item[1])[0]]], item[0]))
     header, offset = {}, 0
     for name, t in ordered:
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        dtype, shape, size = _meta(t)
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text, ordered
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], *, halfway: Callable[[], None] | None = None,
+def write_safetensors(path: str, tensors: dict, *, halfway: Callable[[], None] | None = None,
                       hash_in_thread: bool = True) -> FileRecord:
     """Write `tensors` to `path` and fsync it; the sha256 is of the bytes written, taken as they go.
 
-    `halfway`, if given, runs once about half of the file's bytes are written.
+    A value may be a tensor or a list of tensors, the parts of one 1-D tensor (header_bytes). `halfway`, if given,
+    runs once about half of the file's bytes are written.
     """
     head, ordered = header_bytes(tensors)
     hasher = _Hasher(threaded=hash_in_thread)
     try:
-        total = write_durably(path, [memoryview(head)] + [_byte_view(t) for _, t in ordered], hasher.update, halfway)
+        views = [memoryview(head)] + [_byte_view(part) for _, t in ordered for part in _parts(t)]
+        total = write_durably(path, [v for v in views if v.nbytes], hasher.update, halfway)
         return FileRecord(os.path.basename(path), total, hasher.hexdigest())
     finally:
         hasher.close()
