@@ -8,8 +8,9 @@ them here instead of with save_file lets the hash be taken from the memory being
 second read of the file) and lets a hook run midway through a file (fault injection). That hash is the file's
 integrity: nothing reads a file back after writing it; every reader checks the bytes it reads against it.
 
-sha256 runs in a second thread, one chunk behind the write: hashlib and file writes both release
-the GIL on large buffers, so the two overlap. On the development machine (2 cores, one 1.5 GB
+sha256 runs in a second thread behind the write (never holding the writer back: the blocks it has yet to hash are
+views of memory the writer holds anyway, so the hash overlaps the writes and the fsync): hashlib and file writes both
+release the GIL on large buffers, so the two overlap. On the development machine (2 cores, one 1.5 GB
 file, fsync included) hashing inline ran at 0.55x a plain write's throughput, in a thread at 0.9x;
 save_file followed by a re-read to hash ran at 0.2x. Reading hashes the same way, into one
 buffer the tensors are then views of, so what is verified is exactly what is loaded.
