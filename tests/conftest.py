@@ -73,16 +73,14 @@ def as_version_1(folder: str) -> None:
 
     from safetensors.torch import save_file
 
-    from zerotrain.checkpoint.format import MANIFEST, MODEL_FILE, tp_slices_of
-    from zerotrain.checkpoint.verify import layout_of, tp_masters
-    from zerotrain.parallel.tp_slices import full_tensors
+    from zerotrain.checkpoint.format import MANIFEST, MODEL_FILE
+    from zerotrain.checkpoint.model import checkpoint_model
 
     with open(os.path.join(folder, MANIFEST)) as f:
         manifest = json.load(f)
-    layout = layout_of(manifest, folder)
-    model = full_tensors(layout, tp_slices_of(manifest), tp_masters(folder, manifest, layout))
+    model = checkpoint_model(folder, manifest, from_shards=True)
     path = os.path.join(folder, MODEL_FILE)
-    save_file({name: t.contiguous().clone() for name, t in model.items()}, path)
+    save_file(model, path)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     manifest["version"] = 1

@@ -456,3 +456,43 @@ def test_hashing_behind_a_read_holds_at_most_a_few_blocks_and_an_unbounded_queue
 
     assert backlog(stream._Hasher.QUEUED) <= stream._Hasher.QUEUED
     assert backlog(0) == 20
+
+
+def test_a_write_never_waits_for_its_hash_and_a_bounded_writer_queue_is_caught(tmp_path, monkeypatch):
+    """write_safetensors' blocks are views of memory the writer holds anyway: the writer queues every block for the
+    hash thread and never waits for it (a wait made every sync save run at the hash's speed: bench ckpt). The hash
+    thread is held until the writer is done or finds the queue full. Planted: the writer's queue bounded at QUEUED, as
+    sha256_file's is."""
+    monkeypatch.setattr(stream, "CHUNK", 64)
+    tensors = {"x": torch.arange(320, dtype=torch.float32)}  # 1,280 bytes of data: 20 blocks, and the header's
+    real_init, real_run, real_update, real_close = (stream._Hasher.__init__, stream._Hasher._run,
+                                                    stream._Hasher.update, stream._Hasher.close)
+
+    def writer_waits(init) -> tuple[bool, int]:
+        gate, seen = threading.Event(), {"full": False, "backlog": 0}
+
+        def run(self):
+            gate.wait()
+            real_run(self)
+
+        def update(self, block):
+            if self._queue.full():
+                seen["full"] = True
+                gate.set()
+            real_update(self, block)
+            seen["backlog"] = max(seen["backlog"], self._queue.qsize())
+
+        def close(self):
+            gate.set()
+            real_close(self)
+
+        for name, fn in (("__init__", init), ("_run", run), ("update", update), ("close", close)):
+            monkeypatch.setattr(stream._Hasher, name, fn)
+        record = stream.write_safetensors(str(tmp_path / "x.safetensors"), tensors)
+        assert record.sha256 == sha(tmp_path / "x.safetensors")
+        return seen["full"], seen["backlog"]
+
+    blocks = -(-len(stream.header_bytes(tensors)[0]) // 64) + 20
+    assert writer_waits(real_init) == (False, blocks)  # every block queued at once, the header's included
+    bounded = lambda self, threaded=True, queued=0: real_init(self, threaded, stream._Hasher.QUEUED)  # noqa: E731
+    assert writer_waits(bounded)[0]

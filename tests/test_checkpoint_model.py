@@ -114,7 +114,7 @@ def chunk_from_rank_0(monkeypatch) -> None:
     """Planted: DP rank 1's chunks read from DP rank 0's shard (in both assemblies' shard lookup)."""
     real = checkpoint.shard_name
     wrong = lambda rank, world_size: real(0 if rank == 1 else rank, world_size)  # noqa: E731
-    monkeypatch.setattr(verify_module, "shard_name", wrong)  # checkpoint_model assembles with verify.tp_masters
+    monkeypatch.setattr(verify_module, "shard_name", wrong)  # the verifier reads shards by name too
     monkeypatch.setattr(model_module, "shard_name", wrong)
 
 
@@ -241,3 +241,26 @@ def test_a_lora_run_on_a_base_without_a_model_file_loads_on_it_and_a_changed_bas
     write_manifest(base, manifest)
     with pytest.raises(CheckpointError, match=f"its base {shard} has changed"):
         load_model(step)
+
+
+def test_an_export_holds_one_tensor_beyond_the_model_and_a_whole_model_assembly_is_caught(runs, tmp_path,
+                                                                                          monkeypatch):
+    from zerotrain.checkpoint import held_bytes
+    from zerotrain.hub import pretrained
+
+    _, v2 = both(runs, "TP 2, the KV head on both", tmp_path)
+    with ShardedModel(v2) as shards:
+        sizes = {name: 4 * math.prod(shape) for name, shape in shards.shapes.items()}
+
+    def export(out) -> int:
+        """The most bytes of checkpoint tensors alive at once in this process while `export` runs."""
+        held_bytes(reset_peak=True)
+        start = held_bytes()["now"]
+        assert main(["export", v2, str(tmp_path / out), "--format", "hf"]) == 0
+        return held_bytes()["peak"] - start
+
+    assert export("one") == max(sizes.values())  # each tensor copied into the model and let go before the next
+    real = pretrained.model_tensors
+    # planted: the whole model assembled before the model is filled (what checkpoint_model did)
+    monkeypatch.setattr(pretrained, "model_tensors", lambda *args: iter(list(real(*args))))
+    assert export("whole") == sum(sizes.values())

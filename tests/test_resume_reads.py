@@ -7,7 +7,8 @@ exactly its shard's file, and the ranks' sum is the checkpoint's listed files (a
 tokenizer file; the manifest is JSON, read by every rank and not counted). The launcher reads manifests only: it
 counts no checkpoint bytes. Planted: every rank checking every file before it reads its own shard (what a restart
 did before), and the launcher verifying the checkpoint it names, are both caught by these counts. A version-1
-checkpoint's model file is read once too, by one rank, and a corrupt one is refused.
+checkpoint's model file is hashed once too, by one rank (and compared with the masters, a tensor at a time), and a
+corrupt one is refused.
 """
 
 import functools
@@ -236,7 +237,10 @@ def test_a_version_1_checkpoint_resumes_reading_its_model_file_once_and_a_corrup
     assert set(sizes) == {checkpoint.shard_name(0, 1), checkpoint.MODEL_FILE}
     before = bytes_counted()[READ]
     assert checkpoint.load_checkpoint(path, build_engine(cfg, one_rank), one_rank)["version"] == 1
-    assert bytes_counted()[READ] - before == sum(sizes.values())  # the shard as it loads, the model file hashed
+    # the shard as it loads, the model file hashed, then the model check: the file's tensors and the masters they are
+    # compared with, each read once more (counted since the check streams them a tensor at a time)
+    count = checkpoint.read_manifest(path)["param_count"]
+    assert bytes_counted()[READ] - before == sum(sizes.values()) + 2 * 4 * count
     model_file = os.path.join(path, checkpoint.MODEL_FILE)
     flip_a_byte(model_file, at=os.path.getsize(model_file) - 4)  # planted: one byte of the model's last tensor
     with pytest.raises(checkpoint.CheckpointError, match=rf"{re.escape(checkpoint.MODEL_FILE)}: {SHARD_BYTES_DIFFER}"):

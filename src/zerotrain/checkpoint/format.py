@@ -32,6 +32,7 @@ import re
 from zerotrain.config import ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
+from zerotrain.parallel import ShardLayout
 
 # 2: no model file, the parameters stored once (the shards' masters). (TP's keys came within version 1: additions, and
 # a reader from before TP refuses a TP checkpoint anyway, since its layout.world_size (D) differs from its world_size.)
@@ -201,6 +202,14 @@ def mesh_of(manifest: dict) -> tuple[int, int]:
     """(TP, DP) of the mesh that wrote the checkpoint; a manifest from before TP is TP 1 x DP world_size."""
     mesh = manifest.get("mesh") or {"tp": 1, "dp": manifest["world_size"]}
     return mesh["tp"], mesh["dp"]
+
+
+def layout_of(manifest: dict, path: str) -> ShardLayout:
+    """The manifest's layout as a ShardLayout; CheckpointError if its entries do not make one."""
+    try:
+        return ShardLayout.from_dict(manifest["layout"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: layout does not describe a ShardLayout ({e})") from None
 
 
 def tp_slices_of(manifest: dict) -> dict[str, TPSlice]:

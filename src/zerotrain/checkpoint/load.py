@@ -23,8 +23,8 @@ from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_fo
 from .reshard import Read, full_shapes, shard_reads
 from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
 from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, layout_of, name_problem,
-                     partition_problem, record_problem, shard_problem, size_problem, verify_checkpoint,
-                     verify_together)
+                     partition_problem, record_problem, replica_digests, replicas_check, shard_problem, size_problem,
+                     verify_checkpoint, verify_together)
 
 
 def find_resumable(root: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -163,31 +163,37 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     that wrote the checkpoint, but it must hold the same model (full names and full shapes). Every rank runs the checks
     that read no file data. On the same mesh and local layout each rank then reads its own shard whole, hashing it as
     it is read: that is its verification, and the shard is read once. The other files' checks (tokenizer files; at
-    version 1 the model file, against the masters) are shared out over the ranks, the TP replicas check on the last
-    (checks_beside_own_shard). One all_gather_json agrees every rank's outcome before anything is restored.
+    version 1 the model file, against the masters) are shared out over the ranks (checks_beside_own_shard); with TP
+    each rank digests its own shard's replicated masters in memory (replica_digests), and the digests travel with the
+    one all_gather_json that agrees every rank's outcome before anything is restored, so every rank compares them
+    and none reads another's shard.
     Otherwise (another world size, TP degree or bucket size) a ranged read cannot hash what it loads: the ranks
     verify the checkpoint together, each file hashed by one of them, and each then reads only the ranges of the old
     shards it will own (_reshard).
     """
-    manifest, shard, problem, refused = {}, None, None, None
+    manifest, shard, digests, problem, refused = {}, None, None, None, None
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
         refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
         same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
         if same:
-            shard = _read_own_share(path, manifest, comm)
+            shard, digests = _read_own_share(path, manifest, comm)
     except CheckpointError as e:
         problem = str(e)
     except OSError as e:  # a file this rank cannot read: the others must hear of it, not wait for it
         problem = f"{e.filename or path}: cannot be read ({e.strerror})"
-    outcomes = comm.io.all_gather_json([problem, refused], "resume_outcome")
+    outcomes = comm.io.all_gather_json([problem, refused, digests], "resume_outcome")
     if outcomes[0][1]:
         raise ConfigError(outcomes[0][1])
-    problem = next((p for p, _ in outcomes if p), None)
+    problem = next((p for p, _, _ in outcomes if p), None)
     if problem is not None:
         return {}, problem
     if same:
+        if mesh_of(manifest)[0] > 1:  # TP: the replicas each rank digested of its own shard, compared on every rank
+            check = replicas_check(path, manifest, {q: d for q, (_, _, d) in enumerate(outcomes)})
+            if not check.ok:
+                return {}, failure_message(path, check)
         engine.load_shard_state_dict(shard)
         return manifest, None
     bad = first_failure(verify_together(path, comm))
@@ -211,15 +217,16 @@ def _same_mesh(path: str, manifest: dict, engine: ZeroEngine) -> bool:
             and old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets)
 
 
-def _read_own_share(path: str, manifest: dict, comm: Comm) -> dict[str, torch.Tensor]:
-    """This world rank's shard, hashed as it is read, then its share of the other files' checks; CheckpointError
-    naming the first bad file."""
+def _read_own_share(path: str, manifest: dict, comm: Comm) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This world rank's shard, hashed as it is read, and the replica digests of its masters (taken in memory: no
+    byte read twice), then its share of the other files' checks; CheckpointError naming the first bad file."""
     check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
     shard = read_shard(path, manifest, comm.rank)
+    digests = replica_digests(manifest, layout_of(manifest, path), comm.rank, lambda lo, hi: shard["master"][lo:hi])
     bad = first_failure(checks_beside_own_shard(path, manifest, (comm.rank, comm.world_size)))
     if bad is not None:
         raise CheckpointError(failure_message(path, bad))
-    return shard
+    return shard, digests
 
 
 def _reshard(path: str, manifest: dict, old: ShardLayout, old_slices: dict, new: ShardLayout, new_slices: dict,

@@ -7,26 +7,27 @@ them, a replicated tensor from TP rank 0), in a bf16 run rounded to bf16 (the pa
 Format 1 also held `model.safetensors`, the same tensors rank 0 gathered and wrote: read as it is. Names are
 zerotrain's (the layout's; a tied head once, under the embedding's name); a LoRA run's checkpoint holds its adapters.
 
-Two readers: `checkpoint_model` gives the whole model at once (load_model, sample, eval, export), assembled with the
-verifier's own assembly (verify.tp_masters, tp_slices.full_tensors); `ShardedModel` gives one full tensor at a time,
-reading only that tensor's byte ranges of the shards' masters (--init-from: a rank never holds more than one tensor it
-does not keep). Both read what the caller verified first; neither needs torch.distributed.
+`model_tensors` gives the model one full tensor at a time (load_model, sample, eval, export: a reader holds one
+tensor beyond the model it fills), through `ShardedModel`, which reads only that tensor's byte ranges of the shards'
+masters (--init-from too: a rank never holds more than one tensor it does not keep); `checkpoint_model` keeps them
+all (a LoRA run's adapters). Each reads what the caller verified first; none needs torch.distributed.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import weakref
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
 
 from zerotrain.parallel import ParamSlot
-from zerotrain.parallel.tp_slices import full_tensors
 
-from .format import MODEL_FILE, mesh_of, read_manifest, shard_name, tp_slices_of
+from .format import MODEL_FILE, layout_of, mesh_of, read_manifest, shard_name, tp_slices_of
 from .reshard import full_shapes
 from .stream import count_read
-from .verify import layout_of, tp_masters
 
 
 def has_model_file(manifest: dict) -> bool:
@@ -37,7 +38,18 @@ def has_model_file(manifest: dict) -> bool:
 def checkpoint_model(folder: str, manifest: dict | None = None,
                      from_shards: bool | None = None) -> dict[str, torch.Tensor]:
     """Every trained parameter of the checkpoint `folder` by name, full shape, fp32 on the CPU, each tensor its own
-    storage: the model file when the manifest lists one, else assembled from every shard's masters.
+    storage: model_tensors, kept. The whole model at once: for small models (a LoRA run's adapters) and tests; a reader
+    of a whole model takes model_tensors one at a time."""
+    return dict(model_tensors(folder, manifest, from_shards))
+
+
+def model_tensors(folder: str, manifest: dict | None = None,
+                  from_shards: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every trained parameter of the checkpoint `folder`, one at a time, in the layout's order
+    (the model file's, at format 1), fp32 on the CPU, each its own storage: the model file's tensors when the manifest
+    lists one, else each assembled from the byte ranges of the shards' masters that hold it (ShardedModel). Nothing
+    but the tensor yielded is held: a caller that puts each where it belongs and lets it go holds one tensor beyond
+    what it keeps (`held_bytes` counts the tensors yielded and still alive).
 
     `from_shards` True assembles from the shards even when there is a model file (to compare the two), False insists
     on the model file. The caller verifies the checkpoint first.
@@ -46,18 +58,45 @@ def checkpoint_model(folder: str, manifest: dict | None = None,
     if from_shards is None:
         from_shards = not has_model_file(manifest)
     if not from_shards:
-        return _model_file(os.path.join(folder, MODEL_FILE))
-    layout = layout_of(manifest, folder)
-    full = full_tensors(layout, tp_slices_of(manifest), tp_masters(folder, manifest, layout))
-    return {name: t.clone() for name, t in full.items()}  # not views of one flat buffer: safetensors refuses those
+        path = os.path.join(folder, MODEL_FILE)
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                count_read(t.numel() * t.element_size())
+                yield name, _held(t)
+                del t  # before the next one is read
+        return
+    with ShardedModel(folder, manifest) as shards:
+        for name in shards.shapes:
+            yield name, _held(shards.tensor(name))
 
 
-def _model_file(path: str) -> dict[str, torch.Tensor]:
-    """A model file's tensors, each its own storage (one tensor read at a time: no second copy of the file)."""
-    with safe_open(path, framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    count_read(os.path.getsize(path))
-    return tensors
+_HELD = {"now": 0, "peak": 0}  # bytes of the tensors model_tensors yielded that are still alive, in this process
+_HELD_LOCK = threading.Lock()
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """`t`, counted in held_bytes until it is freed."""
+    n = t.numel() * t.element_size()
+    with _HELD_LOCK:
+        _HELD["now"] += n
+        _HELD["peak"] = max(_HELD["peak"], _HELD["now"])
+    weakref.finalize(t, _release, n)
+    return t
+
+
+def _release(n: int) -> None:
+    with _HELD_LOCK:
+        _HELD["now"] -= n
+
+
+def held_bytes(reset_peak: bool = False) -> dict[str, int]:
+    """{"now", "peak"}: bytes of the tensors model_tensors yielded that are alive now, and the most at once (since the
+    last reset_peak, which sets the peak to now)."""
+    with _HELD_LOCK:
+        if reset_peak:
+            _HELD["peak"] = _HELD["now"]
+        return dict(_HELD)
 
 
 class ShardedModel:
@@ -93,18 +132,12 @@ class ShardedModel:
 
     def _local(self, slot: ParamSlot, t: int) -> torch.Tensor:
         """TP rank t's tensor of `slot`: its range of the flat layout, read from the DP ranks' chunks that hold it."""
-        T, D = mesh_of(self.manifest)
-        bucket = self.layout.buckets[slot.bucket]
-        chunk = bucket.chunk_numel(D)
+        T = mesh_of(self.manifest)[0]
         local = torch.empty(slot.numel)
-        at, end = slot.offset, slot.offset + slot.numel
-        while at < end:
-            d, offset = divmod(at - bucket.start, chunk)  # DP rank d's chunk holds `at`, `offset` into it
-            n = min(end - at, chunk - offset)
-            lo = bucket.shard_offset + offset  # where that chunk sits in d's shard
-            local[at - slot.offset : at - slot.offset + n] = self._masters(d * T + t)[lo : lo + n]
-            count_read(4 * n)
-            at += n
+        for p in self.layout.pieces(slot.offset, slot.offset + slot.numel):
+            at = p.start - slot.offset
+            local[at : at + p.numel] = self._masters(p.rank * T + t)[p.shard_offset : p.shard_offset + p.numel]
+            count_read(4 * p.numel)
         return local.view(slot.shape)
 
     def _masters(self, rank: int):

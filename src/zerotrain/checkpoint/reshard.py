@@ -3,7 +3,7 @@
 A rank's new shard is its owned chunk of each bucket of its local flat buffer (its TP slices of the full model, in
 the run's layout). `shard_reads` walks the parameters those chunks meet and follows each value back: to its place
 in the local tensor of the old TP rank that holds it, then through the old layout to the old DP rank whose chunk
-holds it and the offset in that rank's shard. A parameter sliced the same way in both (no TP, or the same TP
+holds it and the offset in that rank's shard (both layouts answer where: ShardLayout.owned_pieces and .pieces). A parameter sliced the same way in both (no TP, or the same TP
 slices) maps its positions straight across; one whose TP slicing changes is followed along its split dimension
 (a KV head on several old TP ranks is read from the first of them, as the full model takes it). The result is a
 list of contiguous copies, the same for every state key, so the loader reads each old shard's bytes that this rank
@@ -13,8 +13,6 @@ will own and nothing else: no whole shard, no full flat buffer, no full paramete
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
@@ -41,16 +39,13 @@ def shard_reads(old: ShardLayout, old_slices: dict[str, TPSlice], old_tp: int, n
     old_slots = {s.name: s for s in old.slots}
     reads: list[Read] = []
     for s in new.slots:
-        bucket = new.buckets[s.bucket]
-        lo, hi = bucket.chunk(dp_rank, new.world_size)
-        start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-        if start >= end:
-            continue
-        at = bucket.shard_offset + start - lo  # where [start, end) of the flat buffer sits in the new shard
         was = old_slots[s.name]
-        for t, src, dst, n in _local_runs(s.name, start - s.offset, end - s.offset, old_slices.get(s.name),
-                                          new_slices.get(s.name), tp_rank):
-            reads += _in_old_shards(old, was.bucket, was.offset + src, n, t, old_tp, at + dst)
+        for mine in new.owned_pieces(dp_rank, s.offset, s.offset + s.numel):  # what of s this rank will own, and where
+            for t, src, dst, n in _local_runs(s.name, mine.start - s.offset, mine.end - s.offset,
+                                              old_slices.get(s.name), new_slices.get(s.name), tp_rank):
+                at = was.offset + src  # [at, at + n) of old TP rank t's flat buffer, held by the old DP ranks' pieces
+                reads += [Read(p.rank * old_tp + t, p.shard_offset, mine.shard_offset + dst + p.start - at, p.numel)
+                          for p in old.pieces(at, at + n)]
     return _merged(reads)
 
 
@@ -106,20 +101,6 @@ def _dim_segments(new_parts, holders) -> list[tuple[int, int, int, int]]:
     return sorted(segments)
 
 
-def _in_old_shards(old: ShardLayout, index: int, at: int, n: int, t: int, old_tp: int, dst: int) -> list[Read]:
-    """Values [at, at + n) of old TP rank t's flat buffer, in bucket `index`, as reads from the shards of the DP ranks
-    that own them."""
-    bucket = old.buckets[index]
-    chunk = bucket.chunk_numel(old.world_size)
-    reads = []
-    while n:
-        d, offset = divmod(at - bucket.start, chunk)
-        take = min(n, chunk - offset)
-        reads.append(Read(d * old_tp + t, bucket.shard_offset + offset, dst, take))
-        at, dst, n = at + take, dst + take, n - take
-    return reads
-
-
 def _merged(reads: list[Read]) -> list[Read]:
     """Consecutive reads continuing one another (same shard, both ranges contiguous) as one."""
     out: list[Read] = []
@@ -135,19 +116,3 @@ def _merged(reads: list[Read]) -> list[Read]:
 def full_shapes(layout: ShardLayout, slices: dict[str, TPSlice]) -> dict[str, tuple[int, ...]]:
     """Each parameter's shape in the full model, by name (a split parameter's full shape, not its slice's)."""
     return {s.name: tuple(slices[s.name].full_shape) if s.name in slices else s.shape for s in layout.slots}
-
-
-def replicated_mismatch(layout: ShardLayout, slices: dict[str, TPSlice],
-                        flats) -> tuple[str, int, int, int] | None:
-    """(name, TP rank, flat index, TP rank it should equal) of the first replicated value whose copy differs bitwise
-    from TP rank 0's, or value of a KV head on several TP ranks that differs from the first of them's."""
-    for s in layout.slots:
-        for t, flat in enumerate(flats[1:], start=1):
-            ref = slices[s.name].first_holder(t) if s.name in slices else 0
-            if ref == t:
-                continue
-            want, got = flats[ref][s.offset : s.offset + s.numel], flat[s.offset : s.offset + s.numel]
-            differs = (got.view(torch.uint8) != want.view(torch.uint8)).view(-1, want.element_size()).any(1)
-            if differs.any():
-                return s.name, t, s.offset + int(differs.nonzero()[0]), ref
-    return None

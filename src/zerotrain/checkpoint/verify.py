@@ -20,7 +20,8 @@ first group that has a failure (later groups read what an earlier one found bad)
                model's parameters add up to param_count
     shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
     replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's, and those of
-               a KV head on several TP ranks equal its first rank's
+               a KV head on several TP ranks equal its first rank's: each shard's pieces of them digested
+               (replica_digests) by the reader of that shard, the digests compared
     model      (version 1) model.safetensors equals the masters assembled through the layout, with TP
                placed through the TP slices (full names, full shapes); in bf16, the masters rounded to
                bf16: the parameters the model file was written from. Version 2 has no model file: the
@@ -29,17 +30,20 @@ first group that has a failure (later groups read what an earlier one found bad)
 Loading runs the same checks on the files it reads (see load.py) before restoring anything.
 
 `verify_checkpoint(path, part=(r, W))` runs rank r's share of the checks that read file data (sha256, shard
-headers, replicas, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run its
-share at once and merges the results, so a reshard verifies at the speed of W readers, not one.
-`checks_beside_own_shard` is a same-mesh load's share: there each rank hashes its own shard as it reads it, so
-only the other files and the cross-file checks are left to share out.
+headers and replica digests, model) and every cheap one; `verify_together(path, comm)` has every rank of `comm` run
+its share at once, compares the replica digests and merges the results, so a reshard verifies at the speed of W
+readers, not one, and no reader reads more than its share. `checks_beside_own_shard` is a same-mesh load's share:
+there each rank hashes its own shard as it reads it (and digests it in memory), so only the other files and the
+cross-file checks are left to share out.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,12 +52,11 @@ from safetensors import safe_open
 from zerotrain.config import ModelConfig
 from zerotrain.model import plan
 from zerotrain.parallel import ShardLayout
-from zerotrain.parallel.tp_slices import full_tensors
 
-from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, mesh_of, schema_problem,
-                      shard_name, tp_slices_of)
-from .reshard import replicated_mismatch
-from .stream import FileRecord, read_header, sha256_file
+from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, layout_of, mesh_of,
+                      schema_problem, shard_name, tp_slices_of)
+from .model import ShardedModel
+from .stream import FileRecord, count_read, read_header, sha256_file
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,17 @@ ORDER = ("manifest", "json", "schema", "name", "files", "size", "sha256", "parti
 def verify_checkpoint(path: str, part: tuple[int, int] | None = None) -> list[Check]:
     """Every check of the checkpoint folder `path`, in order, up to the first group with a failure.
 
-    With `part=(r, W)`: of the checks that read file data, only reader r's share of W (files and model
-    tensors balanced by bytes; the replicas check on the last reader); every cheap check in full.
+    With `part=(r, W)`: of the checks that read file data, only reader r's share of W (files, shard headers and
+    replica digests, and model tensors balanced by bytes); every cheap one in full. The replicas check compares every
+    shard's digests, so a share of W > 1 leaves it out: verify_together runs it on what every reader digested.
     """
+    return _verify_share(path, *(part or (0, 1)))[0]
+
+
+def _verify_share(path: str, r: int, W: int) -> tuple[list[Check], dict[int, dict[str, str]] | None, dict]:
+    """Reader r of W's checks, the replica digests of its share of the shards (None if it stopped before them) and
+    the manifest ({} if unreadable)."""
     checks: list[Check] = []
-    r, W = part or (0, 1)
 
     def group(results) -> bool:
         checks.extend(results)
@@ -87,38 +96,43 @@ def verify_checkpoint(path: str, part: tuple[int, int] | None = None) -> list[Ch
 
     manifest = _manifest_checks(path, checks)
     if manifest is None:
-        return checks
+        return checks, None, {}
     listed = [f["name"] for f in manifest["files"]]
     entries = {f["name"]: f for f in manifest["files"]}
     if not group([_check("name", n, name_problem(path, n)) for n in listed]):
-        return checks
+        return checks, None, manifest
     if not group([_check("files", MANIFEST, files_problem(manifest))]):
-        return checks
+        return checks, None, manifest
     sizes = [_check("size", n, size_problem(path, entries[n])) for n in listed]
     if not group(sizes):
-        return checks
+        return checks, None, manifest
     hashed = _share([(n, entries[n]["bytes"]) for n in listed], W)[r]
     if not group([_check("sha256", n, hash_problem(path, entries[n])) for n in hashed]):
-        return checks
+        return checks, None, manifest
     if not group([_check("partition", MANIFEST, partition_problem(manifest))]):
-        return checks
+        return checks, None, manifest
     shard_numel = manifest["layout"]["shard_numel"]  # of the local layout: every world rank's shard has it
-    # each reader the headers of its share of the shards: W readers of W shards open one file each, not W
-    shards = _share([(shard_name(q, manifest["world_size"]), 1) for q in range(manifest["world_size"])], W)[r]
-    if not group([_check("shard", n, _header_problem(path, n, shard_numel)) for n in shards]):
-        return checks
-    group(cross_file_checks(path, manifest, (r, W)))
-    return checks
+    # each reader the headers and replica digests of its share of the shards: W readers of W shards open one file each
+    world = manifest["world_size"]
+    ranks = _share([(str(q), 1) for q in range(world)], W)[r]
+    if not group([_check("shard", shard_name(int(q), world), _header_problem(path, shard_name(int(q), world),
+                                                                             shard_numel)) for q in ranks]):
+        return checks, None, manifest
+    layout = layout_of(manifest, path)
+    digests = {int(q): shard_digests(path, manifest, layout, int(q)) for q in ranks}
+    group(cross_file_checks(path, manifest, (r, W), digests if W == 1 else None))
+    return checks, digests, manifest
 
 
-def cross_file_checks(path: str, manifest: dict, part: tuple[int, int]) -> list[Check]:
+def cross_file_checks(path: str, manifest: dict, part: tuple[int, int],
+                      digests: dict[int, dict[str, str]] | None = None) -> list[Check]:
     """Reader r of W's share of the checks that compare files with one another, run once each file's own checks
-    passed: replicas (TP only, on the last reader), then model (version 1, its tensors dealt out by size); none after
-    a failure."""
+    passed: replicas (TP only, when `digests` holds every shard's replica_digests), then model (version 1, its tensors
+    dealt out by size); none after a failure."""
     r, W = part
     checks = []
-    if mesh_of(manifest)[0] > 1 and r == W - 1:
-        checks.append(replicas_check(path, manifest))
+    if mesh_of(manifest)[0] > 1 and digests is not None:
+        checks.append(replicas_check(path, manifest, digests))
         if not checks[-1].ok:
             return checks
     if MODEL_FILE in {f["name"] for f in manifest["files"]}:  # version 1: the model file beside its masters
@@ -130,8 +144,9 @@ def cross_file_checks(path: str, manifest: dict, part: tuple[int, int]) -> list[
 def checks_beside_own_shard(path: str, manifest: dict, part: tuple[int, int]) -> list[Check]:
     """Reader r of W's share of the data checks a load on the checkpoint's own mesh needs besides each world rank
     reading (and hashing) its own shard: the size and sha256 of the other listed files (tokenizer files; version 1's
-    model file), dealt out by _share, then cross_file_checks; none after the first failure. With W the checkpoint's
-    world size, every file is read by one reader."""
+    model file), dealt out by _share, then its share of cross_file_checks; none after the first failure. With W the
+    checkpoint's world size, every file is read by one reader. The replicas check is the caller's: it compares what
+    every rank digested of its own shard (replica_digests), gathered with the load's outcome."""
     shards = {shard_name(i, manifest["world_size"]) for i in range(manifest["world_size"])}
     others = [(f["name"], f["bytes"]) for f in manifest["files"] if f["name"] not in shards]
     entries = {f["name"]: f for f in manifest["files"]}
@@ -148,11 +163,23 @@ def verify_together(path: str, comm) -> list[Check]:
     """verify_checkpoint's checks of `path`, each rank of `comm` reading its share; the same merged list on every rank.
 
     A check that fails on any rank fails (a rank that cannot see a file says so); the list stops after the
-    first group with a failure, as verify_checkpoint's does. The wait is comm.io's (--io-timeout).
+    first group with a failure, as verify_checkpoint's does. The replicas check compares the digests every rank took
+    of its share of the shards, gathered with the checks: no rank reads another's share. The wait is comm.io's
+    (--io-timeout).
     """
-    mine = verify_checkpoint(path, part=(comm.rank, comm.world_size))
-    every = comm.io.all_gather_json([[c.name, c.ok, c.detail, c.file] for c in mine], "verify_checkpoint")
-    return merge_checks([[Check(*row) for row in rows] for rows in every])
+    mine, digests, manifest = _verify_share(path, comm.rank, comm.world_size)
+    rows = [[c.name, c.ok, c.detail, c.file] for c in mine]
+    every = comm.io.all_gather_json({"checks": rows, "digests": _listed(digests)}, "verify_checkpoint")
+    lists = [[Check(*row) for row in share["checks"]] for share in every]
+    if comm.world_size > 1 and manifest and mesh_of(manifest)[0] > 1 and all(s["digests"] is not None for s in every):
+        gathered = {q: d for share in every for q, d in share["digests"]}
+        lists.append([replicas_check(path, manifest, gathered)])
+    return merge_checks(lists)
+
+
+def _listed(digests: dict[int, dict[str, str]] | None) -> list | None:
+    """Digests by world rank as JSON can carry them (its object keys are strings)."""
+    return None if digests is None else sorted(digests.items())
 
 
 def merge_checks(every: list[list[Check]]) -> list[Check]:
@@ -405,79 +432,108 @@ def _header_problem(folder: str, name: str, shard_numel: int) -> str | None:
         return str(e)
 
 
-def layout_of(manifest: dict, path: str) -> ShardLayout:
-    """The manifest's layout as a ShardLayout; CheckpointError if its entries do not make one."""
-    try:
-        return ShardLayout.from_dict(manifest["layout"])
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: layout does not describe a ShardLayout ({e})") from None
+DIGEST_VALUES = 1 << 20  # values per read and hash update of a replica digest: 4 MiB of fp32 at a time
 
 
-def tp_masters(folder: str, manifest: dict, layout: ShardLayout) -> list[torch.Tensor]:
-    """Each TP rank's padded flat buffer of masters, assembled from the shards of its DP group (world ranks d x T + t).
+def replicated_names(manifest: dict) -> list[str]:
+    """The parameters some TP rank holds a copy of (of TP rank 0's, or a KV head of the first TP rank holding it), in
+    the layout's order: none without TP."""
+    T, slices = mesh_of(manifest)[0], tp_slices_of(manifest)
+    if T == 1:
+        return []
+    return [p["name"] for p in manifest["layout"]["params"]
+            if p["name"] not in slices or any(slices[p["name"]].first_holder(t) != t for t in range(T))]
 
-    In bf16, rounded to bf16 and back: the parameters the model file was written from.
+
+def replica_digests(manifest: dict, layout: ShardLayout, world_rank: int,
+                    read: Callable[[int, int], torch.Tensor]) -> dict[str, str]:
+    """What world rank `world_rank`'s shard holds of each replicated parameter (replicated_names), as a digest each:
+    sha256 of those master values in flat order (in a bf16 run rounded to bf16: the parameters the run computes with),
+    its first 16 hex digits. `read(lo, hi)` gives values [lo, hi) of the rank's master shard, at most DIGEST_VALUES at
+    a time.
+
+    The local layout is the same on every TP rank, so DP rank d's shards on every TP rank hold the same flat pieces of
+    a parameter: their digests are equal iff (almost surely) the copies are bitwise equal.
     """
-    T, D = mesh_of(manifest)
-    flats = []
-    for t in range(T):
-        masters = []
-        for d in range(D):
-            with safe_open(os.path.join(folder, shard_name(d * T + t, T * D)), framework="pt") as f:
-                masters.append(f.get_tensor("master"))
-        flat = layout.assemble(masters)
-        flats.append(flat.bfloat16().float() if manifest["precision"] == "bf16" else flat)
-    return flats
+    T = mesh_of(manifest)[0]
+    slots = {s.name: s for s in layout.slots}
+    out = {}
+    for name in replicated_names(manifest):
+        s, sha = slots[name], hashlib.sha256()
+        for p in layout.owned_pieces(world_rank // T, s.offset, s.offset + s.numel):
+            for lo in range(p.shard_offset, p.shard_offset + p.numel, DIGEST_VALUES):
+                values = read(lo, min(lo + DIGEST_VALUES, p.shard_offset + p.numel))
+                if manifest["precision"] == "bf16":
+                    values = values.bfloat16()
+                sha.update(values.contiguous().view(torch.uint8).numpy())
+        out[name] = sha.hexdigest()[:16]
+    return out
 
 
-def replicas_check(folder: str, manifest: dict) -> Check:
-    """Every TP rank's masters of the replicated parameters equal TP rank 0's (which the model file holds)."""
-    try:
-        layout = layout_of(manifest, folder)
-    except CheckpointError as e:
-        return _check("replicas", MANIFEST, str(e))
+def shard_digests(path: str, manifest: dict, layout: ShardLayout, world_rank: int) -> dict[str, str]:
+    """replica_digests of world rank `world_rank`'s shard file in the checkpoint `path`, reading only the master values
+    they cover (counted)."""
+    if mesh_of(manifest)[0] == 1:
+        return {}
+    with safe_open(os.path.join(path, shard_name(world_rank, manifest["world_size"])), framework="pt") as f:
+        masters = f.get_slice("master")
+
+        def read(lo: int, hi: int) -> torch.Tensor:
+            count_read(4 * (hi - lo))
+            return masters[lo:hi]
+
+        return replica_digests(manifest, layout, world_rank, read)
+
+
+def replicas_check(path: str, manifest: dict, digests: dict[int, dict[str, str]]) -> Check:
+    """Every TP rank's masters of the replicated parameters equal TP rank 0's, and a KV head's on several TP ranks its
+    first holder's: from `digests` (world rank -> replica_digests of its shard, every world rank's), no file read."""
     T, D = mesh_of(manifest)
-    flats = tp_masters(folder, manifest, layout)
-    mismatch = replicated_mismatch(layout, tp_slices_of(manifest), flats)
-    if mismatch is None:
-        return _check("replicas", MANIFEST, None)
-    name, t, at, ref = mismatch
-    bucket = next(b for b in layout.buckets if b.start <= at < b.end)
-    d = (at - bucket.start) // bucket.chunk_numel(D)  # the DP rank whose shard holds the differing value
-    holders = "every TP rank holds" if ref == 0 else f"TP ranks {ref} and {t} hold"
-    return _check("replicas", shard_name(d * T + t, T * D),
-                  f"master of replicated tensor {name} differs from TP rank {ref}'s ({shard_name(d * T + ref, T * D)}) "
-                  f"although {holders} it identically")
+    slices = tp_slices_of(manifest)
+    for name in replicated_names(manifest):
+        for t in range(1, T):
+            ref = slices[name].first_holder(t) if name in slices else 0
+            if ref == t:
+                continue
+            for d in range(D):
+                if digests[d * T + t][name] != digests[d * T + ref][name]:
+                    holders = "every TP rank holds" if ref == 0 else f"TP ranks {ref} and {t} hold"
+                    return _check("replicas", shard_name(d * T + t, T * D),
+                                  f"master of replicated tensor {name} differs from TP rank {ref}'s "
+                                  f"({shard_name(d * T + ref, T * D)}) although {holders} it identically")
+    return _check("replicas", MANIFEST, None)
 
 
 def model_problem(folder: str, manifest: dict, names: list[str] | None = None) -> str | None:
     """Why model.safetensors is not the full model of the masters (through the layout and TP slices), or None.
 
     `names`: only those tensors (a reader's share); the file's extra tensors are checked by the share with the
-    first parameter. None: all.
+    first parameter. None: all. One tensor at a time, each read from the byte ranges of the masters that hold it
+    (ShardedModel): a reader holds one tensor of each, whatever the model's size.
     """
     try:
-        layout = layout_of(manifest, folder)
+        shards = ShardedModel(folder, manifest)
     except CheckpointError as e:
         return str(e)
     if names is not None and not names:
         return None
-    full = full_tensors(layout, tp_slices_of(manifest), tp_masters(folder, manifest, layout))
     params = manifest["layout"]["params"]
     checks_extra = names is None or (bool(params) and params[0]["name"] in names)
-    with safe_open(os.path.join(folder, MODEL_FILE), framework="pt") as f:
+    with shards, safe_open(os.path.join(folder, MODEL_FILE), framework="pt") as f:
         present = set(f.keys())
-        for name, want in full.items():
+        for name in shards.shapes:
             if names is not None and name not in names:
                 continue
             if name not in present:
                 return f"has no tensor {name}"
             t = f.get_tensor(name)
+            count_read(t.numel() * t.element_size())
+            want = shards.tensor(name)
             if t.dtype != torch.float32 or tuple(t.shape) != tuple(want.shape):
                 return (f"tensor {name} is {t.dtype} {tuple(t.shape)}, the layout and TP slices imply "
                         f"float32 {tuple(want.shape)}")
             if not torch.equal(t.view(torch.int32), want.view(torch.int32)):  # bitwise, NaN included
                 diff = (t - want).abs().nan_to_num(float("inf")).max().item()
                 return f"tensor {name} differs from the assembled master shards (max |diff| {diff:.3g})"
-        extra = sorted(present - set(full)) if checks_extra else []
+        extra = sorted(present - set(shards.shapes)) if checks_extra else []
     return f"holds a tensor {extra[0]!r} the layout does not have" if extra else None

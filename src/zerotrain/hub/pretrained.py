@@ -2,7 +2,8 @@
 
 A checkpoint is verified first (names, sizes, sha256, layout, and a format-1 model.safetensors against the
 master shards), then its model is loaded strictly: the model file when its manifest lists one, else the model its
-shards' masters assemble to (checkpoint.checkpoint_model) (a Llama that trained on a shorter window than
+shards' masters assemble to (checkpoint.model_tensors, one tensor at a time into the model built: the model and one
+tensor beyond it held) (a Llama that trained on a shorter window than
 the model it started from gets that model's context back, from the manifest's tokenizer record); an exported
 folder's config.json is checked against the architecture zerotrain builds, and its model.safetensors, or the shards its
 model.safetensors.index.json names (export.tensor_files, as --init-from reads them), loaded strictly.
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from zerotrain.checkpoint import (LATEST, MANIFEST, MODEL_FILE, CheckpointError, checkpoint_model, committed_folder,
-                                   committed_steps, has_model_file, read_latest, read_manifest, verify_or_raise)
+                                   committed_steps, has_model_file, model_tensors, read_latest, read_manifest,
+                                   verify_or_raise)
 from zerotrain.checkpoint.stream import read_safetensors, sha256_file
 from zerotrain.config import Config, ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
@@ -98,12 +100,13 @@ def load_from(source: ModelSource) -> torch.nn.Module:
     else:
         _, cfg, _ = read_export_config(folder)
     if source.kind == "checkpoint":  # verified by locate
-        tensors = checkpoint_model(folder, source.manifest)
         where = os.path.join(folder, MODEL_FILE) if has_model_file(source.manifest) else f"the shards of {folder}"
-    else:
-        tensors, where = _read_tensors(folder)
-    if source.kind == "checkpoint" and source.manifest["config"].get("lora", {}).get("lora_rank"):
-        return _lora_model(source, tensors, where)
+        if source.manifest["config"].get("lora", {}).get("lora_rank"):
+            return _lora_model(source, checkpoint_model(folder, source.manifest), where)
+        model = model_class(cfg)(cfg)
+        _fill(model, model_tensors(folder, source.manifest), where)
+        return model.eval().requires_grad_(False)  # for inference: no autograd graph kept
+    tensors, where = _read_tensors(folder)
     if source.kind == "hf":
         tensors = MAPPINGS[cfg.arch].from_hf(tensors, cfg)
     model = model_class(cfg)(cfg)
@@ -113,6 +116,26 @@ def load_from(source: ModelSource) -> torch.nn.Module:
         detail = str(e).split("\n\t")[1] if "\n\t" in str(e) else str(e)
         raise CheckpointError(f"{where} does not fit the model its config describes: {detail.strip()}") from None
     return model.eval().requires_grad_(False)  # for inference: no autograd graph kept
+
+
+def _fill(model: torch.nn.Module, tensors, where: str) -> None:
+    """Copy each (name, tensor) into `model`'s parameter of that name as it comes, strictly (every parameter once, each
+    of its shape): the model and one tensor beyond it held at a time."""
+    params = dict(model.named_parameters())  # a tied head once, under the embedding's name, as checkpoints hold it
+    seen = set()
+    with torch.no_grad():
+        for name, t in tensors:
+            if name not in params:
+                raise CheckpointError(f"{where} does not fit the model its config describes: unexpected tensor {name}")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"{where} does not fit the model its config describes: {name} has shape "
+                                      f"{tuple(t.shape)}, the model {tuple(params[name].shape)}")
+            params[name].copy_(t)
+            seen.add(name)
+            del t  # let the tensor go before the next one is read
+    missing = [n for n in params if n not in seen]
+    if missing:
+        raise CheckpointError(f"{where} does not fit the model its config describes: missing tensor {missing[0]}")
 
 
 def _lora_model(source: ModelSource, tensors: dict[str, torch.Tensor], where: str) -> torch.nn.Module:

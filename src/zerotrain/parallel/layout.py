@@ -1,7 +1,13 @@
-"""The flat layout ZeRO-1 shards: where each parameter lives, the buckets, and which ranges each rank owns."""
+"""The flat layout ZeRO-1 shards: where each parameter lives, the buckets, and which ranges each rank owns.
+
+`ShardLayout` is the one owner of "which rank holds which flat range, and where in its shard": `owned_pieces(rank)`
+(what a rank holds, and where each piece sits in its shard) and `pieces(start, end)` (who holds a flat range, cut
+where the ranks' chunks meet). The engine's buffers, checkpoint reads, reshards and verification ask it.
+"""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,6 +45,21 @@ class Bucket:
         return self.start + rank * c, self.start + (rank + 1) * c
 
 
+@dataclass(frozen=True)
+class ShardPiece:
+    """Values [start, end) of the padded flat buffer, held by rank `rank` (of the layout's DP group) at
+    [shard_offset, shard_offset + numel) of its shard."""
+
+    rank: int
+    start: int
+    end: int
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
 class ShardLayout:
     """Where every parameter lives in the flat buffer, and which flat ranges each rank owns.
 
@@ -53,6 +74,7 @@ class ShardLayout:
         self.numel = sum(s.numel for s in slots)
         self.padded_numel = buckets[-1].end if buckets else 0
         self.shard_numel = self.padded_numel // world_size
+        self._starts = [b.start for b in buckets]
 
     @classmethod
     def build(cls, params: list[tuple[str, tuple[int, ...], bool]], world_size: int, bucket_numel: int):
@@ -84,19 +106,52 @@ class ShardLayout:
     def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
         return [b.chunk(rank, self.world_size) for b in self.buckets]
 
+    def owned_pieces(self, rank: int, start: int = 0, end: int | None = None) -> list[ShardPiece]:
+        """What rank `rank` holds of [start, end) of the padded flat buffer (all of it by default), in flat order,
+        each piece with where it sits in the rank's shard: one piece per bucket met, at most."""
+        end = self.padded_numel if end is None else end
+        out = []
+        for b in self.buckets[self._bucket_at(start):]:
+            if b.start >= end:
+                break
+            lo, hi = b.chunk(rank, self.world_size)
+            a, z = max(lo, start), min(hi, end)
+            if a < z:
+                out.append(ShardPiece(rank, a, z, b.shard_offset + a - lo))
+        return out
+
+    def pieces(self, start: int, end: int) -> list[ShardPiece]:
+        """Who holds [start, end) of the padded flat buffer: the range cut where the ranks' chunks meet, in flat
+        order, each piece with its rank and where it sits in that rank's shard."""
+        out, at = [], start
+        index = self._bucket_at(start)
+        while at < end:
+            b = self.buckets[index]
+            if at >= b.end:
+                index += 1
+                continue
+            chunk = b.chunk_numel(self.world_size)
+            rank, offset = divmod(at - b.start, chunk)  # rank `rank`'s chunk holds `at`, `offset` into it
+            n = min(end - at, chunk - offset, b.end - at)
+            out.append(ShardPiece(rank, at, at + n, b.shard_offset + offset))
+            at += n
+        return out
+
+    def _bucket_at(self, index: int) -> int:
+        """The bucket holding flat index `index` (the first one for an index before it)."""
+        return max(0, bisect.bisect_right(self._starts, index) - 1)
+
     def assemble(self, shards) -> torch.Tensor:
         """The padded flat buffer from every rank's shard (shards[r] is rank r's, in shard order)."""
         flat = torch.zeros(self.padded_numel, dtype=shards[0].dtype)
-        for b in self.buckets:
-            c = b.chunk_numel(self.world_size)
-            for rank, shard in enumerate(shards):
-                lo, hi = b.chunk(rank, self.world_size)
-                flat[lo:hi] = shard[b.shard_offset : b.shard_offset + c]
+        for rank, shard in enumerate(shards):
+            for p in self.owned_pieces(rank):
+                flat[p.start : p.end] = shard[p.shard_offset : p.shard_offset + p.numel]
         return flat
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank `rank`'s shard of a padded flat buffer: its owned ranges, concatenated."""
-        return torch.cat([flat[lo:hi] for lo, hi in self.owned_ranges(rank)])
+        """Rank `rank`'s shard of a padded flat buffer: its owned pieces, concatenated."""
+        return torch.cat([flat[p.start : p.end] for p in self.owned_pieces(rank)])
 
     def to_dict(self) -> dict:
         return {
