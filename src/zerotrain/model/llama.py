@@ -30,6 +30,7 @@ from zerotrain.config import ModelConfig
 from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, RMSNorm, RowParallelLinear, TPSlice, apply_rotary,
                      attend, blocks, copy_to_tp, document_attention, kv_head_blocks, new_positions, rotary_tables,
                      run_block, tied_head_hook, window_attention)
+from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
 class LlamaAttention(nn.Module):
@@ -106,7 +107,7 @@ class Llama(nn.Module):
             layers=nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer)),
             norm=RMSNorm(cfg.n_embd, cfg.norm_eps),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
         self.tie_weights()
         if cfg.tie_embeddings:
             self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
@@ -174,7 +175,8 @@ def init_rule(cfg: ModelConfig, name: str):
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads
 # (r*KV/T ..: the KV heads its q heads attend with; with T a multiple of KV, head r // (T/KV), replicated on T/KV
 # ranks), o_proj row-parallel over the matching input columns; gate_proj and up_proj column-parallel, down_proj
-# row-parallel. Embedding, norms and head are replicated.
+# row-parallel. The token embedding and the head (tied or not) are split by vocabulary rows when T divides the
+# vocabulary (model/vocab.py), else replicated; norms are replicated.
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
@@ -197,6 +199,10 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))
+    if splits_vocab(cfg.vocab_size, tp):
+        slices["model.embed_tokens.weight"] = vocab_slice(cfg.vocab_size, C, tp)
+        if not cfg.tie_embeddings:
+            slices["lm_head.weight"] = vocab_slice(cfg.vocab_size, C, tp)
     return slices
 
 
@@ -221,5 +227,10 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
                                                     tp_rank, None))
         mlp.tp_comm = comm
         mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
     model.tp_slices = slices
     return slices
