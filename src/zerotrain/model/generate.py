@@ -25,7 +25,7 @@ from collections.abc import Collection
 
 import torch
 
-from .layers import KVCache
+from .layers import KVCache, kv_heads_per_rank
 
 
 def default_keep(seq_len: int) -> int:
@@ -67,8 +67,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
     ended = torch.zeros(B, dtype=torch.bool, device=weight.device)
     first = n
     # The window never holds more than the prompt and the new tokens: the cache is that long, not the whole context
-    cache = KVCache(model.cfg, B, weight.device, weight.dtype, cache_positions(n, max_new_tokens, seq_len)) \
-        if kv_cache else None
+    cache = KVCache(model.cfg, B, weight.device, weight.dtype, cache_positions(n, max_new_tokens, seq_len),
+                    cached_kv_heads(model)) if kv_cache else None
     start = window_start(0, n, seq_len, keep)
     logits = last_logits(model, tokens[:, start:n], cache)
     for i in range(max_new_tokens):
@@ -93,6 +93,13 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
 def cache_positions(prompt: int, max_new_tokens: int, seq_len: int) -> int:
     """The positions the KV cache needs: the prompt and the new tokens, at most the model's context (the window)."""
     return min(seq_len, prompt + max_new_tokens)
+
+
+def cached_kv_heads(model: torch.nn.Module) -> int:
+    """The KV heads the model's attention computes on this rank: all of them, or under TP its share."""
+    slices = getattr(model, "tp_slices", {})
+    tp = len(next(iter(slices.values())).parts) if slices else 1
+    return kv_heads_per_rank(model.cfg.kv_heads, tp)
 
 
 def last_logits(model: torch.nn.Module, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -307,9 +307,10 @@ class KVCache:
     """
 
     def __init__(self, cfg, batch: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 positions: int | None = None):
+                 positions: int | None = None, kv_heads: int | None = None):
+        """`kv_heads`: the KV heads this rank computes (fewer under TP: kv_heads_per_rank), default all of them."""
         self.positions = cfg.positions if positions is None else min(positions, cfg.positions)
-        shape = (cfg.n_layer, batch, cfg.kv_heads, self.positions, cfg.head_dim)
+        shape = (cfg.n_layer, batch, kv_heads or cfg.kv_heads, self.positions, cfg.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
