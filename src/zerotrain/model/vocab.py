@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import TPSlice, blocks, copy_to_tp
+from .layers import TPSlice, blocks
 
 IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
@@ -96,7 +96,7 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = copy_to_tp(h, self.comm)  # each rank's input gradient is its rows' share: summed in the backward
+        h = h if self.comm is None else _HeadInput.apply(h, self.comm)
         if targets is not None:
             return token_loss(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
                               softcap=self.softcap)
@@ -119,6 +119,22 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return _SumOverTP.apply(x, self.comm)
+
+
+class _HeadInput(torch.autograd.Function):
+    """The head's input: identity forward; backward, each rank's gradient (its rows' share) summed over the TP group
+    (layers.copy_to_tp, counted as the head's)."""
+
+    @staticmethod
+    def forward(ctx, h, comm):
+        ctx.comm = comm
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, "all_reduce_tp_head_grads")
+        return grad, None
 
 
 class _SumOverTP(torch.autograd.Function):
