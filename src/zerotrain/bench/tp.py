@@ -44,12 +44,11 @@ from .report import percentile, report_header, write_json
 SCHEMA = "zerotrain.bench.tp"
 PARAM_RATIO_TARGET = 0.55  # per-rank parameter bytes, TP2 / TP1: at most
 # The collectives of one optimizer step, by purpose; everything else happens once per run.
-STEP_PURPOSES = ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats",
-                 "all_reduce_tp_activations", "all_reduce_tp_grads")
 TP_PURPOSES = ("all_reduce_tp_activations", "all_reduce_tp_grads")
 # The vocabulary's (model/vocab.py), per micro-batch: the embedding's rows summed, the head input's gradient, and the
 # loss's max and sums (one of each per chunk of tokens)
 VOCAB_PURPOSES = ("all_reduce_tp_embedding", "all_reduce_tp_head_grads", "all_reduce_loss_max", "all_reduce_loss_sums")
+STEP_PURPOSES = ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats") + TP_PURPOSES + VOCAB_PURPOSES
 PROBE_REPEATS = 20
 ROUND_SPREAD_WARNING = 1.3  # one mesh's slowest round median over its fastest: above it, the load changed
 SIZES = {  # per job: untimed warm-up steps, timed steps, alternating rounds of all meshes, global batch
