@@ -97,15 +97,18 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, time, vocab) for token ids of shape (batch, time).
 
         With a cache, `idx` continues the positions already in it, and the cache grows by time. With
         `segments` (batch, time; the record of each token, non-decreasing along time), a token attends only to
         the earlier tokens of its record, and its position is its place in the record. `head`: what takes the
         final norm's output in the LM head's place (head_loss's recomputed head and loss, inside the model's call).
+        `targets` (batch, time): the summed token loss instead of the logits, computed by the head (vocab.LMHead:
+        chunked over tokens, vocab-parallel under TP, never the full logits).
         """
-        return (head or self.lm_head)(self.hidden(idx, cache, segments))
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

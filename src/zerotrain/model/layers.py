@@ -498,23 +498,23 @@ def tied_head_hook(head: str, embedding: str):
 
 def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, recompute: bool,
               segments: torch.Tensor | None = None) -> torch.Tensor:
-    """loss(model(idx, segments=segments), targets), the head and the loss run inside the model's call (so hooks
-    around the head, ZeRO-3's units, see both). A loss the head computes itself (`computed_by_head`: the summed token
-    loss) is the head's, given the targets (vocab.LMHead): chunked over tokens, vocab-parallel under TP, without the
-    full logits; any other loss takes the logits (all-gathered under TP).
+    """loss(model(idx, segments=segments), targets). A loss the head computes itself (`computed_by_head`: the summed
+    token loss) is the model's, given the targets (vocab.LMHead, inside the model's call, so hooks around the head,
+    ZeRO-3's units, see it): chunked over tokens, vocab-parallel under TP, without the full logits; any other loss
+    takes the logits (all-gathered under TP).
 
     With `recompute` (--activation-checkpointing full, while training) the head and the loss keep only the final
     norm's output for the backward, which runs them again (same values). `segments` (batch, time): the record each
     input token belongs to, for packed records (None: one document per row)."""
-    if getattr(loss, "computed_by_head", False):
-        def run(h: torch.Tensor) -> torch.Tensor:
-            return model.lm_head(h, targets=targets)
-    else:
-        def run(h: torch.Tensor) -> torch.Tensor:
-            return loss(model.lm_head(h), targets)
-    if recompute and torch.is_grad_enabled():
-        return model(idx, segments=segments, head=lambda h: checkpoint(run, h, use_reentrant=False))
-    return model(idx, segments=segments, head=run)
+    by_head = getattr(loss, "computed_by_head", False)
+    if not (recompute and torch.is_grad_enabled()):  # the model's own call, as a compiled model traces it
+        return model(idx, segments=segments, targets=targets) if by_head else loss(model(idx, segments=segments),
+                                                                                   targets)
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(h, targets=targets) if by_head else loss(model.lm_head(h), targets)
+
+    return model(idx, segments=segments, head=lambda h: checkpoint(run, h, use_reentrant=False))
 
 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:

@@ -128,9 +128,11 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab); with a cache, segments (packed records) or a head, as GPT's."""
-        return (head or self.lm_head)(self.hidden(idx, cache, segments))
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with a cache, segments (packed records), a head or targets (the
+        summed token loss), as GPT's."""
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
