@@ -32,7 +32,7 @@ from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.hub import init_from, mapping
 from zerotrain.hub.export import export_model
-from zerotrain.model import build_model, gemma, layers, param_count
+from zerotrain.model import build_model, gemma, layers, param_count, vocab
 from zerotrain.model import llama as llama_module
 from zerotrain.model.layers import KVCache
 from zerotrain.runtime.run_folder import resolve_paths
@@ -123,8 +123,7 @@ def uncapped_scores(mp):
 
 
 PLANTED = {  # (family, the bug planted in zerotrain's own function)
-    "final soft-cap missing": ("gemma2", lambda mp: mp.setattr(llama_module, "head_logits",
-                                                               lambda model, h: model.lm_head(h))),
+    "final soft-cap missing": ("gemma2", lambda mp: mp.setattr(vocab, "capped", lambda logits, softcap: logits)),
     "attention soft-cap missing": ("gemma2", uncapped_scores),
     "gemma2 plain w norm": ("gemma2", lambda mp: mp.setattr(gemma, "rms_norm_plus_one", plain_gain)),
     "gemma3 plain w norm": ("gemma3", lambda mp: mp.setattr(gemma, "rms_norm_plus_one", plain_gain)),
@@ -392,7 +391,7 @@ GEMMA = {"gemma2": dataclasses.replace(TINY, arch="gemma2", sliding_window=5, sl
                                        attn_softcap=20.0, final_softcap=30.0, query_pre_attn_scalar=16),
          "gemma3": dataclasses.replace(TINY, arch="gemma3", sliding_window=5, sliding_window_pattern=2,
                                        rope_local_theta=100.0, rope_scaling="linear", query_pre_attn_scalar=16)}
-OMITTED = {"gemma2": ("softcapped_attention", "final_softcap", "gemma_norm"),
+OMITTED = {"gemma2": ("softcapped_attention", "gemma_norm"),
            "gemma3": ("gemma_qk_norms", "gemma_norm")}
 
 

@@ -221,3 +221,31 @@ def test_a_bad_messages_file_is_refused_in_one_line_naming_it(instruct, tmp_path
     assert err.count("\n") == 1 and f"--messages {tmp_path / 'm.json'}: {said}" in err, err
     assert run_cli(["sample", folder, "--prompt", "hi", "--system", "x"]) == 2
     assert "--system goes with --chat" in capsys.readouterr().err
+
+
+def test_sample_sizes_the_kv_cache_to_the_prompt_and_new_tokens_and_a_cache_too_short_is_caught(run, monkeypatch, capsys):
+    """A 20-token prompt to Llama-3.1-8B preallocated its whole context (32 GiB); the cache holds prompt + new tokens."""
+    from zerotrain.model import generate as generation
+
+    made = []
+
+    class Recorded(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(generation, "KVCache", Recorded)
+    assert run_cli(["sample", run, "--prompt", "hi", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    cached = capsys.readouterr().out
+    model = zerotrain.load_model(run)
+    assert model.cfg.positions == 16 and [c.keys.shape[3] for c in made] == [2 + 5]  # "hi": 2 byte tokens
+    assert run_cli(["sample", run, "--prompt", "hi", "--max-new-tokens", "5", "--temperature", "0",
+                    "--no-kv-cache"]) == 0
+    assert capsys.readouterr().out == cached
+    made.clear()
+    generate(model, torch.tensor([[1, 2, 3]]), 40, temperature=0)  # past the context: the whole context, no more
+    assert [c.keys.shape[3] for c in made] == [16]
+    # planted: a cache sized to the prompt alone; the first new token does not fit
+    monkeypatch.setattr(generation, "cache_positions", lambda prompt, new, seq_len: prompt)
+    with pytest.raises(ValueError, match="the KV cache holds 3 positions; 4 do not fit"):
+        generate(model, torch.tensor([[1, 2, 3]]), 5, temperature=0)

@@ -159,7 +159,7 @@ def test_a_tp_checkpoint_holds_the_full_model_in_its_shards_with_the_names_and_s
     manifest = checkpoint.read_manifest(tp2)
     assert manifest["world_size"] == 4 and manifest["mesh"] == {"tp": 2, "dp": 2}
     assert manifest["layout"]["world_size"] == 2 and manifest["param_count"] == 28_032
-    assert len(manifest["tp_slices"]) == 6 * 2  # 6 split tensors per block, 2 blocks
+    assert len(manifest["tp_slices"]) == 6 * 2 + 1  # 6 split tensors per block, 2 blocks; the tied embedding
     assert sorted(f["name"] for f in manifest["files"]) == [checkpoint.shard_name(r, 4) for r in range(4)]
     tp1_manifest = checkpoint.read_manifest(tp1)
     assert tp1_manifest["mesh"] == {"tp": 1, "dp": 4} and tp1_manifest["tp_slices"] == {}

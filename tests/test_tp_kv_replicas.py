@@ -265,13 +265,14 @@ def test_the_plan_counts_each_ranks_replicated_kv_head_and_the_activation_formul
                                                                                                   monkeypatch):
     cfg = runs["configs"]["tp4"]
     C, D, F_ = cfg.model.n_embd, cfg.model.head_dim, cfg.model.ffn_width
-    # per TP 4 rank: 1 query head, 1 whole KV head (a replica), a quarter of the MLP; embedding and norms whole
+    # per TP 4 rank: 1 query head, 1 whole KV head (a replica), a quarter of the MLP and of the (tied) embedding's
+    # vocabulary; norms whole
     per_block = D * C * 4 + 3 * F_ // 4 * C + 2 * C
     with torch.device("meta"):
         model = build_model(cfg.model, 0)
         parallelize(model, 4, 0, None)
     assert layout_of(model, 1, cfg.parallel.bucket_numel).numel == \
-        cfg.model.vocab_size * C + C + cfg.model.n_layer * per_block
+        cfg.model.vocab_size // 4 * C + C + cfg.model.n_layer * per_block
     # the run checked its plan's state exactly after the first step (else InvariantError); its activations match
     measured = runs["tp4"]["plan"]["activations_measured"]
     assert measured == runs["tp4"]["plan"]["rows"]["activations"]

@@ -44,9 +44,11 @@ from .report import percentile, report_header, write_json
 SCHEMA = "zerotrain.bench.tp"
 PARAM_RATIO_TARGET = 0.55  # per-rank parameter bytes, TP2 / TP1: at most
 # The collectives of one optimizer step, by purpose; everything else happens once per run.
-STEP_PURPOSES = ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats",
-                 "all_reduce_tp_activations", "all_reduce_tp_grads")
 TP_PURPOSES = ("all_reduce_tp_activations", "all_reduce_tp_grads")
+# The vocabulary's (model/vocab.py), per micro-batch: the embedding's rows summed, the head input's gradient, and the
+# loss's max and sums (one of each per chunk of tokens)
+VOCAB_PURPOSES = ("all_reduce_tp_embedding", "all_reduce_tp_head_grads", "all_reduce_loss_max", "all_reduce_loss_sums")
+STEP_PURPOSES = ("reduce_scatter_grads", "all_gather_params", "all_reduce_stats") + TP_PURPOSES + VOCAB_PURPOSES
 PROBE_REPEATS = 20
 ROUND_SPREAD_WARNING = 1.3  # one mesh's slowest round median over its fastest: above it, the load changed
 SIZES = {  # per job: untimed warm-up steps, timed steps, alternating rounds of all meshes, global batch
@@ -411,7 +413,8 @@ def explain(report: dict) -> str:
     verdict += f"; {paired:.2f}x paired round by round)" if paired is not None else ")"
     tp_calls = tp_row["comm_calls_per_step_by_purpose"]
     fwd, bwd = tp_calls.get("all_reduce_tp_activations", 0), tp_calls.get("all_reduce_tp_grads", 0)
-    tp_bytes = sum(tp_row["comm_bytes_per_step_by_purpose"].get(p, 0) for p in TP_PURPOSES)
+    vocab = sum(tp_calls.get(p, 0) for p in VOCAB_PURPOSES)
+    tp_bytes = sum(tp_row["comm_bytes_per_step_by_purpose"].get(p, 0) for p in TP_PURPOSES + VOCAB_PURPOSES)
     dp_purposes = ("reduce_scatter_grads", "all_gather_params")
     dp_calls = sum(dp_row["comm_calls_per_step_by_purpose"].get(p, 0) for p in dp_purposes)
     dp_bytes = sum(dp_row["comm_bytes_per_step_by_purpose"].get(p, 0) for p in dp_purposes)
@@ -421,8 +424,8 @@ def explain(report: dict) -> str:
     dp_cost = (f"; alone, its reduce-scatter takes {dp_probe:.1f} ms and the all-gather moves the same bytes, so "
                f"about {2 * dp_probe:.0f} ms of the {b:.0f} ms step") if dp_probe is not None else ""
     why = (f"Each TP2 step makes {fwd:g} all-reduces of activations in the forward and {bwd:g} of their gradients in "
-           f"the backward ({fwd / n_layer:g} forward and {bwd / n_layer:g} backward per block, "
-           f"{megabytes(tp_bytes)} sent per rank), each one a blocking gloo call over loopback between two matmuls, "
+           f"the backward ({fwd / n_layer:g} forward and {bwd / n_layer:g} backward per block; with the vocabulary's "
+           f"{vocab:g} (embedding, head, loss), {megabytes(tp_bytes)} sent per rank), each one a blocking gloo call over loopback between two matmuls, "
            f"on the critical path{tp_cost}. TP1 x DP2 communicates once per step, after the backward: {dp_calls:g} "
            f"reduce-scatter and all-gather calls moving {megabytes(dp_bytes)} per rank (every gradient and parameter "
            f"of P = {dp_row['param_count']:,}){dp_cost}.")

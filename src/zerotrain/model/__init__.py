@@ -1,6 +1,6 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (layers.py), and sampling
-(generate.py). `build_model`, `plan` and `parallelize` pick
+Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (layers.py), the embedding, head
+and loss (vocab.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
 the architecture from the config's `arch`."""
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(
         logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
     )
+
+
+# The head computes this loss itself from its input (layers.head_loss, vocab.LMHead): the same sum, chunked over tokens
+# and vocab-parallel under TP, without the full logits.
+summed_token_loss.computed_by_head = True
 
 
 __all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",

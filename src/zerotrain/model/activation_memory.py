@@ -1,7 +1,7 @@
 """Predicted activation memory: the bytes autograd saves for the backward of one micro-batch's forward and loss.
 
 The prediction is what `training.activations.saved_for_backward` measures (each saved storage once, the
-parameters left out) for `summed_token_loss(model(x), y)` on one rank, in eager mode. Per rank, with
+parameters left out) for `head_loss(model, x, y, summed_token_loss, ...)` on one rank, in eager mode. Per rank, with
 B sequences of T tokens, width C, ffn width F, vocabulary V, head_dim D, H query and KV key/value heads
 (H/tp, KV/tp and F/tp under tensor parallelism: column-parallel outputs are split, row-parallel outputs
 and everything between the blocks are whole), `a` bytes per activation (4 fp32, 2 bf16):
@@ -22,8 +22,15 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  GeGLU MLP      4 BTF a                             as SwiGLU's
                  q/k norms      (H + KV) x (2 BTD 4 + BT 4) + 2 D 4 Gemma 3's, (1 + w)
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
-                 tables 2 TD 4, twice for Gemma 3's two bases), the final norm as a block's, and the loss: fp32
-                 log-probabilities BTV 4, targets BT 8; Gemma 2's soft-capped logits, tanh's output BTV a.
+                 tables 2 TD 4, twice for Gemma 3's two bases; with the vocabulary split across TP, the ids outside
+                 the rank's rows, BT 1), the
+                 final norm as a block's but for its output, which the head does not keep, and the head with the
+                 loss (model/vocab.py): the gradients of the head's input, BTC a, and of its weight, V' C a (V' =
+                 V/tp where TP splits the vocabulary, else V), computed with the loss; no logits, no targets.
+    not kept     the loss's working set, one chunk of N tokens at a time (vocab.chunk_tokens): its fp32 logits
+                 N V' 4 (+ N V' a for their copy in bf16, + N V' 4 with a soft-cap), and over several chunks in bf16
+                 the fp32 sum of the weight's gradient, V' C 4: `working`, beside the total (Gemma 2's soft-capped
+                 logits are capped in the working set too: nothing of the cap is kept).
     packed       records in a batch (segments): positions and rotary tables per row (B times the above:
                  GPT-2's positions BT 8, Llama's tables 2 BTD 4 and in bf16 its casts 4 BTD a per block) and
                  the document mask, built once per forward and saved by every layer's SDPA as one storage:
@@ -42,8 +49,8 @@ That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "
 only its input, BTC a (torch.utils.checkpoint, non-reentrant, saves its tensor arguments; Llama's rotary
 tables travel in a tuple, which it holds by reference: alive, 2 T D 4 bytes, but not a saved tensor, so
 counted neither here nor by the measurement), and for a large vocabulary the loss's BTV 4 is then most of
-what remains (GPT-2 124M, B 1, T 1024, fp32: 206 of 250 MB). With recompute "full" the head and the loss
-run under a checkpoint too, whose input is the final norm's output: the loss keeps nothing more.
+what remains (GPT-2 124M, B 1, T 1024, fp32: the head's weight gradient, 154 MB). With recompute "full" the head and
+the loss run under a checkpoint too, whose input is the final norm's output: the loss keeps nothing more.
 
 Attention is counted as SDPA's fused kernels save it: q, k, v, output and per-row logsumexp, never the
 T x T matrix. That is measured on the CPU path (flash attention for CPU); CUDA's flash, memory-efficient
@@ -66,6 +73,7 @@ from zerotrain.config import ModelConfig
 
 from . import layers
 from .llama import rope_local, rope_scaling
+from .vocab import chunk_tokens, splits_vocab, vocab_rows
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
 INDEX = 8  # bytes: int64 token ids, positions and targets
@@ -86,7 +94,7 @@ class RankShape:
     kv_heads: int
     head_dim: int
     ffn: int
-    vocab: int
+    vocab: int  # the rows of the head this rank holds: V, or V / tp where TP splits the vocabulary
     act: int  # bytes of an activation element
     position_rows: int = 1  # rows of positions and rotary tables: 1 shared by the batch, B for packed records
     kv_repeated: bool = False  # k and v copied to the query heads before SDPA (layers.repeats_kv_heads)
@@ -182,9 +190,18 @@ def block_input(s: RankShape) -> int:
 
 
 def loss(s: RankShape) -> int:
-    """cross_entropy on fp32 logits: log_softmax's output (B*T, V) in fp32, the targets and nll_loss's
-    total weight (a scalar). The logits themselves are not saved."""
-    return s.BT * s.vocab * FP32 + s.BT * INDEX + FP32
+    """The head and the loss (vocab.token_loss): the gradients of the head's input (B, T, C) and of its weight (its
+    rows, C), computed with the loss and kept for the backward; neither the logits nor the targets are kept."""
+    return s.BT * s.C * s.act + s.vocab * s.C * s.act
+
+
+def loss_working_set(s: RankShape, softcap: bool = False) -> int:
+    """What the loss holds while it runs and keeps nothing of: one chunk's fp32 logits (their bf16 product first, and
+    the tanh beside them under a soft-cap), and over several chunks in bf16 the weight gradient's fp32 sum."""
+    chunk = chunk_tokens(s.BT, s.vocab, s.C)
+    per_value = FP32 + (s.act if s.act != FP32 else 0) + (FP32 if softcap else 0)
+    summed = s.vocab * s.C * FP32 if chunk < s.BT and s.act != FP32 else 0
+    return chunk * s.vocab * per_value + summed
 
 
 def gpt2_block(s: RankShape) -> int:
@@ -231,19 +248,15 @@ def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
             + rotary_casts(s) + swiglu_mlp(s) + (gemma_qk_norms(s) if qk_norm else 0))
 
 
-def final_softcap(s: RankShape) -> int:
-    """Gemma 2's soft-capped logits: tanh's output (B*T, V) in the activation dtype."""
-    return s.BT * s.vocab * s.act
-
-
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
                      recompute: str = "none", device: str = "cpu", documents: bool = False) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
-    Returns {"per_block", "blocks", "embedding", "head", "loss", "total"}, where total = blocks + embedding
-    + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's positions;
-    Llama's fp32 rotary tables; the document mask of packed records), the final norm with the head's input,
-    and the loss. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
+    Returns {"per_block", "blocks", "embedding", "head", "loss", "total", "working"}, where total = blocks +
+    embedding + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
+    positions; Llama's fp32 rotary tables; the document mask of packed records), the final norm, and the head with
+    the loss; `working` is the loss's working set beside them (one chunk's logits, soft-capped where the model caps
+    them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
     `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
     whether the micro-batches carry segments (packed records).
     """
@@ -271,7 +284,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
                     and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
         s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp,
                       kv_heads=layers.kv_heads_per_rank(cfg.kv_heads, tp),  # 1 where TP replicates each KV head
-                      head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=cfg.vocab_size,
+                      head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=vocab_rows(cfg.vocab_size, tp),
                       act=ACTIVATION_BYTES[precision], position_rows=micro_batch if documents else 1,
                       kv_repeated=repeated, documents=kernel, mask_rows=micro_batch if documents else 1)
         if recompute != "none":
@@ -287,22 +300,28 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     per_block = max(shapes.values())
     # Token ids, saved by the embedding lookup (Gemma's scale is a number: its product keeps nothing); the masks.
     embedding = s.BT * INDEX + masks
+    if splits_vocab(cfg.vocab_size, tp):  # the rank's ids, and which fall outside its rows (BT bools)
+        embedding += s.BT
     if llama and recompute == "none" and precision == "fp32":
         # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none): one
         # pair per rotary base the layers use (Gemma 3's sliding layers have their own).
         embedding += rotary_tables(s) * rotary_bases(cfg, windows)
     if not llama:
         embedding += positions(s)
-    if cfg.gemma:  # the final norm; its output is the head's input
+    if cfg.gemma:  # the final norm, and its output, which the head reads
         head = gemma_norm(s) + s.BT * s.C * s.act
     else:
-        head = rms_norm(s) if llama else layer_norm(s)
+        head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
-    # full: the head and the loss run under a checkpoint whose one input is the final norm's output (counted in
-    # `head`); their log-probabilities are computed again in the backward, not kept.
-    total_loss = 0 if recompute == "full" else loss(s) + (final_softcap(s) if cfg.final_softcap else 0)
+    if recompute == "full":
+        # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`); the
+        # gradients are computed again in the backward, not kept
+        total_loss = 0
+    else:  # the head keeps its input's gradient (in `loss`), not the input
+        head -= s.BT * s.C * s.act
+        total_loss = loss(s)
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
-            "total": blocks + embedding + head + total_loss}
+            "total": blocks + embedding + head + total_loss, "working": loss_working_set(s, bool(cfg.final_softcap))}
 
 
 def rotary_bases(cfg: ModelConfig, windows: list[int]) -> int:

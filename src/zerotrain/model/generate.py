@@ -25,7 +25,7 @@ from collections.abc import Collection
 
 import torch
 
-from .layers import KVCache
+from .layers import KVCache, kv_heads_per_rank
 
 
 def default_keep(seq_len: int) -> int:
@@ -66,9 +66,11 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
     stops = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=weight.device)
     ended = torch.zeros(B, dtype=torch.bool, device=weight.device)
     first = n
-    cache = KVCache(model.cfg, B, weight.device, weight.dtype) if kv_cache else None
+    # The window never holds more than the prompt and the new tokens: the cache is that long, not the whole context
+    cache = KVCache(model.cfg, B, weight.device, weight.dtype, cache_positions(n, max_new_tokens, seq_len),
+                    cached_kv_heads(model)) if kv_cache else None
     start = window_start(0, n, seq_len, keep)
-    logits = model(tokens[:, start:n], cache)[:, -1]
+    logits = last_logits(model, tokens[:, start:n], cache)
     for i in range(max_new_tokens):
         drawn = next_token(logits, temperature, top_k, generator, vocab_limit)
         tokens[:, n] = torch.where(ended, tokens[:, n - 1], drawn)
@@ -78,14 +80,32 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
             break
         new_start = window_start(start, n, seq_len, keep)
         if cache is None:  # recompute the whole window
-            logits = model(tokens[:, new_start:n])[:, -1]
+            logits = last_logits(model, tokens[:, new_start:n])
         elif new_start != start:  # the window jumped: refill the cache from the tokens it keeps
             cache.reset()
-            logits = model(tokens[:, new_start:n], cache)[:, -1]
+            logits = last_logits(model, tokens[:, new_start:n], cache)
         else:  # only the newest token is new to the cache
-            logits = model(tokens[:, n - 1 : n], cache)[:, -1]
+            logits = last_logits(model, tokens[:, n - 1 : n], cache)
         start = new_start
     return tokens[:, first:n]
+
+
+def cache_positions(prompt: int, max_new_tokens: int, seq_len: int) -> int:
+    """The positions the KV cache needs: the prompt and the new tokens, at most the model's context (the window)."""
+    return min(seq_len, prompt + max_new_tokens)
+
+
+def cached_kv_heads(model: torch.nn.Module) -> int:
+    """The KV heads the model's attention computes on this rank: all of them, or under TP its share."""
+    slices = getattr(model, "tp_slices", {})
+    tp = len(next(iter(slices.values())).parts) if slices else 1
+    return kv_heads_per_rank(model.cfg.kv_heads, tp)
+
+
+def last_logits(model: torch.nn.Module, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    """The logits (B, vocab) of the last position of `idx`: the head runs on that position alone (under TP its
+    vocabulary shards gathered for it alone), not on every position of a prompt."""
+    return model(idx, cache, head=lambda h: model.lm_head(h[:, -1]))
 
 
 def until_stop(ids: list[int], stop_ids: Collection[int] | None) -> tuple[list[int], bool]:

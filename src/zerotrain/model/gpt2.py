@@ -17,6 +17,7 @@ from zerotrain.config import ModelConfig
 
 from .layers import (ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, document_attention,
                      new_positions, run_block, tied_head_hook)
+from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,7 +79,7 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps),
             )
         )
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
         self.tie_weights()  # initial values: init_rule, below (model/init.py draws them)
         self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "transformer.wte.weight"))
 
@@ -96,15 +97,18 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, time, vocab) for token ids of shape (batch, time).
 
         With a cache, `idx` continues the positions already in it, and the cache grows by time. With
         `segments` (batch, time; the record of each token, non-decreasing along time), a token attends only to
         the earlier tokens of its record, and its position is its place in the record. `head`: what takes the
         final norm's output in the LM head's place (head_loss's recomputed head and loss, inside the model's call).
+        `targets` (batch, time): the summed token loss instead of the logits, computed by the head (vocab.LMHead:
+        chunked over tokens, vocab-parallel under TP, never the full logits).
         """
-        return (head or self.lm_head)(self.hidden(idx, cache, segments))
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,8 +142,9 @@ def init_rule(cfg: ModelConfig, name: str):
 #     attention: c_attn column-parallel (rank r keeps heads r*H/T .. (r+1)*H/T of q, k and v),
 #                attention over its own heads, c_proj row-parallel (the matching input columns)
 #     MLP:       c_fc column-parallel (rows r*4C/T ..), GELU, c_proj row-parallel
-# Everything else (embeddings, position embeddings, layer norms, the tied head, the row-parallel
-# biases, added once after the all-reduce) is replicated: every TP rank computes it identically, so
+#     vocabulary: the token embedding and the tied head split by rows (model/vocab.py), when T divides it
+# Everything else (position embeddings, layer norms, the row-parallel biases, added once after the all-reduce; the
+# embedding and head of a vocabulary T does not divide) is replicated: every TP rank computes it identically, so
 # the activations, the loss and the replicated gradients are bitwise equal across the TP group.
 # Each parameter is drawn whole from its own generator and then sliced (model/init.py), so TP = 1 and TP = T start
 # from the same parameters; the model is built on the meta device and sliced there, before any value exists.
@@ -162,6 +167,8 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
         slices[h + "mlp.c_fc.weight"] = TPSlice(0, (F_, C), rows(f))
         slices[h + "mlp.c_fc.bias"] = TPSlice(0, (F_,), rows(f))
         slices[h + "mlp.c_proj.weight"] = TPSlice(1, (C, F_), rows(f))
+    if splits_vocab(cfg.vocab_size, tp):  # the head is this tensor too (tied)
+        slices["transformer.wte.weight"] = vocab_slice(cfg.vocab_size, C, tp)
     return slices
 
 
@@ -182,5 +189,10 @@ def parallelize(model: nn.Module, tp_size: int, tp_rank: int, comm, kv_comm=None
         mlp.c_fc = ColumnParallelLinear(mlp.c_fc, slices[h + "mlp.c_fc.weight"], slices[h + "mlp.c_fc.bias"],
                                         tp_rank, comm)
         mlp.c_proj = RowParallelLinear(mlp.c_proj, slices[h + "mlp.c_proj.weight"], tp_rank, comm)
+    if "transformer.wte.weight" in slices:
+        vocab = slices["transformer.wte.weight"]
+        model.transformer.wte = VocabParallelEmbedding(model.transformer.wte, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
     model.tp_slices = slices
     return slices

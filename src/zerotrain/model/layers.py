@@ -307,7 +307,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class KVCache:
-    """The keys and values of every layer for the first `length` positions, preallocated to seq_len.
+    """The keys and values of every layer for the first `length` positions, preallocated to `positions` (at most the
+    model's context; generate.py asks for the prompt and the new tokens only).
 
     Filled by a model's `forward(idx, cache)`: the new tokens sit at positions length .. length + T - 1,
     and each layer attends over all the positions stored so far. It stores the KV heads only (fewer than
@@ -315,8 +316,11 @@ class KVCache:
     what happens past that (generate.py slides a window and refills the cache).
     """
 
-    def __init__(self, cfg, batch: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        shape = (cfg.n_layer, batch, cfg.kv_heads, cfg.positions, cfg.head_dim)
+    def __init__(self, cfg, batch: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 positions: int | None = None, kv_heads: int | None = None):
+        """`kv_heads`: the KV heads this rank computes (fewer under TP: kv_heads_per_rank), default all of them."""
+        self.positions = cfg.positions if positions is None else min(positions, cfg.positions)
+        shape = (cfg.n_layer, batch, kv_heads or cfg.kv_heads, self.positions, cfg.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
@@ -327,6 +331,8 @@ class KVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s keys and values (B, KV, T, D) of the new positions; all of them so far."""
         end = self.length + k.shape[2]
+        if end > self.positions:
+            raise ValueError(f"the KV cache holds {self.positions} positions; {end} do not fit")
         self.keys[layer, :, :, self.length : end] = k
         self.values[layer, :, :, self.length : end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
@@ -537,28 +543,25 @@ def tied_head_hook(head: str, embedding: str):
     return hook
 
 
-def head_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The logits of the final norm's output `h`: the head's, soft-capped where the model caps them (Gemma 2's
-    final_softcap). Every path to the logits goes through here: the model's forward and the recomputed head."""
-    return soft_cap(model.lm_head(h), model.cfg.final_softcap)
-
-
 def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, recompute: bool,
               segments: torch.Tensor | None = None) -> torch.Tensor:
-    """loss(model(idx, segments=segments), targets); with `recompute` (--activation-checkpointing full, while
-    training) the head and the loss keep only the final norm's output for the backward, which computes the
-    logits again (same values), instead of the loss's fp32 log-probabilities (batch x time x vocab).
+    """loss(model(idx, segments=segments), targets). A loss the head computes itself (`computed_by_head`: the summed
+    token loss) is the model's, given the targets (vocab.LMHead, inside the model's call, so hooks around the head,
+    ZeRO-3's units, see it): chunked over tokens, vocab-parallel under TP, without the full logits; any other loss
+    takes the logits (all-gathered under TP).
 
-    `segments` (batch, time): the record each input token belongs to, for packed records (None: one document
-    per row). The head runs inside the model's call either way, so hooks around it (ZeRO-3's root unit, gathered
-    for the forward and held for the backward) see it."""
-    if not (recompute and torch.is_grad_enabled()):
-        return loss(model(idx, segments=segments), targets)
+    With `recompute` (--activation-checkpointing full, while training) the head and the loss keep only the final
+    norm's output for the backward, which runs them again (same values). `segments` (batch, time): the record each
+    input token belongs to, for packed records (None: one document per row)."""
+    by_head = getattr(loss, "computed_by_head", False)
+    if not (recompute and torch.is_grad_enabled()):  # the model's own call, as a compiled model traces it
+        return model(idx, segments=segments, targets=targets) if by_head else loss(model(idx, segments=segments),
+                                                                                   targets)
 
-    def recomputed_head(h: torch.Tensor) -> torch.Tensor:
-        return checkpoint(lambda h: loss(head_logits(model, h), targets), h, use_reentrant=False)
+    def run(h: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(h, targets=targets) if by_head else loss(model.lm_head(h), targets)
 
-    return model(idx, segments=segments, head=recomputed_head)
+    return model(idx, segments=segments, head=lambda h: checkpoint(run, h, use_reentrant=False))
 
 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:

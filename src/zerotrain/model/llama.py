@@ -13,7 +13,7 @@ Its members are options of this one decoder, as the config's `arch` implies them
              (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm),
              GeGLU, the embedding scaled by sqrt(width); scores scaled by 1 / sqrt(query_pre_attn_scalar); sliding
              and global layers alternating (every sliding_window_pattern-th layer global); the attention scores
-             and the final logits soft-capped (layers.soft_cap)
+             and the final logits soft-capped (vocab.LMHead, inside the chunked loss too)
     gemma3   Gemma 2's block without the soft-caps, with (1 + w) q/k norms as Qwen3's, and its sliding layers'
              own rotary base (rope_local_theta, unscaled; the global layers take rope_theta and the rope scaling)
 
@@ -37,8 +37,9 @@ from zerotrain.config import ModelConfig
 from . import layers
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
 from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
-                     apply_rotary, attend, blocks, copy_to_tp, document_attention, head_logits, kv_head_blocks,
+                     apply_rotary, attend, blocks, copy_to_tp, document_attention, kv_head_blocks,
                      new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
+from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
 def member_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -137,7 +138,7 @@ class Llama(nn.Module):
             layers=nn.ModuleList(LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)),
             norm=member_norm(cfg, cfg.n_embd),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, softcap=cfg.final_softcap)
         self.tie_weights()
         if cfg.tie_embeddings:
             self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
@@ -158,10 +159,11 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab); with a cache, segments (packed records) or a head, as GPT's."""
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); with a cache, segments (packed records), a head or targets (the
+        summed token loss), as GPT's."""
         h = self.hidden(idx, cache, segments)
-        return head(h) if head is not None else head_logits(self, h)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +241,8 @@ def init_rule(cfg: ModelConfig, name: str):
 # Tensor parallelism: q_proj column-parallel by q heads (rank r: heads r*H/T ..), k_proj and v_proj by KV heads
 # (r*KV/T ..: the KV heads its q heads attend with; with T a multiple of KV, head r // (T/KV), replicated on T/KV
 # ranks), o_proj row-parallel over the matching input columns; gate_proj and up_proj column-parallel, down_proj
-# row-parallel. Embedding, norms (Gemma's four per block and its q/k norms too) and head are replicated.
+# row-parallel. The token embedding and the head (tied or not) are split by vocabulary rows when T divides the
+# vocabulary (model/vocab.py), else replicated; norms (Gemma's four per block and its q/k norms too) are replicated.
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
@@ -262,6 +265,10 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))
+    if splits_vocab(cfg.vocab_size, tp):
+        slices["model.embed_tokens.weight"] = vocab_slice(cfg.vocab_size, C, tp)
+        if not cfg.tie_embeddings:
+            slices["lm_head.weight"] = vocab_slice(cfg.vocab_size, C, tp)
     return slices
 
 
@@ -286,5 +293,10 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
                                                     tp_rank, None))
         mlp.tp_comm = comm
         mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
     model.tp_slices = slices
     return slices

@@ -210,11 +210,11 @@ class Comm:
             buf = self._scratch_buffers[key] = torch.empty_like(output)
         return buf
 
-    def all_reduce(self, tensor: torch.Tensor, purpose: str) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         W = self.world_size
         self._count(purpose, tensor.numel() * tensor.element_size() * 2 * (W - 1) / W)
         with self._guard(purpose):
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int, purpose: str) -> torch.Tensor:

@@ -14,6 +14,13 @@ import torch
 
 def saved_for_backward(run: Callable[[], torch.Tensor], params) -> tuple[int, torch.Tensor]:
     """(bytes saved for the backward while `run()` builds its graph, its result); `params` are not counted."""
+    saved, out = saved_storages(run, params)
+    return sum(saved.values()), out
+
+
+def saved_storages(run: Callable[[], torch.Tensor], params) -> tuple[dict[int, int], torch.Tensor]:
+    """({storage address: bytes} of each storage saved for the backward while `run()` builds its graph, its
+    result); `params` are not counted. The largest of them is the largest activation kept."""
     held = {p.untyped_storage().data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -25,4 +32,4 @@ def saved_for_backward(run: Callable[[], torch.Tensor], params) -> tuple[int, to
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
-    return sum(saved.values()), out
+    return saved, out

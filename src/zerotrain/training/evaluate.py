@@ -8,6 +8,7 @@ import torch
 
 from zerotrain.data import IGNORE, MicroBatch
 from zerotrain.model import summed_token_loss
+from zerotrain.model.layers import head_loss
 from zerotrain.parallel import Mesh
 
 
@@ -31,7 +32,7 @@ def summed_loss(model: torch.nn.Module, micro_batches, on_targets: Callable[[tor
     loss_sum, tokens = 0.0, 0
     for micro in micro_batches:
         x, y, segments = micro.to(device)  # packed records' segments: each record attends to itself
-        loss_sum += float(summed_token_loss(model(x, segments=segments), y))
+        loss_sum += float(head_loss(model, x, y, summed_token_loss, False, segments))  # the head's chunked loss
         tokens += int((micro.labels != IGNORE).sum())
         if on_targets is not None:
             on_targets(micro.labels)

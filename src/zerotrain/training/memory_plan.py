@@ -21,6 +21,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          (with packed records also their document mask: B T T a on CPU, a block mask on CUDA;
                          --method dpo: a micro-batch of B pairs is 2B sequences, chosen and rejected)
     reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank
+    loss working set     activation_bytes' `working`: one chunk's fp32 logits (of this rank's vocabulary rows under
+                         TP), while the loss runs; kept by nothing
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA)
 
@@ -61,6 +63,7 @@ from zerotrain.model import build_model, parallelize, param_count
 from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
 from zerotrain.model.layers import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters
+from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import units_whole_bytes
@@ -73,6 +76,7 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("reference", "reference log-probs (DPO)"),
+        ("loss_working_set", "loss working set (one chunk of logits)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
 STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights")
 ACTIVATION_TOLERANCE = 0.10
@@ -115,7 +119,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     p, tp = cfg.parallel, cfg.parallel.tp
     dp = (world_size or cfg.launch.nproc) // tp
     B = micro_batch or cfg.loop.micro_batch
-    rows = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
+    sequences = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.loop.seed)
         if tp > 1:
@@ -138,6 +142,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         per_micro_batch = cfg.loop.accum == 1 or p.grad_reduce == "micro-batch"
         buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
     staging = shard * 12 if cfg.checkpoint.async_save else 0
+    activations = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=tp, precision=p.precision,
+                                   recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents)
     rows = {
         "parameters": (shard if p.zero == 3 else padded) * psize,  # ZeRO-3: the owned chunks only
         "parameter_units": units,
@@ -146,10 +152,9 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "optimizer_state": shard * 8,
         "master_weights": shard * 4 if p.precision == "bf16" else 0,
         "gradient_buckets": buckets,
-        "activations": activation_bytes(cfg.model, rows, cfg.model.seq_len, tp=tp, precision=p.precision,
-                                        recompute=p.activation_checkpointing, device=cfg.launch.device,
-                                        documents=documents)["total"] + adapter_activations(cfg, model, rows),
+        "activations": activations["total"] + adapter_activations(cfg, model, sequences),
         "reference": reference_bytes(cfg),
+        "loss_working_set": activations["working"],
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
     }
@@ -174,14 +179,15 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
 
         + each adapter's A output (B T R), which its B reads
         + with --lora-dropout, what the dropped inputs add (`dropped_inputs`)
-        - what only a trained base weight's gradient needs: the token ids (and GPT-2's positions) of the frozen
-          embedding; the final norm's output (the frozen head's input); Llama's normalized inputs of its RMSNorms
+        - what only a trained base weight's gradient needs: the token ids (and GPT-2's positions, and under a TP
+          split of the vocabulary the ids outside the rank's rows) of the frozen embedding; the frozen head's weight
+          gradient (the loss computes none); Llama's normalized inputs of its RMSNorms
           (a frozen gain's); a linear's input that no adapter reads (the norms' outputs, before q/k/v and gate/up;
           the MLP's down-projection input); the first norm's internals (its input, the embedding's output, needs
           no gradient); Gemma's (1 + w) norms keep their normalized input in fp32 (its q/k norms' too), which a
           frozen gain does not need either
 
-    Recomputed blocks keep only their inputs: then the embedding's and the head's inputs alone differ.
+    Recomputed blocks keep only their inputs: then the embedding's ids and the head's weight gradient alone differ.
     """
     if not cfg.lora.rank:
         return 0
@@ -189,11 +195,12 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
     B, T, C = micro_batch, m.seq_len, m.n_embd
     BTC, BTF = B * T * C * size, B * T * m.ffn_width // cfg.parallel.tp * size
     fewer = B * T * INDEX + (T * INDEX if m.arch == "gpt2" else 0)  # the embedding's ids and positions
+    fewer += B * T if splits_vocab(m.vocab_size, cfg.parallel.tp) else 0  # the ids outside the rank's rows
     normalized = B * T * C * FP32 if m.gemma else BTC  # what an RMSNorm keeps for its gain's gradient alone
     fewer += normalized if m.arch == "llama" or m.gemma else 0  # the final RMSNorm's normalized input
     if cfg.parallel.activation_checkpointing == "full":
         return -fewer  # the head runs under a checkpoint too, which saves its input either way
-    fewer += BTC  # the head's input
+    fewer += vocab_rows(m.vocab_size, cfg.parallel.tp) * C * size  # the head's weight gradient
     if cfg.parallel.activation_checkpointing == "blocks":
         return -fewer
     targets = set(cfg.lora.modules(m.arch))
@@ -253,13 +260,16 @@ def dropped_inputs(model: torch.nn.Module, adapted: list, size: int) -> int:
 def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
     """The largest micro-batch whose plan fits in `device_bytes` (0 if not even 1 does)."""
     fixed = memory_plan(cfg, 1, documents=documents)
-    base = fixed.total - fixed.rows["activations"]
-    if base + fixed.rows["activations"] > device_bytes:
+    base = fixed.total - fixed.rows["activations"] - fixed.rows["loss_working_set"]
+    if fixed.total > device_bytes:
         return 0
-    per = lambda b: activation_bytes(cfg.model, b, cfg.model.seq_len, tp=cfg.parallel.tp,  # noqa: E731
-                                     precision=cfg.parallel.precision,
-                                     recompute=cfg.parallel.activation_checkpointing, device=cfg.launch.device,
-                                     documents=documents)["total"]
+
+    def per(b: int) -> int:
+        a = activation_bytes(cfg.model, b, cfg.model.seq_len, tp=cfg.parallel.tp, precision=cfg.parallel.precision,
+                             recompute=cfg.parallel.activation_checkpointing, device=cfg.launch.device,
+                             documents=documents)
+        return a["total"] + a["working"]
+
     lo, hi = 1, limit
     while lo < hi:  # activations grow with the micro-batch: bisect
         mid = (lo + hi + 1) // 2
@@ -442,7 +452,7 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
         raise InvariantError(differences[0].line(step))
     for difference in differences:
         on_difference(difference.event(step), difference.line(step, stops=False))
-    rest = sum(v for k, v in plan.rows.items() if k in ("activations", "reference", "communication")
+    rest = sum(v for k, v in plan.rows.items() if k in ("activations", "reference", "loss_working_set", "communication")
                or k == "checkpoint_staging" and plan.device == "cpu")
     device = device_memory(engine.flat_params.device)
     for rank, measured in enumerate(rows):

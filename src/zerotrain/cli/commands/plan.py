@@ -11,6 +11,7 @@ from zerotrain.config import Config
 from zerotrain.data import packs_records
 from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
+from zerotrain.model.vocab import chunk_tokens, vocab_rows
 from zerotrain.training.memory_plan import (ROWS, gib, largest_micro_batch, largest_model, memory_plan,
                                             parse_bytes)
 
@@ -25,6 +26,7 @@ HOW = {
     "gradient_buckets": "{buckets}",
     "activations": "saved for the backward, {B} x {T} tokens{recompute}",
     "reference": "{reference}",
+    "loss_working_set": "{loss}",
     "communication": "{comm}",
     "checkpoint_staging": "{staging}",
 }
@@ -67,6 +69,9 @@ def table(cfg: Config, r: dict) -> str:
     p = cfg.parallel
     bf16 = p.precision == "bf16"
     dpo = cfg.objective.method == "dpo"
+    rows = vocab_rows(cfg.model.vocab_size, p.tp)  # a micro-batch of DPO pairs is twice as many sequences
+    chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
+    mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
     notes = {
         "params": (f"shard x {2 if bf16 else 4} (this rank's chunks{'' if bf16 else ': the fp32 masters'})"
                    if p.zero == 3 else f"P x {2 if bf16 else 4}"),
@@ -91,6 +96,7 @@ def table(cfg: Config, r: dict) -> str:
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
+        "loss": f"fp32 logits of {chunk} tokens x {rows:,} vocabulary rows{mine}, not the whole micro-batch's",
         "staging": ("--async-save: shard x 12" +
                     (" (host memory)" if r["device"] == "cuda" else "")) if cfg.checkpoint.async_save else
                    "none (--async-save stages copies)",

@@ -1,0 +1,276 @@
+"""The vocabulary's two ends, whole or split across TP ranks by rows: the token embedding, the LM head, and the summed
+token loss computed from the head's input in chunks of tokens, never from the full logits.
+
+Under TP, when --tp divides the vocabulary V, rank r holds rows r V/T .. (r + 1) V/T of the embedding and of the head
+(one tensor when they are tied), as Megatron's vocab-parallel layers do:
+
+    embedding   each rank looks up the ids among its rows (zeros for the others'); one all-reduce sums the ranks'
+    head        column-parallel over the vocabulary: each rank's logits for its rows; full logits (sampling one
+                position, evaluating another loss) are all-gathered only where asked for (`LMHead.forward` without
+                targets)
+    loss        per token, the max of the logits all-reduced (max) over the TP group, then the sum of exp(logit - max)
+                and the target's logit (from the rank holding it, zero elsewhere) all-reduced (sum) in one call:
+                loss = log(sum) + max - target logit, in fp32, equal on every TP rank
+
+A vocabulary the TP degree does not divide (GPT-2's 50,257) stays whole on every rank, as every parameter did before.
+Padding it (Megatron pads to a multiple of 128 x T) would change the model's shape with the TP degree: the checkpoint's
+full tensors, the export and a resume at another TP degree would each need the padding cut or added; an uneven split
+would give the TP ranks flat layouts of different sizes, which the engine and the checkpoint's reshard arithmetic take
+to be one. Every large-vocabulary family zerotrain trains divides by 8 (Llama 3's 128,256, Qwen's 151,936, Mistral's
+32,768, Phi-3's 32,064, SmolLM's 49,152, Gemma's 256,000 and 262,144).
+
+The loss runs over chunks of tokens (`chunk_tokens`: a chunk's logits about the size of the head's input), each
+chunk's logits in fp32 only while that chunk is computed. Its gradient, softmax - one-hot, is taken in the same pass
+and multiplied at once into the gradient of the head's input and of its weight (as Liger's fused linear
+cross-entropy does), so the backward only scales them by the loss's incoming gradient: autograd keeps the input's
+gradient (tokens x width) and the weight's (rows x width) whatever the vocabulary and the number of tokens, the head's
+matmul runs three times per step as it does unchunked, and nothing is recomputed. An optional soft-cap
+(cap tanh(logit / cap), Gemma 2's final logits) is applied to each rank's logits before the max.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layers import TPSlice, blocks
+
+IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
+# Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
+# (an H100 needs ~300 tokens per read of a bf16 weight to be bound by compute, not by bandwidth).
+MIN_CHUNK_TOKENS = 256
+
+
+def splits_vocab(vocab_size: int, tp: int) -> bool:
+    """Whether the embedding and the head are split across `tp` TP ranks: when tp divides the vocabulary."""
+    return tp > 1 and vocab_size % tp == 0
+
+
+def vocab_rows(vocab_size: int, tp: int) -> int:
+    """The rows of the embedding and the head each TP rank holds."""
+    return vocab_size // tp if splits_vocab(vocab_size, tp) else vocab_size
+
+
+def vocab_slice(vocab_size: int, width: int, tp: int) -> TPSlice:
+    """The TP slice of the embedding and the head: rank r holds rows r V/T .. (r + 1) V/T."""
+    return TPSlice(0, (vocab_size, width), blocks(vocab_size // tp, tp))
+
+
+def chunk_tokens(tokens: int, rows: int, width: int) -> int:
+    """Tokens per chunk of the loss: the largest power of two whose logits (x `rows`) fit in the head's input
+    (tokens x `width`), at least MIN_CHUNK_TOKENS, at most all of them."""
+    fit = max(1, tokens * width // rows)
+    return min(tokens, max(MIN_CHUNK_TOKENS, 1 << (fit.bit_length() - 1)))
+
+
+def capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap tanh(logits / softcap) (Gemma 2's final logits); the logits themselves when softcap is 0."""
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
+class LMHead(nn.Linear):
+    """The LM head, logits = h W^T (no bias), optionally soft-capped. Given the targets, it returns the summed token
+    loss instead (`token_loss`: chunked, the full logits never held), inside its own call, so that hooks around the
+    head (ZeRO-3's units) see the loss's use of its weight."""
+
+    def __init__(self, width: int, vocab_size: int, softcap: float = 0.0):
+        super().__init__(width, vocab_size, bias=False)
+        self.softcap = softcap
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is not None:
+            return token_loss(h, self.weight, targets, softcap=self.softcap)
+        return capped(F.linear(h, self.weight), self.softcap)
+
+
+class VocabParallelHead(nn.Module):
+    """This TP rank's rows of the head (column-parallel over the vocabulary). Without targets: the full logits,
+    all-gathered; with them: the summed token loss computed vocab-parallel, never gathering the logits."""
+
+    def __init__(self, full: LMHead, tp_slice: TPSlice, rank: int, comm):
+        super().__init__()
+        self.comm, self.softcap = comm, full.softcap
+        self.vocab_start = tp_slice.parts[rank][0][0]
+        self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = h if self.comm is None else _HeadInput.apply(h, self.comm)
+        if targets is not None:
+            return token_loss(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
+                              softcap=self.softcap)
+        return _GatherFromTP.apply(capped(F.linear(h, self.weight), self.softcap), self.comm)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This TP rank's rows of the token embedding: ids among them are looked up, the others give zeros, and one
+    all-reduce over the TP group sums the ranks' rows into every rank's whole embedding (exact: one rank's value
+    plus zeros)."""
+
+    def __init__(self, full: nn.Embedding, tp_slice: TPSlice, rank: int, comm):
+        super().__init__()
+        self.comm = comm
+        self.vocab_start = tp_slice.parts[rank][0][0]
+        self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _SumOverTP.apply(x, self.comm)
+
+
+class _HeadInput(torch.autograd.Function):
+    """The head's input: identity forward; backward, each rank's gradient (its rows' share) summed over the TP group
+    (layers.copy_to_tp, counted as the head's)."""
+
+    @staticmethod
+    def forward(ctx, h, comm):
+        ctx.comm = comm
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, "all_reduce_tp_head_grads")
+        return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """The embedding's rows from every TP rank: all-reduce forward, identity backward (each rank's rows take the
+    replicated output's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        y = x.contiguous().clone()
+        comm.all_reduce(y, "all_reduce_tp_embedding")
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Every TP rank's logits for its rows, concatenated along the vocabulary (all-gather); backward, this rank's
+    columns of the gradient (every TP rank computes the same function of the full logits)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        parts = torch.empty((comm.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        comm.all_gather(parts.view(-1), x.contiguous().view(-1), "all_gather_tp_logits")
+        return torch.cat(parts.unbind(0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = grad.shape[-1] // ctx.comm.world_size
+        return grad.narrow(-1, ctx.comm.rank * rows, rows).contiguous(), None
+
+
+def token_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, comm=None, vocab_start: int = 0,
+               softcap: float = 0.0, chunk: int | None = None) -> torch.Tensor:
+    """The sum over tokens of cross-entropy(h W^T, targets) (label IGNORE: not counted), h (..., width) and targets
+    (...): `weight` is the head's (rows, width), this TP rank's rows from `vocab_start` when `comm` (the TP group)
+    is given. Chunks of `chunk` tokens (default chunk_tokens); with gradients wanted, those of h and the weight are
+    computed with the loss (module docstring)."""
+    h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], weight.shape[1])
+    if torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad):
+        return _TokenLoss.apply(h2, weight, y, comm, vocab_start, softcap, chunk)
+    return loss_and_grads(h2, weight, y, comm, vocab_start, softcap, chunk, False, False)[0]
+
+
+class _TokenLoss(torch.autograd.Function):
+    """The summed token loss, with the gradients of h and the weight computed in the forward and saved; the
+    backward scales them by the loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, comm, vocab_start, softcap, chunk):
+        loss, grad_h, grad_w = loss_and_grads(h, weight, targets, comm, vocab_start, softcap, chunk,
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        return (None if grad_h is None else grad_h * grad, None if grad_w is None else grad_w * grad,
+                None, None, None, None, None)
+
+
+def global_max(m: torch.Tensor, comm) -> torch.Tensor:
+    """Each token's largest logit over the TP group's rows (all-reduce, max)."""
+    if comm is not None:
+        comm.all_reduce(m, "all_reduce_loss_max", op=dist.ReduceOp.MAX)
+    return m
+
+
+def global_sums(sums: torch.Tensor, comm) -> torch.Tensor:
+    """Each token's sum of exp(logit - max) and target logit over the TP group's rows (all-reduce, sum): (2, tokens)."""
+    if comm is not None:
+        comm.all_reduce(sums, "all_reduce_loss_sums")
+    return sums
+
+
+def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """The chunks' [lo, hi) of `tokens` tokens, `chunk` each (the last shorter)."""
+    return [(lo, min(tokens, lo + chunk)) for lo in range(0, tokens, chunk)]
+
+
+def loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, comm, vocab_start: int,
+                   softcap: float, chunk: int, want_h: bool, want_w: bool):
+    """(summed token loss (fp32, 0-d), its gradient in h or None, in the weight or None) of h (tokens, width) over
+    the head's rows `weight` (rows, width) from `vocab_start`; chunk by chunk of tokens, one chunk's fp32 logits at a
+    time. Every TP rank computes the same loss and its own rows' gradients; h's is the rows' share (copy_to_tp sums
+    it)."""
+    rows = weight.shape[0]
+    bounds = chunk_bounds(h.shape[0], chunk)
+    losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if want_h else None
+    grad_w = None
+    for lo, hi in bounds:
+        hc, y = h[lo:hi], targets[lo:hi]
+        z = F.linear(hc, weight).float()  # a new tensor in either precision: worked on in place below
+        tanh = None
+        if softcap:
+            tanh = z.div_(softcap).tanh_()
+            z = tanh * softcap
+        local = y - vocab_start
+        owned = (local >= 0) & (local < rows)
+        target = torch.where(owned, z.gather(1, local.clamp(0, rows - 1).unsqueeze(1)).squeeze(1), 0.0)
+        top = global_max(z.max(dim=1).values, comm)
+        e = z.sub_(top.unsqueeze(1)).exp_()
+        sums = global_sums(torch.stack([e.sum(dim=1), target]), comm)
+        trained = y != IGNORE
+        losses[lo:hi] = torch.where(trained, top + sums[0].log() - sums[1], 0.0)
+        if not (want_h or want_w):
+            continue
+        p = e.div_(sums[0].unsqueeze(1))  # softmax, then minus the one-hot of the target on its rank
+        mine = owned.nonzero().squeeze(1)
+        p[mine, local[mine]] -= 1.0
+        p.mul_(trained.unsqueeze(1).to(p.dtype))
+        if tanh is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+            p.mul_(1.0 - tanh.square_())
+            del tanh
+        g = p.to(weight.dtype)
+        if want_h:
+            torch.mm(g, weight, out=grad_h[lo:hi])
+        if want_w:
+            grad_w = weight_grad(grad_w, g, hc, len(bounds))
+    if want_w:
+        grad_w = grad_w.to(weight.dtype)
+    return losses.sum(), grad_h, grad_w
+
+
+def weight_grad(acc: torch.Tensor | None, g: torch.Tensor, hc: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The weight's gradient with this chunk's g^T hc added: one chunk's product as it is; over several, summed in
+    fp32 (a bf16 sum would round once per chunk)."""
+    if chunks == 1:
+        return g.t().mm(hc)
+    if acc is None:
+        return g.t().mm(hc).float()
+    if g.dtype == torch.float32:
+        return acc.addmm_(g.t(), hc)
+    return acc.add_(g.t().mm(hc))
