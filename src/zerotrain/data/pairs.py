@@ -99,8 +99,8 @@ def _messages(value, name: str, where: str, assistant: bool = True) -> list[dict
     if not value:
         return []
     if assistant:
-        return check_messages({"messages": value}, f"{where} ({name})")
-    return check_messages({"messages": value + [{"role": "assistant", "content": ""}]}, f"{where} ({name})")[:-1]
+        return check_messages({"messages": value}, f"{where} ({name})")[0]
+    return check_messages({"messages": value + [{"role": "assistant", "content": ""}]}, f"{where} ({name})")[0][:-1]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
