@@ -160,8 +160,9 @@ class ZeroThreeEngine(ZeroEngine):
 
     # ---------------------------------------------------------------- building
     def _build_flat_buffers(self) -> None:
-        """The shard: for each parameter, its values (this rank's TP slice of them) kept only where its flat range
-        lies in this rank's owned chunks; a parameter with nothing owned here is never computed or read. Every
+        """The shard: for each parameter, its values (this rank's TP slice of them) where its flat range lies in
+        this rank's owned chunks, and only those read or drawn (the source's flat_values); a parameter with nothing
+        owned here is never computed or read. Every
         parameter becomes a view of its bucket's full-size buffer, whose storage is held only while gathered."""
         L, device = self.layout, self.device
         W, rank = self.dp.world_size, self.dp.rank
@@ -179,7 +180,7 @@ class ZeroThreeEngine(ZeroEngine):
                 for s, p in by_bucket[b.index]:
                     first, last = max(lo, s.offset), min(hi, s.offset + s.numel)  # its values this rank owns
                     if last > first:
-                        values = self._initial_value(s.name, p).reshape(-1)[first - s.offset : last - s.offset]
+                        values = self._initial_range(s.name, p, first - s.offset, last - s.offset)
                         self.flat_params[b.shard_offset + first - lo : b.shard_offset + last - lo] = values
                     adopt_view(p, buffer[s.offset - b.start : s.offset - b.start + s.numel].view(s.shape))
                 buffer.untyped_storage().resize_(0)  # the views keep their shapes, not its bytes
