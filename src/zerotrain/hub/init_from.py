@@ -5,7 +5,7 @@ naming both values) and brings its tokenizer. Each rank reads only the slices of
 (safetensors' lazy slicing, through the architecture's table in mapping.py), one tensor at a time, straight into
 the engine's flat buffers (FileValues: the model is built on the meta device): no rank ever holds a full copy of a
 tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads the rows of its parts' slices),
-and at ZeRO-3 a rank reads only the tensors that lie partly in its owned chunks. A zerotrain checkpoint without a
+and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range that cuts a row reads that row). A zerotrain checkpoint without a
 model file (format 2) stores its model as its shards' masters: a rank reads each tensor it trains from the byte
 ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP slice of it (there, one full
 tensor is held beyond what the rank keeps). Weights only: the optimizer and the schedule start fresh. Pickle files

@@ -559,8 +559,8 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine,
 
 def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     """Parameter, gradient and optimizer bytes each rank holds (parameters and gradients: between steps, and the most
-    held at once during one, stage 3's units whole and stage 2's buckets in flight included), its peak resident
-    memory and, on CUDA, its device's peak."""
+    held at once during one, stage 3's units whole and stage 2's buckets in flight included), what its start read
+    from --init-from's files or drew from the seed, its peak resident memory and, on CUDA, its device's peak."""
     peaks = peak_memory(engine.flat_params.device)
     params = engine.flat_params.numel() * engine.flat_params.element_size()
     row = torch.tensor([
@@ -569,12 +569,14 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
         engine.grad_bytes(),
         engine.grad_peak_bytes,
         invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
+        engine.init_bytes_read,  # what building this rank's share of the model read from --init-from's files
+        engine.init_values_drawn,  # ... or drew from the seed
         peaks["peak_host_bytes"],
         *([peaks["peak_device_bytes"]] if "peak_device_bytes" in peaks else []),
     ], dtype=torch.int64)
     rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
-    keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "peak_rss_bytes",
-            "peak_device_bytes")
+    keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "init_bytes_read",
+            "init_values_drawn", "peak_rss_bytes", "peak_device_bytes")
     return {key: [int(r[i]) for r in rows] for i, key in enumerate(keys[:len(row)])}
 
 
