@@ -60,28 +60,31 @@ def runs(tmp_path_factory):
             "llama z2": (stage, config(tmp, "llama-z2", 2, model=LLAMA)),
             "llama z3": (stage, config(tmp, "llama-z3", 3, model=LLAMA)),
             "accum z2": (stage, config(tmp, "accum-z2", 2, accum=2)),
-            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2)),
+            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2, grad_reduce="step")),
             "bf16 z2": (stage, config(tmp, "bf16-z2", 2, accum=2, precision="bf16")),
-            "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16")),
+            "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16", grad_reduce="step")),
             "recompute z2": (stage, config(tmp, "recompute-z2", 2, activation_checkpointing="blocks")),
             "recompute z3": (stage, config(tmp, "recompute-z3", 3, activation_checkpointing="blocks")),
             "full z2": (stage, config(tmp, "full-z2", 2, accum=2, activation_checkpointing="full")),
-            "full z3": (stage, config(tmp, "full-z3", 3, accum=2, activation_checkpointing="full")),
+            "full z3": (stage, config(tmp, "full-z3", 3, accum=2, activation_checkpointing="full",
+                                      grad_reduce="step")),
             "llama full z2": (stage, config(tmp, "llama-full-z2", 2, model=LLAMA, activation_checkpointing="full")),
             "llama full z3": (stage, config(tmp, "llama-full-z3", 3, model=LLAMA, activation_checkpointing="full")),
-            "prefetch z3": (stage, config(tmp, "prefetch-z3", 3, accum=2, overlap="on")),
+            "prefetch z3": (stage, config(tmp, "prefetch-z3", 3, accum=2, overlap="on", grad_reduce="step")),
             "llama prefetch z3": (stage, config(tmp, "llama-prefetch-z3", 3, model=LLAMA, overlap="on")),
             "recompute prefetch z3": (stage, config(tmp, "recompute-prefetch-z3", 3, overlap="on",
                                                     activation_checkpointing="blocks")),
             "prefetch skips a unit": (zero3_jobs.prefetch_skips_a_unit_job,
-                                      config(tmp, "prefetch-skips", 3, accum=2, overlap="on")),
+                                      config(tmp, "prefetch-skips", 3, accum=2, overlap="on",
+                                             grad_reduce="step")),
             "stale prefetch": (zero3_jobs.stale_prefetch_job, config(tmp, "stale-prefetch", 3, overlap="on")),
             "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
-            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
+            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2)),  # the default at stage 3
             "llama accum z2": (stage, config(tmp, "llama-accum-z2", 2, accum=2, model=LLAMA)),
-            "llama accum z3": (stage, config(tmp, "llama-accum-z3", 3, accum=2, model=LLAMA)),
-            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA,
-                                             grad_reduce="micro-batch")),
+            "llama accum z3": (stage, config(tmp, "llama-accum-z3", 3, accum=2, model=LLAMA, grad_reduce="step")),
+            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA)),
+            "accum4 z3": (stage, config(tmp, "accum4-z3", 3, accum=4)),
+            "accum4 held z3": (zero3_jobs.gradients_held_job, config(tmp, "accum4-held-z3", 3, accum=4)),
             "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
             "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
                                        config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
@@ -124,8 +127,8 @@ def three_ranks(runs, tmp_path_factory):
             "llama z2": config(tmp, "llama-z2", 2, nproc=3, model=LLAMA),
             "llama z3": config(tmp, "llama-z3", 3, nproc=3, model=LLAMA),
             "accum z2": config(tmp, "accum-z2", 2, nproc=3, accum=2),
-            "accum z3": config(tmp, "accum-z3", 3, nproc=3, accum=2),
-            "micro z3": config(tmp, "micro-z3", 3, nproc=3, accum=2, grad_reduce="micro-batch")}
+            "accum z3": config(tmp, "accum-z3", 3, nproc=3, accum=2, grad_reduce="step"),
+            "micro z3": config(tmp, "micro-z3", 3, nproc=3, accum=2)}
     jobs = [(zero3_jobs.stage_job, cfg) for cfg in cfgs.values()]
     for zero in (1, 2, 3):
         cfgs[f"initial z{zero}"] = config(tmp, f"initial-z{zero}", zero, nproc=3)
@@ -266,6 +269,17 @@ def test_grad_reduce_micro_batch_accumulates_in_the_shard_close_to_one_reduce_pe
     # The gradient memory: the shard and at most two buckets, where a step's reduction keeps every bucket.
     rows = three["plan"]["rows"]
     assert three["grad_peak_bytes"] <= rows["gradients"] + rows["gradient_buckets"] < step["grad_peak_bytes"]
+
+
+def test_stage3_reduces_each_micro_batch_into_the_shard_by_default_as_planned_and_a_held_window_is_caught(runs):
+    four, one = runs["accum4 z3"], runs["gpt2 z3"]
+    grads = lambda run: run["plan"]["rows"]["gradients"] + run["plan"]["rows"]["gradient_buckets"]  # noqa: E731
+    # At --accum 4 the plan's gradient memory is --accum 1's (the shard and two buckets), and the run held no more
+    # (it checks its measured peak against the plan after its first step, strictly under the tests).
+    assert grads(four) == grads(one) and four["grad_peak_bytes"] <= grads(four)
+    assert four["run_calls"]["reduce_scatter_grads"] == 4 * one["run_calls"]["reduce_scatter_grads"]
+    # Planted: the engine holds every bucket through the window while the plan says the default: the run stops.
+    assert "of gradients at once, the plan at most" in runs["accum4 held z3"]
 
 
 def test_stage3_with_accumulation_on_llama_is_stage2_and_within_1e5_per_micro_batch(runs):

@@ -189,3 +189,15 @@ def init_from_reads_job(cfg: Config, comm: Comm) -> dict:
     owned = [(s.name, max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset)
              for s, (lo, hi) in zip(L.slots, chunks) if max(lo, s.offset) < min(hi, s.offset + s.numel)]
     return {"initial": engine.full_state_dict(), "read": read, "owned": owned, "bytes_read": engine.init_bytes_read}
+
+
+def gradients_held_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: stage 3 holds every bucket's gradients through the accumulation window (its engine built for
+    --grad-reduce step) where the run planned the default, each micro-batch reduced into the shard; the run's error."""
+    real = ZeroThreeEngine.__init__
+
+    def held(self, *args, **kwargs):
+        real(self, *args, **{**kwargs, "grad_reduce": "step"})
+
+    with mock.patch.object(ZeroThreeEngine, "__init__", held):
+        return error_of_training(cfg, comm, InvariantError)

@@ -13,7 +13,9 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
                            the tensor), and released once every parameter of the unit has its gradient (or as
                            the backward ends, where a parameter got none)
     gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
-                           arrives, its full-size buffer freed
+                           arrives, its full-size buffer freed; with accumulation, by default, every micro-batch's
+                           (--grad-reduce auto is micro-batch here: the fp32 shard accumulates, and no full
+                           gradient is held through the window beside a sharded model)
 
 Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
 small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
@@ -45,8 +47,8 @@ With --tp the model holds this rank's TP slices and the replicated parameters, a
 group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
 in the block's backward, before the gradient reaches its bucket.
 
-The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 (at any
-accumulation, with --grad-reduce step or micro-batch).
+The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 in the same
+--grad-reduce mode (step or micro-batch, at any accumulation).
 """
 
 from __future__ import annotations

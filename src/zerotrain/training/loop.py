@@ -86,7 +86,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     return engine(model, mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                   precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
                   gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
-                  grad_reduce=cfg.parallel.grad_reduce, init=init, device=rank_device(cfg))
+                  grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
