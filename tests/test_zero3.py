@@ -202,6 +202,8 @@ def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(run
     two, three = runs[f"{pair} z2"], runs[f"{pair} z3"]
     # The same layout, gradient additions and reduce-scatters: the same bits, with accumulation too.
     assert same_training(two, three)
+    # Invariant (b)'s digests are stage 2's, from the shards each rank holds (summed by one all-reduce per check).
+    assert three["digests"] == two["digests"] and three["run_calls"]["all_reduce_digests"] == STEPS + 1
     assert three["params"].keys() == two["params"].keys()
     # Between steps a rank holds its chunks only: half the padded parameters on 2 ranks, no unit left whole.
     assert three["param_bytes"] * 2 == two["param_bytes"] and three["whole_after_step"] == []
@@ -237,7 +239,7 @@ def test_the_prefetch_gathers_each_unit_one_ahead_and_trains_bitwise_like_stage2
     # but the root's and the last block's run behind the unit before them.
     calls, plain = prefetched["run_calls"], three["run_calls"]
     assert calls["all_gather_units"] + calls["prefetch_units"] <= plain["all_gather_units"]
-    assert calls["all_gather_check"] == plain["all_gather_check"]  # invariant (b)'s, every step
+    assert calls["all_reduce_digests"] == plain["all_reduce_digests"]  # invariant (b)'s, every step
     micro_batches = len(prefetched["losses"]) * runs["configs"][pair[2]].loop.accum
     assert calls["all_gather_units"] == micro_batches * on_demand_per_micro_batch(prefetched["unit_buckets"],
                                                                                   pair[0].startswith("llama"))
@@ -311,8 +313,10 @@ def test_the_planted_bugs_are_caught(runs):
     twice, two = runs["reduced twice"], runs["gpt2 z2"]
     assert twice["losses"][0] == two["losses"][0] and twice["grad_norms"][0] > two["grad_norms"][0]
     assert not same_training(twice, two)
-    # Rank 1 computing with stale copies of its units after the first update: invariant (b) across the DP ranks.
-    assert "invariant (b) failed" in runs["stale units"] and "rank(s) [1]" in runs["stale units"]
+    # Rank 1 computing with stale copies of its units after the first update: its shard is its DP group's (the
+    # reduced gradients are the same everywhere), but its first gathers after the step-1 check differ from the
+    # shards' digests, which invariant (b) says at the step-2 check.
+    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 2" in runs["stale units"]
 
 
 def test_a_stage3_checkpoint_resumes_at_stages_1_and_2_and_a_stage2_one_at_stage3(runs):
