@@ -32,8 +32,8 @@ def four_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3-init")
     hf = str(tmp / "gpt2")
     torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=200, bos_token_id=0, eos_token_id=0, n_embd=48, n_layer=2, n_head=4,
-                                                         n_positions=16)).save_pretrained(hf)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=200, n_embd=48, n_layer=2, n_head=4, n_positions=16,
+                                                         bos_token_id=0, eos_token_id=0)).save_pretrained(hf)
 
     def cfg(name, init_from="", **run):
         c = tiny_config(tmp / name, nproc=W, micro=2, steps=1, zero=3, bucket_mb=BUCKET_MB, seq_len=16, **run)

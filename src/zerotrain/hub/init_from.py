@@ -5,11 +5,11 @@ naming both values) and brings its tokenizer. Each rank reads only the slices of
 (safetensors' lazy slicing, through the architecture's table in mapping.py), one tensor at a time, straight into
 the engine's flat buffers (FileValues: the model is built on the meta device): no rank ever holds a full copy of a
 tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads the rows of its parts' slices),
-and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range that cuts a row reads that row). A zerotrain checkpoint without a
-model file (format 2) stores its model as its shards' masters: a rank reads each tensor it trains from the byte
-ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP slice of it (there, one full
-tensor is held beyond what the rank keeps). Weights only: the optimizer and the schedule start fresh. Pickle files
-(pytorch_model.bin, *.pt) are refused: nothing is unpickled.
+and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range that cuts a row reads that row). A
+zerotrain checkpoint without a model file (format 2) stores its model as its shards' masters: a rank reads each
+tensor it trains from the byte ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP
+slice of it (there, one full tensor is held beyond what the rank keeps). Weights only: the optimizer and the
+schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
@@ -246,7 +246,8 @@ class FileValues:
         return self.flat_values(name, shape, 0, math.prod(shape)).view(shape)
 
     def flat_values(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
-        """Values [lo, hi) of this rank's tensor of `name` (its TP slice) flattened, fp32: the rows holding them read."""
+        """Values [lo, hi) of this rank's tensor of `name` (its TP slice) flattened, fp32: the rows holding them
+        read."""
         if self._shards is not None:
             # A checkpoint without a model file: the full tensor from its shards' masters (fp32), then the range.
             full, tp_slice = self._shards.tensor(name), self.tp_slices.get(name)

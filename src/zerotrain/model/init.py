@@ -187,11 +187,13 @@ class SeedValues:
 
 
 @torch.no_grad()
-def materialise(model: nn.Module, source: InitialValues, device: torch.device | str = "cpu") -> nn.Module:
-    """Move a model built on the meta device to `device`, every parameter filled from `source` (one tensor at a
+def materialise(model: nn.Module, source: InitialValues, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Move a model built on the meta device to `device` in `dtype` (a LoRA run's frozen base: its run's precision
+    from the first byte, never a whole fp32 copy first), every parameter filled from `source` (one fp32 tensor at a
     time beyond the model itself); a tied head is tied again. Non-parameter state: the models have none (rotary
     tables are computed in forward), so to_empty leaves nothing uninitialised."""
-    model.to_empty(device=device)
+    model.to(dtype).to_empty(device=device)
     model.tie_weights()
     for name, p in model.named_parameters():  # a tied parameter once, under the embedding's name
         p.copy_(source.values(name, tuple(p.shape)))

@@ -68,7 +68,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
     from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
     at a time: stage 3 keeps only its owned chunks, so no rank holds the whole model. A LoRA run's frozen base is
-    materialised whole first (stages 1 and 2), its adapters then added.
+    materialised whole first, in the run's precision (stages 1 and 2), its adapters then added.
     """
     mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
     model = meta_model(cfg.model)
@@ -78,7 +78,8 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     else:
         init = SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
-        materialise(model, init, rank_device(cfg))
+        base_dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
+        materialise(model, init, rank_device(cfg), base_dtype)
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
