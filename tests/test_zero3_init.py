@@ -4,8 +4,9 @@ summary.json (init_bytes_read, init_values_drawn); and the seeded model is the s
 
 One start of 4 ranks runs, in turn: GPT-2 from a Hugging Face folder (its Conv1D weights transposed in the file,
 width 48 so that owned ranges cut rows) and from the seed, each parameter its own bucket, one step each, and each
-again with the planted whole-tensor read; the initial model at TP 2 x DP 2, and with a planted TP slice drawn at its
-own positions. The 1, 2 and 3 rank models at every stage and TP 2 at stage 1 are test_zero3.py's.
+again with the planted whole-tensor read; the initial model at TP 2 x DP 2 from the seed, with a planted TP slice
+drawn at its own positions, and from the folder (and with a planted read that drops the TP slices). The 1, 2 and 3
+rank models at every stage and TP 2 at stage 1 are test_zero3.py's.
 """
 
 import functools
@@ -18,6 +19,7 @@ import zero3_init_jobs as jobs
 from conftest import tiny_config
 from safetensors.torch import load_file
 
+from zerotrain import load_model
 from zerotrain.hub.init_from import adopt, weight_source
 from zerotrain.model import build_model
 from zerotrain.runtime.launch import run_job
@@ -47,6 +49,8 @@ def four_ranks(tmp_path_factory):
             "seeded": (jobs.summary_job, cfg("seeded")),
             "seeded whole": (jobs.whole_tensor_job, cfg("seeded-whole")),
             "tp2": (jobs.initial_model_job, cfg("tp2", tp=2)),
+            "init-from tp2": (jobs.initial_model_job, cfg("init-from-tp2", hf, tp=2)),
+            "init-from tp2 unsliced": (jobs.unsliced_reads_job, cfg("init-from-tp2-unsliced", hf, tp=2)),
             "tp2 local positions": (jobs.local_positions_job, cfg("tp2-local", tp=2))}
     pairs = list(runs.values())
     results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=pairs), pairs[0][1], time_limit=180)
@@ -82,3 +86,14 @@ def test_the_seeded_model_at_tp2_stage3_is_the_whole_model_and_a_slice_drawn_at_
     assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole)
     split = [k for k in whole if not torch.equal(planted[k], whole[k])]
     assert split and all(".attn." in k or ".mlp." in k for k in split)  # the TP-sliced weights, only they
+
+
+def test_init_from_at_tp2_stage3_reads_the_folders_model_and_reads_that_drop_the_slices_are_caught(four_ranks):
+    # Each rank's rows of its TP slices (Conv1D's transposed columns, row-parallel weights' column parts) in its owned
+    # ranges: together the model the folder holds, as one process loads it whole.
+    whole = load_model(four_ranks["hf"]).state_dict()
+    whole.pop("lm_head.weight")
+    got, planted = four_ranks["init-from tp2"], four_ranks["init-from tp2 unsliced"]
+    assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole)
+    split = [k for k in whole if not torch.equal(planted[k], whole[k])]  # read as if not TP-split: only those differ
+    assert split and all(".attn." in k or ".mlp." in k for k in split)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from unittest import mock
 
 from zerotrain.config import Config
+from zerotrain.hub import init_from
 from zerotrain.model import init
 from zerotrain.parallel import Comm, ZeroThreeEngine
 from zerotrain.training.loop import build_engine, train_job
@@ -35,4 +36,11 @@ def local_positions_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a TP slice is drawn at its own positions, not at those its values have in the full tensor."""
     real = init.full_positions
     with mock.patch.object(init, "full_positions", lambda shape, split, rank, lo, hi: real(shape, None, 0, lo, hi)):
+        return initial_model_job(cfg, comm)
+
+
+def unsliced_reads_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: --init-from's rows are read as if no tensor were TP-split (the slice's parts dropped)."""
+    real = init_from._read_rows
+    with mock.patch.object(init_from, "_read_rows", lambda f, name, tp_slice, *a: real(f, name, None, *a)):
         return initial_model_job(cfg, comm)
