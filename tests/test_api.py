@@ -53,7 +53,8 @@ def train_checkpoint(root: str, *, steps: int = STEPS, synthetic_vocab: int | No
     """A tiny GPT (seq 16) trained on one rank and saved; its run folder.
 
     On the Zen of Python as bytes by default: 300 steps of 16 sequences at lr 1e-2 (about a second)
-    bring the validation loss from ln 256 = 5.5 to about 1.6, where greedy decoding depends on
+    bring the validation loss from ln 256 = 5.5 to about 1.8 at seed 1 (1.8-2.6 over seeds 0-6: seed 0's 2.6 greedily
+    repeats one byte), where greedy decoding depends on
     the context through attention (a model of the synthetic Markov chain only needs the current
     token, which the residual stream carries: an attention bug would not show in its greedy output).
     """
@@ -65,7 +66,7 @@ def train_checkpoint(root: str, *, steps: int = STEPS, synthetic_vocab: int | No
         from zerotrain.parallel import Comm
 
         comm = Comm()
-        cfg = tiny_config(root, steps=max(steps, 1), micro=16)
+        cfg = tiny_config(root, steps=max(steps, 1), micro=16, seed=1)
         cfg.optim.lr = 1e-2
         if synthetic_vocab:
             cfg.data.source, cfg.model.vocab_size = "synthetic", synthetic_vocab

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zerotrain.parallel.digest import K, digest_hex, tensor_digest
+from zerotrain.parallel.digest import K, digest_hex, moved, tensor_digest
 
 N = 10_007  # prime, so small chunks leave a ragged last piece
 
@@ -141,3 +141,17 @@ def test_bad_inputs_are_messages_that_name_the_value():
         tensor_digest(torch.zeros(3, 4))
     with pytest.raises(ValueError, match=r"\[5, 20\) is outside the buffer of 10"):
         tensor_digest(torch.zeros(10), [(5, 20)])
+
+
+def test_chunk_digests_moved_to_where_they_lie_add_up_to_the_whole_buffers_and_a_wrong_offset_is_caught():
+    # ZeRO-3's invariant (b): each rank digests its owned chunks where they sit in its shard, moves them to where they
+    # lie in the flat buffer, and the DP group's sum is the digest of the buffer a gather would make.
+    flat = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    chunks = [(0, 700), (700, 1500), (1500, 3000)]
+    shards = [flat[lo:hi].clone() for lo, hi in chunks]  # each at position 0 of its own shard
+    total = sum(moved(tensor_digest(shard), lo) for shard, (lo, _) in zip(shards, chunks))
+    assert torch.equal(total, tensor_digest(flat))
+    assert torch.equal(moved(tensor_digest(flat, [(5, 9)]), 0), tensor_digest(flat, [(5, 9)]))
+    # planted: a chunk moved one position short (its values' order within the buffer would not be seen)
+    wrong = sum(moved(tensor_digest(shard), lo - (i == 1)) for i, (shard, (lo, _)) in enumerate(zip(shards, chunks)))
+    assert not torch.equal(wrong, tensor_digest(flat))

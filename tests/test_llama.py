@@ -89,7 +89,7 @@ def test_zerotrain_computes_the_logits_and_first_loss_transformers_does(folders,
 
 def swap_names(a: str, b: str):
     """Planted: the reading path takes tensor `a` for `b` and `b` for `a`."""
-    read = init_from._read
+    read = init_from._read_rows
 
     def swapped(f, name, *args):
         other = name.replace(a, b) if a in name else name.replace(b, a) if b in name else name
@@ -106,8 +106,8 @@ def dropped_rotary_half(x, cos, sin):
 
 
 PLANTED = {
-    "q and k swapped": ("llama-mha", lambda mp: mp.setattr(init_from, "_read", swap_names("q_proj", "k_proj"))),
-    "gate and up swapped": ("llama", lambda mp: mp.setattr(init_from, "_read", swap_names("gate_proj", "up_proj"))),
+    "q and k swapped": ("llama-mha", lambda mp: mp.setattr(init_from, "_read_rows", swap_names("q_proj", "k_proj"))),
+    "gate and up swapped": ("llama", lambda mp: mp.setattr(init_from, "_read_rows", swap_names("gate_proj", "up_proj"))),
     "untransposed GPT-2 matrix": ("gpt2", lambda mp: mp.setitem(mapping.MAPPINGS, "gpt2", dataclasses.replace(
         mapping.MAPPINGS["gpt2"], transposed=("attn.c_attn.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")))),
     "dropped rotary half": ("llama", lambda mp: mp.setattr(llama_module, "apply_rotary", dropped_rotary_half)),

@@ -10,6 +10,7 @@ import pytest
 from conftest import tiny_config
 
 from zerotrain.cli import main as cli
+from zerotrain.config import Config
 from zerotrain.training import loop
 from zerotrain.training import memory_plan as plan_module
 from zerotrain.training.invariants import InvariantError
@@ -157,6 +158,30 @@ def test_plan_command_json_and_the_largest_micro_batch_that_fits(capsys):
     assert cli.main(["plan", *base, "--tp", "2", "--activation-checkpointing", "blocks"]) == 0
     table = capsys.readouterr().out
     assert "TP 2 x DP 1" in table and "activations (one micro-batch)" in table and "blocks recomputed" in table
+
+
+# Llama-3-8B's shape (the meta device: nothing is allocated) at DP 64, bf16, one sequence of 8192 tokens a micro-batch
+LLAMA3_8B_DP64 = ["--arch", "llama", "--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8",
+                  "--intermediate-size", "14336", "--vocab-size", "128256", "--seq-len", "8192",
+                  "--no-tie-embeddings", "--nproc", "64", "--zero", "3", "--precision", "bf16", "--micro-batch", "1",
+                  "--device", "cuda", "--data", "synthetic"]
+
+
+def test_stage3_accumulation_plans_what_accum_1_holds_for_llama3_8b_at_dp64_and_says_what_step_would_cost(
+        capsys, monkeypatch):
+    one, four = (plan_json(capsys, *LLAMA3_8B_DP64, "--accum", a) for a in ("1", "4"))
+    assert four["total"] <= 1.05 * one["total"]  # each micro-batch reduced into the shard: 61.26 GiB both
+    said = four["grad_reduce"]
+    assert said["mode"] == "micro-batch" and said["reduce_scatter_rounds"] == 4 and said["other"]["mode"] == "step"
+    step = plan_json(capsys, *LLAMA3_8B_DP64, "--accum", "4", "--grad-reduce", "step")
+    assert said["other"]["total"] == step["total"] > 1.3 * one["total"]  # every bucket held: 87.26 GiB
+    assert step["grad_reduce"]["other"]["total"] == four["total"]
+    assert cli.main(["plan", *LLAMA3_8B_DP64, "--accum", "4"]) == 0
+    assert "--grad-reduce micro-batch (auto): 4 reduce-scatter rounds a step; --grad-reduce step would take 1 " \
+        "reduce-scatter round and hold 29.92 GiB of gradient buckets, 87.26 GiB in all" in capsys.readouterr().out
+    # Planted: auto resolves to step at stage 3 too (the default before): the window holds a full fp32 gradient.
+    monkeypatch.setattr(Config, "grad_reduce", property(lambda self: self.parallel.grad_reduce.replace("auto", "step")))
+    assert plan_json(capsys, *LLAMA3_8B_DP64, "--accum", "4")["total"] > 1.3 * one["total"]
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -60,28 +60,31 @@ def runs(tmp_path_factory):
             "llama z2": (stage, config(tmp, "llama-z2", 2, model=LLAMA)),
             "llama z3": (stage, config(tmp, "llama-z3", 3, model=LLAMA)),
             "accum z2": (stage, config(tmp, "accum-z2", 2, accum=2)),
-            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2)),
+            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2, grad_reduce="step")),
             "bf16 z2": (stage, config(tmp, "bf16-z2", 2, accum=2, precision="bf16")),
-            "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16")),
+            "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16", grad_reduce="step")),
             "recompute z2": (stage, config(tmp, "recompute-z2", 2, activation_checkpointing="blocks")),
             "recompute z3": (stage, config(tmp, "recompute-z3", 3, activation_checkpointing="blocks")),
             "full z2": (stage, config(tmp, "full-z2", 2, accum=2, activation_checkpointing="full")),
-            "full z3": (stage, config(tmp, "full-z3", 3, accum=2, activation_checkpointing="full")),
+            "full z3": (stage, config(tmp, "full-z3", 3, accum=2, activation_checkpointing="full",
+                                      grad_reduce="step")),
             "llama full z2": (stage, config(tmp, "llama-full-z2", 2, model=LLAMA, activation_checkpointing="full")),
             "llama full z3": (stage, config(tmp, "llama-full-z3", 3, model=LLAMA, activation_checkpointing="full")),
-            "prefetch z3": (stage, config(tmp, "prefetch-z3", 3, accum=2, overlap="on")),
+            "prefetch z3": (stage, config(tmp, "prefetch-z3", 3, accum=2, overlap="on", grad_reduce="step")),
             "llama prefetch z3": (stage, config(tmp, "llama-prefetch-z3", 3, model=LLAMA, overlap="on")),
             "recompute prefetch z3": (stage, config(tmp, "recompute-prefetch-z3", 3, overlap="on",
                                                     activation_checkpointing="blocks")),
             "prefetch skips a unit": (zero3_jobs.prefetch_skips_a_unit_job,
-                                      config(tmp, "prefetch-skips", 3, accum=2, overlap="on")),
+                                      config(tmp, "prefetch-skips", 3, accum=2, overlap="on",
+                                             grad_reduce="step")),
             "stale prefetch": (zero3_jobs.stale_prefetch_job, config(tmp, "stale-prefetch", 3, overlap="on")),
             "micro z2": (stage, config(tmp, "micro-z2", 2, accum=2, grad_reduce="micro-batch")),
-            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
+            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2)),  # the default at stage 3
             "llama accum z2": (stage, config(tmp, "llama-accum-z2", 2, accum=2, model=LLAMA)),
-            "llama accum z3": (stage, config(tmp, "llama-accum-z3", 3, accum=2, model=LLAMA)),
-            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA,
-                                             grad_reduce="micro-batch")),
+            "llama accum z3": (stage, config(tmp, "llama-accum-z3", 3, accum=2, model=LLAMA, grad_reduce="step")),
+            "llama micro z3": (stage, config(tmp, "llama-micro-z3", 3, accum=2, model=LLAMA)),
+            "accum4 z3": (stage, config(tmp, "accum4-z3", 3, accum=4)),
+            "accum4 held z3": (zero3_jobs.gradients_held_job, config(tmp, "accum4-held-z3", 3, accum=4)),
             "freed before backward": (zero3_jobs.freed_before_backward_job, config(tmp, "freed", 3)),
             "recompute not gathered": (zero3_jobs.recompute_not_gathered_job,
                                        config(tmp, "recompute-freed", 3, activation_checkpointing="blocks")),
@@ -124,8 +127,8 @@ def three_ranks(runs, tmp_path_factory):
             "llama z2": config(tmp, "llama-z2", 2, nproc=3, model=LLAMA),
             "llama z3": config(tmp, "llama-z3", 3, nproc=3, model=LLAMA),
             "accum z2": config(tmp, "accum-z2", 2, nproc=3, accum=2),
-            "accum z3": config(tmp, "accum-z3", 3, nproc=3, accum=2),
-            "micro z3": config(tmp, "micro-z3", 3, nproc=3, accum=2, grad_reduce="micro-batch")}
+            "accum z3": config(tmp, "accum-z3", 3, nproc=3, accum=2, grad_reduce="step"),
+            "micro z3": config(tmp, "micro-z3", 3, nproc=3, accum=2)}
     jobs = [(zero3_jobs.stage_job, cfg) for cfg in cfgs.values()]
     for zero in (1, 2, 3):
         cfgs[f"initial z{zero}"] = config(tmp, f"initial-z{zero}", zero, nproc=3)
@@ -162,8 +165,8 @@ def test_the_initial_model_is_bitwise_the_same_on_1_2_and_3_ranks_at_every_stage
 
 def test_an_init_that_depends_on_the_owner_gives_another_initial_model_on_2_ranks(runs, one_rank, tmp_path,
                                                                                 monkeypatch):
-    real = init.parameter_generator  # planted as on the ranks: rank 0's generators, here the only rank's
-    monkeypatch.setattr(init, "parameter_generator", lambda seed, name: real(seed, f"{name}/0"))
+    real = init.parameter_key  # planted as on the ranks: rank 0's generators, here the only rank's
+    monkeypatch.setattr(init, "parameter_key", lambda seed, name: real(seed, f"{name}/0"))
     one = build_engine(config(tmp_path, "one", 3, nproc=1), one_rank).full_state_dict()
     planted = runs["owner-seeded init z3"]
     assert not same_tensors(planted, one)  # rank 1's chunks were drawn by rank 1's generators
@@ -178,14 +181,15 @@ def test_replicas_that_start_from_other_models_are_caught_before_the_first_step(
         runs["rank-seeded start z2"]
 
 
-def test_init_from_at_stage3_reads_only_the_tensors_a_rank_owns_part_of_one_at_a_time(runs):
+def test_init_from_at_stage3_reads_only_the_ranges_a_rank_owns(runs):
     run, cfg = runs["init-from z3"], runs["configs"]["init-from z3"]
     source = load_file(os.path.join(cfg.checkpoint.init_from, "model.safetensors"))
     assert same_tensors(run["initial"], {k: source[k] for k in run["initial"]})
     assert not same_tensors(run["initial"], runs["initial z3"])  # the file's values, not the seed's
-    names = [name for name, _ in run["read"]]
-    assert names == run["owned"] and len(names) < len(run["initial"])  # rank 0 skipped what rank 1 owns alone
-    assert all(numel == run["initial"][name].numel() for name, numel in run["read"])  # one parameter per read
+    assert run["read"] == run["owned"]  # each parameter's owned range alone, in the layout's order
+    assert len(run["read"]) < len(run["initial"])  # rank 0 skipped what rank 1 owns alone
+    owned = sum(hi - lo for _, lo, hi in run["owned"])
+    assert owned * 4 <= run["bytes_read"] < sum(t.numel() for t in source.values()) * 4  # fp32 file; cut rows read
 
 
 def same_training(a: dict, b: dict) -> bool:
@@ -198,6 +202,8 @@ def test_stage3_trains_bitwise_like_stage2_holding_a_shard_of_the_parameters(run
     two, three = runs[f"{pair} z2"], runs[f"{pair} z3"]
     # The same layout, gradient additions and reduce-scatters: the same bits, with accumulation too.
     assert same_training(two, three)
+    # Invariant (b)'s digests are stage 2's, from the shards each rank holds (summed by one all-reduce per check).
+    assert three["digests"] == two["digests"] and three["run_calls"]["all_reduce_digests"] == STEPS + 1
     assert three["params"].keys() == two["params"].keys()
     # Between steps a rank holds its chunks only: half the padded parameters on 2 ranks, no unit left whole.
     assert three["param_bytes"] * 2 == two["param_bytes"] and three["whole_after_step"] == []
@@ -233,7 +239,7 @@ def test_the_prefetch_gathers_each_unit_one_ahead_and_trains_bitwise_like_stage2
     # but the root's and the last block's run behind the unit before them.
     calls, plain = prefetched["run_calls"], three["run_calls"]
     assert calls["all_gather_units"] + calls["prefetch_units"] <= plain["all_gather_units"]
-    assert calls["all_gather_check"] == plain["all_gather_check"]  # invariant (b)'s, every step
+    assert calls["all_reduce_digests"] == plain["all_reduce_digests"]  # invariant (b)'s, every step
     micro_batches = len(prefetched["losses"]) * runs["configs"][pair[2]].loop.accum
     assert calls["all_gather_units"] == micro_batches * on_demand_per_micro_batch(prefetched["unit_buckets"],
                                                                                   pair[0].startswith("llama"))
@@ -267,6 +273,17 @@ def test_grad_reduce_micro_batch_accumulates_in_the_shard_close_to_one_reduce_pe
     assert three["grad_peak_bytes"] <= rows["gradients"] + rows["gradient_buckets"] < step["grad_peak_bytes"]
 
 
+def test_stage3_reduces_each_micro_batch_into_the_shard_by_default_as_planned_and_a_held_window_is_caught(runs):
+    four, one = runs["accum4 z3"], runs["gpt2 z3"]
+    grads = lambda run: run["plan"]["rows"]["gradients"] + run["plan"]["rows"]["gradient_buckets"]  # noqa: E731
+    # At --accum 4 the plan's gradient memory is --accum 1's (the shard and two buckets), and the run held no more
+    # (it checks its measured peak against the plan after its first step, strictly under the tests).
+    assert grads(four) == grads(one) and four["grad_peak_bytes"] <= grads(four)
+    assert four["run_calls"]["reduce_scatter_grads"] == 4 * one["run_calls"]["reduce_scatter_grads"]
+    # Planted: the engine holds every bucket through the window while the plan says the default: the run stops.
+    assert "of gradients at once, the plan at most" in runs["accum4 held z3"]
+
+
 def test_stage3_with_accumulation_on_llama_is_stage2_and_within_1e5_per_micro_batch(runs):
     step, three, micro = runs["llama accum z2"], runs["llama accum z3"], runs["llama micro z3"]
     assert same_training(step, three)
@@ -296,8 +313,10 @@ def test_the_planted_bugs_are_caught(runs):
     twice, two = runs["reduced twice"], runs["gpt2 z2"]
     assert twice["losses"][0] == two["losses"][0] and twice["grad_norms"][0] > two["grad_norms"][0]
     assert not same_training(twice, two)
-    # Rank 1 computing with stale copies of its units after the first update: invariant (b) across the DP ranks.
-    assert "invariant (b) failed" in runs["stale units"] and "rank(s) [1]" in runs["stale units"]
+    # Rank 1 computing with stale copies of its units after the first update: its shard is its DP group's (the
+    # reduced gradients are the same everywhere), but its first gathers after the step-1 check differ from the
+    # shards' digests, which invariant (b) says at the step-2 check.
+    assert "invariant (b) failed: parameters of rank(s) [1] differ from rank 0 at step 2" in runs["stale units"]
 
 
 def test_a_stage3_checkpoint_resumes_at_stages_1_and_2_and_a_stage2_one_at_stage3(runs):

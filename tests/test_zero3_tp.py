@@ -51,12 +51,12 @@ def runs(tmp_path_factory):
             "gpt2 z2": (stage, config(tmp, "gpt2-z2", 2, model={})),
             "gpt2 z3": (stage, config(tmp, "gpt2-z3", 3, model={})),
             "accum z2": (stage, config(tmp, "accum-z2", 2, accum=2)),
-            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2)),
-            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2, grad_reduce="micro-batch")),
+            "accum z3": (stage, config(tmp, "accum-z3", 3, accum=2, grad_reduce="step")),
+            "micro z3": (stage, config(tmp, "micro-z3", 3, accum=2)),  # the default at stage 3
             "bf16 z2": (stage, config(tmp, "bf16-z2", 2, accum=2, precision="bf16",
                                       activation_checkpointing="blocks")),
             "bf16 z3": (stage, config(tmp, "bf16-z3", 3, accum=2, precision="bf16",
-                                      activation_checkpointing="blocks")),
+                                      activation_checkpointing="blocks", grad_reduce="step")),
             "tp1 z1": (stage, config(tmp, "tp1-z1", 1, tp=1, ckpt_every=SAVED_AT)),
             "unsummed": (tp_kv_jobs.unsummed_replicas_job, config(tmp, "unsummed", 3)),
             "stale units": (zero3_jobs.stale_units_job, config(tmp, "stale", 3)),
@@ -110,12 +110,14 @@ def test_stage3_at_tp2_reduces_per_micro_batch_within_1e5_of_one_reduce_per_step
 
 
 def test_a_skipped_kv_replica_sum_and_stale_units_at_stage3_are_caught_by_invariant_b(runs):
-    # Each TP rank updates the shared KV head with its own query heads' part of the gradient only: the gathered KV
-    # rows differ across the KV group.
+    # Each TP rank updates the shared KV head with its own query heads' part of the gradient only: the KV rows of the
+    # shards differ across the KV group.
     assert "invariant (b) failed: the KV heads of rank(s) [1, 3]" in runs["unsummed"]
-    # Rank 1 (TP rank 1 of DP replica 0) computing with its units as first gathered: its replicated values differ
-    # from every other rank's fresh gather.
-    assert "invariant (b) failed: replicated parameters of rank(s) [1]" in runs["stale units"]
+    # Rank 1 (TP rank 1 of DP replica 0) computing with its units as first gathered (stale from step 2): its gathers
+    # differ from the shards, and its gradients made the replicated values of its DP group (TP rank 1's: ranks 1 and
+    # 3) differ from TP rank 0's group, found in the shards each rank holds at the step-2 check.
+    assert "invariant (b) failed: replicated parameters of rank(s) [1, 3] differ from rank 0 at step 2" in \
+        runs["stale units"]
 
 
 def test_the_guard_rolls_stage3_at_tp2_back_as_it_rolls_stage2_back(runs):

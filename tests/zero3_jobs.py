@@ -160,32 +160,44 @@ def initial_model_job(cfg: Config, comm: Comm) -> dict:
 def owner_seeded_init_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: each parameter's generator is seeded with the rank too, so each owner draws its chunks on its
     own (the same values on one rank as ever, other ones wherever another rank owns a part)."""
-    real = init.parameter_generator
-    with mock.patch.object(init, "parameter_generator", lambda seed, name: real(seed, f"{name}/{comm.rank}")):
+    real = init.parameter_key
+    with mock.patch.object(init, "parameter_key", lambda seed, name: real(seed, f"{name}/{comm.rank}")):
         return initial_model_job(cfg, comm)
 
 
 def rank_seeded_start_job(cfg: Config, comm: Comm) -> str:
     """Planted bug at stages 1 and 2: the replicas start from other models (generators seeded with the rank); the
     run's error, or "no error"."""
-    real = init.parameter_generator
-    with mock.patch.object(init, "parameter_generator", lambda seed, name: real(seed, f"{name}/{comm.rank}")):
+    real = init.parameter_key
+    with mock.patch.object(init, "parameter_key", lambda seed, name: real(seed, f"{name}/{comm.rank}")):
         return error_of_training(cfg, comm, InvariantError)
 
 
 def init_from_reads_job(cfg: Config, comm: Comm) -> dict:
-    """--init-from: the initial model, the tensors this rank read (name, values) in order, and the parameters whose
-    flat range lies partly in this rank's owned chunks."""
-    real, read = FileValues.values, []
+    """--init-from: the initial model, the ranges of the parameters this rank read (name, first, last value) in order,
+    the owned ranges of each parameter whose flat range lies partly in this rank's chunks, and the bytes it read."""
+    real, read = FileValues.flat_values, []
 
-    def recorded(self, name, shape):
-        values = real(self, name, shape)
-        read.append((name, values.numel()))
-        return values
+    def recorded(self, name, shape, lo, hi):
+        read.append((name, lo, hi))
+        return real(self, name, shape, lo, hi)
 
-    with mock.patch.object(FileValues, "values", recorded):
+    with mock.patch.object(FileValues, "flat_values", recorded):
         engine = build_engine(cfg, comm)
     L, W = engine.layout, comm.world_size
     chunks = [L.buckets[s.bucket].chunk(comm.rank, W) for s in L.slots]
-    owned = [s.name for s, (lo, hi) in zip(L.slots, chunks) if max(lo, s.offset) < min(hi, s.offset + s.numel)]
-    return {"initial": engine.full_state_dict(), "read": read, "owned": owned}
+    owned = [(s.name, max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset)
+             for s, (lo, hi) in zip(L.slots, chunks) if max(lo, s.offset) < min(hi, s.offset + s.numel)]
+    return {"initial": engine.full_state_dict(), "read": read, "owned": owned, "bytes_read": engine.init_bytes_read}
+
+
+def gradients_held_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: stage 3 holds every bucket's gradients through the accumulation window (its engine built for
+    --grad-reduce step) where the run planned the default, each micro-batch reduced into the shard; the run's error."""
+    real = ZeroThreeEngine.__init__
+
+    def held(self, *args, **kwargs):
+        real(self, *args, **{**kwargs, "grad_reduce": "step"})
+
+    with mock.patch.object(ZeroThreeEngine, "__init__", held):
+        return error_of_training(cfg, comm, InvariantError)

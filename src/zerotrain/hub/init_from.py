@@ -5,11 +5,11 @@ naming both values) and brings its tokenizer. Each rank reads only the slices of
 (safetensors' lazy slicing, through the architecture's table in mapping.py), one tensor at a time, straight into
 the engine's flat buffers (FileValues: the model is built on the meta device): no rank ever holds a full copy of a
 tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads the rows of its parts' slices),
-and at ZeRO-3 a rank reads only the tensors that lie partly in its owned chunks. A zerotrain checkpoint without a
-model file (format 2) stores its model as its shards' masters: a rank reads each tensor it trains from the byte
-ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP slice of it (there, one full
-tensor is held beyond what the rank keeps). Weights only: the optimizer and the schedule start fresh. Pickle files
-(pytorch_model.bin, *.pt) are refused: nothing is unpickled.
+and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range that cuts a row reads that row). A
+zerotrain checkpoint without a model file (format 2) stores its model as its shards' masters: a rank reads each
+tensor it trains from the byte ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP
+slice of it (there, one full tensor is held beyond what the rank keeps). Weights only: the optimizer and the
+schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
@@ -17,6 +17,7 @@ config.json's types and values, every tensor's name, shape and dtype, every file
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -219,7 +220,10 @@ def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelCon
 
 class FileValues:
     """Initial values from --init-from's files (model/init.py's interface): each tensor this rank trains read on its
-    own, its TP slice only (safetensors' lazy slicing), so at most one tensor is read beyond what the rank keeps.
+    own, its TP slice only (safetensors' lazy slicing), so at most one tensor is read beyond what the rank keeps; or
+    (`flat_values`, ZeRO-3's owned chunks) only the rows of it that hold a flat range, a range that cuts a row
+    reading that row. Every byte taken from the files is counted where it is read (`bytes_read`, the run's
+    init_bytes_read).
 
     CheckpointError naming the first tensor that is missing, extra or of the wrong shape (check_tensors), at once.
     """
@@ -236,16 +240,31 @@ class FileValues:
             raise CheckpointError(f"--init-from {source.folder}: {e}") from None
         self._opened: dict[str, object] = {}
         self._shards = ShardedModel(source.folder) if source.shards else None
+        self.bytes_read = 0  # bytes taken from the source's files so far
 
     def values(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if self._shards is not None:  # a checkpoint without a model file: the full tensor from its shards' masters
+        return self.flat_values(name, shape, 0, math.prod(shape)).view(shape)
+
+    def flat_values(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        """Values [lo, hi) of this rank's tensor of `name` (its TP slice) flattened, fp32: the rows holding them
+        read."""
+        if self._shards is not None:
+            # A checkpoint without a model file: the full tensor from its shards' masters (fp32), then the range.
             full, tp_slice = self._shards.tensor(name), self.tp_slices.get(name)
-            return full if tp_slice is None else tp_slice.take(full, self.tp_rank)
+            self.bytes_read += full.numel() * 4
+            local = full if tp_slice is None else tp_slice.take(full, self.tp_rank)
+            return local.reshape(-1)[lo:hi].clone()
         file = self.source.files[name]
         f = self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
-        local = _read(f, self.source.stored.get(name, name), self.tp_slices.get(name), self.tp_rank,
-                      self.transposed(name), self.source.first_row.get(name), self.rows[name])
-        return local.to(torch.float32)
+        width = math.prod(shape[1:])  # values per row (a 1-D tensor's rows are its values)
+        first, last = lo // width, -(-hi // width)
+        rows = _read_rows(f, self.source.stored.get(name, name), self.tp_slices.get(name), self.tp_rank,
+                          self.transposed(name), self.source.first_row.get(name, 0), first, last, self._count)
+        return rows.reshape(-1)[lo - first * width : hi - first * width].to(torch.float32)
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def close(self) -> None:
         self._opened.clear()
@@ -270,19 +289,26 @@ def param_rows(name: str, param: torch.Tensor, tp_slices: dict) -> int:
     return tp_slices[name].full_shape[0] if name in tp_slices else param.shape[0]
 
 
-def _read(f, name: str, tp_slice, rank: int, transposed: bool, first_row: int | None = None,
-          rows: int = 0) -> torch.Tensor:
-    """Stored tensor `name`, or this rank's TP slice of it; with `first_row`, of its `rows` rows from there (a part
-    of a fused tensor, which is never transposed and split along its rows)."""
-    if first_row is not None:
-        lazy = f.get_slice(name)
-        if tp_slice is None:
-            return lazy[first_row : first_row + rows]
-        return torch.cat([lazy[first_row + lo : first_row + hi] for lo, hi in tp_slice.parts[rank]])
-    if tp_slice is None:
-        t = f.get_tensor(name)
-        return t.t() if transposed else t
-    dim = 1 - tp_slice.dim if transposed else tp_slice.dim  # the split dim in the file's layout
+def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: int, first: int, last: int,
+               count) -> torch.Tensor:
+    """Rows [first, last) of this rank's tensor (its TP slice of stored tensor `name`), in zerotrain's layout, read
+    from the file and nothing more: a tensor split along its rows maps them through the slice's parts, one split
+    along its columns reads those columns of them; a transposed one (GPT-2's Conv1D) reads the file's columns; a part
+    of a fused tensor (never transposed, split along its rows) starts at `first_row`. `count` is given each piece
+    read."""
     lazy = f.get_slice(name)
-    t = torch.cat([lazy[lo:hi] if dim == 0 else lazy[:, lo:hi] for lo, hi in tp_slice.parts[rank]], dim=dim)
-    return t.t() if transposed else t
+    row_ranges, at = [], 0
+    for a, b in (tp_slice.parts[rank] if tp_slice is not None and tp_slice.dim == 0 else [(0, last)]):
+        lo, hi = max(first, at), min(last, at + b - a)  # local rows [at, at + b - a) are the stored rows [a, b)
+        if hi > lo:
+            row_ranges.append((first_row + a + lo - at, first_row + a + hi - at))
+        at += b - a
+    columns = tp_slice.parts[rank] if tp_slice is not None and tp_slice.dim == 1 else None
+    pieces = []
+    for a, b in row_ranges:
+        if columns is None:
+            pieces.append(count(lazy[:, a:b]).t() if transposed else count(lazy[a:b]))
+        else:
+            pieces.append(torch.cat([count(lazy[c:d, a:b]).t() if transposed else count(lazy[a:b, c:d])
+                                     for c, d in columns], dim=1))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -146,7 +146,7 @@ def init_rule(cfg: ModelConfig, name: str):
 # Everything else (position embeddings, layer norms, the row-parallel biases, added once after the all-reduce; the
 # embedding and head of a vocabulary T does not divide) is replicated: every TP rank computes it identically, so
 # the activations, the loss and the replicated gradients are bitwise equal across the TP group.
-# Each parameter is drawn whole from its own generator and then sliced (model/init.py), so TP = 1 and TP = T start
+# Each value is drawn from (seed, name, its position in the full tensor) (model/init.py), so TP = 1 and TP = T start
 # from the same parameters; the model is built on the meta device and sliced there, before any value exists.
 
 

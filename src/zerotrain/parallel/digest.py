@@ -88,3 +88,11 @@ def tensor_digest(flat: torch.Tensor, ranges: list[tuple[int, int]] | None = Non
 def digest_hex(d: torch.Tensor) -> str:
     """The digest's values as unsigned 64-bit hex, joined by '-', for reports and error messages."""
     return "-".join(f"{x % _MOD:016x}" for x in d.tolist())
+
+
+def moved(digest: torch.Tensor, offset: int) -> torch.Tensor:
+    """The digest of the same values lying `offset` positions further on (poly x K**offset; plain is unchanged):
+    a shard's chunk digested where it sits in the shard becomes its digest where it lies in the full buffer. Digests
+    of disjoint pieces add up (mod 2**64) to the digest of their union, so the sum of every rank's chunk digests is
+    the digest of the buffer they make when gathered."""
+    return torch.stack([digest[0], digest[1] * _signed64(pow(K, offset, _MOD))])

@@ -178,6 +178,10 @@ class ZeroEngine:
         self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)
         self._materialise_outside_layout()
         self._build_flat_buffers()
+        # What building this rank's buffers took from the source: bytes read from --init-from's files, values drawn
+        # from the seed (the run's init_bytes_read and init_values_drawn, per rank)
+        self.init_bytes_read = getattr(init, "bytes_read", 0)
+        self.init_values_drawn = getattr(init, "values_drawn", 0)
         self._init = None  # the source is read only while the buffers are built
         self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
         # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
@@ -243,6 +247,11 @@ class ZeroEngine:
         and would hide an init that depends on the rank): every rank computes, or reads, the same values.
         """
         return self._init.values(name, tuple(p.shape)) if p.is_meta else p.detach()
+
+    def _initial_range(self, name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Values [lo, hi) of parameter `name`'s initial values on this rank flattened: from the init source, which
+        reads or draws that range alone, for a model on the meta device, else from its own."""
+        return self._init.flat_values(name, tuple(p.shape), lo, hi) if p.is_meta else p.detach().reshape(-1)[lo:hi]
 
     @property
     def owns_whole_buckets(self) -> bool:

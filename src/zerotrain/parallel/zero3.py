@@ -13,7 +13,9 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
                            the tensor), and released once every parameter of the unit has its gradient (or as
                            the backward ends, where a parameter got none)
     gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
-                           arrives, its full-size buffer freed
+                           arrives, its full-size buffer freed; with accumulation, by default, every micro-batch's
+                           (--grad-reduce auto is micro-batch here: the fp32 shard accumulates, and no full
+                           gradient is held through the window beside a sharded model)
 
 Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
 small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
@@ -45,8 +47,8 @@ With --tp the model holds this rank's TP slices and the replicated parameters, a
 group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
 in the block's backward, before the gradient reaches its bucket.
 
-The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 (at any
-accumulation, with --grad-reduce step or micro-batch).
+The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 in the same
+--grad-reduce mode (step or micro-batch, at any accumulation).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import torch
 
 from zerotrain.errors import ZeroTrainError
 
-from .digest import tensor_digest
+from .digest import moved, tensor_digest
 from .engine import StaleParameterError, ZeroEngine, _Piece, adopt_view, in_backward, stage2_bucket_budget
 from .layout import ShardLayout
 
@@ -160,8 +162,9 @@ class ZeroThreeEngine(ZeroEngine):
 
     # ---------------------------------------------------------------- building
     def _build_flat_buffers(self) -> None:
-        """The shard: for each parameter, its values (this rank's TP slice of them) kept only where its flat range
-        lies in this rank's owned chunks; a parameter with nothing owned here is never computed or read. Every
+        """The shard: for each parameter, its values (this rank's TP slice of them) where its flat range lies in
+        this rank's owned chunks, and only those read or drawn (the source's flat_values); a parameter with nothing
+        owned here is never computed or read. Every
         parameter becomes a view of its bucket's full-size buffer, whose storage is held only while gathered."""
         L, device = self.layout, self.device
         W, rank = self.dp.world_size, self.dp.rank
@@ -179,7 +182,7 @@ class ZeroThreeEngine(ZeroEngine):
                 for s, p in by_bucket[b.index]:
                     first, last = max(lo, s.offset), min(hi, s.offset + s.numel)  # its values this rank owns
                     if last > first:
-                        values = self._initial_value(s.name, p).reshape(-1)[first - s.offset : last - s.offset]
+                        values = self._initial_range(s.name, p, first - s.offset, last - s.offset)
                         self.flat_params[b.shard_offset + first - lo : b.shard_offset + last - lo] = values
                     adopt_view(p, buffer[s.offset - b.start : s.offset - b.start + s.numel].view(s.shape))
                 buffer.untyped_storage().resize_(0)  # the views keep their shapes, not its bytes
@@ -195,6 +198,9 @@ class ZeroThreeEngine(ZeroEngine):
         self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
         self._updates = 0  # the shard's updates so far (steps applied, checkpoints loaded)
         self._gathered_at: dict[int, int] = {}  # bucket -> self._updates when its gather was launched
+        # Invariant (b) (param_digests): what the gathers after a check must give, and what they gave otherwise
+        self._expected_gathers = None
+        self._gather_drift = self._no_drift(1 if self.mesh.tp_size == 1 else 2 + (self.mesh.kv_replicas > 1))
         self.param_peak_bytes = self.param_bytes()
 
     def _owned_params(self, pc: _Piece) -> torch.Tensor:
@@ -280,6 +286,7 @@ class ZeroThreeEngine(ZeroEngine):
             if self._gathered_at[b] != self._updates:
                 raise StaleParameterError(f"bucket {b} of unit {unit} holds values gathered before the shard's last "
                                           "update (a gather that outlived its step)")
+            self._verify_gather(b)
             holders.add((unit, phase))
 
     def prefetch_unit(self, unit: int) -> None:
@@ -331,17 +338,17 @@ class ZeroThreeEngine(ZeroEngine):
             self._in_flight.pop(b).wait()
             self.whole.add(b)
 
-    def _gather_bucket(self, index: int, async_op: bool = False, purpose: str = "all_gather_units") -> None:
+    def _gather_bucket(self, index: int, async_op: bool = False) -> None:
         """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
         by gather_unit or release_all). Counted apart from stages 1 and 2's one round per step ("all_gather_params"),
         which stage 3 never runs: a gather a unit waits for at once as "all_gather_units", a prefetch as
-        "prefetch_units", invariant (b)'s as "all_gather_check"."""
+        "prefetch_units" (invariant (b) gathers nothing: param_digests)."""
         b, buffer = self.layout.buckets[index], self.bucket_params[index]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         c = b.chunk_numel(self.dp.world_size)
         self._gathered_at[index] = self._updates
         work = self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c],
-                                  "prefetch_units" if async_op else purpose, async_op=async_op)
+                                  "prefetch_units" if async_op else "all_gather_units", async_op=async_op)
         if async_op:
             self._in_flight[index] = work
         else:
@@ -482,38 +489,70 @@ class ZeroThreeEngine(ZeroEngine):
         return flat
 
     def param_digests(self) -> torch.Tensor:
-        """Invariant (b) for sharded parameters: the digests of what this rank computes with, every bucket as it holds
-        it now, or as gathered from the shards where it is released; the rows are stage 1's and 2's (one without TP;
-        with TP the replicated values, this rank's TP slices, and with KV groups the KV heads' slices).
+        """Invariant (b) for sharded parameters, from what each rank holds, gathering nothing: the rows are stage 1's
+        and 2's (one without TP; with TP the replicated values, this rank's TP slices, and with KV groups the KV
+        heads' slices), each the digest of the flat buffer the DP group's shards make, bitwise what stages 1 and 2
+        report for the same values.
 
-        Every DP rank must see the same values: a bucket kept whole past the step (stale) or gathered wrong differs
-        from the others' fresh gather. With TP the replicated row is checked across the TP ranks too, and the KV row
-        across each KV group: their DP groups own and update the same chunks apart, so a gradient that differs
-        between them (the KV replicas' sum skipped, say) shows as differing gathers.
+        Each rank digests its owned chunks where they lie in the flat buffer (digest.moved), bucket by bucket and row
+        by row; one all-reduce of those few integers over the DP group sums them into each bucket's digest as a
+        gather would make it (digests of disjoint pieces add up). With TP the replicated row is then checked across
+        the TP ranks, and the KV row across each KV group: their DP groups own and update the same chunks apart, so
+        a gradient that differs between them (the KV replicas' sum skipped, say) shows as differing shards.
+
+        What a rank computes with is checked too, one check later: the buckets' digests are kept as what the units'
+        next gathers must give (until the next update), and the first gather of each bucket after a check is digested
+        as gathered (no traffic: the unit gathers it anyway); what differs (a stale or wrong copy) is added to this
+        rank's rows at the next check, which then differ from its DP group's.
         """
         if self.mesh.tp_size == 1:
             kinds = [[(0, self.layout.padded_numel)]]
         else:
             kinds = [self._replicated_flat, self._sliced_flat] + \
                 ([self._kv_shared_flat] if self.mesh.kv_replicas > 1 else [])
-        rows: list[list[torch.Tensor]] = [[] for _ in kinds]
         self._land_prefetches()
-        for b in self.layout.buckets:
-            released = b.index not in self.whole
-            if released:
-                self._gather_bucket(b.index, purpose="all_gather_check")
-            buffer = self.bucket_params[b.index].detach()
-            for row, ranges in zip(rows, kinds):
-                # Each bucket's part of the row, positions counted from the bucket's start.
-                inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges
-                          if lo < b.end and hi > b.start]
-                row.append(tensor_digest(buffer, inside))
-            if released:
-                self._release_bucket(b.index)
-        digests = [tensor_digest(torch.cat(row)) for row in rows]
-        if len(digests) == 1:
-            digests.append(torch.zeros_like(digests[0]))
-        return torch.stack(digests)
+        L, W, rank = self.layout, self.dp.world_size, self.dp.rank
+        per_bucket = torch.zeros(len(L.buckets), len(kinds), 2, dtype=torch.int64, device=self.flat_params.device)
+        for b in L.buckets:
+            lo, hi = b.chunk(rank, W)
+            for k, ranges in enumerate(kinds):
+                inside = [(max(a, lo) - lo + b.shard_offset, min(z, hi) - lo + b.shard_offset)
+                          for a, z in ranges if a < hi and z > lo]  # where in the shard
+                if inside:
+                    per_bucket[b.index, k] = moved(tensor_digest(self.flat_params.detach(), inside),
+                                                   lo - b.shard_offset)
+        self.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
+        rows = per_bucket.sum(0) + torch.stack([torch.stack(pair) for pair in self._gather_drift])
+        self._gather_drift = self._no_drift(len(kinds))
+        # What the next gathers must give, as integers (the check reads its rows on the host anyway)
+        self._expected_gathers = (self._updates, kinds, per_bucket.tolist(), set())
+        if len(rows) == 1:
+            rows = torch.cat([rows, torch.zeros_like(rows)])
+        return rows
+
+    def _verify_gather(self, index: int) -> None:
+        """The first gather of bucket `index` since the last check, before the shard's next update: its digest as
+        gathered, by row, against the DP group's shards' at the check; the difference is kept for the next check."""
+        expected = self._expected_gathers
+        if expected is None or expected[0] != self._updates or index in expected[3]:
+            return
+        _, kinds, per_bucket, verified = expected
+        verified.add(index)
+        b, buffer = self.layout.buckets[index], self.bucket_params[index].detach()
+        for k, ranges in enumerate(kinds):
+            inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges
+                      if lo < b.end and hi > b.start]  # positions counted from the bucket's start
+            if inside:
+                drift = moved(tensor_digest(buffer, inside), b.start) - torch.tensor(per_bucket[index][k],
+                                                                                       device=buffer.device)
+                self._gather_drift[k][0] += drift[0]
+                self._gather_drift[k][1] += drift[1]
+
+    def _no_drift(self, rows: int) -> list[list[torch.Tensor]]:
+        """What the gathers since the last check differed by, per row: [plain, poly] as 0-dim int64 tensors (summed
+        on the device, read at the next check: a few scalars, beside AdamW's step counters outside the plan's state)."""
+        zero = torch.zeros((), dtype=torch.int64, device=self.flat_params.device)
+        return [[zero.clone(), zero.clone()] for _ in range(rows)]
 
     def master_shard(self) -> torch.Tensor:
         return self.flat_params if self.master is None else self.master

@@ -69,7 +69,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
     from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
     at a time: stage 3 keeps only its owned chunks, so no rank holds the whole model. A LoRA run's frozen base is
-    materialised whole first (stages 1 and 2), its adapters then added.
+    materialised whole first, in the run's precision (stages 1 and 2), its adapters then added.
     """
     mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
     model = meta_model(cfg.model)
@@ -79,7 +79,8 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     else:
         init = SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
-        materialise(model, init, rank_device(cfg))
+        base_dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
+        materialise(model, init, rank_device(cfg), base_dtype)
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
@@ -87,7 +88,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     return engine(model, mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                   precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
                   gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
-                  grad_reduce=cfg.parallel.grad_reduce, init=init, device=rank_device(cfg))
+                  grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
@@ -568,8 +569,8 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine,
 
 def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     """Parameter, gradient and optimizer bytes each rank holds (parameters and gradients: between steps, and the most
-    held at once during one, stage 3's units whole and stage 2's buckets in flight included), its peak resident
-    memory and, on CUDA, its device's peak."""
+    held at once during one, stage 3's units whole and stage 2's buckets in flight included), what its start read
+    from --init-from's files or drew from the seed, its peak resident memory and, on CUDA, its device's peak."""
     peaks = peak_memory(engine.flat_params.device)
     params = engine.flat_params.numel() * engine.flat_params.element_size()
     row = torch.tensor([
@@ -578,12 +579,14 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
         engine.grad_bytes(),
         engine.grad_peak_bytes,
         invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
+        engine.init_bytes_read,  # what building this rank's share of the model read from --init-from's files
+        engine.init_values_drawn,  # ... or drew from the seed
         peaks["peak_host_bytes"],
         *([peaks["peak_device_bytes"]] if "peak_device_bytes" in peaks else []),
     ], dtype=torch.int64)
     rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
-    keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "peak_rss_bytes",
-            "peak_device_bytes")
+    keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "init_bytes_read",
+            "init_values_drawn", "peak_rss_bytes", "peak_device_bytes")
     return {key: [int(r[i]) for r in rows] for i, key in enumerate(keys[:len(row)])}
 
 

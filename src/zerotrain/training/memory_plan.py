@@ -12,9 +12,10 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          (on one DP rank no shard: it is the fp32 buffer itself; on one rank in fp32, no
                          buffer: unpadded P x 4, autograd's own gradients)
                          stage 2: shard x 4                                   held between steps
-    gradient buckets     stage 2 only, during a step: the two largest buckets x 4 at --accum 1 (the buckets in
-                         their reduce-scatters and the one filling fit in it); every bucket (padded P x 4) through
-                         a window, unless --grad-reduce micro-batch (then the two largest at any accumulation)
+    gradient buckets     stages 2 and 3, during a step: the two largest buckets x 4 at --accum 1 (the buckets in
+                         their reduce-scatters and the one filling fit in it), and at any accumulation with
+                         --grad-reduce micro-batch (stage 3's default: each micro-batch's reduced into the shard);
+                         with --grad-reduce step (stage 2's default) every bucket (padded P x 4) through a window
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
@@ -139,7 +140,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         buckets = 0
     else:
         grads = shard * 4
-        per_micro_batch = cfg.loop.accum == 1 or p.grad_reduce == "micro-batch"
+        per_micro_batch = cfg.loop.accum == 1 or cfg.grad_reduce == "micro-batch"
         buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
     staging = shard * 12 if cfg.checkpoint.async_save else 0
     activations = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=tp, precision=p.precision,

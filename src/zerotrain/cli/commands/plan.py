@@ -60,9 +60,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
-              "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank}
+              "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
+              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents)}
     print(json.dumps(report, indent=2) if args.json else table(cfg, report))
     return 0
+
+
+def grad_reduce_costs(cfg: Config, total: int, documents: bool) -> dict:
+    """What --grad-reduce costs at stages 2 and 3 with accumulation, both ways: the mode this run takes (auto
+    resolved) with its reduce-scatter rounds a step, and the other mode's rounds, gradient buckets and total (None
+    where there is no choice: stage 1, or --accum 1, where both are one round and two buckets)."""
+    mode, accum = cfg.grad_reduce, cfg.loop.accum
+    rounds = {"micro-batch": accum, "step": 1}
+    out = {"mode": mode, "reduce_scatter_rounds": rounds[mode], "total": total, "other": None}
+    if cfg.parallel.zero >= 2 and accum > 1:
+        other = "step" if mode == "micro-batch" else "micro-batch"
+        alt = memory_plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grad_reduce=other)),
+                          documents=documents)
+        out["other"] = {"mode": other, "reduce_scatter_rounds": rounds[other],
+                        "gradient_buckets": alt.rows["gradient_buckets"], "total": alt.total}
+    return out
 
 
 def table(cfg: Config, r: dict) -> str:
@@ -88,8 +105,9 @@ def table(cfg: Config, r: dict) -> str:
                  f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
         "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
-                    "two largest buckets x 4" if cfg.loop.accum == 1 or p.grad_reduce == "micro-batch" else
-                    "every bucket, through the window"),
+                    "two largest buckets x 4" if cfg.loop.accum == 1 else
+                    "two largest buckets x 4 (each micro-batch's reduced into the shard)"
+                    if cfg.grad_reduce == "micro-batch" else "every bucket, through the window"),
         "B": f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"], "T": r["seq_len"],
         "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
                      "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
@@ -112,6 +130,13 @@ def table(cfg: Config, r: dict) -> str:
     where = "on the device; staging is host memory" if r["device"] == "cuda" else "in RAM"
     lines += ["", f"  {'total, at the peak of a step':<{width}}  {gib(r['total']):>11}  {where}; torch's own "
               "runtime not included"]
+    costs = r["grad_reduce"]
+    if costs["other"] is not None:
+        o = costs["other"]
+        lines.append(f"  --grad-reduce {costs['mode']}{' (auto)' if p.grad_reduce == 'auto' else ''}: "
+                     f"{rounds(costs['reduce_scatter_rounds'])} a step; --grad-reduce {o['mode']} "
+                     f"would take {rounds(o['reduce_scatter_rounds'])} and hold {gib(o['gradient_buckets'])} of gradient "
+                     f"buckets, {gib(o['total'])} in all")
     if r["device_memory"] is not None:
         fits = r["largest_micro_batch"]
         lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: " +
@@ -132,3 +157,7 @@ def deepest_line(deepest: dict | None, micro_batch: int) -> str:
     if deepest["capped"]:
         return f"{layers} or more at micro-batch {micro_batch} ({size} parameters at {n}, where the search stops)"
     return f"{layers} ({size} parameters) at micro-batch {micro_batch}"
+
+
+def rounds(n: int) -> str:
+    return f"{n} reduce-scatter round{'s' * (n != 1)}"
