@@ -10,6 +10,7 @@ this process.
 
 import functools
 import os
+import re
 
 import dist_jobs
 import pytest
@@ -115,9 +116,12 @@ def test_a_skipped_kv_replica_sum_and_stale_units_at_stage3_are_caught_by_invari
     assert "invariant (b) failed: the KV heads of rank(s) [1, 3]" in runs["unsummed"]
     # Rank 1 (TP rank 1 of DP replica 0) computing with its units as first gathered (stale from step 2): its gathers
     # differ from the shards, and its gradients made the replicated values of its DP group (TP rank 1's: ranks 1 and
-    # 3) differ from TP rank 0's group, found in the shards each rank holds at the step-2 check.
-    assert "invariant (b) failed: replicated parameters of rank(s) [1, 3] differ from rank 0 at step 2" in \
-        runs["stale units"]
+    # 3) differ from TP rank 0's group, found in the shards each rank holds at the step-2 check (rank 1's own, and
+    # rank 3's where its shard holds replicated values that differ: with the vocabulary split across TP, the
+    # replicated values are the norms alone, which rank 3's shard may not hold).
+    stale = runs["stale units"]
+    assert re.search(r"invariant \(b\) failed: replicated parameters of rank\(s\) \[1(, 3)?\] differ from rank 0 at "
+                     r"step 2", stale), stale
 
 
 def test_the_guard_rolls_stage3_at_tp2_back_as_it_rolls_stage2_back(runs):

@@ -504,8 +504,8 @@ class Config:
     @property
     def grad_reduce(self) -> str:
         """--grad-reduce resolved: auto is micro-batch at stage 3, whose accumulation must not hold a full gradient
-        beside a sharded model (Llama-3-8B, DP 64, bf16, micro 1 x 8192: accum 4 held 87.26 GiB a rank by step,
-        61.26 by micro-batch, accum 1's), and step at stages 1 and 2 (one reduce-scatter round per step)."""
+        beside a sharded model (Llama-3-8B, DP 64, bf16, micro 1 x 8192: accum 4 held 86.47 GiB a rank by step,
+        60.46 by micro-batch, accum 1's), and step at stages 1 and 2 (one reduce-scatter round per step)."""
         if self.parallel.grad_reduce != "auto":
             return self.parallel.grad_reduce
         return "micro-batch" if self.parallel.zero == 3 else "step"

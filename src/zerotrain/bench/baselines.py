@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zerotrain.config import Config
 from zerotrain.data import StepBatch
 from zerotrain.hub.mapping import MAPPINGS
-from zerotrain.model import build_model, summed_token_loss
+from zerotrain.model import build_model
 from zerotrain.parallel import Comm
 from zerotrain.parallel.optim import adamw_options, adamw_param_groups, build_adamw
 from zerotrain.runtime.launch import rank_device
@@ -176,7 +176,9 @@ class _TorchStrategy:
             last = len(batch.micro_batches) - 1
             for i, (x, y, _) in enumerate(batch.micro_batches):  # synthetic rows: no segments
                 with self._sync_context(i == last):
-                    token_loss = summed_token_loss(self.model(x), y)
+                    # the loss as zerotrain's loop computes it (chunked, from the head's input): the strategies are
+                    # compared, not two losses whose float noise AdamW's first step turns into lr-sized updates
+                    token_loss = self.model(x, targets=y)
                     (token_loss / batch.global_tokens * self.world_size).backward()
                 token_loss.item()  # the same host sync per micro-batch as zerotrain's loop
             if self.clip > 0:
