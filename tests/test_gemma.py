@@ -13,6 +13,7 @@ logits. The activation bytes of Gemma's norms, soft-capped scores and logits are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -55,6 +56,26 @@ IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(
 EXACT, CAUGHT = 1e-5, 1e-3
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread: the tiny models' ops gain nothing from a second, and on busy cores each op's hand-off
+    between threads costs more than the op (a 64-wide linear: 3 ms on 2 threads, 0.05 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Per test, not per module: an autouse fixture of module scope would put every test of this file in one
+    xdist group (conftest's pytest_itemcollected)."""
+    with one_thread():
+        yield
+
+
 def hf_model(folder, family: str):
     """A tiny random `family` model saved by transformers in `folder`; the model in eval mode, eager attention."""
     torch.manual_seed(0)
@@ -85,8 +106,9 @@ def multimodal_folder(folder, text):
 def folders(tmp_path_factory):
     """{name: (folder, the transformers model saved there)}: gemma2, gemma3 and gemma3's multimodal folder."""
     root = tmp_path_factory.mktemp("gemma")
-    out = {family: (root / family, hf_model(root / family, family)) for family in CONFIGS}
-    out["gemma3 multimodal"] = (root / "mm", multimodal_folder(root / "mm", out["gemma3"][1]))
+    with one_thread():
+        out = {family: (root / family, hf_model(root / family, family)) for family in CONFIGS}
+        out["gemma3 multimodal"] = (root / "mm", multimodal_folder(root / "mm", out["gemma3"][1]))
     return out
 
 
@@ -277,7 +299,7 @@ def runs(folders, tmp_path_factory):
     codes, results = spawn(tp2_job, 2, tmp, {f: str(folders[f][0]) for f in CONFIGS})
     assert codes == [0, 0] and "error" not in results[0], results
     out = {}
-    with world_of_one() as comm:
+    with one_thread(), world_of_one() as comm:
         for family in CONFIGS:
             cfg = config_for(folders[family][0], tmp / f"{family}-tp1")
             out[family] = ([r["loss"] for r in train(cfg, comm, announce=False).records], results[0][family],
