@@ -13,7 +13,9 @@ logits. The activation bytes of Gemma's norms, soft-capped scores and logits are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import re
 
@@ -21,8 +23,8 @@ import pytest
 import torch
 import transformers
 from conftest import world_of_one
+from dist_jobs import in_turn_job
 from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
-from test_checkpoint import spawn
 from torch.nn.attention.flex_attention import flex_attention
 
 import zerotrain
@@ -35,6 +37,7 @@ from zerotrain.hub.export import export_model
 from zerotrain.model import build_model, gemma, layers, param_count, vocab
 from zerotrain.model import llama as llama_module
 from zerotrain.model.layers import KVCache
+from zerotrain.runtime.launch import run_job
 from zerotrain.runtime.run_folder import resolve_paths
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,6 +56,27 @@ CONFIGS = {  # what sets each apart made to matter: caps the logits reach, a loc
 HF_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
 EXACT, CAUGHT = 1e-5, 1e-3
+LIMIT = 180  # seconds: a deadlocked job fails the test instead of hanging CI
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread: the tiny models' ops gain nothing from a second, and on busy cores each op's hand-off
+    between threads costs more than the op (a 64-wide linear: 3 ms on 2 threads, 0.05 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Per test, not per module: an autouse fixture of module scope would put every test of this file in one
+    xdist group (conftest's pytest_itemcollected)."""
+    with one_thread():
+        yield
 
 
 def hf_model(folder, family: str):
@@ -85,8 +109,9 @@ def multimodal_folder(folder, text):
 def folders(tmp_path_factory):
     """{name: (folder, the transformers model saved there)}: gemma2, gemma3 and gemma3's multimodal folder."""
     root = tmp_path_factory.mktemp("gemma")
-    out = {family: (root / family, hf_model(root / family, family)) for family in CONFIGS}
-    out["gemma3 multimodal"] = (root / "mm", multimodal_folder(root / "mm", out["gemma3"][1]))
+    with one_thread():
+        out = {family: (root / family, hf_model(root / family, family)) for family in CONFIGS}
+        out["gemma3 multimodal"] = (root / "mm", multimodal_folder(root / "mm", out["gemma3"][1]))
     return out
 
 
@@ -254,35 +279,28 @@ def config_for(folder, out, *flags):
     return resolve_paths(config_from_args(args))
 
 
-def tp2_job(rank, comm, tmp_path, folders):
-    """Each family at TP 2; Gemma 2 also over 2 DP ranks at ZeRO-3 (a micro-batch of 1 each: the same global
-    batch)."""
-    from zerotrain.training.loop import train
-
-    def losses(folder, out, *flags):
-        return [r["loss"] for r in train(config_for(folder, tmp_path / out, "--nproc", "2", *flags), comm,
-                                         announce=False).records]
-
-    out = {family: losses(folder, f"{family}-tp2", "--tp", "2") for family, folder in folders.items()}
-    out["gemma2 zero3"] = losses(folders["gemma2"], "gemma2-zero3", "--zero", "3", "--micro-batch", "1")
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(folders, tmp_path_factory):
-    """{family: (TP 1 losses, TP 2 losses, the TP 1 run's folder)}; "gemma2 zero3": DP 2 ZeRO-3's losses."""
-    from zerotrain.training.loop import train
+    """{family: (TP 1 losses, TP 2 losses, the TP 1 run's folder)}; "gemma2 zero3": DP 2 ZeRO-3's losses (Gemma 2 over
+    2 DP ranks, a micro-batch of 1 each: the same global batch). The 2-rank runs share one start of the ranks (from
+    dist_jobs, which imports little: a rank importing this file, transformers with it, took 4 s)."""
+    from zerotrain.training.loop import train, train_job
 
     tmp = tmp_path_factory.mktemp("gemma-runs")
-    codes, results = spawn(tp2_job, 2, tmp, {f: str(folders[f][0]) for f in CONFIGS})
-    assert codes == [0, 0] and "error" not in results[0], results
+    two = {family: config_for(folders[family][0], tmp / f"{family}-tp2", "--nproc", "2", "--tp", "2")
+           for family in CONFIGS}
+    two["gemma2 zero3"] = config_for(folders["gemma2"][0], tmp / "gemma2-zero3", "--nproc", "2", "--zero", "3",
+                                     "--micro-batch", "1")
+    reports = run_job(functools.partial(in_turn_job, jobs=[(train_job, cfg) for cfg in two.values()]),
+                      two["gemma2"], time_limit=LIMIT)
+    results = {name: [r["loss"] for r in report["records"]] for name, report in zip(two, reports)}
     out = {}
-    with world_of_one() as comm:
+    with one_thread(), world_of_one() as comm:
         for family in CONFIGS:
             cfg = config_for(folders[family][0], tmp / f"{family}-tp1")
-            out[family] = ([r["loss"] for r in train(cfg, comm, announce=False).records], results[0][family],
+            out[family] = ([r["loss"] for r in train(cfg, comm, announce=False).records], results[family],
                            tmp / f"{family}-tp1")
-    out["gemma2 zero3"] = results[0]["gemma2 zero3"]
+    out["gemma2 zero3"] = results["gemma2 zero3"]
     return out
 
 
