@@ -662,9 +662,9 @@ def _check_dpo(cfg: Config) -> None:
     if o.dpo_reference == "live" and not cfg.lora.rank:
         raise ConfigError("--dpo-reference live is the base with the adapters off: it needs --lora-rank (full "
                           "fine-tuning uses the precomputed reference)")
-    if cfg.loop.eval_every:
-        raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo reports its metrics per step; held-out "
-                          "pairs are not evaluated yet")
+    if cfg.loop.eval_every and not cfg.data.val_data and not cfg.data.val_fraction:
+        raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo validates on held-out pairs: give "
+                          "--val-fraction above 0 (a share of --data's records) or --val-data (a file of pairs)")
 
 
 def validate(cfg: Config) -> Config:
