@@ -65,9 +65,11 @@ def data(tmp_path_factory):
 
 
 def dpo_config(out, data, records="plain", steps=5, micro=8, **over) -> Config:
-    """Constant lr 1e-2 (as TRL's runs below), AdamW (0.9, 0.95), no weight decay, clipped at 1."""
+    """Constant lr 1e-2 (as TRL's runs below), AdamW (0.9, 0.95), no weight decay, clipped at 1. The peak MFU is
+    measured against is given: timing a CPU matmul on a busy machine took a second or two of each short run."""
     settings = dict(steps=steps, micro=micro, seq_len=SEQ, data=data[records], init_from=data["base"], method="dpo",
-                    warmup_steps=0, min_lr_ratio=1.0, lr=1e-2, weight_decay=0.0, beta2=0.95, grad_clip=1.0)
+                    warmup_steps=0, min_lr_ratio=1.0, lr=1e-2, weight_decay=0.0, beta2=0.95, grad_clip=1.0,
+                    peak_flops=1e12)
     cfg = tiny_config(out, **{**settings, **over})
     cfg.model = adopt(cfg.model, weight_source(data["base"]), {"seq_len"})
     return cfg

@@ -285,7 +285,8 @@ class DataConfig:
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
                          "padded and masked)")
     glob: str = setting("**/*.txt", "a text folder's files")
-    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation", rule=BELOW_ONE)
+    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation (--method dpo with "
+                                  "--eval-every and no --val-data: of the pairs' records)", rule=BELOW_ONE)
     cache_dir: str = setting("", "where text inputs are prepared", key="data_cache",
                              shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain")
     chat_template: str = setting("", "a Jinja chat template file to render chat records with for training, instead of "
