@@ -23,6 +23,10 @@ stores them beside the checkpoints (dpo_reference.safetensors, keyed by the sha2
 base's weight files), and every checkpoint's manifest records the file's sha256: a resume reads them back, verified,
 and never scores them again from the trained policy; a resume with another base or other pairs is refused. With
 LoRA, --dpo-reference live scores each micro-batch again with the adapters off: the frozen base, no memory beyond it.
+
+With --eval-every, held-out pairs (--val-data, or --data's records that --val-fraction sets aside) are scored against
+the same reference: their log-probs are scored with the training pairs' and stored after them (pair n + j), and each
+validation scores every held-out pair once, each replica its share, every rank the same number of forwards.
 """
 
 from __future__ import annotations
