@@ -229,7 +229,7 @@ def splits(data, group, tmp_path_factory):
         return {**dpo_jobs.log_of(result), "model": result.engine.model, "reference": stored_reference(cfg),
                 "summary": result.report["summary"], "objective": cfg.objective}
 
-    one = here("one")
+    one = here("one", ckpt_every=1)  # step 1's checkpoint: what the resume with held-out pairs continues
     mp = pytest.MonkeyPatch()
     try:  # planted: the held-out pairs (their ids follow the training pairs') validated against the policy itself
         real = preference.Preference.reference_of
@@ -300,6 +300,23 @@ def test_held_out_pairs_are_validated_against_the_same_reference_at_every_split_
     planted = splits["validated against the policy"]
     assert planted["val_loss"] == [LN2] and planted["val_rewards_margins"] == [0.0]
     assert abs(planted["val_loss"][-1] - held_out_oracle(data, planted)["val_loss"]) > 1e-5
+
+
+def test_a_resume_reads_the_held_out_reference_back_bitwise_and_other_held_out_pairs_are_refused(splits, data,
+                                                                                                 group, tmp_path):
+    one = splits["1 x 8"]
+    step1 = os.path.join(os.path.dirname(one["summary"]["checkpoints"][0]), "step_00000001")
+
+    def resumed(name, held):
+        cfg = dpo_config(tmp_path / name, data, steps=2, eval_every=1, val_data=held, resume=step1)
+        return dpo_jobs.log_of(train(cfg, group))
+
+    again = resumed("resumed", data["held"])
+    assert again["losses"] == one["losses"][1:] and again["digests"] == one["digests"]
+    assert all(again[k] == one[k][1:] for k in dpo_jobs.VAL_FIGURES)
+    other = write_jsonl(tmp_path / "other-held.jsonl", HELD[:4])  # planted: other held-out pairs than those scored
+    with pytest.raises(ConfigError, match="and its held-out pairs .* is not the pairs the reference of"):
+        resumed("other held-out", other)
 
 
 def test_val_fraction_holds_out_records_of_the_pairs_file_and_eval_every_needs_held_out_pairs(data):
