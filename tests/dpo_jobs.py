@@ -11,14 +11,20 @@ from zerotrain.training.loop import train
 
 FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
            "logps_rejected")
+VAL_FIGURES = ("val_loss",) + tuple(f"val_{k}" for k in FIGURES)  # --eval-every's, on the held-out pairs
+
+
+def log_of(result) -> dict:
+    """The run's log with the preference figures of each step, and the validation's of the steps that have one."""
+    out = summary(result)
+    out.update({k: [r[k] for r in result.records] for k in FIGURES})
+    out.update({k: [r[k] for r in result.records if k in r] for k in VAL_FIGURES})
+    return out
 
 
 def dpo_job(cfg: Config, comm: Comm) -> dict:
     """Train; the log with the preference figures of each step."""
-    result = train(cfg, comm)
-    out = summary(result)
-    out.update({k: [r[k] for r in result.records] for k in FIGURES})
-    return out
+    return log_of(train(cfg, comm))
 
 
 def dpo_reference_by_position_job(cfg: Config, comm: Comm) -> dict:

@@ -1,5 +1,10 @@
 """Preference tuning (--method dpo): TRL's DPOTrainer as the oracle (pair log-probs, five steps of sigmoid and IPO),
-the same losses at every split, the reference precomputed from the initial weights (or LoRA's base, live), resume."""
+the same losses at every split, the reference precomputed from the initial weights (or LoRA's base, live), resume,
+validation on held-out pairs against the same reference.
+
+Kept short for CI: the expensive runs are module fixtures that several tests assert on (TRL's two five-step runs and
+one forward; zerotrain's runs beside them, whose sigmoid run's checkpoint the resumes continue; one start of 2 ranks
+and one of 4 for the splits, whose runs also validate), and TRL is imported only where its fixture runs."""
 
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ PLAIN = [{"prompt": ("" if i != 3 else LONG) + f"Question {i}: what is {i} plus 
 CHAT = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
          "chosen": [{"role": "assistant", "content": f"It is {2 * i}."}],
          "rejected": [{"role": "assistant", "content": f"Maybe {2 * i + 3}."}]} for i in range(8)]
+# Held-out pairs (--val-data): 5, so that a replica's last validation forward is filled up at every split
+HELD = [{"prompt": f"Question {i}: what is {i} times two?", "chosen": f" Answer: {2 * i}.",
+         "rejected": f" Answer: {2 * i - 1}."} for i in range(8, 13)]
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +61,15 @@ def data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo-data")
     llama_folder(tmp / "base", template=CHATML)
     return {"base": str(tmp / "base"), "plain": write_jsonl(tmp / "plain.jsonl", PLAIN),
-            "chat": write_jsonl(tmp / "chat.jsonl", CHAT)}
+            "chat": write_jsonl(tmp / "chat.jsonl", CHAT), "held": write_jsonl(tmp / "held.jsonl", HELD)}
 
 
 def dpo_config(out, data, records="plain", steps=5, micro=8, **over) -> Config:
-    """Constant lr 1e-2 (as TRL's runs below), AdamW (0.9, 0.95), no weight decay, clipped at 1."""
+    """Constant lr 1e-2 (as TRL's runs below), AdamW (0.9, 0.95), no weight decay, clipped at 1. The peak MFU is
+    measured against is given: timing a CPU matmul on a busy machine took a second or two of each short run."""
     settings = dict(steps=steps, micro=micro, seq_len=SEQ, data=data[records], init_from=data["base"], method="dpo",
-                    warmup_steps=0, min_lr_ratio=1.0, lr=1e-2, weight_decay=0.0, beta2=0.95, grad_clip=1.0)
+                    warmup_steps=0, min_lr_ratio=1.0, lr=1e-2, weight_decay=0.0, beta2=0.95, grad_clip=1.0,
+                    peak_flops=1e12)
     cfg = tiny_config(out, **{**settings, **over})
     cfg.model = adopt(cfg.model, weight_source(data["base"]), {"seq_len"})
     return cfg
@@ -70,9 +80,9 @@ def stored_reference(cfg: Config) -> torch.Tensor:
     return load_file(os.path.join(cfg.checkpoint.dir, preference.REFERENCE_FILE))["logps"]
 
 
-def trl_run(data, records, loss_type="sigmoid", steps=5, out=None):
+def trl_run(data, records, loss_type="sigmoid", steps=5, out=None, logps=True):
     """TRL's DPOTrainer on the same model and pairs: each pair's log-probs under the initial model (its reference
-    forward, on a batch of all eight pairs) and the loss of `steps` steps of 8 pairs at lr 1e-2 (0: none)."""
+    forward, on a batch of all eight pairs; `logps`) and the loss of `steps` steps of 8 pairs at lr 1e-2 (0: none)."""
     import datasets
     import transformers
     from trl import DPOConfig, DPOTrainer
@@ -89,23 +99,30 @@ def trl_run(data, records, loss_type="sigmoid", steps=5, out=None):
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                      adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.1, loss_type=[loss_type], use_cpu=True,
                      report_to=[], save_strategy="no", seed=0, optim="adamw_torch", bf16=False,
-                     max_length=SEQ + 1, truncation_mode="keep_end", disable_tqdm=True)
+                     max_length=SEQ + 1, truncation_mode="keep_end", disable_tqdm=True,
+                     # the same losses to the bit, in half the time: the reference's log-probs scored once, before
+                     # step 1, not by a reference model every step; no activation checkpointing (its recompute)
+                     precompute_ref_log_probs=True, gradient_checkpointing=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(data["base"], dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(data["base"])
     trainer = Recording(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
                         processing_class=tokenizer)
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
-    with torch.no_grad():
-        chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
+    out = {"losses": losses}
+    if logps:
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
+        with torch.no_grad():
+            chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
+        out["logps"] = torch.stack([chosen, rejected], dim=1).double()
     if steps:
         trainer.train()
-    return {"logps": torch.stack([chosen, rejected], dim=1).double(), "losses": losses}
+    return out
 
 
 @pytest.fixture(scope="module")
 def trl(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trl")
-    return {"sigmoid": trl_run(data, PLAIN, out=tmp / "s"), "ipo": trl_run(data, PLAIN, "ipo", out=tmp / "i"),
+    return {"sigmoid": trl_run(data, PLAIN, out=tmp / "s"),
+            "ipo": trl_run(data, PLAIN, "ipo", out=tmp / "i", logps=False),  # the same log-probs as sigmoid's
             "chat": trl_run(data, CHAT, steps=0, out=tmp / "c")}
 
 
@@ -115,8 +132,9 @@ def rel(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(data, group, tmp_path_factory, trl):
-    """zerotrain's runs beside TRL's (in this process, one rank), and the planted ones."""
+def runs(data, group, tmp_path_factory):
+    """zerotrain's runs beside TRL's (in this process, one rank), and the planted ones. The sigmoid run saves step 4:
+    what the resumes below continue."""
     tmp = tmp_path_factory.mktemp("dpo-runs")
     out = {}
 
@@ -124,9 +142,10 @@ def runs(data, group, tmp_path_factory, trl):
         cfg = dpo_config(tmp / name, data, records, **over)
         result = train(cfg, group)
         out[name] = {"losses": [r["loss"] for r in result.records], "records": result.records,
-                     "reference": stored_reference(cfg), "summary": result.report["summary"]}
+                     "reference": stored_reference(cfg), "summary": result.report["summary"],
+                     "checkpoints": result.checkpoints, "digests": result.digests}
 
-    run("sigmoid")
+    run("sigmoid", ckpt_every=4)
     run("ipo", dpo_loss="ipo")
     run("chat", "chat", steps=1)
     mp = pytest.MonkeyPatch()
@@ -187,24 +206,45 @@ def test_step_one_with_the_policy_as_reference_is_ln2_exactly_and_moves_after_an
 
 @pytest.fixture(scope="module")
 def splits(data, group, tmp_path_factory):
-    """8 pairs a step, 3 steps: 1 rank x 8 here; 2 ranks x 2 x accum 2 at ZeRO-1 and ZeRO-3, TP 2 x 4 x accum 2
-    and a planted reference looked up by position (one start of 2 ranks); 4 ranks x 2 at ZeRO-1 and ZeRO-3."""
+    """8 pairs a step, 2 steps, each validated on the 5 held-out pairs (--val-data): 1 rank x 8 here; 2 ranks x 2 x
+    accum 2 at ZeRO-1 and ZeRO-3, TP 2 x 4 x accum 2 and a planted reference looked up by position (one start of 2
+    ranks); 4 ranks x 2 at ZeRO-1 and ZeRO-3. Here too, a planted validation against the policy itself."""
     tmp = tmp_path_factory.mktemp("dpo-splits")
 
     def config(name, **over):
-        return dpo_config(tmp / name, data, steps=3, **over)
+        return dpo_config(tmp / name, data, **{"steps": 2, "eval_every": 1, "val_data": data["held"], **over})
 
     two = [(dpo_jobs.dpo_job, config("z1-2", nproc=2, micro=2, accum=2)),
            (dpo_jobs.dpo_job, config("z3-2", nproc=2, micro=2, accum=2, zero=3)),
            (dpo_jobs.dpo_job, config("tp2", nproc=2, tp=2, micro=4, accum=2)),
-           (dpo_jobs.dpo_reference_by_position_job, config("planted", nproc=2, micro=2, accum=2))]
+           (dpo_jobs.dpo_reference_by_position_job, config("planted", nproc=2, micro=2, accum=2, steps=1))]
     four = [(dpo_jobs.dpo_job, config("z1-4", nproc=4, micro=2)), (dpo_jobs.dpo_job, config("z3-4", nproc=4, micro=2,
                                                                                             zero=3))]
     two = run_job(functools.partial(in_turn_job, jobs=two), two[0][1], time_limit=LIMIT)
     four = run_job(functools.partial(in_turn_job, jobs=four), four[0][1], time_limit=LIMIT)
-    one = dpo_jobs.dpo_job(config("one"), group)
+
+    def here(name, **over):  # in this process: the final model and the stored reference stay at hand
+        cfg = config(name, **over)
+        result = train(cfg, group)
+        return {**dpo_jobs.log_of(result), "model": result.engine.model, "reference": stored_reference(cfg),
+                "summary": result.report["summary"], "objective": cfg.objective}
+
+    one = here("one", ckpt_every=1)  # step 1's checkpoint: what the resume with held-out pairs continues
+    mp = pytest.MonkeyPatch()
+    try:  # planted: the held-out pairs (their ids follow the training pairs') validated against the policy itself
+        real = preference.Preference.reference_of
+
+        def policy_for_held_out(self, engine, forward, micro, ids):
+            if min(ids) < len(self.source.pairs):
+                return real(self, engine, forward, micro, ids)
+            return preference.sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids))
+
+        mp.setattr(preference.Preference, "reference_of", policy_for_held_out)
+        against_policy = here("validated against the policy", steps=1)
+    finally:
+        mp.undo()
     return {"1 x 8": one, "2 x 2 x 2 ZeRO-1": two[0], "2 x 2 x 2 ZeRO-3": two[1], "TP 2": two[2], "planted": two[3],
-            "4 x 2 ZeRO-1": four[0], "4 x 2 ZeRO-3": four[1]}
+            "4 x 2 ZeRO-1": four[0], "4 x 2 ZeRO-3": four[1], "validated against the policy": against_policy}
 
 
 def test_the_losses_and_figures_are_the_same_at_every_split_and_a_reference_looked_up_by_position_is_caught(splits):
@@ -214,7 +254,79 @@ def test_the_losses_and_figures_are_the_same_at_every_split_and_a_reference_look
         assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"])) <= 1e-6, (name, run["losses"])
         for key in dpo_jobs.FIGURES:
             assert max(abs(a - b) for a, b in zip(run[key], one[key])) <= 1e-5, (name, key)
-    assert max(abs(a - b) for a, b in zip(splits["planted"]["losses"], one["losses"])) > 1e-4
+    assert abs(splits["planted"]["losses"][0] - one["losses"][0]) > 1e-4
+
+
+def held_out_oracle(data, run) -> dict:
+    """The validation of the held-out pairs recomputed here from the run's final model, all in one batch, against
+    the held-out rows of its stored reference (the last 5)."""
+    pairs, counts = read_pairs(data["held"], data["base"], SEQ)
+    micro = preference.PreferenceSource(pairs, counts, SEQ, 0, len(pairs), "held").rows(list(range(len(pairs))))
+    with torch.no_grad():
+        logps = preference.sequence_logps(run["model"](micro.inputs), micro.labels)
+    policy, reference = logps[0].view(2, -1), run["reference"][-len(pairs):].t().float()
+    losses, chosen, rejected = preference.pair_losses(run["objective"], policy, reference, logps[1].view(2, -1))
+    return {"val_loss": float(losses.mean()), "val_rewards_margins": float((chosen - rejected).mean()),
+            "val_rewards_accuracy": float((chosen > rejected).float().mean())}
+
+
+def test_held_out_pairs_are_validated_against_the_same_reference_at_every_split_and_against_the_policy_is_caught(
+        splits, data):
+    one = splits["1 x 8"]
+    assert len(one["val_loss"]) == 2 and len(one["reference"]) == 8 + len(HELD)
+    for name in ("2 x 2 x 2 ZeRO-1", "2 x 2 x 2 ZeRO-3", "TP 2", "4 x 2 ZeRO-1", "4 x 2 ZeRO-3"):
+        run = splits[name]
+        assert max(abs(a - b) for a, b in zip(run["val_loss"], one["val_loss"])) <= 1e-6, (name, run["val_loss"])
+        for key in dpo_jobs.VAL_FIGURES:
+            assert len(run[key]) == 2, (name, key)  # log-probs: within 1e-6 relative; the rest within 1e-5
+            assert all(abs(a - b) <= 1e-5 * max(1, abs(b) / 10) for a, b in zip(run[key], one[key])), (name, key)
+    # the held-out rows of the stored reference are the base model's log-probs (transformers' forward of it)
+    import transformers
+
+    pairs, counts = read_pairs(data["held"], data["base"], SEQ)
+    micro = preference.PreferenceSource(pairs, counts, SEQ, 0, len(pairs), "held").rows(list(range(len(pairs))))
+    base = transformers.AutoModelForCausalLM.from_pretrained(data["base"], dtype=torch.float32)
+    with torch.no_grad():
+        logps = preference.sequence_logps(base(micro.inputs).logits, micro.labels)[0].view(2, -1).t()
+    assert rel(one["reference"][8:], logps) <= 1e-5
+    # the last validation is the final model's on the held-out pairs against those rows, and the summary's
+    oracle = held_out_oracle(data, one)
+    for key, value in oracle.items():
+        assert abs(one[key][-1] - value) <= 1e-6, (key, one[key][-1], value)
+    assert oracle["val_loss"] != pytest.approx(LN2, abs=1e-4)  # the policy moved away from the reference
+    assert one["summary"]["preference"]["validation"] == {"step": 2, "val_pairs": len(HELD),
+                                                          **{k: one[k][-1] for k in dpo_jobs.VAL_FIGURES}}
+    # the planted validation against the policy: ln 2 and no reward, whatever the model; the oracle tells
+    planted = splits["validated against the policy"]
+    assert planted["val_loss"] == [LN2] and planted["val_rewards_margins"] == [0.0]
+    assert abs(planted["val_loss"][-1] - held_out_oracle(data, planted)["val_loss"]) > 1e-5
+
+
+def test_a_resume_reads_the_held_out_reference_back_bitwise_and_other_held_out_pairs_are_refused(splits, data,
+                                                                                                 group, tmp_path):
+    one = splits["1 x 8"]
+    step1 = os.path.join(os.path.dirname(one["summary"]["checkpoints"][0]), "step_00000001")
+
+    def resumed(name, held):
+        cfg = dpo_config(tmp_path / name, data, steps=2, eval_every=1, val_data=held, resume=step1)
+        return dpo_jobs.log_of(train(cfg, group))
+
+    again = resumed("resumed", data["held"])
+    assert again["losses"] == one["losses"][1:] and again["digests"] == one["digests"]
+    assert all(again[k] == one[k][1:] for k in dpo_jobs.VAL_FIGURES)
+    other = write_jsonl(tmp_path / "other-held.jsonl", HELD[:4])  # planted: other held-out pairs than those scored
+    with pytest.raises(ConfigError, match="and its held-out pairs .* is not the pairs the reference of"):
+        resumed("other held-out", other)
+
+
+def test_val_fraction_holds_out_records_of_the_pairs_file_and_eval_every_needs_held_out_pairs(data):
+    train_pairs, held = pairs_module.read_splits(data["plain"], "", 0.25, True, data["base"], SEQ)
+    everything = read_pairs(data["plain"], data["base"], SEQ)[0]
+    assert held[0] and len(train_pairs[0]) + len(held[0]) == len(everything)
+    assert sorted(map(repr, train_pairs[0] + held[0])) == sorted(map(repr, everything))
+    assert len(pairs_module.read_splits(data["plain"], "", 0.01, True, data["base"], SEQ)[1][0]) == 1  # one at least
+    assert pairs_module.read_splits(data["plain"], "", 0.25, False, data["base"], SEQ) == \
+        (read_pairs(data["plain"], data["base"], SEQ), None)  # without --eval-every every pair trains
 
 
 # ----------------------------------------------------------------------------- LoRA, resume, refusals
@@ -233,23 +345,18 @@ def test_lora_with_the_live_reference_equals_the_precomputed_one_and_adapters_le
     assert lora("left on", dpo_reference="live") == [LN2, LN2]
 
 
-@pytest.fixture(scope="module")
-def whole(data, group, tmp_path_factory):
-    """4 steps, a checkpoint every 2: what the resumes below continue."""
-    return train(dpo_config(tmp_path_factory.mktemp("dpo-whole"), data, steps=4, ckpt_every=2), group)
-
-
-def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_policy_is_caught(whole, data, group,
+def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_policy_is_caught(runs, data, group,
                                                                                           tmp_path, monkeypatch):
-    step2 = whole.checkpoints[0]
-    assert step2.endswith("step_00000002")
+    whole = runs["sigmoid"]  # 5 steps, step 4 saved
+    step4 = whole["checkpoints"][0]
+    assert step4.endswith("step_00000004")
 
     def resumed(name):
-        result = train(dpo_config(tmp_path / name, data, steps=4, resume=step2), group)
+        result = train(dpo_config(tmp_path / name, data, resume=step4), group)
         return [r["loss"] for r in result.records], result.digests
 
     losses, digests = resumed("resumed")
-    assert losses == [r["loss"] for r in whole.records[2:]] and digests == whole.digests
+    assert losses == whole["losses"][4:] and digests == whole["digests"]
     real = preference.Preference.prepare
 
     def rescored(self, engine, comm, manifest, resumed_from, base):  # planted: the reference scored at the resume
@@ -259,15 +366,15 @@ def test_a_resume_is_bitwise_and_a_reference_scored_again_from_the_trained_polic
     assert resumed("rescored")[0] != losses
 
 
-def test_a_resume_with_another_base_is_refused_in_one_line(whole, data, tmp_path, capfd):
-    step = whole.checkpoints[0]
+def test_a_resume_with_another_base_is_refused_in_one_line(runs, data, tmp_path, capfd):
+    step = runs["sigmoid"]["checkpoints"][0]
     other = tmp_path / "other-base"
     shutil.copytree(data["base"], other)
     weights = load_file(os.path.join(other, "model.safetensors"))
     weights["model.norm.weight"] = weights["model.norm.weight"] + 1e-3
     save_file(weights, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
     done = zerotrain_here(capfd, "train", "--method", "dpo", "--init-from", str(other), "--resume", step, "--data",
-                          data["plain"], "--steps", "4", "--micro-batch", "8", "--seq-len", str(SEQ), "--out",
+                          data["plain"], "--steps", "5", "--micro-batch", "8", "--seq-len", str(SEQ), "--out",
                           str(tmp_path / "refused"), "--no-progress")
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert done.returncode == 2, done.stderr
@@ -321,7 +428,8 @@ def test_the_plan_counts_the_doubled_micro_batch_and_the_reference(data, tmp_pat
 @pytest.mark.parametrize("argv, says", [
     ((), "--method dpo tunes a trained model: give it with --init-from"),
     (("--init-from", "BASE", "--dpo-reference", "live"), "--dpo-reference live is the base with the adapters off"),
-    (("--init-from", "BASE", "--eval-every", "2"), "--eval-every 2: --method dpo reports its metrics per step"),
+    (("--init-from", "BASE", "--eval-every", "2", "--val-fraction", "0"),
+     "--eval-every 2: --method dpo validates on held-out pairs: give --val-fraction above 0"),
     (("--init-from", "BASE", "--dpo-label-smoothing", "0.5"), "--dpo-label-smoothing must be in [0, 0.5)"),
 ])
 def test_a_dpo_run_it_cannot_make_is_refused_in_one_line(data, capfd, tmp_path, argv, says):

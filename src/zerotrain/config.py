@@ -285,7 +285,8 @@ class DataConfig:
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
                          "padded and masked)")
     glob: str = setting("**/*.txt", "a text folder's files")
-    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation", rule=BELOW_ONE)
+    val_fraction: float = setting(0.05, "text: fraction of documents held out for validation (--method dpo with "
+                                  "--eval-every and no --val-data: of the pairs' records)", rule=BELOW_ONE)
     cache_dir: str = setting("", "where text inputs are prepared", key="data_cache",
                              shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain")
     chat_template: str = setting("", "a Jinja chat template file to render chat records with for training, instead of "
@@ -673,9 +674,9 @@ def _check_dpo(cfg: Config) -> None:
     if o.dpo_reference == "live" and not cfg.lora.rank:
         raise ConfigError("--dpo-reference live is the base with the adapters off: it needs --lora-rank (full "
                           "fine-tuning uses the precomputed reference)")
-    if cfg.loop.eval_every:
-        raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo reports its metrics per step; held-out "
-                          "pairs are not evaluated yet")
+    if cfg.loop.eval_every and not cfg.data.val_data and not cfg.data.val_fraction:
+        raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo validates on held-out pairs: give "
+                          "--val-fraction above 0 (a share of --data's records) or --val-data (a file of pairs)")
 
 
 def validate(cfg: Config) -> Config:

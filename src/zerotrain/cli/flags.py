@@ -11,7 +11,7 @@ import sys
 from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, is_mixture,
                                load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
-from zerotrain.data.pairs import read_pairs
+from zerotrain.data.pairs import read_splits
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
 
@@ -138,7 +138,9 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
             raise ConfigError("--method dpo tunes a trained model: give it with --init-from (its tokenizer encodes "
                               "the pairs, its weights are the reference)")
         if cfg.checkpoint.init_from:
-            read_pairs(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len)
+            d = cfg.data
+            read_splits(d.source, d.val_data, d.val_fraction, bool(cfg.loop.eval_every), cfg.checkpoint.init_from,
+                        cfg.model.seq_len)
     else:
         check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
     if cfg.loop.epochs:  # the steps follow from the records; derived values (warmup) from the steps

@@ -35,7 +35,7 @@ from zerotrain.errors import ConfigError
 
 from .batches import IGNORE, BatchSchedule, MicroBatch, StepBatch
 from .chat import ChatTemplate, check_messages
-from .jsonl import iter_records, missing_bos, record_tokenizer
+from .jsonl import SplitOf, iter_records, missing_bos, record_tokenizer, split_stem
 
 SHAPE = '{"prompt", "chosen", "rejected"} (text, or lists of {"role", "content"} messages; without "prompt", ' \
     'chosen and rejected conversations sharing their first messages)'
@@ -138,16 +138,23 @@ def fit(pair: Pair, length: int) -> tuple[Pair, bool, bool]:
     return Pair(prompt, chosen, rejected), keep < len(pair.prompt), longest > room
 
 
-def read_pairs(path: str, tokenizer_folder: str, seq_len: int) -> tuple[list[Pair], PairCounts]:
-    """Every pair of the records in `path`, encoded with the tokenizer (and chat template) of `tokenizer_folder`
-    and cut to seq_len + 1 tokens a row; ConfigError naming the first bad record, or a file without pairs."""
+def read_pairs(path: str, tokenizer_folder: str, seq_len: int, split: str | None = None, val_fraction: float = 0.0,
+               flag: str = "--data") -> tuple[list[Pair], PairCounts]:
+    """Every pair of the records in `path` (with `split`, those of its "train" or "val" split: a record's split is
+    SplitOf's rule over its index, as `zerotrain prepare` splits records, with `val_fraction`), encoded with the
+    tokenizer (and chat template) of `tokenizer_folder` and cut to seq_len + 1 tokens a row; ConfigError naming the
+    first bad record, or a file without pairs."""
     if not os.path.isfile(path):
-        raise ConfigError(f"--data {path}: --method dpo reads a file of preference records: {SHAPE}")
+        raise ConfigError(f"{flag} {path}: --method dpo reads a file of preference records: {SHAPE}")
     tok = record_tokenizer(tokenizer_folder)
     if not hasattr(tok, "prefix_ids"):
         raise ConfigError(f"--init-from {tokenizer_folder}: --method dpo needs the model's tokenizer.json")
+    records = list(iter_records(path))
+    if split is not None:
+        split_of = SplitOf(split_stem(path), len(records), val_fraction)
+        records = [r for i, r in enumerate(records) if split_of(i) == split]
     chat, counts, pairs = None, PairCounts(), []
-    for where, value in iter_records(path):
+    for where, value in records:
         parsed = parse_pair(value, where)
         if parsed[0] == "chat":
             chat = chat or ChatTemplate.of(tok, where)
@@ -161,8 +168,23 @@ def read_pairs(path: str, tokenizer_folder: str, seq_len: int) -> tuple[list[Pai
         counts.completions_cut += completion_cut
         pairs.append(pair)
     if not pairs:
-        raise ConfigError(f"--data {path}: no preference pairs ({counts.records} records, {counts.dropped} dropped)")
+        held = f" in its {split} split (--val-fraction {val_fraction:g})" if split else ""
+        raise ConfigError(f"{flag} {path}: no preference pairs{held} ({counts.records} records, {counts.dropped} "
+                          "dropped)")
     return pairs, counts
+
+
+def read_splits(source: str, val_data: str, val_fraction: float, held_out: bool, tokenizer_folder: str,
+                seq_len: int) -> tuple[tuple[list[Pair], PairCounts], tuple[list[Pair], PairCounts] | None]:
+    """The training pairs and, when `held_out` (--eval-every), the validation pairs with their counts: --val-data's
+    pairs (--data's all train), or --data's records split by --val-fraction."""
+    if not held_out:
+        return read_pairs(source, tokenizer_folder, seq_len), None
+    if val_data:
+        return (read_pairs(source, tokenizer_folder, seq_len),
+                read_pairs(val_data, tokenizer_folder, seq_len, flag="--val-data"))
+    return (read_pairs(source, tokenizer_folder, seq_len, "train", val_fraction),
+            read_pairs(source, tokenizer_folder, seq_len, "val", val_fraction))
 
 
 def pairs_digest(pairs: list[Pair]) -> str:
@@ -191,9 +213,10 @@ class PreferenceSource:
         self.pairs, self.counts, self.seq_len, self.seed = pairs, counts, seq_len, seed
         self.global_batch, self.name = global_batch, name
         self._orders: dict[int, np.ndarray] = {}
+        self.held_out = ""  # the validation pairs, as the start line says them
 
     def describe(self) -> str:
-        return f"{self.name}: {self.counts.describe()}"
+        return f"{self.name}: {self.counts.describe()}" + (f"; {self.held_out}" if self.held_out else "")
 
     def pair_index(self, step: int, index: int) -> int:
         position = step * self.global_batch + index

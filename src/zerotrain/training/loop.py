@@ -13,7 +13,7 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, StepBatch, make_source, on_device
+from zerotrain.data import BatchSchedule, StepBatch, on_device
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import FileValues, weight_source
@@ -30,7 +30,6 @@ from zerotrain.runtime.stop import stop_request
 
 from . import control, invariants
 from .activations import saved_for_backward
-from .evaluate import validation_loss
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
 from .metrics import Metrics, summarize
@@ -313,7 +312,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     objective = objective_for(cfg, accumulate_gradients)
     schedule = objective.schedule(mesh)
     model = torch.compile(engine.model) if cfg.loop.compile else engine.model
-    val_source = make_source(cfg, split="val") if cfg.loop.eval_every else None
+    val_source = objective.validation_source() if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, vocab_size=cfg.model.vocab_size)
@@ -419,15 +418,7 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
     record.update(run.throughput.of_step(record["step_ms"] / 1000, record["tokens"], record["batch_tokens"]),
                   **peak_memory(run.engine.flat_params.device))
     if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
-        sources = getattr(run.val_source, "sources", None)  # a mixture: each source's, and their weighted mean
-        losses = {name: validation_loss(run.engine.model, source, run.mesh, batches=cfg.loop.eval_batches,
-                                        micro_batch=cfg.loop.micro_batch)
-                  for name, source in (sources or {"": run.val_source}).items()}
-        if sources:
-            record["source_val_loss"] = losses
-            record["val_loss"] = sum(run.val_source.weights[name] * loss for name, loss in losses.items())
-        else:
-            record["val_loss"] = losses[""]
+        record.update(run.objective.validate(run.engine, run.val_source))
     run.records.append(record)
     run.metrics.log(record)
 

@@ -21,7 +21,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
                          (with packed records also their document mask: B T T a on CPU, a block mask on CUDA;
                          --method dpo: a micro-batch of B pairs is 2B sequences, chosen and rejected)
-    reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank
+    reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank;
+                         with --eval-every, the held-out pairs' too
     loss working set     activation_bytes' `working`: one chunk's fp32 logits (of this rank's vocabulary rows under
                          TP), while the loss runs; kept by nothing
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
@@ -169,7 +170,8 @@ def reference_bytes(cfg: Config) -> int:
     if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE or o.dpo_reference != "precomputed":
         return 0
     try:
-        return 16 * sum(1 for _ in iter_records(cfg.data.source))
+        held_out = [cfg.data.val_data] if cfg.loop.eval_every and cfg.data.val_data else []  # their reference too
+        return 16 * sum(1 for path in [cfg.data.source, *held_out] for _ in iter_records(path))
     except (ConfigError, OSError):  # a plan made where the data is not
         return 0
 

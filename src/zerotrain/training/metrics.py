@@ -18,7 +18,7 @@ from zerotrain.errors import ConfigError
 # What TensorBoard shows of a step record (W&B takes every number in it); a mixture's figures by source as KEY/NAME
 BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu",
               "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
-              "logps_rejected")  # the last six: --method dpo's
+              "logps_rejected", "val_rewards_margins", "val_rewards_accuracy")  # from rewards_chosen: --method dpo's
 BY_SOURCE_KEYS = ("source_val_loss", "source_tokens")
 WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
 # A step record's figures the summary gives the median of: the first step's warm-up does not move a median
@@ -214,13 +214,23 @@ def summarize(report: dict) -> dict:
     }
 
 
-PREFERENCE_FIGURES = BOARD_KEYS[-6:]
+PREFERENCE_FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
+                      "logps_rejected")
 
 
 def _preference(records: list[dict]) -> dict:
-    """--method dpo: the last step's preference figures ({"preference": {...}}), or nothing."""
+    """--method dpo: the last step's preference figures ({"preference": {...}}), with --eval-every the last
+    validation's on the held-out pairs ("validation": its step, val_loss and the val_ figures), or nothing."""
     last = records[-1] if records else {}
-    return {"preference": {k: last[k] for k in PREFERENCE_FIGURES}} if "rewards_chosen" in last else {}
+    if "rewards_chosen" not in last:
+        return {}
+    out = {"preference": {k: last[k] for k in PREFERENCE_FIGURES}}
+    validated = [r for r in records if "val_rewards_chosen" in r]
+    if validated:
+        v = validated[-1]
+        out["preference"]["validation"] = {"step": v["step"], "val_loss": v["val_loss"], "val_pairs": v["val_pairs"],
+                                           **{f"val_{k}": v[f"val_{k}"] for k in PREFERENCE_FIGURES}}
+    return out
 
 
 def _source_tokens(records: list[dict]) -> dict:

@@ -1,14 +1,16 @@
 """What a run trains on, by --method: its batch schedule, the gradients and loss of a step, its record's figures.
 
 sft: sequences of tokens (the data's sources), the loss the mean over the global batch's target tokens
-(loop.accumulate_gradients); dpo: preference pairs, the loss the mean over the global batch's pairs
-(preference.py). The loop asks the objective, never the method.
+(loop.accumulate_gradients), validated on the data's validation split; dpo: preference pairs, the loss the mean over
+the global batch's pairs, validated on held-out pairs (preference.py). The loop asks the objective, never the method.
 """
 
 from __future__ import annotations
 
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
+
+from .evaluate import validation_loss
 
 
 class TokenObjective:
@@ -33,6 +35,21 @@ class TokenObjective:
 
     def loss_units(self, batch: StepBatch) -> int:
         return batch.global_tokens
+
+    def validation_source(self):
+        return make_source(self.cfg, split="val")
+
+    def validate(self, engine, source) -> dict:
+        """--eval-every: the validation loss (a mixture: each source's, and their weighted mean)."""
+        cfg = self.cfg
+        sources = getattr(source, "sources", None)
+        losses = {name: validation_loss(engine.model, one, engine.mesh, batches=cfg.loop.eval_batches,
+                                        micro_batch=cfg.loop.micro_batch)
+                  for name, one in (sources or {"": source}).items()}
+        if sources:
+            return {"source_val_loss": losses,
+                    "val_loss": sum(source.weights[name] * loss for name, loss in losses.items())}
+        return {"val_loss": losses[""]}
 
     def extras(self) -> None:
         return None

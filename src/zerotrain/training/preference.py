@@ -23,6 +23,10 @@ stores them beside the checkpoints (dpo_reference.safetensors, keyed by the sha2
 base's weight files), and every checkpoint's manifest records the file's sha256: a resume reads them back, verified,
 and never scores them again from the trained policy; a resume with another base or other pairs is refused. With
 LoRA, --dpo-reference live scores each micro-batch again with the adapters off: the frozen base, no memory beyond it.
+
+With --eval-every, held-out pairs (--val-data, or --data's records that --val-fraction sets aside) are scored against
+the same reference: their log-probs are scored with the training pairs' and stored after them (pair n + j), and each
+validation scores every held-out pair once, each replica its share, every rank the same number of forwards.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from safetensors.torch import load, save
 from zerotrain.checkpoint.stream import sha256_file
 from zerotrain.config import REFERENCE_FREE, Config, ObjectiveConfig
 from zerotrain.data import IGNORE, on_device
-from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_pairs
+from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_splits
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 from zerotrain.model.layers import head_loss
@@ -104,6 +108,11 @@ class Preference:
         self.record: dict = {}  # what the manifests record of the stored reference
         self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
         self.source: PreferenceSource | None = None
+        self.held_out: PreferenceSource | None = None  # --eval-every's pairs: their reference follows the training's
+
+    def all_pairs(self) -> list:
+        """The pairs the reference scores: the training pairs, then the held-out ones (their index: n + j)."""
+        return self.source.pairs + (self.held_out.pairs if self.held_out else [])
 
     @property
     def precomputed(self) -> bool:
@@ -114,12 +123,20 @@ class Preference:
         return self.o.dpo_loss not in REFERENCE_FREE and self.o.dpo_reference == "live"
 
     def schedule(self, mesh) -> PreferenceSchedule:
-        cfg = self.cfg
-        pairs, counts = read_pairs(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len)
-        self.source = PreferenceSource(pairs, counts, cfg.model.seq_len, cfg.loop.seed, cfg.global_batch,
-                                       f"--data {cfg.data.source}")
+        cfg, d, seq = self.cfg, self.cfg.data, self.cfg.model.seq_len
+        (pairs, counts), held = read_splits(d.source, d.val_data, d.val_fraction, bool(cfg.loop.eval_every),
+                                            cfg.checkpoint.init_from, seq)
+        self.source = PreferenceSource(pairs, counts, seq, cfg.loop.seed, cfg.global_batch, f"--data {d.source}")
+        if held:
+            held, held_counts = held
+            self.held_out = PreferenceSource(held, held_counts, seq, cfg.loop.seed, len(held), "validation")
+            where = f"--val-data {d.val_data}" if d.val_data else f"--val-fraction {d.val_fraction:g} of --data"
+            self.source.held_out = f"validation on {held_counts.describe()} from {where}"
         return PreferenceSchedule(self.source, micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
                                   rank=mesh.dp_rank, world_size=mesh.dp_size)
+
+    def validation_source(self) -> PreferenceSource | None:
+        return self.held_out
 
     def loss_units(self, batch: PairBatch) -> int:
         return batch.global_pairs
@@ -144,9 +161,10 @@ class Preference:
             return (f"--init-from {self.cfg.checkpoint.init_from} is not the base the reference of {path} was scored "
                     f"on: its {name} has sha256 {str(mine.get(name))[:12]}..., the reference's "
                     f"{str(stored['base'].get(name))[:12]}...")
-        if stored["data"] != pairs_digest(self.source.pairs):
-            return (f"--data {self.cfg.data.source} (at --seq-len {self.cfg.model.seq_len}) is not the pairs the "
-                    f"reference of {path} was scored on")
+        if stored["data"] != pairs_digest(self.all_pairs()):
+            held = " and its held-out pairs (--eval-every)" if self.held_out else ""
+            return (f"--data {self.cfg.data.source}{held} (at --seq-len {self.cfg.model.seq_len}) is not the pairs "
+                    f"the reference of {path} was scored on")
         return None
 
     def prepare(self, engine, comm, manifest: dict, resumed_from: str | None, base: dict | None) -> dict:
@@ -165,8 +183,11 @@ class Preference:
                 shutil.copyfile(stored, here)
         else:
             self.reference = self.score_reference(engine)
-            record = {"file": REFERENCE_FILE, "pairs": len(self.source.pairs), "data": pairs_digest(self.source.pairs),
+            pairs = self.all_pairs()
+            record = {"file": REFERENCE_FILE, "pairs": len(pairs), "data": pairs_digest(pairs),
                       "base": {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}}
+            if self.held_out:  # the last ones: scored with the rest, stored and verified with them
+                record["held_out"] = len(self.held_out.pairs)
             if comm.rank == 0:
                 record["sha256"] = write_reference(os.path.join(folder, REFERENCE_FILE), self.reference, record)
             self.record = comm.io.all_gather_json(record if comm.rank == 0 else None, "dpo_reference")[0]
@@ -174,22 +195,53 @@ class Preference:
 
     @torch.no_grad()
     def score_reference(self, engine) -> torch.Tensor:
-        """[pairs, 2]: every pair's (chosen, rejected) log-probs under the model as it is now, on every rank."""
-        mesh, B, n = engine.mesh, self.cfg.loop.micro_batch, len(self.source.pairs)
-        forwards = math.ceil(n / (mesh.dp_size * B))  # the same on every rank
-        device = engine.flat_params.device
-        out = torch.zeros(n, 2, dtype=torch.float64)
-        for f in range(forwards):
-            first = (f * mesh.dp_size + mesh.dp_rank) * B
-            ids = [j if j < n else 0 for j in range(first, first + B)]
-            micro = next(iter(on_device([self.source.rows(ids)], device)))
-            logps = sequence_logps(engine.model(micro.inputs), micro.labels)[0].view(2, B).t().cpu()
-            for b, j in enumerate(range(first, first + B)):
-                if j < n:
-                    out[j] = logps[b].to(torch.float64)
+        """[pairs, 2]: every pair's (chosen, rejected) log-probs under the model as it is now, on every rank (the
+        training pairs, then the held-out ones)."""
+        mesh, n = engine.mesh, len(self.source.pairs)
+        out = torch.zeros(len(self.all_pairs()), 2, dtype=torch.float64)
+        for source, offset in [(self.source, 0)] + ([(self.held_out, n)] if self.held_out else []):
+            for ids, real, micro in self.shares(engine, source):
+                logps = sequence_logps(engine.model(micro.inputs), micro.labels)[0].view(2, len(ids)).t().cpu()
+                for b in real:
+                    out[offset + ids[b]] = logps[b].to(torch.float64)
         if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs: the first one's count
             out.zero_()
         return mesh.world.all_reduce(out.to(mesh.world.device), "all_reduce_reference").cpu()
+
+    def shares(self, engine, source: PreferenceSource):
+        """This replica's share of all the pairs of `source`, --micro-batch at a time: (pair ids, the places in them
+        that are this share's, the micro-batch on the device). Every rank runs the same number of forwards (ZeRO-3's
+        gathers are collective): the last ones of a replica with fewer pairs are filled with pair 0, not counted."""
+        mesh, B, n = engine.mesh, self.cfg.loop.micro_batch, len(source.pairs)
+        for f in range(math.ceil(n / (mesh.dp_size * B))):
+            first = (f * mesh.dp_size + mesh.dp_rank) * B
+            ids = [j if j < n else 0 for j in range(first, first + B)]
+            real = [b for b in range(B) if first + b < n]
+            yield ids, real, next(iter(on_device([source.rows(ids)], engine.flat_params.device)))
+
+    @torch.no_grad()
+    def validate(self, engine, source: PreferenceSource) -> dict:
+        """--eval-every: the loss and figures of every held-out pair under the model as it is now, against the same
+        reference as training (the precomputed one's held-out rows, or LoRA's base live), the same on every rank:
+        each replica scores its share (shares), and one all-reduce sums them; the means over the held-out pairs."""
+        mesh, offset = engine.mesh, len(self.source.pairs)
+        sums = torch.zeros(1 + len(STATS), dtype=LOSS_SUM_DTYPE)
+        for ids, real, micro in self.shares(engine, source):
+            logps = sequence_logps(engine.model(micro.inputs), micro.labels)
+            policy, counts = logps[0].view(2, len(ids)), logps[1].view(2, len(ids))
+            reference = self.reference_of(engine, engine.model, micro, [offset + j for j in ids])
+            losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
+            keep = torch.tensor(real, dtype=torch.int64)
+            policy, losses, chosen, rejected = (t.cpu().index_select(-1, keep) for t in (policy, losses, chosen,
+                                                                                         rejected))
+            sums += torch.cat([losses.sum().to(LOSS_SUM_DTYPE).view(1), pair_stats(policy, chosen, rejected)])
+        if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs
+            sums.zero_()
+        totals = mesh.world.all_reduce(sums.to(mesh.world.device), "all_reduce_eval").cpu().tolist()
+        n = len(source.pairs)
+        means = {f"val_{k}": v / n for k, v in zip(("loss",) + STATS, totals)}
+        means["val_rewards_margins"] = means["val_rewards_chosen"] - means["val_rewards_rejected"]
+        return {"val_pairs": n, **means}
 
     # ------------------------------------------------------------------ the step
 
