@@ -53,12 +53,14 @@ STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen
 LOSS_SUM_DTYPE = torch.float64
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[2, rows]: each row's summed log p(label) over its unmasked labels, in fp32, and how many there are."""
-    rows, T = labels.shape
-    token = -F.cross_entropy(logits.float().reshape(rows * T, -1), labels.reshape(-1), ignore_index=IGNORE,
-                             reduction="none").view(rows, T)
-    return torch.stack([token.sum(dim=1), (labels != IGNORE).sum(dim=1).float()])
+def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[2, rows]: each row's summed log p(label) over its unmasked labels, in fp32, and how many there are, from each
+    token's log p(label) (rows, T), which the head computes (vocab.token_logps: 0 where masked, never the full
+    logits): head_loss(model, inputs, labels, sequence_logps, recompute)."""
+    return torch.stack([token_logps.sum(dim=1), (labels != IGNORE).sum(dim=1).float()])
+
+
+sequence_logps.from_token_logps = True
 
 
 def pair_losses(o: ObjectiveConfig, policy: torch.Tensor, reference: torch.Tensor | None,
@@ -183,7 +185,7 @@ class Preference:
             first = (f * mesh.dp_size + mesh.dp_rank) * B
             ids = [j if j < n else 0 for j in range(first, first + B)]
             micro = next(iter(on_device([self.source.rows(ids)], device)))
-            logps = sequence_logps(engine.model(micro.inputs), micro.labels)[0].view(2, B).t().cpu()
+            logps = head_loss(engine.model, micro.inputs, micro.labels, sequence_logps, False)[0].view(2, B).t().cpu()
             for b, j in enumerate(range(first, first + B)):
                 if j < n:
                     out[j] = logps[b].to(torch.float64)
@@ -240,7 +242,7 @@ class Preference:
         if not self.live:
             return None
         with torch.no_grad(), adapters_off(engine.model):
-            return sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids))
+            return head_loss(forward, micro.inputs, micro.labels, sequence_logps, False)[0].view(2, len(ids))
 
     def extras(self) -> torch.Tensor:
         """What the step's all-reduce sums besides the loss: this rank's STATS sums."""
