@@ -22,6 +22,7 @@ from zerotrain.data import pairs as pairs_module
 from zerotrain.data.pairs import Pair, fit, parse_pair, read_pairs
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.model.layers import head_loss
 from zerotrain.runtime.launch import run_job
 from zerotrain.training import memory_plan as plan_module
 from zerotrain.training import preference
@@ -138,7 +139,8 @@ def runs(data, group, tmp_path_factory, trl):
         # planted: the reference is the policy itself (its own log-probs, detached), scored every step
         mp.setattr(preference.Preference, "reference_of",
                    lambda self, engine, forward, micro, ids: torch.no_grad()(
-                       lambda: preference.sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids)))())
+                       lambda: head_loss(forward, micro.inputs, micro.labels, preference.sequence_logps,
+                                         False)[0].view(2, len(ids)))())
         run("policy as reference", steps=2)
         mp.undo()
         # planted: a prompt too long is cut from the right (its start kept), as a keep_start truncation does
@@ -314,7 +316,11 @@ def test_the_plan_counts_the_doubled_micro_batch_and_the_reference(data, tmp_pat
     cfg = dpo_config(tmp_path, data, micro=4)
     plan = plan_module.memory_plan(cfg)
     sft = plan_module.memory_plan(replace(cfg, objective=replace(cfg.objective, method="sft")), micro_batch=8)
-    assert plan.rows["activations"] == sft.rows["activations"] and plan.rows["reference"] == 16 * 8
+    # 2 x 4 sequences; the head keeps its input, each token's log-sum-exp and target (12 bytes) for the log-probs,
+    # where the summed loss keeps the gradients of its input and weight (fp32)
+    m = cfg.model
+    assert plan.rows["activations"] - sft.rows["activations"] == 8 * SEQ * 12 - m.vocab_size * m.n_embd * 4
+    assert plan.rows["reference"] == 16 * 8
     assert sft.rows["reference"] == 0
 
 
