@@ -20,6 +20,7 @@ from zerotrain.model import build_model, layers, parallelize, summed_token_loss
 from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.model.layers import head_loss
 from zerotrain.training.activations import saved_for_backward
+from zerotrain.training.preference import sequence_logps
 
 CONFIGS = {"gpt2": ModelConfig(**PRESETS["tiny"]), "llama": ModelConfig(**PRESETS["llama-tiny"])}  # llama: GQA 4/2
 SHAPES = [(2, 16), (3, 13)]  # (micro_batch, seq_len): a second, odd shape so B and T enter separately
@@ -29,13 +30,13 @@ OMITTED = {"none": "attention_output", "blocks": "block_input", "full": "block_i
 
 
 def measured_bytes(model, micro_batch: int, seq_len: int, precision: str, recompute: str,
-                   segments: torch.Tensor | None = None) -> int:
+                   segments: torch.Tensor | None = None, loss=summed_token_loss) -> int:
     if precision == "bf16":
         model.to(torch.bfloat16)
     model.recompute_blocks = recompute in ("blocks", "full")
     ids = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1].clone(), ids[:, 1:].clone()  # separate storages, as the data sources make them
-    saved, _ = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, recompute == "full", segments),
+    saved, _ = saved_for_backward(lambda: head_loss(model, x, y, loss, recompute == "full", segments),
                                   model.parameters())
     return saved
 
@@ -64,6 +65,22 @@ def test_predicted_activation_bytes_equal_what_autograd_saves_and_an_omission_is
     kw = dict(precision=precision, recompute=recompute)
     assert predicted_bytes(cfg, micro_batch, seq_len, **kw) == measured
     assert predicted_bytes(cfg, micro_batch, seq_len, OMITTED[recompute], **kw) < measured
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_dpo_sequence_logps_saved_bytes_equal_the_plan_and_the_sft_count_or_a_forgotten_lse_is_caught(arch, recompute,
+                                                                                                       precision):
+    """DPO's head keeps its input, each token's log-sum-exp and the targets (vocab.token_logps), not the summed
+    loss's gradients: the plan counts them with objective "dpo" (the SFT count is off for it)."""
+    cfg = CONFIGS[arch]
+    measured = measured_bytes(build_model(cfg, seed=0), 4, 16, precision, recompute, loss=sequence_logps)
+    kw = dict(precision=precision, recompute=recompute, objective="dpo")
+    assert predicted_bytes(cfg, 4, 16, **kw) == measured
+    assert predicted_bytes(cfg, 4, 16, OMITTED[recompute] if recompute == "full" else "token_logps", **kw) < measured
+    if recompute != "full":  # under full recompute neither loss keeps anything beyond the final norm's output
+        assert predicted_bytes(cfg, 4, 16, precision=precision, recompute=recompute) != measured
 
 
 def test_a_narrow_mlp_and_four_blocks_are_counted_to_the_byte():

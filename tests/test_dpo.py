@@ -27,6 +27,7 @@ from zerotrain.data import pairs as pairs_module
 from zerotrain.data.pairs import Pair, fit, parse_pair, read_pairs
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.model.layers import head_loss
 from zerotrain.runtime.launch import run_job
 from zerotrain.training import memory_plan as plan_module
 from zerotrain.training import preference
@@ -157,7 +158,8 @@ def runs(data, group, tmp_path_factory):
         # planted: the reference is the policy itself (its own log-probs, detached), scored every step
         mp.setattr(preference.Preference, "reference_of",
                    lambda self, engine, forward, micro, ids: torch.no_grad()(
-                       lambda: preference.sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids)))())
+                       lambda: head_loss(forward, micro.inputs, micro.labels, preference.sequence_logps,
+                                         False)[0].view(2, len(ids)))())
         run("policy as reference", steps=2)
         mp.undo()
         # planted: a prompt too long is cut from the right (its start kept), as a keep_start truncation does
@@ -237,7 +239,7 @@ def splits(data, group, tmp_path_factory):
         def policy_for_held_out(self, engine, forward, micro, ids):
             if min(ids) < len(self.source.pairs):
                 return real(self, engine, forward, micro, ids)
-            return preference.sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids))
+            return head_loss(forward, micro.inputs, micro.labels, preference.sequence_logps, False)[0].view(2, len(ids))
 
         mp.setattr(preference.Preference, "reference_of", policy_for_held_out)
         against_policy = here("validated against the policy", steps=1)
@@ -257,13 +259,19 @@ def test_the_losses_and_figures_are_the_same_at_every_split_and_a_reference_look
     assert abs(splits["planted"]["losses"][0] - one["losses"][0]) > 1e-4
 
 
+def full_logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """sequence_logps' [2, rows] from full logits (transformers' model's), by log_softmax and gather."""
+    token = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return preference.sequence_logps(token * (labels != -100), labels)
+
+
 def held_out_oracle(data, run) -> dict:
     """The validation of the held-out pairs recomputed here from the run's final model, all in one batch, against
     the held-out rows of its stored reference (the last 5)."""
     pairs, counts = read_pairs(data["held"], data["base"], SEQ)
     micro = preference.PreferenceSource(pairs, counts, SEQ, 0, len(pairs), "held").rows(list(range(len(pairs))))
     with torch.no_grad():
-        logps = preference.sequence_logps(run["model"](micro.inputs), micro.labels)
+        logps = head_loss(run["model"], micro.inputs, micro.labels, preference.sequence_logps, False)
     policy, reference = logps[0].view(2, -1), run["reference"][-len(pairs):].t().float()
     losses, chosen, rejected = preference.pair_losses(run["objective"], policy, reference, logps[1].view(2, -1))
     return {"val_loss": float(losses.mean()), "val_rewards_margins": float((chosen - rejected).mean()),
@@ -287,7 +295,7 @@ def test_held_out_pairs_are_validated_against_the_same_reference_at_every_split_
     micro = preference.PreferenceSource(pairs, counts, SEQ, 0, len(pairs), "held").rows(list(range(len(pairs))))
     base = transformers.AutoModelForCausalLM.from_pretrained(data["base"], dtype=torch.float32)
     with torch.no_grad():
-        logps = preference.sequence_logps(base(micro.inputs).logits, micro.labels)[0].view(2, -1).t()
+        logps = full_logits_logps(base(micro.inputs).logits, micro.labels)[0].view(2, -1).t()
     assert rel(one["reference"][8:], logps) <= 1e-5
     # the last validation is the final model's on the held-out pairs against those rows, and the summary's
     oracle = held_out_oracle(data, one)
@@ -421,7 +429,11 @@ def test_the_plan_counts_the_doubled_micro_batch_and_the_reference(data, tmp_pat
     cfg = dpo_config(tmp_path, data, micro=4)
     plan = plan_module.memory_plan(cfg)
     sft = plan_module.memory_plan(replace(cfg, objective=replace(cfg.objective, method="sft")), micro_batch=8)
-    assert plan.rows["activations"] == sft.rows["activations"] and plan.rows["reference"] == 16 * 8
+    # 2 x 4 sequences; the head keeps its input, each token's log-sum-exp and target (12 bytes) for the log-probs,
+    # where the summed loss keeps the gradients of its input and weight (fp32)
+    m = cfg.model
+    assert plan.rows["activations"] - sft.rows["activations"] == 8 * SEQ * 12 - m.vocab_size * m.n_embd * 4
+    assert plan.rows["reference"] == 16 * 8
     assert sft.rows["reference"] == 0
 
 

@@ -31,6 +31,10 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  N V' 4 (+ N V' a for their copy in bf16, + N V' 4 with a soft-cap), and over several chunks in bf16
                  the fp32 sum of the weight's gradient, V' C 4: `working`, beside the total (Gemma 2's soft-capped
                  logits are capped in the working set too: nothing of the cap is kept).
+    DPO          the head computes each token's log-prob of its target (vocab.token_logps) and keeps its input (the
+                 final norm's output, BTC a), each token's log-sum-exp BT 4 and the targets BT 8, no gradient; its
+                 working set is the backward's: one chunk's logits made again, and the gradients of the head's
+                 input and weight, BTC a + V' C a.
     packed       records in a batch (segments): positions and rotary tables per row (B times the above:
                  GPT-2's positions BT 8, Llama's tables 2 BTD 4 and in bf16 its casts 4 BTD a per block) and
                  the document mask, built once per forward and saved by every layer's SDPA as one storage:
@@ -204,6 +208,24 @@ def loss_working_set(s: RankShape, softcap: bool = False) -> int:
     return chunk * s.vocab * per_value + summed
 
 
+def token_logps(s: RankShape) -> int:
+    """DPO's per-token log-probs of the targets (vocab.token_logps), beyond the head's input (the final norm's output,
+    kept and counted with the norm): each token's log-sum-exp (fp32) and the targets (int64); the logits and their
+    gradients are computed again in the backward."""
+    return s.BT * FP32 + s.BT * INDEX
+
+
+def token_logps_working_set(s: RankShape, softcap: bool = False) -> int:
+    """What DPO's per-token log-probs hold while they run and keep nothing of, at its largest in the backward: one
+    chunk's fp32 logits made again (their bf16 product first and the gradient's bf16 copy after; under a soft-cap the
+    tanh and its derivative beside them), the gradients of the head's input and of its weight (and over several chunks
+    in bf16 the fp32 sum of the weight's); the forward holds one chunk's logits only, less."""
+    chunk = chunk_tokens(s.BT, s.vocab, s.C)
+    per_value = FP32 + (2 * s.act if s.act != FP32 else 0) + (2 * FP32 if softcap else 0)
+    summed = s.vocab * s.C * FP32 if chunk < s.BT and s.act != FP32 else 0
+    return chunk * s.vocab * per_value + s.BT * s.C * s.act + s.vocab * s.C * s.act + summed
+
+
 def gpt2_block(s: RankShape) -> int:
     return 2 * layer_norm(s) + attention(s) + gelu_mlp(s)
 
@@ -249,7 +271,8 @@ def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
-                     recompute: str = "none", device: str = "cpu", documents: bool = False) -> dict[str, int]:
+                     recompute: str = "none", device: str = "cpu", documents: bool = False,
+                     objective: str = "sft") -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
     Returns {"per_block", "blocks", "embedding", "head", "loss", "total", "working"}, where total = blocks +
@@ -258,8 +281,12 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     the loss; `working` is the loss's working set beside them (one chunk's logits, soft-capped where the model caps
     them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
     `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
-    whether the micro-batches carry segments (packed records).
+    whether the micro-batches carry segments (packed records), `objective` "sft" (the summed token loss) or "dpo"
+    (each token's log-prob of its target, vocab.token_logps: the head keeps its input, the log-sum-exp and the targets,
+    and its working set is the backward's).
     """
+    if objective not in ("sft", "dpo"):
+        raise ValueError(f"objective must be sft or dpo, got {objective!r}")
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     if tp < 1:
@@ -317,11 +344,14 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`); the
         # gradients are computed again in the backward, not kept
         total_loss = 0
+    elif objective == "dpo":  # the head keeps its input (in `head`), each token's log-sum-exp and the targets
+        total_loss = token_logps(s)
     else:  # the head keeps its input's gradient (in `loss`), not the input
         head -= s.BT * s.C * s.act
         total_loss = loss(s)
+    working = (token_logps_working_set if objective == "dpo" else loss_working_set)(s, bool(cfg.final_softcap))
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
-            "total": blocks + embedding + head + total_loss, "working": loss_working_set(s, bool(cfg.final_softcap))}
+            "total": blocks + embedding + head + total_loss, "working": working}
 
 
 def rotary_bases(cfg: ModelConfig, windows: list[int]) -> int:

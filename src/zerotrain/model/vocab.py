@@ -26,6 +26,12 @@ cross-entropy does), so the backward only scales them by the loss's incoming gra
 gradient (tokens x width) and the weight's (rows x width) whatever the vocabulary and the number of tokens, the head's
 matmul runs three times per step as it does unchunked, and nothing is recomputed. An optional soft-cap
 (cap tanh(logit / cap), Gemma 2's final logits) is applied to each rank's logits before the max.
+
+Each token's log-prob of its target (`token_logps`, for DPO's sequence log-probs) is computed the same way, chunk by
+chunk and vocab-parallel: logit of the target - log-sum-exp, with the same two all-reduces. Its upstream gradient is
+any tensor over tokens (DPO's loss is not linear in them), so the gradients cannot be taken in the forward: it keeps
+only the head's input, each token's log-sum-exp (fp32) and the targets, and its backward computes each chunk's
+logits again, upstream x (one-hot - softmax), into the gradients of the head's input and weight.
 """
 
 from __future__ import annotations
@@ -79,7 +85,11 @@ class LMHead(nn.Linear):
         super().__init__(width, vocab_size, bias=False)
         self.softcap = softcap
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
+        """The logits; given `targets`, their summed token loss, or with `per_token` each token's log-prob of its
+        target (token_logps)."""
+        if targets is not None and per_token:
+            return token_logps(h, self.weight, targets, softcap=self.softcap)
         if targets is not None:
             return token_loss(h, self.weight, targets, softcap=self.softcap)
         return capped(F.linear(h, self.weight), self.softcap)
@@ -95,8 +105,11 @@ class VocabParallelHead(nn.Module):
         self.vocab_start = tp_slice.parts[rank][0][0]
         self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
         h = h if self.comm is None else _HeadInput.apply(h, self.comm)
+        if targets is not None and per_token:
+            return token_logps(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
+                               softcap=self.softcap)
         if targets is not None:
             return token_loss(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
                               softcap=self.softcap)
@@ -274,3 +287,79 @@ def weight_grad(acc: torch.Tensor | None, g: torch.Tensor, hc: torch.Tensor, chu
     if g.dtype == torch.float32:
         return acc.addmm_(g.t(), hc)
     return acc.add_(g.t().mm(hc))
+
+
+def token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, comm=None, vocab_start: int = 0,
+                softcap: float = 0.0, chunk: int | None = None) -> torch.Tensor:
+    """Each token's log p(target) under softmax(h W^T) (fp32, shaped as `targets`; 0 where the target is IGNORE),
+    h (..., width): `weight`, `comm`, `vocab_start`, `softcap` and `chunk` as token_loss's. The full logits are never
+    held: one chunk's at a time, in the forward and again in the backward (module docstring)."""
+    h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], weight.shape[1])
+    return _TokenLogps.apply(h2, weight, y, comm, vocab_start, softcap, chunk).view(targets.shape)
+
+
+def chunk_logits(hc: torch.Tensor, weight: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(a chunk's logits over the head's rows in fp32, soft-capped; tanh(logits / cap) under a soft-cap, else None)."""
+    z = F.linear(hc, weight).float()  # a new tensor in either precision: worked on in place by the callers
+    if not softcap:
+        return z, None
+    tanh = z.div_(softcap).tanh_()
+    return tanh * softcap, tanh
+
+
+def owned_targets(y: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's row among this rank's, clamped into them; whether this rank holds it)."""
+    local = y - vocab_start
+    owned = (local >= 0) & (local < rows)
+    return local.clamp(0, rows - 1), owned
+
+
+class _TokenLogps(torch.autograd.Function):
+    """log p(target) per token; saves h, the targets and each token's log-sum-exp, and recomputes each chunk's logits
+    in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, comm, vocab_start, softcap, chunk):
+        rows = weight.shape[0]
+        logps = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        for lo, hi in chunk_bounds(h.shape[0], chunk):
+            y = targets[lo:hi]
+            z, _ = chunk_logits(h[lo:hi], weight, softcap)
+            local, owned = owned_targets(y, vocab_start, rows)
+            target = torch.where(owned, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+            top = global_max(z.max(dim=1).values, comm)
+            sums = global_sums(torch.stack([z.sub_(top.unsqueeze(1)).exp_().sum(dim=1), target]), comm)
+            torch.add(top, sums[0].log(), out=lse[lo:hi])
+            logps[lo:hi] = torch.where(y != IGNORE, sums[1] - lse[lo:hi], 0.0)
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.comm, ctx.vocab_start, ctx.softcap, ctx.chunk = comm, vocab_start, softcap, chunk
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, targets, lse = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rows, bounds = weight.shape[0], chunk_bounds(h.shape[0], ctx.chunk)
+        up = torch.where(targets != IGNORE, grad.float(), 0.0)  # an ignored target: no gradient
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = None
+        for lo, hi in bounds:
+            hc, u = h[lo:hi], up[lo:hi]
+            z, tanh = chunk_logits(hc, weight, ctx.softcap)
+            local, owned = owned_targets(targets[lo:hi], ctx.vocab_start, rows)
+            g = z.sub_(lse[lo:hi].unsqueeze(1)).exp_().mul_(-u.unsqueeze(1))  # upstream x (one-hot - softmax)
+            mine = owned.nonzero().squeeze(1)
+            g[mine, local[mine]] += u[mine]
+            if tanh is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                g.mul_(1.0 - tanh.square_())
+                del tanh
+            g = g.to(weight.dtype)
+            if want_h:
+                torch.mm(g, weight, out=grad_h[lo:hi])
+            if want_w:
+                grad_w = weight_grad(grad_w, g, hc, len(bounds))
+        if want_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None

@@ -20,11 +20,13 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
                          (with packed records also their document mask: B T T a on CPU, a block mask on CUDA;
-                         --method dpo: a micro-batch of B pairs is 2B sequences, chosen and rejected)
+                         --method dpo: a micro-batch of B pairs is 2B sequences, chosen and rejected, whose
+                         head keeps its input, each token's log-sum-exp and the targets: vocab.token_logps)
     reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank;
                          with --eval-every, the held-out pairs' too
     loss working set     activation_bytes' `working`: one chunk's fp32 logits (of this rank's vocabulary rows under
-                         TP), while the loss runs; kept by nothing
+                         TP), while the loss runs; kept by nothing (--method dpo: the backward's, one chunk's
+                         logits made again and the gradients of the head's input and weight)
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
     checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA)
 
@@ -145,7 +147,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
     staging = shard * 12 if cfg.checkpoint.async_save else 0
     activations = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=tp, precision=p.precision,
-                                   recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents)
+                                   recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents,
+                                   objective=cfg.objective.method)
     rows = {
         "parameters": (shard if p.zero == 3 else padded) * psize,  # ZeRO-3: the owned chunks only
         "parameter_units": units,
@@ -203,7 +206,8 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
     fewer += normalized if m.arch == "llama" or m.gemma else 0  # the final RMSNorm's normalized input
     if cfg.parallel.activation_checkpointing == "full":
         return -fewer  # the head runs under a checkpoint too, which saves its input either way
-    fewer += vocab_rows(m.vocab_size, cfg.parallel.tp) * C * size  # the head's weight gradient
+    if cfg.objective.method != "dpo":  # DPO's head keeps no gradient (activation_memory.token_logps)
+        fewer += vocab_rows(m.vocab_size, cfg.parallel.tp) * C * size  # the head's weight gradient
     if cfg.parallel.activation_checkpointing == "blocks":
         return -fewer
     targets = set(cfg.lora.modules(m.arch))
@@ -268,9 +272,10 @@ def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, do
         return 0
 
     def per(b: int) -> int:
-        a = activation_bytes(cfg.model, b, cfg.model.seq_len, tp=cfg.parallel.tp, precision=cfg.parallel.precision,
-                             recompute=cfg.parallel.activation_checkpointing, device=cfg.launch.device,
-                             documents=documents)
+        sequences = 2 * b if cfg.objective.method == "dpo" else b  # a micro-batch of b pairs is 2b sequences
+        a = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=cfg.parallel.tp,
+                             precision=cfg.parallel.precision, recompute=cfg.parallel.activation_checkpointing,
+                             device=cfg.launch.device, documents=documents, objective=cfg.objective.method)
         return a["total"] + a["working"]
 
     lo, hi = 1, limit

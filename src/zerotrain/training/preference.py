@@ -57,12 +57,14 @@ STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen
 LOSS_SUM_DTYPE = torch.float64
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[2, rows]: each row's summed log p(label) over its unmasked labels, in fp32, and how many there are."""
-    rows, T = labels.shape
-    token = -F.cross_entropy(logits.float().reshape(rows * T, -1), labels.reshape(-1), ignore_index=IGNORE,
-                             reduction="none").view(rows, T)
-    return torch.stack([token.sum(dim=1), (labels != IGNORE).sum(dim=1).float()])
+def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[2, rows]: each row's summed log p(label) over its unmasked labels, in fp32, and how many there are, from each
+    token's log p(label) (rows, T), which the head computes (vocab.token_logps: 0 where masked, never the full
+    logits): head_loss(model, inputs, labels, sequence_logps, recompute)."""
+    return torch.stack([token_logps.sum(dim=1), (labels != IGNORE).sum(dim=1).float()])
+
+
+sequence_logps.from_token_logps = True
 
 
 def pair_losses(o: ObjectiveConfig, policy: torch.Tensor, reference: torch.Tensor | None,
@@ -201,7 +203,8 @@ class Preference:
         out = torch.zeros(len(self.all_pairs()), 2, dtype=torch.float64)
         for source, offset in [(self.source, 0)] + ([(self.held_out, n)] if self.held_out else []):
             for ids, real, micro in self.shares(engine, source):
-                logps = sequence_logps(engine.model(micro.inputs), micro.labels)[0].view(2, len(ids)).t().cpu()
+                logps = head_loss(engine.model, micro.inputs, micro.labels, sequence_logps, False)[0]
+                logps = logps.view(2, len(ids)).t().cpu()
                 for b in real:
                     out[offset + ids[b]] = logps[b].to(torch.float64)
         if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs: the first one's count
@@ -227,7 +230,7 @@ class Preference:
         mesh, offset = engine.mesh, len(self.source.pairs)
         sums = torch.zeros(1 + len(STATS), dtype=LOSS_SUM_DTYPE)
         for ids, real, micro in self.shares(engine, source):
-            logps = sequence_logps(engine.model(micro.inputs), micro.labels)
+            logps = head_loss(engine.model, micro.inputs, micro.labels, sequence_logps, False)
             policy, counts = logps[0].view(2, len(ids)), logps[1].view(2, len(ids))
             reference = self.reference_of(engine, engine.model, micro, [offset + j for j in ids])
             losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
@@ -292,7 +295,7 @@ class Preference:
         if not self.live:
             return None
         with torch.no_grad(), adapters_off(engine.model):
-            return sequence_logps(forward(micro.inputs), micro.labels)[0].view(2, len(ids))
+            return head_loss(forward, micro.inputs, micro.labels, sequence_logps, False)[0].view(2, len(ids))
 
     def extras(self) -> torch.Tensor:
         """What the step's all-reduce sums besides the loss: this rank's STATS sums."""
