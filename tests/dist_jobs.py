@@ -243,7 +243,7 @@ def tp_no_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward skips its all-reduce (each rank keeps a partial sum)."""
     from zerotrain.model import layers
 
-    layers._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+    layers._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
     return tp_params_job(cfg, comm)
 
 
@@ -253,8 +253,8 @@ def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
 
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, "all_reduce_tp_grads")
-        return grad / ctx.comm.world_size, None
+        ctx.comm.all_reduce(grad, ctx.purpose)
+        return grad / ctx.comm.world_size, None, None
 
     with mock.patch.object(layers._CopyToTP, "backward", staticmethod(backward)):
         return tp_params_job(cfg, comm)

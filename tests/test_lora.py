@@ -622,7 +622,7 @@ def test_a_lora_run_stopped_by_a_signal_without_a_save_cadence_records_its_base_
 
 
 @pytest.mark.parametrize("precision, planted", [("bf16", False), ("bf16", True), ("fp32", False)])
-def test_the_frozen_base_is_built_in_the_runs_precision_from_its_first_byte(tmp_path, precision, planted,
+def test_the_frozen_base_is_built_in_the_runs_precision_from_its_first_byte(tmp_path, precision, planted, group,
                                                                             monkeypatch):
     """bf16: the base is never a whole fp32 copy first (Llama-3-8B: 32 GB on every rank before training). Planted: the
     base materialised in fp32 (as before), then rounded by the engine: caught where it is built."""
@@ -637,8 +637,7 @@ def test_the_frozen_base_is_built_in_the_runs_precision_from_its_first_byte(tmp_
 
     monkeypatch.setattr(loop, "materialise", recorded)
     cfg = tiny_config(tmp_path, steps=1, seq_len=16, lora_rank=RANK, lora_alpha=ALPHA, precision=precision)
-    with world_of_one() as comm:
-        engine = loop.build_engine(cfg, comm)
+    engine = loop.build_engine(cfg, group)  # the module's process group: one per process at a time
     want = torch.bfloat16 if precision == "bf16" else torch.float32
     assert built and (set(built.values()) == {want}) != planted
     assert all(p.dtype == want for _, p in engine.frozen)

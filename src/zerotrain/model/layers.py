@@ -78,15 +78,15 @@ class _CopyToTP(torch.autograd.Function):
     """Before a column-parallel layer: each rank's input gradient is a partial sum over its slice."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, purpose):
+        ctx.comm, ctx.purpose = comm, purpose
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, "all_reduce_tp_grads")
-        return grad, None
+        ctx.comm.all_reduce(grad, ctx.purpose)
+        return grad, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -137,12 +137,13 @@ def sum_over_replicas(weight: torch.Tensor | None, comm, collective: str = "all_
     return _SumOverReplicas.apply(weight, comm, collective)
 
 
-def copy_to_tp(x: torch.Tensor, comm) -> torch.Tensor:
-    """`x` for column-parallel layers of a TP group (`comm`): its gradient is all-reduced; `x` itself without one.
+def copy_to_tp(x: torch.Tensor, comm, purpose: str = "all_reduce_tp_grads") -> torch.Tensor:
+    """`x` for column-parallel layers of a TP group (`comm`): its gradient is all-reduced (counted as `purpose`); `x`
+    itself without one.
 
     Several column-parallel layers reading one input (Llama's q, k and v) call this once and share the all-reduce.
     """
-    return x if comm is None else _CopyToTP.apply(x, comm)
+    return x if comm is None else _CopyToTP.apply(x, comm, purpose)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import TPSlice, blocks
+from .layers import TPSlice, blocks, copy_to_tp
 
 IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
@@ -106,7 +106,7 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
-        h = h if self.comm is None else _HeadInput.apply(h, self.comm)
+        h = copy_to_tp(h, self.comm, "all_reduce_tp_head_grads")  # each rank's rows' share of h's gradient, summed
         if targets is not None and per_token:
             return token_logps(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
                                softcap=self.softcap)
@@ -132,22 +132,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return _SumOverTP.apply(x, self.comm)
-
-
-class _HeadInput(torch.autograd.Function):
-    """The head's input: identity forward; backward, each rank's gradient (its rows' share) summed over the TP group
-    (layers.copy_to_tp, counted as the head's)."""
-
-    @staticmethod
-    def forward(ctx, h, comm):
-        ctx.comm = comm
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, "all_reduce_tp_head_grads")
-        return grad, None
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -267,14 +251,21 @@ def loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         if tanh is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
             p.mul_(1.0 - tanh.square_())
             del tanh
-        g = p.to(weight.dtype)
-        if want_h:
-            torch.mm(g, weight, out=grad_h[lo:hi])
-        if want_w:
-            grad_w = weight_grad(grad_w, g, hc, len(bounds))
+        grad_w = chunk_grads(p, weight, hc, grad_h[lo:hi] if want_h else None, grad_w, len(bounds), want_w)
     if want_w:
         grad_w = grad_w.to(weight.dtype)
     return losses.sum(), grad_h, grad_w
+
+
+def chunk_grads(g: torch.Tensor, weight: torch.Tensor, hc: torch.Tensor, grad_h: torch.Tensor | None,
+                grad_w: torch.Tensor | None, chunks: int, want_w: bool) -> torch.Tensor | None:
+    """A chunk's share of the head's gradients, from g (tokens, rows), the loss's gradient in the chunk's logits: g
+    weight written into `grad_h` (the chunk's rows of the input's gradient; None: not wanted), and, `want_w`, g^T hc
+    added to `grad_w` (the weight's so far: None before the first chunk), which is returned."""
+    g = g.to(weight.dtype)
+    if grad_h is not None:
+        torch.mm(g, weight, out=grad_h)
+    return weight_grad(grad_w, g, hc, chunks) if want_w else grad_w
 
 
 def weight_grad(acc: torch.Tensor | None, g: torch.Tensor, hc: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -355,11 +346,7 @@ class _TokenLogps(torch.autograd.Function):
             if tanh is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
                 g.mul_(1.0 - tanh.square_())
                 del tanh
-            g = g.to(weight.dtype)
-            if want_h:
-                torch.mm(g, weight, out=grad_h[lo:hi])
-            if want_w:
-                grad_w = weight_grad(grad_w, g, hc, len(bounds))
+            grad_w = chunk_grads(g, weight, hc, grad_h[lo:hi] if want_h else None, grad_w, len(bounds), want_w)
         if want_w:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
