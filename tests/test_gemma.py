@@ -32,9 +32,9 @@ from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.errors import CheckpointError
-from zerotrain.hub import init_from, mapping
+from zerotrain.hub import mapping
 from zerotrain.hub.export import export_model
-from zerotrain.model import build_model, gemma, layers, param_count, vocab
+from zerotrain.model import build_model, gemma, layers, vocab
 from zerotrain.model import llama as llama_module
 from zerotrain.model.layers import KVCache
 from zerotrain.runtime.launch import run_job
@@ -390,16 +390,6 @@ def test_a_published_gemma3_config_is_read_with_transformers_defaults_for_what_i
         theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.vocab_size, 6)
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling, cfg.rope_factor) == (1e6, 1e4, "linear", 8.0)
     assert [cfg.sliding(i) for i in range(34)] == [t == "sliding_attention" for t in theirs.layer_types]
-
-
-@pytest.mark.parametrize("preset", ["gemma-2-2b", "gemma-3-1b"])
-def test_each_presets_parameters_are_those_of_transformers_model_from_the_config_zerotrain_exports(preset):
-    cfg = ModelConfig(**PRESETS[preset])
-    config = mapping.hf_config(cfg, None)
-    with torch.device("meta"):
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    assert type(theirs).__name__ == config["architectures"][0]
-    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters())  # a tied head counted once
 
 
 # The memory plan: Gemma's norms, soft-capped scores and logits, to the byte.

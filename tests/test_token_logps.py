@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_checkpoint import spawn
-from test_vocab_parallel import CONFIGS, LARGE_VOCAB, SMALL_CHUNKS, B, T, batch, largest_created, rel
+from test_vocab_parallel import (CONFIGS, LARGE_VOCAB, SMALL_CHUNKS, B, T, batch, largest_at_tp1_tp2_and_planted,
+                                 largest_created, rel)
 
-from zerotrain.model import build_model, gpt2, parallelize, vocab
+from zerotrain.model import build_model, parallelize, vocab
 from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.model.layers import head_loss
 from zerotrain.training.activations import saved_for_backward, saved_storages
@@ -159,16 +160,7 @@ def dpo_tp_job(rank, comm, tmp_path):
                 saved, _ = saved_for_backward(lambda: head_loss(model, x, y, sequence_logps, recompute == "full"),
                                               model.parameters())
                 out[f"bytes {arch} {precision} {recompute}"] = saved
-    x, y = batch(LARGE_VOCAB)
-    out["tp1"] = largest_dpo_activation(build_model(LARGE_VOCAB, seed=0), x, y)
-    model = build_model(LARGE_VOCAB, seed=0)
-    parallelize(model, 2, rank, comm)
-    out["tp2"] = largest_dpo_activation(model, x, y)
-    with mock.patch.object(gpt2, "splits_vocab", lambda vocab_size, tp: False):  # planted: the vocabulary left whole
-        model = build_model(LARGE_VOCAB, seed=0)
-        parallelize(model, 2, rank, comm)
-        out["tp2 planted"] = largest_dpo_activation(model, x, y)
-    return out
+    return {**out, **largest_at_tp1_tp2_and_planted(largest_dpo_activation, rank, comm)}
 
 
 @pytest.fixture(scope="module")

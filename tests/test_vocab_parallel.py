@@ -158,15 +158,21 @@ def tp_job(rank, comm, tmp_path):
         prompt = x[:, :4]
         out[arch]["generate"] = torch.equal(generate(split, prompt, 6, temperature=0),
                                             generate(whole, prompt, 6, temperature=0))
+    return {**out, **largest_at_tp1_tp2_and_planted(largest_activation, rank, comm)}
+
+
+def largest_at_tp1_tp2_and_planted(largest, rank: int, comm) -> dict:
+    """`largest(model, x, y)` of the 32,000-token vocabulary's model at TP 1, at TP 2 (this rank's), and at TP 2 with
+    the vocabulary left whole (planted)."""
     x, y = batch(LARGE_VOCAB)
-    out["tp1"] = largest_activation(build_model(LARGE_VOCAB, seed=0), x, y)
+    out = {"tp1": largest(build_model(LARGE_VOCAB, seed=0), x, y)}
     model = build_model(LARGE_VOCAB, seed=0)
     parallelize(model, 2, rank, comm)
-    out["tp2"] = largest_activation(model, x, y)
+    out["tp2"] = largest(model, x, y)
     with mock.patch.object(gpt2, "splits_vocab", lambda vocab_size, tp: False):  # planted: the vocabulary left whole
         model = build_model(LARGE_VOCAB, seed=0)
         parallelize(model, 2, rank, comm)
-        out["tp2 planted"] = largest_activation(model, x, y)
+        out["tp2 planted"] = largest(model, x, y)
     return out
 
 

@@ -87,7 +87,7 @@ def check_messages(record: dict, where: str) -> tuple[list[dict], dict]:
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: no assistant message: the loss trains on the assistant's turns, and this "
                           "conversation has none")
-    context = {key: _list_of_objects(record[key], key, where) for key in CONTEXT_KEYS if record.get(key) is not None}
+    context = {key: list_of_objects(record[key], key, where) for key in CONTEXT_KEYS if record.get(key) is not None}
     return [dict(m) for m in messages], context
 
 
@@ -129,7 +129,7 @@ def _check_tool_calls(m: dict, k: int, where: str) -> None:
                               "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
 
 
-def _list_of_objects(value, key: str, where: str) -> list[dict]:
+def list_of_objects(value, key: str, where: str) -> list[dict]:
     """A record's `tools` or `documents`: a list of objects, or that list written as a JSON string (as data sets
     stored in Parquet often keep it)."""
     if isinstance(value, str):

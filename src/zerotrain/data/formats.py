@@ -33,6 +33,8 @@ import re
 
 from zerotrain.errors import ConfigError
 
+from .chat import list_of_objects
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool"}
 CALL_ROLES = ("function_call", "tool_call")  # an assistant turn that calls tools: its value is the calls' JSON
@@ -132,14 +134,8 @@ def _sharegpt_tools(tools, where: str) -> list[dict]:
     template: each {"type": "function", "function": schema}."""
     if tools in (None, ""):
         return []
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{where}: \"tools\" is the string {tools[:80]!r}, which is not JSON") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise ConfigError(f"{where}: \"tools\" is {str(tools)[:80]!r}, not a list of function schemas")
-    return [t if "function" in t or "name" not in t else {"type": "function", "function": t} for t in tools]
+    return [t if "function" in t or "name" not in t else {"type": "function", "function": t}
+            for t in list_of_objects(tools, "tools", where)]
 
 
 def _alpaca(record: dict, where: str) -> list[dict]:
