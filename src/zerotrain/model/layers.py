@@ -93,14 +93,14 @@ class _ReduceFromTP(torch.autograd.Function):
     """After a row-parallel layer: the output is the sum of every rank's partial product."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm, purpose="all_reduce_tp_activations"):
         y = x.contiguous().clone()
-        comm.all_reduce(y, "all_reduce_tp_activations")
+        comm.all_reduce(y, purpose)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _SumOverReplicas(torch.autograd.Function):

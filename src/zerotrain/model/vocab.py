@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import TPSlice, blocks, copy_to_tp
+from .layers import TPSlice, _ReduceFromTP, blocks, copy_to_tp
 
 IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
@@ -131,22 +131,7 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return _SumOverTP.apply(x, self.comm)
-
-
-class _SumOverTP(torch.autograd.Function):
-    """The embedding's rows from every TP rank: all-reduce forward, identity backward (each rank's rows take the
-    replicated output's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        y = x.contiguous().clone()
-        comm.all_reduce(y, "all_reduce_tp_embedding")
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        return _ReduceFromTP.apply(x, self.comm, "all_reduce_tp_embedding")  # each rank's rows, summed
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -229,17 +214,10 @@ def loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     grad_w = None
     for lo, hi in bounds:
         hc, y = h[lo:hi], targets[lo:hi]
-        z = F.linear(hc, weight).float()  # a new tensor in either precision: worked on in place below
-        tanh = None
-        if softcap:
-            tanh = z.div_(softcap).tanh_()
-            z = tanh * softcap
-        local = y - vocab_start
-        owned = (local >= 0) & (local < rows)
-        target = torch.where(owned, z.gather(1, local.clamp(0, rows - 1).unsqueeze(1)).squeeze(1), 0.0)
-        top = global_max(z.max(dim=1).values, comm)
-        e = z.sub_(top.unsqueeze(1)).exp_()
-        sums = global_sums(torch.stack([e.sum(dim=1), target]), comm)
+        z, tanh = chunk_logits(hc, weight, softcap)
+        local, owned = owned_targets(y, vocab_start, rows)
+        top, sums = exp_and_sums(z, local, owned, comm)
+        e = z
         trained = y != IGNORE
         losses[lo:hi] = torch.where(trained, top + sums[0].log() - sums[1], 0.0)
         if not (want_h or want_w):
@@ -299,6 +277,16 @@ def chunk_logits(hc: torch.Tensor, weight: torch.Tensor, softcap: float) -> tupl
     return tanh * softcap, tanh
 
 
+def exp_and_sums(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's largest logit over the TP group; [the sum of exp(logit - that max), the target's logit], summed
+    over the group: the log-sum-exp is max + log(sum)) of a chunk's logits `z` over this rank's rows, which become
+    exp(z - max) in place; `local`, `owned`: owned_targets'."""
+    target = torch.where(owned, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+    top = global_max(z.max(dim=1).values, comm)
+    sums = global_sums(torch.stack([z.sub_(top.unsqueeze(1)).exp_().sum(dim=1), target]), comm)
+    return top, sums
+
+
 def owned_targets(y: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(each target's row among this rank's, clamped into them; whether this rank holds it)."""
     local = y - vocab_start
@@ -319,9 +307,7 @@ class _TokenLogps(torch.autograd.Function):
             y = targets[lo:hi]
             z, _ = chunk_logits(h[lo:hi], weight, softcap)
             local, owned = owned_targets(y, vocab_start, rows)
-            target = torch.where(owned, z.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
-            top = global_max(z.max(dim=1).values, comm)
-            sums = global_sums(torch.stack([z.sub_(top.unsqueeze(1)).exp_().sum(dim=1), target]), comm)
+            top, sums = exp_and_sums(z, local, owned, comm)
             torch.add(top, sums[0].log(), out=lse[lo:hi])
             logps[lo:hi] = torch.where(y != IGNORE, sums[1] - lse[lo:hi], 0.0)
         ctx.save_for_backward(h, weight, targets, lse)
