@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from dist_jobs import summary
 
 from zerotrain.config import Config
 from zerotrain.parallel import Comm
-from zerotrain.training import preference
+from zerotrain.training import memory_plan, preference, reference_model
 from zerotrain.training.loop import train
 
 FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
@@ -40,3 +42,19 @@ def dpo_reference_by_position_job(cfg: Config, comm: Comm) -> dict:
         return dpo_job(cfg, comm)
     finally:
         preference.Preference.reference_of = real
+
+
+def dpo_reference_aliases_policy_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: full fine-tuning's live reference "copy" is the policy itself (aliased, not copied): right at
+    step 1, then it moves with training. (The strict memory plan sees the policy's padded flat buffer where the copy
+    should be, and would stop the run after step 1: here its difference is reported and the run goes on, so that
+    the losses tell.)"""
+    real, strict = reference_model.frozen_copy, os.environ.get(memory_plan.STRICT_ENV)
+    reference_model.frozen_copy = lambda cfg, engine: engine.model
+    os.environ[memory_plan.STRICT_ENV] = "0"
+    try:
+        return dpo_job(cfg, comm)
+    finally:
+        reference_model.frozen_copy = real
+        if strict is not None:
+            os.environ[memory_plan.STRICT_ENV] = strict

@@ -465,8 +465,9 @@ class ObjectiveConfig:
                                          "flipped (robust DPO's; 0: plain DPO)", rule=Rule("must be in [0, 0.5)",
                                                                                           lambda v: 0 <= v < 0.5))
     dpo_reference: str = setting("precomputed", "the reference log-probs: precomputed (from the initial weights, "
-                                 "before step 1, over every pair; stored with the checkpoints) or live (LoRA only: "
-                                 "the base with the adapters off, each step)", rule=one_of("precomputed", "live"))
+                                 "before step 1, over every pair; stored with the checkpoints) or live (each step: "
+                                 "with LoRA the base with the adapters off; in full fine-tuning a frozen copy of the "
+                                 "initial model, laid out like it)", rule=one_of("precomputed", "live"))
     simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", rule=NON_NEGATIVE)
 
 
@@ -671,9 +672,9 @@ def _check_dpo(cfg: Config) -> None:
     if is_mixture(cfg.data.source) or cfg.loop.epochs:
         raise ConfigError("--method dpo reads one file of preference pairs in --data and trains --steps: no mixture, "
                           "no --epochs")
-    if o.dpo_reference == "live" and not cfg.lora.rank:
-        raise ConfigError("--dpo-reference live is the base with the adapters off: it needs --lora-rank (full "
-                          "fine-tuning uses the precomputed reference)")
+    if o.dpo_reference == "live" and not cfg.lora.rank and cfg.parallel.zero == 3:
+        raise ConfigError("--zero 3 --dpo-reference live: a frozen reference copy sharded at ZeRO-3 is not built yet "
+                          "(full fine-tuning): use --zero 2, --dpo-reference precomputed, or --lora-rank")
     if cfg.loop.eval_every and not cfg.data.val_data and not cfg.data.val_fraction:
         raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo validates on held-out pairs: give "
                           "--val-fraction above 0 (a share of --data's records) or --val-data (a file of pairs)")

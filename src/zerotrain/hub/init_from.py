@@ -28,10 +28,11 @@ from zerotrain.checkpoint import (MANIFEST, CheckpointError, ShardedModel, has_m
                                    verify_or_raise)
 from zerotrain.checkpoint.stream import read_header, sha256_file
 from zerotrain.checkpoint.verify import _share
-from zerotrain.config import ModelConfig, setting_for
+from zerotrain.config import Config, ModelConfig, setting_for
 from zerotrain.data.tokenizer import TOKENIZER_FILE, read_tokenizer_file
 from zerotrain.errors import ConfigError
-from zerotrain.model import model_class
+from zerotrain.model import meta_model, model_class, parallelize
+from zerotrain.model.init import SeedValues
 
 from .export import INDEX_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS, HFMapping
@@ -312,3 +313,14 @@ def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: i
             pieces.append(torch.cat([count(lazy[c:d, a:b]).t() if transposed else count(lazy[a:b, c:d])
                                      for c, d in columns], dim=1))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def initial_model(cfg: Config, mesh) -> tuple[torch.nn.Module, object]:
+    """This rank's model on the meta device (its TP slice of it over `mesh` when --tp > 1) and the source of its
+    initial values: --init-from's files (FileValues), or else the seed (model/init.py's SeedValues). What the engine
+    fills its flat buffers from, and what a full fine-tuning's live DPO reference copies."""
+    model = meta_model(cfg.model)
+    slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
+    if cfg.checkpoint.init_from:
+        return model, FileValues(weight_source(cfg.checkpoint.init_from, verify=False), model, slices, mesh.tp_rank)
+    return model, SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)

@@ -16,9 +16,9 @@ from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, on_device
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
-from zerotrain.hub.init_from import FileValues, weight_source
-from zerotrain.model import ARCH_NAMES, meta_model, param_count, parallelize, summed_token_loss
-from zerotrain.model.init import SeedValues, materialise
+from zerotrain.hub.init_from import initial_model, weight_source
+from zerotrain.model import ARCH_NAMES, param_count, summed_token_loss
+from zerotrain.model.init import materialise
 from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
@@ -71,12 +71,7 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     materialised whole first, in the run's precision (stages 1 and 2), its adapters then added.
     """
     mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
-    model = meta_model(cfg.model)
-    slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
-    if cfg.checkpoint.init_from:
-        init = FileValues(weight_source(cfg.checkpoint.init_from, verify=False), model, slices, mesh.tp_rank)
-    else:
-        init = SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)
+    model, init = initial_model(cfg, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
         base_dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
         materialise(model, init, rank_device(cfg), base_dtype)
@@ -402,7 +397,8 @@ def _check_after_update(cfg: Config, run: _Run, done: int, after_update) -> None
         run.plan_checked = True
         # A state row off the plan is an event and a line here (an error under the tests: memory_plan.strict)
         warning = check_plan(run.plan, run.engine, run.mesh.world, run.saved_bytes[0] if run.saved_bytes else None,
-                             done, on_difference=lambda record, line: run.metrics.event(record, "warning: " + line))
+                             done, on_difference=lambda record, line: run.metrics.event(record, "warning: " + line),
+                             outside=run.objective.held_state())
         if warning:
             run.metrics.event({"event": "plan_activations", "step": done, "measured": run.saved_bytes[0],
                                "planned": run.plan.rows["activations"]}, "warning: " + warning)

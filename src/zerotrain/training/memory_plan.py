@@ -24,6 +24,9 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          head keeps its input, each token's log-sum-exp and the targets: vocab.token_logps)
     reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank;
                          with --eval-every, the held-out pairs' too
+    reference model      --method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial
+                         policy (training/reference_model.py), M x (4 | 2), M the rank's parameters unpadded (its TP
+                         slices and the replicated ones; a tied head once); no gradients, no optimizer state
     loss working set     activation_bytes' `working`: one chunk's fp32 logits (of this rank's vocabulary rows under
                          TP), while the loss runs; kept by nothing (--method dpo: the backward's, one chunk's
                          logits made again and the gradients of the head's input and weight)
@@ -72,6 +75,7 @@ from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import units_whole_bytes
 
+from . import reference_model
 from .invariants import InvariantError, held_bytes
 
 # The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
@@ -79,10 +83,10 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
         ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
-        ("reference", "reference log-probs (DPO)"),
+        ("reference", "reference log-probs (DPO)"), ("reference_model", "reference model (DPO live, full FT)"),
         ("loss_working_set", "loss working set (one chunk of logits)"),
         ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
-STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights")
+STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights", "reference_model")
 ACTIVATION_TOLERANCE = 0.10
 # The deepest model `largest_model` searches: deeper than any transformer trained at scale (Llama 3's 405B has 126
 # layers; DeepNet's deepest, 1,000). A plan of 1,024 Llama-3-8B blocks takes ~1.6 s to build on the meta device
@@ -159,6 +163,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "gradient_buckets": buckets,
         "activations": activations["total"] + adapter_activations(cfg, model, sequences),
         "reference": reference_bytes(cfg),
+        "reference_model": reference_model_bytes(cfg, model, psize),
         "loss_working_set": activations["working"],
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
@@ -177,6 +182,16 @@ def reference_bytes(cfg: Config) -> int:
         return 16 * sum(1 for path in [cfg.data.source, *held_out] for _ in iter_records(path))
     except (ConfigError, OSError):  # a plan made where the data is not
         return 0
+
+
+def reference_model_bytes(cfg: Config, model: torch.nn.Module, psize: int) -> int:
+    """--method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial policy, laid out as the
+    rank's policy (`model`: its TP slice, on the meta device), in the run's precision; 0 otherwise (a precomputed
+    reference is `reference_bytes`; LoRA's live reference is its base with the adapters off)."""
+    o = cfg.objective
+    if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE or o.dpo_reference != "live" or cfg.lora.rank:
+        return 0
+    return sum(p.numel() for p in model.parameters()) * psize
 
 
 def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -> int:
@@ -373,19 +388,23 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def measured_state(engine: ZeroEngine) -> dict[str, int]:
-    """The state rows as the engine holds them now (between steps)."""
+def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str, int]:
+    """The state rows as the engine holds them now (between steps); `outside`: what the objective holds beyond the
+    engine (its held_state: DPO's live reference copy, a module)."""
     master = engine.master.numel() * 4 if engine.master is not None else 0
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+    copy = (outside or {}).get("reference_model")
     return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
             "frozen_base": sum(p.numel() * p.element_size() for _, p in engine.frozen),
-            "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master}
+            "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master,
+            "reference_model": reference_model.held_bytes(copy)}
 
 
-def held_state_bytes(engine: ZeroEngine) -> int:
+def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
     """Bytes of the distinct storages behind every tensor the engine's attributes, its model's parameters and
-    their gradients, and its optimizer's state hold now: found by walking them, not through the engine's
-    accounting or its layout. AdamW's 0-dim step counters are left out, as the plan leaves them out."""
+    their gradients, and its optimizer's state hold now (and the parameters of the modules in `outside`): found by
+    walking them, not through the engine's accounting or its layout. AdamW's 0-dim step counters are left out, as
+    the plan leaves them out."""
     found: list[torch.Tensor] = []
 
     def walk(value) -> None:
@@ -400,6 +419,7 @@ def held_state_bytes(engine: ZeroEngine) -> int:
     walk(list(vars(engine).values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
     walk(list(engine.optimizer.state.values()))
+    walk([list(module.parameters()) for module in (outside or {}).values()])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found if t.dim() > 0}
     return sum(storages.values())
 
@@ -441,7 +461,7 @@ class PlanDifference:
 
 
 def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | None, step: int,
-          on_difference=None) -> str | None:
+          on_difference=None, outside: dict | None = None) -> str | None:
     """Check the plan against what every rank holds after `step`: the state exactly, row by row and as the total
     of the tensors found (`held_state_bytes`); the parameter and gradient peaks within the planned most.
 
@@ -450,10 +470,11 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     accounting difference is not a shortage. What a rank measured at its peak (its state, the parameters and
     gradients it held at once, the plan's activations and buffers) above its device's memory stops the run
     either way. Returns a warning line when the first micro-batch's saved activations (`saved_bytes`, rank 0's;
-    None: not counted) are off by more than 10%."""
-    held = measured_state(engine)
+    None: not counted) are off by more than 10%. `outside`: what the objective holds beyond the engine (DPO's live
+    reference copy), measured as the engine's state is."""
+    held = measured_state(engine, outside)
     param_peak = getattr(engine, "param_peak_bytes", held["parameters"])  # ZeRO-3: the shard and units whole
-    row = [held[k] for k in STATE] + [held_state_bytes(engine), param_peak, engine.grad_peak_bytes]
+    row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), param_peak, engine.grad_peak_bytes]
     rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
     differences = differences_from(plan, rows)
     if differences and (strict() or on_difference is None):
@@ -466,7 +487,7 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     for rank, measured in enumerate(rows):
         values = dict(zip(STATE, measured))
         peak = measured[-2] + measured[-1] + values["frozen_base"] + values["optimizer_state"] + \
-            values["master_weights"] + rest
+            values["master_weights"] + values["reference_model"] + rest
         if peak > device:
             raise InvariantError(f"memory plan failed at step {step}: rank {rank} held {peak:,} bytes at its peak "
                                  f"(measured state, parameters and gradients at once; planned activations and "

@@ -54,6 +54,9 @@ class TokenObjective:
     def extras(self) -> None:
         return None
 
+    def held_state(self) -> dict:
+        return {}
+
     def figures(self, totals: list[float], batch: StepBatch) -> dict:
         return {}
 

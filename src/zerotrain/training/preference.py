@@ -21,8 +21,13 @@ scores its share in micro-batches of --micro-batch pairs, every rank running the
 padded with pair 0: ZeRO-3's gathers are collective), and one all-reduce gives every rank all of them. Rank 0
 stores them beside the checkpoints (dpo_reference.safetensors, keyed by the sha256 of the pairs' tokens and of the
 base's weight files), and every checkpoint's manifest records the file's sha256: a resume reads them back, verified,
-and never scores them again from the trained policy; a resume with another base or other pairs is refused. With
-LoRA, --dpo-reference live scores each micro-batch again with the adapters off: the frozen base, no memory beyond it.
+and never scores them again from the trained policy; a resume with another base or other pairs is refused.
+
+--dpo-reference live scores each micro-batch's pairs again, without gradients, before the policy's forward: with
+LoRA, the base with the adapters off (no memory beyond it); in full fine-tuning, a frozen copy of the initial policy
+laid out like it (reference_model.py), built from the base before step 1 and again at a resume, whose manifests
+record the base's sha256 as the precomputed reference's do (a resume with another base is refused). Both score with
+the head's log-probs as the precomputed reference does, so live and precomputed give the same losses.
 
 With --eval-every, held-out pairs (--val-data, or --data's records that --val-fraction sets aside) are scored against
 the same reference: their log-probs are scored with the training pairs' and stored after them (pair n + j), and each
@@ -49,6 +54,7 @@ from zerotrain.errors import ConfigError
 from zerotrain.model.layers import head_loss
 from zerotrain.model.lora import adapters_off, dropout_rows
 
+from . import reference_model
 from .activations import saved_for_backward
 
 REFERENCE_FILE = "dpo_reference.safetensors"
@@ -107,6 +113,7 @@ class Preference:
     def __init__(self, cfg: Config):
         self.cfg, self.o = cfg, cfg.objective
         self.reference: torch.Tensor | None = None  # [pairs, 2] float64: the precomputed reference's log-probs
+        self.reference_model: torch.nn.Module | None = None  # full fine-tuning's live reference: the frozen copy
         self.record: dict = {}  # what the manifests record of the stored reference
         self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
         self.source: PreferenceSource | None = None
@@ -123,6 +130,11 @@ class Preference:
     @property
     def live(self) -> bool:
         return self.o.dpo_loss not in REFERENCE_FREE and self.o.dpo_reference == "live"
+
+    @property
+    def live_copy(self) -> bool:
+        """A live reference in full fine-tuning: a frozen copy of the initial policy (with LoRA: the base itself)."""
+        return self.live and not self.cfg.lora.rank
 
     def schedule(self, mesh) -> PreferenceSchedule:
         cfg, d, seq = self.cfg, self.cfg.data, self.cfg.model.seq_len
@@ -153,16 +165,19 @@ class Preference:
             return (f"--resume {path}: its run trained --method {theirs}; --method dpo resumes its own checkpoints "
                     "(start from this one's export with --init-from)")
         stored = manifest.get("dpo_reference")
-        if not self.precomputed:
+        if not (self.precomputed or self.live_copy):
             return None
         if stored is None:
-            return f"--resume {path}: its run kept no precomputed reference (--dpo-reference {self.o.dpo_reference})"
-        mine = {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}
-        if stored["base"] != mine:
+            kept = "precomputed reference" if self.precomputed else "record of its reference's base"
+            return f"--resume {path}: its run kept no {kept} (--dpo-reference {self.o.dpo_reference})"
+        mine = base_digests(base)
+        if stored["base"] != mine:  # a live copy is built from this run's base: the one the checkpoint's run had
             name = next((n for n in sorted(set(stored["base"]) | set(mine)) if stored["base"].get(n) != mine.get(n)))
             return (f"--init-from {self.cfg.checkpoint.init_from} is not the base the reference of {path} was scored "
                     f"on: its {name} has sha256 {str(mine.get(name))[:12]}..., the reference's "
                     f"{str(stored['base'].get(name))[:12]}...")
+        if self.live_copy:
+            return None
         if stored["data"] != pairs_digest(self.all_pairs()):
             held = " and its held-out pairs (--eval-every)" if self.held_out else ""
             return (f"--data {self.cfg.data.source}{held} (at --seq-len {self.cfg.model.seq_len}) is not the pairs "
@@ -171,7 +186,12 @@ class Preference:
 
     def prepare(self, engine, comm, manifest: dict, resumed_from: str | None, base: dict | None) -> dict:
         """Before step 1: the reference log-probs, read back (verified) when the run resumes, else scored from the
-        initial weights and stored; what the manifests record of them ({} without a precomputed reference)."""
+        initial weights and stored; what the manifests record of them ({} without a precomputed reference). A live
+        reference in full fine-tuning: the frozen copy, built from the base, resumed or not (its sha256 recorded)."""
+        if self.live_copy:
+            self.reference_model = reference_model.frozen_copy(self.cfg, engine)
+            self.record = {"live": "frozen copy", "base": base_digests(base)}
+            return {"dpo_reference": self.record}
         if not self.precomputed:
             return {}
         folder = self.cfg.checkpoint.dir
@@ -187,7 +207,7 @@ class Preference:
             self.reference = self.score_reference(engine)
             pairs = self.all_pairs()
             record = {"file": REFERENCE_FILE, "pairs": len(pairs), "data": pairs_digest(pairs),
-                      "base": {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}}
+                      "base": base_digests(base)}
             if self.held_out:  # the last ones: scored with the rest, stored and verified with them
                 record["held_out"] = len(self.held_out.pairs)
             if comm.rank == 0:
@@ -269,6 +289,9 @@ class Preference:
             rows = [2 * (first + b) for b in range(B)] + [2 * (first + b) + 1 for b in range(B)]
             first += B
             with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
+                # the reference first: its forward's working set is gone before the policy's activations are kept
+                reference = self.reference_of(engine, forward, micro, ids)
+
                 def scored() -> torch.Tensor:
                     return head_loss(forward, micro.inputs, micro.labels, sequence_logps, recompute)
 
@@ -278,7 +301,6 @@ class Preference:
                 else:
                     logps = scored()
                 policy, counts = logps[0].view(2, B), logps[1].view(2, B)
-                reference = self.reference_of(engine, forward, micro, ids)
                 losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
                 total = losses.sum()
                 if loss_factor != 1.0:
@@ -294,8 +316,16 @@ class Preference:
             return self.reference[ids].t().to(torch.float32).to(micro.inputs.device)
         if not self.live:
             return None
+        if self.reference_model is not None:  # full fine-tuning: the frozen copy of the initial policy
+            with torch.no_grad():
+                return head_loss(self.reference_model, micro.inputs, micro.labels, sequence_logps,
+                                 False)[0].view(2, len(ids))
         with torch.no_grad(), adapters_off(engine.model):
             return head_loss(forward, micro.inputs, micro.labels, sequence_logps, False)[0].view(2, len(ids))
+
+    def held_state(self) -> dict[str, torch.nn.Module]:
+        """What the objective holds beyond the engine, for the memory plan's check: the live reference's copy."""
+        return {"reference_model": self.reference_model} if self.reference_model is not None else {}
 
     def extras(self) -> torch.Tensor:
         """What the step's all-reduce sums besides the loss: this rank's STATS sums."""
@@ -306,6 +336,11 @@ class Preference:
         means = {k: v / batch.global_pairs for k, v in zip(STATS, totals)}
         means["rewards_margins"] = means["rewards_chosen"] - means["rewards_rejected"]
         return {"pairs": batch.global_pairs, **means}
+
+
+def base_digests(base: dict | None) -> dict[str, str]:
+    """Each --init-from weight file's sha256 by its name (WeightSource.record's), what the reference was made from."""
+    return {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}
 
 
 def write_reference(path: str, logps: torch.Tensor, record: dict) -> str:

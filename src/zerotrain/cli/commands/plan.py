@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from zerotrain.cli.flags import add_training_flags, config_from_args
-from zerotrain.config import Config
+from zerotrain.config import REFERENCE_FREE, Config
 from zerotrain.data import packs_records
 from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
@@ -26,6 +26,7 @@ HOW = {
     "gradient_buckets": "{buckets}",
     "activations": "saved for the backward, {B} x {T} tokens{recompute}",
     "reference": "{reference}",
+    "reference_model": "{reference_model}",
     "loss_working_set": "{loss}",
     "communication": "{comm}",
     "checkpoint_staging": "{staging}",
@@ -61,7 +62,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
-              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents)}
+              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
+              "dpo_reference": reference_costs(cfg, plan, documents)}
     print(json.dumps(report, indent=2) if args.json else table(cfg, report))
     return 0
 
@@ -80,6 +82,22 @@ def grad_reduce_costs(cfg: Config, total: int, documents: bool) -> dict:
         out["other"] = {"mode": other, "reduce_scatter_rounds": rounds[other],
                         "gradient_buckets": alt.rows["gradient_buckets"], "total": alt.total}
     return out
+
+
+def reference_costs(cfg: Config, plan, documents: bool) -> dict | None:
+    """What DPO's reference costs, both ways (None without one: sft, simpo, orpo): this run's --dpo-reference with
+    its rows, and the other one's rows and total. A precomputed reference holds 16 bytes a pair; a live one in full
+    fine-tuning a frozen copy of the model (LoRA's live reference is its base: nothing more)."""
+    o = cfg.objective
+    if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE:
+        return None
+    other = "precomputed" if o.dpo_reference == "live" else "live"
+    alt = memory_plan(dataclasses.replace(cfg, objective=dataclasses.replace(o, dpo_reference=other)),
+                      documents=documents)
+    return {"mode": o.dpo_reference, "reference": plan.rows["reference"],
+            "reference_model": plan.rows["reference_model"], "total": plan.total,
+            "other": {"mode": other, "reference": alt.rows["reference"],
+                      "reference_model": alt.rows["reference_model"], "total": alt.total}}
 
 
 def table(cfg: Config, r: dict) -> str:
@@ -111,6 +129,9 @@ def table(cfg: Config, r: dict) -> str:
         "B": f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"], "T": r["seq_len"],
         "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
                      "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
+        "reference_model": (f"a frozen copy of the initial policy, laid out as its parameters (M x {2 if bf16 else 4}"
+                            ", M unpadded): no gradients, no optimizer state") if r["rows"]["reference_model"] else
+                           "none: --dpo-reference live in full fine-tuning holds one" if dpo else "none (sft)",
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
@@ -137,6 +158,14 @@ def table(cfg: Config, r: dict) -> str:
                      f"{rounds(costs['reduce_scatter_rounds'])} a step; --grad-reduce {o['mode']} "
                      f"would take {rounds(o['reduce_scatter_rounds'])} and hold {gib(o['gradient_buckets'])} of gradient "
                      f"buckets, {gib(o['total'])} in all")
+    ref = r["dpo_reference"]
+    if ref is not None:
+        o = ref["other"]
+        held = {m: gib(c["reference"] + c["reference_model"]) for m, c in ((ref["mode"], ref), (o["mode"], o))}
+        lines.append(f"  --dpo-reference {ref['mode']}: {held[ref['mode']]} for the reference; --dpo-reference "
+                     f"{o['mode']} would hold {held[o['mode']]}, {gib(o['total'])} in all" +
+                     ("; live scores every pair again each step (a forward without gradients)"
+                      if "live" in (ref["mode"], o["mode"]) else ""))
     if r["device_memory"] is not None:
         fits = r["largest_micro_batch"]
         lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: " +
