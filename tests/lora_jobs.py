@@ -94,3 +94,73 @@ def lora_drifted_base_job(cfg: Config, comm: Comm) -> dict:
     except InvariantError as e:  # raised on every rank alike
         return {"invariant": str(e)}
     return {}
+
+
+def lora_whole_base_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: ZeRO-3 keeps the frozen base whole on every rank (its layout left empty, so the engine gives each
+    frozen parameter its own whole tensor, as stages 1 and 2 do; the plan counts it so too)."""
+    import os
+
+    from zerotrain.parallel import zero3
+    from zerotrain.parallel.layout import ShardLayout
+    from zerotrain.training import memory_plan
+
+    real, strict = zero3.frozen_layout_of, os.environ.get(memory_plan.STRICT_ENV)
+    zero3.frozen_layout_of = lambda model, world_size, bucket_numel: ShardLayout.build([], world_size, bucket_numel)
+    os.environ[memory_plan.STRICT_ENV] = "0"  # the plan's sharded base would stop the run before its summary
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        zero3.frozen_layout_of = real
+        os.environ[memory_plan.STRICT_ENV] = strict or ""
+
+
+def lora_lossy_resume_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a ZeRO-3 resume restores the adapters but not AdamW's second moments."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real = ZeroThreeEngine.load_shard_state_dict
+    ZeroThreeEngine.load_shard_state_dict = lambda self, sd: real(self, {**sd, "exp_avg_sq":
+                                                                         torch.zeros_like(sd["exp_avg_sq"])})
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        ZeroThreeEngine.load_shard_state_dict = real
+
+
+def lora_misread_base_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: ZeRO-3 fills each rank's share of the frozen base from the start of each tensor, not from the
+    range it owns."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real = ZeroThreeEngine._initial_range
+    ZeroThreeEngine._initial_range = lambda self, name, p, lo, hi: \
+        real(self, name, p, lo, hi) if p.requires_grad else real(self, name, p, 0, hi - lo)
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        ZeroThreeEngine._initial_range = real
+
+
+def lora_drifted_frozen_gather_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: from step 2 on, rank 1 computes with a frozen bucket one ulp off what the shards gather (its
+    copy of the base drifts; the shards themselves are intact)."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real = ZeroThreeEngine._gather_bucket
+
+    def drifted(self, index, *args, **kwargs):
+        real(self, index, *args, **kwargs)
+        if comm.rank == 1 and index >= len(self.layout.buckets) and self._updates >= 1:
+            with torch.no_grad():
+                value = self.bucket_params[index][0]
+                self.bucket_params[index][0] = torch.nextafter(value, torch.tensor(float("inf")))
+
+    ZeroThreeEngine._gather_bucket = drifted
+    try:
+        train(cfg, comm)
+    except InvariantError as e:  # raised on every rank alike
+        return {"invariant": str(e)}
+    finally:
+        ZeroThreeEngine._gather_bucket = real
+    return {}
