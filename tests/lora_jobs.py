@@ -164,3 +164,44 @@ def lora_drifted_frozen_gather_job(cfg: Config, comm: Comm) -> dict:
     finally:
         ZeroThreeEngine._gather_bucket = real
     return {}
+
+
+def frozen_copy_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
+    """A ZeRO-3 model (full fine-tuning, no step taken) and two all-frozen copies of it sharded like it
+    (zero3.shard_frozen_copy): one from the engine's shard, one drawn from the seed. Their logits under no_grad, the
+    model's own, what each rank held of a copy at most, and the refusal of a forward with gradients.
+    `planted`: the copies' blocks gather nothing (their units' buckets left out)."""
+    from zerotrain.model import meta_model
+    from zerotrain.model.init import SeedValues
+    from zerotrain.parallel import zero3
+    from zerotrain.training.loop import build_engine
+
+    real = zero3.unit_buckets
+    engine = build_engine(cfg, comm)
+    if planted:
+        zero3.unit_buckets = lambda model, layout, trained=True: [real(model, layout, trained)[0]] + \
+            [()] * (len(real(model, layout, trained)) - 1)
+    try:
+        copies = []
+        for source in ("like", "init"):
+            module = meta_model(cfg.model).requires_grad_(False)
+            copies.append(zero3.shard_frozen_copy(
+                module, engine.dp, bucket_numel=cfg.parallel.bucket_numel, like=engine if source == "like" else None,
+                init=SeedValues(cfg.model, cfg.loop.seed, {}, 0)))
+    finally:
+        zero3.unit_buckets = real
+    idx = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = {"held": [c.shard.numel() * c.shard.element_size() for c in copies]}
+    try:
+        with torch.no_grad():
+            out["logits"] = [c.module(idx) for c in copies] + [engine.model(idx)]
+        out["peak"] = [c.peak_bytes for c in copies]
+        out["after"] = [c.held_bytes() for c in copies]
+        copies[0].module(idx)  # with gradients
+    except Exception as e:  # noqa: BLE001 - the test reads which
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def ungathered_frozen_copy_job(cfg: Config, comm: Comm) -> dict:
+    return frozen_copy_job(cfg, comm, planted=True)

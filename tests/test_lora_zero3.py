@@ -17,6 +17,10 @@ from safetensors.torch import load_file
 from zerotrain import checkpoint
 from zerotrain.cli.main import main
 from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.model import meta_model
+from zerotrain.model.init import SeedValues, materialise
+from zerotrain.parallel import layout_of
+from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.memory_plan import memory_plan
 
@@ -43,6 +47,12 @@ def gpt2_config(out, **over):
     return cfg
 
 
+def copy_config(out, arch="llama"):
+    """Full fine-tuning at ZeRO-3 on 2 ranks (the policy of a preference run), for its frozen copies."""
+    shape = dict(n_head=4, n_kv_head=2, intermediate_size=64, tie_embeddings=False) if arch == "llama" else {}
+    return tiny_config(out, nproc=2, zero=3, steps=1, micro=2, seq_len=16, arch=arch, **shape)
+
+
 def halfway(cfg) -> str:
     return os.path.join(cfg.checkpoint.dir, checkpoint.step_name(2))
 
@@ -63,10 +73,15 @@ def two(tmp_path_factory):
             (lora_jobs.lora_lossy_resume_job, lora_config(tmp / "lossy", zero=3, resume=halfway(z3), **llama)),
             (lora_jobs.lora_misread_base_job, lora_config(tmp / "misread", zero=3, nproc=2, accum=2, steps=1)),
             (lora_jobs.lora_drifted_frozen_gather_job, lora_config(tmp / "drifted", zero=3, nproc=2,
-                                                                                check_every=1))]
+                                                                                check_every=1)),
+            (lora_jobs.frozen_copy_job, copy_config(tmp / "copy")),
+            (lora_jobs.frozen_copy_job, copy_config(tmp / "copy-gpt2", arch="gpt2")),
+            (lora_jobs.ungathered_frozen_copy_job, copy_config(tmp / "copy-planted"))]
     out = run_job(functools.partial(in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
-    return {**dict(zip(["z1", "z3", "gpt2 z1", "gpt2 z3", "resumed", "lossy", "misread", "drifted"], out)),
-            "z1 config": jobs[0][1], "z3 config": z3}
+    names = ["z1", "z3", "gpt2 z1", "gpt2 z3", "resumed", "lossy", "misread", "drifted", "copy", "copy gpt2",
+             "copy planted"]
+    return {**dict(zip(names, out)), "z1 config": jobs[0][1], "z3 config": z3, "copy config": jobs[-3][1],
+            "copy gpt2 config": jobs[-2][1]}
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +155,27 @@ def test_each_of_4_ranks_holds_and_reads_a_quarter_of_the_base_and_a_base_kept_w
     assert max(whole["frozen_bytes"]) / max(z1["frozen_bytes"]) > 0.3  # planted: the base whole on every rank
     # the plan counts the sharded base: what a rank holds of it (the run checked it, strict, after its first step)
     assert memory_plan(four["z3 config"]).rows["frozen_base"] == max(z3["frozen_bytes"])
+
+
+def test_a_frozen_copy_sharded_like_the_model_computes_the_unsharded_models_logits_and_an_ungathered_unit_is_caught(
+        two):
+    """zero3.shard_frozen_copy: an all-frozen model sharded over 2 ranks as ZeRO-3 shards the policy (its values copied
+    from the engine's shard, or drawn from the seed), whole per unit in its forward only."""
+    for name in ("copy", "copy gpt2"):
+        run, cfg = two[name], two[name + " config"]
+        module = materialise(meta_model(cfg.model), SeedValues(cfg.model, cfg.loop.seed, {}, 0))
+        with torch.no_grad():
+            whole = module(torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)))
+        like, drawn, policy = run["logits"]  # rank 0's
+        assert torch.equal(like, policy) and torch.equal(drawn, policy), name  # the same values, computed alike
+        assert rel([policy], [whole]) <= 1e-6, name  # another process's threads: float noise at most
+        full = sum(p.numel() * 4 for p in module.parameters())
+        assert all(held < 0.6 * full for held in run["held"]) and run["after"] == run["held"], name
+        # at most the shard and the root unit with the largest other unit whole: what the plan counts
+        module.requires_grad_(False)
+        none_trained, frozen = (f(module, 2, cfg.parallel.bucket_numel) for f in (layout_of, frozen_layout_of))
+        most = units_whole_bytes(module, none_trained, 4, frozen=frozen)
+        assert all(peak <= held + most for peak, held in zip(run["peak"], run["held"])), name
+        assert "call it under torch.no_grad()" in run["error"], name
+    # planted: the copies' blocks are never gathered
+    assert "was not gathered" in two["copy planted"]["error"]
