@@ -94,3 +94,114 @@ def lora_drifted_base_job(cfg: Config, comm: Comm) -> dict:
     except InvariantError as e:  # raised on every rank alike
         return {"invariant": str(e)}
     return {}
+
+
+def lora_whole_base_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: ZeRO-3 keeps the frozen base whole on every rank (its layout left empty, so the engine gives each
+    frozen parameter its own whole tensor, as stages 1 and 2 do; the plan counts it so too)."""
+    import os
+
+    from zerotrain.parallel import zero3
+    from zerotrain.parallel.layout import ShardLayout
+    from zerotrain.training import memory_plan
+
+    real, strict = zero3.frozen_layout_of, os.environ.get(memory_plan.STRICT_ENV)
+    zero3.frozen_layout_of = lambda model, world_size, bucket_numel: ShardLayout.build([], world_size, bucket_numel)
+    os.environ[memory_plan.STRICT_ENV] = "0"  # the plan's sharded base would stop the run before its summary
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        zero3.frozen_layout_of = real
+        os.environ[memory_plan.STRICT_ENV] = strict or ""
+
+
+def lora_lossy_resume_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a ZeRO-3 resume restores the adapters but not AdamW's second moments."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real = ZeroThreeEngine.load_shard_state_dict
+    ZeroThreeEngine.load_shard_state_dict = lambda self, sd: real(self, {**sd, "exp_avg_sq":
+                                                                         torch.zeros_like(sd["exp_avg_sq"])})
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        ZeroThreeEngine.load_shard_state_dict = real
+
+
+def lora_misread_base_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: ZeRO-3 fills each rank's share of the frozen base from the start of each tensor, not from the
+    range it owns."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real = ZeroThreeEngine._initial_range
+    ZeroThreeEngine._initial_range = lambda self, name, p, lo, hi: \
+        real(self, name, p, lo, hi) if p.requires_grad else real(self, name, p, 0, hi - lo)
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        ZeroThreeEngine._initial_range = real
+
+
+def lora_drifted_frozen_gather_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: from step 2 on, rank 1 computes with a frozen bucket one ulp off what the shards gather (its
+    copy of the base drifts; the shards themselves are intact)."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real = ZeroThreeEngine._gather_bucket
+
+    def drifted(self, index, *args, **kwargs):
+        real(self, index, *args, **kwargs)
+        if comm.rank == 1 and index >= len(self.layout.buckets) and self._updates >= 1:
+            with torch.no_grad():
+                value = self.bucket_params[index][0]
+                self.bucket_params[index][0] = torch.nextafter(value, torch.tensor(float("inf")))
+
+    ZeroThreeEngine._gather_bucket = drifted
+    try:
+        train(cfg, comm)
+    except InvariantError as e:  # raised on every rank alike
+        return {"invariant": str(e)}
+    finally:
+        ZeroThreeEngine._gather_bucket = real
+    return {}
+
+
+def frozen_copy_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
+    """A ZeRO-3 model (full fine-tuning, no step taken) and two all-frozen copies of it sharded like it
+    (zero3.shard_frozen_copy): one from the engine's shard, one drawn from the seed. Their logits under no_grad, the
+    model's own, what each rank held of a copy at most, and the refusal of a forward with gradients.
+    `planted`: the copies' blocks gather nothing (their units' buckets left out)."""
+    from zerotrain.model import meta_model
+    from zerotrain.model.init import SeedValues
+    from zerotrain.parallel import zero3
+    from zerotrain.training.loop import build_engine
+
+    real = zero3.unit_buckets
+    engine = build_engine(cfg, comm)
+    if planted:
+        zero3.unit_buckets = lambda model, layout, trained=True: [real(model, layout, trained)[0]] + \
+            [()] * (len(real(model, layout, trained)) - 1)
+    try:
+        copies = []
+        for source in ("like", "init"):
+            module = meta_model(cfg.model).requires_grad_(False)
+            copies.append(zero3.shard_frozen_copy(
+                module, engine.dp, bucket_numel=cfg.parallel.bucket_numel, like=engine if source == "like" else None,
+                init=SeedValues(cfg.model, cfg.loop.seed, {}, 0)))
+    finally:
+        zero3.unit_buckets = real
+    idx = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = {"held": [c.shard.numel() * c.shard.element_size() for c in copies]}
+    try:
+        with torch.no_grad():
+            out["logits"] = [c.module(idx) for c in copies] + [engine.model(idx)]
+        out["peak"] = [c.peak_bytes for c in copies]
+        out["after"] = [c.held_bytes() for c in copies]
+        copies[0].module(idx)  # with gradients
+    except Exception as e:  # noqa: BLE001 - the test reads which
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def ungathered_frozen_copy_job(cfg: Config, comm: Comm) -> dict:
+    return frozen_copy_job(cfg, comm, planted=True)

@@ -659,7 +659,7 @@ def apply_preset(cfg: Config, name: str) -> None:
 
 def _check_zero3(cfg: Config) -> None:
     """What --zero 3 does not compose with yet, refused in one line each."""
-    refused = [(cfg.loop.compile, "--compile"), (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}")]
+    refused = [(cfg.loop.compile, "--compile")]
     for bad, flag in refused:
         if bad:
             raise ConfigError(f"--zero 3 does not work with {flag} yet: use --zero 2 for it, or leave {flag} out")

@@ -162,11 +162,14 @@ def adapted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[st
             if isinstance(m, kinds) and n.rsplit(".", 1)[-1] in targets and n != "lm_head"]
 
 
-def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0, comm=None) -> dict[str, TPSlice]:
+def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0, comm=None, device=None,
+                 dtype=None) -> dict[str, TPSlice]:
     """Freeze `model` and give each target linear its adapters, in place; the TP slices of the split adapters.
 
     `comm`: the TP group under tensor parallelism (model.tp_slices holds its plan), else None. The adapters'
-    slices are added to model.tp_slices, and model.lora records `cfg`.
+    slices are added to model.tp_slices, and model.lora records `cfg`. The adapters are made on their base's device
+    in its dtype, or on `device` in `dtype` where given (a base left on the meta device, which ZeRO-3 fills shard by
+    shard: the adapters have their values at once).
     """
     freeze_base(model)
     base_slices = getattr(model, "tp_slices", {})
@@ -187,14 +190,14 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
             split = "row"
             slices[name + ".lora_A.weight"] = TPSlice(1, (cfg.rank, in_full), base_slice.parts)
             down = slices[name + ".lora_A.weight"].take(down, tp_rank)
-        device, dtype = module.weight.device, module.weight.dtype
-        module.lora_A = LoRADown(down.to(device, dtype), split, comm)
-        module.lora_B = LoRAUp(initial_up(module.weight.shape[0], cfg.rank).to(device, dtype),
+        at, kind = device or module.weight.device, dtype or module.weight.dtype
+        module.lora_A = LoRADown(down.to(at, kind), split, comm)
+        module.lora_B = LoRAUp(initial_up(module.weight.shape[0], cfg.rank).to(at, kind),
                                getattr(module, "replicas", None))
         # the full model's indices of the input features this rank holds: a row-parallel base's slice of them
         features = None
         if split == "row":
-            features = torch.cat([torch.arange(lo, hi, device=device) for lo, hi in base_slice.parts[tp_rank]])
+            features = torch.cat([torch.arange(lo, hi, device=at) for lo, hi in base_slice.parts[tp_rank]])
         # as peft: no dropout module at 0 (a dropout of 0 still copies its input in training)
         module.lora_dropout = (LoRADropout(cfg.dropout, index, features, in_full, rows) if cfg.dropout
                                else nn.Identity())

@@ -5,8 +5,8 @@ from .comm import Comm
 from .engine import GradientOrderError, StaleParameterError, ZeroEngine, layout_of, stage2_bucket_budget
 from .layout import Bucket, ParamSlot, ShardLayout, ShardPiece
 from .mesh import Mesh
-from .zero3 import ReleasedParameterError, ZeroThreeEngine
+from .zero3 import FrozenCopy, ReleasedParameterError, ZeroThreeEngine, shard_frozen_copy
 
-__all__ = ["Bucket", "Comm", "GradientOrderError", "Mesh", "ParamSlot", "ReleasedParameterError", "ShardLayout", "ShardPiece",
+__all__ = ["Bucket", "Comm", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ReleasedParameterError", "ShardLayout", "ShardPiece",
            "StaleParameterError",
-           "ZeroEngine", "ZeroThreeEngine", "layout_of", "stage2_bucket_budget"]
+           "ZeroEngine", "ZeroThreeEngine", "layout_of", "shard_frozen_copy", "stage2_bucket_budget"]

@@ -42,7 +42,8 @@ forward's output reaches (_reached_by_forward), and the end of a backward that r
 waiting, in bucket order on every rank (_end_backward).
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
-their own tensors, have no gradients or optimizer state and are never reduced; invariant (b) checks them too.
+their own tensors (stage 3 shards them too: zero3.py), have no gradients or optimizer state and are never reduced;
+invariant (b) checks them too.
 
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
 owned chunks of the parameter buffer (views, no copy), so state is 8 bytes per owned value; in bf16
@@ -724,6 +725,11 @@ class ZeroEngine:
                 if held:
                     rows[row] = tensor_digest(torch.cat([rows[row], *held]))
         return torch.stack(rows)
+
+    def frozen_bytes(self) -> int:
+        """Bytes this rank holds for the frozen parameters (a LoRA run's base): the distinct storages of their tensors,
+        each whole at stages 1 and 2 (ZeroThreeEngine's: its shard of them)."""
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, p in self.frozen}.values())
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps

@@ -43,6 +43,15 @@ a step) raises StaleParameterError instead. On CPU the prefetch is off unless as
 over loopback, 2 cores), width 256, a forward prefetch gave 1.07x stage 2's step against 1.09x (4 blocks, 4 MiB
 buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of overlap on 2 cores.
 
+Frozen parameters (a LoRA run's base) are sharded alike, in a flat layout of their own (frozen_layout_of: built as
+the trained one is), in the run's precision from the first value read or drawn: each rank holds its owned chunks of
+them (`frozen_shard`), and their buckets are gathered and released with the units they belong to, never reduced,
+with no gradient or optimizer state. No gradient says when a unit's backward has read its last frozen weight (one is
+read for its input's gradient alone), so a unit with frozen parameters is released for its backward as the previous
+unit's backward begins: that backward reads the gradient of the later unit's input, complete only once every node of
+the later unit that reads a weight has run. shard_frozen_copy shards a module whose every parameter is frozen the
+same way, with no engine (a preference run's live reference for full fine-tuning).
+
 With --tp the model holds this rank's TP slices and the replicated parameters, and all of the above runs over the DP
 group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
 in the block's backward, before the gradient reaches its bucket.
@@ -61,8 +70,11 @@ import torch
 
 from zerotrain.errors import ZeroTrainError
 
+from zerotrain.model import is_decayed
+
 from .digest import moved, tensor_digest
-from .engine import StaleParameterError, ZeroEngine, _Piece, adopt_view, in_backward, stage2_bucket_budget
+from .engine import (StaleParameterError, ZeroEngine, _Piece, adopt_view, frozen_parameters, in_backward,
+                     stage2_bucket_budget)
 from .layout import ShardLayout
 
 
@@ -117,35 +129,90 @@ def held_into_backward(model: torch.nn.Module) -> set[int]:
     return {0, len(model_units(model)) - 1} if untied_head(model) else {0}
 
 
-def unit_parameters(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Each unit's trained parameters (model_units' order): the other units' own; the root's, those in no other."""
+def unit_parameters(model: torch.nn.Module, trained: bool = True) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Each unit's trained parameters (or with `trained` False its frozen ones), in model_units' order: the other
+    units' own; the root's, those in no other."""
     units = model_units(model)
-    named = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # a tied parameter once
+    named = {id(p): n for n, p in model.named_parameters() if p.requires_grad == trained}  # a tied parameter once
     elsewhere = {id(p) for unit in units[1:] for m in unit for p in m.parameters()}
     out = [[(named[id(p)], p) for p in model.parameters() if id(p) in named and id(p) not in elsewhere]]
     out += [[(named[id(p)], p) for m in unit for p in m.parameters() if id(p) in named] for unit in units[1:]]
     return out
 
 
-def unit_buckets(model: torch.nn.Module, layout: ShardLayout) -> list[tuple[int, ...]]:
-    """The buckets each unit's parameters lie in (a bucket at a boundary is in both units' lists)."""
+def unit_buckets(model: torch.nn.Module, layout: ShardLayout, trained: bool = True) -> list[tuple[int, ...]]:
+    """The buckets each unit's parameters lie in (a bucket at a boundary is in both units' lists); `trained` False:
+    its frozen parameters' buckets, of their own layout (frozen_layout_of), where it holds them."""
     bucket_of = {s.name: s.bucket for s in layout.slots}
-    return [tuple(sorted({bucket_of[n] for n, _ in params})) for params in unit_parameters(model)]
+    return [tuple(sorted({bucket_of[n] for n, _ in params if n in bucket_of}))
+            for params in unit_parameters(model, trained)]
+
+
+def frozen_layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
+    """The flat layout stage 3 shards a model's frozen parameters in (a LoRA run's base, a frozen copy's every
+    parameter): built as the trained parameters' is (engine.layout_of), so an all-frozen copy of a model is laid out
+    exactly as the model that trains, bucket for bucket and rank for rank."""
+    named = frozen_parameters(model)
+    return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
 
 
 def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4,
-                      prefetch: bool = False) -> int:
+                      prefetch: bool = False, frozen: ShardLayout | None = None) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
     the backward) with the largest other unit, or with `prefetch` the largest two neighbouring ones (the one running
     and the one being gathered for next). A unit's backward gathers it after the next unit's last gradient has
-    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), so without a prefetch two
-    of them are never whole together; the run's check of the plan would say so if they were."""
-    units = unit_buckets(model, layout)
-    root, others = set(units[0]), units[1:] or [()]
+    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), or with frozen parameters
+    (`frozen`, their layout) after the next unit's release (ZeroThreeEngine._gather_for_backward), so without a
+    prefetch two of them are never whole together; the run's check of the plan would say so if they were."""
+    size = {("t", b.index): b.end - b.start for b in layout.buckets}
+    units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
+    if frozen is not None:
+        size.update({("f", b.index): b.end - b.start for b in frozen.buckets})
+        units = [u | {("f", b) for b in f} for u, f in zip(units, unit_buckets(model, frozen, trained=False))]
+    root, others = units[0], units[1:] or [set()]
     if prefetch and len(others) > 1:
-        others = [a + b for a, b in zip(others, others[1:])]
-    size = {b.index: b.end - b.start for b in layout.buckets}
-    return element_size * max(sum(size[b] for b in root | set(unit)) for unit in others)
+        others = [a | b for a, b in zip(others, others[1:])]
+    return element_size * max(sum(size[b] for b in root | unit) for unit in others)
+
+
+def shard_into_buckets(layout: ShardLayout, params: list[torch.nn.Parameter], shard: torch.Tensor, rank: int,
+                       values: Callable | None) -> list[torch.Tensor]:
+    """Fill `shard` with rank `rank`'s owned chunks of `layout`, `values(name, p, lo, hi)` giving values [lo, hi) of
+    parameter p flattened (this rank's TP slice of it), the only ones read or drawn (None: `shard` holds them
+    already); a parameter with nothing owned here is never computed or read. Every parameter becomes a view of its
+    bucket's full-size buffer, whose storage is released (0 bytes): the buffers, in bucket order."""
+    by_bucket: dict[int, list] = {}
+    for s, p in zip(layout.slots, params):
+        by_bucket.setdefault(s.bucket, []).append((s, p))
+    buffers = []
+    with torch.no_grad():
+        for b in layout.buckets:
+            buffer = torch.empty(b.end - b.start, dtype=shard.dtype, device=shard.device)  # never written: no pages
+            lo, hi = b.chunk(rank, layout.world_size)
+            for s, p in by_bucket[b.index]:
+                first, last = max(lo, s.offset), min(hi, s.offset + s.numel)  # its values this rank owns
+                if last > first and values is not None:
+                    shard[b.shard_offset + first - lo : b.shard_offset + last - lo] = \
+                        values(s.name, p, first - s.offset, last - s.offset)
+                adopt_view(p, buffer[s.offset - b.start : s.offset - b.start + s.numel].view(s.shape))
+            buffer.untyped_storage().resize_(0)  # the views keep their shapes, not its bytes
+            buffers.append(buffer)
+    return buffers
+
+
+def gather_bucket(dp, layout: ShardLayout, shard: torch.Tensor, buffer: torch.Tensor, index: int, purpose: str,
+                  async_op: bool = False):
+    """All-gather bucket `index` of `layout` into its full-size `buffer` (its storage allocated again) from the DP
+    group's shards; the work handle with `async_op`."""
+    b = layout.buckets[index]
+    buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+    c = b.chunk_numel(dp.world_size)
+    return dp.all_gather(buffer, shard[b.shard_offset : b.shard_offset + c], purpose, async_op=async_op)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a released bucket's view: none)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 class ZeroThreeEngine(ZeroEngine):
@@ -156,6 +223,8 @@ class ZeroThreeEngine(ZeroEngine):
         """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. _ignored: stage 1's
         and 2's reduce_in_backward; stage 3 always reduces in backward."""
         self.prefetch = gather_in_forward
+        # The frozen parameters (a LoRA run's base) in a layout of their own, sharded like the trained ones
+        self.frozen_layout = frozen_layout_of(model, dp.world_size, bucket_numel)
         super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
                          gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce,
                          init=init, device=device)
@@ -164,29 +233,22 @@ class ZeroThreeEngine(ZeroEngine):
     def _build_flat_buffers(self) -> None:
         """The shard: for each parameter, its values (this rank's TP slice of them) where its flat range lies in
         this rank's owned chunks, and only those read or drawn (the source's flat_values); a parameter with nothing
-        owned here is never computed or read. Every
-        parameter becomes a view of its bucket's full-size buffer, whose storage is held only while gathered."""
+        owned here is never computed or read. Every parameter becomes a view of its bucket's full-size buffer, whose
+        storage is held only while gathered. The frozen parameters alike, in their own layout and shard
+        (`frozen_shard`, in the run's precision from the first value), gathered with the units they belong to and
+        never reduced: bucket i of frozen_layout is bucket len(layout.buckets) + i of the engine's lists."""
         L, device = self.layout, self.device
         W, rank = self.dp.world_size, self.dp.rank
         # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
-        self.bucket_params: list[torch.Tensor] = []  # each bucket's full-size buffer, its storage held only while whole
-        by_bucket: dict[int, list] = {}
-        for s, p in zip(L.slots, self.params):
-            by_bucket.setdefault(s.bucket, []).append((s, p))
-        with torch.no_grad():
-            for b in L.buckets:
-                buffer = torch.empty(b.end - b.start, dtype=dtype, device=device)  # never written: no pages touched
-                lo, hi = b.chunk(rank, W)
-                for s, p in by_bucket[b.index]:
-                    first, last = max(lo, s.offset), min(hi, s.offset + s.numel)  # its values this rank owns
-                    if last > first:
-                        values = self._initial_range(s.name, p, first - s.offset, last - s.offset)
-                        self.flat_params[b.shard_offset + first - lo : b.shard_offset + last - lo] = values
-                    adopt_view(p, buffer[s.offset - b.start : s.offset - b.start + s.numel].view(s.shape))
-                buffer.untyped_storage().resize_(0)  # the views keep their shapes, not its bytes
-                self.bucket_params.append(buffer)
+        self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
+        by_name = dict(self.model.named_parameters())
+        frozen = [by_name[s.name] for s in self.frozen_layout.slots]
+        # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held only while whole
+        self.bucket_params: list[torch.Tensor] = \
+            shard_into_buckets(L, self.params, self.flat_params, rank, self._initial_range) + \
+            shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, self._initial_range)
         self.flat_grads = torch.zeros(0, device=device)
         self.grad_accum = self.flat_grads
         self._grad_views, self._awaiting = None, set()  # gradients go to the buckets, as at stage 2
@@ -203,6 +265,31 @@ class ZeroThreeEngine(ZeroEngine):
         self._gather_drift = self._no_drift(1 if self.mesh.tp_size == 1 else 2 + (self.mesh.kv_replicas > 1))
         self.param_peak_bytes = self.param_bytes()
 
+    def _materialise_outside_layout(self) -> None:
+        """A parameter on the meta device that neither layout holds gets its own tensor, in the run's precision (the
+        frozen parameters are sharded: _build_flat_buffers)."""
+        held = {s.name for s in self.layout.slots} | {s.name for s in self.frozen_layout.slots}
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name not in held and p.is_meta:
+                    adopt_view(p, self._initial_value(name, p).to(self.device, dtype))
+                elif name not in held and not p.requires_grad:
+                    p.data = p.data.to(dtype)
+
+    def frozen_bytes(self) -> int:
+        """Bytes this rank holds for the frozen parameters now: its frozen shard, and whatever storage the frozen
+        parameters have of their own (none between steps: their buckets are released)."""
+        return storage_bytes([self.frozen_shard, *(p for _, p in self.frozen)])
+
+    def _bucket_source(self, index: int) -> tuple[ShardLayout, int, torch.Tensor, int]:
+        """Bucket `index` of the engine's lists: its layout, its index there, the shard it is gathered from, and where
+        its layout starts in the digests' positions (the frozen layout's after the trained one's)."""
+        B = len(self.layout.buckets)
+        if index < B:
+            return self.layout, index, self.flat_params, 0
+        return self.frozen_layout, index - B, self.frozen_shard, self.layout.padded_numel
+
     def _owned_params(self, pc: _Piece) -> torch.Tensor:
         return self.flat_params[pc.shard_lo : pc.shard_hi]  # flat_params is the shard
 
@@ -214,7 +301,20 @@ class ZeroThreeEngine(ZeroEngine):
         """Stage 2's gradient hooks, and the units' gather and release hooks."""
         super()._register_hooks()
         self.units = model_units(self.model)
-        self.unit_buckets = unit_buckets(self.model, self.layout)
+        B = len(self.layout.buckets)
+        frozen_buckets = unit_buckets(self.model, self.frozen_layout, trained=False)
+        self.unit_buckets = [t + tuple(B + f for f in fb) for t, fb in zip(unit_buckets(self.model, self.layout),
+                                                                          frozen_buckets)]
+        # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
+        # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
+        self._frozen_units = [u for u, fb in enumerate(frozen_buckets) if fb]
+        # parameter -> its bucket in the engine's lists, and its unit (the frozen ones too: check_whole)
+        self._bucket_index = {id(p): s.bucket for s, p in zip(self.layout.slots, self.params)}
+        by_name = dict(self.model.named_parameters())
+        self._param_name = {id(p): n for n, p in by_name.items()}
+        self._bucket_index.update({id(by_name[s.name]): B + s.bucket for s in self.frozen_layout.slots})
+        self._param_unit = {id(p): u for trained in (True, False)
+                            for u, unit in enumerate(unit_parameters(self.model, trained)) for _, p in unit}
         self._held_into_backward = held_into_backward(self.model)
         first, end = (2, len(self.units) - 1) if untied_head(self.model) else (1, len(self.units))
         self._blocks = set(range(first, end))  # the transformer blocks' units
@@ -232,7 +332,7 @@ class ZeroThreeEngine(ZeroEngine):
             unit[0].register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
             unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
-        head = self._unit_of[id(self.model.lm_head.weight)]
+        head = self._param_unit[id(self.model.lm_head.weight)]
         self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
         # The saved-tensor hooks are entered and left around the model's own forward, in one place: an exception
         # in it (out of memory, a refused batch) leaves none on the thread's stack (hooks entered by the root's
@@ -309,10 +409,10 @@ class ZeroThreeEngine(ZeroEngine):
         """Raise unless every parameter of `unit` is in a gathered bucket (from the modules' parameters, not the unit's
         list)."""
         for p in (p for module in self.units[unit] for p in module.parameters()):
-            s = self._slot_of.get(id(p))
-            if s is not None and self._unit_of.get(id(p)) == unit and s.bucket not in self.whole:
-                raise ReleasedParameterError(f"{s.name} was used while its bucket {s.bucket} was not gathered "
-                                             f"(unit {unit})")
+            b = self._bucket_index.get(id(p))
+            if b is not None and self._param_unit.get(id(p)) == unit and b not in self.whole:
+                raise ReleasedParameterError(f"{self._param_name[id(p)]} was used while its bucket {b} was not "
+                                             f"gathered (unit {unit})")
 
     def release_unit(self, unit: int, phase: str) -> None:
         """`unit` no longer needs its buckets for `phase`; a bucket no unit holds is released."""
@@ -343,12 +443,10 @@ class ZeroThreeEngine(ZeroEngine):
         by gather_unit or release_all). Counted apart from stages 1 and 2's one round per step ("all_gather_params"),
         which stage 3 never runs: a gather a unit waits for at once as "all_gather_units", a prefetch as
         "prefetch_units" (invariant (b) gathers nothing: param_digests)."""
-        b, buffer = self.layout.buckets[index], self.bucket_params[index]
-        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        c = b.chunk_numel(self.dp.world_size)
+        layout, local, shard, _ = self._bucket_source(index)
         self._gathered_at[index] = self._updates
-        work = self.dp.all_gather(buffer, self.flat_params[b.shard_offset : b.shard_offset + c],
-                                  "prefetch_units" if async_op else "all_gather_units", async_op=async_op)
+        work = gather_bucket(self.dp, layout, shard, self.bucket_params[index], local,
+                             "prefetch_units" if async_op else "all_gather_units", async_op=async_op)
         if async_op:
             self._in_flight[index] = work
         else:
@@ -379,6 +477,14 @@ class ZeroThreeEngine(ZeroEngine):
     def _gather_for_backward(self, unit: int) -> None:
         """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next."""
         if any((unit, "backward") not in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
+            if unit > 0:
+                # The later units' backward has ended: this one's reads their gradient of its output, complete only
+                # once every node of theirs that reads a weight has run. A unit with frozen weights goes now (a
+                # bucket this unit shares with it, whole, is claimed first: kept, not gathered again).
+                for b in self.whole.intersection(self.unit_buckets[unit]):
+                    self._holds.setdefault(b, set()).add((unit, "backward"))
+                for later in (u for u in self._frozen_units if u > unit):
+                    self.release_unit(later, "backward")
             self.gather_unit(unit, "backward")
             self.check_whole(unit)
             self._prefetch_after(unit, backward=True)
@@ -429,9 +535,10 @@ class ZeroThreeEngine(ZeroEngine):
         self._at_end_of_backward()  # every backward, reducing or not: its units are released at its end
         unit = self._unit_of[id(p)]
         self._arrived[unit] += 1
-        if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's backward is done
+        if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's trained parameters have their gradients
             self._arrived[unit] = 0
-            self.release_unit(unit, "backward")
+            if unit not in self._frozen_units:  # else its frozen weights may still be read (_gather_for_backward)
+                self.release_unit(unit, "backward")
 
     def _unit_waits(self) -> list[int]:
         """How many gradients each unit waits for in this backward: its parameters the forward reached (every one
@@ -505,30 +612,45 @@ class ZeroThreeEngine(ZeroEngine):
         as gathered (no traffic: the unit gathers it anyway); what differs (a stale or wrong copy) is added to this
         rank's rows at the next check, which then differ from its DP group's.
         """
-        if self.mesh.tp_size == 1:
-            kinds = [[(0, self.layout.padded_numel)]]
-        else:
-            kinds = [self._replicated_flat, self._sliced_flat] + \
-                ([self._kv_shared_flat] if self.mesh.kv_replicas > 1 else [])
+        kinds = self._digest_kinds()
         self._land_prefetches()
-        L, W, rank = self.layout, self.dp.world_size, self.dp.rank
-        per_bucket = torch.zeros(len(L.buckets), len(kinds), 2, dtype=torch.int64, device=self.flat_params.device)
-        for b in L.buckets:
+        W, rank = self.dp.world_size, self.dp.rank
+        per_bucket = torch.zeros(len(self.bucket_params), len(kinds[0]), 2, dtype=torch.int64,
+                                 device=self.flat_params.device)
+        for index in range(len(self.bucket_params)):
+            layout, local, shard, start = self._bucket_source(index)
+            b = layout.buckets[local]
             lo, hi = b.chunk(rank, W)
-            for k, ranges in enumerate(kinds):
+            for k, ranges in enumerate(kinds[index >= len(self.layout.buckets)]):
                 inside = [(max(a, lo) - lo + b.shard_offset, min(z, hi) - lo + b.shard_offset)
                           for a, z in ranges if a < hi and z > lo]  # where in the shard
                 if inside:
-                    per_bucket[b.index, k] = moved(tensor_digest(self.flat_params.detach(), inside),
-                                                   lo - b.shard_offset)
+                    per_bucket[index, k] = moved(tensor_digest(shard.detach(), inside), start + lo - b.shard_offset)
         self.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
         rows = per_bucket.sum(0) + torch.stack([torch.stack(pair) for pair in self._gather_drift])
-        self._gather_drift = self._no_drift(len(kinds))
+        self._gather_drift = self._no_drift(len(kinds[0]))
         # What the next gathers must give, as integers (the check reads its rows on the host anyway)
         self._expected_gathers = (self._updates, kinds, per_bucket.tolist(), set())
         if len(rows) == 1:
             rows = torch.cat([rows, torch.zeros_like(rows)])
         return rows
+
+    def _digest_kinds(self) -> tuple[list, list]:
+        """The flat ranges of each row of param_digests, in the trained layout and in the frozen one: everything in
+        one row without TP; with TP the replicated values, this rank's TP slices and with KV groups the KV heads'
+        slices (the frozen base's KV slices are in the sliced row, as stages 1 and 2 digest them)."""
+        if self.mesh.tp_size == 1:
+            return [[(0, self.layout.padded_numel)]], [[(0, self.frozen_layout.padded_numel)]]
+        trained = [self._replicated_flat, self._sliced_flat] + ([self._kv_shared_flat] if self.mesh.kv_replicas > 1
+                                                                else [])
+        sliced = sorted((s.offset, s.offset + s.numel) for s in self.frozen_layout.slots
+                        if s.name in self.model_slices)
+        replicated, at = [], 0
+        for lo, hi in sliced + [(self.frozen_layout.padded_numel, self.frozen_layout.padded_numel)]:
+            if lo > at:
+                replicated.append((at, lo))
+            at = hi
+        return trained, [replicated, sliced] + [[]] * (len(trained) - 2)
 
     def _verify_gather(self, index: int) -> None:
         """The first gather of bucket `index` since the last check, before the shard's next update: its digest as
@@ -538,13 +660,14 @@ class ZeroThreeEngine(ZeroEngine):
             return
         _, kinds, per_bucket, verified = expected
         verified.add(index)
-        b, buffer = self.layout.buckets[index], self.bucket_params[index].detach()
-        for k, ranges in enumerate(kinds):
+        layout, local, _, start = self._bucket_source(index)
+        b, buffer = layout.buckets[local], self.bucket_params[index].detach()
+        for k, ranges in enumerate(kinds[index >= len(self.layout.buckets)]):
             inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges
                       if lo < b.end and hi > b.start]  # positions counted from the bucket's start
             if inside:
-                drift = moved(tensor_digest(buffer, inside), b.start) - torch.tensor(per_bucket[index][k],
-                                                                                       device=buffer.device)
+                drift = moved(tensor_digest(buffer, inside), start + b.start) - \
+                    torch.tensor(per_bucket[index][k], device=buffer.device)
                 self._gather_drift[k][0] += drift[0]
                 self._gather_drift[k][1] += drift[1]
 
@@ -574,3 +697,103 @@ class ZeroThreeEngine(ZeroEngine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's parameters by name, fp32 on the CPU: a collective of the DP group."""
         return self.full_tensors(self.gathered_flat())
+
+
+class FrozenCopy:
+    """A module whose every parameter is frozen, sharded over a DP group as stage 3 shards a model (shard_frozen_copy
+    builds it): each rank holds its owned chunks (`shard`); a unit's buckets are whole only while its forward runs,
+    and nothing is whole between forwards. Forward only, without gradients."""
+
+    def __init__(self, module: torch.nn.Module, dp, layout: ShardLayout, shard: torch.Tensor,
+                 buffers: list[torch.Tensor]):
+        self.module, self.dp, self.layout, self.shard, self.buffers = module, dp, layout, shard, buffers
+        self.units = model_units(module)
+        self.unit_buckets = unit_buckets(module, layout, trained=False)
+        self._holds = [0] * len(buffers)  # bucket -> the units running that hold it
+        self.peak_bytes = self.held_bytes()
+        bucket_of = {s.name: s.bucket for s in layout.slots}
+        self._checked = [[(n, p, bucket_of[n]) for n, p in unit] for unit in unit_parameters(module, trained=False)]
+        for index, unit in enumerate(self.units):
+            unit[0].register_forward_pre_hook(lambda _m, _a, u=index: self._enter(u))
+            unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave(u))
+        forward = module.forward
+
+        def forward_then_release(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            finally:  # whether it returns or raises: nothing stays whole
+                self.release_all()
+
+        module.forward = forward_then_release
+
+    def _enter(self, unit: int) -> None:
+        if torch.is_grad_enabled():
+            raise ZeroTrainError("a frozen copy computes without gradients (its units are released after their "
+                                 "forward): call it under torch.no_grad()")
+        for b in self.unit_buckets[unit]:
+            if not self._holds[b]:
+                gather_bucket(self.dp, self.layout, self.shard, self.buffers[b], b, "all_gather_units")
+            self._holds[b] += 1
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+        for name, _, b in self._checked[unit]:
+            if not self._holds[b]:
+                raise ReleasedParameterError(f"{name} of a frozen copy was used while its bucket {b} was not "
+                                             f"gathered (unit {unit})")
+
+    def _leave(self, unit: int) -> None:
+        for b in self.unit_buckets[unit]:
+            self._holds[b] = max(self._holds[b] - 1, 0)
+            if not self._holds[b]:
+                self.buffers[b].untyped_storage().resize_(0)
+
+    def release_all(self) -> None:
+        """Release every bucket (a forward that raised midway leaves none whole)."""
+        self._holds = [0] * len(self.buffers)
+        for buffer in self.buffers:
+            buffer.untyped_storage().resize_(0)
+
+    def held_bytes(self) -> int:
+        """Bytes held now: the shard and the buckets whole at the moment."""
+        return storage_bytes([self.shard, *self.buffers])
+
+
+def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precision: str = "fp32", device=None,
+                      init=None, like: ZeroThreeEngine | None = None) -> FrozenCopy:
+    """Shard `module`, whose every parameter is frozen (a model of zerotrain's, this rank's TP slice of it under TP),
+    over the DP group `dp` as ZeRO-3 shards a model: each rank keeps its owned chunks of the module's flat layout
+    (frozen_layout_of: the layout a model of the same architecture trains in at this world size and `bucket_numel`),
+    in `precision`; the module's units (model_units) gather their buckets for their forward and release them after
+    it, as the engine's do. No gradients, no optimizer, nothing reduced; the module runs under torch.no_grad(). A
+    preference run's live reference for full fine-tuning is such a copy of the policy, sharded like it.
+
+    The values: with `like`, the ZeroThreeEngine of the model this copies (same architecture, same `dp`, the same
+    layout), that engine's shard as it is now, copied on each rank (nothing read, drawn or sent); else, for a module
+    on the meta device, `init`'s (model/init.py's SeedValues, --init-from's FileValues: the owned ranges alone read
+    or drawn); else the module's own values (every rank's must be equal). The module's parameters become views of
+    the copy's buckets: keep the returned FrozenCopy (its shard is what the module holds).
+    """
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    if trained:
+        raise ValueError(f"shard_frozen_copy takes a module whose every parameter is frozen; {trained[0]} "
+                         f"requires grad (call module.requires_grad_(False) first)")
+    layout = frozen_layout_of(module, dp.world_size, bucket_numel)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    by_name = dict(module.named_parameters())
+    params = [by_name[s.name] for s in layout.slots]
+    if like is not None:
+        same = [(s.name, s.shape, s.offset) for s in layout.slots] == \
+            [(s.name, s.shape, s.offset) for s in like.layout.slots] and layout.buckets == like.layout.buckets
+        if not same or like.dp.world_size != dp.world_size:
+            raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model (another "
+                             "architecture, world size or bucket_numel)")
+        shard = like.flat_params.detach().to(dtype).clone()
+        return FrozenCopy(module, dp, layout, shard, shard_into_buckets(layout, params, shard, dp.rank, None))
+    device = device if device is not None else next((p.device for p in params if not p.is_meta), "cpu")
+
+    def values(name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        if p.is_meta:
+            return init.flat_values(name, tuple(p.shape), lo, hi)
+        return p.detach().reshape(-1)[lo:hi]
+
+    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    return FrozenCopy(module, dp, layout, shard, shard_into_buckets(layout, params, shard, dp.rank, values))

@@ -68,14 +68,17 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
     from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
     at a time: stage 3 keeps only its owned chunks, so no rank holds the whole model. A LoRA run's frozen base is
-    materialised whole first, in the run's precision (stages 1 and 2), its adapters then added.
+    materialised whole first, in the run's precision, at stages 1 and 2; at stage 3 it stays on the meta device until
+    the engine fills its shard of it (its owned ranges alone read or drawn). Its adapters are made at once.
     """
     mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
     model, init = initial_model(cfg, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
         base_dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
-        materialise(model, init, rank_device(cfg), base_dtype)
-        add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None)
+        if cfg.parallel.zero < 3:  # stage 3 fills its shard of the base from `init`, as it does the trained values
+            materialise(model, init, rank_device(cfg), base_dtype)
+        add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None,
+                     device=rank_device(cfg), dtype=base_dtype)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
@@ -568,12 +571,13 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
         invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
         engine.init_bytes_read,  # what building this rank's share of the model read from --init-from's files
         engine.init_values_drawn,  # ... or drew from the seed
+        engine.frozen_bytes(),  # the frozen parameters (a LoRA run's base) it holds: ZeRO-3's shard of them
         peaks["peak_host_bytes"],
         *([peaks["peak_device_bytes"]] if "peak_device_bytes" in peaks else []),
     ], dtype=torch.int64)
     rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
     keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "init_bytes_read",
-            "init_values_drawn", "peak_rss_bytes", "peak_device_bytes")
+            "init_values_drawn", "frozen_bytes", "peak_rss_bytes", "peak_device_bytes")
     return {key: [int(r[i]) for r in rows] for i, key in enumerate(keys[:len(row)])}
 
 

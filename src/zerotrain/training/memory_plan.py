@@ -5,9 +5,11 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
 
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
                          stage 3: shard x (4 | 2)                             the owned chunks (fp32: the masters)
-    parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2)
+    parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2),
+                         the frozen base's buckets among them
                          (zero3.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
+                         stage 3: its own layout's shard x (4 | 2), gathered with the units (parameter units)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
                          (on one DP rank no shard: it is the fp32 buffer itself; on one rank in fp32, no
                          buffer: unpadded P x 4, autograd's own gradients)
@@ -73,7 +75,7 @@ from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
-from zerotrain.parallel.zero3 import units_whole_bytes
+from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 
 from . import reference_model
 from .invariants import InvariantError, held_bytes
@@ -137,7 +139,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     L = layout_of(model, dp, p.bucket_numel)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
-    units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward) if p.zero == 3 else 0
+    frozen = frozen_layout_of(model, dp, p.bucket_numel) if p.zero == 3 else None  # stage 3 shards the frozen base
+    units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, frozen=frozen) if p.zero == 3 else 0
     if keeps_autograd_grads(p.zero, p.precision, dp, tp):
         grads = L.numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
         buckets = 0
@@ -156,7 +159,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     rows = {
         "parameters": (shard if p.zero == 3 else padded) * psize,  # ZeRO-3: the owned chunks only
         "parameter_units": units,
-        "frozen_base": sum(p.numel() for _, p in frozen_parameters(model)) * psize,
+        "frozen_base": (frozen.shard_numel if frozen is not None else
+                        sum(p.numel() for _, p in frozen_parameters(model))) * psize,
         "gradients": grads,
         "optimizer_state": shard * 8,
         "master_weights": shard * 4 if p.precision == "bf16" else 0,
@@ -395,7 +399,7 @@ def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str,
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
     copy = (outside or {}).get("reference_model")
     return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
-            "frozen_base": sum(p.numel() * p.element_size() for _, p in engine.frozen),
+            "frozen_base": engine.frozen_bytes(),
             "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master,
             "reference_model": reference_model.held_bytes(copy)}
 
