@@ -17,8 +17,10 @@ VAL_FIGURES = ("val_loss",) + tuple(f"val_{k}" for k in FIGURES)  # --eval-every
 
 
 def log_of(result) -> dict:
-    """The run's log with the preference figures of each step, and the validation's of the steps that have one."""
+    """The run's log with the preference figures of each step, and the validation's of the steps that have one, and
+    the memory plan's rows (which the run checked against what it held)."""
     out = summary(result)
+    out["plan_rows"] = result.plan["rows"]
     out.update({k: [r[k] for r in result.records] for k in FIGURES})
     out.update({k: [r[k] for r in result.records if k in r] for k in VAL_FIGURES})
     return out
@@ -50,7 +52,7 @@ def dpo_reference_aliases_policy_job(cfg: Config, comm: Comm) -> dict:
     should be, and would stop the run after step 1: here its difference is reported and the run goes on, so that
     the losses tell.)"""
     real, strict = reference_model.frozen_copy, os.environ.get(memory_plan.STRICT_ENV)
-    reference_model.frozen_copy = lambda cfg, engine: engine.model
+    reference_model.frozen_copy = lambda cfg, engine: reference_model.ReferenceCopy(engine.model)
     os.environ[memory_plan.STRICT_ENV] = "0"
     try:
         return dpo_job(cfg, comm)

@@ -439,7 +439,6 @@ def test_the_plan_counts_the_doubled_micro_batch_and_the_reference(data, tmp_pat
 
 @pytest.mark.parametrize("argv, says", [
     ((), "--method dpo tunes a trained model: give it with --init-from"),
-    (("--init-from", "BASE", "--dpo-reference", "live", "--zero", "3"), "--zero 3 --dpo-reference live: a frozen"),
     (("--init-from", "BASE", "--eval-every", "2", "--val-fraction", "0"),
      "--eval-every 2: --method dpo validates on held-out pairs: give --val-fraction above 0"),
     (("--init-from", "BASE", "--dpo-label-smoothing", "0.5"), "--dpo-label-smoothing must be in [0, 0.5)"),

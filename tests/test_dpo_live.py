@@ -51,18 +51,20 @@ def group():
 
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory):
-    """8 pairs a step, 3 steps, the held-out pairs validated at the last, on 2 ranks (one start): ZeRO-1 x 2 x accum
-    2 and TP 2 x 4 x accum 2, each with the precomputed and the live reference; and the planted copy that aliases the
-    policy."""
+    """8 pairs a step, 3 steps, the held-out pairs validated at the last, on 2 ranks (one start): ZeRO-1 and ZeRO-3
+    x 2 x accum 2 and TP 2 x 4 x accum 2, each with the precomputed and the live reference; and the planted copy that
+    aliases the policy."""
     tmp = tmp_path_factory.mktemp("dpo-live")
 
     def config(name, **over):
         return dpo_config(tmp / name, data, **{"steps": STEPS, "nproc": 2, "eval_every": STEPS,
                                                "val_data": data["held"], **over})
 
-    zero1, tp2 = {"micro": 2, "accum": 2}, {"tp": 2, "micro": 4, "accum": 2}
+    zero1, zero3, tp2 = {"micro": 2, "accum": 2}, {"micro": 2, "accum": 2, "zero": 3}, {"tp": 2, "micro": 4, "accum": 2}
     runs = {"precomputed ZeRO-1": (dpo_jobs.dpo_job, config("pre-z1", **zero1)),
             "live ZeRO-1": (dpo_jobs.dpo_job, config("live-z1", dpo_reference="live", **zero1)),
+            "precomputed ZeRO-3": (dpo_jobs.dpo_job, config("pre-z3", **zero3)),
+            "live ZeRO-3": (dpo_jobs.dpo_job, config("live-z3", dpo_reference="live", **zero3)),
             "precomputed TP 2": (dpo_jobs.dpo_job, config("pre-tp2", **tp2)),
             "live TP 2": (dpo_jobs.dpo_job, config("live-tp2", dpo_reference="live", **tp2)),
             "aliased": (dpo_jobs.dpo_reference_aliases_policy_job, config("aliased", dpo_reference="live", **zero1))}
@@ -71,9 +73,9 @@ def two_ranks(data, tmp_path_factory):
     return dict(zip(runs, results))
 
 
-def test_live_reference_equals_the_precomputed_one_at_zero1_and_tp2_and_a_copy_aliasing_the_policy_is_caught(
+def test_live_reference_equals_the_precomputed_one_at_zero1_zero3_and_tp2_and_a_copy_aliasing_the_policy_is_caught(
         two_ranks):
-    for split in ("ZeRO-1", "TP 2"):
+    for split in ("ZeRO-1", "ZeRO-3", "TP 2"):
         pre, live = two_ranks[f"precomputed {split}"], two_ranks[f"live {split}"]
         assert len(live["losses"]) == STEPS and live["losses"][0] == LN2, (split, live["losses"])
         assert live["losses"][-1] < LN2 - 1e-3  # the policy moved away from its reference
@@ -83,6 +85,11 @@ def test_live_reference_equals_the_precomputed_one_at_zero1_and_tp2_and_a_copy_a
         # the held-out pairs are validated against the same copy: the precomputed reference's held-out rows' figures
         assert len(live["val_loss"]) == 1 and rel(live["val_loss"], pre["val_loss"]) <= 1e-6, split
         assert abs(live["val_rewards_margins"][0] - pre["val_rewards_margins"][0]) <= 1e-5
+    # the copy is laid out like the policy: whole at ZeRO-1, at ZeRO-3 each rank's shard (the runs checked these rows
+    # against the bytes they held after step 1)
+    z1, z3 = two_ranks["live ZeRO-1"]["plan_rows"], two_ranks["live ZeRO-3"]["plan_rows"]
+    assert z3["reference_model"] == z3["parameters"] < z1["reference_model"] * 0.6
+    assert z1["reference"] == 0 and two_ranks["precomputed ZeRO-1"]["plan_rows"]["reference_model"] == 0
     # planted: the "copy" is the policy: ln 2 at step 1 (the policy is the reference there), then ln 2 for ever
     aliased, pre = two_ranks["aliased"]["losses"], two_ranks["precomputed ZeRO-1"]["losses"]
     assert aliased[0] == pre[0] == LN2
@@ -116,7 +123,7 @@ def test_a_live_reference_run_resumes_bitwise_from_the_base_and_a_copy_of_the_re
 
     def of_the_resumed_weights(cfg, engine):  # planted: the copy taken from the checkpoint's trained policy
         copy = real(cfg, engine)
-        copy.load_state_dict(engine.model.state_dict())
+        copy.model.load_state_dict(engine.model.state_dict())
         return copy
 
     monkeypatch.setattr(reference_model, "frozen_copy", of_the_resumed_weights)
@@ -141,7 +148,7 @@ def test_the_plan_counts_the_copy_and_a_plan_without_it_is_caught(whole, data, g
     assert rows["reference_model"] == 4 * param_count(live_config(tmp_path / "live", data).model)  # fp32, unpadded
     assert precomputed.rows["reference_model"] == 0
     # planted: the plan leaves the copy out; the run's check after step 1 stops it
-    monkeypatch.setattr(plan_module, "reference_model_bytes", lambda cfg, model, psize: 0)
+    monkeypatch.setattr(plan_module, "reference_model_bytes", lambda cfg, model, layout, psize: 0)
     with pytest.raises(InvariantError, match="reference model"):
         train(live_config(tmp_path / "unplanned", data, steps=1), group)
     monkeypatch.undo()

@@ -666,15 +666,11 @@ def _check_zero3(cfg: Config) -> None:
 
 
 def _check_dpo(cfg: Config) -> None:
-    """What --method dpo needs: one file of records, and a reference it can have (the model to tune, --init-from, is
-    asked for where the pairs are read: cli/flags.py; a plan is made without it)."""
-    o = cfg.objective
+    """What --method dpo needs: one file of records, and held-out pairs to validate on (the model to tune,
+    --init-from, is asked for where the pairs are read: cli/flags.py; a plan is made without it)."""
     if is_mixture(cfg.data.source) or cfg.loop.epochs:
         raise ConfigError("--method dpo reads one file of preference pairs in --data and trains --steps: no mixture, "
                           "no --epochs")
-    if o.dpo_reference == "live" and not cfg.lora.rank and cfg.parallel.zero == 3:
-        raise ConfigError("--zero 3 --dpo-reference live: a frozen reference copy sharded at ZeRO-3 is not built yet "
-                          "(full fine-tuning): use --zero 2, --dpo-reference precomputed, or --lora-rank")
     if cfg.loop.eval_every and not cfg.data.val_data and not cfg.data.val_fraction:
         raise ConfigError(f"--eval-every {cfg.loop.eval_every}: --method dpo validates on held-out pairs: give "
                           "--val-fraction above 0 (a share of --data's records) or --val-data (a file of pairs)")

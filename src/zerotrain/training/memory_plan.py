@@ -29,6 +29,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     reference model      --method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial
                          policy (training/reference_model.py), M x (4 | 2), M the rank's parameters unpadded (its TP
                          slices and the replicated ones; a tied head once); no gradients, no optimizer state
+                         stage 3: shard x (4 | 2), the policy's layout; its units are whole only in its forward, when
+                         the policy's are not, and never more than the policy's (parameter units)
     loss working set     activation_bytes' `working`: one chunk's fp32 logits (of this rank's vocabulary rows under
                          TP), while the loss runs; kept by nothing (--method dpo: the backward's, one chunk's
                          logits made again and the gradients of the head's input and weight)
@@ -77,7 +79,6 @@ from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 
-from . import reference_model
 from .invariants import InvariantError, held_bytes
 
 # The rows of the table, in order: (key, label). The first four are the state a run checks exactly.
@@ -167,7 +168,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "gradient_buckets": buckets,
         "activations": activations["total"] + adapter_activations(cfg, model, sequences),
         "reference": reference_bytes(cfg),
-        "reference_model": reference_model_bytes(cfg, model, psize),
+        "reference_model": reference_model_bytes(cfg, model, L, psize),
         "loss_working_set": activations["working"],
         "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
         "checkpoint_staging": staging,
@@ -188,13 +189,17 @@ def reference_bytes(cfg: Config) -> int:
         return 0
 
 
-def reference_model_bytes(cfg: Config, model: torch.nn.Module, psize: int) -> int:
+def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: int) -> int:
     """--method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial policy, laid out as the
-    rank's policy (`model`: its TP slice, on the meta device), in the run's precision; 0 otherwise (a precomputed
-    reference is `reference_bytes`; LoRA's live reference is its base with the adapters off)."""
+    rank's policy (`model`: its TP slice, on the meta device; `layout`: its flat layout over the DP ranks), in the
+    run's precision: whole at stages 1 and 2, at stage 3 the shard (zero3.shard_frozen_copy lays an all-frozen copy
+    out as the model trains); 0 otherwise (a precomputed reference is `reference_bytes`; LoRA's live reference is its
+    base with the adapters off)."""
     o = cfg.objective
     if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE or o.dpo_reference != "live" or cfg.lora.rank:
         return 0
+    if cfg.parallel.zero == 3:
+        return layout.shard_numel * psize
     return sum(p.numel() for p in model.parameters()) * psize
 
 
@@ -394,19 +399,19 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
 
 def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str, int]:
     """The state rows as the engine holds them now (between steps); `outside`: what the objective holds beyond the
-    engine (its held_state: DPO's live reference copy, a module)."""
+    engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
     master = engine.master.numel() * 4 if engine.master is not None else 0
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
     copy = (outside or {}).get("reference_model")
     return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
             "frozen_base": engine.frozen_bytes(),
             "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master,
-            "reference_model": reference_model.held_bytes(copy)}
+            "reference_model": copy.held_bytes() if copy is not None else 0}
 
 
 def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
     """Bytes of the distinct storages behind every tensor the engine's attributes, its model's parameters and
-    their gradients, and its optimizer's state hold now (and the parameters of the modules in `outside`): found by
+    their gradients, and its optimizer's state hold now (and those of the copies in `outside`): found by
     walking them, not through the engine's accounting or its layout. AdamW's 0-dim step counters are left out, as
     the plan leaves them out."""
     found: list[torch.Tensor] = []
@@ -423,7 +428,7 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
     walk(list(vars(engine).values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
     walk(list(engine.optimizer.state.values()))
-    walk([list(module.parameters()) for module in (outside or {}).values()])
+    walk([copy.tensors() for copy in (outside or {}).values()])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found if t.dim() > 0}
     return sum(storages.values())
 
@@ -478,7 +483,10 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     reference copy), measured as the engine's state is."""
     held = measured_state(engine, outside)
     param_peak = getattr(engine, "param_peak_bytes", held["parameters"])  # ZeRO-3: the shard and units whole
-    row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), param_peak, engine.grad_peak_bytes]
+    copy = (outside or {}).get("reference_model")  # its units whole in its forward, beyond its shard (ZeRO-3)
+    copy_units = copy.peak_bytes() - copy.held_bytes() if copy is not None else 0
+    row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), copy_units, param_peak,
+                                      engine.grad_peak_bytes]
     rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
     differences = differences_from(plan, rows)
     if differences and (strict() or on_difference is None):
@@ -507,7 +515,8 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
 
 
 def differences_from(plan: MemoryPlan, rows: list[list[int]]) -> list[PlanDifference]:
-    """Every rank's rows (the state rows, the total found, the parameter and gradient peaks) against the plan."""
+    """Every rank's rows (the state rows, the total found, the reference copy's units whole at once, the parameter and
+    gradient peaks) against the plan."""
     out = []
     peak = plan.rows["gradients"] + plan.rows["gradient_buckets"]
     state = sum(plan.rows[k] for k in STATE)
@@ -522,6 +531,10 @@ def differences_from(plan: MemoryPlan, rows: list[list[int]]) -> list[PlanDiffer
             out.append(PlanDifference(rank, "state", measured[len(STATE)], state,
                                       f"holds {measured[len(STATE)]:,} bytes in the tensors of its engine, model and "
                                       f"optimizer, the plan's state {state:,}"))
+        if measured[-3] > plan.rows["parameter_units"]:  # the copy's units: whole when the policy's are not
+            out.append(PlanDifference(rank, "reference_units", measured[-3], plan.rows["parameter_units"],
+                                      f"held {measured[-3]:,} bytes of its reference copy's units whole at once, the "
+                                      f"plan's parameter units at most {plan.rows['parameter_units']:,}"))
         if measured[-2] > params:
             out.append(PlanDifference(rank, "parameter_peak", measured[-2], params,
                                       f"held {measured[-2]:,} bytes of parameters at once, the plan at most "

@@ -113,7 +113,7 @@ class Preference:
     def __init__(self, cfg: Config):
         self.cfg, self.o = cfg, cfg.objective
         self.reference: torch.Tensor | None = None  # [pairs, 2] float64: the precomputed reference's log-probs
-        self.reference_model: torch.nn.Module | None = None  # full fine-tuning's live reference: the frozen copy
+        self.reference_model: reference_model.ReferenceCopy | None = None  # full fine-tuning's live reference
         self.record: dict = {}  # what the manifests record of the stored reference
         self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
         self.source: PreferenceSource | None = None
@@ -318,12 +318,12 @@ class Preference:
             return None
         if self.reference_model is not None:  # full fine-tuning: the frozen copy of the initial policy
             with torch.no_grad():
-                return head_loss(self.reference_model, micro.inputs, micro.labels, sequence_logps,
+                return head_loss(self.reference_model.model, micro.inputs, micro.labels, sequence_logps,
                                  False)[0].view(2, len(ids))
         with torch.no_grad(), adapters_off(engine.model):
             return head_loss(forward, micro.inputs, micro.labels, sequence_logps, False)[0].view(2, len(ids))
 
-    def held_state(self) -> dict[str, torch.nn.Module]:
+    def held_state(self) -> dict[str, reference_model.ReferenceCopy]:
         """What the objective holds beyond the engine, for the memory plan's check: the live reference's copy."""
         return {"reference_model": self.reference_model} if self.reference_model is not None else {}
 

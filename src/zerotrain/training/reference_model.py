@@ -5,33 +5,62 @@ weights, built from the same values the engine started from (--init-from's files
 TP-sliced as this rank's policy is (its vocabulary rows under --tp, so its log-probs are vocab-parallel as the
 policy's), in the run's precision, every parameter frozen: no gradients, no optimizer state, never reduced, never
 updated. At ZeRO-1 and 2 each rank holds it as it holds the policy's parameters (its TP slices and the replicated
-ones, whole). It is built again from the base at a resume, never from a checkpoint's trained weights.
+ones, whole). At ZeRO-3 it is sharded as the policy is (parallel/zero3.shard_frozen_copy: the policy's layout, each
+rank its owned chunks, only those read from the files), and a unit is gathered for its forward and released after
+it: the copy is never whole on a rank. It is built again from the base at a resume, never from a checkpoint's
+trained weights.
 
-It costs a second set of parameters where the precomputed reference costs 16 bytes a pair; it scores each pair again
-every step (a forward without gradients), where the precomputed one scored it once before step 1.
+It costs a second set of parameters (at ZeRO-3 a second shard) where the precomputed reference costs 16 bytes a pair,
+and a forward without gradients of every micro-batch every step (at ZeRO-3 with its units' all-gathers), where the
+precomputed one scored each pair once before step 1. It scores before the policy's forward, when none of the
+policy's units is whole: at ZeRO-3 the copy's units and the policy's are never whole together.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from zerotrain.config import Config
 from zerotrain.hub.init_from import initial_model
 from zerotrain.model.init import materialise
+from zerotrain.parallel.zero3 import FrozenCopy, shard_frozen_copy, storage_bytes
 from zerotrain.runtime.launch import rank_device
 
 
-def frozen_copy(cfg: Config, engine) -> torch.nn.Module:
+@dataclass
+class ReferenceCopy:
+    """The frozen copy: `model` scores (under torch.no_grad()); `sharded`, at ZeRO-3, holds its shard and gathers its
+    units."""
+
+    model: torch.nn.Module
+    sharded: FrozenCopy | None = None
+
+    def held_bytes(self) -> int:
+        """Bytes this rank holds for the copy now (between forwards): its parameters, or at ZeRO-3 its shard (its
+        units are released)."""
+        if self.sharded is not None:
+            return self.sharded.held_bytes()
+        return storage_bytes(self.model.parameters())
+
+    def peak_bytes(self) -> int:
+        """The most bytes the copy has held at once so far: at ZeRO-3 its shard and the units whole in a forward."""
+        return self.sharded.peak_bytes if self.sharded is not None else self.held_bytes()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the copy holds (the memory plan's walk of what a rank holds)."""
+        return list(self.model.parameters()) + ([self.sharded.shard, *self.sharded.buffers] if self.sharded else [])
+
+
+def frozen_copy(cfg: Config, engine) -> ReferenceCopy:
     """This rank's frozen copy of the initial policy (`engine`'s model as it was before step 1), on its device."""
     model, init = initial_model(cfg, engine.mesh)
+    model.requires_grad_(False)
+    if cfg.parallel.zero == 3:  # the policy's layout over its DP group; the owned ranges alone read or drawn
+        sharded = shard_frozen_copy(model, engine.mesh.dp, bucket_numel=cfg.parallel.bucket_numel,
+                                    precision=cfg.parallel.precision, device=rank_device(cfg), init=init)
+        return ReferenceCopy(model.eval(), sharded)
     dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
     materialise(model, init, rank_device(cfg), dtype)
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def held_bytes(model: torch.nn.Module | None) -> int:
-    """Bytes of the distinct storages behind the copy's parameters (a tied head once): the memory plan's row."""
-    if model is None:
-        return 0
-    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+    return ReferenceCopy(model.eval())
