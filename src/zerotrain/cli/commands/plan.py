@@ -129,8 +129,10 @@ def table(cfg: Config, r: dict) -> str:
         "B": f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"], "T": r["seq_len"],
         "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
                      "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
-        "reference_model": (f"a frozen copy of the initial policy, laid out as its parameters (M x {2 if bf16 else 4}"
-                            ", M unpadded): no gradients, no optimizer state") if r["rows"]["reference_model"] else
+        "reference_model": ("a frozen copy of the initial policy, laid out as its parameters (" +
+                            (f"shard x {2 if bf16 else 4}, its units gathered as the policy's are not" if p.zero == 3
+                             else f"M x {2 if bf16 else 4}, M unpadded") + "): no gradients, no optimizer state")
+                           if r["rows"]["reference_model"] else
                            "none: --dpo-reference live in full fine-tuning holds one" if dpo else "none (sft)",
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
