@@ -14,13 +14,17 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          size (WeightSource.record; counted in checkpoint_bytes_read). A run without --init-from (a
                          plan for a folder that is not here) is planned as Hugging Face saves a model: files of at
                          most 5 GB
+             headers     every file's safetensors header, which each rank reads to check the tensors' names,
+                         shapes and dtypes (check_tensors; counted in checkpoint_bytes_read; 0 for a folder not here)
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
                          dtype and in fp32)
     step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)
-    save, written        its shard file: masters, exp_avg, exp_avg_sq in fp32 and the step, with its header
-                         (checkpoint_bytes_written; rank 0's manifest and tokenizer copies are not counted)
-    resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads
-                         (checkpoint_bytes_read)
+    save, written        its shard file: masters, exp_avg, exp_avg_sq in fp32 and the step, with its header; rank 0
+                         also copies --init-from's tokenizer.json and the files configuring it into every checkpoint
+                         (checkpoint_bytes_written; the manifest is not counted, nor a data tokenizer's copy
+                         without --init-from)
+    resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads, and rank 0
+                         the copied files (checkpoint_bytes_read)
             held         the state and that file, read into one buffer the loaded tensors are views of
     export, written      model.safetensors: every parameter once, fp32, with its header
             held beyond  what the exporting process holds beyond the model it writes: the largest tensor as it is
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,6 +50,8 @@ import torch
 from zerotrain.checkpoint.stream import header_bytes, read_header
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
+from zerotrain.data.tokenizer import TOKENIZER_FILE
+from zerotrain.data.tokenizer_config import config_files
 from zerotrain.model import build_model, parallelize
 from zerotrain.parallel import ShardLayout, layout_of
 
@@ -66,6 +73,7 @@ class RankIO:
     startup_read: int
     startup_drawn: int  # values, not bytes
     startup_hashed: int
+    startup_headers: int
     startup_held: int
     step_held: int
     save_written: int
@@ -107,12 +115,15 @@ def io_plan(cfg: Config, world_size: int | None = None) -> IOPlan:
     state = sum(memory.rows[k] for k in STATE)
     shard_file = shard_file_bytes(L.shard_numel)
     hashed = hashed_bytes(cfg, shapes, esize, world)
+    headers = header_reads(cfg)
+    copied = copied_bytes(cfg)  # rank 0's
     ranks = []
     for rank in range(world):
         rows = owned_rows(L, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in L.slots]
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
-        ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank],
-                            state + largest, memory.total, shard_file, shard_file, state + shard_file))
+        ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
+                            state + largest, memory.total, shard_file + (copied if rank == 0 else 0),
+                            shard_file + (copied if rank == 0 else 0), state + shard_file))
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * (10 if p.precision == "bf16" else 4 + (4 // tp if tp > 1 else 0))
     return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
@@ -161,6 +172,32 @@ def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, wo
     return [sum(sizes[n] for n in names) for names in share_by_size(files, world)]
 
 
+def copied_bytes(cfg: Config) -> int:
+    """The files rank 0 copies into every checkpoint from --init-from's folder (data.resolve.checkpoint_tokenizer):
+    its tokenizer.json and the files that configure it; 0 for a folder that is not here."""
+    folder = cfg.checkpoint.init_from
+    if not (folder and os.path.isdir(folder)):
+        return 0
+    files = dict(config_files(folder))
+    if os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+        files[TOKENIZER_FILE] = os.path.join(folder, TOKENIZER_FILE)
+    return sum(os.path.getsize(path) for path in files.values())
+
+
+def header_reads(cfg: Config) -> int:
+    """The bytes of every safetensors header of --init-from's folder (its 8-byte length and its JSON), which each
+    rank reads; 0 for a folder that is not here."""
+    folder = cfg.checkpoint.init_from
+    if not (folder and os.path.isdir(folder)):
+        return 0
+    total = 0
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                total += 8 + struct.unpack("<Q", f.read(8))[0]
+    return total
+
+
 def shard_file_bytes(shard_numel: int) -> int:
     """A rank's shard file: its masters and AdamW's two moments (fp32) and the step count, with the header."""
     meta = {k: torch.empty(shard_numel, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
@@ -195,14 +232,15 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
                     continue  # a run reads its model or draws it
                 planned = getattr(rank, key) * (saves if phase == "save" else 1)
                 if phase == "resume" and hashed and plan.init_from:
-                    planned += rank.startup_hashed
+                    planned += rank.startup_hashed + rank.startup_headers
                 measured = per_rank[counter][rank.rank]
                 if abs(measured - planned) > TOLERANCE * planned + SLACK:
                     out.append(f"rank {rank.rank} {counter} {measured:,}, the plan {planned:,}")
         if "startup" in phases and hashed and plan.init_from and "resume" not in phases:
-            measured, planned = per_rank["checkpoint_bytes_read"][rank.rank], rank.startup_hashed
+            measured, planned = per_rank["checkpoint_bytes_read"][rank.rank], rank.startup_hashed + rank.startup_headers
             if abs(measured - planned) > TOLERANCE * planned + SLACK:
-                out.append(f"rank {rank.rank} checkpoint_bytes_read {measured:,} (hashing --init-from's files), "
+                out.append(f"rank {rank.rank} checkpoint_bytes_read {measured:,} (--init-from's files hashed and "
+                           f"headers read), "
                            f"the plan {planned:,}")
     return out
 
