@@ -23,8 +23,8 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          also copies --init-from's tokenizer.json and the files configuring it into every checkpoint
                          (checkpoint_bytes_written; the manifest is not counted, nor a data tokenizer's copy
                          without --init-from)
-    resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads, and rank 0
-                         the copied files (checkpoint_bytes_read)
+    resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads, and its share
+                         of the copied files, shared by size as their hashing at start-up is (checkpoint_bytes_read)
             held         the state and that file, read into one buffer the loaded tensors are views of
     export, written      model.safetensors: every parameter once, fp32, with its header
             held beyond  what the exporting process holds beyond the model it writes: the largest tensor as it is
@@ -116,14 +116,16 @@ def io_plan(cfg: Config, world_size: int | None = None) -> IOPlan:
     shard_file = shard_file_bytes(L.shard_numel)
     hashed = hashed_bytes(cfg, shapes, esize, world)
     headers = header_reads(cfg)
-    copied = copied_bytes(cfg)  # rank 0's
+    copied = copied_files(cfg)  # rank 0 writes them all; a resume's ranks hash them shared by size
+    copied_read = [sum(dict(copied)[n] for n in names) for names in share_by_size(copied, world)]
+    copied_written = sum(size for _, size in copied)
     ranks = []
     for rank in range(world):
         rows = owned_rows(L, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in L.slots]
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
-                            state + largest, memory.total, shard_file + (copied if rank == 0 else 0),
-                            shard_file + (copied if rank == 0 else 0), state + shard_file))
+                            state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
+                            shard_file + copied_read[rank], state + shard_file))
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * (10 if p.precision == "bf16" else 4 + (4 // tp if tp > 1 else 0))
     return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
@@ -172,16 +174,17 @@ def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, wo
     return [sum(sizes[n] for n in names) for names in share_by_size(files, world)]
 
 
-def copied_bytes(cfg: Config) -> int:
-    """The files rank 0 copies into every checkpoint from --init-from's folder (data.resolve.checkpoint_tokenizer):
-    its tokenizer.json and the files that configure it; 0 for a folder that is not here."""
+def copied_files(cfg: Config) -> list[tuple[str, int]]:
+    """(name, bytes) of the files rank 0 copies into every checkpoint from --init-from's folder
+    (data.resolve.checkpoint_tokenizer): its tokenizer.json and the files that configure it; none for a folder that
+    is not here."""
     folder = cfg.checkpoint.init_from
     if not (folder and os.path.isdir(folder)):
-        return 0
+        return []
     files = dict(config_files(folder))
     if os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
         files[TOKENIZER_FILE] = os.path.join(folder, TOKENIZER_FILE)
-    return sum(os.path.getsize(path) for path in files.values())
+    return sorted((name, os.path.getsize(path)) for name, path in files.items())
 
 
 def header_reads(cfg: Config) -> int:
