@@ -19,15 +19,15 @@ from zerotrain.parallel import Comm, ZeroThreeEngine
 from zerotrain.training.loop import train_job
 
 
-def counted_job(cfg: Config, comm: Comm, plant: str = "") -> dict | None:
-    """`zerotrain train`'s summary (rank 0's), its per_rank checkpoint bytes those of this job alone; `plant` names
-    the planted bug in force while it runs."""
+def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict | None:
+    """`zerotrain train`'s summary (rank 0's), its per_rank checkpoint bytes those of this job alone; `plants` name
+    the planted bugs in force while it runs."""
     with contextlib.ExitStack() as patches:
-        if plant == "whole tensor":  # stage 3 takes the whole tensor of every parameter it owns part of
+        if "whole tensor" in plants:  # stage 3 takes the whole tensor of every parameter it owns part of
             patches.enter_context(mock.patch.object(
                 ZeroThreeEngine, "_initial_range",
                 lambda self, name, p, lo, hi: self._initial_value(name, p).reshape(-1)[lo:hi]))
-        if plant == "whole model saved":
+        if "whole model saved" in plants:
             real = save_module._live_files
 
             def with_the_model(engine, rank, world_size):  # rank 0 writes the whole model beside its shard
@@ -38,7 +38,7 @@ def counted_job(cfg: Config, comm: Comm, plant: str = "") -> dict | None:
                 return files
 
             patches.enter_context(mock.patch.object(save_module, "_live_files", with_the_model))
-        if plant == "every file checked":
+        if "every file checked" in plants:
             patches.enter_context(mock.patch.object(load_module, "checks_beside_own_shard",
                                                     resume_jobs.every_file_checked))
         before = bytes_counted()
