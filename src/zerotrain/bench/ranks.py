@@ -11,7 +11,10 @@ ranks share their hashing), the bench runs the product's own commands, each in f
 
 and reads what each rank counted (summary.json's per_rank: init_bytes_read, checkpoint_bytes_read and _written,
 start_rss_bytes, startup_peak_rss_bytes, peak_rss_bytes); the export's bytes are its files', its memory the
-process's peak resident bytes (os.wait4) less a bare interpreter's that imports the same libraries. Held figures
+process's peak resident bytes (os.wait4) less a bare interpreter's that imports the same libraries (both started
+from this process, whose own resident bytes at the fork a child's peak includes: the Hugging Face folder is written
+by a process of its own for that reason). Resident bytes count the pages of files a process maps, too: safetensors
+maps the shards it reads, so an export's peak includes the masters' file pages it touched. Held figures
 are resident memory past the rank's own at the start of train() (the interpreter, torch and the launcher's pages
 are not the run's), on a machine other engineers share: they are what the CPU's pages say, not exact bytes. The
 byte counts are exact and deterministic. Writes bench-ranks.json and bench-ranks.md into --out.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -71,8 +75,13 @@ def cmd_bench_ranks(args: argparse.Namespace) -> int:
     out, t0 = os.path.abspath(args.out), time.perf_counter()
     os.makedirs(out, exist_ok=True)
     hf = os.path.join(out, "hf")
-    if not os.path.isfile(os.path.join(hf, "config.json")):
-        write_hf_llama(hf, args)
+    if not os.path.isfile(os.path.join(hf, "config.json")):  # in a process of its own: see the module docstring
+        context = multiprocessing.get_context("spawn")
+        writer = context.Process(target=write_hf_llama, args=(hf, vars(args)))
+        writer.start()
+        writer.join()
+        if writer.exitcode:
+            raise SystemExit(f"bench ranks: writing the Hugging Face folder {hf} failed (exit {writer.exitcode})")
     results = [run_mesh(out, hf, args, *map(int, mesh.split("x"))) for mesh in args.meshes.split(",")]
     report = {**report_header(SCHEMA), "shape": {k: getattr(args, k) for k in QUICK}, "precision": args.precision,
               "meshes": results, "wall_s": time.perf_counter() - t0}
@@ -80,11 +89,12 @@ def cmd_bench_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_hf_llama(folder: str, args: argparse.Namespace) -> None:
+def write_hf_llama(folder: str, shape: dict) -> None:
     """A Llama of the bench's shape as Hugging Face saves one: bf16, in files of at most --shard-mb."""
     import torch
     import transformers  # the [hf] extra
 
+    args = argparse.Namespace(**shape)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.n_embd,
                                       intermediate_size=args.ffn_width, num_hidden_layers=args.n_layer,
@@ -133,6 +143,7 @@ def run_mesh(out: str, hf: str, args: argparse.Namespace, tp: int, dp: int) -> d
     _, export_rss = zerotrain("export", checkpoint, export, "--format", "hf", "--overwrite")
     written = sum(os.path.getsize(os.path.join(export, n)) for n in os.listdir(export))
     model_file = os.path.getsize(os.path.join(export, "model.safetensors"))
+    bare = bare_rss()
     hashed = trained["checkpoint_bytes_read"]  # a fresh run reads no checkpoint: its reads are the hashing
     measured = []
     for r in range(tp * dp):
@@ -148,8 +159,8 @@ def run_mesh(out: str, hf: str, args: argparse.Namespace, tp: int, dp: int) -> d
             "resume_reread": resumed["init_bytes_read"][r],
             "resume_held": resumed["startup_peak_rss_bytes"][r] - resumed["start_rss_bytes"][r]})
     return {"tp": tp, "dp": dp, "planned": plan, "measured": measured,
-            "export": {"written": written, "model_file": model_file, "peak_rss": export_rss, "bare_rss": bare_rss(),
-                       "held_beyond": export_rss - bare_rss() - model_file}}
+            "export": {"written": written, "model_file": model_file, "peak_rss": export_rss, "bare_rss": bare,
+                       "held_beyond": export_rss - bare - model_file}}
 
 
 def planned(rank: dict, key: str) -> int:
