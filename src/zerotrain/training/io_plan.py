@@ -55,7 +55,7 @@ from zerotrain.data.tokenizer_config import config_files
 from zerotrain.model import build_model, parallelize
 from zerotrain.parallel import ShardLayout, layout_of
 
-from .memory_plan import STATE, memory_plan
+from .memory_plan import STATE, MemoryPlan, memory_plan
 
 HF_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained max_shard_size default: the files a model folder has
 FILE_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
@@ -97,21 +97,20 @@ class IOPlan:
                 "init_from": self.init_from}
 
 
-def io_plan(cfg: Config, world_size: int | None = None) -> IOPlan:
+def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | None = None) -> IOPlan:
     """What each rank of `cfg`'s run reads, writes and holds by phase (module docstring), on --nproc ranks or
-    `world_size`."""
+    `world_size`; `memory`: the run's memory plan, where the caller has it already."""
     p, tp = cfg.parallel, cfg.parallel.tp
     world = world_size or cfg.launch.nproc
     dp = world // tp
     with torch.device("meta"):
-        full = build_model(cfg.model, cfg.loop.seed)
-        shapes = {n: tuple(t.shape) for n, t in full.named_parameters()}
         local = build_model(cfg.model, cfg.loop.seed)
+        shapes = {n: tuple(t.shape) for n, t in local.named_parameters()}  # the full model's, before the TP split
         if tp > 1:
             parallelize(local, tp, 0, None)
     L = layout_of(local, dp, p.bucket_numel)
     esize = file_dtype_bytes(cfg)
-    memory = memory_plan(cfg, world_size=world)
+    memory = memory or memory_plan(cfg, world_size=world)
     state = sum(memory.rows[k] for k in STATE)
     shard_file = shard_file_bytes(L.shard_numel)
     hashed = hashed_bytes(cfg, shapes, esize, world)

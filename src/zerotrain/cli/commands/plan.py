@@ -56,7 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan(cfg, documents=documents)
     fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
-    io = io_plan(cfg)  # start-up, save, resume and export per rank
+    io = io_plan(cfg, memory=plan)  # start-up, save, resume and export per rank
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
