@@ -34,7 +34,9 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 Reads and draws are planned both ways, whether or not the run gives --init-from: a plan for an 8B model's folder
 need not have the folder.
 
-Every TP rank of a Llama or GPT-2 model holds slices of one shape, so TP rank 0's figures are each TP rank's; the
+Not planned yet: a LoRA run's frozen base (its reads at start-up; the layout here is the trained parameters'),
+and a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
+holds slices of one shape, so TP rank 0's figures are each TP rank's; the
 ranks differ by their DP rank (which rows their owned ranges cut) and by the files they hash.
 """
 
@@ -126,7 +128,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
                             state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
                             shard_file + copied_read[rank], state + shard_file))
     biggest = max(math.prod(s) for s in shapes.values())
-    beyond = biggest * (10 if p.precision == "bf16" else 4 + (4 // tp if tp > 1 else 0))
+    beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
     return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
 
 
