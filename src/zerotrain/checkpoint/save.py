@@ -42,7 +42,7 @@ from zerotrain.parallel import Comm, ZeroEngine
 
 from .commit import commit, tmp_name, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
-from .stream import FileRecord, storage_delay, write_safetensors
+from .stream import FileRecord, count_written, storage_delay, write_safetensors
 
 
 @dataclass
@@ -348,13 +348,14 @@ def save_checkpoint(root: str, step: int, engine: ZeroEngine, comm: Comm, config
 
 
 def copy_file(source: str, path: str) -> FileRecord:
-    """Copy `source` to `path`, fsynced; its record is of the bytes written."""
+    """Copy `source` to `path`, fsynced, its bytes counted as written; its record is of the bytes written."""
     with open(source, "rb") as f:
         data = f.read()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    count_written(len(data))
     storage_delay(len(data))
     return FileRecord(os.path.basename(path), len(data), hashlib.sha256(data).hexdigest())
 

@@ -16,7 +16,7 @@ save_file followed by a re-read to hash ran at 0.2x. Reading hashes the same way
 buffer the tensors are then views of, so what is verified is exactly what is loaded.
 
 Every byte this process writes or reads here is counted (`bytes_counted`; `count_read` for readers elsewhere,
-such as a reshard's ranged reads): the run reports each rank's checkpoint I/O.
+such as a reshard's ranged reads, `count_written` for the tokenizer files rank 0 copies into a checkpoint): the run reports each rank's checkpoint I/O.
 
 `slow_storage(F)` (fault injection: storage shared by many nodes, or far away) makes every checkpoint file this
 process reads or writes from then on cost F seconds per MiB, and at least F per file (`storage_delay`, which the
@@ -69,6 +69,11 @@ def count_read(n: int) -> None:
 def _count_written(n: int) -> None:
     with _COUNTS_LOCK:
         _COUNTS["checkpoint_bytes_written"] += n
+
+
+def count_written(n: int) -> None:
+    """Count `n` checkpoint bytes written by this process (a file copied into a checkpoint)."""
+    _count_written(n)
 
 
 def slow_storage(seconds_per_mib: float) -> None:

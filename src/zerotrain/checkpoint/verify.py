@@ -206,6 +206,9 @@ def _share(items: list[tuple[str, int]], readers: int) -> list[list[str]]:
     return [sorted(names, key=order.get) for names in shares]
 
 
+share_by_size = _share  # public: the I/O plan (training/io_plan.py) predicts which rank hashes which file
+
+
 def _full_shape(manifest: dict, param: dict) -> list[int]:
     slices = manifest.get("tp_slices", {})
     return slices[param["name"]]["full_shape"] if param["name"] in slices else param["shape"]

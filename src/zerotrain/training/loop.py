@@ -38,7 +38,7 @@ from .memory_plan import check as check_plan
 from .objectives import objective_for
 from .profiling import StepProfiler
 from .schedule import lr_at
-from .throughput import Peak, Throughput, peak_flops, peak_memory
+from .throughput import Peak, Throughput, current_rss, peak_flops, peak_memory
 
 
 @dataclass
@@ -205,6 +205,9 @@ class _Run:
     records: list[dict] = field(default_factory=list)
     rollbacks: list[dict] = field(default_factory=list)
     stopped: dict | None = None
+    # this rank's resident bytes when train() began, and its peak once started (built, read, resumed): io_plan's
+    # start-up and resume figures are measured against these
+    start_memory: tuple[int, int] = (0, 0)
 
     @property
     def mesh(self) -> Mesh:
@@ -260,8 +263,9 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
 
     `announce` prints the start line on rank 0 (the demo prints its own header instead).
     """
-    t_start = time.perf_counter()
+    t_start, rss_before = time.perf_counter(), current_rss()
     run = _start(cfg, comm, announce)
+    run.start_memory = (rss_before, peak_memory(run.engine.flat_params.device)["peak_host_bytes"])
     step, result = run.start, None
     try:
         while step < cfg.loop.steps:
@@ -445,12 +449,21 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     calls, nbytes = run.mesh.counters()
     result = TrainResult(run.records, run.start, digests, norms, run.memory, run.checkpointer.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
-                         {**_per_rank_bytes(engine, comm), **_checkpoint_bytes(comm)}, time.perf_counter() - t_start,
+                         {**_per_rank_bytes(engine, comm), **_checkpoint_bytes(comm), **_start_memory(run, comm)},
+                         time.perf_counter() - t_start,
                          _plan_report(run))
     result.report = _report(result, cfg, comm, run.throughput)
     if run.metrics.active:  # rank 0 wrote the metrics: summary.json's figures, and W&B's summary
         result.report["summary"] = summarize(result.report)
     return result
+
+
+def _start_memory(run: _Run, comm: Comm) -> dict[str, list[int]]:
+    """Each rank's resident bytes when its train() began (start_rss_bytes) and its peak resident bytes once it had
+    built its engine, read or drawn its model and resumed (startup_peak_rss_bytes)."""
+    rows = comm.all_gather_rows(torch.tensor(run.start_memory, dtype=torch.int64), "all_gather_start_memory")
+    return {"start_rss_bytes": [int(v) for v in rows[:, 0].tolist()],
+            "startup_peak_rss_bytes": [int(v) for v in rows[:, 1].tolist()]}
 
 
 def _checkpoint_bytes(comm: Comm) -> dict[str, list[int]]:

@@ -354,6 +354,15 @@ def flop_rate(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e9:,.2f} GFLOP/s" if flops_per_s < 10e9 else f"{flops_per_s / 1e9:,.1f} GFLOP/s"
 
 
+def current_rss() -> int:
+    """This process's resident memory now (Linux's /proc; 0 elsewhere): what a phase's peak is measured from."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def peak_memory(device: torch.device) -> dict:
     """This rank's peak memory so far: resident on the host, and allocated on its CUDA device."""
     figures = {"peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux gives KiB

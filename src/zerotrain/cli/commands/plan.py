@@ -12,6 +12,7 @@ from zerotrain.data import packs_records
 from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.vocab import chunk_tokens, vocab_rows
+from zerotrain.training.io_plan import describe, io_plan
 from zerotrain.training.memory_plan import (ROWS, gib, largest_micro_batch, largest_model, memory_plan,
                                             parse_bytes)
 
@@ -56,15 +57,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan(cfg, documents=documents)
     fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
+    io = io_plan(cfg, memory=plan)  # start-up, save, resume and export per rank
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
-              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
-              "dpo_reference": reference_costs(cfg, plan, documents)}
-    print(json.dumps(report, indent=2) if args.json else table(cfg, report))
+               "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
+               "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict()}
+    print(json.dumps(report, indent=2) if args.json else "\n".join([table(cfg, report), "",
+                                                                      *describe(io, cfg.parallel.zero, gib)]))
     return 0
 
 

@@ -1,0 +1,281 @@
+"""The bytes each rank reads, writes and holds at start-up, in a step, at a save, a resume and an export, before the run.
+
+The memory plan (memory_plan.py) says what a rank holds in a step; this says what the other phases of a run cost
+each rank, from the same layout (the model on the meta device, TP rank 0's slices, the flat layout over the DP
+ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan and checked against what a run counts
+(summary.json's per_rank figures; `differences`):
+
+    start-up, read       with --init-from, its files: at stage 3 the rows that hold the rank's owned ranges (a range that
+                         cuts a row reads that row), at stages 1 and 2 its TP slice of every parameter, in the files'
+                         dtype (FileValues, init_bytes_read)
+             drawn       without it, from the seed: the values of its owned ranges at stage 3, of its TP slices otherwise
+                         (init_values_drawn)
+             hashed      --init-from's files this rank hashes for the manifests' record: one file each, shared by
+                         size (WeightSource.record; counted in checkpoint_bytes_read). A run without --init-from (a
+                         plan for a folder that is not here) is planned as Hugging Face saves a model: files of at
+                         most 5 GB
+             headers     every file's safetensors header, which each rank reads to check the tensors' names,
+                         shapes and dtypes (check_tensors; counted in checkpoint_bytes_read; 0 for a folder not here)
+             held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
+                         dtype and in fp32)
+    step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)
+    save, written        its shard file: masters, exp_avg, exp_avg_sq in fp32 and the step, with its header; rank 0
+                         also copies --init-from's tokenizer.json and the files configuring it into every checkpoint
+                         (checkpoint_bytes_written; the manifest is not counted, nor a data tokenizer's copy
+                         without --init-from)
+    resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads, and its share
+                         of the copied files, shared by size as their hashing at start-up is (checkpoint_bytes_read)
+            held         the state and that file, read into one buffer the loaded tensors are views of
+    export, written      model.safetensors: every parameter once, fp32, with its header
+            held beyond  what the exporting process holds beyond the model it writes: the largest tensor as it is
+                         assembled from the shards (fp32, with a TP rank's part of it), in a bf16 run also its bf16
+                         rounding and the fp32 copy of that (10 bytes a value)
+
+Reads and draws are planned both ways, whether or not the run gives --init-from: a plan for an 8B model's folder
+need not have the folder.
+
+Not planned yet: a LoRA run's frozen base (its reads at start-up; the layout here is the trained parameters'),
+and a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
+holds slices of one shape, so TP rank 0's figures are each TP rank's; the
+ranks differ by their DP rank (which rows their owned ranges cut) and by the files they hash.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import asdict, dataclass
+
+import torch
+
+from zerotrain.checkpoint.stream import header_bytes, read_header
+from zerotrain.checkpoint.verify import share_by_size
+from zerotrain.config import Config
+from zerotrain.data.tokenizer import TOKENIZER_FILE
+from zerotrain.data.tokenizer_config import config_files
+from zerotrain.model import build_model, parallelize
+from zerotrain.parallel import ShardLayout, layout_of
+
+from .memory_plan import STATE, MemoryPlan, memory_plan
+
+HF_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained max_shard_size default: the files a model folder has
+FILE_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+# How far a run's counters may be from the plan before `differences` names them: the reads, writes and draws are
+# planned exactly, so 1% (with 4 KiB for a header a dtype or a name could lengthen) only absorbs what a
+# folder's files add that the plan leaves out.
+TOLERANCE, SLACK = 0.01, 4096
+
+
+@dataclass
+class RankIO:
+    """One rank's planned bytes, by phase."""
+
+    rank: int  # world rank: DP rank x TP + TP rank
+    startup_read: int
+    startup_drawn: int  # values, not bytes
+    startup_hashed: int
+    startup_headers: int
+    startup_held: int
+    step_held: int
+    save_written: int
+    resume_read: int
+    resume_held: int
+
+
+@dataclass
+class IOPlan:
+    """Every rank's RankIO, and the export's figures (one process, not a rank)."""
+
+    ranks: list[RankIO]
+    export_written: int
+    export_held_beyond: int
+    file_dtype_bytes: int
+    init_from: bool  # whether the run starts from files (start-up reads) or from the seed (draws)
+
+    def to_dict(self) -> dict:
+        return {"ranks": [asdict(r) for r in self.ranks], "export_written": self.export_written,
+                "export_held_beyond": self.export_held_beyond, "file_dtype_bytes": self.file_dtype_bytes,
+                "init_from": self.init_from}
+
+
+def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | None = None) -> IOPlan:
+    """What each rank of `cfg`'s run reads, writes and holds by phase (module docstring), on --nproc ranks or
+    `world_size`; `memory`: the run's memory plan, where the caller has it already."""
+    p, tp = cfg.parallel, cfg.parallel.tp
+    world = world_size or cfg.launch.nproc
+    dp = world // tp
+    with torch.device("meta"):
+        local = build_model(cfg.model, cfg.loop.seed)
+        shapes = {n: tuple(t.shape) for n, t in local.named_parameters()}  # the full model's, before the TP split
+        if tp > 1:
+            parallelize(local, tp, 0, None)
+    L = layout_of(local, dp, p.bucket_numel)
+    esize = file_dtype_bytes(cfg)
+    memory = memory or memory_plan(cfg, world_size=world)
+    state = sum(memory.rows[k] for k in STATE)
+    shard_file = shard_file_bytes(L.shard_numel)
+    hashed = hashed_bytes(cfg, shapes, esize, world)
+    headers = header_reads(cfg)
+    copied = copied_files(cfg)  # rank 0 writes them all; a resume's ranks hash them shared by size
+    copied_read = [sum(dict(copied)[n] for n in names) for names in share_by_size(copied, world)]
+    copied_written = sum(size for _, size in copied)
+    ranks = []
+    for rank in range(world):
+        rows = owned_rows(L, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in L.slots]
+        largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
+        ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
+                            state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
+                            shard_file + copied_read[rank], state + shard_file))
+    biggest = max(math.prod(s) for s in shapes.values())
+    beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
+    return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
+
+
+def owned_rows(layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
+    """(values read, values owned) of each parameter DP rank `dp_rank` owns part of at stage 3: its owned ranges
+    widened to whole rows, as FileValues reads them."""
+    out = []
+    for s in layout.slots:
+        width = math.prod(s.shape[1:])  # a 1-D tensor's rows are its values
+        owned = [(max(p.start, s.offset), min(p.end, s.offset + s.numel))
+                 for p in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel)]
+        owned = [(a - s.offset, z - s.offset) for a, z in owned if z > a]
+        if owned:
+            rows = sum(-(-z // width) - a // width for a, z in owned)
+            out.append((rows * width, sum(z - a for a, z in owned)))
+    return out
+
+
+def file_dtype_bytes(cfg: Config) -> int:
+    """Bytes per value of --init-from's files (the first tensor's dtype), or the run's precision's without them."""
+    folder = cfg.checkpoint.init_from
+    if folder and os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                header = read_header(os.path.join(folder, name))
+                dtypes = [v[0] for v in header.values() if v[0] in FILE_DTYPE_BYTES]
+                if dtypes:
+                    return FILE_DTYPE_BYTES[dtypes[0]]
+    return 2 if cfg.parallel.precision == "bf16" else 4
+
+
+def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, world: int) -> list[int]:
+    """Each world rank's bytes of --init-from's files hashed for the manifests: the folder's own files where it is
+    here, else files of at most HF_SHARD_BYTES holding the model."""
+    folder = cfg.checkpoint.init_from
+    if folder and os.path.isdir(folder):
+        files = [(n, os.path.getsize(os.path.join(folder, n))) for n in sorted(os.listdir(folder))
+                 if n.endswith(".safetensors")]
+    else:
+        total = sum(math.prod(s) for s in shapes.values()) * esize
+        count = -(-total // HF_SHARD_BYTES)
+        files = [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", total // count) for i in range(count)]
+    sizes = dict(files)
+    return [sum(sizes[n] for n in names) for names in share_by_size(files, world)]
+
+
+def copied_files(cfg: Config) -> list[tuple[str, int]]:
+    """(name, bytes) of the files rank 0 copies into every checkpoint from --init-from's folder
+    (data.resolve.checkpoint_tokenizer): its tokenizer.json and the files that configure it; none for a folder that
+    is not here."""
+    folder = cfg.checkpoint.init_from
+    if not (folder and os.path.isdir(folder)):
+        return []
+    files = dict(config_files(folder))
+    if os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+        files[TOKENIZER_FILE] = os.path.join(folder, TOKENIZER_FILE)
+    return sorted((name, os.path.getsize(path)) for name, path in files.items())
+
+
+def header_reads(cfg: Config) -> int:
+    """The bytes of every safetensors header of --init-from's folder (its 8-byte length and its JSON), which each
+    rank reads; 0 for a folder that is not here."""
+    folder = cfg.checkpoint.init_from
+    if not (folder and os.path.isdir(folder)):
+        return 0
+    total = 0
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                total += 8 + struct.unpack("<Q", f.read(8))[0]
+    return total
+
+
+def shard_file_bytes(shard_numel: int) -> int:
+    """A rank's shard file: its masters and AdamW's two moments (fp32) and the step count, with the header."""
+    meta = {k: torch.empty(shard_numel, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
+    head, _ = header_bytes({**meta, "step": torch.empty(1, dtype=torch.int64, device="meta")})
+    return len(head) + 12 * shard_numel + 8
+
+
+def export_file_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """model.safetensors of an export: every parameter once (a tied head as the embedding), fp32, with its header
+    (in zerotrain's names; Hugging Face's differ by a few bytes each)."""
+    meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    return len(header_bytes(meta)[0]) + 4 * sum(math.prod(s) for s in shapes.values())
+
+
+# What a run's summary.json counts (per_rank) against the plan's figure for each phase.
+COUNTERS = {"startup": (("init_bytes_read", "startup_read"), ("init_values_drawn", "startup_drawn")),
+            "save": (("checkpoint_bytes_written", "save_written"),),
+            "resume": (("checkpoint_bytes_read", "resume_read"),)}
+
+
+def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup", "save"), saves: int = 1,
+                hashed: bool = True) -> list[str]:
+    """Where a run's counters (summary.json's per_rank) are off the plan beyond TOLERANCE, one line each, naming the
+    rank, the counter and both figures. `phases`: what the run did (a fresh run starts and saves; a resumed one
+    resumes, and may save); `saves`: how many checkpoints it wrote; `hashed`: its checkpoint reads include the
+    hashing of --init-from's files (a run given --init-from hashes them whether it resumes or not)."""
+    out = []
+    for rank in plan.ranks:
+        for phase in phases:
+            for counter, key in COUNTERS[phase]:
+                if (counter, plan.init_from) in (("init_bytes_read", False), ("init_values_drawn", True)):
+                    continue  # a run reads its model or draws it
+                planned = getattr(rank, key) * (saves if phase == "save" else 1)
+                if phase == "resume" and hashed and plan.init_from:
+                    planned += rank.startup_hashed + rank.startup_headers
+                measured = per_rank[counter][rank.rank]
+                if abs(measured - planned) > TOLERANCE * planned + SLACK:
+                    out.append(f"rank {rank.rank} {counter} {measured:,}, the plan {planned:,}")
+        if "startup" in phases and hashed and plan.init_from and "resume" not in phases:
+            measured, planned = per_rank["checkpoint_bytes_read"][rank.rank], rank.startup_hashed + rank.startup_headers
+            if abs(measured - planned) > TOLERANCE * planned + SLACK:
+                out.append(f"rank {rank.rank} checkpoint_bytes_read {measured:,} (--init-from's files hashed and "
+                           f"headers read), "
+                           f"the plan {planned:,}")
+    return out
+
+
+# The rows of `describe`'s table: (RankIO field, label, what it is).
+LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {read_how}"),
+         ("startup_drawn", "start-up: drawn (values)", "without, from the seed: {drawn_how}"),
+         ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, whole files shared by size{files}"),
+         ("startup_held", "start-up: held", "the state, and the largest tensor read (file dtype and fp32)"),
+         ("step_held", "step: held", "the memory plan's total above"),
+         ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments)"),
+         ("resume_read", "resume: read", "its own shard file, hashed as it loads (on the mesh that saved)"),
+         ("resume_held", "resume: held", "the state, and its shard file read into one buffer"))
+
+
+def describe(plan: IOPlan, zero: int, gib) -> list[str]:
+    """`zerotrain plan`'s section of it: each figure for rank 0 and its least and most over the ranks."""
+    notes = {"read_how": "the rows of its owned ranges" if zero == 3 else "its TP slice of every parameter",
+             "drawn_how": "its owned values" if zero == 3 else "its TP slice of every parameter",
+             "files": "" if plan.init_from else " (Hugging Face's files of at most 5 GB)"}
+    width = max(len(label) for _, label, _ in LINES)
+    lines = [f"  {'per rank, by phase':<{width}}  {'rank 0':>11}  {'least':>11}  {'most':>11}"]
+    for key, label, how in LINES:
+        values = [getattr(r, key) for r in plan.ranks]
+        if key == "startup_drawn":
+            shown = [f"{v:,}" if v else "0" for v in (values[0], min(values), max(values))]
+        else:
+            shown = [gib(v) for v in (values[0], min(values), max(values))]
+        lines.append(f"  {label:<{width}}  {shown[0]:>11}  {shown[1]:>11}  {shown[2]:>11}  {how.format(**notes)}")
+    lines.append(f"  {'export: written':<{width}}  {gib(plan.export_written):>11}  {'':>11}  {'':>11}  "
+                 "model.safetensors, fp32, one process")
+    lines.append(f"  {'export: held beyond':<{width}}  {gib(plan.export_held_beyond):>11}  {'':>11}  {'':>11}  "
+                 "beyond what it writes: the tensor assembled, its bf16 rounding and fp32 copy")
+    return lines

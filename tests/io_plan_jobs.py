@@ -1,0 +1,52 @@
+"""Job functions for tests/test_io_plan.py, run by spawned ranks (importable by module name): `zerotrain train`'s job
+with each rank's checkpoint bytes counted around it (the counters are the process's, and one start of the ranks runs
+several jobs), and the planted bugs, each patching the product's own function: a whole-tensor read at stage 3's
+start-up, rank 0 writing the whole model at a save, every rank checking every file of the checkpoint it resumes."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import resume_jobs
+
+from zerotrain.checkpoint import MODEL_FILE
+from zerotrain.checkpoint import load as load_module
+from zerotrain.checkpoint import save as save_module
+from zerotrain.checkpoint.stream import bytes_counted
+from zerotrain.config import Config
+from zerotrain.parallel import Comm, ZeroThreeEngine
+from zerotrain.training.loop import train_job
+
+
+def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict | None:
+    """`zerotrain train`'s summary (rank 0's), its per_rank checkpoint bytes those of this job alone; `plants` name
+    the planted bugs in force while it runs."""
+    with contextlib.ExitStack() as patches:
+        if "whole tensor" in plants:  # stage 3 takes the whole tensor of every parameter it owns part of
+            patches.enter_context(mock.patch.object(
+                ZeroThreeEngine, "_initial_range",
+                lambda self, name, p, lo, hi: self._initial_value(name, p).reshape(-1)[lo:hi]))
+        if "whole model saved" in plants:
+            real = save_module._live_files
+
+            def with_the_model(engine, rank, world_size):  # rank 0 writes the whole model beside its shard
+                files = real(engine, rank, world_size)
+                model = engine.full_state_dict()  # a gather at stage 3: every rank takes part
+                if rank == 0:
+                    files[MODEL_FILE] = model
+                return files
+
+            patches.enter_context(mock.patch.object(save_module, "_live_files", with_the_model))
+        if "every file checked" in plants:
+            patches.enter_context(mock.patch.object(load_module, "checks_beside_own_shard",
+                                                    resume_jobs.every_file_checked))
+        before = bytes_counted()
+        report = train_job(cfg, comm)
+        mine = {k: v - before[k] for k, v in bytes_counted().items()}
+    counted = comm.io.all_gather_json(mine, "test_io_plan_counted")
+    summary = report.get("summary")
+    if summary is not None:
+        for key in mine:
+            summary["per_rank"][key] = [c[key] for c in counted]
+    return summary
