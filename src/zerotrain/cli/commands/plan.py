@@ -64,8 +64,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
-               "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
-               "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict()}
+              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
+              "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict()}
     print(json.dumps(report, indent=2) if args.json else "\n".join([table(cfg, report), "",
                                                                       *describe(io, cfg.parallel.zero, gib)]))
     return 0
