@@ -245,7 +245,7 @@ class ZeroThreeEngine(ZeroEngine):
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
         by_name = dict(self.model.named_parameters())
         frozen = [by_name[s.name] for s in self.frozen_layout.slots]
-        # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held only while whole
+        # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held while whole
         self.bucket_params: list[torch.Tensor] = \
             shard_into_buckets(L, self.params, self.flat_params, rank, self._initial_range) + \
             shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, self._initial_range)
@@ -784,8 +784,8 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
         same = [(s.name, s.shape, s.offset) for s in layout.slots] == \
             [(s.name, s.shape, s.offset) for s in like.layout.slots] and layout.buckets == like.layout.buckets
         if not same or like.dp.world_size != dp.world_size:
-            raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model (another "
-                             "architecture, world size or bucket_numel)")
+            raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model "
+                             "(another architecture, world size or bucket_numel)")
         shard = like.flat_params.detach().to(dtype).clone()
         return FrozenCopy(module, dp, layout, shard, shard_into_buckets(layout, params, shard, dp.rank, None))
     device = device if device is not None else next((p.device for p in params if not p.is_meta), "cpu")
