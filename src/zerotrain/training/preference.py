@@ -268,6 +268,9 @@ class Preference:
             B = len(ids)
             rows = [2 * (first + b) for b in range(B)] + [2 * (first + b) + 1 for b in range(B)]
             first += B
+            # The reference first: at ZeRO-3 its forward gathers each unit alone, before the policy's holds the
+            # root (and an untied head) whole into its backward
+            reference = self.reference_of(engine, forward, micro, ids)
             with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
                 def scored() -> torch.Tensor:
                     return head_loss(forward, micro.inputs, micro.labels, sequence_logps, recompute)
@@ -278,7 +281,6 @@ class Preference:
                 else:
                     logps = scored()
                 policy, counts = logps[0].view(2, B), logps[1].view(2, B)
-                reference = self.reference_of(engine, forward, micro, ids)
                 losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
                 total = losses.sum()
                 if loss_factor != 1.0:
