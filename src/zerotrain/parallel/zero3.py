@@ -238,7 +238,7 @@ class ZeroThreeEngine(ZeroEngine):
         (`frozen_shard`, in the run's precision from the first value), gathered with the units they belong to and
         never reduced: bucket i of frozen_layout is bucket len(layout.buckets) + i of the engine's lists."""
         L, device = self.layout, self.device
-        W, rank = self.dp.world_size, self.dp.rank
+        rank = self.dp.rank
         # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
@@ -605,7 +605,9 @@ class ZeroThreeEngine(ZeroEngine):
         by row; one all-reduce of those few integers over the DP group sums them into each bucket's digest as a
         gather would make it (digests of disjoint pieces add up). With TP the replicated row is then checked across
         the TP ranks, and the KV row across each KV group: their DP groups own and update the same chunks apart, so
-        a gradient that differs between them (the KV replicas' sum skipped, say) shows as differing shards.
+        a gradient that differs between them (the KV replicas' sum skipped, say) shows as differing shards. The frozen
+        shards (a LoRA run's base) are digested alike, their buffer placed after the trained one in the digests'
+        positions, and their gathers checked the same way.
 
         What a rank computes with is checked too, one check later: the buckets' digests are kept as what the units'
         next gathers must give (until the next update), and the first gather of each bucket after a check is digested
