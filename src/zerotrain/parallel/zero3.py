@@ -769,7 +769,8 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
     preference run's live reference for full fine-tuning is such a copy of the policy, sharded like it.
 
     The values: with `like`, the ZeroThreeEngine of the model this copies (same architecture, same `dp`, the same
-    layout), that engine's shard as it is now, copied on each rank (nothing read, drawn or sent); else, for a module
+    layout), that engine's shard as it is now, in its precision, copied on each rank (nothing read, drawn or sent;
+    under TP, `module` is this rank's TP slice, parallelized as the engine's model is); else, for a module
     on the meta device, `init`'s (model/init.py's SeedValues, --init-from's FileValues: the owned ranges alone read
     or drawn); else the module's own values (every rank's must be equal). The module's parameters become views of
     the copy's buckets: keep the returned FrozenCopy (its shard is what the module holds).
@@ -788,7 +789,7 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
         if not same or like.dp.world_size != dp.world_size:
             raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model "
                              "(another architecture, world size or bucket_numel)")
-        shard = like.flat_params.detach().to(dtype).clone()
+        shard = like.flat_params.detach().clone()  # in the engine's precision: what its model computes with
         return FrozenCopy(module, dp, layout, shard, shard_into_buckets(layout, params, shard, dp.rank, None))
     device = device if device is not None else next((p.device for p in params if not p.is_meta), "cpu")
 
