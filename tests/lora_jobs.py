@@ -205,3 +205,22 @@ def frozen_copy_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
 
 def ungathered_frozen_copy_job(cfg: Config, comm: Comm) -> dict:
     return frozen_copy_job(cfg, comm, planted=True)
+
+
+def lora_stale_save_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a ZeRO-3 checkpoint holds each rank's shard as it was before the step's update."""
+    from zerotrain.parallel import ZeroThreeEngine
+
+    real_apply, real_save = ZeroThreeEngine.apply, ZeroThreeEngine.shard_state_dict
+    before = {}  # kept outside the engine, whose tensors the plan's check counts
+
+    def apply(self, lr, grad_norm):
+        before["master"] = self.master_shard().detach().float().clone()
+        real_apply(self, lr, grad_norm)
+
+    ZeroThreeEngine.apply = apply
+    ZeroThreeEngine.shard_state_dict = lambda self: {**real_save(self), "master": before["master"]}
+    try:
+        return lora_job(cfg, comm)
+    finally:
+        ZeroThreeEngine.apply, ZeroThreeEngine.shard_state_dict = real_apply, real_save

@@ -61,7 +61,8 @@ def halfway(cfg) -> str:
 def two(tmp_path_factory):
     """One start of 2 ranks: ZeRO-1 and ZeRO-3 LoRA (a Llama with accumulation, checkpointed at step 2; a GPT-2),
     ZeRO-3 resumed from its step 2, and planted: that resume with AdamW's second moments lost, each rank's share of
-    the base read from the start of each tensor, rank 1 computing with a drifted copy of a frozen bucket."""
+    the base read from the start of each tensor, rank 1 computing with a drifted copy of a frozen bucket, a save of
+    the shard as it was before the step's update; then all-frozen copies of a ZeRO-3 model (shard_frozen_copy)."""
     tmp = tmp_path_factory.mktemp("lora-zero3")
     llama = dict(nproc=2, accum=2, ckpt_every=2)
     z3 = lora_config(tmp / "z3", zero=3, **llama)
@@ -72,15 +73,16 @@ def two(tmp_path_factory):
             (lora_jobs.lora_job, lora_config(tmp / "resumed", zero=3, resume=halfway(z3), **llama)),
             (lora_jobs.lora_lossy_resume_job, lora_config(tmp / "lossy", zero=3, resume=halfway(z3), **llama)),
             (lora_jobs.lora_misread_base_job, lora_config(tmp / "misread", zero=3, nproc=2, accum=2, steps=1)),
-            (lora_jobs.lora_drifted_frozen_gather_job, lora_config(tmp / "drifted", zero=3, nproc=2,
+            (lora_jobs.lora_drifted_frozen_gather_job, lora_config(tmp / "drifted", zero=3, nproc=2, steps=2,
                                                                                 check_every=1)),
+            (lora_jobs.lora_stale_save_job, lora_config(tmp / "stale", zero=3, steps=2, **llama)),
             (lora_jobs.frozen_copy_job, copy_config(tmp / "copy")),
             (lora_jobs.frozen_copy_job, copy_config(tmp / "copy-gpt2", arch="gpt2")),
             (lora_jobs.ungathered_frozen_copy_job, copy_config(tmp / "copy-planted"))]
     out = run_job(functools.partial(in_turn_job, jobs=jobs), jobs[0][1], time_limit=LIMIT)
-    names = ["z1", "z3", "gpt2 z1", "gpt2 z3", "resumed", "lossy", "misread", "drifted", "copy", "copy gpt2",
-             "copy planted"]
-    return {**dict(zip(names, out)), "z1 config": jobs[0][1], "z3 config": z3, "copy config": jobs[-3][1],
+    names = ["z1", "z3", "gpt2 z1", "gpt2 z3", "resumed", "lossy", "misread", "drifted", "stale", "copy",
+             "copy gpt2", "copy planted"]
+    return {**dict(zip(names, out)), "z1 config": jobs[0][1], "z3 config": z3, "stale config": jobs[8][1], "copy config": jobs[-3][1],
             "copy gpt2 config": jobs[-2][1]}
 
 
@@ -125,17 +127,21 @@ def test_zero3_lora_resumes_bitwise_and_a_lossy_resume_is_caught(two):
     assert not all(torch.equal(lossy[n], t) for n, t in whole["params"].items())
 
 
-def test_zero3_lora_exports_the_peft_adapter_and_the_merged_model_of_zero1(two, tmp_path):
-    z1, z3 = (halfway(cfg) for cfg in (two["z1 config"], two["z3 config"]))
+def test_zero3_lora_exports_the_peft_adapter_and_the_merged_model_of_zero1_and_a_stale_save_is_caught(two, tmp_path):
     folders = {}
-    for name, step in (("z1", z1), ("z3", z3)):
+    for name in ("z1", "z3", "stale"):
         for fmt in ("peft", "hf"):
             folders[name, fmt] = tmp_path / f"{name}-{fmt}"
-            assert main(["export", step, str(folders[name, fmt]), "--format", fmt]) == 0
-    for fmt, file in (("peft", "adapter_model.safetensors"), ("hf", "model.safetensors")):
-        ours, theirs = (load_file(str(folders[name, fmt] / file)) for name in ("z3", "z1"))
+            assert main(["export", halfway(two[f"{name} config"]), str(folders[name, fmt]), "--format", fmt]) == 0
+
+    def difference(name, fmt, file):
+        ours, theirs = (load_file(str(folders[run, fmt] / file)) for run in (name, "z1"))
         assert sorted(ours) == sorted(theirs) and len(ours) > 0, fmt
-        assert rel([ours[n] for n in sorted(ours)], [theirs[n] for n in sorted(ours)]) <= 1e-5, fmt
+        return rel([ours[n] for n in sorted(ours)], [theirs[n] for n in sorted(ours)])
+
+    for fmt, file in (("peft", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        assert difference("z3", fmt, file) <= 1e-5, fmt
+        assert difference("stale", fmt, file) > 1e-3, fmt  # planted: the shard saved as it was before the update
 
 
 def test_invariant_b_covers_the_sharded_base_and_a_rank_computing_with_a_drifted_copy_is_caught(two):

@@ -238,14 +238,14 @@ class ZeroThreeEngine(ZeroEngine):
         (`frozen_shard`, in the run's precision from the first value), gathered with the units they belong to and
         never reduced: bucket i of frozen_layout is bucket len(layout.buckets) + i of the engine's lists."""
         L, device = self.layout, self.device
-        W, rank = self.dp.world_size, self.dp.rank
+        rank = self.dp.rank
         # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
         by_name = dict(self.model.named_parameters())
         frozen = [by_name[s.name] for s in self.frozen_layout.slots]
-        # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held only while whole
+        # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held while whole
         self.bucket_params: list[torch.Tensor] = \
             shard_into_buckets(L, self.params, self.flat_params, rank, self._initial_range) + \
             shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, self._initial_range)
@@ -605,7 +605,9 @@ class ZeroThreeEngine(ZeroEngine):
         by row; one all-reduce of those few integers over the DP group sums them into each bucket's digest as a
         gather would make it (digests of disjoint pieces add up). With TP the replicated row is then checked across
         the TP ranks, and the KV row across each KV group: their DP groups own and update the same chunks apart, so
-        a gradient that differs between them (the KV replicas' sum skipped, say) shows as differing shards.
+        a gradient that differs between them (the KV replicas' sum skipped, say) shows as differing shards. The frozen
+        shards (a LoRA run's base) are digested alike, their buffer placed after the trained one in the digests'
+        positions, and their gathers checked the same way.
 
         What a rank computes with is checked too, one check later: the buckets' digests are kept as what the units'
         next gathers must give (until the next update), and the first gather of each bucket after a check is digested
@@ -767,7 +769,8 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
     preference run's live reference for full fine-tuning is such a copy of the policy, sharded like it.
 
     The values: with `like`, the ZeroThreeEngine of the model this copies (same architecture, same `dp`, the same
-    layout), that engine's shard as it is now, copied on each rank (nothing read, drawn or sent); else, for a module
+    layout), that engine's shard as it is now, in its precision, copied on each rank (nothing read, drawn or sent;
+    under TP, `module` is this rank's TP slice, parallelized as the engine's model is); else, for a module
     on the meta device, `init`'s (model/init.py's SeedValues, --init-from's FileValues: the owned ranges alone read
     or drawn); else the module's own values (every rank's must be equal). The module's parameters become views of
     the copy's buckets: keep the returned FrozenCopy (its shard is what the module holds).
@@ -784,9 +787,9 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
         same = [(s.name, s.shape, s.offset) for s in layout.slots] == \
             [(s.name, s.shape, s.offset) for s in like.layout.slots] and layout.buckets == like.layout.buckets
         if not same or like.dp.world_size != dp.world_size:
-            raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model (another "
-                             "architecture, world size or bucket_numel)")
-        shard = like.flat_params.detach().to(dtype).clone()
+            raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model "
+                             "(another architecture, world size or bucket_numel)")
+        shard = like.flat_params.detach().clone()  # in the engine's precision: what its model computes with
         return FrozenCopy(module, dp, layout, shard, shard_into_buckets(layout, params, shard, dp.rank, None))
     device = device if device is not None else next((p.device for p in params if not p.is_meta), "cpu")
 

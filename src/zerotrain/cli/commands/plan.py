@@ -117,8 +117,9 @@ def table(cfg: Config, r: dict) -> str:
                   f"{'two neighbouring units (prefetch: --overlap)' if cfg.gather_in_forward else 'other unit'} "
                   f"(blocks; an untied head's embedding, final norm with head), gathered x {2 if bf16 else 4}"
                   if p.zero == 3 else "none: every parameter is held whole (ZeRO-3 gathers units)"),
-        "frozen": (f"the base's parameters x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank "
-                   f"{cfg.lora.rank}: P is its adapters)") if cfg.lora.rank else "none: every weight trains",
+        "frozen": (f"the base's parameters{' / DP (ZeRO-3: its shard, gathered with the units)' if p.zero == 3 else ''}"
+                   f" x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank {cfg.lora.rank}: P is its "
+                   "adapters)") if cfg.lora.rank else "none: every weight trains",
         "grads": "shard x 4" if p.zero >= 2 else
                  "P x 4 (autograd's own, one per parameter, on one rank: no flat buffer)"
                  if keeps_autograd_grads(p.zero, p.precision, r["dp"], p.tp) else
