@@ -289,12 +289,10 @@ class Preference:
             rows = [2 * (first + b) for b in range(B)] + [2 * (first + b) + 1 for b in range(B)]
             first += B
             # The reference first: at ZeRO-3 its forward gathers each unit alone, before the policy's holds the
-            # root (and an untied head) whole into its backward
+            # root (and an untied head) whole into its backward; its working set is gone before the policy's
+            # activations are kept
             reference = self.reference_of(engine, forward, micro, ids)
             with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
-                # the reference first: its forward's working set is gone before the policy's activations are kept
-                reference = self.reference_of(engine, forward, micro, ids)
-
                 def scored() -> torch.Tensor:
                     return head_loss(forward, micro.inputs, micro.labels, sequence_logps, recompute)
 
