@@ -5,9 +5,9 @@ in rounds whose order reverses each round, so that drift in the machine's load s
 the preset's shape on the same random tokens with fused AdamW and gradient clipping at 1.0; transformers' model is
 GPT2LMHeadModel or, for a Llama-family preset, LlamaForCausalLM, with SDPA; `--litgpt` adds litgpt's GPT in the
 same loop (a Llama-family preset, litgpt installed beside zerotrain). zerotrain runs as the local launcher's ranks
-run, with their allocator settings (runtime/allocator.py: large blocks back to the OS, huge pages asked for); the
-others as a script runs, with glibc's defaults, and transformers, with `--same-allocator`, once more with
-zerotrain's settings. `--variant NAME=SRC` adds zerotrain from another source folder (e.g. an older commit's
+run, with their allocator settings (runtime/allocator.py: huge pages asked for; large blocks back to the OS at stage
+3 only, not the stage trained here); the others as a script runs, with glibc's defaults, and transformers, with
+`--same-allocator`, once more with zerotrain's settings. `--variant NAME=SRC` adds zerotrain from another source folder (e.g. an older commit's
 `git archive` unpacked), for before/after tables.
 
     python scripts/bench_one_rank.py --preset gpt2 --seq-len 128 --rounds 3 --steps 4
@@ -31,12 +31,12 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     the page faults and CPU seconds of a step past the first."""
     import torch
 
-    from zerotrain.config import PRESETS
+    from zerotrain.config import PRESETS, Config
 
     if args.rank_allocator:
-        from zerotrain.runtime.allocator import return_large_blocks_to_os
+        from zerotrain.runtime.allocator import rank_allocator
 
-        return_large_blocks_to_os()
+        rank_allocator(Config().parallel.zero)
     torch.set_num_threads(args.threads)
     shape = {**PRESETS[args.preset], "seq_len": args.seq_len}
     ids = torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq_len + 1),

@@ -12,7 +12,9 @@ from zerotrain.runtime.allocator import return_large_blocks_to_os
 HELD_AFTER_FREEING = """
 import sys
 from zerotrain.runtime import allocator
-applied = allocator.return_large_blocks_to_os() if sys.argv[1] == "fixed" else False
+arm = sys.argv[1]
+applied = (allocator.return_large_blocks_to_os() if arm == "fixed" else
+           allocator.rank_allocator(int(arm[-1])) if arm.startswith("stage") else False)
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
@@ -37,6 +39,15 @@ def test_freed_large_blocks_leave_the_process_and_glibcs_default_keeps_them():
     applied, held = held_after_freeing("default")  # planted: the threshold left to glibc
     assert not applied
     assert held > 40, held  # glibc's heap kept the freed blocks
+
+
+def test_a_rank_holds_the_threshold_at_stage_3_only():
+    """launch._rank's choice: stage 3 frees and gathers its units every step (the heap would keep them); at stages 1
+    and 2 the heap's blocks serve the next step without new page faults."""
+    applied, held = held_after_freeing("stage3")
+    assert applied and held < 8, held
+    applied, held = held_after_freeing("stage1")
+    assert not applied and held > 40, held
 
 
 def test_a_threshold_the_user_set_is_left_alone(monkeypatch):

@@ -24,7 +24,7 @@ from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
 
 from . import rank_start
-from .allocator import return_large_blocks_to_os
+from .allocator import rank_allocator
 from .console import console_outlives_its_reader
 from .failures import (adopt_attempt, adopt_job_dir, failure_reason, report_failure, report_user_error,
                        restart_count, user_error)
@@ -178,7 +178,7 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:
             f.write(str(os.getpid()))
     torch.set_num_threads(default_threads(cfg))
-    return_large_blocks_to_os()
+    rank_allocator(cfg.parallel.zero)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.launch.device == "cuda":
         deterministic_cuda()
