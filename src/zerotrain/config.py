@@ -149,7 +149,8 @@ PRESETS: dict[str, dict] = {
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
-              rope_high_freq_factor=4.0, rope_original_context=8192, sliding_window=0, sliding_window_pattern=0,
+              rope_high_freq_factor=4.0, rope_original_context=8192, rope_beta_fast=32.0, rope_beta_slow=1.0,
+              rope_truncate=True, rope_attention_factor=0.0, sliding_window=0, sliding_window_pattern=0,
               rope_local_theta=0.0, query_pre_attn_scalar=0, attn_softcap=0.0, final_softcap=0.0)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
@@ -165,7 +166,7 @@ LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"
 GEMMA = ("gemma2", "gemma3")
 WINDOWED = ("mistral", "phi3", *GEMMA)  # the members with a sliding window
 ARCHS = ("gpt2", *LLAMA_FAMILY)
-ROPE_SCALINGS = ("none", "llama3", "linear")
+ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 
 
 @dataclass
@@ -194,16 +195,28 @@ class ModelConfig:
                               shown="the data's; synthetic data: 64")
     rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE)
     rope_scaling: str = setting("none", "rotary frequencies rescaled for a longer context: none, llama3 (Llama "
-                                "3.1's, with the four --rope-* settings below) or linear (gemma3's global layers: "
-                                "every frequency slowed by --rope-factor)", rule=one_of(*ROPE_SCALINGS))
-    rope_factor: float = setting(8.0, "llama3 and linear rope scaling: how much the (low) frequencies are slowed",
-                                 rule=POSITIVE)
+                                "3.1's, with the four --rope-* settings below), linear (gemma3's global layers: "
+                                "every frequency slowed by --rope-factor) or yarn (YaRN, as transformers' rope_type "
+                                "yarn: --rope-factor, --rope-original-context and the --rope-beta-*, --rope-truncate "
+                                "and --rope-attention-factor settings)", rule=one_of(*ROPE_SCALINGS))
+    rope_factor: float = setting(8.0, "llama3, linear and yarn rope scaling: how much the (low) frequencies are "
+                                 "slowed", rule=POSITIVE)
     rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original context / this are "
                                           "slowed by --rope-factor", rule=POSITIVE)
     rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original context / this "
                                            "are kept (in between: interpolated)", rule=POSITIVE)
-    rope_original_context: int = setting(8192, "llama3 rope scaling: the context the model was pretrained at",
-                                         rule=POSITIVE)
+    rope_original_context: int = setting(8192, "llama3 and yarn rope scaling: the context the model was pretrained "
+                                         "at", rule=POSITIVE)
+    rope_beta_fast: float = setting(32.0, "yarn rope scaling: frequencies turning more than this many times over the "
+                                    "original context are kept (transformers' beta_fast)", rule=POSITIVE)
+    rope_beta_slow: float = setting(1.0, "yarn rope scaling: frequencies turning fewer than this many times over the "
+                                    "original context are slowed by --rope-factor (in between: a linear ramp; "
+                                    "transformers' beta_slow)", rule=POSITIVE)
+    rope_truncate: bool = setting(True, "yarn rope scaling: the ramp's ends rounded to whole dimensions "
+                                  "(transformers' truncate; gpt-oss: --no-rope-truncate)")
+    rope_attention_factor: float = setting(0.0, "yarn rope scaling: cos and sin are multiplied by this (0: YaRN's "
+                                           "0.1 ln(--rope-factor) + 1; transformers' attention_factor)",
+                                           rule=NON_NEGATIVE, shown="YaRN's own")
     sliding_window: int = setting(0, "each token attends to at most this many tokens, itself included (mistral, "
                                   "phi3, gemma2, gemma3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
     sliding_window_pattern: int = setting(0, "with --sliding-window, every N-th layer (layers N-1, 2N-1, ...) is "
@@ -241,8 +254,18 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        """Biases on q, k and v (not on the output projection): Qwen2's."""
-        return self.arch == "qwen2"
+        """Biases on q, k and v: Qwen2's (not on the output projection), gpt-oss's (there too: o_bias)."""
+        return self.arch in ("qwen2", "gpt_oss")
+
+    @property
+    def o_bias(self) -> bool:
+        """A bias on the attention's output projection: gpt-oss's."""
+        return self.arch == "gpt_oss"
+
+    @property
+    def attn_sinks(self) -> bool:
+        """A learned logit per head in each softmax's denominator, a key no value comes with (gpt-oss's sinks)."""
+        return self.arch == "gpt_oss"
 
     @property
     def qk_norm(self) -> bool:
@@ -735,6 +758,8 @@ def validate(cfg: Config) -> Config:
     for value, flag, archs in gemma_only:
         if value and m.arch not in archs:
             raise ConfigError(f"{flag} is for --arch {' or '.join(archs)}, not --arch {m.arch}")
+    if m.rope_scaling == "yarn" and m.rope_beta_slow >= m.rope_beta_fast:
+        raise ConfigError(f"--rope-beta-slow {m.rope_beta_slow} must be below --rope-beta-fast {m.rope_beta_fast}")
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

@@ -14,9 +14,9 @@ and export alike, so the two cannot drift apart.
            the vision tower and its projector are skipped, and it exports as the text model (Gemma3ForCausalLM).
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
-and written from it (hf_config); Llama 3.1's rope scaling is read from `rope_scaling` (older transformers and the
-published configs) or `rope_parameters` (what transformers 5 writes), and written as `rope_scaling`, which both
-read. A field zerotrain's model does not have (another rope type, Qwen's use_sliding_window) is refused, naming it.
+and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
+transformers and the published configs) or `rope_parameters` (what transformers 5 writes), and written as
+`rope_scaling`, which both read. A field zerotrain's model does not have (another rope type, Qwen's use_sliding_window) is refused, naming it.
 
 A tied head is stored once, under the token embedding's name. init_from.py reads each rank's TP slices through
 the same table.
@@ -196,6 +196,11 @@ def _rope_scaling(cfg: ModelConfig) -> dict | None:
         return None
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "yarn":
+        return {"rope_type": "yarn", "factor": cfg.rope_factor, "original_max_position_embeddings":
+                cfg.rope_original_context, "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                "truncate": cfg.rope_truncate, **({"attention_factor": cfg.rope_attention_factor}
+                                                  if cfg.rope_attention_factor else {})}
     return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_context}
@@ -419,9 +424,11 @@ def _rope_settings(config: dict, where: str, gemma: bool = False) -> dict:
         return {}
     if kind == "linear" and gemma:
         return dict(rope_scaling="linear", rope_factor=_positive(scaling, "factor", f"{where} {key}", 0.0))
+    if kind == "yarn":
+        return _yarn_settings(scaling, f"{where} {key}")
     if kind != "llama3":
         raise CheckpointError(f"{where}: {key} has rope_type {kind!r}, which zerotrain does not implement (it has "
-                              "'default' and 'llama3')")
+                              "'default', 'llama3' and 'yarn')")
     missing = [k for k in ROPE_LLAMA3 if k not in scaling]
     if missing:
         raise CheckpointError(f"{where}: {key} of rope_type 'llama3' has no {missing[0]!r}")
@@ -432,3 +439,26 @@ def _rope_settings(config: dict, where: str, gemma: bool = False) -> dict:
     return dict(rope_scaling="llama3", rope_factor=factors["factor"], rope_low_freq_factor=factors["low_freq_factor"],
                 rope_high_freq_factor=factors["high_freq_factor"],
                 rope_original_context=_count(scaling, "original_max_position_embeddings", f"{where} {key}"))
+
+
+def _yarn_settings(scaling: dict, where: str) -> dict:
+    """ModelConfig's settings of a rope_type 'yarn' table, with transformers' defaults (beta_fast 32, beta_slow 1,
+    truncate true, attention_factor from the factor); CheckpointError naming a field missing, out of range, or
+    DeepSeek's mscale pair, which zerotrain's YaRN does not have."""
+    for key in ("mscale", "mscale_all_dim"):
+        if scaling.get(key):
+            raise CheckpointError(f"{where}: {key} = {scaling[key]!r}; zerotrain's yarn derives the attention factor "
+                                  "from the factor alone (or takes attention_factor)")
+    for key in ("factor", "original_max_position_embeddings"):
+        if scaling.get(key) is None:
+            raise CheckpointError(f"{where}: rope_type 'yarn' has no {key!r}")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}: truncate must be true or false, got {truncate!r}")
+    beta_fast, beta_slow = (_positive(scaling, key, where, default) if scaling.get(key) is not None else default
+                            for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)))
+    attention = scaling.get("attention_factor")
+    return dict(rope_scaling="yarn", rope_factor=_positive(scaling, "factor", where, 0.0),
+                rope_original_context=_count(scaling, "original_max_position_embeddings", where),
+                rope_beta_fast=beta_fast, rope_beta_slow=beta_slow, rope_truncate=truncate,
+                rope_attention_factor=0.0 if attention is None else _positive(scaling, "attention_factor", where, 0.0))

@@ -20,6 +20,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                 path: 4 BTHD a + BHTT (a + 4)       q, k and v at H heads, output; capped scores,
                                 (+ BHTT a in bf16)                  fp32 probabilities (and their bf16 copy)
                  GeGLU MLP      4 BTF a                             as SwiGLU's
+    gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
+                               in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
+                               the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
                  q/k norms      (H + KV) x (2 BTD 4 + BT 4) + 2 D 4 Gemma 3's, (1 + w)
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
                  tables 2 TD 4, twice for Gemma 3's two bases; with the vocabulary split across TP, the ids outside
@@ -255,12 +258,30 @@ def gemma_qk_norms(s: RankShape) -> int:
     return 2 * rows * s.head_dim * FP32 + rows * FP32 + 2 * s.head_dim * FP32
 
 
-def softcapped_attention(s: RankShape) -> int:
-    """Gemma 2's attention with explicit scores (layers.softcapped_attention): q, and k and v copied to the query
-    heads (B, heads, T, D); the capped scores (tanh's output) and the fp32 probabilities (B, heads, T, T), in bf16
-    also their bf16 copy (the value matmul's input); the output reshaped for the output projection."""
-    probabilities = FP32 + (s.act if s.act != FP32 else 0)
-    return 4 * s.BT * s.heads * s.head_dim * s.act + s.B * s.heads * s.T * s.T * (s.act + probabilities)
+def softcapped_attention(s: RankShape, capped: bool = True, sinks: bool = False) -> int:
+    """Attention with explicit scores (layers.softcapped_attention): q, and k and v copied to the query heads
+    (B, heads, T, D); Gemma 2's capped scores (tanh's output, where `capped`) and the fp32 probabilities (B, heads,
+    T, T; gpt-oss's `sinks` add a column to them, which the value matmul's view of them leaves out), in bf16 also
+    their bf16 copy (the value matmul's input); the output reshaped for the output projection."""
+    squares = s.B * s.heads * s.T * s.T
+    probabilities = squares * FP32 + (squares * s.act if s.act != FP32 else 0)
+    if sinks:
+        probabilities += s.B * s.heads * s.T * FP32
+    return 4 * s.BT * s.heads * s.head_dim * s.act + (squares * s.act if capped else 0) + probabilities
+
+
+def flex_sinks(s: RankShape) -> int:
+    """gpt-oss's sinks on FlexAttention (layers.with_sinks): the renormalization factor per row (sigmoid's output,
+    fp32; in bf16 also its cast) and the renormalized output, a second (B, T, heads, D) beside FlexAttention's (not
+    measured here: FlexAttention has no backward on CPU)."""
+    rows = s.B * s.heads * s.T
+    return rows * FP32 + (rows * s.act if s.act != FP32 else 0) + attention_output(s)
+
+
+def sink_attention(s: RankShape, eager: bool) -> int:
+    """gpt-oss's attention: explicit scores with the sinks' column where FlexAttention does not run, else
+    FlexAttention's (as SDPA's) and the renormalization."""
+    return softcapped_attention(s, capped=False, sinks=True) if eager else attention(s) + flex_sinks(s)
 
 
 def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
@@ -303,9 +324,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
     shapes, masks = {}, 0
     for window in set(windows):
-        masked = documents or 0 < window < seq_len or bool(cfg.attn_softcap)
+        explicit = bool(cfg.attn_softcap) or cfg.attn_sinks  # what SDPA cannot compute: no causal mask of its own
+        masked = documents or 0 < window < seq_len or explicit
         kernel = layers.document_kernel(device, cfg.head_dim) if masked else ""
-        eager = bool(cfg.attn_softcap) and kernel != "flex"  # softcapped_attention: it copies the KV heads itself
+        eager = explicit and kernel != "flex"  # softcapped_attention: it copies the KV heads itself
         # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
         repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex" and not eager
                     and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
@@ -318,6 +340,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = block_input(s)
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
+        elif cfg.attn_sinks:
+            shapes[window] = llama_block(s, cfg.qk_norm) - attention(s) + sink_attention(s, eager)
         else:
             shapes[window] = llama_block(s, cfg.qk_norm) if llama else gpt2_block(s)
         # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves

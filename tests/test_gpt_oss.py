@@ -1,0 +1,301 @@
+"""gpt-oss's attention and positions in the Llama family's decoder, against transformers' own code as the oracle:
+attention sinks, YaRN rope, sliding and full layers alternating, biases on q, k, v and o.
+
+Each layer of zerotrain's LlamaAttention (with gpt-oss's options) computes what transformers' GptOssAttention
+(eager attention: transformers' gpt-oss has no SDPA path) computes from the same weights, rotated by
+GptOssRotaryEmbedding's YaRN tables: within 1e-5, on the explicit-scores path CPU runs and on FlexAttention's
+(CUDA's; its reference implementation here), packed records each as if alone, and through the KV cache. YaRN's
+frequencies and magnitude equal transformers' _compute_yarn_parameters, and a Qwen3 folder with rope_type yarn gives
+transformers' logits. Each piece left out (the sinks, the sinks' renormalization on FlexAttention, YaRN's magnitude,
+its ramp, the window, the output bias), planted in the function zerotrain runs, is caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from model_folders import family_folder
+from torch.nn.attention.flex_attention import flex_attention
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gpt_oss import modeling_gpt_oss
+
+import zerotrain
+from zerotrain.config import ModelConfig
+from zerotrain.hub import mapping
+from zerotrain.model import layers
+from zerotrain.model import llama as llama_module
+from zerotrain.model.layers import KVCache
+
+pytestmark = pytest.mark.timeout(120)
+
+SEQ, WINDOW, EXACT, CAUGHT = 24, 6, 1e-5, 1e-3
+# YaRN's ramp made to span the tiny heads' dimensions (rope_theta 500, an original context of 256: dimensions 0.3 to
+# 4.8 of 8 blended), with gpt-oss's truncate false, so that each of its parts moves the output.
+YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 256, "rope_theta": 500.0}
+
+
+def hf_config(**changes) -> transformers.GptOssConfig:
+    config = transformers.GptOssConfig(**{
+        "vocab_size": 100, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": WINDOW, "max_position_embeddings": SEQ,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "rope_parameters": dict(YARN), "initializer_range": 0.2,
+        **changes})
+    config._attn_implementation = "eager"
+    return config
+
+
+def our_config(**changes) -> ModelConfig:
+    """The same attention in zerotrain's settings (what hub/mapping.py reads from the folder once gpt_oss is a
+    family: test_gpt_oss_family)."""
+    return ModelConfig(**{
+        "arch": "gpt_oss", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "head_width": 16,
+        "intermediate_size": 32, "seq_len": SEQ, "vocab_size": 100, "rope_theta": 500.0, "rope_scaling": "yarn",
+        "rope_factor": 8.0, "rope_original_context": 256, "rope_truncate": False, "sliding_window": WINDOW,
+        "sliding_window_pattern": 2, "norm_eps": 1e-5, "tie_embeddings": False, **changes})
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(transformers' attention of each layer, zerotrain's with the same weights): layer 0 slides, layer 1 is full."""
+    torch.manual_seed(0)
+    config, cfg = hf_config(), our_config()
+    theirs = [modeling_gpt_oss.GptOssAttention(config, layer).eval() for layer in range(2)]
+    for attention in theirs:
+        with torch.no_grad():
+            for p in attention.parameters():  # biases and sinks well away from 0, as trained ones are
+                p.normal_(0.0, 0.1 if p.dim() == 2 else 0.5)
+    return config, theirs, cfg, built(cfg, theirs)
+
+
+def built(cfg, theirs, strict: bool = True) -> list:
+    """zerotrain's attention of each layer, with transformers' weights (the same names)."""
+    ours = []
+    for layer, attention in enumerate(theirs):
+        mine = llama_module.LlamaAttention(cfg, layer)
+        mine.load_state_dict(attention.state_dict(), strict=strict)
+        ours.append(mine.eval())
+    return ours
+
+
+X = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(1))
+
+
+def transformers_output(config, attention, x=X) -> torch.Tensor:
+    positions = torch.arange(x.shape[1])[None]
+    cos, sin = modeling_gpt_oss.GptOssRotaryEmbedding(config)(x, positions)
+    make = create_sliding_window_causal_mask if attention.sliding_window else create_causal_mask
+    mask = make(config=config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
+    with torch.no_grad():
+        return attention(x, (cos, sin), mask)[0]
+
+
+def our_output(cfg, attention, layer: int, x=X, segments=None) -> torch.Tensor:
+    """zerotrain's attention as Llama.hidden runs it: its rotary tables and the layer's mask from llama.layer_mask."""
+    idx = torch.zeros(x.shape[:2], dtype=torch.long)
+    positions = layers.new_positions(idx, None, cfg.positions, segments)
+    rotary = layers.rotary_tables(positions, cfg.head_dim, cfg.rope_theta, llama_module.rope_scaling(cfg))
+    window = cfg.sliding_window if cfg.sliding(layer) else 0
+    mask = llama_module.layer_mask(cfg, idx, x.dtype, None, segments, window)
+    with torch.no_grad():
+        return attention(x, rotary, None, layer, mask)
+
+
+def gap(pair, layer: int) -> float:
+    config, theirs, cfg, ours = pair
+    return (our_output(cfg, ours[layer], layer) - transformers_output(config, theirs[layer])).abs().max().item()
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+def test_each_layer_computes_what_transformers_gpt_oss_attention_does(pair, layer):
+    config, theirs, cfg, ours = pair
+    assert (theirs[layer].sliding_window is not None) == cfg.sliding(layer) == (layer == 0)
+    assert gap(pair, layer) < EXACT
+
+
+def no_sinks(mp):
+    real = layers.softcapped_attention
+    mp.setattr(layers, "softcapped_attention", lambda q, k, v, mask, scale, cap, sinks=None: real(q, k, v, mask, scale,
+                                                                                                    cap))
+
+
+PLANTED = {  # the bug, planted in the function zerotrain runs
+    "sinks left out": no_sinks,
+    "yarn magnitude left out": lambda mp: mp.setattr(layers.YarnScaling, "magnitude", property(lambda self: 1.0)),
+    "yarn ramp left out (every frequency slowed)": lambda mp: mp.setattr(
+        layers.YarnScaling, "rescale", lambda self, inv_freq: inv_freq / self.factor),
+    "window ignored": lambda mp: mp.setattr(llama_module, "window_attention", lambda *a: None),
+    "output bias left out": lambda mp: mp.setattr(ModelConfig, "o_bias", property(lambda self: False)),
+    "q, k, v biases left out": lambda mp: mp.setattr(ModelConfig, "qkv_bias", property(lambda self: False)),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_a_planted_bug_in_each_piece_is_caught(pair, monkeypatch, bug):
+    config, theirs, cfg, _ = pair
+    PLANTED[bug](monkeypatch)
+    ours = built(cfg, theirs, strict=False)  # a model built without a bias leaves the stored one unread
+    assert max(gap((config, theirs, cfg, ours), layer) for layer in (0, 1)) > CAUGHT
+
+
+def as_flex(mp):
+    """CUDA's kernel choice, FlexAttention (uncompiled: its reference implementation, which CPU has)."""
+    mp.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
+    mp.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
+
+
+def test_flex_attention_renormalizes_by_its_log_sum_exp_and_without_it_is_caught(pair, monkeypatch):
+    """CUDA's kernel: FlexAttention over the full layer's causal block mask and the sliding layer's window, its
+    output renormalized by the sinks through the log-sum-exp it returns (layers.with_sinks)."""
+    as_flex(monkeypatch)
+    assert max(gap(pair, 0), gap(pair, 1)) < EXACT
+    monkeypatch.setattr(layers, "with_sinks", lambda out, lse, sinks: out)  # planted: not renormalized
+    assert gap(pair, 1) > CAUGHT
+
+
+def test_the_renormalization_has_the_explicit_sink_columns_gradients():
+    """FlexAttention differentiates its log-sum-exp (it has no backward on CPU: the log-sum-exp is computed here from
+    the scores): with_sinks gives q, k, v and the sinks the gradients of the explicit scores with a sink column."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, n, 8, 16, generator=g, requires_grad=True) for n in (4, 2, 2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    weights = torch.randn(2, 4, 8, 16, generator=g)
+
+    def grads(attend):
+        for t in (q, k, v, sinks):
+            t.grad = None
+        (attend() * weights).sum().backward()
+        return [t.grad.clone() for t in (q, k, v, sinks)]
+
+    def renormalized():
+        scores = (q @ layers.repeat_kv(k, 2).transpose(2, 3) * 16**-0.5).masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ layers.repeat_kv(v, 2)
+        return layers.with_sinks(out, torch.logsumexp(scores, dim=-1), sinks)
+
+    explicit = grads(lambda: layers.softcapped_attention(q, k, v, mask, None, 0.0, sinks=sinks))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads(renormalized), explicit))
+    assert explicit[3].abs().min() > 1e-4  # the sinks learn
+    real = layers.with_sinks  # planted: the factor detached, the sinks learn nothing
+    layers_with_sinks = lambda out, lse, s: real(out, lse.detach(), s.detach())  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layers, "with_sinks", layers_with_sinks)
+        sinks.grad = None
+        (renormalized() * weights).sum().backward()
+        assert sinks.grad is None
+
+
+RECORDS = (10, 14)  # tokens of two records packed in one row: each longer than the window
+
+
+@pytest.mark.parametrize("kernel", ["mask", "flex"])
+def test_packed_records_equal_each_record_alone(pair, monkeypatch, kernel):
+    if kernel == "flex":
+        as_flex(monkeypatch)
+    config, theirs, cfg, ours = pair
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    for layer in (0, 1):
+        packed = our_output(cfg, ours[layer], layer, segments=segments)
+        alone = torch.cat([transformers_output(config, theirs[layer], X[:, a:b])
+                           for a, b in ((0, RECORDS[0]), (RECORDS[0], SEQ))], dim=1)
+        assert (packed - alone).abs().max() < EXACT
+
+
+def test_decoding_through_the_kv_cache_keeps_the_sinks_and_the_window(pair, monkeypatch):
+    config, theirs, cfg, ours = pair
+    rotary = layers.rotary_tables(torch.arange(SEQ), 16, cfg.rope_theta, llama_module.rope_scaling(cfg))
+
+    def cached(layer: int) -> torch.Tensor:
+        cache = KVCache(dataclasses.replace(cfg, n_layer=2), X.shape[0])
+        steps, at = [], 0
+        with torch.no_grad():
+            for n in (3,) + (1,) * (SEQ - 3):
+                steps.append(ours[layer](X[:, at : at + n], tuple(t[at : at + n] for t in rotary), cache, layer))
+                cache.length += n
+                at += n
+        return torch.cat(steps, dim=1)
+
+    for layer in (0, 1):
+        assert (cached(layer) - transformers_output(config, theirs[layer])).abs().max() < EXACT
+    no_sinks(monkeypatch)
+    assert (cached(1) - transformers_output(config, theirs[1])).abs().max() > CAUGHT
+
+
+# YaRN: the frequencies and the magnitude, and a Llama-family folder with rope_type yarn.
+
+@pytest.mark.parametrize("rope", [
+    {**YARN, "truncate": True},
+    YARN,
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,  # gpt-oss's own
+     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+     "attention_factor": 0.8},
+], ids=["truncated", "untruncated", "gpt-oss-20b", "attention factor"])
+def test_yarns_frequencies_and_magnitude_are_transformers(rope):
+    config = transformers.Qwen3Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=4096,
+                                      rope_parameters=dict(rope))
+    inv_freq, magnitude = ROPE_INIT_FUNCTIONS["yarn"](config)
+    cfg = mapping.model_config_from_hf(config.to_dict(), "config.json")  # read as zerotrain reads a folder's
+    scaling = llama_module.rope_scaling(cfg)
+    cos, sin = layers.rotary_tables(torch.arange(4096), 64, cfg.rope_theta, scaling)
+    theirs = torch.arange(4096)[:, None].float() * inv_freq
+    assert scaling.magnitude == magnitude
+    assert torch.allclose(cos[:, :32], theirs.cos() * magnitude, atol=1e-6, rtol=0)
+    assert torch.allclose(sin[:, :32], theirs.sin() * magnitude, atol=1e-6, rtol=0)
+
+
+def test_a_qwen3_folder_with_yarn_rope_gives_transformers_logits_and_exports_it(tmp_path, monkeypatch):
+    """YaRN is a Llama-family option: Qwen3's long-context configs use it."""
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False}
+    hf = family_folder(tmp_path / "qwen3", "qwen3", rope_scaling=rope)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(2))
+    model = zerotrain.load_model(str(tmp_path / "qwen3"))
+    assert (model.cfg.rope_scaling, model.cfg.rope_factor, model.cfg.rope_truncate) == ("yarn", 8.0, False)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        assert (model(ids) - theirs).abs().max() < EXACT
+        config = mapping.hf_config(model.cfg, None)  # written as read
+        assert mapping.model_config_from_hf(config, "config.json") == model.cfg
+        monkeypatch.setattr(layers.YarnScaling, "magnitude", property(lambda self: 1.0))  # planted
+        assert (model(ids) - theirs).abs().max() > CAUGHT
+
+
+@pytest.mark.parametrize("rope, said", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+      "mscale_all_dim": 1.0}, "mscale = 1.0"),
+    ({"rope_type": "yarn", "original_max_position_embeddings": 32}, "no 'factor'"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "truncate": "no"},
+     "truncate must be true or false"),
+])
+def test_what_zerotrains_yarn_does_not_have_is_refused_naming_it(rope, said):
+    config = {**transformers.Qwen3Config(hidden_size=64).to_dict(), "rope_parameters": None, "rope_scaling": rope}
+    with pytest.raises(zerotrain.errors.CheckpointError, match=said):
+        mapping.model_config_from_hf(config, "config.json")
+
+
+# The memory plan: the explicit scores with the sinks' column, to the byte (on a Llama given sinks).
+
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_sinks_activation_bytes_are_counted_to_the_byte_and_an_omission_is_caught(monkeypatch, precision,
+                                                                                      recompute):
+    from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
+
+    from zerotrain.config import PRESETS
+    from zerotrain.model import activation_memory, build_model
+
+    monkeypatch.setattr(ModelConfig, "attn_sinks", property(lambda self: True))
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["llama-tiny"]), sliding_window=5)
+    monkeypatch.setattr("zerotrain.config.WINDOWED", ("llama",))
+    for segments in (None, packed_segments(2, 16)):
+        measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, recompute, segments)
+        kw = dict(precision=precision, recompute=recompute, documents=segments is not None)
+        assert predicted_bytes(cfg, 2, 16, **kw) == measured
+        with monkeypatch.context() as m:  # planted: counted as SDPA's
+            m.setattr(activation_memory, "sink_attention", lambda s, eager: activation_memory.attention(s))
+            assert (predicted_bytes(cfg, 2, 16, **kw) < measured) == (recompute == "none")
