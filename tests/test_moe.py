@@ -122,3 +122,72 @@ def test_the_grouped_experts_equal_the_per_expert_loop_and_a_planted_offset_is_c
         experts, tokens, counts + torch.nn.functional.one_hot(torch.tensor(0), len(counts)) * -1
         + torch.nn.functional.one_hot(torch.tensor(1), len(counts))))
     assert (run_paths(model, "grouped")[0] - loop[0]).abs().max() > CAUGHT
+
+
+# Training: 3 steps of --init-from each folder, the first loss (with the balancing term) against transformers' loss
+# with output_router_logits, and the export loaded by transformers.
+
+def train_from(folder, out, *flags):
+    from conftest import world_of_one  # noqa: F401  (the caller holds the world)
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.cli.main import build_parser
+    from zerotrain.runtime.run_folder import resolve_paths
+    from zerotrain.training.loop import train
+
+    args = build_parser().parse_args(["train", "--init-from", str(folder), "--data", "synthetic", "--no-progress",
+                                      "--seq-len", str(SEQ - 1), "--out", str(out), "--micro-batch", "1", "--lr", "1e-3",
+                                      "--steps", "3", *flags])
+    cfg = resolve_paths(config_from_args(args))
+    return cfg, train(cfg, comm_of_test, announce=False)
+
+
+def first_row(cfg):
+    """Step 1's one sequence as the run reads it: (inputs, labels), each (1, T)."""
+    from zerotrain.data import BatchSchedule, make_source
+
+    micro = BatchSchedule(make_source(cfg), micro_batch=1, accum=1, rank=0, world_size=1).batch(0).micro_batches[0]
+    return micro.inputs, micro.labels
+
+
+def transformers_loss(hf, inputs, labels) -> tuple[float, float]:
+    """transformers' loss (cross-entropy + router_aux_loss_coef x aux_loss) and aux_loss on zerotrain's row: the
+    row and its last target as input_ids, the last position masked out of attention and of the balancing loss,
+    so that the T targets and the T routed tokens are zerotrain's."""
+    ids = torch.cat([inputs, labels[:, -1:]], dim=1)
+    mask = torch.ones_like(ids)
+    mask[:, -1] = 0
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    return out.loss.item(), out.aux_loss.item()
+
+
+comm_of_test = None
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_three_steps_from_each_folder_start_at_transformers_loss_and_export_what_transformers_computes(
+        folders, one_rank, tmp_path, monkeypatch, family):
+    global comm_of_test
+    comm_of_test = one_rank
+    folder, hf = folders[family]
+    cfg, result = train_from(folder, tmp_path / "run", "--moe-aux-coef", "0.5")
+    inputs, labels = first_row(cfg)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1]) and (labels >= 0).all()
+    monkeypatch.setattr(hf, "router_aux_loss_coef", 0.5)  # --moe-aux-coef's, read by its forward
+    their_loss, their_aux = transformers_loss(hf, inputs, labels)
+    first = result.records[0]
+    assert abs(first["aux_loss"] - their_aux) <= 1e-5 * their_aux
+    assert abs(first["loss"] - their_loss) <= 1e-5 * their_loss
+    assert 0.5 * their_aux > 100 * 1e-5 * their_loss  # the balancing term is well above the bound
+    assert len(result.records) == 3 and len(first["expert_load"]) == len(moe.moe_layers(result.engine.model))
+    # the trained model exported, and loaded by transformers: the same logits
+    from zerotrain.hub.export import export_model
+
+    model = result.engine.model.eval()
+    export_model(model, str(tmp_path / "hf"), "hf", tokenizer_folder=None, eot_id=None)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        ours, theirs = model(IDS), loaded(IDS).logits
+    assert type(loaded).__name__ == type(hf).__name__
+    assert (ours - theirs).abs().max() < EXACT
+    assert (theirs - hf(IDS).logits).abs().max() > CAUGHT  # it trained: the export is not the folder's model
