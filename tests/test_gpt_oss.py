@@ -13,6 +13,7 @@ its ramp, the window, the output bias), planted in the function zerotrain runs, 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -299,3 +300,154 @@ def test_the_sinks_activation_bytes_are_counted_to_the_byte_and_an_omission_is_c
         with monkeypatch.context() as m:  # planted: counted as SDPA's
             m.setattr(activation_memory, "sink_attention", lambda s, eager: activation_memory.attention(s))
             assert (predicted_bytes(cfg, 2, 16, **kw) < measured) == (recompute == "none")
+
+
+# The family: a tiny GptOssForCausalLM built by transformers (4 experts, top-2, hidden 64, two layers: sliding, full),
+# read by load_model and --init-from, trained, exported. transformers' gpt-oss runs eager attention (it declares no
+# SDPA); its experts the per-expert loop.
+
+IDS = torch.randint(0, 100, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def gpt_oss_folder(folder) -> transformers.GptOssForCausalLM:
+    """A tiny random gpt-oss saved by transformers in `folder`; the model in eval mode. Weights drawn at std 0.2
+    (biases, sinks and norm gains moved as much), the router's wider so that the choices are not near ties, the
+    experts' up to where the SwiGLU clamp at 7 binds for some tokens."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(hf_config(max_position_embeddings=SEQ, pad_token_id=0, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif "experts" in name:
+                p.normal_(0.0, 0.6)
+            else:
+                p.normal_(0.0, 1.0 if "router" in name else 0.2)
+    model.save_pretrained(str(folder))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss") / "hf"
+    return path, gpt_oss_folder(path)
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def init_from_model(path):
+    """The folder's model as --init-from reads it (each expert's slice of the stacked tensors), on one process."""
+    from zerotrain.hub import init_from
+    from zerotrain.model import build_model
+
+    source = init_from.weight_source(str(path))
+    model = build_model(source.model, 0)
+    init_from.load_local(model, source, {}, 0)
+    return model.eval()
+
+
+def clamp_binds(hf) -> bool:
+    """Whether some token's gate or up projection passes the clamp (so that leaving it out shows)."""
+    seen = []
+    handle = hf.model.layers[0].mlp.experts.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    logits(hf)
+    handle.remove()
+    experts = hf.model.layers[0].mlp.experts
+    return bool((seen[0] @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]).abs().max() > 7.0)
+
+
+def test_load_model_and_init_from_compute_transformers_logits(folder):
+    path, hf = folder
+    theirs = logits(hf)
+    for model in (zerotrain.load_model(str(path)), init_from_model(path)):
+        assert (logits(model) - theirs).abs().max() < EXACT
+    cfg = model.cfg
+    assert (cfg.arch, cfg.n_experts, cfg.experts_per_token, cfg.expert_ffn, cfg.sliding_window,
+            cfg.sliding_window_pattern, cfg.rope_scaling, cfg.rope_truncate) == ("gpt_oss", 4, 2, 32, WINDOW, 2, "yarn",
+                                                                                False)
+    assert clamp_binds(hf)
+
+
+def interleaving_lost(mp):
+    """Planted: gate_up_proj read as its two halves (gate, then up) rather than alternating columns."""
+    from zerotrain.hub import mapping as hub_mapping
+
+    halves = hub_mapping.StackedExperts(
+        "mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"),
+        lambda t: (t[:, : t.shape[1] // 2].t(), t[:, t.shape[1] // 2 :].t()), lambda g, u: torch.cat([g.t(), u.t()], 1))
+    gpt_oss = hub_mapping.MAPPINGS["gpt_oss"]
+    mp.setitem(hub_mapping.MAPPINGS, "gpt_oss", dataclasses.replace(gpt_oss, experts=(halves, *gpt_oss.experts[1:])))
+
+
+def top_k_of_the_softmax(model):
+    for block in model.model.layers:  # planted: the top-k probabilities of all experts, not a softmax of the top-k
+        block.mlp.softmax_of_top_k = False
+
+
+def no_router_bias(model):
+    for block in model.model.layers:
+        block.mlp.gate.bias = None
+
+
+FAMILY_PLANTED = {  # planted in the code path load_model runs: before the load, or on the loaded model
+    "gate and up not interleaved": (interleaving_lost, None),
+    "SwiGLU unclamped": (lambda mp: mp.setattr("zerotrain.model.moe.clamped_swiglu", lambda gate, up: (up + 1) * (
+        gate * torch.sigmoid(gate * 1.702))), None),
+    "top-k of the softmax": (None, top_k_of_the_softmax),
+    "router bias left out": (None, no_router_bias),
+    "sinks left out": (no_sinks, None),
+    "yarn magnitude left out": (PLANTED["yarn magnitude left out"], None),
+}
+
+
+@pytest.mark.parametrize("bug", list(FAMILY_PLANTED))
+def test_a_planted_bug_in_each_piece_changes_the_logits(folder, monkeypatch, bug):
+    path, hf = folder
+    before, after = FAMILY_PLANTED[bug]
+    if before:
+        before(monkeypatch)
+    model = zerotrain.load_model(str(path))
+    if after:
+        after(model)
+    assert (logits(model) - logits(hf)).abs().max() > CAUGHT
+
+
+def test_the_grouped_experts_equal_the_per_expert_loop_with_biases_and_the_clamp(folder):
+    from zerotrain.model import moe
+
+    model = zerotrain.load_model(str(folder[0]))
+    block = model.model.layers[0].mlp
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(6))
+    outs = {}
+    for path in ("loop", "grouped"):
+        block.path = path
+        outs[path] = block(x)
+    assert moe.grouped_mm_works("cpu", torch.float32) and (outs["loop"] - outs["grouped"]).abs().max() < 1e-5
+
+
+def test_three_steps_of_init_from_export_what_transformers_loads_with_the_same_logits(folder, one_rank, tmp_path):
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.cli.main import build_parser
+    from zerotrain.hub.export import export_model
+    from zerotrain.runtime.run_folder import resolve_paths
+    from zerotrain.training.loop import train
+
+    path, hf = folder
+    args = build_parser().parse_args(["train", "--init-from", str(path), "--data", "synthetic", "--no-progress",
+                                      "--seq-len", str(SEQ), "--out", str(tmp_path / "run"), "--micro-batch", "2",
+                                      "--lr", "1e-3", "--steps", "3"])
+    result = train(resolve_paths(config_from_args(args)), one_rank, announce=False)
+    assert len(result.records) == 3 and result.records[0]["loss"] != result.records[-1]["loss"]
+    model = result.engine.model.eval()
+    export_model(model, str(tmp_path / "hf"), "hf", tokenizer_folder=None, eot_id=None)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(loaded).__name__ == "GptOssForCausalLM"
+    ours, theirs = logits(model), logits(loaded)
+    assert (ours - theirs).abs().max() < EXACT
+    assert (theirs - logits(hf)).abs().max() > CAUGHT  # it trained: the export is not the folder's model
+    exported = mapping.model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()), "config.json")
+    assert exported == model.cfg

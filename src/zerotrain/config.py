@@ -176,10 +176,13 @@ PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 # The mixtures of experts (model/moe.py: a router and experts in place of the MLP, --n-experts): qwen3_moe (Qwen3's
 # attention), qwen2_moe (Qwen2's, and a shared expert behind a sigmoid gate), mixtral (Mistral's, top-2 always
 # renormalised), olmoe (q/k norms over the whole projection, not per head).
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# gpt_oss: gpt-oss's attention (sinks, q/k/v/o biases, YaRN, sliding and full layers alternating) and its experts'
+# options (a router with a bias and a softmax over the top-k logits, experts with biases and a clamped SwiGLU).
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE)
 GEMMA = ("gemma2", "gemma3")
-WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral")  # the members with a sliding window
+WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
+ALTERNATING = (*GEMMA, "gpt_oss")  # the members whose sliding and global layers alternate (--sliding-window-pattern)
 ARCHS = ("gpt2", *LLAMA_FAMILY)
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 
@@ -193,7 +196,8 @@ class ModelConfig:
                         "files), gemma2 (Gemma 2: (1 + w) RMSNorms around attention and MLP, GeGLU, a scaled "
                         "embedding, sliding and global layers alternating, soft-capped logits), gemma3 (Gemma 3: "
                         "Gemma 2's block with q/k norms and a local rotary base instead of the soft-caps), or a "
-                        "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe",
+                        "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe, "
+                        "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -289,6 +293,12 @@ class ModelConfig:
         """Biases on q, k and v: Qwen2's and Qwen2-MoE's (not on the output projection), gpt-oss's (there too:
         o_bias)."""
         return self.arch in ("qwen2", "qwen2_moe", "gpt_oss")
+
+    @property
+    def gpt_oss_experts(self) -> bool:
+        """gpt-oss's experts: a router with a bias whose top-k logits are softmaxed (not the top-k of the softmax),
+        experts with biases and a clamped SwiGLU (model/moe.py)."""
+        return self.arch == "gpt_oss"
 
     @property
     def o_bias(self) -> bool:
@@ -842,7 +852,7 @@ def validate(cfg: Config) -> Config:
                           "attends to every earlier token")
     # Gemma's settings, each where transformers' model of the arch has it (its Gemma 3 never caps the scores, its
     # Gemma 2 has one rotary base), so that an export computes what was trained.
-    gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern", GEMMA),
+    gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern", ALTERNATING),
                   (m.rope_local_theta, "--rope-local-theta", ("gemma3",)),
                   (m.query_pre_attn_scalar, "--query-pre-attn-scalar", GEMMA),
                   (m.attn_softcap, "--attn-softcap", ("gemma2",)), (m.final_softcap, "--final-softcap", GEMMA),

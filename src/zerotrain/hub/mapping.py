@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from zerotrain.config import GEMMA, MOE, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
+from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,17 @@ class HFMapping:
     renamed: tuple[tuple[str, str], ...] = ()  # (stored prefix, zerotrain's prefix)
     skipped: tuple[str, ...] = ()  # prefixes of tensors of another model in the same files (a vision tower)
     infixes: tuple[tuple[str, str], ...] = ()  # (stored part of a name, zerotrain's): Mixtral's expert names
+    experts: tuple[StackedExperts, ...] = ()  # tensors holding every expert's parameter of a layer (gpt-oss's)
+
+    def expert_parts(self, name: str, cfg: ModelConfig) -> list[tuple[str, int, int, StackedExperts]]:
+        """[(zerotrain's name, its expert, its place in the stacking's parts, the stacking)] for a stored tensor
+        (by its canonical name) that holds every expert's parameter of a layer; [] for any other."""
+        for stack in self.experts:
+            if name.startswith(self.block_prefix) and name.endswith("." + stack.stored):
+                base = name[: -len(stack.stored)] + stack.stored.rpartition(".")[0]  # ...mlp.experts
+                return [(f"{base}.{e}.{part}", e, i, stack) for e in range(cfg.n_experts)
+                        for i, part in enumerate(stack.parts)]
+        return []
 
     def stored_name(self, name: str) -> str:
         """Parameter `name` (zerotrain's) as the files name it, where a part of it differs (infixes)."""
@@ -92,20 +105,87 @@ class HFMapping:
             for name in [n for n in out if n.startswith(self.block_prefix) and n.endswith(parts[0])]:
                 prefix = name[: -len(parts[0])]
                 out[prefix + stored] = torch.cat([out.pop(prefix + part) for part in parts])
+        for stack in self.experts:  # every expert's parts, joined, stacked by expert
+            for name in [n for n in out if n.endswith(".experts.0." + stack.parts[0])]:
+                base = name[: -len(".0." + stack.parts[0])]
+                n_experts = sum(1 for n in out if n.startswith(base + ".") and n.endswith("." + stack.parts[0]))
+                out[base.rpartition("mlp.experts")[0] + stack.stored] = torch.stack([
+                    stack.join(*(out.pop(f"{base}.{e}.{part}") for part in stack.parts)) for e in range(n_experts)])
         return out
 
     def from_hf(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Hugging Face's tensors in zerotrain's layout; tensors that are not parameters are dropped."""
-        named = {self.canonical(n): t for n, t in tensors.items()}
+        named = dequantized({self.canonical(n): t for n, t in tensors.items()})
         out = {}
         for n, t in named.items():
             if self.is_ignored(n):
                 continue
             if self.is_transposed(n):
                 t = t.t().contiguous()
+            experts = self.expert_parts(n, cfg)
+            for part, e, i, stack in experts:
+                out[part] = stack.split(t[e])[i].contiguous()
+            if experts:
+                continue
             for part, at, rows in self.unfused(n, cfg):
                 out[part] = t if rows is None else t[at : at + rows]
         return out
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A tensor of every expert's parameter of a layer, as transformers' GptOssExperts holds it: (E, ...), each
+    expert's slice `split` into its parts in zerotrain's layout (nn.Linear's), and `join`ed back from them."""
+
+    stored: str  # the stored tensor's suffix
+    parts: tuple[str, ...]  # zerotrain's suffixes under mlp.experts.{e}.
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    join: Callable[..., torch.Tensor]
+
+
+def interleaved(*parts: torch.Tensor) -> torch.Tensor:
+    """Columns (last dimension) alternating between the parts: gpt-oss's gate and up in one gate_up_proj."""
+    return torch.stack(parts, dim=-1).flatten(-2)
+
+
+# gpt-oss multiplies x @ W: its expert matrices are nn.Linear's transposed, and gate_up_proj (E, C, 2F) holds the
+# gate's and the up projection's columns alternating (gate 0, up 0, gate 1, ...), its bias (E, 2F) as well.
+GPT_OSS_EXPERTS = (
+    StackedExperts("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"),
+                   lambda t: (t[:, 0::2].t(), t[:, 1::2].t()), lambda gate, up: interleaved(gate.t(), up.t())),
+    StackedExperts("mlp.experts.gate_up_proj_bias", ("gate_proj.bias", "up_proj.bias"),
+                   lambda t: (t[0::2], t[1::2]), interleaved),
+    StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t.t(),), lambda down: down.t()),
+    StackedExperts("mlp.experts.down_proj_bias", ("down_proj.bias",), lambda t: (t,), lambda bias: bias),
+)
+
+# MXFP4 (OCP microscaling, 4-bit floats): gpt-oss's released folders store each expert matrix as `<name>_blocks`
+# (E, rows, G, 16) uint8, two FP4 (e2m1) values a byte, low nibble first, and `<name>_scales` (E, rows, G) uint8,
+# the power of two (biased by 127) of each block of 32 values along the row; the rows are the matrix's output
+# features, so the dequantized (E, rows, 32 G) is transposed to the (E, in, out) the other folders store.
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix (..., 32 G, rows) of MXFP4 `blocks` (..., rows, G, 16) and `scales` (..., rows, G): exact
+    (every FP4 value times a power of two is an fp32). One expert's slice or all of them (the leading dimensions)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)  # (..., rows, G, 32)
+    return values.flatten(-2).transpose(-1, -2)
+
+
+def dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with each MXFP4 pair (`X_blocks`, `X_scales`) replaced by X, dequantized to fp32."""
+    out = {n: t for n, t in tensors.items() if not (n.endswith(MXFP4_SCALES) and n[: -len(MXFP4_SCALES)] +
+                                                     MXFP4_BLOCKS in tensors)}
+    for name in [n for n in out if n.endswith(MXFP4_BLOCKS)]:
+        base = name[: -len(MXFP4_BLOCKS)]
+        if base + MXFP4_SCALES in tensors:
+            out[base] = dequantize_mxfp4(out.pop(name), tensors[base + MXFP4_SCALES])
+    return out
 
 
 # The rows of each matrix Phi-3 stacks, from the model's sizes.
@@ -134,6 +214,9 @@ MAPPINGS = {
                          infixes=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
                                   (".w2.weight", ".down_proj.weight"), (".w3.weight", ".up_proj.weight"))),
     "phi3": HFMapping("phi3", "phi3", "Phi3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",), PHI3_FUSED),
+    # gpt-oss's router is mlp.router (zerotrain's mlp.gate), its experts stacked (GPT_OSS_EXPERTS)
+    "gpt_oss": HFMapping("gpt_oss", "gpt_oss", "GptOssForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                         infixes=((".mlp.router.", ".mlp.gate."),), experts=GPT_OSS_EXPERTS),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -197,6 +280,13 @@ def _moe_config(cfg: ModelConfig) -> dict:
     Mixtral's and OLMoE's intermediate_size is their experts' width (every layer has experts)."""
     experts = dict(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_coef,
                    output_router_logits=False)
+    if cfg.arch == "gpt_oss":  # its rope as rope_parameters: without them, GptOssConfig would take YaRN's default
+        types = ["sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layer)]
+        return dict(experts, num_local_experts=cfg.n_experts, intermediate_size=cfg.expert_ffn, attention_bias=True,
+                    swiglu_limit=SWIGLU_LIMIT, swiglu_alpha=SWIGLU_ALPHA, layer_types=types,
+                    sliding_window=cfg.sliding_window or cfg.positions, rope_scaling=None,
+                    rope_parameters={"rope_type": "default", **(_rope_scaling(cfg) or {}),
+                                     "rope_theta": cfg.rope_theta}, pad_token_id=None)
     if cfg.arch in ("mixtral", "olmoe"):
         experts.update(intermediate_size=cfg.expert_ffn)
     if cfg.arch == "mixtral":
@@ -333,7 +423,24 @@ _FIXED = {
                   ("qkv_bias", True, (True,))),
     "mixtral": (("hidden_act", "silu", ("silu",)), ("router_jitter_noise", 0.0, (0.0, 0))),
     "olmoe": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)), ("clip_qkv", None, (None,))),
+    "gpt_oss": (("attention_bias", True, (True,)), ("swiglu_limit", SWIGLU_LIMIT, (SWIGLU_LIMIT, 7)),
+                ("swiglu_alpha", SWIGLU_ALPHA, (SWIGLU_ALPHA,)), ("norm_topk_prob", None, (None, False))),
 }
+# What transformers' GptOssConfig gives a field its config.json leaves out: the shape of gpt-oss-20b and its rope
+# (YaRN, which a config without rope_scaling or rope_parameters gets), every other layer sliding (layer_types).
+_GPT_OSS_DEFAULTS = dict(num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880,
+                         intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
+                         sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         num_experts_per_tok=4, rope_theta=150000.0)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_defaults(config: dict) -> dict:
+    config = {**_GPT_OSS_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k not in _GPT_OSS_DEFAULTS}}
+    if not config.get("rope_scaling") and not config.get("rope_parameters"):
+        config["rope_parameters"] = {**_GPT_OSS_ROPE, "rope_theta": config["rope_theta"]}
+    return config
 # What transformers' Gemma2Config and Gemma3TextConfig give a field their config.json leaves out (published Gemma 3
 # configs leave out most of their text_config's).
 _GEMMA_DEFAULTS = {
@@ -358,6 +465,8 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     if kind in _GEMMA_DEFAULTS:
         config = {**_GEMMA_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None or k not in (
             "rope_theta", "rope_local_base_freq", "sliding_window_pattern", "head_dim")}}
+    if kind == "gpt_oss":
+        config = _gpt_oss_defaults(config)
     _refuse(config, where, _FIXED[arch])
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -382,6 +491,9 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
         _positive(config, "rope_theta", where, 10000.0)
     experts = _experts(config, where, arch, sizes) if arch in MOE else {}
+    if arch == "gpt_oss":  # its sliding and full layers alternate
+        pattern = _layer_pattern(config, where, arch, sizes["num_hidden_layers"])
+        window, experts["sliding_window_pattern"] = (0, 0) if window == 0 or pattern == 1 else (window, pattern)
     return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads,
                        n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
                        head_width=0 if head_dim * heads == hidden else head_dim,
@@ -452,7 +564,7 @@ def _layer_pattern(config: dict, where: str, arch: str, n: int) -> int:
     gives."""
     types = config.get("layer_types")
     if types is None:
-        return 2 if arch == "gemma2" else _count(config, "sliding_window_pattern", where, default=6)
+        return 2 if arch in ("gemma2", "gpt_oss") else _count(config, "sliding_window_pattern", where, default=6)
     if not (isinstance(types, list) and len(types) == n and all(t in LAYER_TYPES for t in types)):
         raise CheckpointError(f"{where}: layer_types must list {n} of {' or '.join(LAYER_TYPES)}, got {types!r}")
     for pattern in range(n + 1):

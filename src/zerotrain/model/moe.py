@@ -3,7 +3,10 @@ each forward leaves for the balancing loss.
 
     router    logits = gate(x) (E per token), probabilities = softmax in fp32, the top-k of them chosen (ties to the
               lower expert, as torch.topk), renormalised to sum to 1 where the model asks (norm_topk_prob; Mixtral's
-              always): transformers' TopKRouter exactly
+              always): transformers' TopKRouter exactly; gpt-oss's gate has a bias and weighs its top-k experts by
+              a softmax over their logits (GptOssTopKRouter)
+    experts   SwiGLU MLPs; gpt-oss's with biases and a clamped SwiGLU, (up + 1) * gate * sigmoid(1.702 gate) with
+              the gate clamped above and up both sides at 7
     dispatch  dropless: the N tokens' N k (token, expert) pairs sorted by expert (stable: by token within one), no
               capacity, no token dropped; `expert_outputs(experts, tokens, counts)` computes every expert on its own
               rows of the sorted tokens: the one seam expert parallelism puts its all-to-all around (send each
@@ -38,17 +41,35 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 
-class Expert(nn.Module):
-    """One expert: a SwiGLU MLP of its own width (the shared expert too)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
-    def __init__(self, width: int, hidden: int):
+
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts: swiglu_limit and swiglu_alpha, fixed by its released models)
+SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's: the gate clamped above and the up projection both sides at SWIGLU_LIMIT, gate * sigmoid(alpha gate)
+    times (up + 1)."""
+    gate = gate.clamp(min=None, max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+class Expert(nn.Module):
+    """One expert: a SwiGLU MLP of its own width (the shared expert too); gpt-oss's with biases and its clamped
+    SwiGLU."""
+
+    def __init__(self, width: int, hidden: int, bias: bool = False, activation=swiglu):
         super().__init__()
-        self.gate_proj = nn.Linear(width, hidden, bias=False)
-        self.up_proj = nn.Linear(width, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, width, bias=False)
+        self.activation = activation
+        self.gate_proj = nn.Linear(width, hidden, bias=bias)
+        self.up_proj = nn.Linear(width, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, width, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
 class Routing(NamedTuple):
@@ -65,8 +86,11 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k, self.renormalize = cfg.n_experts, cfg.experts_per_token, cfg.renormalizes
-        self.gate = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg.n_embd, cfg.expert_ffn) for _ in range(cfg.n_experts))
+        self.softmax_of_top_k = cfg.gpt_oss_experts  # gpt-oss's: the weights are a softmax over the top-k logits
+        biased, activation = cfg.gpt_oss_experts, clamped_swiglu if cfg.gpt_oss_experts else swiglu
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_experts, bias=biased)
+        self.experts = nn.ModuleList(Expert(cfg.n_embd, cfg.expert_ffn, biased, activation)
+                                     for _ in range(cfg.n_experts))
         if cfg.shared_expert_width:
             self.shared_expert = Expert(cfg.n_embd, cfg.shared_expert_width)
             self.shared_expert_gate = nn.Linear(cfg.n_embd, 1, bias=False)
@@ -89,8 +113,13 @@ class MoE(nn.Module):
 
     def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the top-k weights (N, k) fp32, the experts chosen (N, k)); records the layer's Routing."""
-        probs = torch.softmax(self.gate(flat).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.gate(flat).float()
+        probs = torch.softmax(logits, dim=-1)  # the balancing loss's, gpt-oss's too (as transformers')
+        if self.softmax_of_top_k:  # the same experts (softmax keeps the order), weighted among themselves
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
@@ -125,10 +154,13 @@ def expert_grouped(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.T
     offsets = counts.cumsum(0).to(torch.int32)
 
     def grouped(x: torch.Tensor, name: str) -> torch.Tensor:
-        weight = torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)
-        return torch._grouped_mm(x, weight, offs=offsets)
+        linears = [getattr(e, name) for e in experts]
+        y = torch._grouped_mm(x, torch.stack([p.weight for p in linears]).transpose(1, 2), offs=offsets)
+        if linears[0].bias is None:
+            return y
+        return y + torch.stack([p.bias for p in linears]).repeat_interleave(counts, dim=0, output_size=len(x))
 
-    return grouped(F.silu(grouped(tokens, "gate_proj")) * grouped(tokens, "up_proj"), "down_proj")
+    return grouped(experts[0].activation(grouped(tokens, "gate_proj"), grouped(tokens, "up_proj")), "down_proj")
 
 
 def aligned(tokens: torch.Tensor, experts: nn.ModuleList) -> bool:
