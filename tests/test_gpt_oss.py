@@ -451,3 +451,88 @@ def test_three_steps_of_init_from_export_what_transformers_loads_with_the_same_l
     assert (theirs - logits(hf)).abs().max() > CAUGHT  # it trained: the export is not the folder's model
     exported = mapping.model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()), "config.json")
     assert exported == model.cfg
+
+
+# MXFP4: gpt-oss's released folders store the experts' matrices as blocks and scales, read here by dequantizing.
+
+def mxfp4_pair(shape, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks (E, rows, G, 16) and scales (E, rows, G) near 2^-3 .. 2^0."""
+    blocks = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    return blocks, torch.randint(124, 128, shape[:-1], dtype=torch.uint8, generator=generator)
+
+
+def test_dequantizing_mxfp4_is_transformers_bitwise_and_a_nibble_order_swap_is_caught(monkeypatch):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = mxfp4_pair((3, 8, 2, 16), torch.Generator().manual_seed(7))
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(mapping.dequantize_mxfp4(blocks, scales), theirs)
+    assert torch.equal(mapping.dequantize_mxfp4(blocks[1], scales[1]), theirs[1])  # one expert's slice, as read
+    monkeypatch.setattr(mapping, "FP4_VALUES", mapping.FP4_VALUES[8:] + mapping.FP4_VALUES[:8])  # planted: sign bit
+    assert not torch.equal(mapping.dequantize_mxfp4(blocks, scales), theirs)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(folder, tmp_path_factory):
+    """The tiny gpt-oss with its experts' matrices stored in MXFP4 (as the released folders are, with their
+    quantization_config); the transformers model with the dequantized weights (transformers' own dequantization)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path, hf = folder
+    out = tmp_path_factory.mktemp("mxfp4")
+    g = torch.Generator().manual_seed(8)
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    with torch.no_grad():
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            E, cols, rows = tensors[name].shape  # (E, in, out): the blocks run along the rows' inputs
+            blocks, scales = mxfp4_pair((E, rows, cols // 32, 16), g)
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, hf
+
+
+def test_an_mxfp4_folder_is_read_dequantized_by_load_model_and_init_from(mxfp4_folder):
+    path, hf = mxfp4_folder
+    theirs = logits(hf)
+    for model in (zerotrain.load_model(str(path)), init_from_model(path)):
+        assert (logits(model) - theirs).abs().max() < EXACT
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj_scales": torch.zeros(4, 64, 2, dtype=torch.uint8)}),
+     r"down_proj_blocks \[4, 64, 1, 16\] \(U8\) and _scales \[4, 64, 2\] \(U8\) in model.safetensors are not an MXFP4 "
+     r"pair"),
+    (lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 32, 2, 16, dtype=torch.uint8),
+                         "model.layers.1.mlp.experts.gate_up_proj_scales": torch.zeros(4, 32, 2, dtype=torch.uint8)}),
+     r"gate_up_proj_blocks dequantizes to \[4, 64, 32\] in model.safetensors, the model its config describes needs "
+     r"\[4, 64, 64\]$"),
+])
+def test_an_mxfp4_pair_that_does_not_fit_is_refused_in_one_line_naming_it(mxfp4_folder, tmp_path, change, said):
+    from safetensors.torch import load_file, save_file
+
+    from zerotrain.errors import ConfigError
+    from zerotrain.hub import init_from
+
+    path, _ = mxfp4_folder
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=said):
+        init_from.weight_source(str(tmp_path))
+
+
+def test_another_quantization_is_refused_naming_it():
+    config = {**hf_config().to_dict(), "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
+    with pytest.raises(zerotrain.errors.CheckpointError, match="^config.json: quantization_config has quant_method "
+                                                                "'bitsandbytes'; zerotrain reads unquantized"):
+        mapping.model_config_from_hf(config, "config.json")
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    assert mapping.model_config_from_hf(config, "config.json").arch == "gpt_oss"

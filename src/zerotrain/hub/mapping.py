@@ -462,6 +462,11 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     share the size fields)."""
     kind = config["model_type"]
     arch = BY_MODEL_TYPE[kind].arch
+    method = _table(config, "quantization_config", where).get("quant_method")
+    if method is not None and (method, arch) != ("mxfp4", "gpt_oss"):
+        raise CheckpointError(f"{where}: quantization_config has quant_method {method!r}; zerotrain reads unquantized "
+                              "weights (and gpt-oss's mxfp4 experts): save the model dequantized first (transformers: "
+                              "from_pretrained, then save_pretrained of the dequantized model)")
     if kind in _GEMMA_DEFAULTS:
         config = {**_GEMMA_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None or k not in (
             "rope_theta", "rope_local_base_freq", "sliding_window_pattern", "head_dim")}}
