@@ -33,6 +33,15 @@ from zerotrain.model.layers import KVCache
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """torch on one thread: the tiny models' ops gain nothing from a second on busy cores (test_gemma's reason)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 SEQ, WINDOW, EXACT, CAUGHT = 24, 6, 1e-5, 1e-3
 # YaRN's ramp made to span the tiny heads' dimensions (rope_theta 500, an original context of 256: dimensions 0.3 to
 # 4.8 of 8 blended), with gpt-oss's truncate false, so that each of its parts moves the output.
