@@ -545,3 +545,25 @@ def test_another_quantization_is_refused_naming_it():
         mapping.model_config_from_hf(config, "config.json")
     config["quantization_config"] = {"quant_method": "mxfp4"}
     assert mapping.model_config_from_hf(config, "config.json").arch == "gpt_oss"
+
+
+def test_a_model_from_scratch_exports_its_unscaled_rope_which_transformers_would_otherwise_take_as_yarn(
+        tmp_path, monkeypatch):
+    """GptOssConfig without rope_parameters takes YaRN (factor 32): the export of a model without rope scaling
+    writes its rope as rope_parameters of type default."""
+    from zerotrain.hub.export import export_model
+    from zerotrain.model import build_model
+
+    cfg = dataclasses.replace(our_config(rope_scaling="none"), n_experts=4, experts_per_token=2)
+    model = build_model(cfg, seed=0).eval()
+
+    def exported_gap(out) -> float:
+        export_model(model, str(out), "hf", tokenizer_folder=None, eot_id=None)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        return (logits(loaded) - logits(model)).abs().max().item()
+
+    assert exported_gap(tmp_path / "hf") < EXACT
+    real = mapping._moe_config  # planted: the rope left to GptOssConfig's default
+    monkeypatch.setattr(mapping, "_moe_config", lambda cfg: {k: v for k, v in real(cfg).items()
+                                                             if k != "rope_parameters"})
+    assert exported_gap(tmp_path / "planted") > CAUGHT

@@ -8,7 +8,9 @@ tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads 
 and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range that cuts a row reads that row). A
 zerotrain checkpoint without a model file (format 2) stores its model as its shards' masters: a rank reads each
 tensor it trains from the byte ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP
-slice of it (there, one full tensor is held beyond what the rank keeps). Weights only: the optimizer and the
+slice of it (there, one full tensor is held beyond what the rank keeps). A tensor stacking every expert of a layer
+(gpt-oss's) is read one expert's slice at a time (its MXFP4 blocks and scales dequantized), split into the parts the
+rank trains. Weights only: the optimizer and the
 schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.

@@ -12,6 +12,10 @@ and export alike, so the two cannot drift apart.
            A Gemma 3 folder with a vision tower (model_type gemma3, Gemma3ForConditionalGeneration) is read for its
            language model, under language_model.model. (published files) or model.language_model. (transformers 5);
            the vision tower and its projector are skipped, and it exports as the text model (Gemma3ForCausalLM).
+           gpt-oss names its router mlp.router (zerotrain's mlp.gate) and stacks every expert of a layer in one
+           tensor per projection (gate and up interleaved by columns, x @ W): StackedExperts splits each expert's
+           slice into zerotrain's linears and joins them back; its MXFP4 folders' blocks and scales are
+           dequantized (dequantize_mxfp4) to the stacked tensor they hold.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
