@@ -191,3 +191,28 @@ def test_three_steps_from_each_folder_start_at_transformers_loss_and_export_what
     assert type(loaded).__name__ == type(hf).__name__
     assert (ours - theirs).abs().max() < EXACT
     assert (theirs - hf(IDS).logits).abs().max() > CAUGHT  # it trained: the export is not the folder's model
+
+
+# The memory plan: what a mixture of experts saves for its backward, to the byte, whatever the routing (dropless).
+
+def test_the_activation_bytes_of_every_moe_family_are_counted_to_the_byte_and_uncounted_experts_are_caught(
+        monkeypatch):
+    import dataclasses
+
+    from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import activation_memory
+
+    base = ModelConfig(**PRESETS["qwen3-moe-tiny"])
+    configs = [base, dataclasses.replace(base, arch="qwen2_moe", norm_topk_prob=False, shared_expert_width=24,
+                                         mlp_only_layers="1"),
+               dataclasses.replace(base, arch="olmoe", norm_topk_prob=False), dataclasses.replace(base, arch="mixtral")]
+    for cfg in configs:
+        for precision, segments in (("fp32", None), ("bf16", packed_segments(2, 16))):
+            kw = dict(precision=precision, recompute="none", documents=segments is not None)
+            measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
+            assert predicted_bytes(cfg, 2, 16, **kw) == measured, (cfg.arch, precision)
+            with monkeypatch.context() as m:  # planted: the experts counted as the dense MLP they replace
+                m.setattr(activation_memory, "experts", lambda s, cfg: activation_memory.swiglu_mlp(s))
+                assert predicted_bytes(cfg, 2, 16, **kw) < measured
