@@ -135,8 +135,8 @@ def train_from(folder, out, *flags):
     from zerotrain.training.loop import train
 
     args = build_parser().parse_args(["train", "--init-from", str(folder), "--data", "synthetic", "--no-progress",
-                                      "--seq-len", str(SEQ - 1), "--out", str(out), "--micro-batch", "1", "--lr", "1e-3",
-                                      "--steps", "3", *flags])
+                                      "--seq-len", str(SEQ - 1), "--out", str(out), "--micro-batch", "1",
+                                      "--lr", "1e-3", "--steps", "3", *flags])
     cfg = resolve_paths(config_from_args(args))
     return cfg, train(cfg, comm_of_test, announce=False)
 
