@@ -135,8 +135,8 @@ def train_from(folder, out, *flags):
     from zerotrain.training.loop import train
 
     args = build_parser().parse_args(["train", "--init-from", str(folder), "--data", "synthetic", "--no-progress",
-                                      "--seq-len", str(SEQ - 1), "--out", str(out), "--micro-batch", "1", "--lr", "1e-3",
-                                      "--steps", "3", *flags])
+                                      "--seq-len", str(SEQ - 1), "--out", str(out), "--micro-batch", "1",
+                                      "--lr", "1e-3", "--steps", "3", *flags])
     cfg = resolve_paths(config_from_args(args))
     return cfg, train(cfg, comm_of_test, announce=False)
 
@@ -191,3 +191,64 @@ def test_three_steps_from_each_folder_start_at_transformers_loss_and_export_what
     assert type(loaded).__name__ == type(hf).__name__
     assert (ours - theirs).abs().max() < EXACT
     assert (theirs - hf(IDS).logits).abs().max() > CAUGHT  # it trained: the export is not the folder's model
+
+
+# The memory plan: what a mixture of experts saves for its backward, to the byte, whatever the routing (dropless).
+
+def test_the_activation_bytes_of_every_moe_family_are_counted_to_the_byte_and_uncounted_experts_are_caught(
+        monkeypatch):
+    import dataclasses
+
+    from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import activation_memory
+
+    base = ModelConfig(**PRESETS["qwen3-moe-tiny"])
+    configs = [base, dataclasses.replace(base, arch="qwen2_moe", norm_topk_prob=False, shared_expert_width=24,
+                                         mlp_only_layers="1"),
+               dataclasses.replace(base, arch="olmoe", norm_topk_prob=False), dataclasses.replace(base, arch="mixtral")]
+    for cfg in configs:
+        for precision, segments in (("fp32", None), ("bf16", packed_segments(2, 16))):
+            kw = dict(precision=precision, recompute="none", documents=segments is not None)
+            measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
+            assert predicted_bytes(cfg, 2, 16, **kw) == measured, (cfg.arch, precision)
+            with monkeypatch.context() as m:  # planted: the experts counted as the dense MLP they replace
+                m.setattr(activation_memory, "experts", lambda s, cfg: activation_memory.swiglu_mlp(s))
+                assert predicted_bytes(cfg, 2, 16, **kw) < measured
+
+
+# LoRA on the experts: each expert's gate, up and down projections get their own adapters; the merged export is what
+# the run computes; peft's export is refused (transformers' experts are 3-D tensors, not linears peft adapts).
+
+def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_peft_in_one_line(folders, tmp_path,
+                                                                                               capfd):
+    from conftest import zerotrain_here
+    from safetensors import safe_open
+
+    from zerotrain import load_model
+    from zerotrain.config import LoraConfig
+    from zerotrain.model import lora
+
+    folder, _ = folders["qwen3_moe"]
+    model = init_from_model(folder)
+    lora.add_adapters(model, LoraConfig(rank=4), seed=0)
+    adapted = {n for n, _ in lora.adapted_modules(model, LoraConfig().modules("qwen3_moe"))}
+    assert {f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")} \
+        <= adapted and not any(n.endswith("mlp.gate") for n in adapted)  # the router stays as it is
+    out = tmp_path / "run"
+    r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--seq-len", "16",
+                       "--micro-batch", "2", "--lora-rank", "4", "--lr", "5e-2", "--steps", "2", "--ckpt-every", "2",
+                       "--no-progress", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft")
+    assert r.returncode == 2 and "is a mixture of experts (qwen3_moe)" in r.stderr, r.stderr[-2000:]
+    r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "merged"), "--format", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert (merged(IDS).logits - load_model(str(out))(IDS)).abs().max() < EXACT
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    with safe_open(str(folder / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as b:
+        assert (a.get_tensor(name) - b.get_tensor(name)).abs().max() > 1e-4  # the expert's adapters merged in

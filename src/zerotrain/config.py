@@ -488,7 +488,8 @@ class CheckpointConfig:
                           shown="none")
     async_save: bool = setting(False, "write checkpoints in the background while training goes on")
     init_from: str = setting("", "start from these weights: a local Hugging Face folder (model_type gpt2, "
-                             "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, or gemma3's language model; "
+                             "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, gemma3's language model, "
+                             "qwen3_moe, qwen2_moe, mixtral or olmoe; "
                              "safetensors) or a zerotrain checkpoint or export; its architecture, sizes and "
                              "tokenizer come with it (weights only: a fresh optimizer and schedule)", shown="none")
     overwrite: bool = setting(False, "a fresh run may replace the checkpoints and metrics in its folder")

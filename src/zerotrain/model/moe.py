@@ -137,8 +137,9 @@ class MoE(nn.Module):
 def expert_outputs(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor, path: str = "loop"):
     """Each expert's output on its rows of `tokens` (sorted by expert, counts[e] rows for expert e), in that order.
 
-    The seam of expert parallelism: given the tokens routed to this rank's experts, sorted, and their counts."""
-    if path == "grouped" and aligned(tokens, experts):
+    The seam of expert parallelism: given the tokens routed to this rank's experts, sorted, and their counts. Experts
+    with LoRA adapters (model/lora.py: forward hooks on their linears) take the loop, which calls the linears."""
+    if path == "grouped" and aligned(tokens, experts) and not hasattr(experts[0].gate_proj, "lora_A"):
         return expert_grouped(experts, tokens, counts)
     return expert_loop(experts, tokens, counts)
 
