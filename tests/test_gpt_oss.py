@@ -567,3 +567,20 @@ def test_a_model_from_scratch_exports_its_unscaled_rope_which_transformers_would
     monkeypatch.setattr(mapping, "_moe_config", lambda cfg: {k: v for k, v in real(cfg).items()
                                                              if k != "rope_parameters"})
     assert exported_gap(tmp_path / "planted") > CAUGHT
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt_oss_activation_bytes_are_counted_to_the_byte_and_the_clamps_omission_is_caught(monkeypatch, precision):
+    """The sinks' explicit scores, the router's top-k softmax and the clamped SwiGLU's tensors, packed or not."""
+    from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
+
+    from zerotrain.model import activation_memory, build_model
+
+    cfg = dataclasses.replace(our_config(), n_experts=4, experts_per_token=2, sliding_window=5)
+    for segments in (None, packed_segments(2, 16)):
+        measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
+        kw = dict(precision=precision, documents=segments is not None)
+        assert predicted_bytes(cfg, 2, 16, **kw) == measured
+        with monkeypatch.context() as m:  # planted: counted as a plain SwiGLU's
+            m.setattr(activation_memory, "glu_tensors", lambda cfg: 4)
+            assert predicted_bytes(cfg, 2, 16, **kw) < measured

@@ -19,6 +19,8 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                (+ N k 4 + N 4 renormalised)         probabilities, top-k indices and weights;
                                + 2 N k 8 + 2 N k C a + 4 N k W a    the dispatch's indices, rows in and out, the
                                (+ 4 N Ws a + N a + N C a shared)    experts' SwiGLUs; Qwen2-MoE's shared expert
+                               gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU; in bf16 + N k 4, the
+                                                                    softmax of the top-k logits beside its cast
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
                  RMSNorms       + 2 BTC a                           the two outputs a linear reads
@@ -259,6 +261,13 @@ def llama_block(s: RankShape, qk_norm: bool = False, whole_qk_norm: bool = False
             + (whole_qk_norms(s) if whole_qk_norm else 0))
 
 
+def glu_tensors(cfg: ModelConfig) -> int:
+    """The (rows, W) tensors an expert's gated unit saves: SwiGLU's gate, silu(gate), up and their product (4);
+    gpt-oss's clamped SwiGLU the gate and up before their clamps, the clamped gate, its sigmoid, up + 1, the gated
+    gate and the product (7). Biases save nothing."""
+    return 7 if cfg.gpt_oss_experts else 4
+
+
 def experts(s: RankShape, cfg: ModelConfig) -> int:
     """A mixture of experts in place of the MLP (model/moe.py), dropless, so its bytes do not depend on the routing:
     over its N = BT tokens' N k (token, expert) pairs, the router's fp32 probabilities (N, E), the top-k's indices
@@ -270,7 +279,9 @@ def experts(s: RankShape, cfg: ModelConfig) -> int:
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
         router += N * k * FP32 + N * FP32
-    dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + 4 * N * k * W * s.act
+    if cfg.gpt_oss_experts and s.act != FP32:  # the softmax of the top-k logits (fp32) beside its cast
+        router += N * k * FP32
+    dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
     if cfg.shared_expert_width:
         shared = 4 * N * cfg.shared_expert_width * s.act + N * s.act + N * s.C * s.act
