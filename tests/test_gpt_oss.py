@@ -438,19 +438,29 @@ def test_the_grouped_experts_equal_the_per_expert_loop_with_biases_and_the_clamp
     assert moe.grouped_mm_works("cpu", torch.float32) and (outs["loop"] - outs["grouped"]).abs().max() < 1e-5
 
 
-def test_three_steps_of_init_from_export_what_transformers_loads_with_the_same_logits(folder, one_rank, tmp_path):
+def test_three_steps_of_init_from_start_at_transformers_loss_and_export_what_transformers_loads(folder, one_rank,
+                                                                                                tmp_path, monkeypatch):
     from zerotrain.cli.flags import config_from_args
     from zerotrain.cli.main import build_parser
     from zerotrain.hub.export import export_model
     from zerotrain.runtime.run_folder import resolve_paths
     from zerotrain.training.loop import train
 
+    from test_moe import first_row, transformers_loss
+
     path, hf = folder
     args = build_parser().parse_args(["train", "--init-from", str(path), "--data", "synthetic", "--no-progress",
-                                      "--seq-len", str(SEQ), "--out", str(tmp_path / "run"), "--micro-batch", "2",
-                                      "--lr", "1e-3", "--steps", "3"])
-    result = train(resolve_paths(config_from_args(args)), one_rank, announce=False)
+                                      "--seq-len", str(SEQ - 1), "--out", str(tmp_path / "run"), "--micro-batch", "1",
+                                      "--lr", "1e-3", "--steps", "3", "--moe-aux-coef", "0.5"])
+    cfg = resolve_paths(config_from_args(args))
+    result = train(cfg, one_rank, announce=False)
     assert len(result.records) == 3 and result.records[0]["loss"] != result.records[-1]["loss"]
+    # step 1's loss, with the balancing term, is transformers' loss with output_router_logits on the same row
+    monkeypatch.setattr(hf, "router_aux_loss_coef", 0.5)
+    their_loss, their_aux = transformers_loss(hf, *first_row(cfg))
+    first = result.records[0]
+    assert abs(first["aux_loss"] - their_aux) <= 1e-5 * their_aux and abs(first["loss"] - their_loss) <= 1e-5 * their_loss
+    assert 0.5 * their_aux > 100 * 1e-5 * their_loss  # the balancing term is well above the bound
     model = result.engine.model.eval()
     export_model(model, str(tmp_path / "hf"), "hf", tokenizer_folder=None, eot_id=None)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
@@ -459,7 +469,7 @@ def test_three_steps_of_init_from_export_what_transformers_loads_with_the_same_l
     assert (ours - theirs).abs().max() < EXACT
     assert (theirs - logits(hf)).abs().max() > CAUGHT  # it trained: the export is not the folder's model
     exported = mapping.model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()), "config.json")
-    assert exported == model.cfg
+    assert exported == dataclasses.replace(model.cfg, seq_len=model.cfg.positions, context=0)  # its context kept
 
 
 # MXFP4: gpt-oss's released folders store the experts' matrices as blocks and scales, read here by dequantizing.
