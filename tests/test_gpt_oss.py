@@ -301,7 +301,6 @@ def test_the_sinks_activation_bytes_are_counted_to_the_byte_and_an_omission_is_c
 
     monkeypatch.setattr(ModelConfig, "attn_sinks", property(lambda self: True))
     cfg = dataclasses.replace(ModelConfig(**PRESETS["llama-tiny"]), sliding_window=5)
-    monkeypatch.setattr("zerotrain.config.WINDOWED", ("llama",))
     for segments in (None, packed_segments(2, 16)):
         measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, recompute, segments)
         kw = dict(precision=precision, recompute=recompute, documents=segments is not None)
