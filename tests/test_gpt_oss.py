@@ -593,3 +593,37 @@ def test_gpt_oss_activation_bytes_are_counted_to_the_byte_and_the_clamps_omissio
         with monkeypatch.context() as m:  # planted: counted as a plain SwiGLU's
             m.setattr(activation_memory, "glu_tensors", lambda cfg: 4)
             assert predicted_bytes(cfg, 2, 16, **kw) < measured
+
+
+class _LocalSums:
+    """A TP group's stand-in in one process: all_reduce leaves each rank's partial sum (added up by the test)."""
+
+    def all_reduce(self, t, purpose=None):
+        return t
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+def test_tp_ranks_heads_with_their_sinks_sum_to_the_whole_attention_and_a_wrong_slice_is_caught(pair, monkeypatch,
+                                                                                                 layer):
+    """Under TP 2 each rank attends with its own heads and their sinks (the plan's slice of self_attn.sinks); the
+    ranks' partial outputs (before the row-parallel all-reduce, each with the replicated o_proj bias) add up to the
+    whole layer's. A mixture of experts trains at TP 1 today: this checks the attention's slices alone."""
+    import copy
+
+    config, theirs, cfg, ours = pair
+    whole = llama_module.Llama(cfg)  # n_experts 0: a dense MLP, beside the point here
+    whole.model.layers[layer].self_attn.load_state_dict(theirs[layer].state_dict())
+
+    def summed() -> torch.Tensor:
+        parts = []
+        for rank in range(2):
+            model = copy.deepcopy(whole)
+            llama_module.parallelize(model, 2, rank, _LocalSums())
+            parts.append(our_output(cfg, model.model.layers[layer].self_attn, layer))
+        return parts[0] + parts[1] - theirs[layer].o_proj.bias.detach()
+
+    assert (summed() - transformers_output(config, theirs[layer])).abs().max() < EXACT
+    real = layers.TPSlice.take  # planted: every rank takes the first heads' sinks
+    monkeypatch.setattr(layers.TPSlice, "take", lambda self, full, rank: real(self, full, 0 if full.dim() == 1 and
+                                                                              full.shape[0] == 4 else rank))
+    assert (summed() - transformers_output(config, theirs[layer])).abs().max() > CAUGHT
