@@ -79,7 +79,8 @@ class WeightSource:
         if self.shards:
             return {"path": self.folder, "kind": self.kind,
                     "files": [{"name": name, "sha256": digest} for name, digest in sorted(self.shards.items())]}
-        paths = sorted(set(self.files.values()), key=os.path.basename)
+        held = set(self.files.values()) | {f for pair in self.quantized.values() for f in pair}
+        paths = sorted(held, key=os.path.basename)
         rank, readers = (comm.rank, comm.world_size) if comm is not None else (0, 1)
         mine = _share([(f, os.path.getsize(f)) for f in paths], readers)[rank]
         digests = {os.path.basename(f): sha256_file(f)[1] for f in mine}
@@ -146,8 +147,9 @@ def _source(folder: str, verify: bool) -> WeightSource:
         base = n[: -len(MXFP4_BLOCKS)]
         if n.endswith(MXFP4_BLOCKS) and base + MXFP4_SCALES in files:
             quantized[base] = (files[n], files[base + MXFP4_SCALES])
-    stored_files = {**{n: f for n, f in files.items() if not any(n.startswith(q) and n[len(q):] in (
-        MXFP4_BLOCKS, MXFP4_SCALES) for q in quantized)}, **{q: blocks for q, (blocks, _) in quantized.items()}}
+    pairs = {q + suffix for q in quantized for suffix in (MXFP4_BLOCKS, MXFP4_SCALES)}
+    stored_files = {n: f for n, f in files.items() if n not in pairs}
+    stored_files.update({q: blocks for q, (blocks, _) in quantized.items()})
     for n in stored_files:  # zerotrain's names: a fused tensor's parts each name its rows of it, a stacked one its experts
         stacked = mapping.expert_parts(mapping.canonical(n), model)
         for z, e, i, stack in stacked:
