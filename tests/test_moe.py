@@ -238,7 +238,7 @@ def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_p
         <= adapted and not any(n.endswith("mlp.gate") for n in adapted)  # the router stays as it is
     out = tmp_path / "run"
     r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--seq-len", "16",
-                       "--micro-batch", "2", "--lora-rank", "4", "--lr", "5e-2", "--steps", "2", "--ckpt-every", "2",
+                       "--micro-batch", "2", "--lora-rank", "4", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
                        "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft")
