@@ -128,7 +128,7 @@ def family_folder(folder, family: str, **changes):
 
 
 # Tiny random mixtures of experts, one per family zerotrain builds, hidden 64, with what sets each apart: Qwen3-MoE's
-# renormalised top-2 of 8 experts with per-head q/k norms (and a dense layer: mlp_only_layers), Qwen2-MoE's shared
+# renormalised top-2 of 8 experts with per-head q/k norms (its second layer dense: mlp_only_layers), Qwen2-MoE's shared
 # expert behind its sigmoid gate (top-2 of 4, not renormalised) and q/k/v biases, Mixtral's top-2 of 4 within a window
 # shorter than the sequence, OLMoE's q/k norms over the whole projections (top-2 of 8).
 MOE_SIZES = {**FAMILY_SIZES, "hidden_size": 64}
@@ -140,7 +140,7 @@ def moe_config(family: str, **changes):
     sizes = {**MOE_SIZES, **changes}
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                              "norm_topk_prob": True, "head_dim": 24, "num_hidden_layers": 3,
+                                              "norm_topk_prob": True, "head_dim": 24,
                                               "mlp_only_layers": [1], **sizes})
     if family == "qwen2_moe":
         return transformers.Qwen2MoeConfig(**{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -238,7 +238,7 @@ def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_p
         <= adapted and not any(n.endswith("mlp.gate") for n in adapted)  # the router stays as it is
     out = tmp_path / "run"
     r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--seq-len", "16",
-                       "--micro-batch", "2", "--lora-rank", "4", "--lr", "5e-2", "--steps", "2", "--ckpt-every", "2",
+                       "--micro-batch", "2", "--lora-rank", "4", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
                        "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft")
@@ -252,3 +252,21 @@ def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_p
     with safe_open(str(folder / "model.safetensors"), "pt") as a, \
             safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as b:
         assert (a.get_tensor(name) - b.get_tensor(name)).abs().max() > 1e-4  # the expert's adapters merged in
+
+
+@pytest.mark.parametrize("family, field, value", [("mixtral", "router_jitter_noise", 0.1), ("olmoe", "clip_qkv", 8.0),
+                                                  ("qwen2_moe", "qkv_bias", False),
+                                                  ("qwen3_moe", "use_sliding_window", True)])
+def test_what_a_family_computes_that_zerotrain_does_not_is_refused_naming_the_field(family, field, value):
+    import re
+
+    from model_folders import moe_config
+
+    from zerotrain.errors import CheckpointError
+    from zerotrain.hub import mapping
+
+    config = moe_config(family).to_dict()
+    assert mapping.model_config_from_hf(config, "config.json").n_experts  # as transformers writes it: read
+    config[field] = value
+    with pytest.raises(CheckpointError, match="^config.json: " + re.escape(f"{field} = {value!r}")):
+        mapping.model_config_from_hf(config, "config.json")

@@ -116,3 +116,20 @@ def test_moe_aux_coef_is_validated_in_one_line(capfd, tmp_path):
     assert "no experts" in one_line_error(r)
 
 
+
+
+@pytest.mark.parametrize("flags, said", [
+    (("--arch", "qwen3_moe"), "give --n-experts"),
+    (("--n-experts", "4"), "--n-experts 4 is for --arch qwen3_moe or"),
+    (("--arch", "qwen3_moe", "--n-experts", "4", "--experts-per-token", "5"), "--experts-per-token 5 is more than"),
+    (("--arch", "mixtral", "--n-experts", "4", "--shared-expert-width", "8"), "--shared-expert-width 8 is for"),
+    (("--arch", "qwen3_moe", "--n-experts", "4", "--mlp-only-layers", "0,7"), "'7' is not a layer 0-1"),
+    (("--arch", "qwen3_moe", "--n-experts", "4", "--nproc", "2", "--tp", "2"), "--tp 2: zerotrain's mixtures of"),
+    (("--mlp-only-layers", "1"), "--mlp-only-layers 1 is for a mixture of experts"),
+])
+def test_what_a_mixture_of_experts_cannot_be_is_refused_naming_the_flag(flags, said):
+    from zerotrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=said.replace("(", r"\(")):
+        config_from_args(build_parser().parse_args(["train", "--preset", "llama-tiny", "--data", "synthetic",
+                                                    *flags]))

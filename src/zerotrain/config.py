@@ -792,6 +792,11 @@ def _check_experts(cfg: Config) -> None:
         raise ConfigError(f"--moe-aux-coef {cfg.objective.moe_aux_coef} weighs a mixture of experts' balancing "
                           f"loss: --arch {m.arch} has no experts")
     if not m.n_experts:
+        given = [(m.expert_width, "--expert-width"), (m.shared_expert_width, "--shared-expert-width"),
+                 (m.mlp_only_layers, "--mlp-only-layers")]
+        for value, flag in given:
+            if value:
+                raise ConfigError(f"{flag} {value} is for a mixture of experts (--n-experts): --arch {m.arch} has none")
         return
     if m.experts_per_token > m.n_experts:
         raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the --n-experts {m.n_experts}")

@@ -31,6 +31,7 @@ class Balancing:
         self._reset()
 
     def _reset(self) -> None:
+        # On the model's device until the step's all-reduce reads them, so a micro-batch costs no host sync
         self.aux_sum = torch.zeros((), dtype=torch.float64)  # the rank's rows' balancing losses, summed
         self.loads = torch.zeros(len(self.layers), self.experts, dtype=torch.float64)  # tokens each expert got
 
@@ -41,13 +42,13 @@ class Balancing:
         if taken is None:
             return None
         per_row, loads = taken
-        self.aux_sum += per_row.detach().sum().to("cpu", torch.float64)
-        self.loads += loads.to("cpu", torch.float64)
+        self.aux_sum = self.aux_sum.to(per_row.device) + per_row.detach().sum().double()
+        self.loads = self.loads.to(loads.device) + loads.double()
         return self.coef * per_row.sum() / self.sequences
 
     def extras(self) -> torch.Tensor:
         """[the rank's summed balancing losses, its expert loads] for the step's all-reduce; starts the next step."""
-        out = torch.cat([self.aux_sum.reshape(1), self.loads.reshape(-1)])
+        out = torch.cat([self.aux_sum.reshape(1), self.loads.reshape(-1)]).cpu()
         self._reset()
         return out
 
