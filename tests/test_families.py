@@ -151,16 +151,16 @@ def test_llama3_rope_scaling_is_read_from_rope_scaling_and_rope_parameters_alike
 
 
 def test_an_unknown_rope_type_is_refused_in_one_line_naming_it(folders, tmp_path, capfd):
-    folder = tmp_path / "yarn"
+    folder = tmp_path / "longrope"  # yarn is read (test_gpt_oss); longrope is not
     family_folder(folder, "llama")
     config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
+    config["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 500.0,
                                  "original_max_position_embeddings": 8}
     (folder / "config.json").write_text(json.dumps(config))
     r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--steps", "1",
                        "--no-progress", "--out", str(tmp_path / "run"))
     line = one_line_error(r)
-    assert str(folder) in line and "rope_type 'yarn'" in line and "llama3" in line, line
+    assert str(folder) in line and "rope_type 'longrope'" in line and "llama3" in line, line
 
 
 @pytest.mark.parametrize("field, value, said", [
@@ -263,7 +263,7 @@ def test_mistral_decodes_through_the_kv_cache_within_its_window_and_a_cache_with
 # plan: parameter counts and activation bytes of the new pieces, exact.
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b", "phi-3-mini-4k",
-                                    "gemma-2-2b", "gemma-3-1b"])
+                                    "gemma-2-2b", "gemma-3-1b", "qwen3-moe-tiny", "qwen3-30b-a3b"])
 def test_each_presets_parameters_are_those_of_transformers_model_from_the_config_zerotrain_exports(preset):
     cfg = ModelConfig(**PRESETS[preset])
     config = mapping.hf_config(cfg, None)

@@ -8,7 +8,9 @@ tensor it trains TP-sharded (nor of a fused one, Phi-3's qkv_proj: a rank reads 
 and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range that cuts a row reads that row). A
 zerotrain checkpoint without a model file (format 2) stores its model as its shards' masters: a rank reads each
 tensor it trains from the byte ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP
-slice of it (there, one full tensor is held beyond what the rank keeps). Weights only: the optimizer and the
+slice of it (there, one full tensor is held beyond what the rank keeps). A tensor stacking every expert of a layer
+(gpt-oss's) is read one expert's slice at a time (its MXFP4 blocks and scales dequantized), split into the parts the
+rank trains. Weights only: the optimizer and the
 schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
@@ -35,7 +37,7 @@ from zerotrain.model import meta_model, model_class, parallelize
 from zerotrain.model.init import SeedValues
 
 from .export import INDEX_FILE, read_export_config, tensor_files
-from .mapping import MAPPINGS, HFMapping
+from .mapping import MAPPINGS, MXFP4_BLOCKS, MXFP4_SCALES, HFMapping, dequantize_mxfp4
 from .pretrained import model_folder
 
 FLOATING = ("F64", "F32", "BF16", "F16")  # safetensors dtypes a parameter can be read from
@@ -61,6 +63,11 @@ class WeightSource:
     # A checkpoint without a model file (format 2): its shards, whose masters are its model, by name -> the sha256
     # its manifest records (and the source was verified against)
     shards: dict[str, str] = dataclasses.field(default_factory=dict)
+    # An expert's part of a tensor stacking every expert of a layer (gpt-oss's): zerotrain's name -> (its expert, its
+    # place among the stacking's parts, the stacking); the stored name is in `stored`
+    experts: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # A stacked tensor stored in MXFP4 (gpt-oss's released folders): its name -> the files of its blocks and scales
+    quantized: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def record(self, comm=None) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's sha256 (a checkpoint's
@@ -73,7 +80,8 @@ class WeightSource:
         if self.shards:
             return {"path": self.folder, "kind": self.kind,
                     "files": [{"name": name, "sha256": digest} for name, digest in sorted(self.shards.items())]}
-        paths = sorted(set(self.files.values()), key=os.path.basename)
+        held = set(self.files.values()) | {f for pair in self.quantized.values() for f in pair}
+        paths = sorted(held, key=os.path.basename)
         rank, readers = (comm.rank, comm.world_size) if comm is not None else (0, 1)
         mine = _share([(f, os.path.getsize(f)) for f in paths], readers)[rank]
         digests = {os.path.basename(f): sha256_file(f)[1] for f in mine}
@@ -135,14 +143,24 @@ def _source(folder: str, verify: bool) -> WeightSource:
     files, mapping = tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
     if mapping is None:
         return WeightSource(folder, kind, model, files, None)
-    names, first_row = {}, {}
-    for n in files:  # zerotrain's names: a fused tensor's parts each name its rows of it
-        for z, at, rows in mapping.unfused(mapping.canonical(n), model):
+    names, first_row, experts, quantized = {}, {}, {}, {}
+    for n in files:  # an MXFP4 pair (X_blocks, X_scales) is read as the tensor X it dequantizes to
+        base = n[: -len(MXFP4_BLOCKS)]
+        if n.endswith(MXFP4_BLOCKS) and base + MXFP4_SCALES in files:
+            quantized[base] = (files[n], files[base + MXFP4_SCALES])
+    pairs = {q + suffix for q in quantized for suffix in (MXFP4_BLOCKS, MXFP4_SCALES)}
+    stored_files = {n: f for n, f in files.items() if n not in pairs}
+    stored_files.update({q: blocks for q, (blocks, _) in quantized.items()})
+    for n in stored_files:  # zerotrain's names: a fused tensor's parts each name its rows of it, a stacked one its experts
+        stacked = mapping.expert_parts(mapping.canonical(n), model)
+        for z, e, i, stack in stacked:
+            names[z], experts[z] = n, (e, i, stack)
+        for z, at, rows in [] if stacked else mapping.unfused(mapping.canonical(n), model):
             names[z] = n
             if rows is not None:
                 first_row[z] = at
-    return WeightSource(folder, kind, model, {z: files[n] for z, n in names.items()}, mapping,
-                        {z: n for z, n in names.items() if z != n}, first_row)
+    return WeightSource(folder, kind, model, {z: stored_files[n] for z, n in names.items()}, mapping,
+                        {z: n for z, n in names.items() if z != n}, first_row, experts=experts, quantized=quantized)
 
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -187,18 +205,52 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
                                   "its config describes has")
         header = headers.get(file) or headers.setdefault(file, read_header(file))
         stored_name = source.stored.get(name, name)
+        if stored_name in source.quantized:
+            _check_mxfp4(source, stored_name, name, full, headers)
+            continue
         if stored_name not in header:
             raise CheckpointError(f"{INDEX_FILE} puts {stored_name} in {os.path.basename(file)}, which does not hold it")
         dtype, stored = header[stored_name][0], tuple(header[stored_name][1])
         want = tuple(reversed(full)) if transposed(name) else full
         if name in source.first_row:
             name, want = stored_name, (fused_rows[stored_name], *full[1:])  # the fused tensor whole
+        if name in source.experts:  # the stacked tensor whole: each expert's slice splits into its parts' shapes
+            name, want = stored_name, _stacked_shape(source, name, stored, full)
         if stored != want:
             raise CheckpointError(f"{name} is {list(stored)} in {os.path.basename(file)}, the model its config "
                                   f"describes needs {list(want)}")
         if dtype not in FLOATING:
             raise CheckpointError(f"{name} is {dtype} in {os.path.basename(file)}, not a floating-point type "
                                   f"({', '.join(FLOATING)})")
+
+
+def _stacked_shape(source: WeightSource, name: str, stored: tuple[int, ...], full: tuple[int, ...]
+                   ) -> tuple[int, ...]:
+    """The shape a stacked tensor must have for expert part `name` to be `full`: the stored one, if its slice splits
+    into a part of that shape (found on the meta device), and it holds the model's experts."""
+    _, i, stack = source.experts[name]
+    if len(stored) < 2 or tuple(stack.split(torch.empty(stored[1:], device="meta"))[i].shape) != full:
+        return (source.model.n_experts, *stack.join(*(torch.empty(full, device="meta"),) * len(stack.parts)).shape)
+    return (source.model.n_experts, *stored[1:])
+
+
+def _check_mxfp4(source: WeightSource, stored_name: str, name: str, full: tuple[int, ...], headers: dict) -> None:
+    """An MXFP4 pair: uint8 blocks (E, rows, G, 16) and scales (E, rows, G) that dequantize to the stacked tensor
+    expert part `name` (of shape `full`) is taken from."""
+    files = source.quantized[stored_name]
+    (blocks_dtype, blocks), (scales_dtype, scales) = (
+        (lambda h: (h[0], tuple(h[1])))(
+            (headers.get(f) or headers.setdefault(f, read_header(f)))[stored_name + suffix])
+        for f, suffix in zip(files, (MXFP4_BLOCKS, MXFP4_SCALES)))
+    if blocks_dtype != "U8" or scales_dtype != "U8" or len(blocks) != 4 or blocks[-1] != 16 or blocks[:-1] != scales:
+        raise CheckpointError(f"{stored_name}{MXFP4_BLOCKS} {list(blocks)} ({blocks_dtype}) and {MXFP4_SCALES} "
+                              f"{list(scales)} ({scales_dtype}) in {os.path.basename(files[0])} are not an MXFP4 "
+                              "pair (uint8 blocks (E, rows, G, 16) and scales (E, rows, G))")
+    dequantized = (blocks[0], 32 * blocks[2], blocks[1])
+    want = _stacked_shape(source, name, dequantized, full)
+    if dequantized != want:
+        raise CheckpointError(f"{stored_name}{MXFP4_BLOCKS} dequantizes to {list(dequantized)} in "
+                              f"{os.path.basename(files[0])}, the model its config describes needs {list(want)}")
 
 
 def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelConfig:
@@ -255,6 +307,8 @@ class FileValues:
             self.bytes_read += full.numel() * 4
             local = full if tp_slice is None else tp_slice.take(full, self.tp_rank)
             return local.reshape(-1)[lo:hi].clone()
+        if name in self.source.experts:  # its expert's slice of the stacked tensor, read whole, split
+            return self._expert_part(name)[lo:hi].to(torch.float32)
         file = self.source.files[name]
         f = self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
         width = math.prod(shape[1:])  # values per row (a 1-D tensor's rows are its values)
@@ -262,6 +316,21 @@ class FileValues:
         rows = _read_rows(f, self.source.stored.get(name, name), self.tp_slices.get(name), self.tp_rank,
                           self.transposed(name), self.source.first_row.get(name, 0), first, last, self._count)
         return rows.reshape(-1)[lo - first * width : hi - first * width].to(torch.float32)
+
+    def _open(self, file: str):
+        return self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
+
+    def _expert_part(self, name: str) -> torch.Tensor:
+        """Expert part `name`, flattened: its expert's slice of the stacked tensor (dequantized, if MXFP4) split."""
+        e, i, stack = self.source.experts[name]
+        stored = self.source.stored.get(name, name)
+        if stored in self.source.quantized:
+            blocks, scales = (self._count(self._open(f).get_slice(stored + suffix)[e])
+                              for f, suffix in zip(self.source.quantized[stored], (MXFP4_BLOCKS, MXFP4_SCALES)))
+            expert = dequantize_mxfp4(blocks, scales)
+        else:
+            expert = self._count(self._open(self.source.files[name]).get_slice(stored)[e])
+        return stack.split(expert)[i].reshape(-1)
 
     def _count(self, t: torch.Tensor) -> torch.Tensor:
         self.bytes_read += t.numel() * t.element_size()

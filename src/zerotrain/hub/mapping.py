@@ -12,11 +12,15 @@ and export alike, so the two cannot drift apart.
            A Gemma 3 folder with a vision tower (model_type gemma3, Gemma3ForConditionalGeneration) is read for its
            language model, under language_model.model. (published files) or model.language_model. (transformers 5);
            the vision tower and its projector are skipped, and it exports as the text model (Gemma3ForCausalLM).
+           gpt-oss names its router mlp.router (zerotrain's mlp.gate) and stacks every expert of a layer in one
+           tensor per projection (gate and up interleaved by columns, x @ W): StackedExperts splits each expert's
+           slice into zerotrain's linears and joins them back; its MXFP4 folders' blocks and scales are
+           dequantized (dequantize_mxfp4) to the stacked tensor they hold.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
-and written from it (hf_config); Llama 3.1's rope scaling is read from `rope_scaling` (older transformers and the
-published configs) or `rope_parameters` (what transformers 5 writes), and written as `rope_scaling`, which both
-read. A field zerotrain's model does not have (another rope type, Qwen's use_sliding_window) is refused, naming it.
+and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
+transformers and the published configs) or `rope_parameters` (what transformers 5 writes), and written as
+`rope_scaling`, which both read. A field zerotrain's model does not have (another rope type, Qwen's use_sliding_window) is refused, naming it.
 
 A tied head is stored once, under the token embedding's name. init_from.py reads each rank's TP slices through
 the same table.
@@ -26,11 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from zerotrain.config import GEMMA, WINDOWED, ModelConfig
+from zerotrain.config import GEMMA, MOE, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
+from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,24 @@ class HFMapping:
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (stored suffix, zerotrain's suffixes stacked in it by rows)
     renamed: tuple[tuple[str, str], ...] = ()  # (stored prefix, zerotrain's prefix)
     skipped: tuple[str, ...] = ()  # prefixes of tensors of another model in the same files (a vision tower)
+    infixes: tuple[tuple[str, str], ...] = ()  # (stored part of a name, zerotrain's): Mixtral's expert names
+    experts: tuple[StackedExperts, ...] = ()  # tensors holding every expert's parameter of a layer (gpt-oss's)
+
+    def expert_parts(self, name: str, cfg: ModelConfig) -> list[tuple[str, int, int, StackedExperts]]:
+        """[(zerotrain's name, its expert, its place in the stacking's parts, the stacking)] for a stored tensor
+        (by its canonical name) that holds every expert's parameter of a layer; [] for any other."""
+        for stack in self.experts:
+            if name.startswith(self.block_prefix) and name.endswith("." + stack.stored):
+                base = name[: -len(stack.stored)] + stack.stored.rpartition(".")[0]  # ...mlp.experts
+                return [(f"{base}.{e}.{part}", e, i, stack) for e in range(cfg.n_experts)
+                        for i, part in enumerate(stack.parts)]
+        return []
+
+    def stored_name(self, name: str) -> str:
+        """Parameter `name` (zerotrain's) as the files name it, where a part of it differs (infixes)."""
+        for stored, ours in self.infixes:
+            name = name.replace(ours, stored)
+        return name
 
     def canonical(self, name: str) -> str:
         """A tensor's name as zerotrain's model has it. GPT-2 folders saved from the bare GPT2Model (the original
@@ -54,6 +78,8 @@ class HFMapping:
         for stored, ours in self.renamed:
             if name.startswith(stored):
                 return ours + name[len(stored):]
+        for stored, ours in self.infixes:
+            name = name.replace(stored, ours)
         return name
 
     def is_ignored(self, name: str) -> bool:
@@ -77,25 +103,93 @@ class HFMapping:
 
     def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """zerotrain's tensors (names -> tensors) in Hugging Face's layout, fp32 and contiguous."""
-        out = {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
+        out = {self.stored_name(n): (t.t() if self.is_transposed(n) else t).detach().float().contiguous()
+               for n, t in tensors.items()}
         for stored, parts in self.fused:
             for name in [n for n in out if n.startswith(self.block_prefix) and n.endswith(parts[0])]:
                 prefix = name[: -len(parts[0])]
                 out[prefix + stored] = torch.cat([out.pop(prefix + part) for part in parts])
+        for stack in self.experts:  # every expert's parts, joined, stacked by expert
+            for name in [n for n in out if n.endswith(".experts.0." + stack.parts[0])]:
+                base = name[: -len(".0." + stack.parts[0])]
+                n_experts = sum(1 for n in out if n.startswith(base + ".") and n.endswith("." + stack.parts[0]))
+                out[base.rpartition("mlp.experts")[0] + stack.stored] = torch.stack([
+                    stack.join(*(out.pop(f"{base}.{e}.{part}") for part in stack.parts)) for e in range(n_experts)])
         return out
 
     def from_hf(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Hugging Face's tensors in zerotrain's layout; tensors that are not parameters are dropped."""
-        named = {self.canonical(n): t for n, t in tensors.items()}
+        named = dequantized({self.canonical(n): t for n, t in tensors.items()})
         out = {}
         for n, t in named.items():
             if self.is_ignored(n):
                 continue
             if self.is_transposed(n):
                 t = t.t().contiguous()
+            experts = self.expert_parts(n, cfg)
+            for part, e, i, stack in experts:
+                out[part] = stack.split(t[e])[i].contiguous()
+            if experts:
+                continue
             for part, at, rows in self.unfused(n, cfg):
                 out[part] = t if rows is None else t[at : at + rows]
         return out
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A tensor of every expert's parameter of a layer, as transformers' GptOssExperts holds it: (E, ...), each
+    expert's slice `split` into its parts in zerotrain's layout (nn.Linear's), and `join`ed back from them."""
+
+    stored: str  # the stored tensor's suffix
+    parts: tuple[str, ...]  # zerotrain's suffixes under mlp.experts.{e}.
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    join: Callable[..., torch.Tensor]
+
+
+def interleaved(*parts: torch.Tensor) -> torch.Tensor:
+    """Columns (last dimension) alternating between the parts: gpt-oss's gate and up in one gate_up_proj."""
+    return torch.stack(parts, dim=-1).flatten(-2)
+
+
+# gpt-oss multiplies x @ W: its expert matrices are nn.Linear's transposed, and gate_up_proj (E, C, 2F) holds the
+# gate's and the up projection's columns alternating (gate 0, up 0, gate 1, ...), its bias (E, 2F) as well.
+GPT_OSS_EXPERTS = (
+    StackedExperts("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"),
+                   lambda t: (t[:, 0::2].t(), t[:, 1::2].t()), lambda gate, up: interleaved(gate.t(), up.t())),
+    StackedExperts("mlp.experts.gate_up_proj_bias", ("gate_proj.bias", "up_proj.bias"),
+                   lambda t: (t[0::2], t[1::2]), interleaved),
+    StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t.t(),), lambda down: down.t()),
+    StackedExperts("mlp.experts.down_proj_bias", ("down_proj.bias",), lambda t: (t,), lambda bias: bias),
+)
+
+# MXFP4 (OCP microscaling, 4-bit floats): gpt-oss's released folders store each expert matrix as `<name>_blocks`
+# (E, rows, G, 16) uint8, two FP4 (e2m1) values a byte, low nibble first, and `<name>_scales` (E, rows, G) uint8,
+# the power of two (biased by 127) of each block of 32 values along the row; the rows are the matrix's output
+# features, so the dequantized (E, rows, 32 G) is transposed to the (E, in, out) the other folders store.
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix (..., 32 G, rows) of MXFP4 `blocks` (..., rows, G, 16) and `scales` (..., rows, G): exact
+    (every FP4 value times a power of two is an fp32). One expert's slice or all of them (the leading dimensions)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)  # (..., rows, G, 32)
+    return values.flatten(-2).transpose(-1, -2)
+
+
+def dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with each MXFP4 pair (`X_blocks`, `X_scales`) replaced by X, dequantized to fp32."""
+    out = {n: t for n, t in tensors.items() if not (n.endswith(MXFP4_SCALES) and n[: -len(MXFP4_SCALES)] +
+                                                     MXFP4_BLOCKS in tensors)}
+    for name in [n for n in out if n.endswith(MXFP4_BLOCKS)]:
+        base = name[: -len(MXFP4_BLOCKS)]
+        if base + MXFP4_SCALES in tensors:
+            out[base] = dequantize_mxfp4(out.pop(name), tensors[base + MXFP4_SCALES])
+    return out
 
 
 # The rows of each matrix Phi-3 stacks, from the model's sizes.
@@ -117,8 +211,16 @@ MAPPINGS = {
                       (".attn.bias", ".attn.masked_bias")),
     **{arch: HFMapping(arch, arch, cls, "model.layers.", (), (".rotary_emb.inv_freq",)) for arch, cls in (
         ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
-        ("mistral", "MistralForCausalLM"))},
+        ("mistral", "MistralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        ("olmoe", "OlmoeForCausalLM"))},
+    # Mixtral's files name the MoE block block_sparse_moe and an expert's gate, down and up projections w1, w2, w3
+    "mixtral": HFMapping("mixtral", "mixtral", "MixtralForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                         infixes=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                                  (".w2.weight", ".down_proj.weight"), (".w3.weight", ".up_proj.weight"))),
     "phi3": HFMapping("phi3", "phi3", "Phi3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",), PHI3_FUSED),
+    # gpt-oss's router is mlp.router (zerotrain's mlp.gate), its experts stacked (GPT_OSS_EXPERTS)
+    "gpt_oss": HFMapping("gpt_oss", "gpt_oss", "GptOssForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                         infixes=((".mlp.router.", ".mlp.gate."),), experts=GPT_OSS_EXPERTS),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -167,12 +269,43 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
             config.update(attention_bias=False)
     elif cfg.gemma:
         config.update(_gemma_config(cfg))
+    elif cfg.moe:
+        config.update(_moe_config(cfg))
     else:
         config.update(sliding_window=cfg.sliding_window or None)
         if cfg.arch == "phi3":  # Phi3Config's pad_token_id (32000) would not fit a smaller vocabulary
             config.update(original_max_position_embeddings=cfg.positions, partial_rotary_factor=1.0,
                           resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=eot)
     return config
+
+
+def _moe_config(cfg: ModelConfig) -> dict:
+    """A mixture of experts' fields: its experts, their routing and where they are, and its attention's options.
+    Mixtral's and OLMoE's intermediate_size is their experts' width (every layer has experts)."""
+    experts = dict(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_coef,
+                   output_router_logits=False)
+    if cfg.arch == "gpt_oss":  # its rope as rope_parameters: without them, GptOssConfig would take YaRN's default
+        types = ["sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layer)]
+        return dict(experts, num_local_experts=cfg.n_experts, intermediate_size=cfg.expert_ffn, attention_bias=True,
+                    swiglu_limit=SWIGLU_LIMIT, swiglu_alpha=SWIGLU_ALPHA, layer_types=types,
+                    sliding_window=cfg.sliding_window or cfg.positions, rope_scaling=None,
+                    rope_parameters={"rope_type": "default", **(_rope_scaling(cfg) or {}),
+                                     "rope_theta": cfg.rope_theta}, pad_token_id=None)
+    if cfg.arch in ("mixtral", "olmoe"):
+        experts.update(intermediate_size=cfg.expert_ffn)
+    if cfg.arch == "mixtral":
+        return dict(experts, num_local_experts=cfg.n_experts, sliding_window=cfg.sliding_window or None,
+                    router_jitter_noise=0.0)
+    experts.update(num_experts=cfg.n_experts, norm_topk_prob=cfg.norm_topk_prob)
+    if cfg.arch == "olmoe":
+        return dict(experts, attention_bias=False, clip_qkv=None, pad_token_id=None)
+    experts.update(moe_intermediate_size=cfg.expert_ffn, decoder_sparse_step=cfg.moe_every,
+                   mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg.n_layer)
+    if cfg.arch == "qwen2_moe":
+        return dict(experts, shared_expert_intermediate_size=cfg.shared_expert_width, qkv_bias=True,
+                    layer_types=["full_attention"] * cfg.n_layer)
+    return dict(experts, attention_bias=False)
 
 
 def _gemma_config(cfg: ModelConfig) -> dict:
@@ -196,6 +329,11 @@ def _rope_scaling(cfg: ModelConfig) -> dict | None:
         return None
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "yarn":
+        return {"rope_type": "yarn", "factor": cfg.rope_factor, "original_max_position_embeddings":
+                cfg.rope_original_context, "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                "truncate": cfg.rope_truncate, **({"attention_factor": cfg.rope_attention_factor}
+                                                  if cfg.rope_attention_factor else {})}
     return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_context}
@@ -283,7 +421,30 @@ _FIXED = {
     "phi3": (("hidden_act", "silu", ("silu",)), ("partial_rotary_factor", 1.0, (1.0, 1))),
     **{arch: (("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)), ("attention_bias", False, (False,)),
               ("use_bidirectional_attention", None, (None, False))) for arch in GEMMA},
+    "qwen3_moe": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)),
+                  ("use_sliding_window", False, (False,))),
+    "qwen2_moe": (("hidden_act", "silu", ("silu",)), ("use_sliding_window", False, (False,)),
+                  ("qkv_bias", True, (True,))),
+    "mixtral": (("hidden_act", "silu", ("silu",)), ("router_jitter_noise", 0.0, (0.0, 0))),
+    "olmoe": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)), ("clip_qkv", None, (None,))),
+    "gpt_oss": (("attention_bias", True, (True,)), ("swiglu_limit", SWIGLU_LIMIT, (SWIGLU_LIMIT, 7)),
+                ("swiglu_alpha", SWIGLU_ALPHA, (SWIGLU_ALPHA,)), ("norm_topk_prob", None, (None, False))),
 }
+# What transformers' GptOssConfig gives a field its config.json leaves out: the shape of gpt-oss-20b and its rope
+# (YaRN, which a config without rope_scaling or rope_parameters gets), every other layer sliding (layer_types).
+_GPT_OSS_DEFAULTS = dict(num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880,
+                         intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
+                         sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         num_experts_per_tok=4, rope_theta=150000.0)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_defaults(config: dict) -> dict:
+    config = {**_GPT_OSS_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k not in _GPT_OSS_DEFAULTS}}
+    if not config.get("rope_scaling") and not config.get("rope_parameters"):
+        config["rope_parameters"] = {**_GPT_OSS_ROPE, "rope_theta": config["rope_theta"]}
+    return config
 # What transformers' Gemma2Config and Gemma3TextConfig give a field their config.json leaves out (published Gemma 3
 # configs leave out most of their text_config's).
 _GEMMA_DEFAULTS = {
@@ -305,9 +466,16 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     share the size fields)."""
     kind = config["model_type"]
     arch = BY_MODEL_TYPE[kind].arch
+    method = _table(config, "quantization_config", where).get("quant_method")
+    if method is not None and (method, arch) != ("mxfp4", "gpt_oss"):
+        raise CheckpointError(f"{where}: quantization_config has quant_method {method!r}; zerotrain reads unquantized "
+                              "weights (and gpt-oss's mxfp4 experts): save the model dequantized first (transformers: "
+                              "from_pretrained, then save_pretrained of the dequantized model)")
     if kind in _GEMMA_DEFAULTS:
         config = {**_GEMMA_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None or k not in (
             "rope_theta", "rope_local_base_freq", "sliding_window_pattern", "head_dim")}}
+    if kind == "gpt_oss":
+        config = _gpt_oss_defaults(config)
     _refuse(config, where, _FIXED[arch])
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -331,13 +499,49 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     rope = _table(config, "rope_parameters", where)
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
         _positive(config, "rope_theta", where, 10000.0)
+    experts = _experts(config, where, arch, sizes) if arch in MOE else {}
+    if arch == "gpt_oss":  # its sliding and full layers alternate
+        pattern = _layer_pattern(config, where, arch, sizes["num_hidden_layers"])
+        window, experts["sliding_window_pattern"] = (0, 0) if window == 0 or pattern == 1 else (window, pattern)
     return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads,
                        n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
                        head_width=0 if head_dim * heads == hidden else head_dim,
                        intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
                        vocab_size=sizes["vocab_size"], rope_theta=theta,
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
-                       tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where))
+                       tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where), **experts)
+
+
+def _experts(config: dict, where: str, arch: str, sizes: dict) -> dict:
+    """A mixture of experts' settings from its config.json: experts, top-k, their width, renormalisation, the shared
+    expert (Qwen2-MoE), which layers have experts (Qwen's decoder_sparse_step and mlp_only_layers), the balancing
+    loss's weight."""
+    # Published configs name the experts num_experts (Mixtral's num_local_experts); transformers 5 writes the latter
+    n = _count(config, next((k for k in ("num_experts", "num_local_experts") if config.get(k) is not None),
+                            "num_experts"), where)
+    k = _count(config, "num_experts_per_tok", where, default=2)
+    if k > n:
+        raise CheckpointError(f"{where}: num_experts_per_tok {k} is more than the {n} experts")
+    renormalize = config.get("norm_topk_prob", arch == "mixtral")
+    if not isinstance(renormalize, bool):
+        raise CheckpointError(f"{where}: norm_topk_prob must be true or false, got {renormalize!r}")
+    coef = config.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+        raise CheckpointError(f"{where}: router_aux_loss_coef must be a number >= 0, got {coef!r}")
+    out = dict(n_experts=n, experts_per_token=k, norm_topk_prob=renormalize or arch == "mixtral",
+               router_aux_coef=float(coef))
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        out.update(expert_width=_count(config, "moe_intermediate_size", where),
+                   moe_every=_count(config, "decoder_sparse_step", where, default=1))
+        dense = config.get("mlp_only_layers") or []
+        if not (isinstance(dense, list) and all(type(i) is int and 0 <= i < sizes["num_hidden_layers"]
+                                                for i in dense)):
+            raise CheckpointError(f"{where}: mlp_only_layers must list layers 0-{sizes['num_hidden_layers'] - 1}, "
+                                  f"got {dense!r}")
+        out.update(mlp_only_layers=",".join(str(i) for i in sorted(set(dense))))
+    if arch == "qwen2_moe":
+        out.update(shared_expert_width=_count(config, "shared_expert_intermediate_size", where))
+    return out
 
 
 def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied: bool, window: int) -> ModelConfig:
@@ -369,7 +573,7 @@ def _layer_pattern(config: dict, where: str, arch: str, n: int) -> int:
     gives."""
     types = config.get("layer_types")
     if types is None:
-        return 2 if arch == "gemma2" else _count(config, "sliding_window_pattern", where, default=6)
+        return 2 if arch in ("gemma2", "gpt_oss") else _count(config, "sliding_window_pattern", where, default=6)
     if not (isinstance(types, list) and len(types) == n and all(t in LAYER_TYPES for t in types)):
         raise CheckpointError(f"{where}: layer_types must list {n} of {' or '.join(LAYER_TYPES)}, got {types!r}")
     for pattern in range(n + 1):
@@ -419,9 +623,11 @@ def _rope_settings(config: dict, where: str, gemma: bool = False) -> dict:
         return {}
     if kind == "linear" and gemma:
         return dict(rope_scaling="linear", rope_factor=_positive(scaling, "factor", f"{where} {key}", 0.0))
+    if kind == "yarn":
+        return _yarn_settings(scaling, f"{where} {key}")
     if kind != "llama3":
         raise CheckpointError(f"{where}: {key} has rope_type {kind!r}, which zerotrain does not implement (it has "
-                              "'default' and 'llama3')")
+                              "'default', 'llama3' and 'yarn')")
     missing = [k for k in ROPE_LLAMA3 if k not in scaling]
     if missing:
         raise CheckpointError(f"{where}: {key} of rope_type 'llama3' has no {missing[0]!r}")
@@ -432,3 +638,26 @@ def _rope_settings(config: dict, where: str, gemma: bool = False) -> dict:
     return dict(rope_scaling="llama3", rope_factor=factors["factor"], rope_low_freq_factor=factors["low_freq_factor"],
                 rope_high_freq_factor=factors["high_freq_factor"],
                 rope_original_context=_count(scaling, "original_max_position_embeddings", f"{where} {key}"))
+
+
+def _yarn_settings(scaling: dict, where: str) -> dict:
+    """ModelConfig's settings of a rope_type 'yarn' table, with transformers' defaults (beta_fast 32, beta_slow 1,
+    truncate true, attention_factor from the factor); CheckpointError naming a field missing, out of range, or
+    DeepSeek's mscale pair, which zerotrain's YaRN does not have."""
+    for key in ("mscale", "mscale_all_dim"):
+        if scaling.get(key):
+            raise CheckpointError(f"{where}: {key} = {scaling[key]!r}; zerotrain's yarn derives the attention factor "
+                                  "from the factor alone (or takes attention_factor)")
+    for key in ("factor", "original_max_position_embeddings"):
+        if scaling.get(key) is None:
+            raise CheckpointError(f"{where}: rope_type 'yarn' has no {key!r}")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}: truncate must be true or false, got {truncate!r}")
+    beta_fast, beta_slow = (_positive(scaling, key, where, default) if scaling.get(key) is not None else default
+                            for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)))
+    attention = scaling.get("attention_factor")
+    return dict(rope_scaling="yarn", rope_factor=_positive(scaling, "factor", where, 0.0),
+                rope_original_context=_count(scaling, "original_max_position_embeddings", where),
+                rope_beta_fast=beta_fast, rope_beta_slow=beta_slow, rope_truncate=truncate,
+                rope_attention_factor=0.0 if attention is None else _positive(scaling, "attention_factor", where, 0.0))

@@ -13,6 +13,14 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  attention     as GPT-2's (q and k rotated); in bf16 also the rotary tables cast per use, 4 TD a
                  SwiGLU MLP    4 BTF a                              gate, silu(gate), up, their product
                  q/k norms     (H + KV) x (BTD 4 + BT 4 + BTD a)    Qwen3: fp32 input, rsqrt, normalized, per head
+                               (H + KV) BTD (4 + a) + 2 BT 4        OLMoE's, of the whole projections
+                 experts       in place of the SwiGLU MLP on the    a mixture of experts (N = BT tokens, top-k,
+                               MoE layers: N E 4 + N k (8 + a)      E experts of width W): the router's fp32
+                               (+ N k 4 + N 4 renormalised)         probabilities, top-k indices and weights;
+                               + 2 N k 8 + 2 N k C a + 4 N k W a    the dispatch's indices, rows in and out, the
+                               (+ 4 N Ws a + N a + N C a shared)    experts' SwiGLUs; Qwen2-MoE's shared expert
+                               gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU; in bf16 + N k 4, the
+                                                                    softmax of the top-k logits beside its cast
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
                  RMSNorms       + 2 BTC a                           the two outputs a linear reads
@@ -20,6 +28,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                 path: 4 BTHD a + BHTT (a + 4)       q, k and v at H heads, output; capped scores,
                                 (+ BHTT a in bf16)                  fp32 probabilities (and their bf16 copy)
                  GeGLU MLP      4 BTF a                             as SwiGLU's
+    gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
+                               in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
+                               the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
                  q/k norms      (H + KV) x (2 BTD 4 + BT 4) + 2 D 4 Gemma 3's, (1 + w)
     outside      token ids BT 8 (GPT-2: positions T 8; Llama in fp32 without recompute: the fp32 rotary
                  tables 2 TD 4, twice for Gemma 3's two bases; with the vocabulary split across TP, the ids outside
@@ -238,8 +249,43 @@ def qk_norms(s: RankShape) -> int:
     return rows * s.head_dim * FP32 + rows * FP32 + rows * s.head_dim * s.act
 
 
-def llama_block(s: RankShape, qk_norm: bool = False) -> int:
-    return 2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
+def whole_qk_norms(s: RankShape) -> int:
+    """OLMoE's RMSNorm of the whole q and k projections (computed in fp32): as qk_norms, with one rsqrt per token
+    for each of the two."""
+    width = (s.heads + s.kv_heads) * s.head_dim
+    return s.BT * width * FP32 + 2 * s.BT * FP32 + s.BT * width * s.act
+
+
+def llama_block(s: RankShape, qk_norm: bool = False, whole_qk_norm: bool = False) -> int:
+    return (2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
+            + (whole_qk_norms(s) if whole_qk_norm else 0))
+
+
+def glu_tensors(cfg: ModelConfig) -> int:
+    """The (rows, W) tensors an expert's gated unit saves: SwiGLU's gate, silu(gate), up and their product (4);
+    gpt-oss's clamped SwiGLU the gate and up before their clamps, the clamped gate, its sigmoid, up + 1, the gated
+    gate and the product (7). Biases save nothing."""
+    return 7 if cfg.gpt_oss_experts else 4
+
+
+def experts(s: RankShape, cfg: ModelConfig) -> int:
+    """A mixture of experts in place of the MLP (model/moe.py), dropless, so its bytes do not depend on the routing:
+    over its N = BT tokens' N k (token, expert) pairs, the router's fp32 probabilities (N, E), the top-k's indices
+    (int64) and, renormalised, its values and their sum (fp32), the weights the outputs are multiplied by (activation
+    dtype); the gather of the tokens by expert (its int64 indices and the N k C gathered rows, the experts' input),
+    each expert's SwiGLU on its rows (4 N k W in all), the gather back (indices, N k C outputs). A shared expert
+    (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C)."""
+    N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn
+    router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
+    if cfg.renormalizes:
+        router += N * k * FP32 + N * FP32
+    if cfg.gpt_oss_experts and s.act != FP32:  # the softmax of the top-k logits (fp32) beside its cast
+        router += N * k * FP32
+    dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
+    shared = 0
+    if cfg.shared_expert_width:
+        shared = 4 * N * cfg.shared_expert_width * s.act + N * s.act + N * s.C * s.act
+    return router + dispatch + shared
 
 
 def gemma_norm(s: RankShape) -> int:
@@ -255,12 +301,30 @@ def gemma_qk_norms(s: RankShape) -> int:
     return 2 * rows * s.head_dim * FP32 + rows * FP32 + 2 * s.head_dim * FP32
 
 
-def softcapped_attention(s: RankShape) -> int:
-    """Gemma 2's attention with explicit scores (layers.softcapped_attention): q, and k and v copied to the query
-    heads (B, heads, T, D); the capped scores (tanh's output) and the fp32 probabilities (B, heads, T, T), in bf16
-    also their bf16 copy (the value matmul's input); the output reshaped for the output projection."""
-    probabilities = FP32 + (s.act if s.act != FP32 else 0)
-    return 4 * s.BT * s.heads * s.head_dim * s.act + s.B * s.heads * s.T * s.T * (s.act + probabilities)
+def softcapped_attention(s: RankShape, capped: bool = True, sinks: bool = False) -> int:
+    """Attention with explicit scores (layers.softcapped_attention): q, and k and v copied to the query heads
+    (B, heads, T, D); Gemma 2's capped scores (tanh's output, where `capped`) and the fp32 probabilities (B, heads,
+    T, T; gpt-oss's `sinks` add a column to them, which the value matmul's view of them leaves out), in bf16 also
+    their bf16 copy (the value matmul's input); the output reshaped for the output projection."""
+    squares = s.B * s.heads * s.T * s.T
+    probabilities = squares * FP32 + (squares * s.act if s.act != FP32 else 0)
+    if sinks:
+        probabilities += s.B * s.heads * s.T * FP32
+    return 4 * s.BT * s.heads * s.head_dim * s.act + (squares * s.act if capped else 0) + probabilities
+
+
+def flex_sinks(s: RankShape) -> int:
+    """gpt-oss's sinks on FlexAttention (layers.with_sinks): the renormalization factor per row (sigmoid's output,
+    fp32; in bf16 also its cast) and the renormalized output, a second (B, T, heads, D) beside FlexAttention's (not
+    measured here: FlexAttention has no backward on CPU)."""
+    rows = s.B * s.heads * s.T
+    return rows * FP32 + (rows * s.act if s.act != FP32 else 0) + attention_output(s)
+
+
+def sink_attention(s: RankShape, eager: bool) -> int:
+    """gpt-oss's attention: explicit scores with the sinks' column where FlexAttention does not run, else
+    FlexAttention's (as SDPA's) and the renormalization."""
+    return softcapped_attention(s, capped=False, sinks=True) if eager else attention(s) + flex_sinks(s)
 
 
 def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
@@ -303,9 +367,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
     shapes, masks = {}, 0
     for window in set(windows):
-        masked = documents or 0 < window < seq_len or bool(cfg.attn_softcap)
+        explicit = bool(cfg.attn_softcap) or cfg.attn_sinks  # what SDPA cannot compute: no causal mask of its own
+        masked = documents or 0 < window < seq_len or explicit
         kernel = layers.document_kernel(device, cfg.head_dim) if masked else ""
-        eager = bool(cfg.attn_softcap) and kernel != "flex"  # softcapped_attention: it copies the KV heads itself
+        eager = explicit and kernel != "flex"  # softcapped_attention: it copies the KV heads itself
         # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
         repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex" and not eager
                     and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
@@ -318,8 +383,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = block_input(s)
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
+        elif cfg.attn_sinks:
+            shapes[window] = llama_block(s, cfg.qk_norm) - attention(s) + sink_attention(s, eager)
         else:
-            shapes[window] = llama_block(s, cfg.qk_norm) if llama else gpt2_block(s)
+            shapes[window] = llama_block(s, cfg.qk_norm, cfg.qk_norm_whole) if llama else gpt2_block(s)
         # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves
         # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
         if recompute != "none" or not eager:
@@ -340,6 +407,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     else:
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
+    if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
+        blocks += sum(experts(s, cfg) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
     if recompute == "full":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`); the
         # gradients are computed again in the backward, not kept

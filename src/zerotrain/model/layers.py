@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 from torch.utils._triton import has_triton
 from torch.utils.checkpoint import checkpoint
 
@@ -283,12 +283,54 @@ class LinearScaling:
         return inv_freq / self.factor
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Peng et al. 2023), as transformers' rope_type "yarn" computes it (gpt-oss, long-context Qwen): the
+    frequencies that turn more than beta_fast times over the original context are kept, those turning fewer than
+    beta_slow times are slowed by `factor`, and a linear ramp over the dimensions between blends the two; cos and
+    sin are multiplied by `magnitude` (transformers' attention_factor: 0.1 ln(factor) + 1 unless given), which
+    scales every q.k score by its square. `truncate` rounds the ramp's ends to whole dimensions. The ramp's ends
+    depend on the rotary base, which the scaling therefore holds."""
+
+    factor: float
+    original_context: int
+    theta: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 0.0  # 0: YaRN's own, from the factor
+
+    @property
+    def magnitude(self) -> float:
+        if self.attention_factor:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def rescale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        dim = 2 * inv_freq.numel()
+
+        def dimension(turns: float) -> float:  # the dimension whose frequency turns `turns` times over the context
+            return dim * math.log(self.original_context / (turns * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.device)
+        pos_freqs = self.theta ** (torch.arange(0, dim, 2, device=inv_freq.device).float() / dim)
+        kept = 1 - ramp  # 1: the frequency as it was (extrapolated), 0: slowed by the factor (interpolated)
+        return 1.0 / (self.factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
-                  scaling: Llama3Scaling | LinearScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scaling: Llama3Scaling | LinearScaling | YarnScaling | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of rotary embeddings at `positions`, in fp32, rotate-half layout: frequency i at columns i and
     i + head_dim / 2. Positions (T,) give tables (T, head_dim), shared by the batch; positions (B, T) of packed
     records give (B, 1, T, head_dim), one table per row, shared by its heads. `scaling` rescales the
-    frequencies (Llama 3.1's)."""
+    frequencies (Llama 3.1's, YaRN's), and YaRN's also the tables (its magnitude)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
                                 / head_dim))
     if scaling is not None:
@@ -297,6 +339,9 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
     angles = torch.cat((freqs, freqs), dim=-1)
     if positions.dim() == 2:
         angles = angles.unsqueeze(1)
+    magnitude = getattr(scaling, "magnitude", 1.0)
+    if magnitude != 1.0:
+        return angles.cos() * magnitude, angles.sin() * magnitude
     return angles.cos(), angles.sin()
 
 
@@ -341,14 +386,17 @@ class KVCache:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
            documents: torch.Tensor | BlockMask | None = None, window: int = 0, scale: float | None = None,
-           softcap: float = 0.0) -> torch.Tensor:
+           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k and v (B, KV, T, D), KV dividing H (each KV head serves H / KV
     query heads); with a cache, k and v are appended to it first and q continues its positions. `documents`
     (from document_attention or window_attention, built once per forward) restricts each token to the earlier
     tokens of its own record and of its window. `window` applies to a cache's positions: each query sees at most
     this many keys, its own included (0: all); without a cache the window is the `documents` mask's, built once.
     `scale`: the scores' factor (None: 1 / sqrt(D)); `softcap`: the scores soft-capped (Gemma 2's), which SDPA
-    cannot do: FlexAttention's score_mod with a block mask, else the explicit scores (softcapped_attention)."""
+    cannot do: FlexAttention's score_mod with a block mask, else the explicit scores (softcapped_attention).
+    `sinks` (heads,): gpt-oss's attention sinks, one logit per query head in each softmax's denominator, which SDPA
+    cannot take either: FlexAttention's output renormalized by its log-sum-exp (with_sinks), else the explicit
+    scores with a sink column."""
     past = 0
     if cache is not None:
         if documents is not None:
@@ -359,13 +407,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     if isinstance(documents, BlockMask):
         # Inside a compiled model (--compile) the model's graph compiles flex_attention with it.
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-        return flex(q, k, v, block_mask=documents, enable_gqa=grouped, scale=scale,
-                    score_mod=tanh_score_mod(softcap) if softcap else None)
+        score_mod = tanh_score_mod(softcap) if softcap else None
+        if sinks is None:
+            return flex(q, k, v, block_mask=documents, enable_gqa=grouped, scale=scale, score_mod=score_mod)
+        out, aux = flex(q, k, v, block_mask=documents, enable_gqa=grouped, scale=scale, score_mod=score_mod,
+                        return_aux=AuxRequest(lse=True))
+        return with_sinks(out, aux.lse, sinks)
     mask = documents if documents is not None else \
         _causal_mask(past, q.shape[2], q.device, window if cache is not None else 0)
-    if softcap:
+    if softcap or sinks is not None:
         if mask is None:  # every earlier key: the scores are explicit here, so is the causal mask
             mask = torch.ones(q.shape[2], past + q.shape[2], dtype=torch.bool, device=q.device).tril(past)
+        if sinks is not None:
+            return softcapped_attention(q, k, v, mask, scale, softcap, sinks=sinks)
         return softcapped_attention(q, k, v, mask, scale, softcap)
     if grouped and repeats_kv_heads(q.device.type, q.dtype, masked=mask is not None):
         k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
@@ -382,16 +436,30 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-                         cap: float) -> torch.Tensor:
+                         cap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(soft_cap(q k^T scale, cap) + mask) v with the scores explicit, as transformers' eager attention: the
-    kernel of soft-capped scores where FlexAttention does not run (CPU, narrow heads, the KV cache). `mask`: additive
-    (document_mask) or boolean (True: attend). Costs the scores: autograd keeps the capped scores and the fp32
-    probabilities (B, H, T, T) and k and v copied to the query heads (activation_memory.softcapped_attention)."""
+    kernel of soft-capped scores (and of attention sinks) where FlexAttention does not run (CPU, narrow heads, the KV
+    cache). `mask`: additive (document_mask) or boolean (True: attend). `sinks` (heads,): one more logit per head
+    in every row's softmax, whose probability is dropped (gpt-oss's: each row's weights sum to less than 1). Costs
+    the scores: autograd keeps the capped scores and the fp32 probabilities (B, H, T, T; with sinks a column more)
+    and k and v copied to the query heads (activation_memory.softcapped_attention)."""
     n = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n), repeat_kv(v, n)
     scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * (scale or q.shape[-1] ** -0.5), cap)
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(q.dtype), v)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention `out` (B, H, T, D) renormalized as if each row's softmax had one more logit, its head's sink:
+    sum_j e^s_j v_j / (sum_j e^s_j + e^sink) is out times sigmoid(lse - sink), from the row's log-sum-exp `lse`
+    (B, H, T, fp32, which FlexAttention returns and differentiates)."""
+    factor = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+    return out * factor.unsqueeze(-1).to(out.dtype)
 
 
 @functools.cache

@@ -16,6 +16,13 @@ Its members are options of this one decoder, as the config's `arch` implies them
              and the final logits soft-capped (vocab.LMHead, inside the chunked loss too)
     gemma3   Gemma 2's block without the soft-caps, with (1 + w) q/k norms as Qwen3's, and its sliding layers'
              own rotary base (rope_local_theta, unscaled; the global layers take rope_theta and the rope scaling)
+    qwen3_moe, qwen2_moe, mixtral, olmoe
+             mixtures of experts (model/moe.py: a router and --n-experts experts in place of the MLP, on every
+             --moe-every-th layer but --mlp-only-layers) with Qwen3's, Qwen2's, Mistral's attention; OLMoE's
+             q/k norms normalise the whole q and k projections (a gain per unit, all heads at once)
+
+Every member takes YaRN's rope scaling (--rope-scaling yarn: gpt-oss's, long-context Qwen's). gpt-oss's attention
+has biases on q, k, v and o, and a learned sink logit per head in each softmax's denominator (layers.attend).
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored
@@ -37,8 +44,9 @@ from zerotrain.config import ModelConfig
 from . import layers
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
 from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
-                     apply_rotary, attend, blocks, copy_to_tp, document_attention, kv_head_blocks,
+                     YarnScaling, apply_rotary, attend, blocks, copy_to_tp, document_attention, kv_head_blocks,
                      new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
+from .moe import MoE
 from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
@@ -58,21 +66,31 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(C, cfg.n_head * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=cfg.o_bias)
+        if cfg.attn_sinks:  # one logit per query head (under TP: this rank's heads')
+            self.sinks = nn.Parameter(torch.zeros(cfg.n_head))
+        self.whole_qk_norm = cfg.qk_norm_whole
         if cfg.qk_norm:
             self.q_norm = member_norm(cfg, D)
             self.k_norm = member_norm(cfg, D)
+        elif cfg.qk_norm_whole:  # OLMoE's: one gain per unit of the whole projection
+            self.q_norm = member_norm(cfg, cfg.n_head * D)
+            self.k_norm = member_norm(cfg, cfg.kv_heads * D)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.tp_comm)
+        q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
-        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if hasattr(self, "q_norm"):
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if hasattr(self, "q_norm") and not self.whole_qk_norm:
             q, k = normalize_heads(self.q_norm, q, self.tp_comm), normalize_heads(self.k_norm, k, self.tp_comm)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        y = attend(q, k, v, cache, layer, documents, self.window, self.scale, self.softcap)
+        sinks = getattr(self, "sinks", None)
+        y = attend(q, k, v, cache, layer, documents, self.window, self.scale, self.softcap, sinks)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -112,7 +130,7 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = member_norm(cfg, cfg.n_embd)
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = member_norm(cfg, cfg.n_embd)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = MoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
         if cfg.gemma:
             self.pre_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
             self.post_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
@@ -191,32 +209,36 @@ def layer_mask(cfg: ModelConfig, idx: torch.Tensor, dtype: torch.dtype, cache: K
                segments: torch.Tensor | None, window: int):
     """What attend takes for the layers of `window` (0: global), built once per forward and shared by them: the
     records' mask (with the window), the window's, or None for SDPA's own causal mask. With a cache, None: attend
-    applies the window to the cached positions itself. Soft-capped scores (Gemma 2) are computed explicitly or by
-    FlexAttention, neither of which has a causal mask of its own: theirs is built here too."""
+    applies the window to the cached positions itself. Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) are
+    computed explicitly or by FlexAttention, neither of which has a causal mask of its own: theirs is built here
+    too."""
     if segments is not None:
         return document_attention(segments, dtype, cfg.head_dim, window)
     if cache is not None:
         return None
     T = idx.shape[1]
     mask = window_attention(T, window, dtype, idx.device, cfg.head_dim)
-    if mask is None and cfg.attn_softcap:  # causal: a window of the whole row, or one record spanning it
+    if mask is None and (cfg.attn_softcap or cfg.attn_sinks):  # causal: a window of the whole row, or one record
         if layers.document_kernel(idx.device.type, cfg.head_dim) == "flex":
             return layers.window_block_mask(T, T, idx.device)
         return layers.document_mask(torch.zeros(1, T, dtype=torch.long, device=idx.device), dtype)
     return mask
 
 
-def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | LinearScaling | None:
+def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | LinearScaling | YarnScaling | None:
     """The rotary frequencies' scaling the config names (--rope-scaling), or None."""
     if cfg.rope_scaling == "none":
         return None
     if cfg.rope_scaling == "linear":
         return LinearScaling(cfg.rope_factor)
+    if cfg.rope_scaling == "yarn":
+        return YarnScaling(cfg.rope_factor, cfg.rope_original_context, cfg.rope_theta, cfg.rope_beta_fast,
+                           cfg.rope_beta_slow, cfg.rope_truncate, cfg.rope_attention_factor)
     return Llama3Scaling(cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                          cfg.rope_original_context)
 
 
-def rope_local(cfg: ModelConfig) -> tuple[float, Llama3Scaling | LinearScaling | None]:
+def rope_local(cfg: ModelConfig) -> tuple[float, Llama3Scaling | LinearScaling | YarnScaling | None]:
     """The sliding layers' rotary base and scaling: Gemma 3's local base (--rope-theta without one), unscaled; every
     other member's sliding layers rotate as its global ones."""
     if cfg.arch == "gemma3":
@@ -258,10 +280,14 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
         slices[h + "self_attn.k_proj.weight"] = TPSlice(0, (kv, C), kv_rows)
         slices[h + "self_attn.v_proj.weight"] = TPSlice(0, (kv, C), kv_rows)
         slices[h + "self_attn.o_proj.weight"] = TPSlice(1, (C, q), blocks(q // tp, tp))
-        if cfg.qkv_bias:  # Qwen2's q, k and v biases: split as their weights' rows
+        if cfg.qkv_bias:  # Qwen2's (gpt-oss's) q, k and v biases: split as their weights' rows
             slices[h + "self_attn.q_proj.bias"] = TPSlice(0, (q,), blocks(q // tp, tp))
             for name in ("k_proj", "v_proj"):
                 slices[f"{h}self_attn.{name}.bias"] = TPSlice(0, (kv,), kv_rows)
+        if cfg.attn_sinks:  # gpt-oss's: one per q head, split as the heads (o_proj's bias is replicated)
+            slices[h + "self_attn.sinks"] = TPSlice(0, (cfg.n_head,), blocks(cfg.n_head // tp, tp))
+        if cfg.has_experts(i):  # a mixture of experts trains without TP (config._check_experts)
+            continue
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))
@@ -288,6 +314,8 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
                                                      slices.get(f"{h}self_attn.{name}.bias"), tp_rank, None, replicas))
         attn.tp_comm = comm
         attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
+        if hasattr(attn, "sinks"):
+            attn.sinks = nn.Parameter(slices[h + "self_attn.sinks"].take(attn.sinks.detach(), tp_rank))
         for name in ("gate_proj", "up_proj"):
             setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
                                                     tp_rank, None))
