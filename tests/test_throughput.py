@@ -74,6 +74,41 @@ def test_model_flops_per_token_equals_torchs_count_and_a_planted_mistake_is_caug
     assert throughput.model_flops_per_token(m) * tokens != counted_flops(m)
 
 
+# Mixtures of experts: qwen3-moe-tiny (4 experts of width 32, top-2), and a Qwen2-MoE with a shared expert and a
+# dense first layer (--mlp-only-layers 0: an MLP of intermediate_size)
+MOE_SHAPES = {"qwen3-moe-tiny": PRESETS["qwen3-moe-tiny"],
+              "qwen2_moe": {**PRESETS["qwen3-moe-tiny"], "arch": "qwen2_moe", "n_layer": 3, "n_experts": 8,
+                            "shared_expert_width": 48, "mlp_only_layers": "0", "norm_topk_prob": False}}
+
+
+def hand_count(name: str) -> int:
+    """The FLOPs per token of MOE_SHAPES[name] at seq_len 24, counted by hand: 6 N + 12 L T a."""
+    d, q, kv, T, V = 32, 4 * 8, 2 * 8, 24, 64
+    attention = d * (q + 2 * kv) + q * d  # 3,072 per layer
+    router, top2 = d * 4, 2 * 3 * d * 32  # qwen3-moe-tiny: 128 + 6,144: 2 of its 4 experts
+    if name == "qwen3-moe-tiny":
+        n = 2 * (attention + router + top2) + V * d  # 20,736
+        return 6 * n + 12 * 2 * T * q
+    dense = 3 * d * 64  # layer 0: intermediate_size 64
+    moe = d * 8 + top2 + 3 * d * 48 + d  # router of 8, 2 experts, the shared expert and its gate
+    n = 3 * attention + dense + 2 * moe + V * d
+    return 6 * n + 12 * 3 * T * q
+
+
+@pytest.mark.parametrize("preset", list(MOE_SHAPES))
+def test_a_mixture_of_experts_counts_its_active_experts_and_counting_every_expert_is_caught(preset, monkeypatch):
+    m = ModelConfig(**{**MOE_SHAPES[preset], "seq_len": 24})
+    tokens = 2 * m.seq_len
+    assert throughput.model_flops_per_token(m) == hand_count(preset)
+    assert throughput.model_flops_per_token(m) * tokens == counted_flops(m)  # torch's count of the expert loop
+    # planted in the product's count: every expert's weights, as if each token went through all of them (an MFU
+    # inflated n_experts / top-k times over the MLP)
+    honest = throughput.mlp_active_params
+    monkeypatch.setattr(throughput, "mlp_active_params", lambda c, layer: honest(
+        dataclasses.replace(c, experts_per_token=c.n_experts), layer))
+    assert throughput.model_flops_per_token(m) > hand_count(preset)
+
+
 # Targets that leave the first block's q, k or v (or its whole attention) without a gradient: what autograd skips there
 LORA_TARGETS = [("tiny", "all"), ("tiny", "c_fc"), ("llama-tiny", "all"), ("llama-tiny", "k_proj,down_proj"),
                 ("llama-tiny", "up_proj"), ("qwen3", "q_proj,v_proj")]

@@ -6,8 +6,9 @@ The model FLOPs of one token, forward and backward (PaLM, appendix B; Chinchilla
 
 N is the weights of the matmuls a token goes through: per block attention's q, k, v and output projections
 (d x (a + 2 * kv_width + a), a = heads x head_dim: d itself unless the heads have a width of their own, as Qwen3's)
-and the MLP's matrices (2 x d x ffn for GPT-2, 3 for the Llama family's SwiGLU), plus the head (V x d; a tied head
-too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the weight's gradients).
+and the MLP's matrices (2 x d x ffn for GPT-2, 3 for the Llama family's SwiGLU; a mixture of experts' active ones:
+the router, the top-k experts a token is routed to and a shared expert, not every expert), plus the head (V x d; a
+tied head too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the weight's gradients).
 12 L T a is attention's scores Q K^T and their product with V: 2 matmuls of 2 T a FLOPs per token and layer
 forward, twice that backward, over the whole T x T (the causal half SDPA may skip is counted, as is conventional).
 A sliding window shorter than T (Mistral's) is counted as the causal half is: over the whole T x T, which SDPA
@@ -91,11 +92,23 @@ SPREAD_LIMIT = 1.5  # the fastest timing over the slowest: a quiet machine's rep
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """The weights of the matmuls one token goes through: every block's projections and MLP, and the head."""
+    """The weights of the matmuls one token goes through: every block's projections and MLP (a mixture of experts'
+    active ones: mlp_active_params), and the head."""
     d, q_width, kv_width = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim
-    mlp_matrices = 3 if m.llama_family else 2  # SwiGLU's gate, up and down; GPT-2's up and down
-    per_block = d * (q_width + 2 * kv_width) + q_width * d + mlp_matrices * d * m.ffn_width
-    return m.n_layer * per_block + m.vocab_size * d
+    attention = d * (q_width + 2 * kv_width) + q_width * d
+    return sum(attention + mlp_active_params(m, layer) for layer in range(m.n_layer)) + m.vocab_size * d
+
+
+def mlp_active_params(m: ModelConfig, layer: int) -> int:
+    """The MLP weights one token of `layer` goes through. A dense MLP: 3 matrices d x ffn (SwiGLU's gate, up and
+    down), 2 for GPT-2. A mixture of experts (model/moe.py): the router (d x E), its top-k experts' 3 matrices
+    d x expert width each, and Qwen2-MoE's shared expert (3 matrices d x its width) and its gate (d x 1); the
+    experts a token is not routed to do no work for it (dropless routing runs each expert on its own tokens only)."""
+    d = m.n_embd
+    if not m.has_experts(layer):
+        return (3 if m.llama_family else 2) * d * m.ffn_width
+    shared = 3 * d * m.shared_expert_width + d if m.shared_expert_width else 0
+    return d * m.n_experts + m.experts_per_token * 3 * d * m.expert_ffn + shared
 
 
 def model_flops_per_token(m: ModelConfig, lora: LoraConfig | None = None) -> int:
