@@ -45,3 +45,26 @@ def test_bench_model_lora_reports_zerotrain_lora_full_fine_tuning_and_peft_side_
     assert mem["zerotrain full"]["optimizer_state"] == 8 * report["params"]
     table = (out / "bench-model-lora.md").read_text()
     assert table.startswith("# bench model --lora: smollm-135m shape, 1 of its 30 blocks")
+
+
+def test_bench_model_moe_reports_zerotrains_expert_paths_and_transformers_side_by_side(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "out"
+    args = parser.parse_args(["bench", "model", "--arch", "qwen3_moe", "--quick", "--repeats", "1", "--out", str(out)])
+    assert args.func(args) == 0
+    report = json.loads((out / "bench-model-moe.json").read_text())
+    assert report["schema"] == "zerotrain.bench.model.moe" and report["model"]["n_experts"] == 8
+    # the same weights in every run, zerotrain's grouped path too: the timing compares like with like
+    assert max(report["logits_max_abs_diff"].values()) < 1e-4
+    runs = {"zerotrain loop", "transformers eager", "transformers grouped_mm"} | (
+        {"zerotrain grouped"} if report["grouped_mm"] else set())
+    assert set(report["train_step_s"]) == runs and all(v > 0 for v in report["train_step_s"].values())
+    tokens = report["batch"] * report["seq_len"]
+    assert all(report["tokens_per_s"][k] == tokens / v for k, v in report["train_step_s"].items())
+    mem = report["memory_bytes"]
+    # the same parameters, stored per expert (zerotrain) or stacked (transformers): the same bytes, AdamW's 8 each
+    assert {m["parameters"] for m in mem.values()} == {4 * report["params"]}
+    assert {m["optimizer_state"] for m in mem.values()} == {8 * report["params"]}
+    table = (out / "bench-model-moe.md").read_text()
+    assert table.startswith("# bench model: qwen3_moe (quick)") and len(table.strip().splitlines()) == 6 + len(runs)

@@ -17,6 +17,15 @@ smollm-135m shape (--layers fewer of its blocks for a quicker run), against zero
 LoRA on transformers' model, the same weights, batch and adapters, alternated; and each one's memory: the
 parameter, gradient and AdamW state bytes it holds, and what its forward saves for the backward. Writes
 bench-model-lora.json and bench-model-lora.md.
+
+With --arch qwen3_moe: a mixture of experts (MOE_SIZES: 16 experts, top-4; --quick 8, top-2), zerotrain's model
+against transformers' Qwen3MoeForCausalLM, the same weights, on the same tokens, each loss with the balancing term
+(transformers' with output_router_logits): the train step of zerotrain's per-expert loop and its grouped path
+(torch._grouped_mm, where the CPU build has it) beside transformers' "eager" experts (a loop over the experts hit)
+and its default "grouped_mm", alternated; tokens/s; and each one's memory as --lora reports it (parameters,
+gradients, AdamW state, what the forward saves for the backward: their sum bounds the step's peak from above, the
+allocator's scratch aside). The targets: zerotrain's loop no slower than transformers' eager experts, its grouped path no slower than
+transformers' grouped_mm. Writes bench-model-moe.json and bench-model-moe.md.
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ import argparse
 import copy
 import os
 import statistics
+import tempfile
 import time
 
 import torch
 
 from zerotrain.cli.flags import checked
-from zerotrain.config import LLAMA_FAMILY, POSITIVE, WINDOWED, ModelConfig
+from zerotrain.config import LLAMA_FAMILY, MOE, POSITIVE, WINDOWED, ModelConfig
 from zerotrain.errors import ConfigError
 
 from .report import report_header, write_report
@@ -42,13 +52,21 @@ SIZES = {  # the model's shape, the training batch, the generation's prompt and 
     "quick": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=352, vocab_size=1024,
                   batch=2, seq_len=64, prompt=8, new_tokens=32, repeats=3),
 }
+MOE_SIZES = {  # --arch qwen3_moe: the shape (every layer's MLP a mixture of experts), the batch, alternating rounds
+    "full": dict(n_layer=4, n_head=8, n_kv_head=4, n_embd=512, n_experts=16, experts_per_token=4, expert_width=256,
+                 vocab_size=8192, batch=4, seq_len=256, repeats=5),
+    "quick": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_experts=8, experts_per_token=2, expert_width=32,
+                  vocab_size=1024, batch=2, seq_len=32, repeats=3),
+}
+BENCHED_MOE = ("qwen3_moe",)  # the mixture of experts the bench builds (MOE_SIZES's shapes are Qwen3-MoE's)
 
 
 def add_parser(benches) -> None:
     p = benches.add_parser("model", help="zerotrain's model vs transformers' of the same shape: train step and "
                                          "generation", description=__doc__.split("\n\n")[1])
-    p.add_argument("--arch", choices=(*LLAMA_FAMILY, "gpt2"), default="llama",
-                   help="the architecture (mistral and phi3 with a sliding window of half the training sequence)")
+    p.add_argument("--arch", choices=(*(a for a in LLAMA_FAMILY if a not in MOE), "gpt2", *BENCHED_MOE),
+                   default="llama", help="the architecture (mistral and phi3 with a sliding window of half the "
+                                         "training sequence; qwen3_moe: a mixture of experts, the train step only)")
     p.add_argument("--quick", action="store_true", help="a small model: seconds")
     p.add_argument("--repeats", type=checked(int, POSITIVE), help="alternating rounds (default 5, quick 3)")
     p.add_argument("--out", default="", help="folder for bench-model.json and bench-model.md")
@@ -67,6 +85,8 @@ def cmd_model(args: argparse.Namespace) -> int:
         raise ConfigError("bench model compares with transformers: pip install 'zerotrain[hf]'") from None
     if args.lora:
         return cmd_lora(args, transformers)
+    if args.arch in MOE:
+        return cmd_moe(args, transformers)
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.repeats:
         size["repeats"] = args.repeats
@@ -269,3 +289,123 @@ def lora_markdown(report: dict) -> str:
     verdict = "met" if report["met"]["no_slower_than_peft"] else "NOT met"
     return head + "".join(rows) + (f"\nzerotrain LoRA / peft LoRA: {report['ratio_to_peft']:.2f}x (target <= 1.0: "
                                    f"{verdict}); zerotrain LoRA / full fine-tuning: {report['ratio_to_full']:.2f}x\n")
+
+
+def cmd_moe(args: argparse.Namespace, transformers) -> int:
+    """--arch qwen3_moe: the train steps of zerotrain's two expert paths and transformers' two, alternated, and
+    what each holds."""
+    from zerotrain.model.moe import grouped_mm_works
+    from zerotrain.training.throughput import matmul_params
+
+    size = dict(MOE_SIZES["quick" if args.quick else "full"])
+    repeats = args.repeats or size["repeats"]
+    out = args.out or os.path.join("runs", "model-moe-" + time.strftime("%Y%m%d-%H%M%S"))
+    t0 = time.perf_counter()
+    grouped = grouped_mm_works("cpu", torch.float32)
+    runs, cfg = _moe_models(transformers, args.arch, size, grouped)
+    # seq_len + 1 tokens a row: both models run on all of them and predict the last seq_len (transformers shifts
+    # its labels so), the same positions through the same matmuls
+    ids = torch.randint(0, cfg.vocab_size, (size["batch"], size["seq_len"] + 1),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = runs["transformers eager"][0](ids).logits
+        logits_diff = {name: (_logits(model, ids) - reference).abs().max().item() for name, (model, _) in runs.items()}
+    memory = {name: _held_bytes(model, ids, loss) for name, (model, loss) in runs.items()}
+    steps = _alternate(repeats, {name: _train_step(model, ids, loss) for name, (model, loss) in runs.items()})
+    median = {k: statistics.median(v) for k, v in steps.items()}
+    tokens = size["batch"] * size["seq_len"]
+    pairs = {"loop": ("zerotrain loop", "transformers eager"), "grouped": ("zerotrain grouped", "transformers grouped_mm")}
+    ratios = {path: median[ours] / median[theirs] for path, (ours, theirs) in pairs.items() if ours in median}
+    report = {**report_header(SCHEMA + ".moe"), "arch": args.arch, "size": "quick" if args.quick else "full",
+              "model": vars(cfg), "params": sum(p.numel() for p in runs["zerotrain loop"][0].parameters()),
+              "active_params_per_token": matmul_params(cfg), "threads": torch.get_num_threads(),
+              "batch": size["batch"], "seq_len": size["seq_len"], "grouped_mm": grouped,
+              "logits_max_abs_diff": logits_diff, "train_step_s": median,
+              "tokens_per_s": {k: tokens / v for k, v in median.items()}, "memory_bytes": memory,
+              "samples": {"train_step_s": steps}, "ratios": ratios,
+              "met": {path: ratio <= 1.0 for path, ratio in ratios.items()}}
+    report["wall_s"] = time.perf_counter() - t0
+    write_report(out, "bench-model-moe", report, moe_markdown(report))
+    return 0
+
+
+def _moe_models(transformers, arch: str, size: dict, grouped: bool) -> tuple[dict, ModelConfig]:
+    """{run: (model, its loss)}: transformers' Qwen3MoeForCausalLM with eager experts and with grouped_mm (each at the
+    same random initialisation), zerotrain's holding the same weights with the per-expert loop and (`grouped`) the
+    grouped path; fp32, SDPA; every loss the token loss plus the balancing term at the config's coefficient."""
+    from zerotrain.hub.init_from import load_local, weight_source
+    from zerotrain.hub.mapping import hf_config
+    from zerotrain.model import build_model
+    from zerotrain.model.moe import moe_layers
+
+    shape = {k: size[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "n_experts", "experts_per_token",
+                                  "expert_width", "vocab_size")}
+    cfg = ModelConfig(arch=arch, seq_len=size["seq_len"] + 1, norm_eps=1e-6, tie_embeddings=False,
+                      norm_topk_prob=True, intermediate_size=size["expert_width"] * size["experts_per_token"], **shape)
+    config = hf_config(cfg, None)
+    config.update(output_router_logits=True, router_aux_loss_coef=cfg.router_aux_coef)
+    hf = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    runs = {}
+    torch.manual_seed(0)
+    for implementation in ("eager", "grouped_mm"):
+        runs[f"transformers {implementation}"] = (transformers.AutoModelForCausalLM.from_config(
+            hf, attn_implementation="sdpa", experts_implementation=implementation).train(), _their_moe_loss)
+    eager = runs["transformers eager"][0]
+    runs["transformers grouped_mm"][0].load_state_dict(eager.state_dict())
+    # transformers holds each layer's experts stacked (gate_up_proj (E, 2 I, d)); its folder stores them per expert,
+    # as --init-from reads them
+    with tempfile.TemporaryDirectory() as folder:
+        eager.save_pretrained(folder)
+        loop = build_model(cfg, 0)
+        load_local(loop, weight_source(folder), {}, 0)
+    coef = cfg.router_aux_coef
+    variants = {"loop": loop}
+    if grouped:
+        variants["grouped"] = copy.deepcopy(loop)
+    for path, model in variants.items():
+        for layer in moe_layers(model):
+            layer.path = path
+        runs[f"zerotrain {path}"] = (model.train(), lambda m, x: _our_moe_loss(m, x, coef))
+    order = ["zerotrain loop", "transformers eager", "zerotrain grouped", "transformers grouped_mm"]
+    return {name: runs[name] for name in order if name in runs}, cfg
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _our_moe_loss(model, ids: torch.Tensor, coef: float) -> torch.Tensor:
+    """The mean token loss of the row's last seq_len positions, plus coef x the balancing loss (its rows' mean)."""
+    from zerotrain.model import summed_token_loss
+    from zerotrain.model.moe import balancing_loss
+
+    # the targets shifted and the last position ignored (-100), as transformers' loss does: no copy of the logits
+    y = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    token_loss = summed_token_loss(model(ids), y) / (ids.numel() - len(ids))
+    per_row, _ = balancing_loss(model)
+    return token_loss + coef * per_row.mean()
+
+
+def _their_moe_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss  # the token loss plus router_aux_loss_coef x aux_loss
+
+
+def moe_markdown(report: dict) -> str:
+    t, tok, mem, m = report["train_step_s"], report["tokens_per_s"], report["memory_bytes"], report["machine"]
+    c = report["model"]
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    head = (f"# bench model: {report['arch']} ({report['size']}), {report['params']:,} parameters "
+            f"({report['active_params_per_token']:,} matmul weights active per token), {c['n_experts']} experts, "
+            f"top-{c['experts_per_token']}, batch {report['batch']} x {report['seq_len']}, fp32, "
+            f"{report['threads']} threads, {m['cpu_count']} cores, torch {m['torch']}; logits agree with "
+            f"transformers' to {max(report['logits_max_abs_diff'].values()):.1e}\n\n"
+            "| run | train step | tokens/s | parameters | gradients | AdamW state | activations saved | sum |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    rows = [f"| {name} | {t[name] * 1e3:.1f} ms | {tok[name]:,.0f} | {mib(mem[name]['parameters'])} | "
+            f"{mib(mem[name]['gradients'])} | {mib(mem[name]['optimizer_state'])} | "
+            f"{mib(mem[name]['activations'])} | {mib(sum(mem[name].values()))} |\n" for name in t]
+    verdicts = [f"zerotrain {path} / transformers {'eager' if path == 'loop' else 'grouped_mm'}: {ratio:.2f}x "
+                f"({'met' if report['met'][path] else 'NOT met'})" for path, ratio in report["ratios"].items()]
+    missing = "" if report["grouped_mm"] else "; torch._grouped_mm does not run here: no grouped path"
+    return head + "".join(rows) + "\n" + "; ".join(verdicts) + f" (target <= 1.0){missing}\n"
