@@ -24,8 +24,8 @@ against transformers' Qwen3MoeForCausalLM, the same weights, on the same tokens,
 (torch._grouped_mm, where the CPU build has it) beside transformers' "eager" experts (a loop over the experts hit)
 and its default "grouped_mm", alternated; tokens/s; and each one's memory as --lora reports it (parameters,
 gradients, AdamW state, what the forward saves for the backward: their sum bounds the step's peak from above, the
-allocator's scratch aside). The targets: zerotrain's loop no slower than transformers' eager experts, its grouped path no slower than
-transformers' grouped_mm. Writes bench-model-moe.json and bench-model-moe.md.
+allocator's scratch aside). The targets: zerotrain's loop no slower than transformers' eager experts, its grouped
+path no slower than transformers' grouped_mm. Writes bench-model-moe.json and bench-model-moe.md.
 """
 
 from __future__ import annotations
@@ -314,7 +314,8 @@ def cmd_moe(args: argparse.Namespace, transformers) -> int:
     steps = _alternate(repeats, {name: _train_step(model, ids, loss) for name, (model, loss) in runs.items()})
     median = {k: statistics.median(v) for k, v in steps.items()}
     tokens = size["batch"] * size["seq_len"]
-    pairs = {"loop": ("zerotrain loop", "transformers eager"), "grouped": ("zerotrain grouped", "transformers grouped_mm")}
+    pairs = {"loop": ("zerotrain loop", "transformers eager"),
+             "grouped": ("zerotrain grouped", "transformers grouped_mm")}
     ratios = {path: median[ours] / median[theirs] for path, (ours, theirs) in pairs.items() if ours in median}
     report = {**report_header(SCHEMA + ".moe"), "arch": args.arch, "size": "quick" if args.quick else "full",
               "model": vars(cfg), "params": sum(p.numel() for p in runs["zerotrain loop"][0].parameters()),

@@ -8,7 +8,8 @@ N is the weights of the matmuls a token goes through: per block attention's q, k
 (d x (a + 2 * kv_width + a), a = heads x head_dim: d itself unless the heads have a width of their own, as Qwen3's)
 and the MLP's matrices (2 x d x ffn for GPT-2, 3 for the Llama family's SwiGLU; a mixture of experts' active ones:
 the router, the top-k experts a token is routed to and a shared expert, not every expert), plus the head (V x d; a
-tied head too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the weight's gradients).
+tied head too: it is a matmul). A multiply-add is 2 FLOPs: 2N forward, 4N backward (the input's and the weight's
+gradients).
 12 L T a is attention's scores Q K^T and their product with V: 2 matmuls of 2 T a FLOPs per token and layer
 forward, twice that backward, over the whole T x T (the causal half SDPA may skip is counted, as is conventional).
 A sliding window shorter than T (Mistral's) is counted as the causal half is: over the whole T x T, which SDPA
