@@ -807,9 +807,10 @@ def _check_experts(cfg: Config) -> None:
                         (m.shared_expert_width, "--shared-expert-width")):
         if width % tp:
             raise ConfigError(f"--tp {tp} does not divide {flag} {width}: each TP rank keeps a slice of every expert")
-    if tp > 1 and cfg.lora.rank and "down_proj" in cfg.lora.modules(m.arch):
-        raise ConfigError(f"--tp {tp}: LoRA on the experts' down_proj trains without tensor parallelism yet: give "
-                          "--lora-targets without down_proj, or --tp 1")
+    projections = {"gate_proj", "up_proj", "down_proj"} & set(cfg.lora.modules(m.arch))
+    if tp > 1 and cfg.lora.rank and projections:
+        raise ConfigError(f"--tp {tp}: LoRA on the experts' projections ({', '.join(sorted(projections))}) trains "
+                          "without tensor parallelism yet: give --lora-targets q_proj,k_proj,v_proj,o_proj, or --tp 1")
 
 
 def validate(cfg: Config) -> Config:
