@@ -1,12 +1,14 @@
 """Mixtures of experts under tensor parallelism: TP 2 trains what 1 rank trains, and exports what transformers reads.
 
 Tiny Qwen3-MoE, Qwen2-MoE (its shared expert) and gpt-oss (biased experts: the down biases added once) from the
-qwen3-moe-tiny preset, 3 steps on synthetic data: each at TP 2 against 1 rank on the same global batch: the losses (balancing term included) within 1e-6 relative, the final
+qwen3-moe-tiny preset, 3 steps on synthetic data: each at TP 2 (Qwen3-MoE also at TP 2 x DP 2, ZeRO-1 and ZeRO-3)
+against 1 rank on the same global batch: the losses (balancing term included) within 1e-6 relative, the final
 weights (reassembled from the TP slices of the checkpoint) within 1e-5. AdamW's eps is 1e-3: at 1e-8 its first steps
 divide each gradient value by its own magnitude, so float noise in a near-zero value (an expert's row few tokens
-reached) becomes a step of up to lr (measured: 5.6e-5 on one expert's down_proj at lr 1e-2, 1e-7 elsewhere). Planted in the product's MoE layer: its
-partial outputs never summed over the TP group (the all-reduce left out) trips the losses. The TP 2 run's export
-loads in transformers with the run's logits.
+reached) becomes a step of up to lr (measured: 5.6e-5 on one expert's down_proj at lr 1e-2, 1e-7 elsewhere).
+Planted in the product's MoE code: its partial outputs never summed over the TP group (the all-reduce left out) is
+stopped by the replica invariant; each rank's down_proj slices taken as the other rank's half trip the losses. The
+TP 2 runs' exports load in transformers with the runs' logits.
 """
 
 from __future__ import annotations
@@ -65,8 +67,7 @@ def tp_runs(nproc: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{run name: (losses, run folder)}: 1 rank and TP 2 per family (tp_runs(4): TP 2 x DP 2, ZeRO-1 and ZeRO-3,
-    kept out of CI for its cost on 2 cores)."""
+    """{run name: (losses, run folder)}: 1 rank and TP 2 per family."""
     from conftest import world_of_one
 
     tmp = tmp_path_factory.mktemp("moe_tp")
@@ -124,3 +125,14 @@ def test_a_tp2_moe_export_loads_in_transformers_with_the_runs_logits(runs, tmp_p
         with torch.no_grad():
             ours, theirs = zerotrain.load_model(str(run))(ids), loaded(ids).logits
         assert (ours - theirs).abs().max() < 1e-5, family
+
+
+def test_tp2_by_dp2_at_zero_1_and_3_equals_one_rank(runs, tmp_path):
+    codes, results = spawn(train_job, 4, tmp_path, tp_runs(4), timeout=300)
+    assert codes == [0] * 4, results
+    theirs, one = runs["qwen3_moe-1"]
+    full = final_weights(one)
+    for name, ours in results[0].items():
+        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours, theirs)), (name, ours, theirs)
+        split_w = final_weights(tmp_path / name)
+        assert max((full[n] - split_w[n]).abs().max().item() for n in full) < 1e-5, name
