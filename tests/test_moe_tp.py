@@ -136,3 +136,36 @@ def test_tp2_by_dp2_at_zero_1_and_3_equals_one_rank(runs, tmp_path):
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours, theirs)), (name, ours, theirs)
         split_w = final_weights(tmp_path / name)
         assert max((full[n] - split_w[n]).abs().max().item() for n in full) < 1e-5, name
+
+
+class _OneRankOfTwo:
+    """A TP group's collectives as one rank sees their shapes: the sums are left as they are (bytes, not values)."""
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        return tensor
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts_are_caught(family, monkeypatch):
+    """One TP rank's saved bytes for a micro-batch, to the byte: its 1/T of every expert's (and the shared expert's)
+    hidden width. Planted: the plan counting each expert's full width on every rank (TP 1's experts) is caught."""
+    import dataclasses
+
+    from test_activation_bytes import measured_bytes, predicted_bytes
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import activation_memory, build_model, llama
+
+    cfg = ModelConfig(**PRESETS["qwen3-moe-tiny"])
+    if family == "qwen2_moe":
+        cfg = dataclasses.replace(cfg, arch="qwen2_moe", norm_topk_prob=False, shared_expert_width=24,
+                                  mlp_only_layers="1")
+    for precision in ("fp32", "bf16"):
+        model = build_model(cfg, seed=0)
+        llama.parallelize(model, 2, 0, _OneRankOfTwo())
+        measured = measured_bytes(model, 2, 16, precision, "none")
+        assert predicted_bytes(cfg, 2, 16, precision=precision, tp=2) == measured, precision
+        real = activation_memory.experts
+        with monkeypatch.context() as m:  # planted: every rank counted as holding whole experts
+            m.setattr(activation_memory, "experts", lambda s, cfg, tp=1: real(s, cfg))
+            assert predicted_bytes(cfg, 2, 16, precision=precision, tp=2) != measured

@@ -276,7 +276,8 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     each expert's SwiGLU on its rows (4 N k W in all), the gather back (indices, N k C outputs). A shared expert
     (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C). Under TP each rank
     holds 1/tp of every expert's (and the shared expert's) hidden width; the router is replicated; gpt-oss's down
-    biases, added after the all-reduce, keep each token's weights over the E experts (N E)."""
+    biases, added after the all-reduce, keep each token's weights over the E experts (N E) and the biases stacked
+    (E C)."""
     N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn // tp
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
@@ -287,8 +288,8 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     shared = 0
     if cfg.shared_expert_width:
         shared = 4 * N * (cfg.shared_expert_width // tp) * s.act + N * s.act + N * s.C * s.act
-    if tp > 1 and cfg.gpt_oss_experts:
-        dispatch += N * cfg.n_experts * s.act
+    if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
+        dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
     return router + dispatch + shared
 
 
