@@ -29,12 +29,12 @@ FAMILIES = {  # flags beside the preset's
 }
 
 
-def config(out, *flags):
+def config(out, *flags, preset=("--preset", "qwen3-moe-tiny")):
     from zerotrain.cli.flags import config_from_args
     from zerotrain.cli.main import build_parser
     from zerotrain.runtime.run_folder import resolve_paths
 
-    args = build_parser().parse_args(["train", "--preset", "qwen3-moe-tiny", "--data", "synthetic", "--no-progress",
+    args = build_parser().parse_args(["train", *preset, "--data", "synthetic", "--no-progress",
                                       "--steps", str(STEPS), "--ckpt-every", str(STEPS), "--lr", "1e-2",
                                       "--eps", "1e-3", "--seed", "3", "--out", str(out), *flags])
     return resolve_paths(config_from_args(args))
@@ -169,3 +169,41 @@ def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts
         with monkeypatch.context() as m:  # planted: every rank counted as holding whole experts
             m.setattr(activation_memory, "experts", lambda s, cfg, tp=1: real(s, cfg))
             assert predicted_bytes(cfg, 2, 16, precision=precision, tp=2) != measured
+
+
+def init_from_job(rank, comm, tmp_path, folder):
+    """The folder's model as --init-from reads it at TP 2 (each rank its slices): its logits on IDS."""
+    from zerotrain.training.loop import build_engine
+
+    cfg = config(tmp_path / "init", "--init-from", str(folder), "--nproc", "2", "--tp", "2", "--micro-batch", "4",
+                 "--seq-len", "16", preset=())
+    engine = build_engine(cfg, comm)
+    with torch.no_grad():
+        return engine.model(IDS).tolist()
+
+
+IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def test_init_from_a_qwen2_moe_folder_at_tp2_and_a_tp2_resume_on_one_rank_continue_the_same_run(runs, tmp_path):
+    from conftest import world_of_one
+    from model_folders import moe_folder
+
+    from zerotrain.training.loop import train
+
+    hf = moe_folder(tmp_path / "qwen2_moe", "qwen2_moe")
+    codes, results = spawn(init_from_job, 2, tmp_path, tmp_path / "qwen2_moe", timeout=120)
+    assert codes == [0, 0], results
+    with torch.no_grad():
+        theirs = hf(IDS).logits
+    assert "error" not in results[0] and "error" not in results[1], results
+    assert all((torch.tensor(r) - theirs).abs().max() < 1e-5 for r in results)
+    # a TP 2 checkpoint resumed on 1 rank (its slices and optimizer state put together) takes 1 rank's 4th step
+    fourth = {}
+    with world_of_one() as comm:
+        for name in ("qwen3_moe-1", "qwen3_moe-tp2"):
+            cfg = config(tmp_path / f"from-{name}", "--micro-batch", "4", "--steps", str(STEPS + 1), "--resume",
+                         str(runs[name][1] / "checkpoints" / f"step_{STEPS:08d}"))
+            fourth[name] = [r["loss"] for r in train(cfg, comm, announce=False).records]
+    assert len(fourth["qwen3_moe-1"]) == 1
+    assert abs(fourth["qwen3_moe-tp2"][0] - fourth["qwen3_moe-1"][0]) <= 1e-6 * fourth["qwen3_moe-1"][0], fourth
