@@ -8,7 +8,9 @@ divide each gradient value by its own magnitude, so float noise in a near-zero v
 reached) becomes a step of up to lr (measured: 5.6e-5 on one expert's down_proj at lr 1e-2, 1e-7 elsewhere).
 Planted in the product's MoE code: its partial outputs never summed over the TP group (the all-reduce left out) is
 stopped by the replica invariant; each rank's down_proj slices taken as the other rank's half trip the losses. The
-TP 2 runs' exports load in transformers with the runs' logits.
+TP 2 runs' exports load in transformers with the runs' logits; --init-from a Qwen2-MoE folder at TP 2 computes
+transformers' logits, and a TP 2 checkpoint resumed on 1 rank takes 1 rank's next step. One TP 2 rank saves the
+activation bytes the memory plan counts, to the byte.
 """
 
 from __future__ import annotations
