@@ -111,7 +111,8 @@ def test_an_unsummed_moe_output_and_swapped_expert_slices_under_tp_are_caught(ru
     codes, results = spawn(train_job, 2, tmp_path / "swapped", {"planted": flags}, "swapped", timeout=120)
     assert codes == [0, 0], results
     planted, honest = results[0]["planted"], runs["qwen3_moe-1"][0]
-    assert max(abs(a - b) / b for a, b in zip(planted, honest)) > 10 * 1e-6, (planted, honest)  # 10x the bound (measured 75x)
+    # 10x the bound (measured 75x: the tiny model's experts add little to its output at initialisation)
+    assert max(abs(a - b) / b for a, b in zip(planted, honest)) > 10 * 1e-6, (planted, honest)
 
 
 def test_a_tp2_moe_export_loads_in_transformers_with_the_runs_logits(runs, tmp_path, capfd):
