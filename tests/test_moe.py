@@ -214,7 +214,7 @@ def test_the_activation_bytes_of_every_moe_family_are_counted_to_the_byte_and_un
             measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
             assert predicted_bytes(cfg, 2, 16, **kw) == measured, (cfg.arch, precision)
             with monkeypatch.context() as m:  # planted: the experts counted as the dense MLP they replace
-                m.setattr(activation_memory, "experts", lambda s, cfg: activation_memory.swiglu_mlp(s))
+                m.setattr(activation_memory, "experts", lambda s, cfg, tp=1: activation_memory.swiglu_mlp(s))
                 assert predicted_bytes(cfg, 2, 16, **kw) < measured
 
 

@@ -124,7 +124,12 @@ def test_moe_aux_coef_is_validated_in_one_line(capfd, tmp_path):
     (("--arch", "qwen3_moe", "--n-experts", "4", "--experts-per-token", "5"), "--experts-per-token 5 is more than"),
     (("--arch", "mixtral", "--n-experts", "4", "--shared-expert-width", "8"), "--shared-expert-width 8 is for"),
     (("--arch", "qwen3_moe", "--n-experts", "4", "--mlp-only-layers", "0,7"), "'7' is not a layer 0-1"),
-    (("--arch", "qwen3_moe", "--n-experts", "4", "--nproc", "2", "--tp", "2"), "--tp 2: zerotrain's mixtures of"),
+    (("--arch", "qwen3_moe", "--n-experts", "4", "--expert-width", "30", "--nproc", "4", "--tp", "4"),
+     "--tp 4 does not divide the experts' width"),
+    (("--arch", "qwen2_moe", "--n-experts", "4", "--shared-expert-width", "30", "--nproc", "4", "--tp", "4"),
+     "--tp 4 does not divide --shared-expert-width 30"),
+    (("--arch", "qwen3_moe", "--n-experts", "4", "--nproc", "2", "--tp", "2", "--lora-rank", "4"),
+     "--tp 2: LoRA on the experts' projections"),
     (("--mlp-only-layers", "1"), "--mlp-only-layers 1 is for a mixture of experts"),
 ])
 def test_what_a_mixture_of_experts_cannot_be_is_refused_naming_the_flag(flags, said):

@@ -802,9 +802,15 @@ def _check_experts(cfg: Config) -> None:
     for token in (t.strip() for t in m.mlp_only_layers.split(",") if t.strip()):
         if not token.isdigit() or int(token) >= m.n_layer:
             raise ConfigError(f"--mlp-only-layers {m.mlp_only_layers!r}: {token!r} is not a layer 0-{m.n_layer - 1}")
-    if cfg.parallel.tp > 1:
-        raise ConfigError(f"--tp {cfg.parallel.tp}: zerotrain's mixtures of experts train without tensor parallelism "
-                          "yet (--tp 1)")
+    tp = cfg.parallel.tp
+    for width, flag in ((m.expert_ffn, "the experts' width (--expert-width)"),
+                        (m.shared_expert_width, "--shared-expert-width")):
+        if width % tp:
+            raise ConfigError(f"--tp {tp} does not divide {flag} {width}: each TP rank keeps a slice of every expert")
+    projections = {"gate_proj", "up_proj", "down_proj"} & set(cfg.lora.modules(m.arch))
+    if tp > 1 and cfg.lora.rank and projections:
+        raise ConfigError(f"--tp {tp}: LoRA on the experts' projections ({', '.join(sorted(projections))}) trains "
+                          "without tensor parallelism yet: give --lora-targets q_proj,k_proj,v_proj,o_proj, or --tp 1")
 
 
 def validate(cfg: Config) -> Config:

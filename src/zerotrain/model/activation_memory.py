@@ -268,14 +268,17 @@ def glu_tensors(cfg: ModelConfig) -> int:
     return 7 if cfg.gpt_oss_experts else 4
 
 
-def experts(s: RankShape, cfg: ModelConfig) -> int:
+def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     """A mixture of experts in place of the MLP (model/moe.py), dropless, so its bytes do not depend on the routing:
     over its N = BT tokens' N k (token, expert) pairs, the router's fp32 probabilities (N, E), the top-k's indices
     (int64) and, renormalised, its values and their sum (fp32), the weights the outputs are multiplied by (activation
     dtype); the gather of the tokens by expert (its int64 indices and the N k C gathered rows, the experts' input),
     each expert's SwiGLU on its rows (4 N k W in all), the gather back (indices, N k C outputs). A shared expert
-    (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C)."""
-    N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn
+    (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C). Under TP each rank
+    holds 1/tp of every expert's (and the shared expert's) hidden width; the router is replicated; gpt-oss's down
+    biases, added after the all-reduce, keep each token's weights over the E experts (N E) and the biases stacked
+    (E C)."""
+    N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn // tp
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
         router += N * k * FP32 + N * FP32
@@ -284,7 +287,9 @@ def experts(s: RankShape, cfg: ModelConfig) -> int:
     dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
     if cfg.shared_expert_width:
-        shared = 4 * N * cfg.shared_expert_width * s.act + N * s.act + N * s.C * s.act
+        shared = 4 * N * (cfg.shared_expert_width // tp) * s.act + N * s.act + N * s.C * s.act
+    if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
+        dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
     return router + dispatch + shared
 
 
@@ -408,7 +413,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
-        blocks += sum(experts(s, cfg) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
+        blocks += sum(experts(s, cfg, tp) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
     if recompute == "full":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`); the
         # gradients are computed again in the backward, not kept

@@ -146,6 +146,12 @@ def copy_to_tp(x: torch.Tensor, comm, purpose: str = "all_reduce_tp_grads") -> t
     return x if comm is None else _CopyToTP.apply(x, comm, purpose)
 
 
+def reduce_from_tp(x: torch.Tensor, comm) -> torch.Tensor:
+    """The sum over the TP group (`comm`) of each rank's partial `x` (a row-parallel product's), identity backward;
+    `x` itself without one."""
+    return x if comm is None else _ReduceFromTP.apply(x, comm)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r: this rank's output features; the input is the full, replicated activation.
 

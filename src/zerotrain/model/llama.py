@@ -46,6 +46,7 @@ from .gemma import GemmaRMSNorm, embedding_scale, geglu
 from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
                      YarnScaling, apply_rotary, attend, blocks, copy_to_tp, document_attention, kv_head_blocks,
                      new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
+from . import moe
 from .moe import MoE
 from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
@@ -286,7 +287,8 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
                 slices[f"{h}self_attn.{name}.bias"] = TPSlice(0, (kv,), kv_rows)
         if cfg.attn_sinks:  # gpt-oss's: one per q head, split as the heads (o_proj's bias is replicated)
             slices[h + "self_attn.sinks"] = TPSlice(0, (cfg.n_head,), blocks(cfg.n_head // tp, tp))
-        if cfg.has_experts(i):  # a mixture of experts trains without TP (config._check_experts)
+        if cfg.has_experts(i):  # each expert split as the MLP is, the router replicated (model/moe.py)
+            slices.update(moe.plan(cfg, tp, h + "mlp."))
             continue
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
@@ -316,6 +318,9 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
         attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
         if hasattr(attn, "sinks"):
             attn.sinks = nn.Parameter(slices[h + "self_attn.sinks"].take(attn.sinks.detach(), tp_rank))
+        if isinstance(mlp, MoE):
+            moe.parallelize(mlp, slices, h + "mlp.", tp_rank, comm)
+            continue
         for name in ("gate_proj", "up_proj"):
             setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
                                                     tp_rank, None))

@@ -25,6 +25,14 @@ Two computations of the experts, equal: `expert_loop` (one matmul triple per exp
 device and dtype have it (`grouped_mm_works`) and the layer's path is "grouped"; torch 2.13's CPU build has it for
 fp32 and bf16 with rows of a multiple of 16 bytes.
 
+Under tensor parallelism (`plan`, `parallelize`) the router and the shared expert's gate are replicated (every TP
+rank routes the same tokens the same way, from the full hidden state) and each expert is split as the dense MLP is:
+gate_proj and up_proj by rows of the hidden width, down_proj by its matching input columns. Each rank combines its
+partial expert outputs (weighted, in slot order) and the layer's output is all-reduced once, not once per expert.
+The routing weights (and the shared gate's output) multiply partial sums, so their gradients are all-reduced
+(copy_to_tp: N k numbers); the experts' input gradient too, as the MLP's. gpt-oss's down_proj biases are added
+once, after the all-reduce, as sum_k weight_k bias_{expert_k} computed on every rank alike.
+
 The balancing loss (Switch Transformer's, as transformers' load_balancing_loss_func computes it over one forward)
 is taken per row of the batch: `balancing_loss` pools the routing of every MoE layer for the row's tokens.
 """
@@ -39,6 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
+
+from .layers import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, reduce_from_tp
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -94,6 +104,7 @@ class MoE(nn.Module):
         if cfg.shared_expert_width:
             self.shared_expert = Expert(cfg.n_embd, cfg.shared_expert_width)
             self.shared_expert_gate = nn.Linear(cfg.n_embd, 1, bias=False)
+        self.tp_comm = None  # under TP: the experts' input gradient and the layer's output summed over it (parallelize)
         self.path = "auto"  # "loop", "grouped", or auto: grouped on CUDA where it works, the loop elsewhere
         self.routing: Routing | None = None  # the last forward's (balancing_loss takes it)
 
@@ -103,12 +114,21 @@ class MoE(nn.Module):
         weights, chosen = self.route(flat, B, T)
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, slot) pairs by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
-        outputs = expert_outputs(self.experts, flat[order // self.top_k], counts, self.expert_path(flat))
+        comm = self.tp_comm  # under TP the experts' outputs are this rank's partial sums: see the module docstring
+        expert_input = copy_to_tp(flat, comm)
+        outputs = expert_outputs(self.experts, expert_input[order // self.top_k], counts, self.expert_path(flat))
         # back to (token, slot) order: each token's k outputs, weighted and summed in slot order
         unsorted = outputs[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))]
-        y = (unsorted.view(-1, self.top_k, C) * weights.to(x.dtype).unsqueeze(-1)).sum(1)
+        y = (unsorted.view(-1, self.top_k, C) * copy_to_tp(weights.to(x.dtype), comm).unsqueeze(-1)).sum(1)
         if hasattr(self, "shared_expert"):
-            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            y = y + copy_to_tp(torch.sigmoid(self.shared_expert_gate(flat)), comm) * self.shared_expert(expert_input)
+        y = reduce_from_tp(y, comm)
+        down = self.experts[0].down_proj
+        if isinstance(down, PartialDown) and down.bias is not None:
+            # gpt-oss's down biases, once: each token's weights over the E experts times their biases
+            dense = torch.zeros(len(flat), self.n_experts, dtype=x.dtype, device=x.device)
+            biases = torch.stack([e.down_proj.bias for e in self.experts])
+            y = y + dense.scatter(1, chosen, weights.to(x.dtype)) @ biases
         return y.view(B, T, C)
 
     def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +177,7 @@ def expert_grouped(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.T
     def grouped(x: torch.Tensor, name: str) -> torch.Tensor:
         linears = [getattr(e, name) for e in experts]
         y = torch._grouped_mm(x, torch.stack([p.weight for p in linears]).transpose(1, 2), offs=offsets)
-        if linears[0].bias is None:
+        if linears[0].bias is None or isinstance(linears[0], PartialDown):
             return y
         return y + torch.stack([p.bias for p in linears]).repeat_interleave(counts, dim=0, output_size=len(x))
 
@@ -167,7 +187,7 @@ def expert_grouped(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.T
 def aligned(tokens: torch.Tensor, experts: nn.ModuleList) -> bool:
     """_grouped_mm's rows must be whole multiples of 16 bytes: the width and the experts' hidden width."""
     per_row = 16 // tokens.element_size()
-    return tokens.shape[1] % per_row == 0 and experts[0].gate_proj.out_features % per_row == 0
+    return tokens.shape[1] % per_row == 0 and experts[0].gate_proj.weight.shape[0] % per_row == 0
 
 
 @functools.cache
@@ -184,6 +204,54 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return True
     except (RuntimeError, NotImplementedError):
         return False
+
+
+class PartialDown(nn.Module):
+    """An expert's down_proj under TP: this rank's input columns' partial product, without the bias (replicated),
+    which the MoE layer adds once after its all-reduce."""
+
+    def __init__(self, full: nn.Linear, weight: TPSlice, rank: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight.take(full.weight.detach(), rank))
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def expert_names(cfg: ModelConfig) -> list[str]:
+    """The experts of an MoE layer by their names under mlp.: experts.{e}, and shared_expert (Qwen2-MoE)."""
+    return [f"experts.{e}" for e in range(cfg.n_experts)] + (["shared_expert"] if cfg.shared_expert_width else [])
+
+
+def plan(cfg: ModelConfig, tp: int, prefix: str) -> dict[str, TPSlice]:
+    """The TP slices of the MoE layer at `prefix` (model.layers.{i}.mlp.): each expert's gate_proj and up_proj by rows
+    of its hidden width (their biases alike), down_proj by the matching input columns (its bias replicated); the
+    router and the shared expert's gate replicated."""
+    C, slices = cfg.n_embd, {}
+    for name in expert_names(cfg):
+        W = cfg.shared_expert_width if name == "shared_expert" else cfg.expert_ffn
+        rows = blocks(W // tp, tp)
+        for proj in ("gate_proj", "up_proj"):
+            slices[f"{prefix}{name}.{proj}.weight"] = TPSlice(0, (W, C), rows)
+            if cfg.gpt_oss_experts and name != "shared_expert":
+                slices[f"{prefix}{name}.{proj}.bias"] = TPSlice(0, (W,), rows)
+        slices[f"{prefix}{name}.down_proj.weight"] = TPSlice(1, (C, W), rows)
+    return slices
+
+
+def parallelize(moe: MoE, slices: dict[str, TPSlice], prefix: str, rank: int, comm) -> None:
+    """Replace the MoE layer's experts' linears by this TP rank's slices of them, in place (`plan`'s slices)."""
+    named = [(f"experts.{e}", expert) for e, expert in enumerate(moe.experts)]
+    if hasattr(moe, "shared_expert"):
+        named.append(("shared_expert", moe.shared_expert))
+    for expert_name, expert in named:
+        h = f"{prefix}{expert_name}."
+        for proj in ("gate_proj", "up_proj"):
+            setattr(expert, proj, ColumnParallelLinear(getattr(expert, proj), slices[f"{h}{proj}.weight"],
+                                                       slices.get(f"{h}{proj}.bias"), rank, None))
+        expert.down_proj = PartialDown(expert.down_proj, slices[h + "down_proj.weight"], rank)
+    moe.tp_comm = comm
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

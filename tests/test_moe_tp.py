@@ -1,0 +1,212 @@
+"""Mixtures of experts under tensor parallelism: TP 2 trains what 1 rank trains, and exports what transformers reads.
+
+Tiny Qwen3-MoE, Qwen2-MoE (its shared expert) and gpt-oss (biased experts: the down biases added once) from the
+qwen3-moe-tiny preset, 3 steps on synthetic data: each at TP 2 (Qwen3-MoE also at TP 2 x DP 2, ZeRO-1 and ZeRO-3)
+against 1 rank on the same global batch: the losses (balancing term included) within 1e-6 relative, the final
+weights (reassembled from the TP slices of the checkpoint) within 1e-5. AdamW's eps is 1e-3: at 1e-8 its first steps
+divide each gradient value by its own magnitude, so float noise in a near-zero value (an expert's row few tokens
+reached) becomes a step of up to lr (measured: 5.6e-5 on one expert's down_proj at lr 1e-2, 1e-7 elsewhere).
+Planted in the product's MoE code: its partial outputs never summed over the TP group (the all-reduce left out) is
+stopped by the replica invariant; each rank's down_proj slices taken as the other rank's half trip the losses. The
+TP 2 runs' exports load in transformers with the runs' logits; --init-from a Qwen2-MoE folder at TP 2 computes
+transformers' logits, and a TP 2 checkpoint resumed on 1 rank takes 1 rank's next step. One TP 2 rank saves the
+activation bytes the memory plan counts, to the byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_checkpoint import spawn
+
+import zerotrain
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("moe_tp")]
+
+STEPS = 3
+FAMILIES = {  # flags beside the preset's
+    "qwen3_moe": [],
+    "qwen2_moe": ["--arch", "qwen2_moe", "--shared-expert-width", "32"],
+    "gpt_oss": ["--arch", "gpt_oss"],
+}
+
+
+def config(out, *flags, preset=("--preset", "qwen3-moe-tiny")):
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.cli.main import build_parser
+    from zerotrain.runtime.run_folder import resolve_paths
+
+    args = build_parser().parse_args(["train", *preset, "--data", "synthetic", "--no-progress",
+                                      "--steps", str(STEPS), "--ckpt-every", str(STEPS), "--lr", "1e-2",
+                                      "--eps", "1e-3", "--seed", "3", "--out", str(out), *flags])
+    return resolve_paths(config_from_args(args))
+
+
+def train_job(rank, comm, tmp_path, runs, planted=None):
+    """Each of `runs` ({name: flags}) trained on these ranks: {name: its losses}. `planted`, in the product's MoE
+    code: "unsummed" (the layer's partial outputs never summed over the TP group) or "swapped" (each TP rank's
+    experts' down_proj slice taken as the other rank's half)."""
+    from zerotrain.model import TPSlice, moe
+    from zerotrain.training.loop import train
+
+    if planted == "unsummed":
+        moe.reduce_from_tp = lambda x, comm: x
+    if planted == "swapped":
+        real = moe.plan
+        moe.plan = lambda cfg, tp, prefix: {n: TPSlice(s.dim, s.full_shape, s.parts[::-1]) if "down_proj" in n else s
+                                            for n, s in real(cfg, tp, prefix).items()}
+    return {name: [r["loss"] for r in train(config(tmp_path / name, *flags), comm, announce=False).records]
+            for name, flags in runs.items()}
+
+
+def tp_runs(nproc: int) -> dict:
+    if nproc == 2:
+        return {f"{family}-tp2": [*flags, "--nproc", "2", "--tp", "2", "--micro-batch", "4"]
+                for family, flags in FAMILIES.items()}
+    return {f"qwen3_moe-tp2-dp2-zero{z}": ["--nproc", "4", "--tp", "2", "--micro-batch", "2", "--zero", str(z)]
+            for z in (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{run name: (losses, run folder)}: 1 rank and TP 2 per family."""
+    from conftest import world_of_one
+
+    tmp = tmp_path_factory.mktemp("moe_tp")
+    out = {}
+    codes, results = spawn(train_job, 2, tmp, tp_runs(2), timeout=400)
+    assert codes == [0, 0], results
+    out.update({name: (losses, tmp / name) for name, losses in results[0].items()})
+    with world_of_one() as comm:
+        out.update({name: (losses, tmp / name) for name, losses in train_job(
+            0, comm, tmp, {f"{family}-1": [*flags, "--micro-batch", "4"] for family, flags in FAMILIES.items()}
+        ).items()})
+    return out
+
+
+def final_weights(run) -> dict[str, torch.Tensor]:
+    return zerotrain.load_model(str(run)).state_dict()
+
+
+@pytest.mark.parametrize("split", [f"{f}-tp2" for f in FAMILIES])
+def test_a_tp2_moe_run_equals_one_rank_losses_and_final_weights(runs, split):
+    family = split.split("-")[0]
+    (theirs, one), (ours, run) = runs[f"{family}-1"], runs[split]
+    assert len(ours) == STEPS and all(abs(a - b) <= 1e-6 * b for a, b in zip(ours, theirs)), (ours, theirs)
+    full, split_w = final_weights(one), final_weights(run)
+    assert full.keys() == split_w.keys()
+    gaps = {n: (full[n] - split_w[n]).abs().max().item() for n in full}
+    assert max(gaps.values()) < 1e-5, max(gaps.items(), key=lambda kv: kv[1])
+
+
+def test_an_unsummed_moe_output_and_swapped_expert_slices_under_tp_are_caught(runs, tmp_path):
+    flags = ["--nproc", "2", "--tp", "2", "--micro-batch", "4"]
+    for planted in ("unsummed", "swapped"):
+        (tmp_path / planted).mkdir()
+    # the layer's output left as each rank's partial sum: the ranks' replicated parameters part, which the run's
+    # invariants stop
+    codes, results = spawn(train_job, 2, tmp_path / "unsummed", {"planted": flags}, "unsummed", timeout=120)
+    assert "replicated parameters of rank(s) [1] differ from rank 0" in results[0].get("error", ""), results
+    # each rank's experts computing their gate/up half with the other half of down_proj: not the model's function
+    codes, results = spawn(train_job, 2, tmp_path / "swapped", {"planted": flags}, "swapped", timeout=120)
+    assert codes == [0, 0], results
+    planted, honest = results[0]["planted"], runs["qwen3_moe-1"][0]
+    # 10x the bound (measured 75x: the tiny model's experts add little to its output at initialisation)
+    assert max(abs(a - b) / b for a, b in zip(planted, honest)) > 10 * 1e-6, (planted, honest)
+
+
+def test_a_tp2_moe_export_loads_in_transformers_with_the_runs_logits(runs, tmp_path, capfd):
+    import transformers
+    from conftest import zerotrain_here
+
+    for family in FAMILIES:
+        run = runs[f"{family}-tp2"][1]
+        r = zerotrain_here(capfd, "export", str(run), str(tmp_path / family), "--format", "hf")
+        assert r.returncode == 0, r.stderr[-2000:]
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / family)).eval()
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ours, theirs = zerotrain.load_model(str(run))(ids), loaded(ids).logits
+        assert (ours - theirs).abs().max() < 1e-5, family
+
+
+def test_tp2_by_dp2_at_zero_1_and_3_equals_one_rank(runs, tmp_path):
+    codes, results = spawn(train_job, 4, tmp_path, tp_runs(4), timeout=300)
+    assert codes == [0] * 4, results
+    theirs, one = runs["qwen3_moe-1"]
+    full = final_weights(one)
+    for name, ours in results[0].items():
+        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours, theirs)), (name, ours, theirs)
+        split_w = final_weights(tmp_path / name)
+        assert max((full[n] - split_w[n]).abs().max().item() for n in full) < 1e-5, name
+
+
+class _OneRankOfTwo:
+    """A TP group's collectives as one rank sees their shapes: the sums are left as they are (bytes, not values)."""
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        return tensor
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts_are_caught(family, monkeypatch):
+    """One TP rank's saved bytes for a micro-batch, to the byte: its 1/T of every expert's (and the shared expert's)
+    hidden width. Planted: the plan counting each expert's full width on every rank (TP 1's experts) is caught."""
+    import dataclasses
+
+    from test_activation_bytes import measured_bytes, predicted_bytes
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import activation_memory, build_model, llama
+
+    cfg = ModelConfig(**PRESETS["qwen3-moe-tiny"])
+    if family == "qwen2_moe":
+        cfg = dataclasses.replace(cfg, arch="qwen2_moe", norm_topk_prob=False, shared_expert_width=24,
+                                  mlp_only_layers="1")
+    for precision in ("fp32", "bf16"):
+        model = build_model(cfg, seed=0)
+        llama.parallelize(model, 2, 0, _OneRankOfTwo())
+        measured = measured_bytes(model, 2, 16, precision, "none")
+        assert predicted_bytes(cfg, 2, 16, precision=precision, tp=2) == measured, precision
+        real = activation_memory.experts
+        with monkeypatch.context() as m:  # planted: every rank counted as holding whole experts
+            m.setattr(activation_memory, "experts", lambda s, cfg, tp=1: real(s, cfg))
+            assert predicted_bytes(cfg, 2, 16, precision=precision, tp=2) != measured
+
+
+def init_from_job(rank, comm, tmp_path, folder):
+    """The folder's model as --init-from reads it at TP 2 (each rank its slices): its logits on IDS."""
+    from zerotrain.training.loop import build_engine
+
+    cfg = config(tmp_path / "init", "--init-from", str(folder), "--nproc", "2", "--tp", "2", "--micro-batch", "4",
+                 "--seq-len", "16", preset=())
+    engine = build_engine(cfg, comm)
+    with torch.no_grad():
+        return engine.model(IDS).tolist()
+
+
+IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def test_init_from_a_qwen2_moe_folder_at_tp2_and_a_tp2_resume_on_one_rank_continue_the_same_run(runs, tmp_path):
+    from conftest import world_of_one
+    from model_folders import moe_folder
+
+    from zerotrain.training.loop import train
+
+    hf = moe_folder(tmp_path / "qwen2_moe", "qwen2_moe")
+    codes, results = spawn(init_from_job, 2, tmp_path, tmp_path / "qwen2_moe", timeout=120)
+    assert codes == [0, 0], results
+    with torch.no_grad():
+        theirs = hf(IDS).logits
+    assert "error" not in results[0] and "error" not in results[1], results
+    assert all((torch.tensor(r) - theirs).abs().max() < 1e-5 for r in results)
+    # a TP 2 checkpoint resumed on 1 rank (its slices and optimizer state put together) takes 1 rank's 4th step
+    fourth = {}
+    with world_of_one() as comm:
+        for name in ("qwen3_moe-1", "qwen3_moe-tp2"):
+            cfg = config(tmp_path / f"from-{name}", "--micro-batch", "4", "--steps", str(STEPS + 1), "--resume",
+                         str(runs[name][1] / "checkpoints" / f"step_{STEPS:08d}"))
+            fourth[name] = [r["loss"] for r in train(cfg, comm, announce=False).records]
+    assert len(fourth["qwen3_moe-1"]) == 1
+    assert abs(fourth["qwen3_moe-tp2"][0] - fourth["qwen3_moe-1"][0]) <= 1e-6 * fourth["qwen3_moe-1"][0], fourth
