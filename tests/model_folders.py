@@ -125,3 +125,43 @@ def family_folder(folder, family: str, **changes):
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(str(folder))
     return model.eval()
+
+
+# Tiny random mixtures of experts, one per family zerotrain builds, hidden 64, with what sets each apart: Qwen3-MoE's
+# renormalised top-2 of 8 experts with per-head q/k norms (its second layer dense: mlp_only_layers), Qwen2-MoE's shared
+# expert behind its sigmoid gate (top-2 of 4, not renormalised) and q/k/v biases, Mixtral's top-2 of 4 within a window
+# shorter than the sequence, OLMoE's q/k norms over the whole projections (top-2 of 8).
+MOE_SIZES = {**FAMILY_SIZES, "hidden_size": 64}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def moe_config(family: str, **changes):
+    """The transformers config of the tiny `family` mixture of experts."""
+    sizes = {**MOE_SIZES, **changes}
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                              "norm_topk_prob": True, "head_dim": 24,
+                                              "mlp_only_layers": [1], **sizes})
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                              "shared_expert_intermediate_size": 40, "tie_word_embeddings": True,
+                                              **sizes})
+    if family == "mixtral":
+        return transformers.MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                                             **sizes})
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "eos_token_id": 2,
+                                           "pad_token_id": 0, **sizes})
+    raise ValueError(f"no tiny mixture of experts of family {family!r}")
+
+
+def moe_folder(folder, family: str, **changes):
+    """A tiny random `family` mixture of experts saved by transformers in `folder`; the model, in eval mode."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(family, **changes), attn_implementation="sdpa")
+    with torch.no_grad():  # biases and norm gains moved off 0 and 1, as family_folder's
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(folder))
+    return model.eval()

@@ -263,7 +263,7 @@ def test_mistral_decodes_through_the_kv_cache_within_its_window_and_a_cache_with
 # plan: parameter counts and activation bytes of the new pieces, exact.
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b", "phi-3-mini-4k",
-                                    "gemma-2-2b", "gemma-3-1b"])
+                                    "gemma-2-2b", "gemma-3-1b", "qwen3-moe-tiny", "qwen3-30b-a3b"])
 def test_each_presets_parameters_are_those_of_transformers_model_from_the_config_zerotrain_exports(preset):
     cfg = ModelConfig(**PRESETS[preset])
     config = mapping.hf_config(cfg, None)

@@ -146,11 +146,22 @@ PRESETS: dict[str, dict] = {
                        intermediate_size=6912, seq_len=2048, vocab_size=262144, rope_theta=1000000.0, norm_eps=1e-6,
                        tie_embeddings=True, sliding_window=512, sliding_window_pattern=6, rope_local_theta=10000.0,
                        query_pre_attn_scalar=256),
+    # A tiny Qwen3-MoE for tests and the demo: 4 experts of width 32, each token routed to 2.
+    "qwen3-moe-tiny": dict(arch="qwen3_moe", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64,
+                           seq_len=16, vocab_size=64, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False,
+                           n_experts=4, experts_per_token=2, expert_width=32, norm_topk_prob=True),
+    # Qwen/Qwen3-30B-A3B's shape (its config.json): 128 experts of width 768, top-8, at a 2048-token window.
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, head_width=128,
+                          intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
+                          norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8, expert_width=768,
+                          norm_topk_prob=True),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
               rope_high_freq_factor=4.0, rope_original_context=8192, sliding_window=0, sliding_window_pattern=0,
-              rope_local_theta=0.0, query_pre_attn_scalar=0, attn_softcap=0.0, final_softcap=0.0)
+              rope_local_theta=0.0, query_pre_attn_scalar=0, attn_softcap=0.0, final_softcap=0.0,
+              n_experts=0, experts_per_token=2, expert_width=0, norm_topk_prob=False, shared_expert_width=0,
+              moe_every=1, mlp_only_layers="", router_aux_coef=0.001)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -161,9 +172,13 @@ PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 # gemma2 and gemma3: Gemma's block (four (1 + w) RMSNorms, GeGLU, a scaled embedding), sliding and global layers
 # alternating (--sliding-window-pattern), --query-pre-attn-scalar; Gemma 2's soft-caps, Gemma 3's q/k norms and
 # local rotary base (--rope-local-theta).
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+# The mixtures of experts (model/moe.py: a router and experts in place of the MLP, --n-experts): qwen3_moe (Qwen3's
+# attention), qwen2_moe (Qwen2's, and a shared expert behind a sigmoid gate), mixtral (Mistral's, top-2 always
+# renormalised), olmoe (q/k norms over the whole projection, not per head).
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE)
 GEMMA = ("gemma2", "gemma3")
-WINDOWED = ("mistral", "phi3", *GEMMA)  # the members with a sliding window
+WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral")  # the members with a sliding window
 ARCHS = ("gpt2", *LLAMA_FAMILY)
 ROPE_SCALINGS = ("none", "llama3", "linear")
 
@@ -176,7 +191,8 @@ class ModelConfig:
                         "mistral (sliding-window attention), phi3 (Phi-3: a sliding window, fused projections in its "
                         "files), gemma2 (Gemma 2: (1 + w) RMSNorms around attention and MLP, GeGLU, a scaled "
                         "embedding, sliding and global layers alternating, soft-capped logits), gemma3 (Gemma 3: "
-                        "Gemma 2's block with q/k norms and a local rotary base instead of the soft-caps)",
+                        "Gemma 2's block with q/k norms and a local rotary base instead of the soft-caps), or a "
+                        "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -217,6 +233,22 @@ class ModelConfig:
                                   "none)", rule=NON_NEGATIVE, shown="0: none")
     final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2, "
                                    "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none")
+    n_experts: int = setting(0, "experts of each MoE layer (qwen3_moe, qwen2_moe, mixtral, olmoe; Hugging Face's "
+                             "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none")
+    experts_per_token: int = setting(2, "experts each token is routed to (top-k, num_experts_per_tok)", rule=POSITIVE)
+    expert_width: int = setting(0, "each expert's hidden width (moe_intermediate_size)", rule=NON_NEGATIVE,
+                                shown="--intermediate-size")
+    norm_topk_prob: bool = setting(False, "the top-k routing weights renormalised to sum to 1 (norm_topk_prob; "
+                                   "mixtral always)")
+    shared_expert_width: int = setting(0, "qwen2_moe: the width of the expert every token goes through beside its "
+                                       "routed ones, gated by a sigmoid (0: none)", rule=NON_NEGATIVE,
+                                       shown="0: none")
+    moe_every: int = setting(1, "every N-th layer (layers N-1, 2N-1, ...) has experts, the others a dense MLP of "
+                             "--intermediate-size (decoder_sparse_step)", rule=POSITIVE)
+    mlp_only_layers: str = setting("", "layers with a dense MLP instead of experts, comma-separated (mlp_only_layers)",
+                                   shown="none")
+    router_aux_coef: float = setting(0.001, "the model's weight of the load-balancing loss (router_aux_loss_coef; "
+                                     "--moe-aux-coef overrides it for a run)", rule=NON_NEGATIVE)
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -241,14 +273,41 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        """Biases on q, k and v (not on the output projection): Qwen2's."""
-        return self.arch == "qwen2"
+        """Biases on q, k and v (not on the output projection): Qwen2's (and Qwen2-MoE's)."""
+        return self.arch in ("qwen2", "qwen2_moe")
 
     @property
     def qk_norm(self) -> bool:
-        """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's and
-        Gemma 3's."""
-        return self.arch in ("qwen3", "gemma3")
+        """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's,
+        Qwen3-MoE's and Gemma 3's."""
+        return self.arch in ("qwen3", "gemma3", "qwen3_moe")
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """An RMSNorm of the whole q and k projections (all heads at once, a gain per unit): OLMoE's."""
+        return self.arch == "olmoe"
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """--mlp-only-layers as numbers (validate checks them)."""
+        return tuple(int(t) for t in self.mlp_only_layers.split(",") if t.strip())
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (every --moe-every-th layer, but --mlp-only-layers)."""
+        return self.moe and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
+
+    @property
+    def renormalizes(self) -> bool:
+        """Whether the top-k routing weights are divided by their sum: --norm-topk-prob, and Mixtral's always."""
+        return self.norm_topk_prob or self.arch == "mixtral"
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_width or self.ffn_width
 
     @property
     def gemma(self) -> bool:
@@ -395,7 +454,8 @@ class CheckpointConfig:
                           shown="none")
     async_save: bool = setting(False, "write checkpoints in the background while training goes on")
     init_from: str = setting("", "start from these weights: a local Hugging Face folder (model_type gpt2, "
-                             "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, or gemma3's language model; "
+                             "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, gemma3's language model, "
+                             "qwen3_moe, qwen2_moe, mixtral or olmoe; "
                              "safetensors) or a zerotrain checkpoint or export; its architecture, sizes and "
                              "tokenizer come with it (weights only: a fresh optimizer and schedule)", shown="none")
     overwrite: bool = setting(False, "a fresh run may replace the checkpoints and metrics in its folder")
@@ -469,6 +529,14 @@ class ObjectiveConfig:
                                  "with LoRA the base with the adapters off; in full fine-tuning a frozen copy of the "
                                  "initial model, laid out like it)", rule=one_of("precomputed", "live"))
     simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", rule=NON_NEGATIVE)
+    moe_aux_coef: float = setting(-1.0, "weight of a mixture of experts' load-balancing loss in the training loss "
+                                  "(-1: the model's --router-aux-coef; 0: none)",
+                                  rule=Rule("must be >= 0, or -1 for the model's", lambda v: v >= 0 or v == -1),
+                                  shown="the model's")
+
+    def aux_coef(self, model: ModelConfig) -> float:
+        """The balancing loss's weight this run trains with."""
+        return model.router_aux_coef if self.moe_aux_coef == -1 else self.moe_aux_coef
 
 
 @dataclass
@@ -676,6 +744,35 @@ def _check_dpo(cfg: Config) -> None:
                           "--val-fraction above 0 (a share of --data's records) or --val-data (a file of pairs)")
 
 
+def _check_experts(cfg: Config) -> None:
+    """A mixture of experts' settings, on its archs only, each value in range."""
+    m = cfg.model
+    if m.arch in MOE and not m.n_experts:
+        raise ConfigError(f"--arch {m.arch} is a mixture of experts: give --n-experts")
+    if m.n_experts and m.arch not in MOE:
+        raise ConfigError(f"--n-experts {m.n_experts} is for --arch {' or '.join(MOE)}, not --arch {m.arch}")
+    if cfg.objective.moe_aux_coef != -1 and not m.n_experts:
+        raise ConfigError(f"--moe-aux-coef {cfg.objective.moe_aux_coef} weighs a mixture of experts' balancing "
+                          f"loss: --arch {m.arch} has no experts")
+    if not m.n_experts:
+        given = [(m.expert_width, "--expert-width"), (m.shared_expert_width, "--shared-expert-width"),
+                 (m.mlp_only_layers, "--mlp-only-layers")]
+        for value, flag in given:
+            if value:
+                raise ConfigError(f"{flag} {value} is for a mixture of experts (--n-experts): --arch {m.arch} has none")
+        return
+    if m.experts_per_token > m.n_experts:
+        raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the --n-experts {m.n_experts}")
+    if m.shared_expert_width and m.arch != "qwen2_moe":
+        raise ConfigError(f"--shared-expert-width {m.shared_expert_width} is for --arch qwen2_moe, not {m.arch}")
+    for token in (t.strip() for t in m.mlp_only_layers.split(",") if t.strip()):
+        if not token.isdigit() or int(token) >= m.n_layer:
+            raise ConfigError(f"--mlp-only-layers {m.mlp_only_layers!r}: {token!r} is not a layer 0-{m.n_layer - 1}")
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"--tp {cfg.parallel.tp}: zerotrain's mixtures of experts train without tensor parallelism "
+                          "yet (--tp 1)")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting against its rule and the settings against each other; change nothing.
 
@@ -732,6 +829,7 @@ def validate(cfg: Config) -> Config:
     for value, flag, archs in gemma_only:
         if value and m.arch not in archs:
             raise ConfigError(f"{flag} is for --arch {' or '.join(archs)}, not --arch {m.arch}")
+    _check_experts(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

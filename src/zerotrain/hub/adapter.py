@@ -92,6 +92,10 @@ def export_peft(source: ModelSource, out: str) -> list[str]:
         raise ConfigError(f"--format peft: {source.folder} is a Phi-3, whose Hugging Face model fuses q, k, v in "
                           "qkv_proj and gate, up in gate_up_proj, where zerotrain's adapters are on each; export "
                           "the merged model with --format hf")
+    if run.model.moe:  # transformers 5 holds each layer's experts as 3-D tensors, not linears peft can adapt
+        raise ConfigError(f"--format peft: {source.folder} is a mixture of experts ({run.model.arch}), whose "
+                          "transformers model stacks its experts' weights in 3-D tensors, where zerotrain's "
+                          "adapters are on each expert's linears; export the merged model with --format hf")
     adapters = checkpoint_model(source.folder, source.manifest)
     record = source.manifest.get("init_from")
     tmp = make_staging_folder(out)

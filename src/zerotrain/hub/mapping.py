@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import GEMMA, WINDOWED, ModelConfig
+from zerotrain.config import GEMMA, MOE, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 
 
@@ -44,6 +44,13 @@ class HFMapping:
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (stored suffix, zerotrain's suffixes stacked in it by rows)
     renamed: tuple[tuple[str, str], ...] = ()  # (stored prefix, zerotrain's prefix)
     skipped: tuple[str, ...] = ()  # prefixes of tensors of another model in the same files (a vision tower)
+    infixes: tuple[tuple[str, str], ...] = ()  # (stored part of a name, zerotrain's): Mixtral's expert names
+
+    def stored_name(self, name: str) -> str:
+        """Parameter `name` (zerotrain's) as the files name it, where a part of it differs (infixes)."""
+        for stored, ours in self.infixes:
+            name = name.replace(ours, stored)
+        return name
 
     def canonical(self, name: str) -> str:
         """A tensor's name as zerotrain's model has it. GPT-2 folders saved from the bare GPT2Model (the original
@@ -54,6 +61,8 @@ class HFMapping:
         for stored, ours in self.renamed:
             if name.startswith(stored):
                 return ours + name[len(stored):]
+        for stored, ours in self.infixes:
+            name = name.replace(stored, ours)
         return name
 
     def is_ignored(self, name: str) -> bool:
@@ -77,7 +86,8 @@ class HFMapping:
 
     def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """zerotrain's tensors (names -> tensors) in Hugging Face's layout, fp32 and contiguous."""
-        out = {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
+        out = {self.stored_name(n): (t.t() if self.is_transposed(n) else t).detach().float().contiguous()
+               for n, t in tensors.items()}
         for stored, parts in self.fused:
             for name in [n for n in out if n.startswith(self.block_prefix) and n.endswith(parts[0])]:
                 prefix = name[: -len(parts[0])]
@@ -117,7 +127,12 @@ MAPPINGS = {
                       (".attn.bias", ".attn.masked_bias")),
     **{arch: HFMapping(arch, arch, cls, "model.layers.", (), (".rotary_emb.inv_freq",)) for arch, cls in (
         ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
-        ("mistral", "MistralForCausalLM"))},
+        ("mistral", "MistralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        ("olmoe", "OlmoeForCausalLM"))},
+    # Mixtral's files name the MoE block block_sparse_moe and an expert's gate, down and up projections w1, w2, w3
+    "mixtral": HFMapping("mixtral", "mixtral", "MixtralForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                         infixes=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                                  (".w2.weight", ".down_proj.weight"), (".w3.weight", ".up_proj.weight"))),
     "phi3": HFMapping("phi3", "phi3", "Phi3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",), PHI3_FUSED),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
@@ -167,12 +182,36 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
             config.update(attention_bias=False)
     elif cfg.gemma:
         config.update(_gemma_config(cfg))
+    elif cfg.moe:
+        config.update(_moe_config(cfg))
     else:
         config.update(sliding_window=cfg.sliding_window or None)
         if cfg.arch == "phi3":  # Phi3Config's pad_token_id (32000) would not fit a smaller vocabulary
             config.update(original_max_position_embeddings=cfg.positions, partial_rotary_factor=1.0,
                           resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=eot)
     return config
+
+
+def _moe_config(cfg: ModelConfig) -> dict:
+    """A mixture of experts' fields: its experts, their routing and where they are, and its attention's options.
+    Mixtral's and OLMoE's intermediate_size is their experts' width (every layer has experts)."""
+    experts = dict(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_coef,
+                   output_router_logits=False)
+    if cfg.arch in ("mixtral", "olmoe"):
+        experts.update(intermediate_size=cfg.expert_ffn)
+    if cfg.arch == "mixtral":
+        return dict(experts, num_local_experts=cfg.n_experts, sliding_window=cfg.sliding_window or None,
+                    router_jitter_noise=0.0)
+    experts.update(num_experts=cfg.n_experts, norm_topk_prob=cfg.norm_topk_prob)
+    if cfg.arch == "olmoe":
+        return dict(experts, attention_bias=False, clip_qkv=None, pad_token_id=None)
+    experts.update(moe_intermediate_size=cfg.expert_ffn, decoder_sparse_step=cfg.moe_every,
+                   mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg.n_layer)
+    if cfg.arch == "qwen2_moe":
+        return dict(experts, shared_expert_intermediate_size=cfg.shared_expert_width, qkv_bias=True,
+                    layer_types=["full_attention"] * cfg.n_layer)
+    return dict(experts, attention_bias=False)
 
 
 def _gemma_config(cfg: ModelConfig) -> dict:
@@ -283,6 +322,12 @@ _FIXED = {
     "phi3": (("hidden_act", "silu", ("silu",)), ("partial_rotary_factor", 1.0, (1.0, 1))),
     **{arch: (("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)), ("attention_bias", False, (False,)),
               ("use_bidirectional_attention", None, (None, False))) for arch in GEMMA},
+    "qwen3_moe": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)),
+                  ("use_sliding_window", False, (False,))),
+    "qwen2_moe": (("hidden_act", "silu", ("silu",)), ("use_sliding_window", False, (False,)),
+                  ("qkv_bias", True, (True,))),
+    "mixtral": (("hidden_act", "silu", ("silu",)), ("router_jitter_noise", 0.0, (0.0, 0))),
+    "olmoe": (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)), ("clip_qkv", None, (None,))),
 }
 # What transformers' Gemma2Config and Gemma3TextConfig give a field their config.json leaves out (published Gemma 3
 # configs leave out most of their text_config's).
@@ -331,13 +376,46 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     rope = _table(config, "rope_parameters", where)
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
         _positive(config, "rope_theta", where, 10000.0)
+    experts = _experts(config, where, arch, sizes) if arch in MOE else {}
     return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads,
                        n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
                        head_width=0 if head_dim * heads == hidden else head_dim,
                        intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
                        vocab_size=sizes["vocab_size"], rope_theta=theta,
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
-                       tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where))
+                       tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where), **experts)
+
+
+def _experts(config: dict, where: str, arch: str, sizes: dict) -> dict:
+    """A mixture of experts' settings from its config.json: experts, top-k, their width, renormalisation, the shared
+    expert (Qwen2-MoE), which layers have experts (Qwen's decoder_sparse_step and mlp_only_layers), the balancing
+    loss's weight."""
+    # Published configs name the experts num_experts (Mixtral's num_local_experts); transformers 5 writes the latter
+    n = _count(config, next((k for k in ("num_experts", "num_local_experts") if config.get(k) is not None),
+                            "num_experts"), where)
+    k = _count(config, "num_experts_per_tok", where, default=2)
+    if k > n:
+        raise CheckpointError(f"{where}: num_experts_per_tok {k} is more than the {n} experts")
+    renormalize = config.get("norm_topk_prob", arch == "mixtral")
+    if not isinstance(renormalize, bool):
+        raise CheckpointError(f"{where}: norm_topk_prob must be true or false, got {renormalize!r}")
+    coef = config.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+        raise CheckpointError(f"{where}: router_aux_loss_coef must be a number >= 0, got {coef!r}")
+    out = dict(n_experts=n, experts_per_token=k, norm_topk_prob=renormalize or arch == "mixtral",
+               router_aux_coef=float(coef))
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        out.update(expert_width=_count(config, "moe_intermediate_size", where),
+                   moe_every=_count(config, "decoder_sparse_step", where, default=1))
+        dense = config.get("mlp_only_layers") or []
+        if not (isinstance(dense, list) and all(type(i) is int and 0 <= i < sizes["num_hidden_layers"]
+                                                for i in dense)):
+            raise CheckpointError(f"{where}: mlp_only_layers must list layers 0-{sizes['num_hidden_layers'] - 1}, "
+                                  f"got {dense!r}")
+        out.update(mlp_only_layers=",".join(str(i) for i in sorted(set(dense))))
+    if arch == "qwen2_moe":
+        out.update(shared_expert_width=_count(config, "shared_expert_intermediate_size", where))
+    return out
 
 
 def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied: bool, window: int) -> ModelConfig:

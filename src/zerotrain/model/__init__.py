@@ -20,7 +20,8 @@ from .llama import Llama
 # Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
 ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY}}
 ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-              "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3"}  # how messages name them
+              "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3_moe": "Qwen3-MoE",
+              "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE"}  # how messages name them
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -13,6 +13,12 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  attention     as GPT-2's (q and k rotated); in bf16 also the rotary tables cast per use, 4 TD a
                  SwiGLU MLP    4 BTF a                              gate, silu(gate), up, their product
                  q/k norms     (H + KV) x (BTD 4 + BT 4 + BTD a)    Qwen3: fp32 input, rsqrt, normalized, per head
+                               (H + KV) BTD (4 + a) + 2 BT 4        OLMoE's, of the whole projections
+                 experts       in place of the SwiGLU MLP on the    a mixture of experts (N = BT tokens, top-k,
+                               MoE layers: N E 4 + N k (8 + a)      E experts of width W): the router's fp32
+                               (+ N k 4 + N 4 renormalised)         probabilities, top-k indices and weights;
+                               + 2 N k 8 + 2 N k C a + 4 N k W a    the dispatch's indices, rows in and out, the
+                               (+ 4 N Ws a + N a + N C a shared)    experts' SwiGLUs; Qwen2-MoE's shared expert
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
                  RMSNorms       + 2 BTC a                           the two outputs a linear reads
@@ -238,8 +244,34 @@ def qk_norms(s: RankShape) -> int:
     return rows * s.head_dim * FP32 + rows * FP32 + rows * s.head_dim * s.act
 
 
-def llama_block(s: RankShape, qk_norm: bool = False) -> int:
-    return 2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
+def whole_qk_norms(s: RankShape) -> int:
+    """OLMoE's RMSNorm of the whole q and k projections (computed in fp32): as qk_norms, with one rsqrt per token
+    for each of the two."""
+    width = (s.heads + s.kv_heads) * s.head_dim
+    return s.BT * width * FP32 + 2 * s.BT * FP32 + s.BT * width * s.act
+
+
+def llama_block(s: RankShape, qk_norm: bool = False, whole_qk_norm: bool = False) -> int:
+    return (2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
+            + (whole_qk_norms(s) if whole_qk_norm else 0))
+
+
+def experts(s: RankShape, cfg: ModelConfig) -> int:
+    """A mixture of experts in place of the MLP (model/moe.py), dropless, so its bytes do not depend on the routing:
+    over its N = BT tokens' N k (token, expert) pairs, the router's fp32 probabilities (N, E), the top-k's indices
+    (int64) and, renormalised, its values and their sum (fp32), the weights the outputs are multiplied by (activation
+    dtype); the gather of the tokens by expert (its int64 indices and the N k C gathered rows, the experts' input),
+    each expert's SwiGLU on its rows (4 N k W in all), the gather back (indices, N k C outputs). A shared expert
+    (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C)."""
+    N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn
+    router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
+    if cfg.renormalizes:
+        router += N * k * FP32 + N * FP32
+    dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + 4 * N * k * W * s.act
+    shared = 0
+    if cfg.shared_expert_width:
+        shared = 4 * N * cfg.shared_expert_width * s.act + N * s.act + N * s.C * s.act
+    return router + dispatch + shared
 
 
 def gemma_norm(s: RankShape) -> int:
@@ -319,7 +351,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         else:
-            shapes[window] = llama_block(s, cfg.qk_norm) if llama else gpt2_block(s)
+            shapes[window] = llama_block(s, cfg.qk_norm, cfg.qk_norm_whole) if llama else gpt2_block(s)
         # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves
         # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
         if recompute != "none" or not eager:
@@ -340,6 +372,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     else:
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
+    if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
+        blocks += sum(experts(s, cfg) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
     if recompute == "full":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`); the
         # gradients are computed again in the backward, not kept

@@ -16,6 +16,10 @@ Its members are options of this one decoder, as the config's `arch` implies them
              and the final logits soft-capped (vocab.LMHead, inside the chunked loss too)
     gemma3   Gemma 2's block without the soft-caps, with (1 + w) q/k norms as Qwen3's, and its sliding layers'
              own rotary base (rope_local_theta, unscaled; the global layers take rope_theta and the rope scaling)
+    qwen3_moe, qwen2_moe, mixtral, olmoe
+             mixtures of experts (model/moe.py: a router and --n-experts experts in place of the MLP, on every
+             --moe-every-th layer but --mlp-only-layers) with Qwen3's, Qwen2's, Mistral's attention; OLMoE's
+             q/k norms normalise the whole q and k projections (a gain per unit, all heads at once)
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored
@@ -39,6 +43,7 @@ from .gemma import GemmaRMSNorm, embedding_scale, geglu
 from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
                      apply_rotary, attend, blocks, copy_to_tp, document_attention, kv_head_blocks,
                      new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
+from .moe import MoE
 from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
@@ -59,17 +64,24 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+        self.whole_qk_norm = cfg.qk_norm_whole
         if cfg.qk_norm:
             self.q_norm = member_norm(cfg, D)
             self.k_norm = member_norm(cfg, D)
+        elif cfg.qk_norm_whole:  # OLMoE's: one gain per unit of the whole projection
+            self.q_norm = member_norm(cfg, cfg.n_head * D)
+            self.k_norm = member_norm(cfg, cfg.kv_heads * D)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.tp_comm)
+        q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
-        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if hasattr(self, "q_norm"):
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if hasattr(self, "q_norm") and not self.whole_qk_norm:
             q, k = normalize_heads(self.q_norm, q, self.tp_comm), normalize_heads(self.k_norm, k, self.tp_comm)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         y = attend(q, k, v, cache, layer, documents, self.window, self.scale, self.softcap)
@@ -112,7 +124,7 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = member_norm(cfg, cfg.n_embd)
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = member_norm(cfg, cfg.n_embd)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = MoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
         if cfg.gemma:
             self.pre_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
             self.post_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
@@ -262,6 +274,8 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
             slices[h + "self_attn.q_proj.bias"] = TPSlice(0, (q,), blocks(q // tp, tp))
             for name in ("k_proj", "v_proj"):
                 slices[f"{h}self_attn.{name}.bias"] = TPSlice(0, (kv,), kv_rows)
+        if cfg.has_experts(i):  # a mixture of experts trains without TP (config._check_experts)
+            continue
         slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
         slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))

@@ -94,7 +94,7 @@ LOSS_SUM_DTYPE = torch.float64
 
 
 def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
-                         saved: list | None = None) -> torch.Tensor:
+                         saved: list | None = None, balance=None) -> torch.Tensor:
     """Forward and backward every micro-batch of this rank; return its summed token loss (a 0-d tensor on the device:
     the caller reads it once, for the step's all-reduce).
 
@@ -103,7 +103,10 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     `loss_factor` is 1 except when a fault injects a NaN. With a `saved` list, the bytes the first
     micro-batch keeps for its backward are counted (saved-tensor hooks) and appended to it. LoRA's dropout masks
     are keyed by the step and each row's index in the global batch (BatchSchedule's layout: each DP replica a
-    contiguous block), so they do not depend on the split.
+    contiguous block), so they do not depend on the split. With `balance` (a mixture of experts: balancing.Balancing)
+    each micro-batch's balancing term (its rows' balancing losses / the global batch's rows, weighted) joins the
+    loss before the backward, and the summed loss returned holds it at the token loss's scale (x the global token
+    count), so that the step's loss is the token loss plus the weighted balancing loss, as transformers' is.
     """
     forward = engine.model if forward is None else forward
     device = engine.flat_params.device
@@ -125,8 +128,11 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
                 token_loss = loss()
             if loss_factor != 1.0:
                 token_loss = token_loss * loss_factor
-            (token_loss / batch.global_tokens).backward()
+            aux = balance.term(engine.model) if balance is not None else None
+            (token_loss / batch.global_tokens + (aux if aux is not None else 0.0)).backward()
         loss_sum += token_loss.detach().to(LOSS_SUM_DTYPE)
+        if aux is not None:
+            loss_sum += aux.detach().to(LOSS_SUM_DTYPE) * batch.global_tokens
     return loss_sum
 
 

@@ -18,7 +18,8 @@ from zerotrain.errors import ConfigError
 # What TensorBoard shows of a step record (W&B takes every number in it); a mixture's figures by source as KEY/NAME
 BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu",
               "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
-              "logps_rejected", "val_rewards_margins", "val_rewards_accuracy")  # from rewards_chosen: --method dpo's
+              "logps_rejected", "val_rewards_margins", "val_rewards_accuracy",  # from rewards_chosen: --method dpo's
+              "aux_loss")  # a mixture of experts' balancing loss
 BY_SOURCE_KEYS = ("source_val_loss", "source_tokens")
 WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
 # A step record's figures the summary gives the median of: the first step's warm-up does not move a median
@@ -198,6 +199,7 @@ def summarize(report: dict) -> dict:
         "tokens": sum(r["tokens"] for r in records),
         **_source_tokens(records),
         **_preference(records),
+        **_experts(records),
         "wall_s": round(report["wall_s"], 3),  # of this invocation
         "world_size": report["world_size"],
         "threads_per_rank": report["threads_per_rank"],
@@ -212,6 +214,17 @@ def summarize(report: dict) -> dict:
         "max": {k: max(v) for k, v in per_rank.items()},
         "mean": {k: statistics.fmean(v) for k, v in per_rank.items()},
     }
+
+
+def _experts(records: list[dict]) -> dict:
+    """A mixture of experts: {"experts": the last step's aux_loss and expert_load, and each MoE layer's most uneven
+    load over the run (expert_load_max)}, or nothing."""
+    loads = [r["expert_load"] for r in records if "expert_load" in r]
+    if not loads:
+        return {}
+    last = next(r for r in reversed(records) if "expert_load" in r)
+    return {"experts": {"aux_loss": last["aux_loss"], "expert_load": last["expert_load"],
+                        "expert_load_max": [max(layer) for layer in zip(*loads)]}}
 
 
 PREFERENCE_FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",

@@ -10,14 +10,19 @@ from __future__ import annotations
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
 
+from .balancing import Balancing
 from .evaluate import validation_loss
 
 
 class TokenObjective:
-    """--method sft: next-token loss on the data's tokens."""
+    """--method sft: next-token loss on the data's tokens (with a mixture of experts, plus its balancing loss)."""
 
     def __init__(self, cfg: Config, accumulate):
-        self.cfg, self.accumulate = cfg, accumulate  # the loop's own step, which bench and equivalence share
+        self.cfg, self._accumulate = cfg, accumulate  # the loop's own step, which bench and equivalence share
+        self.balance = Balancing(cfg) if cfg.model.moe else None
+
+    def accumulate(self, engine, batch: StepBatch, forward=None, loss_factor: float = 1.0, saved=None):
+        return self._accumulate(engine, batch, forward, loss_factor, saved, balance=self.balance)
 
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
@@ -51,14 +56,15 @@ class TokenObjective:
                     "val_loss": sum(source.weights[name] * loss for name, loss in losses.items())}
         return {"val_loss": losses[""]}
 
-    def extras(self) -> None:
-        return None
+    def extras(self):
+        """A mixture of experts' balancing losses and expert loads, for the step's all-reduce (else None)."""
+        return self.balance.extras() if self.balance else None
 
     def held_state(self) -> dict:
         return {}
 
     def figures(self, totals: list[float], batch: StepBatch) -> dict:
-        return {}
+        return self.balance.figures(totals) if self.balance else {}
 
 
 def objective_for(cfg: Config, accumulate_tokens):

@@ -1,0 +1,180 @@
+"""A mixture of experts in place of a block's MLP: the router, the experts, Qwen2-MoE's shared expert, and the routing
+each forward leaves for the balancing loss.
+
+    router    logits = gate(x) (E per token), probabilities = softmax in fp32, the top-k of them chosen (ties to the
+              lower expert, as torch.topk), renormalised to sum to 1 where the model asks (norm_topk_prob; Mixtral's
+              always): transformers' TopKRouter exactly
+    dispatch  dropless: the N tokens' N k (token, expert) pairs sorted by expert (stable: by token within one), no
+              capacity, no token dropped; `expert_outputs(experts, tokens, counts)` computes every expert on its own
+              rows of the sorted tokens: the one seam expert parallelism puts its all-to-all around (send each
+              expert's rows to its rank, counts first, and the outputs back)
+    combine   each token's k outputs, weighted, summed in slot order (a gather back, no atomics: deterministic on
+              every device)
+    shared    Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x) added to the routed experts' output
+
+Parameter names are Hugging Face's per-expert names (mlp.gate.weight, mlp.experts.{e}.gate_proj.weight, ...,
+mlp.shared_expert.*, mlp.shared_expert_gate.weight), each expert an nn.Linear triple, so that import, export, LoRA
+and the engine's flat buffers treat an expert's matrices as any MLP's. An expert no token was routed to is not run:
+its parameters get no gradient in that micro-batch, which the engine reduces as zeros.
+
+Two computations of the experts, equal: `expert_loop` (one matmul triple per expert with tokens: the reference) and
+`expert_grouped` (torch._grouped_mm over the experts' stacked weights, one call per projection), taken where the
+device and dtype have it (`grouped_mm_works`) and the layer's path is "grouped"; torch 2.13's CPU build has it for
+fp32 and bf16 with rows of a multiple of 16 bytes.
+
+The balancing loss (Switch Transformer's, as transformers' load_balancing_loss_func computes it over one forward)
+is taken per row of the batch: `balancing_loss` pools the routing of every MoE layer for the row's tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerotrain.config import ModelConfig
+
+
+class Expert(nn.Module):
+    """One expert: a SwiGLU MLP of its own width (the shared expert too)."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Routing(NamedTuple):
+    """What one MoE layer's forward leaves for the balancing loss and the metrics, per row of the batch."""
+
+    probability_sums: torch.Tensor  # (B, E) fp32: each expert's router probability summed over the row's tokens
+    counts: torch.Tensor  # (B, E) fp32, no gradient: the row's tokens routed to each expert (top-k choices)
+    tokens: int  # tokens per row
+
+
+class MoE(nn.Module):
+    """Router, E experts of width `expert_ffn`, and (Qwen2-MoE) a shared expert behind a sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.renormalize = cfg.n_experts, cfg.experts_per_token, cfg.renormalizes
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.n_embd, cfg.expert_ffn) for _ in range(cfg.n_experts))
+        if cfg.shared_expert_width:
+            self.shared_expert = Expert(cfg.n_embd, cfg.shared_expert_width)
+            self.shared_expert_gate = nn.Linear(cfg.n_embd, 1, bias=False)
+        self.path = "auto"  # "loop", "grouped", or auto: grouped on CUDA where it works, the loop elsewhere
+        self.routing: Routing | None = None  # the last forward's (balancing_loss takes it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        weights, chosen = self.route(flat, B, T)
+        order = chosen.reshape(-1).argsort(stable=True)  # the (token, slot) pairs by expert
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        outputs = expert_outputs(self.experts, flat[order // self.top_k], counts, self.expert_path(flat))
+        # back to (token, slot) order: each token's k outputs, weighted and summed in slot order
+        unsorted = outputs[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))]
+        y = (unsorted.view(-1, self.top_k, C) * weights.to(x.dtype).unsqueeze(-1)).sum(1)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return y.view(B, T, C)
+
+    def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the top-k weights (N, k) fp32, the experts chosen (N, k)); records the layer's Routing."""
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        with torch.no_grad():
+            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
+            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        return weights, chosen
+
+    def expert_path(self, flat: torch.Tensor) -> str:
+        if self.path != "auto":
+            return self.path
+        return "grouped" if flat.device.type == "cuda" and grouped_mm_works(flat.device.type, flat.dtype) else "loop"
+
+
+def expert_outputs(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor, path: str = "loop"):
+    """Each expert's output on its rows of `tokens` (sorted by expert, counts[e] rows for expert e), in that order.
+
+    The seam of expert parallelism: given the tokens routed to this rank's experts, sorted, and their counts. Experts
+    with LoRA adapters (model/lora.py: forward hooks on their linears) take the loop, which calls the linears."""
+    if path == "grouped" and aligned(tokens, experts) and not hasattr(experts[0].gate_proj, "lora_A"):
+        return expert_grouped(experts, tokens, counts)
+    return expert_loop(experts, tokens, counts)
+
+
+def expert_loop(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The reference: one expert at a time on its rows; an expert without rows is not run."""
+    pieces = tokens.split(counts.tolist())
+    return torch.cat([expert(rows) for expert, rows in zip(experts, pieces) if len(rows)] or [tokens[:0]])
+
+
+def expert_grouped(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm over the experts' weights stacked (E, in, out): one call per projection."""
+    offsets = counts.cumsum(0).to(torch.int32)
+
+    def grouped(x: torch.Tensor, name: str) -> torch.Tensor:
+        weight = torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)
+        return torch._grouped_mm(x, weight, offs=offsets)
+
+    return grouped(F.silu(grouped(tokens, "gate_proj")) * grouped(tokens, "up_proj"), "down_proj")
+
+
+def aligned(tokens: torch.Tensor, experts: nn.ModuleList) -> bool:
+    """_grouped_mm's rows must be whole multiples of 16 bytes: the width and the experts' hidden width."""
+    per_row = 16 // tokens.element_size()
+    return tokens.shape[1] % per_row == 0 and experts[0].gate_proj.out_features % per_row == 0
+
+
+@functools.cache
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs, forward and backward, on this device and dtype (tried once, on 2 tiny
+    experts)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(4, 16, dtype=dtype, device=device_type, requires_grad=True)
+        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=device_type))
+        out.backward(torch.ones_like(out))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def balancing_loss(model: nn.Module, take: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(each row's balancing loss (B,), the tokens each expert got per MoE layer (layers, E), summed over the rows)
+    from the routing the model's last forward left; None for a model without experts. With `take` the routing is
+    cleared (it holds the forward's graph).
+
+    Per row b, over its T tokens and the L MoE layers pooled (transformers' load_balancing_loss_func over a forward
+    of that one row): f_e = the row's top-k choices of expert e / (L T), P_e = the row's router probabilities of e
+    summed / (L T), loss = E sum_e f_e P_e; f carries no gradient, P does."""
+    layers = [m for m in moe_layers(model) if m.routing is not None]
+    if not layers:
+        return None
+    routings = [m.routing for m in layers]
+    if take:
+        for m in layers:
+            m.routing = None
+    pooled = len(routings) * routings[0].tokens
+    f = sum(r.counts for r in routings) / pooled
+    p = sum(r.probability_sums for r in routings) / pooled
+    loads = torch.stack([r.counts.sum(0) for r in routings])
+    return layers[0].n_experts * (f * p).sum(-1), loads

@@ -1,0 +1,65 @@
+"""A mixture of experts' balancing loss in the training loss, per sequence, whatever the split; the step's routing
+figures.
+
+Each row of a micro-batch is a sequence: its balancing loss pools the routing of every MoE layer over the row's
+tokens (model.moe.balancing_loss, transformers' load_balancing_loss_func over a forward of that row alone). The
+step's balancing loss is the mean over the global batch's rows: each micro-batch adds the sum over its rows divided
+by the global batch's row count, as the token loss divides by the global token count, so neither the ranks nor the
+accumulation change it (docs/models.md says why a row, packed records and all). Its weight is --moe-aux-coef, or
+the model's router_aux_loss_coef.
+
+The term joins the token loss before the one backward of the micro-batch (loop.accumulate_gradients): the
+gradient order the engine follows is the model output's graph, which the routing's probabilities are part of.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.config import Config
+from zerotrain.model.moe import balancing_loss, moe_layers
+
+
+class Balancing:
+    """This rank's balancing losses and expert loads over one step's micro-batches."""
+
+    def __init__(self, cfg: Config):
+        self.coef = cfg.objective.aux_coef(cfg.model)
+        self.sequences = cfg.global_batch  # rows of the global batch: DP replicas x micro-batch x accumulation
+        self.layers = [i for i in range(cfg.model.n_layer) if cfg.model.has_experts(i)]
+        self.experts = cfg.model.n_experts
+        self._reset()
+
+    def _reset(self) -> None:
+        # On the model's device until the step's all-reduce reads them, so a micro-batch costs no host sync
+        self.aux_sum = torch.zeros((), dtype=torch.float64)  # the rank's rows' balancing losses, summed
+        self.loads = torch.zeros(len(self.layers), self.experts, dtype=torch.float64)  # tokens each expert got
+
+    def term(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """What the micro-batch the model just computed adds to the step's loss: coef x the sum of its rows'
+        balancing losses / the global batch's rows (None: a model without experts)."""
+        taken = balancing_loss(model)
+        if taken is None:
+            return None
+        per_row, loads = taken
+        self.aux_sum = self.aux_sum.to(per_row.device) + per_row.detach().sum().double()
+        self.loads = self.loads.to(loads.device) + loads.double()
+        return self.coef * per_row.sum() / self.sequences
+
+    def extras(self) -> torch.Tensor:
+        """[the rank's summed balancing losses, its expert loads] for the step's all-reduce; starts the next step."""
+        out = torch.cat([self.aux_sum.reshape(1), self.loads.reshape(-1)]).cpu()
+        self._reset()
+        return out
+
+    def figures(self, totals: list[float]) -> dict:
+        """The step's record: aux_loss (the balancing loss, unweighted, mean over the global batch's sequences) and
+        expert_load (per MoE layer, the most tokens one expert got over the mean: 1 is even)."""
+        loads = torch.tensor(totals[1:], dtype=torch.float64).view(len(self.layers), self.experts)
+        return {"aux_loss": totals[0] / self.sequences,
+                "expert_load": [round(float(row.max() / row.mean()), 4) if row.sum() else 0.0 for row in loads]}
+
+
+def balancing_for(cfg: Config, model: torch.nn.Module) -> Balancing | None:
+    """The run's Balancing, for a model with experts (None without)."""
+    return Balancing(cfg) if moe_layers(model) else None
