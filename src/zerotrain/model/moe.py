@@ -72,6 +72,14 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.n_embd, 1, bias=False)
         self.path = "auto"  # "loop", "grouped", or auto: grouped on CUDA where it works, the loop elsewhere
         self.routing: Routing | None = None  # the last forward's (balancing_loss takes it)
+        # Expert parallelism (parallel/experts.py): `experts` holds this rank's block of them (a ModuleDict keyed by
+        # their global index, so names stay Hugging Face's) and `exchange(moe, rows, counts, path)` computes every
+        # sorted row's expert output across the EP group. None: every expert here.
+        self.exchange = None
+
+    def local_experts(self) -> list[Expert]:
+        """The experts this rank holds, in expert order: all of them, or its EP block."""
+        return list(self.experts.values()) if isinstance(self.experts, nn.ModuleDict) else list(self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -79,7 +87,11 @@ class MoE(nn.Module):
         weights, chosen = self.route(flat, B, T)
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, slot) pairs by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
-        outputs = expert_outputs(self.experts, flat[order // self.top_k], counts, self.expert_path(flat))
+        rows = flat[order // self.top_k]
+        if self.exchange is not None:  # expert parallelism: the rows go to their experts' ranks and come back
+            outputs = self.exchange(self, rows, counts, self.expert_path(flat))
+        else:
+            outputs = expert_outputs(self.local_experts(), rows, counts, self.expert_path(flat))
         # back to (token, slot) order: each token's k outputs, weighted and summed in slot order
         unsorted = outputs[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))]
         y = (unsorted.view(-1, self.top_k, C) * weights.to(x.dtype).unsqueeze(-1)).sum(1)
