@@ -3,7 +3,7 @@
 One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2): 6 steps at --ep 1, 2 and 4 (ZeRO-1) and --ep 2 at ZeRO-2,
 on the same global batch. Losses agree within 1e-6 (relative) and the final weights within 1e-5; the received rows
 put in another order (planted in parallel/experts.py's expert_major_order, which the dispatch runs) are caught. An
---ep 2 run saved at step 3 and resumed ends bitwise where the uninterrupted run does.
+--ep 2 run saved at step 3 and resumed ends bitwise where the uninterrupted run does; resuming it at --ep 4 is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from test_checkpoint import spawn
 
 from zerotrain.cli.flags import config_from_args
+from zerotrain.errors import ConfigError
 from zerotrain.cli.main import build_parser
 from zerotrain.parallel import experts
 from zerotrain.runtime.run_folder import resolve_paths
@@ -45,6 +46,11 @@ def four_rank_job(rank, comm, tmp_path):
     out["ep2_zero2"] = run(comm, tmp_path / "ep2z2", "--ep", "2", "--zero", "2", "--ckpt-every", "3")
     out["resumed"] = run(comm, tmp_path / "resumed", "--ep", "2", "--zero", "2", "--resume",
                          str(tmp_path / "ep2z2" / "checkpoints" / "step_00000003"))
+    try:  # onto another --ep: refused, naming both
+        run(comm, tmp_path / "other", "--ep", "4", "--resume", str(tmp_path / "ep2z2" / "checkpoints" / "step_00000003"))
+        out["other_ep"] = None
+    except ConfigError as e:
+        out["other_ep"] = str(e)
     real = experts.expert_major_order
     experts.expert_major_order = lambda per_source: real(per_source).flip(0)  # planted: the received rows reversed
     out["planted"] = run(comm, tmp_path / "planted", "--ep", "2")
@@ -109,6 +115,11 @@ def test_resume_on_the_same_ep_layout_is_bitwise(four_ranks):
     for r in four_ranks:
         assert r["resumed"]["params"] == r["ep2_zero2"]["params"]
     assert four_ranks[0]["resumed"]["losses"] == four_ranks[0]["ep2_zero2"]["losses"][3:]
+
+
+def test_a_resume_onto_another_ep_is_refused_in_one_line_naming_both(four_ranks):
+    said = four_ranks[0]["other_ep"]
+    assert said and "--ep 2" in said and "--ep 4" in said and "\n" not in said, said
 
 
 @pytest.mark.parametrize("flags, said", [
