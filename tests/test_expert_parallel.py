@@ -63,6 +63,7 @@ def four_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep")
     codes, results = spawn(four_rank_job, 4, tmp, timeout=280)
     assert codes == [0, 0, 0, 0], codes
+    results[0]["folder"] = str(tmp)
     return results
 
 
@@ -120,6 +121,13 @@ def test_resume_on_the_same_ep_layout_is_bitwise(four_ranks):
 def test_a_resume_onto_another_ep_is_refused_in_one_line_naming_both(four_ranks):
     said = four_ranks[0]["other_ep"]
     assert said and "--ep 2" in said and "--ep 4" in said and "\n" not in said, said
+
+
+def test_an_expert_parallel_checkpoint_is_not_exported_and_says_so_in_one_line(four_ranks, capfd, tmp_path):
+    ckpt = f"{four_ranks[0]['folder']}/ep2z2/checkpoints/step_00000003"
+    got = zerotrain_here(capfd, "export", "--format", "hf", ckpt, str(tmp_path / "hf"))
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode != 0 and len(lines) == 1 and "--ep 2" in lines[0], got
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from zerotrain.errors import CheckpointError
 from zerotrain.parallel import ParamSlot
 
 from .format import MODEL_FILE, layout_of, mesh_of, read_manifest, shard_name, tp_slices_of
@@ -112,6 +113,11 @@ class ShardedModel:
     def __init__(self, folder: str, manifest: dict | None = None):
         self.folder = folder
         self.manifest = manifest if manifest is not None else read_manifest(folder)
+        ep = (self.manifest.get("mesh") or {}).get("ep", 1)
+        if ep > 1:  # each EP rank's experts sit in its own expert layout, which no reader assembles yet
+            raise CheckpointError(f"{folder} was written with --ep {ep}: reading its whole model (export, sample, "
+                                  "eval, --init-from) is not supported yet; resume it with --ep "
+                                  f"{ep}, or train with --ep 1")
         self.layout = layout_of(self.manifest, folder)
         self.tp_slices = tp_slices_of(self.manifest)
         self.shapes = full_shapes(self.layout, self.tp_slices)  # name -> full shape, in layout order
