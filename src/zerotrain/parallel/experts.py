@@ -163,6 +163,11 @@ class ExpertParallelEngine:
                                 **kwargs)
         self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=Mesh.single(mesh.expert_dp),
                                   select=is_expert_parameter, **kwargs)
+        if kwargs.get("gather_in_forward", True):
+            # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
+            # their all-gathers: each MoE layer waits for its experts' buckets first
+            for moe in moe_layers(model):
+                moe.register_forward_pre_hook(lambda *_: self.experts.wait_params())
         self.init_bytes_read = self.dense.init_bytes_read + self.experts.init_bytes_read
         self.init_values_drawn = self.dense.init_values_drawn + self.experts.init_values_drawn
 
