@@ -4,6 +4,9 @@ One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2): 6 steps at --ep 1, 
 on the same global batch. Losses agree within 1e-6 (relative) and the final weights within 1e-5; the received rows
 put in another order (planted in parallel/experts.py's expert_major_order, which the dispatch runs) are caught. An
 --ep 2 run saved at step 3 and resumed ends bitwise where the uninterrupted run does; resuming it at --ep 4 is refused.
+The final checkpoints of --ep 2 and 4 export what --ep 1's does (each expert read from the shards of the EP rank that
+holds it; read from EP rank 0's instead, planted in checkpoint/model.py's expert_home, is caught), and transformers
+reads the export with zerotrain's logits.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def run(comm, out, *flags) -> dict:
 
 
 def four_rank_job(rank, comm, tmp_path):
-    out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e)) for e in (1, 2, 4)}
+    # each saved at the end (exported by a test)
+    out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e), "--ckpt-every", str(STEPS)) for e in (1, 2, 4)}
     # ZeRO-2, saved at step 3; then resumed from there on the same EP layout
     out["ep2_zero2"] = run(comm, tmp_path / "ep2z2", "--ep", "2", "--zero", "2", "--ckpt-every", "3")
     out["resumed"] = run(comm, tmp_path / "resumed", "--ep", "2", "--zero", "2", "--resume",
@@ -123,11 +127,47 @@ def test_a_resume_onto_another_ep_is_refused_in_one_line_naming_both(four_ranks)
     assert said and "--ep 2" in said and "--ep 4" in said and "\n" not in said, said
 
 
-def test_an_expert_parallel_checkpoint_is_not_exported_and_says_so_in_one_line(four_ranks, capfd, tmp_path):
-    ckpt = f"{four_ranks[0]['folder']}/ep2z2/checkpoints/step_00000003"
-    got = zerotrain_here(capfd, "export", "--format", "hf", ckpt, str(tmp_path / "hf"))
-    lines = got.stderr.strip().splitlines()
-    assert got.returncode != 0 and len(lines) == 1 and "--ep 2" in lines[0], got
+def export_tensors(capfd, ckpt: str, out) -> dict[str, torch.Tensor]:
+    """`zerotrain export --format hf` of checkpoint `ckpt` into `out`, its tensors by name."""
+    from safetensors.torch import load_file
+
+    got = zerotrain_here(capfd, "export", "--format", "hf", ckpt, str(out))
+    assert got.returncode == 0, got
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def export_gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and any(".experts." in n for n in a)
+    return max(float((a[n].float() - b[n].float()).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_an_expert_parallel_checkpoint_exports_what_ep1_exports_and_a_misplaced_expert_block_is_caught(
+        four_ranks, capfd, tmp_path, monkeypatch, ep):
+    import transformers  # the [test] extra installs it: a missing one fails, never skips
+
+    import zerotrain
+    from zerotrain.checkpoint import model as checkpoint_model
+
+    ckpt = lambda key: f"{four_ranks[0]['folder']}/{key}/checkpoints/step_{STEPS:08d}"  # noqa: E731
+    base = export_tensors(capfd, ckpt("ep1"), tmp_path / "ep1")
+    ours = export_tensors(capfd, ckpt(f"ep{ep}"), tmp_path / f"ep{ep}")
+    assert export_gap(ours, base) < 1e-5
+    # transformers reads the export with the logits zerotrain's reader of the checkpoint gives
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / f"ep{ep}")).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, mine = hf(ids).logits, zerotrain.load_model(ckpt(f"ep{ep}"))(ids)
+    assert float((theirs - mine).abs().max()) < 1e-5
+    # planted: every expert read from EP rank 0's shards (the expert block of EP rank 1 and on is EP rank 0's)
+    real = checkpoint_model.expert_home
+    monkeypatch.setattr(checkpoint_model, "expert_home", lambda name, per_rank: (0, real(name, per_rank)[1]))
+    planted = export_tensors(capfd, ckpt(f"ep{ep}"), tmp_path / "planted")
+    assert export_gap(planted, base) > 1e-3
 
 
 @pytest.mark.parametrize("flags, said", [

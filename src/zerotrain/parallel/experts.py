@@ -163,6 +163,7 @@ class ExpertParallelEngine:
                                 **kwargs)
         self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=Mesh.single(mesh.expert_dp),
                                   select=is_expert_parameter, **kwargs)
+        self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
         if kwargs.get("gather_in_forward", True):
             # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
             # their all-gathers: each MoE layer waits for its experts' buckets first
