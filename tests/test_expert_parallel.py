@@ -45,7 +45,8 @@ def run(comm, out, *flags) -> dict:
 
 def four_rank_job(rank, comm, tmp_path):
     # each saved at the end (exported by a test)
-    out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e), "--ckpt-every", str(STEPS)) for e in (1, 2, 4)}
+    out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e), "--ckpt-every", str(STEPS))
+           for e in (1, 2, 4)}
     # ZeRO-2, saved at step 3; then resumed from there on the same EP layout
     out["ep2_zero2"] = run(comm, tmp_path / "ep2z2", "--ep", "2", "--zero", "2", "--ckpt-every", "3")
     out["resumed"] = run(comm, tmp_path / "resumed", "--ep", "2", "--zero", "2", "--resume",
