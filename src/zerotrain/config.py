@@ -420,6 +420,9 @@ class LaunchConfig:
 class ParallelConfig:
     tp: int = setting(1, "tensor-parallel degree: ranks that split each layer's heads and MLP (divides --nproc; "
                       "rank = dp_index x tp + tp_index)", rule=POSITIVE)
+    ep: int = setting(1, "expert-parallel degree: the experts of each MoE layer split in contiguous blocks over this "
+                      "many consecutive DP ranks, tokens sent to their expert's rank and back by all-to-all (divides "
+                      "the DP size and --n-experts)", rule=POSITIVE)
     precision: str = setting("fp32", "fp32, or bf16 parameters with an fp32 master shard",
                              rule=one_of("fp32", "bf16"))
     bucket_mb: float = setting(4.0, "gradient bucket size in MiB", rule=POSITIVE)
@@ -790,7 +793,7 @@ def _check_experts(cfg: Config) -> None:
                           f"loss: --arch {m.arch} has no experts")
     if not m.n_experts:
         given = [(m.expert_width, "--expert-width"), (m.shared_expert_width, "--shared-expert-width"),
-                 (m.mlp_only_layers, "--mlp-only-layers")]
+                 (m.mlp_only_layers, "--mlp-only-layers"), (cfg.parallel.ep if cfg.parallel.ep > 1 else 0, "--ep")]
         for value, flag in given:
             if value:
                 raise ConfigError(f"{flag} {value} is for a mixture of experts (--n-experts): --arch {m.arch} has none")
@@ -811,6 +814,28 @@ def _check_experts(cfg: Config) -> None:
     if tp > 1 and cfg.lora.rank and projections:
         raise ConfigError(f"--tp {tp}: LoRA on the experts' projections ({', '.join(sorted(projections))}) trains "
                           "without tensor parallelism yet: give --lora-targets q_proj,k_proj,v_proj,o_proj, or --tp 1")
+    _check_expert_parallel(cfg)
+
+
+def _check_expert_parallel(cfg: Config) -> None:
+    """--ep E: E divides the DP size and the experts; neither ZeRO-3, --tp nor LoRA with it yet."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    dp = max(1, cfg.launch.nproc // p.tp)
+    if dp % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp} (--nproc {cfg.launch.nproc} / "
+                          f"--tp {p.tp})")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide --n-experts {m.n_experts}: each EP rank holds a whole block "
+                          "of experts")
+    if p.tp > 1:
+        raise ConfigError(f"--ep {p.ep} with --tp {p.tp}: expert parallelism composes with --tp 1 only yet")
+    if p.zero == 3:
+        raise ConfigError(f"--ep {p.ep} with --zero 3: expert parallelism composes with --zero 1 and 2 only yet")
+    if cfg.lora.rank:
+        raise ConfigError(f"--ep {p.ep} with --lora-rank {cfg.lora.rank}: expert parallelism trains every parameter "
+                          "(no LoRA) yet")
 
 
 def validate(cfg: Config) -> Config:

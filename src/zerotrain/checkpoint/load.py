@@ -113,10 +113,28 @@ def read_shard(path: str, manifest: dict, rank: int) -> dict[str, torch.Tensor]:
     if problem is None:
         tensors = parse_safetensors(data, file)
         problem = shard_problem({k: (_code(t), list(t.shape)) for k, t in tensors.items()},
-                                manifest["layout"]["shard_numel"])
+                                manifest["layout"]["shard_numel"], expert_numel(manifest))
     if problem:
         raise CheckpointError(f"{file}: {problem}")
     return tensors
+
+
+def expert_numel(manifest: dict) -> int | None:
+    """An expert-parallel checkpoint's expert shard length (each rank's), or None."""
+    return manifest["expert_layout"]["shard_numel"] if "expert_layout" in manifest else None
+
+
+def refuse_other_ep(path: str, manifest: dict, engine) -> None:
+    """ConfigError unless this run's --ep is the checkpoint's: its experts are sharded by EP rank, and no reshard
+    across EP degrees is written yet."""
+    old, new = (manifest.get("mesh") or {}).get("ep", 1), engine.mesh.ep_size
+    if old != new:
+        raise ConfigError(f"{path} was written with --ep {old}; this run has --ep {new}: resharding a checkpoint to "
+                          f"another expert-parallel degree is not supported yet (resume with --ep {old})")
+    if new > 1 and (manifest.get("mesh") or {}).get("dp") != engine.mesh.dp_size:
+        raise ConfigError(f"{path} was written at --ep {old} on {manifest['world_size']} ranks; this run has "
+                          f"{engine.mesh.world.world_size}: an expert-parallel checkpoint resumes on its own world "
+                          "size only yet")
 
 
 def _code(t: torch.Tensor) -> str:
@@ -175,6 +193,7 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
+        refuse_other_ep(path, manifest, engine)
         refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
         same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
         if same:

@@ -310,6 +310,10 @@ class CheckpointWriter:
             "precision": engine.precision,
             "torch_version": torch.__version__,
             "layout": engine.layout.to_dict(),  # this rank's local layout, the same on every TP rank
+            # expert parallelism: the expert engine's layout over its replica group (EP rank 0's names) and the experts
+            # of each MoE layer an EP rank holds (EP rank e's names: EP rank 0's, the index shifted by e x those)
+            **({"expert_layout": engine.experts.layout.to_dict(), "experts_per_rank": engine.experts_per_rank}
+               if hasattr(engine, "expert_state_dict") else {}),
             "tp_slices": {name: s.to_dict() for name, s in engine.tp_slices.items()},
             **extra,
         }
@@ -384,6 +388,8 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
                  "step": torch.tensor([engine.step_count], dtype=torch.int64)}  # the keys _Staging.files writes
     else:
         state = engine.shard_state_dict()
+    if "expert_master" not in state:  # expert parallelism: the expert engine's shard beside the dense one's
+        state.update(getattr(engine, "expert_state_dict", dict)())
     return {shard_name(rank, world_size): {k: v if isinstance(v, list) else v.detach().cpu().contiguous()
                                            for k, v in state.items()}}
 
@@ -432,6 +438,8 @@ class _Staging:
                                                                                   non_blocking=non_blocking)
             self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
             self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
+            # expert parallelism: the expert engine's shard, copied whole (it is a fraction of the experts)
+            self.experts = {k: v.detach().cpu().clone() for k, v in getattr(engine, "expert_state_dict", dict)().items()}
         self.step.fill_(step_count)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
@@ -442,5 +450,6 @@ class _Staging:
             self._copied.synchronize()
 
     def files(self) -> dict[str, dict[str, torch.Tensor]]:
-        shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
+        shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step,
+                 **getattr(self, "experts", {})}
         return {shard_name(self.rank, self.world_size): shard}

@@ -116,7 +116,9 @@ def _verify_share(path: str, r: int, W: int) -> tuple[list[Check], dict[int, dic
     world = manifest["world_size"]
     ranks = _share([(str(q), 1) for q in range(world)], W)[r]
     if not group([_check("shard", shard_name(int(q), world), _header_problem(path, shard_name(int(q), world),
-                                                                             shard_numel)) for q in ranks]):
+                                                                             shard_numel, manifest.get(
+                                                                                 "expert_layout", {}).get(
+                                                                                 "shard_numel"))) for q in ranks]):
         return checks, None, manifest
     layout = layout_of(manifest, path)
     digests = {int(q): shard_digests(path, manifest, layout, int(q)) for q in ranks}
@@ -362,6 +364,8 @@ def partition_problem(manifest: dict) -> str | None:
     if problem:
         return problem
     full = sum(math.prod(_full_shape(manifest, p)) for p in L["params"])
+    if "expert_layout" in manifest:  # expert parallelism: every EP rank holds as many expert values as EP rank 0
+        full += manifest["expert_layout"]["numel"] * (manifest.get("mesh") or {}).get("ep", 1)
     if full != manifest["param_count"]:
         return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
     return None
@@ -418,9 +422,13 @@ def planned_slices_problem(manifest: dict) -> str | None:
     return None
 
 
-def shard_problem(found: dict[str, tuple[str, list[int]]], shard_numel: int) -> str | None:
-    """Why a shard's tensors (name -> (dtype code, shape)) are not what the layout implies, or None."""
+def shard_problem(found: dict[str, tuple[str, list[int]]], shard_numel: int, expert_numel: int | None = None
+                  ) -> str | None:
+    """Why a shard's tensors (name -> (dtype code, shape)) are not what the layout implies, or None. An expert-parallel
+    checkpoint's shards hold the expert engine's shard too (expert_numel values), its keys prefixed expert_."""
     expected = {**{k: ("F32", [shard_numel]) for k in STATE_KEYS}, "step": ("I64", [1])}
+    if expert_numel is not None:
+        expected.update({f"expert_{k}": ("F32", [expert_numel]) for k in STATE_KEYS}, expert_step=("I64", [1]))
     for key, (dtype, shape) in expected.items():
         if key not in found:
             return f"has no tensor {key!r}"
@@ -430,9 +438,9 @@ def shard_problem(found: dict[str, tuple[str, list[int]]], shard_numel: int) -> 
     return f"holds an unexpected tensor {extra[0]!r}" if extra else None
 
 
-def _header_problem(folder: str, name: str, shard_numel: int) -> str | None:
+def _header_problem(folder: str, name: str, shard_numel: int, expert_numel: int | None = None) -> str | None:
     try:
-        return shard_problem(read_header(os.path.join(folder, name)), shard_numel)
+        return shard_problem(read_header(os.path.join(folder, name)), shard_numel, expert_numel)
     except CheckpointError as e:
         return str(e)
 

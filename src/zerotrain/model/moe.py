@@ -107,6 +107,14 @@ class MoE(nn.Module):
         self.tp_comm = None  # under TP: the experts' input gradient and the layer's output summed over it (parallelize)
         self.path = "auto"  # "loop", "grouped", or auto: grouped on CUDA where it works, the loop elsewhere
         self.routing: Routing | None = None  # the last forward's (balancing_loss takes it)
+        # Expert parallelism (parallel/experts.py): `experts` holds this rank's block of them (a ModuleDict keyed by
+        # their global index, so names stay Hugging Face's) and `exchange(moe, rows, counts, path)` computes every
+        # sorted row's expert output across the EP group. None: every expert here.
+        self.exchange = None
+
+    def local_experts(self) -> list[Expert]:
+        """The experts this rank holds, in expert order: all of them, or its EP block."""
+        return list(self.experts.values()) if isinstance(self.experts, nn.ModuleDict) else list(self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -116,18 +124,22 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
         comm = self.tp_comm  # under TP the experts' outputs are this rank's partial sums: see the module docstring
         expert_input = copy_to_tp(flat, comm)
-        outputs = expert_outputs(self.experts, expert_input[order // self.top_k], counts, self.expert_path(flat))
+        rows = expert_input[order // self.top_k]
+        if self.exchange is not None:  # expert parallelism: the rows go to their experts' ranks and come back
+            outputs = self.exchange(self, rows, counts, self.expert_path(flat))
+        else:
+            outputs = expert_outputs(self.local_experts(), rows, counts, self.expert_path(flat))
         # back to (token, slot) order: each token's k outputs, weighted and summed in slot order
         unsorted = outputs[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))]
         y = (unsorted.view(-1, self.top_k, C) * copy_to_tp(weights.to(x.dtype), comm).unsqueeze(-1)).sum(1)
         if hasattr(self, "shared_expert"):
             y = y + copy_to_tp(torch.sigmoid(self.shared_expert_gate(flat)), comm) * self.shared_expert(expert_input)
         y = reduce_from_tp(y, comm)
-        down = self.experts[0].down_proj
+        down = self.local_experts()[0].down_proj
         if isinstance(down, PartialDown) and down.bias is not None:
             # gpt-oss's down biases, once: each token's weights over the E experts times their biases
             dense = torch.zeros(len(flat), self.n_experts, dtype=x.dtype, device=x.device)
-            biases = torch.stack([e.down_proj.bias for e in self.experts])
+            biases = torch.stack([e.down_proj.bias for e in self.local_experts()])
             y = y + dense.scatter(1, chosen, weights.to(x.dtype)) @ biases
         return y.view(B, T, C)
 

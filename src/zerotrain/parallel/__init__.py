@@ -2,11 +2,12 @@
 collectives."""
 
 from .comm import Comm
+from .experts import ExpertParallelEngine, build_expert_groups, expert_bytes, shard_experts
 from .engine import GradientOrderError, StaleParameterError, ZeroEngine, layout_of, stage2_bucket_budget
 from .layout import Bucket, ParamSlot, ShardLayout, ShardPiece
 from .mesh import Mesh
 from .zero3 import FrozenCopy, ReleasedParameterError, ZeroThreeEngine, shard_frozen_copy
 
-__all__ = ["Bucket", "Comm", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ReleasedParameterError", "ShardLayout", "ShardPiece",
+__all__ = ["Bucket", "Comm", "ExpertParallelEngine", "build_expert_groups", "expert_bytes", "shard_experts", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ReleasedParameterError", "ShardLayout", "ShardPiece",
            "StaleParameterError",
            "ZeroEngine", "ZeroThreeEngine", "layout_of", "shard_frozen_copy", "stage2_bucket_budget"]

@@ -210,6 +210,17 @@ class Comm:
             buf = self._scratch_buffers[key] = torch.empty_like(output)
         return buf
 
+    def all_to_all(self, input: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   purpose: str) -> torch.Tensor:
+        """Rows of `input` to every rank (in_splits[k] rows to rank k, in rank order), and theirs back: out_splits[k]
+        rows from rank k, in rank order. Bytes counted: the rows sent to other ranks."""
+        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        self._count(purpose, row * (sum(in_splits) - in_splits[self.rank]))
+        output = input.new_empty((sum(out_splits), *input.shape[1:]))
+        with self._guard(purpose):
+            dist.all_to_all_single(output, input, out_splits, in_splits, group=self.group)
+        return output
+
     def all_reduce(self, tensor: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         W = self.world_size
         self._count(purpose, tensor.numel() * tensor.element_size() * 2 * (W - 1) / W)

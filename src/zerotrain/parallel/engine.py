@@ -85,10 +85,11 @@ def stage2_bucket_budget(layout: ShardLayout) -> int:
     return 4 * sum(sizes[-2:])
 
 
-def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
+def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int, select=None) -> ShardLayout:
     """The flat layout an engine over `model` uses (a model on the meta device gives the same one): its trainable
-    parameters; frozen ones (a LoRA run's base) have no gradients, no optimizer state and are never reduced."""
-    named = trainable_parameters(model)  # a tied parameter appears once
+    parameters (those `select(name)` takes, where given); frozen ones (a LoRA run's base) have no gradients, no
+    optimizer state and are never reduced."""
+    named = trainable_parameters(model, select)  # a tied parameter appears once
     return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
 
 
@@ -108,8 +109,8 @@ def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:
         p.data = view
 
 
-def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def trainable_parameters(model: torch.nn.Module, select=None) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
 
 
 def frozen_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -153,6 +154,7 @@ class ZeroEngine:
         grad_reduce: str = "step",
         init=None,
         device: torch.device | str | None = None,
+        select=None,
     ):
         """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh`
         when there is one).
@@ -162,19 +164,24 @@ class ZeroEngine:
         A model built on the meta device (model.meta_model) is filled straight into the flat buffers on `device` from
         `init` (model/init.py's SeedValues, or --init-from's FileValues), one parameter at a time; a model with
         values keeps them (every rank's must be equal: nothing is broadcast).
+
+        `select(name)`: the trained parameters this engine holds (all by default). Expert parallelism
+        (parallel/experts.py) runs two engines over one model: the dense parameters, and the experts over their own
+        group; the frozen parameters are the engine's that holds everything or the dense one's.
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
         self.precision, self.stage = precision, stage
         self.per_micro_batch = grad_reduce == "micro-batch" and stage >= 2
         self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
-        self.layout = layout_of(model, dp.world_size, bucket_numel)
+        self.layout = layout_of(model, dp.world_size, bucket_numel, select)
+        self._select = select
         by_name = dict(model.named_parameters())
         self.params = [by_name[s.name] for s in self.layout.slots]
         # name -> TPSlice of the trained parameters split by TP; the frozen ones' (model_slices) only for invariant (b)
         self.model_slices = getattr(model, "tp_slices", {})
         self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
-        self.frozen = frozen_parameters(model)
+        self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
         self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)
         self._materialise_outside_layout()
@@ -237,7 +244,7 @@ class ZeroEngine:
         in_layout = {s.name for s in self.layout.slots}
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if p.is_meta and name not in in_layout:
+                if p.is_meta and name not in in_layout and (self._select is None or self._select(name)):
                     adopt_view(p, self._initial_value(name, p).to(self.device))
 
     def _initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -600,12 +607,22 @@ class ZeroEngine:
         self._expected, self._reached = list(self._bucket_sizes), None
 
     # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
+    def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
 
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
-        summed over ranks.
+        summed over ranks. `beside`: engines over the other parameters of the model (expert parallelism's), whose
+        reductions finish here and whose squared gradients join this rank's partial sum.
         """
+        squares = torch.cat([self.finish_grads(), *(e.finish_grads().to(self.grad_shard.device) for e in beside)])
+        limbs = grad_norm.exact_sum_limbs(squares)
+        extras = extras.to(dtype=torch.float64).reshape(-1).cpu()
+        stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.grad_shard.device),
+                                           "all_reduce_stats").cpu()
+        return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
+
+    def finish_grads(self) -> torch.Tensor:
+        """Finish this window's gradient reduction; the squares this rank adds to the global norm (reduce_grads)."""
         if self.grads_in_params:
             self._zero_grads_not_given()
         if self._awaiting:
@@ -617,11 +634,7 @@ class ZeroEngine:
                 not self.grads_in_params:
             self._launch(self._launched)
         self._finish_reduces()
-        limbs = grad_norm.exact_sum_limbs(self._counted_grad_sumsq())
-        extras = extras.to(dtype=torch.float64).reshape(-1).cpu()
-        stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.grad_shard.device),
-                                           "all_reduce_stats").cpu()
-        return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
+        return self._counted_grad_sumsq()
 
     def _zero_grads_not_given(self) -> None:
         """One rank's gradients in its parameters: a parameter autograd gave no gradient in the window reads zero,
@@ -743,6 +756,10 @@ class ZeroEngine:
                 out += [t for t in self.optimizer.state.get(p, {}).values()
                         if isinstance(t, torch.Tensor) and t.dim() > 0]
         return out
+
+    def expected_state_bytes(self) -> int:
+        """The ZeRO-1 formula for this rank: bytes per owned value x the shard."""
+        return self.expected_state_bytes_per_value() * self.layout.shard_numel
 
     def expected_state_bytes_per_value(self) -> int:
         """ZeRO-1 formula: 8 bytes (moments) per owned value in fp32, 12 (plus fp32 master) in bf16."""

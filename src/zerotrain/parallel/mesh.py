@@ -30,6 +30,12 @@ class Mesh:
     tp_rank: int
     kv: Comm | None = None  # the TP ranks holding this rank's KV heads: their gradient all-reduces; None if only it
     kv_replicas: int = 1  # TP ranks per KV head (consecutive TP ranks: TP rank t's group starts at t - t % kv_replicas)
+    # Expert parallelism (parallel/experts.py, build_expert_groups): the EP group (ep_size consecutive DP ranks, which
+    # split each MoE layer's experts) and the expert replica group (the DP ranks holding this rank's experts)
+    ep: Comm | None = None
+    expert_dp: Comm | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
 
     @property
     def dp_size(self) -> int:
@@ -40,7 +46,7 @@ class Mesh:
         return self.world.rank // self.tp_size
 
     def describe(self) -> dict:
-        return {"tp": self.tp_size, "dp": self.dp_size}
+        return {"tp": self.tp_size, "dp": self.dp_size, **({"ep": self.ep_size} if self.ep_size > 1 else {})}
 
     @classmethod
     def single(cls, comm: Comm) -> "Mesh":
@@ -82,14 +88,14 @@ class Mesh:
 
     def set_step(self, step: int) -> None:
         """The optimizer step the loop is in, for every communicator's failure messages."""
-        for comm in (self.world, self.world.io, self.dp, self.tp, self.kv):
+        for comm in (self.world, self.world.io, self.dp, self.tp, self.kv, self.ep, self.expert_dp):
             if comm is not None:
                 comm.step = step
 
     def counters(self) -> tuple[dict, dict]:
         """Calls and bytes by purpose, summed over this rank's communicators."""
         calls, nbytes = {}, {}
-        comms = (self.world, self.world.io, self.dp, self.tp, self.kv)
+        comms = (self.world, self.world.io, self.dp, self.tp, self.kv, self.ep, self.expert_dp)
         for comm in {id(c): c for c in comms if c is not None}.values():
             for k, v in comm.calls.items():
                 calls[k] = calls.get(k, 0) + v

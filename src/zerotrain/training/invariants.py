@@ -33,7 +33,12 @@ def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
     if replicated:
         what = "replicated parameters" if T > 1 else "parameters"
         raise InvariantError(f"invariant (b) failed: {what} of rank(s) {replicated} differ from rank 0 at step {step}")
-    if sliced:
+    E = mesh.ep_size  # expert parallelism (TP 1): row 1 is the rank's experts, equal across its replica group
+    experts = [r for r in range(len(rows)) if E > 1 and not torch.equal(rows[r, 1], rows[r % E, 1])]
+    if experts:
+        raise InvariantError(f"invariant (b) failed: the experts of rank(s) {experts} differ from their replica "
+                             f"group's first rank ({sorted({r % E for r in experts})}) at step {step}")
+    if sliced and E == 1:
         raise InvariantError(f"invariant (b) failed: the TP slices of rank(s) {sliced} differ from their DP group's "
                              f"first rank ({sorted({r % T for r in sliced})}) at step {step}")
     # A KV group is a run of kv_replicas consecutive ranks of one TP group; its first rank is the reference.
@@ -81,11 +86,11 @@ def check_memory(engine, comm: Comm, step: int = 0) -> MemoryReport:
     Measured from the storages behind the optimizer's own state tensors, so it is checked again after
     updates (every --check-every steps and at the end): state AdamW allocates later is counted then.
     """
-    measured = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+    measured = held_bytes(engine.optimizer_state_tensors(), exclude=getattr(engine, "flat_buffers", [engine.flat_params]))
     per_rank = comm.all_gather_rows(torch.tensor([measured], dtype=torch.int64), "all_gather_memory")
     report = MemoryReport(
         per_rank=[int(v) for v in per_rank.view(-1).tolist()],
-        expected=engine.expected_state_bytes_per_value() * engine.layout.shard_numel,
+        expected=engine.expected_state_bytes(),
         bytes_per_value=engine.expected_state_bytes_per_value(),
         shard_numel=engine.layout.shard_numel,
     )

@@ -21,7 +21,8 @@ from zerotrain.model import ARCH_NAMES, param_count, summed_token_loss
 from zerotrain.model.init import materialise
 from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters, dropout_rows
-from zerotrain.parallel import Comm, Mesh, ZeroEngine, ZeroThreeEngine
+from zerotrain.parallel import (Comm, ExpertParallelEngine, Mesh, ZeroEngine, ZeroThreeEngine, build_expert_groups,
+                                expert_bytes, shard_experts)
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_cause, restart_count
 from zerotrain.runtime.launch import rank_device
@@ -72,7 +73,9 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
     the engine fills its shard of it (its owned ranges alone read or drawn). Its adapters are made at once.
     """
     mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
+    mesh = build_expert_groups(mesh, cfg.parallel.ep)
     model, init = initial_model(cfg, mesh)
+    shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
         base_dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
         if cfg.parallel.zero < 3:  # stage 3 fills its shard of the base from `init`, as it does the trained values
@@ -81,6 +84,11 @@ def build_engine(cfg: Config, comm: Comm) -> ZeroEngine:
                      device=rank_device(cfg), dtype=base_dtype)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
+    settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
+                    reduce_in_backward=cfg.reduce_in_backward, gather_in_forward=cfg.gather_in_forward,
+                    stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
+    if mesh.ep_size > 1:  # this rank's block of experts, over its replica group; the rest over the DP group
+        return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
     engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
     return engine(model, mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
                   precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
@@ -581,22 +589,24 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     held at once during one, stage 3's units whole and stage 2's buckets in flight included), what its start read
     from --init-from's files or drew from the seed, its peak resident memory and, on CUDA, its device's peak."""
     peaks = peak_memory(engine.flat_params.device)
-    params = engine.flat_params.numel() * engine.flat_params.element_size()
+    buffers = getattr(engine, "flat_buffers", [engine.flat_params])  # expert parallelism: the experts' too
+    params = sum(b.numel() * b.element_size() for b in buffers)
     row = torch.tensor([
         params,
         getattr(engine, "param_peak_bytes", params),  # ZeRO-3: the shard and the units whole at once
         engine.grad_bytes(),
         engine.grad_peak_bytes,
-        invariants.held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]),
+        invariants.held_bytes(engine.optimizer_state_tensors(), exclude=buffers),
         engine.init_bytes_read,  # what building this rank's share of the model read from --init-from's files
         engine.init_values_drawn,  # ... or drew from the seed
         engine.frozen_bytes(),  # the frozen parameters (a LoRA run's base) it holds: ZeRO-3's shard of them
+        expert_bytes(engine),  # a mixture of experts': its experts' parameters and optimizer state held here
         peaks["peak_host_bytes"],
         *([peaks["peak_device_bytes"]] if "peak_device_bytes" in peaks else []),
     ], dtype=torch.int64)
     rows = comm.all_gather_rows(row, "all_gather_memory").tolist()
     keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "init_bytes_read",
-            "init_values_drawn", "frozen_bytes", "peak_rss_bytes", "peak_device_bytes")
+            "init_values_drawn", "frozen_bytes", "expert_bytes", "peak_rss_bytes", "peak_device_bytes")
     return {key: [int(r[i]) for r in rows] for i, key in enumerate(keys[:len(row)])}
 
 

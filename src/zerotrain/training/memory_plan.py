@@ -76,6 +76,7 @@ from zerotrain.model.layers import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
+from zerotrain.parallel.experts import is_expert_parameter, keep_expert_block
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 
@@ -137,22 +138,20 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
             parallelize(model, tp, 0, None)
         if cfg.lora.rank:
             add_adapters(model, cfg.lora, cfg.loop.seed)
-    L = layout_of(model, dp, p.bucket_numel)
+    E = p.ep  # expert parallelism: EP rank 0's block of experts, over its replica group of dp / E ranks
+    if E > 1:
+        keep_expert_block(model, E)
+    L = layout_of(model, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if E > 1 else None)
+    experts = layout_of(model, dp // E, p.bucket_numel, is_expert_parameter) if E > 1 else None
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     frozen = frozen_layout_of(model, dp, p.bucket_numel) if p.zero == 3 else None  # stage 3 shards the frozen base
     units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, frozen=frozen) if p.zero == 3 else 0
-    if keeps_autograd_grads(p.zero, p.precision, dp, tp):
-        grads = L.numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
-        buckets = 0
-    elif p.zero == 1:
-        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
-        grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
-        buckets = 0
-    else:
-        grads = shard * 4
-        per_micro_batch = cfg.loop.accum == 1 or cfg.grad_reduce == "micro-batch"
-        buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
+    grads, buckets, communication = gradient_bytes(cfg, L, dp, psize)
+    if experts is not None:  # the expert engine's, over its replica group
+        more = gradient_bytes(cfg, experts, dp // E, psize)
+        grads, buckets, communication = grads + more[0], buckets + more[1], communication + more[2]
+        padded, shard = padded + experts.padded_numel, shard + experts.shard_numel
     staging = shard * 12 if cfg.checkpoint.async_save else 0
     activations = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=tp, precision=p.precision,
                                    recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents,
@@ -170,10 +169,29 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "reference": reference_bytes(cfg),
         "reference_model": reference_model_bytes(cfg, model, L, psize),
         "loss_working_set": activations["working"],
-        "communication": (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0,
+        "communication": communication,
         "checkpoint_staging": staging,
     }
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
+
+
+def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
+    """(gradients, gradient buckets, gloo's reduce-scatter scratch) of an engine with layout `L` over `dp` ranks."""
+    p, tp = cfg.parallel, cfg.parallel.tp
+    padded, shard = L.padded_numel, L.shard_numel
+    if keeps_autograd_grads(p.zero, p.precision, dp, tp):
+        grads = L.numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
+        buckets = 0
+    elif p.zero == 1:
+        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
+        grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
+        buckets = 0
+    else:
+        grads = shard * 4
+        per_micro_batch = cfg.loop.accum == 1 or cfg.grad_reduce == "micro-batch"
+        buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
+    communication = (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0
+    return grads, buckets, communication
 
 
 def reference_bytes(cfg: Config) -> int:
@@ -400,10 +418,12 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
 def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str, int]:
     """The state rows as the engine holds them now (between steps); `outside`: what the objective holds beyond the
     engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
-    master = engine.master.numel() * 4 if engine.master is not None else 0
-    optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+    parts = getattr(engine, "parts", [engine])  # expert parallelism: the dense engine and the experts'
+    master = sum(e.master.numel() * 4 for e in parts if e.master is not None)
+    buffers = [e.flat_params for e in parts]
+    optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=buffers)
     copy = (outside or {}).get("reference_model")
-    return {"parameters": engine.flat_params.numel() * engine.flat_params.element_size(),
+    return {"parameters": sum(b.numel() * b.element_size() for b in buffers),
             "frozen_base": engine.frozen_bytes(),
             "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master,
             "reference_model": copy.held_bytes() if copy is not None else 0}
@@ -425,9 +445,10 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
         elif isinstance(value, dict):
             walk(list(value.values()))
 
-    walk(list(vars(engine).values()))
+    for part in getattr(engine, "parts", [engine]):  # expert parallelism: the dense engine and the experts'
+        walk(list(vars(part).values()))
+        walk(list(part.optimizer.state.values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
-    walk(list(engine.optimizer.state.values()))
     walk([copy.tensors() for copy in (outside or {}).values()])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found if t.dim() > 0}
     return sum(storages.values())

@@ -1,0 +1,251 @@
+"""Expert parallelism (--ep E): each MoE layer's experts split over E ranks, tokens sent to them by all-to-all, and the
+engine that reduces and shards the expert parameters over the ranks that hold the same experts.
+
+    groups    the DP ranks form EP groups of E consecutive DP ranks (EP rank = DP rank mod E); EP rank r holds the
+              contiguous block of experts [r n/E, (r+1) n/E) of every MoE layer. The DP ranks with the same EP rank
+              (DP/E of them) hold the same experts: the expert replica group.
+    dispatch  each rank routes its own tokens (the router is dense, unchanged) and sorts its (token, slot) rows by
+              expert (model/moe.py). Counts first: an all-to-all of the per-expert counts tells each rank how many rows
+              it gets from every source for each of its experts. Then the rows: all_to_all_single with those splits;
+              the received rows are in (source rank, expert) order, reordered to (expert, source rank) for
+              model/moe.py's expert_outputs, then back, and returned by the reverse all-to-all. Dropless, and the
+              order fixed, so that the result is EP 1's within float noise (an expert's rows are the same rows).
+              Autograd goes through both all-to-alls (the backward of one is the other with the splits swapped).
+    engine    two ZeRO engines over one model: the dense parameters over the whole DP group, as without EP; the expert
+              parameters (this rank's block) over the replica group, reduce-scattered there (their gradients already
+              hold every EP rank's tokens: the all-to-all's backward brought them) and their optimizer state sharded
+              there. One scalar all-reduce per step still: the expert shard's squared gradients join the dense
+              engine's (grad_norm's exact limbs add), so the global norm counts every expert value once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.model.moe import expert_outputs, moe_layers
+
+from .comm import Comm
+from .digest import tensor_digest
+from .engine import ZeroEngine
+from .mesh import Mesh
+
+
+def is_expert_parameter(name: str) -> bool:
+    """A routed expert's parameter (model/moe.py's mlp.experts.{e}.*), not the router's or the shared expert's."""
+    return ".experts." in name
+
+
+def build_expert_groups(mesh: Mesh, ep: int) -> Mesh:
+    """`mesh` with its EP group (E consecutive DP ranks) and expert replica group (the DP ranks of one EP rank).
+
+    Every rank calls this together, in the same order: new_group is collective over the world."""
+    if ep == 1:
+        return mesh
+    T, D = mesh.tp_size, mesh.dp_size
+    t, d = mesh.tp_rank, mesh.dp_rank
+    world = mesh.world
+    timeout = datetime.timedelta(seconds=world.timeout_s) if world.timeout_s else None
+    mine_ep = mine_replica = None
+    for tp_index in range(T):
+        for first in range(0, D, ep):
+            group = dist.new_group([(first + e) * T + tp_index for e in range(ep)], timeout=timeout)
+            if tp_index == t and first == d - d % ep:
+                mine_ep = group
+        for e in range(ep):
+            group = dist.new_group([k * T + tp_index for k in range(e, D, ep)], timeout=timeout)
+            if tp_index == t and e == d % ep:
+                mine_replica = group
+    mesh.ep = Comm(mine_ep, timeout_s=world.timeout_s)
+    mesh.expert_dp = Comm(mine_replica, timeout_s=world.timeout_s)
+    mesh.ep_size, mesh.ep_rank = ep, d % ep
+    return mesh
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with autograd: the backward sends the gradients back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int], purpose: str):
+        ctx.comm, ctx.splits, ctx.purpose = comm, (out_splits, in_splits), purpose
+        return comm.all_to_all(rows, out_splits, in_splits, purpose)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return ctx.comm.all_to_all(grad.contiguous(), in_splits, out_splits, ctx.purpose + "_backward"), \
+            None, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],
+                    purpose: str) -> torch.Tensor:
+    return _AllToAll.apply(rows.contiguous(), comm, out_splits, in_splits, purpose)
+
+
+def expert_major_order(per_source: torch.Tensor) -> torch.Tensor:
+    """The received rows, laid out by (source rank, expert) with per_source[s, j] rows each, as indices in (expert,
+    source rank) order: each local expert's rows together, its sources in rank order."""
+    E, local = per_source.shape
+    lengths = per_source.reshape(-1)
+    starts = (lengths.cumsum(0) - lengths).view(E, local)
+    block_starts, block_lengths = starts.t().reshape(-1), per_source.t().reshape(-1)
+    out_starts = block_lengths.cumsum(0) - block_lengths
+    total = int(lengths.sum())
+    shift = torch.repeat_interleave(block_starts - out_starts, block_lengths, output_size=total)
+    return torch.arange(total, device=per_source.device) + shift
+
+
+class ExpertExchange:
+    """A MoE layer's `exchange` under --ep: its sorted rows to their experts' ranks, computed there, and back."""
+
+    def __init__(self, comm: Comm, n_experts: int):
+        self.comm, self.ep = comm, comm.world_size
+        self.local = n_experts // self.ep
+
+    def __call__(self, moe, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
+        E, local = self.ep, self.local
+        # Counts first: rank r gets, from every source, the source's rows for each of r's experts (source order).
+        per_source = self.comm.all_to_all(counts.contiguous(), [local] * E, [local] * E,
+                                          "all_to_all_expert_counts").view(E, local)
+        sent = counts.view(E, local).sum(1).tolist()
+        received = per_source.sum(1).tolist()
+        gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
+        order = expert_major_order(per_source)
+        outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        return all_to_all_rows(outputs[inverse], self.comm, sent, received, "all_to_all_expert_outputs")
+
+
+def shard_experts(model: torch.nn.Module, mesh: Mesh) -> None:
+    """Keep this rank's block of each MoE layer's experts (by their global index, so names stay Hugging Face's) and
+    route the layer through the EP group. The model is on the meta device: nothing is allocated or freed."""
+    if mesh.ep_size == 1:
+        return
+    keep_expert_block(model, mesh.ep_size, mesh.ep_rank)
+    for moe in moe_layers(model):
+        moe.exchange = ExpertExchange(mesh.ep, moe.n_experts)
+
+
+def expert_bytes(engine) -> int:
+    """Bytes this rank holds for the routed experts, where they are held: their parameters and their optimizer state
+    (bytes per value x the expert values it owns). Expert parallelism: the expert engine's buffer and shard; else the
+    experts' slots of the one flat buffer and the rank's owned pieces of them. ZeRO-3 and TP are not counted (0)."""
+    if isinstance(engine, ExpertParallelEngine):
+        return engine.expert_bytes()
+    if engine.stage == 3 or engine.mesh.tp_size > 1:
+        return 0
+    L, rank = engine.layout, engine.dp.rank
+    slots = [s for s in L.slots if is_expert_parameter(s.name)]
+    owned = sum(p.numel for s in slots for p in L.owned_pieces(rank, s.offset, s.offset + s.numel))
+    return sum(s.numel for s in slots) * engine.flat_params.element_size() + \
+        engine.expected_state_bytes_per_value() * owned
+
+
+def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None:
+    """Keep EP rank `ep_rank`'s block of each MoE layer's experts (a ModuleDict keyed by their global index, so that
+    names stay Hugging Face's). On a model on the meta device nothing is allocated or freed."""
+    for moe in moe_layers(model):
+        local = moe.n_experts // ep
+        first = ep_rank * local
+        moe.experts = torch.nn.ModuleDict({str(e): moe.experts[e] for e in range(first, first + local)})
+
+
+class ExpertParallelEngine:
+    """Two ZeRO engines over one model: `dense` over the DP group, `experts` over the expert replica group. Reads the
+    dense engine's attributes (its layout, flat buffer, mesh, model, optimizer); steps, digests and state cover both."""
+
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
+        self.dense = ZeroEngine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
+                                **kwargs)
+        self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=Mesh.single(mesh.expert_dp),
+                                  select=is_expert_parameter, **kwargs)
+        self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
+        if kwargs.get("gather_in_forward", True):
+            # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
+            # their all-gathers: each MoE layer waits for its experts' buckets first
+            for moe in moe_layers(model):
+                moe.register_forward_pre_hook(lambda *_: self.experts.wait_params())
+        self.init_bytes_read = self.dense.init_bytes_read + self.experts.init_bytes_read
+        self.init_values_drawn = self.dense.init_values_drawn + self.experts.init_values_drawn
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["dense"], name)
+
+    @property
+    def parts(self) -> list[ZeroEngine]:
+        return [self.dense, self.experts]
+
+    @property
+    def flat_buffers(self) -> list[torch.Tensor]:
+        return [self.dense.flat_params, self.experts.flat_params]
+
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True):
+        with self.dense.no_sync(enabled), self.experts.no_sync(enabled):
+            yield
+
+    def zero_grad(self) -> None:
+        self.dense.zero_grad()
+        self.experts.zero_grad()
+
+    def reduce_grads(self, extras: torch.Tensor):
+        return self.dense.reduce_grads(extras, beside=(self.experts,))
+
+    def apply(self, lr: float, grad_norm: float) -> None:
+        self.dense.apply(lr, grad_norm)
+        self.experts.apply(lr, grad_norm)
+
+    def wait_params(self, buckets=None) -> None:
+        self.dense.wait_params(buckets)
+        self.experts.wait_params(buckets)
+
+    def param_digests(self) -> torch.Tensor:
+        """Row 0: the dense parameters (equal on every rank); row 1: this rank's experts (equal across its replica
+        group: invariants.check_no_drift compares DP ranks of one EP rank)."""
+        rows = self.dense.param_digests().clone()
+        self.experts.wait_params()
+        rows[1] = tensor_digest(self.experts.flat_params.detach())
+        return rows
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.dense.grad_tensors() + self.experts.grad_tensors()
+
+    def grad_bytes(self) -> int:
+        return self.dense.grad_bytes() + self.experts.grad_bytes()
+
+    @property
+    def grad_peak_bytes(self) -> int:
+        return self.dense.grad_peak_bytes + self.experts.grad_peak_bytes
+
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        return self.dense.optimizer_state_tensors() + self.experts.optimizer_state_tensors()
+
+    def expected_state_bytes(self) -> int:
+        return self.dense.expected_state_bytes() + self.experts.expected_state_bytes()
+
+    def expert_bytes(self) -> int:
+        """Bytes this rank holds for its experts: their parameters and their optimizer state's shard."""
+        e = self.experts
+        return e.flat_params.numel() * e.flat_params.element_size() + e.expected_state_bytes()
+
+    @property
+    def param_count(self) -> int:
+        return self.dense.param_count + self.experts.param_count * self.mesh.ep_size
+
+    def expert_state_dict(self) -> dict[str, torch.Tensor]:
+        """The expert engine's shard state, its keys prefixed with expert_ (beside the dense keys in a shard file)."""
+        return {f"expert_{k}": v for k, v in self.experts.shard_state_dict().items()}
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        return {**self.dense.shard_state_dict(), **self.expert_state_dict()}
+
+    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.dense.load_shard_state_dict({k: v for k, v in sd.items() if not k.startswith("expert_")})
+        self.experts.load_shard_state_dict({k[len("expert_"):]: v for k, v in sd.items() if k.startswith("expert_")})
+
+    def full_state_dict(self):
+        raise NotImplementedError("the full model of an expert-parallel run is not gathered yet")
