@@ -614,7 +614,8 @@ class ZeroEngine:
         summed over ranks. `beside`: engines over the other parameters of the model (expert parallelism's), whose
         reductions finish here and whose squared gradients join this rank's partial sum.
         """
-        squares = torch.cat([self.finish_grads(), *(e.finish_grads().to(self.grad_shard.device) for e in beside)])
+        squares = torch.cat([self.finish_grads().reshape(-1),
+                             *(e.finish_grads().reshape(-1).to(self.grad_shard.device) for e in beside)])
         limbs = grad_norm.exact_sum_limbs(squares)
         extras = extras.to(dtype=torch.float64).reshape(-1).cpu()
         stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.grad_shard.device),
