@@ -822,7 +822,7 @@ def _check_expert_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    dp = max(1, cfg.launch.nproc // p.tp)
+    dp = cfg.dp
     if dp % p.ep:
         raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp} (--nproc {cfg.launch.nproc} / "
                           f"--tp {p.tp})")

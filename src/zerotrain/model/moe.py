@@ -130,7 +130,7 @@ class MoE(nn.Module):
         else:
             outputs = expert_outputs(self.local_experts(), rows, counts, self.expert_path(flat))
         # back to (token, slot) order: each token's k outputs, weighted and summed in slot order
-        unsorted = outputs[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))]
+        unsorted = outputs[inverse_order(order)]
         y = (unsorted.view(-1, self.top_k, C) * copy_to_tp(weights.to(x.dtype), comm).unsqueeze(-1)).sum(1)
         if hasattr(self, "shared_expert"):
             y = y + copy_to_tp(torch.sigmoid(self.shared_expert_gate(flat)), comm) * self.shared_expert(expert_input)
@@ -164,6 +164,11 @@ class MoE(nn.Module):
         if self.path != "auto":
             return self.path
         return "grouped" if flat.device.type == "cuda" and grouped_mm_works(flat.device.type, flat.dtype) else "loop"
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that puts rows taken in `order` back where they came from (rows[order][inverse] == rows)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
 def expert_outputs(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor, path: str = "loop"):

@@ -26,7 +26,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from zerotrain.model.moe import expert_outputs, moe_layers
+from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
 from .digest import tensor_digest
@@ -115,9 +115,7 @@ class ExpertExchange:
         gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
         order = expert_major_order(per_source)
         outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order), device=order.device)
-        return all_to_all_rows(outputs[inverse], self.comm, sent, received, "all_to_all_expert_outputs")
+        return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
 
 
 def shard_experts(model: torch.nn.Module, mesh: Mesh) -> None:
