@@ -48,8 +48,10 @@ def whole_shards_state(shards, old, old_slices, old_tp, new, new_slices, tp_rank
     return state
 
 
-def whole_shards_reshard(path, manifest, old, old_slices, new, new_slices, tp_rank, dp_rank) -> dict:
-    """Planted in place of load.py's _reshard: the reshard before ranged reads, every old shard read whole."""
+def whole_shards_reshard(path, manifest, old, old_slices, new, new_slices, tp_rank, dp_rank, prefix="") -> dict:
+    """Planted in place of load.py's _reshard: the reshard before ranged reads, every old shard read whole (of a
+    checkpoint without --ep: `prefix` is "")."""
+    assert not prefix, "the whole-shard reshard knows no expert layout"
     shards = [load_module.read_shard(path, manifest, r) for r in range(manifest["world_size"])]
     return whole_shards_state(shards, old, old_slices, mesh_of(manifest)[0], new, new_slices, tp_rank, dp_rank)
 

@@ -20,7 +20,8 @@ from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 
 from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, mesh_of, read_latest,
                       read_manifest, shard_name, step_folders, step_of, tp_slices_of)
-from .reshard import Read, full_shapes, shard_reads
+from .homes import CheckpointHomes, engine_shapes, same_expert_layout, shard_parts
+from .reshard import Read, shard_reads
 from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
 from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, layout_of, name_problem,
                      partition_problem, record_problem, replica_digests, replicas_check, shard_problem, size_problem,
@@ -124,19 +125,6 @@ def expert_numel(manifest: dict) -> int | None:
     return manifest["expert_layout"]["shard_numel"] if "expert_layout" in manifest else None
 
 
-def refuse_other_ep(path: str, manifest: dict, engine) -> None:
-    """ConfigError unless this run's --ep is the checkpoint's: its experts are sharded by EP rank, and no reshard
-    across EP degrees is written yet."""
-    old, new = (manifest.get("mesh") or {}).get("ep", 1), engine.mesh.ep_size
-    if old != new:
-        raise ConfigError(f"{path} was written with --ep {old}; this run has --ep {new}: resharding a checkpoint to "
-                          f"another expert-parallel degree is not supported yet (resume with --ep {old})")
-    if new > 1 and (manifest.get("mesh") or {}).get("dp") != engine.mesh.dp_size:
-        raise ConfigError(f"{path} was written at --ep {old} on {manifest['world_size']} ranks; this run has "
-                          f"{engine.mesh.world.world_size}: an expert-parallel checkpoint resumes on its own world "
-                          "size only yet")
-
-
 def _code(t: torch.Tensor) -> str:
     return DTYPE_CODES.get(t.dtype, str(t.dtype))
 
@@ -193,7 +181,6 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
-        refuse_other_ep(path, manifest, engine)
         refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
         same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
         if same:
@@ -219,21 +206,27 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     if bad is not None:
         return {}, failure_message(path, bad)
     old, old_slices = layout_of(manifest, path), tp_slices_of(manifest)
-    # engine.dp: the DP group ZeRO shards over (its rank is the DP rank)
-    engine.load_shard_state_dict(_reshard(path, manifest, old, old_slices, engine.layout, engine.tp_slices,
-                                          engine.mesh.tp_rank, engine.dp.rank))
+    state = {}
+    for prefix, part in shard_parts(engine):  # with --ep: the dense engine's shard, then the expert engine's
+        # part.dp: the group the part shards over (its rank is the DP rank there; the expert replica group's with --ep)
+        state.update({prefix + k: v for k, v in _reshard(path, manifest, old, old_slices, part.layout, part.tp_slices,
+                                                         part.mesh.tp_rank, part.dp.rank, prefix=prefix).items()})
+    engine.load_shard_state_dict(state)
     return manifest, None
 
 
 def _same_mesh(path: str, manifest: dict, engine: ZeroEngine) -> bool:
-    """Whether `engine` has the checkpoint's mesh, TP slices and local layout (each rank's shard loads as it is);
-    CheckpointError when it holds another model."""
-    old, old_slices, (old_tp, old_dp) = layout_of(manifest, path), tp_slices_of(manifest), mesh_of(manifest)
+    """Whether `engine` has the checkpoint's mesh, TP slices, local layout and expert layout (each rank's shard loads
+    as it is); CheckpointError when it holds another model (compared by global names and full shapes: an --ep
+    checkpoint's experts are every EP rank's, whatever the EP degrees)."""
+    homes, (old_tp, old_dp) = CheckpointHomes.of(manifest, path), mesh_of(manifest)
     new, mesh = engine.layout, engine.mesh
-    if full_shapes(old, old_slices) != full_shapes(new, engine.tp_slices):
+    if homes.shapes != engine_shapes(engine):
         raise CheckpointError(f"{path} holds a model with different parameters than this run")
-    return ((old_tp, old_dp) == (mesh.tp_size, mesh.dp_size) and old_slices == engine.tp_slices
-            and old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets)
+    old = homes.layout
+    return ((old_tp, old_dp) == (mesh.tp_size, mesh.dp_size) and homes.tp_slices == engine.tp_slices
+            and old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets
+            and same_expert_layout(homes, engine))
 
 
 def _read_own_share(path: str, manifest: dict, comm: Comm) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -249,9 +242,12 @@ def _read_own_share(path: str, manifest: dict, comm: Comm) -> tuple[dict[str, to
 
 
 def _reshard(path: str, manifest: dict, old: ShardLayout, old_slices: dict, new: ShardLayout, new_slices: dict,
-             tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
+             tp_rank: int, dp_rank: int, *, prefix: str = "") -> dict[str, torch.Tensor]:
     """The shard state of TP rank `tp_rank`, DP rank `dp_rank` in layout `new`, read by ranges from the checkpoint
-    at `path` (verified: see load_checkpoint), whose layout is `old`.
+    at `path` (verified: see load_checkpoint), whose layout is `old`. `prefix` "expert_": `new` is an --ep run's expert
+    layout (`dp_rank` its rank in the replica group), its experts found wherever the checkpoint holds them
+    (homes.CheckpointHomes: its flat layout at --ep 1, its expert layout of their EP rank otherwise); the keys of the
+    result are unprefixed.
 
     Each old shard this rank needs is opened once per state key, and only the byte ranges `shard_reads` names
     are read (safetensors' lazy slices of the memory-mapped file); the step is world rank 0's. Exact: values
@@ -260,26 +256,30 @@ def _reshard(path: str, manifest: dict, old: ShardLayout, old_slices: dict, new:
     buffers; of it, the engine held 1,896 before the load, this rank's new state 708 (3 x its shard) and the
     pages of one key of one old shard, mapped meanwhile, 157.
     """
-    old_tp, world_size = mesh_of(manifest)[0], manifest["world_size"]
-    reads = shard_reads(old, old_slices, old_tp, new, new_slices, tp_rank, dp_rank)
+    world_size = manifest["world_size"]
+    homes = CheckpointHomes.of(manifest, path, old, old_slices)
+    reads = shard_reads(homes, new, new_slices, tp_rank, dp_rank)
     sd = {key: torch.zeros(new.shard_numel, dtype=torch.float32) for key in STATE_KEYS}
     for rank in sorted({r.rank for r in reads}):
         _read_ranges(os.path.join(path, shard_name(rank, world_size)), [r for r in reads if r.rank == rank], sd)
     with safe_open(os.path.join(path, shard_name(0, world_size)), framework="pt") as f:
-        sd["step"] = f.get_tensor("step").clone()
+        sd["step"] = f.get_tensor(homes.step_key(prefix)).clone()
     count_read(sd["step"].numel() * sd["step"].element_size())
     return sd
 
 
 def _read_ranges(file: str, reads: list[Read], sd: dict[str, torch.Tensor]) -> None:
-    """Copy each read's values of every state key from the shard `file` into `sd`, reading only those bytes.
+    """Copy each read's values of every state key (under its prefix in the file) from the shard `file` into `sd`,
+    reading only those bytes.
 
     The file is mapped once per key and let go before the next: the pages read stay resident only meanwhile.
     """
     for key in STATE_KEYS:
         with safe_open(file, framework="pt") as f:
-            values = f.get_slice(key)
-            for r in reads:
-                sd[key][r.dst : r.dst + r.numel] = values[r.src : r.src + r.numel]
-        del values
+            for prefix in sorted({r.prefix for r in reads}):
+                values = f.get_slice(prefix + key)
+                for r in reads:
+                    if r.prefix == prefix:
+                        sd[key][r.dst : r.dst + r.numel] = values[r.src : r.src + r.numel]
+                del values
         count_read(sum(r.numel for r in reads) * sd[key].element_size())

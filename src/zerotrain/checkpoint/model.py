@@ -23,13 +23,8 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-import re
-
-from zerotrain.errors import CheckpointError
-from zerotrain.parallel import ParamSlot, ShardLayout
-
-from .format import MANIFEST, MODEL_FILE, layout_of, mesh_of, read_manifest, shard_name, tp_slices_of
-from .reshard import full_shapes
+from .format import MODEL_FILE, read_manifest, shard_name
+from .homes import CheckpointHomes, Home
 from .stream import count_read
 
 
@@ -115,57 +110,33 @@ class ShardedModel:
     def __init__(self, folder: str, manifest: dict | None = None):
         self.folder = folder
         self.manifest = manifest if manifest is not None else read_manifest(folder)
-        self.layout = layout_of(self.manifest, folder)
-        self.tp_slices = tp_slices_of(self.manifest)
-        self.shapes = full_shapes(self.layout, self.tp_slices)  # name -> full shape, in layout order
-        self._slots = {s.name: s for s in self.layout.slots}
+        # where each parameter lives, by global name: with --ep an expert in the expert layout of its EP rank
+        self.homes = CheckpointHomes.of(self.manifest, folder)
+        self.layout, self.tp_slices = self.homes.layout, self.homes.tp_slices
+        self.shapes = self.homes.shapes  # name -> full shape, in layout order (then the experts of an --ep one)
         self._opened: dict[int, object] = {}
-        # Expert parallelism: the experts, by global name, from the expert layout of the EP rank that holds them
-        self.ep = (self.manifest.get("mesh") or {}).get("ep", 1)
-        self.expert_layout, self._experts = None, {}  # global name -> (EP rank, EP rank 0's slot)
-        if self.ep > 1:
-            self.expert_layout = expert_layout_of(self.manifest, folder)
-            per_rank = experts_per_rank(self.manifest, folder)
-            by_name = {s.name: s for s in self.expert_layout.slots}
-            for name in expert_names(self.expert_layout, self.ep, per_rank):
-                ep_rank, local_name = expert_home(name, per_rank)
-                self._experts[name] = (ep_rank, by_name[local_name])
-                self.shapes[name] = by_name[local_name].shape
 
     def tensor(self, name: str) -> torch.Tensor:
         """Parameter `name`'s full tensor, fp32 (in a bf16 run the masters rounded to bf16), its own storage."""
-        if name in self._experts:  # an expert of an --ep checkpoint: never TP-split (--ep refuses --tp)
-            full = self._local_expert(*self._experts[name])
-            return full.bfloat16().float() if self.manifest["precision"] == "bf16" else full
-        slot, tp_slice = self._slots[name], self.tp_slices.get(name)
+        home, tp_slice = self.homes.home(name), self.tp_slices.get(name)
         if tp_slice is None:  # replicated: every TP rank holds it bitwise alike (verify's replicas check); TP rank 0's
-            full = self._local(slot, 0)
+            full = self._local(home, 0)  # (an expert of an --ep checkpoint: never TP-split, --ep refuses --tp)
         else:
             full = torch.empty(tp_slice.full_shape)
             for t in range(len(tp_slice.parts)):
                 if tp_slice.first_holder(t) == t:  # a KV head held by several TP ranks: once, from the first
-                    tp_slice.place(full, self._local(slot, t), t)
+                    tp_slice.place(full, self._local(home, t), t)
         return full.bfloat16().float() if self.manifest["precision"] == "bf16" else full
 
-    def _local(self, slot: ParamSlot, t: int) -> torch.Tensor:
-        """TP rank t's tensor of `slot`: its range of the flat layout, read from the DP ranks' chunks that hold it."""
-        T = mesh_of(self.manifest)[0]
+    def _local(self, home: Home, t: int) -> torch.Tensor:
+        """TP rank t's tensor of `home`'s slot: its range of its layout, read from the DP ranks' chunks that hold it
+        (with --ep an expert's from its EP rank's replica group, their shards' expert masters)."""
+        slot = home.slot
         local = torch.empty(slot.numel)
-        for p in self.layout.pieces(slot.offset, slot.offset + slot.numel):
+        for p in home.layout.pieces(slot.offset, slot.offset + slot.numel):
             at = p.start - slot.offset
-            local[at : at + p.numel] = self._masters(p.rank * T + t)[p.shard_offset : p.shard_offset + p.numel]
-            count_read(4 * p.numel)
-        return local.view(slot.shape)
-
-    def _local_expert(self, ep_rank: int, slot: ParamSlot) -> torch.Tensor:
-        """EP rank `ep_rank`'s tensor of `slot` (a slot of the expert layout): its range read from the chunks of that
-        EP rank's replica group (replica k is DP rank k x E + ep_rank), from their shards' expert masters."""
-        T = mesh_of(self.manifest)[0]
-        local = torch.empty(slot.numel)
-        for p in self.expert_layout.pieces(slot.offset, slot.offset + slot.numel):
-            at = p.start - slot.offset
-            rank = (p.rank * self.ep + ep_rank) * T
-            local[at : at + p.numel] = self._masters(rank, "expert_master")[p.shard_offset : p.shard_offset + p.numel]
+            shard = self._masters(home.world_ranks[p.rank] + t, home.prefix + "master")
+            local[at : at + p.numel] = shard[p.shard_offset : p.shard_offset + p.numel]
             count_read(4 * p.numel)
         return local.view(slot.shape)
 
@@ -185,57 +156,3 @@ class ShardedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")  # model/moe.py's mlp.experts.{e}.*: the expert's global index
-
-
-def expert_layout_of(manifest: dict, path: str) -> ShardLayout:
-    """An --ep checkpoint's expert layout (EP rank 0's, over its replica group) as a ShardLayout."""
-    try:
-        return ShardLayout.from_dict(manifest["expert_layout"])
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep "
-                              f"{manifest['mesh']['ep']}, its expert_layout does not describe a ShardLayout "
-                              f"({e})") from None
-
-
-def experts_per_rank(manifest: dict, path: str) -> int:
-    """The experts of each MoE layer an EP rank holds: the manifest's `experts_per_rank`, or (a checkpoint written
-    before it was recorded) the model's n_experts over --ep."""
-    per_rank = manifest.get("experts_per_rank")
-    if per_rank is None:
-        n = ((manifest.get("config") or {}).get("model") or {}).get("n_experts")
-        per_rank = n // manifest["mesh"]["ep"] if isinstance(n, int) else None
-    if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep {manifest['mesh']['ep']}, it says "
-                              f"not how many experts each EP rank holds (experts_per_rank {per_rank!r})")
-    return per_rank
-
-
-def expert_home(name: str, per_rank: int) -> tuple[int, str]:
-    """(EP rank, name in EP rank 0's expert layout) of expert parameter `name` (its global Hugging Face name): EP rank
-    e holds the experts [e x per_rank, (e + 1) x per_rank) of each MoE layer, laid out as EP rank 0's are."""
-    head, index, tail = _EXPERT.fullmatch(name).groups()
-    ep_rank, local = divmod(int(index), per_rank)
-    return ep_rank, f"{head}{local}{tail}"
-
-
-def expert_names(layout: ShardLayout, ep: int, per_rank: int) -> list[str]:
-    """Every EP rank's expert parameters by global name, each MoE layer's experts in index order: EP rank 0's names
-    (`layout`'s) with the index shifted by e x per_rank for EP rank e. CheckpointError if EP rank 0's layout does
-    not hold per_rank experts of each layer, numbered from 0."""
-    layers: dict[str, list[tuple[str, str, str]]] = {}  # a MoE layer's prefix -> its slots' (head, index, tail)
-    for slot in layout.slots:
-        match = _EXPERT.fullmatch(slot.name)
-        if match is None:
-            raise CheckpointError(f"the expert layout holds {slot.name}, not an expert's parameter")
-        layers.setdefault(match.group(1), []).append(match.groups())
-    out = []
-    for head, slots in layers.items():
-        held = sorted({int(index) for _, index, _ in slots})
-        if held != list(range(per_rank)):
-            raise CheckpointError(f"the expert layout holds experts {held} of {head.rstrip('.')}, EP rank 0 holds "
-                                  f"experts 0 to {per_rank - 1}")
-        out += [f"{h}{int(i) + e * per_rank}{t}" for e in range(ep) for h, i, t in slots]
-    return out

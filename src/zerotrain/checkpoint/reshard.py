@@ -1,10 +1,14 @@
 """How checkpoints cross meshes: where each value of a rank's new shard lives in the old shards, read by ranges.
 
 A rank's new shard is its owned chunk of each bucket of its local flat buffer (its TP slices of the full model, in
-the run's layout). `shard_reads` walks the parameters those chunks meet and follows each value back: to its place
-in the local tensor of the old TP rank that holds it, then through the old layout to the old DP rank whose chunk
-holds it and the offset in that rank's shard (both layouts answer where: ShardLayout.owned_pieces and .pieces). A parameter sliced the same way in both (no TP, or the same TP
-slices) maps its positions straight across; one whose TP slicing changes is followed along its split dimension
+the run's layout; with --ep also its expert engine's shard: its block of experts over its replica group). `shard_reads`
+walks the parameters those chunks meet and follows each value back: to its place in the local tensor of the old TP
+rank that holds it, then through the checkpoint's layout that holds the parameter (homes.CheckpointHomes: the flat
+layout, or an --ep checkpoint's expert layout of the EP rank that held that expert) to the old DP rank whose chunk
+holds it, the world rank that wrote that chunk and the offset in its shard (the layouts answer where:
+ShardLayout.owned_pieces and .pieces). So one walk reshards across world sizes, TP degrees and EP degrees (an --ep 1
+checkpoint's experts are in its flat layout; an --ep E one's in its expert layout, under expert_ keys). A parameter
+sliced the same way in both (no TP, or the same TP slices) maps its positions straight across; one whose TP slicing changes is followed along its split dimension
 (a KV head on several old TP ranks is read from the first of them, as the full model takes it). The result is a
 list of contiguous copies, the same for every state key, so the loader reads each old shard's bytes that this rank
 will own and nothing else: no whole shard, no full flat buffer, no full parameter. Padding is not read (zeros).
@@ -18,34 +22,40 @@ from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import ShardLayout
 
+from .homes import CheckpointHomes
+
 
 @dataclass(frozen=True)
 class Read:
-    """Values [src, src + numel) of old world rank `rank`'s shard go to [dst, dst + numel) of the new shard."""
+    """Values [src, src + numel) of old world rank `rank`'s shard, under its state keys prefixed `prefix` ("" or
+    expert_), go to [dst, dst + numel) of the new shard."""
 
     rank: int
     src: int
     dst: int
     numel: int
+    prefix: str = ""
 
 
-def shard_reads(old: ShardLayout, old_slices: dict[str, TPSlice], old_tp: int, new: ShardLayout,
-                new_slices: dict[str, TPSlice], tp_rank: int, dp_rank: int) -> list[Read]:
-    """The copies that fill the new shard of (`tp_rank`, `dp_rank`) from the old checkpoint's shards, in order.
+def shard_reads(old: CheckpointHomes, new: ShardLayout, new_slices: dict[str, TPSlice], tp_rank: int,
+                dp_rank: int) -> list[Read]:
+    """The copies that fill the new shard of (`tp_rank`, `dp_rank`) in layout `new` from the old checkpoint's shards,
+    in order.
 
-    `old` and `new` are the local layouts (sharded over the old and new DP sizes); old world rank d x old_tp + t
-    wrote old DP rank d's shard of old TP rank t's flat buffer. The caller checked that both hold the same model.
+    `new` is a local layout (sharded over the new DP size, or with --ep the expert engine's over its replica group,
+    `dp_rank` its rank there); `old` says where each parameter of it lives in the checkpoint, by name. The caller
+    checked that both hold the same model.
     """
-    old_slots = {s.name: s for s in old.slots}
     reads: list[Read] = []
     for s in new.slots:
-        was = old_slots[s.name]
+        home = old.home(s.name)
+        was = home.slot
         for mine in new.owned_pieces(dp_rank, s.offset, s.offset + s.numel):  # what of s this rank will own, and where
             for t, src, dst, n in _local_runs(s.name, mine.start - s.offset, mine.end - s.offset,
-                                              old_slices.get(s.name), new_slices.get(s.name), tp_rank):
+                                              old.tp_slices.get(s.name), new_slices.get(s.name), tp_rank):
                 at = was.offset + src  # [at, at + n) of old TP rank t's flat buffer, held by the old DP ranks' pieces
-                reads += [Read(p.rank * old_tp + t, p.shard_offset, mine.shard_offset + dst + p.start - at, p.numel)
-                          for p in old.pieces(at, at + n)]
+                reads += [Read(home.world_ranks[p.rank] + t, p.shard_offset, mine.shard_offset + dst + p.start - at,
+                               p.numel, home.prefix) for p in home.layout.pieces(at, at + n)]
     return _merged(reads)
 
 
@@ -106,13 +116,9 @@ def _merged(reads: list[Read]) -> list[Read]:
     out: list[Read] = []
     for r in reads:
         last = out[-1] if out else None
-        if last and last.rank == r.rank and last.src + last.numel == r.src and last.dst + last.numel == r.dst:
-            out[-1] = Read(r.rank, last.src, last.dst, last.numel + r.numel)
+        if (last and (last.rank, last.prefix) == (r.rank, r.prefix) and last.src + last.numel == r.src
+                and last.dst + last.numel == r.dst):
+            out[-1] = Read(r.rank, last.src, last.dst, last.numel + r.numel, r.prefix)
         else:
             out.append(r)
     return out
-
-
-def full_shapes(layout: ShardLayout, slices: dict[str, TPSlice]) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape in the full model, by name (a split parameter's full shape, not its slice's)."""
-    return {s.name: tuple(slices[s.name].full_shape) if s.name in slices else s.shape for s in layout.slots}
