@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 from unittest import mock
 
 import pytest
@@ -307,6 +308,22 @@ def test_a_reshard_reads_each_ranks_dense_share_and_its_experts_and_a_reader_of_
     if case == PLANTED["whole tensors read"][0]:
         planted = four_ranks[0]["planted whole tensors read"]["bytes"]
         assert any(p["total"] - p["verify"] > 1.25 * p["share"] for p in planted), planted
+
+
+def test_verify_checks_the_expert_layouts_partition_and_an_overlap_planted_in_it_is_caught(four_ranks, tmp_path):
+    from zerotrain.checkpoint.verify import first_failure
+
+    saved = step3(pathlib.Path(four_ranks[0]["folder"]), "ep2")
+    assert first_failure(checkpoint.verify_checkpoint(saved)) is None
+    folder = tmp_path / "overlap"
+    shutil.copytree(saved, folder)
+    with open(folder / "manifest.json") as f:
+        manifest = json.load(f)
+    owned = manifest["expert_layout"]["owned_ranges"]  # 2 replicas: replica 1's first range starts inside replica 0's
+    owned[1][0][0] -= 1
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    bad = first_failure(checkpoint.verify_checkpoint(str(folder)))
+    assert bad is not None and bad.name == "partition" and "overlap" in bad.detail, bad
 
 
 def export_tensors(capfd, ckpt: str, out) -> dict[str, torch.Tensor]:

@@ -145,23 +145,32 @@ def schema_problem(manifest) -> str | None:
         return f"precision {manifest['precision']!r} is not one of {PRECISIONS}"
     if manifest["world_size"] < 1:
         return f"world_size {manifest['world_size']} is not positive"
-    layout = manifest["layout"]
-    problem = _typed(layout, LAYOUT_SCHEMA, "layout")
-    for i, p in enumerate(layout["params"] if problem is None else []):
-        problem = problem or _typed(p, PARAM_SCHEMA, f"layout.params[{i}]")
-        if problem is None and not all(_count(d) for d in p["shape"]):
-            problem = f"layout.params[{i}].shape {p['shape']} is not a list of sizes"
-    for i, b in enumerate(layout["buckets"] if problem is None else []):
-        problem = problem or _typed(b, BUCKET_SCHEMA, f"layout.buckets[{i}]")
-    if problem is None and not all(isinstance(ranges, list) and all(
-            isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in ranges)
-            for ranges in layout["owned_ranges"]):
-        problem = "layout.owned_ranges is not a list of [start, end] lists per rank"
+    problem = _layout_schema_problem(manifest["layout"], "layout")
+    if problem is None and "expert_layout" in manifest:  # expert parallelism: the expert engine's, beside it
+        problem = _layout_schema_problem(manifest["expert_layout"], "expert_layout")
     problem = problem or _mesh_problem(manifest)
     for i, f in enumerate(manifest["files"] if problem is None else []):
         problem = problem or _typed(f, FILE_SCHEMA, f"files[{i}]")
         if problem is None and not re.fullmatch(r"[0-9a-f]{64}", f["sha256"]):
             problem = f"files[{i}].sha256 {f['sha256']!r} is not 64 hex digits"
+    return problem
+
+
+def _layout_schema_problem(layout, what: str) -> str | None:
+    """Why the flat layout `layout` (the manifest's `what`) does not have a layout's keys and types, or None."""
+    if not isinstance(layout, dict):
+        return f"{what} is a JSON {type(layout).__name__}, not an object"
+    problem = _typed(layout, LAYOUT_SCHEMA, what)
+    for i, p in enumerate(layout["params"] if problem is None else []):
+        problem = problem or _typed(p, PARAM_SCHEMA, f"{what}.params[{i}]")
+        if problem is None and not all(_count(d) for d in p["shape"]):
+            problem = f"{what}.params[{i}].shape {p['shape']} is not a list of sizes"
+    for i, b in enumerate(layout["buckets"] if problem is None else []):
+        problem = problem or _typed(b, BUCKET_SCHEMA, f"{what}.buckets[{i}]")
+    if problem is None and not all(isinstance(ranges, list) and all(
+            isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in ranges)
+            for ranges in layout["owned_ranges"]):
+        problem = f"{what}.owned_ranges is not a list of [start, end] lists per rank"
     return problem
 
 

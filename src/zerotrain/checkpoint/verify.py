@@ -308,14 +308,38 @@ def record_problem(record: FileRecord, entry: dict) -> str | None:
 def partition_problem(manifest: dict) -> str | None:
     """Why the layout's buckets, parameters, owned ranges and TP slices are not a consistent exact partition, or None.
 
-    The layout is sharded over a DP group: W below is the DP size (the world size without TP).
+    The layout is sharded over a DP group: its size is the DP size (the world size without TP). An expert-parallel
+    checkpoint's expert layout is checked alike, over its replica group (the DP size over --ep).
     """
-    W, L = mesh_of(manifest)[1], manifest["layout"]
+    dp = mesh_of(manifest)[1]
+    problem = layout_problem(manifest["layout"], dp, "layout", "the DP size (world_size / mesh.tp)")
+    if problem is None and "expert_layout" in manifest:
+        ep = (manifest.get("mesh") or {}).get("ep", 1)
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp % ep:
+            return f"mesh.ep {ep!r} does not divide the DP size {dp}"
+        problem = layout_problem(manifest["expert_layout"], dp // ep, "expert_layout",
+                                 "the expert replica group's size (DP size / mesh.ep)")
+    if problem:
+        return problem
+    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest)
+    if problem:
+        return problem
+    full = sum(math.prod(_full_shape(manifest, p)) for p in manifest["layout"]["params"])
+    if "expert_layout" in manifest:  # expert parallelism: every EP rank holds as many expert values as EP rank 0
+        full += manifest["expert_layout"]["numel"] * (manifest.get("mesh") or {}).get("ep", 1)
+    if full != manifest["param_count"]:
+        return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
+    return None
+
+
+def layout_problem(L: dict, W: int, what: str, over: str) -> str | None:
+    """Why the layout `L` (the manifest's `what`), sharded over W ranks (`over` says which), is not an exact
+    partition: buckets, owned ranges and parameters; or None."""
     buckets, owned = L["buckets"], L["owned_ranges"]
     if L["world_size"] != W:
-        return f"layout.world_size {L['world_size']} differs from the DP size {W} (world_size / mesh.tp)"
+        return f"{what}.world_size {L['world_size']} differs from {over}, {W}"
     if not buckets:
-        return "layout has no buckets"
+        return f"{what} has no buckets"
     if buckets[-1]["end"] != L["padded_numel"] or L["shard_numel"] * W != L["padded_numel"]:
         return (f"buckets end at {buckets[-1]['end']}, padded_numel is {L['padded_numel']}, "
                 f"shard_numel {L['shard_numel']} x world size {W}")
@@ -359,15 +383,7 @@ def partition_problem(manifest: dict) -> str | None:
         if lo < hi:
             return f"parameters {a} and {b} overlap in the flat buffer"
     if numel != L["numel"]:
-        return f"parameters hold {numel} values, layout.numel is {L['numel']}"
-    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest)
-    if problem:
-        return problem
-    full = sum(math.prod(_full_shape(manifest, p)) for p in L["params"])
-    if "expert_layout" in manifest:  # expert parallelism: every EP rank holds as many expert values as EP rank 0
-        full += manifest["expert_layout"]["numel"] * (manifest.get("mesh") or {}).get("ep", 1)
-    if full != manifest["param_count"]:
-        return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
+        return f"parameters hold {numel} values, {what}.numel is {L['numel']}"
     return None
 
 
