@@ -42,6 +42,7 @@ from zerotrain.parallel import Comm, ZeroEngine
 
 from .commit import commit, tmp_name, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
+from .homes import EXPERT_PREFIX, shard_parts
 from .stream import FileRecord, count_written, storage_delay, write_safetensors
 
 
@@ -296,7 +297,7 @@ class CheckpointWriter:
         clash = sorted(set(extra) & {*MANIFEST_SCHEMA, *MESH_KEYS})
         if clash:
             raise ValueError(f"manifest field(s) {clash} are the writer's own; name extra fields otherwise")
-        mesh = engine.mesh.describe()
+        mesh, parts = engine.mesh.describe(), dict(shard_parts(engine))
         if mesh["tp"] * mesh["dp"] != self.comm.world_size:
             raise ValueError(f"the writer's comm has {self.comm.world_size} ranks, the engine's mesh TP {mesh['tp']} "
                              f"x DP {mesh['dp']}: give the writer the world communicator")
@@ -312,8 +313,8 @@ class CheckpointWriter:
             "layout": engine.layout.to_dict(),  # this rank's local layout, the same on every TP rank
             # expert parallelism: the expert engine's layout over its replica group (EP rank 0's names) and the experts
             # of each MoE layer an EP rank holds (EP rank e's names: EP rank 0's, the index shifted by e x those)
-            **({"expert_layout": engine.experts.layout.to_dict(), "experts_per_rank": engine.experts_per_rank}
-               if hasattr(engine, "expert_state_dict") else {}),
+            **({"expert_layout": parts[EXPERT_PREFIX].layout.to_dict(), "experts_per_rank": engine.experts_per_rank}
+               if EXPERT_PREFIX in parts else {}),
             "tp_slices": {name: s.to_dict() for name, s in engine.tp_slices.items()},
             **extra,
         }
@@ -376,22 +377,26 @@ def _as_checkpoint_error(pending: _Pending) -> BaseException:
 def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's file for a synchronous save, its shard, from the engine's state (views where it is already fp32 on
     the CPU). `rank` is the world rank: shard files are named by it, whatever the mesh. A LoRA run's shard holds its
-    adapters; its frozen base is the manifest's init_from record.
+    adapters; its frozen base is the manifest's init_from record. With --ep the file holds the expert engine's shard
+    beside the dense one's, under expert_ keys (homes.shard_parts).
+    """
+    engine.wait_params()
+    state = {prefix + k: v for prefix, part in shard_parts(engine) for k, v in _part_state(part).items()}
+    return {shard_name(rank, world_size): {k: v if isinstance(v, list) else v.detach().cpu().contiguous()
+                                           for k, v in state.items()}}
+
+
+def _part_state(engine: ZeroEngine) -> dict:
+    """One ZeRO engine's shard state, the keys _Staging.files writes.
 
     In fp32 at stages 1 and 2 the masters are this rank's pieces of the parameter buffer: they are written as those
     pieces (the writer takes a tensor's parts), not concatenated first. The copy the concatenation made was 22% of a
     sync save's time in its profile (bench ckpt --quick, one rank: 26 MB into fresh pages at every save).
     """
-    engine.wait_params()
     if engine.master is None and engine.stage != 3 and engine.flat_params.device.type == "cpu":
-        state = {"master": _master_pieces(engine), "exp_avg": engine.exp_avg, "exp_avg_sq": engine.exp_avg_sq,
-                 "step": torch.tensor([engine.step_count], dtype=torch.int64)}  # the keys _Staging.files writes
-    else:
-        state = engine.shard_state_dict()
-    if "expert_master" not in state:  # expert parallelism: the expert engine's shard beside the dense one's
-        state.update(getattr(engine, "expert_state_dict", dict)())
-    return {shard_name(rank, world_size): {k: v if isinstance(v, list) else v.detach().cpu().contiguous()
-                                           for k, v in state.items()}}
+        return {"master": _master_pieces(engine), "exp_avg": engine.exp_avg, "exp_avg_sq": engine.exp_avg_sq,
+                "step": torch.tensor([engine.step_count], dtype=torch.int64)}
+    return engine.shard_state_dict()
 
 
 def _master_pieces(engine: ZeroEngine) -> list[torch.Tensor]:
@@ -420,6 +425,7 @@ class _Staging:
         pin = self.device.type == "cuda"
         self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
         self.step = torch.zeros(1, dtype=torch.int64)
+        self.experts: dict[str, torch.Tensor] = {}  # with --ep: the expert engine's shard, under expert_ keys
         self._copied = None
 
     def fits(self, engine: ZeroEngine) -> bool:
@@ -439,7 +445,8 @@ class _Staging:
             self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
             self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
             # expert parallelism: the expert engine's shard, copied whole (it is a fraction of the experts)
-            self.experts = {k: v.detach().cpu().clone() for k, v in getattr(engine, "expert_state_dict", dict)().items()}
+            self.experts = {prefix + k: v.detach().cpu().clone() for prefix, part in shard_parts(engine) if prefix
+                            for k, v in part.shard_state_dict().items()}
         self.step.fill_(step_count)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
@@ -451,5 +458,5 @@ class _Staging:
 
     def files(self) -> dict[str, dict[str, torch.Tensor]]:
         shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step,
-                 **getattr(self, "experts", {})}
+                 **self.experts}
         return {shard_name(self.rank, self.world_size): shard}
