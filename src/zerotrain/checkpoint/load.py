@@ -173,9 +173,10 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     each rank digests its own shard's replicated masters in memory (replica_digests), and the digests travel with the
     one all_gather_json that agrees every rank's outcome before anything is restored, so every rank compares them
     and none reads another's shard.
-    Otherwise (another world size, TP degree or bucket size) a ranged read cannot hash what it loads: the ranks
+    Otherwise (another world size, TP degree, --ep or bucket size) a ranged read cannot hash what it loads: the ranks
     verify the checkpoint together, each file hashed by one of them, and each then reads only the ranges of the old
-    shards it will own (_reshard).
+    shards it will own (_reshard), for each shard its file holds (with --ep the dense engine's and the expert
+    engine's: its block of experts, wherever the checkpoint held them).
     """
     manifest, shard, digests, problem, refused = {}, None, None, None, None
     try:
