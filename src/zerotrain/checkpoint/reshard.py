@@ -8,10 +8,11 @@ layout, or an --ep checkpoint's expert layout of the EP rank that held that expe
 holds it, the world rank that wrote that chunk and the offset in its shard (the layouts answer where:
 ShardLayout.owned_pieces and .pieces). So one walk reshards across world sizes, TP degrees and EP degrees (an --ep 1
 checkpoint's experts are in its flat layout; an --ep E one's in its expert layout, under expert_ keys). A parameter
-sliced the same way in both (no TP, or the same TP slices) maps its positions straight across; one whose TP slicing changes is followed along its split dimension
-(a KV head on several old TP ranks is read from the first of them, as the full model takes it). The result is a
-list of contiguous copies, the same for every state key, so the loader reads each old shard's bytes that this rank
-will own and nothing else: no whole shard, no full flat buffer, no full parameter. Padding is not read (zeros).
+sliced the same way in both (no TP, or the same TP slices) maps its positions straight across; one whose TP slicing
+changes is followed along its split dimension (a KV head on several old TP ranks is read from the first of them, as
+the full model takes it). The result is a list of contiguous copies, the same for every state key, so the loader
+reads each old shard's bytes that this rank will own and nothing else: no whole shard, no full flat buffer, no full
+parameter. Padding is not read (zeros).
 """
 
 from __future__ import annotations
