@@ -135,6 +135,9 @@ def refuse_other_ep(path: str, manifest: dict, engine) -> None:
         raise ConfigError(f"{path} was written at --ep {old} on {manifest['world_size']} ranks; this run has "
                           f"{engine.mesh.world.world_size}: an expert-parallel checkpoint resumes on its own world "
                           "size only yet")
+    if new > 1 and mesh_of(manifest)[0] != engine.mesh.tp_size:
+        raise ConfigError(f"{path} was written at --ep {old} with --tp {mesh_of(manifest)[0]}; this run has --tp "
+                          f"{engine.mesh.tp_size}: an expert-parallel checkpoint resumes on its own mesh only yet")
 
 
 def _code(t: torch.Tensor) -> str:

@@ -120,31 +120,28 @@ class ShardedModel:
         self.shapes = full_shapes(self.layout, self.tp_slices)  # name -> full shape, in layout order
         self._slots = {s.name: s for s in self.layout.slots}
         self._opened: dict[int, object] = {}
-        # Expert parallelism: the experts, by global name, from the expert layout of the EP rank that holds them
+        # Expert parallelism: the experts, by global name, from the expert layout of the EP rank that holds them,
+        # under TP each from that EP rank's TP ranks' slices (split as EP rank 0's experts: expert_tp_slices)
         self.ep = (self.manifest.get("mesh") or {}).get("ep", 1)
-        self.expert_layout, self._experts = None, {}  # global name -> (EP rank, EP rank 0's slot)
+        self.expert_layout, self._experts = None, {}  # global name -> (EP rank, EP rank 0's slot, its TP slice)
         if self.ep > 1:
             self.expert_layout = expert_layout_of(self.manifest, folder)
             per_rank = experts_per_rank(self.manifest, folder)
             by_name = {s.name: s for s in self.expert_layout.slots}
+            expert_slices = tp_slices_of(self.manifest, "expert_tp_slices")
             for name in expert_names(self.expert_layout, self.ep, per_rank):
                 ep_rank, local_name = expert_home(name, per_rank)
-                self._experts[name] = (ep_rank, by_name[local_name])
-                self.shapes[name] = by_name[local_name].shape
+                slot, tp_slice = by_name[local_name], expert_slices.get(local_name)
+                self._experts[name] = (ep_rank, slot, tp_slice)
+                self.shapes[name] = tp_slice.full_shape if tp_slice is not None else slot.shape
 
     def tensor(self, name: str) -> torch.Tensor:
         """Parameter `name`'s full tensor, fp32 (in a bf16 run the masters rounded to bf16), its own storage."""
-        if name in self._experts:  # an expert of an --ep checkpoint: never TP-split (--ep refuses --tp)
-            full = self._local_expert(*self._experts[name])
-            return full.bfloat16().float() if self.manifest["precision"] == "bf16" else full
-        slot, tp_slice = self._slots[name], self.tp_slices.get(name)
-        if tp_slice is None:  # replicated: every TP rank holds it bitwise alike (verify's replicas check); TP rank 0's
-            full = self._local(slot, 0)
+        if name in self._experts:  # an expert of an --ep checkpoint: from the EP rank that holds it
+            ep_rank, slot, tp_slice = self._experts[name]
+            full = _assembled(tp_slice, lambda t: self._local_expert(ep_rank, slot, t))
         else:
-            full = torch.empty(tp_slice.full_shape)
-            for t in range(len(tp_slice.parts)):
-                if tp_slice.first_holder(t) == t:  # a KV head held by several TP ranks: once, from the first
-                    tp_slice.place(full, self._local(slot, t), t)
+            full = _assembled(self.tp_slices.get(name), lambda t: self._local(self._slots[name], t))
         return full.bfloat16().float() if self.manifest["precision"] == "bf16" else full
 
     def _local(self, slot: ParamSlot, t: int) -> torch.Tensor:
@@ -157,14 +154,15 @@ class ShardedModel:
             count_read(4 * p.numel)
         return local.view(slot.shape)
 
-    def _local_expert(self, ep_rank: int, slot: ParamSlot) -> torch.Tensor:
-        """EP rank `ep_rank`'s tensor of `slot` (a slot of the expert layout): its range read from the chunks of that
-        EP rank's replica group (replica k is DP rank k x E + ep_rank), from their shards' expert masters."""
+    def _local_expert(self, ep_rank: int, slot: ParamSlot, t: int) -> torch.Tensor:
+        """EP rank `ep_rank`'s tensor of `slot` (a slot of the expert layout) at TP rank t: its range read from the
+        chunks of that EP rank's replica group at TP index t (expert_shard_rank), from their shards' expert
+        masters."""
         T = mesh_of(self.manifest)[0]
         local = torch.empty(slot.numel)
         for p in self.expert_layout.pieces(slot.offset, slot.offset + slot.numel):
             at = p.start - slot.offset
-            rank = (p.rank * self.ep + ep_rank) * T
+            rank = expert_shard_rank(p.rank, ep_rank, t, self.ep, T)
             local[at : at + p.numel] = self._masters(rank, "expert_master")[p.shard_offset : p.shard_offset + p.numel]
             count_read(4 * p.numel)
         return local.view(slot.shape)
@@ -185,6 +183,19 @@ class ShardedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _assembled(tp_slice, local) -> torch.Tensor:
+    """A full tensor from `local(t)`, TP rank t's tensor of it: placed from every TP rank's slice (a KV head held by
+    several TP ranks once, from the first), or TP rank 0's for a replicated one (every TP rank holds it bitwise
+    alike: verify's replicas check)."""
+    if tp_slice is None:
+        return local(0)
+    full = torch.empty(tp_slice.full_shape)
+    for t in range(len(tp_slice.parts)):
+        if tp_slice.first_holder(t) == t:
+            tp_slice.place(full, local(t), t)
+    return full
 
 
 _EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")  # model/moe.py's mlp.experts.{e}.*: the expert's global index
@@ -219,6 +230,13 @@ def expert_home(name: str, per_rank: int) -> tuple[int, str]:
     head, index, tail = _EXPERT.fullmatch(name).groups()
     ep_rank, local = divmod(int(index), per_rank)
     return ep_rank, f"{head}{local}{tail}"
+
+
+def expert_shard_rank(replica: int, ep_rank: int, tp_rank: int, ep: int, tp: int) -> int:
+    """The world rank whose shard holds replica `replica`'s chunks of EP rank `ep_rank`'s experts at TP index
+    `tp_rank`: DP rank replica x E + ep_rank (the replica group of an EP rank: every E-th DP rank), TP-adjacent
+    ranks (world rank = DP rank x T + TP rank)."""
+    return (replica * ep + ep_rank) * tp + tp_rank
 
 
 def expert_names(layout: ShardLayout, ep: int, per_rank: int) -> list[str]:

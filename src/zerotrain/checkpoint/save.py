@@ -310,9 +310,11 @@ class CheckpointWriter:
             "precision": engine.precision,
             "torch_version": torch.__version__,
             "layout": engine.layout.to_dict(),  # this rank's local layout, the same on every TP rank
-            # expert parallelism: the expert engine's layout over its replica group (EP rank 0's names) and the experts
-            # of each MoE layer an EP rank holds (EP rank e's names: EP rank 0's, the index shifted by e x those)
-            **({"expert_layout": engine.experts.layout.to_dict(), "experts_per_rank": engine.experts_per_rank}
+            # expert parallelism: the expert engine's layout over its replica group (EP rank 0's names), the experts
+            # of each MoE layer an EP rank holds (EP rank e's names: EP rank 0's, the index shifted by e x those) and,
+            # under TP, their TP slices (EP rank 0's names; every EP rank's experts are split alike)
+            **({"expert_layout": engine.experts.layout.to_dict(), "experts_per_rank": engine.experts_per_rank,
+                "expert_tp_slices": {name: s.to_dict() for name, s in engine.experts.tp_slices.items()}}
                if hasattr(engine, "expert_state_dict") else {}),
             "tp_slices": {name: s.to_dict() for name, s in engine.tp_slices.items()},
             **extra,

@@ -211,8 +211,8 @@ def _share(items: list[tuple[str, int]], readers: int) -> list[list[str]]:
 share_by_size = _share  # public: the I/O plan (training/io_plan.py) predicts which rank hashes which file
 
 
-def _full_shape(manifest: dict, param: dict) -> list[int]:
-    slices = manifest.get("tp_slices", {})
+def _full_shape(manifest: dict, param: dict, key: str = "tp_slices") -> list[int]:
+    slices = manifest.get(key, {})
     return slices[param["name"]]["full_shape"] if param["name"] in slices else param["shape"]
 
 
@@ -360,27 +360,32 @@ def partition_problem(manifest: dict) -> str | None:
             return f"parameters {a} and {b} overlap in the flat buffer"
     if numel != L["numel"]:
         return f"parameters hold {numel} values, layout.numel is {L['numel']}"
-    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest)
+    # expert parallelism: the experts' TP slices against their own layout (EP rank 0's)
+    experts = ("expert_tp_slices", "expert_layout") if "expert_layout" in manifest else None
+    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest) or \
+        (tp_slices_problem(manifest, *experts) or planned_slices_problem(manifest, *experts) if experts else None)
     if problem:
         return problem
     full = sum(math.prod(_full_shape(manifest, p)) for p in L["params"])
-    if "expert_layout" in manifest:  # expert parallelism: every EP rank holds as many expert values as EP rank 0
-        full += manifest["expert_layout"]["numel"] * (manifest.get("mesh") or {}).get("ep", 1)
+    if experts:  # every EP rank holds as many expert values as EP rank 0, split as EP rank 0's
+        full += sum(math.prod(_full_shape(manifest, p, experts[0])) for p in manifest["expert_layout"]["params"]) * \
+            (manifest.get("mesh") or {}).get("ep", 1)
     if full != manifest["param_count"]:
         return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
     return None
 
 
-def tp_slices_problem(manifest: dict) -> str | None:
-    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None.
+def tp_slices_problem(manifest: dict, key: str = "tp_slices", layout: str = "layout") -> str | None:
+    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None
+    (`key`, `layout`: an --ep checkpoint's expert_tp_slices and expert_layout).
 
     TP ranks holding the same parts (a KV head replicated on several ranks) count as one in the tiling.
     """
     T = mesh_of(manifest)[0]
-    shapes = {p["name"]: p["shape"] for p in manifest["layout"]["params"]}
-    for name, d in manifest.get("tp_slices", {}).items():
+    shapes = {p["name"]: p["shape"] for p in manifest[layout]["params"]}
+    for name, d in manifest.get(key, {}).items():
         if name not in shapes:
-            return f"tp_slices names {name}, which is not a parameter of the layout"
+            return f"{key} names {name}, which is not a parameter of the {layout.replace('_', ' ')}"
         extent = d["full_shape"][d["dim"]]
         widths = [sum(hi - lo for lo, hi in ranges) for ranges in d["parts"]]
         pieces = sorted((lo, hi, t) for t, ranges in enumerate(d["parts"]) for lo, hi in ranges
@@ -388,21 +393,21 @@ def tp_slices_problem(manifest: dict) -> str | None:
         at = 0
         for lo, hi, t in pieces:  # the TP ranks' distinct parts together tile [0, extent) of the split dim once
             if hi <= lo or lo != at:
-                return (f"tp_slices[{name!r}]: TP rank {t}'s part [{lo}, {hi}) leaves a gap or overlaps at {at} "
+                return (f"{key}[{name!r}]: TP rank {t}'s part [{lo}, {hi}) leaves a gap or overlaps at {at} "
                         f"of dim {d['dim']}")
             at = hi
         local = list(d["full_shape"])
         local[d["dim"]] = widths[0]
         if at != extent or len(set(widths)) != 1 or shapes[name] != local:
-            return (f"tp_slices[{name!r}] splits dim {d['dim']} of {d['full_shape']} into parts of {widths} "
+            return (f"{key}[{name!r}] splits dim {d['dim']} of {d['full_shape']} into parts of {widths} "
                     f"covering {at}, not {T} equal parts of the layout's shape {shapes[name]}")
     return None
 
 
-def planned_slices_problem(manifest: dict) -> str | None:
+def planned_slices_problem(manifest: dict, key: str = "tp_slices", layout: str = "layout") -> str | None:
     """Why the TP slices of the layout's parameters are not those the manifest's model config splits them into at its
     TP degree (model.plan), or None; a manifest without a model config, or a parameter the plan does not know (a
-    LoRA adapter), is not compared."""
+    LoRA adapter), is not compared. `key`, `layout`: an --ep checkpoint's expert_tp_slices and expert_layout."""
     T = mesh_of(manifest)[0]
     config = manifest.get("config")
     if T == 1 or not isinstance(config, dict) or not isinstance(config.get("model"), dict):
@@ -411,13 +416,13 @@ def planned_slices_problem(manifest: dict) -> str | None:
         planned = plan(ModelConfig(**config["model"]), T)
     except (TypeError, ValueError) as e:
         return f"config.model does not describe a model ({e})"
-    recorded = manifest["tp_slices"]
-    for p in manifest["layout"]["params"]:
+    recorded = manifest.get(key, {})
+    for p in manifest[layout]["params"]:
         name = p["name"]
         if name not in recorded and name in planned and p["shape"] == list(planned[name].full_shape):
             continue  # kept whole on every TP rank: the embedding and head of a checkpoint written before TP split them
         if name in planned and recorded.get(name) != planned[name].to_dict():
-            return (f"tp_slices[{name!r}] is {recorded.get(name)}, not the slice TP {T} gives it: "
+            return (f"{key}[{name!r}] is {recorded.get(name)}, not the slice TP {T} gives it: "
                     f"{planned[name].to_dict()}")
     return None
 
