@@ -210,3 +210,60 @@ def test_invariant_b_under_ep_and_tp_compares_the_ranks_holding_the_same_experts
 def test_ep_with_tp_is_accepted(tmp_path):
     cfg = config(tmp_path / "run", *EP2_TP2)  # validated as it is built
     assert (cfg.parallel.ep, cfg.parallel.tp, cfg.dp) == (2, 2, 2)
+
+
+def test_an_ep2_tp2_checkpoint_verifies_and_a_drifted_expert_bias_and_swapped_expert_slices_are_caught(
+        four_ranks, tmp_path):
+    """gpt-oss's experts' down biases are replicated over TP: each TP rank's expert masters of them are compared
+    (replica digests); the experts' TP slices are those the model config gives at TP 2."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_tp_checkpoint import _record_file, rewrite
+
+    from zerotrain import checkpoint
+    from zerotrain.parallel import ShardLayout
+
+    tmp, _ = four_ranks
+    good = str(tmp / "gpt_oss_ep2tp2" / "checkpoints" / f"step_{STEPS:08d}")
+    checks = checkpoint.verify_checkpoint(good)
+    assert all(c.ok for c in checks) and [c.name for c in checks][-1] == "replicas", checks
+
+    def copy(name):
+        shutil.copytree(good, tmp_path / name)
+        return str(tmp_path / name)
+
+    # world rank 1 (DP 0, TP 1): its expert master of a down bias moved off TP rank 0's, the manifest entry rewritten
+    drifted, shard = copy("drifted"), checkpoint.shard_name(1, 4)
+    manifest = checkpoint.read_manifest(good)
+    experts = ShardLayout.from_dict(manifest["expert_layout"])
+    slot = next(s for s in experts.slots if s.name.endswith("down_proj.bias"))
+    piece = experts.owned_pieces(0, slot.offset, slot.offset + slot.numel)[0]
+    tensors = load_file(f"{drifted}/{shard}")
+    tensors["expert_master"][piece.shard_offset] += 1.0
+    save_file(tensors, f"{drifted}/{shard}")
+    rewrite(drifted, lambda m: _record_file(m, drifted, shard))
+    bad = next(c for c in checkpoint.verify_checkpoint(drifted) if not c.ok)
+    assert (bad.name, bad.file) == ("replicas", shard) and f"expert:{slot.name} differs" in bad.detail, bad
+
+    # the experts' TP slices swapped between the TP ranks: not what TP 2 gives them
+    swapped = copy("swapped")
+    rewrite(swapped, lambda m: m["expert_tp_slices"].update(
+        {n: {**d, "parts": d["parts"][::-1]} for n, d in m["expert_tp_slices"].items()}))
+    bad = next(c for c in checkpoint.verify_checkpoint(swapped) if not c.ok)
+    assert (bad.name, bad.file) == ("partition", "manifest.json") and "not the slice TP 2 gives it" in bad.detail, bad
+
+
+def test_an_ep_checkpoint_resumed_at_another_tp_is_refused_in_one_line_naming_both():
+    from types import SimpleNamespace
+
+    from zerotrain.checkpoint.load import refuse_other_ep
+    from zerotrain.errors import ConfigError
+
+    manifest = {"mesh": {"tp": 2, "dp": 2, "ep": 2}, "world_size": 4}
+    mesh = SimpleNamespace(ep_size=2, dp_size=2, tp_size=1, world=SimpleNamespace(world_size=2))
+    with pytest.raises(ConfigError, match=r"--ep 2 with --tp 2; this run has --tp 1") as said:
+        refuse_other_ep("ckpt", manifest, SimpleNamespace(mesh=mesh))
+    assert "\n" not in str(said.value)
+    mesh.tp_size, mesh.world.world_size = 2, 4
+    refuse_other_ep("ckpt", manifest, SimpleNamespace(mesh=mesh))  # its own mesh: resumed
