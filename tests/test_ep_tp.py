@@ -58,7 +58,7 @@ def run(comm, out, *flags) -> dict:
 
 def four_rank_job(rank, comm, tmp_path):
     from zerotrain.model import moe
-    from zerotrain.training import loop
+    from zerotrain.training import loop, memory_plan
 
     runs = {"ep2tp2": [*QWEN3, *EP2_TP2], "ep2tp2_zero2": [*QWEN3, *EP2_TP2, "--zero", "2"],
             "ep1tp2": [*QWEN3, *EP1_TP2], "ep1tp1": [*QWEN3, *EP1_TP1],
@@ -80,6 +80,13 @@ def four_rank_job(rank, comm, tmp_path):
         out["unsummed"] = run(comm, tmp_path / "unsummed", *EP2_TP2)
     finally:
         moe.reduce_from_tp = real_reduce
+    # planted: the memory plan (strict under the tests) holding every expert on every rank, TP-sliced
+    real_block = memory_plan.keep_expert_block
+    memory_plan.keep_expert_block = lambda model, ep, ep_rank=0: None
+    try:
+        out["plan_every_expert"] = run(comm, tmp_path / "plan_every_expert", *EP2_TP2)
+    finally:
+        memory_plan.keep_expert_block = real_block
     return out
 
 
@@ -123,6 +130,15 @@ def test_an_unsummed_expert_output_and_the_all_to_all_over_the_wrong_group_are_c
     wrong, honest = results[0]["wrong_group"]["losses"], results[0]["ep2tp2"]["losses"]
     assert max(abs(a - b) / b for a, b in zip(wrong, honest)) > 100 * 1e-6, (wrong, honest)
     assert weight_gap(final_weights(tmp / "wrong_group"), final_weights(tmp / "ep2tp2")) > 1e-3
+
+
+def test_the_memory_plan_holds_at_ep2_tp2_and_one_counting_every_expert_is_caught(four_ranks):
+    """Every run of the job checked its plan after its first step (ZEROTRAIN_STRICT_PLAN=1: a difference stops it):
+    those that ended held what it planned. Planted in the plan: every expert on every rank."""
+    _, results = four_ranks
+    assert all("losses" in results[0][key] for key in ("ep2tp2", "ep2tp2_zero2", "gpt_oss_ep2tp2"))
+    said = results[0]["plan_every_expert"].get("error", "")
+    assert "memory plan" in said and "parameters" in said, said
 
 
 def test_an_ep2_tp2_resume_on_the_same_layout_is_bitwise(four_ranks):
