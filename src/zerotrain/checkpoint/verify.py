@@ -454,7 +454,8 @@ def _header_problem(folder: str, name: str, shard_numel: int, expert_numel: int 
 DIGEST_VALUES = 1 << 20  # values per read and hash update of a replica digest: 4 MiB of fp32 at a time
 
 
-EXPERT = "expert:"  # replica digests' prefix for an --ep checkpoint's experts (EP rank 0's names: every EP rank's alike)
+# The replica digests' prefix for an --ep checkpoint's experts (EP rank 0's names: every EP rank lays them out alike)
+EXPERT = "expert:"
 
 
 def replicated_names(manifest: dict, key: str = "tp_slices", layout: str = "layout") -> list[str]:
