@@ -20,7 +20,8 @@ With tensor parallelism the manifest records the mesh ({"tp": T, "dp": D}, T x D
 world rank = dp_index x T + tp_index) and each split parameter's TP slice ("tp_slices": how a TP
 rank's local tensor maps to the full one). "layout" is the local flat layout, the same on every TP
 rank, sharded over the D ranks of a DP group; "param_count" counts the full model. A manifest
-without "mesh" (written before TP) reads as TP 1 x DP world_size.
+without "mesh" (written before TP) reads as TP 1 x DP world_size. With expert parallelism ("mesh" has "ep") the
+experts' own layout and TP slices are "expert_layout" and "expert_tp_slices" (checkpoint/model.py).
 """
 
 from __future__ import annotations
@@ -190,11 +191,20 @@ def _mesh_problem(manifest: dict) -> str | None:
         return f"mesh TP {T} x DP {D} does not make world_size {W}"
     if manifest["layout"]["world_size"] != D:
         return f"layout.world_size {manifest['layout']['world_size']} differs from the mesh's DP size {D}"
-    slices = manifest["tp_slices"]
+    for key in ("tp_slices", "expert_tp_slices"):  # expert_tp_slices: an --ep checkpoint's, of its expert layout
+        problem = _slices_problem(manifest, key, T) if key in manifest else None
+        if problem:
+            return problem
+    return None
+
+
+def _slices_problem(manifest: dict, key: str, T: int) -> str | None:
+    """Why manifest[key] is not a well-typed map of TP slices over T TP ranks, or None."""
+    slices = manifest[key]
     if not isinstance(slices, dict):
-        return f"tp_slices is a {type(slices).__name__}, not an object"
+        return f"{key} is a {type(slices).__name__}, not an object"
     for name, d in slices.items():
-        where = f"tp_slices[{name!r}]"
+        where = f"{key}[{name!r}]"
         problem = _typed(d, TP_SLICE_SCHEMA, where)
         if problem:
             return problem
@@ -221,9 +231,10 @@ def layout_of(manifest: dict, path: str) -> ShardLayout:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: layout does not describe a ShardLayout ({e})") from None
 
 
-def tp_slices_of(manifest: dict) -> dict[str, TPSlice]:
-    """Each split parameter's TP slice, by its full-model name ({} without TP)."""
-    return {name: TPSlice.from_dict(d) for name, d in manifest.get("tp_slices", {}).items()}
+def tp_slices_of(manifest: dict, key: str = "tp_slices") -> dict[str, TPSlice]:
+    """Each split parameter's TP slice, by its full-model name ({} without TP); `key` "expert_tp_slices": an --ep
+    checkpoint's experts', by EP rank 0's names (absent before --ep composed with --tp: {})."""
+    return {name: TPSlice.from_dict(d) for name, d in manifest.get(key, {}).items()}
 
 
 def _typed(obj, schema: dict, where: str) -> str | None:

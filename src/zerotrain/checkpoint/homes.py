@@ -1,14 +1,15 @@
-"""Where each parameter of a checkpoint lives: its slot in one of the checkpoint's layouts, the shard files that hold
-its DP ranks' chunks, and the keys they hold it under.
+"""Where each parameter of a checkpoint lives: its slot in one of the checkpoint's layouts, its TP slice, the shard
+files that hold its DP ranks' chunks, and the keys they hold it under.
 
 A checkpoint has one flat layout, TP rank t's local parameters sharded over the DP ranks: world rank d x T + t wrote
 DP rank d's chunk of each bucket, under master, exp_avg, exp_avg_sq. With --ep E it has an expert layout beside it:
-EP rank 0's block of each MoE layer's experts over its replica group, under the expert_ keys of the same files.
-EP rank e holds the experts [e x per_rank, (e + 1) x per_rank) of each MoE layer, laid out as EP rank 0's (the names
-shifted by e x per_rank), and its replica k is DP rank k x E + e: world rank (k x E + e) x T. `CheckpointHomes.home`
-answers for any parameter by its global (Hugging Face) name, whatever the EP degree that wrote it; the reshard
-(reshard.shard_reads) and the model's reader (model.ShardedModel) ask it, so the arithmetic has one place.
-"""
+EP rank 0's block of each MoE layer's experts over its replica group, under the expert_ keys of the same files, each
+expert TP-split as EP rank 0's (expert_tp_slices, by EP rank 0's names). EP rank e holds the experts
+[e x per_rank, (e + 1) x per_rank) of each MoE layer, laid out and split as EP rank 0's (the names shifted by
+e x per_rank), and its replica k's chunks at TP index t are world rank (k x E + e) x T + t's (expert_shard_rank).
+`CheckpointHomes.home` answers for any parameter by its global (Hugging Face) name, whatever the EP degree that wrote
+it; the reshard (reshard.shard_reads) and the model's reader (model.ShardedModel) ask it, so the arithmetic has one
+place."""
 
 from __future__ import annotations
 
@@ -22,39 +23,61 @@ from zerotrain.parallel import ExpertParallelEngine, ParamSlot, ShardLayout
 
 from .format import MANIFEST, layout_of, mesh_of, tp_slices_of
 
+EXPERT_TP_SLICES = "expert_tp_slices"  # the manifest's key of the experts' TP slices (EP rank 0's names)
+
 EXPERT_PREFIX = "expert_"  # the expert engine's keys in a shard file, beside the dense engine's
 _EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")  # model/moe.py's mlp.experts.{e}.*: the expert's global index
 
 
 @dataclass(frozen=True)
 class Home:
-    """Parameter `slot.name`'s place: `slot` of `layout`, whose DP rank d's chunk world rank world_ranks[d] + t wrote
-    (t: the TP rank the values are taken from), under the state keys prefixed `prefix`."""
+    """Parameter `slot.name`'s place: `slot` of `layout`, TP-split by `tp_slice` (None: whole on every TP rank), under
+    the state keys prefixed `prefix`; `ep_rank`: the EP rank whose block holds it (None: a parameter of the flat
+    layout). `world_rank` says which shard holds a DP rank's chunk of it at a TP index."""
 
     layout: ShardLayout
     slot: ParamSlot
-    world_ranks: tuple[int, ...]
+    tp_slice: TPSlice | None
     prefix: str
+    tp: int
+    ep: int = 1
+    ep_rank: int | None = None
+
+    def world_rank(self, dp_rank: int, tp_rank: int) -> int:
+        """The world rank whose shard holds DP rank `dp_rank`'s chunk of `layout` at TP index `tp_rank` (for an expert
+        `dp_rank` is its replica: its rank in its EP rank's replica group)."""
+        if self.ep_rank is None:
+            return dp_rank * self.tp + tp_rank
+        return expert_shard_rank(dp_rank, self.ep_rank, tp_rank, self.ep, self.tp)
+
+
+def expert_shard_rank(replica: int, ep_rank: int, tp_rank: int, ep: int, tp: int) -> int:
+    """The world rank whose shard holds replica `replica`'s chunks of EP rank `ep_rank`'s experts at TP index
+    `tp_rank`: DP rank replica x E + ep_rank (the replica group of an EP rank: every E-th DP rank), TP-adjacent
+    ranks (world rank = DP rank x T + TP rank)."""
+    return (replica * ep + ep_rank) * tp + tp_rank
 
 
 class CheckpointHomes:
-    """Every parameter of a checkpoint by global name: its Home, and its full shape (`shapes`, in layout order)."""
+    """Every parameter of a checkpoint by global name: its Home, and its full shape (`shapes`, in layout order).
+    `tp_slices`: the flat layout's (the experts' are their Homes')."""
 
     def __init__(self, layout: ShardLayout, tp_slices: dict[str, TPSlice], tp: int,
-                 expert_layout: ShardLayout | None = None, ep: int = 1, per_rank: int = 0):
+                 expert_layout: ShardLayout | None = None, ep: int = 1, per_rank: int = 0,
+                 expert_tp_slices: dict[str, TPSlice] | None = None):
         self.layout, self.tp_slices, self.tp = layout, tp_slices, tp
         self.expert_layout, self.ep, self.per_rank = expert_layout, ep, per_rank
-        dense = tuple(d * tp for d in range(layout.world_size))
-        self._homes = {s.name: Home(layout, s, dense, "") for s in layout.slots}
+        self.expert_tp_slices = expert_tp_slices or {}  # by EP rank 0's names: every EP rank's experts split alike
+        self._homes = {s.name: Home(layout, s, tp_slices.get(s.name), "", tp) for s in layout.slots}
         self.shapes = full_shapes(layout, tp_slices)
         if expert_layout is None:
             return
         local = {s.name: s for s in expert_layout.slots}
+        self.shapes.update(expert_shapes(expert_layout, self.expert_tp_slices, ep, per_rank))
         for name in expert_names(expert_layout, ep, per_rank):
             ep_rank, local_name = expert_home(name, per_rank)
-            replicas = tuple((k * ep + ep_rank) * tp for k in range(expert_layout.world_size))
-            self._homes[name] = Home(expert_layout, local[local_name], replicas, EXPERT_PREFIX)
-            self.shapes[name] = local[local_name].shape
+            self._homes[name] = Home(expert_layout, local[local_name], self.expert_tp_slices.get(local_name),
+                                     EXPERT_PREFIX, tp, ep, ep_rank)
 
     @classmethod
     def of(cls, manifest: dict, path: str, layout: ShardLayout | None = None,
@@ -62,7 +85,8 @@ class CheckpointHomes:
         """The homes of the checkpoint at `path` (its manifest read; `layout` and `tp_slices`: its own, where the
         caller parsed them already); CheckpointError if its layouts do not make them."""
         ep = (manifest.get("mesh") or {}).get("ep", 1)
-        experts = (expert_layout_of(manifest, path), ep, experts_per_rank(manifest, path)) if ep > 1 else ()
+        experts = (expert_layout_of(manifest, path), ep, experts_per_rank(manifest, path),
+                   tp_slices_of(manifest, EXPERT_TP_SLICES)) if ep > 1 else ()
         return cls(layout if layout is not None else layout_of(manifest, path),
                    tp_slices if tp_slices is not None else tp_slices_of(manifest), mesh_of(manifest)[0], *experts)
 
@@ -90,17 +114,24 @@ def shard_parts(engine) -> list[tuple[str, object]]:
 
 def engine_shapes(engine) -> dict[str, tuple[int, ...]]:
     """The full model `engine` trains, by global name: its parameters' full shapes and, with --ep, every EP rank's
-    experts (this rank's block, the index shifted to each block), so that it compares with CheckpointHomes.shapes."""
+    experts (this rank's block, the index shifted to each block; full shapes under TP), so that it compares with
+    CheckpointHomes.shapes."""
     shapes = {}
     for prefix, part in shard_parts(engine):
         if not prefix:
             shapes.update(full_shapes(part.layout, part.tp_slices))
             continue
         per_rank, ep = engine.experts_per_rank, engine.mesh.ep_size
-        for s in part.layout.slots:
-            head, index, tail = _EXPERT.fullmatch(s.name).groups()
-            shapes.update({f"{head}{int(index) % per_rank + e * per_rank}{tail}": s.shape for e in range(ep)})
+        for name, shape in full_shapes(part.layout, part.tp_slices).items():
+            head, index, tail = _EXPERT.fullmatch(name).groups()
+            shapes.update({f"{head}{int(index) % per_rank + e * per_rank}{tail}": shape for e in range(ep)})
     return shapes
+
+
+def expert_shapes(layout: ShardLayout, slices: dict[str, TPSlice], ep: int, per_rank: int) -> dict[str, tuple]:
+    """Every EP rank's experts' full shapes by global name, from EP rank 0's expert layout and TP slices."""
+    full = full_shapes(layout, slices)
+    return {name: full[expert_home(name, per_rank)[1]] for name in expert_names(layout, ep, per_rank)}
 
 
 def expert_layout_of(manifest: dict, path: str) -> ShardLayout:
@@ -155,8 +186,8 @@ def expert_names(layout: ShardLayout, ep: int, per_rank: int) -> list[str]:
 
 
 def same_expert_layout(homes: CheckpointHomes, engine) -> bool:
-    """Whether `engine`'s expert shard loads as the checkpoint's own is (the same EP degree, replica group size and
-    expert layout, its names EP rank 0's); True for two runs without --ep."""
+    """Whether `engine`'s expert shard loads as the checkpoint's own is (the same EP degree, replica group size,
+    expert layout and TP slices, its names EP rank 0's); True for two runs without --ep."""
     parts = dict(shard_parts(engine))
     mine = parts.get(EXPERT_PREFIX)
     if mine is None or homes.expert_layout is None:
@@ -165,5 +196,7 @@ def same_expert_layout(homes: CheckpointHomes, engine) -> bool:
     local = [(expert_home(s.name, engine.experts_per_rank)[1], s.shape, s.offset, s.bucket) for s in mine.layout.slots]
     return (homes.ep == engine.mesh.ep_size and homes.per_rank == engine.experts_per_rank
             and old.world_size == mine.layout.world_size and old.buckets == mine.layout.buckets
-            and local == [(s.name, s.shape, s.offset, s.bucket) for s in old.slots])
+            and local == [(s.name, s.shape, s.offset, s.bucket) for s in old.slots]
+            and {expert_home(n, engine.experts_per_rank)[1]: s for n, s in mine.tp_slices.items()}
+            == homes.expert_tp_slices)
 

@@ -125,6 +125,17 @@ def expert_numel(manifest: dict) -> int | None:
     return manifest["expert_layout"]["shard_numel"] if "expert_layout" in manifest else None
 
 
+def refuse_ep_at_other_tp(path: str, manifest: dict, engine) -> None:
+    """ConfigError when an expert-parallel checkpoint would resume at another --tp, or a checkpoint at another --tp
+    into an --ep run: the experts reshard across --ep and world size (homes.CheckpointHomes), not yet across TP
+    degrees."""
+    old_ep, new_ep, old_tp = (manifest.get("mesh") or {}).get("ep", 1), engine.mesh.ep_size, mesh_of(manifest)[0]
+    if max(old_ep, new_ep) > 1 and old_tp != engine.mesh.tp_size:
+        raise ConfigError(f"{path} was written at --ep {old_ep} with --tp {old_tp}; this run has --tp "
+                          f"{engine.mesh.tp_size} (--ep {new_ep}): expert parallelism reshards across --ep and world "
+                          f"size, not across --tp yet (resume with --tp {old_tp})")
+
+
 def _code(t: torch.Tensor) -> str:
     return DTYPE_CODES.get(t.dtype, str(t.dtype))
 
@@ -182,6 +193,7 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
+        refuse_ep_at_other_tp(path, manifest, engine)
         refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
         same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
         if same:
@@ -235,7 +247,7 @@ def _read_own_share(path: str, manifest: dict, comm: Comm) -> tuple[dict[str, to
     byte read twice), then its share of the other files' checks; CheckpointError naming the first bad file."""
     check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
     shard = read_shard(path, manifest, comm.rank)
-    digests = replica_digests(manifest, layout_of(manifest, path), comm.rank, lambda lo, hi: shard["master"][lo:hi])
+    digests = replica_digests(manifest, layout_of(manifest, path), comm.rank, lambda lo, hi, key: shard[key][lo:hi])
     bad = first_failure(checks_beside_own_shard(path, manifest, (comm.rank, comm.world_size)))
     if bad is not None:
         raise CheckpointError(failure_message(path, bad))

@@ -118,9 +118,10 @@ class ShardedModel:
 
     def tensor(self, name: str) -> torch.Tensor:
         """Parameter `name`'s full tensor, fp32 (in a bf16 run the masters rounded to bf16), its own storage."""
-        home, tp_slice = self.homes.home(name), self.tp_slices.get(name)
+        home = self.homes.home(name)  # with --ep an expert's: its EP rank's, split as EP rank 0's (expert_tp_slices)
+        tp_slice = home.tp_slice
         if tp_slice is None:  # replicated: every TP rank holds it bitwise alike (verify's replicas check); TP rank 0's
-            full = self._local(home, 0)  # (an expert of an --ep checkpoint: never TP-split, --ep refuses --tp)
+            full = self._local(home, 0)
         else:
             full = torch.empty(tp_slice.full_shape)
             for t in range(len(tp_slice.parts)):
@@ -130,12 +131,12 @@ class ShardedModel:
 
     def _local(self, home: Home, t: int) -> torch.Tensor:
         """TP rank t's tensor of `home`'s slot: its range of its layout, read from the DP ranks' chunks that hold it
-        (with --ep an expert's from its EP rank's replica group, their shards' expert masters)."""
+        (with --ep an expert's from its EP rank's replica group at TP index t, their shards' expert masters)."""
         slot = home.slot
         local = torch.empty(slot.numel)
         for p in home.layout.pieces(slot.offset, slot.offset + slot.numel):
             at = p.start - slot.offset
-            shard = self._masters(home.world_ranks[p.rank] + t, home.prefix + "master")
+            shard = self._masters(home.world_rank(p.rank, t), home.prefix + "master")
             local[at : at + p.numel] = shard[p.shard_offset : p.shard_offset + p.numel]
             count_read(4 * p.numel)
         return local.view(slot.shape)

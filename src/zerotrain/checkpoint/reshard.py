@@ -53,9 +53,9 @@ def shard_reads(old: CheckpointHomes, new: ShardLayout, new_slices: dict[str, TP
         was = home.slot
         for mine in new.owned_pieces(dp_rank, s.offset, s.offset + s.numel):  # what of s this rank will own, and where
             for t, src, dst, n in _local_runs(s.name, mine.start - s.offset, mine.end - s.offset,
-                                              old.tp_slices.get(s.name), new_slices.get(s.name), tp_rank):
+                                              home.tp_slice, new_slices.get(s.name), tp_rank):
                 at = was.offset + src  # [at, at + n) of old TP rank t's flat buffer, held by the old DP ranks' pieces
-                reads += [Read(home.world_ranks[p.rank] + t, p.shard_offset, mine.shard_offset + dst + p.start - at,
+                reads += [Read(home.world_rank(p.rank, t), p.shard_offset, mine.shard_offset + dst + p.start - at,
                                p.numel, home.prefix) for p in home.layout.pieces(at, at + n)]
     return _merged(reads)
 

@@ -42,7 +42,7 @@ from zerotrain.parallel import Comm, ZeroEngine
 
 from .commit import commit, tmp_name, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
-from .homes import EXPERT_PREFIX, shard_parts
+from .homes import EXPERT_PREFIX, EXPERT_TP_SLICES, shard_parts
 from .stream import FileRecord, count_written, storage_delay, write_safetensors
 
 
@@ -311,9 +311,11 @@ class CheckpointWriter:
             "precision": engine.precision,
             "torch_version": torch.__version__,
             "layout": engine.layout.to_dict(),  # this rank's local layout, the same on every TP rank
-            # expert parallelism: the expert engine's layout over its replica group (EP rank 0's names) and the experts
-            # of each MoE layer an EP rank holds (EP rank e's names: EP rank 0's, the index shifted by e x those)
-            **({"expert_layout": parts[EXPERT_PREFIX].layout.to_dict(), "experts_per_rank": engine.experts_per_rank}
+            # expert parallelism: the expert engine's layout over its replica group (EP rank 0's names), the experts
+            # of each MoE layer an EP rank holds (EP rank e's names: EP rank 0's, the index shifted by e x those) and,
+            # under TP, their TP slices (EP rank 0's names; every EP rank's experts are split alike)
+            **({"expert_layout": parts[EXPERT_PREFIX].layout.to_dict(), "experts_per_rank": engine.experts_per_rank,
+                EXPERT_TP_SLICES: {name: s.to_dict() for name, s in parts[EXPERT_PREFIX].tp_slices.items()}}
                if EXPERT_PREFIX in parts else {}),
             "tp_slices": {name: s.to_dict() for name, s in engine.tp_slices.items()},
             **extra,

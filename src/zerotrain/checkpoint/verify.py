@@ -20,7 +20,8 @@ first group that has a failure (later groups read what an earlier one found bad)
                model's parameters add up to param_count
     shard      each shard holds master, exp_avg, exp_avg_sq (float32, shard_numel) and step (int64, 1)
     replicas   (TP only) every TP rank's masters of the replicated parameters equal TP rank 0's, and those of
-               a KV head on several TP ranks equal its first rank's: each shard's pieces of them digested
+               a KV head on several TP ranks equal its first rank's (with --ep also the experts' replicated
+               values, gpt-oss's down biases, in the expert masters): each shard's pieces of them digested
                (replica_digests) by the reader of that shard, the digests compared
     model      (version 1) model.safetensors equals the masters assembled through the layout, with TP
                placed through the TP slices (full names, full shapes); in bf16, the masters rounded to
@@ -55,6 +56,7 @@ from zerotrain.parallel import ShardLayout
 
 from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, layout_of, mesh_of,
                       schema_problem, shard_name, tp_slices_of)
+from .homes import expert_layout_of
 from .model import ShardedModel
 from .stream import FileRecord, count_read, read_header, sha256_file
 
@@ -211,8 +213,8 @@ def _share(items: list[tuple[str, int]], readers: int) -> list[list[str]]:
 share_by_size = _share  # public: the I/O plan (training/io_plan.py) predicts which rank hashes which file
 
 
-def _full_shape(manifest: dict, param: dict) -> list[int]:
-    slices = manifest.get("tp_slices", {})
+def _full_shape(manifest: dict, param: dict, key: str = "tp_slices") -> list[int]:
+    slices = manifest.get(key, {})
     return slices[param["name"]]["full_shape"] if param["name"] in slices else param["shape"]
 
 
@@ -321,12 +323,16 @@ def partition_problem(manifest: dict) -> str | None:
                                  "the expert replica group's size (DP size / mesh.ep)")
     if problem:
         return problem
-    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest)
+    # expert parallelism: the experts' TP slices against their own layout (EP rank 0's)
+    experts = ("expert_tp_slices", "expert_layout") if "expert_layout" in manifest else None
+    problem = tp_slices_problem(manifest) or planned_slices_problem(manifest) or \
+        (tp_slices_problem(manifest, *experts) or planned_slices_problem(manifest, *experts) if experts else None)
     if problem:
         return problem
     full = sum(math.prod(_full_shape(manifest, p)) for p in manifest["layout"]["params"])
-    if "expert_layout" in manifest:  # expert parallelism: every EP rank holds as many expert values as EP rank 0
-        full += manifest["expert_layout"]["numel"] * (manifest.get("mesh") or {}).get("ep", 1)
+    if experts:  # every EP rank holds as many expert values as EP rank 0, split as EP rank 0's
+        full += sum(math.prod(_full_shape(manifest, p, experts[0])) for p in manifest["expert_layout"]["params"]) * \
+            (manifest.get("mesh") or {}).get("ep", 1)
     if full != manifest["param_count"]:
         return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
     return None
@@ -387,16 +393,17 @@ def layout_problem(L: dict, W: int, what: str, over: str) -> str | None:
     return None
 
 
-def tp_slices_problem(manifest: dict) -> str | None:
-    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None.
+def tp_slices_problem(manifest: dict, key: str = "tp_slices", layout: str = "layout") -> str | None:
+    """Why a TP slice does not split a parameter of the layout into T equal parts tiling its full tensor, or None
+    (`key`, `layout`: an --ep checkpoint's expert_tp_slices and expert_layout).
 
     TP ranks holding the same parts (a KV head replicated on several ranks) count as one in the tiling.
     """
     T = mesh_of(manifest)[0]
-    shapes = {p["name"]: p["shape"] for p in manifest["layout"]["params"]}
-    for name, d in manifest.get("tp_slices", {}).items():
+    shapes = {p["name"]: p["shape"] for p in manifest[layout]["params"]}
+    for name, d in manifest.get(key, {}).items():
         if name not in shapes:
-            return f"tp_slices names {name}, which is not a parameter of the layout"
+            return f"{key} names {name}, which is not a parameter of the {layout.replace('_', ' ')}"
         extent = d["full_shape"][d["dim"]]
         widths = [sum(hi - lo for lo, hi in ranges) for ranges in d["parts"]]
         pieces = sorted((lo, hi, t) for t, ranges in enumerate(d["parts"]) for lo, hi in ranges
@@ -404,21 +411,21 @@ def tp_slices_problem(manifest: dict) -> str | None:
         at = 0
         for lo, hi, t in pieces:  # the TP ranks' distinct parts together tile [0, extent) of the split dim once
             if hi <= lo or lo != at:
-                return (f"tp_slices[{name!r}]: TP rank {t}'s part [{lo}, {hi}) leaves a gap or overlaps at {at} "
+                return (f"{key}[{name!r}]: TP rank {t}'s part [{lo}, {hi}) leaves a gap or overlaps at {at} "
                         f"of dim {d['dim']}")
             at = hi
         local = list(d["full_shape"])
         local[d["dim"]] = widths[0]
         if at != extent or len(set(widths)) != 1 or shapes[name] != local:
-            return (f"tp_slices[{name!r}] splits dim {d['dim']} of {d['full_shape']} into parts of {widths} "
+            return (f"{key}[{name!r}] splits dim {d['dim']} of {d['full_shape']} into parts of {widths} "
                     f"covering {at}, not {T} equal parts of the layout's shape {shapes[name]}")
     return None
 
 
-def planned_slices_problem(manifest: dict) -> str | None:
+def planned_slices_problem(manifest: dict, key: str = "tp_slices", layout: str = "layout") -> str | None:
     """Why the TP slices of the layout's parameters are not those the manifest's model config splits them into at its
     TP degree (model.plan), or None; a manifest without a model config, or a parameter the plan does not know (a
-    LoRA adapter), is not compared."""
+    LoRA adapter), is not compared. `key`, `layout`: an --ep checkpoint's expert_tp_slices and expert_layout."""
     T = mesh_of(manifest)[0]
     config = manifest.get("config")
     if T == 1 or not isinstance(config, dict) or not isinstance(config.get("model"), dict):
@@ -427,13 +434,13 @@ def planned_slices_problem(manifest: dict) -> str | None:
         planned = plan(ModelConfig(**config["model"]), T)
     except (TypeError, ValueError) as e:
         return f"config.model does not describe a model ({e})"
-    recorded = manifest["tp_slices"]
-    for p in manifest["layout"]["params"]:
+    recorded = manifest.get(key, {})
+    for p in manifest[layout]["params"]:
         name = p["name"]
         if name not in recorded and name in planned and p["shape"] == list(planned[name].full_shape):
             continue  # kept whole on every TP rank: the embedding and head of a checkpoint written before TP split them
         if name in planned and recorded.get(name) != planned[name].to_dict():
-            return (f"tp_slices[{name!r}] is {recorded.get(name)}, not the slice TP {T} gives it: "
+            return (f"{key}[{name!r}] is {recorded.get(name)}, not the slice TP {T} gives it: "
                     f"{planned[name].to_dict()}")
     return None
 
@@ -464,32 +471,49 @@ def _header_problem(folder: str, name: str, shard_numel: int, expert_numel: int 
 DIGEST_VALUES = 1 << 20  # values per read and hash update of a replica digest: 4 MiB of fp32 at a time
 
 
-def replicated_names(manifest: dict) -> list[str]:
+# The replica digests' prefix for an --ep checkpoint's experts (EP rank 0's names: every EP rank lays them out alike)
+EXPERT = "expert:"
+
+
+def replicated_names(manifest: dict, key: str = "tp_slices", layout: str = "layout") -> list[str]:
     """The parameters some TP rank holds a copy of (of TP rank 0's, or a KV head of the first TP rank holding it), in
-    the layout's order: none without TP."""
-    T, slices = mesh_of(manifest)[0], tp_slices_of(manifest)
-    if T == 1:
+    the layout's order: none without TP. `key`, `layout`: an --ep checkpoint's expert_tp_slices and expert_layout."""
+    T, slices = mesh_of(manifest)[0], tp_slices_of(manifest, key)
+    if T == 1 or layout not in manifest:
         return []
-    return [p["name"] for p in manifest["layout"]["params"]
+    return [p["name"] for p in manifest[layout]["params"]
             if p["name"] not in slices or any(slices[p["name"]].first_holder(t) != t for t in range(T))]
 
 
 def replica_digests(manifest: dict, layout: ShardLayout, world_rank: int,
-                    read: Callable[[int, int], torch.Tensor]) -> dict[str, str]:
+                    read: Callable[..., torch.Tensor]) -> dict[str, str]:
     """What world rank `world_rank`'s shard holds of each replicated parameter (replicated_names), as a digest each:
     sha256 of those master values in flat order (in a bf16 run rounded to bf16: the parameters the run computes with),
-    its first 16 hex digits. `read(lo, hi)` gives values [lo, hi) of the rank's master shard, at most DIGEST_VALUES at
-    a time.
+    its first 16 hex digits. `read(lo, hi, key)` gives values [lo, hi) of the rank's master shard (key "master", or
+    "expert_master": its expert engine's), at most DIGEST_VALUES at a time. With --ep the experts' replicated values
+    (gpt-oss's down biases) too, keyed EXPERT + their name in the expert layout.
 
     The local layout is the same on every TP rank, so DP rank d's shards on every TP rank hold the same flat pieces of
-    a parameter: their digests are equal iff (almost surely) the copies are bitwise equal.
+    a parameter: their digests are equal iff (almost surely) the copies are bitwise equal. Likewise the expert layout:
+    DP rank d's TP ranks hold EP rank d mod E's experts, replica d // E's chunks of them.
     """
     T = mesh_of(manifest)[0]
+    out = _digests(manifest, layout, replicated_names(manifest), world_rank // T, lambda lo, hi: read(lo, hi, "master"))
+    names = replicated_names(manifest, "expert_tp_slices", "expert_layout")
+    if names:
+        experts, E = expert_layout_of(manifest, ""), manifest["mesh"]["ep"]
+        digests = _digests(manifest, experts, names, world_rank // T // E, lambda lo, hi: read(lo, hi, "expert_master"))
+        out.update({EXPERT + name: d for name, d in digests.items()})
+    return out
+
+
+def _digests(manifest: dict, layout: ShardLayout, names: list[str], dp_rank: int, read) -> dict[str, str]:
+    """replica_digests of `names`, parameters of `layout`, in the shard of DP rank `dp_rank` over it."""
     slots = {s.name: s for s in layout.slots}
     out = {}
-    for name in replicated_names(manifest):
+    for name in names:
         s, sha = slots[name], hashlib.sha256()
-        for p in layout.owned_pieces(world_rank // T, s.offset, s.offset + s.numel):
+        for p in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel):
             for lo in range(p.shard_offset, p.shard_offset + p.numel, DIGEST_VALUES):
                 values = read(lo, min(lo + DIGEST_VALUES, p.shard_offset + p.numel))
                 if manifest["precision"] == "bf16":
@@ -505,11 +529,13 @@ def shard_digests(path: str, manifest: dict, layout: ShardLayout, world_rank: in
     if mesh_of(manifest)[0] == 1:
         return {}
     with safe_open(os.path.join(path, shard_name(world_rank, manifest["world_size"])), framework="pt") as f:
-        masters = f.get_slice("master")
+        masters = {}
 
-        def read(lo: int, hi: int) -> torch.Tensor:
+        def read(lo: int, hi: int, key: str) -> torch.Tensor:
+            if key not in masters:
+                masters[key] = f.get_slice(key)
             count_read(4 * (hi - lo))
-            return masters[lo:hi]
+            return masters[key][lo:hi]
 
         return replica_digests(manifest, layout, world_rank, read)
 
@@ -518,8 +544,9 @@ def replicas_check(path: str, manifest: dict, digests: dict[int, dict[str, str]]
     """Every TP rank's masters of the replicated parameters equal TP rank 0's, and a KV head's on several TP ranks its
     first holder's: from `digests` (world rank -> replica_digests of its shard, every world rank's), no file read."""
     T, D = mesh_of(manifest)
-    slices = tp_slices_of(manifest)
-    for name in replicated_names(manifest):
+    slices = tp_slices_of(manifest)  # the experts' replicated values have none: TP rank 0's is the reference
+    for name in replicated_names(manifest) + [EXPERT + n for n in replicated_names(manifest, "expert_tp_slices",
+                                                                                   "expert_layout")]:
         for t in range(1, T):
             ref = slices[name].first_holder(t) if name in slices else 0
             if ref == t:

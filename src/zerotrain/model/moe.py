@@ -31,7 +31,8 @@ gate_proj and up_proj by rows of the hidden width, down_proj by its matching inp
 partial expert outputs (weighted, in slot order) and the layer's output is all-reduced once, not once per expert.
 The routing weights (and the shared gate's output) multiply partial sums, so their gradients are all-reduced
 (copy_to_tp: N k numbers); the experts' input gradient too, as the MLP's. gpt-oss's down_proj biases are added
-once, after the all-reduce, as sum_k weight_k bias_{expert_k} computed on every rank alike.
+once, after the all-reduce, as sum_k weight_k bias_{expert_k} computed on every rank alike (under expert
+parallelism from every expert's biases, which `exchange.every_expert` gathers from the EP group).
 
 The balancing loss (Switch Transformer's, as transformers' load_balancing_loss_func computes it over one forward)
 is taken per row of the batch: `balancing_loss` pools the routing of every MoE layer for the row's tokens.
@@ -140,6 +141,8 @@ class MoE(nn.Module):
             # gpt-oss's down biases, once: each token's weights over the E experts times their biases
             dense = torch.zeros(len(flat), self.n_experts, dtype=x.dtype, device=x.device)
             biases = torch.stack([e.down_proj.bias for e in self.local_experts()])
+            if self.exchange is not None:  # expert parallelism: this rank holds its block's; every expert's here
+                biases = self.exchange.every_expert(biases)
             y = y + dense.scatter(1, chosen, weights.to(x.dtype)) @ biases
         return y.view(B, T, C)
 

@@ -178,9 +178,11 @@ class ZeroEngine:
         self._select = select
         by_name = dict(model.named_parameters())
         self.params = [by_name[s.name] for s in self.layout.slots]
-        # name -> TPSlice of the trained parameters split by TP; the frozen ones' (model_slices) only for invariant (b)
+        # name -> TPSlice of the trained parameters this engine holds split by TP; the frozen ones' (model_slices) only
+        # for invariant (b)
         self.model_slices = getattr(model, "tp_slices", {})
-        self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad}
+        self.tp_slices = {n: s for n, s in self.model_slices.items() if n in by_name and by_name[n].requires_grad
+                          and (select is None or select(n))}
         self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
         self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)

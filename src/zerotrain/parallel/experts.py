@@ -3,7 +3,9 @@ engine that reduces and shards the expert parameters over the ranks that hold th
 
     groups    the DP ranks form EP groups of E consecutive DP ranks (EP rank = DP rank mod E); EP rank r holds the
               contiguous block of experts [r n/E, (r+1) n/E) of every MoE layer. The DP ranks with the same EP rank
-              (DP/E of them) hold the same experts: the expert replica group.
+              (DP/E of them) hold the same experts: the expert replica group. Under --tp T both are built per TP
+              index (the ranks of one TP index, as a DP group is): each expert of the block is TP-sliced as at EP 1
+              (model/moe.py), TP rank t holding slice t.
     dispatch  each rank routes its own tokens (the router is dense, unchanged) and sorts its (token, slot) rows by
               expert (model/moe.py). Counts first: an all-to-all of the per-expert counts tells each rank how many rows
               it gets from every source for each of its experts. Then the rows: all_to_all_single with those splits;
@@ -11,16 +13,23 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               model/moe.py's expert_outputs, then back, and returned by the reverse all-to-all. Dropless, and the
               order fixed, so that the result is EP 1's within float noise (an expert's rows are the same rows).
               Autograd goes through both all-to-alls (the backward of one is the other with the splits swapped).
+              Under TP every TP rank of a DP rank routes the same tokens alike and sends the same rows, within its
+              own TP index's EP group; each computes its TP slice of its experts' outputs (partial sums), and the MoE
+              layer's one TP all-reduce sums them, as at EP 1. gpt-oss's down biases (replicated, added once after
+              that all-reduce) are gathered from the EP group first (`every_expert`).
     engine    two ZeRO engines over one model: the dense parameters over the whole DP group, as without EP; the expert
               parameters (this rank's block) over the replica group, reduce-scattered there (their gradients already
               hold every EP rank's tokens: the all-to-all's backward brought them) and their optimizer state sharded
               there. One scalar all-reduce per step still: the expert shard's squared gradients join the dense
-              engine's (grad_norm's exact limbs add), so the global norm counts every expert value once.
+              engine's (grad_norm's exact limbs add), so the global norm counts every expert value once. Under TP
+              the expert engine runs over the real TP group (expert_mesh): the norm counts its TP slices on every
+              rank and its replicated values on TP rank 0, digests, full tensors and checkpoints see the TP slicing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 
 import torch
@@ -29,7 +38,6 @@ import torch.distributed as dist
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
-from .digest import tensor_digest
 from .engine import ZeroEngine
 from .mesh import Mesh
 
@@ -63,6 +71,14 @@ def build_expert_groups(mesh: Mesh, ep: int) -> Mesh:
     mesh.expert_dp = Comm(mine_replica, timeout_s=world.timeout_s)
     mesh.ep_size, mesh.ep_rank = ep, d % ep
     return mesh
+
+
+def expert_mesh(mesh: Mesh) -> Mesh:
+    """The mesh the expert engine runs over: the expert replica group as its DP group (ZeRO shards and reduces there),
+    the model's TP group as its own (each expert TP-sliced: gather_tp, the norm's counting of replicated values,
+    digests, full tensors). No KV heads among the experts. `world` stays the run's (the step's scalar all-reduce is
+    the dense engine's), so the mesh's dp_size is the run's, not the replica group's: the engine reads `dp`."""
+    return dataclasses.replace(mesh, dp=mesh.expert_dp, kv=None, kv_replicas=1)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -117,6 +133,14 @@ class ExpertExchange:
         outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
         return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
 
+    def every_expert(self, local: torch.Tensor) -> torch.Tensor:
+        """Rows stacked per local expert (gpt-oss's down biases under TP) -> every expert's, in expert order: an
+        all-gather over the EP group, as an all-to-all of E copies, whose backward sums each expert's gradient over
+        the EP group's tokens (in EP rank order) on the rank that holds it."""
+        n = len(local)
+        return all_to_all_rows(local.repeat(self.ep, *([1] * (local.dim() - 1))), self.comm, [n] * self.ep,
+                               [n] * self.ep, "all_to_all_expert_biases")
+
 
 def shard_experts(model: torch.nn.Module, mesh: Mesh) -> None:
     """Keep this rank's block of each MoE layer's experts (by their global index, so names stay Hugging Face's) and
@@ -159,7 +183,7 @@ class ExpertParallelEngine:
     def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
         self.dense = ZeroEngine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
                                 **kwargs)
-        self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=Mesh.single(mesh.expert_dp),
+        self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh),
                                   select=is_expert_parameter, **kwargs)
         self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
         if kwargs.get("gather_in_forward", True):
@@ -202,12 +226,11 @@ class ExpertParallelEngine:
         self.experts.wait_params(buckets)
 
     def param_digests(self) -> torch.Tensor:
-        """Row 0: the dense parameters (equal on every rank); row 1: this rank's experts (equal across its replica
-        group: invariants.check_no_drift compares DP ranks of one EP rank)."""
-        rows = self.dense.param_digests().clone()
-        self.experts.wait_params()
-        rows[1] = tensor_digest(self.experts.flat_params.detach())
-        return rows
+        """The dense engine's rows (replicated, TP-sliced, KV heads: as without EP), then the expert engine's two:
+        this rank's experts' replicated values (without TP: all of them; with it gpt-oss's down biases), equal
+        across its EP rank's ranks of every TP index, and their TP slices (zeros without TP), equal across its
+        replica group at its TP index (invariants.check_no_drift)."""
+        return torch.cat([self.dense.param_digests(), self.experts.param_digests()[:2]])
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return self.dense.grad_tensors() + self.experts.grad_tensors()

@@ -20,10 +20,12 @@ from zerotrain.parallel.digest import digest_hex
 
 def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
     """(b) Replicated parameters are bitwise equal on every rank, each TP slice across its DP group, and a KV head
-    on several TP ranks across its KV group.
+    on several TP ranks across its KV group; with expert parallelism, each rank's experts across the ranks holding
+    the same ones.
 
     `digests` is this rank's engine.param_digests() (rows: replicated, sliced, and with KV groups the KV heads'
-    slices); only these few bytes per rank travel. Returns each rank's digests as hex, rank order.
+    slices; with --ep two more, last: the experts' replicated values and their TP slices); only these few bytes per
+    rank travel. Returns each rank's digests as hex, rank order.
     """
     rows = mesh.world.all_gather_rows(digests.to(torch.int64), "all_gather_digests")
     T = mesh.tp_size
@@ -33,14 +35,23 @@ def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
     if replicated:
         what = "replicated parameters" if T > 1 else "parameters"
         raise InvariantError(f"invariant (b) failed: {what} of rank(s) {replicated} differ from rank 0 at step {step}")
-    E = mesh.ep_size  # expert parallelism (TP 1): row 1 is the rank's experts, equal across its replica group
-    experts = [r for r in range(len(rows)) if E > 1 and not torch.equal(rows[r, 1], rows[r % E, 1])]
-    if experts:
-        raise InvariantError(f"invariant (b) failed: the experts of rank(s) {experts} differ from their replica "
-                             f"group's first rank ({sorted({r % E for r in experts})}) at step {step}")
-    if sliced and E == 1:
+    if sliced:
         raise InvariantError(f"invariant (b) failed: the TP slices of rank(s) {sliced} differ from their DP group's "
                              f"first rank ({sorted({r % T for r in sliced})}) at step {step}")
+    E = mesh.ep_size
+    if E > 1:
+        # World rank r = d T + t holds EP rank (d mod E)'s experts, TP slice t: the same as rank (d mod E) T + t, the
+        # first of its replica group at its TP index; their replicated values (gpt-oss's down biases; without TP,
+        # every expert value) as rank (d mod E) T, its EP rank's first rank.
+        first = [((r // T) % E) * T for r in range(len(rows))]
+        for row, ref, what in ((-2, first, "replicated values"), (-1, [f + r % T for r, f in enumerate(first)],
+                                                                  "TP slices")):
+            experts = [r for r in range(len(rows)) if not torch.equal(rows[r, row], rows[ref[r], row])]
+            if experts:
+                what = "experts" if T == 1 else f"experts' {what}"
+                raise InvariantError(f"invariant (b) failed: the {what} of rank(s) {experts} differ from those of "
+                                     f"rank(s) {sorted({ref[r] for r in experts})}, which hold the same experts, at "
+                                     f"step {step}")
     # A KV group is a run of kv_replicas consecutive ranks of one TP group; its first rank is the reference.
     R = mesh.kv_replicas
     shared = [r for r in range(len(rows)) if R > 1 and not torch.equal(rows[r, 2], rows[r - r % R, 2])]
