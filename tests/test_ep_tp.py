@@ -8,8 +8,10 @@ test_moe_tp.py: at 1e-8 its first steps turn float noise in a near-zero gradient
 (measured here: 1.8e-5 on the final weights at eps 1e-8, 4 steps). Planted in the product's path: the MoE layer's
 partial outputs never summed over the TP group (stopped by invariant (b)); the all-to-all run over the TP group
 instead of the EP group (the losses part). The --ep 2 --tp 2 run saved at step 2 and resumed ends bitwise where it
-ends uninterrupted. Its export loads in transformers with zerotrain's logits; each expert's TP slices read from TP
-index 0's shards (planted in checkpoint/homes.py's expert_shard_rank) are caught. Invariant (b)'s rule for E x T is
+ends uninterrupted; resumed at --ep 1 --tp 2 (resharded: each expert's TP slice t from TP index t's shards) its last
+steps are the uninterrupted run's within 1e-6. Its export loads in transformers with zerotrain's logits. Each
+expert's TP slices read from TP index 0's shards (planted in checkpoint/homes.py's expert_shard_rank) are caught, in
+the export and in the reshard. Invariant (b)'s rule for E x T is
 checked on the digests alone: which ranks must agree, and a drift in each expert row caught, naming the ranks.
 """
 
@@ -57,6 +59,7 @@ def run(comm, out, *flags) -> dict:
 
 
 def four_rank_job(rank, comm, tmp_path):
+    from zerotrain.checkpoint import homes
     from zerotrain.model import moe
     from zerotrain.training import loop, memory_plan
 
@@ -66,6 +69,16 @@ def four_rank_job(rank, comm, tmp_path):
     out = {name: run(comm, tmp_path / name, *flags) for name, flags in runs.items()}
     out["resumed"] = run(comm, tmp_path / "resumed", *EP2_TP2, "--resume",
                          str(tmp_path / "ep2tp2" / "checkpoints" / "step_00000002"))
+    # the --ep 2 --tp 2 checkpoint resharded to --ep 1 at the same --tp (each expert's TP slice t from TP index t's
+    # shards), then with every expert slice read from TP index 0's (planted in checkpoint/homes.py's expert_shard_rank)
+    at_ep1 = ["--resume", str(tmp_path / "ep2tp2" / "checkpoints" / "step_00000002")]
+    out["resharded_ep1"] = run(comm, tmp_path / "resharded_ep1", *QWEN3, *EP1_TP2, *at_ep1)
+    real_rank = homes.expert_shard_rank
+    homes.expert_shard_rank = lambda replica, ep_rank, tp_rank, ep, tp: real_rank(replica, ep_rank, 0, ep, tp)
+    try:
+        out["resharded_tp0"] = run(comm, tmp_path / "resharded_tp0", *QWEN3, *EP1_TP2, *at_ep1)
+    finally:
+        homes.expert_shard_rank = real_rank
     # planted: the all-to-all over the TP group (each TP rank sends its rows to its TP peers' experts)
     real_shard = loop.shard_experts
     loop.shard_experts = lambda model, mesh: real_shard(model, dataclasses.replace(mesh, ep=mesh.tp))
@@ -145,6 +158,18 @@ def test_an_ep2_tp2_resume_on_the_same_layout_is_bitwise(four_ranks):
     _, results = four_ranks
     assert results[0]["resumed"]["losses"] == results[0]["ep2tp2"]["losses"][2:]
     assert results[0]["resumed"]["digests"] == results[0]["ep2tp2"]["digests"]  # every rank's, bitwise
+
+
+def test_an_ep2_tp2_checkpoint_reshards_to_ep1_at_tp2_and_expert_slices_read_from_one_tp_index_are_caught(
+        four_ranks):
+    """4 ranks, --ep 2 --tp 2 saved at step 2, resumed at --ep 1 --tp 2 (DP 2): the experts move from the expert
+    layouts into the flat one, each TP slice from its own TP index's shards. Its last 2 steps are the uninterrupted
+    run's within 1e-6 (relative) and its final weights within 1e-5; every expert slice read from TP index 0 is
+    caught."""
+    tmp, results = four_ranks
+    assert close(results[0]["resharded_ep1"]["losses"], results[0]["ep2tp2"]["losses"][2:], 1e-6), results[0]
+    assert weight_gap(final_weights(tmp / "resharded_ep1"), final_weights(tmp / "ep2tp2")) < 1e-5
+    assert weight_gap(final_weights(tmp / "resharded_tp0"), final_weights(tmp / "ep2tp2")) > 1e-3
 
 
 def export_tensors(capfd, ckpt: str, out) -> dict[str, torch.Tensor]:
