@@ -75,7 +75,7 @@ def test_a_fresh_run_reads_hashes_and_writes_what_the_plan_gives_each_rank_and_a
         assert measured["init_bytes_read"][r.rank] == r.startup_read
         assert measured["checkpoint_bytes_written"][r.rank] == r.save_written
         assert measured["checkpoint_bytes_read"][r.rank] == r.startup_hashed + r.startup_headers
-    assert all(r.startup_hashed and r.startup_headers for r in plan.ranks)  # two files: each rank hashes one
+    assert all(r.startup_hashed and r.startup_headers for r in plan.ranks)  # each rank hashes its run of the blocks
     planted, whole = plan_of(runs, "whole tensor, whole model saved")
     said = [line for line in differences(planted, whole, phases=("startup", "save")) if "init_bytes_read" in line]
     assert len(said) == W, said  # every rank

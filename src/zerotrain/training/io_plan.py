@@ -10,10 +10,10 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          dtype (FileValues, init_bytes_read)
              drawn       without it, from the seed: the values of its owned ranges at stage 3, of its TP slices otherwise
                          (init_values_drawn)
-             hashed      --init-from's files this rank hashes for the manifests' record: one file each, shared by
-                         size (WeightSource.record; counted in checkpoint_bytes_read). A run without --init-from (a
-                         plan for a folder that is not here) is planned as Hugging Face saves a model: files of at
-                         most 5 GB
+             hashed      --init-from's files this rank hashes for the manifests' record: its run of their blocks,
+                         about 1/W of the folder (hub/base_digest.py, WeightSource.record; counted in
+                         checkpoint_bytes_read). A run without --init-from (a plan for a folder that is not here)
+                         is planned as Hugging Face saves a model: files of at most 5 GB
              headers     every file's safetensors header, which each rank reads to check the tensors' names,
                          shapes and dtypes (check_tensors; counted in checkpoint_bytes_read; 0 for a folder not here)
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
@@ -37,7 +37,7 @@ need not have the folder.
 Not planned yet: a LoRA run's frozen base (its reads at start-up; the layout here is the trained parameters'),
 and a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
 holds slices of one shape, so TP rank 0's figures are each TP rank's; the
-ranks differ by their DP rank (which rows their owned ranges cut) and by the files they hash.
+ranks differ by their DP rank (which rows their owned ranges cut) and by the blocks they hash.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from zerotrain.checkpoint import MANIFEST
 from zerotrain.checkpoint.stream import header_bytes, read_header
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
 from zerotrain.data.tokenizer_config import config_files
+from zerotrain.hub import base_digest
 from zerotrain.model import build_model, parallelize
 from zerotrain.parallel import ShardLayout, layout_of
 
@@ -161,9 +163,12 @@ def file_dtype_bytes(cfg: Config) -> int:
 
 
 def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, world: int) -> list[int]:
-    """Each world rank's bytes of --init-from's files hashed for the manifests: the folder's own files where it is
-    here, else files of at most HF_SHARD_BYTES holding the model."""
+    """Each world rank's bytes of --init-from's files hashed for the manifests, its run of their blocks
+    (hub.base_digest): the folder's own files where it is here (none for a checkpoint, whose manifest's sha256s
+    are recorded), else files of at most HF_SHARD_BYTES holding the model."""
     folder = cfg.checkpoint.init_from
+    if folder and os.path.isfile(os.path.join(folder, MANIFEST)):
+        return [0] * world
     if folder and os.path.isdir(folder):
         files = [(n, os.path.getsize(os.path.join(folder, n))) for n in sorted(os.listdir(folder))
                  if n.endswith(".safetensors")]
@@ -171,8 +176,7 @@ def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, wo
         total = sum(math.prod(s) for s in shapes.values()) * esize
         count = -(-total // HF_SHARD_BYTES)
         files = [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", total // count) for i in range(count)]
-    sizes = dict(files)
-    return [sum(sizes[n] for n in names) for names in share_by_size(files, world)]
+    return base_digest.hashed_bytes(files, world)
 
 
 def copied_files(cfg: Config) -> list[tuple[str, int]]:
@@ -252,7 +256,7 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
 # The rows of `describe`'s table: (RankIO field, label, what it is).
 LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {read_how}"),
          ("startup_drawn", "start-up: drawn (values)", "without, from the seed: {drawn_how}"),
-         ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, whole files shared by size{files}"),
+         ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, its run of their blocks{files}"),
          ("startup_held", "start-up: held", "the state, and the largest tensor read (file dtype and fp32)"),
          ("step_held", "step: held", "the memory plan's total above"),
          ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments)"),
