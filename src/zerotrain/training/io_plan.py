@@ -7,7 +7,8 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 
     start-up, read       with --init-from, its files: at stage 3 the rows that hold the rank's owned ranges (a range that
                          cuts a row reads that row), at stages 1 and 2 its TP slice of every parameter, in the files'
-                         dtype (FileValues, init_bytes_read)
+                         dtype (FileValues, init_bytes_read); a LoRA run's are its frozen base's, at stage 3 in the
+                         base's own flat layout (zero3.frozen_layout_of), its adapters drawn apart
              drawn       without it, from the seed: the values of its owned ranges at stage 3, of its TP slices otherwise
                          (init_values_drawn)
              hashed      --init-from's files this rank hashes for the manifests' record: its run of their blocks,
@@ -34,8 +35,7 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 Reads and draws are planned both ways, whether or not the run gives --init-from: a plan for an 8B model's folder
 need not have the folder.
 
-Not planned yet: a LoRA run's frozen base (its reads at start-up; the layout here is the trained parameters'),
-and a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
+Not planned yet: a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
 holds slices of one shape, so TP rank 0's figures are each TP rank's; the
 ranks differ by their DP rank (which rows their owned ranges cut) and by the blocks they hash.
 """
@@ -57,7 +57,9 @@ from zerotrain.data.tokenizer import TOKENIZER_FILE
 from zerotrain.data.tokenizer_config import config_files
 from zerotrain.hub import base_digest
 from zerotrain.model import build_model, parallelize
+from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import ShardLayout, layout_of
+from zerotrain.parallel.zero3 import frozen_layout_of
 
 from .memory_plan import STATE, MemoryPlan, memory_plan
 
@@ -112,7 +114,12 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
         shapes = {n: tuple(t.shape) for n, t in local.named_parameters()}  # the full model's, before the TP split
         if tp > 1:
             parallelize(local, tp, 0, None)
+        if cfg.lora.rank:  # as the memory plan lays it out: the adapters train, the base is frozen
+            add_adapters(local, cfg.lora, cfg.loop.seed)
     L = layout_of(local, dp, p.bucket_numel)
+    # What start-up reads or draws: the trained parameters, or a LoRA run's frozen base (its adapters are drawn by
+    # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
+    source = frozen_layout_of(local, dp, p.bucket_numel) if cfg.lora.rank else L
     esize = file_dtype_bytes(cfg)
     memory = memory or memory_plan(cfg, world_size=world)
     state = sum(memory.rows[k] for k in STATE)
@@ -124,7 +131,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     copied_written = sum(size for _, size in copied)
     ranks = []
     for rank in range(world):
-        rows = owned_rows(L, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in L.slots]
+        rows = owned_rows(source, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in source.slots]
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
                             state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
