@@ -1,7 +1,8 @@
 """Job functions for tests/test_io_plan.py, run by spawned ranks (importable by module name): `zerotrain train`'s job
 with each rank's checkpoint bytes counted around it (the counters are the process's, and one start of the ranks runs
 several jobs), and the planted bugs, each patching the product's own function: a whole-tensor read at stage 3's
-start-up, rank 0 writing the whole model at a save, every rank checking every file of the checkpoint it resumes.
+start-up, rank 0 writing the whole model at a save, every rank checking every file of the checkpoint it resumes, a
+resume reading --init-from's files again before it restores the checkpoint over them.
 `hash_job`: the ranks' record of an --init-from folder (WeightSource.record) and each rank's bytes hashed for it,
 planted: each file hashed whole by one rank (the record before block digests)."""
 
@@ -21,6 +22,7 @@ from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
 from zerotrain.hub import init_from
 from zerotrain.parallel import Comm, ZeroThreeEngine
+from zerotrain.training import loop as loop_module
 from zerotrain.training.loop import train_job
 
 
@@ -46,6 +48,8 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
         if "every file checked" in plants:
             patches.enter_context(mock.patch.object(load_module, "checks_beside_own_shard",
                                                     resume_jobs.every_file_checked))
+        if "base read again" in plants:  # a resume fills its engine from --init-from's files before the checkpoint
+            patches.enter_context(mock.patch.object(loop_module, "_restores", lambda cfg: False))
         before = bytes_counted()
         report = train_job(cfg, comm)
         mine = {k: v - before[k] for k, v in bytes_counted().items()}

@@ -1,11 +1,13 @@
 """The I/O plan (training/io_plan.py, `zerotrain plan`'s per-rank section) says what each rank of a real run reads,
 writes and draws: a ZeRO-3 run on 2 ranks from a Hugging Face Llama folder (bf16, in several files, every parameter
 its own bucket so that owned ranges cut rows) reads at start-up, hashes, writes at its save and reads at its resume
-the bytes the plan gives each rank, as does a LoRA run's start-up (its frozen base's owned rows) and save (within io_plan.TOLERANCE: 1% and 4 KiB), and a seeded run draws the values it
-gives. Planted in the product's own functions, each caught by the same comparison (io_plan.differences): stage 3
-reading the whole tensor of every parameter it owns part of and rank 0 writing the whole model at a save (one run,
-each in its own counter), and every rank checking every file of the checkpoint it resumes. One start of 2 ranks runs
-the five jobs in turn.
+the bytes the plan gives each rank (within io_plan.TOLERANCE: 1% and 4 KiB), as does a LoRA run's start-up (its
+frozen base's owned rows) and save, and a seeded run draws the values it gives. A resume reads its shard and its
+share of the record's hashing, nothing else of the base. Planted in the product's own functions, each caught:
+stage 3 reading the whole tensor of every parameter it owns part of and rank 0 writing the whole model at a save
+(one run, each in its own counter), every rank checking every file of the checkpoint it resumes and the resume
+reading the base again (one run), and a plan without the LoRA run's adapters. One start of 2 ranks runs the six
+jobs in turn.
 """
 
 import functools
@@ -57,8 +59,9 @@ def runs(tmp_path_factory):
             "whole tensor, whole model saved": (functools.partial(jobs.counted_job,
                                                                   plants=("whole tensor", "whole model saved")),
                                                 cfg("planted")),
-            "every file checked": (functools.partial(jobs.counted_job, plants=("every file checked",)),
-                                   cfg("every-file", steps=2, resume="fresh"))}
+            "every file checked, base read again": (
+                functools.partial(jobs.counted_job, plants=("every file checked", "base read again")),
+                cfg("every-file", steps=2, resume="fresh"))}
     pairs = list(runs.values())
     results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=pairs), pairs[0][1], time_limit=180)
     return {name: (c, summary) for (name, (_, c)), summary in zip(runs.items(), results)}
@@ -115,13 +118,16 @@ def test_a_save_writing_the_whole_model_is_caught_by_the_plans_save_bytes(runs):
 
 def test_a_resume_reads_each_rank_its_shard_as_planned_and_every_rank_checking_every_file_is_caught(runs):
     plan, measured = plan_of(runs, "resumed")
-    # given --init-from again, the resumed run hashes its files again too: planned, and counted with the resume
+    # given --init-from again, the resumed run hashes its share of the files for the record (planned, and counted
+    # with the resume), and reads nothing else of them: its checkpoint overwrites every value
     assert differences(plan, measured, phases=("resume",)) == []
-    assert [measured["checkpoint_bytes_read"][r.rank] - r.startup_hashed - r.startup_headers for r in plan.ranks] == \
+    assert [measured["checkpoint_bytes_read"][r.rank] - r.startup_hashed for r in plan.ranks] == \
         [r.resume_read for r in plan.ranks]
-    planted, every = plan_of(runs, "every file checked")
+    assert measured["init_bytes_read"] == [0] * W
+    planted, every = plan_of(runs, "every file checked, base read again")
     said = differences(planted, every, phases=("resume",))
     assert said and all("checkpoint_bytes_read" in line for line in said), said
+    assert every["init_bytes_read"] == [r.startup_read for r in planted.ranks]  # the second plant, in its counter
 
 
 def test_plan_prints_each_ranks_bytes_by_phase(capsys):

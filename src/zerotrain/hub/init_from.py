@@ -33,7 +33,7 @@ from zerotrain.config import Config, ModelConfig, setting_for
 from zerotrain.data.tokenizer import TOKENIZER_FILE, read_tokenizer_file
 from zerotrain.errors import ConfigError
 from zerotrain.model import meta_model, model_class, parallelize
-from zerotrain.model.init import SeedValues
+from zerotrain.model.init import RestoredValues, SeedValues
 
 from .base_digest import folder_record
 from .export import INDEX_FILE, read_export_config, tensor_files
@@ -382,12 +382,16 @@ def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: i
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def initial_model(cfg: Config, mesh) -> tuple[torch.nn.Module, object]:
+def initial_model(cfg: Config, mesh, restored: bool = False) -> tuple[torch.nn.Module, object]:
     """This rank's model on the meta device (its TP slice of it over `mesh` when --tp > 1) and the source of its
     initial values: --init-from's files (FileValues), or else the seed (model/init.py's SeedValues). What the engine
-    fills its flat buffers from, and what a full fine-tuning's live DPO reference copies."""
+    fills its flat buffers from, and what a full fine-tuning's live DPO reference copies. `restored`: a checkpoint
+    will overwrite every value (a resume of full fine-tuning), which is then neither read nor drawn
+    (RestoredValues)."""
     model = meta_model(cfg.model)
     slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
+    if restored:
+        return model, RestoredValues()
     if cfg.checkpoint.init_from:
         return model, FileValues(weight_source(cfg.checkpoint.init_from, verify=False), model, slices, mesh.tp_rank)
     return model, SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)

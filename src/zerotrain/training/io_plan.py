@@ -238,7 +238,8 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
     """Where a run's counters (summary.json's per_rank) are off the plan beyond TOLERANCE, one line each, naming the
     rank, the counter and both figures. `phases`: what the run did (a fresh run starts and saves; a resumed one
     resumes, and may save); `saves`: how many checkpoints it wrote; `hashed`: its checkpoint reads include the
-    hashing of --init-from's files (a run given --init-from hashes them whether it resumes or not)."""
+    hashing of --init-from's files (a run given --init-from hashes them whether it resumes or not, for the
+    manifests' record; a resume of full fine-tuning reads nothing else of them, not even their headers)."""
     out = []
     for rank in plan.ranks:
         for phase in phases:
@@ -246,8 +247,8 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
                 if (counter, plan.init_from) in (("init_bytes_read", False), ("init_values_drawn", True)):
                     continue  # a run reads its model or draws it
                 planned = getattr(rank, key) * (saves if phase == "save" else 1)
-                if phase == "resume" and hashed and plan.init_from:
-                    planned += rank.startup_hashed + rank.startup_headers
+                if phase == "resume" and hashed and plan.init_from:  # the record; no header is read (_restores)
+                    planned += rank.startup_hashed
                 measured = per_rank[counter][rank.rank]
                 if abs(measured - planned) > TOLERANCE * planned + SLACK:
                     out.append(f"rank {rank.rank} {counter} {measured:,}, the plan {planned:,}")
