@@ -123,11 +123,15 @@ def digest_like(path: str, theirs: str) -> str:
 
 
 def shown(digest: str | None) -> str:
-    """A digest as messages show it: its kind and the first 12 hex digits."""
+    """A digest as messages show it: "sha256 1a2b3c4d5e6f...", "of 16 MiB blocks" after a block digest."""
     if digest is None:
         return "no such file"
     kind, _, hexdigest = digest.rpartition(":")
-    return f"{'sha256' if not kind else kind.replace('-', ' of ', 1) + '-byte blocks'} {hexdigest[:12]}..."
+    if not kind:
+        return f"sha256 {hexdigest[:12]}..."
+    size = int(kind[len("blocks-"):])
+    count, unit = next((size // b, u) for u, b in (("MiB", 1 << 20), ("KiB", 1 << 10), ("bytes", 1)) if size % b == 0)
+    return f"sha256 {hexdigest[:12]}... of {count} {unit} blocks"
 
 
 def first_difference(theirs: dict[str, str], record: dict) -> tuple[str, str | None, str | None] | None:
