@@ -87,7 +87,7 @@ def folder_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
     rank, ranks = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     mine = [sha256_range(p, at, n).hex() for p, at, n in rank_blocks(every, rank, ranks)]
     digests = mine if comm is None else [d for got in comm.io.all_gather_json(mine, "hash_init_from") for d in got]
-    by_file: dict[str, hashlib._Hash] = {p: hashlib.sha256() for p, _ in sizes}
+    by_file = {p: hashlib.sha256() for p, _ in sizes}
     for (p, _, _), d in zip(every, digests, strict=True):
         by_file[p].update(bytes.fromhex(d))
     return block_bytes, [{"name": os.path.basename(p), "bytes": size, "blocks_sha256": by_file[p].hexdigest()}
