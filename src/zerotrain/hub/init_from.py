@@ -76,9 +76,9 @@ class WeightSource:
         would read the optimizer state too).
 
         With `comm`, every rank calls this together: each hashes about 1/W of the folder's blocks and the digests
-        are gathered under --io-timeout, so no rank reads more than its share (whole files dealt out one a rank
-        made four of 64 ranks hash 4.02 GB each for Llama-3-8B) and none waits for another's hashing on the
-        step's timeout. Every rank gets the record; one process alone computes the same.
+        are gathered under --io-timeout, so no rank reads more than its share (whole files, one rank each, made
+        four of 64 ranks hash 4.02 GB each for Llama-3-8B) and none waits for another's hashing on the step's
+        timeout. Every rank gets the record; one process alone computes the same.
         """
         if self.kind == "checkpoint":
             listed = self.shards or {f["name"]: f["sha256"] for f in read_manifest(self.folder)["files"]}

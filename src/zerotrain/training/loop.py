@@ -359,8 +359,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     if cfg.checkpoint.init_from:
         origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record(comm)}
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"), objective)
-    if restores and resumed_from is None:  # _restores's promise: its initial values were never read
-        raise RuntimeError("zerotrain: a checkpoint was to be restored over the initial values and none was")
+    if restores and resumed_from is None:  # _restores's promise, made from each rank's own view of the folders
+        raise checkpoint.CheckpointError(f"rank {comm.rank}: a checkpoint was to be restored over the initial values "
+                                         "it never read, and none was (do the ranks see the same checkpoint folders?)")
     _continue_data(cfg, comm, schedule, manifest, start)
     origin.update(objective.prepare(engine, comm, manifest, resumed_from, origin.get("init_from")))
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
