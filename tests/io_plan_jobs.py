@@ -1,11 +1,15 @@
 """Job functions for tests/test_io_plan.py, run by spawned ranks (importable by module name): `zerotrain train`'s job
 with each rank's checkpoint bytes counted around it (the counters are the process's, and one start of the ranks runs
 several jobs), and the planted bugs, each patching the product's own function: a whole-tensor read at stage 3's
-start-up, rank 0 writing the whole model at a save, every rank checking every file of the checkpoint it resumes."""
+start-up, rank 0 writing the whole model at a save, every rank checking every file of the checkpoint it resumes, a
+resume reading --init-from's files again before it restores the checkpoint over them.
+`hash_job`: the ranks' record of an --init-from folder (WeightSource.record) and each rank's bytes hashed for it,
+planted: each file hashed whole by one rank (the record before block digests)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from unittest import mock
 
 import resume_jobs
@@ -13,9 +17,12 @@ import resume_jobs
 from zerotrain.checkpoint import MODEL_FILE
 from zerotrain.checkpoint import load as load_module
 from zerotrain.checkpoint import save as save_module
-from zerotrain.checkpoint.stream import bytes_counted
+from zerotrain.checkpoint.stream import bytes_counted, sha256_file
+from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
+from zerotrain.hub import init_from
 from zerotrain.parallel import Comm, ZeroThreeEngine
+from zerotrain.training import loop as loop_module
 from zerotrain.training.loop import train_job
 
 
@@ -41,6 +48,8 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
         if "every file checked" in plants:
             patches.enter_context(mock.patch.object(load_module, "checks_beside_own_shard",
                                                     resume_jobs.every_file_checked))
+        if "base read again" in plants:  # a resume fills its engine from --init-from's files before the checkpoint
+            patches.enter_context(mock.patch.object(loop_module, "_restores", lambda cfg: False))
         before = bytes_counted()
         report = train_job(cfg, comm)
         mine = {k: v - before[k] for k, v in bytes_counted().items()}
@@ -50,3 +59,24 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
         for key in mine:
             summary["per_rank"][key] = [c[key] for c in counted]
     return summary
+
+
+def whole_files_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
+    """Planted (base_digest.folder_record's place): each file hashed whole by one rank, the files dealt out by size."""
+    mine = share_by_size([(p, os.path.getsize(p)) for p in paths], comm.world_size)[comm.rank]
+    digests = {name: d for got in comm.io.all_gather_json({os.path.basename(p): sha256_file(p)[1] for p in mine},
+                                                          "planted_hash") for name, d in got.items()}
+    return 0, [{"name": os.path.basename(p), "bytes": os.path.getsize(p), "blocks_sha256": digests[
+        os.path.basename(p)]} for p in paths]
+
+
+def hash_job(cfg: Config, comm: Comm, folder: str, plants: tuple[str, ...] = ()) -> dict:
+    """The record every rank computes of --init-from `folder` (rank 0's) and each rank's bytes read for it."""
+    with contextlib.ExitStack() as patches:
+        if "whole files" in plants:
+            patches.enter_context(mock.patch.object(init_from, "folder_record", whole_files_record))
+        source = init_from.weight_source(folder, verify=False)
+        before = bytes_counted()["checkpoint_bytes_read"]
+        record = source.record(comm)
+        hashed = bytes_counted()["checkpoint_bytes_read"] - before
+    return {"record": record, "hashed": comm.io.all_gather_json(hashed, "test_hashed")}

@@ -188,7 +188,8 @@ def test_the_checkpoint_holds_the_adapters_and_the_base_by_sha256(trained):
     held = checkpoint.checkpoint_model(step)
     assert held and all(".lora_A." in n or ".lora_B." in n for n in held)
     assert [f["name"] for f in manifest["init_from"]["files"]] == ["model.safetensors"]
-    assert len(manifest["init_from"]["files"][0]["sha256"]) == 64
+    entry = manifest["init_from"]["files"][0]  # the digest of its 4 KiB blocks' sha256s (base_digest)
+    assert len(entry["blocks_sha256"]) == 64 and manifest["init_from"]["block_bytes"] == 4096
 
 
 def test_logits_equal_the_peft_adapter_and_the_merged_export_and_a_wrong_alpha_is_caught(trained, base, tmp_path,

@@ -153,9 +153,10 @@ def run_mesh(out: str, hf: str, args: argparse.Namespace, tp: int, dp: int) -> d
             "startup_held": trained["startup_peak_rss_bytes"][r] - start,
             "step_held": trained["peak_rss_bytes"][r] - start,
             "checkpoint_bytes_written": trained["checkpoint_bytes_written"][r],
-            # the resumed run, given --init-from as the first was, reads and hashes its files again: its checkpoint
-            # reads less that hashing are the resume's
-            "resume_read": resumed["checkpoint_bytes_read"][r] - hashed[r],
+            # the resumed run, given --init-from as the first was, hashes its share of the files again for the record
+            # (not their headers: it reads nothing else of them): its checkpoint reads less that hashing are the
+            # resume's
+            "resume_read": resumed["checkpoint_bytes_read"][r] - hashed[r] + plan["ranks"][r]["startup_headers"],
             "resume_reread": resumed["init_bytes_read"][r],
             "resume_held": resumed["startup_peak_rss_bytes"][r] - resumed["start_rss_bytes"][r]})
     return {"tp": tp, "dp": dp, "planned": plan, "measured": measured,

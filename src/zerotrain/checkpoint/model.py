@@ -15,13 +15,17 @@ all (a LoRA run's adapters). Each reads what the caller verified first; none nee
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import threading
 import weakref
 from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+
+from zerotrain.errors import CheckpointError
 
 from .format import MODEL_FILE, read_manifest, shard_name
 from .homes import CheckpointHomes, Home
@@ -99,7 +103,7 @@ def held_bytes(reset_peak: bool = False) -> dict[str, int]:
 
 class ShardedModel:
     """A checkpoint's model one full tensor at a time, each read from the byte ranges of the shards' masters that hold
-    it (safetensors' lazy slices), never a whole shard or flat buffer.
+    it (read with pread: _FlatReader), never a whole shard or flat buffer, and no page of a shard kept mapped.
 
     A parameter lies in one bucket of the flat layout; its values are spread over the DP ranks' chunks of that bucket,
     so it is read from at most D shards per TP rank it is taken from. A split parameter is read whole, every TP part
@@ -114,7 +118,7 @@ class ShardedModel:
         self.homes = CheckpointHomes.of(self.manifest, folder)
         self.layout, self.tp_slices = self.homes.layout, self.homes.tp_slices
         self.shapes = self.homes.shapes  # name -> full shape, in layout order (then the experts of an --ep one)
-        self._opened: dict[int, object] = {}
+        self._opened: dict[tuple[int, str], _FlatReader] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
         """Parameter `name`'s full tensor, fp32 (in a bf16 run the masters rounded to bf16), its own storage."""
@@ -136,20 +140,22 @@ class ShardedModel:
         local = torch.empty(slot.numel)
         for p in home.layout.pieces(slot.offset, slot.offset + slot.numel):
             at = p.start - slot.offset
-            shard = self._masters(home.world_rank(p.rank, t), home.prefix + "master")
-            local[at : at + p.numel] = shard[p.shard_offset : p.shard_offset + p.numel]
+            self._masters(home.world_rank(p.rank, t), home.prefix + "master").read_into(p.shard_offset,
+                                                                                   local[at : at + p.numel])
             count_read(4 * p.numel)
         return local.view(slot.shape)
 
-    def _masters(self, rank: int, key: str = "master"):
+    def _masters(self, rank: int, key: str = "master") -> "_FlatReader":
         """World rank `rank`'s master shard (`key`: expert_master for its expert engine's), opened once, read
-        lazily."""
-        if rank not in self._opened:
+        by ranges."""
+        if (rank, key) not in self._opened:
             path = os.path.join(self.folder, shard_name(rank, self.manifest["world_size"]))
-            self._opened[rank] = safe_open(path, framework="pt")
-        return self._opened[rank].get_slice(key)
+            self._opened[rank, key] = _FlatReader(path, key)
+        return self._opened[rank, key]
 
     def close(self) -> None:
+        for reader in self._opened.values():
+            reader.close()
         self._opened.clear()
 
     def __enter__(self) -> "ShardedModel":
@@ -157,3 +163,37 @@ class ShardedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _FlatReader:
+    """Ranges of one 1-D tensor of a safetensors file, read with pread into the caller's tensor.
+
+    Not safetensors' safe_open: it maps the file, and the pages of every range read stay resident in the reading
+    process while the file is open. An export (zerotrain bench ranks, 229 M parameters) peaked at the model plus
+    1,068 MB beyond it, the masters' pages it had touched, where the tensor it assembles is 131 MB.
+    """
+
+    def __init__(self, path: str, key: str):
+        self._file = open(path, "rb", buffering=0)
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        entry = json.loads(self._file.read(n))[key]
+        self.dtype = _FLAT_DTYPES[entry["dtype"]]
+        self._start = 8 + n + entry["data_offsets"][0]
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        """Values [offset, offset + out.numel()) of the tensor into `out` (contiguous, of its dtype)."""
+        if out.dtype != self.dtype:
+            raise CheckpointError(f"{self._file.name}: its tensor is {self.dtype}, not {out.dtype}")
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        at, pos = 0, self._start + offset * out.element_size()
+        while at < view.nbytes:
+            n = os.preadv(self._file.fileno(), [view[at:]], pos + at)
+            if not n:
+                raise CheckpointError(f"{self._file.name} ends inside its tensor (at byte {pos + at})")
+            at += n
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_FLAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -1,8 +1,8 @@
 """A LoRA run's adapters outside training: the base a resume must train them on, and their PEFT folder.
 
 A checkpoint of a LoRA run holds the adapters and their optimizer state, not the base: its manifest records the
-base's identity instead (init_from: the --init-from folder and each weight file's sha256), or, for a random base,
-its config holds the model and the seed that build it again. `zerotrain export --format peft` writes what
+base's identity instead (init_from: the --init-from folder and each weight file's digest, base_digest's), or, for
+a random base, its config holds the model and the seed that build it again. `zerotrain export --format peft` writes what
 `peft.PeftModel.from_pretrained(base, OUT)` loads: adapter_config.json and adapter_model.safetensors, the
 adapters under peft's names (`base_model.model.` + zerotrain's, which are Hugging Face's module paths), in their
 full shapes as the checkpoint holds them (checkpoint.checkpoint_model: its model file, or its shards' masters).
@@ -20,6 +20,7 @@ from zerotrain.checkpoint import checkpoint_model
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError
 
+from .base_digest import first_difference, shown, tagged_digests
 from .export import make_staging_folder
 from .pretrained import ModelSource
 
@@ -31,8 +32,9 @@ def base_mismatch(manifest: dict, cfg: Config, path: str, base: dict | None) -> 
     """Why resuming the checkpoint at `path` with `cfg` would train other adapters (or every weight where it trained
     adapters, or adapters where it trained every weight) or its adapters on another base, or None.
 
-    A LoRA run's base is the --init-from files it recorded (compared by sha256, so a copy elsewhere is the same
-    base) or, without --init-from, the random model its seed builds. `base`: this run's record of its --init-from
+    A LoRA run's base is the --init-from files it recorded (compared by digest, base_digest's, so a copy elsewhere
+    is the same base; a record of another kind, an older manifest's whole-file sha256, by hashing the file again)
+    or, without --init-from, the random model its seed builds. `base`: this run's record of its --init-from
     files (WeightSource.record, hashed once for its own manifests too), None without --init-from.
     """
     theirs = manifest.get("init_from")
@@ -52,13 +54,11 @@ def base_mismatch(manifest: dict, cfg: Config, path: str, base: dict | None) -> 
         return None
     if not cfg.checkpoint.init_from:
         return f"--resume {path}: its adapters were trained on the base {theirs['path']}: give it as --init-from"
-    mine = {f["name"]: f["sha256"] for f in base["files"]}
-    for entry in theirs["files"]:
-        if mine.get(entry["name"]) != entry["sha256"]:
-            now = mine.get(entry["name"])
-            said = f"sha256 {now[:12]}..." if now else "no such file"
-            return (f"--init-from {cfg.checkpoint.init_from} is not the base the adapters of {path} were trained on: "
-                    f"its {entry['name']} has {said}, the base's {entry['sha256'][:12]}...")
+    differs = first_difference(tagged_digests(theirs), base)
+    if differs is not None:
+        name, now, was = differs
+        return (f"--init-from {cfg.checkpoint.init_from} is not the base the adapters of {path} were trained on: "
+                f"its {name} has {shown(now)}, the base's {shown(was)}")
     return None
 
 

@@ -22,13 +22,14 @@ import torch
 from zerotrain.checkpoint import (LATEST, MANIFEST, MODEL_FILE, CheckpointError, checkpoint_model, committed_folder,
                                    committed_steps, has_model_file, model_tensors, read_latest, read_manifest,
                                    verify_or_raise)
-from zerotrain.checkpoint.stream import read_safetensors, sha256_file
+from zerotrain.checkpoint.stream import read_safetensors
 from zerotrain.config import Config, ModelConfig
 from zerotrain.data.tokenizer import load_tokenizer as tokenizer_of
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, model_class
 from zerotrain.model.lora import add_adapters, adapter_names, merge_adapters
 
+from .base_digest import digest_like, shown, tagged_digests
 from .export import CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS
 
@@ -161,8 +162,10 @@ def _lora_model(source: ModelSource, tensors: dict[str, torch.Tensor], where: st
 def base_problem(record: dict) -> str | None:
     """Why the files of the base a manifest's init_from `record` names are no longer those it recorded, or None.
 
-    A base that is a checkpoint is compared with the sha256 its manifest records (its model file, or its shards
-    without one), which loading it verifies the files against: its shards are not hashed twice.
+    A folder's weight files are hashed again here, in one process, as the record's digests were taken (base_digest:
+    by blocks, or whole as an older record's). A base that is a checkpoint is compared with the sha256 its manifest
+    records (its model file, or its shards without one), which loading it verifies the files against: its files are
+    not hashed twice.
     """
     folder = record["path"]
     if os.path.isfile(os.path.join(folder, MANIFEST)):
@@ -182,14 +185,13 @@ def base_problem(record: dict) -> str | None:
         files = {os.path.basename(f): f for f in set(tensor_files(folder).values())} if os.path.isdir(folder) else {}
     except CheckpointError:
         files = {}
-    for entry in record["files"]:
-        file = files.get(entry["name"])
+    for name, recorded in tagged_digests(record).items():
+        file = files.get(name)
         if file is None:
-            return f"its base {os.path.join(folder, entry['name'])} is missing"
-        digest = sha256_file(file)[1]
-        if digest != entry["sha256"]:
-            return (f"its base {file} has changed (sha256 {digest[:12]}..., the run trained on "
-                    f"{entry['sha256'][:12]}...)")
+            return f"its base {os.path.join(folder, name)} is missing"
+        digest = digest_like(file, recorded)
+        if digest != recorded:
+            return f"its base {file} has changed ({shown(digest)}, the run trained on {shown(recorded)})"
     return None
 
 

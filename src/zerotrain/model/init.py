@@ -186,6 +186,18 @@ class SeedValues:
                     (lambda a, z: full_positions(full, split, self.tp_rank, lo + a, lo + z), hi - lo))
 
 
+class RestoredValues:
+    """The initial values of a run that restores a checkpoint over them before its first step (a resume of full
+    fine-tuning): zeros, neither read from --init-from's files nor drawn from the seed, which a resume did at 1x the
+    start-up's cost for values it then overwrote."""
+
+    def values(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape)
+
+    def flat_values(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        return torch.zeros(hi - lo)
+
+
 @torch.no_grad()
 def materialise(model: nn.Module, source: InitialValues, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> nn.Module:

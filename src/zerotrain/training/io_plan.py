@@ -7,13 +7,14 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 
     start-up, read       with --init-from, its files: at stage 3 the rows that hold the rank's owned ranges (a range that
                          cuts a row reads that row), at stages 1 and 2 its TP slice of every parameter, in the files'
-                         dtype (FileValues, init_bytes_read)
+                         dtype (FileValues, init_bytes_read); a LoRA run's are its frozen base's, at stage 3 in the
+                         base's own flat layout (zero3.frozen_layout_of), its adapters drawn apart
              drawn       without it, from the seed: the values of its owned ranges at stage 3, of its TP slices otherwise
                          (init_values_drawn)
-             hashed      --init-from's files this rank hashes for the manifests' record: one file each, shared by
-                         size (WeightSource.record; counted in checkpoint_bytes_read). A run without --init-from (a
-                         plan for a folder that is not here) is planned as Hugging Face saves a model: files of at
-                         most 5 GB
+             hashed      --init-from's files this rank hashes for the manifests' record: its run of their blocks,
+                         about 1/W of the folder (hub/base_digest.py, WeightSource.record; counted in
+                         checkpoint_bytes_read). A run without --init-from (a plan for a folder that is not here)
+                         is planned as Hugging Face saves a model: files of at most 5 GB
              headers     every file's safetensors header, which each rank reads to check the tensors' names,
                          shapes and dtypes (check_tensors; counted in checkpoint_bytes_read; 0 for a folder not here)
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
@@ -34,10 +35,9 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 Reads and draws are planned both ways, whether or not the run gives --init-from: a plan for an 8B model's folder
 need not have the folder.
 
-Not planned yet: a LoRA run's frozen base (its reads at start-up; the layout here is the trained parameters'),
-and a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
+Not planned yet: a resume onto another mesh (a reshard reads ranges of the old shards). Every TP rank of a Llama or GPT-2 model
 holds slices of one shape, so TP rank 0's figures are each TP rank's; the
-ranks differ by their DP rank (which rows their owned ranges cut) and by the files they hash.
+ranks differ by their DP rank (which rows their owned ranges cut) and by the blocks they hash.
 """
 
 from __future__ import annotations
@@ -49,13 +49,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from zerotrain.checkpoint import MANIFEST
 from zerotrain.checkpoint.stream import header_bytes, read_header
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
 from zerotrain.data.tokenizer_config import config_files
+from zerotrain.hub import base_digest
 from zerotrain.model import build_model, parallelize
+from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import ShardLayout, layout_of
+from zerotrain.parallel.zero3 import frozen_layout_of
 
 from .memory_plan import STATE, MemoryPlan, memory_plan
 
@@ -110,7 +114,12 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
         shapes = {n: tuple(t.shape) for n, t in local.named_parameters()}  # the full model's, before the TP split
         if tp > 1:
             parallelize(local, tp, 0, None)
+        if cfg.lora.rank:  # as the memory plan lays it out: the adapters train, the base is frozen
+            add_adapters(local, cfg.lora, cfg.loop.seed)
     L = layout_of(local, dp, p.bucket_numel)
+    # What start-up reads or draws: the trained parameters, or a LoRA run's frozen base (its adapters are drawn by
+    # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
+    source = frozen_layout_of(local, dp, p.bucket_numel) if cfg.lora.rank else L
     esize = file_dtype_bytes(cfg)
     memory = memory or memory_plan(cfg, world_size=world)
     state = sum(memory.rows[k] for k in STATE)
@@ -122,7 +131,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     copied_written = sum(size for _, size in copied)
     ranks = []
     for rank in range(world):
-        rows = owned_rows(L, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in L.slots]
+        rows = owned_rows(source, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in source.slots]
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
                             state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
@@ -161,9 +170,12 @@ def file_dtype_bytes(cfg: Config) -> int:
 
 
 def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, world: int) -> list[int]:
-    """Each world rank's bytes of --init-from's files hashed for the manifests: the folder's own files where it is
-    here, else files of at most HF_SHARD_BYTES holding the model."""
+    """Each world rank's bytes of --init-from's files hashed for the manifests, its run of their blocks
+    (hub.base_digest): the folder's own files where it is here (none for a checkpoint, whose manifest's sha256s
+    are recorded), else files of at most HF_SHARD_BYTES holding the model."""
     folder = cfg.checkpoint.init_from
+    if folder and os.path.isfile(os.path.join(folder, MANIFEST)):
+        return [0] * world
     if folder and os.path.isdir(folder):
         files = [(n, os.path.getsize(os.path.join(folder, n))) for n in sorted(os.listdir(folder))
                  if n.endswith(".safetensors")]
@@ -171,8 +183,7 @@ def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, wo
         total = sum(math.prod(s) for s in shapes.values()) * esize
         count = -(-total // HF_SHARD_BYTES)
         files = [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", total // count) for i in range(count)]
-    sizes = dict(files)
-    return [sum(sizes[n] for n in names) for names in share_by_size(files, world)]
+    return base_digest.hashed_bytes(files, world)
 
 
 def copied_files(cfg: Config) -> list[tuple[str, int]]:
@@ -227,7 +238,8 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
     """Where a run's counters (summary.json's per_rank) are off the plan beyond TOLERANCE, one line each, naming the
     rank, the counter and both figures. `phases`: what the run did (a fresh run starts and saves; a resumed one
     resumes, and may save); `saves`: how many checkpoints it wrote; `hashed`: its checkpoint reads include the
-    hashing of --init-from's files (a run given --init-from hashes them whether it resumes or not)."""
+    hashing of --init-from's files (a run given --init-from hashes them whether it resumes or not, for the
+    manifests' record; a resume of full fine-tuning reads nothing else of them, not even their headers)."""
     out = []
     for rank in plan.ranks:
         for phase in phases:
@@ -235,8 +247,8 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
                 if (counter, plan.init_from) in (("init_bytes_read", False), ("init_values_drawn", True)):
                     continue  # a run reads its model or draws it
                 planned = getattr(rank, key) * (saves if phase == "save" else 1)
-                if phase == "resume" and hashed and plan.init_from:
-                    planned += rank.startup_hashed + rank.startup_headers
+                if phase == "resume" and hashed and plan.init_from:  # the record; no header is read (_restores)
+                    planned += rank.startup_hashed
                 measured = per_rank[counter][rank.rank]
                 if abs(measured - planned) > TOLERANCE * planned + SLACK:
                     out.append(f"rank {rank.rank} {counter} {measured:,}, the plan {planned:,}")
@@ -252,7 +264,7 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
 # The rows of `describe`'s table: (RankIO field, label, what it is).
 LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {read_how}"),
          ("startup_drawn", "start-up: drawn (values)", "without, from the seed: {drawn_how}"),
-         ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, whole files shared by size{files}"),
+         ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, its run of their blocks{files}"),
          ("startup_held", "start-up: held", "the state, and the largest tensor read (file dtype and fp32)"),
          ("step_held", "step: held", "the memory plan's total above"),
          ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments)"),

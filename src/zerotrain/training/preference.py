@@ -19,14 +19,14 @@ split: the pairs are the unit, as tokens are for SFT.
 The reference is by default precomputed before step 1, from the initial weights, over every pair: each DP replica
 scores its share in micro-batches of --micro-batch pairs, every rank running the same number of forwards (the last
 padded with pair 0: ZeRO-3's gathers are collective), and one all-reduce gives every rank all of them. Rank 0
-stores them beside the checkpoints (dpo_reference.safetensors, keyed by the sha256 of the pairs' tokens and of the
-base's weight files), and every checkpoint's manifest records the file's sha256: a resume reads them back, verified,
-and never scores them again from the trained policy; a resume with another base or other pairs is refused.
+stores them beside the checkpoints (dpo_reference.safetensors, keyed by the sha256 of the pairs' tokens and the
+digests of the base's weight files), and every checkpoint's manifest records the file's sha256: a resume reads them
+back, verified, and never scores them again from the trained policy; a resume with another base or other pairs is refused.
 
 --dpo-reference live scores each micro-batch's pairs again, without gradients, before the policy's forward: with
 LoRA, the base with the adapters off (no memory beyond it); in full fine-tuning, a frozen copy of the initial policy
 laid out like it (reference_model.py), built from the base before step 1 and again at a resume, whose manifests
-record the base's sha256 as the precomputed reference's do (a resume with another base is refused). Both score with
+record the base's digests as the precomputed reference's do (a resume with another base is refused). Both score with
 the head's log-probs as the precomputed reference does, so live and precomputed give the same losses.
 
 With --eval-every, held-out pairs (--val-data, or --data's records that --val-fraction sets aside) are scored against
@@ -51,6 +51,7 @@ from zerotrain.data import IGNORE, on_device
 from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_splits
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
+from zerotrain.hub.base_digest import first_difference, shown, tagged_digests
 from zerotrain.model.layers import head_loss
 from zerotrain.model.lora import adapters_off, dropout_rows
 
@@ -170,12 +171,11 @@ class Preference:
         if stored is None:
             kept = "precomputed reference" if self.precomputed else "record of its reference's base"
             return f"--resume {path}: its run kept no {kept} (--dpo-reference {self.o.dpo_reference})"
-        mine = base_digests(base)
-        if stored["base"] != mine:  # a live copy is built from this run's base: the one the checkpoint's run had
-            name = next((n for n in sorted(set(stored["base"]) | set(mine)) if stored["base"].get(n) != mine.get(n)))
+        differs = first_difference(stored["base"], base or {})  # a live copy is built from this run's base: the one
+        if differs is not None:  # the checkpoint's run had
+            name, now, was = differs
             return (f"--init-from {self.cfg.checkpoint.init_from} is not the base the reference of {path} was scored "
-                    f"on: its {name} has sha256 {str(mine.get(name))[:12]}..., the reference's "
-                    f"{str(stored['base'].get(name))[:12]}...")
+                    f"on: its {name} has {shown(now)}, the reference's {shown(was)}")
         if self.live_copy:
             return None
         if stored["data"] != pairs_digest(self.all_pairs()):
@@ -340,8 +340,10 @@ class Preference:
 
 
 def base_digests(base: dict | None) -> dict[str, str]:
-    """Each --init-from weight file's sha256 by its name (WeightSource.record's), what the reference was made from."""
-    return {f["name"]: f["sha256"] for f in (base or {}).get("files", [])}
+    """Each --init-from weight file's digest by its name (WeightSource.record's, base_digest.tagged_digests: a
+    reference stored before block digests holds whole files' sha256s, still compared), what the reference was made
+    from."""
+    return tagged_digests(base)
 
 
 def write_reference(path: str, logps: torch.Tensor, record: dict) -> str:
