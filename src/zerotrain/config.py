@@ -818,7 +818,7 @@ def _check_experts(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config) -> None:
-    """--ep E: E divides the DP size and the experts; neither ZeRO-3, --tp nor LoRA with it yet."""
+    """--ep E: E divides the DP size and the experts; neither --tp nor LoRA with it yet."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -831,8 +831,6 @@ def _check_expert_parallel(cfg: Config) -> None:
                           "of experts")
     if p.tp > 1:
         raise ConfigError(f"--ep {p.ep} with --tp {p.tp}: expert parallelism composes with --tp 1 only yet")
-    if p.zero == 3:
-        raise ConfigError(f"--ep {p.ep} with --zero 3: expert parallelism composes with --zero 1 and 2 only yet")
     if cfg.lora.rank:
         raise ConfigError(f"--ep {p.ep} with --lora-rank {cfg.lora.rank}: expert parallelism trains every parameter "
                           "(no LoRA) yet")
