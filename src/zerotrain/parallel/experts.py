@@ -187,16 +187,25 @@ class ExpertParallelEngine:
     def _gather_experts_for_backward(self, model: torch.nn.Module) -> None:
         """ZeRO-3: each MoE layer's experts gathered for its backward as the gradient of the layer's output arrives,
         the same point of every rank's backward (see the module docstring), not at the first expert weight the
-        backward unpacks."""
+        backward unpacks; and the backward joined, so that a rank whose experts get no gradient in it reduces (zeros)
+        with its replica group all the same, as the group's others do (each micro-batch's at ZeRO-3)."""
         units = model_units(model)
         for moe in moe_layers(model):
             unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
+            moe.register_forward_hook(self._on_moe_output(unit))
 
-            def hook(_module, _args, output, unit=unit):
-                if torch.is_grad_enabled() and output.requires_grad and not in_backward():
-                    output.register_hook(lambda _grad: self.experts.gather_for_backward(unit))
+    def _on_moe_output(self, unit: int):
+        """The forward hook of the MoE layer in `unit`: its output's gradient gathers the unit's experts."""
 
-            moe.register_forward_hook(hook)
+        def arrived(_grad):
+            self.experts.gather_for_backward(unit)
+            self.experts.join_backward()  # its reductions too, whether its experts get gradients or not
+
+        def hook(_module, _args, output):
+            if torch.is_grad_enabled() and output.requires_grad and not in_backward():
+                output.register_hook(arrived)
+
+        return hook
 
     def __getattr__(self, name):
         return getattr(self.__dict__["dense"], name)

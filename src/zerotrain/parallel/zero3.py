@@ -491,7 +491,8 @@ class ZeroThreeEngine(ZeroEngine):
     def gather_for_backward(self, unit: int) -> None:
         """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next.
         Called on the first unpack of a weight the unit saved; a caller that knows where every rank's backward of
-        the unit begins may call it there first (expert parallelism: a rank whose experts got no rows saves none)."""
+        the unit begins may call it there first, so that every rank of the DP group gathers it (expert
+        parallelism: a rank whose experts got no rows saves none of their weights, and releases them at once)."""
         if any((unit, "backward") not in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
             if unit > 0:
                 # The later units' backward has ended: this one's reads their gradient of its output, complete only
@@ -503,6 +504,10 @@ class ZeroThreeEngine(ZeroEngine):
                     self.release_unit(later, "backward")
             self.gather_unit(unit, "backward")
             self.check_whole(unit)
+            if not self._unit_waits()[unit] and unit not in self._frozen_units:
+                # no parameter of it had a part in the forward, so no gradient would release it: nothing of it is
+                # read (gathered for the collective's sake: the caller's, see the docstring)
+                self.release_unit(unit, "backward")
             self._prefetch_after(unit, backward=True)
 
     def _leave_unit(self, unit: int) -> None:
