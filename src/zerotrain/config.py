@@ -818,8 +818,8 @@ def _check_experts(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config) -> None:
-    """--ep E: E divides the DP size and the experts; neither ZeRO-3 nor LoRA with it yet (--tp T splits each
-    expert of a rank's block as it splits the dense MLP)."""
+    """--ep E: E divides the DP size and the experts; no LoRA with it yet (--tp T splits each expert of a rank's
+    block as it splits the dense MLP; at --zero 3 both engines are stage 3)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -830,8 +830,6 @@ def _check_expert_parallel(cfg: Config) -> None:
     if m.n_experts % p.ep:
         raise ConfigError(f"--ep {p.ep} does not divide --n-experts {m.n_experts}: each EP rank holds a whole block "
                           "of experts")
-    if p.zero == 3:
-        raise ConfigError(f"--ep {p.ep} with --zero 3: expert parallelism composes with --zero 1 and 2 only yet")
     if cfg.lora.rank:
         raise ConfigError(f"--ep {p.ep} with --lora-rank {cfg.lora.rank}: expert parallelism trains every parameter "
                           "(no LoRA) yet")

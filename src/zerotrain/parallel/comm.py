@@ -214,7 +214,7 @@ class Comm:
                    purpose: str) -> torch.Tensor:
         """Rows of `input` to every rank (in_splits[k] rows to rank k, in rank order), and theirs back: out_splits[k]
         rows from rank k, in rank order. Bytes counted: the rows sent to other ranks."""
-        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        row = input.shape[1:].numel() * input.element_size()  # a rank may send no rows at all
         self._count(purpose, row * (sum(in_splits) - in_splits[self.rank]))
         output = input.new_empty((sum(out_splits), *input.shape[1:]))
         with self._guard(purpose):

@@ -439,9 +439,7 @@ class ZeroEngine:
             with torch.no_grad():
                 self.grad_accum[s.offset : s.offset + s.numel].add_(p.grad.reshape(-1).float())
                 p.grad.zero_()
-        if (self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2):
-            self._reduces_now = True
-            self._at_end_of_backward()
+        if self.join_backward():
             if s.bucket < self._launched:
                 # Without this, the gradient would silently miss the reduction.
                 raise GradientOrderError(self._late_gradient(s.name, s.bucket))
@@ -453,6 +451,18 @@ class ZeroEngine:
             while self._launched < len(self._ready) and \
                     self._ready[self._launched] == self._expected[self._launched]:
                 self._launch(self._launched)
+
+    def join_backward(self) -> bool:
+        """In a backward: whether it reduces (the window's last, or each with --grad-reduce micro-batch, where buckets
+        are reduced in backward), and if so its end queued (_end_backward). A parameter's first gradient calls it; so
+        does a caller whose parameters may get none on this rank while its group's others get some (expert
+        parallelism: a rank whose experts got no rows), so that every rank of the group launches the same
+        reductions."""
+        if not ((self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2)):
+            return False
+        self._reduces_now = True
+        self._at_end_of_backward()
+        return True
 
     def _reached_by_forward(self, _module, _args, output) -> None:
         """Stages 2 and 3, after a forward whose backward reduces: the trained parameters its output's autograd graph

@@ -24,6 +24,13 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               engine's (grad_norm's exact limbs add), so the global norm counts every expert value once. Under TP
               the expert engine runs over the real TP group (expert_mesh): the norm counts its TP slices on every
               rank and its replicated values on TP rank 0, digests, full tensors and checkpoints see the TP slicing.
+              At ZeRO-3 both are stage-3 engines over the same units (zero3.model_units), each gathering and
+              releasing its own buckets: a MoE block's experts (this rank's block, sharded over the replica group)
+              are whole while the block is. Each block's experts are gathered for its backward where every rank's
+              backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
+              first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
+              got no rows saved none), and a replica group gathering while its members wait in different EP
+              groups' all-to-alls would hang.
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ import torch.distributed as dist
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
-from .engine import ZeroEngine
+from .engine import ZeroEngine, in_backward
 from .mesh import Mesh
+from .zero3 import ZeroThreeEngine, model_units
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -155,16 +163,17 @@ def shard_experts(model: torch.nn.Module, mesh: Mesh) -> None:
 def expert_bytes(engine) -> int:
     """Bytes this rank holds for the routed experts, where they are held: their parameters and their optimizer state
     (bytes per value x the expert values it owns). Expert parallelism: the expert engine's buffer and shard; else the
-    experts' slots of the one flat buffer and the rank's owned pieces of them. ZeRO-3 and TP are not counted (0)."""
+    experts' slots of the one flat buffer (at ZeRO-3 only the rank's owned pieces of them, as for the state) and the
+    rank's owned pieces of them. TP is not counted (0)."""
     if isinstance(engine, ExpertParallelEngine):
         return engine.expert_bytes()
-    if engine.stage == 3 or engine.mesh.tp_size > 1:
+    if engine.mesh.tp_size > 1:
         return 0
     L, rank = engine.layout, engine.dp.rank
     slots = [s for s in L.slots if is_expert_parameter(s.name)]
     owned = sum(p.numel for s in slots for p in L.owned_pieces(rank, s.offset, s.offset + s.numel))
-    return sum(s.numel for s in slots) * engine.flat_params.element_size() + \
-        engine.expected_state_bytes_per_value() * owned
+    held = owned if engine.stage == 3 else sum(s.numel for s in slots)
+    return held * engine.flat_params.element_size() + engine.expected_state_bytes_per_value() * owned
 
 
 def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None:
@@ -177,22 +186,51 @@ def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None
 
 
 class ExpertParallelEngine:
-    """Two ZeRO engines over one model: `dense` over the DP group, `experts` over the expert replica group. Reads the
-    dense engine's attributes (its layout, flat buffer, mesh, model, optimizer); steps, digests and state cover both."""
+    """Two ZeRO engines over one model: `dense` over the DP group, `experts` over the expert replica group, both of
+    the run's stage. Reads the dense engine's attributes (its layout, flat buffer, mesh, model, optimizer); steps,
+    digests and state cover both."""
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
-        self.dense = ZeroEngine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
-                                **kwargs)
-        self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh),
-                                  select=is_expert_parameter, **kwargs)
+        engine = ZeroThreeEngine if kwargs.get("stage") == 3 else ZeroEngine
+        self.dense = engine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n), **kwargs)
+        self.experts = engine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
+                              **kwargs)
         self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
-        if kwargs.get("gather_in_forward", True):
+        if engine is ZeroThreeEngine:
+            self._gather_experts_for_backward(model)
+            # the parameter peak is both engines' units whole at once
+            self.dense.param_bytes_beside, self.experts.param_bytes_beside = \
+                self.experts.param_bytes, self.dense.param_bytes
+        elif kwargs.get("gather_in_forward", True):
             # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
             # their all-gathers: each MoE layer waits for its experts' buckets first
             for moe in moe_layers(model):
                 moe.register_forward_pre_hook(lambda *_: self.experts.wait_params())
         self.init_bytes_read = self.dense.init_bytes_read + self.experts.init_bytes_read
         self.init_values_drawn = self.dense.init_values_drawn + self.experts.init_values_drawn
+
+    def _gather_experts_for_backward(self, model: torch.nn.Module) -> None:
+        """ZeRO-3: each MoE layer's experts gathered for its backward as the gradient of the layer's output arrives,
+        the same point of every rank's backward (see the module docstring), not at the first expert weight the
+        backward unpacks; and the backward joined, so that a rank whose experts get no gradient in it reduces (zeros)
+        with its replica group all the same, as the group's others do (each micro-batch's at ZeRO-3)."""
+        units = model_units(model)
+        for moe in moe_layers(model):
+            unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
+            moe.register_forward_hook(self._on_moe_output(unit))
+
+    def _on_moe_output(self, unit: int):
+        """The forward hook of the MoE layer in `unit`: its output's gradient gathers the unit's experts."""
+
+        def arrived(_grad):
+            self.experts.gather_for_backward(unit)
+            self.experts.join_backward()  # its reductions too, whether its experts get gradients or not
+
+        def hook(_module, _args, output):
+            if torch.is_grad_enabled() and output.requires_grad and not in_backward():
+                output.register_hook(arrived)
+
+        return hook
 
     def __getattr__(self, name):
         return getattr(self.__dict__["dense"], name)
@@ -232,6 +270,14 @@ class ExpertParallelEngine:
         replica group at its TP index (invariants.check_no_drift)."""
         return torch.cat([self.dense.param_digests(), self.experts.param_digests()[:2]])
 
+    @property
+    def param_peak_bytes(self) -> int:
+        """The most parameter bytes held at once, both engines': at ZeRO-3 the shards and the units whole (each
+        gather counts the other engine's too), else the flat buffers."""
+        if self.stage != 3:
+            return sum(b.numel() * b.element_size() for b in self.flat_buffers)
+        return max(self.dense.param_peak_bytes, self.experts.param_peak_bytes)
+
     def grad_tensors(self) -> list[torch.Tensor]:
         return self.dense.grad_tensors() + self.experts.grad_tensors()
 
@@ -249,7 +295,8 @@ class ExpertParallelEngine:
         return self.dense.expected_state_bytes() + self.experts.expected_state_bytes()
 
     def expert_bytes(self) -> int:
-        """Bytes this rank holds for its experts: their parameters and their optimizer state's shard."""
+        """Bytes this rank holds for its experts: their parameters (at ZeRO-3 their shard) and their optimizer
+        state's shard."""
         e = self.experts
         return e.flat_params.numel() * e.flat_params.element_size() + e.expected_state_bytes()
 

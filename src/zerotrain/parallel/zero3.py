@@ -157,18 +157,22 @@ def frozen_layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int)
 
 
 def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4,
-                      prefetch: bool = False, frozen: ShardLayout | None = None) -> int:
+                      prefetch: bool = False, frozen: ShardLayout | None = None,
+                      beside: ShardLayout | None = None) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
     the backward) with the largest other unit, or with `prefetch` the largest two neighbouring ones (the one running
     and the one being gathered for next). A unit's backward gathers it after the next unit's last gradient has
     arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), or with frozen parameters
-    (`frozen`, their layout) after the next unit's release (ZeroThreeEngine._gather_for_backward), so without a
-    prefetch two of them are never whole together; the run's check of the plan would say so if they were."""
+    (`frozen`, their layout) after the next unit's release (ZeroThreeEngine.gather_for_backward), so without a
+    prefetch two of them are never whole together; the run's check of the plan would say so if they were.
+    `beside`: the layout of a second engine over the same units (expert parallelism's experts), whose buckets are
+    whole with the unit's."""
     size = {("t", b.index): b.end - b.start for b in layout.buckets}
     units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
-    if frozen is not None:
-        size.update({("f", b.index): b.end - b.start for b in frozen.buckets})
-        units = [u | {("f", b) for b in f} for u, f in zip(units, unit_buckets(model, frozen, trained=False))]
+    for key, other, trained in (("f", frozen, False), ("e", beside, True)):
+        if other is not None:
+            size.update({(key, b.index): b.end - b.start for b in other.buckets})
+            units = [u | {(key, b) for b in o} for u, o in zip(units, unit_buckets(model, other, trained))]
     root, others = units[0], units[1:] or [set()]
     if prefetch and len(others) > 1:
         others = [a | b for a, b in zip(others, others[1:])]
@@ -219,15 +223,23 @@ class ZeroThreeEngine(ZeroEngine):
     """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
-                 grad_reduce="step", init=None, device=None, gather_in_forward: bool = False, **_ignored):
+                 grad_reduce="step", init=None, device=None, gather_in_forward: bool = False, select=None,
+                 **_ignored):
         """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. _ignored: stage 1's
-        and 2's reduce_in_backward; stage 3 always reduces in backward."""
+        and 2's reduce_in_backward; stage 3 always reduces in backward. `select`: as ZeroEngine's; an engine over a
+        selection (expert parallelism's two) gathers, counts and releases only its own parameters' buckets in the
+        units, and holds no frozen ones."""
         self.prefetch = gather_in_forward
+        if select is not None and frozen_parameters(model):
+            raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")
         # The frozen parameters (a LoRA run's base) in a layout of their own, sharded like the trained ones
         self.frozen_layout = frozen_layout_of(model, dp.world_size, bucket_numel)
+        # What other engines over the same units hold whole now (expert parallelism's other engine): counted into
+        # param_peak_bytes at each gather, so that the peak is the units' whole at once, both engines' together
+        self.param_bytes_beside: Callable[[], int] = lambda: 0
         super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
                          gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce,
-                         init=init, device=device)
+                         init=init, device=device, select=select)
 
     # ---------------------------------------------------------------- building
     def _build_flat_buffers(self) -> None:
@@ -272,6 +284,8 @@ class ZeroThreeEngine(ZeroEngine):
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         with torch.no_grad():
             for name, p in self.model.named_parameters():
+                if self._select is not None and not self._select(name):
+                    continue  # another engine's
                 if name not in held and p.is_meta:
                     adopt_view(p, self._initial_value(name, p).to(self.device, dtype))
                 elif name not in held and not p.requires_grad:
@@ -318,7 +332,7 @@ class ZeroThreeEngine(ZeroEngine):
         self._held_into_backward = held_into_backward(self.model)
         first, end = (2, len(self.units) - 1) if untied_head(self.model) else (1, len(self.units))
         self._blocks = set(range(first, end))  # the transformer blocks' units
-        params = unit_parameters(self.model)
+        params = [[(n, p) for n, p in unit if id(p) in self._slot_of] for unit in unit_parameters(self.model)]  # ours
         self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
         self._unit_sizes = [len(unit) for unit in params]
         self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
@@ -451,7 +465,7 @@ class ZeroThreeEngine(ZeroEngine):
             self._in_flight[index] = work
         else:
             self.whole.add(index)
-        self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes())
+        self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes() + self.param_bytes_beside())
 
     def _release_bucket(self, index: int) -> None:
         self.bucket_params[index].untyped_storage().resize_(0)
@@ -467,15 +481,18 @@ class ZeroThreeEngine(ZeroEngine):
         if in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
-            self._gather_for_backward(unit)
+            self.gather_for_backward(unit)
             return
         self._current.append(unit)
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
         self._prefetch_after(unit, backward=False)
 
-    def _gather_for_backward(self, unit: int) -> None:
-        """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next."""
+    def gather_for_backward(self, unit: int) -> None:
+        """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next.
+        Called on the first unpack of a weight the unit saved; a caller that knows where every rank's backward of
+        the unit begins may call it there first, so that every rank of the DP group gathers it (expert
+        parallelism: a rank whose experts got no rows saves none of their weights, and releases them at once)."""
         if any((unit, "backward") not in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
             if unit > 0:
                 # The later units' backward has ended: this one's reads their gradient of its output, complete only
@@ -487,6 +504,10 @@ class ZeroThreeEngine(ZeroEngine):
                     self.release_unit(later, "backward")
             self.gather_unit(unit, "backward")
             self.check_whole(unit)
+            if not self._unit_waits()[unit] and unit not in self._frozen_units:
+                # no parameter of it had a part in the forward, so no gradient would release it: nothing of it is
+                # read (gathered for the collective's sake: the caller's, see the docstring)
+                self.release_unit(unit, "backward")
             self._prefetch_after(unit, backward=True)
 
     def _leave_unit(self, unit: int) -> None:
@@ -525,7 +546,7 @@ class ZeroThreeEngine(ZeroEngine):
         if not isinstance(packed, _SavedWeight):
             return packed
         unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
-        self._gather_for_backward(unit)
+        self.gather_for_backward(unit)
         if b not in self.whole:
             raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
         return self.bucket_params[b].as_strided(shape, stride, offset)
@@ -537,7 +558,7 @@ class ZeroThreeEngine(ZeroEngine):
         self._arrived[unit] += 1
         if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's trained parameters have their gradients
             self._arrived[unit] = 0
-            if unit not in self._frozen_units:  # else its frozen weights may still be read (_gather_for_backward)
+            if unit not in self._frozen_units:  # else its frozen weights may still be read (gather_for_backward)
                 self.release_unit(unit, "backward")
 
     def _unit_waits(self) -> list[int]:
@@ -567,9 +588,9 @@ class ZeroThreeEngine(ZeroEngine):
         self._waits = None
 
     # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor) -> tuple[float, torch.Tensor]:
+    def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
         self.release_all()
-        return super().reduce_grads(extras)
+        return super().reduce_grads(extras, beside)
 
     def apply(self, lr: float, grad_norm: float) -> None:
         self.release_all()

@@ -6,7 +6,8 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     parameters           padded P x (4 fp32, 2 bf16)                          the flat parameter buffer
                          stage 3: shard x (4 | 2)                             the owned chunks (fp32: the masters)
     parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2),
-                         the frozen base's buckets among them
+                         the frozen base's buckets among them (with --ep the block's experts: the expert engine's
+                         buckets of EP rank 0's block, over its replica group)
                          (zero3.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
                          stage 3: its own layout's shard x (4 | 2), gathered with the units (parameter units)
@@ -146,7 +147,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     frozen = frozen_layout_of(model, dp, p.bucket_numel) if p.zero == 3 else None  # stage 3 shards the frozen base
-    units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, frozen=frozen) if p.zero == 3 else 0
+    units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, frozen=frozen, beside=experts) \
+        if p.zero == 3 else 0  # with --ep the units' experts are the expert engine's buckets, whole with the rest
     grads, buckets, communication = gradient_bytes(cfg, L, dp, psize)
     if experts is not None:  # the expert engine's, over its replica group
         more = gradient_bytes(cfg, experts, dp // E, psize)
