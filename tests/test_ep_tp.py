@@ -1,7 +1,7 @@
 """Expert parallelism under tensor parallelism (--ep 2 --tp 2) trains what --ep 1 does, at --tp 2 and at --tp 1.
 
 One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2), 4 steps on the same global batch: --ep 2 --tp 2 (DP 2)
-at ZeRO-1 and ZeRO-2, --ep 1 --tp 2 (DP 2) and --ep 1 --tp 1 (DP 4); gpt-oss (biased experts: the down biases
+at ZeRO-1, 2 and 3, --ep 1 --tp 2 (DP 2) and --ep 1 --tp 1 (DP 4); gpt-oss (biased experts: the down biases
 gathered from the EP group) at --ep 2 --tp 2 and --ep 1 --tp 1. Losses agree within 1e-6 (relative), the final
 weights (the checkpoints' models, the exports for Qwen3-MoE) within 1e-5. AdamW's eps is 1e-3, as in
 test_moe_tp.py: at 1e-8 its first steps turn float noise in a near-zero gradient value into a step of up to lr
@@ -64,6 +64,7 @@ def four_rank_job(rank, comm, tmp_path):
     from zerotrain.training import loop, memory_plan
 
     runs = {"ep2tp2": [*QWEN3, *EP2_TP2], "ep2tp2_zero2": [*QWEN3, *EP2_TP2, "--zero", "2"],
+            "ep2tp2_zero3": [*QWEN3, *EP2_TP2, "--zero", "3"],
             "ep1tp2": [*QWEN3, *EP1_TP2], "ep1tp1": [*QWEN3, *EP1_TP1],
             "gpt_oss_ep2tp2": [*GPT_OSS, *EP2_TP2], "gpt_oss_ep1tp1": [*GPT_OSS, *EP1_TP1]}
     out = {name: run(comm, tmp_path / name, *flags) for name, flags in runs.items()}
@@ -125,6 +126,7 @@ def weight_gap(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("key, baselines", [("ep2tp2", ["ep1tp2", "ep1tp1"]), ("ep2tp2_zero2", ["ep1tp1"]),
+                                            ("ep2tp2_zero3", ["ep1tp2"]),
                                             ("gpt_oss_ep2tp2", ["gpt_oss_ep1tp1"])])
 def test_ep2_tp2_trains_what_ep1_trains_at_tp2_and_tp1(four_ranks, key, baselines):
     tmp, results = four_ranks
