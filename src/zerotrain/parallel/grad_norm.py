@@ -85,7 +85,8 @@ def chunk_squares(shard: torch.Tensor, ranges: list[tuple[int, int]], scratch: S
         for block in rows.split(per_block):
             squares = scratch.take(block.shape[0] * width, shard.device).view(block.shape[0], width)
             torch.square(block.float(), out=squares[:, :n])
-            squares[:, n:] = 0
+            if n < width:
+                squares[:, n:] = 0
             half = width
             while half > 1:
                 half //= 2
