@@ -127,3 +127,35 @@ def test_one_ranks_norm_of_the_parameters_own_gradients_is_the_flat_buffers_bits
     assert grad_norm.norm_of_limbs(expected) == world_norm(grads, 2, bucket_numel)
     monkeypatch.setattr(grad_norm, "NORM_CHUNK", grad_norm.NORM_CHUNK // 2)
     assert not torch.equal(grad_norm.exact_sum_limbs(grad_norm.scattered_chunk_squares(pieces)), expected)
+
+
+def test_one_ranks_norm_squares_every_gradient_in_one_kept_block_and_a_block_per_tensor_is_caught(monkeypatch):
+    """scattered_chunk_squares reads every parameter's gradient where it is through one scratch block, grown as needed
+    and kept (a fresh block per tensor was fresh memory to fault in, every step); the bits are the flat buffer's.
+    Planted: a block allocated for every tensor."""
+    grads = gradients(4)
+    layout = ShardLayout.build(PARAMS, 1, BUCKET_NUMELS[1])
+    pieces = [(s.offset, grads[s.name].reshape(-1)) for s in layout.slots]
+    expected = grad_norm.scattered_chunk_squares(pieces)
+    allocated = []
+    real_empty = torch.empty
+
+    def counted_empty(*args, **kwargs):
+        allocated.append(args)
+        return real_empty(*args, **kwargs)
+
+    def blocks_allocated() -> int:
+        allocated.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(grad_norm.torch, "empty", counted_empty)
+            assert torch.equal(grad_norm.scattered_chunk_squares(pieces), expected)
+        return len(allocated)
+
+    whole_rows = sum(1 for o, g in pieces if len(set(grad_norm.grid_cut(o, o + g.numel()))) == 2)  # squared in place
+    sizes = [min(grad_norm.BLOCK_VALUES[False], g.numel()) for _, g in pieces]
+    grown = sum(1 for i, n in enumerate(sizes) if n > max(sizes[:i], default=0))  # a tensor larger than any before
+    assert blocks_allocated() <= grown < whole_rows
+    real_take = grad_norm.Scratch.take
+    monkeypatch.setattr(grad_norm.Scratch, "take", lambda self, numel, device: (
+        setattr(self, "block", None), real_take(self, numel, device))[1])  # planted: a fresh block every time
+    assert blocks_allocated() >= whole_rows
