@@ -447,10 +447,13 @@ class ZeroEngine:
                 self._reached.add(id(p))
                 self._expected[s.bucket] += 1
             self._ready[s.bucket] += 1
-            # Launch in bucket order only, so every rank issues the same collectives in the same order.
-            while self._launched < len(self._ready) and \
-                    self._ready[self._launched] == self._expected[self._launched]:
-                self._launch(self._launched)
+            self._launch_complete()
+
+    def _launch_complete(self) -> None:
+        """Launch the buckets whose gradients are all in, in bucket order only, so that every rank issues the same
+        reduce-scatters in the same order (stage 3 gates them further: ZeroThreeEngine._launch_complete)."""
+        while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched]:
+            self._launch(self._launched)
 
     def join_backward(self) -> bool:
         """In a backward: whether it reduces (the window's last, or each with --grad-reduce micro-batch, where buckets

@@ -342,8 +342,9 @@ class ZeroThreeEngine(ZeroEngine):
         self._current: list[int] = []  # the units whose forward is running, innermost last
         self._outer_hooks = None
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._build_reduce_schedule(params)
         for index, unit in enumerate(self.units):
-            unit[0].register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
+            unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._enter_unit(u, args))
             unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._param_unit[id(self.model.lm_head.weight)]
@@ -358,6 +359,59 @@ class ZeroThreeEngine(ZeroEngine):
                 return forward(*args, **kwargs)
 
         self.model.forward = forward_with_saved_tensor_hooks
+
+    def _build_reduce_schedule(self, params: list[list[tuple[str, torch.nn.Parameter]]]) -> None:
+        """Where each bucket's reduce-scatter may start, a function of the model alone (see the module docstring):
+        its unit, the earliest in forward order of its parameters' units (a root parameter registered after the
+        blocks, the final norm beside a tied head, counts as the last unit's: its gradient is complete before the
+        last block's backward ends; the root's others, the embeddings, as the root's: launched as the backward ends)."""
+        last = len(self.units) - 1
+        slot = {s.name: s for s in self.layout.slots}
+        after = min((slot[n].offset for unit in params[1:] for n, _ in unit), default=0)
+        unit_of_name = {n: (last if u == 0 and slot[n].offset < after else u)
+                        for u, unit in enumerate(params) for n, _ in unit}
+        self._bucket_unit = [len(self.units)] * len(self.layout.buckets)
+        for s in self.layout.slots:
+            self._bucket_unit[s.bucket] = min(self._bucket_unit[s.bucket], unit_of_name[s.name])
+        self._begun: set[int] = set()  # the units whose backward has begun (gather_for_backward) in this backward
+        self._forwards = [0] * len(self.units)  # the forwards since the last backward whose unit input will get a grad
+        self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
+
+    def _launch_complete(self) -> None:
+        """Stage 2's launch, in bucket order, of the buckets whose gradients are in, gated: a bucket starts only once
+        its unit's backward has begun on this rank (its gather for backward, the same point among the DP group's
+        collectives on every rank), never earlier where a rank expects fewer of its gradients than another (an expert
+        that got no rows here). The root's buckets wait for the end of the backward."""
+        while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched] \
+                and self._unit_begun(self._bucket_unit[self._launched]):
+            self._launch(self._launched)
+
+    def _unit_begun(self, unit: int) -> bool:
+        return unit in self._begun or (unit > 0 and unit in self._held_into_backward)
+
+    def _watch_unit_input(self, unit: int, args) -> None:
+        """A forward of `unit` whose backward will reduce: the gradient of its input (FSDP2's post-backward point)
+        says where every rank's backward of the unit has ended."""
+        x = args[0] if args else None
+        if unit > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+            self._forwards[unit] += 1
+            x.register_hook(lambda _grad, u=unit: self._unit_done(u))
+
+    def _unit_done(self, unit: int) -> None:
+        """The gradient of `unit`'s input is complete (in every forward of this backward): every bucket of it and of
+        the units after it is launched now, in bucket order, whatever gradients this rank got (none: zeros)."""
+        self._done[unit] += 1
+        self._at_end_of_backward()
+        if self._done[unit] != self._forwards[unit] or not self.join_backward():
+            return
+        self._begun.add(unit)
+        while self._launched < len(self._ready) and self._bucket_unit[self._launched] >= unit:
+            self._launch(self._launched)
+
+    def _reset_schedule(self) -> None:
+        self._begun.clear()
+        self._forwards = [0] * len(self.units)
+        self._done = [0] * len(self.units)
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
@@ -477,7 +531,7 @@ class ZeroThreeEngine(ZeroEngine):
         return self.flat_params.element_size() * (self.flat_params.numel() + whole)
 
     # ---------------------------------------------------------------- hooks
-    def _enter_unit(self, unit: int) -> None:
+    def _enter_unit(self, unit: int, args=()) -> None:
         if in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
@@ -487,6 +541,8 @@ class ZeroThreeEngine(ZeroEngine):
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
         self._prefetch_after(unit, backward=False)
+        if torch.is_grad_enabled():
+            self._watch_unit_input(unit, args)
 
     def gather_for_backward(self, unit: int) -> None:
         """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next.
@@ -509,6 +565,10 @@ class ZeroThreeEngine(ZeroEngine):
                 # read (gathered for the collective's sake: the caller's, see the docstring)
                 self.release_unit(unit, "backward")
             self._prefetch_after(unit, backward=True)
+        if unit not in self._begun:  # the reduce-scatters of its buckets may start from here (_launch_complete)
+            self._begun.add(unit)
+            if self.join_backward():
+                self._launch_complete()
 
     def _leave_unit(self, unit: int) -> None:
         if in_backward():
@@ -579,6 +639,7 @@ class ZeroThreeEngine(ZeroEngine):
         super()._end_backward()
         self.release_all()
         self._expected, self._reached, self._waits = list(self._bucket_sizes), None, None
+        self._reset_schedule()
 
     def _reset_window(self) -> None:
         """Stage 2's, and no unit running or counting gradients (after a step that ended normally, none is)."""
@@ -586,6 +647,7 @@ class ZeroThreeEngine(ZeroEngine):
         self._current.clear()
         self._arrived = [0] * len(self.units)
         self._waits = None
+        self._reset_schedule()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
