@@ -114,8 +114,13 @@ def four_rank_job(rank, comm, tmp_path):
     moe.MoE.route = route
     out["no_rows_ep1"] = run(comm, tmp_path / "no_rows_ep1", *NO_ROWS)
     out["no_rows"] = run(comm, tmp_path / "no_rows", "--ep", "2", *NO_ROWS)
-    zero1 = train(config(tmp_path / "no_rows_zero1", *NO_ROWS), comm, announce=False)
-    out["no_rows_zero1"] = {"losses": [r["loss"] for r in zero1.records]}
+    for key, flags in (("no_rows_zero1", ()), ("no_rows_zero1_accum", ("--accum", "2"))):
+        zero1 = train(config(tmp_path / key, *NO_ROWS, *flags), comm, announce=False)
+        out[key] = {"losses": [r["loss"] for r in zero1.records]}
+    # ZeRO-2 with --ep: the experts' replica group reduces in the backward, between the EP groups' all-to-alls
+    out["no_rows_zero2"] = run(comm, tmp_path / "no_rows_zero2", "--ep", "2", *NO_ROWS, "--zero", "2")
+    out["no_rows_zero2_micro"] = run(comm, tmp_path / "no_rows_zero2_micro", "--ep", "2", *NO_ROWS, "--zero", "2",
+                                     "--grad-reduce", "micro-batch", "--accum", "2")
     moe.MoE.route = real_route
     return out
 
@@ -124,7 +129,7 @@ def no_hook_job(rank, comm, tmp_path):
     """The masked routing, at --ep 2, without the MoE layer's backward hook (planted); a replica group whose members
     send different collectives fails (a short wait: a hang times out) or aborts (gloo: a message of another size)."""
     moe.MoE.route = masked_routing(rank)[1]
-    experts.ExpertParallelEngine._gather_experts_for_backward = lambda self, model: None  # planted: no hook
+    experts.ExpertParallelEngine._join_at_moe_output = lambda self, model: None  # planted: no hook
     short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
     return failed(short, tmp_path / "no_hook", "--ep", "2", *NO_ROWS)
 
@@ -134,7 +139,7 @@ def arrival_order_job(rank, comm, tmp_path):
     expected gradient arrives (planted: the reduce schedule's gate and the units' end points left out, as before):
     the DP group's collectives part ways, and the run fails (a short wait: a hang times out) or aborts."""
     moe.MoE.route = masked_routing(rank)[1]
-    ZeroThreeEngine._launch_complete = ZeroEngine._launch_complete  # planted: no gate
+    ZeroThreeEngine.launch_ready = ZeroEngine.launch_ready  # planted: no gate
     ZeroThreeEngine._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
     short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
     return failed(short, tmp_path / "arrival_order", *NO_ROWS)
@@ -230,9 +235,9 @@ def test_an_ep_zero3_checkpoint_exports_and_transformers_reads_it(four_ranks, ca
 def test_ranks_routing_nothing_to_some_experts_reduce_in_one_schedule_and_arrival_order_is_caught(four_ranks,
                                                                                                   tmp_path):
     got = four_ranks[0]
-    for key in ("no_rows_ep1", "no_rows"):  # --ep 1 and --ep 2 at ZeRO-3, several buckets per block
-        assert close(got[key]["losses"], got["no_rows_zero1"]["losses"], 1e-6), (key, got[key],
-                                                                                 got["no_rows_zero1"])
+    for key, base in (("no_rows_ep1", "no_rows_zero1"), ("no_rows", "no_rows_zero1"),  # ZeRO-3, --ep 1 and 2
+                      ("no_rows_zero2", "no_rows_zero1"), ("no_rows_zero2_micro", "no_rows_zero1_accum")):
+        assert close(got[key]["losses"], got[base]["losses"], 1e-6), (key, got[key], got[base])
     codes, results = spawn(arrival_order_job, 4, tmp_path, timeout=120)  # planted, in processes that may abort
     said = [r["said"] if r else None for r in results]
     assert any(code != 0 for code in codes) or any(s and "CollectiveError" in s for s in said), (codes, said)

@@ -148,6 +148,23 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout, trained: bool = Tr
             for params in unit_parameters(model, trained)]
 
 
+def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
+    """The unit each bucket of `layout` is reduced with, a function of the model alone (see the module docstring):
+    the earliest in forward order of its parameters' units, whose backward ends last. A root parameter registered
+    after the blocks (the final norm beside a tied head) counts as the last unit's: its gradient is complete before
+    the last block's backward ends; the root's others (the embeddings, a tied head) as the root's."""
+    params = unit_parameters(model)
+    slot = {s.name: s for s in layout.slots}
+    last = len(params) - 1
+    after = min((slot[n].offset for unit in params[1:] for n, _ in unit if n in slot), default=0)
+    unit_of = {n: (last if u == 0 and slot[n].offset < after else u)
+               for u, unit in enumerate(params) for n, _ in unit if n in slot}
+    units = [len(params)] * len(layout.buckets)
+    for s in layout.slots:
+        units[s.bucket] = min(units[s.bucket], unit_of[s.name])
+    return units
+
+
 def frozen_layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
     """The flat layout stage 3 shards a model's frozen parameters in (a LoRA run's base, a frozen copy's every
     parameter): built as the trained parameters' is (engine.layout_of), so an all-frozen copy of a model is laid out
@@ -342,7 +359,7 @@ class ZeroThreeEngine(ZeroEngine):
         self._current: list[int] = []  # the units whose forward is running, innermost last
         self._outer_hooks = None
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._build_reduce_schedule(params)
+        self._build_reduce_schedule()
         for index, unit in enumerate(self.units):
             unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._enter_unit(u, args))
             unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
@@ -360,33 +377,19 @@ class ZeroThreeEngine(ZeroEngine):
 
         self.model.forward = forward_with_saved_tensor_hooks
 
-    def _build_reduce_schedule(self, params: list[list[tuple[str, torch.nn.Parameter]]]) -> None:
-        """Where each bucket's reduce-scatter may start, a function of the model alone (see the module docstring):
-        its unit, the earliest in forward order of its parameters' units (a root parameter registered after the
-        blocks, the final norm beside a tied head, counts as the last unit's: its gradient is complete before the
-        last block's backward ends; the root's others, the embeddings, as the root's: launched as the backward ends)."""
-        last = len(self.units) - 1
-        slot = {s.name: s for s in self.layout.slots}
-        after = min((slot[n].offset for unit in params[1:] for n, _ in unit), default=0)
-        unit_of_name = {n: (last if u == 0 and slot[n].offset < after else u)
-                        for u, unit in enumerate(params) for n, _ in unit}
-        self._bucket_unit = [len(self.units)] * len(self.layout.buckets)
-        for s in self.layout.slots:
-            self._bucket_unit[s.bucket] = min(self._bucket_unit[s.bucket], unit_of_name[s.name])
-        self._begun: set[int] = set()  # the units whose backward has begun (gather_for_backward) in this backward
+    def _build_reduce_schedule(self) -> None:
+        """Each bucket's reduce-scatter starts once its unit's backward has begun (bucket_units), and at the latest
+        when the gradient of its unit's input is complete (_unit_done); the counts of the latter, per backward."""
+        self.gate_by_units(bucket_units(self.model, self.layout))
         self._forwards = [0] * len(self.units)  # the forwards since the last backward whose unit input will get a grad
         self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
 
-    def _launch_complete(self) -> None:
+    def _may_start(self, index: int) -> bool:
         """Stage 2's launch, in bucket order, of the buckets whose gradients are in, gated: a bucket starts only once
         its unit's backward has begun on this rank (its gather for backward, the same point among the DP group's
-        collectives on every rank), never earlier where a rank expects fewer of its gradients than another (an expert
-        that got no rows here). The root's buckets wait for the end of the backward."""
-        while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched] \
-                and self._unit_begun(self._bucket_unit[self._launched]):
-            self._launch(self._launched)
-
-    def _unit_begun(self, unit: int) -> bool:
+        collectives on every rank; an untied head's from the start), never earlier where a rank expects fewer of its
+        gradients than another (an expert that got no rows here)."""
+        unit = self._bucket_unit[index]
         return unit in self._begun or (unit > 0 and unit in self._held_into_backward)
 
     def _watch_unit_input(self, unit: int, args) -> None:
@@ -409,7 +412,6 @@ class ZeroThreeEngine(ZeroEngine):
             self._launch(self._launched)
 
     def _reset_schedule(self) -> None:
-        self._begun.clear()
         self._forwards = [0] * len(self.units)
         self._done = [0] * len(self.units)
 
@@ -565,10 +567,7 @@ class ZeroThreeEngine(ZeroEngine):
                 # read (gathered for the collective's sake: the caller's, see the docstring)
                 self.release_unit(unit, "backward")
             self._prefetch_after(unit, backward=True)
-        if unit not in self._begun:  # the reduce-scatters of its buckets may start from here (_launch_complete)
-            self._begun.add(unit)
-            if self.join_backward():
-                self._launch_complete()
+        self.begin_unit_backward(unit)  # the reduce-scatters of its buckets may start from here (_may_start)
 
     def _leave_unit(self, unit: int) -> None:
         if in_backward():
