@@ -14,6 +14,11 @@ its group, computes nothing, while its replica, rank 1, does) trains what --ep 1
 member of a replica group gathers a block's experts for the backward, and reduces their gradients, at the same
 point. Planted: the MoE layer's backward hook left out (the experts gathered at the first expert weight the backward
 unpacks, reduced where a gradient arrives), the replica group's collectives part ways and the run fails.
+Those runs use buckets of 0.01 MiB (several per block, the experts of a block in several), at ZeRO-3 with --ep 1 and 2
+and at ZeRO-2 with --ep 2 (step, and --grad-reduce micro-batch at --accum 2): each trains what ZeRO-1 does under the
+same routing (losses within 1e-6), the reduce-scatters starting where zero3.py's schedule says on every rank. Planted:
+each bucket launched where its last expected gradient arrives (stage 3's gate and the units' end points left out),
+a bucket that no gradient reaches on ranks 2 and 3 goes out at another point among the gathers there, and gloo aborts.
 """
 
 from __future__ import annotations

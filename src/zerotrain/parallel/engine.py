@@ -39,7 +39,10 @@ accumulation, for accumulation x the reduce-scatter traffic (and another order o
 A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has gradient
 zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
 forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
-waiting, in bucket order on every rank (_end_backward).
+waiting, in bucket order on every rank (_end_backward). Where another collective shares the backward with the
+reduce-scatters (stage 3's gathers, expert parallelism's all-to-alls), a bucket also waits until its unit's backward
+has begun on this rank (gate_by_units, begin_unit_backward): a point every rank reaches in the same order, so that a
+rank expecting fewer gradients than another does not send the bucket earlier.
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors (stage 3 shards them too: zero3.py), have no gradients or optimizer state and are never reduced;

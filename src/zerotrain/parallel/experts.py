@@ -30,7 +30,11 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
               first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
               got no rows saved none), and a replica group gathering while its members wait in different EP
-              groups' all-to-alls would hang.
+              groups' all-to-alls would hang. At every stage that same point joins the backward for the experts'
+              reductions and opens their block's buckets (ZeroEngine.begin_unit_backward): a rank whose experts got
+              no rows sends them (zeros) there, in the backward, as its replicas send theirs, neither earlier (all at
+              the first MoE layer, then waiting in stage 2's bucket budget while its EP group waits in an
+              all-to-all) nor only after the backward (its replicas waiting in that budget: the same cycle).
 """
 
 from __future__ import annotations

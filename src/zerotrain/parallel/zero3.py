@@ -12,10 +12,10 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
                            forward that raises leaves none behind: the saved weight is kept as a reference, not
                            the tensor), and released once every parameter of the unit has its gradient (or as
                            the backward ends, where a parameter got none)
-    gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
-                           arrives, its full-size buffer freed; with accumulation, by default, every micro-batch's
-                           (--grad-reduce auto is micro-batch here: the fp32 shard accumulates, and no full
-                           gradient is held through the window beside a sharded model)
+    gradients              stage 2's: each bucket reduce-scattered into this rank's shard, its full-size buffer
+                           freed; with accumulation, by default, every micro-batch's (--grad-reduce auto is
+                           micro-batch here: the fp32 shard accumulates, and no full gradient is held through the
+                           window beside a sharded model); when, below
 
 Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
 small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
@@ -28,6 +28,23 @@ the final norm with the head after the last block (whole from the norm's forward
 first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its
 bucket's buffer; releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold
 nothing.
+
+The reduce-scatters share the DP group's communicator with the units' gathers, so where each starts is a function of
+the model, not of which gradients arrived: every rank issues the same collectives in the same order. Each bucket has
+a unit (bucket_units: the earliest in forward order of its parameters' units, whose backward ends last; a root
+parameter registered after the blocks, the final norm beside a tied head, the last unit's). Launched in bucket order,
+a bucket starts
+    - once its unit's backward has begun on this rank (its gather for backward; an untied head's from the start) and
+      the gradients this rank's forward reached are in (none reached, an expert with no rows here: at once), so
+      between that gather (with the prefetch it launches) and the next unit's on every rank, whatever arrived;
+    - at the latest when the gradient of its unit's input is complete (a hook on it, FSDP2's post-backward point,
+      counted over the forwards of the backward): its gradients that did not arrive are zeros;
+    - else as the backward ends (the root's, a unit whose input needs no gradient: the embedding, a LoRA run's first
+      block), in bucket order.
+Where every gradient arrives this is where the last one arrives, as at stage 2, and the additions are stage 2's.
+Launched where its last expected gradient arrived instead, a bucket that a rank's experts got no rows for went out at
+another point among the units' gathers than on a rank whose experts did, and the group's messages parted ways (gloo
+aborts on a message of another size; a test plants it).
 
 With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
 saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
