@@ -402,10 +402,9 @@ class ZeroThreeEngine(ZeroEngine):
         self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
 
     def _may_start(self, index: int) -> bool:
-        """Stage 2's launch, in bucket order, of the buckets whose gradients are in, gated: a bucket starts only once
-        its unit's backward has begun on this rank (its gather for backward, the same point among the DP group's
-        collectives on every rank; an untied head's from the start), never earlier where a rank expects fewer of its
-        gradients than another (an expert that got no rows here)."""
+        """Whether bucket `index`, its gradients in, may start: once its unit's backward has begun on this rank (its
+        gather for backward, the same point among the DP group's collectives on every rank; an untied head's from the
+        start), never earlier where a rank expects fewer of its gradients than another (an expert with no rows here)."""
         unit = self._bucket_unit[index]
         return unit in self._begun or (unit > 0 and unit in self._held_into_backward)
 
