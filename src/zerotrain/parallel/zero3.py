@@ -171,11 +171,10 @@ def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
     after the blocks (the final norm beside a tied head) counts as the last unit's: its gradient is complete before
     the last block's backward ends; the root's others (the embeddings, a tied head) as the root's."""
     params = unit_parameters(model)
-    slot = {s.name: s for s in layout.slots}
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # registration order
     last = len(params) - 1
-    after = min((slot[n].offset for unit in params[1:] for n, _ in unit if n in slot), default=0)
-    unit_of = {n: (last if u == 0 and slot[n].offset < after else u)
-               for u, unit in enumerate(params) for n, _ in unit if n in slot}
+    after = max((order[n] for unit in params[1:] for n, _ in unit), default=len(order))
+    unit_of = {n: (last if u == 0 and order[n] > after else u) for u, unit in enumerate(params) for n, _ in unit}
     units = [len(params)] * len(layout.buckets)
     for s in layout.slots:
         units[s.bucket] = min(units[s.bucket], unit_of[s.name])
