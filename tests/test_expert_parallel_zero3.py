@@ -14,6 +14,11 @@ its group, computes nothing, while its replica, rank 1, does) trains what --ep 1
 member of a replica group gathers a block's experts for the backward, and reduces their gradients, at the same
 point. Planted: the MoE layer's backward hook left out (the experts gathered at the first expert weight the backward
 unpacks, reduced where a gradient arrives), the replica group's collectives part ways and the run fails.
+Those runs use buckets of 0.01 MiB (several per block, the experts of a block in several), at ZeRO-3 with --ep 1 and 2
+and at ZeRO-2 with --ep 2 (step, and --grad-reduce micro-batch at --accum 2): each trains what ZeRO-1 does under the
+same routing (losses within 1e-6), the reduce-scatters starting where zero3.py's schedule says on every rank. Planted:
+each bucket launched where its last expected gradient arrives (stage 3's gate and the units' end points left out),
+a bucket that no gradient reaches on ranks 2 and 3 goes out at another point among the gathers there, and gloo aborts.
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ SAVED = 2  # the --ep 2 run's first checkpoint: resumed from, and the wrong grou
 # Buckets of 2,621 values: a block (27,984 parameters, 24,576 of them its 8 experts) spans several, so that each unit
 # gathers and releases buckets of its own (at the default 4 MiB each engine's parameters are one bucket)
 ZERO3 = ("--steps", str(STEPS), "--zero", "3", "--bucket-mb", "0.01")
-# The runs where some experts get no rows on some ranks: one bucket per engine. With several, ZeRO-3 (--ep 1 too)
-# launches the reduce-scatter of a bucket no gradient reaches on one rank at another point among the units' gathers
-# than a rank whose gradients reach it, on the same communicator: the DP group's messages then part ways.
-NO_ROWS = ("--steps", "2", "--bucket-mb", "4")
+# The runs where some experts get no rows on some ranks, with several buckets per block: a bucket that no gradient
+# reaches on one rank and some do on another is reduce-scattered at the same point among the units' gathers on both
+# (zero3.py's schedule); launched where its last gradient arrives instead, the DP group's messages part ways.
+NO_ROWS = ("--steps", "2", "--bucket-mb", "0.01")
 
 
 def run(comm, out, *flags) -> dict:
@@ -113,6 +118,13 @@ def four_rank_job(rank, comm, tmp_path):
     moe.MoE.route = route
     out["no_rows_ep1"] = run(comm, tmp_path / "no_rows_ep1", *NO_ROWS)
     out["no_rows"] = run(comm, tmp_path / "no_rows", "--ep", "2", *NO_ROWS)
+    for key, flags in (("no_rows_zero1", ()), ("no_rows_zero1_accum", ("--accum", "2"))):
+        zero1 = train(config(tmp_path / key, *NO_ROWS, *flags), comm, announce=False)
+        out[key] = {"losses": [r["loss"] for r in zero1.records]}
+    # ZeRO-2 with --ep: the experts' replica group reduces in the backward, between the EP groups' all-to-alls
+    out["no_rows_zero2"] = run(comm, tmp_path / "no_rows_zero2", "--ep", "2", *NO_ROWS, "--zero", "2")
+    out["no_rows_zero2_micro"] = run(comm, tmp_path / "no_rows_zero2_micro", "--ep", "2", *NO_ROWS, "--zero", "2",
+                                     "--grad-reduce", "micro-batch", "--accum", "2")
     moe.MoE.route = real_route
     return out
 
@@ -121,9 +133,20 @@ def no_hook_job(rank, comm, tmp_path):
     """The masked routing, at --ep 2, without the MoE layer's backward hook (planted); a replica group whose members
     send different collectives fails (a short wait: a hang times out) or aborts (gloo: a message of another size)."""
     moe.MoE.route = masked_routing(rank)[1]
-    experts.ExpertParallelEngine._gather_experts_for_backward = lambda self, model: None  # planted: no hook
+    experts.ExpertParallelEngine._join_at_moe_output = lambda self, model: None  # planted: no hook
     short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
     return failed(short, tmp_path / "no_hook", "--ep", "2", *NO_ROWS)
+
+
+def arrival_order_job(rank, comm, tmp_path):
+    """The masked routing at --ep 1 --zero 3 with several buckets per block, each bucket launched where its last
+    expected gradient arrives (planted: the reduce schedule's gate and the units' end points left out, as before):
+    the DP group's collectives part ways, and the run fails (a short wait: a hang times out) or aborts."""
+    moe.MoE.route = masked_routing(rank)[1]
+    ZeroThreeEngine._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
+    ZeroThreeEngine._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
+    short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
+    return failed(short, tmp_path / "arrival_order", *NO_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +234,14 @@ def test_an_ep_zero3_checkpoint_exports_and_transformers_reads_it(four_ranks, ca
     with torch.no_grad():
         theirs, mine = hf(ids).logits, zerotrain.load_model(ckpt)(ids)
     assert float((theirs - mine).abs().max()) < 1e-5
+
+
+def test_ranks_routing_nothing_to_some_experts_reduce_in_one_schedule_and_arrival_order_is_caught(four_ranks,
+                                                                                                  tmp_path):
+    got = four_ranks[0]
+    for key, base in (("no_rows_ep1", "no_rows_zero1"), ("no_rows", "no_rows_zero1"),  # ZeRO-3, --ep 1 and 2
+                      ("no_rows_zero2", "no_rows_zero1"), ("no_rows_zero2_micro", "no_rows_zero1_accum")):
+        assert close(got[key]["losses"], got[base]["losses"], 1e-6), (key, got[key], got[base])
+    codes, results = spawn(arrival_order_job, 4, tmp_path, timeout=120)  # planted, in processes that may abort
+    said = [r["said"] if r else None for r in results]
+    assert any(code != 0 for code in codes) or any(s and "CollectiveError" in s for s in said), (codes, said)

@@ -39,7 +39,10 @@ accumulation, for accumulation x the reduce-scatter traffic (and another order o
 A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has gradient
 zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
 forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
-waiting, in bucket order on every rank (_end_backward).
+waiting, in bucket order on every rank (_end_backward). Where another collective shares the backward with the
+reduce-scatters (stage 3's gathers, expert parallelism's all-to-alls), a bucket also waits until its unit's backward
+has begun on this rank (gate_by_units, begin_unit_backward): a point every rank reaches in the same order, so that a
+rank expecting fewer gradients than another does not send the bucket earlier.
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors (stage 3 shards them too: zero3.py), have no gradients or optimizer state and are never reduced;
@@ -342,6 +345,10 @@ class ZeroEngine:
         # output reaches (_reached_by_forward); every one of them when no forward said.
         self._expected = list(self._bucket_sizes)
         self._reached: set[int] | None = None
+        # Where a bucket may start (gate_by_units): the unit whose backward must have begun on this rank first, a
+        # point every rank of the group reaches in the same order; None: wherever its gradients are in
+        self._bucket_unit: list[int] | None = None
+        self._begun: set[int] = set()  # the units whose backward has begun in this backward
         self._pending: list = []  # their async work handles, dropped once waited for
         self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
@@ -447,10 +454,32 @@ class ZeroEngine:
                 self._reached.add(id(p))
                 self._expected[s.bucket] += 1
             self._ready[s.bucket] += 1
-            # Launch in bucket order only, so every rank issues the same collectives in the same order.
-            while self._launched < len(self._ready) and \
-                    self._ready[self._launched] == self._expected[self._launched]:
-                self._launch(self._launched)
+            self.launch_ready()
+
+    def launch_ready(self) -> None:
+        """Launch the buckets whose expected gradients are all in (none expected: at once), in bucket order only, so
+        that every rank issues the same reduce-scatters in the same order; with gate_by_units, only those whose unit's
+        backward has begun (begin_unit_backward, which calls this for a rank whose parameters may get no gradient)."""
+        while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched] \
+                and self._may_start(self._launched):
+            self._launch(self._launched)
+
+    def gate_by_units(self, bucket_units: list[int]) -> None:
+        """Start bucket i's reduce-scatter only once the backward of unit bucket_units[i] has begun on this rank
+        (begin_unit_backward): expert parallelism's experts at stages 1 and 2, whose replica group must not see a rank
+        whose experts got no rows send its buckets before the others can (their all-to-alls between)."""
+        self._bucket_unit = list(bucket_units)
+
+    def begin_unit_backward(self, unit: int) -> None:
+        """`unit`'s backward begins here, at the same point of every rank's backward: the backward joined
+        (join_backward) and the buckets that may start now launched (launch_ready)."""
+        if unit not in self._begun:
+            self._begun.add(unit)
+            if self.join_backward():
+                self.launch_ready()
+
+    def _may_start(self, index: int) -> bool:
+        return self._bucket_unit is None or self._bucket_unit[index] in self._begun
 
     def join_backward(self) -> bool:
         """In a backward: whether it reduces (the window's last, or each with --grad-reduce micro-batch, where buckets
@@ -513,6 +542,7 @@ class ZeroEngine:
         micro-batch's backward; otherwise the window is reduced, and a gradient of another backward before
         zero_grad is the caller's mistake (_late_gradient)."""
         self._end_queued = False
+        self._begun.clear()
         if not self._reduces_now:
             return
         self._reduces_now = False
@@ -617,6 +647,7 @@ class ZeroEngine:
         self._launched = 0
         self._end_queued = self._reduces_now = self._window_reduced = False
         self._expected, self._reached = list(self._bucket_sizes), None
+        self._begun.clear()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:

@@ -30,7 +30,11 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
               first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
               got no rows saved none), and a replica group gathering while its members wait in different EP
-              groups' all-to-alls would hang.
+              groups' all-to-alls would hang. At every stage that same point joins the backward for the experts'
+              reductions and opens their block's buckets (ZeroEngine.begin_unit_backward): a rank whose experts got
+              no rows sends them (zeros) there, in the backward, as its replicas send theirs, neither earlier (all at
+              the first MoE layer, then waiting in stage 2's bucket budget while its EP group waits in an
+              all-to-all) nor only after the backward (its replicas waiting in that budget: the same cycle).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 from .comm import Comm
 from .engine import ZeroEngine, in_backward
 from .mesh import Mesh
-from .zero3 import ZeroThreeEngine, model_units
+from .zero3 import ZeroThreeEngine, bucket_units, model_units
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -196,8 +200,8 @@ class ExpertParallelEngine:
         self.experts = engine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
                               **kwargs)
         self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
+        self._join_at_moe_output(model)
         if engine is ZeroThreeEngine:
-            self._gather_experts_for_backward(model)
             # the parameter peak is both engines' units whole at once
             self.dense.param_bytes_beside, self.experts.param_bytes_beside = \
                 self.experts.param_bytes, self.dense.param_bytes
@@ -209,12 +213,18 @@ class ExpertParallelEngine:
         self.init_bytes_read = self.dense.init_bytes_read + self.experts.init_bytes_read
         self.init_values_drawn = self.dense.init_values_drawn + self.experts.init_values_drawn
 
-    def _gather_experts_for_backward(self, model: torch.nn.Module) -> None:
-        """ZeRO-3: each MoE layer's experts gathered for its backward as the gradient of the layer's output arrives,
-        the same point of every rank's backward (see the module docstring), not at the first expert weight the
-        backward unpacks; and the backward joined, so that a rank whose experts get no gradient in it reduces (zeros)
-        with its replica group all the same, as the group's others do (each micro-batch's at ZeRO-3)."""
+    def _join_at_moe_output(self, model: torch.nn.Module) -> None:
+        """At every stage, the backward joined for the experts' reductions as the gradient of each MoE layer's output
+        arrives, the same point of every rank's backward, and the expert buckets whose expected gradients are in (none,
+        where this rank's experts got no rows) launched there: a rank whose experts get no gradient reduces (zeros)
+        with its replica group all the same, and in the backward, as the group's others do (each micro-batch's with
+        --grad-reduce micro-batch). Left to the end of its backward, or to reduce_grads, a replica waiting on that
+        reduce-scatter (stage 2's bucket budget) and the EP groups' all-to-alls would wait on each other. At ZeRO-3
+        the layer's experts are also gathered for its backward there (see the module docstring), not at the first
+        expert weight the backward unpacks."""
         units = model_units(model)
+        if not isinstance(self.experts, ZeroThreeEngine):  # (stage 3 gates its buckets by unit itself)
+            self.experts.gate_by_units(bucket_units(model, self.experts.layout))
         for moe in moe_layers(model):
             unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
             moe.register_forward_hook(self._on_moe_output(unit))
@@ -223,8 +233,10 @@ class ExpertParallelEngine:
         """The forward hook of the MoE layer in `unit`: its output's gradient gathers the unit's experts."""
 
         def arrived(_grad):
-            self.experts.gather_for_backward(unit)
-            self.experts.join_backward()  # its reductions too, whether its experts get gradients or not
+            if isinstance(self.experts, ZeroThreeEngine):
+                self.experts.gather_for_backward(unit)  # which begins the unit's backward too
+            else:  # its reductions, whether its experts get gradients or not
+                self.experts.begin_unit_backward(unit)
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad and not in_backward():

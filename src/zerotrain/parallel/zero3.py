@@ -12,10 +12,10 @@ gradient norm's grid and the checkpoint are theirs too. What changes is where th
                            forward that raises leaves none behind: the saved weight is kept as a reference, not
                            the tensor), and released once every parameter of the unit has its gradient (or as
                            the backward ends, where a parameter got none)
-    gradients              stage 2's: each bucket reduce-scattered into this rank's shard as its last gradient
-                           arrives, its full-size buffer freed; with accumulation, by default, every micro-batch's
-                           (--grad-reduce auto is micro-batch here: the fp32 shard accumulates, and no full
-                           gradient is held through the window beside a sharded model)
+    gradients              stage 2's: each bucket reduce-scattered into this rank's shard, its full-size buffer
+                           freed; with accumulation, by default, every micro-batch's (--grad-reduce auto is
+                           micro-batch here: the fp32 shard accumulates, and no full gradient is held through the
+                           window beside a sharded model); when, below
 
 Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
 small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
@@ -28,6 +28,23 @@ the final norm with the head after the last block (whole from the norm's forward
 first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its
 bucket's buffer; releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold
 nothing.
+
+The reduce-scatters share the DP group's communicator with the units' gathers, so where each starts is a function of
+the model, not of which gradients arrived: every rank issues the same collectives in the same order. Each bucket has
+a unit (bucket_units: the earliest in forward order of its parameters' units, whose backward ends last; a root
+parameter registered after the blocks, the final norm beside a tied head, the last unit's). Launched in bucket order,
+a bucket starts
+    - once its unit's backward has begun on this rank (its gather for backward; an untied head's from the start) and
+      the gradients this rank's forward reached are in (none reached, an expert with no rows here: at once), so
+      between that gather (with the prefetch it launches) and the next unit's on every rank, whatever arrived;
+    - at the latest when the gradient of its unit's input is complete (a hook on it, FSDP2's post-backward point,
+      counted over the forwards of the backward): its gradients that did not arrive are zeros;
+    - else as the backward ends (the root's, a unit whose input needs no gradient: the embedding, a LoRA run's first
+      block), in bucket order.
+Where every gradient arrives this is where the last one arrives, as at stage 2, and the additions are stage 2's.
+Launched where its last expected gradient arrived instead, a bucket that a rank's experts got no rows for went out at
+another point among the units' gathers than on a rank whose experts did, and the group's messages parted ways (gloo
+aborts on a message of another size; a test plants it).
 
 With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
 saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
@@ -146,6 +163,22 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout, trained: bool = Tr
     bucket_of = {s.name: s.bucket for s in layout.slots}
     return [tuple(sorted({bucket_of[n] for n, _ in params if n in bucket_of}))
             for params in unit_parameters(model, trained)]
+
+
+def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
+    """The unit each bucket of `layout` is reduced with, a function of the model alone (see the module docstring):
+    the earliest in forward order of its parameters' units, whose backward ends last. A root parameter registered
+    after the blocks (the final norm beside a tied head) counts as the last unit's: its gradient is complete before
+    the last block's backward ends; the root's others (the embeddings, a tied head) as the root's."""
+    params = unit_parameters(model)
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # registration order
+    last = len(params) - 1
+    after = max((order[n] for unit in params[1:] for n, _ in unit), default=len(order))
+    unit_of = {n: (last if u == 0 and order[n] > after else u) for u, unit in enumerate(params) for n, _ in unit}
+    units = [len(params)] * len(layout.buckets)
+    for s in layout.slots:
+        units[s.bucket] = min(units[s.bucket], unit_of[s.name])
+    return units
 
 
 def frozen_layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
@@ -342,8 +375,9 @@ class ZeroThreeEngine(ZeroEngine):
         self._current: list[int] = []  # the units whose forward is running, innermost last
         self._outer_hooks = None
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._build_reduce_schedule()
         for index, unit in enumerate(self.units):
-            unit[0].register_forward_pre_hook(lambda _m, _a, u=index: self._enter_unit(u))
+            unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._enter_unit(u, args))
             unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._param_unit[id(self.model.lm_head.weight)]
@@ -358,6 +392,43 @@ class ZeroThreeEngine(ZeroEngine):
                 return forward(*args, **kwargs)
 
         self.model.forward = forward_with_saved_tensor_hooks
+
+    def _build_reduce_schedule(self) -> None:
+        """Each bucket's reduce-scatter starts once its unit's backward has begun (bucket_units), and at the latest
+        when the gradient of its unit's input is complete (_unit_done); the counts of the latter, per backward."""
+        self.gate_by_units(bucket_units(self.model, self.layout))
+        self._forwards = [0] * len(self.units)  # the forwards since the last backward whose unit input will get a grad
+        self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
+
+    def _may_start(self, index: int) -> bool:
+        """Whether bucket `index`, its gradients in, may start: once its unit's backward has begun on this rank (its
+        gather for backward, the same point among the DP group's collectives on every rank; an untied head's from the
+        start), never earlier where a rank expects fewer of its gradients than another (an expert with no rows here)."""
+        unit = self._bucket_unit[index]
+        return unit in self._begun or (unit > 0 and unit in self._held_into_backward)
+
+    def _watch_unit_input(self, unit: int, args) -> None:
+        """A forward of `unit` whose backward will reduce: the gradient of its input (FSDP2's post-backward point)
+        says where every rank's backward of the unit has ended."""
+        x = args[0] if args else None
+        if unit > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+            self._forwards[unit] += 1
+            x.register_hook(lambda _grad, u=unit: self._unit_done(u))
+
+    def _unit_done(self, unit: int) -> None:
+        """The gradient of `unit`'s input is complete (in every forward of this backward): every bucket of it and of
+        the units after it is launched now, in bucket order, whatever gradients this rank got (none: zeros)."""
+        self._done[unit] += 1
+        self._at_end_of_backward()
+        if self._done[unit] != self._forwards[unit] or not self.join_backward():
+            return
+        self._begun.add(unit)
+        while self._launched < len(self._ready) and self._bucket_unit[self._launched] >= unit:
+            self._launch(self._launched)
+
+    def _reset_schedule(self) -> None:
+        self._forwards = [0] * len(self.units)
+        self._done = [0] * len(self.units)
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
@@ -477,7 +548,7 @@ class ZeroThreeEngine(ZeroEngine):
         return self.flat_params.element_size() * (self.flat_params.numel() + whole)
 
     # ---------------------------------------------------------------- hooks
-    def _enter_unit(self, unit: int) -> None:
+    def _enter_unit(self, unit: int, args=()) -> None:
         if in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
@@ -487,6 +558,8 @@ class ZeroThreeEngine(ZeroEngine):
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
         self._prefetch_after(unit, backward=False)
+        if torch.is_grad_enabled():
+            self._watch_unit_input(unit, args)
 
     def gather_for_backward(self, unit: int) -> None:
         """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next.
@@ -509,6 +582,7 @@ class ZeroThreeEngine(ZeroEngine):
                 # read (gathered for the collective's sake: the caller's, see the docstring)
                 self.release_unit(unit, "backward")
             self._prefetch_after(unit, backward=True)
+        self.begin_unit_backward(unit)  # the reduce-scatters of its buckets may start from here (_may_start)
 
     def _leave_unit(self, unit: int) -> None:
         if in_backward():
@@ -579,6 +653,7 @@ class ZeroThreeEngine(ZeroEngine):
         super()._end_backward()
         self.release_all()
         self._expected, self._reached, self._waits = list(self._bucket_sizes), None, None
+        self._reset_schedule()
 
     def _reset_window(self) -> None:
         """Stage 2's, and no unit running or counting gradients (after a step that ended normally, none is)."""
@@ -586,6 +661,7 @@ class ZeroThreeEngine(ZeroEngine):
         self._current.clear()
         self._arrived = [0] * len(self.units)
         self._waits = None
+        self._reset_schedule()
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
