@@ -12,7 +12,8 @@ ends uninterrupted; resumed at --ep 1 --tp 2 (resharded: each expert's TP slice 
 steps are the uninterrupted run's within 1e-6. Its export loads in transformers with zerotrain's logits. Each
 expert's TP slices read from TP index 0's shards (planted in checkpoint/homes.py's expert_shard_rank) are caught, in
 the export and in the reshard. Invariant (b)'s rule for E x T is
-checked on the digests alone: which ranks must agree, and a drift in each expert row caught, naming the ranks.
+checked on the digests alone: which ranks must agree, and a drift in each expert row caught, naming the ranks. On
+8 ranks (--tp 2, DP 4), --ep 4 (replica groups of one rank) and --ep 2 (of two) train what --ep 1 does.
 """
 
 from __future__ import annotations
@@ -110,6 +111,33 @@ def four_ranks(tmp_path_factory):
     codes, results = spawn(four_rank_job, 4, tmp, timeout=360)
     assert codes == [0, 0, 0, 0], results
     return tmp, results
+
+
+EIGHT = ["--nproc", "8", "--micro-batch", "2"]  # DP 4 at --tp 2: the four-rank runs' global batch
+
+
+def eight_rank_job(rank, comm, tmp_path):
+    """--ep 4 at --tp 2 (DP 4: each EP group 4 ranks of one TP index, replica groups of 1) and --ep 2 (replica
+    groups of 2) against --ep 1 at --tp 2, ZeRO-1."""
+    runs = {"ep4tp2": [*QWEN3, *EIGHT, "--tp", "2", "--ep", "4"], "ep2tp2_8": [*QWEN3, *EIGHT, "--tp", "2", "--ep", "2"],
+            "ep1tp2_8": [*QWEN3, *EIGHT, "--tp", "2"]}
+    return {name: run(comm, tmp_path / name, *flags) for name, flags in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_tp_8")
+    codes, results = spawn(eight_rank_job, 8, tmp, timeout=360)
+    assert codes == [0] * 8, results
+    return tmp, results
+
+
+@pytest.mark.parametrize("key", ["ep4tp2", "ep2tp2_8"])
+def test_ep4_and_ep2_at_tp2_on_eight_ranks_train_what_ep1_trains(eight_ranks, key):
+    tmp, results = eight_ranks
+    assert close(results[0][key]["losses"], results[0]["ep1tp2_8"]["losses"], 1e-6), (results[0][key],
+                                                                                     results[0]["ep1tp2_8"])
+    assert weight_gap(final_weights(tmp / key), final_weights(tmp / "ep1tp2_8")) < 1e-5, key
 
 
 def close(a: list[float], b: list[float], rel: float) -> bool:
