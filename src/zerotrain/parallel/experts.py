@@ -128,6 +128,8 @@ class ExpertExchange:
     def __init__(self, comm: Comm, n_experts: int):
         self.comm, self.ep = comm, comm.world_size
         self.local = n_experts // self.ep
+        # the most bytes of rows one call sent and received (the memory plan's all-to-all buffers, checked by it)
+        self.sent_bytes_most = self.received_bytes_most = 0
 
     def __call__(self, moe, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
         E, local = self.ep, self.local
@@ -137,6 +139,8 @@ class ExpertExchange:
         sent = counts.view(E, local).sum(1).tolist()
         received = per_source.sum(1).tolist()
         gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
+        self.sent_bytes_most = max(self.sent_bytes_most, rows.numel() * rows.element_size())
+        self.received_bytes_most = max(self.received_bytes_most, gathered.numel() * gathered.element_size())
         order = expert_major_order(per_source)
         outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
         return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
@@ -174,6 +178,14 @@ def expert_bytes(engine) -> int:
     owned = sum(p.numel for s in slots for p in L.owned_pieces(rank, s.offset, s.offset + s.numel))
     held = owned if engine.stage == 3 else sum(s.numel for s in slots)
     return held * engine.flat_params.element_size() + engine.expected_state_bytes_per_value() * owned
+
+
+def all_to_all_bytes_most(model: torch.nn.Module) -> tuple[int, int]:
+    """The most bytes of rows one MoE layer's exchange has sent and received in one call on this rank (0, 0 without
+    --ep)."""
+    exchanges = [m.exchange for m in moe_layers(model) if isinstance(getattr(m, "exchange", None), ExpertExchange)]
+    return (max((x.sent_bytes_most for x in exchanges), default=0),
+            max((x.received_bytes_most for x in exchanges), default=0))
 
 
 def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None:
