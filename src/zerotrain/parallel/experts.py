@@ -218,8 +218,10 @@ class ExpertParallelEngine:
             # their all-gathers: each MoE layer waits for its experts' buckets first
             for moe in moe_layers(model):
                 moe.register_forward_pre_hook(lambda *_: self.experts.wait_params())
-        self.init_bytes_read = self.dense.init_bytes_read + self.experts.init_bytes_read
-        self.init_values_drawn = self.dense.init_values_drawn + self.experts.init_values_drawn
+        # Both engines take their values from the one source (kwargs' init), whose counts run on: what it had read
+        # and drawn once the second engine was built is both engines' (their sum counted the dense part twice)
+        self.init_bytes_read = self.experts.init_bytes_read
+        self.init_values_drawn = self.experts.init_values_drawn
 
     def _gather_experts_for_backward(self, model: torch.nn.Module) -> None:
         """ZeRO-3: each MoE layer's experts gathered for its backward as the gradient of the layer's output arrives,

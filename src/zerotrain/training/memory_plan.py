@@ -196,11 +196,17 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     }
     most = 0
     if E > 1:  # one MoE layer's rows at once: N k sent, N k received at balanced routing (E N k at most)
-        row = sequences * cfg.model.seq_len * cfg.model.experts_per_token * cfg.model.n_embd * \
-            (2 if p.precision == "bf16" else 4)
+        row = all_to_all_row_bytes(cfg, sequences)
         rows["all_to_all"], most = 2 * row, (1 + E) * row
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device, E, expert_rows, by_rank, most)
+
+
+def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
+    """The rows one MoE layer's all-to-all sends from a rank, whatever the routing (dropless): each of the micro-batch's
+    N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype."""
+    return sequences * cfg.model.seq_len * cfg.model.experts_per_token * cfg.model.n_embd * \
+        (2 if cfg.parallel.precision == "bf16" else 4)
 
 
 def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: int,
