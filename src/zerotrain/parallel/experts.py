@@ -128,7 +128,8 @@ class ExpertExchange:
     def __init__(self, comm: Comm, n_experts: int):
         self.comm, self.ep = comm, comm.world_size
         self.local = n_experts // self.ep
-        # the most bytes of rows one call sent and received (the memory plan's all-to-all buffers, checked by it)
+        # the most bytes of rows one training call sent and received (the memory plan's all-to-all buffers, checked
+        # by it)
         self.sent_bytes_most = self.received_bytes_most = 0
 
     def __call__(self, moe, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
@@ -139,8 +140,9 @@ class ExpertExchange:
         sent = counts.view(E, local).sum(1).tolist()
         received = per_source.sum(1).tolist()
         gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
-        self.sent_bytes_most = max(self.sent_bytes_most, rows.numel() * rows.element_size())
-        self.received_bytes_most = max(self.received_bytes_most, gathered.numel() * gathered.element_size())
+        if torch.is_grad_enabled():  # a training micro-batch's (not an evaluation's or a reference's, of other sizes)
+            self.sent_bytes_most = max(self.sent_bytes_most, rows.numel() * rows.element_size())
+            self.received_bytes_most = max(self.received_bytes_most, gathered.numel() * gathered.element_size())
         order = expert_major_order(per_source)
         outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
         return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
