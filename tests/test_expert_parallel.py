@@ -15,6 +15,12 @@ steps equal the uninterrupted run's losses within 1e-6 relative. Each rank reads
 path and caught: every expert read from its neighbour (homes.expert_home), the expert moments shifted by one expert
 (ExpertParallelEngine.load_shard_state_dict), the old shards' tensors read whole (load.py's _read_ranges).
 
+The plans (training/memory_plan.py, io_plan.py) of those runs give each rank's expert bytes (summary.json's
+expert_bytes) exactly at --ep 1, 2 and 4, the rows each MoE layer's all-to-all sends exactly (and those received
+within the plan's most; the runs are strict), each rank's values drawn at start-up and bytes written at its saves
+exactly, the resume's reads exactly, and the export's size within 1%. Planted and caught: the plans without the
+EP split (every expert on each rank), and the all-to-all's rows planned without top-k (the run stops at step 1).
+
 The final checkpoints of --ep 2 and 4 export what --ep 1's does (each expert read from the shards of the EP rank that
 holds it; read from EP rank 0's instead, planted in checkpoint/homes.py's expert_home, is caught), and transformers
 reads the export with zerotrain's logits.
@@ -22,6 +28,7 @@ reads the export with zerotrain's logits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -45,6 +52,9 @@ from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.parallel import ShardLayout, experts
 from zerotrain.runtime.run_folder import resolve_paths
+from zerotrain.training import io_plan as io_plan_module
+from zerotrain.training import memory_plan
+from zerotrain.training.io_plan import differences, io_plan
 from zerotrain.training.loop import build_engine, train
 
 from conftest import zerotrain_here
@@ -62,12 +72,15 @@ def config(out, *flags):
 
 
 def run(comm, out, *flags) -> dict:
-    before = bytes_counted()["checkpoint_bytes_read"]  # this process's, over the job's runs
+    before = bytes_counted()  # this process's, over the job's runs
     result = train(config(out, *flags), comm, announce=False)
     params = {n: p.detach().float().clone().tolist() for n, p in result.engine.model.named_parameters()}
+    sent, received = experts.all_to_all_bytes_most(result.engine.model)
     return {"losses": [r["loss"] for r in result.records], "params": params,
-            "expert_bytes": result.per_rank.get("expert_bytes"),
-            "read": result.per_rank["checkpoint_bytes_read"][comm.rank] - before}  # as summary.json counts it
+            "expert_bytes": result.per_rank.get("expert_bytes"), "drawn": result.per_rank["init_values_drawn"],
+            "flags": flags, "saves": len(result.checkpoints), "sent": sent, "received": received,
+            "written": result.per_rank["checkpoint_bytes_written"][comm.rank] - before["checkpoint_bytes_written"],
+            "read": result.per_rank["checkpoint_bytes_read"][comm.rank] - before["checkpoint_bytes_read"]}
 
 
 def step3(tmp_path, key) -> str:
@@ -153,6 +166,18 @@ PLANTED = {
 }
 
 
+real_rows = memory_plan.all_to_all_row_bytes
+
+
+def failed(comm, out, *flags) -> str | None:
+    """What a run expected to raise said (None: it did not)."""
+    try:
+        train(config(out, *flags), comm, announce=False)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def four_rank_job(rank, comm, tmp_path):
     # each saved at step 3 (resumed onto other EP layouts by a test) and at the end (exported by a test)
     out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e), "--ckpt-every", "3" if e < 4 else str(STEPS))
@@ -167,6 +192,10 @@ def four_rank_job(rank, comm, tmp_path):
         saved, _, flags = RESHARDS[case]
         out[f"planted {bug}"] = loaded_job(comm, step3(tmp_path, saved), tmp_path / f"planted{i}", *flags,
                                            planted=patch)
+    # planted: the plan's all-to-all rows without top-k (a token's one row, not its k): strict, the run stops
+    with mock.patch.object(memory_plan, "all_to_all_row_bytes", lambda cfg, sequences: real_rows(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, experts_per_token=1)), sequences)):
+        out["planted all-to-all"] = failed(comm, tmp_path / "planted_a2a", "--ep", "2", "--steps", "1")
     real = experts.expert_major_order
     experts.expert_major_order = lambda per_source: real(per_source).flip(0)  # planted: the received rows reversed
     out["planted"] = run(comm, tmp_path / "planted", "--ep", "2")
@@ -229,6 +258,72 @@ def test_expert_bytes_per_rank_at_ep4(four_ranks):
     # parameters 1/4 (2 of 8 experts) and the optimizer state of those experts whole on their one rank: the same
     # 1/4 of the experts' state that ZeRO-1 over 4 DP ranks gives each rank at EP 1: (P + 2P) / (4P + 2P)
     assert max(ep4) <= 0.51 * sum(ep1) / len(ep1), (ep4, ep1)
+
+
+def plan_config(got: dict, tmp_path):
+    return config(tmp_path / "plan", *got["flags"])
+
+
+@pytest.mark.parametrize("key", ["ep1", "ep2", "ep4", "ep2_zero2"])
+def test_the_memory_plans_expert_rows_are_each_ranks_expert_bytes_and_a_plan_without_the_ep_split_is_caught(
+        four_ranks, tmp_path, monkeypatch, key):
+    plan = memory_plan.memory_plan(plan_config(four_ranks[0][key], tmp_path))
+    measured = four_ranks[0][key]["expert_bytes"]
+    assert plan.expert_bytes_by_rank == measured, (plan.expert_bytes_by_rank, measured)  # exactly, rank by rank
+    assert plan.experts["parameters"] + plan.experts["optimizer_state"] == measured[0]
+    if key == "ep4":  # planted: the plan keeps every expert on each rank (no EP split), as it did before
+        monkeypatch.setattr(memory_plan, "keep_expert_block", lambda model, ep, ep_rank=0: None)
+        wrong = memory_plan.memory_plan(plan_config(four_ranks[0][key], tmp_path)).expert_bytes_by_rank
+        assert all(w > m for w, m in zip(wrong, measured)), (wrong, measured)
+
+
+def test_the_plans_expert_bytes_at_ep4_are_half_of_ep1s_on_4_ranks_and_under_0_3x_on_64(four_ranks, tmp_path):
+    # ZeRO-1 over W ranks: a rank's experts at EP E hold P_e / E parameters and 8 P_e / W of state (its block's
+    # state sharded over W / E replicas); at EP 1, P_e and 8 P_e / W (fp32, bytes in units of 4 P_e: 1 + 2 / W
+    # against 1 / E + 2 / W). On 4 ranks (3/4 against 3/2) that is 0.5x; on 64, 0.28x
+    ratio = {}
+    for world in (4, 64):
+        per = {e: memory_plan.memory_plan(config(tmp_path / "p", "--ep", str(e)), world_size=world).expert_bytes_by_rank
+               for e in (1, 4)}
+        ratio[world] = max(per[4]) / (sum(per[1]) / len(per[1]))
+    measured = four_ranks[0]["ep4"]["expert_bytes"][0] / (sum(four_ranks[0]["ep1"]["expert_bytes"]) / 4)
+    assert ratio[4] == measured == 0.5 and ratio[64] <= 0.3, (ratio, measured)
+
+
+@pytest.mark.parametrize("key", ["ep2", "ep4", "ep2_zero2"])
+def test_the_all_to_all_rows_are_the_plans_and_a_plan_without_top_k_stops_the_run(four_ranks, tmp_path, key):
+    plan = memory_plan.memory_plan(plan_config(four_ranks[0][key], tmp_path))
+    sent = plan.rows["all_to_all"] // 2  # N k rows of C values, whatever the routing
+    assert sent == 2 * 16 * 2 * 32 * 4 and [r[key]["sent"] for r in four_ranks] == [sent] * 4
+    received = [r[key]["received"] for r in four_ranks]  # the most one call received: the routing's imbalance
+    assert sum(received) >= 4 * sent and max(received) <= plan.all_to_all_most - sent, (received, sent)
+    # every run above ran under the strict plan (tests/conftest.py); the planted plan stopped its run at step 1
+    said = four_ranks[0]["planted all-to-all"]
+    assert said and "memory plan failed at step 1" in said and "all-to-all" in said, said
+
+
+@pytest.mark.parametrize("key", ["ep1", "ep2", "ep4", "ep2_zero2"])
+def test_the_io_plan_gives_each_ranks_draws_and_saves_with_ep_and_a_plan_without_the_split_is_caught(
+        four_ranks, tmp_path, monkeypatch, key):
+    got = four_ranks[0][key]
+    plan = io_plan(plan_config(got, tmp_path))
+    measured = {"init_values_drawn": got["drawn"], "checkpoint_bytes_written": [r[key]["written"] for r in four_ranks]}
+    assert got["saves"] and differences(plan, measured, saves=got["saves"]) == []
+    assert measured["init_values_drawn"] == [r.startup_drawn for r in plan.ranks]  # exactly
+    assert measured["checkpoint_bytes_written"] == [r.save_written * got["saves"] for r in plan.ranks]
+    if key == "ep4":  # planted: every expert drawn and saved on each rank (the plan without the EP split)
+        monkeypatch.setattr(io_plan_module, "keep_expert_block", lambda model, ep, ep_rank=0: None)
+        said = differences(io_plan(plan_config(got, tmp_path)), measured, saves=got["saves"])
+        assert sum("init_values_drawn" in line for line in said) == 4, said
+        assert sum("checkpoint_bytes_written" in line for line in said) == 4, said
+
+
+def test_the_io_plan_gives_each_ranks_resume_reads_with_ep(four_ranks, tmp_path):
+    got = four_ranks[0]["resumed"]
+    plan = io_plan(plan_config(got, tmp_path))
+    measured = {"checkpoint_bytes_read": [r["resumed"]["read"] for r in four_ranks]}
+    assert differences(plan, measured, phases=("resume",)) == []
+    assert measured["checkpoint_bytes_read"] == [r.resume_read for r in plan.ranks]
 
 
 def test_resume_on_the_same_ep_layout_is_bitwise(four_ranks):
@@ -354,6 +449,10 @@ def test_an_expert_parallel_checkpoint_exports_what_ep1_exports_and_a_misplaced_
     base = export_tensors(capfd, ckpt("ep1"), tmp_path / "ep1")
     ours = export_tensors(capfd, ckpt(f"ep{ep}"), tmp_path / f"ep{ep}")
     assert export_gap(ours, base) < 1e-5
+    # the io plan's export: every parameter once, fp32 (its header in zerotrain's names, Hugging Face's differ)
+    planned = io_plan(config(tmp_path / "plan", "--ep", str(ep))).export_written
+    written = sum(f.stat().st_size for f in (tmp_path / f"ep{ep}").glob("*.safetensors"))
+    assert abs(written - planned) <= io_plan_module.TOLERANCE * planned + io_plan_module.SLACK, (written, planned)
     # transformers reads the export with the logits zerotrain's reader of the checkpoint gives
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / f"ep{ep}")).eval()
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"

@@ -9,6 +9,9 @@ reads in transformers with zerotrain's logits. Planted in the product's path and
     group): the losses and the weights leave --ep 1's, and invariant (b) names the experts;
   - the experts' engine keeping a block's experts whole after the block's forward (release_unit): the run holds more
     parameters at once than the memory plan (strict under the tests) allows.
+The memory plan's expert rows are each rank's expert bytes (summary.json's) exactly at --ep 1, 2 and 4, and the io
+plan's start-up draws (each rank's owned values of its dense share and of its block of experts) and saves are each
+rank's counters exactly; an expert layout planned over every DP rank instead of the replica group is caught.
 And a rank whose experts get no rows at all (ranks 2 and 3 route no token to experts 4-7, so rank 3, EP rank 1 of
 its group, computes nothing, while its replica, rank 1, does) trains what --ep 1 does under the same routing: every
 member of a replica group gathers a block's experts for the backward, and reduces their gradients, at the same
@@ -36,7 +39,10 @@ from zerotrain.errors import InvariantError
 from zerotrain.model import moe
 from zerotrain.parallel import Comm, experts
 from zerotrain.parallel.zero3 import ZeroThreeEngine
-from zerotrain.training import loop
+from zerotrain.checkpoint.stream import bytes_counted
+from zerotrain.training import io_plan as io_plan_module
+from zerotrain.training import loop, memory_plan
+from zerotrain.training.io_plan import differences, io_plan
 from zerotrain.training.loop import train
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,9 +59,12 @@ NO_ROWS = ("--steps", "2", "--bucket-mb", "0.01")
 
 
 def run(comm, out, *flags) -> dict:
+    before = bytes_counted()["checkpoint_bytes_written"]  # this process's, over the job's runs
     result = train(config(out, *ZERO3, *flags), comm, announce=False)
     return {"losses": [r["loss"] for r in result.records], "expert_bytes": result.per_rank.get("expert_bytes"),
-            "param_peak_bytes": result.per_rank.get("param_peak_bytes")}
+            "param_peak_bytes": result.per_rank.get("param_peak_bytes"), "flags": (*ZERO3, *flags),
+            "drawn": result.per_rank["init_values_drawn"], "saves": len(result.checkpoints),
+            "written": result.per_rank["checkpoint_bytes_written"][comm.rank] - before}
 
 
 def failed(comm, out, *flags) -> dict:
@@ -202,6 +211,27 @@ def test_expert_bytes_are_counted_at_zero3_and_the_units_whole_shrink_with_ep(fo
     # what --ep buys at ZeRO-3: a block gathers its 8 / E experts, not all 8
     peak = {e: max(four_ranks[0][f"ep{e}"]["param_peak_bytes"]) for e in (1, 2, 4)}
     assert peak[4] < peak[2] < peak[1], peak
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_the_plans_give_each_ranks_expert_bytes_draws_and_saves_at_zero3(four_ranks, tmp_path, monkeypatch, ep):
+    got = four_ranks[0][f"ep{ep}"]
+    cfg = config(tmp_path / "plan", *got["flags"])
+    # the memory plan's expert rows: each rank's experts' shard and its state (at --ep 1 the owned pieces of the
+    # experts' slots, which differ by rank), as summary.json's expert_bytes counts them
+    assert memory_plan.memory_plan(cfg).expert_bytes_by_rank == got["expert_bytes"]
+    plan = io_plan(cfg)
+    measured = {"init_values_drawn": got["drawn"], "checkpoint_bytes_written": [r[f"ep{ep}"]["written"]
+                                                                                for r in four_ranks]}
+    assert got["saves"] and differences(plan, measured, saves=got["saves"]) == []
+    assert measured["init_values_drawn"] == [r.startup_drawn for r in plan.ranks]  # exactly: the owned values
+    assert measured["checkpoint_bytes_written"] == [r.save_written * got["saves"] for r in plan.ranks]
+    if ep == 4:  # planted: the expert layout over every DP rank, not the replica group of DP / E
+        real = io_plan_module.layout_of
+        monkeypatch.setattr(io_plan_module, "layout_of", lambda model, dp, bucket, select=None: real(
+            model, 4 if select is experts.is_expert_parameter else dp, bucket, select))
+        said = differences(io_plan(cfg), measured, saves=got["saves"])
+        assert sum("init_values_drawn" in line for line in said) >= 2, said
 
 
 def test_resume_at_zero3_on_the_same_ep_layout_is_bitwise(four_ranks):

@@ -132,6 +132,9 @@ class ExpertExchange:
     def __init__(self, comm: Comm, n_experts: int):
         self.comm, self.ep = comm, comm.world_size
         self.local = n_experts // self.ep
+        # the most bytes of rows one training call sent and received (the memory plan's all-to-all buffers, checked
+        # by it)
+        self.sent_bytes_most = self.received_bytes_most = 0
 
     def __call__(self, moe, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
         E, local = self.ep, self.local
@@ -141,6 +144,9 @@ class ExpertExchange:
         sent = counts.view(E, local).sum(1).tolist()
         received = per_source.sum(1).tolist()
         gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
+        if torch.is_grad_enabled():  # a training micro-batch's (not an evaluation's or a reference's, of other sizes)
+            self.sent_bytes_most = max(self.sent_bytes_most, rows.numel() * rows.element_size())
+            self.received_bytes_most = max(self.received_bytes_most, gathered.numel() * gathered.element_size())
         order = expert_major_order(per_source)
         outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
         return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
@@ -180,6 +186,14 @@ def expert_bytes(engine) -> int:
     return held * engine.flat_params.element_size() + engine.expected_state_bytes_per_value() * owned
 
 
+def all_to_all_bytes_most(model: torch.nn.Module) -> tuple[int, int]:
+    """The most bytes of rows one MoE layer's exchange has sent and received in one call on this rank (0, 0 without
+    --ep)."""
+    exchanges = [m.exchange for m in moe_layers(model) if isinstance(getattr(m, "exchange", None), ExpertExchange)]
+    return (max((x.sent_bytes_most for x in exchanges), default=0),
+            max((x.received_bytes_most for x in exchanges), default=0))
+
+
 def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None:
     """Keep EP rank `ep_rank`'s block of each MoE layer's experts (a ModuleDict keyed by their global index, so that
     names stay Hugging Face's). On a model on the meta device nothing is allocated or freed."""
@@ -210,8 +224,10 @@ class ExpertParallelEngine:
             # their all-gathers: each MoE layer waits for its experts' buckets first
             for moe in moe_layers(model):
                 moe.register_forward_pre_hook(lambda *_: self.experts.wait_params())
-        self.init_bytes_read = self.dense.init_bytes_read + self.experts.init_bytes_read
-        self.init_values_drawn = self.dense.init_values_drawn + self.experts.init_values_drawn
+        # Both engines take their values from the one source (kwargs' init), whose counts run on: what it had read
+        # and drawn once the second engine was built is both engines' (their sum counted the dense part twice)
+        self.init_bytes_read = self.experts.init_bytes_read
+        self.init_values_drawn = self.experts.init_values_drawn
 
     def _join_at_moe_output(self, model: torch.nn.Module) -> None:
         """At every stage, the backward joined for the experts' reductions as the gradient of each MoE layer's output

@@ -32,6 +32,13 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          assembled from the shards (fp32, with a TP rank's part of it), in a bf16 run also its bf16
                          rounding and the fp32 copy of that (10 bytes a value)
 
+With --ep E every phase counts a rank's two shares: its dense share (the flat layout of the parameters that are not
+routed experts, over the DP ranks) and its block of experts (EP rank 0's block laid out over its replica group of
+DP / E ranks; DP rank d is replica d // E of EP rank d mod E, and every EP rank's block has the same shapes). Start-up
+reads or draws both (a rank's own experts only, their owned ranges at stage 3); its shard file holds both shards
+(the expert engine's under expert_ keys, with its own step), which the save writes and a resume reads; the export
+writes every expert once, as without --ep.
+
 Reads and draws are planned both ways, whether or not the run gives --init-from: a plan for an 8B model's folder
 need not have the folder.
 
@@ -50,6 +57,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from zerotrain.checkpoint import MANIFEST
+from zerotrain.checkpoint.homes import EXPERT_PREFIX
 from zerotrain.checkpoint.stream import header_bytes, read_header
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
@@ -59,6 +67,7 @@ from zerotrain.hub import base_digest
 from zerotrain.model import build_model, parallelize
 from zerotrain.model.lora import add_adapters
 from zerotrain.parallel import ShardLayout, layout_of
+from zerotrain.parallel.experts import is_expert_parameter, keep_expert_block
 from zerotrain.parallel.zero3 import frozen_layout_of
 
 from .memory_plan import STATE, MemoryPlan, memory_plan
@@ -116,14 +125,20 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
             parallelize(local, tp, 0, None)
         if cfg.lora.rank:  # as the memory plan lays it out: the adapters train, the base is frozen
             add_adapters(local, cfg.lora, cfg.loop.seed)
-    L = layout_of(local, dp, p.bucket_numel)
+    E = p.ep
+    if E > 1:  # as the memory plan lays it out: EP rank 0's block of experts, the rest of the model dense
+        keep_expert_block(local, E)
+    L = layout_of(local, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if E > 1 else None)
+    # --ep: the expert engine's layout over the replica group (DP rank d is replica d // E of EP rank d mod E; every
+    # EP rank's block has EP rank 0's shapes)
+    experts = layout_of(local, dp // E, p.bucket_numel, is_expert_parameter) if E > 1 else None
     # What start-up reads or draws: the trained parameters, or a LoRA run's frozen base (its adapters are drawn by
     # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
     source = frozen_layout_of(local, dp, p.bucket_numel) if cfg.lora.rank else L
     esize = file_dtype_bytes(cfg)
     memory = memory or memory_plan(cfg, world_size=world)
     state = sum(memory.rows[k] for k in STATE)
-    shard_file = shard_file_bytes(L.shard_numel)
+    shard_file = shard_file_bytes(L.shard_numel, experts.shard_numel if experts is not None else 0)
     hashed = hashed_bytes(cfg, shapes, esize, world)
     headers = header_reads(cfg)
     copied = copied_files(cfg)  # rank 0 writes them all; a resume's ranks hash them shared by size
@@ -132,6 +147,8 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     ranks = []
     for rank in range(world):
         rows = owned_rows(source, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in source.slots]
+        if experts is not None:  # and its block of experts, its owned ranges of them at stage 3
+            rows += owned_rows(experts, rank // tp // E) if p.zero == 3 else [(s.numel, s.numel) for s in experts.slots]
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
                             state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
@@ -213,11 +230,18 @@ def header_reads(cfg: Config) -> int:
     return total
 
 
-def shard_file_bytes(shard_numel: int) -> int:
-    """A rank's shard file: its masters and AdamW's two moments (fp32) and the step count, with the header."""
+def shard_file_bytes(shard_numel: int, expert_numel: int = 0) -> int:
+    """A rank's shard file: its masters and AdamW's two moments (fp32) and the step count, with the header; with --ep
+    also the expert engine's shard (`expert_numel` values) under expert_ keys, with its own step."""
+    step = torch.empty(1, dtype=torch.int64, device="meta")
     meta = {k: torch.empty(shard_numel, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
-    head, _ = header_bytes({**meta, "step": torch.empty(1, dtype=torch.int64, device="meta")})
-    return len(head) + 12 * shard_numel + 8
+    meta["step"] = step
+    if expert_numel:
+        meta.update({EXPERT_PREFIX + k: torch.empty(expert_numel, device="meta")
+                     for k in ("master", "exp_avg", "exp_avg_sq")})
+        meta[EXPERT_PREFIX + "step"] = step
+    head, _ = header_bytes(meta)
+    return len(head) + 12 * (shard_numel + expert_numel) + 8 * (2 if expert_numel else 1)
 
 
 def export_file_bytes(shapes: dict[str, tuple[int, ...]]) -> int:

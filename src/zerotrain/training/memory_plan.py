@@ -36,7 +36,18 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          TP), while the loss runs; kept by nothing (--method dpo: the backward's, one chunk's
                          logits made again and the gradients of the head's input and weight)
     communication        gloo with more than 2 DP ranks: (DP - 2) x shard x 4 receive buffers; else 0
+    all-to-all buffers   --ep E: one MoE layer's rows in flight at once, N k rows of C values sent and, at balanced
+                         routing, N k received (N = B T tokens, top-k; parallel/experts.py's ExpertExchange), in the
+                         activations' dtype: 2 N k C a. Dropless: a rank sends exactly N k rows whatever the routing,
+                         and the EP group receives E N k in all, so the mean rank receives N k; one rank receives up
+                         to E N k (every token of its group routed to its experts: `all_to_all_most`). A run checks
+                         the rows sent exactly and the rows received against that most.
     checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA)
+
+Of which experts (`experts`, not rows of their own: they are inside the rows above), with --ep and without: the
+routed experts' parameters (EP rank 0's block, over its replica group, or their slots of the one flat layout at --ep
+1), their gradients and their optimizer state (moments, and masters in bf16) on each rank: `expert_bytes_by_rank`,
+parameters plus optimizer state, is what summary.json's per_rank expert_bytes counts, rank by rank.
 
 where P is the rank's trained parameters (its TP slices and the replicated ones; a LoRA run's adapters), B the
 rank's frozen ones and shard = padded P / DP. Figures
@@ -77,7 +88,7 @@ from zerotrain.model.layers import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
-from zerotrain.parallel.experts import is_expert_parameter, keep_expert_block
+from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 
@@ -90,7 +101,11 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("reference", "reference log-probs (DPO)"), ("reference_model", "reference model (DPO live, full FT)"),
         ("loss_working_set", "loss working set (one chunk of logits)"),
-        ("communication", "communication buffers"), ("checkpoint_staging", "checkpoint staging"))
+        ("communication", "communication buffers"), ("all_to_all", "all-to-all buffers (EP, balanced)"),
+        ("checkpoint_staging", "checkpoint staging"))
+# The expert rows: what of the state rows above the routed experts are (rank 0's).
+EXPERT_ROWS = (("parameters", "of which experts: parameters"), ("gradients", "of which experts: gradients"),
+               ("optimizer_state", "of which experts: optimizer state"))
 STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights", "reference_model")
 ACTIVATION_TOLERANCE = 0.10
 # The deepest model `largest_model` searches: deeper than any transformer trained at scale (Llama 3's 405B has 126
@@ -108,6 +123,10 @@ class MemoryPlan:
     dp: int
     tp: int
     device: str
+    ep: int = 1
+    experts: dict[str, int] | None = None  # EXPERT_ROWS' bytes, rank 0's; None for a model without experts
+    expert_bytes_by_rank: list[int] | None = None  # parameters + optimizer state of the experts, each DP rank's
+    all_to_all_most: int = 0  # the all-to-all buffers when one rank receives every row of its EP group
 
     @property
     def total(self) -> int:
@@ -172,9 +191,54 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "reference_model": reference_model_bytes(cfg, model, L, psize),
         "loss_working_set": activations["working"],
         "communication": communication,
+        "all_to_all": 0,
         "checkpoint_staging": staging,
     }
-    return MemoryPlan(rows, B, dp, tp, cfg.launch.device)
+    most = 0
+    if E > 1:  # one MoE layer's rows at once: N k sent, N k received at balanced routing (E N k at most)
+        row = all_to_all_row_bytes(cfg, sequences)
+        rows["all_to_all"], most = 2 * row, (1 + E) * row
+    expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
+    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, E, expert_rows, by_rank, most)
+
+
+def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
+    """The rows one MoE layer's all-to-all sends from a rank, whatever the routing (dropless): each of the micro-batch's
+    N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype."""
+    return sequences * cfg.model.seq_len * cfg.model.experts_per_token * cfg.model.n_embd * \
+        (2 if cfg.parallel.precision == "bf16" else 4)
+
+
+def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: int,
+                         psize: int) -> tuple[dict[str, int] | None, list[int] | None]:
+    """The routed experts' part of the state rows (EXPERT_ROWS, rank 0's) and each DP rank's parameters plus
+    optimizer state of them (parallel/experts.py's expert_bytes, summary.json's per_rank expert_bytes): with --ep the
+    expert engine's buffer (ZeRO-3: its shard) and its shard's state, equal on every rank; at --ep 1 the experts'
+    slots of the one flat buffer (ZeRO-3: the rank's owned pieces of them) and the state of its owned pieces, which
+    differ by rank. None for a model without experts."""
+    p = cfg.parallel
+    per_value = 12 if p.precision == "bf16" else 8  # AdamW's two moments (and the fp32 master in bf16)
+    if experts is not None:
+        grads = gradient_bytes(cfg, experts, dp // p.ep, psize)[0]
+        params = (experts.shard_numel if p.zero == 3 else experts.padded_numel) * psize
+        state = per_value * experts.shard_numel
+        rows = {"parameters": params, "gradients": grads, "optimizer_state": state}
+        return rows, [params + state] * dp
+    slots = [s for s in L.slots if is_expert_parameter(s.name)]
+    if not slots:
+        return None, None
+    held = sum(s.numel for s in slots)
+    owned = [sum(q.numel for s in slots for q in L.owned_pieces(r, s.offset, s.offset + s.numel)) for r in range(dp)]
+    by_rank = [(o if p.zero == 3 else held) * psize + per_value * o for o in owned]
+    if keeps_autograd_grads(p.zero, p.precision, dp, p.tp):
+        grads = held * 4
+    elif p.zero == 1:
+        grads = held * psize + (held * 4 if p.precision == "bf16" else 0) + (owned[0] * 4 if dp > 1 else 0)
+    else:
+        grads = owned[0] * 4
+    rows = {"parameters": (owned[0] if p.zero == 3 else held) * psize, "gradients": grads,
+            "optimizer_state": per_value * owned[0]}
+    return rows, by_rank
 
 
 def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
@@ -508,15 +572,16 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     param_peak = getattr(engine, "param_peak_bytes", held["parameters"])  # ZeRO-3: the shard and units whole
     copy = (outside or {}).get("reference_model")  # its units whole in its forward, beyond its shard (ZeRO-3)
     copy_units = copy.peak_bytes() - copy.held_bytes() if copy is not None else 0
-    row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), copy_units, param_peak,
-                                      engine.grad_peak_bytes]
+    row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), *all_to_all_bytes_most(engine.model),
+                                      copy_units, param_peak, engine.grad_peak_bytes]
     rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
     differences = differences_from(plan, rows)
     if differences and (strict() or on_difference is None):
         raise InvariantError(differences[0].line(step))
     for difference in differences:
         on_difference(difference.event(step), difference.line(step, stops=False))
-    rest = sum(v for k, v in plan.rows.items() if k in ("activations", "reference", "loss_working_set", "communication")
+    rest = sum(v for k, v in plan.rows.items() if k in ("activations", "reference", "loss_working_set", "communication",
+                                                        "all_to_all")
                or k == "checkpoint_staging" and plan.device == "cpu")
     device = device_memory(engine.flat_params.device)
     for rank, measured in enumerate(rows):
@@ -538,8 +603,8 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
 
 
 def differences_from(plan: MemoryPlan, rows: list[list[int]]) -> list[PlanDifference]:
-    """Every rank's rows (the state rows, the total found, the reference copy's units whole at once, the parameter and
-    gradient peaks) against the plan."""
+    """Every rank's rows (the state rows, the total found, the most bytes of rows one all-to-all sent and received
+    (--ep), the reference copy's units whole at once, the parameter and gradient peaks) against the plan."""
     out = []
     peak = plan.rows["gradients"] + plan.rows["gradient_buckets"]
     state = sum(plan.rows[k] for k in STATE)
@@ -554,6 +619,16 @@ def differences_from(plan: MemoryPlan, rows: list[list[int]]) -> list[PlanDiffer
             out.append(PlanDifference(rank, "state", measured[len(STATE)], state,
                                       f"holds {measured[len(STATE)]:,} bytes in the tensors of its engine, model and "
                                       f"optimizer, the plan's state {state:,}"))
+        sent, received = measured[len(STATE) + 1 : len(STATE) + 3]
+        if sent and sent != plan.rows["all_to_all"] // 2:  # N k rows, whatever the routing
+            out.append(PlanDifference(rank, "all_to_all_sent", sent, plan.rows["all_to_all"] // 2,
+                                      f"sent {sent:,} bytes of rows in one MoE layer's all-to-all, the plan "
+                                      f"{plan.rows['all_to_all'] // 2:,}"))
+        if received > plan.all_to_all_most - plan.rows["all_to_all"] // 2:  # E N k rows at most
+            out.append(PlanDifference(rank, "all_to_all_received", received,
+                                      plan.all_to_all_most - plan.rows["all_to_all"] // 2,
+                                      f"received {received:,} bytes of rows in one MoE layer's all-to-all, the plan "
+                                      f"at most {plan.all_to_all_most - plan.rows['all_to_all'] // 2:,}"))
         if measured[-3] > plan.rows["parameter_units"]:  # the copy's units: whole when the policy's are not
             out.append(PlanDifference(rank, "reference_units", measured[-3], plan.rows["parameter_units"],
                                       f"held {measured[-3]:,} bytes of its reference copy's units whole at once, the "

@@ -13,7 +13,7 @@ from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.vocab import chunk_tokens, vocab_rows
 from zerotrain.training.io_plan import describe, io_plan
-from zerotrain.training.memory_plan import (ROWS, gib, largest_micro_batch, largest_model, memory_plan,
+from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, gib, largest_micro_batch, largest_model, memory_plan,
                                             parse_bytes)
 
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
@@ -30,6 +30,7 @@ HOW = {
     "reference_model": "{reference_model}",
     "loss_working_set": "{loss}",
     "communication": "{comm}",
+    "all_to_all": "{a2a}",
     "checkpoint_staging": "{staging}",
 }
 
@@ -65,7 +66,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
               "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
-              "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict()}
+              "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict(),
+              "ep": plan.ep, "experts": plan.experts, "expert_bytes_by_rank": plan.expert_bytes_by_rank,
+              "all_to_all_most": plan.all_to_all_most}
     print(json.dumps(report, indent=2) if args.json else "\n".join([table(cfg, report), "",
                                                                       *describe(io, cfg.parallel.zero, gib)]))
     return 0
@@ -141,6 +144,9 @@ def table(cfg: Config, r: dict) -> str:
         "recompute": {"none": "", "blocks": ", blocks recomputed",
                       "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
+        "a2a": (f"one MoE layer's rows: N k sent, N k received (balanced routing); "
+                f"{gib(r['all_to_all_most'])} if one rank received all of its EP group's")
+               if r["rows"]["all_to_all"] else "none: no --ep",
         "loss": f"fp32 logits of {chunk} tokens x {rows:,} vocabulary rows{mine}, not the whole micro-batch's",
         "staging": ("--async-save: shard x 12" +
                     (" (host memory)" if r["device"] == "cuda" else "")) if cfg.checkpoint.async_save else
@@ -154,6 +160,12 @@ def table(cfg: Config, r: dict) -> str:
     width = max(len(label) for _, label in ROWS)
     for key, label in ROWS:
         lines.append(f"  {label:<{width}}  {gib(r['rows'][key]):>11}  {HOW[key].format(**notes)}")
+    if r["experts"] is not None:  # inside the state rows above, not added to the total
+        how = (f"EP rank 0's block of {cfg.model.n_experts // r['ep']} experts of each MoE layer over its replica "
+               f"group of {r['dp'] // r['ep']} ranks (--ep {r['ep']})" if r["ep"] > 1 else
+               f"all {cfg.model.n_experts} experts of each MoE layer, in the one flat layout (--ep 1)")
+        for key, label in EXPERT_ROWS:
+            lines.append(f"  {label:<{width}}  {gib(r['experts'][key]):>11}  {how if key == 'parameters' else ''}")
     where = "on the device; staging is host memory" if r["device"] == "cuda" else "in RAM"
     lines += ["", f"  {'total, at the peak of a step':<{width}}  {gib(r['total']):>11}  {where}; torch's own "
               "runtime not included"]
