@@ -132,9 +132,9 @@ SLOW_S = 1.2  # slow_storage's seconds per file: one file stays under STEP_TIMEO
 
 
 def slow_init_from_job(rank, io, tmp_path, source):
-    """Rank 0's storage is slow from its start (2 x SLOW_S per file): it hashes --init-from's one weight file for the
-    manifests while rank 1, with nothing to hash, waits for the digests. Then planted: the digests gathered on the
-    step's timeout group."""
+    """Rank 0's storage is slow from its start (2 x SLOW_S per file): it hashes its half of --init-from's one weight
+    file for the manifests (charged once for the file, not per block) while rank 1, done with its half, waits for
+    the digests. Then planted: the digests gathered on the step's timeout group."""
     os.environ["ZEROTRAIN_FAULTS"] = f"slow_storage@step=0,rank=0,factor={2 * SLOW_S}"
     out = {}
     for way in ("ok", "planted"):

@@ -62,7 +62,8 @@ def hashed_bytes(sizes: list[tuple[str, int]], ranks: int) -> list[int]:
 
 
 def sha256_range(path: str, offset: int, length: int) -> bytes:
-    """The sha256 of bytes [offset, offset + length) of a file, read in chunks and counted (checkpoint_bytes_read)."""
+    """The sha256 of bytes [offset, offset + length) of a file, read in chunks and counted (checkpoint_bytes_read).
+    Not charged by slow_storage: its callers charge each file once for the bytes they read of it (charge_files)."""
     sha, done = hashlib.sha256(), 0
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
@@ -73,8 +74,17 @@ def sha256_range(path: str, offset: int, length: int) -> bytes:
             sha.update(block)
             done += len(block)
             count_read(len(block))
-    storage_delay(length)
     return sha.digest()
+
+
+def charge_files(ranges) -> None:
+    """slow_storage's charge for reading `ranges` ((path, offset, length), ...): once per file, for its bytes read,
+    as a whole file read is charged (not once per block: a small folder's 4 KiB blocks would each cost a file's)."""
+    per_file: dict[str, int] = {}
+    for p, _, n in ranges:
+        per_file[p] = per_file.get(p, 0) + n
+    for n in per_file.values():
+        storage_delay(n)
 
 
 def folder_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
@@ -85,7 +95,9 @@ def folder_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
     block_bytes = block_size(sum(s for _, s in sizes))
     every = blocks(sizes, block_bytes)
     rank, ranks = (comm.rank, comm.world_size) if comm is not None else (0, 1)
-    mine = [sha256_range(p, at, n).hex() for p, at, n in rank_blocks(every, rank, ranks)]
+    run = rank_blocks(every, rank, ranks)
+    mine = [sha256_range(p, at, n).hex() for p, at, n in run]
+    charge_files(run)
     digests = mine if comm is None else [d for got in comm.io.all_gather_json(mine, "hash_init_from") for d in got]
     by_file = {p: hashlib.sha256() for p, _ in sizes}
     for (p, _, _), d in zip(every, digests, strict=True):
@@ -96,9 +108,10 @@ def folder_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
 
 def file_digest(path: str, block_bytes: int) -> str:
     """One process's block digest of a file (folder_record's, for one file), tagged."""
-    sha = hashlib.sha256()
-    for p, at, n in blocks([(path, os.path.getsize(path))], block_bytes):
+    sha, every = hashlib.sha256(), blocks([(path, os.path.getsize(path))], block_bytes)
+    for p, at, n in every:
         sha.update(sha256_range(p, at, n))
+    charge_files(every)
     return tag(sha.hexdigest(), block_bytes)
 
 
