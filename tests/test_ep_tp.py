@@ -23,6 +23,7 @@ import dataclasses
 import pytest
 import torch
 from test_checkpoint import spawn
+from test_expert_parallel import export_tensors
 
 import zerotrain
 from zerotrain.errors import InvariantError
@@ -200,18 +201,6 @@ def test_an_ep2_tp2_checkpoint_reshards_to_ep1_at_tp2_and_expert_slices_read_fro
     assert close(results[0]["resharded_ep1"]["losses"], results[0]["ep2tp2"]["losses"][2:], 1e-6), results[0]
     assert weight_gap(final_weights(tmp / "resharded_ep1"), final_weights(tmp / "ep2tp2")) < 1e-5
     assert weight_gap(final_weights(tmp / "resharded_tp0"), final_weights(tmp / "ep2tp2")) > 1e-3
-
-
-def export_tensors(capfd, ckpt: str, out) -> dict[str, torch.Tensor]:
-    """`zerotrain export --format hf` of checkpoint `ckpt` into `out`, its tensors by name."""
-    from safetensors.torch import load_file
-
-    got = zerotrain_here(capfd, "export", "--format", "hf", ckpt, str(out))
-    assert got.returncode == 0, got
-    tensors = {}
-    for f in sorted(out.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def test_an_ep2_tp2_export_is_ep1s_loads_in_transformers_and_experts_read_from_one_tp_index_are_caught(
