@@ -397,8 +397,7 @@ class ZeroThreeEngine(ZeroEngine):
         """Each bucket's reduce-scatter starts once its unit's backward has begun (bucket_units), and at the latest
         when the gradient of its unit's input is complete (_unit_done); the counts of the latter, per backward."""
         self.gate_by_units(bucket_units(self.model, self.layout))
-        self._forwards = [0] * len(self.units)  # the forwards since the last backward whose unit input will get a grad
-        self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
+        self._reset_schedule()
 
     def _may_start(self, index: int) -> bool:
         """Whether bucket `index`, its gradients in, may start: once its unit's backward has begun on this rank (its
@@ -427,8 +426,8 @@ class ZeroThreeEngine(ZeroEngine):
             self._launch(self._launched)
 
     def _reset_schedule(self) -> None:
-        self._forwards = [0] * len(self.units)
-        self._done = [0] * len(self.units)
+        self._forwards = [0] * len(self.units)  # the forwards since the last backward whose unit input will get a grad
+        self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):

@@ -92,10 +92,7 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     if mesh.ep_size > 1:  # this rank's block of experts, over its replica group; the rest over the DP group
         return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
     engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
-    return engine(model, mesh.dp, cfg.optim, bucket_numel=cfg.parallel.bucket_numel,
-                  precision=cfg.parallel.precision, reduce_in_backward=cfg.reduce_in_backward,
-                  gather_in_forward=cfg.gather_in_forward, mesh=mesh, stage=cfg.parallel.zero,
-                  grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
+    return engine(model, mesh.dp, cfg.optim, mesh=mesh, **settings)
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
