@@ -87,12 +87,13 @@ def charge_files(ranges) -> None:
         storage_delay(n)
 
 
-def folder_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
+def folder_record(paths: list[str], comm=None, block_bytes: int | None = None) -> tuple[int, list[dict]]:
     """(the block size, each file's entry {"name", "bytes", "blocks_sha256"}) of the weight files `paths`, in that
-    order. With `comm`, every rank calls it together: each hashes its run of the blocks (rank_blocks) and the
-    digests are gathered under --io-timeout; every rank gets the entries."""
+    order, in blocks of `block_bytes` (None: block_size's for the folder). With `comm`, every rank calls it together:
+    each hashes its run of the blocks (rank_blocks) and the digests are gathered under --io-timeout; every rank gets
+    the entries."""
     sizes = [(p, os.path.getsize(p)) for p in paths]
-    block_bytes = block_size(sum(s for _, s in sizes))
+    block_bytes = block_bytes or block_size(sum(s for _, s in sizes))
     every = blocks(sizes, block_bytes)
     rank, ranks = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     run = rank_blocks(every, rank, ranks)
@@ -108,11 +109,7 @@ def folder_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:
 
 def file_digest(path: str, block_bytes: int) -> str:
     """One process's block digest of a file (folder_record's, for one file), tagged."""
-    sha, every = hashlib.sha256(), blocks([(path, os.path.getsize(path))], block_bytes)
-    for p, at, n in every:
-        sha.update(sha256_range(p, at, n))
-    charge_files(every)
-    return tag(sha.hexdigest(), block_bytes)
+    return tag(folder_record([path], block_bytes=block_bytes)[1][0]["blocks_sha256"], block_bytes)
 
 
 def tag(hexdigest: str, block_bytes: int | None) -> str:

@@ -190,7 +190,7 @@ class Preference:
         reference in full fine-tuning: the frozen copy, built from the base, resumed or not (its sha256 recorded)."""
         if self.live_copy:
             self.reference_model = reference_model.frozen_copy(self.cfg, engine)
-            self.record = {"live": "frozen copy", "base": base_digests(base)}
+            self.record = {"live": "frozen copy", "base": tagged_digests(base)}
             return {"dpo_reference": self.record}
         if not self.precomputed:
             return {}
@@ -207,7 +207,7 @@ class Preference:
             self.reference = self.score_reference(engine)
             pairs = self.all_pairs()
             record = {"file": REFERENCE_FILE, "pairs": len(pairs), "data": pairs_digest(pairs),
-                      "base": base_digests(base)}
+                      "base": tagged_digests(base)}
             if self.held_out:  # the last ones: scored with the rest, stored and verified with them
                 record["held_out"] = len(self.held_out.pairs)
             if comm.rank == 0:
@@ -337,13 +337,6 @@ class Preference:
         means = {k: v / batch.global_pairs for k, v in zip(STATS, totals)}
         means["rewards_margins"] = means["rewards_chosen"] - means["rewards_rejected"]
         return {"pairs": batch.global_pairs, **means}
-
-
-def base_digests(base: dict | None) -> dict[str, str]:
-    """Each --init-from weight file's digest by its name (WeightSource.record's, base_digest.tagged_digests: a
-    reference stored before block digests holds whole files' sha256s, still compared), what the reference was made
-    from."""
-    return tagged_digests(base)
 
 
 def write_reference(path: str, logps: torch.Tensor, record: dict) -> str:
