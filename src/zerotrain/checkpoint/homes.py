@@ -134,6 +134,11 @@ def expert_shapes(layout: ShardLayout, slices: dict[str, TPSlice], ep: int, per_
     return {name: full[expert_home(name, per_rank)[1]] for name in expert_names(layout, ep, per_rank)}
 
 
+def expert_numel(manifest: dict) -> int | None:
+    """An expert-parallel checkpoint's expert shard length (each rank's), or None."""
+    return manifest["expert_layout"]["shard_numel"] if "expert_layout" in manifest else None
+
+
 def expert_layout_of(manifest: dict, path: str) -> ShardLayout:
     """An --ep checkpoint's expert layout (EP rank 0's, over its replica group) as a ShardLayout."""
     try:

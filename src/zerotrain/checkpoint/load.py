@@ -20,7 +20,7 @@ from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 
 from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, mesh_of, read_latest,
                       read_manifest, shard_name, step_folders, step_of, tp_slices_of)
-from .homes import CheckpointHomes, engine_shapes, same_expert_layout, shard_parts
+from .homes import CheckpointHomes, engine_shapes, expert_numel, same_expert_layout, shard_parts
 from .reshard import Read, shard_reads
 from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
 from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, layout_of, name_problem,
@@ -118,11 +118,6 @@ def read_shard(path: str, manifest: dict, rank: int) -> dict[str, torch.Tensor]:
     if problem:
         raise CheckpointError(f"{file}: {problem}")
     return tensors
-
-
-def expert_numel(manifest: dict) -> int | None:
-    """An expert-parallel checkpoint's expert shard length (each rank's), or None."""
-    return manifest["expert_layout"]["shard_numel"] if "expert_layout" in manifest else None
 
 
 def refuse_ep_at_other_tp(path: str, manifest: dict, engine) -> None:

@@ -56,7 +56,7 @@ from zerotrain.parallel import ShardLayout
 
 from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, layout_of, mesh_of,
                       schema_problem, shard_name, tp_slices_of)
-from .homes import expert_layout_of
+from .homes import EXPERT_PREFIX, expert_layout_of, expert_numel
 from .model import ShardedModel
 from .stream import FileRecord, count_read, read_header, sha256_file
 
@@ -118,9 +118,8 @@ def _verify_share(path: str, r: int, W: int) -> tuple[list[Check], dict[int, dic
     world = manifest["world_size"]
     ranks = _share([(str(q), 1) for q in range(world)], W)[r]
     if not group([_check("shard", shard_name(int(q), world), _header_problem(path, shard_name(int(q), world),
-                                                                             shard_numel, manifest.get(
-                                                                                 "expert_layout", {}).get(
-                                                                                 "shard_numel"))) for q in ranks]):
+                                                                             shard_numel, expert_numel(manifest)))
+                  for q in ranks]):
         return checks, None, manifest
     layout = layout_of(manifest, path)
     digests = {int(q): shard_digests(path, manifest, layout, int(q)) for q in ranks}
@@ -451,7 +450,8 @@ def shard_problem(found: dict[str, tuple[str, list[int]]], shard_numel: int, exp
     checkpoint's shards hold the expert engine's shard too (expert_numel values), its keys prefixed expert_."""
     expected = {**{k: ("F32", [shard_numel]) for k in STATE_KEYS}, "step": ("I64", [1])}
     if expert_numel is not None:
-        expected.update({f"expert_{k}": ("F32", [expert_numel]) for k in STATE_KEYS}, expert_step=("I64", [1]))
+        expected.update({EXPERT_PREFIX + k: ("F32", [expert_numel]) for k in STATE_KEYS},
+                        **{EXPERT_PREFIX + "step": ("I64", [1])})
     for key, (dtype, shape) in expected.items():
         if key not in found:
             return f"has no tensor {key!r}"
