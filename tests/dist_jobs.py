@@ -265,7 +265,7 @@ def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
     from zerotrain.parallel import engine as engine_module
 
     def counted(self):
-        ranges = self._owned(self._sliced_flat) + self._owned(self._replicated_flat)
+        ranges = self._owned(self.sliced_ranges) + self._owned(self.replicated_ranges)
         return sum(torch.linalg.vector_norm(self.grad_shard[a:z], dtype=torch.float64).square() for a, z in ranges)
 
     with mock.patch.object(engine_module.ZeroEngine, "_counted_grad_sumsq", counted):

@@ -21,7 +21,7 @@ from zerotrain.checkpoint.stream import bytes_counted, sha256_file
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
 from zerotrain.hub import init_from
-from zerotrain.parallel import Comm, ZeroThreeEngine
+from zerotrain.parallel import Comm, ZeroEngine
 from zerotrain.training import loop as loop_module
 from zerotrain.training.loop import train_job
 
@@ -32,8 +32,8 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
     with contextlib.ExitStack() as patches:
         if "whole tensor" in plants:  # stage 3 takes the whole tensor of every parameter it owns part of
             patches.enter_context(mock.patch.object(
-                ZeroThreeEngine, "_initial_range",
-                lambda self, name, p, lo, hi: self._initial_value(name, p).reshape(-1)[lo:hi]))
+                ZeroEngine, "initial_range",
+                lambda self, name, p, lo, hi: self.initial_value(name, p).reshape(-1)[lo:hi]))
         if "whole model saved" in plants:
             real = save_module._live_files
 

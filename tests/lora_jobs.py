@@ -117,52 +117,52 @@ def lora_whole_base_job(cfg: Config, comm: Comm) -> dict:
 
 def lora_lossy_resume_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a ZeRO-3 resume restores the adapters but not AdamW's second moments."""
-    from zerotrain.parallel import ZeroThreeEngine
+    from zerotrain.parallel import ZeroEngine
 
-    real = ZeroThreeEngine.load_shard_state_dict
-    ZeroThreeEngine.load_shard_state_dict = lambda self, sd: real(self, {**sd, "exp_avg_sq":
-                                                                         torch.zeros_like(sd["exp_avg_sq"])})
+    real = ZeroEngine.load_shard_state_dict
+    ZeroEngine.load_shard_state_dict = lambda self, sd: real(self, {**sd, "exp_avg_sq":
+                                                                    torch.zeros_like(sd["exp_avg_sq"])})
     try:
         return lora_job(cfg, comm)
     finally:
-        ZeroThreeEngine.load_shard_state_dict = real
+        ZeroEngine.load_shard_state_dict = real
 
 
 def lora_misread_base_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: ZeRO-3 fills each rank's share of the frozen base from the start of each tensor, not from the
     range it owns."""
-    from zerotrain.parallel import ZeroThreeEngine
+    from zerotrain.parallel import ZeroEngine
 
-    real = ZeroThreeEngine._initial_range
-    ZeroThreeEngine._initial_range = lambda self, name, p, lo, hi: \
+    real = ZeroEngine.initial_range
+    ZeroEngine.initial_range = lambda self, name, p, lo, hi: \
         real(self, name, p, lo, hi) if p.requires_grad else real(self, name, p, 0, hi - lo)
     try:
         return lora_job(cfg, comm)
     finally:
-        ZeroThreeEngine._initial_range = real
+        ZeroEngine.initial_range = real
 
 
 def lora_drifted_frozen_gather_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: from step 2 on, rank 1 computes with a frozen bucket one ulp off what the shards gather (its
     copy of the base drifts; the shards themselves are intact)."""
-    from zerotrain.parallel import ZeroThreeEngine
+    from zerotrain.parallel import ShardedParameters
 
-    real = ZeroThreeEngine._gather_bucket
+    real = ShardedParameters._gather_bucket
 
     def drifted(self, index, *args, **kwargs):
         real(self, index, *args, **kwargs)
-        if comm.rank == 1 and index >= len(self.layout.buckets) and self._updates >= 1:
+        if comm.rank == 1 and index >= len(self.engine.layout.buckets) and self._updates >= 1:
             with torch.no_grad():
                 value = self.bucket_params[index][0]
                 self.bucket_params[index][0] = torch.nextafter(value, torch.tensor(float("inf")))
 
-    ZeroThreeEngine._gather_bucket = drifted
+    ShardedParameters._gather_bucket = drifted
     try:
         train(cfg, comm)
     except InvariantError as e:  # raised on every rank alike
         return {"invariant": str(e)}
     finally:
-        ZeroThreeEngine._gather_bucket = real
+        ShardedParameters._gather_bucket = real
     return {}
 
 
@@ -209,18 +209,20 @@ def ungathered_frozen_copy_job(cfg: Config, comm: Comm) -> dict:
 
 def lora_stale_save_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a ZeRO-3 checkpoint holds each rank's shard as it was before the step's update."""
-    from zerotrain.parallel import ZeroThreeEngine
+    from zerotrain.parallel import ZeroEngine
 
-    real_apply, real_save = ZeroThreeEngine.apply, ZeroThreeEngine.shard_state_dict
+    real_apply, real_save, real_views = ZeroEngine.apply, ZeroEngine.shard_state_dict, ZeroEngine.master_views
     before = {}  # kept outside the engine, whose tensors the plan's check counts
 
     def apply(self, lr, grad_norm):
         before["master"] = self.master_shard().detach().float().clone()
         real_apply(self, lr, grad_norm)
 
-    ZeroThreeEngine.apply = apply
-    ZeroThreeEngine.shard_state_dict = lambda self: {**real_save(self), "master": before["master"]}
+    ZeroEngine.apply = apply
+    # both ways a checkpoint takes the masters: the shard's state, or the masters where they lie (fp32 on the CPU)
+    ZeroEngine.shard_state_dict = lambda self: {**real_save(self), "master": before["master"]}
+    ZeroEngine.master_views = lambda self: [before["master"]]
     try:
         return lora_job(cfg, comm)
     finally:
-        ZeroThreeEngine.apply, ZeroThreeEngine.shard_state_dict = real_apply, real_save
+        ZeroEngine.apply, ZeroEngine.shard_state_dict, ZeroEngine.master_views = real_apply, real_save, real_views

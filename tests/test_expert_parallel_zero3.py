@@ -37,8 +37,8 @@ from test_expert_parallel import close, config, export_tensors
 
 from zerotrain.errors import InvariantError
 from zerotrain.model import moe
-from zerotrain.parallel import Comm, experts
-from zerotrain.parallel.zero3 import ZeroThreeEngine
+from zerotrain.parallel import Comm, ZeroEngine, experts
+from zerotrain.parallel.zero3 import ShardedParameters
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.training import io_plan as io_plan_module
 from zerotrain.training import loop, memory_plan
@@ -112,16 +112,16 @@ def four_rank_job(rank, comm, tmp_path):
                                str(SAVED))
     loop.build_expert_groups = real_groups
 
-    real_release = ZeroThreeEngine.release_unit
+    real_release = ShardedParameters.release_unit
 
     def kept_whole(self, unit, phase):  # planted: the experts' engine keeps a block's experts after its forward
-        if phase == "forward" and experts.is_expert_parameter(self.layout.slots[0].name):
+        if phase == "forward" and experts.is_expert_parameter(self.engine.layout.slots[0].name):
             return
         real_release(self, unit, phase)
 
-    ZeroThreeEngine.release_unit = kept_whole
+    ShardedParameters.release_unit = kept_whole
     out["kept_whole"] = failed(comm, tmp_path / "kept_whole", "--ep", "2", "--steps", "1")
-    ZeroThreeEngine.release_unit = real_release
+    ShardedParameters.release_unit = real_release
 
     real_route, route = masked_routing(rank)
     moe.MoE.route = route
@@ -152,8 +152,8 @@ def arrival_order_job(rank, comm, tmp_path):
     expected gradient arrives (planted: the reduce schedule's gate and the units' end points left out, as before):
     the DP group's collectives part ways, and the run fails (a short wait: a hang times out) or aborts."""
     moe.MoE.route = masked_routing(rank)[1]
-    ZeroThreeEngine._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
-    ZeroThreeEngine._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
+    ZeroEngine._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
+    ZeroEngine._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
     short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
     return failed(short, tmp_path / "arrival_order", *NO_ROWS)
 

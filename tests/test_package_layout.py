@@ -1,4 +1,5 @@
-"""The package's shape: imports run one way, no circles, a handful of modules at the top, no two modules with one name."""
+"""The package's shape: imports run one way, no circles, a handful of modules at the top, no two modules with one name,
+and no module extending another through its private names (DESIGN.md: a seam in the wrong place)."""
 
 from __future__ import annotations
 
@@ -49,17 +50,21 @@ def modules(root: str = PACKAGE) -> dict[str, str]:
     return found
 
 
+def absolute_base(name: str, path: str, node: ast.ImportFrom) -> str:
+    """The module a `from ... import` in module `name` (at `path`) imports from, its dots resolved."""
+    if not node.level:
+        return node.module or ""
+    parts = name.split(".") if path.endswith("__init__.py") else name.split(".")[:-1]
+    parts = parts[: len(parts) - node.level + 1]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
 def imports(name: str, path: str, known: dict[str, str]) -> set[str]:
     """The package modules `name` imports anywhere in its file (deferred imports count too)."""
-    is_package = path.endswith("__init__.py")
     found = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = name.split(".") if is_package else name.split(".")[:-1]
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
+            base = absolute_base(name, path, node)
             for alias in node.names:  # `from pkg import submodule` imports the submodule
                 target = f"{base}.{alias.name}"
                 found.add(target if target in known else base)
@@ -80,6 +85,36 @@ def upward_imports(known: dict[str, str]) -> list[str]:
             same_folder = target.rsplit(".", 1)[0] == name.rsplit(".", 1)[0] or target.startswith(name + ".")
             if not same_folder and level(target) >= level(name):
                 bad.append(f"{name} imports {target}")
+    return bad
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_reaches(known: dict[str, str]) -> list[str]:
+    """A module importing another's private name, or a class overriding a private method of a class it inherits from
+    another module (zero3.py's ZeroThreeEngine over engine.py's ZeroEngine, as it was): DESIGN.md's rule for seams."""
+    trees = {n: ast.parse(open(p).read()) for n, p in known.items()}
+    bad = []
+    for name, tree in trees.items():
+        imported = {}  # local name -> (module, name there)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = absolute_base(name, known[name], node)
+                for alias in node.names:
+                    if base.split(".")[0] == "zerotrain" and _private(alias.name) and f"{base}.{alias.name}" not in known:
+                        bad.append(f"{name} imports {base}.{alias.name}")
+                    imported[alias.asname or alias.name] = (base, alias.name)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            own = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            for b in (b for b in cls.bases if isinstance(b, ast.Name) and b.id in imported):
+                module, base_name = imported[b.id]
+                base = next((c for c in ast.walk(trees.get(module, ast.Module(body=[])))
+                             if isinstance(c, ast.ClassDef) and c.name == base_name), None)
+                theirs = {f.name for f in base.body if isinstance(f, ast.FunctionDef)} if base else set()
+                bad += [f"{name}.{cls.name} overrides {module}.{base_name}.{m}" for m in sorted(own & theirs)
+                        if _private(m)]
     return bad
 
 
@@ -120,6 +155,23 @@ def test_a_planted_upward_import_and_circle_are_caught(tmp_path):
     known = modules(str(copy))
     assert "zerotrain.checkpoint.save imports zerotrain.training.loop" in upward_imports(known)
     assert any("zerotrain.checkpoint.save" in c and "zerotrain.training.loop" in c for c in cycles(known))
+
+
+def test_no_module_reaches_into_anothers_private_names_and_a_planted_subclass_is_caught(tmp_path):
+    """The stages are a seam (parallel/params.py's ParameterPlacement), not a subclass of the engine overriding its
+    private methods. Planted in a copy of the package: a stage-3 engine subclassing ZeroEngine and overriding
+    _launch, and a module importing the engine's private name."""
+    import shutil
+
+    assert private_reaches(modules()) == []
+    copy = tmp_path / "zerotrain"
+    shutil.copytree(PACKAGE, copy)
+    with open(copy / "parallel" / "zero3.py", "a") as f:
+        f.write("\nfrom .engine import ZeroEngine as _Engine, _planted  # planted\n\n\nclass Planted(_Engine):\n"
+                "    def _launch(self, index):\n        pass\n")
+    assert private_reaches(modules(str(copy))) == [
+        "zerotrain.parallel.zero3 imports zerotrain.parallel.engine._planted",
+        "zerotrain.parallel.zero3.Planted overrides zerotrain.parallel.engine.ZeroEngine._launch"]
 
 
 def test_a_handful_of_modules_at_the_top_and_no_two_with_one_name():

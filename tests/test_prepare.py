@@ -10,7 +10,7 @@ from conftest import tiny_config
 
 from zerotrain import checkpoint
 from zerotrain.cli.commands import prepare
-from zerotrain.cli.flags import _Parser
+from zerotrain.cli.flags import Parser
 from zerotrain.data import check_source, load_tokenizer, make_source
 from zerotrain.data.tokenfiles import HEADER_BYTES, LLMC_MAGIC
 from zerotrain.data.tokenizer import EOT_TEXT
@@ -24,8 +24,8 @@ TEXT = "\n\n".join(
 
 def run_prepare(*argv) -> int:
     """`zerotrain prepare ARGV` through the command's own parser (whatever cli.py registers)."""
-    parser = _Parser(prog="zerotrain")
-    prepare.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    parser = Parser(prog="zerotrain")
+    prepare.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=Parser))
     args = parser.parse_args(["prepare", *map(str, argv)])
     return args.func(args)
 

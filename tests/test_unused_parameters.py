@@ -16,7 +16,7 @@ from conftest import tiny_config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.errors import InvariantError
 from zerotrain.model import build_model, summed_token_loss
-from zerotrain.parallel import GradientOrderError, ZeroEngine, ZeroThreeEngine
+from zerotrain.parallel import GradientOrderError, ShardedParameters, ZeroEngine
 from zerotrain.parallel.optim import adamw_param_groups, build_adamw
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import accumulate_gradients, build_engine
@@ -64,11 +64,12 @@ BOUND = 1e-4
 
 def old_end_of_backward(monkeypatch, stage3_release: bool = False) -> None:
     """Planted: the engine as it was, doing nothing as a backward ends (no bucket launched for a gradient that did
-    not come, no count started again); `stage3_release`: stage 2's end of backward kept, stage 3's release of its
-    units dropped."""
+    not come, no count started again); `stage3_release`: the engine's end of backward kept, stage 3's (its placement's:
+    every unit released, the units' counts of gradients started again) dropped."""
     if not stage3_release:
         monkeypatch.setattr(ZeroEngine, "_end_backward", lambda self: setattr(self, "_end_queued", False))
-    monkeypatch.setattr(ZeroThreeEngine, "_end_backward", ZeroEngine._end_backward)
+        return
+    monkeypatch.setattr(ShardedParameters, "end_backward", lambda self: None)
 
 
 def test_a_parameter_unused_in_some_micro_batches_trains_alike_at_every_stage_and_like_torch_on_one_rank(
@@ -129,7 +130,7 @@ def test_a_stage3_unit_with_a_parameter_unused_is_released_with_its_other_gradie
     three = unused_params_jobs.trained(config(tmp_path, 3, "step"), one_rank)
     assert three["counts"]["unused"] > 0 and three["losses"] == step["losses"]
     assert all(torch.equal(three["params"][n], step["params"][n]) for n in step["params"])
-    monkeypatch.setattr(ZeroThreeEngine, "_unit_waits", lambda self: self._unit_sizes)
+    monkeypatch.setattr(ShardedParameters, "_unit_waits", lambda self: self._unit_sizes)
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 held [\d,]+ bytes of parameters "
                                              r"at once, the plan at most [\d,]+"):
         unused_params_jobs.trained(config(tmp_path / "planted", 3, "step"), one_rank)

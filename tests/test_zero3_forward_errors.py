@@ -9,7 +9,7 @@ from conftest import tiny_config
 from test_engine import run_steps
 
 from zerotrain.data import BatchSchedule, make_source
-from zerotrain.parallel import ZeroThreeEngine, zero3
+from zerotrain.parallel import ShardedParameters, zero3
 from zerotrain.training.loop import accumulate_gradients, build_engine
 
 
@@ -42,8 +42,8 @@ def failed_step_then_steps(cfg, comm):
     engine.zero_grad()
     with pytest.raises(RefusedBatch):
         accumulate_gradients(engine, batch)
-    left = {"hooks": saved_tensor_hooks_on_the_stack() is not None, "whole": sorted(engine.whole),
-            "running": list(engine._current)}
+    left = {"hooks": saved_tensor_hooks_on_the_stack() is not None, "whole": sorted(engine.placement.whole),
+            "running": list(engine.placement._current)}
     if left["hooks"]:  # the planted engine's: taken off, so that the tests after this one start clean
         torch._C._autograd._pop_saved_tensors_default_hooks()
     return engine, left
@@ -77,6 +77,6 @@ def test_a_forward_that_raises_at_stage3_leaves_no_saved_tensor_hooks_and_the_ne
     assert torch.equal(engine.flat_params, fresh.flat_params)
     assert saved_tensor_hooks_on_the_stack() is None
 
-    monkeypatch.setattr(ZeroThreeEngine, "saved_tensor_hooks", old_hooks)
+    monkeypatch.setattr(ShardedParameters, "saved_tensor_hooks", old_hooks)
     _, planted = failed_step_then_steps(cfg, one_rank)
     assert planted["hooks"] and planted["running"] and saved_tensor_hooks_on_the_stack() is None

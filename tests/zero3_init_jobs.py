@@ -8,7 +8,7 @@ from unittest import mock
 from zerotrain.config import Config
 from zerotrain.hub import init_from
 from zerotrain.model import init
-from zerotrain.parallel import Comm, ZeroThreeEngine
+from zerotrain.parallel import Comm, ZeroEngine
 from zerotrain.training.loop import build_engine, train_job
 
 
@@ -21,9 +21,9 @@ def whole_tensor_job(cfg: Config, comm: Comm) -> dict | None:
     """Planted bug: stage 3 takes the whole tensor (its TP slice) of every parameter it owns part of and keeps its
     range, as it did before it asked the source for the range alone."""
     def whole(self, name, p, lo, hi):
-        return self._initial_value(name, p).reshape(-1)[lo:hi]
+        return self.initial_value(name, p).reshape(-1)[lo:hi]
 
-    with mock.patch.object(ZeroThreeEngine, "_initial_range", whole):
+    with mock.patch.object(ZeroEngine, "initial_range", whole):
         return summary_job(cfg, comm)
 
 

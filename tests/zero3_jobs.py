@@ -10,7 +10,8 @@ from dist_jobs import error_of_training, summary
 from zerotrain.config import Config
 from zerotrain.hub.init_from import FileValues
 from zerotrain.model import init
-from zerotrain.parallel import Comm, ReleasedParameterError, StaleParameterError, ZeroThreeEngine, zero3
+from zerotrain.parallel import (Comm, ReleasedParameterError, ShardedParameters, StaleParameterError, ZeroEngine,
+                                zero3)
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import build_engine, train
 
@@ -24,9 +25,9 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     engine = result.engine
     out["params"] = engine.full_state_dict()
     out["param_bytes"] = engine.flat_params.numel() * engine.flat_params.element_size()
-    out["param_peak_bytes"] = getattr(engine, "param_peak_bytes", out["param_bytes"])
-    out["whole_after_step"] = sorted(getattr(engine, "whole", ()))
-    out["unit_buckets"] = getattr(engine, "unit_buckets", None)
+    out["param_peak_bytes"] = engine.param_peak_bytes
+    out["whole_after_step"] = sorted(getattr(engine.placement, "whole", ()))  # stage 3's buckets whole now
+    out["unit_buckets"] = getattr(engine.placement, "unit_buckets", None)
     out["grad_peak_bytes"] = engine.grad_peak_bytes
     out["plan"] = result.plan
     out["param_norms"] = result.param_norms
@@ -35,34 +36,34 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
 
 def freed_before_backward_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: a unit's buckets are not gathered again for its backward (released after its forward)."""
-    real = ZeroThreeEngine.gather_unit
+    real = ShardedParameters.gather_unit
 
     def forward_only(self, unit, phase):
         if phase == "forward":
             real(self, unit, phase)
 
-    with mock.patch.object(ZeroThreeEngine, "gather_unit", forward_only):
+    with mock.patch.object(ShardedParameters, "gather_unit", forward_only):
         return error_of_training(cfg, comm, ReleasedParameterError)
 
 
 def wrong_unit_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: a block's forward gathers its neighbour's buckets (the two blocks swapped)."""
-    real = ZeroThreeEngine.gather_unit
+    real = ShardedParameters.gather_unit
 
     def neighbour(self, unit, phase):
         blocks = len(self.units) - 1
         real(self, unit % blocks + 1 if unit else 0, phase)
 
-    with mock.patch.object(ZeroThreeEngine, "gather_unit", neighbour):
+    with mock.patch.object(ShardedParameters, "gather_unit", neighbour):
         return error_of_training(cfg, comm, ReleasedParameterError)
 
 
 def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the buckets of the first block's parameters are reduce-scattered into the shard twice."""
-    real = ZeroThreeEngine._release
+    real = ZeroEngine._release
 
     def again(self, index):
-        if index in self.unit_buckets[1] and index in self._bucket_grads:
+        if index in self.placement.unit_buckets[1] and index in self._bucket_grads:
             b = self.layout.buckets[index]
             out = self.grad_shard[b.shard_offset : b.shard_offset + b.chunk_numel(self.dp.world_size)]
             twice = torch.empty_like(out)
@@ -70,7 +71,7 @@ def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
             out.add_(twice)
         real(self, index)
 
-    with mock.patch.object(ZeroThreeEngine, "_release", again):
+    with mock.patch.object(ZeroEngine, "_release", again):
         return stage_job(cfg, comm)
 
 
@@ -79,7 +80,7 @@ def stale_units_job(cfg: Config, comm: Comm) -> str:
     takes part in every gather), so after the first update its units are stale. The error invariant (b) raises."""
     if comm.rank != 1:
         return error_of_training(cfg, comm, InvariantError)
-    real, first = ZeroThreeEngine._gather_bucket, {}
+    real, first = ShardedParameters._gather_bucket, {}
 
     def stale(self, index, *args, **kwargs):
         real(self, index, *args, **kwargs)
@@ -88,7 +89,7 @@ def stale_units_job(cfg: Config, comm: Comm) -> str:
         else:
             first[index] = self.bucket_params[index].clone()
 
-    with mock.patch.object(ZeroThreeEngine, "_gather_bucket", stale):
+    with mock.patch.object(ShardedParameters, "_gather_bucket", stale):
         return error_of_training(cfg, comm, InvariantError)
 
 
@@ -102,38 +103,38 @@ def rolled_back_job(cfg: Config, comm: Comm) -> dict:
 
 def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: a block's forward recomputed in its backward (activation checkpointing) is not gathered."""
-    real = ZeroThreeEngine.gather_unit
+    real = ShardedParameters.gather_unit
 
     def not_in_backward(self, unit, phase):
         if unit == 0 or not zero3.in_backward():
             real(self, unit, phase)
 
-    with mock.patch.object(ZeroThreeEngine, "gather_unit", not_in_backward):
+    with mock.patch.object(ShardedParameters, "gather_unit", not_in_backward):
         return error_of_training(cfg, comm, ReleasedParameterError)
 
 
 def root_not_held_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: the root unit (embeddings, final norm, head) is released after the forward, not held for the
     backward, where the head's backward (recomputed with --activation-checkpointing full) comes first."""
-    real = ZeroThreeEngine.gather_unit
+    real = ShardedParameters.gather_unit
 
     def forward_only_root(self, unit, phase):
         if unit or phase == "forward":
             real(self, unit, phase)
 
-    with mock.patch.object(ZeroThreeEngine, "gather_unit", forward_only_root):
+    with mock.patch.object(ShardedParameters, "gather_unit", forward_only_root):
         return error_of_training(cfg, comm, ReleasedParameterError)
 
 
 def prefetch_skips_a_unit_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: each prefetch gathers the unit after the one that runs next (block u+2 while u runs)."""
-    real = ZeroThreeEngine.prefetch_unit
+    real = ShardedParameters.prefetch_unit
 
     def one_too_far(self, unit):
         if unit + 1 < len(self.units):
             real(self, unit + 1)
 
-    with mock.patch.object(ZeroThreeEngine, "prefetch_unit", one_too_far):
+    with mock.patch.object(ShardedParameters, "prefetch_unit", one_too_far):
         return stage_job(cfg, comm)
 
 
@@ -141,14 +142,14 @@ def stale_prefetch_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: block 1's gather is prefetched as the step releases its units, before the optimizer updates the
     shard, and the next step's forward computes with it (from step 2 on: after step 1 the memory plan's check would
     find the bucket held past the step first)."""
-    real = ZeroThreeEngine.release_all
+    real = ShardedParameters.release_all
 
     def prefetch_before_the_update(self):
         real(self)
         if self._updates:
             self.prefetch_unit(1)
 
-    with mock.patch.object(ZeroThreeEngine, "release_all", prefetch_before_the_update):
+    with mock.patch.object(ShardedParameters, "release_all", prefetch_before_the_update):
         return error_of_training(cfg, comm, StaleParameterError)
 
 
@@ -194,10 +195,10 @@ def init_from_reads_job(cfg: Config, comm: Comm) -> dict:
 def gradients_held_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: stage 3 holds every bucket's gradients through the accumulation window (its engine built for
     --grad-reduce step) where the run planned the default, each micro-batch reduced into the shard; the run's error."""
-    real = ZeroThreeEngine.__init__
+    real = ZeroEngine.__init__
 
     def held(self, *args, **kwargs):
         real(self, *args, **{**kwargs, "grad_reduce": "step"})
 
-    with mock.patch.object(ZeroThreeEngine, "__init__", held):
+    with mock.patch.object(ZeroEngine, "__init__", held):
         return error_of_training(cfg, comm, InvariantError)

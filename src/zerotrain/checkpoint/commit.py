@@ -30,7 +30,7 @@ from typing import Callable
 
 from zerotrain.durable import write_atomic, write_json
 
-from .format import (ASIDE, LATEST, MANIFEST, CheckpointError, _fsync_path, committed_steps, read_latest, step_name,
+from .format import (ASIDE, LATEST, MANIFEST, CheckpointError, committed_steps, fsync_path, read_latest, step_name,
                      step_of)
 from .stream import FileRecord, storage_delay
 
@@ -98,7 +98,7 @@ def commit(root: str, step: int, base: dict, world_size: int, session: str, keep
             _remove(os.path.join(tmp, name))
     write_json(os.path.join(tmp, MANIFEST), manifest)
     storage_delay(os.path.getsize(os.path.join(tmp, MANIFEST)))
-    _fsync_path(tmp)
+    fsync_path(tmp)
     final = os.path.join(root, step_name(step))
     _rename_into_place(tmp, final, (lambda: between_renames(step)) if between_renames else None)
     point_latest(root, step_name(step))
@@ -125,7 +125,7 @@ def _rename_into_place(tmp: str, final: str, between: Callable[[], None] | None 
     if between is not None:
         between()
     os.rename(tmp, final)
-    _fsync_path(os.path.dirname(final))
+    fsync_path(os.path.dirname(final))
     if old:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -151,14 +151,14 @@ def put_back_moved_aside(root: str) -> list[str]:
         elif os.path.isfile(os.path.join(root, final, MANIFEST)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     if restored:
-        _fsync_path(root)
+        fsync_path(root)
     return restored
 
 
 def point_latest(root: str, name: str) -> None:
     """Replace `latest` atomically: a reader sees the old name or the new one, never a partial file."""
     write_atomic(os.path.join(root, LATEST), name + "\n")
-    _fsync_path(root)
+    fsync_path(root)
 
 
 def retain(root: str, keep: int) -> None:

@@ -124,7 +124,7 @@ def read_latest(root: str) -> str | None:
         return None
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -391,25 +391,15 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
 def _part_state(engine: ZeroEngine) -> dict:
     """One ZeRO engine's shard state, the keys _Staging.files writes.
 
-    In fp32 at stages 1 and 2 the masters are this rank's pieces of the parameter buffer: they are written as those
-    pieces (the writer takes a tensor's parts), not concatenated first. The copy the concatenation made was 22% of a
-    sync save's time in its profile (bench ckpt --quick, one rank: 26 MB into fresh pages at every save).
+    In fp32 on the CPU the masters are written where they lie (engine.master_views: at stages 1 and 2 this rank's
+    pieces of the parameter buffer; the writer takes a tensor's parts), not concatenated first. The copy the
+    concatenation made was 22% of a sync save's time in its profile (bench ckpt --quick, one rank: 26 MB into fresh
+    pages at every save).
     """
-    if engine.master is None and engine.stage != 3 and engine.flat_params.device.type == "cpu":
-        return {"master": _master_pieces(engine), "exp_avg": engine.exp_avg, "exp_avg_sq": engine.exp_avg_sq,
+    if engine.master is None and engine.flat_params.device.type == "cpu":
+        return {"master": engine.master_views(), "exp_avg": engine.exp_avg, "exp_avg_sq": engine.exp_avg_sq,
                 "step": torch.tensor([engine.step_count], dtype=torch.int64)}
     return engine.shard_state_dict()
-
-
-def _master_pieces(engine: ZeroEngine) -> list[torch.Tensor]:
-    """This DP rank's pieces of the fp32 parameter buffer (its masters, in shard order), adjacent ones as one view."""
-    runs: list[list[int]] = []
-    for p in engine.layout.owned_pieces(engine.dp.rank):
-        if runs and runs[-1][1] == p.start:
-            runs[-1][1] = p.end
-        else:
-            runs.append([p.start, p.end])
-    return [engine.flat_params.detach()[a:z] for a, z in runs]
 
 
 class _Staging:
@@ -421,7 +411,6 @@ class _Staging:
     def __init__(self, engine: ZeroEngine, rank: int, world_size: int):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
-        self.dp_rank = engine.dp.rank  # which chunks of each bucket this rank owns: its rank in the DP group
         self.device = engine.flat_params.device
         self.copy_in_background = self.device.type == "cpu"
         pin = self.device.type == "cuda"
@@ -434,16 +423,12 @@ class _Staging:
         return engine.layout is self.layout and engine.flat_params.device == self.device
 
     def copy_from(self, engine: ZeroEngine, step_count: int) -> None:
-        L, non_blocking = self.layout, not self.copy_in_background  # CUDA: queued, not waited for
+        non_blocking = not self.copy_in_background  # CUDA: queued, not waited for
         with torch.no_grad():
-            if engine.master is not None:
-                self.master.copy_(engine.master, non_blocking=non_blocking)
-            elif engine.stage == 3:  # fp32 at stage 3: the parameter buffer is the shard of masters
-                self.master.copy_(engine.flat_params, non_blocking=non_blocking)
-            else:  # fp32: the masters are this rank's pieces of the parameter buffer
-                for p in L.owned_pieces(self.dp_rank):
-                    self.master[p.shard_offset : p.shard_offset + p.numel].copy_(engine.flat_params[p.start : p.end],
-                                                                                  non_blocking=non_blocking)
+            at = 0
+            for part in engine.master_views():  # the masters where they lie, in shard order
+                self.master[at : at + part.numel()].copy_(part, non_blocking=non_blocking)
+                at += part.numel()
             self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
             self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
             # expert parallelism: the expert engine's shard, copied whole (it is a fraction of the experts)

@@ -16,7 +16,7 @@ from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, no usage dump
         if message.startswith("unrecognized arguments: "):
             message += _did_you_mean(message.split(": ", 1)[1].split()[0], self)

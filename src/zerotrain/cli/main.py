@@ -9,7 +9,7 @@ import sys
 from zerotrain import __version__
 from zerotrain.errors import ConfigError
 
-from .flags import _Parser
+from .flags import Parser
 
 
 DESCRIPTION = ("Train GPT language models data- and tensor-parallel on torch.distributed with a ZeRO optimizer (stages 1-3), "
@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands import export_model as export
     from .commands import verify_checkpoint as verify
 
-    parser = _Parser(prog="zerotrain", description=DESCRIPTION)
+    parser = Parser(prog="zerotrain", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"zerotrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)

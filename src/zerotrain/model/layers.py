@@ -6,7 +6,7 @@ Each block's two matrix pairs are split across the T ranks of a TP group so that
 one all-reduce forward and one backward per pair:
 
     column-parallel input:   identity forward, all-reduce of the input gradient backward  (_CopyToTP)
-    row-parallel output:     all-reduce of the partial sums forward, identity backward   (_ReduceFromTP)
+    row-parallel output:     all-reduce of the partial sums forward, identity backward   (ReduceFromTP)
 
 A `TPSlice` says which ranges of the full tensor a rank holds; an architecture's TP plan maps its
 split parameters to slices, which is what the layers take and what checkpoints record and reassemble.
@@ -89,7 +89,7 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
     """After a row-parallel layer: the output is the sum of every rank's partial product."""
 
     @staticmethod
@@ -149,7 +149,7 @@ def copy_to_tp(x: torch.Tensor, comm, purpose: str = "all_reduce_tp_grads") -> t
 def reduce_from_tp(x: torch.Tensor, comm) -> torch.Tensor:
     """The sum over the TP group (`comm`) of each rank's partial `x` (a row-parallel product's), identity backward;
     `x` itself without one."""
-    return x if comm is None else _ReduceFromTP.apply(x, comm)
+    return x if comm is None else ReduceFromTP.apply(x, comm)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -181,7 +181,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.comm)
+        y = ReduceFromTP.apply(F.linear(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias
 
 

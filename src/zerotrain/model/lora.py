@@ -12,7 +12,7 @@ Under tensor parallelism the adapters follow their base's split (Megatron's rule
         gradient of x through A stays partial like the base's, for the copy_to_tp all-reduce that sums the input's.
         A KV head's base replicated on several TP ranks has its B replicated with it, its gradient summed likewise.
     row-parallel base (y = sum_r W_r x_r):  A split on the input like W, B replicated.  A's output is a partial
-        sum, all-reduced before B (as the base's output is, by _ReduceFromTP); B then sees the full, replicated input.
+        sum, all-reduced before B (as the base's output is, by ReduceFromTP); B then sees the full, replicated input.
 
 The full A is drawn from the seed on every rank and each rank keeps its slice, so the adapters are the same at
 every TP degree and world size.
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import LoraConfig
 
-from .layers import ColumnParallelLinear, RowParallelLinear, TPSlice, _ReduceFromTP, copy_to_tp, sum_over_replicas
+from .layers import ColumnParallelLinear, ReduceFromTP, RowParallelLinear, TPSlice, copy_to_tp, sum_over_replicas
 
 
 def lora_scale(cfg: LoraConfig) -> float:
@@ -57,7 +57,7 @@ class LoRADown(nn.Module):
         if self.split == "column":
             return F.linear(x, sum_over_replicas(self.weight, self.comm, "all_reduce_tp_grads"))
         h = F.linear(x, self.weight)
-        return _ReduceFromTP.apply(h, self.comm) if self.split == "row" else h
+        return ReduceFromTP.apply(h, self.comm) if self.split == "row" else h
 
 
 class LoRAUp(nn.Module):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import TPSlice, _ReduceFromTP, blocks, copy_to_tp
+from .layers import ReduceFromTP, TPSlice, blocks, copy_to_tp
 
 IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
@@ -131,7 +131,7 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return _ReduceFromTP.apply(x, self.comm, "all_reduce_tp_embedding")  # each rank's rows, summed
+        return ReduceFromTP.apply(x, self.comm, "all_reduce_tp_embedding")  # each rank's rows, summed
 
 
 class _GatherFromTP(torch.autograd.Function):

@@ -3,11 +3,13 @@ collectives."""
 
 from .comm import Comm
 from .experts import ExpertParallelEngine, build_expert_groups, expert_bytes, shard_experts
-from .engine import GradientOrderError, StaleParameterError, ZeroEngine, layout_of, stage2_bucket_budget
+from .engine import GradientOrderError, ZeroEngine, layout_of, stage2_bucket_budget
 from .layout import Bucket, ParamSlot, ShardLayout, ShardPiece
 from .mesh import Mesh
-from .zero3 import FrozenCopy, ReleasedParameterError, ZeroThreeEngine, shard_frozen_copy
+from .params import ParameterPlacement, StaleParameterError
+from .replicated import ReplicatedParameters
+from .zero3 import FrozenCopy, ReleasedParameterError, ShardedParameters, shard_frozen_copy
 
-__all__ = ["Bucket", "Comm", "ExpertParallelEngine", "build_expert_groups", "expert_bytes", "shard_experts", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ReleasedParameterError", "ShardLayout", "ShardPiece",
+__all__ = ["Bucket", "Comm", "ExpertParallelEngine", "build_expert_groups", "expert_bytes", "shard_experts", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ParameterPlacement", "ReleasedParameterError", "ReplicatedParameters", "ShardLayout", "ShardPiece", "ShardedParameters",
            "StaleParameterError",
-           "ZeroEngine", "ZeroThreeEngine", "layout_of", "shard_frozen_copy", "stage2_bucket_budget"]
+           "ZeroEngine", "layout_of", "shard_frozen_copy", "stage2_bucket_budget"]

@@ -1,4 +1,4 @@
-"""The ZeRO engine (stages 1 and 2; zero3.py builds stage 3 on it): flat layout, buckets, reduce-scatter, AdamW.
+"""The ZeRO engine, one algorithm at stages 1, 2 and 3: flat layout, buckets, reduce-scatter, AdamW.
 
 Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
 each bucket is padded to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's
@@ -41,8 +41,14 @@ zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits
 forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
 waiting, in bucket order on every rank (_end_backward). Where another collective shares the backward with the
 reduce-scatters (stage 3's gathers, expert parallelism's all-to-alls), a bucket also waits until its unit's backward
-has begun on this rank (gate_by_units, begin_unit_backward): a point every rank reaches in the same order, so that a
+has begun on this rank (schedule_by_units, begin_unit_backward): a point every rank reaches in the same order, so that a
 rank expecting fewer gradients than another does not send the bucket earlier.
+
+Where the parameters live is the stage's (params.ParameterPlacement): at stages 1 and 2 every rank holds the whole
+flat buffer and all-gathers it after each update (replicated.py); at stage 3 a rank holds its owned chunks only and
+each unit's buckets are gathered while it runs (zero3.py), whose reductions start by units (schedule_by_units). The
+engine calls its placement at fixed points and never asks which stage it has for that; what it does ask the stage
+number is how gradients are held: whole (stage 1) or in buckets reduced in backward (stages 2 and 3).
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
 their own tensors (stage 3 shards them too: zero3.py), have no gradients or optimizer state and are never reduced;
@@ -57,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -67,19 +72,21 @@ from zerotrain.model import is_decayed
 
 from . import grad_norm
 from .comm import Comm
-from .digest import tensor_digest
 from .layout import ShardLayout
 from .mesh import Mesh
 from .optim import build_adamw
+from .params import (OwnedPiece, ParameterPlacement, StaleParameterError, frozen_parameters, in_backward,
+                     param_dtype, trainable_parameters)
+from .replicated import ReplicatedParameters
 from .tp_slices import full_tensors
+from .zero3 import ShardedParameters
+
+__all__ = ["GradientOrderError", "StaleParameterError", "ZeroEngine", "keeps_autograd_grads", "layout_of",
+           "stage2_bucket_budget"]
 
 
 class GradientOrderError(ZeroTrainError):
     """A gradient arrived for a bucket whose reduce-scatter had already started."""
-
-
-class StaleParameterError(ZeroTrainError):
-    """A parameter was used while the all-gather bringing its new value was still in flight."""
 
 
 def stage2_bucket_budget(layout: ShardLayout) -> int:
@@ -103,40 +110,8 @@ def keeps_autograd_grads(stage: int, precision: str, dp_size: int, tp_size: int)
     return stage == 1 and precision == "fp32" and dp_size == 1 and tp_size == 1
 
 
-def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:
-    """Make parameter `p` a view of `view`'s storage, in place (a parameter on the meta device is swapped for one:
-    its identity, the tie of a tied head and every reference to it stay)."""
-    if p.is_meta:
-        torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
-    else:
-        p.data = view
-
-
-def trainable_parameters(model: torch.nn.Module, select=None) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
-
-
-def frozen_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-
-
-@dataclass
-class _Piece:
-    """A run of this rank's owned values with one weight-decay setting: one AdamW 'parameter'."""
-
-    flat_lo: int
-    flat_hi: int
-    shard_lo: int
-    decay: bool
-
-    @property
-    def shard_hi(self) -> int:
-        return self.shard_lo + self.flat_hi - self.flat_lo
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread now."""
-    return torch._C._current_graph_task_id() != -1
+# Where each stage keeps its parameters (params.ParameterPlacement)
+PLACEMENTS = {1: ReplicatedParameters, 2: ReplicatedParameters, 3: ShardedParameters}
 
 
 class ZeroEngine:
@@ -159,14 +134,15 @@ class ZeroEngine:
         device: torch.device | str | None = None,
         select=None,
     ):
-        """ZeRO stage `stage` (1 or 2; 3 is ZeroThreeEngine's) shards over `dp`, the data-parallel group (of `mesh`
-        when there is one).
+        """ZeRO stage `stage` (1, 2 or 3) shards over `dp`, the data-parallel group (of `mesh` when there is one).
 
-        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway. `grad_reduce`
-        "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets into the shard, which accumulates.
-        A model built on the meta device (model.meta_model) is filled straight into the flat buffers on `device` from
-        `init` (model/init.py's SeedValues, or --init-from's FileValues), one parameter at a time; a model with
-        values keeps them (every rank's must be equal: nothing is broadcast).
+        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway; at stage 3 it
+        prefetches the next unit's gather one unit ahead (--overlap on), and stage 3 always reduces in backward
+        (`reduce_in_backward` is stages 1's and 2's). `grad_reduce` "micro-batch" (stages 2 and 3) reduce-scatters
+        every micro-batch's buckets into the shard, which accumulates. A model built on the meta device
+        (model.meta_model) is filled straight into the placement's buffers on `device` from `init` (model/init.py's
+        SeedValues, or --init-from's FileValues): at stages 1 and 2 one parameter at a time, at stage 3 only the
+        ranges this rank owns; a model with values keeps them (every rank's must be equal: nothing is broadcast).
 
         `select(name)`: the trained parameters this engine holds (all by default). Expert parallelism
         (parallel/experts.py) runs two engines over one model: the dense parameters, and the experts over their own
@@ -176,11 +152,13 @@ class ZeroEngine:
         self.mesh = mesh or Mesh.single(dp)
         self.precision, self.stage = precision, stage
         self.per_micro_batch = grad_reduce == "micro-batch" and stage >= 2
-        self.reduce_in_backward, self.gather_in_forward = reduce_in_backward, gather_in_forward
+        self.reduce_in_backward = reduce_in_backward or stage == 3
+        self.gather_in_forward = gather_in_forward and stage < 3  # stage 3's: its placement's prefetch
         self.layout = layout_of(model, dp.world_size, bucket_numel, select)
-        self._select = select
+        self.select = select
         by_name = dict(model.named_parameters())
         self.params = [by_name[s.name] for s in self.layout.slots]
+        self.slot_of = {id(p): s for s, p in zip(self.layout.slots, self.params)}
         # name -> TPSlice of the trained parameters this engine holds split by TP; the frozen ones' (model_slices) only
         # for invariant (b)
         self.model_slices = getattr(model, "tp_slices", {})
@@ -189,82 +167,70 @@ class ZeroEngine:
         self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
         self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)
-        self._materialise_outside_layout()
-        self._build_flat_buffers()
+        self.placement: ParameterPlacement = PLACEMENTS[stage](self, bucket_numel=bucket_numel,
+                                                               gather_in_forward=gather_in_forward)
+        self.flat_params = self.placement.flat_params
         # What building this rank's buffers took from the source: bytes read from --init-from's files, values drawn
         # from the seed (the run's init_bytes_read and init_values_drawn, per rank)
         self.init_bytes_read = getattr(init, "bytes_read", 0)
         self.init_values_drawn = getattr(init, "values_drawn", 0)
         self._init = None  # the source is read only while the buffers are built
-        self._sliced_flat, self._replicated_flat = self._split_by_tp(self.layout.slots)
+        self.sliced_ranges, self.replicated_ranges = self._split_by_tp(self.layout.slots)
         # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
         # in the norm by the first of them only.
         t = self.mesh.tp_rank
-        self._kv_shared_flat = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
-                                                  and self.tp_slices[s.name].holders(t) > 1])[0]
+        self.kv_shared_ranges = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
+                                                   and self.tp_slices[s.name].holders(t) > 1])[0]
         counted = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
                                      and self.tp_slices[s.name].first_holder(t) == t])[0]
         # The shard ranges whose squared gradients this rank adds to the global norm (_counted_grad_sumsq).
-        self._sumsq_ranges = self._owned(counted) + (self._owned(self._replicated_flat) if t == 0 else [])
+        self._sumsq_ranges = self._owned(counted) + (self._owned(self.replicated_ranges) if t == 0 else [])
+        self._build_grad_buffers()
         self._build_optimizer()
         self._register_hooks()
+        self.placement.attach()
 
-    def _build_flat_buffers(self) -> None:
-        """Parameters (and stage 1's gradients) become views into flat buffers: no per-step copies or allocations."""
-        L, device = self.layout, self.device
-        param_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        self.flat_params = torch.zeros(L.padded_numel, dtype=param_dtype, device=device)
-        # Stage 2: no full gradient buffer; a bucket's gradients live in _bucket_grads[index] while it fills.
-        flat_grads = self.stage == 1 and not self.grads_in_params
-        self.flat_grads = torch.zeros(L.padded_numel if flat_grads else 0, dtype=param_dtype, device=device)
-        # Stage 1 in fp32: each parameter's .grad is its view of flat_grads, except in the first micro-batch of a
-        # window, where autograd's own gradient is copied in (_take_first_grad): no zeroing and no addition to zeros
-        # (at 124M on one thread, two passes over 476 MiB a step fewer)
-        self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
-        self._awaiting: set[int] = set()  # the parameters whose first gradient of the window has not arrived
-        with torch.no_grad():
-            for s, p in zip(L.slots, self.params):
-                view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
-                view.copy_(self._initial_value(s.name, p))
-                adopt_view(p, view)
-                if flat_grads:
-                    p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
-                    if self._grad_views is not None:
-                        self._grad_views[id(p)] = p.grad
-            for _, p in self.frozen:  # computed with in the parameters' dtype, never updated
-                p.data = p.data.to(param_dtype)
-        # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
-        self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage == 2 else \
-            torch.zeros(L.padded_numel, device=device)
-        # A rank that owns every bucket whole (one DP rank) reduces nothing: in stage 1 its shard is the fp32
-        # gradient buffer itself, not a copy of it (at 124M: 476 MiB of gradients instead of 951); without TP,
-        # the parameters' own gradients (grads_in_params), and no shard tensor.
-        self.grad_shard = self.grad_accum if self.owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
-        self._bucket_grads: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its fp32 gradients, while held
-        self._bucket_budget = stage2_bucket_budget(self.layout)
-        self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
-
-    def _materialise_outside_layout(self) -> None:
-        """A parameter on the meta device that the flat buffers will not hold (a frozen one) gets its own tensor."""
-        in_layout = {s.name for s in self.layout.slots}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if p.is_meta and name not in in_layout and (self._select is None or self._select(name)):
-                    adopt_view(p, self._initial_value(name, p).to(self.device))
-
-    def _initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
+    def initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
-        device, else its own.
+        device, else its own. For the placement, while it builds its buffers.
 
         Nothing is broadcast (a DDP-style broadcast of rank 0's values would be a whole model of traffic at start-up,
         and would hide an init that depends on the rank): every rank computes, or reads, the same values.
         """
         return self._init.values(name, tuple(p.shape)) if p.is_meta else p.detach()
 
-    def _initial_range(self, name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    def initial_range(self, name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Values [lo, hi) of parameter `name`'s initial values on this rank flattened: from the init source, which
         reads or draws that range alone, for a model on the meta device, else from its own."""
         return self._init.flat_values(name, tuple(p.shape), lo, hi) if p.is_meta else p.detach().reshape(-1)[lo:hi]
+
+    def _build_grad_buffers(self) -> None:
+        """Stage 1's gradients: views into one flat buffer (no per-step copies or allocations). Stages 2 and 3 keep a
+        bucket's gradients in _bucket_grads[index] while it fills, and the shard."""
+        L, device = self.layout, self.device
+        flat_grads = self.stage == 1 and not self.grads_in_params
+        self.flat_grads = torch.zeros(L.padded_numel if flat_grads else 0, dtype=param_dtype(self.precision),
+                                      device=device)
+        # Stage 1 in fp32: each parameter's .grad is its view of flat_grads, except in the first micro-batch of a
+        # window, where autograd's own gradient is copied in (_take_first_grad): no zeroing and no addition to zeros
+        # (at 124M on one thread, two passes over 476 MiB a step fewer)
+        self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
+        self._awaiting: set[int] = set()  # the parameters whose first gradient of the window has not arrived
+        if flat_grads:
+            for s, p in zip(L.slots, self.params):
+                p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
+                if self._grad_views is not None:
+                    self._grad_views[id(p)] = p.grad
+        # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
+        self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage >= 2 else \
+            torch.zeros(L.padded_numel, device=device)
+        # A rank that owns every bucket whole (one DP rank) reduces nothing: in stage 1 its shard is the fp32
+        # gradient buffer itself, not a copy of it (at 124M: 476 MiB of gradients instead of 951); without TP,
+        # the parameters' own gradients (grads_in_params), and no shard tensor.
+        self.grad_shard = self.grad_accum if self.owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
+        self._bucket_grads: dict[int, torch.Tensor] = {}  # stages 2 and 3: bucket -> its fp32 gradients, while held
+        self._bucket_budget = stage2_bucket_budget(self.layout)
+        self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
     @property
     def owns_whole_buckets(self) -> bool:
@@ -281,20 +247,20 @@ class ZeroEngine:
         """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
         L, device = self.layout, self.flat_params.device
         W, rank = self.dp.world_size, self.dp.rank
-        self._pieces: list[_Piece] = []
+        self._pieces: list[OwnedPiece] = []
         if self.grads_in_params:  # one piece per parameter, whose .grad is its gradient (the shard is the buffer)
-            self._pieces = [_Piece(s.offset, s.offset + s.numel, s.offset, s.decay) for s in L.slots]
+            self._pieces = [OwnedPiece(s.offset, s.offset + s.numel, s.offset, s.decay) for s in L.slots]
         else:
             for b in L.buckets:
                 lo, hi = b.chunk(rank, W)
                 for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
                     if z > a:
-                        self._pieces.append(_Piece(a, z, b.shard_offset + a - lo, decay))
+                        self._pieces.append(OwnedPiece(a, z, b.shard_offset + a - lo, decay))
         self.master = None
         if self.precision == "bf16":
             self.master = torch.empty(L.shard_numel, device=device)
             for pc in self._pieces:
-                self.master[pc.shard_lo : pc.shard_hi] = self._owned_params(pc).float()
+                self.master[pc.shard_lo : pc.shard_hi] = self.placement.owned_values(pc).float()
         self.exp_avg = torch.zeros(L.shard_numel, device=device)
         self.exp_avg_sq = torch.zeros(L.shard_numel, device=device)
         self._master_views = []
@@ -319,18 +285,15 @@ class ZeroEngine:
                 "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
             }
 
-    def _master_of(self, pc: _Piece) -> torch.Tensor:
+    def _master_of(self, pc: OwnedPiece) -> torch.Tensor:
         """The fp32 master values of piece `pc`: in fp32 the owned parameter values themselves (an alias)."""
         if self.master is None:
-            return self._owned_params(pc)
+            return self.placement.owned_values(pc)
         return self.master[pc.shard_lo : pc.shard_hi]
 
-    def _owned_params(self, pc: _Piece) -> torch.Tensor:
-        """The parameter values of piece `pc` (a view of the flat buffer)."""
-        return self.flat_params[pc.flat_lo : pc.flat_hi]
-
     def _register_hooks(self) -> None:
-        """Bucket bookkeeping, and the hooks that launch reduce-scatters in backward and wait in forward."""
+        """Bucket bookkeeping, and the hooks that take each gradient and launch reduce-scatters in backward (the
+        placement registers its own after these: ParameterPlacement.attach)."""
         L = self.layout
         self._sync = True
         self._ready = [0] * len(L.buckets)
@@ -345,25 +308,22 @@ class ZeroEngine:
         # output reaches (_reached_by_forward); every one of them when no forward said.
         self._expected = list(self._bucket_sizes)
         self._reached: set[int] | None = None
-        # Where a bucket may start (gate_by_units): the unit whose backward must have begun on this rank first, a
+        # Where a bucket may start (schedule_by_units): the unit whose backward must have begun on this rank first, a
         # point every rank of the group reaches in the same order; None: wherever its gradients are in
         self._bucket_unit: list[int] | None = None
+        self._open_units: set[int] = set()  # units whose buckets may start from the backward's beginning
         self._begun: set[int] = set()  # the units whose backward has begun in this backward
+        # per unit: the forwards since the last backward whose unit input will get a gradient, and of those the ones
+        # whose unit's backward has ended (_unit_done); empty unless schedule_by_units watches the units' inputs
+        self._forwards: list[int] = []
+        self._done: list[int] = []
         self._pending: list = []  # their async work handles, dropped once waited for
-        self._slot_of = {id(p): s for s, p in zip(L.slots, self.params)}
-        self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
         if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage >= 2 or \
                 self._grad_views is not None:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.stage >= 2:
             self.model.register_forward_hook(self._reached_by_forward)
-        if self.gather_in_forward:
-            for module in self.model.modules():
-                buckets = sorted({self._slot_of[id(p)].bucket for p in module.parameters(recurse=False)
-                                  if id(p) in self._slot_of})
-                if buckets:
-                    module.register_forward_pre_hook(lambda _m, _args, b=tuple(buckets): self.wait_params(b))
 
     def _split_by_tp(self, slots) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The flat buffer's ranges of TP-sliced values and of the rest (replicated values and padding)."""
@@ -426,14 +386,11 @@ class ZeroEngine:
         self._awaiting.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self._at_end_of_backward()  # every backward ends in _end_backward, which tells the placement
         if self._grad_views is not None:
             self._take_first_grad(p)
-        s = self._slot_of[id(p)]
-        if s.bucket in self._gathering:
-            # Forward read this parameter before its all-gather finished: the gradient is of stale values.
-            raise StaleParameterError(
-                f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
-                "before reading parameters outside the model's forward")
+        s = self.slot_of[id(p)]
+        self.placement.gradient_arrived(p, s)
         if self.grads_in_params:
             return  # autograd's gradient is the gradient: nothing to take, add or send
         if self.stage >= 2:
@@ -458,28 +415,69 @@ class ZeroEngine:
 
     def launch_ready(self) -> None:
         """Launch the buckets whose expected gradients are all in (none expected: at once), in bucket order only, so
-        that every rank issues the same reduce-scatters in the same order; with gate_by_units, only those whose unit's
-        backward has begun (begin_unit_backward, which calls this for a rank whose parameters may get no gradient)."""
+        that every rank issues the same reduce-scatters in the same order; with schedule_by_units, only those whose
+        unit's backward has begun (begin_unit_backward, which calls this for a rank whose parameters may get no
+        gradient)."""
         while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched] \
                 and self._may_start(self._launched):
             self._launch(self._launched)
 
-    def gate_by_units(self, bucket_units: list[int]) -> None:
+    def schedule_by_units(self, bucket_units: list[int], *, open_units=(), units=None) -> None:
         """Start bucket i's reduce-scatter only once the backward of unit bucket_units[i] has begun on this rank
-        (begin_unit_backward): expert parallelism's experts at stages 1 and 2, whose replica group must not see a rank
-        whose experts got no rows send its buckets before the others can (their all-to-alls between)."""
+        (begin_unit_backward), a point every rank of the group reaches in the same order, or from the backward's
+        beginning for a unit in `open_units`: so that a rank expecting fewer gradients than another (an expert with no
+        rows here) does not send a bucket earlier, where another collective shares the backward (stage 3's gathers,
+        expert parallelism's all-to-alls). With `units` (each unit's modules, in forward order: zero3.model_units),
+        every bucket of a unit and of the units after it starts at the latest when the gradient of the unit's input is
+        complete (FSDP2's post-backward point, counted over the forwards of the backward): its gradients that did not
+        arrive are zeros."""
         self._bucket_unit = list(bucket_units)
+        self._open_units = set(open_units)
+        if units is not None:
+            self._forwards, self._done = [0] * len(units), [0] * len(units)
+            for index, unit in enumerate(units):
+                unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._watch_unit_input(u, args))
 
     def begin_unit_backward(self, unit: int) -> None:
-        """`unit`'s backward begins here, at the same point of every rank's backward: the backward joined
-        (join_backward) and the buckets that may start now launched (launch_ready)."""
+        """`unit`'s backward begins here, at the same point of every rank's backward: the placement holds it for its
+        backward (stage 3 gathers it), the backward is joined (join_backward) and the buckets that may start now
+        are launched (launch_ready)."""
+        self.placement.enter_backward(unit)
         if unit not in self._begun:
             self._begun.add(unit)
             if self.join_backward():
                 self.launch_ready()
 
     def _may_start(self, index: int) -> bool:
-        return self._bucket_unit is None or self._bucket_unit[index] in self._begun
+        if self._bucket_unit is None:
+            return True
+        unit = self._bucket_unit[index]
+        return unit in self._begun or unit in self._open_units
+
+    def _watch_unit_input(self, unit: int, args) -> None:
+        """A forward of `unit` that will be differentiated: the gradient of its input says where every rank's backward
+        of the unit has ended (_unit_done)."""
+        if in_backward() or not torch.is_grad_enabled():
+            return
+        x = args[0] if args else None
+        if unit > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+            self._forwards[unit] += 1
+            x.register_hook(lambda _grad, u=unit: self._unit_done(u))
+
+    def _unit_done(self, unit: int) -> None:
+        """The gradient of `unit`'s input is complete (in every forward of this backward): every bucket of it and of
+        the units after it is launched now, in bucket order, whatever gradients this rank got (none: zeros)."""
+        self._done[unit] += 1
+        self._at_end_of_backward()
+        if self._done[unit] != self._forwards[unit] or not self.join_backward():
+            return
+        self._begun.add(unit)
+        while self._launched < len(self._ready) and self._bucket_unit[self._launched] >= unit:
+            self._launch(self._launched)
+
+    def _reset_unit_counts(self) -> None:
+        self._forwards = [0] * len(self._forwards)
+        self._done = [0] * len(self._done)
 
     def join_backward(self) -> bool:
         """In a backward: whether it reduces (the window's last, or each with --grad-reduce micro-batch, where buckets
@@ -493,14 +491,20 @@ class ZeroEngine:
         self._at_end_of_backward()
         return True
 
+    @property
+    def reached_parameters(self) -> set[int] | None:
+        """The ids of the trained parameters the forwards since the last backward reached (None: not walked)."""
+        return self._reached
+
     def _reached_by_forward(self, _module, _args, output) -> None:
-        """Stages 2 and 3, after a forward whose backward reduces: the trained parameters its output's autograd graph
-        reaches, the ones backward will give a gradient (as DDP's find_unused_parameters finds them). A bucket then
-        waits only for those: one holding a parameter that no gradient will reach (a skipped module's, an unrouted
-        expert's) is reduced as soon as the ones that will are in, not held (with every bucket after it) to the end of
-        the backward. In the usual step, which reaches every parameter, this changes nothing. Several forwards before
-        one backward add up; a compiled forward is not walked (every parameter is waited for, as before)."""
-        if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.stage == 3)) or \
+        """Stages 2 and 3, after a forward whose backward reduces (at stage 3, every forward: its units are released
+        by their gradients): the trained parameters its output's autograd graph reaches, the ones backward will give a
+        gradient (as DDP's find_unused_parameters finds them). A bucket then waits only for those: one holding a
+        parameter that no gradient will reach (a skipped module's, an unrouted expert's) is reduced as soon as the
+        ones that will are in, not held (with every bucket after it) to the end of the backward. In the usual step,
+        which reaches every parameter, this changes nothing. Several forwards before one backward add up; a compiled
+        forward is not walked (every parameter is waited for, as before)."""
+        if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.placement.gathers_units)) or \
                 in_backward() or torch.compiler.is_compiling():
             return
         reached = self._reached if self._reached is not None else set()
@@ -532,7 +536,8 @@ class ZeroEngine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """The end of a backward that reduces (the window's last, or each with --grad-reduce micro-batch).
+        """The end of a backward: where it reduces (the window's last, or each with --grad-reduce micro-batch), its
+        reductions are all launched; then the placement is told (stage 3 releases every unit).
 
         A parameter that got no gradient in it (a conditional module's, an expert no token was routed to) never
         completed its bucket: its gradient is zero. Stages 2 and 3 launch the buckets still waiting now, in bucket
@@ -543,19 +548,20 @@ class ZeroEngine:
         zero_grad is the caller's mistake (_late_gradient)."""
         self._end_queued = False
         self._begun.clear()
-        if not self._reduces_now:
-            return
-        self._reduces_now = False
-        if self.stage >= 2:
-            while self._launched < len(self._ready):
-                self._launch(self._launched)
+        if self._reduces_now:
+            self._reduces_now = False
+            if self.stage >= 2:
+                while self._launched < len(self._ready):
+                    self._launch(self._launched)
+            if self.per_micro_batch:  # this micro-batch's share is sent
+                self._finish_reduces()
+                self._ready = [0] * len(self._ready)
+                self._launched = 0
+            else:
+                self._window_reduced = True
         self._expected, self._reached = list(self._bucket_sizes), None
-        if self.per_micro_batch:  # this micro-batch's share is sent
-            self._finish_reduces()
-            self._ready = [0] * len(self._ready)
-            self._launched = 0
-        else:
-            self._window_reduced = True
+        self._reset_unit_counts()
+        self.placement.end_backward()
 
     def _late_gradient(self, name: str, bucket: int) -> str:
         """What GradientOrderError says: the caller's mistake when an earlier backward already reduced the window
@@ -591,7 +597,7 @@ class ZeroEngine:
             self._release(index)
 
     def _bucket_grad(self, index: int) -> torch.Tensor:
-        """Stage 2: bucket `index`'s fp32 gradient buffer, allocated (zeroed) when its first gradient arrives."""
+        """Stages 2 and 3: bucket `index`'s fp32 gradient buffer, allocated (zeroed) when its first gradient arrives."""
         grads = self._bucket_grads.get(index)
         if grads is None:
             b = self.layout.buckets[index]
@@ -607,7 +613,7 @@ class ZeroEngine:
         return sum(t.numel() * t.element_size() for t in self._bucket_grads.values())
 
     def _release(self, index: int) -> None:
-        """Stage 2: bucket `index`'s gradients are in the shard; its full-size buffer goes."""
+        """Stages 2 and 3: bucket `index`'s gradients are in the shard; its full-size buffer goes."""
         self._bucket_grads.pop(index, None)
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -648,6 +654,8 @@ class ZeroEngine:
         self._end_queued = self._reduces_now = self._window_reduced = False
         self._expected, self._reached = list(self._bucket_sizes), None
         self._begun.clear()
+        self._reset_unit_counts()
+        self.placement.reset_window()  # no unit running or counting gradients (after a normal step, none is)
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
@@ -667,6 +675,7 @@ class ZeroEngine:
 
     def finish_grads(self) -> torch.Tensor:
         """Finish this window's gradient reduction; the squares this rank adds to the global norm (reduce_grads)."""
+        self.placement.release()  # nothing stays gathered past the backward (stage 3)
         if self.grads_in_params:
             self._zero_grads_not_given()
         if self._awaiting:
@@ -712,11 +721,12 @@ class ZeroEngine:
         return grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
 
     def apply(self, lr: float, grad_norm: float) -> None:
-        """Clip by the global norm, AdamW on this rank's shard, all-gather the updated parameters.
+        """Clip by the global norm, AdamW on this rank's shard, and the parameters follow (the placement's
+        after_update: stages 1 and 2 all-gather every bucket, stage 3 gathers each unit when next used).
 
         With `gather_in_forward` the all-gather is still in flight on return (see `wait_params`).
         """
-        self.wait_params()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
+        self.placement.before_update()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
         clip = self.optim_cfg.grad_clip
         if self.grads_in_params:
             for m, p in zip(self._master_views, self.params):
@@ -733,60 +743,38 @@ class ZeroEngine:
         self._publish_params(wait=not self.gather_in_forward)
 
     def _publish_params(self, wait: bool = True) -> None:
-        """Write the owned master values into the parameter buffer and all-gather every bucket.
-
-        Buckets are launched in forward order (the layout is reverse-forward), so the first module's
-        parameters arrive first. Callers have finished the previous all-gathers (`wait_params`).
-        """
+        """The owned values updated (or loaded): in bf16 the fp32 masters rounded into them, then the placement's
+        after_update (the all-gather of every bucket at stages 1 and 2)."""
         if self.master is not None:
             for pc in self._pieces:
-                self.flat_params[pc.flat_lo : pc.flat_hi] = self.master[pc.shard_lo : pc.shard_hi]
-        for b in reversed(self.layout.buckets):
-            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
-            bucket = self.flat_params[b.start : b.end]
-            self._gathering[b.index] = self.dp.all_gather(
-                bucket, self.flat_params[lo:hi], "all_gather_params", async_op=True)
-        if wait:
-            self.wait_params()
+                self.placement.owned_values(pc).copy_(self.master[pc.shard_lo : pc.shard_hi])
+        self.placement.after_update(wait)
 
     def wait_params(self, buckets=None) -> None:
         """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
-        if not self._gathering:
-            return
-        for index in list(self._gathering) if buckets is None else buckets:  # launch order: forward order
-            work = self._gathering.pop(index, None)
-            if work is not None:
-                work.wait()
+        self.placement.wait(buckets)
 
     # ---------------------------------------------------------------- state
     def param_digests(self) -> torch.Tensor:
-        """Digests of [replicated parameters, this rank's TP slices], one row each, computed on the buffer's device;
-        with KV heads on several TP ranks, a third row: this rank's slices of them.
+        """Digests of [replicated parameters, this rank's TP slices], one row each, (with KV heads on several TP
+        ranks, a third row: this rank's slices of them): equal rows mean bitwise equal values (digest.tensor_digest).
+        Replicated rows must match on every rank, sliced rows across each DP group, KV rows across each KV group.
+        Without TP everything is in the first row. Each stage digests where its parameters live (its placement)."""
+        return self.placement.digests()
 
-        Equal rows mean bitwise equal values (tensor_digest): replicated rows must match on every
-        rank, sliced rows across each DP group, KV rows across each KV group. Without TP everything is in the
-        first row.
-        """
-        self.wait_params()
-        flat = self.flat_params.detach()
-        if self.mesh.tp_size == 1:
-            rows = [tensor_digest(flat), torch.zeros(2, dtype=torch.int64, device=flat.device)]
-        else:
-            rows = [tensor_digest(flat, self._replicated_flat), tensor_digest(flat, self._sliced_flat)]
-            if self.mesh.kv_replicas > 1:
-                rows.append(tensor_digest(flat, self._kv_shared_flat))
-        if self.frozen:  # a LoRA run's base: the trained values' digest and each frozen tensor's, digested again
-            for row, sliced in enumerate((False, True)):
-                held = [tensor_digest(p.detach().reshape(-1)) for n, p in self.frozen
-                        if (n in self.model_slices) == sliced]
-                if held:
-                    rows[row] = tensor_digest(torch.cat([rows[row], *held]))
-        return torch.stack(rows)
+    @property
+    def param_peak_bytes(self) -> int:
+        """The most parameter bytes held at once so far (stage 3: the shard and the units whole)."""
+        return self.placement.param_peak_bytes
+
+    def param_bytes(self) -> int:
+        """Parameter bytes held now."""
+        return self.placement.param_bytes()
 
     def frozen_bytes(self) -> int:
-        """Bytes this rank holds for the frozen parameters (a LoRA run's base): the distinct storages of their tensors,
-        each whole at stages 1 and 2 (ZeroThreeEngine's: its shard of them)."""
-        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, p in self.frozen}.values())
+        """Bytes this rank holds for the frozen parameters (a LoRA run's base): each whole at stages 1 and 2, its
+        shard of them at stage 3."""
+        return self.placement.frozen_bytes()
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps
@@ -810,11 +798,14 @@ class ZeroEngine:
         return 8 if self.master is None else 12
 
     def master_shard(self) -> torch.Tensor:
-        """This rank's fp32 master values as one shard-length tensor (a copy in fp32 mode)."""
-        if self.master is not None:
-            return self.master
-        self.wait_params()
-        return self.layout.shard(self.flat_params, self.dp.rank)
+        """This rank's fp32 master values as one shard-length tensor (in fp32 at stages 1 and 2 a copy; at stage 3 the
+        shard itself)."""
+        return self.master if self.master is not None else self.placement.owned_shard(copy=False)
+
+    def master_views(self) -> list[torch.Tensor]:
+        """This rank's fp32 master values, in shard order, as views where they lie (no copy): the fp32 master shard,
+        or in fp32 the owned parts of the parameters (a checkpoint writes them as they are)."""
+        return [self.master] if self.master is not None else self.placement.owned_views()
 
     @property
     def param_count(self) -> int:
@@ -828,22 +819,24 @@ class ZeroEngine:
         return int(self.optimizer.state[m]["step"]) if m is not None else 0
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard: its masters (an independent copy in fp32), moments and step count."""
+        master = self.master if self.master is not None else self.placement.owned_shard(copy=True)
         return {
-            "master": self.master_shard().float().contiguous(),
+            "master": master.float().contiguous(),
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
             "step": torch.tensor([self.step_count], dtype=torch.int64),
         }
 
     def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Restore this rank's shard (same layout), then all-gather so parameters follow the masters."""
+        """Restore this rank's shard (same layout), then the parameters follow the masters."""
         self._check_shard(sd)
-        self.wait_params()
+        self.placement.before_update()
         with torch.no_grad():
             self._restore_optimizer_state(sd)
             if self.master is None:
                 for pc in self._pieces:
-                    self.flat_params[pc.flat_lo : pc.flat_hi] = sd["master"][pc.shard_lo : pc.shard_hi]
+                    self.placement.owned_values(pc).copy_(sd["master"][pc.shard_lo : pc.shard_hi])
             self._publish_params()
 
     def _check_shard(self, sd: dict[str, torch.Tensor]) -> None:
@@ -863,14 +856,18 @@ class ZeroEngine:
         if self.master is not None:
             self.master.copy_(sd["master"])
 
+    def gathered_flat(self) -> torch.Tensor:
+        """The whole padded flat buffer of parameters (at stage 3 gathered a bucket at a time: a collective of the DP
+        group)."""
+        return self.placement.gathered_flat()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's parameters in its state_dict names, fp32 on the CPU, one independent tensor each.
 
-        With TP the split tensors are gathered from the TP group: a collective every rank of this
-        rank's TP group calls together.
+        A collective: with TP the split tensors are gathered from the TP group, at stage 3 the buckets from the DP
+        group.
         """
-        self.wait_params()
-        return self.full_tensors(self.flat_params)
+        return self.full_tensors(self.gathered_flat())
 
     def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The full model's tensors, by name, fp32 on the CPU, from a buffer in this rank's flat layout.

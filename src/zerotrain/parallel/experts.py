@@ -49,9 +49,10 @@ import torch.distributed as dist
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
-from .engine import ZeroEngine, in_backward
+from .engine import ZeroEngine
 from .mesh import Mesh
-from .zero3 import ZeroThreeEngine, bucket_units, model_units
+from .params import in_backward
+from .zero3 import bucket_units, model_units
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -209,15 +210,15 @@ class ExpertParallelEngine:
     digests and state cover both."""
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
-        engine = ZeroThreeEngine if kwargs.get("stage") == 3 else ZeroEngine
-        self.dense = engine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n), **kwargs)
-        self.experts = engine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
-                              **kwargs)
+        self.dense = ZeroEngine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
+                                **kwargs)
+        self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
+                                  **kwargs)
         self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
         self._join_at_moe_output(model)
-        if engine is ZeroThreeEngine:
+        if self.dense.stage == 3:
             # the parameter peak is both engines' units whole at once
-            self.dense.param_bytes_beside, self.experts.param_bytes_beside = \
+            self.dense.placement.param_bytes_beside, self.experts.placement.param_bytes_beside = \
                 self.experts.param_bytes, self.dense.param_bytes
         elif kwargs.get("gather_in_forward", True):
             # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
@@ -239,8 +240,8 @@ class ExpertParallelEngine:
         the layer's experts are also gathered for its backward there (see the module docstring), not at the first
         expert weight the backward unpacks."""
         units = model_units(model)
-        if not isinstance(self.experts, ZeroThreeEngine):  # (stage 3 gates its buckets by unit itself)
-            self.experts.gate_by_units(bucket_units(model, self.experts.layout))
+        if self.experts.stage != 3:  # (stage 3 schedules its reductions by units itself)
+            self.experts.schedule_by_units(bucket_units(model, self.experts.layout))
         for moe in moe_layers(model):
             unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
             moe.register_forward_hook(self._on_moe_output(unit))
@@ -249,10 +250,8 @@ class ExpertParallelEngine:
         """The forward hook of the MoE layer in `unit`: its output's gradient gathers the unit's experts."""
 
         def arrived(_grad):
-            if isinstance(self.experts, ZeroThreeEngine):
-                self.experts.gather_for_backward(unit)  # which begins the unit's backward too
-            else:  # its reductions, whether its experts get gradients or not
-                self.experts.begin_unit_backward(unit)
+            # its reductions, whether its experts get gradients or not; at ZeRO-3 its experts gathered
+            self.experts.begin_unit_backward(unit)
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad and not in_backward():

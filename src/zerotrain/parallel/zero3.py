@@ -1,6 +1,7 @@
-"""ZeRO stage 3: each DP rank holds only its owned chunk of every parameter; a unit's buckets are whole only while used.
+"""ZeRO stage 3's parameters: each DP rank holds only its owned chunks; a unit's buckets are whole only while used.
 
-The flat layout is stage 1's and 2's (same buckets, same padding, same owned chunks), so the optimizer shard, the
+ShardedParameters is stage 3's ParameterPlacement (params.py): the engine (engine.py) is the same algorithm as at
+stages 1 and 2 and calls it at the same points. The flat layout is stage 1's and 2's (same buckets, same padding, same owned chunks), so the optimizer shard, the
 gradient norm's grid and the checkpoint are theirs too. What changes is where the parameters live:
 
     between steps          this rank's owned chunks only (`flat_params` is the shard: in fp32 the masters themselves;
@@ -73,7 +74,8 @@ With --tp the model holds this rank's TP slices and the replicated parameters, a
 group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
 in the block's backward, before the gradient reaches its bucket.
 
-The gradient path is stage 2's, addition for addition, so stage 3 computes bitwise the same step as stage 2 in the same
+The gradient path is the engine's, stage 2's addition for addition (the reductions only scheduled by units:
+engine.schedule_by_units), so stage 3 computes bitwise the same step as stage 2 in the same
 --grad-reduce mode (step or micro-batch, at any accumulation).
 """
 
@@ -90,9 +92,8 @@ from zerotrain.errors import ZeroTrainError
 from zerotrain.model import is_decayed
 
 from .digest import moved, tensor_digest
-from .engine import (StaleParameterError, ZeroEngine, _Piece, adopt_view, frozen_parameters, in_backward,
-                     stage2_bucket_budget)
 from .layout import ShardLayout
+from .params import OwnedPiece, StaleParameterError, adopt_view, frozen_parameters, in_backward, param_dtype
 
 
 class ReleasedParameterError(ZeroTrainError):
@@ -196,7 +197,7 @@ def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size:
     the backward) with the largest other unit, or with `prefetch` the largest two neighbouring ones (the one running
     and the one being gathered for next). A unit's backward gathers it after the next unit's last gradient has
     arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), or with frozen parameters
-    (`frozen`, their layout) after the next unit's release (ZeroThreeEngine.gather_for_backward), so without a
+    (`frozen`, their layout) after the next unit's release (ShardedParameters.enter_backward), so without a
     prefetch two of them are never whole together; the run's check of the plan would say so if they were.
     `beside`: the layout of a second engine over the same units (expert parallelism's experts), whose buckets are
     whole with the unit's."""
@@ -252,120 +253,98 @@ def storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-class ZeroThreeEngine(ZeroEngine):
-    """ZeRO stage 3 over `dp`: the engine's interface, with the parameters sharded too (see the module docstring)."""
+class ShardedParameters:
+    """The parameters of ZeRO stage 3 (params.ParameterPlacement): each rank holds its owned chunks, a unit's buckets
+    whole only while it runs (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, dp, optim, *, bucket_numel: int, precision: str = "fp32", mesh=None,
-                 grad_reduce="step", init=None, device=None, gather_in_forward: bool = False, select=None,
-                 **_ignored):
-        """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. _ignored: stage 1's
-        and 2's reduce_in_backward; stage 3 always reduces in backward. `select`: as ZeroEngine's; an engine over a
-        selection (expert parallelism's two) gathers, counts and releases only its own parameters' buckets in the
-        units, and holds no frozen ones."""
+    gathers_units = True
+
+    def __init__(self, engine, *, bucket_numel: int, gather_in_forward: bool):
+        """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. An engine over a
+        selection of the parameters (expert parallelism's two) gathers, counts and releases only its own parameters'
+        buckets in the units, and holds no frozen ones."""
+        self.engine = engine
         self.prefetch = gather_in_forward
-        if select is not None and frozen_parameters(model):
+        model, dp = engine.model, engine.dp
+        if engine.select is not None and frozen_parameters(model):
             raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")
         # The frozen parameters (a LoRA run's base) in a layout of their own, sharded like the trained ones
         self.frozen_layout = frozen_layout_of(model, dp.world_size, bucket_numel)
         # What other engines over the same units hold whole now (expert parallelism's other engine): counted into
         # param_peak_bytes at each gather, so that the peak is the units' whole at once, both engines' together
         self.param_bytes_beside: Callable[[], int] = lambda: 0
-        super().__init__(model, dp, optim, bucket_numel=bucket_numel, precision=precision, reduce_in_backward=True,
-                         gather_in_forward=False, mesh=mesh, stage=3, grad_reduce=grad_reduce,
-                         init=init, device=device, select=select)
+        self._materialise_outside_layout()
+        self._build_shards()
 
     # ---------------------------------------------------------------- building
-    def _build_flat_buffers(self) -> None:
+    def _build_shards(self) -> None:
         """The shard: for each parameter, its values (this rank's TP slice of them) where its flat range lies in
-        this rank's owned chunks, and only those read or drawn (the source's flat_values); a parameter with nothing
+        this rank's owned chunks, and only those read or drawn (the engine's initial_range); a parameter with nothing
         owned here is never computed or read. Every parameter becomes a view of its bucket's full-size buffer, whose
         storage is held only while gathered. The frozen parameters alike, in their own layout and shard
         (`frozen_shard`, in the run's precision from the first value), gathered with the units they belong to and
-        never reduced: bucket i of frozen_layout is bucket len(layout.buckets) + i of the engine's lists."""
-        L, device = self.layout, self.device
-        rank = self.dp.rank
+        never reduced: bucket i of frozen_layout is bucket len(layout.buckets) + i of the placement's lists."""
+        e = self.engine
+        L, device, rank = e.layout, e.device, e.dp.rank
         # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        dtype = param_dtype(e.precision)
         self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
-        by_name = dict(self.model.named_parameters())
+        by_name = dict(e.model.named_parameters())
         frozen = [by_name[s.name] for s in self.frozen_layout.slots]
         # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held while whole
         self.bucket_params: list[torch.Tensor] = \
-            shard_into_buckets(L, self.params, self.flat_params, rank, self._initial_range) + \
-            shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, self._initial_range)
-        self.flat_grads = torch.zeros(0, device=device)
-        self.grad_accum = self.flat_grads
-        self._grad_views, self._awaiting = None, set()  # gradients go to the buckets, as at stage 2
-        self.grad_shard = torch.zeros(L.shard_numel, device=device)
-        self._bucket_grads: dict[int, torch.Tensor] = {}
-        self._bucket_budget = stage2_bucket_budget(L)
-        self.grad_peak_bytes = self.grad_bytes()
+            shard_into_buckets(L, e.params, self.flat_params, rank, e.initial_range) + \
+            shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, e.initial_range)
         self.whole: set[int] = set()  # buckets whose buffers hold their values now
         self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
         self._updates = 0  # the shard's updates so far (steps applied, checkpoints loaded)
         self._gathered_at: dict[int, int] = {}  # bucket -> self._updates when its gather was launched
-        # Invariant (b) (param_digests): what the gathers after a check must give, and what they gave otherwise
+        # Invariant (b) (digests): what the gathers after a check must give, and what they gave otherwise
         self._expected_gathers = None
-        self._gather_drift = self._no_drift(1 if self.mesh.tp_size == 1 else 2 + (self.mesh.kv_replicas > 1))
+        self._gather_drift = self._no_drift(1 if e.mesh.tp_size == 1 else 2 + (e.mesh.kv_replicas > 1))
         self.param_peak_bytes = self.param_bytes()
 
     def _materialise_outside_layout(self) -> None:
         """A parameter on the meta device that neither layout holds gets its own tensor, in the run's precision (the
-        frozen parameters are sharded: _build_flat_buffers)."""
-        held = {s.name for s in self.layout.slots} | {s.name for s in self.frozen_layout.slots}
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        frozen parameters are sharded: _build_shards)."""
+        e = self.engine
+        held = {s.name for s in e.layout.slots} | {s.name for s in self.frozen_layout.slots}
+        dtype = param_dtype(e.precision)
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if self._select is not None and not self._select(name):
+            for name, p in e.model.named_parameters():
+                if e.select is not None and not e.select(name):
                     continue  # another engine's
                 if name not in held and p.is_meta:
-                    adopt_view(p, self._initial_value(name, p).to(self.device, dtype))
+                    adopt_view(p, e.initial_value(name, p).to(e.device, dtype))
                 elif name not in held and not p.requires_grad:
                     p.data = p.data.to(dtype)
 
-    def frozen_bytes(self) -> int:
-        """Bytes this rank holds for the frozen parameters now: its frozen shard, and whatever storage the frozen
-        parameters have of their own (none between steps: their buckets are released)."""
-        return storage_bytes([self.frozen_shard, *(p for _, p in self.frozen)])
-
-    def _bucket_source(self, index: int) -> tuple[ShardLayout, int, torch.Tensor, int]:
-        """Bucket `index` of the engine's lists: its layout, its index there, the shard it is gathered from, and where
-        its layout starts in the digests' positions (the frozen layout's after the trained one's)."""
-        B = len(self.layout.buckets)
-        if index < B:
-            return self.layout, index, self.flat_params, 0
-        return self.frozen_layout, index - B, self.frozen_shard, self.layout.padded_numel
-
-    def _owned_params(self, pc: _Piece) -> torch.Tensor:
-        return self.flat_params[pc.shard_lo : pc.shard_hi]  # flat_params is the shard
-
-    @property
-    def owns_whole_buckets(self) -> bool:
-        return False
-
-    def _register_hooks(self) -> None:
-        """Stage 2's gradient hooks, and the units' gather and release hooks."""
-        super()._register_hooks()
-        self.units = model_units(self.model)
-        B = len(self.layout.buckets)
-        frozen_buckets = unit_buckets(self.model, self.frozen_layout, trained=False)
-        self.unit_buckets = [t + tuple(B + f for f in fb) for t, fb in zip(unit_buckets(self.model, self.layout),
+    def attach(self) -> None:
+        """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
+        reductions scheduled by units (engine.schedule_by_units)."""
+        e = self.engine
+        model = e.model
+        self.units = model_units(model)
+        B = len(e.layout.buckets)
+        frozen_buckets = unit_buckets(model, self.frozen_layout, trained=False)
+        self.unit_buckets = [t + tuple(B + f for f in fb) for t, fb in zip(unit_buckets(model, e.layout),
                                                                           frozen_buckets)]
         # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
         # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
         self._frozen_units = [u for u, fb in enumerate(frozen_buckets) if fb]
-        # parameter -> its bucket in the engine's lists, and its unit (the frozen ones too: check_whole)
-        self._bucket_index = {id(p): s.bucket for s, p in zip(self.layout.slots, self.params)}
-        by_name = dict(self.model.named_parameters())
+        # parameter -> its bucket in the placement's lists, and its unit (the frozen ones too: check_whole)
+        self._bucket_index = {id(p): s.bucket for s, p in zip(e.layout.slots, e.params)}
+        by_name = dict(model.named_parameters())
         self._param_name = {id(p): n for n, p in by_name.items()}
         self._bucket_index.update({id(by_name[s.name]): B + s.bucket for s in self.frozen_layout.slots})
         self._param_unit = {id(p): u for trained in (True, False)
-                            for u, unit in enumerate(unit_parameters(self.model, trained)) for _, p in unit}
-        self._held_into_backward = held_into_backward(self.model)
-        first, end = (2, len(self.units) - 1) if untied_head(self.model) else (1, len(self.units))
+                            for u, unit in enumerate(unit_parameters(model, trained)) for _, p in unit}
+        held = held_into_backward(model)
+        self._held_into_backward = held
+        first, end = (2, len(self.units) - 1) if untied_head(model) else (1, len(self.units))
         self._blocks = set(range(first, end))  # the transformer blocks' units
-        params = [[(n, p) for n, p in unit if id(p) in self._slot_of] for unit in unit_parameters(self.model)]  # ours
+        params = [[(n, p) for n, p in unit if id(p) in e.slot_of] for unit in unit_parameters(model)]  # ours
         self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
         self._unit_sizes = [len(unit) for unit in params]
         self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
@@ -375,59 +354,44 @@ class ZeroThreeEngine(ZeroEngine):
         self._current: list[int] = []  # the units whose forward is running, innermost last
         self._outer_hooks = None
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._build_reduce_schedule()
         for index, unit in enumerate(self.units):
-            unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._enter_unit(u, args))
+            unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._enter_unit(u))
             unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
+        # Each bucket's reduce-scatter starts once its unit's backward has begun (the root's and an untied head's
+        # from the start: held whole into it), at the latest when the gradient of its unit's input is complete
+        e.schedule_by_units(bucket_units(model, e.layout), open_units=held - {0}, units=self.units)
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
-        head = self._param_unit[id(self.model.lm_head.weight)]
-        self.model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
+        head = self._param_unit[id(model.lm_head.weight)]
+        model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
         # The saved-tensor hooks are entered and left around the model's own forward, in one place: an exception
         # in it (out of memory, a refused batch) leaves none on the thread's stack (hooks entered by the root's
         # pre-hook and left by its forward hook stayed there when the forward raised between them).
-        forward = self.model.forward
+        forward = model.forward
 
         def forward_with_saved_tensor_hooks(*args, **kwargs):
             with self.saved_tensor_hooks():
                 return forward(*args, **kwargs)
 
-        self.model.forward = forward_with_saved_tensor_hooks
+        model.forward = forward_with_saved_tensor_hooks
 
-    def _build_reduce_schedule(self) -> None:
-        """Each bucket's reduce-scatter starts once its unit's backward has begun (bucket_units), and at the latest
-        when the gradient of its unit's input is complete (_unit_done); the counts of the latter, per backward."""
-        self.gate_by_units(bucket_units(self.model, self.layout))
-        self._reset_schedule()
+    def _bucket_source(self, index: int) -> tuple[ShardLayout, int, torch.Tensor, int]:
+        """Bucket `index` of the placement's lists: its layout, its index there, the shard it is gathered from, and
+        where its layout starts in the digests' positions (the frozen layout's after the trained one's)."""
+        L = self.engine.layout
+        B = len(L.buckets)
+        if index < B:
+            return L, index, self.flat_params, 0
+        return self.frozen_layout, index - B, self.frozen_shard, L.padded_numel
 
-    def _may_start(self, index: int) -> bool:
-        """Whether bucket `index`, its gradients in, may start: once its unit's backward has begun on this rank (its
-        gather for backward, the same point among the DP group's collectives on every rank; an untied head's from the
-        start), never earlier where a rank expects fewer of its gradients than another (an expert with no rows here)."""
-        unit = self._bucket_unit[index]
-        return unit in self._begun or (unit > 0 and unit in self._held_into_backward)
+    # ---------------------------------------------------------------- the engine's owned values
+    def owned_values(self, piece: OwnedPiece) -> torch.Tensor:
+        return self.flat_params[piece.shard_lo : piece.shard_hi]  # flat_params is the shard
 
-    def _watch_unit_input(self, unit: int, args) -> None:
-        """A forward of `unit` whose backward will reduce: the gradient of its input (FSDP2's post-backward point)
-        says where every rank's backward of the unit has ended."""
-        x = args[0] if args else None
-        if unit > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
-            self._forwards[unit] += 1
-            x.register_hook(lambda _grad, u=unit: self._unit_done(u))
+    def owned_views(self) -> list[torch.Tensor]:
+        return [self.flat_params.detach()]
 
-    def _unit_done(self, unit: int) -> None:
-        """The gradient of `unit`'s input is complete (in every forward of this backward): every bucket of it and of
-        the units after it is launched now, in bucket order, whatever gradients this rank got (none: zeros)."""
-        self._done[unit] += 1
-        self._at_end_of_backward()
-        if self._done[unit] != self._forwards[unit] or not self.join_backward():
-            return
-        self._begun.add(unit)
-        while self._launched < len(self._ready) and self._bucket_unit[self._launched] >= unit:
-            self._launch(self._launched)
-
-    def _reset_schedule(self) -> None:
-        self._forwards = [0] * len(self.units)  # the forwards since the last backward whose unit input will get a grad
-        self._done = [0] * len(self.units)  # of those, the ones whose unit's backward has ended in this backward
+    def owned_shard(self, copy: bool) -> torch.Tensor:
+        return self.flat_params.clone() if copy else self.flat_params
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
@@ -448,7 +412,7 @@ class ZeroThreeEngine(ZeroEngine):
 
     def _abandon_forward(self) -> None:
         """A forward raised: no unit is running, and the buckets only its units held for it are released (those
-        held for a backward stay, released as the next backward ends or by reduce_grads)."""
+        held for a backward stay, released as the next backward ends or by the reduction)."""
         self._current.clear()
         for b, holders in self._holds.items():
             holders.difference_update({h for h in holders if h[1] == "forward"})
@@ -526,10 +490,10 @@ class ZeroThreeEngine(ZeroEngine):
         """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
         by gather_unit or release_all). Counted apart from stages 1 and 2's one round per step ("all_gather_params"),
         which stage 3 never runs: a gather a unit waits for at once as "all_gather_units", a prefetch as
-        "prefetch_units" (invariant (b) gathers nothing: param_digests)."""
+        "prefetch_units" (invariant (b) gathers nothing: digests)."""
         layout, local, shard, _ = self._bucket_source(index)
         self._gathered_at[index] = self._updates
-        work = gather_bucket(self.dp, layout, shard, self.bucket_params[index], local,
+        work = gather_bucket(self.engine.dp, layout, shard, self.bucket_params[index], local,
                              "prefetch_units" if async_op else "all_gather_units", async_op=async_op)
         if async_op:
             self._in_flight[index] = work
@@ -546,42 +510,46 @@ class ZeroThreeEngine(ZeroEngine):
         whole = sum(self.bucket_params[b].numel() for b in self.whole | set(self._in_flight))
         return self.flat_params.element_size() * (self.flat_params.numel() + whole)
 
+    def frozen_bytes(self) -> int:
+        """Bytes this rank holds for the frozen parameters now: its frozen shard, and whatever storage the frozen
+        parameters have of their own (none between steps: their buckets are released)."""
+        return storage_bytes([self.frozen_shard, *(p for _, p in self.engine.frozen)])
+
     # ---------------------------------------------------------------- hooks
-    def _enter_unit(self, unit: int, args=()) -> None:
+    def _enter_unit(self, unit: int) -> None:
         if in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
-            self.gather_for_backward(unit)
+            self.engine.begin_unit_backward(unit)
             return
         self._current.append(unit)
         self.gather_unit(unit, "forward")
         self.check_whole(unit)
         self._prefetch_after(unit, backward=False)
-        if torch.is_grad_enabled():
-            self._watch_unit_input(unit, args)
 
-    def gather_for_backward(self, unit: int) -> None:
-        """`unit`'s backward begins: hold it whole for it (once), and prefetch the unit whose backward comes next.
-        Called on the first unpack of a weight the unit saved; a caller that knows where every rank's backward of
-        the unit begins may call it there first, so that every rank of the DP group gathers it (expert
-        parallelism: a rank whose experts got no rows saves none of their weights, and releases them at once)."""
-        if any((unit, "backward") not in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
-            if unit > 0:
-                # The later units' backward has ended: this one's reads their gradient of its output, complete only
-                # once every node of theirs that reads a weight has run. A unit with frozen weights goes now (a
-                # bucket this unit shares with it, whole, is claimed first: kept, not gathered again).
-                for b in self.whole.intersection(self.unit_buckets[unit]):
-                    self._holds.setdefault(b, set()).add((unit, "backward"))
-                for later in (u for u in self._frozen_units if u > unit):
-                    self.release_unit(later, "backward")
-            self.gather_unit(unit, "backward")
-            self.check_whole(unit)
-            if not self._unit_waits()[unit] and unit not in self._frozen_units:
-                # no parameter of it had a part in the forward, so no gradient would release it: nothing of it is
-                # read (gathered for the collective's sake: the caller's, see the docstring)
-                self.release_unit(unit, "backward")
-            self._prefetch_after(unit, backward=True)
-        self.begin_unit_backward(unit)  # the reduce-scatters of its buckets may start from here (_may_start)
+    def enter_backward(self, unit: int) -> None:
+        """`unit`'s backward begins (engine.begin_unit_backward): hold it whole for it (once), and prefetch the unit
+        whose backward comes next. Called on the first unpack of a weight the unit saved; a caller that knows where
+        every rank's backward of the unit begins may begin it there first, so that every rank of the DP group gathers
+        it (expert parallelism: a rank whose experts got no rows saves none of their weights, and releases them at
+        once)."""
+        if all((unit, "backward") in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
+            return
+        if unit > 0:
+            # The later units' backward has ended: this one's reads their gradient of its output, complete only
+            # once every node of theirs that reads a weight has run. A unit with frozen weights goes now (a
+            # bucket this unit shares with it, whole, is claimed first: kept, not gathered again).
+            for b in self.whole.intersection(self.unit_buckets[unit]):
+                self._holds.setdefault(b, set()).add((unit, "backward"))
+            for later in (u for u in self._frozen_units if u > unit):
+                self.release_unit(later, "backward")
+        self.gather_unit(unit, "backward")
+        self.check_whole(unit)
+        if not self._unit_waits()[unit] and unit not in self._frozen_units:
+            # no parameter of it had a part in the forward, so no gradient would release it: nothing of it is
+            # read (gathered for the collective's sake: the caller's, see the docstring)
+            self.release_unit(unit, "backward")
+        self._prefetch_after(unit, backward=True)
 
     def _leave_unit(self, unit: int) -> None:
         if in_backward():
@@ -619,19 +587,19 @@ class ZeroThreeEngine(ZeroEngine):
         if not isinstance(packed, _SavedWeight):
             return packed
         unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
-        self.gather_for_backward(unit)
+        self.engine.begin_unit_backward(unit)
         if b not in self.whole:
             raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
         return self.bucket_params[b].as_strided(shape, stride, offset)
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        super()._on_grad_ready(p)
-        self._at_end_of_backward()  # every backward, reducing or not: its units are released at its end
+    # ---------------------------------------------------------------- the step's points
+    def gradient_arrived(self, p: torch.Tensor, slot) -> None:
+        """A unit whose trained parameters all have their gradients is released for its backward."""
         unit = self._unit_of[id(p)]
         self._arrived[unit] += 1
         if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's trained parameters have their gradients
             self._arrived[unit] = 0
-            if unit not in self._frozen_units:  # else its frozen weights may still be read (gather_for_backward)
+            if unit not in self._frozen_units:  # else its frozen weights may still be read (enter_backward)
                 self.release_unit(unit, "backward")
 
     def _unit_waits(self) -> list[int]:
@@ -639,59 +607,50 @@ class ZeroThreeEngine(ZeroEngine):
         when no forward said), so a unit with a parameter that gets none is released with the rest of its
         gradients, not held to the end of the backward beside the units gathered after it."""
         if self._waits is None:
-            reached = self._reached
+            reached = self.engine.reached_parameters
             self._waits = list(self._unit_sizes) if reached is None else \
                 [sum(p in reached for p in unit) for unit in self._unit_params]
         return self._waits
 
-    def _end_backward(self) -> None:
-        """Stage 2's end of a backward, then every unit released: a unit with a parameter that got no gradient in
-        this backward never counted all its gradients, and would stay whole into the next micro-batch (where its
-        count, carried over, would release it early). After a backward where every gradient arrived nothing is
-        whole by now, and this releases nothing."""
-        super()._end_backward()
+    def end_backward(self) -> None:
+        """Every unit released: a unit with a parameter that got no gradient in this backward never counted all its
+        gradients, and would stay whole into the next micro-batch (where its count, carried over, would release it
+        early). After a backward where every gradient arrived nothing is whole by now, and this releases nothing."""
         self.release_all()
-        self._expected, self._reached, self._waits = list(self._bucket_sizes), None, None
-        self._reset_schedule()
+        self._waits = None
 
-    def _reset_window(self) -> None:
-        """Stage 2's, and no unit running or counting gradients (after a step that ended normally, none is)."""
-        super()._reset_window()
+    def reset_window(self) -> None:
+        """No unit running or counting gradients (after a step that ended normally, none is)."""
         self._current.clear()
         self._arrived = [0] * len(self.units)
         self._waits = None
-        self._reset_schedule()
 
-    # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
+    def release(self) -> None:
         self.release_all()
-        return super().reduce_grads(extras, beside)
 
-    def apply(self, lr: float, grad_norm: float) -> None:
+    def before_update(self) -> None:
         self.release_all()
-        super().apply(lr, grad_norm)
+
+    def after_update(self, wait: bool) -> None:
+        """Nothing to send: the shard is updated (in bf16 its master rounded into it), and every unit is gathered
+        from it when next used; the gathers from before are stale from now."""
         self._updates += 1
 
-    def _publish_params(self, wait: bool = True) -> None:
-        """Nothing to send: AdamW updated the shard (in bf16 its master, rounded into it here), and every unit is
-        gathered from it when next used."""
-        if self.master is not None:
-            self.flat_params.copy_(self.master)
-
-    def wait_params(self, buckets=None) -> None:
+    def wait(self, buckets=None) -> None:
         """Gathers are synchronous: nothing is ever in flight."""
 
-    # ---------------------------------------------------------------- state
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
-        flat = torch.empty(self.layout.padded_numel, dtype=self.flat_params.dtype, device=self.flat_params.device)
-        for b in self.layout.buckets:
-            c = b.chunk_numel(self.dp.world_size)
-            self.dp.all_gather(flat[b.start : b.end], self.flat_params[b.shard_offset : b.shard_offset + c],
-                               "all_gather_state")
+        L, dp = self.engine.layout, self.engine.dp
+        flat = torch.empty(L.padded_numel, dtype=self.flat_params.dtype, device=self.flat_params.device)
+        for b in L.buckets:
+            c = b.chunk_numel(dp.world_size)
+            dp.all_gather(flat[b.start : b.end], self.flat_params[b.shard_offset : b.shard_offset + c],
+                          "all_gather_state")
         return flat
 
-    def param_digests(self) -> torch.Tensor:
+    # ---------------------------------------------------------------- invariant (b)
+    def digests(self) -> torch.Tensor:
         """Invariant (b) for sharded parameters, from what each rank holds, gathering nothing: the rows are stage 1's
         and 2's (one without TP; with TP the replicated values, this rank's TP slices, and with KV groups the KV
         heads' slices), each the digest of the flat buffer the DP group's shards make, bitwise what stages 1 and 2
@@ -712,19 +671,19 @@ class ZeroThreeEngine(ZeroEngine):
         """
         kinds = self._digest_kinds()
         self._land_prefetches()
-        W, rank = self.dp.world_size, self.dp.rank
+        W, rank = self.engine.dp.world_size, self.engine.dp.rank
         per_bucket = torch.zeros(len(self.bucket_params), len(kinds[0]), 2, dtype=torch.int64,
                                  device=self.flat_params.device)
         for index in range(len(self.bucket_params)):
             layout, local, shard, start = self._bucket_source(index)
             b = layout.buckets[local]
             lo, hi = b.chunk(rank, W)
-            for k, ranges in enumerate(kinds[index >= len(self.layout.buckets)]):
+            for k, ranges in enumerate(kinds[index >= len(self.engine.layout.buckets)]):
                 inside = [(max(a, lo) - lo + b.shard_offset, min(z, hi) - lo + b.shard_offset)
                           for a, z in ranges if a < hi and z > lo]  # where in the shard
                 if inside:
                     per_bucket[index, k] = moved(tensor_digest(shard.detach(), inside), start + lo - b.shard_offset)
-        self.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
+        self.engine.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
         rows = per_bucket.sum(0) + torch.stack([torch.stack(pair) for pair in self._gather_drift])
         self._gather_drift = self._no_drift(len(kinds[0]))
         # What the next gathers must give, as integers (the check reads its rows on the host anyway)
@@ -737,12 +696,12 @@ class ZeroThreeEngine(ZeroEngine):
         """The flat ranges of each row of param_digests, in the trained layout and in the frozen one: everything in
         one row without TP; with TP the replicated values, this rank's TP slices and with KV groups the KV heads'
         slices (the frozen base's KV slices are in the sliced row, as stages 1 and 2 digest them)."""
-        if self.mesh.tp_size == 1:
-            return [[(0, self.layout.padded_numel)]], [[(0, self.frozen_layout.padded_numel)]]
-        trained = [self._replicated_flat, self._sliced_flat] + ([self._kv_shared_flat] if self.mesh.kv_replicas > 1
-                                                                else [])
+        e = self.engine
+        if e.mesh.tp_size == 1:
+            return [[(0, e.layout.padded_numel)]], [[(0, self.frozen_layout.padded_numel)]]
+        trained = [e.replicated_ranges, e.sliced_ranges] + ([e.kv_shared_ranges] if e.mesh.kv_replicas > 1 else [])
         sliced = sorted((s.offset, s.offset + s.numel) for s in self.frozen_layout.slots
-                        if s.name in self.model_slices)
+                        if s.name in e.model_slices)
         replicated, at = [], 0
         for lo, hi in sliced + [(self.frozen_layout.padded_numel, self.frozen_layout.padded_numel)]:
             if lo > at:
@@ -760,7 +719,7 @@ class ZeroThreeEngine(ZeroEngine):
         verified.add(index)
         layout, local, _, start = self._bucket_source(index)
         b, buffer = layout.buckets[local], self.bucket_params[index].detach()
-        for k, ranges in enumerate(kinds[index >= len(self.layout.buckets)]):
+        for k, ranges in enumerate(kinds[index >= len(self.engine.layout.buckets)]):
             inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges
                       if lo < b.end and hi > b.start]  # positions counted from the bucket's start
             if inside:
@@ -774,27 +733,6 @@ class ZeroThreeEngine(ZeroEngine):
         on the device, read at the next check: a few scalars, beside AdamW's step counters outside the plan's state)."""
         zero = torch.zeros((), dtype=torch.int64, device=self.flat_params.device)
         return [[zero.clone(), zero.clone()] for _ in range(rows)]
-
-    def master_shard(self) -> torch.Tensor:
-        return self.flat_params if self.master is None else self.master
-
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        sd = super().shard_state_dict()
-        if self.master is None:
-            sd["master"] = self.flat_params.clone()  # an independent copy, as stages 1 and 2 hand over
-        return sd
-
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self._check_shard(sd)
-        self.release_all()
-        with torch.no_grad():
-            self._restore_optimizer_state(sd)
-            self.flat_params.copy_(sd["master"])
-        self._updates += 1
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's parameters by name, fp32 on the CPU: a collective of the DP group."""
-        return self.full_tensors(self.gathered_flat())
 
 
 class FrozenCopy:
@@ -856,7 +794,7 @@ class FrozenCopy:
 
 
 def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precision: str = "fp32", device=None,
-                      init=None, like: ZeroThreeEngine | None = None) -> FrozenCopy:
+                      init=None, like=None) -> FrozenCopy:
     """Shard `module`, whose every parameter is frozen (a model of zerotrain's, this rank's TP slice of it under TP),
     over the DP group `dp` as ZeRO-3 shards a model: each rank keeps its owned chunks of the module's flat layout
     (frozen_layout_of: the layout a model of the same architecture trains in at this world size and `bucket_numel`),
@@ -864,7 +802,7 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
     it, as the engine's do. No gradients, no optimizer, nothing reduced; the module runs under torch.no_grad(). A
     preference run's live reference for full fine-tuning is such a copy of the policy, sharded like it.
 
-    The values: with `like`, the ZeroThreeEngine of the model this copies (same architecture, same `dp`, the same
+    The values: with `like`, the stage-3 ZeroEngine of the model this copies (same architecture, same `dp`, the same
     layout), that engine's shard as it is now, in its precision, copied on each rank (nothing read, drawn or sent;
     under TP, `module` is this rank's TP slice, parallelized as the engine's model is); else, for a module
     on the meta device, `init`'s (model/init.py's SeedValues, --init-from's FileValues: the owned ranges alone read

@@ -21,7 +21,7 @@ from zerotrain.model import ARCH_NAMES, param_count, summed_token_loss
 from zerotrain.model.init import materialise
 from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters, dropout_rows
-from zerotrain.parallel import (Comm, ExpertParallelEngine, Mesh, ZeroEngine, ZeroThreeEngine, build_expert_groups,
+from zerotrain.parallel import (Comm, ExpertParallelEngine, Mesh, ZeroEngine, build_expert_groups,
                                 expert_bytes, shard_experts)
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.runtime.failures import restart_cause, restart_count
@@ -91,8 +91,7 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
                     stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
     if mesh.ep_size > 1:  # this rank's block of experts, over its replica group; the rest over the DP group
         return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
-    engine = ZeroThreeEngine if cfg.parallel.zero == 3 else ZeroEngine
-    return engine(model, mesh.dp, cfg.optim, mesh=mesh, **settings)
+    return ZeroEngine(model, mesh.dp, cfg.optim, mesh=mesh, **settings)
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so

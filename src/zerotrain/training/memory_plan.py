@@ -89,7 +89,8 @@ from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
-from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
+from zerotrain.parallel.engine import keeps_autograd_grads
+from zerotrain.parallel.params import frozen_parameters
 from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 
 from .invariants import InvariantError, held_bytes

@@ -1,0 +1,156 @@
+"""Where ZeRO stages 1 and 2 keep the parameters: the whole flat buffer on every rank, all-gathered after each update.
+
+Every parameter is a view of one flat buffer in the engine's layout (no per-step copies). AdamW updates this rank's
+owned chunks of it; after the update every bucket is all-gathered in place, launched in forward order (the layout is
+reverse-forward), so the first module's parameters arrive first. With `gather_in_forward` the all-gathers run behind
+the next forward: each module's forward pre-hook waits only for the buckets holding its own parameters, and whatever
+reads parameters outside forward calls `wait()` first (the engine's own readers do). A gradient of a parameter whose
+all-gather was still in flight when the forward read it is refused (StaleParameterError). Frozen parameters (a LoRA
+run's base) keep tensors of their own, in the run's precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .digest import tensor_digest
+from .params import OwnedPiece, StaleParameterError, adopt_view, param_dtype
+
+
+class ReplicatedParameters:
+    """The parameters of ZeRO stages 1 and 2 (params.ParameterPlacement): whole on every rank."""
+
+    gathers_units = False
+
+    def __init__(self, engine, *, bucket_numel: int, gather_in_forward: bool):
+        self.engine = engine
+        self.gather_in_forward = gather_in_forward
+        self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
+        self._materialise_outside_layout()
+        L, dtype = engine.layout, param_dtype(engine.precision)
+        self.flat_params = torch.zeros(L.padded_numel, dtype=dtype, device=engine.device)
+        with torch.no_grad():
+            for s, p in zip(L.slots, engine.params):
+                view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
+                view.copy_(engine.initial_value(s.name, p))
+                adopt_view(p, view)
+            for _, p in engine.frozen:  # computed with in the parameters' dtype, never updated
+                p.data = p.data.to(dtype)
+        self.param_peak_bytes = self.param_bytes()
+
+    def _materialise_outside_layout(self) -> None:
+        """A parameter on the meta device that the flat buffer will not hold (a frozen one) gets its own tensor."""
+        e = self.engine
+        in_layout = {s.name for s in e.layout.slots}
+        with torch.no_grad():
+            for name, p in e.model.named_parameters():
+                if p.is_meta and name not in in_layout and (e.select is None or e.select(name)):
+                    adopt_view(p, e.initial_value(name, p).to(e.device))
+
+    def attach(self) -> None:
+        """With `gather_in_forward`: each module's forward waits for the buckets holding its own parameters."""
+        if not self.gather_in_forward:
+            return
+        slot_of = self.engine.slot_of
+        for module in self.engine.model.modules():
+            buckets = sorted({slot_of[id(p)].bucket for p in module.parameters(recurse=False) if id(p) in slot_of})
+            if buckets:
+                module.register_forward_pre_hook(lambda _m, _args, b=tuple(buckets): self.wait(b))
+
+    # ---------------------------------------------------------------- the engine's owned values
+    def owned_values(self, piece: OwnedPiece) -> torch.Tensor:
+        """The parameter values of `piece` (a view of the flat buffer)."""
+        return self.flat_params[piece.flat_lo : piece.flat_hi]
+
+    def owned_views(self) -> list[torch.Tensor]:
+        """This rank's owned values in shard order, adjacent pieces as one view."""
+        runs: list[list[int]] = []
+        for p in self.engine.layout.owned_pieces(self.engine.dp.rank):
+            if runs and runs[-1][1] == p.start:
+                runs[-1][1] = p.end
+            else:
+                runs.append([p.start, p.end])
+        self.wait()
+        return [self.flat_params.detach()[a:z] for a, z in runs]
+
+    def owned_shard(self, copy: bool) -> torch.Tensor:
+        """This rank's owned values as one shard-length tensor (always a copy)."""
+        self.wait()
+        return self.engine.layout.shard(self.flat_params, self.engine.dp.rank)
+
+    # ---------------------------------------------------------------- the step's points
+    def gradient_arrived(self, p: torch.Tensor, slot) -> None:
+        if slot.bucket in self._gathering:
+            # Forward read this parameter before its all-gather finished: the gradient is of stale values.
+            raise StaleParameterError(
+                f"{slot.name} was used while its all-gather was in flight: call engine.wait_params() "
+                "before reading parameters outside the model's forward")
+
+    def enter_backward(self, unit: int) -> None:
+        """Nothing to gather: every parameter is whole."""
+
+    def end_backward(self) -> None:
+        """Nothing was gathered for the backward."""
+
+    def reset_window(self) -> None:
+        """Nothing is counted per window."""
+
+    def release(self) -> None:
+        """Nothing is held beyond the whole buffer."""
+
+    def before_update(self) -> None:
+        self.wait()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
+
+    def after_update(self, wait: bool) -> None:
+        """All-gather every bucket, in forward order (the layout is reverse-forward), so the first module's parameters
+        arrive first; with `wait` False still in flight on return."""
+        dp = self.engine.dp
+        for b in reversed(self.engine.layout.buckets):
+            lo, hi = b.chunk(dp.rank, dp.world_size)
+            bucket = self.flat_params[b.start : b.end]
+            self._gathering[b.index] = dp.all_gather(bucket, self.flat_params[lo:hi], "all_gather_params",
+                                                     async_op=True)
+        if wait:
+            self.wait()
+
+    def wait(self, buckets=None) -> None:
+        """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
+        if not self._gathering:
+            return
+        for index in list(self._gathering) if buckets is None else buckets:  # launch order: forward order
+            work = self._gathering.pop(index, None)
+            if work is not None:
+                work.wait()
+
+    def gathered_flat(self) -> torch.Tensor:
+        self.wait()
+        return self.flat_params
+
+    # ---------------------------------------------------------------- checks and counts
+    def digests(self) -> torch.Tensor:
+        """The engine's param_digests rows, from the whole buffer: [replicated values, this rank's TP slices] (and
+        with KV heads on several TP ranks, this rank's slices of them); without TP everything in the first row."""
+        e = self.engine
+        self.wait()
+        flat = self.flat_params.detach()
+        if e.mesh.tp_size == 1:
+            rows = [tensor_digest(flat), torch.zeros(2, dtype=torch.int64, device=flat.device)]
+        else:
+            rows = [tensor_digest(flat, e.replicated_ranges), tensor_digest(flat, e.sliced_ranges)]
+            if e.mesh.kv_replicas > 1:
+                rows.append(tensor_digest(flat, e.kv_shared_ranges))
+        if e.frozen:  # a LoRA run's base: the trained values' digest and each frozen tensor's, digested again
+            for row, sliced in enumerate((False, True)):
+                held = [tensor_digest(p.detach().reshape(-1)) for n, p in e.frozen
+                        if (n in e.model_slices) == sliced]
+                if held:
+                    rows[row] = tensor_digest(torch.cat([rows[row], *held]))
+        return torch.stack(rows)
+
+    def param_bytes(self) -> int:
+        return self.flat_params.numel() * self.flat_params.element_size()
+
+    def frozen_bytes(self) -> int:
+        """The distinct storages of the frozen parameters' tensors, each whole."""
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, p in self.engine.frozen}
+                   .values())
