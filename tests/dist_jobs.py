@@ -203,15 +203,15 @@ def collective_input(rank: int, bucket: int, numel: int) -> torch.Tensor:
 
 def unwaited_forward_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: forward reads parameters without waiting for their bucket's all-gather."""
-    from zerotrain.parallel import ZeroEngine
+    from zerotrain.parallel import ReplicatedParameters
 
-    real_wait = ZeroEngine.wait_params
+    real_wait = ReplicatedParameters.wait
 
-    def wait_params(self, buckets=None):
+    def wait(self, buckets=None):
         if buckets is None:  # the forward pre-hooks name their buckets; they now skip the wait
             real_wait(self)
 
-    ZeroEngine.wait_params = wait_params
+    ReplicatedParameters.wait = wait
     return params_job(cfg, comm)
 
 

@@ -612,7 +612,7 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     params = sum(b.numel() * b.element_size() for b in buffers)
     row = torch.tensor([
         params,
-        getattr(engine, "param_peak_bytes", params),  # ZeRO-3: the shard and the units whole at once
+        engine.param_peak_bytes,  # ZeRO-3: the shard and the units whole at once
         engine.grad_bytes(),
         engine.grad_peak_bytes,
         invariants.held_bytes(engine.optimizer_state_tensors(), exclude=buffers),

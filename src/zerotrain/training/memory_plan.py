@@ -514,6 +514,7 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
 
     for part in getattr(engine, "parts", [engine]):  # expert parallelism: the dense engine and the experts'
         walk(list(vars(part).values()))
+        walk(list(vars(part.placement).values()))  # where its parameters live (stage 3: the shards, the units)
         walk(list(part.optimizer.state.values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
     walk([copy.tensors() for copy in (outside or {}).values()])
@@ -570,7 +571,7 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     None: not counted) are off by more than 10%. `outside`: what the objective holds beyond the engine (DPO's live
     reference copy), measured as the engine's state is."""
     held = measured_state(engine, outside)
-    param_peak = getattr(engine, "param_peak_bytes", held["parameters"])  # ZeRO-3: the shard and units whole
+    param_peak = engine.param_peak_bytes  # ZeRO-3: the shard and units whole
     copy = (outside or {}).get("reference_model")  # its units whole in its forward, beyond its shard (ZeRO-3)
     copy_units = copy.peak_bytes() - copy.held_bytes() if copy is not None else 0
     row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), *all_to_all_bytes_most(engine.model),
