@@ -80,15 +80,13 @@ class CheckpointHomes:
                                      EXPERT_PREFIX, tp, ep, ep_rank)
 
     @classmethod
-    def of(cls, manifest: dict, path: str, layout: ShardLayout | None = None,
-           tp_slices: dict[str, TPSlice] | None = None) -> "CheckpointHomes":
-        """The homes of the checkpoint at `path` (its manifest read; `layout` and `tp_slices`: its own, where the
-        caller parsed them already); CheckpointError if its layouts do not make them."""
+    def of(cls, manifest: dict, path: str) -> "CheckpointHomes":
+        """The homes of the checkpoint at `path` (its manifest read); CheckpointError if its layouts do not make
+        them. A reader builds them once per checkpoint and asks them for every parameter."""
         ep = (manifest.get("mesh") or {}).get("ep", 1)
         experts = (expert_layout_of(manifest, path), ep, experts_per_rank(manifest, path),
                    tp_slices_of(manifest, EXPERT_TP_SLICES)) if ep > 1 else ()
-        return cls(layout if layout is not None else layout_of(manifest, path),
-                   tp_slices if tp_slices is not None else tp_slices_of(manifest), mesh_of(manifest)[0], *experts)
+        return cls(layout_of(manifest, path), tp_slices_of(manifest), mesh_of(manifest)[0], *experts)
 
     def home(self, name: str) -> Home:
         return self._homes[name]
