@@ -45,7 +45,7 @@ from test_checkpoint import spawn
 from zerotrain import checkpoint
 from zerotrain.checkpoint import homes
 from zerotrain.checkpoint import load as load_module
-from zerotrain.checkpoint.format import STATE_KEYS
+from zerotrain.checkpoint.format import STATE_KEYS, ep_of
 from zerotrain.checkpoint.homes import shard_parts
 from zerotrain.checkpoint.stream import bytes_counted, count_read
 from zerotrain.cli.flags import config_from_args
@@ -338,7 +338,7 @@ def named_state(folder: str) -> dict[str, torch.Tensor]:
     its replicas' shards (world ranks k E + e), named as EP rank 0's shifted by e x experts_per_rank."""
     with open(os.path.join(folder, "manifest.json")) as f:
         manifest = json.load(f)
-    W, ep = manifest["world_size"], manifest["mesh"].get("ep", 1)
+    W, ep = manifest["world_size"], ep_of(manifest)
     shards = [load_file(os.path.join(folder, checkpoint.shard_name(r, W))) for r in range(W)]
     out = {"step": shards[0]["step"]}
     layout = ShardLayout.from_dict(manifest["layout"])

@@ -21,7 +21,7 @@ from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import ExpertParallelEngine, ParamSlot, ShardLayout
 
-from .format import MANIFEST, layout_of, mesh_of, tp_slices_of
+from .format import MANIFEST, ep_of, layout_of, mesh_of, tp_slices_of
 
 EXPERT_TP_SLICES = "expert_tp_slices"  # the manifest's key of the experts' TP slices (EP rank 0's names)
 
@@ -83,7 +83,7 @@ class CheckpointHomes:
     def of(cls, manifest: dict, path: str) -> "CheckpointHomes":
         """The homes of the checkpoint at `path` (its manifest read); CheckpointError if its layouts do not make
         them. A reader builds them once per checkpoint and asks them for every parameter."""
-        ep = (manifest.get("mesh") or {}).get("ep", 1)
+        ep = ep_of(manifest)
         experts = (expert_layout_of(manifest, path), ep, experts_per_rank(manifest, path),
                    tp_slices_of(manifest, EXPERT_TP_SLICES)) if ep > 1 else ()
         return cls(layout_of(manifest, path), tp_slices_of(manifest), mesh_of(manifest)[0], *experts)
@@ -143,7 +143,7 @@ def expert_layout_of(manifest: dict, path: str) -> ShardLayout:
         return ShardLayout.from_dict(manifest["expert_layout"])
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep "
-                              f"{manifest['mesh']['ep']}, its expert_layout does not describe a ShardLayout "
+                              f"{ep_of(manifest)}, its expert_layout does not describe a ShardLayout "
                               f"({e})") from None
 
 
@@ -153,9 +153,9 @@ def experts_per_rank(manifest: dict, path: str) -> int:
     per_rank = manifest.get("experts_per_rank")
     if per_rank is None:
         n = ((manifest.get("config") or {}).get("model") or {}).get("n_experts")
-        per_rank = n // manifest["mesh"]["ep"] if isinstance(n, int) else None
+        per_rank = n // ep_of(manifest) if isinstance(n, int) else None
     if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep {manifest['mesh']['ep']}, it says "
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep {ep_of(manifest)}, it says "
                               f"not how many experts each EP rank holds (experts_per_rank {per_rank!r})")
     return per_rank
 

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 
-from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, mesh_of, read_latest,
-                      read_manifest, shard_name, step_folders, step_of)
+from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, ep_of, mesh_of,
+                      read_latest, read_manifest, shard_name, step_folders, step_of)
 from .homes import CheckpointHomes, engine_shapes, expert_numel, same_expert_layout, shard_parts
 from .reshard import Read, shard_reads
 from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
@@ -124,7 +124,7 @@ def refuse_ep_at_other_tp(path: str, manifest: dict, engine) -> None:
     """ConfigError when an expert-parallel checkpoint would resume at another --tp, or a checkpoint at another --tp
     into an --ep run: the experts reshard across --ep and world size (homes.CheckpointHomes), not yet across TP
     degrees."""
-    old_ep, new_ep, old_tp = (manifest.get("mesh") or {}).get("ep", 1), engine.mesh.ep_size, mesh_of(manifest)[0]
+    old_ep, new_ep, old_tp = ep_of(manifest), engine.mesh.ep_size, mesh_of(manifest)[0]
     if max(old_ep, new_ep) > 1 and old_tp != engine.mesh.tp_size:
         raise ConfigError(f"{path} was written at --ep {old_ep} with --tp {old_tp}; this run has --tp "
                           f"{engine.mesh.tp_size} (--ep {new_ep}): expert parallelism reshards across --ep and world "

@@ -54,8 +54,8 @@ from zerotrain.config import ModelConfig
 from zerotrain.model import plan
 from zerotrain.parallel import ShardLayout
 
-from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, layout_of, mesh_of,
-                      schema_problem, shard_name, tp_slices_of)
+from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, ep_of, expected_files, layout_of,
+                      mesh_of, schema_problem, shard_name, tp_slices_of)
 from .homes import EXPERT_PREFIX, expert_layout_of, expert_numel
 from .model import ShardedModel
 from .stream import FileRecord, count_read, read_header, sha256_file
@@ -315,7 +315,7 @@ def partition_problem(manifest: dict) -> str | None:
     dp = mesh_of(manifest)[1]
     problem = layout_problem(manifest["layout"], dp, "layout", "the DP size (world_size / mesh.tp)")
     if problem is None and "expert_layout" in manifest:
-        ep = (manifest.get("mesh") or {}).get("ep", 1)
+        ep = ep_of(manifest)
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp % ep:
             return f"mesh.ep {ep!r} does not divide the DP size {dp}"
         problem = layout_problem(manifest["expert_layout"], dp // ep, "expert_layout",
@@ -331,7 +331,7 @@ def partition_problem(manifest: dict) -> str | None:
     full = sum(math.prod(_full_shape(manifest, p)) for p in manifest["layout"]["params"])
     if experts:  # every EP rank holds as many expert values as EP rank 0, split as EP rank 0's
         full += sum(math.prod(_full_shape(manifest, p, experts[0])) for p in manifest["expert_layout"]["params"]) * \
-            (manifest.get("mesh") or {}).get("ep", 1)
+            ep_of(manifest)
     if full != manifest["param_count"]:
         return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
     return None
@@ -501,7 +501,7 @@ def replica_digests(manifest: dict, layout: ShardLayout, world_rank: int,
     out = _digests(manifest, layout, replicated_names(manifest), world_rank // T, lambda lo, hi: read(lo, hi, "master"))
     names = replicated_names(manifest, "expert_tp_slices", "expert_layout")
     if names:
-        experts, E = expert_layout_of(manifest, ""), manifest["mesh"]["ep"]
+        experts, E = expert_layout_of(manifest, ""), ep_of(manifest)
         digests = _digests(manifest, experts, names, world_rank // T // E, lambda lo, hi: read(lo, hi, "expert_master"))
         out.update({EXPERT + name: d for name, d in digests.items()})
     return out
