@@ -244,7 +244,8 @@ def _read_own_share(path: str, manifest: dict, homes: CheckpointHomes,
     naming the first bad file."""
     check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
     shard = read_shard(path, manifest, comm.rank)
-    digests = replica_digests(manifest, homes.layout, comm.rank, lambda lo, hi, key: shard[key][lo:hi])
+    digests = replica_digests(manifest, homes.layout, homes.expert_layout, comm.rank,
+                              lambda lo, hi, key: shard[key][lo:hi])
     bad = first_failure(checks_beside_own_shard(path, manifest, (comm.rank, comm.world_size)))
     if bad is not None:
         raise CheckpointError(failure_message(path, bad))
