@@ -312,7 +312,7 @@ def test_the_io_plan_gives_each_ranks_draws_and_saves_with_ep_and_a_plan_without
     assert measured["init_values_drawn"] == [r.startup_drawn for r in plan.ranks]  # exactly
     assert measured["checkpoint_bytes_written"] == [r.save_written * got["saves"] for r in plan.ranks]
     if key == "ep4":  # planted: every expert drawn and saved on each rank (the plan without the EP split)
-        monkeypatch.setattr(io_plan_module, "keep_expert_block", lambda model, ep, ep_rank=0: None)
+        monkeypatch.setattr(memory_plan, "keep_expert_block", lambda model, ep, ep_rank=0: None)  # planned_layouts
         said = differences(io_plan(plan_config(got, tmp_path)), measured, saves=got["saves"])
         assert sum("init_values_drawn" in line for line in said) == 4, said
         assert sum("checkpoint_bytes_written" in line for line in said) == 4, said

@@ -76,6 +76,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -87,7 +88,7 @@ from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
 from zerotrain.model.layers import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.model.vocab import splits_vocab, vocab_rows
-from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
+from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.engine import frozen_parameters, keeps_autograd_grads
 from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
@@ -152,17 +153,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     dp = (world_size or cfg.launch.nproc) // tp
     B = micro_batch or cfg.loop.micro_batch
     sequences = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.loop.seed)
-        if tp > 1:
-            parallelize(model, tp, 0, None)
-        if cfg.lora.rank:
-            add_adapters(model, cfg.lora, cfg.loop.seed)
+    model, _, L, experts = planned_layouts(cfg, dp)
     E = p.ep  # expert parallelism: EP rank 0's block of experts, over its replica group of dp / E ranks
-    if E > 1:
-        keep_expert_block(model, E)
-    L = layout_of(model, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if E > 1 else None)
-    experts = layout_of(model, dp // E, p.bucket_numel, is_expert_parameter) if E > 1 else None
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     frozen = frozen_layout_of(model, dp, p.bucket_numel) if p.zero == 3 else None  # stage 3 shards the frozen base
@@ -200,6 +192,35 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         rows["all_to_all"], most = 2 * row, (1 + E) * row
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device, E, expert_rows, by_rank, most)
+
+
+class PlannedModel(NamedTuple):
+    """The model a rank of a run builds, on the meta device, and the layouts its engines lay it out in."""
+
+    model: torch.nn.Module  # TP rank 0's slices, a LoRA run's adapters, with --ep EP rank 0's block of experts
+    full_shapes: dict[str, tuple[int, ...]]  # each parameter's shape in the full model, before the TP split
+    layout: ShardLayout  # the flat layout over the DP ranks (with --ep: of the parameters that are not experts)
+    experts: ShardLayout | None  # --ep E: the expert engine's, EP rank 0's block over its replica group of DP / E
+
+
+def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
+    """`cfg`'s model as a rank of a run over `dp` DP ranks lays it out (what the memory and I/O plans count): built on
+    the meta device, split as TP rank 0's slice, with a LoRA run's adapters; with --ep E EP rank 0's block of experts,
+    in a layout of its own over its replica group of dp / E ranks, the rest of the model in the flat layout. Every TP
+    rank's slices have TP rank 0's shapes, every EP rank's block EP rank 0's."""
+    p = cfg.parallel
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.loop.seed)
+        shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
+        if p.tp > 1:
+            parallelize(model, p.tp, 0, None)
+        if cfg.lora.rank:  # the adapters train, the base is frozen
+            add_adapters(model, cfg.lora, cfg.loop.seed)
+    if p.ep > 1:
+        keep_expert_block(model, p.ep)
+    L = layout_of(model, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if p.ep > 1 else None)
+    experts = layout_of(model, dp // p.ep, p.bucket_numel, is_expert_parameter) if p.ep > 1 else None
+    return PlannedModel(model, shapes, L, experts)
 
 
 def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
