@@ -48,12 +48,13 @@ def whole_shards_state(shards, old, old_slices, old_tp, new, new_slices, tp_rank
     return state
 
 
-def whole_shards_reshard(path, manifest, old, old_slices, new, new_slices, tp_rank, dp_rank, prefix="") -> dict:
+def whole_shards_reshard(path, manifest, homes, new, new_slices, tp_rank, dp_rank, prefix="") -> dict:
     """Planted in place of load.py's _reshard: the reshard before ranged reads, every old shard read whole (of a
     checkpoint without --ep: `prefix` is "")."""
     assert not prefix, "the whole-shard reshard knows no expert layout"
     shards = [load_module.read_shard(path, manifest, r) for r in range(manifest["world_size"])]
-    return whole_shards_state(shards, old, old_slices, mesh_of(manifest)[0], new, new_slices, tp_rank, dp_rank)
+    return whole_shards_state(shards, homes.layout, homes.tp_slices, mesh_of(manifest)[0], new, new_slices, tp_rank,
+                              dp_rank)
 
 
 def save_job(cfg: Config, comm: Comm) -> dict:
@@ -70,6 +71,11 @@ def load_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
     and its shard state in out/state-rank{r}.safetensors. `planted`: every rank reads every old shard whole."""
     engine = build_engine(cfg, comm)
     verified, real_verify = [], load_module.verify_together
+    homes_built, real_homes = [], load_module.CheckpointHomes.of
+
+    def counting_homes(manifest, path):
+        homes_built.append(path)
+        return real_homes(manifest, path)
 
     def counting_verify(path, comm_):
         start = bytes_counted()[READ]
@@ -79,6 +85,7 @@ def load_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
 
     with contextlib.ExitStack() as patches:
         patches.enter_context(mock.patch.object(load_module, "verify_together", counting_verify))
+        patches.enter_context(mock.patch.object(load_module.CheckpointHomes, "of", counting_homes))
         if planted:
             patches.enter_context(mock.patch.object(load_module, "_reshard", whole_shards_reshard))
         start = bytes_counted()[READ]
@@ -88,7 +95,7 @@ def load_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
     os.makedirs(cfg.logging.out, exist_ok=True)
     save_file(state, os.path.join(cfg.logging.out, f"state-rank{comm.rank}.safetensors"))
     mine = {"verify": sum(verified), "total": total, "verified": bool(verified), "tp_rank": engine.mesh.tp_rank,
-            "dp_rank": engine.dp.rank}
+            "dp_rank": engine.dp.rank, "homes_built": len(homes_built)}
     return {"ranks": comm.io.all_gather_json(mine, "test_load_bytes"), "layout": engine.layout.to_dict(),
             "tp_slices": {n: s.to_dict() for n, s in engine.tp_slices.items()}}
 

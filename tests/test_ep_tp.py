@@ -19,6 +19,7 @@ checked on the digests alone: which ranks must agree, and a drift in each expert
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -282,12 +283,15 @@ def test_an_ep2_tp2_checkpoint_verifies_and_a_drifted_expert_bias_and_swapped_ex
     from test_tp_checkpoint import _record_file, rewrite
 
     from zerotrain import checkpoint
+    from zerotrain.checkpoint import verify as verify_module
     from zerotrain.parallel import ShardLayout
 
     tmp, _ = four_ranks
     good = str(tmp / "gpt_oss_ep2tp2" / "checkpoints" / f"step_{STEPS:08d}")
-    checks = checkpoint.verify_checkpoint(good)
+    with mock.patch.object(verify_module, "expert_layout_of", wraps=verify_module.expert_layout_of) as parsed:
+        checks = checkpoint.verify_checkpoint(good)
     assert all(c.ok for c in checks) and [c.name for c in checks][-1] == "replicas", checks
+    assert parsed.call_count == 1  # the expert layout parsed once for the 4 shards' replica digests
 
     def copy(name):
         shutil.copytree(good, tmp_path / name)

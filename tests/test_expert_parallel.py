@@ -45,7 +45,7 @@ from test_checkpoint import spawn
 from zerotrain import checkpoint
 from zerotrain.checkpoint import homes
 from zerotrain.checkpoint import load as load_module
-from zerotrain.checkpoint.format import STATE_KEYS
+from zerotrain.checkpoint.format import STATE_KEYS, ep_of
 from zerotrain.checkpoint.homes import shard_parts
 from zerotrain.checkpoint.stream import bytes_counted, count_read
 from zerotrain.cli.flags import config_from_args
@@ -312,7 +312,7 @@ def test_the_io_plan_gives_each_ranks_draws_and_saves_with_ep_and_a_plan_without
     assert measured["init_values_drawn"] == [r.startup_drawn for r in plan.ranks]  # exactly
     assert measured["checkpoint_bytes_written"] == [r.save_written * got["saves"] for r in plan.ranks]
     if key == "ep4":  # planted: every expert drawn and saved on each rank (the plan without the EP split)
-        monkeypatch.setattr(io_plan_module, "keep_expert_block", lambda model, ep, ep_rank=0: None)
+        monkeypatch.setattr(memory_plan, "keep_expert_block", lambda model, ep, ep_rank=0: None)  # planned_layouts
         said = differences(io_plan(plan_config(got, tmp_path)), measured, saves=got["saves"])
         assert sum("init_values_drawn" in line for line in said) == 4, said
         assert sum("checkpoint_bytes_written" in line for line in said) == 4, said
@@ -338,7 +338,7 @@ def named_state(folder: str) -> dict[str, torch.Tensor]:
     its replicas' shards (world ranks k E + e), named as EP rank 0's shifted by e x experts_per_rank."""
     with open(os.path.join(folder, "manifest.json")) as f:
         manifest = json.load(f)
-    W, ep = manifest["world_size"], manifest["mesh"].get("ep", 1)
+    W, ep = manifest["world_size"], ep_of(manifest)
     shards = [load_file(os.path.join(folder, checkpoint.shard_name(r, W))) for r in range(W)]
     out = {"step": shards[0]["step"]}
     layout = ShardLayout.from_dict(manifest["layout"])

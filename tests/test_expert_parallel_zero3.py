@@ -40,7 +40,6 @@ from zerotrain.model import moe
 from zerotrain.parallel import Comm, ZeroEngine, experts
 from zerotrain.parallel.zero3 import ShardedParameters
 from zerotrain.checkpoint.stream import bytes_counted
-from zerotrain.training import io_plan as io_plan_module
 from zerotrain.training import loop, memory_plan
 from zerotrain.training.io_plan import differences, io_plan
 from zerotrain.training.loop import train
@@ -227,8 +226,8 @@ def test_the_plans_give_each_ranks_expert_bytes_draws_and_saves_at_zero3(four_ra
     assert measured["init_values_drawn"] == [r.startup_drawn for r in plan.ranks]  # exactly: the owned values
     assert measured["checkpoint_bytes_written"] == [r.save_written * got["saves"] for r in plan.ranks]
     if ep == 4:  # planted: the expert layout over every DP rank, not the replica group of DP / E
-        real = io_plan_module.layout_of
-        monkeypatch.setattr(io_plan_module, "layout_of", lambda model, dp, bucket, select=None: real(
+        real = memory_plan.layout_of  # what planned_layouts lays the model out with, for the I/O plan too
+        monkeypatch.setattr(memory_plan, "layout_of", lambda model, dp, bucket, select=None: real(
             model, 4 if select is experts.is_expert_parameter else dp, bucket, select))
         said = differences(io_plan(cfg), measured, saves=got["saves"])
         assert sum("init_values_drawn" in line for line in said) >= 2, said

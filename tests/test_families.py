@@ -331,7 +331,7 @@ def test_tp2_computes_the_logits_and_first_loss_transformers_does(folders, tp2, 
 
 def test_a_qwen3_tp2_checkpoint_resumes_at_tp1_with_the_same_losses_and_swapped_slices_are_caught(
         folders, tp2, one_rank, tmp_path, monkeypatch):
-    from zerotrain.checkpoint import load as load_module
+    from zerotrain.checkpoint import homes as homes_module
     from zerotrain.training.loop import train
 
     results, run = tp2
@@ -346,10 +346,10 @@ def test_a_qwen3_tp2_checkpoint_resumes_at_tp1_with_the_same_losses_and_swapped_
     assert len(again) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(again, losses[2:]))
     # planted: the TP ranks' k_proj slices read in each other's place (all slices swapped would permute the heads
     # and the MLP's units together, which computes the same function)
-    real = load_module.tp_slices_of
-    monkeypatch.setattr(load_module, "tp_slices_of", lambda manifest: {
+    real = homes_module.tp_slices_of  # what the load's CheckpointHomes reads the old slices with
+    monkeypatch.setattr(homes_module, "tp_slices_of", lambda manifest, *key: {
         n: layers.TPSlice(s.dim, s.full_shape, s.parts[::-1]) if "k_proj" in n else s
-        for n, s in real(manifest).items()})
+        for n, s in real(manifest, *key).items()})
     assert abs(resumed("planted")[0] - losses[2]) > 1e-3 * losses[2]
 
 

@@ -23,7 +23,7 @@ from conftest import tiny_config
 from zerotrain.cli.main import main
 from zerotrain.hub.init_from import adopt, weight_source
 from zerotrain.runtime.launch import run_job
-from zerotrain.training import io_plan as io_plan_module
+from zerotrain.training import memory_plan as memory_plan_module
 from zerotrain.training.io_plan import TOLERANCE, differences, io_plan
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,7 +105,7 @@ def test_a_lora_run_at_stage_3_reads_its_share_of_the_frozen_base_as_the_plan_gi
     assert [r.startup_read for r in plan.ranks] == [r.startup_read for r in full.ranks]
     assert all(a.save_written < b.save_written for a, b in zip(plan.ranks, full.ranks))
     # planted: the plan lays the run out without its adapters (the base trained whole), as it did before
-    monkeypatch.setattr(io_plan_module, "add_adapters", lambda *args, **kwargs: None)
+    monkeypatch.setattr(memory_plan_module, "add_adapters", lambda *args, **kwargs: None)  # planned_layouts' own
     said = differences(io_plan(runs["lora"][0]), measured, phases=("startup", "save"))
     assert sum("checkpoint_bytes_written" in line for line in said) == W, said  # every rank's save
 

@@ -31,6 +31,7 @@ def test_a_run_holds_exactly_the_planned_state_and_saves_the_planned_activations
     result = train(cfg, one_rank, announce=False)  # the run checks its state against the plan itself, exactly
     rows, engine = result.plan["rows"], result.engine
     assert plan_module.measured_state(engine) == {k: rows[k] for k in plan_module.STATE}
+    assert plan_module.state_bytes_per_value(cfg.parallel.precision) == engine.expected_state_bytes_per_value()
     # and the tensors found by walking the engine, its model and its optimizer, measured without the layout
     assert plan_module.held_state_bytes(engine) == sum(rows[k] for k in plan_module.STATE)
     assert engine.grad_peak_bytes <= rows["gradients"] + rows["gradient_buckets"]

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from zerotrain import checkpoint
 from zerotrain.checkpoint import load as load_module
 from zerotrain.checkpoint.format import STATE_KEYS, mesh_of, tp_slices_of
+from zerotrain.checkpoint.homes import CheckpointHomes
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.checkpoint.verify import layout_of
 from zerotrain.config import Config
@@ -191,6 +192,7 @@ def test_a_reshard_loads_bitwise_what_whole_shards_gave_reading_only_each_ranks_
         got = load_file(os.path.join(cfg.logging.out, f"state-rank{r}.safetensors"))
         assert bits_equal(got, want[mine["dp_rank"] * tp + mine["tp_rank"]]), (case, r)
         assert mine["verified"], (case, r)  # the checkpoint was verified together before anything was read
+        assert mine["homes_built"] == 1, (case, r, mine)  # its layouts parsed once, for the check and every part
         # the ranged reads: each value it owns once, counted (within the bound, which a padded shard is below)
         assert mine["total"] - mine["verify"] == ranged_bytes(owned_values(new, mine["dp_rank"])), (case, r, mine)
         assert mine["total"] - mine["verify"] <= ranged_bytes(new.shard_numel), (case, r, mine)
@@ -230,7 +232,7 @@ def test_every_rank_of_another_mesh_reads_its_share_and_gets_what_whole_shards_g
     manifest = checkpoint.read_manifest(path)
     cfg = Config.from_dict(manifest["config"])
     bucket_numel = int(bucket_mb * 2**20) // 4 if bucket_mb else cfg.parallel.bucket_numel
-    old, old_slices = layout_of(manifest, path), tp_slices_of(manifest)
+    homes = CheckpointHomes.of(manifest, path)
     layouts = []
     for t in range(tp):  # what build_engine gives TP rank t, without process groups
         model = meta_model(cfg.model)
@@ -241,7 +243,7 @@ def test_every_rank_of_another_mesh_reads_its_share_and_gets_what_whole_shards_g
     want = whole_shard_states(path, new, new_slices, tp)
     for r in range(tp * dp):
         start = bytes_counted()[reshard_jobs.READ]
-        got = load_module._reshard(path, manifest, old, old_slices, new, new_slices, r % tp, r // tp)
+        got = load_module._reshard(path, manifest, homes, new, new_slices, r % tp, r // tp)
         assert bits_equal(got, want[r]), (mesh, r)
         read = bytes_counted()[reshard_jobs.READ] - start
         assert read == ranged_bytes(owned_values(new, r // tp)) <= ranged_bytes(new.shard_numel), (mesh, r)

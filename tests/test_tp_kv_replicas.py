@@ -22,7 +22,7 @@ from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 
 from zerotrain import checkpoint
-from zerotrain.checkpoint import load as load_module
+from zerotrain.checkpoint import homes as homes_module
 from zerotrain.checkpoint import verify as verify_module
 from zerotrain.cli.main import main
 from zerotrain.config import PRESETS, ModelConfig
@@ -195,10 +195,10 @@ def test_a_tp4_checkpoint_loads_on_one_rank_exactly_and_swapped_kv_groups_are_ca
     for key in STATE:
         assert all(torch.equal(state[key][n], t) for n, t in saved[key].items()), key
     # planted: the old slices read with their parts reversed (the KV groups' heads exchanged, and the q heads')
-    real = load_module.tp_slices_of
+    real = homes_module.tp_slices_of  # what the load's CheckpointHomes reads the old slices with
     swapped = {n: layers.TPSlice(s.dim, s.full_shape, s.parts[::-1]) for n, s in real(
         checkpoint.read_manifest(runs["saved folder"])).items()}
-    with mock.patch.object(load_module, "tp_slices_of", lambda manifest: swapped):
+    with mock.patch.object(homes_module, "tp_slices_of", lambda manifest, *key: swapped):
         state = loaded()
     k = "model.layers.0.self_attn.k_proj.weight"
     assert not torch.equal(state["master"][k], saved["master"][k])

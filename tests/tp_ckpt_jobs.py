@@ -10,7 +10,7 @@ from dist_jobs import without_moments
 from safetensors.torch import save_file
 
 from zerotrain import checkpoint
-from zerotrain.checkpoint import load as load_module  # noqa: E402
+from zerotrain.checkpoint import homes as homes_module
 from zerotrain.config import Config
 from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import Comm
@@ -86,13 +86,13 @@ def cross_mesh_resume_job(cfg: Config, comm: Comm, planted: str = "") -> dict:
     """
     out = {"loaded": _dump_loaded_state(cfg, comm, "real")}
     if planted == "swapped slices":
-        real = load_module.tp_slices_of
-        load_module.tp_slices_of = lambda manifest: {n: TPSlice(s.dim, s.full_shape, s.parts[::-1])
-                                                     for n, s in real(manifest).items()}
+        real = homes_module.tp_slices_of  # what the load's CheckpointHomes reads the old slices with
+        homes_module.tp_slices_of = lambda manifest, *key: {n: TPSlice(s.dim, s.full_shape, s.parts[::-1])
+                                                            for n, s in real(manifest, *key).items()}
         try:
             _dump_loaded_state(cfg, comm, "planted")
         finally:
-            load_module.tp_slices_of = real
+            homes_module.tp_slices_of = real
     elif planted == "no moments":
         real = checkpoint.load_checkpoint
         checkpoint.load_checkpoint = without_moments(real)

@@ -223,6 +223,12 @@ def mesh_of(manifest: dict) -> tuple[int, int]:
     return mesh["tp"], mesh["dp"]
 
 
+def ep_of(manifest: dict) -> int:
+    """The EP degree that wrote the checkpoint: its mesh's "ep", 1 for a mesh without it (or a manifest without a
+    mesh). As recorded: partition_problem checks it."""
+    return (manifest.get("mesh") or {}).get("ep", 1)
+
+
 def layout_of(manifest: dict, path: str) -> ShardLayout:
     """The manifest's layout as a ShardLayout; CheckpointError if its entries do not make one."""
     try:

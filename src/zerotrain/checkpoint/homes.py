@@ -21,7 +21,7 @@ from zerotrain.errors import CheckpointError
 from zerotrain.model.layers import TPSlice
 from zerotrain.parallel import ExpertParallelEngine, ParamSlot, ShardLayout
 
-from .format import MANIFEST, layout_of, mesh_of, tp_slices_of
+from .format import MANIFEST, ep_of, layout_of, mesh_of, tp_slices_of
 
 EXPERT_TP_SLICES = "expert_tp_slices"  # the manifest's key of the experts' TP slices (EP rank 0's names)
 
@@ -80,15 +80,13 @@ class CheckpointHomes:
                                      EXPERT_PREFIX, tp, ep, ep_rank)
 
     @classmethod
-    def of(cls, manifest: dict, path: str, layout: ShardLayout | None = None,
-           tp_slices: dict[str, TPSlice] | None = None) -> "CheckpointHomes":
-        """The homes of the checkpoint at `path` (its manifest read; `layout` and `tp_slices`: its own, where the
-        caller parsed them already); CheckpointError if its layouts do not make them."""
-        ep = (manifest.get("mesh") or {}).get("ep", 1)
+    def of(cls, manifest: dict, path: str) -> "CheckpointHomes":
+        """The homes of the checkpoint at `path` (its manifest read); CheckpointError if its layouts do not make
+        them. A reader builds them once per checkpoint and asks them for every parameter."""
+        ep = ep_of(manifest)
         experts = (expert_layout_of(manifest, path), ep, experts_per_rank(manifest, path),
                    tp_slices_of(manifest, EXPERT_TP_SLICES)) if ep > 1 else ()
-        return cls(layout if layout is not None else layout_of(manifest, path),
-                   tp_slices if tp_slices is not None else tp_slices_of(manifest), mesh_of(manifest)[0], *experts)
+        return cls(layout_of(manifest, path), tp_slices_of(manifest), mesh_of(manifest)[0], *experts)
 
     def home(self, name: str) -> Home:
         return self._homes[name]
@@ -145,7 +143,7 @@ def expert_layout_of(manifest: dict, path: str) -> ShardLayout:
         return ShardLayout.from_dict(manifest["expert_layout"])
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep "
-                              f"{manifest['mesh']['ep']}, its expert_layout does not describe a ShardLayout "
+                              f"{ep_of(manifest)}, its expert_layout does not describe a ShardLayout "
                               f"({e})") from None
 
 
@@ -155,9 +153,9 @@ def experts_per_rank(manifest: dict, path: str) -> int:
     per_rank = manifest.get("experts_per_rank")
     if per_rank is None:
         n = ((manifest.get("config") or {}).get("model") or {}).get("n_experts")
-        per_rank = n // manifest["mesh"]["ep"] if isinstance(n, int) else None
+        per_rank = n // ep_of(manifest) if isinstance(n, int) else None
     if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep {manifest['mesh']['ep']}, it says "
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: written with --ep {ep_of(manifest)}, it says "
                               f"not how many experts each EP rank holds (experts_per_rank {per_rank!r})")
     return per_rank
 

@@ -18,12 +18,12 @@ from safetensors import safe_open
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
 
-from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, mesh_of, read_latest,
-                      read_manifest, shard_name, step_folders, step_of, tp_slices_of)
+from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, ep_of, mesh_of,
+                      read_latest, read_manifest, shard_name, step_folders, step_of)
 from .homes import CheckpointHomes, engine_shapes, expert_numel, same_expert_layout, shard_parts
 from .reshard import Read, shard_reads
 from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
-from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, layout_of, name_problem,
+from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, name_problem,
                      partition_problem, record_problem, replica_digests, replicas_check, shard_problem, size_problem,
                      verify_checkpoint, verify_together)
 
@@ -124,7 +124,7 @@ def refuse_ep_at_other_tp(path: str, manifest: dict, engine) -> None:
     """ConfigError when an expert-parallel checkpoint would resume at another --tp, or a checkpoint at another --tp
     into an --ep run: the experts reshard across --ep and world size (homes.CheckpointHomes), not yet across TP
     degrees."""
-    old_ep, new_ep, old_tp = (manifest.get("mesh") or {}).get("ep", 1), engine.mesh.ep_size, mesh_of(manifest)[0]
+    old_ep, new_ep, old_tp = ep_of(manifest), engine.mesh.ep_size, mesh_of(manifest)[0]
     if max(old_ep, new_ep) > 1 and old_tp != engine.mesh.tp_size:
         raise ConfigError(f"{path} was written at --ep {old_ep} with --tp {old_tp}; this run has --tp "
                           f"{engine.mesh.tp_size} (--ep {new_ep}): expert parallelism reshards across --ep and world "
@@ -184,15 +184,17 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     shards it will own (_reshard), for each shard its file holds (with --ep the dense engine's and the expert
     engine's: its block of experts, wherever the checkpoint held them).
     """
-    manifest, shard, digests, problem, refused = {}, None, None, None, None
+    manifest, homes, shard, digests, problem, refused, same = {}, None, None, None, None, None, False
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
         refuse_ep_at_other_tp(path, manifest, engine)
         refused = refuse(manifest, path) if refuse is not None and comm.rank == 0 else None
-        same = not refused and _same_mesh(path, manifest, engine)  # a refusal says more than "another model"
+        if not refused:  # a refusal says more than "another model"
+            homes = CheckpointHomes.of(manifest, path)  # the one reading of its layouts, for the check and the load
+            same = _same_mesh(path, manifest, homes, engine)
         if same:
-            shard, digests = _read_own_share(path, manifest, comm)
+            shard, digests = _read_own_share(path, manifest, homes, comm)
     except CheckpointError as e:
         problem = str(e)
     except OSError as e:  # a file this rank cannot read: the others must hear of it, not wait for it
@@ -213,22 +215,20 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     bad = first_failure(verify_together(path, comm))
     if bad is not None:
         return {}, failure_message(path, bad)
-    old, old_slices = layout_of(manifest, path), tp_slices_of(manifest)
     state = {}
     for prefix, part in shard_parts(engine):  # with --ep: the dense engine's shard, then the expert engine's
         # part.dp: the group the part shards over (its rank is the DP rank there; the expert replica group's with --ep)
-        state.update({prefix + k: v for k, v in _reshard(path, manifest, old, old_slices, part.layout, part.tp_slices,
+        state.update({prefix + k: v for k, v in _reshard(path, manifest, homes, part.layout, part.tp_slices,
                                                          part.mesh.tp_rank, part.dp.rank, prefix=prefix).items()})
     engine.load_shard_state_dict(state)
     return manifest, None
 
 
-def _same_mesh(path: str, manifest: dict, engine: ZeroEngine) -> bool:
-    """Whether `engine` has the checkpoint's mesh, TP slices, local layout and expert layout (each rank's shard loads
-    as it is); CheckpointError when it holds another model (compared by global names and full shapes: an --ep
-    checkpoint's experts are every EP rank's, whatever the EP degrees)."""
-    homes, (old_tp, old_dp) = CheckpointHomes.of(manifest, path), mesh_of(manifest)
-    new, mesh = engine.layout, engine.mesh
+def _same_mesh(path: str, manifest: dict, homes: CheckpointHomes, engine: ZeroEngine) -> bool:
+    """Whether `engine` has the mesh, TP slices, local layout and expert layout of the checkpoint at `path` (`homes`:
+    its parameters' places; each rank's shard loads as it is); CheckpointError when it holds another model (compared
+    by global names and full shapes: an --ep checkpoint's experts are every EP rank's, whatever the EP degrees)."""
+    (old_tp, old_dp), new, mesh = mesh_of(manifest), engine.layout, engine.mesh
     if homes.shapes != engine_shapes(engine):
         raise CheckpointError(f"{path} holds a model with different parameters than this run")
     old = homes.layout
@@ -237,25 +237,28 @@ def _same_mesh(path: str, manifest: dict, engine: ZeroEngine) -> bool:
             and same_expert_layout(homes, engine))
 
 
-def _read_own_share(path: str, manifest: dict, comm: Comm) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _read_own_share(path: str, manifest: dict, homes: CheckpointHomes,
+                    comm: Comm) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """This world rank's shard, hashed as it is read, and the replica digests of its masters (taken in memory: no
-    byte read twice), then its share of the other files' checks; CheckpointError naming the first bad file."""
+    byte read twice; `homes`: the checkpoint's layouts), then its share of the other files' checks; CheckpointError
+    naming the first bad file."""
     check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
     shard = read_shard(path, manifest, comm.rank)
-    digests = replica_digests(manifest, layout_of(manifest, path), comm.rank, lambda lo, hi, key: shard[key][lo:hi])
+    digests = replica_digests(manifest, homes.layout, homes.expert_layout, comm.rank,
+                              lambda lo, hi, key: shard[key][lo:hi])
     bad = first_failure(checks_beside_own_shard(path, manifest, (comm.rank, comm.world_size)))
     if bad is not None:
         raise CheckpointError(failure_message(path, bad))
     return shard, digests
 
 
-def _reshard(path: str, manifest: dict, old: ShardLayout, old_slices: dict, new: ShardLayout, new_slices: dict,
-             tp_rank: int, dp_rank: int, *, prefix: str = "") -> dict[str, torch.Tensor]:
+def _reshard(path: str, manifest: dict, homes: CheckpointHomes, new: ShardLayout, new_slices: dict, tp_rank: int,
+             dp_rank: int, *, prefix: str = "") -> dict[str, torch.Tensor]:
     """The shard state of TP rank `tp_rank`, DP rank `dp_rank` in layout `new`, read by ranges from the checkpoint
-    at `path` (verified: see load_checkpoint), whose layout is `old`. `prefix` "expert_": `new` is an --ep run's expert
-    layout (`dp_rank` its rank in the replica group), its experts found wherever the checkpoint holds them
-    (homes.CheckpointHomes: its flat layout at --ep 1, its expert layout of their EP rank otherwise); the keys of the
-    result are unprefixed.
+    at `path` (verified: see load_checkpoint), whose parameters live where `homes` says (built once per load, for
+    every part). `prefix` "expert_": `new` is an --ep run's expert layout (`dp_rank` its rank in the replica group),
+    its experts found wherever the checkpoint holds them (homes.CheckpointHomes: its flat layout at --ep 1, its
+    expert layout of their EP rank otherwise); the keys of the result are unprefixed.
 
     Each old shard this rank needs is opened once per state key, and only the byte ranges `shard_reads` names
     are read (safetensors' lazy slices of the memory-mapped file); the step is world rank 0's. Exact: values
@@ -265,7 +268,6 @@ def _reshard(path: str, manifest: dict, old: ShardLayout, old_slices: dict, new:
     pages of one key of one old shard, mapped meanwhile, 157.
     """
     world_size = manifest["world_size"]
-    homes = CheckpointHomes.of(manifest, path, old, old_slices)
     reads = shard_reads(homes, new, new_slices, tp_rank, dp_rank)
     sd = {key: torch.zeros(new.shard_numel, dtype=torch.float32) for key in STATE_KEYS}
     for rank in sorted({r.rank for r in reads}):

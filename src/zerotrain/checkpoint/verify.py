@@ -54,8 +54,8 @@ from zerotrain.config import ModelConfig
 from zerotrain.model import plan
 from zerotrain.parallel import ShardLayout
 
-from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, expected_files, layout_of, mesh_of,
-                      schema_problem, shard_name, tp_slices_of)
+from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, ep_of, expected_files, layout_of,
+                      mesh_of, schema_problem, shard_name, tp_slices_of)
 from .homes import EXPERT_PREFIX, expert_layout_of, expert_numel
 from .model import ShardedModel
 from .stream import FileRecord, count_read, read_header, sha256_file
@@ -121,8 +121,8 @@ def _verify_share(path: str, r: int, W: int) -> tuple[list[Check], dict[int, dic
                                                                              shard_numel, expert_numel(manifest)))
                   for q in ranks]):
         return checks, None, manifest
-    layout = layout_of(manifest, path)
-    digests = {int(q): shard_digests(path, manifest, layout, int(q)) for q in ranks}
+    layouts = layout_of(manifest, path), expert_layout_of(manifest, path) if "expert_layout" in manifest else None
+    digests = {int(q): shard_digests(path, manifest, *layouts, int(q)) for q in ranks}
     group(cross_file_checks(path, manifest, (r, W), digests if W == 1 else None))
     return checks, digests, manifest
 
@@ -315,7 +315,7 @@ def partition_problem(manifest: dict) -> str | None:
     dp = mesh_of(manifest)[1]
     problem = layout_problem(manifest["layout"], dp, "layout", "the DP size (world_size / mesh.tp)")
     if problem is None and "expert_layout" in manifest:
-        ep = (manifest.get("mesh") or {}).get("ep", 1)
+        ep = ep_of(manifest)
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp % ep:
             return f"mesh.ep {ep!r} does not divide the DP size {dp}"
         problem = layout_problem(manifest["expert_layout"], dp // ep, "expert_layout",
@@ -331,7 +331,7 @@ def partition_problem(manifest: dict) -> str | None:
     full = sum(math.prod(_full_shape(manifest, p)) for p in manifest["layout"]["params"])
     if experts:  # every EP rank holds as many expert values as EP rank 0, split as EP rank 0's
         full += sum(math.prod(_full_shape(manifest, p, experts[0])) for p in manifest["expert_layout"]["params"]) * \
-            (manifest.get("mesh") or {}).get("ep", 1)
+            ep_of(manifest)
     if full != manifest["param_count"]:
         return f"the full model's parameters hold {full} values, param_count is {manifest['param_count']}"
     return None
@@ -485,13 +485,14 @@ def replicated_names(manifest: dict, key: str = "tp_slices", layout: str = "layo
             if p["name"] not in slices or any(slices[p["name"]].first_holder(t) != t for t in range(T))]
 
 
-def replica_digests(manifest: dict, layout: ShardLayout, world_rank: int,
+def replica_digests(manifest: dict, layout: ShardLayout, experts: ShardLayout | None, world_rank: int,
                     read: Callable[..., torch.Tensor]) -> dict[str, str]:
     """What world rank `world_rank`'s shard holds of each replicated parameter (replicated_names), as a digest each:
     sha256 of those master values in flat order (in a bf16 run rounded to bf16: the parameters the run computes with),
     its first 16 hex digits. `read(lo, hi, key)` gives values [lo, hi) of the rank's master shard (key "master", or
     "expert_master": its expert engine's), at most DIGEST_VALUES at a time. With --ep the experts' replicated values
-    (gpt-oss's down biases) too, keyed EXPERT + their name in the expert layout.
+    (gpt-oss's down biases) too, keyed EXPERT + their name in the expert layout, `experts` (the manifest's
+    expert_layout, which the caller parses once for every shard it digests; None without --ep).
 
     The local layout is the same on every TP rank, so DP rank d's shards on every TP rank hold the same flat pieces of
     a parameter: their digests are equal iff (almost surely) the copies are bitwise equal. Likewise the expert layout:
@@ -501,8 +502,8 @@ def replica_digests(manifest: dict, layout: ShardLayout, world_rank: int,
     out = _digests(manifest, layout, replicated_names(manifest), world_rank // T, lambda lo, hi: read(lo, hi, "master"))
     names = replicated_names(manifest, "expert_tp_slices", "expert_layout")
     if names:
-        experts, E = expert_layout_of(manifest, ""), manifest["mesh"]["ep"]
-        digests = _digests(manifest, experts, names, world_rank // T // E, lambda lo, hi: read(lo, hi, "expert_master"))
+        digests = _digests(manifest, experts, names, world_rank // T // ep_of(manifest),
+                           lambda lo, hi: read(lo, hi, "expert_master"))
         out.update({EXPERT + name: d for name, d in digests.items()})
     return out
 
@@ -523,7 +524,8 @@ def _digests(manifest: dict, layout: ShardLayout, names: list[str], dp_rank: int
     return out
 
 
-def shard_digests(path: str, manifest: dict, layout: ShardLayout, world_rank: int) -> dict[str, str]:
+def shard_digests(path: str, manifest: dict, layout: ShardLayout, experts: ShardLayout | None,
+                  world_rank: int) -> dict[str, str]:
     """replica_digests of world rank `world_rank`'s shard file in the checkpoint `path`, reading only the master values
     they cover (counted)."""
     if mesh_of(manifest)[0] == 1:
@@ -537,7 +539,7 @@ def shard_digests(path: str, manifest: dict, layout: ShardLayout, world_rank: in
             count_read(4 * (hi - lo))
             return masters[key][lo:hi]
 
-        return replica_digests(manifest, layout, world_rank, read)
+        return replica_digests(manifest, layout, experts, world_rank, read)
 
 
 def replicas_check(path: str, manifest: dict, digests: dict[int, dict[str, str]]) -> Check:

@@ -64,13 +64,10 @@ from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
 from zerotrain.data.tokenizer_config import config_files
 from zerotrain.hub import base_digest
-from zerotrain.model import build_model, parallelize
-from zerotrain.model.lora import add_adapters
-from zerotrain.parallel import ShardLayout, layout_of
-from zerotrain.parallel.experts import is_expert_parameter, keep_expert_block
+from zerotrain.parallel import ShardLayout
 from zerotrain.parallel.zero3 import frozen_layout_of
 
-from .memory_plan import STATE, MemoryPlan, memory_plan
+from .memory_plan import STATE, MemoryPlan, memory_plan, planned_layouts
 
 HF_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained max_shard_size default: the files a model folder has
 FILE_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
@@ -118,20 +115,9 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     p, tp = cfg.parallel, cfg.parallel.tp
     world = world_size or cfg.launch.nproc
     dp = world // tp
-    with torch.device("meta"):
-        local = build_model(cfg.model, cfg.loop.seed)
-        shapes = {n: tuple(t.shape) for n, t in local.named_parameters()}  # the full model's, before the TP split
-        if tp > 1:
-            parallelize(local, tp, 0, None)
-        if cfg.lora.rank:  # as the memory plan lays it out: the adapters train, the base is frozen
-            add_adapters(local, cfg.lora, cfg.loop.seed)
+    # as the memory plan lays the model out; with --ep DP rank d is replica d // E of EP rank d mod E
+    local, shapes, L, experts = planned_layouts(cfg, dp)
     E = p.ep
-    if E > 1:  # as the memory plan lays it out: EP rank 0's block of experts, the rest of the model dense
-        keep_expert_block(local, E)
-    L = layout_of(local, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if E > 1 else None)
-    # --ep: the expert engine's layout over the replica group (DP rank d is replica d // E of EP rank d mod E; every
-    # EP rank's block has EP rank 0's shapes)
-    experts = layout_of(local, dp // E, p.bucket_numel, is_expert_parameter) if E > 1 else None
     # What start-up reads or draws: the trained parameters, or a LoRA run's frozen base (its adapters are drawn by
     # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
     source = frozen_layout_of(local, dp, p.bucket_numel) if cfg.lora.rank else L

@@ -76,6 +76,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -87,7 +88,7 @@ from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
 from zerotrain.model.layers import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters
 from zerotrain.model.vocab import splits_vocab, vocab_rows
-from zerotrain.parallel import Comm, ZeroEngine, layout_of, stage2_bucket_budget
+from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.parallel.params import frozen_parameters
@@ -109,6 +110,7 @@ EXPERT_ROWS = (("parameters", "of which experts: parameters"), ("gradients", "of
                ("optimizer_state", "of which experts: optimizer state"))
 STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights", "reference_model")
 ACTIVATION_TOLERANCE = 0.10
+MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
 # The deepest model `largest_model` searches: deeper than any transformer trained at scale (Llama 3's 405B has 126
 # layers; DeepNet's deepest, 1,000). A plan of 1,024 Llama-3-8B blocks takes ~1.6 s to build on the meta device
 # (2 CPU cores), one of 4,096 ~4.7 s: the cap bounds the search's cost where a small shape fits without end.
@@ -153,17 +155,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     dp = (world_size or cfg.launch.nproc) // tp
     B = micro_batch or cfg.loop.micro_batch
     sequences = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.loop.seed)
-        if tp > 1:
-            parallelize(model, tp, 0, None)
-        if cfg.lora.rank:
-            add_adapters(model, cfg.lora, cfg.loop.seed)
+    model, _, L, experts = planned_layouts(cfg, dp)
     E = p.ep  # expert parallelism: EP rank 0's block of experts, over its replica group of dp / E ranks
-    if E > 1:
-        keep_expert_block(model, E)
-    L = layout_of(model, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if E > 1 else None)
-    experts = layout_of(model, dp // E, p.bucket_numel, is_expert_parameter) if E > 1 else None
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     frozen = frozen_layout_of(model, dp, p.bucket_numel) if p.zero == 3 else None  # stage 3 shards the frozen base
@@ -184,8 +177,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "frozen_base": (frozen.shard_numel if frozen is not None else
                         sum(p.numel() for _, p in frozen_parameters(model))) * psize,
         "gradients": grads,
-        "optimizer_state": shard * 8,
-        "master_weights": shard * 4 if p.precision == "bf16" else 0,
+        "optimizer_state": shard * MOMENT_BYTES,
+        "master_weights": shard * (state_bytes_per_value(p.precision) - MOMENT_BYTES),
         "gradient_buckets": buckets,
         "activations": activations["total"] + adapter_activations(cfg, model, sequences),
         "reference": reference_bytes(cfg),
@@ -203,6 +196,43 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device, E, expert_rows, by_rank, most)
 
 
+class PlannedModel(NamedTuple):
+    """The model a rank of a run builds, on the meta device, and the layouts its engines lay it out in."""
+
+    model: torch.nn.Module  # TP rank 0's slices, a LoRA run's adapters, with --ep EP rank 0's block of experts
+    full_shapes: dict[str, tuple[int, ...]]  # each parameter's shape in the full model, before the TP split
+    layout: ShardLayout  # the flat layout over the DP ranks (with --ep: of the parameters that are not experts)
+    experts: ShardLayout | None  # --ep E: the expert engine's, EP rank 0's block over its replica group of DP / E
+
+
+def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
+    """`cfg`'s model as a rank of a run over `dp` DP ranks lays it out (what the memory and I/O plans count): built on
+    the meta device, split as TP rank 0's slice, with a LoRA run's adapters; with --ep E EP rank 0's block of experts,
+    in a layout of its own over its replica group of dp / E ranks, the rest of the model in the flat layout. Every TP
+    rank's slices have TP rank 0's shapes, every EP rank's block EP rank 0's."""
+    p = cfg.parallel
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.loop.seed)
+        shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
+        if p.tp > 1:
+            parallelize(model, p.tp, 0, None)
+        if cfg.lora.rank:  # the adapters train, the base is frozen
+            add_adapters(model, cfg.lora, cfg.loop.seed)
+    if p.ep > 1:
+        keep_expert_block(model, p.ep)
+    L = layout_of(model, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if p.ep > 1 else None)
+    experts = layout_of(model, dp // p.ep, p.bucket_numel, is_expert_parameter) if p.ep > 1 else None
+    return PlannedModel(model, shapes, L, experts)
+
+
+def state_bytes_per_value(precision: str) -> int:
+    """The optimizer state a rank holds per value it owns: AdamW's two fp32 moments (MOMENT_BYTES) and, in bf16, the
+    fp32 master (in fp32 the masters are the parameter buffer's own chunks): 12 in bf16, 8 in fp32. The engine's
+    rule (ZeroEngine.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
+    and in the experts' state."""
+    return MOMENT_BYTES + (4 if precision == "bf16" else 0)
+
+
 def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
     """The rows one MoE layer's all-to-all sends from a rank, whatever the routing (dropless): each of the micro-batch's
     N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype."""
@@ -218,7 +248,7 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     slots of the one flat buffer (ZeRO-3: the rank's owned pieces of them) and the state of its owned pieces, which
     differ by rank. None for a model without experts."""
     p = cfg.parallel
-    per_value = 12 if p.precision == "bf16" else 8  # AdamW's two moments (and the fp32 master in bf16)
+    per_value = state_bytes_per_value(p.precision)
     if experts is not None:
         grads = gradient_bytes(cfg, experts, dp // p.ep, psize)[0]
         params = (experts.shard_numel if p.zero == 3 else experts.padded_numel) * psize
@@ -231,34 +261,35 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     held = sum(s.numel for s in slots)
     owned = [sum(q.numel for s in slots for q in L.owned_pieces(r, s.offset, s.offset + s.numel)) for r in range(dp)]
     by_rank = [(o if p.zero == 3 else held) * psize + per_value * o for o in owned]
-    if keeps_autograd_grads(p.zero, p.precision, dp, p.tp):
-        grads = held * 4
-    elif p.zero == 1:
-        grads = held * psize + (held * 4 if p.precision == "bf16" else 0) + (owned[0] * 4 if dp > 1 else 0)
-    else:
-        grads = owned[0] * 4
-    rows = {"parameters": (owned[0] if p.zero == 3 else held) * psize, "gradients": grads,
+    rows = {"parameters": (owned[0] if p.zero == 3 else held) * psize,
+            "gradients": held_gradient_bytes(cfg, held, held, owned[0], dp, psize),  # the slots unpadded
             "optimizer_state": per_value * owned[0]}
     return rows, by_rank
 
 
 def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
     """(gradients, gradient buckets, gloo's reduce-scatter scratch) of an engine with layout `L` over `dp` ranks."""
-    p, tp = cfg.parallel, cfg.parallel.tp
+    p = cfg.parallel
     padded, shard = L.padded_numel, L.shard_numel
-    if keeps_autograd_grads(p.zero, p.precision, dp, tp):
-        grads = L.numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
-        buckets = 0
-    elif p.zero == 1:
-        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
-        grads = padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
-        buckets = 0
-    else:
-        grads = shard * 4
+    grads, buckets = held_gradient_bytes(cfg, L.numel, padded, shard, dp, psize), 0
+    if p.zero > 1:  # stage 1 (autograd's own gradients included) holds no buckets beyond its gradients
         per_micro_batch = cfg.loop.accum == 1 or cfg.grad_reduce == "micro-batch"
         buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
     communication = (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0
     return grads, buckets, communication
+
+
+def held_gradient_bytes(cfg: Config, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
+    """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with their
+    buckets' padding, `shard` of them its own (an engine's layout; or at --ep 1 the experts' slots of it and the
+    rank's owned pieces of them)."""
+    p = cfg.parallel
+    if keeps_autograd_grads(p.zero, p.precision, dp, p.tp):
+        return numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
+    if p.zero == 1:
+        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
+        return padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
+    return shard * 4
 
 
 def reference_bytes(cfg: Config) -> int:
