@@ -133,6 +133,10 @@ def four_rank_job(rank, comm, tmp_path):
     out["no_rows_zero2"] = run(comm, tmp_path / "no_rows_zero2", "--ep", "2", *NO_ROWS, "--zero", "2")
     out["no_rows_zero2_micro"] = run(comm, tmp_path / "no_rows_zero2_micro", "--ep", "2", *NO_ROWS, "--zero", "2",
                                      "--grad-reduce", "micro-batch", "--accum", "2")
+    # ... with accumulation reduced once a step: the window's first backward begins the units too, and the last one's
+    # schedule starts again (every backward's end resets it)
+    out["no_rows_zero2_accum"] = run(comm, tmp_path / "no_rows_zero2_accum", "--ep", "2", *NO_ROWS, "--zero", "2",
+                                     "--accum", "2")
     moe.MoE.route = real_route
     return out
 
@@ -269,7 +273,8 @@ def test_ranks_routing_nothing_to_some_experts_reduce_in_one_schedule_and_arriva
                                                                                                   tmp_path):
     got = four_ranks[0]
     for key, base in (("no_rows_ep1", "no_rows_zero1"), ("no_rows", "no_rows_zero1"),  # ZeRO-3, --ep 1 and 2
-                      ("no_rows_zero2", "no_rows_zero1"), ("no_rows_zero2_micro", "no_rows_zero1_accum")):
+                      ("no_rows_zero2", "no_rows_zero1"), ("no_rows_zero2_micro", "no_rows_zero1_accum"),
+                      ("no_rows_zero2_accum", "no_rows_zero1_accum")):
         assert close(got[key]["losses"], got[base]["losses"], 1e-6), (key, got[key], got[base])
     codes, results = spawn(arrival_order_job, 4, tmp_path, timeout=120)  # planted, in processes that may abort
     said = [r["said"] if r else None for r in results]

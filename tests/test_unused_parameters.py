@@ -64,8 +64,9 @@ BOUND = 1e-4
 
 def old_end_of_backward(monkeypatch, stage3_release: bool = False) -> None:
     """Planted: the engine as it was, doing nothing as a backward ends (no bucket launched for a gradient that did
-    not come, no count started again); `stage3_release`: the engine's end of backward kept, stage 3's (its placement's:
-    every unit released, the units' counts of gradients started again) dropped."""
+    not come, no count started again); `stage3_release`: the engine's end of backward kept (its buckets launched, the
+    reduce schedule's counts started again), stage 3's placement's dropped (every unit released, the units' counts
+    of gradients started again)."""
     if not stage3_release:
         monkeypatch.setattr(ZeroEngine, "_end_backward", lambda self: setattr(self, "_end_queued", False))
         return

@@ -1,19 +1,21 @@
 """The ZeRO engine, one algorithm at stages 1, 2 and 3: flat layout, buckets, reduce-scatter, AdamW.
 
-Every rank holds the full parameters, each a view into one flat buffer. The flat buffer is cut into buckets;
-each bucket is padded to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's
-grid, grad_norm.py) and split into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
+The trained parameters are laid out in one flat buffer. The flat buffer is cut into buckets; each bucket is padded
+to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's grid, grad_norm.py) and
+split into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
 
     reduce-scatter each bucket's gradients -> this rank's gradient shard  (one round, per bucket)
     one all-reduce of a few scalars       -> global grad norm (clipping; grad_norm.py), loss, flags
     torch.optim.AdamW on the owned chunks  -> updated master values
-    all-gather each bucket in place        -> every rank's parameters    (one round, per bucket)
+    the parameters follow                  -> stages 1 and 2: all-gather each bucket in place (one round, per bucket);
+                                              stage 3: each unit gathered from the shards when next used
 
 Communication can hide behind compute, each half on its own switch: with `reduce_in_backward` each
 bucket's reduce-scatter starts in backward as soon as its gradients are complete; with
 `gather_in_forward` the all-gather runs behind the next forward: the buckets are launched in forward
-order and each module's forward pre-hook waits only for the buckets holding its own parameters.
-Whatever reads parameters outside forward calls `wait_params()` first (the engine's own readers do).
+order and each module's forward pre-hook waits only for the buckets holding its own parameters (at stage 3 the
+next unit's gather is prefetched instead). Whatever reads parameters outside forward calls `wait_params()` first (the
+engine's own readers do).
 
 With tensor parallelism (a `Mesh` with tp > 1) the model holds this rank's TP slices and the
 replicated parameters; the flat buffer holds exactly those, and all of the above runs over the DP
@@ -386,13 +388,22 @@ class ZeroEngine:
         self._awaiting.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        self._at_end_of_backward()  # every backward ends in _end_backward, which tells the placement
         if self._grad_views is not None:
             self._take_first_grad(p)
         s = self.slot_of[id(p)]
-        self.placement.gradient_arrived(p, s)
-        if self.grads_in_params:
-            return  # autograd's gradient is the gradient: nothing to take, add or send
+        if self.placement.in_flight(s.bucket):
+            # Forward read this parameter before its all-gather finished: the gradient is of stale values.
+            raise StaleParameterError(
+                f"{s.name} was used while its all-gather was in flight: call engine.wait_params() "
+                "before reading parameters outside the model's forward")
+        self._at_end_of_backward()  # every backward ends in _end_backward, which tells the placement
+        if not self.grads_in_params:  # else autograd's gradient is the gradient: nothing to take, add or send
+            self._take_into_bucket(p, s)
+        self.placement.gradient_arrived(p)
+
+    def _take_into_bucket(self, p: torch.Tensor, s) -> None:
+        """Add `p`'s gradient where this stage keeps it (stage 2 and 3's bucket buffer, stage 1's fp32 accumulator in
+        bf16) and count it; launch the buckets now complete, where this backward reduces."""
         if self.stage >= 2:
             b = self.layout.buckets[s.bucket]
             with torch.no_grad():
@@ -804,7 +815,8 @@ class ZeroEngine:
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values, in shard order, as views where they lie (no copy): the fp32 master shard,
-        or in fp32 the owned parts of the parameters (a checkpoint writes them as they are)."""
+        or in fp32 the owned parts of the parameters (a checkpoint writes them as they are). Call wait_params() first:
+        a background save reads them on its own thread."""
         return [self.master] if self.master is not None else self.placement.owned_views()
 
     @property

@@ -4,8 +4,9 @@ A ZeRO engine (engine.py) is one algorithm at every stage: a flat layout, gradie
 shard, AdamW on the shard. What a stage decides about the parameters is a `ParameterPlacement`: the whole flat buffer
 on every rank, all-gathered after each update (stages 1 and 2: replicated.py), or only the owned chunks, each unit's
 buckets gathered while it runs (stage 3: zero3.py). The engine calls its placement at fixed points of the step and
-never asks which one it has; a placement asks the engine only through its public methods (begin_unit_backward,
-schedule_by_units, initial_range, ...).
+never asks which one it has. A placement reads the engine's public attributes (layout, params, slot_of, dp, mesh,
+frozen, the TP ranges) and calls its public methods (initial_value, initial_range, begin_unit_backward,
+schedule_by_units, reached_parameters), never a private one.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class ParameterPlacement(Protocol):
     makes every parameter a view of them), then `attach`ed once the engine's own hooks are registered (so that its
     hooks run after the engine's). The engine then calls:
 
-        gradient_arrived   as each parameter's gradient is accumulated, before the engine takes it
+        in_flight          as each parameter's gradient is accumulated: whether its bucket was still being gathered
+        gradient_arrived   then, once the engine has taken it (into its bucket, counted)
         end_backward       as a backward ends, after the engine launched its reductions
         reset_window       as an accumulation window starts again
         release            before the reduction: nothing stays gathered for a backward
@@ -60,7 +62,8 @@ class ParameterPlacement(Protocol):
     def owned_values(self, piece: OwnedPiece) -> torch.Tensor: ...
     def owned_views(self) -> list[torch.Tensor]: ...
     def owned_shard(self, copy: bool) -> torch.Tensor: ...
-    def gradient_arrived(self, p: torch.Tensor, bucket: int) -> None: ...
+    def in_flight(self, bucket: int) -> bool: ...
+    def gradient_arrived(self, p: torch.Tensor) -> None: ...
     def enter_backward(self, unit: int) -> None: ...
     def end_backward(self) -> None: ...
     def reset_window(self) -> None: ...

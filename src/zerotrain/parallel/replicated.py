@@ -5,8 +5,8 @@ owned chunks of it; after the update every bucket is all-gathered in place, laun
 reverse-forward), so the first module's parameters arrive first. With `gather_in_forward` the all-gathers run behind
 the next forward: each module's forward pre-hook waits only for the buckets holding its own parameters, and whatever
 reads parameters outside forward calls `wait()` first (the engine's own readers do). A gradient of a parameter whose
-all-gather was still in flight when the forward read it is refused (StaleParameterError). Frozen parameters (a LoRA
-run's base) keep tensors of their own, in the run's precision.
+all-gather was still in flight when the forward read it is refused (in_flight: the engine raises
+StaleParameterError). Frozen parameters (a LoRA run's base) keep tensors of their own, in the run's precision.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .digest import tensor_digest
-from .params import OwnedPiece, StaleParameterError, adopt_view, param_dtype
+from .params import OwnedPiece, adopt_view, param_dtype
 
 
 class ReplicatedParameters:
@@ -63,14 +63,14 @@ class ReplicatedParameters:
         return self.flat_params[piece.flat_lo : piece.flat_hi]
 
     def owned_views(self) -> list[torch.Tensor]:
-        """This rank's owned values in shard order, adjacent pieces as one view."""
+        """This rank's owned values in shard order, adjacent pieces as one view (the caller has finished the
+        all-gathers: a background save's copy reads them on its own thread)."""
         runs: list[list[int]] = []
         for p in self.engine.layout.owned_pieces(self.engine.dp.rank):
             if runs and runs[-1][1] == p.start:
                 runs[-1][1] = p.end
             else:
                 runs.append([p.start, p.end])
-        self.wait()
         return [self.flat_params.detach()[a:z] for a, z in runs]
 
     def owned_shard(self, copy: bool) -> torch.Tensor:
@@ -79,12 +79,13 @@ class ReplicatedParameters:
         return self.engine.layout.shard(self.flat_params, self.engine.dp.rank)
 
     # ---------------------------------------------------------------- the step's points
-    def gradient_arrived(self, p: torch.Tensor, slot) -> None:
-        if slot.bucket in self._gathering:
-            # Forward read this parameter before its all-gather finished: the gradient is of stale values.
-            raise StaleParameterError(
-                f"{slot.name} was used while its all-gather was in flight: call engine.wait_params() "
-                "before reading parameters outside the model's forward")
+    def in_flight(self, bucket: int) -> bool:
+        """Whether `bucket`'s all-gather is still in flight (a forward that read it without waiting computed with
+        stale values: the engine refuses its gradient)."""
+        return bucket in self._gathering
+
+    def gradient_arrived(self, p: torch.Tensor) -> None:
+        """Nothing to release: every parameter stays whole."""
 
     def enter_backward(self, unit: int) -> None:
         """Nothing to gather: every parameter is whole."""

@@ -1,8 +1,9 @@
 """ZeRO stage 3's parameters: each DP rank holds only its owned chunks; a unit's buckets are whole only while used.
 
 ShardedParameters is stage 3's ParameterPlacement (params.py): the engine (engine.py) is the same algorithm as at
-stages 1 and 2 and calls it at the same points. The flat layout is stage 1's and 2's (same buckets, same padding, same owned chunks), so the optimizer shard, the
-gradient norm's grid and the checkpoint are theirs too. What changes is where the parameters live:
+stages 1 and 2 and calls it at the same points. The flat layout is stage 1's and 2's (same buckets, same padding,
+same owned chunks), so the optimizer shard, the gradient norm's grid and the checkpoint are theirs too. What changes
+is where the parameters live:
 
     between steps          this rank's owned chunks only (`flat_params` is the shard: in fp32 the masters themselves;
                            in bf16 the values gathered, rounded from an fp32 master shard after each update)
@@ -593,7 +594,11 @@ class ShardedParameters:
         return self.bucket_params[b].as_strided(shape, stride, offset)
 
     # ---------------------------------------------------------------- the step's points
-    def gradient_arrived(self, p: torch.Tensor, slot) -> None:
+    def in_flight(self, bucket: int) -> bool:
+        """A unit waits for its gathers before it computes (gather_unit): no parameter is read in flight."""
+        return False
+
+    def gradient_arrived(self, p: torch.Tensor) -> None:
         """A unit whose trained parameters all have their gradients is released for its backward."""
         unit = self._unit_of[id(p)]
         self._arrived[unit] += 1
