@@ -38,6 +38,7 @@ from zerotrain.cli.flags import checked
 from zerotrain.config import NON_NEGATIVE, POSITIVE, PRESETS, Config
 from zerotrain.errors import ConfigError
 from zerotrain.parallel import Comm
+from zerotrain.parallel.params import param_dtype
 
 from .report import percentile, report_header, write_json
 
@@ -133,8 +134,8 @@ def tp_job(cfg: Config, comm: Comm, *, warmup: int) -> dict | None:
 def _probe_tp_all_reduce(cfg: Config, tp: Comm) -> float:
     """Median ms of one all-reduce of a micro-batch's activations (micro x seq x width) on this TP group."""
     m = cfg.model
-    dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
-    x = torch.ones(cfg.loop.micro_batch, m.seq_len, m.n_embd, dtype=dtype, device=tp.device)
+    x = torch.ones(cfg.loop.micro_batch, m.seq_len, m.n_embd, dtype=param_dtype(cfg.parallel.precision),
+                   device=tp.device)
     times = []
     for i in range(PROBE_REPEATS + 2):
         t0 = time.perf_counter()

@@ -102,6 +102,26 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a released bucket's view: none)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def materialise_outside_layout(engine, held: set[str]) -> None:
+    """The parameters of `engine`'s model it holds (its `select`) that its placement's layouts do not (`held`, the
+    names they do): one on the meta device gets its own tensor on the engine's device, a frozen one with values is
+    cast, both in the run's precision."""
+    dtype = param_dtype(engine.precision)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if name in held or (engine.select is not None and not engine.select(name)):
+                continue  # the placement's, or another engine's
+            if p.is_meta:
+                adopt_view(p, engine.initial_value(name, p).to(engine.device, dtype))
+            elif not p.requires_grad:
+                p.data = p.data.to(dtype)
+
+
 def param_dtype(precision: str) -> torch.dtype:
     """The dtype parameters are held and computed with in `precision` (bf16 keeps an fp32 master shard beside)."""
     return torch.bfloat16 if precision == "bf16" else torch.float32

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .digest import tensor_digest
-from .params import OwnedPiece, adopt_view, param_dtype
+from .params import OwnedPiece, adopt_view, materialise_outside_layout, param_dtype, storage_bytes
 
 
 class ReplicatedParameters:
@@ -26,7 +26,8 @@ class ReplicatedParameters:
         self.engine = engine
         self.gather_in_forward = gather_in_forward
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
-        self._materialise_outside_layout()
+        # a parameter the flat buffer will not hold (a frozen one) gets or keeps its own tensor, in the run's precision
+        materialise_outside_layout(engine, {s.name for s in engine.layout.slots})
         L, dtype = engine.layout, param_dtype(engine.precision)
         self.flat_params = torch.zeros(L.padded_numel, dtype=dtype, device=engine.device)
         with torch.no_grad():
@@ -34,18 +35,7 @@ class ReplicatedParameters:
                 view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
                 view.copy_(engine.initial_value(s.name, p))
                 adopt_view(p, view)
-            for _, p in engine.frozen:  # computed with in the parameters' dtype, never updated
-                p.data = p.data.to(dtype)
         self.param_peak_bytes = self.param_bytes()
-
-    def _materialise_outside_layout(self) -> None:
-        """A parameter on the meta device that the flat buffer will not hold (a frozen one) gets its own tensor."""
-        e = self.engine
-        in_layout = {s.name for s in e.layout.slots}
-        with torch.no_grad():
-            for name, p in e.model.named_parameters():
-                if p.is_meta and name not in in_layout and (e.select is None or e.select(name)):
-                    adopt_view(p, e.initial_value(name, p).to(e.device))
 
     def attach(self) -> None:
         """With `gather_in_forward`: each module's forward waits for the buckets holding its own parameters."""
@@ -153,5 +143,4 @@ class ReplicatedParameters:
 
     def frozen_bytes(self) -> int:
         """The distinct storages of the frozen parameters' tensors, each whole."""
-        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, p in self.engine.frozen}
-                   .values())
+        return storage_bytes(p for _, p in self.engine.frozen)

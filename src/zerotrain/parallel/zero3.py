@@ -94,7 +94,8 @@ from zerotrain.model import is_decayed
 
 from .digest import moved, tensor_digest
 from .layout import ShardLayout
-from .params import OwnedPiece, StaleParameterError, adopt_view, frozen_parameters, in_backward, param_dtype
+from .params import (OwnedPiece, StaleParameterError, adopt_view, frozen_parameters, in_backward,
+                     materialise_outside_layout, param_dtype, storage_bytes)
 
 
 class ReleasedParameterError(ZeroTrainError):
@@ -249,11 +250,6 @@ def gather_bucket(dp, layout: ShardLayout, shard: torch.Tensor, buffer: torch.Te
     return dp.all_gather(buffer, shard[b.shard_offset : b.shard_offset + c], purpose, async_op=async_op)
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (a released bucket's view: none)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
 class ShardedParameters:
     """The parameters of ZeRO stage 3 (params.ParameterPlacement): each rank holds its owned chunks, a unit's buckets
     whole only while it runs (see the module docstring)."""
@@ -274,7 +270,9 @@ class ShardedParameters:
         # What other engines over the same units hold whole now (expert parallelism's other engine): counted into
         # param_peak_bytes at each gather, so that the peak is the units' whole at once, both engines' together
         self.param_bytes_beside: Callable[[], int] = lambda: 0
-        self._materialise_outside_layout()
+        # a parameter neither layout holds gets its own tensor (the frozen ones are sharded: _build_shards)
+        materialise_outside_layout(engine, {s.name for s in engine.layout.slots} |
+                                   {s.name for s in self.frozen_layout.slots})
         self._build_shards()
 
     # ---------------------------------------------------------------- building
@@ -305,21 +303,6 @@ class ShardedParameters:
         self._expected_gathers = None
         self._gather_drift = self._no_drift(1 if e.mesh.tp_size == 1 else 2 + (e.mesh.kv_replicas > 1))
         self.param_peak_bytes = self.param_bytes()
-
-    def _materialise_outside_layout(self) -> None:
-        """A parameter on the meta device that neither layout holds gets its own tensor, in the run's precision (the
-        frozen parameters are sharded: _build_shards)."""
-        e = self.engine
-        held = {s.name for s in e.layout.slots} | {s.name for s in self.frozen_layout.slots}
-        dtype = param_dtype(e.precision)
-        with torch.no_grad():
-            for name, p in e.model.named_parameters():
-                if e.select is not None and not e.select(name):
-                    continue  # another engine's
-                if name not in held and p.is_meta:
-                    adopt_view(p, e.initial_value(name, p).to(e.device, dtype))
-                elif name not in held and not p.requires_grad:
-                    p.data = p.data.to(dtype)
 
     def attach(self) -> None:
         """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
@@ -819,7 +802,7 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
         raise ValueError(f"shard_frozen_copy takes a module whose every parameter is frozen; {trained[0]} "
                          f"requires grad (call module.requires_grad_(False) first)")
     layout = frozen_layout_of(module, dp.world_size, bucket_numel)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = param_dtype(precision)
     by_name = dict(module.named_parameters())
     params = [by_name[s.name] for s in layout.slots]
     if like is not None:

@@ -24,6 +24,7 @@ from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import (Comm, ExpertParallelEngine, Mesh, ZeroEngine, build_expert_groups,
                                 expert_bytes, shard_experts)
 from zerotrain.parallel.comm import CollectiveError
+from zerotrain.parallel.params import param_dtype
 from zerotrain.runtime.failures import restart_cause, restart_count
 from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.run_folder import say
@@ -79,7 +80,7 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     model, init = initial_model(cfg, mesh, restored)
     shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
-        base_dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
+        base_dtype = param_dtype(cfg.parallel.precision)
         if cfg.parallel.zero < 3:  # stage 3 fills its shard of the base from `init`, as it does the trained values
             materialise(model, init, rank_device(cfg), base_dtype)
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None,

@@ -91,7 +91,7 @@ from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.engine import keeps_autograd_grads
-from zerotrain.parallel.params import frozen_parameters
+from zerotrain.parallel.params import frozen_parameters, storage_bytes
 from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
 
 from .invariants import InvariantError, held_bytes
@@ -549,8 +549,7 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
         walk(list(part.optimizer.state.values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
     walk([copy.tensors() for copy in (outside or {}).values()])
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found if t.dim() > 0}
-    return sum(storages.values())
+    return storage_bytes(t for t in found if t.dim() > 0)
 
 
 # Set to 1 by the test suite (tests/conftest.py): a difference between the plan and what a run holds is an error.

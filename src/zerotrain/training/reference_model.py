@@ -25,7 +25,8 @@ import torch
 from zerotrain.config import Config
 from zerotrain.hub.init_from import initial_model
 from zerotrain.model.init import materialise
-from zerotrain.parallel.zero3 import FrozenCopy, shard_frozen_copy, storage_bytes
+from zerotrain.parallel.params import param_dtype, storage_bytes
+from zerotrain.parallel.zero3 import FrozenCopy, shard_frozen_copy
 from zerotrain.runtime.launch import rank_device
 
 
@@ -61,6 +62,5 @@ def frozen_copy(cfg: Config, engine) -> ReferenceCopy:
         sharded = shard_frozen_copy(model, engine.mesh.dp, bucket_numel=cfg.parallel.bucket_numel,
                                     precision=cfg.parallel.precision, device=rank_device(cfg), init=init)
         return ReferenceCopy(model.eval(), sharded)
-    dtype = torch.bfloat16 if cfg.parallel.precision == "bf16" else torch.float32
-    materialise(model, init, rank_device(cfg), dtype)
+    materialise(model, init, rank_device(cfg), param_dtype(cfg.parallel.precision))
     return ReferenceCopy(model.eval())
