@@ -81,33 +81,50 @@ def stored_reference(cfg: Config) -> torch.Tensor:
     return load_file(os.path.join(cfg.checkpoint.dir, preference.REFERENCE_FILE))["logps"]
 
 
-def trl_run(data, records, loss_type="sigmoid", steps=5, out=None, logps=True):
-    """TRL's DPOTrainer on the same model and pairs: each pair's log-probs under the initial model (its reference
-    forward, on a batch of all eight pairs; `logps`) and the loss of `steps` steps of 8 pairs at lr 1e-2 (0: none)."""
-    import datasets
-    import transformers
-    from trl import DPOConfig, DPOTrainer
+def trl_args(out, steps: int, **over) -> dict:
+    """The training settings TRL's trainers share with dpo_config (steps of 8 pairs at constant lr 1e-2, AdamW (0.9,
+    0.95), no weight decay, clipped at 1), each step's loss and grad norm logged."""
+    return dict(output_dir=str(out), per_device_train_batch_size=8, max_steps=max(steps, 1), learning_rate=1e-2,
+                lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                adam_epsilon=1e-8, max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no", seed=0,
+                optim="adamw_torch", bf16=False, max_length=SEQ + 1, disable_tqdm=True, logging_steps=1, **over)
 
-    losses = []
 
-    class Recording(DPOTrainer):
+def recording(trainer_class, losses: list):
+    """`trainer_class` recording the loss of each of its steps in `losses`."""
+    class Recording(trainer_class):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             losses.append(loss.item())
             return loss
 
-    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=8, max_steps=max(steps, 1), learning_rate=1e-2,
-                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
-                     adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.1, loss_type=[loss_type], use_cpu=True,
-                     report_to=[], save_strategy="no", seed=0, optim="adamw_torch", bf16=False,
-                     max_length=SEQ + 1, truncation_mode="keep_end", disable_tqdm=True,
+    return Recording
+
+
+def trained(trainer, losses: list) -> dict:
+    """Train; each step's loss and grad norm (before clipping, as zerotrain's records give it)."""
+    trainer.train()
+    return {"losses": losses, "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
+
+
+def trl_run(data, records, loss_type="sigmoid", steps=5, out=None, logps=True, **over):
+    """TRL's DPOTrainer on the same model and pairs: each pair's log-probs under the initial model (its reference
+    forward, on a batch of all eight pairs; `logps`) and the losses and grad norms of `steps` steps of 8 pairs at
+    lr 1e-2 (0: none); `over`: DPOConfig's beta, label_smoothing."""
+    import datasets
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    losses = []
+    args = DPOConfig(**trl_args(out, steps, **{"beta": 0.1, **over}), loss_type=[loss_type],
+                     truncation_mode="keep_end",
                      # the same losses to the bit, in half the time: the reference's log-probs scored once, before
                      # step 1, not by a reference model every step; no activation checkpointing (its recompute)
                      precompute_ref_log_probs=True, gradient_checkpointing=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(data["base"], dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(data["base"])
-    trainer = Recording(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
-                        processing_class=tokenizer)
+    trainer = recording(DPOTrainer, losses)(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                                            processing_class=tokenizer)
     out = {"losses": losses}
     if logps:
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
@@ -115,7 +132,7 @@ def trl_run(data, records, loss_type="sigmoid", steps=5, out=None, logps=True):
             chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
         out["logps"] = torch.stack([chosen, rejected], dim=1).double()
     if steps:
-        trainer.train()
+        out.update(trained(trainer, losses))
     return out
 
 
@@ -128,8 +145,9 @@ def trl(data, tmp_path_factory):
 
 
 def rel(a, b) -> float:
+    """The largest relative difference (0 where both are the same, 0 included)."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return float(((a - b).abs() / b.abs()).max())
+    return float(torch.where(a == b, 0.0, (a - b).abs() / b.abs()).max())
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +161,7 @@ def runs(data, group, tmp_path_factory):
         cfg = dpo_config(tmp / name, data, records, **over)
         result = train(cfg, group)
         out[name] = {"losses": [r["loss"] for r in result.records], "records": result.records,
+                     "grad_norms": [r["grad_norm"] for r in result.records],
                      "reference": stored_reference(cfg), "summary": result.report["summary"],
                      "checkpoints": result.checkpoints, "digests": result.digests}
 
@@ -154,6 +173,10 @@ def runs(data, group, tmp_path_factory):
         real = preference.pair_losses
         mp.setattr(preference, "pair_losses", lambda o, p, r, c: real(replace(o, dpo_beta=o.dpo_beta ** 2), p, r, c))
         run("beta twice", steps=2)
+        mp.undo()
+        # planted: IPO's log-ratios not divided by the completions' token counts (the sums' squared loss)
+        mp.setattr(preference, "pair_losses", lambda o, p, r, c: real(o, p, r, torch.ones_like(c)))
+        run("ipo unnormalised", steps=2, dpo_loss="ipo")
         mp.undo()
         # planted: the reference is the policy itself (its own log-probs, detached), scored every step
         mp.setattr(preference.Preference, "reference_of",
@@ -182,13 +205,19 @@ def test_pair_log_probs_equal_trls_plain_and_conversational_and_a_prompt_cut_fro
                                                                trl["sigmoid"]["logps"][4:]])) <= 1e-5
 
 
-def test_five_steps_of_sigmoid_and_ipo_equal_trls_and_beta_applied_twice_or_the_policy_as_reference_is_caught(
+def test_five_steps_of_sigmoid_and_ipo_equal_trls_and_beta_twice_the_policy_as_reference_or_ipo_unnormalised_is_caught(
         runs, trl):
     for loss in ("sigmoid", "ipo"):
-        assert len(runs[loss]["losses"]) == len(trl[loss]["losses"]) == 5
-        assert rel(runs[loss]["losses"], trl[loss]["losses"]) <= 1e-5, (runs[loss]["losses"], trl[loss]["losses"])
-    for planted in ("beta twice", "policy as reference"):
-        assert rel(runs[planted]["losses"][1], trl["sigmoid"]["losses"][1]) > 1e-3
+        ours, theirs = runs[loss], trl[loss]
+        assert len(ours["losses"]) == len(theirs["losses"]) == len(theirs["grad_norms"]) == 5
+        assert rel(ours["losses"], theirs["losses"]) <= 1e-5, (ours["losses"], theirs["losses"])
+        assert rel(ours["grad_norms"], theirs["grad_norms"]) <= 1e-5, (ours["grad_norms"], theirs["grad_norms"])
+        # off the reference: from step 2 on, the mean margin beta Delta is away from 0 (at step 1 it is 0: the policy
+        # is the reference), so the losses compared are not the loss at Delta = 0
+        margins = [r["rewards_margins"] for r in ours["records"]]
+        assert margins[0] == 0 and min(margins[1:]) > 0.05, margins
+    for planted, loss in (("beta twice", "sigmoid"), ("policy as reference", "sigmoid"), ("ipo unnormalised", "ipo")):
+        assert rel(runs[planted]["losses"][1], trl[loss]["losses"][1]) > 1e-3, planted
 
 
 def test_step_one_with_the_policy_as_reference_is_ln2_exactly_and_moves_after_and_a_frozen_reference_is_caught(runs):
@@ -452,9 +481,9 @@ def test_a_dpo_run_it_cannot_make_is_refused_in_one_line(data, capfd, tmp_path, 
     assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_each_loss_at_the_reference_is_its_known_value_and_the_reference_free_ones_train_without_one(
-        data, group, tmp_path):
-    cfg = dpo_config(tmp_path / "x", data).objective
+def test_each_loss_at_the_reference_is_its_known_value(data, tmp_path):
+    """At Delta = 0, step 1's (away from it, and simpo and orpo: against TRL over five steps, test_dpo_losses.py)."""
+    cfg = dpo_config(tmp_path, data).objective
     policy, counts = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]]), torch.tensor([[2.0, 5.0], [4.0, 2.0]])
     at = {loss: preference.pair_losses(replace(cfg, dpo_loss=loss), policy, policy, counts)[0]
           for loss in ("sigmoid", "ipo", "hinge")}
@@ -462,11 +491,3 @@ def test_each_loss_at_the_reference_is_its_known_value_and_the_reference_free_on
     assert torch.allclose(at["ipo"], torch.full((2,), (1 / (2 * cfg.dpo_beta)) ** 2))
     smoothed = preference.pair_losses(replace(cfg, dpo_label_smoothing=0.2), policy, policy, counts)[0]
     assert torch.allclose(smoothed, torch.full((2,), LN2))  # (0.8 ln 2 - 0.2 ln 2) / 0.6
-    # simpo: the length-normalised margin (-1.5 + 1 = -0.5 and -1 + 1 = 0) less gamma; orpo: its NLL and odds ratio
-    simpo = preference.pair_losses(replace(cfg, dpo_loss="simpo"), policy, None, counts)[0]
-    assert torch.allclose(simpo, -torch.nn.functional.logsigmoid(cfg.dpo_beta * torch.tensor([-0.5, 0.0]) - 0.5))
-    orpo, chosen, _ = preference.pair_losses(replace(cfg, dpo_loss="orpo"), policy, None, counts)
-    assert torch.isfinite(orpo).all() and torch.allclose(chosen, cfg.dpo_beta * torch.tensor([-1.5, -1.0]))
-    result = train(dpo_config(tmp_path / "orpo", data, steps=2, dpo_loss="orpo"), group)
-    assert result.records[1]["loss"] < result.records[0]["loss"]
-    assert not os.path.exists(tmp_path / "orpo" / "checkpoints" / preference.REFERENCE_FILE)
