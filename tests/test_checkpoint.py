@@ -144,7 +144,10 @@ def test_a_save_never_reads_its_files_back_and_a_lossy_disk_is_caught_by_the_fir
     assert all(c.ok for c in checkpoint.verify_checkpoint(unseen))
 
 
-def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_touching_the_engine(tmp_path, one_rank):
+def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_path, one_rank):
+    """A manifest that fails its checks is refused before the engine is touched. A corrupt shard is refused once it is
+    read: it was read into the engine's own state (no copy of the file beside it), so the next load a resume tries
+    overwrites every value, exactly."""
     cfg, engine = trained(tmp_path, one_rank)
     path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
     fresh = build_engine(cfg, one_rank)
@@ -160,12 +163,17 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks_before_
     data[-100] ^= 0x01  # one bit of a master value (master's bytes come last: F32 tensors by name)
     open(shard, "wb").write(bytes(data))
     assert not torch.equal(load_file(shard)["master"], engine.master_shard())  # planted: an unchecked load takes it
+    failed = build_engine(cfg, one_rank)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{SHARD}: sha256 .* \(corrupt\)"):
+        checkpoint.load_checkpoint(path, failed, one_rank)
+    assert failed.step_count == 0  # not restored: the engine is not taken for the checkpoint's
+    open(shard, "wb").write(good)
+    assert checkpoint.load_checkpoint(path, failed, one_rank)["step"] == 2  # what resume's next candidate does
+    assert torch.equal(failed.flat_params, engine.flat_params) and failed.step_count == 2
+    assert torch.equal(failed.exp_avg, engine.exp_avg) and torch.equal(failed.exp_avg_sq, engine.exp_avg_sq)
+
     untouched = build_engine(cfg, one_rank)
     before = untouched.flat_params.clone()
-    with pytest.raises(checkpoint.CheckpointError, match=rf"{SHARD}: sha256 .* \(corrupt\)"):
-        checkpoint.load_checkpoint(path, untouched, one_rank)
-    assert torch.equal(untouched.flat_params, before)
-    open(shard, "wb").write(good)
 
     manifest_file = os.path.join(path, "manifest.json")
     manifest = json.load(open(manifest_file))

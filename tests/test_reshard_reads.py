@@ -23,6 +23,7 @@ import os
 import struct
 
 import dist_jobs
+import numpy as np
 import pytest
 import reshard_jobs
 import torch
@@ -247,3 +248,65 @@ def test_every_rank_of_another_mesh_reads_its_share_and_gets_what_whole_shards_g
         assert bits_equal(got, want[r]), (mesh, r)
         read = bytes_counted()[reshard_jobs.READ] - start
         assert read == ranged_bytes(owned_values(new, r // tp)) <= ranged_bytes(new.shard_numel), (mesh, r)
+
+
+# ---------------------------------------------------------------- a resume on the mesh that saved
+def state_buffers(engine) -> list[tuple[int, int]]:
+    """(first byte, end) of each buffer `engine` keeps its shard state in: the parameters (at stages 1 and 2 in fp32
+    the masters are their owned runs), the fp32 masters where kept apart, the moments."""
+    tensors = [engine.flat_params, engine.exp_avg, engine.exp_avg_sq, *([engine.master] if engine.master is not None
+                                                                        else [])]
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+            for t in tensors]
+
+
+def whole_shard_read(path, manifest, rank, places=None):
+    """Planted in place of load.py's read_shard: the resume before it read in place, its shard read whole into
+    tensors of its own (the places ignored), which the engine then copied from."""
+    return REAL_READ_SHARD(path, manifest, rank)
+
+
+REAL_READ_SHARD = load_module.read_shard
+
+
+@pytest.mark.parametrize("run", [{"zero": 1}, {"zero": 3, "precision": "bf16"}], ids=["ZeRO-1 fp32", "ZeRO-3 bf16"])
+def test_a_resume_reads_its_shard_into_the_engine_and_a_whole_shard_copy_is_caught(tmp_path, one_rank, monkeypatch,
+                                                                                    run):
+    """The bytes a same-mesh resume reads land in the engine's own state; beside it only the header and the step (not
+    RSS: pages on a shared machine; the bytes the reader puts in memory of its own, counted at stream.read_at, which
+    every read of the shard goes through). Planted: the whole shard read into tensors of its own, one more copy of
+    the rank's optimizer state while it is read (the 1.29x peak resident memory of a TP 2 x DP 2 resume), caught by
+    the count while the state it loads is the same, bitwise."""
+    from test_engine import run_steps
+
+    from zerotrain.checkpoint import stream
+    from zerotrain.training.loop import build_engine
+
+    cfg = tiny_config(tmp_path, **run)
+    trained = build_engine(cfg, one_rank)
+    run_steps(trained, cfg, 2)
+    path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), 2, trained, one_rank, cfg.to_dict())
+    with open(os.path.join(path, checkpoint.shard_name(0, 1)), "rb") as f:
+        header = 8 + struct.unpack("<Q", f.read(8))[0]
+    state_bytes, real_read_at = len(STATE_KEYS) * 4 * trained.layout.shard_numel, stream.read_at
+    read = {}
+    for planted in (False, True):
+        engine, counted = build_engine(cfg, one_rank), {"in place": 0, "beside": 0}
+        buffers = state_buffers(engine)
+
+        def counting(f, pos, view, buffers=buffers, counted=counted):
+            at = np.frombuffer(view, dtype=np.uint8).ctypes.data
+            counted["in place" if any(a <= at and at + view.nbytes <= z for a, z in buffers) else "beside"] += \
+                view.nbytes
+            real_read_at(f, pos, view)
+
+        with monkeypatch.context() as m:
+            m.setattr(stream, "read_at", counting)
+            if planted:
+                m.setattr(load_module, "read_shard", whole_shard_read)
+            assert checkpoint.load_checkpoint(path, engine, one_rank)["step"] == 2
+        assert bits_equal(engine.shard_state_dict(), trained.shard_state_dict()), planted
+        assert torch.equal(engine.flat_params, trained.flat_params), planted
+        read[planted] = counted
+    assert read[False] == {"in place": state_bytes, "beside": header + 8}  # its header, and the step
+    assert read[True] == {"in place": 0, "beside": header + 8 + state_bytes}  # planted: a second copy of the state

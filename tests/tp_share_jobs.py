@@ -78,6 +78,15 @@ def planted_job(cfg: Config, comm: Comm) -> dict:
     return measured_train(cfg, comm, planted=True)
 
 
+def whole_shard_job(cfg: Config, comm: Comm) -> dict:
+    """Planted: every rank reads its shard whole into tensors of its own (load.py's read_shard, the engine's places
+    ignored), which the engine then copies from, as a resume did before it read in place."""
+    real = load_module.read_shard
+    with mock.patch.object(load_module, "read_shard", lambda path, manifest, rank, places=None: real(path, manifest,
+                                                                                                       rank)):
+        return measured_train(cfg, comm)
+
+
 def last_rank_assembles(path: str, manifest: dict, part: tuple[int, int]):
     """Planted in place of load.py's checks_beside_own_shard: as before digests, the last rank reads every shard's
     masters whole, assembles each TP rank's padded flat buffer and compares the replicated parameters there (reading

@@ -2,9 +2,10 @@
 state restored or resharded.
 
 `resume` is every load's path: a restart, `--resume auto`, `--resume PATH`, a rollback (load_checkpoint). On the
-mesh and layout that wrote the checkpoint, each rank reads its own shard once, hashing the bytes it loads; on another,
-the ranks verify the files together and then read by ranges. find_resumable and resolve_resume are the same search
-in one process, every file read there: for a caller outside the ranks, never at a run's start.
+mesh and layout that wrote the checkpoint, each rank reads its own shard once, straight into the engine's state,
+hashing the bytes it loads; on another, the ranks verify the files together and then read by ranges. find_resumable
+and resolve_resume are the same search in one process, every file read there: for a caller outside the ranks, never
+at a run's start.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import torch
 from safetensors import safe_open
 
 from zerotrain.errors import ConfigError
-from zerotrain.parallel import Comm, ShardLayout, ZeroEngine
+from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, shard_values
 
 from .format import (LATEST, MANIFEST, STATE_KEYS, CheckpointError, committed_folder, ep_of, mesh_of,
                       read_latest, read_manifest, shard_name, step_folders, step_of)
 from .homes import CheckpointHomes, engine_shapes, expert_numel, same_expert_layout, shard_parts
 from .reshard import Read, shard_reads
-from .stream import DTYPE_CODES, count_read, parse_safetensors, read_hashed
+from .stream import FileRecord, count_read, read_hashed_into, sha256_file
 from .verify import (checks_beside_own_shard, failure_message, files_problem, first_failure, name_problem,
                      partition_problem, record_problem, replica_digests, replicas_check, shard_problem, size_problem,
                      verify_checkpoint, verify_together)
@@ -101,23 +102,49 @@ def check_manifest(path: str, manifest: dict, reading: list[str]) -> None:
             raise CheckpointError(f"{os.path.join(path, file)}: {problem}")
 
 
-def read_shard(path: str, manifest: dict, rank: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s optimizer shard, its bytes hashed as they are read and checked against the manifest before they
-    are parsed; then its tensors' dtypes and shapes."""
+def read_shard(path: str, manifest: dict, rank: int, places: dict | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s optimizer shard: its tensors' dtypes and shapes checked from its header, then its values read a
+    block at a time, every byte hashed as it is read, and the size and sha256 checked against the manifest.
+
+    `places`: where its values go, by key (shard_places: the engine's own state), read there with pread, no copy of
+    the file held; the tensors without a place (all of them without `places`) are returned, each its own. A file
+    that fails its check raises once it is read: its places then hold what it held.
+    """
     name = shard_name(rank, manifest["world_size"])
     file = os.path.join(path, name)
     entry = next(f for f in manifest["files"] if f["name"] == name)
     problem = size_problem(path, entry)
-    if problem is None:
-        data, record = read_hashed(file)
-        problem = record_problem(record, entry)
-    if problem is None:
-        tensors = parse_safetensors(data, file)
-        problem = shard_problem({k: (_code(t), list(t.shape)) for k, t in tensors.items()},
-                                manifest["layout"]["shard_numel"], expert_numel(manifest))
+    if problem:
+        raise CheckpointError(f"{file}: {problem}")
+
+    def checked(header: dict) -> dict:  # before a value is read into a place
+        problem = shard_problem(header, manifest["layout"]["shard_numel"], expert_numel(manifest))
+        if problem:
+            raise CheckpointError(f"{file}: {problem}")
+        return places or {}
+
+    try:
+        tensors, record = read_hashed_into(file, checked)
+    except CheckpointError as e:  # its header is not a safetensors header, or not the layout's
+        corrupt = record_problem(FileRecord(name, *sha256_file(file)), entry)  # a corrupt file is named so first
+        raise CheckpointError(f"{file}: {corrupt}" if corrupt else str(e)) from None
+    problem = record_problem(record, entry)
     if problem:
         raise CheckpointError(f"{file}: {problem}")
     return tensors
+
+
+def shard_places(engine) -> dict:
+    """Where `engine` holds the state its rank's shard file holds, by the file's keys: each part's masters where they
+    lie (master_views, in shard order), exp_avg and exp_avg_sq, the keys of an --ep run's expert engine prefixed
+    expert_; its parameters' all-gathers finished first (the owned values are about to be written). The step counts
+    have no place: they are read apart, for load_shard_state_dict."""
+    places = {}
+    for prefix, part in shard_parts(engine):
+        part.wait_params()
+        places.update({prefix + "master": part.master_views(), prefix + "exp_avg": part.exp_avg,
+                       prefix + "exp_avg_sq": part.exp_avg_sq})
+    return places
 
 
 def refuse_ep_at_other_tp(path: str, manifest: dict, engine) -> None:
@@ -129,10 +156,6 @@ def refuse_ep_at_other_tp(path: str, manifest: dict, engine) -> None:
         raise ConfigError(f"{path} was written at --ep {old_ep} with --tp {old_tp}; this run has --tp "
                           f"{engine.mesh.tp_size} (--ep {new_ep}): expert parallelism reshards across --ep and world "
                           f"size, not across --tp yet (resume with --tp {old_tp})")
-
-
-def _code(t: torch.Tensor) -> str:
-    return DTYPE_CODES.get(t.dtype, str(t.dtype))
 
 
 def resume(target: str, engine: ZeroEngine, comm: Comm, *, search: bool,
@@ -169,13 +192,16 @@ def load_checkpoint(path: str, engine: ZeroEngine, comm: Comm) -> dict:
 
 def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[dict, str | None]:
     """Restore the checkpoint at `path` into `engine` if it verifies: (manifest, None); else ({}, the first problem a
-    rank found), the engine untouched.
+    rank found). A problem found before any file data is read leaves the engine untouched; a shard read in place that
+    then fails its hash or the replicas check has overwritten the engine's state, which the caller must not train
+    on: it restores another checkpoint (resume's next candidate overwrites every value) or stops.
 
     `comm` is the world communicator (shard files are named by world rank); the engine's mesh may differ from the one
     that wrote the checkpoint, but it must hold the same model (full names and full shapes). Every rank runs the checks
-    that read no file data. On the same mesh and local layout each rank then reads its own shard whole, hashing it as
-    it is read: that is its verification, and the shard is read once. The other files' checks (tokenizer files; at
-    version 1 the model file, against the masters) are shared out over the ranks (checks_beside_own_shard); with TP
+    that read no file data. On the same mesh and local layout each rank then reads its own shard straight into the
+    engine's state where it lies (shard_places; no copy of the file held beside it), hashing it as it is read: that
+    is its verification, and the shard is read once. The other files' checks (tokenizer files; at version 1 the
+    model file, against the masters) are shared out over the ranks (checks_beside_own_shard); with TP
     each rank digests its own shard's replicated masters in memory (replica_digests), and the digests travel with the
     one all_gather_json that agrees every rank's outcome before anything is restored, so every rank compares them
     and none reads another's shard.
@@ -184,7 +210,7 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
     shards it will own (_reshard), for each shard its file holds (with --ep the dense engine's and the expert
     engine's: its block of experts, wherever the checkpoint held them).
     """
-    manifest, homes, shard, digests, problem, refused, same = {}, None, None, None, None, None, False
+    manifest, homes, state, digests, problem, refused, same = {}, None, None, None, None, None, False
     try:
         manifest = read_manifest(path)
         check_manifest(path, manifest, [])
@@ -194,7 +220,7 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
             homes = CheckpointHomes.of(manifest, path)  # the one reading of its layouts, for the check and the load
             same = _same_mesh(path, manifest, homes, engine)
         if same:
-            shard, digests = _read_own_share(path, manifest, homes, comm)
+            state, digests = _read_own_share(path, manifest, homes, engine, comm)
     except CheckpointError as e:
         problem = str(e)
     except OSError as e:  # a file this rank cannot read: the others must hear of it, not wait for it
@@ -210,7 +236,7 @@ def _load_verified(path: str, engine: ZeroEngine, comm: Comm, refuse) -> tuple[d
             check = replicas_check(path, manifest, {q: d for q, (_, _, d) in enumerate(outcomes)})
             if not check.ok:
                 return {}, failure_message(path, check)
-        engine.load_shard_state_dict(shard)
+        engine.load_shard_state_dict(state)  # its values already in place: the step counts, the parameters published
         return manifest, None
     bad = first_failure(verify_together(path, comm))
     if bad is not None:
@@ -237,19 +263,21 @@ def _same_mesh(path: str, manifest: dict, homes: CheckpointHomes, engine: ZeroEn
             and same_expert_layout(homes, engine))
 
 
-def _read_own_share(path: str, manifest: dict, homes: CheckpointHomes,
-                    comm: Comm) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """This world rank's shard, hashed as it is read, and the replica digests of its masters (taken in memory: no
-    byte read twice; `homes`: the checkpoint's layouts), then its share of the other files' checks; CheckpointError
-    naming the first bad file."""
+def _read_own_share(path: str, manifest: dict, homes: CheckpointHomes, engine: ZeroEngine,
+                    comm: Comm) -> tuple[dict, dict[str, str]]:
+    """This world rank's shard, read into `engine`'s state where it lies and hashed as it is read: the state dict to
+    restore (those places and the step counts); and the replica digests of its masters (taken in place: no byte read
+    twice; `homes`: the checkpoint's layouts), then its share of the other files' checks; CheckpointError naming the
+    first bad file."""
     check_manifest(path, manifest, [shard_name(comm.rank, manifest["world_size"])])
-    shard = read_shard(path, manifest, comm.rank)
+    places = shard_places(engine)
+    state = {**places, **read_shard(path, manifest, comm.rank, places)}
     digests = replica_digests(manifest, homes.layout, homes.expert_layout, comm.rank,
-                              lambda lo, hi, key: shard[key][lo:hi])
+                              lambda lo, hi, key: shard_values(places[key], lo, hi).cpu())
     bad = first_failure(checks_beside_own_shard(path, manifest, (comm.rank, comm.world_size)))
     if bad is not None:
         raise CheckpointError(failure_message(path, bad))
-    return shard, digests
+    return state, digests
 
 
 def _reshard(path: str, manifest: dict, homes: CheckpointHomes, new: ShardLayout, new_slices: dict, tp_rank: int,

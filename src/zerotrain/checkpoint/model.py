@@ -29,7 +29,7 @@ from zerotrain.errors import CheckpointError
 
 from .format import MODEL_FILE, read_manifest, shard_name
 from .homes import CheckpointHomes, Home
-from .stream import count_read
+from .stream import count_read, read_at
 
 
 def has_model_file(manifest: dict) -> bool:
@@ -185,12 +185,7 @@ class _FlatReader:
         if out.dtype != self.dtype:
             raise CheckpointError(f"{self._file.name}: its tensor is {self.dtype}, not {out.dtype}")
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        at, pos = 0, self._start + offset * out.element_size()
-        while at < view.nbytes:
-            n = os.preadv(self._file.fileno(), [view[at:]], pos + at)
-            if not n:
-                raise CheckpointError(f"{self._file.name} ends inside its tensor (at byte {pos + at})")
-            at += n
+        read_at(self._file, self._start + offset * out.element_size(), view)
 
     def close(self) -> None:
         self._file.close()

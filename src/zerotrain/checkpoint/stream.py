@@ -12,8 +12,9 @@ sha256 runs in a second thread behind the write (never holding the writer back: 
 views of memory the writer holds anyway, so the hash overlaps the writes and the fsync): hashlib and file writes both
 release the GIL on large buffers, so the two overlap. On the development machine (2 cores, one 1.5 GB
 file, fsync included) hashing inline ran at 0.55x a plain write's throughput, in a thread at 0.9x;
-save_file followed by a re-read to hash ran at 0.2x. Reading hashes the same way, into one
-buffer the tensors are then views of, so what is verified is exactly what is loaded.
+save_file followed by a re-read to hash ran at 0.2x. Reading hashes the same way, a block at a time, straight into
+the tensors the caller names (read_hashed_into: a resume's into the engine's own state, with pread, so no copy of
+the file is held), so what is verified is exactly what is loaded.
 
 Every byte this process writes or reads here is counted (`bytes_counted`; `count_read` for readers elsewhere,
 such as a reshard's ranged reads, `count_written` for the tokenizer files rank 0 copies into a checkpoint): the run reports each rank's checkpoint I/O.
@@ -249,34 +250,100 @@ def sha256_file(path: str) -> tuple[int, str]:
 
 
 def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], FileRecord]:
-    """Every tensor of a safetensors file, as views of one buffer, and the size and sha256 of those bytes."""
-    data, record = read_hashed(path)
-    return parse_safetensors(data, path), record
+    """Every tensor of a safetensors file, each its own, and the size and sha256 of the file's bytes."""
+    return read_hashed_into(path, lambda header: {})
 
 
-def read_hashed(path: str) -> tuple[torch.Tensor, FileRecord]:
-    """A whole file in one uint8 buffer, and the size and sha256 of those bytes (hashed as they are read): a reader
-    can compare them with the manifest before parsing what may be corrupt."""
+def read_at(f, pos: int, view: memoryview) -> None:
+    """Fill `view` with the bytes of the open file `f` from offset `pos`, with pread into the caller's memory: nothing
+    mapped (safetensors' safe_open maps the file, and every page it touches stays resident while it is open), no
+    buffer between, the file's position untouched. CheckpointError if the file ends first."""
+    at = 0
+    while at < view.nbytes:  # a pread may return fewer bytes than asked
+        n = os.preadv(f.fileno(), [view[at:]], pos + at)
+        if not n:
+            raise CheckpointError(f"{f.name} ends at byte {pos + at}, inside what was to be read")
+        at += n
+
+
+def read_hashed_into(path: str, places: Callable[[dict[str, tuple[str, list[int]]]], dict]
+                     ) -> tuple[dict[str, torch.Tensor], FileRecord]:
+    """Read a safetensors file straight into the caller's tensors, a block at a time, hashing every byte as it is
+    read: (the tensors it had no place for, each its own, the size and sha256 of the file's bytes).
+
+    `places(header)` sees each tensor's (dtype code, shape) before any of its data is read (it raises to refuse
+    them) and names where each tensor goes: a contiguous tensor of its dtype and size, or a list of them whose values,
+    one after another, are its values, as write_safetensors takes them (a rank's shard state where the engine holds
+    it: master_views, exp_avg, exp_avg_sq). A tensor it leaves out is read into a new one. So no copy of the file is
+    held: the bytes land where they stay. A place off the CPU is filled through blocks of CHUNK bytes on the CPU, a
+    few at a time. The caller compares the record with the manifest before it uses what was read: on a mismatch the
+    places hold the file's (corrupt) bytes.
+    """
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        data = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(data.numpy()).cast("B")
-        hasher, got = _Hasher(), 0
+        hasher = _Hasher(queued=_Hasher.QUEUED)  # bounded: the blocks filled off the CPU's places are fresh ones
         try:
-            while got < size:
-                n = f.readinto(view[got : min(size, got + CHUNK)])
-                if not n:
-                    raise CheckpointError(f"{path} shrank while it was read ({got} of {size} bytes)")
-                hasher.update(view[got : got + n])
-                got += n
-                count_read(n)
-            if f.read(1):
+            head = torch.empty(min(size, 8), dtype=torch.uint8)
+            _read_hashed_block(f, 0, head, hasher)
+            if size < 8:
+                raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, shorter than its header length")
+            (n,) = struct.unpack("<Q", head.numpy().tobytes())
+            if n > size - 8:
+                raise CheckpointError(f"{path} is not a safetensors file: header of {n} bytes in a {size}-byte file")
+            text = torch.empty(n, dtype=torch.uint8)
+            _read_hashed_block(f, 8, text, hasher)
+            entries = _header_entries(text.numpy().tobytes(), size - 8 - n, path)
+            where = places({name: (e["dtype"], e["shape"]) for name, e in entries.items()})
+            fresh = {}
+            for name, e in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):  # in the file's order
+                lo, hi = e["data_offsets"]
+                dtype = _DTYPES[e["dtype"]]
+                if name not in where:
+                    fresh[name] = torch.empty(e["shape"], dtype=dtype)
+                parts = _parts(where[name] if name in where else fresh[name])
+                if (any(p.dtype != dtype or not p.is_contiguous() for p in parts)
+                        or sum(p.numel() for p in parts) * dtype.itemsize != hi - lo):
+                    raise ValueError(f"the places of {name} are not {hi - lo} contiguous bytes of {dtype}")
+                pos = 8 + n + lo
+                for part in parts:
+                    _read_hashed_part(f, pos, part, hasher)
+                    pos += part.numel() * dtype.itemsize
+            if os.pread(f.fileno(), 1, size):
                 raise CheckpointError(f"{path} grew while it was read (more than {size} bytes)")
             storage_delay(size)
             digest = hasher.hexdigest()
         finally:
             hasher.close()
-    return data, FileRecord(os.path.basename(path), size, digest)
+    return fresh, FileRecord(os.path.basename(path), size, digest)
+
+
+def read_blocks_held(device: str) -> int:
+    """The most bytes read_hashed_into holds beside the places it fills on `device`: none on the CPU (each block is
+    read where it stays), else the CPU blocks on their way (those queued for the hash, the one hashed, the one read)."""
+    return 0 if device == "cpu" else (_Hasher.QUEUED + 2) * CHUNK
+
+
+def _read_hashed_part(f, pos: int, part: torch.Tensor, hasher: _Hasher) -> None:
+    """The bytes at `pos` of file `f` into the tensor `part`, a CHUNK at a time, each hashed once it is read."""
+    flat = part.detach().view(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        for lo in range(0, flat.numel(), CHUNK):
+            _read_hashed_block(f, pos + lo, flat[lo : lo + CHUNK], hasher)
+        return
+    for lo in range(0, flat.numel(), CHUNK):  # off the CPU: through a fresh block, which the hasher holds a while
+        block = torch.empty(min(CHUNK, flat.numel() - lo), dtype=torch.uint8)
+        _read_hashed_block(f, pos + lo, block, hasher)
+        flat[lo : lo + block.numel()].copy_(block)
+
+
+def _read_hashed_block(f, pos: int, block: torch.Tensor, hasher: _Hasher) -> None:
+    view = memoryview(block.numpy()).cast("B")
+    try:
+        read_at(f, pos, view)
+    except CheckpointError:
+        raise CheckpointError(f"{f.name} shrank while it was read (it ends before byte {pos + view.nbytes})") from None
+    hasher.update(view)
+    count_read(view.nbytes)
 
 
 def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
@@ -295,26 +362,6 @@ def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
         entries = _header_entries(text, size - 8 - n, path)
     storage_delay(8 + n)
     return {name: (e["dtype"], e["shape"]) for name, e in entries.items()}
-
-
-def parse_safetensors(data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
-    """Tensors viewing `data` (a uint8 buffer holding a whole safetensors file), after checking its header."""
-    size = data.numel()
-    if size < 8:
-        raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, shorter than its header length")
-    (n,) = struct.unpack("<Q", data[:8].numpy().tobytes())
-    if n > size - 8:
-        raise CheckpointError(f"{path} is not a safetensors file: header of {n} bytes in a {size}-byte file")
-    entries = _header_entries(data[8 : 8 + n].numpy().tobytes(), size - 8 - n, path)
-    body, out = data[8 + n :], {}
-    for name, e in entries.items():
-        lo, hi = e["data_offsets"]
-        raw = body[lo:hi]
-        dtype = _DTYPES[e["dtype"]]
-        if raw.storage_offset() % dtype.itemsize:  # an unpadded header (other writers): align by copying
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(e["shape"])
-    return out
 
 
 def _header_entries(text: bytes, data_bytes: int, path: str) -> dict[str, dict]:

@@ -4,7 +4,7 @@ collectives."""
 from .comm import Comm
 from .experts import ExpertParallelEngine, build_expert_groups, expert_bytes, shard_experts
 from .engine import GradientOrderError, ZeroEngine, layout_of, stage2_bucket_budget
-from .layout import Bucket, ParamSlot, ShardLayout, ShardPiece
+from .layout import Bucket, ParamSlot, ShardLayout, ShardPiece, shard_values
 from .mesh import Mesh
 from .params import ParameterPlacement, StaleParameterError
 from .replicated import ReplicatedParameters
@@ -12,4 +12,4 @@ from .zero3 import FrozenCopy, ReleasedParameterError, ShardedParameters, shard_
 
 __all__ = ["Bucket", "Comm", "ExpertParallelEngine", "build_expert_groups", "expert_bytes", "shard_experts", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ParameterPlacement", "ReleasedParameterError", "ReplicatedParameters", "ShardLayout", "ShardPiece", "ShardedParameters",
            "StaleParameterError",
-           "ZeroEngine", "layout_of", "shard_frozen_copy", "stage2_bucket_budget"]
+           "ZeroEngine", "layout_of", "shard_frozen_copy", "shard_values", "stage2_bucket_budget"]

@@ -74,7 +74,7 @@ from zerotrain.model import is_decayed
 
 from . import grad_norm
 from .comm import Comm
-from .layout import ShardLayout
+from .layout import ShardLayout, shard_values
 from .mesh import Mesh
 from .optim import build_adamw
 from .params import (OwnedPiece, ParameterPlacement, StaleParameterError, frozen_parameters, in_backward,
@@ -840,23 +840,27 @@ class ZeroEngine:
             "step": torch.tensor([self.step_count], dtype=torch.int64),
         }
 
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Restore this rank's shard (same layout), then the parameters follow the masters."""
+    def load_shard_state_dict(self, sd: dict) -> None:
+        """Restore this rank's shard (same layout), then the parameters follow the masters. `sd["master"]` may be
+        given as its parts in shard order, as master_views() gives them: a resume reads a checkpoint's shard into
+        master_views(), exp_avg and exp_avg_sq where they lie and hands those in (a view copied onto itself is not
+        copied)."""
         self._check_shard(sd)
         self.placement.before_update()
         with torch.no_grad():
             self._restore_optimizer_state(sd)
             if self.master is None:
                 for pc in self._pieces:
-                    self.placement.owned_values(pc).copy_(sd["master"][pc.shard_lo : pc.shard_hi])
+                    self.placement.owned_values(pc).copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
             self._publish_params()
 
-    def _check_shard(self, sd: dict[str, torch.Tensor]) -> None:
+    def _check_shard(self, sd: dict) -> None:
         """ValueError unless `sd`'s master and moments are this rank's shard of this layout."""
         for key in ("master", "exp_avg", "exp_avg_sq"):
-            if tuple(sd[key].shape) != (self.layout.shard_numel,):
-                raise ValueError(f"optimizer shard {key} has shape {tuple(sd[key].shape)}, "
-                                 f"expected ({self.layout.shard_numel},)")
+            given = sd[key]
+            shape = (sum(p.numel() for p in given),) if isinstance(given, (list, tuple)) else tuple(given.shape)
+            if shape != (self.layout.shard_numel,):
+                raise ValueError(f"optimizer shard {key} has shape {shape}, expected ({self.layout.shard_numel},)")
 
     def _restore_optimizer_state(self, sd: dict[str, torch.Tensor]) -> None:
         """AdamW's moments and step count from `sd`, and the fp32 master shard where one is kept apart."""
@@ -866,7 +870,7 @@ class ZeroEngine:
         for m in self._master_views:
             self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
         if self.master is not None:
-            self.master.copy_(sd["master"])
+            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))
 
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer of parameters (at stage 3 gathered a bucket at a time: a collective of the DP

@@ -170,6 +170,20 @@ class ShardLayout:
         return cls(slots, [Bucket(**b) for b in d["buckets"]], d["world_size"])
 
 
+def shard_values(shard, lo: int, hi: int) -> torch.Tensor:
+    """Values [lo, hi) of a rank's shard given as one tensor or as its 1-D parts in shard order (the engine's
+    master_views: at stages 1 and 2 its owned runs of the flat buffer): a view where one part holds them all."""
+    if not isinstance(shard, (list, tuple)):
+        return shard[lo:hi]
+    out, at = [], 0
+    for part in shard:
+        a, z = max(lo, at), min(hi, at + part.numel())
+        if a < z:
+            out.append(part[a - at : z - at])
+        at += part.numel()
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:

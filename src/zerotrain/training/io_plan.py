@@ -26,7 +26,8 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          without --init-from)
     resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads, and its share
                          of the copied files, shared by size as their hashing at start-up is (checkpoint_bytes_read)
-            held         the state and that file, read into one buffer the loaded tensors are views of
+            held         the state: that file is read into it in place, a block at a time (on CUDA through a few
+                         8 MiB blocks on the CPU: read_blocks_held)
     export, written      model.safetensors: every parameter once, fp32, with its header
             held beyond  what the exporting process holds beyond the model it writes: the largest tensor as it is
                          assembled from the shards (fp32, with a TP rank's part of it), in a bf16 run also its bf16
@@ -58,7 +59,7 @@ import torch
 
 from zerotrain.checkpoint import MANIFEST
 from zerotrain.checkpoint.homes import EXPERT_PREFIX
-from zerotrain.checkpoint.stream import header_bytes, read_header
+from zerotrain.checkpoint.stream import header_bytes, read_blocks_held, read_header
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
@@ -138,7 +139,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
                             state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
-                            shard_file + copied_read[rank], state + shard_file))
+                            shard_file + copied_read[rank], state + read_blocks_held(cfg.launch.device)))
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
     return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
@@ -279,7 +280,7 @@ LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {
          ("step_held", "step: held", "the memory plan's total above"),
          ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments)"),
          ("resume_read", "resume: read", "its own shard file, hashed as it loads (on the mesh that saved)"),
-         ("resume_held", "resume: held", "the state, and its shard file read into one buffer"))
+         ("resume_held", "resume: held", "the state: its shard file is read into it in place"))
 
 
 def describe(plan: IOPlan, zero: int, gib) -> list[str]:
