@@ -717,3 +717,20 @@ def test_the_resume_warning_says_what_changes_steps_change_the_schedule_only_a_n
     assert "data" not in steps_only  # the batch of step s is sequences 0..15 of step s either way
     batch = _schedule_change((200, 16), (200, 32))
     assert "global batch of 32 sequences instead of 16 changes each step's data" in batch and "--steps" not in batch
+
+
+def test_a_run_that_ends_normally_commits_a_final_checkpoint_unless_told_not_to(tmp_path, capfd):
+    """A fine-tune without --ckpt-every keeps its model (TRL and axolotl save at the end too); --no-final-save keeps
+    none. Both on one start of the ranks; the first one's model exports."""
+    kept, none = str(tmp_path / "kept"), str(tmp_path / "none")
+    train_in_turn([*TINY, "--steps", "3", "--out", kept], [*TINY, "--steps", "3", "--out", none, "--no-final-save"])
+    err = "".join(capfd.readouterr())
+    assert "a checkpoint at the end only (--ckpt-every K or --ckpt-every-minutes M to save during the run)" in err
+    assert "no checkpoints will be saved (--no-final-save)" in err
+    assert steps_of(kept) == steps_of(none) == [1, 2, 3]
+    assert checkpoint.resolve_resume("auto", os.path.join(kept, "checkpoints")).endswith("step_00000003")
+    assert [n for n in os.listdir(os.path.join(none, "checkpoints")) if n.startswith("step_")] == []
+    r = zerotrain_here(capfd, "export", kept, str(tmp_path / "exported"), "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    r = zerotrain_here(capfd, "export", none, str(tmp_path / "nothing"), "--format", "hf")
+    assert r.returncode == 2 and "holds no checkpoint" in r.stderr, r.stderr

@@ -486,6 +486,9 @@ class CheckpointConfig:
     every: int = setting(0, "save every K steps (0: never)", key="ckpt_every", rule=NON_NEGATIVE)
     every_minutes: float = setting(0.0, "save every M minutes of wall clock (0: never); with --ckpt-every, "
                                    "whichever comes due first", key="ckpt_every_minutes", rule=NON_NEGATIVE)
+    final_save: bool = setting(True, "commit a checkpoint when the run ends normally, its steps or epochs done "
+                               "(--no-final-save: none but those --ckpt-every and --ckpt-every-minutes make; a stop "
+                               "signal saves either way)")
     keep: int = setting(0, "committed checkpoints to keep (0: all)", rule=NON_NEGATIVE)
     resume: str = setting("", "'auto' (the newest checkpoint that verifies, if any) or a checkpoint folder",
                           shown="none")
