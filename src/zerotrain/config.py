@@ -390,6 +390,11 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = setting(3e-3, "peak learning rate", rule=POSITIVE, shown="0.003; with --init-from 2e-05")
+    lr_schedule: str = setting("cosine", "the learning rate after warmup: cosine or linear decay to --min-lr-ratio x "
+                               "--lr, constant, or wsd (warmup-stable-decay: --lr until the last --lr-decay-ratio of "
+                               "the steps, then linear decay to --min-lr-ratio x --lr)",
+                               rule=one_of("cosine", "linear", "constant", "wsd"))
+    lr_decay_ratio: float = setting(0.2, "wsd: the share of the steps after warmup spent decaying", rule=FRACTION)
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr", rule=FRACTION)
     warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, with --init-from steps x 0.03; at "
                                 "least 1)", shown="steps/10; with --init-from steps x 0.03")
