@@ -734,3 +734,29 @@ def test_a_run_that_ends_normally_commits_a_final_checkpoint_unless_told_not_to(
     assert r.returncode == 0, r.stderr
     r = zerotrain_here(capfd, "export", none, str(tmp_path / "nothing"), "--format", "hf")
     assert r.returncode == 2 and "holds no checkpoint" in r.stderr, r.stderr
+
+
+def test_a_runs_paths_travel_eval_from_another_folder_reads_the_data_the_run_named_relatively(tmp_path, capfd,
+                                                                                               monkeypatch):
+    """--data (and every input path) is stored resolved: `zerotrain eval RUN` from another folder finds the data the
+    run named relative to where it started. A data name (synthetic) stays a name."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    (work / "notes").mkdir()
+    for i in range(40):  # documents enough for a validation share
+        (work / "notes" / f"{i}.txt").write_text(f"note {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    monkeypatch.chdir(work)
+    r = zerotrain_here(capfd, "train", "--nproc", "1", "--preset", "tiny", "--data", "notes", "--steps", "2",
+                       "--no-progress", "--out", "run")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((work / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["config"]["data"]["data"] == str(work / "notes")
+    monkeypatch.chdir(elsewhere)
+    r = zerotrain_here(capfd, "eval", str(work / "run"), "--batches", "1")
+    assert r.returncode == 0 and "loss" in r.stdout, r.stdout + r.stderr
+    from zerotrain.config import Config
+    from zerotrain.runtime.run_folder import resolve_paths
+    cfg = Config()
+    cfg.data.source, cfg.logging.out = "synthetic\nnotes.txt:2", str(tmp_path / "r")
+    (elsewhere / "notes.txt").write_text("x")
+    assert resolve_paths(cfg).data.source == f"synthetic\n{elsewhere / 'notes.txt'}:2"
