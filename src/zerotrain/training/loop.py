@@ -379,7 +379,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     memory = invariants.check_memory(engine, comm)
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
-                      total=cfg.loop.steps, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
+                      total=cfg.loop.steps, log_every=cfg.logging.log_every, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
     packed = getattr(schedule.source, "pack", False)  # packed records (alone or in a mixture): rows carry segments
     plan = memory_plan(cfg, world_size=comm.world_size, documents=packed)
     # rank 0 logs the records, so it alone finds the peak MFU is measured against (on CPU: times a matmul)
