@@ -1,4 +1,4 @@
-"""Exported model folders: a Hugging Face folder (GPT-2 or Llama) or bare safetensors with a config, written and read.
+"""Exported model folders: a Hugging Face folder (of the model's family) or bare safetensors with a config, written and read.
 
 `hf` is what `transformers.GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(folder)` loads: config.json in
 Hugging Face's format, written by hand (transformers is not needed to export), model.safetensors in Hugging Face's
