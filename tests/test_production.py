@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import dist_jobs
@@ -719,11 +720,16 @@ def test_the_resume_warning_says_what_changes_steps_change_the_schedule_only_a_n
     assert "global batch of 32 sequences instead of 16 changes each step's data" in batch and "--steps" not in batch
 
 
-def test_a_run_that_ends_normally_commits_a_final_checkpoint_unless_told_not_to(tmp_path, capfd):
+def test_a_run_that_ends_normally_commits_a_final_checkpoint_unless_told_not_to(tmp_path, capfd, monkeypatch):
     """A fine-tune without --ckpt-every keeps its model (TRL and axolotl save at the end too); --no-final-save keeps
-    none. Both on one start of the ranks; the first one's model exports."""
+    none. Both on one start of the ranks; the first one's model exports. The launch leaves nothing in the temporary
+    folder (the elastic agent's torchelastic_* folder went there, one per launch, never removed)."""
     kept, none = str(tmp_path / "kept"), str(tmp_path / "none")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     train_in_turn([*TINY, "--steps", "3", "--out", kept], [*TINY, "--steps", "3", "--out", none, "--no-final-save"])
+    assert [n for n in os.listdir(temp) if not n.startswith("pymp-")] == []  # multiprocessing's goes at exit
     err = "".join(capfd.readouterr())
     assert "a checkpoint at the end only (--ckpt-every K or --ckpt-every-minutes M to save during the run)" in err
     assert "no checkpoints will be saved (--no-final-save)" in err
