@@ -108,6 +108,41 @@ def test_per_micro_batch_mean_weighting_on_varlen_data_misses_the_bound_by_far(t
         assert not rows[split]["passed"]
 
 
+def reduced_once_a_step():
+    """Planted bug: the engine reduces a ZeRO-3 window's gradients once a step where the plan reduces each micro-batch
+    into the shard: its window holds a full gradient (--grad-reduce step's memory), and its rounds say so."""
+    real_init = zero.ZeroEngine.__init__
+
+    def init_once_a_step(self, *args, **kw):
+        real_init(self, *args, **kw)
+        self.per_micro_batch = False
+
+    return mock.patch.object(zero.ZeroEngine, "__init__", init_once_a_step)
+
+
+def zero3_equivalence_job(cfg: Config, comm: Comm, **kwargs) -> list[dict] | None:
+    """equivalence_job as the command runs it, then with reduced_once_a_step planted; the planted rows say so."""
+    rows = equivalence_job(cfg, comm, **kwargs)
+    with reduced_once_a_step():
+        planted_rows = equivalence_job(cfg, comm, **kwargs)
+    return None if comm.rank else rows + [{**row, "planted": True} for row in planted_rows]
+
+
+def test_equivalence_at_zero_3_passes_with_one_reduce_scatter_round_per_micro_batch_and_catches_one_per_step():
+    """ZeRO-3 reduces each micro-batch's gradients into the owned shard (--grad-reduce auto): the engine plans one
+    reduce-scatter round per micro-batch and no all-gather after the update, and `equivalence --zero 3` checks that,
+    at its defaults, as docs/parallelism.md runs it. An engine that reduces once a step there is caught."""
+    report = check(equivalence_config("--zero", "3"), job=zero3_equivalence_job, time_limit=120)
+    real = {row["split"]: row for row in report["checked"] if not row.get("planted")}
+    planted = {row["split"]: row for row in report["checked"] if row.get("planted")}
+    assert all(row["passed"] for row in real.values()), real
+    for split, row in real.items():
+        assert (row["reduce_scatter_rounds"], row["all_gather_rounds"]) == (row["accum"], 0), split
+    assert planted["1 x 16 x 1"]["passed"]  # one micro-batch: once a step is once a micro-batch
+    for split in ("1 x 2 x 8", "2 x 2 x 4"):
+        assert failed(planted[split]) == {"rounds"} and planted[split]["reduce_scatter_rounds"] == 1, planted[split]
+
+
 # ------------------------------------------------------------------ bugs planted in the code `zerotrain train` runs
 # Each bug is planted in the spawned ranks, around the command's own job, and removed after it: each function
 # gives a context manager (mock.patch.object) that plants it.

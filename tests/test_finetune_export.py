@@ -270,7 +270,7 @@ def test_sample_chat_renders_the_template_and_ends_at_the_end_of_turn_and_a_miss
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed: one line naming the extra
     capsys.readouterr()
     assert run_cli(["sample", run, "--chat", MESSAGE]) == 2
-    assert capsys.readouterr().err.strip().endswith("pip install 'zerotrain[hf]'")
+    assert capsys.readouterr().err.strip().endswith("pip install 'zerotrain[chat]'")
 
 
 def test_sample_chat_without_a_template_is_refused_in_one_line(tmp_path, capsys):

@@ -220,3 +220,17 @@ def test_bad_rows_of_folders_and_bad_files_are_named_in_one_line(data, tmp_path,
     write_zst(tmp_path / "chats.jsonl.zst", SHAREGPT)
     monkeypatch.setitem(sys.modules, "zstandard", None)  # not installed
     assert "pip install 'zerotrain[zstd]'" in refused(tmp_path / "chats.jsonl.zst")
+
+
+def test_a_save_to_disk_folder_missing_its_arrow_file_is_named_as_such(tmp_path, capfd):
+    """Copied without its data files, a save_to_disk folder was taken for a text folder ("no file matches --glob")."""
+    folder = save_to_disk(tmp_path / "saved", ALPACA_ROWS)
+    arrows = sorted(n for n in os.listdir(folder) if n.endswith(".arrow"))
+    os.remove(os.path.join(folder, arrows[0]))
+    line = one_line_error(zerotrain_here(capfd, "prepare", folder, str(tmp_path / "out")))
+    assert line == f"zerotrain: error: {folder}: its state.json lists {arrows[0]}, which is not in the folder " \
+                   "(copied without its data files?)", line
+    for name in arrows[1:]:
+        os.remove(os.path.join(folder, name))
+    line = one_line_error(zerotrain_here(capfd, "prepare", folder, str(tmp_path / "out")))
+    assert f"its state.json lists {', '.join(arrows)}, which {'are' if len(arrows) > 1 else 'is'} not in" in line

@@ -157,3 +157,32 @@ def test_byte_level_runs_record_the_byte_tokenizer_without_a_file(tmp_path, one_
     assert manifest["tokenizer"] == {"kind": "bytes", "vocab_size": 256, "eot_id": 0}
     assert "tokenizer.json" not in os.listdir(folder) and load_tokenizer(folder).kind == "bytes"
     checkpoint.verify_or_raise(folder)
+
+
+def test_prepare_and_export_refuse_an_unwritable_destination_in_one_line_before_any_work(tmp_path, capsys):
+    """A destination below a file (and, where the machine has one, on a read-only file system) is refused naming it,
+    exit 2, as train refuses such a folder: it ended in a traceback (OSError) after the work was done."""
+    from zerotrain.cli.main import main
+
+    (tmp_path / "t.txt").write_text(TEXT)
+    (tmp_path / "a-file").write_text("")
+    for command in (["prepare", str(tmp_path / "t.txt")], ["export", str(tmp_path / "no-run-needed")]):
+        out = str(tmp_path / "a-file" / "out")
+        assert main([*command, out] + (["--format", "hf"] if command[0] == "export" else [])) == 2
+        err = capsys.readouterr().err
+        assert err == f"zerotrain: error: {command[0]} {out} cannot be written: Not a directory " \
+                      f"({tmp_path / 'a-file'})\n", err
+    read_only = "/sys/zerotrain-out"  # sysfs: read-only for root too, in containers and on most machines
+    if not _can_make(read_only):
+        assert main(["prepare", str(tmp_path / "t.txt"), read_only]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"zerotrain: error: prepare {read_only} cannot be written: ") and err.count("\n") == 1
+
+
+def _can_make(folder: str) -> bool:
+    try:
+        os.mkdir(folder)
+    except OSError:
+        return False
+    os.rmdir(folder)
+    return True

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import dist_jobs
@@ -717,3 +718,51 @@ def test_the_resume_warning_says_what_changes_steps_change_the_schedule_only_a_n
     assert "data" not in steps_only  # the batch of step s is sequences 0..15 of step s either way
     batch = _schedule_change((200, 16), (200, 32))
     assert "global batch of 32 sequences instead of 16 changes each step's data" in batch and "--steps" not in batch
+
+
+def test_a_run_that_ends_normally_commits_a_final_checkpoint_unless_told_not_to(tmp_path, capfd, monkeypatch):
+    """A fine-tune without --ckpt-every keeps its model (TRL and axolotl save at the end too); --no-final-save keeps
+    none. Both on one start of the ranks; the first one's model exports. The launch leaves nothing in the temporary
+    folder (the elastic agent's torchelastic_* folder went there, one per launch, never removed)."""
+    kept, none = str(tmp_path / "kept"), str(tmp_path / "none")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    train_in_turn([*TINY, "--steps", "3", "--out", kept], [*TINY, "--steps", "3", "--out", none, "--no-final-save"])
+    assert [n for n in os.listdir(temp) if not n.startswith("pymp-")] == []  # multiprocessing's goes at exit
+    err = "".join(capfd.readouterr())
+    assert "a checkpoint at the end only (--ckpt-every K or --ckpt-every-minutes M to save during the run)" in err
+    assert "no checkpoints will be saved (--no-final-save)" in err
+    assert steps_of(kept) == steps_of(none) == [1, 2, 3]
+    assert checkpoint.resolve_resume("auto", os.path.join(kept, "checkpoints")).endswith("step_00000003")
+    assert [n for n in os.listdir(os.path.join(none, "checkpoints")) if n.startswith("step_")] == []
+    r = zerotrain_here(capfd, "export", kept, str(tmp_path / "exported"), "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    r = zerotrain_here(capfd, "export", none, str(tmp_path / "nothing"), "--format", "hf")
+    assert r.returncode == 2 and "holds no checkpoint" in r.stderr, r.stderr
+
+
+def test_a_runs_paths_travel_eval_from_another_folder_reads_the_data_the_run_named_relatively(tmp_path, capfd,
+                                                                                               monkeypatch):
+    """--data (and every input path) is stored resolved: `zerotrain eval RUN` from another folder finds the data the
+    run named relative to where it started. A data name (synthetic) stays a name."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    (work / "notes").mkdir()
+    for i in range(40):  # documents enough for a validation share
+        (work / "notes" / f"{i}.txt").write_text(f"note {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    monkeypatch.chdir(work)
+    r = zerotrain_here(capfd, "train", "--nproc", "1", "--preset", "tiny", "--data", "notes", "--steps", "2",
+                       "--no-progress", "--out", "run")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((work / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["config"]["data"]["data"] == str(work / "notes")
+    monkeypatch.chdir(elsewhere)
+    r = zerotrain_here(capfd, "eval", str(work / "run"), "--batches", "1")
+    assert r.returncode == 0 and "loss" in r.stdout, r.stdout + r.stderr
+    from zerotrain.config import Config
+    from zerotrain.runtime.run_folder import resolve_paths
+    cfg = Config()
+    cfg.data.source, cfg.logging.out = "synthetic\nnotes.txt:2", str(tmp_path / "r")
+    (elsewhere / "notes.txt").write_text("x")
+    assert resolve_paths(cfg).data.source == f"synthetic\n{elsewhere / 'notes.txt'}:2"

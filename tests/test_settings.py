@@ -240,3 +240,12 @@ def test_a_toml_of_zerotrain_0_1_is_told_where_its_run_table_went_and_a_mistyped
     with pytest.raises(ConfigError, match=r"unrecognized arguments: --time-limit 8 \(--time-limit is a flag of "
                                           r"[a-z ,]*zerotrain demo[a-z ,]* only\)$"):
         build_parser().parse_args(["train", "--time-limit", "8"])
+
+
+@pytest.mark.parametrize("theirs, ours", [("--learning-rate", "--lr"), ("--learnin-rate", "--lr"),
+                                          ("--max-grad-norm", "--grad-clip"), ("--output-dir", "--out"),
+                                          ("--gradient-accumulation-steps", "--accum")])
+def test_another_tools_name_for_a_flag_is_answered_with_zerotrains(theirs, ours):
+    """transformers' Trainer, TRL and torchtitan users type their tools' names; a misspelling of one too."""
+    with pytest.raises(ConfigError, match=rf"unrecognized arguments: {theirs} 3 \(did you mean {ours}\?\)"):
+        build_parser().parse_args(["train", theirs, "3"])

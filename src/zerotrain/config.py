@@ -390,6 +390,11 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = setting(3e-3, "peak learning rate", rule=POSITIVE, shown="0.003; with --init-from 2e-05")
+    lr_schedule: str = setting("cosine", "the learning rate after warmup: cosine or linear decay to --min-lr-ratio x "
+                               "--lr, constant, or wsd (warmup-stable-decay: --lr until the last --lr-decay-ratio of "
+                               "the steps, then linear decay to --min-lr-ratio x --lr)",
+                               rule=one_of("cosine", "linear", "constant", "wsd"))
+    lr_decay_ratio: float = setting(0.2, "wsd: the share of the steps after warmup spent decaying", rule=FRACTION)
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr", rule=FRACTION)
     warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, with --init-from steps x 0.03; at "
                                 "least 1)", shown="steps/10; with --init-from steps x 0.03")
@@ -470,6 +475,8 @@ class LoggingConfig:
     out: str = setting("", "run folder", shown="runs/<timestamp>")
     metrics: str = setting("", "metrics JSONL path", shown="<out>/metrics.jsonl")
     progress: bool = setting(True, "a progress line (--no-progress: none)")
+    log_every: int = setting(10, "with --no-progress, a line of the step's figures every N steps and at the last "
+                             "(0: none)", rule=NON_NEGATIVE)
     tensorboard: bool = setting(False, "also log to <out>/tensorboard ('zerotrain[tb]')")
     wandb: str = setting("", "also log each step, the config and the summary to this Weights & Biases project, from "
                          "rank 0 ('zerotrain[wandb]'; WANDB_MODE=offline logs without a network)", shown="none")
@@ -486,6 +493,9 @@ class CheckpointConfig:
     every: int = setting(0, "save every K steps (0: never)", key="ckpt_every", rule=NON_NEGATIVE)
     every_minutes: float = setting(0.0, "save every M minutes of wall clock (0: never); with --ckpt-every, "
                                    "whichever comes due first", key="ckpt_every_minutes", rule=NON_NEGATIVE)
+    final_save: bool = setting(True, "commit a checkpoint when the run ends normally, its steps or epochs done "
+                               "(--no-final-save: none but those --ckpt-every and --ckpt-every-minutes make; a stop "
+                               "signal saves either way)")
     keep: int = setting(0, "committed checkpoints to keep (0: all)", rule=NON_NEGATIVE)
     resume: str = setting("", "'auto' (the newest checkpoint that verifies, if any) or a checkpoint folder",
                           shown="none")

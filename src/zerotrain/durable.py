@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+
+from zerotrain.errors import ConfigError
 
 
 def write_atomic(path: str, data: str | bytes, *, durable: bool = True) -> None:
@@ -33,3 +36,20 @@ def write_atomic(path: str, data: str | bytes, *, durable: bool = True) -> None:
 def write_json(path: str, obj, *, durable: bool = True) -> None:
     """`obj` as indented JSON at `path`, whole or absent."""
     write_atomic(path, json.dumps(obj, indent=1), durable=durable)
+
+
+def check_writable_beside(path: str, what: str) -> None:
+    """ConfigError naming `what` and `path` unless a file can be made beside `path` (in its folder, or the nearest
+    folder above it that exists), where a command writes its temporary sibling before renaming it into place: a
+    read-only or full file system, or a path below a file, is refused in one line before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        if not os.path.isdir(folder):
+            raise NotADirectoryError(20, "Not a directory", folder)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".zerotrain-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be written: {e.strerror} ({e.filename or folder})") from None

@@ -120,6 +120,7 @@ def cmd_accum(args: argparse.Namespace) -> int:
     grid = parse_grid(args.grid)
     cfg = config_from_args(args)
     cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.resume = "", 0, ""  # the sweep writes only its results
+    cfg.checkpoint.final_save = False
     out = cfg.logging.out or os.path.join("runs", "accum-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     m = cfg.model

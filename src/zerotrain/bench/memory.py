@@ -131,6 +131,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.every_minutes, cfg.checkpoint.resume = "", 0, 0, ""
+    cfg.checkpoint.final_save = False
     cfg.loop.steps, cfg.loop.micro_batch, cfg.loop.accum = size["warmup"] + size["steps"], size["micro_batch"], 1
     if size["bucket_mb"] is not None:
         cfg.parallel.bucket_mb = size["bucket_mb"]

@@ -136,7 +136,8 @@ def run_mesh(out: str, hf: str, args: argparse.Namespace, tp: int, dp: int) -> d
     plan = json.loads(zerotrain("plan", "--json", *run_flags(hf, args, tp, dp, run, steps))[0])["io"]
     zerotrain("train", *run_flags(hf, args, tp, dp, run, steps), "--ckpt-every", str(steps))
     trained = summary(run)["per_rank"]
-    zerotrain("train", *run_flags(hf, args, tp, dp, run, steps + 1), "--resume", "auto", "--ckpt-every", "0")
+    zerotrain("train", *run_flags(hf, args, tp, dp, run, steps + 1), "--resume", "auto", "--ckpt-every", "0",
+              "--no-final-save")
     resumed = summary(run)["per_rank"]
     checkpoint = os.path.join(run, "checkpoints", f"step_{steps:08d}")
     export = os.path.join(out, f"export-tp{tp}-dp{dp}")

@@ -304,6 +304,7 @@ def _sweep_config(args: argparse.Namespace, size: dict) -> Config:
 
     cfg = config_from_args(args)
     cfg.logging.metrics, cfg.checkpoint.every, cfg.checkpoint.every_minutes = "", 0, 0
+    cfg.checkpoint.final_save = False
     cfg.checkpoint.resume = ""  # the sweep writes only its results
     cfg.loop.steps = size["warmup"] + size["steps"]  # every step of a job, warm-up included
     return cfg

@@ -115,7 +115,7 @@ class Checkpointer:
                  manifest_extra: dict | None = None):
         c = cfg.checkpoint
         self.on_commit = on_commit
-        self.every, self.enabled, self.last = c.every, bool(c.every or c.every_minutes), cfg.loop.steps
+        self.every, self.enabled, self.last = c.every, bool(c.every or c.every_minutes or c.final_save), cfg.loop.steps
         self.clock = SaveClock(c.every_minutes, comm.rank == 0)
         # the tokenizer (the model's, with its configuration, under --init-from) travels with every checkpoint, so
         # sampling and export use the same one

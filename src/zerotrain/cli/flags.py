@@ -24,6 +24,20 @@ class Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}" if " " in self.prog else message)
 
 
+# What transformers' Trainer, TRL and torchtitan users type for zerotrain's flags: too far from them for a spelling
+# match, so named here (suggested only where the command has the flag).
+OTHER_TOOLS_NAMES = {
+    "--learning-rate": "--lr", "--learning_rate": "--lr", "--lr-scheduler-type": "--lr-schedule",
+    "--lr-scheduler": "--lr-schedule", "--num-train-epochs": "--epochs", "--max-steps": "--steps",
+    "--per-device-train-batch-size": "--micro-batch", "--batch-size": "--micro-batch",
+    "--gradient-accumulation-steps": "--accum", "--output-dir": "--out", "--save-steps": "--ckpt-every",
+    "--max-seq-length": "--seq-len", "--max-length": "--seq-len", "--seq-length": "--seq-len",
+    "--gradient-checkpointing": "--activation-checkpointing", "--model-name-or-path": "--init-from",
+    "--resume-from-checkpoint": "--resume", "--dataset": "--data", "--max-grad-norm": "--grad-clip",
+    "--warmup": "--warmup-steps",
+}
+
+
 def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
     """The commands that have flag `word`, if it is another command's flag; else the closest flag of this parser and
     its subcommands (argparse reports a subcommand's unknown flag at the top)."""
@@ -40,8 +54,9 @@ def _did_you_mean(word: str, parser: argparse.ArgumentParser) -> str:
         return ""
     if word in owners:
         return f" ({word} is a flag of {', '.join(sorted(set(owners[word])))} only)"
-    close = difflib.get_close_matches(word, sorted(owners), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
+    known = {name: name for name in owners} | {name: ours for name, ours in OTHER_TOOLS_NAMES.items() if ours in owners}
+    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.75)
+    return f" (did you mean {known[close[0]]}?)" if close else ""
 
 
 def checked(typ: type, rule: Rule):

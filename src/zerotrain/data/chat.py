@@ -266,7 +266,7 @@ class ChatTemplate:
             from transformers.utils.chat_template_utils import render_jinja_template
         except ImportError:
             raise ConfigError(f"{where}: chat records are rendered by transformers, which is not installed: "
-                              "pip install 'zerotrain[hf]'") from None
+                              "pip install 'zerotrain[chat]'") from None
 
         try:
             return render_jinja_template(conversations, chat_template=self.template, **options, **self.tokens)

@@ -235,9 +235,18 @@ def is_records_folder(path: str) -> bool:
         return False
     if os.path.isfile(os.path.join(path, DATASET_DICT)):
         return True
-    if os.path.isfile(os.path.join(path, STATE)) and any(n.endswith(".arrow") for n in os.listdir(path)):
-        return True
+    if os.path.isfile(os.path.join(path, STATE)) and (any(n.endswith(".arrow") for n in os.listdir(path))
+                                                       or _lists_data_files(os.path.join(path, STATE))):
+        return True  # a save_to_disk folder, its data files there or not (folder_files names a missing one)
     return bool(_parquet_files(path))
+
+
+def _lists_data_files(state: str) -> bool:
+    """Whether `state` is a save_to_disk state.json (it lists the data files), whatever else it is otherwise."""
+    try:
+        return "_data_files" in _json(state)
+    except ConfigError:
+        return False
 
 
 def folder_files(path: str) -> list[str]:
@@ -259,6 +268,10 @@ def folder_files(path: str) -> list[str]:
         if state.get("_indices_data_files"):  # older datasets kept a selection as an index beside the table
             raise ConfigError(f"{path}: saved with an indices mapping (a select or shuffle not applied): save it again "
                               "with a recent datasets, or ds.flatten_indices().save_to_disk(...)")
+        missing = [f["filename"] for f in files if not os.path.isfile(os.path.join(path, f["filename"]))]
+        if missing:
+            raise ConfigError(f"{path}: its {STATE} lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
+                              " not in the folder (copied without its data files?)")
         return [os.path.join(path, f["filename"]) for f in files]
     files = _parquet_files(path)
     splits = {_split_of(os.path.relpath(f, path)) for f in files}

@@ -35,7 +35,7 @@ def chat_tokenizer(folder: str, where: str = "--chat"):
         import transformers
     except ImportError:
         raise ConfigError(f"{where}: the model's chat template is rendered by transformers: pip install "
-                          "'zerotrain[hf]'") from None
+                          "'zerotrain[chat]'") from None
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 

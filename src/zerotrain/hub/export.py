@@ -1,4 +1,4 @@
-"""Exported model folders: a Hugging Face folder (GPT-2 or Llama) or bare safetensors with a config, written and read.
+"""Exported model folders: a Hugging Face folder (of the model's family) or bare safetensors with a config, written and read.
 
 `hf` is what `transformers.GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(folder)` loads: config.json in
 Hugging Face's format, written by hand (transformers is not needed to export), model.safetensors in Hugging Face's
@@ -32,6 +32,7 @@ from zerotrain.checkpoint.stream import read_header
 from zerotrain.config import Config, ModelConfig, merge, validate
 from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer
 from zerotrain.data.tokenizer_config import CONFIG_FILES, SPECIAL_IDS, config_files
+from zerotrain.durable import check_writable_beside
 from zerotrain.errors import ConfigError
 
 from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
@@ -168,6 +169,7 @@ def check_destination(out: str, fmt: str, overwrite: bool) -> None:
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ConfigError(f"export {out}: the folder is not empty (pass --overwrite to replace the exported files "
                           f"in it)")
+    check_writable_beside(out, "export")  # the export is written into a folder beside it, then renamed
 
 
 def make_staging_folder(out: str) -> str:

@@ -117,6 +117,7 @@ class _ElasticThread(threading.Thread):
         self.results, self.error = None, None
 
     def run(self) -> None:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         for name in ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher"):
@@ -132,6 +133,9 @@ class _ElasticThread(threading.Thread):
             monitor_interval=0.05,
             start_method=rank_start.START_METHOD,
             local_addr="127.0.0.1",
+            # the agent's folder inside the job's, removed with it (by default each launch left an empty
+            # torchelastic_* folder in the temporary directory)
+            logs_specs=DefaultLogsSpecs(log_dir=self.job_dir),
         )
         if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
             options["shutdown_timeout"] = 3  # after a failure, how long a rank may take to exit before SIGKILL

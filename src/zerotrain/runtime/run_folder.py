@@ -23,7 +23,8 @@ import sys
 import time
 
 from zerotrain import checkpoint
-from zerotrain.config import Config
+from zerotrain.config import Config, data_sources
+from zerotrain.data.resolve import STDLIB, SYNTHETIC
 from zerotrain.errors import ConfigError
 
 from .failures import restart_count
@@ -120,8 +121,14 @@ def _holder(fd: int) -> str:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Fill the run folder, metrics file and checkpoint folder defaults; make them absolute."""
-    c = cfg.checkpoint
+    """Fill the run folder, metrics file and checkpoint folder defaults; make them absolute, and every input the run
+    names by a path that exists here (--data's sources, --val-data, --chat-template, --init-from, --resume, the data
+    cache): the config a run stores then reads the same from any folder (`zerotrain eval RUN` elsewhere)."""
+    c, d = cfg.checkpoint, cfg.data
+    d.source = "\n".join(_absolute_source(entry) for entry in d.source.split("\n"))
+    d.val_data = _absolute_source(d.val_data)
+    d.chat_template, d.cache_dir = _absolute_if_present(d.chat_template), _absolute_if_present(d.cache_dir)
+    c.init_from, c.resume = _absolute_if_present(c.init_from), _absolute_if_present(c.resume)
     if not cfg.logging.out:
         cfg.logging.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     cfg.logging.out = os.path.abspath(cfg.logging.out)
@@ -132,6 +139,21 @@ def resolve_paths(cfg: Config) -> Config:
         c.dir = os.path.join(cfg.logging.out, "checkpoints")
     c.dir = os.path.abspath(c.dir)
     return cfg
+
+
+def _absolute_if_present(path: str) -> str:
+    """`path` made absolute where it names a file or folder here (an empty setting or a name such as 'auto' stays)."""
+    return os.path.abspath(path) if path and os.path.exists(path) else path
+
+
+def _absolute_source(entry: str) -> str:
+    """One --data entry (a source, or SOURCE:WEIGHT) with its source made absolute where it is a path here; the data
+    names zerotrain knows (synthetic, python-stdlib) mean themselves even beside a folder of that name."""
+    (source, weight), = data_sources(entry)
+    if source in (*SYNTHETIC, STDLIB):
+        return entry
+    source = _absolute_if_present(source)
+    return source if weight is None else f"{source}:{entry.rpartition(':')[2]}"
 
 
 def say(message: str) -> None:

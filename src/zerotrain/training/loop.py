@@ -379,7 +379,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     memory = invariants.check_memory(engine, comm)
     tensorboard = os.path.join(cfg.logging.out, "tensorboard") if cfg.logging.tensorboard else None
     metrics = Metrics(cfg.logging.metrics, active=comm.rank == 0, progress=cfg.logging.progress, start=start,
-                      total=cfg.loop.steps, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
+                      total=cfg.loop.steps, log_every=cfg.logging.log_every, tensorboard=tensorboard, wandb=cfg.logging.wandb, config=cfg)
     packed = getattr(schedule.source, "pack", False)  # packed records (alone or in a mixture): rows carry segments
     plan = memory_plan(cfg, world_size=comm.world_size, documents=packed)
     # rank 0 logs the records, so it alone finds the peak MFU is measured against (on CPU: times a matmul)
@@ -523,7 +523,8 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
         where += (f"; fine-tuning at lr {o.lr:g}, weight decay {o.weight_decay:g}, warmup {o.warmup_steps} "
                   f"step{'s' * (o.warmup_steps != 1)}")
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
-        where += "; no checkpoints will be saved (--ckpt-every K or --ckpt-every-minutes M to save)"
+        where += ("; a checkpoint at the end only (--ckpt-every K or --ckpt-every-minutes M to save during the run)"
+                  if cfg.checkpoint.final_save else "; no checkpoints will be saved (--no-final-save)")
     tp, dp = cfg.parallel.tp, schedule.world_size
     split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} rank{'s' * (dp != 1)}"
     heads = f"{m.n_head} heads" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.n_head else "")

@@ -36,7 +36,7 @@ class Metrics:
     resume dropped, which tells a restart how many steps it lost.
     """
 
-    def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int,
+    def __init__(self, path: str, *, active: bool, progress: bool, start: int, total: int, log_every: int = 0,
                  tensorboard: str | None = None, wandb: str | None = None, config: Config | None = None):
         self.active = active
         self.path, self.tensorboard = path, tensorboard
@@ -59,6 +59,8 @@ class Metrics:
             self.wandb = _wandb_run(wandb, config, resumed=start > 0)
         # The bar starts with the first step, after the start line: a line printed beside a drawn bar lands on it.
         self._bar_span = (start, total) if progress else None
+        # without the bar, a line every log_every steps and at the last, for logs read by people (a batch job's)
+        self.log_every, self.total = (0 if progress else log_every), total
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -85,6 +87,8 @@ class Metrics:
                 postfix["val"] = f"{record['val_loss']:.4f}"
             self.bar.set_postfix(**postfix, refresh=False)
             self.bar.update(1)
+        elif self.log_every and (record["step"] % self.log_every == 0 or record["step"] == self.total):
+            print(f"zerotrain: {step_line(record, self.total)}", file=sys.stderr, flush=True)
 
     def announce(self, line: str) -> None:
         """A line for the person watching (the run's start line), on rank 0, before the progress bar starts."""
@@ -288,3 +292,14 @@ def count_events(path: str, kind: str) -> int:
     with open(path) as f:
         return sum(json.loads(line).get("event") == kind for line in f if line.strip())
 
+
+
+def step_line(record: dict, total: int) -> str:
+    """One step's figures in a line: `step 20/200: loss 3.4521, lr 2.9e-03, grad norm 0.841, 12,345 tokens/s`."""
+    line = (f"step {record['step']}/{total}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, grad norm "
+            f"{record['grad_norm']:.3g}, {record['tokens_per_s']:,.0f} tokens/s")
+    if "mfu" in record:
+        line += f", MFU {record['mfu']:.3g}"
+    if "val_loss" in record:
+        line += f", val loss {record['val_loss']:.4f}"
+    return line

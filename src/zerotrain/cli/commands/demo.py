@@ -45,7 +45,7 @@ def demo_job(cfg: Config, comm: Comm) -> dict:
             raise InvariantError(f"invariant (d) failed: {failure_message(path, bad)}")
     resumed_cfg = copy.deepcopy(cfg)
     resumed_cfg.checkpoint.resume = os.path.join(cfg.checkpoint.dir, f"step_{cfg.checkpoint.every:08d}")
-    resumed_cfg.checkpoint.every = 0  # leave the first run's checkpoints as they are
+    resumed_cfg.checkpoint.every, resumed_cfg.checkpoint.final_save = 0, False  # the first run's stay as they are
     resumed_cfg.logging.metrics = os.path.join(cfg.logging.out, "metrics-resumed.jsonl")
     second = train(resumed_cfg, comm, announce=False)
     tail = {r["step"]: r["loss"] for r in first.records if r["step"] > second.start_step}

@@ -17,9 +17,12 @@ Each split must meet five criteria, each computed on its own; the three numeric 
             same reduced gradient. Against the full batch's AdamW step it is reported, not bounded: AdamW's
             first step divides each gradient value by its own magnitude, so float noise in a near-zero value
             becomes a step of up to lr;
-  rounds    one reduce-scatter round and one all-gather round for the step (ZeRO-3: no all-gather after the update,
-            each unit is gathered for its forward and backward instead, counted as all_gather_units; one rank
-            with its gradients in its parameters: no reduce-scatter, there being nothing to reduce).
+  rounds    the collective rounds the step takes by design (`planned_rounds`): one
+            reduce-scatter round, or one per micro-batch where each micro-batch's gradients are reduced into the
+            shard (--grad-reduce micro-batch, ZeRO-3's default), and one all-gather round (ZeRO-3: no all-gather
+            after the update, each unit is gathered for its forward and backward instead, counted as
+            all_gather_units; one rank with its gradients in its parameters: no reduce-scatter, there being
+            nothing to reduce).
 Two deliberately wrong loss weightings, planted in the loss the loop calls, must fail: that shows the check can tell.
 """
 
@@ -187,10 +190,19 @@ def one_step(cfg: Config, comm: Comm, split: Split, lr: float, *, sgd: bool) -> 
         "buckets": len(engine.layout.buckets),
         "reduce_scatter_calls": calls["reduce_scatter_grads"],
         "all_gather_calls": calls["all_gather_params"],
-        "zero": engine.stage,
-        "reduces": not engine.grads_in_params,  # one rank (stage 1, fp32) has no gradient to reduce
+        "expected_rounds": planned_rounds(meshed, engine, split.accum),
+        "reduces_per_micro_batch": meshed.grad_reduce == "micro-batch" and split.accum > 1,
         "micro_batch_tokens": [int((y != IGNORE).sum()) for _, y, _ in batch.micro_batches],
     }
+
+
+def planned_rounds(cfg: Config, engine: ZeroEngine, accum: int) -> tuple[int, int]:
+    """The reduce-scatter and all-gather rounds one optimizer step of `accum` micro-batches takes by design: one
+    reduce-scatter round a step, or one a micro-batch where the configured --grad-reduce reduces each micro-batch's
+    gradients into the shard (stage 3's default), none where the gradients stay in the parameters (one rank); one
+    all-gather round after the update, none where the placement gathers each unit for its forward instead."""
+    reduces = 0 if engine.grads_in_params else accum if cfg.grad_reduce == "micro-batch" else 1
+    return reduces, 0 if engine.placement.gathers_units else 1
 
 
 def _use_plain_sgd(engine: ZeroEngine, lr: float) -> None:
@@ -258,7 +270,7 @@ def compare(split: Split, run: dict, ref: dict) -> dict:
         "adamw": step_diff(run["adamw"], run["adamw_expected"], run["initial"]),
     }
     rounds = (run["reduce_scatter_calls"] / run["buckets"], run["all_gather_calls"] / run["buckets"])
-    ok = {"initial": initial == 0.0, "rounds": rounds == (1 if run["reduces"] else 0, 0 if run["zero"] == 3 else 1),
+    ok = {"initial": initial == 0.0, "rounds": rounds == run["expected_rounds"],
           **{name: diff <= BOUND for name, (diff, _) in measured.items()}}
     return {
         **asdict(split),
@@ -283,6 +295,7 @@ def compare(split: Split, run: dict, ref: dict) -> dict:
         "buckets": run["buckets"],
         "reduce_scatter_rounds": rounds[0],
         "all_gather_rounds": rounds[1],
+        "reduces_per_micro_batch": run["reduces_per_micro_batch"],
         "micro_batch_tokens_rank0": run["micro_batch_tokens"],
         "criteria": ok,
         "within_bound": ok["gradient"] and ok["sgd"] and ok["adamw"],
@@ -437,7 +450,8 @@ def _print_header(cfg: Config, lr: float, tokens: list[int], broken: str | None)
           "engine.apply")
     print(f"criteria, each on its own, relative per tensor, bound {BOUND:g}: gradient vs the full batch's; "
           "parameters after the engine's\n  apply with SGD vs the full batch's clipped SGD step; after the engine's "
-          "AdamW step vs plain PyTorch AdamW on the\n  split's own gradient; 1 reduce-scatter and 1 all-gather round")
+          "AdamW step vs plain PyTorch AdamW on the\n  split's own gradient; the collective rounds the engine plans for the "
+          "step")
     if broken:
         print(f"--break {broken}: the checked runs use {WEIGHTINGS[BREAKS[broken]]}")
     print(flush=True)
@@ -455,10 +469,13 @@ def _print_report(rep: dict) -> None:
         result = f"FAIL (caught: {', '.join(_failed(row))})" if not row["within_bound"] else "pass (NOT caught)"
         print(_row_line(row, result))
         print(f"    {row['weighting_text']}" + (f"; {row['note']}" if row["note"] else ""))
-    rounds = {(r["reduce_scatter_rounds"], r["all_gather_rounds"], r["buckets"]) for r in rep["checked"]}
-    for rs, ag, buckets in sorted(rounds):
+    rounds = {(r["reduce_scatter_rounds"], r["all_gather_rounds"], r["buckets"], r["reduces_per_micro_batch"],
+               r["accum"]) for r in rep["checked"]}
+    for rs, ag, buckets, per_micro_batch, accum in sorted(rounds):
+        when = (f"one reduce-scatter per micro-batch of {accum} (each micro-batch's gradients reduced into the shard)"
+                if per_micro_batch else "whatever the accumulation")
         print(f"\ngradient collectives per optimizer step: {rs:g} reduce-scatter round(s) and {ag:g} all-gather round "
-              f"({buckets} bucket(s), one call per bucket per round), whatever the accumulation")
+              f"({buckets} bucket(s), one call per bucket per round), {when}")
     initial = all(r["initial_params_match"] for r in rep["checked"] + rep["wrong_variants"])
     print(f"initial parameters match the reference on every run: {'yes (bitwise)' if initial else 'NO'}")
     margins = ", ".join(f"{name} {_times(m)}" for name, m in rep["margins"].items())

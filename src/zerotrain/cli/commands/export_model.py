@@ -14,7 +14,8 @@ from zerotrain.hub.pretrained import load_from, locate, tokenizer_of
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "export", help="write a checkpoint as a Hugging Face GPT-2 or Llama folder or as bare safetensors",
+        "export", help="write a checkpoint as a Hugging Face folder of its family (GPT-2, Llama, Qwen, Mistral, "
+                       "Phi-3, Gemma, Qwen-MoE, Mixtral, OLMoE, gpt-oss), as a peft adapter, or as bare safetensors",
         description="hf: a folder transformers' AutoModelForCausalLM.from_pretrained(OUT) loads (config.json, "
                     "model.safetensors) with tokenizer.json, tokenizer_config.json, special_tokens_map.json and "
                     "generation_config.json, which transformers.AutoTokenizer.from_pretrained(OUT) loads with "

@@ -13,6 +13,7 @@ from zerotrain.data.corpus import prepare_corpus
 from zerotrain.data.jsonl import is_records_file, prepare_jsonl, refuse_table
 from zerotrain.data.documents import STDLIB, text_input
 from zerotrain.data.tokenizer import parse_tokenizer_spec
+from zerotrain.durable import check_writable_beside
 from zerotrain.errors import ConfigError
 
 
@@ -58,6 +59,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     out = os.path.normpath(args.outdir)
     if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not args.overwrite):
         raise ConfigError(f"prepare: {out} already exists and is not an empty folder (use --overwrite to replace it)")
+    check_writable_beside(out, "prepare")  # written into a folder beside it, then renamed
     refuse_table(args.input, "prepare")
     records = is_records_file(args.input)
     if args.chat_template and not os.path.isfile(args.chat_template):
