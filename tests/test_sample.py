@@ -249,3 +249,30 @@ def test_sample_sizes_the_kv_cache_to_the_prompt_and_new_tokens_and_a_cache_too_
     monkeypatch.setattr(generation, "cache_positions", lambda prompt, new, seq_len: prompt)
     with pytest.raises(ValueError, match="the KV cache holds 3 positions; 4 do not fit"):
         generate(model, torch.tensor([[1, 2, 3]]), 5, temperature=0)
+
+
+def test_sample_messages_writes_a_records_tools_calls_and_results_as_the_models_template_does_and_dropped_tools_are_caught(
+        tmp_path, monkeypatch, capsys):
+    """A tool-calling conversation is sampled with its tools, its assistant's tool call and the tool's result, rendered
+    by the model's own template as transformers renders it for generation (Qwen3's real template, from TRL's package):
+    the prompt fed to the model is apply_chat_template's, tools and all. It was refused: a tool call is no "content"
+    string, and a record's tools were dropped."""
+    from model_folders import llama_folder
+    from test_chat_templates import TOOL_CHAT, trl_template
+
+    from zerotrain.cli.commands import sample as sample_command
+
+    folder = tmp_path / "qwen3-like"
+    hf = llama_folder(folder, template=trl_template("qwen3.jinja"), eos="<|im_end|>", bos=False)
+    so_far = {"tools": TOOL_CHAT["tools"], "messages": TOOL_CHAT["messages"][:-1]}  # ends with the tool's result
+    theirs = hf.apply_chat_template(so_far["messages"], tools=so_far["tools"], add_generation_prompt=True,
+                                    tokenize=False)
+    assert "get_weather" in theirs and "The weather in a city" in theirs and '"degrees": 18' in theirs
+    (tmp_path / "so-far.json").write_text(json.dumps(so_far))
+    [(fed, _)] = fed_prompts(monkeypatch, capsys, str(folder), "--messages", str(tmp_path / "so-far.json"))
+    assert fed == hf(theirs, add_special_tokens=False)["input_ids"]
+    # planted: the record's tools dropped on sample's path (what sample did before)
+    real = sample_command.conversation
+    monkeypatch.setattr(sample_command, "conversation", lambda args: (real(args)[0], {}))
+    [(planted, _)] = fed_prompts(monkeypatch, capsys, str(folder), "--messages", str(tmp_path / "so-far.json"))
+    assert planted != fed and "The weather in a city" not in hf.decode(planted)

@@ -62,10 +62,11 @@ def chat_template_of(folder: str) -> str | None:
     return None
 
 
-def check_messages(record: dict, where: str) -> tuple[list[dict], dict]:
+def check_messages(record: dict, where: str, *, to_reply: bool = False) -> tuple[list[dict], dict]:
     """The record's messages, each with the keys it gives (MESSAGE_KEYS), and its context (`tools`, `documents`: the
     keys it has, to pass beside them); ConfigError naming `where` (file:line) if they are not a conversation to train
-    on, or hold a key zerotrain does not pass to a template."""
+    on (`to_reply`: to generate the assistant's next turn after), or hold a key zerotrain does not pass to a
+    template."""
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: \"messages\" is {messages!r}, not a list of {{\"role\", \"content\"}} objects")
@@ -84,7 +85,10 @@ def check_messages(record: dict, where: str) -> tuple[list[dict], dict]:
         for key in (*REASONING_KEYS, "tool_call_id", "name"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise ConfigError(f"{where}: message {k} ({m['role']}) has {key} {_short(m[key])}, not a string")
-    if not any(m["role"] == "assistant" for m in messages):
+    if to_reply and messages[-1]["role"] not in ("user", "tool"):
+        raise ConfigError(f"{where}: the last message is the {messages[-1]['role']}'s; the reply is generated after "
+                          "a user's message or a tool's result")
+    if not to_reply and not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: no assistant message: the loss trains on the assistant's turns, and this "
                           "conversation has none")
     context = {key: list_of_objects(record[key], key, where) for key in CONTEXT_KEYS if record.get(key) is not None}

@@ -351,11 +351,12 @@ def missing_bos(ids: list[int], prefix: list[int]) -> list[int]:
     return list(prefix) if prefix and ids[: len(prefix)] != list(prefix) else []
 
 
-def encode_chat_prompt(tok, chat: ChatTemplate, messages: list[dict], where: str) -> list[int]:
+def encode_chat_prompt(tok, chat: ChatTemplate, messages: list[dict], where: str, **context) -> list[int]:
     """The token ids of a conversation with the assistant's turn opened, as encode_chunk encodes a chat record up to
-    an assistant turn: the template's text without the tokenizer's special tokens, the BOS placed by missing_bos.
-    What `zerotrain sample --chat` feeds the model, so a model sees at inference the context it was trained on."""
-    ids = tok.encode_pieces([chat.prompt(messages, where)])[0].ids
+    an assistant turn: the template's text without the tokenizer's special tokens, the BOS placed by missing_bos;
+    `context` is the record's tools and documents, written by the template as training wrote them. What `zerotrain
+    sample --chat` and `--messages` feed the model, so a model sees at inference the context it was trained on."""
+    ids = tok.encode_pieces([chat.prompt(messages, where, **context)])[0].ids
     return missing_bos(ids, tok.prefix_ids) + ids
 
 

@@ -39,11 +39,11 @@ def chat_tokenizer(folder: str, where: str = "--chat"):
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def chat_prompt(tokenizer, messages: list[dict], where: str = "--chat") -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], where: str = "--chat", **context) -> list[int]:
     """The token ids of `messages` with the assistant's turn opened, rendered and encoded as training renders a chat
     record (data.jsonl.encode_chat_prompt): zerotrain's tokenizer of the model folder (BPETokenizer), its BOS placed
     before a template that writes none, as training placed it."""
-    return encode_chat_prompt(tokenizer, ChatTemplate.of(tokenizer, where), messages, where)
+    return encode_chat_prompt(tokenizer, ChatTemplate.of(tokenizer, where), messages, where, **context)
 
 
 def end_of_turn(tokenizer) -> int | None:

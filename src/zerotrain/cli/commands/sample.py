@@ -12,7 +12,7 @@ import torch
 
 from zerotrain.cli.flags import checked
 from zerotrain.config import NON_NEGATIVE, POSITIVE
-from zerotrain.data.chat import ROLES
+from zerotrain.data.chat import check_messages
 from zerotrain.data.tokenizer_config import model_facts, stop_ids
 from zerotrain.errors import ConfigError
 from zerotrain.hub.chat_prompt import chat_prompt, chat_tokenizer, end_of_turn
@@ -44,9 +44,10 @@ def add_parser(sub) -> None:
                            "or the model's end of text. Greedy unless --temperature is given")
     text.add_argument("--messages", metavar="FILE", default=None,
                       help="a JSON file of the conversation so far, rendered as --chat renders its message: a list "
-                           "of {\"role\": \"system\"|\"user\"|\"assistant\", \"content\": TEXT} objects (or a "
-                           "training record's {\"messages\": [...]}) whose last is a user's; the assistant's reply "
-                           "is generated. Greedy unless --temperature is given")
+                           "of {\"role\", \"content\"} objects, or a training record ({\"messages\": [...], "
+                           "\"tools\": [...], \"documents\": [...]}: its tools, tool calls and tool results written "
+                           "by the template as training writes them) whose last message is a user's or a tool's; the "
+                           "assistant's reply is generated. Greedy unless --temperature is given")
     p.add_argument("--system", metavar="TEXT", default=None,
                    help="with --chat: a system message before the user's, as in chats the model was fine-tuned on")
     p.add_argument("--ignore-eos", action="store_true",
@@ -77,12 +78,14 @@ def check_sampling_args(args: argparse.Namespace) -> None:
                           "the user's")
 
 
-def conversation(args: argparse.Namespace) -> list[dict] | None:
-    """The messages --chat (with --system) or --messages FILE give, or None (plain text); ConfigError naming the
-    file for a conversation that is not one to reply to."""
+def conversation(args: argparse.Namespace) -> tuple[list[dict], dict] | None:
+    """The messages --chat (with --system) or --messages FILE give, with the context (a record's `tools` and
+    `documents`) the template writes beside them, or None (plain text); ConfigError naming the file for a
+    conversation that is not one to reply to. A record is checked as training checks one (data.chat), so a
+    tool-calling conversation is sampled with its tools, its assistant turns' tool calls and the tools' results."""
     if args.chat is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        return [*system, {"role": "user", "content": args.chat}]
+        return [*system, {"role": "user", "content": args.chat}], {}
     if args.messages is None:
         return None
     where = f"--messages {args.messages}"
@@ -93,19 +96,11 @@ def conversation(args: argparse.Namespace) -> list[dict] | None:
         raise ConfigError(f"{where}: {e.strerror}") from None
     except ValueError as e:
         raise ConfigError(f"{where}: not JSON ({e})") from None
-    if isinstance(messages, dict) and "messages" in messages:
-        messages = messages["messages"]
-    if not isinstance(messages, list) or not messages:
+    record = messages if isinstance(messages, dict) and "messages" in messages else {"messages": messages}
+    if not isinstance(record["messages"], list) or not record["messages"]:
         raise ConfigError(f"{where}: expected a list of {{\"role\", \"content\"}} objects (or {{\"messages\": "
-                          f"[...]}}), got {str(messages)[:80]}")
-    for k, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            raise ConfigError(f"{where}: message {k} is {str(m)[:80]}, not an object with \"role\" (one of "
-                              f"{', '.join(ROLES)}) and a string \"content\"")
-    if messages[-1]["role"] != "user":
-        raise ConfigError(f"{where}: the last message is the {messages[-1]['role']}'s; the reply is generated after "
-                          "a user's message")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+                          f"[...], \"tools\": [...]}}), got {str(messages)[:80]}")
+    return check_messages(record, where, to_reply=True)
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -119,11 +114,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
     # the model's eos ids, and the end-of-text token zerotrain's data ends each document and record with (where a
     # folder's config.json states transformers' placeholder ids, only this one is the model's)
     stops = set(stop_ids(facts)) | {tokenizer.eot_id} - {None}
-    messages = conversation(args)
-    if messages is not None:
+    chat_input = conversation(args)
+    if chat_input is not None:
+        messages, context = chat_input
         where = "--chat" if args.chat is not None else f"--messages {args.messages}"
         chat = chat_tokenizer(source.folder, where)
-        ids = chat_prompt(tokenizer, messages, where)
+        ids = chat_prompt(tokenizer, messages, where, **context)
         stops |= {end_of_turn(chat)} - {None}
     else:
         ids = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id if tokenizer.eot_id < V else 0]
