@@ -135,6 +135,12 @@ def test_a_toml_key_is_refused_as_a_flag_is_naming_its_table_and_file(files, cap
                                                  "sft; this run is --method dpo\n")
 
 
+def test_a_model_named_by_flags_alone_is_this_run_s_model():
+    with pytest.raises(ConfigError, match="^--rope-theta applies to the Llama family's models \\(rotary positions\\); "
+                                          "this run's model is --arch gpt2$"):
+        config_from_args(build_parser().parse_args(["train", "--data", "synthetic", "--rope-theta", "500"]))
+
+
 def test_the_model_is_known_from_init_from_s_config_json_before_the_check(files):
     with pytest.raises(ConfigError, match=f"^--experts-per-token applies to mixture-of-experts models; --init-from "
                                           f"{files['BASE']} has no experts$"):

@@ -167,10 +167,10 @@ def stated_by_user(given: dict[str, object], toml: dict[str, dict], path: str | 
 
 
 def model_named(cfg: Config, args: argparse.Namespace) -> str:
-    """The run's model as the user gave it, for messages: its --init-from folder, its preset or its --arch."""
+    """The run's model as the user gave it, for messages: its --init-from folder, its preset, or the model."""
     if cfg.checkpoint.init_from:
         return f"--init-from {cfg.checkpoint.init_from}"
-    return args.preset or f"--arch {cfg.model.arch}"
+    return args.preset or "this run's model"
 
 
 def _note_torchrun_restarts(cfg: Config, given: bool) -> None:
