@@ -117,10 +117,18 @@ BAD = {
                       "message 0 (user) has content part 0 a 'image' part: zerotrain trains on text"),
     "content a number": ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},
                          "message 0 (user) has content 3, not a string or a list of text parts"),
-    "a key not passed on": ({"messages": [{"role": "user", "content": "x"},
-                                          {"role": "assistant", "content": "y", "weight": 0}]},
-                            "message 1 (assistant) has the key 'weight', which zerotrain does not pass to a chat "
-                            "template"),
+    "a key not read": ({"messages": [{"role": "user", "content": "x"},
+                                     {"role": "assistant", "content": "y", "loss": False}]},
+                       "message 1 (assistant) has the key 'loss', which zerotrain does not read (a message's keys: "
+                       "role, content, reasoning_content, thinking, reasoning, tool_calls, tool_call_id, name, "
+                       "weight)"),
+    "a weight other than 0 or 1": ({"messages": [{"role": "user", "content": "x"},
+                                                 {"role": "assistant", "content": "y", "weight": 0.5}]},
+                                   "message 1 (assistant) has weight 0.5: a turn's weight is 0 (context, not trained) "
+                                   "or 1"),
+    "every assistant turn of weight 0": ({"messages": [{"role": "user", "content": "x"},
+                                                       {"role": "assistant", "content": "y", "weight": 0}]},
+                                         "every assistant message has weight 0"),
     "messages not a list": ({"messages": "hello"}, "\"messages\" is 'hello', not a list"),
 }
 
@@ -162,3 +170,37 @@ def test_train_on_chats_prepares_them_with_the_models_template_and_trains_only_t
     assert json.load(open(folder / "meta.json"))["source"]["chats"] == len(CHATS)
     assert [(list(t), list(m)) for t, m in read_prepared(folder)] == transformers_view(hf)
     assert "(train): " in r.stdout and " 3 records, " in r.stdout  # the start line counts them
+
+
+# CHATS[1] with its first assistant turn ("8") kept as context: axolotl's "weight": 0
+WEIGHTED = [dict(m, weight=0) if k == 2 else m for k, m in enumerate(CHATS[1])]
+SHAREGPT_SPEAKERS = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s: a trained turn each in a ChatML chat."""
+    edges = [0, *mask, 0]
+    starts = [j for j in range(len(mask)) if edges[j + 1] and not edges[j]]
+    return [(s, next(e for e in range(s, len(mask) + 1) if not edges[e + 1])) for s in starts]
+
+
+@pytest.mark.parametrize("name", ["marked", "plain"])
+def test_a_turn_of_weight_0_is_context_in_messages_and_sharegpt_alike_and_a_planted_ignored_weight_is_caught(
+        folders, tmp_path, capfd, monkeypatch, name):
+    folder = folders[name][0]
+    ids, full = transformers_view(folders["marked"][1])[1]  # the unweighted chat, as transformers masks it
+    first, last = runs_of_ones(full)  # both assistant turns
+    expected = [0 if first[0] <= j < first[1] else v for j, v in enumerate(full)]  # the first turn untrained
+    sharegpt = {"conversations": [{"from": SHAREGPT_SPEAKERS[m["role"]], "value": m["content"],
+                                   **({"weight": m["weight"]} if "weight" in m else {})} for m in WEIGHTED]}
+
+    def prepared(records, out):
+        r = prepare(capfd, write_jsonl(tmp_path / f"{out}.jsonl", records), tmp_path / out, folder)
+        assert r.returncode == 0, r.stderr
+        return [(list(t), list(m)) for t, m in read_prepared(tmp_path / out)]
+
+    assert prepared([{"messages": WEIGHTED}], "messages") == [(ids, expected)]
+    assert prepared([sharegpt], "sharegpt") == [(ids, expected)]
+    assert runs_of_ones(expected) == [last]
+    monkeypatch.setattr(chat_module, "is_trained", lambda message: True)  # planted: the weight read and ignored
+    assert prepared([sharegpt], "planted") == [(ids, full)] != [(ids, expected)]

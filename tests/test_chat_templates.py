@@ -193,8 +193,8 @@ def test_tokens_and_mask_equal_transformers_under_trls_training_variant_and_plan
 
     check = jsonl_module.check_messages
 
-    def without_reasoning(record, where):  # planted: reasoning_content dropped on the way to the template
-        messages, context = check(record, where)
+    def without_reasoning(record, where, **options):  # planted: reasoning_content dropped on the way to the template
+        messages, context = check(record, where, **options)
         return [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages], context
 
     if family != "gemma3":  # Gemma 3's records hold no reasoning

@@ -18,6 +18,7 @@ from zerotrain.data import formats
 from zerotrain.data import jsonl as jsonl_module
 from zerotrain.data import resolve_data
 from zerotrain.data.jsonl import prepare_jsonl
+from zerotrain.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,6 +183,13 @@ BAD = {  # a record -> what the line says after file:line
     "value": ({"conversations": [{"from": "human", "value": 3}]},
               'conversations[0] (human) "value" is 3, not a string'),
     "no assistant": ({"conversations": [{"from": "human", "value": "x"}]}, "no assistant message"),
+    "a turn's unknown key": ({"conversations": [{"from": "human", "value": "x", "loss": False},
+                                                {"from": "gpt", "value": "y"}]},
+                             "conversations[0] has the key 'loss', which a ShareGPT turn does not have (a turn's "
+                             "keys: from, value, weight)"),
+    "a turn's weight": ({"conversations": [{"from": "human", "value": "x"},
+                                           {"from": "gpt", "value": "y", "weight": 2}]},
+                        "message 1 (assistant) has weight 2: a turn's weight is 0 (context, not trained) or 1"),
     "alpaca output": ({"instruction": "x", "output": None}, '"output" is None, not a string'),
     "alpaca history": ({"instruction": "x", "output": "y", "history": ["z"]}, '"history" is [\'z\']'),
     "unknown shape": ({"question": "x", "answer": "y"}, 'has neither "text" nor "prompt" and "completion" nor '
@@ -234,3 +242,19 @@ def test_a_save_to_disk_folder_missing_its_arrow_file_is_named_as_such(tmp_path,
         os.remove(os.path.join(folder, name))
     line = one_line_error(zerotrain_here(capfd, "prepare", folder, str(tmp_path / "out")))
     assert f"its state.json lists {', '.join(arrows)}, which {'are' if len(arrows) > 1 else 'is'} not in" in line
+
+
+def test_a_weighted_sharegpt_table_prepares_as_its_messages_and_a_planted_null_weight_read_as_given_is_caught(
+        data, tmp_path, monkeypatch):
+    """A table gives every turn a "weight" column, null where a turn has none: read as absent."""
+    chats = [test_chat.WEIGHTED, CHATS[0]]
+    write_jsonl(tmp_path / "messages.jsonl", [{"messages": chat} for chat in chats])
+    rows = [{"conversations": [{"from": SPEAKERS[m["role"]], "value": m["content"], "weight": m.get("weight")}
+                               for m in chat]} for chat in chats]
+    tokenizer = str(data / "chatml")
+    prepare_jsonl(str(tmp_path / "messages.jsonl"), str(tmp_path / "messages"), tokenizer, 0.0)
+    prepare_jsonl(write_shards(tmp_path / "hub", rows, 1), str(tmp_path / "table"), tokenizer, 0.0)
+    assert same_prepared(tmp_path / "table", tmp_path / "messages")
+    monkeypatch.setattr(jsonl_module, "table_record", lambda record: record)  # planted: nulls kept
+    with pytest.raises(ConfigError, match=r"hub.*\[0\]: message 0 \(system\) has weight None"):
+        prepare_jsonl(str(tmp_path / "hub"), str(tmp_path / "planted"), tokenizer, 0.0)

@@ -54,7 +54,7 @@ def test_a_record_is_one_bos_its_whole_encoding_and_the_models_eos_and_a_planted
     prepare(capfd, jsonl, tmp_path / "out", folder)
     check_records(tmp_path / "out", hf)
     meta = json.load(open(tmp_path / "out" / "meta.json"))
-    assert (meta["version"], meta["eot_id"], meta["bos_ids"]) == (2, EOS, [BOS])
+    assert (meta["version"], meta["eot_id"], meta["bos_ids"]) == (3, EOS, [BOS])
     assert meta["train"]["record_count"] == len(RECORDS) and meta["train"]["records"] == "train.records"
     # planted: the product's encoding keeps the post-processor's special tokens (a BOS before every piece)
     encode_batch = tokenizer_module.BPETokenizer.encode_pieces

@@ -3,8 +3,10 @@
 A setting is a dataclass field declared with `setting(...)`. Its key is its TOML name in its
 section's table and, with dashes, its flag: `ckpt_every` under `[checkpoint]` is `--ckpt-every`.
 The flag table, the TOML loader, `--help` and docs/reference.md's table are all built from
-these declarations, so they cannot disagree. `validate` is pure (it reads, never changes);
-`resolve` fills in the derived values (warmup from steps) in one place after it.
+these declarations, so they cannot disagree. A declaration also says which runs the setting does
+something in: its methods (`methods`) and the models or options it needs (`applies`, a Scope);
+`check_applicable` refuses a setting the user gave that does nothing in the run. `validate` is pure
+(it reads, never changes); `resolve` fills in the derived values (warmup from steps) in one place after it.
 """
 
 from __future__ import annotations
@@ -53,14 +55,44 @@ def one_of(*choices: str) -> Rule:
     return Rule("must be " + ", ".join(choices[:-1]) + f" or {choices[-1]}", lambda v: v in choices)
 
 
+@dataclass(frozen=True)
+class Scope:
+    """The runs a setting does something in, beyond its methods: a test of the run's config (its model known), what
+    the runs are (`runs`) and what a run it does nothing in is instead (`otherwise(cfg, model)`, `model` naming the
+    run's model as the user gave it: a preset, an --init-from folder or an --arch)."""
+
+    runs: str
+    holds: Callable[[Any], bool]
+    otherwise: Callable[[Any, str], str]
+
+
+def archs_scope(*archs: str) -> Scope:
+    """The settings of some architectures only."""
+    return Scope(f"--arch {' or '.join(archs)}", lambda cfg: cfg.model.arch in archs,
+                 lambda cfg, model: f"{model} is --arch {cfg.model.arch}")
+
+
+def option_scope(flag: str, attribute: Callable[[Any], str], *values: str) -> Scope:
+    """The settings that refine one choice of another setting (--rope-scaling yarn's, --dpo-loss sigmoid's)."""
+    return Scope(f"{flag} {' or '.join(values)}", lambda cfg: attribute(cfg) in values,
+                 lambda cfg, model: f"this run's is {flag} {attribute(cfg)}")
+
+
+METHODS = ("sft", "dpo")
+
+
 def setting(default, help: str, *, rule: Rule | None = None, key: str | None = None, shown: str | None = None,
-            many: bool = False):
+            many: bool = False, methods: tuple[str, ...] | None = None, applies: Scope | None = None):
     """Declare a setting: its default, its help, the rule its value obeys, and its key when not the field's name.
 
     `shown` is how `--help` and the README state a default that is derived (`runs/<timestamp>`). `many`: a string
-    setting the flag may give several times (a TOML list), its values kept one per line.
+    setting the flag may give several times (a TOML list), its values kept one per line. `methods`: the --method
+    values it does something in (None: every method; a new method is added where it reads the setting);
+    `applies`: the models or options it needs, else every run's.
     """
-    return field(default=default, metadata={"help": help, "rule": rule, "key": key, "shown": shown, "many": many})
+    assert methods is None or set(methods) <= set(METHODS), methods
+    return field(default=default, metadata={"help": help, "rule": rule, "key": key, "shown": shown, "many": many,
+                                            "methods": methods, "applies": applies})
 
 
 def data_sources(text: str) -> list[tuple[str, float | None]]:
@@ -186,6 +218,16 @@ ALTERNATING = (*GEMMA, "gpt_oss")  # the members whose sliding and global layers
 ARCHS = ("gpt2", *LLAMA_FAMILY)
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 
+# The kinds of model a setting may need (the model is known once the preset or --init-from's config.json is read).
+EXPERTS = Scope("mixture-of-experts models", lambda cfg: cfg.model.n_experts > 0,
+                lambda cfg, model: f"{model} has no experts")
+LLAMA_MODELS = Scope("the Llama family's models (rotary positions)", lambda cfg: cfg.model.llama_family,
+                     lambda cfg, model: f"{model} is --arch {cfg.model.arch}")
+
+
+def _rope_scaling(*kinds: str) -> Scope:
+    return option_scope("--rope-scaling", lambda cfg: cfg.model.rope_scaling, *kinds)
+
 
 @dataclass
 class ModelConfig:
@@ -202,10 +244,11 @@ class ModelConfig:
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
     n_kv_head: int = setting(0, "key/value heads of grouped-query attention (Llama family; divides --n-head)",
-                             rule=NON_NEGATIVE, shown="--n-head")
+                             rule=NON_NEGATIVE, shown="--n-head", applies=LLAMA_MODELS)
     n_embd: int = setting(32, "embedding width", rule=POSITIVE)
     head_width: int = setting(0, "width of each attention head, Hugging Face's head_dim (Llama family; Qwen3's "
-                              "differs from --n-embd / --n-head)", rule=NON_NEGATIVE, shown="--n-embd / --n-head")
+                              "differs from --n-embd / --n-head)", rule=NON_NEGATIVE, shown="--n-embd / --n-head",
+                              applies=LLAMA_MODELS)
     intermediate_size: int = setting(0, "the MLP's hidden width", rule=NON_NEGATIVE, shown="4 x --n-embd")
     seq_len: int = setting(16, "tokens per sequence: the training window", rule=POSITIVE)
     context: int = setting(0, "positions the model holds, exported as its context (GPT-2's position table); an "
@@ -213,59 +256,69 @@ class ModelConfig:
                            rule=NON_NEGATIVE, shown="--seq-len")
     vocab_size: int = setting(64, "vocabulary size; when not given, the data's", rule=POSITIVE,
                               shown="the data's; synthetic data: 64")
-    rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE)
+    rope_theta: float = setting(10000.0, "rotary embeddings' base (llama)", rule=POSITIVE, applies=LLAMA_MODELS)
     rope_scaling: str = setting("none", "rotary frequencies rescaled for a longer context: none, llama3 (Llama "
                                 "3.1's, with the four --rope-* settings below), linear (gemma3's global layers: "
                                 "every frequency slowed by --rope-factor) or yarn (YaRN, as transformers' rope_type "
                                 "yarn: --rope-factor, --rope-original-context and the --rope-beta-*, --rope-truncate "
-                                "and --rope-attention-factor settings)", rule=one_of(*ROPE_SCALINGS))
+                                "and --rope-attention-factor settings)", rule=one_of(*ROPE_SCALINGS),
+                                applies=LLAMA_MODELS)
     rope_factor: float = setting(8.0, "llama3, linear and yarn rope scaling: how much the (low) frequencies are "
-                                 "slowed", rule=POSITIVE)
+                                 "slowed", rule=POSITIVE, applies=_rope_scaling("llama3", "linear", "yarn"))
     rope_low_freq_factor: float = setting(1.0, "llama3 rope scaling: wavelengths above original context / this are "
-                                          "slowed by --rope-factor", rule=POSITIVE)
+                                          "slowed by --rope-factor", rule=POSITIVE, applies=_rope_scaling("llama3"))
     rope_high_freq_factor: float = setting(4.0, "llama3 rope scaling: wavelengths below original context / this "
-                                           "are kept (in between: interpolated)", rule=POSITIVE)
+                                           "are kept (in between: interpolated)", rule=POSITIVE,
+                                           applies=_rope_scaling("llama3"))
     rope_original_context: int = setting(8192, "llama3 and yarn rope scaling: the context the model was pretrained "
-                                         "at", rule=POSITIVE)
+                                         "at", rule=POSITIVE, applies=_rope_scaling("llama3", "yarn"))
     rope_beta_fast: float = setting(32.0, "yarn rope scaling: frequencies turning more than this many times over the "
-                                    "original context are kept (transformers' beta_fast)", rule=POSITIVE)
+                                    "original context are kept (transformers' beta_fast)", rule=POSITIVE,
+                                    applies=_rope_scaling("yarn"))
     rope_beta_slow: float = setting(1.0, "yarn rope scaling: frequencies turning fewer than this many times over the "
                                     "original context are slowed by --rope-factor (in between: a linear ramp; "
-                                    "transformers' beta_slow)", rule=POSITIVE)
+                                    "transformers' beta_slow)", rule=POSITIVE, applies=_rope_scaling("yarn"))
     rope_truncate: bool = setting(True, "yarn rope scaling: the ramp's ends rounded to whole dimensions "
-                                  "(transformers' truncate; gpt-oss: --no-rope-truncate)")
+                                  "(transformers' truncate; gpt-oss: --no-rope-truncate)",
+                                  applies=_rope_scaling("yarn"))
     rope_attention_factor: float = setting(0.0, "yarn rope scaling: cos and sin are multiplied by this (0: YaRN's "
                                            "0.1 ln(--rope-factor) + 1; transformers' attention_factor)",
-                                           rule=NON_NEGATIVE, shown="YaRN's own")
+                                           rule=NON_NEGATIVE, shown="YaRN's own", applies=_rope_scaling("yarn"))
     sliding_window: int = setting(0, "each token attends to at most this many tokens, itself included (mistral, "
-                                  "phi3, gemma2, gemma3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none")
+                                  "phi3, gemma2, gemma3; 0: all earlier tokens)", rule=NON_NEGATIVE, shown="0: none",
+                                  applies=archs_scope(*WINDOWED))
     sliding_window_pattern: int = setting(0, "with --sliding-window, every N-th layer (layers N-1, 2N-1, ...) is "
                                           "global, the others sliding (Gemma 2: 2, Gemma 3: 6; 0: every layer "
-                                          "slides)", rule=NON_NEGATIVE, shown="0: every layer")
+                                          "slides)", rule=NON_NEGATIVE, shown="0: every layer",
+                                          applies=archs_scope(*ALTERNATING))
     rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq; 0: "
-                                      "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta")
+                                      "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
+                                      applies=archs_scope("gemma3"))
     query_pre_attn_scalar: int = setting(0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
-                                           "the head width)", rule=NON_NEGATIVE, shown="the head width")
+                                           "the head width)", rule=NON_NEGATIVE, shown="the head width",
+                                           applies=archs_scope(*GEMMA))
     attn_softcap: float = setting(0.0, "attention scores soft-capped to (-S, S) by S tanh(score / S) (gemma2; 0: "
-                                  "none)", rule=NON_NEGATIVE, shown="0: none")
+                                  "none)", rule=NON_NEGATIVE, shown="0: none", applies=archs_scope("gemma2"))
     final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2, "
-                                   "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none")
+                                   "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none", applies=archs_scope(*GEMMA))
     n_experts: int = setting(0, "experts of each MoE layer (qwen3_moe, qwen2_moe, mixtral, olmoe; Hugging Face's "
-                             "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none")
-    experts_per_token: int = setting(2, "experts each token is routed to (top-k, num_experts_per_tok)", rule=POSITIVE)
+                             "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none",
+                             applies=archs_scope(*MOE))
+    experts_per_token: int = setting(2, "experts each token is routed to (top-k, num_experts_per_tok)", rule=POSITIVE,
+                                     applies=EXPERTS)
     expert_width: int = setting(0, "each expert's hidden width (moe_intermediate_size)", rule=NON_NEGATIVE,
-                                shown="--intermediate-size")
+                                shown="--intermediate-size", applies=EXPERTS)
     norm_topk_prob: bool = setting(False, "the top-k routing weights renormalised to sum to 1 (norm_topk_prob; "
-                                   "mixtral always)")
+                                   "mixtral always)", applies=EXPERTS)
     shared_expert_width: int = setting(0, "qwen2_moe: the width of the expert every token goes through beside its "
                                        "routed ones, gated by a sigmoid (0: none)", rule=NON_NEGATIVE,
-                                       shown="0: none")
+                                       shown="0: none", applies=archs_scope("qwen2_moe"))
     moe_every: int = setting(1, "every N-th layer (layers N-1, 2N-1, ...) has experts, the others a dense MLP of "
-                             "--intermediate-size (decoder_sparse_step)", rule=POSITIVE)
+                             "--intermediate-size (decoder_sparse_step)", rule=POSITIVE, applies=EXPERTS)
     mlp_only_layers: str = setting("", "layers with a dense MLP instead of experts, comma-separated (mlp_only_layers)",
-                                   shown="none")
+                                   shown="none", applies=EXPERTS)
     router_aux_coef: float = setting(0.001, "the model's weight of the load-balancing loss (router_aux_loss_coef; "
-                                     "--moe-aux-coef overrides it for a run)", rule=NON_NEGATIVE)
+                                     "--moe-aux-coef overrides it for a run)", rule=NON_NEGATIVE, applies=EXPERTS)
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -376,15 +429,15 @@ class DataConfig:
     # Packed sequences (True), or one document per sequence, padded and label-masked (False; documents
     # end with the end-of-text token).
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
-                         "padded and masked)")
-    glob: str = setting("**/*.txt", "a text folder's files")
+                         "padded and masked)", methods=("sft",))
+    glob: str = setting("**/*.txt", "a text folder's files", methods=("sft",))
     val_fraction: float = setting(0.05, "text: fraction of documents held out for validation (--method dpo with "
                                   "--eval-every and no --val-data: of the pairs' records)", rule=BELOW_ONE)
     cache_dir: str = setting("", "where text inputs are prepared", key="data_cache",
-                             shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain")
+                             shown="$ZEROTRAIN_CACHE or ~/.cache/zerotrain", methods=("sft",))
     chat_template: str = setting("", "a Jinja chat template file to render chat records with for training, instead of "
                                  "the model's own or TRL's training variant of it", shown="the model's, or TRL's "
-                                 "training variant of it")
+                                 "training variant of it", methods=("sft",))
 
 
 @dataclass
@@ -427,7 +480,7 @@ class ParallelConfig:
                       "rank = dp_index x tp + tp_index)", rule=POSITIVE)
     ep: int = setting(1, "expert-parallel degree: the experts of each MoE layer split in contiguous blocks over this "
                       "many consecutive DP ranks, tokens sent to their expert's rank and back by all-to-all (divides "
-                      "the DP size and --n-experts)", rule=POSITIVE)
+                      "the DP size and --n-experts)", rule=POSITIVE, applies=EXPERTS)
     precision: str = setting("fp32", "fp32, or bf16 parameters with an fp32 master shard",
                              rule=one_of("fp32", "bf16"))
     bucket_mb: float = setting(4.0, "gradient bucket size in MiB", rule=POSITIVE)
@@ -460,14 +513,16 @@ class LoopConfig:
     steps: int = setting(20, "optimizer steps", rule=POSITIVE)
     epochs: int = setting(0, "passes over the records instead of --steps (JSON Lines records, or documents with "
                           "--no-pack): each record once per epoch; the steps follow from the records and the global "
-                          "batch, an epoch's last step taking what is left (0: --steps decides)", rule=NON_NEGATIVE)
+                          "batch, an epoch's last step taking what is left (0: --steps decides)", rule=NON_NEGATIVE,
+                          methods=("sft",))
     micro_batch: int = setting(8, "sequences per rank per micro-batch", rule=POSITIVE)
     accum: int = setting(1, "micro-batches per optimizer step", rule=POSITIVE)
     seed: int = setting(0, "seed of the model init and the data")
     compile: bool = setting(False, "run the model's forward and backward through torch.compile")
     check_every: int = setting(10, "cross-rank drift check period in steps (0: only at the end)", rule=NON_NEGATIVE)
     eval_every: int = setting(0, "validation loss every K steps and at the end (0: never)", rule=NON_NEGATIVE)
-    eval_batches: int = setting(8, "fixed validation batches of DP replicas x micro-batch sequences", rule=POSITIVE)
+    eval_batches: int = setting(8, "fixed validation batches of DP replicas x micro-batch sequences", rule=POSITIVE,
+                                methods=("sft",))
 
 
 @dataclass
@@ -527,6 +582,8 @@ LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                    for arch in LLAMA_FAMILY}}
 ALL_LINEAR = "all"
+LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
+             lambda cfg, model: "this run trains every weight (--lora-rank 0)")
 
 
 @dataclass
@@ -536,14 +593,14 @@ class LoraConfig:
     rank: int = setting(0, "LoRA rank R: train low-rank adapters on the blocks' linears, the base frozen (0: every "
                         "weight trains)", key="lora_rank", rule=NON_NEGATIVE)
     alpha: float = setting(16.0, "LoRA alpha A: the adapters' output is scaled by A / R", key="lora_alpha",
-                           rule=POSITIVE)
+                           rule=POSITIVE, applies=LORA)
     dropout: float = setting(0.0, "dropout on the adapters' input while training", key="lora_dropout",
-                             rule=BELOW_ONE)
+                             rule=BELOW_ONE, applies=LORA)
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
                            "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
                            "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
                            "not the head)",
-                           key="lora_targets")
+                           key="lora_targets", applies=LORA)
 
     def modules(self, arch: str) -> tuple[str, ...]:
         """The module names --lora-targets picks for `arch`, in the architecture's order."""
@@ -553,9 +610,13 @@ class LoraConfig:
         return tuple(m for m in LORA_MODULES[arch] if m in named)
 
 
-METHODS = ("sft", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # losses without a reference model
+WITH_REFERENCE = tuple(loss for loss in DPO_LOSSES if loss not in REFERENCE_FREE)
+
+
+def _dpo_loss(*losses: str) -> Scope:
+    return option_scope("--dpo-loss", lambda cfg: cfg.objective.dpo_loss, *losses)
 
 
 @dataclass
@@ -565,21 +626,26 @@ class ObjectiveConfig:
                           "(preference pairs {\"prompt\", \"chosen\", \"rejected\"}, with --init-from: docs/dpo.md)",
                           rule=one_of(*METHODS))
     dpo_loss: str = setting("sigmoid", "the preference loss of --method dpo: sigmoid (DPO), ipo, hinge, or simpo and "
-                            "orpo (no reference model)", rule=one_of(*DPO_LOSSES))
+                            "orpo (no reference model)", rule=one_of(*DPO_LOSSES), methods=("dpo",))
     dpo_beta: float = setting(0.1, "DPO's beta: the strength of the KL penalty against the reference (simpo, orpo: "
-                              "their beta, the reward scale and the odds ratio's weight)", rule=POSITIVE)
+                              "their beta, the reward scale and the odds ratio's weight)", rule=POSITIVE,
+                              methods=("dpo",))
     dpo_label_smoothing: float = setting(0.0, "sigmoid loss: the assumed probability that a pair's labels are "
                                          "flipped (robust DPO's; 0: plain DPO)", rule=Rule("must be in [0, 0.5)",
-                                                                                          lambda v: 0 <= v < 0.5))
+                                                                                          lambda v: 0 <= v < 0.5),
+                                         methods=("dpo",), applies=_dpo_loss("sigmoid"))
     dpo_reference: str = setting("precomputed", "the reference log-probs: precomputed (from the initial weights, "
                                  "before step 1, over every pair; stored with the checkpoints) or live (each step: "
                                  "with LoRA the base with the adapters off; in full fine-tuning a frozen copy of the "
-                                 "initial model, laid out like it)", rule=one_of("precomputed", "live"))
-    simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", rule=NON_NEGATIVE)
+                                 "initial model, laid out like it)", rule=one_of("precomputed", "live"),
+                                 methods=("dpo",), applies=_dpo_loss(*WITH_REFERENCE))
+    simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", rule=NON_NEGATIVE,
+                                 methods=("dpo",), applies=_dpo_loss("simpo"))
+    # sft only: the balancing loss joins the training loss in objectives.py; preference.py adds none (yet)
     moe_aux_coef: float = setting(-1.0, "weight of a mixture of experts' load-balancing loss in the training loss "
                                   "(-1: the model's --router-aux-coef; 0: none)",
                                   rule=Rule("must be >= 0, or -1 for the model's", lambda v: v >= 0 or v == -1),
-                                  shown="the model's")
+                                  shown="the model's", methods=("sft",), applies=EXPERTS)
 
     def aux_coef(self, model: ModelConfig) -> float:
         """The balancing loss's weight this run trains with."""
@@ -661,10 +727,18 @@ class Setting:
     rule: Rule | None
     shown: str | None
     many: bool = False
+    methods: tuple[str, ...] | None = None  # None: every method
+    applies: Scope | None = None  # None: every model and option
 
     @property
     def flag(self) -> str:
         return "--" + self.key.replace("_", "-")
+
+    @property
+    def scope(self) -> str:
+        """The runs it does something in, in words (--help and docs/reference.md); "" for every run."""
+        said = [f"--method {' or '.join(self.methods)}"] if self.methods else []
+        return " with ".join(said + ([self.applies.runs] if self.applies else []))
 
     @property
     def type(self) -> type:
@@ -677,7 +751,8 @@ def declared(section: str | None = None) -> Iterator[Setting]:
         owner = Config.__dataclass_fields__[name].default_factory
         for f in fields(owner):
             yield Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
-                          f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")))
+                          f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")),
+                          f.metadata.get("methods"), f.metadata.get("applies"))
 
 
 def setting_for(key: str) -> Setting:
@@ -798,9 +873,6 @@ def _check_experts(cfg: Config) -> None:
         raise ConfigError(f"--arch {m.arch} is a mixture of experts: give --n-experts")
     if m.n_experts and m.arch not in MOE:
         raise ConfigError(f"--n-experts {m.n_experts} is for --arch {' or '.join(MOE)}, not --arch {m.arch}")
-    if cfg.objective.moe_aux_coef != -1 and not m.n_experts:
-        raise ConfigError(f"--moe-aux-coef {cfg.objective.moe_aux_coef} weighs a mixture of experts' balancing "
-                          f"loss: --arch {m.arch} has no experts")
     if not m.n_experts:
         given = [(m.expert_width, "--expert-width"), (m.shared_expert_width, "--shared-expert-width"),
                  (m.mlp_only_layers, "--mlp-only-layers"), (cfg.parallel.ep if cfg.parallel.ep > 1 else 0, "--ep")]
@@ -928,6 +1000,21 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg
+
+
+def check_applicable(cfg: Config, given: dict[str, str], model: str) -> None:
+    """Refuse, in one line, a setting the user gave that does nothing in this run: `given` maps each key the user
+    stated (a flag or a TOML key; never a default, a command's own or a preset's) to how they stated it, `model` names
+    the run's model as they gave it. The run's model must be known: a preset applied, --init-from's read."""
+    for s in declared():
+        if s.key not in given:
+            continue
+        method = cfg.objective.method
+        if s.methods is not None and method not in s.methods:
+            raise ConfigError(f"{given[s.key]} applies to --method {' or '.join(s.methods)}; this run is --method "
+                              f"{method}")
+        if s.applies is not None and not s.applies.holds(cfg):
+            raise ConfigError(f"{given[s.key]} applies to {s.applies.runs}; {s.applies.otherwise(cfg, model)}")
 
 
 def notes(cfg: Config) -> list[str]:

@@ -8,8 +8,8 @@ import importlib.util
 import os
 import sys
 
-from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, declared, fine_tuning_defaults, is_mixture,
-                               load_toml, merge, resolve, setting_for, validate)
+from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, check_applicable, declared,
+                               fine_tuning_defaults, is_mixture, load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.data.pairs import read_splits
 from zerotrain.errors import ConfigError
@@ -107,7 +107,7 @@ def add_training_flags(p: argparse.ArgumentParser, defaults: dict[str, object] |
         setting_for(key)  # a command's defaults name settings that exist
     for s in declared():
         default = defaults.get(s.key, s.default)
-        help_ = f"{s.help} (default: {shown_default(s, default)})"
+        help_ = f"{s.help}{f'; applies to {s.scope}' if s.scope else ''} (default: {shown_default(s, default)})"
         if s.type is bool:
             p.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif s.many:
@@ -146,6 +146,10 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
         fine_tuning_defaults(cfg, set(given) | set(args._flag_defaults) |  # lr and decay; warmup: resolve
                              (set(toml.get("optim", {})) if args.config else set()))
     validate(cfg)
+    check_applicable(cfg, stated_by_user(given, toml if args.config else {}, args.config), model_named(cfg, args))
+    if cfg.data.chat_template and not os.path.isfile(cfg.data.chat_template):  # whatever the data: it is a typo
+        raise ConfigError(f"--chat-template {cfg.data.chat_template}: no such file (a Jinja chat template, as "
+                          "chat_template.jinja holds one)")
     if environment:
         check_environment(cfg)
     if cfg.objective.method == "dpo":  # a file of preference pairs, encoded by the --init-from model's tokenizer
@@ -168,6 +172,20 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
         _note_torchrun_restarts(cfg, "max_restarts" in given or bool(args.config and "max_restarts" in
                                                                      toml.get("launch", {})))
     return cfg
+
+
+def stated_by_user(given: dict[str, object], toml: dict[str, dict], path: str | None) -> dict[str, str]:
+    """{key: how the user stated it} for the settings the command line or the TOML file gives (a flag wins)."""
+    stated = {key: f"{key} in [{section}] of {path}" for section, values in toml.items() if isinstance(values, dict)
+              for key in values}
+    return {**stated, **{key: setting_for(key).flag for key in given}}
+
+
+def model_named(cfg: Config, args: argparse.Namespace) -> str:
+    """The run's model as the user gave it, for messages: its --init-from folder, its preset, or the model."""
+    if cfg.checkpoint.init_from:
+        return f"--init-from {cfg.checkpoint.init_from}"
+    return args.preset or "this run's model"
 
 
 def _note_torchrun_restarts(cfg: Config, given: bool) -> None:
@@ -218,5 +236,6 @@ def reference_table() -> str:
     rows = ["| flag | TOML | default | meaning |", "| --- | --- | --- | --- |"]
     for s in declared():
         flag = f"`{s.flag}` / `--no-{s.flag[2:]}`" if s.type is bool else f"`{s.flag}`"
-        rows.append(f"| {flag} | `[{s.section}] {s.key}` | `{shown_default(s, s.default)}` | {s.help} |")
+        scope = f"; applies to {s.scope}" if s.scope else ""
+        rows.append(f"| {flag} | `[{s.section}] {s.key}` | `{shown_default(s, s.default)}` | {s.help}{scope} |")
     return "\n".join(rows)

@@ -5,8 +5,10 @@
 
 Messages reach the template as transformers' `apply_chat_template(messages, tools=..., documents=...)` passes them:
 each with every key a template reads (MESSAGE_KEYS: the reasoning, tool calls, the id and name of a tool result;
-content as a string or a list of text parts), the record's `tools` (JSON schemas) and `documents` beside them. A key
-outside MESSAGE_KEYS is refused naming the record, and so is a value the template drops: after rendering, each
+content as a string or a list of text parts), the record's `tools` (JSON schemas) and `documents` beside them. A
+message's `weight` (axolotl's, on ShareGPT turns) is zerotrain's and never reaches the template: 0 makes the turn
+context only, an assistant turn the loss does not count; 1 (the default) trains it as its role is trained. A key
+outside these is refused naming the record, and so is a value the template drops: after rendering, each
 message's reasoning, each tool call's name, each text part and each tool's name must be in the text (a template that
 does not write them would train a turn without them). The `tool` role is context, never trained.
 
@@ -41,6 +43,7 @@ from .tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, read_json_object
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers gives a template each of these names
 MESSAGE_KEYS = ("role", "content", *REASONING_KEYS, "tool_calls", "tool_call_id", "name")
+WEIGHT = "weight"  # a training record's message: 0 context only, 1 trained as its role is (not a template's key)
 CONTEXT_KEYS = ("tools", "documents")  # a record's, passed beside its messages
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # what templates read besides messages
 
@@ -62,24 +65,29 @@ def chat_template_of(folder: str) -> str | None:
     return None
 
 
-def check_messages(record: dict, where: str, *, to_reply: bool = False) -> tuple[list[dict], dict]:
-    """The record's messages, each with the keys it gives (MESSAGE_KEYS), and its context (`tools`, `documents`: the
-    keys it has, to pass beside them); ConfigError naming `where` (file:line) if they are not a conversation to train
-    on (`to_reply`: to generate the assistant's next turn after), or hold a key zerotrain does not pass to a
-    template."""
+def check_messages(record: dict, where: str, weighted: bool = False, *, to_reply: bool = False
+                   ) -> tuple[list[dict], dict]:
+    """The record's messages, each with the keys it gives (MESSAGE_KEYS, and with `weighted` a training record's
+    WEIGHT), and its context (`tools`, `documents`: the keys it has, to pass beside them); ConfigError naming `where`
+    (file:line) if they are not a conversation to train on (`to_reply`: to generate the assistant's next turn
+    after), or hold a key zerotrain does not know."""
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: \"messages\" is {messages!r}, not a list of {{\"role\", \"content\"}} objects")
+    known = (*MESSAGE_KEYS, WEIGHT) if weighted else MESSAGE_KEYS
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or not ("content" in m or m.get("tool_calls")):
             raise ConfigError(f"{where}: message {k} is {_short(m)}, not an object with \"role\" and \"content\"")
         if m["role"] not in ROLES:
             raise ConfigError(f"{where}: message {k} has role {m['role']!r}; a role is one of {', '.join(ROLES)}")
-        unknown = [key for key in m if key not in MESSAGE_KEYS]
+        unknown = [key for key in m if key not in known]
         if unknown:
             raise ConfigError(f"{where}: message {k} ({m['role']}) has the key {unknown[0]!r}, which zerotrain does "
-                              f"not pass to a chat template (a message's keys: {', '.join(MESSAGE_KEYS)}): leave it "
-                              "out, or write it as one of these")
+                              f"not read (a message's keys: {', '.join(known)}): leave it out, or write it as one of "
+                              "these")
+        if WEIGHT in m and (isinstance(m[WEIGHT], bool) or m[WEIGHT] not in (0, 1)):
+            raise ConfigError(f"{where}: message {k} ({m['role']}) has weight {_short(m[WEIGHT])}: a turn's weight is "
+                              "0 (context, not trained) or 1 (trained as its role is, the default)")
         _check_content(m, k, where)
         _check_tool_calls(m, k, where)
         for key in (*REASONING_KEYS, "tool_call_id", "name"):
@@ -91,8 +99,16 @@ def check_messages(record: dict, where: str, *, to_reply: bool = False) -> tuple
     if not to_reply and not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: no assistant message: the loss trains on the assistant's turns, and this "
                           "conversation has none")
+    if not to_reply and not any(m["role"] == "assistant" and is_trained(m) for m in messages):
+        raise ConfigError(f"{where}: every assistant message has weight 0: the loss trains on the assistant's turns, "
+                          "and this conversation leaves none to train on")
     context = {key: list_of_objects(record[key], key, where) for key in CONTEXT_KEYS if record.get(key) is not None}
     return [dict(m) for m in messages], context
+
+
+def is_trained(message: dict) -> bool:
+    """Whether the loss may count the message: any but one of weight 0 (an assistant turn kept as context)."""
+    return message.get(WEIGHT, 1) != 0
 
 
 def _short(value, limit: int = 80) -> str:
@@ -222,15 +238,23 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], where: str, **context) -> tuple[str, list[tuple[int, int]]]:
         """The conversation as the template writes it (`context`: the record's tools and documents), and the
-        [start, end) character spans of its assistant turns. ConfigError naming `where` when the template leaves out
-        part of it (unwritten)."""
+        [start, end) character spans of its assistant turns, but those of weight 0. ConfigError naming `where` when
+        the template leaves out part of it (unwritten)."""
+        trained = [is_trained(m) for m in messages if m["role"] == "assistant"]
+        messages = [{key: value for key, value in m.items() if key != WEIGHT} for m in messages]
         if self.marked:
             texts, spans = self._render([messages], where, return_assistant_tokens_mask=True, **context)
             text, spans = texts[0], [tuple(s) for s in spans[0]]
+            if not all(trained):
+                if len(spans) != len(trained):
+                    raise ConfigError(f"{where}: {self.named} marks {len(spans)} generation blocks for the "
+                                      f"{len(trained)} assistant messages, so the one of weight 0 cannot be told "
+                                      "apart: give a template with one {% generation %} block per assistant turn")
+                spans = [span for span, kept in zip(spans, trained) if kept]
         else:
-            text, spans = self._text(messages, where, **context), []
+            text, spans, kept = self._text(messages, where, **context), [], iter(trained)
             for k, m in enumerate(messages):
-                if m["role"] != "assistant":
+                if m["role"] != "assistant" or not next(kept):  # weight 0: its text stays, the loss skips it
                     continue
                 before = self._text(messages[:k], where, add_generation_prompt=True, **context)
                 after = self._text(messages[: k + 1], where, **context)

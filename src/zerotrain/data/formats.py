@@ -7,12 +7,14 @@ written by `save_to_disk`, and a folder of Parquet shards.
 
 Both become {"messages": [...]} and are rendered with the model's chat template like any chat, so the same
 conversation prepares to the same bytes in every format. ShareGPT's roles: human/user -> user, gpt/assistant ->
-assistant, system -> system (entries may also be {"role", "content"}); an optional "system" field is a first
-system turn. Tool turns as LLaMA-Factory writes them: a function_call (or tool_call) turn's value is the JSON of a call
-{"name", "arguments"} (or a list of them), an assistant turn with those tool_calls; an observation (tool, function,
-ipython) turn's value is a tool's result, a `tool` message; the "tools" field (a list of function schemas, or its JSON
-string) goes to the template as the record's tools, a bare schema {"name", "parameters", ...} wrapped as
-{"type": "function", "function": ...} (what transformers passes). Alpaca's user turn
+assistant, system -> system (entries may also be {"role", "content"}); a turn's "weight" (axolotl's: 0, a turn kept
+as context and not trained; 1, the default) goes with it, and any other key of a turn is refused naming it, as a
+message's is; an optional "system" field is a first system turn. Tool turns as LLaMA-Factory writes them: a
+function_call (or tool_call) turn's value is the JSON of a call {"name", "arguments"} (or a list of them), an
+assistant turn with those tool_calls; an observation (tool, function, ipython) turn's value is a tool's result, a
+`tool` message; the "tools" field (a list of function schemas, or its JSON string) goes to the template as the
+record's tools, a bare schema {"name", "parameters", ...} wrapped as {"type": "function", "function": ...} (what
+transformers passes). Alpaca's user turn
 is the instruction, then a blank line and the input when the input is not empty; an optional "system" is a first
 system turn and LLaMA-Factory's "history" ([[user, assistant], ...]) the turns before.
 
@@ -33,7 +35,7 @@ import re
 
 from zerotrain.errors import ConfigError
 
-from .chat import list_of_objects
+from .chat import WEIGHT, list_of_objects
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool"}
@@ -90,10 +92,16 @@ def _sharegpt(record: dict, where: str) -> list[dict]:
         keys = ("from", "value") if isinstance(turn, dict) and "from" in turn else ("role", "content")
         if not isinstance(turn, dict) or any(key not in turn for key in keys):
             raise ConfigError(f"{where}: conversations[{k}] is {turn!r}, not an object with \"from\" and \"value\"")
+        unknown = [key for key in turn if key not in (*keys, WEIGHT)]
+        if unknown:
+            raise ConfigError(f"{where}: conversations[{k}] has the key {unknown[0]!r}, which a ShareGPT turn does not "
+                              f"have (a turn's keys: {', '.join((*keys, WEIGHT))}): leave it out")
+        weight = {WEIGHT: turn[WEIGHT]} if WEIGHT in turn else {}  # checked with the messages (chat.check_messages)
         role = turn[keys[0]]
         if role in CALL_ROLES:
             value = _string(turn[keys[1]], f"conversations[{k}] ({role}) \"{keys[1]}\"", where)
-            messages.append({"role": "assistant", "content": "", "tool_calls": _calls(value, k, role, where)})
+            messages.append({"role": "assistant", "content": "", "tool_calls": _calls(value, k, role, where),
+                             **weight})
             continue
         if role not in SHAREGPT_ROLES:
             raise ConfigError(f"{where}: conversations[{k}] has role {role!r}; a ShareGPT role is one of "
@@ -101,7 +109,7 @@ def _sharegpt(record: dict, where: str) -> list[dict]:
         if SHAREGPT_ROLES[role] == "system" and messages and k == 0:
             raise ConfigError(f"{where}: has both a \"system\" field and a first system turn")
         content = _string(turn[keys[1]], f"conversations[{k}] ({role}) \"{keys[1]}\"", where)
-        messages.append({"role": SHAREGPT_ROLES[role], "content": content})
+        messages.append({"role": SHAREGPT_ROLES[role], "content": content, **weight})
     return messages
 
 
@@ -161,12 +169,14 @@ def alpaca_user(instruction: str, given: str) -> str:
 
 
 def table_record(record: dict) -> dict:
-    """A row of a table (Parquet, Arrow) as the record JSON Lines would hold: a table gives every message each key any
-    message of the column has, null where it has none, so keys that are null are a message's absent keys."""
-    messages = record.get("messages")
-    if isinstance(messages, list):
-        record = {**record, "messages": [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                                         for m in messages]}
+    """A row of a table (Parquet, Arrow) as the record JSON Lines would hold: a table gives every message (every
+    ShareGPT turn) each key any message of the column has, null where it has none, so keys that are null are a
+    message's absent keys."""
+    for column in ("messages", "conversations"):
+        turns = record.get(column)
+        if isinstance(turns, list):
+            record = {**record, column: [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                                         for m in turns]}
     return record
 
 

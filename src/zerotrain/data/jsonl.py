@@ -4,7 +4,8 @@ files with a loss mask and a record index.
     {"text": "..."}                               every token is trained on
     {"prompt": "...", "completion": "..."}        the prompt is context: only the completion is trained on
     {"messages": [{"role": ..., "content": ...}]} a chat in the chat template that trains (with the record's "tools"):
-                                                  its assistant turns are trained on (chat.py, templates.py)
+                                                  its assistant turns are trained on, but those of "weight": 0
+                                                  (chat.py, templates.py)
 
 A record is encoded as the tokenizer encodes the whole of it: the special tokens its post-processor
 puts before a text (a Llama's BOS) once, at the start; prompt and completion as one text, so nothing
@@ -51,7 +52,9 @@ from .formats import (arrow_stream, as_messages, compression, decompression_erro
 from .tokenfiles import LlmcWriter
 from .tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, tokenizer_file, tokenizer_record
 
-FORMAT, VERSION = "zerotrain-tokens", 2  # 2: a split's "records" names its record index; "record_count" counts them
+# 2: a split's "records" names its record index; "record_count" counts them. 3: a chat turn of weight 0 is not trained
+# (a ShareGPT turn's weight was dropped, the turn trained): what version 2 prepared is prepared again
+FORMAT, VERSION = "zerotrain-tokens", 3
 SPLITS = ("train", "val")
 # Records per batch encoding: enough for every core. The library's Encodings hold each token's string and offsets
 # besides its id, and two chunks are in flight: measured +71 MB of RSS at 1024 300-token records (+226 MB at 4096,
@@ -235,13 +238,13 @@ def parse_record(record, where: str) -> tuple:
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a JSON {type(record).__name__}, not an object: {SHAPES}")
     if "messages" in record:
-        return ("chat", *check_messages(record, where))
+        return ("chat", *check_messages(record, where, weighted=True))
     if "text" in record:
         fields = {"text": record["text"]}
     elif "prompt" in record and "completion" in record:
         fields = {"prompt": record["prompt"], "completion": record["completion"]}
     elif (chat := as_messages(record, where)) is not None:  # ShareGPT, Alpaca
-        return ("chat", *check_messages(chat, where))
+        return ("chat", *check_messages(chat, where, weighted=True))
     else:
         raise ConfigError(f"{where}: has neither \"text\" nor \"prompt\" and \"completion\" nor \"messages\" nor "
                           "\"conversations\" (ShareGPT) nor \"instruction\" and \"output\" (Alpaca) (keys: "
