@@ -47,7 +47,7 @@ NOT_IN = {
     "query_pre_attn_scalar": "llama", "attn_softcap": "llama", "final_softcap": "llama",
     "n_experts": "llama", "experts_per_token": "llama", "expert_width": "llama", "norm_topk_prob": "llama",
     "shared_expert_width": "moe", "moe_every": "llama", "mlp_only_layers": "llama", "router_aux_coef": "llama",
-    "ep": "llama",
+    "ep": "llama", "lr_decay_ratio": "gpt2",
 }
 CASES = [(key, run) for key, runs in NOT_IN.items() for run in ((runs,) if isinstance(runs, str) else runs)]
 

@@ -447,7 +447,8 @@ class OptimConfig:
                                "--lr, constant, or wsd (warmup-stable-decay: --lr until the last --lr-decay-ratio of "
                                "the steps, then linear decay to --min-lr-ratio x --lr)",
                                rule=one_of("cosine", "linear", "constant", "wsd"))
-    lr_decay_ratio: float = setting(0.2, "wsd: the share of the steps after warmup spent decaying", rule=FRACTION)
+    lr_decay_ratio: float = setting(0.2, "wsd: the share of the steps after warmup spent decaying", rule=FRACTION,
+                                    applies=option_scope("--lr-schedule", lambda cfg: cfg.optim.lr_schedule, "wsd"))
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr", rule=FRACTION)
     warmup_steps: int = setting(-1, "linear warmup steps (-1: steps / 10, with --init-from steps x 0.03; at "
                                 "least 1)", shown="steps/10; with --init-from steps x 0.03")
