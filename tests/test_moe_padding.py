@@ -14,7 +14,9 @@ padding row (model/vocab.token_embedding, which the model builds it with).
 
 At ZeRO-1, 2 and 3 and under TP 2 (the embedding split by vocabulary rows), a random-init model with --pad-token-id 0
 starts that row at zero and, with weight decay, keeps it at zero over 3 steps of padded rows; a TP rank holding the
-padding row in the upper half of the vocabulary gives it no gradient either.
+padding row in the upper half of the vocabulary gives it no gradient either. Every Llama family member's config.json
+gives its pad_token_id (its class's default where absent) as the padding row transformers builds, and the export
+writes it back; a reading that drops it is caught.
 """
 
 from __future__ import annotations
@@ -227,3 +229,45 @@ def test_a_tp_rank_holding_the_padding_row_gives_it_no_gradient_and_a_planted_fu
     again(ids).sum().backward()
     assert again.weight.grad[3].any()
 
+
+
+# Every family's config.json: pad_token_id read as the padding row, the family's default where absent, written back.
+
+def family_configs() -> dict:
+    """{model_type: a transformers config of that family, as its class fills it in} for every Llama family member."""
+    from model_folders import FAMILY_SIZES, MOE_FAMILIES, family_config, moe_config
+
+    sizes = dict(head_dim=16, max_position_embeddings=32)
+    configs = {family: family_config(family, **sizes) for family in ("llama", "qwen2", "qwen3", "mistral", "phi3")}
+    configs.update({family: moe_config(family) for family in MOE_FAMILIES})
+    gemma = {**FAMILY_SIZES, **sizes, "sliding_window": 4, "query_pre_attn_scalar": 16}
+    configs["gemma2"] = transformers.Gemma2Config(**gemma)
+    configs["gemma3_text"] = transformers.Gemma3TextConfig(**gemma, sliding_window_pattern=2)
+    configs["gpt_oss"] = transformers.GptOssConfig(**{**FAMILY_SIZES, **sizes, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2, "sliding_window": 4})
+    return configs
+
+
+def test_every_family_reads_its_pad_token_id_writes_it_back_and_a_dropped_one_is_caught(monkeypatch):
+    from zerotrain.errors import CheckpointError
+    from zerotrain.hub import mapping
+
+    for kind, config in family_configs().items():
+        default = type(config)().pad_token_id  # the class's own, where config.json leaves it out
+        # a vocabulary Phi-3's default (32000) fits
+        absent = {**{k: v for k, v in config.to_dict().items() if k != "pad_token_id"}, "vocab_size": 40000}
+        assert mapping.model_config_from_hf(absent, kind).padding_idx == default, kind
+        for pad in (7, None):
+            cfg = mapping.model_config_from_hf({**config.to_dict(), "pad_token_id": pad}, kind)
+            assert cfg.padding_idx == pad and mapping.hf_config(cfg, None)["pad_token_id"] == pad, (kind, pad)
+        ours = build_model(cfg.__class__(**{**cfg.__dict__, "pad_token_id": 7}), 0)
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            **mapping.hf_config(ours.cfg, None)))
+        assert ours.embedding.padding_idx == theirs.get_input_embeddings().padding_idx == 7, kind
+    assert set(family_configs()) == {m.model_type for m in mapping.MAPPINGS.values()} - {"gpt2"}
+    with pytest.raises(CheckpointError, match="^config.json: pad_token_id 96 is not an id of the vocabulary of 96"):
+        mapping.model_config_from_hf({**family_configs()["llama"].to_dict(), "pad_token_id": 96}, "config.json")
+    # planted: the reading drops pad_token_id
+    monkeypatch.setattr(mapping, "_padding_id", lambda *a: -1)
+    assert mapping.model_config_from_hf({**family_configs()["qwen3_moe"].to_dict(), "pad_token_id": 7},
+                                        "config.json").padding_idx is None
