@@ -68,11 +68,11 @@ def two_ranks(tmp_path_factory):
 
 def per_micro_batch(real):
     """Planted: each micro-batch's balancing term averaged over its own rows, not the global batch's."""
-    def term(self, model):
+    def term(self, model, *args):
         sequences = self.sequences
         self.sequences = moe.moe_layers(model)[0].routing.counts.shape[0]
         try:
-            return real(self, model)
+            return real(self, model, *args)
         finally:
             self.sequences = sequences
     return term

@@ -322,6 +322,15 @@ class ModelConfig:
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
+    pad_token_id: int = setting(-1, "the padding token: its embedding row starts at zero and its lookups train "
+                                "nothing (Hugging Face's pad_token_id, nn.Embedding's padding_idx; Llama family)",
+                                rule=Rule("must be a token id or -1 (none)", lambda v: v >= -1),
+                                shown="-1: none; with --init-from the model's")
+
+    @property
+    def padding_idx(self) -> int | None:
+        """The token embedding's padding row (nn.Embedding's padding_idx), or None."""
+        return None if self.pad_token_id == -1 else self.pad_token_id
 
     @property
     def kv_heads(self) -> int:
@@ -959,6 +968,11 @@ def validate(cfg: Config) -> Config:
     if m.arch == "gpt2" and (m.head_width or m.rope_scaling != "none"):
         raise ConfigError(f"--arch gpt2 has heads of --n-embd / --n-head and no rotary embeddings: --head-width "
                           f"{m.head_width} and --rope-scaling {m.rope_scaling} are for the Llama family")
+    if m.pad_token_id >= m.vocab_size:
+        raise ConfigError(f"--pad-token-id {m.pad_token_id} is not an id of the vocabulary of {m.vocab_size}")
+    if m.arch == "gpt2" and m.pad_token_id != -1:
+        raise ConfigError(f"--pad-token-id {m.pad_token_id} is for the Llama family: GPT-2's embedding has no padding "
+                          "row (transformers' GPT2Model trains every row)")
     if m.llama_family and m.head_dim % 2:
         raise ConfigError(f"--arch {m.arch}: the head width {m.head_dim} must be even (rotary embeddings rotate pairs)")
     if m.sliding_window and m.arch not in WINDOWED:

@@ -33,6 +33,9 @@ class StepBatch:
     epoch: int | None = None  # 1-based, for sources of records read in epochs
     source_tokens: dict[str, int] | None = None  # a mixture's: global_tokens by source, as the user named them
     source_epochs: dict[str, int] | None = None  # a mixture's: the epoch (1-based) of each source of records
+    # rows of the whole global batch with a trained token (not the empty rows that fill an epoch's last step): what a
+    # mixture of experts' balancing loss is the mean over; None: every row
+    global_rows: int | None = None
 
     @property
     def local_tokens(self) -> int:
@@ -73,10 +76,12 @@ class BatchSchedule:
             lo = first + a * self.micro_batch
             micro.append(self.source.sequences(step, range(lo, lo + self.micro_batch)))
         epoch = self.source.locate(step)[0] + 1 if hasattr(self.source, "locate") else None
+        # sources of records in epochs count their rows with a trained token; other sources fill every row
+        rows = self.source.row_count(step, self.global_batch) if hasattr(self.source, "row_count") else None
         if hasattr(self.source, "source_tokens"):  # a mixture: what each source gave
             tokens = self.source.source_tokens(step)
-            return StepBatch(micro, sum(tokens.values()), None, tokens, self.source.source_epochs(step) or None)
-        return StepBatch(micro, self.source.token_count(step, self.global_batch), epoch)
+            return StepBatch(micro, sum(tokens.values()), None, tokens, self.source.source_epochs(step) or None, rows)
+        return StepBatch(micro, self.source.token_count(step, self.global_batch), epoch, global_rows=rows)
 
 
 def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iterator[MicroBatch]:

@@ -148,6 +148,14 @@ class MixtureSource:
             tokens[self.names[k]] += self.sources[self.names[k]].token_count(r, 1)
         return tokens
 
+    def row_count(self, step: int, global_batch: int) -> int:
+        """Rows of step `step`'s global batch with a trained token (each source's row, as that source counts it)."""
+        if global_batch != self._batch_at(step):
+            raise ValueError(f"step {step} is laid out for {self._batch_at(step)} rows, not {global_batch}")
+        source, row = self.plan(step)
+        return sum(self.sources[self.names[k]].row_count(r, 1) if hasattr(self.sources[self.names[k]], "row_count")
+                   else 1 for k, r in zip(source.tolist(), row.tolist()))
+
     def token_count(self, step: int, global_batch: int) -> int:
         if global_batch != self._batch_at(step):
             raise ValueError(f"step {step} is laid out for {self._batch_at(step)} rows, not {global_batch}")

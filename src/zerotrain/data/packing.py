@@ -267,6 +267,14 @@ class RecordSource:
             raise ValueError(f"step {step} is laid out for {batch} rows, not {global_batch}")
         return int(self.epoch_rows(epoch)[2][first : first + batch].sum())
 
+    def row_count(self, step: int, global_batch: int) -> int:
+        """Rows of step `step`'s global batch with a trained token: the epoch's rows it reads (a record without one is
+        left out), not the empty rows past the epoch's last."""
+        epoch, first, batch = self.step_rows(step)
+        if global_batch != batch:
+            raise ValueError(f"step {step} is laid out for {batch} rows, not {global_batch}")
+        return int((self.epoch_rows(epoch)[2][first : first + batch] > 0).sum())
+
     # ---------------------------------------------------------------- for the start line
     @property
     def token_total(self) -> int:

@@ -142,7 +142,10 @@ def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder
             shutil.copyfile(os.path.join(tokenizer_folder, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
         if fmt == "hf":
             special = {key: info[key] for key in SPECIAL_IDS if key in info}
-            _write_json(os.path.join(tmp, CONFIG_FILE), {**hf_config(cfg, eot_id), **special})
+            # the Llama family's pad_token_id is its embedding's padding row (hf_config's), whatever generation pads
+            # with (generation_config.json, kept as it is)
+            _write_json(os.path.join(tmp, CONFIG_FILE), {**hf_config(cfg, eot_id), **special, **(
+                {"pad_token_id": cfg.padding_idx} if cfg.llama_family else {})})
             _save_model_file(MAPPINGS[cfg.arch].to_hf(dict(model.named_parameters())), tmp)
             if tokenizer_folder is None and cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text fits
                 ByteTokenizer().to_hf().save(os.path.join(tmp, TOKENIZER_FILE))

@@ -22,6 +22,10 @@ and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read fr
 transformers and the published configs) or `rope_parameters` (what transformers 5 writes), and written as
 `rope_scaling`, which both read. A field zerotrain's model does not have (another rope type, Qwen's use_sliding_window) is refused, naming it.
 
+pad_token_id, where the Llama family has it, is the token embedding's padding row both ways (transformers' models build
+nn.Embedding with padding_idx = pad_token_id; a config.json without one gets its family's default: OLMoE 1, Phi-3
+32000, Gemma 0, the others none); GPT-2's embedding has none.
+
 A tied head is stored once, under the token embedding's name. init_from.py reads each rank's TP slices through
 the same table.
 """
@@ -258,7 +262,7 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.positions, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": eot, "eos_token_id": eot,
+        "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": cfg.padding_idx,  # the embedding's padding row
         "dtype": "float32",
     }
     if cfg.arch == "llama":
@@ -273,9 +277,9 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         config.update(_moe_config(cfg))
     else:
         config.update(sliding_window=cfg.sliding_window or None)
-        if cfg.arch == "phi3":  # Phi3Config's pad_token_id (32000) would not fit a smaller vocabulary
+        if cfg.arch == "phi3":
             config.update(original_max_position_embeddings=cfg.positions, partial_rotary_factor=1.0,
-                          resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=eot)
+                          resid_pdrop=0.0, embd_pdrop=0.0)
     return config
 
 
@@ -290,7 +294,7 @@ def _moe_config(cfg: ModelConfig) -> dict:
                     swiglu_limit=SWIGLU_LIMIT, swiglu_alpha=SWIGLU_ALPHA, layer_types=types,
                     sliding_window=cfg.sliding_window or cfg.positions, rope_scaling=None,
                     rope_parameters={"rope_type": "default", **(_rope_scaling(cfg) or {}),
-                                     "rope_theta": cfg.rope_theta}, pad_token_id=None)
+                                     "rope_theta": cfg.rope_theta})
     if cfg.arch in ("mixtral", "olmoe"):
         experts.update(intermediate_size=cfg.expert_ffn)
     if cfg.arch == "mixtral":
@@ -298,7 +302,7 @@ def _moe_config(cfg: ModelConfig) -> dict:
                     router_jitter_noise=0.0)
     experts.update(num_experts=cfg.n_experts, norm_topk_prob=cfg.norm_topk_prob)
     if cfg.arch == "olmoe":
-        return dict(experts, attention_bias=False, clip_qkv=None, pad_token_id=None)
+        return dict(experts, attention_bias=False, clip_qkv=None)
     experts.update(moe_intermediate_size=cfg.expert_ffn, decoder_sparse_step=cfg.moe_every,
                    mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.n_layer)
@@ -315,8 +319,7 @@ def _gemma_config(cfg: ModelConfig) -> dict:
     config = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
                   query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim, attention_bias=False,
                   layer_types=types, sliding_window=cfg.sliding_window or cfg.positions,  # a number, even unused
-                  final_logit_softcapping=cfg.final_softcap or None, attn_logit_softcapping=cfg.attn_softcap or None,
-                  pad_token_id=None)
+                  final_logit_softcapping=cfg.final_softcap or None, attn_logit_softcapping=cfg.attn_softcap or None)
     if cfg.arch == "gemma3":
         config.update(rope_local_base_freq=cfg.rope_local_theta or cfg.rope_theta,
                       sliding_window_pattern=cfg.sliding_window_pattern or cfg.n_layer + 1,
@@ -494,8 +497,9 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     window = 0
     if arch in WINDOWED:
         window = _count(config, "sliding_window", where, default=0)
+    pad = _padding_id(config, where, kind, sizes["vocab_size"])
     if arch in GEMMA:
-        return _gemma(config, where, arch, sizes, head_dim, tied, window)
+        return _gemma(config, where, arch, sizes, head_dim, tied, window, pad)
     rope = _table(config, "rope_parameters", where)
     theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
         _positive(config, "rope_theta", where, 10000.0)
@@ -503,13 +507,29 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
     if arch == "gpt_oss":  # its sliding and full layers alternate
         pattern = _layer_pattern(config, where, arch, sizes["num_hidden_layers"])
         window, experts["sliding_window_pattern"] = (0, 0) if window == 0 or pattern == 1 else (window, pattern)
-    return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads,
+    return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads, pad_token_id=pad,
                        n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
                        head_width=0 if head_dim * heads == hidden else head_dim,
                        intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
                        vocab_size=sizes["vocab_size"], rope_theta=theta,
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
                        tie_embeddings=tied, sliding_window=window, **_rope_settings(config, where), **experts)
+
+
+# What transformers' config classes give pad_token_id where config.json leaves it out (the others: None)
+_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
+
+
+def _padding_id(config: dict, where: str, kind: str, vocab: int) -> int:
+    """The embedding's padding row, as transformers builds it from pad_token_id (nn.Embedding's padding_idx: a
+    negative id counts from the end); -1 for none."""
+    pad = config.get("pad_token_id", _PAD_DEFAULTS.get(kind))
+    if pad is None:
+        return -1
+    if isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
+        raise CheckpointError(f"{where}: pad_token_id {pad!r} is not an id of the vocabulary of {vocab} (transformers' "
+                              "embedding takes it as its padding row)")
+    return pad % vocab
 
 
 def _experts(config: dict, where: str, arch: str, sizes: dict) -> dict:
@@ -544,7 +564,8 @@ def _experts(config: dict, where: str, arch: str, sizes: dict) -> dict:
     return out
 
 
-def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied: bool, window: int) -> ModelConfig:
+def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied: bool, window: int,
+           pad: int) -> ModelConfig:
     """Gemma 2's or Gemma 3's ModelConfig: the Llama family's sizes, its layer types as a pattern, attention scale,
     soft-caps and (Gemma 3) two rotary bases."""
     n, heads, hidden = sizes["num_hidden_layers"], sizes["num_attention_heads"], sizes["hidden_size"]
@@ -557,6 +578,7 @@ def _gemma(config: dict, where: str, arch: str, sizes: dict, head_dim: int, tied
         caps["attn_logit_softcapping"] = 0.0
     theta, local, scaling = _gemma_rope(config, where, arch)
     return ModelConfig(arch=arch, n_layer=n, n_head=heads, n_kv_head=sizes["num_key_value_heads"], n_embd=hidden,
+                       pad_token_id=pad,
                        head_width=0 if head_dim * heads == hidden else head_dim,
                        intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
                        vocab_size=sizes["vocab_size"], rope_theta=theta, rope_local_theta=local,

@@ -11,7 +11,8 @@ the 8 G a whole-tensor draw per owned part cost).
 The arithmetic is integer operations, and float64 additions, multiplications, divisions and square roots with the
 logarithm and the sine written as polynomials: each is correctly rounded on any CPU, vectorised or not, so a value
 does not depend on where it falls in a draw (torch's log and cos differ by an ulp between their vectorised and
-scalar paths). Values are drawn on the CPU, a million at a time.
+scalar paths). Values are drawn on the CPU, a million at a time. The token embedding's padding row (the Llama
+family's pad_token_id) is zeros, as transformers' initialisation leaves nn.Embedding's padding_idx row.
 
 The engine fills its flat buffers from a source of initial values: `SeedValues` here, or --init-from's files
 (hub/init_from.FileValues); both answer `values(name, shape)` with this rank's (TP slice of the) tensor, and
@@ -145,9 +146,19 @@ def parameter_rule(cfg: ModelConfig, name: str):
     return RULES[cfg.arch](cfg, name)
 
 
-def draw(rule, key: int, positions) -> torch.Tensor:
+def padding_row(cfg: ModelConfig, name: str) -> tuple[int, int] | None:
+    """The positions [a, b) in the full tensor of the token embedding's padding row, which starts at zero (as
+    transformers' _init_weights zeroes nn.Embedding's padding_idx row), where `name` is that embedding and the model
+    has a padding token; else None."""
+    if cfg.padding_idx is None or name != "model.embed_tokens.weight":
+        return None
+    return cfg.padding_idx * cfg.n_embd, (cfg.padding_idx + 1) * cfg.n_embd
+
+
+def draw(rule, key: int, positions, zeroed: tuple[int, int] | None = None) -> torch.Tensor:
     """fp32 values of a parameter with init `rule` at `positions` (a function of (lo, hi) giving the positions of
-    values [lo, hi) of the result, and its length), a chunk at a time."""
+    values [lo, hi) of the result, and its length), a chunk at a time; those at positions in `zeroed` [a, b) are
+    zeros (the padding row)."""
     position_of, n = positions
     out = torch.empty(n)
     if rule in ("zeros", "ones"):
@@ -155,9 +166,11 @@ def draw(rule, key: int, positions) -> torch.Tensor:
     kind, a = rule
     for at in range(0, n, DRAW_CHUNK):
         end = min(n, at + DRAW_CHUNK)
-        bits = random_bits(key, position_of(at, end))
-        values = standard_normal(bits) if kind == "normal" else uniform(bits)  # "uniform": U(-a, a)
-        out[at:end] = values.mul_(a)
+        where = position_of(at, end)
+        values = standard_normal(random_bits(key, where)) if kind == "normal" else uniform(random_bits(key, where))
+        out[at:end] = values.mul_(a)  # "uniform": U(-a, a)
+        if zeroed is not None:
+            out[at:end].masked_fill_((where >= zeroed[0]) & (where < zeroed[1]), 0.0)
     return out
 
 
@@ -165,7 +178,7 @@ def initial_value(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...]
     """The full fp32 tensor parameter `name` (of full shape `shape`) starts from."""
     n = math.prod(shape)
     return draw(parameter_rule(cfg, name), parameter_key(seed, name),
-                (lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64), n)).view(shape)
+                (lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64), n), padding_row(cfg, name)).view(shape)
 
 
 class SeedValues:
@@ -183,7 +196,8 @@ class SeedValues:
         full = split.full_shape if split is not None else tuple(shape)
         self.values_drawn += hi - lo
         return draw(parameter_rule(self.cfg, name), parameter_key(self.seed, name),
-                    (lambda a, z: full_positions(full, split, self.tp_rank, lo + a, lo + z), hi - lo))
+                    (lambda a, z: full_positions(full, split, self.tp_rank, lo + a, lo + z), hi - lo),
+                    padding_row(self.cfg, name))
 
 
 class RestoredValues:

@@ -48,7 +48,7 @@ from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling
                      new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
 from . import moe
 from .moe import MoE
-from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
+from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, token_embedding, vocab_slice
 
 
 def member_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -153,7 +153,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
             layers=nn.ModuleList(LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)),
             norm=member_norm(cfg, cfg.n_embd),
         ))

@@ -35,7 +35,8 @@ once, after the all-reduce, as sum_k weight_k bias_{expert_k} computed on every 
 parallelism from every expert's biases, which `exchange.every_expert` gathers from the EP group).
 
 The balancing loss (Switch Transformer's, as transformers' load_balancing_loss_func computes it over one forward)
-is taken per row of the batch: `balancing_loss` pools the routing of every MoE layer for the row's tokens.
+is taken per row of the batch: `balancing_loss` pools the routing of every MoE layer for the row's tokens; the rows
+its caller leaves out (training's rows without a trained token) give zero and no gradient.
 """
 
 from __future__ import annotations
@@ -278,10 +279,12 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def balancing_loss(model: nn.Module, take: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+def balancing_loss(model: nn.Module, take: bool = True,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(each row's balancing loss (B,), the tokens each expert got per MoE layer (layers, E), summed over the rows)
     from the routing the model's last forward left; None for a model without experts. With `take` the routing is
-    cleared (it holds the forward's graph).
+    cleared (it holds the forward's graph). `rows` (bool (B,)) says which rows count: the others' losses are zeros,
+    with no gradient, and their tokens are not in the loads (None: every row).
 
     Per row b, over its T tokens and the L MoE layers pooled (transformers' load_balancing_loss_func over a forward
     of that one row): f_e = the row's top-k choices of expert e / (L T), P_e = the row's router probabilities of e
@@ -296,5 +299,8 @@ def balancing_loss(model: nn.Module, take: bool = True) -> tuple[torch.Tensor, t
     pooled = len(routings) * routings[0].tokens
     f = sum(r.counts for r in routings) / pooled
     p = sum(r.probability_sums for r in routings) / pooled
-    loads = torch.stack([r.counts.sum(0) for r in routings])
-    return layers[0].n_experts * (f * p).sum(-1), loads
+    per_row = layers[0].n_experts * (f * p).sum(-1)
+    counted = torch.ones_like(per_row) if rows is None else rows.to(per_row.dtype)
+    loads = torch.stack([(r.counts * counted[:, None]).sum(0) for r in routings])
+    # where, not a product: a row left out passes no gradient back, whatever its routing
+    return (per_row if rows is None else torch.where(rows, per_row, torch.zeros_like(per_row))), loads

@@ -116,21 +116,33 @@ class VocabParallelHead(nn.Module):
         return _GatherFromTP.apply(capped(F.linear(h, self.weight), self.softcap), self.comm)
 
 
+def token_embedding(vocab_size: int, width: int, padding_idx: int | None) -> nn.Embedding:
+    """The token embedding, with the model's padding row where it has one: as transformers' Llama family builds it
+    (nn.Embedding's padding_idx), a lookup of the padding id gives its row no gradient, so padding positions train
+    nothing of it (the row starts at zero: model/init.py; a tied head still trains it as a row of the head)."""
+    return nn.Embedding(vocab_size, width, padding_idx=padding_idx)
+
+
 class VocabParallelEmbedding(nn.Module):
     """This TP rank's rows of the token embedding: ids among them are looked up, the others give zeros, and one
     all-reduce over the TP group sums the ranks' rows into every rank's whole embedding (exact: one rank's value
-    plus zeros)."""
+    plus zeros). The padding row, on the rank holding it, gets no gradient from its lookups, as the whole
+    embedding's."""
 
     def __init__(self, full: nn.Embedding, tp_slice: TPSlice, rank: int, comm):
         super().__init__()
         self.comm = comm
         self.vocab_start = tp_slice.parts[rank][0][0]
         self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
+        pad = full.padding_idx
+        self.padding_idx = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < \
+            self.weight.shape[0] else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
         return ReduceFromTP.apply(x, self.comm, "all_reduce_tp_embedding")  # each rank's rows, summed
 
 

@@ -3,10 +3,12 @@ figures.
 
 Each row of a micro-batch is a sequence: its balancing loss pools the routing of every MoE layer over the row's
 tokens (model.moe.balancing_loss, transformers' load_balancing_loss_func over a forward of that row alone). The
-step's balancing loss is the mean over the global batch's rows: each micro-batch adds the sum over its rows divided
-by the global batch's row count, as the token loss divides by the global token count, so neither the ranks nor the
-accumulation change it (docs/models.md says why a row, packed records and all). Its weight is --moe-aux-coef, or
-the model's router_aux_loss_coef.
+step's balancing loss is the mean over the global batch's rows that hold a trained token: each micro-batch adds the
+sum over its such rows divided by their count in the global batch (StepBatch.global_rows, counted from the data as
+the global token count is), as the token loss divides by the global token count, so neither the ranks nor the
+accumulation change it (docs/models.md says why a row, packed records and all). A row without a trained token (the
+empty rows that fill an epoch's last step) counts for nothing: no loss, no gradient, no expert load. Its weight is
+--moe-aux-coef, or the model's router_aux_loss_coef.
 
 The term joins the token loss before the one backward of the micro-batch (loop.accumulate_gradients): the
 gradient order the engine follows is the model output's graph, which the routing's probabilities are part of.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from zerotrain.config import Config
+from zerotrain.data import IGNORE
 from zerotrain.model.moe import balancing_loss, moe_layers
 
 
@@ -35,16 +38,22 @@ class Balancing:
         self.aux_sum = torch.zeros((), dtype=torch.float64)  # the rank's rows' balancing losses, summed
         self.loads = torch.zeros(len(self.layers), self.experts, dtype=torch.float64)  # tokens each expert got
 
-    def term(self, model: torch.nn.Module) -> torch.Tensor | None:
-        """What the micro-batch the model just computed adds to the step's loss: coef x the sum of its rows'
-        balancing losses / the global batch's rows (None: a model without experts)."""
-        taken = balancing_loss(model)
+    def rows(self, global_rows: int | None) -> int:
+        """The rows the step's balancing loss is the mean over: those of the global batch with a trained token
+        (`global_rows`; None: every row)."""
+        return max(1, self.sequences if global_rows is None else global_rows)
+
+    def term(self, model: torch.nn.Module, labels: torch.Tensor, global_rows: int | None) -> torch.Tensor | None:
+        """What the micro-batch the model just computed (its `labels`) adds to the step's loss: coef x the sum of the
+        balancing losses of its rows with a trained token / the global batch's such rows (None: a model without
+        experts)."""
+        taken = balancing_loss(model, rows=(labels != IGNORE).any(-1))
         if taken is None:
             return None
         per_row, loads = taken
         self.aux_sum = self.aux_sum.to(per_row.device) + per_row.detach().sum().double()
         self.loads = self.loads.to(loads.device) + loads.double()
-        return self.coef * per_row.sum() / self.sequences
+        return self.coef * per_row.sum() / self.rows(global_rows)
 
     def extras(self) -> torch.Tensor:
         """[the rank's summed balancing losses, its expert loads] for the step's all-reduce; starts the next step."""
@@ -52,11 +61,11 @@ class Balancing:
         self._reset()
         return out
 
-    def figures(self, totals: list[float]) -> dict:
-        """The step's record: aux_loss (the balancing loss, unweighted, mean over the global batch's sequences) and
-        expert_load (per MoE layer, the most tokens one expert got over the mean: 1 is even)."""
+    def figures(self, totals: list[float], global_rows: int | None) -> dict:
+        """The step's record: aux_loss (the balancing loss, unweighted, mean over the global batch's sequences with a
+        trained token) and expert_load (per MoE layer, the most tokens one expert got over the mean: 1 is even)."""
         loads = torch.tensor(totals[1:], dtype=torch.float64).view(len(self.layers), self.experts)
-        return {"aux_loss": totals[0] / self.sequences,
+        return {"aux_loss": totals[0] / self.rows(global_rows),
                 "expert_load": [round(float(row.max() / row.mean()), 4) if row.sum() else 0.0 for row in loads]}
 
 

@@ -111,7 +111,7 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     micro-batch keeps for its backward are counted (saved-tensor hooks) and appended to it. LoRA's dropout masks
     are keyed by the step and each row's index in the global batch (BatchSchedule's layout: each DP replica a
     contiguous block), so they do not depend on the split. With `balance` (a mixture of experts: balancing.Balancing)
-    each micro-batch's balancing term (its rows' balancing losses / the global batch's rows, weighted) joins the
+    each micro-batch's balancing term (its trained rows' balancing losses / the global batch's, weighted) joins the
     loss before the backward, and the summed loss returned holds it at the token loss's scale (x the global token
     count), so that the step's loss is the token loss plus the weighted balancing loss, as transformers' is.
     """
@@ -135,7 +135,7 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
                 token_loss = loss()
             if loss_factor != 1.0:
                 token_loss = token_loss * loss_factor
-            aux = balance.term(engine.model) if balance is not None else None
+            aux = balance.term(engine.model, micro.labels, batch.global_rows) if balance is not None else None
             (token_loss / batch.global_tokens + (aux if aux is not None else 0.0)).backward()
         loss_sum += token_loss.detach().to(LOSS_SUM_DTYPE)
         if aux is not None:

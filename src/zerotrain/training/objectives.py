@@ -64,7 +64,7 @@ class TokenObjective:
         return {}
 
     def figures(self, totals: list[float], batch: StepBatch) -> dict:
-        return self.balance.figures(totals) if self.balance else {}
+        return self.balance.figures(totals, batch.global_rows) if self.balance else {}
 
 
 def objective_for(cfg: Config, accumulate_tokens):
