@@ -360,6 +360,10 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
         raise checkpoint.CheckpointError(f"rank {comm.rank}: a checkpoint was to be restored over the initial values "
                                          "it never read, and none was (do the ranks see the same checkpoint folders?)")
     _continue_data(cfg, comm, schedule, manifest, start)
+    stop = stop_request()
+    # From here a signal saves rather than ending the rank at once: DPO's reference pass, which may score the pairs
+    # for a long while, is finished and kept by the first step's checkpoint, not lost
+    stop.begin_stepping()
     origin.update(objective.prepare(engine, comm, manifest, resumed_from, origin.get("init_from")))
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
@@ -394,8 +398,6 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                        "steps_lost": lost, "failed_rank": failed_rank, "cause": cause},
                       f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost; attempt "
                       f"{restart_count() - 1} failed: {cause}")
-    stop = stop_request()
-    stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source,
                 faults=faults, stop=stop, detector=detector, policy=policy, checkpointer=checkpointer,
                 metrics=metrics, memory=memory,
@@ -411,8 +413,10 @@ def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
     the failed one with its own error, the others naming it.
     """
     saving = run.checkpointer.flags()
-    reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving,
-                                  stop_signal=run.stop.signal_name if run.stop.requested else None,
+    stop_signal = run.stop.signal_name if run.stop.requested else None
+    if stop_signal is not None:  # this flag stops every rank at this all-reduce: a further signal waits for the save
+        run.stop.begin_save(run.engine.mesh.world.step)
+    reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving, stop_signal=stop_signal,
                                   extras=run.objective.extras())
     failed = reduced.decision.failed_ranks
     if failed:
@@ -462,6 +466,8 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
 
 def _save_or_stop(run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
     """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
+    if decision.stop:  # (another rank's flag): from here a signal waits for the save
+        run.stop.begin_save(done)
     run.checkpointer.after_step(done, run.engine, _loop_state(run), decision, step_s)
     if decision.stop:
         committed = run.checkpointer.committed
