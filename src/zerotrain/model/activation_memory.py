@@ -19,8 +19,8 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                (+ N k 4 + N 4 renormalised)         probabilities, top-k indices and weights;
                                + 2 N k 8 + 2 N k C a + 4 N k W a    the dispatch's indices, rows in and out, the
                                (+ 4 N Ws a + N a + N C a shared)    experts' SwiGLUs; Qwen2-MoE's shared expert
-                               gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU; in bf16 + N k 4, the
-                                                                    softmax of the top-k logits beside its cast
+                               gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU (its top-k softmax in the
+                                                                    activations' dtype: the weights themselves)
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
                  RMSNorms       + 2 BTC a                           the two outputs a linear reads
@@ -282,8 +282,6 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
         router += N * k * FP32 + N * FP32
-    if cfg.gpt_oss_experts and s.act != FP32:  # the softmax of the top-k logits (fp32) beside its cast
-        router += N * k * FP32
     dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
     if cfg.shared_expert_width:
