@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, reduce_from_tp
+from .layers import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, in_backward, reduce_from_tp
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -160,6 +160,10 @@ class MoE(nn.Module):
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if in_backward():
+            # a forward recomputed for the backward (activation checkpointing): the balancing loss took the
+            # forward's routing; recorded again, this one would hold its graph past the backward
+            return weights, chosen
         with torch.no_grad():
             counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
             counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
