@@ -13,11 +13,14 @@ Planted in the product's MoE code: its partial outputs never summed over the TP 
 stopped by the replica invariant; each rank's down_proj slices taken as the other rank's half, and OLMoE's norms
 over each rank's own units (their sum of squares not all-reduced), trip the losses. The
 TP 2 runs' exports load in transformers with the runs' logits; --init-from a Qwen2-MoE folder at TP 2 computes
-transformers' logits, and a TP 2 checkpoint resumed on 1 rank takes 1 rank's next step. One TP 2 rank saves the
+transformers' logits, and a TP 2 checkpoint resumed on 1 rank takes 1 rank's next step. DPO on a tiny OLMoE folder
+at TP 2 gives 1 rank's losses (its norms left rank-local, planted, are caught). One TP 2 rank saves the
 activation bytes the memory plan counts, to the byte.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -237,3 +240,48 @@ def test_init_from_a_qwen2_moe_folder_at_tp2_and_a_tp2_resume_on_one_rank_contin
             fourth[name] = [r["loss"] for r in train(cfg, comm, announce=False).records]
     assert len(fourth["qwen3_moe-1"]) == 1
     assert abs(fourth["qwen3_moe-tp2"][0] - fourth["qwen3_moe-1"][0]) <= 1e-6 * fourth["qwen3_moe-1"][0], fourth
+
+
+# DPO on a mixture of experts: a tiny OLMoE folder (transformers' own, with a tokenizer) tuned on 8 pairs, 2 steps at
+# TP 2 and on 1 rank (AdamW eps 1e-3, as above). Its log-probs are vocab-parallel and its q/k norms all-reduced.
+PAIRS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f" Answer: {2 * i}.",
+          "rejected": f" Answer: {2 * i + 1}."} for i in range(8)]
+
+
+def dpo_job(rank, comm, tmp_path, folder, pairs, name, *flags, planted=None):
+    """The losses of 2 DPO steps from `folder` on `pairs`; `planted` as train_job's ("local norm")."""
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.cli.main import build_parser
+    from zerotrain.model import llama
+    from zerotrain.runtime.run_folder import resolve_paths
+    from zerotrain.training.loop import train
+
+    if planted == "local norm":
+        llama.ReduceFromTP = type("NotReduced", (), {"apply": staticmethod(lambda x, comm, purpose: x)})
+    args = build_parser().parse_args(["train", "--method", "dpo", "--init-from", str(folder), "--data", str(pairs),
+                                      "--seq-len", "32", "--micro-batch", "4", "--steps", "2", "--lr", "1e-2", "--eps", "1e-3",
+                                      "--no-progress", "--out", str(tmp_path / name), *flags])
+    return [r["loss"] for r in train(resolve_paths(config_from_args(args)), comm, announce=False).records]
+
+
+def test_dpo_on_olmoe_at_tp2_equals_one_rank_and_rank_local_norms_are_caught(tmp_path):
+    from conftest import world_of_one
+    from model_folders import VOCAB, moe_folder, tokenizer_folder, write_jsonl
+
+    folder = tmp_path / "olmoe"
+    moe_folder(folder, "olmoe", vocab_size=VOCAB, max_position_embeddings=64)
+    tokenizer_folder(folder)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    with world_of_one() as comm:
+        one = dpo_job(0, comm, tmp_path, folder, pairs, "one")
+    tp2 = ("--nproc", "2", "--tp", "2")
+    for name in ("tp2", "planted"):
+        (tmp_path / name).mkdir()
+    codes, results = spawn(dpo_job, 2, tmp_path / "tp2", folder, pairs, "tp2", *tp2, timeout=120)
+    assert codes == [0, 0], results
+    assert len(one) == 2 and one[1] != one[0] and all(abs(a - b) <= 1e-6 * b for a, b in zip(results[0], one)), \
+        (results[0], one)
+    codes, results = spawn(functools.partial(dpo_job, planted="local norm"), 2, tmp_path / "planted", folder, pairs,
+                           "planted", *tp2, timeout=120)
+    assert codes == [0, 0], results
+    assert max(abs(a - b) / b for a, b in zip(results[0], one)) > 10 * 1e-6, (results[0], one)
