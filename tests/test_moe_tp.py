@@ -178,7 +178,7 @@ class _OneRankOfTwo:
         return tensor
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe"])
 def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts_are_caught(family, monkeypatch):
     """One TP rank's saved bytes for a micro-batch, to the byte: its 1/T of every expert's (and the shared expert's)
     hidden width. Planted: the plan counting each expert's full width on every rank (TP 1's experts) is caught."""
@@ -193,6 +193,8 @@ def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts
     if family == "qwen2_moe":
         cfg = dataclasses.replace(cfg, arch="qwen2_moe", norm_topk_prob=False, shared_expert_width=24,
                                   mlp_only_layers="1")
+    if family == "olmoe":  # its q/k norms over each rank's slice of the projections
+        cfg = dataclasses.replace(cfg, arch="olmoe", norm_topk_prob=False)
     for precision in ("fp32", "bf16"):
         model = build_model(cfg, seed=0)
         llama.parallelize(model, 2, 0, _OneRankOfTwo())

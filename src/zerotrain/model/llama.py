@@ -121,7 +121,8 @@ def normalize_whole(norm: RMSNorm, x: torch.Tensor, comm, rows: TPSlice, rank: i
     squares = ReduceFromTP.apply(xf.pow(2).sum(-1, keepdim=True), comm, "all_reduce_tp_norm_squares")
     squares = copy_to_tp(squares, comm, "all_reduce_tp_norm_grads")
     mean = squares / (rows.full_shape[0] * rows.holders(rank))
-    gain = rows.take(copy_to_tp(norm.weight, comm), rank)
+    (lo, hi), = rows.parts[rank]  # one block of units per rank: its q heads', or its KV heads'
+    gain = copy_to_tp(norm.weight, comm).narrow(0, lo, hi - lo)  # a view: autograd keeps no copy of it
     return gain * (xf * torch.rsqrt(mean + norm.eps)).to(x.dtype)
 
 
