@@ -520,3 +520,20 @@ def test_the_largest_micro_batch_fits_and_one_more_does_not_with_adapters_and_al
     monkeypatch.setattr(plan_module, "micro_batch_bytes", lambda cfg, b, documents, model: real(
         plan_module.replace(cfg, parallel=plan_module.replace(cfg.parallel, ep=1)), b, documents, None))  # planted
     assert not fits_and_one_more_does_not()
+
+
+def test_a_row_of_the_docs_qwen3_30b_a3b_table_is_what_its_command_plans(capsys):
+    """docs/parallelism.md's table of Qwen3-30B-A3B under EP (21 plans, its block run by hand): the row of 64 ranks,
+    --ep 8, ZeRO-3, planned by the block's own command with those values, cell by cell."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    command = next(line for line in text.splitlines() if "zerotrain plan --preset qwen3-30b-a3b" in line)
+    argv = command.replace("$ranks", "64").replace("$ep", "8").replace("$zero", "3").split()[2:]
+    row = next(line for line in text.splitlines() if line.startswith("| 64 | 8 | 3 |")).strip("| ").split(" | ")[3:]
+    r = plan_json(capsys, *argv)
+    rows, experts = r["rows"], r["experts"]
+    planned = [rows["parameters"], rows["parameter_units"], rows["gradients"], rows["optimizer_state"],
+               rows["master_weights"], experts["parameters"], experts["gradients"], experts["optimizer_state"],
+               experts["parameters"] + experts["optimizer_state"], rows["all_to_all"], r["total"]]
+    assert row == [plan_module.gib(b) if b else "0.0 MiB" for b in planned]
