@@ -489,7 +489,11 @@ def test_plan_reads_a_folder_of_config_json_alone_and_train_refuses_it_in_one_li
            "synthetic"]
     planned = plan_json(capsys, "--init-from", str(folder), *run)
     assert planned["parameters"] == 8_030_261_248
-    assert planned["rows"] == plan_json(capsys, "--preset", "llama-3.1-8b", *run)["rows"]
+    preset = plan_json(capsys, "--preset", "llama-3.1-8b", *run)
+    assert planned["rows"] == preset["rows"]
+    # the files it will hash are the ones its shape will have (Hugging Face's of at most 5 GB), not none
+    hashed = [r["startup_hashed"] for r in planned["io"]["ranks"]]
+    assert hashed == [r["startup_hashed"] for r in preset["io"]["ranks"]] and min(hashed) > 0
     assert cli.main(["plan", "--init-from", str(folder), "--seq-len", "8192"]) == 0  # default data: text, no tokenizer
     assert cli.main(["train", "--init-from", str(folder), "--data", "synthetic", "--steps", "1",
                      "--out", str(tmp_path / "run")]) == 2
