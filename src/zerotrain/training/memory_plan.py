@@ -68,7 +68,9 @@ With a device's memory, `zerotrain plan` also says what fits in it: the largest 
 activations over a fixed state), and the largest model of the run's shape family (`largest_model`): the same
 model with another --n-layer, every other setting as given. A plan's total grows with the depth, nearly linearly,
 so the search takes Newton's steps on it from the given depth, then brackets and bisects: its answer's plan fits
-and one layer more's does not, both computed by memory_plan, not extrapolated.
+and one layer more's does not, both computed by memory_plan, not extrapolated. Where the run does not fit,
+`fit_advice` says which part does not (the state and its buffers, or the activations) and which settings would
+make it fit, in order of cost (HOLDS_LESS), each planned by memory_plan with that setting changed.
 """
 
 from __future__ import annotations
