@@ -346,3 +346,198 @@ def test_plan_command_says_the_largest_model_of_the_shape(capsys):
     assert cli.main(["plan", *base, "--device-memory", str(room)]) == 0
     assert f"largest model of this shape in {plan_module.gib(room)}: 30 layers ({deepest['parameters']:,} " \
            "parameters) at micro-batch 2" in capsys.readouterr().out
+
+
+# What does not fit, and what would: every figure the advice gives is memory_plan's, with the setting changed.
+
+def config_of(*argv: str) -> Config:
+    from zerotrain.cli.flags import config_from_args
+
+    return config_from_args(cli.build_parser().parse_args(["plan", *argv]), environment=False)
+
+
+def planned_with(argv: list[str], flags: str, device_bytes: int) -> tuple[int, int]:
+    """(total at the run's micro-batch, largest micro-batch in `device_bytes`) of the plan with `flags` given too."""
+    cfg = config_of(*argv, *flags.split())
+    return plan_module.memory_plan(cfg).total, plan_module.largest_micro_batch(cfg, device_bytes)
+
+
+LLAMA31_70B = ["--preset", "llama-3.1-70b", "--seq-len", "8192", "--nproc", "64", "--zero", "3", "--precision", "bf16",
+               "--micro-batch", "1", "--device", "cuda", "--data", "synthetic"]
+
+
+def test_the_70b_advice_names_activation_checkpointing_and_fits_at_micro_batch_3_with_it(capsys, monkeypatch):
+    """Llama-3.1-70B at 8192 tokens on 64 GPUs of 80 GiB, ZeRO-3, bf16: the state (31.45 GiB) fits, one sequence's
+    activations (245.74 GiB, 250.02 with the loss working set) do not; the blocks recomputed, 48.19 GiB at micro-batch
+    1 and up to 3 fit (full: 4). Planted: the advice planned without the change (the run's own plan) names nothing."""
+    from zerotrain.cli.commands import plan as plan_command
+
+    room = 80 * 2**30
+    report = plan_json(capsys, *LLAMA31_70B, "--device-memory", "80GiB")
+    advice = report["does_not_fit"]
+    assert report["largest_micro_batch"] == 0 and advice["state"] < room < advice["state"] + advice["activations"]
+    assert advice["short"] == ("the state and its buffers (31.45 GiB) fit in 80.00 GiB; the activations at "
+                               "micro-batch 1 (250.02 GiB with the loss working set) do not")
+    flags = [r["flags"] for r in advice["remedies"]]
+    assert flags[:2] == ["--activation-checkpointing blocks", "--activation-checkpointing full"], flags
+    for r in advice["remedies"]:
+        assert (r["total"], r["largest_micro_batch"]) == planned_with(LLAMA31_70B, r["flags"], room)
+    blocks = advice["remedies"][0]
+    assert blocks["largest_micro_batch"] == 3 and plan_module.gib(blocks["total"]) == "48.19 GiB"
+    words = "\n".join(plan_command.advice_lines(advice, 1))
+    assert "--activation-checkpointing blocks  48.19 GiB at micro-batch 1, largest micro-batch 3: each block's " \
+           "forward again in the backward" in words
+    monkeypatch.setattr(plan_module, "_changed", lambda cfg, section, name, value: cfg)  # planted
+    assert plan_module.fit_advice(config_of(*LLAMA31_70B), room).remedies == []
+
+
+GPT2_FP32 = ["--preset", "gpt2", "--nproc", "8", "--micro-batch", "16", "--device", "cuda", "--data", "synthetic"]
+
+
+def test_the_advice_lists_what_holds_less_in_order_of_cost_each_with_its_own_plan(monkeypatch):
+    """GPT-2 small, ZeRO-1, fp32, micro-batch 16 on 8 GPUs of 10 GiB: a smaller micro-batch first, then each setting
+    in HOLDS_LESS's order, each figure the plan with that flag. Planted: the order reversed is caught."""
+    room = 10 * 2**30
+    cfg = config_of(*GPT2_FP32)
+    advice = plan_module.fit_advice(cfg, room)
+    assert "the activations at micro-batch 16" in advice.short
+    flags = [r.flags for r in advice.remedies]
+    assert flags[:6] == [f"--micro-batch {plan_module.largest_micro_batch(cfg, room)}", "--zero 2",
+                         "--activation-checkpointing blocks", "--activation-checkpointing full", "--zero 3",
+                         "--precision bf16"], flags
+    for r in advice.remedies[1:]:
+        assert (r.total, r.largest_micro_batch) == planned_with(GPT2_FP32, r.flags, room), r.flags
+    assert advice.remedies[0].total == plan_module.memory_plan(cfg, advice.remedies[0].largest_micro_batch).total
+    monkeypatch.setattr(plan_module, "HOLDS_LESS", plan_module.HOLDS_LESS[::-1])  # planted: the costliest first
+    assert [r.flags for r in plan_module.fit_advice(cfg, room).remedies][1:6] != flags[1:6]
+
+
+def test_a_state_that_does_not_fit_alone_is_said_and_the_settings_that_fit_together_are_planned():
+    """Llama-3.1-70B in fp32 at ZeRO-1 on 8 GPUs: its state alone is 624 GiB; no one setting fits, together they
+    do, and the plan with all of them given fits."""
+    argv = ["--preset", "llama-3.1-70b", "--seq-len", "8192", "--nproc", "8", "--micro-batch", "1", "--device", "cuda",
+            "--data", "synthetic"]
+    room = 80 * 2**30
+    advice = plan_module.fit_advice(config_of(*argv), room)
+    assert advice.short.startswith("the state and its buffers alone (") and advice.state > room
+    assert advice.remedies == [] and advice.together is not None
+    assert "--activation-checkpointing" in advice.together.flags and "--zero 3" in advice.together.flags
+    total, fits = planned_with(argv, advice.together.flags, room)
+    assert (total, fits) == (advice.together.total, advice.together.largest_micro_batch) and fits >= 1
+
+
+def test_a_plan_that_fits_gives_no_advice(capsys):
+    report = plan_json(capsys, "--preset", "tiny", "--data", "synthetic", "--device-memory", "1GiB")
+    assert report["largest_micro_batch"] > 0 and report["does_not_fit"] is None
+
+
+# The presets people plan: their shapes' parameters are transformers' and the published counts.
+PUBLISHED = {"llama-3.1-8b": ("8.03B", None), "llama-3.1-70b": ("70.6B", None), "qwen3-32b": ("32.8B", None),
+             "qwen3-235b-a22b": ("235B", "22B")}
+
+
+def billions(n: int, said: str) -> bool:
+    """Whether `n` parameters round to the published `said` (its own digits: 8.03B, 70.6B, 235B)."""
+    digits = len(said[:-1].partition(".")[2])
+    return f"{n / 1e9:.{digits}f}B" == said
+
+
+def active_parameters(cfg) -> int:
+    """A token's parameters: all but the experts it is not routed to (every layer's, the same width)."""
+    from zerotrain.model import param_count
+
+    per_expert = 3 * cfg.n_embd * cfg.expert_width  # gate, up and down
+    return param_count(cfg) - cfg.n_layer * (cfg.n_experts - cfg.experts_per_token) * per_expert
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_the_planning_presets_have_the_published_parameter_counts_and_transformers_agrees(preset, monkeypatch):
+    import torch
+    import transformers
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.hub import mapping
+    from zerotrain.model import param_count
+
+    cfg = ModelConfig(**PRESETS[preset])
+    total, active = PUBLISHED[preset]
+    assert billions(param_count(cfg), total) and (active is None or billions(active_parameters(cfg), active))
+    config = mapping.hf_config(cfg, None)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters())
+    # Planted in the table: one width off (Qwen2.5-32B's MLP, 27648; 8 KV heads for Qwen3-235B's 4, ...) is caught.
+    wrong = dict(PRESETS[preset], intermediate_size=27648, expert_width=cfg.expert_width and 2048)
+    monkeypatch.setitem(PRESETS, preset, wrong)
+    assert not billions(param_count(ModelConfig(**PRESETS[preset])), total)
+
+
+def test_plan_reads_a_folder_of_config_json_alone_and_train_refuses_it_in_one_line(tmp_path, capsys, monkeypatch):
+    """Planning before the download: a folder holding only a Hugging Face config.json (Llama-3.1-8B's, as
+    transformers writes it) plans as its preset does; train, which needs the weights, refuses it in one line.
+    Planted: the plan asking for weights as a run does refuses the folder."""
+    import transformers
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.hub import init_from, mapping
+
+    folder = tmp_path / "llama-3.1-8b"
+    config = mapping.hf_config(ModelConfig(**PRESETS["llama-3.1-8b"]), None)
+    transformers.AutoConfig.for_model(**config).save_pretrained(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    run = ["--seq-len", "8192", "--nproc", "8", "--zero", "3", "--precision", "bf16", "--device", "cuda", "--data",
+           "synthetic"]
+    planned = plan_json(capsys, "--init-from", str(folder), *run)
+    assert planned["parameters"] == 8_030_261_248
+    preset = plan_json(capsys, "--preset", "llama-3.1-8b", *run)
+    assert planned["rows"] == preset["rows"]
+    # the files it will hash are the ones its shape will have (Hugging Face's of at most 5 GB), not none
+    hashed = [r["startup_hashed"] for r in planned["io"]["ranks"]]
+    assert hashed == [r["startup_hashed"] for r in preset["io"]["ranks"]] and min(hashed) > 0
+    assert cli.main(["plan", "--init-from", str(folder), "--seq-len", "8192"]) == 0  # default data: text, no tokenizer
+    assert cli.main(["train", "--init-from", str(folder), "--data", "synthetic", "--steps", "1",
+                     "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--init-from {folder}: no model.safetensors" in err[0], err
+    monkeypatch.setattr(init_from, "has_weight_files", lambda folder: True)  # planted
+    assert cli.main(["plan", "--init-from", str(folder), *run]) == 2
+
+
+@pytest.mark.parametrize("argv", [["--preset", "llama-tiny", "--lora-rank", "4"],
+                                  ["--preset", "llama-tiny", "--lora-rank", "4", "--method", "dpo",
+                                   "--activation-checkpointing", "blocks"],
+                                  ["--preset", "qwen3-moe-tiny", "--nproc", "4", "--ep", "4"]],
+                         ids=["lora", "lora-dpo-blocks", "ep4"])
+def test_the_largest_micro_batch_fits_and_one_more_does_not_with_adapters_and_all_to_all(argv, monkeypatch):
+    """What grows with the micro-batch includes a LoRA run's adapters' share of the activations and the all-to-all
+    buffers. Planted: the activations of the model's formula alone (the search before: LoRA DPO on Llama-3.1-8B's
+    shape in 80 GiB said 49 pairs where 51 fit) is caught."""
+    cfg = config_of(*argv, "--data", "synthetic", "--micro-batch", "1")
+    total = lambda b: plan_module.memory_plan(cfg, b).total  # noqa: E731
+    device_bytes = total(37) + 1
+
+    def fits_and_one_more_does_not() -> bool:
+        b = plan_module.largest_micro_batch(cfg, device_bytes)
+        return total(b) <= device_bytes < total(b + 1)
+    assert fits_and_one_more_does_not()
+    real = plan_module.micro_batch_bytes
+    monkeypatch.setattr(plan_module, "micro_batch_bytes", lambda cfg, b, documents, model: real(
+        plan_module.replace(cfg, parallel=plan_module.replace(cfg.parallel, ep=1)), b, documents, None))  # planted
+    assert not fits_and_one_more_does_not()
+
+
+def test_a_row_of_the_docs_qwen3_30b_a3b_table_is_what_its_command_plans(capsys):
+    """docs/parallelism.md's table of Qwen3-30B-A3B under EP (21 plans, its block run by hand): the row of 64 ranks,
+    --ep 8, ZeRO-3, planned by the block's own command with those values, cell by cell."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    command = next(line for line in text.splitlines() if "zerotrain plan --preset qwen3-30b-a3b" in line)
+    argv = command.replace("$ranks", "64").replace("$ep", "8").replace("$zero", "3").split()[2:]
+    row = next(line for line in text.splitlines() if line.startswith("| 64 | 8 | 3 |")).strip("| ").split(" | ")[3:]
+    r = plan_json(capsys, *argv)
+    rows, experts = r["rows"], r["experts"]
+    planned = [rows["parameters"], rows["parameter_units"], rows["gradients"], rows["optimizer_state"],
+               rows["master_weights"], experts["parameters"], experts["gradients"], experts["optimizer_state"],
+               experts["parameters"] + experts["optimizer_state"], rows["all_to_all"], r["total"]]
+    assert row == [plan_module.gib(b) if b else "0.0 MiB" for b in planned]

@@ -105,9 +105,11 @@ def cheap_groups(docs: dict[str, str]) -> dict[str, list[Block]]:
     return groups
 
 
-def run_blocks(blocks: list[Block], workdir: Path, timeout: float = BLOCK_TIMEOUT_S) -> int:
+def run_blocks(blocks: list[Block], workdir: Path, timeout: float = BLOCK_TIMEOUT_S,
+               outputs: dict[str, str] | None = None) -> int:
     """Run the blocks in order in `workdir`, their `zerotrain` commands served by this process (command_server.py);
-    AssertionError naming the block, its exit code and output tail. Returns how many commands were served."""
+    AssertionError naming the block, its exit code and output tail. Returns how many commands were served; each
+    block's output goes into `outputs` under its name."""
     server = CommandServer()
     env = server.environment(dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
                                   + os.environ.get("PATH", "")))
@@ -127,10 +129,13 @@ def run_blocks(blocks: list[Block], workdir: Path, timeout: float = BLOCK_TIMEOU
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     raise AssertionError(f"{block.name}: still running after {timeout} s:\n{block.code}")
+                output.seek(0)
+                said = output.read()
                 if proc.returncode != 0:
-                    output.seek(0)
                     raise AssertionError(f"{block.name}: exit code {proc.returncode}:\n{block.code}\n"
-                                         f"--- output (tail) ---\n{output.read()[-3000:]}")
+                                         f"--- output (tail) ---\n{said[-3000:]}")
+                if outputs is not None:
+                    outputs[block.name] = said
         return server.served
     finally:
         server.close()
@@ -321,11 +326,83 @@ PROMISES = {"stdlib": eval_reproduces_val_loss, "meshes": meshes_continue_to_the
             "resized": the_stopped_run_went_on_from_its_stop_on_four_ranks}
 
 
+# The plan figures the docs quote in their prose and tables, by the block whose commands print them (a line of its
+# code): each is found in that block's output, and in the doc its number (or, a pair: (as printed, as quoted)). A
+# ```text block right after a cheap block is (lines of) its output, checked line by line.
+QUOTED = {
+    ("docs/parallelism.md", "--micro-batch 1 --device cuda --data synthetic --accum 4"):
+        ["60.46 GiB", "29.92 GiB of gradient buckets", "86.47 GiB in all"],
+    ("docs/parallelism.md", "zerotrain plan --preset gpt2 --nproc 2 --accum 8 --zero 1 --data synthetic"):
+        ["474.7 MiB  P x 4", "712.1 MiB", "237.4 MiB", "195.3 MiB", "159.3 MiB", ("hold 474.7 MiB", "474.7")],
+    ("docs/parallelism.md", "--micro-batch 1 --zero 2 --device cuda --device-memory 80GiB --data synthetic"):
+        ["14.96 GiB", "239.3 MiB", "1.79 GiB", "478.7 MiB", "3.91 GiB", "957.4 MiB", "2.25 GiB", "2.14 GiB",
+         "25.13 GiB", "12.20 GiB", ("80.00 GiB: 24", "| 24 |"), ("80.00 GiB: 29", "| 29 |"), "137 layers (30.9B parameters)",
+         "598 layers (131.5B parameters)"],
+    ("docs/parallelism.md", "--vocab-size 8000 --no-tie-embeddings --nproc 4 --micro-batch 1 --seq-len 32"):
+        ["1.90 GiB"],
+    ("docs/parallelism.md", "--micro-batch 1 --device cuda --data synthetic --tp 8"): ["2.14 GiB", "438.4 MiB"],
+    ("docs/dpo.md", "--method dpo --lora-rank 16 --micro-batch 1"):
+        ["19.65 GiB", "14.96 GiB", "1.09 GiB", "3.21 GiB", "80.0 MiB", "260.0 MiB", "40.0 MiB", "20.0 MiB",
+         ("80.00 GiB: 51", "51 pairs")],
+    ("docs/dpo.md", "for reference in precomputed live; do"):
+        ["26.87 GiB", "28.74 GiB", "1.87 GiB", ("80.00 GiB: 43", "43 against"), ("80.00 GiB: 42", "against 42"),
+         "38.17 GiB", "53.12 GiB",
+         "79.12 GiB", "94.08 GiB", "14.96 GiB"],
+}
+
+
+def quoted_problems(block: Block, output: str, docs: dict[str, str]) -> list[str]:
+    """What the doc around `block` quotes that `output` (the block's, run) does not say: a figure of QUOTED missing
+    from the output or (its number) from the doc, or a line of the ```text block after it missing from the output."""
+    problems = []
+    said = {line.rstrip() for line in output.splitlines()}
+    for (source, line), figures in QUOTED.items():
+        if source == block.source and line in block.code:
+            pairs = [f if isinstance(f, tuple) else (f, f.split()[0]) for f in figures]
+            problems += [f"{block.name}: its output does not say {f!r}" for f, _ in pairs if f not in output]
+            problems += [f"{source} does not quote {q!r}" for _, q in pairs if q not in docs[source]]
+    blocks = parse_blocks(docs[block.source], block.source)
+    after = next((b for b in blocks if b.line > block.line), None)
+    if after is not None and after.lang == "text" and after.line <= block.line + block.code.count("\n") + 3:
+        problems += [f"{after.name}: the output has no line {line.rstrip()!r}" for line in after.code.splitlines()
+                     if line.strip() and line.rstrip() not in said]
+    return problems
+
+
 @pytest.mark.parametrize("group", list(GROUPS), ids=list(GROUPS))
 def test_cheap_recipe_runs_as_written(group, tmp_path):
-    run_blocks(GROUPS[group], tmp_path)
+    outputs: dict[str, str] = {}
+    run_blocks(GROUPS[group], tmp_path, outputs=outputs)
+    assert [p for b in GROUPS[group] for p in quoted_problems(b, outputs[b.name], DOCS)] == []
     if group in PROMISES:
         PROMISES[group](tmp_path)
+
+
+def test_every_quoted_block_runs_and_a_stale_figure_is_caught():
+    """Each block QUOTED names is a cheap block of its doc; a figure the plan no longer prints (the 8B table's total
+    before the loss working set was counted, 10.06 GiB), and a quoted output line it no longer prints, are caught."""
+    cheap = [b for b in all_blocks(DOCS) if b.kind == "cheap"]
+    for source, line in QUOTED:
+        assert any(b.source == source and line in b.code for b in cheap), (source, line)
+    block = next(b for b in cheap if "--micro-batch 1 --zero 2 --device cuda --device-memory 80GiB" in b.code)
+    figures = QUOTED[("docs/parallelism.md", "--micro-batch 1 --zero 2 --device cuda --device-memory 80GiB --data "
+                                             "synthetic")]
+    printed = "\n".join(f[0] if isinstance(f, tuple) else f for f in figures)
+    assert quoted_problems(block, printed, DOCS) == []
+    stale = printed.replace("12.20 GiB", "10.06 GiB")  # planted: the plan prints the old figure
+    assert quoted_problems(block, stale, DOCS) == [f"{block.name}: its output does not say '12.20 GiB'"]
+    docs = dict(DOCS, **{"docs/parallelism.md": DOCS["docs/parallelism.md"].replace("12.20", "10.06")})  # the old doc
+    assert quoted_problems(block, printed, docs) == ["docs/parallelism.md does not quote '12.20'"]
+    advice = next(b for b in cheap if "--preset llama-3.1-70b" in b.code)
+    lines = fenced_text_after(advice)
+    assert lines and quoted_problems(advice, "\n".join(lines), DOCS) == []
+    assert quoted_problems(advice, "\n".join(lines).replace("largest micro-batch 3", "largest micro-batch 2"), DOCS)
+
+
+def fenced_text_after(block: Block) -> list[str]:
+    """The lines of the ```text block right after `block` in its doc."""
+    after = next(b for b in parse_blocks(DOCS[block.source], block.source) if b.line > block.line)
+    return after.code.splitlines() if after.lang == "text" else []
 
 
 # --- the runner can fail -------------------------------------------------------------------------------------

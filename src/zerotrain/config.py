@@ -182,6 +182,25 @@ PRESETS: dict[str, dict] = {
     "qwen3-moe-tiny": dict(arch="qwen3_moe", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64,
                            seq_len=16, vocab_size=64, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False,
                            n_experts=4, experts_per_token=2, expert_width=32, norm_topk_prob=True),
+    # The shapes people plan (`zerotrain plan --preset ... --seq-len 8192`): meta-llama/Llama-3.1-8B and -70B (llama3
+    # rope scaling), Qwen/Qwen3-32B and Qwen/Qwen3-235B-A22B, their config.json's values and contexts, at a 2048-token
+    # window.
+    "llama-3.1-8b": dict(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                         seq_len=2048, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+                         rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                         rope_original_context=8192, context=131072),
+    "llama-3.1-70b": dict(arch="llama", n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672,
+                          seq_len=2048, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+                          rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                          rope_original_context=8192, context=131072),
+    "qwen3-32b": dict(arch="qwen3", n_layer=64, n_head=64, n_kv_head=8, n_embd=5120, head_width=128,
+                      intermediate_size=25600, seq_len=2048, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6,
+                      tie_embeddings=False, context=40960),
+    # 128 experts of width 1536, top-8, in every layer (its intermediate_size, 12288, is for dense layers: it has none).
+    "qwen3-235b-a22b": dict(arch="qwen3_moe", n_layer=94, n_head=64, n_kv_head=4, n_embd=4096, head_width=128,
+                            intermediate_size=12288, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
+                            norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8,
+                            expert_width=1536, norm_topk_prob=True, context=40960),
     # Qwen/Qwen3-30B-A3B's shape (its config.json): 128 experts of width 768, top-8, at a 2048-token window.
     "qwen3-30b-a3b": dict(arch="qwen3_moe", n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, head_width=128,
                           intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,

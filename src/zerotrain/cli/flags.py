@@ -13,7 +13,7 @@ from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, chec
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.data.pairs import read_splits
 from zerotrain.errors import ConfigError
-from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.hub.init_from import adopt, has_weight_files, weight_source
 
 
 class Parser(argparse.ArgumentParser):
@@ -138,7 +138,7 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
         given["nproc"] = int(os.environ["WORLD_SIZE"])
     merge(cfg, by_section(given), origin="command line")
     if cfg.checkpoint.init_from:  # the model, its sizes and its vocabulary come from the weights
-        source = weight_source(cfg.checkpoint.init_from)
+        source = weight_source(cfg.checkpoint.init_from, weights=environment)  # a plan needs config.json alone
         stated = set(given) | set(toml.get("model", {}) if args.config else {}) | \
             (set(PRESETS[args.preset]) if args.preset else set())
         cfg.model = adopt(cfg.model, source, stated)
@@ -152,21 +152,24 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
                           "chat_template.jinja holds one)")
     if environment:
         check_environment(cfg)
+    # A plan from a model's config.json alone, before its weights and tokenizer are downloaded: the run tokenizes and
+    # checks the data; the plan needs only its path (packed records, DPO's pairs counted).
+    model_only = not environment and bool(cfg.checkpoint.init_from) and not has_weight_files(cfg.checkpoint.init_from)
     if cfg.objective.method == "dpo":  # a file of preference pairs, encoded by the --init-from model's tokenizer
         if not cfg.checkpoint.init_from and environment:  # a plan (another machine's) needs neither
             raise ConfigError("--method dpo tunes a trained model: give it with --init-from (its tokenizer encodes "
                               "the pairs, its weights are the reference)")
-        if cfg.checkpoint.init_from:
+        if cfg.checkpoint.init_from and not model_only:
             d = cfg.data
             read_splits(d.source, d.val_data, d.val_fraction, bool(cfg.loop.eval_every), cfg.checkpoint.init_from,
                         cfg.model.seq_len)
-    else:
+    elif not model_only:
         check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
     if cfg.loop.epochs:  # the steps follow from the records; derived values (warmup) from the steps
         if "steps" in given or (args.config and "steps" in toml.get("loop", {})):
             raise ConfigError(f"--epochs {cfg.loop.epochs} and --steps {cfg.loop.steps} both say how long to train: "
                               "give one")
-        cfg.loop.steps = epoch_steps(cfg)
+        cfg.loop.steps = cfg.loop.steps if model_only else epoch_steps(cfg)
     resolve(cfg)
     if torchrun:
         _note_torchrun_restarts(cfg, "max_restarts" in given or bool(args.config and "max_restarts" in

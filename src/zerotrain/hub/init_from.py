@@ -36,7 +36,7 @@ from zerotrain.model import meta_model, model_class, parallelize
 from zerotrain.model.init import RestoredValues, SeedValues
 
 from .base_digest import folder_record
-from .export import INDEX_FILE, read_export_config, tensor_files
+from .export import INDEX_FILE, MODEL_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS, MXFP4_BLOCKS, MXFP4_SCALES, HFMapping, dequantize_mxfp4
 from .pretrained import model_folder
 
@@ -90,13 +90,16 @@ class WeightSource:
         return {"path": self.folder, "kind": self.kind, "block_bytes": block_bytes, "files": files}
 
 
-def weight_source(path: str, verify: bool = True) -> WeightSource:
+def weight_source(path: str, verify: bool = True, weights: bool = True) -> WeightSource:
     """The weights `path` names; ConfigError (exit 2) for a folder zerotrain cannot start from, naming why.
 
     With `verify` (the launcher, or each rank under torchrun, in config_from_args) the folder is checked whole
     before any rank starts, from headers alone: a checkpoint verified, config.json's types and values, every
     tensor's name, shape and dtype and every file's size against its safetensors header, and tokenizer.json
     read. The ranks then read a source that was checked already (`verify` False).
+
+    Without `weights` (a plan, made before the weights are downloaded) a folder holding config.json and no weight
+    files is its model alone: a source without files, which no run starts from (a run needs `weights`).
     """
     if not os.path.exists(path):
         raise ConfigError(f"--init-from {path}: no such folder")
@@ -104,13 +107,22 @@ def weight_source(path: str, verify: bool = True) -> WeightSource:
         raise ConfigError(f"--init-from {path}: not a folder (a Hugging Face model folder, a zerotrain checkpoint, "
                           "run folder or export)")
     try:
-        source = _source(os.path.abspath(model_folder(path)), verify)
+        folder = os.path.abspath(model_folder(path))
+        if not weights and not has_weight_files(folder):
+            kind, model, _ = read_export_config(folder)
+            return WeightSource(folder, kind, model, {}, None)
+        source = _source(folder, verify)
         if verify:
             check_tensors(source, expected_shapes(source.model))
             _check_tokenizer(os.path.join(source.folder, TOKENIZER_FILE))
     except CheckpointError as e:
         raise ConfigError(f"--init-from {path}: {e}") from None
     return source
+
+
+def has_weight_files(folder: str) -> bool:
+    """Whether `folder` (a model_folder) holds weights: a checkpoint's manifest, or model.safetensors or its index."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in (MANIFEST, MODEL_FILE, INDEX_FILE))
 
 
 def _check_tokenizer(file: str) -> None:

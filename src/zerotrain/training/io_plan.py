@@ -180,10 +180,9 @@ def hashed_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], esize: int, wo
     folder = cfg.checkpoint.init_from
     if folder and os.path.isfile(os.path.join(folder, MANIFEST)):
         return [0] * world
-    if folder and os.path.isdir(folder):
-        files = [(n, os.path.getsize(os.path.join(folder, n))) for n in sorted(os.listdir(folder))
-                 if n.endswith(".safetensors")]
-    else:
+    files = [(n, os.path.getsize(os.path.join(folder, n))) for n in sorted(os.listdir(folder))
+             if n.endswith(".safetensors")] if folder and os.path.isdir(folder) else []
+    if not files:  # not here, or its config.json alone (a plan before the download)
         total = sum(math.prod(s) for s in shapes.values()) * esize
         count = -(-total // HF_SHARD_BYTES)
         files = [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", total // count) for i in range(count)]

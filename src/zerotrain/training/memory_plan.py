@@ -68,7 +68,9 @@ With a device's memory, `zerotrain plan` also says what fits in it: the largest 
 activations over a fixed state), and the largest model of the run's shape family (`largest_model`): the same
 model with another --n-layer, every other setting as given. A plan's total grows with the depth, nearly linearly,
 so the search takes Newton's steps on it from the given depth, then brackets and bisects: its answer's plan fits
-and one layer more's does not, both computed by memory_plan, not extrapolated.
+and one layer more's does not, both computed by memory_plan, not extrapolated. Where the run does not fit,
+`fit_advice` says which part does not (the state and its buffers, or the activations) and which settings would
+make it fit, in order of cost (HOLDS_LESS), each planned by memory_plan with that setting changed.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ from typing import NamedTuple
 
 import torch
 
-from zerotrain.config import REFERENCE_FREE, Config
+from zerotrain.config import REFERENCE_FREE, Config, validate
 from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
@@ -407,22 +409,151 @@ def dropped_inputs(model: torch.nn.Module, adapted: list, size: int) -> int:
 def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
     """The largest micro-batch whose plan fits in `device_bytes` (0 if not even 1 does)."""
     fixed = memory_plan(cfg, 1, documents=documents)
-    base = fixed.total - fixed.rows["activations"] - fixed.rows["loss_working_set"]
     if fixed.total > device_bytes:
         return 0
-
-    def per(b: int) -> int:
-        sequences = 2 * b if cfg.objective.method == "dpo" else b  # a micro-batch of b pairs is 2b sequences
-        a = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=cfg.parallel.tp,
-                             precision=cfg.parallel.precision, recompute=cfg.parallel.activation_checkpointing,
-                             device=cfg.launch.device, documents=documents, objective=cfg.objective.method)
-        return a["total"] + a["working"]
-
+    # A LoRA run's adapters change what is saved (adapter_activations), from the model the plan builds
+    model = planned_layouts(cfg, cfg.launch.nproc // cfg.parallel.tp).model if cfg.lora.rank else None
+    base = fixed.total - micro_batch_bytes(cfg, 1, documents, model)
     lo, hi = 1, limit
     while lo < hi:  # activations grow with the micro-batch: bisect
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if base + per(mid) <= device_bytes else (lo, mid - 1)
+        lo, hi = (mid, hi) if base + micro_batch_bytes(cfg, mid, documents, model) <= device_bytes else (lo, mid - 1)
     return lo
+
+
+def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: torch.nn.Module | None) -> int:
+    """What of memory_plan's total grows with the micro-batch: the activations (a LoRA run's adapters' share of them
+    from `model`, the planned one), the loss working set and, with --ep, the all-to-all buffers."""
+    sequences = 2 * micro_batch if cfg.objective.method == "dpo" else micro_batch  # b pairs are 2b sequences
+    a = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=cfg.parallel.tp,
+                         precision=cfg.parallel.precision, recompute=cfg.parallel.activation_checkpointing,
+                         device=cfg.launch.device, documents=documents, objective=cfg.objective.method)
+    adapters = adapter_activations(cfg, model, sequences) if model is not None else 0
+    all_to_all = 2 * all_to_all_row_bytes(cfg, sequences) if cfg.parallel.ep > 1 else 0
+    return a["total"] + a["working"] + adapters + all_to_all
+
+
+# What holds less, in order of what it costs the run: (flag, the setting's section and name, its values to try, smallest
+# change first, what it costs). A smaller micro-batch, cheaper than all of them, is largest_micro_batch's answer.
+HOLDS_LESS = (
+    ("--zero", "parallel", "zero", (2,), "the same traffic as stage 1: a reduce-scatter and an all-gather a step"),
+    ("--activation-checkpointing", "parallel", "activation_checkpointing", ("blocks",),
+     "each block's forward again in the backward: about a third more compute"),
+    ("--activation-checkpointing", "parallel", "activation_checkpointing", ("full",),
+     "the blocks', the head's and the loss's forward again in the backward"),
+    ("--zero", "parallel", "zero", (3,), "each block gathered for its forward and its backward: about 1.5x stage 2's "
+     "traffic"),
+    ("--precision", "parallel", "precision", ("bf16",), "bf16 parameters and activations (fp32 masters and moments): "
+     "the numerics change"),
+    ("--ep", "parallel", "ep", (2, 4, 8), "the tokens' rows exchanged (all-to-all) in every MoE layer"),
+    ("--tp", "parallel", "tp", (2, 4, 8), "an all-reduce in every block's forward and backward: GPUs of one node"),
+    ("--nproc", "launch", "nproc", (2, 4, 8), "more devices (the state shards over them; the activations do not)"),
+)
+
+
+@dataclass
+class Remedy:
+    """A change of settings that makes a plan fit: its flags, what it costs, the total at the run's micro-batch and the
+    largest micro-batch that fits with it (both computed by memory_plan with the settings changed)."""
+
+    flags: str
+    cost: str
+    total: int
+    largest_micro_batch: int
+
+
+@dataclass
+class FitAdvice:
+    """What does not fit in a device, and what would: `remedies` each alone, in order of cost (HOLDS_LESS, after a
+    smaller micro-batch); `together` where none alone does, the first of them that fit when taken in that order
+    (None: not even all of them)."""
+
+    short: str  # which part does not fit, in words
+    state: int  # the plan at micro-batch 1 but its activations and loss working set: the state and its buffers
+    activations: int  # the activations and the loss working set at the run's micro-batch
+    remedies: list[Remedy]
+    together: Remedy | None
+
+    def to_dict(self) -> dict:
+        return {"short": self.short, "state": self.state, "activations": self.activations,
+                "remedies": [vars(r) for r in self.remedies],
+                "together": vars(self.together) if self.together else None}
+
+
+def fit_advice(cfg: Config, device_bytes: int, documents: bool = False) -> FitAdvice | None:
+    """None where `cfg`'s plan fits in `device_bytes`; else which part does not (the state and its buffers alone, the
+    activations at micro-batch 1, or at the run's micro-batch) and each setting of HOLDS_LESS that makes it fit,
+    every figure a plan of the run with that setting changed."""
+    B = cfg.loop.micro_batch
+    plan = memory_plan(cfg, documents=documents)
+    if plan.total <= device_bytes:
+        return None
+    one = memory_plan(cfg, 1, documents=documents)
+    state = one.total - one.rows["activations"] - one.rows["loss_working_set"]
+    at_one = one.total - state
+    activations = plan.rows["activations"] + plan.rows["loss_working_set"]
+    room = gib(device_bytes)
+    if state > device_bytes:
+        short = f"the state and its buffers alone ({gib(state)}) do not fit in {room}"
+    elif one.total > device_bytes:
+        short = (f"the state and its buffers ({gib(state)}) fit in {room}; the activations at micro-batch 1 "
+                 f"({gib(at_one)} with the loss working set) do not")
+    else:
+        short = (f"the activations at micro-batch {B} ({gib(activations)} with the loss working set) do not fit in "
+                 f"{room}")
+
+    def remedy(changed: Config, flags: str, cost: str) -> Remedy | None:
+        fits = largest_micro_batch(changed, device_bytes, documents=documents)
+        return Remedy(flags, cost, memory_plan(changed, documents=documents).total, fits) if fits else None
+
+    remedies = []
+    smaller = largest_micro_batch(cfg, device_bytes, documents=documents)
+    if smaller:
+        remedies.append(Remedy(f"--micro-batch {smaller}", "the same batch in more micro-batches (raise --accum)",
+                               memory_plan(cfg, smaller, documents=documents).total, smaller))
+    for flag, section, name, values, cost in HOLDS_LESS:
+        for value in _values_beyond(cfg, section, name, values):
+            changed = _changed(cfg, section, name, value)
+            found = remedy(changed, f"{flag} {value}", cost) if _valid(changed) else None
+            if found:
+                remedies.append(found)
+                break
+    together = None
+    if not remedies:  # each taken with the ones before it, cheapest first, until they fit
+        changed, flags = cfg, {}
+        for flag, section, name, values, _ in HOLDS_LESS:
+            for value in _values_beyond(changed, section, name, values):
+                trial = _changed(changed, section, name, value)
+                if _valid(trial):
+                    changed, flags[flag] = trial, f"{flag} {value}"
+                    together = remedy(changed, " ".join(flags.values()), "")
+                if together:
+                    break
+            if together:
+                break
+    return FitAdvice(short, state, activations, remedies, together)
+
+
+def _values_beyond(cfg: Config, section: str, name: str, values: tuple) -> list:
+    """The values of HOLDS_LESS's row that hold less than `cfg`'s own (a larger stage, TP, EP or world; a setting it
+    does not have yet)."""
+    mine = getattr(getattr(cfg, section), name)
+    order = {"activation_checkpointing": ("none", "blocks", "full"), "precision": ("fp32", "bf16")}.get(name)
+    if order:
+        return [v for v in values if order.index(v) > order.index(mine)]
+    return [v * mine if name == "nproc" else v for v in values if name == "nproc" or v > mine]
+
+
+def _changed(cfg: Config, section: str, name: str, value) -> Config:
+    return replace(cfg, **{section: replace(getattr(cfg, section), **{name: value})})
+
+
+def _valid(cfg: Config) -> bool:
+    try:
+        validate(cfg)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass

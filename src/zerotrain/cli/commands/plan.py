@@ -13,8 +13,8 @@ from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.vocab import chunk_tokens, vocab_rows
 from zerotrain.training.io_plan import describe, io_plan
-from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, gib, largest_micro_batch, largest_model, memory_plan,
-                                            parse_bytes)
+from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, fit_advice, gib, largest_micro_batch, largest_model,
+                                            memory_plan, parse_bytes)
 
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
@@ -44,9 +44,11 @@ def add_parser(sub) -> None:
                                    "and checks it after its first step.")
     add_training_flags(p)
     p.add_argument("--device-memory", metavar="SIZE", help="memory of one rank's device (80GiB, 40GB, 512MiB): "
-                                                           "also print the largest micro-batch that fits, and the "
+                                                           "also print the largest micro-batch that fits, the "
                                                            "largest model of this shape (the most --n-layer, every "
-                                                           "other setting as given)")
+                                                           "other setting as given) and, where the run does not "
+                                                           "fit, what does not and the settings that would make it, "
+                                                           "in order of cost, each planned")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
@@ -58,12 +60,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan(cfg, documents=documents)
     fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
+    advice = fit_advice(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     io = io_plan(cfg, memory=plan)  # start-up, save, resume and export per rank
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
+              "does_not_fit": advice.to_dict() if advice else None,
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
               "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
               "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict(),
@@ -185,13 +189,29 @@ def table(cfg: Config, r: dict) -> str:
                      ("; live scores every pair again each step (a forward without gradients)"
                       if "live" in (ref["mode"], o["mode"]) else ""))
     if r["device_memory"] is not None:
-        fits = r["largest_micro_batch"]
-        lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: " +
-                     (str(fits) if fits else "none: the state alone does not fit (--zero 2, --tp, bf16, "
-                                             "or more ranks)"))
+        fits, advice = r["largest_micro_batch"], r["does_not_fit"]
+        lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: {fits if fits else 'none'}")
+        if advice is not None:
+            lines += advice_lines(advice, r["micro_batch"])
         lines.append(f"  largest model of this shape in {gib(r['device_memory'])}: "
                      f"{deepest_line(r['largest_model'], r['micro_batch'])}")
     return "\n".join(lines)
+
+
+def advice_lines(advice: dict, micro_batch: int) -> list[str]:
+    """The table's words for fit_advice's answer (the report's dict of it): what does not fit, then what would."""
+    lines = [f"  does not fit: {advice['short']}"]
+    found = advice["remedies"] or ([advice["together"]] if advice["together"] else [])
+    if not found:
+        return lines + ["  nothing the plan tries fits, even all together (--zero 3, --activation-checkpointing full, "
+                        "--precision bf16, --ep 8, --tp 8, 8x --nproc): a shorter --seq-len or a smaller model"]
+    lines.append("  what would fit, in order of cost (each planned with the setting changed):" if advice["remedies"]
+                 else "  no one setting fits; together, in order of cost:")
+    width = max(len(r["flags"]) for r in found)
+    for r in found:
+        lines.append(f"    {r['flags']:<{width}}  {gib(r['total'])} at micro-batch {micro_batch}, largest micro-batch "
+                     f"{r['largest_micro_batch']}" + (f": {r['cost']}" if r["cost"] else ""))
+    return lines
 
 
 def deepest_line(deepest: dict | None, micro_batch: int) -> str:
