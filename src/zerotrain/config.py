@@ -517,6 +517,9 @@ LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                    for arch in LLAMA_FAMILY}}
 ALL_LINEAR = "all"
+# A mixture of experts' routed experts, as --lora-targets names them: transformers holds them as 3-D tensors, not
+# linears, so `all` (peft's all-linear on that model) leaves them out and a peft adapter cannot hold them.
+LORA_EXPERTS = "experts"
 
 
 @dataclass
@@ -532,7 +535,8 @@ class LoraConfig:
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
                            "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
                            "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
-                           "not the head)",
+                           "not the head; a mixture of experts' routed experts not either: name experts to adapt "
+                           "each one's gate_proj, up_proj, down_proj)",
                            key="lora_targets")
 
     def modules(self, arch: str) -> tuple[str, ...]:
@@ -540,7 +544,12 @@ class LoraConfig:
         if self.targets == ALL_LINEAR:
             return LORA_MODULES[arch]
         named = {t.strip() for t in self.targets.split(",")}
-        return tuple(m for m in LORA_MODULES[arch] if m in named)
+        return tuple(m for m in lora_target_names(arch) if m in named)
+
+
+def lora_target_names(arch: str) -> tuple[str, ...]:
+    """What --lora-targets may name for `arch`: its blocks' linears, and a mixture of experts' routed experts."""
+    return LORA_MODULES[arch] + ((LORA_EXPERTS,) if arch in MOE else ())
 
 
 METHODS = ("sft", "dpo")
@@ -810,7 +819,7 @@ def _check_experts(cfg: Config) -> None:
                         (m.shared_expert_width, "--shared-expert-width")):
         if width % tp:
             raise ConfigError(f"--tp {tp} does not divide {flag} {width}: each TP rank keeps a slice of every expert")
-    projections = {"gate_proj", "up_proj", "down_proj"} & set(cfg.lora.modules(m.arch))
+    projections = {"gate_proj", "up_proj", "down_proj", LORA_EXPERTS} & set(cfg.lora.modules(m.arch))
     if tp > 1 and cfg.lora.rank and projections:
         raise ConfigError(f"--tp {tp}: LoRA on the experts' projections ({', '.join(sorted(projections))}) trains "
                           "without tensor parallelism yet: give --lora-targets q_proj,k_proj,v_proj,o_proj, or --tp 1")
@@ -908,7 +917,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")
     if cfg.lora.targets != ALL_LINEAR:
-        known = LORA_MODULES[m.arch]
+        known = lora_target_names(m.arch)
         for name in (t.strip() for t in cfg.lora.targets.split(",")):
             if name not in known:
                 raise ConfigError(f"--lora-targets {name!r} is not a linear of --arch {m.arch}'s blocks (they are "
