@@ -96,3 +96,37 @@ def test_the_default_targets_leave_the_routed_experts_out_and_train_with_dropout
                        "--micro-batch", "2", "--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "5e-2", "--steps",
                        "2", "--ckpt-every", "2", "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def planned(out, comm, *flags) -> dict:
+    """One step's plan, with the activations its first micro-batch saved (the run checks the state rows itself)."""
+    return train(config(out, "--lora-rank", "4", "--lora-dropout", "0.25", "--nproc", "1", "--micro-batch", "2",
+                        "--steps", "1", *flags), comm, announce=False).plan
+
+
+def test_the_plan_counts_a_moe_lora_runs_activations_to_the_byte_and_routed_experts_counted_per_token_are_caught(
+        one_rank, tmp_path, monkeypatch):
+    """With dropout, the default targets (the attention's adapters; the routed experts frozen, their rows and
+    products not kept) and `experts` (each routed projection's A output, dropped copy and mask over its rows, N k of
+    them in all): the plan's activations are what the first micro-batch saved. Caught: a plan that takes the routed
+    experts' linears for linears every token goes through."""
+    from zerotrain.training import memory_plan
+
+    for name, flags in (("default", ()), ("experts", ("--lora-targets", EXPERTS))):
+        plan = planned(tmp_path / name, one_rank, *flags)
+        assert plan["activations_measured"] == plan["rows"]["activations"], name
+    monkeypatch.setattr(memory_plan, "routed_expert_linears", lambda model: set())  # planted
+    plan = planned(tmp_path / "planted", one_rank, "--lora-targets", EXPERTS)
+    assert plan["activations_measured"] != plan["rows"]["activations"]
+
+
+def test_naming_an_mlp_projection_that_only_routed_experts_have_is_refused_in_one_line(capfd, tmp_path):
+    from conftest import zerotrain_here
+    from test_user_errors import one_line_error
+
+    r = zerotrain_here(capfd, "train", "--preset", "qwen3-moe-tiny", "--data", "synthetic", "--lora-rank", "4",
+                       "--lora-targets", "q_proj,down_proj", "--steps", "1", "--out", str(tmp_path / "bad"))
+    assert "--lora-targets 'down_proj' adapts nothing" in one_line_error(r) and "name experts" in one_line_error(r)
+    cfg = config(tmp_path / "dense", "--lora-rank", "4", "--lora-targets", "q_proj,down_proj", "--mlp-only-layers",
+                 "0")  # a dense first layer has a down_proj
+    assert cfg.lora.targets == "q_proj,down_proj"

@@ -922,6 +922,11 @@ def validate(cfg: Config) -> Config:
             if name not in known:
                 raise ConfigError(f"--lora-targets {name!r} is not a linear of --arch {m.arch}'s blocks (they are "
                                   f"{', '.join(known)}, or {ALL_LINEAR})")
+            if name in ("gate_proj", "up_proj", "down_proj") and m.moe and not m.shared_expert_width and all(
+                    m.has_experts(layer) for layer in range(m.n_layer)):  # no dense MLP, no shared expert
+                raise ConfigError(f"--lora-targets {name!r} adapts nothing: every MLP of this --arch {m.arch} model "
+                                  f"is a mixture of experts without a shared expert; name {LORA_EXPERTS} to adapt "
+                                  "the routed experts' projections")
     if cfg.objective.method == "dpo":
         _check_dpo(cfg)
     if cfg.optim.warmup_steps < -1:
