@@ -273,12 +273,6 @@ class ExpertParallelEngine:
         return self.dense.layout
 
     @property
-    def flat_params(self) -> torch.Tensor:
-        """The dense engine's flat buffer, for its device and dtype (the run's): what this rank holds is
-        flat_buffers, its norm param_norm."""
-        return self.dense.flat_params
-
-    @property
     def flat_buffers(self) -> list[torch.Tensor]:
         return [self.dense.flat_params, self.experts.flat_params]
 
