@@ -131,7 +131,7 @@ class CheckpointWriter:
             self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
         staging, step_count = self._staging, engine.step_count
         if id(engine) not in self._guarded:  # every update of the engine's state (with --ep: both engines')
-            engine.register_update_pre_hook(self._wait_staged)
+            engine.register_update_pre_hook(lambda: self._wait_staged())  # looked up at each update, not bound now
             self._guarded.add(id(engine))
         pending = _Pending(step, base)
         if not staging.copy_in_background:
