@@ -11,9 +11,10 @@ from zerotrain.parallel import Comm
 from zerotrain.training.loop import train
 
 
-# the adapters whose dropout masks lora_job records (a Llama's, in the model's order): layer 0's q_proj, a
-# column-parallel base's (A's input replicated over TP), and its o_proj, a row-parallel base's (A's input split)
-WATCHED = {0: "q_proj", 3: "o_proj"}
+# the adapters whose dropout masks lora_job records (a Llama's, by their linears' names: LoRADropout.adapter is
+# lora.adapter_key of the name): layer 0's q_proj, a column-parallel base's (A's input replicated over TP), and its
+# o_proj, a row-parallel base's (A's input split)
+WATCHED = {"model.layers.0.self_attn.q_proj": "q_proj", "model.layers.0.self_attn.o_proj": "o_proj"}
 
 
 def lora_job(cfg: Config, comm: Comm) -> dict:
@@ -25,13 +26,14 @@ def lora_job(cfg: Config, comm: Comm) -> dict:
     from zerotrain.model import lora
 
     real, masks = lora.LoRADropout.forward, {name: {} for name in WATCHED.values()}
+    watched = {lora.adapter_key(name): short for name, short in WATCHED.items()}
 
     def recording(self, x):
         out = real(self, x)
-        if comm.step == 1 and self.rows.rows is not None and self.adapter in WATCHED:
+        if comm.step == 1 and self.rows.rows is not None and self.adapter in watched:
             kept = (out != 0).tolist()
             for j, row in enumerate(self.rows.rows):  # the first forward's; a recomputed one overwrites it alike
-                masks[WATCHED[self.adapter]][row] = kept[j]
+                masks[watched[self.adapter]][row] = kept[j]
         return out
 
     lora.LoRADropout.forward = recording

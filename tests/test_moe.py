@@ -232,13 +232,13 @@ def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_p
 
     folder, _ = folders["qwen3_moe"]
     model = init_from_model(folder)
-    lora.add_adapters(model, LoraConfig(rank=4), seed=0)
-    adapted = {n for n, _ in lora.adapted_modules(model, LoraConfig().modules("qwen3_moe"))}
+    lora.add_adapters(model, LoraConfig(rank=4, targets="q_proj,experts"), seed=0)
+    adapted = {n for n, _ in lora.adapted_modules(model, LoraConfig(targets="q_proj,experts").modules("qwen3_moe"))}
     assert {f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")} \
         <= adapted and not any(n.endswith("mlp.gate") for n in adapted)  # the router stays as it is
     out = tmp_path / "run"
     r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--seq-len", "16",
-                       "--micro-batch", "2", "--lora-rank", "4", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
+                       "--micro-batch", "2", "--lora-rank", "4", "--lora-targets", "q_proj,experts", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
                        "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft")

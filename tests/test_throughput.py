@@ -112,19 +112,41 @@ def test_a_mixture_of_experts_counts_its_active_experts_and_counting_every_exper
 # Targets that leave the first block's q, k or v (or its whole attention) without a gradient: what autograd skips there
 LORA_TARGETS = [("tiny", "all"), ("tiny", "c_fc"), ("llama-tiny", "all"), ("llama-tiny", "k_proj,down_proj"),
                 ("llama-tiny", "up_proj"), ("qwen3", "q_proj,v_proj")]
+# A mixture of experts: `all` adapts the attention (and a dense layer's MLP and the shared expert), not the routed
+# experts; `experts` adapts each of them, a token going through its top-k; alone, the dense first layer of the
+# Qwen2-MoE computes no backward at all
+MOE_LORA_TARGETS = [("qwen3-moe-tiny", "all"), ("qwen3-moe-tiny", "q_proj,k_proj,v_proj,o_proj,experts"),
+                    ("qwen3-moe-tiny", "k_proj,experts"), ("qwen2_moe", "all"), ("qwen2_moe", "experts"),
+                    ("qwen2_moe", "v_proj,down_proj,experts")]
 
 
-@pytest.mark.parametrize("preset, targets", LORA_TARGETS)
+def lora_flops_counted_as_trained(c: ModelConfig, lo: LoraConfig) -> int:
+    """Planted in place of lora_flops_per_token: the frozen base's weight gradients counted, as a full run's (the MFU
+    a LoRA run reported before)."""
+    return 6 * throughput.matmul_params(c) + 6 * lo.rank * sum(
+        i + o for layer in range(c.n_layer) for _, i, o in throughput.adapted_shapes(c, lo, layer))
+
+
+@pytest.mark.parametrize("preset, targets", LORA_TARGETS + MOE_LORA_TARGETS)
 def test_a_lora_runs_flops_are_what_it_computes_and_counting_its_frozen_base_as_trained_is_caught(preset, targets,
                                                                                                    monkeypatch):
-    m = ModelConfig(**{**SHAPES[preset], "seq_len": 24})
+    m = ModelConfig(**{**{**SHAPES, **MOE_SHAPES}[preset], "seq_len": 24})
     lora, tokens = LoraConfig(rank=4, alpha=8.0, targets=targets), 2 * m.seq_len
     assert throughput.model_flops_per_token(m, lora) * tokens == counted_flops(m, lora=lora)
     assert throughput.model_flops_per_token(m, lora) < throughput.model_flops_per_token(m)
-    # planted: the frozen base's weight gradients counted, as a full run's (the MFU a LoRA run reported before)
-    monkeypatch.setattr(throughput, "lora_flops_per_token",
-                        lambda c, lo: 6 * throughput.matmul_params(c) + 6 * c.n_layer * lo.rank * sum(
-                            i + o for _, i, o in throughput.adapted_shapes(c, lo)))
+    monkeypatch.setattr(throughput, "lora_flops_per_token", lora_flops_counted_as_trained)  # planted
+    assert throughput.model_flops_per_token(m, lora) * tokens != counted_flops(m, lora=lora)
+
+
+@pytest.mark.parametrize("preset, targets", MOE_LORA_TARGETS)
+def test_a_moe_lora_runs_adapters_are_those_a_token_goes_through_and_a_dense_mlps_count_is_caught(preset, targets,
+                                                                                                  monkeypatch):
+    """The count before: every MLP's adapters as a dense MLP's of intermediate_size, the routed experts as none."""
+    m = ModelConfig(**{**MOE_SHAPES[preset], "seq_len": 24})
+    lora, tokens = LoraConfig(rank=4, alpha=8.0, targets=targets), 2 * m.seq_len
+    honest = throughput.adapted_shapes
+    monkeypatch.setattr(throughput, "adapted_shapes",
+                        lambda c, lo, layer: honest(dataclasses.replace(c, n_experts=0), lo, layer))  # planted
     assert throughput.model_flops_per_token(m, lora) * tokens != counted_flops(m, lora=lora)
 
 

@@ -613,6 +613,9 @@ LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
+# A mixture of experts' routed experts, as --lora-targets names them: transformers holds them as 3-D tensors, not
+# linears, so `all` (peft's all-linear on that model) leaves them out and a peft adapter cannot hold them.
+LORA_EXPERTS = "experts"
 
 
 @dataclass
@@ -628,7 +631,8 @@ class LoraConfig:
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
                            "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
                            "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
-                           "not the head)",
+                           "not the head; a mixture of experts' routed experts not either: name experts to adapt "
+                           "each one's gate_proj, up_proj, down_proj)",
                            key="lora_targets", applies=LORA)
 
     def modules(self, arch: str) -> tuple[str, ...]:
@@ -636,7 +640,12 @@ class LoraConfig:
         if self.targets == ALL_LINEAR:
             return LORA_MODULES[arch]
         named = {t.strip() for t in self.targets.split(",")}
-        return tuple(m for m in LORA_MODULES[arch] if m in named)
+        return tuple(m for m in lora_target_names(arch) if m in named)
+
+
+def lora_target_names(arch: str) -> tuple[str, ...]:
+    """What --lora-targets may name for `arch`: its blocks' linears, and a mixture of experts' routed experts."""
+    return LORA_MODULES[arch] + ((LORA_EXPERTS,) if arch in MOE else ())
 
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
@@ -921,7 +930,7 @@ def _check_experts(cfg: Config) -> None:
                         (m.shared_expert_width, "--shared-expert-width")):
         if width % tp:
             raise ConfigError(f"--tp {tp} does not divide {flag} {width}: each TP rank keeps a slice of every expert")
-    projections = {"gate_proj", "up_proj", "down_proj"} & set(cfg.lora.modules(m.arch))
+    projections = {"gate_proj", "up_proj", "down_proj", LORA_EXPERTS} & set(cfg.lora.modules(m.arch))
     if tp > 1 and cfg.lora.rank and projections:
         raise ConfigError(f"--tp {tp}: LoRA on the experts' projections ({', '.join(sorted(projections))}) trains "
                           "without tensor parallelism yet: give --lora-targets q_proj,k_proj,v_proj,o_proj, or --tp 1")
@@ -1024,11 +1033,16 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")
     if cfg.lora.targets != ALL_LINEAR:
-        known = LORA_MODULES[m.arch]
+        known = lora_target_names(m.arch)
         for name in (t.strip() for t in cfg.lora.targets.split(",")):
             if name not in known:
                 raise ConfigError(f"--lora-targets {name!r} is not a linear of --arch {m.arch}'s blocks (they are "
                                   f"{', '.join(known)}, or {ALL_LINEAR})")
+            if name in ("gate_proj", "up_proj", "down_proj") and m.moe and not m.shared_expert_width and all(
+                    m.has_experts(layer) for layer in range(m.n_layer)):  # no dense MLP, no shared expert
+                raise ConfigError(f"--lora-targets {name!r} adapts nothing: every MLP of this --arch {m.arch} model "
+                                  f"is a mixture of experts without a shared expert; name {LORA_EXPERTS} to adapt "
+                                  "the routed experts' projections")
     if cfg.objective.method == "dpo":
         _check_dpo(cfg)
     if cfg.optim.warmup_steps < -1:

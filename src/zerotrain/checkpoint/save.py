@@ -84,7 +84,7 @@ class CheckpointWriter:
         self.session = comm.io.all_gather_json(uuid.uuid4().hex, "checkpoint_session")[0]
         self._staging: _Staging | None = None
         self._pending: _Pending | None = None
-        self._guarded: set[int] = set()  # optimizers whose step waits for the staging copy
+        self._guarded: set[int] = set()  # engines whose updates wait for the staging copy
 
     # ------------------------------------------------------------------ synchronous
     def save(self, step: int, engine: ZeroEngine, extra: dict | None = None):
@@ -130,9 +130,9 @@ class CheckpointWriter:
         if self._staging is None or not self._staging.fits(engine):
             self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
         staging, step_count = self._staging, engine.step_count
-        if id(engine.optimizer) not in self._guarded:
-            engine.optimizer.register_step_pre_hook(lambda *_: self._wait_staged())
-            self._guarded.add(id(engine.optimizer))
+        if id(engine) not in self._guarded:  # every update of the engine's state (with --ep: both engines')
+            engine.register_update_pre_hook(lambda: self._wait_staged())  # looked up at each update, not bound now
+            self._guarded.add(id(engine))
         pending = _Pending(step, base)
         if not staging.copy_in_background:
             staging.copy_from(engine, step_count)  # queued on the training stream: ordered before the update
@@ -411,7 +411,7 @@ class _Staging:
     def __init__(self, engine: ZeroEngine, rank: int, world_size: int):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
-        self.device = engine.flat_params.device
+        self.device = engine.device
         self.copy_in_background = self.device.type == "cpu"
         pin = self.device.type == "cuda"
         self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
@@ -420,19 +420,20 @@ class _Staging:
         self._copied = None
 
     def fits(self, engine: ZeroEngine) -> bool:
-        return engine.layout is self.layout and engine.flat_params.device == self.device
+        return engine.layout is self.layout and engine.device == self.device
 
     def copy_from(self, engine: ZeroEngine, step_count: int) -> None:
         non_blocking = not self.copy_in_background  # CUDA: queued, not waited for
+        (_, flat), *others = shard_parts(engine)  # the flat layout's shard (with --ep the dense engine's), then
         with torch.no_grad():
             at = 0
-            for part in engine.master_views():  # the masters where they lie, in shard order
+            for part in flat.master_views():  # the masters where they lie, in shard order
                 self.master[at : at + part.numel()].copy_(part, non_blocking=non_blocking)
                 at += part.numel()
-            self.exp_avg.copy_(engine.exp_avg, non_blocking=non_blocking)
-            self.exp_avg_sq.copy_(engine.exp_avg_sq, non_blocking=non_blocking)
+            self.exp_avg.copy_(flat.exp_avg, non_blocking=non_blocking)
+            self.exp_avg_sq.copy_(flat.exp_avg_sq, non_blocking=non_blocking)
             # expert parallelism: the expert engine's shard, copied whole (it is a fraction of the experts)
-            self.experts = {prefix + k: v.detach().cpu().clone() for prefix, part in shard_parts(engine) if prefix
+            self.experts = {prefix + k: v.detach().cpu().clone() for prefix, part in others
                             for k, v in part.shard_state_dict().items()}
         self.step.fill_(step_count)
         if self.device.type == "cuda":

@@ -375,7 +375,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         explicit = bool(cfg.attn_softcap) or cfg.attn_sinks  # what SDPA cannot compute: no causal mask of its own
         masked = documents or 0 < window < seq_len or explicit
         kernel = layers.document_kernel(device, cfg.head_dim) if masked else ""
-        eager = explicit and kernel != "flex"  # softcapped_attention: it copies the KV heads itself
+        eager = explicit_scores(cfg, device)  # softcapped_attention: it copies the KV heads itself
         # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
         repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex" and not eager
                     and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
@@ -429,6 +429,13 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     working = (token_logps_working_set if objective == "dpo" else loss_working_set)(s, bool(cfg.final_softcap))
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
             "total": blocks + embedding + head + total_loss, "working": working}
+
+
+def explicit_scores(cfg: ModelConfig, device: str) -> bool:
+    """Whether the attention computes its scores itself (layers.softcapped_attention: Gemma 2's soft-cap, gpt-oss's
+    sinks, where FlexAttention does not run), whose backward keeps the probabilities and not its output as SDPA's
+    does."""
+    return (bool(cfg.attn_softcap) or cfg.attn_sinks) and layers.document_kernel(device, cfg.head_dim) != "flex"
 
 
 def rotary_bases(cfg: ModelConfig, windows: list[int]) -> int:

@@ -18,26 +18,33 @@ The full A is drawn from the seed on every rank and each rank keeps its slice, s
 every TP degree and world size.
 
 Dropout (peft's: on the adapters' input only) draws each row's mask from a generator seeded by (seed, step, the
-row's index in the step's global batch, the adapter) alone, over the full model's input features. So the masks
-do not depend on how the global batch is split (ranks, micro-batches, TP degree: the TP ranks of a replica agree
-on a replicated input, and a row-parallel base's slice of the input gets its slice of the full mask), a recomputed
-forward (activation checkpointing) draws what the first did, and a resumed run what the uninterrupted one did.
-The masks apply only inside `dropout_rows`, which the training loop opens around each micro-batch's forward and
-backward: validation, evaluation and generation never drop.
+row's index in the step's global batch, the adapter's name) alone, over the full model's input features. So the
+masks do not depend on how the global batch is split (ranks, micro-batches, TP degree: the TP ranks of a replica
+agree on a replicated input, and a row-parallel base's slice of the input gets its slice of the full mask) nor on
+which other linears have adapters, a recomputed forward (activation checkpointing) draws what the first did, and a
+resumed run what the uninterrupted one did. A mixture of experts' shared expert reads the layer's tokens flattened
+(rows x positions, features): the same masks, per row and position. A routed expert (--lora-targets experts) reads
+only the rows routed to it, whose tokens it does not know: each call draws its rows' masks from one generator
+seeded by (every key of the micro-batch's rows, the adapter's name), so a recomputed forward and a resumed run
+draw what the first did at the same split, but another split (which decides what a micro-batch routes to the
+expert) draws others. The masks apply only inside `dropout_rows`, which the training loop opens around each
+micro-batch's forward and backward: validation, evaluation and generation never drop.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zerotrain.config import LoraConfig
+from zerotrain.config import LORA_EXPERTS, LoraConfig
 
 from .layers import ColumnParallelLinear, ReduceFromTP, RowParallelLinear, TPSlice, copy_to_tp, sum_over_replicas
+from .moe import moe_layers
 
 
 def lora_scale(cfg: LoraConfig) -> float:
@@ -93,18 +100,39 @@ def row_keys(seed: int, step: int, rows) -> list[int]:
     return [_mix32((row & _MASK32) ^ base) for row in rows]
 
 
+def adapter_key(name: str) -> int:
+    """An adapter's 32 bits in the dropout's seeds: from its linear's name, so not from which others are adapted."""
+    return zlib.crc32(name.encode())
+
+
+def _generator(key: int, adapter: int, device: torch.device) -> torch.Generator:
+    seed = (_mix32(key ^ _mix32(adapter ^ 0x9E3779B9)) << 32) | _mix32(key ^ _mix32(adapter ^ 0x85EBCA6B))
+    return torch.Generator(device).manual_seed(seed)
+
+
 def keep_mask(keys: list[int], adapter: int, features: torch.Tensor | None, in_features: int, positions: int,
               p: float, device: torch.device) -> torch.Tensor:
     """Which inputs an adapter keeps: [rows, positions, features] bools, each False with probability p.
 
-    Row b's [positions, in_features] draws come from a generator seeded by (keys[b], the adapter's index in the
-    model) alone, so they are the same on every rank and split, and as often as they are asked for; `features`: the
-    indices of those this rank holds (a row-parallel base's input slice), None for all.
+    Row b's [positions, in_features] draws come from a generator seeded by (keys[b], the adapter's key) alone, so
+    they are the same on every rank and split, and as often as they are asked for; `features`: the indices of those
+    this rank holds (a row-parallel base's input slice), None for all.
     """
     drawn = torch.empty(len(keys), positions, in_features, device=device)
     for row, key in zip(drawn, keys):
-        seed = (_mix32(key ^ _mix32(adapter ^ 0x9E3779B9)) << 32) | _mix32(key ^ _mix32(adapter ^ 0x85EBCA6B))
-        row.uniform_(generator=torch.Generator(device).manual_seed(seed))
+        row.uniform_(generator=_generator(key, adapter, device))
+    return (drawn if features is None else drawn[..., features]) >= p
+
+
+def routed_keep_mask(keys: list[int], adapter: int, features: torch.Tensor | None, in_features: int, rows: int,
+                     p: float, device: torch.device) -> torch.Tensor:
+    """Which inputs a routed expert's adapter keeps of the `rows` routed to it: [rows, features] bools, each False
+    with probability p, drawn by one generator seeded by every key of the micro-batch's rows and the adapter's key
+    (the expert does not know its rows' tokens: the masks follow the split, see the module docstring)."""
+    folded = 0
+    for key in keys:
+        folded = _mix32(folded ^ key)
+    drawn = torch.empty(rows, in_features, device=device).uniform_(generator=_generator(folded, adapter, device))
     return (drawn if features is None else drawn[..., features]) >= p
 
 
@@ -120,11 +148,14 @@ class DropoutRows:
 
 class LoRADropout(nn.Module):
     """Dropout on an adapter's input, its masks drawn per row by generators keyed by the micro-batch's rows
-    (keep_mask), never by torch's global generator; none outside a training micro-batch (`dropout_rows`)."""
+    (keep_mask; a routed expert's by routed_keep_mask), never by torch's global generator; none outside a training
+    micro-batch (`dropout_rows`)."""
 
-    def __init__(self, p: float, adapter: int, features: torch.Tensor | None, in_features: int, rows: DropoutRows):
+    def __init__(self, p: float, adapter: int, features: torch.Tensor | None, in_features: int, rows: DropoutRows,
+                 routed: bool = False):
         super().__init__()
         self.p, self.adapter, self.features, self.in_features, self.rows = p, adapter, features, in_features, rows
+        self.routed = routed
 
     # eager under --compile: the keys change every micro-batch and the generators are made per row, which a
     # compiled graph would guard on and recompile for
@@ -133,7 +164,12 @@ class LoRADropout(nn.Module):
         keys = self.rows.keys
         if keys is None or not self.training:
             return x
-        keep = keep_mask(keys, self.adapter, self.features, self.in_features, x.shape[1], self.p, x.device)
+        if self.routed:  # (routed rows, features)
+            keep = routed_keep_mask(keys, self.adapter, self.features, self.in_features, len(x), self.p, x.device)
+        else:  # (rows, positions, features), or a shared expert's (rows x positions, features)
+            positions = x[..., 0].numel() // len(keys)
+            keep = keep_mask(keys, self.adapter, self.features, self.in_features, positions, self.p,
+                             x.device).view(x.shape)
         return (x * keep).mul_(1 / (1 - self.p))  # saves the bool mask for the backward, as nn.Dropout does
 
     def extra_repr(self) -> str:
@@ -156,10 +192,19 @@ def dropout_rows(model: nn.Module, step: int, rows: range):
 
 
 def adapted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the blocks' linears named in `targets` (their last name part), in the model's order."""
+    """(name, module) of the blocks' linears named in `targets` (their last name part), in the model's order; a
+    mixture of experts' routed experts' linears where `targets` names them (LORA_EXPERTS), and only then."""
     kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    routed = routed_expert_linears(model)
     return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, kinds) and n.rsplit(".", 1)[-1] in targets and n != "lm_head"]
+            if isinstance(m, kinds) and n != "lm_head"
+            and (LORA_EXPERTS in targets if id(m) in routed else n.rsplit(".", 1)[-1] in targets)]
+
+
+def routed_expert_linears(model: nn.Module) -> set[int]:
+    """The ids of the routed experts' linears (not the routers', nor a shared expert's)."""
+    return {id(m) for moe in moe_layers(model) for expert in moe.local_experts() for m in expert.modules()
+            if isinstance(m, nn.Linear)}
 
 
 def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0, comm=None, device=None,
@@ -176,7 +221,8 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
     generator = torch.Generator().manual_seed(seed)
     slices = {}
     rows = DropoutRows(seed)
-    for index, (name, module) in enumerate(adapted_modules(model, cfg.modules(model.cfg.arch))):
+    routed = routed_expert_linears(model)
+    for name, module in adapted_modules(model, cfg.modules(model.cfg.arch)):
         base_slice = base_slices.get(name + ".weight")
         out_full, in_full = base_slice.full_shape if base_slice is not None else tuple(module.weight.shape)
         down = torch.empty(cfg.rank, in_full, device="cpu")  # drawn on the CPU also for a model on the meta device
@@ -199,8 +245,8 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
         if split == "row":
             features = torch.cat([torch.arange(lo, hi, device=at) for lo, hi in base_slice.parts[tp_rank]])
         # as peft: no dropout module at 0 (a dropout of 0 still copies its input in training)
-        module.lora_dropout = (LoRADropout(cfg.dropout, index, features, in_full, rows) if cfg.dropout
-                               else nn.Identity())
+        module.lora_dropout = (LoRADropout(cfg.dropout, adapter_key(name), features, in_full, rows,
+                                           routed=id(module) in routed) if cfg.dropout else nn.Identity())
         module.lora_scale = lora_scale(cfg)
         module.lora_hooks = [module.register_forward_hook(_add_adapter_output)]
         if split == "column" and module.comm is not None:

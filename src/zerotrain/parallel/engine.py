@@ -762,6 +762,19 @@ class ZeroEngine:
                 self.placement.owned_values(pc).copy_(self.master[pc.shard_lo : pc.shard_hi])
         self.placement.after_update(wait)
 
+    def register_update_pre_hook(self, hook) -> None:
+        """`hook()` runs before every update of this engine's state (AdamW's step on its shard)."""
+        self.optimizer.register_step_pre_hook(lambda *_: hook())
+
+    def param_norm(self) -> torch.Tensor:
+        """The L2 norm of the parameters this rank holds (at ZeRO-3 its shard), float64 [1]."""
+        return torch.linalg.vector_norm(self.flat_params.float()).reshape(1).to(torch.float64)
+
+    @property
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat parameter buffers this rank holds."""
+        return [self.flat_params]
+
     def wait_params(self, buckets=None) -> None:
         """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
         self.placement.wait(buckets)

@@ -206,14 +206,18 @@ def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None
 
 class ExpertParallelEngine:
     """Two ZeRO engines over one model: `dense` over the DP group, `experts` over the expert replica group, both of
-    the run's stage. Reads the dense engine's attributes (its layout, flat buffer, mesh, model, optimizer); steps,
-    digests and state cover both."""
+    the run's stage. The engine interface its callers use, each member on purpose: steps, norms, digests, state,
+    bytes and the update hooks cover both; `layout` is the dense engine's (a checkpoint's `layout`; the experts'
+    is its `expert_layout`); the run's model, mesh, stage, precision, TP plan and device are the run's."""
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
         self.dense = ZeroEngine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
                                 **kwargs)
         self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
                                   **kwargs)
+        self.model, self.mesh = model, mesh
+        self.stage, self.precision, self.device = self.dense.stage, self.dense.precision, self.dense.device
+        self.tp_slices = self.dense.tp_slices  # the model's TP plan (both engines')
         self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
         self._join_at_moe_output(model)
         if self.dense.stage == 3:
@@ -259,16 +263,43 @@ class ExpertParallelEngine:
 
         return hook
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["dense"], name)
-
     @property
     def parts(self) -> list[ZeroEngine]:
         return [self.dense, self.experts]
 
     @property
+    def layout(self):
+        """The dense engine's layout (over the DP group); the experts' is experts.layout."""
+        return self.dense.layout
+
+    @property
     def flat_buffers(self) -> list[torch.Tensor]:
         return [self.dense.flat_params, self.experts.flat_params]
+
+    @property
+    def step_count(self) -> int:
+        return self.dense.step_count  # the two step together
+
+    def register_update_pre_hook(self, hook) -> None:
+        """`hook()` runs before every update of either engine's state (an async save's staging copy waits there)."""
+        self.dense.register_update_pre_hook(hook)
+        self.experts.register_update_pre_hook(hook)
+
+    def param_norm(self) -> torch.Tensor:
+        """The L2 norm of the parameters this rank computes with, float64 [1]: the dense values it holds and, at
+        stages 1 and 2, every expert of its EP group's blocks (their squares summed over the EP group, so that the
+        norm is --ep 1's); at ZeRO-3 its dense and expert shards (the caller sums the DP group's squares)."""
+        dense = self.dense.param_norm().square()
+        experts = self.experts.param_norm().square()
+        if self.stage != 3:
+            experts = self.mesh.ep.all_reduce(experts, "all_reduce_expert_norms")
+        return (dense + experts).sqrt()
+
+    def frozen_bytes(self) -> int:
+        return self.dense.frozen_bytes() + self.experts.frozen_bytes()
+
+    def expected_state_bytes_per_value(self) -> int:
+        return self.dense.expected_state_bytes_per_value()  # the run's precision's, both engines'
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True):

@@ -97,7 +97,7 @@ def check_memory(engine, comm: Comm, step: int = 0) -> MemoryReport:
     Measured from the storages behind the optimizer's own state tensors, so it is checked again after
     updates (every --check-every steps and at the end): state AdamW allocates later is counted then.
     """
-    measured = held_bytes(engine.optimizer_state_tensors(), exclude=getattr(engine, "flat_buffers", [engine.flat_params]))
+    measured = held_bytes(engine.optimizer_state_tensors(), exclude=engine.flat_buffers)
     per_rank = comm.all_gather_rows(torch.tensor([measured], dtype=torch.int64), "all_gather_memory")
     report = MemoryReport(
         per_rank=[int(v) for v in per_rank.view(-1).tolist()],

@@ -116,7 +116,7 @@ def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, los
     count), so that the step's loss is the token loss plus the weighted balancing loss, as transformers' is.
     """
     forward = engine.model if forward is None else forward
-    device = engine.flat_params.device
+    device = engine.device
     loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
     last = len(batch.micro_batches) - 1
     row = engine.mesh.dp_rank * sum(len(m.inputs) for m in batch.micro_batches)
@@ -295,7 +295,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
     """
     t_start, rss_before = time.perf_counter(), current_rss()
     run = _start(cfg, comm, announce)
-    run.start_memory = (rss_before, peak_memory(run.engine.flat_params.device)["peak_host_bytes"])
+    run.start_memory = (rss_before, peak_memory(run.engine.device)["peak_host_bytes"])
     step, result = run.start, None
     try:
         while step < cfg.loop.steps:
@@ -457,7 +457,7 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
     the metrics."""
     done = record["step"]
     record.update(run.throughput.of_step(record["step_ms"] / 1000, record["tokens"], record["batch_tokens"]),
-                  **peak_memory(run.engine.flat_params.device))
+                  **peak_memory(run.engine.device))
     if cfg.loop.eval_every and (done % cfg.loop.eval_every == 0 or done == cfg.loop.steps):
         record.update(run.objective.validate(run.engine, run.val_source))
     run.records.append(record)
@@ -481,8 +481,7 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     engine = run.engine
     digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
     run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
-    norm = torch.linalg.vector_norm(engine.flat_params.float()).reshape(1).to(torch.float64)
-    norms = comm.all_gather_rows(norm, "all_gather_norms").view(-1).tolist()
+    norms = comm.all_gather_rows(engine.param_norm(), "all_gather_norms").view(-1).tolist()
     if engine.stage == 3:  # each rank holds its shard: the norm of what it computes with is its DP group's (d*T + t)
         T = run.mesh.tp_size
         norms = [math.sqrt(sum(n * n for q, n in enumerate(norms) if q % T == r % T)) for r in range(len(norms))]
@@ -615,8 +614,8 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     """Parameter, gradient and optimizer bytes each rank holds (parameters and gradients: between steps, and the most
     held at once during one, stage 3's units whole and stage 2's buckets in flight included), what its start read
     from --init-from's files or drew from the seed, its peak resident memory and, on CUDA, its device's peak."""
-    peaks = peak_memory(engine.flat_params.device)
-    buffers = getattr(engine, "flat_buffers", [engine.flat_params])  # expert parallelism: the experts' too
+    peaks = peak_memory(engine.device)
+    buffers = engine.flat_buffers  # expert parallelism: the experts' too
     params = sum(b.numel() * b.element_size() for b in buffers)
     row = torch.tensor([
         params,

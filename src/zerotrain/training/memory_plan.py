@@ -82,13 +82,13 @@ from typing import NamedTuple
 
 import torch
 
-from zerotrain.config import REFERENCE_FREE, Config, validate
+from zerotrain.config import LORA_EXPERTS, REFERENCE_FREE, Config, validate
 from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
-from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes
+from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, explicit_scores
 from zerotrain.model.layers import kv_heads_per_rank
-from zerotrain.model.lora import adapted_modules, add_adapters
+from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, stage2_bucket_budget
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
@@ -325,85 +325,146 @@ def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -
     """What a LoRA run saves for the backward beyond (+) or short of (-) the model's formula, which is full
     training's (activation_memory.py):
 
-        + each adapter's A output (B T R), which its B reads
+        + each adapter's A output (R values for each row it reads: B T, a routed expert's projection N k over the
+          layer's experts, N = B T tokens, top-k)
         + with --lora-dropout, what the dropped inputs add (`dropped_inputs`)
         - what only a trained base weight's gradient needs: the token ids (and GPT-2's positions, and under a TP
           split of the vocabulary the ids outside the rank's rows) of the frozen embedding; the frozen head's weight
-          gradient (the loss computes none); Llama's normalized inputs of its RMSNorms
-          (a frozen gain's); a linear's input that no adapter reads (the norms' outputs, before q/k/v and gate/up;
-          the MLP's down-projection input); the first norm's internals (its input, the embedding's output, needs
-          no gradient); Gemma's (1 + w) norms keep their normalized input in fp32 (its q/k norms' too), which a
-          frozen gain does not need either
+          gradient (the loss computes none); the Llama family's normalized inputs of its RMSNorms (a frozen gain's;
+          Qwen3's and OLMoE's q/k norms' too); a linear's input that no adapter reads (the norms' outputs, before
+          q/k/v and gate/up, or a mixture of experts' router and shared expert; the MLP's down-projection input; a
+          mixture of experts' routed rows, N k C, and their experts' down-projection inputs, N k W, unless
+          --lora-targets experts adapts them; a shared expert's down-projection input); the first norm's internals
+          (its input, the embedding's output, needs no gradient); Gemma's (1 + w) norms keep their normalized input
+          in fp32 (its q/k norms' too), which a frozen gain does not need either
 
     Recomputed blocks keep only their inputs: then the embedding's ids and the head's weight gradient alone differ.
     """
     if not cfg.lora.rank:
         return 0
-    m, size = cfg.model, 2 if cfg.parallel.precision == "bf16" else 4
+    m, size, tp = cfg.model, 2 if cfg.parallel.precision == "bf16" else 4, cfg.parallel.tp
     B, T, C = micro_batch, m.seq_len, m.n_embd
-    BTC, BTF = B * T * C * size, B * T * m.ffn_width // cfg.parallel.tp * size
+    BTC, BTF = B * T * C * size, B * T * m.ffn_width // tp * size
     fewer = B * T * INDEX + (T * INDEX if m.arch == "gpt2" else 0)  # the embedding's ids and positions
-    fewer += B * T if splits_vocab(m.vocab_size, cfg.parallel.tp) else 0  # the ids outside the rank's rows
+    fewer += B * T if splits_vocab(m.vocab_size, tp) else 0  # the ids outside the rank's rows
     normalized = B * T * C * FP32 if m.gemma else BTC  # what an RMSNorm keeps for its gain's gradient alone
-    fewer += normalized if m.arch == "llama" or m.gemma else 0  # the final RMSNorm's normalized input
+    fewer += normalized if m.llama_family else 0  # the final RMSNorm's normalized input
     if cfg.parallel.activation_checkpointing == "full":
         return -fewer  # the head runs under a checkpoint too, which saves its input either way
     if cfg.objective.method != "dpo":  # DPO's head keeps no gradient (activation_memory.token_logps)
-        fewer += vocab_rows(m.vocab_size, cfg.parallel.tp) * C * size  # the head's weight gradient
+        fewer += vocab_rows(m.vocab_size, tp) * C * size  # the head's weight gradient
     if cfg.parallel.activation_checkpointing == "blocks":
         return -fewer
     targets = set(cfg.lora.modules(m.arch))
+    heads = m.n_head // tp + kv_heads_per_rank(m.kv_heads, tp)  # the q and k heads a rank normalizes
     if m.gemma:  # four norms a block; the first's input, rsqrt and gain (1 + w); q/k norms per head
         fewer += (4 * m.n_layer - 1) * normalized + 2 * B * T * C * FP32 + B * T * FP32 + C * FP32
         if m.qk_norm:
-            heads = m.n_head // cfg.parallel.tp + kv_heads_per_rank(m.kv_heads, cfg.parallel.tp)
             fewer += m.n_layer * B * T * heads * m.head_dim * FP32
-        unread = [BTC * (not targets & {"q_proj", "k_proj", "v_proj"}), BTC * (not targets & {"gate_proj", "up_proj"}),
-                  BTF * ("down_proj" not in targets)]
-    elif m.arch == "llama":
+    elif m.llama_family:
         fewer += 2 * m.n_layer * BTC + B * T * C * FP32 + B * T * FP32  # normalized; the first's input and rsqrt
-        unread = [BTC * (not targets & {"q_proj", "k_proj", "v_proj"}), BTC * (not targets & {"gate_proj", "up_proj"}),
-                  BTF * ("down_proj" not in targets)]
+        if m.qk_norm or m.qk_norm_whole:  # Qwen3's per head, OLMoE's of the whole q and k: their normalized inputs
+            fewer += m.n_layer * B * T * heads * m.head_dim * size
     else:
         fewer += BTC + 2 * B * T * size  # the first LayerNorm's input, mean and rstd
-        unread = [BTC * ("c_attn" not in targets), BTC * ("c_fc" not in targets), BTF * ("c_proj" not in targets)]
-    fewer += m.n_layer * sum(unread)
+    if m.qk_norm or m.qk_norm_whole:
+        fewer += first_block_qk_norms(cfg, B, targets)
+    if m.llama_family:
+        attention, mlp, down = {"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, "down_proj"
+    else:
+        attention, mlp, down = {"c_attn"}, {"c_fc"}, "c_proj"
+    for layer in range(m.n_layer):
+        fewer += BTC * (not targets & attention)
+        if not m.has_experts(layer):
+            fewer += BTC * (not targets & mlp) + BTF * (down not in targets)
+            continue
+        # a mixture of experts: the router's linear is frozen; the shared expert (Qwen2-MoE) is adapted as an MLP
+        shared = m.shared_expert_width // tp
+        fewer += BTC * (not (shared and targets & mlp)) + B * T * shared * size * (down not in targets)
+        if LORA_EXPERTS not in targets:  # the rows routed to the experts and their products, N k (C + W)
+            fewer += B * T * m.experts_per_token * (C + m.expert_ffn // tp) * size
     adapted = adapted_modules(model, cfg.lora.modules(m.arch))
-    dropped = dropped_inputs(model, adapted, size) if cfg.lora.dropout else 0
-    return B * T * (len(adapted) * cfg.lora.rank * size + dropped) - fewer
+    keeps_output = not explicit_scores(m, cfg.launch.device)
+    dropped = dropped_inputs(model, adapted, size, keeps_output) if cfg.lora.dropout else 0
+    return B * T * (adapter_rows(model, adapted) * cfg.lora.rank * size + dropped) - fewer
 
 
-# The linears of a block that read one input, in the order of the forward; the attention's output projection is
-# read from the attention's output, which the attention keeps for its own backward once its inputs need gradients.
-INPUT_GROUPS = {"llama": (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)),
-                "gpt2": (("c_attn",), ("attn.c_proj",), ("c_fc",), ("mlp.c_proj",))}
-AFTER_ATTENTION = 1
+def first_block_qk_norms(cfg: Config, B: int, targets: set[str]) -> int:
+    """What the first block's q or k norm keeps for the backward that a LoRA run's does not, where that projection
+    has no adapter: its input (the frozen embedding's projection) needs no gradient, so the norm keeps nothing: its
+    fp32 input and rsqrt (Gemma's gain 1 + w too; the normalized input is not kept in any block)."""
+    m, tp, T = cfg.model, cfg.parallel.tp, cfg.model.seq_len
+    fewer = 0
+    for projection, heads in (("q_proj", m.n_head // tp), ("k_proj", kv_heads_per_rank(m.kv_heads, tp))):
+        if projection not in targets:
+            rsqrts = 1 if m.qk_norm_whole else heads  # OLMoE's: one per token of the whole projection
+            fewer += B * T * heads * m.head_dim * FP32 + B * T * rsqrts * FP32 + (m.head_dim * FP32 if m.gemma else 0)
+    return fewer
 
 
-def dropped_inputs(model: torch.nn.Module, adapted: list, size: int) -> int:
+def adapter_rows(model: torch.nn.Module, adapted: list) -> int:
+    """The rows the adapters' A read per token: one for each linear every token goes through; k (top-k) for each
+    projection of a mixture of experts' routed experts, over all of them (each reads only the rows routed to it)."""
+    routed = routed_expert_linears(model)
+    projections = {(name.split(".")[2], name.rsplit(".", 1)[-1]) for name, module in adapted if id(module) in routed}
+    return sum(id(module) not in routed for _, module in adapted) + model.cfg.experts_per_token * len(projections)
+
+
+# The linears of a block that read one input, in the order of the forward: the attention's, then the MLP's (a
+# dense one's, a shared expert's, or a routed expert's on its rows); the attention's output projection is read from
+# the attention's output, which the attention keeps for its own backward once its inputs need gradients.
+INPUT_GROUPS = {"llama": ((("q_proj", "k_proj", "v_proj"), ("o_proj",)), (("gate_proj", "up_proj"), ("down_proj",))),
+                "gpt2": ((("c_attn",), ("attn.c_proj",)), (("c_fc",), ("mlp.c_proj",)))}
+AFTER_ATTENTION = ("o_proj",), ("attn.c_proj",)
+
+
+def dropped_inputs(model: torch.nn.Module, adapted: list, size: int, keeps_output: bool = True) -> int:
     """Bytes per token that --lora-dropout saves beyond the adapters' inputs without it.
 
     Without dropout, the adapters of one input share it: A's backward keeps it once. With dropout each adapter
     keeps its own dropped copy (w values of `size` bytes, its rank's share of the input's width w), and the mask
-    its dropout needs (w bytes), but only where the input needs a gradient: after the first adapted linear of the
-    forward (the frozen base's activations before it need none). The attention's output, a copy of which the
-    output projection's adapter keeps, the attention then keeps as well.
+    its dropout needs (w bytes), but only where the input needs a gradient: after an adapted linear upstream in the
+    forward (the frozen base's activations before the first one need none). The attention's output, a copy of
+    which the output projection's adapter keeps, the attention then keeps as well where its backward needs its
+    output (`keeps_output`: SDPA's and FlexAttention's, not explicit scores'). A mixture of experts' routed
+    experts read their rows, k per token (top-k) over the layer's experts, beside the shared expert's tokens: each
+    its own branch from the layer's input.
     """
-    by_name = dict(adapted)
-    extra, needs_grad = 0, False
-    groups = INPUT_GROUPS["llama" if model.cfg.llama_family else "gpt2"]  # Qwen, Mistral, Phi-3: Llama's linears
-    for block in sorted({name.split(".")[2] for name in by_name}, key=int):  # model.layers.<i>., transformer.h.<i>.
-        for index, group in enumerate(groups):
-            widths = [module.weight.shape[1] for name, module in by_name.items()
-                      if name.split(".")[2] == block and any(name.endswith("." + n) for n in group)]
-            if not widths:
-                continue
-            w = widths[0]
-            extra += (len(widths) - 1) * w * size
-            if needs_grad:
-                extra += len(widths) * w + (w * size if index == AFTER_ATTENTION else 0)
-            needs_grad = True
+    routed = routed_expert_linears(model)
+    k = model.cfg.experts_per_token
+    attention, mlp = INPUT_GROUPS["llama" if model.cfg.llama_family else "gpt2"]  # Qwen, Mistral, Phi-3: Llama's
+    blocks: dict[int, list] = {}
+    for name, module in adapted:  # model.layers.<i>., transformer.h.<i>.
+        blocks.setdefault(int(name.split(".")[2]), []).append((name, module))
+    extra, upstream = 0, False
+    for block in sorted(blocks):
+        linears = [(n, m) for n, m in blocks[block] if id(m) not in routed]
+        one_expert = {n.rsplit(".", 1)[-1]: (n, m) for n, m in reversed(blocks[block]) if id(m) in routed}
+        more, upstream = chain_of_inputs(attention, linears, upstream, 1, size, keeps_output)
+        extra += more
+        after = upstream
+        for branch, rows in ((linears, 1), (list(one_expert.values()), k)):  # from the MLP's input, side by side
+            more, needed = chain_of_inputs(mlp, branch, upstream, rows, size)
+            extra, after = extra + more, after or needed
+        upstream = after
     return extra
+
+
+def chain_of_inputs(groups, linears: list, needs_grad: bool, rows: int, size: int,
+                    keeps_output: bool = False) -> tuple[int, bool]:
+    """`dropped_inputs` of one chain of inputs (`groups`, each read by the linears whose names end in one of its
+    names), `rows` per token; the bytes per token, and whether the chain's output needs a gradient."""
+    extra = 0
+    for group in groups:
+        widths = [module.weight.shape[1] for name, module in linears if any(name.endswith("." + n) for n in group)]
+        if not widths:
+            continue
+        w = widths[0]
+        extra += rows * (len(widths) - 1) * w * size
+        if needs_grad:
+            extra += rows * (len(widths) * w + (w * size if keeps_output and group in AFTER_ATTENTION else 0))
+        needs_grad = True
+    return extra, needs_grad
 
 
 def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
@@ -746,7 +807,7 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     rest = sum(v for k, v in plan.rows.items() if k in ("activations", "reference", "loss_working_set", "communication",
                                                         "all_to_all")
                or k == "checkpoint_staging" and plan.device == "cpu")
-    device = device_memory(engine.flat_params.device)
+    device = device_memory(engine.device)
     for rank, measured in enumerate(rows):
         values = dict(zip(STATE, measured))
         peak = measured[-2] + measured[-1] + values["frozen_base"] + values["optimizer_state"] + \

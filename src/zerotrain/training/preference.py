@@ -250,7 +250,7 @@ class Preference:
             first = (f * mesh.dp_size + mesh.dp_rank) * B
             ids = [j if j < n else 0 for j in range(first, first + B)]
             real = [b for b in range(B) if first + b < n]
-            yield ids, real, next(iter(on_device([source.rows(ids)], engine.flat_params.device)))
+            yield ids, real, next(iter(on_device([source.rows(ids)], engine.device)))
 
     @torch.no_grad()
     def validate(self, engine, source: PreferenceSource) -> dict:
@@ -287,7 +287,7 @@ class Preference:
         rows are numbered by the pair's place in the global batch (chosen 2g, rejected 2g + 1), whatever the split.
         """
         forward = engine.model if forward is None else forward
-        device = engine.flat_params.device
+        device = engine.device
         loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
         self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
         last = len(batch.micro_batches) - 1

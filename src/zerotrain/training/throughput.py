@@ -18,7 +18,8 @@ Embedding lookups, biases, norms (Qwen3's q/k norms too), activations, softmax a
 recompute of --activation-checkpointing is not counted: MFU counts the model's work, not the hardware's. Every
 position of the batch counts as a token (padding too: the matmuls run on it). tests/test_throughput.py checks the
 formula against torch's FlopCounterMode on the model's forward and backward. A LoRA run (--lora-rank) counts
-what it computes: 4 N for the frozen base (no weight gradients), 6 per adapter weight (lora_flops_per_token).
+what it computes: 4 N for the frozen base (no weight gradients), 6 per adapter weight a token goes through (a
+routed expert's, --lora-targets experts, for each of its top-k experts: lora_flops_per_token).
 
 Per rank: the global batch's model FLOPs over the ranks. TP ranks split a replica's matmuls, DP ranks the batch;
 the head each TP rank computes again is the model's work once. MFU = model FLOP/s per rank / the peak of one device.
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from zerotrain.config import Config, LoraConfig, ModelConfig
+from zerotrain.config import LORA_EXPERTS, Config, LoraConfig, ModelConfig
 from zerotrain.data.corpus import cache_root
 from zerotrain.durable import write_json
 
@@ -120,54 +121,88 @@ def model_flops_per_token(m: ModelConfig, lora: LoraConfig | None = None) -> int
     return 6 * matmul_params(m) + 12 * m.n_layer * m.seq_len * m.n_head * m.head_dim
 
 
-def adapted_shapes(m: ModelConfig, lora: LoraConfig) -> list[tuple[str, int, int]]:
-    """(module name, in, out) of each linear of one block that carries adapters, in the block's order."""
-    d, q, kv, f = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim, m.ffn_width
-    if m.llama_family:
-        linears = [("q_proj", d, q), ("k_proj", d, kv), ("v_proj", d, kv), ("o_proj", q, d), ("gate_proj", d, f),
-                   ("up_proj", d, f), ("down_proj", f, d)]
-    else:  # GPT-2's c_proj names the attention's output and the MLP's down projection alike
-        linears = [("c_attn", d, 3 * d), ("c_proj", d, d), ("c_fc", d, f), ("c_proj", f, d)]
+def adapted_shapes(m: ModelConfig, lora: LoraConfig, layer: int) -> list[tuple[str, int, int]]:
+    """(module name, in, out) of each linear of block `layer` that carries adapters, in the block's order, as a
+    token goes through them: a mixture of experts' routed experts' projections (--lora-targets experts) once for
+    each of the top-k experts it is routed to, a shared expert's as a dense MLP's (`all` adapts it, not the routed
+    experts)."""
+    d, q, kv = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim
     targets = lora.modules(m.arch)
-    return [linear for linear in linears if linear[0] in targets]
+    if not m.llama_family:  # GPT-2's c_proj names the attention's output and the MLP's down projection alike
+        f = m.ffn_width
+        linears = [("c_attn", d, 3 * d), ("c_proj", d, d), ("c_fc", d, f), ("c_proj", f, d)]
+        return [linear for linear in linears if linear[0] in targets]
+    linears = [("q_proj", d, q), ("k_proj", d, kv), ("v_proj", d, kv), ("o_proj", q, d)]
+    f = m.ffn_width if not m.has_experts(layer) else m.shared_expert_width  # a MoE layer's shared expert, if any
+    if f:
+        linears += [("gate_proj", d, f), ("up_proj", d, f), ("down_proj", f, d)]
+    shapes = [linear for linear in linears if linear[0] in targets]
+    if m.has_experts(layer) and LORA_EXPERTS in targets:
+        w = m.expert_ffn
+        shapes += m.experts_per_token * [("experts.gate_proj", d, w), ("experts.up_proj", d, w),
+                                         ("experts.down_proj", w, d)]
+    return shapes
 
 
 def lora_flops_per_token(m: ModelConfig, lora: LoraConfig) -> int:
     """A LoRA run's FLOPs per token, forward and backward, attention's included: each frozen weight 2 forward and 2
-    for its input's gradient (no weight gradient), each adapter weight (R x (in + out) per adapted linear) 6 as a
-    trained weight's, attention 12 L T a; less what autograd skips in the first block (first_block_skips)."""
-    adapters = m.n_layer * lora.rank * sum(i + o for _, i, o in adapted_shapes(m, lora))
+    for its input's gradient (no weight gradient), each adapter weight (R x (in + out) per adapted linear a token
+    goes through) 6 as a trained weight's, attention 12 L T a; less what autograd skips in the first block
+    (first_block_skips)."""
+    adapters = lora.rank * sum(i + o for layer in range(m.n_layer) for _, i, o in adapted_shapes(m, lora, layer))
     attention = 12 * m.n_layer * m.seq_len * m.n_head * m.head_dim
     return 4 * matmul_params(m) + 6 * adapters + attention - first_block_skips(m, lora)
 
 
 def first_block_skips(m: ModelConfig, lora: LoraConfig) -> int:
-    """The FLOPs per token autograd does not compute in a LoRA run's first block, whose input (the frozen embedding)
-    needs no gradient: a linear's input gradient (its base's 2 x in x out, its A's 2 R in) wherever its input needs
-    none, and attention's backward matmuls (2 T a each: dQ, dK, dP for either, dV) for the q, k, v that need none.
-    Every later block's input needs a gradient: each block has adapters, whose output joins the residual stream."""
-    d, a, kv, f, R = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim, m.ffn_width, lora.rank
+    """The FLOPs per token autograd does not compute before a LoRA run's first adapters: the blocks before the first
+    that has adapters (a mixture of experts' dense layers, where only `experts` are adapted) compute no backward at
+    all, and in that first block, whose input (the frozen embedding's, or those blocks' output) needs no gradient, a
+    linear's input gradient (its base's 2 x in x out, its A's 2 R in) wherever its input needs none, and attention's
+    backward matmuls (2 T a each: dQ, dK, dP for either, dV) for the q, k, v that need none. A mixture of experts'
+    router (and shared expert's gate), its top-k experts and its shared expert read the MLP's input as a dense MLP
+    does. Every later block's input needs a gradient: the adapters' output joins the residual stream."""
+    d, a, kv, R = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim, lora.rank
+    first = next((layer for layer in range(m.n_layer) if adapted_shapes(m, lora, layer)), 0)
+    attention_params = d * (a + 2 * kv) + a * d
+    skipped = sum(2 * (attention_params + mlp_active_params(m, layer)) + 8 * m.seq_len * a for layer in range(first))
     targets = set(lora.modules(m.arch))
     if m.llama_family:
-        q, k, v = ("q_proj" in targets), ("k_proj" in targets), ("v_proj" in targets)
-        o, up = "o_proj" in targets, bool({"gate_proj", "up_proj"} & targets)
+        q, k, v, o = (name in targets for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
         linears = [("q_proj", d, a, False), ("k_proj", d, kv, False), ("v_proj", d, kv, False)]
-        mlp = [("gate_proj", d, f), ("up_proj", d, f)]
-        down = ("down_proj", f, d)
     else:
         q = k = v = "c_attn" in targets
-        o, up = "c_proj" in targets, "c_fc" in targets  # c_proj: the attention's output and the MLP's alike
+        o = "c_proj" in targets  # c_proj: the attention's output and the MLP's alike
         linears = [("c_attn", d, 3 * d, False)]
-        mlp = [("c_fc", d, f)]
-        down = ("c_proj", f, d)
     attended = q or k or v  # the attention's output needs a gradient
     mlp_input = attended or o
     linears += [(("o_proj" if m.llama_family else "c_proj"), a, d, attended)]
-    linears += [(name, i, out, mlp_input) for name, i, out in mlp]
-    linears += [(*down, mlp_input or up)]
-    skipped = sum(2 * i * out + (2 * R * i if name in targets else 0) for name, i, out, needed in linears if not needed)
+    for ups, down in block_mlps(m, first):
+        linears += [(name, i, out, mlp_input) for name, i, out in ups]
+        if down is not None:
+            linears += [(*down, mlp_input or any(name in targets for name, _, _ in ups))]
+    skipped += sum(2 * i * out + (2 * R * i if name in targets else 0) for name, i, out, needed in linears if not needed)
     attention_backward = 2 * m.seq_len * a * (q + k + (q or k) + v)
     return skipped + 8 * m.seq_len * a - attention_backward
+
+
+def block_mlps(m: ModelConfig, layer: int) -> list[tuple[list[tuple[str, int, int]], tuple[str, int, int] | None]]:
+    """Block `layer`'s MLP as the linears a token goes through, by their --lora-targets names: (those reading the
+    MLP's input, the down projection reading their output), once for a dense MLP; a mixture of experts' router (and
+    shared expert's gate: never adapted, no down projection), each of the top-k experts (`experts`) and its shared
+    expert."""
+    d, f = m.n_embd, m.ffn_width
+    if not m.llama_family:
+        return [([("c_fc", d, f)], ("c_proj", f, d))]
+    if not m.has_experts(layer):
+        return [([("gate_proj", d, f), ("up_proj", d, f)], ("down_proj", f, d))]
+    w, s = m.expert_ffn, m.shared_expert_width
+    gates = [("router", d, m.n_experts + (1 if s else 0))]  # the router, and the shared expert's gate (d x 1)
+    mlps = [(gates, None)]
+    mlps += m.experts_per_token * [([(LORA_EXPERTS, d, w), (LORA_EXPERTS, d, w)], (LORA_EXPERTS, w, d))]
+    if s:
+        mlps.append(([("gate_proj", d, s), ("up_proj", d, s)], ("down_proj", s, d)))
+    return mlps
 
 
 def peak_flops(cfg: Config, device: torch.device) -> Peak:
