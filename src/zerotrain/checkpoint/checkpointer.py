@@ -117,13 +117,14 @@ class Checkpointer:
 
     All ranks construct it together (one collective, under --io-timeout). `on_commit(step)` is called on every rank
     when a checkpoint is committed (the rollback policy learns which checkpoints exist); `manifest_extra` goes into
-    every manifest (e.g. where --init-from's weights came from).
+    every manifest (e.g. where --init-from's weights came from); `on_stop_save(step)` as a stop's save of `step`
+    begins (the stop request learns that its save is under way).
     """
 
     def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], hooks: WriterHooks = WriterHooks(),
-                 manifest_extra: dict | None = None):
+                 manifest_extra: dict | None = None, on_stop_save: Callable[[int], None] | None = None):
         c = cfg.checkpoint
-        self.on_commit = on_commit
+        self.on_commit, self.on_stop_save = on_commit, on_stop_save
         self.every, self.enabled, self.last = c.every, bool(c.every or c.every_minutes or c.final_save), cfg.loop.steps
         self.clock = SaveClock(c.every_minutes, comm.rank == 0)
         # the tokenizer (the model's, with its configuration, under --init-from) travels with every checkpoint, so
@@ -209,6 +210,8 @@ class Checkpointer:
         """Under the lock: start the stop's save of the armed state, once."""
         if not self.writer.stop_saving:
             step, engine, extra, after = self._armed
+            if self.on_stop_save is not None:
+                self.on_stop_save(step)
             self.writer.start_stop_save(step, engine, extra, after)
 
     def recommit(self, step: int, engine: ZeroEngine, state: dict) -> None:
