@@ -35,9 +35,18 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
 @pytest.mark.parametrize("spec, message", [
     ("explode@step=3", ("unknown fault kind 'explode' in 'explode@step=3' "
                         "(known: kill, hang, nan, lr_spike, crash_in_save, crash_in_commit, save_error, disk_full, "
-                        "slow_staging, sigterm, group_sigint, group_sigterm, oom, slow_storage, sigterm_in_slow_step)")),
+                        "slow_staging, sigterm, group_sigint, group_sigterm, oom, slow_storage, group_sigint_in_commit, "
+                        "group_sigint_in_reference, crash_in_reference, sigterm_in_slow_step)")),
     ("crash_in_commit@step=4,rank=1", ("crash_in_commit fires on rank 0, which alone commits checkpoints, not rank 1, "
                                        "in 'crash_in_commit@step=4,rank=1'")),
+    ("group_sigint_in_commit@step=4,rank=1", ("group_sigint_in_commit fires on rank 0, which alone commits "
+                                              "checkpoints, not rank 1, in 'group_sigint_in_commit@step=4,rank=1'")),
+    ("crash_in_reference@step=0,rank=1", ("crash_in_reference fires on rank 0, which alone writes the reference, not "
+                                          "rank 1, in 'crash_in_reference@step=0,rank=1'")),
+    ("crash_in_reference@step=2", ("crash_in_reference takes step=0 (the reference is written before step 1), not "
+                                   "step=2, in 'crash_in_reference@step=2'")),
+    ("group_sigint_in_reference@step=0", ("step must be an integer >= 1, got '0' in "
+                                          "'group_sigint_in_reference@step=0'")),
     ("kill", "'kill' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@rank=1", "'kill@rank=1' names no step (format: kind@step=N[,rank=R][,factor=F])"),
     ("kill@step=x", "step must be an integer >= 0, got 'x' in 'kill@step=x'"),  # kill, hang: 0 is start-up
@@ -165,9 +174,39 @@ def test_a_crash_in_a_save_or_its_commit_exits_with_its_code_at_its_step_and_onl
     assert f"{spec.split('@')[0]} at step 4 on rank {rank}" in child.stderr
 
 
-def test_only_crash_in_commit_gives_the_writer_a_commit_hook():
+def test_only_the_commit_kinds_give_the_writer_a_commit_hook():
     assert Faults.parse("crash_in_save@step=4").for_rank(0).commit_hook() is None  # the writer's commit runs as ever
     assert callable(Faults.parse("crash_in_commit@step=4").for_rank(0).commit_hook())
+    assert callable(Faults.parse("group_sigint_in_commit@step=4").for_rank(0).commit_hook())
+    assert Faults.parse("crash_in_commit@step=4").for_rank(0).reference_hook() is None
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["whole-or-absent", "planted-in-place"])
+def test_a_crash_halfway_through_writing_the_reference_leaves_the_file_it_replaces_whole(tmp_path, planted):
+    """crash_in_reference exits halfway through the reference's write (durable.write_atomic, which the first write
+    and a resume's copy both use): the file it was replacing is still there, whole. Planted: the write in place, as
+    the resume's copy once was (shutil.copyfile): half a file, which every checkpoint recording the reference's
+    sha256 would be refused for."""
+    path = tmp_path / "dpo_reference.safetensors"
+    path.write_bytes(b"old" * 1000)
+    child = run_child(f"""
+        from zerotrain import durable
+        from zerotrain.training.faults import Faults
+        if {planted}:
+            def in_place(path, data, *, durable=True, halfway=None):
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    halfway()
+                    f.write(data[len(data) // 2 :])
+            durable.write_atomic = in_place
+        durable.write_atomic({str(path)!r}, b"new" * 1000,
+                             halfway=Faults.parse("crash_in_reference@step=0").for_rank(0).reference_hook())
+        print("written", flush=True)
+    """)
+    assert child.returncode == CRASH_IN_SAVE_EXIT and child.stdout == ""
+    assert "crash_in_reference before the first step on rank 0" in child.stderr
+    assert path.read_bytes() == (b"new" * 500 if planted else b"old" * 1000)
 
 
 LAUNCHER = """

@@ -437,6 +437,44 @@ def test_the_grouped_experts_equal_the_per_expert_loop_with_biases_and_the_clamp
     assert moe.grouped_mm_works("cpu", torch.float32) and (outs["loop"] - outs["grouped"]).abs().max() < 1e-5
 
 
+def bf16_routing(route, router, x: torch.Tensor, upstream: torch.Tensor):
+    """((weights, chosen), the gradient of x for upstream . weights) of route(x) (zerotrain's) or router(x)
+    (transformers': (logits, scores, indices))."""
+    x = x.detach().clone().requires_grad_()
+    routed = route(x) if route is not None else router(x)[1:]
+    (routed[0] * upstream).sum().backward()
+    return routed, x.grad
+
+
+def test_the_bf16_router_weighs_experts_as_transformers_bf16_router_and_an_fp32_upcast_is_caught(folder,
+                                                                                                   monkeypatch):
+    """transformers' GptOssTopKRouter runs in the model's dtype: the top-k of the bf16 logits, softmaxed in bf16.
+    zerotrain's bf16 router gives its weights (dtype included), its choices and the gradient of its input for any
+    upstream of the weights, bitwise. Planted in the router zerotrain runs: the logits upcast to fp32 before the top-k
+    softmax (as zerotrain did): measured, weights 1.9e-3 apart and the input's gradient 1.2e-2."""
+    import copy
+
+    import torch.nn.functional as F
+
+    path, hf = folder
+    theirs = copy.deepcopy(hf.model.layers[0].mlp.router).to(torch.bfloat16)
+    ours = zerotrain.load_model(str(path)).model.layers[0].mlp.to(torch.bfloat16)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    upstream = torch.randn(64, 2, generator=torch.Generator().manual_seed(8)).bfloat16()
+    (their_weights, their_chosen), their_grad = bf16_routing(None, theirs, x, upstream)
+
+    def gaps():
+        (weights, chosen), grad = bf16_routing(lambda x: ours.route(x, 1, 64), None, x, upstream)
+        assert torch.equal(chosen, their_chosen)
+        return weights.dtype, (weights.float() - their_weights.float()).abs().max(), (grad - their_grad).abs().max()
+
+    assert gaps() == (torch.bfloat16, 0.0, 0.0)
+    gate = ours.gate  # planted: the router's logits in fp32
+    monkeypatch.setattr(gate, "forward", lambda x: F.linear(x, gate.weight, gate.bias).float())
+    dtype, weights_gap, grad_gap = gaps()
+    assert dtype == torch.float32 and weights_gap > 1e-3 and grad_gap > 1e-3, (weights_gap, grad_gap)
+
+
 def test_three_steps_of_init_from_start_at_transformers_loss_and_export_what_transformers_loads(folder, one_rank,
                                                                                                 tmp_path, monkeypatch):
     from zerotrain.cli.flags import config_from_args
@@ -469,6 +507,17 @@ def test_three_steps_of_init_from_start_at_transformers_loss_and_export_what_tra
     assert (theirs - logits(hf)).abs().max() > CAUGHT  # it trained: the export is not the folder's model
     exported = mapping.model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()), "config.json")
     assert exported == dataclasses.replace(model.cfg, seq_len=model.cfg.positions, context=0)  # its context kept
+
+
+def test_lora_on_the_biased_experts_exports_merged_what_the_run_computes_and_unmerged_experts_are_caught(
+        folder, one_rank, tmp_path, monkeypatch):
+    """gpt-oss's experts (biased, stacked and interleaved in its files) with adapters: the merged export computes
+    the run's logits in transformers; the experts' adapters left out of load_model's merge (planted) are caught."""
+    from test_moe import lora_export_gaps
+
+    merged, planted = lora_export_gaps(folder[0], tmp_path, one_rank, IDS, monkeypatch, "--seq-len", str(SEQ - 1))
+    # the fold's float noise on this model's larger weights and logits: measured 6.5e-5 (planted: 3.1)
+    assert merged < 2e-4 and planted > CAUGHT, (merged, planted)
 
 
 # MXFP4: gpt-oss's released folders store the experts' matrices as blocks and scales, read here by dequantizing.
@@ -607,7 +656,7 @@ def test_tp_ranks_heads_with_their_sinks_sum_to_the_whole_attention_and_a_wrong_
                                                                                                  layer):
     """Under TP 2 each rank attends with its own heads and their sinks (the plan's slice of self_attn.sinks); the
     ranks' partial outputs (before the row-parallel all-reduce, each with the replicated o_proj bias) add up to the
-    whole layer's. A mixture of experts trains at TP 1 today: this checks the attention's slices alone."""
+    whole layer's. This checks the attention's slices alone, in one process (test_moe_tp trains gpt-oss at TP 2)."""
     import copy
 
     config, theirs, cfg, ours = pair

@@ -254,6 +254,53 @@ def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_p
         assert (a.get_tensor(name) - b.get_tensor(name)).abs().max() > 1e-4  # the expert's adapters merged in
 
 
+def lora_export_gaps(folder, out, comm, ids, monkeypatch, *flags) -> tuple[float, float]:
+    """1 step of LoRA from `folder` (adapters on every expert) and its merged export (load_model folds the adapters
+    in), loaded by transformers: (its logits' gap from the run's model with its adapters live, on `ids`; the same
+    with the experts' adapters left out of load_model's merge, planted). `flags`: train_from's others."""
+    global comm_of_test
+    import zerotrain
+    from zerotrain.hub import pretrained
+    from zerotrain.hub.export import export_model
+    from zerotrain.model import lora
+
+    comm_of_test = comm
+    _, result = train_from(folder, out / "run", "--lora-rank", "4", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
+                           *flags)
+    live = result.engine.model.eval()
+    assert any(".experts." in n for n in lora.adapter_names(live))
+
+    def exported_gap(name: str) -> float:
+        export_model(zerotrain.load_model(str(out / "run")), str(out / name), "hf", tokenizer_folder=None, eot_id=None)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / name)).eval()
+        with torch.no_grad():
+            return (merged(ids).logits - live(ids)).abs().max().item()
+
+    merged = exported_gap("merged")
+    real = pretrained.merge_adapters
+
+    def experts_left_out(model):
+        for name, module in model.named_modules():
+            if ".experts." in name and hasattr(module, "lora_hooks"):
+                module.lora_scale = 0.0
+        return real(model)
+    with monkeypatch.context() as m:
+        m.setattr(pretrained, "merge_adapters", experts_left_out)
+        return merged, exported_gap("planted")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe"])
+def test_lora_on_each_familys_experts_exports_merged_what_the_run_computes_and_unmerged_experts_are_caught(
+        folders, one_rank, tmp_path, monkeypatch, family):
+    """The other families' LoRA runs (Qwen2-MoE's shared expert adapted too, Mixtral's w1/w2/w3 names, OLMoE's
+    whole-projection norms beside adapted q and k; gpt-oss's in test_gpt_oss.py): the merged export computes the
+    run's logits with its adapters live in transformers. Planted in load_model's merge: the experts' adapters left
+    out (measured: 2.5 to 3.5 off)."""
+    merged, planted = lora_export_gaps(folders[family][0], tmp_path, one_rank, IDS, monkeypatch)
+    assert merged < 5e-5, merged  # the folded W + s B A against the adapters' own matmuls: measured 1.0e-5 to 1.2e-5
+    assert planted > CAUGHT, planted
+
+
 @pytest.mark.parametrize("family, field, value", [("mixtral", "router_jitter_noise", 0.1), ("olmoe", "clip_qkv", 8.0),
                                                   ("qwen2_moe", "qkv_bias", False),
                                                   ("qwen3_moe", "use_sliding_window", True)])

@@ -297,6 +297,75 @@ def test_one_stop_delivered_twice_is_one_request_and_a_later_second_signal_stops
     assert drill()[0] == ("SIGINT", [128 + signal.SIGINT], True)
 
 
+def test_a_signal_once_the_stop_save_has_begun_waits_for_it_in_the_rank_and_the_launcher(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Once every rank saves the stop's step (the step's all-reduce carried a stop flag), a second request more than
+    SAME_STOP_S after the first neither ends a rank nor makes the launcher stop them: exiting then would leave the
+    other ranks in the save's collectives and lose the step it commits. The launcher says so in one line. Planted:
+    a rank that never records that its save began (StopRequest.begin_save does nothing) exits at once, and a
+    launcher that sees no saving file stops every rank."""
+    from zerotrain.runtime import stop as stop_module
+    from zerotrain.runtime.stop import SAME_STOP_S, StopRequest
+    from zerotrain.runtime.supervise import LauncherSignals
+
+    now = [100.0]
+    exits = []
+    monkeypatch.setattr(stop_module.os, "_exit", exits.append)
+    saving = str(tmp_path / "saving-rank0")
+
+    def drill():
+        """(the rank's exits, the signals it ignored, the launcher's hard stop) for a second signal in the save."""
+        for path in (tmp_path / "stop", tmp_path / "saving-rank0"):
+            if os.path.exists(path):
+                os.remove(path)
+        exits.clear()
+        open(tmp_path / "stepping", "w").close()
+        launcher = LauncherSignals(str(tmp_path / "stop"), [str(tmp_path / "stepping")], clock=lambda: now[0],
+                                   saving_files=[saving, str(tmp_path / "saving-rank1")])
+        rank = StopRequest(str(tmp_path / "stop"), saving_file=saving, clock=lambda: now[0])
+        rank.begin_stepping()
+        for handler in (launcher, rank):
+            handler._on_signal(signal.SIGINT, None)
+        rank.begin_save(3)  # the stop's step: its all-reduce carried the flag
+        now[0] += SAME_STOP_S + 1
+        for handler in (launcher, rank):
+            handler._on_signal(signal.SIGINT, None)
+        return exits[:], rank.ignored, launcher.hard_stop
+
+    assert drill() == ([], 1, None)
+    assert open(saving).read() == "3"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "zerotrain: saving step 3; SIGINT and any further signal are ignored until the save is committed"
+    monkeypatch.setattr(StopRequest, "begin_save", lambda self, step: None)  # planted: the save is not recorded
+    assert drill() == ([128 + signal.SIGINT], 0, "SIGINT")
+
+
+def test_a_second_signal_inside_a_stop_save_waits_for_its_commit_and_the_resumed_run_is_bitwise_identical(
+        tmp_path, uninterrupted):
+    """Ctrl-C to the group at step 3 (the stop), then Ctrl-C again while rank 0 commits step 3, SAME_STOP_S after the
+    first (a second request): the save commits, the job exits 0 with its stop line, and the run resumed from it ends
+    bitwise identical to one never stopped. Planted: a launcher that does not see the save begun stops every rank at
+    once (exit 130)."""
+    args = [*TINY, "--steps", "6", "--ckpt-every", "4"]
+    stopped, faults = str(tmp_path / "stopped"), "group_sigint@step=3,rank=1;group_sigint_in_commit@step=3"
+    r = in_own_session(tmp_path, "train", *args, "--out", stopped, faults=faults)
+    assert r.returncode == 0 and r.left == [], r.stderr
+    assert "zerotrain: saving step 3; SIGINT and any further signal are ignored until the save is committed\n" in \
+        r.stderr
+    assert "group_sigint_in_commit at step 3 on rank 0" in r.stderr
+    assert r.stdout.strip().splitlines()[-1] == \
+        "zerotrain: stopped by SIGINT at step 3; saved step_00000003; continue with --resume auto"
+    assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000003"]
+    resumed, = train_in_turn([*args, "--out", stopped, "--resume", "auto"])
+    assert resumed["start_step"] == 3 and final_state(stopped, 6) == final_state(uninterrupted, 6)
+    planted = in_own_session(tmp_path, "train", *args, "--out", str(tmp_path / "planted"), faults=faults,
+                             python_first=["import zerotrain.runtime.supervise as s",
+                                           "s.LauncherSignals.saving_step = lambda self: None"])
+    assert planted.returncode == 128 + signal.SIGINT, planted.stderr
+    assert planted.stderr.strip().splitlines()[-1] == \
+        "zerotrain: stopped at once by a second SIGINT; what was not yet committed is lost"
+
+
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint_and_the_run_ends_bitwise_identical(tmp_path, capfd,
                                                                                                  uninterrupted):
     args = [*TINY, *SIX_STEPS]

@@ -5,21 +5,29 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Callable
 
 from zerotrain.errors import ConfigError
 
 
-def write_atomic(path: str, data: str | bytes, *, durable: bool = True) -> None:
+def write_atomic(path: str, data: str | bytes, *, durable: bool = True,
+                 halfway: Callable[[], None] | None = None) -> None:
     """Replace `path` with `data` in one rename, so a reader sees the old file or the new one, never half of one.
 
     `durable` fsyncs the bytes before the rename (checkpoint manifests, metrics, cached data); files
     that only need to be whole while their writer lives (a rank's sidecar, a stop request) skip it.
     The temporary name carries the pid, so two processes never write the same one; the file gets
-    the umask's mode, as any file the process creates.
+    the umask's mode, as any file the process creates. `halfway`, if given, runs once half of the data is
+    written (fault drills: a crash mid-write).
     """
     tmp = f"{path}.{os.getpid()}.part"
     try:
         with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            if halfway is not None:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                halfway()
+                data = data[len(data) // 2 :]
             f.write(data)
             if durable:
                 f.flush()

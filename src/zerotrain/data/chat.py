@@ -106,6 +106,33 @@ def check_messages(record: dict, where: str, weighted: bool = False, *, to_reply
     return [dict(m) for m in messages], context
 
 
+def check_prompt_completion(record: dict, where: str) -> tuple[list[dict], list[dict], dict]:
+    """A conversational prompt/completion record's prompt, completion and context (TRL's format: both lists of
+    messages, the record's `tools` beside them); ConfigError naming `where` if the completion is not the assistant's
+    messages, a message has a `weight` (TRL trains the whole completion and reads none), or the two are not both
+    message lists."""
+    prompt, completion = record["prompt"], record["completion"]
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{where}: \"{name}\" is {_short(value)}, not a list of {{\"role\", \"content\"}} "
+                              "messages: a conversational prompt/completion has both as message lists (or both as "
+                              "text)")
+    for name, messages in (("prompt", prompt), ("completion", completion)):
+        for k, m in enumerate(messages):
+            if isinstance(m, dict) and WEIGHT in m:
+                raise ConfigError(f"{where}: {name} message {k} has a weight: a prompt/completion record trains its "
+                                  "whole completion, as TRL's SFTTrainer does (it reads no weight); put a turn kept "
+                                  "as context in the prompt, or write the record as \"messages\" with weights")
+    other = next(((k, m) for k, m in enumerate(completion) if isinstance(m, dict) and m.get("role") != "assistant"),
+                 None)
+    if other is not None:
+        raise ConfigError(f"{where}: completion message {other[0]} is the {other[1].get('role')!r}'s: the completion "
+                          "is what the model is trained to write, the assistant's messages; put the others in the "
+                          "prompt")
+    messages, context = check_messages({**record, "messages": prompt + completion}, where)
+    return messages[: len(prompt)], messages[len(prompt) :], context
+
+
 def is_trained(message: dict) -> bool:
     """Whether the loss may count the message: any but one of weight 0 (an assistant turn kept as context)."""
     return message.get(WEIGHT, 1) != 0
@@ -215,11 +242,12 @@ class ChatTemplate:
     @classmethod
     def of(cls, tokenizer, where: str, template_file: str | None = None, training: bool = False) -> "ChatTemplate":
         """The chat template of the BPE `tokenizer`'s folder; with `training`, the one that trains (templates.py:
-        `template_file`, a training variant, or the folder's). ConfigError naming `where` and the folder without
-        one."""
+        `template_file`, a training variant, or the folder's), without it `template_file` or the folder's. ConfigError
+        naming `where` and the folder without one."""
         folder = getattr(tokenizer, "folder", None)
         template = chat_template_of(folder) if folder else None
-        choice = choose_template(template, folder, template_file) if training and folder else None
+        choice = choose_template(template, folder, template_file) if training and folder else \
+            choose_template(None, folder, template_file) if template_file and folder else None
         if template is None and choice is None:
             named = f"{folder} has" if folder else "the byte tokenizer has"
             raise ConfigError(f"{where}: a chat record, and {named} no chat template (\"chat_template\" in "
@@ -271,6 +299,18 @@ class ChatTemplate:
                               "on without it: leave it out of the record, or give a template that writes it with "
                               "--chat-template FILE")
         return text, spans
+
+    def prompt_completion(self, prompt: list[dict], completion: list[dict], where: str, **context) -> tuple[str, str]:
+        """A conversational prompt/completion as TRL's SFTTrainer renders it: the prompt with the generation prompt,
+        and prompt and completion as one conversation; ConfigError naming `where` when the template leaves out part
+        of it (unwritten)."""
+        whole = self._text(prompt + completion, where, **context)
+        missing = unwritten(whole, prompt + completion, context)
+        if missing:
+            raise ConfigError(f"{where}: {self.named} does not write {missing}, so the completion would be trained "
+                              "on without it: leave it out of the record, or give a template that writes it with "
+                              "--chat-template FILE")
+        return self.prompt(prompt, where, **context), whole
 
     def _variant_hint(self) -> str:
         where_from = "TRL keeps no training variant of it" if templates.trl_folder() else \

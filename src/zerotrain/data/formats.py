@@ -41,8 +41,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool"}
 CALL_ROLES = ("function_call", "tool_call")  # an assistant turn that calls tools: its value is the calls' JSON
 # A table's record columns, the first shape found: (the columns that make the shape, the optional ones read with them).
-SHAPES = ((("messages",), ("tools", "documents")), (("text",), ()), (("prompt", "completion"), ()),
-          (("conversations",), ("system", "tools")), (("instruction", "output"), ("input", "system", "history")))
+SHAPES = ((("messages",), ("tools", "documents")), (("text",), ()),
+          (("prompt", "completion"), ("tools", "documents")), (("conversations",), ("system", "tools")),
+          (("instruction", "output"), ("input", "system", "history")))
 COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
 RECORD_NAMES = (".jsonl",)  # what a compressed file holds: JSON Lines, read a line at a time
 STATE, DATASET_DICT = "state.json", "dataset_dict.json"  # what save_to_disk writes beside a data set's Arrow files
@@ -172,7 +173,7 @@ def table_record(record: dict) -> dict:
     """A row of a table (Parquet, Arrow) as the record JSON Lines would hold: a table gives every message (every
     ShareGPT turn) each key any message of the column has, null where it has none, so keys that are null are a
     message's absent keys."""
-    for column in ("messages", "conversations"):
+    for column in ("messages", "conversations", "prompt", "completion"):
         turns = record.get(column)
         if isinstance(turns, list):
             record = {**record, column: [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m

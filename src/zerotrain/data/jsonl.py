@@ -3,6 +3,8 @@ files with a loss mask and a record index.
 
     {"text": "..."}                               every token is trained on
     {"prompt": "...", "completion": "..."}        the prompt is context: only the completion is trained on
+    {"prompt": [messages], "completion": [messages]}  the same as a conversation (TRL's conversational
+                                                  prompt/completion, with the record's "tools"): see below
     {"messages": [{"role": ..., "content": ...}]} a chat in the chat template that trains (with the record's "tools"):
                                                   its assistant turns are trained on, but those of "weight": 0
                                                   (chat.py, templates.py)
@@ -17,6 +19,13 @@ chat, the template's end-of-turn token inside an assistant turn). `{split}.mask`
 token, 1 where the token is a target the loss counts; `{split}.records` the little-endian uint64
 offset of each record's first token, then the end offset (n_records + 1 values): packing keeps each
 record to itself by it.
+
+A conversational prompt/completion is encoded as TRL's SFTTrainer encodes it (completion_only_loss): rendered with
+the model's chat template (or --chat-template FILE: not a training variant, as TRL does without
+assistant_only_loss), the prompt alone with the generation prompt and the prompt followed by the completion; every
+token from where the two first differ to the end is trained on, the template's end of turn and what it writes after
+it included, nothing added after it. The completion holds the assistant's messages; a message's "weight" is refused
+(TRL reads none: the whole completion is trained).
 
 The file is streamed, never whole in memory (a JSON array is: it is one value): CHUNK_RECORDS records
 at a time are parsed, then rendered and tokenized on all cores (the tokenizers library's batch
@@ -45,7 +54,7 @@ import numpy as np
 from zerotrain.durable import write_json
 from zerotrain.errors import ConfigError
 
-from .chat import ChatTemplate, check_messages
+from .chat import ChatTemplate, check_messages, check_prompt_completion
 from .documents import fraction_of
 from .formats import (arrow_stream, as_messages, compression, decompression_errors, folder_files, inner_name,
                       is_records_folder, open_records_file, shape_columns, table_record)
@@ -62,7 +71,8 @@ SPLITS = ("train", "val")
 CHUNK_RECORDS = 1024
 RECORD_FILES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".jsonl.zst")
 TABLES = (".csv", ".tsv")  # refused with a hint: not text, and no column is guessed
-SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...}, {"messages": [{"role": ..., "content": ...}, ...]}, ' \
+SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} (text or message lists), ' \
+    '{"messages": [{"role": ..., "content": ...}, ...]}, ' \
     'ShareGPT\'s {"conversations": [...]} or Alpaca\'s {"instruction": ..., "output": ...}'
 
 
@@ -233,8 +243,8 @@ def _arrow_reader(path: str):
 
 
 def parse_record(record, where: str) -> tuple:
-    """("text", text), ("completion", prompt, completion) or ("chat", messages, context: the record's tools and
-    documents); ConfigError naming `where`."""
+    """("text", text), ("completion", prompt, completion), ("chat", messages, context: the record's tools and
+    documents) or ("chat completion", prompt messages, completion messages, context); ConfigError naming `where`."""
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a JSON {type(record).__name__}, not an object: {SHAPES}")
     if "messages" in record:
@@ -242,6 +252,8 @@ def parse_record(record, where: str) -> tuple:
     if "text" in record:
         fields = {"text": record["text"]}
     elif "prompt" in record and "completion" in record:
+        if isinstance(record["prompt"], list) or isinstance(record["completion"], list):  # TRL's conversational
+            return ("chat completion", *check_prompt_completion(record, where))
         fields = {"prompt": record["prompt"], "completion": record["completion"]}
     elif (chat := as_messages(record, where)) is not None:  # ShareGPT, Alpaca
         return ("chat", *check_messages(chat, where, weighted=True))
@@ -304,9 +316,11 @@ def record_tokenizer(spec: str):
         raise ConfigError(f"--tokenizer {spec}: {file} {e}") from None
 
 
-def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> tuple[list[tuple[list[int], bytes]], set[int]]:
+def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None, conversation: ChatTemplate | None = None
+                 ) -> tuple[list[tuple[list[int], bytes]], set[int]]:
     """(tokens, mask) of each parsed record of the chunk (parse_record's tuples with their `where` last), in order, and
     which of them have a completion that starts inside a token (the one holding the prompt's last characters too).
+    `chat` renders the chat records, `conversation` the conversational prompt/completions.
 
     Lists and bytes, not arrays: a record is a few C-level joins, and the chunk becomes one array when it is written
     (measured on 300-token records: numpy calls per record made prepare 1.41x the CPU time of the tokenizers
@@ -316,7 +330,9 @@ def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> tuple[li
         return [_bytes_record(r, tok) for r in chunk], set()
     prefix, eot = list(tok.prefix_ids), tok.eot_id
     texts = [r for r in chunk if r[0] == "text"]
-    rest = [r for r in chunk if r[0] != "text"]
+    rest = [r for r in chunk if r[0] in ("chat", "completion")]
+    pairs = [conversation.prompt_completion(r[1], r[2], r[-1], **r[3]) for r in chunk if r[0] == "chat completion"]
+    rendered_pairs = iter(tok.encode_pieces([text for pair in pairs for text in pair]))
     rendered = [chat.render(r[1], r[-1], **r[2]) if r[0] == "chat" else (r[1] + r[2], len(r[1])) for r in rest]
     plain = iter(tok.encode_pieces([r[1] for r in texts]))
     offsets = iter(tok.encode_pieces([text for text, _ in rendered], offsets=True))
@@ -329,6 +345,12 @@ def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None) -> tuple[li
             ids, mask = encoding.ids, _span_mask(encoding, spans).tobytes()
             bos = missing_bos(ids, prefix)
             out.append((bos + ids, bytes(len(bos)) + mask))
+            continue
+        if r[0] == "chat completion":  # TRL's completion mask: from where prompt and prompt + completion differ
+            prompt_ids, ids = next(rendered_pairs).ids, next(rendered_pairs).ids
+            prompt_ids, ids = missing_bos(prompt_ids, prefix) + prompt_ids, missing_bos(ids, prefix) + ids
+            first = common_prefix(prompt_ids, ids)
+            out.append((ids, bytes(first) + b"\1" * (len(ids) - first)))
             continue
         if r[0] == "text":
             ids, first = next(plain).ids, 0
@@ -363,6 +385,16 @@ def encode_chat_prompt(tok, chat: ChatTemplate, messages: list[dict], where: str
     return missing_bos(ids, tok.prefix_ids) + ids
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading token ids `a` and `b` have in common: where a completion's tokens start (TRL's
+    common_prefix_length), so that a token the tokenizer merges across the boundary, or a prompt the template writes
+    differently alone, belongs to the completion."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _completion_start(encoding, boundary: int) -> int:
     """The first token of the completion: the one holding character `boundary` (the completion's first)."""
     first = encoding.char_to_token(boundary) if encoding.ids else None  # None past the text's end
@@ -381,7 +413,7 @@ def _span_mask(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
 
 
 def _bytes_record(record: tuple, tok: ByteTokenizer) -> tuple[list[int], bytes]:
-    if record[0] == "chat":
+    if record[0] in ("chat", "chat completion"):
         ChatTemplate.of(tok, record[-1])  # refuses: bytes have no chat template
     context, target = (tok.encode(record[1]), tok.encode(record[2])) if record[0] == "completion" else \
         ([], tok.encode(record[1]))
@@ -447,7 +479,7 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
     if isinstance(tok, BPETokenizer):
         tok.save(os.path.join(out, TOKENIZER_FILE))
     writers = {s: SplitWriter(out, s, tok.vocab_size) for s in SPLITS}
-    chat, chats = None, 0
+    chat, conversation, chats = None, None, 0
     # One chunk is encoded (the tokenizers library's threads, without the GIL) while the next is read and parsed.
     name = os.path.basename(os.path.normpath(path))
     with tqdm(total=records_size(path), unit="B", unit_scale=True, desc=f"prepare {name}", file=sys.stderr,
@@ -458,15 +490,17 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
                 record = (*parse_record(value, where), where)
                 if record[0] == "chat":
                     chat = chat or ChatTemplate.of(tok, where, chat_template, training=True)
-                    chats += 1
+                elif record[0] == "chat completion":  # no training variant: TRL renders it with the model's own
+                    conversation = conversation or ChatTemplate.of(tok, where, chat_template)
+                chats += record[0] in ("chat", "chat completion")
                 chunk.append(record)
                 splits.append(split_of(index))
                 if len(chunk) == CHUNK_RECORDS:
                     _write_chunk(pending, writers)
-                    pending = encoder.submit(encode_chunk, chunk, tok, chat), splits
+                    pending = encoder.submit(encode_chunk, chunk, tok, chat, conversation), splits
                     chunk, splits = [], []
             _write_chunk(pending, writers)
-            _write_chunk((encoder.submit(encode_chunk, chunk, tok, chat), splits), writers)
+            _write_chunk((encoder.submit(encode_chunk, chunk, tok, chat, conversation), splits), writers)
         finally:
             for w in writers.values():
                 w.close()
@@ -477,12 +511,22 @@ def prepare_jsonl(path: str, out: str, tokenizer: str = "bytes", val_fraction: f
             **{s: w.entry(s) for s, w in writers.items()},
             "source": {"kind": "jsonl", "input": os.path.abspath(path), "val_fraction": val_fraction, "chats": chats,
                        "chat_template": "generation markers" if chat and chat.marked else
-                       "growing prefixes" if chat else None,
-                       "template": {"said": chat.said, "origin": chat.choice.origin, "name": chat.choice.name,
-                                    "sha256": chat.choice.digest} if chat else None},
+                       "growing prefixes" if chat else "prompt and completion" if conversation else None,
+                       "template": _template_entry(chat, conversation)},
             "timings": {"total_s": round(total_s, 3)}, "tokens_per_s": round(tokens / max(total_s, 1e-9))}
     write_json(os.path.join(out, "meta.json"), meta)
     return meta
+
+
+def _template_entry(chat: ChatTemplate | None, conversation: ChatTemplate | None) -> dict | None:
+    """What rendered the chats and why, for meta.json and the start line: the chat records' template, else the
+    conversational prompt/completions'."""
+    if chat is None and conversation is None:
+        return None
+    said = chat.said if chat else f"{conversation.choice.describe(True).split(' (')[0]} (the completion trained " \
+        "from where the prompt with its generation prompt ends, as TRL's completion mask)"
+    choice = (chat or conversation).choice
+    return {"said": said, "origin": choice.origin, "name": choice.name, "sha256": choice.digest}
 
 
 def _record_count(path: str) -> int:

@@ -35,7 +35,7 @@ from zerotrain.errors import ConfigError
 
 from .batches import IGNORE, BatchSchedule, MicroBatch, StepBatch
 from .chat import ChatTemplate, check_messages
-from .jsonl import SplitOf, iter_records, missing_bos, record_tokenizer, split_stem
+from .jsonl import SplitOf, common_prefix, iter_records, missing_bos, record_tokenizer, split_stem
 
 SHAPE = '{"prompt", "chosen", "rejected"} (text, or lists of {"role", "content"} messages; without "prompt", ' \
     'chosen and rejected conversations sharing their first messages)'
@@ -101,13 +101,6 @@ def _messages(value, name: str, where: str, assistant: bool = True) -> list[dict
     if assistant:
         return check_messages({"messages": value}, f"{where} ({name})")[0]
     return check_messages({"messages": value + [{"role": "assistant", "content": ""}]}, f"{where} ({name})")[0][:-1]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def encode_pair(parsed: tuple, tok, chat: ChatTemplate | None, where: str) -> Pair:

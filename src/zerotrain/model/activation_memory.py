@@ -19,8 +19,8 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                (+ N k 4 + N 4 renormalised)         probabilities, top-k indices and weights;
                                + 2 N k 8 + 2 N k C a + 4 N k W a    the dispatch's indices, rows in and out, the
                                (+ 4 N Ws a + N a + N C a shared)    experts' SwiGLUs; Qwen2-MoE's shared expert
-                               gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU; in bf16 + N k 4, the
-                                                                    softmax of the top-k logits beside its cast
+                               gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU (its top-k softmax in the
+                                                                    activations' dtype: the weights themselves)
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
                  RMSNorms       + 2 BTC a                           the two outputs a linear reads
@@ -64,8 +64,10 @@ That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "
 only its input, BTC a (torch.utils.checkpoint, non-reentrant, saves its tensor arguments; Llama's rotary
 tables travel in a tuple, which it holds by reference: alive, 2 T D 4 bytes, but not a saved tensor, so
 counted neither here nor by the measurement), and for a large vocabulary the loss's BTV 4 is then most of
-what remains (GPT-2 124M, B 1, T 1024, fp32: the head's weight gradient, 154 MB). With recompute "full" the head and
-the loss run under a checkpoint too, whose input is the final norm's output: the loss keeps nothing more.
+what remains (GPT-2 124M, B 1, T 1024, fp32: the head's weight gradient, 154 MB). With recompute "full" the summed
+token loss keeps the final norm's output and the targets (BT 8) and computes its gradients in the backward (its
+matmuls: one in the forward, three in the backward); DPO's head and loss run under a checkpoint whose input is the
+final norm's output: it keeps nothing more.
 
 Attention is counted as SDPA's fused kernels save it: q, k, v, output and per-row logsumexp, never the
 T x T matrix. That is measured on the CPU path (flash attention for CPU); CUDA's flash, memory-efficient
@@ -282,8 +284,6 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
         router += N * k * FP32 + N * FP32
-    if cfg.gpt_oss_experts and s.act != FP32:  # the softmax of the top-k logits (fp32) beside its cast
-        router += N * k * FP32
     dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
     if cfg.shared_expert_width:
@@ -414,10 +414,13 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     blocks = sum(shapes[window] for window in windows)
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         blocks += sum(experts(s, cfg, tp) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
-    if recompute == "full":
-        # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`); the
-        # gradients are computed again in the backward, not kept
+    if recompute == "full" and objective == "dpo":
+        # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`)
         total_loss = 0
+    elif recompute == "full":
+        # the loss keeps the final norm's output (in `head`) and the targets; its gradients are computed in the
+        # backward (vocab.token_loss's recompute), not kept
+        total_loss = s.BT * INDEX
     elif objective == "dpo":  # the head keeps its input (in `head`), each token's log-sum-exp and the targets
         total_loss = token_logps(s)
     else:  # the head keeps its input's gradient (in `loss`), not the input

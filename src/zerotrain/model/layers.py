@@ -627,8 +627,10 @@ def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, 
     log-prob of its target instead, which the head computes the same way (vocab.token_logps).
 
     With `recompute` (--activation-checkpointing full, while training) the head and the loss keep only the final
-    norm's output for the backward, which runs them again (same values). `segments` (batch, time): the record each
-    input token belongs to, for packed records (None: one document per row)."""
+    norm's output for the backward, which runs them again (same values): the summed token loss computes its gradients
+    there, once (vocab.token_loss's recompute; under a checkpoint they were computed in the forward, dropped, and
+    computed again), any other under a checkpoint. `segments` (batch, time): the record each input token belongs to,
+    for packed records (None: one document per row)."""
     by_head = getattr(loss, "computed_by_head", False)
     if getattr(loss, "from_token_logps", False):  # loss(each token's log p(target), targets): the head computes them
         def scored(h: torch.Tensor) -> torch.Tensor:
@@ -641,10 +643,18 @@ def head_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, loss, 
         return model(idx, segments=segments, targets=targets) if by_head else loss(model(idx, segments=segments),
                                                                                    targets)
 
+    if by_head:
+        return model(idx, segments=segments, head=lambda h: model.lm_head(h, targets=targets, recompute=True))
+
     def run(h: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(h, targets=targets) if by_head else loss(model.lm_head(h), targets)
+        return loss(model.lm_head(h), targets)
 
     return model(idx, segments=segments, head=lambda h: checkpoint(run, h, use_reentrant=False))
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread now (a checkpointed forward recomputed there, too)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def run_block(block: nn.Module, recompute: bool, x: torch.Tensor, *args) -> torch.Tensor:

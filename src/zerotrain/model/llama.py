@@ -43,9 +43,10 @@ from zerotrain.config import ModelConfig
 
 from . import layers
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
-from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, RMSNorm, RowParallelLinear, TPSlice,
-                     YarnScaling, apply_rotary, attend, blocks, copy_to_tp, document_attention, kv_head_blocks,
-                     new_positions, rotary_tables, run_block, tied_head_hook, window_attention)
+from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, ReduceFromTP, RMSNorm,
+                     RowParallelLinear, TPSlice, YarnScaling, apply_rotary, attend, blocks, copy_to_tp,
+                     document_attention, kv_head_blocks, new_positions, rotary_tables, run_block, tied_head_hook,
+                     window_attention)
 from . import moe
 from .moe import MoE
 from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, token_embedding, vocab_slice
@@ -77,14 +78,19 @@ class LlamaAttention(nn.Module):
         elif cfg.qk_norm_whole:  # OLMoE's: one gain per unit of the whole projection
             self.q_norm = member_norm(cfg, cfg.n_head * D)
             self.k_norm = member_norm(cfg, cfg.kv_heads * D)
+        self.tp_rank, self.qk_rows = 0, None  # under TP, OLMoE's: this rank, its q_proj and k_proj slices (parallelize)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.tp_comm)
         q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if self.whole_qk_norm:
+        if self.whole_qk_norm and self.qk_rows is None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.whole_qk_norm:
+            q_rows, k_rows = self.qk_rows
+            q = normalize_whole(self.q_norm, q, self.tp_comm, q_rows, self.tp_rank)
+            k = normalize_whole(self.k_norm, k, self.tp_comm, k_rows, self.tp_rank)
         # Heads from the projections' widths: under TP each rank holds its share of q heads and of KV heads.
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if hasattr(self, "q_norm") and not self.whole_qk_norm:
@@ -102,6 +108,22 @@ def normalize_heads(norm: nn.Module, x: torch.Tensor, comm) -> torch.Tensor:
     (`comm`): copy_to_tp all-reduces it, and the replicated gain stays equal on every rank.
     """
     return norm(x, copy_to_tp(norm.weight, comm))
+
+
+def normalize_whole(norm: RMSNorm, x: torch.Tensor, comm, rows: TPSlice, rank: int) -> torch.Tensor:
+    """OLMoE's RMSNorm of a whole q or k projection (B, T, units) under TP, where this rank holds the projection's
+    `rows` (its heads' units) of it: the mean of squares is over the full width, so each rank's sum of squares is
+    all-reduced forward and its gradient backward (every rank's output depends on every rank's units), a KV head held
+    by several ranks counted once. The gain stays replicated whole (checkpoints and exports keep it as it is): each
+    rank takes its units' part, whose gradient copy_to_tp sums over the group as normalize_heads' is. Equal to
+    norm(x) on the gathered projection within float noise (its mean is a sum over the ranks, divided once)."""
+    xf = x.float()
+    squares = ReduceFromTP.apply(xf.pow(2).sum(-1, keepdim=True), comm, "all_reduce_tp_norm_squares")
+    squares = copy_to_tp(squares, comm, "all_reduce_tp_norm_grads")
+    mean = squares / (rows.full_shape[0] * rows.holders(rank))
+    (lo, hi), = rows.parts[rank]  # one block of units per rank: its q heads', or its KV heads'
+    gain = copy_to_tp(norm.weight, comm).narrow(0, lo, hi - lo)  # a view: autograd keeps no copy of it
+    return gain * (xf * torch.rsqrt(mean + norm.eps)).to(x.dtype)
 
 
 class LlamaMLP(nn.Module):
@@ -265,7 +287,8 @@ def init_rule(cfg: ModelConfig, name: str):
 # (r*KV/T ..: the KV heads its q heads attend with; with T a multiple of KV, head r // (T/KV), replicated on T/KV
 # ranks), o_proj row-parallel over the matching input columns; gate_proj and up_proj column-parallel, down_proj
 # row-parallel. The token embedding and the head (tied or not) are split by vocabulary rows when T divides the
-# vocabulary (model/vocab.py), else replicated; norms (Gemma's four per block and its q/k norms too) are replicated.
+# vocabulary (model/vocab.py), else replicated; norms (Gemma's four per block and its q/k norms too) are replicated,
+# OLMoE's q/k norms of the whole projections too, each rank normalising its slice (normalize_whole).
 
 
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
@@ -315,6 +338,9 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{h}self_attn.{name}.weight"],
                                                      slices.get(f"{h}self_attn.{name}.bias"), tp_rank, None, replicas))
         attn.tp_comm = comm
+        if attn.whole_qk_norm:
+            attn.tp_rank = tp_rank
+            attn.qk_rows = (slices[h + "self_attn.q_proj.weight"], slices[h + "self_attn.k_proj.weight"])
         attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
         if hasattr(attn, "sinks"):
             attn.sinks = nn.Parameter(slices[h + "self_attn.sinks"].take(attn.sinks.detach(), tp_rank))

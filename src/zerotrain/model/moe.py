@@ -4,7 +4,7 @@ each forward leaves for the balancing loss.
     router    logits = gate(x) (E per token), probabilities = softmax in fp32, the top-k of them chosen (ties to the
               lower expert, as torch.topk), renormalised to sum to 1 where the model asks (norm_topk_prob; Mixtral's
               always): transformers' TopKRouter exactly; gpt-oss's gate has a bias and weighs its top-k experts by
-              a softmax over their logits (GptOssTopKRouter)
+              a softmax over their logits in the logits' own dtype (GptOssTopKRouter: bf16 in a bf16 run)
     experts   SwiGLU MLPs; gpt-oss's with biases and a clamped SwiGLU, (up + 1) * gate * sigmoid(1.702 gate) with
               the gate clamped above and up both sides at 7
     dispatch  dropless: the N tokens' N k (token, expert) pairs sorted by expert (stable: by token within one), no
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, reduce_from_tp
+from .layers import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, in_backward, reduce_from_tp
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -148,16 +148,23 @@ class MoE(nn.Module):
         return y.view(B, T, C)
 
     def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the top-k weights (N, k) fp32, the experts chosen (N, k)); records the layer's Routing."""
-        logits = self.gate(flat).float()
-        probs = torch.softmax(logits, dim=-1)  # the balancing loss's, gpt-oss's too (as transformers')
+        """(the top-k weights (N, k): fp32, gpt-oss's in the activations' dtype; the experts chosen (N, k)); records
+        the layer's Routing."""
+        logits = self.gate(flat)
+        probs = torch.softmax(logits.float(), dim=-1)  # the balancing loss's, gpt-oss's too (as transformers')
         if self.softmax_of_top_k:  # the same experts (softmax keeps the order), weighted among themselves
+            # in the logits' dtype, as transformers' GptOssTopKRouter: in bf16 an fp32 softmax's weights are up to
+            # 2e-3 off bf16's, and their gradient into the router too
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype)
         else:
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if in_backward():
+            # a forward recomputed for the backward (activation checkpointing): the balancing loss took the
+            # forward's routing; recorded again, this one would hold its graph past the backward
+            return weights, chosen
         with torch.no_grad():
             counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
             counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))

@@ -85,13 +85,14 @@ class LMHead(nn.Linear):
         super().__init__(width, vocab_size, bias=False)
         self.softcap = softcap
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
-        """The logits; given `targets`, their summed token loss, or with `per_token` each token's log-prob of its
-        target (token_logps)."""
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False,
+                recompute: bool = False) -> torch.Tensor:
+        """The logits; given `targets`, their summed token loss (`recompute`: its gradients computed in the
+        backward, from h kept), or with `per_token` each token's log-prob of its target (token_logps)."""
         if targets is not None and per_token:
             return token_logps(h, self.weight, targets, softcap=self.softcap)
         if targets is not None:
-            return token_loss(h, self.weight, targets, softcap=self.softcap)
+            return token_loss(h, self.weight, targets, softcap=self.softcap, recompute=recompute)
         return capped(F.linear(h, self.weight), self.softcap)
 
 
@@ -105,14 +106,15 @@ class VocabParallelHead(nn.Module):
         self.vocab_start = tp_slice.parts[rank][0][0]
         self.weight = nn.Parameter(tp_slice.take(full.weight.detach(), rank))
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False,
+                recompute: bool = False) -> torch.Tensor:
         h = copy_to_tp(h, self.comm, "all_reduce_tp_head_grads")  # each rank's rows' share of h's gradient, summed
         if targets is not None and per_token:
             return token_logps(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
                                softcap=self.softcap)
         if targets is not None:
             return token_loss(h, self.weight, targets, comm=self.comm, vocab_start=self.vocab_start,
-                              softcap=self.softcap)
+                              softcap=self.softcap, recompute=recompute)
         return _GatherFromTP.apply(capped(F.linear(h, self.weight), self.softcap), self.comm)
 
 
@@ -164,15 +166,17 @@ class _GatherFromTP(torch.autograd.Function):
 
 
 def token_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, comm=None, vocab_start: int = 0,
-               softcap: float = 0.0, chunk: int | None = None) -> torch.Tensor:
+               softcap: float = 0.0, chunk: int | None = None, recompute: bool = False) -> torch.Tensor:
     """The sum over tokens of cross-entropy(h W^T, targets) (label IGNORE: not counted), h (..., width) and targets
     (...): `weight` is the head's (rows, width), this TP rank's rows from `vocab_start` when `comm` (the TP group)
     is given. Chunks of `chunk` tokens (default chunk_tokens); with gradients wanted, those of h and the weight are
-    computed with the loss (module docstring)."""
+    computed with the loss (module docstring), or with `recompute` (--activation-checkpointing full) in the backward,
+    which keeps h and the targets instead."""
     h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], weight.shape[1])
     if torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad):
-        return _TokenLoss.apply(h2, weight, y, comm, vocab_start, softcap, chunk)
+        kind = _RecomputedTokenLoss if recompute else _TokenLoss
+        return kind.apply(h2, weight, y, comm, vocab_start, softcap, chunk)
     return loss_and_grads(h2, weight, y, comm, vocab_start, softcap, chunk, False, False)[0]
 
 
@@ -194,6 +198,27 @@ class _TokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
+        return (None if grad_h is None else grad_h.mul_(grad), None if grad_w is None else grad_w.mul_(grad),
+                None, None, None, None, None)
+
+
+class _RecomputedTokenLoss(torch.autograd.Function):
+    """The summed token loss keeping h, the weight and the targets (not the gradients, rows x width for the weight's)
+    for the backward, which computes the loss's chunks again with their gradients (loss_and_grads: the same values
+    as _TokenLoss's, bitwise): the head's matmul once in the forward, three times in the backward. A checkpoint
+    around _TokenLoss would run all three in the forward, drop their results, and run them again."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, comm, vocab_start, softcap, chunk):
+        ctx.save_for_backward(h, weight, targets)
+        ctx.comm, ctx.vocab_start, ctx.softcap, ctx.chunk = comm, vocab_start, softcap, chunk
+        return loss_and_grads(h, weight, targets, comm, vocab_start, softcap, chunk, False, False)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, targets = ctx.saved_tensors
+        _, grad_h, grad_w = loss_and_grads(h, weight, targets, ctx.comm, ctx.vocab_start, ctx.softcap, ctx.chunk,
+                                           ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return (None if grad_h is None else grad_h.mul_(grad), None if grad_w is None else grad_w.mul_(grad),
                 None, None, None, None, None)
 

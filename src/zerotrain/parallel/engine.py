@@ -72,14 +72,15 @@ import torch
 from zerotrain.config import OptimConfig
 from zerotrain.errors import ZeroTrainError
 from zerotrain.model import is_decayed
+from zerotrain.model.layers import in_backward
 
 from . import grad_norm
 from .comm import Comm
 from .layout import ShardLayout, shard_values
 from .mesh import Mesh
 from .optim import build_adamw
-from .params import (OwnedPiece, ParameterPlacement, StaleParameterError, frozen_parameters, in_backward,
-                     param_dtype, trainable_parameters)
+from .params import (OwnedPiece, ParameterPlacement, StaleParameterError, frozen_parameters, param_dtype,
+                     trainable_parameters)
 from .replicated import ReplicatedParameters
 from .tp_slices import full_tensors
 from .zero3 import ShardedParameters

@@ -46,12 +46,12 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from zerotrain.model.layers import in_backward
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
 from .engine import ZeroEngine
 from .mesh import Mesh
-from .params import in_backward
 from .zero3 import bucket_units, model_units
 
 

@@ -97,11 +97,6 @@ def frozen_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parame
     return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
 
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread now."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (a released bucket's view: none)."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

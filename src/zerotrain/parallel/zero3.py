@@ -91,11 +91,12 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from zerotrain.model import is_decayed
+from zerotrain.model.layers import in_backward
 
 from .digest import moved, tensor_digest
 from .layout import ShardLayout
-from .params import (OwnedPiece, StaleParameterError, adopt_view, frozen_parameters, in_backward,
-                     materialise_outside_layout, param_dtype, storage_bytes)
+from .params import (OwnedPiece, StaleParameterError, adopt_view, frozen_parameters, materialise_outside_layout,
+                     param_dtype, storage_bytes)
 
 
 class ReleasedParameterError(ZeroTrainError):

@@ -30,7 +30,7 @@ from .failures import (adopt_attempt, adopt_job_dir, failure_reason, report_fail
                        restart_count, user_error)
 from .run_folder import release_run_folders
 from .stop import install_stop_request
-from .supervise import STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
+from .supervise import SAVING_FILE, STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
 
 
 class JobFailed(RuntimeError):
@@ -72,7 +72,7 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
     Otherwise `cfg.launch.nproc` local ranks are spawned by torch's elastic agent with rendezvous on
     127.0.0.1 and `cfg.launch.max_restarts` restarts. The agent runs in a thread so that this process
     keeps SIGINT and SIGTERM: the first asks every rank to finish its step and save, the second (or
-    the wall-clock limit) stops every rank at once.
+    the wall-clock limit) stops every rank at once, unless their stop's save has begun (supervise.py).
     """
     if in_torchrun():
         return _worker(job, cfg, None, prepare)
@@ -84,8 +84,9 @@ def run_job(job: Callable[[Config, Comm], Any], cfg: Config, *, time_limit: floa
             raise
     job_dir = tempfile.mkdtemp(prefix="zerotrain-job-")
     launched = _ElasticThread(job, cfg, job_dir)
-    stepping = [os.path.join(job_dir, STEPPING_FILE.format(rank=r)) for r in range(cfg.launch.nproc)]
-    stop = LauncherSignals(os.path.join(job_dir, STOP_FILE), stepping)
+    stepping, saving = ([os.path.join(job_dir, name.format(rank=r)) for r in range(cfg.launch.nproc)]
+                        for name in (STEPPING_FILE, SAVING_FILE))
+    stop = LauncherSignals(os.path.join(job_dir, STOP_FILE), stepping, saving_files=saving)
     deadline = time.monotonic() + time_limit if time_limit else None
     reaper = Reaper(job_dir)
     try:
@@ -175,8 +176,8 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
     if launcher is not None:  # a rank of zerotrain's own launcher
         rank_start.adopt(launcher)
     adopt_job_dir(job_dir)  # where a restarted rank 0 reads why the attempt before failed
-    install_stop_request(os.path.join(job_dir, STOP_FILE) if job_dir else None,
-                         os.path.join(job_dir, STEPPING_FILE.format(rank=os.environ["RANK"])) if job_dir else None)
+    install_stop_request(*(os.path.join(job_dir, name.format(rank=os.environ["RANK"])) if job_dir else None
+                           for name in (STOP_FILE, STEPPING_FILE, SAVING_FILE)))
     if job_dir:  # for the launcher's reaper
         os.makedirs(os.path.join(job_dir, "pids"), exist_ok=True)
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:

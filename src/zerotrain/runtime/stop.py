@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+from zerotrain.durable import write_atomic
+
 # How often a stop's watcher looks for the request: a signal's handler runs on the training thread, a launcher's stop
 # file is only a file, and neither would otherwise be read before the step's all-reduce.
 WATCH_S = 0.05
@@ -34,19 +36,26 @@ class SignalCount:
 
 
 class StopRequest:
-    """SIGTERM or SIGINT asks this rank to finish its step, save and exit; a second one exits at once.
+    """SIGTERM or SIGINT asks this rank to finish its step, save and exit; a second one exits at once, unless the
+    stop's save has begun.
 
     A launcher that cannot signal its ranks directly (zerotrain's own, which the ranks' parent process
     runs) writes a stop file instead, which `requested` also looks for; the file is not a signal, so the rank's
-    own copy of a signal sent to the whole process group is not a second one. Until the loop is about to
-    start its first step (`begin_stepping`), there is nothing to save: a signal then ends the rank at
-    once. `begin_stepping` leaves `stepping_file` for the launcher, which then knows the same.
+    own copy of a signal sent to the whole process group is not a second one. Until the rank can answer a stop
+    with a save (`begin_stepping`: before DPO's reference pass and the first step), there is nothing to save: a
+    signal then ends the rank at once. Once the stop's save has begun (`begin_save`), every further signal is
+    ignored: exiting in it would leave the other ranks in the save's collectives and lose the step it commits
+    (SIGKILL still ends the rank). `begin_stepping` and `begin_save` leave `stepping_file` and `saving_file` for the
+    launcher, which then knows the same.
     """
 
-    def __init__(self, stop_file: str | None = None, stepping_file: str | None = None, clock=time.monotonic):
-        self.stop_file, self.stepping_file = stop_file, stepping_file
+    def __init__(self, stop_file: str | None = None, stepping_file: str | None = None,
+                 saving_file: str | None = None, clock=time.monotonic):
+        self.stop_file, self.stepping_file, self.saving_file = stop_file, stepping_file, saving_file
         self.signal_name: str | None = None
         self.stepping = False
+        self.saving_step: int | None = None  # the step whose stop-save has begun
+        self.ignored = 0  # signals that came during that save
         self.signals = SignalCount(clock)
 
     def install(self) -> "StopRequest":
@@ -56,16 +65,27 @@ class StopRequest:
         return self
 
     def _on_signal(self, signum, _frame) -> None:
-        # Before the first step (nothing to save) or at a second request: exit now (130 for SIGINT, 143 for SIGTERM).
+        if self.saving_step is not None:  # the stop's save has begun: it commits first
+            self.ignored += 1
+            return
+        # Before the rank can save (nothing to save) or at a second request: exit now (130 for SIGINT, 143 for SIGTERM).
         if self.signals.is_second() or not self.stepping:
             os._exit(128 + signum)
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def begin_stepping(self) -> None:
-        """The loop's first step is next: from now on a signal finishes the step and saves."""
+        """The rank can answer a stop with a save from now on: a signal finishes the reference pass (DPO) and the step,
+        then saves."""
         self.stepping = True
         if self.stepping_file:
             open(self.stepping_file, "a").close()
+
+    def begin_save(self, step: int) -> None:
+        """Every rank stops and saves at `step`: from now on a signal waits for that save (the launcher's too)."""
+        if self.saving_step != step:
+            self.saving_step = step
+            if self.saving_file:
+                write_atomic(self.saving_file, str(step), durable=False)
 
     @property
     def requested(self) -> bool:
@@ -107,8 +127,12 @@ def stop_request() -> StopRequest:
     return _stop
 
 
-def install_stop_request(stop_file: str | None, stepping_file: str | None = None) -> StopRequest:
-    """Called once as a rank starts: its signal handlers, and the launcher's stop and stepping files if it has one."""
+def install_stop_request(stop_file: str | None, stepping_file: str | None = None,
+                         saving_file: str | None = None) -> StopRequest:
+    """Called once as a rank starts: its signal handlers, and the launcher's stop, stepping and saving files if it has
+    one."""
     global _stop
-    _stop = StopRequest(stop_file, stepping_file).install()
+    if saving_file and os.path.exists(saving_file):  # an earlier attempt's, which failed in its save
+        os.remove(saving_file)
+    _stop = StopRequest(stop_file, stepping_file, saving_file).install()
     return _stop

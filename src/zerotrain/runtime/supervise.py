@@ -1,8 +1,8 @@
 """The launcher's watch over its ranks: SIGINT/SIGTERM (stop, then hard stop), reaping a failed attempt's ranks.
 
 zerotrain's launcher runs torch's elastic agent in a thread and keeps the main thread for this: the
-first signal writes the stop file every rank polls, the second stops every rank at once; once a rank
-has reported a failure, the ranks of its attempt still running are killed after a short grace.
+first signal writes the stop file every rank polls, the second stops every rank at once unless their stop's save
+has begun; once a rank has reported a failure, the ranks of its attempt still running are killed after a short grace.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from zerotrain.durable import write_atomic
 from .stop import SignalCount
 
 STOP_FILE = "stop"
-STEPPING_FILE = "stepping-rank{rank}"  # left by each rank as it starts its first step
+STEPPING_FILE = "stepping-rank{rank}"  # left by each rank once it can answer a stop with a save
+SAVING_FILE = "saving-rank{rank}"  # left by each rank once its stop's save has begun: the step it saves
 REAPED = "reaped"  # the folder of the ranks the reaper killed, named as their pid files: attempt{N}-rank{R}
 
 
@@ -27,12 +28,16 @@ class LauncherSignals:
     """The launcher's SIGINT/SIGTERM: the first writes the ranks' stop file, a second request asks for a hard stop.
 
     A signal to the whole process group reaches the launcher and every rank at once; it is one request, and so is
-    the same signal delivered again within SAME_STOP_S (stop.py). Before every rank has started its first step
-    there is nothing to save: the first signal asks for a hard stop.
+    the same signal delivered again within SAME_STOP_S (stop.py). Before every rank can save (stop.begin_stepping)
+    there is nothing to save: the first signal asks for a hard stop. Once any rank's stop-save has begun (its saving
+    file), every rank saves that step: a further request is ignored, with one line, until the job ends (stopping
+    the ranks then would lose the step they commit; SIGKILL is still the user's).
     """
 
-    def __init__(self, stop_file: str, stepping_files: list[str] | None = None, clock=time.monotonic):
+    def __init__(self, stop_file: str, stepping_files: list[str] | None = None, clock=time.monotonic,
+                 saving_files: list[str] | None = None):
         self.stop_file, self.stepping_files = stop_file, stepping_files or []
+        self.saving_files = saving_files or []
         self.hard_stop, self.before_first_step, self._previous = None, False, {}
         self.signals = SignalCount(clock)
 
@@ -50,7 +55,15 @@ class LauncherSignals:
         if not all(os.path.exists(p) for p in self.stepping_files):  # a rank still starts: no save can happen
             self.hard_stop, self.before_first_step = name, True
             return
-        if self.signals.is_second():
+        first = self.signals.first_at is None  # (a rank's own signal may have begun the stop)
+        second = self.signals.is_second()
+        saving = self.saving_step()
+        if saving is not None:
+            if first or second:  # said once a request, not again for its own delivery again
+                print(f"zerotrain: saving step {saving}; {name} and any further signal are ignored until the save is "
+                      "committed", file=sys.stderr, flush=True)
+            return
+        if second:
             self.hard_stop = name
             return
         if os.path.exists(self.stop_file):  # the first request, delivered again
@@ -58,6 +71,16 @@ class LauncherSignals:
         write_atomic(self.stop_file, name, durable=False)
         print(f"zerotrain: {name} received: every rank finishes its current step and saves; "
               f"send it again to stop at once", file=sys.stderr, flush=True)
+
+    def saving_step(self) -> str | None:
+        """The step a rank's stop-save has begun to save, or None while none has."""
+        for path in self.saving_files:
+            try:
+                with open(path) as f:
+                    return f.read().strip()
+            except FileNotFoundError:
+                continue
+        return None
 
 
 class Reaper:

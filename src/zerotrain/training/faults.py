@@ -6,6 +6,7 @@ N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is
 slow_staging's delay in seconds (default 1), slow_storage's seconds per MiB (default 1) or sigterm_in_slow_step's
 bound in seconds (default 60).
 kill, hang and slow_storage also take step=0: while the rank starts, before its first step.
+group_sigint_in_reference counts the forwards of DPO's reference pass instead, crash_in_reference takes step=0 only.
 
     kill           the rank SIGKILLs itself during step N, before that step's collectives
     hang           the rank blocks forever before step N's collectives (only being killed ends it)
@@ -36,6 +37,18 @@ kill, hang and slow_storage also take step=0: while the rank starts, before its 
                    of step N-1 is committed (`latest` names it), as a step longer than torchrun's 30 s grace
                    period would: it fails the rank if none is within F seconds (default 60), and says so on
                    stderr when one is
+    group_sigint_in_commit
+                   rank 0 sends SIGINT to the launcher's whole process group while it commits checkpoint N (every
+                   rank's files durable, the manifest written, before the rename; as crash_in_commit), SAME_STOP_S
+                   after the launcher's stop file appeared: with a stop at step N, a second request inside its save.
+                   It waits until its own handler has seen the signal, then commits
+    group_sigint_in_reference
+                   the rank sends SIGINT to the launcher's whole process group after its Nth forward of DPO's
+                   precomputed reference pass (before step 1), then waits until its own stop request is seen
+    crash_in_reference
+                   rank 0 (which alone writes it) exits with CRASH_IN_SAVE_EXIT halfway through writing the
+                   precomputed DPO reference beside the checkpoints: scored before step 1, or copied there by a
+                   resume from another folder's checkpoint (step=0)
     oom            the rank runs out of memory during step N, before that step's collectives (torch's
                    OutOfMemoryError, as an allocation beyond the device raises it)
     slow_storage   from step N on (0: from its start), every checkpoint file the rank reads or writes costs F seconds
@@ -66,13 +79,15 @@ from zerotrain.checkpoint.stream import slow_storage
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.runtime.rank_start import launcher_pid
 from zerotrain.runtime.failures import restart_count
-from zerotrain.runtime.stop import stop_request
+from zerotrain.runtime.stop import SAME_STOP_S, stop_request
 
 ENV = "ZEROTRAIN_FAULTS"
 KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "crash_in_commit", "save_error", "disk_full",
-         "slow_staging", "sigterm", "group_sigint", "group_sigterm", "oom", "slow_storage", "sigterm_in_slow_step")
+         "slow_staging", "sigterm", "group_sigint", "group_sigterm", "oom", "slow_storage", "group_sigint_in_commit",
+         "group_sigint_in_reference", "crash_in_reference", "sigterm_in_slow_step")
 SAVE_KINDS = ("crash_in_save", "save_error", "disk_full")  # the kinds the checkpoint writer's halfway hook fires
-STARTUP_KINDS = ("kill", "hang", "slow_storage")  # the kinds that step=0 fires while the rank starts
+STARTUP_KINDS = ("kill", "hang", "slow_storage", "crash_in_reference")  # the kinds that step=0 fires as the rank starts
+RANK_0_KINDS = ("crash_in_commit", "group_sigint_in_commit", "crash_in_reference")  # rank 0 alone commits, writes
 FORMAT = "kind@step=N[,rank=R][,factor=F]"
 # Distinct from Python's 1 and a signal's 128+n, so a drill can tell this crash from an ordinary failure.
 CRASH_IN_SAVE_EXIT = 75
@@ -100,6 +115,8 @@ class Fault:
                 "slow_storage": f"slow_storage {self.factor:g} s per MiB",
                 "sigterm_in_slow_step": f"sigterm_in_slow_step (up to {self.factor:g} s)"}.get(self.kind, self.kind)
         when = "before the first step" if self.step == 0 else f"at step {self.step}"
+        if self.kind == "group_sigint_in_reference":
+            when = f"after forward {self.step} of the reference pass"
         return f"{what} {when} on rank {self.rank}"
 
 
@@ -132,9 +149,12 @@ def _parse_entry(entry: str) -> Fault:
         raise ConfigError(f"{ENV}: {entry!r} names no step (format: {FORMAT})")
     fault = Fault(kind, _parse_int(entry, "step", values["step"], 0 if kind in STARTUP_KINDS else 1),
                   _parse_int(entry, "rank", values.get("rank", "0"), 0))
-    if kind == "crash_in_commit" and fault.rank != 0:
-        raise ConfigError(f"{ENV}: crash_in_commit fires on rank 0, which alone commits checkpoints, not rank "
-                          f"{fault.rank}, in {entry!r}")
+    if kind in RANK_0_KINDS and fault.rank != 0:
+        what = "writes the reference" if kind == "crash_in_reference" else "commits checkpoints"
+        raise ConfigError(f"{ENV}: {kind} fires on rank 0, which alone {what}, not rank {fault.rank}, in {entry!r}")
+    if kind == "crash_in_reference" and fault.step != 0:
+        raise ConfigError(f"{ENV}: crash_in_reference takes step=0 (the reference is written before step 1), not "
+                          f"step={fault.step}, in {entry!r}")
     if "factor" in values:
         if kind not in FACTOR_DEFAULTS:
             raise ConfigError(f"{ENV}: factor applies only to {', '.join(FACTOR_DEFAULTS)}, not {kind}, in {entry!r}")
@@ -296,16 +316,37 @@ class Faults:
 
     def commit_hook(self) -> Callable[[int], None] | None:
         """The checkpoint writer's commit_hook(step), run by rank 0's commit between its two renames: exits at a
-        planned crash_in_commit step; None if none is planned."""
-        if not any(f.kind == "crash_in_commit" for f in self.planned):
+        planned crash_in_commit step, signals at a group_sigint_in_commit step; None if neither is planned."""
+        if not any(f.kind in ("crash_in_commit", "group_sigint_in_commit") for f in self.planned):
             return None
 
-        def crash_between_renames(step: int) -> None:
-            for fault in self._fire(step, "crash_in_commit"):
+        def between_renames(step: int) -> None:
+            for fault in self._fire(step, "crash_in_commit", "group_sigint_in_commit"):
                 _announce(fault)
-                os._exit(CRASH_IN_SAVE_EXIT)  # the step's folder is moved aside, the new one not yet in place
+                if fault.kind == "crash_in_commit":
+                    os._exit(CRASH_IN_SAVE_EXIT)  # the step's folder is moved aside, the new one not yet in place
+                _second_group_sigint(fault)
 
-        return crash_between_renames
+        return between_renames
+
+    def in_reference_pass(self, forward: int) -> None:
+        """group_sigint_in_reference after the reference pass's `forward`th forward (1-based)."""
+        for fault in self._fire(forward, "group_sigint_in_reference"):
+            _announce(fault)
+            self._signal_launcher(Fault("group_sigint", fault.step, fault.rank), lambda: stop_request().requested,
+                                  STOP_WAIT_S)
+
+    def reference_hook(self) -> Callable[[], None] | None:
+        """The reference writer's halfway hook: exits at a planned crash_in_reference; None if none is planned."""
+        if not any(f.kind == "crash_in_reference" for f in self.planned):
+            return None
+
+        def crash_halfway() -> None:
+            for fault in self._fire(0, "crash_in_reference"):
+                _announce(fault)
+                os._exit(CRASH_IN_SAVE_EXIT)  # half of the file written: like a machine losing power mid-write
+
+        return crash_halfway
 
     def staging_hook(self) -> Callable[[int], None] | None:
         """The async writer's staging_hook(step), run in its thread before it copies the state; None if no
@@ -319,6 +360,31 @@ class Faults:
                 time.sleep(fault.factor)
 
         return late
+
+
+def _second_group_sigint(fault: Fault) -> None:
+    """SIGINT to the launcher's whole process group as a second stop request, inside the save of that stop; returns
+    once this rank's own handler has seen it.
+
+    A request counts as a second one SAME_STOP_S after the first (stop.py): every rank's first signal came before the
+    step whose save this is, and the launcher's before it wrote its stop file, so waiting SAME_STOP_S from the stop
+    file's appearance makes this a second request everywhere, whatever the machine's load.
+    """
+    stop = stop_request()
+    deadline = time.monotonic() + STOP_WAIT_S
+    while stop.stop_file and not os.path.exists(stop.stop_file):
+        if time.monotonic() > deadline:
+            raise ZeroTrainError(f"{ENV}: {fault.describe()}: no stop file from the launcher within {STOP_WAIT_S:g} s")
+        time.sleep(STOP_POLL_S)
+    time.sleep(SAME_STOP_S)
+    seen = stop.ignored
+    os.killpg(os.getpgid(launcher_pid()), signal.SIGINT)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while stop.ignored == seen:
+        if time.monotonic() > deadline:
+            raise ZeroTrainError(f"{ENV}: {fault.describe()}: this rank's handler did not see the signal within "
+                                 f"{STOP_WAIT_S:g} s")
+        time.sleep(STOP_POLL_S)
 
 
 def _wait_for_commit(fault: Fault, root: str, step: int) -> None:

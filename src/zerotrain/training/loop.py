@@ -366,11 +366,15 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
         raise checkpoint.CheckpointError(f"rank {comm.rank}: a checkpoint was to be restored over the initial values "
                                          "it never read, and none was (do the ranks see the same checkpoint folders?)")
     _continue_data(cfg, comm, schedule, manifest, start)
+    stop = stop_request()
+    # From here a signal saves rather than ending the rank at once: DPO's reference pass, which may score the pairs
+    # for a long while, is finished and kept by the first step's checkpoint, not lost
+    stop.begin_stepping()
     origin.update(objective.prepare(engine, comm, manifest, resumed_from, origin.get("init_from")))
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
-                                           manifest_extra=origin)
+                                           manifest_extra=origin, on_stop_save=stop.begin_save)
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
@@ -400,8 +404,6 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                        "steps_lost": lost, "failed_rank": failed_rank, "cause": cause},
                       f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost; attempt "
                       f"{restart_count() - 1} failed: {cause}")
-    stop = stop_request()
-    stop.begin_stepping()  # from here a signal finishes the step and saves; before, it ended the rank at once
     return _Run(engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source,
                 faults=faults, stop=stop, detector=detector, policy=policy, checkpointer=checkpointer,
                 metrics=metrics, memory=memory,

@@ -36,16 +36,16 @@ validation scores every held-out pair once, each replica its share, every rank t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import shutil
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load, save
 
-from zerotrain.checkpoint.stream import sha256_file
+from zerotrain.checkpoint.stream import count_read, sha256_file, storage_delay
 from zerotrain.config import REFERENCE_FREE, Config, ObjectiveConfig
 from zerotrain.data import IGNORE, on_device
 from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_splits
@@ -57,6 +57,7 @@ from zerotrain.model.lora import adapters_off, dropout_rows
 
 from . import reference_model
 from .activations import saved_for_backward
+from .faults import Faults
 
 REFERENCE_FILE = "dpo_reference.safetensors"
 # The sums each step reduces, per pair: what the step's record reports as their means over the global batch
@@ -195,38 +196,47 @@ class Preference:
         if not self.precomputed:
             return {}
         folder = self.cfg.checkpoint.dir
+        faults = Faults.from_env(comm.rank, tp=engine.mesh.tp_size)  # the drills of the reference pass and its writes
         if resumed_from:
             self.record = manifest["dpo_reference"]
             stored = os.path.join(os.path.dirname(resumed_from), REFERENCE_FILE)
-            self.reference = read_reference(stored, self.record)
+            data = read_reference_bytes(stored, self.record)
+            self.reference = reference_logps(stored, data, self.record)
             here = os.path.join(folder, REFERENCE_FILE)  # this run's checkpoints record it: beside them too
             if comm.rank == 0 and not (os.path.isfile(here) and os.path.samefile(here, stored)):
                 os.makedirs(folder, exist_ok=True)
-                shutil.copyfile(stored, here)
+                # whole or absent, and durable before any checkpoint recording its sha256 commits: a crash in the
+                # copy must not leave a file that every checkpoint of this folder would be refused for
+                write_atomic(here, data, halfway=faults.reference_hook())
         else:
-            self.reference = self.score_reference(engine)
+            self.reference = self.score_reference(engine, faults)
             pairs = self.all_pairs()
             record = {"file": REFERENCE_FILE, "pairs": len(pairs), "data": pairs_digest(pairs),
                       "base": tagged_digests(base)}
             if self.held_out:  # the last ones: scored with the rest, stored and verified with them
                 record["held_out"] = len(self.held_out.pairs)
             if comm.rank == 0:
-                record["sha256"] = write_reference(os.path.join(folder, REFERENCE_FILE), self.reference, record)
+                record["sha256"] = write_reference(os.path.join(folder, REFERENCE_FILE), self.reference, record,
+                                                   faults.reference_hook())
             self.record = comm.io.all_gather_json(record if comm.rank == 0 else None, "dpo_reference")[0]
         return {"dpo_reference": self.record}
 
     @torch.no_grad()
-    def score_reference(self, engine) -> torch.Tensor:
+    def score_reference(self, engine, faults=None) -> torch.Tensor:
         """[pairs, 2]: every pair's (chosen, rejected) log-probs under the model as it is now, on every rank (the
         training pairs, then the held-out ones)."""
         mesh, n = engine.mesh, len(self.source.pairs)
         out = torch.zeros(len(self.all_pairs()), 2, dtype=torch.float64)
+        forwards = 0
         for source, offset in [(self.source, 0)] + ([(self.held_out, n)] if self.held_out else []):
             for ids, real, micro in self.shares(engine, source):
                 logps = head_loss(engine.model, micro.inputs, micro.labels, sequence_logps, False)[0]
                 logps = logps.view(2, len(ids)).t().cpu()
                 for b in real:
                     out[offset + ids[b]] = logps[b].to(torch.float64)
+                forwards += 1
+                if faults is not None:
+                    faults.in_reference_pass(forwards)
         if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs: the first one's count
             out.zero_()
         return mesh.world.all_reduce(out.to(mesh.world.device), "all_reduce_reference").cpu()
@@ -339,25 +349,39 @@ class Preference:
         return {"pairs": batch.global_pairs, **means}
 
 
-def write_reference(path: str, logps: torch.Tensor, record: dict) -> str:
-    """Store the reference log-probs with their keys, durably; their sha256."""
+def write_reference(path: str, logps: torch.Tensor, record: dict, halfway=None) -> str:
+    """Store the reference log-probs with their keys, durably and whole or absent; their sha256. `halfway`: the fault
+    drills' hook, midway through the write."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     data = save({"logps": logps.contiguous()}, metadata={"record": json.dumps(record, sort_keys=True)})
-    write_atomic(path, data)
+    write_atomic(path, data, halfway=halfway)
     return sha256_file(path)[1]
 
 
 def read_reference(path: str, record: dict) -> torch.Tensor:
     """The stored reference log-probs, verified against the manifest's record; ConfigError naming the file."""
+    return reference_logps(path, read_reference_bytes(path, record), record)
+
+
+def read_reference_bytes(path: str, record: dict) -> bytes:
+    """The stored reference's bytes, verified against the sha256 the manifest records; ConfigError naming the file."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: the precomputed reference log-probs this checkpoint was trained against are "
                           "missing (they are stored beside its folder)")
-    digest = sha256_file(path)[1]
+    with open(path, "rb") as f:
+        data = f.read()
+    count_read(len(data))
+    storage_delay(len(data))
+    digest = hashlib.sha256(data).hexdigest()
     if digest != record.get("sha256"):
         raise ConfigError(f"{path}: sha256 {digest[:12]}... is not the {str(record.get('sha256'))[:12]}... the "
                           "checkpoint's manifest records: the reference log-probs changed")
-    with open(path, "rb") as f:
-        logps = load(f.read())["logps"]
+    return data
+
+
+def reference_logps(path: str, data: bytes, record: dict) -> torch.Tensor:
+    """[pairs, 2]: the log-probs in the reference file's verified bytes `data`; ConfigError naming the file."""
+    logps = load(data)["logps"]
     if logps.shape != (record["pairs"], 2):
         raise ConfigError(f"{path}: {tuple(logps.shape)} log-probs, not the {record['pairs']} pairs recorded")
     return logps
