@@ -144,7 +144,7 @@ def _trainer(cfg: Config, comm: Comm) -> tuple:
         accumulate_gradients(engine, batch)
         norm, _ = engine.reduce_grads(torch.zeros(0))
         engine.apply(lr_at(steps[0], cfg.optim, 10_000), norm)
-        if engine.flat_params.is_cuda:
+        if engine.device.type == "cuda":
             torch.cuda.synchronize()
         steps[0] += 1
 

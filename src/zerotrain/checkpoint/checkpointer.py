@@ -174,7 +174,7 @@ class Checkpointer:
         """The training thread, as a step begins: a stop from now until `disarm` saves `step`, the last completed
         one, with the loop's `state` as that step left it (copied: the loop changes its own as it goes)."""
         after = None
-        if engine.flat_params.device.type == "cuda":  # the state of `step` is what the stream holds after this
+        if engine.device.type == "cuda":  # the state of `step` is what the stream holds after this
             after = torch.cuda.Event()
             after.record()
         with self._lock:

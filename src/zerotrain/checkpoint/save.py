@@ -339,11 +339,11 @@ class CheckpointWriter:
         """This rank's shard as of the last completed step. On the CPU: the engine's state where it lies, as a
         synchronous save writes it (the one write an all-gather in flight may make to the owned range is of the same
         bytes). On CUDA: staged to the host as an async save stages (_Staging), on a side stream after `after`."""
-        if engine.flat_params.device.type != "cuda":
+        if engine.device.type != "cuda":
             return _shard_files(engine, self.comm.rank, self.comm.world_size)
         if self._staging is None or not self._staging.fits(engine):
             self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
-        side = torch.cuda.Stream(engine.flat_params.device)
+        side = torch.cuda.Stream(engine.device)
         with torch.cuda.stream(side):
             if after is not None:
                 side.wait_event(after)
@@ -483,7 +483,7 @@ def _part_state(engine: ZeroEngine) -> dict:
     concatenation made was 22% of a sync save's time in its profile (bench ckpt --quick, one rank: 26 MB into fresh
     pages at every save).
     """
-    if engine.master is None and engine.flat_params.device.type == "cpu":
+    if engine.master is None and engine.device.type == "cpu":
         return {"master": engine.master_views(), "exp_avg": engine.exp_avg, "exp_avg_sq": engine.exp_avg_sq,
                 "step": torch.tensor([engine.step_count], dtype=torch.int64)}
     return engine.shard_state_dict()
