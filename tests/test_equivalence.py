@@ -302,6 +302,7 @@ def rounds() -> dict:
     cfg.parallel.bucket_mb = 0.02  # several buckets, so "one round" means one call per bucket
     cfg.parallel.overlap = "on"  # buckets launch from backward's hooks, where a missed no_sync would show
     cfg.logging.progress, cfg.loop.check_every, cfg.launch.timeout = False, 0, 60.0
+    cfg.checkpoint.final_save = False  # the rounds of training alone
     jobs = [(functools.partial(rounds_job, accums=[1, 4, 16]), cfg),
             (functools.partial(rounds_job, accums=[4], bug=publishing_twice), cfg),
             (functools.partial(rounds_job, accums=[4], bug=ignored_no_sync), cfg)]

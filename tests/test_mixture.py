@@ -139,7 +139,7 @@ def resume_job(cfg, comm, *, resume_at: int) -> dict:
     first = outcome(train(cfg, comm))
     resumed = copy.deepcopy(cfg)
     resumed.checkpoint.resume = os.path.join(cfg.checkpoint.dir, checkpoint.step_name(resume_at))
-    resumed.checkpoint.every, resumed.logging.metrics = 0, ""
+    resumed.checkpoint.every, resumed.checkpoint.final_save, resumed.logging.metrics = 0, False, ""
     again = outcome(train(resumed, comm))
     with mock.patch.object(MixtureSource, "rows_before",
                            lambda self, step: np.zeros(len(self.names), dtype=np.int64)):

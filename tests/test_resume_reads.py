@@ -84,7 +84,7 @@ def counted(tmp_path_factory):
 
     def resuming(name, resume):
         cfg = tiny_config(tmp / name, nproc=2, micro=2, steps=5)
-        cfg.checkpoint.dir, cfg.checkpoint.resume = root, resume
+        cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.final_save = root, resume, False
         return cfg
 
     launcher, prepared = {}, {}
