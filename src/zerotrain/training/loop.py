@@ -309,9 +309,10 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
             loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             reduced = _reduce(run, loss_sum)
-            loss, grad_norm = reduced.loss_sum / run.objective.loss_units(batch), reduced.grad_norm
+            units = run.objective.loss_units(batch)
+            loss, grad_norm = reduced.loss_sum / units, reduced.grad_norm
             # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
-            anomaly = run.detector.check(done, loss, grad_norm, reduced.nonfinite_ranks)
+            anomaly = run.detector.check(done, loss, grad_norm, reduced.nonfinite_ranks, units)
             if anomaly:
                 step = _handle_anomaly(anomaly, cfg, run, comm)
                 continue
@@ -348,7 +349,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     val_source = objective.validation_source() if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
-    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, vocab_size=cfg.model.vocab_size)
+    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, rule=objective.loss_rule())
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
     # the manifests record --init-from's files, hashed by the ranks together: whatever the cadence, since a stop
     # signal or a rollback saves too (and a LoRA checkpoint's base is this record)
