@@ -136,8 +136,9 @@ MAD_TO_SD = 1.4826
 # smallest spread is a share of the loss at chance (hinge 1, sigmoid ln 2): 0.01 of it. And a few pairs make a step,
 # so one hard pair lifts a step's loss a lot: the loss must also be PAST_CHANCE of the chance loss past it. Measured
 # on DPO runs of a tiny Llama (seed 0, 60 steps, lr 1e-3 to 3e-2, 1 to 4 pairs a step, clean and label-noised
-# pairs): no healthy step passed both bars; held out: tests/guard_dpo_traces.json (scripts/guard_dpo_traces.py); the first step after a 1000x lr spike at step 30 of the sigmoid run went from 0.23 to 15.0
-# (ln 2 = 0.693), the hinge run's from 0 to 3.88 (chance 1).
+# pairs): no healthy step passed both bars; held out: tests/guard_dpo_traces.json (scripts/guard_dpo_traces.py).
+# The first step after a 1000x lr spike at step 30 of the sigmoid run went from 0.23 to 15.0 (ln 2 = 0.693), the
+# hinge run's from 0 to 3.88 (chance 1).
 MIN_SPREAD_OF_CHANCE = 0.01
 PAST_CHANCE = 0.5
 # A step with fewer trained tokens than usual (an epoch's partial last step) is noisier, by the square root of the
