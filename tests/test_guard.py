@@ -168,11 +168,12 @@ def ordinary_run(seed, steps=300):
     return losses, norms
 
 
-def refusals(detector, losses, norms):
-    """The steps refused when every other step is applied (no rollback: the run goes on)."""
+def refusals(detector, losses, norms, units=None):
+    """The steps refused when every other step is applied (no rollback: the run goes on); `units`: each step's
+    trained tokens (pairs), or unknown."""
     refused = []
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
-        if detector.check(step, loss, norm, []):
+        if detector.check(step, loss, norm, [], None if units is None else units[step - 1]):
             refused.append(step)
         else:
             detector.accept(step, loss)
@@ -764,6 +765,13 @@ def test_an_epochs_partial_last_step_is_judged_by_its_own_noise_and_unweighed_it
     resumed = AnomalyDetector(3.0, 20, vocab_size=300)
     resumed.load_state_dict(json.loads(json.dumps(d.state_dict())))
     assert resumed.check(21, 5.347, 1.0, [], units=37) is None
+    # the state a checkpoint of the previous version holds (no "units") loads: its steps' counts are unknown, so the
+    # step is weighed as that version weighed it until a window with counts has been accepted again
+    previous = AnomalyDetector(3.0, 20, vocab_size=300)
+    previous.load_state_dict({k: v for k, v in d.state_dict().items() if k != "units"})
+    assert previous.check(21, 5.347, 1.0, [], units=37).kind == "spike"
+    with pytest.raises(ValueError, match="2 unit counts for 20 steps"):
+        AnomalyDetector(3.0, 20).load_state_dict({**d.state_dict(), "units": [1, 2]})
 
 
 # --- held-out DPO runs ----------------------------------------------------------------------------------------------
