@@ -407,6 +407,37 @@ def test_a_model_that_learned_less_than_its_noise_may_have_hard_batches_but_not_
     assert learned.check(21, ln_v - 0.25, 1.0, []).kind == "spike" and learned.check(21, ln_v - 0.35, 1.0, []) is None
 
 
+# --- held-out --method sft runs ------------------------------------------------------------------------------------
+
+# Written by scripts/guard_heldout_sft_traces.py, held out: runs the constants above never saw (those were set on
+# guard_healthy_traces.json, python-stdlib from seed 0): other seeds, the tiny GPT-2 on synthetic data, a Llama of
+# --preset llama-tiny's shape on records of varying length (36-100 trained tokens a step), and the tests' tiny random
+# Llama (V = 400) fine-tuned from its weights at lr 2e-5 (its loss moves 0.05 in 100 steps, within noise of ln(V))
+# and 1e-3; 100 steps each, with each step's trained tokens.
+with open(os.path.join(os.path.dirname(__file__), "guard_heldout_sft_traces.json")) as f:
+    HELD_OUT_SFT = json.load(f)
+
+
+def held_out_sft_refusals(name, window=20, **bars):
+    trace = HELD_OUT_SFT["traces"][name]
+    return refusals(AnomalyDetector(3.0, window, vocab_size=trace["vocab_size"], **bars), trace["losses"],
+                    trace["grad_norms"], trace["tokens"])
+
+
+@pytest.mark.parametrize("name", HELD_OUT_SFT["traces"])
+def test_held_out_healthy_sft_runs_raise_no_alarm_at_the_default_window_nor_at_10(name):
+    assert HELD_OUT_SFT["held_out"]
+    assert held_out_sft_refusals(name) == held_out_sft_refusals(name, 10) == []
+
+
+def test_a_fine_tuning_lr_keeps_the_loss_within_noise_of_ln_v_and_the_ruin_test_without_its_sd_bars_refuses_it():
+    # planted: the ruin test's bars gone (any rise gives back headroom measured in noise); the partial-step share,
+    # the step's units and the rule before the outlier test (3 x the median) refuse none of these runs
+    no_bars = dict(ruin_sigmas=0.0, learned_sigmas=0.0, learned_fraction=0.0)
+    alarmed = [name for name in HELD_OUT_SFT["traces"] if held_out_sft_refusals(name, **no_bars)]
+    assert alarmed == ["llama-v400-init-from-lr2e-05-seed1", "llama-v400-init-from-lr2e-05-seed2"]
+
+
 # --- RollbackPolicy --------------------------------------------------------------------------------------------
 
 def anomaly(step):
