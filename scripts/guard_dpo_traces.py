@@ -5,18 +5,24 @@ tests/model_folders.llama_folder) from its own weights, 60 steps at a constant l
 way (a window of 1: no test against the trend; DPO's rule has no ratio test): the loss (4 decimals), gradient norm
 (3) and pairs of each step. The grid: the sigmoid, hinge and ipo losses x clean pairs (8 sums, one prompt cut) or 32
 pairs with 15% of their labels flipped x (pairs a step, lr) in (1, 1e-2), (2, 3e-2), (4, 3e-3), (4, 1e-2) x seeds 1
-and 2 (48 runs, about 5 minutes on 2 cores). The guard's DPO bars were set on seed 0 of a few of these settings.
+and 2: 48 runs of 15 to 130 s each on 2 cores shared with other work (the file's 48: 12 recorded first, then 36 in
+15 minutes). The guard's DPO bars were set on seed 0 of a few of these settings. Runs already in the file
+are kept (a run is deterministic: rerun, it writes the same trace), so an interrupted run or one stopped by
+--time-limit goes on where it stopped.
 
-    PYTHONPATH=src python scripts/guard_dpo_traces.py
+    PYTHONPATH=src python scripts/guard_dpo_traces.py [--time-limit SECONDS]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import random
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -65,21 +71,37 @@ def record(tmp: str, base: str, data: str, loss: str, micro: int, lr: float, see
             "pairs": micro}
 
 
-def main() -> int:
-    traces = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "base")
-        llama_folder(base, template=CHATML)
-        for kind in ("clean", "noisy"):
-            data = write_jsonl(os.path.join(tmp, f"{kind}.jsonl"), pairs(kind))
-            for loss in LOSSES:
-                for micro, lr in SETTINGS:
-                    for seed in SEEDS:
-                        traces[f"{loss}-{kind}-pairs{micro}-lr{lr:g}-seed{seed}"] = record(tmp, base, data, loss,
-                                                                                          micro, lr, seed)
+def write(traces: dict) -> None:
     lines = [f" {json.dumps(name)}: {json.dumps(t, separators=(',', ':'))}" for name, t in traces.items()]
     with open(OUT, "w") as f:
         f.write(f'{{"steps": {STEPS}, "traces": {{\n' + ",\n".join(lines) + "\n}}\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--time-limit", type=float, default=math.inf, help="seconds: start no run after this")
+    args = p.parse_args()
+    start = time.monotonic()
+    traces = {}
+    if os.path.exists(OUT):  # the runs already recorded are kept (each is deterministic: a rerun writes the same)
+        with open(OUT) as f:
+            traces = json.load(f)["traces"]
+    # seed- and setting-major, so a run stopped by --time-limit has each loss and data at a setting before the next
+    grid = [(seed, kind, loss, micro, lr) for seed in SEEDS for micro, lr in SETTINGS for kind in ("clean", "noisy")
+            for loss in LOSSES]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        llama_folder(base, template=CHATML)
+        data = {kind: write_jsonl(os.path.join(tmp, f"{kind}.jsonl"), pairs(kind)) for kind in ("clean", "noisy")}
+        for seed, kind, loss, micro, lr in grid:
+            name = f"{loss}-{kind}-pairs{micro}-lr{lr:g}-seed{seed}"
+            if name in traces:
+                continue
+            if time.monotonic() - start > args.time_limit:
+                break
+            traces[name] = record(tmp, base, data[kind], loss, micro, lr, seed)
+            write(traces)  # as it goes: a stopped run keeps what it recorded
+            print(f"{len(traces)}/{len(grid)} runs, {time.monotonic() - start:.0f} s", flush=True)
     print(f"wrote {len(traces)} traces to {OUT}")
     return 0
 

@@ -807,8 +807,9 @@ def test_an_epochs_partial_last_step_is_judged_by_its_own_noise_and_unweighed_it
 
 # --- held-out DPO runs ----------------------------------------------------------------------------------------------
 
-# Written by scripts/guard_dpo_traces.py, the first 12 runs of its grid (sigmoid and hinge on the clean pairs, 1-4 pairs
-# a step, lr 3e-3 to 3e-2, seeds 1 and 2; 60 steps each), none of which the DPO rule's constants were set on.
+# Written by scripts/guard_dpo_traces.py, its whole grid: the sigmoid, hinge and ipo losses x clean or label-noised
+# pairs (15% of 32 flipped) x 1-4 pairs a step at lr 3e-3 to 3e-2 x seeds 1 and 2, 60 steps each: 48 runs, none of
+# which the DPO rule's constants were set on.
 with open(os.path.join(os.path.dirname(__file__), "guard_dpo_traces.json")) as f:
     DPO_TRACES = json.load(f)["traces"]
 
@@ -826,11 +827,27 @@ def dpo_rule(loss):
     return Preference(cfg).loss_rule()
 
 
-@pytest.mark.parametrize("name", DPO_TRACES)
+# Held out, the rule refuses healthy steps of 3 of the 48 runs, all on label-noised pairs at 1 or 2 pairs a step: a
+# flipped pair the policy had learned the other way is a step's whole loss, past the chance loss by more than half of
+# it (hinge 2.851 at step 58, chance 1; ipo 42.06 to 70.78, chance 25). Known false alarms, not fixed: strict, so a
+# rule that stops raising them shows here.
+DPO_FALSE_ALARMS = {"hinge-noisy-pairs1-lr0.01-seed1": [58], "ipo-noisy-pairs1-lr0.01-seed1": [54, 58],
+                    "ipo-noisy-pairs2-lr0.03-seed2": [23, 27, 29]}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"refuses steps {DPO_FALSE_ALARMS[name]}"))
+    if name in DPO_FALSE_ALARMS else name for name in DPO_TRACES])
 def test_held_out_healthy_dpo_runs_raise_no_alarm(name):
     assert dpo_refusals(name, dpo_rule) == []
 
 
-def test_the_token_losss_rule_raises_an_alarm_in_a_held_out_dpo_run():
+def test_the_held_out_dpo_runs_false_alarms_are_the_ones_stated():
+    assert {name: dpo_refusals(name, dpo_rule) for name in DPO_FALSE_ALARMS} == DPO_FALSE_ALARMS
+
+
+def test_the_token_losss_rule_raises_an_alarm_in_a_third_of_the_held_out_dpo_runs():
+    # planted: the method's rule is the token loss's (3 x the median of a loss near 0, its outlier and ruin tests)
     planted = [name for name in DPO_TRACES if dpo_refusals(name, lambda loss: token_loss_rule(400))]
-    assert planted == ["sigmoid-clean-pairs4-lr0.01-seed1"]
+    assert (len(planted), len(DPO_TRACES)) == (16, 48)
+    assert sum(name.startswith("ipo") for name in planted) == 10  # of 16 ipo runs
