@@ -11,13 +11,14 @@ import pytest
 from conftest import tiny_config, zerotrain_here
 
 from zerotrain.errors import CheckpointError, ZeroTrainError
-from zerotrain.training.guard import (Anomaly, AnomalyDetector, NoCheckpointToRestore, RollbackExhausted,
-                                      RollbackPolicy, data_step, skip_after_rollback)
+from zerotrain.training.guard import (Anomaly, AnomalyDetector, LossRule, NoCheckpointToRestore, RollbackExhausted,
+                                      RollbackPolicy, data_step, near_zero_loss_rule, skip_after_rollback,
+                                      token_loss_rule)
 from zerotrain.training.faults import ENV
 from zerotrain.training.loop import train
 
 
-def detector_with(losses, factor=3.0, window=20, grad_norms=None, **bars):
+def detector_with(losses, factor=3.0, window=20, grad_norms=None, **bars):  # bars: also rule=, vocab_size=
     d = AnomalyDetector(factor, window, **bars)
     for i, loss in enumerate(losses, start=1):
         d.accept(i, loss, None if grad_norms is None else grad_norms[i - 1])
@@ -32,7 +33,7 @@ def old_rule(window):
 def without_ruin_test():
     """Planted: the guard before issue 27, whose only test against the trend needs the loss and the gradient norm
     both far out (the outlier test)."""
-    return mock.patch.object(AnomalyDetector, "_ruined", lambda self, *args: None)
+    return mock.patch.object(AnomalyDetector, "_ruined", lambda self, *args, **kwargs: None)
 
 
 # --- AnomalyDetector -------------------------------------------------------------------------------------------
@@ -167,11 +168,12 @@ def ordinary_run(seed, steps=300):
     return losses, norms
 
 
-def refusals(detector, losses, norms):
-    """The steps refused when every other step is applied (no rollback: the run goes on)."""
+def refusals(detector, losses, norms, units=None):
+    """The steps refused when every other step is applied (no rollback: the run goes on); `units`: each step's
+    trained tokens (pairs), or unknown."""
     refused = []
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
-        if detector.check(step, loss, norm, []):
+        if detector.check(step, loss, norm, [], None if units is None else units[step - 1]):
             refused.append(step)
         else:
             detector.accept(step, loss)
@@ -403,6 +405,37 @@ def test_a_model_that_learned_less_than_its_noise_may_have_hard_batches_but_not_
                             vocab_size=256)
     assert learned.share_to_give_back(0.6, 0.02) == 0.5
     assert learned.check(21, ln_v - 0.25, 1.0, []).kind == "spike" and learned.check(21, ln_v - 0.35, 1.0, []) is None
+
+
+# --- held-out --method sft runs ------------------------------------------------------------------------------------
+
+# Written by scripts/guard_heldout_sft_traces.py, held out: runs the constants above never saw (those were set on
+# guard_healthy_traces.json, python-stdlib from seed 0): other seeds, the tiny GPT-2 on synthetic data, a Llama of
+# --preset llama-tiny's shape on records of varying length (36-100 trained tokens a step), and the tests' tiny random
+# Llama (V = 400) fine-tuned from its weights at lr 2e-5 (its loss moves 0.05 in 100 steps, within noise of ln(V))
+# and 1e-3; 100 steps each, with each step's trained tokens.
+with open(os.path.join(os.path.dirname(__file__), "guard_heldout_sft_traces.json")) as f:
+    HELD_OUT_SFT = json.load(f)
+
+
+def held_out_sft_refusals(name, window=20, **bars):
+    trace = HELD_OUT_SFT["traces"][name]
+    return refusals(AnomalyDetector(3.0, window, vocab_size=trace["vocab_size"], **bars), trace["losses"],
+                    trace["grad_norms"], trace["tokens"])
+
+
+@pytest.mark.parametrize("name", HELD_OUT_SFT["traces"])
+def test_held_out_healthy_sft_runs_raise_no_alarm_at_the_default_window_nor_at_10(name):
+    assert HELD_OUT_SFT["held_out"]
+    assert held_out_sft_refusals(name) == held_out_sft_refusals(name, 10) == []
+
+
+def test_a_fine_tuning_lr_keeps_the_loss_within_noise_of_ln_v_and_the_ruin_test_without_its_sd_bars_refuses_it():
+    # planted: the ruin test's bars gone (any rise gives back headroom measured in noise); the partial-step share,
+    # the step's units and the rule before the outlier test (3 x the median) refuse none of these runs
+    no_bars = dict(ruin_sigmas=0.0, learned_sigmas=0.0, learned_fraction=0.0)
+    alarmed = [name for name in HELD_OUT_SFT["traces"] if held_out_sft_refusals(name, **no_bars)]
+    assert alarmed == ["llama-v400-init-from-lr2e-05-seed1", "llama-v400-init-from-lr2e-05-seed2"]
 
 
 # --- RollbackPolicy --------------------------------------------------------------------------------------------
@@ -640,3 +673,181 @@ def test_a_1000x_lr_spike_that_sends_the_model_back_to_ln_v_is_rolled_back_by_th
         assert [first_refusal(AnomalyDetector(3.0, w, vocab_size=97), losses, norms) for w in (5, 20)] == [None] * 2
     final = [r["loss"] for r in guarded if "event" not in r][-1]
     assert final < min(losses[9:]) - 0.1  # the rolled-back run learns on; the ruined one does not
+
+
+# --- a loss that falls to 0: DPO ----------------------------------------------------------------------------------
+
+def test_the_method_declares_its_rule_and_dpos_chance_loss_is_its_loss_at_margin_0():
+    from zerotrain.training.objectives import TokenObjective
+    from zerotrain.training.preference import Preference
+
+    cfg = tiny_config("/tmp", vocab_size=97)
+    assert TokenObjective(cfg, None).loss_rule() == token_loss_rule(97)
+    chances = {}
+    for loss in ("sigmoid", "hinge", "ipo", "simpo", "orpo"):
+        cfg.objective.dpo_loss = loss
+        rule = Preference(cfg).loss_rule()
+        assert not (rule.ratio_test or rule.outlier_test or rule.gives_back_test)
+        chances[loss] = round(rule.chance_loss, 4)
+    # ln 2; 1; (1 / (2 beta))^2 at beta 0.1; softplus(gamma 0.5); ln(97) + beta ln 2 (a uniform guess's NLL)
+    assert chances == {"sigmoid": 0.6931, "hinge": 1.0, "ipo": 25.0, "simpo": 0.9741, "orpo": 4.644}
+
+
+@pytest.fixture(scope="module")
+def dpo_base(tmp_path_factory):
+    from model_folders import CHATML, llama_folder, write_jsonl
+    from test_dpo import PLAIN
+
+    tmp = tmp_path_factory.mktemp("guard-dpo")
+    llama_folder(tmp / "base", template=CHATML)
+    return {"base": str(tmp / "base"), "plain": write_jsonl(tmp / "plain.jsonl", PLAIN)}
+
+
+def dpo_run(out, data, one_rank, loss, steps=60, **over):
+    """`train` of --method dpo on the tiny Llama and the DPO tests' eight pairs (constant lr, the default guard):
+    the run's losses and its rollback events."""
+    from test_dpo import dpo_config
+
+    cfg = dpo_config(str(out), data, steps=steps, dpo_loss=loss, **over)
+    result = train(cfg, one_rank)
+    with open(cfg.logging.metrics) as f:
+        losses = [r["loss"] for r in map(json.loads, f) if "event" not in r and "loss" in r]
+    return losses, result.rollbacks
+
+
+# Runs that the rule before it stopped (no checkpoints: the run died): hinge at its first positive loss after a
+# window of exact zeros, sigmoid at a hard pair 3.7x the median of a loss near 0
+DPO_RUNS = {"hinge": (dict(micro=4, lr=3e-3), "loss 0.006584 at step 40 is above 3.0 x the median 0 of the last 20"),
+            "sigmoid": (dict(micro=1, lr=3e-2), "loss 0.05673 at step 37 is above 3.0 x the median 0.01532 of the")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss", DPO_RUNS)
+def test_dpo_runs_to_a_loss_near_0_raise_no_alarm_and_the_token_losss_rule_stops_them(loss, dpo_base, tmp_path,
+                                                                                        one_rank):
+    from zerotrain.training.preference import Preference
+
+    settings, stopped = DPO_RUNS[loss]
+    losses, rollbacks = dpo_run(tmp_path / "run", dpo_base, one_rank, loss, **settings)
+    assert len(losses) == 60 and rollbacks == []
+    assert max(losses[-10:]) < 0.02 and statistics.median(losses[-20:]) < 0.01  # near 0 (hinge: exactly, mostly)
+    # planted: the method's rule is the token loss's (the guard before it: one rule for every method)
+    with mock.patch.object(Preference, "loss_rule", lambda self: token_loss_rule(self.cfg.model.vocab_size)):
+        with pytest.raises(NoCheckpointToRestore, match=stopped):
+            dpo_run(tmp_path / "planted", dpo_base, one_rank, loss, **settings)
+
+
+@pytest.mark.timeout(300)
+def test_a_dpo_loss_blown_up_by_an_lr_spike_or_a_nan_is_refused_and_rolled_back(dpo_base, tmp_path, one_rank,
+                                                                                 monkeypatch):
+    settings = dict(micro=4, lr=3e-3, ckpt_every=10)
+    monkeypatch.setenv(ENV, "lr_spike@step=30,factor=1000")
+    losses, rollbacks = dpo_run(tmp_path / "spike", dpo_base, one_rank, "sigmoid", steps=32, **settings)
+    assert rollbacks[0]["step"] == 31 and rollbacks[0]["reason"].startswith(
+        "loss 14.97 at step 31 is 865.6 sd above 0.6931, the sigmoid loss of a policy that learned nothing")
+    monkeypatch.setenv(ENV, "nan@step=30")
+    _, rollbacks = dpo_run(tmp_path / "nan", dpo_base, one_rank, "hinge", steps=32, **settings)
+    assert [(r["step"], r["to_step"]) for r in rollbacks] == [(30, 20)] and "non-finite" in rollbacks[0]["reason"]
+    # planted: the bar past the chance loss gone, the blown-up policy's steps are applied
+    monkeypatch.setenv(ENV, "lr_spike@step=30,factor=1000")
+    with mock.patch.object(AnomalyDetector, "_ruined", lambda self, *args, **kwargs: None):
+        losses, rollbacks = dpo_run(tmp_path / "planted", dpo_base, one_rank, "sigmoid", steps=32, **settings)
+    assert rollbacks == [] and losses[30] > 10
+
+
+def test_a_near_zero_loss_is_judged_in_its_own_units_and_a_ratio_to_its_median_would_refuse_its_noise():
+    hinge = near_zero_loss_rule(1.0, "1, the hinge loss of a policy that learned nothing")
+    zeros = detector_with([0.0] * 20, grad_norms=[0.0] * 20, rule=hinge)
+    assert zeros.check(21, 0.3, 0.5, []) is None and zeros.check(21, 1.04, 0.5, []) is None  # a hard batch
+    assert zeros.check(21, 3.88, 9.0, []).reason == (
+        "loss 3.88 at step 21 is 288.0 sd above 1, the hinge loss of a policy that learned nothing, and 388.0 sd "
+        "above the trend 0 of the last 20 steps")
+    # a sigmoid run near 0 with a hard pair: 0.2225 against a median of 0.044 (5x) is noise, 15 is a blow-up
+    rng = random.Random(0)
+    near = [0.044 * math.exp(rng.gauss(0, 0.5)) for _ in range(20)]
+    sigmoid = near_zero_loss_rule(math.log(2), "ln 2")
+    assert detector_with(near, rule=sigmoid).check(21, 0.2225, 1.0, []) is None
+    assert detector_with(near, rule=sigmoid).check(21, 15.0, 1.0, []).kind == "spike"
+    assert detector_with(near, vocab_size=400).check(21, 0.2225, 1.0, []).kind == "spike"  # planted: the token rule
+    # a loss around 0 that changes sign (the seam a GRPO rule uses: no chance bar, the spread in its own units)
+    centered = LossRule(None, "", ratio_test=False, outlier_test=False, gives_back_test=False, min_spread=0.01)
+    signed = detector_with([0.05 * math.sin(t) for t in range(20)], rule=centered)
+    assert signed.check(21, -0.2, 1.0, []) is None and signed.check(21, 0.3, 1.0, []) is None
+
+
+# --- a step weighed by its trained tokens ---------------------------------------------------------------------------
+
+def test_an_epochs_partial_last_step_is_judged_by_its_own_noise_and_unweighed_it_was_called_ruined():
+    # A small random model near ln(300) = 5.704, full steps of 80-260 trained tokens; the epoch's last step has 4
+    # short records, 37 tokens, whose mean is sqrt(170 / 37) = 2.1x as noisy and mostly of records' first tokens
+    rng = random.Random(5)
+    losses = [5.02 - 0.002 * t + rng.gauss(0, 0.02) for t in range(1, 21)]
+    units = [rng.randrange(80, 261) for _ in range(20)]
+    d = AnomalyDetector(3.0, 20, vocab_size=300)
+    for step, (loss, n) in enumerate(zip(losses, units), start=1):
+        d.accept(step, loss, 1.0, n)
+    assert d.check(21, 5.347, 1.0, [], units=37) is None
+    assert d.check(21, 5.90, 1.0, [], units=37).kind == "spike"  # past ln(V) by 5 sd of its own noise: ruined
+    assert d.check(21, 5.347, 1.0, [], units=120).kind == "spike"  # a full step so far back: ruined
+    # planted: the step weighed as a full one (no unit count), the rule before: refused as a return to ln(V)
+    planted = d.check(21, 5.347, 1.0, [])
+    assert planted.kind == "spike" and "back near ln(300) = 5.704" in planted.reason
+    # the unit counts travel with the window: a resumed detector weighs as the uninterrupted one
+    resumed = AnomalyDetector(3.0, 20, vocab_size=300)
+    resumed.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    assert resumed.check(21, 5.347, 1.0, [], units=37) is None
+    # the state a checkpoint of the previous version holds (no "units") loads: its steps' counts are unknown, so the
+    # step is weighed as that version weighed it until a window with counts has been accepted again
+    previous = AnomalyDetector(3.0, 20, vocab_size=300)
+    previous.load_state_dict({k: v for k, v in d.state_dict().items() if k != "units"})
+    assert previous.check(21, 5.347, 1.0, [], units=37).kind == "spike"
+    with pytest.raises(ValueError, match="2 unit counts for 20 steps"):
+        AnomalyDetector(3.0, 20).load_state_dict({**d.state_dict(), "units": [1, 2]})
+
+
+# --- held-out DPO runs ----------------------------------------------------------------------------------------------
+
+# Written by scripts/guard_dpo_traces.py, its whole grid: the sigmoid, hinge and ipo losses x clean or label-noised
+# pairs (15% of 32 flipped) x 1-4 pairs a step at lr 3e-3 to 3e-2 x seeds 1 and 2, 60 steps each: 48 runs, none of
+# which the DPO rule's constants were set on.
+with open(os.path.join(os.path.dirname(__file__), "guard_dpo_traces.json")) as f:
+    DPO_TRACES = json.load(f)["traces"]
+
+
+def dpo_refusals(name, rule_of):
+    trace = DPO_TRACES[name]
+    loss = name.split("-")[0]
+    return refusals(AnomalyDetector(3.0, 20, rule=rule_of(loss)), trace["losses"], trace["grad_norms"])
+
+
+def dpo_rule(loss):
+    from zerotrain.training.preference import Preference
+
+    cfg = tiny_config("/tmp", method="dpo", dpo_loss=loss, vocab_size=400)
+    return Preference(cfg).loss_rule()
+
+
+# Held out, the rule refuses healthy steps of 3 of the 48 runs, all on label-noised pairs at 1 or 2 pairs a step: a
+# flipped pair the policy had learned the other way is a step's whole loss, past the chance loss by more than half of
+# it (hinge 2.851 at step 58, chance 1; ipo 42.06 to 70.78, chance 25). Known false alarms, not fixed: strict, so a
+# rule that stops raising them shows here.
+DPO_FALSE_ALARMS = {"hinge-noisy-pairs1-lr0.01-seed1": [58], "ipo-noisy-pairs1-lr0.01-seed1": [54, 58],
+                    "ipo-noisy-pairs2-lr0.03-seed2": [23, 27, 29]}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"refuses steps {DPO_FALSE_ALARMS[name]}"))
+    if name in DPO_FALSE_ALARMS else name for name in DPO_TRACES])
+def test_held_out_healthy_dpo_runs_raise_no_alarm(name):
+    assert dpo_refusals(name, dpo_rule) == []
+
+
+def test_the_held_out_dpo_runs_false_alarms_are_the_ones_stated():
+    assert {name: dpo_refusals(name, dpo_rule) for name in DPO_FALSE_ALARMS} == DPO_FALSE_ALARMS
+
+
+def test_the_token_losss_rule_raises_an_alarm_in_a_third_of_the_held_out_dpo_runs():
+    # planted: the method's rule is the token loss's (3 x the median of a loss near 0, its outlier and ruin tests)
+    planted = [name for name in DPO_TRACES if dpo_refusals(name, lambda loss: token_loss_rule(400))]
+    assert (len(planted), len(DPO_TRACES)) == (16, 48)
+    assert sum(name.startswith("ipo") for name in planted) == 10  # of 16 ipo runs

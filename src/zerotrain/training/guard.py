@@ -44,6 +44,47 @@ class Anomaly:
     reason: str  # one line for logs and error messages
 
 
+@dataclass(frozen=True)
+class LossRule:
+    """What a method's loss looks like to the guard, and so which tests judge it; the method declares it
+    (its objective's loss_rule()), the detector never asks which method it serves.
+
+    `chance_loss` is the loss of a model that learned nothing, which a ruined one returns to or passes: ln(V) for
+    the token loss, the loss at the reference for DPO (a ruined policy's margins are large and of either sign, and
+    the DPO losses are convex in the margin, so their mean is at or above the loss at margin 0); None: no such bar.
+    A token loss has a floor well above 0, its noise scales with it, and an odd batch raises its loss or its
+    gradient norm but not both: `ratio_test` (F x the median), `outlier_test` (both far out), `gives_back_test`
+    (half of what was learned back at once) and a spread relative to the median fit it. A loss that falls to 0
+    (DPO; hinge reaches it exactly) or changes sign (GRPO's) makes a ratio to its median meaningless, and DPO's
+    gradient scales with its loss, so a hard pair raises both: such a loss sets those tests off and gives
+    `min_spread`, the smallest spread its trend test assumes, in the loss's own units.
+    """
+
+    chance_loss: float | None
+    chance: str  # how a message names chance_loss
+    ratio_test: bool = True
+    outlier_test: bool = True
+    gives_back_test: bool = True
+    min_spread: float = 0.0  # absolute; the token loss's is relative (MIN_RELATIVE_SPREAD of the window's median)
+    # how far past chance_loss the loss must be besides ruin_sigmas sd, as a share of chance_loss (PAST_CHANCE)
+    past_chance_share: float = 0.0
+
+
+def token_loss_rule(vocab_size: int | None) -> LossRule:
+    """--method sft: the mean next-token loss, every test, ln(V) as a uniform guess's loss (no vocabulary: none)."""
+    if not vocab_size:
+        return LossRule(None, "")
+    return LossRule(math.log(vocab_size), f"ln({vocab_size}) = {math.log(vocab_size):.4g}, the loss of a uniform guess")
+
+
+def near_zero_loss_rule(chance_loss: float | None, chance: str) -> LossRule:
+    """A loss that falls toward 0 (DPO's): judged by how far past `chance_loss` (its value for a model that learned
+    nothing) and above its trend it went, in robust sd with a floor in its own units, never by a ratio to its median."""
+    scale = abs(chance_loss) if chance_loss else 1.0
+    return LossRule(chance_loss, chance, ratio_test=False, outlier_test=False, gives_back_test=False,
+                    min_spread=MIN_SPREAD_OF_CHANCE * scale, past_chance_share=PAST_CHANCE)
+
+
 # Below this many accepted losses the median is too noisy to call anything a spike
 # (the first steps of a run drop fast, and one early loss would set the bar).
 MIN_SPIKE_HISTORY = 5
@@ -91,6 +132,23 @@ LEARNED_FRACTION = 0.08
 # rounding, not batch noise (measured over 20-step windows: at least 0.005 for the loss, 0.03 for the gradient norm).
 MIN_RELATIVE_SPREAD = 1e-3
 MAD_TO_SD = 1.4826
+# A loss that falls to 0 (near_zero_loss_rule). Its window can be all zeros (a hinge run past its margins), so the
+# smallest spread is a share of the loss at chance (hinge 1, sigmoid ln 2): 0.01 of it. And a few pairs make a step,
+# so one hard pair lifts a step's loss a lot: the loss must also be PAST_CHANCE of the chance loss past it. Measured
+# on DPO runs of a tiny Llama (seed 0, 60 steps, lr 1e-3 to 3e-2, 1 to 4 pairs a step, clean and label-noised
+# pairs): no healthy step passed both bars; held out: tests/guard_dpo_traces.json (scripts/guard_dpo_traces.py).
+# The first step after a 1000x lr spike at step 30 of the sigmoid run went from 0.23 to 15.0 (ln 2 = 0.693), the
+# hinge run's from 0 to 3.88 (chance 1).
+MIN_SPREAD_OF_CHANCE = 0.01
+PAST_CHANCE = 0.5
+# A step with fewer trained tokens than usual (an epoch's partial last step) is noisier, by the square root of the
+# ratio (step_spread), and, when it has less than PARTIAL_SHARE of the window's median, not a sample of the data
+# like the others: 4 short records are mostly a record's first tokens, which a model near ln(V) predicts worst. Such a
+# step may refuse an update for a loss past ln(V) or far out with its gradient norm, not for giving back part of what
+# the model learned: a ruined model shows that on the next full step. Seen: a small random model (V = 300) whose
+# epoch ended on 37 trained tokens against 80-260 in full steps, loss 5.347 (a reference computed 5.34702 on those
+# rows) 15.8 sd above the trend of full steps, over half of its headroom below ln(300) = 5.704.
+PARTIAL_SHARE = 0.5
 # The trend's slope costs O(points^2) (all pairs): longer windows take every k-th step for the slope, so it stays
 # at most 128 points (8,128 pairs).
 MAX_SLOPE_POINTS = 128
@@ -145,6 +203,10 @@ class AnomalyDetector:
         learned less: share_to_give_back) or past ln(V) by `ruin_sigmas` sd, worse than a uniform guess.
         Measured in units of the model's own progress and noise, so the bars hold at any size and vocabulary; the
         gradient norm, which a ruined model's need not raise, is not asked (see LOST_FRACTION, LEARNED_FRACTION).
+    Which of these judge a step is the method's LossRule (rule; default the token loss's over `vocab_size`): a loss
+    that falls to 0, DPO's, is judged by the ruin test's bar past its chance loss alone (near_zero_loss_rule). The
+    trend tests weigh a step by its units (`check(..., units)`: its trained tokens, or pairs): a step with fewer
+    than the window's median is judged by a spread larger by the square root of the ratio (step_spread).
     The ratio test applies once min(window, 5) losses have been accepted; the outlier test once the window is
     full (which serves as its warm-up, over the fast first steps of a run); the ruin test once 5 losses have been
     accepted, on the trend of those in the window (its sd bars are its warm-up: early in a run the headroom is
@@ -163,16 +225,17 @@ class AnomalyDetector:
     """
 
     def __init__(self, spike_factor: float, window: int, *, vocab_size: int | None = None,
-                 loss_sigmas: float = LOSS_SIGMAS, grad_norm_sigmas: float = GRAD_NORM_SIGMAS,
+                 rule: LossRule | None = None, loss_sigmas: float = LOSS_SIGMAS, grad_norm_sigmas: float = GRAD_NORM_SIGMAS,
                  ruin_sigmas: float = RUIN_SIGMAS, lost_fraction: float = LOST_FRACTION,
                  learned_sigmas: float = LEARNED_SIGMAS, learned_fraction: float = LEARNED_FRACTION):
         self.spike_factor = spike_factor
         self.window = window
         self.loss_sigmas = loss_sigmas  # math.inf turns the outlier test off
         self.grad_norm_sigmas = grad_norm_sigmas
-        # ln(V): the loss of a uniform guess, which a ruined model returns to; None turns the ruin test off
-        self.uniform_loss = math.log(vocab_size) if vocab_size else None
-        self.vocab_size = vocab_size
+        # the method's loss (default: the token loss over `vocab_size`); its chance loss, ln(V) for the token loss, is
+        # what a ruined model returns to (None turns the ruin test off)
+        self.rule = rule or token_loss_rule(vocab_size)
+        self.uniform_loss = self.rule.chance_loss
         self.ruin_sigmas = ruin_sigmas
         self.lost_fraction = lost_fraction
         self.learned_sigmas = learned_sigmas
@@ -182,16 +245,19 @@ class AnomalyDetector:
         self._steps: list[int] = []
         self._losses: list[float] = []
         self._grad_norms: list[float | None] = []  # None: restored from a checkpoint that did not record it
-        self._checked: tuple[int, float] | None = None  # (step, gradient norm) of the last check()
+        self._units: list[int | None] = []  # each step's trained tokens (DPO: pairs); None: not recorded
+        self._checked: tuple[int, float, int | None] | None = None  # (step, gradient norm, units) of the last check()
 
     @property
     def recent_losses(self) -> list[float]:
         """The accepted losses the spike tests compare against (the last `window`)."""
         return self._losses[-self.window:]
 
-    def check(self, step: int, loss: float, grad_norm: float, nonfinite_ranks: list[int]) -> Anomaly | None:
-        """The reason to refuse step `step`'s update, or None to apply it; notes the gradient norm for accept()."""
-        self._checked = (step, grad_norm)
+    def check(self, step: int, loss: float, grad_norm: float, nonfinite_ranks: list[int],
+              units: int | None = None) -> Anomaly | None:
+        """The reason to refuse step `step`'s update, or None to apply it; notes the gradient norm and `units` (the
+        step's trained tokens, or pairs: what its loss is the mean over) for accept()."""
+        self._checked = (step, grad_norm, units)
         if nonfinite_ranks:
             return Anomaly(step, "nonfinite", f"non-finite loss on rank(s) {sorted(nonfinite_ranks)} at step {step}")
         if not math.isfinite(loss):
@@ -199,23 +265,24 @@ class AnomalyDetector:
         if not math.isfinite(grad_norm):
             return Anomaly(step, "nonfinite", f"non-finite gradient norm {grad_norm} at step {step}")
         recent = self.recent_losses
-        if len(recent) >= min(self.window, MIN_SPIKE_HISTORY):
+        if self.rule.ratio_test and len(recent) >= min(self.window, MIN_SPIKE_HISTORY):
             median = statistics.median(recent)
             if loss > self.spike_factor * median:
                 return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is above {self.spike_factor} x "
                                               f"the median {median:.4g} of the last {len(recent)} steps")
-        return self._against_trend(step, loss, grad_norm)
+        return self._against_trend(step, loss, grad_norm, units)
 
-    def _against_trend(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
+    def _against_trend(self, step: int, loss: float, grad_norm: float, units: int | None) -> Anomaly | None:
         """The outlier test and the ruin test: the loss against where the window's losses were heading."""
         steps, losses = self._steps[-self.window:], self._losses[-self.window:]
         if len(steps) < MIN_SPIKE_HISTORY or self.window < MIN_SPIKE_HISTORY:
             return None
         expected, residuals = theil_sen_at(steps, losses, step)
-        spread = robust_spread(residuals, statistics.median(losses))
-        loss_sd = sigmas_above(loss, expected, residuals, statistics.median(losses))
+        spread = self.step_spread(robust_spread(residuals, statistics.median(losses)), units)
+        loss_sd = (loss - expected) / spread if spread else (math.inf if loss > expected else 0.0)
         grad_norms = self._grad_norms[-self.window:]
-        if len(steps) == self.window and loss_sd > self.loss_sigmas and None not in grad_norms:
+        if (self.rule.outlier_test and len(steps) == self.window and loss_sd > self.loss_sigmas
+                and None not in grad_norms):
             median_norm = statistics.median(grad_norms)
             norm_sd = sigmas_above(grad_norm, median_norm, [g - median_norm for g in grad_norms], median_norm)
             if norm_sd > self.grad_norm_sigmas:
@@ -223,23 +290,42 @@ class AnomalyDetector:
                                               f"{expected:.4g} of the last {len(steps)} steps, and the gradient "
                                               f"norm {grad_norm:.4g} is {norm_sd:.1f} sd above those steps' median "
                                               f"{median_norm:.4g}")
-        return self._ruined(step, loss, expected, spread, len(steps)) if spread else None  # 0: a window of zeros
+        if not spread:  # a window of zeros
+            return None
+        return self._ruined(step, loss, expected, spread, len(steps), partial=self.partial(units))
 
-    def _ruined(self, step: int, loss: float, expected: float, spread: float, n: int) -> Anomaly | None:
+    def partial(self, units: int | None) -> bool:
+        """Whether a step of `units` trained tokens (pairs) has fewer than PARTIAL_SHARE of the window's median."""
+        known = [u for u in self._units[-self.window:] if u]
+        return bool(units and known and units < PARTIAL_SHARE * statistics.median(known))
+
+    def step_spread(self, spread: float, units: int | None) -> float:
+        """The spread a step of `units` trained tokens (pairs) is judged by: the window's (at least the rule's
+        min_spread), times sqrt(the window's median units / units) for a step with fewer, whose mean has that much
+        more noise (an epoch's partial last step); the window's own for a step with as many or more, or unknown."""
+        spread = max(spread, self.rule.min_spread)
+        known = [u for u in self._units[-self.window:] if u]
+        if units and known and units < statistics.median(known):
+            spread *= math.sqrt(statistics.median(known) / units)
+        return spread
+
+    def _ruined(self, step: int, loss: float, expected: float, spread: float, n: int,
+                partial: bool = False) -> Anomaly | None:
         """The ruin test: a model that had learned (its trend below ln(V)) back at or past a uniform guess."""
         if self.uniform_loss is None:
             return None
         headroom, k = self.uniform_loss - expected, self.ruin_sigmas  # headroom: what the model had learned
         if headroom <= 0 or loss - expected < k * spread:
             return None
-        uniform = f"ln({self.vocab_size}) = {self.uniform_loss:.4g}, the loss of a uniform guess"
+        uniform = self.rule.chance
         trend = f"the trend {expected:.4g} of the last {n} steps"
         sd = (loss - expected) / spread
-        if loss - self.uniform_loss >= k * spread:
+        if loss - self.uniform_loss >= max(k * spread, self.rule.past_chance_share * abs(self.uniform_loss)):
             past = (loss - self.uniform_loss) / spread
             return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is {past:.1f} sd above {uniform}, and "
                                           f"{sd:.1f} sd above {trend}")
-        if headroom >= k * spread and loss - expected >= self.share_to_give_back(headroom, spread) * headroom:
+        if (self.rule.gives_back_test and not partial and headroom >= k * spread
+                and loss - expected >= self.share_to_give_back(headroom, spread) * headroom):
             return Anomaly(step, "spike", f"loss {loss:.4g} at step {step} is back near {uniform}: {sd:.1f} sd "
                                           f"above {trend}, it gave back {(loss - expected) / headroom:.0%} of the "
                                           f"{headroom:.3g} that the trend was below it")
@@ -257,33 +343,35 @@ class AnomalyDetector:
         learned clearly (learned() 1), rising to all of it (back at ln(V)) as what it learned shrinks to nothing."""
         return 1.0 - (1.0 - self.lost_fraction) * self.learned(headroom, spread)
 
-    def accept(self, step: int, loss: float, grad_norm: float | None = None) -> None:
-        """Record the loss and gradient norm of a step whose update was applied.
+    def accept(self, step: int, loss: float, grad_norm: float | None = None, units: int | None = None) -> None:
+        """Record the loss, gradient norm and trained units of a step whose update was applied.
 
-        Without `grad_norm`, the one check() was given for this step is used (the loop checks each step before
-        applying it); a step never checked is recorded without one, and the outlier test waits for a window
+        Without `grad_norm` (`units`), the one check() was given for this step is used (the loop checks each step
+        before applying it); a step never checked is recorded without one, and the outlier test waits for a window
         without gaps.
         """
         if self._steps and step <= self._steps[-1]:
             # The loop went back without rewind(): the window would mix two timelines.
             raise ValueError(f"accept({step}) after step {self._steps[-1]}: call rewind() after a rollback")
-        if grad_norm is None and self._checked is not None and self._checked[0] == step:
-            grad_norm = self._checked[1]
+        if self._checked is not None and self._checked[0] == step:
+            grad_norm = self._checked[1] if grad_norm is None else grad_norm
+            units = self._checked[2] if units is None else units
         self._steps.append(step)
         self._losses.append(float(loss))
         self._grad_norms.append(None if grad_norm is None else float(grad_norm))
+        self._units.append(None if units is None else int(units))
         self._checked = None
 
     def rewind(self, to_step: int) -> None:
         """Forget the accepted steps after `to_step` (the checkpoint just restored)."""
         keep = bisect.bisect_right(self._steps, to_step)
-        del self._steps[keep:], self._losses[keep:], self._grad_norms[keep:]
+        del self._steps[keep:], self._losses[keep:], self._grad_norms[keep:], self._units[keep:]
         self._checked = None
 
     def state_dict(self) -> dict:
         """The window the next decision needs, JSON-serialisable, so a resumed run decides as the uninterrupted one."""
         return {"steps": self._steps[-self.window:], "losses": self.recent_losses,
-                "grad_norms": self._grad_norms[-self.window:]}
+                "grad_norms": self._grad_norms[-self.window:], "units": self._units[-self.window:]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict, also one written before gradient norms were recorded ({"steps", "losses"}).
@@ -296,6 +384,10 @@ class AnomalyDetector:
         if len(grad_norms) != len(self._steps):
             raise ValueError(f"guard state has {len(grad_norms)} gradient norms for {len(self._steps)} steps")
         self._grad_norms = [None if g is None else float(g) for g in grad_norms]
+        units = state.get("units", [None] * len(self._steps))  # a checkpoint written before units were recorded
+        if len(units) != len(self._steps):
+            raise ValueError(f"guard state has {len(units)} unit counts for {len(self._steps)} steps")
+        self._units = [None if u is None else int(u) for u in units]
         self._checked = None
 
 

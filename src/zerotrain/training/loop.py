@@ -314,9 +314,10 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             if reduced.decision.stop:  # the step is not applied: its save is of `step`, and a resume redoes it
                 _stop(run, reduced.decision)
                 break
-            loss, grad_norm = reduced.loss_sum / run.objective.loss_units(batch), reduced.grad_norm
+            units = run.objective.loss_units(batch)
+            loss, grad_norm = reduced.loss_sum / units, reduced.grad_norm
             # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
-            anomaly = run.detector.check(done, loss, grad_norm, reduced.nonfinite_ranks)
+            anomaly = run.detector.check(done, loss, grad_norm, reduced.nonfinite_ranks, units)
             if anomaly:
                 step = _handle_anomaly(anomaly, cfg, run, comm)
                 continue
@@ -354,7 +355,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
     faults.watch_forwards(engine.model, cfg.checkpoint.dir, lambda: mesh.world.step)
-    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, vocab_size=cfg.model.vocab_size)
+    detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, rule=objective.loss_rule())
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
     # the manifests record --init-from's files, hashed by the ranks together: whatever the cadence, since a stop
     # signal or a rollback saves too (and a LoRA checkpoint's base is this record)

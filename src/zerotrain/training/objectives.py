@@ -12,6 +12,7 @@ from zerotrain.data import BatchSchedule, StepBatch, make_source
 
 from .balancing import Balancing
 from .evaluate import validation_loss
+from .guard import LossRule, token_loss_rule
 
 
 class TokenObjective:
@@ -40,6 +41,10 @@ class TokenObjective:
 
     def loss_units(self, batch: StepBatch) -> int:
         return batch.global_tokens
+
+    def loss_rule(self) -> LossRule:
+        """How the guard judges this loss: the token loss's tests, ln(V) a uniform guess's loss."""
+        return token_loss_rule(self.cfg.model.vocab_size)
 
     def validation_source(self):
         return make_source(self.cfg, split="val")

@@ -58,6 +58,7 @@ from zerotrain.model.lora import adapters_off, dropout_rows
 from . import reference_model
 from .activations import saved_for_backward
 from .faults import Faults
+from .guard import LossRule, near_zero_loss_rule
 
 REFERENCE_FILE = "dpo_reference.safetensors"
 # The sums each step reduces, per pair: what the step's record reports as their means over the global batch
@@ -156,6 +157,16 @@ class Preference:
 
     def loss_units(self, batch: PairBatch) -> int:
         return batch.global_pairs
+
+    def loss_rule(self) -> LossRule:
+        """How the guard judges this loss: one that falls to 0, never by a ratio to its median, with the loss of a
+        policy that learned nothing as its chance loss (pair_losses at margin 0: the policy's log-probs its reference's;
+        simpo and orpo: a uniform guess over the vocabulary at each completion token)."""
+        o, n = self.o, torch.ones(2, 1, dtype=torch.float64)
+        policy = -math.log(self.cfg.model.vocab_size) * n
+        reference = None if o.dpo_loss in REFERENCE_FREE else policy
+        chance = float(pair_losses(o, policy, reference, n)[0])
+        return near_zero_loss_rule(chance, f"{chance:.4g}, the {o.dpo_loss} loss of a policy that learned nothing")
 
     # ------------------------------------------------------------------ the reference
 
