@@ -5,7 +5,8 @@ base's identity instead (init_from: the --init-from folder and each weight file'
 a random base, its config holds the model and the seed that build it again. `zerotrain export --format peft` writes what
 `peft.PeftModel.from_pretrained(base, OUT)` loads: adapter_config.json and adapter_model.safetensors, the
 adapters under peft's names (`base_model.model.` + zerotrain's, which are Hugging Face's module paths), in their
-full shapes as the checkpoint holds them (checkpoint.checkpoint_model: its model file, or its shards' masters).
+full shapes as the checkpoint holds them (checkpoint.checkpoint_model: its model file, or its shards' masters). A
+mixture of experts' adapters export when they are on the attention alone (moe_peft_problem).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .pretrained import ModelSource
 
 ADAPTER_CONFIG, ADAPTER_MODEL = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what peft's LoraModel puts before the wrapped model's own names
+MLP_INFIX, EXPERT_INFIX = ".mlp.", ".mlp.experts."  # in zerotrain's names: a block's MLP, a routed expert's linears
 
 
 def base_mismatch(manifest: dict, cfg: Config, path: str, base: dict | None) -> str | None:
@@ -79,6 +81,28 @@ def peft_config(run: Config, base_path: str | None) -> dict:
             "use_rslora": False}
 
 
+def moe_peft_problem(run: Config, adapters: dict) -> str | None:
+    """Why peft cannot load a mixture of experts' adapters on transformers' model, or None: they must be on the
+    attention alone.
+
+    transformers 5 holds each layer's routed experts as 3-D tensors (gate_up_proj, down_proj), not linears: peft
+    cannot adapt them as zerotrain does, one linear per expert. And peft 0.21 takes every MLP name of a mixture of
+    experts' target_modules (gate_proj, up_proj, down_proj; as short names, full names or a pattern) for a target of
+    those 3-D parameters (target_parameters): it wraps the experts in a ParamWrapper the file holds nothing for, and
+    leaves a dense layer's or a shared expert's linear of that name without its adapter.
+    """
+    if not run.model.moe:
+        return None
+    mlp = next((n.rpartition(".lora_")[0] for n in sorted(adapters) if MLP_INFIX in n), None)
+    if mlp is None:
+        return None
+    if EXPERT_INFIX in mlp:
+        return (f"has adapters on the routed experts of a mixture of experts ({mlp}), which transformers stacks in "
+                "3-D tensors, not linears peft adapts")
+    return (f"has adapters on an MLP of a mixture of experts ({mlp}), which peft takes for the routed experts' 3-D "
+            "tensors of that name, not this linear")
+
+
 def export_peft(source: ModelSource, out: str) -> list[str]:
     """Write the adapters of the LoRA checkpoint `source` to folder `out` as peft's; the names of the files written.
 
@@ -92,11 +116,11 @@ def export_peft(source: ModelSource, out: str) -> list[str]:
         raise ConfigError(f"--format peft: {source.folder} is a Phi-3, whose Hugging Face model fuses q, k, v in "
                           "qkv_proj and gate, up in gate_up_proj, where zerotrain's adapters are on each; export "
                           "the merged model with --format hf")
-    if run.model.moe:  # transformers 5 holds each layer's experts as 3-D tensors, not linears peft can adapt
-        raise ConfigError(f"--format peft: {source.folder} is a mixture of experts ({run.model.arch}), whose "
-                          "transformers model stacks its experts' weights in 3-D tensors, where zerotrain's "
-                          "adapters are on each expert's linears; export the merged model with --format hf")
     adapters = checkpoint_model(source.folder, source.manifest)
+    problem = moe_peft_problem(run, adapters)
+    if problem:
+        raise ConfigError(f"--format peft: {source.folder} {problem}; export the merged model with --format hf, or "
+                          "train adapters on the attention alone (--lora-targets q_proj,k_proj,v_proj,o_proj)")
     record = source.manifest.get("init_from")
     tmp = make_staging_folder(out)
     try:
