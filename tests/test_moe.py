@@ -295,17 +295,17 @@ def test_attention_adapters_of_a_mixture_of_experts_export_to_peft_with_the_runs
     real = adapter.peft_config
     # planted: the adapters' scale written wrong (alpha doubled)
     with monkeypatch.context() as m:
-        m.setattr(adapter, "peft_config", lambda run, path: {**real(run, path),
-                                                             "lora_alpha": 2 * real(run, path)["lora_alpha"]})
+        m.setattr(adapter, "peft_config", lambda run, path, adapted: {
+            **real(run, path, adapted), "lora_alpha": 2 * real(run, path, adapted)["lora_alpha"]})
         r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft", "--overwrite")
         assert r.returncode == 0, r.stderr[-2000:]
     assert (adapted()[0] - ours).abs().max() > CAUGHT
     if family == "mixtral":  # peft takes no MLP name for Mixtral's experts: the next bug does no harm there
         return
-    # planted: an MLP name among the targets (as --lora-targets all would write them): peft wraps the experts' 3-D
+    # planted: an MLP name among the targets (--lora-targets all's names as they are): peft wraps the experts' 3-D
     # tensors (qwen3_moe, olmoe) or a shared expert's linear (qwen2_moe) the file holds no adapters for
-    monkeypatch.setattr(adapter, "peft_config", lambda run, path: {
-        **real(run, path), "target_modules": [*real(run, path)["target_modules"], "down_proj"]})
+    monkeypatch.setattr(adapter, "peft_config", lambda run, path, adapted: {
+        **real(run, path, adapted), "target_modules": [*real(run, path, adapted)["target_modules"], "down_proj"]})
     r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft", "--overwrite")
     assert r.returncode == 0, r.stderr[-2000:]
     assert adapted()[1] != modules
@@ -326,6 +326,13 @@ def test_peft_refuses_a_mixture_of_experts_mlp_adapter_naming_it_and_takes_a_den
     assert "an MLP of a mixture of experts (model.layers.0.mlp.shared_expert.down_proj), which peft takes for the " \
         "routed experts' 3-D tensors" in moe_peft_problem(run("qwen2_moe"), shared)
     assert moe_peft_problem(run("llama"), {"model.layers.0.mlp.down_proj.lora_A.weight": None}) is None
+    # the targets written are the names of the linears adapted: --lora-targets all on a mixture of experts whose
+    # adapters are on the attention alone writes no MLP name (which peft would take for the experts' 3-D tensors)
+    from zerotrain.hub.adapter import peft_config
+
+    linears = tuple(f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert peft_config(run("qwen3_moe"), None, linears)["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert "down_proj" in peft_config(run("qwen3_moe"), None)["target_modules"]  # without them: every name of all
 
 
 @pytest.mark.parametrize("family, field, value", [("mixtral", "router_jitter_noise", 0.1), ("olmoe", "clip_qkv", 8.0),

@@ -72,11 +72,15 @@ def describe(cfg: Config) -> str:
     return f"LoRA adapters of rank {lora.rank}, alpha {lora.alpha:g}, on {','.join(lora.modules(cfg.model.arch))}"
 
 
-def peft_config(run: Config, base_path: str | None) -> dict:
-    """adapter_config.json: peft's LoraConfig of the run's adapters (GPT-2's Conv1D layers are fan-in-fan-out)."""
+def peft_config(run: Config, base_path: str | None, adapted: tuple[str, ...] = ()) -> dict:
+    """adapter_config.json: peft's LoraConfig of the run's adapters (GPT-2's Conv1D layers are fan-in-fan-out). The
+    targets are the names --lora-targets gives that some linear of `adapted` (the adapted linears' names, when given)
+    has: a mixture of experts' MLP names, which its routed experts take none of, are left out, as peft would take
+    them for the experts' 3-D tensors (moe_peft_problem)."""
+    targets = [m for m in run.lora.modules(run.model.arch) if not adapted or any(n.endswith("." + m) for n in adapted)]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
             "r": run.lora.rank, "lora_alpha": run.lora.alpha, "lora_dropout": run.lora.dropout,
-            "target_modules": list(run.lora.modules(run.model.arch)), "bias": "none",
+            "target_modules": targets, "bias": "none",
             "fan_in_fan_out": run.model.arch == "gpt2", "inference_mode": True, "init_lora_weights": True,
             "use_rslora": False}
 
@@ -125,7 +129,8 @@ def export_peft(source: ModelSource, out: str) -> list[str]:
     tmp = make_staging_folder(out)
     try:
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(peft_config(run, record["path"] if record else None), f, indent=2)
+            adapted = tuple(sorted({n.rpartition(".lora_")[0] for n in adapters}))
+            json.dump(peft_config(run, record["path"] if record else None, adapted), f, indent=2)
             f.write("\n")
         save_file({PEFT_PREFIX + n: t.contiguous() for n, t in adapters.items()}, os.path.join(tmp, ADAPTER_MODEL),
                   metadata={"format": "pt"})
