@@ -243,10 +243,8 @@ def test_a_lora_run_on_a_base_without_a_model_file_loads_on_it_and_a_changed_bas
         load_model(step)
 
 
-def test_an_export_holds_one_tensor_beyond_the_model_and_a_whole_model_assembly_is_caught(runs, tmp_path,
-                                                                                          monkeypatch):
+def test_an_export_holds_one_tensor_at_a_time_and_a_whole_model_assembly_is_caught(runs, tmp_path, monkeypatch):
     from zerotrain.checkpoint import held_bytes
-    from zerotrain.hub import pretrained
 
     _, v2 = both(runs, "TP 2, the KV head on both", tmp_path)
     with ShardedModel(v2) as shards:
@@ -259,10 +257,16 @@ def test_an_export_holds_one_tensor_beyond_the_model_and_a_whole_model_assembly_
         assert main(["export", v2, str(tmp_path / out), "--format", "hf"]) == 0
         return held_bytes()["peak"] - start
 
-    assert export("one") == max(sizes.values())  # each tensor copied into the model and let go before the next
-    real = pretrained.model_tensors
-    # planted: the whole model assembled before the model is filled (what checkpoint_model did)
-    monkeypatch.setattr(pretrained, "model_tensors", lambda *args: iter(list(real(*args))))
+    assert export("one") == max(sizes.values())  # each tensor written and let go before the next is read
+    real = ShardedModel.tensor
+
+    def whole(self, name):
+        if not hasattr(self, "everything"):
+            self.everything = {n: real(self, n) for n in self.shapes}
+        return self.everything[name]
+
+    # planted: the whole model assembled before it is written (what building the model first did)
+    monkeypatch.setattr(ShardedModel, "tensor", whole)
     assert export("whole") == sum(sizes.values())
 
 

@@ -216,7 +216,8 @@ def test_logits_equal_the_peft_adapter_and_the_merged_export_and_a_wrong_alpha_i
     from zerotrain.hub import adapter
 
     real = adapter.peft_config
-    monkeypatch.setattr(adapter, "peft_config", lambda run, path: {**real(run, path), "lora_alpha": RANK})  # planted
+    monkeypatch.setattr(adapter, "peft_config", lambda run, path, *adapted: {**real(run, path, *adapted),
+                                                                             "lora_alpha": RANK})  # planted
     assert main(["export", step, str(tmp_path / "wrong"), "--format", "peft"]) == 0
     assert (peft_logits(tmp_path / "wrong") - ours).abs().max() > 1e-3
 

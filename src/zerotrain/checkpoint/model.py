@@ -7,8 +7,9 @@ them, a replicated tensor from TP rank 0), in a bf16 run rounded to bf16 (the pa
 Format 1 also held `model.safetensors`, the same tensors rank 0 gathered and wrote: read as it is. Names are
 zerotrain's (the layout's; a tied head once, under the embedding's name); a LoRA run's checkpoint holds its adapters.
 
-`model_tensors` gives the model one full tensor at a time (load_model, sample, eval, export: a reader holds one
-tensor beyond the model it fills), through `ShardedModel`, which reads only that tensor's byte ranges of the shards'
+`model_tensors` gives the model one full tensor at a time (load_model, sample, eval: a reader holds one tensor beyond
+the model it fills; an export takes each tensor by name from `ShardedModel` as it writes, holding one), through
+`ShardedModel`, which reads only that tensor's byte ranges of the shards'
 masters (--init-from too: a rank never holds more than one tensor it does not keep); `checkpoint_model` keeps them
 all (a LoRA run's adapters). Each reads what the caller verified first; none needs torch.distributed.
 """
@@ -70,10 +71,10 @@ def model_tensors(folder: str, manifest: dict | None = None,
         return
     with ShardedModel(folder, manifest) as shards:
         for name in shards.shapes:
-            yield name, _held(shards.tensor(name))
+            yield name, shards.tensor(name)
 
 
-_HELD = {"now": 0, "peak": 0}  # bytes of the tensors model_tensors yielded that are still alive, in this process
+_HELD = {"now": 0, "peak": 0}  # bytes of the tensors model_tensors / ShardedModel gave that are alive, in this process
 _HELD_LOCK = threading.Lock()
 
 
@@ -93,8 +94,8 @@ def _release(n: int) -> None:
 
 
 def held_bytes(reset_peak: bool = False) -> dict[str, int]:
-    """{"now", "peak"}: bytes of the tensors model_tensors yielded that are alive now, and the most at once (since the
-    last reset_peak, which sets the peak to now)."""
+    """{"now", "peak"}: bytes of the tensors model_tensors yielded (ShardedModel.tensor gave) that are alive now, and
+    the most at once (since the last reset_peak, which sets the peak to now)."""
     with _HELD_LOCK:
         if reset_peak:
             _HELD["peak"] = _HELD["now"]
@@ -131,7 +132,7 @@ class ShardedModel:
             for t in range(len(tp_slice.parts)):
                 if tp_slice.first_holder(t) == t:  # a KV head held by several TP ranks: once, from the first
                     tp_slice.place(full, self._local(home, t), t)
-        return full.bfloat16().float() if self.manifest["precision"] == "bf16" else full
+        return _held(full.bfloat16().float() if self.manifest["precision"] == "bf16" else full)
 
     def _local(self, home: Home, t: int) -> torch.Tensor:
         """TP rank t's tensor of `home`'s slot: its range of its layout, read from the DP ranks' chunks that hold it

@@ -175,11 +175,11 @@ def _meta(value) -> tuple[torch.dtype, list[int], int]:
     return parts[0].dtype, [numel], numel * parts[0].element_size()
 
 
-def header_bytes(tensors: dict) -> tuple[bytes, list[tuple[str, object]]]:
+def header_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, object]]]:
     """The length prefix and JSON header of a safetensors file, and the tensors (or lists of parts) in the order of
-    their bytes."""
+    their bytes; `metadata` is the header's __metadata__ (an export's {"format": "pt"}, as save_file writes it)."""
     ordered = sorted(tensors.items(), key=lambda item: (_RANK[DTYPE_CODES[_meta(item[1])[0]]], item[0]))
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for name, t in ordered:
         dtype, shape, size = _meta(t)
         header[name] = {"dtype": DTYPE_CODES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}

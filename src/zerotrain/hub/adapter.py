@@ -5,7 +5,8 @@ base's identity instead (init_from: the --init-from folder and each weight file'
 a random base, its config holds the model and the seed that build it again. `zerotrain export --format peft` writes what
 `peft.PeftModel.from_pretrained(base, OUT)` loads: adapter_config.json and adapter_model.safetensors, the
 adapters under peft's names (`base_model.model.` + zerotrain's, which are Hugging Face's module paths), in their
-full shapes as the checkpoint holds them (checkpoint.checkpoint_model: its model file, or its shards' masters).
+full shapes as the checkpoint holds them (checkpoint.checkpoint_model: its model file, or its shards' masters). A
+mixture of experts' adapters export when they are on the attention alone (moe_peft_problem).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .pretrained import ModelSource
 
 ADAPTER_CONFIG, ADAPTER_MODEL = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what peft's LoraModel puts before the wrapped model's own names
+MLP_INFIX, EXPERT_INFIX = ".mlp.", ".mlp.experts."  # in zerotrain's names: a block's MLP, a routed expert's linears
 
 
 def base_mismatch(manifest: dict, cfg: Config, path: str, base: dict | None) -> str | None:
@@ -70,13 +72,39 @@ def describe(cfg: Config) -> str:
     return f"LoRA adapters of rank {lora.rank}, alpha {lora.alpha:g}, on {','.join(lora.modules(cfg.model.arch))}"
 
 
-def peft_config(run: Config, base_path: str | None) -> dict:
-    """adapter_config.json: peft's LoraConfig of the run's adapters (GPT-2's Conv1D layers are fan-in-fan-out)."""
+def peft_config(run: Config, base_path: str | None, adapted: tuple[str, ...] = ()) -> dict:
+    """adapter_config.json: peft's LoraConfig of the run's adapters (GPT-2's Conv1D layers are fan-in-fan-out). The
+    targets are the names --lora-targets gives that some linear of `adapted` (the adapted linears' names, when given)
+    has: a mixture of experts' MLP names, which its routed experts take none of, are left out, as peft would take
+    them for the experts' 3-D tensors (moe_peft_problem)."""
+    targets = [m for m in run.lora.modules(run.model.arch) if not adapted or any(n.endswith("." + m) for n in adapted)]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
             "r": run.lora.rank, "lora_alpha": run.lora.alpha, "lora_dropout": run.lora.dropout,
-            "target_modules": list(run.lora.modules(run.model.arch)), "bias": "none",
+            "target_modules": targets, "bias": "none",
             "fan_in_fan_out": run.model.arch == "gpt2", "inference_mode": True, "init_lora_weights": True,
             "use_rslora": False}
+
+
+def moe_peft_problem(run: Config, adapters: dict) -> str | None:
+    """Why peft cannot load a mixture of experts' adapters on transformers' model, or None: they must be on the
+    attention alone.
+
+    transformers 5 holds each layer's routed experts as 3-D tensors (gate_up_proj, down_proj), not linears: peft
+    cannot adapt them as zerotrain does, one linear per expert. And peft 0.21 takes every MLP name of a mixture of
+    experts' target_modules (gate_proj, up_proj, down_proj; as short names, full names or a pattern) for a target of
+    those 3-D parameters (target_parameters): it wraps the experts in a ParamWrapper the file holds nothing for, and
+    leaves a dense layer's or a shared expert's linear of that name without its adapter.
+    """
+    if not run.model.moe:
+        return None
+    mlp = next((n.rpartition(".lora_")[0] for n in sorted(adapters) if MLP_INFIX in n), None)
+    if mlp is None:
+        return None
+    if EXPERT_INFIX in mlp:
+        return (f"has adapters on the routed experts of a mixture of experts ({mlp}), which transformers stacks in "
+                "3-D tensors, not linears peft adapts")
+    return (f"has adapters on an MLP of a mixture of experts ({mlp}), which peft takes for the routed experts' 3-D "
+            "tensors of that name, not this linear")
 
 
 def export_peft(source: ModelSource, out: str) -> list[str]:
@@ -92,16 +120,17 @@ def export_peft(source: ModelSource, out: str) -> list[str]:
         raise ConfigError(f"--format peft: {source.folder} is a Phi-3, whose Hugging Face model fuses q, k, v in "
                           "qkv_proj and gate, up in gate_up_proj, where zerotrain's adapters are on each; export "
                           "the merged model with --format hf")
-    if run.model.moe:  # transformers 5 holds each layer's experts as 3-D tensors, not linears peft can adapt
-        raise ConfigError(f"--format peft: {source.folder} is a mixture of experts ({run.model.arch}), whose "
-                          "transformers model stacks its experts' weights in 3-D tensors, where zerotrain's "
-                          "adapters are on each expert's linears; export the merged model with --format hf")
     adapters = checkpoint_model(source.folder, source.manifest)
+    problem = moe_peft_problem(run, adapters)
+    if problem:
+        raise ConfigError(f"--format peft: {source.folder} {problem}; export the merged model with --format hf, or "
+                          "train adapters on the attention alone (--lora-targets q_proj,k_proj,v_proj,o_proj)")
     record = source.manifest.get("init_from")
     tmp = make_staging_folder(out)
     try:
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(peft_config(run, record["path"] if record else None), f, indent=2)
+            adapted = tuple(sorted({n.rpartition(".lora_")[0] for n in adapters}))
+            json.dump(peft_config(run, record["path"] if record else None, adapted), f, indent=2)
             f.write("\n")
         save_file({PEFT_PREFIX + n: t.contiguous() for n, t in adapters.items()}, os.path.join(tmp, ADAPTER_MODEL),
                   metadata={"format": "pt"})

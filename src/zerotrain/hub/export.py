@@ -1,8 +1,10 @@
 """Exported model folders: a Hugging Face folder (of the model's family) or bare safetensors with a config, written and read.
 
 `hf` is what `transformers.GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(folder)` loads: config.json in
-Hugging Face's format, written by hand (transformers is not needed to export), model.safetensors in Hugging Face's
-names and layouts through the architecture's table in mapping.py, and the tokenizer (tokenizer.json): a BPE's
+Hugging Face's format, written by hand (transformers is not needed to export), with the weights' dtype (the model's:
+model_dtype), the weights in Hugging Face's names and layouts through the architecture's table in mapping.py, in
+that dtype, as save_pretrained cuts them (model.safetensors, or shards and their index: weight_shards.py), each
+tensor read from a checkpoint's shards as it is written, by one process or several, and the tokenizer (tokenizer.json): a BPE's
 as trained or as the --init-from model had it, the byte tokenizer's built as its `tokenizers` twin
 (data.tokenizer.ByteTokenizer.to_hf), so that `transformers.AutoTokenizer.from_pretrained(folder)` gives
 zerotrain's ids either way. An --init-from model's tokenizer_config.json (chat template, special tokens),
@@ -10,7 +12,8 @@ special_tokens_map.json, chat_template.jinja and generation_config.json are writ
 context length and special ids into config.json: the training window is a training setting, the model keeps
 its context. A model of zerotrain's own gets zerotrain's tokenizer_config.json, special_tokens_map.json and
 generation_config.json (its end-of-text token as bos and eos).
-`safetensors` is zerotrain's own state dict with a config.json that `zerotrain.load_model` reads.
+`safetensors` is zerotrain's own state dict (in the same dtype and shards) with a config.json that
+`zerotrain.load_model` reads.
 Both store the tied head once, as transformer.wte.weight. The folder and its files get the modes the
 process umask gives, as checkpoints do. Read back (read_export_config, tensor_files), a folder's weights
 may also be the shards a model.safetensors.index.json names, as Hugging Face saves large models.
@@ -19,27 +22,32 @@ may also be the shards a model.safetensors.index.json names, as Hugging Face sav
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 
-from zerotrain.checkpoint import CheckpointError
+from zerotrain.checkpoint import CheckpointError, ShardedModel
 from zerotrain.checkpoint.stream import read_header
 from zerotrain.config import Config, ModelConfig, merge, validate
-from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer
+from zerotrain.data.tokenizer import BYTES_VOCAB, ByteTokenizer, read_json_object
 from zerotrain.data.tokenizer_config import CONFIG_FILES, SPECIAL_IDS, config_files
 from zerotrain.durable import check_writable_beside
 from zerotrain.errors import ConfigError
+from zerotrain.model import meta_model
 
 from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
+from .weight_shards import (DEFAULT_SHARD_SIZE, DTYPE_NAMES, DTYPES, INDEX_FILE, MODEL_FILE, SHARD_PATTERN, Group,
+                            ShardPlan, hf_groups, missing_shard, parse_shard_size, plan_shards, write_index,
+                            write_shards)
 
 FORMATS = ("hf", "safetensors", "peft")  # peft: a LoRA run's adapters (adapter.export_peft)
-MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-INDEX_FILE = "model.safetensors.index.json"  # a sharded folder's: which shard holds each tensor
+CONFIG_FILE = "config.json"  # beside MODEL_FILE, or the shards INDEX_FILE names (weight_shards.py)
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG = "tokenizer_config.json", "special_tokens_map.json", \
@@ -47,7 +55,7 @@ TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG = "tokenizer_config.json
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # tokenizer_config.json's, as the map has them
 ZEROTRAIN_FORMAT = "zerotrain-model"
 # Every file an export writes: with --overwrite these are replaced or removed, nothing else is touched.
-EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, *CONFIG_FILES)
+EXPORT_FILES = (MODEL_FILE, INDEX_FILE, CONFIG_FILE, TOKENIZER_FILE, *CONFIG_FILES)  # and the shards (SHARD_PATTERN)
 
 
 def read_export_config(folder: str) -> tuple[str, ModelConfig, dict]:
@@ -118,10 +126,38 @@ def tensor_files(folder: str) -> dict[str, str]:
     raise CheckpointError(f"no {MODEL_FILE} or {INDEX_FILE}")
 
 
-def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder: str | None, eot_id: int | None,
-                 tokenizer_info: dict | None = None, source: dict | None = None, overwrite: bool = False,
-                 config_folder: str | None = None) -> list[str]:
-    """Write `model` to folder `out` in format `fmt`; the names of the files written.
+@dataclass(frozen=True)
+class CheckpointModel:
+    """A checkpoint's model left where it lies: its config, and its shards, read one tensor at a time as the export
+    writes (checkpoint.ShardedModel); a process of a parallel export opens them itself."""
+
+    folder: str
+    manifest: dict
+    cfg: ModelConfig
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """What each of `nproc` processes of an export writes: the shards of `plan` that `owners` gives its rank."""
+
+    source: CheckpointModel
+    plan: ShardPlan
+    nproc: int
+    owners: tuple[int, ...]
+    groups: tuple[Group, ...]
+    folder: str
+    fmt: str
+
+
+def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *, tokenizer_folder: str | None,
+                 eot_id: int | None, tokenizer_info: dict | None = None, source: dict | None = None,
+                 overwrite: bool = False, config_folder: str | None = None, dtype: torch.dtype = torch.float32,
+                 max_shard_size: int | str = DEFAULT_SHARD_SIZE, nproc: int = 1,
+                 launch: Callable[[Callable, int], object] | None = None) -> list[str]:
+    """Write `model` (a model in memory, or a checkpoint's: CheckpointModel) to folder `out` in format `fmt`, its
+    weights in `dtype`, cut into shards of at most `max_shard_size` bytes (weight_shards.py) that `nproc` processes
+    write (a checkpoint's only: each reads what it writes); the names of the files written. `launch(job, nproc)`
+    runs job(cfg, comm) on nproc local processes (the command gives runtime.launch.run_job).
 
     `tokenizer_folder` holds tokenizer.json for a BPE model; None is the byte tokenizer, for which `hf`
     writes its tokenizers twin when the model's vocabulary holds the 256 bytes. The files that configure the
@@ -133,7 +169,20 @@ def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder
     The files are written into a temporary folder beside `out` and moved into place when all are written.
     """
     check_destination(out, fmt, overwrite)
+    if nproc > 1 and (not isinstance(model, CheckpointModel) or launch is None):
+        raise ConfigError(f"--nproc {nproc}: only a checkpoint of a run that trained every weight is exported by "
+                          "several processes (a LoRA run's merged model, or an exported folder, is built whole in "
+                          "one); give --nproc 1")
     info, cfg = tokenizer_info or {}, model.cfg
+    if isinstance(model, CheckpointModel):
+        shapes = {n: p for n, p in meta_model(cfg).named_parameters()}
+        _check_fits(model, shapes)
+    else:
+        shapes = {n: torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
+    groups, stored = hf_groups(MAPPINGS[cfg.arch] if fmt == "hf" else None, shapes)
+    plan = plan_shards({n: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items()},
+                       parse_shard_size(max_shard_size))
+    nproc = min(nproc, len(plan.shards))  # a process with no shard to write is not started
     tmp = make_staging_folder(out)
     try:
         for name, path in (config_files(config_folder) if config_folder else {}).items():
@@ -143,10 +192,13 @@ def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder
         if fmt == "hf":
             special = {key: info[key] for key in SPECIAL_IDS if key in info}
             # the Llama family's pad_token_id is its embedding's padding row (hf_config's), whatever generation pads
-            # with (generation_config.json, kept as it is)
-            _write_json(os.path.join(tmp, CONFIG_FILE), {**hf_config(cfg, eot_id), **special, **(
-                {"pad_token_id": cfg.padding_idx} if cfg.llama_family else {})})
-            _save_model_file(MAPPINGS[cfg.arch].to_hf(dict(model.named_parameters())), tmp)
+            # with (generation_config.json, kept as it is); "dtype" is what transformers 5 reads and writes,
+            # "torch_dtype" what transformers 4 reads (5 takes it silently where "dtype" is absent); from_pretrained
+            # loads the weights in it (5's default dtype="auto")
+            dtype_name = DTYPE_NAMES[dtype]
+            pad = {"pad_token_id": cfg.padding_idx} if cfg.llama_family else {}
+            _write_json(os.path.join(tmp, CONFIG_FILE), {**hf_config(cfg, eot_id), **special, **pad,
+                                                         "dtype": dtype_name, "torch_dtype": dtype_name})
             if tokenizer_folder is None and cfg.vocab_size >= BYTES_VOCAB:  # smaller: synthetic data, no text fits
                 ByteTokenizer().to_hf().save(os.path.join(tmp, TOKENIZER_FILE))
             _write_missing_hf_configs(tmp, eot_id, cfg.positions, bytes_tokenizer=tokenizer_folder is None,
@@ -155,12 +207,94 @@ def export_model(model: torch.nn.Module, out: str, fmt: str, *, tokenizer_folder
             _write_json(os.path.join(tmp, CONFIG_FILE), {
                 "format": ZEROTRAIN_FORMAT, "version": 1, "model": dataclasses.asdict(cfg),
                 "tokenizer": tokenizer_info, "source": source})
-            _save_model_file({n: p.detach().float().contiguous() for n, p in model.named_parameters()}, tmp)
+        _write_weights(model, ShardJob(model, plan, nproc, tuple(plan.owners(nproc)), tuple(groups), tmp, fmt), launch)
+        problem = missing_shard(plan, tmp)
+        if problem:  # whole or absent: a folder missing a shard is never moved into place
+            raise CheckpointError(f"export {out}: {problem}")
+        write_index(plan, tmp)
         written = sorted(os.listdir(tmp))
         _move_into_place(tmp, out, written)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def _check_fits(model: CheckpointModel, shapes: dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming the first tensor the checkpoint holds that the model its config describes lacks, or
+    lacks in that shape, or the other way round (as loading it strictly would)."""
+    where = f"the shards of {model.folder}"
+    held = ShardedModel(model.folder, model.manifest).shapes
+    for name, shape in held.items():
+        if name not in shapes:
+            raise CheckpointError(f"{where} does not fit the model its config describes: unexpected tensor {name}")
+        if tuple(shape) != tuple(shapes[name].shape):
+            raise CheckpointError(f"{where} does not fit the model its config describes: {name} has shape "
+                                  f"{tuple(shape)}, the model {tuple(shapes[name].shape)}")
+    missing = [n for n in shapes if n not in held]
+    if missing:
+        raise CheckpointError(f"{where} does not fit the model its config describes: missing tensor {missing[0]}")
+
+
+def _write_weights(model: torch.nn.Module | CheckpointModel, job: ShardJob, launch) -> None:
+    """The weight files of `job`: by the processes its owners name (launched), or here."""
+    if job.nproc > 1:
+        launch(functools.partial(write_shards_job, job=job), job.nproc)
+        return
+    every = list(range(len(job.plan.shards)))
+    mapping, mode_of = MAPPINGS[model.cfg.arch] if job.fmt == "hf" else None, os.path.join(job.folder, CONFIG_FILE)
+    if isinstance(model, CheckpointModel):
+        with ShardedModel(model.folder, model.manifest) as shards:
+            write_shards(job.plan, every, job.folder, list(job.groups), shards.tensor, mapping, mode_of)
+    else:
+        params = dict(model.named_parameters())
+        write_shards(job.plan, every, job.folder, list(job.groups), lambda n: params[n].detach().float(), mapping,
+                     mode_of)
+
+
+def write_shards_job(cfg: Config, comm, *, job: ShardJob) -> None:
+    """One process of a parallel export (what `launch` runs): the shards `job.owners` gives its rank, read from
+    the checkpoint's shards where their tensors lie."""
+    mine = [k for k, rank in enumerate(job.owners) if rank == comm.rank]
+    mapping = MAPPINGS[job.source.cfg.arch] if job.fmt == "hf" else None
+    with ShardedModel(job.source.folder, job.source.manifest) as shards:
+        write_shards(job.plan, mine, job.folder, list(job.groups), shards.tensor, mapping,
+                     os.path.join(job.folder, CONFIG_FILE))
+
+
+def model_dtype(source, choice: str = "auto") -> tuple[torch.dtype, str]:
+    """The dtype to export `source` (pretrained.ModelSource) in, and why, as the export's line says it.
+
+    `choice` bf16, fp16 or fp32 is the user's. auto is the model's own: a run from --init-from gives back the dtype
+    its model came in (its config.json's dtype, or torch_dtype as transformers 4 writes it; a zerotrain checkpoint's
+    precision), as a fine-tune of a bf16 model is expected back in bf16 whatever it trained in; any other run the dtype
+    it trained its parameters in (--precision: bf16, else fp32); an exported folder its config.json's dtype.
+    """
+    if choice != "auto":
+        return DTYPES[choice], f"{choice} (--dtype)"
+    manifest = source.manifest or {}
+    base = (manifest.get("init_from") or {}).get("path")
+    if base:
+        found = _folder_dtype(base)
+        if found is not None:
+            return found, f"{_short(found)} (the dtype of its --init-from model, {base})"
+    if manifest:
+        precision = manifest.get("precision", "fp32")
+        return DTYPES.get(precision, torch.float32), f"{precision} (the run's --precision)"
+    found = _folder_dtype(source.folder)
+    return (found, f"{_short(found)} (its config.json's dtype)") if found is not None else (torch.float32, "fp32")
+
+
+def _folder_dtype(folder: str) -> torch.dtype | None:
+    """The dtype a model folder's weights are in: a checkpoint's precision, a config.json's dtype / torch_dtype."""
+    manifest, config = (read_json_object(folder, name) for name in ("manifest.json", CONFIG_FILE))
+    if manifest:
+        return DTYPES.get(manifest.get("precision"))
+    named = config.get("dtype") or config.get("torch_dtype")
+    return next((d for d, name in DTYPE_NAMES.items() if name == named), None)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return next(k for k, d in DTYPES.items() if d == dtype)
 
 
 def check_destination(out: str, fmt: str, overwrite: bool) -> None:
@@ -190,17 +324,6 @@ def make_staging_folder(out: str) -> str:
             return tmp
         except FileExistsError:
             continue
-
-
-def _save_model_file(tensors: dict[str, torch.Tensor], folder: str) -> None:
-    """folder/model.safetensors, with the mode of folder/config.json (written first, by open(), under the umask).
-
-    save_file creates a 0600 temporary file and renames it (safetensors 0.8), so the weights would be
-    private whatever the umask; copying config.json's mode is the umask's without changing it process-wide.
-    """
-    path = os.path.join(folder, MODEL_FILE)
-    save_file(tensors, path, metadata={"format": "pt"})
-    shutil.copymode(os.path.join(folder, CONFIG_FILE), path)
 
 
 def _write_missing_hf_configs(out: str, eot_id: int | None, context: int, *, bytes_tokenizer: bool,
@@ -243,8 +366,8 @@ def _move_into_place(tmp: str, out: str, written: list[str]) -> None:
     if not os.path.isdir(out):
         os.rename(tmp, out)
         return
-    for name in EXPORT_FILES:
-        if name not in written and os.path.isfile(os.path.join(out, name)):
+    for name in os.listdir(out):
+        if (name in EXPORT_FILES or SHARD_PATTERN.fullmatch(name)) and name not in written:
             os.remove(os.path.join(out, name))  # e.g. the tokenizer of an earlier BPE export
     for name in written:
         os.replace(os.path.join(tmp, name), os.path.join(out, name))

@@ -90,16 +90,19 @@ def load_model(path: str) -> torch.nn.Module:
     return load_from(locate(path))
 
 
+def run_model_config(source: ModelSource) -> ModelConfig:
+    """The model config of a checkpoint (its manifest's) or of an exported folder (its config.json's)."""
+    if source.kind != "checkpoint":
+        return read_export_config(source.folder)[1]
+    try:
+        return ModelConfig(**source.manifest.get("config", {}).get("model"))
+    except TypeError as e:
+        raise CheckpointError(f"{os.path.join(source.folder, MANIFEST)}: config.model is not a model config "
+                              f"({e})") from None
+
+
 def load_from(source: ModelSource) -> torch.nn.Module:
-    folder = source.folder
-    if source.kind == "checkpoint":
-        model_cfg = source.manifest.get("config", {}).get("model")
-        try:
-            cfg = ModelConfig(**model_cfg)
-        except TypeError as e:
-            raise CheckpointError(f"{os.path.join(folder, MANIFEST)}: config.model is not a model config ({e})") from None
-    else:
-        _, cfg, _ = read_export_config(folder)
+    folder, cfg = source.folder, run_model_config(source)
     if source.kind == "checkpoint":  # verified by locate
         where = os.path.join(folder, MODEL_FILE) if has_model_file(source.manifest) else f"the shards of {folder}"
         if source.manifest["config"].get("lora", {}).get("lora_rank"):
