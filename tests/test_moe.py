@@ -239,8 +239,8 @@ def test_lora_adapts_every_experts_projections_exports_them_merged_and_refuses_p
         <= adapted and not any(n.endswith("mlp.gate") for n in adapted)  # the router stays as it is
     out = tmp_path / "run"
     r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--seq-len", "16",
-                       "--micro-batch", "2", "--lora-rank", "4", "--lora-targets", "q_proj,experts", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
-                       "--no-progress", "--out", str(out))
+                       "--micro-batch", "2", "--lora-rank", "4", "--lora-targets", "q_proj,experts", "--lr", "5e-2",
+                       "--steps", "1", "--ckpt-every", "1", "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft")
     assert r.returncode == 2 and "has adapters on the routed experts of a mixture of experts (model.layers.0.mlp." \
@@ -267,8 +267,8 @@ def lora_export_gaps(folder, out, comm, ids, monkeypatch, *flags) -> tuple[float
     from zerotrain.model import lora
 
     comm_of_test = comm
-    _, result = train_from(folder, out / "run", "--lora-rank", "4", "--lr", "5e-2", "--steps", "1", "--ckpt-every", "1",
-                           *flags)
+    _, result = train_from(folder, out / "run", "--lora-rank", "4", "--lora-targets", "q_proj,experts", "--lr", "5e-2",
+                           "--steps", "1", "--ckpt-every", "1", *flags)
     live = result.engine.model.eval()
     assert any(".experts." in n for n in lora.adapter_names(live))
 
