@@ -365,6 +365,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     # From here a signal saves rather than ending the rank at once: DPO's reference pass, which may score the pairs
     # for a long while, is finished and kept by the first step's checkpoint, not lost
     stop.begin_stepping()
+    # every rank can save before any begins the pass: else a signal sent from one rank's pass (or the user's, then)
+    # finds another still starting, which ends it at once and the job with nothing saved
+    comm.io.barrier("begin_stepping")
     origin.update(objective.prepare(engine, comm, manifest, resumed_from, origin.get("init_from")))
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
