@@ -219,7 +219,8 @@ def test_advantages_equal_trls_with_nones_and_weights_and_unnormalised_advantage
 
 
 @pytest.mark.parametrize("mask_truncated", (False, True))
-def test_completion_masks_equal_trls_and_truncated_completions_masked_or_not_differ(trainer, monkeypatch, mask_truncated):
+def test_completion_masks_equal_trls_and_truncated_completions_masked_or_not_differ(trainer, monkeypatch,
+                                                                                    mask_truncated):
     monkeypatch.setattr(trainer, "mask_truncated_completions", mask_truncated)
     out = trl_rollout(trainer, monkeypatch, planted_rewards(2), [1.0, 1.0], "group")
     ids = out["completion_ids"]
