@@ -169,7 +169,10 @@ class ZeroEngine:
                           and (select is None or select(n))}
         self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
-        self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)
+        # Hybrid sharding: the ranks holding this rank's shard in the other replica groups (None: one group)
+        self.replicate = self.mesh.dp_replicate
+        self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size * self.mesh.dp_replicate_size,
+                                                     self.mesh.tp_size)
         self.placement: ParameterPlacement = PLACEMENTS[stage](self, bucket_numel=bucket_numel,
                                                                gather_in_forward=gather_in_forward)
         self.flat_params = self.placement.flat_params
@@ -699,7 +702,15 @@ class ZeroEngine:
                 not self.grads_in_params:
             self._launch(self._launched)
         self._finish_reduces()
+        self.all_reduce_replicas()
         return self._counted_grad_sumsq()
+
+    def all_reduce_replicas(self) -> None:
+        """Hybrid sharding: every replica group reduced its own ranks' gradients into the shard; the shard summed
+        across the groups (one all-reduce of 1/dp_shard of the gradients), so that every replica holds the whole
+        batch's gradient shard and takes the same AdamW step."""
+        if self.replicate is not None:
+            self.replicate.all_reduce(self.grad_shard, "all_reduce_replicas")
 
     def _zero_grads_not_given(self) -> None:
         """One rank's gradients in its parameters: a parameter autograd gave no gradient in the window reads zero,
@@ -729,8 +740,12 @@ class ZeroEngine:
             return grad_norm.scattered_chunk_squares([(s.offset, p.grad.reshape(-1))
                                                       for s, p in zip(self.layout.slots, self.params)])
         if self.mesh.tp_size == 1:
-            return grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
-        return grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
+            squares = grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
+        else:
+            squares = grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
+        # Hybrid sharding: every replica group holds the same shard after all_reduce_replicas; the first group's
+        # count it
+        return squares if self.replicate is None or self.replicate.rank == 0 else torch.zeros_like(squares)
 
     def apply(self, lr: float, grad_norm: float) -> None:
         """Clip by the global norm, AdamW on this rank's shard, and the parameters follow (the placement's
