@@ -200,7 +200,7 @@ class ExpertParallelEngine:
             # the parameter peak is both engines' units whole at once
             self.dense.placement.param_bytes_beside, self.experts.placement.param_bytes_beside = \
                 self.experts.param_bytes, self.dense.param_bytes
-        elif kwargs.get("gather_in_forward", True):
+        elif kwargs.get("overlap_gathers", True):
             # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
             # their all-gathers: each MoE layer waits for its experts' buckets first
             for moe in moe_layers(model):

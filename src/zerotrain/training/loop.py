@@ -88,7 +88,7 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
-                    reduce_in_backward=cfg.reduce_in_backward, gather_in_forward=cfg.gather_in_forward,
+                    reduce_in_backward=cfg.reduce_in_backward, overlap_gathers=cfg.gather_in_forward,
                     stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
     if mesh.ep_size > 1:  # this rank's block of experts, over dp_shard_mod_ep; the rest over the shard group
         return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
