@@ -507,6 +507,10 @@ class LaunchConfig:
 class ParallelConfig:
     tp: int = setting(1, "tensor-parallel degree: ranks that split each layer's heads and MLP (divides --nproc; "
                       "rank = dp_index x tp + tp_index)", rule=POSITIVE)
+    dp_replicate: int = setting(1, "hybrid sharding (FSDP2's HSDP): the data-parallel ranks form this many replica "
+                                "groups; ZeRO shards its state over the ranks of a group and replicates it across the "
+                                "groups (reduce-scatter within a group, then one all-reduce of the shard across the "
+                                "groups); divides the data-parallel size (--nproc / --tp)", rule=POSITIVE)
     ep: int = setting(1, "expert-parallel degree: the experts of each MoE layer split in contiguous blocks over this "
                       "many consecutive DP ranks, tokens sent to their expert's rank and back by all-to-all (divides "
                       "the DP size and --n-experts)", rule=POSITIVE, applies=EXPERTS)
@@ -947,6 +951,10 @@ def _check_expert_parallel(cfg: Config) -> None:
     if dp % p.ep:
         raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp} (--nproc {cfg.launch.nproc} / "
                           f"--tp {p.tp})")
+    if (dp // p.dp_replicate) % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the shard group's size {dp // p.dp_replicate} (the "
+                          f"data-parallel size {dp} / --dp-replicate {p.dp_replicate}): each replica group holds "
+                          "every block of experts")
     if m.n_experts % p.ep:
         raise ConfigError(f"--ep {p.ep} does not divide --n-experts {m.n_experts}: each EP rank holds a whole block "
                           "of experts")
@@ -986,6 +994,9 @@ def validate(cfg: Config) -> Config:
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")
+    if cfg.dp % p.dp_replicate:
+        raise ConfigError(f"--dp-replicate {p.dp_replicate} does not divide the data-parallel size {cfg.dp} (--nproc "
+                          f"{cfg.launch.nproc} / --tp {p.tp}): each replica group shards over an equal part of it")
     if m.n_head % m.kv_heads:
         raise ConfigError(f"--n-kv-head {m.n_kv_head} does not divide --n-head {m.n_head}: each KV head serves a whole "
                           "group of query heads")

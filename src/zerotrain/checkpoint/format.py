@@ -20,7 +20,11 @@ With tensor parallelism the manifest records the mesh ({"tp": T, "dp": D}, T x D
 world rank = dp_index x T + tp_index) and each split parameter's TP slice ("tp_slices": how a TP
 rank's local tensor maps to the full one). "layout" is the local flat layout, the same on every TP
 rank, sharded over the D ranks of a DP group; "param_count" counts the full model. A manifest
-without "mesh" (written before TP) reads as TP 1 x DP world_size. With expert parallelism ("mesh" has "ep") the
+without "mesh" (written before TP) reads as TP 1 x DP world_size. A run with hybrid sharding (--dp-replicate R: R
+replica groups, each sharding the state over D ranks, parallel/mesh.py) writes the checkpoint its replica group 0
+writes, the one a run of T x D ranks would: world_size T x D, "mesh" {"tp": T, "dp": D, "dp_replicate": R}; its other
+groups hold the same shards and write nothing. So every reader (resume at any world size or R, the model, verify)
+reads it as it reads any other. With expert parallelism ("mesh" has "ep") the
 experts' own layout and TP slices are "expert_layout" and "expert_tp_slices" (checkpoint/model.py).
 """
 

@@ -97,9 +97,10 @@ class CheckpointWriter:
         folder = os.path.join(self.root, tmp_name(step))
         local, records, files = None, [], {}
         try:
-            files = _live_files(engine, self.comm.rank, self.comm.world_size)
-            records = self._write(folder, files, step)
-            write_sidecar(folder, self.comm.rank, self.session, step, records)
+            files = _live_files(engine, self.comm.rank, base["world_size"]) if writes_shard(engine) else {}
+            records = self._write(folder, files, step, base["world_size"])
+            if writes_shard(engine):
+                write_sidecar(folder, self.comm.rank, self.session, step, records)
         except Exception as e:  # told to every rank below, so none is left waiting in a collective
             local = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
         reports = self.comm.io.all_gather_json(
@@ -112,7 +113,7 @@ class CheckpointWriter:
         verdict = None
         if self.comm.rank == 0:
             try:
-                commit(self.root, step, base, self.comm.world_size, self.session, self.keep, self.commit_hook)
+                commit(self.root, step, base, base["world_size"], self.session, self.keep, self.commit_hook)
             except (CheckpointError, OSError) as e:
                 verdict = str(e)
         verdict = self.comm.io.all_gather_json(verdict, "checkpoint_commit")[0]
@@ -128,7 +129,7 @@ class CheckpointWriter:
         base = self._describe(step, engine, extra or {})
         engine.wait_params()  # an all-gather in flight still writes the parameters being copied
         if self._staging is None or not self._staging.fits(engine):
-            self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
+            self._staging = _Staging(engine, self.comm.rank, base["world_size"], writes=writes_shard(engine))
         staging, step_count = self._staging, engine.step_count
         if id(engine) not in self._guarded:  # every update of the engine's state (with --ep: both engines')
             engine.register_update_pre_hook(lambda: self._wait_staged())  # looked up at each update, not bound now
@@ -156,8 +157,9 @@ class CheckpointWriter:
                 pending.staged.set()
             files = staging.files()
             folder = os.path.join(self.root, tmp_name(pending.step))
-            records = self._write(folder, files, pending.step)
-            write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
+            records = self._write(folder, files, pending.step, pending.base["world_size"])
+            if staging.writes:
+                write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.error = e
             for name in files:  # this rank's part of a save that can no longer commit
@@ -227,7 +229,7 @@ class CheckpointWriter:
 
     def _commit_in_background(self, pending: _Pending) -> None:
         try:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep,
+            commit(self.root, pending.step, pending.base, pending.base["world_size"], self.session, self.keep,
                    self.commit_hook)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.commit_error = e if isinstance(e, CheckpointError) else \
@@ -240,7 +242,7 @@ class CheckpointWriter:
             if pending.commit_error is not None:
                 raise pending.commit_error
         else:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep,
+            commit(self.root, pending.step, pending.base, pending.base["world_size"], self.session, self.keep,
                    self.commit_hook)
 
     def commit_pending(self) -> str | None:
@@ -298,14 +300,17 @@ class CheckpointWriter:
         if clash:
             raise ValueError(f"manifest field(s) {clash} are the writer's own; name extra fields otherwise")
         mesh, parts = engine.mesh.describe(), dict(shard_parts(engine))
-        if mesh["tp"] * mesh["dp"] != self.comm.world_size:
+        if mesh["tp"] * mesh["dp"] * mesh.get("dp_replicate", 1) != self.comm.world_size:
             raise ValueError(f"the writer's comm has {self.comm.world_size} ranks, the engine's mesh TP {mesh['tp']} "
-                             f"x DP {mesh['dp']}: give the writer the world communicator")
+                             f"x DP {mesh['dp']} x {mesh.get('dp_replicate', 1)} replica group(s): give the writer the "
+                             "world communicator")
         return {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
-            "world_size": self.comm.world_size,
+            # the ranks that write a shard: with --dp-replicate R, replica group 0's (its shard files are named by
+            # world rank, which in group 0 is the rank among them); the other groups hold the same shards
+            "world_size": mesh["tp"] * mesh["dp"],
             "mesh": mesh,
             "param_count": engine.param_count,  # the full model's
             "precision": engine.precision,
@@ -321,9 +326,11 @@ class CheckpointWriter:
             **extra,
         }
 
-    def _write(self, folder: str, files: dict[str, dict[str, torch.Tensor]], step: int) -> list[FileRecord]:
-        """Write this rank's files into `folder`, each fsynced; failures name the file."""
-        shard, hook = shard_name(self.comm.rank, self.comm.world_size), self.halfway_hook
+    def _write(self, folder: str, files: dict[str, dict[str, torch.Tensor]], step: int,
+               writers: int) -> list[FileRecord]:
+        """Write this rank's files into `folder`, each fsynced; failures name the file. `writers`: the ranks that
+        write a shard (the manifest's world size)."""
+        shard, hook = shard_name(self.comm.rank, writers), self.halfway_hook
         records = []
         for name, tensors in files.items():
             path = os.path.join(folder, name)
@@ -376,6 +383,12 @@ def _as_checkpoint_error(pending: _Pending) -> BaseException:
     return wrapped
 
 
+def writes_shard(engine: ZeroEngine) -> bool:
+    """Whether this rank writes its shard: hybrid sharding (--dp-replicate) holds every shard once in each replica
+    group, and replica group 0 writes it, once (the others' copies are bitwise the same: invariant (b))."""
+    return engine.mesh.dp_replicate_rank == 0
+
+
 def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's file for a synchronous save, its shard, from the engine's state (views where it is already fp32 on
     the CPU). `rank` is the world rank: shard files are named by it, whatever the mesh. A LoRA run's shard holds its
@@ -408,13 +421,15 @@ class _Staging:
     Pinned when the engine is on CUDA, so the device-to-host copies run without blocking training.
     """
 
-    def __init__(self, engine: ZeroEngine, rank: int, world_size: int):
+    def __init__(self, engine: ZeroEngine, rank: int, world_size: int, writes: bool = True):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
+        self.writes = writes  # a replica group's but the first's rank (writes_shard) copies and writes nothing
         self.device = engine.device
         self.copy_in_background = self.device.type == "cpu"
         pin = self.device.type == "cuda"
-        self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
+        self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel if writes else 0, pin_memory=pin)
+                                                      for _ in range(3))
         self.step = torch.zeros(1, dtype=torch.int64)
         self.experts: dict[str, torch.Tensor] = {}  # with --ep: the expert engine's shard, under expert_ keys
         self._copied = None
@@ -423,6 +438,8 @@ class _Staging:
         return engine.layout is self.layout and engine.device == self.device
 
     def copy_from(self, engine: ZeroEngine, step_count: int) -> None:
+        if not self.writes:
+            return
         non_blocking = not self.copy_in_background  # CUDA: queued, not waited for
         (_, flat), *others = shard_parts(engine)  # the flat layout's shard (with --ep the dense engine's), then
         with torch.no_grad():
@@ -445,6 +462,8 @@ class _Staging:
             self._copied.synchronize()
 
     def files(self) -> dict[str, dict[str, torch.Tensor]]:
+        if not self.writes:
+            return {}
         shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step,
                  **self.experts}
         return {shard_name(self.rank, self.world_size): shard}

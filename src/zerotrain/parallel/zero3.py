@@ -257,12 +257,12 @@ class ShardedParameters:
 
     gathers_units = True
 
-    def __init__(self, engine, *, bucket_numel: int, gather_in_forward: bool):
-        """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. An engine over a
+    def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
+        """`overlap_gathers` (--overlap on): prefetch the next unit's gather one unit ahead. An engine over a
         selection of the parameters (expert parallelism's two) gathers, counts and releases only its own parameters'
         buckets in the units, and holds no frozen ones."""
         self.engine = engine
-        self.prefetch = gather_in_forward
+        self.prefetch = overlap_gathers
         model, dp = engine.model, engine.dp
         if engine.select is not None and frozen_parameters(model):
             raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")

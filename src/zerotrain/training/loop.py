@@ -21,8 +21,7 @@ from zerotrain.model import ARCH_NAMES, param_count, summed_token_loss
 from zerotrain.model.init import materialise
 from zerotrain.model.layers import head_loss, kv_replicas
 from zerotrain.model.lora import add_adapters, dropout_rows
-from zerotrain.parallel import (Comm, ExpertParallelEngine, Mesh, ZeroEngine, build_expert_groups,
-                                expert_bytes, shard_experts)
+from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.parallel.params import param_dtype
 from zerotrain.runtime.failures import restart_cause, restart_count
@@ -65,7 +64,8 @@ class TrainResult:
 
 
 def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
-    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the DP group.
+    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the run's mesh:
+    sharded over its shard group (the DP ranks, or with --dp-replicate R those of this rank's replica group).
 
     The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
     from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
@@ -75,8 +75,8 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     `restored`: a checkpoint is restored over every trained value before step 1 (loop._restores), so none is read
     or drawn.
     """
-    mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
-    mesh = build_expert_groups(mesh, cfg.parallel.ep)
+    p = cfg.parallel
+    mesh = Mesh.build(comm, p.tp, kv_replicas(cfg.model.kv_heads, p.tp), dp_replicate=p.dp_replicate, ep=p.ep)
     model, init = initial_model(cfg, mesh, restored)
     shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
@@ -88,11 +88,11 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
-                    reduce_in_backward=cfg.reduce_in_backward, gather_in_forward=cfg.gather_in_forward,
+                    reduce_in_backward=cfg.reduce_in_backward, overlap_gathers=cfg.gather_in_forward,
                     stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
-    if mesh.ep_size > 1:  # this rank's block of experts, over its replica group; the rest over the DP group
+    if mesh.ep_size > 1:  # this rank's block of experts, over dp_shard_mod_ep; the rest over the shard group
         return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
-    return ZeroEngine(model, mesh.dp, cfg.optim, mesh=mesh, **settings)
+    return ZeroEngine(model, mesh.dp_shard, cfg.optim, mesh=mesh, **settings)
 
 
 # The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
