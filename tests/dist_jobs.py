@@ -57,6 +57,13 @@ def undurable_rollback_job(cfg: Config, comm: Comm) -> dict:
         return train_module.train_job(cfg, comm)
 
 
+def stop_saved_after_the_step_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: `zerotrain train` whose stop's save waits for the step (the watcher's call to start it at once does
+    nothing: the save starts once every rank has agreed to stop, in the step's all-reduce)."""
+    with mock.patch.object(checkpoint.Checkpointer, "stop_requested", lambda self: None):
+        return train_module.train_job(cfg, comm)
+
+
 def params_job(cfg: Config, comm: Comm) -> dict:
     """Train; return the log and the final parameters by name."""
     result = train(cfg, comm)  # no after_update hook: it would wait for the all-gather every step

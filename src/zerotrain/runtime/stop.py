@@ -9,6 +9,10 @@ import time
 
 from zerotrain.durable import write_atomic
 
+# How often a stop's watcher looks for the request: a signal's handler runs on the training thread, a launcher's stop
+# file is only a file, and neither would otherwise be read before the step's all-reduce.
+WATCH_S = 0.05
+
 # Signals this close after the first are that stop request delivered again, not a second request: a terminal's
 # Ctrl-C, `timeout` or `kill -- -PGID` reach every process of the group, and a launcher may pass the same stop on
 # (torchrun's agent sends its ranks the signal it received; `timeout` signals its child, then the group). A person's
@@ -89,6 +93,27 @@ class StopRequest:
             with open(self.stop_file) as f:
                 self.signal_name = f.read().strip() or "SIGTERM"
         return self.signal_name is not None
+
+
+class StopWatch:
+    """A thread that calls `on_stop()` once, as soon as `request` is seen, so a stop's save can start while the
+    training thread is still inside a step (which can outlast torchrun's 30 s between SIGTERM and SIGKILL)."""
+
+    def __init__(self, request: StopRequest, on_stop, poll_s: float = WATCH_S):
+        self.closed = threading.Event()
+
+        def watch():
+            while not self.closed.wait(poll_s):
+                if request.requested:
+                    on_stop()
+                    return
+
+        self.thread = threading.Thread(target=watch, name="zerotrain-stop-watch", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join()
 
 
 _stop: StopRequest | None = None
