@@ -80,3 +80,58 @@ def test_under_torchrun_a_stop_in_a_slow_step_is_committed_before_the_step_ends(
     assert "zerotrain: stopped by SIGTERM at step 2; saved step_00000002" in r.stdout, r.stdout[-2000:]
     assert checkpoint.committed_steps(os.path.join(out, "checkpoints")) == ["step_00000002"]
     assert steps_of(out) == [1, 2]
+
+
+# A rank whose training thread waits inside a collective (here torch's own C++ wait on a future, which a signal does
+# not end, as gloo's and NCCL's do not) when the stop comes. The order is made certain without a sleep: the switch
+# interval is so long that the main thread keeps the GIL until its wait releases it, and only then can the thread that
+# sends the signal run. The main thread's handler cannot run until the wait ends, and only the watcher ends it
+# (a bounded fallback ends it otherwise, and says so).
+BLOCKED_IN_A_WAIT = """
+import os, signal, sys, threading, time
+import torch
+from zerotrain.runtime import stop as stop_module
+from zerotrain.runtime.stop import StopWatch, install_stop_request
+
+if sys.argv[1] == "planted":  # the watcher as it was: it polls `requested`, which only the main thread's handler sets
+    stop_module.StopRequest.wait = lambda self, timeout_s: (time.sleep(timeout_s), self.requested)[1]
+stop = install_stop_request(None)
+stop.begin_stepping()
+released, lock, go = torch.futures.Future(), threading.Lock(), threading.Event()
+
+def release(by):
+    with lock:
+        if not released.done():
+            released.set_result(by)
+
+def signal_then_wait():
+    go.wait()  # runs once the main thread has released the GIL: inside released.wait()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    release("the fallback, 5 s later")
+
+watch = StopWatch(stop, lambda: release("the watcher"))
+sender = threading.Thread(target=signal_then_wait, daemon=True)
+sender.start()
+sys.setswitchinterval(1000.0)
+go.set()
+by = released.wait()
+sys.setswitchinterval(0.005)
+print(f"released by {by}; stop requested: {stop.requested}", flush=True)
+watch.close()
+"""
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["wakeup-fd", "planted-polling-requested"])
+def test_a_stop_reaches_the_watcher_while_the_training_thread_waits_inside_a_collective(planted):
+    """The interleaving that hung the torchrun drill: torchrun's agent signals every rank itself, and rank 0's training
+    thread was already waiting in step 3's reduce-scatter for rank 1, blocked in its forward until the commit. Python
+    runs the SIGTERM handler on the main thread only between bytecodes, so the watcher, which polled the handler's
+    flag, never started rank 0's save: nothing was committed until torchrun's SIGKILL. The watcher reads the wakeup fd
+    the C handler writes, and starts the save at once. Planted: the watcher polling the flag, as before."""
+    r = subprocess.run([sys.executable, "-c", BLOCKED_IN_A_WAIT, "planted" if planted else "fixed"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    expected = "the fallback, 5 s later" if planted else "the watcher"
+    assert r.stdout == f"released by {expected}; stop requested: True\n", r.stdout + r.stderr
+
