@@ -135,3 +135,21 @@ def test_a_stop_reaches_the_watcher_while_the_training_thread_waits_inside_a_col
     expected = "the fallback, 5 s later" if planted else "the watcher"
     assert r.stdout == f"released by {expected}; stop requested: True\n", r.stdout + r.stderr
 
+
+def test_ranks_whose_stop_saves_are_of_different_steps_are_refused_at_once_and_nothing_is_committed(
+        tmp_path, monkeypatch):
+    """The ranks agree on the saved step by construction (each saves the step it had armed, and its flag is in the
+    next step's all-reduce once its save began); the stop's end checks it before any rank waits for another's files.
+    Planted: rank 1 arms the step before the one it completed; the job fails naming each rank's step, at once (not
+    after rank 0 waited --io-timeout for rank 1's files of step 2), and commits nothing."""
+    run = str(tmp_path / "run")
+    monkeypatch.setenv("ZEROTRAIN_FAULTS", "sigterm@step=2,rank=1")
+    try:
+        with pytest.raises(JobFailed) as failed:
+            run_job(dist_jobs.stop_save_of_another_step_job,
+                    prepare_run(config_from_args(build_parser().parse_args(["train", *ARGS, "--out", run]))),
+                    time_limit=240)
+    finally:
+        release_run_folders()
+    assert "a stop's save: the ranks saved different steps (rank 0: step 2, rank 1: step 1)" in str(failed.value)
+    assert checkpoint.committed_steps(os.path.join(run, "checkpoints")) == []

@@ -352,9 +352,17 @@ class CheckpointWriter:
         return self._staging.files()
 
     def finish_stop_save(self) -> str:
-        """Every rank, once all agreed to stop: wait for this rank's part of the stop's save (rank 0: its commit), then
-        one collective tells every rank whether it is committed; its folder. A superseded async save is dropped."""
+        """Every rank, once all agreed to stop: one collective checks that the ranks save the same step, then wait for
+        this rank's part of the stop's save (rank 0: its commit), and another tells every rank whether it is
+        committed; its folder. A superseded async save is dropped."""
         stop, self._stop, self._pending = self._stop, None, None
+        # Every rank saves the step it had armed when the stop came, and a rank's flag is set in the next step's
+        # all-reduce once its save began, so the ranks agree by construction: said here, not assumed, before any
+        # rank waits for a save the others are not writing (rank 0 would wait --io-timeout for their files)
+        steps = self.comm.io.all_gather_json(stop.step, "checkpoint_stop_step")
+        if len(set(steps)) > 1:
+            offered = ", ".join(f"rank {r}: step {step}" for r, step in enumerate(steps))
+            raise CheckpointError(f"a stop's save: the ranks saved different steps ({offered}); none is committed")
         stop.thread.join()
         errors = self.comm.io.all_gather_json(str(stop.error) if stop.error else None, "checkpoint_stop_save")
         failed = [(r, e) for r, e in enumerate(errors) if e]
