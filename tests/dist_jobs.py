@@ -57,6 +57,25 @@ def undurable_rollback_job(cfg: Config, comm: Comm) -> dict:
         return train_module.train_job(cfg, comm)
 
 
+def stop_saved_after_the_step_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: `zerotrain train` whose stop's save waits for the step (the watcher's call to start it at once does
+    nothing: the save starts once every rank has agreed to stop, in the step's all-reduce)."""
+    with mock.patch.object(checkpoint.Checkpointer, "stop_requested", lambda self: None):
+        return train_module.train_job(cfg, comm)
+
+
+def stop_save_of_another_step_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: `zerotrain train` whose rank 1 arms the step before the one it completed, so that a stop saves
+    another step there than on the other ranks."""
+    arm = checkpoint.Checkpointer.arm
+
+    def arm_behind(self, step, engine, state):
+        return arm(self, step - 1 if comm.rank == 1 and step > 0 else step, engine, state)
+
+    with mock.patch.object(checkpoint.Checkpointer, "arm", arm_behind):
+        return train_module.train_job(cfg, comm)
+
+
 def params_job(cfg: Config, comm: Comm) -> dict:
     """Train; return the log and the final parameters by name."""
     result = train(cfg, comm)  # no after_update hook: it would wait for the all-gather every step

@@ -14,6 +14,10 @@ sidecar. Committing, once every rank has written: rank 0's commit (the manifest,
 that every rank's part of the current phase is done through its own per-step all-reduce (`poll()` as flags:
 done, failed) and then calls `advance()` on every rank; `finish()` waits for both phases with two collectives.
 No file I/O of an async save runs on the training thread, so slow storage delays the save, never a step.
+`start_stop_save` saves at once on a stop signal, while the training thread is still inside its step (a step can
+outlast a launcher's grace period: torchrun kills its ranks 30 s after SIGTERM). Its thread writes the state as of
+the last completed step, which nothing changes until the step's update, and agrees through the folder, not a
+collective: rank 0 waits for every rank's sidecar, then commits. `finish_stop_save` waits for it on every rank.
 
 On the CPU the staging copy itself runs in the background thread, behind the next forward and
 backward, which leave the saved state untouched: an optimizer step pre-hook makes the next
@@ -40,7 +44,7 @@ import torch
 from zerotrain.errors import InvariantError
 from zerotrain.parallel import Comm, ZeroEngine
 
-from .commit import commit, tmp_name, write_sidecar
+from .commit import commit, tmp_name, wait_for_sidecars, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
 from .homes import EXPERT_PREFIX, EXPERT_TP_SLICES, shard_parts
 from .stream import FileRecord, count_written, storage_delay, write_safetensors
@@ -58,6 +62,20 @@ class _Pending:
     committing: bool = False  # every rank has written: rank 0 commits
     commit_thread: threading.Thread | None = None  # rank 0's
     commit_error: BaseException | None = None
+
+
+@dataclass
+class _StopSave:
+    """A stop's save on this rank, started at once in its own thread."""
+
+    step: int
+    base: dict
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+# How long rank 0's stop save waits for the other ranks' files when the writer's comm has no --io-timeout of its own.
+STOP_SAVE_TIMEOUT_S = 1800.0
 
 
 class CheckpointWriter:
@@ -85,6 +103,7 @@ class CheckpointWriter:
         self._staging: _Staging | None = None
         self._pending: _Pending | None = None
         self._guarded: set[int] = set()  # engines whose updates wait for the staging copy
+        self._stop: _StopSave | None = None  # a stop's save, started at once
 
     # ------------------------------------------------------------------ synchronous
     def save(self, step: int, engine: ZeroEngine, extra: dict | None = None):
@@ -288,6 +307,77 @@ class CheckpointWriter:
             raise CheckpointError(verdict)
         return path
 
+    # ------------------------------------------------------------------ a stop's save, at once
+    def start_stop_save(self, step: int, engine: ZeroEngine, extra: dict, after=None) -> None:
+        """Begin saving `step` (the last completed one) in a thread, with no collective, while the training thread may
+        still be inside the next step: its micro-batches change gradients only, and its update waits for
+        `finish_stop_save` (every rank's stop decision comes first). `after`: on CUDA, an event recorded on the
+        training stream once the state of `step` was queued; the copy to the host waits for it on a side stream."""
+        pending = self._pending
+        self._stop = _StopSave(step, self._describe(step, engine, extra))
+        self._stop.thread = threading.Thread(target=self._stop_save, args=(self._stop, engine, pending, after),
+                                             name=f"zerotrain-stop-save-{step}", daemon=True)
+        self._stop.thread.start()
+
+    def _stop_save(self, stop: _StopSave, engine: ZeroEngine, pending: _Pending | None, after) -> None:
+        folder = os.path.join(self.root, tmp_name(stop.step))
+        try:
+            if pending is not None:  # an async save's writes (and rank 0's commit) end first: it is superseded
+                pending.thread.join()
+                if pending.commit_thread is not None:
+                    pending.commit_thread.join()
+            files = self._stop_files(engine, pending, after)
+            records = self._write(folder, files, stop.step)
+            write_sidecar(folder, self.comm.rank, self.session, stop.step, records)
+            if self.comm.rank == 0:
+                wait_for_sidecars(folder, self.comm.world_size, self.session, stop.step,
+                                  self.comm.io.timeout_s or STOP_SAVE_TIMEOUT_S)
+                commit(self.root, stop.step, stop.base, self.comm.world_size, self.session, self.keep,
+                       self.commit_hook)
+        except BaseException as e:  # told to every rank by finish_stop_save
+            stop.error = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
+
+    def _stop_files(self, engine: ZeroEngine, pending: _Pending | None, after) -> dict:
+        """This rank's shard as of the last completed step. On the CPU: the engine's state where it lies, as a
+        synchronous save writes it (the one write an all-gather in flight may make to the owned range is of the same
+        bytes). On CUDA: staged to the host as an async save stages (_Staging), on a side stream after `after`."""
+        if engine.device.type != "cuda":
+            return _shard_files(engine, self.comm.rank, self.comm.world_size)
+        if self._staging is None or not self._staging.fits(engine):
+            self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
+        side = torch.cuda.Stream(engine.device)
+        with torch.cuda.stream(side):
+            if after is not None:
+                side.wait_event(after)
+            self._staging.copy_from(engine, engine.step_count)
+        self._staging.wait_copied()
+        return self._staging.files()
+
+    def finish_stop_save(self) -> str:
+        """Every rank, once all agreed to stop: one collective checks that the ranks save the same step, then wait for
+        this rank's part of the stop's save (rank 0: its commit), and another tells every rank whether it is
+        committed; its folder. A superseded async save is dropped."""
+        stop, self._stop, self._pending = self._stop, None, None
+        # Every rank saves the step it had armed when the stop came, and a rank's flag is set in the next step's
+        # all-reduce once its save began, so the ranks agree by construction: said here, not assumed, before any
+        # rank waits for a save the others are not writing (rank 0 would wait --io-timeout for their files)
+        steps = self.comm.io.all_gather_json(stop.step, "checkpoint_stop_step")
+        if len(set(steps)) > 1:
+            offered = ", ".join(f"rank {r}: step {step}" for r, step in enumerate(steps))
+            raise CheckpointError(f"a stop's save: the ranks saved different steps ({offered}); none is committed")
+        stop.thread.join()
+        errors = self.comm.io.all_gather_json(str(stop.error) if stop.error else None, "checkpoint_stop_save")
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            raise CheckpointError(f"checkpoint step {stop.step} not saved: rank {failed[0][0]}: {failed[0][1]}") \
+                from stop.error
+        return os.path.join(self.root, step_name(stop.step))
+
+    @property
+    def stop_saving(self) -> bool:
+        """A stop's save was started on this rank."""
+        return self._stop is not None
+
     # ------------------------------------------------------------------ shared
     def _refuse_in_flight(self, what: str) -> None:
         if self._pending is not None:
@@ -396,6 +486,11 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
     beside the dense one's, under expert_ keys (homes.shard_parts).
     """
     engine.wait_params()
+    return _shard_files(engine, rank, world_size)
+
+
+def _shard_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """_live_files without waiting for an all-gather in flight (a stop's save, off the training thread)."""
     state = {prefix + k: v for prefix, part in shard_parts(engine) for k, v in _part_state(part).items()}
     return {shard_name(rank, world_size): {k: v if isinstance(v, list) else v.detach().cpu().contiguous()
                                            for k, v in state.items()}}

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -680,17 +681,19 @@ class ZeroEngine:
         self.placement.reset_window()  # no unit running or counting gradients (after a normal step, none is)
 
     # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
+    def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor], beside=()) -> tuple[float, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
 
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
-        summed over ranks. `beside`: engines over the other parameters of the model (expert parallelism's), whose
-        reductions finish here and whose squared gradients join this rank's partial sum.
+        summed over ranks. `extras` may be a function, called once the reduce-scatter is finished (the control flags
+        are read as late as they can be: a rank waiting there for a slower one can still start a stop's save).
+        `beside`: engines over the other parameters of the model (expert parallelism's), whose reductions finish
+        here and whose squared gradients join this rank's partial sum.
         """
         squares = torch.cat([self.finish_grads().reshape(-1),
                              *(e.finish_grads().reshape(-1).to(self.grad_shard.device) for e in beside)])
         limbs = grad_norm.exact_sum_limbs(squares)
-        extras = extras.to(dtype=torch.float64).reshape(-1).cpu()
+        extras = (extras() if callable(extras) else extras).to(dtype=torch.float64).reshape(-1).cpu()
         stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.grad_shard.device),
                                            "all_reduce_stats").cpu()
         return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]

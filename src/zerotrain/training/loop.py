@@ -27,7 +27,7 @@ from zerotrain.parallel.params import param_dtype
 from zerotrain.runtime.failures import restart_cause, restart_count
 from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.run_folder import say
-from zerotrain.runtime.stop import stop_request
+from zerotrain.runtime.stop import StopWatch, stop_request
 
 from . import control, invariants
 from .activations import saved_for_backward
@@ -297,18 +297,23 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
     run = _start(cfg, comm, announce)
     run.start_memory = (rss_before, peak_memory(run.engine.device)["peak_host_bytes"])
     step, result = run.start, None
+    watch = StopWatch(run.stop, run.checkpointer.stop_requested)  # a stop's save starts at once, not after the step
     try:
         while step < cfg.loop.steps:
             done = step + 1
             run.mesh.set_step(done)
             t0 = time.perf_counter()
             run.profiler.at_step(done)
+            run.checkpointer.arm(step, run.engine, _loop_state(run))  # what a stop during this step saves
             run.faults.before_collectives(done, lambda: run.stop.requested)
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
             count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
             loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             reduced = _reduce(run, loss_sum)
+            if reduced.decision.stop:  # the step is not applied: its save is of `step`, and a resume redoes it
+                _stop(run, reduced.decision)
+                break
             units = run.objective.loss_units(batch)
             loss, grad_norm = reduced.loss_sum / units, reduced.grad_norm
             # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
@@ -323,9 +328,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             step_s = time.perf_counter() - t0
             record = _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, step_s)
             _log_step(cfg, run, {**record, **run.objective.figures(reduced.extras, batch)})
-            _save_or_stop(run, done, reduced.decision, step_s)
-            if reduced.decision.stop:
-                break
+            run.checkpointer.after_step(done, run.engine, _loop_state(run), reduced.decision, step_s)
+            run.faults.after_update(done, lambda: run.stop.requested)
             step = done
         run.checkpointer.finish()
         run.profiler.close()
@@ -333,6 +337,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise ZeroTrainError(out_of_memory(run.plan, cfg, step + 1, e)) from e
     finally:
+        watch.close()
         run.metrics.close(result.report.get("summary") if result else None)
     return result
 
@@ -349,6 +354,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     val_source = objective.validation_source() if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
+    faults.watch_forwards(engine.model, cfg.checkpoint.dir, lambda: mesh.world.step)
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, rule=objective.loss_rule())
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
     # the manifests record --init-from's files, hashed by the ranks together: whatever the cadence, since a stop
@@ -372,7 +378,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
-                                           manifest_extra=origin)
+                                           manifest_extra=origin, on_stop_save=stop.begin_save)
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
@@ -417,9 +423,11 @@ def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
     the failed one with its own error, the others naming it.
     """
     saving = run.checkpointer.flags()
-    stop_signal = run.stop.signal_name if run.stop.requested else None
-    if stop_signal is not None:  # this flag stops every rank at this all-reduce: a further signal waits for the save
-        run.stop.begin_save(run.engine.mesh.world.step)
+
+    def stop_signal() -> str | None:  # read after the reduce-scatter, as late as the all-reduce allows
+        run.checkpointer.disarm()  # a stop seen from here on is saved once all agree: else it would race the update
+        return run.stop.signal_name if run.stop.requested else None
+
     reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving, stop_signal=stop_signal,
                                   extras=run.objective.extras())
     failed = reduced.decision.failed_ranks
@@ -468,15 +476,12 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
     run.metrics.log(record)
 
 
-def _save_or_stop(run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
-    """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
-    if decision.stop:  # (another rank's flag): from here a signal waits for the save
-        run.stop.begin_save(done)
-    run.checkpointer.after_step(done, run.engine, _loop_state(run), decision, step_s)
-    if decision.stop:
-        committed = run.checkpointer.committed
-        run.stopped = {"signal": decision.stop_signal, "step": done, "checkpoint": committed[-1] if committed else None}
-        run.metrics.event({"event": "stop", "step": done, "signal": run.stopped["signal"]})
+def _stop(run: _Run, decision: control.Decision) -> None:
+    """Every rank agreed to stop: wait for the stop's save of the last completed step (begun at once where the signal
+    was seen, while the step went on), then end the run, recorded."""
+    step, path = run.checkpointer.stop()
+    run.stopped = {"signal": decision.stop_signal, "step": step, "checkpoint": path}
+    run.metrics.event({"event": "stop", "step": step, "signal": run.stopped["signal"]})
 
 
 def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
