@@ -326,25 +326,26 @@ class CheckpointWriter:
                 pending.thread.join()
                 if pending.commit_thread is not None:
                     pending.commit_thread.join()
-            files = self._stop_files(engine, pending, after)
-            records = self._write(folder, files, stop.step)
-            write_sidecar(folder, self.comm.rank, self.session, stop.step, records)
+            writers = stop.base["world_size"]  # with --dp-replicate: replica group 0's ranks (writes_shard)
+            files = self._stop_files(engine, pending, after, writers) if writes_shard(engine) else {}
+            records = self._write(folder, files, stop.step, writers)
+            if writes_shard(engine):
+                write_sidecar(folder, self.comm.rank, self.session, stop.step, records)
             if self.comm.rank == 0:
-                wait_for_sidecars(folder, self.comm.world_size, self.session, stop.step,
+                wait_for_sidecars(folder, writers, self.session, stop.step,
                                   self.comm.io.timeout_s or STOP_SAVE_TIMEOUT_S)
-                commit(self.root, stop.step, stop.base, self.comm.world_size, self.session, self.keep,
-                       self.commit_hook)
+                commit(self.root, stop.step, stop.base, writers, self.session, self.keep, self.commit_hook)
         except BaseException as e:  # told to every rank by finish_stop_save
             stop.error = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
 
-    def _stop_files(self, engine: ZeroEngine, pending: _Pending | None, after) -> dict:
+    def _stop_files(self, engine: ZeroEngine, pending: _Pending | None, after, writers: int) -> dict:
         """This rank's shard as of the last completed step. On the CPU: the engine's state where it lies, as a
         synchronous save writes it (the one write an all-gather in flight may make to the owned range is of the same
         bytes). On CUDA: staged to the host as an async save stages (_Staging), on a side stream after `after`."""
         if engine.device.type != "cuda":
-            return _shard_files(engine, self.comm.rank, self.comm.world_size)
+            return _shard_files(engine, self.comm.rank, writers)
         if self._staging is None or not self._staging.fits(engine):
-            self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
+            self._staging = _Staging(engine, self.comm.rank, writers)
         side = torch.cuda.Stream(engine.device)
         with torch.cuda.stream(side):
             if after is not None:
