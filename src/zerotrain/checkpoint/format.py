@@ -32,7 +32,7 @@ import re
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import CheckpointError
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import ShardLayout
 
 # 2: no model file, the parameters stored once (the shards' masters). (TP's keys came within version 1: additions, and

@@ -1,6 +1,7 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (layers.py), the embedding, head
-and loss (vocab.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
+Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (tensor_parallel.py,
+norms.py, positions.py, rotary.py, attention.py, kv_cache.py, recompute.py), the embedding, head and loss (vocab.py,
+loss.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
 the architecture from the config's `arch`."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from zerotrain.config import LLAMA_FAMILY, ModelConfig
 from . import gpt2, llama
 from .gpt2 import GPT
 from .init import SeedValues, materialise
-from .layers import KVCache, TPSlice
+from .kv_cache import KVCache
+from .tensor_parallel import TPSlice
 from .llama import Llama
 
 # Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
@@ -82,7 +84,7 @@ def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     )
 
 
-# The head computes this loss itself from its input (layers.head_loss, vocab.LMHead): the same sum, chunked over tokens
+# The head computes this loss itself from its input (loss.head_loss, vocab.LMHead): the same sum, chunked over tokens
 # and vocab-parallel under TP, without the full logits.
 summed_token_loss.computed_by_head = True
 

@@ -46,7 +46,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm

@@ -91,7 +91,7 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from zerotrain.model import is_decayed
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 
 from .digest import moved, tensor_digest
 from .layout import ShardLayout

@@ -52,7 +52,7 @@ from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 from zerotrain.hub.base_digest import first_difference, shown, tagged_digests
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.model.lora import adapters_off, dropout_rows
 
 from . import reference_model
