@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from zerotrain.config import LLAMA_FAMILY, ModelConfig
 
@@ -16,8 +15,9 @@ from . import gpt2, llama
 from .gpt2 import GPT
 from .init import SeedValues, materialise
 from .kv_cache import KVCache
-from .tensor_parallel import TPSlice
 from .llama import Llama
+from .loss import summed_token_loss
+from .tensor_parallel import TPSlice
 
 # Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
 ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY}}
@@ -71,22 +71,6 @@ def is_decayed(name: str, p: torch.Tensor) -> bool:
     The token embedding (tied to the head in GPT-2) is a matrix of a matmul and is decayed.
     """
     return p.dim() >= 2 and not name.endswith("wpe.weight")
-
-
-def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over unmasked target tokens (label -100 is ignored).
-
-    A sum, not a mean: the caller divides by the global token count so that any split of the
-    global batch over ranks and micro-batches yields the same gradient.
-    """
-    return F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
-    )
-
-
-# The head computes this loss itself from its input (loss.head_loss, vocab.LMHead): the same sum, chunked over tokens
-# and vocab-parallel under TP, without the full logits.
-summed_token_loss.computed_by_head = True
 
 
 __all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",
