@@ -203,7 +203,7 @@ class _TokenLoss(torch.autograd.Function):
     backward scales them by the loss's gradient in place and hands them over. Once the node lets its saved tensors go,
     autograd holds the only reference to the weight's, so a tied embedding's gradient is added into it where it is.
     (Scaled into new tensors, each step allocated and faulted in a head-sized tensor and autograd summed the tied pair
-    into a third: SmolLM-135M, one thread, about 70 ms of a step.) A second backward through the same forward
+    into a third: its cost in docs/benchmarks.md.) A second backward through the same forward
     (retain_graph) is refused by autograd's check of the saved tensors' versions."""
 
     @staticmethod
