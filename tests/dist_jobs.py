@@ -260,22 +260,22 @@ def _replicated_on_every_rank(engine, comm: Comm) -> torch.Tensor:
 
 def tp_no_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward skips its all-reduce (each rank keeps a partial sum)."""
-    from zerotrain.model import layers
+    from zerotrain.model import tensor_parallel
 
-    layers._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
+    tensor_parallel._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
     return tp_params_job(cfg, comm)
 
 
 def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward averages over the TP group instead of summing."""
-    from zerotrain.model import layers
+    from zerotrain.model import tensor_parallel
 
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         ctx.comm.all_reduce(grad, ctx.purpose)
         return grad / ctx.comm.world_size, None, None
 
-    with mock.patch.object(layers._CopyToTP, "backward", staticmethod(backward)):
+    with mock.patch.object(tensor_parallel._CopyToTP, "backward", staticmethod(backward)):
         return tp_params_job(cfg, comm)
 
 

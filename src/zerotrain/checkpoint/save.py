@@ -25,7 +25,7 @@ update wait for the copy. On CUDA the copies are queued on the training stream a
 (into pinned memory) and the thread waits for them before writing.
 
 With tensor parallelism each rank writes its own shard of its local layout; the manifest's TP slices say
-how the TP ranks' parameters make the full model (checkpoint/model.py). Checkpoints of format version 1
+how the TP ranks' parameters make the full model (checkpoint/consolidate.py). Checkpoints of format version 1
 (written before) also held `model.safetensors`, the full model rank 0 gathered and wrote.
 """
 

@@ -1,21 +1,23 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (layers.py), the embedding, head
-and loss (vocab.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
+Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (tensor_parallel.py,
+norms.py, positions.py, rotary.py, attention.py, kv_cache.py, recompute.py), the embedding, head and loss (vocab.py,
+loss.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
 the architecture from the config's `arch`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from zerotrain.config import LLAMA_FAMILY, ModelConfig
 
 from . import gpt2, llama
 from .gpt2 import GPT
 from .init import SeedValues, materialise
-from .layers import KVCache, TPSlice
+from .kv_cache import KVCache
 from .llama import Llama
+from .loss import summed_token_loss
+from .tensor_parallel import TPSlice
 
 # Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
 ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY}}
@@ -69,22 +71,6 @@ def is_decayed(name: str, p: torch.Tensor) -> bool:
     The token embedding (tied to the head in GPT-2) is a matrix of a matmul and is decayed.
     """
     return p.dim() >= 2 and not name.endswith("wpe.weight")
-
-
-def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over unmasked target tokens (label -100 is ignored).
-
-    A sum, not a mean: the caller divides by the global token count so that any split of the
-    global batch over ranks and micro-batches yields the same gradient.
-    """
-    return F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
-    )
-
-
-# The head computes this loss itself from its input (layers.head_loss, vocab.LMHead): the same sum, chunked over tokens
-# and vocab-parallel under TP, without the full logits.
-summed_token_loss.computed_by_head = True
 
 
 __all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",

@@ -26,7 +26,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from .layers import KVCache, kv_heads_per_rank
+from .kv_cache import KVCache
+from .tensor_parallel import kv_heads_per_rank
 
 
 def default_keep(seq_len: int) -> int:

@@ -31,7 +31,7 @@ import torch.nn as nn
 from zerotrain.config import LLAMA_FAMILY, ModelConfig
 
 from . import gpt2, llama
-from .layers import TPSlice
+from .tensor_parallel import TPSlice
 
 RULES = {"gpt2": gpt2.init_rule, **{arch: llama.init_rule for arch in LLAMA_FAMILY}}
 DRAW_CHUNK = 1 << 16  # values per pass: the temporaries (512 KiB each) stay in the CPU's cache

@@ -77,7 +77,7 @@ import torch
 from zerotrain.config import OptimConfig
 from zerotrain.errors import ZeroTrainError
 from zerotrain.model import is_decayed
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 
 from . import grad_norm
 from .comm import Comm

@@ -47,7 +47,7 @@ import dataclasses
 
 import torch
 
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm

@@ -11,7 +11,7 @@ Built once, as a run starts (Mesh.build); every communicator is named by the dim
     dp_shard_mod_ep  the dp_shard ranks with this rank's EP rank (torchtitan's name): the expert engine shards over
                      them, as the dense engine over dp_shard; its replicas are the same dp_replicate group
     kv               with more TP ranks than KV heads, the TP ranks holding this rank's KV heads (each head lives on
-                     `kv_replicas` consecutive TP ranks, which sum their k and v weight gradients: model/layers.py,
+                     `kv_replicas` consecutive TP ranks, which sum their k and v weight gradients: model/tensor_parallel.py,
                      sum_over_replicas)
     cp               context parallelism: 1 until ring attention comes (no communicator yet)
 

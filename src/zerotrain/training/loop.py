@@ -19,7 +19,8 @@ from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import initial_model, weight_source
 from zerotrain.model import ARCH_NAMES, param_count, summed_token_loss
 from zerotrain.model.init import materialise
-from zerotrain.model.layers import head_loss, kv_replicas
+from zerotrain.model.loss import head_loss
+from zerotrain.model.tensor_parallel import kv_replicas
 from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
