@@ -14,7 +14,7 @@ Documents packed in one row: a document's first token starts from a zero state (
 the document mask). Within a chunk every pairwise term between tokens of two documents is dropped (the decays'
 mask gains the other documents' pairs); a token reads the state the chunk started with only while no document has
 started in the chunk up to it; the state the chunk leaves takes only its last document's tokens, and keeps the
-state it started with only when no document started in it. With one document per row (`starts` None) none of this
+state it started with only when no document started in it; the decays are summed from each document's start. With one document per row (`starts` None) none of this
 runs: the arithmetic is transformers' own.
 
 `causal_conv` is the depthwise causal convolution (Qwen3.5's linear_conv_kernel_dim taps) over q, k and v,
@@ -68,7 +68,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
                            initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule's outputs (B, T, value heads, value width), in query's dtype, and the state after the
-    last token (B, value heads, key width, value width), fp32.
+    last token (B, value heads, key width, value width), fp32 (fp64 for fp64 inputs).
 
     query, key (B, T, key heads, key width); value (B, T, value heads, value width), each key head serving a group
     of value heads; g, beta (B, T, value heads); `starts` (B, T) bool: each document's first token (None: one
@@ -79,7 +79,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     if key_heads != value_heads:
         query = query.repeat_interleave(value_heads // key_heads, dim=2)
         key = key.repeat_interleave(value_heads // key_heads, dim=2)
-    query, key, value, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    work = torch.promote_types(dtype, torch.float32)  # fp32, as transformers' (fp64 inputs: fp64)
+    query, key, value, beta, g = (x.transpose(1, 2).to(work, memory_format=torch.contiguous_format)
                                   for x in (query, key, value, beta, g))
     query, key = l2norm(query), l2norm(key)
     query = query * query.shape[-1] ** -0.5
@@ -98,9 +99,13 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         docs = torch.cat([docs, docs[:, -1:].expand(B, pad)], dim=1).view(B, 1, -1, chunk_size)  # padding: the last
         excluded = excluded | (docs.unsqueeze(-1) != docs.unsqueeze(-2))  # pairs of two documents
         padded = F.pad(starts, (0, pad)).view(B, 1, -1, chunk_size)
-        continues = (padded.long().cumsum(-1) == 0).to(torch.float32)  # no document started in the chunk up to t
-        in_last = (docs == docs[..., -1:]).to(torch.float32)  # t is of the chunk's last document
-    cum = g.cumsum(dim=3)  # log of the decay from the chunk's start to each token
+        continues = (padded.long().cumsum(-1) == 0).to(work)  # no document started in the chunk up to t
+        in_last = docs == docs[..., -1:]  # t is of the chunk's last document
+    if starts is None:
+        cum = g.cumsum(dim=3)  # log of the decay from the chunk's start to each token
+    else:  # from the chunk's start or the token's record's, whichever is later: each record's own sums, so that
+        # its decays do not carry the rounding of a sum over the records before it (2e-5 of a layer's output, seen)
+        cum = (((~excluded).to(g.dtype) @ g.unsqueeze(-1))).squeeze(-1)
     pair_decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(excluded, float("-inf")).exp()
 
     ut_system = (k_beta @ key.transpose(-1, -2)) * pair_decay
@@ -114,11 +119,13 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     state = query.new_zeros(B, value_heads, key_width, value_width) if initial_state is None else \
         initial_state.to(new_values)
     query = query * cum.exp().unsqueeze(-1)
-    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    to_end = cum[..., -1:] - cum
+    if starts is not None:  # a token of an earlier record adds nothing to the state the chunk leaves
+        to_end = to_end.masked_fill(~in_last, float("-inf"))  # (its sum is of another record: it may be positive)
+    key = key * to_end.exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
     if starts is not None:
         query = query * continues.unsqueeze(-1)
-        key = key * in_last.unsqueeze(-1)
         chunk_decay = chunk_decay * continues[..., -1:].unsqueeze(-1)
     outputs = []
     for i in range(query.shape[2]):
