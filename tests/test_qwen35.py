@@ -13,7 +13,8 @@ linear layers' state not carried through the cache.
 Training: 8 AdamW steps of --init-from at 1 rank (in this process) and at ZeRO-3 on 2 ranks (one start of 2 ranks for
 both models) equal a plain transformers + AdamW loop: losses and gradient norms within 1e-5 relative (measured
 1.7e-7 on the dense model), the final weights within 1e-5 relative (the MoE's within 1e-4: WEIGHTS_BOUND; gaps()'s
-docstring says why the whole model's); the MoE's loss with its balancing loss, per row as zerotrain takes it; the trained models export with --format hf
+docstring says why the whole model's); the MoE's loss with its balancing loss, per row as zerotrain takes it; the
+trained models export with --format hf
 to the same transformers class computing the run's logits, config.json both ways. What zerotrain does not have for
 Qwen3.5 yet (--tp, --ep, LoRA) is refused in one line, exit 2.
 """

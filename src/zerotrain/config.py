@@ -263,8 +263,9 @@ class ModelConfig:
                         "embedding, sliding and global layers alternating, soft-capped logits), gemma3 (Gemma 3: "
                         "Gemma 2's block with q/k norms and a local rotary base instead of the soft-caps), or a "
                         "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe, "
-                        "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); qwen3_5 and "
-                        "qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention layers)",
+                        "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
+                        "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
+                        "layers)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)

@@ -458,7 +458,8 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
         raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
     keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "max_position_embeddings", "vocab_size",
             "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_num_key_heads", "linear_num_value_heads", *(() if arch == "qwen3_5_moe" else ("intermediate_size",)))
+            "linear_num_key_heads", "linear_num_value_heads",
+            *(() if arch == "qwen3_5_moe" else ("intermediate_size",)))
     sizes = {key: _count(config, key, where) for key in keys}
     n, heads = sizes["num_hidden_layers"], sizes["num_attention_heads"]
     sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)

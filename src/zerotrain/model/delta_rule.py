@@ -14,8 +14,8 @@ Documents packed in one row: a document's first token starts from a zero state (
 the document mask). Within a chunk every pairwise term between tokens of two documents is dropped (the decays'
 mask gains the other documents' pairs); a token reads the state the chunk started with only while no document has
 started in the chunk up to it; the state the chunk leaves takes only its last document's tokens, and keeps the
-state it started with only when no document started in it; the decays are summed from each document's start. With one document per row (`starts` None) none of this
-runs: the arithmetic is transformers' own.
+state it started with only when no document started in it; the decays are summed from each document's start. With
+one document per row (`starts` None) none of this runs: the arithmetic is transformers' own.
 
 `causal_conv` is the depthwise causal convolution (Qwen3.5's linear_conv_kernel_dim taps) over q, k and v,
 transformers' F.conv1d with K - 1 zeros of left padding; with documents, each tap reads only its own document's
