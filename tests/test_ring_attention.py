@@ -1,9 +1,10 @@
 """Ring attention (parallel/ring_attention.py) over 2 and 4 gloo ranks computes what the model's attention computes on
-the whole row: outputs and the gradients of q, k and v within 1e-6 (relative to the largest value) of `attend` (SDPA, with the records' document_mask
-for packed rows) in float64 and fp32, with GQA (4 query heads over 2 KV heads), one document per row and packed
-records of several lengths crossing the chunks' and the ranks' borders. Planted in the product's own functions (in the
-ranks, by mock.patch) and caught: a missing K/V hop, the causal mask on the other ranks' hops instead of the rank's
-own, the records' mask ignored across the split.
+the whole row: outputs and the gradients of q, k and v within 1e-6 (relative to the largest value) of `attend` (SDPA,
+with the records' document_mask for packed rows) in float64 and fp32, with GQA (4 query heads over 2 KV heads), one
+document per row and packed records of several lengths crossing the chunks' and the ranks' borders, with either hop
+kernel (torch's fused CPU kernel, the explicit scores). Planted in the product's own functions (in the ranks, by
+mock.patch) and caught: a missing K/V hop, the causal mask on the other ranks' hops instead of the rank's own, the
+records' mask ignored across the split.
 """
 from __future__ import annotations
 
@@ -91,14 +92,18 @@ def records_only_at_home(allowed_keys):
     return planted
 
 
-PLANTS = {"missing hop": ("hop_blocks", skip_a_hop), "causal on the wrong hops": ("hop_blocks", causal_on_the_wrong_hops),
+PLANTS = {"missing hop": ("hop_blocks", skip_a_hop),
+          "causal on the wrong hops": ("hop_blocks", causal_on_the_wrong_hops),
           "records' mask ignored across the split": ("allowed_keys", records_only_at_home)}
 CASES = [(torch.float64, False), (torch.float64, True), (torch.float32, False), (torch.float32, True)]
 
 
 def ring_job(rank, comm, tmp_path, cp, T):
-    """{case: largest error} honest, then with each plant (packed float64 rows)."""
-    results = {f"{dtype} packed={packed}": ring_errors(rank, cp, T, dtype, packed) for dtype, packed in CASES}
+    """{case: largest error} honest with each hop kernel, then with each plant (packed float64 rows)."""
+    results = {f"fused {dtype} packed={packed}": ring_errors(rank, cp, T, dtype, packed) for dtype, packed in CASES}
+    with mock.patch.object(ring, "hop_kernel", lambda device: "explicit"):
+        results.update({f"explicit {dtype} packed={packed}": ring_errors(rank, cp, T, dtype, packed)
+                        for dtype, packed in CASES})
     for plant, (name, wrap) in PLANTS.items():
         with mock.patch.object(ring, name, wrap(getattr(ring, name))):
             results[plant] = ring_errors(rank, cp, T, torch.float64, True)
@@ -111,8 +116,9 @@ def test_ring_attention_equals_whole_row_attention_and_planted_errors_are_caught
     assert codes == [0] * cp, results
     assert all("error" not in r for r in results), results
     for r in results:
-        for dtype, packed in CASES:
-            assert r[f"{dtype} packed={packed}"] < 1e-6, r
+        for kernel in ("fused", "explicit"):
+            for dtype, packed in CASES:
+                assert r[f"{kernel} {dtype} packed={packed}"] < 1e-6, r
     for plant in PLANTS:
         assert max(r[plant] for r in results) > 1e-2, (plant, results)
 

@@ -9,8 +9,8 @@ has the same causal work (an early chunk sees few keys, its late partner many). 
   j > i   the late query chunk over both of j's chunks (wholly earlier); the early query chunk sees neither
 so each hop after the first is half the first one's work and needs no causal mask. Packed records: the segment ids
 of every rank's tokens (gather_segments, once per forward) restrict each query to its own record's keys on every
-hop, so a record split over ranks still attends only to itself. GQA: each KV head serves its group of query heads
-without copies of the keys and values (the scores are computed per group).
+hop, so a record split over ranks still attends only to itself. GQA: fewer KV heads travel; each serves its group
+of query heads.
 
 Each hop gives its block's output and log-sum-exp; out and lse of the rows merge as
   lse' = logaddexp(lse, lse_h),  out' = out exp(lse - lse') + out_h exp(lse_h - lse'),
@@ -18,9 +18,15 @@ which is softmax over the union of the keys. The backward is an autograd.Functio
 the forward keeps q, k, v, the output and the log-sum-exp (O(T) per rank), and the backward runs the ring again,
 recomputing each hop's probabilities from the final log-sum-exp, while the keys' and values' gradients travel with
 them and arrive home after the last hop. A forward of differentiable ops would keep every hop's probabilities
-(2T/C x T per head per rank, the memory that splitting the sequence is meant to save), and torch.distributed's
-point-to-point ops have no autograd. The hop itself is explicit scores in fp32 (or the inputs' float64); a fused
-kernel that returns the log-sum-exp (FlashAttention's) can replace _hop_forward / _hop_backward on CUDA.
+(T/C x T per head per rank over the hops, the memory that splitting the sequence is meant to save), and
+torch.distributed's point-to-point ops have no autograd.
+
+The hop (hop_kernel): on the CPU torch's fused flash-attention kernel, which returns the block's log-sum-exp and takes
+the final one back in its backward, so no block's scores are held (it has no GQA: each KV head is broadcast to its
+group of query heads, a view); elsewhere the scores as tensors, per KV head's group (CUDA's fused kernels take other
+arguments: not wired yet). Both in fp32 (float64 inputs: float64), and the merged output and lse kept in it.
+Measured (scripts/bench_ring_attention.py, 2 ranks x 4096 tokens, 8 heads over 2 KV heads, fp32): the fused hop
+46 MB held per rank, 2.7 s; explicit scores 560 MB, 23 s (docs/design.md).
 
 Transfers: the next hop's keys and values are posted (batch_isend_irecv: gloo and NCCL) before the current hop is
 computed, so on a GPU the transfer hides behind the compute.
@@ -89,37 +95,105 @@ def hop_blocks(rank: int, source: int, chunk: int) -> tuple[slice, slice, bool] 
 
 def allowed_keys(segments_q: torch.Tensor | None, segments_k: torch.Tensor | None, causal: bool,
                  tq: int, tk: int, device: torch.device) -> torch.Tensor | None:
-    """Where a query may see a key in a hop's block, broadcast to the scores (batch, KV, group, tq, tk): the same
-    record (with segments) and, with `causal`, not later; None where every key is seen."""
-    allowed = torch.ones(tq, tk, dtype=torch.bool, device=device).tril() if causal else None
-    if segments_q is not None:
-        same = (segments_q[:, :, None] == segments_k[:, None, :])[:, None, None]
-        allowed = same if allowed is None else same & allowed
-    return allowed
+    """Where a query may see a key in a hop's block, (batch, 1, tq, tk): the same record and, with `causal`, not
+    later. None without segments: the causal mask, where it applies, is then the kernel's own."""
+    if segments_q is None:
+        return None
+    allowed = (segments_q[:, :, None] == segments_k[:, None, :])[:, None]
+    return allowed & torch.ones(tq, tk, dtype=torch.bool, device=device).tril() if causal else allowed
 
 
-def _hop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+def hop_kernel(device: torch.device) -> str:
+    """"fused": torch's CPU flash-attention kernel, which returns the log-sum-exp and takes it back in its backward,
+    without the block's scores in memory; "explicit": the scores computed as tensors (any device; CUDA's fused
+    kernels take other arguments, not wired yet)."""
+    return "fused" if device.type == "cpu" else "explicit"
+
+
+def _hop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q k^T scale) v, log-sum-exp of the scores) of one block; q (B, KV, G, tq, D), k and v (B, KV, 1, tk,
-    D). A row that sees no key here has lse -inf and output 0, so that the merge ignores it."""
-    scores = q @ k.transpose(-1, -2) * scale
+    """(softmax(q k^T scale) v, log-sum-exp of the scores) of one block, by KV head's group of query heads: (B, KV,
+    G, tq, D) and (B, KV, G, tq, 1); q (B, H, tq, D), k and v (B, KV, tk, D); `allowed` (allowed_keys) or, where
+    None, causal or every key. A row that sees no key here has lse -inf and output 0, so that the merge ignores it.
+    The results are views of what the kernel made, in its layout: nothing copied."""
+    B, H, tq, D = q.shape
+    KV = k.shape[1]
+    if hop_kernel(q.device) == "fused":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_by_kv_head(q, k, v), 0.0, causal and allowed is None,
+            attn_mask=_by_kv_head_mask(allowed, KV, q.dtype), scale=scale)
+        lse = lse.view(B, KV, H // KV, tq, 1)
+        if allowed is not None:  # the kernel gives a row without keys lse 0
+            lse = lse.masked_fill(~_per_group(allowed.any(-1, keepdim=True)), float("-inf"))
+        return out.view(B, KV, H // KV, tq, D), lse
+    qg = q.view(B, KV, H // KV, tq, D)
+    scores = qg @ k.unsqueeze(2).transpose(-1, -2) * scale
+    allowed = _causal(tq, k.shape[2], q.device) if allowed is None and causal else allowed
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~_per_group(allowed), float("-inf"))
     lse = scores.logsumexp(-1, keepdim=True)
-    return torch.exp(scores - _finite(lse)) @ v, lse
+    return torch.exp(scores - _finite(lse)) @ v.unsqueeze(2), lse
 
 
-def _hop_backward(q, k, v, dout, lse, delta, allowed, scale):
-    """The block's (dq, dk, dv) from the final lse and delta = rowsum(dout * out): FlashAttention's backward."""
-    scores = q @ k.transpose(-1, -2) * scale
+def _hop_backward(q, k, v, dout, out, lse, allowed, causal, scale):
+    """The block's (dq (B, KV, G, tq, D), dk, dv (B, KV, tk, D)) from the final output and lse (FlashAttention's
+    backward); dk and dv summed over each KV head's group of query heads."""
+    B, H, tq, D = q.shape
+    KV = k.shape[1]
+    if hop_kernel(q.device) == "fused":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.reshape(B * KV, H // KV, tq, D), *_by_kv_head(q, k, v), out.reshape(B * KV, H // KV, tq, D),
+            lse.reshape(B * KV, H // KV, tq), 0.0, causal and allowed is None,
+            attn_mask=_by_kv_head_mask(allowed, KV, q.dtype),
+            scale=scale)
+        return dq.view(B, KV, H // KV, tq, D), *(t.sum(1).view(B, KV, -1, D) for t in (dk, dv))
+    qg, dg = q.view(B, KV, H // KV, tq, D), dout.view(B, KV, H // KV, tq, D)
+    kk, vv = k.unsqueeze(2), v.unsqueeze(2)
+    scores = qg @ kk.transpose(-1, -2) * scale
+    allowed = _causal(tq, k.shape[2], q.device) if allowed is None and causal else allowed
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    p = torch.exp(scores - lse)
-    ds = p * (dout @ v.transpose(-1, -2) - delta)
-    dq = ds @ k * scale
-    dk = (ds.transpose(-1, -2) @ q).sum(2) * scale  # summed over each KV head's group of query heads
-    dv = (p.transpose(-1, -2) @ dout).sum(2)
+        scores = scores.masked_fill(~_per_group(allowed), float("-inf"))
+    p = torch.exp(scores - lse.view(B, KV, H // KV, tq, 1))
+    delta = (dg * out.view(B, KV, H // KV, tq, D)).sum(-1, keepdim=True)
+    ds = p * (dg @ vv.transpose(-1, -2) - delta)
+    dq = ds @ kk * scale
+    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+    dv = (p.transpose(-1, -2) @ dg).sum(2)
     return dq, dk, dv
+
+
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """t (B, H, ...) as (B, KV, G, ...): a view, each KV head's group of query heads together."""
+    return t.unflatten(1, (kv_heads, t.shape[1] // kv_heads))
+
+
+def _causal(tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril()
+
+
+def _per_group(allowed: torch.Tensor) -> torch.Tensor:
+    """allowed (batch, 1, tq, tk) broadcast to the grouped scores (batch, KV, group, tq, tk); (tq, tk) as it is."""
+    return allowed if allowed.dim() == 2 else allowed.unsqueeze(1)
+
+
+def _by_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q (B, H, tq, D), k and v (B, KV, tk, D) as the fused kernel takes them, which has no GQA: a batch of B x KV,
+    each KV head's group of query heads over that head's keys, broadcast to the group (views: no copies)."""
+    B, H, tq, D = q.shape
+    KV, tk = k.shape[1], k.shape[2]
+    return (q.reshape(B * KV, H // KV, tq, D),
+            *(t.reshape(B * KV, 1, tk, D).expand(B * KV, H // KV, tk, D) for t in (k, v)))
+
+
+def _by_kv_head_mask(allowed: torch.Tensor | None, kv_heads: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask for _by_kv_head's batch: allowed (B, 1, tq, tk) as 0 / -inf, repeated for each KV head (a
+    view for one row)."""
+    if allowed is None:
+        return None
+    mask = torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=allowed.device))
+    B, _, tq, tk = mask.shape
+    return mask.unsqueeze(1).expand(B, kv_heads, 1, tq, tk).reshape(B * kv_heads, 1, tq, tk)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -127,11 +201,13 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, out_h: torch.Tensor, lse_h: torch.Tensor):
-    """Two partial attentions of the same queries over disjoint keys, as one (module docstring)."""
+def merge(out: torch.Tensor, lse: torch.Tensor, out_h: torch.Tensor, lse_h: torch.Tensor) -> None:
+    """Two partial attentions of the same queries over disjoint keys, as one (module docstring), into out and lse
+    (in place: views of the rows' running output and log-sum-exp)."""
     new = torch.logaddexp(lse, lse_h)
     at = _finite(new)
-    return out * torch.exp(lse - at) + out_h * torch.exp(lse_h - at), new
+    out.mul_(torch.exp(lse - at)).add_(out_h.mul_(torch.exp(lse_h - at)))
+    lse.copy_(new)
 
 
 # ---------------------------------------------------------------- the ring
@@ -153,12 +229,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents, group, scale):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
-        B, H, T, D = q.shape
-        KV = k.shape[1]
+        T, KV = q.shape[2], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
-        qg = q.reshape(B, KV, H // KV, T, D).to(acc)
-        out = torch.zeros_like(qg)
-        lse = torch.full((B, KV, H // KV, T, 1), float("-inf"), dtype=acc, device=q.device)
+        qa = q.to(acc)
+        out = torch.zeros_like(qa)
+        lse = torch.full((*q.shape[:3], 1), float("-inf"), dtype=acc, device=q.device)
         kv = (k, v)
         for hop in range(cp):
             source = (me - hop) % cp
@@ -167,30 +242,26 @@ class _RingAttention(torch.autograd.Function):
             block = hop_blocks(me, source, T // 2)
             if block is not None:
                 rows, keys, causal = block
-                kk, vv = (t[:, :, keys].to(acc).unsqueeze(2) for t in kv)
+                kk, vv = (t[:, :, keys].to(acc) for t in kv)
                 allowed = _allowed(documents, me, source, rows, keys, causal, q.device)
-                out_h, lse_h = _hop_forward(qg[..., rows, :], kk, vv, allowed, scale)
-                out[..., rows, :], lse[..., rows, :] = merge(out[..., rows, :], lse[..., rows, :], out_h, lse_h)
+                out_h, lse_h = _hop_forward(qa[:, :, rows], kk, vv, allowed, causal, scale)
+                merge(_grouped(out[:, :, rows], KV), _grouped(lse[:, :, rows], KV), out_h, lse_h)
             if hop < cp - 1:
                 _wait(works)
                 kv = following
-        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, documents)
         ctx.group, ctx.scale = group, scale
-        return out.reshape(B, H, T, D)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, documents = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, me = dist.get_world_size(group), dist.get_rank(group)
-        B, H, T, D = q.shape
-        KV = k.shape[1]
+        T, KV = q.shape[2], k.shape[1]
         acc = lse.dtype
-        qg = q.reshape(B, KV, H // KV, T, D).to(acc)
-        dout = grad.reshape(B, KV, H // KV, T, D).to(acc)
-        delta = (dout * out.to(acc)).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qg)
+        qa, dout = q.to(acc), grad.to(acc).contiguous()
+        dq = torch.zeros_like(qa)
         kv, arriving = (k, v), None
         for hop in range(cp):
             source = (me - hop) % cp
@@ -200,11 +271,11 @@ class _RingAttention(torch.autograd.Function):
             block = hop_blocks(me, source, T // 2)
             if block is not None:
                 rows, keys, causal = block
-                kk, vv = (t[:, :, keys].to(acc).unsqueeze(2) for t in kv)
+                kk, vv = (t[:, :, keys].to(acc) for t in kv)
                 allowed = _allowed(documents, me, source, rows, keys, causal, q.device)
-                dq_h, dk_h, dv_h = _hop_backward(qg[..., rows, :], kk, vv, dout[..., rows, :], lse[..., rows, :],
-                                                 delta[..., rows, :], allowed, scale)
-                dq[..., rows, :] += dq_h
+                dq_h, dk_h, dv_h = _hop_backward(qa[:, :, rows], kk, vv, dout[:, :, rows], out[:, :, rows],
+                                                 lse[:, :, rows], allowed, causal, scale)
+                _grouped(dq[:, :, rows], KV).add_(dq_h)
                 dkv[0][:, :, keys] += dk_h
                 dkv[1][:, :, keys] += dv_h
             if arriving is not None:  # the source's gradients so far, from the ranks it visited before this one
@@ -218,7 +289,7 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:
             _wait(arriving[1])
             dkv = arriving[0]
-        return dq.reshape(B, H, T, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _allowed(documents, me, source, rows, keys, causal, device):
