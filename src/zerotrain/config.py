@@ -567,6 +567,8 @@ class ParallelConfig:
                                             "the block in the backward (less memory, more compute); full: the "
                                             "blocks, and the head with the loss too (not with --compile); or none",
                                             rule=one_of("none", "blocks", "full"))
+    offload_activations: bool = setting(False, "keep what the forward saves for the backward in pinned host memory "
+                                        "in between (with --activation-checkpointing: the blocks' inputs); CUDA only")
 
     @property
     def bucket_numel(self) -> int:
@@ -1103,6 +1105,11 @@ def validate(cfg: Config) -> Config:
     if p.activation_checkpointing == "full" and cfg.loop.compile:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")
+    if p.offload_activations and cfg.launch.device == "cpu":
+        raise ConfigError("--offload-activations moves saved activations from the GPU to host memory: with --device "
+                          "cpu they are in host memory already")
+    if p.offload_activations and cfg.loop.compile:
+        raise ConfigError("--offload-activations' saved-tensor hooks do not reach into a compiled graph: drop --compile")
     if cfg.lora.targets != ALL_LINEAR:
         known = lora_target_names(m.arch)
         for name in (t.strip() for t in cfg.lora.targets.split(",")):
