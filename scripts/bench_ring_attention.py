@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerotrain.model.layers import attend, document_mask
+from zerotrain.model.attention import attend, document_mask
 from zerotrain.parallel import ring_attention as ring
 from zerotrain.parallel.ring_attention import gather_segments, ring_attention, zigzag_split
 

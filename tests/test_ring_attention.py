@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from test_checkpoint import spawn
 
-from zerotrain.model.layers import attend, document_mask, positions_from_segments
+from zerotrain.model.attention import attend, document_mask
+from zerotrain.model.positions import positions_from_segments
 from zerotrain.parallel import ring_attention as ring
 from zerotrain.parallel.ring_attention import (gather_segments, ring_attention, rotary_positions, zigzag_split,
                                                zigzag_unsplit)

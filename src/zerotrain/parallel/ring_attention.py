@@ -39,7 +39,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from zerotrain.model.layers import positions_from_segments
+from zerotrain.model.positions import positions_from_segments
 
 # gloo matches a receive to a send by (peer, tag): the keys' and values' transfer of the next hop and the gradients'
 # of this hop are in flight at once between the same ranks

@@ -38,6 +38,7 @@ from .metrics import Metrics, summarize
 from .memory_plan import MemoryPlan, memory_plan, out_of_memory
 from .memory_plan import check as check_plan
 from .objectives import objective_for
+from .offload import offload_activations
 from .profiling import StepProfiler
 from .schedule import lr_at
 from .throughput import Peak, Throughput, current_rss, peak_flops, peak_memory
@@ -88,6 +89,8 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
                      device=rank_device(cfg), dtype=base_dtype)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
+    if cfg.parallel.offload_activations:  # what the forward saves waits for the backward in host memory
+        offload_activations(model)
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
                     reduce_in_backward=cfg.reduce_in_backward, overlap_gathers=cfg.gather_in_forward,
                     stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
