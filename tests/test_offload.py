@@ -14,7 +14,8 @@ import torch
 from conftest import tiny_config, zerotrain_here
 
 from zerotrain.config import PRESETS
-from zerotrain.model import build_model, layers, summed_token_loss
+from zerotrain.model import build_model, summed_token_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.training import offload
 from zerotrain.training.activations import saved_for_backward
 
@@ -23,7 +24,7 @@ STEPS = 3
 
 def short_run(preset: str, recompute: str, offloaded: bool):
     """(losses of STEPS AdamW steps on a fixed batch, final weights, the hooks or None, the bytes an outer count of
-    saved tensors sees in the first forward) of the model as the step calls it (layers.head_loss)."""
+    saved tensors sees in the first forward) of the model as the step calls it (head_loss)."""
     cfg = tiny_config("/tmp", **PRESETS[preset])
     model = build_model(cfg.model, seed=0)
     model.recompute_blocks = recompute in ("blocks", "full")
@@ -35,7 +36,7 @@ def short_run(preset: str, recompute: str, offloaded: bool):
     losses, seen = [], None
     for step in range(STEPS):
         def loss():
-            return layers.head_loss(model, x, y, summed_token_loss, recompute == "full")
+            return head_loss(model, x, y, summed_token_loss, recompute == "full")
         if step == 0:
             seen, value = saved_for_backward(loss, model.parameters())
         else:
