@@ -59,7 +59,7 @@ def frozen_copy(cfg: Config, engine) -> ReferenceCopy:
     """This rank's frozen copy of the initial policy (`engine`'s model as it was before step 1), on its device."""
     model, init = initial_model(cfg, engine.mesh)
     model.requires_grad_(False)
-    if not parts_for(cfg).placement.holds_whole_model:  # the policy's layout over its DP group; its owned ranges
+    if not parts_for(cfg).placement.holds_whole_model:  # the policy's layout; its owned ranges alone read or drawn
         sharded = shard_frozen_copy(model, engine.mesh.dp, bucket_numel=cfg.parallel.bucket_numel,
                                     precision=cfg.parallel.precision, device=rank_device(cfg), init=init)
         return ReferenceCopy(model.eval(), sharded)
