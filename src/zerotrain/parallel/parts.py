@@ -41,16 +41,26 @@ from .zero3 import frozen_layout_of, units_whole_bytes
 MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
 
 
-class ReplicatedPlacement:
-    """ZeRO-1 and 2: every rank holds every parameter of its TP slice whole (the trained ones in the flat buffer, the
-    frozen ones in their own tensors) and all-gathers the buffer after each update."""
+class Placement:
+    """Where a run's parameters live, before the run: what a rank holds of the trained and frozen parameters, what
+    it gathers and when, what it reads at start-up, the norm of what it computes with, and its words for them."""
 
-    holds_whole_model = True  # replicas compute with the same whole model: their digests compare before step 1
-    gathers_units = False  # nothing is freed and gathered again within a step: the heap serves the next step
-    read_how = drawn_how = "its TP slice of every parameter"  # at start-up (`zerotrain plan`'s words)
+    holds_whole_model: bool  # replicas compute with the same whole model: their digests compare before step 1
+    gathers_units: bool  # each unit's parameters freed and gathered again every step (the allocator's choice)
+    read_how: str  # what a rank reads (and draws) at start-up, in `zerotrain plan`'s words
+    drawn_how: str
 
     def __init__(self, bucket_numel: int) -> None:
         self.bucket_numel = bucket_numel  # the frozen base's layout is bucketed as the trained parameters' are
+
+
+class ReplicatedPlacement(Placement):
+    """ZeRO-1 and 2: every rank holds every parameter of its TP slice whole (the trained ones in the flat buffer, the
+    frozen ones in their own tensors) and all-gathers the buffer after each update."""
+
+    holds_whole_model = True
+    gathers_units = False  # nothing is freed and gathered again within a step: the heap serves the next step
+    read_how = drawn_how = "its TP slice of every parameter"
 
     def held(self, whole: int, owned: int) -> int:
         """Of values a rank owns `owned` of, the ones it holds between steps: all of them."""
@@ -84,7 +94,7 @@ class ReplicatedPlacement:
                 "frozen": "", "copy": f"M x {size}, M unpadded"}
 
 
-class ShardedPlacement(ReplicatedPlacement):
+class ShardedPlacement(Placement):
     """ZeRO-3: a rank holds its owned chunks of the trained parameters and of the frozen ones (in a layout of their
     own), and gathers each unit for its forward and its backward."""
 
@@ -139,16 +149,21 @@ class ShardedPlacement(ReplicatedPlacement):
                 "copy": f"shard x {size}, its units gathered as the policy's are not"}
 
 
-class WholeGradients:
-    """ZeRO-1: a full gradient buffer (in bf16 with an fp32 accumulator), reduce-scattered once a step into the shard;
-    on one rank in fp32 autograd's own gradients, no buffer (engine.keeps_autograd_grads)."""
+class GradientHolding:
+    """How a rank holds gradients, before the run: between steps and in flight, whether --grad-reduce chooses
+    anything, and its words for them."""
 
     def __init__(self, stage: int, precision: str, tp: int, accum: int, grad_reduce: str) -> None:
         self.stage, self.precision, self.tp, self.accum, self.grad_reduce = stage, precision, tp, accum, grad_reduce
 
     def autograd_grads(self, dp: int) -> bool:
-        """Whether autograd's own gradients are the gradients (the engine's grads_in_params)."""
+        """Whether autograd's own gradients are the gradients (the engine's grads_in_params, its own rule)."""
         return keeps_autograd_grads(self.stage, self.precision, dp, self.tp)
+
+
+class WholeGradients(GradientHolding):
+    """ZeRO-1: a full gradient buffer (in bf16 with an fp32 accumulator), reduce-scattered once a step into the shard;
+    on one rank in fp32 autograd's own gradients, no buffer (engine.keeps_autograd_grads)."""
 
     def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
         """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with
@@ -181,13 +196,13 @@ class WholeGradients:
         return {"grads": grads, "buckets": "none: stage 1 keeps full gradients"}
 
 
-class BucketedGradients(WholeGradients):
+class BucketedGradients(GradientHolding):
     """ZeRO-2 and 3: the fp32 shard held between steps; full-size buckets only in flight, reduce-scattered in the
     backward: each micro-batch's (at --accum 1, or --grad-reduce micro-batch) through the two largest buckets, else
     every bucket kept through the accumulation window."""
 
     def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
-        return shard * 4
+        return shard * 4  # the fp32 shard the buckets are reduce-scattered into
 
     @property
     def per_micro_batch(self) -> bool:
@@ -248,8 +263,8 @@ class ExpertParallel:
 class RunParts:
     """The parts a run composes, each answering for its own rows, reads and words."""
 
-    placement: ReplicatedPlacement
-    gradients: WholeGradients
+    placement: Placement
+    gradients: GradientHolding
     optimizer: ShardedAdamW
     experts: ExpertParallel | None = None
     more: list = field(default_factory=list)  # parts to come (hybrid sharding, context parallelism): `more_rows`

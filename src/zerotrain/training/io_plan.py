@@ -65,7 +65,7 @@ from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
 from zerotrain.data.tokenizer_config import config_files
 from zerotrain.hub import base_digest
-from zerotrain.parallel.parts import ReplicatedPlacement, parts_for
+from zerotrain.parallel.parts import Placement, parts_for
 from zerotrain.parallel.zero3 import frozen_layout_of
 
 from .memory_plan import STATE, MemoryPlan, memory_plan, planned_layouts
@@ -268,7 +268,7 @@ LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {
          ("resume_held", "resume: held", "the state: its shard file is read into it in place"))
 
 
-def describe(plan: IOPlan, placement: ReplicatedPlacement, gib) -> list[str]:
+def describe(plan: IOPlan, placement: Placement, gib) -> list[str]:
     """`zerotrain plan`'s section of it: each figure for rank 0 and its least and most over the ranks; what a rank
     reads and draws at start-up in the words of its parameters' `placement` (parts.py)."""
     notes = {"read_how": placement.read_how, "drawn_how": placement.drawn_how,
