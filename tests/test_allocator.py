@@ -11,10 +11,16 @@ from zerotrain.runtime.allocator import return_large_blocks_to_os
 # 32 blocks of 2 MiB, all freed but the newest, which pins the heap's top. What the process still holds is printed.
 HELD_AFTER_FREEING = """
 import sys
+from zerotrain.config import Config
+from zerotrain.parallel.parts import parts_for
 from zerotrain.runtime import allocator
 arm = sys.argv[1]
-applied = (allocator.return_large_blocks_to_os() if arm == "fixed" else
-           allocator.rank_allocator(int(arm[-1])) if arm.startswith("stage") else False)
+if arm.startswith("stage"):  # as launch._rank asks: the run's parameter placement
+    cfg = Config()
+    cfg.parallel.zero = int(arm[-1])
+    applied = allocator.rank_allocator(parts_for(cfg).placement.gathers_units)
+else:
+    applied = allocator.return_large_blocks_to_os() if arm == "fixed" else False
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20

@@ -556,9 +556,10 @@ def test_the_plan_counts_lora_exactly_and_a_plan_without_the_adapters_activation
 
 def test_a_plan_without_the_frozen_base_fails_the_runs_own_check(tmp_path, group, monkeypatch):
     from zerotrain.errors import InvariantError
-    from zerotrain.training import memory_plan
+    from zerotrain.parallel import parts
 
-    monkeypatch.setattr(memory_plan, "frozen_parameters", lambda model: [])  # planted: the base counted as nothing
+    # planted: the base counted as nothing by the replicated placement's answer, which the plan adds up
+    monkeypatch.setattr(parts, "frozen_parameters", lambda model: [])
     with pytest.raises(InvariantError, match="rank 0 holds .* bytes of frozen base, the plan 0"):
         planned_run(tmp_path, group, "gpt2, c_attn")
 

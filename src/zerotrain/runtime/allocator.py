@@ -5,11 +5,12 @@ come from the heap, whose freed middle is never returned. ZeRO-3 frees and re-al
 gradients each step, and the heap kept them: a 296M Llama on 4 CPU ranks at ZeRO-3 peaked at 2.3-2.97 GiB per rank
 (the ranks differing by up to 650 MiB from run to run) against 2.22 GiB on every rank with the threshold held at
 1 MiB; ZeRO-1 4.02 GiB either way. A fixed threshold (mallopt) also ends the dynamic raising.
-The threshold is held at stage 3 only (launch._rank). At stages 1 and 2 every buffer is allocated once and the heap
-keeps what a step frees for the next step, where each block taken from mmap is new memory to fault in: a SmolLM-135M
-step on one CPU rank (ZeRO-1, 128 tokens, one thread; alternated rounds on a shared machine) spent 0.12-0.16 s of
-system time with glibc's default, 0.54 s with the threshold held at 1 MiB, 0.87-1.05 s with huge pages asked for
-too, for the same peak (2-rank ZeRO-1 runs: 2,512 MiB per rank against 2,488).
+The threshold is held where the parameters' placement gathers units (stage 3: launch._rank). At stages 1 and 2
+every buffer is allocated once and the heap keeps what a step frees for the next step, where each block taken from
+mmap is new memory to fault in: a SmolLM-135M step on one CPU rank (ZeRO-1, 128 tokens, one thread; alternated
+rounds on a shared machine) spent 0.12-0.16 s of system time with glibc's default, 0.54 s with the threshold held at
+1 MiB, 0.87-1.05 s with huge pages asked for too, for the same peak (2-rank ZeRO-1 runs: 2,512 MiB per rank against
+2,488).
 A MALLOC_MMAP_THRESHOLD_ the user set is left as it is.
 
 Every block malloc takes from mmap is new memory, faulted in 4 KiB at a time: a GPT-2 124M step on one CPU rank
@@ -45,9 +46,10 @@ def return_large_blocks_to_os() -> bool:
         return False
 
 
-def rank_allocator(zero: int) -> bool:
-    """A rank's malloc for its ZeRO stage: large blocks back to the OS at stage 3, glibc's default below it."""
-    return return_large_blocks_to_os() if zero == 3 else False
+def rank_allocator(gathers_units: bool) -> bool:
+    """A rank's malloc for where its parameters live: large blocks back to the OS where its placement frees and
+    gathers units every step (parts.ShardedPlacement), glibc's default where every buffer is allocated once."""
+    return return_large_blocks_to_os() if gathers_units else False
 
 
 def transparent_huge_pages() -> str:

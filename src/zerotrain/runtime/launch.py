@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.parallel import Comm
+from zerotrain.parallel.parts import parts_for
 
 from . import rank_start
 from .allocator import rank_allocator
@@ -183,7 +184,7 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:
             f.write(str(os.getpid()))
     torch.set_num_threads(default_threads(cfg))
-    rank_allocator(cfg.parallel.zero)
+    rank_allocator(parts_for(cfg).placement.gathers_units)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.launch.device == "cuda":
         deterministic_cuda()

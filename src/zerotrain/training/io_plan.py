@@ -65,7 +65,7 @@ from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
 from zerotrain.data.tokenizer_config import config_files
 from zerotrain.hub import base_digest
-from zerotrain.parallel import ShardLayout
+from zerotrain.parallel.parts import Placement, parts_for
 from zerotrain.parallel.zero3 import frozen_layout_of
 
 from .memory_plan import STATE, MemoryPlan, memory_plan, planned_layouts
@@ -118,7 +118,8 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     dp = world // tp
     # as the memory plan lays the model out; with --ep DP rank d is replica d // E of EP rank d mod E
     local, shapes, L, experts = planned_layouts(cfg, dp)
-    E = p.ep
+    parts = parts_for(cfg)
+    place, E = parts.placement, p.ep
     # What start-up reads or draws: the trained parameters, or a LoRA run's frozen base (its adapters are drawn by
     # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
     source = frozen_layout_of(local, dp, p.bucket_numel) if cfg.lora.rank else L
@@ -133,9 +134,9 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     copied_written = sum(size for _, size in copied)
     ranks = []
     for rank in range(world):
-        rows = owned_rows(source, rank // tp) if p.zero == 3 else [(s.numel, s.numel) for s in source.slots]
+        rows = place.read_rows(source, rank // tp)  # the placement's: its owned ranges' rows, or its TP slices
         if experts is not None:  # and its block of experts, its owned ranges of them at stage 3
-            rows += owned_rows(experts, rank // tp // E) if p.zero == 3 else [(s.numel, s.numel) for s in experts.slots]
+            rows += place.read_rows(experts, rank // tp // E)
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
                             state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
@@ -143,21 +144,6 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
     return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
-
-
-def owned_rows(layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
-    """(values read, values owned) of each parameter DP rank `dp_rank` owns part of at stage 3: its owned ranges
-    widened to whole rows, as FileValues reads them."""
-    out = []
-    for s in layout.slots:
-        width = math.prod(s.shape[1:])  # a 1-D tensor's rows are its values
-        owned = [(max(p.start, s.offset), min(p.end, s.offset + s.numel))
-                 for p in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel)]
-        owned = [(a - s.offset, z - s.offset) for a, z in owned if z > a]
-        if owned:
-            rows = sum(-(-z // width) - a // width for a, z in owned)
-            out.append((rows * width, sum(z - a for a, z in owned)))
-    return out
 
 
 def file_dtype_bytes(cfg: Config) -> int:
@@ -282,10 +268,10 @@ LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {
          ("resume_held", "resume: held", "the state: its shard file is read into it in place"))
 
 
-def describe(plan: IOPlan, zero: int, gib) -> list[str]:
-    """`zerotrain plan`'s section of it: each figure for rank 0 and its least and most over the ranks."""
-    notes = {"read_how": "the rows of its owned ranges" if zero == 3 else "its TP slice of every parameter",
-             "drawn_how": "its owned values" if zero == 3 else "its TP slice of every parameter",
+def describe(plan: IOPlan, placement: Placement, gib) -> list[str]:
+    """`zerotrain plan`'s section of it: each figure for rank 0 and its least and most over the ranks; what a rank
+    reads and draws at start-up in the words of its parameters' `placement` (parts.py)."""
+    notes = {"read_how": placement.read_how, "drawn_how": placement.drawn_how,
              "files": "" if plan.init_from else " (Hugging Face's files of at most 5 GB)"}
     width = max(len(label) for _, label, _ in LINES)
     lines = [f"  {'per rank, by phase':<{width}}  {'rank 0':>11}  {'least':>11}  {'most':>11}"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -25,6 +24,7 @@ from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.parallel.params import param_dtype
+from zerotrain.parallel.parts import parts_for
 from zerotrain.runtime.failures import restart_cause, restart_count
 from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.run_folder import say
@@ -83,7 +83,7 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
         base_dtype = param_dtype(cfg.parallel.precision)
-        if cfg.parallel.zero < 3:  # stage 3 fills its shard of the base from `init`, as it does the trained values
+        if parts_for(cfg).placement.holds_whole_model:  # else the engine fills its shard of the base from `init`
             materialise(model, init, rank_device(cfg), base_dtype)
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None,
                      device=rank_device(cfg), dtype=base_dtype)
@@ -383,7 +383,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
                                            manifest_extra=origin, on_stop_save=stop.begin_save)
-    if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
+    if parts_for(cfg).placement.holds_whole_model:  # invariant (b) before step 1: every replica holds the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
         if "guard" in manifest:
@@ -495,9 +495,7 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
     run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
     norms = comm.all_gather_rows(engine.param_norm(), "all_gather_norms").view(-1).tolist()
-    if engine.stage == 3:  # each rank holds its shard: the norm of what it computes with is its DP group's (d*T + t)
-        T = run.mesh.tp_size
-        norms = [math.sqrt(sum(n * n for q, n in enumerate(norms) if q % T == r % T)) for r in range(len(norms))]
+    norms = parts_for(cfg).placement.computed_norms(norms, run.mesh.tp_size)  # of what each rank computes with
     calls, nbytes = run.mesh.counters()
     result = TrainResult(run.records, run.start, digests, norms, run.memory, run.checkpointer.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,

@@ -50,7 +50,9 @@ routed experts' parameters (EP rank 0's block, over its replica group, or their 
 parameters plus optimizer state, is what summary.json's per_rank expert_bytes counts, rank by rank.
 
 where P is the rank's trained parameters (its TP slices and the replicated ones; a LoRA run's adapters), B the
-rank's frozen ones and shard = padded P / DP. Figures
+rank's frozen ones and shard = padded P / DP. Where a row differs by stage, it is the answer of a part
+(parallel/parts.py: the parameters' placement, the gradients' holding, the sharded AdamW, the experts), which the
+plan adds up without asking the stage. Figures
 are rank 0's, for the peak of a step; torch's own runtime (the interpreter and its
 libraries on CPU, the CUDA context and allocator slack on a GPU) is not in them.
 
@@ -90,11 +92,10 @@ from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, exp
 from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
-from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, stage2_bucket_budget
+from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
-from zerotrain.parallel.engine import keeps_autograd_grads
-from zerotrain.parallel.params import frozen_parameters, storage_bytes
-from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
+from zerotrain.parallel.params import storage_bytes
+from zerotrain.parallel.parts import ShardedAdamW, parts_for
 
 from .invariants import InvariantError, held_bytes
 
@@ -112,7 +113,6 @@ EXPERT_ROWS = (("parameters", "of which experts: parameters"), ("gradients", "of
                ("optimizer_state", "of which experts: optimizer state"))
 STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights", "reference_model")
 ACTIVATION_TOLERANCE = 0.10
-MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
 # The deepest model `largest_model` searches: deeper than any transformer trained at scale (Llama 3's 405B has 126
 # layers; DeepNet's deepest, 1,000). A plan of 1,024 Llama-3-8B blocks takes ~1.6 s to build on the meta device
 # (2 CPU cores), one of 4,096 ~4.7 s: the cap bounds the search's cost where a small shape fits without end.
@@ -154,19 +154,19 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     `world_size`, with --micro-batch sequences or `micro_batch`; `documents`: its micro-batches carry segments
     (packed records), whose attention mask the activations then count."""
     p, tp = cfg.parallel, cfg.parallel.tp
+    parts = parts_for(cfg)  # each part answers for its own rows; the plan adds them up
+    place = parts.placement
     dp = (world_size or cfg.launch.nproc) // tp
     B = micro_batch or cfg.loop.micro_batch
     sequences = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
     model, _, L, experts = planned_layouts(cfg, dp)
-    E = p.ep  # expert parallelism: EP rank 0's block of experts, over its replica group of dp / E ranks
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
-    frozen = frozen_layout_of(model, dp, p.bucket_numel) if p.zero == 3 else None  # stage 3 shards the frozen base
-    units = units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, frozen=frozen, beside=experts) \
-        if p.zero == 3 else 0  # with --ep the units' experts are the expert engine's buckets, whole with the rest
+    # with --ep the units' experts are the expert engine's buckets, whole with the rest
+    units = place.units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, beside=experts)
     grads, buckets, communication = gradient_bytes(cfg, L, dp, psize)
     if experts is not None:  # the expert engine's, over its replica group
-        more = gradient_bytes(cfg, experts, dp // E, psize)
+        more = gradient_bytes(cfg, experts, parts.experts.replica_ranks(dp), psize)
         grads, buckets, communication = grads + more[0], buckets + more[1], communication + more[2]
         padded, shard = padded + experts.padded_numel, shard + experts.shard_numel
     staging = shard * 12 if cfg.checkpoint.async_save else 0
@@ -174,13 +174,12 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
                                    recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents,
                                    objective=cfg.objective.method)
     rows = {
-        "parameters": (shard if p.zero == 3 else padded) * psize,  # ZeRO-3: the owned chunks only
+        "parameters": place.held(padded, shard) * psize,
         "parameter_units": units,
-        "frozen_base": (frozen.shard_numel if frozen is not None else
-                        sum(p.numel() for _, p in frozen_parameters(model))) * psize,
+        "frozen_base": place.frozen_numel(model, dp) * psize,
         "gradients": grads,
-        "optimizer_state": shard * MOMENT_BYTES,
-        "master_weights": shard * (state_bytes_per_value(p.precision) - MOMENT_BYTES),
+        "optimizer_state": parts.optimizer.moment_bytes(shard),
+        "master_weights": parts.optimizer.master_bytes(shard),
         "gradient_buckets": buckets,
         "activations": activations["total"] + adapter_activations(cfg, model, sequences),
         "reference": reference_bytes(cfg),
@@ -191,11 +190,12 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "checkpoint_staging": staging,
     }
     most = 0
-    if E > 1:  # one MoE layer's rows at once: N k sent, N k received at balanced routing (E N k at most)
-        row = all_to_all_row_bytes(cfg, sequences)
-        rows["all_to_all"], most = 2 * row, (1 + E) * row
+    if parts.experts is not None:  # one MoE layer's rows at once: N k sent, N k received at balanced routing
+        rows["all_to_all"], most = parts.experts.all_to_all_bytes(all_to_all_row_bytes(cfg, sequences))
+    for key, value in parts.more_rows(cfg=cfg, model=model, layout=L, dp=dp, psize=psize).items():
+        rows[key] += value
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
-    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, E, expert_rows, by_rank, most)
+    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most)
 
 
 class PlannedModel(NamedTuple):
@@ -222,17 +222,20 @@ def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
             add_adapters(model, cfg.lora, cfg.loop.seed)
     if p.ep > 1:
         keep_expert_block(model, p.ep)
-    L = layout_of(model, dp, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if p.ep > 1 else None)
-    experts = layout_of(model, dp // p.ep, p.bucket_numel, is_expert_parameter) if p.ep > 1 else None
+    parts = parts_for(cfg)
+    shards = parts.shard_ranks(dp)
+    L = layout_of(model, shards, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if p.ep > 1 else None)
+    experts = layout_of(model, parts.experts.replica_ranks(shards), p.bucket_numel, is_expert_parameter) \
+        if parts.experts is not None else None
     return PlannedModel(model, shapes, L, experts)
 
 
 def state_bytes_per_value(precision: str) -> int:
-    """The optimizer state a rank holds per value it owns: AdamW's two fp32 moments (MOMENT_BYTES) and, in bf16, the
-    fp32 master (in fp32 the masters are the parameter buffer's own chunks): 12 in bf16, 8 in fp32. The engine's
+    """The optimizer state a rank holds per value it owns: AdamW's two fp32 moments (parts.MOMENT_BYTES) and, in bf16,
+    the fp32 master (in fp32 the masters are the parameter buffer's own chunks): 12 in bf16, 8 in fp32. The engine's
     rule (ZeroEngine.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
-    and in the experts' state."""
-    return MOMENT_BYTES + (4 if precision == "bf16" else 0)
+    and in the experts' state: the sharded AdamW part's (parallel/parts.py)."""
+    return ShardedAdamW(precision).state_bytes_per_value
 
 
 def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
@@ -249,11 +252,11 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     expert engine's buffer (ZeRO-3: its shard) and its shard's state, equal on every rank; at --ep 1 the experts'
     slots of the one flat buffer (ZeRO-3: the rank's owned pieces of them) and the state of its owned pieces, which
     differ by rank. None for a model without experts."""
-    p = cfg.parallel
-    per_value = state_bytes_per_value(p.precision)
+    parts = parts_for(cfg)
+    place, per_value = parts.placement, parts.optimizer.state_bytes_per_value
     if experts is not None:
-        grads = gradient_bytes(cfg, experts, dp // p.ep, psize)[0]
-        params = (experts.shard_numel if p.zero == 3 else experts.padded_numel) * psize
+        grads = gradient_bytes(cfg, experts, parts.experts.replica_ranks(dp), psize)[0]
+        params = place.held(experts.padded_numel, experts.shard_numel) * psize
         state = per_value * experts.shard_numel
         rows = {"parameters": params, "gradients": grads, "optimizer_state": state}
         return rows, [params + state] * dp
@@ -262,8 +265,8 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
         return None, None
     held = sum(s.numel for s in slots)
     owned = [sum(q.numel for s in slots for q in L.owned_pieces(r, s.offset, s.offset + s.numel)) for r in range(dp)]
-    by_rank = [(o if p.zero == 3 else held) * psize + per_value * o for o in owned]
-    rows = {"parameters": (owned[0] if p.zero == 3 else held) * psize,
+    by_rank = [place.held(held, o) * psize + per_value * o for o in owned]
+    rows = {"parameters": place.held(held, owned[0]) * psize,
             "gradients": held_gradient_bytes(cfg, held, held, owned[0], dp, psize),  # the slots unpadded
             "optimizer_state": per_value * owned[0]}
     return rows, by_rank
@@ -271,12 +274,9 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
 
 def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
     """(gradients, gradient buckets, gloo's reduce-scatter scratch) of an engine with layout `L` over `dp` ranks."""
-    p = cfg.parallel
     padded, shard = L.padded_numel, L.shard_numel
-    grads, buckets = held_gradient_bytes(cfg, L.numel, padded, shard, dp, psize), 0
-    if p.zero > 1:  # stage 1 (autograd's own gradients included) holds no buckets beyond its gradients
-        per_micro_batch = cfg.loop.accum == 1 or cfg.grad_reduce == "micro-batch"
-        buckets = stage2_bucket_budget(L) if per_micro_batch else 4 * padded
+    grads = held_gradient_bytes(cfg, L.numel, padded, shard, dp, psize)
+    buckets = parts_for(cfg).gradients.bucket_bytes(L)
     communication = (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0
     return grads, buckets, communication
 
@@ -284,14 +284,8 @@ def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
 def held_gradient_bytes(cfg: Config, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
     """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with their
     buckets' padding, `shard` of them its own (an engine's layout; or at --ep 1 the experts' slots of it and the
-    rank's owned pieces of them)."""
-    p = cfg.parallel
-    if keeps_autograd_grads(p.zero, p.precision, dp, p.tp):
-        return numel * 4  # autograd's own gradients, one per parameter: no flat buffer (engine.grads_in_params)
-    if p.zero == 1:
-        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
-        return padded * psize + (padded * 4 if p.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
-    return shard * 4
+    rank's owned pieces of them): the gradient-holding part's answer (parallel/parts.py)."""
+    return parts_for(cfg).gradients.held_bytes(numel, padded, shard, dp, psize)
 
 
 def reference_bytes(cfg: Config) -> int:
@@ -316,9 +310,7 @@ def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: in
     o = cfg.objective
     if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE or o.dpo_reference != "live" or cfg.lora.rank:
         return 0
-    if cfg.parallel.zero == 3:
-        return layout.shard_numel * psize
-    return sum(p.numel() for p in model.parameters()) * psize
+    return parts_for(cfg).placement.copy_numel(model, layout) * psize
 
 
 def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -> int:
@@ -872,9 +864,7 @@ def out_of_memory(plan: MemoryPlan, cfg: Config, step: int, error: BaseException
     said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     largest = sorted(((v, k) for k, v in plan.rows.items() if v), reverse=True)[:3]
     held = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for v, k in largest)
-    # Stage 2 holds less only where it frees buckets in the backward: at accumulation 1, over more than one DP rank
-    # (through a window it keeps every bucket, and one rank's stage 1 already holds a single gradient buffer).
-    zero2_holds_less = cfg.parallel.zero == 1 and cfg.loop.accum == 1 and plan.dp > 1
+    zero2_holds_less = parts_for(cfg).gradients.buckets_hold_less(plan.dp)  # the gradients in buckets (stage 2)
     less = [f for f, on in (("--zero 2", zero2_holds_less),
                              ("--activation-checkpointing full", cfg.parallel.activation_checkpointing != "full"),
                              (f"--micro-batch {cfg.loop.micro_batch // 2}", cfg.loop.micro_batch > 1),

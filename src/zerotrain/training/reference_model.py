@@ -26,6 +26,7 @@ from zerotrain.config import Config
 from zerotrain.hub.init_from import initial_model
 from zerotrain.model.init import materialise
 from zerotrain.parallel.params import param_dtype, storage_bytes
+from zerotrain.parallel.parts import parts_for
 from zerotrain.parallel.zero3 import FrozenCopy, shard_frozen_copy
 from zerotrain.runtime.launch import rank_device
 
@@ -58,7 +59,7 @@ def frozen_copy(cfg: Config, engine) -> ReferenceCopy:
     """This rank's frozen copy of the initial policy (`engine`'s model as it was before step 1), on its device."""
     model, init = initial_model(cfg, engine.mesh)
     model.requires_grad_(False)
-    if cfg.parallel.zero == 3:  # the policy's layout over its DP group; the owned ranges alone read or drawn
+    if not parts_for(cfg).placement.holds_whole_model:  # the policy's layout; its owned ranges alone read or drawn
         sharded = shard_frozen_copy(model, engine.dp, bucket_numel=cfg.parallel.bucket_numel,
                                     precision=cfg.parallel.precision, device=rank_device(cfg), init=init)
         return ReferenceCopy(model.eval(), sharded)

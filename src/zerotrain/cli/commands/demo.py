@@ -17,6 +17,7 @@ from zerotrain.config import Config
 from zerotrain.errors import ConfigError, InvariantError
 from zerotrain.model import ARCH_NAMES
 from zerotrain.parallel import Comm
+from zerotrain.parallel.parts import parts_for
 from zerotrain.training.loop import train
 
 DEMO_DEFAULTS = {
@@ -146,7 +147,7 @@ def _print_report(rep: dict, cfg: Config) -> None:
     calls = rep["comm_calls_per_step"]
     # stage 3 gathers each unit when it is used (each block twice, the root once) instead of one round after the update
     unit_gathers = calls.get("all_gather_units", 0) + calls.get("prefetch_units", 0)  # prefetched: --overlap on
-    gathers = (f"{unit_gathers:g} unit all-gathers" if cfg.parallel.zero == 3
+    gathers = (f"{unit_gathers:g} unit all-gathers" if parts_for(cfg).placement.gathers_units
                else f"{calls.get('all_gather_params', 0):g} all-gather")
     print(f"collectives per optimizer step: {calls.get('reduce_scatter_grads', 0):g} reduce-scatter, "
           f"{gathers}, {calls.get('all_reduce_stats', 0):g} scalar all-reduce "

@@ -9,9 +9,9 @@ import json
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import REFERENCE_FREE, Config
 from zerotrain.data import packs_records
-from zerotrain.parallel.engine import keeps_autograd_grads
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.vocab import chunk_tokens, vocab_rows
+from zerotrain.parallel.parts import parts_for
 from zerotrain.training.io_plan import describe, io_plan
 from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, fit_advice, gib, largest_micro_batch, largest_model,
                                             memory_plan, parse_bytes)
@@ -74,7 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "ep": plan.ep, "experts": plan.experts, "expert_bytes_by_rank": plan.expert_bytes_by_rank,
               "all_to_all_most": plan.all_to_all_most}
     print(json.dumps(report, indent=2) if args.json else "\n".join([table(cfg, report), "",
-                                                                      *describe(io, cfg.parallel.zero, gib)]))
+                                                                      *describe(io, parts_for(cfg).placement, gib)]))
     return 0
 
 
@@ -85,7 +85,7 @@ def grad_reduce_costs(cfg: Config, total: int, documents: bool) -> dict:
     mode, accum = cfg.grad_reduce, cfg.loop.accum
     rounds = {"micro-batch": accum, "step": 1}
     out = {"mode": mode, "reduce_scatter_rounds": rounds[mode], "total": total, "other": None}
-    if cfg.parallel.zero >= 2 and accum > 1:
+    if parts_for(cfg).gradients.reduce_choice:  # buckets, accumulating
         other = "step" if mode == "micro-batch" else "micro-batch"
         alt = memory_plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grad_reduce=other)),
                           documents=documents)
@@ -111,38 +111,26 @@ def reference_costs(cfg: Config, plan, documents: bool) -> dict | None:
 
 
 def table(cfg: Config, r: dict) -> str:
-    p = cfg.parallel
+    p, parts = cfg.parallel, parts_for(cfg)
     bf16 = p.precision == "bf16"
+    placed = parts.placement.notes(bf16, cfg.gather_in_forward)  # each part says its own rows
     dpo = cfg.objective.method == "dpo"
     rows = vocab_rows(cfg.model.vocab_size, p.tp)  # a micro-batch of DPO pairs is twice as many sequences
     chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
     mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
     notes = {
-        "params": (f"shard x {2 if bf16 else 4} (this rank's chunks{'' if bf16 else ': the fp32 masters'})"
-                   if p.zero == 3 else f"P x {2 if bf16 else 4}"),
-        "units": (f"the root unit and the largest "
-                  f"{'two neighbouring units (prefetch: --overlap)' if cfg.gather_in_forward else 'other unit'} "
-                  f"(blocks; an untied head's embedding, final norm with head), gathered x {2 if bf16 else 4}"
-                  if p.zero == 3 else "none: every parameter is held whole (ZeRO-3 gathers units)"),
-        "frozen": (f"the base's parameters{' / DP (ZeRO-3: its shard, gathered with the units)' if p.zero == 3 else ''}"
+        "params": placed["params"],
+        "units": placed["units"],
+        "frozen": (f"the base's parameters{placed['frozen']}"
                    f" x {2 if bf16 else 4}: no gradients, no optimizer state (LoRA rank {cfg.lora.rank}: P is its "
                    "adapters)") if cfg.lora.rank else "none: every weight trains",
-        "grads": "shard x 4" if p.zero >= 2 else
-                 "P x 4 (autograd's own, one per parameter, on one rank: no flat buffer)"
-                 if keeps_autograd_grads(p.zero, p.precision, r["dp"], p.tp) else
-                 f"P x {2 if bf16 else 4}{' + P x 4 (fp32 accumulator)' if bf16 else ''}"
-                 f"{' + shard x 4' if r['dp'] > 1 else ' (the shard, on one DP rank)'}",
+        **parts.gradients.notes(bf16, r["dp"]),  # grads, buckets
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
-        "buckets": ("none: stage 1 keeps full gradients" if p.zero == 1 else
-                    "two largest buckets x 4" if cfg.loop.accum == 1 else
-                    "two largest buckets x 4 (each micro-batch's reduced into the shard)"
-                    if cfg.grad_reduce == "micro-batch" else "every bucket, through the window"),
         "B": f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"], "T": r["seq_len"],
         "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
                      "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
-        "reference_model": ("a frozen copy of the initial policy, laid out as its parameters (" +
-                            (f"shard x {2 if bf16 else 4}, its units gathered as the policy's are not" if p.zero == 3
-                             else f"M x {2 if bf16 else 4}, M unpadded") + "): no gradients, no optimizer state")
+        "reference_model": ("a frozen copy of the initial policy, laid out as its parameters (" + placed["copy"] +
+                            "): no gradients, no optimizer state")
                            if r["rows"]["reference_model"] else
                            "none: --dpo-reference live in full fine-tuning holds one" if dpo else "none (sft)",
         "recompute": {"none": "", "blocks": ", blocks recomputed",
