@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_config
 
 from zerotrain.data import BatchSchedule, make_source, on_device
-from zerotrain.training import loop
+from zerotrain.training import executor, objectives
 from zerotrain.training.loop import accumulate_gradients, build_engine
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # scripts/device-check.sh runs the CUDA case
@@ -22,11 +22,11 @@ def step_batch(cfg, step=0):
 
 
 class Recorded:
-    """Wraps the loop's head_loss: keeps each micro-batch's summed token loss, and counts Tensor.item calls."""
+    """Wraps sft's head_loss: keeps each micro-batch's summed token loss, and counts Tensor.item calls."""
 
     def __init__(self, sync_each: bool = False):
         self.losses, self.items, self.sync_each = [], 0, sync_each
-        self.real_head_loss, self.real_item = loop.head_loss, torch.Tensor.item
+        self.real_head_loss, self.real_item = objectives.head_loss, torch.Tensor.item
 
     def head_loss(self, *args, **kwargs):
         loss = self.real_head_loss(*args, **kwargs)
@@ -41,7 +41,7 @@ class Recorded:
 
     def run(self, engine, batch):
         engine.zero_grad()
-        with mock.patch.object(loop, "head_loss", self.head_loss), \
+        with mock.patch.object(objectives, "head_loss", self.head_loss), \
                 mock.patch.object(torch.Tensor, "item", lambda t: self.item(t)):
             return accumulate_gradients(engine, batch)
 
@@ -71,7 +71,7 @@ def test_the_loss_sum_stays_on_the_device_and_equals_the_host_sum_bitwise(tmp_pa
         exact = Recorded()
         host = float(exact.run(engine, batch))
         assert host == sum(loss.item() for loss in exact.losses)
-        with mock.patch.object(loop, "LOSS_SUM_DTYPE", torch.float32):
+        with mock.patch.object(executor, "LOSS_SUM_DTYPE", torch.float32):
             rounded.append(float(Recorded().run(engine, batch)) != host)
     assert any(rounded)
 

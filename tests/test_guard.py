@@ -682,7 +682,7 @@ def test_the_method_declares_its_rule_and_dpos_chance_loss_is_its_loss_at_margin
     from zerotrain.training.preference import Preference
 
     cfg = tiny_config("/tmp", vocab_size=97)
-    assert TokenObjective(cfg, None).loss_rule() == token_loss_rule(97)
+    assert TokenObjective(cfg).loss_rule() == token_loss_rule(97)
     chances = {}
     for loss in ("sigmoid", "hinge", "ipo", "simpo", "orpo"):
         cfg.objective.dpo_loss = loss

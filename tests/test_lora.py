@@ -304,7 +304,7 @@ def test_validation_runs_without_dropout_alike_twice_and_dropout_left_on_is_caug
     torch's dropout, on whenever the model is in training mode (as before), and masks left on after a training
     micro-batch."""
     from zerotrain.data import BatchSchedule, make_source
-    from zerotrain.training import evaluate, loop
+    from zerotrain.training import evaluate, executor, loop
 
     result, cfg, _ = trained
     engine, source = result.engine, make_source(cfg, split="val")
@@ -319,7 +319,7 @@ def test_validation_runs_without_dropout_alike_twice_and_dropout_left_on_is_caug
         planted.setattr(lora.LoRADropout, "forward", lambda self, x: F.dropout(x, self.p, self.training))
         first, second = validated(), validated()
     assert first != second and without not in (first, second)
-    real = loop.dropout_rows
+    real = executor.dropout_rows
 
     @contextlib.contextmanager
     def leaky(model, step, rows):  # planted: the last micro-batch's rows stay set
@@ -328,7 +328,7 @@ def test_validation_runs_without_dropout_alike_twice_and_dropout_left_on_is_caug
             kept = model.lora_rows.rows, model.lora_rows.keys
         model.lora_rows.rows, model.lora_rows.keys = kept
 
-    monkeypatch.setattr(loop, "dropout_rows", leaky)
+    monkeypatch.setattr(executor, "dropout_rows", leaky)
     try:
         loop.accumulate_gradients(engine, BatchSchedule(make_source(cfg), micro_batch=2, accum=1, rank=0,
                                                         world_size=1).batch(0))

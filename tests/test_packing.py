@@ -17,7 +17,7 @@ from zerotrain.data.packing import best_fit, file_records
 from zerotrain.data.tokenfiles import open_token_file, write_llmc
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, summed_token_loss
-from zerotrain.training import loop
+from zerotrain.training import objectives
 from zerotrain.training.loop import accumulate_gradients, build_engine
 
 SEQ = 32  # window positions
@@ -205,8 +205,8 @@ def test_a_packed_step_equals_each_record_run_alone_and_a_cross_record_leak_is_c
                         assert abs(float(token[row, at].sum() - alone_loss)) <= 1e-5 * float(alone_loss)
 
     # planted: the loop forgets the segments, so each record attends to the records before it in its window
-    real = loop.head_loss
-    with mock.patch.object(loop, "head_loss", lambda *a, segments=None: real(*a)):
+    real = objectives.head_loss
+    with mock.patch.object(objectives, "head_loss", lambda *a, segments=None: real(*a)):
         engine.zero_grad()
         leaked_loss = float(accumulate_gradients(engine, batch))
     leaked = {n: p.grad.clone() for n, p in engine.model.named_parameters()}

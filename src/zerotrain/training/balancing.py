@@ -10,7 +10,7 @@ accumulation change it (docs/models.md says why a row, packed records and all). 
 empty rows that fill an epoch's last step) counts for nothing: no loss, no gradient, no expert load. Its weight is
 --moe-aux-coef, or the model's router_aux_loss_coef.
 
-The term joins the token loss before the one backward of the micro-batch (loop.accumulate_gradients): the
+The term joins the token loss before the one backward of the micro-batch (executor.micro_batch_loss): the
 gradient order the engine follows is the model output's graph, which the routing's probabilities are part of.
 """
 

@@ -12,15 +12,14 @@ import torch
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, StepBatch, on_device
+from zerotrain.data import BatchSchedule, StepBatch
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import initial_model, weight_source
-from zerotrain.model import ARCH_NAMES, param_count, summed_token_loss
+from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.init import materialise
-from zerotrain.model.loss import head_loss
+from zerotrain.model.lora import add_adapters
 from zerotrain.model.tensor_parallel import kv_replicas
-from zerotrain.model.lora import add_adapters, dropout_rows
 from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.parallel.params import param_dtype
@@ -31,13 +30,12 @@ from zerotrain.runtime.run_folder import say
 from zerotrain.runtime.stop import StopWatch, stop_request
 
 from . import control, invariants
-from .activations import saved_for_backward
 from .faults import Faults
 from .guard import AnomalyDetector, RollbackPolicy, data_step, skip_after_rollback
 from .metrics import Metrics, summarize
 from .memory_plan import MemoryPlan, memory_plan, out_of_memory
 from .memory_plan import check as check_plan
-from .objectives import objective_for
+from .objectives import accumulate_gradients, objective_for  # noqa: F401  (sft's step: bench and equivalence run it)
 from .offload import offload_activations
 from .profiling import StepProfiler
 from .schedule import lr_at
@@ -97,54 +95,6 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     if mesh.ep_size > 1:  # this rank's block of experts, over dp_shard_mod_ep; the rest over the shard group
         return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
     return ZeroEngine(model, mesh.dp_shard, cfg.optim, mesh=mesh, **settings)
-
-
-# The rank's loss sum stays on the device until the step's all-reduce: float64, as the Python float it replaced, so
-# the same additions in the same order give the same bits without a host sync per micro-batch
-LOSS_SUM_DTYPE = torch.float64
-
-
-def accumulate_gradients(engine: ZeroEngine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
-                         saved: list | None = None, balance=None) -> torch.Tensor:
-    """Forward and backward every micro-batch of this rank; return its summed token loss (a 0-d tensor on the device:
-    the caller reads it once, for the step's all-reduce).
-
-    Each micro-batch's loss is its sum of token losses over the global token count, so the
-    accumulated gradient is the global batch's mean-token-loss gradient whatever the split.
-    `loss_factor` is 1 except when a fault injects a NaN. With a `saved` list, the bytes the first
-    micro-batch keeps for its backward are counted (saved-tensor hooks) and appended to it. LoRA's dropout masks
-    are keyed by the step and each row's index in the global batch (BatchSchedule's layout: each DP replica a
-    contiguous block), so they do not depend on the split. With `balance` (a mixture of experts: balancing.Balancing)
-    each micro-batch's balancing term (its trained rows' balancing losses / the global batch's, weighted) joins the
-    loss before the backward, and the summed loss returned holds it at the token loss's scale (x the global token
-    count), so that the step's loss is the token loss plus the weighted balancing loss, as transformers' is.
-    """
-    forward = engine.model if forward is None else forward
-    device = engine.device
-    loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
-    last = len(batch.micro_batches) - 1
-    row = engine.mesh.dp_rank * sum(len(m.inputs) for m in batch.micro_batches)
-    for i, micro in enumerate(on_device(batch.micro_batches, device)):
-        rows, row = range(row, row + len(micro.inputs)), row + len(micro.inputs)
-        # communicate once per step, after the last micro-batch
-        with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
-            def loss() -> torch.Tensor:  # with packed records' segments, each record attends to itself
-                return head_loss(forward, micro.inputs, micro.labels, summed_token_loss,
-                                 getattr(engine.model, "recompute_head", False), segments=micro.segments)
-            if saved is not None and i == 0:
-                # every parameter is held anyway, a LoRA run's frozen base too (its linears save their weights)
-                nbytes, token_loss = saved_for_backward(loss, list(engine.model.parameters()))
-                saved.append(nbytes)
-            else:
-                token_loss = loss()
-            if loss_factor != 1.0:
-                token_loss = token_loss * loss_factor
-            aux = balance.term(engine.model, micro.labels, batch.global_rows) if balance is not None else None
-            (token_loss / batch.global_tokens + (aux if aux is not None else 0.0)).backward()
-        loss_sum += token_loss.detach().to(LOSS_SUM_DTYPE)
-        if aux is not None:
-            loss_sum += aux.detach().to(LOSS_SUM_DTYPE) * batch.global_tokens
-    return loss_sum
 
 
 def _resume_searches(cfg: Config) -> list[tuple[str, str, bool]]:
@@ -352,7 +302,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     restores = _restores(cfg)
     engine = build_engine(cfg, comm, restored=restores)
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
-    objective = objective_for(cfg, accumulate_gradients)
+    objective = objective_for(cfg)
     schedule = objective.schedule(mesh)
     model = torch.compile(engine.model) if cfg.loop.compile else engine.model
     val_source = objective.validation_source() if cfg.loop.eval_every else None

@@ -1,29 +1,78 @@
 """What a run trains on, by --method: its batch schedule, the gradients and loss of a step, its record's figures.
 
 sft: sequences of tokens (the data's sources), the loss the mean over the global batch's target tokens
-(loop.accumulate_gradients), validated on the data's validation split; dpo: preference pairs, the loss the mean over
-the global batch's pairs, validated on held-out pairs (preference.py). The loop asks the objective, never the method.
+(accumulate_gradients), validated on the data's validation split; dpo: preference pairs, the loss the mean over the
+global batch's pairs, validated on held-out pairs (preference.py). The loop asks the objective, never the method.
+
+Each objective's step gives its micro-batches, forward and loss to the one executor (executor.run_micro_batches),
+which scales, accumulates and sums them the same way for every method:
+
+    method  forward (what the backward keeps)        loss summed over     units, normaliser    figures summed
+    sft     head_loss with the summed token loss     the target tokens    tokens, global_tokens (MoE: balancing's)
+    dpo     the reference, then the policy's         the pairs            pairs, global_pairs   preference.STATS
+            sequence log-probs (chosen, rejected)
 """
 
 from __future__ import annotations
 
+import torch
+
 from zerotrain.config import Config
-from zerotrain.data import BatchSchedule, StepBatch, make_source
+from zerotrain.data import IGNORE, BatchSchedule, MicroBatch, StepBatch, make_source, on_device
+from zerotrain.model import summed_token_loss
+from zerotrain.model.loss import head_loss
 
 from .balancing import Balancing
 from .evaluate import validation_loss
+from .executor import Micro, MicroLoss, run_micro_batches
 from .guard import LossRule, token_loss_rule
+
+
+def accumulate_gradients(engine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
+                         saved: list | None = None, balance: Balancing | None = None) -> torch.Tensor:
+    """sft's step on this rank: forward and backward every micro-batch (executor.run_micro_batches); return its
+    summed token loss (a 0-d tensor on the device: the caller reads it once, for the step's all-reduce).
+
+    Each micro-batch's loss is its sum of token losses over the global token count, so the accumulated gradient is
+    the global batch's mean-token-loss gradient whatever the split. `forward`, `loss_factor` and `saved`: as
+    run_micro_batches's model, loss_factor and saved. LoRA's dropout masks are keyed by the step and each row's index
+    in the global batch (BatchSchedule's layout: each DP replica a contiguous block), so they do not depend on the
+    split. With `balance` (a mixture of experts: balancing.Balancing) each micro-batch's balancing term (its trained
+    rows' balancing losses / the global batch's, weighted) joins the loss before the backward, and the summed loss
+    returned holds it at the token loss's scale (x the global token count), so that the step's loss is the token loss
+    plus the weighted balancing loss, as transformers' is.
+    """
+    recompute = getattr(engine.model, "recompute_head", False)
+
+    def scored(model, micro: MicroBatch) -> torch.Tensor:  # packed records' segments: each attends to itself
+        return head_loss(model, micro.inputs, micro.labels, summed_token_loss, recompute, segments=micro.segments)
+
+    def loss(micro: MicroBatch, token_loss: torch.Tensor) -> MicroLoss:
+        term = balance.term(engine.model, micro.labels, batch.global_rows) if balance is not None else None
+        return MicroLoss(token_loss, (micro.labels != IGNORE).sum(), term=term)
+
+    return run_micro_batches(engine, token_micro_batches(engine, batch), len(batch.micro_batches), scored, loss,
+                             batch.global_tokens, model=forward, loss_factor=loss_factor, saved=saved).loss_sum
+
+
+def token_micro_batches(engine, batch: StepBatch):
+    """This rank's micro-batches on the device, with their rows' places in the global batch (BatchSchedule's layout:
+    each DP replica a contiguous block)."""
+    row = engine.mesh.dp_rank * sum(len(m.inputs) for m in batch.micro_batches)
+    for micro in on_device(batch.micro_batches, engine.device):
+        yield Micro(range(row, row + len(micro.inputs)), micro)
+        row += len(micro.inputs)
 
 
 class TokenObjective:
     """--method sft: next-token loss on the data's tokens (with a mixture of experts, plus its balancing loss)."""
 
-    def __init__(self, cfg: Config, accumulate):
-        self.cfg, self._accumulate = cfg, accumulate  # the loop's own step, which bench and equivalence share
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
         self.balance = Balancing(cfg) if cfg.model.moe else None
 
     def accumulate(self, engine, batch: StepBatch, forward=None, loss_factor: float = 1.0, saved=None):
-        return self._accumulate(engine, batch, forward, loss_factor, saved, balance=self.balance)
+        return accumulate_gradients(engine, batch, forward, loss_factor, saved, balance=self.balance)
 
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
@@ -72,10 +121,10 @@ class TokenObjective:
         return self.balance.figures(totals, batch.global_rows) if self.balance else {}
 
 
-def objective_for(cfg: Config, accumulate_tokens):
-    """The objective --method names; `accumulate_tokens` is sft's step (loop.accumulate_gradients)."""
+def objective_for(cfg: Config):
+    """The objective --method names."""
     if cfg.objective.method == "dpo":
         from .preference import Preference
 
         return Preference(cfg)
-    return TokenObjective(cfg, accumulate_tokens)
+    return TokenObjective(cfg)

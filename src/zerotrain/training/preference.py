@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,23 +48,31 @@ from safetensors.torch import load, save
 
 from zerotrain.checkpoint.stream import count_read, sha256_file, storage_delay
 from zerotrain.config import REFERENCE_FREE, Config, ObjectiveConfig
-from zerotrain.data import IGNORE, on_device
+from zerotrain.data import IGNORE, MicroBatch, on_device
 from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource, pairs_digest, read_splits
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 from zerotrain.hub.base_digest import first_difference, shown, tagged_digests
 from zerotrain.model.loss import TokenLogpsLoss, head_loss
-from zerotrain.model.lora import adapters_off, dropout_rows
+from zerotrain.model.lora import adapters_off
 
 from . import reference_model
-from .activations import saved_for_backward
+from .executor import LOSS_SUM_DTYPE, Micro, MicroLoss, run_micro_batches
 from .faults import Faults
 from .guard import LossRule, near_zero_loss_rule
 
 REFERENCE_FILE = "dpo_reference.safetensors"
 # The sums each step reduces, per pair: what the step's record reports as their means over the global batch
 STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
-LOSS_SUM_DTYPE = torch.float64
+
+
+class PairMicro(NamedTuple):
+    """A micro-batch of pairs as the step's loss reads it: its 2B rows (chosen, then rejected), the pairs' ids and
+    their reference log-probs ([2, B]; None for the losses without one)."""
+
+    micro: MicroBatch
+    ids: list[int]
+    reference: torch.Tensor | None
 
 
 @TokenLogpsLoss
@@ -102,7 +111,8 @@ def pair_losses(o: ObjectiveConfig, policy: torch.Tensor, reference: torch.Tenso
 
 
 def pair_stats(policy: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """The STATS of a micro-batch's pairs, summed (float64)."""
+    """The STATS of a micro-batch's pairs, summed (float64, where they are: a step's stay on the device until its
+    all-reduce)."""
     return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), policy[0].sum(),
                         policy[1].sum()]).detach().to(LOSS_SUM_DTYPE)
 
@@ -289,46 +299,43 @@ class Preference:
 
     def accumulate(self, engine, batch: PairBatch, forward=None, loss_factor: float = 1.0,
                    saved: list | None = None) -> torch.Tensor:
-        """Forward and backward every micro-batch of pairs of this rank; return its summed pair loss (a 0-d float64
-        tensor on the device) and keep its STATS' sums for the step's all-reduce (`extras`).
+        """Forward and backward every micro-batch of pairs of this rank (executor.run_micro_batches); return its
+        summed pair loss (a 0-d float64 tensor on the device) and keep its STATS' sums for the step's all-reduce
+        (`extras`).
 
         A micro-batch's gradient is of its pairs' summed loss over the global batch's pair count. LoRA's dropout
         rows are numbered by the pair's place in the global batch (chosen 2g, rejected 2g + 1), whatever the split.
         """
-        forward = engine.model if forward is None else forward
-        device = engine.device
-        loss_sum = torch.zeros((), dtype=LOSS_SUM_DTYPE, device=device)
-        self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
-        last = len(batch.micro_batches) - 1
-        first = engine.mesh.dp_rank * sum(len(ids) for ids in batch.pair_ids)
         recompute = getattr(engine.model, "recompute_head", False)
-        for i, micro in enumerate(on_device(batch.micro_batches, device)):
-            ids = batch.pair_ids[i]
+
+        def scored(model, pairs: PairMicro) -> torch.Tensor:
+            return head_loss(model, pairs.micro.inputs, pairs.micro.labels, sequence_logps, recompute)
+
+        def loss(pairs: PairMicro, logps: torch.Tensor) -> MicroLoss:
+            B = len(pairs.ids)
+            policy, counts = logps[0].view(2, B), logps[1].view(2, B)
+            losses, chosen, rejected = pair_losses(self.o, policy, pairs.reference, counts)
+            return MicroLoss(losses.sum(), B, metrics=pair_stats(policy.detach(), chosen, rejected))
+
+        totals = run_micro_batches(engine, self.micro_batches(engine, batch, forward), len(batch.micro_batches),
+                                   scored, loss, batch.global_pairs, model=forward, loss_factor=loss_factor,
+                                   saved=saved)
+        self.stats = totals.metrics
+        return totals.loss_sum
+
+    def micro_batches(self, engine, batch: PairBatch, forward=None):
+        """This rank's micro-batches of pairs on the device, each with its rows' places in the global batch and the
+        reference's log-probs of its pairs, scored as the executor comes to it (before its policy's forward)."""
+        forward = engine.model if forward is None else forward
+        first = engine.mesh.dp_rank * sum(len(ids) for ids in batch.pair_ids)
+        for ids, micro in zip(batch.pair_ids, on_device(batch.micro_batches, engine.device)):
             B = len(ids)
             rows = [2 * (first + b) for b in range(B)] + [2 * (first + b) + 1 for b in range(B)]
             first += B
             # The reference first: at ZeRO-3 its forward gathers each unit alone, before the policy's holds the
             # root (and an untied head) whole into its backward; its working set is gone before the policy's
             # activations are kept
-            reference = self.reference_of(engine, forward, micro, ids)
-            with engine.no_sync(i < last), dropout_rows(engine.model, engine.mesh.world.step, rows):
-                def scored() -> torch.Tensor:
-                    return head_loss(forward, micro.inputs, micro.labels, sequence_logps, recompute)
-
-                if saved is not None and i == 0:
-                    nbytes, logps = saved_for_backward(scored, list(engine.model.parameters()))
-                    saved.append(nbytes)
-                else:
-                    logps = scored()
-                policy, counts = logps[0].view(2, B), logps[1].view(2, B)
-                losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
-                total = losses.sum()
-                if loss_factor != 1.0:
-                    total = total * loss_factor
-                (total / batch.global_pairs).backward()
-            loss_sum += total.detach().to(LOSS_SUM_DTYPE)
-            self.stats += pair_stats(policy.detach().cpu(), chosen.cpu(), rejected.cpu())
-        return loss_sum
+            yield Micro(rows, PairMicro(micro, ids, self.reference_of(engine, forward, micro, ids)))
 
     def reference_of(self, engine, forward, micro, ids: list[int]) -> torch.Tensor | None:
         """[2, B]: the reference log-probs of the micro-batch's pairs (None for the losses without one)."""
@@ -348,8 +355,8 @@ class Preference:
         return {"reference_model": self.reference_model} if self.reference_model is not None else {}
 
     def extras(self) -> torch.Tensor:
-        """What the step's all-reduce sums besides the loss: this rank's STATS sums."""
-        return self.stats
+        """What the step's all-reduce sums besides the loss: this rank's STATS sums (on the host)."""
+        return self.stats.cpu()
 
     def figures(self, totals: list[float], batch: PairBatch) -> dict:
         """The step record's preference figures: the means over the global batch's pairs."""

@@ -49,7 +49,7 @@ from zerotrain.model import ARCH_NAMES, build_model, summed_token_loss
 from zerotrain.parallel import Comm, ZeroEngine
 from zerotrain.parallel.optim import adamw_param_groups
 from zerotrain.runtime.launch import rank_device
-from zerotrain.training import control, loop
+from zerotrain.training import control, loop, objectives
 
 # Relative, per tensor, on the gradient and on each update's step (see `gradient_diff`, `step_diff`).
 # Float reordering measured at most 5.3e-7 on the default config, --nproc 3 and --tp 2 --nproc 4 --accum 2
@@ -214,7 +214,7 @@ def _use_plain_sgd(engine: ZeroEngine, lr: float) -> None:
 def planted_weighting(weighting: str, global_tokens: int, chunks: int):
     """Within this context the loop's loss weights micro-batches by `weighting`: a deliberate bug unless "token".
 
-    The bug goes where a real one would be, into the loss the loop's `accumulate_gradients` calls,
+    The bug goes where a real one would be, into the loss sft's `accumulate_gradients` calls,
     which then divides by the global token count as it always does.
     """
     if weighting == "token":
@@ -225,11 +225,11 @@ def planted_weighting(weighting: str, global_tokens: int, chunks: int):
         mean = summed_token_loss(logits, targets) / max(1, int((targets != IGNORE).sum()))
         return mean * global_tokens / (chunks if weighting == "mean" else 1)
 
-    real, loop.summed_token_loss = loop.summed_token_loss, wrongly_weighted_loss
+    real, objectives.summed_token_loss = objectives.summed_token_loss, wrongly_weighted_loss
     try:
         yield
     finally:
-        loop.summed_token_loss = real
+        objectives.summed_token_loss = real
 
 
 def reduced_grads(engine: ZeroEngine) -> dict[str, torch.Tensor]:
