@@ -166,12 +166,12 @@ def test_no_module_reaches_into_anothers_private_names_and_a_planted_subclass_is
     assert private_reaches(modules()) == []
     copy = tmp_path / "zerotrain"
     shutil.copytree(PACKAGE, copy)
-    with open(copy / "parallel" / "zero3.py", "a") as f:
+    with open(copy / "parallel" / "sharded.py", "a") as f:
         f.write("\nfrom .engine import ZeroEngine as _Engine, _planted  # planted\n\n\nclass Planted(_Engine):\n"
                 "    def _launch(self, index):\n        pass\n")
     assert private_reaches(modules(str(copy))) == [
-        "zerotrain.parallel.zero3 imports zerotrain.parallel.engine._planted",
-        "zerotrain.parallel.zero3.Planted overrides zerotrain.parallel.engine.ZeroEngine._launch"]
+        "zerotrain.parallel.sharded imports zerotrain.parallel.engine._planted",
+        "zerotrain.parallel.sharded.Planted overrides zerotrain.parallel.engine.ZeroEngine._launch"]
 
 
 def same_names(known: dict[str, str]) -> dict[str, list[str]]:

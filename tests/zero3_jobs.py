@@ -11,7 +11,7 @@ from zerotrain.config import Config
 from zerotrain.hub.init_from import FileValues
 from zerotrain.model import init
 from zerotrain.parallel import (Comm, ReleasedParameterError, ShardedParameters, StaleParameterError, ZeroEngine,
-                                zero3)
+                                sharded)
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import build_engine, train
 
@@ -106,7 +106,7 @@ def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
     real = ShardedParameters.gather_unit
 
     def not_in_backward(self, unit, phase):
-        if unit == 0 or not zero3.in_backward():
+        if unit == 0 or not sharded.in_backward():
             real(self, unit, phase)
 
     with mock.patch.object(ShardedParameters, "gather_unit", not_in_backward):

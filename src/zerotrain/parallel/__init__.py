@@ -8,7 +8,9 @@ from .layout import Bucket, ParamSlot, ShardLayout, ShardPiece, shard_values
 from .mesh import Mesh
 from .params import ParameterPlacement, StaleParameterError
 from .replicated import ReplicatedParameters
-from .zero3 import FrozenCopy, ReleasedParameterError, ShardedParameters, shard_frozen_copy
+from .bucket_buffers import ReleasedParameterError
+from .frozen_copy import FrozenCopy, shard_frozen_copy
+from .sharded import ShardedParameters
 
 __all__ = ["Bucket", "Comm", "ExpertParallelEngine", "expert_bytes", "shard_experts", "FrozenCopy", "GradientOrderError", "Mesh", "ParamSlot", "ParameterPlacement", "ReleasedParameterError", "ReplicatedParameters", "ShardLayout", "ShardPiece", "ShardedParameters",
            "StaleParameterError",

@@ -53,12 +53,12 @@ rank expecting fewer gradients than another does not send the bucket earlier.
 
 Where the parameters live is the stage's (params.ParameterPlacement): at stages 1 and 2 every rank holds the whole
 flat buffer and all-gathers it after each update (replicated.py); at stage 3 a rank holds its owned chunks only and
-each unit's buckets are gathered while it runs (zero3.py), whose reductions start by units (schedule_by_units). The
+each unit's buckets are gathered while it runs (sharded.py), whose reductions start by units (schedule_by_units). The
 engine calls its placement at fixed points and never asks which stage it has for that; what it does ask the stage
 number is how gradients are held: whole (stage 1) or in buckets reduced in backward (stages 2 and 3).
 
 The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
-their own tensors (stage 3 shards them too: zero3.py), have no gradients or optimizer state and are never reduced;
+their own tensors (stage 3 shards them too: sharded.py), have no gradients or optimizer state and are never reduced;
 invariant (b) checks them too.
 
 Optimizer state is the exp_avg and exp_avg_sq of the shard. In fp32 the master values *are* the
@@ -88,7 +88,7 @@ from .params import (OwnedPiece, ParameterPlacement, StaleParameterError, frozen
                      trainable_parameters)
 from .replicated import ReplicatedParameters
 from .tp_slices import full_tensors
-from .zero3 import ShardedParameters
+from .sharded import ShardedParameters
 
 __all__ = ["GradientOrderError", "StaleParameterError", "ZeroEngine", "keeps_autograd_grads", "layout_of",
            "stage2_bucket_budget"]
@@ -450,7 +450,7 @@ class ZeroEngine:
         (begin_unit_backward), a point every rank of the group reaches in the same order, or from the backward's
         beginning for a unit in `open_units`: so that a rank expecting fewer gradients than another (an expert with no
         rows here) does not send a bucket earlier, where another collective shares the backward (stage 3's gathers,
-        expert parallelism's all-to-alls). With `units` (each unit's modules, in forward order: zero3.model_units),
+        expert parallelism's all-to-alls). With `units` (each unit's modules, in forward order: units.model_units),
         every bucket of a unit and of the units after it starts at the latest when the gradient of the unit's input is
         complete (FSDP2's post-backward point, counted over the forwards of the backward): its gradients that did not
         arrive are zeros."""

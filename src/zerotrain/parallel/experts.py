@@ -27,7 +27,7 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               engine's (grad_norm's exact limbs add), so the global norm counts every expert value once. Under TP
               the expert engine runs over the real TP group (expert_mesh): the norm counts its TP slices on every
               rank and its replicated values on TP rank 0, digests, full tensors and checkpoints see the TP slicing.
-              At ZeRO-3 both are stage-3 engines over the same units (zero3.model_units), each gathering and
+              At ZeRO-3 both are stage-3 engines over the same units (units.model_units), each gathering and
               releasing its own buckets: a MoE block's experts (this rank's block, sharded over dp_shard_mod_ep)
               are whole while the block is. Each block's experts are gathered for its backward where every rank's
               backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
@@ -53,7 +53,7 @@ from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 from .comm import Comm
 from .engine import ZeroEngine
 from .mesh import Mesh
-from .zero3 import bucket_units, model_units
+from .units import bucket_units, model_units
 
 
 def is_expert_parameter(name: str) -> bool:

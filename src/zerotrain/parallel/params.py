@@ -3,7 +3,7 @@
 A ZeRO engine (engine.py) is one algorithm at every stage: a flat layout, gradients reduce-scattered into this rank's
 shard, AdamW on the shard. What a stage decides about the parameters is a `ParameterPlacement`: the whole flat buffer
 on every rank, all-gathered after each update (stages 1 and 2: replicated.py), or only the owned chunks, each unit's
-buckets gathered while it runs (stage 3: zero3.py). The engine calls its placement at fixed points of the step and
+buckets gathered while it runs (stage 3: sharded.py). The engine calls its placement at fixed points of the step and
 never asks which one it has. A placement reads the engine's public attributes (layout, params, slot_of, dp, mesh,
 frozen, the TP ranges) and calls its public methods (initial_value, initial_range, begin_unit_backward,
 schedule_by_units, reached_parameters), never a private one.

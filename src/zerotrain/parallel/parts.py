@@ -36,7 +36,7 @@ from zerotrain.config import Config
 from .engine import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
 from .params import frozen_parameters
-from .zero3 import frozen_layout_of, units_whole_bytes
+from .units import frozen_layout_of, units_whole_bytes
 
 MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
 
@@ -112,13 +112,13 @@ class ShardedPlacement(Placement):
         return self.frozen_layout(model, dp).shard_numel
 
     def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
-        """The most parameter bytes whole at once beyond the shard (zero3.units_whole_bytes), the frozen base's
+        """The most parameter bytes whole at once beyond the shard (units.units_whole_bytes), the frozen base's
         buckets among them; `beside`: the expert engine's layout, whose buckets are whole with the units'."""
         frozen = self.frozen_layout(model, layout.world_size)
         return units_whole_bytes(model, layout, element_size, prefetch=prefetch, frozen=frozen, beside=beside)
 
     def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
-        """Sharded as the policy (zero3.shard_frozen_copy): its shard of the policy's layout."""
+        """Sharded as the policy (frozen_copy.shard_frozen_copy): its shard of the policy's layout."""
         return layout.shard_numel
 
     def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2),
                          the frozen base's buckets among them (with --ep the block's experts: the expert engine's
                          buckets of EP rank 0's block, over its replica group)
-                         (zero3.units_whole_bytes: the most that is whole at once)
+                         (units.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
                          stage 3: its own layout's shard x (4 | 2), gathered with the units (parameter units)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
@@ -304,7 +304,7 @@ def reference_bytes(cfg: Config) -> int:
 def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: int) -> int:
     """--method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial policy, laid out as the
     rank's policy (`model`: its TP slice, on the meta device; `layout`: its flat layout over the DP ranks), in the
-    run's precision: whole at stages 1 and 2, at stage 3 the shard (zero3.shard_frozen_copy lays an all-frozen copy
+    run's precision: whole at stages 1 and 2, at stage 3 the shard (frozen_copy.shard_frozen_copy lays an all-frozen copy
     out as the model trains); 0 otherwise (a precomputed reference is `reference_bytes`; LoRA's live reference is its
     base with the adapters off)."""
     o = cfg.objective
