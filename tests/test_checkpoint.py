@@ -154,7 +154,8 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_pat
     assert not torch.equal(fresh.flat_params, engine.flat_params)
     assert checkpoint.load_checkpoint(path, fresh, one_rank)["step"] == 2
     assert torch.equal(fresh.flat_params, engine.flat_params)
-    assert torch.equal(fresh.exp_avg, engine.exp_avg) and torch.equal(fresh.exp_avg_sq, engine.exp_avg_sq)
+    assert torch.equal(fresh.adamw.exp_avg, engine.adamw.exp_avg)
+    assert torch.equal(fresh.adamw.exp_avg_sq, engine.adamw.exp_avg_sq)
     assert fresh.step_count == engine.step_count == 2
 
     shard = os.path.join(path, SHARD)
@@ -170,7 +171,8 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_pat
     open(shard, "wb").write(good)
     assert checkpoint.load_checkpoint(path, failed, one_rank)["step"] == 2  # what resume's next candidate does
     assert torch.equal(failed.flat_params, engine.flat_params) and failed.step_count == 2
-    assert torch.equal(failed.exp_avg, engine.exp_avg) and torch.equal(failed.exp_avg_sq, engine.exp_avg_sq)
+    assert torch.equal(failed.adamw.exp_avg, engine.adamw.exp_avg)
+    assert torch.equal(failed.adamw.exp_avg_sq, engine.adamw.exp_avg_sq)
 
     untouched = build_engine(cfg, one_rank)
     before = untouched.flat_params.clone()
@@ -239,7 +241,7 @@ def held_copies(monkeypatch, engine):
 
     monkeypatch.setattr(save_module._Staging, "copy_from", copy_from)
     monkeypatch.setattr(checkpoint.CheckpointWriter, "_wait_staged", wait_staged)
-    engine.optimizer.register_step_post_hook(lambda *_: reached.set())
+    engine.adamw.optimizer.register_step_post_hook(lambda *_: reached.set())
     return reached
 
 

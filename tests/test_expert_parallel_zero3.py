@@ -37,7 +37,7 @@ from test_expert_parallel import close, config, export_tensors
 
 from zerotrain.errors import InvariantError
 from zerotrain.model import moe
-from zerotrain.parallel import Comm, Mesh, ZeroEngine, experts
+from zerotrain.parallel import Comm, GradientReducer, Mesh, ZeroEngine, experts
 from zerotrain.parallel.sharded import ShardedParameters
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.training import memory_plan
@@ -155,8 +155,8 @@ def arrival_order_job(rank, comm, tmp_path):
     expected gradient arrives (planted: the reduce schedule's gate and the units' end points left out, as before):
     the DP group's collectives part ways, and the run fails (a short wait: a hang times out) or aborts."""
     moe.MoE.route = masked_routing(rank)[1]
-    ZeroEngine._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
-    ZeroEngine._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
+    GradientReducer._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
+    GradientReducer._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
     short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
     return failed(short, tmp_path / "arrival_order", *NO_ROWS)
 

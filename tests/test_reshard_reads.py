@@ -254,8 +254,8 @@ def test_every_rank_of_another_mesh_reads_its_share_and_gets_what_whole_shards_g
 def state_buffers(engine) -> list[tuple[int, int]]:
     """(first byte, end) of each buffer `engine` keeps its shard state in: the parameters (at stages 1 and 2 in fp32
     the masters are their owned runs), the fp32 masters where kept apart, the moments."""
-    tensors = [engine.flat_params, engine.exp_avg, engine.exp_avg_sq, *([engine.master] if engine.master is not None
-                                                                        else [])]
+    adamw = engine.adamw
+    tensors = [engine.flat_params, adamw.exp_avg, adamw.exp_avg_sq, *([adamw.master] if adamw.master is not None else [])]
     return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
             for t in tensors]
 

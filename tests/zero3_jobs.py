@@ -10,8 +10,8 @@ from dist_jobs import error_of_training, summary
 from zerotrain.config import Config
 from zerotrain.hub.init_from import FileValues
 from zerotrain.model import init
-from zerotrain.parallel import (Comm, ReleasedParameterError, ShardedParameters, StaleParameterError, ZeroEngine,
-                                sharded)
+from zerotrain.parallel import (Comm, GradientReducer, ReleasedParameterError, ShardedParameters, StaleParameterError,
+                                ZeroEngine, sharded)
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import build_engine, train
 
@@ -60,7 +60,7 @@ def wrong_unit_job(cfg: Config, comm: Comm) -> str:
 
 def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the buckets of the first block's parameters are reduce-scattered into the shard twice."""
-    real = ZeroEngine._release
+    real = GradientReducer._release
 
     def again(self, index):
         if index in self.placement.unit_buckets[1] and index in self._bucket_grads:
@@ -71,7 +71,7 @@ def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
             out.add_(twice)
         real(self, index)
 
-    with mock.patch.object(ZeroEngine, "_release", again):
+    with mock.patch.object(GradientReducer, "_release", again):
         return stage_job(cfg, comm)
 
 

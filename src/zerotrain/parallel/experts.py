@@ -34,7 +34,7 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
               got no rows saved none), and a dp_shard_mod_ep group gathering while its members wait in different EP
               groups' all-to-alls would hang. At every stage that same point joins the backward for the experts'
-              reductions and opens their block's buckets (ZeroEngine.begin_unit_backward): a rank whose experts got
+              reductions and opens their block's buckets (GradientReducer.begin_unit_backward): a rank whose experts got
               no rows sends them (zeros) there, in the backward, as its replicas send theirs, neither earlier (all at
               the first MoE layer, then waiting in stage 2's bucket budget while its EP group waits in an
               all-to-all) nor only after the backward (its replicas waiting in that budget: the same cycle).
@@ -221,7 +221,7 @@ class ExpertParallelEngine:
         expert weight the backward unpacks."""
         units = model_units(model)
         if self.experts.stage != 3:  # (stage 3 schedules its reductions by units itself)
-            self.experts.schedule_by_units(bucket_units(model, self.experts.layout))
+            self.experts.grads.schedule_by_units(bucket_units(model, self.experts.layout))
         for moe in moe_layers(model):
             unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
             moe.register_forward_hook(self._on_moe_output(unit))
@@ -231,13 +231,25 @@ class ExpertParallelEngine:
 
         def arrived(_grad):
             # its reductions, whether its experts get gradients or not; at ZeRO-3 its experts gathered
-            self.experts.begin_unit_backward(unit)
+            self.experts.grads.begin_unit_backward(unit)
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad and not in_backward():
                 output.register_hook(arrived)
 
         return hook
+
+    @property
+    def holds_whole_model(self) -> bool:
+        return self.dense.holds_whole_model  # both engines' placement is the run's stage's
+
+    @property
+    def gathers_units(self) -> bool:
+        return self.dense.gathers_units
+
+    def computed_norms(self, norms: list[float]) -> list[float]:
+        """The norm each world rank computes with, from each rank's param_norm (dense and experts together)."""
+        return self.dense.computed_norms(norms)
 
     @property
     def parts(self) -> list[ZeroEngine]:

@@ -33,7 +33,7 @@ import torch
 
 from zerotrain.config import Config
 
-from .engine import keeps_autograd_grads, stage2_bucket_budget
+from .gradients import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
 from .params import frozen_parameters
 from .units import frozen_layout_of, units_whole_bytes
@@ -163,7 +163,7 @@ class GradientHolding:
 
 class WholeGradients(GradientHolding):
     """ZeRO-1: a full gradient buffer (in bf16 with an fp32 accumulator), reduce-scattered once a step into the shard;
-    on one rank in fp32 autograd's own gradients, no buffer (engine.keeps_autograd_grads)."""
+    on one rank in fp32 autograd's own gradients, no buffer (gradients.keeps_autograd_grads)."""
 
     def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
         """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with
@@ -228,7 +228,7 @@ class BucketedGradients(GradientHolding):
 @dataclass(frozen=True)
 class ShardedAdamW:
     """AdamW on the owned values: its two fp32 moments, and in bf16 the fp32 master (in fp32 the masters are the
-    parameter buffer's own chunks). The engine's rule (ZeroEngine.expected_state_bytes_per_value)."""
+    parameter buffer's own chunks). The engine's rule (AdamWShard.expected_state_bytes_per_value)."""
 
     precision: str
 

@@ -53,7 +53,8 @@ compute on the default stream, which waits for it only when the unit needs it. E
 number of updates the shard has had: a unit that would compute with values gathered before the last update (a
 prefetch that outlived a step) raises StaleParameterError instead. On CPU the prefetch is off unless asked for:
 measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256, a forward prefetch gave 1.07x stage 2's step
-against 1.09x (4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as DESIGN.md says of overlap on 2 cores.
+against 1.09x (4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as
+DESIGN.md says of overlap on 2 cores.
 
 Frozen parameters (a LoRA run's base) are sharded alike, in a flat layout of their own (units.frozen_layout_of: built
 as the trained one is), in the run's precision from the first value read or drawn: each rank holds its owned chunks of
@@ -173,7 +174,7 @@ class ShardedParameters:
 
     def attach(self) -> None:
         """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
-        reductions scheduled by units (engine.schedule_by_units)."""
+        reductions scheduled by units (gradients.GradientReducer.schedule_by_units)."""
         e = self.engine
         model = e.model
         self.units = units.model_units(model)
@@ -210,7 +211,7 @@ class ShardedParameters:
             unit[-1].register_forward_hook(lambda _m, _a, _o, u=index: self._leave_unit(u))
         # Each bucket's reduce-scatter starts once its unit's backward has begun (the root's and an untied head's
         # from the start: held whole into it), at the latest when the gradient of its unit's input is complete
-        e.schedule_by_units(units.bucket_units(model, e.layout), open_units=held - {0}, units=self.units)
+        e.grads.schedule_by_units(units.bucket_units(model, e.layout), open_units=held - {0}, units=self.units)
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._param_unit[id(model.lm_head.weight)]
         model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
@@ -371,7 +372,7 @@ class ShardedParameters:
         if in_backward():
             # A block's forward recomputed for its backward (activation checkpointing), which torch may stop as soon
             # as it has what the backward needs, before the forward hook: held for the backward, released with it.
-            self.engine.begin_unit_backward(unit)
+            self.engine.grads.begin_unit_backward(unit)
             return
         self._current.append(unit)
         self.gather_unit(unit, "forward")
@@ -379,11 +380,11 @@ class ShardedParameters:
         self._prefetch_after(unit, backward=False)
 
     def enter_backward(self, unit: int) -> None:
-        """`unit`'s backward begins (engine.begin_unit_backward): hold it whole for it (once), and prefetch the unit
-        whose backward comes next. Called on the first unpack of a weight the unit saved; a caller that knows where
-        every rank's backward of the unit begins may begin it there first, so that every rank of the DP group gathers
-        it (expert parallelism: a rank whose experts got no rows saves none of their weights, and releases them at
-        once)."""
+        """`unit`'s backward begins (GradientReducer.begin_unit_backward): hold it whole for it (once), and prefetch
+        the unit whose backward comes next. Called on the first unpack of a weight the unit saved; a caller that knows
+        where every rank's backward of the unit begins may begin it there first, so that every rank of the DP group
+        gathers it (expert parallelism: a rank whose experts got no rows saves none of their weights, and releases
+        them at once)."""
         if all((unit, "backward") in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
             return
         if unit > 0:
@@ -438,7 +439,7 @@ class ShardedParameters:
         if not isinstance(packed, _SavedWeight):
             return packed
         unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
-        self.engine.begin_unit_backward(unit)
+        self.engine.grads.begin_unit_backward(unit)
         if b not in self.whole:
             raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
         return self.bucket_params[b].as_strided(shape, stride, offset)
@@ -462,7 +463,7 @@ class ShardedParameters:
         when no forward said), so a unit with a parameter that gets none is released with the rest of its
         gradients, not held to the end of the backward beside the units gathered after it."""
         if self._waits is None:
-            reached = self.engine.reached_parameters
+            reached = self.engine.grads.reached_parameters
             self._waits = list(self._unit_sizes) if reached is None else \
                 [sum(p in reached for p in unit) for unit in self._unit_params]
         return self._waits

@@ -233,7 +233,7 @@ def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
 def state_bytes_per_value(precision: str) -> int:
     """The optimizer state a rank holds per value it owns: AdamW's two fp32 moments (parts.MOMENT_BYTES) and, in bf16,
     the fp32 master (in fp32 the masters are the parameter buffer's own chunks): 12 in bf16, 8 in fp32. The engine's
-    rule (ZeroEngine.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
+    rule (AdamWShard.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
     and in the experts' state: the sharded AdamW part's (parallel/parts.py)."""
     return ShardedAdamW(precision).state_bytes_per_value
 
@@ -701,7 +701,7 @@ def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str,
     """The state rows as the engine holds them now (between steps); `outside`: what the objective holds beyond the
     engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
     parts = getattr(engine, "parts", [engine])  # expert parallelism: the dense engine and the experts'
-    master = sum(e.master.numel() * 4 for e in parts if e.master is not None)
+    master = sum(e.adamw.master.numel() * 4 for e in parts if e.adamw.master is not None)
     buffers = [e.flat_params for e in parts]
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=buffers)
     copy = (outside or {}).get("reference_model")
@@ -728,9 +728,10 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
             walk(list(value.values()))
 
     for part in getattr(engine, "parts", [engine]):  # expert parallelism: the dense engine and the experts'
-        walk(list(vars(part).values()))
+        for held in (part, part.grads, part.adamw):  # the engine, its gradients, its AdamW's masters and moments
+            walk(list(vars(held).values()))
         walk(list(vars(part.placement).values()))  # where its parameters live (stage 3: the shards, the units)
-        walk(list(part.optimizer.state.values()))
+        walk(list(part.adamw.optimizer.state.values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
     walk([copy.tensors() for copy in (outside or {}).values()])
     return storage_bytes(t for t in found if t.dim() > 0)
