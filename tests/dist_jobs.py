@@ -157,7 +157,7 @@ def drift_job(cfg: Config, comm: Comm) -> dict:
     def nudge(step, engine):
         if step == 2 and comm.rank == 1:
             with torch.no_grad():
-                engine.flat_params[7] += 1e-3
+                engine.held_params[7] += 1e-3
 
     return summary(train(cfg, comm, after_update=nudge))
 
@@ -168,7 +168,7 @@ def nan_job(cfg: Config, comm: Comm) -> dict:
     def poison(step, engine):
         if step == 2 and comm.rank == 1:
             with torch.no_grad():
-                engine.flat_params.fill_(float("nan"))
+                engine.held_params.fill_(float("nan"))
 
     return summary(train(cfg, comm, after_update=poison))
 
@@ -295,7 +295,7 @@ def _nudge_job(cfg: Config, comm: Comm, rank: int, sliced: bool) -> dict:
         if step == 2 and comm.rank == rank:
             slot = next(s for s in engine.layout.slots if (s.name in engine.tp_slices) == sliced)
             with torch.no_grad():
-                engine.flat_params[slot.offset] = torch.nextafter(engine.flat_params[slot.offset],
+                engine.held_params[slot.offset] = torch.nextafter(engine.held_params[slot.offset],
                                                                   torch.tensor(float("inf")))  # one ulp
 
     return summary(train(cfg, comm, after_update=nudge))

@@ -39,7 +39,7 @@ def run_steps(engine, cfg, steps, forward=None, grads=None):
 
 def test_parameters_are_views_of_the_flat_buffer_and_one_ranks_gradients_are_autograds_own(tmp_path, one_rank):
     engine = build_engine(tiny_config(tmp_path), one_rank)
-    flat_p = engine.flat_params.untyped_storage().data_ptr()
+    flat_p = engine.held_params.untyped_storage().data_ptr()
     assert engine.grads.grads_in_params and engine.grads.flat_grads.numel() == 0
     for p in engine.model.parameters():
         assert p.untyped_storage().data_ptr() == flat_p
@@ -70,29 +70,29 @@ def test_fp32_master_is_the_parameter_buffer_so_state_is_8_bytes_per_value_and_a
         tmp_path, one_rank):
     def state(engine) -> tuple[bool, int]:
         """(every master is a view of the parameter buffer, optimizer state bytes per owned value)"""
-        flat = engine.flat_params.untyped_storage().data_ptr()
+        flat = engine.held_params.untyped_storage().data_ptr()
         masters = engine.adamw._master_views
         views = bool(masters) and all(m.untyped_storage().data_ptr() == flat for m in masters)
-        held = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+        held = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.held_params])
         return views, held / engine.layout.shard_numel
 
     assert state(build_engine(tiny_config(tmp_path), one_rank)) == (True, 8)
     with fp32_master_copy():
         planted = build_engine(tiny_config(tmp_path), one_rank)
-    assert planted.flat_params.dtype == torch.float32
+    assert planted.held_params.dtype == torch.float32
     assert state(planted) == (False, 12)  # the copy is measured: 4 more bytes per value
 
 
 def test_bf16_keeps_an_fp32_master_shard_12_bytes_per_value(tmp_path, one_rank):
     cfg = tiny_config(tmp_path, precision="bf16")
     engine = build_engine(cfg, one_rank)
-    assert engine.flat_params.dtype == torch.bfloat16 and engine.adamw.master.dtype == torch.float32
-    assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]) == 12 * engine.layout.shard_numel
+    assert engine.held_params.dtype == torch.bfloat16 and engine.adamw.master.dtype == torch.float32
+    assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.held_params]) == 12 * engine.layout.shard_numel
     run_steps(engine, cfg, 2)
     # parameters are the bf16 rounding of the fp32 masters (one rank: the shard is the whole buffer)
-    assert torch.equal(engine.master_shard().bfloat16(), engine.flat_params)
-    assert not torch.equal(engine.master_shard(), engine.flat_params.float())  # the master keeps more bits
-    assert torch.isfinite(engine.flat_params.float()).all()
+    assert torch.equal(engine.master_shard().bfloat16(), engine.held_params)
+    assert not torch.equal(engine.master_shard(), engine.held_params.float())  # the master keeps more bits
+    assert torch.isfinite(engine.held_params.float()).all()
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -170,8 +170,8 @@ def test_compiled_model_computes_the_eager_gradient_and_trains_like_the_eager_on
     assert 0 < first <= 1e-5 * eager_grads[0].abs().max().item()
     assert abs(compiled_norm - eager_norm) <= 1e-4 * eager_norm
     # after two updates (measured: worst 4.2e-7, against steps of lr = 3e-3)
-    assert (compiled.flat_params - eager.flat_params).abs().max().item() <= 1e-5
-    assert not torch.equal(compiled.flat_params, build_engine(cfg, one_rank).flat_params)  # it did train
+    assert (compiled.held_params - eager.held_params).abs().max().item() <= 1e-5
+    assert not torch.equal(compiled.held_params, build_engine(cfg, one_rank).held_params)  # it did train
 
 
 def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allocated_later(tmp_path, one_rank,
@@ -228,7 +228,7 @@ def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_b
     buffered_grads = []
     assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
     assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
-    assert torch.equal(buffered.flat_params, one.flat_params)
+    assert torch.equal(buffered.held_params, one.held_params)
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
         train(tiny_config(tmp_path / "buffered", steps=3), one_rank)
 

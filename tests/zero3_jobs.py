@@ -24,7 +24,7 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     out["run_calls"] = comm.snapshot()[0] - before  # this run's (the counters span the jobs run in turn)
     engine = result.engine
     out["params"] = engine.full_state_dict()
-    out["param_bytes"] = engine.flat_params.numel() * engine.flat_params.element_size()
+    out["param_bytes"] = engine.held_params.numel() * engine.held_params.element_size()
     out["param_peak_bytes"] = engine.param_peak_bytes
     out["whole_after_step"] = sorted(getattr(engine.placement, "whole", ()))  # stage 3's buckets whole now
     out["unit_buckets"] = getattr(engine.placement, "unit_buckets", None)

@@ -139,7 +139,8 @@ class ZeroEngine:
         self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
         # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
         self.placement_part: Placement = part(bucket_numel)
-        self.flat_params = self.placement.flat_params
+        # this rank's parameter values in the flat layout: the whole buffer at stages 1 and 2, its shard at stage 3
+        self.held_params = self.placement.held_params
         # What building this rank's buffers took from the source: bytes read from --init-from's files, values drawn
         # from the seed (the run's init_bytes_read and init_values_drawn, per rank)
         self.init_bytes_read = getattr(init, "bytes_read", 0)
@@ -285,12 +286,12 @@ class ZeroEngine:
 
     def param_norm(self) -> torch.Tensor:
         """The L2 norm of the parameters this rank holds (at ZeRO-3 its shard), float64 [1]."""
-        return torch.linalg.vector_norm(self.flat_params.float()).reshape(1).to(torch.float64)
+        return torch.linalg.vector_norm(self.held_params.float()).reshape(1).to(torch.float64)
 
     @property
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat parameter buffers this rank holds."""
-        return [self.flat_params]
+        return [self.held_params]
 
     def wait_params(self, buckets=None) -> None:
         """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""

@@ -160,7 +160,7 @@ def expert_bytes(engine) -> int:
     slots = [s for s in L.slots if is_expert_parameter(s.name)]
     owned = sum(p.numel for s in slots for p in L.owned_pieces(rank, s.offset, s.offset + s.numel))
     held = owned if engine.stage == 3 else sum(s.numel for s in slots)
-    return held * engine.flat_params.element_size() + engine.expected_state_bytes_per_value() * owned
+    return held * engine.held_params.element_size() + engine.expected_state_bytes_per_value() * owned
 
 
 def all_to_all_bytes_most(model: torch.nn.Module) -> tuple[int, int]:
@@ -262,7 +262,7 @@ class ExpertParallelEngine:
 
     @property
     def flat_buffers(self) -> list[torch.Tensor]:
-        return [self.dense.flat_params, self.experts.flat_params]
+        return [self.dense.held_params, self.experts.held_params]
 
     @property
     def step_count(self) -> int:
@@ -344,7 +344,7 @@ class ExpertParallelEngine:
         """Bytes this rank holds for its experts: their parameters (at ZeRO-3 their shard) and their optimizer
         state's shard."""
         e = self.experts
-        return e.flat_params.numel() * e.flat_params.element_size() + e.expected_state_bytes()
+        return e.held_params.numel() * e.held_params.element_size() + e.expected_state_bytes()
 
     @property
     def param_count(self) -> int:

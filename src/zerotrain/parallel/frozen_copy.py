@@ -107,7 +107,7 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
         if not same or like.dp.world_size != dp.world_size:
             raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model "
                              "(another architecture, world size or bucket_numel)")
-        shard = like.flat_params.detach().clone()  # in the engine's precision: what its model computes with
+        shard = like.placement.param_shard.detach().clone()  # in the engine's precision: what its model computes with
         return FrozenCopy(module, dp, layout, shard, shard_into_buckets(layout, params, shard, dp.rank, None))
     device = device if device is not None else next((p.device for p in params if not p.is_meta), "cpu")
 

@@ -6,28 +6,28 @@ scalar all-reduce, `zero_grad` as a window starts. Placements (replicated.py, sh
 its public methods to say where a bucket may start (schedule_by_units, begin_unit_backward) and read which parameters
 a forward reached (reached_parameters).
 
-Stage 1 keeps full gradients too, views into one flat gradient buffer; but one rank (one DP rank without TP, in
-fp32) has nothing to reduce and keeps no flat gradient buffer: each parameter's gradient is autograd's own tensor,
-as in a plain PyTorch loop, read where it is by the norm and AdamW (grads_in_params). Stage 2 keeps no gradients
-between steps: backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when
-the bucket's first gradient arrives, and the parameter's .grad is dropped. In the
-backward of the last micro-batch a complete bucket is reduce-scattered into this rank's shard and its buffer freed
-once the reduce-scatter is done, so a rank holds its 1/W of the gradients plus the buckets in flight, as many as
-fit in the bytes of the two largest buckets: a bucket's buffer, when its first gradient arrives, waits for the
-oldest reduce-scatters until it fits (stage 2 reduces in backward whatever `reduce_in_backward` says: holding every
-bucket until after backward would be stage 1's memory). With accumulation the buffers stay through the window (one
-reduce-scatter round per step, as in stage 1); the additions are the ones stage 1 makes, in the same order, so both
-stages compute bitwise the same shard. With `grad_reduce="micro-batch"` every micro-batch's buckets are
-reduce-scattered and freed instead, into the shard, which accumulates over the window: the two buckets' memory at any
-accumulation, for accumulation x the reduce-scatter traffic (and another order of the additions: not bitwise).
+Stage 1 keeps full gradients, views into one flat gradient buffer; but one rank (one DP rank without TP, in fp32) has
+nothing to reduce and keeps no flat gradient buffer: each parameter's gradient is autograd's own tensor, as in a plain
+PyTorch loop, read where it is by the norm and AdamW (grads_in_params). Stage 2 keeps no gradients between steps:
+backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's first
+gradient arrives, and the parameter's .grad is dropped. In the backward of the last micro-batch a complete bucket is
+reduce-scattered into this rank's shard and its buffer freed once the reduce-scatter is done, so a rank holds its 1/W
+of the gradients plus the buckets in flight, as many as fit in the bytes of the two largest buckets: a bucket's
+buffer, when its first gradient arrives, waits for the oldest reduce-scatters until it fits (stage 2 reduces in
+backward whatever `reduce_in_backward` says: holding every bucket until after backward would be stage 1's memory).
+With accumulation the buffers stay through the window (one reduce-scatter round per step, as in stage 1); the
+additions are the ones stage 1 makes, in the same order, so both stages compute bitwise the same shard. With
+`grad_reduce="micro-batch"` every micro-batch's buckets are reduce-scattered and freed instead, into the shard, which
+accumulates over the window: the two buckets' memory at any accumulation, for accumulation x the reduce-scatter
+traffic (and another order of the additions: not bitwise).
 
-A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has gradient
-zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
+A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has
+gradient zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
 forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
 waiting, in bucket order on every rank (_end_backward). Where another collective shares the backward with the
 reduce-scatters (stage 3's gathers, expert parallelism's all-to-alls), a bucket also waits until its unit's backward
-has begun on this rank (schedule_by_units, begin_unit_backward): a point every rank reaches in the same order, so that a
-rank expecting fewer gradients than another does not send the bucket earlier.
+has begun on this rank (schedule_by_units, begin_unit_backward): a point every rank reaches in the same order, so that
+a rank expecting fewer gradients than another does not send the bucket earlier.
 
 With hybrid sharding (--dp-replicate R) the shard, once the window's reduce-scatters are done, is all-reduced across
 the R replica groups (all_reduce_replicas), and replica group 0 alone adds its squares to the norm (each value once).

@@ -5,7 +5,7 @@ stages 1 and 2 and calls it at the same points. The flat layout is stage 1's and
 same owned chunks), so the optimizer shard, the gradient norm's grid and the checkpoint are theirs too. What changes
 is where the parameters live:
 
-    between steps          this rank's owned chunks only (`flat_params` is the shard: in fp32 the masters themselves;
+    between steps          this rank's owned chunks only (`param_shard`: in fp32 the masters themselves;
                            in bf16 the values gathered, rounded from an fp32 master shard after each update)
     a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
                            their storage released after it (forward hook)
@@ -69,8 +69,8 @@ With --tp the model holds this rank's TP slices and the replicated parameters, a
 group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/tensor_parallel.py) runs
 in the block's backward, before the gradient reaches its bucket.
 
-The gradient path is the engine's, stage 2's addition for addition (the reductions only scheduled by units:
-engine.schedule_by_units), so stage 3 computes bitwise the same step as stage 2 in the same
+The gradient path is the engine's (gradients.py), stage 2's addition for addition (the reductions only scheduled by
+units: GradientReducer.schedule_by_units), so stage 3 computes bitwise the same step as stage 2 in the same
 --grad-reduce mode (step or micro-batch, at any accumulation).
 """
 
@@ -155,13 +155,13 @@ class ShardedParameters:
         L, device, rank = e.layout, e.device, e.dp.rank
         # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
         dtype = param_dtype(e.precision)
-        self.flat_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
+        self.param_shard = torch.zeros(L.shard_numel, dtype=dtype, device=device)
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
         by_name = dict(e.model.named_parameters())
         frozen = [by_name[s.name] for s in self.frozen_layout.slots]
         # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held while whole
         self.bucket_params: list[torch.Tensor] = \
-            shard_into_buckets(L, e.params, self.flat_params, rank, e.initial_range) + \
+            shard_into_buckets(L, e.params, self.param_shard, rank, e.initial_range) + \
             shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, e.initial_range)
         self.whole: set[int] = set()  # buckets whose buffers hold their values now
         self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
@@ -171,6 +171,11 @@ class ShardedParameters:
         self._expected_gathers = None
         self._gather_drift = self._no_drift(1 if e.mesh.tp_size == 1 else 2 + (e.mesh.kv_replicas > 1))
         self.param_peak_bytes = self.param_bytes()
+
+    @property
+    def held_params(self) -> torch.Tensor:
+        """What this rank holds of the flat layout between steps: its shard."""
+        return self.param_shard
 
     def attach(self) -> None:
         """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
@@ -232,18 +237,18 @@ class ShardedParameters:
         L = self.engine.layout
         B = len(L.buckets)
         if index < B:
-            return L, index, self.flat_params, 0
+            return L, index, self.param_shard, 0
         return self.frozen_layout, index - B, self.frozen_shard, L.padded_numel
 
     # ---------------------------------------------------------------- the engine's owned values
     def owned_values(self, piece: OwnedPiece) -> torch.Tensor:
-        return self.flat_params[piece.shard_lo : piece.shard_hi]  # flat_params is the shard
+        return self.param_shard[piece.shard_lo : piece.shard_hi]
 
     def owned_views(self) -> list[torch.Tensor]:
-        return [self.flat_params.detach()]
+        return [self.param_shard.detach()]
 
     def owned_shard(self, copy: bool) -> torch.Tensor:
-        return self.flat_params.clone() if copy else self.flat_params
+        return self.param_shard.clone() if copy else self.param_shard
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
@@ -360,7 +365,7 @@ class ShardedParameters:
     def param_bytes(self) -> int:
         """Parameter bytes held now: the shard and the buckets whole or being gathered at the moment."""
         whole = sum(self.bucket_params[b].numel() for b in self.whole | set(self._in_flight))
-        return self.flat_params.element_size() * (self.flat_params.numel() + whole)
+        return self.param_shard.element_size() * (self.param_shard.numel() + whole)
 
     def frozen_bytes(self) -> int:
         """Bytes this rank holds for the frozen parameters now: its frozen shard, and whatever storage the frozen
@@ -416,7 +421,7 @@ class ShardedParameters:
     def _pack(self, tensor: torch.Tensor):
         """A tensor saved for backward that is a view of a bucket buffer is kept as where it lies, not as itself:
         its bucket is released after the forward, and gathered again when backward unpacks it."""
-        if self._current and tensor.device == self.flat_params.device and tensor.untyped_storage().size():
+        if self._current and tensor.device == self.param_shard.device and tensor.untyped_storage().size():
             ptr = tensor.untyped_storage().data_ptr()
             for b in self.whole:
                 if self.bucket_params[b].untyped_storage().data_ptr() == ptr:
@@ -498,10 +503,10 @@ class ShardedParameters:
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
         L, dp = self.engine.layout, self.engine.dp
-        flat = torch.empty(L.padded_numel, dtype=self.flat_params.dtype, device=self.flat_params.device)
+        flat = torch.empty(L.padded_numel, dtype=self.param_shard.dtype, device=self.param_shard.device)
         for b in L.buckets:
             c = b.chunk_numel(dp.world_size)
-            dp.all_gather(flat[b.start : b.end], self.flat_params[b.shard_offset : b.shard_offset + c],
+            dp.all_gather(flat[b.start : b.end], self.param_shard[b.shard_offset : b.shard_offset + c],
                           "all_gather_state")
         return flat
 
@@ -529,7 +534,7 @@ class ShardedParameters:
         self._land_prefetches()
         W, rank = self.engine.dp.world_size, self.engine.dp.rank
         per_bucket = torch.zeros(len(self.bucket_params), len(kinds[0]), 2, dtype=torch.int64,
-                                 device=self.flat_params.device)
+                                 device=self.param_shard.device)
         for index in range(len(self.bucket_params)):
             layout, local, shard, start = self._bucket_source(index)
             b = layout.buckets[local]
@@ -587,5 +592,5 @@ class ShardedParameters:
     def _no_drift(self, rows: int) -> list[list[torch.Tensor]]:
         """What the gathers since the last check differed by, per row: [plain, poly] as 0-dim int64 tensors (summed
         on the device, read at the next check: a few scalars, beside AdamW's step counters outside the plan's state)."""
-        zero = torch.zeros((), dtype=torch.int64, device=self.flat_params.device)
+        zero = torch.zeros((), dtype=torch.int64, device=self.param_shard.device)
         return [[zero.clone(), zero.clone()] for _ in range(rows)]

@@ -702,7 +702,7 @@ def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str,
     engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
     parts = getattr(engine, "parts", [engine])  # expert parallelism: the dense engine and the experts'
     master = sum(e.adamw.master.numel() * 4 for e in parts if e.adamw.master is not None)
-    buffers = [e.flat_params for e in parts]
+    buffers = [e.held_params for e in parts]
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=buffers)
     copy = (outside or {}).get("reference_model")
     return {"parameters": sum(b.numel() * b.element_size() for b in buffers),
