@@ -11,7 +11,7 @@ from dist_jobs import error_of_training, summary
 
 from zerotrain import checkpoint, load_model
 from zerotrain.config import Config
-from zerotrain.parallel import Comm, ZeroEngine
+from zerotrain.parallel import Comm, GradientReducer
 from zerotrain.training import invariants, memory_plan
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import train
@@ -41,7 +41,7 @@ def replicated_job(cfg: Config, comm: Comm) -> dict:
     out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
     # per rank: its parameters (the shard at stage 3) and its gradient shard; its optimizer state is out["memory"]'s
     parts = [engine.dense, engine.experts] if hasattr(engine, "experts") else [engine]
-    held = [sum(e.param_bytes() for e in parts), sum(e.grad_shard.numel() * e.grad_shard.element_size() for e in parts)]
+    held = [sum(e.param_bytes() for e in parts), sum(e.grads.grad_shard.numel() * e.grads.grad_shard.element_size() for e in parts)]
     out["held"] = comm.all_gather_rows(torch.tensor(held, dtype=torch.int64), "all_gather_test").tolist()
     out["shard_numel"] = sum(e.layout.shard_numel for e in parts)
     out["sent"] = dict(result.comm_bytes)
@@ -51,20 +51,20 @@ def replicated_job(cfg: Config, comm: Comm) -> dict:
 def unreplicated_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: the shard is not all-reduced across the replica groups (each group steps on its own half of the
     batch); the error invariant (b) raises."""
-    with mock.patch.object(ZeroEngine, "all_reduce_replicas", lambda self: None), plan_not_strict():
+    with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None), plan_not_strict():
         return error_of_training(cfg, comm, InvariantError)
 
 
 def unreplicated_unchecked_job(cfg: Config, comm: Comm) -> dict:
     """The same planted bug with invariant (b) not checked: what the run trains."""
-    with mock.patch.object(ZeroEngine, "all_reduce_replicas", lambda self: None), \
+    with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None), \
             mock.patch.object(invariants, "check_no_drift", lambda *args: []):
         return replicated_job(cfg, comm)
 
 
 def counted_on_every_replica_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: every replica group adds its copy of the shard's squares to the gradient norm (counted R times)."""
-    real = ZeroEngine._counted_grad_sumsq
+    real = GradientReducer._counted_grad_sumsq
 
     def every_copy(self):
         replicate, self.replicate = self.replicate, None
@@ -73,5 +73,5 @@ def counted_on_every_replica_job(cfg: Config, comm: Comm) -> dict:
         finally:
             self.replicate = replicate
 
-    with mock.patch.object(ZeroEngine, "_counted_grad_sumsq", every_copy):
+    with mock.patch.object(GradientReducer, "_counted_grad_sumsq", every_copy):
         return replicated_job(cfg, comm)

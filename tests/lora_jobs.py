@@ -103,17 +103,17 @@ def lora_whole_base_job(cfg: Config, comm: Comm) -> dict:
     frozen parameter its own whole tensor, as stages 1 and 2 do; the plan counts it so too)."""
     import os
 
-    from zerotrain.parallel import zero3
+    from zerotrain.parallel import units
     from zerotrain.parallel.layout import ShardLayout
     from zerotrain.training import memory_plan
 
-    real, strict = zero3.frozen_layout_of, os.environ.get(memory_plan.STRICT_ENV)
-    zero3.frozen_layout_of = lambda model, world_size, bucket_numel: ShardLayout.build([], world_size, bucket_numel)
+    real, strict = units.frozen_layout_of, os.environ.get(memory_plan.STRICT_ENV)
+    units.frozen_layout_of = lambda model, world_size, bucket_numel: ShardLayout.build([], world_size, bucket_numel)
     os.environ[memory_plan.STRICT_ENV] = "0"  # the plan's sharded base would stop the run before its summary
     try:
         return lora_job(cfg, comm)
     finally:
-        zero3.frozen_layout_of = real
+        units.frozen_layout_of = real
         os.environ[memory_plan.STRICT_ENV] = strict or ""
 
 
@@ -170,28 +170,28 @@ def lora_drifted_frozen_gather_job(cfg: Config, comm: Comm) -> dict:
 
 def frozen_copy_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
     """A ZeRO-3 model (full fine-tuning, no step taken) and two all-frozen copies of it sharded like it
-    (zero3.shard_frozen_copy): one from the engine's shard, one drawn from the seed. Their logits under no_grad, the
+    (frozen_copy.shard_frozen_copy): one from the engine's shard, one drawn from the seed. Their logits under no_grad, the
     model's own, what each rank held of a copy at most, and the refusal of a forward with gradients.
     `planted`: the copies' blocks gather nothing (their units' buckets left out)."""
     from zerotrain.model import meta_model
     from zerotrain.model.init import SeedValues
-    from zerotrain.parallel import zero3
+    from zerotrain.parallel import frozen_copy, units
     from zerotrain.training.loop import build_engine
 
-    real = zero3.unit_buckets
+    real = units.unit_buckets
     engine = build_engine(cfg, comm)
     if planted:
-        zero3.unit_buckets = lambda model, layout, trained=True: [real(model, layout, trained)[0]] + \
+        units.unit_buckets = lambda model, layout, trained=True: [real(model, layout, trained)[0]] + \
             [()] * (len(real(model, layout, trained)) - 1)
     try:
         copies = []
         for source in ("like", "init"):
             module = meta_model(cfg.model).requires_grad_(False)
-            copies.append(zero3.shard_frozen_copy(
+            copies.append(frozen_copy.shard_frozen_copy(
                 module, engine.dp, bucket_numel=cfg.parallel.bucket_numel, like=engine if source == "like" else None,
                 init=SeedValues(cfg.model, cfg.loop.seed, {}, 0)))
     finally:
-        zero3.unit_buckets = real
+        units.unit_buckets = real
     idx = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     out = {"held": [c.shard.numel() * c.shard.element_size() for c in copies]}
     try:

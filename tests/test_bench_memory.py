@@ -16,7 +16,7 @@ from zerotrain.cli.main import main
 from zerotrain.config import Config
 from zerotrain.model import build_model
 from zerotrain.parallel import layout_of
-from zerotrain.parallel.zero3 import units_whole_bytes
+from zerotrain.parallel.units import units_whole_bytes
 
 pytestmark = pytest.mark.timeout(300)
 ACCUMULATING = ("ZeRO-1 accum", "ZeRO-2 accum step", "ZeRO-2 accum micro-batch", "ZeRO-3 accum step",

@@ -151,10 +151,11 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_pat
     cfg, engine = trained(tmp_path, one_rank)
     path, _, _ = checkpoint.save_checkpoint(str(tmp_path / "ck"), 2, engine, one_rank, cfg.to_dict())
     fresh = build_engine(cfg, one_rank)
-    assert not torch.equal(fresh.flat_params, engine.flat_params)
+    assert not torch.equal(fresh.held_params, engine.held_params)
     assert checkpoint.load_checkpoint(path, fresh, one_rank)["step"] == 2
-    assert torch.equal(fresh.flat_params, engine.flat_params)
-    assert torch.equal(fresh.exp_avg, engine.exp_avg) and torch.equal(fresh.exp_avg_sq, engine.exp_avg_sq)
+    assert torch.equal(fresh.held_params, engine.held_params)
+    assert torch.equal(fresh.adamw.exp_avg, engine.adamw.exp_avg)
+    assert torch.equal(fresh.adamw.exp_avg_sq, engine.adamw.exp_avg_sq)
     assert fresh.step_count == engine.step_count == 2
 
     shard = os.path.join(path, SHARD)
@@ -169,11 +170,12 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_pat
     assert failed.step_count == 0  # not restored: the engine is not taken for the checkpoint's
     open(shard, "wb").write(good)
     assert checkpoint.load_checkpoint(path, failed, one_rank)["step"] == 2  # what resume's next candidate does
-    assert torch.equal(failed.flat_params, engine.flat_params) and failed.step_count == 2
-    assert torch.equal(failed.exp_avg, engine.exp_avg) and torch.equal(failed.exp_avg_sq, engine.exp_avg_sq)
+    assert torch.equal(failed.held_params, engine.held_params) and failed.step_count == 2
+    assert torch.equal(failed.adamw.exp_avg, engine.adamw.exp_avg)
+    assert torch.equal(failed.adamw.exp_avg_sq, engine.adamw.exp_avg_sq)
 
     untouched = build_engine(cfg, one_rank)
-    before = untouched.flat_params.clone()
+    before = untouched.held_params.clone()
 
     manifest_file = os.path.join(path, "manifest.json")
     manifest = json.load(open(manifest_file))
@@ -181,7 +183,7 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_pat
     json.dump(manifest, open(manifest_file, "w"))
     with pytest.raises(checkpoint.CheckpointError, match="manifest.json: owned ranges overlap"):
         checkpoint.load_checkpoint(path, untouched, one_rank)
-    assert torch.equal(untouched.flat_params, before)
+    assert torch.equal(untouched.held_params, before)
 
 
 def test_incompatible_or_foreign_folders_are_refused(tmp_path, one_rank):
@@ -239,7 +241,7 @@ def held_copies(monkeypatch, engine):
 
     monkeypatch.setattr(save_module._Staging, "copy_from", copy_from)
     monkeypatch.setattr(checkpoint.CheckpointWriter, "_wait_staged", wait_staged)
-    engine.optimizer.register_step_post_hook(lambda *_: reached.set())
+    engine.adamw.optimizer.register_step_post_hook(lambda *_: reached.set())
     return reached
 
 
@@ -380,7 +382,7 @@ def two_rank_job(rank, comm, tmp_path, root):
     save_module.commit = real_commit
     fresh = build_engine(cfg, comm)
     checkpoint.load_checkpoint(paths[-1], fresh, comm)
-    out = {"paths": paths, "loaded_equal": torch.equal(fresh.flat_params, engine.flat_params)}
+    out = {"paths": paths, "loaded_equal": torch.equal(fresh.held_params, engine.held_params)}
     if rank == 0:
         out["verified"] = [all(c.ok for c in checkpoint.verify_checkpoint(p)) for p in paths]
     elsewhere = root if rank == 0 else str(tmp_path / "node1-local-disk")  # rank 1 on a disk rank 0 cannot see

@@ -9,7 +9,7 @@ from conftest import tiny_config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.model import build_model, summed_token_loss
 from zerotrain.model.loss import head_loss
-from zerotrain.parallel import ZeroEngine
+from zerotrain.parallel import AdamWShard, GradientReducer, ZeroEngine
 from zerotrain.parallel.optim import adamw_param_groups, build_adamw
 from zerotrain.training.invariants import held_bytes
 from zerotrain.training.loop import accumulate_gradients, build_engine
@@ -18,7 +18,7 @@ from zerotrain.training.schedule import lr_at
 
 def plant_flat_gradient_buffer(monkeypatch) -> None:
     """Planted: one rank keeps the flat gradient buffer (and copies each gradient into it), as more ranks do."""
-    monkeypatch.setattr(ZeroEngine, "grads_in_params", property(lambda self: False))
+    monkeypatch.setattr(GradientReducer, "grads_in_params", property(lambda self: False))
 
 
 def run_steps(engine, cfg, steps, forward=None, grads=None):
@@ -32,15 +32,15 @@ def run_steps(engine, cfg, steps, forward=None, grads=None):
         accumulate_gradients(engine, batch, forward)
         norm, _ = engine.reduce_grads(torch.zeros(0))
         if grads is not None:
-            grads.append(engine.gradient_shard().clone())
+            grads.append(engine.grads.gradient_shard().clone())
         engine.apply(lr_at(step, cfg.optim, cfg.loop.steps), norm)
     return norm
 
 
 def test_parameters_are_views_of_the_flat_buffer_and_one_ranks_gradients_are_autograds_own(tmp_path, one_rank):
     engine = build_engine(tiny_config(tmp_path), one_rank)
-    flat_p = engine.flat_params.untyped_storage().data_ptr()
-    assert engine.grads_in_params and engine.flat_grads.numel() == 0
+    flat_p = engine.held_params.untyped_storage().data_ptr()
+    assert engine.grads.grads_in_params and engine.grads.flat_grads.numel() == 0
     for p in engine.model.parameters():
         assert p.untyped_storage().data_ptr() == flat_p
     run_steps(engine, tiny_config(tmp_path), 1)
@@ -54,7 +54,7 @@ def test_parameters_are_views_of_the_flat_buffer_and_one_ranks_gradients_are_aut
 def fp32_master_copy():
     """Planted bug: the engine takes its bf16 branch in fp32 too and keeps an fp32 master copy of its shard
     (training is unchanged: the copy is written back into the parameter buffer after every update)."""
-    real = ZeroEngine._build_optimizer
+    real = AdamWShard._build_optimizer
 
     def build_with_a_master_copy(self):
         self.precision = "bf16"
@@ -63,36 +63,36 @@ def fp32_master_copy():
         finally:
             self.precision = "fp32"
 
-    return mock.patch.object(ZeroEngine, "_build_optimizer", build_with_a_master_copy)
+    return mock.patch.object(AdamWShard, "_build_optimizer", build_with_a_master_copy)
 
 
 def test_fp32_master_is_the_parameter_buffer_so_state_is_8_bytes_per_value_and_a_master_copy_is_caught(
         tmp_path, one_rank):
     def state(engine) -> tuple[bool, int]:
         """(every master is a view of the parameter buffer, optimizer state bytes per owned value)"""
-        flat = engine.flat_params.untyped_storage().data_ptr()
-        masters = engine._master_views
+        flat = engine.held_params.untyped_storage().data_ptr()
+        masters = engine.adamw._master_views
         views = bool(masters) and all(m.untyped_storage().data_ptr() == flat for m in masters)
-        held = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params])
+        held = held_bytes(engine.optimizer_state_tensors(), exclude=[engine.held_params])
         return views, held / engine.layout.shard_numel
 
     assert state(build_engine(tiny_config(tmp_path), one_rank)) == (True, 8)
     with fp32_master_copy():
         planted = build_engine(tiny_config(tmp_path), one_rank)
-    assert planted.flat_params.dtype == torch.float32
+    assert planted.held_params.dtype == torch.float32
     assert state(planted) == (False, 12)  # the copy is measured: 4 more bytes per value
 
 
 def test_bf16_keeps_an_fp32_master_shard_12_bytes_per_value(tmp_path, one_rank):
     cfg = tiny_config(tmp_path, precision="bf16")
     engine = build_engine(cfg, one_rank)
-    assert engine.flat_params.dtype == torch.bfloat16 and engine.master.dtype == torch.float32
-    assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.flat_params]) == 12 * engine.layout.shard_numel
+    assert engine.held_params.dtype == torch.bfloat16 and engine.adamw.master.dtype == torch.float32
+    assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.held_params]) == 12 * engine.layout.shard_numel
     run_steps(engine, cfg, 2)
     # parameters are the bf16 rounding of the fp32 masters (one rank: the shard is the whole buffer)
-    assert torch.equal(engine.master_shard().bfloat16(), engine.flat_params)
-    assert not torch.equal(engine.master_shard(), engine.flat_params.float())  # the master keeps more bits
-    assert torch.isfinite(engine.flat_params.float()).all()
+    assert torch.equal(engine.master_shard().bfloat16(), engine.held_params)
+    assert not torch.equal(engine.master_shard(), engine.held_params.float())  # the master keeps more bits
+    assert torch.isfinite(engine.held_params.float()).all()
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -170,8 +170,8 @@ def test_compiled_model_computes_the_eager_gradient_and_trains_like_the_eager_on
     assert 0 < first <= 1e-5 * eager_grads[0].abs().max().item()
     assert abs(compiled_norm - eager_norm) <= 1e-4 * eager_norm
     # after two updates (measured: worst 4.2e-7, against steps of lr = 3e-3)
-    assert (compiled.flat_params - eager.flat_params).abs().max().item() <= 1e-5
-    assert not torch.equal(compiled.flat_params, build_engine(cfg, one_rank).flat_params)  # it did train
+    assert (compiled.held_params - eager.held_params).abs().max().item() <= 1e-5
+    assert not torch.equal(compiled.held_params, build_engine(cfg, one_rank).held_params)  # it did train
 
 
 def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allocated_later(tmp_path, one_rank,
@@ -186,13 +186,13 @@ def test_invariant_c_measures_adamw_s_state_after_updates_and_catches_state_allo
     cfg.loop.check_every = 2
     result = train(cfg, one_rank)
     assert result.memory.per_rank == [result.memory.expected]  # measured after step 4's update
-    real = ZeroEngine._build_optimizer
+    real = AdamWShard._build_optimizer
 
     def own_moments(self):
         real(self)
         self.optimizer.state.clear()
 
-    monkeypatch.setattr(ZeroEngine, "_build_optimizer", own_moments)
+    monkeypatch.setattr(AdamWShard, "_build_optimizer", own_moments)
     cfg = tiny_config(tmp_path / "planted", steps=4)
     cfg.loop.check_every = 2
     # The memory plan's check, after the first step, finds the extra state first...
@@ -228,7 +228,7 @@ def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_b
     buffered_grads = []
     assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
     assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
-    assert torch.equal(buffered.flat_params, one.flat_params)
+    assert torch.equal(buffered.held_params, one.held_params)
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 holds [\d,]+ bytes of gradients"):
         train(tiny_config(tmp_path / "buffered", steps=3), one_rank)
 
@@ -251,17 +251,17 @@ def test_a_parameter_without_a_gradient_in_a_window_reads_zero_not_the_last_wind
         engine.zero_grad()
         for p in engine.params[1:]:  # as backward leaves them: .grad set, the engine's hook run
             p.grad = torch.ones_like(p)
-            engine._on_grad_ready(p)
+            engine.grads._on_grad_ready(p)
         norm, _ = engine.reduce_grads(torch.zeros(0))
-        return norm, float(engine.gradient_shard()[first.offset : first.offset + first.numel].abs().max())
+        return norm, float(engine.grads.gradient_shard()[first.offset : first.offset + first.numel].abs().max())
 
     honest = build_engine(cfg, one_rank)
-    assert honest.flat_grads.count_nonzero() == 0
+    assert honest.grads.flat_grads.count_nonzero() == 0
     norm, skipped_max = second_window_norm(honest)
     assert skipped_max == 0.0 and norm == pytest.approx(sum(p.numel() for p in honest.params[1:]) ** 0.5)
     if path == "flat buffer":
-        monkeypatch.setattr(ZeroEngine, "_zero_grads_not_taken", lambda self: self._awaiting.clear())
+        monkeypatch.setattr(GradientReducer, "_zero_grads_not_taken", lambda self: self._awaiting.clear())
     else:
-        monkeypatch.setattr(ZeroEngine, "zero_grad", lambda self: None)
+        monkeypatch.setattr(GradientReducer, "zero_grad", lambda self: None)
     planted_norm, planted_max = second_window_norm(build_engine(cfg, one_rank))
     assert planted_max > 0 and planted_norm > norm

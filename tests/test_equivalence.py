@@ -18,7 +18,7 @@ from zerotrain.cli.commands.equivalence import BOUND, check, equivalence_job
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser, main
 from zerotrain.config import Config
-from zerotrain.parallel import Comm
+from zerotrain.parallel import AdamWShard, Comm, GradientOrderError, GradientReducer
 from zerotrain.parallel import engine as zero
 from zerotrain.runtime.launch import run_job
 from zerotrain.training import loop
@@ -111,13 +111,13 @@ def test_per_micro_batch_mean_weighting_on_varlen_data_misses_the_bound_by_far(t
 def reduced_once_a_step():
     """Planted bug: the engine reduces a ZeRO-3 window's gradients once a step where the plan reduces each micro-batch
     into the shard: its window holds a full gradient (--grad-reduce step's memory), and its rounds say so."""
-    real_init = zero.ZeroEngine.__init__
+    real_init = GradientReducer.__init__
 
     def init_once_a_step(self, *args, **kw):
         real_init(self, *args, **kw)
         self.per_micro_batch = False
 
-    return mock.patch.object(zero.ZeroEngine, "__init__", init_once_a_step)
+    return mock.patch.object(GradientReducer, "__init__", init_once_a_step)
 
 
 def zero3_equivalence_job(cfg: Config, comm: Comm, **kwargs) -> list[dict] | None:
@@ -158,20 +158,20 @@ def local_token_scaling():
 
 def adamw_one_step_ahead():
     """Planted bug: the engine's AdamW step counter starts at 1, so the first update gets step 2's bias correction."""
-    real_init = zero.ZeroEngine.__init__
+    real_init = AdamWShard.__init__
 
     def init_one_step_ahead(self, *args, **kw):
         real_init(self, *args, **kw)
         for state in self.optimizer.state.values():
             state["step"] += 1
 
-    return mock.patch.object(zero.ZeroEngine, "__init__", init_one_step_ahead)
+    return mock.patch.object(AdamWShard, "__init__", init_one_step_ahead)
 
 
 def unclipped_apply():
     """Planted bug: the engine's apply never clips by the global gradient norm."""
-    real_apply = zero.ZeroEngine.apply
-    return mock.patch.object(zero.ZeroEngine, "apply", lambda self, lr, grad_norm: real_apply(self, lr, 0.0))
+    real_step = AdamWShard.step
+    return mock.patch.object(AdamWShard, "step", lambda self, lr, grad_norm: real_step(self, lr, 0.0))
 
 
 def publishing_twice():
@@ -190,8 +190,8 @@ def publishing_twice():
 def ignored_no_sync():
     """Planted bug: the engine's no_sync holds nothing back, so every micro-batch's backward launches its buckets'
     reduce-scatters from the engine's own gradient hook."""
-    real = zero.ZeroEngine.no_sync
-    return mock.patch.object(zero.ZeroEngine, "no_sync", lambda self, enabled=True: real(self, False))
+    real = GradientReducer.no_sync
+    return mock.patch.object(GradientReducer, "no_sync", lambda self, enabled=True: real(self, False))
 
 
 # name: (the bug, the --overlap its check runs with)
@@ -279,7 +279,7 @@ def rounds_job(cfg: Config, comm: Comm, *, accums: list[int], bug=None) -> dict 
             before = Counter(comm.calls)
             try:
                 engine = train(c, comm).engine
-            except zero.GradientOrderError as e:
+            except GradientOrderError as e:
                 gc.collect()  # the engine's unwaited reduce-scatters go while the process group is alive
                 calls = Counter(comm.calls) - before
                 out[accum] = {"error": str(e), "reduce_scatter_calls": calls["reduce_scatter_grads"]}

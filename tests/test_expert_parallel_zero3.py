@@ -19,7 +19,7 @@ point. Planted: the MoE layer's backward hook left out (the experts gathered at 
 unpacks, reduced where a gradient arrives), the replica group's collectives part ways and the run fails.
 Those runs use buckets of 0.01 MiB (several per block, the experts of a block in several), at ZeRO-3 with --ep 1 and 2
 and at ZeRO-2 with --ep 2 (step, and --grad-reduce micro-batch at --accum 2): each trains what ZeRO-1 does under the
-same routing (losses within 1e-6), the reduce-scatters starting where zero3.py's schedule says on every rank. Planted:
+same routing (losses within 1e-6), the reduce-scatters starting where sharded.py's schedule says on every rank. Planted:
 each bucket launched where its last expected gradient arrives (stage 3's gate and the units' end points left out),
 a bucket that no gradient reaches on ranks 2 and 3 goes out at another point among the gathers there, and gloo aborts.
 """
@@ -37,8 +37,8 @@ from test_expert_parallel import close, config, export_tensors
 
 from zerotrain.errors import InvariantError
 from zerotrain.model import moe
-from zerotrain.parallel import Comm, Mesh, ZeroEngine, experts
-from zerotrain.parallel.zero3 import ShardedParameters
+from zerotrain.parallel import Comm, GradientReducer, Mesh, ZeroEngine, experts
+from zerotrain.parallel.sharded import ShardedParameters
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.training import memory_plan
 from zerotrain.training.io_plan import differences, io_plan
@@ -53,7 +53,7 @@ SAVED = 2  # the --ep 2 run's first checkpoint: resumed from, and the wrong grou
 ZERO3 = ("--steps", str(STEPS), "--zero", "3", "--bucket-mb", "0.01")
 # The runs where some experts get no rows on some ranks, with several buckets per block: a bucket that no gradient
 # reaches on one rank and some do on another is reduce-scattered at the same point among the units' gathers on both
-# (zero3.py's schedule); launched where its last gradient arrives instead, the DP group's messages part ways.
+# (sharded.py's schedule); launched where its last gradient arrives instead, the DP group's messages part ways.
 NO_ROWS = ("--steps", "2", "--bucket-mb", "0.01")
 
 
@@ -155,8 +155,8 @@ def arrival_order_job(rank, comm, tmp_path):
     expected gradient arrives (planted: the reduce schedule's gate and the units' end points left out, as before):
     the DP group's collectives part ways, and the run fails (a short wait: a hang times out) or aborts."""
     moe.MoE.route = masked_routing(rank)[1]
-    ZeroEngine._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
-    ZeroEngine._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
+    GradientReducer._may_start = lambda self, index: True  # planted: no gate, a bucket starts when its grads are in
+    GradientReducer._watch_unit_input = lambda self, unit, args: None  # planted: no unit end points
     short = Comm(dist.new_group(timeout=datetime.timedelta(seconds=2)), timeout_s=2, io=comm)
     return failed(short, tmp_path / "arrival_order", *NO_ROWS)
 

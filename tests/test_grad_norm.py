@@ -87,7 +87,7 @@ def engine_norm_job(cfg, comm) -> float:
     engine.zero_grad()
     for s, p in zip(engine.layout.slots, engine.params):  # as backward leaves them: .grad set, the engine's hook run
         p.grad = grads[s.name].clone() if comm.rank == 0 else torch.zeros_like(grads[s.name])
-        engine._on_grad_ready(p)
+        engine.grads._on_grad_ready(p)
     norm, _ = engine.reduce_grads(torch.zeros(0))
     return norm
 

@@ -20,7 +20,7 @@ from zerotrain.hub.init_from import adopt, weight_source
 from zerotrain.model import meta_model
 from zerotrain.model.init import SeedValues, materialise
 from zerotrain.parallel import layout_of
-from zerotrain.parallel.zero3 import frozen_layout_of, units_whole_bytes
+from zerotrain.parallel.units import frozen_layout_of, units_whole_bytes
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.memory_plan import memory_plan
 
@@ -165,7 +165,7 @@ def test_each_of_4_ranks_holds_and_reads_a_quarter_of_the_base_and_a_base_kept_w
 
 def test_a_frozen_copy_sharded_like_the_model_computes_the_unsharded_models_logits_and_an_ungathered_unit_is_caught(
         two):
-    """zero3.shard_frozen_copy: an all-frozen model sharded over 2 ranks as ZeRO-3 shards the policy (its values copied
+    """frozen_copy.shard_frozen_copy: an all-frozen model sharded over 2 ranks as ZeRO-3 shards the policy (its values copied
     from the engine's shard, or drawn from the seed), whole per unit in its forward only."""
     for name in ("copy", "copy gpt2"):
         run, cfg = two[name], two[name + " config"]

@@ -66,8 +66,8 @@ def resumed(out, step3, *flags):
 def without_moments(target, engine, comm, **kwargs):
     """Planted in place of checkpoint.resume: the resume loses AdamW's moments."""
     found = REAL_RESUME(target, engine, comm, **kwargs)
-    engine.exp_avg.zero_()
-    engine.exp_avg_sq.zero_()
+    engine.adamw.exp_avg.zero_()
+    engine.adamw.exp_avg_sq.zero_()
     return found
 
 

@@ -159,19 +159,19 @@ def test_a_planted_upward_import_and_circle_are_caught(tmp_path):
 
 def test_no_module_reaches_into_anothers_private_names_and_a_planted_subclass_is_caught(tmp_path):
     """The stages are a seam (parallel/params.py's ParameterPlacement), not a subclass of the engine overriding its
-    private methods. Planted in a copy of the package: a stage-3 engine subclassing ZeroEngine and overriding
-    _launch, and a module importing the engine's private name."""
+    private methods. Planted in a copy of the package: a stage-3 class subclassing the GradientReducer and
+    overriding _launch, and a module importing the engine's private name."""
     import shutil
 
     assert private_reaches(modules()) == []
     copy = tmp_path / "zerotrain"
     shutil.copytree(PACKAGE, copy)
-    with open(copy / "parallel" / "zero3.py", "a") as f:
-        f.write("\nfrom .engine import ZeroEngine as _Engine, _planted  # planted\n\n\nclass Planted(_Engine):\n"
+    with open(copy / "parallel" / "sharded.py", "a") as f:
+        f.write("\nfrom .gradients import GradientReducer as _Reducer, _planted  # planted\n\n\nclass Planted(_Reducer):\n"
                 "    def _launch(self, index):\n        pass\n")
     assert private_reaches(modules(str(copy))) == [
-        "zerotrain.parallel.zero3 imports zerotrain.parallel.engine._planted",
-        "zerotrain.parallel.zero3.Planted overrides zerotrain.parallel.engine.ZeroEngine._launch"]
+        "zerotrain.parallel.sharded imports zerotrain.parallel.gradients._planted",
+        "zerotrain.parallel.sharded.Planted overrides zerotrain.parallel.gradients.GradientReducer._launch"]
 
 
 def same_names(known: dict[str, str]) -> dict[str, list[str]]:

@@ -5,13 +5,14 @@ import math
 import pytest
 from conftest import tiny_config
 
+from zerotrain.parallel import engine as engine_module
 from zerotrain.parallel import parts
 from zerotrain.parallel.parts import parts_for
 from zerotrain.training.loop import build_engine
 
 
 def answers_of_engine(engine) -> dict:
-    return {"gathers_units": engine.placement.gathers_units, "autograd_grads": engine.grads_in_params,
+    return {"gathers_units": engine.placement.gathers_units, "autograd_grads": engine.grads.grads_in_params,
             "state_bytes_per_value": engine.expected_state_bytes_per_value()}
 
 
@@ -27,12 +28,37 @@ def test_the_parts_answer_as_the_engine_they_plan_for_builds_and_a_wrong_answer_
     cfg = tiny_config(tmp_path, zero=zero, precision=precision)
     engine = build_engine(cfg, one_rank)
     assert answers_of_parts(cfg, 1) == answers_of_engine(engine)
-    # the loop's questions: whether replicas start from one whole model, and the norm a rank computes with
-    assert parts_for(cfg).placement.holds_whole_model == (not engine.placement.gathers_units)
     # planted: the placement's answer flipped; the engine built from the same settings disagrees
     placement = type(parts_for(cfg).placement)
     monkeypatch.setattr(placement, "gathers_units", not placement.gathers_units)
     assert answers_of_parts(cfg, 1) != answers_of_engine(engine)
+
+
+def loop_answers(engine) -> dict:
+    """What the loop asks the engine it has: whether replicas start from one whole model, whether units are gathered,
+    and the norm each of two world ranks computes with when they hold parameters of norms 3 and 4."""
+    return {"holds_whole_model": engine.holds_whole_model, "gathers_units": engine.gathers_units,
+            "computed_norms": engine.computed_norms([3.0, 4.0])}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_the_engine_answers_the_loop_with_its_placements_part_and_a_wrong_part_is_caught(
+        one_rank, tmp_path, monkeypatch, zero):
+    """The runtime engine holds the plan-time part of its placement (parts.py, built from its own settings): its
+    answers are the plan's, and what its placement does (a sharded one gathers units, and each rank holds a shard of
+    the model its DP group computes with). Planted: the engine's table pairs stage 3's placement with the replicated
+    part; its answers then disagree with what its placement does."""
+    cfg = tiny_config(tmp_path, zero=zero)
+    engine = build_engine(cfg, one_rank)
+    sharded = engine.placement.gathers_units
+    expected = {"holds_whole_model": not sharded, "gathers_units": sharded,
+                "computed_norms": [5.0, 5.0] if sharded else [3.0, 4.0]}
+    assert loop_answers(engine) == expected
+    plan = parts_for(cfg).placement
+    assert (plan.holds_whole_model, plan.gathers_units) == (expected["holds_whole_model"], expected["gathers_units"])
+    monkeypatch.setitem(engine_module.PLACEMENTS, 3, (engine_module.ShardedParameters, parts.ReplicatedPlacement))
+    planted = build_engine(cfg, one_rank)
+    assert (loop_answers(planted) == expected) == (zero < 3)
 
 
 def test_a_sharded_rank_reports_the_norm_of_its_dp_groups_model_and_a_replicated_one_its_own():

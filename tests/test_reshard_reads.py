@@ -254,8 +254,9 @@ def test_every_rank_of_another_mesh_reads_its_share_and_gets_what_whole_shards_g
 def state_buffers(engine) -> list[tuple[int, int]]:
     """(first byte, end) of each buffer `engine` keeps its shard state in: the parameters (at stages 1 and 2 in fp32
     the masters are their owned runs), the fp32 masters where kept apart, the moments."""
-    tensors = [engine.flat_params, engine.exp_avg, engine.exp_avg_sq, *([engine.master] if engine.master is not None
-                                                                        else [])]
+    adamw = engine.adamw
+    tensors = [engine.held_params, adamw.exp_avg, adamw.exp_avg_sq,
+               *([adamw.master] if adamw.master is not None else [])]
     return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
             for t in tensors]
 
@@ -306,7 +307,7 @@ def test_a_resume_reads_its_shard_into_the_engine_and_a_whole_shard_copy_is_caug
                 m.setattr(load_module, "read_shard", whole_shard_read)
             assert checkpoint.load_checkpoint(path, engine, one_rank)["step"] == 2
         assert bits_equal(engine.shard_state_dict(), trained.shard_state_dict()), planted
-        assert torch.equal(engine.flat_params, trained.flat_params), planted
+        assert torch.equal(engine.held_params, trained.held_params), planted
         read[planted] = counted
     assert read[False] == {"in place": state_bytes, "beside": header + 8}  # its header, and the step
     assert read[True] == {"in place": 0, "beside": header + 8 + state_bytes}  # planted: a second copy of the state

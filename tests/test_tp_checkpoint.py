@@ -316,7 +316,7 @@ def test_a_manifest_from_before_tp_reads_and_loads_as_tp1(tmp_path, one_rank):
     assert all(c.ok for c in checkpoint.verify_checkpoint(path))
     fresh = build_engine(cfg, one_rank)
     assert checkpoint.load_checkpoint(path, fresh, one_rank)["step"] == 1
-    assert torch.equal(fresh.flat_params, engine.flat_params)
+    assert torch.equal(fresh.held_params, engine.held_params)
     rewrite(path, lambda m: m.update(mesh={"tp": 1, "dp": 1}))  # one of the two new keys alone is refused
     with pytest.raises(checkpoint.CheckpointError, match="has 'mesh' but no 'tp_slices'"):
         checkpoint.load_checkpoint(path, fresh, one_rank)

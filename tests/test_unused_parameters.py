@@ -16,7 +16,7 @@ from conftest import tiny_config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.errors import InvariantError
 from zerotrain.model import build_model, summed_token_loss
-from zerotrain.parallel import GradientOrderError, ShardedParameters, ZeroEngine
+from zerotrain.parallel import GradientOrderError, GradientReducer, ShardedParameters, ZeroEngine
 from zerotrain.parallel.optim import adamw_param_groups, build_adamw
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import accumulate_gradients, build_engine
@@ -68,7 +68,7 @@ def old_end_of_backward(monkeypatch, stage3_release: bool = False) -> None:
     reduce schedule's counts started again), stage 3's placement's dropped (every unit released, the units' counts
     of gradients started again)."""
     if not stage3_release:
-        monkeypatch.setattr(ZeroEngine, "_end_backward", lambda self: setattr(self, "_end_queued", False))
+        monkeypatch.setattr(GradientReducer, "_end_backward", lambda self: setattr(self, "_end_queued", False))
         return
     monkeypatch.setattr(ShardedParameters, "end_backward", lambda self: None)
 
@@ -116,7 +116,7 @@ def test_the_final_norm_unused_in_some_micro_batches_holds_no_bucket_back_and_tr
         assert run["losses"] == first["losses"] and \
             all(torch.equal(run["params"][n], first["params"][n]) for n in first["params"])
     assert worst(first["params"], torch_reference(config(tmp_path, 1, "step"), final=True)) < BOUND
-    monkeypatch.setattr(ZeroEngine, "_reached_by_forward", lambda self, *args: None)
+    monkeypatch.setattr(GradientReducer, "_reached_by_forward", lambda self, *args: None)
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 held [\d,]+ bytes of gradients "
                                              r"at once, the plan at most [\d,]+"):
         unused_params_jobs.trained(config(tmp_path / "planted", 2, "micro-batch"), one_rank, final=True)
@@ -178,12 +178,12 @@ def test_a_backward_after_its_window_was_reduced_is_said_to_be_the_callers_and_t
     cfg = config(tmp_path, 2, "step")
     batch = BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum, rank=0,
                           world_size=1).batch(0)
-    real = ZeroEngine.no_sync
+    real = GradientReducer.no_sync
 
     def after_a_misused_window():
         engine = build_engine(cfg, one_rank)
         with monkeypatch.context() as m:
-            m.setattr(ZeroEngine, "no_sync", lambda self, enabled=True: real(self, False))
+            m.setattr(GradientReducer, "no_sync", lambda self, enabled=True: real(self, False))
             engine.zero_grad()
             with pytest.raises(GradientOrderError) as caught:
                 accumulate_gradients(engine, batch)
@@ -195,12 +195,12 @@ def test_a_backward_after_its_window_was_reduced_is_said_to_be_the_callers_and_t
                             "last inside engine.no_sync(), and engine.zero_grad() before the next window")
     fresh = build_engine(cfg, one_rank)
     run_steps(fresh, cfg, 2)
-    assert torch.equal(engine.flat_params, fresh.flat_params)
+    assert torch.equal(engine.held_params, fresh.held_params)
 
     def counts_only(self):
         self._ready, self._launched = [0] * len(self._ready), 0
         self._end_queued = self._reduces_now = self._window_reduced = False
 
-    monkeypatch.setattr(ZeroEngine, "_reset_window", counts_only)
+    monkeypatch.setattr(GradientReducer, "_reset_window", counts_only)
     planted, _ = after_a_misused_window()
-    assert not torch.equal(planted.flat_params, fresh.flat_params)
+    assert not torch.equal(planted.held_params, fresh.held_params)

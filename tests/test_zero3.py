@@ -25,7 +25,8 @@ from zerotrain.cli.main import main
 from zerotrain.errors import ConfigError
 from zerotrain.hub.export import export_model
 from zerotrain.model import build_model, init
-from zerotrain.parallel import parts, zero3
+from zerotrain.parallel import parts
+from zerotrain.parallel import units as unit_rules
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import build_engine, train
 from zerotrain.training import memory_plan as plan_module
@@ -387,7 +388,7 @@ def test_an_untied_embedding_and_head_are_never_whole_together(tmp_path, monkeyp
     edges = 2 * 4 * cfg.parallel.bucket_numel  # a bucket at each end of the units whole, shared with a neighbour
     units = plan_module.memory_plan(cfg).rows["parameter_units"]
     assert units <= vocab_bytes + (2 if prefetch else 1) * block_bytes + edges < 2 * vocab_bytes
-    monkeypatch.setattr(zero3, "untied_head", lambda model: False)
+    monkeypatch.setattr(unit_rules, "untied_head", lambda model: False)
     assert plan_module.memory_plan(cfg).rows["parameter_units"] > 2 * vocab_bytes
 
 

@@ -9,7 +9,7 @@ from conftest import tiny_config
 from test_engine import run_steps
 
 from zerotrain.data import BatchSchedule, make_source
-from zerotrain.parallel import ShardedParameters, zero3
+from zerotrain.parallel import ShardedParameters, sharded
 from zerotrain.training.loop import accumulate_gradients, build_engine
 
 
@@ -30,7 +30,7 @@ def raise_in_block(engine) -> None:
 
 
 def saved_tensor_hooks_on_the_stack():
-    return zero3._current_saved_tensors_hooks()
+    return sharded._current_saved_tensors_hooks()
 
 
 def failed_step_then_steps(cfg, comm):
@@ -55,10 +55,10 @@ def old_hooks(self):
 
     @contextlib.contextmanager
     def entered_and_left_apart():
-        if not torch.is_grad_enabled() or zero3.in_backward():
+        if not torch.is_grad_enabled() or sharded.in_backward():
             yield
             return
-        self._outer_hooks = zero3._current_saved_tensors_hooks()
+        self._outer_hooks = sharded._current_saved_tensors_hooks()
         self._saved_hooks.__enter__()
         yield
         self._saved_hooks.__exit__(None, None, None)
@@ -74,7 +74,7 @@ def test_a_forward_that_raises_at_stage3_leaves_no_saved_tensor_hooks_and_the_ne
     assert left == {"hooks": False, "whole": [], "running": []}
     fresh = build_engine(cfg, one_rank)
     assert run_steps(engine, cfg, 2) == run_steps(fresh, cfg, 2)
-    assert torch.equal(engine.flat_params, fresh.flat_params)
+    assert torch.equal(engine.held_params, fresh.held_params)
     assert saved_tensor_hooks_on_the_stack() is None
 
     monkeypatch.setattr(ShardedParameters, "saved_tensor_hooks", old_hooks)

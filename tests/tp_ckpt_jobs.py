@@ -24,7 +24,7 @@ def full_params(engine, comm: Comm) -> dict[str, torch.Tensor] | None:
     0 .. T-1 (TP ranks of replica 0) give the slices.
     """
     engine.wait_params()
-    rows = comm.all_gather_rows(engine.flat_params.detach().float(), "test_full_params")
+    rows = comm.all_gather_rows(engine.held_params.detach().float(), "test_full_params")
     if comm.rank != 0:
         return None
     out = {}

@@ -92,8 +92,8 @@ def double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
 def full_shard_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     """{state key: the full model's tensors} of the engine's masters and moments, gathered over DP then TP."""
     out = {}
-    for key, shard in (("master", engine.master_shard()), ("exp_avg", engine.exp_avg),
-                       ("exp_avg_sq", engine.exp_avg_sq)):
+    for key, shard in (("master", engine.master_shard()), ("exp_avg", engine.adamw.exp_avg),
+                       ("exp_avg_sq", engine.adamw.exp_avg_sq)):
         shards = torch.empty(engine.dp.world_size * shard.numel())
         engine.dp.all_gather(shards, shard.float().contiguous(), "test_gather_shards")
         flat = engine.layout.assemble(list(shards.chunk(engine.dp.world_size)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dist_jobs import summary
 
 from zerotrain.config import Config
-from zerotrain.parallel import Comm, ZeroEngine
+from zerotrain.parallel import Comm, GradientReducer
 from zerotrain.training.loop import train
 
 
@@ -16,7 +16,7 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     engine = result.engine
     out["params"] = engine.full_state_dict()
     out["grad_bytes"], out["grad_peak_bytes"] = engine.grad_bytes(), engine.grad_peak_bytes
-    out["shard_bytes"] = engine.grad_shard.numel() * 4
+    out["shard_bytes"] = engine.grads.grad_shard.numel() * 4
     sizes = sorted((b.end - b.start) * 4 for b in engine.layout.buckets)
     out["two_largest_buckets"] = sum(sizes[-2:])
     return out
@@ -24,17 +24,17 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
 
 def freed_early_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a bucket's full gradients are freed before its reduce-scatter reads them."""
-    launch = ZeroEngine._launch
+    launch = GradientReducer._launch
 
     def early(self, index):
         self._release(index)
         launch(self, index)
 
-    ZeroEngine._launch = early
+    GradientReducer._launch = early
     return stage_job(cfg, comm)
 
 
 def never_freed_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a reduced bucket's gradients are kept, so the next step would accumulate onto them."""
-    ZeroEngine._release = lambda self, index: None
+    GradientReducer._release = lambda self, index: None
     return stage_job(cfg, comm)

@@ -10,8 +10,8 @@ from dist_jobs import error_of_training, summary
 from zerotrain.config import Config
 from zerotrain.hub.init_from import FileValues
 from zerotrain.model import init
-from zerotrain.parallel import (Comm, ReleasedParameterError, ShardedParameters, StaleParameterError, ZeroEngine,
-                                zero3)
+from zerotrain.parallel import (Comm, GradientReducer, ReleasedParameterError, ShardedParameters, StaleParameterError,
+                                ZeroEngine, sharded)
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import build_engine, train
 
@@ -24,7 +24,7 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     out["run_calls"] = comm.snapshot()[0] - before  # this run's (the counters span the jobs run in turn)
     engine = result.engine
     out["params"] = engine.full_state_dict()
-    out["param_bytes"] = engine.flat_params.numel() * engine.flat_params.element_size()
+    out["param_bytes"] = engine.held_params.numel() * engine.held_params.element_size()
     out["param_peak_bytes"] = engine.param_peak_bytes
     out["whole_after_step"] = sorted(getattr(engine.placement, "whole", ()))  # stage 3's buckets whole now
     out["unit_buckets"] = getattr(engine.placement, "unit_buckets", None)
@@ -60,7 +60,7 @@ def wrong_unit_job(cfg: Config, comm: Comm) -> str:
 
 def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the buckets of the first block's parameters are reduce-scattered into the shard twice."""
-    real = ZeroEngine._release
+    real = GradientReducer._release
 
     def again(self, index):
         if index in self.placement.unit_buckets[1] and index in self._bucket_grads:
@@ -71,7 +71,7 @@ def reduced_twice_job(cfg: Config, comm: Comm) -> dict:
             out.add_(twice)
         real(self, index)
 
-    with mock.patch.object(ZeroEngine, "_release", again):
+    with mock.patch.object(GradientReducer, "_release", again):
         return stage_job(cfg, comm)
 
 
@@ -106,7 +106,7 @@ def recompute_not_gathered_job(cfg: Config, comm: Comm) -> str:
     real = ShardedParameters.gather_unit
 
     def not_in_backward(self, unit, phase):
-        if unit == 0 or not zero3.in_backward():
+        if unit == 0 or not sharded.in_backward():
             real(self, unit, phase)
 
     with mock.patch.object(ShardedParameters, "gather_unit", not_in_backward):

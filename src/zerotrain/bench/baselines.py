@@ -149,7 +149,7 @@ class ZeroTrainStrategy:
         return self.comm.snapshot()
 
     def state_bytes(self) -> int:
-        return held_bytes(self.engine.optimizer_state_tensors(), exclude=[self.engine.flat_params])
+        return held_bytes(self.engine.optimizer_state_tensors(), exclude=[self.engine.held_params])
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()

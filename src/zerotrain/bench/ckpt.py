@@ -222,7 +222,7 @@ def _figures(param_count: int, nbytes: int, shard_bytes: int, *, disk_s: list[fl
 def _plain_views(engine, nbytes: int) -> list[memoryview]:
     """`nbytes` of the engine's state as it sits in memory (restarting from the top if short of the files' headers)."""
     sd = engine.shard_state_dict()
-    tensors = [t.detach().cpu().contiguous() for t in (engine.flat_params.float(), sd["master"], sd["exp_avg"],
+    tensors = [t.detach().cpu().contiguous() for t in (engine.held_params.float(), sd["master"], sd["exp_avg"],
                                                        sd["exp_avg_sq"])]
     views, left = [], nbytes
     while left:

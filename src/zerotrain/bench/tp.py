@@ -154,7 +154,7 @@ def _probe_dp_reduce(engine) -> float:
         engine.zero_grad()  # a new window: reduce_grads launches every bucket again
         t0 = time.perf_counter()
         engine.reduce_grads(torch.zeros(0))
-        if engine.flat_params.is_cuda:
+        if engine.held_params.is_cuda:
             torch.cuda.synchronize()
         if i:
             times.append(1000 * (time.perf_counter() - t0))

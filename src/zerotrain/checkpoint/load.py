@@ -142,8 +142,8 @@ def shard_places(engine) -> dict:
     places = {}
     for prefix, part in shard_parts(engine):
         part.wait_params()
-        places.update({prefix + "master": part.master_views(), prefix + "exp_avg": part.exp_avg,
-                       prefix + "exp_avg_sq": part.exp_avg_sq})
+        places.update({prefix + "master": part.master_views(), prefix + "exp_avg": part.adamw.exp_avg,
+                       prefix + "exp_avg_sq": part.adamw.exp_avg_sq})
     return places
 
 

@@ -505,8 +505,9 @@ def _part_state(engine: ZeroEngine) -> dict:
     concatenation made was 22% of a sync save's time in its profile (bench ckpt --quick, one rank: 26 MB into fresh
     pages at every save).
     """
-    if engine.master is None and engine.device.type == "cpu":
-        return {"master": engine.master_views(), "exp_avg": engine.exp_avg, "exp_avg_sq": engine.exp_avg_sq,
+    adamw = engine.adamw
+    if adamw.master is None and engine.device.type == "cpu":
+        return {"master": engine.master_views(), "exp_avg": adamw.exp_avg, "exp_avg_sq": adamw.exp_avg_sq,
                 "step": torch.tensor([engine.step_count], dtype=torch.int64)}
     return engine.shard_state_dict()
 
@@ -543,8 +544,8 @@ class _Staging:
             for part in flat.master_views():  # the masters where they lie, in shard order
                 self.master[at : at + part.numel()].copy_(part, non_blocking=non_blocking)
                 at += part.numel()
-            self.exp_avg.copy_(flat.exp_avg, non_blocking=non_blocking)
-            self.exp_avg_sq.copy_(flat.exp_avg_sq, non_blocking=non_blocking)
+            self.exp_avg.copy_(flat.adamw.exp_avg, non_blocking=non_blocking)
+            self.exp_avg_sq.copy_(flat.adamw.exp_avg_sq, non_blocking=non_blocking)
             # expert parallelism: the expert engine's shard, copied whole (it is a fraction of the experts)
             self.experts = {prefix + k: v.detach().cpu().clone() for prefix, part in others
                             for k, v in part.shard_state_dict().items()}

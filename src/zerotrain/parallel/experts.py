@@ -27,14 +27,14 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               engine's (grad_norm's exact limbs add), so the global norm counts every expert value once. Under TP
               the expert engine runs over the real TP group (expert_mesh): the norm counts its TP slices on every
               rank and its replicated values on TP rank 0, digests, full tensors and checkpoints see the TP slicing.
-              At ZeRO-3 both are stage-3 engines over the same units (zero3.model_units), each gathering and
+              At ZeRO-3 both are stage-3 engines over the same units (units.model_units), each gathering and
               releasing its own buckets: a MoE block's experts (this rank's block, sharded over dp_shard_mod_ep)
               are whole while the block is. Each block's experts are gathered for its backward where every rank's
               backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
               first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
               got no rows saved none), and a dp_shard_mod_ep group gathering while its members wait in different EP
               groups' all-to-alls would hang. At every stage that same point joins the backward for the experts'
-              reductions and opens their block's buckets (ZeroEngine.begin_unit_backward): a rank whose experts got
+              reductions and opens their block's buckets (GradientReducer.begin_unit_backward): a rank whose experts got
               no rows sends them (zeros) there, in the backward, as its replicas send theirs, neither earlier (all at
               the first MoE layer, then waiting in stage 2's bucket budget while its EP group waits in an
               all-to-all) nor only after the backward (its replicas waiting in that budget: the same cycle).
@@ -53,7 +53,7 @@ from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 from .comm import Comm
 from .engine import ZeroEngine
 from .mesh import Mesh
-from .zero3 import bucket_units, model_units
+from .units import bucket_units, model_units
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -160,7 +160,7 @@ def expert_bytes(engine) -> int:
     slots = [s for s in L.slots if is_expert_parameter(s.name)]
     owned = sum(p.numel for s in slots for p in L.owned_pieces(rank, s.offset, s.offset + s.numel))
     held = owned if engine.stage == 3 else sum(s.numel for s in slots)
-    return held * engine.flat_params.element_size() + engine.expected_state_bytes_per_value() * owned
+    return held * engine.held_params.element_size() + engine.expected_state_bytes_per_value() * owned
 
 
 def all_to_all_bytes_most(model: torch.nn.Module) -> tuple[int, int]:
@@ -221,7 +221,7 @@ class ExpertParallelEngine:
         expert weight the backward unpacks."""
         units = model_units(model)
         if self.experts.stage != 3:  # (stage 3 schedules its reductions by units itself)
-            self.experts.schedule_by_units(bucket_units(model, self.experts.layout))
+            self.experts.grads.schedule_by_units(bucket_units(model, self.experts.layout))
         for moe in moe_layers(model):
             unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
             moe.register_forward_hook(self._on_moe_output(unit))
@@ -231,13 +231,25 @@ class ExpertParallelEngine:
 
         def arrived(_grad):
             # its reductions, whether its experts get gradients or not; at ZeRO-3 its experts gathered
-            self.experts.begin_unit_backward(unit)
+            self.experts.grads.begin_unit_backward(unit)
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad and not in_backward():
                 output.register_hook(arrived)
 
         return hook
+
+    @property
+    def holds_whole_model(self) -> bool:
+        return self.dense.holds_whole_model  # both engines' placement is the run's stage's
+
+    @property
+    def gathers_units(self) -> bool:
+        return self.dense.gathers_units
+
+    def computed_norms(self, norms: list[float]) -> list[float]:
+        """The norm each world rank computes with, from each rank's param_norm (dense and experts together)."""
+        return self.dense.computed_norms(norms)
 
     @property
     def parts(self) -> list[ZeroEngine]:
@@ -250,7 +262,7 @@ class ExpertParallelEngine:
 
     @property
     def flat_buffers(self) -> list[torch.Tensor]:
-        return [self.dense.flat_params, self.experts.flat_params]
+        return [self.dense.held_params, self.experts.held_params]
 
     @property
     def step_count(self) -> int:
@@ -332,7 +344,7 @@ class ExpertParallelEngine:
         """Bytes this rank holds for its experts: their parameters (at ZeRO-3 their shard) and their optimizer
         state's shard."""
         e = self.experts
-        return e.flat_params.numel() * e.flat_params.element_size() + e.expected_state_bytes()
+        return e.held_params.numel() * e.held_params.element_size() + e.expected_state_bytes()
 
     @property
     def param_count(self) -> int:

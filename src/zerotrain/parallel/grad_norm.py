@@ -14,7 +14,7 @@ ranks and no order of the all-reduce can change the result:
     the world's exact sum rounded once to float64, sqrt   -> the norm
 
 The chunk sums' own rounding (fp32, a pairwise tree of 256 values) is the norm's whole error: measured 1e-9
-relative to a float64 norm. With tensor parallelism the counted ranges (engine._counted_grad_sumsq) start and end
+relative to a float64 norm. With tensor parallelism the counted ranges (gradients.GradientReducer._counted_grad_sumsq) start and end
 at parameters, and are cut at the same grid, so their pieces are the same at every DP size too.
 """
 

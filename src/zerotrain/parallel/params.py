@@ -3,10 +3,10 @@
 A ZeRO engine (engine.py) is one algorithm at every stage: a flat layout, gradients reduce-scattered into this rank's
 shard, AdamW on the shard. What a stage decides about the parameters is a `ParameterPlacement`: the whole flat buffer
 on every rank, all-gathered after each update (stages 1 and 2: replicated.py), or only the owned chunks, each unit's
-buckets gathered while it runs (stage 3: zero3.py). The engine calls its placement at fixed points of the step and
+buckets gathered while it runs (stage 3: sharded.py). The engine calls its placement at fixed points of the step and
 never asks which one it has. A placement reads the engine's public attributes (layout, params, slot_of, dp, mesh,
-frozen, the TP ranges) and calls its public methods (initial_value, initial_range, begin_unit_backward,
-schedule_by_units, reached_parameters), never a private one.
+frozen, the TP ranges) and calls its public methods (initial_value, initial_range) and its gradients' (engine.grads,
+gradients.py: begin_unit_backward, schedule_by_units, reached_parameters), never a private one.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ class ParameterPlacement(Protocol):
         release            before the reduction: nothing stays gathered for a backward
         before_update      before AdamW writes the owned values (an all-gather still sending them finished)
         after_update       after the owned values were written (an update, a loaded checkpoint): the parameters follow
-        enter_backward     a unit's backward begins (engine.begin_unit_backward)
+        enter_backward     a unit's backward begins (engine.grads.begin_unit_backward)
     """
 
-    flat_params: torch.Tensor  # this rank's values in the engine's flat layout: the whole buffer, or its owned chunks
+    held_params: torch.Tensor  # this rank's values in the engine's flat layout: the whole buffer, or its owned chunks
     param_peak_bytes: int  # the most parameter bytes held at once so far
 
     def attach(self) -> None: ...

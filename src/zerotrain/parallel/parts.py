@@ -33,10 +33,10 @@ import torch
 
 from zerotrain.config import Config
 
-from .engine import keeps_autograd_grads, stage2_bucket_budget
+from .gradients import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
 from .params import frozen_parameters
-from .zero3 import frozen_layout_of, units_whole_bytes
+from .units import frozen_layout_of, units_whole_bytes
 
 MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
 
@@ -112,13 +112,13 @@ class ShardedPlacement(Placement):
         return self.frozen_layout(model, dp).shard_numel
 
     def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
-        """The most parameter bytes whole at once beyond the shard (zero3.units_whole_bytes), the frozen base's
+        """The most parameter bytes whole at once beyond the shard (units.units_whole_bytes), the frozen base's
         buckets among them; `beside`: the expert engine's layout, whose buckets are whole with the units'."""
         frozen = self.frozen_layout(model, layout.world_size)
         return units_whole_bytes(model, layout, element_size, prefetch=prefetch, frozen=frozen, beside=beside)
 
     def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
-        """Sharded as the policy (zero3.shard_frozen_copy): its shard of the policy's layout."""
+        """Sharded as the policy (frozen_copy.shard_frozen_copy): its shard of the policy's layout."""
         return layout.shard_numel
 
     def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
@@ -163,7 +163,7 @@ class GradientHolding:
 
 class WholeGradients(GradientHolding):
     """ZeRO-1: a full gradient buffer (in bf16 with an fp32 accumulator), reduce-scattered once a step into the shard;
-    on one rank in fp32 autograd's own gradients, no buffer (engine.keeps_autograd_grads)."""
+    on one rank in fp32 autograd's own gradients, no buffer (gradients.keeps_autograd_grads)."""
 
     def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
         """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with
@@ -228,7 +228,7 @@ class BucketedGradients(GradientHolding):
 @dataclass(frozen=True)
 class ShardedAdamW:
     """AdamW on the owned values: its two fp32 moments, and in bf16 the fp32 master (in fp32 the masters are the
-    parameter buffer's own chunks). The engine's rule (ZeroEngine.expected_state_bytes_per_value)."""
+    parameter buffer's own chunks). The engine's rule (AdamWShard.expected_state_bytes_per_value)."""
 
     precision: str
 

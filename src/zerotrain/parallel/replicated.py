@@ -29,13 +29,18 @@ class ReplicatedParameters:
         # a parameter the flat buffer will not hold (a frozen one) gets or keeps its own tensor, in the run's precision
         materialise_outside_layout(engine, {s.name for s in engine.layout.slots})
         L, dtype = engine.layout, param_dtype(engine.precision)
-        self.flat_params = torch.zeros(L.padded_numel, dtype=dtype, device=engine.device)
+        self.param_buffer = torch.zeros(L.padded_numel, dtype=dtype, device=engine.device)  # the whole flat buffer
         with torch.no_grad():
             for s, p in zip(L.slots, engine.params):
-                view = self.flat_params[s.offset : s.offset + s.numel].view(s.shape)
+                view = self.param_buffer[s.offset : s.offset + s.numel].view(s.shape)
                 view.copy_(engine.initial_value(s.name, p))
                 adopt_view(p, view)
         self.param_peak_bytes = self.param_bytes()
+
+    @property
+    def held_params(self) -> torch.Tensor:
+        """What this rank holds of the flat layout: the whole buffer."""
+        return self.param_buffer
 
     def attach(self) -> None:
         """With `gather_behind_forward`: each module's forward waits for the buckets holding its own parameters."""
@@ -50,7 +55,7 @@ class ReplicatedParameters:
     # ---------------------------------------------------------------- the engine's owned values
     def owned_values(self, piece: OwnedPiece) -> torch.Tensor:
         """The parameter values of `piece` (a view of the flat buffer)."""
-        return self.flat_params[piece.flat_lo : piece.flat_hi]
+        return self.param_buffer[piece.flat_lo : piece.flat_hi]
 
     def owned_views(self) -> list[torch.Tensor]:
         """This rank's owned values in shard order, adjacent pieces as one view (the caller has finished the
@@ -61,12 +66,12 @@ class ReplicatedParameters:
                 runs[-1][1] = p.end
             else:
                 runs.append([p.start, p.end])
-        return [self.flat_params.detach()[a:z] for a, z in runs]
+        return [self.param_buffer.detach()[a:z] for a, z in runs]
 
     def owned_shard(self, copy: bool) -> torch.Tensor:
         """This rank's owned values as one shard-length tensor (always a copy)."""
         self.wait()
-        return self.engine.layout.shard(self.flat_params, self.engine.dp.rank)
+        return self.engine.layout.shard(self.param_buffer, self.engine.dp.rank)
 
     # ---------------------------------------------------------------- the step's points
     def in_flight(self, bucket: int) -> bool:
@@ -98,8 +103,8 @@ class ReplicatedParameters:
         dp = self.engine.dp
         for b in reversed(self.engine.layout.buckets):
             lo, hi = b.chunk(dp.rank, dp.world_size)
-            bucket = self.flat_params[b.start : b.end]
-            self._gathering[b.index] = dp.all_gather(bucket, self.flat_params[lo:hi], "all_gather_params",
+            bucket = self.param_buffer[b.start : b.end]
+            self._gathering[b.index] = dp.all_gather(bucket, self.param_buffer[lo:hi], "all_gather_params",
                                                      async_op=True)
         if wait:
             self.wait()
@@ -115,7 +120,7 @@ class ReplicatedParameters:
 
     def gathered_flat(self) -> torch.Tensor:
         self.wait()
-        return self.flat_params
+        return self.param_buffer
 
     # ---------------------------------------------------------------- checks and counts
     def digests(self) -> torch.Tensor:
@@ -123,7 +128,7 @@ class ReplicatedParameters:
         with KV heads on several TP ranks, this rank's slices of them); without TP everything in the first row."""
         e = self.engine
         self.wait()
-        flat = self.flat_params.detach()
+        flat = self.param_buffer.detach()
         if e.mesh.tp_size == 1:
             rows = [tensor_digest(flat), torch.zeros(2, dtype=torch.int64, device=flat.device)]
         else:
@@ -139,7 +144,7 @@ class ReplicatedParameters:
         return torch.stack(rows)
 
     def param_bytes(self) -> int:
-        return self.flat_params.numel() * self.flat_params.element_size()
+        return self.param_buffer.numel() * self.param_buffer.element_size()
 
     def frozen_bytes(self) -> int:
         """The distinct storages of the frozen parameters' tensors, each whole."""

@@ -333,7 +333,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
                                            manifest_extra=origin, on_stop_save=stop.begin_save)
-    if parts_for(cfg).placement.holds_whole_model:  # invariant (b) before step 1: every replica holds the same model
+    if engine.holds_whole_model:  # invariant (b) before step 1: every replica holds the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
         if "guard" in manifest:
@@ -445,7 +445,7 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
     run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
     norms = comm.all_gather_rows(engine.param_norm(), "all_gather_norms").view(-1).tolist()
-    norms = parts_for(cfg).placement.computed_norms(norms, run.mesh.tp_size)  # of what each rank computes with
+    norms = engine.computed_norms(norms)  # of what each rank computes with
     calls, nbytes = run.mesh.counters()
     result = TrainResult(run.records, run.start, digests, norms, run.memory, run.checkpointer.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,

@@ -8,7 +8,7 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     parameter units      stage 3 only, during a step: the root unit's buckets with the largest block's x (4 | 2),
                          the frozen base's buckets among them (with --ep the block's experts: the expert engine's
                          buckets of EP rank 0's block, over its replica group)
-                         (zero3.units_whole_bytes: the most that is whole at once)
+                         (units.units_whole_bytes: the most that is whole at once)
     frozen base          a LoRA run's base, B x (4 | 2): no gradients, no optimizer state (0 without LoRA)
                          stage 3: its own layout's shard x (4 | 2), gathered with the units (parameter units)
     gradients            stage 1: padded P x (4 | 2) (+ padded P x 4 in bf16: the fp32 accumulator) + shard x 4
@@ -233,7 +233,7 @@ def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
 def state_bytes_per_value(precision: str) -> int:
     """The optimizer state a rank holds per value it owns: AdamW's two fp32 moments (parts.MOMENT_BYTES) and, in bf16,
     the fp32 master (in fp32 the masters are the parameter buffer's own chunks): 12 in bf16, 8 in fp32. The engine's
-    rule (ZeroEngine.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
+    rule (AdamWShard.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
     and in the experts' state: the sharded AdamW part's (parallel/parts.py)."""
     return ShardedAdamW(precision).state_bytes_per_value
 
@@ -304,7 +304,7 @@ def reference_bytes(cfg: Config) -> int:
 def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: int) -> int:
     """--method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial policy, laid out as the
     rank's policy (`model`: its TP slice, on the meta device; `layout`: its flat layout over the DP ranks), in the
-    run's precision: whole at stages 1 and 2, at stage 3 the shard (zero3.shard_frozen_copy lays an all-frozen copy
+    run's precision: whole at stages 1 and 2, at stage 3 the shard (frozen_copy.shard_frozen_copy lays an all-frozen copy
     out as the model trains); 0 otherwise (a precomputed reference is `reference_bytes`; LoRA's live reference is its
     base with the adapters off)."""
     o = cfg.objective
@@ -701,8 +701,8 @@ def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str,
     """The state rows as the engine holds them now (between steps); `outside`: what the objective holds beyond the
     engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
     parts = getattr(engine, "parts", [engine])  # expert parallelism: the dense engine and the experts'
-    master = sum(e.master.numel() * 4 for e in parts if e.master is not None)
-    buffers = [e.flat_params for e in parts]
+    master = sum(e.adamw.master.numel() * 4 for e in parts if e.adamw.master is not None)
+    buffers = [e.held_params for e in parts]
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=buffers)
     copy = (outside or {}).get("reference_model")
     return {"parameters": sum(b.numel() * b.element_size() for b in buffers),
@@ -728,9 +728,10 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
             walk(list(value.values()))
 
     for part in getattr(engine, "parts", [engine]):  # expert parallelism: the dense engine and the experts'
-        walk(list(vars(part).values()))
+        for held in (part, part.grads, part.adamw):  # the engine, its gradients, its AdamW's masters and moments
+            walk(list(vars(held).values()))
         walk(list(vars(part.placement).values()))  # where its parameters live (stage 3: the shards, the units)
-        walk(list(part.optimizer.state.values()))
+        walk(list(part.adamw.optimizer.state.values()))
     walk([(p, p.grad) for p in engine.model.parameters()])
     walk([copy.tensors() for copy in (outside or {}).values()])
     return storage_bytes(t for t in found if t.dim() > 0)

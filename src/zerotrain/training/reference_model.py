@@ -5,7 +5,7 @@ weights, built from the same values the engine started from (--init-from's files
 TP-sliced as this rank's policy is (its vocabulary rows under --tp, so its log-probs are vocab-parallel as the
 policy's), in the run's precision, every parameter frozen: no gradients, no optimizer state, never reduced, never
 updated. At ZeRO-1 and 2 each rank holds it as it holds the policy's parameters (its TP slices and the replicated
-ones, whole). At ZeRO-3 it is sharded as the policy is (parallel/zero3.shard_frozen_copy: the policy's layout, each
+ones, whole). At ZeRO-3 it is sharded as the policy is (parallel/frozen_copy.shard_frozen_copy: the policy's layout, each
 rank its owned chunks, only those read from the files), and a unit is gathered for its forward and released after
 it: the copy is never whole on a rank. It is built again from the base at a resume, never from a checkpoint's
 trained weights.
@@ -27,7 +27,7 @@ from zerotrain.hub.init_from import initial_model
 from zerotrain.model.init import materialise
 from zerotrain.parallel.params import param_dtype, storage_bytes
 from zerotrain.parallel.parts import parts_for
-from zerotrain.parallel.zero3 import FrozenCopy, shard_frozen_copy
+from zerotrain.parallel.frozen_copy import FrozenCopy, shard_frozen_copy
 from zerotrain.runtime.launch import rank_device
 
 

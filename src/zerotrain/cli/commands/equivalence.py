@@ -201,13 +201,14 @@ def planned_rounds(cfg: Config, engine: ZeroEngine, accum: int) -> tuple[int, in
     reduce-scatter round a step, or one a micro-batch where the configured --grad-reduce reduces each micro-batch's
     gradients into the shard (stage 3's default), none where the gradients stay in the parameters (one rank); one
     all-gather round after the update, none where the placement gathers each unit for its forward instead."""
-    reduces = 0 if engine.grads_in_params else accum if cfg.grad_reduce == "micro-batch" else 1
-    return reduces, 0 if engine.placement.gathers_units else 1
+    reduces = 0 if engine.grads.grads_in_params else accum if cfg.grad_reduce == "micro-batch" else 1
+    return reduces, 0 if engine.gathers_units else 1
 
 
 def _use_plain_sgd(engine: ZeroEngine, lr: float) -> None:
     """Plain SGD (p - lr * g) on the engine's shard in place of AdamW; `engine.apply` still clips and all-gathers."""
-    engine.optimizer = torch.optim.SGD([{"params": g["params"]} for g in engine.optimizer.param_groups], lr=lr)
+    engine.adamw.optimizer = torch.optim.SGD([{"params": g["params"]} for g in engine.adamw.optimizer.param_groups],
+                                            lr=lr)
 
 
 @contextlib.contextmanager
@@ -239,7 +240,7 @@ def reduced_grads(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     offset, depends on the world size, while a parameter's gradient must not.
     """
     L = engine.layout
-    shard = engine.gradient_shard()
+    shard = engine.grads.gradient_shard()
     flat = L.assemble(engine.dp.all_gather_rows(shard, "all_gather_equivalence"))
     return engine.full_tensors(flat.to(shard.device))
 

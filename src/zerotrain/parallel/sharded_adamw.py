@@ -1,0 +1,182 @@
+"""The sharded AdamW: AdamW over this rank's owned chunks (masters, moments, step count) and its checkpoint shard.
+
+The engine (engine.py) builds one AdamWShard over its flat layout, once its placement holds the parameters and its
+GradientReducer the gradient shard: each owned piece of a bucket (one weight-decay setting) is one AdamW 'parameter',
+its gradient a view of the gradient shard (or, on one rank in fp32, the parameter's own .grad: grads_in_params).
+
+The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
+their own tensors (stage 3 shards them too: sharded.py), have no gradients or optimizer state and are never reduced;
+invariant (b) checks them too.
+
+A checkpoint stores exactly this state: the masters (in fp32 the owned chunks of the parameters, as they lie), the
+two moments, the step count (state_dict, load_state_dict, master_views).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.config import OptimConfig
+
+from .layout import shard_values
+from .optim import build_adamw
+from .params import OwnedPiece
+
+
+class AdamWShard:
+    """AdamW on this rank's shard of an engine's flat layout (see the module docstring)."""
+
+    def __init__(self, engine, grads, optim: OptimConfig):
+        """Over `engine`'s layout, DP rank and placement (whose owned values are the fp32 masters, or are rounded
+        from them in bf16), with `grads` (the engine's GradientReducer) holding the gradient shard."""
+        self.layout, self.dp, self.placement, self.params = engine.layout, engine.dp, engine.placement, engine.params
+        self.device, self.precision, self.optim_cfg, self.grads = engine.device, engine.precision, optim, grads
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """AdamW over this rank's owned chunks: master views, moments as views of two flat shard tensors."""
+        L, device = self.layout, self.device
+        W, rank = self.dp.world_size, self.dp.rank
+        self._pieces: list[OwnedPiece] = []
+        if self.grads.grads_in_params:  # one piece per parameter, whose .grad is its gradient (the shard is the buffer)
+            self._pieces = [OwnedPiece(s.offset, s.offset + s.numel, s.offset, s.decay) for s in L.slots]
+        else:
+            for b in L.buckets:
+                lo, hi = b.chunk(rank, W)
+                for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
+                    if z > a:
+                        self._pieces.append(OwnedPiece(a, z, b.shard_offset + a - lo, decay))
+        self.master = None
+        if self.precision == "bf16":
+            self.master = torch.empty(L.shard_numel, device=device)
+            for pc in self._pieces:
+                self.master[pc.shard_lo : pc.shard_hi] = self.placement.owned_values(pc).float()
+        self.exp_avg = torch.zeros(L.shard_numel, device=device)
+        self.exp_avg_sq = torch.zeros(L.shard_numel, device=device)
+        self._master_views = []
+        decayed, plain = [], []
+        for pc in self._pieces:
+            m = self._master_of(pc)
+            if not self.grads.grads_in_params:  # otherwise each step's are the parameters' (apply)
+                m.grad = self.grads.grad_shard[pc.shard_lo : pc.shard_hi]
+            self._master_views.append(m)
+            (decayed if pc.decay else plain).append(m)
+        groups = [g for g in ({"params": decayed, "weight_decay": self.optim_cfg.weight_decay},
+                              {"params": plain, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = build_adamw(groups, self.optim_cfg)
+        # Fused AdamW keeps its step counters on the parameters' device, the others on the CPU.
+        self._step_device = device if self.optimizer.defaults.get("fused") else torch.device("cpu")
+        # AdamW's moments become views into two flat shard tensors: one allocation each, and the
+        # shard's state is exactly what a checkpoint stores. AdamW uses state it finds present.
+        for pc, m in zip(self._pieces, self._master_views):
+            self.optimizer.state[m] = {
+                "step": torch.tensor(0.0, device=self._step_device),
+                "exp_avg": self.exp_avg[pc.shard_lo : pc.shard_hi],
+                "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
+            }
+
+    def _master_of(self, pc: OwnedPiece) -> torch.Tensor:
+        """The fp32 master values of piece `pc`: in fp32 the owned parameter values themselves (an alias)."""
+        if self.master is None:
+            return self.placement.owned_values(pc)
+        return self.master[pc.shard_lo : pc.shard_hi]
+
+    def step(self, lr: float, grad_norm: float) -> None:
+        """Clip the gradients by the global norm, and AdamW's step on the shard at learning rate `lr`."""
+        clip = self.optim_cfg.grad_clip
+        in_params = self.grads.grads_in_params
+        if in_params:
+            for m, p in zip(self._master_views, self.params):
+                m.grad = p.grad.reshape(-1)
+        if clip > 0 and grad_norm > clip:
+            for g in [m.grad for m in self._master_views] if in_params else [self.grads.grad_shard]:
+                g.mul_(clip / (grad_norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if in_params:
+            for m in self._master_views:
+                m.grad = None  # the parameters' .grad alone hold them, until zero_grad lets them go
+
+    def round_into_params(self) -> None:
+        """In bf16, the fp32 masters rounded into the owned parameter values (in fp32 they are those values)."""
+        if self.master is not None:
+            for pc in self._pieces:
+                self.placement.owned_values(pc).copy_(self.master[pc.shard_lo : pc.shard_hi])
+
+    def register_update_pre_hook(self, hook) -> None:
+        """`hook()` runs before every update of this state (AdamW's step on the shard)."""
+        self.optimizer.register_step_pre_hook(lambda *_: hook())
+
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps
+        for each of them now (after updates it may have replaced or added tensors), and the flat moments.
+
+        AdamW's 0-dim step counters are left out: the ZeRO formula counts per-value state.
+        """
+        out = [*self._master_views, self.exp_avg, self.exp_avg_sq]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                out += [t for t in self.optimizer.state.get(p, {}).values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return out
+
+    def expected_state_bytes(self) -> int:
+        """The ZeRO formula for this rank: bytes per owned value x the shard."""
+        return self.expected_state_bytes_per_value() * self.layout.shard_numel
+
+    def expected_state_bytes_per_value(self) -> int:
+        """ZeRO formula: 8 bytes (moments) per owned value in fp32, 12 (plus fp32 master) in bf16."""
+        return 8 if self.master is None else 12
+
+    def master_shard(self) -> torch.Tensor:
+        """This rank's fp32 master values as one shard-length tensor (in fp32 at stages 1 and 2 a copy; at stage 3 the
+        shard itself)."""
+        return self.master if self.master is not None else self.placement.owned_shard(copy=False)
+
+    def master_views(self) -> list[torch.Tensor]:
+        """This rank's fp32 master values, in shard order, as views where they lie (no copy): the fp32 master shard,
+        or in fp32 the owned parts of the parameters (a checkpoint writes them as they are). Call wait_params() first:
+        a background save reads them on its own thread."""
+        return [self.master] if self.master is not None else self.placement.owned_views()
+
+    @property
+    def step_count(self) -> int:
+        m = self._master_views[0] if self._master_views else None
+        return int(self.optimizer.state[m]["step"]) if m is not None else 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard: its masters (an independent copy in fp32), moments and step count."""
+        master = self.master if self.master is not None else self.placement.owned_shard(copy=True)
+        return {
+            "master": master.float().contiguous(),
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+            "step": torch.tensor([self.step_count], dtype=torch.int64),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the shard's state from `sd` (checked first: check_shard), the masters into the owned parameter
+        values where they are the masters (fp32); the caller then has the parameters follow (engine.py)."""
+        self._restore_optimizer_state(sd)
+        if self.master is None:
+            for pc in self._pieces:
+                self.placement.owned_values(pc).copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
+
+    def check_shard(self, sd: dict) -> None:
+        """ValueError unless `sd`'s master and moments are this rank's shard of this layout."""
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            given = sd[key]
+            shape = (sum(p.numel() for p in given),) if isinstance(given, (list, tuple)) else tuple(given.shape)
+            if shape != (self.layout.shard_numel,):
+                raise ValueError(f"optimizer shard {key} has shape {shape}, expected ({self.layout.shard_numel},)")
+
+    def _restore_optimizer_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """AdamW's moments and step count from `sd`, and the fp32 master shard where one is kept apart."""
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+        step = float(sd["step"].item())
+        for m in self._master_views:
+            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+        if self.master is not None:
+            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))

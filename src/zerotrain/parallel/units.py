@@ -1,0 +1,117 @@
+"""ZeRO-3's units: which modules run together, which buckets each one's parameters lie in, and what is whole at once.
+
+A unit is gathered whole for its forward and its backward and released between them (sharded.py); a frozen copy's
+units alike (frozen_copy.py); the planners ask the same functions what is whole at once (units_whole_bytes) and how
+the frozen base is laid out (frozen_layout_of), and expert parallelism schedules its reductions by them.
+
+Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
+small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
+the end of its backward: the head needs the embedding again at the end of the forward, the head's backward comes
+first, and the tied weight's gradient is complete only at the end (kept whole rather than gathered again: on 2 CPU
+ranks, 8 blocks of width 256, 1 MiB buckets, the step went from 1.30x stage 2's time to 1.26x). With an untied
+head the embedding and the head are units of their own, the two largest tensors of a large-vocabulary model never
+whole together: the embedding before the first block (released after its forward: its backward reads no weight),
+the final norm with the head after the last block (whole from the norm's forward into their backward, which comes
+first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its
+bucket's buffer; releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold
+nothing.
+
+Each bucket has a unit (bucket_units: the earliest in forward order of its parameters' units, whose backward ends
+last; a root parameter registered after the blocks, the final norm beside a tied head, the last unit's): where its
+reduce-scatter may start (sharded.py's schedule), a function of the model alone, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.model import is_decayed
+
+from .layout import ShardLayout
+from .params import frozen_parameters
+
+def model_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
+    """The units in forward order, each the modules that run it (the first's forward begins it, the last's ends
+    it): the root model; with an untied head its embedding; every transformer block (the members of the model's
+    first ModuleList); with an untied head its final norm and head."""
+    blocks = next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+    if untied_head(model):
+        return [(model,), (model.embedding,), *((b,) for b in blocks), (model.final_norm, model.lm_head)]
+    return [(model,), *((b,) for b in blocks)]
+
+
+def untied_head(model: torch.nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    return head is not None and head.weight is not model.embedding.weight
+
+
+def held_into_backward(model: torch.nn.Module) -> set[int]:
+    """The units kept whole from their forward into their backward, which follows at once: the root, and the
+    untied head (the last unit)."""
+    return {0, len(model_units(model)) - 1} if untied_head(model) else {0}
+
+
+def unit_parameters(model: torch.nn.Module, trained: bool = True) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Each unit's trained parameters (or with `trained` False its frozen ones), in model_units' order: the other
+    units' own; the root's, those in no other."""
+    units = model_units(model)
+    named = {id(p): n for n, p in model.named_parameters() if p.requires_grad == trained}  # a tied parameter once
+    elsewhere = {id(p) for unit in units[1:] for m in unit for p in m.parameters()}
+    out = [[(named[id(p)], p) for p in model.parameters() if id(p) in named and id(p) not in elsewhere]]
+    out += [[(named[id(p)], p) for m in unit for p in m.parameters() if id(p) in named] for unit in units[1:]]
+    return out
+
+
+def unit_buckets(model: torch.nn.Module, layout: ShardLayout, trained: bool = True) -> list[tuple[int, ...]]:
+    """The buckets each unit's parameters lie in (a bucket at a boundary is in both units' lists); `trained` False:
+    its frozen parameters' buckets, of their own layout (frozen_layout_of), where it holds them."""
+    bucket_of = {s.name: s.bucket for s in layout.slots}
+    return [tuple(sorted({bucket_of[n] for n, _ in params if n in bucket_of}))
+            for params in unit_parameters(model, trained)]
+
+
+def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
+    """The unit each bucket of `layout` is reduced with, a function of the model alone (see the module docstring):
+    the earliest in forward order of its parameters' units, whose backward ends last. A root parameter registered
+    after the blocks (the final norm beside a tied head) counts as the last unit's: its gradient is complete before
+    the last block's backward ends; the root's others (the embeddings, a tied head) as the root's."""
+    params = unit_parameters(model)
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # registration order
+    last = len(params) - 1
+    after = max((order[n] for unit in params[1:] for n, _ in unit), default=len(order))
+    unit_of = {n: (last if u == 0 and order[n] > after else u) for u, unit in enumerate(params) for n, _ in unit}
+    units = [len(params)] * len(layout.buckets)
+    for s in layout.slots:
+        units[s.bucket] = min(units[s.bucket], unit_of[s.name])
+    return units
+
+
+def frozen_layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
+    """The flat layout stage 3 shards a model's frozen parameters in (a LoRA run's base, a frozen copy's every
+    parameter): built as the trained parameters' is (engine.layout_of), so an all-frozen copy of a model is laid out
+    exactly as the model that trains, bucket for bucket and rank for rank."""
+    named = frozen_parameters(model)
+    return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
+
+
+def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4,
+                      prefetch: bool = False, frozen: ShardLayout | None = None,
+                      beside: ShardLayout | None = None) -> int:
+    """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
+    the backward) with the largest other unit, or with `prefetch` the largest two neighbouring ones (the one running
+    and the one being gathered for next). A unit's backward gathers it after the next unit's last gradient has
+    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), or with frozen parameters
+    (`frozen`, their layout) after the next unit's release (ShardedParameters.enter_backward), so without a
+    prefetch two of them are never whole together; the run's check of the plan would say so if they were.
+    `beside`: the layout of a second engine over the same units (expert parallelism's experts), whose buckets are
+    whole with the unit's."""
+    size = {("t", b.index): b.end - b.start for b in layout.buckets}
+    units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
+    for key, other, trained in (("f", frozen, False), ("e", beside, True)):
+        if other is not None:
+            size.update({(key, b.index): b.end - b.start for b in other.buckets})
+            units = [u | {(key, b) for b in o} for u, o in zip(units, unit_buckets(model, other, trained))]
+    root, others = units[0], units[1:] or [set()]
+    if prefetch and len(others) > 1:
+        others = [a | b for a, b in zip(others, others[1:])]
+    return element_size * max(sum(size[b] for b in root | unit) for unit in others)
