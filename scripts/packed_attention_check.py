@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from zerotrain.config import PRESETS, ModelConfig
-from zerotrain.model import build_model, layers, summed_token_loss
-from zerotrain.model.layers import head_loss
+from zerotrain.model import attention, build_model, summed_token_loss
+from zerotrain.model.loss import head_loss
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative; bf16 rounds each record's sums differently
 
@@ -34,8 +34,8 @@ def packed(vocab: int, lengths: list[int], T: int, device: str):
 
 
 # The tiny presets widened to heads of 16: FlexAttention's CUDA kernels refuse narrower ones (the tiny presets' 8
-# take the mask, layers.document_kernel), and this check is about FlexAttention.
-WIDTH = {"n_embd": 4 * layers.FLEX_MIN_HEAD_DIM, "seq_len": 64}
+# take the mask, attention.document_kernel), and this check is about FlexAttention.
+WIDTH = {"n_embd": 4 * attention.FLEX_MIN_HEAD_DIM, "seq_len": 64}
 
 
 def packed_vs_alone(arch: str, dtype: torch.dtype, device: str, recompute: bool) -> tuple[float, float]:
@@ -66,8 +66,8 @@ def attention_peak(kernel: str, T: int = 4096) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    documents = layers.document_block_mask(seg) if kernel == "flex" else layers.document_mask(seg, torch.bfloat16)
-    layers.attend(q, k, v, documents=documents).sum().backward()
+    documents = attention.document_block_mask(seg) if kernel == "flex" else attention.document_mask(seg, torch.bfloat16)
+    attention.attend(q, k, v, documents=documents).sum().backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
 
@@ -75,7 +75,7 @@ def attention_peak(kernel: str, T: int = 4096) -> int:
 def main(device: str) -> int:
     failed = []
     dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
-    kernel = layers.document_kernel(device, WIDTH["n_embd"] // PRESETS["tiny"]["n_head"])
+    kernel = attention.document_kernel(device, WIDTH["n_embd"] // PRESETS["tiny"]["n_head"])
     for arch in ("gpt2", "llama"):
         for dtype in dtypes:
             for recompute in (False, True):

@@ -74,7 +74,7 @@ def as_version_1(folder: str) -> None:
     from safetensors.torch import save_file
 
     from zerotrain.checkpoint.format import MANIFEST, MODEL_FILE
-    from zerotrain.checkpoint.model import checkpoint_model
+    from zerotrain.checkpoint.consolidate import checkpoint_model
 
     with open(os.path.join(folder, MANIFEST)) as f:
         manifest = json.load(f)

@@ -57,6 +57,25 @@ def undurable_rollback_job(cfg: Config, comm: Comm) -> dict:
         return train_module.train_job(cfg, comm)
 
 
+def stop_saved_after_the_step_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: `zerotrain train` whose stop's save waits for the step (the watcher's call to start it at once does
+    nothing: the save starts once every rank has agreed to stop, in the step's all-reduce)."""
+    with mock.patch.object(checkpoint.Checkpointer, "stop_requested", lambda self: None):
+        return train_module.train_job(cfg, comm)
+
+
+def stop_save_of_another_step_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: `zerotrain train` whose rank 1 arms the step before the one it completed, so that a stop saves
+    another step there than on the other ranks."""
+    arm = checkpoint.Checkpointer.arm
+
+    def arm_behind(self, step, engine, state):
+        return arm(self, step - 1 if comm.rank == 1 and step > 0 else step, engine, state)
+
+    with mock.patch.object(checkpoint.Checkpointer, "arm", arm_behind):
+        return train_module.train_job(cfg, comm)
+
+
 def params_job(cfg: Config, comm: Comm) -> dict:
     """Train; return the log and the final parameters by name."""
     result = train(cfg, comm)  # no after_update hook: it would wait for the all-gather every step
@@ -241,22 +260,22 @@ def _replicated_on_every_rank(engine, comm: Comm) -> torch.Tensor:
 
 def tp_no_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward skips its all-reduce (each rank keeps a partial sum)."""
-    from zerotrain.model import layers
+    from zerotrain.model import tensor_parallel
 
-    layers._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
+    tensor_parallel._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
     return tp_params_job(cfg, comm)
 
 
 def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the column-parallel input's backward averages over the TP group instead of summing."""
-    from zerotrain.model import layers
+    from zerotrain.model import tensor_parallel
 
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         ctx.comm.all_reduce(grad, ctx.purpose)
         return grad / ctx.comm.world_size, None, None
 
-    with mock.patch.object(layers._CopyToTP, "backward", staticmethod(backward)):
+    with mock.patch.object(tensor_parallel._CopyToTP, "backward", staticmethod(backward)):
         return tp_params_job(cfg, comm)
 
 

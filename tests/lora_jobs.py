@@ -70,16 +70,16 @@ def lora_rowless_key_job(cfg: Config, comm: Comm) -> dict:
 
 def lora_unsummed_a_grad_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: a column-parallel base's A keeps each TP rank's partial gradient (no all-reduce over TP)."""
-    from zerotrain.model import layers
+    from zerotrain.model import tensor_parallel
 
-    saved = layers._SumOverReplicas.backward
-    layers._SumOverReplicas.backward = staticmethod(lambda ctx, grad: (grad, None, None))
+    saved = tensor_parallel._SumOverReplicas.backward
+    tensor_parallel._SumOverReplicas.backward = staticmethod(lambda ctx, grad: (grad, None, None))
     try:
         return lora_job(cfg, comm)
     except InvariantError as e:  # raised on every rank alike: the ranks stay together for the next job
         return {"invariant": str(e)}
     finally:
-        layers._SumOverReplicas.backward = saved
+        tensor_parallel._SumOverReplicas.backward = saved
 
 
 def lora_drifted_base_job(cfg: Config, comm: Comm) -> dict:

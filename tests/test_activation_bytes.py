@@ -16,9 +16,9 @@ from test_checkpoint import spawn
 
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.model import activation_memory as memory
-from zerotrain.model import build_model, layers, parallelize, summed_token_loss
+from zerotrain.model import attention, build_model, parallelize, summed_token_loss
 from zerotrain.model.activation_memory import activation_bytes
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.training.activations import saved_for_backward
 from zerotrain.training.preference import sequence_logps
 
@@ -110,7 +110,7 @@ def test_kv_heads_repeated_for_sdpa_are_counted_to_the_byte_and_counting_them_at
         packed, precision, monkeypatch):
     """The repeat runs on CUDA (fp32, or a mask); selected here on CPU, where it runs the same code."""
     cfg = CONFIGS["llama"]
-    monkeypatch.setattr(layers, "repeats_kv_heads", lambda *a, **k: True)
+    monkeypatch.setattr(attention, "repeats_kv_heads", lambda *a, **k: True)
     segments = packed_segments(2, 16) if packed else None
     measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
     kw = dict(precision=precision, documents=packed)

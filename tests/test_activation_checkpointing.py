@@ -8,7 +8,9 @@ import torch
 from conftest import tiny_config
 
 from zerotrain.config import PRESETS
-from zerotrain.model import build_model, layers, summed_token_loss
+from zerotrain.model import build_model, summed_token_loss
+from zerotrain.model import recompute as recompute_module
+from zerotrain.model.loss import head_loss
 from zerotrain.training.activations import saved_for_backward
 from zerotrain.training.loop import train
 
@@ -19,7 +21,7 @@ def gradients(preset: str, recompute: bool, head: bool = False):
     model.recompute_blocks = recompute
     x = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len), generator=torch.Generator().manual_seed(1))
     y = torch.roll(x, -1, dims=1)
-    saved, loss = saved_for_backward(lambda: layers.head_loss(model, x, y, summed_token_loss, head),
+    saved, loss = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, head),
                                      model.parameters())
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, saved
@@ -38,11 +40,11 @@ def test_recomputed_blocks_give_bitwise_the_same_gradients_and_keep_fewer_bytes(
 
 def test_a_block_recomputed_on_stale_inputs_is_caught(monkeypatch):
     kept, _ = gradients("llama-tiny", recompute=False)
-    real = layers.checkpoint
+    real = recompute_module.checkpoint
 
     def stale(block, x, *args, **kw):  # planted: the recomputation sees a detached copy of the input
         return real(block, x.detach(), *args, **kw) + 0 * x
-    monkeypatch.setattr(layers, "checkpoint", stale)
+    monkeypatch.setattr(recompute_module, "checkpoint", stale)
     recomputed, _ = gradients("llama-tiny", recompute=True)
     assert not all(torch.equal(kept[n], recomputed[n]) for n in kept)
 
@@ -91,7 +93,7 @@ def test_a_recomputed_head_computes_its_gradient_matmuls_once_and_a_checkpointed
     def checkpointed(h, weight, targets, recompute=False, **kw):
         if not recompute:
             return real(h, weight, targets, **kw)
-        return layers.checkpoint(lambda h: real(h, weight, targets, **kw), h, use_reentrant=False)
+        return recompute_module.checkpoint(lambda h: real(h, weight, targets, **kw), h, use_reentrant=False)
     monkeypatch.setattr(vocab, "token_loss", checkpointed)
     assert head_passes(monkeypatch, recompute=True, head=True) == {"logits": 2, "grads": 2}
 
@@ -118,7 +120,7 @@ def test_no_moe_routing_outlives_a_recomputed_backward_and_a_recorded_recomputat
             return real(*fields)
         with monkeypatch.context() as m:
             m.setattr(moe, "Routing", routing)
-            loss = layers.head_loss(model, x, torch.roll(x, -1, dims=1), summed_token_loss, True)
+            loss = head_loss(model, x, torch.roll(x, -1, dims=1), summed_token_loss, True)
             per_row, _ = moe.balancing_loss(model)
             (loss + per_row.sum()).backward()
         gc.collect()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from zerotrain import checkpoint, load_model
 from zerotrain.checkpoint import MODEL_FILE, ShardedModel, checkpoint_model, has_model_file
-from zerotrain.checkpoint import model as model_module
+from zerotrain.checkpoint import consolidate
 from zerotrain.checkpoint import verify as verify_module
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.cli.main import main
@@ -115,7 +115,7 @@ def chunk_from_rank_0(monkeypatch) -> None:
     real = checkpoint.shard_name
     wrong = lambda rank, world_size: real(0 if rank == 1 else rank, world_size)  # noqa: E731
     monkeypatch.setattr(verify_module, "shard_name", wrong)  # the verifier reads shards by name too
-    monkeypatch.setattr(model_module, "shard_name", wrong)
+    monkeypatch.setattr(consolidate, "shard_name", wrong)
 
 
 # run -> how its planted misassembly is made: (a manifest the assembly misreads, or a patch)
@@ -306,6 +306,6 @@ def test_reading_a_model_from_the_shards_maps_none_of_them_and_a_mapping_reader_
             return mapped_shards(folder)
 
     assert mapped_while_reading(folder) == set()
-    monkeypatch.setattr(model_module, "_FlatReader", MappedReader)
+    monkeypatch.setattr(consolidate, "_FlatReader", MappedReader)
     assert {os.path.basename(p) for p in mapped_while_reading(folder)} == {checkpoint.shard_name(r, 2) for r in
                                                                           range(2)}

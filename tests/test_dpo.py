@@ -27,7 +27,7 @@ from zerotrain.data import pairs as pairs_module
 from zerotrain.data.pairs import Pair, fit, parse_pair, read_pairs
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, weight_source
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.runtime.launch import run_job
 from zerotrain.training import memory_plan as plan_module
 from zerotrain.training import preference

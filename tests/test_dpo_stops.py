@@ -59,10 +59,11 @@ def whole(dpo, tmp_path_factory) -> str:
     return str(tmp / "whole")
 
 
-def test_a_signal_during_the_reference_pass_finishes_it_saves_step_1_and_the_resumed_run_is_bitwise_identical(
+def test_a_signal_during_the_reference_pass_finishes_it_saves_step_0_and_the_resumed_run_is_bitwise_identical(
         dpo, whole, tmp_path):
-    """Ctrl-C to the group after rank 1's first forward of the reference pass (of 2): the ranks finish the pass, train
-    step 1 and save it (the first checkpoint, which keeps the pass: its manifest records the stored reference), exit 0;
+    """Ctrl-C to the group after rank 1's first forward of the reference pass (of 2): the ranks finish the pass and, as
+    step 1 begins, save the last completed step, 0 (the first checkpoint, which keeps the pass: its manifest records
+    the stored reference); step 1 is not applied, exit 0;
     the resumed run reads the reference back and ends bitwise identical to the run never stopped. Planted: the pass
     as part of the start-up, as it was: the signal ends every rank at once and the pass is lost."""
     stopped, faults = str(tmp_path / "stopped"), "group_sigint_in_reference@step=1,rank=1"
@@ -70,8 +71,8 @@ def test_a_signal_during_the_reference_pass_finishes_it_saves_step_1_and_the_res
     assert r.returncode == 0 and r.left == [], r.stderr
     assert "group_sigint_in_reference after forward 1 of the reference pass on rank 1" in r.stderr
     assert r.stdout.strip().splitlines()[-1] == \
-        "zerotrain: stopped by SIGINT at step 1; saved step_00000001; continue with --resume auto"
-    assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000001"]
+        "zerotrain: stopped by SIGINT at step 0; saved step_00000000; continue with --resume auto"
+    assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000000"]
     resumed = dpo(tmp_path, "--steps", "4", "--ckpt-every", "2", "--out", stopped, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr
     assert steps_of(stopped) == [1, 2, 3, 4] and final_state(stopped, 4) == final_state(whole, 4)

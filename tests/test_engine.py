@@ -8,7 +8,7 @@ from conftest import tiny_config
 
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.model import build_model, summed_token_loss
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.parallel import ZeroEngine
 from zerotrain.parallel.optim import adamw_param_groups, build_adamw
 from zerotrain.training.invariants import held_bytes

@@ -257,7 +257,7 @@ def test_invariant_b_under_ep_and_tp_compares_the_ranks_holding_the_same_experts
         return torch.stack(rows)
 
     def mesh(rows):
-        return Mesh(world=_Gathered(rows), dp=None, tp=None, tp_size=T, tp_rank=0, ep_size=E)
+        return Mesh(world=_Gathered(rows), dp_shard=None, tp=None, tp_size=T, tp_rank=0, ep_size=E)
 
     assert len(check_no_drift(1, digests()[0], mesh(digests()))) == T * D
     for row, rank, first, what in ((-1, 6, 2, "TP slices"), (-2, 5, 0, "replicated values")):

@@ -182,7 +182,7 @@ def publishing_twice():
     def apply_and_publish_again(self, lr, grad_norm):
         real_apply(self, lr, grad_norm)
         self.wait_params()
-        self._publish_params(wait=not self.gather_in_forward)
+        self._publish_params(wait=not self.gather_behind_forward)
 
     return mock.patch.object(zero.ZeroEngine, "apply", apply_and_publish_again)
 

@@ -37,10 +37,10 @@ from test_expert_parallel import close, config, export_tensors
 
 from zerotrain.errors import InvariantError
 from zerotrain.model import moe
-from zerotrain.parallel import Comm, ZeroEngine, experts
+from zerotrain.parallel import Comm, Mesh, ZeroEngine, experts
 from zerotrain.parallel.zero3 import ShardedParameters
 from zerotrain.checkpoint.stream import bytes_counted
-from zerotrain.training import loop, memory_plan
+from zerotrain.training import memory_plan
 from zerotrain.training.io_plan import differences, io_plan
 from zerotrain.training.loop import train
 
@@ -99,17 +99,17 @@ def four_rank_job(rank, comm, tmp_path):
     out["resumed"] = run(comm, tmp_path / "resumed", "--ep", "2", "--ckpt-every", str(STEPS), "--resume",
                          str(tmp_path / "ep2" / "checkpoints" / f"step_{SAVED:08d}"))
 
-    real_groups = loop.build_expert_groups
+    real_build = Mesh.__dict__["build"]
 
-    def wrong_group(mesh, ep):  # planted: the experts reduced and gathered over the EP group, not their replicas
-        mesh = real_groups(mesh, ep)
-        mesh.expert_dp = mesh.ep
+    def wrong_group(*args, **kwargs):  # planted: the experts reduced and gathered over the EP group, not their replicas
+        mesh = real_build.__func__(Mesh, *args, **kwargs)
+        mesh.dp_shard_mod_ep = mesh.ep
         return mesh
 
-    loop.build_expert_groups = wrong_group
+    Mesh.build = wrong_group
     out["wrong_group"] = failed(comm, tmp_path / "wrong_group", "--ep", "2", "--steps", str(SAVED), "--ckpt-every",
                                str(SAVED))
-    loop.build_expert_groups = real_groups
+    Mesh.build = real_build
 
     real_release = ShardedParameters.release_unit
 

@@ -34,10 +34,10 @@ from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.hub import init_from, mapping
 from zerotrain.hub.export import export_model
-from zerotrain.model import build_model, layers, param_count, summed_token_loss
+from zerotrain.model import attention, build_model, param_count, summed_token_loss, tensor_parallel
 from zerotrain.model import llama as llama_module
 from zerotrain.model.generate import generate
-from zerotrain.model.layers import KVCache
+from zerotrain.model.kv_cache import KVCache
 from zerotrain.runtime.run_folder import resolve_paths
 
 pytestmark = pytest.mark.timeout(300)
@@ -195,8 +195,8 @@ def test_mistral_packed_records_attend_within_their_window_and_a_mask_without_it
     folder, hf = folders["mistral"]
     model = init_from_model(folder)
     assert packed_vs_alone(model, hf) < EXACT
-    real = layers.document_mask
-    monkeypatch.setattr(layers, "document_mask", lambda segments, dtype, window=0: real(segments, dtype))
+    real = attention.document_mask
+    monkeypatch.setattr(attention, "document_mask", lambda segments, dtype, window=0: real(segments, dtype))
     assert packed_vs_alone(model, hf) > CAUGHT
 
 
@@ -207,8 +207,8 @@ def flex_vs_mask(model) -> float:
     with torch.no_grad():
         masked = [model(IDS), model(IDS, segments=segments)]
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
-            m.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
+            m.setattr(attention, "document_kernel", lambda device_type, head_dim: "flex")
+            m.setattr(attention, "compiled_flex_attention", lambda: flex_attention)
             flex = [model(IDS), model(IDS, segments=segments)]
     return max((a - b).abs().max().item() for a, b in zip(masked, flex))
 
@@ -222,7 +222,7 @@ def test_the_flex_attention_masks_cuda_takes_hold_the_window_and_block_masks_wit
                   "document_block_mask": lambda real: lambda segments, window=0: real(segments)}
     for name, plant in windowless.items():
         with monkeypatch.context() as m:
-            m.setattr(layers, name, plant(getattr(layers, name)))
+            m.setattr(attention, name, plant(getattr(attention, name)))
             assert flex_vs_mask(model) > CAUGHT
 
 
@@ -255,8 +255,8 @@ def test_mistral_decodes_through_the_kv_cache_within_its_window_and_a_cache_with
     hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
     with torch.no_grad():
         assert torch.equal(ours, hf.generate(prompt, max_new_tokens=SEQ - 3, do_sample=False)[:, 3:])
-    real = layers._causal_mask
-    monkeypatch.setattr(layers, "_causal_mask", lambda past, T, device, window=0: real(past, T, device))
+    real = attention._causal_mask
+    monkeypatch.setattr(attention, "_causal_mask", lambda past, T, device, window=0: real(past, T, device))
     assert (cached_logits(model) - theirs).abs().max() > CAUGHT
 
 
@@ -348,7 +348,7 @@ def test_a_qwen3_tp2_checkpoint_resumes_at_tp1_with_the_same_losses_and_swapped_
     # and the MLP's units together, which computes the same function)
     real = homes_module.tp_slices_of  # what the load's CheckpointHomes reads the old slices with
     monkeypatch.setattr(homes_module, "tp_slices_of", lambda manifest, *key: {
-        n: layers.TPSlice(s.dim, s.full_shape, s.parts[::-1]) if "k_proj" in n else s
+        n: tensor_parallel.TPSlice(s.dim, s.full_shape, s.parts[::-1]) if "k_proj" in n else s
         for n, s in real(manifest, *key).items()})
     assert abs(resumed("planted")[0] - losses[2]) > 1e-3 * losses[2]
 

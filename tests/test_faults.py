@@ -36,7 +36,7 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
     ("explode@step=3", ("unknown fault kind 'explode' in 'explode@step=3' "
                         "(known: kill, hang, nan, lr_spike, crash_in_save, crash_in_commit, save_error, disk_full, "
                         "slow_staging, sigterm, group_sigint, group_sigterm, oom, slow_storage, group_sigint_in_commit, "
-                        "group_sigint_in_reference, crash_in_reference)")),
+                        "group_sigint_in_reference, crash_in_reference, sigterm_in_slow_step)")),
     ("crash_in_commit@step=4,rank=1", ("crash_in_commit fires on rank 0, which alone commits checkpoints, not rank 1, "
                                        "in 'crash_in_commit@step=4,rank=1'")),
     ("group_sigint_in_commit@step=4,rank=1", ("group_sigint_in_commit fires on rank 0, which alone commits "
@@ -58,7 +58,7 @@ def test_a_spec_parses_into_faults_with_rank_0_and_factor_100_by_default():
                              "(format: kind@step=N[,rank=R][,factor=F])")),
     ("nan@step=2,rank", "cannot read 'rank' in 'nan@step=2,rank' (format: kind@step=N[,rank=R][,factor=F])"),
     ("nan@step=2,step=3", "step is given twice in 'nan@step=2,step=3'"),
-    ("nan@step=2,factor=5", "factor applies only to lr_spike, slow_staging, slow_storage, not nan, in 'nan@step=2,factor=5'"),
+    ("nan@step=2,factor=5", "factor applies only to lr_spike, slow_staging, slow_storage, sigterm_in_slow_step, not nan, in 'nan@step=2,factor=5'"),
     ("lr_spike@step=2,factor=inf", "factor must be a positive number, got 'inf' in 'lr_spike@step=2,factor=inf'"),
     ("lr_spike@step=2,factor=big", "factor must be a positive number, got 'big' in 'lr_spike@step=2,factor=big'"),
 ])
@@ -232,6 +232,7 @@ faults = Faults.parse("sigterm@step=3").for_rank(0)
 try:
     for step in range(1, 10):
         faults.before_collectives(step, stop_seen=lambda: bool(stop), stop_wait_s=1.0)
+        faults.after_update(step, stop_seen=lambda: bool(stop), stop_wait_s=1.0)
         if stop:
             print("worker stopped at step", step, flush=True)
             break

@@ -48,6 +48,9 @@ NOT_IN = {
     "n_experts": "llama", "experts_per_token": "llama", "expert_width": "llama", "norm_topk_prob": "llama",
     "shared_expert_width": "moe", "moe_every": "llama", "mlp_only_layers": "llama", "router_aux_coef": "llama",
     "ep": "llama", "lr_decay_ratio": "gpt2",
+    "full_attention_interval": "llama", "partial_rotary": "llama", "linear_conv_kernel": "llama",
+    "linear_key_heads": "llama", "linear_value_heads": "llama", "linear_key_width": "llama",
+    "linear_value_width": "llama",
 }
 CASES = [(key, run) for key, runs in NOT_IN.items() for run in ((runs,) if isinstance(runs, str) else runs)]
 

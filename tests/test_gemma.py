@@ -34,9 +34,9 @@ from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.hub import mapping
 from zerotrain.hub.export import export_model
-from zerotrain.model import build_model, gemma, layers, vocab
+from zerotrain.model import attention, build_model, gemma, vocab
 from zerotrain.model import llama as llama_module
-from zerotrain.model.layers import KVCache
+from zerotrain.model.kv_cache import KVCache
 from zerotrain.runtime.launch import run_job
 from zerotrain.runtime.run_folder import resolve_paths
 
@@ -143,8 +143,8 @@ def plain_gain(x, weight, eps):
 
 
 def uncapped_scores(mp):
-    real = layers.softcapped_attention
-    mp.setattr(layers, "softcapped_attention", lambda q, k, v, mask, scale, cap: real(q, k, v, mask, scale, 0.0))
+    real = attention.softcapped_attention
+    mp.setattr(attention, "softcapped_attention", lambda q, k, v, mask, scale, cap: real(q, k, v, mask, scale, 0.0))
 
 
 PLANTED = {  # (family, the bug planted in zerotrain's own function)
@@ -207,8 +207,8 @@ def packed_vs_alone(model, hf) -> float:
 
 def as_flex(mp):
     """CUDA's kernel choice, FlexAttention (uncompiled: its reference implementation, which CPU has)."""
-    mp.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
-    mp.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
+    mp.setattr(attention, "document_kernel", lambda device_type, head_dim: "flex")
+    mp.setattr(attention, "compiled_flex_attention", lambda: flex_attention)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -216,8 +216,8 @@ def test_packed_records_equal_each_record_alone_and_a_mask_without_the_window_is
     folder, hf = folders[family]
     model = zerotrain.load_model(str(folder))
     assert packed_vs_alone(model, hf) < EXACT
-    real = layers.document_mask  # planted: the records' mask without the window
-    monkeypatch.setattr(layers, "document_mask", lambda segments, dtype, window=0: real(segments, dtype))
+    real = attention.document_mask  # planted: the records' mask without the window
+    monkeypatch.setattr(attention, "document_mask", lambda segments, dtype, window=0: real(segments, dtype))
     assert packed_vs_alone(model, hf) > CAUGHT
 
 
@@ -230,7 +230,7 @@ def test_flex_attention_caps_the_scores_in_its_score_mod_within_the_windows_and_
     as_flex(monkeypatch)
     assert (logits(model) - logits(hf)).abs().max() < EXACT
     assert packed_vs_alone(model, hf) < EXACT
-    monkeypatch.setattr(layers, "tanh_score_mod", lambda cap: None)  # planted: the scores uncapped
+    monkeypatch.setattr(attention, "tanh_score_mod", lambda cap: None)  # planted: the scores uncapped
     assert (logits(model) - logits(hf)).abs().max() > CAUGHT
 
 
@@ -247,8 +247,8 @@ def test_decoding_through_the_kv_cache_keeps_each_layers_window_and_caps(folders
     folder, hf = folders[family]
     model = zerotrain.load_model(str(folder))
     assert (cached_logits(model) - logits(hf)).abs().max() < EXACT
-    real = layers._causal_mask  # planted: the cache's mask without the sliding layers' window
-    monkeypatch.setattr(layers, "_causal_mask", lambda past, T, device, window=0: real(past, T, device))
+    real = attention._causal_mask  # planted: the cache's mask without the sliding layers' window
+    monkeypatch.setattr(attention, "_causal_mask", lambda past, T, device, window=0: real(past, T, device))
     assert (cached_logits(model) - logits(hf)).abs().max() > CAUGHT
 
 

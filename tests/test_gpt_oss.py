@@ -27,9 +27,12 @@ from transformers.models.gpt_oss import modeling_gpt_oss
 import zerotrain
 from zerotrain.config import ModelConfig
 from zerotrain.hub import mapping
-from zerotrain.model import layers
+from zerotrain.model import attention as attention_module
+from zerotrain.model import positions as positions_module
+from zerotrain.model import rotary as rotary_module
+from zerotrain.model import tensor_parallel
 from zerotrain.model import llama as llama_module
-from zerotrain.model.layers import KVCache
+from zerotrain.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,8 +110,8 @@ def transformers_output(config, attention, x=X) -> torch.Tensor:
 def our_output(cfg, attention, layer: int, x=X, segments=None) -> torch.Tensor:
     """zerotrain's attention as Llama.hidden runs it: its rotary tables and the layer's mask from llama.layer_mask."""
     idx = torch.zeros(x.shape[:2], dtype=torch.long)
-    positions = layers.new_positions(idx, None, cfg.positions, segments)
-    rotary = layers.rotary_tables(positions, cfg.head_dim, cfg.rope_theta, llama_module.rope_scaling(cfg))
+    positions = positions_module.new_positions(idx, None, cfg.positions, segments)
+    rotary = rotary_module.rotary_tables(positions, cfg.head_dim, cfg.rope_theta, llama_module.rope_scaling(cfg))
     window = cfg.sliding_window if cfg.sliding(layer) else 0
     mask = llama_module.layer_mask(cfg, idx, x.dtype, None, segments, window)
     with torch.no_grad():
@@ -128,16 +131,17 @@ def test_each_layer_computes_what_transformers_gpt_oss_attention_does(pair, laye
 
 
 def no_sinks(mp):
-    real = layers.softcapped_attention
-    mp.setattr(layers, "softcapped_attention", lambda q, k, v, mask, scale, cap, sinks=None: real(q, k, v, mask, scale,
-                                                                                                    cap))
+    real = attention_module.softcapped_attention
+    mp.setattr(attention_module, "softcapped_attention",
+               lambda q, k, v, mask, scale, cap, sinks=None: real(q, k, v, mask, scale, cap))
 
 
 PLANTED = {  # the bug, planted in the function zerotrain runs
     "sinks left out": no_sinks,
-    "yarn magnitude left out": lambda mp: mp.setattr(layers.YarnScaling, "magnitude", property(lambda self: 1.0)),
+    "yarn magnitude left out": lambda mp: mp.setattr(rotary_module.YarnScaling, "magnitude",
+                                                     property(lambda self: 1.0)),
     "yarn ramp left out (every frequency slowed)": lambda mp: mp.setattr(
-        layers.YarnScaling, "rescale", lambda self, inv_freq: inv_freq / self.factor),
+        rotary_module.YarnScaling, "rescale", lambda self, inv_freq: inv_freq / self.factor),
     "window ignored": lambda mp: mp.setattr(llama_module, "window_attention", lambda *a: None),
     "output bias left out": lambda mp: mp.setattr(ModelConfig, "o_bias", property(lambda self: False)),
     "q, k, v biases left out": lambda mp: mp.setattr(ModelConfig, "qkv_bias", property(lambda self: False)),
@@ -154,16 +158,16 @@ def test_a_planted_bug_in_each_piece_is_caught(pair, monkeypatch, bug):
 
 def as_flex(mp):
     """CUDA's kernel choice, FlexAttention (uncompiled: its reference implementation, which CPU has)."""
-    mp.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
-    mp.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
+    mp.setattr(attention_module, "document_kernel", lambda device_type, head_dim: "flex")
+    mp.setattr(attention_module, "compiled_flex_attention", lambda: flex_attention)
 
 
 def test_flex_attention_renormalizes_by_its_log_sum_exp_and_without_it_is_caught(pair, monkeypatch):
     """CUDA's kernel: FlexAttention over the full layer's causal block mask and the sliding layer's window, its
-    output renormalized by the sinks through the log-sum-exp it returns (layers.with_sinks)."""
+    output renormalized by the sinks through the log-sum-exp it returns (attention.with_sinks)."""
     as_flex(monkeypatch)
     assert max(gap(pair, 0), gap(pair, 1)) < EXACT
-    monkeypatch.setattr(layers, "with_sinks", lambda out, lse, sinks: out)  # planted: not renormalized
+    monkeypatch.setattr(attention_module, "with_sinks", lambda out, lse, sinks: out)  # planted: not renormalized
     assert gap(pair, 1) > CAUGHT
 
 
@@ -183,17 +187,17 @@ def test_the_renormalization_has_the_explicit_sink_columns_gradients():
         return [t.grad.clone() for t in (q, k, v, sinks)]
 
     def renormalized():
-        scores = (q @ layers.repeat_kv(k, 2).transpose(2, 3) * 16**-0.5).masked_fill(~mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ layers.repeat_kv(v, 2)
-        return layers.with_sinks(out, torch.logsumexp(scores, dim=-1), sinks)
+        scores = (q @ attention_module.repeat_kv(k, 2).transpose(2, 3) * 16**-0.5).masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ attention_module.repeat_kv(v, 2)
+        return attention_module.with_sinks(out, torch.logsumexp(scores, dim=-1), sinks)
 
-    explicit = grads(lambda: layers.softcapped_attention(q, k, v, mask, None, 0.0, sinks=sinks))
+    explicit = grads(lambda: attention_module.softcapped_attention(q, k, v, mask, None, 0.0, sinks=sinks))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads(renormalized), explicit))
     assert explicit[3].abs().min() > 1e-4  # the sinks learn
-    real = layers.with_sinks  # planted: the factor detached, the sinks learn nothing
+    real = attention_module.with_sinks  # planted: the factor detached, the sinks learn nothing
     layers_with_sinks = lambda out, lse, s: real(out, lse.detach(), s.detach())  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(layers, "with_sinks", layers_with_sinks)
+        mp.setattr(attention_module, "with_sinks", layers_with_sinks)
         sinks.grad = None
         (renormalized() * weights).sum().backward()
         assert sinks.grad is None
@@ -217,7 +221,7 @@ def test_packed_records_equal_each_record_alone(pair, monkeypatch, kernel):
 
 def test_decoding_through_the_kv_cache_keeps_the_sinks_and_the_window(pair, monkeypatch):
     config, theirs, cfg, ours = pair
-    rotary = layers.rotary_tables(torch.arange(SEQ), 16, cfg.rope_theta, llama_module.rope_scaling(cfg))
+    rotary = rotary_module.rotary_tables(torch.arange(SEQ), 16, cfg.rope_theta, llama_module.rope_scaling(cfg))
 
     def cached(layer: int) -> torch.Tensor:
         cache = KVCache(dataclasses.replace(cfg, n_layer=2), X.shape[0])
@@ -252,7 +256,7 @@ def test_yarns_frequencies_and_magnitude_are_transformers(rope):
     inv_freq, magnitude = ROPE_INIT_FUNCTIONS["yarn"](config)
     cfg = mapping.model_config_from_hf(config.to_dict(), "config.json")  # read as zerotrain reads a folder's
     scaling = llama_module.rope_scaling(cfg)
-    cos, sin = layers.rotary_tables(torch.arange(4096), 64, cfg.rope_theta, scaling)
+    cos, sin = rotary_module.rotary_tables(torch.arange(4096), 64, cfg.rope_theta, scaling)
     theirs = torch.arange(4096)[:, None].float() * inv_freq
     assert scaling.magnitude == magnitude
     assert torch.allclose(cos[:, :32], theirs.cos() * magnitude, atol=1e-6, rtol=0)
@@ -271,7 +275,7 @@ def test_a_qwen3_folder_with_yarn_rope_gives_transformers_logits_and_exports_it(
         assert (model(ids) - theirs).abs().max() < EXACT
         config = mapping.hf_config(model.cfg, None)  # written as read
         assert mapping.model_config_from_hf(config, "config.json") == model.cfg
-        monkeypatch.setattr(layers.YarnScaling, "magnitude", property(lambda self: 1.0))  # planted
+        monkeypatch.setattr(rotary_module.YarnScaling, "magnitude", property(lambda self: 1.0))  # planted
         assert (model(ids) - theirs).abs().max() > CAUGHT
 
 
@@ -672,7 +676,7 @@ def test_tp_ranks_heads_with_their_sinks_sum_to_the_whole_attention_and_a_wrong_
         return parts[0] + parts[1] - theirs[layer].o_proj.bias.detach()
 
     assert (summed() - transformers_output(config, theirs[layer])).abs().max() < EXACT
-    real = layers.TPSlice.take  # planted: every rank takes the first heads' sinks
-    monkeypatch.setattr(layers.TPSlice, "take", lambda self, full, rank: real(self, full, 0 if full.dim() == 1 and
-                                                                              full.shape[0] == 4 else rank))
+    real = tensor_parallel.TPSlice.take  # planted: every rank takes the first heads' sinks
+    monkeypatch.setattr(tensor_parallel.TPSlice, "take", lambda self, full, rank:
+                        real(self, full, 0 if full.dim() == 1 and full.shape[0] == 4 else rank))
     assert (summed() - transformers_output(config, theirs[layer])).abs().max() > CAUGHT

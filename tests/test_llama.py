@@ -241,7 +241,7 @@ def test_llama_splits_and_tp2_give_the_full_batch_gradient_and_step(tmp_path, ca
 
 def test_generation_caches_only_the_kv_heads_and_matches_recomputing(folders, one_rank):
     from zerotrain.model.generate import generate
-    from zerotrain.model.layers import KVCache
+    from zerotrain.model.kv_cache import KVCache
 
     _, engine = zerotrain_logits(folders["llama"][0], one_rank)
     model = engine.model.eval()

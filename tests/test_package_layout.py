@@ -174,13 +174,29 @@ def test_no_module_reaches_into_anothers_private_names_and_a_planted_subclass_is
         "zerotrain.parallel.zero3.Planted overrides zerotrain.parallel.engine.ZeroEngine._launch"]
 
 
+def same_names(known: dict[str, str]) -> dict[str, list[str]]:
+    """Module files (not packages) that share one name in different folders, by that name: a reader searching for
+    `model.py` should find one. A module may share a package's name (bench/model.py is `zerotrain bench model`)."""
+    files = [n for n, p in known.items() if not p.endswith("__init__.py") and not n.endswith("__main__")]
+    count = collections.Counter(n.rsplit(".", 1)[-1] for n in files)
+    return {name: sorted(n for n in files if n.rsplit(".", 1)[-1] == name) for name, c in count.items() if c > 1}
+
+
 def test_a_handful_of_modules_at_the_top_and_no_two_with_one_name():
     top = [n for n in os.listdir(PACKAGE) if n.endswith(".py")]
     assert len(top) <= TOP_LEVEL_LIMIT, sorted(top)
-    names = collections.Counter(n.rsplit(".", 1)[-1] for n in modules() if not n.endswith("__main__"))
-    names = {n: c for n, c in names.items() if c > 1 and n not in ("zerotrain",)}
-    packages = {n.rsplit(".", 1)[-1] for n, p in modules().items() if p.endswith("__init__.py")}
-    assert {n: c for n, c in names.items() if n not in packages} == {}
+    assert same_names(modules()) == {}
+
+
+def test_a_planted_second_module_of_one_name_is_caught(tmp_path):
+    """checkpoint/model.py beside bench/model.py, as the package had them (the package `model` hid the pair from
+    the check, which left out any name a package has): planted again in a copy."""
+    import shutil
+
+    copy = tmp_path / "zerotrain"
+    shutil.copytree(PACKAGE, copy)
+    shutil.copy(copy / "checkpoint" / "consolidate.py", copy / "checkpoint" / "model.py")
+    assert same_names(modules(str(copy))) == {"model": ["zerotrain.bench.model", "zerotrain.checkpoint.model"]}
 
 
 @pytest.mark.parametrize("name", sorted(LEVELS))

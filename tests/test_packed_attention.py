@@ -13,9 +13,10 @@ from test_checkpoint import spawn
 from torch.nn.attention.flex_attention import flex_attention
 
 from zerotrain.config import PRESETS, ModelConfig
-from zerotrain.model import KVCache, build_model, layers, parallelize, summed_token_loss
+from zerotrain.model import KVCache, attention, build_model, parallelize, positions, summed_token_loss
 from zerotrain.model.activation_memory import activation_bytes
-from zerotrain.model.layers import head_loss, positions_from_segments
+from zerotrain.model.loss import head_loss
+from zerotrain.model.positions import positions_from_segments
 
 CONFIGS = {"gpt2": ModelConfig(**PRESETS["tiny"]), "llama": ModelConfig(**PRESETS["llama-tiny"])}  # llama: GQA 4/2
 T = 16  # the presets' seq_len
@@ -102,12 +103,12 @@ def test_packed_records_lose_and_learn_as_each_record_alone_and_a_planted_leak_i
     assert loss_err <= TOLERANCE and grad_err <= TOLERANCE, (loss_err, grad_err)
 
     with monkeypatch.context() as m:
-        m.setattr(layers, "document_mask", causal_only(layers.document_mask))
+        m.setattr(attention, "document_mask", causal_only(attention.document_mask))
         assert min(packed_vs_alone(model, recompute)) > CAUGHT
     if recompute != "none":
         return  # positions are made once, outside the blocks and the head that recompute
     with monkeypatch.context() as m:
-        m.setattr(layers, "positions_from_segments", unrestarted)
+        m.setattr(positions, "positions_from_segments", unrestarted)
         shifted = packed_vs_alone(model, recompute)
     if arch == "gpt2":  # learned positions: a record placed at position 12 reads position 12's embedding
         assert min(shifted) > CAUGHT
@@ -128,8 +129,8 @@ def test_without_segments_the_model_runs_as_before_and_one_record_per_row_is_pla
     model = build_model(CONFIGS[arch], seed=0)
     x, y, _ = packed_batch(records(model.cfg.vocab_size))
     built = []
-    real = layers.document_mask
-    monkeypatch.setattr(layers, "document_mask", lambda *a: built.append(a) or real(*a))
+    real = attention.document_mask
+    monkeypatch.setattr(attention, "document_mask", lambda *a: built.append(a) or real(*a))
     assert torch.equal(model(x, segments=None), model(x))
     assert torch.equal(model.hidden(x, segments=None), model.hidden(x))
     head_loss(model, x, y, summed_token_loss, False).backward()
@@ -151,8 +152,8 @@ def test_flex_attention_block_mask_gives_each_record_alone_and_a_mask_without_re
     model = build_model(CONFIGS[arch], seed=0).eval()
     rows = records(model.cfg.vocab_size)
     x, y, segments = packed_batch(rows)
-    monkeypatch.setattr(layers, "document_kernel", lambda device_type, head_dim: "flex")
-    monkeypatch.setattr(layers, "compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(attention, "document_kernel", lambda device_type, head_dim: "flex")
+    monkeypatch.setattr(attention, "compiled_flex_attention", lambda: flex_attention)
 
     def worst() -> float:
         with torch.no_grad():
@@ -164,21 +165,21 @@ def test_flex_attention_block_mask_gives_each_record_alone_and_a_mask_without_re
             return err
 
     assert worst() <= TOLERANCE
-    real = layers.create_block_mask
-    monkeypatch.setattr(layers, "create_block_mask",  # planted: the block mask forgets the records
+    real = attention.create_block_mask
+    monkeypatch.setattr(attention, "create_block_mask",  # planted: the block mask forgets the records
                         lambda mask_mod, *a, **k: real(lambda b, h, q, kv: q >= kv, *a, **k))
     assert worst() > CAUGHT
 
 
 def test_packed_records_take_flex_attention_on_cuda_where_triton_compiles_it_else_the_mask(monkeypatch):
-    assert layers.document_kernel("cpu", 64) == "mask"
+    assert attention.document_kernel("cpu", 64) == "mask"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert layers.document_kernel("cuda", 64) == "flex"  # planned for a CUDA machine: CUDA builds ship Triton
+    assert attention.document_kernel("cuda", 64) == "flex"  # planned for a CUDA machine: CUDA builds ship Triton
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(layers, "has_triton", lambda: True)
-    assert layers.document_kernel("cuda", 64) == "flex"
-    monkeypatch.setattr(layers, "has_triton", lambda: False)
-    assert layers.document_kernel("cuda", 64) == "mask"
+    monkeypatch.setattr(attention, "has_triton", lambda: True)
+    assert attention.document_kernel("cuda", 64) == "flex"
+    monkeypatch.setattr(attention, "has_triton", lambda: False)
+    assert attention.document_kernel("cuda", 64) == "mask"
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "gpt2", "smollm-135m"])
@@ -190,35 +191,35 @@ def test_heads_narrower_than_flex_attentions_16_take_the_mask_on_cuda_and_a_plan
 
     assert "less than 16" in open(inductor_flex.__file__).read()  # the limit, where torch states it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(layers, "has_triton", lambda: True)
+    monkeypatch.setattr(attention, "has_triton", lambda: True)
     cfg = ModelConfig(**PRESETS[preset])
     expected = "flex" if cfg.head_dim >= 16 else "mask"
     assert (cfg.head_dim < 16) == (preset in ("tiny", "llama-tiny"))
-    assert layers.document_kernel("cuda", cfg.head_dim) == expected
+    assert attention.document_kernel("cuda", cfg.head_dim) == expected
     # the memory plan counts the mask's bytes (as on the CPU) for the mask, the block mask's tables for flex
     planned = {device: activation_bytes(cfg, 2, cfg.seq_len, device=device, documents=True)["embedding"]
                for device in ("cpu", "cuda")}
     assert (planned["cuda"] == planned["cpu"]) == (expected == "mask")
     # the model asks with its own heads' width (a forward of packed records, on the CPU)
-    asked, choose = [], layers.document_kernel
-    monkeypatch.setattr(layers, "document_kernel", lambda device_type, head_dim: asked.append(head_dim) or
+    asked, choose = [], attention.document_kernel
+    monkeypatch.setattr(attention, "document_kernel", lambda device_type, head_dim: asked.append(head_dim) or
                         choose(device_type, head_dim))
     small = ModelConfig(**{**PRESETS[preset], "n_layer": 1, "seq_len": 8, "vocab_size": 64})
     with torch.no_grad():
         build_model(small, seed=0)(torch.zeros(1, 8, dtype=torch.long), segments=torch.zeros(1, 8, dtype=torch.long))
     assert asked == [cfg.head_dim]
-    monkeypatch.setattr(layers, "document_kernel", choose)
+    monkeypatch.setattr(attention, "document_kernel", choose)
     if expected == "mask":  # planted: the head-width rule dropped, as before; FlexAttention would refuse these heads
-        monkeypatch.setattr(layers, "FLEX_MIN_HEAD_DIM", 0)
-        assert layers.document_kernel("cuda", cfg.head_dim) == "flex"
+        monkeypatch.setattr(attention, "FLEX_MIN_HEAD_DIM", 0)
+        assert attention.document_kernel("cuda", cfg.head_dim) == "flex"
 
 
 def test_kv_heads_are_repeated_where_no_fused_kernel_takes_gqa():
-    assert layers.repeats_kv_heads("cuda", torch.float32)  # flash takes no fp32; memory-efficient no GQA
-    assert not layers.repeats_kv_heads("cuda", torch.bfloat16)  # flash takes GQA itself
-    assert layers.repeats_kv_heads("cuda", torch.bfloat16, masked=True)  # flash takes no mask
-    assert not layers.repeats_kv_heads("cpu", torch.float32) and not layers.repeats_kv_heads("cpu", torch.bfloat16,
-                                                                                             masked=True)
+    assert attention.repeats_kv_heads("cuda", torch.float32)  # flash takes no fp32; memory-efficient no GQA
+    assert not attention.repeats_kv_heads("cuda", torch.bfloat16)  # flash takes GQA itself
+    assert attention.repeats_kv_heads("cuda", torch.bfloat16, masked=True)  # flash takes no mask
+    assert not attention.repeats_kv_heads("cpu", torch.float32)
+    assert not attention.repeats_kv_heads("cpu", torch.bfloat16, masked=True)
 
 
 def test_the_kv_head_repeat_path_gives_enable_gqas_output_and_a_wrong_repeat_is_caught(monkeypatch):
@@ -241,9 +242,9 @@ def test_the_kv_head_repeat_path_gives_enable_gqas_output_and_a_wrong_repeat_is_
             err = max(err, max_rel(repeated_logits, logits), *(max_rel(repeated_grads[n], grads[n]) for n in grads))
         return err
 
-    monkeypatch.setattr(layers, "repeats_kv_heads", lambda *a, **k: True)
+    monkeypatch.setattr(attention, "repeats_kv_heads", lambda *a, **k: True)
     assert differences() <= 1e-6
-    monkeypatch.setattr(layers, "repeat_kv", lambda t, n: t.repeat(1, n, 1, 1))  # planted: heads in the wrong groups
+    monkeypatch.setattr(attention, "repeat_kv", lambda t, n: t.repeat(1, n, 1, 1))  # planted: heads in the wrong groups
     assert differences() > CAUGHT
 
 

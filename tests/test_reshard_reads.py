@@ -38,7 +38,7 @@ from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.checkpoint.verify import layout_of
 from zerotrain.config import Config
 from zerotrain.model import meta_model, parallelize
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import ShardLayout
 from zerotrain.parallel.engine import layout_of as engine_layout
 from zerotrain.runtime.launch import run_job

@@ -24,7 +24,7 @@ from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.config import PRESETS, Config, LoraConfig, ModelConfig, notes
 from zerotrain.model import build_model, summed_token_loss
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.model.lora import add_adapters
 from zerotrain.training import throughput
 from zerotrain.training.metrics import Metrics, read_step_records

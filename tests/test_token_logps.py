@@ -17,7 +17,7 @@ from test_vocab_parallel import (CONFIGS, LARGE_VOCAB, SMALL_CHUNKS, B, T, batch
 
 from zerotrain.model import build_model, parallelize, vocab
 from zerotrain.model.activation_memory import activation_bytes
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.training.activations import saved_for_backward, saved_storages
 from zerotrain.training.preference import sequence_logps
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from zerotrain import checkpoint
 from zerotrain.cli.commands.verify_checkpoint import cmd_verify
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import ShardLayout
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import build_engine

@@ -27,7 +27,7 @@ from zerotrain.checkpoint import verify as verify_module
 from zerotrain.cli.main import main
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.hub.init_from import load_local, weight_source
-from zerotrain.model import build_model, layers, llama, parallelize, plan
+from zerotrain.model import build_model, llama, parallelize, plan, tensor_parallel
 from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.parallel import ShardLayout, layout_of
 from zerotrain.runtime.launch import run_job
@@ -196,7 +196,7 @@ def test_a_tp4_checkpoint_loads_on_one_rank_exactly_and_swapped_kv_groups_are_ca
         assert all(torch.equal(state[key][n], t) for n, t in saved[key].items()), key
     # planted: the old slices read with their parts reversed (the KV groups' heads exchanged, and the q heads')
     real = homes_module.tp_slices_of  # what the load's CheckpointHomes reads the old slices with
-    swapped = {n: layers.TPSlice(s.dim, s.full_shape, s.parts[::-1]) for n, s in real(
+    swapped = {n: tensor_parallel.TPSlice(s.dim, s.full_shape, s.parts[::-1]) for n, s in real(
         checkpoint.read_manifest(runs["saved folder"])).items()}
     with mock.patch.object(homes_module, "tp_slices_of", lambda manifest, *key: swapped):
         state = loaded()
@@ -278,7 +278,7 @@ def test_the_plan_counts_each_ranks_replicated_kv_head_and_the_activation_formul
     assert measured == runs["tp4"]["plan"]["rows"]["activations"]
     assert activation_bytes(cfg.model, 4, cfg.model.seq_len, tp=4)["total"] == measured
     # planted: the formula at kv_heads // tp KV heads per rank (0 under replication)
-    monkeypatch.setattr(layers, "kv_heads_per_rank", lambda kv, tp: kv // tp)
+    monkeypatch.setattr(tensor_parallel, "kv_heads_per_rank", lambda kv, tp: kv // tp)
     assert activation_bytes(cfg.model, 4, cfg.model.seq_len, tp=4)["total"] != measured
 
 

@@ -17,7 +17,7 @@ from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.model import build_model, gpt2, parallelize, summed_token_loss, vocab
 from zerotrain.model.activation_memory import activation_bytes
 from zerotrain.model.generate import generate
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.training.activations import saved_storages
 
 pytestmark = pytest.mark.timeout(300)

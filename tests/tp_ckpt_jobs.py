@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from zerotrain import checkpoint
 from zerotrain.checkpoint import homes as homes_module
 from zerotrain.config import Config
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import Comm
 from zerotrain.training.loop import build_engine, train
 

@@ -11,7 +11,7 @@ from zerotrain import checkpoint
 from zerotrain.config import Config
 from zerotrain.errors import InvariantError
 from zerotrain.model import build_model, llama, parallelize
-from zerotrain.model.layers import TPSlice, _SumOverReplicas, kv_replicas
+from zerotrain.model.tensor_parallel import TPSlice, _SumOverReplicas, kv_replicas
 from zerotrain.parallel import Comm, Mesh
 from zerotrain.training.loop import build_engine, train
 

@@ -213,7 +213,9 @@ _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_
               rope_truncate=True, rope_attention_factor=0.0, sliding_window=0, sliding_window_pattern=0,
               rope_local_theta=0.0, query_pre_attn_scalar=0, attn_softcap=0.0, final_softcap=0.0,
               n_experts=0, experts_per_token=2, expert_width=0, norm_topk_prob=False, shared_expert_width=0,
-              moe_every=1, mlp_only_layers="", router_aux_coef=0.001)
+              moe_every=1, mlp_only_layers="", router_aux_coef=0.001, full_attention_interval=4,
+              partial_rotary=0.25, linear_conv_kernel=4, linear_key_heads=16, linear_value_heads=32,
+              linear_key_width=128, linear_value_width=128)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -229,8 +231,11 @@ PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 # renormalised), olmoe (q/k norms over the whole projection, not per head).
 # gpt_oss: gpt-oss's attention (sinks, q/k/v/o biases, YaRN, sliding and full layers alternating) and its experts'
 # options (a router with a bias and a softmax over the top-k logits, experts with biases and a clamped SwiGLU).
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE)
+# qwen3_5 and qwen3_5_moe: Qwen3.5's hybrid (model/qwen35.py), Gated DeltaNet linear-attention layers with every
+# --full-attention-interval-th layer a gated attention layer; the MoE's experts always renormalised, a shared expert.
+QWEN35 = ("qwen3_5", "qwen3_5_moe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5")
 GEMMA = ("gemma2", "gemma3")
 WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
 ALTERNATING = (*GEMMA, "gpt_oss")  # the members whose sliding and global layers alternate (--sliding-window-pattern)
@@ -258,7 +263,9 @@ class ModelConfig:
                         "embedding, sliding and global layers alternating, soft-capped logits), gemma3 (Gemma 3: "
                         "Gemma 2's block with q/k norms and a local rotary base instead of the soft-caps), or a "
                         "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe, "
-                        "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU)",
+                        "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
+                        "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
+                        "layers)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -329,15 +336,32 @@ class ModelConfig:
                                 shown="--intermediate-size", applies=EXPERTS)
     norm_topk_prob: bool = setting(False, "the top-k routing weights renormalised to sum to 1 (norm_topk_prob; "
                                    "mixtral always)", applies=EXPERTS)
-    shared_expert_width: int = setting(0, "qwen2_moe: the width of the expert every token goes through beside its "
-                                       "routed ones, gated by a sigmoid (0: none)", rule=NON_NEGATIVE,
-                                       shown="0: none", applies=archs_scope("qwen2_moe"))
+    shared_expert_width: int = setting(0, "qwen2_moe, qwen3_5_moe: the width of the expert every token goes through "
+                                       "beside its routed ones, gated by a sigmoid (0: none)", rule=NON_NEGATIVE,
+                                       shown="0: none", applies=archs_scope("qwen2_moe", "qwen3_5_moe"))
     moe_every: int = setting(1, "every N-th layer (layers N-1, 2N-1, ...) has experts, the others a dense MLP of "
                              "--intermediate-size (decoder_sparse_step)", rule=POSITIVE, applies=EXPERTS)
     mlp_only_layers: str = setting("", "layers with a dense MLP instead of experts, comma-separated (mlp_only_layers)",
                                    shown="none", applies=EXPERTS)
     router_aux_coef: float = setting(0.001, "the model's weight of the load-balancing loss (router_aux_loss_coef; "
                                      "--moe-aux-coef overrides it for a run)", rule=NON_NEGATIVE, applies=EXPERTS)
+    full_attention_interval: int = setting(4, "qwen3_5: every N-th layer (layers N-1, 2N-1, ...) is a gated "
+                                           "attention layer, the others Gated DeltaNet linear-attention layers",
+                                           rule=POSITIVE, applies=archs_scope(*QWEN35))
+    partial_rotary: float = setting(0.25, "qwen3_5: the share of each attention head's width that rotary rotates "
+                                    "(partial_rotary_factor)", rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
+                                    applies=archs_scope(*QWEN35))
+    linear_conv_kernel: int = setting(4, "qwen3_5: the causal convolution's width over the linear-attention layers' "
+                                      "q, k and v (linear_conv_kernel_dim)", rule=POSITIVE,
+                                      applies=archs_scope(*QWEN35))
+    linear_key_heads: int = setting(16, "qwen3_5: query and key heads of the linear-attention layers "
+                                    "(linear_num_key_heads)", rule=POSITIVE, applies=archs_scope(*QWEN35))
+    linear_value_heads: int = setting(32, "qwen3_5: value heads of the linear-attention layers, a multiple of the key "
+                                      "heads (linear_num_value_heads)", rule=POSITIVE, applies=archs_scope(*QWEN35))
+    linear_key_width: int = setting(128, "qwen3_5: each linear-attention query and key head's width "
+                                    "(linear_key_head_dim)", rule=POSITIVE, applies=archs_scope(*QWEN35))
+    linear_value_width: int = setting(128, "qwen3_5: each linear-attention value head's width "
+                                      "(linear_value_head_dim)", rule=POSITIVE, applies=archs_scope(*QWEN35))
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -418,7 +442,16 @@ class ModelConfig:
     @property
     def renormalizes(self) -> bool:
         """Whether the top-k routing weights are divided by their sum: --norm-topk-prob, and Mixtral's always."""
-        return self.norm_topk_prob or self.arch == "mixtral"
+        return self.norm_topk_prob or self.arch in ("mixtral", "qwen3_5_moe")
+
+    def linear_attention(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet linear-attention layer (Qwen3.5's; every other is attention)."""
+        return self.arch in QWEN35 and (layer + 1) % self.full_attention_interval != 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The width of each head that rotary rotates: the whole head, or Qwen3.5's partial share of it."""
+        return int(self.head_dim * self.partial_rotary) if self.arch in QWEN35 else self.head_dim
 
     @property
     def expert_ffn(self) -> int:
@@ -507,6 +540,10 @@ class LaunchConfig:
 class ParallelConfig:
     tp: int = setting(1, "tensor-parallel degree: ranks that split each layer's heads and MLP (divides --nproc; "
                       "rank = dp_index x tp + tp_index)", rule=POSITIVE)
+    dp_replicate: int = setting(1, "hybrid sharding (FSDP2's HSDP): the data-parallel ranks form this many replica "
+                                "groups; ZeRO shards its state over the ranks of a group and replicates it across the "
+                                "groups (reduce-scatter within a group, then one all-reduce of the shard across the "
+                                "groups); divides the data-parallel size (--nproc / --tp)", rule=POSITIVE)
     ep: int = setting(1, "expert-parallel degree: the experts of each MoE layer split in contiguous blocks over this "
                       "many consecutive DP ranks, tokens sent to their expert's rank and back by all-to-all (divides "
                       "the DP size and --n-experts)", rule=POSITIVE, applies=EXPERTS)
@@ -530,6 +567,8 @@ class ParallelConfig:
                                             "the block in the backward (less memory, more compute); full: the "
                                             "blocks, and the head with the loss too (not with --compile); or none",
                                             rule=one_of("none", "blocks", "full"))
+    offload_activations: bool = setting(False, "keep what the forward saves for the backward in pinned host memory "
+                                        "in between (with --activation-checkpointing: the blocks' inputs); CUDA only")
 
     @property
     def bucket_numel(self) -> int:
@@ -920,8 +959,9 @@ def _check_experts(cfg: Config) -> None:
         return
     if m.experts_per_token > m.n_experts:
         raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the --n-experts {m.n_experts}")
-    if m.shared_expert_width and m.arch != "qwen2_moe":
-        raise ConfigError(f"--shared-expert-width {m.shared_expert_width} is for --arch qwen2_moe, not {m.arch}")
+    if m.shared_expert_width and m.arch not in ("qwen2_moe", "qwen3_5_moe"):
+        raise ConfigError(f"--shared-expert-width {m.shared_expert_width} is for --arch qwen2_moe or qwen3_5_moe, not "
+                          f"{m.arch}")
     for token in (t.strip() for t in m.mlp_only_layers.split(",") if t.strip()):
         if not token.isdigit() or int(token) >= m.n_layer:
             raise ConfigError(f"--mlp-only-layers {m.mlp_only_layers!r}: {token!r} is not a layer 0-{m.n_layer - 1}")
@@ -947,12 +987,40 @@ def _check_expert_parallel(cfg: Config) -> None:
     if dp % p.ep:
         raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp} (--nproc {cfg.launch.nproc} / "
                           f"--tp {p.tp})")
+    if (dp // p.dp_replicate) % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the shard group's size {dp // p.dp_replicate} (the "
+                          f"data-parallel size {dp} / --dp-replicate {p.dp_replicate}): each replica group holds "
+                          "every block of experts")
     if m.n_experts % p.ep:
         raise ConfigError(f"--ep {p.ep} does not divide --n-experts {m.n_experts}: each EP rank holds a whole block "
                           "of experts")
     if cfg.lora.rank:
         raise ConfigError(f"--ep {p.ep} with --lora-rank {cfg.lora.rank}: expert parallelism trains every parameter "
                           "(no LoRA) yet")
+
+
+def _check_qwen35(cfg: Config) -> None:
+    """Qwen3.5's sizes, and what its linear-attention layers do not have yet (tensor and expert parallelism, LoRA):
+    refused, never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if m.linear_value_heads % m.linear_key_heads:
+        raise ConfigError(f"--linear-value-heads {m.linear_value_heads} is not a multiple of --linear-key-heads "
+                          f"{m.linear_key_heads}: each key head serves a whole group of value heads")
+    if m.rotary_dim < 2 or m.rotary_dim % 2:
+        raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
+                          f"{m.head_dim} units; it rotates an even number of them, at least 2")
+    for value, flag in ((p.tp, "--tp"), (p.ep, "--ep")):
+        if value > 1:
+            raise ConfigError(f"{flag} {value}: --arch {m.arch}'s Gated DeltaNet layers have no tensor or expert "
+                              f"parallelism in zerotrain yet: give {flag} 1")
+    if m.arch == "qwen3_5_moe" and not m.shared_expert_width:
+        raise ConfigError("--arch qwen3_5_moe has a shared expert beside its routed ones: give --shared-expert-width")
+    if m.arch == "qwen3_5_moe" and (m.moe_every != 1 or m.mlp_only_layers):
+        raise ConfigError(f"--arch qwen3_5_moe has experts on every layer: --moe-every {m.moe_every} and "
+                          f"--mlp-only-layers {m.mlp_only_layers!r} are for qwen3_moe and qwen2_moe")
+    if cfg.lora.rank:
+        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch {m.arch} (its Gated DeltaNet layers among "
+                          "them) is not in zerotrain yet: give --lora-rank 0")
 
 
 def validate(cfg: Config) -> Config:
@@ -986,6 +1054,9 @@ def validate(cfg: Config) -> Config:
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")
+    if cfg.dp % p.dp_replicate:
+        raise ConfigError(f"--dp-replicate {p.dp_replicate} does not divide the data-parallel size {cfg.dp} (--nproc "
+                          f"{cfg.launch.nproc} / --tp {p.tp}): each replica group shards over an equal part of it")
     if m.n_head % m.kv_heads:
         raise ConfigError(f"--n-kv-head {m.n_kv_head} does not divide --n-head {m.n_head}: each KV head serves a whole "
                           "group of query heads")
@@ -1019,6 +1090,8 @@ def validate(cfg: Config) -> Config:
     if m.rope_scaling == "yarn" and m.rope_beta_slow >= m.rope_beta_fast:
         raise ConfigError(f"--rope-beta-slow {m.rope_beta_slow} must be below --rope-beta-fast {m.rope_beta_fast}")
     _check_experts(cfg)
+    if m.arch in QWEN35:
+        _check_qwen35(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")
@@ -1032,6 +1105,11 @@ def validate(cfg: Config) -> Config:
     if p.activation_checkpointing == "full" and cfg.loop.compile:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")
+    if p.offload_activations and cfg.launch.device == "cpu":
+        raise ConfigError("--offload-activations moves saved activations from the GPU to host memory: with --device "
+                          "cpu they are in host memory already")
+    if p.offload_activations and cfg.loop.compile:
+        raise ConfigError("--offload-activations' saved-tensor hooks do not reach into a compiled graph: drop --compile")
     if cfg.lora.targets != ALL_LINEAR:
         known = lora_target_names(m.arch)
         for name in (t.strip() for t in cfg.lora.targets.split(",")):

@@ -2,11 +2,11 @@
 
 from .checkpointer import Checkpointer, SaveFlags, WriterHooks
 from .commit import point_latest, put_back_moved_aside
+from .consolidate import ShardedModel, checkpoint_model, has_model_file, held_bytes, model_tensors
 from .format import (FORMAT, LATEST, MANIFEST, MODEL_FILE, STATE_KEYS, VERSION, CheckpointError, committed_folder,
                      committed_step_numbers, committed_steps, incompatibility, read_latest, read_manifest, shard_name,
                      step_folders, step_name, step_of)
 from .load import find_resumable, is_checkpoint_root, load_checkpoint, resolve_resume, resume, resume_candidates
-from .model import ShardedModel, checkpoint_model, has_model_file, held_bytes, model_tensors
 from .save import CheckpointWriter, save_checkpoint
 from .verify import Check, verify_checkpoint, verify_or_raise
 

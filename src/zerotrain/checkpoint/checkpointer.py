@@ -7,16 +7,25 @@ The loop calls a `Checkpointer` three times a step, as DESIGN.md's step list has
                      more than synchronous ones here
     after_reduce(d)  with what every rank agreed: move the async save on (all written: rank 0 commits in its own
                      thread; committed: the rollback policy learns of it), or save synchronously from now on
-    after_step(...)  the step's time (to judge async saves), then save if the cadence, the clock or a stop says so
+    after_step(...)  the step's time (to judge async saves), then save if the cadence or the clock says so
 
 and `finish()` at the end (or before a rollback); `recommit(...)` after a rollback re-saves the restored step with the
-loop's new state. Saves happen every K steps, every M minutes of rank 0's clock, on a stop and at the end. Fault injection reaches the writer through the hooks given at construction.
+loop's new state.
+
+A stop signal does not wait for the step: `arm(...)` at each step's start says which state a stop would save (the
+last completed step's: nothing changes it until the step's update); `stop_requested()`, from the stop request's
+watcher thread, starts that save at once (armed: now; otherwise at the next `arm`); `disarm()` before the step's
+all-reduce reads the stop flag, so a save started on any rank means a stop flag in that all-reduce, and no rank
+updates the state a save is reading. Once every rank has agreed to stop, `stop(...)` waits for the save (starting it
+on a rank that had not seen the signal): the in-flight step is never applied, and a resumed run redoes it. Saves happen every K steps, every M minutes of rank 0's clock, on a stop and at the end. Fault injection reaches the writer through the hooks given at construction.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -108,13 +117,14 @@ class Checkpointer:
 
     All ranks construct it together (one collective, under --io-timeout). `on_commit(step)` is called on every rank
     when a checkpoint is committed (the rollback policy learns which checkpoints exist); `manifest_extra` goes into
-    every manifest (e.g. where --init-from's weights came from).
+    every manifest (e.g. where --init-from's weights came from); `on_stop_save(step)` as a stop's save of `step`
+    begins (the stop request learns that its save is under way).
     """
 
     def __init__(self, cfg: Config, comm: Comm, on_commit: Callable[[int], None], hooks: WriterHooks = WriterHooks(),
-                 manifest_extra: dict | None = None):
+                 manifest_extra: dict | None = None, on_stop_save: Callable[[int], None] | None = None):
         c = cfg.checkpoint
-        self.on_commit = on_commit
+        self.on_commit, self.on_stop_save = on_commit, on_stop_save
         self.every, self.enabled, self.last = c.every, bool(c.every or c.every_minutes or c.final_save), cfg.loop.steps
         self.clock = SaveClock(c.every_minutes, comm.rank == 0)
         # the tokenizer (the model's, with its configuration, under --init-from) travels with every checkpoint, so
@@ -127,6 +137,10 @@ class Checkpointer:
         self.manifest_extra = manifest_extra or {}
         self.committed: list[str] = []
         self.cost = AsyncCost()
+        self._lock = threading.Lock()  # the stop watcher's thread and the training thread share what follows
+        self._armed: tuple | None = None  # (step, engine, manifest extra, CUDA event): what this step's stop saves
+        self._open = False  # a stop seen now is saved from the armed state at once
+        self._stop_wanted = False
 
     # ------------------------------------------------------------------ the loop's calls
     def flags(self) -> SaveFlags:
@@ -137,6 +151,8 @@ class Checkpointer:
     def after_reduce(self, decision) -> str | None:
         """Every rank, with the step's agreed `decision` (its save_done and async_slower): move the async save in
         flight on; the message to log when async saves are turned off, else None."""
+        if decision.stop:  # the stop's save supersedes the async save in flight: nothing else commits now
+            return None
         if decision.save_done:
             path = self.writer.advance()
             if path:
@@ -148,11 +164,55 @@ class Checkpointer:
 
     def after_step(self, step: int, engine: ZeroEngine, state: dict, decision, seconds: float) -> None:
         """Count the step's `seconds`; save `step` if due, with the loop's own `state` (data skips, guard window) in
-        the manifest. A stop or the last step saves synchronously: the run ends right after."""
+        the manifest. The last step saves synchronously: the run ends right after (a stop saves through `stop`)."""
         self.cost.step(seconds)
         by_steps = self.every and step % self.every == 0
-        if decision.stop or (self.enabled and (by_steps or decision.save_by_clock or step == self.last)):
-            self._save(step, engine, state, wait=decision.stop or step == self.last)
+        if self.enabled and (by_steps or decision.save_by_clock or step == self.last):
+            self._save(step, engine, state, wait=step == self.last)
+
+    def arm(self, step: int, engine: ZeroEngine, state: dict) -> None:
+        """The training thread, as a step begins: a stop from now until `disarm` saves `step`, the last completed
+        one, with the loop's `state` as that step left it (copied: the loop changes its own as it goes)."""
+        after = None
+        if engine.device.type == "cuda":  # the state of `step` is what the stream holds after this
+            after = torch.cuda.Event()
+            after.record()
+        with self._lock:
+            self._armed, self._open = (step, engine, self._extra(copy.deepcopy(state)), after), True
+            if self._stop_wanted:
+                self._start_stop_save()
+
+    def disarm(self) -> None:
+        """The training thread, before the step's all-reduce reads the stop flag: a stop from now on is saved at the
+        next `arm` or by `stop`."""
+        with self._lock:
+            self._open = False
+
+    def stop_requested(self) -> None:
+        """The stop request's watcher thread, once a stop signal (or the launcher's stop file) has come: save now."""
+        with self._lock:
+            self._stop_wanted = True
+            if self._open:
+                self._start_stop_save()
+
+    def stop(self) -> tuple[int, str]:
+        """Every rank, once the step's all-reduce agreed to stop, before any update: wait until the armed step (the
+        last completed one) is saved, starting its save here if this rank's watcher had not; (step, folder)."""
+        with self._lock:
+            self._open = False
+            self._start_stop_save()
+        step = self._armed[0]
+        path = self.writer.finish_stop_save()
+        self._committed(path)
+        return step, path
+
+    def _start_stop_save(self) -> None:
+        """Under the lock: start the stop's save of the armed state, once."""
+        if not self.writer.stop_saving:
+            step, engine, extra, after = self._armed
+            if self.on_stop_save is not None:
+                self.on_stop_save(step)
+            self.writer.start_stop_save(step, engine, extra, after)
 
     def recommit(self, step: int, engine: ZeroEngine, state: dict) -> None:
         """Every rank: save `step` again now, synchronously, with the loop's new `state` in its manifest.
@@ -176,10 +236,15 @@ class Checkpointer:
             self.cost.committed()
 
     # ------------------------------------------------------------------ inside
-    def _save(self, step: int, engine: ZeroEngine, state: dict, wait: bool) -> None:
+    def _extra(self, state: dict) -> dict:
+        """What a manifest holds beside the writer's own fields: the run's configuration, the loop's `state`."""
         extra = {"config": self.config, "threads_per_rank": torch.get_num_threads(), **self.manifest_extra, **state}
         if self.tokenizer:
             extra["tokenizer"] = self.tokenizer
+        return extra
+
+    def _save(self, step: int, engine: ZeroEngine, state: dict, wait: bool) -> None:
+        extra = self._extra(state)
         self.clock.saved()
         if self.writer.async_save and not wait and self.cost.sync_s is not None:
             self.finish()  # at most one save in flight

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from typing import Callable
 
 from zerotrain.durable import write_atomic, write_json
@@ -74,6 +75,24 @@ def read_sidecars(folder: str, world_size: int, session: str, step: int) -> list
                 raise _unshared(rank, folder, info["name"])
         records += body["files"]
     return records
+
+
+def wait_for_sidecars(folder: str, world_size: int, session: str, step: int, timeout_s: float,
+                      poll_s: float = 0.05) -> None:
+    """Rank 0, with no collective: wait until every rank's sidecar of this save is in `folder` (each one written after
+    its rank's files were fsynced, so together they say that every rank's files are durable); CheckpointError naming
+    the first missing rank after `timeout_s`. A stop's save agrees through the folder itself: its ranks cannot meet
+    in a collective while their training threads are still inside the step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            read_sidecars(folder, world_size, session, step)
+            return
+        except CheckpointError as e:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint step {step}: not every rank's files were written within "
+                                      f"{timeout_s:g} s ({e})") from None
+        time.sleep(poll_s)
 
 
 def _unshared(rank: int, folder: str, name: str) -> CheckpointError:

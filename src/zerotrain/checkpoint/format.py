@@ -2,7 +2,7 @@
 
 A checkpoint is a folder `step_{step:08d}/` holding `manifest.json`, one `optim-rank{r}-of-{W}.safetensors` per
 rank of the world (its ZeRO shard of its local flat buffer: master values, exp_avg, exp_avg_sq and the optimizer
-step; the masters are the model: checkpoint/model.py assembles it, whatever the mesh, without torch.distributed)
+step; the masters are the model: checkpoint/consolidate.py assembles it, whatever the mesh, without torch.distributed)
 and, when the data has a BPE, its
 `tokenizer.json` (the manifest's "tokenizer" records kind, vocab_size, eot_id and the file); a run started
 --init-from a model keeps that model's tokenizer.json and the files configuring it, which the record lists
@@ -20,8 +20,12 @@ With tensor parallelism the manifest records the mesh ({"tp": T, "dp": D}, T x D
 world rank = dp_index x T + tp_index) and each split parameter's TP slice ("tp_slices": how a TP
 rank's local tensor maps to the full one). "layout" is the local flat layout, the same on every TP
 rank, sharded over the D ranks of a DP group; "param_count" counts the full model. A manifest
-without "mesh" (written before TP) reads as TP 1 x DP world_size. With expert parallelism ("mesh" has "ep") the
-experts' own layout and TP slices are "expert_layout" and "expert_tp_slices" (checkpoint/model.py).
+without "mesh" (written before TP) reads as TP 1 x DP world_size. A run with hybrid sharding (--dp-replicate R: R
+replica groups, each sharding the state over D ranks, parallel/mesh.py) writes the checkpoint its replica group 0
+writes, the one a run of T x D ranks would: world_size T x D, "mesh" {"tp": T, "dp": D, "dp_replicate": R}; its other
+groups hold the same shards and write nothing. So every reader (resume at any world size or R, the model, verify)
+reads it as it reads any other. With expert parallelism ("mesh" has "ep") the
+experts' own layout and TP slices are "expert_layout" and "expert_tp_slices" (checkpoint/consolidate.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import re
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import CheckpointError
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import ShardLayout
 
 # 2: no model file, the parameters stored once (the shards' masters). (TP's keys came within version 1: additions, and

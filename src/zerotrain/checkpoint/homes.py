@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from zerotrain.errors import CheckpointError
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import ExpertParallelEngine, ParamSlot, ShardLayout
 
 from .format import MANIFEST, ep_of, layout_of, mesh_of, tp_slices_of

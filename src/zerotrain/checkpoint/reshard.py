@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotrain.errors import CheckpointError
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 from zerotrain.parallel import ShardLayout
 
 from .homes import CheckpointHomes

@@ -14,6 +14,10 @@ sidecar. Committing, once every rank has written: rank 0's commit (the manifest,
 that every rank's part of the current phase is done through its own per-step all-reduce (`poll()` as flags:
 done, failed) and then calls `advance()` on every rank; `finish()` waits for both phases with two collectives.
 No file I/O of an async save runs on the training thread, so slow storage delays the save, never a step.
+`start_stop_save` saves at once on a stop signal, while the training thread is still inside its step (a step can
+outlast a launcher's grace period: torchrun kills its ranks 30 s after SIGTERM). Its thread writes the state as of
+the last completed step, which nothing changes until the step's update, and agrees through the folder, not a
+collective: rank 0 waits for every rank's sidecar, then commits. `finish_stop_save` waits for it on every rank.
 
 On the CPU the staging copy itself runs in the background thread, behind the next forward and
 backward, which leave the saved state untouched: an optimizer step pre-hook makes the next
@@ -21,7 +25,7 @@ update wait for the copy. On CUDA the copies are queued on the training stream a
 (into pinned memory) and the thread waits for them before writing.
 
 With tensor parallelism each rank writes its own shard of its local layout; the manifest's TP slices say
-how the TP ranks' parameters make the full model (checkpoint/model.py). Checkpoints of format version 1
+how the TP ranks' parameters make the full model (checkpoint/consolidate.py). Checkpoints of format version 1
 (written before) also held `model.safetensors`, the full model rank 0 gathered and wrote.
 """
 
@@ -40,7 +44,7 @@ import torch
 from zerotrain.errors import InvariantError
 from zerotrain.parallel import Comm, ZeroEngine
 
-from .commit import commit, tmp_name, write_sidecar
+from .commit import commit, tmp_name, wait_for_sidecars, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
 from .homes import EXPERT_PREFIX, EXPERT_TP_SLICES, shard_parts
 from .stream import FileRecord, count_written, storage_delay, write_safetensors
@@ -58,6 +62,20 @@ class _Pending:
     committing: bool = False  # every rank has written: rank 0 commits
     commit_thread: threading.Thread | None = None  # rank 0's
     commit_error: BaseException | None = None
+
+
+@dataclass
+class _StopSave:
+    """A stop's save on this rank, started at once in its own thread."""
+
+    step: int
+    base: dict
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+# How long rank 0's stop save waits for the other ranks' files when the writer's comm has no --io-timeout of its own.
+STOP_SAVE_TIMEOUT_S = 1800.0
 
 
 class CheckpointWriter:
@@ -85,6 +103,7 @@ class CheckpointWriter:
         self._staging: _Staging | None = None
         self._pending: _Pending | None = None
         self._guarded: set[int] = set()  # engines whose updates wait for the staging copy
+        self._stop: _StopSave | None = None  # a stop's save, started at once
 
     # ------------------------------------------------------------------ synchronous
     def save(self, step: int, engine: ZeroEngine, extra: dict | None = None):
@@ -97,9 +116,10 @@ class CheckpointWriter:
         folder = os.path.join(self.root, tmp_name(step))
         local, records, files = None, [], {}
         try:
-            files = _live_files(engine, self.comm.rank, self.comm.world_size)
-            records = self._write(folder, files, step)
-            write_sidecar(folder, self.comm.rank, self.session, step, records)
+            files = _live_files(engine, self.comm.rank, base["world_size"]) if writes_shard(engine) else {}
+            records = self._write(folder, files, step, base["world_size"])
+            if writes_shard(engine):
+                write_sidecar(folder, self.comm.rank, self.session, step, records)
         except Exception as e:  # told to every rank below, so none is left waiting in a collective
             local = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
         reports = self.comm.io.all_gather_json(
@@ -112,7 +132,7 @@ class CheckpointWriter:
         verdict = None
         if self.comm.rank == 0:
             try:
-                commit(self.root, step, base, self.comm.world_size, self.session, self.keep, self.commit_hook)
+                commit(self.root, step, base, base["world_size"], self.session, self.keep, self.commit_hook)
             except (CheckpointError, OSError) as e:
                 verdict = str(e)
         verdict = self.comm.io.all_gather_json(verdict, "checkpoint_commit")[0]
@@ -128,7 +148,7 @@ class CheckpointWriter:
         base = self._describe(step, engine, extra or {})
         engine.wait_params()  # an all-gather in flight still writes the parameters being copied
         if self._staging is None or not self._staging.fits(engine):
-            self._staging = _Staging(engine, self.comm.rank, self.comm.world_size)
+            self._staging = _Staging(engine, self.comm.rank, base["world_size"], writes=writes_shard(engine))
         staging, step_count = self._staging, engine.step_count
         if id(engine) not in self._guarded:  # every update of the engine's state (with --ep: both engines')
             engine.register_update_pre_hook(lambda: self._wait_staged())  # looked up at each update, not bound now
@@ -156,8 +176,9 @@ class CheckpointWriter:
                 pending.staged.set()
             files = staging.files()
             folder = os.path.join(self.root, tmp_name(pending.step))
-            records = self._write(folder, files, pending.step)
-            write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
+            records = self._write(folder, files, pending.step, pending.base["world_size"])
+            if staging.writes:
+                write_sidecar(folder, self.comm.rank, self.session, pending.step, records)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.error = e
             for name in files:  # this rank's part of a save that can no longer commit
@@ -227,7 +248,7 @@ class CheckpointWriter:
 
     def _commit_in_background(self, pending: _Pending) -> None:
         try:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep,
+            commit(self.root, pending.step, pending.base, pending.base["world_size"], self.session, self.keep,
                    self.commit_hook)
         except BaseException as e:  # surfaced by poll() on the training thread
             pending.commit_error = e if isinstance(e, CheckpointError) else \
@@ -240,7 +261,7 @@ class CheckpointWriter:
             if pending.commit_error is not None:
                 raise pending.commit_error
         else:
-            commit(self.root, pending.step, pending.base, self.comm.world_size, self.session, self.keep,
+            commit(self.root, pending.step, pending.base, pending.base["world_size"], self.session, self.keep,
                    self.commit_hook)
 
     def commit_pending(self) -> str | None:
@@ -286,6 +307,78 @@ class CheckpointWriter:
             raise CheckpointError(verdict)
         return path
 
+    # ------------------------------------------------------------------ a stop's save, at once
+    def start_stop_save(self, step: int, engine: ZeroEngine, extra: dict, after=None) -> None:
+        """Begin saving `step` (the last completed one) in a thread, with no collective, while the training thread may
+        still be inside the next step: its micro-batches change gradients only, and its update waits for
+        `finish_stop_save` (every rank's stop decision comes first). `after`: on CUDA, an event recorded on the
+        training stream once the state of `step` was queued; the copy to the host waits for it on a side stream."""
+        pending = self._pending
+        self._stop = _StopSave(step, self._describe(step, engine, extra))
+        self._stop.thread = threading.Thread(target=self._stop_save, args=(self._stop, engine, pending, after),
+                                             name=f"zerotrain-stop-save-{step}", daemon=True)
+        self._stop.thread.start()
+
+    def _stop_save(self, stop: _StopSave, engine: ZeroEngine, pending: _Pending | None, after) -> None:
+        folder = os.path.join(self.root, tmp_name(stop.step))
+        try:
+            if pending is not None:  # an async save's writes (and rank 0's commit) end first: it is superseded
+                pending.thread.join()
+                if pending.commit_thread is not None:
+                    pending.commit_thread.join()
+            writers = stop.base["world_size"]  # with --dp-replicate: replica group 0's ranks (writes_shard)
+            files = self._stop_files(engine, pending, after, writers) if writes_shard(engine) else {}
+            records = self._write(folder, files, stop.step, writers)
+            if writes_shard(engine):
+                write_sidecar(folder, self.comm.rank, self.session, stop.step, records)
+            if self.comm.rank == 0:
+                wait_for_sidecars(folder, writers, self.session, stop.step,
+                                  self.comm.io.timeout_s or STOP_SAVE_TIMEOUT_S)
+                commit(self.root, stop.step, stop.base, writers, self.session, self.keep, self.commit_hook)
+        except BaseException as e:  # told to every rank by finish_stop_save
+            stop.error = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
+
+    def _stop_files(self, engine: ZeroEngine, pending: _Pending | None, after, writers: int) -> dict:
+        """This rank's shard as of the last completed step. On the CPU: the engine's state where it lies, as a
+        synchronous save writes it (the one write an all-gather in flight may make to the owned range is of the same
+        bytes). On CUDA: staged to the host as an async save stages (_Staging), on a side stream after `after`."""
+        if engine.device.type != "cuda":
+            return _shard_files(engine, self.comm.rank, writers)
+        if self._staging is None or not self._staging.fits(engine):
+            self._staging = _Staging(engine, self.comm.rank, writers)
+        side = torch.cuda.Stream(engine.device)
+        with torch.cuda.stream(side):
+            if after is not None:
+                side.wait_event(after)
+            self._staging.copy_from(engine, engine.step_count)
+        self._staging.wait_copied()
+        return self._staging.files()
+
+    def finish_stop_save(self) -> str:
+        """Every rank, once all agreed to stop: one collective checks that the ranks save the same step, then wait for
+        this rank's part of the stop's save (rank 0: its commit), and another tells every rank whether it is
+        committed; its folder. A superseded async save is dropped."""
+        stop, self._stop, self._pending = self._stop, None, None
+        # Every rank saves the step it had armed when the stop came, and a rank's flag is set in the next step's
+        # all-reduce once its save began, so the ranks agree by construction: said here, not assumed, before any
+        # rank waits for a save the others are not writing (rank 0 would wait --io-timeout for their files)
+        steps = self.comm.io.all_gather_json(stop.step, "checkpoint_stop_step")
+        if len(set(steps)) > 1:
+            offered = ", ".join(f"rank {r}: step {step}" for r, step in enumerate(steps))
+            raise CheckpointError(f"a stop's save: the ranks saved different steps ({offered}); none is committed")
+        stop.thread.join()
+        errors = self.comm.io.all_gather_json(str(stop.error) if stop.error else None, "checkpoint_stop_save")
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            raise CheckpointError(f"checkpoint step {stop.step} not saved: rank {failed[0][0]}: {failed[0][1]}") \
+                from stop.error
+        return os.path.join(self.root, step_name(stop.step))
+
+    @property
+    def stop_saving(self) -> bool:
+        """A stop's save was started on this rank."""
+        return self._stop is not None
+
     # ------------------------------------------------------------------ shared
     def _refuse_in_flight(self, what: str) -> None:
         if self._pending is not None:
@@ -298,14 +391,17 @@ class CheckpointWriter:
         if clash:
             raise ValueError(f"manifest field(s) {clash} are the writer's own; name extra fields otherwise")
         mesh, parts = engine.mesh.describe(), dict(shard_parts(engine))
-        if mesh["tp"] * mesh["dp"] != self.comm.world_size:
+        if mesh["tp"] * mesh["dp"] * mesh.get("dp_replicate", 1) != self.comm.world_size:
             raise ValueError(f"the writer's comm has {self.comm.world_size} ranks, the engine's mesh TP {mesh['tp']} "
-                             f"x DP {mesh['dp']}: give the writer the world communicator")
+                             f"x DP {mesh['dp']} x {mesh.get('dp_replicate', 1)} replica group(s): give the writer the "
+                             "world communicator")
         return {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
-            "world_size": self.comm.world_size,
+            # the ranks that write a shard: with --dp-replicate R, replica group 0's (its shard files are named by
+            # world rank, which in group 0 is the rank among them); the other groups hold the same shards
+            "world_size": mesh["tp"] * mesh["dp"],
             "mesh": mesh,
             "param_count": engine.param_count,  # the full model's
             "precision": engine.precision,
@@ -321,9 +417,11 @@ class CheckpointWriter:
             **extra,
         }
 
-    def _write(self, folder: str, files: dict[str, dict[str, torch.Tensor]], step: int) -> list[FileRecord]:
-        """Write this rank's files into `folder`, each fsynced; failures name the file."""
-        shard, hook = shard_name(self.comm.rank, self.comm.world_size), self.halfway_hook
+    def _write(self, folder: str, files: dict[str, dict[str, torch.Tensor]], step: int,
+               writers: int) -> list[FileRecord]:
+        """Write this rank's files into `folder`, each fsynced; failures name the file. `writers`: the ranks that
+        write a shard (the manifest's world size)."""
+        shard, hook = shard_name(self.comm.rank, writers), self.halfway_hook
         records = []
         for name, tensors in files.items():
             path = os.path.join(folder, name)
@@ -376,6 +474,12 @@ def _as_checkpoint_error(pending: _Pending) -> BaseException:
     return wrapped
 
 
+def writes_shard(engine: ZeroEngine) -> bool:
+    """Whether this rank writes its shard: hybrid sharding (--dp-replicate) holds every shard once in each replica
+    group, and replica group 0 writes it, once (the others' copies are bitwise the same: invariant (b))."""
+    return engine.mesh.dp_replicate_rank == 0
+
+
 def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's file for a synchronous save, its shard, from the engine's state (views where it is already fp32 on
     the CPU). `rank` is the world rank: shard files are named by it, whatever the mesh. A LoRA run's shard holds its
@@ -383,6 +487,11 @@ def _live_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dic
     beside the dense one's, under expert_ keys (homes.shard_parts).
     """
     engine.wait_params()
+    return _shard_files(engine, rank, world_size)
+
+
+def _shard_files(engine: ZeroEngine, rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """_live_files without waiting for an all-gather in flight (a stop's save, off the training thread)."""
     state = {prefix + k: v for prefix, part in shard_parts(engine) for k, v in _part_state(part).items()}
     return {shard_name(rank, world_size): {k: v if isinstance(v, list) else v.detach().cpu().contiguous()
                                            for k, v in state.items()}}
@@ -408,13 +517,15 @@ class _Staging:
     Pinned when the engine is on CUDA, so the device-to-host copies run without blocking training.
     """
 
-    def __init__(self, engine: ZeroEngine, rank: int, world_size: int):
+    def __init__(self, engine: ZeroEngine, rank: int, world_size: int, writes: bool = True):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
+        self.writes = writes  # a replica group's but the first's rank (writes_shard) copies and writes nothing
         self.device = engine.device
         self.copy_in_background = self.device.type == "cpu"
         pin = self.device.type == "cuda"
-        self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel, pin_memory=pin) for _ in range(3))
+        self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel if writes else 0, pin_memory=pin)
+                                                      for _ in range(3))
         self.step = torch.zeros(1, dtype=torch.int64)
         self.experts: dict[str, torch.Tensor] = {}  # with --ep: the expert engine's shard, under expert_ keys
         self._copied = None
@@ -423,6 +534,8 @@ class _Staging:
         return engine.layout is self.layout and engine.device == self.device
 
     def copy_from(self, engine: ZeroEngine, step_count: int) -> None:
+        if not self.writes:
+            return
         non_blocking = not self.copy_in_background  # CUDA: queued, not waited for
         (_, flat), *others = shard_parts(engine)  # the flat layout's shard (with --ep the dense engine's), then
         with torch.no_grad():
@@ -445,6 +558,8 @@ class _Staging:
             self._copied.synchronize()
 
     def files(self) -> dict[str, dict[str, torch.Tensor]]:
+        if not self.writes:
+            return {}
         shard = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step,
                  **self.experts}
         return {shard_name(self.rank, self.world_size): shard}

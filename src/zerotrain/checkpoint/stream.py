@@ -9,12 +9,11 @@ second read of the file) and lets a hook run midway through a file (fault inject
 integrity: nothing reads a file back after writing it; every reader checks the bytes it reads against it.
 
 sha256 runs in a second thread behind the write (never holding the writer back: the blocks it has yet to hash are
-views of memory the writer holds anyway, so the hash overlaps the writes and the fsync): hashlib and file writes both
-release the GIL on large buffers, so the two overlap. On the development machine (2 cores, one 1.5 GB
-file, fsync included) hashing inline ran at 0.55x a plain write's throughput, in a thread at 0.9x;
-save_file followed by a re-read to hash ran at 0.2x. Reading hashes the same way, a block at a time, straight into
-the tensors the caller names (read_hashed_into: a resume's into the engine's own state, with pread, so no copy of
-the file is held), so what is verified is exactly what is loaded.
+views of memory the writer holds anyway, so the hash overlaps the writes and the fsync): hashlib and file writes
+both release the GIL on large buffers, so the two overlap: a write loses little of its throughput to a hash in a
+thread, much more to one inline or to a re-read after save_file (docs/benchmarks.md). Reading hashes the same way, a
+block at a time, straight into the tensors the caller names (read_hashed_into: a resume's into the engine's own
+state, with pread, so no copy of the file is held), so what is verified is exactly what is loaded.
 
 Every byte this process writes or reads here is counted (`bytes_counted`; `count_read` for readers elsewhere,
 such as a reshard's ranged reads, `count_written` for the tokenizer files rank 0 copies into a checkpoint): the run reports each rank's checkpoint I/O.
@@ -114,9 +113,8 @@ class _Hasher:
     The buffers must stay unchanged until `hexdigest()` returns (they are views, not copies). `queued`: at most
     that many blocks wait (0: no bound). A reader faster than the hash whose blocks are fresh bytes (sha256_file)
     bounds them, waiting rather than holding the whole file in memory. A writer does not: its blocks are views of
-    memory it holds anyway, and a bound made every write wait for the hash. With QUEUED on the write path, a sync
-    save (bench ckpt --quick) spent 11% of its profile in the writer's wait on the queue and ran at 0.58-0.65x the
-    disk's bandwidth where it had reached 0.84x; unbounded, the hash overlaps the fsync instead.
+    memory it holds anyway, and a bound made every write wait for the hash (QUEUED on the write path cost a sync
+    save a share of the disk's bandwidth: docs/benchmarks.md); unbounded, the hash overlaps the fsync instead.
     """
 
     QUEUED = 4
@@ -211,8 +209,8 @@ def write_durably(path: str, views: list[memoryview], on_block: Callable[[memory
     """Write the buffers one after another into a new file at `path` and fsync it; return the bytes written.
 
     `on_block` sees each block just before it is written (the hasher); `halfway` runs once, midway.
-    Asking the kernel to start writeback early (posix_fadvise DONTNEED every 64 MiB) was measured and
-    dropped: in a process holding a gpt2 engine, sync saves took 2.2-4.6 s with it, 1.8-2.2 without.
+    Asking the kernel to start writeback early (posix_fadvise DONTNEED every 64 MiB) made sync saves slower, and was
+    dropped (docs/benchmarks.md).
     """
     total = sum(v.nbytes for v in views)
     written, half_done = 0, halfway is None

@@ -57,7 +57,7 @@ from zerotrain.parallel import ShardLayout
 from .format import (MANIFEST, MODEL_FILE, STATE_KEYS, CheckpointError, ep_of, expected_files, layout_of,
                       mesh_of, schema_problem, shard_name, tp_slices_of)
 from .homes import EXPERT_PREFIX, expert_layout_of, expert_numel
-from .model import ShardedModel
+from .consolidate import ShardedModel
 from .stream import FileRecord, count_read, read_header, sha256_file
 
 

@@ -65,9 +65,8 @@ from .tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, tokenizer_fi
 # (a ShareGPT turn's weight was dropped, the turn trained): what version 2 prepared is prepared again
 FORMAT, VERSION = "zerotrain-tokens", 3
 SPLITS = ("train", "val")
-# Records per batch encoding: enough for every core. The library's Encodings hold each token's string and offsets
-# besides its id, and two chunks are in flight: measured +71 MB of RSS at 1024 300-token records (+226 MB at 4096,
-# which also took 1.2x the CPU time).
+# Records per batch encoding: enough for every core, and no more: the library's Encodings hold each token's string
+# and offsets besides its id, and two chunks are in flight, so memory grows with it (docs/benchmarks.md).
 CHUNK_RECORDS = 1024
 RECORD_FILES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".jsonl.zst")
 TABLES = (".csv", ".tsv")  # refused with a hint: not text, and no column is guessed
@@ -323,8 +322,7 @@ def encode_chunk(chunk: list[tuple], tok, chat: ChatTemplate | None, conversatio
     `chat` renders the chat records, `conversation` the conversational prompt/completions.
 
     Lists and bytes, not arrays: a record is a few C-level joins, and the chunk becomes one array when it is written
-    (measured on 300-token records: numpy calls per record made prepare 1.41x the CPU time of the tokenizers
-    library's encode_batch_fast of the same texts, lists 1.29x).
+    (numpy calls per record cost more CPU time: docs/benchmarks.md).
     """
     if isinstance(tok, ByteTokenizer):
         return [_bytes_record(r, tok) for r in chunk], set()

@@ -16,6 +16,10 @@ and export alike, so the two cannot drift apart.
            tensor per projection (gate and up interleaved by columns, x @ W): StackedExperts splits each expert's
            slice into zerotrain's linears and joins them back; its MXFP4 folders' blocks and scales are
            dequantized (dequantize_mxfp4) to the stacked tensor they hold.
+    qwen3_5, qwen3_5_moe
+           Qwen3.5's text models (qwen3_5_text, qwen3_5_moe_text) name their tensors as zerotrain's model does, the
+           experts one linear each as transformers 5 saves them (its qwen2_moe conversion): the identity. Their
+           multi-token-prediction head (mtp.*) is not trained by zerotrain and is skipped.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
@@ -38,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.config import GEMMA, MOE, WINDOWED, ModelConfig
+from zerotrain.config import GEMMA, MOE, QWEN35, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -225,6 +229,9 @@ MAPPINGS = {
     # gpt-oss's router is mlp.router (zerotrain's mlp.gate), its experts stacked (GPT_OSS_EXPERTS)
     "gpt_oss": HFMapping("gpt_oss", "gpt_oss", "GptOssForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                          infixes=((".mlp.router.", ".mlp.gate."),), experts=GPT_OSS_EXPERTS),
+    **{arch: HFMapping(arch, kind, cls, "model.layers.", (), (".rotary_emb.inv_freq",), skipped=("mtp.",))
+       for arch, kind, cls in (("qwen3_5", "qwen3_5_text", "Qwen3_5ForCausalLM"),
+                               ("qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"))},
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -265,6 +272,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": cfg.padding_idx,  # the embedding's padding row
         "dtype": "float32",
     }
+    if cfg.arch in QWEN35:
+        return _qwen35_config(cfg, config)
     if cfg.arch == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif cfg.arch in ("qwen2", "qwen3"):  # every layer attends to every earlier token
@@ -280,6 +289,25 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         if cfg.arch == "phi3":
             config.update(original_max_position_embeddings=cfg.positions, partial_rotary_factor=1.0,
                           resid_pdrop=0.0, embd_pdrop=0.0)
+    return config
+
+
+def _qwen35_config(cfg: ModelConfig, config: dict) -> dict:
+    """Qwen3.5's config.json from the Llama family's fields: its layer types, linear-attention sizes, partial rotary
+    in rope_parameters (transformers 5's form), and the MoE's experts (every layer's, with the shared expert)."""
+    config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    config.update(layer_types=["linear_attention" if cfg.linear_attention(i) else "full_attention"
+                               for i in range(cfg.n_layer)],
+                  attention_bias=False, linear_conv_kernel_dim=cfg.linear_conv_kernel,
+                  linear_key_head_dim=cfg.linear_key_width, linear_value_head_dim=cfg.linear_value_width,
+                  linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                   "partial_rotary_factor": cfg.partial_rotary})
+    if cfg.moe:
+        del config["intermediate_size"]  # Qwen3_5MoeTextConfig has none: every layer has experts
+        config.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                      moe_intermediate_size=cfg.expert_ffn, shared_expert_intermediate_size=cfg.shared_expert_width,
+                      router_aux_loss_coef=cfg.router_aux_coef, output_router_logits=False)
     return config
 
 
@@ -354,6 +382,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         config = {**text, "model_type": BY_MODEL_TYPE[kind].model_type,
                   **{k: config[k] for k in ("tie_word_embeddings",) if k in config}}
         where = f"{where} {MULTIMODAL[kind]}"
+    if BY_MODEL_TYPE[kind].arch in QWEN35:
+        return _qwen35(config, where)
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -410,6 +440,69 @@ def _gpt2_config(config: dict, where: str) -> ModelConfig:
                        intermediate_size=0 if inner == 4 * sizes["n_embd"] else inner,
                        seq_len=sizes["n_positions"], vocab_size=sizes["vocab_size"],
                        norm_eps=_positive(config, "layer_norm_epsilon", where, 1e-5))
+
+
+# What transformers' Qwen3_5TextConfig and Qwen3_5MoeTextConfig give a field their config.json leaves out.
+_QWEN35_DEFAULTS = dict(head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_num_key_heads=16, linear_num_value_heads=32, max_position_embeddings=32768)
+
+
+def _qwen35(config: dict, where: str) -> ModelConfig:
+    """Qwen3.5's ModelConfig (qwen3_5_text or qwen3_5_moe_text): the Llama family's sizes, its layer types as an
+    interval, the linear layers' sizes, partial rotary; the MoE's experts, on every layer, with a shared expert."""
+    arch = BY_MODEL_TYPE[config["model_type"]].arch
+    config = {**_QWEN35_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
+    keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "max_position_embeddings", "vocab_size",
+            "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_num_key_heads", "linear_num_value_heads",
+            *(() if arch == "qwen3_5_moe" else ("intermediate_size",)))
+    sizes = {key: _count(config, key, where) for key in keys}
+    n, heads = sizes["num_hidden_layers"], sizes["num_attention_heads"]
+    sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
+    _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    _divides(sizes, where, "linear_num_key_heads", "linear_num_value_heads")
+    types = config.get("layer_types")
+    interval = config.get("full_attention_interval", 4)
+    if types is not None:
+        interval = next((i for i in range(1, n + 2) if types == ["full_attention" if (layer + 1) % i == 0 else
+                                                                 "linear_attention" for layer in range(n)]), None)
+        if interval is None:
+            raise CheckpointError(f"{where}: layer_types {types!r} are not every N-th layer full_attention, the others "
+                                  "linear_attention, as zerotrain's qwen3_5 has them")
+    rope = _table(config, "rope_parameters", where)
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{where}: rope_parameters has rope_type {rope['rope_type']!r}; zerotrain's {arch} has "
+                              "'default'")
+    theta = _positive(rope, "rope_theta", f"{where} rope_parameters", 10000.0) if "rope_theta" in rope else \
+        _positive(config, "rope_theta", where, 10000.0)
+    partial = _positive(rope, "partial_rotary_factor", f"{where} rope_parameters",
+                        config.get("partial_rotary_factor", 0.25))
+    experts = {}
+    if arch == "qwen3_5_moe":
+        k, e = _count(config, "num_experts_per_tok", where, default=8), _count(config, "num_experts", where)
+        if k > e:
+            raise CheckpointError(f"{where}: num_experts_per_tok {k} is more than the {e} experts")
+        experts = dict(n_experts=e, experts_per_token=k, norm_topk_prob=True,
+                       expert_width=_count(config, "moe_intermediate_size", where),
+                       shared_expert_width=_count(config, "shared_expert_intermediate_size", where),
+                       router_aux_coef=float(config.get("router_aux_loss_coef", 0.001)))
+    head_dim = sizes["head_dim"]
+    return ModelConfig(arch=arch, n_layer=n, n_head=heads, n_kv_head=sizes["num_key_value_heads"],
+                       n_embd=sizes["hidden_size"], pad_token_id=_padding_id(config, where, config["model_type"],
+                                                                              sizes["vocab_size"]),
+                       head_width=0 if head_dim * heads == sizes["hidden_size"] else head_dim,
+                       intermediate_size=sizes.get("intermediate_size", 0), seq_len=sizes["max_position_embeddings"],
+                       vocab_size=sizes["vocab_size"], rope_theta=theta, partial_rotary=partial,
+                       norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
+                       full_attention_interval=interval, linear_conv_kernel=sizes["linear_conv_kernel_dim"],
+                       linear_key_heads=sizes["linear_num_key_heads"],
+                       linear_value_heads=sizes["linear_num_value_heads"],
+                       linear_key_width=sizes["linear_key_head_dim"], linear_value_width=sizes["linear_value_head_dim"],
+                       **experts)
 
 
 # Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that

@@ -11,8 +11,8 @@ A shard is written as its header (checkpoint.stream.header_bytes: the bytes safe
 each tensor at its place with pwrite, as it comes in the model's order (the file's order is by name): a writer holds
 one group of the model's tensors beyond what it writes, a tensor, or the parts Hugging Face fuses into one (Phi-3's
 qkv_proj, gpt-oss's stacked experts). Each shard is written by one process, from the checkpoint's shards (their
-byte ranges: checkpoint.model.ShardedModel), so N processes writing N parts of the shards read and write 1/N of the
-model each, and the files do not depend on N (`owners`).
+byte ranges: checkpoint.consolidate.ShardedModel), so N processes writing N parts of the shards read and write 1/N of
+the model each, and the files do not depend on N (`owners`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,33 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), the layers both share (layers.py), the embedding, head
-and loss (vocab.py), and sampling (generate.py). `build_model`, `plan` and `parallelize` pick
+Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), Qwen3.5's hybrid (qwen35.py, its linear attention in
+delta_rule.py), the layers they share (tensor_parallel.py, norms.py, positions.py, rotary.py, attention.py,
+kv_cache.py, recompute.py), the embedding, head and loss (vocab.py, loss.py), and sampling (generate.py). `build_model`,
+`plan` and `parallelize` pick
 the architecture from the config's `arch`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from zerotrain.config import LLAMA_FAMILY, ModelConfig
+from zerotrain.config import LLAMA_FAMILY, QWEN35, ModelConfig
 
-from . import gpt2, llama
+from . import gpt2, llama, qwen35
 from .gpt2 import GPT
 from .init import SeedValues, materialise
-from .layers import KVCache, TPSlice
+from .kv_cache import KVCache
 from .llama import Llama
+from .loss import summed_token_loss
+from .qwen35 import Qwen35
+from .tensor_parallel import TPSlice
 
 # Each member of the Llama family is the one Llama decoder with the options its arch implies (config.ModelConfig).
-ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY}}
+ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY},
+                 **{arch: (Qwen35, qwen35) for arch in QWEN35}}  # Qwen3.5's hybrid: a decoder of its own
 ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
               "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3_moe": "Qwen3-MoE",
               "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE",
-              "gpt_oss": "gpt-oss"}  # how messages name them
+              "gpt_oss": "gpt-oss", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"}  # how messages name them
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -69,22 +74,6 @@ def is_decayed(name: str, p: torch.Tensor) -> bool:
     The token embedding (tied to the head in GPT-2) is a matrix of a matmul and is decayed.
     """
     return p.dim() >= 2 and not name.endswith("wpe.weight")
-
-
-def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over unmasked target tokens (label -100 is ignored).
-
-    A sum, not a mean: the caller divides by the global token count so that any split of the
-    global batch over ranks and micro-batches yields the same gradient.
-    """
-    return F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100, reduction="sum"
-    )
-
-
-# The head computes this loss itself from its input (layers.head_loss, vocab.LMHead): the same sum, chunked over tokens
-# and vocab-parallel under TP, without the full logits.
-summed_token_loss.computed_by_head = True
 
 
 __all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",

@@ -57,7 +57,7 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  mask holds the window too, at no extra bytes. Gemma's sliding and global layers each have their
                  own mask (two storages); soft-capped scores on the mask path only add theirs, which keeps nothing
                  (recomputed blocks' checkpoints keep it as an argument).
-    GQA repeat   where attend copies the KV heads to the query heads (layers.repeats_kv_heads: CUDA fp32, or an
+    GQA repeat   where attend copies the KV heads to the query heads (attention.repeats_kv_heads: CUDA fp32, or an
                  explicit mask on CUDA), SDPA saves k and v at H heads: 2 BT (H - KV) D a more per block.
 
 That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "blocks" each block keeps
@@ -88,7 +88,8 @@ import torch
 
 from zerotrain.config import ModelConfig
 
-from . import layers
+from . import attention as kernels  # `attention` here is the attention's bytes
+from . import tensor_parallel
 from .llama import rope_local, rope_scaling
 from .vocab import chunk_tokens, splits_vocab, vocab_rows
 
@@ -114,8 +115,8 @@ class RankShape:
     vocab: int  # the rows of the head this rank holds: V, or V / tp where TP splits the vocabulary
     act: int  # bytes of an activation element
     position_rows: int = 1  # rows of positions and rotary tables: 1 shared by the batch, B for packed records
-    kv_repeated: bool = False  # k and v copied to the query heads before SDPA (layers.repeats_kv_heads)
-    documents: str = ""  # the kernel of the records' or the window's mask (layers.document_kernel), "" without one
+    kv_repeated: bool = False  # k and v copied to the query heads before SDPA (attention.repeats_kv_heads)
+    documents: str = ""  # the kernel of the records' or the window's mask (attention.document_kernel), "" without one
     mask_rows: int = 0  # rows of the document or window mask: B for packed records, 1 for a window alone
 
     @property
@@ -307,7 +308,7 @@ def gemma_qk_norms(s: RankShape) -> int:
 
 
 def softcapped_attention(s: RankShape, capped: bool = True, sinks: bool = False) -> int:
-    """Attention with explicit scores (layers.softcapped_attention): q, and k and v copied to the query heads
+    """Attention with explicit scores (attention.softcapped_attention): q, and k and v copied to the query heads
     (B, heads, T, D); Gemma 2's capped scores (tanh's output, where `capped`) and the fp32 probabilities (B, heads,
     T, T; gpt-oss's `sinks` add a column to them, which the value matmul's view of them leaves out), in bf16 also
     their bf16 copy (the value matmul's input); the output reshaped for the output projection."""
@@ -319,7 +320,7 @@ def softcapped_attention(s: RankShape, capped: bool = True, sinks: bool = False)
 
 
 def flex_sinks(s: RankShape) -> int:
-    """gpt-oss's sinks on FlexAttention (layers.with_sinks): the renormalization factor per row (sigmoid's output,
+    """gpt-oss's sinks on FlexAttention (attention.with_sinks): the renormalization factor per row (sigmoid's output,
     fp32; in bf16 also its cast) and the renormalized output, a second (B, T, heads, D) beside FlexAttention's (not
     measured here: FlexAttention has no backward on CPU)."""
     rows = s.B * s.heads * s.T
@@ -374,13 +375,14 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     for window in set(windows):
         explicit = bool(cfg.attn_softcap) or cfg.attn_sinks  # what SDPA cannot compute: no causal mask of its own
         masked = documents or 0 < window < seq_len or explicit
-        kernel = layers.document_kernel(device, cfg.head_dim) if masked else ""
+        kernel = kernels.document_kernel(device, cfg.head_dim) if masked else ""
         eager = explicit_scores(cfg, device)  # softcapped_attention: it copies the KV heads itself
         # FlexAttention takes GQA itself; in training SDPA gets a mask only for packed records or a window.
         repeated = (cfg.kv_heads != cfg.n_head and kernel != "flex" and not eager
-                    and layers.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
+                    and kernels.repeats_kv_heads(device, DTYPES[precision], masked=kernel == "mask"))
         s = RankShape(B=micro_batch, T=seq_len, C=cfg.n_embd, heads=cfg.n_head // tp,
-                      kv_heads=layers.kv_heads_per_rank(cfg.kv_heads, tp),  # 1 where TP replicates each KV head
+                      # 1 KV head per rank where TP replicates each KV head
+                      kv_heads=tensor_parallel.kv_heads_per_rank(cfg.kv_heads, tp),
                       head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=vocab_rows(cfg.vocab_size, tp),
                       act=ACTIVATION_BYTES[precision], position_rows=micro_batch if documents else 1,
                       kv_repeated=repeated, documents=kernel, mask_rows=micro_batch if documents else 1)
@@ -432,10 +434,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
 
 
 def explicit_scores(cfg: ModelConfig, device: str) -> bool:
-    """Whether the attention computes its scores itself (layers.softcapped_attention: Gemma 2's soft-cap, gpt-oss's
+    """Whether the attention computes its scores itself (attention.softcapped_attention: Gemma 2's soft-cap, gpt-oss's
     sinks, where FlexAttention does not run), whose backward keeps the probabilities and not its output as SDPA's
     does."""
-    return (bool(cfg.attn_softcap) or cfg.attn_sinks) and layers.document_kernel(device, cfg.head_dim) != "flex"
+    return (bool(cfg.attn_softcap) or cfg.attn_sinks) and kernels.document_kernel(device, cfg.head_dim) != "flex"
 
 
 def rotary_bases(cfg: ModelConfig, windows: list[int]) -> int:

@@ -1,5 +1,6 @@
-"""Generating tokens from a model (GPT-2 or the Llama family): greedy or temperature / top-k sampling, with or without
-a KV cache, up to the model's end-of-text or end-of-turn token.
+"""Generating tokens from a model (GPT-2 or the Llama family): greedy or temperature / top-k / top-p sampling, with or
+without a KV cache, up to the model's end-of-text or end-of-turn token; a GRPO step's G completions of each prompt
+(sample_completions).
 
 A sliding window (Mistral's) is the attention mask's, not the cache's: the cache keeps every position of the
 model's context and each new token attends to the last `sliding_window` of them, as transformers' logits do.
@@ -21,11 +22,12 @@ the bench preset). `zerotrain sample RUN --max-new-tokens 256 --ignore-eos`, wit
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
-from .layers import KVCache, kv_heads_per_rank
+from .kv_cache import KVCache
+from .tensor_parallel import kv_heads_per_rank
 
 
 def default_keep(seq_len: int) -> int:
@@ -41,11 +43,12 @@ def window_start(start: int, n: int, seq_len: int, keep: int) -> int:
 def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None, kv_cache: bool = True,
              keep: int | None = None, vocab_limit: int | None = None,
-             stop_ids: Collection[int] | None = None) -> torch.Tensor:
+             stop_ids: Collection[int] | None = None, top_p: float | None = None) -> torch.Tensor:
     """The (B, L) tokens that follow `prompt` (B, T0), T0 >= 1: L = max_new_tokens, or fewer with `stop_ids`.
 
     temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / temperature),
-    restricted to the top_k most likely when top_k is given, with `generator`'s random stream.
+    restricted to the top_k most likely when top_k is given and to the nucleus of mass top_p when top_p is given
+    (in transformers' order: temperature, top-k, top-p), with `generator`'s random stream.
     `vocab_limit` excludes ids at or above it (a vocabulary padded beyond the tokenizer's).
     `stop_ids` (end of text, end of turn): a row ends at the first it draws, which it keeps, and repeats that
     token from there, as transformers' generate pads a finished row; generation stops once every row has ended
@@ -72,7 +75,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
     start = window_start(0, n, seq_len, keep)
     logits = last_logits(model, tokens[:, start:n], cache)
     for i in range(max_new_tokens):
-        drawn = next_token(logits, temperature, top_k, generator, vocab_limit)
+        drawn = next_token(logits, temperature, top_k, generator, vocab_limit, top_p)
         tokens[:, n] = torch.where(ended, tokens[:, n - 1], drawn)
         ended |= torch.isin(tokens[:, n], stops)
         n += 1
@@ -115,7 +118,7 @@ def until_stop(ids: list[int], stop_ids: Collection[int] | None) -> tuple[list[i
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,
-               vocab_limit: int | None = None) -> torch.Tensor:
+               vocab_limit: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """One token id per row of the (B, vocab) logits: argmax at temperature 0, else a draw."""
     if vocab_limit is not None:
         logits = logits[:, :vocab_limit]
@@ -125,5 +128,55 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The (B, vocab) logits with every token outside the nucleus set to -inf: the fewest most likely tokens whose
+    probabilities sum past top_p, the most likely always kept (transformers' TopPLogitsWarper, ties and all)."""
+    ascending, order = torch.sort(logits, descending=False)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= 1 - top_p
+    outside[..., -1:] = False
+    return logits.masked_fill(outside.scatter(1, order, outside), float("-inf"))
+
+
+@torch.inference_mode()
+def sample_completions(model: torch.nn.Module, prompts: Sequence[Sequence[int]], num_generations: int,
+                       max_completion_length: int, *, temperature: float = 1.0, top_p: float | None = None,
+                       top_k: int | None = None, generator: torch.Generator | None = None,
+                       stop_ids: Collection[int] | None = None, vocab_limit: int | None = None) -> list[list[int]]:
+    """`num_generations` completions of each prompt (token ids, of any lengths), prompt-major: prompt i's are
+    completions i G .. i G + G - 1. Each is at most `max_completion_length` tokens, cut after its first stop token,
+    which it keeps. Sampled as `generate` samples (temperature 0: greedy), with the KV cache, by `generator`.
+
+    The rows run as batches of the prompts of one length, without padding: a prompt's G rows always share a batch,
+    and prompts of equal length share one too. (The attention has no key-padding mask with a cache, so a padded
+    batch would attend to its pads.) Each row's tokens are those `generate` gives it alone; with one generator, the
+    same prompts, seed and batch draw the same completions."""
+    seq_len = model.cfg.positions
+    longest = max(len(p) for p in prompts)
+    if longest + max_completion_length > seq_len:  # the loss's forward must see a whole completion with its prompt
+        raise ValueError(f"a prompt of {longest} tokens and {max_completion_length} completion tokens exceed the "
+                         f"model's {seq_len} positions")
+    rows = [list(p) for p in prompts for _ in range(num_generations)]
+    completions: list[list[int]] = [[] for _ in rows]
+    device = model.embedding.weight.device
+    for indices in rows_by_prompt_length(rows):
+        batch = torch.tensor([rows[i] for i in indices], dtype=torch.long, device=device)
+        drawn = generate(model, batch, max_completion_length, temperature=temperature, top_k=top_k, top_p=top_p,
+                         generator=generator, stop_ids=stop_ids, vocab_limit=vocab_limit).tolist()
+        for i, ids in zip(indices, drawn):
+            completions[i] = until_stop(ids, stop_ids)[0]
+    return completions
+
+
+def rows_by_prompt_length(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The row indices grouped by their prompt's length, shortest first, each group in row order."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(len(row), []).append(i)
+    return [groups[n] for n in sorted(groups)]

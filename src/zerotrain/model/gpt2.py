@@ -15,9 +15,12 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import (ColumnParallelLinear, KVCache, RowParallelLinear, TPSlice, attend, blocks, document_attention,
-                     new_positions, run_block, tied_head_hook)
-from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
+from .attention import attend, document_attention
+from .kv_cache import KVCache
+from .positions import new_positions
+from .recompute import run_block
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks
+from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, tied_head_hook, vocab_slice
 
 
 class CausalSelfAttention(nn.Module):

@@ -22,7 +22,7 @@ Its members are options of this one decoder, as the config's `arch` implies them
              q/k norms normalise the whole q and k projections (a gain per unit, all heads at once)
 
 Every member takes YaRN's rope scaling (--rope-scaling yarn: gpt-oss's, long-context Qwen's). gpt-oss's attention
-has biases on q, k, v and o, and a learned sink logit per head in each softmax's denominator (layers.attend).
+has biases on q, k, v and o, and a learned sink logit per head in each softmax's denominator (attention.attend).
 
 Parameter names are Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MistralForCausalLM` / `Gemma2ForCausalLM` / `Gemma3ForCausalLM` names (the same scheme) and every matrix is stored
@@ -41,15 +41,19 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from . import layers
+from . import attention, moe
+from .attention import attend, document_attention, window_attention
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
-from .layers import (ColumnParallelLinear, KVCache, Llama3Scaling, LinearScaling, ReduceFromTP, RMSNorm,
-                     RowParallelLinear, TPSlice, YarnScaling, apply_rotary, attend, blocks, copy_to_tp,
-                     document_attention, kv_head_blocks, new_positions, rotary_tables, run_block, tied_head_hook,
-                     window_attention)
-from . import moe
+from .kv_cache import KVCache
 from .moe import MoE
-from .vocab import LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, token_embedding, vocab_slice
+from .norms import RMSNorm
+from .positions import new_positions
+from .recompute import run_block
+from .rotary import LinearScaling, Llama3Scaling, YarnScaling, apply_rotary, rotary_tables
+from .tensor_parallel import (ColumnParallelLinear, ReduceFromTP, RowParallelLinear, TPSlice, blocks, copy_to_tp,
+                              kv_head_blocks)
+from .vocab import (LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, tied_head_hook, token_embedding,
+                    vocab_slice)
 
 
 def member_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -242,9 +246,9 @@ def layer_mask(cfg: ModelConfig, idx: torch.Tensor, dtype: torch.dtype, cache: K
     T = idx.shape[1]
     mask = window_attention(T, window, dtype, idx.device, cfg.head_dim)
     if mask is None and (cfg.attn_softcap or cfg.attn_sinks):  # causal: a window of the whole row, or one record
-        if layers.document_kernel(idx.device.type, cfg.head_dim) == "flex":
-            return layers.window_block_mask(T, T, idx.device)
-        return layers.document_mask(torch.zeros(1, T, dtype=torch.long, device=idx.device), dtype)
+        if attention.document_kernel(idx.device.type, cfg.head_dim) == "flex":
+            return attention.window_block_mask(T, T, idx.device)
+        return attention.document_mask(torch.zeros(1, T, dtype=torch.long, device=idx.device), dtype)
     return mask
 
 

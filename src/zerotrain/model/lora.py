@@ -8,8 +8,9 @@ and a forward hook that adds their product. The adapters' names are therefore pe
 Under tensor parallelism the adapters follow their base's split (Megatron's rules, applied to B A):
 
     column-parallel base (y_r = W_r x):  A replicated, B split on the output like W.  Each rank's gradient of A is
-        a partial sum over its output slice, so it is all-reduced over the TP group (layers.sum_over_replicas); the
-        gradient of x through A stays partial like the base's, for the copy_to_tp all-reduce that sums the input's.
+        a partial sum over its output slice, so it is all-reduced over the TP group (tensor_parallel's
+        sum_over_replicas); the gradient of x through A stays partial like the base's, for the copy_to_tp all-reduce
+        that sums the input's.
         A KV head's base replicated on several TP ranks has its B replicated with it, its gradient summed likewise.
     row-parallel base (y = sum_r W_r x_r):  A split on the input like W, B replicated.  A's output is a partial
         sum, all-reduced before B (as the base's output is, by ReduceFromTP); B then sees the full, replicated input.
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 
 from zerotrain.config import LORA_EXPERTS, LoraConfig
 
-from .layers import ColumnParallelLinear, ReduceFromTP, RowParallelLinear, TPSlice, copy_to_tp, sum_over_replicas
+from .tensor_parallel import (ColumnParallelLinear, ReduceFromTP, RowParallelLinear, TPSlice, copy_to_tp,
+                              sum_over_replicas)
 from .moe import moe_layers
 
 

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .layers import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, in_backward, reduce_from_tp
+from .recompute import in_backward
+from .tensor_parallel import ColumnParallelLinear, TPSlice, blocks, copy_to_tp, reduce_from_tp
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The vocabulary's two ends, whole or split across TP ranks by rows: the token embedding, the LM head, and the summed
-token loss computed from the head's input in chunks of tokens, never from the full logits.
+"""The vocabulary's two ends, whole or split across TP ranks by rows: the token embedding, the LM head (tied to the
+embedding or its own), and the summed token loss computed from the head's input in chunks of tokens, never from the
+full logits.
 
 Under TP, when --tp divides the vocabulary V, rank r holds rows r V/T .. (r + 1) V/T of the embedding and of the head
 (one tensor when they are tied), as Megatron's vocab-parallel layers do:
@@ -41,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import ReduceFromTP, TPSlice, blocks, copy_to_tp
+from .tensor_parallel import ReduceFromTP, TPSlice, blocks, copy_to_tp
 
 IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
@@ -118,6 +119,23 @@ class VocabParallelHead(nn.Module):
         return _GatherFromTP.apply(capped(F.linear(h, self.weight), self.softcap), self.comm)
 
 
+def tied_head_hook(head: str, embedding: str):
+    """A load_state_dict pre-hook for a head tied to the token embedding: strict loading accepts a state dict
+    without the head (model.safetensors stores the one tensor once, under the embedding's name); one that
+    holds both must hold the same values in each."""
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        h, e = prefix + head, prefix + embedding
+        if e not in state_dict:
+            return
+        if h not in state_dict:
+            state_dict[h] = state_dict[e]
+        elif state_dict[h] is not state_dict[e] and not torch.equal(state_dict[h], state_dict[e]):
+            error_msgs.append(f"{h} differs from {e}, but the two are one tied tensor")
+
+    return hook
+
+
 def token_embedding(vocab_size: int, width: int, padding_idx: int | None) -> nn.Embedding:
     """The token embedding, with the model's padding row where it has one: as transformers' Llama family builds it
     (nn.Embedding's padding_idx), a lookup of the padding id gives its row no gradient, so padding positions train
@@ -185,7 +203,7 @@ class _TokenLoss(torch.autograd.Function):
     backward scales them by the loss's gradient in place and hands them over. Once the node lets its saved tensors go,
     autograd holds the only reference to the weight's, so a tied embedding's gradient is added into it where it is.
     (Scaled into new tensors, each step allocated and faulted in a head-sized tensor and autograd summed the tied pair
-    into a third: SmolLM-135M, one thread, about 70 ms of a step.) A second backward through the same forward
+    into a third: its cost in docs/benchmarks.md.) A second backward through the same forward
     (retain_graph) is refused by autograd's check of the saved tensors' versions."""
 
     @staticmethod

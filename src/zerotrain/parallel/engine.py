@@ -11,17 +11,22 @@ split into W equal chunks, and rank r owns chunk r of every bucket. Per optimize
                                               stage 3: each unit gathered from the shards when next used
 
 Communication can hide behind compute, each half on its own switch: with `reduce_in_backward` each
-bucket's reduce-scatter starts in backward as soon as its gradients are complete; with
-`gather_in_forward` the all-gather runs behind the next forward: the buckets are launched in forward
-order and each module's forward pre-hook waits only for the buckets holding its own parameters (at stage 3 the
-next unit's gather is prefetched instead). Whatever reads parameters outside forward calls `wait_params()` first (the
+bucket's reduce-scatter starts in backward as soon as its gradients are complete; with `overlap_gathers` the
+parameters' gathers run behind compute: at stages 1 and 2 the all-gather runs behind the next forward
+(`gather_behind_forward`: the buckets are launched in forward order and each module's forward pre-hook waits only for
+the buckets holding its own parameters), at stage 3 the next unit's gather is prefetched one unit ahead. Whatever reads parameters outside forward calls `wait_params()` first (the
 engine's own readers do).
 
 With tensor parallelism (a `Mesh` with tp > 1) the model holds this rank's TP slices and the
 replicated parameters; the flat buffer holds exactly those, and all of the above runs over the DP
-group (the ranks holding the same slices). The scalar all-reduce spans the world: the gradient norm
+group (the ranks holding the same slices: the mesh's shard group). The scalar all-reduce spans the world: the gradient norm
 counts each TP slice once (every rank its own; a KV head on several TP ranks, its first rank's) and each
 replicated value once (TP rank 0's copy).
+
+With hybrid sharding (--dp-replicate R, FSDP2's HSDP; mesh.py) `dp` is the shard group, W / (R x TP) ranks: all of
+the above runs within it, and once the window's reduce-scatters are done the gradient shard is all-reduced across the
+R replica groups (all_reduce_replicas: one all-reduce of the shard a step), so that every group holds the whole
+batch's gradient and takes the same AdamW step. Replica group 0 alone adds its squares to the norm (each value once).
 
 Stage 1 keeps full gradients too, views into one flat gradient buffer; but one rank (one DP rank without TP, in
 fp32) has nothing to reduce and keeps no flat gradient buffer: each parameter's gradient is autograd's own tensor,
@@ -65,13 +70,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 
 from zerotrain.config import OptimConfig
 from zerotrain.errors import ZeroTrainError
 from zerotrain.model import is_decayed
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 
 from . import grad_norm
 from .comm import Comm
@@ -129,7 +135,7 @@ class ZeroEngine:
         bucket_numel: int,
         precision: str = "fp32",
         reduce_in_backward: bool = True,
-        gather_in_forward: bool = True,
+        overlap_gathers: bool = True,
         mesh: Mesh | None = None,
         stage: int = 1,
         grad_reduce: str = "step",
@@ -137,9 +143,10 @@ class ZeroEngine:
         device: torch.device | str | None = None,
         select=None,
     ):
-        """ZeRO stage `stage` (1, 2 or 3) shards over `dp`, the data-parallel group (of `mesh` when there is one).
+        """ZeRO stage `stage` (1, 2 or 3) shards over `dp`: `mesh`'s shard group when there is one (with hybrid
+        sharding, the gradient shard is then all-reduced across its replica groups, mesh.dp_replicate).
 
-        `gather_in_forward` must be False for a compiled model, whose forward cannot wait midway; at stage 3 it
+        `overlap_gathers` must be False for a compiled model, whose forward cannot wait midway; at stage 3 it
         prefetches the next unit's gather one unit ahead (--overlap on), and stage 3 always reduces in backward
         (`reduce_in_backward` is stages 1's and 2's). `grad_reduce` "micro-batch" (stages 2 and 3) reduce-scatters
         every micro-batch's buckets into the shard, which accumulates. A model built on the meta device
@@ -156,7 +163,8 @@ class ZeroEngine:
         self.precision, self.stage = precision, stage
         self.per_micro_batch = grad_reduce == "micro-batch" and stage >= 2
         self.reduce_in_backward = reduce_in_backward or stage == 3
-        self.gather_in_forward = gather_in_forward and stage < 3  # stage 3's: its placement's prefetch
+        # stages 1 and 2: the all-gather after an update runs behind the next forward (stage 3: its placement's prefetch)
+        self.gather_behind_forward = overlap_gathers and stage < 3
         self.layout = layout_of(model, dp.world_size, bucket_numel, select)
         self.select = select
         by_name = dict(model.named_parameters())
@@ -169,9 +177,12 @@ class ZeroEngine:
                           and (select is None or select(n))}
         self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
-        self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size, self.mesh.tp_size)
+        # Hybrid sharding: the ranks holding this rank's shard in the other replica groups (None: one group)
+        self.replicate = self.mesh.dp_replicate
+        self._grads_in_params = keeps_autograd_grads(stage, precision, dp.world_size * self.mesh.dp_replicate_size,
+                                                     self.mesh.tp_size)
         self.placement: ParameterPlacement = PLACEMENTS[stage](self, bucket_numel=bucket_numel,
-                                                               gather_in_forward=gather_in_forward)
+                                                               overlap_gathers=overlap_gathers)
         self.flat_params = self.placement.flat_params
         # What building this rank's buffers took from the source: bytes read from --init-from's files, values drawn
         # from the seed (the run's init_bytes_read and init_values_drawn, per rank)
@@ -321,7 +332,7 @@ class ZeroEngine:
         self._forwards: list[int] = []
         self._done: list[int] = []
         self._pending: list = []  # their async work handles, dropped once waited for
-        if self.reduce_in_backward or self.precision == "bf16" or self.gather_in_forward or self.stage >= 2 or \
+        if self.reduce_in_backward or self.precision == "bf16" or self.gather_behind_forward or self.stage >= 2 or \
                 self._grad_views is not None:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -670,17 +681,19 @@ class ZeroEngine:
         self.placement.reset_window()  # no unit running or counting gradients (after a normal step, none is)
 
     # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor, beside=()) -> tuple[float, torch.Tensor]:
+    def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor], beside=()) -> tuple[float, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
 
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
-        summed over ranks. `beside`: engines over the other parameters of the model (expert parallelism's), whose
-        reductions finish here and whose squared gradients join this rank's partial sum.
+        summed over ranks. `extras` may be a function, called once the reduce-scatter is finished (the control flags
+        are read as late as they can be: a rank waiting there for a slower one can still start a stop's save).
+        `beside`: engines over the other parameters of the model (expert parallelism's), whose reductions finish
+        here and whose squared gradients join this rank's partial sum.
         """
         squares = torch.cat([self.finish_grads().reshape(-1),
                              *(e.finish_grads().reshape(-1).to(self.grad_shard.device) for e in beside)])
         limbs = grad_norm.exact_sum_limbs(squares)
-        extras = extras.to(dtype=torch.float64).reshape(-1).cpu()
+        extras = (extras() if callable(extras) else extras).to(dtype=torch.float64).reshape(-1).cpu()
         stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.grad_shard.device),
                                            "all_reduce_stats").cpu()
         return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
@@ -699,7 +712,15 @@ class ZeroEngine:
                 not self.grads_in_params:
             self._launch(self._launched)
         self._finish_reduces()
+        self.all_reduce_replicas()
         return self._counted_grad_sumsq()
+
+    def all_reduce_replicas(self) -> None:
+        """Hybrid sharding: every replica group reduced its own ranks' gradients into the shard; the shard summed
+        across the groups (one all-reduce of 1/dp_shard of the gradients), so that every replica holds the whole
+        batch's gradient shard and takes the same AdamW step."""
+        if self.replicate is not None:
+            self.replicate.all_reduce(self.grad_shard, "all_reduce_replicas")
 
     def _zero_grads_not_given(self) -> None:
         """One rank's gradients in its parameters: a parameter autograd gave no gradient in the window reads zero,
@@ -729,14 +750,18 @@ class ZeroEngine:
             return grad_norm.scattered_chunk_squares([(s.offset, p.grad.reshape(-1))
                                                       for s, p in zip(self.layout.slots, self.params)])
         if self.mesh.tp_size == 1:
-            return grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
-        return grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
+            squares = grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
+        else:
+            squares = grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
+        # Hybrid sharding: every replica group holds the same shard after all_reduce_replicas; the first group's
+        # count it
+        return squares if self.replicate is None or self.replicate.rank == 0 else torch.zeros_like(squares)
 
     def apply(self, lr: float, grad_norm: float) -> None:
         """Clip by the global norm, AdamW on this rank's shard, and the parameters follow (the placement's
         after_update: stages 1 and 2 all-gather every bucket, stage 3 gathers each unit when next used).
 
-        With `gather_in_forward` the all-gather is still in flight on return (see `wait_params`).
+        With `gather_behind_forward` the all-gather is still in flight on return (see `wait_params`).
         """
         self.placement.before_update()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
         clip = self.optim_cfg.grad_clip
@@ -752,7 +777,7 @@ class ZeroEngine:
         if self.grads_in_params:
             for m in self._master_views:
                 m.grad = None  # the parameters' .grad alone hold them, until zero_grad lets them go
-        self._publish_params(wait=not self.gather_in_forward)
+        self._publish_params(wait=not self.gather_behind_forward)
 
     def _publish_params(self, wait: bool = True) -> None:
         """The owned values updated (or loaded): in bf16 the fp32 masters rounded into them, then the placement's
@@ -805,7 +830,7 @@ class ZeroEngine:
         """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps
         for each of them now (after updates it may have replaced or added tensors), and the engine's flat moments.
 
-        AdamW's 0-dim step counters are left out: the ZeRO-1 formula counts per-value state.
+        AdamW's 0-dim step counters are left out: the ZeRO formula counts per-value state.
         """
         out = [*self._master_views, self.exp_avg, self.exp_avg_sq]
         for group in self.optimizer.param_groups:
@@ -815,11 +840,11 @@ class ZeroEngine:
         return out
 
     def expected_state_bytes(self) -> int:
-        """The ZeRO-1 formula for this rank: bytes per owned value x the shard."""
+        """The ZeRO formula for this rank: bytes per owned value x the shard."""
         return self.expected_state_bytes_per_value() * self.layout.shard_numel
 
     def expected_state_bytes_per_value(self) -> int:
-        """ZeRO-1 formula: 8 bytes (moments) per owned value in fp32, 12 (plus fp32 master) in bf16."""
+        """ZeRO formula: 8 bytes (moments) per owned value in fp32, 12 (plus fp32 master) in bf16."""
         return 8 if self.master is None else 12
 
     def master_shard(self) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """Expert parallelism (--ep E): each MoE layer's experts split over E ranks, tokens sent to them by all-to-all, and the
 engine that reduces and shards the expert parameters over the ranks that hold the same experts.
 
-    groups    the DP ranks form EP groups of E consecutive DP ranks (EP rank = DP rank mod E); EP rank r holds the
-              contiguous block of experts [r n/E, (r+1) n/E) of every MoE layer. The DP ranks with the same EP rank
-              (DP/E of them) hold the same experts: the expert replica group. Under --tp T both are built per TP
-              index (the ranks of one TP index, as a DP group is): each expert of the block is TP-sliced as at EP 1
-              (model/moe.py), TP rank t holding slice t.
+    groups    the mesh's (parallel/mesh.py, built with the run's): the ranks of a shard group form EP groups of E
+              consecutive ranks (EP rank = shard index mod E); EP rank r holds the contiguous block of experts
+              [r n/E, (r+1) n/E) of every MoE layer. The shard group's ranks with the same EP rank (dp_shard / E of
+              them) hold the same experts: dp_shard_mod_ep, which the expert engine shards over. With hybrid
+              sharding (--dp-replicate) each replica group is split so, and an expert shard's replicas are the
+              dense shard's (dp_replicate). Under --tp T all of them are per TP index (the ranks of one TP index, as
+              a shard group is): each expert of the block is TP-sliced as at EP 1 (model/moe.py), TP rank t holding
+              slice t.
     dispatch  each rank routes its own tokens (the router is dense, unchanged) and sorts its (token, slot) rows by
               expert (model/moe.py). Counts first: an all-to-all of the per-expert counts tells each rank how many rows
               it gets from every source for each of its experts. Then the rows: all_to_all_single with those splits;
@@ -17,19 +20,19 @@ engine that reduces and shards the expert parameters over the ranks that hold th
               own TP index's EP group; each computes its TP slice of its experts' outputs (partial sums), and the MoE
               layer's one TP all-reduce sums them, as at EP 1. gpt-oss's down biases (replicated, added once after
               that all-reduce) are gathered from the EP group first (`every_expert`).
-    engine    two ZeRO engines over one model: the dense parameters over the whole DP group, as without EP; the expert
-              parameters (this rank's block) over the replica group, reduce-scattered there (their gradients already
+    engine    two ZeRO engines over one model: the dense parameters over the shard group, as without EP; the expert
+              parameters (this rank's block) over dp_shard_mod_ep, reduce-scattered there (their gradients already
               hold every EP rank's tokens: the all-to-all's backward brought them) and their optimizer state sharded
               there. One scalar all-reduce per step still: the expert shard's squared gradients join the dense
               engine's (grad_norm's exact limbs add), so the global norm counts every expert value once. Under TP
               the expert engine runs over the real TP group (expert_mesh): the norm counts its TP slices on every
               rank and its replicated values on TP rank 0, digests, full tensors and checkpoints see the TP slicing.
               At ZeRO-3 both are stage-3 engines over the same units (zero3.model_units), each gathering and
-              releasing its own buckets: a MoE block's experts (this rank's block, sharded over the replica group)
+              releasing its own buckets: a MoE block's experts (this rank's block, sharded over dp_shard_mod_ep)
               are whole while the block is. Each block's experts are gathered for its backward where every rank's
               backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
               first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
-              got no rows saved none), and a replica group gathering while its members wait in different EP
+              got no rows saved none), and a dp_shard_mod_ep group gathering while its members wait in different EP
               groups' all-to-alls would hang. At every stage that same point joins the backward for the experts'
               reductions and opens their block's buckets (ZeroEngine.begin_unit_backward): a rank whose experts got
               no rows sends them (zeros) there, in the backward, as its replicas send theirs, neither earlier (all at
@@ -41,12 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 
 import torch
-import torch.distributed as dist
 
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
@@ -60,38 +61,13 @@ def is_expert_parameter(name: str) -> bool:
     return ".experts." in name
 
 
-def build_expert_groups(mesh: Mesh, ep: int) -> Mesh:
-    """`mesh` with its EP group (E consecutive DP ranks) and expert replica group (the DP ranks of one EP rank).
-
-    Every rank calls this together, in the same order: new_group is collective over the world."""
-    if ep == 1:
-        return mesh
-    T, D = mesh.tp_size, mesh.dp_size
-    t, d = mesh.tp_rank, mesh.dp_rank
-    world = mesh.world
-    timeout = datetime.timedelta(seconds=world.timeout_s) if world.timeout_s else None
-    mine_ep = mine_replica = None
-    for tp_index in range(T):
-        for first in range(0, D, ep):
-            group = dist.new_group([(first + e) * T + tp_index for e in range(ep)], timeout=timeout)
-            if tp_index == t and first == d - d % ep:
-                mine_ep = group
-        for e in range(ep):
-            group = dist.new_group([k * T + tp_index for k in range(e, D, ep)], timeout=timeout)
-            if tp_index == t and e == d % ep:
-                mine_replica = group
-    mesh.ep = Comm(mine_ep, timeout_s=world.timeout_s)
-    mesh.expert_dp = Comm(mine_replica, timeout_s=world.timeout_s)
-    mesh.ep_size, mesh.ep_rank = ep, d % ep
-    return mesh
-
-
 def expert_mesh(mesh: Mesh) -> Mesh:
-    """The mesh the expert engine runs over: the expert replica group as its DP group (ZeRO shards and reduces there),
-    the model's TP group as its own (each expert TP-sliced: gather_tp, the norm's counting of replicated values,
-    digests, full tensors). No KV heads among the experts. `world` stays the run's (the step's scalar all-reduce is
-    the dense engine's), so the mesh's dp_size is the run's, not the replica group's: the engine reads `dp`."""
-    return dataclasses.replace(mesh, dp=mesh.expert_dp, kv=None, kv_replicas=1)
+    """The mesh the expert engine runs over: dp_shard_mod_ep (the shard group's ranks holding this rank's experts) as
+    its shard group (ZeRO shards and reduces there), the run's replica groups as its own (hybrid sharding: the same
+    experts' same shard), the model's TP group as its own (each expert TP-sliced: gather_tp, the norm's counting of
+    replicated values, digests, full tensors). No KV heads among the experts. `world` stays the run's (the step's
+    scalar all-reduce is the dense engine's), so the mesh's dp_size is the run's: the engine reads its `dp`."""
+    return dataclasses.replace(mesh, dp_shard=mesh.dp_shard_mod_ep, kv=None, kv_replicas=1)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -205,15 +181,15 @@ def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None
 
 
 class ExpertParallelEngine:
-    """Two ZeRO engines over one model: `dense` over the DP group, `experts` over the expert replica group, both of
+    """Two ZeRO engines over one model: `dense` over the shard group, `experts` over dp_shard_mod_ep, both of
     the run's stage. The engine interface its callers use, each member on purpose: steps, norms, digests, state,
     bytes and the update hooks cover both; `layout` is the dense engine's (a checkpoint's `layout`; the experts'
     is its `expert_layout`); the run's model, mesh, stage, precision, TP plan and device are the run's."""
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
-        self.dense = ZeroEngine(model, mesh.dp, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
+        self.dense = ZeroEngine(model, mesh.dp_shard, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
                                 **kwargs)
-        self.experts = ZeroEngine(model, mesh.expert_dp, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
+        self.experts = ZeroEngine(model, mesh.dp_shard_mod_ep, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
                                   **kwargs)
         self.model, self.mesh = model, mesh
         self.stage, self.precision, self.device = self.dense.stage, self.dense.precision, self.dense.device
@@ -224,7 +200,7 @@ class ExpertParallelEngine:
             # the parameter peak is both engines' units whole at once
             self.dense.placement.param_bytes_beside, self.experts.placement.param_bytes_beside = \
                 self.experts.param_bytes, self.dense.param_bytes
-        elif kwargs.get("gather_in_forward", True):
+        elif kwargs.get("overlap_gathers", True):
             # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
             # their all-gathers: each MoE layer waits for its experts' buckets first
             for moe in moe_layers(model):

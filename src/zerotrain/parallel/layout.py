@@ -1,4 +1,4 @@
-"""The flat layout ZeRO-1 shards: where each parameter lives, the buckets, and which ranges each rank owns.
+"""The flat layout ZeRO shards: where each parameter lives, the buckets, and which ranges each rank owns.
 
 `ShardLayout` is the one owner of "which rank holds which flat range, and where in its shard": `owned_pieces(rank)`
 (what a rank holds, and where each piece sits in its shard) and `pieces(start, end)` (who holds a flat range, cut

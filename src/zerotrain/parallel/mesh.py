@@ -1,14 +1,27 @@
-"""The 2-D mesh TP x DP: which ranks split each layer (a TP group) and which hold the same slices (a DP group).
+"""The one device mesh of a run: named dimensions dp_replicate x dp_shard x cp x tp, expert groups inside dp_shard.
 
-Ranks are TP-adjacent: rank = dp_index x tp + tp_index, so a TP group (the ranks that split one
-replica's layers and all-reduce activations every layer) is a run of consecutive ranks, which on a
-multi-GPU node are the GPUs with the fastest links between them. ZeRO-1 runs over the DP group: the
-ranks with the same tp_index hold the same TP slices and average their gradients.
+Built once, as a run starts (Mesh.build); every communicator is named by the dimensions it spans:
 
-With tp = 1 there is no TP group and the DP group is the whole world, exactly today's data parallelism.
+    tp               the ranks that split one replica's layers (activation all-reduces every layer)
+    dp_shard         the ranks with this rank's tp_index and replica index: ZeRO shards its state over them (the
+                     reduce-scatter of the gradients, the all-gather of the parameters, AdamW on 1/dp_shard)
+    dp_replicate     the ranks holding the same shard in the other replica groups (hybrid sharding, --dp-replicate R,
+                     as FSDP2's HSDP): after the reduce-scatter each shard is all-reduced across them; None at R = 1
+    ep               expert parallelism (--ep E): E consecutive dp_shard ranks, which split each MoE layer's experts
+    dp_shard_mod_ep  the dp_shard ranks with this rank's EP rank (torchtitan's name): the expert engine shards over
+                     them, as the dense engine over dp_shard; its replicas are the same dp_replicate group
+    kv               with more TP ranks than KV heads, the TP ranks holding this rank's KV heads (each head lives on
+                     `kv_replicas` consecutive TP ranks, which sum their k and v weight gradients: model/tensor_parallel.py,
+                     sum_over_replicas)
+    cp               context parallelism: 1 until ring attention comes (no communicator yet)
 
-With more TP ranks than KV heads each KV head lives on `kv_replicas` consecutive TP ranks (a KV group),
-which sum their k and v weight gradients (model/layers.py, sum_over_replicas).
+Ranks are TP-adjacent and the shard dimension is inner: world rank = dp_index x tp + tp_index, dp_index =
+replica_index x dp_shard + shard_index. A TP group is a run of consecutive ranks (on a multi-GPU node the GPUs with
+the fastest links between them), a shard group the next level out, and the replica groups outermost (the cheapest
+traffic, one all-reduce of the shard per step, crosses the slowest links). The data-parallel dimension the batch is
+split over is dp_replicate x dp_shard (dp_size, dp_rank): every replica trains on its own part of the global batch.
+
+With tp = 1 and dp_replicate = 1 there is no TP group and dp_shard is the whole world: plain ZeRO data parallelism.
 """
 
 from __future__ import annotations
@@ -24,79 +37,120 @@ from .comm import Comm
 @dataclass
 class Mesh:
     world: Comm  # every rank: the step's one scalar all-reduce, digests, checkpoints
-    dp: Comm  # the ranks with this rank's tp_index: ZeRO-1's reduce-scatter and all-gather
+    dp_shard: Comm  # the ranks ZeRO shards over: this rank's tp_index, replica index
     tp: Comm | None  # the ranks of this rank's replica: activation all-reduces; None when tp == 1
     tp_size: int
     tp_rank: int
     kv: Comm | None = None  # the TP ranks holding this rank's KV heads: their gradient all-reduces; None if only it
     kv_replicas: int = 1  # TP ranks per KV head (consecutive TP ranks: TP rank t's group starts at t - t % kv_replicas)
-    # Expert parallelism (parallel/experts.py, build_expert_groups): the EP group (ep_size consecutive DP ranks, which
-    # split each MoE layer's experts) and the expert replica group (the DP ranks holding this rank's experts)
+    # Hybrid sharding: the ranks holding this rank's shard in the other replica groups; None at one replica group
+    dp_replicate: Comm | None = None
+    dp_replicate_size: int = 1
+    # Expert parallelism (parallel/experts.py): the EP group (ep_size consecutive dp_shard ranks, which split each MoE
+    # layer's experts) and the dp_shard ranks holding this rank's experts, which shard their state
     ep: Comm | None = None
-    expert_dp: Comm | None = None
+    dp_shard_mod_ep: Comm | None = None
     ep_size: int = 1
     ep_rank: int = 0
+    cp_size: int = 1  # context parallelism: not yet
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks (dp_replicate x dp_shard): the batch is split over them."""
         return self.world.world_size // self.tp_size
 
     @property
     def dp_rank(self) -> int:
         return self.world.rank // self.tp_size
 
+    @property
+    def dp_shard_size(self) -> int:
+        return self.dp_size // self.dp_replicate_size
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        """This rank's replica group (0 at one replica group): replica group 0 writes the checkpoint's shards."""
+        return self.dp_rank // self.dp_shard_size
+
     def describe(self) -> dict:
-        return {"tp": self.tp_size, "dp": self.dp_size, **({"ep": self.ep_size} if self.ep_size > 1 else {})}
+        """The mesh as a checkpoint records it: the TP degree and the ranks the state is sharded over ("dp"), so that
+        a checkpoint written by R replica groups is the one dp_shard x tp ranks write (its replicas write nothing);
+        "dp_replicate" says how many replica groups trained it."""
+        return {"tp": self.tp_size, "dp": self.dp_shard_size, **({"ep": self.ep_size} if self.ep_size > 1 else {}),
+                **({"dp_replicate": self.dp_replicate_size} if self.dp_replicate_size > 1 else {})}
 
     @classmethod
     def single(cls, comm: Comm) -> "Mesh":
         """Plain data parallelism over `comm`."""
-        return cls(world=comm, dp=comm, tp=None, tp_size=1, tp_rank=0)
+        return cls(world=comm, dp_shard=comm, tp=None, tp_size=1, tp_rank=0)
 
     @classmethod
-    def build(cls, world: Comm, tp: int, kv_replicas: int = 1) -> "Mesh":
-        """Create the TP and DP process groups (and the KV groups of `kv_replicas` TP ranks, when above 1); every
-        rank calls this together, in the same order."""
+    def build(cls, world: Comm, tp: int = 1, kv_replicas: int = 1, *, dp_replicate: int = 1, ep: int = 1) -> "Mesh":
+        """Create every communicator of the mesh; every rank calls this together, in the same order (new_group is
+        collective over the whole world: every rank creates every group, in one order)."""
         W = world.world_size
-        if tp == 1:
-            return cls.single(world)
         if W % tp:
             raise ValueError(f"world size {W} is not divisible by tp {tp}")
         if tp % kv_replicas:
             raise ValueError(f"tp {tp} is not divisible by kv_replicas {kv_replicas}")
-        dp = W // tp
+        D = W // tp
+        if D % dp_replicate:
+            raise ValueError(f"the data-parallel size {D} is not divisible by dp_replicate {dp_replicate}")
+        S = D // dp_replicate
+        if S % ep:
+            raise ValueError(f"the shard group's size {S} is not divisible by ep {ep}")
+        if tp == 1 and dp_replicate == 1 and ep == 1:
+            return cls.single(world)
         timeout = datetime.timedelta(seconds=world.timeout_s) if world.timeout_s else None
-        mine_tp = mine_dp = None
-        # new_group is collective over the whole world: every rank creates every group, in one order.
-        for d in range(dp):
-            group = dist.new_group([d * tp + t for t in range(tp)], timeout=timeout)
-            if d == world.rank // tp:
-                mine_tp = group
-        for t in range(tp):
-            group = dist.new_group([d * tp + t for d in range(dp)], timeout=timeout)
-            if t == world.rank % tp:
-                mine_dp = group
-        mine_kv = None
-        if kv_replicas > 1:
-            for first in range(0, W, kv_replicas):  # runs of consecutive ranks, within one TP group as tp divides
-                group = dist.new_group(list(range(first, first + kv_replicas)), timeout=timeout)
-                if first == world.rank - world.rank % kv_replicas:
-                    mine_kv = Comm(group, timeout_s=world.timeout_s)
-        return cls(world=world, dp=Comm(mine_dp, timeout_s=world.timeout_s),
-                   tp=Comm(mine_tp, timeout_s=world.timeout_s), tp_size=tp, tp_rank=world.rank % tp, kv=mine_kv,
-                   kv_replicas=kv_replicas)
+        rank, t, d = world.rank, world.rank % tp, world.rank // tp
+
+        def comm(ranks_of: list[list[int]]) -> Comm:
+            """Each group of `ranks_of` created on every rank; this rank's as a Comm."""
+            mine = None
+            for ranks in ranks_of:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+            return Comm(mine, timeout_s=world.timeout_s)
+
+        def world_rank(replica: int, shard: int, tp_index: int) -> int:
+            return (replica * S + shard) * tp + tp_index
+
+        mesh = cls(world=world, dp_shard=world, tp=None, tp_size=tp, tp_rank=t, kv_replicas=kv_replicas,
+                   dp_replicate_size=dp_replicate)
+        if tp > 1:
+            mesh.tp = comm([[k * tp + i for i in range(tp)] for k in range(D)])
+        if tp > 1 or dp_replicate > 1:
+            mesh.dp_shard = comm([[world_rank(r, s, i) for s in range(S)] for i in range(tp)
+                                  for r in range(dp_replicate)])
+        if kv_replicas > 1:  # runs of consecutive ranks, within one TP group as tp divides
+            mesh.kv = comm([list(range(first, first + kv_replicas)) for first in range(0, W, kv_replicas)])
+        if ep > 1:
+            mesh.ep_size, mesh.ep_rank = ep, (d % S) % ep
+            mesh.ep = comm([[world_rank(r, first + e, i) for e in range(ep)] for i in range(tp)
+                            for r in range(dp_replicate) for first in range(0, S, ep)])
+            mesh.dp_shard_mod_ep = comm([[world_rank(r, s, i) for s in range(e, S, ep)] for i in range(tp)
+                                         for r in range(dp_replicate) for e in range(ep)])
+        if dp_replicate > 1:
+            mesh.dp_replicate = comm([[world_rank(r, s, i) for r in range(dp_replicate)] for i in range(tp)
+                                      for s in range(S)])
+        return mesh
+
+    def communicators(self) -> list[Comm]:
+        """This rank's communicators, each once."""
+        comms = (self.world, self.world.io, self.dp_shard, self.tp, self.kv, self.dp_replicate, self.ep,
+                 self.dp_shard_mod_ep)
+        return list({id(c): c for c in comms if c is not None}.values())
 
     def set_step(self, step: int) -> None:
         """The optimizer step the loop is in, for every communicator's failure messages."""
-        for comm in (self.world, self.world.io, self.dp, self.tp, self.kv, self.ep, self.expert_dp):
-            if comm is not None:
-                comm.step = step
+        for comm in self.communicators():
+            comm.step = step
 
     def counters(self) -> tuple[dict, dict]:
         """Calls and bytes by purpose, summed over this rank's communicators."""
         calls, nbytes = {}, {}
-        comms = (self.world, self.world.io, self.dp, self.tp, self.kv, self.ep, self.expert_dp)
-        for comm in {id(c): c for c in comms if c is not None}.values():
+        for comm in self.communicators():
             for k, v in comm.calls.items():
                 calls[k] = calls.get(k, 0) + v
             for k, v in comm.bytes.items():

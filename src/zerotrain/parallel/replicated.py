@@ -2,7 +2,7 @@
 
 Every parameter is a view of one flat buffer in the engine's layout (no per-step copies). AdamW updates this rank's
 owned chunks of it; after the update every bucket is all-gathered in place, launched in forward order (the layout is
-reverse-forward), so the first module's parameters arrive first. With `gather_in_forward` the all-gathers run behind
+reverse-forward), so the first module's parameters arrive first. With `gather_behind_forward` the all-gathers run behind
 the next forward: each module's forward pre-hook waits only for the buckets holding its own parameters, and whatever
 reads parameters outside forward calls `wait()` first (the engine's own readers do). A gradient of a parameter whose
 all-gather was still in flight when the forward read it is refused (in_flight: the engine raises
@@ -22,9 +22,9 @@ class ReplicatedParameters:
 
     gathers_units = False
 
-    def __init__(self, engine, *, bucket_numel: int, gather_in_forward: bool):
+    def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
         self.engine = engine
-        self.gather_in_forward = gather_in_forward
+        self.gather_behind_forward = overlap_gathers
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight
         # a parameter the flat buffer will not hold (a frozen one) gets or keeps its own tensor, in the run's precision
         materialise_outside_layout(engine, {s.name for s in engine.layout.slots})
@@ -38,8 +38,8 @@ class ReplicatedParameters:
         self.param_peak_bytes = self.param_bytes()
 
     def attach(self) -> None:
-        """With `gather_in_forward`: each module's forward waits for the buckets holding its own parameters."""
-        if not self.gather_in_forward:
+        """With `gather_behind_forward`: each module's forward waits for the buckets holding its own parameters."""
+        if not self.gather_behind_forward:
             return
         slot_of = self.engine.slot_of
         for module in self.engine.model.modules():

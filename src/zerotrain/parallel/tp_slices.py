@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zerotrain.model.layers import TPSlice
+from zerotrain.model.tensor_parallel import TPSlice
 
 
 def full_tensors(layout, slices: dict[str, TPSlice], flats) -> dict[str, torch.Tensor]:

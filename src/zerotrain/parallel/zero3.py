@@ -72,7 +72,7 @@ the later unit that reads a weight has run. shard_frozen_copy shards a module wh
 same way, with no engine (a preference run's live reference for full fine-tuning).
 
 With --tp the model holds this rank's TP slices and the replicated parameters, and all of the above runs over the DP
-group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/layers.py) runs
+group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/tensor_parallel.py) runs
 in the block's backward, before the gradient reaches its bucket.
 
 The gradient path is the engine's, stage 2's addition for addition (the reductions only scheduled by units:
@@ -91,7 +91,7 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from zerotrain.model import is_decayed
-from zerotrain.model.layers import in_backward
+from zerotrain.model.recompute import in_backward
 
 from .digest import moved, tensor_digest
 from .layout import ShardLayout
@@ -257,12 +257,12 @@ class ShardedParameters:
 
     gathers_units = True
 
-    def __init__(self, engine, *, bucket_numel: int, gather_in_forward: bool):
-        """`gather_in_forward` (--overlap on): prefetch the next unit's gather one unit ahead. An engine over a
+    def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
+        """`overlap_gathers` (--overlap on): prefetch the next unit's gather one unit ahead. An engine over a
         selection of the parameters (expert parallelism's two) gathers, counts and releases only its own parameters'
         buckets in the units, and holds no frozen ones."""
         self.engine = engine
-        self.prefetch = gather_in_forward
+        self.prefetch = overlap_gathers
         model, dp = engine.model, engine.dp
         if engine.select is not None and frozen_parameters(model):
             raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")

@@ -1,10 +1,10 @@
 """Starting local ranks fast: forked from a server that imported torch once, yet inheriting what a spawned rank would.
 
-A spawned rank imports torch and zerotrain anew, about 3 s of CPU each (2 cores, torch 2.13 CPU): a 2-rank job
-that does nothing took 8-16 s with `spawn` and 0.5 s with `forkserver` once its server was up. multiprocessing's
-forkserver is a process started at the first launch, with the modules below imported; each rank is a fork of
-it. spawn and forkserver both carry the launcher's working folder and sys.path to the child; two things a
-forked rank would otherwise take from the server rather than from its launcher now are fixed here:
+A spawned rank imports torch and zerotrain anew, seconds of CPU each; a rank forked from a server that imported them
+once starts without that cost (the figures: docs/benchmarks.md). multiprocessing's forkserver is a process started
+at the first launch, with the modules below imported; each rank is a fork of it. spawn and forkserver both carry the
+launcher's working folder and sys.path to the child; two things a forked rank would otherwise take from the server
+rather than from its launcher now are fixed here:
 
 - the environment: the server's is the launcher's as it was when the server started (a variable set since, such as
   ZEROTRAIN_FAULTS for one run, would be missing). `LauncherState` carries the launcher's environment as it is
@@ -35,7 +35,7 @@ from .allocator import huge_pages_environment
 
 START_METHOD = "forkserver"
 PRELOAD = ["zerotrain.runtime.launch", "zerotrain.training.loop",
-           "torch._dynamo"]  # torch, what every rank imports, and what AdamW imports when first built (3.3 s)
+           "torch._dynamo"]  # torch, what every rank imports, and what AdamW imports when first built
 
 # In the forkserver, imported before any fork: the environment every rank starts from.
 _SERVER_ENV = dict(os.environ)

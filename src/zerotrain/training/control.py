@@ -13,6 +13,7 @@ waiting out the collective timeout for a peer that will never come.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,24 +52,29 @@ class Reduced:
     extras: list[float] = field(default_factory=list)  # the objective's sums (preference figures), over the ranks
 
 
-def reduce_step(engine, loss_sum: float, *, stop_signal: str | None, saving: SaveFlags,
+def reduce_step(engine, loss_sum: float, *, stop_signal: str | None | Callable[[], str | None], saving: SaveFlags,
                 extras: torch.Tensor | None = None) -> Reduced:
     """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags,
     extras] once (with the gradient norm's square); `saving` is the checkpointer's flags; `extras` the objective's
-    sums (counted once per TP group, as the loss)."""
+    sums (counted once per TP group, as the loss). `stop_signal` may be a function: it is called once the
+    reduce-scatter is finished, just before the all-reduce (a stop seen until then is saved at once)."""
     world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
     W = world.world_size
     nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
     nonfinite[world.rank] = not math.isfinite(loss_sum)
     failing = torch.zeros(W, dtype=torch.float64)  # one-hot as well
     failing[world.rank] = saving.error is not None
-    flags = local_flags(save_by_clock=saving.by_clock, stop_signal=stop_signal, save_done=saving.done)
-    flags[ASYNC_SLOWER] = saving.async_slower
     # The TP ranks of a replica compute the same loss: only the first one's counts.
     counted_loss = loss_sum if tp_rank == 0 else 0.0
     extra = torch.zeros(0, dtype=torch.float64) if extras is None else extras.to(torch.float64) * (tp_rank == 0)
-    grad_norm, totals = engine.reduce_grads(torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite,
-                                                       failing, flags, extra]))
+
+    def reduced() -> torch.Tensor:
+        signal = stop_signal() if callable(stop_signal) else stop_signal
+        flags = local_flags(save_by_clock=saving.by_clock, stop_signal=signal, save_done=saving.done)
+        flags[ASYNC_SLOWER] = saving.async_slower
+        return torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite, failing, flags, extra])
+
+    grad_norm, totals = engine.reduce_grads(reduced)
     bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
     decision = decide(totals[1 + 2 * W : 1 + 2 * W + N_FLAGS], W)
     decision.failed_ranks = [r for r, f in enumerate(totals[1 + W : 1 + 2 * W].tolist()) if f != 0]

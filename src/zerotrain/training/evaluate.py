@@ -8,7 +8,7 @@ import torch
 
 from zerotrain.data import IGNORE, MicroBatch
 from zerotrain.model import summed_token_loss
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 from zerotrain.parallel import Mesh
 
 

@@ -3,7 +3,8 @@
     ZEROTRAIN_FAULTS="kind@step=N[,rank=R][,factor=F];..."
 
 N is the 1-based optimizer step; R is the rank that misbehaves (default 0); F is lr_spike's factor (default 100),
-slow_staging's delay in seconds (default 1) or slow_storage's seconds per MiB (default 1).
+slow_staging's delay in seconds (default 1), slow_storage's seconds per MiB (default 1) or sigterm_in_slow_step's
+bound in seconds (default 60).
 kill, hang and slow_storage also take step=0: while the rank starts, before its first step.
 group_sigint_in_reference counts the forwards of DPO's reference pass instead, crash_in_reference takes step=0 only.
 
@@ -23,12 +24,19 @@ group_sigint_in_reference counts the forwards of DPO's reference pass instead, c
                    naming no file, as the operating system's write does
     slow_staging   the rank's async save of checkpoint N copies its state F seconds late (default 1), as a writer
                    with no core of its own would: the next update waits for the copy
-    sigterm        the rank sends SIGTERM to its launcher during step N, then waits until its own stop
-                   request is seen, so the stop lands at step N whatever the signal's delivery time
+    sigterm        the rank sends SIGTERM to its launcher after step N's update, then waits until its own stop
+                   request is seen, so the stop lands after step N whatever the signal's delivery time: step N
+                   is saved (the stop's save starts as step N+1 begins; step N+1 is not applied)
     group_sigint, group_sigterm
                    the same with SIGINT or SIGTERM sent to the launcher's whole process group (the launcher, the
                    ranks' server, every rank), as a terminal's Ctrl-C, `timeout` or `kill -- -PGID` send it; run
                    the job in a process group of its own (setsid)
+    sigterm_in_slow_step
+                   the rank sends SIGTERM to its launcher in step N's second forward (run it with --accum 2 or
+                   more), waits until its own stop request is seen, then blocks there until the stop's checkpoint
+                   of step N-1 is committed (`latest` names it), as a step longer than torchrun's 30 s grace
+                   period would: it fails the rank if none is within F seconds (default 60), and says so on
+                   stderr when one is
     group_sigint_in_commit
                    rank 0 sends SIGINT to the launcher's whole process group while it commits checkpoint N (every
                    rank's files durable, the manifest written, before the rename; as crash_in_commit), SAME_STOP_S
@@ -66,7 +74,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.checkpoint import WriterHooks
+from zerotrain.checkpoint import WriterHooks, read_latest, step_name
 from zerotrain.checkpoint.stream import slow_storage
 from zerotrain.errors import ConfigError, ZeroTrainError
 from zerotrain.runtime.rank_start import launcher_pid
@@ -76,7 +84,7 @@ from zerotrain.runtime.stop import SAME_STOP_S, stop_request
 ENV = "ZEROTRAIN_FAULTS"
 KINDS = ("kill", "hang", "nan", "lr_spike", "crash_in_save", "crash_in_commit", "save_error", "disk_full",
          "slow_staging", "sigterm", "group_sigint", "group_sigterm", "oom", "slow_storage", "group_sigint_in_commit",
-         "group_sigint_in_reference", "crash_in_reference")
+         "group_sigint_in_reference", "crash_in_reference", "sigterm_in_slow_step")
 SAVE_KINDS = ("crash_in_save", "save_error", "disk_full")  # the kinds the checkpoint writer's halfway hook fires
 STARTUP_KINDS = ("kill", "hang", "slow_storage", "crash_in_reference")  # the kinds that step=0 fires as the rank starts
 RANK_0_KINDS = ("crash_in_commit", "group_sigint_in_commit", "crash_in_reference")  # rank 0 alone commits, writes
@@ -85,12 +93,14 @@ FORMAT = "kind@step=N[,rank=R][,factor=F]"
 CRASH_IN_SAVE_EXIT = 75
 DEFAULT_LR_FACTOR = 100.0
 DEFAULT_STAGING_DELAY_S = 1.0
-FACTOR_DEFAULTS = {"lr_spike": DEFAULT_LR_FACTOR, "slow_staging": DEFAULT_STAGING_DELAY_S,
-                   "slow_storage": 1.0}  # the kinds that take a factor
-SIGNALS = {"sigterm": signal.SIGTERM, "group_sigint": signal.SIGINT, "group_sigterm": signal.SIGTERM}
-# sigterm: how often and how long the rank polls for its own stop request after signalling the launcher.
 STOP_POLL_S = 0.01
 STOP_WAIT_S = 60.0
+FACTOR_DEFAULTS = {"lr_spike": DEFAULT_LR_FACTOR, "slow_staging": DEFAULT_STAGING_DELAY_S,
+                   "slow_storage": 1.0, "sigterm_in_slow_step": STOP_WAIT_S}  # the kinds that take a factor
+SLOW_STEP_FORWARD = 2  # sigterm_in_slow_step fires in this forward of its step: one micro-batch is done
+SIGNALS = {"sigterm": signal.SIGTERM, "group_sigint": signal.SIGINT, "group_sigterm": signal.SIGTERM}
+# sigterm: how often and how long the rank polls for its own stop request after signalling the launcher
+# (STOP_POLL_S, STOP_WAIT_S above).
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,8 @@ class Fault:
 
     def describe(self) -> str:
         what = {"lr_spike": f"lr_spike x{self.factor:g}", "slow_staging": f"slow_staging {self.factor:g} s",
-                "slow_storage": f"slow_storage {self.factor:g} s per MiB"}.get(self.kind, self.kind)
+                "slow_storage": f"slow_storage {self.factor:g} s per MiB",
+                "sigterm_in_slow_step": f"sigterm_in_slow_step (up to {self.factor:g} s)"}.get(self.kind, self.kind)
         when = "before the first step" if self.step == 0 else f"at step {self.step}"
         if self.kind == "group_sigint_in_reference":
             when = f"after forward {self.step} of the reference pass"
@@ -212,12 +223,12 @@ class Faults:
 
     def before_collectives(self, step: int, stop_seen: Callable[[], bool] | None = None,
                            stop_wait_s: float = STOP_WAIT_S) -> None:
-        """kill, hang, the signals, oom and slow_storage of step `step`, in the order written; call before the step's first
+        """kill, hang, oom and slow_storage of step `step`, in the order written; call before the step's first
         collective (step 0: as the rank starts, before it reads or hashes any file).
 
         `stop_seen()` tells whether this rank's own stop request (set by its SIGTERM handler) has arrived.
         """
-        for fault in self._fire(step, "kill", "hang", *SIGNALS, "oom", "slow_storage"):
+        for fault in self._fire(step, "kill", "hang", "oom", "slow_storage"):
             _announce(fault)
             if fault.kind == "slow_storage":
                 slow_storage(fault.factor)
@@ -228,8 +239,35 @@ class Faults:
             elif fault.kind == "hang":
                 while True:  # sleep resumes after a handled signal (PEP 475): only SIGKILL ends this
                     time.sleep(3600)
-            else:
-                self._signal_launcher(fault, stop_seen, stop_wait_s)
+
+    def after_update(self, step: int, stop_seen: Callable[[], bool] | None = None,
+                     stop_wait_s: float = STOP_WAIT_S) -> None:
+        """sigterm, group_sigint and group_sigterm of step `step`: call once its update is applied (its save, if due,
+        done). A stop then lands between steps, where every rank saves step `step`: the drills that need the stop
+        inside a step use sigterm_in_slow_step."""
+        for fault in self._fire(step, *SIGNALS):
+            _announce(fault)
+            self._signal_launcher(fault, stop_seen, stop_wait_s)
+
+    def watch_forwards(self, model: torch.nn.Module, checkpoint_dir: str, current_step: Callable[[], int]) -> None:
+        """sigterm_in_slow_step, fired by a forward pre-hook on `model` in the SLOW_STEP_FORWARD-th forward of its step
+        (`current_step()`, the step the loop is in); nothing is hooked if none is planned."""
+        if not any(f.kind == "sigterm_in_slow_step" for f in self.planned):
+            return
+        forwards: dict[int, int] = {}
+
+        def in_forward(_module, _args) -> None:
+            step = current_step()
+            forwards[step] = forwards.get(step, 0) + 1
+            if forwards[step] != SLOW_STEP_FORWARD:
+                return
+            for fault in self._fire(step, "sigterm_in_slow_step"):
+                _announce(fault)
+                self._signal_launcher(Fault("sigterm", step, fault.rank), lambda: stop_request().requested,
+                                      STOP_WAIT_S)
+                _wait_for_commit(fault, checkpoint_dir, step - 1)
+
+        model.register_forward_pre_hook(in_forward)
 
     @staticmethod
     def _signal_launcher(fault: Fault, stop_seen: Callable[[], bool] | None, stop_wait_s: float) -> None:
@@ -347,3 +385,17 @@ def _second_group_sigint(fault: Fault) -> None:
             raise ZeroTrainError(f"{ENV}: {fault.describe()}: this rank's handler did not see the signal within "
                                  f"{STOP_WAIT_S:g} s")
         time.sleep(STOP_POLL_S)
+
+
+def _wait_for_commit(fault: Fault, root: str, step: int) -> None:
+    """Block the step in flight until `latest` under `root` names checkpoint `step` (the stop's save of the last
+    completed step, committed while this step is still inside its micro-batches), at most fault.factor seconds."""
+    deadline = time.monotonic() + fault.factor
+    while read_latest(root) != step_name(step):
+        if time.monotonic() > deadline:
+            raise ZeroTrainError(f"{ENV}: {fault.describe()}: step {fault.step} was still in its forward {fault.factor:g} "
+                                 f"s after the stop, and no {step_name(step)} was committed: the stop's save waited "
+                                 "for the step")
+        time.sleep(STOP_POLL_S)
+    print(f"zerotrain: {ENV}: {step_name(step)} committed while step {fault.step} was in its forward "
+          f"{SLOW_STEP_FORWARD}", file=sys.stderr, flush=True)

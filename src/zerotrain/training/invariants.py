@@ -1,4 +1,5 @@
-"""The invariants every run checks: no cross-rank drift (b) and ZeRO-1 memory (c); where (a) and (d) live.
+"""The invariants every run checks: no cross-rank drift (b) and the sharded optimizer state's memory (c); where (a)
+and (d) live.
 
 (a) Every rank's loss is finite: each rank's flag travels in the step's all-reduce (control.reduce_step)
 and the guard refuses the update before the optimizer runs (guard.AnomalyDetector, InvariantError on abort).
@@ -64,7 +65,7 @@ def check_no_drift(step: int, digests: torch.Tensor, mesh: Mesh) -> list[str]:
 @dataclass
 class MemoryReport:
     per_rank: list[int]  # optimizer-state bytes measured on each rank
-    expected: int  # the ZeRO-1 formula for one rank
+    expected: int  # the sharded optimizer state's formula for one rank (the same at every ZeRO stage)
     bytes_per_value: int
     shard_numel: int
 
@@ -92,7 +93,8 @@ def held_bytes(tensors: list[torch.Tensor], exclude: list[torch.Tensor]) -> int:
 
 
 def check_memory(engine, comm: Comm, step: int = 0) -> MemoryReport:
-    """(c) Optimizer state held per rank equals the ZeRO-1 formula (bytes per owned value x shard size).
+    """(c) Optimizer state held per rank equals its share's formula (bytes per owned value x shard size), at every
+    ZeRO stage: each shards the optimizer state as stage 1 does.
 
     Measured from the storages behind the optimizer's own state tensors, so it is checked again after
     updates (every --check-every steps and at the end): state AdamW allocates later is counted then.

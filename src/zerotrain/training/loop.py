@@ -19,16 +19,15 @@ from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import initial_model, weight_source
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.init import materialise
-from zerotrain.model.layers import kv_replicas
+from zerotrain.model.tensor_parallel import kv_replicas
 from zerotrain.model.lora import add_adapters
-from zerotrain.parallel import (Comm, ExpertParallelEngine, Mesh, ZeroEngine, build_expert_groups,
-                                expert_bytes, shard_experts)
+from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.parallel.params import param_dtype
 from zerotrain.runtime.failures import restart_cause, restart_count
 from zerotrain.runtime.launch import rank_device
 from zerotrain.runtime.run_folder import say
-from zerotrain.runtime.stop import stop_request
+from zerotrain.runtime.stop import StopWatch, stop_request
 
 from . import control, invariants
 from .faults import Faults
@@ -37,6 +36,7 @@ from .metrics import Metrics, summarize
 from .memory_plan import MemoryPlan, memory_plan, out_of_memory
 from .memory_plan import check as check_plan
 from .objectives import accumulate_gradients, objective_for  # noqa: F401  (sft's step: bench and equivalence run it)
+from .offload import offload_activations
 from .profiling import StepProfiler
 from .schedule import lr_at
 from .throughput import Peak, Throughput, current_rss, peak_flops, peak_memory
@@ -64,7 +64,8 @@ class TrainResult:
 
 
 def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
-    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the DP group.
+    """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the run's mesh:
+    sharded over its shard group (the DP ranks, or with --dp-replicate R those of this rank's replica group).
 
     The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
     from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
@@ -74,8 +75,8 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     `restored`: a checkpoint is restored over every trained value before step 1 (loop._restores), so none is read
     or drawn.
     """
-    mesh = Mesh.build(comm, cfg.parallel.tp, kv_replicas(cfg.model.kv_heads, cfg.parallel.tp))
-    mesh = build_expert_groups(mesh, cfg.parallel.ep)
+    p = cfg.parallel
+    mesh = Mesh.build(comm, p.tp, kv_replicas(cfg.model.kv_heads, p.tp), dp_replicate=p.dp_replicate, ep=p.ep)
     model, init = initial_model(cfg, mesh, restored)
     shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
@@ -86,12 +87,14 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
                      device=rank_device(cfg), dtype=base_dtype)
     model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
     model.recompute_head = cfg.parallel.activation_checkpointing == "full"
+    if cfg.parallel.offload_activations:  # what the forward saves waits for the backward in host memory
+        offload_activations(model)
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
-                    reduce_in_backward=cfg.reduce_in_backward, gather_in_forward=cfg.gather_in_forward,
+                    reduce_in_backward=cfg.reduce_in_backward, overlap_gathers=cfg.gather_in_forward,
                     stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
-    if mesh.ep_size > 1:  # this rank's block of experts, over its replica group; the rest over the DP group
+    if mesh.ep_size > 1:  # this rank's block of experts, over dp_shard_mod_ep; the rest over the shard group
         return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
-    return ZeroEngine(model, mesh.dp, cfg.optim, mesh=mesh, **settings)
+    return ZeroEngine(model, mesh.dp_shard, cfg.optim, mesh=mesh, **settings)
 
 
 def _resume_searches(cfg: Config) -> list[tuple[str, str, bool]]:
@@ -248,18 +251,23 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
     run = _start(cfg, comm, announce)
     run.start_memory = (rss_before, peak_memory(run.engine.device)["peak_host_bytes"])
     step, result = run.start, None
+    watch = StopWatch(run.stop, run.checkpointer.stop_requested)  # a stop's save starts at once, not after the step
     try:
         while step < cfg.loop.steps:
             done = step + 1
             run.mesh.set_step(done)
             t0 = time.perf_counter()
             run.profiler.at_step(done)
+            run.checkpointer.arm(step, run.engine, _loop_state(run))  # what a stop during this step saves
             run.faults.before_collectives(done, lambda: run.stop.requested)
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
             count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
             loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             reduced = _reduce(run, loss_sum)
+            if reduced.decision.stop:  # the step is not applied: its save is of `step`, and a resume redoes it
+                _stop(run, reduced.decision)
+                break
             units = run.objective.loss_units(batch)
             loss, grad_norm = reduced.loss_sum / units, reduced.grad_norm
             # invariant (a) and the spike guard, decided before anything is updated: a bad step is never applied
@@ -274,9 +282,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             step_s = time.perf_counter() - t0
             record = _record(done, loss, grad_norm, lr, batch, run.schedule, cfg, step_s)
             _log_step(cfg, run, {**record, **run.objective.figures(reduced.extras, batch)})
-            _save_or_stop(run, done, reduced.decision, step_s)
-            if reduced.decision.stop:
-                break
+            run.checkpointer.after_step(done, run.engine, _loop_state(run), reduced.decision, step_s)
+            run.faults.after_update(done, lambda: run.stop.requested)
             step = done
         run.checkpointer.finish()
         run.profiler.close()
@@ -284,6 +291,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise ZeroTrainError(out_of_memory(run.plan, cfg, step + 1, e)) from e
     finally:
+        watch.close()
         run.metrics.close(result.report.get("summary") if result else None)
     return result
 
@@ -300,6 +308,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     val_source = objective.validation_source() if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
+    faults.watch_forwards(engine.model, cfg.checkpoint.dir, lambda: mesh.world.step)
     detector = AnomalyDetector(cfg.guard.spike_factor, cfg.guard.spike_window, rule=objective.loss_rule())
     policy = RollbackPolicy(cfg.guard.max_rollbacks)
     # the manifests record --init-from's files, hashed by the ranks together: whatever the cadence, since a stop
@@ -323,7 +332,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     # the manifests record the folder this run resumed from, whatever --resume said (auto, a checkpoint root)
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
-                                           manifest_extra=origin)
+                                           manifest_extra=origin, on_stop_save=stop.begin_save)
     if engine.stage < 3:  # invariant (b) before the first step: every replica computes (or reads) the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
@@ -368,9 +377,11 @@ def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
     the failed one with its own error, the others naming it.
     """
     saving = run.checkpointer.flags()
-    stop_signal = run.stop.signal_name if run.stop.requested else None
-    if stop_signal is not None:  # this flag stops every rank at this all-reduce: a further signal waits for the save
-        run.stop.begin_save(run.engine.mesh.world.step)
+
+    def stop_signal() -> str | None:  # read after the reduce-scatter, as late as the all-reduce allows
+        run.checkpointer.disarm()  # a stop seen from here on is saved once all agree: else it would race the update
+        return run.stop.signal_name if run.stop.requested else None
+
     reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving, stop_signal=stop_signal,
                                   extras=run.objective.extras())
     failed = reduced.decision.failed_ranks
@@ -419,15 +430,12 @@ def _log_step(cfg: Config, run: _Run, record: dict) -> None:
     run.metrics.log(record)
 
 
-def _save_or_stop(run: _Run, done: int, decision: control.Decision, step_s: float) -> None:
-    """The checkpointer saves when its cadence, the clock or a stop says so; a stop also ends the run, recorded."""
-    if decision.stop:  # (another rank's flag): from here a signal waits for the save
-        run.stop.begin_save(done)
-    run.checkpointer.after_step(done, run.engine, _loop_state(run), decision, step_s)
-    if decision.stop:
-        committed = run.checkpointer.committed
-        run.stopped = {"signal": decision.stop_signal, "step": done, "checkpoint": committed[-1] if committed else None}
-        run.metrics.event({"event": "stop", "step": done, "signal": run.stopped["signal"]})
+def _stop(run: _Run, decision: control.Decision) -> None:
+    """Every rank agreed to stop: wait for the stop's save of the last completed step (begun at once where the signal
+    was seen, while the step went on), then end the run, recorded."""
+    step, path = run.checkpointer.stop()
+    run.stopped = {"signal": decision.stop_signal, "step": step, "checkpoint": path}
+    run.metrics.event({"event": "stop", "step": step, "signal": run.stopped["signal"]})
 
 
 def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:

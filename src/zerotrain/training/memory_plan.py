@@ -87,7 +87,7 @@ from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
 from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, explicit_scores
-from zerotrain.model.layers import kv_heads_per_rank
+from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, stage2_bucket_budget

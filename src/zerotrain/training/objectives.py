@@ -20,7 +20,7 @@ import torch
 from zerotrain.config import Config
 from zerotrain.data import IGNORE, BatchSchedule, MicroBatch, StepBatch, make_source, on_device
 from zerotrain.model import summed_token_loss
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import head_loss
 
 from .balancing import Balancing
 from .evaluate import validation_loss

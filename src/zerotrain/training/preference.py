@@ -53,7 +53,7 @@ from zerotrain.data.pairs import PairBatch, PreferenceSchedule, PreferenceSource
 from zerotrain.durable import write_atomic
 from zerotrain.errors import ConfigError
 from zerotrain.hub.base_digest import first_difference, shown, tagged_digests
-from zerotrain.model.layers import head_loss
+from zerotrain.model.loss import TokenLogpsLoss, head_loss
 from zerotrain.model.lora import adapters_off
 
 from . import reference_model
@@ -75,14 +75,12 @@ class PairMicro(NamedTuple):
     reference: torch.Tensor | None
 
 
+@TokenLogpsLoss
 def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[2, rows]: each row's summed log p(label) over its unmasked labels, in fp32, and how many there are, from each
     token's log p(label) (rows, T), which the head computes (vocab.token_logps: 0 where masked, never the full
     logits): head_loss(model, inputs, labels, sequence_logps, recompute)."""
     return torch.stack([token_logps.sum(dim=1), (labels != IGNORE).sum(dim=1).float()])
-
-
-sequence_logps.from_token_logps = True
 
 
 def pair_losses(o: ObjectiveConfig, policy: torch.Tensor, reference: torch.Tensor | None,

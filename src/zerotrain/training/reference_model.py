@@ -59,7 +59,7 @@ def frozen_copy(cfg: Config, engine) -> ReferenceCopy:
     model, init = initial_model(cfg, engine.mesh)
     model.requires_grad_(False)
     if cfg.parallel.zero == 3:  # the policy's layout over its DP group; the owned ranges alone read or drawn
-        sharded = shard_frozen_copy(model, engine.mesh.dp, bucket_numel=cfg.parallel.bucket_numel,
+        sharded = shard_frozen_copy(model, engine.dp, bucket_numel=cfg.parallel.bucket_numel,
                                     precision=cfg.parallel.precision, device=rank_device(cfg), init=init)
         return ReferenceCopy(model.eval(), sharded)
     materialise(model, init, rank_device(cfg), param_dtype(cfg.parallel.precision))

@@ -26,7 +26,7 @@ the head each TP rank computes again is the model's work once. MFU = model FLOP/
 
 The peak: `--peak-flops`; on CUDA the device's dense figure from CUDA_PEAKS at the precision its matmuls run in
 (bf16; tf32 when PyTorch's fp32 matmul precision allows it; else fp32); on CPU a matmul of the model's MLP shape
-timed once (0.05-0.3 s) and cached by CPU model, threads per rank, torch version, dtype and shape in
+timed once and cached by CPU model, threads per rank, torch version, dtype and shape in
 `$ZEROTRAIN_CACHE` or `~/.cache/zerotrain` (the user's cache, not the run folder: every run on this machine then
 measures against the same figure, so MFUs compare across runs).
 
@@ -90,7 +90,7 @@ class Peak:
 
 
 # A machine is busy when a timing may have lost the cores: what cpu_peak will not cache.
-SPREAD_LIMIT = 1.5  # the fastest timing over the slowest: a quiet machine's repeat within ~1.2x (measured)
+SPREAD_LIMIT = 1.5  # the fastest timing over the slowest, above a quiet machine's repeat (docs/benchmarks.md)
 
 
 def matmul_params(m: ModelConfig) -> int:
@@ -288,8 +288,8 @@ def others_running() -> int:
 def time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, budget_s: float = 0.25,
                 timings: int = 5) -> tuple[list[float], list[int]]:
     """The FLOP/s of each of `timings` batches of matmuls of `shape`, each batch long enough for the clock, or of what
-    `budget_s` allows (after one untimed warm-up): about 0.05 s for a tiny model, 0.3 s for GPT-2's MLP; and the
-    other processes' runnable threads seen after each batch (others_running)."""
+    `budget_s` allows (after one untimed warm-up); and the other processes' runnable threads seen after each batch
+    (others_running)."""
     M, K, N = shape
     a, b = torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
     out = torch.mm(a, b)

@@ -1,0 +1,272 @@
+"""Qwen3.5's text decoder, dense (qwen3_5) and mixture of experts (qwen3_5_moe), as transformers' Qwen3_5ForCausalLM
+and Qwen3_5MoeForCausalLM compute it: a hybrid of Gated DeltaNet linear-attention layers and gated attention layers,
+every --full-attention-interval-th layer (layers N-1, 2N-1, ...) attention, the others linear (config.layer_types).
+
+    linear_attn   Gated DeltaNet: x -> in_proj_qkv -> a causal depthwise convolution (conv1d) and SiLU -> q, k, v
+                  split by heads (each key head serving a group of value heads); beta = sigmoid(in_proj_b x), the
+                  decay g = -exp(A_log) softplus(in_proj_a x + dt_bias); the gated delta rule (delta_rule.py); each
+                  value head's output RMS-normalised (a plain gain, `norm`) times SiLU(in_proj_z x), the output gate;
+                  out_proj
+    self_attn     Qwen3's attention with an output gate: q_proj gives each head's query and gate side by side (2 x
+                  head_dim per head), q and k RMS-normalised per head ((1 + w) gains), rotary on the first
+                  --partial-rotary share of each head only, the attention's output times sigmoid(gate), o_proj
+    mlp           SwiGLU, or (qwen3_5_moe) model/moe.py's router (top-k always renormalised) and experts beside a
+                  shared expert behind a sigmoid gate, on every layer
+    norms         (1 + w) RMSNorms in fp32 (Gemma's, model/gemma.py) before each mixer and MLP and at the end
+
+Packed records (`segments`): the attention layers take the records' mask, the linear layers restart their
+convolution and state at each record's first token (delta_rule.py). Through a KV cache (generation) the attention
+layers append to it; the linear layers keep their convolution's last inputs and their state beside it.
+
+Parameter names are transformers' (model.layers.{i}.linear_attn.in_proj_qkv.weight, ...self_attn.q_norm.weight,
+...mlp.experts.{e}.gate_proj.weight as its files store them): hub/mapping.py's table is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerotrain.config import ModelConfig
+
+from .attention import attend
+from .delta_rule import causal_conv, chunk_gated_delta_rule
+from .gemma import GemmaRMSNorm
+from .kv_cache import KVCache
+from .llama import LlamaMLP, layer_mask
+from .moe import MoE
+from .positions import new_positions
+from .recompute import run_block
+from .rotary import apply_rotary, rotary_tables
+from .tensor_parallel import TPSlice
+from .vocab import LMHead, tied_head_hook, token_embedding
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight x / sqrt(mean(x^2) + eps) times SiLU(gate), as transformers' Qwen3_5RMSNormGated: normalised in fp32,
+    the gain applied in x's dtype, the gate in fp32."""
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) of each token and value head: the state's decay in log space, -exp(A_log) softplus(a + dt_bias)
+    in fp32 (exp(A_log) overflows fp16), and the write strength sigmoid(b)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def output_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention layer's output gate: y times sigmoid(gate), per unit."""
+    return y * torch.sigmoid(gate)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer (the module docstring's linear_attn)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.key_width, self.value_width = cfg.linear_key_width, cfg.linear_value_width
+        self.key_dim = cfg.linear_key_heads * cfg.linear_key_width
+        self.value_dim = cfg.linear_value_heads * cfg.linear_value_width
+        self.eps = cfg.norm_eps
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel, groups=conv_dim, bias=False,
+                                padding=cfg.linear_conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.linear_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.linear_value_heads))
+        self.norm = GatedNormGain(cfg.linear_value_width)
+        self.out_proj = nn.Linear(self.value_dim, cfg.n_embd, bias=False)
+        self.in_proj_qkv = nn.Linear(cfg.n_embd, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.n_embd, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.n_embd, cfg.linear_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.n_embd, cfg.linear_value_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, starts: torch.Tensor | None
+                ) -> torch.Tensor:
+        B, T, _ = x.shape
+        mixed = self.in_proj_qkv(x).transpose(1, 2)
+        z = self.in_proj_z(x).reshape(B, T, -1, self.value_width)
+        past_inputs, past_state = recurrent_state(cache, layer)
+        kernel = self.conv1d.weight.shape[-1]
+        conv = causal_conv(mixed.to(self.conv1d.weight.dtype), self.conv1d.weight, starts, past_inputs)
+        if cache is not None:  # the convolution's last inputs, for the next tokens
+            before = torch.zeros_like(mixed[..., :kernel - 1]) if past_inputs is None else past_inputs
+            past_inputs = torch.cat([before, mixed], dim=-1)[..., -(kernel - 1):]
+        mixed = F.silu(conv).to(x.dtype).transpose(1, 2)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(B, T, -1, self.key_width), k.reshape(B, T, -1, self.key_width)
+        v = v.reshape(B, T, -1, self.value_width)
+        g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        y, state = chunk_gated_delta_rule(q, k, v, g, beta, starts, past_state)
+        if cache is not None:
+            keep_recurrent_state(cache, layer, past_inputs, state)
+        y = gated_rms_norm(y, z, self.norm.weight, self.eps)
+        return self.out_proj(y.reshape(B, T, -1))
+
+
+class GatedNormGain(nn.Module):
+    """The gain of the linear layer's gated RMSNorm (a plain gain, starting at 1): its own module, so that its name
+    is transformers' linear_attn.norm.weight."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+def recurrent_state(cache: KVCache | None, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A linear layer's (convolution inputs, state) kept beside the KV cache; (None, None) without a cache or when
+    the cache is empty (a new sequence, or one refilled: generate.py resets it)."""
+    if cache is None or cache.length == 0:
+        return None, None
+    return getattr(cache, "linear_states", {}).get(layer, (None, None))
+
+
+def keep_recurrent_state(cache: KVCache, layer: int, inputs: torch.Tensor, state: torch.Tensor) -> None:
+    if not hasattr(cache, "linear_states"):
+        cache.linear_states = {}
+    cache.linear_states[layer] = (inputs, state)
+
+
+class GatedAttention(nn.Module):
+    """Qwen3.5's attention layer (the module docstring's self_attn)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        C, D = cfg.n_embd, cfg.head_dim
+        self.head_dim = D
+        self.q_proj = nn.Linear(C, cfg.n_head * D * 2, bias=False)
+        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+        self.q_norm = GemmaRMSNorm(D, cfg.norm_eps)
+        self.k_norm = GemmaRMSNorm(D, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
+                layer: int, documents=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = partial_rotary(q, *rotary), partial_rotary(k, *rotary)
+        y = attend(q, k, v, cache, layer, documents)
+        return self.o_proj(output_gate(y.transpose(1, 2).reshape(B, T, -1), gate.reshape(B, T, -1)))
+
+
+def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first cos.shape[-1] units of each head of x (B, H, T, D), the rest passed through."""
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]], dim=-1)
+
+
+class Qwen35Block(nn.Module):
+    """(1 + w) pre-norm token mixer (linear or attention, by the layer) and MLP or mixture of experts."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.linear = cfg.linear_attention(layer)
+        self.input_layernorm = GemmaRMSNorm(cfg.n_embd, cfg.norm_eps)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
+
+    def forward(self, x, rotary, cache: KVCache | None, layer: int, documents=None, starts=None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear:
+            x = x + self.linear_attn(h, cache, layer, starts)
+        else:
+            x = x + self.self_attn(h, rotary, cache, layer, documents)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def record_starts(segments: torch.Tensor) -> torch.Tensor:
+    """Each record's first token in `segments` (B, T): where the id changes along the row, and at time 0."""
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return starts
+
+
+class Qwen35(nn.Module):
+    """Token embedding, Qwen3.5's hybrid blocks, final (1 + w) RMSNorm, LM head (tied or its own)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
+            layers=nn.ModuleList(Qwen35Block(cfg, layer) for layer in range(cfg.n_layer)),
+            norm=GemmaRMSNorm(cfg.n_embd, cfg.norm_eps),
+        ))
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
+        self.tie_weights()
+        if cfg.tie_embeddings:
+            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab), as Llama's forward: with a cache, segments, a head or targets."""
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.model.embed_tokens(idx)
+        positions = new_positions(idx, cache, cfg.positions, segments)
+        rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta)
+        mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
+        starts = None if segments is None else record_starts(segments)
+        for layer, block in enumerate(self.model.layers):
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, starts)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        return self.model.norm(x)
+
+
+def init_rule(cfg: ModelConfig, name: str):
+    """How parameter `name` starts (model/init.py draws it), as transformers' _init_weights: N(0, 0.02) matrices,
+    embeddings and convolution, the (1 + w) norms' weights at 0, the gated norm's gain at 1, dt_bias at 1. A_log
+    starts at 0 (A = 1, every head's decay softplus(a + 1)): transformers draws A from U(0.01, 16), which
+    zerotrain's draws (normal, uniform around 0) do not give."""
+    if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+        return "ones"
+    if name.endswith("norm.weight") or name.endswith("A_log"):
+        return "zeros"
+    if name.endswith(".bias"):
+        return ("uniform", 1 / math.sqrt(cfg.n_embd))
+    return ("normal", 0.02)
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """No TP slices: the Gated DeltaNet layers have no tensor parallelism yet (config refuses --tp above 1)."""
+    if tp > 1:
+        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
+    return {}
+
+
+def parallelize(model: Qwen35, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    model.tp_slices = plan(model.cfg, tp_size)
+    return model.tp_slices

@@ -1,0 +1,77 @@
+"""Jobs of the hybrid sharding tests (--dp-replicate), run by spawned ranks; planted bugs patch the engine itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import torch
+from dist_jobs import error_of_training, summary
+
+from zerotrain import checkpoint, load_model
+from zerotrain.config import Config
+from zerotrain.parallel import Comm, ZeroEngine
+from zerotrain.training import invariants, memory_plan
+from zerotrain.training.invariants import InvariantError
+from zerotrain.training.loop import train
+
+
+@contextlib.contextmanager
+def plan_not_strict():
+    """The memory plan's rows do not count replica groups yet: its differences are reported here, not raised."""
+    saved = os.environ.get(memory_plan.STRICT_ENV)
+    os.environ[memory_plan.STRICT_ENV] = "0"
+    try:
+        yield
+    finally:
+        os.environ[memory_plan.STRICT_ENV] = saved if saved is not None else ""
+
+
+def replicated_job(cfg: Config, comm: Comm) -> dict:
+    """Train (plan_not_strict); the log,
+    the final parameters and what the engine holds on each rank: its parameters (the shard at stage 3), optimizer
+    state and gradient shard in bytes; the bytes this rank sent by purpose."""
+    with plan_not_strict():
+        result = train(cfg, comm)
+    out = summary(result)
+    engine = result.engine
+    # the final model, as the run's last checkpoint holds it (an expert-parallel engine gathers no full model)
+    final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
+    out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
+    # per rank: its parameters (the shard at stage 3) and its gradient shard; its optimizer state is out["memory"]'s
+    parts = [engine.dense, engine.experts] if hasattr(engine, "experts") else [engine]
+    held = [sum(e.param_bytes() for e in parts), sum(e.grad_shard.numel() * e.grad_shard.element_size() for e in parts)]
+    out["held"] = comm.all_gather_rows(torch.tensor(held, dtype=torch.int64), "all_gather_test").tolist()
+    out["shard_numel"] = sum(e.layout.shard_numel for e in parts)
+    out["sent"] = dict(result.comm_bytes)
+    return out
+
+
+def unreplicated_job(cfg: Config, comm: Comm) -> str:
+    """Planted bug: the shard is not all-reduced across the replica groups (each group steps on its own half of the
+    batch); the error invariant (b) raises."""
+    with mock.patch.object(ZeroEngine, "all_reduce_replicas", lambda self: None), plan_not_strict():
+        return error_of_training(cfg, comm, InvariantError)
+
+
+def unreplicated_unchecked_job(cfg: Config, comm: Comm) -> dict:
+    """The same planted bug with invariant (b) not checked: what the run trains."""
+    with mock.patch.object(ZeroEngine, "all_reduce_replicas", lambda self: None), \
+            mock.patch.object(invariants, "check_no_drift", lambda *args: []):
+        return replicated_job(cfg, comm)
+
+
+def counted_on_every_replica_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: every replica group adds its copy of the shard's squares to the gradient norm (counted R times)."""
+    real = ZeroEngine._counted_grad_sumsq
+
+    def every_copy(self):
+        replicate, self.replicate = self.replicate, None
+        try:
+            return real(self)
+        finally:
+            self.replicate = replicate
+
+    with mock.patch.object(ZeroEngine, "_counted_grad_sumsq", every_copy):
+        return replicated_job(cfg, comm)
