@@ -754,7 +754,7 @@ class ObjectiveConfig:
     reward: str = setting("", "GRPO: a reward function: exact_answer (the record's \"answer\"), format (a regex, "
                           "--reward-format) or FILE.py:FUNC (TRL's signature); give it several times for several",
                           many=True, methods=("grpo",))
-    reward_weights: str = setting("", "GRPO: each --reward's weight in the reward, comma-separated (default: all 1)",
+    reward_weights: str = setting("", "GRPO: each --reward's weight in the reward, comma-separated", shown="all 1",
                                   methods=("grpo",))
     reward_format: str = setting("", "GRPO: the regex --reward format matches the whole completion against",
                                  methods=("grpo",))
