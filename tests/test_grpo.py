@@ -265,3 +265,40 @@ def test_a_run_stopped_at_step_7_and_resumed_equals_the_uninterrupted_one_bitwis
                       "--temperature", "0.999999")
     assert r.returncode == 0, r.stderr
     assert checkpoint_files(nudged / step10) != checkpoint_files(whole / step10)
+
+
+@pytest.mark.parametrize("change,says", [
+    (["--num-generations", "3"], "--micro-batch 4 x --accum 2 = 8 completions a rank is not a multiple of "
+                                 "--num-generations 3"),
+    (["--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--reward-weights", "1,2"], "--reward-weights 1,2 gives 2 weights for 1 --reward functions"),
+    (["--reward-weights", "one"], "--reward-weights one: 'one' is not a number"),
+    (["--grpo-loss", "ppo"], "--grpo-loss must be grpo, dr_grpo, dapo or bnpo"),
+    (["--max-completion-length", "60"], "a prompt of 10 tokens leaves no room for --max-completion-length 60 in "
+                                        "--seq-len 64"),
+    (["--tp", "2", "--nproc", "2"], "--method grpo does not work with --tp 2 yet"),
+    (["--reward", "format"], "--reward format needs --reward-format REGEX"),
+    (["--reward", "nowhere.py:f"], "--reward nowhere.py:f: no file nowhere.py"),
+])
+def test_a_grpo_run_it_cannot_make_is_refused_in_one_line(data, tmp_path, capfd, change, says):
+    from conftest import zerotrain_here
+
+    r = zerotrain_here(capfd, *argv(data, tmp_path / "run"), *change)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], r.stderr
+
+
+def test_grpo_flags_apply_to_grpo_alone_and_it_needs_a_reward_and_a_model(data, tmp_path, capfd):
+    from conftest import zerotrain_here
+
+    r = zerotrain_here(capfd, "train", "--data", "synthetic", "--steps", "1", "--num-generations", "4", "--out",
+                       str(tmp_path / "sft"))
+    assert r.returncode == 2 and "--num-generations applies to --method grpo; this run is --method sft" in r.stderr
+    args = argv(data, tmp_path / "run")
+    at = args.index("--reward")
+    r = zerotrain_here(capfd, *args[:at], *args[at + 2:])
+    assert r.returncode == 2 and "--method grpo needs a reward" in r.stderr
+    at = args.index("--init-from")
+    r = zerotrain_here(capfd, *args[:at], *args[at + 2:])
+    assert r.returncode == 2 and "--method grpo trains a model that can already answer" in r.stderr
