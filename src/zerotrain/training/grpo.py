@@ -224,7 +224,7 @@ class GroupRelative:
         if o.grpo_iterations > 1 and groups and groups[0].get("old") is None:  # the generating policy's, once
             with torch.no_grad():
                 for chunk in micro_batches:
-                    micro = self.group_micro(engine, chunk)
+                    micro = self.group_micro(engine, chunk, reference=False)
                     logps = head_loss(engine.model, micro.micro.inputs, micro.micro.labels,
                                       completion_logps(o.temperature), False)[0]
                     old = logps.gather(1, micro.positions).detach()
@@ -240,9 +240,8 @@ class GroupRelative:
         def loss(group: GroupMicro, out) -> MicroLoss:
             token_logps, entropy = out
             logps, entropies = token_logps.gather(1, group.positions), entropy.gather(1, group.positions)
-            inner = gl.loss_normaliser(o.grpo_loss, rows=1, tokens=group.mask.sum().float(),
-                                       max_completion_length=1, micro_batch_tokens=group.mask.sum().float(),
-                                       micro_batches=1) if o.grpo_loss == "bnpo" else 1.0
+            # bnpo: the micro-batch's own tokens divide its sum here, the step's micro-batches in the executor
+            inner = group.mask.sum().float().clamp(min=1.0) if o.grpo_loss == "bnpo" else 1.0
             summed, stats = gl.grpo_loss(logps, group.advantages, group.mask, inner, loss_type=o.grpo_loss,
                                          old_logps=group.old, ref_logps=group.ref, beta=o.grpo_beta,
                                          epsilon_low=o.grpo_epsilon, epsilon_high=self.epsilon_high,
@@ -256,7 +255,7 @@ class GroupRelative:
         def micros():
             row = engine.mesh.dp_rank * len(groups)
             for chunk in micro_batches:
-                yield Micro(range(row, row + len(chunk)), self.group_micro(engine, chunk, forward))
+                yield Micro(range(row, row + len(chunk)), self.group_micro(engine, chunk))
                 row += len(chunk)
 
         totals = run_micro_batches(engine, micros(), len(micro_batches), scored, loss, batch.normaliser, model=forward,
@@ -264,9 +263,10 @@ class GroupRelative:
         self.stats = totals.metrics
         return totals.loss_sum
 
-    def group_micro(self, engine, chunk: list[dict], forward=None) -> GroupMicro:
-        """A micro-batch of rollouts on the device, with the reference's log-probs when --grpo-beta > 0 (scored
-        before the policy's forward: at ZeRO-3 the copy's units and the policy's are never whole together)."""
+    def group_micro(self, engine, chunk: list[dict], reference: bool = True) -> GroupMicro:
+        """A micro-batch of rollouts on the device, with the reference's log-probs when --grpo-beta > 0 and
+        `reference` (scored before the policy's forward: at ZeRO-3 the copy's units and the policy's are never whole
+        together)."""
         o, device = self.o, engine.device
         micro, positions = rows_of([r["prompt_ids"] for r in chunk], [r["completion_ids"] for r in chunk],
                                    self.cfg.model.seq_len, o.max_completion_length, device)
@@ -274,7 +274,7 @@ class GroupRelative:
         advantages = torch.tensor([r["advantage"] for r in chunk], dtype=torch.float32, device=device)
         old = torch.stack([r["old"] for r in chunk]) if chunk[0].get("old") is not None else None
         group = GroupMicro(micro, positions, mask, advantages, old)
-        if self.reference_model is not None and forward is not None:
+        if self.reference_model is not None and reference:
             with torch.no_grad():
                 ref = head_loss(self.reference_model.model, micro.inputs, micro.labels,
                                 completion_logps(o.temperature), False)[0]
