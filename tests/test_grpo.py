@@ -302,3 +302,20 @@ def test_grpo_flags_apply_to_grpo_alone_and_it_needs_a_reward_and_a_model(data, 
     at = args.index("--init-from")
     r = zerotrain_here(capfd, *args[:at], *args[at + 2:])
     assert r.returncode == 2 and "--method grpo trains a model that can already answer" in r.stderr
+
+
+def test_grpo_iterations_train_each_generation_mu_steps_and_a_resume_inside_one_is_refused(data, tmp_path, capfd):
+    from conftest import zerotrain_here
+
+    out = tmp_path / "run"
+    r = zerotrain_here(capfd, *argv(data, out, steps=4, more=["--grpo-iterations", "2", "--ckpt-every", "1"]))
+    assert r.returncode == 0, r.stderr
+    assert sorted({rec["step"] for rec in read_rollouts(os.path.join(out, "rollouts.jsonl"))}) == [1, 3]
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = {rec["step"]: rec for rec in records if "loss" in rec}
+    assert steps[1]["reward"] == steps[2]["reward"] and steps[3]["reward"] == steps[4]["reward"]
+    assert steps[1]["clip_ratio"] == 0.0  # the generating policy itself: every ratio is 1
+    step3 = os.path.join(out, "checkpoints", "step_00000003")
+    r = zerotrain_here(capfd, *argv(data, tmp_path / "resumed", steps=4, more=["--grpo-iterations", "2", "--resume",
+                                                                               step3]))
+    assert r.returncode == 2 and "step 3 is inside a generation of --grpo-iterations 2" in r.stderr, r.stderr
