@@ -319,3 +319,15 @@ def test_grpo_iterations_train_each_generation_mu_steps_and_a_resume_inside_one_
     r = zerotrain_here(capfd, *argv(data, tmp_path / "resumed", steps=4, more=["--grpo-iterations", "2", "--resume",
                                                                                step3]))
     assert r.returncode == 2 and "step 3 is inside a generation of --grpo-iterations 2" in r.stderr, r.stderr
+
+
+def test_the_guard_never_judges_grpos_loss_by_its_ratio_but_still_refuses_a_nan(data, toy, tmp_path):
+    """The toy run's loss changes sign and sits near 0 (a ratio to its median is meaningless): 12 steps, none
+    refused; a NaN planted in step 4's loss on rank 1 is refused before it is applied."""
+    r = run_zerotrain("train", *toy_args(data, toy, tmp_path / "run", 12, "--on-anomaly", "abort"))
+    assert r.returncode == 0, r.stderr
+    losses = [rec["loss"] for rec in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in rec]
+    assert len(losses) == 12 and min(losses) < 0 < max(losses)
+    r = run_zerotrain("train", *toy_args(data, toy, tmp_path / "nan", 6, "--on-anomaly", "abort"),
+                      faults="nan@step=4,rank=1")
+    assert r.returncode != 0 and "non-finite loss on rank(s) [1] at step 4" in r.stdout + r.stderr, r.stderr
