@@ -78,7 +78,7 @@ def option_scope(flag: str, attribute: Callable[[Any], str], *values: str) -> Sc
                  lambda cfg, model: f"this run's is {flag} {attribute(cfg)}")
 
 
-METHODS = ("sft", "dpo")
+METHODS = ("sft", "dpo", "grpo")
 
 
 def setting(default, help: str, *, rule: Rule | None = None, key: str | None = None, shown: str | None = None,
@@ -696,11 +696,16 @@ def _dpo_loss(*losses: str) -> Scope:
     return option_scope("--dpo-loss", lambda cfg: cfg.objective.dpo_loss, *losses)
 
 
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # training/grpo_loss.py's LOSS_TYPES
+SCALE_REWARDS = ("group", "batch", "none")
+
+
 @dataclass
 class ObjectiveConfig:
     # What a batch is and its loss: training/objectives.py (sft), training/preference.py (dpo).
-    method: str = setting("sft", "what the run trains on: sft (next-token loss on the data's tokens) or dpo "
-                          "(preference pairs {\"prompt\", \"chosen\", \"rejected\"}, with --init-from: docs/dpo.md)",
+    method: str = setting("sft", "what the run trains on: sft (next-token loss on the data's tokens), dpo "
+                          "(preference pairs {\"prompt\", \"chosen\", \"rejected\"}, with --init-from: docs/dpo.md) "
+                          "or grpo (online RL on prompts {\"prompt\", ...} scored by --reward: docs/grpo.md)",
                           rule=one_of(*METHODS))
     dpo_loss: str = setting("sigmoid", "the preference loss of --method dpo: sigmoid (DPO), ipo, hinge, or simpo and "
                             "orpo (no reference model)", rule=one_of(*DPO_LOSSES), methods=("dpo",))
@@ -718,6 +723,41 @@ class ObjectiveConfig:
                                  methods=("dpo",), applies=_dpo_loss(*WITH_REFERENCE))
     simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", rule=NON_NEGATIVE,
                                  methods=("dpo",), applies=_dpo_loss("simpo"))
+    # grpo: TRL 1.16 GRPOConfig's names and defaults (training/grpo.py, docs/grpo.md)
+    num_generations: int = setting(8, "GRPO: completions sampled per prompt (a group: their rewards' mean and std "
+                                   "give each its advantage); --micro-batch counts completions",
+                                   rule=Rule("must be at least 2", lambda v: v >= 2), methods=("grpo",))
+    max_completion_length: int = setting(256, "GRPO: the most tokens a completion has (cut there, or at the first "
+                                         "end-of-text or end-of-turn token)", rule=POSITIVE, methods=("grpo",))
+    temperature: float = setting(1.0, "GRPO: the sampling temperature", rule=POSITIVE, methods=("grpo",))
+    top_p: float = setting(1.0, "GRPO: nucleus sampling's mass (1: the whole vocabulary)",
+                           rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1), methods=("grpo",))
+    grpo_loss: str = setting("dapo", "GRPO's loss type (TRL's loss_type): grpo (each completion's token mean, then "
+                             "the mean over completions), dr_grpo (the token sum / completions x "
+                             "--max-completion-length), dapo (the global batch's token mean), bnpo (each "
+                             "micro-batch's token mean)", rule=one_of(*GRPO_LOSSES), methods=("grpo",))
+    grpo_beta: float = setting(0.0, "GRPO: the weight of the KL term against the reference, the initial model (0: "
+                               "no reference model)", rule=NON_NEGATIVE, methods=("grpo",))
+    grpo_epsilon: float = setting(0.2, "GRPO: the clip range of the policy ratio, below 1 (and above, unless "
+                                  "--grpo-epsilon-high)", rule=POSITIVE, methods=("grpo",))
+    grpo_epsilon_high: float = setting(-1.0, "GRPO: the clip range above 1 (DAPO's clip-higher; -1: --grpo-epsilon)",
+                                       rule=Rule("must be positive, or -1 for --grpo-epsilon",
+                                                 lambda v: v > 0 or v == -1), shown="--grpo-epsilon",
+                                       methods=("grpo",))
+    grpo_iterations: int = setting(1, "GRPO: optimizer steps on each step's rollouts (TRL's num_iterations, mu): "
+                                   "above 1 the ratio is to the generating policy's log-probs", rule=POSITIVE,
+                                   methods=("grpo",))
+    scale_rewards: str = setting("group", "GRPO: the advantages' scale: the group's reward std, the batch's, or none "
+                                 "(the centred reward)", rule=one_of(*SCALE_REWARDS), methods=("grpo",))
+    mask_truncated_completions: bool = setting(False, "GRPO: a completion cut at --max-completion-length (no end "
+                                               "token) is left out of the loss", methods=("grpo",))
+    reward: str = setting("", "GRPO: a reward function: exact_answer (the record's \"answer\"), format (a regex, "
+                          "--reward-format) or FILE.py:FUNC (TRL's signature); give it several times for several",
+                          many=True, methods=("grpo",))
+    reward_weights: str = setting("", "GRPO: each --reward's weight in the reward, comma-separated", shown="all 1",
+                                  methods=("grpo",))
+    reward_format: str = setting("", "GRPO: the regex --reward format matches the whole completion against",
+                                 methods=("grpo",))
     # sft only: the balancing loss joins the training loss in objectives.py; preference.py adds none (yet)
     moe_aux_coef: float = setting(-1.0, "weight of a mixture of experts' load-balancing loss in the training loss "
                                   "(-1: the model's --router-aux-coef; 0: none)",
@@ -943,6 +983,49 @@ def _check_dpo(cfg: Config) -> None:
                           "--val-fraction above 0 (a share of --data's records) or --val-data (a file of pairs)")
 
 
+def reward_weight_values(text: str) -> list[float] | None:
+    """--reward-weights as numbers (None: not given); ConfigError naming a value that is not one."""
+    if not text.strip():
+        return None
+    values = []
+    for part in text.replace(",", " ").split():
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise ConfigError(f"--reward-weights {text}: {part!r} is not a number") from None
+        if not math.isfinite(values[-1]):
+            raise ConfigError(f"--reward-weights {text}: {part!r} is not a finite number")
+    return values
+
+
+def _check_grpo(cfg: Config) -> None:
+    """What --method grpo needs: one file of prompts, reward functions (and their weights, one each), each rank's
+    completions whole groups of --num-generations; what it does not do yet refused."""
+    o, loop, G = cfg.objective, cfg.loop, cfg.objective.num_generations
+    if is_mixture(cfg.data.source) or loop.epochs:
+        raise ConfigError("--method grpo reads one file of prompts in --data and trains --steps: no mixture, no --epochs")
+    per_rank = loop.micro_batch * loop.accum
+    if per_rank % G:
+        raise ConfigError(f"--micro-batch {loop.micro_batch} x --accum {loop.accum} = {per_rank} completions a rank is "
+                          f"not a multiple of --num-generations {G}: a prompt's {G} completions are sampled and scored "
+                          "on one rank (the global batch counts completions)")
+    rewards = [r for r in o.reward.split("\n") if r]
+    if not rewards:
+        raise ConfigError("--method grpo needs a reward: --reward exact_answer, --reward format or --reward FILE.py:FUNC")
+    weights = reward_weight_values(o.reward_weights)
+    if weights is not None and len(weights) != len(rewards):
+        raise ConfigError(f"--reward-weights {o.reward_weights} gives {len(weights)} weights for {len(rewards)} "
+                          "--reward functions: one each")
+    if "format" in rewards and not o.reward_format:
+        raise ConfigError("--reward format needs --reward-format REGEX (the pattern a whole completion matches)")
+    refused = [(cfg.parallel.tp > 1, f"--tp {cfg.parallel.tp}"), (cfg.parallel.ep > 1, f"--ep {cfg.parallel.ep}"),
+               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"), (loop.compile, "--compile"),
+               (loop.eval_every > 0, f"--eval-every {loop.eval_every}")]
+    for bad, flag in refused:
+        if bad:
+            raise ConfigError(f"--method grpo does not work with {flag} yet: leave {flag} out")
+
+
 def _check_experts(cfg: Config) -> None:
     """A mixture of experts' settings, on its archs only, each value in range."""
     m = cfg.model
@@ -1123,6 +1206,8 @@ def validate(cfg: Config) -> Config:
                                   "the routed experts' projections")
     if cfg.objective.method == "dpo":
         _check_dpo(cfg)
+    if cfg.objective.method == "grpo":
+        _check_grpo(cfg)
     if cfg.optim.warmup_steps < -1:
         raise ConfigError(f"--warmup-steps must be >= 0 (or -1: steps / 10), got {cfg.optim.warmup_steps}")
     return cfg

@@ -12,6 +12,7 @@ from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, chec
                                fine_tuning_defaults, is_mixture, load_toml, merge, resolve, setting_for, validate)
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.data.pairs import read_splits
+from zerotrain.data.prompts import read_prompts
 from zerotrain.errors import ConfigError
 from zerotrain.hub.init_from import adopt, has_weight_files, weight_source
 
@@ -163,6 +164,13 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
             d = cfg.data
             read_splits(d.source, d.val_data, d.val_fraction, bool(cfg.loop.eval_every), cfg.checkpoint.init_from,
                         cfg.model.seq_len)
+    elif cfg.objective.method == "grpo":  # a file of prompts, encoded by the --init-from model's tokenizer
+        if not cfg.checkpoint.init_from and environment:
+            raise ConfigError("--method grpo trains a model that can already answer: give it with --init-from (its "
+                              "tokenizer encodes the prompts and decodes the completions)")
+        if cfg.checkpoint.init_from and not model_only:
+            read_prompts(cfg.data.source, cfg.checkpoint.init_from, cfg.model.seq_len,
+                         cfg.objective.max_completion_length)
     elif not model_only:
         check_source(cfg, vocab_given=vocab_given or "vocab_size" in given)
     if cfg.loop.epochs:  # the steps follow from the records; derived values (warmup) from the steps

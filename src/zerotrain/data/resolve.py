@@ -420,8 +420,9 @@ def checkpoint_tokenizer(cfg: Config) -> tuple[dict | None, dict[str, str]]:
     if is_mixture(cfg.data.source):  # the sources share one tokenizer (check_source): the first real one's
         names = [name for name, _ in data_sources(cfg.data.source) if name not in SYNTHETIC]
         cfg = source_config(cfg, names[0] if names else "synthetic")
-    # preference pairs are encoded by the --init-from model's tokenizer as they are read (data/pairs.py)
-    spec = None if cfg.data.source in SYNTHETIC or cfg.objective.method == "dpo" else resolve_data(cfg)
+    # preference pairs and prompts are encoded by the --init-from model's tokenizer as they are read (data/pairs.py,
+    # data/prompts.py)
+    spec = None if cfg.data.source in SYNTHETIC or cfg.objective.method in ("dpo", "grpo") else resolve_data(cfg)
     record = dict(spec.tokenizer) if spec and spec.tokenizer else None
     copied = {TOKENIZER_FILE: spec.tokenizer_file} if spec and spec.tokenizer_file else {}
     model = cfg.checkpoint.init_from

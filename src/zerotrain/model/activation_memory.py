@@ -355,8 +355,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     (each token's log-prob of its target, vocab.token_logps: the head keeps its input, the log-sum-exp and the targets,
     and its working set is the backward's).
     """
-    if objective not in ("sft", "dpo"):
-        raise ValueError(f"objective must be sft or dpo, got {objective!r}")
+    if objective not in ("sft", "dpo", "grpo"):
+        raise ValueError(f"objective must be sft, dpo or grpo, got {objective!r}")
+    if objective == "grpo":  # its loss takes the logits (tempered log-probs): counted as the token loss's head
+        objective = "sft"
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     if tp < 1:

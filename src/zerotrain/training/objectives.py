@@ -127,4 +127,8 @@ def objective_for(cfg: Config):
         from .preference import Preference
 
         return Preference(cfg)
+    if cfg.objective.method == "grpo":
+        from .grpo import GroupRelative
+
+        return GroupRelative(cfg)
     return TokenObjective(cfg)
