@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch, make_source
+from zerotrain.parallel.context import context_parallel
 
 from .balancing import Balancing
 from .evaluate import validation_loss
@@ -27,8 +28,9 @@ class TokenObjective:
 
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
+        cp = context_parallel(mesh)  # --cp: the replica's rows, this rank's part of each
         return BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
-                             rank=mesh.dp_rank, world_size=mesh.dp_size)
+                             rank=mesh.dp_rank, world_size=mesh.dp_size, part=cp.part if cp else None)
 
     def refuse(self, manifest: dict, path: str, base: dict | None) -> str | None:
         theirs = Config.from_dict(manifest["config"]).objective.method
