@@ -7,7 +7,6 @@ from unittest import mock
 
 import torch
 from dist_jobs import summary
-from hsdp_jobs import plan_not_strict
 
 from zerotrain import checkpoint, load_model
 from zerotrain.config import Config
@@ -17,10 +16,11 @@ from zerotrain.training.loop import train
 
 
 def trained_job(cfg: Config, comm: Comm) -> dict:
-    """Train; the log, the final parameters (the last checkpoint's) and the checkpoint's manifest mesh."""
-    with plan_not_strict():
-        result = train(cfg, comm)
+    """Train; the log, the final parameters (the last checkpoint's), the memory plan's rows and the activations the
+    first micro-batch saved."""
+    result = train(cfg, comm)
     out = summary(result)
+    out["plan"] = result.plan
     final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
     out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
     out["sent"] = dict(result.comm_bytes)

@@ -17,7 +17,9 @@ from test_packing import make_records, write_records
 from zerotrain import checkpoint
 from zerotrain.config import apply_preset, resolve, validate
 from zerotrain.errors import ConfigError
+from zerotrain.parallel import parts
 from zerotrain.runtime.launch import run_job
+from zerotrain.training import memory_plan
 
 STEPS, SAVED_AT, SEQ = 6, 3, 64
 LIMIT = 900
@@ -84,6 +86,22 @@ def test_two_context_parallel_ranks_train_as_one_rank_with_the_whole_rows_and_pl
 def test_context_parallelism_composes_with_tensor_parallelism_at_zero3(runs):
     # 4 ranks: 2 CP ranks x 2 TP ranks (each TP rank's heads around its own ring) equal TP 2 alone on 2 ranks
     assert worst_gap(runs["cp2 tp2 z3"], runs["tp2 z3"]) < 1e-6
+
+
+def test_the_memory_plan_counts_a_context_parallel_rank_s_activations_and_a_plan_without_them_is_caught(runs,
+                                                                                                         monkeypatch):
+    # A rank of --cp C saves the activations of T / C tokens a row, every rank's segment ids and its rows' rotary
+    # tables (no T x T records' mask): planned to the byte, as the run measured them (saved-tensor hooks)
+    for name, whole_row in (("cp2", "cp1"), ("cp2 z3", "cp1 z3"), ("cp2 tp2 z3", "tp2 z3")):
+        plan = runs[name]["plan"]
+        assert plan["rows"]["activations"] == plan["activations_measured"], name
+        assert plan["activations_measured"] < 0.6 * runs[whole_row]["plan"]["activations_measured"], name
+    # planted: the plan without context parallelism's part (RunParts.more) counts the whole row's
+    cfg = runs["configs"]["cp2"]
+    assert memory_plan.memory_plan(cfg, documents=True).rows["activations"] == runs["cp2"]["plan"]["rows"]["activations"]
+    monkeypatch.setattr(parts, "context_parallel_rows", lambda cp: [])
+    wrong = memory_plan.memory_plan(cfg, documents=True).rows["activations"]
+    assert wrong == runs["cp1"]["plan"]["activations_measured"] != runs["cp2"]["plan"]["activations_measured"]
 
 
 def test_a_checkpoint_written_at_cp2_resumes_at_cp1(runs):

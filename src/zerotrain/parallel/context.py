@@ -16,7 +16,9 @@ import functools
 import torch
 
 from zerotrain.data.batches import MicroBatch
+from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes
 from zerotrain.model.attention import RingAttention
+from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from .comm import Comm
 from .ring_attention import gather_segments, ring_attention, rotary_positions, zigzag_split, zigzag_unsplit
 
@@ -47,3 +49,37 @@ class ContextParallel:
 def context_parallel(mesh) -> ContextParallel | None:
     """The mesh's context parallelism, None at cp 1."""
     return ContextParallel(mesh.cp, mesh.cp_size, mesh.cp_rank) if mesh.cp_size > 1 else None
+
+
+class ContextParallelRows:
+    """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
+    (every block's, the embedding's, the head's and the loss's), without the records' T x T mask (each hop builds its
+    block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
+    rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
+    row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
+    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+
+    def rows(self, *, cfg, sequences: int, documents: bool, **_) -> dict[str, int]:
+        m, p = cfg.model, cfg.parallel
+        T, B, C = m.seq_len, sequences, self.cp
+        common = dict(tp=p.tp, precision=p.precision, recompute=p.activation_checkpointing, device=cfg.launch.device,
+                      objective=cfg.objective.method)
+        whole = activation_bytes(m, B, T, documents=documents, **common)
+        part = activation_bytes(m, B, T // C, **common)  # the ring takes no mask
+        held = part["total"]
+        if documents:
+            held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
+            if p.activation_checkpointing == "none" and p.precision == "fp32":  # the rotations' fp32 cos and sin
+                held += (B - 1) * (T // C) * m.head_dim * 4 * 2
+        kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
+        ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
+        return {"activations": held - whole["total"], "loss_working_set": part["working"] - whole["working"],
+                "communication": ring}
+
+
+def context_parallel_rows(cp: int) -> list:
+    """The parts RunParts.more gets for --cp `cp`."""
+    return [ContextParallelRows(cp)] if cp > 1 else []
