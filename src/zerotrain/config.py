@@ -544,6 +544,9 @@ class ParallelConfig:
                                 "groups; ZeRO shards its state over the ranks of a group and replicates it across the "
                                 "groups (reduce-scatter within a group, then one all-reduce of the shard across the "
                                 "groups); divides the data-parallel size (--nproc / --tp)", rule=POSITIVE)
+    cp: int = setting(1, "context-parallel degree: each row split along its length over this many ranks of its DP "
+                      "replica (zig-zag chunks, causal ring attention; ZeRO shards over them too; rank = (dp_index x cp "
+                      "+ cp_index) x tp + tp_index); --seq-len divisible by 2 x cp", rule=POSITIVE)
     ep: int = setting(1, "expert-parallel degree: the experts of each MoE layer split in contiguous blocks over this "
                       "many consecutive DP ranks, tokens sent to their expert's rank and back by all-to-all (divides "
                       "the DP size and --n-experts)", rule=POSITIVE, applies=EXPERTS)
@@ -785,8 +788,8 @@ class Config:
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas: the world size over the TP degree."""
-        return max(1, self.launch.nproc // self.parallel.tp)
+        """Data-parallel replicas: the world size over the TP and CP degrees (a replica's CP ranks share its rows)."""
+        return max(1, self.launch.nproc // (self.parallel.tp * self.parallel.cp))
 
     @property
     def global_batch(self) -> int:
@@ -1082,6 +1085,33 @@ def _check_expert_parallel(cfg: Config) -> None:
                           "(no LoRA) yet")
 
 
+def _check_context_parallel(cfg: Config) -> None:
+    """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
+    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions, linear
+    attention and the experts' per-sequence balancing are not in it yet, nor DPO's per-sequence sums: refused."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if cfg.launch.nproc % (p.tp * p.cp):
+        raise ConfigError(f"--cp {p.cp} x --tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
+                          "ranks form DP x CP x TP")
+    if m.seq_len % (2 * p.cp):
+        raise ConfigError(f"--seq-len {m.seq_len} is not divisible by 2 x --cp {p.cp}: each CP rank holds 2 equal "
+                          "chunks of every row")
+    refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
+               (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
+               (m.moe, f"--arch {m.arch} (mixtures of experts: their balancing loss is per sequence)"),
+               (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
+               (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
+               (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
+               (cfg.objective.method != "sft", f"--method {cfg.objective.method} (per-sequence sums)"),
+               (cfg.loop.compile, "--compile"),
+               (p.dp_replicate > 1, f"--dp-replicate {p.dp_replicate}")]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"--cp {p.cp} with {what}: context parallelism does not split that yet: give --cp 1")
+
+
 def _check_qwen35(cfg: Config) -> None:
     """Qwen3.5's sizes, and what its linear-attention layers do not have yet (tensor and expert parallelism, LoRA):
     refused, never trained approximately."""
@@ -1137,6 +1167,7 @@ def validate(cfg: Config) -> Config:
     if cfg.launch.nproc % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the world size {cfg.launch.nproc} (--nproc): "
                           "ranks form TP x DP")
+    _check_context_parallel(cfg)
     if cfg.dp % p.dp_replicate:
         raise ConfigError(f"--dp-replicate {p.dp_replicate} does not divide the data-parallel size {cfg.dp} (--nproc "
                           f"{cfg.launch.nproc} / --tp {p.tp}): each replica group shards over an equal part of it")

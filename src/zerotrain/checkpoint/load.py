@@ -259,7 +259,7 @@ def _same_mesh(path: str, manifest: dict, homes: CheckpointHomes, engine: ZeroEn
         raise CheckpointError(f"{path} holds a model with different parameters than this run")
     old = homes.layout
     # With --dp-replicate R > 1 a rank's shard file is replica group 0's: read by ranges, as at another mesh
-    return ((old_tp, old_dp, 1) == (mesh.tp_size, mesh.dp_size, mesh.dp_replicate_size)
+    return ((old_tp, old_dp, 1) == (mesh.tp_size, mesh.dp_shard.world_size, mesh.dp_replicate_size)
             and homes.tp_slices == engine.tp_slices
             and old.to_dict()["params"] == new.to_dict()["params"] and old.buckets == new.buckets
             and same_expert_layout(homes, engine))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -45,8 +45,11 @@ class StepBatch:
 class BatchSchedule:
     """Splits step s's global batch: rank r owns a contiguous block of micro_batch x accum sequences."""
 
-    def __init__(self, source, *, micro_batch: int, accum: int, rank: int, world_size: int):
-        self.source, self.micro_batch, self.accum = source, micro_batch, accum
+    def __init__(self, source, *, micro_batch: int, accum: int, rank: int, world_size: int,
+                 part: Callable[[MicroBatch], MicroBatch] | None = None):
+        """`part`: what this rank keeps of each micro-batch it reads (context parallelism: its part of every row,
+        the same rows as the other ranks of its DP replica); None: all of it."""
+        self.source, self.micro_batch, self.accum, self.part = source, micro_batch, accum, part
         self.rank, self.world_size = rank, world_size
         self.global_batch = world_size * micro_batch * accum
         # A source of records in epochs lays the steps it is asked for out for one global batch size (a resume
@@ -74,7 +77,8 @@ class BatchSchedule:
         micro = []
         for a in range(self.accum):
             lo = first + a * self.micro_batch
-            micro.append(self.source.sequences(step, range(lo, lo + self.micro_batch)))
+            rows = self.source.sequences(step, range(lo, lo + self.micro_batch))
+            micro.append(rows if self.part is None else self.part(rows))
         epoch = self.source.locate(step)[0] + 1 if hasattr(self.source, "locate") else None
         # sources of records in epochs count their rows with a trained token; other sources fill every row
         rows = self.source.row_count(step, self.global_batch) if hasattr(self.source, "row_count") else None

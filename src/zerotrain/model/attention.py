@@ -1,10 +1,13 @@
 """The attention core every architecture calls (`attend`): causal, grouped-query, over a KV cache, and the kernel
 each case takes (SDPA, FlexAttention over a block mask, or explicit scores for soft-caps and sinks), with the masks
-of packed records and sliding windows, built once per forward and shared by the layers."""
+of packed records and sliding windows, built once per forward and shared by the layers; under context parallelism
+(--cp) the ring over the ranks holding the rest of the sequence instead."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +17,19 @@ from torch.utils._triton import has_triton
 from .kv_cache import KVCache
 
 
+@dataclass
+class RingAttention:
+    """What the layers attend with when the sequence is split over a context-parallel group (--cp): `ring(q, k, v,
+    documents=, scale=)` is parallel/ring_attention.py's ring_attention over the group (the model holds no process
+    group of its own: parallel/context.py makes this once per forward); `documents` every rank's segment ids (C, B,
+    T/C) for packed rows, else None."""
+
+    ring: Callable[..., torch.Tensor]
+    documents: torch.Tensor | None = None
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-           documents: torch.Tensor | BlockMask | None = None, window: int = 0, scale: float | None = None,
+           documents: torch.Tensor | BlockMask | RingAttention | None = None, window: int = 0, scale: float | None = None,
            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k and v (B, KV, T, D), KV dividing H (each KV head serves H / KV
     query heads); with a cache, k and v are appended to it first and q continues its positions. `documents`
@@ -26,7 +40,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     cannot do: FlexAttention's score_mod with a block mask, else the explicit scores (softcapped_attention).
     `sinks` (heads,): gpt-oss's attention sinks, one logit per query head in each softmax's denominator, which SDPA
     cannot take either: FlexAttention's output renormalized by its log-sum-exp (with_sinks), else the explicit
-    scores with a sink column."""
+    scores with a sink column. A RingAttention as `documents`: this rank's queries over the whole row's keys,
+    around the ring (causal, its records' masks; no window, soft-cap or sinks: --cp refuses those models)."""
+    if isinstance(documents, RingAttention):
+        return documents.ring(q, k, v, documents=documents.documents, scale=scale)
     past = 0
     if cache is not None:
         if documents is not None:

@@ -178,6 +178,9 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        # --cp C: parallel/context.py's ContextParallel (each row split over C ranks, attention around their ring);
+        # None: the whole row is here
+        self.context_parallel = None
         self.model = nn.ModuleDict(dict(
             embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
             layers=nn.ModuleList(LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)),
@@ -217,13 +220,18 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(idx)
         if cfg.gemma:
             x = x * embedding_scale(cfg.n_embd, x.dtype)
-        positions = new_positions(idx, cache, cfg.positions, segments)
+        ring = None
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row (config: no windows)
+            positions, ring = self.context_parallel.prepare(idx, segments)
+        else:
+            positions = new_positions(idx, cache, cfg.positions, segments)
         rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
         local = rope_local(cfg)  # the sliding layers': their own tables only where they differ (Gemma 3's)
         sliding_rotary = rotary if local == (cfg.rope_theta, rope_scaling(cfg)) else \
             rotary_tables(positions, cfg.head_dim, *local)
         windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
-        masks = {window: layer_mask(cfg, idx, x.dtype, cache, segments, window) for window in set(windows)}
+        masks = {window: layer_mask(cfg, idx, x.dtype, cache, segments, window) if ring is None else ring
+                 for window in set(windows)}
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x,
                           sliding_rotary if windows[layer] else rotary, cache, layer, masks[windows[layer]])

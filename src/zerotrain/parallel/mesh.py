@@ -4,7 +4,9 @@ Built once, as a run starts (Mesh.build); every communicator is named by the dim
 
     tp               the ranks that split one replica's layers (activation all-reduces every layer)
     dp_shard         the ranks with this rank's tp_index and replica index: ZeRO shards its state over them (the
-                     reduce-scatter of the gradients, the all-gather of the parameters, AdamW on 1/dp_shard)
+                     reduce-scatter of the gradients, the all-gather of the parameters, AdamW on 1/dp_shard); with
+                     --cp C the shard group's C x as many ranks, its CP ranks included (torchtitan's dp_shard_cp: a CP
+                     rank's gradient is a partial sum over its tokens, which the reduce-scatter adds up)
     dp_replicate     the ranks holding the same shard in the other replica groups (hybrid sharding, --dp-replicate R,
                      as FSDP2's HSDP): after the reduce-scatter each shard is all-reduced across them; None at R = 1
     ep               expert parallelism (--ep E): E consecutive dp_shard ranks, which split each MoE layer's experts
@@ -13,13 +15,15 @@ Built once, as a run starts (Mesh.build); every communicator is named by the dim
     kv               with more TP ranks than KV heads, the TP ranks holding this rank's KV heads (each head lives on
                      `kv_replicas` consecutive TP ranks, which sum their k and v weight gradients: model/tensor_parallel.py,
                      sum_over_replicas)
-    cp               context parallelism: 1 until ring attention comes (no communicator yet)
+    cp               context parallelism (--cp C): the C ranks that split each row of their replica's micro-batches
+                     along its length (parallel/context.py), the ring of ring_attention; None at C = 1
 
-Ranks are TP-adjacent and the shard dimension is inner: world rank = dp_index x tp + tp_index, dp_index =
-replica_index x dp_shard + shard_index. A TP group is a run of consecutive ranks (on a multi-GPU node the GPUs with
+Ranks are TP-adjacent, then CP, and the shard dimension is outside them: world rank = (dp_index x cp + cp_index) x tp
++ tp_index, dp_index = replica_index x dp_shard + shard_index. A TP group is a run of consecutive ranks (on a multi-GPU node the GPUs with
 the fastest links between them), a shard group the next level out, and the replica groups outermost (the cheapest
 traffic, one all-reduce of the shard per step, crosses the slowest links). The data-parallel dimension the batch is
-split over is dp_replicate x dp_shard (dp_size, dp_rank): every replica trains on its own part of the global batch.
+split over is dp_replicate x dp_shard (dp_size, dp_rank): every replica trains on its own part of the global batch;
+its CP ranks read the same rows.
 
 With tp = 1 and dp_replicate = 1 there is no TP group and dp_shard is the whole world: plain ZeRO data parallelism.
 """
@@ -52,16 +56,20 @@ class Mesh:
     dp_shard_mod_ep: Comm | None = None
     ep_size: int = 1
     ep_rank: int = 0
-    cp_size: int = 1  # context parallelism: not yet
+    # Context parallelism: the ranks splitting this rank's rows along their length (the ring); None at cp 1
+    cp: Comm | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks (dp_replicate x dp_shard): the batch is split over them."""
-        return self.world.world_size // self.tp_size
+        """Data-parallel ranks (dp_replicate x dp_shard): the batch is split over them (a replica's CP ranks share
+        its rows)."""
+        return self.world.world_size // (self.tp_size * self.cp_size)
 
     @property
     def dp_rank(self) -> int:
-        return self.world.rank // self.tp_size
+        return self.world.rank // (self.tp_size * self.cp_size)
 
     @property
     def dp_shard_size(self) -> int:
@@ -75,9 +83,12 @@ class Mesh:
     def describe(self) -> dict:
         """The mesh as a checkpoint records it: the TP degree and the ranks the state is sharded over ("dp"), so that
         a checkpoint written by R replica groups is the one dp_shard x tp ranks write (its replicas write nothing);
-        "dp_replicate" says how many replica groups trained it."""
-        return {"tp": self.tp_size, "dp": self.dp_shard_size, **({"ep": self.ep_size} if self.ep_size > 1 else {}),
-                **({"dp_replicate": self.dp_replicate_size} if self.dp_replicate_size > 1 else {})}
+        "dp_replicate" says how many replica groups trained it. The state is sharded over dp_shard x cp, so a
+        checkpoint of --cp C is the one C x as many DP ranks write: "cp" only says what trained it, and any mesh reads
+        it."""
+        return {"tp": self.tp_size, "dp": self.dp_shard.world_size, **({"ep": self.ep_size} if self.ep_size > 1 else {}),
+                **({"dp_replicate": self.dp_replicate_size} if self.dp_replicate_size > 1 else {}),
+                **({"cp": self.cp_size} if self.cp_size > 1 else {})}
 
     @classmethod
     def single(cls, comm: Comm) -> "Mesh":
@@ -85,7 +96,8 @@ class Mesh:
         return cls(world=comm, dp_shard=comm, tp=None, tp_size=1, tp_rank=0)
 
     @classmethod
-    def build(cls, world: Comm, tp: int = 1, kv_replicas: int = 1, *, dp_replicate: int = 1, ep: int = 1) -> "Mesh":
+    def build(cls, world: Comm, tp: int = 1, kv_replicas: int = 1, *, dp_replicate: int = 1, ep: int = 1,
+              cp: int = 1) -> "Mesh":
         """Create every communicator of the mesh; every rank calls this together, in the same order (new_group is
         collective over the whole world: every rank creates every group, in one order)."""
         W = world.world_size
@@ -93,16 +105,20 @@ class Mesh:
             raise ValueError(f"world size {W} is not divisible by tp {tp}")
         if tp % kv_replicas:
             raise ValueError(f"tp {tp} is not divisible by kv_replicas {kv_replicas}")
-        D = W // tp
+        if (W // tp) % cp:
+            raise ValueError(f"world size {W} is not divisible by tp {tp} x cp {cp}")
+        D = W // (tp * cp)
         if D % dp_replicate:
             raise ValueError(f"the data-parallel size {D} is not divisible by dp_replicate {dp_replicate}")
         S = D // dp_replicate
         if S % ep:
             raise ValueError(f"the shard group's size {S} is not divisible by ep {ep}")
-        if tp == 1 and dp_replicate == 1 and ep == 1:
+        if ep > 1 and cp > 1:
+            raise ValueError(f"ep {ep} with cp {cp}: expert parallelism does not split sequences yet")
+        if tp == 1 and dp_replicate == 1 and ep == 1 and cp == 1:
             return cls.single(world)
         timeout = datetime.timedelta(seconds=world.timeout_s) if world.timeout_s else None
-        rank, t, d = world.rank, world.rank % tp, world.rank // tp
+        rank, t, c, d = world.rank, world.rank % tp, (world.rank // tp) % cp, world.rank // (tp * cp)
 
         def comm(ranks_of: list[list[int]]) -> Comm:
             """Each group of `ranks_of` created on every rank; this rank's as a Comm."""
@@ -113,16 +129,19 @@ class Mesh:
                     mine = group
             return Comm(mine, timeout_s=world.timeout_s)
 
-        def world_rank(replica: int, shard: int, tp_index: int) -> int:
-            return (replica * S + shard) * tp + tp_index
+        def world_rank(replica: int, shard: int, tp_index: int, cp_index: int = 0) -> int:
+            return ((replica * S + shard) * cp + cp_index) * tp + tp_index
 
         mesh = cls(world=world, dp_shard=world, tp=None, tp_size=tp, tp_rank=t, kv_replicas=kv_replicas,
-                   dp_replicate_size=dp_replicate)
+                   dp_replicate_size=dp_replicate, cp_size=cp, cp_rank=c)
         if tp > 1:
-            mesh.tp = comm([[k * tp + i for i in range(tp)] for k in range(D)])
-        if tp > 1 or dp_replicate > 1:
-            mesh.dp_shard = comm([[world_rank(r, s, i) for s in range(S)] for i in range(tp)
+            mesh.tp = comm([[k * tp + i for i in range(tp)] for k in range(D * cp)])
+        if tp > 1 or dp_replicate > 1:  # shard-major, CP inside: the shard group's rank is shard x cp + cp_index
+            mesh.dp_shard = comm([[world_rank(r, s, i, j) for s in range(S) for j in range(cp)] for i in range(tp)
                                   for r in range(dp_replicate)])
+        if cp > 1:
+            mesh.cp = comm([[world_rank(r, s, i, j) for j in range(cp)] for i in range(tp) for r in range(dp_replicate)
+                            for s in range(S)])
         if kv_replicas > 1:  # runs of consecutive ranks, within one TP group as tp divides
             mesh.kv = comm([list(range(first, first + kv_replicas)) for first in range(0, W, kv_replicas)])
         if ep > 1:
@@ -132,14 +151,14 @@ class Mesh:
             mesh.dp_shard_mod_ep = comm([[world_rank(r, s, i) for s in range(e, S, ep)] for i in range(tp)
                                          for r in range(dp_replicate) for e in range(ep)])
         if dp_replicate > 1:
-            mesh.dp_replicate = comm([[world_rank(r, s, i) for r in range(dp_replicate)] for i in range(tp)
-                                      for s in range(S)])
+            mesh.dp_replicate = comm([[world_rank(r, s, i, j) for r in range(dp_replicate)] for i in range(tp)
+                                      for s in range(S) for j in range(cp)])
         return mesh
 
     def communicators(self) -> list[Comm]:
         """This rank's communicators, each once."""
         comms = (self.world, self.world.io, self.dp_shard, self.tp, self.kv, self.dp_replicate, self.ep,
-                 self.dp_shard_mod_ep)
+                 self.dp_shard_mod_ep, self.cp)
         return list({id(c): c for c in comms if c is not None}.values())
 
     def set_step(self, step: int) -> None:

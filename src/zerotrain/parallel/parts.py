@@ -33,6 +33,7 @@ import torch
 
 from zerotrain.config import Config
 
+from .context import context_parallel_rows
 from .gradients import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
 from .params import frozen_parameters
@@ -267,7 +268,7 @@ class RunParts:
     gradients: GradientHolding
     optimizer: ShardedAdamW
     experts: ExpertParallel | None = None
-    more: list = field(default_factory=list)  # parts to come (hybrid sharding, context parallelism): `more_rows`
+    more: list = field(default_factory=list)  # parts with rows of their own (context parallelism): `more_rows`
 
     def shard_ranks(self, dp: int) -> int:
         """The ranks the flat layout is split over: every DP rank (hybrid sharding would split over its shard
@@ -289,4 +290,5 @@ def parts_for(cfg: Config) -> RunParts:
     placement = (ShardedPlacement if p.zero == 3 else ReplicatedPlacement)(p.bucket_numel)
     gradients = (WholeGradients if p.zero == 1 else BucketedGradients)(p.zero, p.precision, p.tp, cfg.loop.accum,
                                                                        cfg.grad_reduce)
-    return RunParts(placement, gradients, ShardedAdamW(p.precision), ExpertParallel(p.ep) if p.ep > 1 else None)
+    return RunParts(placement, gradients, ShardedAdamW(p.precision), ExpertParallel(p.ep) if p.ep > 1 else None,
+                    more=context_parallel_rows(p.cp))

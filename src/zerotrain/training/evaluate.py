@@ -10,6 +10,7 @@ from zerotrain.data import IGNORE, MicroBatch
 from zerotrain.model import summed_token_loss
 from zerotrain.model.loss import head_loss
 from zerotrain.parallel import Mesh
+from zerotrain.parallel.context import context_parallel
 
 
 def validation_sequences(source, batches: int, *, batch: int, micro_batch: int,
@@ -48,6 +49,8 @@ def validation_loss(model: torch.nn.Module, source, mesh: Mesh, *, batches: int,
     """
     block = validation_sequences(source, batches, batch=micro_batch, micro_batch=micro_batch,
                                  first=mesh.dp_rank * micro_batch)
+    cp = context_parallel(mesh)  # --cp: each CP rank its part of the replica's rows, its tokens counted
+    block = map(cp.part, block) if cp else block
     loss_sum, tokens = summed_loss(model, block)  # every TP rank runs the forward
     counted = mesh.tp_rank == 0
     totals = torch.tensor([loss_sum if counted else 0.0, tokens if counted else 0], dtype=torch.float64)

@@ -22,6 +22,7 @@ from zerotrain.model.lora import add_adapters
 from zerotrain.model.tensor_parallel import kv_replicas
 from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
+from zerotrain.parallel.context import context_parallel
 from zerotrain.parallel.params import param_dtype
 from zerotrain.parallel.parts import parts_for
 from zerotrain.runtime.failures import restart_cause, restart_count
@@ -65,7 +66,8 @@ class TrainResult:
 
 def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the run's mesh:
-    sharded over its shard group (the DP ranks, or with --dp-replicate R those of this rank's replica group).
+    sharded over its shard group (the DP ranks, or with --dp-replicate R those of this rank's replica group; with --cp
+    C each DP rank's C CP ranks too, whose gradients are partial sums over their parts of the rows).
 
     The model is built (and TP-sliced) on the meta device; the engine fills its flat buffers from the initial values,
     from the seed (model/init.py) or with --init-from from those files (the slices this rank trains), one parameter
@@ -76,8 +78,10 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     or drawn.
     """
     p = cfg.parallel
-    mesh = Mesh.build(comm, p.tp, kv_replicas(cfg.model.kv_heads, p.tp), dp_replicate=p.dp_replicate, ep=p.ep)
+    mesh = Mesh.build(comm, p.tp, kv_replicas(cfg.model.kv_heads, p.tp), dp_replicate=p.dp_replicate, ep=p.ep,
+                      cp=p.cp)
     model, init = initial_model(cfg, mesh, restored)
+    model.context_parallel = context_parallel(mesh)  # --cp: its part of each row, attention around the cp ring
     shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
         base_dtype = param_dtype(cfg.parallel.precision)
@@ -491,8 +495,9 @@ def _start_line(cfg: Config, engine: ZeroEngine, schedule: BatchSchedule, start:
     if not (cfg.checkpoint.every or cfg.checkpoint.every_minutes):
         where += ("; a checkpoint at the end only (--ckpt-every K or --ckpt-every-minutes M to save during the run)"
                   if cfg.checkpoint.final_save else "; no checkpoints will be saved (--no-final-save)")
-    tp, dp = cfg.parallel.tp, schedule.world_size
-    split = f"TP {tp} x DP {dp} = {tp * dp} ranks" if tp > 1 else f"{dp} rank{'s' * (dp != 1)}"
+    tp, cp, dp = cfg.parallel.tp, cfg.parallel.cp, schedule.world_size
+    inner = [f"TP {tp}"] * (tp > 1) + [f"CP {cp}"] * (cp > 1)  # the ranks sharing a DP replica's rows
+    split = f"{' x '.join(inner)} x DP {dp} = {tp * cp * dp} ranks" if inner else f"{dp} rank{'s' * (dp != 1)}"
     heads = f"{m.n_head} heads" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.n_head else "")
     size = f"{engine.param_count:,} parameters"
     if cfg.lora.rank:  # the engine's are the adapters

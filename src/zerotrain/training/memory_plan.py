@@ -192,7 +192,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     most = 0
     if parts.experts is not None:  # one MoE layer's rows at once: N k sent, N k received at balanced routing
         rows["all_to_all"], most = parts.experts.all_to_all_bytes(all_to_all_row_bytes(cfg, sequences))
-    for key, value in parts.more_rows(cfg=cfg, model=model, layout=L, dp=dp, psize=psize).items():
+    for key, value in parts.more_rows(cfg=cfg, model=model, layout=L, dp=dp, psize=psize, sequences=sequences,
+                                      documents=documents).items():
         rows[key] += value
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
     return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most)

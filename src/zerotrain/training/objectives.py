@@ -21,6 +21,7 @@ from zerotrain.config import Config
 from zerotrain.data import IGNORE, BatchSchedule, MicroBatch, StepBatch, make_source, on_device
 from zerotrain.model import summed_token_loss
 from zerotrain.model.loss import head_loss
+from zerotrain.parallel.context import context_parallel
 
 from .balancing import Balancing
 from .evaluate import validation_loss
@@ -76,8 +77,9 @@ class TokenObjective:
 
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
+        cp = context_parallel(mesh)  # --cp: the replica's rows, this rank's part of each
         return BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
-                             rank=mesh.dp_rank, world_size=mesh.dp_size)
+                             rank=mesh.dp_rank, world_size=mesh.dp_size, part=cp.part if cp else None)
 
     def refuse(self, manifest: dict, path: str, base: dict | None) -> str | None:
         theirs = Config.from_dict(manifest["config"]).objective.method

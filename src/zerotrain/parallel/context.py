@@ -1,0 +1,85 @@
+"""Context parallelism (--cp C) wired into a run: the part of each row a rank keeps, and what the model's layers attend
+with, over the mesh's cp group (the ring of ring_attention.py).
+
+The C ranks of a DP replica read the same micro-batches; each keeps its zig-zag part of every row (chunks i and
+2C-1-i of 2C: inputs, labels and segments alike; the labels were shifted on the whole row, so each is still its
+input's next token). The model (Llama.hidden) asks `prepare` once per forward for its tokens' rotary positions (their
+places in the whole row, or within their record for packed rows) and for the layers' ring, which carries every rank's
+segment ids (gathered once per forward). The loss is each rank's sum over its own tokens over the global token count:
+the reduce-scatter over dp_shard x cp adds the CP ranks' partial gradients, so the step is --cp 1's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from zerotrain.data.batches import MicroBatch
+from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes
+from zerotrain.model.attention import RingAttention
+from zerotrain.model.tensor_parallel import kv_heads_per_rank
+from .comm import Comm
+from .ring_attention import gather_segments, ring_attention, rotary_positions, zigzag_split, zigzag_unsplit
+
+
+class ContextParallel:
+    """This rank's place in its cp group, and what the model asks of it (set as `model.context_parallel`)."""
+
+    def __init__(self, comm: Comm, size: int, rank: int):
+        self.comm, self.size, self.rank = comm, size, rank
+
+    def part(self, micro: MicroBatch) -> MicroBatch:
+        """This rank's zig-zag part of each row of `micro` (B, T) -> (B, T / C)."""
+        return MicroBatch(*(None if t is None else zigzag_split(t, self.size, self.rank) for t in micro))
+
+    def prepare(self, idx: torch.Tensor, segments: torch.Tensor | None) -> tuple[torch.Tensor, RingAttention]:
+        """The rotary positions of this rank's tokens `idx` (B, T / C) and what the layers attend with. Packed rows
+        (`segments`, this rank's part): every rank's parts gathered once, so that each hop masks other records' keys
+        and each token's position counts from its record's start in the whole row."""
+        T = idx.shape[1] * self.size
+        ring = functools.partial(ring_attention, group=self.comm.group)
+        if segments is None:
+            return rotary_positions(T, self.size, self.rank, device=idx.device), RingAttention(ring)
+        documents = gather_segments(segments, self.comm.group)  # (C, B, T / C)
+        whole = zigzag_unsplit(list(documents), dim=1)
+        return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents)
+
+
+def context_parallel(mesh) -> ContextParallel | None:
+    """The mesh's context parallelism, None at cp 1."""
+    return ContextParallel(mesh.cp, mesh.cp_size, mesh.cp_rank) if mesh.cp_size > 1 else None
+
+
+class ContextParallelRows:
+    """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
+    (every block's, the embedding's, the head's and the loss's), without the records' T x T mask (each hop builds its
+    block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
+    rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
+    row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
+    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+
+    def rows(self, *, cfg, sequences: int, documents: bool, **_) -> dict[str, int]:
+        m, p = cfg.model, cfg.parallel
+        T, B, C = m.seq_len, sequences, self.cp
+        common = dict(tp=p.tp, precision=p.precision, recompute=p.activation_checkpointing, device=cfg.launch.device,
+                      objective=cfg.objective.method)
+        whole = activation_bytes(m, B, T, documents=documents, **common)
+        part = activation_bytes(m, B, T // C, **common)  # the ring takes no mask
+        held = part["total"]
+        if documents:
+            held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
+            if p.activation_checkpointing == "none" and p.precision == "fp32":  # the rotations' fp32 cos and sin
+                held += (B - 1) * (T // C) * m.head_dim * 4 * 2
+        kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
+        ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
+        return {"activations": held - whole["total"], "loss_working_set": part["working"] - whole["working"],
+                "communication": ring}
+
+
+def context_parallel_rows(cp: int) -> list:
+    """The parts RunParts.more gets for --cp `cp`."""
+    return [ContextParallelRows(cp)] if cp > 1 else []

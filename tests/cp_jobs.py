@@ -1,0 +1,50 @@
+"""Jobs of the context-parallelism tests (--cp), run by spawned ranks; planted bugs patch the product's own functions."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import torch
+from dist_jobs import summary
+
+from zerotrain import checkpoint, load_model
+from zerotrain.config import Config
+from zerotrain.model.positions import positions_from_segments
+from zerotrain.parallel import Comm, context, ring_attention
+from zerotrain.training.loop import train
+
+
+def trained_job(cfg: Config, comm: Comm) -> dict:
+    """Train; the log, the final parameters (the last checkpoint's), the memory plan's rows and the activations the
+    first micro-batch saved."""
+    result = train(cfg, comm)
+    out = summary(result)
+    out["plan"] = result.plan
+    final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
+    out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
+    out["sent"] = dict(result.comm_bytes)
+    return out
+
+
+def missing_hop_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the ring computes each rank's own hop only (the keys and values that travel are dropped)."""
+    real = ring_attention.hop_blocks
+
+    def own_hop_only(rank, source, chunk):
+        return real(rank, source, chunk) if source == rank else None
+
+    with mock.patch.object(ring_attention, "hop_blocks", own_hop_only):
+        return trained_job(cfg, comm)
+
+
+def local_positions_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: rotary positions counted within this rank's two chunks, not in the whole row."""
+
+    def local(seq_len, cp, rank, segments=None, device=None):
+        if segments is None:
+            return torch.arange(seq_len // cp, device=device)
+        return positions_from_segments(ring_attention.zigzag_split(segments, cp, rank))
+
+    with mock.patch.object(context, "rotary_positions", local):
+        return trained_job(cfg, comm)
