@@ -103,7 +103,7 @@ def plan_rows(capsys, preset: str, recompute: str) -> dict:
 
 @pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
-def test_the_plan_puts_offloaded_activations_on_the_host_as_the_hooks_move_them_and_keeping_them_on_the_device_is_caught(
+def test_the_plan_puts_offloaded_activations_on_the_host_as_the_hooks_move_them_and_a_device_plan_is_caught(
         preset, recompute, capsys, monkeypatch):
     """The hooks run on the CPU when entered directly (the flag is refused there, not the mechanism): what the device
     keeps (an outer count of saved tensors) is the plan's activations row, 0, and the storages the hooks copy to the

@@ -106,11 +106,12 @@ class IOPlan:
     export_held_beyond: int
     file_dtype_bytes: int
     init_from: bool  # whether the run starts from files (start-up reads) or from the seed (draws)
+    resume_by_ranges: bool = False  # --dp-replicate R > 1: a resume reads by ranges (resume_by_ranges)
 
     def to_dict(self) -> dict:
         return {"ranks": [asdict(r) for r in self.ranks], "export_written": self.export_written,
                 "export_held_beyond": self.export_held_beyond, "file_dtype_bytes": self.file_dtype_bytes,
-                "init_from": self.init_from}
+                "init_from": self.init_from, "resume_by_ranges": self.resume_by_ranges}
 
 
 def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | None = None) -> IOPlan:
@@ -152,7 +153,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
                             state + read_blocks_held(cfg.launch.device)))
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
-    return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
+    return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from), resumed is not None)
 
 
 def resume_by_ranges(cfg: Config, L, experts, shard_file: int, copied: list[tuple[str, int]],
@@ -298,8 +299,8 @@ LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {
          ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, its run of their blocks{files}"),
          ("startup_held", "start-up: held", "the state, and the largest tensor read (file dtype and fp32)"),
          ("step_held", "step: held", "the memory plan's total above"),
-         ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments)"),
-         ("resume_read", "resume: read", "its own shard file, hashed as it loads (on the mesh that saved)"),
+         ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments){writers}"),
+         ("resume_read", "resume: read", "{resume_how}"),
          ("resume_held", "resume: held", "the state: its shard file is read into it in place"))
 
 
@@ -307,7 +308,11 @@ def describe(plan: IOPlan, placement: Placement, gib) -> list[str]:
     """`zerotrain plan`'s section of it: each figure for rank 0 and its least and most over the ranks; what a rank
     reads and draws at start-up in the words of its parameters' `placement` (parts.py)."""
     notes = {"read_how": placement.read_how, "drawn_how": placement.drawn_how,
-             "files": "" if plan.init_from else " (Hugging Face's files of at most 5 GB)"}
+             "files": "" if plan.init_from else " (Hugging Face's files of at most 5 GB)",
+             "writers": "; replica group 0's ranks, the others none" if plan.resume_by_ranges else "",
+             "resume_how": "its share of the files hashed, then its owned values by ranges (replica groups)"
+                           if plan.resume_by_ranges else
+                           "its own shard file, hashed as it loads (on the mesh that saved)"}
     width = max(len(label) for _, label, _ in LINES)
     lines = [f"  {'per rank, by phase':<{width}}  {'rank 0':>11}  {'least':>11}  {'most':>11}"]
     for key, label, how in LINES:
