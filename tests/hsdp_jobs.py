@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from unittest import mock
 
@@ -10,30 +9,19 @@ import torch
 from dist_jobs import error_of_training, summary
 
 from zerotrain import checkpoint, load_model
+from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.config import Config
 from zerotrain.parallel import Comm, GradientReducer
-from zerotrain.training import invariants, memory_plan
+from zerotrain.training import invariants
 from zerotrain.training.invariants import InvariantError
 from zerotrain.training.loop import train
 
 
-@contextlib.contextmanager
-def plan_not_strict():
-    """The memory plan's rows do not count replica groups yet: its differences are reported here, not raised."""
-    saved = os.environ.get(memory_plan.STRICT_ENV)
-    os.environ[memory_plan.STRICT_ENV] = "0"
-    try:
-        yield
-    finally:
-        os.environ[memory_plan.STRICT_ENV] = saved if saved is not None else ""
-
-
 def replicated_job(cfg: Config, comm: Comm) -> dict:
-    """Train (plan_not_strict); the log,
+    """Train (the memory plan checked strictly, as in every test); the log,
     the final parameters and what the engine holds on each rank: its parameters (the shard at stage 3), optimizer
     state and gradient shard in bytes; the bytes this rank sent by purpose."""
-    with plan_not_strict():
-        result = train(cfg, comm)
+    result = train(cfg, comm)
     out = summary(result)
     engine = result.engine
     # the final model, as the run's last checkpoint holds it (an expert-parallel engine gathers no full model)
@@ -45,13 +33,16 @@ def replicated_job(cfg: Config, comm: Comm) -> dict:
     out["held"] = comm.all_gather_rows(torch.tensor(held, dtype=torch.int64), "all_gather_test").tolist()
     out["shard_numel"] = sum(e.layout.shard_numel for e in parts)
     out["sent"] = dict(result.comm_bytes)
+    out["param_norms"] = result.param_norms
+    out["plan"] = result.plan
+    out["per_rank"] = result.per_rank
     return out
 
 
 def unreplicated_job(cfg: Config, comm: Comm) -> str:
     """Planted bug: the shard is not all-reduced across the replica groups (each group steps on its own half of the
     batch); the error invariant (b) raises."""
-    with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None), plan_not_strict():
+    with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None):
         return error_of_training(cfg, comm, InvariantError)
 
 
@@ -75,3 +66,16 @@ def counted_on_every_replica_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(GradientReducer, "_counted_grad_sumsq", every_copy):
         return replicated_job(cfg, comm)
+
+
+def planned_job(cfg: Config, comm: Comm) -> dict:
+    """Train (the memory plan checked strictly): rank 0's bytes sent by purpose, each rank's final parameter norm
+    (of what it computes with), the plan's rows as the run reported them, and each rank's checkpoint bytes written
+    and read by this job alone (the counters are the process's; one start of the ranks runs several jobs)."""
+    before = bytes_counted()
+    result = train(cfg, comm)
+    mine = [v - before[k] for k, v in bytes_counted().items()]
+    counted = comm.all_gather_rows(torch.tensor(mine, dtype=torch.int64), "all_gather_test").tolist()
+    return {"sent": dict(result.comm_bytes), "param_norms": result.param_norms, "plan": result.plan,
+            "grad_norms": [r["grad_norm"] for r in result.records],
+            "per_rank": {key: [row[i] for row in counted] for i, key in enumerate(bytes_counted())}}

@@ -159,3 +159,35 @@ def test_impossible_settings_are_refused_with_the_value():
         activation_bytes(CONFIGS["gpt2"], 2, 16, tp=3)
     with pytest.raises(ValueError, match="'fp16'"):
         activation_bytes(CONFIGS["gpt2"], 2, 16, precision="fp16")
+
+
+# Qwen3.5's shape of tests/test_qwen35.py: Gated DeltaNet (2 key heads of 8 serving 4 value heads of 12, 4 taps)
+# and gated attention layers (every second one), dense or a mixture of experts with a shared expert.
+QWEN35 = dict(vocab_size=300, n_embd=64, n_layer=4, n_head=4, n_kv_head=2, head_width=16, full_attention_interval=2,
+              linear_conv_kernel=4, linear_key_width=8, linear_value_width=12, linear_key_heads=2,
+              linear_value_heads=4, intermediate_size=96, seq_len=150, tie_embeddings=False)
+QWEN35_CONFIGS = {"qwen3_5": ModelConfig(arch="qwen3_5", **QWEN35),
+                  "qwen3_5_moe": ModelConfig(arch="qwen3_5_moe", n_experts=4, experts_per_token=2, expert_width=32,
+                                             shared_expert_width=40, **QWEN35)}
+# The planted omissions: a layer kind's own terms (the linear layers' as if they were attention, the attention's
+# output gate) counting nothing.
+QWEN35_OMITTED = {"linear layers": ("gated_delta_net", lambda s, cfg, documents=False: 0),
+                  "output gate": ("gated_attention", lambda s: memory.gemma_qk_norms(s) + memory.attention(s))}
+
+
+@pytest.mark.parametrize("omitted", list(QWEN35_OMITTED))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", [(2, 16), (1, 150)])  # one chunk of the delta rule, and three
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+@pytest.mark.parametrize("family", list(QWEN35_CONFIGS))
+def test_qwen35_linear_and_gated_attention_layers_are_counted_to_the_byte_and_an_omission_is_caught(
+        family, recompute, precision, micro_batch, seq_len, packed, omitted):
+    cfg = QWEN35_CONFIGS[family]
+    segments = (torch.arange(seq_len) // 7).expand(micro_batch, seq_len).contiguous() if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    if recompute == "none":  # a recomputed block keeps its input alone, whatever its layers
+        with mock.patch.object(memory, *QWEN35_OMITTED[omitted]):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] < measured

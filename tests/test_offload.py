@@ -9,13 +9,17 @@ hooks never entered (nothing packed).
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_config, zerotrain_here
 
+from zerotrain.cli.main import main
 from zerotrain.config import PRESETS
-from zerotrain.model import build_model, summed_token_loss
+from zerotrain.model import attention, build_model, summed_token_loss
 from zerotrain.model.loss import head_loss
+from zerotrain.training import memory_plan as plan_module
 from zerotrain.training import offload
 from zerotrain.training.activations import saved_for_backward
 
@@ -87,3 +91,50 @@ def test_offload_on_the_cpu_or_with_compile_is_refused_in_one_line(tmp_path, cap
                                 "--out", str(tmp_path / "run"), "--offload-activations", *extra)
         assert result.returncode == 2, result
         assert said in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+
+def plan_rows(capsys, preset: str, recompute: str) -> dict:
+    """`zerotrain plan --device cuda --offload-activations`'s report (a plan needs no GPU), micro-batch 4."""
+    assert main(["plan", "--preset", preset, "--data", "synthetic", "--device", "cuda", "--micro-batch", "4",
+                 "--activation-checkpointing", recompute, "--offload-activations", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_the_plan_puts_offloaded_activations_on_the_host_as_the_hooks_move_them_and_a_device_plan_is_caught(
+        preset, recompute, capsys, monkeypatch):
+    """The hooks run on the CPU when entered directly (the flag is refused there, not the mechanism): what the device
+    keeps (an outer count of saved tensors) is the plan's activations row, 0, and the storages the hooks copy to the
+    host (each once, kept alive so that none is counted twice at a reused address) are its host row, to the byte.
+    Not measured: a GPU's peak, and the pinned host memory itself."""
+    report = plan_rows(capsys, preset, recompute)
+    rows = report["rows"]
+    # the kernels the plan counts for CUDA: with GQA in fp32, k and v copied to the query heads (the same code here)
+    monkeypatch.setattr(attention, "repeats_kv_heads", lambda *args, **kwargs: True)
+    cfg = tiny_config("/tmp", **PRESETS[preset])
+    model = build_model(cfg.model, seed=0)
+    model.recompute_blocks = recompute in ("blocks", "full")
+    hooks = offload.offload_activations(model)
+    copied, real = {}, offload.to_host
+
+    def counted(t, pin):
+        copied[t.untyped_storage().data_ptr()] = t  # kept: its address is not reused while counting
+        return real(t, pin)
+
+    monkeypatch.setattr(offload, "to_host", counted)
+    x = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len), generator=torch.Generator().manual_seed(1))
+    kept, _ = saved_for_backward(lambda: head_loss(model, x, torch.roll(x, -1, dims=1), summed_token_loss,
+                                                   recompute == "full"), model.parameters())
+    moved = sum(t.untyped_storage().nbytes() for t in copied.values())
+    assert kept == rows["activations"] == 0 and moved == rows["activations_host"] > 0
+    # the hooks copy each saved tensor, a storage saved twice twice: more than the storages, by a bounded share
+    assert moved <= hooks.packed_bytes <= 1.45 * moved
+    # host memory with CUDA: not in the device's total
+    assert report["total"] == sum(v for k, v in rows.items() if k not in ("activations_host", "checkpoint_staging"))
+    # planted: the plan keeps them on the device, as it did before it knew the flag
+    monkeypatch.setattr(plan_module, "activation_rows", lambda cfg, saved: {"activations": saved,
+                                                                           "activations_host": 0})
+    planted = plan_rows(capsys, preset, recompute)["rows"]
+    assert planted["activations"] != kept and planted["activations_host"] != moved

@@ -459,3 +459,38 @@ def test_wandb_online_without_a_login_is_a_one_line_error_before_any_step(tmp_pa
     assert one_line_error(r).startswith("zerotrain: error: --wandb proj: W&B cannot log (No API key configured")
     assert "run 'wandb login', or set WANDB_MODE=offline" in r.stderr
     assert not read_step_records(str(out / "metrics.jsonl"))
+
+
+# Qwen3.5's shape of tests/test_qwen35.py: Gated DeltaNet layers (2 key heads of 8, 4 value heads of 12, 4 taps)
+# beside gated attention (every second layer), dense or a mixture of experts with a shared expert.
+QWEN35 = dict(vocab_size=300, n_embd=64, n_layer=4, n_head=4, n_kv_head=2, head_width=16, full_attention_interval=2,
+              linear_conv_kernel=4, linear_key_width=8, linear_value_width=12, linear_key_heads=2,
+              linear_value_heads=4, intermediate_size=96, tie_embeddings=False)
+QWEN35_SHAPES = {"qwen3_5": dict(arch="qwen3_5", **QWEN35),
+                 "qwen3_5_moe": dict(arch="qwen3_5_moe", n_experts=4, experts_per_token=2, expert_width=32,
+                                     shared_expert_width=40, **QWEN35)}
+
+
+def counted_matmul_flops(m: ModelConfig, batch: int = 2) -> int:
+    """FlopCounterMode's matmuls (mm, bmm) of one forward and backward: its convolution backward's formula counts a
+    depthwise convolution as a dense one (81x its forward on the tiny shape), so the convolution is left out."""
+    model = build_model(m, 0)
+    idx = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        head_loss(model, idx, idx, summed_token_loss, False).backward()
+    return sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) in ("aten.mm", "aten.bmm"))
+
+
+@pytest.mark.parametrize("seq_len", [24, 128])  # one chunk of the delta rule (padded), and two
+@pytest.mark.parametrize("family", list(QWEN35_SHAPES))
+def test_qwen35_flops_count_its_linear_attention_layers_and_counting_them_as_attention_is_caught(family, seq_len,
+                                                                                                monkeypatch):
+    m = ModelConfig(**QWEN35_SHAPES[family], seq_len=seq_len)
+    tokens = 2 * m.seq_len
+    linear = sum(m.linear_attention(layer) for layer in range(m.n_layer))
+    convolution = linear * (2 * 2 * 8 + 4 * 12) * 4  # W K taps a layer, 6 FLOPs a token each: not counted below
+    assert throughput.model_flops_per_token(m) * tokens - 6 * convolution * tokens == counted_matmul_flops(m)
+    # planted: the linear layers' delta rule counted as attention's scores (12 T a a token), as before
+    monkeypatch.setattr(throughput, "delta_rule_flops", lambda c: 12 * c.seq_len ** 2 * c.n_head * c.head_dim)
+    assert throughput.model_flops_per_token(m) * tokens - 6 * convolution * tokens != counted_matmul_flops(m)

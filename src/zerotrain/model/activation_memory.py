@@ -86,10 +86,11 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import ModelConfig
+from zerotrain.config import QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
 from . import tensor_parallel
+from .delta_rule import CHUNK
 from .llama import rope_local, rope_scaling
 from .vocab import chunk_tokens, splits_vocab, vocab_rows
 
@@ -118,6 +119,7 @@ class RankShape:
     kv_repeated: bool = False  # k and v copied to the query heads before SDPA (attention.repeats_kv_heads)
     documents: str = ""  # the kernel of the records' or the window's mask (attention.document_kernel), "" without one
     mask_rows: int = 0  # rows of the document or window mask: B for packed records, 1 for a window alone
+    rotary_dim: int = 0  # the rotated share of head_dim (Qwen3.5's partial rotary); 0: all of it
 
     @property
     def BT(self) -> int:
@@ -170,19 +172,19 @@ def swiglu_mlp(s: RankShape) -> int:
     return 4 * s.BT * s.ffn * s.act
 
 
-def rotary_casts(s: RankShape) -> int:
+def rotary_casts(s: RankShape, width: int | None = None) -> int:
     """In bf16 apply_rotary casts cos and sin to bf16 for q and again for k: four (T, D) copies per block,
-    saved by the multiplications. In fp32 the cast is a no-op: the shared fp32 tables are saved, once
-    (rotary_tables)."""
+    saved by the multiplications (`width`: the rotated share of D, Qwen3.5's partial rotary). In fp32 the cast is a
+    no-op: the shared fp32 tables are saved, once (rotary_tables)."""
     if s.act == FP32:
         return 0
-    return 4 * s.position_rows * s.T * s.head_dim * s.act
+    return 4 * s.position_rows * s.T * (width or s.head_dim) * s.act
 
 
-def rotary_tables(s: RankShape) -> int:
+def rotary_tables(s: RankShape, width: int | None = None) -> int:
     """cos and sin (T, D) in fp32, computed once per forward and shared by every block; for packed records one
-    pair per row (B, 1, T, D)."""
-    return 2 * s.position_rows * s.T * s.head_dim * FP32
+    pair per row (B, 1, T, D); `width`: the rotated share of D, Qwen3.5's partial rotary."""
+    return 2 * s.position_rows * s.T * (width or s.head_dim) * FP32
 
 
 def positions(s: RankShape) -> int:
@@ -340,6 +342,75 @@ def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
             + rotary_casts(s) + swiglu_mlp(s) + (gemma_qk_norms(s) if qk_norm else 0))
 
 
+def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False) -> int:
+    """Qwen3.5's linear-attention layer (qwen35.GatedDeltaNet, delta_rule.py), one rank, one micro-batch; its input
+    (the norm's output, which its four projections read) is the block's. With Hk key and Hv value heads of widths
+    dk and dv, the convolution's W = 2 Hk dk + Hv dv channels and K taps, n = ceil(T / c) chunks of c = 64 tokens
+    (T' = n c, the sequence padded to them):
+
+        convolution   its input (B, W, T) and SiLU's input, the convolution's output before its K - 1 extra
+                      columns are cut: B T W a + B W (T + K - 1) a
+        decay, beta   exp(A_log) and its negation (Hv, fp32), softplus's input and output (BT Hv, fp32), beta
+                      (sigmoid's output, BT Hv a)
+        delta rule    all in fp32: q and k at Hv heads L2-normalised, their inputs and rsqrts (2 B Hv T (dk + 1));
+                      padded to T': beta, v, k, beta k and q (B Hv T' (1 + dv + 3 dk)); the decays' mask (c c bools), five (B, Hv, n, c, c)
+                      squares (the pair decays, k-beta k^T and it decayed, q k^T and it decayed), two exp's of the
+                      summed decays (B Hv T'), the two triangular solves' results (B Hv T' (dv + dk)); per chunk its
+                      state (B Hv dk dv) and corrected values (B Hv c dv); past the first chunk the decayed queries
+                      (B Hv T' dk), and for every chunk but the last (whose state is a cache's, with no graph) its
+                      decay (B Hv), its keys' decays to its end (B Hv c) and its decayed keys (B Hv c dk)
+        gated norm    each value head's output RMS-normalised in fp32 (its fp32 input, BT Hv dv 4), rsqrt, the
+                      normalised output cast
+                      back and times the gain (2 BT Hv dv a); SiLU's fp32 input and output (the output gate z, 2 BT
+                      Hv dv 4); the product cast back, out_proj's input (BT Hv dv a)
+    """
+    B, T, a = s.B, s.T, s.act
+    Hk, Hv, dk, dv, K = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_width, cfg.linear_value_width,
+                         cfg.linear_conv_kernel)
+    W, c = 2 * Hk * dk + Hv * dv, CHUNK
+    n = -(-T // c)
+    padded = n * c
+    convolution = B * T * W * a + B * W * (T + K - 1) * a
+    decay = 2 * Hv * FP32 + 2 * B * T * Hv * FP32 + B * T * Hv * a
+    normalised = 2 * (B * Hv * T * dk * FP32 + B * Hv * T * FP32)
+    rule = (B * Hv * padded * (1 + dv + 3 * dk) * FP32 + c * c + 5 * B * Hv * n * c * c * FP32
+            + 2 * B * Hv * padded * FP32 + B * Hv * padded * (dv + dk) * FP32
+            + n * B * Hv * dk * dv * FP32 + B * Hv * padded * dv * FP32)
+    if n > 1:
+        rule += B * Hv * padded * dk * FP32 + (n - 1) * B * Hv * (1 + c + c * dk) * FP32
+    if documents:  # packed records: each tap of the convolution its own product, kept, beside its document mask
+        # (B T a); no conv1d input; SiLU's input the taps' sum, T columns. The decays summed per record (the matrix
+        # of same-record pairs, expanded to the heads, B Hv n c c 4), the pairs' mask per row (B n c c bools), the
+        # tokens whose chunk no record started in yet (B n c 4) and, past the first chunk, the last record's tokens
+        # of every chunk but the last (B c bools each), and the decays of the chunks between the first and the last
+        # zeroed where a record started (B Hv 4 each)
+        convolution = K * (B * W * T * a + B * T * a) + B * W * T * a
+        rule += (B * Hv * n * c * c * FP32 + (B * n * c * c - c * c) + B * n * c * FP32 + (n - 1) * B * c
+                 + max(n - 2, 0) * B * Hv * FP32)
+    values = B * T * Hv * dv
+    norm = values * FP32 + B * T * Hv * FP32 + 2 * values * a + 2 * values * FP32 + values * a
+    return convolution + decay + normalised + rule + norm
+
+
+def gated_attention(s: RankShape) -> int:
+    """Qwen3.5's attention layer (qwen35.GatedAttention): its (1 + w) q/k norms (in fp32 the q norm's input is a view
+    of q_proj's output, whose other half is the gate: BT H D 4 more), SDPA's tensors, the partial rotary's bf16 casts,
+    and the output gate: the attention's output (B, T, H D) copied to rows, sigmoid's output and their product,
+    o_proj's input (3 BT H D a)."""
+    gate_half = s.BT * s.heads * s.head_dim * FP32 if s.act == FP32 else 0
+    return (gemma_qk_norms(s) + gate_half + attention(s) + rotary_casts(s, s.rotary_dim)
+            + 3 * s.BT * s.heads * s.head_dim * s.act)
+
+
+def qwen35_blocks(s: RankShape, cfg: ModelConfig, documents: bool = False) -> list[int]:
+    """Each Qwen3.5 block's bytes: two (1 + w) norms and the outputs the mixer's and the MLP's linears read, the mixer
+    (linear attention or gated attention, by the layer), the SwiGLU MLP (a mixture of experts: `experts`, added by
+    the caller)."""
+    common = 2 * gemma_norm(s) + 2 * s.BT * s.C * s.act + swiglu_mlp(s)
+    return [common + (gated_delta_net(s, cfg, documents) if cfg.linear_attention(layer) else gated_attention(s))
+            for layer in range(cfg.n_layer)]
+
+
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
                      recompute: str = "none", device: str = "cpu", documents: bool = False,
                      objective: str = "sft") -> dict[str, int]:
@@ -387,9 +458,12 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
                       kv_heads=tensor_parallel.kv_heads_per_rank(cfg.kv_heads, tp),
                       head_dim=cfg.head_dim, ffn=cfg.ffn_width // tp, vocab=vocab_rows(cfg.vocab_size, tp),
                       act=ACTIVATION_BYTES[precision], position_rows=micro_batch if documents else 1,
-                      kv_repeated=repeated, documents=kernel, mask_rows=micro_batch if documents else 1)
+                      kv_repeated=repeated, documents=kernel, mask_rows=micro_batch if documents else 1,
+                      rotary_dim=cfg.rotary_dim)
         if recompute != "none":
             shapes[window] = block_input(s)
+        elif cfg.arch in QWEN35:  # its layers differ: counted layer by layer below
+            shapes[window] = max(qwen35_blocks(s, cfg, documents))
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         elif cfg.attn_sinks:
@@ -398,8 +472,11 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = llama_block(s, cfg.qk_norm, cfg.qk_norm_whole) if llama else gpt2_block(s)
         # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves
         # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
-        if recompute != "none" or not eager:
+        attends = cfg.arch not in QWEN35 or not all(cfg.linear_attention(i) for i in range(cfg.n_layer))
+        if recompute != "none" or not eager and attends:  # (Qwen3.5's linear layers restart at records instead)
             masks += document_mask(s)
+        if recompute != "none" and documents and cfg.arch in QWEN35:  # each record's first token, an argument
+            masks += s.BT
     per_block = max(shapes.values())
     # Token ids, saved by the embedding lookup (Gemma's scale is a number: its product keeps nothing); the masks.
     embedding = s.BT * INDEX + masks
@@ -408,14 +485,17 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     if llama and recompute == "none" and precision == "fp32":
         # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none): one
         # pair per rotary base the layers use (Gemma 3's sliding layers have their own).
-        embedding += rotary_tables(s) * rotary_bases(cfg, windows)
+        # (Qwen3.5's of its rotated share of each head, where one of its layers attends)
+        embedding += rotary_tables(s, cfg.rotary_dim) * rotary_bases(cfg, windows) * attends
     if not llama:
         embedding += positions(s)
-    if cfg.gemma:  # the final norm, and its output, which the head reads
+    if cfg.gemma or cfg.arch in QWEN35:  # the final (1 + w) norm, and its output, which the head reads
         head = gemma_norm(s) + s.BT * s.C * s.act
     else:
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
+    if cfg.arch in QWEN35 and recompute == "none":
+        blocks = sum(qwen35_blocks(s, cfg, documents))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         blocks += sum(experts(s, cfg, tp) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
     if recompute == "full" and objective == "dpo":

@@ -80,8 +80,9 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         query = query.repeat_interleave(value_heads // key_heads, dim=2)
         key = key.repeat_interleave(value_heads // key_heads, dim=2)
     work = torch.promote_types(dtype, torch.float32)  # fp32, as transformers' (fp64 inputs: fp64)
-    query, key, value, beta, g = (x.transpose(1, 2).to(work, memory_format=torch.contiguous_format)
-                                  for x in (query, key, value, beta, g))
+    # contiguous copies, (B, heads, T, width): Tensor.to with the dtype it has is the tensor itself, whose
+    # transposed layout every batched matmul below would copy again (and keep) for its backward
+    query, key, value, beta, g = (x.transpose(1, 2).contiguous().to(work) for x in (query, key, value, beta, g))
     query, key = l2norm(query), l2norm(key)
     query = query * query.shape[-1] ** -0.5
 
@@ -120,17 +121,32 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         initial_state.to(new_values)
     query = query * cum.exp().unsqueeze(-1)
     to_end = cum[..., -1:] - cum
-    if starts is not None:  # a token of an earlier record adds nothing to the state the chunk leaves
-        to_end = to_end.masked_fill(~in_last, float("-inf"))  # (its sum is of another record: it may be positive)
-    key = key * to_end.exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
     if starts is not None:
         query = query * continues.unsqueeze(-1)
-        chunk_decay = chunk_decay * continues[..., -1:].unsqueeze(-1)
-    outputs = []
+    outputs, last = [], query.shape[2] - 1
     for i in range(query.shape[2]):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
         outputs.append(query[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+        # The state after the last chunk is only ever a cache's (read without gradients): no graph is kept for it,
+        # so a forward keeps nothing for a backward that never comes (the decayed keys of a one-chunk sequence)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and i < last):
+            state = state * chunk_decay(cum, continues if starts is not None else None, i) + \
+                decayed_keys(key, to_end, in_last if starts is not None else None, i).transpose(-1, -2) @ v_new
     out = torch.stack(outputs, dim=2).reshape(B, value_heads, -1, value_width)[:, :, :T]
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
+    return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+def chunk_decay(cum: torch.Tensor, continues: torch.Tensor | None, i: int) -> torch.Tensor:
+    """Chunk i's decay of the state it started with, (B, heads, 1, 1): exp of its summed log decays; 0 where a
+    document started in it (`continues`: no document started up to each token)."""
+    decay = cum[:, :, i, -1].exp()[..., None, None]
+    return decay if continues is None else decay * continues[:, :, i, -1, None, None]
+
+
+def decayed_keys(key: torch.Tensor, to_end: torch.Tensor, in_last: torch.Tensor | None, i: int) -> torch.Tensor:
+    """Chunk i's keys decayed to the chunk's end, as they write the state it leaves; a token of an earlier record
+    (not `in_last`) writes nothing (its sum to the end is of another record: it may be positive)."""
+    to_end = to_end[:, :, i]
+    if in_last is not None:
+        to_end = to_end.masked_fill(~in_last[:, :, i], float("-inf"))
+    return key[:, :, i] * to_end.exp().unsqueeze(-1)

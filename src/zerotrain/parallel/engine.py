@@ -138,7 +138,7 @@ class ZeroEngine:
         placement, part = PLACEMENTS[stage]
         self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
         # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
-        self.placement_part: Placement = part(bucket_numel)
+        self.placement_part: Placement = part(bucket_numel, replicas=self.mesh.dp_replicate_size)
         # this rank's parameter values in the flat layout: the whole buffer at stages 1 and 2, its shard at stage 3
         self.held_params = self.placement.held_params
         # What building this rank's buffers took from the source: bytes read from --init-from's files, values drawn

@@ -12,16 +12,19 @@ answers for itself, at plan time (no process group, no tensors: the settings and
     optimizer    the sharded AdamW: two fp32 moments per owned value, and in bf16 the fp32 master.
     experts      --ep E: EP rank 0's block of experts, laid out over its replica group of DP / E ranks, and the
                  all-to-all's rows.
+    hybrid       --dp-replicate R: the layouts over a replica group's S = DP / R ranks, each gradient shard all-reduced
+                 across the R groups once a step; replica group 0 writes the checkpoint's shards.
 
 The planners (training/memory_plan.py, training/io_plan.py, `zerotrain plan`) ask `parts_for(cfg)` and add up or print
 what the parts give; the loop asks the placement whether replicas start from the same model and what norm a rank
 computes with. None of them asks the stage number: that is read here, once, to pick the parts.
 
-A part to come (hybrid sharding, --dp-replicate; context parallelism) is one more class with the answers it changes,
-picked in `parts_for`: hybrid sharding is a placement over `shard_ranks` of the DP ranks (the layouts' world), its
-gradients all-reduced over the replicas (a `more_rows` entry for its buffers), the norm of what a rank computes with
-summed over its shard group only (`computed_norms`), and start-up reads that each replica makes of its owned ranges
-(`read_rows` over the shard group's rank).
+A part beyond these (hybrid sharding, --dp-replicate; context parallelism next) is one more class in `more` with the
+answers it changes, picked in `parts_for`: hybrid sharding lays the state out over `shard_ranks` of the DP ranks (the
+layouts' world), adds its all-reduce to a step's traffic (`traffic`; no memory of its own: `more_rows` is empty), says
+which ranks write a save (`writes_shard`), and the placement sums the norm of what a rank computes with over its
+replica group only (`computed_norms`); start-up reads are each replica's of its owned ranges (`read_rows` at its rank
+within the shard group).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ class Placement:
     read_how: str  # what a rank reads (and draws) at start-up, in `zerotrain plan`'s words
     drawn_how: str
 
-    def __init__(self, bucket_numel: int) -> None:
+    def __init__(self, bucket_numel: int, replicas: int = 1) -> None:
         self.bucket_numel = bucket_numel  # the frozen base's layout is bucketed as the trained parameters' are
+        self.replicas = replicas  # --dp-replicate R: the replica groups, each holding the whole sharded state
 
 
 class ReplicatedPlacement(Placement):
@@ -136,8 +140,11 @@ class ShardedPlacement(Placement):
         return out
 
     def computed_norms(self, norms: list[float], tp_size: int) -> list[float]:
-        """Each rank holds its shard: what it computes with is its DP group's shards together (world rank d*T + t)."""
-        return [math.sqrt(sum(n * n for q, n in enumerate(norms) if q % tp_size == r % tp_size))
+        """Each rank holds its shard: what it computes with is its shard group's shards together, the ranks of its
+        replica group with its TP index (world rank (g S + s) T + t); another replica group holds copies of them."""
+        group = len(norms) // self.replicas  # S x T world ranks a replica group
+        return [math.sqrt(sum(n * n for q, n in enumerate(norms)
+                              if q % tp_size == r % tp_size and q // group == r // group))
                 for r in range(len(norms))]
 
     def notes(self, bf16: bool, prefetch: bool) -> dict[str, str]:
@@ -166,13 +173,16 @@ class WholeGradients(GradientHolding):
     """ZeRO-1: a full gradient buffer (in bf16 with an fp32 accumulator), reduce-scattered once a step into the shard;
     on one rank in fp32 autograd's own gradients, no buffer (gradients.keeps_autograd_grads)."""
 
-    def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
+    def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int, shard_ranks: int | None = None) \
+            -> int:
         """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with
-        their buckets' padding, `shard` of them its own."""
-        if self.autograd_grads(dp):
+        their buckets' padding, `shard` of them its own; `shard_ranks`: the ranks they are sharded over (with
+        --dp-replicate R, dp / R), `dp` where not given."""
+        if self.autograd_grads(dp):  # of every DP rank: one rank of R replica groups still all-reduces a buffer
             return numel * 4  # one per parameter: no flat buffer
-        # On one DP rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
-        return padded * psize + (padded * 4 if self.precision == "bf16" else 0) + (shard * 4 if dp > 1 else 0)
+        # On one shard rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
+        shards = dp if shard_ranks is None else shard_ranks
+        return padded * psize + (padded * 4 if self.precision == "bf16" else 0) + (shard * 4 if shards > 1 else 0)
 
     def bucket_bytes(self, layout: ShardLayout) -> int:
         return 0  # no buckets beyond the full gradients
@@ -202,7 +212,8 @@ class BucketedGradients(GradientHolding):
     backward: each micro-batch's (at --accum 1, or --grad-reduce micro-batch) through the two largest buckets, else
     every bucket kept through the accumulation window."""
 
-    def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
+    def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int, shard_ranks: int | None = None) \
+            -> int:
         return shard * 4  # the fp32 shard the buckets are reduce-scattered into
 
     @property
@@ -260,6 +271,37 @@ class ExpertParallel:
         return 2 * row_bytes, (1 + self.ep) * row_bytes
 
 
+@dataclass(frozen=True)
+class HybridSharding:
+    """--dp-replicate R (FSDP2's HSDP): the DP ranks form R replica groups of S = DP / R ranks; the state is laid out
+    and sharded over a group's S ranks, as ZeRO over S ranks would, and each gradient shard (the dense engine's and,
+    with --ep, the expert engine's) is all-reduced across the R ranks holding it once a step, at any accumulation
+    (engine.all_reduce_replicas). Replica group 0's ranks write the checkpoint's shards (save.writes_shard) and stage
+    them for --async-save; the other groups' write and stage nothing."""
+
+    replicas: int
+
+    def shard_ranks(self, dp: int) -> int:
+        return dp // self.replicas
+
+    def writes_shard(self, dp_rank: int, dp: int) -> bool:
+        """Whether DP rank `dp_rank` (of `dp`) writes its shard at a save: replica group 0's ranks."""
+        return dp_rank < self.shard_ranks(dp)
+
+    def all_reduce_bytes(self, shard_numels: list[int]) -> int:
+        """Bytes a rank sends a step across the replica groups: each fp32 gradient shard's ring all-reduce over R
+        ranks, 2 (R - 1) / R of it (as Comm.all_reduce counts it, per tensor)."""
+        return sum(int(n * 4 * 2 * (self.replicas - 1) / self.replicas) for n in shard_numels)
+
+    def rows(self, **planned) -> dict[str, int]:
+        """No memory of its own: the all-reduce runs in place on the gradient shard."""
+        return {}
+
+    def traffic(self, layouts: list) -> dict[str, int]:
+        """Bytes a rank sends a step by purpose (Comm's names): the all-reduce of its gradient shards."""
+        return {"all_reduce_replicas": self.all_reduce_bytes([L.shard_numel for L in layouts])}
+
+
 @dataclass
 class RunParts:
     """The parts a run composes, each answering for its own rows, reads and words."""
@@ -270,10 +312,28 @@ class RunParts:
     experts: ExpertParallel | None = None
     more: list = field(default_factory=list)  # parts with rows of their own (context parallelism): `more_rows`
 
+    @property
+    def hybrid(self) -> HybridSharding | None:
+        """--dp-replicate R > 1: the hybrid sharding part, among `more`; None otherwise."""
+        return next((part for part in self.more if isinstance(part, HybridSharding)), None)
+
     def shard_ranks(self, dp: int) -> int:
-        """The ranks the flat layout is split over: every DP rank (hybrid sharding would split over its shard
-        group, DP / --dp-replicate)."""
-        return dp
+        """The ranks the flat layout is split over: every DP rank, or with hybrid sharding its shard group's,
+        DP / --dp-replicate."""
+        return self.hybrid.shard_ranks(dp) if self.hybrid is not None else dp
+
+    def writes_shard(self, dp_rank: int, dp: int) -> bool:
+        """Whether DP rank `dp_rank` writes (and with --async-save stages) its shard at a save: every rank, or with
+        hybrid sharding replica group 0's."""
+        return self.hybrid is None or self.hybrid.writes_shard(dp_rank, dp)
+
+    def traffic(self, layouts: list) -> dict[str, int]:
+        """The bytes a rank sends a step that the parts to come add, by purpose: each such part's `traffic`."""
+        out: dict[str, int] = {}
+        for part in self.more:
+            for key, value in part.traffic(layouts).items():
+                out[key] = out.get(key, 0) + value
+        return out
 
     def more_rows(self, **planned) -> dict[str, int]:
         """The bytes the parts to come add to the memory plan's rows, by row: each such part's `rows(**planned)`."""
@@ -287,8 +347,9 @@ class RunParts:
 def parts_for(cfg: Config) -> RunParts:
     """The parts `cfg`'s run composes: the one place outside the engine that turns the ZeRO stage into parts."""
     p = cfg.parallel
-    placement = (ShardedPlacement if p.zero == 3 else ReplicatedPlacement)(p.bucket_numel)
+    placement = (ShardedPlacement if p.zero == 3 else ReplicatedPlacement)(p.bucket_numel, p.dp_replicate)
     gradients = (WholeGradients if p.zero == 1 else BucketedGradients)(p.zero, p.precision, p.tp, cfg.loop.accum,
                                                                        cfg.grad_reduce)
+    more = context_parallel_rows(p.cp) + ([HybridSharding(p.dp_replicate)] if p.dp_replicate > 1 else [])
     return RunParts(placement, gradients, ShardedAdamW(p.precision), ExpertParallel(p.ep) if p.ep > 1 else None,
-                    more=context_parallel_rows(p.cp))
+                    more)

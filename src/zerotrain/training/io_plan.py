@@ -20,12 +20,15 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
                          dtype and in fp32)
     step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)
-    save, written        its shard file: masters, exp_avg, exp_avg_sq in fp32 and the step, with its header; rank 0
+    save, written        its shard file: masters, exp_avg, exp_avg_sq in fp32 and the step, with its header (with
+                         --dp-replicate R replica group 0's ranks, what S x T ranks would write; the others 0); rank 0
                          also copies --init-from's tokenizer.json and the files configuring it into every checkpoint
                          (checkpoint_bytes_written; the manifest is not counted, nor a data tokenizer's copy
                          without --init-from)
     resume, read         on the mesh that saved: its own shard file, read once and hashed as it loads, and its share
                          of the copied files, shared by size as their hashing at start-up is (checkpoint_bytes_read)
+                         (with --dp-replicate R > 1: the files verified together, hashed shared by size over
+                         all W ranks, then its masters and moments read by ranges, shard x 12: resume_by_ranges)
             held         the state: that file is read into it in place, a block at a time (on CUDA through a few
                          8 MiB blocks on the CPU: read_blocks_held)
     export, written      model.safetensors: every parameter once, fp32, with its header
@@ -103,11 +106,12 @@ class IOPlan:
     export_held_beyond: int
     file_dtype_bytes: int
     init_from: bool  # whether the run starts from files (start-up reads) or from the seed (draws)
+    resume_by_ranges: bool = False  # --dp-replicate R > 1: a resume reads by ranges (resume_by_ranges)
 
     def to_dict(self) -> dict:
         return {"ranks": [asdict(r) for r in self.ranks], "export_written": self.export_written,
                 "export_held_beyond": self.export_held_beyond, "file_dtype_bytes": self.file_dtype_bytes,
-                "init_from": self.init_from}
+                "init_from": self.init_from, "resume_by_ranges": self.resume_by_ranges}
 
 
 def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | None = None) -> IOPlan:
@@ -120,9 +124,10 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     local, shapes, L, experts = planned_layouts(cfg, dp)
     parts = parts_for(cfg)
     place, E = parts.placement, p.ep
+    S = parts.shard_ranks(dp)  # with --dp-replicate R: DP rank d holds what d mod S of replica group 0 does
     # What start-up reads or draws: the trained parameters, or a LoRA run's frozen base (its adapters are drawn by
     # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
-    source = frozen_layout_of(local, dp, p.bucket_numel) if cfg.lora.rank else L
+    source = frozen_layout_of(local, S, p.bucket_numel) if cfg.lora.rank else L
     esize = file_dtype_bytes(cfg)
     memory = memory or memory_plan(cfg, world_size=world)
     state = sum(memory.rows[k] for k in STATE)
@@ -132,18 +137,49 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     copied = copied_files(cfg)  # rank 0 writes them all; a resume's ranks hash them shared by size
     copied_read = [sum(dict(copied)[n] for n in names) for names in share_by_size(copied, world)]
     copied_written = sum(size for _, size in copied)
+    resumed = resume_by_ranges(cfg, L, experts, shard_file, copied, world) if S < dp else None
     ranks = []
     for rank in range(world):
-        rows = place.read_rows(source, rank // tp)  # the placement's: its owned ranges' rows, or its TP slices
+        d = rank // tp % S  # its DP rank within its replica group
+        rows = place.read_rows(source, d)  # the placement's: its owned ranges' rows, or its TP slices
         if experts is not None:  # and its block of experts, its owned ranges of them at stage 3
-            rows += place.read_rows(experts, rank // tp // E)
+            rows += place.read_rows(experts, d // E)
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
+        writes = parts.writes_shard(rank // tp, dp)  # with --dp-replicate R, replica group 0's ranks
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,
-                            state + largest, memory.total, shard_file + (copied_written if rank == 0 else 0),
-                            shard_file + copied_read[rank], state + read_blocks_held(cfg.launch.device)))
+                            state + largest, memory.total,
+                            (shard_file if writes else 0) + (copied_written if rank == 0 else 0),
+                            shard_file + copied_read[rank] if resumed is None else resumed[rank],
+                            state + read_blocks_held(cfg.launch.device)))
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
-    return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from))
+    return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from), resumed is not None)
+
+
+def resume_by_ranges(cfg: Config, L, experts, shard_file: int, copied: list[tuple[str, int]],
+                     world: int) -> list[int]:
+    """Each world rank's bytes read resuming a checkpoint of R replica groups at R > 1 (its shard files are replica
+    group 0's, world / R of them: another mesh's, for load.py): the checkpoint's files verified together, hashed
+    shared by size over every rank (verify.share_by_size), with the headers of its share of the shard files; then
+    its own state read by ranges from them: the masters and two moments (fp32) of its owned values (a shard's
+    padding is not read) and the step, of each engine (with --ep the expert engine's too)."""
+    tp, writers = cfg.parallel.tp, world // cfg.parallel.dp_replicate
+    files = [(f"shard-{q}", shard_file) for q in range(writers)] + copied
+    shared = [sum(dict(files)[n] for n in names) for names in share_by_size(files, world)]
+    steps = 8 * (2 if experts is not None else 1)
+    header = shard_file - 12 * (L.shard_numel + (experts.shard_numel if experts is not None else 0)) - steps
+    headers = [len(names) * header for names in share_by_size([(str(q), 1) for q in range(writers)], world)]
+    out = []
+    for rank in range(world):
+        d = rank // tp % L.world_size  # its DP rank within its replica group
+        owned = owned_values(L, d) + (owned_values(experts, d // cfg.parallel.ep) if experts is not None else 0)
+        out.append(shared[rank] + headers[rank] + 12 * owned + steps)
+    return out
+
+
+def owned_values(layout, dp_rank: int) -> int:
+    """The values of parameters (not of the buckets' padding) that DP rank `dp_rank` owns in `layout`."""
+    return sum(q.numel for s in layout.slots for q in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel))
 
 
 def file_dtype_bytes(cfg: Config) -> int:
@@ -263,8 +299,8 @@ LINES = (("startup_read", "start-up: read", "with --init-from, from its files: {
          ("startup_hashed", "start-up: hashed", "--init-from's files hashed for the manifests, its run of their blocks{files}"),
          ("startup_held", "start-up: held", "the state, and the largest tensor read (file dtype and fp32)"),
          ("step_held", "step: held", "the memory plan's total above"),
-         ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments)"),
-         ("resume_read", "resume: read", "its own shard file, hashed as it loads (on the mesh that saved)"),
+         ("save_written", "save: written", "its shard file (fp32 masters and AdamW's moments){writers}"),
+         ("resume_read", "resume: read", "{resume_how}"),
          ("resume_held", "resume: held", "the state: its shard file is read into it in place"))
 
 
@@ -272,7 +308,11 @@ def describe(plan: IOPlan, placement: Placement, gib) -> list[str]:
     """`zerotrain plan`'s section of it: each figure for rank 0 and its least and most over the ranks; what a rank
     reads and draws at start-up in the words of its parameters' `placement` (parts.py)."""
     notes = {"read_how": placement.read_how, "drawn_how": placement.drawn_how,
-             "files": "" if plan.init_from else " (Hugging Face's files of at most 5 GB)"}
+             "files": "" if plan.init_from else " (Hugging Face's files of at most 5 GB)",
+             "writers": "; replica group 0's ranks, the others none" if plan.resume_by_ranges else "",
+             "resume_how": "its share of the files hashed, then its owned values by ranges (replica groups)"
+                           if plan.resume_by_ranges else
+                           "its own shard file, hashed as it loads (on the mesh that saved)"}
     width = max(len(label) for _, label, _ in LINES)
     lines = [f"  {'per rank, by phase':<{width}}  {'rank 0':>11}  {'least':>11}  {'most':>11}"]
     for key, label, how in LINES:

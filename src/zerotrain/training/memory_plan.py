@@ -22,9 +22,15 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
     optimizer state      shard x 8                                            AdamW's exp_avg and exp_avg_sq
     master weights       shard x 4 in bf16; 0 in fp32, where the masters are the parameter buffer's chunks
     activations          model.activation_memory.activation_bytes, one micro-batch   what autograd keeps for backward
+                         (--offload-activations: 0 on the device, the row below holds them)
                          (with packed records also their document mask: B T T a on CPU, a block mask on CUDA;
                          --method dpo: a micro-batch of B pairs is 2B sequences, chosen and rejected, whose
                          head keeps its input, each token's log-sum-exp and the targets: vocab.token_logps)
+    activations on host  --offload-activations: the activations row's bytes, in host memory (training/offload.py's
+                         hooks copy each saved tensor as it is saved; each storage is counted once here, its
+                         packed_bytes count each saved tensor's copy: 1.06x on the tiny GPT-2, 1.35x on the tiny
+                         Llama, measured on CPU); the device keeps what is saved outside the model's forward: nothing
+                         (the head and the loss run inside it). Not in the device's total with CUDA
     reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank;
                          with --eval-every, the held-out pairs' too
     reference model      --method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial
@@ -42,7 +48,13 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          and the EP group receives E N k in all, so the mean rank receives N k; one rank receives up
                          to E N k (every token of its group routed to its experts: `all_to_all_most`). A run checks
                          the rows sent exactly and the rows received against that most.
-    checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA)
+    checkpoint staging   --async-save: shard x 12, the rank's share of a checkpoint (host memory with CUDA); with
+                         --dp-replicate R replica group 0's ranks (rank 0's among them) stage, the others nothing
+
+With --dp-replicate R (hybrid sharding) every row above is ZeRO's over a replica group's S = DP / R ranks (the
+layouts' world: shard = padded P / S), but autograd's own gradients (stage 1, fp32), which only one DP rank of all
+keeps; `traffic` adds the all-reduce of the gradient shard across the groups, shard x 4 x 2 (R - 1) / R bytes a
+step at any accumulation (with --ep the expert shard's too).
 
 Of which experts (`experts`, not rows of their own: they are inside the rows above), with --ep and without: the
 routed experts' parameters (EP rank 0's block, over its replica group, or their slots of the one flat layout at --ep
@@ -79,7 +91,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -104,6 +116,7 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
         ("frozen_base", "frozen base (LoRA)"), ("gradients", "gradients (between steps)"),
         ("optimizer_state", "optimizer state"), ("master_weights", "master weights"),
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
+        ("activations_host", "activations on the host (offloaded)"),
         ("reference", "reference log-probs (DPO)"), ("reference_model", "reference model (DPO live, full FT)"),
         ("loss_working_set", "loss working set (one chunk of logits)"),
         ("communication", "communication buffers"), ("all_to_all", "all-to-all buffers (EP, balanced)"),
@@ -112,6 +125,7 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
 EXPERT_ROWS = (("parameters", "of which experts: parameters"), ("gradients", "of which experts: gradients"),
                ("optimizer_state", "of which experts: optimizer state"))
 STATE = ("parameters", "frozen_base", "gradients", "optimizer_state", "master_weights", "reference_model")
+HOST_ROWS = ("activations_host", "checkpoint_staging")  # in host memory with CUDA, not in the device's total
 ACTIVATION_TOLERANCE = 0.10
 # The deepest model `largest_model` searches: deeper than any transformer trained at scale (Llama 3's 405B has 126
 # layers; DeepNet's deepest, 1,000). A plan of 1,024 Llama-3-8B blocks takes ~1.6 s to build on the meta device
@@ -132,11 +146,15 @@ class MemoryPlan:
     experts: dict[str, int] | None = None  # EXPERT_ROWS' bytes, rank 0's; None for a model without experts
     expert_bytes_by_rank: list[int] | None = None  # parameters + optimizer state of the experts, each DP rank's
     all_to_all_most: int = 0  # the all-to-all buffers when one rank receives every row of its EP group
+    replicas: int = 1  # --dp-replicate R: the replica groups, each of dp / R ranks holding the sharded state
+    # bytes a rank sends a step by purpose (Comm's names), of what the parts beyond ZeRO add: with --dp-replicate R
+    # the all-reduce of each gradient shard across the replica groups, once a step at any accumulation
+    traffic: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        """The peak of a step on the device: staging is host memory with CUDA."""
-        return sum(v for k, v in self.rows.items() if k != "checkpoint_staging" or self.device == "cpu")
+        """The peak of a step on the device: staging and offloaded activations are host memory with CUDA."""
+        return sum(v for k, v in self.rows.items() if k not in HOST_ROWS or self.device == "cpu")
 
     def summary(self) -> str:
         return f"plan {gib(self.total)} per rank (zerotrain plan)"
@@ -157,6 +175,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     parts = parts_for(cfg)  # each part answers for its own rows; the plan adds them up
     place = parts.placement
     dp = (world_size or cfg.launch.nproc) // tp
+    S = parts.shard_ranks(dp)  # the ranks the state is sharded over: with --dp-replicate R, a replica group's
     B = micro_batch or cfg.loop.micro_batch
     sequences = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
     model, _, L, experts = planned_layouts(cfg, dp)
@@ -166,22 +185,23 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     units = place.units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, beside=experts)
     grads, buckets, communication = gradient_bytes(cfg, L, dp, psize)
     if experts is not None:  # the expert engine's, over its replica group
-        more = gradient_bytes(cfg, experts, parts.experts.replica_ranks(dp), psize)
+        more = gradient_bytes(cfg, experts, dp, psize)
         grads, buckets, communication = grads + more[0], buckets + more[1], communication + more[2]
         padded, shard = padded + experts.padded_numel, shard + experts.shard_numel
-    staging = shard * 12 if cfg.checkpoint.async_save else 0
+    staging = shard * 12 if cfg.checkpoint.async_save else 0  # rank 0 is in replica group 0, which writes
     activations = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=tp, precision=p.precision,
                                    recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents,
                                    objective=cfg.objective.method)
+    saved = activations["total"] + adapter_activations(cfg, model, sequences)
     rows = {
         "parameters": place.held(padded, shard) * psize,
         "parameter_units": units,
-        "frozen_base": place.frozen_numel(model, dp) * psize,
+        "frozen_base": place.frozen_numel(model, S) * psize,
         "gradients": grads,
         "optimizer_state": parts.optimizer.moment_bytes(shard),
         "master_weights": parts.optimizer.master_bytes(shard),
         "gradient_buckets": buckets,
-        "activations": activations["total"] + adapter_activations(cfg, model, sequences),
+        **activation_rows(cfg, saved),
         "reference": reference_bytes(cfg),
         "reference_model": reference_model_bytes(cfg, model, L, psize),
         "loss_working_set": activations["working"],
@@ -196,7 +216,17 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
                                       documents=documents).items():
         rows[key] += value
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
-    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most)
+    traffic = parts.traffic([L] + ([experts] if experts is not None else []))
+    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most, p.dp_replicate, traffic)
+
+
+def activation_rows(cfg: Config, saved: int) -> dict[str, int]:
+    """Where the `saved` bytes of a micro-batch's activations wait for the backward: on the device, or with
+    --offload-activations on the host (training/offload.py's hooks around the model's forward), the device keeping
+    what is saved outside that forward: nothing (the head and the loss run inside the model's call)."""
+    if cfg.parallel.offload_activations:
+        return {"activations": 0, "activations_host": saved}
+    return {"activations": saved, "activations_host": 0}
 
 
 class PlannedModel(NamedTuple):
@@ -256,7 +286,7 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     parts = parts_for(cfg)
     place, per_value = parts.placement, parts.optimizer.state_bytes_per_value
     if experts is not None:
-        grads = gradient_bytes(cfg, experts, parts.experts.replica_ranks(dp), psize)[0]
+        grads = gradient_bytes(cfg, experts, dp, psize)[0]
         params = place.held(experts.padded_numel, experts.shard_numel) * psize
         state = per_value * experts.shard_numel
         rows = {"parameters": params, "gradients": grads, "optimizer_state": state}
@@ -264,29 +294,33 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     slots = [s for s in L.slots if is_expert_parameter(s.name)]
     if not slots:
         return None, None
-    held = sum(s.numel for s in slots)
-    owned = [sum(q.numel for s in slots for q in L.owned_pieces(r, s.offset, s.offset + s.numel)) for r in range(dp)]
+    held, S = sum(s.numel for s in slots), L.world_size  # every replica group's DP rank d holds what d mod S does
+    owned = [sum(q.numel for s in slots for q in L.owned_pieces(r % S, s.offset, s.offset + s.numel))
+             for r in range(dp)]
     by_rank = [place.held(held, o) * psize + per_value * o for o in owned]
     rows = {"parameters": place.held(held, owned[0]) * psize,
-            "gradients": held_gradient_bytes(cfg, held, held, owned[0], dp, psize),  # the slots unpadded
+            "gradients": held_gradient_bytes(cfg, held, held, owned[0], dp, psize, S),  # the slots unpadded
             "optimizer_state": per_value * owned[0]}
     return rows, by_rank
 
 
 def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
-    """(gradients, gradient buckets, gloo's reduce-scatter scratch) of an engine with layout `L` over `dp` ranks."""
-    padded, shard = L.padded_numel, L.shard_numel
-    grads = held_gradient_bytes(cfg, L.numel, padded, shard, dp, psize)
+    """(gradients, gradient buckets, gloo's reduce-scatter scratch) of an engine with layout `L` over its
+    L.world_size ranks (its shard group: with --dp-replicate R a replica group's, of the `dp` DP ranks)."""
+    padded, shard, S = L.padded_numel, L.shard_numel, L.world_size
+    grads = held_gradient_bytes(cfg, L.numel, padded, shard, dp, psize, S)
     buckets = parts_for(cfg).gradients.bucket_bytes(L)
-    communication = (dp - 2) * shard * 4 if cfg.launch.device == "cpu" and dp > 2 else 0
+    communication = (S - 2) * shard * 4 if cfg.launch.device == "cpu" and S > 2 else 0  # a reduce-scatter's ranks
     return grads, buckets, communication
 
 
-def held_gradient_bytes(cfg: Config, numel: int, padded: int, shard: int, dp: int, psize: int) -> int:
-    """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with their
-    buckets' padding, `shard` of them its own (an engine's layout; or at --ep 1 the experts' slots of it and the
-    rank's owned pieces of them): the gradient-holding part's answer (parallel/parts.py)."""
-    return parts_for(cfg).gradients.held_bytes(numel, padded, shard, dp, psize)
+def held_gradient_bytes(cfg: Config, numel: int, padded: int, shard: int, dp: int, psize: int,
+                        shard_ranks: int | None = None) -> int:
+    """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks (sharded over
+    `shard_ranks` of them: with --dp-replicate R, dp / R), `padded` with their buckets' padding, `shard` of them its
+    own (an engine's layout; or at --ep 1 the experts' slots of it and the rank's owned pieces of them): the
+    gradient-holding part's answer (parallel/parts.py)."""
+    return parts_for(cfg).gradients.held_bytes(numel, padded, shard, dp, psize, shard_ranks)
 
 
 def reference_bytes(cfg: Config) -> int:
@@ -484,7 +518,8 @@ def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: tor
                          device=cfg.launch.device, documents=documents, objective=cfg.objective.method)
     adapters = adapter_activations(cfg, model, sequences) if model is not None else 0
     all_to_all = 2 * all_to_all_row_bytes(cfg, sequences) if cfg.parallel.ep > 1 else 0
-    return a["total"] + a["working"] + adapters + all_to_all
+    kept = 0 if cfg.parallel.offload_activations and cfg.launch.device != "cpu" else a["total"] + adapters
+    return kept + a["working"] + all_to_all
 
 
 # What holds less, in order of what it costs the run: (flag, the setting's section and name, its values to try, smallest

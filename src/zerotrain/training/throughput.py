@@ -14,6 +14,10 @@ gradients).
 forward, twice that backward, over the whole T x T (the causal half SDPA may skip is counted, as is conventional).
 A sliding window shorter than T (Mistral's) is counted as the causal half is: over the whole T x T, which SDPA
 with a mask computes (a kernel that skips masked blocks, FlexAttention, does about window / T of it).
+Qwen3.5's layers (model/qwen35.py) differ by kind: its gated attention's q_proj is twice as wide (the output gate),
+and a Gated DeltaNet layer has its own projections, a depthwise convolution, and in place of 12 T a the chunked delta
+rule's matmuls (delta_rule_flops), which grow with the chunk (64 positions), not with T, and its padding to
+whole chunks is counted (the kernels compute it). Its depthwise convolution counts as W K weights.
 Embedding lookups, biases, norms (Qwen3's q/k norms too), activations, softmax and the loss are left out. The
 recompute of --activation-checkpointing is not counted: MFU counts the model's work, not the hardware's. Every
 position of the batch counts as a token (padding too: the matmuls run on it). tests/test_throughput.py checks the
@@ -53,9 +57,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from zerotrain.config import LORA_EXPERTS, Config, LoraConfig, ModelConfig
+from zerotrain.config import LORA_EXPERTS, QWEN35, Config, LoraConfig, ModelConfig
 from zerotrain.data.corpus import cache_root
 from zerotrain.durable import write_json
+from zerotrain.model.delta_rule import CHUNK
 
 PEAK_CACHE = "peak_flops.json"
 
@@ -94,11 +99,55 @@ SPREAD_LIMIT = 1.5  # the fastest timing over the slowest, above a quiet machine
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """The weights of the matmuls one token goes through: every block's projections and MLP (a mixture of experts'
-    active ones: mlp_active_params), and the head."""
-    d, q_width, kv_width = m.n_embd, m.n_head * m.head_dim, m.kv_heads * m.head_dim
-    attention = d * (q_width + 2 * kv_width) + q_width * d
-    return sum(attention + mlp_active_params(m, layer) for layer in range(m.n_layer)) + m.vocab_size * d
+    """The weights of the matmuls one token goes through: every block's projections (mixer_params) and MLP (a mixture
+    of experts' active ones: mlp_active_params), and the head."""
+    return sum(mixer_params(m, layer) + mlp_active_params(m, layer) for layer in range(m.n_layer)) + \
+        m.vocab_size * m.n_embd
+
+
+def mixer_params(m: ModelConfig, layer: int) -> int:
+    """The token mixer's matmul weights of `layer`: attention's q, k, v and output projections (Qwen3.5's q_proj
+    twice as wide: each head's output gate beside its query); a Qwen3.5 Gated DeltaNet layer's in_proj_qkv (d x W,
+    W = 2 Hk dk + Hv dv), in_proj_z (d x Hv dv), in_proj_a and in_proj_b (d x Hv each), out_proj (Hv dv x d) and its
+    depthwise convolution's K taps per channel (W K: a multiply-add per tap, as a weight's)."""
+    d = m.n_embd
+    if m.linear_attention(layer):
+        W = 2 * m.linear_key_heads * m.linear_key_width + m.linear_value_heads * m.linear_value_width
+        values = m.linear_value_heads * m.linear_value_width
+        return d * (W + values + 2 * m.linear_value_heads) + values * d + W * m.linear_conv_kernel
+    q_width, kv_width = m.n_head * m.head_dim, m.kv_heads * m.head_dim
+    gate = q_width if m.arch in QWEN35 else 0
+    return d * (q_width + gate + 2 * kv_width) + q_width * d
+
+
+def mixing_flops_per_token(m: ModelConfig) -> float:
+    """The token mixers' FLOPs beyond their weights, forward and backward: attention's 12 T a a layer (a = its heads'
+    width), and a Gated DeltaNet layer's chunked delta rule (delta_rule_flops), per token of the sequence."""
+    attention = 12 * m.seq_len * m.n_head * m.head_dim
+    layers = [m.linear_attention(layer) for layer in range(m.n_layer)]
+    return attention * layers.count(False) + delta_rule_flops(m) * layers.count(True) / m.seq_len
+
+
+def delta_rule_flops(m: ModelConfig) -> int:
+    """One sequence's matmul FLOPs, forward and backward, in one Gated DeltaNet layer's chunked delta rule
+    (delta_rule.py), over its n chunks of c = 64 positions (the padding of the last one computed too), for each of its
+    Hv value heads of widths dk (keys) and dv (values):
+
+        within a chunk   q k^T and beta k k^T (2 c^2 dk each), the decayed scores times the corrected values
+                         (2 c^2 dv): forward, and the two gradients of each backward; the triangular solves'
+                         gradients of their system (2 c^2 (dk + dv)); the solves themselves are not matmuls
+        across chunks    the state read by the queries and by the corrections (2 c dk dv each): forward, the
+                         gradient of their other factor, and past the first chunk (the first state is zeros, no
+                         gradient) the state's; the state updated (2 c dk dv): forward in every chunk, backward in
+                         all but the last (the state it leaves is a cache's, without a graph)
+
+    What torch's FlopCounterMode counts of it (tests/test_throughput.py)."""
+    c, dk, dv = CHUNK, m.linear_key_width, m.linear_value_width
+    n = -(-m.seq_len // c)
+    within = 3 * (4 * c * c * dk + 2 * c * c * dv) + 2 * c * c * (dk + dv)
+    state = 2 * c * dk * dv
+    across = 2 * state * (2 + 3 * (n - 1)) + state * (n + 2 * (n - 1))
+    return m.linear_value_heads * (n * within + across)
 
 
 def mlp_active_params(m: ModelConfig, layer: int) -> int:
@@ -113,12 +162,12 @@ def mlp_active_params(m: ModelConfig, layer: int) -> int:
     return d * m.n_experts + m.experts_per_token * 3 * d * m.expert_ffn + shared
 
 
-def model_flops_per_token(m: ModelConfig, lora: LoraConfig | None = None) -> int:
+def model_flops_per_token(m: ModelConfig, lora: LoraConfig | None = None) -> float:
     """6 N + 12 L T a: the model's forward and backward FLOPs per token (the module docstring says what counts); with
     LoRA adapters (`lora` of a rank), what a run with a frozen base computes (lora_flops_per_token)."""
     if lora is not None and lora.rank:
         return lora_flops_per_token(m, lora)
-    return 6 * matmul_params(m) + 12 * m.n_layer * m.seq_len * m.n_head * m.head_dim
+    return 6 * matmul_params(m) + mixing_flops_per_token(m)
 
 
 def adapted_shapes(m: ModelConfig, lora: LoraConfig, layer: int) -> list[tuple[str, int, int]]:

@@ -25,7 +25,8 @@ HOW = {
     "optimizer_state": "shard x 8 (AdamW's two moments)",
     "master_weights": "{master}",
     "gradient_buckets": "{buckets}",
-    "activations": "saved for the backward, {B} x {T} tokens{recompute}",
+    "activations": "{saved}",
+    "activations_host": "{host}",
     "reference": "{reference}",
     "reference_model": "{reference_model}",
     "loss_working_set": "{loss}",
@@ -72,7 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
               "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict(),
               "ep": plan.ep, "experts": plan.experts, "expert_bytes_by_rank": plan.expert_bytes_by_rank,
-              "all_to_all_most": plan.all_to_all_most}
+              "all_to_all_most": plan.all_to_all_most, "dp_replicate": plan.replicas, "traffic": plan.traffic}
     print(json.dumps(report, indent=2) if args.json else "\n".join([table(cfg, report), "",
                                                                       *describe(io, parts_for(cfg).placement, gib)]))
     return 0
@@ -118,6 +119,9 @@ def table(cfg: Config, r: dict) -> str:
     rows = vocab_rows(cfg.model.vocab_size, p.tp)  # a micro-batch of DPO pairs is twice as many sequences
     chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
     mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
+    batch = f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"]
+    recompute = {"none": "", "blocks": ", blocks recomputed",
+                 "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing]
     notes = {
         "params": placed["params"],
         "units": placed["units"],
@@ -126,15 +130,18 @@ def table(cfg: Config, r: dict) -> str:
                    "adapters)") if cfg.lora.rank else "none: every weight trains",
         **parts.gradients.notes(bf16, r["dp"]),  # grads, buckets
         "master": "shard x 4 (fp32 copy of bf16 parameters)" if bf16 else "none: fp32 masters are the parameters",
-        "B": f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"], "T": r["seq_len"],
+        "saved": "none on the device: --offload-activations keeps them on the host (below)" if p.offload_activations
+                 else f"saved for the backward, {batch} x {r['seq_len']} tokens{recompute}",
+        "host": (f"--offload-activations: saved for the backward, {batch} x {r['seq_len']} tokens{recompute}, each "
+                 "storage once (the hooks copy each saved tensor: more)") if p.offload_activations else
+                "none (--offload-activations keeps them here)",
         "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
                      "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
         "reference_model": ("a frozen copy of the initial policy, laid out as its parameters (" + placed["copy"] +
                             "): no gradients, no optimizer state")
                            if r["rows"]["reference_model"] else
                            "none: --dpo-reference live in full fine-tuning holds one" if dpo else "none (sft)",
-        "recompute": {"none": "", "blocks": ", blocks recomputed",
-                      "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing],
+
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
         "a2a": (f"one MoE layer's rows: N k sent, N k received (balanced routing); "
                 f"{gib(r['all_to_all_most'])} if one rank received all of its EP group's")
@@ -145,6 +152,8 @@ def table(cfg: Config, r: dict) -> str:
                    "none (--async-save stages copies)",
     }
     mesh = f"TP {r['tp']} x DP {r['dp']}" if r["tp"] > 1 else f"DP {r['dp']}"
+    if r["dp_replicate"] > 1:  # hybrid sharding: the state sharded within each replica group
+        mesh += f" ({r['dp_replicate']} replica groups of {r['dp'] // r['dp_replicate']})"
     lora = f" with LoRA rank {r['lora_rank']} adapters" if r["lora_rank"] else ""
     lines = [f"zerotrain plan: {r['model']} {r['parameters']:,} parameters{lora} on {mesh} ({r['device']}), ZeRO-{r['zero']}, "
              f"{r['precision']}, micro-batch {r['micro_batch']} x {r['seq_len']} tokens, accum {cfg.loop.accum}; "
@@ -158,9 +167,14 @@ def table(cfg: Config, r: dict) -> str:
                f"all {cfg.model.n_experts} experts of each MoE layer, in the one flat layout (--ep 1)")
         for key, label in EXPERT_ROWS:
             lines.append(f"  {label:<{width}}  {gib(r['experts'][key]):>11}  {how if key == 'parameters' else ''}")
-    where = "on the device; staging is host memory" if r["device"] == "cuda" else "in RAM"
+    where = "on the device; staging and offloaded activations are host memory" if r["device"] == "cuda" else "in RAM"
     lines += ["", f"  {'total, at the peak of a step':<{width}}  {gib(r['total']):>11}  {where}; torch's own "
               "runtime not included"]
+    if "all_reduce_replicas" in r["traffic"]:
+        lines.append(f"  --dp-replicate {r['dp_replicate']}: {gib(r['traffic']['all_reduce_replicas'])} sent a step "
+                     f"across the replica groups (the gradient shard's all-reduce, shard x 4 x 2(R-1)/R, once a step "
+                     f"at any --accum), beside the reduce-scatters and all-gathers within a group of "
+                     f"{r['dp'] // r['dp_replicate']}")
     costs = r["grad_reduce"]
     if costs["other"] is not None:
         o = costs["other"]
