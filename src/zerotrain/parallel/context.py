@@ -79,6 +79,11 @@ class ContextParallelRows:
         return {"activations": held - whole["total"], "loss_working_set": part["working"] - whole["working"],
                 "communication": ring}
 
+    def traffic(self, layouts: list) -> dict[str, int]:
+        """The step's traffic the plan adds for it: none yet (the ring's point-to-point hops are not planned by
+        purpose; their buffers are the communication row's)."""
+        return {}
+
 
 def context_parallel_rows(cp: int) -> list:
     """The parts RunParts.more gets for --cp `cp`."""

@@ -19,7 +19,7 @@ The planners (training/memory_plan.py, training/io_plan.py, `zerotrain plan`) as
 what the parts give; the loop asks the placement whether replicas start from the same model and what norm a rank
 computes with. None of them asks the stage number: that is read here, once, to pick the parts.
 
-A part beyond these (hybrid sharding, --dp-replicate; context parallelism next) is one more class in `more` with the
+A part beyond these (hybrid sharding, --dp-replicate; context parallelism, context.py) is one more class in `more` with the
 answers it changes, picked in `parts_for`: hybrid sharding lays the state out over `shard_ranks` of the DP ranks (the
 layouts' world), adds its all-reduce to a step's traffic (`traffic`; no memory of its own: `more_rows` is empty), says
 which ranks write a save (`writes_shard`), and the placement sums the norm of what a rank computes with over its
