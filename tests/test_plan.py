@@ -189,6 +189,7 @@ def test_stage3_accumulation_plans_what_accum_1_holds_for_llama3_8b_at_dp64_and_
     (["--nproc", "8", "--tp", "3"], "--tp 3 does not divide the world size 8"),
     (["--device-memory", "lots"], "--device-memory 'lots' is not a size"),
     (["--device-memory", "0GiB"], "--device-memory '0GiB' is not a size"),
+    (["--device-memory", "80"], "--device-memory '80' is 80 bytes: give a unit, e.g. 80GiB"),
     (["--zero", "4"], "--zero must be 1, 2 or 3, got 4"),
 ])
 def test_plan_refuses_bad_settings_in_one_line(capsys, argv, says):

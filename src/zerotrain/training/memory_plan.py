@@ -730,6 +730,8 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ConfigError(f"{flag} {text!r} is not a size: give a positive number with a unit, e.g. 80GiB, 40GB "
                           "or 512MiB")
+    if unit == "" and float(m.group(1)) < _UNITS["mib"]:  # '80' meant 80GiB, not 80 bytes: no device is that small
+        raise ConfigError(f"{flag} {text!r} is {m.group(1)} bytes: give a unit, e.g. {m.group(1)}GiB")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
