@@ -151,7 +151,9 @@ def table(cfg: Config, r: dict) -> str:
                     (" (host memory)" if r["device"] == "cuda" else "")) if cfg.checkpoint.async_save else
                    "none (--async-save stages copies)",
     }
-    mesh = f"TP {r['tp']} x DP {r['dp']}" if r["tp"] > 1 else f"DP {r['dp']}"
+    # the ZeRO shard group spans DP x CP (plan.dp); the batch is split over DP = that / CP
+    cp = cfg.parallel.cp
+    mesh = " x ".join([f"TP {r['tp']}"] * (r["tp"] > 1) + [f"CP {cp}"] * (cp > 1) + [f"DP {r['dp'] // cp}"])
     if r["dp_replicate"] > 1:  # hybrid sharding: the state sharded within each replica group
         mesh += f" ({r['dp_replicate']} replica groups of {r['dp'] // r['dp_replicate']})"
     lora = f" with LoRA rank {r['lora_rank']} adapters" if r["lora_rank"] else ""
