@@ -7,7 +7,13 @@ its advantages, reference log-probs and loss on the same initial model (its own 
 (zerotrain's settings) from its gradient. zerotrain's step-1 loss and its exported step-1 weights must equal TRL's
 within 1e-5, for each loss type, beta 0 and 0.04, at 1 rank and at 2 ranks ZeRO-3 (TRL accumulating over the same
 micro-batches, as DDP would average them). Planted in the product (advantages not normalised by the group's std), at
-1 rank in this process, the loss is off."""
+1 rank in this process, the loss is off.
+
+With LoRA, TRL's GRPOTrainer gets peft's LoraConfig of the same rank, alpha and targets, holding zerotrain's initial
+adapters (B drawn nonzero at 1 rank, so that the base and the adapted policy differ): loss, grad norm and the adapters
+after the step within 1e-5 (dapo with and without the KL term, grpo with it; at 2 ranks ZeRO-3 with the product's
+zero B). Planted: the reference scored with the adapters on (the loss is off, its KL 0), and the completions sampled
+with them off (they are the base's)."""
 
 from __future__ import annotations
 
@@ -21,10 +27,15 @@ import pytest
 import torch
 from conftest import world_of_one
 from model_folders import llama_folder, write_jsonl
+from safetensors.torch import load_file
 
+from zerotrain import load_model
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser, main
+from zerotrain.config import LoraConfig
+from zerotrain.model import lora
 from zerotrain.runtime.run_folder import prepare_run, release_run_folders
+from zerotrain.training import grpo
 from zerotrain.training import grpo_loss as gl
 from zerotrain.training.loop import train
 from zerotrain.training.rollouts import read_rollouts
@@ -92,10 +103,13 @@ def step_one(out) -> dict:
         os.path.join(out, "rollouts.jsonl")), "weights": dict(model.named_parameters()), "record": step}
 
 
-def trl_step(data, tmp, rollouts: list[dict], *, loss: str, beta: float, micro_batches: int) -> dict:
+def trl_step(data, tmp, rollouts: list[dict], *, loss: str, beta: float, micro_batches: int,
+             adapters: dict | None = None) -> dict:
     """TRL's GRPOTrainer on zerotrain's step-1 completions: its loss (accumulated over `micro_batches` as its
     gradient accumulation and DDP would), its grad norm, and its weights after one AdamW step of zerotrain's
-    settings (constant lr 1e-3, betas (0.9, 0.95), eps 1e-8, no weight decay, clipped at 1)."""
+    settings (constant lr 1e-3, betas (0.9, 0.95), eps 1e-8, no weight decay, clipped at 1). With `adapters`
+    (zerotrain's initial ones, by name), its peft LoRA of the same rank, alpha and targets holding them, and its
+    weights are the adapters (zerotrain's names)."""
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -108,8 +122,22 @@ def trl_step(data, tmp, rollouts: list[dict], *, loss: str, beta: float, micro_b
     tokenizer = transformers.AutoTokenizer.from_pretrained(data["base"])
     args = GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=len(rollouts), num_generations=G,
                       max_completion_length=L, loss_type=loss, beta=beta, report_to="none", use_cpu=True, bf16=False, seed=0)
+    peft_config = None
+    if adapters is not None:
+        import peft
+
+        peft_config = peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                      target_modules=list(LORA_TARGETS))
     trainer = GRPOTrainer(model=data["base"], reward_funcs=[reward_module.varied], args=args,
-                          train_dataset=datasets.Dataset.from_list(RECORDS), processing_class=tokenizer)
+                          train_dataset=datasets.Dataset.from_list(RECORDS), processing_class=tokenizer,
+                          peft_config=peft_config)
+    if adapters is not None:
+        held = dict(trainer.model.named_parameters())
+        theirs = {adapter_name(n): n for n in held if ".lora_" in n}
+        assert theirs.keys() == adapters.keys()
+        with torch.no_grad():
+            for name, value in adapters.items():
+                held[theirs[name]].copy_(value)
     by_ids = {tuple(trainer._tokenize_prompts([r["prompt"]])[0][0]): r for r in RECORDS}
     inputs = [by_ids[tuple(r["prompt_ids"])] for r in rollouts]  # zerotrain's prompt encoding is TRL's
     prompt_ids, completion_ids = [r["prompt_ids"] for r in rollouts], [r["completion_ids"] for r in rollouts]
@@ -130,8 +158,15 @@ def trl_step(data, tmp, rollouts: list[dict], *, loss: str, beta: float, micro_b
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     optimizer.step()
-    return {"loss": total, "grad_norm": grad_norm, "advantages": batch["advantages"],
-            "weights": dict(trainer.model.named_parameters())}
+    weights = dict(trainer.model.named_parameters())
+    if adapters is not None:
+        weights = {adapter_name(n): p for n, p in weights.items() if ".lora_" in n}
+    return {"loss": total, "grad_norm": grad_norm, "advantages": batch["advantages"], "weights": weights}
+
+
+def adapter_name(peft_name: str) -> str:
+    """zerotrain's name of a peft adapter parameter: peft's without its wrapper's prefix and adapter name."""
+    return peft_name.removeprefix("base_model.model.").replace(".default", "")
 
 
 def largest_difference(ours: dict, theirs: dict) -> float:
@@ -184,6 +219,105 @@ def test_advantages_not_normalised_are_caught(data, tmp_path, monkeypatch):
     # grpo's on-policy loss is the advantages' mean, 0 either way: the gradient and the step tell
     assert abs(ours["grad_norm"] - theirs["grad_norm"]) > 1e-2
     assert largest_difference(ours["weights"], theirs["weights"]) > 1e-3
+
+
+# LoRA: rank 4, alpha 8 on every linear of the blocks, and in TRL peft's LoraConfig of the same (its reference: the
+# base, the adapters disabled). B starts drawn, not zero (the product's initial_up replaced): the adapted policy is
+# not its base at step 1, so the KL term tells which one scored the reference.
+LORA_RANK, LORA_ALPHA = 4, 8.0
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ARGS = ["--lora-rank", str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA)]
+
+
+def drawn_up(out_features: int, rank: int) -> torch.Tensor:
+    return torch.randn(out_features, rank, generator=torch.Generator().manual_seed(out_features)) * 0.03
+
+
+def initial_adapters(base: str) -> dict[str, torch.Tensor]:
+    """zerotrain's adapters before step 1 (seed 0's A; B zero, or drawn_up's where it replaces initial_up), by
+    name."""
+    model = load_model(base)
+    lora.add_adapters(model, LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA), 0)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def lora_step_one(data, tmp, monkeypatch, *, loss: str, beta: float) -> tuple[dict, dict, dict]:
+    """zerotrain's LoRA step 1 at 1 rank (B drawn), TRL's with peft on its rollouts, and the adapters both started
+    from."""
+    monkeypatch.setattr(lora, "initial_up", drawn_up)
+    out = tmp / "run"
+    in_this_process(argv(data, out, loss=loss, beta=beta, more=LORA_ARGS))
+    start = initial_adapters(data["base"])
+    ours = lora_step_one_of(out)
+    theirs = trl_step(data, tmp / "trl", ours["rollouts"], loss=loss, beta=beta, micro_batches=2, adapters=start)
+    return ours, theirs, start
+
+
+def lora_step_one_of(out) -> dict:
+    """step_one of a LoRA run, its weights the adapters (by name), as its peft export holds them."""
+    ours = step_one(out)
+    folder = os.path.join(out, "adapter")
+    assert main(["export", os.path.join(out, "checkpoints"), folder, "--format", "peft"]) == 0
+    adapters = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    ours["weights"] = {adapter_name(n): t.float() for n, t in adapters.items()}
+    return ours
+
+
+@pytest.mark.parametrize("loss,beta", [("dapo", 0.0), ("dapo", 0.04), ("grpo", 0.04)])
+def test_a_lora_step_one_equals_trls_grpo_trainer_with_peft_at_one_rank(data, tmp_path, monkeypatch, loss, beta):
+    ours, theirs, start = lora_step_one(data, tmp_path, monkeypatch, loss=loss, beta=beta)
+    assert len({len(r["completion_ids"]) for r in ours["rollouts"]}) > 1  # varied lengths: the normalisers differ
+    assert len(ours["weights"]) == 2 * 7 * 2  # A and B of 7 linears in each of the 2 blocks
+    assert abs(ours["loss"] - theirs["loss"]) < 1e-5, (ours["loss"], theirs["loss"])
+    assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5 and theirs["grad_norm"] > 1e-2
+    assert largest_difference(ours["weights"], theirs["weights"]) < 1e-5
+    assert largest_difference(ours["weights"], start) > 1e-4  # the step moved them
+    if beta:
+        assert ours["record"]["kl"] > 1e-4  # the base, not the adapted policy, is the reference
+
+
+def test_a_lora_step_one_equals_trls_grpo_trainer_with_peft_at_two_ranks_zero3(data, tmp_path):
+    """The product's own initial adapters (B zero: the reference is the policy at step 1), its base sharded."""
+    out = tmp_path / "run"
+    assert main(argv(data, out, loss="dapo", beta=0.04, nproc=2, more=LORA_ARGS)) == 0
+    release_run_folders()
+    ours = lora_step_one_of(out)
+    theirs = trl_step(data, tmp_path / "trl", ours["rollouts"], loss="dapo", beta=0.04, micro_batches=4,
+                      adapters=initial_adapters(data["base"]))
+    assert abs(ours["loss"] - theirs["loss"]) < 1e-5, (ours["loss"], theirs["loss"])
+    assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5 and theirs["grad_norm"] > 1e-2
+    assert largest_difference(ours["weights"], theirs["weights"]) < 1e-5
+    assert ours["record"]["kl"] == 0.0
+
+
+def test_a_lora_reference_scored_with_the_adapters_on_is_caught(data, tmp_path, monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(grpo, "adapters_off", lambda model: contextlib.nullcontext())  # planted
+    ours, theirs, _ = lora_step_one(data, tmp_path, monkeypatch, loss="dapo", beta=0.04)
+    assert ours["record"]["kl"] == 0.0  # the policy against itself
+    assert abs(ours["loss"] - theirs["loss"]) > 1e-4, (ours["loss"], theirs["loss"])
+
+
+def test_lora_completions_are_sampled_with_the_adapters_on_and_the_base_sampling_them_is_caught(data, tmp_path,
+                                                                                                monkeypatch):
+    """The same seed's draws: the adapted policy's differ from its base's (B drawn); sampled with the adapters off
+    (planted around the product's sampler), they are the base's."""
+    def completions(name: str, *more) -> list[list[int]]:
+        in_this_process(argv(data, tmp_path / name, more=more))
+        return [r["completion_ids"] for r in read_rollouts(os.path.join(tmp_path / name, "rollouts.jsonl"))]
+
+    base = completions("base")
+    monkeypatch.setattr(lora, "initial_up", drawn_up)
+    assert completions("lora", *LORA_ARGS) != base
+    real = grpo.sample_completions
+
+    def base_sampling(model, *args, **kw):  # planted: the rollouts drawn by the base
+        with lora.adapters_off(model):
+            return real(model, *args, **kw)
+
+    monkeypatch.setattr(grpo, "sample_completions", base_sampling)
+    assert completions("planted", *LORA_ARGS) == base
 
 
 # The toy task: each prompt names 10 of a pool of 30 token ids ("Say one of: ..."); a completion earns 1 when it holds

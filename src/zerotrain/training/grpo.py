@@ -5,18 +5,19 @@ One step, on every rank:
 
     1. rollouts   this rank's prompts (a contiguous block of the step's P = global batch / G prompts, so a prompt's G
                   completions are on one rank) get G completions each, sampled under torch.no_grad (inference mode)
-                  by the model as the engine holds it: at ZeRO-3 its forwards gather each unit as training's do, and
-                  every rank runs the same number of them (no early stop when all rows ended). Prompt j's generator
-                  is seeded from (seed, generation, j), so the draws do not depend on the split and a resumed run
-                  draws the same completions.
+                  by the model as the engine holds it (with LoRA, its adapters on): at ZeRO-3 its forwards gather
+                  each unit as training's do, and every rank runs the same number of them (no early stop when all
+                  rows ended). Prompt j's generator is seeded from (seed, generation, j), so the draws do not depend
+                  on the split and a resumed run draws the same completions.
     2. rewards    each rank scores its own completions (rewards.score: TRL's signature, the records' other fields as
                   columns); one all-gather gives every rank every score and length, from which each computes the
                   same rewards, advantages (scaled by the group's std, the batch's, or not at all) and the step's
                   completion-token count; rank 0 gathers the texts too and writes <out>/rollouts.jsonl.
     3. the loss   through the executor (executor.run_micro_batches): --micro-batch completions a forward (prompt and
                   completion, padded to --seq-len), each completion token's log-prob at --temperature (TRL scales the
-                  logits by it), the reference's first when --grpo-beta > 0 (a frozen copy of the initial model:
-                  reference_model.frozen_copy, DPO's), and grpo_loss with the step's normaliser: the global batch's
+                  logits by it), the reference's first when --grpo-beta > 0 (the initial model: with LoRA the
+                  base itself, its adapters off (lora.adapters_off), as DPO's live reference; else a frozen copy of
+                  it, reference_model.frozen_copy), and grpo_loss with the step's normaliser: the global batch's
                   completions (grpo), completions x --max-completion-length (dr_grpo), completion tokens (dapo), or
                   the micro-batches (bnpo, each micro-batch's own tokens inside).
 
@@ -43,6 +44,7 @@ from zerotrain.data.jsonl import record_tokenizer
 from zerotrain.data.prompts import Prompt, PromptSource, read_prompts
 from zerotrain.data.tokenizer_config import model_facts, stop_ids
 from zerotrain.model.generate import sample_completions, until_stop
+from zerotrain.model.lora import adapters_off
 from zerotrain.model.loss import head_loss
 
 from . import grpo_loss as gl
@@ -138,7 +140,8 @@ def rows_of(prompts: list[tuple[int, ...]], completions: list[list[int]], seq_le
 
 class GroupRelative:
     """The --method grpo objective: what the loop asks of a method (its schedule, its step's gradients and loss, the
-    figures of its record), the reward functions, the reference copy (--grpo-beta > 0) and the rollouts file."""
+    figures of its record), the reward functions, the reference copy (--grpo-beta > 0 without LoRA) and the rollouts
+    file."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.o = cfg, cfg.objective
@@ -181,9 +184,10 @@ class GroupRelative:
         return None
 
     def prepare(self, engine, comm, manifest: dict, resumed_from: str | None, base: dict | None) -> dict:
-        """Before step 1: the reference copy (--grpo-beta > 0), built from the base resumed or not, and the rollouts
-        file, whose records after the resumed step are dropped."""
-        if self.o.grpo_beta > 0:
+        """Before step 1: the reference copy (--grpo-beta > 0 without LoRA: with it the reference is the base the
+        engine holds), built from the base resumed or not, and the rollouts file, whose records after the resumed
+        step are dropped."""
+        if self.o.grpo_beta > 0 and not self.cfg.lora.rank:
             self.reference_model = reference_model.frozen_copy(self.cfg, engine)
         self.writer = RolloutWriter(os.path.join(self.cfg.logging.out, ROLLOUTS_FILE), active=comm.rank == 0,
                                     start=manifest.get("step", 0))
@@ -266,7 +270,7 @@ class GroupRelative:
     def group_micro(self, engine, chunk: list[dict], reference: bool = True) -> GroupMicro:
         """A micro-batch of rollouts on the device, with the reference's log-probs when --grpo-beta > 0 and
         `reference` (scored before the policy's forward: at ZeRO-3 the copy's units and the policy's are never whole
-        together)."""
+        together; with LoRA, by the policy with its adapters off)."""
         o, device = self.o, engine.device
         micro, positions = rows_of([r["prompt_ids"] for r in chunk], [r["completion_ids"] for r in chunk],
                                    self.cfg.model.seq_len, o.max_completion_length, device)
@@ -274,12 +278,19 @@ class GroupRelative:
         advantages = torch.tensor([r["advantage"] for r in chunk], dtype=torch.float32, device=device)
         old = torch.stack([r["old"] for r in chunk]) if chunk[0].get("old") is not None else None
         group = GroupMicro(micro, positions, mask, advantages, old)
-        if self.reference_model is not None and reference:
-            with torch.no_grad():
-                ref = head_loss(self.reference_model.model, micro.inputs, micro.labels,
-                                completion_logps(o.temperature), False)[0]
-            group.ref = ref.gather(1, positions)
+        if o.grpo_beta > 0 and reference:
+            group.ref = self.reference_logps(engine, micro).gather(1, positions)
         return group
+
+    def reference_logps(self, engine, micro: MicroBatch) -> torch.Tensor:
+        """The initial model's log-prob of each target token (B, T): the frozen copy's, or with LoRA the base's (the
+        engine's model with its adapters off)."""
+        scorer = completion_logps(self.o.temperature)
+        if self.reference_model is not None:
+            with torch.no_grad():
+                return head_loss(self.reference_model.model, micro.inputs, micro.labels, scorer, False)[0]
+        with torch.no_grad(), adapters_off(engine.model):
+            return head_loss(engine.model, micro.inputs, micro.labels, scorer, False)[0]
 
     def rollouts(self, engine, batch: GroupBatch) -> list[dict]:
         """This rank's G completions of each of its prompts, scored, with their advantages over the global batch; rank
