@@ -245,6 +245,12 @@ def family_configs() -> dict:
     configs["gemma3_text"] = transformers.Gemma3TextConfig(**gemma, sliding_window_pattern=2)
     configs["gpt_oss"] = transformers.GptOssConfig(**{**FAMILY_SIZES, **sizes, "num_local_experts": 4,
                                                       "num_experts_per_tok": 2, "sliding_window": 4})
+    linear = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                  linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"])
+    qwen35 = {**FAMILY_SIZES, **sizes, **linear, "num_hidden_layers": 2}
+    configs["qwen3_5_text"] = transformers.Qwen3_5TextConfig(**qwen35)
+    configs["qwen3_5_moe_text"] = transformers.Qwen3_5MoeTextConfig(
+        **qwen35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     return configs
 
 

@@ -184,8 +184,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     # with --ep the units' experts are the expert engine's buckets, whole with the rest
     units = place.units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, beside=experts)
     grads, buckets, communication = gradient_bytes(cfg, L, dp, psize)
-    if experts is not None:  # the expert engine's, over its replica group
-        more = gradient_bytes(cfg, experts, dp, psize)
+    if experts is not None:  # the expert engine's, over its group (x the replica groups: whether one rank keeps all)
+        more = gradient_bytes(cfg, experts, experts.world_size * p.dp_replicate, psize)
         grads, buckets, communication = grads + more[0], buckets + more[1], communication + more[2]
         padded, shard = padded + experts.padded_numel, shard + experts.shard_numel
     staging = shard * 12 if cfg.checkpoint.async_save else 0  # rank 0 is in replica group 0, which writes
@@ -286,7 +286,7 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     parts = parts_for(cfg)
     place, per_value = parts.placement, parts.optimizer.state_bytes_per_value
     if experts is not None:
-        grads = gradient_bytes(cfg, experts, dp, psize)[0]
+        grads = gradient_bytes(cfg, experts, experts.world_size * cfg.parallel.dp_replicate, psize)[0]
         params = place.held(experts.padded_numel, experts.shard_numel) * psize
         state = per_value * experts.shard_numel
         rows = {"parameters": params, "gradients": grads, "optimizer_state": state}
