@@ -337,14 +337,14 @@ def test_the_depth_search_stops_at_its_cap_and_says_so(tmp_path):
 def test_plan_command_says_the_largest_model_of_the_shape(capsys):
     base = ["--preset", "llama-tiny", "--nproc", "4", "--zero", "3", "--data", "synthetic", "--micro-batch", "2"]
     room = plan_json(capsys, *base, "--n-layer", "30")["total"]
-    fit = plan_json(capsys, *base, "--device-memory", str(room))
+    fit = plan_json(capsys, *base, "--device-memory", f"{room}B")
     assert plan_json(capsys, *base)["largest_model"] is None  # without --device-memory
     deepest = fit["largest_model"]
     assert deepest == {"n_layer": 30, "parameters": plan_json(capsys, *base, "--n-layer", "30")["parameters"],
                        "capped": False}
     assert plan_json(capsys, *base, "--n-layer", "31")["total"] > room
-    assert plan_json(capsys, *base, "--device-memory", str(room // 100))["largest_model"] is None
-    assert cli.main(["plan", *base, "--device-memory", str(room)]) == 0
+    assert plan_json(capsys, *base, "--device-memory", f"{room // 100}B")["largest_model"] is None
+    assert cli.main(["plan", *base, "--device-memory", f"{room}B"]) == 0
     assert f"largest model of this shape in {plan_module.gib(room)}: 30 layers ({deepest['parameters']:,} " \
            "parameters) at micro-batch 2" in capsys.readouterr().out
 
