@@ -1,8 +1,7 @@
 """ZeRO-3's bucket buffers: full-size, their storage held only while gathered; every parameter a view of one.
 
-A sharded rank keeps its owned chunks of each bucket in a shard; the bucket's full-size buffer has storage only
-while a unit needs it whole (gather_bucket allocates it again and all-gathers the DP group's chunks into it; releasing
-resizes it to 0 bytes), and every parameter is a permanent view of it that keeps its shape. The engine's sharded
+A rank keeps its owned chunks in a shard; a bucket's buffer has storage only while a unit needs it whole (gather_bucket
+allocates it and all-gathers into it; releasing resizes it to 0 bytes, the views keeping their shapes). The sharded
 placement (sharded.py) and a frozen copy (frozen_copy.py) share these.
 """
 
@@ -25,9 +24,8 @@ class ReleasedParameterError(ZeroTrainError):
 def shard_into_buckets(layout: ShardLayout, params: list[torch.nn.Parameter], shard: torch.Tensor, rank: int,
                        values: Callable | None) -> list[torch.Tensor]:
     """Fill `shard` with rank `rank`'s owned chunks of `layout`, `values(name, p, lo, hi)` giving values [lo, hi) of
-    parameter p flattened (this rank's TP slice of it), the only ones read or drawn (None: `shard` holds them
-    already); a parameter with nothing owned here is never computed or read. Every parameter becomes a view of its
-    bucket's full-size buffer, whose storage is released (0 bytes): the buffers, in bucket order."""
+    parameter p flattened, the only ones read or drawn (None: `shard` holds them already). Every parameter becomes a
+    view of its bucket's full-size buffer, released (0 bytes): the buffers, in bucket order."""
     by_bucket: dict[int, list] = {}
     for s, p in zip(layout.slots, params):
         by_bucket.setdefault(s.bucket, []).append((s, p))

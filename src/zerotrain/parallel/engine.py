@@ -1,8 +1,8 @@
 """The ZeRO engine, one algorithm at stages 1, 2 and 3: flat layout, buckets, reduce-scatter, AdamW.
 
-The trained parameters are laid out in one flat buffer. The flat buffer is cut into buckets; each bucket is padded
-to a multiple of W x 256 (so that each rank's part is whole chunks of the gradient norm's grid, grad_norm.py) and
-split into W equal chunks, and rank r owns chunk r of every bucket. Per optimizer step:
+The trained parameters are laid out in one flat buffer (layout.py), cut into buckets, each padded to a multiple of
+W x 256 (whole chunks of the gradient norm's grid, grad_norm.py) and split into W chunks: rank r owns chunk r of
+every bucket. Per optimizer step:
 
     reduce-scatter each bucket's gradients -> this rank's gradient shard  (one round, per bucket)
     one all-reduce of a few scalars       -> global grad norm (clipping; grad_norm.py), loss, flags
@@ -10,39 +10,21 @@ split into W equal chunks, and rank r owns chunk r of every bucket. Per optimize
     the parameters follow                  -> stages 1 and 2: all-gather each bucket in place (one round, per bucket);
                                               stage 3: each unit gathered from the shards when next used
 
-Communication can hide behind compute, each half on its own switch: with `reduce_in_backward` each
-bucket's reduce-scatter starts in backward as soon as its gradients are complete; with `overlap_gathers` the
-parameters' gathers run behind compute: at stages 1 and 2 the all-gather runs behind the next forward
-(`gather_behind_forward`: the buckets are launched in forward order and each module's forward pre-hook waits only for
-the buckets holding its own parameters), at stage 3 the next unit's gather is prefetched one unit ahead. Whatever reads parameters outside forward calls `wait_params()` first (the
-engine's own readers do).
+The engine composes three parts and calls each at fixed points of the step, never asking which stage it has:
+how gradients are held (gradients.py: whole at stage 1, buckets reduced in backward at stages 2 and 3, the share
+of the norm), AdamW on the owned chunks (sharded_adamw.py: masters, moments, the state a checkpoint stores), and
+where the parameters live (params.ParameterPlacement: the whole flat buffer at stages 1 and 2, replicated.py; the
+owned chunks with each unit gathered while it runs at stage 3, sharded.py); parts.py answers for them at plan time.
+With `reduce_in_backward` a bucket's reduce-scatter starts in backward once its gradients are in; with
+`overlap_gathers` the all-gather runs behind the next forward (stages 1 and 2: each module waits for its own
+buckets) or the next unit is prefetched (stage 3). Whatever reads parameters outside forward calls `wait_params()`.
 
-With tensor parallelism (a `Mesh` with tp > 1) the model holds this rank's TP slices and the
-replicated parameters; the flat buffer holds exactly those, and all of the above runs over the DP
-group (the ranks holding the same slices: the mesh's shard group). The scalar all-reduce spans the world: the gradient norm
-counts each TP slice once (every rank its own; a KV head on several TP ranks, its first rank's) and each
-replicated value once (TP rank 0's copy).
-
-With hybrid sharding (--dp-replicate R, FSDP2's HSDP; mesh.py) `dp` is the shard group, W / (R x TP) ranks: all of
-the above runs within it, and once the window's reduce-scatters are done the gradient shard is all-reduced across the
-R replica groups (all_reduce_replicas: one all-reduce of the shard a step), so that every group holds the whole
-batch's gradient and takes the same AdamW step. Replica group 0 alone adds its squares to the norm (each value once).
-
-How gradients are held is the stage's too, in a part of its own (gradients.py's GradientReducer): stage 1 keeps full
-gradients, stages 2 and 3 buckets reduced in backward, each reduce-scattered into this rank's fp32 shard; it computes
-this rank's share of the norm. The optimizer is a part of its own (sharded_adamw.py's AdamWShard): AdamW on the owned
-chunks, its masters and moments, the state a checkpoint stores. The engine composes them with its placement and the
-plan-time answers of its parts (parts.py), and calls each at fixed points of the step.
-
-Where the parameters live is the stage's (params.ParameterPlacement): at stages 1 and 2 every rank holds the whole
-flat buffer and all-gathers it after each update (replicated.py); at stage 3 a rank holds its owned chunks only and
-each unit's buckets are gathered while it runs (sharded.py), whose reductions start by units (schedule_by_units). The
-engine calls its placement at fixed points and never asks which stage it has for that; what it does ask the stage
-number is how gradients are held: whole (stage 1) or in buckets reduced in backward (stages 2 and 3).
-
-The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
-their own tensors (stage 3 shards them too: sharded.py), have no gradients or optimizer state and are never reduced;
-invariant (b) checks them too.
+With tensor parallelism the flat buffer holds this rank's TP slices and the replicated parameters, and all of the
+above runs over the DP group (the mesh's shard group); the norm counts each TP slice once (a KV head on several TP
+ranks, its first rank's) and each replicated value once (TP rank 0's). With hybrid sharding (--dp-replicate R,
+FSDP2's HSDP) the gradient shard is then all-reduced across the R replica groups, and group 0 alone counts it in the
+norm. Frozen parameters (a LoRA run's base) are outside the flat buffer: no gradients, no optimizer state, never
+reduced (stage 3 shards them too).
 """
 
 from __future__ import annotations
@@ -53,14 +35,13 @@ from collections.abc import Callable
 import torch
 
 from zerotrain.config import OptimConfig
-from zerotrain.model import is_decayed
 
 from . import grad_norm
 from .comm import Comm
 from .gradients import GradientReducer
-from .layout import ShardLayout
+from .layout import ShardLayout, split_by_tp
 from .mesh import Mesh
-from .params import ParameterPlacement, frozen_parameters, trainable_parameters
+from .params import ParameterPlacement, flat_layout, frozen_parameters, trainable_parameters
 from .parts import Placement, ReplicatedPlacement, ShardedPlacement
 from .replicated import ReplicatedParameters
 from .sharded import ShardedParameters
@@ -72,10 +53,8 @@ __all__ = ["ZeroEngine", "layout_of"]
 
 def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int, select=None) -> ShardLayout:
     """The flat layout an engine over `model` uses (a model on the meta device gives the same one): its trainable
-    parameters (those `select(name)` takes, where given); frozen ones (a LoRA run's base) have no gradients, no
-    optimizer state and are never reduced."""
-    named = trainable_parameters(model, select)  # a tied parameter appears once
-    return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
+    parameters (those `select(name)` takes, where given)."""
+    return flat_layout(trainable_parameters(model, select), world_size, bucket_numel)
 
 
 # Where each stage keeps its parameters (params.ParameterPlacement), and that placement's answers (parts.py)
@@ -103,20 +82,14 @@ class ZeroEngine:
         device: torch.device | str | None = None,
         select=None,
     ):
-        """ZeRO stage `stage` (1, 2 or 3) shards over `dp`: `mesh`'s shard group when there is one (with hybrid
-        sharding, the gradient shard is then all-reduced across its replica groups, mesh.dp_replicate).
+        """ZeRO stage `stage` (1, 2 or 3) over `dp` (`mesh`'s shard group when there is one).
 
-        `overlap_gathers` must be False for a compiled model, whose forward cannot wait midway; at stage 3 it
-        prefetches the next unit's gather one unit ahead (--overlap on), and stage 3 always reduces in backward
-        (`reduce_in_backward` is stages 1's and 2's). `grad_reduce` "micro-batch" (stages 2 and 3) reduce-scatters
-        every micro-batch's buckets into the shard, which accumulates. A model built on the meta device
-        (model.meta_model) is filled straight into the placement's buffers on `device` from `init` (model/init.py's
-        SeedValues, or --init-from's FileValues): at stages 1 and 2 one parameter at a time, at stage 3 only the
-        ranges this rank owns; a model with values keeps them (every rank's must be equal: nothing is broadcast).
-
-        `select(name)`: the trained parameters this engine holds (all by default). Expert parallelism
-        (parallel/experts.py) runs two engines over one model: the dense parameters, and the experts over their own
-        group; the frozen parameters are the engine's that holds everything or the dense one's.
+        `overlap_gathers` must be False for a compiled model, whose forward cannot wait midway; stages 2 and 3 always
+        reduce in backward. `grad_reduce` "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets
+        into the shard, which accumulates. A model on the meta device is filled straight into the placement's buffers
+        on `device` from `init` (model/init.py's SeedValues, --init-from's FileValues; at stage 3 the owned ranges
+        only); a model with values keeps them (every rank's must be equal: nothing is broadcast). `select(name)`: the
+        trained parameters this engine holds (expert parallelism runs two engines over one model, experts.py).
         """
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
@@ -139,21 +112,17 @@ class ZeroEngine:
         self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
         # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
         self.placement_part: Placement = part(bucket_numel, replicas=self.mesh.dp_replicate_size)
-        # this rank's parameter values in the flat layout: the whole buffer at stages 1 and 2, its shard at stage 3
-        self.held_params = self.placement.held_params
-        # What building this rank's buffers took from the source: bytes read from --init-from's files, values drawn
-        # from the seed (the run's init_bytes_read and init_values_drawn, per rank)
+        self.held_params = self.placement.held_params  # the whole flat buffer (stages 1 and 2), or the shard (3)
+        # What building the buffers took from the source (the run's init_bytes_read and init_values_drawn, per rank)
         self.init_bytes_read = getattr(init, "bytes_read", 0)
         self.init_values_drawn = getattr(init, "values_drawn", 0)
         self._init = None  # the source is read only while the buffers are built
-        self.sliced_ranges, self.replicated_ranges = self._split_by_tp(self.layout.slots)
-        # KV heads held by several TP ranks (more TP ranks than KV heads): checked across those ranks, and counted
-        # in the norm by the first of them only.
-        t = self.mesh.tp_rank
-        self.kv_shared_ranges = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
-                                                   and self.tp_slices[s.name].holders(t) > 1])[0]
-        # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW over
-        # their shard
+        t, slots = self.mesh.tp_rank, self.layout.slots
+        self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
+        # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
+        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
+                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
+        # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW
         self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
                                      counted_ranges=self._counted_ranges())
         self.adamw = AdamWShard(self, self.grads, optim)
@@ -174,61 +143,35 @@ class ZeroEngine:
         return self.placement_part.computed_norms(norms, self.mesh.tp_size)
 
     def initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
-        device, else its own. For the placement, while it builds its buffers.
-
-        Nothing is broadcast (a DDP-style broadcast of rank 0's values would be a whole model of traffic at start-up,
-        and would hide an init that depends on the rank): every rank computes, or reads, the same values.
-        """
+        """Parameter `name`'s initial values on this rank (its TP slice), for the placement building its buffers: from
+        the init source for a model on the meta device, else its own. Nothing is broadcast (rank 0's values would be a
+        whole model of traffic at start-up, and hide an init that depends on the rank)."""
         return self._init.values(name, tuple(p.shape)) if p.is_meta else p.detach()
 
     def initial_range(self, name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Values [lo, hi) of parameter `name`'s initial values on this rank flattened: from the init source, which
-        reads or draws that range alone, for a model on the meta device, else from its own."""
+        """Values [lo, hi) of initial_value flattened (the init source reads or draws that range alone)."""
         return self._init.flat_values(name, tuple(p.shape), lo, hi) if p.is_meta else p.detach().reshape(-1)[lo:hi]
 
     def _counted_ranges(self) -> list[tuple[int, int]]:
         """The shard ranges whose squared gradients this rank adds to the global norm under TP: its TP slices (a KV
         head held by several TP ranks, by the first of them only) and, on TP rank 0 alone, the replicated values."""
         t = self.mesh.tp_rank
-        counted = self._split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
-                                     and self.tp_slices[s.name].first_holder(t) == t])[0]
+        counted = split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
+                               and self.tp_slices[s.name].first_holder(t) == t], self.tp_slices)[0]
         return self._owned(counted) + (self._owned(self.replicated_ranges) if t == 0 else [])
-
-    def _split_by_tp(self, slots) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The flat buffer's ranges of TP-sliced values and of the rest (replicated values and padding)."""
-        cuts = sorted((s.offset, s.offset + s.numel) for s in slots if s.name in self.tp_slices)
-        sliced, replicated, at = [], [], 0
-        for lo, hi in cuts:
-            if lo > at:
-                replicated.append((at, lo))
-            if sliced and sliced[-1][1] == lo:
-                sliced[-1] = (sliced[-1][0], hi)
-            else:
-                sliced.append((lo, hi))
-            at = hi
-        if at < self.layout.padded_numel:
-            replicated.append((at, self.layout.padded_numel))
-        return sliced, replicated
 
     def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The parts of `flat_ranges` this rank owns, as ranges of its shard."""
         out = []
         for b in self.layout.buckets:
             lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
-            for a, z in flat_ranges:
-                a, z = max(a, lo), min(z, hi)
-                if z > a:
-                    out.append((b.shard_offset + a - lo, b.shard_offset + z - lo))
+            out += [(b.shard_offset + max(a, lo) - lo, b.shard_offset + min(z, hi) - lo)
+                    for a, z in flat_ranges if min(z, hi) > max(a, lo)]
         return out
-
 
     # ---------------------------------------------------------------- backward side: the gradients' part
     def no_sync(self, enabled: bool = True):
-        """Within this context, backward accumulates gradients locally and communicates nothing (GradientReducer's).
-
-        Use it for every micro-batch but the last of an accumulation window, as with DDP.
-        """
+        """Within this context backward communicates nothing: every micro-batch but a window's last, as with DDP."""
         return self.grads.no_sync(enabled)
 
     def zero_grad(self) -> None:
@@ -253,8 +196,8 @@ class ZeroEngine:
         Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
         summed over ranks. `extras` may be a function, called once the reduce-scatter is finished (the control flags
         are read as late as they can be: a rank waiting there for a slower one can still start a stop's save).
-        `beside`: engines over the other parameters of the model (expert parallelism's), whose reductions finish
-        here and whose squared gradients join this rank's partial sum.
+        `beside`: engines over the model's other parameters (expert parallelism's), finished here, their squares
+        joining this rank's partial sum.
         """
         squares = torch.cat([self.grads.finish_grads().reshape(-1),
                              *(e.grads.finish_grads().reshape(-1).to(self.device) for e in beside)])
@@ -266,16 +209,13 @@ class ZeroEngine:
 
     def apply(self, lr: float, grad_norm: float) -> None:
         """Clip by the global norm, AdamW on this rank's shard, and the parameters follow (the placement's
-        after_update: stages 1 and 2 all-gather every bucket, stage 3 gathers each unit when next used).
-
-        With `gather_behind_forward` the all-gather is still in flight on return (see `wait_params`).
-        """
+        after_update); with `gather_behind_forward` the all-gather is still in flight on return (wait_params)."""
         self.placement.before_update()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
         self.adamw.step(lr, grad_norm)
         self._publish_params(wait=not self.gather_behind_forward)
 
     def _publish_params(self, wait: bool = True) -> None:
-        """The owned values updated (or loaded): in bf16 the fp32 masters rounded into them, then the placement's
+        """The owned values updated or loaded: in bf16 the fp32 masters rounded into them, then the placement's
         after_update (the all-gather of every bucket at stages 1 and 2)."""
         self.adamw.round_into_params()
         self.placement.after_update(wait)
@@ -299,10 +239,10 @@ class ZeroEngine:
 
     # ---------------------------------------------------------------- state
     def param_digests(self) -> torch.Tensor:
-        """Digests of [replicated parameters, this rank's TP slices], one row each, (with KV heads on several TP
-        ranks, a third row: this rank's slices of them): equal rows mean bitwise equal values (digest.tensor_digest).
-        Replicated rows must match on every rank, sliced rows across each DP group, KV rows across each KV group.
-        Without TP everything is in the first row. Each stage digests where its parameters live (its placement)."""
+        """Digests of [replicated parameters, this rank's TP slices] (with KV heads on several TP ranks, a third row:
+        its slices of them), one row each (digest.tensor_digest), from where the placement keeps them. Replicated
+        rows must match on every rank, sliced rows across each DP group, KV rows across each KV group; without TP
+        everything is in the first row."""
         return self.placement.digests()
 
     @property
@@ -315,8 +255,7 @@ class ZeroEngine:
         return self.placement.param_bytes()
 
     def frozen_bytes(self) -> int:
-        """Bytes this rank holds for the frozen parameters (a LoRA run's base): each whole at stages 1 and 2, its
-        shard of them at stage 3."""
+        """Bytes held for the frozen parameters: each whole at stages 1 and 2, this rank's shard at stage 3."""
         return self.placement.frozen_bytes()
 
     # ---------------------------------------------------------------- optimizer state: the sharded AdamW's
@@ -345,9 +284,8 @@ class ZeroEngine:
         return self.adamw.state_dict()
 
     def load_shard_state_dict(self, sd: dict) -> None:
-        """Restore this rank's shard (same layout), then the parameters follow the masters. `sd["master"]` may be
-        given as its parts in shard order, as master_views() gives them: a resume reads a checkpoint's shard into
-        master_views(), exp_avg and exp_avg_sq where they lie and hands those in (a view copied onto itself is not
+        """Restore this rank's shard (same layout), then the parameters follow the masters. `sd["master"]` may be its
+        parts in shard order, as master_views() gives them (a resume reads into them; a view onto itself is not
         copied)."""
         self.adamw.check_shard(sd)
         self.placement.before_update()
@@ -362,35 +300,26 @@ class ZeroEngine:
                    for s in self.layout.slots)
 
     def gathered_flat(self) -> torch.Tensor:
-        """The whole padded flat buffer of parameters (at stage 3 gathered a bucket at a time: a collective of the DP
-        group)."""
+        """The whole padded flat buffer of parameters (at stage 3 a collective of the DP group)."""
         return self.placement.gathered_flat()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's parameters in its state_dict names, fp32 on the CPU, one independent tensor each.
-
-        A collective: with TP the split tensors are gathered from the TP group, at stage 3 the buckets from the DP
-        group.
-        """
+        """The full model's parameters in its state_dict names, fp32 on the CPU, one independent tensor each (a
+        collective: with TP of the TP group, at stage 3 of the DP group too)."""
         return self.full_tensors(self.gathered_flat())
 
     def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The full model's tensors, by name, fp32 on the CPU, from a buffer in this rank's flat layout.
-
-        The split tensors are gathered from every rank of the TP group, which all call this together.
-        """
+        """The full model's tensors by name, fp32 on the CPU, from a buffer in this rank's flat layout (a collective
+        of the TP group, whose split tensors are gathered)."""
         ranks = self.gather_tp(flat, "all_gather_tp_state").float().cpu().chunk(self.mesh.tp_size)
         return {name: t.clone() for name, t in full_tensors(self.layout, self.tp_slices, ranks).items()}
 
     def gather_tp(self, flat: torch.Tensor, purpose: str) -> torch.Tensor:
-        """Every TP rank's buffer in this rank's flat layout, concatenated in TP rank order (`flat` itself without TP).
-
-        A collective of this rank's TP group.
-        """
+        """Every TP rank's buffer in this rank's flat layout, concatenated in TP rank order (`flat` itself without
+        TP): a collective of the TP group."""
         T = self.mesh.tp_size
         if T == 1:
             return flat.detach()
         gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
         self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), purpose)
         return gathered
-

@@ -1,9 +1,8 @@
 """A frozen copy of a model sharded as ZeRO-3 shards one: owned chunks on each rank, a unit whole only in its forward.
 
 A preference run's live reference for full fine-tuning at --zero 3 is such a copy of the policy (training/
-reference_model.py): laid out as the policy is (units.frozen_layout_of), its values copied from the engine's shard or
-read and drawn for the owned ranges alone, its units gathered for their forward by the same gather as the engine's
-(bucket_buffers.gather_bucket), no gradients, no optimizer, nothing reduced.
+reference_model.py): laid out as the policy is, its units gathered for their forward by the engine's gather
+(bucket_buffers.gather_bucket); no gradients, no optimizer, nothing reduced.
 """
 
 from __future__ import annotations
@@ -79,19 +78,14 @@ class FrozenCopy:
 
 def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precision: str = "fp32", device=None,
                       init=None, like=None) -> FrozenCopy:
-    """Shard `module`, whose every parameter is frozen (a model of zerotrain's, this rank's TP slice of it under TP),
-    over the DP group `dp` as ZeRO-3 shards a model: each rank keeps its owned chunks of the module's flat layout
-    (frozen_layout_of: the layout a model of the same architecture trains in at this world size and `bucket_numel`),
-    in `precision`; the module's units (model_units) gather their buckets for their forward and release them after
-    it, as the engine's do. No gradients, no optimizer, nothing reduced; the module runs under torch.no_grad(). A
-    preference run's live reference for full fine-tuning is such a copy of the policy, sharded like it.
+    """Shard `module`, whose every parameter is frozen (under TP this rank's slice of it), over the DP group `dp` as
+    ZeRO-3 shards a model (units.frozen_layout_of: the layout the same architecture trains in), in `precision`; it
+    runs under torch.no_grad(), each unit gathered for its forward and released after it.
 
-    The values: with `like`, the stage-3 ZeroEngine of the model this copies (same architecture, same `dp`, the same
-    layout), that engine's shard as it is now, in its precision, copied on each rank (nothing read, drawn or sent;
-    under TP, `module` is this rank's TP slice, parallelized as the engine's model is); else, for a module
-    on the meta device, `init`'s (model/init.py's SeedValues, --init-from's FileValues: the owned ranges alone read
-    or drawn); else the module's own values (every rank's must be equal). The module's parameters become views of
-    the copy's buckets: keep the returned FrozenCopy (its shard is what the module holds).
+    The values: with `like` (the stage-3 ZeroEngine of the model this copies, laid out alike) that engine's shard as
+    it is now, copied on each rank (nothing read, drawn or sent); else for a module on the meta device `init`'s (the
+    owned ranges alone read or drawn); else the module's own (every rank's must be equal). Keep the returned
+    FrozenCopy: its shard is what the module's parameters, views of its buckets, hold.
     """
     trained = [n for n, p in module.named_parameters() if p.requires_grad]
     if trained:

@@ -1,36 +1,24 @@
 """How a ZeRO engine holds its gradients and reduce-scatters them into this rank's shard, and its share of the norm.
 
-The engine (engine.py) builds one GradientReducer over its flat layout and calls it at fixed points: every
-parameter's gradient hook (_on_grad_ready), the end of each backward (_end_backward), `finish_grads` before the step's
-scalar all-reduce, `zero_grad` as a window starts. Placements (replicated.py, sharded.py) and expert parallelism call
-its public methods to say where a bucket may start (schedule_by_units, begin_unit_backward) and read which parameters
-a forward reached (reached_parameters).
+The engine (engine.py) calls a GradientReducer at fixed points: every parameter's gradient hook (_on_grad_ready),
+the end of each backward (_end_backward), `finish_grads` before the step's scalar all-reduce, `zero_grad` as a window
+starts. Placements and expert parallelism say where a bucket may start (schedule_by_units, begin_unit_backward).
 
-Stage 1 keeps full gradients, views into one flat gradient buffer; but one rank (one DP rank without TP, in fp32) has
-nothing to reduce and keeps no flat gradient buffer: each parameter's gradient is autograd's own tensor, as in a plain
-PyTorch loop, read where it is by the norm and AdamW (grads_in_params). Stage 2 keeps no gradients between steps:
-backward's gradient of each parameter is added into its bucket's own fp32 buffer, allocated when the bucket's first
-gradient arrives, and the parameter's .grad is dropped. In the backward of the last micro-batch a complete bucket is
-reduce-scattered into this rank's shard and its buffer freed once the reduce-scatter is done, so a rank holds its 1/W
-of the gradients plus the buckets in flight, as many as fit in the bytes of the two largest buckets: a bucket's
-buffer, when its first gradient arrives, waits for the oldest reduce-scatters until it fits (stage 2 reduces in
-backward whatever `reduce_in_backward` says: holding every bucket until after backward would be stage 1's memory).
-With accumulation the buffers stay through the window (one reduce-scatter round per step, as in stage 1); the
-additions are the ones stage 1 makes, in the same order, so both stages compute bitwise the same shard. With
-`grad_reduce="micro-batch"` every micro-batch's buckets are reduce-scattered and freed instead, into the shard, which
-accumulates over the window: the two buckets' memory at any accumulation, for accumulation x the reduce-scatter
-traffic (and another order of the additions: not bitwise).
+Gradients are held whole (stage 1) or in buckets (stages 2 and 3). Whole: views into one flat gradient buffer, or on
+one rank in fp32 autograd's own tensors, read where they are (grads_in_params; nothing to reduce). Buckets: each
+parameter's gradient is added into its bucket's fp32 buffer, allocated at its first gradient, and dropped from the
+parameter; in the reducing backward a complete bucket is reduce-scattered into the shard and freed once done, so a
+rank holds its 1/W plus the buckets in flight, as many as fit in the two largest buckets' bytes (a new bucket waits
+for the oldest reduce-scatters). With accumulation the buckets stay through the window (one round a step; stage 1's
+additions in stage 1's order: bitwise the same shard); with `grad_reduce="micro-batch"` every micro-batch's are
+reduce-scattered into the shard, which accumulates (two buckets' memory, accumulation x the traffic, not bitwise).
 
-A parameter that gets no gradient in a backward (a conditional module's, an expert no token was routed to) has
-gradient zero: stage 1 reads zeros from its flat buffer; at stages 2 and 3 a bucket waits only for the parameters the
-forward's output reaches (_reached_by_forward), and the end of a backward that reduces launches the buckets still
-waiting, in bucket order on every rank (_end_backward). Where another collective shares the backward with the
-reduce-scatters (stage 3's gathers, expert parallelism's all-to-alls), a bucket also waits until its unit's backward
-has begun on this rank (schedule_by_units, begin_unit_backward): a point every rank reaches in the same order, so that
-a rank expecting fewer gradients than another does not send the bucket earlier.
-
-With hybrid sharding (--dp-replicate R) the shard, once the window's reduce-scatters are done, is all-reduced across
-the R replica groups (all_reduce_replicas), and replica group 0 alone adds its squares to the norm (each value once).
+A parameter with no gradient in a backward (a skipped module's, an unrouted expert's) has gradient zero: stage 1 reads
+zeros; with buckets a bucket waits only for the parameters the forward's output reaches (_reached_by_forward), and
+the end of a reducing backward launches the buckets still waiting, in bucket order on every rank. Where another
+collective shares the backward (stage 3's gathers, expert parallelism's all-to-alls) a bucket also waits until its
+unit's backward has begun, a point every rank reaches in the same order. With hybrid sharding the shard is then
+all-reduced across the replica groups (all_reduce_replicas), and group 0 alone counts it in the norm.
 """
 
 from __future__ import annotations
@@ -59,8 +47,7 @@ def stage2_bucket_budget(layout: ShardLayout) -> int:
 
 def keeps_autograd_grads(stage: int, precision: str, dp_size: int, tp_size: int) -> bool:
     """One rank (one DP rank without TP), stage 1 in fp32: autograd's gradients are the gradients, read where they
-    are. A flat buffer would be a copy of them each step, held through the forward too (at 124M on one thread:
-    476 MiB, and a 100 ms copy a step). The reducer (grads_in_params) and the memory plan both ask this."""
+    are (a flat buffer would copy them each step: at 124M, 476 MiB and 100 ms). The reducer and the plan ask this."""
     return stage == 1 and precision == "fp32" and dp_size == 1 and tp_size == 1
 
 
@@ -69,13 +56,13 @@ class GradientReducer:
     this rank's fp32 shard (`grad_shard`), and the squares this rank adds to the global norm."""
 
     def __init__(self, engine, *, grad_reduce: str, reduce_in_backward: bool, counted_ranges: list[tuple[int, int]]):
-        """Over `engine`'s layout, parameters, DP group and placement. `counted_ranges`: the shard ranges whose
-        squared gradients this rank adds to the global norm under TP (_counted_grad_sumsq)."""
+        """`counted_ranges`: the shard ranges whose squares this rank adds to the norm under TP."""
         self.model, self.layout, self.params, self.slot_of = engine.model, engine.layout, engine.params, engine.slot_of
         self.dp, self.mesh, self.device, self.placement = engine.dp, engine.mesh, engine.device, engine.placement
         self.stage, self.precision = engine.stage, engine.precision
-        self.per_micro_batch = grad_reduce == "micro-batch" and self.stage >= 2
-        self.reduce_in_backward = reduce_in_backward or self.stage == 3
+        self.bucketed = self.stage >= 2  # buckets reduced in backward (stages 2 and 3), or whole gradients (1)
+        self.per_micro_batch = grad_reduce == "micro-batch" and self.bucketed
+        self.reduce_in_backward = reduce_in_backward or self.bucketed
         # Hybrid sharding: the ranks holding this rank's shard in the other replica groups (None: one group)
         self.replicate = self.mesh.dp_replicate
         self._grads_in_params = keeps_autograd_grads(self.stage, self.precision,
@@ -86,15 +73,13 @@ class GradientReducer:
         self._register_hooks(engine.gather_behind_forward)
 
     def _build_grad_buffers(self) -> None:
-        """Stage 1's gradients: views into one flat buffer (no per-step copies or allocations). Stages 2 and 3 keep a
-        bucket's gradients in _bucket_grads[index] while it fills, and the shard."""
+        """Whole gradients: views into one flat buffer (no per-step copies). Buckets: _bucket_grads while they fill."""
         L, device = self.layout, self.device
-        flat_grads = self.stage == 1 and not self.grads_in_params
+        flat_grads = not self.bucketed and not self.grads_in_params
         self.flat_grads = torch.zeros(L.padded_numel if flat_grads else 0, dtype=param_dtype(self.precision),
                                       device=device)
-        # Stage 1 in fp32: each parameter's .grad is its view of flat_grads, except in the first micro-batch of a
-        # window, where autograd's own gradient is copied in (_take_first_grad): no zeroing and no addition to zeros
-        # (at 124M on one thread, two passes over 476 MiB a step fewer)
+        # In fp32 the window's first gradient is copied into the view (_take_first_grad): no zeroing, no addition to
+        # zeros (at 124M on one thread, two passes over 476 MiB a step fewer)
         self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
         self._awaiting: set[int] = set()  # the parameters whose first gradient of the window has not arrived
         if flat_grads:
@@ -103,30 +88,27 @@ class GradientReducer:
                 if self._grad_views is not None:
                     self._grad_views[id(p)] = p.grad
         # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
-        self.grad_accum = self.flat_grads if self.precision == "fp32" or self.stage >= 2 else \
+        self.grad_accum = self.flat_grads if self.precision == "fp32" or self.bucketed else \
             torch.zeros(L.padded_numel, device=device)
-        # A rank that owns every bucket whole (one DP rank) reduces nothing: in stage 1 its shard is the fp32
-        # gradient buffer itself, not a copy of it (at 124M: 476 MiB of gradients instead of 951); without TP,
-        # the parameters' own gradients (grads_in_params), and no shard tensor.
+        # One DP rank at stage 1 reduces nothing: its shard is the fp32 gradient buffer itself (at 124M: 476 MiB of
+        # gradients instead of 951)
         self.grad_shard = self.grad_accum if self.owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
-        self._bucket_grads: dict[int, torch.Tensor] = {}  # stages 2 and 3: bucket -> its fp32 gradients, while held
+        self._bucket_grads: dict[int, torch.Tensor] = {}  # bucket -> its fp32 gradients, while held
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
     @property
     def owns_whole_buckets(self) -> bool:
-        """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer (a view, no copy)."""
-        return self.stage == 1 and self.dp.world_size == 1
+        """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer."""
+        return not self.bucketed and self.dp.world_size == 1
 
     @property
     def grads_in_params(self) -> bool:
-        """Whether this rank's gradients stay in its parameters, with no flat gradient buffer (keeps_autograd_grads):
-        decided once, as the engine is built."""
+        """Whether this rank's gradients stay in its parameters (keeps_autograd_grads), decided once."""
         return self._grads_in_params
 
     def _register_hooks(self, gather_behind_forward: bool) -> None:
-        """Bucket bookkeeping, and the hooks that take each gradient and launch reduce-scatters in backward (the
-        placement registers its own after these: ParameterPlacement.attach)."""
+        """Bucket bookkeeping, and the hooks that take each gradient (before the placement's: its attach)."""
         L = self.layout
         self._sync = True
         self._ready = [0] * len(L.buckets)
@@ -137,33 +119,27 @@ class GradientReducer:
         self._end_queued = False  # _end_backward is queued to run as this backward ends
         self._reduces_now = False  # this backward reduces (the window's last, or every one per micro-batch)
         self._window_reduced = False  # a backward has reduced this window (a later one is too late)
-        # The gradients each bucket waits for in the next reducing backward: its parameters that the forward's
-        # output reaches (_reached_by_forward); every one of them when no forward said.
+        # The gradients each bucket waits for in the next reducing backward (_reached_by_forward; all when not said)
         self._expected = list(self._bucket_sizes)
         self._reached: set[int] | None = None
-        # Where a bucket may start (schedule_by_units): the unit whose backward must have begun on this rank first, a
-        # point every rank of the group reaches in the same order; None: wherever its gradients are in
+        # schedule_by_units: bucket -> the unit whose backward must have begun first (None: no such wait)
         self._bucket_unit: list[int] | None = None
         self._open_units: set[int] = set()  # units whose buckets may start from the backward's beginning
         self._begun: set[int] = set()  # the units whose backward has begun in this backward
-        # per unit: the forwards since the last backward whose unit input will get a gradient, and of those the ones
-        # whose unit's backward has ended (_unit_done); empty unless schedule_by_units watches the units' inputs
+        # per unit: the forwards whose unit input will get a gradient, and of those the ones whose backward ended
         self._forwards: list[int] = []
         self._done: list[int] = []
         self._pending: list = []  # their async work handles, dropped once waited for
-        if self.reduce_in_backward or self.precision == "bf16" or gather_behind_forward or self.stage >= 2 or \
-                self._grad_views is not None:
+        if self.reduce_in_backward or self.precision == "bf16" or gather_behind_forward or self._grad_views is not None:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        if self.stage >= 2:
+        if self.bucketed:
             self.model.register_forward_hook(self._reached_by_forward)
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True):
-        """Within this context, backward accumulates gradients locally and communicates nothing.
-
-        Use it for every micro-batch but the last of an accumulation window, as with DDP.
-        """
+        """Within this context backward accumulates locally and communicates nothing (a window's micro-batches but
+        the last, as with DDP)."""
         previous, self._sync = self._sync, not enabled
         try:
             yield
@@ -171,8 +147,7 @@ class GradientReducer:
             self._sync = previous
 
     def _take_first_grad(self, p: torch.Tensor) -> None:
-        """The window's first gradient of `p`, autograd's own tensor, copied into its view of flat_grads (which then
-        accumulates the later micro-batches' in place)."""
+        """The window's first gradient of `p` copied into its view of flat_grads, which accumulates the later ones."""
         view = self._grad_views[id(p)]
         if p.grad is not view:
             with torch.no_grad():
@@ -181,8 +156,7 @@ class GradientReducer:
         self._awaiting.discard(id(p))
 
     def _zero_grads_not_taken(self) -> None:
-        """A parameter with no gradient in the whole window: its view of flat_grads, holding the last window's, is
-        zeroed before anything reads it."""
+        """A parameter with no gradient in the window: its view of flat_grads (the last window's) zeroed."""
         for p in self.params:
             if id(p) in self._awaiting:
                 view = self._grad_views[id(p)]
@@ -205,9 +179,9 @@ class GradientReducer:
         self.placement.gradient_arrived(p)
 
     def _take_into_bucket(self, p: torch.Tensor, s) -> None:
-        """Add `p`'s gradient where this stage keeps it (stage 2 and 3's bucket buffer, stage 1's fp32 accumulator in
-        bf16) and count it; launch the buckets now complete, where this backward reduces."""
-        if self.stage >= 2:
+        """Add `p`'s gradient into its bucket (or in bf16 stage 1's fp32 accumulator), count it, and launch the
+        buckets now complete, where this backward reduces."""
+        if self.bucketed:
             b = self.layout.buckets[s.bucket]
             with torch.no_grad():
                 self._bucket_grad(s.bucket)[s.offset - b.start : s.offset - b.start + s.numel].add_(
@@ -228,23 +202,18 @@ class GradientReducer:
             self.launch_ready()
 
     def launch_ready(self) -> None:
-        """Launch the buckets whose expected gradients are all in (none expected: at once), in bucket order only, so
-        that every rank issues the same reduce-scatters in the same order; with schedule_by_units, only those whose
-        unit's backward has begun (begin_unit_backward, which calls this for a rank whose parameters may get no
-        gradient)."""
+        """Launch the buckets whose expected gradients are all in, in bucket order only (every rank issues the same
+        reduce-scatters in the same order); with schedule_by_units, only those whose unit's backward has begun."""
         while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched] \
                 and self._may_start(self._launched):
             self._launch(self._launched)
 
     def schedule_by_units(self, bucket_units: list[int], *, open_units=(), units=None) -> None:
-        """Start bucket i's reduce-scatter only once the backward of unit bucket_units[i] has begun on this rank
-        (begin_unit_backward), a point every rank of the group reaches in the same order, or from the backward's
-        beginning for a unit in `open_units`: so that a rank expecting fewer gradients than another (an expert with no
-        rows here) does not send a bucket earlier, where another collective shares the backward (stage 3's gathers,
-        expert parallelism's all-to-alls). With `units` (each unit's modules, in forward order: units.model_units),
-        every bucket of a unit and of the units after it starts at the latest when the gradient of the unit's input is
-        complete (FSDP2's post-backward point, counted over the forwards of the backward): its gradients that did not
-        arrive are zeros."""
+        """Start bucket i's reduce-scatter only once unit bucket_units[i]'s backward has begun on this rank
+        (begin_unit_backward; from the start for `open_units`), so that a rank expecting fewer gradients (an expert
+        with no rows here) does not send it earlier than the others. With `units` (units.model_units), every bucket of
+        a unit and of the units after it starts at the latest when the gradient of the unit's input is complete
+        (FSDP2's post-backward point): its gradients that did not arrive are zeros."""
         self._bucket_unit = list(bucket_units)
         self._open_units = set(open_units)
         if units is not None:
@@ -253,9 +222,8 @@ class GradientReducer:
                 unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._watch_unit_input(u, args))
 
     def begin_unit_backward(self, unit: int) -> None:
-        """`unit`'s backward begins here, at the same point of every rank's backward: the placement holds it for its
-        backward (stage 3 gathers it), the backward is joined (join_backward) and the buckets that may start now
-        are launched (launch_ready)."""
+        """`unit`'s backward begins, at the same point on every rank: the placement holds it (stage 3 gathers it), and
+        the buckets that may start now are launched."""
         self.placement.enter_backward(unit)
         if unit not in self._begun:
             self._begun.add(unit)
@@ -269,8 +237,7 @@ class GradientReducer:
         return unit in self._begun or unit in self._open_units
 
     def _watch_unit_input(self, unit: int, args) -> None:
-        """A forward of `unit` that will be differentiated: the gradient of its input says where every rank's backward
-        of the unit has ended (_unit_done)."""
+        """A differentiated forward of `unit`: the gradient of its input says where its backward ended (_unit_done)."""
         if in_backward() or not torch.is_grad_enabled():
             return
         x = args[0] if args else None
@@ -280,7 +247,7 @@ class GradientReducer:
 
     def _unit_done(self, unit: int) -> None:
         """The gradient of `unit`'s input is complete (in every forward of this backward): every bucket of it and of
-        the units after it is launched now, in bucket order, whatever gradients this rank got (none: zeros)."""
+        the units after it is launched now, in bucket order."""
         self._done[unit] += 1
         self._at_end_of_backward()
         if self._done[unit] != self._forwards[unit] or not self.join_backward():
@@ -294,12 +261,10 @@ class GradientReducer:
         self._done = [0] * len(self._done)
 
     def join_backward(self) -> bool:
-        """In a backward: whether it reduces (the window's last, or each with --grad-reduce micro-batch, where buckets
-        are reduced in backward), and if so its end queued (_end_backward). A parameter's first gradient calls it; so
-        does a caller whose parameters may get none on this rank while its group's others get some (expert
-        parallelism: a rank whose experts got no rows), so that every rank of the group launches the same
-        reductions."""
-        if not ((self._sync or self.per_micro_batch) and (self.reduce_in_backward or self.stage >= 2)):
+        """Whether this backward reduces (the window's last, or each with --grad-reduce micro-batch), and if so its end
+        queued (_end_backward). Called by a parameter's first gradient, and by a caller whose parameters may get none
+        here while its group's others get some (expert parallelism), so that every rank launches the same reductions."""
+        if not ((self._sync or self.per_micro_batch) and self.reduce_in_backward):
             return False
         self._reduces_now = True
         self._at_end_of_backward()
@@ -311,13 +276,10 @@ class GradientReducer:
         return self._reached
 
     def _reached_by_forward(self, _module, _args, output) -> None:
-        """Stages 2 and 3, after a forward whose backward reduces (at stage 3, every forward: its units are released
-        by their gradients): the trained parameters its output's autograd graph reaches, the ones backward will give a
-        gradient (as DDP's find_unused_parameters finds them). A bucket then waits only for those: one holding a
-        parameter that no gradient will reach (a skipped module's, an unrouted expert's) is reduced as soon as the
-        ones that will are in, not held (with every bucket after it) to the end of the backward. In the usual step,
-        which reaches every parameter, this changes nothing. Several forwards before one backward add up; a compiled
-        forward is not walked (every parameter is waited for, as before)."""
+        """After a forward whose backward reduces (at stage 3, every forward): the trained parameters its output's
+        autograd graph reaches, the ones backward will give a gradient (as DDP's find_unused_parameters finds them),
+        so that a bucket holding a parameter no gradient will reach is reduced once the others are in, not held to the
+        end of the backward. Several forwards before one backward add up; a compiled forward is not walked."""
         if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.placement.gathers_units)) or \
                 in_backward() or torch.compiler.is_compiling():
             return
@@ -343,28 +305,21 @@ class GradientReducer:
         self._expected = expected
 
     def _at_end_of_backward(self) -> None:
-        """Have `_end_backward` run when this backward ends (once per backward; outside one, as a test's direct
-        call of the hook is, nothing is queued)."""
+        """Have `_end_backward` run when this backward ends (once; outside a backward nothing is queued)."""
         if not self._end_queued and in_backward():
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """The end of a backward: where it reduces (the window's last, or each with --grad-reduce micro-batch), its
-        reductions are all launched; then the placement is told (stage 3 releases every unit).
-
-        A parameter that got no gradient in it (a conditional module's, an expert no token was routed to) never
-        completed its bucket: its gradient is zero. Stages 2 and 3 launch the buckets still waiting now, in bucket
-        order, as every rank does whatever its own parameters got (a bucket with no gradient here is sent as zeros:
-        the other ranks' may have some). Stage 1 leaves them to reduce_grads, which first zeroes the flat buffer's
-        views no gradient was taken into. With --grad-reduce micro-batch the counts start again for the next
-        micro-batch's backward; otherwise the window is reduced, and a gradient of another backward before
-        zero_grad is the caller's mistake (_late_gradient)."""
+        """The end of a backward: where it reduces, the buckets still waiting (a parameter with no gradient: zeros)
+        are launched in bucket order, as on every rank (stage 1 leaves them to finish_grads); then the placement is
+        told (stage 3 releases every unit). With --grad-reduce micro-batch the counts start again; otherwise the
+        window is reduced, and a gradient of another backward before zero_grad is the caller's mistake."""
         self._end_queued = False
         self._begun.clear()
         if self._reduces_now:
             self._reduces_now = False
-            if self.stage >= 2:
+            if self.bucketed:
                 while self._launched < len(self._ready):
                     self._launch(self._launched)
             if self.per_micro_batch:  # this micro-batch's share is sent
@@ -378,8 +333,8 @@ class GradientReducer:
         self.placement.end_backward()
 
     def _late_gradient(self, name: str, bucket: int) -> str:
-        """What GradientOrderError says: the caller's mistake when an earlier backward already reduced the window
-        (a micro-batch outside no_sync, or no zero_grad before the next window); else the engine's own."""
+        """What GradientOrderError says: the caller's mistake when an earlier backward already reduced the window,
+        else the engine's own."""
         if self._window_reduced:
             return (f"the gradient of {name} arrived after its bucket was reduced: run the backward of every "
                     "micro-batch but the last inside engine.no_sync(), and engine.zero_grad() before the next "
@@ -392,7 +347,7 @@ class GradientReducer:
         b = self.layout.buckets[index]
         c = b.chunk_numel(self.dp.world_size)
         out = self.grad_shard[b.shard_offset : b.shard_offset + c]
-        grads = self.grad_accum[b.start : b.end] if self.stage == 1 else self._bucket_grad(index)
+        grads = self.grad_accum[b.start : b.end] if not self.bucketed else self._bucket_grad(index)
         if self.per_micro_batch:
             # The shard accumulates over the window: its sum so far goes into this rank's own chunk of the bucket
             # (which it does not send), so the reduce-scatter's result is the sum so far plus every rank's part.
@@ -403,7 +358,7 @@ class GradientReducer:
         self._launched += 1
 
     def _finish_reduces(self, keep: int = 0) -> None:
-        """Wait for the launched reduce-scatters but the newest `keep`; stage 2 frees their buckets' gradients."""
+        """Wait for the launched reduce-scatters but the newest `keep`, and free their buckets."""
         while len(self._pending) > keep:
             index, work = self._pending.pop(0)
             # Gloo's work objects hold tensors; one that outlives the process group aborts the process at exit.
@@ -411,12 +366,11 @@ class GradientReducer:
             self._release(index)
 
     def _bucket_grad(self, index: int) -> torch.Tensor:
-        """Stages 2 and 3: bucket `index`'s fp32 gradient buffer, allocated (zeroed) when its first gradient arrives."""
+        """Bucket `index`'s fp32 gradient buffer, allocated (zeroed) when its first gradient arrives."""
         grads = self._bucket_grads.get(index)
         if grads is None:
             b = self.layout.buckets[index]
-            # Reduce-scatters in flight keep their buckets until waited for: wait for the oldest until this one
-            # fits in the budget (the first micro-batches of a window launch none, and keep every bucket).
+            # Reduce-scatters in flight keep their buckets: wait for the oldest until this one fits in the budget
             while self._pending and self._bucket_bytes() + 4 * (b.end - b.start) > self._bucket_budget:
                 self._finish_reduces(keep=len(self._pending) - 1)
             grads = self._bucket_grads[index] = torch.zeros(b.end - b.start, device=self.device)
@@ -427,11 +381,11 @@ class GradientReducer:
         return sum(t.numel() * t.element_size() for t in self._bucket_grads.values())
 
     def _release(self, index: int) -> None:
-        """Stages 2 and 3: bucket `index`'s gradients are in the shard; its full-size buffer goes."""
+        """Bucket `index`'s gradients are in the shard; its full-size buffer goes."""
         self._bucket_grads.pop(index, None)
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """Every gradient tensor the engine holds now: stage 1's full buffers, stage 2's buckets in use, the shard."""
+        """Every gradient tensor held now: the whole buffers, the buckets in use, the shard."""
         held = {id(t): t for t in (self.flat_grads, self.grad_accum, self.grad_shard, *self._bucket_grads.values())}
         if self.grads_in_params:
             held.update((id(p.grad), p.grad) for p in self.params if p.grad is not None)
@@ -456,11 +410,8 @@ class GradientReducer:
             self.grad_shard.zero_()
 
     def _reset_window(self) -> None:
-        """The per-window bookkeeping starts again, whatever the last window left (a step that raised midway
-        included): the reduce-scatters it left in flight finished (every rank launched them, in bucket order; their
-        results are overwritten or zeroed), its bucket buffers gone (a late gradient was added into one), no bucket
-        counted or launched, no end of backward queued. After a step that ended normally there is nothing to
-        finish or drop."""
+        """The per-window bookkeeping starts again, whatever a step that raised midway left: its reduce-scatters
+        finished (every rank launched them; their results are overwritten), its buckets gone, nothing counted."""
         self._finish_reduces()
         self._bucket_grads.clear()
         self._ready = [0] * len(self._ready)
@@ -478,9 +429,8 @@ class GradientReducer:
             self._zero_grads_not_given()
         if self._awaiting:
             self._zero_grads_not_taken()
-        # Stages 2 and 3 launched every bucket as the reducing backwards ended (_end_backward), unless the hook was
-        # called outside a backward; stage 1 launches here what backward did not. One rank's gradients in its
-        # parameters have nothing to reduce.
+        # Buckets were launched as the reducing backwards ended (unless the hook was called outside a backward);
+        # whole gradients are launched here where backward did not
         while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)) and \
                 not self.grads_in_params:
             self._launch(self._launched)
@@ -489,15 +439,13 @@ class GradientReducer:
         return self._counted_grad_sumsq()
 
     def all_reduce_replicas(self) -> None:
-        """Hybrid sharding: every replica group reduced its own ranks' gradients into the shard; the shard summed
-        across the groups (one all-reduce of 1/dp_shard of the gradients), so that every replica holds the whole
-        batch's gradient shard and takes the same AdamW step."""
+        """Hybrid sharding: the shard summed across the replica groups (one all-reduce of 1/dp_shard of the
+        gradients), so that every replica takes the same AdamW step on the whole batch's gradient."""
         if self.replicate is not None:
             self.replicate.all_reduce(self.grad_shard, "all_reduce_replicas")
 
     def _zero_grads_not_given(self) -> None:
-        """One rank's gradients in its parameters: a parameter autograd gave no gradient in the window reads zero,
-        as its view of a flat buffer would (AdamW still decays it, as on more ranks)."""
+        """A parameter autograd gave no gradient in the window reads zero, as a flat buffer's view would."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -522,10 +470,7 @@ class GradientReducer:
         if self.grads_in_params:  # the flat buffer's rows, put together where they span parameters: the same bits
             return grad_norm.scattered_chunk_squares([(s.offset, p.grad.reshape(-1))
                                                       for s, p in zip(self.layout.slots, self.params)])
-        if self.mesh.tp_size == 1:
-            squares = grad_norm.chunk_squares(self.grad_shard, [(0, self.layout.shard_numel)])
-        else:
-            squares = grad_norm.chunk_squares(self.grad_shard, self._sumsq_ranges)
-        # Hybrid sharding: every replica group holds the same shard after all_reduce_replicas; the first group's
-        # count it
+        ranges = [(0, self.layout.shard_numel)] if self.mesh.tp_size == 1 else self._sumsq_ranges
+        squares = grad_norm.chunk_squares(self.grad_shard, ranges)
+        # Hybrid sharding: every replica group holds the same shard after all_reduce_replicas; the first counts it
         return squares if self.replicate is None or self.replicate.rank == 0 else torch.zeros_like(squares)

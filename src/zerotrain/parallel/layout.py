@@ -8,6 +8,7 @@ where the ranks' chunks meet). The engine's buffers, checkpoint reads, reshards 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -81,7 +82,7 @@ class ShardLayout:
         groups, current, size = [], [], 0
         for name, shape, decay in reversed(params):
             current.append((name, tuple(shape), decay))
-            size += _numel(shape)
+            size += math.prod(shape)
             if size >= bucket_numel:
                 groups.append(current)
                 current, size = [], 0
@@ -91,11 +92,11 @@ class ShardLayout:
         for index, group in enumerate(groups):
             start = offset
             ordered = [p for p in group if p[2]] + [p for p in group if not p[2]]
-            decay_end = start + sum(_numel(s) for _, s, d in group if d)
+            decay_end = start + sum(math.prod(s) for _, s, d in group if d)
             for name, shape, decay in ordered:
-                slots.append(ParamSlot(name, shape, _numel(shape), offset, flat_offset, index, decay))
-                offset += _numel(shape)
-                flat_offset += _numel(shape)
+                slots.append(ParamSlot(name, shape, math.prod(shape), offset, flat_offset, index, decay))
+                offset += math.prod(shape)
+                flat_offset += math.prod(shape)
             unit = world_size * NORM_CHUNK  # every rank's share is whole norm chunks
             end = start + -(-(offset - start) // unit) * unit
             buckets.append(Bucket(index, start, end, decay_end, shard_offset))
@@ -184,8 +185,19 @@ def shard_values(shard, lo: int, hi: int) -> torch.Tensor:
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def split_by_tp(slots, sliced: dict, padded_numel: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The flat ranges of `slots` split by TP (`sliced`: the names of the TP-sliced parameters) and the ranges of the
+    rest up to `padded_numel` (replicated values and padding)."""
+    cuts = sorted((s.offset, s.offset + s.numel) for s in slots if s.name in sliced)
+    tp_ranges, rest, at = [], [], 0
+    for lo, hi in cuts:
+        if lo > at:
+            rest.append((at, lo))
+        if tp_ranges and tp_ranges[-1][1] == lo:
+            tp_ranges[-1] = (tp_ranges[-1][0], hi)
+        else:
+            tp_ranges.append((lo, hi))
+        at = hi
+    if at < padded_numel:
+        rest.append((at, padded_numel))
+    return tp_ranges, rest

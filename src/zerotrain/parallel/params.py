@@ -1,12 +1,8 @@
 """The parameters an engine trains, and the seam between the engine and its stage: where those parameters live.
 
-A ZeRO engine (engine.py) is one algorithm at every stage: a flat layout, gradients reduce-scattered into this rank's
-shard, AdamW on the shard. What a stage decides about the parameters is a `ParameterPlacement`: the whole flat buffer
-on every rank, all-gathered after each update (stages 1 and 2: replicated.py), or only the owned chunks, each unit's
-buckets gathered while it runs (stage 3: sharded.py). The engine calls its placement at fixed points of the step and
-never asks which one it has. A placement reads the engine's public attributes (layout, params, slot_of, dp, mesh,
-frozen, the TP ranges) and calls its public methods (initial_value, initial_range) and its gradients' (engine.grads,
-gradients.py: begin_unit_backward, schedule_by_units, reached_parameters), never a private one.
+What a stage decides about the parameters is a `ParameterPlacement`: the whole flat buffer on every rank (stages 1 and
+2: replicated.py) or only the owned chunks, each unit gathered while it runs (stage 3: sharded.py). A placement reads
+the engine's public attributes and calls its public methods and its gradients' (engine.grads), never a private one.
 """
 
 from __future__ import annotations
@@ -17,6 +13,9 @@ from typing import Protocol
 import torch
 
 from zerotrain.errors import ZeroTrainError
+from zerotrain.model import is_decayed
+
+from .layout import ShardLayout
 
 
 class StaleParameterError(ZeroTrainError):
@@ -41,9 +40,8 @@ class OwnedPiece:
 class ParameterPlacement(Protocol):
     """Where an engine's parameters live, and what is gathered when: the part of a ZeRO stage that varies.
 
-    Built by the engine once its layout is known (the placement fills its buffers from the engine's init source and
-    makes every parameter a view of them), then `attach`ed once the engine's own hooks are registered (so that its
-    hooks run after the engine's). The engine then calls:
+    Built once the engine's layout is known (filling its buffers, every parameter a view of them), `attach`ed after
+    the engine's own hooks. The engine then calls:
 
         in_flight          as each parameter's gradient is accumulated: whether its bucket was still being gathered
         gradient_arrived   then, once the engine has taken it (into its bucket, counted)
@@ -89,6 +87,11 @@ def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:
         p.data = view
 
 
+def flat_layout(named: list[tuple[str, torch.nn.Parameter]], world_size: int, bucket_numel: int) -> ShardLayout:
+    """The flat layout of the parameters `named` (engine.layout_of's trained ones, units.frozen_layout_of's frozen)."""
+    return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
+
+
 def trainable_parameters(model: torch.nn.Module, select=None) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
 
@@ -103,9 +106,8 @@ def storage_bytes(tensors) -> int:
 
 
 def materialise_outside_layout(engine, held: set[str]) -> None:
-    """The parameters of `engine`'s model it holds (its `select`) that its placement's layouts do not (`held`, the
-    names they do): one on the meta device gets its own tensor on the engine's device, a frozen one with values is
-    cast, both in the run's precision."""
+    """The parameters of `engine`'s model (its `select`) outside its placement's layouts (`held`: their names): one on
+    the meta device gets its own tensor on the engine's device, a frozen one is cast, in the run's precision."""
     dtype = param_dtype(engine.precision)
     with torch.no_grad():
         for name, p in engine.model.named_parameters():

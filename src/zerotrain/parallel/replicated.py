@@ -1,12 +1,9 @@
 """Where ZeRO stages 1 and 2 keep the parameters: the whole flat buffer on every rank, all-gathered after each update.
 
-Every parameter is a view of one flat buffer in the engine's layout (no per-step copies). AdamW updates this rank's
-owned chunks of it; after the update every bucket is all-gathered in place, launched in forward order (the layout is
-reverse-forward), so the first module's parameters arrive first. With `gather_behind_forward` the all-gathers run behind
-the next forward: each module's forward pre-hook waits only for the buckets holding its own parameters, and whatever
-reads parameters outside forward calls `wait()` first (the engine's own readers do). A gradient of a parameter whose
-all-gather was still in flight when the forward read it is refused (in_flight: the engine raises
-StaleParameterError). Frozen parameters (a LoRA run's base) keep tensors of their own, in the run's precision.
+Every parameter is a view of one flat buffer in the engine's layout. After AdamW updates this rank's owned chunks,
+every bucket is all-gathered in place, in forward order (the layout is reverse-forward). With `gather_behind_forward`
+the gathers run behind the next forward, each module's forward pre-hook waiting only for its own buckets; a gradient of
+a parameter read while its gather was in flight is refused (in_flight). Frozen parameters keep tensors of their own.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ class ReplicatedParameters:
         return self.param_buffer[piece.flat_lo : piece.flat_hi]
 
     def owned_views(self) -> list[torch.Tensor]:
-        """This rank's owned values in shard order, adjacent pieces as one view (the caller has finished the
-        all-gathers: a background save's copy reads them on its own thread)."""
+        """This rank's owned values in shard order, adjacent pieces as one view (after the all-gathers)."""
         runs: list[list[int]] = []
         for p in self.engine.layout.owned_pieces(self.engine.dp.rank):
             if runs and runs[-1][1] == p.start:
@@ -75,8 +71,7 @@ class ReplicatedParameters:
 
     # ---------------------------------------------------------------- the step's points
     def in_flight(self, bucket: int) -> bool:
-        """Whether `bucket`'s all-gather is still in flight (a forward that read it without waiting computed with
-        stale values: the engine refuses its gradient)."""
+        """Whether `bucket`'s all-gather is still in flight (a gradient of values read now is refused)."""
         return bucket in self._gathering
 
     def gradient_arrived(self, p: torch.Tensor) -> None:
@@ -98,8 +93,8 @@ class ReplicatedParameters:
         self.wait()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
 
     def after_update(self, wait: bool) -> None:
-        """All-gather every bucket, in forward order (the layout is reverse-forward), so the first module's parameters
-        arrive first; with `wait` False still in flight on return."""
+        """All-gather every bucket, in forward order (the first module's parameters arrive first); with `wait` False
+        still in flight on return."""
         dp = self.engine.dp
         for b in reversed(self.engine.layout.buckets):
             lo, hi = b.chunk(dp.rank, dp.world_size)
@@ -124,8 +119,7 @@ class ReplicatedParameters:
 
     # ---------------------------------------------------------------- checks and counts
     def digests(self) -> torch.Tensor:
-        """The engine's param_digests rows, from the whole buffer: [replicated values, this rank's TP slices] (and
-        with KV heads on several TP ranks, this rank's slices of them); without TP everything in the first row."""
+        """The engine's param_digests rows, from the whole buffer."""
         e = self.engine
         self.wait()
         flat = self.param_buffer.detach()

@@ -1,77 +1,38 @@
 """ZeRO stage 3's parameters: each DP rank holds only its owned chunks; a unit's buckets are whole only while used.
 
-ShardedParameters is stage 3's ParameterPlacement (params.py): the engine (engine.py) is the same algorithm as at
-stages 1 and 2 and calls it at the same points. The flat layout is stage 1's and 2's (same buckets, same padding,
-same owned chunks), so the optimizer shard, the gradient norm's grid and the checkpoint are theirs too. What changes
-is where the parameters live:
+ShardedParameters is stage 3's ParameterPlacement (params.py); the flat layout, the gradients (gradients.py: stage 2's
+additions, the reductions scheduled by units) and the optimizer are stages 1's and 2's, so stage 3 computes bitwise
+stage 2's step in the same --grad-reduce mode. Where the parameters live:
 
-    between steps          this rank's owned chunks only (`param_shard`: in fp32 the masters themselves;
-                           in bf16 the values gathered, rounded from an fp32 master shard after each update)
-    a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook), and
-                           their storage released after it (forward hook)
-    a unit's backward      gathered again when autograd first unpacks a weight the unit's forward saved
-                           (saved-tensor hooks, entered and left around the model's forward in one place, so a
-                           forward that raises leaves none behind: the saved weight is kept as a reference, not
-                           the tensor), and released once every parameter of the unit has its gradient (or as
-                           the backward ends, where a parameter got none)
-    gradients              stage 2's: each bucket reduce-scattered into this rank's shard, its full-size buffer
-                           freed; with accumulation, by default, every micro-batch's (--grad-reduce auto is
-                           micro-batch here: the fp32 shard accumulates, and no full gradient is held through the
-                           window beside a sharded model); when, below
+    between steps          the owned chunks only (`param_shard`: in fp32 the masters themselves; in bf16 rounded
+                           from an fp32 master shard after each update)
+    a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook),
+                           released after it (forward hook); units and what is whole at once: units.py
+    a unit's backward      gathered again when autograd first unpacks a weight its forward saved (saved-tensor
+                           hooks around the model's forward, in one place, so a forward that raises leaves none
+                           behind), released once every parameter of the unit has its gradient (or as the
+                           backward ends)
 
-Units, in forward order (units.py: model_units): the root, then each transformer block, with an untied head its
-embedding before them and its final norm with the head after them. A bucket that straddles two units is whole while
-either needs it. Every parameter is a permanent view of its bucket's buffer; releasing a bucket resizes that buffer's
-storage to 0 bytes, so the views keep their shapes but hold nothing.
+The reduce-scatters share the DP group's communicator with the gathers, so where each starts is a function of the
+model, not of which gradients arrived: every rank issues the same collectives in the same order. A bucket (with its
+unit, units.bucket_units) starts once its unit's backward has begun on this rank and the gradients this rank's
+forward reached are in; at the latest when the gradient of its unit's input is complete (FSDP2's post-backward
+point); else as the backward ends. Launched where its last expected gradient arrived instead, a bucket that a rank's
+experts got no rows for went out at another point among the gathers than on a rank whose experts did (gloo aborts on
+a message of another size; a test plants it).
 
-The reduce-scatters share the DP group's communicator with the units' gathers, so where each starts is a function of
-the model, not of which gradients arrived: every rank issues the same collectives in the same order. Each bucket has
-a unit (units.bucket_units: the earliest in forward order of its parameters' units, whose backward ends last; a root
-parameter registered after the blocks, the final norm beside a tied head, the last unit's). Launched in bucket order,
-a bucket starts
-    - once its unit's backward has begun on this rank (its gather for backward; an untied head's from the start) and
-      the gradients this rank's forward reached are in (none reached, an expert with no rows here: at once), so
-      between that gather (with the prefetch it launches) and the next unit's on every rank, whatever arrived;
-    - at the latest when the gradient of its unit's input is complete (a hook on it, FSDP2's post-backward point,
-      counted over the forwards of the backward): its gradients that did not arrive are zeros;
-    - else as the backward ends (the root's, a unit whose input needs no gradient: the embedding, a LoRA run's first
-      block), in bucket order.
-Where every gradient arrives this is where the last one arrives, as at stage 2, and the additions are stage 2's.
-Launched where its last expected gradient arrived instead, a bucket that a rank's experts got no rows for went out at
-another point among the units' gathers than on a rank whose experts did, and the group's messages parted ways (gloo
-aborts on a message of another size; a test plants it).
+With --activation-checkpointing a block's forward recomputed in its backward gathers it again for that backward.
+With --overlap on the next unit is prefetched one unit ahead (the root's forward launches block 1's gather, block
+u's forward block u+1's, block u's backward block u-1's); at most the root and two neighbouring blocks are whole or in
+flight (units.units_whole_bytes). Every gather is tagged with the shard's update count: a unit computing with values
+gathered before the last update raises StaleParameterError. On CPU the prefetch is off unless asked for (2 gloo ranks,
+2 cores, width 256: 1.07x stage 2's step against 1.09x without, within the noise).
 
-With --activation-checkpointing blocks a block's forward runs again in its backward (torch.utils.checkpoint, whose
-saved-tensor hooks then hold what the block saves): the forward pre-hook gathers it again, held for its backward.
-`full` recomputes the head and the loss too, inside the model's call (layers.head_loss), so in the root unit's hold.
-
-With --overlap on (the default with CUDA) the next unit is prefetched one unit ahead: entering the root's forward
-launches block 1's all-gather, entering block u's forward launches block u+1's, and gathering block u for its backward
-launches block u-1's; the unit waits for it when it runs. So at most the root and two neighbouring blocks are whole or
-in flight at once (units.units_whole_bytes). With NCCL an async all-gather runs on NCCL's own stream, behind the
-compute on the default stream, which waits for it only when the unit needs it. Every gather is tagged with the
-number of updates the shard has had: a unit that would compute with values gathered before the last update (a
-prefetch that outlived a step) raises StaleParameterError instead. On CPU the prefetch is off unless asked for:
-measured on 2 CPU ranks (gloo over loopback, 2 cores), width 256, a forward prefetch gave 1.07x stage 2's step
-against 1.09x (4 blocks, 4 MiB buckets), 1.23x against 1.25x (8 blocks, 1 MiB), within the rounds' noise, as
-DESIGN.md says of overlap on 2 cores.
-
-Frozen parameters (a LoRA run's base) are sharded alike, in a flat layout of their own (units.frozen_layout_of: built
-as the trained one is), in the run's precision from the first value read or drawn: each rank holds its owned chunks of
-them (`frozen_shard`), and their buckets are gathered and released with the units they belong to, never reduced,
-with no gradient or optimizer state. No gradient says when a unit's backward has read its last frozen weight (one is
-read for its input's gradient alone), so a unit with frozen parameters is released for its backward as the previous
-unit's backward begins: that backward reads the gradient of the later unit's input, complete only once every node of
-the later unit that reads a weight has run. frozen_copy.shard_frozen_copy shards a module whose every parameter is
-frozen the same way, with no engine (a preference run's live reference for full fine-tuning).
-
-With --tp the model holds this rank's TP slices and the replicated parameters, and all of the above runs over the DP
-group (the ranks holding the same slices), exactly as at TP 1; the KV replicas' gradient sum (model/tensor_parallel.py) runs
-in the block's backward, before the gradient reaches its bucket.
-
-The gradient path is the engine's (gradients.py), stage 2's addition for addition (the reductions only scheduled by
-units: GradientReducer.schedule_by_units), so stage 3 computes bitwise the same step as stage 2 in the same
---grad-reduce mode (step or micro-batch, at any accumulation).
+Frozen parameters (a LoRA run's base) are sharded alike in a layout of their own (units.frozen_layout_of,
+`frozen_shard`), gathered and released with their units, never reduced. No gradient says when a unit's backward has
+read its last frozen weight, so such a unit is released as the previous unit's backward begins (which reads the
+gradient of the later unit's input, complete only once the later unit's every weight-reading node has run). With
+--tp all of this runs over the DP group, exactly as at TP 1.
 """
 
 from __future__ import annotations
@@ -87,7 +48,7 @@ from zerotrain.model.recompute import in_backward
 from . import units
 from .bucket_buffers import ReleasedParameterError, gather_bucket, shard_into_buckets
 from .digest import moved, tensor_digest
-from .layout import ShardLayout
+from .layout import ShardLayout, split_by_tp
 from .params import OwnedPiece, StaleParameterError, frozen_parameters, materialise_outside_layout, param_dtype, \
     storage_bytes
 
@@ -119,15 +80,13 @@ def _current_saved_tensors_hooks():
 
 
 class ShardedParameters:
-    """The parameters of ZeRO stage 3 (params.ParameterPlacement): each rank holds its owned chunks, a unit's buckets
-    whole only while it runs (see the module docstring)."""
+    """The parameters of ZeRO stage 3: owned chunks, a unit's buckets whole only while it runs (module docstring)."""
 
     gathers_units = True
 
     def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
-        """`overlap_gathers` (--overlap on): prefetch the next unit's gather one unit ahead. An engine over a
-        selection of the parameters (expert parallelism's two) gathers, counts and releases only its own parameters'
-        buckets in the units, and holds no frozen ones."""
+        """`overlap_gathers` (--overlap on): prefetch the next unit one unit ahead. An engine over a selection of the
+        parameters (expert parallelism's two) handles only its own parameters' buckets, and holds no frozen ones."""
         self.engine = engine
         self.prefetch = overlap_gathers
         model, dp = engine.model, engine.dp
@@ -135,8 +94,7 @@ class ShardedParameters:
             raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")
         # The frozen parameters (a LoRA run's base) in a layout of their own, sharded like the trained ones
         self.frozen_layout = units.frozen_layout_of(model, dp.world_size, bucket_numel)
-        # What other engines over the same units hold whole now (expert parallelism's other engine): counted into
-        # param_peak_bytes at each gather, so that the peak is the units' whole at once, both engines' together
+        # What another engine over the same units holds whole now (expert parallelism's): in param_peak_bytes too
         self.param_bytes_beside: Callable[[], int] = lambda: 0
         # a parameter neither layout holds gets its own tensor (the frozen ones are sharded: _build_shards)
         materialise_outside_layout(engine, {s.name for s in engine.layout.slots} |
@@ -145,21 +103,16 @@ class ShardedParameters:
 
     # ---------------------------------------------------------------- building
     def _build_shards(self) -> None:
-        """The shard: for each parameter, its values (this rank's TP slice of them) where its flat range lies in
-        this rank's owned chunks, and only those read or drawn (the engine's initial_range); a parameter with nothing
-        owned here is never computed or read. Every parameter becomes a view of its bucket's full-size buffer, whose
-        storage is held only while gathered. The frozen parameters alike, in their own layout and shard
-        (`frozen_shard`, in the run's precision from the first value), gathered with the units they belong to and
-        never reduced: bucket i of frozen_layout is bucket len(layout.buckets) + i of the placement's lists."""
+        """The shards, only the owned ranges read or drawn (engine.initial_range), every parameter a view of its
+        bucket's buffer (bucket_buffers.py); the frozen parameters' in their own layout and `frozen_shard`: bucket i
+        of frozen_layout is bucket len(layout.buckets) + i of the placement's lists."""
         e = self.engine
         L, device, rank = e.layout, e.device, e.dp.rank
-        # The owned chunks: in fp32 the masters themselves; in bf16 what is gathered, beside an fp32 master shard.
         dtype = param_dtype(e.precision)
         self.param_shard = torch.zeros(L.shard_numel, dtype=dtype, device=device)
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
         by_name = dict(e.model.named_parameters())
         frozen = [by_name[s.name] for s in self.frozen_layout.slots]
-        # each bucket's full-size buffer (the trained buckets', then the frozen ones'), its storage held while whole
         self.bucket_params: list[torch.Tensor] = \
             shard_into_buckets(L, e.params, self.param_shard, rank, e.initial_range) + \
             shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, e.initial_range)
@@ -512,22 +465,13 @@ class ShardedParameters:
 
     # ---------------------------------------------------------------- invariant (b)
     def digests(self) -> torch.Tensor:
-        """Invariant (b) for sharded parameters, from what each rank holds, gathering nothing: the rows are stage 1's
-        and 2's (one without TP; with TP the replicated values, this rank's TP slices, and with KV groups the KV
-        heads' slices), each the digest of the flat buffer the DP group's shards make, bitwise what stages 1 and 2
-        report for the same values.
+        """Invariant (b) from what each rank holds, gathering nothing: stage 1's and 2's rows, bitwise, each the
+        digest of the flat buffer the DP group's shards make. Each rank digests its owned chunks where they lie in the
+        flat buffer (digest.moved), by bucket and row; one all-reduce of those integers over the DP group sums them
+        (digests of disjoint pieces add up). The frozen shards are digested alike, placed after the trained buffer.
 
-        Each rank digests its owned chunks where they lie in the flat buffer (digest.moved), bucket by bucket and row
-        by row; one all-reduce of those few integers over the DP group sums them into each bucket's digest as a
-        gather would make it (digests of disjoint pieces add up). With TP the replicated row is then checked across
-        the TP ranks, and the KV row across each KV group: their DP groups own and update the same chunks apart, so
-        a gradient that differs between them (the KV replicas' sum skipped, say) shows as differing shards. The frozen
-        shards (a LoRA run's base) are digested alike, their buffer placed after the trained one in the digests'
-        positions, and their gathers checked the same way.
-
-        What a rank computes with is checked too, one check later: the buckets' digests are kept as what the units'
-        next gathers must give (until the next update), and the first gather of each bucket after a check is digested
-        as gathered (no traffic: the unit gathers it anyway); what differs (a stale or wrong copy) is added to this
+        What a rank computes with is checked one check later: the first gather of each bucket after a check is
+        digested as gathered (no traffic) against the check's; what differs (a stale or wrong copy) is added to this
         rank's rows at the next check, which then differ from its DP group's.
         """
         kinds = self._digest_kinds()
@@ -561,13 +505,7 @@ class ShardedParameters:
         if e.mesh.tp_size == 1:
             return [[(0, e.layout.padded_numel)]], [[(0, self.frozen_layout.padded_numel)]]
         trained = [e.replicated_ranges, e.sliced_ranges] + ([e.kv_shared_ranges] if e.mesh.kv_replicas > 1 else [])
-        sliced = sorted((s.offset, s.offset + s.numel) for s in self.frozen_layout.slots
-                        if s.name in e.model_slices)
-        replicated, at = [], 0
-        for lo, hi in sliced + [(self.frozen_layout.padded_numel, self.frozen_layout.padded_numel)]:
-            if lo > at:
-                replicated.append((at, lo))
-            at = hi
+        sliced, replicated = split_by_tp(self.frozen_layout.slots, e.model_slices, self.frozen_layout.padded_numel)
         return trained, [replicated, sliced] + [[]] * (len(trained) - 2)
 
     def _verify_gather(self, index: int) -> None:

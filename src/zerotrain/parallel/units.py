@@ -1,34 +1,22 @@
 """ZeRO-3's units: which modules run together, which buckets each one's parameters lie in, and what is whole at once.
 
-A unit is gathered whole for its forward and its backward and released between them (sharded.py); a frozen copy's
-units alike (frozen_copy.py); the planners ask the same functions what is whole at once (units_whole_bytes) and how
-the frozen base is laid out (frozen_layout_of), and expert parallelism schedules its reductions by them.
-
-Units, in forward order: the root (the model itself), then each transformer block. With a tied head (GPT-2, the
-small Llamas) the root holds the embeddings, the final norm and the head, and is whole from the model's forward to
-the end of its backward: the head needs the embedding again at the end of the forward, the head's backward comes
-first, and the tied weight's gradient is complete only at the end (kept whole rather than gathered again: on 2 CPU
-ranks, 8 blocks of width 256, 1 MiB buckets, the step went from 1.30x stage 2's time to 1.26x). With an untied
-head the embedding and the head are units of their own, the two largest tensors of a large-vocabulary model never
-whole together: the embedding before the first block (released after its forward: its backward reads no weight),
-the final norm with the head after the last block (whole from the norm's forward into their backward, which comes
-first). A bucket that straddles two units is whole while either needs it. Every parameter is a permanent view of its
-bucket's buffer; releasing a bucket resizes that buffer's storage to 0 bytes, so the views keep their shapes but hold
-nothing.
-
-Each bucket has a unit (bucket_units: the earliest in forward order of its parameters' units, whose backward ends
-last; a root parameter registered after the blocks, the final norm beside a tied head, the last unit's): where its
-reduce-scatter may start (sharded.py's schedule), a function of the model alone, the same on every rank.
+A unit is gathered whole for its forward and its backward and released between them (sharded.py, frozen_copy.py);
+the planners ask the same functions what is whole at once. Units, in forward order: the root (the model itself), then
+each transformer block. With a tied head (GPT-2, the small Llamas) the root holds the embeddings, the final norm and
+the head, whole from the model's forward to the end of its backward (the tied weight's gradient is complete only at
+the end; gathering it again instead: 1.30x stage 2's step against 1.26x, 2 CPU ranks, 8 blocks of width 256). With an
+untied head the embedding and the head are units of their own, the two largest tensors of a large-vocabulary model
+never whole together: the embedding before the first block, the final norm with the head after the last block (whole
+from its forward into its backward, which follows at once). A bucket that straddles two units is whole while either
+needs it; each bucket's reduce-scatter goes with one unit (bucket_units), a function of the model alone.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zerotrain.model import is_decayed
-
 from .layout import ShardLayout
-from .params import frozen_parameters
+from .params import flat_layout, frozen_parameters
 
 def model_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
     """The units in forward order, each the modules that run it (the first's forward begins it, the last's ends
@@ -46,8 +34,7 @@ def untied_head(model: torch.nn.Module) -> bool:
 
 
 def held_into_backward(model: torch.nn.Module) -> set[int]:
-    """The units kept whole from their forward into their backward, which follows at once: the root, and the
-    untied head (the last unit)."""
+    """The units kept whole from their forward into their backward: the root, and an untied head (the last unit)."""
     return {0, len(model_units(model)) - 1} if untied_head(model) else {0}
 
 
@@ -71,10 +58,9 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout, trained: bool = Tr
 
 
 def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
-    """The unit each bucket of `layout` is reduced with, a function of the model alone (see the module docstring):
-    the earliest in forward order of its parameters' units, whose backward ends last. A root parameter registered
-    after the blocks (the final norm beside a tied head) counts as the last unit's: its gradient is complete before
-    the last block's backward ends; the root's others (the embeddings, a tied head) as the root's."""
+    """The unit each bucket of `layout` is reduced with: the earliest in forward order of its parameters' units, whose
+    backward ends last. A root parameter registered after the blocks (the final norm beside a tied head) counts as the
+    last unit's (its gradient is complete before the last block's backward ends)."""
     params = unit_parameters(model)
     order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # registration order
     last = len(params) - 1
@@ -87,24 +73,19 @@ def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
 
 
 def frozen_layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int) -> ShardLayout:
-    """The flat layout stage 3 shards a model's frozen parameters in (a LoRA run's base, a frozen copy's every
-    parameter): built as the trained parameters' is (engine.layout_of), so an all-frozen copy of a model is laid out
-    exactly as the model that trains, bucket for bucket and rank for rank."""
-    named = frozen_parameters(model)
-    return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
+    """The flat layout stage 3 shards a model's frozen parameters in, built as the trained ones' (engine.layout_of):
+    an all-frozen copy of a model is laid out exactly as the model that trains."""
+    return flat_layout(frozen_parameters(model), world_size, bucket_numel)
 
 
 def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size: int = 4,
                       prefetch: bool = False, frozen: ShardLayout | None = None,
                       beside: ShardLayout | None = None) -> int:
-    """The most parameter bytes whole at once beyond the shard: the root unit (whole through the forward and
-    the backward) with the largest other unit, or with `prefetch` the largest two neighbouring ones (the one running
-    and the one being gathered for next). A unit's backward gathers it after the next unit's last gradient has
-    arrived (autograd runs a parameter's gradient accumulation as soon as it is ready), or with frozen parameters
-    (`frozen`, their layout) after the next unit's release (ShardedParameters.enter_backward), so without a
-    prefetch two of them are never whole together; the run's check of the plan would say so if they were.
-    `beside`: the layout of a second engine over the same units (expert parallelism's experts), whose buckets are
-    whole with the unit's."""
+    """The most parameter bytes whole at once beyond the shard: the root unit with the largest other unit, or with
+    `prefetch` the largest two neighbouring ones. A unit's backward gathers it after the next unit's last gradient
+    arrived (with frozen parameters, `frozen` their layout, after the next unit's release), so without a prefetch two
+    are never whole together (the run's check of the plan would say so). `beside`: a second engine's layout over the
+    same units (expert parallelism's experts), whose buckets are whole with the unit's."""
     size = {("t", b.index): b.end - b.start for b in layout.buckets}
     units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
     for key, other, trained in (("f", frozen, False), ("e", beside, True)):
