@@ -74,7 +74,14 @@ class _Works:
 
 
 def _finish(work, async_op: bool):
-    """An async handle for async_op, else wait now (a synchronous torch call returns None)."""
+    """An async handle for async_op, else wait now (a synchronous torch call returns None).
+
+    On NCCL a wait is the stream's, not the CPU's: every collective runs on NCCL's own stream, which waits for the
+    work queued on the current stream when it is issued, and `work.wait()` with no timeout (never passed here) makes
+    the current stream wait for it and returns at once (torch 2.13, ProcessGroupNCCL.hpp: "Same as calling
+    synchronize() for NCCL work if timeout is not set"); only TORCH_NCCL_BLOCKING_WAIT makes it block the CPU. A buffer
+    freed after its collective's wait is safe on the caching allocator: NCCL records its stream on the tensors it
+    was given (or, with TORCH_NCCL_AVOID_RECORD_STREAMS, holds them until that wait)."""
     if async_op:
         return work
     if work is not None:

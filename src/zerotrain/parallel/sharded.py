@@ -25,8 +25,11 @@ With --activation-checkpointing a block's forward recomputed in its backward gat
 With --overlap on the next unit is prefetched one unit ahead (the root's forward launches block 1's gather, block
 u's forward block u+1's, block u's backward block u-1's); at most the root and two neighbouring blocks are whole or in
 flight (units.units_whole_bytes). Every gather is tagged with the shard's update count: a unit computing with values
-gathered before the last update raises StaleParameterError. On CPU the prefetch is off unless asked for (2 gloo ranks,
-2 cores, width 256: 1.07x stage 2's step against 1.09x without, within the noise).
+gathered before the last update raises StaleParameterError. A prefetch is issued in the unit's forward pre-hook,
+before its compute is queued (tests/test_zero3_prefetch_order.py), so on CUDA NCCL's stream gathers the next unit
+beside it and the compute stream waits for it only when that unit runs (comm._finish); a bucket in flight is never
+released (release_all lands the prefetches first), so its buffer is freed only after its wait. On CPU the prefetch is
+off unless asked for (2 gloo ranks, 2 cores, width 256: 1.07x stage 2's step against 1.09x without, within the noise).
 
 Frozen parameters (a LoRA run's base) are sharded alike in a layout of their own (units.frozen_layout_of,
 `frozen_shard`), gathered and released with their units, never reduced. No gradient says when a unit's backward has
