@@ -256,9 +256,12 @@ class GradientReducer:
         while self._launched < len(self._ready) and self._bucket_unit[self._launched] >= unit:
             self._launch(self._launched)
 
-    def _reset_unit_counts(self) -> None:
-        self._forwards = [0] * len(self._forwards)
-        self._done = [0] * len(self._done)
+    def _forget_backward(self) -> None:
+        """What a backward counted is forgotten: no end queued, no unit begun, every gradient expected again."""
+        self._end_queued = False
+        self._begun.clear()
+        self._expected, self._reached = list(self._bucket_sizes), None
+        self._forwards, self._done = [0] * len(self._forwards), [0] * len(self._done)
 
     def join_backward(self) -> bool:
         """Whether this backward reduces (the window's last, or each with --grad-reduce micro-batch), and if so its end
@@ -316,7 +319,6 @@ class GradientReducer:
         told (stage 3 releases every unit). With --grad-reduce micro-batch the counts start again; otherwise the
         window is reduced, and a gradient of another backward before zero_grad is the caller's mistake."""
         self._end_queued = False
-        self._begun.clear()
         if self._reduces_now:
             self._reduces_now = False
             if self.bucketed:
@@ -328,8 +330,7 @@ class GradientReducer:
                 self._launched = 0
             else:
                 self._window_reduced = True
-        self._expected, self._reached = list(self._bucket_sizes), None
-        self._reset_unit_counts()
+        self._forget_backward()
         self.placement.end_backward()
 
     def _late_gradient(self, name: str, bucket: int) -> str:
@@ -416,10 +417,8 @@ class GradientReducer:
         self._bucket_grads.clear()
         self._ready = [0] * len(self._ready)
         self._launched = 0
-        self._end_queued = self._reduces_now = self._window_reduced = False
-        self._expected, self._reached = list(self._bucket_sizes), None
-        self._begun.clear()
-        self._reset_unit_counts()
+        self._reduces_now = self._window_reduced = False
+        self._forget_backward()
         self.placement.reset_window()  # no unit running or counting gradients (after a normal step, none is)
 
     def finish_grads(self) -> torch.Tensor:

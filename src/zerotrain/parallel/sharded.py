@@ -158,7 +158,6 @@ class ShardedParameters:
         first, end = (2, len(self.units) - 1) if units.untied_head(model) else (1, len(self.units))
         self._blocks = set(range(first, end))  # the transformer blocks' units
         params = [[(n, p) for n, p in unit if id(p) in e.slot_of] for unit in units.unit_parameters(model)]  # ours
-        self._unit_of = {id(p): index for index, unit in enumerate(params) for _, p in unit}  # parameter -> unit
         self._unit_sizes = [len(unit) for unit in params]
         self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
         self._unit_params = [[id(p) for _, p in unit] for unit in params]
@@ -412,7 +411,7 @@ class ShardedParameters:
 
     def gradient_arrived(self, p: torch.Tensor) -> None:
         """A unit whose trained parameters all have their gradients is released for its backward."""
-        unit = self._unit_of[id(p)]
+        unit = self._param_unit[id(p)]
         self._arrived[unit] += 1
         if self._arrived[unit] == self._unit_waits()[unit]:  # the unit's trained parameters have their gradients
             self._arrived[unit] = 0
