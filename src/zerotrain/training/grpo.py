@@ -209,7 +209,8 @@ class GroupRelative:
         return LossRule(None, "", ratio_test=False, outlier_test=False, gives_back_test=False)
 
     def held_state(self) -> dict:
-        return {}
+        """What the objective holds beyond the engine, for the memory plan's check: the reference copy."""
+        return {"reference_model": self.reference_model} if self.reference_model is not None else {}
 
     def extras(self) -> torch.Tensor:
         return self.stats.cpu()
