@@ -5,10 +5,12 @@ One step, on every rank:
 
     1. rollouts   this rank's prompts (a contiguous block of the step's P = global batch / G prompts, so a prompt's G
                   completions are on one rank) get G completions each, sampled under torch.no_grad (inference mode)
-                  by the model as the engine holds it (with LoRA, its adapters on): at ZeRO-3 its forwards gather
-                  each unit as training's do, and every rank runs the same number of them (no early stop when all
-                  rows ended). Prompt j's generator is seeded from (seed, generation, j), so the draws do not depend
-                  on the split and a resumed run draws the same completions.
+                  by the model as the engine holds it (with LoRA, its adapters on), its prompts of one length in one
+                  batch: at ZeRO-3 its forwards gather each unit as training's do, and with --ep send tokens to
+                  every rank's experts, so there every rank runs the same number of them (a batch per prompt, no
+                  early stop when all rows ended). Prompt j's generator is seeded from (seed, generation, j), so the
+                  draws do not depend on the split and a resumed run draws the same completions; a DP rank's TP
+                  ranks draw the same ones (same_draws checks), counted once (per_dp_rank).
     2. rewards    each rank scores its own completions (rewards.score: TRL's signature, the records' other fields as
                   columns); one all-gather gives every rank every score and length, from which each computes the
                   same rewards, advantages (scaled by the group's std, the batch's, or not at all) and the step's
