@@ -1021,8 +1021,7 @@ def _check_grpo(cfg: Config) -> None:
                           "--reward functions: one each")
     if "format" in rewards and not o.reward_format:
         raise ConfigError("--reward format needs --reward-format REGEX (the pattern a whole completion matches)")
-    refused = [(cfg.parallel.tp > 1, f"--tp {cfg.parallel.tp}"), (cfg.parallel.ep > 1, f"--ep {cfg.parallel.ep}"),
-               (loop.compile, "--compile"), (loop.eval_every > 0, f"--eval-every {loop.eval_every}")]
+    refused = [(loop.compile, "--compile"), (loop.eval_every > 0, f"--eval-every {loop.eval_every}")]
     for bad, flag in refused:
         if bad:
             raise ConfigError(f"--method grpo does not work with {flag} yet: leave {flag} out")

@@ -26,6 +26,9 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+# One random stream for every row, or one per block of rows (GRPO: a prompt's G rows draw from the prompt's own)
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
 from .kv_cache import KVCache
 from .tensor_parallel import kv_heads_per_rank
 
@@ -41,14 +44,15 @@ def window_start(start: int, n: int, seq_len: int, keep: int) -> int:
 
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None, kv_cache: bool = True,
+             top_k: int | None = None, generator: Generators = None, kv_cache: bool = True,
              keep: int | None = None, vocab_limit: int | None = None,
              stop_ids: Collection[int] | None = None, top_p: float | None = None) -> torch.Tensor:
     """The (B, L) tokens that follow `prompt` (B, T0), T0 >= 1: L = max_new_tokens, or fewer with `stop_ids`.
 
     temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / temperature),
     restricted to the top_k most likely when top_k is given and to the nucleus of mass top_p when top_p is given
-    (in transformers' order: temperature, top-k, top-p), with `generator`'s random stream.
+    (in transformers' order: temperature, top-k, top-p), with `generator`'s random stream (a sequence of k
+    generators: the rows are k equal blocks in order, each drawn from its own, as it would be alone).
     `vocab_limit` excludes ids at or above it (a vocabulary padded beyond the tokenizer's).
     `stop_ids` (end of text, end of turn): a row ends at the first it draws, which it keeps, and repeats that
     token from there, as transformers' generate pads a finished row; generation stops once every row has ended
@@ -117,9 +121,10 @@ def until_stop(ids: list[int], stop_ids: Collection[int] | None) -> tuple[list[i
     return (ids, False) if end is None else (ids[: end + 1], True)
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: Generators,
                vocab_limit: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """One token id per row of the (B, vocab) logits: argmax at temperature 0, else a draw."""
+    """One token id per row of the (B, vocab) logits: argmax at temperature 0, else a draw (with a sequence of k
+    generators, each of the k equal blocks of rows from its own)."""
     if vocab_limit is not None:
         logits = logits[:, :vocab_limit]
     if temperature == 0:
@@ -131,7 +136,10 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
     if top_p is not None and top_p < 1.0:
         logits = top_p_filter(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    blocks = probs.view(len(generator), -1, probs.shape[-1])
+    return torch.cat([torch.multinomial(block, 1, generator=g) for block, g in zip(blocks, generator)]).squeeze(1)
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -147,16 +155,18 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.inference_mode()
 def sample_completions(model: torch.nn.Module, prompts: Sequence[Sequence[int]], num_generations: int,
                        max_completion_length: int, *, temperature: float = 1.0, top_p: float | None = None,
-                       top_k: int | None = None, generator: torch.Generator | None = None,
+                       top_k: int | None = None, generator: Generators = None,
                        stop_ids: Collection[int] | None = None, vocab_limit: int | None = None) -> list[list[int]]:
     """`num_generations` completions of each prompt (token ids, of any lengths), prompt-major: prompt i's are
     completions i G .. i G + G - 1. Each is at most `max_completion_length` tokens, cut after its first stop token,
-    which it keeps. Sampled as `generate` samples (temperature 0: greedy), with the KV cache, by `generator`.
+    which it keeps. Sampled as `generate` samples (temperature 0: greedy), with the KV cache, by `generator`: one for
+    every row, or a sequence of one per prompt, from which the prompt's G rows draw.
 
     The rows run as batches of the prompts of one length, without padding: a prompt's G rows always share a batch,
     and prompts of equal length share one too. (The attention has no key-padding mask with a cache, so a padded
     batch would attend to its pads.) Each row's tokens are those `generate` gives it alone; with one generator, the
-    same prompts, seed and batch draw the same completions."""
+    same prompts, seed and batch draw the same completions; with one per prompt, a prompt draws the same completions
+    in any batch (up to the float rounding of a batch's matmuls)."""
     seq_len = model.cfg.positions
     longest = max(len(p) for p in prompts)
     if longest + max_completion_length > seq_len:  # the loss's forward must see a whole completion with its prompt
@@ -165,10 +175,12 @@ def sample_completions(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     rows = [list(p) for p in prompts for _ in range(num_generations)]
     completions: list[list[int]] = [[] for _ in rows]
     device = model.embedding.weight.device
+    per_prompt = not (generator is None or isinstance(generator, torch.Generator))
     for indices in rows_by_prompt_length(rows):
         batch = torch.tensor([rows[i] for i in indices], dtype=torch.long, device=device)
+        drawing = [generator[i // num_generations] for i in indices[::num_generations]] if per_prompt else generator
         drawn = generate(model, batch, max_completion_length, temperature=temperature, top_k=top_k, top_p=top_p,
-                         generator=generator, stop_ids=stop_ids, vocab_limit=vocab_limit).tolist()
+                         generator=drawing, stop_ids=stop_ids, vocab_limit=vocab_limit).tolist()
         for i, ids in zip(indices, drawn):
             completions[i] = until_stop(ids, stop_ids)[0]
     return completions

@@ -5,10 +5,12 @@ One step, on every rank:
 
     1. rollouts   this rank's prompts (a contiguous block of the step's P = global batch / G prompts, so a prompt's G
                   completions are on one rank) get G completions each, sampled under torch.no_grad (inference mode)
-                  by the model as the engine holds it (with LoRA, its adapters on): at ZeRO-3 its forwards gather
-                  each unit as training's do, and every rank runs the same number of them (no early stop when all
-                  rows ended). Prompt j's generator is seeded from (seed, generation, j), so the draws do not depend
-                  on the split and a resumed run draws the same completions.
+                  by the model as the engine holds it (with LoRA, its adapters on), its prompts of one length in one
+                  batch: at ZeRO-3 its forwards gather each unit as training's do, and with --ep send tokens to
+                  every rank's experts, so there every rank runs the same number of them (a batch per prompt, no
+                  early stop when all rows ended). Prompt j's generator is seeded from (seed, generation, j), so the
+                  draws do not depend on the split and a resumed run draws the same completions; a DP rank's TP
+                  ranks draw the same ones (same_draws checks), counted once (per_dp_rank).
     2. rewards    each rank scores its own completions (rewards.score: TRL's signature, the records' other fields as
                   columns); one all-gather gives every rank every score and length, from which each computes the
                   same rewards, advantages (scaled by the group's std, the batch's, or not at all) and the step's
@@ -43,6 +45,7 @@ from zerotrain.data.batches import BatchSchedule
 from zerotrain.data.jsonl import record_tokenizer
 from zerotrain.data.prompts import Prompt, PromptSource, read_prompts
 from zerotrain.data.tokenizer_config import model_facts, stop_ids
+from zerotrain.errors import InvariantError
 from zerotrain.model.generate import sample_completions, until_stop
 from zerotrain.model.lora import adapters_off
 from zerotrain.model.loss import head_loss
@@ -208,7 +211,8 @@ class GroupRelative:
         return LossRule(None, "", ratio_test=False, outlier_test=False, gives_back_test=False)
 
     def held_state(self) -> dict:
-        return {}
+        """What the objective holds beyond the engine, for the memory plan's check: the reference copy."""
+        return {"reference_model": self.reference_model} if self.reference_model is not None else {}
 
     def extras(self) -> torch.Tensor:
         return self.stats.cpu()
@@ -297,25 +301,36 @@ class GroupRelative:
         0 writes every rank's to rollouts.jsonl."""
         o, cfg, mesh = self.o, self.cfg, engine.mesh
         G, L = o.num_generations, o.max_completion_length
-        stage3 = getattr(engine, "stage", 1) == 3
+        # at ZeRO-3 and with --ep every rank of the shard (or expert) group runs the same forwards (each gathers the
+        # units, or sends tokens to every rank's experts): no stop before L tokens, the rows cut after; the draws of
+        # a row are those it has with the stop (generate's docstring). A TP group's ranks stop together: they draw
+        # the same tokens (their logits are the same all-gathered bytes, their generators the same seeds)
+        # Elsewhere the rank's prompts of one length are one batch (measured at 4 prompts x G = 4 on CPU: ~2x the
+        # tokens/s of a batch per prompt); where the ranks must run the same forwards, a batch per prompt, as many
+        # on every rank whatever the prompts' lengths
+        same_forwards = getattr(engine, "stage", 1) == 3 or mesh.ep_size > 1
+        prompts = [prompt for _, prompt in batch.prompts]
+        generators = [sampling_generator(cfg.loop.seed, batch.generation, j, engine.device) for j, _ in batch.prompts]
+        batches = [[i] for i in range(len(prompts))] if same_forwards else [list(range(len(prompts)))]
+        drawn = []
+        for chunk in batches:
+            drawn += sample_completions(engine.model, [prompts[i].ids for i in chunk], G, L, temperature=o.temperature,
+                                        top_p=o.top_p if o.top_p < 1 else None,
+                                        generator=[generators[i] for i in chunk],
+                                        stop_ids=None if same_forwards else self.stop_ids,
+                                        vocab_limit=min(cfg.model.vocab_size, self.tokenizer.vocab_size))
         out = []
-        for j, prompt in batch.prompts:
-            generator = sampling_generator(cfg.loop.seed, batch.generation, j, engine.device)
-            # at ZeRO-3 every rank runs the same forwards (each gathers the units): no stop before L tokens, the
-            # rows cut after; the draws of a row are those it has with the stop (generate's docstring)
-            drawn = sample_completions(engine.model, [prompt.ids], G, L, temperature=o.temperature,
-                                       top_p=o.top_p if o.top_p < 1 else None, generator=generator,
-                                       stop_ids=None if stage3 else self.stop_ids,
-                                       vocab_limit=min(cfg.model.vocab_size, self.tokenizer.vocab_size))
-            for ids in drawn:
-                ids, ended = until_stop(ids, self.stop_ids)
-                text = self.tokenizer.decode(ids[:-1] if ended else ids)
-                out.append({"prompt": prompt, "prompt_ids": prompt.ids, "completion_ids": ids, "text": text,
-                            "ended": ended})
+        for row, ids in enumerate(drawn):
+            prompt = prompts[row // G]
+            ids, ended = until_stop(ids, self.stop_ids)
+            text = self.tokenizer.decode(ids[:-1] if ended else ids)
+            out.append({"prompt": prompt, "prompt_ids": prompt.ids, "completion_ids": ids, "text": text,
+                        "ended": ended})
         scores = self.score(out)
         lengths = torch.tensor([[len(r["completion_ids"]), float(r["ended"])] for r in out], dtype=torch.float64)
         mine = torch.cat([scores.double(), lengths], dim=1)
-        everyone = mesh.world.all_gather_rows(mine, "all_gather_rewards").view(-1, mine.shape[1])
+        everyone = per_dp_rank(mesh, mesh.world.all_gather_rows(mine, "all_gather_rewards"))
+        everyone = everyone.reshape(-1, mine.shape[1])
         per_function, lengths, ended = everyone[:, :-2].float(), everyone[:, -2], everyone[:, -1].bool()
         reward = rewards.weighted_reward(per_function, self.weights)
         advantages, zero_std = gl.group_advantages(reward, G, o.scale_rewards)
@@ -329,8 +344,9 @@ class GroupRelative:
             r["mask"] = [1] * n + [0] * (L - n)
         texts = mesh.world.io.all_gather_json([[list(r["prompt_ids"]), r["completion_ids"], r["text"]] for r in out],
                                              "all_gather_rollouts")
+        same_draws(mesh, texts)
         if mesh.world.rank == 0:
-            rows = [row for rank in texts for row in rank]
+            rows = [row for rank in per_dp_rank(mesh, texts) for row in rank]
             self.writer.write(rollout_records(mesh.world.step, [r[0] for r in rows], [r[1] for r in rows],
                                               [r[2] for r in rows], self.names, per_function, reward, advantages,
                                               self.stop_ids))
@@ -382,6 +398,22 @@ class GroupRelative:
         if self.o.grpo_beta > 0:
             out["kl"] = sums["kl"] / tokens
         return out
+
+
+def per_dp_rank(mesh, gathered):
+    """One entry per data-parallel rank of what every rank gathered (world ranks in order): a DP rank's TP ranks
+    sample the same completions of the same prompts, so the first one's stand for them all."""
+    return gathered[:: mesh.world.world_size // mesh.dp_size]
+
+
+def same_draws(mesh, gathered: list) -> None:
+    """Refuse the step on every rank alike when a TP group's ranks drew different completions (they must: the same
+    seeds, the same all-gathered logits), which their losses would then disagree on silently."""
+    group = mesh.world.world_size // mesh.dp_size
+    for rank in range(mesh.world.world_size):
+        if gathered[rank] != gathered[rank - rank % group]:
+            raise InvariantError(f"GRPO: rank {rank} sampled other completions than rank {rank - rank % group} of its "
+                               "tensor-parallel group: their generators or logits differ")
 
 
 def _number(x: torch.Tensor) -> float | None:

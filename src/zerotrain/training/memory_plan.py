@@ -33,11 +33,19 @@ rank's TP slice, laid out in buckets over the DP ranks), so they are exact:
                          (the head and the loss run inside it). Not in the device's total with CUDA
     reference            --method dpo, precomputed: 16 bytes per pair (two float64 log-probs), on every rank;
                          with --eval-every, the held-out pairs' too
-    reference model      --method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial
-                         policy (training/reference_model.py), M x (4 | 2), M the rank's parameters unpadded (its TP
-                         slices and the replicated ones; a tied head once); no gradients, no optimizer state
+    reference model      --method dpo --dpo-reference live, or --method grpo --grpo-beta > 0, in full fine-tuning: the
+                         frozen copy of the initial policy (training/reference_model.py), M x (4 | 2), M the rank's
+                         parameters unpadded (its TP slices and the replicated ones; a tied head once); no
+                         gradients, no optimizer state
                          stage 3: shard x (4 | 2), the policy's layout; its units are whole only in its forward, when
                          the policy's are not, and never more than the policy's (parameter units)
+    KV cache             --method grpo: the cache of the rank's largest sampling batch, 2 L rows KV_rank (prompt +
+                         completion) head_dim x (4 | 2): rows its completions (micro-batch x accum, its prompts of one
+                         length in one batch), at ZeRO-3 and with --ep G (a batch per prompt); positions --seq-len
+                         (the most a prompt and its completion take: exact when the longest prompt leaves exactly
+                         --max-completion-length); KV_rank the rank's KV heads under TP. Held while it samples, before
+                         the loss's forward: the total counts the larger of it and the activations with the loss's
+                         working set
     loss working set     activation_bytes' `working`: one chunk's fp32 logits (of this rank's vocabulary rows under
                          TP), while the loss runs; kept by nothing (--method dpo: the backward's, one chunk's
                          logits made again and the gradients of the head's input and weight)
@@ -118,6 +126,7 @@ ROWS = (("parameters", "parameters"), ("parameter_units", "parameter units whole
         ("gradient_buckets", "gradient buckets in flight"), ("activations", "activations (one micro-batch)"),
         ("activations_host", "activations on the host (offloaded)"),
         ("reference", "reference log-probs (DPO)"), ("reference_model", "reference model (DPO live, full FT)"),
+        ("kv_cache", "KV cache while sampling (GRPO)"),
         ("loss_working_set", "loss working set (one chunk of logits)"),
         ("communication", "communication buffers"), ("all_to_all", "all-to-all buffers (EP, balanced)"),
         ("checkpoint_staging", "checkpoint staging"))
@@ -153,8 +162,12 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """The peak of a step on the device: staging and offloaded activations are host memory with CUDA."""
-        return sum(v for k, v in self.rows.items() if k not in HOST_ROWS or self.device == "cpu")
+        """The peak of a step on the device: staging and offloaded activations are host memory with CUDA; GRPO's
+        KV cache is gone before the loss's forward saves activations."""
+        rows = self.rows.get
+        beside = max(0, rows("kv_cache", 0) - rows("activations", 0) - rows("loss_working_set", 0))
+        return sum(v for k, v in self.rows.items() if (k not in HOST_ROWS or self.device == "cpu")
+                   and k != "kv_cache") + beside
 
     def summary(self) -> str:
         return f"plan {gib(self.total)} per rank (zerotrain plan)"
@@ -204,6 +217,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         **activation_rows(cfg, saved),
         "reference": reference_bytes(cfg),
         "reference_model": reference_model_bytes(cfg, model, L, psize),
+        "kv_cache": kv_cache_bytes(cfg, model, psize),
         "loss_working_set": activations["working"],
         "communication": communication,
         "all_to_all": 0,
@@ -337,15 +351,27 @@ def reference_bytes(cfg: Config) -> int:
 
 
 def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: int) -> int:
-    """--method dpo --dpo-reference live in full fine-tuning: the frozen copy of the initial policy, laid out as the
-    rank's policy (`model`: its TP slice, on the meta device; `layout`: its flat layout over the DP ranks), in the
-    run's precision: whole at stages 1 and 2, at stage 3 the shard (frozen_copy.shard_frozen_copy lays an all-frozen copy
-    out as the model trains); 0 otherwise (a precomputed reference is `reference_bytes`; LoRA's live reference is its
-    base with the adapters off)."""
+    """--method dpo --dpo-reference live, or --method grpo --grpo-beta > 0, in full fine-tuning: the frozen copy of
+    the initial policy, laid out as the rank's policy (`model`: its TP slice, on the meta device; `layout`: its flat
+    layout over the DP ranks), in the run's precision: whole at stages 1 and 2, at stage 3 the shard
+    (frozen_copy.shard_frozen_copy lays an all-frozen copy out as the model trains); 0 otherwise (a precomputed
+    reference is `reference_bytes`; LoRA's live reference is its base with the adapters off)."""
     o = cfg.objective
-    if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE or o.dpo_reference != "live" or cfg.lora.rank:
+    live = o.method == "dpo" and o.dpo_loss not in REFERENCE_FREE and o.dpo_reference == "live"
+    if not (live or o.method == "grpo" and o.grpo_beta > 0) or cfg.lora.rank:
         return 0
     return parts_for(cfg).placement.copy_numel(model, layout) * psize
+
+
+def kv_cache_bytes(cfg: Config, model: torch.nn.Module, psize: int) -> int:
+    """--method grpo: the KV cache of the rank's largest sampling batch (model/kv_cache.py's keys and values, as
+    training/grpo.py batches its prompts), at --seq-len positions; 0 otherwise."""
+    o, p = cfg.objective, cfg.parallel
+    if o.method != "grpo":
+        return 0
+    rows = o.num_generations if p.zero == 3 or p.ep > 1 else cfg.loop.micro_batch * cfg.loop.accum
+    m = model.cfg
+    return 2 * m.n_layer * rows * kv_heads_per_rank(m.kv_heads, p.tp) * cfg.model.seq_len * m.head_dim * psize
 
 
 def adapter_activations(cfg: Config, model: torch.nn.Module, micro_batch: int) -> int:

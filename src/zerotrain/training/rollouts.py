@@ -3,7 +3,9 @@ ids, text, each reward function's score, the weighted reward, the advantage).
 
 Appended as the metrics file is: one write and flush per step, and a run resuming at step s first drops the records of
 steps after s (work that was not committed; whole-or-absent by durable.write_atomic), so the file holds the rollouts
-of the timeline that trained. A line a crash cut short is dropped too.
+of the timeline that trained. A line a crash cut short is dropped too. After a rollback (the guard refusing a step and
+restoring step t) the replay's first write, of step t + 1, drops the records of the abandoned steps t + 1 onwards
+first, as the metrics file drops theirs: the file reads as one run.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ def rollout_records(step: int, prompt_ids: Sequence[Sequence[int]], completion_i
 
 class RolloutWriter:
     """Appends each step's rollout records to `path`; inactive (a no-op) off rank 0, so the caller needs no rank
-    checks. `start`: the step the run resumes from (0: a fresh run), whose later records are dropped first."""
+    checks. `start`: the step the run resumes from (0: a fresh run), whose later records are dropped first; a step
+    written again (the replay after a rollback) replaces the records of that step and every later one."""
 
     def __init__(self, path: str, *, active: bool = True, start: int = 0):
-        self.path, self.file = path, None
+        self.path, self.file, self.last = path, None, start
         if not active:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -53,8 +56,14 @@ class RolloutWriter:
         self.file = open(path, "a")
 
     def write(self, records: list[dict]) -> None:
-        if self.file is None:
+        if self.file is None or not records:
             return
+        step = records[0]["step"]
+        if step <= self.last:  # a rollback restored step - 1: the steps after it were abandoned
+            self.file.close()
+            drop_steps_after(self.path, step - 1)
+            self.file = open(self.path, "a")
+        self.last = step
         try:
             self.file.write("".join(json.dumps(r) + "\n" for r in records))
             self.file.flush()

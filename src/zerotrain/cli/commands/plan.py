@@ -29,6 +29,7 @@ HOW = {
     "activations_host": "{host}",
     "reference": "{reference}",
     "reference_model": "{reference_model}",
+    "kv_cache": "{kv_cache}",
     "loss_working_set": "{loss}",
     "communication": "{comm}",
     "all_to_all": "{a2a}",
@@ -115,7 +116,7 @@ def table(cfg: Config, r: dict) -> str:
     p, parts = cfg.parallel, parts_for(cfg)
     bf16 = p.precision == "bf16"
     placed = parts.placement.notes(bf16, cfg.gather_in_forward)  # each part says its own rows
-    dpo = cfg.objective.method == "dpo"
+    dpo, grpo = cfg.objective.method == "dpo", cfg.objective.method == "grpo"
     rows = vocab_rows(cfg.model.vocab_size, p.tp)  # a micro-batch of DPO pairs is twice as many sequences
     chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
     mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
@@ -136,11 +137,15 @@ def table(cfg: Config, r: dict) -> str:
                  "storage once (the hooks copy each saved tensor: more)") if p.offload_activations else
                 "none (--offload-activations keeps them here)",
         "reference": "16 bytes a pair (two float64 log-probs), every pair" if r["rows"]["reference"] else
-                     "none: a live reference or a loss without one, or no pairs here to count" if dpo else "none (sft)",
-        "reference_model": ("a frozen copy of the initial policy, laid out as its parameters (" + placed["copy"] +
-                            "): no gradients, no optimizer state")
+                     "none: a live reference or a loss without one, or no pairs here to count" if dpo else
+                     f"none ({cfg.objective.method})",
+        "reference_model": ("a frozen copy of the initial policy" + (" (--grpo-beta > 0)" if grpo else "") +
+                            ", laid out as its parameters (" + placed["copy"] + "): no gradients, no optimizer state")
                            if r["rows"]["reference_model"] else
-                           "none: --dpo-reference live in full fine-tuning holds one" if dpo else "none (sft)",
+                           "none: --dpo-reference live in full fine-tuning holds one" if dpo else
+                           "none: --grpo-beta > 0 in full fine-tuning holds one" if grpo else "none (sft)",
+        "kv_cache": ("keys and values of every layer, the rank's largest sampling batch x --seq-len positions; gone "
+                     "before the loss's forward") if grpo else "none: --method grpo samples",
 
         "comm": "(DP - 2) x shard x 4 (gloo receive room)" if r["rows"]["communication"] else "none",
         "a2a": (f"one MoE layer's rows: N k sent, N k received (balanced routing); "
