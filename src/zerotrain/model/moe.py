@@ -241,9 +241,12 @@ class GroupedLinear(torch.autograd.Function):
         x, offsets, *weights = ctx.saved_tensors
         grad = grad.contiguous()
         dx = torch._grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
-        dw = torch._grouped_mm(x.t(), grad, offs=offsets).transpose(1, 2).unbind(0)
-        db = []
-        if ctx.biased:
+        n = ctx.n_experts
+        dw = [None] * n  # frozen experts (a reference copy, a LoRA base) get none
+        if any(ctx.needs_input_grad[4:4 + n]):
+            dw = torch._grouped_mm(x.t(), grad, offs=offsets).transpose(1, 2).unbind(0)
+        db = [None] * n if ctx.biased else []
+        if ctx.biased and any(ctx.needs_input_grad[4 + n:]):
             ones = grad.new_ones(len(grad), 16 // grad.element_size())  # _grouped_mm's rows: whole 16 bytes
             db = list(torch._grouped_mm(grad.t(), ones, offs=offsets)[..., 0].unbind(0))
         return dx, None, None, None, *dw, *db
