@@ -1,4 +1,4 @@
-"""What zerotrain's step does on one GPU, measured in one process in at most 8 minutes on one H100, printed as one table.
+"""What zerotrain's step does on one GPU, measured in one process in at most 8 minutes on one H100: one table.
 
     python scripts/device_check.py --out DIR           # on a CUDA machine (scripts/device-check.sh runs it)
     python scripts/device_check.py --out DIR --tiny    # the same checks on the CPU, tiny models: seconds

@@ -514,7 +514,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         blocks = sum(qwen35_blocks(s, cfg, documents))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
-        blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
+        blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
+                      if cfg.has_experts(layer))
     if recompute == "full" and objective == "dpo":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`)
         total_loss = 0
