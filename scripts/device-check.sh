@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The first thing to run on a new GPU machine: does zerotrain train here? Every check is one `zerotrain train` (or
-# one short script), named, under its own time limit, on tiny models and a few steps; the whole takes under 10 minutes
-# on one H100. On 1 GPU: the process group and the step's collectives (NCCL), Llama in bf16, packed records
+# The first thing to run on a new GPU machine: what does zerotrain's step do here? By default one measurement,
+# scripts/device_check.py, in at most 8 minutes on one H100: a Llama-3.2-1B-shaped bf16 run at seq 4096 under
+# torch.cuda.set_sync_debug_mode("warn") (host syncs per step), its tokens/s and MFU against a plain fully_shard +
+# torch.compile loop on the same model, data and batch (the ratio), the attention kernel that ran, peak memory
+# against the plan, a --deterministic pair (bitwise), a bf16 MoE step on the grouped path with the plan's check
+# strict, and a DPO step: one table, and a failure when a sync count or a plan figure is out of bounds.
+# ZT_PLUMBING=1 adds the earlier checks that zerotrain trains here, each one `zerotrain train` under its own time
+# limit on tiny models: the process group and the step's collectives (NCCL), Llama in bf16, packed records
 # (FlexAttention for heads of 16, compiled), chats with --init-from a local model folder, LoRA, activation
-# checkpointing, --compile, and packed attention against each record alone. Where 2 GPUs are visible, under NCCL:
+# checkpointing, --compile, and packed attention against each record alone; where 2 GPUs are visible, under NCCL:
 # --zero 3, --tp 2, and a hang drill (a rank hangs; the job must fail within --timeout with one line naming the step
-# and the collective, the line NCCL's watchdog error now reaches).
+# and the collective, the line the rank's collective watchdog says: NCCL's waits are the stream's, not the CPU's).
 #
 # usage: scripts/device-check.sh OUTDIR
-# Everything lands in OUTDIR (device-check.log, one folder per check). A failed check is named and the others still
-# run; the script exits 1 if any failed.
-# ZT_DEVICE=cpu runs the same checks on the CPU (gloo for NCCL, 2 CPU ranks for the 2-GPU checks): a dry run of the
-# script's plumbing on a machine without a GPU. ZT_FULL=1 adds the longer measurements (GPT-2 small throughput and
-# MFU, what deterministic kernels cost, bench compare, async saves with a stop and a bitwise resume, bench ckpt, the
-# drift digest's cost, the CUDA cases of the tests): 20 minutes more. ZT_PRESET (default gpt2) is their model.
-# The chats check needs transformers (pip install 'zerotrain[hf]').
+# Everything lands in OUTDIR (device-check.log, one folder per check; measure/device-check.json). A failed check is
+# named and the others still run; the script exits 1 if any failed.
+# ZT_DEVICE=cpu runs the same checks on the CPU (device_check.py --tiny; gloo for NCCL, 2 CPU ranks for the 2-GPU
+# checks): a dry run of the script's plumbing on a machine without a GPU. ZT_FULL=1 adds the plumbing checks and the
+# longer measurements (GPT-2 small throughput and MFU, what deterministic kernels cost, bench compare, async saves
+# with a stop and a bitwise resume, bench ckpt, the drift digest's cost, the CUDA cases of the tests): 30 minutes
+# more. ZT_PRESET (default gpt2) is their model. The chats and DPO checks need transformers (pip install
+# 'zerotrain[hf]').
 set -uo pipefail
 
 OUT=${1:?usage: scripts/device-check.sh OUTDIR}
@@ -44,6 +50,15 @@ PYTEST=(python -m pytest -q -p no:cacheprovider)  # a test file's CUDA cases (it
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 
+if [ "$DEVICE" = cuda ]; then
+    check "measure: syncs per step, tokens/s and MFU against fully_shard + compile, attention kernel, peak memory \
+against the plan, determinism, MoE grouped with the plan strict, DPO (one H100: 8 minutes at most)" 480 \
+        python scripts/device_check.py --out "$OUT/measure"
+else
+    check "measure (the CPU rehearsal: device_check.py --tiny)" 600 python scripts/device_check.py --out "$OUT/measure" --tiny
+fi
+
+if [ "${ZT_PLUMBING:-0}" = 1 ] || [ "${ZT_FULL:-0}" = 1 ]; then
 TRAIN=(zerotrain train --device "$DEVICE" --steps 4 --micro-batch 2 --no-progress)
 # Llama with heads of 16, the narrowest FlexAttention's CUDA kernels take (the tiny presets' 8 take the mask)
 LLAMA16=(--preset llama-tiny --n-embd 64 --intermediate-size 128 --seq-len 64)
@@ -117,7 +132,7 @@ if [ "$DEVICE" = cpu ] || [ "$GPUS" -ge 2 ]; then
     check "--tp 2 on 2 ranks (Llama's 2 KV heads split)" 120 \
         "${TRAIN[@]}" --nproc 2 --tp 2 --preset llama-tiny --data synthetic --out "$OUT/tp2"
     # Rank 1 hangs before step 3's collectives: rank 0 must fail within --timeout 20 with one line naming the step
-    # and the collective (on CUDA, NCCL's watchdog error raised at the wait), and the job exit 1.
+    # and the collective (on CUDA, the rank's collective watchdog's line), and the job exit 1.
     check "hang drill: a hung rank ends the job within --timeout, in one line naming step and collective" 120 \
         bash -c 'out=$(ZEROTRAIN_FAULTS=hang@step=3,rank=1 "$@" 2>&1); code=$?; echo "$out" | tail -n 3
                  [ "$code" = 1 ] && echo "$out" | grep -Eq "rank 0: collective [a-z_]+ at step 3 timed out after 20 s"' \
@@ -125,6 +140,8 @@ if [ "$DEVICE" = cpu ] || [ "$GPUS" -ge 2 ]; then
 else
     echo "== --zero 3, --tp 2 and the hang drill skipped: $GPUS CUDA device(s) here, NCCL needs one per rank"
 fi
+
+fi  # ZT_PLUMBING
 
 if [ "${ZT_FULL:-0}" = 1 ]; then
     check "demo: 1 rank on $DEVICE, checkpoint, invariants, bitwise resume" 75 \
@@ -184,7 +201,7 @@ def step_time(deterministic: bool) -> float:
     return statistics.median(times[2:])
 
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic_cuda() sets in each rank
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what --deterministic sets in each rank
 free, strict = step_time(False), step_time(True)
 result = {"preset": preset, "params": P, "tokens_per_s": tokens_per_s, "model_flops_per_s": model_flops,
           "bf16_matmul_peak_flops_per_s": peak, "matmul_size": n, "mfu": model_flops / peak,

@@ -197,7 +197,8 @@ def four_rank_job(rank, comm, tmp_path):
             dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, experts_per_token=1)), sequences)):
         out["planted all-to-all"] = failed(comm, tmp_path / "planted_a2a", "--ep", "2", "--steps", "1")
     real = experts.expert_major_order
-    experts.expert_major_order = lambda per_source: real(per_source).flip(0)  # planted: the received rows reversed
+    # planted: the received rows reversed
+    experts.expert_major_order = lambda per_source, *a: real(per_source, *a).flip(0)
     out["planted"] = run(comm, tmp_path / "planted", "--ep", "2")
     experts.expert_major_order = real
     return out

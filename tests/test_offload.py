@@ -96,7 +96,8 @@ def test_offload_on_the_cpu_or_with_compile_is_refused_in_one_line(tmp_path, cap
 
 def plan_rows(capsys, preset: str, recompute: str) -> dict:
     """`zerotrain plan --device cuda --offload-activations`'s report (a plan needs no GPU), micro-batch 4."""
-    assert main(["plan", "--preset", preset, "--data", "synthetic", "--device", "cuda", "--micro-batch", "4",
+    assert main(["plan", "--preset", preset, "--data", "synthetic", "--device", "cuda", "--precision", "fp32",
+                 "--micro-batch", "4",
                  "--activation-checkpointing", recompute, "--offload-activations", "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 

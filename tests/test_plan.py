@@ -392,7 +392,8 @@ def test_the_70b_advice_names_activation_checkpointing_and_fits_at_micro_batch_3
     assert plan_module.fit_advice(config_of(*LLAMA31_70B), room).remedies == []
 
 
-GPT2_FP32 = ["--preset", "gpt2", "--nproc", "8", "--micro-batch", "16", "--device", "cuda", "--data", "synthetic"]
+GPT2_FP32 = ["--preset", "gpt2", "--nproc", "8", "--micro-batch", "16", "--device", "cuda", "--precision", "fp32",
+             "--data", "synthetic"]  # fp32 stated: CUDA's default is bf16
 
 
 def test_the_advice_lists_what_holds_less_in_order_of_cost_each_with_its_own_plan(monkeypatch):
@@ -417,7 +418,7 @@ def test_a_state_that_does_not_fit_alone_is_said_and_the_settings_that_fit_toget
     """Llama-3.1-70B in fp32 at ZeRO-1 on 8 GPUs: its state alone is 624 GiB; no one setting fits, together they
     do, and the plan with all of them given fits."""
     argv = ["--preset", "llama-3.1-70b", "--seq-len", "8192", "--nproc", "8", "--micro-batch", "1", "--device", "cuda",
-            "--data", "synthetic"]
+            "--precision", "fp32", "--data", "synthetic"]
     room = 80 * 2**30
     advice = plan_module.fit_advice(config_of(*argv), room)
     assert advice.short.startswith("the state and its buffers alone (") and advice.state > room

@@ -534,6 +534,9 @@ class LaunchConfig:
                                 rule=POSITIVE)
     max_restarts: int = setting(0, "restart the group after a worker dies, resuming from the newest checkpoint "
                                 "that verifies (as torchrun's option)", rule=NON_NEGATIVE)
+    deterministic: bool = setting(False, "CUDA: deterministic kernels (cuBLAS's fixed workspace, deterministic "
+                                  "algorithms, no flash attention), so a resume is bitwise; without it a CUDA resume "
+                                  "is equal within float noise (CPU runs are deterministic either way)")
 
 
 @dataclass
@@ -550,8 +553,9 @@ class ParallelConfig:
     ep: int = setting(1, "expert-parallel degree: the experts of each MoE layer split in contiguous blocks over this "
                       "many consecutive DP ranks, tokens sent to their expert's rank and back by all-to-all (divides "
                       "the DP size and --n-experts)", rule=POSITIVE, applies=EXPERTS)
-    precision: str = setting("fp32", "fp32, or bf16 parameters with an fp32 master shard",
-                             rule=one_of("fp32", "bf16"))
+    precision: str = setting("fp32", "fp32, or bf16 parameters with an fp32 master shard (with --device cuda bf16 "
+                             "unless given; fp32 there runs matmuls in TF32)", rule=one_of("fp32", "bf16"),
+                             shown="fp32; bf16 with --device cuda")
     bucket_mb: float = setting(4.0, "gradient bucket size in MiB", rule=POSITIVE)
     overlap: str = setting("auto", "communicate during compute: reduce-scatter in backward, all-gather in the next "
                            "forward: on, off, or auto (on with CUDA, off on CPU)", rule=one_of("auto", "on", "off"))
@@ -1285,6 +1289,13 @@ def fine_tuning_defaults(cfg: Config, stated: set[str]) -> None:
     for key, value in FINE_TUNING.items():
         if key not in stated:
             setattr(cfg.optim, key, value)
+
+
+def cuda_defaults(cfg: Config, stated: set[str]) -> None:
+    """CUDA's default precision, as FSDP2 and torchtitan train there: bf16 parameters and compute with an fp32 master
+    shard, where the user (flag or TOML) set no --precision."""
+    if cfg.launch.device == "cuda" and "precision" not in stated:
+        cfg.parallel.precision = "bf16"
 
 
 def resolve(cfg: Config) -> Config:

@@ -8,8 +8,9 @@ import importlib.util
 import os
 import sys
 
-from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, check_applicable, declared,
-                               fine_tuning_defaults, is_mixture, load_toml, merge, resolve, setting_for, validate)
+from zerotrain.config import (PRESETS, Config, Rule, Setting, apply_preset, check_applicable, cuda_defaults,
+                               declared, fine_tuning_defaults, is_mixture, load_toml, merge, resolve, setting_for,
+                               validate)
 from zerotrain.data import check_source, epoch_steps
 from zerotrain.data.pairs import read_splits
 from zerotrain.data.prompts import read_prompts
@@ -146,6 +147,8 @@ def config_from_args(args: argparse.Namespace, environment: bool = True) -> Conf
         cfg.checkpoint.init_from, vocab_given = source.folder, True
         fine_tuning_defaults(cfg, set(given) | set(args._flag_defaults) |  # lr and decay; warmup: resolve
                              (set(toml.get("optim", {})) if args.config else set()))
+    cuda_defaults(cfg, set(given) | set(args._flag_defaults) | (set(toml.get("parallel", {})) if args.config else set())
+                  | (set(PRESETS[args.preset]) if args.preset else set()))
     validate(cfg)
     check_applicable(cfg, stated_by_user(given, toml if args.config else {}, args.config), model_named(cfg, args))
     if cfg.data.chat_template and not os.path.isfile(cfg.data.chat_template):  # whatever the data: it is a typo

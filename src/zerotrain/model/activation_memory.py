@@ -89,7 +89,7 @@ import torch
 from zerotrain.config import QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
-from . import tensor_parallel
+from . import moe, tensor_parallel
 from .delta_rule import CHUNK
 from .llama import rope_local, rope_scaling
 from .vocab import chunk_tokens, splits_vocab, vocab_rows
@@ -282,7 +282,7 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C). Under TP each rank
     holds 1/tp of every expert's (and the shared expert's) hidden width; the router is replicated; gpt-oss's down
     biases, added after the all-reduce, keep each token's weights over the E experts (N E) and the biases stacked
-    (E C)."""
+    (E C). On the grouped path, add grouped_offsets."""
     N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn // tp
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
@@ -294,6 +294,22 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
         dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
     return router + dispatch + shared
+
+
+def grouped_offsets(cfg: ModelConfig, device: str, precision: str, tp: int = 1, ep: int = 1) -> int:
+    """What an MoE layer's grouped path (moe.GroupedLinear) keeps beyond the loop's `experts`: its local experts' row
+    offsets (int32), one storage shared by the three projections; the experts' weights are parameters, no stacked
+    copy. 0 where the layer takes the loop: MoE.expert_path's choice, CUDA where _grouped_mm runs (asked of the
+    device where there is one, assumed where the plan is made without one) with rows of a whole multiple of 16 bytes
+    (moe.aligned)."""
+    if device != "cuda" or not cfg.moe:
+        return 0
+    per_row = 16 // ACTIVATION_BYTES[precision]
+    if cfg.n_embd % per_row or (cfg.expert_ffn // tp) % per_row:
+        return 0
+    if torch.cuda.is_available() and not moe.grouped_mm_works("cuda", DTYPES[precision]):
+        return 0
+    return cfg.n_experts // ep * INT32
 
 
 def gemma_norm(s: RankShape) -> int:
@@ -413,7 +429,7 @@ def qwen35_blocks(s: RankShape, cfg: ModelConfig, documents: bool = False) -> li
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: int = 1, precision: str = "fp32",
                      recompute: str = "none", device: str = "cpu", documents: bool = False,
-                     objective: str = "sft") -> dict[str, int]:
+                     objective: str = "sft", ep: int = 1) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
     Returns {"per_block", "blocks", "embedding", "head", "loss", "total", "working"}, where total = blocks +
@@ -424,7 +440,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
     whether the micro-batches carry segments (packed records), `objective` "sft" (the summed token loss) or "dpo"
     (each token's log-prob of its target, vocab.token_logps: the head keeps its input, the log-sum-exp and the targets,
-    and its working set is the backward's).
+    and its working set is the backward's), `ep` the expert-parallel degree (a rank's experts on the grouped path).
     """
     if objective not in ("sft", "dpo", "grpo"):
         raise ValueError(f"objective must be sft, dpo or grpo, got {objective!r}")
@@ -497,7 +513,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     if cfg.arch in QWEN35 and recompute == "none":
         blocks = sum(qwen35_blocks(s, cfg, documents))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
-        blocks += sum(experts(s, cfg, tp) - swiglu_mlp(s) for layer in range(cfg.n_layer) if cfg.has_experts(layer))
+        offsets = grouped_offsets(cfg, device, precision, tp, ep)
+        blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
+                      if cfg.has_experts(layer))
     if recompute == "full" and objective == "dpo":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`)
         total_loss = 0

@@ -21,7 +21,8 @@ and the engine's flat buffers treat an expert's matrices as any MLP's. An expert
 its parameters get no gradient in that micro-batch, which the engine reduces as zeros.
 
 Two computations of the experts, equal: `expert_loop` (one matmul triple per expert with tokens: the reference) and
-`expert_grouped` (torch._grouped_mm over the experts' stacked weights, one call per projection), taken where the
+`expert_grouped` (torch._grouped_mm over the experts' own weights, one call per projection, keeping no stacked copy
+for the backward: GroupedLinear), taken where the
 device and dtype have it (`grouped_mm_works`) and the layer's path is "grouped"; torch 2.13's CPU build has it for
 fp32 and bf16 with rows of a multiple of 16 bytes.
 
@@ -200,17 +201,55 @@ def expert_loop(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tens
 
 
 def expert_grouped(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm over the experts' weights stacked (E, in, out): one call per projection."""
+    """torch._grouped_mm over the experts' own weights, one call per projection (GroupedLinear)."""
     offsets = counts.cumsum(0).to(torch.int32)
 
     def grouped(x: torch.Tensor, name: str) -> torch.Tensor:
         linears = [getattr(e, name) for e in experts]
-        y = torch._grouped_mm(x, torch.stack([p.weight for p in linears]).transpose(1, 2), offs=offsets)
-        if linears[0].bias is None or isinstance(linears[0], PartialDown):
-            return y
-        return y + torch.stack([p.bias for p in linears]).repeat_interleave(counts, dim=0, output_size=len(x))
+        biased = linears[0].bias is not None and not isinstance(linears[0], PartialDown)  # PartialDown: after the sum
+        biases = [p.bias for p in linears] if biased else []
+        return GroupedLinear.apply(x, counts, offsets, len(linears), *(p.weight for p in linears), *biases)
 
     return grouped(experts[0].activation(grouped(tokens, "gate_proj"), grouped(tokens, "up_proj")), "down_proj")
+
+
+class GroupedLinear(torch.autograd.Function):
+    """Each expert's linear on its rows of x (sorted by expert, `offsets` their ends), as one _grouped_mm.
+
+    _grouped_mm takes the experts' weights as one (E, in, out) tensor; built with torch.stack under autograd, that
+    stacked copy is what _grouped_mm saves for its backward: one full copy of the layer's expert weights per
+    projection, kept until the backward (ZeRO-3's gathered units freed, yet the copy held). Here the copy is made
+    for the call and dropped; the backward keeps the experts' parameters themselves (held anyway) and the offsets,
+    and stacks the weights again for its own call. The matmuls are those torch's autograd of _grouped_mm runs:
+    dx = grad W, dW^T = x^T grad grouped along the rows; a bias's gradient is each expert's column sums of grad,
+    as a grouped product with columns of ones (a matmul's fixed order, where index_add_ would use atomics).
+    """
+
+    @staticmethod
+    def forward(ctx, x, counts, offsets, n_experts, *weights_and_biases):
+        weights, biases = weights_and_biases[:n_experts], weights_and_biases[n_experts:]
+        ctx.n_experts = n_experts
+        ctx.save_for_backward(x, offsets, *weights)
+        y = torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+        if biases:
+            y = y + torch.stack(biases).repeat_interleave(counts, dim=0, output_size=len(x))
+        ctx.biased = bool(biases)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = torch._grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
+        n = ctx.n_experts
+        dw = [None] * n  # frozen experts (a reference copy, a LoRA base) get none
+        if any(ctx.needs_input_grad[4:4 + n]):
+            dw = torch._grouped_mm(x.t(), grad, offs=offsets).transpose(1, 2).unbind(0)
+        db = [None] * n if ctx.biased else []
+        if ctx.biased and any(ctx.needs_input_grad[4 + n:]):
+            ones = grad.new_ones(len(grad), 16 // grad.element_size())  # _grouped_mm's rows: whole 16 bytes
+            db = list(torch._grouped_mm(grad.t(), ones, offs=offsets)[..., 0].unbind(0))
+        return dx, None, None, None, *dw, *db
 
 
 def aligned(tokens: torch.Tensor, experts: nn.ModuleList) -> bool:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from zerotrain.errors import ZeroTrainError
 
+from . import collective_watchdog
+
 # torch 2.13 renames the flat variants; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -116,14 +118,21 @@ class Comm:
 
     @contextlib.contextmanager
     def _guard(self, purpose: str):
-        """Turn a collective's failure into one line naming this rank's step and the collective's purpose."""
+        """Turn a collective's failure into one line naming this rank's step and the collective's purpose; where the
+        CPU does not wait for it (NCCL), the rank's watchdog (collective_watchdog.py) says that line for a hang."""
+        watchdog = collective_watchdog.installed()
+        pending = watchdog.started(purpose, self.step, self.timeout_s, self.timeout_flag) if watchdog else None
         try:
             yield
         except RuntimeError as e:  # torch.distributed's errors derive from RuntimeError
+            if watchdog:
+                watchdog.failed(pending)
             if isinstance(e, ZeroTrainError):
                 raise
             raise collective_error(e, f"collective {purpose} at step {self.step}", self.timeout_s,
                                    self.timeout_flag) from None
+        if watchdog:
+            watchdog.returned(pending)
 
     def _guarded(self, work, purpose: str, async_op: bool):
         """Wait now, or hand back an async handle whose wait is guarded."""

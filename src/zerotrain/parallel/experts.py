@@ -90,15 +90,16 @@ def all_to_all_rows(rows: torch.Tensor, comm: Comm, out_splits: list[int], in_sp
     return _AllToAll.apply(rows.contiguous(), comm, out_splits, in_splits, purpose)
 
 
-def expert_major_order(per_source: torch.Tensor) -> torch.Tensor:
+def expert_major_order(per_source: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """The received rows, laid out by (source rank, expert) with per_source[s, j] rows each, as indices in (expert,
-    source rank) order: each local expert's rows together, its sources in rank order."""
+    source rank) order: each local expert's rows together, its sources in rank order. `total`: their number, where
+    the caller has read it already (else read here)."""
     E, local = per_source.shape
     lengths = per_source.reshape(-1)
     starts = (lengths.cumsum(0) - lengths).view(E, local)
     block_starts, block_lengths = starts.t().reshape(-1), per_source.t().reshape(-1)
     out_starts = block_lengths.cumsum(0) - block_lengths
-    total = int(lengths.sum())
+    total = int(lengths.sum()) if total is None else total
     shift = torch.repeat_interleave(block_starts - out_starts, block_lengths, output_size=total)
     return torch.arange(total, device=per_source.device) + shift
 
@@ -118,13 +119,14 @@ class ExpertExchange:
         # Counts first: rank r gets, from every source, the source's rows for each of r's experts (source order).
         per_source = self.comm.all_to_all(counts.contiguous(), [local] * E, [local] * E,
                                           "all_to_all_expert_counts").view(E, local)
-        sent = counts.view(E, local).sum(1).tolist()
-        received = per_source.sum(1).tolist()
+        # the split sizes, sent and received, in the layer's one read of the device
+        splits = torch.cat([counts.view(E, local).sum(1), per_source.sum(1)]).tolist()
+        sent, received = splits[:E], splits[E:]
         gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
         if torch.is_grad_enabled():  # a training micro-batch's (not an evaluation's or a reference's, of other sizes)
             self.sent_bytes_most = max(self.sent_bytes_most, rows.numel() * rows.element_size())
             self.received_bytes_most = max(self.received_bytes_most, gathered.numel() * gathered.element_size())
-        order = expert_major_order(per_source)
+        order = expert_major_order(per_source, sum(received))
         outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
         return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
 

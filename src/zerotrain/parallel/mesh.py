@@ -30,11 +30,11 @@ With tp = 1 and dp_replicate = 1 there is no TP group and dp_shard is the whole 
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .collective_watchdog import process_group_timeout
 from .comm import Comm
 
 
@@ -117,7 +117,7 @@ class Mesh:
             raise ValueError(f"ep {ep} with cp {cp}: expert parallelism does not split sequences yet")
         if tp == 1 and dp_replicate == 1 and ep == 1 and cp == 1:
             return cls.single(world)
-        timeout = datetime.timedelta(seconds=world.timeout_s) if world.timeout_s else None
+        timeout = process_group_timeout(world.timeout_s, world.backend) if world.timeout_s else None
         rank, t, c, d = world.rank, world.rank % tp, (world.rank // tp) % cp, world.rank // (tp * cp)
 
         def comm(ranks_of: list[list[int]]) -> Comm:

@@ -49,6 +49,11 @@ def adopt_job_dir(job_dir: str | None) -> None:
 _job_dir: str | None = None
 
 
+def adopted_job_dir() -> str | None:
+    """The job folder this rank reports its failure in (None under torchrun)."""
+    return _job_dir
+
+
 def report_failure(error: Exception, rank: int, cfg: Config, job_dir: str | None) -> None:
     peer_lost = bool(getattr(error, "peer_lost", False))
     explained = isinstance(error, ZeroTrainError) and not peer_lost

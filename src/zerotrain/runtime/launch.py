@@ -21,14 +21,16 @@ import torch.distributed as dist
 
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError, ZeroTrainError
-from zerotrain.parallel import Comm
+from zerotrain.parallel import Comm, collective_watchdog
+from zerotrain.parallel.collective_watchdog import CollectiveWatchdog, cuda_marker, process_group_timeout
+from zerotrain.parallel.comm import collective_error
 from zerotrain.parallel.parts import parts_for
 
-from . import rank_start
+from . import cuda_settings, rank_start
 from .allocator import rank_allocator
 from .console import console_outlives_its_reader
-from .failures import (adopt_attempt, adopt_job_dir, failure_reason, report_failure, report_user_error,
-                       restart_count, user_error)
+from .failures import (adopt_attempt, adopt_job_dir, adopted_job_dir, failure_reason, report_failure,
+                       report_user_error, restart_count, user_error)
 from .run_folder import release_run_folders
 from .stop import install_stop_request
 from .supervise import SAVING_FILE, STEPPING_FILE, STOP_FILE, LauncherSignals, Reaper, descendants, stop_descendants
@@ -186,16 +188,21 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
     torch.set_num_threads(default_threads(cfg))
     rank_allocator(parts_for(cfg).placement.gathers_units)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ["RANK"])
     if cfg.launch.device == "cuda":
-        deterministic_cuda()
+        said = cuda_settings.apply(cfg.parallel.precision, cfg.launch.deterministic)  # before the first CUDA call
         torch.cuda.set_device(local_rank)
+        if rank == 0:
+            for line in said:
+                print(f"zerotrain: {line}", file=sys.stderr, flush=True)
     backend = "nccl" if cfg.launch.device == "cuda" else "gloo"
     os.environ.update(process_group_environment(backend))
-    timeout = datetime.timedelta(seconds=cfg.launch.timeout)
-    rank = int(os.environ["RANK"])
+    timeout = process_group_timeout(cfg.launch.timeout, backend)
+    if backend == "nccl":  # the CPU does not wait for NCCL's collectives: a watch of its own names a hung one
+        arm_collective_watchdog(rank, cfg, marker=cuda_marker)
     try:
         dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))  # failing to join: one line too
-        io_timeout = datetime.timedelta(seconds=cfg.launch.io_timeout)  # new_group: every rank, in one order
+        io_timeout = process_group_timeout(cfg.launch.io_timeout, backend)  # new_group: every rank, in one order
         io = Comm(dist.new_group(timeout=io_timeout), timeout_s=cfg.launch.io_timeout, timeout_flag="--io-timeout")
         comm = Comm(timeout_s=cfg.launch.timeout, io=io)
         if prepare:
@@ -208,40 +215,52 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
         sys.stderr.flush()
         os._exit(2)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line naming the rank
-        report_failure(e, rank, cfg, job_dir)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if getattr(e, "peer_lost", False):
-            # Stay a moment, so the agent sees first the rank that died without a word: the cause.
-            time.sleep(2.0)
-        # Leave at once: tearing down a group whose peer is gone can block on its unfinished transfers.
-        os._exit(1)
+        _end_rank(e, rank, cfg, job_dir)
+    collective_watchdog.install(None)
     dist.destroy_process_group()
     return result
 
 
+def arm_collective_watchdog(rank: int, cfg: Config, marker=None, timeout_s: float | None = None) -> None:
+    """Watch this rank's collectives (collective_watchdog.py): one not done within its timeout (`timeout_s`, else its
+    communicator's) ends the rank with the one line a gloo timeout gives, reported as any failure of the rank's."""
+    def timed_out(where: str, after_s: float, flag: str) -> None:
+        _end_rank(collective_error(TimeoutError("timed out"), where, after_s, flag), rank, cfg, adopted_job_dir())
+
+    collective_watchdog.install(CollectiveWatchdog(timed_out, marker=marker, timeout_s=timeout_s).start())
+
+
+def _end_rank(error: Exception, rank: int, cfg: Config, job_dir: str | None) -> None:
+    """Report `error` in the rank's one line and leave the process (from the rank's thread, or the watchdog's)."""
+    report_failure(error, rank, cfg, job_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if getattr(error, "peer_lost", False):
+        # Stay a moment, so the agent sees first the rank that died without a word: the cause.
+        time.sleep(2.0)
+    # Leave at once: tearing down a group whose peer is gone can block on its unfinished transfers.
+    os._exit(1)
+
+
 # How NCCL reports a collective that timed out or failed, set in each rank before its process group is made:
-# ProcessGroupNCCL reads them as it starts. By default (and the elastic agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# ProcessGroupNCCL reads it as it starts. By default (and the elastic agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # for its workers) the watchdog thread aborts the communicator and then kills the process (SIGABRT), so no error
-# ever reaches the rank's code: no one-line report, no peer_lost, and a restart could not say why. Instead:
-# - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): the watchdog aborts the communicator (kernels in flight
-#   exit) and leaves the process to the rank;
-# - TORCH_NCCL_BLOCKING_WAIT=1: a wait blocks the rank's thread until its collective is done or the process group's
-#   timeout (--timeout, --io-timeout) has passed, and raises there the watchdog's DistBackendError ("Watchdog caught
-#   collective operation timeout ..."), which comm.collective_error turns into the line gloo's errors get.
-# The cost: the CPU waits for each collective it waits on, where it could queue more kernels; zerotrain already
-# waits for the step's one all-reduce (its flags decide the step). A TORCH_NCCL_BLOCKING_WAIT the user set is theirs
-# and kept (0: NCCL's asynchronous waits, and its errors reach the rank only as the watchdog's abort); the error
-# handling is always set, since the elastic agent sets it for its workers whatever the user asked.
-NCCL_ERRORS_AT_THE_CALL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
-USERS_OWN = ("TORCH_NCCL_BLOCKING_WAIT",)
+# ever reaches the rank's code: no one-line report, no peer_lost, and a restart could not say why. Instead
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): NCCL's watchdog aborts the communicator (kernels in flight exit)
+# after the process group's timeout and leaves the process to the rank. The CPU waits for no collective
+# (TORCH_NCCL_BLOCKING_WAIT is not set: the stream waits, and the CPU queues the next kernels); a collective that
+# hangs is named by the rank's own watchdog (parallel/collective_watchdog.py) at --timeout, before NCCL's abort
+# (the process group's timeout is --timeout plus NCCL_TIMEOUT_GRACE_S). A TORCH_NCCL_BLOCKING_WAIT the user sets
+# is theirs: with 1 a wait raises the watchdog's error at the call, which comm.collective_error turns into the same
+# line; the error handling is always set, since the elastic agent sets it for its workers whatever the user asked.
+NCCL_ERRORS_AT_THE_CALL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def process_group_environment(backend: str, environ=os.environ) -> dict[str, str]:
     """The environment a rank sets before it makes its process group of `backend`."""
     if backend != "nccl":
         return {}
-    return {k: v for k, v in NCCL_ERRORS_AT_THE_CALL.items() if not (k in USERS_OWN and k in environ)}
+    return dict(NCCL_ERRORS_AT_THE_CALL)
 
 
 # Under torchrun, how long a rank other than 0 that found a user error waits before saying it itself.
@@ -261,19 +280,6 @@ def say_under_torchrun(error: ConfigError, rank: int) -> None:
     print(f"zerotrain: error: {error}" if rank == 0 else f"zerotrain: error: rank {rank}: {error}",
           file=sys.stderr, flush=True)
     os._exit(2)
-
-
-def deterministic_cuda() -> None:
-    """What bitwise resume and bitwise-equal TP replicas need from CUDA: deterministic kernels.
-
-    cuBLAS picks its reduction order by workspace unless told a fixed one (set before its first use);
-    cuDNN's autotuner may pick another algorithm per process. Where an op has no deterministic CUDA
-    kernel, PyTorch warns (warn_only) rather than failing the run.
-    """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:

@@ -204,7 +204,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     staging = shard * 12 if cfg.checkpoint.async_save else 0  # rank 0 is in replica group 0, which writes
     activations = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=tp, precision=p.precision,
                                    recompute=p.activation_checkpointing, device=cfg.launch.device, documents=documents,
-                                   objective=cfg.objective.method)
+                                   objective=cfg.objective.method, ep=p.ep)
     saved = activations["total"] + adapter_activations(cfg, model, sequences)
     rows = {
         "parameters": place.held(padded, shard) * psize,
@@ -541,7 +541,8 @@ def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: tor
     sequences = 2 * micro_batch if cfg.objective.method == "dpo" else micro_batch  # b pairs are 2b sequences
     a = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=cfg.parallel.tp,
                          precision=cfg.parallel.precision, recompute=cfg.parallel.activation_checkpointing,
-                         device=cfg.launch.device, documents=documents, objective=cfg.objective.method)
+                         device=cfg.launch.device, documents=documents, objective=cfg.objective.method,
+                         ep=cfg.parallel.ep)
     adapters = adapter_activations(cfg, model, sequences) if model is not None else 0
     all_to_all = 2 * all_to_all_row_bytes(cfg, sequences) if cfg.parallel.ep > 1 else 0
     kept = 0 if cfg.parallel.offload_activations and cfg.launch.device != "cpu" else a["total"] + adapters
