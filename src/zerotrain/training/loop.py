@@ -17,6 +17,7 @@ from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import initial_model, weight_source
 from zerotrain.model import ARCH_NAMES, param_count
+from zerotrain.model.compiled import compiled
 from zerotrain.model.init import materialise
 from zerotrain.model.lora import add_adapters
 from zerotrain.model.tensor_parallel import kv_replicas
@@ -308,7 +309,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     objective = objective_for(cfg)
     schedule = objective.schedule(mesh)
-    model = torch.compile(engine.model) if cfg.loop.compile else engine.model
+    # --compile: the whole model's forward, or at ZeRO-3 each block's, its gathers in eager hooks between them
+    model = compiled(engine.model, parts_for(cfg).placement.gathers_units) if cfg.loop.compile else engine.model
     val_source = objective.validation_source() if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file
