@@ -566,10 +566,13 @@ class ParallelConfig:
                                "fp32 gradients held through the window, one reduce-scatter round per step: a full fp32 "
                                "gradient per rank at --accum > 1), or auto: micro-batch at --zero 3, step at --zero 2",
                                rule=one_of("auto", "step", "micro-batch"))
-    activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
-                                            "the block in the backward (less memory, more compute); full: the "
-                                            "blocks, and the head with the loss too (not with --compile); or none",
-                                            rule=one_of("none", "blocks", "full"))
+    activation_checkpointing: str = setting("none", "selective: keep each block's matmul and attention outputs and "
+                                            "recompute the element-wise ops between them in the backward (norms, "
+                                            "rotary, the gated unit); blocks: keep only each transformer block's "
+                                            "input and recompute the block in the backward (less memory, more "
+                                            "compute); full: the blocks, and the head with the loss too (not with "
+                                            "--compile); or none",
+                                            rule=one_of("none", "selective", "blocks", "full"))
     offload_activations: bool = setting(False, "keep what the forward saves for the backward in pinned host memory "
                                         "in between (with --activation-checkpointing: the blocks' inputs); CUDA only")
 
@@ -968,6 +971,18 @@ def apply_preset(cfg: Config, name: str) -> None:
         setattr(cfg.model, k, v)
 
 
+def _check_selective(cfg: Config) -> None:
+    """What --activation-checkpointing selective does not cover yet (the memory plan counts what it keeps for dense
+    blocks with fused attention), refused in one line each; blocks recomputes any of them."""
+    m = cfg.model
+    refused = [(m.moe, f"--arch {m.arch} with experts"), (m.arch in QWEN35, f"--arch {m.arch}"),
+               (bool(m.attn_softcap), "--attn-softcap"), (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
+               (cfg.lora.rank > 0, "--lora-rank")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"--activation-checkpointing selective does not work with {what} yet: use blocks")
+
+
 def _check_dpo(cfg: Config) -> None:
     """What --method dpo needs: one file of records, and held-out pairs to validate on (the model to tune,
     --init-from, is asked for where the pairs are read: cli/flags.py; a plan is made without it)."""
@@ -1209,6 +1224,8 @@ def validate(cfg: Config) -> Config:
                           "them: each TP rank keeps whole KV heads, or one KV head shared with the ranks of its group")
     if m.ffn_width % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the MLP width (--intermediate-size {m.ffn_width})")
+    if p.activation_checkpointing == "selective":
+        _check_selective(cfg)
     if p.activation_checkpointing == "full" and cfg.loop.compile:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")

@@ -90,8 +90,9 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
             materialise(model, init, rank_device(cfg), base_dtype)
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None,
                      device=rank_device(cfg), dtype=base_dtype)
-    model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
-    model.recompute_head = cfg.parallel.activation_checkpointing == "full"
+    checkpointing = cfg.parallel.activation_checkpointing  # model/recompute.py: run_block's `recompute`
+    model.recompute_blocks = "selective" if checkpointing == "selective" else checkpointing in ("blocks", "full")
+    model.recompute_head = checkpointing == "full"
     if cfg.parallel.offload_activations:  # what the forward saves waits for the backward in host memory
         offload_activations(model)
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,

@@ -538,6 +538,8 @@ def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: tor
 # change first, what it costs). A smaller micro-batch, cheaper than all of them, is largest_micro_batch's answer.
 HOLDS_LESS = (
     ("--zero", "parallel", "zero", (2,), "the same traffic as stage 1: a reduce-scatter and an all-gather a step"),
+    ("--activation-checkpointing", "parallel", "activation_checkpointing", ("selective",),
+     "each block's element-wise ops again in the backward (its matmuls kept): a few percent more compute"),
     ("--activation-checkpointing", "parallel", "activation_checkpointing", ("blocks",),
      "each block's forward again in the backward: about a third more compute"),
     ("--activation-checkpointing", "parallel", "activation_checkpointing", ("full",),
@@ -639,7 +641,8 @@ def _values_beyond(cfg: Config, section: str, name: str, values: tuple) -> list:
     """The values of HOLDS_LESS's row that hold less than `cfg`'s own (a larger stage, TP, EP or world; a setting it
     does not have yet)."""
     mine = getattr(getattr(cfg, section), name)
-    order = {"activation_checkpointing": ("none", "blocks", "full"), "precision": ("fp32", "bf16")}.get(name)
+    order = {"activation_checkpointing": ("none", "selective", "blocks", "full"),
+             "precision": ("fp32", "bf16")}.get(name)
     if order:
         return [v for v in values if order.index(v) > order.index(mine)]
     return [v * mine if name == "nproc" else v for v in values if name == "nproc" or v > mine]

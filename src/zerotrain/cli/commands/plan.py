@@ -120,7 +120,8 @@ def table(cfg: Config, r: dict) -> str:
     chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
     mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
     batch = f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"]
-    recompute = {"none": "", "blocks": ", blocks recomputed",
+    recompute = {"none": "", "selective": ", each block's element-wise ops recomputed (its matmul outputs kept)",
+                 "blocks": ", blocks recomputed",
                  "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing]
     notes = {
         "params": placed["params"],
