@@ -120,7 +120,8 @@ def test_tensorboard_without_its_package_names_the_extra(capsys, monkeypatch):
 @pytest.mark.parametrize("flags, device, compile, backward, forward", [
     ([], "cpu", False, False, False),  # on CPU overlapping measured no faster
     ([], "cuda", False, True, True),
-    ([], "cuda", True, True, False),  # a compiled forward cannot wait for a bucket midway
+    ([], "cuda", True, True, False),  # a model compiled whole cannot wait for a bucket midway
+    (["--zero", "3"], "cuda", True, True, True),  # at stage 3 each block is compiled, its gathers between them
     (["--overlap", "on"], "cpu", False, True, True),
     (["--no-overlap"], "cuda", False, False, False),
 ])

@@ -404,9 +404,9 @@ def test_the_advice_lists_what_holds_less_in_order_of_cost_each_with_its_own_pla
     advice = plan_module.fit_advice(cfg, room)
     assert "the activations at micro-batch 16" in advice.short
     flags = [r.flags for r in advice.remedies]
-    assert flags[:6] == [f"--micro-batch {plan_module.largest_micro_batch(cfg, room)}", "--zero 2",
-                         "--activation-checkpointing blocks", "--activation-checkpointing full", "--zero 3",
-                         "--precision bf16"], flags
+    assert flags[:7] == [f"--micro-batch {plan_module.largest_micro_batch(cfg, room)}", "--zero 2",
+                         "--activation-checkpointing selective", "--activation-checkpointing blocks",
+                         "--activation-checkpointing full", "--zero 3", "--precision bf16"], flags
     for r in advice.remedies[1:]:
         assert (r.total, r.largest_micro_batch) == planned_with(GPT2_FP32, r.flags, room), r.flags
     assert advice.remedies[0].total == plan_module.memory_plan(cfg, advice.remedies[0].largest_micro_batch).total

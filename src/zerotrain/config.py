@@ -570,10 +570,13 @@ class ParallelConfig:
                                "fp32 gradients held through the window, one reduce-scatter round per step: a full fp32 "
                                "gradient per rank at --accum > 1), or auto: micro-batch at --zero 3, step at --zero 2",
                                rule=one_of("auto", "step", "micro-batch"))
-    activation_checkpointing: str = setting("none", "blocks: keep only each transformer block's input and recompute "
-                                            "the block in the backward (less memory, more compute); full: the "
-                                            "blocks, and the head with the loss too (not with --compile); or none",
-                                            rule=one_of("none", "blocks", "full"))
+    activation_checkpointing: str = setting("none", "selective: keep each block's matmul and attention outputs and "
+                                            "recompute the element-wise ops between them in the backward (norms, "
+                                            "rotary, the gated unit); blocks: keep only each transformer block's "
+                                            "input and recompute the block in the backward (less memory, more "
+                                            "compute); full: the blocks, and the head with the loss too (not with "
+                                            "--compile); or none",
+                                            rule=one_of("none", "selective", "blocks", "full"))
     offload_activations: bool = setting(False, "keep what the forward saves for the backward in pinned host memory "
                                         "in between (with --activation-checkpointing: the blocks' inputs); CUDA only")
 
@@ -819,8 +822,9 @@ class Config:
 
     @property
     def gather_in_forward(self) -> bool:
-        # The same switch, but a compiled forward cannot stop midway to wait for a bucket.
-        return self.reduce_in_backward and not self.loop.compile
+        # The same switch, but a model compiled whole cannot stop midway to wait for a bucket; at stage 3 only the
+        # blocks are compiled (model/compiled.py), and the gathers run between them, in the blocks' eager hooks.
+        return self.reduce_in_backward and not (self.loop.compile and self.parallel.zero < 3)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}}: the TOML a run could be started from."""
@@ -971,12 +975,16 @@ def apply_preset(cfg: Config, name: str) -> None:
         setattr(cfg.model, k, v)
 
 
-def _check_zero3(cfg: Config) -> None:
-    """What --zero 3 does not compose with yet, refused in one line each."""
-    refused = [(cfg.loop.compile, "--compile")]
-    for bad, flag in refused:
+def _check_selective(cfg: Config) -> None:
+    """What --activation-checkpointing selective does not cover yet (the memory plan counts what it keeps for dense
+    blocks with fused attention), refused in one line each; blocks recomputes any of them."""
+    m = cfg.model
+    refused = [(m.moe, f"--arch {m.arch} with experts"), (m.arch in QWEN35, f"--arch {m.arch}"),
+               (bool(m.attn_softcap), "--attn-softcap"), (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
+               (cfg.lora.rank > 0, "--lora-rank")]
+    for bad, what in refused:
         if bad:
-            raise ConfigError(f"--zero 3 does not work with {flag} yet: use --zero 2 for it, or leave {flag} out")
+            raise ConfigError(f"--activation-checkpointing selective does not work with {what} yet: use blocks")
 
 
 def _check_dpo(cfg: Config) -> None:
@@ -1162,8 +1170,9 @@ def validate(cfg: Config) -> Config:
     if m.context and m.context < m.seq_len:
         raise ConfigError(f"--context {m.context} is shorter than --seq-len {m.seq_len}: the model holds at least the "
                           "positions it trains on")
-    if p.zero == 3:
-        _check_zero3(cfg)
+    if p.zero == 3 and cfg.loop.compile and cfg.lora.rank:  # the adapters' eager dropout inside the compiled blocks
+        raise ConfigError("--compile at --zero 3 does not work with --lora-rank yet: use --zero 2 for it, or leave "
+                          "--compile out")
     if p.grad_reduce == "micro-batch" and p.zero == 1:
         raise ConfigError("--grad-reduce micro-batch needs --zero 2 or 3: stage 1 keeps full gradients anyway")
     if cfg.launch.nproc % p.tp:
@@ -1218,6 +1227,8 @@ def validate(cfg: Config) -> Config:
                           "them: each TP rank keeps whole KV heads, or one KV head shared with the ranks of its group")
     if m.ffn_width % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the MLP width (--intermediate-size {m.ffn_width})")
+    if p.activation_checkpointing == "selective":
+        _check_selective(cfg)
     if p.activation_checkpointing == "full" and cfg.loop.compile:
         raise ConfigError("--activation-checkpointing full recomputes the head outside the model's compiled forward: "
                           "use blocks with --compile")

@@ -60,7 +60,10 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
     GQA repeat   where attend copies the KV heads to the query heads (attention.repeats_kv_heads: CUDA fp32, or an
                  explicit mask on CUDA), SDPA saves k and v at H heads: 2 BT (H - KV) D a more per block.
 
-That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "blocks" each block keeps
+That is 16 BTC a plus the small terms per GPT-2 block (F = 4C). With recompute "selective" each block keeps its
+input and the outputs of its matmuls and attention kernel (selective_block: a Llama block's q, k, v, attention
+output and logsumexp, output projection, gate, up and down, BT ((H + 2 KV) D + H D + 2 C + 2 F) a + BHT 4; GPT-2's
+one MLP matmul fewer), the rest recomputed; what lies outside the blocks as with "blocks". With recompute "blocks" each block keeps
 only its input, BTC a (torch.utils.checkpoint, non-reentrant, saves its tensor arguments; Llama's rotary
 tables travel in a tuple, which it holds by reference: alive, 2 T D 4 bytes, but not a saved tensor, so
 counted neither here nor by the measurement), and for a large vocabulary the loss's BTV 4 is then most of
@@ -207,6 +210,16 @@ def document_mask(s: RankShape) -> int:
 def block_input(s: RankShape) -> int:
     """What a recomputed block keeps: its input x (B, T, C)."""
     return s.BT * s.C * s.act
+
+
+def selective_block(s: RankShape, llama: bool) -> int:
+    """What a selectively recomputed block keeps beside its input (model/recompute.py's policy): the outputs of its
+    matmuls, q, k and v (GPT-2's c_attn, one), the output projection, the MLP's (Llama's gate, up and down; GPT-2's
+    c_fc and c_proj), and of its attention kernel (output and logsumexp). The norms, rotary, the gated unit and the
+    residual adds are recomputed from them."""
+    qkv = s.BT * (s.heads + 2 * s.kv_heads) * s.head_dim * s.act
+    mlp = (2 if llama else 1) * s.BT * s.ffn * s.act + s.BT * s.C * s.act
+    return qkv + attention_output(s) + attention_logsumexp(s) + s.BT * s.C * s.act + mlp
 
 
 def loss(s: RankShape) -> int:
@@ -450,8 +463,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     if tp < 1:
         raise ValueError(f"tp must be at least 1, got {tp}")
-    if recompute not in ("none", "blocks", "full"):
-        raise ValueError(f"recompute must be none, blocks or full, got {recompute!r}")
+    if recompute not in ("none", "selective", "blocks", "full"):
+        raise ValueError(f"recompute must be none, selective, blocks or full, got {recompute!r}")
     for what, n in (("n_head", cfg.n_head), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
@@ -476,7 +489,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
                       act=ACTIVATION_BYTES[precision], position_rows=micro_batch if documents else 1,
                       kv_repeated=repeated, documents=kernel, mask_rows=micro_batch if documents else 1,
                       rotary_dim=cfg.rotary_dim)
-        if recompute != "none":
+        if recompute == "selective":
+            shapes[window] = block_input(s) + selective_block(s, llama)
+        elif recompute != "none":
             shapes[window] = block_input(s)
         elif cfg.arch in QWEN35:  # its layers differ: counted layer by layer below
             shapes[window] = max(qwen35_blocks(s, cfg, documents))

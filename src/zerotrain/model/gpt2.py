@@ -73,7 +73,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        self.recompute_blocks = False  # per block: True (--activation-checkpointing blocks) or "selective"
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
@@ -119,7 +119,7 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(new_positions(idx, cache, self.cfg.positions, segments))
         documents = None if segments is None else document_attention(segments, x.dtype, self.cfg.head_dim)
         for layer, block in enumerate(self.transformer.h):
-            x = run_block(block, self.recompute_blocks and cache is None, x, cache, layer, documents)
+            x = run_block(block, self.recompute_blocks if cache is None else False, x, cache, layer, documents)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.transformer.ln_f(x)

@@ -177,7 +177,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        self.recompute_blocks = False  # per block: True (--activation-checkpointing blocks) or "selective"
         # --cp C: parallel/context.py's ContextParallel (each row split over C ranks, attention around their ring);
         # None: the whole row is here
         self.context_parallel = None
@@ -233,7 +233,7 @@ class Llama(nn.Module):
         masks = {window: layer_mask(cfg, idx, x.dtype, cache, segments, window) if ring is None else ring
                  for window in set(windows)}
         for layer, block in enumerate(self.model.layers):
-            x = run_block(block, self.recompute_blocks and cache is None, x,
+            x = run_block(block, self.recompute_blocks if cache is None else False, x,
                           sliding_rotary if windows[layer] else rotary, cache, layer, masks[windows[layer]])
         if cache is not None:
             cache.length += idx.shape[1]

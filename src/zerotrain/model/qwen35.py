@@ -202,7 +202,7 @@ class Qwen35(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        self.recompute_blocks = False  # per block: True (--activation-checkpointing blocks) or "selective"
         self.model = nn.ModuleDict(dict(
             embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
             layers=nn.ModuleList(Qwen35Block(cfg, layer) for layer in range(cfg.n_layer)),
@@ -240,7 +240,8 @@ class Qwen35(nn.Module):
         mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
         starts = None if segments is None else record_starts(segments)
         for layer, block in enumerate(self.model.layers):
-            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, starts)
+            x = run_block(block, self.recompute_blocks if cache is None else False, x, rotary, cache, layer, mask,
+                          starts)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.model.norm(x)

@@ -1,6 +1,7 @@
 """What autograd keeps for the backward: the bytes of the tensors saved while a forward builds its graph.
 
-Counted with saved-tensor hooks, each storage once, the parameters left out (they are held anyway):
+Counted with saved-tensor hooks, each storage once, the parameters left out (they are held anyway), and the op
+outputs a selective checkpoint keeps (held by the checkpoint, out of the hooks' sight: model/recompute.py tells them):
 the activation memory of one micro-batch, which --activation-checkpointing blocks cuts to each block's
 input plus what the layers outside the blocks (embedding, final norm, head, loss) save.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from zerotrain.model.recompute import kept_outputs_seen_by
 
 
 def saved_for_backward(run: Callable[[], torch.Tensor], params) -> tuple[int, torch.Tensor]:
@@ -30,6 +33,6 @@ def saved_storages(run: Callable[[], torch.Tensor], params) -> tuple[dict[int, i
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept_outputs_seen_by(pack):
         out = run()
     return saved, out

@@ -17,6 +17,7 @@ from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import initial_model, weight_source
 from zerotrain.model import ARCH_NAMES, param_count
+from zerotrain.model.compiled import compiled
 from zerotrain.model.init import materialise
 from zerotrain.model.lora import add_adapters
 from zerotrain.model.tensor_parallel import kv_replicas
@@ -89,8 +90,9 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
             materialise(model, init, rank_device(cfg), base_dtype)
         add_adapters(model, cfg.lora, cfg.loop.seed, mesh.tp_rank, mesh.tp if mesh.tp_size > 1 else None,
                      device=rank_device(cfg), dtype=base_dtype)
-    model.recompute_blocks = cfg.parallel.activation_checkpointing in ("blocks", "full")
-    model.recompute_head = cfg.parallel.activation_checkpointing == "full"
+    checkpointing = cfg.parallel.activation_checkpointing  # model/recompute.py: run_block's `recompute`
+    model.recompute_blocks = "selective" if checkpointing == "selective" else checkpointing in ("blocks", "full")
+    model.recompute_head = checkpointing == "full"
     if cfg.parallel.offload_activations:  # what the forward saves waits for the backward in host memory
         offload_activations(model)
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
@@ -308,7 +310,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     objective = objective_for(cfg)
     schedule = objective.schedule(mesh)
-    model = torch.compile(engine.model) if cfg.loop.compile else engine.model
+    # --compile: the whole model's forward, or at ZeRO-3 each block's, its gathers in eager hooks between them
+    model = compiled(engine.model, parts_for(cfg).placement.gathers_units) if cfg.loop.compile else engine.model
     val_source = objective.validation_source() if cfg.loop.eval_every else None
     faults = Faults.from_env(comm.rank, restart_count(), tp=mesh.tp_size)
     faults.before_collectives(0)  # step=0 faults: while the rank starts, before it reads or hashes a file

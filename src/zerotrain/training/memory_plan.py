@@ -112,7 +112,7 @@ from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, exp
 from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
-from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of
+from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, units as unit_rules
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.params import storage_bytes
 from zerotrain.parallel.parts import ShardedAdamW, parts_for
@@ -197,6 +197,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     # with --ep the units' experts are the expert engine's buckets, whole with the rest
     units = place.units_whole_bytes(model, L, psize, prefetch=cfg.gather_in_forward, beside=experts)
     grads, buckets, communication = gradient_bytes(cfg, L, dp, psize)
+    if cfg.loop.compile and place.gathers_units:
+        buckets = max(buckets, compiled_block_buckets(model, L))
     if experts is not None:  # the expert engine's, over its group (x the replica groups: whether one rank keeps all)
         more = gradient_bytes(cfg, experts, experts.world_size * p.dp_replicate, psize)
         grads, buckets, communication = grads + more[0], buckets + more[1], communication + more[2]
@@ -316,6 +318,16 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
             "gradients": held_gradient_bytes(cfg, held, held, owned[0], dp, psize, S),  # the slots unpadded
             "optimizer_state": per_value * owned[0]}
     return rows, by_rank
+
+
+def compiled_block_buckets(model: torch.nn.Module, L: ShardLayout) -> int:
+    """The gradient buckets open at once when each block is compiled (--compile at ZeRO-3, model/compiled.py): a
+    compiled block's backward is one node that gives all of its gradients together, in an order of its own, so every
+    bucket of a unit may be open before the first is complete (measured on one rank, a tiny Llama in buckets of 3.3K
+    to 4.4K values: its first block's three buckets open at once, 48,128 bytes, where eager opens at most the two
+    largest, 34,816). At most the largest unit's buckets, in fp32."""
+    return max((4 * sum(L.buckets[b].end - L.buckets[b].start for b in unit)
+                for unit in unit_rules.unit_buckets(model, L)), default=0)
 
 
 def gradient_bytes(cfg: Config, L, dp: int, psize: int) -> tuple[int, int, int]:
@@ -553,6 +565,8 @@ def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: tor
 # change first, what it costs). A smaller micro-batch, cheaper than all of them, is largest_micro_batch's answer.
 HOLDS_LESS = (
     ("--zero", "parallel", "zero", (2,), "the same traffic as stage 1: a reduce-scatter and an all-gather a step"),
+    ("--activation-checkpointing", "parallel", "activation_checkpointing", ("selective",),
+     "each block's element-wise ops again in the backward (its matmuls kept): a few percent more compute"),
     ("--activation-checkpointing", "parallel", "activation_checkpointing", ("blocks",),
      "each block's forward again in the backward: about a third more compute"),
     ("--activation-checkpointing", "parallel", "activation_checkpointing", ("full",),
@@ -654,7 +668,8 @@ def _values_beyond(cfg: Config, section: str, name: str, values: tuple) -> list:
     """The values of HOLDS_LESS's row that hold less than `cfg`'s own (a larger stage, TP, EP or world; a setting it
     does not have yet)."""
     mine = getattr(getattr(cfg, section), name)
-    order = {"activation_checkpointing": ("none", "blocks", "full"), "precision": ("fp32", "bf16")}.get(name)
+    order = {"activation_checkpointing": ("none", "selective", "blocks", "full"),
+             "precision": ("fp32", "bf16")}.get(name)
     if order:
         return [v for v in values if order.index(v) > order.index(mine)]
     return [v * mine if name == "nproc" else v for v in values if name == "nproc" or v > mine]

@@ -121,7 +121,8 @@ def table(cfg: Config, r: dict) -> str:
     chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
     mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
     batch = f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"]
-    recompute = {"none": "", "blocks": ", blocks recomputed",
+    recompute = {"none": "", "selective": ", each block's element-wise ops recomputed (its matmul outputs kept)",
+                 "blocks": ", blocks recomputed",
                  "full": ", blocks, head and loss recomputed"}[p.activation_checkpointing]
     notes = {
         "params": placed["params"],
@@ -200,6 +201,10 @@ def table(cfg: Config, r: dict) -> str:
     if r["device_memory"] is not None:
         fits, advice = r["largest_micro_batch"], r["does_not_fit"]
         lines.append(f"  largest micro-batch in {gib(r['device_memory'])}: {fits if fits else 'none'}")
+        if r["total"] <= r["device_memory"]:  # what the plan does not count lives in what is left
+            lines.append(f"  slack in {gib(r['device_memory'])}: {gib(r['device_memory'] - r['total'])} "
+                         f"({(r['device_memory'] - r['total']) / r['device_memory']:.0%}) beyond the plan, for what it "
+                         "does not count: the CUDA context, NCCL's buffers, the allocator's fragmentation")
         if advice is not None:
             lines += advice_lines(advice, r["micro_batch"])
         lines.append(f"  largest model of this shape in {gib(r['device_memory'])}: "
