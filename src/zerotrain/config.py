@@ -1210,6 +1210,10 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError("--arch deepseek_v3's dense layers are its --first-dense-layers and its shared experts "
                           "--shared-experts: --shared-expert-width, --moe-every and --mlp-only-layers are other "
                           "families'")
+    if m.routing_bias_speed and cfg.objective.method != "sft":
+        raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
+                          "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
+                          "--routing-bias-speed 0")
     refused = [(p.tp > 1, f"--tp {p.tp}", "multi-head latent attention has no tensor parallelism in zerotrain yet: "
                                           "give --tp 1"),
                (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
