@@ -13,9 +13,12 @@ DeepseekV3ForCausalLM with the same logits; MTP layers in a folder are set aside
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from test_gemma import one_thread
 
 import zerotrain
@@ -162,20 +165,48 @@ def test_an_hf_export_loads_in_transformers_as_deepseek_v3_with_the_same_logits(
     assert again == model.cfg
 
 
-def test_mtp_layers_in_a_folder_are_set_aside_at_import_and_counted(tmp_path):
-    """A folder with one MTP layer (model.layers.3...): the decoder's logits are transformers' (which skips it too),
-    the config keeps num_nextn_predict_layers."""
-    hf = hf_model(tmp_path / "plain")
-    from safetensors.torch import load_file, save_file
-    tensors = load_file(str(tmp_path / "plain" / "model.safetensors"))
-    mtp = {n.replace("model.layers.2.", "model.layers.3."): t.clone() for n, t in tensors.items()
+def folder_with_mtp(folder) -> dict:
+    """A tiny DeepSeek-V3 folder with one MTP layer (model.layers.3...: a block as layer 2's, and eh_proj, enorm);
+    its MTP tensors."""
+    hf_model(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    mtp = {n.replace("model.layers.2.", "model.layers.3."): torch.randn_like(t) for n, t in tensors.items()
            if n.startswith("model.layers.2.")}
-    mtp.update({"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64)})
-    save_file({**tensors, **mtp}, str(tmp_path / "plain" / "model.safetensors"), metadata={"format": "pt"})
-    import json
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
-    model = zerotrain.load_model(str(tmp_path / "plain"))
-    assert model.cfg.mtp_layers == 1
+    mtp.update({"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.rand(64)})
+    save_file({**tensors, **mtp}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return mtp
+
+
+def test_mtp_layers_are_kept_frozen_through_import_training_and_export(tmp_path, capsys):
+    """Import sets them aside (the decoder's logits are transformers', which skips them too) and counts them; a
+    run's checkpoint exported with --format hf holds them bitwise as the --init-from folder has them, its config
+    counts them, and transformers loads it; a folder that counts them without holding them fails the export in one line
+(exit 1, as every unreadable model folder), nothing written."""
+    from zerotrain.cli.main import main
+
+    mtp = folder_with_mtp(tmp_path / "model")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"),
+                                                           attn_implementation="eager").eval()
+    model = zerotrain.load_model(str(tmp_path / "model"))
+    assert model.cfg.mtp_layers == 1 and not any(n.startswith("model.layers.3.") for n, _ in model.named_parameters())
     assert (logits(model) - logits(hf)).abs().max() < EXACT
+    assert main(["train", "--init-from", str(tmp_path / "model"), "--data", "synthetic", "--steps", "2",
+                 "--seq-len", "32", "--micro-batch", "2", "--lr", "1e-3", "--no-progress", "--threads", "1",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(exported[n], t) for n, t in mtp.items())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    trained = zerotrain.load_model(str(tmp_path / "run"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
+    assert (logits(theirs.eval()) - logits(trained)).abs().max() < EXACT
+    assert (logits(trained) - logits(hf)).abs().max() > CAUGHT  # it trained
+    save_file({n: t for n, t in load_file(str(tmp_path / "model" / "model.safetensors")).items()
+               if not n.startswith("model.layers.3.")}, str(tmp_path / "model" / "model.safetensors"))
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "again"), "--format", "hf"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "counts 1 multi-token-prediction layers" in err[0] and "model.layers.3.*" in err[0], err
+    assert not (tmp_path / "again").exists()
