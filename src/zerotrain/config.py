@@ -206,6 +206,26 @@ PRESETS: dict[str, dict] = {
                           intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
                           norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8, expert_width=768,
                           norm_topk_prob=True),
+    # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
+    # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
+    # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
+    "deepseek-v3-671b": dict(arch="deepseek_v3", n_layer=61, n_head=128, n_kv_head=128, n_embd=7168,
+                             intermediate_size=18432, seq_len=4096, context=163840, vocab_size=129280,
+                             rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
+                             experts_per_token=8, expert_width=2048, norm_topk_prob=True, router_aux_coef=0.0,
+                             q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128,
+                             first_dense_layers=3, shared_experts=1, expert_groups=8, expert_groups_per_token=4,
+                             routed_scaling=2.5, rope_scaling="yarn", rope_factor=40.0, rope_original_context=4096,
+                             rope_mscale=1.0, rope_mscale_all_dim=1.0, mtp_layers=1),
+    # moonshotai/Kimi-K2-Instruct's shape (its config.json, model_type deepseek_v3): 64 heads, 384 routed experts in
+    # one group, the first layer dense, routed_scaling_factor 2.827, rope base 50000 with YaRN x32.
+    "kimi-k2": dict(arch="deepseek_v3", n_layer=61, n_head=64, n_kv_head=64, n_embd=7168, intermediate_size=18432,
+                    seq_len=4096, context=131072, vocab_size=163840, rope_theta=50000.0, norm_eps=1e-6,
+                    tie_embeddings=False, n_experts=384, experts_per_token=8, expert_width=2048, norm_topk_prob=True,
+                    router_aux_coef=0.0, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128,
+                    v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
+                    expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
+                    rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -272,7 +292,8 @@ class ModelConfig:
                         "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe, "
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
-                        "layers)",
+                        "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
+                        "group-limited routing, shared experts)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -1291,8 +1312,8 @@ def validate(cfg: Config) -> Config:
     for value, flag, archs in gemma_only:
         if value and m.arch not in archs:
             raise ConfigError(f"{flag} is for --arch {' or '.join(archs)}, not --arch {m.arch}")
-    if m.rope_scaling == "yarn" and m.rope_beta_slow >= m.rope_beta_fast:
-        raise ConfigError(f"--rope-beta-slow {m.rope_beta_slow} must be below --rope-beta-fast {m.rope_beta_fast}")
+    if m.rope_scaling == "yarn" and m.rope_beta_slow > m.rope_beta_fast:  # equal: Kimi K2's (a ramp of one step)
+        raise ConfigError(f"--rope-beta-slow {m.rope_beta_slow} must not be above --rope-beta-fast {m.rope_beta_fast}")
     _check_experts(cfg)
     if m.arch in QWEN35:
         _check_qwen35(cfg)
