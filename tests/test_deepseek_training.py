@@ -3,8 +3,10 @@ by the auxiliary-loss-free rule after every step (speed x sign(mean load - load)
 routers' choices): 8 steps of --init-from at 1 rank (in this process), at ZeRO-3 on 2 ranks and at --ep 2 (one start
 of 2 ranks for both) equal it: losses and gradient norms within 1e-5 relative, the final weights (the biases among
 them) within 1e-5 relative (measured: losses 2.4e-7, 1.9e-7, 2.2e-7; weights 1.0e-7, 1.2e-7, 1.0e-7), every bias
-within 1e-6 of the loop's; the bias update's sign flipped in the function the run calls is caught.
-"""
+within 1e-6 of the loop's; the bias update's sign flipped in the function the run calls is caught. At ZeRO-3 each
+rank reads its slice of --init-from's file; resumed from step 4 the run ends bitwise where the uninterrupted one
+does (the biases are checkpointed as parameters); `zerotrain export --format hf` of the run loads in transformers as
+DeepseekV3ForCausalLM with the run's weights bitwise."""
 
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"1 rank" | "zero3" | "ep2" | "sign flipped" | "transformers": {"loss", "grad_norm", "weights"}}."""
+    """{"1 rank" | "zero3" | "ep2" | "sign flipped" | "transformers": {"loss", "grad_norm", "weights"}, "resumed":
+    {"weights"}}."""
     from zerotrain.training.loop import train, train_job
 
     tmp = tmp_path_factory.mktemp("deepseek-runs")
@@ -94,17 +97,25 @@ def runs(tmp_path_factory):
     out = {}
     for name, report in zip(two, reports):
         out[name] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / name)}
+            "weights": weights_of(tmp / name), "read": report["summary"]["per_rank"]["init_bytes_read"]}
+    out["file bytes"] = (folder / "model.safetensors").stat().st_size
     with world_of_one() as comm:
         for name in ("1 rank", "sign flipped"):
             with pytest.MonkeyPatch.context() as mp:
                 if name == "sign flipped":
                     mp.setattr("zerotrain.training.routing_bias.bias_update",
                                lambda loads, speed: -group_routing.bias_update(loads, speed))
-                result = train(config_for(folder, tmp / name.replace(" ", "-"), *speed), comm, announce=False)
+                result = train(config_for(folder, tmp / name.replace(" ", "-"), *speed, "--ckpt-every", "4"), comm,
+                               announce=False)
             out[name] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
                 "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
-        lrs = [r["lr"] for r in result.records]
+            if name == "1 rank":
+                lrs = [r["lr"] for r in result.records]
+        # the 1-rank run resumed from its step 4: steps 5-8 again, the biases restored from the checkpoint
+        step4 = next((tmp / "1-rank").rglob("step_00000004"))
+        result = train(config_for(folder, tmp / "resumed", *speed, "--resume", str(step4)), comm, announce=False)
+        out["folder"] = tmp / "1-rank"
+        out["resumed"] = {"weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
         out["transformers"] = transformers_run(config_for(folder, tmp / "oracle"), folder, lrs, tmp / "oracle-weights")
     stack.close()
     return out
@@ -130,6 +141,40 @@ def transformers_start_biases(runs) -> dict:
     with tempfile.TemporaryDirectory() as d:
         hf = hf_model(d, initializer_range=0.02)
     return {n: b.detach().clone() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def test_init_from_at_zero3_reads_each_ranks_slice_of_the_folder(runs):
+    """Each of the 2 ranks read its owned ranges' rows of --init-from's file, not the whole model."""
+    reads = runs["zero3"]["read"]
+    assert len(reads) == 2 and all(0 < r < 0.75 * runs["file bytes"] for r in reads), (reads, runs["file bytes"])
+
+
+def test_a_resume_continues_the_biases_bitwise(runs):
+    """Resumed from step 4, the run's step 8 equals the uninterrupted run's bitwise, the routers' biases (moved by
+    the rule at every step, kept in the checkpoint as parameters) among the weights."""
+    ours, resumed = runs["1 rank"]["weights"], runs["resumed"]["weights"]
+    assert all(torch.equal(resumed[n], ours[n]) for n in ours)
+    assert any(n.endswith("e_score_correction_bias") for n in ours)
+
+
+def test_the_trained_run_exports_as_deepseek_v3_with_its_trained_weights(runs, tmp_path):
+    """`zerotrain export RUN OUT --format hf` of the 8-step run: transformers loads DeepseekV3ForCausalLM with the
+    run's weights bitwise (in fp32, the routers' biases into their buffers) and they are the transformers loop's within
+    1e-5 relative."""
+    from zerotrain.cli.main import main
+
+    assert main(["export", str(runs["folder"]), str(tmp_path / "out"), "--format", "hf", "--dtype", "fp32"]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    source = init_from.weight_source(str(tmp_path / "out"))
+    exported = build_model(source.model, 0)
+    init_from.load_local(exported, source, {}, 0)
+    ours = runs["1 rank"]["weights"]
+    assert all(torch.equal(p.detach(), ours[n]) for n, p in exported.named_parameters())
+    loaded = {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())}
+    for n in [n for n in ours if n.endswith("e_score_correction_bias")]:
+        assert torch.equal(loaded[n], ours[n])
+    assert gaps(runs["1 rank"], runs["transformers"])["weights"] <= 1e-5
 
 
 def test_the_bias_update_with_its_sign_flipped_is_caught(runs):
