@@ -24,7 +24,8 @@ from test_gemma import one_thread
 import zerotrain
 from zerotrain.hub import mapping
 from zerotrain.hub.export import export_model
-from zerotrain.model import group_routing, mla
+from zerotrain.model import deepseek, group_routing, mla
+from zerotrain.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -128,6 +129,41 @@ def test_a_planted_bug_changes_the_logits(folders, monkeypatch, bug):
     folder, hf = folders[kind]
     plant(monkeypatch)
     assert (logits(zerotrain.load_model(str(folder))) - logits(hf)).abs().max() > CAUGHT
+
+
+def test_decoding_through_the_cache_equals_the_full_forward(folders, monkeypatch):
+    """The prompt in one forward, then one token per forward (what `sample` does): the logits of the whole row, the
+    values (narrower than the keys) padded in the cache; a query rotated at the wrong position is caught."""
+    model = zerotrain.load_model(str(folders["yarn"][0]))
+    full = logits(model)
+
+    def cached():
+        cache = KVCache(model.cfg, IDS.shape[0])
+        with torch.no_grad():
+            steps = [model(IDS[:, :30], cache)] + [model(IDS[:, t : t + 1], cache) for t in range(30, SEQ)]
+        return torch.cat(steps, dim=1)
+
+    assert (cached() - full).abs().max() < EXACT
+    monkeypatch.setattr(deepseek, "new_positions", lambda idx, cache, seq_len, segments=None: torch.arange(
+        idx.shape[1]))  # planted: every forward's positions from 0
+    assert (cached() - full).abs().max() > CAUGHT
+
+
+def test_packed_records_equal_each_record_alone_and_a_missing_mask_is_caught(folders, monkeypatch):
+    """Two records in a row (positions restarting, the records' mask): each one's logits as alone, within 1e-5; the
+    layers given the plain causal mask (the second record reading the first) are caught."""
+    model = zerotrain.load_model(str(folders["low-rank q"][0]))
+    segments = torch.cat([torch.zeros(15, dtype=torch.long), torch.ones(SEQ - 15, dtype=torch.long)]).expand(2, SEQ)
+
+    def gap():
+        with torch.no_grad():
+            packed = model(IDS, segments=segments.contiguous())
+            alone = torch.cat([model(IDS[:, :15]), model(IDS[:, 15:])], dim=1)
+        return (packed - alone).abs().max()
+
+    assert gap() < 1e-5
+    monkeypatch.setattr(deepseek, "layer_mask", lambda *args: None)
+    assert gap() > CAUGHT
 
 
 def test_the_group_limit_keeps_each_tokens_experts_within_its_best_groups():
