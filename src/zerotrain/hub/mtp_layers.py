@@ -47,6 +47,6 @@ def mtp_layers_of(cfg: ModelConfig, folder: str | None, files_of) -> MTPLayers |
     if cfg.arch not in DEEPSEEK or not cfg.mtp_layers:
         return None
     if folder is None:
-        raise CheckpointError(f"the model has {cfg.mtp_layers} multi-token-prediction layers, which an hf export copies "
-                              "from the folder they came from; none is known here")
+        raise CheckpointError(f"the model has {cfg.mtp_layers} multi-token-prediction layers, which an hf export "
+                              "copies from the folder they came from; none is known here")
     return MTPLayers(cfg, files_of(folder), folder)
