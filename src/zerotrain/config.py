@@ -206,6 +206,26 @@ PRESETS: dict[str, dict] = {
                           intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
                           norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8, expert_width=768,
                           norm_topk_prob=True),
+    # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
+    # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
+    # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
+    "deepseek-v3-671b": dict(arch="deepseek_v3", n_layer=61, n_head=128, n_kv_head=128, n_embd=7168,
+                             intermediate_size=18432, seq_len=4096, context=163840, vocab_size=129280,
+                             rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
+                             experts_per_token=8, expert_width=2048, norm_topk_prob=True, router_aux_coef=0.0,
+                             q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128,
+                             first_dense_layers=3, shared_experts=1, expert_groups=8, expert_groups_per_token=4,
+                             routed_scaling=2.5, rope_scaling="yarn", rope_factor=40.0, rope_original_context=4096,
+                             rope_mscale=1.0, rope_mscale_all_dim=1.0, mtp_layers=1),
+    # moonshotai/Kimi-K2-Instruct's shape (its config.json, model_type deepseek_v3): 64 heads, 384 routed experts in
+    # one group, the first layer dense, routed_scaling_factor 2.827, rope base 50000 with YaRN x32.
+    "kimi-k2": dict(arch="deepseek_v3", n_layer=61, n_head=64, n_kv_head=64, n_embd=7168, intermediate_size=18432,
+                    seq_len=4096, context=131072, vocab_size=163840, rope_theta=50000.0, norm_eps=1e-6,
+                    tie_embeddings=False, n_experts=384, experts_per_token=8, expert_width=2048, norm_topk_prob=True,
+                    router_aux_coef=0.0, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128,
+                    v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
+                    expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
+                    rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -215,7 +235,10 @@ _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_
               n_experts=0, experts_per_token=2, expert_width=0, norm_topk_prob=False, shared_expert_width=0,
               moe_every=1, mlp_only_layers="", router_aux_coef=0.001, full_attention_interval=4,
               partial_rotary=0.25, linear_conv_kernel=4, linear_key_heads=16, linear_value_heads=32,
-              linear_key_width=128, linear_value_width=128)
+              linear_key_width=128, linear_value_width=128, q_lora_rank=0, kv_lora_rank=512, qk_rope_dim=64,
+              qk_nope_dim=128, v_head_dim=128, rope_interleave=True, rope_mscale=0.0, rope_mscale_all_dim=0.0,
+              first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
+              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -234,7 +257,11 @@ PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 # qwen3_5 and qwen3_5_moe: Qwen3.5's hybrid (model/qwen35.py), Gated DeltaNet linear-attention layers with every
 # --full-attention-interval-th layer a gated attention layer; the MoE's experts always renormalised, a shared expert.
 QWEN35 = ("qwen3_5", "qwen3_5_moe")
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe")
+# deepseek_v3: DeepSeek-V3's decoder (model/deepseek.py; DeepSeek-V3/V3.1/R1, Kimi K2): multi-head latent attention
+# (model/mla.py), the first --first-dense-layers layers dense, the others experts with shared experts, routed by
+# sigmoid scores with group-limited top-k and a load-balancing bias (model/group_routing.py).
+DEEPSEEK = ("deepseek_v3",)
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK)
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5")
 GEMMA = ("gemma2", "gemma3")
 WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
@@ -265,7 +292,8 @@ class ModelConfig:
                         "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe, "
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
-                        "layers)",
+                        "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
+                        "group-limited routing, shared experts)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -362,6 +390,46 @@ class ModelConfig:
                                     "(linear_key_head_dim)", rule=POSITIVE, applies=archs_scope(*QWEN35))
     linear_value_width: int = setting(128, "qwen3_5: each linear-attention value head's width "
                                       "(linear_value_head_dim)", rule=POSITIVE, applies=archs_scope(*QWEN35))
+    q_lora_rank: int = setting(0, "deepseek_v3: the rank of the queries' low-rank projection (q_a_proj, its RMSNorm, "
+                               "q_b_proj; 0: one q_proj)", rule=NON_NEGATIVE, shown="0: q_proj",
+                               applies=archs_scope(*DEEPSEEK))
+    kv_lora_rank: int = setting(512, "deepseek_v3: the width of the keys' and values' shared latent (kv_lora_rank)",
+                                rule=POSITIVE, applies=archs_scope(*DEEPSEEK))
+    qk_rope_dim: int = setting(64, "deepseek_v3: each query head's rotary units, and the one rotary key every head "
+                               "shares (qk_rope_head_dim)", rule=POSITIVE, applies=archs_scope(*DEEPSEEK))
+    qk_nope_dim: int = setting(128, "deepseek_v3: each query and key head's units without rotary "
+                               "(qk_nope_head_dim)", rule=POSITIVE, applies=archs_scope(*DEEPSEEK))
+    v_head_dim: int = setting(128, "deepseek_v3: each value head's width (v_head_dim)", rule=POSITIVE,
+                              applies=archs_scope(*DEEPSEEK))
+    rope_interleave: bool = setting(True, "deepseek_v3: the rotary units' pairs are adjacent (x0, x1), (x2, x3), ... "
+                                    "as DeepSeek's files store them (rope_interleave; --no-rope-interleave: "
+                                    "rotate-half pairs)", applies=archs_scope(*DEEPSEEK))
+    rope_mscale: float = setting(0.0, "deepseek_v3 with yarn rope scaling: YaRN's mscale (0: none)",
+                                 rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+    rope_mscale_all_dim: float = setting(0.0, "deepseek_v3 with yarn rope scaling: mscale_all_dim, which also scales "
+                                         "the attention's softmax by (0.1 mscale_all_dim ln(factor) + 1)^2 (0: none)",
+                                         rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+    first_dense_layers: int = setting(0, "deepseek_v3: the first N layers have a dense MLP of --intermediate-size, the "
+                                      "others experts (first_k_dense_replace)", rule=NON_NEGATIVE,
+                                      applies=archs_scope(*DEEPSEEK))
+    shared_experts: int = setting(1, "deepseek_v3: shared experts every token goes through, as one MLP of this many "
+                                  "times --expert-width (n_shared_experts)", rule=POSITIVE,
+                                  applies=archs_scope(*DEEPSEEK))
+    expert_groups: int = setting(1, "deepseek_v3: the experts split into this many groups; a token's experts come "
+                                 "from its --expert-groups-per-token best groups (n_group)", rule=POSITIVE,
+                                 applies=archs_scope(*DEEPSEEK))
+    expert_groups_per_token: int = setting(1, "deepseek_v3: the groups a token's experts may come from, each group "
+                                           "scored by its two best experts (topk_group)", rule=POSITIVE,
+                                           applies=archs_scope(*DEEPSEEK))
+    routed_scaling: float = setting(1.0, "deepseek_v3: the routed experts' weights are multiplied by this "
+                                    "(routed_scaling_factor)", rule=POSITIVE, applies=archs_scope(*DEEPSEEK))
+    routing_bias_speed: float = setting(0.001, "deepseek_v3: after each optimizer step every MoE layer's "
+                                        "e_score_correction_bias moves by this times sign(mean load - expert load), "
+                                        "the step's loads summed over every rank (DeepSeek-V3's auxiliary-loss-free "
+                                        "balancing; 0: frozen)", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+    mtp_layers: int = setting(0, "deepseek_v3: multi-token-prediction layers the --init-from folder holds after the "
+                              "decoder's (num_nextn_predict_layers): not trained, copied as they are into an hf "
+                              "export", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -386,7 +454,10 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Each attention head's width: --head-width, or the embedding width over the heads."""
+        """Each attention head's width: --head-width, or the embedding width over the heads (DeepSeek-V3's: a query
+        and key head's, its units without rotary and its rotary units)."""
+        if self.arch in DEEPSEEK:
+            return self.qk_nope_dim + self.qk_rope_dim
         return self.head_width or self.n_embd // self.n_head
 
     @property
@@ -437,6 +508,8 @@ class ModelConfig:
 
     def has_experts(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (every --moe-every-th layer, but --mlp-only-layers)."""
+        if self.arch in DEEPSEEK:
+            return self.moe and layer >= self.first_dense_layers
         return self.moe and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
     @property
@@ -451,6 +524,8 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """The width of each head that rotary rotates: the whole head, or Qwen3.5's partial share of it."""
+        if self.arch in DEEPSEEK:
+            return self.qk_rope_dim
         return int(self.head_dim * self.partial_rotary) if self.arch in QWEN35 else self.head_dim
 
     @property
@@ -1146,6 +1221,43 @@ def _check_qwen35(cfg: Config) -> None:
                           "them) is not in zerotrain yet: give --lora-rank 0")
 
 
+def _check_deepseek(cfg: Config) -> None:
+    """DeepSeek-V3's routing sizes, and what its latent attention does not have yet in zerotrain (tensor and context
+    parallelism, LoRA): refused, never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if not m.moe:
+        raise ConfigError("--arch deepseek_v3 has experts after its --first-dense-layers: give --n-experts")
+    if m.n_experts % m.expert_groups or m.n_experts // m.expert_groups < 2:
+        raise ConfigError(f"--expert-groups {m.expert_groups} does not split the --n-experts {m.n_experts} into equal "
+                          "groups of at least 2 (each group is scored by its two best experts)")
+    if m.expert_groups_per_token > m.expert_groups:
+        raise ConfigError(f"--expert-groups-per-token {m.expert_groups_per_token} is more than the --expert-groups "
+                          f"{m.expert_groups}")
+    if m.experts_per_token > m.expert_groups_per_token * (m.n_experts // m.expert_groups):
+        raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the experts of "
+                          f"--expert-groups-per-token {m.expert_groups_per_token} groups")
+    if m.qk_rope_dim % 2:
+        raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
+    if m.shared_expert_width or m.moe_every != 1 or m.mlp_only_layers:
+        raise ConfigError("--arch deepseek_v3's dense layers are its --first-dense-layers and its shared experts "
+                          "--shared-experts: --shared-expert-width, --moe-every and --mlp-only-layers are other "
+                          "families'")
+    if m.routing_bias_speed and cfg.objective.method != "sft":
+        raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
+                          "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
+                          "--routing-bias-speed 0")
+    refused = [(p.tp > 1, f"--tp {p.tp}", "multi-head latent attention has no tensor parallelism in zerotrain yet: "
+                                          "give --tp 1"),
+               (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
+                                          "give --cp 1"),
+               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}", "LoRA on multi-head latent attention's low-rank "
+                                                                   "projections is not in zerotrain yet: give "
+                                                                   "--lora-rank 0")]
+    for hit, what, why in refused:
+        if hit:
+            raise ConfigError(f"{what} with --arch deepseek_v3: {why}")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting against its rule and the settings against each other; change nothing.
 
@@ -1212,11 +1324,13 @@ def validate(cfg: Config) -> Config:
     for value, flag, archs in gemma_only:
         if value and m.arch not in archs:
             raise ConfigError(f"{flag} is for --arch {' or '.join(archs)}, not --arch {m.arch}")
-    if m.rope_scaling == "yarn" and m.rope_beta_slow >= m.rope_beta_fast:
-        raise ConfigError(f"--rope-beta-slow {m.rope_beta_slow} must be below --rope-beta-fast {m.rope_beta_fast}")
+    if m.rope_scaling == "yarn" and m.rope_beta_slow > m.rope_beta_fast:  # equal: Kimi K2's (a ramp of one step)
+        raise ConfigError(f"--rope-beta-slow {m.rope_beta_slow} must not be above --rope-beta-fast {m.rope_beta_fast}")
     _check_experts(cfg)
     if m.arch in QWEN35:
         _check_qwen35(cfg)
+    if m.arch in DEEPSEEK:
+        _check_deepseek(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

@@ -42,6 +42,7 @@ from zerotrain.errors import ConfigError
 from zerotrain.model import meta_model
 
 from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
+from .mtp_layers import MTPLayers, mtp_layers_of
 from .weight_shards import (DEFAULT_SHARD_SIZE, DTYPE_NAMES, DTYPES, INDEX_FILE, MODEL_FILE, SHARD_PATTERN, Group,
                             ShardPlan, hf_groups, missing_shard, parse_shard_size, plan_shards, write_index,
                             write_shards)
@@ -147,6 +148,7 @@ class ShardJob:
     groups: tuple[Group, ...]
     folder: str
     fmt: str
+    mtp: MTPLayers | None = None  # DeepSeek-V3's multi-token-prediction layers, copied as they are (mtp_layers.py)
 
 
 def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *, tokenizer_folder: str | None,
@@ -180,6 +182,13 @@ def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *
     else:
         shapes = {n: torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
     groups, stored = hf_groups(MAPPINGS[cfg.arch] if fmt == "hf" else None, shapes)
+    mtp = None
+    if fmt == "hf":  # layers zerotrain does not train, kept from the folder the model came from
+        base = (model.manifest.get("init_from") or {}).get("path") if isinstance(model, CheckpointModel) else None
+        mtp = mtp_layers_of(cfg, base or config_folder, tensor_files)
+    if mtp is not None:
+        groups += [Group((n,), (n,)) for n in mtp.shapes]
+        stored.update({n: torch.empty(shape, device="meta") for n, shape in mtp.shapes.items()})
     plan = plan_shards({n: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items()},
                        parse_shard_size(max_shard_size))
     nproc = min(nproc, len(plan.shards))  # a process with no shard to write is not started
@@ -207,7 +216,8 @@ def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *
             _write_json(os.path.join(tmp, CONFIG_FILE), {
                 "format": ZEROTRAIN_FORMAT, "version": 1, "model": dataclasses.asdict(cfg),
                 "tokenizer": tokenizer_info, "source": source})
-        _write_weights(model, ShardJob(model, plan, nproc, tuple(plan.owners(nproc)), tuple(groups), tmp, fmt), launch)
+        _write_weights(model, ShardJob(model, plan, nproc, tuple(plan.owners(nproc)), tuple(groups), tmp, fmt, mtp),
+                       launch)
         problem = missing_shard(plan, tmp)
         if problem:  # whole or absent: a folder missing a shard is never moved into place
             raise CheckpointError(f"export {out}: {problem}")
@@ -244,11 +254,19 @@ def _write_weights(model: torch.nn.Module | CheckpointModel, job: ShardJob, laun
     mapping, mode_of = MAPPINGS[model.cfg.arch] if job.fmt == "hf" else None, os.path.join(job.folder, CONFIG_FILE)
     if isinstance(model, CheckpointModel):
         with ShardedModel(model.folder, model.manifest) as shards:
-            write_shards(job.plan, every, job.folder, list(job.groups), shards.tensor, mapping, mode_of)
+            write_shards(job.plan, every, job.folder, list(job.groups), _with_mtp(shards.tensor, job.mtp), mapping,
+                         mode_of)
     else:
         params = dict(model.named_parameters())
-        write_shards(job.plan, every, job.folder, list(job.groups), lambda n: params[n].detach().float(), mapping,
-                     mode_of)
+        write_shards(job.plan, every, job.folder, list(job.groups),
+                     _with_mtp(lambda n: params[n].detach().float(), job.mtp), mapping, mode_of)
+
+
+def _with_mtp(read: Callable[[str], torch.Tensor], mtp: MTPLayers | None) -> Callable[[str], torch.Tensor]:
+    """`read` (the model's tensors by name), and the kept MTP layers' tensors from their folder."""
+    if mtp is None:
+        return read
+    return lambda name: mtp.read(name) if name in mtp.files else read(name)
 
 
 def write_shards_job(cfg: Config, comm, *, job: ShardJob) -> None:
@@ -257,7 +275,7 @@ def write_shards_job(cfg: Config, comm, *, job: ShardJob) -> None:
     mine = [k for k, rank in enumerate(job.owners) if rank == comm.rank]
     mapping = MAPPINGS[job.source.cfg.arch] if job.fmt == "hf" else None
     with ShardedModel(job.source.folder, job.source.manifest) as shards:
-        write_shards(job.plan, mine, job.folder, list(job.groups), shards.tensor, mapping,
+        write_shards(job.plan, mine, job.folder, list(job.groups), _with_mtp(shards.tensor, job.mtp), mapping,
                      os.path.join(job.folder, CONFIG_FILE))
 
 

@@ -193,7 +193,8 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
     mapping = source.mapping or MAPPINGS[source.model.arch]
     transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
     tied_head = ("lm_head.weight",) if source.model.tie_embeddings else ()
-    extra = sorted(n for n in source.files if n not in shapes and not mapping.is_ignored(n) and n not in tied_head)
+    extra = sorted(n for n in source.files if n not in shapes and not mapping.is_ignored(n, source.model)
+             and n not in tied_head)
     if extra:
         hint = next((why for suffix, why in FOREIGN.items() if extra[0].endswith(suffix)), None) \
             if source.model.arch == "llama" else None

@@ -20,6 +20,11 @@ and export alike, so the two cannot drift apart.
            Qwen3.5's text models (qwen3_5_text, qwen3_5_moe_text) name their tensors as zerotrain's model does, the
            experts one linear each as transformers 5 saves them (its qwen2_moe conversion): the identity. Their
            multi-token-prediction head (mtp.*) is not trained by zerotrain and is skipped.
+    deepseek_v3
+           DeepSeek-V3's (and Kimi K2's) names are zerotrain's, the experts one linear each, the router's
+           e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
+           (model.layers.{num_hidden_layers}... , num_nextn_predict_layers of them) are set aside at import (the
+           config keeps their count, --mtp-layers) and are not trained.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
@@ -42,7 +47,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.config import GEMMA, MOE, QWEN35, WINDOWED, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA, MOE, QWEN35, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -60,6 +65,7 @@ class HFMapping:
     skipped: tuple[str, ...] = ()  # prefixes of tensors of another model in the same files (a vision tower)
     infixes: tuple[tuple[str, str], ...] = ()  # (stored part of a name, zerotrain's): Mixtral's expert names
     experts: tuple[StackedExperts, ...] = ()  # tensors holding every expert's parameter of a layer (gpt-oss's)
+    layers_after: bool = False  # blocks past num_hidden_layers are another model's (DeepSeek-V3's MTP layers)
 
     def expert_parts(self, name: str, cfg: ModelConfig) -> list[tuple[str, int, int, StackedExperts]]:
         """[(zerotrain's name, its expert, its place in the stacking's parts, the stacking)] for a stored tensor
@@ -90,8 +96,13 @@ class HFMapping:
             name = name.replace(stored, ours)
         return name
 
-    def is_ignored(self, name: str) -> bool:
-        """Whether a stored tensor (by its canonical name) is not one of the model's parameters."""
+    def is_ignored(self, name: str, cfg: ModelConfig | None = None) -> bool:
+        """Whether a stored tensor (by its canonical name) is not one of the model's parameters (with `cfg`: a block
+        past the model's layers, where the family's files keep their multi-token-prediction layers)."""
+        if cfg is not None and self.layers_after and name.startswith(self.block_prefix):
+            layer = name[len(self.block_prefix):].partition(".")[0]
+            if layer.isdigit() and int(layer) >= cfg.n_layer:
+                return True
         return name.endswith(self.ignored) or (bool(self.skipped) and name.startswith(self.skipped))
 
     def is_transposed(self, name: str) -> bool:
@@ -130,7 +141,7 @@ class HFMapping:
         named = dequantized({self.canonical(n): t for n, t in tensors.items()})
         out = {}
         for n, t in named.items():
-            if self.is_ignored(n):
+            if self.is_ignored(n, cfg):
                 continue
             if self.is_transposed(n):
                 t = t.t().contiguous()
@@ -232,6 +243,8 @@ MAPPINGS = {
     **{arch: HFMapping(arch, kind, cls, "model.layers.", (), (".rotary_emb.inv_freq",), skipped=("mtp.",))
        for arch, kind, cls in (("qwen3_5", "qwen3_5_text", "Qwen3_5ForCausalLM"),
                                ("qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"))},
+    "deepseek_v3": HFMapping("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", "model.layers.", (),
+                             (".rotary_emb.inv_freq",), layers_after=True),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -274,6 +287,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
     }
     if cfg.arch in QWEN35:
         return _qwen35_config(cfg, config)
+    if cfg.arch in DEEPSEEK:
+        return _deepseek_config(cfg, config)
     if cfg.arch == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif cfg.arch in ("qwen2", "qwen3"):  # every layer attends to every earlier token
@@ -308,6 +323,25 @@ def _qwen35_config(cfg: ModelConfig, config: dict) -> dict:
         config.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                       moe_intermediate_size=cfg.expert_ffn, shared_expert_intermediate_size=cfg.shared_expert_width,
                       router_aux_loss_coef=cfg.router_aux_coef, output_router_logits=False)
+    return config
+
+
+def _deepseek_config(cfg: ModelConfig, config: dict) -> dict:
+    """DeepSeek-V3's config.json from the Llama family's fields: the latent attention's sizes, the routing, YaRN's
+    mscale pair in rope_parameters (transformers 5's form)."""
+    config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling", "head_dim")}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "yarn":
+        rope.update(_rope_scaling(cfg), rope_theta=cfg.rope_theta, mscale=cfg.rope_mscale,
+                    mscale_all_dim=cfg.rope_mscale_all_dim)
+    config.update(num_key_value_heads=cfg.n_head, q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
+                  qk_rope_head_dim=cfg.qk_rope_dim, qk_nope_head_dim=cfg.qk_nope_dim, v_head_dim=cfg.v_head_dim,
+                  rope_interleave=cfg.rope_interleave, rope_parameters=rope, attention_bias=False,
+                  n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                  moe_intermediate_size=cfg.expert_ffn, n_shared_experts=cfg.shared_experts,
+                  n_group=cfg.expert_groups, topk_group=cfg.expert_groups_per_token,
+                  norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
+                  first_k_dense_replace=cfg.first_dense_layers, num_nextn_predict_layers=cfg.mtp_layers)
     return config
 
 
@@ -384,6 +418,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         where = f"{where} {MULTIMODAL[kind]}"
     if BY_MODEL_TYPE[kind].arch in QWEN35:
         return _qwen35(config, where)
+    if BY_MODEL_TYPE[kind].arch in DEEPSEEK:
+        return _deepseek(config, where)
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -503,6 +539,73 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
                        linear_value_heads=sizes["linear_num_value_heads"],
                        linear_key_width=sizes["linear_key_head_dim"], linear_value_width=sizes["linear_value_head_dim"],
                        **experts)
+
+
+# What transformers' DeepseekV3Config gives a field its config.json leaves out (DeepSeek-V3's own sizes).
+_DEEPSEEK_DEFAULTS = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                          num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+                          routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                          v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+                          first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
+                          rope_interleave=True, num_nextn_predict_layers=1)
+
+
+def _deepseek(config: dict, where: str) -> ModelConfig:
+    """DeepSeek-V3's ModelConfig (deepseek_v3: V3, V3.1, R1, Kimi K2): the latent attention's sizes, the dense first
+    layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the MTP layers' count."""
+    q_rank = config.get("q_lora_rank", _DEEPSEEK_DEFAULTS["q_lora_rank"])
+    config = {**_DEEPSEEK_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
+    keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "max_position_embeddings", "vocab_size", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+            "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group")
+    sizes = {key: _count(config, key, where) for key in keys}
+    heads = sizes["num_attention_heads"]
+    if _count(config, "num_key_value_heads", where, default=heads) != heads:
+        raise CheckpointError(f"{where}: num_key_value_heads {config['num_key_value_heads']!r} is not "
+                              f"num_attention_heads {heads}: latent attention gives every head its keys")
+    if q_rank is not None:
+        q_rank = _count(config, "q_lora_rank", where)
+    dense = config.get("first_k_dense_replace")
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise CheckpointError(f"{where}: first_k_dense_replace must be a whole number, got {dense!r}")
+    mtp = config.get("num_nextn_predict_layers")
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise CheckpointError(f"{where}: num_nextn_predict_layers must be a whole number, got {mtp!r}")
+    for key in ("rope_interleave", "norm_topk_prob"):
+        if not isinstance(config[key], bool):
+            raise CheckpointError(f"{where}: {key} must be true or false, got {config[key]!r}")
+    key = "rope_scaling" if _table(config, "rope_scaling", where) else "rope_parameters"
+    scaling = _table(config, key, where)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    rope = {}
+    if kind == "yarn":
+        pair = {k: float(scaling.get(k) or 0.0) for k in ("mscale", "mscale_all_dim")}
+        rope = dict(_yarn_settings({k: v for k, v in scaling.items() if k not in pair}, f"{where} {key}"),
+                    rope_mscale=pair["mscale"], rope_mscale_all_dim=pair["mscale_all_dim"])
+    elif kind != "default":
+        raise CheckpointError(f"{where}: {key} has rope_type {kind!r}; zerotrain's deepseek_v3 has 'default' and "
+                              "'yarn'")
+    theta = _positive(scaling, "rope_theta", f"{where} {key}", 10000.0) if "rope_theta" in scaling else \
+        _positive(config, "rope_theta", where, 10000.0)
+    return ModelConfig(arch="deepseek_v3", n_layer=sizes["num_hidden_layers"], n_head=heads, n_kv_head=heads,
+                       n_embd=sizes["hidden_size"], intermediate_size=sizes["intermediate_size"],
+                       seq_len=sizes["max_position_embeddings"], vocab_size=sizes["vocab_size"], rope_theta=theta,
+                       pad_token_id=_padding_id(config, where, "deepseek_v3", sizes["vocab_size"]),
+                       norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
+                       q_lora_rank=q_rank or 0, kv_lora_rank=sizes["kv_lora_rank"],
+                       qk_rope_dim=sizes["qk_rope_head_dim"], qk_nope_dim=sizes["qk_nope_head_dim"],
+                       v_head_dim=sizes["v_head_dim"], rope_interleave=config["rope_interleave"],
+                       first_dense_layers=min(dense, sizes["num_hidden_layers"]),
+                       n_experts=sizes["n_routed_experts"], experts_per_token=sizes["num_experts_per_tok"],
+                       expert_width=sizes["moe_intermediate_size"], shared_experts=sizes["n_shared_experts"],
+                       expert_groups=sizes["n_group"], expert_groups_per_token=sizes["topk_group"],
+                       norm_topk_prob=config["norm_topk_prob"],
+                       routed_scaling=_positive(config, "routed_scaling_factor", where, 1.0),
+                       router_aux_coef=0.0, mtp_layers=mtp, **rope)
 
 
 # Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that

@@ -40,6 +40,7 @@ from .memory_plan import check as check_plan
 from .objectives import accumulate_gradients, objective_for  # noqa: F401  (sft's step: bench and equivalence run it)
 from .offload import offload_activations
 from .profiling import StepProfiler
+from .routing_bias import RoutingBias, routing_bias_for
 from .schedule import lr_at
 from .throughput import Peak, Throughput, current_rss, peak_flops, peak_memory
 
@@ -192,6 +193,7 @@ class _Run:
     profiler: StepProfiler
     saved_bytes: list = field(default_factory=list)  # what the first micro-batch kept for its backward
     plan_checked: bool = False
+    routing_bias: RoutingBias | None = None  # DeepSeek-V3's load-balancing bias, moved with each step (routing_bias.py)
     records: list[dict] = field(default_factory=list)
     rollbacks: list[dict] = field(default_factory=list)
     stopped: dict | None = None
@@ -282,6 +284,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
                 step = _handle_anomaly(anomaly, cfg, run, comm)
                 continue
             lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
+            if run.routing_bias is not None:  # from the step's global expert loads, applied with AdamW's step
+                run.routing_bias.take(reduced.extras)
             run.engine.apply(lr, grad_norm)
             run.detector.accept(done, loss, grad_norm)
             _check_after_update(cfg, run, done, after_update)
@@ -369,7 +373,8 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                        "steps_lost": lost, "failed_rank": failed_rank, "cause": cause},
                       f"restart {restart_count()}: resumed from step {start}, {lost} step(s) lost; attempt "
                       f"{restart_count() - 1} failed: {cause}")
-    return _Run(engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source,
+    return _Run(routing_bias=routing_bias_for(cfg, engine),
+                engine=engine, model=model, objective=objective, schedule=schedule, val_source=val_source,
                 faults=faults, stop=stop, detector=detector, policy=policy, checkpointer=checkpointer,
                 metrics=metrics, memory=memory,
                 start=start, resumed_from=resumed_from, skips=manifest.get("data_skips", []), plan=plan,

@@ -1,0 +1,52 @@
+"""The multi-token-prediction layers of a DeepSeek-V3 folder, which zerotrain does not train: kept frozen, as the
+folder holds them, from --init-from's folder into an hf export.
+
+DeepSeek-V3's files hold num_nextn_predict_layers of them after the decoder's blocks, model.layers.{num_hidden_layers}
+... (its embedding, enorm, hnorm, eh_proj, a block and shared_head): hub/mapping.py sets them aside at import; an
+export copies each tensor as it is (cast to the export's dtype) beside the trained ones, and writes their count back
+(num_nextn_predict_layers), so a model that comes with them leaves with them. A folder whose config counts them but
+whose files lack them is refused in one line, never exported without them.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from zerotrain.checkpoint import CheckpointError
+from zerotrain.checkpoint.stream import read_header
+from zerotrain.config import DEEPSEEK, ModelConfig
+
+class MTPLayers:
+    """The MTP layers' tensors of `folder`'s files (name -> file), their shapes, and a reader of one tensor."""
+
+    def __init__(self, cfg: ModelConfig, files: dict[str, str], folder: str):
+        prefix = "model.layers."
+        self.files = {n: f for n, f in files.items() if n.startswith(prefix)
+                      and n[len(prefix):].partition(".")[0].isdigit()
+                      and int(n[len(prefix):].partition(".")[0]) >= cfg.n_layer}
+        for k in range(cfg.n_layer, cfg.n_layer + cfg.mtp_layers):
+            if not any(n.startswith(f"{prefix}{k}.") for n in self.files):
+                raise CheckpointError(f"{folder}: its config counts {cfg.mtp_layers} multi-token-prediction layers "
+                                      f"(num_nextn_predict_layers) but its files hold no {prefix}{k}.*, which an hf "
+                                      "export copies: put them back in the folder")
+        self.shapes = {}
+        for path in set(self.files.values()):
+            for name, (_, shape) in read_header(path).items():
+                if name in self.files:
+                    self.shapes[name] = tuple(shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(self.files[name], framework="pt") as f:
+            return f.get_tensor(name).float()
+
+
+def mtp_layers_of(cfg: ModelConfig, folder: str | None, files_of) -> MTPLayers | None:
+    """The MTP layers an hf export of `cfg` keeps, from `folder` (the --init-from folder; `files_of(folder)`: its
+    tensors' files); None for a model without them."""
+    if cfg.arch not in DEEPSEEK or not cfg.mtp_layers:
+        return None
+    if folder is None:
+        raise CheckpointError(f"the model has {cfg.mtp_layers} multi-token-prediction layers, which an hf export "
+                              "copies from the folder they came from; none is known here")
+    return MTPLayers(cfg, files_of(folder), folder)

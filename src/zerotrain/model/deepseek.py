@@ -1,0 +1,149 @@
+"""DeepSeek-V3's decoder (deepseek_v3: DeepSeek-V3, V3.1, R1, and Kimi K2's shapes), as transformers'
+DeepseekV3ForCausalLM computes it.
+
+    self_attn   multi-head latent attention (mla.py)
+    mlp         layers 0 .. first_k_dense_replace - 1: a SwiGLU MLP of intermediate_size; the others a mixture of
+                experts (model/moe.py's experts and sort) routed by group_routing.py's router (sigmoid scores,
+                group-limited top-k, the load-balancing bias), plus shared experts: one SwiGLU MLP of n_shared_experts
+                x moe_intermediate_size that every token goes through, ungated
+    norms       RMSNorms before the attention and the MLP and at the end (rms_norm_eps)
+
+Parameter names are transformers' (model.layers.{i}.self_attn.kv_b_proj.weight, ...mlp.gate.e_score_correction_bias,
+...mlp.shared_experts.gate_proj.weight, ...mlp.experts.{e}.gate_proj.weight as its files store them): hub/mapping.py's
+table is the identity. Multi-token-prediction layers (model.layers.{num_hidden_layers}...) are not part of this model:
+hub/mapping.py sets them aside at import and an hf export copies them from the folder.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from zerotrain.config import ModelConfig
+
+from .group_routing import GroupLimitedRouter
+from .kv_cache import KVCache
+from .llama import LlamaMLP, layer_mask
+from .mla import LatentAttention, mla_rope_scaling
+from .moe import Expert, MoE, Routing
+from .norms import RMSNorm
+from .positions import new_positions
+from .recompute import in_backward, run_block
+from .rotary import rotary_tables
+from .tensor_parallel import TPSlice
+from .vocab import LMHead, tied_head_hook, token_embedding
+
+
+class DeepseekMoE(MoE):
+    """The experts routed by GroupLimitedRouter (the `gate`), and the shared experts beside them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.gate = GroupLimitedRouter(cfg)
+        self.shared_experts = Expert(cfg.n_embd, cfg.expert_ffn * cfg.shared_experts)
+
+    def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the top-k weights (N, k) fp32, the experts chosen (N, k)); records the layer's Routing (its probabilities
+        the scores normalised per token, as DeepSeek-V3's sequence-wise balancing loss takes them)."""
+        scores, weights, chosen = self.gate(flat)
+        if in_backward():  # a recomputed forward: the routing was recorded by the first (MoE.route says why)
+            return weights, chosen
+        with torch.no_grad():
+            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
+            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_experts(x)
+
+
+class DeepseekBlock(nn.Module):
+    """Pre-norm latent attention and MLP (dense or experts, by the layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = LatentAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = DeepseekMoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
+
+    def forward(self, x, rotary, cache: KVCache | None, layer: int, documents=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Deepseek(nn.Module):
+    """Token embedding, DeepSeek-V3's blocks, final RMSNorm, LM head (its own unless tied)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
+            layers=nn.ModuleList(DeepseekBlock(cfg, layer) for layer in range(cfg.n_layer)),
+            norm=RMSNorm(cfg.n_embd, cfg.norm_eps),
+        ))
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
+        self.tie_weights()
+        if cfg.tie_embeddings:
+            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab), as Llama's forward: with a cache, segments, a head or targets."""
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.model.embed_tokens(idx)
+        positions = new_positions(idx, cache, cfg.positions, segments)
+        rotary = rotary_tables(positions, cfg.qk_rope_dim, cfg.rope_theta, mla_rope_scaling(cfg))
+        mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
+        for layer, block in enumerate(self.model.layers):
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        return self.model.norm(x)
+
+
+def init_rule(cfg: ModelConfig, name: str):
+    """How parameter `name` starts (model/init.py draws it), as transformers' _init_weights: N(0, 0.02) matrices
+    (the router's too) and embeddings, unit norm gains, the load-balancing bias at zero."""
+    if name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, q_a_ and kv_a_layernorm, norm
+        return "ones"
+    if name.endswith("e_score_correction_bias"):
+        return "zeros"
+    if name.endswith(".bias"):
+        return ("uniform", 1 / math.sqrt(cfg.n_embd))
+    return ("normal", 0.02)
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """No TP slices: multi-head latent attention has no tensor parallelism yet (config refuses --tp above 1)."""
+    if tp > 1:
+        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
+    return {}
+
+
+def parallelize(model: Deepseek, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    model.tp_slices = plan(model.cfg, tp_size)
+    return model.tp_slices

@@ -1,0 +1,113 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), as transformers' DeepseekV3Attention computes it.
+
+    queries   q_proj x, or with a query rank q_b_proj(RMSNorm(q_a_proj x)): per head qk_nope_dim units without rotary
+              and qk_rope_dim units with it
+    keys      kv_a_proj_with_mqa x gives a latent of kv_lora_rank units (RMSNorm'd) and ONE rotary key of qk_rope_dim
+              units that every head shares; kv_b_proj(latent) gives each head's key units without rotary and its value
+    rotary    on the rotary units only (the decoupled rotary key); DeepSeek's files store each rotary pair adjacent,
+              (x0, x1), (x2, x3), ... (rope_interleave): the units are de-interleaved (evens, then odds) and rotated
+              rotate-half style, transformers' bit-identical form; the same permutation of q's and k's units leaves
+              every score as it was
+    scale     1 / sqrt(qk_nope_dim + qk_rope_dim), times mscale^2 under YaRN with mscale_all_dim (mscale = 0.1
+              mscale_all_dim ln(factor) + 1: transformers' yarn_apply_mscale); the rotary tables themselves carry
+              YaRN's attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+
+The q and kv latents' RMSNorms take transformers' fixed epsilon 1e-6, not the model's rms_norm_eps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from zerotrain.config import ModelConfig
+
+from .attention import attend
+from .kv_cache import KVCache
+from .norms import RMSNorm
+from .rotary import YarnScaling, apply_rotary
+
+LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which transformers' attention builds its latent norms with
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 at factor <= 1): transformers' yarn_get_mscale."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_rope_scaling(cfg: ModelConfig) -> YarnScaling | None:
+    """The rotary scaling of DeepSeek-V3's config: YaRN with its attention factor from mscale and mscale_all_dim
+    (both set: their ratio; else YaRN's own), or none."""
+    if cfg.rope_scaling == "none":
+        return None
+    factor = cfg.rope_attention_factor
+    if not factor and cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        factor = yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return YarnScaling(cfg.rope_factor, cfg.rope_original_context, cfg.rope_theta, cfg.rope_beta_fast,
+                       cfg.rope_beta_slow, cfg.rope_truncate, factor)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """The scores' factor: 1 / sqrt(q/k head width), times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = cfg.head_dim ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Adjacent rotary pairs (x0, x1), (x2, x3), ... laid out as rotate-half's (x0, x2, ..., x1, x3, ...)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def rotate_units(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary on the rotary units x (B, H, T, qk_rope_dim), stored interleaved or rotate-half."""
+    return apply_rotary(deinterleave(x) if interleaved else x, cos, sin)
+
+
+class LatentAttention(nn.Module):
+    """MLA (the module docstring): parameter names are transformers' (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        C, H = cfg.n_embd, cfg.n_head
+        self.nope, self.rope, self.value = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+        self.rank, self.interleaved, self.scale = cfg.kv_lora_rank, cfg.rope_interleave, softmax_scale(cfg)
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(C, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(C, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(C, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.value), bias=False)
+        self.o_proj = nn.Linear(H * self.value, C, bias=False)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
+                layer: int, documents=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.queries(x).view(B, T, -1, self.nope + self.rope).transpose(1, 2)
+        q_pass, q_rot = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, self.nope + self.value).transpose(1, 2)
+        k_pass, v = kv.split([self.nope, self.value], dim=-1)
+        H = k_pass.shape[1]
+        q_rot = rotate_units(q_rot, *rotary, self.interleaved)
+        k_rot = rotate_units(k_rot.view(B, 1, T, self.rope), *rotary, self.interleaved)
+        q = torch.cat([q_pass, q_rot], dim=-1)
+        k = torch.cat([k_pass, k_rot.expand(B, H, T, self.rope)], dim=-1)
+        if cache is not None and self.value < q.shape[-1]:
+            # the cache holds keys and values of one width: values padded with zeros, whose outputs are dropped
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - self.value))
+        y = attend(q, k, v, cache, layer, documents, scale=self.scale)[..., : self.value]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
