@@ -48,3 +48,21 @@ def local_positions_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(context, "rotary_positions", local):
         return trained_job(cfg, comm)
+
+
+def moe_trained_job(cfg: Config, comm: Comm) -> dict:
+    """trained_job with the mixture's figures of every step: its balancing loss and expert loads."""
+    result = train(cfg, comm)
+    out = summary(result)
+    out["aux_losses"] = [r["aux_loss"] for r in result.records]
+    out["expert_loads"] = [r["expert_load"] for r in result.records]
+    final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
+    out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
+    return out
+
+
+def per_chunk_balancing_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each CP rank's balancing loss over its own part of the row (its counts, tokens and trained flags
+    never summed over the cp group): a loss per chunk, not the whole row's."""
+    with mock.patch.object(context.ContextParallel, "sum_over_rows", lambda self, x: x):
+        return moe_trained_job(cfg, comm)

@@ -1063,17 +1063,18 @@ def _check_experts(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config) -> None:
-    """--ep E: E divides the DP size and the experts; no LoRA with it yet (--tp T splits each expert of a rank's
-    block as it splits the dense MLP; at --zero 3 both engines are stage 3)."""
+    """--ep E: E divides the ranks ZeRO shards over (DP x CP: EP groups are consecutive ranks of dp_shard x cp) and
+    the experts; no LoRA with it yet (--tp T splits each expert of a rank's block as it splits the dense MLP; at
+    --zero 3 both engines are stage 3)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    dp = cfg.dp
-    if dp % p.ep:
-        raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp} (--nproc {cfg.launch.nproc} / "
-                          f"--tp {p.tp})")
-    if (dp // p.dp_replicate) % p.ep:
-        raise ConfigError(f"--ep {p.ep} does not divide the shard group's size {dp // p.dp_replicate} (the "
+    dp, cp = cfg.dp, f" x --cp {p.cp}" if p.cp > 1 else ""
+    if dp * p.cp % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp}{cp} (--nproc {cfg.launch.nproc} "
+                          f"/ --tp {p.tp})")
+    if (dp // p.dp_replicate) * p.cp % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the shard group's size {dp // p.dp_replicate}{cp} (the "
                           f"data-parallel size {dp} / --dp-replicate {p.dp_replicate}): each replica group holds "
                           "every block of experts")
     if m.n_experts % p.ep:
@@ -1099,7 +1100,6 @@ def _check_context_parallel(cfg: Config) -> None:
                           "chunks of every row")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
-               (m.moe, f"--arch {m.arch} (mixtures of experts: their balancing loss is per sequence)"),
                (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),

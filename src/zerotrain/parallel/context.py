@@ -46,6 +46,12 @@ class ContextParallel:
         return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents)
 
 
+    def sum_over_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of
+        experts' routing counts for its balancing loss: model.moe.balancing_loss's whole_rows)."""
+        return self.comm.all_reduce(x.contiguous(), "all_reduce_row_parts")
+
+
 def context_parallel(mesh) -> ContextParallel | None:
     """The mesh's context parallelism, None at cp 1."""
     return ContextParallel(mesh.cp, mesh.cp_size, mesh.cp_rank) if mesh.cp_size > 1 else None

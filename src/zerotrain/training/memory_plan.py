@@ -271,8 +271,9 @@ def state_bytes_per_value(precision: str) -> int:
 
 def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
     """The rows one MoE layer's all-to-all sends from a rank, whatever the routing (dropless): each of the micro-batch's
-    N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype."""
-    return sequences * cfg.model.seq_len * cfg.model.experts_per_token * cfg.model.n_embd * \
+    N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype; with --cp the rank's T / cp
+    tokens of each row."""
+    return sequences * (cfg.model.seq_len // cfg.parallel.cp) * cfg.model.experts_per_token * cfg.model.n_embd * \
         (2 if cfg.parallel.precision == "bf16" else 4)
 
 
