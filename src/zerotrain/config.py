@@ -1087,8 +1087,10 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions, linear
-    attention and the experts' per-sequence balancing are not in it yet, nor DPO's per-sequence sums: refused."""
+    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions and linear
+    attention are not in it yet, nor DPO's and GRPO's per-sequence sums (each sequence's log-probability summed over
+    its parts, the reference's and the metrics' too): refused. Mixtures of experts (--ep too), LoRA and
+    --dp-replicate compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1104,8 +1106,7 @@ def _check_context_parallel(cfg: Config) -> None:
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
                (cfg.objective.method != "sft", f"--method {cfg.objective.method} (per-sequence sums)"),
-               (cfg.loop.compile, "--compile"),
-               (p.dp_replicate > 1, f"--dp-replicate {p.dp_replicate}")]
+               (cfg.loop.compile, "--compile")]
     for hit, what in refused:
         if hit:
             raise ConfigError(f"--cp {p.cp} with {what}: context parallelism does not split that yet: give --cp 1")

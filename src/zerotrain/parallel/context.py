@@ -31,7 +31,11 @@ class ContextParallel:
 
     def part(self, micro: MicroBatch) -> MicroBatch:
         """This rank's zig-zag part of each row of `micro` (B, T) -> (B, T / C)."""
-        return MicroBatch(*(None if t is None else zigzag_split(t, self.size, self.rank) for t in micro))
+        return MicroBatch(*(None if t is None else self.row_part(t) for t in micro))
+
+    def row_part(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of whole rows `x` (B, T, ...) -> (B, T / C, ...): e.g. LoRA's dropout masks, drawn whole."""
+        return zigzag_split(x, self.size, self.rank)
 
     def prepare(self, idx: torch.Tensor, segments: torch.Tensor | None) -> tuple[torch.Tensor, RingAttention]:
         """The rotary positions of this rank's tokens `idx` (B, T / C) and what the layers attend with. Packed rows
