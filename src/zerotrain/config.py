@@ -491,6 +491,10 @@ class DataConfig:
     # end with the end-of-text token).
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
                          "padded and masked)", methods=("sft",))
+    # A record (JSON Lines, or a document with --no-pack) longer than a row: refused, or cut to its first seq_len + 1
+    # tokens; never split over rows.
+    truncate: bool = setting(False, "records longer than --seq-len + 1 tokens keep their first seq_len + 1 (else such "
+                             "a record is refused, naming it)", methods=("sft",))
     glob: str = setting("**/*.txt", "a text folder's files", methods=("sft",))
     val_fraction: float = setting(0.05, "text: fraction of documents held out for validation (--method dpo with "
                                   "--eval-every and no --val-data: of the pairs' records)", rule=BELOW_ONE)
