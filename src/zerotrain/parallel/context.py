@@ -67,7 +67,8 @@ class ContextParallelRows:
     block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
     rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
     row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
-    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group."""
+    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group.
+    Each row is the difference from the whole row's, which the plan counts first."""
 
     def __init__(self, cp: int):
         self.cp = cp
@@ -86,7 +87,10 @@ class ContextParallelRows:
                 held += (B - 1) * (T // C) * m.head_dim * 4 * 2
         kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
         ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
-        return {"activations": held - whole["total"], "loss_working_set": part["working"] - whole["working"],
+        # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
+        # activation_rows), which the whole row's activations are in
+        saved = "activations_host" if p.offload_activations else "activations"
+        return {saved: held - whole["total"], "loss_working_set": part["working"] - whole["working"],
                 "communication": ring}
 
     def traffic(self, layouts: list) -> dict[str, int]:
