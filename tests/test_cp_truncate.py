@@ -26,8 +26,8 @@ def test_a_record_longer_than_a_row_is_refused_naming_it_its_length_and_the_turn
     # record 3, 55 tokens: its first 33 are the prompt's 23 and 10 of the completion's 32 (each a target): 22 lost
     assert str(e.value) == (f"{folder}/train.bin: record 3 is 55 tokens, longer than a row of --seq-len {SEQ} + 1, "
                             "and its completion or assistant turn would lose 22 trained tokens (1 such record): give "
-                            f"--truncate to keep the first {SEQ + 1} tokens of each, or --seq-len 54; a record is never "
-                            "split over rows")
+                            f"--truncate to keep the first {SEQ + 1} tokens of each, or --seq-len 54; a record is "
+                            "never split over rows")
     # --truncate: kept, cut to the window, and the start line says whose completion was cut
     source = record_source(folder, truncate=True)
     assert source.truncated == 1 and source.turns_cut == (1, "3", 55, 22)

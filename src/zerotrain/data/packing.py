@@ -151,10 +151,11 @@ class RecordSource:
             n = int(lost[0])
             cut = f", and its {'completion or assistant turn' if masked[0] else 'text'} would lose {n:,} trained " \
                 f"token{'s' * (n != 1)}" if n else ""
+            such = f"{len(long):,} such record{'s' * (len(long) > 1)}"
             raise ConfigError(f"{self.name}: record {self._number(records, i)} is {int(lengths[i]):,} tokens, longer "
-                              f"than a row of --seq-len {seq_len} + 1{cut} ({len(long):,} such record{'s' * (len(long) > 1)}): give "
-                              f"--truncate to keep the first {seq_len + 1} tokens of each, or --seq-len "
-                              f"{int(lengths[long].max()) - 1}; a record is never split over rows")
+                              f"than a row of --seq-len {seq_len} + 1{cut} ({such}): give --truncate to keep the first "
+                              f"{seq_len + 1} tokens of each, or --seq-len {int(lengths[long].max()) - 1}; a record is "
+                              "never split over rows")
         # --truncate: the records whose trained tokens were cut (a chat's assistant turn), the first named
         turns = long[(lost > 0) & masked]
         self.turns_cut = (len(turns), self._number(records, int(turns[0])), int(lengths[turns[0]]),

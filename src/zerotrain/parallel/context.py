@@ -49,7 +49,6 @@ class ContextParallel:
         whole = zigzag_unsplit(list(documents), dim=1)
         return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents)
 
-
     def sum_over_rows(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of
         experts' routing counts for its balancing loss: model.moe.balancing_loss's whole_rows)."""

@@ -8,9 +8,9 @@ sum over its such rows divided by their count in the global batch (StepBatch.glo
 the global token count is), as the token loss divides by the global token count, so neither the ranks nor the
 accumulation change it (docs/models.md says why a row, packed records and all). Under --cp C a row's C parts are on
 C ranks: their expert counts, tokens and trained flags are summed over the cp group first (one all-reduce of B x
-(E + 2) numbers a micro-batch), so that each part's loss is its share of the whole row's, not a loss of its own. A row without a trained token (the
-empty rows that fill an epoch's last step) counts for nothing: no loss, no gradient, no expert load. Its weight is
---moe-aux-coef, or the model's router_aux_loss_coef.
+(E + 2) numbers a micro-batch), so that each part's loss is its share of the whole row's, not a loss of its own. A row
+without a trained token (the empty rows that fill an epoch's last step) counts for nothing: no loss, no gradient, no
+expert load. Its weight is --moe-aux-coef, or the model's router_aux_loss_coef.
 
 The term joins the token loss before the one backward of the micro-batch (executor.micro_batch_loss): the
 gradient order the engine follows is the model output's graph, which the routing's probabilities are part of.
