@@ -10,8 +10,10 @@ from dist_jobs import summary
 
 from zerotrain import checkpoint, load_model
 from zerotrain.config import Config
+from zerotrain.model import lora
 from zerotrain.model.positions import positions_from_segments
-from zerotrain.parallel import Comm, context, ring_attention
+from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
+from zerotrain.training import invariants
 from zerotrain.training.loop import train
 
 
@@ -47,4 +49,42 @@ def local_positions_job(cfg: Config, comm: Comm) -> dict:
         return positions_from_segments(ring_attention.zigzag_split(segments, cp, rank))
 
     with mock.patch.object(context, "rotary_positions", local):
+        return trained_job(cfg, comm)
+
+
+def moe_trained_job(cfg: Config, comm: Comm) -> dict:
+    """trained_job with the mixture's figures of every step: its balancing loss and expert loads."""
+    result = train(cfg, comm)
+    out = summary(result)
+    out["aux_losses"] = [r["aux_loss"] for r in result.records]
+    out["expert_loads"] = [r["expert_load"] for r in result.records]
+    final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
+    out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
+    return out
+
+
+def per_chunk_balancing_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each CP rank's balancing loss over its own part of the row (its counts, tokens and trained flags
+    never summed over the cp group): a loss per chunk, not the whole row's."""
+    with mock.patch.object(context.ContextParallel, "sum_over_rows", lambda self, x: x):
+        return moe_trained_job(cfg, comm)
+
+
+def whole_row_dropout_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: LoRA's dropout masks drawn as if each rank's part were a whole row (the masks of positions 0 to
+    T / C - 1, not of this rank's positions)."""
+    real = lora.DropoutRows.__init__
+
+    def unsplit(self, seed, context_parallel=None):
+        real(self, seed)
+
+    with mock.patch.object(lora.DropoutRows, "__init__", unsplit):
+        return trained_job(cfg, comm)
+
+
+def unreplicated_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the gradient shard not all-reduced across the replica groups (each steps on its own half of the
+    batch), invariant (b) not checked: what the run trains."""
+    with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None), \
+            mock.patch.object(invariants, "check_no_drift", lambda *args: []):
         return trained_job(cfg, comm)

@@ -279,8 +279,8 @@ def test_train_on_tool_calls_says_per_source_the_records_trained_tokens_and_the_
     family_tokenizer(model, "qwen3")
     data = write_jsonl(tmp_path / "tools.jsonl", [TOOL_CHAT, MULTI_TURN] * 4)
     r = zerotrain_here(capfd, "train", "--init-from", str(model), "--data", data, "--data-cache",
-                       str(tmp_path / "cache"), "--val-fraction", "0", "--seq-len", "512", "--steps", "1",
-                       "--micro-batch", "2", "--no-progress", "--out", str(tmp_path / "run"),
+                       str(tmp_path / "cache"), "--val-fraction", "0", "--seq-len", "512", "--truncate", "--steps",
+                       "1", "--micro-batch", "2", "--no-progress", "--out", str(tmp_path / "run"),
                        "--threads", "1")  # the tiny model gains nothing from a second thread; busy cores lose much
     assert r.returncode == 0, r.stderr[-2000:]
     start = r.stdout.splitlines()[0]

@@ -34,7 +34,8 @@ RUNS = {"gpt2": ["--preset", "tiny", "--data", "synthetic"],
 NOT_IN = {
     # SFT's data path only: DPO reads one file of pairs, renders no chat template of its own, validates every
     # held-out pair, and adds no balancing loss
-    "pack": "dpo", "glob": "dpo", "data_cache": "dpo", "chat_template": "dpo", "epochs": "dpo", "eval_batches": "dpo",
+    "pack": "dpo", "truncate": "dpo", "glob": "dpo", "data_cache": "dpo", "chat_template": "dpo", "epochs": "dpo",
+    "eval_batches": "dpo",
     "moe_aux_coef": ("dpo", "llama"),
     "dpo_loss": "llama", "dpo_beta": "llama", "dpo_label_smoothing": ("llama", "simpo"),
     "dpo_reference": ("llama", "simpo"), "simpo_gamma": ("llama", "dpo"),

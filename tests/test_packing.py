@@ -46,10 +46,10 @@ def write_records(folder, records, index=True):
     return folder
 
 
-def record_source(folder, global_batch=6, pack=True, seq_len=SEQ, seed=0):
+def record_source(folder, global_batch=6, pack=True, seq_len=SEQ, seed=0, truncate=True):
     files = [open_token_file(str(folder / "train.bin"))]
     return RecordSource(files, file_records(files, eot_id=0), seq_len, seed, 256, global_batch=global_batch,
-                        pack=pack)
+                        pack=pack, truncate=truncate)
 
 
 def pieces(mb: torch.Tensor, row: int):

@@ -566,6 +566,10 @@ class DataConfig:
     # end with the end-of-text token).
     pack: bool = setting(True, "pack documents into full sequences (--no-pack: one document per sequence, "
                          "padded and masked)", methods=("sft",))
+    # A record (JSON Lines, or a document with --no-pack) longer than a row: refused, or cut to its first seq_len + 1
+    # tokens; never split over rows.
+    truncate: bool = setting(False, "records longer than --seq-len + 1 tokens keep their first seq_len + 1 (else such "
+                             "a record is refused, naming it)", methods=("sft",))
     glob: str = setting("**/*.txt", "a text folder's files", methods=("sft",))
     val_fraction: float = setting(0.05, "text: fraction of documents held out for validation (--method dpo with "
                                   "--eval-every and no --val-data: of the pairs' records)", rule=BELOW_ONE)
@@ -1149,17 +1153,18 @@ def _check_experts(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config) -> None:
-    """--ep E: E divides the DP size and the experts; no LoRA with it yet (--tp T splits each expert of a rank's
-    block as it splits the dense MLP; at --zero 3 both engines are stage 3)."""
+    """--ep E: E divides the ranks ZeRO shards over (DP x CP: EP groups are consecutive ranks of dp_shard x cp) and
+    the experts; no LoRA with it yet (--tp T splits each expert of a rank's block as it splits the dense MLP; at
+    --zero 3 both engines are stage 3)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    dp = cfg.dp
-    if dp % p.ep:
-        raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp} (--nproc {cfg.launch.nproc} / "
-                          f"--tp {p.tp})")
-    if (dp // p.dp_replicate) % p.ep:
-        raise ConfigError(f"--ep {p.ep} does not divide the shard group's size {dp // p.dp_replicate} (the "
+    dp, cp = cfg.dp, f" x --cp {p.cp}" if p.cp > 1 else ""
+    if dp * p.cp % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the data-parallel size {dp}{cp} (--nproc {cfg.launch.nproc} "
+                          f"/ --tp {p.tp})")
+    if (dp // p.dp_replicate) * p.cp % p.ep:
+        raise ConfigError(f"--ep {p.ep} does not divide the shard group's size {dp // p.dp_replicate}{cp} (the "
                           f"data-parallel size {dp} / --dp-replicate {p.dp_replicate}): each replica group holds "
                           "every block of experts")
     if m.n_experts % p.ep:
@@ -1172,8 +1177,10 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions, linear
-    attention and the experts' per-sequence balancing are not in it yet, nor DPO's per-sequence sums: refused."""
+    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions and linear
+    attention are not in it yet, nor DPO's and GRPO's per-sequence sums (each sequence's log-probability summed over
+    its parts, the reference's and the metrics' too): refused. Mixtures of experts (--ep too), LoRA and
+    --dp-replicate compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1185,13 +1192,11 @@ def _check_context_parallel(cfg: Config) -> None:
                           "chunks of every row")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
-               (m.moe, f"--arch {m.arch} (mixtures of experts: their balancing loss is per sequence)"),
                (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
                (cfg.objective.method != "sft", f"--method {cfg.objective.method} (per-sequence sums)"),
-               (cfg.loop.compile, "--compile"),
-               (p.dp_replicate > 1, f"--dp-replicate {p.dp_replicate}")]
+               (cfg.loop.compile, "--compile")]
     for hit, what in refused:
         if hit:
             raise ConfigError(f"--cp {p.cp} with {what}: context parallelism does not split that yet: give --cp 1")

@@ -7,9 +7,11 @@ token file (found by its end-of-text token). Epoch e draws a permutation of the 
 each into the fullest window it still fits (best fit; a new window when none has room), so a
 window holds several whole records, each from its first token, with its own segment id: the model
 keeps each record's attention and positions to itself, and the tail of a window is padding with
-IGNORE labels. Unpacked, each record is a row of its own. A record longer than the window keeps its
-first seq_len + 1 tokens (counted in `describe`); a record left with no trained token is left out
-(it would add nothing to the loss or the gradient).
+IGNORE labels. Unpacked, each record is a row of its own. A record is never split over rows: one
+longer than the window is refused, naming it and its length, or with --truncate keeps its first
+seq_len + 1 tokens (counted in `describe`, which also names the records whose trained tokens, a
+completion or an assistant turn, were cut); a record left with no trained token is left out (it
+would add nothing to the loss or the gradient).
 
 The rows of an epoch are read in order, a global batch of rows a step, its last step only what is
 left (the rest of its rows are empty: no token, no loss), so every step lies in one epoch and
@@ -131,7 +133,8 @@ class RecordSource:
     """Records, each seen once per epoch, as training rows: packed windows with segment ids, or one record per row."""
 
     def __init__(self, files: list[TokenFile], records: np.ndarray, seq_len: int, seed: int, vocab_size: int, *,
-                 global_batch: int, pack: bool = True, name: str = "", chat_template: str | None = None):
+                 global_batch: int, pack: bool = True, name: str = "", chat_template: str | None = None,
+                 truncate: bool = False):
         self.files, self.seq_len, self.seed, self.vocab_size, self.pack = files, seq_len, seed, vocab_size, pack
         self.chat_template = chat_template  # what rendered its chats and why, for the start line
         self.global_batch = global_batch
@@ -139,6 +142,24 @@ class RecordSource:
         lengths = records[:, 2] - records[:, 1]
         cost = np.minimum(lengths, seq_len + 1) - 1  # positions: every kept token but the last is an input
         trained = _trained_targets(files, records, cost)
+        long = np.flatnonzero(lengths > seq_len + 1)
+        # the trained targets a record would lose: its completion's or assistant turns' tokens past the window
+        lost = _trained_targets(files, records[long], lengths[long] - 1) - trained[long]
+        masked = np.array([files[f].mask is not None for f in records[long, 0]], dtype=bool)
+        if len(long) and not truncate:
+            i = int(long[0])
+            n = int(lost[0])
+            cut = f", and its {'completion or assistant turn' if masked[0] else 'text'} would lose {n:,} trained " \
+                f"token{'s' * (n != 1)}" if n else ""
+            such = f"{len(long):,} such record{'s' * (len(long) > 1)}"
+            raise ConfigError(f"{self.name}: record {self._number(records, i)} is {int(lengths[i]):,} tokens, longer "
+                              f"than a row of --seq-len {seq_len} + 1{cut} ({such}): give --truncate to keep the first "
+                              f"{seq_len + 1} tokens of each, or --seq-len {int(lengths[long].max()) - 1}; a record is "
+                              "never split over rows")
+        # --truncate: the records whose trained tokens were cut (a chat's assistant turn), the first named
+        turns = long[(lost > 0) & masked]
+        self.turns_cut = (len(turns), self._number(records, int(turns[0])), int(lengths[turns[0]]),
+                          int(lost[(lost > 0) & masked][0])) if len(turns) else None
         keep = trained > 0
         self.truncated = int((lengths[keep] > seq_len + 1).sum())
         self.left_out = int((~keep).sum())
@@ -149,6 +170,12 @@ class RecordSource:
         # [first data step, global batch] of each stretch of steps the run has had (continue_layout adds one)
         self.layout = [[0, global_batch]]
         self._stretches: list[_Stretch] = []  # as far as laid out, in order
+
+    @staticmethod
+    def _number(records: np.ndarray, i: int) -> str:
+        """Record i's number in its file (1-based: a JSON Lines file's record order), and the file where several."""
+        f = int(records[i, 0])
+        return str(i - int(np.searchsorted(records[:, 0], f)) + 1) + (f" of file {f + 1}" if records[-1, 0] else "")
 
     # ---------------------------------------------------------------- the epochs
     def epoch_rows(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -291,6 +318,10 @@ class RecordSource:
         said.append(f"{int(self.trained.sum()):,} trained tokens")
         if self.truncated:
             said.append(f"{self.truncated:,} longer than the window (--seq-len {self.seq_len} + 1 tokens), truncated")
+        if self.turns_cut:
+            n, first, length, lost = self.turns_cut
+            said.append(f"{n:,} with their completion or assistant turn cut by --truncate (the first: record {first}, "
+                        f"{length:,} tokens, {lost:,} trained token{'s' * (lost != 1)} lost)")
         if self.left_out:
             said.append(f"{self.left_out:,} with no trained token in the window, left out")
         if not (self.truncated or self.left_out):

@@ -172,7 +172,8 @@ def make_source(cfg: Config, split: str = "train", global_batch: int | None = No
     if global_batch is None:
         global_batch = cfg.global_batch if split == "train" else cfg.dp * cfg.loop.micro_batch
     return RecordSource(files, file_records(files, spec.eot_id), m.seq_len, seed, m.vocab_size,
-                        global_batch=global_batch, pack=d.pack, name=name, chat_template=spec.chat_template)
+                        global_batch=global_batch, pack=d.pack, name=name, chat_template=spec.chat_template,
+                        truncate=d.truncate)
 
 
 def epoch_steps(cfg: Config) -> int:

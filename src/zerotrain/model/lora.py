@@ -18,18 +18,19 @@ Under tensor parallelism the adapters follow their base's split (Megatron's rule
 The full A is drawn from the seed on every rank and each rank keeps its slice, so the adapters are the same at
 every TP degree and world size.
 
-Dropout (peft's: on the adapters' input only) draws each row's mask from a generator seeded by (seed, step, the
-row's index in the step's global batch, the adapter's name) alone, over the full model's input features. So the
-masks do not depend on how the global batch is split (ranks, micro-batches, TP degree: the TP ranks of a replica
-agree on a replicated input, and a row-parallel base's slice of the input gets its slice of the full mask) nor on
-which other linears have adapters, a recomputed forward (activation checkpointing) draws what the first did, and a
-resumed run what the uninterrupted one did. A mixture of experts' shared expert reads the layer's tokens flattened
-(rows x positions, features): the same masks, per row and position. A routed expert (--lora-targets experts) reads
-only the rows routed to it, whose tokens it does not know: each call draws its rows' masks from one generator
-seeded by (every key of the micro-batch's rows, the adapter's name), so a recomputed forward and a resumed run
-draw what the first did at the same split, but another split (which decides what a micro-batch routes to the
-expert) draws others. The masks apply only inside `dropout_rows`, which the training loop opens around each
-micro-batch's forward and backward: validation, evaluation and generation never drop.
+Dropout (peft's: on the adapters' input only) draws each row's mask from a generator seeded by (seed, step, the row's
+index in the step's global batch, the adapter's name) alone, over the full model's input features. So the masks do
+not depend on how the global batch is split (ranks, micro-batches, TP degree: the TP ranks of a replica agree on a
+replicated input, and a row-parallel base's slice of the input gets its slice of the full mask) nor on which other
+linears have adapters, a recomputed forward (activation checkpointing) draws what the first did, and a resumed run
+what the uninterrupted one did. A mixture of experts' shared expert reads the layer's tokens flattened (rows x
+positions, features): the same masks, per row and position. Under --cp each rank draws its rows' whole masks and
+keeps its part of the positions (model.context_parallel, set before the adapters are added). A routed expert
+(--lora-targets experts) reads only the rows routed to it, whose tokens it does not know: each call draws its rows'
+masks from one generator seeded by (every key of the micro-batch's rows, the adapter's name), so a recomputed forward
+and a resumed run draw what the first did at the same split, but another split (which decides what a micro-batch
+routes to the expert) draws others. The masks apply only inside `dropout_rows`, which the training loop opens around
+each micro-batch's forward and backward: validation, evaluation and generation never drop.
 """
 
 from __future__ import annotations
@@ -142,10 +143,14 @@ class DropoutRows:
     """What the adapters' dropout draws for, shared by them: the seed, and while a training micro-batch runs, its
     rows (their indices in the step's global batch) and their keys; else None: no dropout."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, context_parallel=None):
         self.seed = seed
         self.rows: range | None = None
         self.keys: list[int] | None = None
+        # --cp: each row's positions are split over the cp group (parallel/context.py's ContextParallel: its size, and
+        # row_part, this rank's part of a whole row's positions); each rank draws the whole row's mask and keeps its
+        # part, so the masks are --cp 1's. None: rows are whole.
+        self.context_parallel = context_parallel
 
 
 class LoRADropout(nn.Module):
@@ -169,9 +174,13 @@ class LoRADropout(nn.Module):
         if self.routed:  # (routed rows, features)
             keep = routed_keep_mask(keys, self.adapter, self.features, self.in_features, len(x), self.p, x.device)
         else:  # (rows, positions, features), or a shared expert's (rows x positions, features)
-            positions = x[..., 0].numel() // len(keys)
-            keep = keep_mask(keys, self.adapter, self.features, self.in_features, positions, self.p,
-                             x.device).view(x.shape)
+            positions, cp = x[..., 0].numel() // len(keys), self.rows.context_parallel
+            if cp is None:
+                keep = keep_mask(keys, self.adapter, self.features, self.in_features, positions, self.p, x.device)
+            else:  # the whole row's masks, this rank's part of them
+                keep = cp.row_part(keep_mask(keys, self.adapter, self.features, self.in_features, positions * cp.size,
+                                             self.p, x.device))
+            keep = keep.view(x.shape)
         return (x * keep).mul_(1 / (1 - self.p))  # saves the bool mask for the backward, as nn.Dropout does
 
     def extra_repr(self) -> str:
@@ -222,7 +231,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int, tp_rank: int = 0,
     base_slices = getattr(model, "tp_slices", {})
     generator = torch.Generator().manual_seed(seed)
     slices = {}
-    rows = DropoutRows(seed)
+    rows = DropoutRows(seed, getattr(model, "context_parallel", None))
     routed = routed_expert_linears(model)
     for name, module in adapted_modules(model, cfg.modules(model.cfg.arch)):
         base_slice = base_slices.get(name + ".weight")

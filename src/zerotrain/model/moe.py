@@ -326,8 +326,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def balancing_loss(model: nn.Module, take: bool = True,
-                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def balancing_loss(model: nn.Module, take: bool = True, rows: torch.Tensor | None = None,
+                   whole_rows=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(each row's balancing loss (B,), the tokens each expert got per MoE layer (layers, E), summed over the rows)
     from the routing the model's last forward left; None for a model without experts. With `take` the routing is
     cleared (it holds the forward's graph). `rows` (bool (B,)) says which rows count: the others' losses are zeros,
@@ -335,7 +335,12 @@ def balancing_loss(model: nn.Module, take: bool = True,
 
     Per row b, over its T tokens and the L MoE layers pooled (transformers' load_balancing_loss_func over a forward
     of that one row): f_e = the row's top-k choices of expert e / (L T), P_e = the row's router probabilities of e
-    summed / (L T), loss = E sum_e f_e P_e; f carries no gradient, P does."""
+    summed / (L T), loss = E sum_e f_e P_e; f carries no gradient, P does.
+
+    Context parallelism (each rank holds a part of every row): `whole_rows` sums a (B, n) tensor without gradient
+    over the ranks holding the rows' other parts. f, T and `rows` are then the whole row's, P this part's sum over
+    the whole row's L T: the loss returned is this part's share, the parts' shares add up to the whole row's loss and
+    each part's P gets the whole row's gradient E f_e / (L T). The loads stay this part's tokens'."""
     layers = [m for m in moe_layers(model) if m.routing is not None]
     if not layers:
         return None
@@ -343,8 +348,14 @@ def balancing_loss(model: nn.Module, take: bool = True,
     if take:
         for m in layers:
             m.routing = None
-    pooled = len(routings) * routings[0].tokens
-    f = sum(r.counts for r in routings) / pooled
+    counts = sum(r.counts for r in routings)
+    tokens = torch.full_like(counts[:, :1], routings[0].tokens)
+    if whole_rows is not None:  # one sum of [counts, tokens, trained] per micro-batch over the row's parts
+        trained = torch.ones_like(tokens) if rows is None else rows.to(counts.dtype)[:, None]
+        counts, tokens, trained = whole_rows(torch.cat([counts, tokens, trained], 1)).split([counts.shape[1], 1, 1], 1)
+        rows = None if rows is None else trained[:, 0] > 0
+    pooled = len(routings) * tokens
+    f = counts / pooled
     p = sum(r.probability_sums for r in routings) / pooled
     per_row = layers[0].n_experts * (f * p).sum(-1)
     counted = torch.ones_like(per_row) if rows is None else rows.to(per_row.dtype)

@@ -31,7 +31,11 @@ class ContextParallel:
 
     def part(self, micro: MicroBatch) -> MicroBatch:
         """This rank's zig-zag part of each row of `micro` (B, T) -> (B, T / C)."""
-        return MicroBatch(*(None if t is None else zigzag_split(t, self.size, self.rank) for t in micro))
+        return MicroBatch(*(None if t is None else self.row_part(t) for t in micro))
+
+    def row_part(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of whole rows `x` (B, T, ...) -> (B, T / C, ...): e.g. LoRA's dropout masks, drawn whole."""
+        return zigzag_split(x, self.size, self.rank)
 
     def prepare(self, idx: torch.Tensor, segments: torch.Tensor | None) -> tuple[torch.Tensor, RingAttention]:
         """The rotary positions of this rank's tokens `idx` (B, T / C) and what the layers attend with. Packed rows
@@ -45,6 +49,11 @@ class ContextParallel:
         whole = zigzag_unsplit(list(documents), dim=1)
         return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents)
 
+    def sum_over_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of
+        experts' routing counts for its balancing loss: model.moe.balancing_loss's whole_rows)."""
+        return self.comm.all_reduce(x.contiguous(), "all_reduce_row_parts")
+
 
 def context_parallel(mesh) -> ContextParallel | None:
     """The mesh's context parallelism, None at cp 1."""
@@ -57,7 +66,8 @@ class ContextParallelRows:
     block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
     rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
     row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
-    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group."""
+    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group.
+    Each row is the difference from the whole row's, which the plan counts first."""
 
     def __init__(self, cp: int):
         self.cp = cp
@@ -76,7 +86,10 @@ class ContextParallelRows:
                 held += (B - 1) * (T // C) * m.head_dim * 4 * 2
         kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
         ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
-        return {"activations": held - whole["total"], "loss_working_set": part["working"] - whole["working"],
+        # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
+        # activation_rows), which the whole row's activations are in
+        saved = "activations_host" if p.offload_activations else "activations"
+        return {saved: held - whole["total"], "loss_working_set": part["working"] - whole["working"],
                 "communication": ring}
 
     def traffic(self, layouts: list) -> dict[str, int]:

@@ -9,7 +9,9 @@ Built once, as a run starts (Mesh.build); every communicator is named by the dim
                      rank's gradient is a partial sum over its tokens, which the reduce-scatter adds up)
     dp_replicate     the ranks holding the same shard in the other replica groups (hybrid sharding, --dp-replicate R,
                      as FSDP2's HSDP): after the reduce-scatter each shard is all-reduced across them; None at R = 1
-    ep               expert parallelism (--ep E): E consecutive dp_shard ranks, which split each MoE layer's experts
+    ep               expert parallelism (--ep E): E consecutive dp_shard ranks, which split each MoE layer's experts;
+                     with --cp C, E consecutive ranks of dp_shard x cp (shard-major, CP inside), as torchtitan folds
+                     cp into the ranks EP borrows: each CP rank routes its own part of the rows
     dp_shard_mod_ep  the dp_shard ranks with this rank's EP rank (torchtitan's name): the expert engine shards over
                      them, as the dense engine over dp_shard; its replicas are the same dp_replicate group
     kv               with more TP ranks than KV heads, the TP ranks holding this rank's KV heads (each head lives on
@@ -111,10 +113,8 @@ class Mesh:
         if D % dp_replicate:
             raise ValueError(f"the data-parallel size {D} is not divisible by dp_replicate {dp_replicate}")
         S = D // dp_replicate
-        if S % ep:
-            raise ValueError(f"the shard group's size {S} is not divisible by ep {ep}")
-        if ep > 1 and cp > 1:
-            raise ValueError(f"ep {ep} with cp {cp}: expert parallelism does not split sequences yet")
+        if (S * cp) % ep:
+            raise ValueError(f"the shard group's size {S} x cp {cp} is not divisible by ep {ep}")
         if tp == 1 and dp_replicate == 1 and ep == 1 and cp == 1:
             return cls.single(world)
         timeout = process_group_timeout(world.timeout_s, world.backend) if world.timeout_s else None
@@ -145,10 +145,16 @@ class Mesh:
         if kv_replicas > 1:  # runs of consecutive ranks, within one TP group as tp divides
             mesh.kv = comm([list(range(first, first + kv_replicas)) for first in range(0, W, kv_replicas)])
         if ep > 1:
-            mesh.ep_size, mesh.ep_rank = ep, (d % S) % ep
-            mesh.ep = comm([[world_rank(r, first + e, i) for e in range(ep)] for i in range(tp)
-                            for r in range(dp_replicate) for first in range(0, S, ep)])
-            mesh.dp_shard_mod_ep = comm([[world_rank(r, s, i) for s in range(e, S, ep)] for i in range(tp)
+            # EP groups are E consecutive ranks of the shard group dp_shard x cp (index k = shard x cp + cp_index): as
+            # torchtitan folds cp into the ranks EP borrows, so --cp 2 --ep 2 on 2 ranks is one EP group of the two
+            # CP ranks, each routing its own part of the rows
+            def shard_cp_rank(r: int, k: int, i: int) -> int:
+                return world_rank(r, k // cp, i, k % cp)
+
+            mesh.ep_size, mesh.ep_rank = ep, ((d % S) * cp + c) % ep
+            mesh.ep = comm([[shard_cp_rank(r, first + e, i) for e in range(ep)] for i in range(tp)
+                            for r in range(dp_replicate) for first in range(0, S * cp, ep)])
+            mesh.dp_shard_mod_ep = comm([[shard_cp_rank(r, k, i) for k in range(e, S * cp, ep)] for i in range(tp)
                                          for r in range(dp_replicate) for e in range(ep)])
         if dp_replicate > 1:
             mesh.dp_replicate = comm([[world_rank(r, s, i, j) for r in range(dp_replicate)] for i in range(tp)

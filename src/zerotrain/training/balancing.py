@@ -6,9 +6,11 @@ tokens (model.moe.balancing_loss, transformers' load_balancing_loss_func over a 
 step's balancing loss is the mean over the global batch's rows that hold a trained token: each micro-batch adds the
 sum over its such rows divided by their count in the global batch (StepBatch.global_rows, counted from the data as
 the global token count is), as the token loss divides by the global token count, so neither the ranks nor the
-accumulation change it (docs/models.md says why a row, packed records and all). A row without a trained token (the
-empty rows that fill an epoch's last step) counts for nothing: no loss, no gradient, no expert load. Its weight is
---moe-aux-coef, or the model's router_aux_loss_coef.
+accumulation change it (docs/models.md says why a row, packed records and all). Under --cp C a row's C parts are on
+C ranks: their expert counts, tokens and trained flags are summed over the cp group first (one all-reduce of B x
+(E + 2) numbers a micro-batch), so that each part's loss is its share of the whole row's, not a loss of its own. A row
+without a trained token (the empty rows that fill an epoch's last step) counts for nothing: no loss, no gradient, no
+expert load. Its weight is --moe-aux-coef, or the model's router_aux_loss_coef.
 
 The term joins the token loss before the one backward of the micro-batch (executor.micro_batch_loss): the
 gradient order the engine follows is the model output's graph, which the routing's probabilities are part of.
@@ -47,7 +49,8 @@ class Balancing:
         """What the micro-batch the model just computed (its `labels`) adds to the step's loss: coef x the sum of the
         balancing losses of its rows with a trained token / the global batch's such rows (None: a model without
         experts)."""
-        taken = balancing_loss(model, rows=(labels != IGNORE).any(-1))
+        cp = getattr(model, "context_parallel", None)  # --cp: the routing, the tokens and the labels of a row's part
+        taken = balancing_loss(model, rows=(labels != IGNORE).any(-1), whole_rows=cp.sum_over_rows if cp else None)
         if taken is None:
             return None
         per_row, loads = taken

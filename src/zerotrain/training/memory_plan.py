@@ -113,6 +113,7 @@ from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
 from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, units as unit_rules
+from zerotrain.parallel.context import context_parallel_rows
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.params import storage_bytes
 from zerotrain.parallel.parts import ShardedAdamW, parts_for
@@ -287,8 +288,9 @@ def state_bytes_per_value(precision: str) -> int:
 
 def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
     """The rows one MoE layer's all-to-all sends from a rank, whatever the routing (dropless): each of the micro-batch's
-    N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype."""
-    return sequences * cfg.model.seq_len * cfg.model.experts_per_token * cfg.model.n_embd * \
+    N = B T tokens' k (token, expert) rows, its C hidden values in the activations' dtype; with --cp the rank's T / cp
+    tokens of each row."""
+    return sequences * (cfg.model.seq_len // cfg.parallel.cp) * cfg.model.experts_per_token * cfg.model.n_embd * \
         (2 if cfg.parallel.precision == "bf16" else 4)
 
 
@@ -549,7 +551,7 @@ def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, do
 
 def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: torch.nn.Module | None) -> int:
     """What of memory_plan's total grows with the micro-batch: the activations (a LoRA run's adapters' share of them
-    from `model`, the planned one), the loss working set and, with --ep, the all-to-all buffers."""
+    from `model`, the planned one), the loss working set, with --ep the all-to-all buffers and with --cp the ring's."""
     sequences = 2 * micro_batch if cfg.objective.method == "dpo" else micro_batch  # b pairs are 2b sequences
     a = activation_bytes(cfg.model, sequences, cfg.model.seq_len, tp=cfg.parallel.tp,
                          precision=cfg.parallel.precision, recompute=cfg.parallel.activation_checkpointing,
@@ -558,7 +560,12 @@ def micro_batch_bytes(cfg: Config, micro_batch: int, documents: bool, model: tor
     adapters = adapter_activations(cfg, model, sequences) if model is not None else 0
     all_to_all = 2 * all_to_all_row_bytes(cfg, sequences) if cfg.parallel.ep > 1 else 0
     kept = 0 if cfg.parallel.offload_activations and cfg.launch.device != "cpu" else a["total"] + adapters
-    return kept + a["working"] + all_to_all
+    # --cp: a rank's T / C tokens a row (its rows' differences from the whole row's) and the ring's buffers, as the
+    # plan's total counts them
+    split = sum(v for part in context_parallel_rows(cfg.parallel.cp)
+                for k, v in part.rows(cfg=cfg, sequences=sequences, documents=documents).items()
+                if k not in HOST_ROWS or cfg.launch.device == "cpu")
+    return kept + a["working"] + all_to_all + split
 
 
 # What holds less, in order of what it costs the run: (flag, the setting's section and name, its values to try, smallest
@@ -700,6 +707,35 @@ class LargestModel:
 def with_depth(cfg: Config, n_layer: int) -> Config:
     """`cfg` with `n_layer` blocks and every other setting as it is (no setting is checked against the depth)."""
     return replace(cfg, model=replace(cfg.model, n_layer=n_layer))
+
+
+SEQ_LEN_CAP = 1 << 24  # tokens a row: the search's end for a model whose context does not bound it
+
+
+def largest_seq_len(cfg: Config, device_bytes: int, documents: bool = False) -> tuple[int, bool]:
+    """(the longest --seq-len whose plan, at --micro-batch and every other setting as given, fits in `device_bytes`,
+    0 if not even the shortest does; whether the model's --context stopped the search, not the memory). The lengths
+    are multiples of 2 x --cp (each CP rank holds 2 equal chunks of a row), up to --context where the model has one.
+    Each length's plan is the plan's own total (memory_plan, ~40 ms for Llama-3.1-8B's shape): doubling from --seq-len
+    to a length that does not fit, then bisected."""
+    step = 2 * cfg.parallel.cp
+    cap = (cfg.model.context or SEQ_LEN_CAP) // step * step
+
+    def fits(n: int) -> bool:
+        return memory_plan(replace(cfg, model=replace(cfg.model, seq_len=n * step)), documents=documents).total \
+            <= device_bytes
+
+    if not cap or not fits(1):
+        return 0, False
+    lo, hi = 1, max(1, min(cfg.model.seq_len // step, cap // step))  # in steps of 2 x cp; lo fits, hi + 1 may not
+    while hi < cap // step and fits(hi):
+        lo, hi = hi, min(2 * hi, cap // step)
+    if hi == cap // step and fits(hi):
+        return cap, True
+    while lo + 1 < hi:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step, False
 
 
 def largest_model(cfg: Config, device_bytes: int, documents: bool = False,

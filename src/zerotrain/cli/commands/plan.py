@@ -14,7 +14,7 @@ from zerotrain.model.vocab import chunk_tokens, vocab_rows
 from zerotrain.parallel.parts import parts_for
 from zerotrain.training.io_plan import describe, io_plan
 from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, fit_advice, gib, largest_micro_batch, largest_model,
-                                            memory_plan, parse_bytes)
+                                            largest_seq_len, memory_plan, parse_bytes)
 
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
@@ -48,7 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device-memory", metavar="SIZE", help="memory of one rank's device (80GiB, 40GB, 512MiB): "
                                                            "also print the largest micro-batch that fits, the "
                                                            "largest model of this shape (the most --n-layer, every "
-                                                           "other setting as given) and, where the run does not "
+                                                           "other setting as given), the longest --seq-len (at "
+                                                           "this --cp) and, where the run does not "
                                                            "fit, what does not and the settings that would make it, "
                                                            "in order of cost, each planned")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -62,6 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan(cfg, documents=documents)
     fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
+    longest = largest_seq_len(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     advice = fit_advice(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     io = io_plan(cfg, memory=plan)  # start-up, save, resume and export per rank
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
@@ -71,6 +73,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "rows": plan.rows, "total": plan.total, "device_memory": device_bytes, "largest_micro_batch": fits,
               "does_not_fit": advice.to_dict() if advice else None,
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
+              "largest_seq_len": longest[0] if longest else None, "cp": cfg.parallel.cp,
+              "seq_len_capped_by_context": bool(longest and longest[1]),
               "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
               "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict(),
               "ep": plan.ep, "experts": plan.experts, "expert_bytes_by_rank": plan.expert_bytes_by_rank,
@@ -209,6 +213,7 @@ def table(cfg: Config, r: dict) -> str:
             lines += advice_lines(advice, r["micro_batch"])
         lines.append(f"  largest model of this shape in {gib(r['device_memory'])}: "
                      f"{deepest_line(r['largest_model'], r['micro_batch'])}")
+        lines.append(f"  largest sequence in {gib(r['device_memory'])}: {longest_line(r)}")
     return "\n".join(lines)
 
 
@@ -226,6 +231,16 @@ def advice_lines(advice: dict, micro_batch: int) -> list[str]:
         lines.append(f"    {r['flags']:<{width}}  {gib(r['total'])} at micro-batch {micro_batch}, largest micro-batch "
                      f"{r['largest_micro_batch']}" + (f": {r['cost']}" if r["cost"] else ""))
     return lines
+
+
+def longest_line(r: dict) -> str:
+    """The table's words for largest_seq_len's answer: the tokens a row, at this --cp and micro-batch."""
+    n, at = r["largest_seq_len"], f"at --cp {r['cp']}, micro-batch {r['micro_batch']}"
+    if not n:
+        return f"none: not even {2 * r['cp']} tokens a row fit {at}"
+    capped = " (the model's --context: longer would need a longer context)" if r["seq_len_capped_by_context"] else ""
+    per_rank = f", {n // r['cp']:,} on each CP rank" if r["cp"] > 1 else ""
+    return f"{n:,} tokens a row {at}{per_rank}{capped}"
 
 
 def deepest_line(deepest: dict | None, micro_batch: int) -> str:
