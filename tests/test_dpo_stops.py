@@ -12,11 +12,14 @@ import shutil
 import signal
 
 import pytest
+from conftest import zerotrain_here
 from model_folders import CHATML, llama_folder, write_jsonl
 from test_dpo import PLAIN, SEQ
 from test_production import final_state, in_own_session, steps_of
 
 from zerotrain import checkpoint
+from zerotrain.cli.main import main
+from zerotrain.runtime.run_folder import release_run_folders
 from zerotrain.training.faults import CRASH_IN_SAVE_EXIT
 from zerotrain.training.preference import REFERENCE_FILE
 
@@ -33,34 +36,44 @@ def plant(name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def dpo(tmp_path_factory):
+def dpo_args(tmp_path_factory) -> list[str]:
     """`zerotrain train --method dpo` on 2 ranks, 8 pairs a step (2 x accum 2 a rank): its reference pass scores 2
-    micro-batches a rank. A constant learning rate, so that a run of 3 steps continued to 4 is the run of 4.
-    run(tmp_path, *args, faults=, plant=) runs it in a session of its own."""
+    micro-batches a rank. A constant learning rate, so that a run of 3 steps continued to 4 is the run of 4."""
     tmp = tmp_path_factory.mktemp("dpo-stops-data")
     llama_folder(tmp / "base", template=CHATML)
-    args = ["--method", "dpo", "--init-from", str(tmp / "base"), "--data", write_jsonl(tmp / "plain.jsonl", PLAIN),
+    return ["--method", "dpo", "--init-from", str(tmp / "base"), "--data", write_jsonl(tmp / "plain.jsonl", PLAIN),
             "--seq-len", str(SEQ), "--nproc", "2", "--micro-batch", "2", "--accum", "2", "--threads", "1",
             "--lr", "1e-2", "--warmup-steps", "0", "--min-lr-ratio", "1.0", "--peak-flops", "1e12", "--no-progress"]
 
-    def run(tmp_path, *more, faults="", planted=None):
-        return in_own_session(tmp_path, "train", *args, *more, faults=faults,
+
+@pytest.fixture(scope="module")
+def dpo(dpo_args):
+    """run(tmp_path, *args, faults=, planted=) runs dpo_args' training in a session of its own (a group signal reaches
+    only the job; a plant, only its ranks); run(..., capfd=capfd) in this process, without a second interpreter to
+    start, for a run that neither signals its group nor plants a bug."""
+    def run(tmp_path, *more, faults="", planted=None, capfd=None):
+        if capfd is not None:
+            assert planted is None and not faults.startswith("group_")
+            return zerotrain_here(capfd, "train", *dpo_args, *more, faults=faults or None)
+        return in_own_session(tmp_path, "train", *dpo_args, *more, faults=faults,
                               python_first=plant(planted) if planted else ())
 
     return run
 
 
 @pytest.fixture(scope="module")
-def whole(dpo, tmp_path_factory) -> str:
+def whole(dpo_args, tmp_path_factory) -> str:
     """4 steps, checkpoints at 2 and 4, never stopped."""
     tmp = tmp_path_factory.mktemp("dpo-whole")
-    r = dpo(tmp, "--steps", "4", "--ckpt-every", "2", "--out", str(tmp / "whole"))
-    assert r.returncode == 0, r.stderr
+    try:
+        assert main(["train", *dpo_args, "--steps", "4", "--ckpt-every", "2", "--out", str(tmp / "whole")]) == 0
+    finally:
+        release_run_folders()
     return str(tmp / "whole")
 
 
 def test_a_signal_during_the_reference_pass_finishes_it_saves_step_0_and_the_resumed_run_is_bitwise_identical(
-        dpo, whole, tmp_path):
+        dpo, whole, tmp_path, capfd):
     """Ctrl-C to the group after rank 1's first forward of the reference pass (of 2): the ranks finish the pass and, as
     step 1 begins, save the last completed step, 0 (the first checkpoint, which keeps the pass: its manifest records
     the stored reference); step 1 is not applied, exit 0;
@@ -73,7 +86,7 @@ def test_a_signal_during_the_reference_pass_finishes_it_saves_step_0_and_the_res
     assert r.stdout.strip().splitlines()[-1] == \
         "zerotrain: stopped by SIGINT at step 0; saved step_00000000; continue with --resume auto"
     assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000000"]
-    resumed = dpo(tmp_path, "--steps", "4", "--ckpt-every", "2", "--out", stopped, "--resume", "auto")
+    resumed = dpo(tmp_path, "--steps", "4", "--ckpt-every", "2", "--out", stopped, "--resume", "auto", capfd=capfd)
     assert resumed.returncode == 0, resumed.stderr
     assert steps_of(stopped) == [1, 2, 3, 4] and final_state(stopped, 4) == final_state(whole, 4)
     planted = dpo(tmp_path, "--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "planted"), faults=faults,
@@ -83,7 +96,7 @@ def test_a_signal_during_the_reference_pass_finishes_it_saves_step_0_and_the_res
 
 
 def test_a_crash_while_a_resume_copies_the_reference_leaves_the_folders_own_whole_and_its_checkpoints_resume(
-        dpo, whole, tmp_path):
+        dpo, whole, tmp_path, capfd):
     """A run resumed from another folder's checkpoint copies the reference beside its own checkpoints, whose manifests
     record its sha256. Resumed again from there into the same folder, rank 0 crashes halfway through the copy
     (crash_in_reference): the folder's reference is the whole file it was, and the folder's checkpoint resumes to a
@@ -91,7 +104,7 @@ def test_a_crash_while_a_resume_copies_the_reference_leaves_the_folders_own_whol
     half a file, and the folder's every checkpoint refused in one line."""
     step2 = os.path.join(whole, "checkpoints", checkpoint.step_name(2))
     ours = tmp_path / "ours"
-    first = dpo(tmp_path, "--steps", "3", "--ckpt-every", "1", "--resume", step2, "--out", str(ours))
+    first = dpo(tmp_path, "--steps", "3", "--ckpt-every", "1", "--resume", step2, "--out", str(ours), capfd=capfd)
     assert first.returncode == 0, first.stderr
     reference = ours / "checkpoints" / REFERENCE_FILE
     kept = reference.read_bytes()
@@ -99,9 +112,10 @@ def test_a_crash_while_a_resume_copies_the_reference_leaves_the_folders_own_whol
 
     def crash(folder, planted=None):
         r = dpo(tmp_path, "--steps", "3", "--resume", step2, "--out", str(folder), faults="crash_in_reference@step=0",
-                planted=planted)
+                planted=planted, capfd=None if planted else capfd)
         assert r.returncode == 1 and f"rank 0 failed with exit code {CRASH_IN_SAVE_EXIT}" in r.stderr, r.stderr
-        return dpo(tmp_path, "--steps", "4", "--ckpt-every", "1", "--resume", "auto", "--out", str(folder))
+        return dpo(tmp_path, "--steps", "4", "--ckpt-every", "1", "--resume", "auto", "--out", str(folder),
+                   capfd=capfd)
 
     resumed = crash(ours)
     assert reference.read_bytes() == kept

@@ -25,7 +25,7 @@ import sys
 
 import pytest
 import torch
-from conftest import world_of_one
+from conftest import world_of_one, zerotrain_here
 from model_folders import llama_folder, write_jsonl
 from safetensors.torch import load_file
 
@@ -353,6 +353,7 @@ def toy_args(data, toy, out, steps: int, *more) -> list[str]:
 
 
 def run_zerotrain(*args, faults=None):
+    """`zerotrain ARGS` in a process of its own: a fault that signals the launcher must not reach pytest's."""
     env = {k: v for k, v in os.environ.items() if k != "ZEROTRAIN_FAULTS"}
     if faults:
         env["ZEROTRAIN_FAULTS"] = faults
@@ -364,41 +365,52 @@ def rewards_of(out) -> list[float]:
     return [r["reward"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "reward" in r]
 
 
-def test_it_learns_a_toy_verifiable_task_on_two_ranks(data, toy, tmp_path):
-    r = run_zerotrain("train", *toy_args(data, toy, tmp_path / "run", 60))
-    assert r.returncode == 0, r.stderr
-    rewards = rewards_of(tmp_path / "run")
-    assert len(rewards) == 60
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last - first >= 0.3, (first, last, rewards)
-
-
 def checkpoint_files(folder) -> dict[str, bytes]:
     return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
             if name.endswith(".safetensors")}
 
 
-def test_a_run_stopped_at_step_7_and_resumed_equals_the_uninterrupted_one_bitwise(data, toy, tmp_path):
-    whole, stopped, nudged = (tmp_path / name for name in ("whole", "stopped", "nudged"))
-    r = run_zerotrain("train", *toy_args(data, toy, whole, 10))
-    assert r.returncode == 0, r.stderr
+@pytest.fixture(scope="module")
+def toy_run(data, toy, tmp_path_factory):
+    """The toy task's run of 60 steps on 2 ranks, never stopped, checkpoints every 10 steps, the guard set to abort
+    on an anomaly: the run the learning, the guard's and the resume's tests all assert on. Its learning rate is
+    constant (no warmup, --min-lr-ratio 1), so its first 10 steps are a run of --steps 10."""
+    out = tmp_path_factory.mktemp("grpo-toy") / "whole"
+    try:
+        assert main(["train", *toy_args(data, toy, out, 60, "--ckpt-every", "10", "--on-anomaly", "abort")]) == 0
+    finally:
+        release_run_folders()
+    return out
+
+
+def test_it_learns_a_toy_verifiable_task_on_two_ranks(toy_run):
+    rewards = rewards_of(toy_run)
+    assert len(rewards) == 60
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last - first >= 0.3, (first, last, rewards)
+
+
+def test_a_run_stopped_at_step_7_and_resumed_equals_the_uninterrupted_one_bitwise(data, toy, toy_run, tmp_path,
+                                                                                   capfd):
+    stopped, nudged = tmp_path / "stopped", tmp_path / "nudged"
     r = run_zerotrain("train", *toy_args(data, toy, stopped, 10), faults="sigterm@step=7,rank=1")
     assert r.returncode == 0, r.stderr
     assert "stopped by SIGTERM at step 7" in r.stdout + r.stderr
     # step 8 began before the stop was agreed: its rollouts were written, and the resume drops them
     assert max(rec["step"] for rec in read_rollouts(os.path.join(stopped, "rollouts.jsonl"))) == 8
-    r = run_zerotrain("train", *toy_args(data, toy, stopped, 10), "--resume", "auto")
+    r = zerotrain_here(capfd, "train", *toy_args(data, toy, stopped, 10), "--resume", "auto")
     assert r.returncode == 0, r.stderr
     step10 = os.path.join("checkpoints", "step_00000010")
-    assert checkpoint_files(stopped / step10) == checkpoint_files(whole / step10)
-    assert open(stopped / "rollouts.jsonl", "rb").read() == open(whole / "rollouts.jsonl", "rb").read()
-    assert rewards_of(stopped) == rewards_of(whole)
+    assert checkpoint_files(stopped / step10) == checkpoint_files(toy_run / step10)
+    whole_rollouts = [line for line in open(toy_run / "rollouts.jsonl", "rb") if json.loads(line)["step"] <= 10]
+    assert open(stopped / "rollouts.jsonl", "rb").readlines() == whole_rollouts
+    assert rewards_of(stopped) == rewards_of(toy_run)[:10]
     # what the comparison catches: the same resume at a temperature 1e-6 off draws other completions
     shutil.copytree(stopped / "checkpoints" / "step_00000007", nudged / "start" / "step_00000007")
-    r = run_zerotrain("train", *toy_args(data, toy, nudged, 10), "--resume", str(nudged / "start" / "step_00000007"),
-                      "--temperature", "0.999999")
+    r = zerotrain_here(capfd, "train", *toy_args(data, toy, nudged, 10), "--resume",
+                       str(nudged / "start" / "step_00000007"), "--temperature", "0.999999")
     assert r.returncode == 0, r.stderr
-    assert checkpoint_files(nudged / step10) != checkpoint_files(whole / step10)
+    assert checkpoint_files(nudged / step10) != checkpoint_files(toy_run / step10)
 
 
 @pytest.mark.parametrize("change,says", [
@@ -415,8 +427,6 @@ def test_a_run_stopped_at_step_7_and_resumed_equals_the_uninterrupted_one_bitwis
     (["--reward", "nowhere.py:f"], "--reward nowhere.py:f: no file nowhere.py"),
 ])
 def test_a_grpo_run_it_cannot_make_is_refused_in_one_line(data, tmp_path, capfd, change, says):
-    from conftest import zerotrain_here
-
     r = zerotrain_here(capfd, *argv(data, tmp_path / "run"), *change)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -424,8 +434,6 @@ def test_a_grpo_run_it_cannot_make_is_refused_in_one_line(data, tmp_path, capfd,
 
 
 def test_grpo_flags_apply_to_grpo_alone_and_it_needs_a_reward_and_a_model(data, tmp_path, capfd):
-    from conftest import zerotrain_here
-
     r = zerotrain_here(capfd, "train", "--data", "synthetic", "--steps", "1", "--num-generations", "4", "--out",
                        str(tmp_path / "sft"))
     assert r.returncode == 2 and "--num-generations applies to --method grpo; this run is --method sft" in r.stderr
@@ -439,8 +447,6 @@ def test_grpo_flags_apply_to_grpo_alone_and_it_needs_a_reward_and_a_model(data, 
 
 
 def test_grpo_iterations_train_each_generation_mu_steps_and_a_resume_inside_one_is_refused(data, tmp_path, capfd):
-    from conftest import zerotrain_here
-
     out = tmp_path / "run"
     r = zerotrain_here(capfd, *argv(data, out, steps=4, more=["--grpo-iterations", "2", "--ckpt-every", "1"]))
     assert r.returncode == 0, r.stderr
@@ -455,13 +461,11 @@ def test_grpo_iterations_train_each_generation_mu_steps_and_a_resume_inside_one_
     assert r.returncode == 2 and "step 3 is inside a generation of --grpo-iterations 2" in r.stderr, r.stderr
 
 
-def test_the_guard_never_judges_grpos_loss_by_its_ratio_but_still_refuses_a_nan(data, toy, tmp_path):
-    """The toy run's loss changes sign and sits near 0 (a ratio to its median is meaningless): 12 steps, none
-    refused; a NaN planted in step 4's loss on rank 1 is refused before it is applied."""
-    r = run_zerotrain("train", *toy_args(data, toy, tmp_path / "run", 12, "--on-anomaly", "abort"))
-    assert r.returncode == 0, r.stderr
-    losses = [rec["loss"] for rec in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in rec]
-    assert len(losses) == 12 and min(losses) < 0 < max(losses)
-    r = run_zerotrain("train", *toy_args(data, toy, tmp_path / "nan", 6, "--on-anomaly", "abort"),
-                      faults="nan@step=4,rank=1")
+def test_the_guard_never_judges_grpos_loss_by_its_ratio_but_still_refuses_a_nan(data, toy, toy_run, tmp_path, capfd):
+    """The toy run's loss changes sign and sits near 0 (a ratio to its median is meaningless): 60 steps with
+    --on-anomaly abort, none refused; a NaN planted in step 4's loss on rank 1 is refused before it is applied."""
+    losses = [rec["loss"] for rec in map(json.loads, open(toy_run / "metrics.jsonl")) if "loss" in rec]
+    assert len(losses) == 60 and min(losses[:12]) < 0 < max(losses[:12])
+    r = zerotrain_here(capfd, "train", *toy_args(data, toy, tmp_path / "nan", 6, "--on-anomaly", "abort"),
+                       faults="nan@step=4,rank=1")
     assert r.returncode != 0 and "non-finite loss on rank(s) [1] at step 4" in r.stdout + r.stderr, r.stderr
