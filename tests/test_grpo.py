@@ -422,7 +422,6 @@ def test_a_run_stopped_at_step_7_and_resumed_equals_the_uninterrupted_one_bitwis
     (["--grpo-loss", "ppo"], "--grpo-loss must be grpo, dr_grpo, dapo or bnpo"),
     (["--max-completion-length", "60"], "a prompt of 10 tokens leaves no room for --max-completion-length 60 in "
                                         "--seq-len 64"),
-    (["--tp", "2", "--nproc", "2"], "--method grpo does not work with --tp 2 yet"),
     (["--reward", "format"], "--reward format needs --reward-format REGEX"),
     (["--reward", "nowhere.py:f"], "--reward nowhere.py:f: no file nowhere.py"),
 ])
