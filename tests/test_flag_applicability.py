@@ -51,6 +51,8 @@ NOT_IN = {
     "full_attention_interval": "llama", "partial_rotary": "llama", "linear_conv_kernel": "llama",
     "linear_key_heads": "llama", "linear_value_heads": "llama", "linear_key_width": "llama",
     "linear_value_width": "llama",
+    "nope_every": "llama", "attention_chunk": "llama", "qk_l2_norm": "llama", "temperature_tuning": "llama",
+    "temperature_floor": "llama", "temperature_scale": "llama",
     **{key: "llama" for key in ("num_generations", "max_completion_length", "temperature", "top_p", "grpo_loss",
                                 "grpo_beta", "grpo_epsilon", "grpo_epsilon_high", "grpo_iterations", "scale_rewards",
                                 "mask_truncated_completions", "reward", "reward_weights", "reward_format")},
