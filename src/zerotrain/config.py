@@ -269,7 +269,8 @@ class ModelConfig:
                         "mixture of experts (--n-experts): qwen3_moe, qwen2_moe (a shared expert), mixtral, olmoe, "
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
-                        "layers)",
+                        "layers); llama4 (Llama 4: chunked attention, layers without rotary, sigmoid-routed experts "
+                        "and a shared expert)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
