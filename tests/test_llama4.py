@@ -3,18 +3,19 @@ of layer (layers 0-5: rotary dense, rotary experts, no-rope dense, rotary expert
 chunks of 16 positions in sequences of 40 (three chunks), the temperature tuning's floor at 4 positions (its factor
 changes every 4 tokens), Llama 3.1's rope scaling, norms moved off 1; read by `load_model` and --init-from.
 
-Logits within 1e-4 of transformers' (measured 2.9e-6; the planted bugs below move them 0.86-3.6). Planted in the functions zerotrain runs and caught: the chunked
-mask one chunk off (a query seeing the chunk before its own, or chunks shifted by a position), the temperature tuning
-missing, the router's sigmoid scores on the experts' output instead of their input. Packed records equal each record
-alone (the chunks counted from each record's first token, the records' masks and the chunks' both applied); a
-chunk counted from the row's start, or a record seeing the one before it, is caught.
+Logits within 1e-4 of transformers' (measured 2.9e-6; the planted bugs below move them 0.86-3.6). Planted in the
+functions zerotrain runs and caught: the chunked mask one chunk off (a query seeing the chunk before its own, or
+chunks shifted by a position), the temperature tuning missing, the router's sigmoid scores on the experts' output
+instead of their input. Packed records equal each record alone (the chunks counted from each record's first token,
+the records' masks and the chunks' both applied); a chunk counted from the row's start, or a record seeing the one
+before it, is caught.
 
 Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3 on 2 ranks and at --ep 2 (one start of
 2 ranks for both) equal a plain transformers + AdamW loop (test_qwen35's, no balancing loss: transformers'
 Llama4ForCausalLM adds none): losses, gradient norms and final weights within 1e-5 relative (measured: losses
-1.3e-7, gradient norms 1.1e-6, weights 8.6e-7, at each of the three). The trained model
-exports with --format hf to Llama4ForCausalLM computing the run's logits, config.json both ways. What zerotrain does
-not have for Llama 4 yet (--tp, LoRA, --cp) is refused in one line, exit 2.
+1.3e-7, gradient norms 1.1e-6, weights 8.6e-7, at each of the three). The trained model exports with --format hf to
+Llama4ForCausalLM computing the run's logits, config.json both ways. What zerotrain does not have for Llama 4 yet
+(--tp, LoRA, --cp) is refused in one line, exit 2.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2 and 3, with Gemma's own pieces in gemma.py), Qwen3.5's hybrid (qwen35.py, its linear attention in
-delta_rule.py), Llama 4's text decoder (llama4.py), the layers they share (tensor_parallel.py, norms.py, positions.py, rotary.py, attention.py,
-kv_cache.py, recompute.py), the embedding, head and loss (vocab.py, loss.py), and sampling (generate.py). `build_model`,
-`plan` and `parallelize` pick
-the architecture from the config's `arch`."""
+"""The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral, Phi-3,
+Gemma 2 and 3, with Gemma's own pieces in gemma.py), Qwen3.5's hybrid (qwen35.py, its linear attention in
+delta_rule.py), Llama 4's text decoder (llama4.py), the layers they share (tensor_parallel.py, norms.py,
+positions.py, rotary.py, attention.py, kv_cache.py, recompute.py), the embedding, head and loss (vocab.py, loss.py),
+and sampling (generate.py). `build_model`, `plan` and `parallelize` pick the architecture from the config's `arch`."""
 
 from __future__ import annotations
 
