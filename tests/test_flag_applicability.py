@@ -56,6 +56,8 @@ NOT_IN = {
                                 "rope_interleave", "rope_mscale", "rope_mscale_all_dim", "first_dense_layers",
                                 "shared_experts", "expert_groups", "expert_groups_per_token", "routed_scaling",
                                 "routing_bias_speed", "mtp_layers")},
+    "nope_every": "llama", "attention_chunk": "llama", "qk_l2_norm": "llama", "temperature_tuning": "llama",
+    "temperature_floor": "llama", "temperature_scale": "llama",
     **{key: "llama" for key in ("num_generations", "max_completion_length", "temperature", "top_p", "grpo_loss",
                                 "grpo_beta", "grpo_epsilon", "grpo_epsilon_high", "grpo_iterations", "scale_rewards",
                                 "mask_truncated_completions", "reward", "reward_weights", "reward_format")},

@@ -261,7 +261,11 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")
 # (model/mla.py), the first --first-dense-layers layers dense, the others experts with shared experts, routed by
 # sigmoid scores with group-limited top-k and a load-balancing bias (model/group_routing.py).
 DEEPSEEK = ("deepseek_v3",)
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK)
+# llama4: Llama 4's text decoder (model/llama4.py): experts on every --moe-every-th layer (a shared expert beside them,
+# the router's sigmoid scores on the experts' input), chunked local attention on its rotary layers, global attention
+# without rotary on every --nope-every-th layer (with attention temperature tuning), weightless q/k L2 norms.
+LLAMA4 = ("llama4",)
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4)
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5")
 GEMMA = ("gemma2", "gemma3")
 WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
@@ -293,7 +297,8 @@ class ModelConfig:
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
-                        "group-limited routing, shared experts)",
+                        "group-limited routing, shared experts); llama4 (Llama 4: chunked attention, layers without "
+                        "rotary, sigmoid-routed experts and a shared expert)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -364,9 +369,10 @@ class ModelConfig:
                                 shown="--intermediate-size", applies=EXPERTS)
     norm_topk_prob: bool = setting(False, "the top-k routing weights renormalised to sum to 1 (norm_topk_prob; "
                                    "mixtral always)", applies=EXPERTS)
-    shared_expert_width: int = setting(0, "qwen2_moe, qwen3_5_moe: the width of the expert every token goes through "
-                                       "beside its routed ones, gated by a sigmoid (0: none)", rule=NON_NEGATIVE,
-                                       shown="0: none", applies=archs_scope("qwen2_moe", "qwen3_5_moe"))
+    shared_expert_width: int = setting(0, "qwen2_moe, qwen3_5_moe, llama4: the width of the expert every token goes "
+                                       "through beside its routed ones, gated by a sigmoid (llama4's: not gated; 0: "
+                                       "none)", rule=NON_NEGATIVE, shown="0: none",
+                                       applies=archs_scope("qwen2_moe", "qwen3_5_moe", *LLAMA4))
     moe_every: int = setting(1, "every N-th layer (layers N-1, 2N-1, ...) has experts, the others a dense MLP of "
                              "--intermediate-size (decoder_sparse_step)", rule=POSITIVE, applies=EXPERTS)
     mlp_only_layers: str = setting("", "layers with a dense MLP instead of experts, comma-separated (mlp_only_layers)",
@@ -430,6 +436,21 @@ class ModelConfig:
     mtp_layers: int = setting(0, "deepseek_v3: multi-token-prediction layers the --init-from folder holds after the "
                               "decoder's (num_nextn_predict_layers): not trained, copied as they are into an hf "
                               "export", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+    nope_every: int = setting(4, "llama4: every N-th layer (layers N-1, 2N-1, ...) has no rotary and attends to "
+                              "every earlier token (no_rope_layer_interval); the others rotary and chunked",
+                              rule=POSITIVE, applies=archs_scope(*LLAMA4))
+    attention_chunk: int = setting(8192, "llama4: the rotary layers attend within chunks of this many positions "
+                                   "(attention_chunk_size; 0: every earlier token)", rule=NON_NEGATIVE,
+                                   applies=archs_scope(*LLAMA4))
+    qk_l2_norm: bool = setting(True, "llama4: the rotary layers' q and k heads L2-normalised, no gain (use_qk_norm)",
+                               applies=archs_scope(*LLAMA4))
+    temperature_tuning: bool = setting(True, "llama4: the layers without rotary scale each query by 1 + "
+                                       "--temperature-scale ln(1 + floor((position + 1) / --temperature-floor)) "
+                                       "(attn_temperature_tuning)", applies=archs_scope(*LLAMA4))
+    temperature_floor: int = setting(8192, "llama4: the positions per step of the temperature tuning (floor_scale)",
+                                     rule=POSITIVE, applies=archs_scope(*LLAMA4))
+    temperature_scale: float = setting(0.1, "llama4: the strength of the temperature tuning (attn_scale)",
+                                       rule=NON_NEGATIVE, applies=archs_scope(*LLAMA4))
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -516,6 +537,10 @@ class ModelConfig:
     def renormalizes(self) -> bool:
         """Whether the top-k routing weights are divided by their sum: --norm-topk-prob, and Mixtral's always."""
         return self.norm_topk_prob or self.arch in ("mixtral", "qwen3_5_moe")
+
+    def rotary(self, layer: int) -> bool:
+        """Whether `layer` rotates q and k: every layer but Llama 4's every --nope-every-th."""
+        return self.arch not in LLAMA4 or (layer + 1) % self.nope_every != 0
 
     def linear_attention(self, layer: int) -> bool:
         """Whether `layer` is a Gated DeltaNet linear-attention layer (Qwen3.5's; every other is attention)."""
@@ -1134,9 +1159,9 @@ def _check_experts(cfg: Config) -> None:
         return
     if m.experts_per_token > m.n_experts:
         raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the --n-experts {m.n_experts}")
-    if m.shared_expert_width and m.arch not in ("qwen2_moe", "qwen3_5_moe"):
-        raise ConfigError(f"--shared-expert-width {m.shared_expert_width} is for --arch qwen2_moe or qwen3_5_moe, not "
-                          f"{m.arch}")
+    if m.shared_expert_width and m.arch not in ("qwen2_moe", "qwen3_5_moe", *LLAMA4):
+        raise ConfigError(f"--shared-expert-width {m.shared_expert_width} is for --arch qwen2_moe, qwen3_5_moe or "
+                          f"llama4, not {m.arch}")
     for token in (t.strip() for t in m.mlp_only_layers.split(",") if t.strip()):
         if not token.isdigit() or int(token) >= m.n_layer:
             raise ConfigError(f"--mlp-only-layers {m.mlp_only_layers!r}: {token!r} is not a layer 0-{m.n_layer - 1}")
@@ -1192,6 +1217,7 @@ def _check_context_parallel(cfg: Config) -> None:
                           "chunks of every row")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
+               (m.arch in LLAMA4, f"--arch {m.arch} (chunked attention)"),
                (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
@@ -1261,6 +1287,18 @@ def _check_deepseek(cfg: Config) -> None:
     for hit, what, why in refused:
         if hit:
             raise ConfigError(f"{what} with --arch deepseek_v3: {why}")
+def _check_llama4(cfg: Config) -> None:
+    """Llama 4's experts, and what zerotrain does not have for it yet (tensor parallelism, LoRA; --cp, whose ring has
+    no chunked attention, is refused with the ring's other gaps): refused, never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if not m.n_experts or m.shared_expert_width != m.expert_ffn:
+        raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "
+                          f"--shared-expert-width {m.expert_ffn} (got {m.n_experts} and {m.shared_expert_width})")
+    if p.tp > 1:
+        raise ConfigError(f"--tp {p.tp}: --arch llama4 has no tensor parallelism in zerotrain yet: give --tp 1")
+    if cfg.lora.rank:
+        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch llama4 is not in zerotrain yet: give "
+                          "--lora-rank 0")
 
 
 def validate(cfg: Config) -> Config:
@@ -1336,6 +1374,8 @@ def validate(cfg: Config) -> Config:
         _check_qwen35(cfg)
     if m.arch in DEEPSEEK:
         _check_deepseek(cfg)
+    if m.arch in LLAMA4:
+        _check_llama4(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

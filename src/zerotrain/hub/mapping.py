@@ -25,6 +25,9 @@ and export alike, so the two cannot drift apart.
            e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
            (model.layers.{num_hidden_layers}... , num_nextn_predict_layers of them) are set aside at import (the
            config keeps their count, --mtp-layers) and are not trained.
+    llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
+           and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
+           the gate's columns then the up projection's (LLAMA4_EXPERTS).
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
@@ -47,7 +50,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.config import DEEPSEEK, GEMMA, MOE, QWEN35, WINDOWED, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -121,9 +124,9 @@ class HFMapping:
         return [(name, 0, None)]
 
     def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """zerotrain's tensors (names -> tensors) in Hugging Face's layout, fp32 and contiguous."""
-        out = {self.stored_name(n): (t.t() if self.is_transposed(n) else t).detach().float().contiguous()
-               for n, t in tensors.items()}
+        """zerotrain's tensors (names -> tensors) in Hugging Face's layout, fp32 and contiguous; fused and stacked
+        by zerotrain's names, renamed (infixes) last."""
+        out = {n: (t.t() if self.is_transposed(n) else t).detach().float().contiguous() for n, t in tensors.items()}
         for stored, parts in self.fused:
             for name in [n for n in out if n.startswith(self.block_prefix) and n.endswith(parts[0])]:
                 prefix = name[: -len(parts[0])]
@@ -134,7 +137,7 @@ class HFMapping:
                 n_experts = sum(1 for n in out if n.startswith(base + ".") and n.endswith("." + stack.parts[0]))
                 out[base.rpartition("mlp.experts")[0] + stack.stored] = torch.stack([
                     stack.join(*(out.pop(f"{base}.{e}.{part}") for part in stack.parts)) for e in range(n_experts)])
-        return out
+        return {self.stored_name(n): t for n, t in out.items()}
 
     def from_hf(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Hugging Face's tensors in zerotrain's layout; tensors that are not parameters are dropped."""
@@ -180,6 +183,15 @@ GPT_OSS_EXPERTS = (
                    lambda t: (t[0::2], t[1::2]), interleaved),
     StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t.t(),), lambda down: down.t()),
     StackedExperts("mlp.experts.down_proj_bias", ("down_proj.bias",), lambda t: (t,), lambda bias: bias),
+)
+
+# Llama 4 multiplies x @ W as gpt-oss does; its gate_up_proj (E, C, 2F) holds the gate's columns, then the up
+# projection's (transformers' Llama4TextExperts chunks it in two); no biases.
+LLAMA4_EXPERTS = (
+    StackedExperts("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"),
+                   lambda t: tuple(half.t() for half in t.chunk(2, dim=-1)),
+                   lambda gate, up: torch.cat((gate.t(), up.t()), dim=-1)),
+    StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t.t(),), lambda down: down.t()),
 )
 
 # MXFP4 (OCP microscaling, 4-bit floats): gpt-oss's released folders store each expert matrix as `<name>_blocks`
@@ -245,6 +257,9 @@ MAPPINGS = {
                                ("qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"))},
     "deepseek_v3": HFMapping("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", "model.layers.", (),
                              (".rotary_emb.inv_freq",), layers_after=True),
+    "llama4": HFMapping("llama4", "llama4_text", "Llama4ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                        infixes=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
+                        experts=LLAMA4_EXPERTS),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -289,6 +304,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         return _qwen35_config(cfg, config)
     if cfg.arch in DEEPSEEK:
         return _deepseek_config(cfg, config)
+    if cfg.arch in LLAMA4:
+        return _llama4_config(cfg, config)
     if cfg.arch == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif cfg.arch in ("qwen2", "qwen3"):  # every layer attends to every earlier token
@@ -342,6 +359,22 @@ def _deepseek_config(cfg: ModelConfig, config: dict) -> dict:
                   n_group=cfg.expert_groups, topk_group=cfg.expert_groups_per_token,
                   norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
                   first_k_dense_replace=cfg.first_dense_layers, num_nextn_predict_layers=cfg.mtp_layers)
+def _llama4_config(cfg: ModelConfig, config: dict) -> dict:
+    """Llama 4's config.json (Llama4TextConfig): the experts' width as intermediate_size and the dense layers' as
+    intermediate_size_mlp, its layers with experts and with rotary listed, the chunk, the q/k norm, the temperature
+    tuning, the rope scaling in rope_parameters (transformers 5's form)."""
+    config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    config.update(intermediate_size=cfg.expert_ffn, intermediate_size_mlp=cfg.ffn_width,
+                  num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                  interleave_moe_layer_step=cfg.moe_every,
+                  moe_layers=[i for i in range(cfg.n_layer) if cfg.has_experts(i)],
+                  no_rope_layer_interval=cfg.nope_every,
+                  no_rope_layers=[int(cfg.rotary(i)) for i in range(cfg.n_layer)],
+                  attention_chunk_size=cfg.attention_chunk or None, use_qk_norm=cfg.qk_l2_norm,
+                  attn_temperature_tuning=cfg.temperature_tuning, floor_scale=cfg.temperature_floor,
+                  attn_scale=cfg.temperature_scale, attention_bias=False, router_aux_loss_coef=cfg.router_aux_coef,
+                  router_jitter_noise=0.0, output_router_logits=False,
+                  rope_parameters={"rope_type": "default", **(_rope_scaling(cfg) or {}), "rope_theta": cfg.rope_theta})
     return config
 
 
@@ -420,6 +453,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         return _qwen35(config, where)
     if BY_MODEL_TYPE[kind].arch in DEEPSEEK:
         return _deepseek(config, where)
+    if BY_MODEL_TYPE[kind].arch in LLAMA4:
+        return _llama4(config, where)
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -555,6 +590,18 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
     layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the MTP layers' count."""
     q_rank = config.get("q_lora_rank", _DEEPSEEK_DEFAULTS["q_lora_rank"])
     config = {**_DEEPSEEK_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+# What transformers' Llama4TextConfig gives a field its config.json leaves out (its sizes are Scout's: required here).
+_LLAMA4_DEFAULTS = dict(head_dim=128, num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layer_interval=4,
+                        attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
+                        attn_scale=0.1, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5)
+
+
+def _llama4(config: dict, where: str) -> ModelConfig:
+    """Llama 4's ModelConfig (llama4_text): its sizes, the layers with experts (moe_layers, or every
+    interleave_moe_layer_step-th) as --moe-every and --mlp-only-layers, the layers without rotary (no_rope_layers, 0
+    for a layer without) as every N-th, the chunk, the q/k norm and the temperature tuning. transformers'
+    Llama4ForCausalLM adds no balancing loss: the model's weight of one is 0."""
+    config = {**_LLAMA4_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k == "attention_chunk_size"}}
     _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -606,6 +653,58 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
                        norm_topk_prob=config["norm_topk_prob"],
                        routed_scaling=_positive(config, "routed_scaling_factor", where, 1.0),
                        router_aux_coef=0.0, mtp_layers=mtp, **rope)
+    sizes = {key: _count(config, key, where) for key in (
+        "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "intermediate_size_mlp",
+        "max_position_embeddings", "vocab_size", "head_dim", "num_local_experts", "num_experts_per_tok",
+        "interleave_moe_layer_step", "no_rope_layer_interval", "floor_scale")}
+    n, heads = sizes["num_hidden_layers"], sizes["num_attention_heads"]
+    sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
+    _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    if sizes["num_experts_per_tok"] > sizes["num_local_experts"]:
+        raise CheckpointError(f"{where}: num_experts_per_tok {sizes['num_experts_per_tok']} is more than the "
+                              f"{sizes['num_local_experts']} experts")
+    rotary = config.get("no_rope_layers") or [int((i + 1) % sizes["no_rope_layer_interval"] != 0) for i in range(n)]
+    nope = next((every for every in range(1, n + 2) if rotary == [int((i + 1) % every != 0) for i in range(n)]), None)
+    if nope is None:
+        raise CheckpointError(f"{where}: no_rope_layers {rotary!r} are not every N-th layer without rotary, as "
+                              "zerotrain's llama4 has them")
+    chunk = config["attention_chunk_size"]
+    chunk = 0 if chunk is None else _count(config, "attention_chunk_size", where)
+    types = config.get("layer_types")
+    if types is not None and types != ["chunked_attention" if r and chunk else "full_attention" for r in rotary]:
+        raise CheckpointError(f"{where}: layer_types {types!r} are not the rotary layers chunked, the others full, "
+                              "as zerotrain's llama4 has them")
+    step = sizes["interleave_moe_layer_step"]
+    every = [i for i in range(n) if (i + 1) % step == 0]
+    moe = config.get("moe_layers")
+    moe = every if moe is None else moe
+    if not (isinstance(moe, list) and all(type(i) is int and 0 <= i < n for i in moe)):
+        raise CheckpointError(f"{where}: moe_layers must list layers 0-{n - 1}, got {moe!r}")
+    if not set(moe) <= set(every):  # any layers: every layer may have experts, the others listed dense
+        step, every = 1, list(range(n))
+    flags = {key: config[key] for key in ("use_qk_norm", "attn_temperature_tuning")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
+    rope = _table(config, "rope_parameters", where)
+    theta = _positive(rope, "rope_theta", where + " rope_parameters", 0.0) if "rope_theta" in rope else \
+        _positive(config, "rope_theta", where, 500000.0)
+    head_dim = sizes["head_dim"]
+    return ModelConfig(arch="llama4", n_layer=n, n_head=heads, n_kv_head=sizes["num_key_value_heads"],
+                       n_embd=sizes["hidden_size"], pad_token_id=_padding_id(config, where, "llama4_text",
+                                                                              sizes["vocab_size"]),
+                       head_width=0 if head_dim * heads == sizes["hidden_size"] else head_dim,
+                       intermediate_size=sizes["intermediate_size_mlp"], seq_len=sizes["max_position_embeddings"],
+                       vocab_size=sizes["vocab_size"], rope_theta=theta,
+                       norm_eps=_positive(config, "rms_norm_eps", where, 1e-5), tie_embeddings=tied,
+                       n_experts=sizes["num_local_experts"], experts_per_token=sizes["num_experts_per_tok"],
+                       expert_width=sizes["intermediate_size"], shared_expert_width=sizes["intermediate_size"],
+                       moe_every=step, mlp_only_layers=",".join(str(i) for i in every if i not in moe),
+                       router_aux_coef=0.0, nope_every=nope, attention_chunk=chunk,
+                       qk_l2_norm=flags["use_qk_norm"], temperature_tuning=flags["attn_temperature_tuning"],
+                       temperature_floor=sizes["floor_scale"],
+                       temperature_scale=_positive(config, "attn_scale", where, 0.1) if config["attn_scale"] else 0.0,
+                       **_rope_settings(config, where))
 
 
 # Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that

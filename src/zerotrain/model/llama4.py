@@ -1,0 +1,245 @@
+"""Llama 4's text decoder (llama4), as transformers' Llama4ForCausalLM computes it.
+
+    attention  grouped-query attention of two kinds, by the layer (config.rotary):
+               rotary layers: q and k rotated in the interleaved (complex-number) convention, pairs (x_2i, x_2i+1)
+               turned by position p's angle p theta_i (Llama 3.1's rope scaling as configured), then each head
+               L2-normalised without a gain (--qk-l2-norm: an RMSNorm of no weight, in fp32); each token sees the
+               earlier tokens of its own chunk of --attention-chunk positions only (chunk p // size, as
+               transformers' chunked mask)
+               no-rope layers (every --nope-every-th): no rotary, no q/k norm, every earlier token; each query scaled
+               by 1 + scale ln(1 + floor((p + 1) / floor_scale)) (--temperature-tuning), the longer the context
+               the sharper its softmax
+    mlp        a SwiGLU of --intermediate-size on the dense layers; on every --moe-every-th layer (but
+               --mlp-only-layers) a mixture of experts: the router's top-k logits through a sigmoid (no softmax,
+               no renormalising), each score multiplying the token the expert reads (its input, not its output), the
+               experts' outputs summed, plus a shared expert of the experts' width every token goes through, ungated
+    norms      Llama's RMSNorms before the attention and the MLP and at the end
+
+Packed records (`segments`): positions restart at each record, and a record's tokens see their own record only:
+the rotary layers within their chunks of the record's positions (a record alone is chunked from its first token),
+the temperature tuning by the record's positions too. No balancing loss is added unless a run asks for one
+(--moe-aux-coef): transformers' Llama4ForCausalLM adds none, and import sets the model's weight to 0.
+
+Parameter names are zerotrain's MoE names (model.layers.{i}.mlp.gate.weight, mlp.experts.{e}.gate_proj.weight,
+mlp.shared_expert.*); hub/mapping.py maps transformers' feed_forward.router, feed_forward.experts.gate_up_proj
+(E, C, 2F: gate then up, x @ W) and feed_forward.experts.down_proj (E, F, C) to them and back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zerotrain.config import ModelConfig
+
+from .attention import attend, document_attention
+from .kv_cache import KVCache
+from .llama import LlamaMLP, rope_scaling
+from .moe import MoE, Routing, expert_outputs, inverse_order
+from .norms import RMSNorm
+from .positions import new_positions
+from .recompute import in_backward, run_block
+from .rotary import rotary_tables
+from .tensor_parallel import TPSlice
+from .vocab import LMHead, tied_head_hook, token_embedding
+
+
+def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) with each pair (x_2i, x_2i+1) rotated as the complex number x_2i + i x_2i+1 times e^(i angle_i)
+    (transformers' Llama 4 apply_rotary_emb), in fp32; cos and sin (T, D/2) or (B, 1, T, D/2)."""
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in fp32, no gain (Llama4TextL2Norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def temperature(positions: torch.Tensor, floor_scale: int, scale: float) -> torch.Tensor:
+    """Each query's factor on the layers without rotary: 1 + scale ln(1 + floor((p + 1) / floor_scale)), fp32,
+    shaped to multiply q (B, H, T, D): (1, 1, T, 1), or (B, 1, T, 1) for packed records' positions."""
+    factor = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
+    return factor.view(1, 1, -1, 1) if positions.dim() == 1 else factor[:, None, :, None]
+
+
+def chunked_mask(positions: torch.Tensor, segments: torch.Tensor | None, chunk: int, dtype: torch.dtype,
+                 past: int = 0) -> torch.Tensor | None:
+    """What attend takes on the rotary layers: query t sees key s when s is not after t, both are in one record and
+    in one chunk of that record's positions (p // chunk). Additive (B, 1, T, T) in `dtype` for packed records; boolean
+    (T, past + T) after a cache's `past` positions (the positions are then past .. past + T - 1); None where SDPA's
+    causal mask is exact (one record, no cache, all in the first chunk)."""
+    if segments is not None:
+        T = segments.shape[1]
+        same = segments[:, :, None] == segments[:, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+        allowed = same & causal & (positions[:, :, None] // chunk == positions[:, None, :] // chunk)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
+        return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+    T = positions.shape[0]
+    if past == 0 and T <= chunk:
+        return None
+    keys = torch.arange(past + T, device=positions.device)[None, :]
+    queries = positions[:, None]
+    return (keys <= queries) & (keys // chunk == queries // chunk)
+
+
+class Llama4Attention(nn.Module):
+    """The module docstring's attention: rotary, chunked and L2-normalised, or without rotary, global and tuned."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        C, D = cfg.n_embd, cfg.head_dim
+        self.head_dim, self.eps = D, cfg.norm_eps
+        self.rotary = cfg.rotary(layer)
+        self.qk_norm = cfg.qk_l2_norm and self.rotary
+        self.tuned = (cfg.temperature_floor, cfg.temperature_scale) \
+            if cfg.temperature_tuning and not self.rotary else None
+        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=False)
+        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                cache: KVCache | None, layer: int, mask) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj,
+                                                                                 self.v_proj))
+        if self.rotary:
+            q, k = interleaved_rotary(q, *rotary), interleaved_rotary(k, *rotary)
+        if self.qk_norm:
+            q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
+        if self.tuned is not None:
+            q = (q * temperature(positions, *self.tuned)).to(q.dtype)
+        if cache is not None and mask is not None:  # a chunked mask over the cache: appended here, masked below
+            k, v = cache.append(layer, k, v)
+            cache = None
+        y = attend(q, k, v, cache, layer, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Llama4MoE(MoE):
+    """The module docstring's mixture of experts: model/moe.py's experts, dispatch and expert parallelism (its
+    `exchange`), with Llama 4's router (sigmoid of the top-k logits), the scores on the experts' input, and an
+    ungated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        del self.shared_expert_gate  # Llama 4's shared expert is added as it is
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        scores, chosen = self.route(flat, B, T)
+        order = chosen.reshape(-1).argsort(stable=True)  # the (token, slot) pairs by expert
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        # each expert reads its token times the token's score for it (transformers' routed_in)
+        rows = flat[order // self.top_k] * scores.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+        if self.exchange is not None:  # expert parallelism: the rows go to their experts' ranks and come back
+            outputs = self.exchange(self, rows, counts, self.expert_path(flat))
+        else:
+            outputs = expert_outputs(self.local_experts(), rows, counts, self.expert_path(flat))
+        routed = outputs[inverse_order(order)].view(-1, self.top_k, C).sum(1)
+        return (self.shared_expert(flat) + routed).view(B, T, C)
+
+    def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chosen experts' scores (N, k): sigmoid of their logits, fp32, in the logits' dtype as transformers'
+        Llama4Router; the experts chosen (N, k)); records the layer's Routing (softmax probabilities, for a balancing
+        loss a run asks for)."""
+        logits = self.gate(flat)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        scores = torch.sigmoid(top.float()).to(top.dtype)
+        if in_backward():  # a recomputed forward: the routing was taken by the forward's balancing loss
+            return scores, chosen
+        with torch.no_grad():
+            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
+            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        probs = torch.softmax(logits.float(), dim=-1)
+        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        return scores, chosen
+
+
+class Llama4Block(nn.Module):
+    """Pre-RMSNorm attention and MLP (dense or mixture of experts, by the layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = Llama4Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = Llama4MoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
+
+    def forward(self, x, rotary, positions, cache: KVCache | None, layer: int, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama4(nn.Module):
+    """Token embedding, Llama 4's blocks, final RMSNorm, LM head (tied or its own)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
+        self.context_parallel = None  # --cp is refused: the ring has no chunked attention (config)
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
+            layers=nn.ModuleList(Llama4Block(cfg, layer) for layer in range(cfg.n_layer)),
+            norm=RMSNorm(cfg.n_embd, cfg.norm_eps),
+        ))
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
+        self.tie_weights()
+        if cfg.tie_embeddings:
+            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab), as Llama's forward: with a cache, segments, a head or targets."""
+        h = self.hidden(idx, cache, segments)
+        return head(h) if head is not None else self.lm_head(h, targets=targets)
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.model.embed_tokens(idx)
+        positions = new_positions(idx, cache, cfg.positions, segments)
+        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+        half = cfg.head_dim // 2  # the tables' first half holds each frequency once: the interleaved pairs' angles
+        rotary = (cos[..., :half], sin[..., :half])
+        past = 0 if cache is None else cache.length
+        # the global layers': the records' mask, or SDPA's causal one; the rotary layers': their chunks' too
+        full = document_attention(segments, x.dtype, cfg.head_dim) if segments is not None else None
+        chunked = full if not cfg.attention_chunk else \
+            chunked_mask(positions, segments, cfg.attention_chunk, x.dtype, past)
+        for layer, block in enumerate(self.model.layers):
+            mask = chunked if cfg.rotary(layer) else full
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, positions, cache, layer, mask)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        return self.model.norm(x)
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """No TP slices: Llama 4 has no tensor parallelism in zerotrain yet (config refuses --tp above 1)."""
+    if tp > 1:
+        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
+    return {}
+
+
+def parallelize(model: Llama4, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    model.tp_slices = plan(model.cfg, tp_size)
+    return model.tp_slices
