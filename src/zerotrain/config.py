@@ -1287,6 +1287,8 @@ def _check_deepseek(cfg: Config) -> None:
     for hit, what, why in refused:
         if hit:
             raise ConfigError(f"{what} with --arch deepseek_v3: {why}")
+
+
 def _check_llama4(cfg: Config) -> None:
     """Llama 4's experts, and what zerotrain does not have for it yet (tensor parallelism, LoRA; --cp, whose ring has
     no chunked attention, is refused with the ring's other gaps): refused, never trained approximately."""

@@ -359,6 +359,9 @@ def _deepseek_config(cfg: ModelConfig, config: dict) -> dict:
                   n_group=cfg.expert_groups, topk_group=cfg.expert_groups_per_token,
                   norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
                   first_k_dense_replace=cfg.first_dense_layers, num_nextn_predict_layers=cfg.mtp_layers)
+    return config
+
+
 def _llama4_config(cfg: ModelConfig, config: dict) -> dict:
     """Llama 4's config.json (Llama4TextConfig): the experts' width as intermediate_size and the dense layers' as
     intermediate_size_mlp, its layers with experts and with rotary listed, the chunk, the q/k norm, the temperature
@@ -590,18 +593,6 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
     layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the MTP layers' count."""
     q_rank = config.get("q_lora_rank", _DEEPSEEK_DEFAULTS["q_lora_rank"])
     config = {**_DEEPSEEK_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-# What transformers' Llama4TextConfig gives a field its config.json leaves out (its sizes are Scout's: required here).
-_LLAMA4_DEFAULTS = dict(head_dim=128, num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layer_interval=4,
-                        attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
-                        attn_scale=0.1, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5)
-
-
-def _llama4(config: dict, where: str) -> ModelConfig:
-    """Llama 4's ModelConfig (llama4_text): its sizes, the layers with experts (moe_layers, or every
-    interleave_moe_layer_step-th) as --moe-every and --mlp-only-layers, the layers without rotary (no_rope_layers, 0
-    for a layer without) as every N-th, the chunk, the q/k norm and the temperature tuning. transformers'
-    Llama4ForCausalLM adds no balancing loss: the model's weight of one is 0."""
-    config = {**_LLAMA4_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k == "attention_chunk_size"}}
     _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -653,6 +644,24 @@ def _llama4(config: dict, where: str) -> ModelConfig:
                        norm_topk_prob=config["norm_topk_prob"],
                        routed_scaling=_positive(config, "routed_scaling_factor", where, 1.0),
                        router_aux_coef=0.0, mtp_layers=mtp, **rope)
+
+
+# What transformers' Llama4TextConfig gives a field its config.json leaves out (its sizes are Scout's: required here).
+_LLAMA4_DEFAULTS = dict(head_dim=128, num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layer_interval=4,
+                        attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
+                        attn_scale=0.1, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5)
+
+
+def _llama4(config: dict, where: str) -> ModelConfig:
+    """Llama 4's ModelConfig (llama4_text): its sizes, the layers with experts (moe_layers, or every
+    interleave_moe_layer_step-th) as --moe-every and --mlp-only-layers, the layers without rotary (no_rope_layers, 0
+    for a layer without) as every N-th, the chunk, the q/k norm and the temperature tuning. transformers'
+    Llama4ForCausalLM adds no balancing loss: the model's weight of one is 0."""
+    config = {**_LLAMA4_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k == "attention_chunk_size"}}
+    _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
     sizes = {key: _count(config, key, where) for key in (
         "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "intermediate_size_mlp",
         "max_position_embeddings", "vocab_size", "head_dim", "num_local_experts", "num_experts_per_tok",
