@@ -81,16 +81,26 @@ class AdamWShard:
             return self.placement.owned_values(pc)
         return self.master[pc.shard_lo : pc.shard_hi]
 
-    def step(self, lr: float, grad_norm: float) -> None:
-        """Clip the gradients by the global norm, and AdamW's step on the shard at learning rate `lr`."""
+    def step(self, lr: float, grad_norm: torch.Tensor | float) -> None:
+        """Clip the gradients by the global norm, and AdamW's step on the shard at learning rate `lr`.
+
+        The clip factor is computed and applied on the device, from the norm the step's all-reduce left there (0-d):
+        min(1, clip / (norm + 1e-6)) multiplied in, so that no step waits for the host to read the norm. A factor of
+        1 changes no bit; a clipped step's is the float64 factor the host computed before, rounded as the gradients
+        are.
+        """
         clip = self.optim_cfg.grad_clip
         in_params = self.grads.grads_in_params
         if in_params:
             for m, p in zip(self._master_views, self.params):
                 m.grad = p.grad.reshape(-1)
-        if clip > 0 and grad_norm > clip:
-            for g in [m.grad for m in self._master_views] if in_params else [self.grads.grad_shard]:
-                g.mul_(clip / (grad_norm + 1e-6))
+        if clip > 0:
+            grads = [m.grad for m in self._master_views] if in_params else [self.grads.grad_shard]
+            norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=grads[0].device)
+            # where(norm > clip): a nan norm leaves the gradients as they are, as the host's comparison did
+            factor = torch.where(norm > clip, clip / (norm + 1e-6), torch.ones_like(norm))
+            for g in grads:  # a 0-d float64 operand, as the host's Python float was: the same rounding
+                g.mul_(factor)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
