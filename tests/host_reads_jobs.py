@@ -119,3 +119,10 @@ def all_ranks_job(cfg, comm, plant=None) -> list[dict]:
     """reads_job, every rank's result gathered on rank 0 (run_job returns rank 0's)."""
     mine = reads_job(cfg, comm, plant)
     return comm.io.all_gather_json(mine, "gather_reads")
+
+
+def reads_only_at_the_end_job(cfg, comm):
+    """Planted: `zerotrain train` whose ranks read the device at the last step only, whatever --log-every says (a
+    stop then lands there)."""
+    with mock.patch.object(loop_module, "reads_at", lambda cfg, done, start: done == cfg.loop.steps):
+        return loop_module.train_job(cfg, comm)

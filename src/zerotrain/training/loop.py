@@ -264,7 +264,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             run.mesh.set_step(done)
             t0 = time.perf_counter()
             run.profiler.at_step(done)
-            reads = reads_at(cfg, done)
+            reads = reads_at(cfg, done, run.start)
             if reads:
                 # the steps since the last read, judged before a stop may save the state they left
                 target = _judge_unread(cfg, run, comm)
@@ -279,11 +279,7 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             values = _reduce(run, loss_sum)
             if not reads:  # applied now, judged at the next read (a rollback goes back as far as it must)
-                lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
-                run.engine.apply(lr, values[0])
-                _check_after_update(cfg, run, done, after_update)
-                run.unread.append(_Unread(done, lr, batch, values, time.perf_counter() - t0))
-                run.faults.after_update(done, lambda: run.stop.requested)
+                _apply_unread(cfg, run, step, batch, values, t0, after_update)
                 step = done
                 continue
             reduced = _agree(run, control.read([values], run.mesh.world.world_size)[0])
@@ -392,12 +388,14 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                                                              rank_device(cfg)))
 
 
-def reads_at(cfg: Config, done: int) -> bool:
+def reads_at(cfg: Config, done: int, start: int) -> bool:
     """Whether the host reads the step's values at step `done` (and those of the steps since the last read): every
     --log-every steps, at the last step and where a checkpoint by --ckpt-every or a validation is due (they save and
-    judge what the guard accepted). Between these steps nothing of the step is read from the device."""
+    judge what the guard accepted), and at the run's first step (`start` + 1: a stop that came while the run started,
+    in DPO's reference pass, saves the state it started from). Between these steps nothing of the step is read from
+    the device."""
     every = (cfg.logging.log_every, cfg.checkpoint.every, cfg.loop.eval_every)
-    return done == cfg.loop.steps or any(n and done % n == 0 for n in every)
+    return done in (start + 1, cfg.loop.steps) or any(n and done % n == 0 for n in every)
 
 
 @dataclass
@@ -409,6 +407,18 @@ class _Unread:
     batch: StepBatch
     values: torch.Tensor  # control.reduce_step's, on the device
     step_s: float
+
+
+def _apply_unread(cfg: Config, run: _Run, step: int, batch: StepBatch, values: torch.Tensor, t0: float,
+                  after_update) -> None:
+    """A step between reads: its update applied with the norm where the all-reduce left it, its values kept unread
+    for the next read step."""
+    done = step + 1
+    lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
+    run.engine.apply(lr, values[0])
+    _check_after_update(cfg, run, done, after_update)
+    run.unread.append(_Unread(done, lr, batch, values, time.perf_counter() - t0))
+    run.faults.after_update(done, lambda: run.stop.requested)
 
 
 def _judge_unread(cfg: Config, run: _Run, comm: Comm) -> int | None:
