@@ -60,10 +60,8 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_gradients_and_a_dropped_
     model = build_model(cfg, seed=0)
     plain, plain_grads = loss_and_grads(model, x, y, plain=True)
     assert vocab.chunk_tokens(B * T, cfg.vocab_size, cfg.n_embd) == B * T  # below MIN_CHUNK_TOKENS: one chunk
-    # Llama-3-8B, 1 x 8192 tokens: chunks whose fp32 logits fit in LOSS_CHUNK_BYTES (256 MiB), at TP 1 and TP 8;
-    # Gemma's 262,144 rows at the floor
-    assert vocab.chunk_tokens(8192, 128_256, 4096) == 512 and vocab.chunk_tokens(8192, 128_256 // 8, 4096) == 4096
-    assert vocab.chunk_tokens(8192, 262_144, 2048) == vocab.MIN_CHUNK_TOKENS
+    # Llama-3-8B, 1 x 8192 tokens: chunks whose logits fit in the head's input (8192 x 4096), at TP 1 and TP 8
+    assert vocab.chunk_tokens(8192, 128_256, 4096) == 256 and vocab.chunk_tokens(8192, 128_256 // 8, 4096) == 2048
     monkeypatch.setattr(vocab, "chunk_tokens", lambda tokens, rows, width: SMALL_CHUNKS)  # 7, the last of 2 tokens
     chunked, grads = loss_and_grads(model, x, y)
     assert abs(chunked - plain) <= 1e-6 * abs(plain)

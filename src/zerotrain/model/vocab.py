@@ -20,7 +20,7 @@ would give the TP ranks flat layouts of different sizes, which the engine and th
 to be one. Every large-vocabulary family zerotrain trains divides by 8 (Llama 3's 128,256, Qwen's 151,936, Mistral's
 32,768, Phi-3's 32,064, SmolLM's 49,152, Gemma's 256,000 and 262,144).
 
-The loss runs over chunks of tokens (`chunk_tokens`: a chunk's logits within a memory budget), each
+The loss runs over chunks of tokens (`chunk_tokens`: a chunk's logits about the size of the head's input), each
 chunk's logits in fp32 only while that chunk is computed. Its gradient, softmax - one-hot, is taken in the same pass
 and multiplied at once into the gradient of the head's input and of its weight (as Liger's fused linear
 cross-entropy does), so the backward only scales them by the loss's incoming gradient: autograd keeps the input's
@@ -48,10 +48,6 @@ IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
 # (an H100 needs ~300 tokens per read of a bf16 weight to be bound by compute, not by bandwidth).
 MIN_CHUNK_TOKENS = 256
-# What one chunk's fp32 logits may take: the loss's working set is a few of them (the logits, exp'd in place, their
-# gradient in the weight's dtype, a soft-cap's tanh). At 256 MiB a 128K vocabulary gets 512 tokens a chunk (16 an 8K
-# sequence pair, 32 at the old fixed 256), a TP 8 slice of it 4096; a small model all of its tokens in one.
-LOSS_CHUNK_BYTES = 256 * 2**20
 
 
 def splits_vocab(vocab_size: int, tp: int) -> bool:
@@ -70,10 +66,9 @@ def vocab_slice(vocab_size: int, width: int, tp: int) -> TPSlice:
 
 
 def chunk_tokens(tokens: int, rows: int, width: int) -> int:
-    """Tokens per chunk of the loss: the largest power of two whose fp32 logits (x `rows`, this rank's) fit in
-    LOSS_CHUNK_BYTES, at least MIN_CHUNK_TOKENS, at most all `tokens`. Sized by memory alone: the head's input
-    `width` does not change what a chunk holds."""
-    fit = max(1, LOSS_CHUNK_BYTES // (4 * rows))
+    """Tokens per chunk of the loss: the largest power of two whose logits (x `rows`) fit in the head's input
+    (tokens x `width`), at least MIN_CHUNK_TOKENS, at most all of them."""
+    fit = max(1, tokens * width // rows)
     return min(tokens, max(MIN_CHUNK_TOKENS, 1 << (fit.bit_length() - 1)))
 
 
