@@ -393,9 +393,11 @@ def reads_at(cfg: Config, done: int, start: int) -> bool:
     --log-every steps, at the last step and where a checkpoint by --ckpt-every or a validation is due (they save and
     judge what the guard accepted), and at the run's first step (`start` + 1: a stop that came while the run started,
     in DPO's reference pass, saves the state it started from). Between these steps nothing of the step is read from
-    the device."""
+    the device. GRPO reads every step: its next step samples from the model, which must be judged first (a NaN
+    update would fail the sampling before the guard saw it), and its sampling reads the device anyway."""
     every = (cfg.logging.log_every, cfg.checkpoint.every, cfg.loop.eval_every)
-    return done in (start + 1, cfg.loop.steps) or any(n and done % n == 0 for n in every)
+    return (cfg.objective.method == "grpo" or done in (start + 1, cfg.loop.steps)
+            or any(n and done % n == 0 for n in every))
 
 
 @dataclass
