@@ -89,7 +89,7 @@ def engine_norm_job(cfg, comm) -> float:
         p.grad = grads[s.name].clone() if comm.rank == 0 else torch.zeros_like(grads[s.name])
         engine.grads._on_grad_ready(p)
     norm, _ = engine.reduce_grads(torch.zeros(0))
-    return norm
+    return float(norm)  # 0-d, on the device: read here
 
 
 def per_rank_chunks_norm_job(cfg, comm) -> float:
@@ -159,3 +159,28 @@ def test_one_ranks_norm_squares_every_gradient_in_one_kept_block_and_a_block_per
     monkeypatch.setattr(grad_norm.Scratch, "take", lambda self, numel, device: (
         setattr(self, "block", None), real_take(self, numel, device))[1])  # planted: a fresh block every time
     assert blocks_allocated() >= whole_rows
+
+
+def python_exact_sum(squares: torch.Tensor) -> float:
+    """The exact sum of float64 `squares` (each 0 or a normal float64), rounded once: with Python's integers, as the
+    host computed it before the device did (a read a step)."""
+    m, e = torch.frexp(squares)
+    return sum(int(x) << int(k - grad_norm.E_MIN) for x, k in zip((m * 2.0**53).long().tolist(), e.tolist()) if x) \
+        / 2 ** (53 - grad_norm.E_MIN)
+
+
+def test_the_device_rounds_the_exact_sum_once_as_pythons_integers_do_and_a_dropped_carry_is_caught(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    cases = [(torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g, dtype=torch.float64)
+              * 10.0 ** int(torch.randint(-30, 30, (1,), generator=g))).float().double() ** 2 for _ in range(60)]
+    # sums whose rounding is a tie, or one bit past it far below the top limbs (the sticky quarter decides)
+    cases += [torch.tensor([2.0**60, 2.0**8, 2.0**-200], dtype=torch.float64),
+              torch.tensor([2.0**60, 2.0**8], dtype=torch.float64), torch.tensor([2.0**60, 3 * 2.0**8], dtype=torch.float64)]
+
+    def world_sum(v: torch.Tensor, ranks: int) -> float:
+        return float(grad_norm.exact_sum(torch.stack([grad_norm.exact_sum_limbs(c) for c in v.chunk(ranks)]).sum(0)))
+
+    for v in cases:
+        assert world_sum(v, 1) == world_sum(v, 3) == python_exact_sum(v)
+    monkeypatch.setattr(grad_norm, "_carry", lambda limbs: limbs & (2**32 - 1))  # planted: the carries dropped
+    assert any(world_sum(v, 3) != python_exact_sum(v) for v in cases)

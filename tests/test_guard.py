@@ -851,3 +851,35 @@ def test_the_token_losss_rule_raises_an_alarm_in_a_third_of_the_held_out_dpo_run
     planted = [name for name in DPO_TRACES if dpo_refusals(name, lambda loss: token_loss_rule(400))]
     assert (len(planted), len(DPO_TRACES)) == (16, 48)
     assert sum(name.startswith("ipo") for name in planted) == 10  # of 16 ipo runs
+
+
+# --- the guard at the log steps (--log-every): the steps between are judged at the next one -----------------------
+
+def log_every_run(out, one_rank, **over):
+    """A 15-step run of the tiny model reading the device every 5 steps, saving every 10: its step records, rollback
+    events and result."""
+    cfg = tiny_config(out, steps=15, micro=4, log_every=5, ckpt_every=10, **over)
+    result = train(cfg, one_rank)
+    with open(cfg.logging.metrics) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if "event" not in r], [r for r in rows if r.get("event") == "rollback"], result
+
+
+def test_a_nan_between_log_steps_is_judged_at_the_next_one_rolled_back_and_a_skipped_judgement_is_caught(
+        tmp_path, one_rank, monkeypatch):
+    from zerotrain.training import loop
+
+    monkeypatch.setenv(ENV, "nan@step=12")  # step 12's update is applied before the host reads its loss (at 15)
+    records, rollbacks, result = log_every_run(tmp_path / "guarded", one_rank)
+    # refused as step 12, back to step 10, the data of the discarded steps 11-14 skipped (step 15 had not begun)
+    assert [(r["step"], r["to_step"], r["skipped_data_steps"]) for r in rollbacks] == [(12, 10, [11, 14])]
+    assert "non-finite" in rollbacks[0]["reason"]
+    assert [r["step"] for r in records] == list(range(1, 16))  # one record a step, the replayed ones once
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert all(math.isfinite(n) for n in result.param_norms)
+    # planted: the steps between log steps never judged (their values dropped unread): step 15 is refused instead,
+    # from a model the NaN had already ruined, and the unread steps have no records
+    monkeypatch.setattr(loop, "_judge_unread", lambda cfg, run, comm: run.unread.clear())
+    records, rollbacks, _ = log_every_run(tmp_path / "planted", one_rank)
+    assert [r["step"] for r in rollbacks] != [12]
+    assert [r["step"] for r in records] != list(range(1, 16))

@@ -626,7 +626,8 @@ def test_a_rewind_drops_the_abandoned_records_and_a_resume_keeps_every_event(tmp
 
 def test_wall_clock_cadence_saves_when_rank_0s_clock_says_so(tmp_path):
     often, rarely = str(tmp_path / "often"), str(tmp_path / "rarely")
-    train_in_turn([*TINY, "--steps", "4", "--ckpt-every-minutes", "1e-9", "--out", often],
+    # rank 0's clock is heard at the log steps: --log-every 1 makes every step one
+    train_in_turn([*TINY, "--steps", "4", "--ckpt-every-minutes", "1e-9", "--log-every", "1", "--out", often],
                   [*TINY, "--steps", "4", "--ckpt-every-minutes", "60", "--out", rarely])
     assert checkpoint.committed_steps(os.path.join(often, "checkpoints")) == [checkpoint.step_name(s) for s in (1, 2, 3, 4)]
     assert checkpoint.committed_steps(os.path.join(rarely, "checkpoints")) == ["step_00000004"]  # the last step only

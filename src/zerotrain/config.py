@@ -712,8 +712,10 @@ class LoggingConfig:
     out: str = setting("", "run folder", shown="runs/<timestamp>")
     metrics: str = setting("", "metrics JSONL path", shown="<out>/metrics.jsonl")
     progress: bool = setting(True, "a progress line (--no-progress: none)")
-    log_every: int = setting(10, "with --no-progress, a line of the step's figures every N steps and at the last "
-                             "(0: none)", rule=NON_NEGATIVE)
+    log_every: int = setting(10, "the host reads the steps' values (losses, gradient norms, flags) from the device "
+                             "every N steps and at the first, the last, a checkpoint's and a validation's step: the guard judges "
+                             "them and a stop takes effect there; with --no-progress, a line of the step's figures "
+                             "then (0: no lines, and reads only at those steps)", rule=NON_NEGATIVE)
     tensorboard: bool = setting(False, "also log to <out>/tensorboard ('zerotrain[tb]')")
     wandb: str = setting("", "also log each step, the config and the summary to this Weights & Biases project, from "
                          "rank 0 ('zerotrain[wandb]'; WANDB_MODE=offline logs without a network)", shown="none")

@@ -165,10 +165,15 @@ class Checkpointer:
     def after_step(self, step: int, engine: ZeroEngine, state: dict, decision, seconds: float) -> None:
         """Count the step's `seconds`; save `step` if due, with the loop's own `state` (data skips, guard window) in
         the manifest. The last step saves synchronously: the run ends right after (a stop saves through `stop`)."""
-        self.cost.step(seconds)
+        self.count_step(seconds)
         by_steps = self.every and step % self.every == 0
         if self.enabled and (by_steps or decision.save_by_clock or step == self.last):
             self._save(step, engine, state, wait=step == self.last)
+
+    def count_step(self, seconds: float) -> None:
+        """Count a step's `seconds` where after_step is not called for it (a step the loop judged after it was
+        applied, at its next read of the device: no save is due there)."""
+        self.cost.step(seconds)
 
     def arm(self, step: int, engine: ZeroEngine, state: dict) -> None:
         """The training thread, as a step begins: a stop from now until `disarm` saves `step`, the last completed

@@ -282,8 +282,9 @@ def loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         if not (want_h or want_w):
             continue
         p = e.div_(sums[0].unsqueeze(1))  # softmax, then minus the one-hot of the target on its rank
-        mine = owned.nonzero().squeeze(1)
-        p[mine, local[mine]] -= 1.0
+        # the target's column on the rank that holds it; -0.0 elsewhere, which changes no value (no nonzero(): its
+        # count of rows is a read of the device, one a chunk)
+        p.scatter_add_(1, local.unsqueeze(1), -owned.to(p.dtype).unsqueeze(1))
         p.mul_(trained.unsqueeze(1).to(p.dtype))
         if tanh is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
             p.mul_(1.0 - tanh.square_())
@@ -386,8 +387,7 @@ class _TokenLogps(torch.autograd.Function):
             z, tanh = chunk_logits(hc, weight, ctx.softcap)
             local, owned = owned_targets(targets[lo:hi], ctx.vocab_start, rows)
             g = z.sub_(lse[lo:hi].unsqueeze(1)).exp_().mul_(-u.unsqueeze(1))  # upstream x (one-hot - softmax)
-            mine = owned.nonzero().squeeze(1)
-            g[mine, local[mine]] += u[mine]
+            g.scatter_add_(1, local.unsqueeze(1), torch.where(owned, u, -0.0).unsqueeze(1))  # as in loss_and_grads
             if tanh is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
                 g.mul_(1.0 - tanh.square_())
                 del tanh

@@ -190,11 +190,12 @@ class ZeroEngine:
         return self.grads.grad_peak_bytes
 
     # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor], beside=()) -> tuple[float, torch.Tensor]:
+    def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor],
+                     beside=()) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
 
-        Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size) and the extras
-        summed over ranks. `extras` may be a function, called once the reduce-scatter is finished (the control flags
+        Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size; 0-d float64) and
+        the extras summed over ranks, both on the device and unread (the loop reads them at its log steps). `extras` may be a function, called once the reduce-scatter is finished (the control flags
         are read as late as they can be: a rank waiting there for a slower one can still start a stop's save).
         `beside`: engines over the model's other parameters (expert parallelism's), finished here, their squares
         joining this rank's partial sum.
@@ -202,14 +203,14 @@ class ZeroEngine:
         squares = torch.cat([self.grads.finish_grads().reshape(-1),
                              *(e.grads.finish_grads().reshape(-1).to(self.device) for e in beside)])
         limbs = grad_norm.exact_sum_limbs(squares)
-        extras = (extras() if callable(extras) else extras).to(dtype=torch.float64).reshape(-1).cpu()
-        stats = self.mesh.world.all_reduce(torch.cat([limbs, extras]).to(self.device),
-                                           "all_reduce_stats").cpu()
-        return grad_norm.norm_of_limbs(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
+        extras = (extras() if callable(extras) else extras).to(self.device, torch.float64).reshape(-1)
+        stats = self.mesh.world.all_reduce(torch.cat([limbs.to(self.device), extras]), "all_reduce_stats")
+        return grad_norm.norm_tensor(stats[: grad_norm.N_VALUES]), stats[grad_norm.N_VALUES :]
 
-    def apply(self, lr: float, grad_norm: float) -> None:
-        """Clip by the global norm, AdamW on this rank's shard, and the parameters follow (the placement's
-        after_update); with `gather_behind_forward` the all-gather is still in flight on return (wait_params)."""
+    def apply(self, lr: float, grad_norm: torch.Tensor | float) -> None:
+        """Clip by the global norm (on the device), AdamW on this rank's shard, and the parameters follow (the
+        placement's after_update); with `gather_behind_forward` the all-gather is still in flight on return
+        (wait_params)."""
         self.placement.before_update()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
         self.adamw.step(lr, grad_norm)
         self._publish_params(wait=not self.gather_behind_forward)

@@ -136,28 +136,87 @@ def scattered_chunk_squares(pieces: list[tuple[int, torch.Tensor]]) -> torch.Ten
 
 
 def exact_sum_limbs(squares: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the step's all-reduce (N_VALUES float64, on the CPU): the exact sum of `squares` (float64,
-    0 or at least 2^-298, as every fp32 value and every square of one is) as N_LIMBS integer limbs, then 0; or, where
-    one is not finite or beyond 2^E_MAX, no limbs and their float64 sum."""
+    """This rank's part of the step's all-reduce (N_VALUES float64, on the squares' device, never read by the host):
+    the exact sum of `squares` (float64, 0 or at least 2^-298, as every fp32 value and every square of one is) as
+    N_LIMBS integer limbs, each below 2^33, then 0; or, where one is not finite or beyond 2^E_MAX, no limbs and their
+    float64 sum."""
     v = squares.detach().reshape(-1).to(torch.float64)
     rough = v.sum()
-    if not (rough < 2.0**E_MAX):  # an inf or nan gradient (or one near fp32's limit): the guard's business, not ours
-        return torch.tensor([0.0] * N_LIMBS + [rough.item()], dtype=torch.float64)
-    m, e = torch.frexp(v)  # v = m x 2^e, m in [0.5, 1): e >= -297 for every fp32 value and its square
+    # an inf or nan gradient (or one near fp32's limit): the guard's business, not ours
+    beyond = ~(rough < 2.0**E_MAX)
+    m, e = torch.frexp(v.masked_fill(beyond, 0.0))  # v = m x 2^e, m in [0.5, 1): e >= -297 for every fp32 value
     mantissa = (m * 2.0**53).to(torch.int64)  # exact
-    index = e - E_MIN
+    index = e.to(torch.int64) - E_MIN
     # Two halves of each 53-bit mantissa, so that a rank's sum of up to 2^36 of them stays an exact int64.
     bins = torch.zeros(2, E_MAX - E_MIN + 1, dtype=torch.int64, device=v.device)
     bins[0].index_add_(0, index, mantissa >> 26)
     bins[1].index_add_(0, index, mantissa & (2**26 - 1))
-    high, low = bins.tolist()
-    total = sum(((h << 26) + lo) << k for k, (h, lo) in enumerate(zip(high, low)) if h or lo)
+    limbs = _limbs_of_bins(bins)
+    values = torch.cat([limbs.to(torch.float64), torch.zeros(1, dtype=torch.float64, device=v.device)])
+    rest = torch.cat([torch.zeros(N_LIMBS, dtype=torch.float64, device=v.device), rough.reshape(1)])
+    return torch.where(beyond, rest, values)
+
+
+# The bins' values are cut into pieces of PIECE_BITS, so that each piece shifted within its 32-bit limb, and the
+# sum of every piece that lands in one limb, stay exact int64s (pieces below 2^16, shifted below 2^48, at most 256
+# of them a limb).
+PIECE_BITS = 16
+
+
+def _limbs_of_bins(bins: torch.Tensor) -> torch.Tensor:
+    """sum over k of (bins[0, k] x 2^26 + bins[1, k]) x 2^k as N_LIMBS int64 limbs of LIMB_BITS, each below 2^33
+    (carried twice, not to the end: the all-reduce sums them as float64 integers, exact below 2^53), on the device:
+    the host computed this with Python's integers, one read a step."""
+    device, n_bins = bins.device, bins.shape[1]
+    position = torch.arange(n_bins, device=device) + torch.tensor([[26], [0]], device=device)
+    limbs = torch.zeros(N_LIMBS + 2, dtype=torch.int64, device=device)
+    for j in range(64 // PIECE_BITS):
+        piece = (bins >> (PIECE_BITS * j)) & (2**PIECE_BITS - 1)
+        at = position + PIECE_BITS * j
+        limbs.index_add_(0, (at >> 5).reshape(-1), (piece << (at & 31)).reshape(-1))
+    for _ in range(2):
+        limbs = _carry(limbs)
+    return limbs[:N_LIMBS]
+
+
+def _carry(limbs: torch.Tensor) -> torch.Tensor:
+    """One carry of every limb's bits above LIMB_BITS into the next limb (the top limb's are dropped: the sum is
+    sized to fit)."""
     mask = 2**LIMB_BITS - 1
-    return torch.tensor([(total >> (LIMB_BITS * i)) & mask for i in range(N_LIMBS)] + [0.0], dtype=torch.float64)
+    carried = limbs & mask
+    carried[1:] += limbs[:-1] >> LIMB_BITS
+    return carried
+
+
+def exact_sum(summed: torch.Tensor) -> torch.Tensor:
+    """The sum of squares from exact_sum_limbs' values summed over every rank, on their device (0-d float64, unread):
+    the exact sum rounded once to float64 (the host did this with Python's integers, a read a step)."""
+    device = summed.device
+    limbs = summed[:N_LIMBS].to(torch.int64)
+    for _ in range(N_LIMBS + 1):  # canonical limbs, below 2^32: a carry may run from the lowest limb to the top
+        limbs = _carry(limbs)
+    # Rounded once: the top three limbs (96 bits, at least 65 of them significant) with a sticky quarter for anything
+    # below them, which breaks a tie as the rest would (ties lie at multiples of 2^11 there).
+    padded = torch.cat([torch.zeros(2, dtype=torch.int64, device=device), limbs])
+    places = torch.arange(padded.numel(), device=device)
+    top = torch.where(padded != 0, places, 0).max().clamp(min=2)
+    a, b, c = (padded[top - i].to(torch.float64) for i in range(3))
+    sticky = ((padded != 0) & (places < top - 2)).any().to(torch.float64) * 0.25
+    high, low = a * 2.0**64, b * 2.0**32
+    s = high + low
+    err = (high - (s - (s - high))) + (low - (s - high))  # TwoSum: s + err == high + low exactly
+    rounded = s + (err + (c + sticky))  # err + c + sticky is exact: a multiple of 2^-2 below 2^46
+    # scaled by powers of two (exact): c is limb top - 4 (two zeros were put below limb 0), in units 2^(E_MIN - 53)
+    return rounded * torch.pow(2.0, (top - 4).to(torch.float64) * LIMB_BITS - (53 - E_MIN)) + summed[N_LIMBS]
+
+
+def norm_tensor(summed: torch.Tensor) -> torch.Tensor:
+    """The global norm, on the device (0-d float64, unread): exact_sum's sqrt there (torch's: on the CPU it may differ
+    from a correctly rounded sqrt by an ulp; the same bits at every world size all the same). The clip factor is
+    computed from it on the device; the host reads it at the log steps."""
+    return torch.sqrt(exact_sum(summed))
 
 
 def norm_of_limbs(summed: torch.Tensor) -> float:
-    """The global norm from exact_sum_limbs' values summed over every rank: the exact sum rounded once, its sqrt."""
-    *limbs, rest = summed.tolist()
-    total = sum(int(x) << (LIMB_BITS * i) for i, x in enumerate(limbs))
-    return math.sqrt(total / 2 ** (53 - E_MIN) + rest)  # int / int rounds correctly
+    """norm_tensor, read: the global norm as a Python float."""
+    return float(norm_tensor(summed))

@@ -81,16 +81,30 @@ class AdamWShard:
             return self.placement.owned_values(pc)
         return self.master[pc.shard_lo : pc.shard_hi]
 
-    def step(self, lr: float, grad_norm: float) -> None:
-        """Clip the gradients by the global norm, and AdamW's step on the shard at learning rate `lr`."""
+    def step(self, lr: float, grad_norm: torch.Tensor | float) -> None:
+        """Clip the gradients by the global norm, and AdamW's step on the shard at learning rate `lr`.
+
+        The clip is computed and applied on the device, from the norm the step's all-reduce left there (0-d), so
+        that no step waits for the host to read the norm: fused AdamW divides the gradients by its `grad_scale`,
+        max(1, (norm + 1e-6) / clip), as it reads them (no pass of its own: multiplying the shard by the factor every
+        step took 80 ms of a 124M model's step on one thread); any other optimizer gets them multiplied by
+        min(1, clip / (norm + 1e-6)). An unclipped step's scale of 1 changes no bit.
+        """
         clip = self.optim_cfg.grad_clip
         in_params = self.grads.grads_in_params
         if in_params:
             for m, p in zip(self._master_views, self.params):
                 m.grad = p.grad.reshape(-1)
-        if clip > 0 and grad_norm > clip:
-            for g in [m.grad for m in self._master_views] if in_params else [self.grads.grad_shard]:
-                g.mul_(clip / (grad_norm + 1e-6))
+        if clip > 0:
+            grads = [m.grad for m in self._master_views] if in_params else [self.grads.grad_shard]
+            norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=grads[0].device)
+            clipped = norm > clip  # a nan norm leaves the gradients as they are, as the host's comparison did
+            if isinstance(self.optimizer, torch.optim.AdamW) and self.optimizer.defaults.get("fused"):
+                self.optimizer.grad_scale = torch.where(clipped, (norm + 1e-6) / clip, 1.0).float()
+            else:
+                factor = torch.where(clipped, clip / (norm + 1e-6), 1.0)
+                for g in grads:
+                    g.mul_(factor)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

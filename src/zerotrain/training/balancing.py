@@ -60,16 +60,18 @@ class Balancing:
 
     def extras(self) -> torch.Tensor:
         """[the rank's summed balancing losses, its expert loads] for the step's all-reduce; starts the next step."""
-        out = torch.cat([self.aux_sum.reshape(1), self.loads.reshape(-1)]).cpu()
+        out = torch.cat([self.aux_sum.reshape(1).to(self.loads.device), self.loads.reshape(-1)])  # on the device
         self._reset()
         return out
 
     def figures(self, totals: list[float], global_rows: int | None) -> dict:
         """The step's record: aux_loss (the balancing loss, unweighted, mean over the global batch's sequences with a
         trained token) and expert_load (per MoE layer, the most tokens one expert got over the mean: 1 is even)."""
-        loads = torch.tensor(totals[1:], dtype=torch.float64).view(len(self.layers), self.experts)
+        # the read values, in Python: a tensor made of them would be read again
+        E = self.experts
+        loads = [totals[1 + i * E : 1 + (i + 1) * E] for i in range(len(self.layers))]
         return {"aux_loss": totals[0] / self.rows(global_rows),
-                "expert_load": [round(float(row.max() / row.mean()), 4) if row.sum() else 0.0 for row in loads]}
+                "expert_load": [round(max(row) / (sum(row) / E), 4) if sum(row) else 0.0 for row in loads]}
 
 
 def balancing_for(cfg: Config, model: torch.nn.Module) -> Balancing | None:

@@ -8,11 +8,16 @@ another skipped, no extra collective runs per step, and no background thread iss
 A rank that cannot go on (its async writer or commit failed) says so in the same all-reduce instead of leaving
 before it: every rank learns which rank failed at once, on any backend and across nodes, instead of
 waiting out the collective timeout for a peer that will never come.
+
+The all-reduce runs every step, but its sums stay on the device: the loop reads them (`read`, one transfer for
+every step since the last read) at its log steps only (--log-every N, the last step, a checkpoint's or a
+validation's step), and decides there. A flag a rank raised is kept in its Python state until then (a stop
+signal, rank 0's clock, a failed or finished async save), so the step that reads carries it: every rank reads the
+same sums at the same step and decides the same thing, without a read of the device in the steps between.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,33 +57,54 @@ class Reduced:
     extras: list[float] = field(default_factory=list)  # the objective's sums (preference figures), over the ranks
 
 
-def reduce_step(engine, loss_sum: float, *, stop_signal: str | None | Callable[[], str | None], saving: SaveFlags,
-                extras: torch.Tensor | None = None) -> Reduced:
+def reduce_step(engine, loss_sum: torch.Tensor | float, *, stop_signal: str | None | Callable[[], str | None],
+                saving: SaveFlags, extras: torch.Tensor | None = None) -> torch.Tensor:
     """Finish the gradient reduce-scatter and all-reduce [loss, non-finite flags, failed flags, control flags,
     extras] once (with the gradient norm's square); `saving` is the checkpointer's flags; `extras` the objective's
     sums (counted once per TP group, as the loss). `stop_signal` may be a function: it is called once the
-    reduce-scatter is finished, just before the all-reduce (a stop seen until then is saved at once)."""
+    reduce-scatter is finished, just before the all-reduce (a stop seen until then is saved at once).
+
+    Returns the step's values on the device, unread: [gradient norm, loss, non-finite flags, failed flags, control
+    flags, extras]; `read` reads one or several steps' in one transfer. The rank's loss stays on the device (its
+    non-finite flag is computed there); the flags come from the host's Python values, a copy towards the device.
+    """
     world, tp_rank = engine.mesh.world, engine.mesh.tp_rank
-    W = world.world_size
-    nonfinite = torch.zeros(W, dtype=torch.float64)  # one-hot: summed over ranks it names every bad rank
-    nonfinite[world.rank] = not math.isfinite(loss_sum)
-    failing = torch.zeros(W, dtype=torch.float64)  # one-hot as well
-    failing[world.rank] = saving.error is not None
+    W, device = world.world_size, engine.device
+    loss = torch.as_tensor(loss_sum, dtype=torch.float64, device=device).reshape(1)
+    nonfinite = torch.zeros(W, dtype=torch.float64, device=device)  # one-hot: summed over ranks it names every bad rank
+    nonfinite[world.rank] = (~torch.isfinite(loss[0])).to(torch.float64)
     # The TP ranks of a replica compute the same loss: only the first one's counts.
-    counted_loss = loss_sum if tp_rank == 0 else 0.0
-    extra = torch.zeros(0, dtype=torch.float64) if extras is None else extras.to(torch.float64) * (tp_rank == 0)
+    counted_loss = loss if tp_rank == 0 else torch.zeros_like(loss)
+    extra = (torch.zeros(0, dtype=torch.float64, device=device) if extras is None
+             else extras.to(device, torch.float64).reshape(-1) * (tp_rank == 0))
 
     def reduced() -> torch.Tensor:
         signal = stop_signal() if callable(stop_signal) else stop_signal
-        flags = local_flags(save_by_clock=saving.by_clock, stop_signal=signal, save_done=saving.done)
-        flags[ASYNC_SLOWER] = saving.async_slower
-        return torch.cat([torch.tensor([counted_loss], dtype=torch.float64), nonfinite, failing, flags, extra])
+        host = torch.zeros(W + N_FLAGS, dtype=torch.float64)  # failed one-hot, then the control flags
+        host[world.rank] = saving.error is not None
+        host[W:] = local_flags(save_by_clock=saving.by_clock, stop_signal=signal, save_done=saving.done)
+        host[W + ASYNC_SLOWER] = saving.async_slower
+        if device.type == "cuda":  # a pinned copy the stream orders, not a pageable one the host waits for
+            host = host.pin_memory()
+        return torch.cat([counted_loss, nonfinite, host.to(device, non_blocking=True), extra])
 
     grad_norm, totals = engine.reduce_grads(reduced)
-    bad = [r for r, f in enumerate(totals[1 : 1 + W].tolist()) if f != 0]
-    decision = decide(totals[1 + 2 * W : 1 + 2 * W + N_FLAGS], W)
-    decision.failed_ranks = [r for r, f in enumerate(totals[1 + W : 1 + 2 * W].tolist()) if f != 0]
-    return Reduced(float(totals[0]), grad_norm, bad, decision, totals[1 + 2 * W + N_FLAGS :].tolist())
+    return torch.cat([grad_norm.reshape(1).to(torch.float64), totals])
+
+
+def read(steps: list[torch.Tensor], world_size: int) -> list[Reduced]:
+    """Several steps' reduce_step values, read by the host in one transfer."""
+    if not steps:
+        return []
+    W = world_size
+    out = []
+    for values in torch.stack(steps).tolist():
+        grad_norm, totals = values[0], values[1:]
+        decision = decide(totals[1 + 2 * W : 1 + 2 * W + N_FLAGS], W)
+        decision.failed_ranks = [r for r, f in enumerate(totals[1 + W : 1 + 2 * W]) if f != 0]
+        bad = [r for r, f in enumerate(totals[1 : 1 + W]) if f != 0]
+        out.append(Reduced(totals[0], grad_norm, bad, decision, totals[1 + 2 * W + N_FLAGS :]))
+    return out
 
 
 def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_done: bool) -> torch.Tensor:
@@ -89,7 +115,7 @@ def local_flags(*, save_by_clock: bool, stop_signal: str | None, save_done: bool
     return flags
 
 
-def decide(summed: torch.Tensor, world_size: int) -> Decision:
+def decide(summed: list[float], world_size: int) -> Decision:
     """Any rank's clock or stop flag counts; a save's phase is done only when every rank's part of it is."""
     stop = "SIGTERM" if summed[STOP_TERM] > 0 else "SIGINT" if summed[STOP_INT] > 0 else None
     return Decision(save_by_clock=bool(summed[SAVE_BY_CLOCK] > 0), stop_signal=stop,

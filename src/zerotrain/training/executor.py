@@ -17,8 +17,8 @@ and the executor, for each micro-batch: no communication until the last one (eng
 times the fault drills' `loss_factor`, the backward of summed / normaliser (+ term), so that the gradients summed over
 micro-batches and ranks are those of the global batch's mean loss whatever the split; it sums the losses (x the
 normaliser for a term, back to the summed scale), the units and the figures on the device. Nothing here reads the
-device: the loop reads the step's totals once, for its all-reduce, and then reduces and applies (engine.reduce_grads,
-engine.apply).
+device: the step's totals go into its all-reduce on the device, and the loop reads them at its log steps
+(--log-every) only (engine.reduce_grads, engine.apply and the clip never wait for the host).
 """
 
 from __future__ import annotations

@@ -196,6 +196,8 @@ class _Run:
     routing_bias: RoutingBias | None = None  # DeepSeek-V3's load-balancing bias, moved with each step (routing_bias.py)
     records: list[dict] = field(default_factory=list)
     rollbacks: list[dict] = field(default_factory=list)
+    unread: list[_Unread] = field(default_factory=list)  # steps applied since the host last read the device
+    saving: checkpoint.SaveFlags | None = None  # this rank's checkpoint flags in the last step's all-reduce
     stopped: dict | None = None
     # this rank's resident bytes when train() began, and its peak once started (built, read, resumed): io_plan's
     # start-up and resume figures are measured against these
@@ -266,13 +268,25 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             run.mesh.set_step(done)
             t0 = time.perf_counter()
             run.profiler.at_step(done)
-            run.checkpointer.arm(step, run.engine, _loop_state(run))  # what a stop during this step saves
+            reads = reads_at(cfg, done, run.start)
+            if reads:
+                # the steps since the last read, judged before a stop may save the state they left
+                target = _judge_unread(cfg, run, comm)
+                if target is not None:
+                    step = target
+                    continue
+                run.checkpointer.arm(step, run.engine, _loop_state(run))  # what a stop during this step saves
             run.faults.before_collectives(done, lambda: run.stop.requested)
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
             count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
             loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
-            reduced = _reduce(run, loss_sum)
+            values = _reduce(run, loss_sum)
+            if not reads:  # applied now, judged at the next read (a rollback goes back as far as it must)
+                _apply_unread(cfg, run, step, batch, values, t0, after_update)
+                step = done
+                continue
+            reduced = _agree(run, control.read([values], run.mesh.world.world_size)[0])
             if reduced.decision.stop:  # the step is not applied: its save is of `step`, and a resume redoes it
                 _stop(run, reduced.decision)
                 break
@@ -285,8 +299,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
                 continue
             lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
             if run.routing_bias is not None:  # from the step's global expert loads, applied with AdamW's step
-                run.routing_bias.take(reduced.extras)
-            run.engine.apply(lr, grad_norm)
+                run.routing_bias.take(values)
+            run.engine.apply(lr, values[0])
             run.detector.accept(done, loss, grad_norm)
             _check_after_update(cfg, run, done, after_update)
             step_s = time.perf_counter() - t0
@@ -382,24 +396,84 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
                                                              rank_device(cfg)))
 
 
-def _reduce(run: _Run, loss_sum: torch.Tensor) -> control.Reduced:
-    """The step's one all-reduce, with this rank's control flags; then the checkpointer acts on what was agreed.
+def reads_at(cfg: Config, done: int, start: int) -> bool:
+    """Whether the host reads the step's values at step `done` (and those of the steps since the last read): every
+    --log-every steps, at the last step and where a checkpoint by --ckpt-every or a validation is due (they save and
+    judge what the guard accepted), and at the run's first step (`start` + 1: a stop that came while the run started,
+    in DPO's reference pass, saves the state it started from). Between these steps nothing of the step is read from
+    the device. GRPO reads every step: its next step samples from the model, which must be judged first (a NaN
+    update would fail the sampling before the guard saw it), and its sampling reads the device anyway."""
+    every = (cfg.logging.log_every, cfg.checkpoint.every, cfg.loop.eval_every)
+    return (cfg.objective.method == "grpo" or done in (start + 1, cfg.loop.steps)
+            or any(n and done % n == 0 for n in every))
 
-    A failed async save is said in the all-reduce, not raised before it: every rank then stops together,
-    the failed one with its own error, the others naming it.
-    """
-    saving = run.checkpointer.flags()
+
+@dataclass
+class _Unread:
+    """A step applied before the host read its values: judged, recorded and logged at the next read."""
+
+    done: int
+    lr: float
+    batch: StepBatch
+    values: torch.Tensor  # control.reduce_step's, on the device
+    step_s: float
+
+
+def _apply_unread(cfg: Config, run: _Run, step: int, batch: StepBatch, values: torch.Tensor, t0: float,
+                  after_update) -> None:
+    """A step between reads: its update applied with the norm where the all-reduce left it, its values kept unread
+    for the next read step."""
+    done = step + 1
+    lr = lr_at(step, cfg.optim, cfg.loop.steps) * run.faults.lr_factor(done)
+    if run.routing_bias is not None:
+        run.routing_bias.take(values)
+    run.engine.apply(lr, values[0])
+    _check_after_update(cfg, run, done, after_update)
+    run.unread.append(_Unread(done, lr, batch, values, time.perf_counter() - t0))
+    run.faults.after_update(done, lambda: run.stop.requested)
+
+
+def _judge_unread(cfg: Config, run: _Run, comm: Comm) -> int | None:
+    """Read the steps applied since the last read, in one transfer, and judge them in order as if each had been
+    judged before its update: accepted and logged, or an anomaly, which rolls back to a checkpoint before it and
+    skips the data of every step since (their updates are discarded). The step to continue from after a rollback,
+    else None."""
+    unread, run.unread = run.unread, []
+    for u, reduced in zip(unread, control.read([u.values for u in unread], run.mesh.world.world_size)):
+        units = run.objective.loss_units(u.batch)
+        loss, grad_norm = reduced.loss_sum / units, reduced.grad_norm
+        anomaly = run.detector.check(u.done, loss, grad_norm, reduced.nonfinite_ranks, units)
+        if anomaly:
+            return _handle_anomaly(anomaly, cfg, run, comm, through=unread[-1].done)
+        run.detector.accept(u.done, loss, grad_norm)
+        run.checkpointer.count_step(u.step_s)
+        record = _record(u.done, loss, grad_norm, u.lr, u.batch, run.schedule, cfg, u.step_s)
+        _log_step(cfg, run, {**record, **run.objective.figures(reduced.extras, u.batch)})
+    return None
+
+
+def _reduce(run: _Run, loss_sum: torch.Tensor) -> torch.Tensor:
+    """The step's one all-reduce, with this rank's control flags: its values on the device, unread."""
+    saving = run.saving = run.checkpointer.flags()
 
     def stop_signal() -> str | None:  # read after the reduce-scatter, as late as the all-reduce allows
         run.checkpointer.disarm()  # a stop seen from here on is saved once all agree: else it would race the update
         return run.stop.signal_name if run.stop.requested else None
 
-    reduced = control.reduce_step(run.engine, float(loss_sum), saving=saving, stop_signal=stop_signal,
-                                  extras=run.objective.extras())
+    return control.reduce_step(run.engine, loss_sum, saving=saving, stop_signal=stop_signal,
+                               extras=run.objective.extras())
+
+
+def _agree(run: _Run, reduced: control.Reduced) -> control.Reduced:
+    """At a read step: the checkpointer acts on what was agreed.
+
+    A failed async save is said in the all-reduce, not raised before it: every rank then stops together,
+    the failed one with its own error, the others naming it.
+    """
     failed = reduced.decision.failed_ranks
     if failed:
-        if saving.error is not None:
-            raise saving.error
+        if run.saving.error is not None:
+            raise run.saving.error
         step = run.engine.mesh.world.step
         raise CollectiveError(f"step {step}: rank {failed[0]} failed before the step's all-reduce (its own line says "
                               "why)", peer_lost=True)
@@ -542,8 +616,10 @@ def _loop_state(run: _Run) -> dict:
             "rollback": run.policy.state_dict()}
 
 
-def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
+def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm, through: int | None = None) -> int:
     """Abort, or roll back; returns the step to continue from (the data skips then in force are the run's).
+    `through`: the last step whose data was trained on (the anomaly's, unless later steps were applied before the
+    host read the anomaly's values): the data of every step from the anomaly's to it is skipped.
 
     A rollback's decision is made durable before training goes on: the restored step is saved again with the new
     skips, window and rollback count (Checkpointer.recommit), so a crash at any later moment resumes the rolled-back
@@ -551,7 +627,9 @@ def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
     run.checkpointer.finish()  # commit what is already written: a rollback may need it
     if cfg.guard.on_anomaly == "abort":
         raise invariants.InvariantError(f"invariant (a) failed: {anomaly.reason}")
-    step, run.skips, event, manifest = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg)
+    run.unread = []  # their updates are discarded with the anomaly's
+    step, run.skips, event, manifest = _roll_back(anomaly, run.policy, run.skips, run.engine, comm, cfg,
+                                                  through or anomaly.step)
     if "guard" in manifest:  # the window the restored step had: a resumed run's history may not reach back to it
         run.detector.load_state_dict(manifest["guard"])
     else:
@@ -563,9 +641,11 @@ def _handle_anomaly(anomaly, cfg: Config, run: _Run, comm: Comm) -> int:
     return step
 
 
-def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine, comm: Comm, cfg: Config):
-    """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly: (its
-    step, the skips now in force, the rollback's event, its manifest)."""
+def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine, comm: Comm, cfg: Config,
+               through: int):
+    """Restore the checkpoint the policy picks, in these processes, and skip the data that led to the anomaly and
+    that of the steps after it up to `through`: (its step, the skips now in force, the rollback's event, its
+    manifest)."""
     # Rank 0 committed the checkpoints; the others may not see its last rename yet: its list decides.
     root = cfg.checkpoint.dir
     committed = comm.io.all_gather_json(checkpoint.committed_step_numbers(root) if comm.rank == 0 else None,
@@ -574,9 +654,9 @@ def _roll_back(anomaly, policy: RollbackPolicy, skips: list, engine: ZeroEngine,
     manifest = checkpoint.load_checkpoint(os.path.join(root, checkpoint.step_name(target)), engine, comm)
     comm.io.barrier("checkpoint_loaded")
     # The skips in force now, not the checkpoint's: data a discarded update saw is never trained on again.
-    new_skips = skip_after_rollback(skips, target, anomaly.step)
+    new_skips = skip_after_rollback(skips, target, through)
     first = data_step(target, [p for p in skips if p[0] < target]) + 1
-    last = data_step(anomaly.step - 1, skips) + 1
+    last = data_step(through - 1, skips) + 1
     event = {"event": "rollback", "step": anomaly.step, "to_step": target, "reason": anomaly.reason,
              "skipped_data_steps": [first, last], "rollback": policy.rollbacks,
              "message": f"rollback {policy.rollbacks}/{cfg.guard.max_rollbacks}: {anomaly.reason}; restored "

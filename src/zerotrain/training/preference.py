@@ -355,8 +355,8 @@ class Preference:
         return {"reference_model": self.reference_model} if self.reference_model is not None else {}
 
     def extras(self) -> torch.Tensor:
-        """What the step's all-reduce sums besides the loss: this rank's STATS sums (on the host)."""
-        return self.stats.cpu()
+        """What the step's all-reduce sums besides the loss: this rank's STATS sums (on the device, unread)."""
+        return self.stats
 
     def figures(self, totals: list[float], batch: PairBatch) -> dict:
         """The step record's preference figures: the means over the global batch's pairs."""

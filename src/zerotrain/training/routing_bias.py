@@ -34,11 +34,12 @@ class RoutingBias:
         self.pending: torch.Tensor | None = None
         self.engine.register_update_pre_hook(self._apply)
 
-    def take(self, totals: list[float]) -> None:
-        """The step's all-reduced [balancing loss, loads (layers x experts)...] (Balancing.extras' layout): the
-        update the coming optimizer step applies."""
-        loads = torch.tensor(totals[1:], dtype=torch.float64).view(len(self.names), self.experts)
-        self.pending = bias_update(loads, self.speed).float()
+    def take(self, values: torch.Tensor) -> None:
+        """The step's all-reduced values on the device, unread (training/control.reduce_step's), which end with the
+        objective's extras, Balancing's [balancing loss, loads (layers x experts)]: the update the coming optimizer
+        step applies, computed where the values are (no host read)."""
+        loads = values[len(values) - len(self.names) * self.experts:].to(torch.float64)
+        self.pending = bias_update(loads.view(len(self.names), self.experts), self.speed).float()
 
     def _apply(self) -> None:
         if self.pending is None:

@@ -177,9 +177,10 @@ def one_step(cfg: Config, comm: Comm, split: Split, lr: float, *, sgd: bool) -> 
     engine.zero_grad()
     with planted_weighting(split.weighting, batch.global_tokens, chunks=split.accum * mesh.dp_size):
         loss_sum = float(loop.accumulate_gradients(engine, batch))
-    reduced = control.reduce_step(engine, loss_sum, stop_signal=None, saving=control.NO_SAVE)
+    values = control.reduce_step(engine, loss_sum, stop_signal=None, saving=control.NO_SAVE)
     grads = reduced_grads(engine)  # before apply, which clips the shard in place
-    engine.apply(lr, reduced.grad_norm)
+    engine.apply(lr, values[0])  # the norm on the device, as the loop applies it
+    reduced = control.read([values], mesh.world.world_size)[0]
     calls = Counter(mesh.counters()[0]) - before
     return {
         "loss": reduced.loss_sum / batch.global_tokens,
