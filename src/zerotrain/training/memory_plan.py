@@ -219,7 +219,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         "gradient_buckets": buckets,
         **activation_rows(cfg, saved),
         "reference": reference_bytes(cfg),
-        "reference_model": reference_model_bytes(cfg, model, L, psize),
+        "reference_model": reference_model_bytes(cfg, model, L, psize, S),
         "kv_cache": kv_cache_bytes(cfg, model, psize),
         "loss_working_set": activations["working"],
         "communication": communication,
@@ -364,16 +364,24 @@ def reference_bytes(cfg: Config) -> int:
         return 0
 
 
-def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: int) -> int:
+def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: int, shards: int) -> int:
     """--method dpo --dpo-reference live, or --method grpo --grpo-beta > 0, in full fine-tuning: the frozen copy of
     the initial policy, laid out as the rank's policy (`model`: its TP slice, on the meta device; `layout`: its flat
     layout over the DP ranks), in the run's precision: whole at stages 1 and 2, at stage 3 the shard
     (frozen_copy.shard_frozen_copy lays an all-frozen copy out as the model trains); 0 otherwise (a precomputed
-    reference is `reference_bytes`; LoRA's live reference is its base with the adapters off)."""
+    reference is `reference_bytes`; LoRA's live reference is its base with the adapters off). Under --ep the copy
+    holds every expert (`shards`: the ranks a stage-3 copy is sharded over)."""
     o = cfg.objective
     live = o.method == "dpo" and o.dpo_loss not in REFERENCE_FREE and o.dpo_reference == "live"
     if not (live or o.method == "grpo" and o.grpo_beta > 0) or cfg.lora.rank:
         return 0
+    p = cfg.parallel
+    if p.ep > 1:  # the copy scores without the experts' all-to-all: every expert on every rank (hub.initial_model)
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.loop.seed)
+            if p.tp > 1:
+                parallelize(model, p.tp, 0, None)
+        layout = unit_rules.frozen_layout_of(model, shards, p.bucket_numel)
     return parts_for(cfg).placement.copy_numel(model, layout) * psize
 
 
