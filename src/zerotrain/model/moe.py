@@ -184,19 +184,23 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
-def expert_outputs(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor, path: str = "loop"):
+def expert_outputs(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor, path: str = "loop",
+                   sizes: list[int] | None = None):
     """Each expert's output on its rows of `tokens` (sorted by expert, counts[e] rows for expert e), in that order.
 
     The seam of expert parallelism: given the tokens routed to this rank's experts, sorted, and their counts. Experts
-    with LoRA adapters (model/lora.py: forward hooks on their linears) take the loop, which calls the linears."""
+    with LoRA adapters (model/lora.py: forward hooks on their linears) take the loop, which calls the linears.
+    `sizes`: the counts as the host has read them already (expert parallelism reads them with its split sizes)."""
     if path == "grouped" and aligned(tokens, experts) and not hasattr(experts[0].gate_proj, "lora_A"):
         return expert_grouped(experts, tokens, counts)
-    return expert_loop(experts, tokens, counts)
+    return expert_loop(experts, tokens, counts, sizes)
 
 
-def expert_loop(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The reference: one expert at a time on its rows; an expert without rows is not run."""
-    pieces = tokens.split(counts.tolist())
+def expert_loop(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor,
+                sizes: list[int] | None = None) -> torch.Tensor:
+    """The reference: one expert at a time on its rows; an expert without rows is not run. It reads the counts
+    (the layer's one host read) unless the caller gives them as `sizes`."""
+    pieces = tokens.split(counts.tolist() if sizes is None else sizes)
     return torch.cat([expert(rows) for expert, rows in zip(experts, pieces) if len(rows)] or [tokens[:0]])
 
 

@@ -119,15 +119,18 @@ class ExpertExchange:
         # Counts first: rank r gets, from every source, the source's rows for each of r's experts (source order).
         per_source = self.comm.all_to_all(counts.contiguous(), [local] * E, [local] * E,
                                           "all_to_all_expert_counts").view(E, local)
-        # the split sizes, sent and received, in the layer's one read of the device
-        splits = torch.cat([counts.view(E, local).sum(1), per_source.sum(1)]).tolist()
-        sent, received = splits[:E], splits[E:]
+        # the split sizes, sent and received, and the received rows of each local expert (the expert loop's split):
+        # the layer's one read of the device
+        received_by_expert = per_source.sum(0)
+        splits = [int(n) for n in torch.cat([counts.view(E, local).sum(1), per_source.sum(1),
+                                             received_by_expert]).tolist()]
+        sent, received, by_expert = splits[:E], splits[E:2 * E], splits[2 * E:]
         gathered = all_to_all_rows(rows, self.comm, received, sent, "all_to_all_expert_rows")
         if torch.is_grad_enabled():  # a training micro-batch's (not an evaluation's or a reference's, of other sizes)
             self.sent_bytes_most = max(self.sent_bytes_most, rows.numel() * rows.element_size())
             self.received_bytes_most = max(self.received_bytes_most, gathered.numel() * gathered.element_size())
         order = expert_major_order(per_source, sum(received))
-        outputs = expert_outputs(moe.local_experts(), gathered[order], per_source.sum(0), path)
+        outputs = expert_outputs(moe.local_experts(), gathered[order], received_by_expert, path, by_expert)
         return all_to_all_rows(outputs[inverse_order(order)], self.comm, sent, received, "all_to_all_expert_outputs")
 
     def every_expert(self, local: torch.Tensor) -> torch.Tensor:
