@@ -48,8 +48,8 @@ def two_rank_job(rank, comm, tmp_path, split, sparse):
     out = {"split": figures(train(config(tmp_path / "split", *split), comm, announce=False))}
     idle = []
     real = moe.expert_loop
-    moe.expert_loop = lambda experts, tokens, counts: idle.append(int((counts == 0).sum())) or real(experts, tokens,
-                                                                                                  counts)
+    moe.expert_loop = lambda experts, tokens, counts, sizes=None: idle.append(int((counts == 0).sum())) or \
+        real(experts, tokens, counts, sizes)
     for zero in ("1", "3"):
         result = train(config(tmp_path / f"zero{zero}", *sparse, "--nproc", "2", "--zero", zero, "--steps", "3"),
                        comm, announce=False)

@@ -130,7 +130,7 @@ def runs(folders, tmp_path_factory):
         out["honest"] = zerotrain_run(config(tmp / "honest", model, data), comm)
         # planted, the old balancing: every row's loss counted, the global batch's rows dividing it
         real = balancing.balancing_loss
-        mp.setattr(balancing, "balancing_loss", lambda model, take=True, rows=None: real(model, take))
+        mp.setattr(balancing, "balancing_loss", lambda model, take=True, rows=None, whole_rows=None: real(model, take))
         mp.setattr(balancing.Balancing, "rows", lambda self, global_rows: self.sequences)
         out["empty rows counted"] = zerotrain_run(config(tmp / "counted", model, data), comm)
         mp.undo()
@@ -251,6 +251,11 @@ def family_configs() -> dict:
     configs["qwen3_5_text"] = transformers.Qwen3_5TextConfig(**qwen35)
     configs["qwen3_5_moe_text"] = transformers.Qwen3_5MoeTextConfig(
         **qwen35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    from test_deepseek import SIZES as DEEPSEEK_SIZES
+    from test_llama4 import hf_config as llama4_config
+
+    configs["deepseek_v3"] = transformers.DeepseekV3Config(**DEEPSEEK_SIZES)
+    configs["llama4_text"] = llama4_config()
     return configs
 
 

@@ -391,7 +391,9 @@ def kv_cache_bytes(cfg: Config, model: torch.nn.Module, psize: int) -> int:
     o, p = cfg.objective, cfg.parallel
     if o.method != "grpo":
         return 0
-    rows = o.num_generations if p.zero == 3 or p.ep > 1 else cfg.loop.micro_batch * cfg.loop.accum
+    # a batch per prompt where every rank must run the same forwards (units gathered in turn, experts' all-to-all)
+    per_prompt = parts_for(cfg).placement.gathers_units or p.ep > 1
+    rows = o.num_generations if per_prompt else cfg.loop.micro_batch * cfg.loop.accum
     m = model.cfg
     return 2 * m.n_layer * rows * kv_heads_per_rank(m.kv_heads, p.tp) * cfg.model.seq_len * m.head_dim * psize
 
