@@ -611,7 +611,7 @@ def test_a_lora_run_stopped_by_a_signal_without_a_save_cadence_records_its_base_
     # adapters would read as trained on a random base, and the resume on their own base would be refused)
     out = tmp_path / "run"
     argv = ["train", "--init-from", base, "--data", "synthetic", "--seq-len", "16", "--micro-batch", "2",
-            "--lora-rank", "4", "--no-progress", "--out", str(out)]
+            "--lora-rank", "4", "--no-progress", "--log-every", "1", "--out", str(out)]  # a stop acts at a read step
     env = {**os.environ, "ZEROTRAIN_FAULTS": "sigterm@step=2"}
     r = subprocess.run([sys.executable, "-m", "zerotrain", *argv, "--steps", "5"], capture_output=True, text=True,
                        timeout=240, env=env)
