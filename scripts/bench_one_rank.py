@@ -36,7 +36,12 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     if args.rank_allocator:
         from zerotrain.runtime.allocator import rank_allocator
 
-        rank_allocator(Config().parallel.zero)
+        try:  # where the rank's placement gathers units (stage 3); an older zerotrain took the stage number
+            from zerotrain.parallel.parts import parts_for
+
+            rank_allocator(parts_for(Config()).placement.gathers_units)
+        except ImportError:
+            rank_allocator(Config().parallel.zero)
     torch.set_num_threads(args.threads)
     shape = {**PRESETS[args.preset], "seq_len": args.seq_len}
     ids = torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq_len + 1),
