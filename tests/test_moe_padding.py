@@ -33,7 +33,7 @@ from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.data import IGNORE, BatchSchedule, make_source
 from zerotrain.hub import init_from
-from zerotrain.model import build_model, is_decayed, llama as llama_module, vocab
+from zerotrain.model import build_model, decoder as decoder_module, is_decayed, vocab
 from zerotrain.runtime.run_folder import resolve_paths
 from zerotrain.training import balancing
 from zerotrain.training.loop import train
@@ -135,7 +135,7 @@ def runs(folders, tmp_path_factory):
         out["empty rows counted"] = zerotrain_run(config(tmp / "counted", model, data), comm)
         mp.undo()
         # planted: the embedding built without its padding row
-        mp.setattr(llama_module, "token_embedding", lambda rows, width, padding_idx: nn.Embedding(rows, width))
+        mp.setattr(decoder_module, "token_embedding", lambda rows, width, padding_idx: nn.Embedding(rows, width))
         out["no padding row"] = zerotrain_run(config(tmp / "unpadded", model, data), comm)
     out["transformers"] = transformers_run(config(tmp / "oracle", model, data), model, out["honest"]["lr"],
                                            tmp / "oracle_weights")
@@ -174,7 +174,7 @@ def padding_row_job(rank, comm, tmp_path, data, planted):
     from zerotrain import load_model
 
     if planted:
-        llama_module.token_embedding = lambda rows, width, padding_idx: nn.Embedding(rows, width)
+        decoder_module.token_embedding = lambda rows, width, padding_idx: nn.Embedding(rows, width)
     runs = {"zero1": ["--zero", "1"], "zero2": ["--zero", "2"], "zero3": ["--zero", "3"],
             "tp2": ["--tp", "2", "--micro-batch", "4"]} if not planted else {"tp2": ["--tp", "2", "--micro-batch", "4"]}
     out = {}

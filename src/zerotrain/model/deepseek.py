@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from zerotrain.config import ModelConfig
 
+from .decoder import Decoder
 from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask
@@ -33,7 +34,6 @@ from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
 from .tensor_parallel import TPSlice
-from .vocab import LMHead, tied_head_hook, token_embedding
 
 
 class DeepseekMoE(MoE):
@@ -76,40 +76,11 @@ class DeepseekBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Deepseek(nn.Module):
+class Deepseek(Decoder):
     """Token embedding, DeepSeek-V3's blocks, final RMSNorm, LM head (its own unless tied)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
-            layers=nn.ModuleList(DeepseekBlock(cfg, layer) for layer in range(cfg.n_layer)),
-            norm=RMSNorm(cfg.n_embd, cfg.norm_eps),
-        ))
-        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
-        self.tie_weights()
-        if cfg.tie_embeddings:
-            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
-
-    @property
-    def embedding(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self.model.norm
-
-    def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, time, vocab), as Llama's forward: with a cache, segments, a head or targets."""
-        h = self.hidden(idx, cache, segments)
-        return head(h) if head is not None else self.lm_head(h, targets=targets)
+        super().__init__(cfg, DeepseekBlock, RMSNorm(cfg.n_embd, cfg.norm_eps))
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,6 +43,7 @@ from zerotrain.config import ModelConfig
 
 from . import attention, moe
 from .attention import attend, document_attention, window_attention
+from .decoder import Decoder
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
 from .kv_cache import KVCache
 from .moe import MoE
@@ -52,8 +53,7 @@ from .recompute import run_block
 from .rotary import LinearScaling, Llama3Scaling, YarnScaling, apply_rotary, rotary_tables
 from .tensor_parallel import (ColumnParallelLinear, ReduceFromTP, RowParallelLinear, TPSlice, blocks, copy_to_tp,
                               kv_head_blocks)
-from .vocab import (LMHead, VocabParallelEmbedding, VocabParallelHead, splits_vocab, tied_head_hook, token_embedding,
-                    vocab_slice)
+from .vocab import VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
 def member_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -171,47 +171,11 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Llama(nn.Module):
+class Llama(Decoder):
     """Token embedding, pre-RMSNorm blocks with rotary attention, final RMSNorm, LM head (tied or its own)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.recompute_blocks = False  # per block: True (--activation-checkpointing blocks) or "selective"
-        # --cp C: parallel/context.py's ContextParallel (each row split over C ranks, attention around their ring);
-        # None: the whole row is here
-        self.context_parallel = None
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
-            layers=nn.ModuleList(LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)),
-            norm=member_norm(cfg, cfg.n_embd),
-        ))
-        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, softcap=cfg.final_softcap)
-        self.tie_weights()
-        if cfg.tie_embeddings:
-            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
-        # initial values: init_rule, below (model/init.py draws them)
-
-    @property
-    def embedding(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    @property
-    def final_norm(self) -> nn.Module:
-        """The norm between the last block and the head."""
-        return self.model.norm
-
-    def tie_weights(self) -> None:
-        """The head is the token embedding's tensor, when tied (again after moving off the meta device)."""
-        if self.cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab); with a cache, segments (packed records), a head or targets (the
-        summed token loss), as GPT's."""
-        h = self.hidden(idx, cache, segments)
-        return head(h) if head is not None else self.lm_head(h, targets=targets)
+        super().__init__(cfg, LlamaBlock, member_norm(cfg, cfg.n_embd), softcap=cfg.final_softcap)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

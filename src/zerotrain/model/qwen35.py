@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .attention import attend
+from .decoder import Decoder
 from .delta_rule import causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
@@ -42,7 +43,6 @@ from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
 from .tensor_parallel import TPSlice
-from .vocab import LMHead, tied_head_hook, token_embedding
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -196,40 +196,11 @@ def record_starts(segments: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-class Qwen35(nn.Module):
+class Qwen35(Decoder):
     """Token embedding, Qwen3.5's hybrid blocks, final (1 + w) RMSNorm, LM head (tied or its own)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.recompute_blocks = False  # per block: True (--activation-checkpointing blocks) or "selective"
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=token_embedding(cfg.vocab_size, cfg.n_embd, cfg.padding_idx),
-            layers=nn.ModuleList(Qwen35Block(cfg, layer) for layer in range(cfg.n_layer)),
-            norm=GemmaRMSNorm(cfg.n_embd, cfg.norm_eps),
-        ))
-        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size)
-        self.tie_weights()
-        if cfg.tie_embeddings:
-            self.register_load_state_dict_pre_hook(tied_head_hook("lm_head.weight", "model.embed_tokens.weight"))
-
-    @property
-    def embedding(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self.model.norm
-
-    def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                segments: torch.Tensor | None = None, head=None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, time, vocab), as Llama's forward: with a cache, segments, a head or targets."""
-        h = self.hidden(idx, cache, segments)
-        return head(h) if head is not None else self.lm_head(h, targets=targets)
+        super().__init__(cfg, Qwen35Block, GemmaRMSNorm(cfg.n_embd, cfg.norm_eps))
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
