@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from zerotrain.config import ModelConfig
 
-from .decoder import Decoder
+from .decoder import Decoder, no_tp_parallelize, no_tp_plan
 from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask
@@ -33,7 +33,6 @@ from .norms import RMSNorm
 from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
-from .tensor_parallel import TPSlice
 
 
 class DeepseekMoE(MoE):
@@ -108,13 +107,5 @@ def init_rule(cfg: ModelConfig, name: str):
     return ("normal", 0.02)
 
 
-def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
-    """No TP slices: multi-head latent attention has no tensor parallelism yet (config refuses --tp above 1)."""
-    if tp > 1:
-        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
-    return {}
-
-
-def parallelize(model: Deepseek, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
-    model.tp_slices = plan(model.cfg, tp_size)
-    return model.tp_slices
+# no tensor parallelism yet (config refuses --tp above 1)
+plan, parallelize = no_tp_plan, no_tp_parallelize

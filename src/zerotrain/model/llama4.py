@@ -33,7 +33,7 @@ import torch.nn as nn
 from zerotrain.config import ModelConfig
 
 from .attention import attend, document_attention
-from .decoder import Decoder
+from .decoder import Decoder, no_tp_parallelize, no_tp_plan
 from .kv_cache import KVCache
 from .llama import LlamaMLP, rope_scaling
 from .moe import MoE, Routing, expert_outputs, inverse_order
@@ -41,7 +41,6 @@ from .norms import RMSNorm
 from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
-from .tensor_parallel import TPSlice
 
 
 def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -203,13 +202,5 @@ class Llama4(Decoder):
         return self.model.norm(x)
 
 
-def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
-    """No TP slices: Llama 4 has no tensor parallelism in zerotrain yet (config refuses --tp above 1)."""
-    if tp > 1:
-        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
-    return {}
-
-
-def parallelize(model: Llama4, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
-    model.tp_slices = plan(model.cfg, tp_size)
-    return model.tp_slices
+# no tensor parallelism yet (config refuses --tp above 1)
+plan, parallelize = no_tp_plan, no_tp_parallelize

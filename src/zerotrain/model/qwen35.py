@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .attention import attend
-from .decoder import Decoder
+from .decoder import Decoder, no_tp_parallelize, no_tp_plan
 from .delta_rule import causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
@@ -42,7 +42,6 @@ from .moe import MoE
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
-from .tensor_parallel import TPSlice
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,13 +231,5 @@ def init_rule(cfg: ModelConfig, name: str):
     return ("normal", 0.02)
 
 
-def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
-    """No TP slices: the Gated DeltaNet layers have no tensor parallelism yet (config refuses --tp above 1)."""
-    if tp > 1:
-        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
-    return {}
-
-
-def parallelize(model: Qwen35, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
-    model.tp_slices = plan(model.cfg, tp_size)
-    return model.tp_slices
+# no tensor parallelism yet (config refuses --tp above 1)
+plan, parallelize = no_tp_plan, no_tp_parallelize
