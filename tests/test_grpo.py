@@ -54,21 +54,24 @@ OPTIM = ["--lr", "1e-3", "--warmup-steps", "0", "--min-lr-ratio", "1", "--weight
          "--grad-clip", "1.0"]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def grpo_data(tmp, reward_file: str = "reward.py") -> dict:
     """A tiny random Llama whose EOS logit is raised, so completions end at varied lengths (some never end: cut at
-    L), the prompts and the reward file."""
+    L), the prompts and the reward file (`reward_file`: a module name of its own where one process loads several)."""
     import transformers
 
-    tmp = tmp_path_factory.mktemp("grpo-data")
     llama_folder(tmp / "base")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "base"))
     with torch.no_grad():
         model.lm_head.weight[EOS] = model.model.norm.weight * 3.0
     model.save_pretrained(str(tmp / "base"))
-    (tmp / "reward.py").write_text(REWARD)
+    (tmp / reward_file).write_text(REWARD)
     return {"base": str(tmp / "base"), "prompts": write_jsonl(tmp / "prompts.jsonl", RECORDS),
-            "reward": f"{tmp / 'reward.py'}:varied", "tmp": tmp}
+            "reward": f"{tmp / reward_file}:varied", "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return grpo_data(tmp_path_factory.mktemp("grpo-data"))
 
 
 def argv(data, out, *, loss="dapo", beta=0.0, nproc=1, steps=1, more=()) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from conftest import world_of_one
-from model_folders import llama_folder, write_jsonl
+from test_grpo import G, L, RECORDS, grpo_data
 
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser, main
@@ -26,29 +26,13 @@ from zerotrain.training.loop import train
 from zerotrain.training.rollouts import read_rollouts
 
 pytestmark = pytest.mark.timeout(600)
-G, L, EOS = 4, 6, 2
-RECORDS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
-REWARD = '''
-def varied(prompts, completions, completion_ids, answer, **kw):
-    return [len(set(ids)) / 6 + (ids[0] % 5) / 4 for ids in completion_ids]
-'''
 OPTIM = ["--lr", "1e-2", "--warmup-steps", "0", "--min-lr-ratio", "1", "--weight-decay", "0", "--beta2", "0.95",
          "--grad-clip", "1.0"]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    import transformers
-
-    tmp = tmp_path_factory.mktemp("grpo-iterations")
-    llama_folder(tmp / "base")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "base"))
-    with torch.no_grad():
-        model.lm_head.weight[EOS] = model.model.norm.weight * 3.0
-    model.save_pretrained(str(tmp / "base"))
-    (tmp / "iter_reward.py").write_text(REWARD)
-    return {"base": str(tmp / "base"), "prompts": write_jsonl(tmp / "prompts.jsonl", RECORDS),
-            "reward": f"{tmp / 'iter_reward.py'}:varied", "tmp": tmp}
+    return grpo_data(tmp_path_factory.mktemp("grpo-iterations"), "iter_reward.py")
 
 
 def zerotrain_two_steps(data, out, loss: str, beta: float) -> dict:
