@@ -252,9 +252,11 @@ def family_configs() -> dict:
     configs["qwen3_5_moe_text"] = transformers.Qwen3_5MoeTextConfig(
         **qwen35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     from test_deepseek import SIZES as DEEPSEEK_SIZES
+    from test_glm45 import SIZES as GLM_SIZES
     from test_llama4 import hf_config as llama4_config
 
     configs["deepseek_v3"] = transformers.DeepseekV3Config(**DEEPSEEK_SIZES)
+    configs["glm4_moe"] = transformers.Glm4MoeConfig(**GLM_SIZES)
     configs["llama4_text"] = llama4_config()
     return configs
 

@@ -261,11 +261,18 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")
 # (model/mla.py), the first --first-dense-layers layers dense, the others experts with shared experts, routed by
 # sigmoid scores with group-limited top-k and a load-balancing bias (model/group_routing.py).
 DEEPSEEK = ("deepseek_v3",)
+# glm4_moe: GLM-4.5's decoder (model/glm.py; GLM-4.5, GLM-4.5-Air, GLM-4.6/4.7): the Llama family's grouped-query
+# attention with partial rotary, q/k/v biases (--attention-bias) and per-head q/k norms (--use-qk-norm), and
+# DeepSeek-V3's MLPs (dense first layers, then group-routed experts with shared experts).
+GLM = ("glm4_moe",)
+# The members whose experts are DeepSeek-V3's (model/group_routing.py): --first-dense-layers, shared experts,
+# group-limited sigmoid routing and its load-balancing bias, multi-token-prediction layers kept through an export.
+GROUP_ROUTED = (*DEEPSEEK, *GLM)
 # llama4: Llama 4's text decoder (model/llama4.py): experts on every --moe-every-th layer (a shared expert beside them,
 # the router's sigmoid scores on the experts' input), chunked local attention on its rotary layers, global attention
 # without rotary on every --nope-every-th layer (with attention temperature tuning), weightless q/k L2 norms.
 LLAMA4 = ("llama4",)
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4)
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4, *GLM)
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5")
 GEMMA = ("gemma2", "gemma3")
 WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
@@ -297,8 +304,9 @@ class ModelConfig:
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
-                        "group-limited routing, shared experts); llama4 (Llama 4: chunked attention, layers without "
-                        "rotary, sigmoid-routed experts and a shared expert)",
+                        "group-limited routing, shared experts); glm4_moe (GLM-4.5: grouped-query attention with "
+                        "partial rotary, DeepSeek-V3's routing and shared experts); llama4 (Llama 4: chunked "
+                        "attention, layers without rotary, sigmoid-routed experts and a shared expert)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -382,9 +390,10 @@ class ModelConfig:
     full_attention_interval: int = setting(4, "qwen3_5: every N-th layer (layers N-1, 2N-1, ...) is a gated "
                                            "attention layer, the others Gated DeltaNet linear-attention layers",
                                            rule=POSITIVE, applies=archs_scope(*QWEN35))
-    partial_rotary: float = setting(0.25, "qwen3_5: the share of each attention head's width that rotary rotates "
-                                    "(partial_rotary_factor)", rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
-                                    applies=archs_scope(*QWEN35))
+    partial_rotary: float = setting(0.25, "qwen3_5, glm4_moe: the share of each attention head's width that rotary "
+                                    "rotates, its first units (partial_rotary_factor; GLM-4.5's 0.5)",
+                                    rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
+                                    applies=archs_scope(*QWEN35, *GLM))
     linear_conv_kernel: int = setting(4, "qwen3_5: the causal convolution's width over the linear-attention layers' "
                                       "q, k and v (linear_conv_kernel_dim)", rule=POSITIVE,
                                       applies=archs_scope(*QWEN35))
@@ -415,27 +424,32 @@ class ModelConfig:
     rope_mscale_all_dim: float = setting(0.0, "deepseek_v3 with yarn rope scaling: mscale_all_dim, which also scales "
                                          "the attention's softmax by (0.1 mscale_all_dim ln(factor) + 1)^2 (0: none)",
                                          rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
-    first_dense_layers: int = setting(0, "deepseek_v3: the first N layers have a dense MLP of --intermediate-size, the "
-                                      "others experts (first_k_dense_replace)", rule=NON_NEGATIVE,
-                                      applies=archs_scope(*DEEPSEEK))
-    shared_experts: int = setting(1, "deepseek_v3: shared experts every token goes through, as one MLP of this many "
-                                  "times --expert-width (n_shared_experts)", rule=POSITIVE,
-                                  applies=archs_scope(*DEEPSEEK))
-    expert_groups: int = setting(1, "deepseek_v3: the experts split into this many groups; a token's experts come "
-                                 "from its --expert-groups-per-token best groups (n_group)", rule=POSITIVE,
-                                 applies=archs_scope(*DEEPSEEK))
-    expert_groups_per_token: int = setting(1, "deepseek_v3: the groups a token's experts may come from, each group "
-                                           "scored by its two best experts (topk_group)", rule=POSITIVE,
-                                           applies=archs_scope(*DEEPSEEK))
-    routed_scaling: float = setting(1.0, "deepseek_v3: the routed experts' weights are multiplied by this "
-                                    "(routed_scaling_factor)", rule=POSITIVE, applies=archs_scope(*DEEPSEEK))
-    routing_bias_speed: float = setting(0.001, "deepseek_v3: after each optimizer step every MoE layer's "
+    first_dense_layers: int = setting(0, "deepseek_v3, glm4_moe: the first N layers have a dense MLP of "
+                                      "--intermediate-size, the others experts (first_k_dense_replace)",
+                                      rule=NON_NEGATIVE, applies=archs_scope(*GROUP_ROUTED))
+    shared_experts: int = setting(1, "deepseek_v3, glm4_moe: shared experts every token goes through, as one MLP of "
+                                  "this many times --expert-width (n_shared_experts)", rule=POSITIVE,
+                                  applies=archs_scope(*GROUP_ROUTED))
+    expert_groups: int = setting(1, "deepseek_v3, glm4_moe: the experts split into this many groups; a token's "
+                                 "experts come from its --expert-groups-per-token best groups (n_group)",
+                                 rule=POSITIVE, applies=archs_scope(*GROUP_ROUTED))
+    expert_groups_per_token: int = setting(1, "deepseek_v3, glm4_moe: the groups a token's experts may come from, "
+                                           "each group scored by its two best experts (topk_group)", rule=POSITIVE,
+                                           applies=archs_scope(*GROUP_ROUTED))
+    routed_scaling: float = setting(1.0, "deepseek_v3, glm4_moe: the routed experts' weights are multiplied by this "
+                                    "(routed_scaling_factor)", rule=POSITIVE, applies=archs_scope(*GROUP_ROUTED))
+    routing_bias_speed: float = setting(0.001, "deepseek_v3, glm4_moe: after each optimizer step every MoE layer's "
                                         "e_score_correction_bias moves by this times sign(mean load - expert load), "
                                         "the step's loads summed over every rank (DeepSeek-V3's auxiliary-loss-free "
-                                        "balancing; 0: frozen)", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
-    mtp_layers: int = setting(0, "deepseek_v3: multi-token-prediction layers the --init-from folder holds after the "
-                              "decoder's (num_nextn_predict_layers): not trained, copied as they are into an hf "
-                              "export", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+                                        "balancing; 0: frozen)", rule=NON_NEGATIVE,
+                                        applies=archs_scope(*GROUP_ROUTED))
+    mtp_layers: int = setting(0, "deepseek_v3, glm4_moe: multi-token-prediction layers the --init-from folder holds "
+                              "after the decoder's (num_nextn_predict_layers): not trained, copied as they are into "
+                              "an hf export", rule=NON_NEGATIVE, applies=archs_scope(*GROUP_ROUTED))
+    attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
+                                   "them)", applies=archs_scope(*GLM))
+    use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "
+                                "head width (use_qk_norm; GLM-4.5's, not GLM-4.5-Air's)", applies=archs_scope(*GLM))
     nope_every: int = setting(4, "llama4: every N-th layer (layers N-1, 2N-1, ...) has no rotary and attends to "
                               "every earlier token (no_rope_layer_interval); the others rotary and chunked",
                               rule=POSITIVE, applies=archs_scope(*LLAMA4))
@@ -488,8 +502,8 @@ class ModelConfig:
     @property
     def qkv_bias(self) -> bool:
         """Biases on q, k and v: Qwen2's and Qwen2-MoE's (not on the output projection), gpt-oss's (there too:
-        o_bias)."""
-        return self.arch in ("qwen2", "qwen2_moe", "gpt_oss")
+        o_bias), GLM-4.5's with --attention-bias."""
+        return self.arch in ("qwen2", "qwen2_moe", "gpt_oss") or (self.arch in GLM and self.attention_bias)
 
     @property
     def gpt_oss_experts(self) -> bool:
@@ -510,8 +524,8 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's,
-        Qwen3-MoE's and Gemma 3's."""
-        return self.arch in ("qwen3", "gemma3", "qwen3_moe")
+        Qwen3-MoE's and Gemma 3's; GLM-4.5's with --use-qk-norm."""
+        return self.arch in ("qwen3", "gemma3", "qwen3_moe") or (self.arch in GLM and self.use_qk_norm)
 
     @property
     def qk_norm_whole(self) -> bool:
@@ -529,7 +543,7 @@ class ModelConfig:
 
     def has_experts(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (every --moe-every-th layer, but --mlp-only-layers)."""
-        if self.arch in DEEPSEEK:
+        if self.arch in GROUP_ROUTED:
             return self.moe and layer >= self.first_dense_layers
         return self.moe and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
@@ -551,7 +565,7 @@ class ModelConfig:
         """The width of each head that rotary rotates: the whole head, or Qwen3.5's partial share of it."""
         if self.arch in DEEPSEEK:
             return self.qk_rope_dim
-        return int(self.head_dim * self.partial_rotary) if self.arch in QWEN35 else self.head_dim
+        return int(self.head_dim * self.partial_rotary) if self.arch in (*QWEN35, *GLM) else self.head_dim
 
     @property
     def expert_ffn(self) -> int:
@@ -1254,12 +1268,11 @@ def _check_qwen35(cfg: Config) -> None:
                           "them) is not in zerotrain yet: give --lora-rank 0")
 
 
-def _check_deepseek(cfg: Config) -> None:
-    """DeepSeek-V3's routing sizes, and what its latent attention does not have yet in zerotrain (tensor and context
-    parallelism, LoRA): refused, never trained approximately."""
-    m, p = cfg.model, cfg.parallel
+def _check_group_routing(cfg: Config) -> None:
+    """The routing sizes of DeepSeek-V3's experts (deepseek_v3's and glm4_moe's)."""
+    m = cfg.model
     if not m.moe:
-        raise ConfigError("--arch deepseek_v3 has experts after its --first-dense-layers: give --n-experts")
+        raise ConfigError(f"--arch {m.arch} has experts after its --first-dense-layers: give --n-experts")
     if m.n_experts % m.expert_groups or m.n_experts // m.expert_groups < 2:
         raise ConfigError(f"--expert-groups {m.expert_groups} does not split the --n-experts {m.n_experts} into equal "
                           "groups of at least 2 (each group is scored by its two best experts)")
@@ -1269,16 +1282,25 @@ def _check_deepseek(cfg: Config) -> None:
     if m.experts_per_token > m.expert_groups_per_token * (m.n_experts // m.expert_groups):
         raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the experts of "
                           f"--expert-groups-per-token {m.expert_groups_per_token} groups")
-    if m.qk_rope_dim % 2:
-        raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
     if m.shared_expert_width or m.moe_every != 1 or m.mlp_only_layers:
-        raise ConfigError("--arch deepseek_v3's dense layers are its --first-dense-layers and its shared experts "
+        raise ConfigError(f"--arch {m.arch}'s dense layers are its --first-dense-layers and its shared experts "
                           "--shared-experts: --shared-expert-width, --moe-every and --mlp-only-layers are other "
                           "families'")
     if m.routing_bias_speed and cfg.objective.method != "sft":
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
+    if cfg.parallel.tp > 1 and m.expert_ffn * m.shared_experts % cfg.parallel.tp:
+        raise ConfigError(f"--tp {cfg.parallel.tp} does not divide the shared experts' width (--shared-experts "
+                          f"{m.shared_experts} x --expert-width {m.expert_ffn}): each TP rank keeps a slice of it")
+
+
+def _check_deepseek(cfg: Config) -> None:
+    """What DeepSeek-V3's latent attention does not have yet in zerotrain (tensor and context parallelism, LoRA):
+    refused, never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if m.qk_rope_dim % 2:
+        raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
     refused = [(p.tp > 1, f"--tp {p.tp}", "multi-head latent attention has no tensor parallelism in zerotrain yet: "
                                           "give --tp 1"),
                (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
@@ -1289,6 +1311,21 @@ def _check_deepseek(cfg: Config) -> None:
     for hit, what, why in refused:
         if hit:
             raise ConfigError(f"{what} with --arch deepseek_v3: {why}")
+
+
+def _check_glm(cfg: Config) -> None:
+    """GLM-4.5's partial rotary, and what zerotrain does not have for it yet (context parallelism, LoRA): refused,
+    never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if m.rotary_dim < 2 or m.rotary_dim % 2:
+        raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
+                          f"{m.head_dim} units; it rotates an even number of them, at least 2")
+    if p.cp > 1:
+        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: context parallelism with its partial rotary and routing "
+                          "bias is not in zerotrain yet: give --cp 1")
+    if cfg.lora.rank:
+        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch {m.arch} is not in zerotrain yet: give "
+                          "--lora-rank 0")
 
 
 def _check_llama4(cfg: Config) -> None:
@@ -1376,8 +1413,12 @@ def validate(cfg: Config) -> Config:
     _check_experts(cfg)
     if m.arch in QWEN35:
         _check_qwen35(cfg)
+    if m.arch in GROUP_ROUTED:
+        _check_group_routing(cfg)
     if m.arch in DEEPSEEK:
         _check_deepseek(cfg)
+    if m.arch in GLM:
+        _check_glm(cfg)
     if m.arch in LLAMA4:
         _check_llama4(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:

@@ -33,6 +33,7 @@ from .norms import RMSNorm
 from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
+from .tensor_parallel import copy_to_tp
 
 
 class DeepseekMoE(MoE):
@@ -57,7 +58,8 @@ class DeepseekMoE(MoE):
         return weights, chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.shared_experts(x)
+        # under TP (glm.py) the shared experts are split as a dense MLP: their input's gradient summed over the group
+        return super().forward(x) + self.shared_experts(copy_to_tp(x, self.tp_comm))
 
 
 class DeepseekBlock(nn.Module):
