@@ -42,7 +42,7 @@ def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
     optimizer = torch.optim.AdamW([{"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": 0.1},
                                    {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0}],
                                   lr=lrs[0], betas=(0.9, 0.95), eps=1e-8)
-    routers = [m for m in hf.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopkRouter")]  # GLM-4.5's too
     loads = {}
 
     def count(router, inputs, output):
