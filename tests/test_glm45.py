@@ -205,3 +205,36 @@ def test_a_config_zerotrain_does_not_compute_is_refused_naming_the_field(field, 
     config = {**transformers.Glm4MoeConfig(**SIZES).to_dict(), field: value}
     with pytest.raises(zerotrain.errors.CheckpointError, match=said.replace("(", r"\(").replace("[", r"\[")):
         mapping.model_config_from_hf(config, "config.json")
+
+
+def test_attention_adapters_export_to_peft_with_the_runs_logits_and_a_wrong_scale_is_caught(folders, tmp_path, capfd,
+                                                                                             monkeypatch):
+    """A LoRA run on the attention's projections (their biases and q/k norms frozen beside them) exports to peft:
+    peft's model of transformers' Glm4MoeForCausalLM and the adapter computes the run's logits; the adapters' scale
+    written wrong (alpha doubled) is caught. Adapters on an MLP of a mixture of experts are refused at a peft export
+    (hub/adapter.py: peft takes those names for the routed experts' 3-D tensors), as for every MoE family."""
+    import peft
+    from conftest import zerotrain_here
+
+    from zerotrain.hub import adapter
+
+    folder, _ = folders["qk norm"]
+    out = tmp_path / "run"
+    r = zerotrain_here(capfd, "train", "--init-from", str(folder), "--data", "synthetic", "--seq-len", "16",
+                       "--micro-batch", "2", "--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
+                       "--lr", "5e-2", "--steps", "2", "--ckpt-every", "2", "--no-progress", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def peft_logits() -> torch.Tensor:
+        r = zerotrain_here(capfd, "export", str(out), str(tmp_path / "adapter"), "--format", "peft", "--overwrite")
+        assert r.returncode == 0, r.stderr[-2000:]
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+        return logits(peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval())
+
+    ours = logits(zerotrain.load_model(str(out)))
+    assert (peft_logits() - ours).abs().max() < EXACT
+    assert (logits(folders["qk norm"][1]) - ours).abs().max() > CAUGHT  # the adapters trained
+    real = adapter.peft_config
+    monkeypatch.setattr(adapter, "peft_config", lambda run, path, adapted: {
+        **real(run, path, adapted), "lora_alpha": 2 * real(run, path, adapted)["lora_alpha"]})
+    assert (peft_logits() - ours).abs().max() > CAUGHT

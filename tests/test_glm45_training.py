@@ -1,6 +1,6 @@
 """GLM-4.5 training against test_deepseek_training's plain transformers + AdamW loop, which moves each router's
 e_score_correction_bias by the auxiliary-loss-free rule after every step: 8 steps of --init-from at 1 rank (in this
-process), at ZeRO-3 on 2 ranks, at --ep 2 and at --tp 2 (one start of 2 ranks for the three) equal it: losses and
+process), at ZeRO-3 on 2 ranks, at --ep 2 and at --tp 2 (one start of 2 ranks for them all) equal it: losses and
 gradient norms within 1e-5 relative, the final weights (the biases among them) within 1e-5 relative, every bias within
 1e-6 of the loop's (measured: losses 1.5e-7, 1.2e-7, 1.2e-7, 1.5e-7; gradient norms 1.8e-7 to 2.0e-7; weights
 1.5e-6 to 1.6e-6, the same at every layout: the single tensors furthest off are the attention's q_proj and k_proj, 2e-5

@@ -1314,8 +1314,8 @@ def _check_deepseek(cfg: Config) -> None:
 
 
 def _check_glm(cfg: Config) -> None:
-    """GLM-4.5's partial rotary, and what zerotrain does not have for it yet (context parallelism, LoRA): refused,
-    never trained approximately."""
+    """GLM-4.5's partial rotary, and what zerotrain does not have for it yet (context parallelism): refused, never
+    trained approximately."""
     m, p = cfg.model, cfg.parallel
     if m.rotary_dim < 2 or m.rotary_dim % 2:
         raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
@@ -1323,9 +1323,6 @@ def _check_glm(cfg: Config) -> None:
     if p.cp > 1:
         raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: context parallelism with its partial rotary and routing "
                           "bias is not in zerotrain yet: give --cp 1")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch {m.arch} is not in zerotrain yet: give "
-                          "--lora-rank 0")
 
 
 def _check_llama4(cfg: Config) -> None:
