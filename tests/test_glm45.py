@@ -238,3 +238,37 @@ def test_attention_adapters_export_to_peft_with_the_runs_logits_and_a_wrong_scal
     monkeypatch.setattr(adapter, "peft_config", lambda run, path, adapted: {
         **real(run, path, adapted), "lora_alpha": 2 * real(run, path, adapted)["lora_alpha"]})
     assert (peft_logits() - ours).abs().max() > CAUGHT
+
+
+def test_the_activation_bytes_are_counted_to_the_byte_and_an_uncounted_part_is_caught(monkeypatch):
+    """What a GLM-4.5 layer saves for its backward (a dense layer and two MoE layers: DeepSeek-V3's router and shared
+    experts, rotary on half of each head, q/k norms), as the memory plan counts it, equals what autograd saves, in
+    fp32 and bf16 and for packed records. Caught: the plan without DeepSeek-V3's router and shared experts; partial
+    rotary returning a contiguous q (torch.cat's), whose attention output o_proj then saves as one more copy."""
+    import dataclasses
+
+    from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import activation_memory, build_model
+
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["qwen3-moe-tiny"]), arch="glm4_moe", n_layer=3, n_kv_head=2,
+                              head_width=8, partial_rotary=0.5, attention_bias=True, use_qk_norm=True,
+                              first_dense_layers=1, shared_experts=2, expert_groups=2, routed_scaling=2.5,
+                              router_aux_coef=0.0)
+    cases = [("fp32", None), ("bf16", None), ("fp32", packed_segments(2, 16))]
+    for precision, segments in cases:
+        kw = dict(precision=precision, recompute="none", documents=segments is not None)
+        measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none", segments)
+        assert predicted_bytes(cfg, 2, 16, **kw) == measured, precision
+        with monkeypatch.context() as m:  # planted: the plan counts GLM's experts as Qwen3-MoE's
+            m.setattr(activation_memory, "GROUP_ROUTED", ())
+            assert predicted_bytes(cfg, 2, 16, **kw) < measured
+    whole = rotary.apply_rotary
+
+    def contiguous_partial(x, cos, sin):  # planted: the rotated share and the rest joined by torch.cat
+        width = cos.shape[-1]
+        return torch.cat([whole(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+
+    monkeypatch.setattr(llama, "apply_rotary", contiguous_partial)
+    assert measured_bytes(build_model(cfg, seed=0), 2, 16, "fp32", "none") > predicted_bytes(cfg, 2, 16)

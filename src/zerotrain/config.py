@@ -226,6 +226,23 @@ PRESETS: dict[str, dict] = {
                     v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
                     expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
                     rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+    # zai-org/GLM-4.5-Air's and zai-org/GLM-4.5's shapes (their config.json, model_type glm4_moe): grouped-query
+    # attention of 96 heads of 128 (8 KV heads) with q/k/v biases and rotary on half of each head, the first 1 (3)
+    # layers dense, then 128 (160) routed experts in one group, top-8, and one shared; GLM-4.5 normalises q and k per
+    # head and scales its routed weights by 2.5. Their MTP layer is not trained (kept through an hf export).
+    "glm-4.5-air": dict(arch="glm4_moe", n_layer=46, n_head=96, n_kv_head=8, n_embd=4096, head_width=128,
+                        intermediate_size=10944, seq_len=4096, context=131072, vocab_size=151552,
+                        rope_theta=1000000.0, partial_rotary=0.5, norm_eps=1e-5, tie_embeddings=False,
+                        attention_bias=True, use_qk_norm=False, n_experts=128, experts_per_token=8,
+                        expert_width=1408, norm_topk_prob=True, router_aux_coef=0.0, first_dense_layers=1,
+                        shared_experts=1, expert_groups=1, expert_groups_per_token=1, routed_scaling=1.0,
+                        mtp_layers=1),
+    "glm-4.5": dict(arch="glm4_moe", n_layer=92, n_head=96, n_kv_head=8, n_embd=5120, head_width=128,
+                    intermediate_size=12288, seq_len=4096, context=131072, vocab_size=151552, rope_theta=1000000.0,
+                    partial_rotary=0.5, norm_eps=1e-5, tie_embeddings=False, attention_bias=True, use_qk_norm=True,
+                    n_experts=160, experts_per_token=8, expert_width=1536, norm_topk_prob=True, router_aux_coef=0.0,
+                    first_dense_layers=3, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
+                    routed_scaling=2.5, mtp_layers=1),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -238,7 +255,7 @@ _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_
               linear_key_width=128, linear_value_width=128, q_lora_rank=0, kv_lora_rank=512, qk_rope_dim=64,
               qk_nope_dim=128, v_head_dim=128, rope_interleave=True, rope_mscale=0.0, rope_mscale_all_dim=0.0,
               first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
-              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0)
+              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0, attention_bias=False, use_qk_norm=False)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
