@@ -240,22 +240,42 @@ def test_attention_adapters_export_to_peft_with_the_runs_logits_and_a_wrong_scal
     assert (peft_logits() - ours).abs().max() > CAUGHT
 
 
+def tiny_glm():
+    """A tiny GLM-4.5 of zerotrain's own: a dense layer and two MoE layers (2 shared experts), GQA, half-rotary heads."""
+    import dataclasses
+
+    from zerotrain.config import PRESETS, ModelConfig
+
+    return dataclasses.replace(ModelConfig(**PRESETS["qwen3-moe-tiny"]), arch="glm4_moe", n_layer=3, n_kv_head=2,
+                               head_width=8, partial_rotary=0.5, attention_bias=True, use_qk_norm=True,
+                               first_dense_layers=1, shared_experts=2, expert_groups=2, routed_scaling=2.5,
+                               router_aux_coef=0.0)
+
+
+def test_the_model_flops_are_torchs_count_and_shared_experts_left_out_are_caught(monkeypatch):
+    """The MFU's FLOPs per token (6 N + 12 L T a, N the weights a token goes through) equal what torch's
+    FlopCounterMode counts in a forward and backward: the shared experts are among them (planted: counted as
+    Qwen3-MoE's, without them)."""
+    from test_throughput import counted_flops
+
+    from zerotrain.training import throughput
+
+    m = tiny_glm()
+    assert throughput.model_flops_per_token(m) * 2 * m.seq_len == counted_flops(m)
+    monkeypatch.setattr(throughput, "GROUP_ROUTED", ())
+    assert throughput.model_flops_per_token(m) * 2 * m.seq_len < counted_flops(m)
+
+
 def test_the_activation_bytes_are_counted_to_the_byte_and_an_uncounted_part_is_caught(monkeypatch):
     """What a GLM-4.5 layer saves for its backward (a dense layer and two MoE layers: DeepSeek-V3's router and shared
     experts, rotary on half of each head, q/k norms), as the memory plan counts it, equals what autograd saves, in
     fp32 and bf16 and for packed records. Caught: the plan without DeepSeek-V3's router and shared experts; partial
     rotary returning a contiguous q (torch.cat's), whose attention output o_proj then saves as one more copy."""
-    import dataclasses
-
     from test_activation_bytes import measured_bytes, packed_segments, predicted_bytes
 
-    from zerotrain.config import PRESETS, ModelConfig
     from zerotrain.model import activation_memory, build_model
 
-    cfg = dataclasses.replace(ModelConfig(**PRESETS["qwen3-moe-tiny"]), arch="glm4_moe", n_layer=3, n_kv_head=2,
-                              head_width=8, partial_rotary=0.5, attention_bias=True, use_qk_norm=True,
-                              first_dense_layers=1, shared_experts=2, expert_groups=2, routed_scaling=2.5,
-                              router_aux_coef=0.0)
+    cfg = tiny_glm()
     cases = [("fp32", None), ("bf16", None), ("fp32", packed_segments(2, 16))]
     for precision, segments in cases:
         kw = dict(precision=precision, recompute="none", documents=segments is not None)
