@@ -226,6 +226,19 @@ PRESETS: dict[str, dict] = {
                     v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
                     expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
                     rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+    # mistralai/Mistral-Small-4-119B-2603's language model (transformers' Mistral4Config defaults, which name that
+    # checkpoint): 36 MoE layers of latent attention, 128 routed experts of 2048 (top-4, softmax, one group) and one
+    # shared, YaRN x128 over 8192 positions with the query scaling; 118,972,826,624 parameters (its vision tower's are
+    # not in this model).
+    "mistral-small-4-119b": dict(arch="mistral4", n_layer=36, n_head=32, n_kv_head=32, n_embd=4096,
+                                 intermediate_size=12288, seq_len=4096, context=1048576, vocab_size=131072,
+                                 rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=128,
+                                 experts_per_token=4, expert_width=2048, norm_topk_prob=True, router_aux_coef=0.0,
+                                 q_lora_rank=1024, kv_lora_rank=256, qk_rope_dim=64, qk_nope_dim=64, v_head_dim=128,
+                                 first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
+                                 routed_scaling=1.0, rope_scaling="yarn", rope_factor=128.0,
+                                 rope_original_context=8192, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                                 llama4_scaling_beta=0.1),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,

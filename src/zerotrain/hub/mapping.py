@@ -620,7 +620,8 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
     MTP layers' count (Mistral 4: none; its YaRN and query scaling, _mistral4_rope)."""
     arch = BY_MODEL_TYPE[config["model_type"]].arch
     defaults = _MISTRAL4_DEFAULTS if arch == "mistral4" else _DEEPSEEK_DEFAULTS
-    q_rank = config.get("q_lora_rank", defaults["q_lora_rank"])
+    q_rank, pad = config.get("q_lora_rank", defaults["q_lora_rank"]), {k: config[k] for k in ("pad_token_id",)
+                                                                        if k in config}  # null: none (not 11)
     config = {**defaults, **{k: v for k, v in config.items() if v is not None}}
     if arch == "mistral4":
         config["num_nextn_predict_layers"] = 0  # Mistral4Config has no such field: transformers builds none
@@ -665,7 +666,7 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
     return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads, n_kv_head=heads,
                        n_embd=sizes["hidden_size"], intermediate_size=sizes["intermediate_size"],
                        seq_len=sizes["max_position_embeddings"], vocab_size=sizes["vocab_size"], rope_theta=theta,
-                       pad_token_id=_padding_id(config, where, config["model_type"], sizes["vocab_size"]),
+                       pad_token_id=_padding_id(pad, where, config["model_type"], sizes["vocab_size"]),
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
                        q_lora_rank=q_rank or 0, kv_lora_rank=sizes["kv_lora_rank"],
                        qk_rope_dim=sizes["qk_rope_head_dim"], qk_nope_dim=sizes["qk_nope_head_dim"],
