@@ -8,7 +8,8 @@ Logits within 1e-4 of transformers' with a query rank and without, with YaRN's m
 rotate-half rotary units, and with one group of experts. Planted in the functions zerotrain runs and caught, one per
 part that differs from DeepSeek-V3 or that Mistral 4 configures otherwise: the router's softmax taken as DeepSeek's
 sigmoid, the query scaling left out, Llama 4's offset (p + 1) in it, packed records scaled by their row's positions
-instead of their own, the group limit dropped from the top-k, rotary on the units without it. An hf export loads in
+instead of their own, the group limit dropped from the top-k, rotary on the units without it; in bf16 the router is
+transformers' bitwise (an fp32 softmax is caught). An hf export loads in
 transformers as Mistral4ForCausalLM with the same logits; what zerotrain does not compute is refused naming it.
 """
 
@@ -99,6 +100,31 @@ def test_a_planted_bug_changes_the_logits(folders, monkeypatch, bug):
     folder, hf = folders["low-rank q"]
     PLANTED[bug](monkeypatch)
     assert (logits(zerotrain.load_model(str(folder))) - logits(hf)).abs().max() > CAUGHT
+
+
+def test_the_router_computes_in_bf16_as_transformers_does_and_an_fp32_softmax_is_caught(folders, monkeypatch):
+    """In a bf16 run the router's softmax, weights and choice are transformers' Mistral4TopkRouter's bitwise (it
+    computes in the activations' dtype, where DeepSeek-V3's router computes in fp32); the softmax taken in fp32 is
+    caught."""
+    import copy
+
+    folder, hf = folders["low-rank q"]
+    theirs = copy.deepcopy(hf.model.layers[1].mlp.gate).to(torch.bfloat16)
+    ours = copy.deepcopy(zerotrain.load_model(str(folder)).model.layers[1].mlp.gate).to(torch.bfloat16)
+    x = torch.randn(64, SIZES["hidden_size"], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def same() -> bool:
+        with torch.no_grad():
+            _, their_weights, their_chosen = theirs(x)
+            _, our_weights, our_chosen = ours(x)
+        order, our_order = their_chosen.sort(dim=-1), our_chosen.sort(dim=-1)
+        return torch.equal(order.values, our_order.values) and torch.equal(
+            their_weights.gather(1, order.indices), our_weights.gather(1, our_order.indices))
+
+    assert same()
+    monkeypatch.setattr(group_routing, "softmax_scores", lambda flat, weight: torch.nn.functional.linear(
+        flat, weight).float().softmax(dim=-1))
+    assert not same()
 
 
 def test_decoding_through_the_cache_equals_the_full_forward(folders):
