@@ -1,8 +1,8 @@
 """Mistral 4 training against a plain transformers + AdamW loop (test_deepseek_training's, over Mistral4ForCausalLM:
 no routing bias to move): 8 steps of --init-from at 1 rank (in this process), at ZeRO-3 on 2 ranks and at --ep 2 (one
-start of 2 ranks for both) equal it: losses, gradient norms and the final weights within 1e-5 relative (measured: losses 1.8e-7, 1.9e-7,
-1.9e-7; gradient norms 2.9e-6, 3.3e-6, 3.3e-6; weights 8.3e-7, 8.8e-7, 8.8e-7); the
-routers' softmax cut from the gradient (planted in the function the run calls) is caught. At ZeRO-3
+start of 2 ranks for both) equal it: losses, gradient norms and the final weights within 1e-5 relative (measured:
+losses 1.8e-7, 1.9e-7, 1.9e-7; gradient norms 2.9e-6, 3.3e-6, 3.3e-6; weights 8.3e-7, 8.8e-7, 8.8e-7); the routers'
+softmax cut from the gradient (planted in the function the run calls) is caught. At ZeRO-3
 each rank reads its slice of --init-from's file (the experts stacked per layer, as transformers saves them);
 `zerotrain export --format hf` of the run loads in transformers as Mistral4ForCausalLM with the run's weights
 bitwise."""

@@ -313,8 +313,8 @@ class ModelConfig:
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
                         "group-limited routing, shared experts); mistral4 (Mistral 4: DeepSeek-V3's decoder with "
-                        "softmax routing and position-scaled queries); llama4 (Llama 4: chunked attention, layers without "
-                        "rotary, sigmoid-routed experts and a shared expert)",
+                        "softmax routing and position-scaled queries); llama4 (Llama 4: chunked attention, layers "
+                        "without rotary, sigmoid-routed experts and a shared expert)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
