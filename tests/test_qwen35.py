@@ -10,13 +10,19 @@ Planted in the functions zerotrain runs and caught: the decay without its A, bet
 or the gated norm's gate dropped, the convolution or the delta rule not restarted at a record's first token, the
 linear layers' state not carried through the cache.
 
-Training: 8 AdamW steps of --init-from at 1 rank (in this process) and at ZeRO-3 on 2 ranks (one start of 2 ranks for
-both models) equal a plain transformers + AdamW loop: losses and gradient norms within 1e-5 relative (measured
-1.7e-7 on the dense model), the final weights within 1e-5 relative (the MoE's within 1e-4: WEIGHTS_BOUND; gaps()'s
-docstring says why the whole model's); the MoE's loss with its balancing loss, per row as zerotrain takes it; the
-trained models export with --format hf
-to the same transformers class computing the run's logits, config.json both ways. What zerotrain does not have for
-Qwen3.5 yet (--tp, --ep, LoRA) is refused in one line, exit 2.
+Tensor parallelism: --init-from at TP 2 (each rank reading its slices) computes transformers' logits within 1e-4
+(measured: dense 2.5e-5, MoE 2.2e-5); planted in qwen35.plan and caught (logits off by 2.9-5.5): the value heads'
+in_proj_z/a/b rows dealt to the other rank, the convolution's channels not split with their heads, the attention's
+query-and-gate rows on the other rank.
+
+Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3 and at --tp 2 on 2 ranks (one start of 2
+ranks for all) equal a plain transformers + AdamW loop: losses and gradient norms within 1e-5 relative (measured on
+the dense model: 1.4e-7 and 1.8e-7 at 1 rank, 1.4e-7 and 3.7e-7 at TP 2), the final weights within 1e-5 relative
+(dense TP 2: 1.7e-6; the MoE's within 1e-4: WEIGHTS_BOUND, its TP 2 2.1e-5; gaps()'s docstring says why the whole
+model's); the MoE's loss with its balancing loss, per row as zerotrain takes it; the trained models (the TP 2 run's
+through `zerotrain export`, its slices stitched back) export with --format hf to the same transformers class computing
+the run's logits, config.json both ways. What zerotrain does not have for Qwen3.5 yet (--ep, LoRA), and a --tp that
+does not divide the linear layers' heads, is refused in one line, exit 2.
 """
 
 from __future__ import annotations
@@ -220,6 +226,72 @@ def test_decoding_through_the_cache_carries_the_linear_layers_state(folders, mon
     assert (cached_logits(model) - full).abs().max() > CAUGHT
 
 
+# Tensor parallelism: --init-from at TP 2 (each rank reads its slices) computes transformers' logits; a slice dealt
+# wrong is caught.
+
+def swapped(names: tuple[str, ...]):
+    """Planted in qwen35.plan: the slices of the parameters whose names end with one of `names` dealt to the other
+    rank (rank 0 takes rank 1's heads and rank 1 rank 0's), the rest of the layer as it was."""
+    from zerotrain.model import TPSlice
+
+    real = qwen35.plan
+
+    def plan(cfg, tp):
+        return {n: TPSlice(s.dim, s.full_shape, s.parts[::-1]) if n.endswith(names) else s
+                for n, s in real(cfg, tp).items()}
+    return plan
+
+
+TP_PLANTED = {
+    "value heads on the other rank": ("in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight"),
+    "convolution channels not with their heads": ("conv1d.weight",),
+    "attention gate rows on the other rank": ("self_attn.q_proj.weight",),
+}
+
+
+def tp_logits_job(rank, comm, tmp_path, folders):
+    """Each family's folder as --init-from reads it at TP 2, and the dense one under each of TP_PLANTED: their logits
+    on IDS, by name."""
+    from unittest import mock
+
+    from zerotrain.training.loop import build_engine
+
+    runs = {family: None for family in folders} | {bug: TP_PLANTED[bug] for bug in TP_PLANTED}
+    out = {}
+    with one_thread():
+        for name, planted in runs.items():
+            folder = folders.get(name, folders["qwen3_5"])
+            cfg = config_for(folder, tmp_path / name.replace(" ", "-"), "--nproc", "2", "--tp", "2",
+                             "--seq-len", str(SEQ))
+            with mock.patch.object(qwen35, "plan", swapped(planted)) if planted else contextlib.nullcontext():
+                engine = build_engine(cfg, comm)
+                with torch.no_grad():
+                    out[name] = engine.model(IDS).tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_logits(folders, tmp_path_factory):
+    from test_checkpoint import spawn
+
+    tmp = tmp_path_factory.mktemp("qwen35-tp")
+    codes, results = spawn(tp_logits_job, 2, tmp, {family: folders[family][0] for family in CONFIGS}, timeout=LIMIT)
+    assert codes == [0, 0], results
+    return results
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_init_from_at_tp2_reads_each_ranks_slices_and_computes_transformers_logits(folders, tp_logits, family):
+    theirs = logits(folders[family][1])
+    for result in tp_logits:  # every rank's logits, whole (the head gathers the vocabulary)
+        assert (torch.tensor(result[family]) - theirs).abs().max() < EXACT
+
+
+@pytest.mark.parametrize("bug", list(TP_PLANTED))
+def test_a_tp_slice_dealt_to_the_wrong_rank_is_caught(folders, tp_logits, bug):
+    assert (torch.tensor(tp_logits[0][bug]) - logits(folders["qwen3_5"][1])).abs().max() > CAUGHT
+
+
 # Training: 8 AdamW steps against a plain transformers + AdamW loop.
 
 STEPS, ROWS, TRAIN_SEQ, COEF, LR = 8, 2, 80, 0.5, 1e-3
@@ -307,10 +379,14 @@ def training_folders(tmp_path_factory):
         return {family: (root / family, hf_model(root / family, family, 0.02)) for family in CONFIGS}
 
 
+# The runs on 2 ranks (one start of 2 ranks for all), each on the 1-rank run's global batch of ROWS rows.
+TWO_RANKS = {"zero3": ("--zero", "3", "--micro-batch", "1"), "tp2": ("--tp", "2", "--micro-batch", str(ROWS))}
+
+
 @pytest.fixture(scope="module")
 def runs(training_folders, tmp_path_factory):
-    """{(family, "1 rank" | "zero3" | "transformers"): {"loss", "grad_norm", "weights"}, and the 1-rank run's
-    folder under (family, "folder")}."""
+    """{(family, "1 rank" | "zero3" | "tp2" | "transformers"): {"loss", "grad_norm", "weights", and but for
+    transformers' the run's "folder"}}."""
     from zerotrain.training.loop import train, train_job
 
     folders = training_folders
@@ -318,21 +394,21 @@ def runs(training_folders, tmp_path_factory):
     stack = contextlib.ExitStack()
     stack.enter_context(one_thread())
     flags = {family: ("--moe-aux-coef", str(COEF)) if family.endswith("moe") else () for family in CONFIGS}
-    two = {family: config_for(folders[family][0], tmp / f"{family}-zero3", *flags[family], "--nproc", "2",
-                              "--zero", "3", "--micro-batch", "1") for family in CONFIGS}
+    two = {(family, run): config_for(folders[family][0], tmp / f"{family}-{run}", *flags[family], "--nproc", "2",
+                                     *split) for family in CONFIGS for run, split in TWO_RANKS.items()}
     reports = run_job(functools.partial(in_turn_job, jobs=[(train_job, cfg) for cfg in two.values()]),
                       next(iter(two.values())), time_limit=LIMIT)
     out = {}
-    for family, report in zip(two, reports):
-        out[family, "zero3"] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / f"{family}-zero3")}
+    for (family, run), report in zip(two, reports):
+        out[family, run] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
+            "weights": weights_of(tmp / f"{family}-{run}"), "folder": tmp / f"{family}-{run}"}
     with world_of_one() as comm:
         for family in CONFIGS:
             result = train(config_for(folders[family][0], tmp / f"{family}-1", *flags[family]), comm, announce=False)
             out[family, "1 rank"] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
-                "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
+                "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()},
+                "folder": tmp / f"{family}-1"}
             lrs = [r["lr"] for r in result.records]
-            out[family, "folder"] = tmp / f"{family}-1"
             out[family, "transformers"] = transformers_run(
                 config_for(folders[family][0], tmp / f"{family}-oracle", *flags[family]), folders[family][0], lrs,
                 tmp / f"{family}-oracle-weights", family.endswith("moe"))
@@ -340,7 +416,7 @@ def runs(training_folders, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("run", ["1 rank", "zero3"])
+@pytest.mark.parametrize("run", ["1 rank", *TWO_RANKS])
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_eight_steps_train_as_transformers_and_adamw_do(runs, family, run):
     theirs, ours = runs[family, "transformers"], runs[family, run]
@@ -350,14 +426,23 @@ def test_eight_steps_train_as_transformers_and_adamw_do(runs, family, run):
     assert max(theirs["loss"]) != min(theirs["loss"])  # it trained
 
 
+@pytest.mark.parametrize("run", ["1 rank", "tp2"])  # tp2: its checkpoint's slices stitched back
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_a_trained_export_is_loaded_by_transformers_as_the_same_class_with_the_same_logits(training_folders, runs,
-                                                                                        tmp_path, family):
-    trained = zerotrain.load_model(str(runs[family, "folder"]))
+                                                                                        tmp_path, capfd, family,
+                                                                                        run):
+    from conftest import zerotrain_here
+
+    folder = runs[family, run]["folder"]
+    trained = zerotrain.load_model(str(folder))
     ours = logits(trained)
     assert (ours - logits(training_folders[family][1])).abs().max() > CAUGHT  # it moved from where it started
     out = tmp_path / "hf"
-    export_model(trained, str(out), "hf", tokenizer_folder=None, eot_id=None)
+    if run == "tp2":  # `zerotrain export` of the run folder, which reads each TP rank's slices
+        result = zerotrain_here(capfd, "export", str(folder), str(out), "--format", "hf")
+        assert result.returncode == 0, result.stderr[-2000:]
+    else:
+        export_model(trained, str(out), "hf", tokenizer_folder=None, eot_id=None)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     assert type(loaded).__name__ == HF_CLASSES[family]
     assert (logits(loaded) - ours).abs().max() < EXACT
@@ -367,11 +452,11 @@ def test_a_trained_export_is_loaded_by_transformers_as_the_same_class_with_the_s
                                                                                       context=0)
 
 
-# What zerotrain does not have for Qwen3.5 yet: refused in one line, exit 2.
+# What zerotrain does not have for Qwen3.5 yet, and a TP degree that splits its heads: refused in one line, exit 2.
 
 @pytest.mark.parametrize("flags, said", [
-    (["--nproc", "2", "--tp", "2"], "--tp 2: --arch qwen3_5's Gated DeltaNet layers have no tensor or expert "
-                                    "parallelism in zerotrain yet: give --tp 1"),
+    (["--nproc", "4", "--tp", "4"], "--tp 4 does not divide the linear-attention layers' key heads (2) and value "
+                                    "heads (4): each TP rank keeps whole heads of both"),
     (["--lora-rank", "8"], "--lora-rank 8: LoRA on --arch qwen3_5 (its Gated DeltaNet layers among them) is not in "
                            "zerotrain yet: give --lora-rank 0"),
 ])
@@ -388,7 +473,7 @@ def test_expert_parallelism_is_refused_for_the_moe_in_one_line(folders, capsys):
     assert main(["train", "--init-from", str(folders["qwen3_5_moe"][0]), "--data", "synthetic", "--nproc", "2",
                  "--ep", "2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "zerotrain: error: --ep 2: --arch qwen3_5_moe's Gated DeltaNet layers have no tensor or expert parallelism in "
+        "zerotrain: error: --ep 2: --arch qwen3_5_moe's Gated DeltaNet layers have no expert parallelism in "
         "zerotrain yet: give --ep 1"]
 
 
