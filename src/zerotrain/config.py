@@ -1232,7 +1232,7 @@ def _check_context_parallel(cfg: Config) -> None:
 
 def _check_qwen35(cfg: Config) -> None:
     """Qwen3.5's sizes (under --tp, whole linear-attention heads on each rank), and what zerotrain does not have for it
-    yet (expert parallelism, LoRA): refused, never trained approximately."""
+    yet (LoRA): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if m.linear_value_heads % m.linear_key_heads:
         raise ConfigError(f"--linear-value-heads {m.linear_value_heads} is not a multiple of --linear-key-heads "
@@ -1243,9 +1243,6 @@ def _check_qwen35(cfg: Config) -> None:
     if m.linear_key_heads % p.tp or m.linear_value_heads % p.tp:
         raise ConfigError(f"--tp {p.tp} does not divide the linear-attention layers' key heads ({m.linear_key_heads}) "
                           f"and value heads ({m.linear_value_heads}): each TP rank keeps whole heads of both")
-    if p.ep > 1:
-        raise ConfigError(f"--ep {p.ep}: --arch {m.arch}'s Gated DeltaNet layers have no expert parallelism in "
-                          "zerotrain yet: give --ep 1")
     if m.arch == "qwen3_5_moe" and not m.shared_expert_width:
         raise ConfigError("--arch qwen3_5_moe has a shared expert beside its routed ones: give --shared-expert-width")
     if m.arch == "qwen3_5_moe" and (m.moe_every != 1 or m.mlp_only_layers):
