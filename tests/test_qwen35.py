@@ -16,13 +16,20 @@ in_proj_z/a/b rows dealt to the other rank, the convolution's channels not split
 query-and-gate rows on the other rank.
 
 Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3, at --tp 2 and (the MoE) at --ep 2 on 2
-ranks (one start of 2 ranks for all) equal a plain transformers + AdamW loop: losses and gradient norms within 1e-5 relative (measured on
-the dense model: 1.4e-7 and 1.8e-7 at 1 rank, 1.4e-7 and 3.7e-7 at TP 2), the final weights within 1e-5 relative
-(dense TP 2: 1.7e-6; the MoE's within 1e-4: WEIGHTS_BOUND, its TP 2 2.1e-5, EP 2 1.8e-5; gaps()'s docstring says why
-the whole model's); the MoE's loss with its balancing loss, per row as zerotrain takes it; the trained models (the
-TP 2 and EP 2 runs' through `zerotrain export`, their slices stitched back, each expert from its EP rank) export with --format hf to the same transformers class computing
-the run's logits, config.json both ways. What zerotrain does not have for Qwen3.5 yet (LoRA), and a --tp that
-does not divide the linear layers' heads, is refused in one line, exit 2.
+ranks (one start of 2 ranks for all) equal a plain transformers + AdamW loop: losses and gradient norms within 1e-5
+relative (measured on the dense model: 1.4e-7 and 1.8e-7 at 1 rank, 1.4e-7 and 3.7e-7 at TP 2), the final weights
+within 1e-5 relative (dense TP 2: 1.7e-6; the MoE's within 1e-4: WEIGHTS_BOUND, its TP 2 2.1e-5, EP 2 1.8e-5;
+gaps()'s docstring says why the whole model's); the MoE's loss with its balancing loss, per row as zerotrain takes
+it; the trained models (the TP 2 and EP 2 runs' through `zerotrain export`, their slices stitched back, each expert
+from its EP rank) export with --format hf to the same transformers class computing the run's logits, config.json both
+ways.
+
+LoRA on every linear of the blocks (the linear layers' in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj among
+them): 3 steps at TP 2 give 1 rank's losses, and both runs' peft exports give 1 rank's logits on transformers' model
+(measured 3.6e-7); B split as a plain column-parallel linear's (planted in model/lora.py) trains alike but exports
+rows where they were not trained (0.24 off) and is caught. The MoE's adapters on its attention and linear layers
+export to peft with the run's logits. A --tp that does not divide the linear layers' heads is refused in one line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -442,7 +449,7 @@ def test_a_trained_export_is_loaded_by_transformers_as_the_same_class_with_the_s
     ours = logits(trained)
     assert (ours - logits(training_folders[family][1])).abs().max() > CAUGHT  # it moved from where it started
     out = tmp_path / "hf"
-    if run != "1 rank":  # `zerotrain export` of the run folder, which reads each TP rank's slices, each EP rank's experts
+    if run != "1 rank":  # `zerotrain export` of the run folder: each TP rank's slices, each EP rank's experts
         result = zerotrain_here(capfd, "export", str(folder), str(out), "--format", "hf")
         assert result.returncode == 0, result.stderr[-2000:]
     else:
@@ -456,13 +463,119 @@ def test_a_trained_export_is_loaded_by_transformers_as_the_same_class_with_the_s
                                                                                       context=0)
 
 
-# What zerotrain does not have for Qwen3.5 yet, and a TP degree that splits its heads: refused in one line, exit 2.
+# LoRA: adapters on every linear of the blocks (--lora-targets all: the attention's q, k, v, o; the linear layers'
+# in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj; the MLP's), 3 steps at 1 rank and at --tp 2 from the dense
+# training folder, exported to peft. AdamW's eps 1e-3 (test_moe_tp's reason): at 1e-8 the first step divides each
+# zero-started B's gradient by its own size, and TP 2's float noise in it became 2e-4 of the logits (measured; 3.6e-7
+# at 1e-3).
+
+LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lr", "2e-2", "--eps", "1e-3", "--steps", "3", "--ckpt-every", "3")
+
+
+# The MoE's adapters on its attention and linear layers (peft cannot hold a mixture of experts' MLP adapters:
+# hub/adapter.py)
+MOE_LORA = ("--lora-targets", "q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,out_proj", "--moe-aux-coef", str(COEF))
+
+
+def stacked_blocks(real):
+    """Planted in model/lora.py: an adapter's B split as a plain column-parallel linear's (a contiguous block of rows
+    per rank) where its base's slice is several ranges (in_proj_qkv's q, k and v rows)."""
+    from zerotrain.model import TPSlice
+    from zerotrain.model.tensor_parallel import blocks
+
+    def make(dim, full_shape, parts):
+        if dim == 0 and len(parts[0]) > 1:
+            parts = blocks(full_shape[0] // len(parts), len(parts))
+        return real(dim, full_shape, parts)
+    return make
+
+
+def lora_tp_job(rank, comm, tmp_path, folder):
+    """The LoRA run at --tp 2 and, planted, with B's rows dealt as stacked_blocks: their losses by name."""
+    from unittest import mock
+
+    from zerotrain.model import lora
+    from zerotrain.training.loop import train
+
+    out = {}
+    with one_thread():
+        for name in ("tp2", "planted"):
+            cfg = config_for(folder, tmp_path / name, *LORA, "--nproc", "2", "--tp", "2")
+            with mock.patch.object(lora, "TPSlice", stacked_blocks(lora.TPSlice)) if name == "planted" else \
+                    contextlib.nullcontext():
+                out[name] = [r["loss"] for r in train(cfg, comm, announce=False).records]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_runs(training_folders, tmp_path_factory):
+    """{"1 rank" | "tp2" | "planted" | "moe": (losses, the last checkpoint)}."""
+    from test_checkpoint import spawn
+
+    from zerotrain.training.loop import train
+
+    tmp = tmp_path_factory.mktemp("qwen35-lora")
+    folder = training_folders["qwen3_5"][0]
+    codes, results = spawn(lora_tp_job, 2, tmp, folder, timeout=LIMIT)
+    assert codes == [0, 0], results
+    out = {name: (losses, tmp / name) for name, losses in results[0].items()}
+    with one_thread(), world_of_one() as comm:
+        for name, flags in {"1 rank": LORA, "moe": (*LORA, *MOE_LORA)}.items():
+            moe = name == "moe"
+            run = train(config_for(training_folders["qwen3_5_moe" if moe else "qwen3_5"][0], tmp / name, *flags),
+                        comm, announce=False)
+            out[name] = ([r["loss"] for r in run.records], tmp / name)
+    return {name: (losses, run / "checkpoints" / "step_00000003") for name, (losses, run) in out.items()}
+
+
+def test_lora_at_tp2_trains_as_one_rank_and_its_peft_export_gives_the_runs_logits_and_a_wrong_b_split_is_caught(
+        training_folders, lora_runs, tmp_path):
+    import peft
+
+    from zerotrain.cli.main import main
+    from zerotrain.hub.adapter import ADAPTER_CONFIG
+
+    folder = training_folders["qwen3_5"][0]
+    losses, step = lora_runs["1 rank"]
+    ours = logits(zerotrain.load_model(str(step)))
+    assert (ours - logits(training_folders["qwen3_5"][1])).abs().max() > CAUGHT  # the adapters moved the logits
+
+    def peft_logits(name):
+        assert main(["export", str(lora_runs[name][1]), str(tmp_path / name), "--format", "peft"]) == 0
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
+        return logits(peft.PeftModel.from_pretrained(hf, str(tmp_path / name)).eval())
+
+    assert (peft_logits("1 rank") - ours).abs().max() < EXACT
+    targets = json.loads((tmp_path / "1 rank" / ADAPTER_CONFIG).read_text())["target_modules"]
+    assert targets == ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                       "out_proj", "gate_proj", "up_proj", "down_proj"]
+    for name in ("tp2", "planted"):  # the same training: B's rows are trained alike wherever a rank holds them
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(lora_runs[name][0], losses)), (name, losses)
+    assert (peft_logits("tp2") - ours).abs().max() < EXACT
+    # planted: the checkpoint stitches the planted split's rows back where they were not trained
+    assert (peft_logits("planted") - ours).abs().max() > CAUGHT
+
+
+def test_a_moe_lora_run_on_its_attention_and_linear_layers_exports_to_peft_with_the_runs_logits(
+        training_folders, lora_runs, tmp_path):
+    import peft
+
+    from zerotrain.cli.main import main
+
+    step = lora_runs["moe"][1]
+    ours = logits(zerotrain.load_model(str(step)))
+    base = training_folders["qwen3_5_moe"]
+    assert (ours - logits(base[1])).abs().max() > CAUGHT
+    assert main(["export", str(step), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base[0]), attn_implementation="eager")
+    assert (logits(peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()) - ours).abs().max() < EXACT
+
+
+# A TP degree that splits the linear layers' heads: refused in one line, exit 2.
 
 @pytest.mark.parametrize("flags, said", [
     (["--nproc", "4", "--tp", "4"], "--tp 4 does not divide the linear-attention layers' key heads (2) and value "
                                     "heads (4): each TP rank keeps whole heads of both"),
-    (["--lora-rank", "8"], "--lora-rank 8: LoRA on --arch qwen3_5 (its Gated DeltaNet layers among them) is not in "
-                           "zerotrain yet: give --lora-rank 0"),
 ])
 def test_what_zerotrain_does_not_have_for_qwen35_is_refused_in_one_line(folders, flags, said, capsys):
     from zerotrain.cli.main import main

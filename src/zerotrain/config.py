@@ -762,9 +762,13 @@ class GuardConfig:
 
 # The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
 # Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
+# Qwen3.5's: its attention layers' and its Gated DeltaNet layers' (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b,
+# out_proj; not the convolution), and the MLP's (the MoE's shared expert).
 LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                   for arch in LLAMA_FAMILY}}
+                   for arch in LLAMA_FAMILY},
+                **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                          "out_proj", "gate_proj", "up_proj", "down_proj") for arch in QWEN35}}
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
@@ -784,8 +788,9 @@ class LoraConfig:
     dropout: float = setting(0.0, "dropout on the adapters' input while training", key="lora_dropout",
                              rule=BELOW_ONE, applies=LORA)
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
-                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
-                           "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
+                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; Qwen3.5 "
+                           "also its linear-attention layers' in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj; "
+                           "gpt2: c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
                            "not the head; a mixture of experts' routed experts not either: name experts to adapt "
                            "each one's gate_proj, up_proj, down_proj)",
                            key="lora_targets", applies=LORA)
@@ -1231,8 +1236,8 @@ def _check_context_parallel(cfg: Config) -> None:
 
 
 def _check_qwen35(cfg: Config) -> None:
-    """Qwen3.5's sizes (under --tp, whole linear-attention heads on each rank), and what zerotrain does not have for it
-    yet (LoRA): refused, never trained approximately."""
+    """Qwen3.5's sizes: whole linear-attention heads on each TP rank, the MoE's shared expert and experts on every
+    layer."""
     m, p = cfg.model, cfg.parallel
     if m.linear_value_heads % m.linear_key_heads:
         raise ConfigError(f"--linear-value-heads {m.linear_value_heads} is not a multiple of --linear-key-heads "
@@ -1248,9 +1253,6 @@ def _check_qwen35(cfg: Config) -> None:
     if m.arch == "qwen3_5_moe" and (m.moe_every != 1 or m.mlp_only_layers):
         raise ConfigError(f"--arch qwen3_5_moe has experts on every layer: --moe-every {m.moe_every} and "
                           f"--mlp-only-layers {m.mlp_only_layers!r} are for qwen3_moe and qwen2_moe")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch {m.arch} (its Gated DeltaNet layers among "
-                          "them) is not in zerotrain yet: give --lora-rank 0")
 
 
 def _check_deepseek(cfg: Config) -> None:
