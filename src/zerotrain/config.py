@@ -206,6 +206,21 @@ PRESETS: dict[str, dict] = {
                           intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
                           norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8, expert_width=768,
                           norm_topk_prob=True),
+    # Qwen/Qwen3.5-27B's text model (its config.json's text_config; Qwen3.6-27B shares it): 64 layers, every 4th gated
+    # attention (24 heads of 256, 4 KV heads, rotary on a quarter of each head, base 1e7), the others Gated DeltaNet
+    # (16 key heads and 48 value heads of 128); its MTP layer is not trained. 26.9B parameters.
+    "qwen3.5-27b": dict(arch="qwen3_5", n_layer=64, n_head=24, n_kv_head=4, n_embd=5120, head_width=256,
+                        intermediate_size=17408, seq_len=4096, context=262144, vocab_size=248320,
+                        rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, linear_key_heads=16,
+                        linear_value_heads=48),
+    # Qwen/Qwen3.5-35B-A3B's text model (its config.json's text_config): 40 layers of the same pattern (16 heads of
+    # 256, 2 KV heads; 16 key and 32 value heads of 128), 256 experts of width 512 (top-8) beside a shared expert of
+    # 512 on every layer (no dense MLP: intermediate_size 0, as import reads it). 34.7B parameters, 3.5B a token with
+    # the embedding and head.
+    "qwen3.5-35b-a3b": dict(arch="qwen3_5_moe", n_layer=40, n_head=16, n_kv_head=2, n_embd=2048, head_width=256,
+                            intermediate_size=0, seq_len=4096, context=262144, vocab_size=248320,
+                            rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
+                            experts_per_token=8, expert_width=512, shared_expert_width=512, norm_topk_prob=True),
     # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
     # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
     # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
