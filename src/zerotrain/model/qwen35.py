@@ -18,6 +18,9 @@ Packed records (`segments`): the attention layers take the records' mask, the li
 convolution and state at each record's first token (delta_rule.py). Through a KV cache (generation) the attention
 layers append to it; the linear layers keep their convolution's last inputs and their state beside it.
 
+Under tensor parallelism (`plan`, `parallelize`) each rank holds whole heads: the linear layers' key heads and the
+value heads they serve, the attention's heads as Qwen3's (the comment above `linear_plan` gives every split).
+
 Parameter names are transformers' (model.layers.{i}.linear_attn.in_proj_qkv.weight, ...self_attn.q_norm.weight,
 ...mlp.experts.{e}.gate_proj.weight as its files store them): hub/mapping.py's table is the identity.
 """
@@ -32,10 +35,10 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
+from . import moe
 from .attention import attend
 from .decoder import Decoder
 from .delta_rule import causal_conv, chunk_gated_delta_rule
-from . import moe
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask, mlp_plan, normalize_heads, parallelize_mlp
