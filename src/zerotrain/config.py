@@ -206,6 +206,21 @@ PRESETS: dict[str, dict] = {
                           intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
                           norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8, expert_width=768,
                           norm_topk_prob=True),
+    # Qwen/Qwen3.5-27B's text model (its config.json's text_config; Qwen3.6-27B shares it): 64 layers, every 4th gated
+    # attention (24 heads of 256, 4 KV heads, rotary on a quarter of each head, base 1e7), the others Gated DeltaNet
+    # (16 key heads and 48 value heads of 128); its MTP layer is not trained. 26.9B parameters.
+    "qwen3.5-27b": dict(arch="qwen3_5", n_layer=64, n_head=24, n_kv_head=4, n_embd=5120, head_width=256,
+                        intermediate_size=17408, seq_len=4096, context=262144, vocab_size=248320,
+                        rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, linear_key_heads=16,
+                        linear_value_heads=48),
+    # Qwen/Qwen3.5-35B-A3B's text model (its config.json's text_config): 40 layers of the same pattern (16 heads of
+    # 256, 2 KV heads; 16 key and 32 value heads of 128), 256 experts of width 512 (top-8) beside a shared expert of
+    # 512 on every layer (no dense MLP: intermediate_size 0, as import reads it). 34.7B parameters, 3.5B a token with
+    # the embedding and head.
+    "qwen3.5-35b-a3b": dict(arch="qwen3_5_moe", n_layer=40, n_head=16, n_kv_head=2, n_embd=2048, head_width=256,
+                            intermediate_size=0, seq_len=4096, context=262144, vocab_size=248320,
+                            rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
+                            experts_per_token=8, expert_width=512, shared_expert_width=512, norm_topk_prob=True),
     # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
     # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
     # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
@@ -787,9 +802,13 @@ class GuardConfig:
 
 # The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
 # Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
+# Qwen3.5's: its attention layers' and its Gated DeltaNet layers' (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b,
+# out_proj; not the convolution), and the MLP's (the MoE's shared expert).
 LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                   for arch in LLAMA_FAMILY}}
+                   for arch in LLAMA_FAMILY},
+                **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                          "out_proj", "gate_proj", "up_proj", "down_proj") for arch in QWEN35}}
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
@@ -809,8 +828,9 @@ class LoraConfig:
     dropout: float = setting(0.0, "dropout on the adapters' input while training", key="lora_dropout",
                              rule=BELOW_ONE, applies=LORA)
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
-                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
-                           "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
+                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; Qwen3.5 "
+                           "also its linear-attention layers' in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj; "
+                           "gpt2: c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
                            "not the head; a mixture of experts' routed experts not either: name experts to adapt "
                            "each one's gate_proj, up_proj, down_proj)",
                            key="lora_targets", applies=LORA)
@@ -1256,8 +1276,8 @@ def _check_context_parallel(cfg: Config) -> None:
 
 
 def _check_qwen35(cfg: Config) -> None:
-    """Qwen3.5's sizes, and what its linear-attention layers do not have yet (tensor and expert parallelism, LoRA):
-    refused, never trained approximately."""
+    """Qwen3.5's sizes: whole linear-attention heads on each TP rank, the MoE's shared expert and experts on every
+    layer."""
     m, p = cfg.model, cfg.parallel
     if m.linear_value_heads % m.linear_key_heads:
         raise ConfigError(f"--linear-value-heads {m.linear_value_heads} is not a multiple of --linear-key-heads "
@@ -1265,18 +1285,14 @@ def _check_qwen35(cfg: Config) -> None:
     if m.rotary_dim < 2 or m.rotary_dim % 2:
         raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
                           f"{m.head_dim} units; it rotates an even number of them, at least 2")
-    for value, flag in ((p.tp, "--tp"), (p.ep, "--ep")):
-        if value > 1:
-            raise ConfigError(f"{flag} {value}: --arch {m.arch}'s Gated DeltaNet layers have no tensor or expert "
-                              f"parallelism in zerotrain yet: give {flag} 1")
+    if m.linear_key_heads % p.tp or m.linear_value_heads % p.tp:
+        raise ConfigError(f"--tp {p.tp} does not divide the linear-attention layers' key heads ({m.linear_key_heads}) "
+                          f"and value heads ({m.linear_value_heads}): each TP rank keeps whole heads of both")
     if m.arch == "qwen3_5_moe" and not m.shared_expert_width:
         raise ConfigError("--arch qwen3_5_moe has a shared expert beside its routed ones: give --shared-expert-width")
     if m.arch == "qwen3_5_moe" and (m.moe_every != 1 or m.mlp_only_layers):
         raise ConfigError(f"--arch qwen3_5_moe has experts on every layer: --moe-every {m.moe_every} and "
                           f"--mlp-only-layers {m.mlp_only_layers!r} are for qwen3_moe and qwen2_moe")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch {m.arch} (its Gated DeltaNet layers among "
-                          "them) is not in zerotrain yet: give --lora-rank 0")
 
 
 def _check_deepseek(cfg: Config) -> None:
