@@ -1255,7 +1255,7 @@ def _check_qwen35(cfg: Config) -> None:
 
 
 def _check_deepseek(cfg: Config) -> None:
-    """DeepSeek-V3's routing sizes, and what its latent attention does not have yet in zerotrain (tensor and context
+    """DeepSeek-V3's routing sizes, and what its latent attention does not have yet in zerotrain (context
     parallelism, LoRA): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.moe:
@@ -1279,9 +1279,7 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
-    refused = [(p.tp > 1, f"--tp {p.tp}", "multi-head latent attention has no tensor parallelism in zerotrain yet: "
-                                          "give --tp 1"),
-               (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
+    refused = [(p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
                                           "give --cp 1"),
                (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}", "LoRA on multi-head latent attention's low-rank "
                                                                    "projections is not in zerotrain yet: give "
