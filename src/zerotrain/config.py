@@ -762,9 +762,12 @@ class GuardConfig:
 
 # The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
 # Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
+# Multi-head latent attention's are its low-rank projections (q_proj where the model has no query rank).
 LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                   for arch in LLAMA_FAMILY}}
+                   for arch in LLAMA_FAMILY},
+                **{arch: ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                          "up_proj", "down_proj") for arch in DEEPSEEK}}
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
@@ -1256,7 +1259,7 @@ def _check_qwen35(cfg: Config) -> None:
 
 def _check_deepseek(cfg: Config) -> None:
     """DeepSeek-V3's routing sizes, and what its latent attention does not have yet in zerotrain (context
-    parallelism, LoRA): refused, never trained approximately."""
+    parallelism): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.moe:
         raise ConfigError("--arch deepseek_v3 has experts after its --first-dense-layers: give --n-experts")
@@ -1279,14 +1282,9 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
-    refused = [(p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
-                                          "give --cp 1"),
-               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}", "LoRA on multi-head latent attention's low-rank "
-                                                                   "projections is not in zerotrain yet: give "
-                                                                   "--lora-rank 0")]
-    for hit, what, why in refused:
-        if hit:
-            raise ConfigError(f"{what} with --arch deepseek_v3: {why}")
+    if p.cp > 1:
+        raise ConfigError(f"--cp {p.cp} with --arch deepseek_v3: multi-head latent attention has no context "
+                          "parallelism in zerotrain yet: give --cp 1")
 
 
 def _check_llama4(cfg: Config) -> None:
