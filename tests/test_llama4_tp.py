@@ -6,7 +6,10 @@ and at --tp 2 --ep 2 on 4 ranks equals test_llama4's transformers loop: losses, 
 2.0e-6, weights 1.4e-6; at TP 2 x EP 2: 1.0e-7, 1.8e-6, 1.3e-6). Each TP rank reads its slices of the folder (the
 stacked expert tensors split by rows of their width too). The experts' down_proj slices dealt to the wrong ranks
 (each rank the other's half, in the plan the run takes) is caught (losses up to 1.1e-3 off). `zerotrain export
---format hf` of the TP 2 run stitches the slices into a Llama4ForCausalLM that computes the run's logits.
+--format hf` of the TP 2 run stitches the slices into a Llama4ForCausalLM that computes the run's logits. Each rank's
+slices of the stacked experts equal the full model's; the part read whole and taken by flat position (what
+--init-from did before: rank 1's gate_proj and up_proj rows and both ranks' down_proj columns silently wrong, 12 and
+36 of the 80 split tensors) is caught.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from test_llama4 import CAUGHT, EXACT, LIMIT, UNGUARDED, hf_model, logits
 from test_qwen35 import STEPS, config_for, gaps, transformers_run, weights_of
 
 import zerotrain
-from zerotrain.model import TPSlice, llama
+from zerotrain.model import TPSlice, llama, llama4
 from zerotrain.runtime.launch import run_job
 
 pytestmark = pytest.mark.timeout(900)
@@ -111,3 +114,40 @@ def test_the_tp_run_exports_as_llama4_with_its_logits(runs, tmp_path):
         assert (logits(loaded) - ours).abs().max() < EXACT
         exported = {n: p.detach() for n, p in loaded.named_parameters()}
     assert torch.equal(exported["lm_head.weight"], runs["tp2"]["weights"]["lm_head.weight"])
+
+
+def tp_rank_models(folder) -> tuple[dict, list[tuple[dict, dict]]]:
+    """The full model's parameters read from `folder`, and each of 2 TP ranks' (its plan, its parameters)."""
+    from zerotrain.hub import init_from
+    from zerotrain.model import build_model
+
+    source = init_from.weight_source(str(folder))
+    full = build_model(source.model, 0)
+    init_from.load_local(full, source, {}, 0)
+    ranks = []
+    for rank in range(2):
+        model = build_model(source.model, 0)
+        slices = llama4.parallelize(model, 2, rank, None)
+        init_from.load_local(model, source, slices, rank)
+        ranks.append((slices, dict(model.named_parameters())))
+    return dict(full.named_parameters()), ranks
+
+
+def wrongly_read(full: dict, ranks: list) -> list[str]:
+    return [f"{n} (rank {r})" for r, (slices, params) in enumerate(ranks) for n, s in slices.items()
+            if n in params and not torch.equal(s.take(full[n].detach(), r), params[n].detach())]
+
+
+def test_each_tp_rank_reads_its_slice_of_the_stacked_experts_and_reading_them_whole_is_caught(tmp_path, monkeypatch):
+    """The folder's gate_up_proj (E, C, 2F) and down_proj (E, F, C): each rank's rows of gate_proj and up_proj and
+    columns of down_proj equal the full model's. Planted: the expert's part read whole and its values taken by
+    flat position (what reading the part whole without slicing it gives): rank 1's gate/up and both ranks' down
+    are wrong."""
+    from zerotrain.hub import init_from
+
+    with one_thread():
+        hf_model(tmp_path / "model")
+        assert wrongly_read(*tp_rank_models(tmp_path / "model")) == []
+        monkeypatch.setattr(init_from, "tp_part", lambda lazy, e, split, i, tp_slice, rank, count: split(lazy[e])[i])
+        wrong = wrongly_read(*tp_rank_models(tmp_path / "model"))
+    assert any("gate_proj" in n and "rank 1" in n for n in wrong) and any("down_proj" in n for n in wrong), wrong
