@@ -57,12 +57,14 @@ def _one_thread():
         yield
 
 
-def hf_model(folder, **changes):
-    """A tiny random DeepSeek-V3 saved by transformers in `folder`, its norms and routing bias moved off their
-    starts (the bias large enough to change which experts are chosen); the model in eval mode, eager attention."""
+def hf_model(folder, config_class=transformers.DeepseekV3Config, sizes=SIZES, **changes):
+    """A tiny random DeepSeek-V3 (or another family of `config_class`: Mistral 4's) saved by transformers in
+    `folder`, its norms and routing bias (where the family has one) moved off their starts (the bias large enough to
+    change which experts are chosen); the model in eval mode, eager attention."""
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**SIZES, **changes})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    config = config_class(**{**sizes, **changes})
+    model_class = getattr(transformers, mapping.MAPPINGS[config.model_type].hf_class)
+    model = model_class._from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -55,7 +55,7 @@ NOT_IN = {
     **{key: "llama" for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim",
                                 "rope_interleave", "rope_mscale", "rope_mscale_all_dim", "first_dense_layers",
                                 "shared_experts", "expert_groups", "expert_groups_per_token", "routed_scaling",
-                                "routing_bias_speed", "mtp_layers")},
+                                "routing_bias_speed", "mtp_layers", "llama4_scaling_beta")},
     "nope_every": "llama", "attention_chunk": "llama", "qk_l2_norm": "llama", "temperature_tuning": "llama",
     "temperature_floor": "llama", "temperature_scale": "llama",
     **{key: "llama" for key in ("num_generations", "max_completion_length", "temperature", "top_p", "grpo_loss",

@@ -226,6 +226,19 @@ PRESETS: dict[str, dict] = {
                     v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
                     expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
                     rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+    # mistralai/Mistral-Small-4-119B-2603's language model (transformers' Mistral4Config defaults, which name that
+    # checkpoint): 36 MoE layers of latent attention, 128 routed experts of 2048 (top-4, softmax, one group) and one
+    # shared, YaRN x128 over 8192 positions with the query scaling; 118,972,826,624 parameters (its vision tower's are
+    # not in this model).
+    "mistral-small-4-119b": dict(arch="mistral4", n_layer=36, n_head=32, n_kv_head=32, n_embd=4096,
+                                 intermediate_size=12288, seq_len=4096, context=1048576, vocab_size=131072,
+                                 rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=128,
+                                 experts_per_token=4, expert_width=2048, norm_topk_prob=True, router_aux_coef=0.0,
+                                 q_lora_rank=1024, kv_lora_rank=256, qk_rope_dim=64, qk_nope_dim=64, v_head_dim=128,
+                                 first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
+                                 routed_scaling=1.0, rope_scaling="yarn", rope_factor=128.0,
+                                 rope_original_context=8192, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                                 llama4_scaling_beta=0.1),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -238,7 +251,7 @@ _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_
               linear_key_width=128, linear_value_width=128, q_lora_rank=0, kv_lora_rank=512, qk_rope_dim=64,
               qk_nope_dim=128, v_head_dim=128, rope_interleave=True, rope_mscale=0.0, rope_mscale_all_dim=0.0,
               first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
-              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0)
+              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0, llama4_scaling_beta=0.1)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -260,7 +273,9 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")
 # deepseek_v3: DeepSeek-V3's decoder (model/deepseek.py; DeepSeek-V3/V3.1/R1, Kimi K2): multi-head latent attention
 # (model/mla.py), the first --first-dense-layers layers dense, the others experts with shared experts, routed by
 # sigmoid scores with group-limited top-k and a load-balancing bias (model/group_routing.py).
-DEEPSEEK = ("deepseek_v3",)
+# mistral4: Mistral 4's decoder, DeepSeek-V3's with a softmax router (group-limited top-k on the probabilities, no
+# bias), always YaRN, and each query scaled by its position (--llama4-scaling-beta).
+DEEPSEEK = ("deepseek_v3", "mistral4")
 # llama4: Llama 4's text decoder (model/llama4.py): experts on every --moe-every-th layer (a shared expert beside them,
 # the router's sigmoid scores on the experts' input), chunked local attention on its rotary layers, global attention
 # without rotary on every --nope-every-th layer (with attention temperature tuning), weightless q/k L2 norms.
@@ -297,8 +312,9 @@ class ModelConfig:
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
-                        "group-limited routing, shared experts); llama4 (Llama 4: chunked attention, layers without "
-                        "rotary, sigmoid-routed experts and a shared expert)",
+                        "group-limited routing, shared experts); mistral4 (Mistral 4: DeepSeek-V3's decoder with "
+                        "softmax routing and position-scaled queries); llama4 (Llama 4: chunked attention, layers "
+                        "without rotary, sigmoid-routed experts and a shared expert)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -432,10 +448,13 @@ class ModelConfig:
     routing_bias_speed: float = setting(0.001, "deepseek_v3: after each optimizer step every MoE layer's "
                                         "e_score_correction_bias moves by this times sign(mean load - expert load), "
                                         "the step's loads summed over every rank (DeepSeek-V3's auxiliary-loss-free "
-                                        "balancing; 0: frozen)", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+                                        "balancing; 0: frozen)", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3"))
     mtp_layers: int = setting(0, "deepseek_v3: multi-token-prediction layers the --init-from folder holds after the "
                               "decoder's (num_nextn_predict_layers): not trained, copied as they are into an hf "
-                              "export", rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
+                              "export", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3"))
+    llama4_scaling_beta: float = setting(0.1, "mistral4: each query is scaled by 1 + beta ln(1 + floor(position / "
+                                         "--rope-original-context)) (rope_parameters' llama_4_scaling_beta; 0: "
+                                         "none)", rule=NON_NEGATIVE, applies=archs_scope("mistral4"))
     nope_every: int = setting(4, "llama4: every N-th layer (layers N-1, 2N-1, ...) has no rotary and attends to "
                               "every earlier token (no_rope_layer_interval); the others rotary and chunked",
                               rule=POSITIVE, applies=archs_scope(*LLAMA4))
@@ -532,6 +551,12 @@ class ModelConfig:
         if self.arch in DEEPSEEK:
             return self.moe and layer >= self.first_dense_layers
         return self.moe and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
+
+    @property
+    def softmax_router(self) -> bool:
+        """Whether DeepSeek's group-limited router scores with a softmax and has no load-balancing bias: Mistral 4's
+        (DeepSeek-V3's: sigmoid scores and e_score_correction_bias)."""
+        return self.arch == "mistral4"
 
     @property
     def renormalizes(self) -> bool:
@@ -1258,11 +1283,16 @@ def _check_qwen35(cfg: Config) -> None:
 
 
 def _check_deepseek(cfg: Config) -> None:
-    """DeepSeek-V3's routing sizes, and what its latent attention does not have yet in zerotrain (context
-    parallelism): refused, never trained approximately."""
+    """DeepSeek-V3's (and Mistral 4's) routing sizes, and what its latent attention does not have yet in zerotrain
+    (context parallelism; Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained
+    approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.moe:
-        raise ConfigError("--arch deepseek_v3 has experts after its --first-dense-layers: give --n-experts")
+        raise ConfigError(f"--arch {m.arch} has experts after its --first-dense-layers: give --n-experts")
+    if m.arch == "mistral4" and m.rope_scaling != "yarn":
+        # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
+        # reads the query scaling's period from YaRN's original context
+        raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.n_experts % m.expert_groups or m.n_experts // m.expert_groups < 2:
         raise ConfigError(f"--expert-groups {m.expert_groups} does not split the --n-experts {m.n_experts} into equal "
                           "groups of at least 2 (each group is scored by its two best experts)")
@@ -1275,16 +1305,23 @@ def _check_deepseek(cfg: Config) -> None:
     if m.qk_rope_dim % 2:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
     if m.shared_expert_width or m.moe_every != 1 or m.mlp_only_layers:
-        raise ConfigError("--arch deepseek_v3's dense layers are its --first-dense-layers and its shared experts "
+        raise ConfigError(f"--arch {m.arch}'s dense layers are its --first-dense-layers and its shared experts "
                           "--shared-experts: --shared-expert-width, --moe-every and --mlp-only-layers are other "
                           "families'")
-    if m.routing_bias_speed and cfg.objective.method != "sft":
+    if m.arch == "deepseek_v3" and m.routing_bias_speed and cfg.objective.method != "sft":
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
-    if p.cp > 1:
-        raise ConfigError(f"--cp {p.cp} with --arch deepseek_v3: multi-head latent attention has no context "
-                          "parallelism in zerotrain yet: give --cp 1")
+    mistral4 = m.arch == "mistral4"
+    refused = [(p.tp > 1 and mistral4, f"--tp {p.tp}", "Mistral 4's tensor parallelism is not in zerotrain yet: give "
+                                                       "--tp 1"),
+               (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
+                                          "give --cp 1"),
+               (cfg.lora.rank > 0 and mistral4, f"--lora-rank {cfg.lora.rank}", "LoRA on Mistral 4 is not in "
+                                                                                "zerotrain yet: give --lora-rank 0")]
+    for hit, what, why in refused:
+        if hit:
+            raise ConfigError(f"{what} with --arch {m.arch}: {why}")
 
 
 def _check_llama4(cfg: Config) -> None:

@@ -25,6 +25,12 @@ and export alike, so the two cannot drift apart.
            e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
            (model.layers.{num_hidden_layers}... , num_nextn_predict_layers of them) are set aside at import (the
            config keeps their count, --mtp-layers) and are not trained.
+    mistral4
+           Mistral 4's (Mistral4ForCausalLM) names are DeepSeek-V3's without the router's bias, its experts stacked
+           in nn.Linear's layout (MISTRAL4_EXPERTS: gate_up_proj (E, 2F, C), down_proj (E, C, F)). Its
+           rope_parameters are YaRN's with llama_4_scaling_beta (the queries' position scaling) and the
+           partial_rotary_factor that rotates qk_rope_head_dim units; it has no MTP layers. transformers 5.25's
+           AutoModelForCausalLM does not list it: load an export with Mistral4ForCausalLM.from_pretrained.
     llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).
@@ -194,6 +200,14 @@ LLAMA4_EXPERTS = (
     StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t.t(),), lambda down: down.t()),
 )
 
+# Mistral 4 stacks its experts in nn.Linear's layout (transformers 5.25 has no per-expert conversion for it):
+# gate_up_proj (E, 2F, C) the gate's rows, then the up projection's; down_proj (E, C, F).
+MISTRAL4_EXPERTS = (
+    StackedExperts("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"), lambda t: t.chunk(2, dim=0),
+                   lambda gate, up: torch.cat((gate, up), dim=0)),
+    StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t,), lambda down: down),
+)
+
 # MXFP4 (OCP microscaling, 4-bit floats): gpt-oss's released folders store each expert matrix as `<name>_blocks`
 # (E, rows, G, 16) uint8, two FP4 (e2m1) values a byte, low nibble first, and `<name>_scales` (E, rows, G) uint8,
 # the power of two (biased by 127) of each block of 32 values along the row; the rows are the matrix's output
@@ -257,6 +271,8 @@ MAPPINGS = {
                                ("qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"))},
     "deepseek_v3": HFMapping("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", "model.layers.", (),
                              (".rotary_emb.inv_freq",), layers_after=True),
+    "mistral4": HFMapping("mistral4", "mistral4", "Mistral4ForCausalLM", "model.layers.", (),
+                          (".rotary_emb.inv_freq",), experts=MISTRAL4_EXPERTS),
     "llama4": HFMapping("llama4", "llama4_text", "Llama4ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         infixes=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
                         experts=LLAMA4_EXPERTS),
@@ -359,6 +375,10 @@ def _deepseek_config(cfg: ModelConfig, config: dict) -> dict:
                   n_group=cfg.expert_groups, topk_group=cfg.expert_groups_per_token,
                   norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
                   first_k_dense_replace=cfg.first_dense_layers, num_nextn_predict_layers=cfg.mtp_layers)
+    if cfg.arch == "mistral4":  # no MTP layers; the query scaling and the rotary share of a head with the rope
+        del config["num_nextn_predict_layers"]
+        rope.update(llama_4_scaling_beta=cfg.llama4_scaling_beta,
+                    partial_rotary_factor=cfg.qk_rope_dim / (cfg.qk_nope_dim + cfg.qk_rope_dim))
     return config
 
 
@@ -579,20 +599,32 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
                        **experts)
 
 
-# What transformers' DeepseekV3Config gives a field its config.json leaves out (DeepSeek-V3's own sizes).
+# What transformers' DeepseekV3Config and Mistral4Config give a field their config.json leaves out (their own sizes).
 _DEEPSEEK_DEFAULTS = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                           num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
                           routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
                           v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
                           first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
                           rope_interleave=True, num_nextn_predict_layers=1)
+_MISTRAL4_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+                          num_hidden_layers=36, num_attention_heads=32, n_shared_experts=1, n_routed_experts=128,
+                          routed_scaling_factor=1.0, kv_lora_rank=256, q_lora_rank=1024, qk_rope_head_dim=64,
+                          v_head_dim=128, qk_nope_head_dim=64, n_group=1, topk_group=1, num_experts_per_tok=4,
+                          first_k_dense_replace=0, norm_topk_prob=True, max_position_embeddings=1048576,
+                          rope_interleave=True, num_nextn_predict_layers=0)
 
 
 def _deepseek(config: dict, where: str) -> ModelConfig:
-    """DeepSeek-V3's ModelConfig (deepseek_v3: V3, V3.1, R1, Kimi K2): the latent attention's sizes, the dense first
-    layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the MTP layers' count."""
-    q_rank = config.get("q_lora_rank", _DEEPSEEK_DEFAULTS["q_lora_rank"])
-    config = {**_DEEPSEEK_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    """DeepSeek-V3's ModelConfig (deepseek_v3: V3, V3.1, R1, Kimi K2; mistral4: Mistral 4): the latent attention's
+    sizes, the dense first layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the
+    MTP layers' count (Mistral 4: none; its YaRN and query scaling, _mistral4_rope)."""
+    arch = BY_MODEL_TYPE[config["model_type"]].arch
+    defaults = _MISTRAL4_DEFAULTS if arch == "mistral4" else _DEEPSEEK_DEFAULTS
+    q_rank, pad = config.get("q_lora_rank", defaults["q_lora_rank"]), {k: config[k] for k in ("pad_token_id",)
+                                                                        if k in config}  # null: none (not 11)
+    config = {**defaults, **{k: v for k, v in config.items() if v is not None}}
+    if arch == "mistral4":
+        config["num_nextn_predict_layers"] = 0  # Mistral4Config has no such field: transformers builds none
     _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -625,14 +657,16 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
         rope = dict(_yarn_settings({k: v for k, v in scaling.items() if k not in pair}, f"{where} {key}"),
                     rope_mscale=pair["mscale"], rope_mscale_all_dim=pair["mscale_all_dim"])
     elif kind != "default":
-        raise CheckpointError(f"{where}: {key} has rope_type {kind!r}; zerotrain's deepseek_v3 has 'default' and "
+        raise CheckpointError(f"{where}: {key} has rope_type {kind!r}; zerotrain's {arch} has 'default' and "
                               "'yarn'")
+    if arch == "mistral4":
+        rope.update(_mistral4_rope(scaling, kind, f"{where} {key}", sizes))
     theta = _positive(scaling, "rope_theta", f"{where} {key}", 10000.0) if "rope_theta" in scaling else \
         _positive(config, "rope_theta", where, 10000.0)
-    return ModelConfig(arch="deepseek_v3", n_layer=sizes["num_hidden_layers"], n_head=heads, n_kv_head=heads,
+    return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads, n_kv_head=heads,
                        n_embd=sizes["hidden_size"], intermediate_size=sizes["intermediate_size"],
                        seq_len=sizes["max_position_embeddings"], vocab_size=sizes["vocab_size"], rope_theta=theta,
-                       pad_token_id=_padding_id(config, where, "deepseek_v3", sizes["vocab_size"]),
+                       pad_token_id=_padding_id(pad, where, config["model_type"], sizes["vocab_size"]),
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
                        q_lora_rank=q_rank or 0, kv_lora_rank=sizes["kv_lora_rank"],
                        qk_rope_dim=sizes["qk_rope_head_dim"], qk_nope_dim=sizes["qk_nope_head_dim"],
@@ -644,6 +678,25 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
                        norm_topk_prob=config["norm_topk_prob"],
                        routed_scaling=_positive(config, "routed_scaling_factor", where, 1.0),
                        router_aux_coef=0.0, mtp_layers=mtp, **rope)
+
+
+def _mistral4_rope(scaling: dict, kind: str, where: str, sizes: dict) -> dict:
+    """Mistral 4's query scaling (llama_4_scaling_beta) from its rope table; CheckpointError naming what transformers'
+    Mistral4ForCausalLM cannot compute: a rope type but YaRN (it would rotate the whole head), no beta, or a
+    partial_rotary_factor that does not rotate qk_rope_head_dim units."""
+    if kind != "yarn":
+        raise CheckpointError(f"{where}: rope_type {kind!r}; zerotrain's mistral4 has 'yarn' (transformers' Mistral 4 "
+                              "rotates the whole head under any other)")
+    beta = scaling.get("llama_4_scaling_beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
+        raise CheckpointError(f"{where}: llama_4_scaling_beta must be a number of 0 or more, got {beta!r}")
+    head = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    partial = scaling.get("partial_rotary_factor", sizes["qk_rope_head_dim"] / head)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or \
+            int(head * partial) != sizes["qk_rope_head_dim"]:
+        raise CheckpointError(f"{where}: partial_rotary_factor {partial!r} does not rotate the qk_rope_head_dim "
+                              f"{sizes['qk_rope_head_dim']} units of a {head}-unit head")
+    return dict(llama4_scaling_beta=float(beta))
 
 
 # What transformers' Llama4TextConfig gives a field its config.json leaves out (its sizes are Scout's: required here).
@@ -821,7 +874,7 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
 
 
 # What transformers' config classes give pad_token_id where config.json leaves it out (the others: None)
-_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
+_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0, "mistral4": 11}
 
 
 def _padding_id(config: dict, where: str, kind: str, vocab: int) -> int:

@@ -1,8 +1,9 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral, Phi-3,
 Gemma 2 and 3, with Gemma's own pieces in gemma.py), Qwen3.5's hybrid (qwen35.py, its linear attention in
-delta_rule.py), DeepSeek-V3's (deepseek.py: latent attention in mla.py, its router in group_routing.py), Llama 4's
-text decoder (llama4.py), the layers they share (tensor_parallel.py, norms.py, positions.py, rotary.py, attention.py,
-kv_cache.py, recompute.py), the embedding, head and loss (vocab.py, loss.py), and sampling (generate.py).
+delta_rule.py), DeepSeek-V3's and Mistral 4's (deepseek.py: latent attention in mla.py, its router in
+group_routing.py), Llama 4's text decoder (llama4.py), the layers they share (tensor_parallel.py, norms.py,
+positions.py, rotary.py, attention.py, kv_cache.py, recompute.py), the embedding, head and loss (vocab.py,
+loss.py), and sampling (generate.py).
 `build_model`, `plan` and `parallelize` pick the architecture from the config's `arch`."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwe
               "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3_moe": "Qwen3-MoE",
               "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE",
               "gpt_oss": "gpt-oss", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
-              "deepseek_v3": "DeepSeek-V3", "llama4": "Llama 4"}  # how messages name them
+              "deepseek_v3": "DeepSeek-V3", "mistral4": "Mistral 4", "llama4": "Llama 4"}  # how messages name them
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -1,5 +1,6 @@
 """DeepSeek-V3's decoder (deepseek_v3: DeepSeek-V3, V3.1, R1, and Kimi K2's shapes), as transformers'
-DeepseekV3ForCausalLM computes it.
+DeepseekV3ForCausalLM computes it; and Mistral 4's (mistral4, Mistral4ForCausalLM), the same decoder with a softmax
+router without bias (group_routing.py) and queries scaled by their position (mla.py).
 
     self_attn   multi-head latent attention (mla.py)
     mlp         layers 0 .. first_k_dense_replace - 1: a SwiGLU MLP of intermediate_size; the others a mixture of
@@ -31,7 +32,7 @@ from .decoder import Decoder
 from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask
-from .mla import LatentAttention, mla_rope_scaling
+from .mla import LatentAttention, mla_rope_scaling, query_scale
 from .moe import Expert, MoE, PartialDown, Routing
 from .norms import RMSNorm
 from .positions import new_positions
@@ -58,7 +59,7 @@ class DeepseekMoE(MoE):
         with torch.no_grad():
             counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
             counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
-        probs = scores / scores.sum(dim=-1, keepdim=True)
+        probs = scores.float() / scores.float().sum(dim=-1, keepdim=True)
         self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
         return weights, chosen
 
@@ -78,8 +79,8 @@ class DeepseekBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = DeepseekMoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
 
-    def forward(self, x, rotary, cache: KVCache | None, layer: int, documents=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents)
+    def forward(self, x, rotary, cache: KVCache | None, layer: int, documents=None, query_scale=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents, query_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -96,8 +97,9 @@ class Deepseek(Decoder):
         positions = new_positions(idx, cache, cfg.positions, segments)
         rotary = rotary_tables(positions, cfg.qk_rope_dim, cfg.rope_theta, mla_rope_scaling(cfg))
         mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
+        scale = query_scale(cfg, positions)  # Mistral 4's queries by position; None for DeepSeek-V3
         for layer, block in enumerate(self.model.layers):
-            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask)
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, scale)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.model.norm(x)

@@ -12,6 +12,9 @@
               mscale_all_dim ln(factor) + 1: transformers' yarn_apply_mscale); the rotary tables themselves carry
               YaRN's attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)
 
+    queries   Mistral 4's (mistral4) are scaled by their position, 1 + beta ln(1 + floor(p / original context)) at
+              position p (llama4_query_scale: transformers' get_llama_4_attn_scale), every unit of them
+
 The q and kv latents' RMSNorms take transformers' fixed epsilon 1e-6, not the model's rms_norm_eps.
 
 Under tensor parallelism (deepseek.py's plan, as Megatron and torchtitan split MLA) the low-rank parts every head
@@ -63,6 +66,21 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+def llama4_query_scale(positions: torch.Tensor, beta: float, original: int) -> torch.Tensor:
+    """Each query's factor 1 + beta ln(1 + floor(p / original)) at positions p, in fp32 as transformers computes it,
+    shaped to multiply q (B, H, T, D): (1, 1, T, 1), or (B, 1, T, 1) for packed records' positions."""
+    scale = 1 + beta * torch.log(1 + torch.floor(positions / original))
+    return scale.view(1, 1, -1, 1) if positions.dim() == 1 else scale[:, None, :, None]
+
+
+def query_scale(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor | None:
+    """Mistral 4's query factors at `positions` (llama4_query_scale, the period YaRN's original context); None for
+    DeepSeek-V3, whose queries are not scaled."""
+    if cfg.arch != "mistral4" or not cfg.llama4_scaling_beta:
+        return None
+    return llama4_query_scale(positions, cfg.llama4_scaling_beta, cfg.rope_original_context)
+
+
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Adjacent rotary pairs (x0, x1), (x2, x3), ... laid out as rotate-half's (x0, x2, ..., x1, x3, ...)."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
@@ -96,7 +114,7 @@ class LatentAttention(nn.Module):
         self.tp_comm = None  # under TP: the TP group the per-head inputs' gradients are summed over (to_heads)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
-                layer: int, documents=None) -> torch.Tensor:
+                layer: int, documents=None, query_scale: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         q_in = x if hasattr(self, "q_proj") else self.q_a_layernorm(self.q_a_proj(x))
@@ -110,6 +128,8 @@ class LatentAttention(nn.Module):
         q_rot = rotate_units(q_rot, *rotary, self.interleaved)
         k_rot = rotate_units(k_rot.reshape(B, 1, T, self.rope), *rotary, self.interleaved)
         q = torch.cat([q_pass, q_rot], dim=-1)
+        if query_scale is not None:
+            q = q * query_scale.to(q.dtype)
         k = torch.cat([k_pass, k_rot.expand(B, H, T, self.rope)], dim=-1)
         if cache is not None and self.value < q.shape[-1]:
             # the cache holds keys and values of one width: values padded with zeros, whose outputs are dropped
