@@ -253,13 +253,12 @@ def test_mtp_layers_are_kept_frozen_through_import_training_and_export(tmp_path,
     assert not (tmp_path / "again").exists()
 
 
-# What zerotrain does not have for DeepSeek-V3 yet: refused in one line, exit 2.
+# What zerotrain does not have for DeepSeek-V3 yet, and a TP degree that splits a head: refused in one line, exit 2.
 
 @pytest.mark.parametrize("flags, said", [
-    (["--nproc", "2", "--tp", "2"], "--tp 2 with --arch deepseek_v3: multi-head latent attention has no tensor "
-                                    "parallelism in zerotrain yet: give --tp 1"),
-    (["--lora-rank", "8"], "--lora-rank 8 with --arch deepseek_v3: LoRA on multi-head latent attention's low-rank "
-                           "projections is not in zerotrain yet: give --lora-rank 0"),
+    (["--nproc", "8", "--tp", "8"], "--tp 8 does not divide --n-head 4: each TP rank keeps whole attention heads"),
+    (["--nproc", "2", "--cp", "2"], "--cp 2 with --arch deepseek_v3: multi-head latent attention has no context "
+                                    "parallelism in zerotrain yet: give --cp 1"),
     (["--method", "dpo"], "--routing-bias-speed 0.001 with --method dpo: the bias moves with the expert loads of "
                           "--method sft's steps only in zerotrain yet: give --routing-bias-speed 0"),
 ])

@@ -803,12 +803,15 @@ class GuardConfig:
 # The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
 # Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
 # Qwen3.5's: its attention layers' and its Gated DeltaNet layers' (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b,
-# out_proj; not the convolution), and the MLP's (the MoE's shared expert).
+# out_proj; not the convolution), and the MLP's (the MoE's shared expert). Multi-head latent attention's are its
+# low-rank projections (q_proj where the model has no query rank).
 LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                    for arch in LLAMA_FAMILY},
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
-                          "out_proj", "gate_proj", "up_proj", "down_proj") for arch in QWEN35}}
+                          "out_proj", "gate_proj", "up_proj", "down_proj") for arch in QWEN35},
+                **{arch: ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                          "up_proj", "down_proj") for arch in DEEPSEEK}}
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
@@ -1297,7 +1300,8 @@ def _check_qwen35(cfg: Config) -> None:
 
 def _check_deepseek(cfg: Config) -> None:
     """DeepSeek-V3's (and Mistral 4's) routing sizes, and what its latent attention does not have yet in zerotrain
-    (tensor and context parallelism, LoRA): refused, never trained approximately."""
+    (context parallelism; Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained
+    approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.moe:
         raise ConfigError(f"--arch {m.arch} has experts after its --first-dense-layers: give --n-experts")
@@ -1324,27 +1328,25 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
-    refused = [(p.tp > 1, f"--tp {p.tp}", "multi-head latent attention has no tensor parallelism in zerotrain yet: "
-                                          "give --tp 1"),
+    mistral4 = m.arch == "mistral4"
+    refused = [(p.tp > 1 and mistral4, f"--tp {p.tp}", "Mistral 4's tensor parallelism is not in zerotrain yet: give "
+                                                       "--tp 1"),
                (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
                                           "give --cp 1"),
-               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}", "LoRA on multi-head latent attention's low-rank "
-                                                                   "projections is not in zerotrain yet: give "
-                                                                   "--lora-rank 0")]
+               (cfg.lora.rank > 0 and mistral4, f"--lora-rank {cfg.lora.rank}", "LoRA on Mistral 4 is not in "
+                                                                                "zerotrain yet: give --lora-rank 0")]
     for hit, what, why in refused:
         if hit:
             raise ConfigError(f"{what} with --arch {m.arch}: {why}")
 
 
 def _check_llama4(cfg: Config) -> None:
-    """Llama 4's experts, and what zerotrain does not have for it yet (tensor parallelism, LoRA; --cp, whose ring has
-    no chunked attention, is refused with the ring's other gaps): refused, never trained approximately."""
-    m, p = cfg.model, cfg.parallel
+    """Llama 4's experts, and what zerotrain does not have for it yet (LoRA; --cp, whose ring has no chunked
+    attention, is refused with the ring's other gaps): refused, never trained approximately."""
+    m = cfg.model
     if not m.n_experts or m.shared_expert_width != m.expert_ffn:
         raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "
                           f"--shared-expert-width {m.expert_ffn} (got {m.n_experts} and {m.shared_expert_width})")
-    if p.tp > 1:
-        raise ConfigError(f"--tp {p.tp}: --arch llama4 has no tensor parallelism in zerotrain yet: give --tp 1")
     if cfg.lora.rank:
         raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch llama4 is not in zerotrain yet: give "
                           "--lora-rank 0")
