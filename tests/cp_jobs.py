@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from unittest import mock
 
+import dpo_jobs
 import torch
 from dist_jobs import summary
 
@@ -13,7 +14,7 @@ from zerotrain.config import Config
 from zerotrain.model import lora
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
-from zerotrain.training import invariants
+from zerotrain.training import invariants, preference
 from zerotrain.training.loop import train
 
 
@@ -88,3 +89,34 @@ def unreplicated_job(cfg: Config, comm: Comm) -> dict:
     with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None), \
             mock.patch.object(invariants, "check_no_drift", lambda *args: []):
         return trained_job(cfg, comm)
+
+
+def dpo_trained_job(cfg: Config, comm: Comm) -> dict:
+    """Train --method dpo; the log with the preference figures (and the validation's) of each step, and the final
+    parameters (the last checkpoint's)."""
+    result = train(cfg, comm)
+    out = dpo_jobs.log_of(result)
+    final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
+    out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
+    out["sent"] = dict(result.comm_bytes)
+    return out
+
+
+def dpo_parts_unsummed_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each CP rank's sequence log-probs are its own part's (the all-reduce over the cp group skipped),
+    the policy's and the reference's alike."""
+    with mock.patch.object(context.ContextParallel, "sum_over_parts", lambda self, x: x):
+        return dpo_trained_job(cfg, comm)
+
+
+def dpo_reference_of_one_chunk_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the precomputed reference's log-probs are scored over each rank's own part of the rows only (the
+    first CP rank's are stored), the policy's over the whole rows."""
+    real = preference.Preference.score_reference
+
+    def of_one_part(self, engine, faults=None):
+        with mock.patch.object(context.ContextParallel, "sum_over_parts", lambda self, x: x):
+            return real(self, engine, faults)
+
+    with mock.patch.object(preference.Preference, "score_reference", of_one_part):
+        return dpo_trained_job(cfg, comm)

@@ -7,6 +7,12 @@ input's next token). The model (Llama.hidden) asks `prepare` once per forward fo
 places in the whole row, or within their record for packed rows) and for the layers' ring, which carries every rank's
 segment ids (gathered once per forward). The loss is each rank's sum over its own tokens over the global token count:
 the reduce-scatter over dp_shard x cp adds the CP ranks' partial gradients, so the step is --cp 1's.
+
+A loss of whole sequences (DPO's, of each sequence's summed log-prob; GRPO's, of each completion's tokens) is not a
+sum over tokens: each rank makes its part's figures whole (sum_over_parts: the per-row sums all-reduced; whole_rows:
+the per-token figures all-gathered), each gradient-carrying with this rank's part of the gradient backward, and every
+rank of the group computes the same loss, counted once (counted_once). Its gradient on each rank is then the whole
+loss's with respect to that rank's tokens, and the reduce-scatter adds them up as for the token loss.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 from zerotrain.data.batches import MicroBatch
 from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes
 from zerotrain.model.attention import RingAttention
-from zerotrain.model.tensor_parallel import kv_heads_per_rank
+from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
 from .comm import Comm
 from .ring_attention import gather_segments, ring_attention, rotary_positions, zigzag_split, zigzag_unsplit
 
@@ -53,6 +59,35 @@ class ContextParallel:
         """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of
         experts' routing counts for its balancing loss: model.moe.balancing_loss's whole_rows)."""
         return self.comm.all_reduce(x.contiguous(), "all_reduce_row_parts")
+
+    def sum_over_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`, sums over this rank's part of each row (DPO's sequence log-probs and token counts, [2, rows]), summed
+        over the cp group: the whole rows', with their gradient (one all-reduce forward; backward each rank's part
+        takes the whole sums' gradient, nothing sent: every rank computes the same loss of them)."""
+        return ReduceFromTP.apply(x, self.comm, "all_reduce_sequence_parts")
+
+    def whole_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (B, T / C), a figure of each of this rank's tokens (GRPO's log-probs), as the whole rows' (B, T): every
+        rank's part all-gathered in place (zigzag_unsplit), with its gradient (backward: this rank's part of it)."""
+        return _WholeRows.apply(x, self)
+
+    def counted_once(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`, a figure every rank of the group computed whole (a loss of whole sequences), on the group's first rank
+        and 0 on the others, so that the step's all-reduce counts it once (as TP's first rank; NaN stays NaN)."""
+        return x * (self.rank == 0)
+
+
+class _WholeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        parts = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))  # rank r's part: rows r B to (r + 1) B
+        cp.comm.all_gather(parts, x.contiguous(), "all_gather_row_parts")
+        return zigzag_unsplit(list(parts.chunk(cp.size)), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.cp.row_part(grad).contiguous(), None
 
 
 def context_parallel(mesh) -> ContextParallel | None:
