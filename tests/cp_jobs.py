@@ -14,8 +14,10 @@ from zerotrain.config import Config
 from zerotrain.model import lora
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
-from zerotrain.training import invariants, preference
+from zerotrain.training import grpo, invariants, preference
 from zerotrain.training.loop import train
+from zerotrain.training.rollouts import FILE as ROLLOUTS_FILE
+from zerotrain.training.rollouts import read_rollouts
 
 
 def trained_job(cfg: Config, comm: Comm) -> dict:
@@ -120,3 +122,41 @@ def dpo_reference_of_one_chunk_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(preference.Preference, "score_reference", of_one_part):
         return dpo_trained_job(cfg, comm)
+
+
+def grpo_trained_job(cfg: Config, comm: Comm) -> dict:
+    """trained_job with the completions of every step (rollouts.jsonl, which rank 0 writes)."""
+    out = trained_job(cfg, comm)
+    if comm.rank == 0:
+        out["rollouts"] = [r["completion_ids"] for r in read_rollouts(os.path.join(cfg.logging.out, ROLLOUTS_FILE))]
+    return out
+
+
+def grpo_rank_order_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a completion's token log-probs gathered in the ranks' order (rank 0's two chunks, then rank 1's),
+    not put back in the row's zig-zag order."""
+    def in_rank_order(self, x):
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.comm.group)
+        parts[self.rank] = x  # this rank's part keeps its gradient
+        return torch.cat(parts, dim=1)
+
+    with mock.patch.object(context.ContextParallel, "whole_rows", in_rank_order):
+        return grpo_trained_job(cfg, comm)
+
+
+def grpo_reference_of_one_part_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the reference's token log-probs of this rank's part of each row only (the other ranks' parts left
+    at 0, nothing gathered), the policy's of the whole rows."""
+    real = grpo.GroupRelative.reference_logps
+
+    def own_part(self, x):
+        parts = [x if r == self.rank else torch.zeros_like(x) for r in range(self.size)]
+        return ring_attention.zigzag_unsplit(parts, dim=1)
+
+    def of_one_part(self, engine, micro):
+        with mock.patch.object(context.ContextParallel, "whole_rows", own_part):
+            return real(self, engine, micro)
+
+    with mock.patch.object(grpo.GroupRelative, "reference_logps", of_one_part):
+        return grpo_trained_job(cfg, comm)

@@ -1205,9 +1205,8 @@ def _check_expert_parallel(cfg: Config) -> None:
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
     the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions and linear
-    attention are not in it yet, nor GRPO's completions (each one's token log-probs gathered from its parts):
-    refused. Mixtures of experts (--ep too), LoRA, --dp-replicate and DPO (each sequence's log-prob summed over its
-    parts) compose."""
+    attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each sequence's
+    log-prob summed over its parts) and GRPO (each completion's token log-probs gathered from its parts) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1223,7 +1222,6 @@ def _check_context_parallel(cfg: Config) -> None:
                (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
-               (cfg.objective.method == "grpo", "--method grpo (per-completion log-probs)"),
                (cfg.loop.compile, "--compile")]
     for hit, what in refused:
         if hit:
