@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from unittest import mock
 
 import dpo_jobs
@@ -10,6 +11,7 @@ import torch
 from dist_jobs import summary
 
 from zerotrain import checkpoint, load_model
+from zerotrain.checkpoint import homes
 from zerotrain.config import Config
 from zerotrain.model import lora
 from zerotrain.model.positions import positions_from_segments
@@ -160,3 +162,17 @@ def grpo_reference_of_one_part_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(grpo.GroupRelative, "reference_logps", of_one_part):
         return grpo_trained_job(cfg, comm)
+
+
+def neighbour_expert_resume_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a resume reads every expert's state from the next expert of its EP rank's block (checkpoint/
+    homes.py's expert_home, which the load asks where each expert's shard is)."""
+    real = homes.expert_home
+
+    def neighbour(name, per_rank):
+        ep_rank, local = real(name, per_rank)
+        head, index, tail = re.fullmatch(r"(.*\.experts\.)(\d+)(\..*)", local).groups()
+        return ep_rank, f"{head}{(int(index) + 1) % per_rank}{tail}"
+
+    with mock.patch.object(homes, "expert_home", neighbour):
+        return moe_trained_job(cfg, comm)
