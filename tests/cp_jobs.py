@@ -176,3 +176,20 @@ def neighbour_expert_resume_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(homes, "expert_home", neighbour):
         return moe_trained_job(cfg, comm)
+
+
+def window_everywhere_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the ring ignores the sliding window (every block computed as if the window held it whole)."""
+    with mock.patch.object(ring_attention, "window_reach", lambda *args: "inside"):
+        return trained_job(cfg, comm)
+
+
+def window_in_local_positions_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a partial block's window measured in the rank's local indices, not the row's positions."""
+    def local(rank, source, rows, keys, chunk, cp, window, device):
+        distance = torch.arange(rows.start, rows.stop, device=device)[:, None] - \
+            torch.arange(keys.start, keys.stop, device=device)[None, :]
+        return (distance >= 0) & (distance < window)
+
+    with mock.patch.object(ring_attention, "window_mask", local):
+        return trained_job(cfg, comm)

@@ -17,6 +17,7 @@ loss's with respect to that rank's tokens, and the reduce-scatter adds them up a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -97,8 +98,8 @@ def context_parallel(mesh) -> ContextParallel | None:
 
 class ContextParallelRows:
     """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
-    (every block's, the embedding's, the head's and the loss's), without the records' T x T mask (each hop builds its
-    block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
+    (every block's, the embedding's, the head's and the loss's), without the records' or the window's T x T mask (each
+    hop builds its block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
     rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
     row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
     arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group.
@@ -113,7 +114,10 @@ class ContextParallelRows:
         common = dict(tp=p.tp, precision=p.precision, recompute=p.activation_checkpointing, device=cfg.launch.device,
                       objective=cfg.objective.method)
         whole = activation_bytes(m, B, T, documents=documents, **common)
-        part = activation_bytes(m, B, T // C, **common)  # the ring takes no mask
+        # the ring takes no mask, a sliding window's neither (each hop masks its block and drops it): the window
+        # lifted to the row, the sliding layers still sliding (Gemma 3's local rotary tables)
+        ring_model = dataclasses.replace(m, sliding_window=T) if m.sliding_window else m
+        part = activation_bytes(ring_model, B, T // C, **common)
         held = part["total"]
         if documents:
             held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
