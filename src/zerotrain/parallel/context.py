@@ -23,7 +23,7 @@ import functools
 import torch
 
 from zerotrain.data.batches import MicroBatch
-from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes
+from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, rotary_bases
 from zerotrain.model.attention import RingAttention
 from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
 from .comm import Comm
@@ -122,7 +122,8 @@ class ContextParallelRows:
         if documents:
             held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
             if p.activation_checkpointing == "none" and p.precision == "fp32":  # the rotations' fp32 cos and sin
-                held += (B - 1) * (T // C) * m.head_dim * 4 * 2
+                windows = [m.sliding_window if m.sliding(layer) else 0 for layer in range(m.n_layer)]
+                held += (B - 1) * (T // C) * m.head_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
         kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
         ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
         # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
