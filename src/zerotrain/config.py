@@ -1204,9 +1204,9 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks, sliding windows): soft-caps, sinks, learned positions and
-    linear attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each sequence's
-    log-prob summed over its parts) and GRPO (each completion's token log-probs gathered from its parts) compose."""
+    the ring computes (causal, rotary, packed records' masks, sliding windows): soft-caps, sinks, learned positions
+    and linear attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
+    sequence's log-prob summed over its parts) and GRPO (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return

@@ -99,11 +99,12 @@ def context_parallel(mesh) -> ContextParallel | None:
 class ContextParallelRows:
     """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
     (every block's, the embedding's, the head's and the loss's), without the records' or the window's T x T mask (each
-    hop builds its block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
-    rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
-    row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
-    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group.
-    Each row is the difference from the whole row's, which the plan counts first."""
+    hop builds its block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64)
+    and, for packed rows, rotary tables per row (their positions differ by row; Gemma 3's two bases). The ring's
+    buffers in flight are the communication row's: at most, in a layer's backward, the next hop's k and v, the
+    gradients of k and v being summed and those arriving (fp32), and the fused kernel's k and v gradients per query
+    head before they are summed over the group. Each row is the difference from the whole row's, which the plan counts
+    first."""
 
     def __init__(self, cp: int):
         self.cp = cp
