@@ -1252,10 +1252,9 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions and linear
-    attention are not in it yet, nor DPO's and GRPO's per-sequence sums (each sequence's log-probability summed over
-    its parts, the reference's and the metrics' too): refused. Mixtures of experts (--ep too), LoRA and
-    --dp-replicate compose."""
+    the ring computes (causal, rotary, packed records' masks, sliding windows): soft-caps, sinks, learned positions
+    and linear attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
+    sequence's log-prob summed over its parts) and GRPO (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1268,10 +1267,8 @@ def _check_context_parallel(cfg: Config) -> None:
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
                (m.arch in LLAMA4, f"--arch {m.arch} (chunked attention)"),
-               (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
-               (cfg.objective.method != "sft", f"--method {cfg.objective.method} (per-sequence sums)"),
                (cfg.loop.compile, "--compile")]
     for hit, what in refused:
         if hit:

@@ -185,7 +185,7 @@ class Llama(Decoder):
         if cfg.gemma:
             x = x * embedding_scale(cfg.n_embd, x.dtype)
         ring = None
-        if self.context_parallel is not None and cache is None:  # this rank's part of each row (config: no windows)
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row
             positions, ring = self.context_parallel.prepare(idx, segments)
         else:
             positions = new_positions(idx, cache, cfg.positions, segments)
