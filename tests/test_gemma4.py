@@ -232,7 +232,8 @@ def runs(training_folder, tmp_path_factory):
     out = {}
     for run, report in zip(two, reports):
         out[run] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / run)}
+            "weights": weights_of(tmp / run), "read": report["summary"]["per_rank"]["init_bytes_read"]}
+    out["file bytes"] = (path / "model.safetensors").stat().st_size
     with world_of_one() as comm:
         result = train(config_for(path, tmp / "1", *UNGUARDED), comm, announce=False)
     out["1 rank"] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
@@ -255,6 +256,13 @@ def test_eight_steps_train_as_transformers_and_adamw_do(runs, run):
     assert max(theirs["loss"]) != min(theirs["loss"])  # it trained
     scalars = {n: w for n, w in ours["weights"].items() if n.endswith("layer_scalar")}
     assert scalars and all(torch.equal(w, theirs["weights"][n]) for n, w in scalars.items())  # never trained
+
+
+def test_init_from_at_zero3_reads_each_ranks_slice_of_the_folder(runs):
+    """Each of the 2 ranks reads its share of the folder's tensors (the per-layer input table's rows among them), not
+    the whole file."""
+    reads = runs["zero3"]["read"]
+    assert len(reads) == 2 and all(0 < r < 0.75 * runs["file bytes"] for r in reads), (reads, runs["file bytes"])
 
 
 def test_a_trained_export_is_loaded_by_transformers_as_gemma4_with_the_same_logits(training_folder, runs, tmp_path):

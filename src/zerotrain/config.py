@@ -357,8 +357,8 @@ class ModelConfig:
                                           "global, the others sliding (Gemma 2: 2, Gemma 3: 6; 0: every layer "
                                           "slides)", rule=NON_NEGATIVE, shown="0: every layer",
                                           applies=archs_scope(*ALTERNATING))
-    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq; 0: "
-                                      "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
+    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq, "
+                                      "gemma4's sliding rope_theta; 0: --rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
                                       applies=archs_scope("gemma3", *GEMMA4))
     query_pre_attn_scalar: int = setting(0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
                                            "the head width)", rule=NON_NEGATIVE, shown="the head width",

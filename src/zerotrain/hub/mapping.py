@@ -749,7 +749,7 @@ def _llama4(config: dict, where: str) -> ModelConfig:
 # What transformers' Gemma4TextConfig gives a field its config.json leaves out.
 _GEMMA4_DEFAULTS = dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
-                        rms_norm_eps=1e-6, pad_token_id=0, tie_word_embeddings=True, sliding_window=512,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=512,
                         hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, attention_k_eq_v=False,
                         num_kv_shared_layers=0, use_double_wide_mlp=False, global_head_dim=512)
 _GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -940,7 +940,7 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
 
 
 # What transformers' config classes give pad_token_id where config.json leaves it out (the others: None)
-_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
+_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0, "gemma4_text": 0}
 
 
 def _padding_id(config: dict, where: str, kind: str, vocab: int) -> int:
