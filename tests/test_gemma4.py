@@ -280,8 +280,30 @@ def test_a_trained_export_is_loaded_by_transformers_as_gemma4_with_the_same_logi
                                                                                       context=0)
 
 
+# google/gemma-4-12B's text model as transformers builds it from the config.json zerotrain writes: its parameters
+# and the 48 layer scalars (buffers there, parameters here)
+GEMMA4_12B = 11_907_350_320
+
+
+def test_the_12b_preset_is_the_model_transformers_builds_from_its_config():
+    from zerotrain.config import PRESETS
+    from zerotrain.model import param_count
+
+    cfg = ModelConfig(**PRESETS["gemma4-12b"])
+    config = mapping.hf_config(cfg, None)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    scalars = sum(b.numel() for n, b in theirs.named_buffers() if n.endswith("layer_scalar"))
+    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + scalars == GEMMA4_12B
+    assert [i for i in range(cfg.n_layer) if cfg.global_layer(i)] == list(range(5, 48, 6))
+    assert mapping.model_config_from_hf(config, "gemma4-12b") == dataclasses.replace(cfg, seq_len=cfg.positions,
+                                                                                      context=0)
+
+
 @pytest.mark.parametrize("flags, said", [
-    (["--nproc", "2", "--tp", "2"], "--tp 2: --arch gemma4 has no tensor parallelism in zerotrain yet: give --tp 1"),
+    (["--nproc", "2", "--tp", "2"], "--tp 2: --arch gemma4 has no tensor parallelism in zerotrain yet (its global "
+                                    "layers' own head shapes and the per-layer input table need plans of their own): "
+                                    "give --tp 1"),
     (["--lora-rank", "8"], "--lora-rank 8: LoRA on --arch gemma4 is not in zerotrain yet: give --lora-rank 0"),
 ])
 def test_what_zerotrain_does_not_have_for_gemma4_is_refused_in_one_line(folder, flags, said, capsys):

@@ -226,6 +226,14 @@ PRESETS: dict[str, dict] = {
                     v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
                     expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
                     rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+    # google/gemma-4-12B's text model (its text_config): 48 layers, every 6th global (heads of 512, one KV head, keys
+    # as values, a quarter of the rotary turning at base 1e6), the others sliding over 1024 tokens (heads of 256, 8 KV
+    # heads, base 1e4), logits capped at 30, no per-layer inputs or shared KV (the E2B and E4B edge models have them).
+    "gemma4-12b": dict(arch="gemma4", n_layer=48, n_head=16, n_kv_head=8, n_embd=3840, head_width=256,
+                       intermediate_size=15360, seq_len=4096, context=131072, vocab_size=262144, rope_theta=1000000.0,
+                       rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6, tie_embeddings=True,
+                       pad_token_id=0, sliding_window=1024, sliding_window_pattern=6, final_softcap=30.0,
+                       global_head_width=512, k_eq_v=True, global_kv_heads=1),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -1376,8 +1384,9 @@ def _check_gemma4(cfg: Config) -> None:
         raise ConfigError(f"--global-kv-heads {m.global_kv_heads} does not divide --n-head {m.n_head}")
     if m.global_head_width % 2:
         raise ConfigError(f"--global-head-width {m.global_head_width} must be even (rotary embeddings rotate pairs)")
-    if p.tp > 1:
-        raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet: give --tp 1")
+    if p.tp > 1:  # two layer shapes to split (the global layers' one KV head replicated), the per-layer input table
+        raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet (its global layers' "
+                          "own head shapes and the per-layer input table need plans of their own): give --tp 1")
     if cfg.lora.rank:
         raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch gemma4 is not in zerotrain yet: give "
                           "--lora-rank 0")
