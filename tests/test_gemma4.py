@@ -334,6 +334,7 @@ def test_what_zerotrain_does_not_have_for_gemma4_is_refused_in_one_line(folder, 
      "rope_parameters full_attention has rope_type 'yarn'"),
     ("layer_types", ["sliding_attention", "full_attention", "full_attention"] * 2, "layer_types"),
     ("vocab_size_per_layer_input", 200, "vocab_size_per_layer_input 200 differs"),
+    ("per_layer_config", {"1": {"head_dim": 32}}, "per_layer_config .* does not give every global layer"),
 ])
 def test_a_config_zerotrain_does_not_compute_is_refused_naming_the_field(field, value, said):
     from zerotrain.errors import CheckpointError
@@ -342,3 +343,14 @@ def test_a_config_zerotrain_does_not_compute_is_refused_naming_the_field(field, 
     config[field] = value
     with pytest.raises(CheckpointError, match="^config.json: .*" + said.replace("(", r"\(")):
         mapping.model_config_from_hf(config, "config.json")
+
+
+def test_the_published_global_head_dim_reads_as_transformers_per_layer_config_does():
+    """The released configs give the global layers' shape as global_head_dim and num_global_key_value_heads;
+    transformers 5 writes per_layer_config: both read the same."""
+    config = hf_config().to_dict()
+    published = {k: v for k, v in config.items() if k != "per_layer_config"}
+    published.update(global_head_dim=32, num_global_key_value_heads=1)
+    ours = mapping.model_config_from_hf(published, "config.json")
+    assert ours == mapping.model_config_from_hf(config, "config.json")
+    assert (ours.global_head_width, ours.global_kv_heads) == (32, 1)
