@@ -58,6 +58,8 @@ NOT_IN = {
                                 "routing_bias_speed", "mtp_layers", "llama4_scaling_beta")},
     "nope_every": "llama", "attention_chunk": "llama", "qk_l2_norm": "llama", "temperature_tuning": "llama",
     "temperature_floor": "llama", "temperature_scale": "llama",
+    **{key: "llama" for key in ("global_head_width", "k_eq_v", "global_kv_heads", "kv_shared_layers", "per_layer_width",
+                                "double_wide_mlp")},
     **{key: "llama" for key in ("num_generations", "max_completion_length", "temperature", "top_p", "grpo_loss",
                                 "grpo_beta", "grpo_epsilon", "grpo_epsilon_high", "grpo_iterations", "scale_rewards",
                                 "mask_truncated_completions", "reward", "reward_weights", "reward_format")},

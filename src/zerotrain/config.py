@@ -254,6 +254,14 @@ PRESETS: dict[str, dict] = {
                                  routed_scaling=1.0, rope_scaling="yarn", rope_factor=128.0,
                                  rope_original_context=8192, rope_mscale=1.0, rope_mscale_all_dim=1.0,
                                  llama4_scaling_beta=0.1),
+    # google/gemma-4-12B's text model (its text_config): 48 layers, every 6th global (heads of 512, one KV head, keys
+    # as values, a quarter of the rotary turning at base 1e6), the others sliding over 1024 tokens (heads of 256, 8 KV
+    # heads, base 1e4), logits capped at 30, no per-layer inputs or shared KV (the E2B and E4B edge models have them).
+    "gemma4-12b": dict(arch="gemma4", n_layer=48, n_head=16, n_kv_head=8, n_embd=3840, head_width=256,
+                       intermediate_size=15360, seq_len=4096, context=131072, vocab_size=262144, rope_theta=1000000.0,
+                       rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6, tie_embeddings=True,
+                       pad_token_id=0, sliding_window=1024, sliding_window_pattern=6, final_softcap=30.0,
+                       global_head_width=512, k_eq_v=True, global_kv_heads=1),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -295,11 +303,17 @@ DEEPSEEK = ("deepseek_v3", "mistral4")
 # the router's sigmoid scores on the experts' input), chunked local attention on its rotary layers, global attention
 # without rotary on every --nope-every-th layer (with attention temperature tuning), weightless q/k L2 norms.
 LLAMA4 = ("llama4",)
+# gemma4: Gemma 4's text decoder (model/gemma4.py): sliding and global layers of different widths (--global-head-width,
+# --global-kv-heads, keys as values on the global layers with --k-eq-v) and rotaries (the global layers' partial,
+# --partial-rotary), the last --kv-shared-layers layers reading the keys and values of the last earlier layer of their
+# kind, a per-layer input embedding (--per-layer-width) added after every block; plain w RMSNorms, GeGLU.
+GEMMA4 = ("gemma4",)
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4)
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5", *GEMMA4)
 GEMMA = ("gemma2", "gemma3")
-WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
-ALTERNATING = (*GEMMA, "gpt_oss")  # the members whose sliding and global layers alternate (--sliding-window-pattern)
+WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss", *GEMMA4)  # the members with a sliding window
+# the members whose sliding and global layers alternate (--sliding-window-pattern)
+ALTERNATING = (*GEMMA, "gpt_oss", *GEMMA4)
 ARCHS = ("gpt2", *LLAMA_FAMILY)
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 
@@ -329,7 +343,9 @@ class ModelConfig:
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
                         "group-limited routing, shared experts); mistral4 (Mistral 4: DeepSeek-V3's decoder with "
                         "softmax routing and position-scaled queries); llama4 (Llama 4: chunked attention, layers "
-                        "without rotary, sigmoid-routed experts and a shared expert)",
+                        "without rotary, sigmoid-routed experts and a shared expert); gemma4 (Gemma 4: sliding and "
+                        "wider global layers, keys and values shared across the last layers, per-layer input "
+                        "embeddings)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -381,16 +397,17 @@ class ModelConfig:
                                           "global, the others sliding (Gemma 2: 2, Gemma 3: 6; 0: every layer "
                                           "slides)", rule=NON_NEGATIVE, shown="0: every layer",
                                           applies=archs_scope(*ALTERNATING))
-    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq; 0: "
-                                      "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
-                                      applies=archs_scope("gemma3"))
+    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq, "
+                                      "gemma4's sliding rope_theta; 0: --rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
+                                      applies=archs_scope("gemma3", *GEMMA4))
     query_pre_attn_scalar: int = setting(0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
                                            "the head width)", rule=NON_NEGATIVE, shown="the head width",
                                            applies=archs_scope(*GEMMA))
     attn_softcap: float = setting(0.0, "attention scores soft-capped to (-S, S) by S tanh(score / S) (gemma2; 0: "
                                   "none)", rule=NON_NEGATIVE, shown="0: none", applies=archs_scope("gemma2"))
     final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2, "
-                                   "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none", applies=archs_scope(*GEMMA))
+                                   "gemma3, gemma4; 0: none)", rule=NON_NEGATIVE, shown="0: none",
+                                   applies=archs_scope(*GEMMA, *GEMMA4))
     n_experts: int = setting(0, "experts of each MoE layer (qwen3_moe, qwen2_moe, mixtral, olmoe; Hugging Face's "
                              "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none",
                              applies=archs_scope(*MOE))
@@ -414,8 +431,10 @@ class ModelConfig:
                                            "attention layer, the others Gated DeltaNet linear-attention layers",
                                            rule=POSITIVE, applies=archs_scope(*QWEN35))
     partial_rotary: float = setting(0.25, "qwen3_5: the share of each attention head's width that rotary rotates "
-                                    "(partial_rotary_factor)", rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
-                                    applies=archs_scope(*QWEN35))
+                                    "(partial_rotary_factor); gemma4: its global layers' (their proportional rotary's "
+                                    "frequencies as the whole head's, the rest unrotated)",
+                                    rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
+                                    applies=archs_scope(*QWEN35, *GEMMA4))
     linear_conv_kernel: int = setting(4, "qwen3_5: the causal convolution's width over the linear-attention layers' "
                                       "q, k and v (linear_conv_kernel_dim)", rule=POSITIVE,
                                       applies=archs_scope(*QWEN35))
@@ -485,6 +504,23 @@ class ModelConfig:
                                      rule=POSITIVE, applies=archs_scope(*LLAMA4))
     temperature_scale: float = setting(0.1, "llama4: the strength of the temperature tuning (attn_scale)",
                                        rule=NON_NEGATIVE, applies=archs_scope(*LLAMA4))
+    global_head_width: int = setting(512, "gemma4: the width of each attention head of the global layers "
+                                     "(global_head_dim; --head-width is the sliding layers')", rule=POSITIVE,
+                                     applies=archs_scope(*GEMMA4))
+    k_eq_v: bool = setting(False, "gemma4: the global layers have no v_proj, their values are their keys' projection "
+                           "(attention_k_eq_v), and --global-kv-heads KV heads", applies=archs_scope(*GEMMA4))
+    global_kv_heads: int = setting(0, "gemma4 with --k-eq-v: the global layers' KV heads (num_global_key_value_heads; "
+                                   "0: --n-kv-head)", rule=NON_NEGATIVE, shown="--n-kv-head",
+                                   applies=archs_scope(*GEMMA4))
+    kv_shared_layers: int = setting(0, "gemma4: the last N layers compute no keys and values of their own: each reads "
+                                    "those of the last earlier layer of its kind, sliding or global "
+                                    "(num_kv_shared_layers)", rule=NON_NEGATIVE, applies=archs_scope(*GEMMA4))
+    per_layer_width: int = setting(0, "gemma4: each layer's input embedding width (hidden_size_per_layer_input): a "
+                                   "token's row of a table of n_layer x this, plus a projection of its embedding, "
+                                   "gates a residual added after every block (0: none)", rule=NON_NEGATIVE,
+                                   applies=archs_scope(*GEMMA4))
+    double_wide_mlp: bool = setting(False, "gemma4: the layers of --kv-shared-layers have an MLP of twice "
+                                    "--intermediate-size (use_double_wide_mlp)", applies=archs_scope(*GEMMA4))
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -506,6 +542,29 @@ class ModelConfig:
     def positions(self) -> int:
         """The positions the model holds: its context, or the training window where none is set."""
         return self.context or self.seq_len
+
+    def global_layer(self, layer: int) -> bool:
+        """Whether `layer` is one of Gemma 4's global layers (of their own width, KV heads and rotary)."""
+        return self.arch in GEMMA4 and not self.sliding(layer)
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head width) of `layer`'s keys and values: Gemma 4's global layers' own, else every layer's."""
+        if self.global_layer(layer):
+            return (self.global_kv_heads or self.kv_heads) if self.k_eq_v else self.kv_heads, self.global_head_width
+        return self.kv_heads, self.head_dim
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends with: itself, or for Gemma 4's last --kv-shared-layers
+        the last layer of its kind before them (transformers' kv_sharing_modes)."""
+        first = self.n_layer - self.kv_shared_layers
+        if self.arch not in GEMMA4 or layer < first:
+            return layer
+        return max(i for i in range(first) if self.sliding(i) == self.sliding(layer))
+
+    def ffn_width_of(self, layer: int) -> int:
+        """`layer`'s MLP width: Gemma 4's shared-KV layers' doubled with --double-wide-mlp."""
+        doubled = self.double_wide_mlp and self.kv_source(layer) != layer
+        return self.ffn_width * (2 if doubled else 1)
 
     @property
     def head_dim(self) -> int:
@@ -1349,6 +1408,35 @@ def _check_llama4(cfg: Config) -> None:
                           "--lora-rank 0")
 
 
+def _check_gemma4(cfg: Config) -> None:
+    """Gemma 4's layer pattern (its last layer global, as transformers forces it), a layer of each kind before the
+    shared-KV layers, and what zerotrain does not have for it yet (tensor parallelism, LoRA; the MoE block is refused
+    by _check_experts, gemma4 not being among MOE): refused,
+    never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if not m.sliding_window or not m.sliding_window_pattern or m.n_layer % m.sliding_window_pattern:
+        raise ConfigError(f"--arch gemma4's last layer is global and the others slide every --sliding-window-pattern: "
+                          f"give --sliding-window and a pattern dividing --n-layer {m.n_layer} (got "
+                          f"{m.sliding_window} and {m.sliding_window_pattern})")
+    first = m.n_layer - m.kv_shared_layers
+    if {m.sliding(i) for i in range(first)} != {m.sliding(i) for i in range(m.n_layer)}:
+        raise ConfigError(f"--kv-shared-layers {m.kv_shared_layers}: the layers before the shared ones must hold a "
+                          "sliding and a global layer whose keys and values the shared ones read")
+    if m.global_kv_heads and not m.k_eq_v:
+        raise ConfigError(f"--global-kv-heads {m.global_kv_heads} is for --k-eq-v (transformers' Gemma 4 takes "
+                          "num_global_key_value_heads only with attention_k_eq_v)")
+    if m.n_head % (m.global_kv_heads or m.kv_heads):
+        raise ConfigError(f"--global-kv-heads {m.global_kv_heads} does not divide --n-head {m.n_head}")
+    if m.global_head_width % 2:
+        raise ConfigError(f"--global-head-width {m.global_head_width} must be even (rotary embeddings rotate pairs)")
+    if p.tp > 1:  # two layer shapes to split (the global layers' one KV head replicated), the per-layer input table
+        raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet (its global layers' "
+                          "own head shapes and the per-layer input table need plans of their own): give --tp 1")
+    if cfg.lora.rank:
+        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch gemma4 is not in zerotrain yet: give "
+                          "--lora-rank 0")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting against its rule and the settings against each other; change nothing.
 
@@ -1408,9 +1496,10 @@ def validate(cfg: Config) -> Config:
     # Gemma's settings, each where transformers' model of the arch has it (its Gemma 3 never caps the scores, its
     # Gemma 2 has one rotary base), so that an export computes what was trained.
     gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern", ALTERNATING),
-                  (m.rope_local_theta, "--rope-local-theta", ("gemma3",)),
+                  (m.rope_local_theta, "--rope-local-theta", ("gemma3", *GEMMA4)),
                   (m.query_pre_attn_scalar, "--query-pre-attn-scalar", GEMMA),
-                  (m.attn_softcap, "--attn-softcap", ("gemma2",)), (m.final_softcap, "--final-softcap", GEMMA),
+                  (m.attn_softcap, "--attn-softcap", ("gemma2",)),
+                  (m.final_softcap, "--final-softcap", (*GEMMA, *GEMMA4)),
                   (m.rope_scaling == "linear", "--rope-scaling linear", GEMMA)]
     for value, flag, archs in gemma_only:
         if value and m.arch not in archs:
@@ -1424,6 +1513,8 @@ def validate(cfg: Config) -> Config:
         _check_deepseek(cfg)
     if m.arch in LLAMA4:
         _check_llama4(cfg)
+    if m.arch in GEMMA4:
+        _check_gemma4(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

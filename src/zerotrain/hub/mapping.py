@@ -34,6 +34,9 @@ and export alike, so the two cannot drift apart.
     llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).
+    gemma4 Gemma 4's text model (gemma4_text, Gemma4ForCausalLM) names its tensors as zerotrain's model does (the
+           per-layer input embedding's, each block's layer_scalar, a buffer there, among them): the identity. Its
+           shared-KV layers have no k_proj, v_proj or their norms, in its files as in zerotrain's model.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
@@ -56,7 +59,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.config import DEEPSEEK, GEMMA, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA, GEMMA4, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -277,6 +280,7 @@ MAPPINGS = {
                         infixes=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
                         experts=LLAMA4_EXPERTS),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
+    "gemma4": HFMapping("gemma4", "gemma4_text", "Gemma4ForCausalLM", "model.layers.", (), ("_inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
                                  ("language_model.lm_head.", "lm_head.")),
@@ -322,6 +326,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         return _deepseek_config(cfg, config)
     if cfg.arch in LLAMA4:
         return _llama4_config(cfg, config)
+    if cfg.arch in GEMMA4:
+        return _gemma4_config(cfg, config)
     if cfg.arch == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif cfg.arch in ("qwen2", "qwen3"):  # every layer attends to every earlier token
@@ -398,6 +404,28 @@ def _llama4_config(cfg: ModelConfig, config: dict) -> dict:
                   attn_scale=cfg.temperature_scale, attention_bias=False, router_aux_loss_coef=cfg.router_aux_coef,
                   router_jitter_noise=0.0, output_router_logits=False,
                   rope_parameters={"rope_type": "default", **(_rope_scaling(cfg) or {}), "rope_theta": cfg.rope_theta})
+    return config
+
+
+def _gemma4_config(cfg: ModelConfig, config: dict) -> dict:
+    """Gemma 4's config.json (Gemma4TextConfig): its layer types, each kind's rotary in rope_parameters, the global
+    layers' shape as per_layer_config (what transformers 5 writes), the shared KV and per-layer input embedding."""
+    config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling", "hidden_act")}
+    types = ["sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layer)]
+    heads, width = cfg.attention_shape(cfg.n_layer - 1)  # the last layer is global
+    shape = {"head_dim": width, **({"num_key_value_heads": heads} if cfg.k_eq_v else {})}
+    config.update(hidden_activation="gelu_pytorch_tanh", layer_types=types, sliding_window=cfg.sliding_window,
+                  final_logit_softcapping=cfg.final_softcap or None, attention_bias=False,
+                  use_bidirectional_attention=None, attention_k_eq_v=cfg.k_eq_v,
+                  num_kv_shared_layers=cfg.kv_shared_layers, use_double_wide_mlp=cfg.double_wide_mlp,
+                  hidden_size_per_layer_input=cfg.per_layer_width, vocab_size_per_layer_input=cfg.vocab_size,
+                  enable_moe_block=False, num_experts=None, top_k_experts=None, moe_intermediate_size=None,
+                  per_layer_config={str(i): shape for i, kind in enumerate(types) if kind == "full_attention"},
+                  rope_parameters={
+                      "sliding_attention": {"rope_type": "default",
+                                            "rope_theta": cfg.rope_local_theta or cfg.rope_theta},
+                      "full_attention": {"rope_type": "proportional", "partial_rotary_factor": cfg.partial_rotary,
+                                         "rope_theta": cfg.rope_theta}})
     return config
 
 
@@ -478,6 +506,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         return _deepseek(config, where)
     if BY_MODEL_TYPE[kind].arch in LLAMA4:
         return _llama4(config, where)
+    if BY_MODEL_TYPE[kind].arch in GEMMA4:
+        return _gemma4(config, where)
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -769,6 +799,95 @@ def _llama4(config: dict, where: str) -> ModelConfig:
                        **_rope_settings(config, where))
 
 
+# What transformers' Gemma4TextConfig gives a field its config.json leaves out.
+_GEMMA4_DEFAULTS = dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=512,
+                        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, attention_k_eq_v=False,
+                        num_kv_shared_layers=0, use_double_wide_mlp=False, global_head_dim=512)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1000000.0}}
+
+
+def _gemma4(config: dict, where: str) -> ModelConfig:
+    """Gemma 4's ModelConfig (gemma4_text): its sizes, its layer types as a pattern (the last layer global, as
+    transformers forces it), each kind's rotary, the global layers' shape (per_layer_config, which transformers 5
+    writes, or the published global_head_dim and num_global_key_value_heads), the shared KV and the per-layer input
+    embedding. What zerotrain's gemma4 does not compute (the MoE block, bidirectional attention, biases, another
+    activation or rotary) is refused, naming the field."""
+    config = {**_GEMMA4_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k not in _GEMMA4_DEFAULTS}}
+    _refuse(config, where, (("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
+                            ("attention_bias", False, (False,)), ("use_bidirectional_attention", None, (None,)),
+                            ("enable_moe_block", False, (False,))))
+    flags = {key: config[key] for key in ("tie_word_embeddings", "attention_k_eq_v", "use_double_wide_mlp")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
+    sizes = {key: _count(config, key, where) for key in (
+        "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "max_position_embeddings",
+        "vocab_size", "head_dim", "global_head_dim", "sliding_window")}
+    n, heads = sizes["num_hidden_layers"], sizes["num_attention_heads"]
+    sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
+    _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    per_layer, shared = (_count(config, key, where, default=0) if config.get(key) else 0
+                         for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"))
+    if per_layer and config["vocab_size_per_layer_input"] != sizes["vocab_size"]:
+        raise CheckpointError(f"{where}: vocab_size_per_layer_input {config['vocab_size_per_layer_input']!r} differs "
+                              f"from vocab_size {sizes['vocab_size']}; zerotrain's gemma4 looks both up by the "
+                              "same ids")
+    types = config.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                          for i in range(n)]
+    types = [*types[:-1], "full_attention"] if isinstance(types, list) and types else types  # as transformers
+    pattern = _layer_pattern({"layer_types": types}, where, "gemma4", n)
+    width, global_heads = sizes["global_head_dim"], config.get("num_global_key_value_heads")
+    overrides = config.get("per_layer_config")
+    if overrides is not None:
+        shapes = {json_key: _table(overrides, json_key, f"{where} per_layer_config") for json_key in overrides}
+        full = [str(i) for i, kind in enumerate(types) if kind == "full_attention"]
+        if sorted(shapes, key=int) != full or any(shape != shapes[full[0]] for shape in shapes.values()) or \
+                set(shapes[full[0]]) - {"head_dim", "num_key_value_heads"}:
+            raise CheckpointError(f"{where}: per_layer_config {overrides!r} does not give every global layer, and only "
+                                  "them, one head_dim (and num_key_value_heads), as zerotrain's gemma4 has them")
+        shape = shapes[full[0]]
+        width = _count(shape, "head_dim", f"{where} per_layer_config", default=sizes["head_dim"])
+        global_heads = shape.get("num_key_value_heads")
+    if global_heads is not None and not flags["attention_k_eq_v"]:
+        global_heads = None  # transformers reads the global KV heads only with attention_k_eq_v
+    if global_heads is not None:
+        global_heads = _count({"num_global_key_value_heads": global_heads}, "num_global_key_value_heads", where)
+    rope = config.get("rope_parameters") or _GEMMA4_ROPE
+    local, full_rope = (_table(rope if isinstance(rope, dict) else {}, key, f"{where} rope_parameters")
+                        for key in LAYER_TYPES)
+    partial = 1.0
+    for kind, table in (("sliding_attention", local), ("full_attention", full_rope)):
+        rope_type = table.get("rope_type", "default")
+        if rope_type not in ("default", "proportional") or (kind == "sliding_attention" and rope_type != "default"):
+            raise CheckpointError(f"{where}: rope_parameters {kind} has rope_type {rope_type!r}; zerotrain's gemma4 "
+                                  "rotates its sliding layers by 'default' and its global ones by 'proportional'")
+        if table.get("factor", 1.0) != 1.0:
+            raise CheckpointError(f"{where}: rope_parameters {kind} has factor {table['factor']!r}; zerotrain's "
+                                  "gemma4 rotates unscaled (1.0)")
+        if rope_type == "proportional":
+            partial = _positive(table, "partial_rotary_factor", f"{where} rope_parameters {kind}", 1.0)
+    caps = config.get("final_logit_softcapping")
+    return ModelConfig(arch="gemma4", n_layer=n, n_head=heads, n_kv_head=sizes["num_key_value_heads"],
+                       n_embd=sizes["hidden_size"], pad_token_id=_padding_id(config, where, "gemma4_text",
+                                                                              sizes["vocab_size"]),
+                       head_width=sizes["head_dim"], intermediate_size=sizes["intermediate_size"],
+                       seq_len=sizes["max_position_embeddings"], vocab_size=sizes["vocab_size"],
+                       rope_theta=_positive(full_rope, "rope_theta", f"{where} rope_parameters full_attention",
+                                            1000000.0),
+                       rope_local_theta=_positive(local, "rope_theta", f"{where} rope_parameters sliding_attention",
+                                                  10000.0),
+                       partial_rotary=partial, norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
+                       tie_embeddings=flags["tie_word_embeddings"], sliding_window=sizes["sliding_window"],
+                       sliding_window_pattern=pattern,
+                       final_softcap=0.0 if caps is None else _positive(config, "final_logit_softcapping", where, 0.0),
+                       global_head_width=width, k_eq_v=flags["attention_k_eq_v"], global_kv_heads=global_heads or 0,
+                       kv_shared_layers=shared, per_layer_width=per_layer, double_wide_mlp=flags["use_double_wide_mlp"])
+
+
 # Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that
 # says how the model computes, beyond the sizes.
 _FIXED = {
@@ -874,7 +993,7 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
 
 
 # What transformers' config classes give pad_token_id where config.json leaves it out (the others: None)
-_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0, "mistral4": 11}
+_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0, "mistral4": 11, "gemma4_text": 0}
 
 
 def _padding_id(config: dict, where: str, kind: str, vocab: int) -> int:

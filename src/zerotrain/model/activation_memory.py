@@ -98,6 +98,13 @@ from .llama import rope_local, rope_scaling
 from .vocab import chunk_tokens, splits_vocab, vocab_rows
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
+
+# The families whose activations activation_bytes counts as a Llama's: what it leaves out, which the run's start line
+# says (the plan's activation rows are approximate for them).
+APPROXIMATE = {
+    "gemma4": "gemma4's activations counted as a Llama's, without its q/k/v norms, post-norms, per-layer inputs and "
+              "wider global heads (a tiny model saves 1.9x the plan, 1.2x with --activation-checkpointing blocks)",
+}
 INDEX = 8  # bytes: int64 token ids, positions and targets
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
