@@ -661,8 +661,10 @@ def fit_advice(cfg: Config, device_bytes: int, documents: bool = False,
                  f"{room}")
 
     def remedy(changed: Config, flags: str, cost: str) -> Remedy | None:
-        fits = largest_micro_batch(changed, device_bytes, documents=documents)
-        return Remedy(flags, cost, memory_plan(changed, documents=documents).total, fits) if fits else None
+        mine = planned_layouts(changed, changed.launch.nproc // changed.parallel.tp)  # built once for both
+        fits = largest_micro_batch(changed, device_bytes, documents=documents, planned=mine)
+        return Remedy(flags, cost, memory_plan(changed, documents=documents, planned=mine).total, fits) if fits \
+            else None
 
     remedies = []
     smaller = largest_micro_batch(cfg, device_bytes, documents=documents, planned=planned)
