@@ -175,8 +175,7 @@ def _source(folder: str, verify: bool) -> WeightSource:
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each parameter's full shape in zerotrain's names (a tied head once, as the embedding), from the meta device."""
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in model_class(model)(model).named_parameters()}
+    return {n: tuple(p.shape) for n, p in meta_model(model).named_parameters()}
 
 
 def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> None:
