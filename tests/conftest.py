@@ -170,22 +170,53 @@ def zerotrain_here(capfd, *argv: str, faults: str | None = None) -> subprocess.C
     return subprocess.CompletedProcess(["zerotrain", *argv], code, out, err)
 
 
-def pytest_itemcollected(item):
-    """Under pytest-xdist (`--dist loadgroup`): the tests that share a module-scoped fixture (an expensive run they all
-    assert on) go to one worker, so it is made once; every other test goes wherever a worker is free. Marked as each
-    test is collected, so the marks are there when xdist's worker reads them into the node ids its scheduler groups
-    by (its pytest_collection_modifyitems; pytest 9.2's node ids no longer take them: pyproject pins below it)."""
+def shared_fixtures(item) -> list[str]:
+    """The module-, package- and class-scoped fixtures `item` uses (those it shares with the module's other tests)."""
     info = getattr(item, "_fixtureinfo", None)
     defs = [d for name in getattr(item, "fixturenames", ()) for d in (info.name2fixturedefs.get(name, ()) if info else ())]
-    if any(d.scope in ("module", "package", "class") for d in defs):
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    return sorted({d.argname for d in defs if d.scope in ("module", "package", "class")})
 
 
+def fixture_groups(items) -> dict:
+    """Under pytest-xdist (`--dist loadgroup`): the tests that share a module-scoped fixture (an expensive run they all
+    assert on) go to one worker, so it is made once; every other test goes wherever a worker is free. A group is a
+    module's tests joined by the fixtures they share: a module whose tests use two fixtures that no test uses together
+    (test_gpt_oss's `pair` and `folder`, test_sample's `run` and `instruct`) is two groups, made on two workers at once
+    rather than one after the other. A group is named after its module, and its first fixture where the module has
+    several. Modules that name their own group (pytestmark) keep it whole."""
+    parent: dict = {}
+
+    def root(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    used = {}
+    for item in items:
+        shared = shared_fixtures(item)
+        if shared and not any(True for _ in item.iter_markers("xdist_group")):
+            used[item] = [(item.module.__name__, name) for name in shared]
+            for key in used[item][1:]:
+                parent[root(key)] = root(used[item][0])
+    roots = {}
+    for keys in used.values():
+        roots.setdefault(keys[0][0], set()).add(root(keys[0]))
+    return {item: keys[0][0] if len(roots[keys[0][0]]) == 1 else f"{keys[0][0]}.{root(keys[0])[1]}"
+            for item, keys in used.items()}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """The README's and docs/' recipes are collected first. Each is one test, and among the longest (a recipe
+    """Each test of a shared fixture marked with its group (fixture_groups), before xdist's worker reads the marks into
+    the node ids its scheduler groups by (its own pytest_collection_modifyitems, which runs after this one; pytest
+    9.2's node ids no longer take them: pyproject pins below it).
+
+    The README's and docs/' recipes are collected first. Each is one test, and among the longest (a recipe
     starts a dozen processes); pytest-xdist hands out the groups of a module fixture first, then single tests in
     collection order, so a recipe collected late (test_readme sorts after most files) would be the run's tail, its
     worker busy while the others have nothing left."""
+    for item, group in fixture_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
     recipes = [item for item in items if item.originalname == "test_cheap_recipe_runs_as_written"]
     if recipes:
         rest = [item for item in items if item.originalname != "test_cheap_recipe_runs_as_written"]

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import os
+import re
 from unittest import mock
 
+import dpo_jobs
 import torch
 from dist_jobs import summary
 
 from zerotrain import checkpoint, load_model
+from zerotrain.checkpoint import homes
 from zerotrain.config import Config
 from zerotrain.model import lora
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
-from zerotrain.training import invariants
+from zerotrain.training import grpo, invariants, preference
 from zerotrain.training.loop import train
+from zerotrain.training.rollouts import FILE as ROLLOUTS_FILE
+from zerotrain.training.rollouts import read_rollouts
 
 
 def trained_job(cfg: Config, comm: Comm) -> dict:
@@ -87,4 +92,104 @@ def unreplicated_job(cfg: Config, comm: Comm) -> dict:
     batch), invariant (b) not checked: what the run trains."""
     with mock.patch.object(GradientReducer, "all_reduce_replicas", lambda self: None), \
             mock.patch.object(invariants, "check_no_drift", lambda *args: []):
+        return trained_job(cfg, comm)
+
+
+def dpo_trained_job(cfg: Config, comm: Comm) -> dict:
+    """Train --method dpo; the log with the preference figures (and the validation's) of each step, and the final
+    parameters (the last checkpoint's)."""
+    result = train(cfg, comm)
+    out = dpo_jobs.log_of(result)
+    final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
+    out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
+    out["sent"] = dict(result.comm_bytes)
+    return out
+
+
+def dpo_parts_unsummed_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each CP rank's sequence log-probs are its own part's (the all-reduce over the cp group skipped),
+    the policy's and the reference's alike."""
+    with mock.patch.object(context.ContextParallel, "sum_over_parts", lambda self, x: x):
+        return dpo_trained_job(cfg, comm)
+
+
+def dpo_reference_of_one_chunk_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the precomputed reference's log-probs are scored over each rank's own part of the rows only (the
+    first CP rank's are stored), the policy's over the whole rows."""
+    real = preference.Preference.score_reference
+
+    def of_one_part(self, engine, faults=None):
+        with mock.patch.object(context.ContextParallel, "sum_over_parts", lambda self, x: x):
+            return real(self, engine, faults)
+
+    with mock.patch.object(preference.Preference, "score_reference", of_one_part):
+        return dpo_trained_job(cfg, comm)
+
+
+def grpo_trained_job(cfg: Config, comm: Comm) -> dict:
+    """trained_job with the completions of every step (rollouts.jsonl, which rank 0 writes)."""
+    out = trained_job(cfg, comm)
+    if comm.rank == 0:
+        out["rollouts"] = [r["completion_ids"] for r in read_rollouts(os.path.join(cfg.logging.out, ROLLOUTS_FILE))]
+    return out
+
+
+def grpo_rank_order_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a completion's token log-probs gathered in the ranks' order (rank 0's two chunks, then rank 1's),
+    not put back in the row's zig-zag order."""
+    def in_rank_order(self, x):
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.comm.group)
+        parts[self.rank] = x  # this rank's part keeps its gradient
+        return torch.cat(parts, dim=1)
+
+    with mock.patch.object(context.ContextParallel, "whole_rows", in_rank_order):
+        return grpo_trained_job(cfg, comm)
+
+
+def grpo_reference_of_one_part_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the reference's token log-probs of this rank's part of each row only (the other ranks' parts left
+    at 0, nothing gathered), the policy's of the whole rows."""
+    real = grpo.GroupRelative.reference_logps
+
+    def own_part(self, x):
+        parts = [x if r == self.rank else torch.zeros_like(x) for r in range(self.size)]
+        return ring_attention.zigzag_unsplit(parts, dim=1)
+
+    def of_one_part(self, engine, micro):
+        with mock.patch.object(context.ContextParallel, "whole_rows", own_part):
+            return real(self, engine, micro)
+
+    with mock.patch.object(grpo.GroupRelative, "reference_logps", of_one_part):
+        return grpo_trained_job(cfg, comm)
+
+
+def neighbour_expert_resume_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a resume reads every expert's state from the next expert of its EP rank's block (checkpoint/
+    homes.py's expert_home, which the load asks where each expert's shard is)."""
+    real = homes.expert_home
+
+    def neighbour(name, per_rank):
+        ep_rank, local = real(name, per_rank)
+        head, index, tail = re.fullmatch(r"(.*\.experts\.)(\d+)(\..*)", local).groups()
+        return ep_rank, f"{head}{(int(index) + 1) % per_rank}{tail}"
+
+    with mock.patch.object(homes, "expert_home", neighbour):
+        return moe_trained_job(cfg, comm)
+
+
+def window_everywhere_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the ring ignores the sliding window (every block computed as if the window held it whole)."""
+    with mock.patch.object(ring_attention, "window_reach", lambda *args: "inside"):
+        return trained_job(cfg, comm)
+
+
+def window_in_local_positions_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a partial block's window measured in the rank's local indices, not the row's positions."""
+    def local(rank, source, rows, keys, chunk, cp, window, device):
+        distance = torch.arange(rows.start, rows.stop, device=device)[:, None] - \
+            torch.arange(keys.start, keys.stop, device=device)[None, :]
+        return (distance >= 0) & (distance < window)
+
+    with mock.patch.object(ring_attention, "window_mask", local):
         return trained_job(cfg, comm)

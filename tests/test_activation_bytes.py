@@ -171,8 +171,32 @@ QWEN35_CONFIGS = {"qwen3_5": ModelConfig(arch="qwen3_5", **QWEN35),
                                              shared_expert_width=40, **QWEN35)}
 # The planted omissions: a layer kind's own terms (the linear layers' as if they were attention, the attention's
 # output gate) counting nothing.
-QWEN35_OMITTED = {"linear layers": ("gated_delta_net", lambda s, cfg, documents=False: 0),
+QWEN35_OMITTED = {"linear layers": ("gated_delta_net", lambda s, cfg, documents=False, tp=1: 0),
                   "output gate": ("gated_attention", lambda s: memory.gemma_qk_norms(s) + memory.attention(s))}
+
+
+class _OneRankOfTwo:
+    """A TP group's collectives as one rank sees their shapes: the sums are left as they are (bytes, not values)."""
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        return tensor
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", list(QWEN35_CONFIGS))
+def test_a_qwen35_tp2_rank_saves_what_the_plan_counts_and_whole_linear_heads_are_caught(family, precision):
+    """One TP rank of 2 (its half of the key and value heads, of the attention's heads and the MLP's width), one
+    micro-batch of three chunks of the delta rule. Planted: the linear layers counted with every head (TP 1's)."""
+    from zerotrain.model import qwen35
+
+    cfg = QWEN35_CONFIGS[family]
+    model = build_model(cfg, seed=0)
+    qwen35.parallelize(model, 2, 0, _OneRankOfTwo())
+    measured = measured_bytes(model, 1, 150, precision, "none")
+    assert activation_bytes(cfg, 1, 150, precision=precision, tp=2)["total"] == measured
+    real = memory.gated_delta_net
+    with mock.patch.object(memory, "gated_delta_net", lambda s, cfg, documents=False, tp=1: real(s, cfg, documents)):
+        assert activation_bytes(cfg, 1, 150, precision=precision, tp=2)["total"] > measured
 
 
 @pytest.mark.parametrize("omitted", list(QWEN35_OMITTED))

@@ -119,7 +119,6 @@ def test_a_checkpoint_written_at_cp2_resumes_at_cp1(runs):
     (dict(cp=3), "--cp 3 x --tp 1 does not divide the world size 4"),
     (dict(cp=2, seq_len=30), "--seq-len 30 is not divisible by 2 x --cp 2"),
     (dict(cp=2, arch="gpt2"), "--cp 2 with --arch gpt2 (learned positions)"),
-    (dict(cp=2, arch="mistral", sliding_window=8), "--cp 2 with --sliding-window 8"),
     (dict(cp=2, arch="gemma2", attn_softcap=50.0), "--cp 2 with --attn-softcap 50.0"),
     (dict(cp=2, arch="gpt_oss"), "--cp 2 with --arch gpt_oss"),
 ])

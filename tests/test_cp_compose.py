@@ -1,5 +1,5 @@
 """Context parallelism (--cp 2) composed with LoRA (its dropout masks the whole row's) and with hybrid sharding
-(--dp-replicate 2) trains as one rank holding the whole rows does; DPO's per-sequence sums are refused in one line."""
+(--dp-replicate 2) trains as one rank holding the whole rows does (DPO and GRPO: test_cp_dpo.py, test_cp_grpo.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import functools
 import cp_jobs
 import dist_jobs
 import pytest
-from conftest import tiny_config, zerotrain_here
+from conftest import tiny_config
 from test_hsdp import worst_gap
 from test_packing import make_records, write_records
 
 from zerotrain.config import apply_preset, resolve, validate
-from zerotrain.errors import ConfigError
 from zerotrain.runtime.launch import run_job
 
 STEPS, SEQ = 6, 64
@@ -75,19 +74,3 @@ def test_cp2_with_two_replica_groups_trains_as_one_rank_and_a_skipped_replica_al
     assert runs["cp2 r2 z3"]["sent"]["all_reduce_replicas"] > 0
     # planted: no all-reduce across the replica groups (each steps on its own half of the batch)
     assert worst_gap(runs["unreplicated"], runs["cp1 z3"]) > 1e-3
-
-
-def test_dpo_at_cp2_is_refused_in_one_line_with_exit_2(tmp_path, capfd):
-    # each sequence's log-probability is a sum over its parts on the CP ranks, which the DPO loss needs whole
-    cfg = tiny_config(tmp_path, nproc=2, micro=2)
-    apply_preset(cfg, "llama-tiny")
-    cfg.model.seq_len, cfg.parallel.cp, cfg.objective.method = 32, 2, "dpo"
-    with pytest.raises(ConfigError, match=r"--cp 2 with --method dpo \(per-sequence sums\)"):
-        validate(cfg)
-    r = zerotrain_here(capfd, "train", "--preset", "llama-tiny", "--nproc", "2", "--cp", "2", "--seq-len", "32",
-                       "--method", "dpo", "--data", str(tmp_path / "pairs.jsonl"), "--steps", "1",
-                       "--out", str(tmp_path / "run"))
-    assert r.returncode == 2, r.stderr[-2000:]
-    errors = [line for line in r.stderr.splitlines() if line.startswith("zerotrain: error: ")]
-    assert len(errors) == 1 and "--cp 2 with --method dpo (per-sequence sums)" in errors[0], r.stderr[-2000:]
-    assert "Traceback" not in r.stderr

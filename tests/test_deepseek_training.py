@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 
 import pytest
 import torch
@@ -34,15 +35,17 @@ LIMIT = 600
 
 
 def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
-    """The steps in a plain loop over transformers' model, each router's bias moved after each optimizer step from
-    the step's loads (its top-k choices over the step's rows); the final weights read back as zerotrain's."""
+    """The steps in a plain loop over transformers' model (the class its config.json names: DeepseekV3ForCausalLM,
+    Mistral4ForCausalLM), each router's bias (where the family has one) moved after each optimizer step from the
+    step's loads (its top-k choices over the step's rows); the final weights read back as zerotrain's."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").train()
+    model_class = getattr(transformers, json.loads((folder / "config.json").read_text())["architectures"][0])
+    hf = model_class.from_pretrained(str(folder), attn_implementation="eager").train()
     named = list(hf.named_parameters())
     optimizer = torch.optim.AdamW([{"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": 0.1},
                                    {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0}],
                                   lr=lrs[0], betas=(0.9, 0.95), eps=1e-8)
-    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopkRouter")]  # GLM-4.5's too
+    routers = [m for m in hf.modules() if hasattr(m, "e_score_correction_bias")]
     loads = {}
 
     def count(router, inputs, output):

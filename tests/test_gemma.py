@@ -366,9 +366,10 @@ def test_what_zerotrain_does_not_implement_is_refused_naming_it(field, value, sa
 
 @pytest.mark.parametrize("flags, said", [
     (["--arch", "gemma3", "--attn-softcap", "50"], "--attn-softcap is for --arch gemma2, not --arch gemma3"),
-    (["--arch", "gemma2", "--rope-local-theta", "1e4"], "--rope-local-theta is for --arch gemma3, not --arch gemma2"),
+    (["--arch", "gemma2", "--rope-local-theta", "1e4"], "--rope-local-theta is for --arch gemma3 or gemma4, not "
+                                                           "--arch gemma2"),
     (["--sliding-window-pattern", "2"],
-     "--sliding-window-pattern is for --arch gemma2 or gemma3 or gpt_oss, not --arch llama"),
+     "--sliding-window-pattern is for --arch gemma2 or gemma3 or gpt_oss or gemma4, not --arch llama"),
     (["--rope-scaling", "linear"], "--rope-scaling linear is for --arch gemma2 or gemma3, not --arch llama"),
 ])
 def test_gemmas_settings_elsewhere_are_refused_in_one_line(flags, said, capsys):

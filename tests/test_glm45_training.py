@@ -2,12 +2,12 @@
 e_score_correction_bias by the auxiliary-loss-free rule after every step: 8 steps of --init-from at 1 rank (in this
 process), at ZeRO-3 on 2 ranks, at --ep 2 and at --tp 2 (one start of 2 ranks for them all) equal it: losses and
 gradient norms within 1e-5 relative, the final weights (the biases among them) within 1e-5 relative, every bias within
-1e-6 of the loop's (measured: losses 1.5e-7, 1.2e-7, 1.2e-7, 1.5e-7; gradient norms 1.8e-7 to 2.0e-7; weights
-1.5e-6 to 1.6e-6, the same at every layout: the single tensors furthest off are the attention's q_proj and k_proj, 2e-5
-relative). At ZeRO-3 each rank reads its slice of --init-from's file; `zerotrain export --format hf` of the
+1e-6 of the loop's (measured: losses 1.5e-7, 1.2e-7, 1.2e-7, 1.5e-7; gradient norms 1.7e-7 to 2.6e-7; weights
+1.6e-6 to 2.1e-6: the single tensors furthest off are the attention's q_proj and k_proj, 2e-5 relative). At ZeRO-3 each rank reads its slice of --init-from's file; `zerotrain export --format hf` of the
 run loads in transformers as Glm4MoeForCausalLM with the run's weights bitwise. Under --tp 2 the shared experts
-left whole on every rank (their tensor-parallel split planted away: their input's gradient summed twice) are
-caught (grad norms 5.5e-3 off, weights 6.2e-3)."""
+left whole on every rank (their tensor-parallel split planted away: their whole output added to each rank's partial
+sum, and their input's gradient summed over the group) are caught (losses 1.8e-4 off, grad norms 3.6e-3, weights
+6.4e-3)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ LIMIT = 600
 
 def unsplit_shared_experts_job(cfg, comm):
     """Planted: GLM-4.5's plan and parallelize are Llama's alone, the shared experts left whole on every TP rank:
-    their forward is right, but DeepseekMoE's copy_to_tp sums their input's gradient, whole on each rank, over the
-    group (twice what it is)."""
+    MoE.forward adds their whole output to each rank's partial sum of the routed experts' before the all-reduce
+    (twice what it is), and copy_to_tp sums their input's gradient, whole on each rank, over the group."""
     from unittest import mock
 
     from zerotrain.model import glm, llama

@@ -252,12 +252,17 @@ def family_configs() -> dict:
     configs["qwen3_5_moe_text"] = transformers.Qwen3_5MoeTextConfig(
         **qwen35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     from test_deepseek import SIZES as DEEPSEEK_SIZES
+    from test_gemma4 import hf_config as gemma4_config
     from test_glm45 import SIZES as GLM_SIZES
     from test_llama4 import hf_config as llama4_config
+    from test_mistral4 import SIZES as MISTRAL4_SIZES
 
     configs["deepseek_v3"] = transformers.DeepseekV3Config(**DEEPSEEK_SIZES)
+    configs["mistral4"] = transformers.Mistral4Config(**MISTRAL4_SIZES)
     configs["glm4_moe"] = transformers.Glm4MoeConfig(**GLM_SIZES)
     configs["llama4_text"] = llama4_config()
+    configs["gemma4_text"] = gemma4_config()  # without per-layer inputs, whose table's vocabulary is the model's
+    configs["gemma4_text"].hidden_size_per_layer_input = 0  # (the survey reads it with a vocabulary of 40000)
     return configs
 
 
@@ -274,8 +279,8 @@ def test_every_family_reads_its_pad_token_id_writes_it_back_and_a_dropped_one_is
             cfg = mapping.model_config_from_hf({**config.to_dict(), "pad_token_id": pad}, kind)
             assert cfg.padding_idx == pad and mapping.hf_config(cfg, None)["pad_token_id"] == pad, (kind, pad)
         ours = build_model(cfg.__class__(**{**cfg.__dict__, "pad_token_id": 7}), 0)
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-            **mapping.hf_config(ours.cfg, None)))
+        written = mapping.hf_config(ours.cfg, None)  # the class it names: AutoModelForCausalLM lacks Mistral 4's
+        theirs = getattr(transformers, written["architectures"][0])(transformers.AutoConfig.for_model(**written))
         assert ours.embedding.padding_idx == theirs.get_input_embeddings().padding_idx == 7, kind
     assert set(family_configs()) == {m.model_type for m in mapping.MAPPINGS.values()} - {"gpt2"}
     with pytest.raises(CheckpointError, match="^config.json: pad_token_id 96 is not an id of the vocabulary of 96"):

@@ -206,6 +206,21 @@ PRESETS: dict[str, dict] = {
                           intermediate_size=6144, seq_len=2048, vocab_size=151936, rope_theta=1000000.0,
                           norm_eps=1e-6, tie_embeddings=False, n_experts=128, experts_per_token=8, expert_width=768,
                           norm_topk_prob=True),
+    # Qwen/Qwen3.5-27B's text model (its config.json's text_config; Qwen3.6-27B shares it): 64 layers, every 4th gated
+    # attention (24 heads of 256, 4 KV heads, rotary on a quarter of each head, base 1e7), the others Gated DeltaNet
+    # (16 key heads and 48 value heads of 128); its MTP layer is not trained. 26.9B parameters.
+    "qwen3.5-27b": dict(arch="qwen3_5", n_layer=64, n_head=24, n_kv_head=4, n_embd=5120, head_width=256,
+                        intermediate_size=17408, seq_len=4096, context=262144, vocab_size=248320,
+                        rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, linear_key_heads=16,
+                        linear_value_heads=48),
+    # Qwen/Qwen3.5-35B-A3B's text model (its config.json's text_config): 40 layers of the same pattern (16 heads of
+    # 256, 2 KV heads; 16 key and 32 value heads of 128), 256 experts of width 512 (top-8) beside a shared expert of
+    # 512 on every layer (no dense MLP: intermediate_size 0, as import reads it). 34.7B parameters, 3.5B a token with
+    # the embedding and head.
+    "qwen3.5-35b-a3b": dict(arch="qwen3_5_moe", n_layer=40, n_head=16, n_kv_head=2, n_embd=2048, head_width=256,
+                            intermediate_size=0, seq_len=4096, context=262144, vocab_size=248320,
+                            rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
+                            experts_per_token=8, expert_width=512, shared_expert_width=512, norm_topk_prob=True),
     # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
     # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
     # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
@@ -243,6 +258,27 @@ PRESETS: dict[str, dict] = {
                     n_experts=160, experts_per_token=8, expert_width=1536, norm_topk_prob=True, router_aux_coef=0.0,
                     first_dense_layers=3, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
                     routed_scaling=2.5, mtp_layers=1),
+    # mistralai/Mistral-Small-4-119B-2603's language model (transformers' Mistral4Config defaults, which name that
+    # checkpoint): 36 MoE layers of latent attention, 128 routed experts of 2048 (top-4, softmax, one group) and one
+    # shared, YaRN x128 over 8192 positions with the query scaling; 118,972,826,624 parameters (its vision tower's are
+    # not in this model).
+    "mistral-small-4-119b": dict(arch="mistral4", n_layer=36, n_head=32, n_kv_head=32, n_embd=4096,
+                                 intermediate_size=12288, seq_len=4096, context=1048576, vocab_size=131072,
+                                 rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=128,
+                                 experts_per_token=4, expert_width=2048, norm_topk_prob=True, router_aux_coef=0.0,
+                                 q_lora_rank=1024, kv_lora_rank=256, qk_rope_dim=64, qk_nope_dim=64, v_head_dim=128,
+                                 first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
+                                 routed_scaling=1.0, rope_scaling="yarn", rope_factor=128.0,
+                                 rope_original_context=8192, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                                 llama4_scaling_beta=0.1),
+    # google/gemma-4-12B's text model (its text_config): 48 layers, every 6th global (heads of 512, one KV head, keys
+    # as values, a quarter of the rotary turning at base 1e6), the others sliding over 1024 tokens (heads of 256, 8 KV
+    # heads, base 1e4), logits capped at 30, no per-layer inputs or shared KV (the E2B and E4B edge models have them).
+    "gemma4-12b": dict(arch="gemma4", n_layer=48, n_head=16, n_kv_head=8, n_embd=3840, head_width=256,
+                       intermediate_size=15360, seq_len=4096, context=131072, vocab_size=262144, rope_theta=1000000.0,
+                       rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6, tie_embeddings=True,
+                       pad_token_id=0, sliding_window=1024, sliding_window_pattern=6, final_softcap=30.0,
+                       global_head_width=512, k_eq_v=True, global_kv_heads=1),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -255,7 +291,8 @@ _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_
               linear_key_width=128, linear_value_width=128, q_lora_rank=0, kv_lora_rank=512, qk_rope_dim=64,
               qk_nope_dim=128, v_head_dim=128, rope_interleave=True, rope_mscale=0.0, rope_mscale_all_dim=0.0,
               first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
-              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0, attention_bias=False, use_qk_norm=False)
+              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0, llama4_scaling_beta=0.1,
+              attention_bias=False, use_qk_norm=False)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -277,23 +314,32 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")
 # deepseek_v3: DeepSeek-V3's decoder (model/deepseek.py; DeepSeek-V3/V3.1/R1, Kimi K2): multi-head latent attention
 # (model/mla.py), the first --first-dense-layers layers dense, the others experts with shared experts, routed by
 # sigmoid scores with group-limited top-k and a load-balancing bias (model/group_routing.py).
-DEEPSEEK = ("deepseek_v3",)
+# mistral4: Mistral 4's decoder, DeepSeek-V3's with a softmax router (group-limited top-k on the probabilities, no
+# bias), always YaRN, and each query scaled by its position (--llama4-scaling-beta).
+DEEPSEEK = ("deepseek_v3", "mistral4")
 # glm4_moe: GLM-4.5's decoder (model/glm.py; GLM-4.5, GLM-4.5-Air, GLM-4.6/4.7): the Llama family's grouped-query
 # attention with partial rotary, q/k/v biases (--attention-bias) and per-head q/k norms (--use-qk-norm), and
 # DeepSeek-V3's MLPs (dense first layers, then group-routed experts with shared experts).
 GLM = ("glm4_moe",)
 # The members whose experts are DeepSeek-V3's (model/group_routing.py): --first-dense-layers, shared experts,
-# group-limited sigmoid routing and its load-balancing bias, multi-token-prediction layers kept through an export.
+# group-limited routing (sigmoid scores and a load-balancing bias; Mistral 4's softmax without one) and, but Mistral
+# 4's, multi-token-prediction layers kept through an export.
 GROUP_ROUTED = (*DEEPSEEK, *GLM)
 # llama4: Llama 4's text decoder (model/llama4.py): experts on every --moe-every-th layer (a shared expert beside them,
 # the router's sigmoid scores on the experts' input), chunked local attention on its rotary layers, global attention
 # without rotary on every --nope-every-th layer (with attention temperature tuning), weightless q/k L2 norms.
 LLAMA4 = ("llama4",)
+# gemma4: Gemma 4's text decoder (model/gemma4.py): sliding and global layers of different widths (--global-head-width,
+# --global-kv-heads, keys as values on the global layers with --k-eq-v) and rotaries (the global layers' partial,
+# --partial-rotary), the last --kv-shared-layers layers reading the keys and values of the last earlier layer of their
+# kind, a per-layer input embedding (--per-layer-width) added after every block; plain w RMSNorms, GeGLU.
+GEMMA4 = ("gemma4",)
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4, *GLM)
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5", *GEMMA4)
 GEMMA = ("gemma2", "gemma3")
-WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss")  # the members with a sliding window
-ALTERNATING = (*GEMMA, "gpt_oss")  # the members whose sliding and global layers alternate (--sliding-window-pattern)
+WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss", *GEMMA4)  # the members with a sliding window
+# the members whose sliding and global layers alternate (--sliding-window-pattern)
+ALTERNATING = (*GEMMA, "gpt_oss", *GEMMA4)
 ARCHS = ("gpt2", *LLAMA_FAMILY)
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 
@@ -321,9 +367,12 @@ class ModelConfig:
                         "gpt_oss (attention sinks, biases, alternating windows; biased experts, clamped SwiGLU); "
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
-                        "group-limited routing, shared experts); glm4_moe (GLM-4.5: grouped-query attention with "
-                        "partial rotary, DeepSeek-V3's routing and shared experts); llama4 (Llama 4: chunked "
-                        "attention, layers without rotary, sigmoid-routed experts and a shared expert)",
+                        "group-limited routing, shared experts); mistral4 (Mistral 4: DeepSeek-V3's decoder with "
+                        "softmax routing and position-scaled queries); glm4_moe (GLM-4.5: grouped-query attention "
+                        "with partial rotary, DeepSeek-V3's routing and shared experts); llama4 (Llama 4: chunked "
+                        "attention, layers without rotary, sigmoid-routed experts and a shared expert); gemma4 (Gemma "
+                        "4: sliding and wider global layers, keys and values shared across the last layers, per-layer "
+                        "input embeddings)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -375,16 +424,17 @@ class ModelConfig:
                                           "global, the others sliding (Gemma 2: 2, Gemma 3: 6; 0: every layer "
                                           "slides)", rule=NON_NEGATIVE, shown="0: every layer",
                                           applies=archs_scope(*ALTERNATING))
-    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq; 0: "
-                                      "--rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
-                                      applies=archs_scope("gemma3"))
+    rope_local_theta: float = setting(0.0, "rotary base of the sliding layers (gemma3's rope_local_base_freq, "
+                                      "gemma4's sliding rope_theta; 0: --rope-theta, unscaled)", rule=NON_NEGATIVE, shown="--rope-theta",
+                                      applies=archs_scope("gemma3", *GEMMA4))
     query_pre_attn_scalar: int = setting(0, "attention scores are scaled by 1 / sqrt(this) (gemma2, gemma3; 0: "
                                            "the head width)", rule=NON_NEGATIVE, shown="the head width",
                                            applies=archs_scope(*GEMMA))
     attn_softcap: float = setting(0.0, "attention scores soft-capped to (-S, S) by S tanh(score / S) (gemma2; 0: "
                                   "none)", rule=NON_NEGATIVE, shown="0: none", applies=archs_scope("gemma2"))
     final_softcap: float = setting(0.0, "the head's logits soft-capped to (-S, S) by S tanh(logit / S) (gemma2, "
-                                   "gemma3; 0: none)", rule=NON_NEGATIVE, shown="0: none", applies=archs_scope(*GEMMA))
+                                   "gemma3, gemma4; 0: none)", rule=NON_NEGATIVE, shown="0: none",
+                                   applies=archs_scope(*GEMMA, *GEMMA4))
     n_experts: int = setting(0, "experts of each MoE layer (qwen3_moe, qwen2_moe, mixtral, olmoe; Hugging Face's "
                              "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none",
                              applies=archs_scope(*MOE))
@@ -408,9 +458,11 @@ class ModelConfig:
                                            "attention layer, the others Gated DeltaNet linear-attention layers",
                                            rule=POSITIVE, applies=archs_scope(*QWEN35))
     partial_rotary: float = setting(0.25, "qwen3_5, glm4_moe: the share of each attention head's width that rotary "
-                                    "rotates, its first units (partial_rotary_factor; GLM-4.5's 0.5)",
+                                    "rotates, its first units (partial_rotary_factor; GLM-4.5's 0.5); gemma4: its "
+                                    "global layers' (their proportional rotary's frequencies as the whole head's, the "
+                                    "rest unrotated)",
                                     rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
-                                    applies=archs_scope(*QWEN35, *GLM))
+                                    applies=archs_scope(*QWEN35, *GLM, *GEMMA4))
     linear_conv_kernel: int = setting(4, "qwen3_5: the causal convolution's width over the linear-attention layers' "
                                       "q, k and v (linear_conv_kernel_dim)", rule=POSITIVE,
                                       applies=archs_scope(*QWEN35))
@@ -459,14 +511,17 @@ class ModelConfig:
                                         "e_score_correction_bias moves by this times sign(mean load - expert load), "
                                         "the step's loads summed over every rank (DeepSeek-V3's auxiliary-loss-free "
                                         "balancing; 0: frozen)", rule=NON_NEGATIVE,
-                                        applies=archs_scope(*GROUP_ROUTED))
+                                        applies=archs_scope("deepseek_v3", *GLM))
     mtp_layers: int = setting(0, "deepseek_v3, glm4_moe: multi-token-prediction layers the --init-from folder holds "
                               "after the decoder's (num_nextn_predict_layers): not trained, copied as they are into "
-                              "an hf export", rule=NON_NEGATIVE, applies=archs_scope(*GROUP_ROUTED))
+                              "an hf export", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM))
     attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
                                    "them)", applies=archs_scope(*GLM))
     use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "
                                 "head width (use_qk_norm; GLM-4.5's, not GLM-4.5-Air's)", applies=archs_scope(*GLM))
+    llama4_scaling_beta: float = setting(0.1, "mistral4: each query is scaled by 1 + beta ln(1 + floor(position / "
+                                         "--rope-original-context)) (rope_parameters' llama_4_scaling_beta; 0: "
+                                         "none)", rule=NON_NEGATIVE, applies=archs_scope("mistral4"))
     nope_every: int = setting(4, "llama4: every N-th layer (layers N-1, 2N-1, ...) has no rotary and attends to "
                               "every earlier token (no_rope_layer_interval); the others rotary and chunked",
                               rule=POSITIVE, applies=archs_scope(*LLAMA4))
@@ -482,6 +537,23 @@ class ModelConfig:
                                      rule=POSITIVE, applies=archs_scope(*LLAMA4))
     temperature_scale: float = setting(0.1, "llama4: the strength of the temperature tuning (attn_scale)",
                                        rule=NON_NEGATIVE, applies=archs_scope(*LLAMA4))
+    global_head_width: int = setting(512, "gemma4: the width of each attention head of the global layers "
+                                     "(global_head_dim; --head-width is the sliding layers')", rule=POSITIVE,
+                                     applies=archs_scope(*GEMMA4))
+    k_eq_v: bool = setting(False, "gemma4: the global layers have no v_proj, their values are their keys' projection "
+                           "(attention_k_eq_v), and --global-kv-heads KV heads", applies=archs_scope(*GEMMA4))
+    global_kv_heads: int = setting(0, "gemma4 with --k-eq-v: the global layers' KV heads (num_global_key_value_heads; "
+                                   "0: --n-kv-head)", rule=NON_NEGATIVE, shown="--n-kv-head",
+                                   applies=archs_scope(*GEMMA4))
+    kv_shared_layers: int = setting(0, "gemma4: the last N layers compute no keys and values of their own: each reads "
+                                    "those of the last earlier layer of its kind, sliding or global "
+                                    "(num_kv_shared_layers)", rule=NON_NEGATIVE, applies=archs_scope(*GEMMA4))
+    per_layer_width: int = setting(0, "gemma4: each layer's input embedding width (hidden_size_per_layer_input): a "
+                                   "token's row of a table of n_layer x this, plus a projection of its embedding, "
+                                   "gates a residual added after every block (0: none)", rule=NON_NEGATIVE,
+                                   applies=archs_scope(*GEMMA4))
+    double_wide_mlp: bool = setting(False, "gemma4: the layers of --kv-shared-layers have an MLP of twice "
+                                    "--intermediate-size (use_double_wide_mlp)", applies=archs_scope(*GEMMA4))
     norm_eps: float = setting(1e-5, "epsilon of the LayerNorms (gpt2) or RMSNorms (llama)", rule=POSITIVE)
     tie_embeddings: bool = setting(True, "the output head is the token embedding (--no-tie-embeddings: a matrix of "
                                    "its own; llama)")
@@ -503,6 +575,29 @@ class ModelConfig:
     def positions(self) -> int:
         """The positions the model holds: its context, or the training window where none is set."""
         return self.context or self.seq_len
+
+    def global_layer(self, layer: int) -> bool:
+        """Whether `layer` is one of Gemma 4's global layers (of their own width, KV heads and rotary)."""
+        return self.arch in GEMMA4 and not self.sliding(layer)
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head width) of `layer`'s keys and values: Gemma 4's global layers' own, else every layer's."""
+        if self.global_layer(layer):
+            return (self.global_kv_heads or self.kv_heads) if self.k_eq_v else self.kv_heads, self.global_head_width
+        return self.kv_heads, self.head_dim
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends with: itself, or for Gemma 4's last --kv-shared-layers
+        the last layer of its kind before them (transformers' kv_sharing_modes)."""
+        first = self.n_layer - self.kv_shared_layers
+        if self.arch not in GEMMA4 or layer < first:
+            return layer
+        return max(i for i in range(first) if self.sliding(i) == self.sliding(layer))
+
+    def ffn_width_of(self, layer: int) -> int:
+        """`layer`'s MLP width: Gemma 4's shared-KV layers' doubled with --double-wide-mlp."""
+        doubled = self.double_wide_mlp and self.kv_source(layer) != layer
+        return self.ffn_width * (2 if doubled else 1)
 
     @property
     def head_dim(self) -> int:
@@ -563,6 +658,12 @@ class ModelConfig:
         if self.arch in GROUP_ROUTED:
             return self.moe and layer >= self.first_dense_layers
         return self.moe and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
+
+    @property
+    def softmax_router(self) -> bool:
+        """Whether DeepSeek's group-limited router scores with a softmax and has no load-balancing bias: Mistral 4's
+        (DeepSeek-V3's: sigmoid scores and e_score_correction_bias)."""
+        return self.arch == "mistral4"
 
     @property
     def renormalizes(self) -> bool:
@@ -793,9 +894,16 @@ class GuardConfig:
 
 # The linears each architecture's blocks have, in Hugging Face's module names: what --lora-targets may name.
 # Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
+# Qwen3.5's: its attention layers' and its Gated DeltaNet layers' (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b,
+# out_proj; not the convolution), and the MLP's (the MoE's shared expert). Multi-head latent attention's are its
+# low-rank projections (q_proj where the model has no query rank).
 LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-                   for arch in LLAMA_FAMILY}}
+                   for arch in LLAMA_FAMILY},
+                **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                          "out_proj", "gate_proj", "up_proj", "down_proj") for arch in QWEN35},
+                **{arch: ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                          "up_proj", "down_proj") for arch in DEEPSEEK}}
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
@@ -815,8 +923,9 @@ class LoraConfig:
     dropout: float = setting(0.0, "dropout on the adapters' input while training", key="lora_dropout",
                              rule=BELOW_ONE, applies=LORA)
     targets: str = setting(ALL_LINEAR, "the linears that get adapters, by Hugging Face module name, comma-separated "
-                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; gpt2: "
-                           "c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
+                           "(the Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; Qwen3.5 "
+                           "also its linear-attention layers' in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj; "
+                           "gpt2: c_attn, c_proj, c_fc), or all: every linear of the blocks (peft's all-linear, QLoRA's choice; "
                            "not the head; a mixture of experts' routed experts not either: name experts to adapt "
                            "each one's gate_proj, up_proj, down_proj)",
                            key="lora_targets", applies=LORA)
@@ -1235,10 +1344,9 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks): windows, soft-caps, sinks, learned positions and linear
-    attention are not in it yet, nor DPO's and GRPO's per-sequence sums (each sequence's log-probability summed over
-    its parts, the reference's and the metrics' too): refused. Mixtures of experts (--ep too), LoRA and
-    --dp-replicate compose."""
+    the ring computes (causal, rotary, packed records' masks, sliding windows): soft-caps, sinks, learned positions
+    and linear attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
+    sequence's log-prob summed over its parts) and GRPO (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1251,10 +1359,8 @@ def _check_context_parallel(cfg: Config) -> None:
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
                (m.arch in LLAMA4, f"--arch {m.arch} (chunked attention)"),
-               (bool(m.sliding_window), f"--sliding-window {m.sliding_window}"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
-               (cfg.objective.method != "sft", f"--method {cfg.objective.method} (per-sequence sums)"),
                (cfg.loop.compile, "--compile")]
     for hit, what in refused:
         if hit:
@@ -1262,8 +1368,8 @@ def _check_context_parallel(cfg: Config) -> None:
 
 
 def _check_qwen35(cfg: Config) -> None:
-    """Qwen3.5's sizes, and what its linear-attention layers do not have yet (tensor and expert parallelism, LoRA):
-    refused, never trained approximately."""
+    """Qwen3.5's sizes: whole linear-attention heads on each TP rank, the MoE's shared expert and experts on every
+    layer."""
     m, p = cfg.model, cfg.parallel
     if m.linear_value_heads % m.linear_key_heads:
         raise ConfigError(f"--linear-value-heads {m.linear_value_heads} is not a multiple of --linear-key-heads "
@@ -1271,22 +1377,18 @@ def _check_qwen35(cfg: Config) -> None:
     if m.rotary_dim < 2 or m.rotary_dim % 2:
         raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
                           f"{m.head_dim} units; it rotates an even number of them, at least 2")
-    for value, flag in ((p.tp, "--tp"), (p.ep, "--ep")):
-        if value > 1:
-            raise ConfigError(f"{flag} {value}: --arch {m.arch}'s Gated DeltaNet layers have no tensor or expert "
-                              f"parallelism in zerotrain yet: give {flag} 1")
+    if m.linear_key_heads % p.tp or m.linear_value_heads % p.tp:
+        raise ConfigError(f"--tp {p.tp} does not divide the linear-attention layers' key heads ({m.linear_key_heads}) "
+                          f"and value heads ({m.linear_value_heads}): each TP rank keeps whole heads of both")
     if m.arch == "qwen3_5_moe" and not m.shared_expert_width:
         raise ConfigError("--arch qwen3_5_moe has a shared expert beside its routed ones: give --shared-expert-width")
     if m.arch == "qwen3_5_moe" and (m.moe_every != 1 or m.mlp_only_layers):
         raise ConfigError(f"--arch qwen3_5_moe has experts on every layer: --moe-every {m.moe_every} and "
                           f"--mlp-only-layers {m.mlp_only_layers!r} are for qwen3_moe and qwen2_moe")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch {m.arch} (its Gated DeltaNet layers among "
-                          "them) is not in zerotrain yet: give --lora-rank 0")
 
 
 def _check_group_routing(cfg: Config) -> None:
-    """The routing sizes of DeepSeek-V3's experts (deepseek_v3's and glm4_moe's)."""
+    """The routing sizes of DeepSeek-V3's experts (deepseek_v3's, mistral4's and glm4_moe's)."""
     m = cfg.model
     if not m.moe:
         raise ConfigError(f"--arch {m.arch} has experts after its --first-dense-layers: give --n-experts")
@@ -1303,31 +1405,32 @@ def _check_group_routing(cfg: Config) -> None:
         raise ConfigError(f"--arch {m.arch}'s dense layers are its --first-dense-layers and its shared experts "
                           "--shared-experts: --shared-expert-width, --moe-every and --mlp-only-layers are other "
                           "families'")
-    if m.routing_bias_speed and cfg.objective.method != "sft":
+    if m.arch in ("deepseek_v3", *GLM) and m.routing_bias_speed and cfg.objective.method != "sft":
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
-    if cfg.parallel.tp > 1 and m.expert_ffn * m.shared_experts % cfg.parallel.tp:
-        raise ConfigError(f"--tp {cfg.parallel.tp} does not divide the shared experts' width (--shared-experts "
-                          f"{m.shared_experts} x --expert-width {m.expert_ffn}): each TP rank keeps a slice of it")
 
 
 def _check_deepseek(cfg: Config) -> None:
-    """What DeepSeek-V3's latent attention does not have yet in zerotrain (tensor and context parallelism, LoRA):
-    refused, never trained approximately."""
+    """What DeepSeek-V3's (and Mistral 4's) latent attention does not have yet in zerotrain (context parallelism;
+    Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
+    if m.arch == "mistral4" and m.rope_scaling != "yarn":
+        # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
+        # reads the query scaling's period from YaRN's original context
+        raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.qk_rope_dim % 2:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
-    refused = [(p.tp > 1, f"--tp {p.tp}", "multi-head latent attention has no tensor parallelism in zerotrain yet: "
-                                          "give --tp 1"),
+    mistral4 = m.arch == "mistral4"
+    refused = [(p.tp > 1 and mistral4, f"--tp {p.tp}", "Mistral 4's tensor parallelism is not in zerotrain yet: give "
+                                                       "--tp 1"),
                (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
                                           "give --cp 1"),
-               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}", "LoRA on multi-head latent attention's low-rank "
-                                                                   "projections is not in zerotrain yet: give "
-                                                                   "--lora-rank 0")]
+               (cfg.lora.rank > 0 and mistral4, f"--lora-rank {cfg.lora.rank}", "LoRA on Mistral 4 is not in "
+                                                                                "zerotrain yet: give --lora-rank 0")]
     for hit, what, why in refused:
         if hit:
-            raise ConfigError(f"{what} with --arch deepseek_v3: {why}")
+            raise ConfigError(f"{what} with --arch {m.arch}: {why}")
 
 
 def _check_glm(cfg: Config) -> None:
@@ -1343,16 +1446,43 @@ def _check_glm(cfg: Config) -> None:
 
 
 def _check_llama4(cfg: Config) -> None:
-    """Llama 4's experts, and what zerotrain does not have for it yet (tensor parallelism, LoRA; --cp, whose ring has
-    no chunked attention, is refused with the ring's other gaps): refused, never trained approximately."""
-    m, p = cfg.model, cfg.parallel
+    """Llama 4's experts, and what zerotrain does not have for it yet (LoRA; --cp, whose ring has no chunked
+    attention, is refused with the ring's other gaps): refused, never trained approximately."""
+    m = cfg.model
     if not m.n_experts or m.shared_expert_width != m.expert_ffn:
         raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "
                           f"--shared-expert-width {m.expert_ffn} (got {m.n_experts} and {m.shared_expert_width})")
-    if p.tp > 1:
-        raise ConfigError(f"--tp {p.tp}: --arch llama4 has no tensor parallelism in zerotrain yet: give --tp 1")
     if cfg.lora.rank:
         raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch llama4 is not in zerotrain yet: give "
+                          "--lora-rank 0")
+
+
+def _check_gemma4(cfg: Config) -> None:
+    """Gemma 4's layer pattern (its last layer global, as transformers forces it), a layer of each kind before the
+    shared-KV layers, and what zerotrain does not have for it yet (tensor parallelism, LoRA; the MoE block is refused
+    by _check_experts, gemma4 not being among MOE): refused,
+    never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if not m.sliding_window or not m.sliding_window_pattern or m.n_layer % m.sliding_window_pattern:
+        raise ConfigError(f"--arch gemma4's last layer is global and the others slide every --sliding-window-pattern: "
+                          f"give --sliding-window and a pattern dividing --n-layer {m.n_layer} (got "
+                          f"{m.sliding_window} and {m.sliding_window_pattern})")
+    first = m.n_layer - m.kv_shared_layers
+    if {m.sliding(i) for i in range(first)} != {m.sliding(i) for i in range(m.n_layer)}:
+        raise ConfigError(f"--kv-shared-layers {m.kv_shared_layers}: the layers before the shared ones must hold a "
+                          "sliding and a global layer whose keys and values the shared ones read")
+    if m.global_kv_heads and not m.k_eq_v:
+        raise ConfigError(f"--global-kv-heads {m.global_kv_heads} is for --k-eq-v (transformers' Gemma 4 takes "
+                          "num_global_key_value_heads only with attention_k_eq_v)")
+    if m.n_head % (m.global_kv_heads or m.kv_heads):
+        raise ConfigError(f"--global-kv-heads {m.global_kv_heads} does not divide --n-head {m.n_head}")
+    if m.global_head_width % 2:
+        raise ConfigError(f"--global-head-width {m.global_head_width} must be even (rotary embeddings rotate pairs)")
+    if p.tp > 1:  # two layer shapes to split (the global layers' one KV head replicated), the per-layer input table
+        raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet (its global layers' "
+                          "own head shapes and the per-layer input table need plans of their own): give --tp 1")
+    if cfg.lora.rank:
+        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch gemma4 is not in zerotrain yet: give "
                           "--lora-rank 0")
 
 
@@ -1415,9 +1545,10 @@ def validate(cfg: Config) -> Config:
     # Gemma's settings, each where transformers' model of the arch has it (its Gemma 3 never caps the scores, its
     # Gemma 2 has one rotary base), so that an export computes what was trained.
     gemma_only = [(m.sliding_window_pattern, "--sliding-window-pattern", ALTERNATING),
-                  (m.rope_local_theta, "--rope-local-theta", ("gemma3",)),
+                  (m.rope_local_theta, "--rope-local-theta", ("gemma3", *GEMMA4)),
                   (m.query_pre_attn_scalar, "--query-pre-attn-scalar", GEMMA),
-                  (m.attn_softcap, "--attn-softcap", ("gemma2",)), (m.final_softcap, "--final-softcap", GEMMA),
+                  (m.attn_softcap, "--attn-softcap", ("gemma2",)),
+                  (m.final_softcap, "--final-softcap", (*GEMMA, *GEMMA4)),
                   (m.rope_scaling == "linear", "--rope-scaling linear", GEMMA)]
     for value, flag, archs in gemma_only:
         if value and m.arch not in archs:
@@ -1435,6 +1566,8 @@ def validate(cfg: Config) -> Config:
         _check_glm(cfg)
     if m.arch in LLAMA4:
         _check_llama4(cfg)
+    if m.arch in GEMMA4:
+        _check_gemma4(cfg)
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         raise ConfigError(f"--rope-low-freq-factor {m.rope_low_freq_factor} must be below --rope-high-freq-factor "
                           f"{m.rope_high_freq_factor}")

@@ -256,5 +256,7 @@ class PreferenceSchedule(BatchSchedule):
         first = self.rank * per_rank
         ids = [[self.source.pair_index(step, i) for i in range(lo, lo + self.micro_batch)]
                for lo in range(first, first + per_rank, self.micro_batch)]
-        return PairBatch([self.source.rows(i) for i in ids], self.source.token_count(step, self.global_batch),
+        rows = [self.source.rows(i) for i in ids]  # --cp: this rank's part of each (BatchSchedule's `part`)
+        return PairBatch([self.part(r) for r in rows] if self.part else rows,
+                         self.source.token_count(step, self.global_batch),
                          pair_ids=ids, global_pairs=self.global_batch)

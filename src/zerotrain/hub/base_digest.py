@@ -43,22 +43,30 @@ def blocks(sizes: list[tuple[str, int]], block_bytes: int) -> list[tuple[str, in
     return out
 
 
+def block_ranks(every: list[tuple[str, int, int]], ranks: int) -> list[int]:
+    """The rank of `ranks` that hashes each of `every`'s blocks: the one in whose 1/`ranks` of the folder's bytes (the
+    files one after another) the block starts, so a rank hashes its share and at most one block more, however the
+    files' last blocks fall."""
+    total, at, out = sum(n for _, _, n in every), 0, []
+    for _, _, length in every:
+        out.append(min(ranks - 1, at * ranks // total) if total else 0)
+        at += length
+    return out
+
+
 def rank_blocks(every: list[tuple[str, int, int]], rank: int, ranks: int) -> list[tuple[str, int, int]]:
-    """The run of `every`'s blocks rank `rank` of `ranks` hashes: those starting in its 1/`ranks` of the folder's
-    bytes (the files one after another), so a rank hashes its share and at most one block more, however the
-    files' last blocks fall; in order, so the ranks' digests gathered in rank order are every block's in order."""
-    total, at, mine = sum(n for _, _, n in every), 0, []
-    for block in every:
-        if (min(ranks - 1, at * ranks // total) if total else 0) == rank:
-            mine.append(block)
-        at += block[2]
-    return mine
+    """The run of `every`'s blocks rank `rank` of `ranks` hashes (block_ranks); in order, so the ranks' digests
+    gathered in rank order are every block's in order."""
+    return [block for block, r in zip(every, block_ranks(every, ranks)) if r == rank]
 
 
 def hashed_bytes(sizes: list[tuple[str, int]], ranks: int) -> list[int]:
-    """The bytes each of `ranks` ranks hashes of files `sizes` (name, bytes): the I/O plan's figure."""
-    every = blocks(sizes, block_size(sum(s for _, s in sizes)))
-    return [sum(length for _, _, length in rank_blocks(every, r, ranks)) for r in range(ranks)]
+    """The bytes each of `ranks` ranks hashes of files `sizes` (name, bytes): the I/O plan's figure, in one pass over
+    the blocks (a pass a rank took 3 s of a 256-rank plan)."""
+    every, out = blocks(sizes, block_size(sum(s for _, s in sizes))), [0] * ranks
+    for (_, _, length), rank in zip(every, block_ranks(every, ranks)):
+        out[rank] += length
+    return out
 
 
 def sha256_range(path: str, offset: int, length: int) -> bytes:

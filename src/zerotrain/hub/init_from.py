@@ -175,8 +175,7 @@ def _source(folder: str, verify: bool) -> WeightSource:
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each parameter's full shape in zerotrain's names (a tied head once, as the embedding), from the meta device."""
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in model_class(model)(model).named_parameters()}
+    return {n: tuple(p.shape) for n, p in meta_model(model).named_parameters()}
 
 
 def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -332,16 +331,19 @@ class FileValues:
         return self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
 
     def _expert_part(self, name: str) -> torch.Tensor:
-        """Expert part `name`, flattened: its expert's slice of the stacked tensor (dequantized, if MXFP4) split."""
+        """Expert part `name`, flattened: its expert's slice of the stacked tensor (dequantized, if MXFP4) split, this
+        TP rank's slice of it (tp_part: the stored box holding it read, not the whole expert)."""
         e, i, stack = self.source.experts[name]
-        stored = self.source.stored.get(name, name)
+        stored, tp_slice = self.source.stored.get(name, name), self.tp_slices.get(name)
         if stored in self.source.quantized:
             blocks, scales = (self._count(self._open(f).get_slice(stored + suffix)[e])
                               for f, suffix in zip(self.source.quantized[stored], (MXFP4_BLOCKS, MXFP4_SCALES)))
-            expert = dequantize_mxfp4(blocks, scales)
-        else:
-            expert = self._count(self._open(self.source.files[name]).get_slice(stored)[e])
-        return stack.split(expert)[i].reshape(-1)
+            part = stack.split(dequantize_mxfp4(blocks, scales))[i]
+            return (part if tp_slice is None else tp_slice.take(part, self.tp_rank)).reshape(-1)
+        lazy = self._open(self.source.files[name]).get_slice(stored)
+        if tp_slice is None:
+            return stack.split(self._count(lazy[e]))[i].reshape(-1)
+        return tp_part(lazy, e, stack.split, i, tp_slice, self.tp_rank, self._count).reshape(-1)
 
     def _count(self, t: torch.Tensor) -> torch.Tensor:
         self.bytes_read += t.numel() * t.element_size()
@@ -368,6 +370,19 @@ def load_local(model: torch.nn.Module, source: WeightSource, tp_slices: dict, tp
 def param_rows(name: str, param: torch.Tensor, tp_slices: dict) -> int:
     """The rows of parameter `name` in the full model."""
     return tp_slices[name].full_shape[0] if name in tp_slices else param.shape[0]
+
+
+def tp_part(lazy, e: int, split, i: int, tp_slice, rank: int, count) -> torch.Tensor:
+    """TP rank `rank`'s slice of part `i` of expert `e` of a stacked tensor (`lazy`, safetensors' slice of it; `split`
+    its StackedExperts' split, a view: a transpose, a chunk, strided columns): the stored elements it is made of
+    found by splitting their indices, and only the box of stored rows and columns that holds them read (Llama 4's
+    gate_proj: its rows' columns of gate_up_proj; gpt-oss's interleaved gate and up: both, for its rows)."""
+    shape = tuple(lazy.get_shape()[1:])
+    indices = split(torch.arange(math.prod(shape)).view(shape))[i]
+    wanted = torch.unravel_index(tp_slice.take(indices, rank), shape)
+    lows = [int(c.min()) for c in wanted]
+    box = count(lazy[(e, *(slice(lo, int(c.max()) + 1) for lo, c in zip(lows, wanted)))])
+    return box[tuple(c - lo for c, lo in zip(wanted, lows))]
 
 
 def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: int, first: int, last: int,

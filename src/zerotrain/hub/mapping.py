@@ -25,12 +25,21 @@ and export alike, so the two cannot drift apart.
            e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
            (model.layers.{num_hidden_layers}... , num_nextn_predict_layers of them) are set aside at import (the
            config keeps their count, --mtp-layers) and are not trained.
+    mistral4
+           Mistral 4's (Mistral4ForCausalLM) names are DeepSeek-V3's without the router's bias, its experts stacked
+           in nn.Linear's layout (MISTRAL4_EXPERTS: gate_up_proj (E, 2F, C), down_proj (E, C, F)). Its
+           rope_parameters are YaRN's with llama_4_scaling_beta (the queries' position scaling) and the
+           partial_rotary_factor that rotates qk_rope_head_dim units; it has no MTP layers. transformers 5.25's
+           AutoModelForCausalLM does not list it: load an export with Mistral4ForCausalLM.from_pretrained.
     glm4_moe
            GLM-4.5's (Glm4MoeForCausalLM) names are zerotrain's, as DeepSeek-V3's: the identity, its MTP layers set
            aside at import the same way.
     llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).
+    gemma4 Gemma 4's text model (gemma4_text, Gemma4ForCausalLM) names its tensors as zerotrain's model does (the
+           per-layer input embedding's, each block's layer_scalar, a buffer there, among them): the identity. Its
+           shared-KV layers have no k_proj, v_proj or their norms, in its files as in zerotrain's model.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
 and written from it (hf_config); Llama 3.1's and YaRN's rope scaling are read from `rope_scaling` (older
@@ -53,7 +62,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.config import DEEPSEEK, GEMMA, GLM, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA, GEMMA4, GLM, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -197,6 +206,14 @@ LLAMA4_EXPERTS = (
     StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t.t(),), lambda down: down.t()),
 )
 
+# Mistral 4 stacks its experts in nn.Linear's layout (transformers 5.25 has no per-expert conversion for it):
+# gate_up_proj (E, 2F, C) the gate's rows, then the up projection's; down_proj (E, C, F).
+MISTRAL4_EXPERTS = (
+    StackedExperts("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"), lambda t: t.chunk(2, dim=0),
+                   lambda gate, up: torch.cat((gate, up), dim=0)),
+    StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t,), lambda down: down),
+)
+
 # MXFP4 (OCP microscaling, 4-bit floats): gpt-oss's released folders store each expert matrix as `<name>_blocks`
 # (E, rows, G, 16) uint8, two FP4 (e2m1) values a byte, low nibble first, and `<name>_scales` (E, rows, G) uint8,
 # the power of two (biased by 127) of each block of 32 values along the row; the rows are the matrix's output
@@ -260,12 +277,15 @@ MAPPINGS = {
                                ("qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"))},
     "deepseek_v3": HFMapping("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", "model.layers.", (),
                              (".rotary_emb.inv_freq",), layers_after=True),
+    "mistral4": HFMapping("mistral4", "mistral4", "Mistral4ForCausalLM", "model.layers.", (),
+                          (".rotary_emb.inv_freq",), experts=MISTRAL4_EXPERTS),
     "glm4_moe": HFMapping("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                           layers_after=True),
     "llama4": HFMapping("llama4", "llama4_text", "Llama4ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         infixes=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
                         experts=LLAMA4_EXPERTS),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
+    "gemma4": HFMapping("gemma4", "gemma4_text", "Gemma4ForCausalLM", "model.layers.", (), ("_inv_freq",)),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
                                  ("language_model.lm_head.", "lm_head.")),
@@ -313,6 +333,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         return _glm_config(cfg, config)
     if cfg.arch in LLAMA4:
         return _llama4_config(cfg, config)
+    if cfg.arch in GEMMA4:
+        return _gemma4_config(cfg, config)
     if cfg.arch == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif cfg.arch in ("qwen2", "qwen3"):  # every layer attends to every earlier token
@@ -366,6 +388,10 @@ def _deepseek_config(cfg: ModelConfig, config: dict) -> dict:
                   n_group=cfg.expert_groups, topk_group=cfg.expert_groups_per_token,
                   norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
                   first_k_dense_replace=cfg.first_dense_layers, num_nextn_predict_layers=cfg.mtp_layers)
+    if cfg.arch == "mistral4":  # no MTP layers; the query scaling and the rotary share of a head with the rope
+        del config["num_nextn_predict_layers"]
+        rope.update(llama_4_scaling_beta=cfg.llama4_scaling_beta,
+                    partial_rotary_factor=cfg.qk_rope_dim / (cfg.qk_nope_dim + cfg.qk_rope_dim))
     return config
 
 
@@ -401,6 +427,28 @@ def _llama4_config(cfg: ModelConfig, config: dict) -> dict:
                   attn_scale=cfg.temperature_scale, attention_bias=False, router_aux_loss_coef=cfg.router_aux_coef,
                   router_jitter_noise=0.0, output_router_logits=False,
                   rope_parameters={"rope_type": "default", **(_rope_scaling(cfg) or {}), "rope_theta": cfg.rope_theta})
+    return config
+
+
+def _gemma4_config(cfg: ModelConfig, config: dict) -> dict:
+    """Gemma 4's config.json (Gemma4TextConfig): its layer types, each kind's rotary in rope_parameters, the global
+    layers' shape as per_layer_config (what transformers 5 writes), the shared KV and per-layer input embedding."""
+    config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling", "hidden_act")}
+    types = ["sliding_attention" if cfg.sliding(i) else "full_attention" for i in range(cfg.n_layer)]
+    heads, width = cfg.attention_shape(cfg.n_layer - 1)  # the last layer is global
+    shape = {"head_dim": width, **({"num_key_value_heads": heads} if cfg.k_eq_v else {})}
+    config.update(hidden_activation="gelu_pytorch_tanh", layer_types=types, sliding_window=cfg.sliding_window,
+                  final_logit_softcapping=cfg.final_softcap or None, attention_bias=False,
+                  use_bidirectional_attention=None, attention_k_eq_v=cfg.k_eq_v,
+                  num_kv_shared_layers=cfg.kv_shared_layers, use_double_wide_mlp=cfg.double_wide_mlp,
+                  hidden_size_per_layer_input=cfg.per_layer_width, vocab_size_per_layer_input=cfg.vocab_size,
+                  enable_moe_block=False, num_experts=None, top_k_experts=None, moe_intermediate_size=None,
+                  per_layer_config={str(i): shape for i, kind in enumerate(types) if kind == "full_attention"},
+                  rope_parameters={
+                      "sliding_attention": {"rope_type": "default",
+                                            "rope_theta": cfg.rope_local_theta or cfg.rope_theta},
+                      "full_attention": {"rope_type": "proportional", "partial_rotary_factor": cfg.partial_rotary,
+                                         "rope_theta": cfg.rope_theta}})
     return config
 
 
@@ -483,6 +531,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         return _llama4(config, where)
     if BY_MODEL_TYPE[kind].arch in GLM:
         return _glm(config, where)
+    if BY_MODEL_TYPE[kind].arch in GEMMA4:
+        return _gemma4(config, where)
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
 
 
@@ -604,20 +654,32 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
                        **experts)
 
 
-# What transformers' DeepseekV3Config gives a field its config.json leaves out (DeepSeek-V3's own sizes).
+# What transformers' DeepseekV3Config and Mistral4Config give a field their config.json leaves out (their own sizes).
 _DEEPSEEK_DEFAULTS = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                           num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
                           routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
                           v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
                           first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
                           rope_interleave=True, num_nextn_predict_layers=1)
+_MISTRAL4_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+                          num_hidden_layers=36, num_attention_heads=32, n_shared_experts=1, n_routed_experts=128,
+                          routed_scaling_factor=1.0, kv_lora_rank=256, q_lora_rank=1024, qk_rope_head_dim=64,
+                          v_head_dim=128, qk_nope_head_dim=64, n_group=1, topk_group=1, num_experts_per_tok=4,
+                          first_k_dense_replace=0, norm_topk_prob=True, max_position_embeddings=1048576,
+                          rope_interleave=True, num_nextn_predict_layers=0)
 
 
 def _deepseek(config: dict, where: str) -> ModelConfig:
-    """DeepSeek-V3's ModelConfig (deepseek_v3: V3, V3.1, R1, Kimi K2): the latent attention's sizes, the dense first
-    layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the MTP layers' count."""
-    q_rank = config.get("q_lora_rank", _DEEPSEEK_DEFAULTS["q_lora_rank"])
-    config = {**_DEEPSEEK_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    """DeepSeek-V3's ModelConfig (deepseek_v3: V3, V3.1, R1, Kimi K2; mistral4: Mistral 4): the latent attention's
+    sizes, the dense first layers, the experts and their group-limited routing, YaRN with DeepSeek's mscale pair, the
+    MTP layers' count (Mistral 4: none; its YaRN and query scaling, _mistral4_rope)."""
+    arch = BY_MODEL_TYPE[config["model_type"]].arch
+    defaults = _MISTRAL4_DEFAULTS if arch == "mistral4" else _DEEPSEEK_DEFAULTS
+    q_rank, pad = config.get("q_lora_rank", defaults["q_lora_rank"]), {k: config[k] for k in ("pad_token_id",)
+                                                                        if k in config}  # null: none (not 11)
+    config = {**defaults, **{k: v for k, v in config.items() if v is not None}}
+    if arch == "mistral4":
+        config["num_nextn_predict_layers"] = 0  # Mistral4Config has no such field: transformers builds none
     _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
@@ -650,14 +712,16 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
         rope = dict(_yarn_settings({k: v for k, v in scaling.items() if k not in pair}, f"{where} {key}"),
                     rope_mscale=pair["mscale"], rope_mscale_all_dim=pair["mscale_all_dim"])
     elif kind != "default":
-        raise CheckpointError(f"{where}: {key} has rope_type {kind!r}; zerotrain's deepseek_v3 has 'default' and "
+        raise CheckpointError(f"{where}: {key} has rope_type {kind!r}; zerotrain's {arch} has 'default' and "
                               "'yarn'")
+    if arch == "mistral4":
+        rope.update(_mistral4_rope(scaling, kind, f"{where} {key}", sizes))
     theta = _positive(scaling, "rope_theta", f"{where} {key}", 10000.0) if "rope_theta" in scaling else \
         _positive(config, "rope_theta", where, 10000.0)
-    return ModelConfig(arch="deepseek_v3", n_layer=sizes["num_hidden_layers"], n_head=heads, n_kv_head=heads,
+    return ModelConfig(arch=arch, n_layer=sizes["num_hidden_layers"], n_head=heads, n_kv_head=heads,
                        n_embd=sizes["hidden_size"], intermediate_size=sizes["intermediate_size"],
                        seq_len=sizes["max_position_embeddings"], vocab_size=sizes["vocab_size"], rope_theta=theta,
-                       pad_token_id=_padding_id(config, where, "deepseek_v3", sizes["vocab_size"]),
+                       pad_token_id=_padding_id(pad, where, config["model_type"], sizes["vocab_size"]),
                        norm_eps=_positive(config, "rms_norm_eps", where, 1e-6), tie_embeddings=tied,
                        q_lora_rank=q_rank or 0, kv_lora_rank=sizes["kv_lora_rank"],
                        qk_rope_dim=sizes["qk_rope_head_dim"], qk_nope_dim=sizes["qk_nope_head_dim"],
@@ -669,6 +733,25 @@ def _deepseek(config: dict, where: str) -> ModelConfig:
                        norm_topk_prob=config["norm_topk_prob"],
                        routed_scaling=_positive(config, "routed_scaling_factor", where, 1.0),
                        router_aux_coef=0.0, mtp_layers=mtp, **rope)
+
+
+def _mistral4_rope(scaling: dict, kind: str, where: str, sizes: dict) -> dict:
+    """Mistral 4's query scaling (llama_4_scaling_beta) from its rope table; CheckpointError naming what transformers'
+    Mistral4ForCausalLM cannot compute: a rope type but YaRN (it would rotate the whole head), no beta, or a
+    partial_rotary_factor that does not rotate qk_rope_head_dim units."""
+    if kind != "yarn":
+        raise CheckpointError(f"{where}: rope_type {kind!r}; zerotrain's mistral4 has 'yarn' (transformers' Mistral 4 "
+                              "rotates the whole head under any other)")
+    beta = scaling.get("llama_4_scaling_beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
+        raise CheckpointError(f"{where}: llama_4_scaling_beta must be a number of 0 or more, got {beta!r}")
+    head = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    partial = scaling.get("partial_rotary_factor", sizes["qk_rope_head_dim"] / head)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or \
+            int(head * partial) != sizes["qk_rope_head_dim"]:
+        raise CheckpointError(f"{where}: partial_rotary_factor {partial!r} does not rotate the qk_rope_head_dim "
+                              f"{sizes['qk_rope_head_dim']} units of a {head}-unit head")
+    return dict(llama4_scaling_beta=float(beta))
 
 
 # What transformers' Glm4MoeConfig gives a field its config.json leaves out (GLM-4.5-Air's sizes).
@@ -799,6 +882,95 @@ def _llama4(config: dict, where: str) -> ModelConfig:
                        **_rope_settings(config, where))
 
 
+# What transformers' Gemma4TextConfig gives a field its config.json leaves out.
+_GEMMA4_DEFAULTS = dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=512,
+                        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, attention_k_eq_v=False,
+                        num_kv_shared_layers=0, use_double_wide_mlp=False, global_head_dim=512)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1000000.0}}
+
+
+def _gemma4(config: dict, where: str) -> ModelConfig:
+    """Gemma 4's ModelConfig (gemma4_text): its sizes, its layer types as a pattern (the last layer global, as
+    transformers forces it), each kind's rotary, the global layers' shape (per_layer_config, which transformers 5
+    writes, or the published global_head_dim and num_global_key_value_heads), the shared KV and the per-layer input
+    embedding. What zerotrain's gemma4 does not compute (the MoE block, bidirectional attention, biases, another
+    activation or rotary) is refused, naming the field."""
+    config = {**_GEMMA4_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k not in _GEMMA4_DEFAULTS}}
+    _refuse(config, where, (("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
+                            ("attention_bias", False, (False,)), ("use_bidirectional_attention", None, (None,)),
+                            ("enable_moe_block", False, (False,))))
+    flags = {key: config[key] for key in ("tie_word_embeddings", "attention_k_eq_v", "use_double_wide_mlp")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
+    sizes = {key: _count(config, key, where) for key in (
+        "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "max_position_embeddings",
+        "vocab_size", "head_dim", "global_head_dim", "sliding_window")}
+    n, heads = sizes["num_hidden_layers"], sizes["num_attention_heads"]
+    sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
+    _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    per_layer, shared = (_count(config, key, where, default=0) if config.get(key) else 0
+                         for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"))
+    if per_layer and config["vocab_size_per_layer_input"] != sizes["vocab_size"]:
+        raise CheckpointError(f"{where}: vocab_size_per_layer_input {config['vocab_size_per_layer_input']!r} differs "
+                              f"from vocab_size {sizes['vocab_size']}; zerotrain's gemma4 looks both up by the "
+                              "same ids")
+    types = config.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                          for i in range(n)]
+    types = [*types[:-1], "full_attention"] if isinstance(types, list) and types else types  # as transformers
+    pattern = _layer_pattern({"layer_types": types}, where, "gemma4", n)
+    width, global_heads = sizes["global_head_dim"], config.get("num_global_key_value_heads")
+    overrides = config.get("per_layer_config")
+    if overrides is not None:
+        shapes = {json_key: _table(overrides, json_key, f"{where} per_layer_config") for json_key in overrides}
+        full = [str(i) for i, kind in enumerate(types) if kind == "full_attention"]
+        if sorted(shapes, key=int) != full or any(shape != shapes[full[0]] for shape in shapes.values()) or \
+                set(shapes[full[0]]) - {"head_dim", "num_key_value_heads"}:
+            raise CheckpointError(f"{where}: per_layer_config {overrides!r} does not give every global layer, and only "
+                                  "them, one head_dim (and num_key_value_heads), as zerotrain's gemma4 has them")
+        shape = shapes[full[0]]
+        width = _count(shape, "head_dim", f"{where} per_layer_config", default=sizes["head_dim"])
+        global_heads = shape.get("num_key_value_heads")
+    if global_heads is not None and not flags["attention_k_eq_v"]:
+        global_heads = None  # transformers reads the global KV heads only with attention_k_eq_v
+    if global_heads is not None:
+        global_heads = _count({"num_global_key_value_heads": global_heads}, "num_global_key_value_heads", where)
+    rope = config.get("rope_parameters") or _GEMMA4_ROPE
+    local, full_rope = (_table(rope if isinstance(rope, dict) else {}, key, f"{where} rope_parameters")
+                        for key in LAYER_TYPES)
+    partial = 1.0
+    for kind, table in (("sliding_attention", local), ("full_attention", full_rope)):
+        rope_type = table.get("rope_type", "default")
+        if rope_type not in ("default", "proportional") or (kind == "sliding_attention" and rope_type != "default"):
+            raise CheckpointError(f"{where}: rope_parameters {kind} has rope_type {rope_type!r}; zerotrain's gemma4 "
+                                  "rotates its sliding layers by 'default' and its global ones by 'proportional'")
+        if table.get("factor", 1.0) != 1.0:
+            raise CheckpointError(f"{where}: rope_parameters {kind} has factor {table['factor']!r}; zerotrain's "
+                                  "gemma4 rotates unscaled (1.0)")
+        if rope_type == "proportional":
+            partial = _positive(table, "partial_rotary_factor", f"{where} rope_parameters {kind}", 1.0)
+    caps = config.get("final_logit_softcapping")
+    return ModelConfig(arch="gemma4", n_layer=n, n_head=heads, n_kv_head=sizes["num_key_value_heads"],
+                       n_embd=sizes["hidden_size"], pad_token_id=_padding_id(config, where, "gemma4_text",
+                                                                              sizes["vocab_size"]),
+                       head_width=sizes["head_dim"], intermediate_size=sizes["intermediate_size"],
+                       seq_len=sizes["max_position_embeddings"], vocab_size=sizes["vocab_size"],
+                       rope_theta=_positive(full_rope, "rope_theta", f"{where} rope_parameters full_attention",
+                                            1000000.0),
+                       rope_local_theta=_positive(local, "rope_theta", f"{where} rope_parameters sliding_attention",
+                                                  10000.0),
+                       partial_rotary=partial, norm_eps=_positive(config, "rms_norm_eps", where, 1e-6),
+                       tie_embeddings=flags["tie_word_embeddings"], sliding_window=sizes["sliding_window"],
+                       sliding_window_pattern=pattern,
+                       final_softcap=0.0 if caps is None else _positive(config, "final_logit_softcapping", where, 0.0),
+                       global_head_width=width, k_eq_v=flags["attention_k_eq_v"], global_kv_heads=global_heads or 0,
+                       kv_shared_layers=shared, per_layer_width=per_layer, double_wide_mlp=flags["use_double_wide_mlp"])
+
+
 # Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that
 # says how the model computes, beyond the sizes.
 _FIXED = {
@@ -904,7 +1076,7 @@ def _llama_config(config: dict, where: str) -> ModelConfig:
 
 
 # What transformers' config classes give pad_token_id where config.json leaves it out (the others: None)
-_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
+_PAD_DEFAULTS = {"olmoe": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0, "mistral4": 11, "gemma4_text": 0}
 
 
 def _padding_id(config: dict, where: str, kind: str, vocab: int) -> int:

@@ -98,6 +98,13 @@ from .llama import rope_local, rope_scaling
 from .vocab import chunk_tokens, splits_vocab, vocab_rows
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
+
+# The families whose activations activation_bytes counts as a Llama's: what it leaves out, which the run's start line
+# says (the plan's activation rows are approximate for them).
+APPROXIMATE = {
+    "gemma4": "gemma4's activations counted as a Llama's, without its q/k/v norms, post-norms, per-layer inputs and "
+              "wider global heads (a tiny model saves 1.9x the plan, 1.2x with --activation-checkpointing blocks)",
+}
 INDEX = 8  # bytes: int64 token ids, positions and targets
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -310,7 +317,8 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
         dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
     if cfg.arch in GROUP_ROUTED:
-        router += N * FP32 + (0 if s.act == FP32 else (N + cfg.n_experts) * s.C * FP32)
+        # (Mistral 4's softmax router scores in the activations' dtype: no fp32 copies)
+        router += N * FP32 + (0 if s.act == FP32 or cfg.softmax_router else (N + cfg.n_experts) * s.C * FP32)
         shared = 4 * N * (cfg.expert_ffn * cfg.shared_experts // tp) * s.act
     return router + dispatch + shared
 
@@ -377,9 +385,10 @@ def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
             + rotary_casts(s) + swiglu_mlp(s) + (gemma_qk_norms(s) if qk_norm else 0))
 
 
-def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False) -> int:
+def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp: int = 1) -> int:
     """Qwen3.5's linear-attention layer (qwen35.GatedDeltaNet, delta_rule.py), one rank, one micro-batch; its input
-    (the norm's output, which its four projections read) is the block's. With Hk key and Hv value heads of widths
+    (the norm's output, which its four projections read) is the block's. With Hk key and Hv value heads (this rank's:
+    1/tp of them under TP) of widths
     dk and dv, the convolution's W = 2 Hk dk + Hv dv channels and K taps, n = ceil(T / c) chunks of c = 64 tokens
     (T' = n c, the sequence padded to them):
 
@@ -400,8 +409,8 @@ def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False) -> 
                       Hv dv 4); the product cast back, out_proj's input (BT Hv dv a)
     """
     B, T, a = s.B, s.T, s.act
-    Hk, Hv, dk, dv, K = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_width, cfg.linear_value_width,
-                         cfg.linear_conv_kernel)
+    Hk, Hv, dk, dv, K = (cfg.linear_key_heads // tp, cfg.linear_value_heads // tp, cfg.linear_key_width,
+                         cfg.linear_value_width, cfg.linear_conv_kernel)
     W, c = 2 * Hk * dk + Hv * dv, CHUNK
     n = -(-T // c)
     padded = n * c
@@ -437,12 +446,12 @@ def gated_attention(s: RankShape) -> int:
             + 3 * s.BT * s.heads * s.head_dim * s.act)
 
 
-def qwen35_blocks(s: RankShape, cfg: ModelConfig, documents: bool = False) -> list[int]:
+def qwen35_blocks(s: RankShape, cfg: ModelConfig, documents: bool = False, tp: int = 1) -> list[int]:
     """Each Qwen3.5 block's bytes: two (1 + w) norms and the outputs the mixer's and the MLP's linears read, the mixer
     (linear attention or gated attention, by the layer), the SwiGLU MLP (a mixture of experts: `experts`, added by
     the caller)."""
     common = 2 * gemma_norm(s) + 2 * s.BT * s.C * s.act + swiglu_mlp(s)
-    return [common + (gated_delta_net(s, cfg, documents) if cfg.linear_attention(layer) else gated_attention(s))
+    return [common + (gated_delta_net(s, cfg, documents, tp) if cfg.linear_attention(layer) else gated_attention(s))
             for layer in range(cfg.n_layer)]
 
 
@@ -500,7 +509,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         elif recompute != "none":
             shapes[window] = block_input(s)
         elif cfg.arch in QWEN35:  # its layers differ: counted layer by layer below
-            shapes[window] = max(qwen35_blocks(s, cfg, documents))
+            shapes[window] = max(qwen35_blocks(s, cfg, documents, tp))
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         elif cfg.attn_sinks:
@@ -532,7 +541,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
     if cfg.arch in QWEN35 and recompute == "none":
-        blocks = sum(qwen35_blocks(s, cfg, documents))
+        blocks = sum(qwen35_blocks(s, cfg, documents, tp))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
         blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)

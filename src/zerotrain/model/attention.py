@@ -41,9 +41,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     `sinks` (heads,): gpt-oss's attention sinks, one logit per query head in each softmax's denominator, which SDPA
     cannot take either: FlexAttention's output renormalized by its log-sum-exp (with_sinks), else the explicit
     scores with a sink column. A RingAttention as `documents`: this rank's queries over the whole row's keys,
-    around the ring (causal, its records' masks; no window, soft-cap or sinks: --cp refuses those models)."""
+    around the ring (causal, its records' masks, the window; no soft-cap or sinks: --cp refuses those models)."""
     if isinstance(documents, RingAttention):
-        return documents.ring(q, k, v, documents=documents.documents, scale=scale)
+        return documents.ring(q, k, v, documents=documents.documents, scale=scale, window=window)
     past = 0
     if cache is not None:
         if documents is not None:

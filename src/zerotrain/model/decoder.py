@@ -63,9 +63,9 @@ class Decoder(nn.Module):
         raise NotImplementedError
 
 
+
 def no_tp_plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
-    """The plan of a decoder without tensor parallelism yet (Qwen3.5, DeepSeek-V3, Llama 4; config refuses --tp above
-    1): no TP slices."""
+    """The plan of a decoder without tensor parallelism yet (Gemma 4; config refuses --tp above 1): no TP slices."""
     if tp > 1:
         raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
     return {}

@@ -1,5 +1,6 @@
 """DeepSeek-V3's decoder (deepseek_v3: DeepSeek-V3, V3.1, R1, and Kimi K2's shapes), as transformers'
-DeepseekV3ForCausalLM computes it.
+DeepseekV3ForCausalLM computes it; and Mistral 4's (mistral4, Mistral4ForCausalLM), the same decoder with a softmax
+router without bias (group_routing.py) and queries scaled by their position (mla.py).
 
     self_attn   multi-head latent attention (mla.py)
     mlp         layers 0 .. first_k_dense_replace - 1: a SwiGLU MLP of intermediate_size; the others a mixture of
@@ -7,6 +8,9 @@ DeepseekV3ForCausalLM computes it.
                 group-limited top-k, the load-balancing bias), plus shared experts: one SwiGLU MLP of n_shared_experts
                 x moe_intermediate_size that every token goes through, ungated
     norms       RMSNorms before the attention and the MLP and at the end (rms_norm_eps)
+
+Under tensor parallelism (`plan`, `parallelize`) the attention splits by heads (mla.py), the MLPs and experts by
+their width, the router stays replicated.
 
 Parameter names are transformers' (model.layers.{i}.self_attn.kv_b_proj.weight, ...mlp.gate.e_score_correction_bias,
 ...mlp.shared_experts.gate_proj.weight, ...mlp.experts.{e}.gate_proj.weight as its files store them): hub/mapping.py's
@@ -23,17 +27,19 @@ import torch.nn as nn
 
 from zerotrain.config import ModelConfig
 
-from .decoder import Decoder, no_tp_parallelize, no_tp_plan
+from . import llama, moe
+from .decoder import Decoder
 from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask
-from .mla import LatentAttention, mla_rope_scaling
-from .moe import Expert, MoE, Routing
+from .mla import LatentAttention, mla_rope_scaling, query_scale
+from .moe import Expert, MoE, PartialDown, Routing
 from .norms import RMSNorm
 from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
-from .tensor_parallel import copy_to_tp
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks
+from .vocab import VocabParallelEmbedding, VocabParallelHead
 
 
 class DeepseekMoE(MoE):
@@ -53,13 +59,14 @@ class DeepseekMoE(MoE):
         with torch.no_grad():
             counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
             counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
-        probs = scores / scores.sum(dim=-1, keepdim=True)
+        probs = scores.float() / scores.float().sum(dim=-1, keepdim=True)
         self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
         return weights, chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # under TP (glm.py) the shared experts are split as a dense MLP: their input's gradient summed over the group
-        return super().forward(x) + self.shared_experts(copy_to_tp(x, self.tp_comm))
+    def shared_output(self, flat: torch.Tensor, expert_input: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output, ungated (under TP this rank's partial sum, added before the layer's one
+        all-reduce)."""
+        return self.shared_experts(expert_input)
 
 
 class DeepseekBlock(nn.Module):
@@ -72,8 +79,8 @@ class DeepseekBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = DeepseekMoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
 
-    def forward(self, x, rotary, cache: KVCache | None, layer: int, documents=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents)
+    def forward(self, x, rotary, cache: KVCache | None, layer: int, documents=None, query_scale=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, layer, documents, query_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -90,8 +97,9 @@ class Deepseek(Decoder):
         positions = new_positions(idx, cache, cfg.positions, segments)
         rotary = rotary_tables(positions, cfg.qk_rope_dim, cfg.rope_theta, mla_rope_scaling(cfg))
         mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
+        scale = query_scale(cfg, positions)  # Mistral 4's queries by position; None for DeepSeek-V3
         for layer, block in enumerate(self.model.layers):
-            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask)
+            x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, scale)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.model.norm(x)
@@ -109,5 +117,65 @@ def init_rule(cfg: ModelConfig, name: str):
     return ("normal", 0.02)
 
 
-# no tensor parallelism yet (config refuses --tp above 1)
-plan, parallelize = no_tp_plan, no_tp_parallelize
+# Tensor parallelism, as Megatron and torchtitan split MLA: the attention by heads (mla.py: q_b_proj or q_proj and
+# kv_b_proj column-parallel, each rank the rows of its heads; o_proj row-parallel over their value columns), the
+# low-rank parts every head reads (q_a_proj, kv_a_proj_with_mqa, their norms) replicated; the dense MLPs, each routed
+# expert and the shared experts split by rows of their width (Llama's and model/moe.py's plans), the router and its
+# e_score_correction_bias replicated (every TP rank routes the same tokens alike; the bias moves with the step's
+# loads, which every rank receives alike from the step's all-reduce); the embedding and the head by vocabulary rows.
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """The TP slice of every split parameter, by its name in the full model."""
+    H, C, v = cfg.n_head, cfg.n_embd, cfg.v_head_dim
+    qk, kv = cfg.qk_nope_dim + cfg.qk_rope_dim, cfg.qk_nope_dim + cfg.v_head_dim
+    slices = {n: s for n, s in llama.plan(cfg, tp).items() if ".self_attn." not in n}  # MLPs, experts, vocabulary
+    for i in range(cfg.n_layer):
+        a = f"model.layers.{i}.self_attn."
+        q = "q_b_proj" if cfg.q_lora_rank else "q_proj"
+        slices[f"{a}{q}.weight"] = TPSlice(0, (H * qk, cfg.q_lora_rank or C), blocks(H // tp * qk, tp))
+        slices[a + "kv_b_proj.weight"] = TPSlice(0, (H * kv, cfg.kv_lora_rank), blocks(H // tp * kv, tp))
+        slices[a + "o_proj.weight"] = TPSlice(1, (C, H * v), blocks(H // tp * v, tp))
+        if cfg.has_experts(i):
+            W, m = cfg.expert_ffn * cfg.shared_experts, f"model.layers.{i}.mlp.shared_experts."
+            for proj in ("gate_proj", "up_proj"):
+                slices[f"{m}{proj}.weight"] = TPSlice(0, (W, C), blocks(W // tp, tp))
+            slices[m + "down_proj.weight"] = TPSlice(1, (C, W), blocks(W // tp, tp))
+    return slices
+
+
+def parallelize(model: Deepseek, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan (`kv_comm`:
+    unused, every head has its own keys)."""
+    slices = plan(model.cfg, tp_size)
+
+    def column(module, name: str, prefix: str) -> None:  # its input's gradient summed by the caller's copy_to_tp
+        setattr(module, name, ColumnParallelLinear(getattr(module, name), slices[f"{prefix}{name}.weight"], None,
+                                                   tp_rank, None))
+
+    for i, block in enumerate(model.model.layers):
+        h = f"model.layers.{i}."
+        attn, mlp = block.self_attn, block.mlp
+        column(attn, "q_b_proj" if hasattr(attn, "q_b_proj") else "q_proj", h + "self_attn.")
+        column(attn, "kv_b_proj", h + "self_attn.")
+        attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
+        attn.tp_comm = comm
+        if isinstance(mlp, MoE):
+            moe.parallelize(mlp, slices, h + "mlp.", tp_rank, comm)
+            shared = h + "mlp.shared_experts."
+            column(mlp.shared_experts, "gate_proj", shared)
+            column(mlp.shared_experts, "up_proj", shared)
+            mlp.shared_experts.down_proj = PartialDown(mlp.shared_experts.down_proj,
+                                                       slices[shared + "down_proj.weight"], tp_rank)
+            continue
+        column(mlp, "gate_proj", h + "mlp.")
+        column(mlp, "up_proj", h + "mlp.")
+        mlp.tp_comm = comm
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
+    model.tp_slices = slices
+    return slices

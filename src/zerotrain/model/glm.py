@@ -17,8 +17,9 @@ e_score_correction_bias a tensor of the files): hub/mapping.py's table is the id
 layers (model.layers.{num_hidden_layers}...) are set aside at import and copied into an hf export, as DeepSeek-V3's.
 
 Tensor parallelism is Llama's (llama.plan: attention by heads, the dense MLP and each routed expert by their hidden
-width, the router and its bias replicated) with the shared experts split as a dense MLP: gate_proj and up_proj by rows,
-down_proj row-parallel, whose output is all-reduced beside the routed experts' one.
+width, the router and its bias replicated) with the shared experts split as a dense MLP's slices: gate_proj and up_proj
+by rows, down_proj by the matching input columns, its partial sums added to the routed experts' before the layer's one
+all-reduce (DeepseekMoE.shared_output), as deepseek.parallelize splits them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from zerotrain.config import ModelConfig
 from . import deepseek, llama
 from .deepseek import DeepseekMoE
 from .llama import Llama, LlamaBlock
-from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks
+from .moe import PartialDown
+from .tensor_parallel import ColumnParallelLinear, TPSlice, blocks
 
 
 class GlmBlock(LlamaBlock):
@@ -63,8 +65,8 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
 
 
 def parallelize(model: Glm, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
-    """Llama's parallel layers, and each MoE layer's shared experts split (DeepseekMoE gives them their input through
-    copy_to_tp, so that its gradient is summed over the group)."""
+    """Llama's parallel layers, and each MoE layer's shared experts split (MoE.forward gives them the experts' input,
+    through copy_to_tp, so that its gradient is summed over the group)."""
     llama.parallelize(model, tp_size, tp_rank, comm, kv_comm)
     slices = plan(model.cfg, tp_size)
     for i, block in enumerate(model.model.layers):
@@ -74,6 +76,6 @@ def parallelize(model: Glm, tp_size: int, tp_rank: int, comm, kv_comm=None) -> d
         for name in ("gate_proj", "up_proj"):
             setattr(shared, name, ColumnParallelLinear(getattr(shared, name), slices[f"{h}{name}.weight"], None,
                                                        tp_rank, None))
-        shared.down_proj = RowParallelLinear(shared.down_proj, slices[h + "down_proj.weight"], tp_rank, comm)
+        shared.down_proj = PartialDown(shared.down_proj, slices[h + "down_proj.weight"], tp_rank)
     model.tp_slices = slices
     return slices

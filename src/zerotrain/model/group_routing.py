@@ -7,6 +7,10 @@ bias, weighted by the scores themselves; and the bias's update (auxiliary-loss-f
     weights     the chosen experts' s (not s + b: the bias decides who, never how much), divided by their sum when
                 norm_topk_prob, times routed_scaling_factor
 
+Mistral 4's router (cfg.softmax_router) is the same with s = softmax(x W^T) in the activations' dtype (transformers'
+Mistral4TopkRouter: bf16 in a bf16 run) and no bias: the groups and the top-k on s itself (its masked experts filled
+with 0 where DeepSeek's take -inf: a softmax's probabilities are positive, so the same experts are chosen).
+
 The bias has no gradient. After each optimizer step it moves by speed x sign(mean load - load) per expert (DeepSeek-V3
 paper, section 2.1.2: an overloaded expert's bias falls, an underloaded one's rises), the loads being the tokens each
 expert got over the whole step on every rank: the same numbers on every rank, so every replica's bias stays equal.
@@ -23,28 +27,41 @@ GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best two experts' (tr
 
 
 class GroupLimitedRouter(nn.Module):
-    """The router's weight and its e_score_correction_bias (both fp32 in transformers' checkpoints). The bias is a
-    parameter without gradient so that checkpoints, resharding, --init-from and export carry it as any weight; its
-    zero gradient leaves AdamW's moments at zero and its value unmoved (1-D: no weight decay)."""
+    """The router's weight and its e_score_correction_bias (both fp32 in transformers' checkpoints; Mistral 4's router
+    has no bias). The bias is a parameter without gradient so that checkpoints, resharding, --init-from and export
+    carry it as any weight; its zero gradient leaves AdamW's moments at zero and its value unmoved (1-D: no weight
+    decay)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.n_group, self.topk_group = cfg.expert_groups, cfg.expert_groups_per_token
         self.normalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling
+        self.softmax = cfg.softmax_router
         self.weight = nn.Parameter(torch.zeros(cfg.n_experts, cfg.n_embd))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_experts))
+        if not self.softmax:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_experts))
 
     def forward(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the sigmoid scores (N, E) fp32, the top-k weights (N, k) fp32, the experts chosen (N, k)) of tokens
-        `flat` (N, C)."""
-        scores = torch.sigmoid(torch.nn.functional.linear(flat.float(), self.weight.float()))
-        chosen = group_limited_top_k(scores.detach() + self.e_score_correction_bias.detach().float(), self.n_group,
-                                     self.topk_group, self.top_k)
+        """(the scores (N, E): sigmoid in fp32, or Mistral 4's softmax in flat's dtype; the top-k weights (N, k) in
+        the scores' dtype; the experts chosen (N, k)) of tokens `flat` (N, C)."""
+        if self.softmax:
+            scores = softmax_scores(flat, self.weight)
+            choice = scores.detach()
+        else:
+            scores = torch.sigmoid(torch.nn.functional.linear(flat.float(), self.weight.float()))
+            choice = scores.detach() + self.e_score_correction_bias.detach().float()
+        chosen = group_limited_top_k(choice, self.n_group, self.topk_group, self.top_k)
         weights = scores.gather(1, chosen)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return scores, weights * self.scaling, chosen
+
+
+def softmax_scores(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Mistral 4's router probabilities softmax(x W^T) (N, E), in the activations' dtype as transformers computes
+    them."""
+    return torch.nn.functional.linear(flat, weight).softmax(dim=-1)
 
 
 def group_limited_top_k(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:

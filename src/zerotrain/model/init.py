@@ -28,14 +28,14 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from zerotrain.config import DEEPSEEK, GLM, LLAMA_FAMILY, QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA4, GLM, LLAMA_FAMILY, QWEN35, ModelConfig
 
-from . import deepseek, glm, gpt2, llama, qwen35
+from . import deepseek, gemma4, glm, gpt2, llama, qwen35
 from .tensor_parallel import TPSlice
 
 RULES = {"gpt2": gpt2.init_rule, **{arch: llama.init_rule for arch in LLAMA_FAMILY},
          **{arch: qwen35.init_rule for arch in QWEN35}, **{arch: deepseek.init_rule for arch in DEEPSEEK},
-         **{arch: glm.init_rule for arch in GLM}}
+         **{arch: glm.init_rule for arch in GLM}, **{arch: gemma4.init_rule for arch in GEMMA4}}
 DRAW_CHUNK = 1 << 16  # values per pass: the temporaries (512 KiB each) stay in the CPU's cache
 _MOD = 1 << 64
 
@@ -151,10 +151,12 @@ def parameter_rule(cfg: ModelConfig, name: str):
 def padding_row(cfg: ModelConfig, name: str) -> tuple[int, int] | None:
     """The positions [a, b) in the full tensor of the token embedding's padding row, which starts at zero (as
     transformers' _init_weights zeroes nn.Embedding's padding_idx row), where `name` is that embedding and the model
-    has a padding token; else None."""
-    if cfg.padding_idx is None or name != "model.embed_tokens.weight":
+    has a padding token (Gemma 4's per-layer input embedding has the row too); else None."""
+    widths = {"model.embed_tokens.weight": cfg.n_embd,
+              "model.embed_tokens_per_layer.weight": cfg.n_layer * cfg.per_layer_width}
+    if cfg.padding_idx is None or name not in widths:
         return None
-    return cfg.padding_idx * cfg.n_embd, (cfg.padding_idx + 1) * cfg.n_embd
+    return cfg.padding_idx * widths[name], (cfg.padding_idx + 1) * widths[name]
 
 
 def draw(rule, key: int, positions, zeroed: tuple[int, int] | None = None) -> torch.Tensor:

@@ -19,7 +19,9 @@ class KVCache:
                  positions: int | None = None, kv_heads: int | None = None):
         """`kv_heads`: the KV heads this rank computes (fewer under TP: kv_heads_per_rank), default all of them."""
         self.positions = cfg.positions if positions is None else min(positions, cfg.positions)
-        shape = (cfg.n_layer, batch, kv_heads or cfg.kv_heads, self.positions, cfg.head_dim)
+        # Gemma 4's global layers are of their own shape: every layer's room is the widest, each uses its part
+        heads, width = (max(sizes) for sizes in zip(*(cfg.attention_shape(i) for i in range(cfg.n_layer))))
+        shape = (cfg.n_layer, batch, kv_heads or heads, self.positions, width)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
@@ -32,6 +34,7 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.positions:
             raise ValueError(f"the KV cache holds {self.positions} positions; {end} do not fit")
-        self.keys[layer, :, :, self.length : end] = k
-        self.values[layer, :, :, self.length : end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        heads, width = k.shape[1], k.shape[3]
+        self.keys[layer, :, :heads, self.length : end, :width] = k
+        self.values[layer, :, :heads, self.length : end, :width] = v
+        return self.keys[layer, :, :heads, :end, :width], self.values[layer, :, :heads, :end, :width]

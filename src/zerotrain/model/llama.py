@@ -187,7 +187,7 @@ class Llama(Decoder):
         if cfg.gemma:
             x = x * embedding_scale(cfg.n_embd, x.dtype)
         ring = None
-        if self.context_parallel is not None and cache is None:  # this rank's part of each row (config: no windows)
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row
             positions, ring = self.context_parallel.prepare(idx, segments)
         else:
             positions = new_positions(idx, cache, cfg.positions, segments)
@@ -272,7 +272,7 @@ def init_rule(cfg: ModelConfig, name: str):
 def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
     """The TP slice of every split parameter, by its name in the full model (a replicated KV head's slices are the
     same rows on each of its ranks)."""
-    C, D, F_ = cfg.n_embd, cfg.head_dim, cfg.ffn_width
+    C, D = cfg.n_embd, cfg.head_dim
     q, kv = cfg.n_head * D, cfg.kv_heads * D
     kv_rows = kv_head_blocks(cfg.kv_heads, D, tp)
     slices = {}
@@ -288,17 +288,32 @@ def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
                 slices[f"{h}self_attn.{name}.bias"] = TPSlice(0, (kv,), kv_rows)
         if cfg.attn_sinks:  # gpt-oss's: one per q head, split as the heads (o_proj's bias is replicated)
             slices[h + "self_attn.sinks"] = TPSlice(0, (cfg.n_head,), blocks(cfg.n_head // tp, tp))
-        if cfg.has_experts(i):  # each expert split as the MLP is, the router replicated (model/moe.py)
-            slices.update(moe.plan(cfg, tp, h + "mlp."))
-            continue
-        slices[h + "mlp.gate_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
-        slices[h + "mlp.up_proj.weight"] = TPSlice(0, (F_, C), blocks(F_ // tp, tp))
-        slices[h + "mlp.down_proj.weight"] = TPSlice(1, (C, F_), blocks(F_ // tp, tp))
+        # each expert split as the MLP is, the router replicated (model/moe.py)
+        slices.update(moe.plan(cfg, tp, h + "mlp.") if cfg.has_experts(i) else mlp_plan(cfg, tp, h + "mlp."))
     if splits_vocab(cfg.vocab_size, tp):
         slices["model.embed_tokens.weight"] = vocab_slice(cfg.vocab_size, C, tp)
         if not cfg.tie_embeddings:
             slices["lm_head.weight"] = vocab_slice(cfg.vocab_size, C, tp)
     return slices
+
+
+def mlp_plan(cfg: ModelConfig, tp: int, prefix: str) -> dict[str, TPSlice]:
+    """The TP slices of the SwiGLU (GeGLU) MLP at `prefix` (model.layers.{i}.mlp.): gate_proj and up_proj by rows of
+    the hidden width, down_proj by the matching input columns (Qwen3.5's MLP too)."""
+    C, F_ = cfg.n_embd, cfg.ffn_width
+    rows = blocks(F_ // tp, tp)
+    return {prefix + "gate_proj.weight": TPSlice(0, (F_, C), rows),
+            prefix + "up_proj.weight": TPSlice(0, (F_, C), rows),
+            prefix + "down_proj.weight": TPSlice(1, (C, F_), rows)}
+
+
+def parallelize_mlp(mlp: LlamaMLP, slices: dict[str, TPSlice], prefix: str, rank: int, comm) -> None:
+    """This rank's slices of the MLP at `prefix`, in place (mlp_plan's)."""
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{prefix}{name}.weight"], None, rank,
+                                                None))
+    mlp.tp_comm = comm
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[prefix + "down_proj.weight"], rank, comm)
 
 
 def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
@@ -324,12 +339,8 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
             attn.sinks = nn.Parameter(slices[h + "self_attn.sinks"].take(attn.sinks.detach(), tp_rank))
         if isinstance(mlp, MoE):
             moe.parallelize(mlp, slices, h + "mlp.", tp_rank, comm)
-            continue
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
-                                                    tp_rank, None))
-        mlp.tp_comm = comm
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+        else:
+            parallelize_mlp(mlp, slices, h + "mlp.", tp_rank, comm)
     if "model.embed_tokens.weight" in slices:
         vocab = slices["model.embed_tokens.weight"]
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)

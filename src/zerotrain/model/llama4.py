@@ -20,6 +20,9 @@ the rotary layers within their chunks of the record's positions (a record alone 
 the temperature tuning by the record's positions too. No balancing loss is added unless a run asks for one
 (--moe-aux-coef): transformers' Llama4ForCausalLM adds none, and import sets the model's weight to 0.
 
+Under tensor parallelism the attention splits by heads and the MLPs and experts by their width, as Llama's and the
+MoE families' (llama.plan; the plan's note at the end of this file).
+
 Parameter names are zerotrain's MoE names (model.layers.{i}.mlp.gate.weight, mlp.experts.{e}.gate_proj.weight,
 mlp.shared_expert.*); hub/mapping.py maps transformers' feed_forward.router, feed_forward.experts.gate_up_proj
 (E, C, 2F: gate then up, x @ W) and feed_forward.experts.down_proj (E, F, C) to them and back.
@@ -33,7 +36,8 @@ import torch.nn as nn
 from zerotrain.config import ModelConfig
 
 from .attention import attend, document_attention
-from .decoder import Decoder, no_tp_parallelize, no_tp_plan
+from . import llama
+from .decoder import Decoder
 from .kv_cache import KVCache
 from .llama import LlamaMLP, rope_scaling
 from .moe import MoE, Routing, expert_outputs, inverse_order
@@ -41,6 +45,7 @@ from .norms import RMSNorm
 from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
+from .tensor_parallel import copy_to_tp, reduce_from_tp
 
 
 def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,6 +101,9 @@ class Llama4Attention(nn.Module):
         self.qk_norm = cfg.qk_l2_norm and self.rotary
         self.tuned = (cfg.temperature_floor, cfg.temperature_scale) \
             if cfg.temperature_tuning and not self.rotary else None
+        # under TP (llama.parallelize): q, k and v share one all-reduce of their input's gradient; Llama 4 has no
+        # norm over a whole projection (OLMoE's): its q/k norms and the temperature are each head's own
+        self.tp_comm, self.whole_qk_norm = None, False
         self.q_proj = nn.Linear(C, cfg.n_head * D, bias=False)
         self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
         self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
@@ -104,6 +112,7 @@ class Llama4Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                 cache: KVCache | None, layer: int, mask) -> torch.Tensor:
         B, T, _ = x.shape
+        x = copy_to_tp(x, self.tp_comm)
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj,
                                                                                  self.v_proj))
         if self.rotary:
@@ -134,14 +143,17 @@ class Llama4MoE(MoE):
         scores, chosen = self.route(flat, B, T)
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, slot) pairs by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        # under TP each rank's experts give partial outputs (MoE's docstring): the tokens' and the scores' gradients
+        # are summed over the TP group, the layer's output once
+        expert_input, scores = copy_to_tp(flat, self.tp_comm), copy_to_tp(scores, self.tp_comm)
         # each expert reads its token times the token's score for it (transformers' routed_in)
-        rows = flat[order // self.top_k] * scores.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+        rows = expert_input[order // self.top_k] * scores.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
         if self.exchange is not None:  # expert parallelism: the rows go to their experts' ranks and come back
             outputs = self.exchange(self, rows, counts, self.expert_path(flat))
         else:
             outputs = expert_outputs(self.local_experts(), rows, counts, self.expert_path(flat))
         routed = outputs[inverse_order(order)].view(-1, self.top_k, C).sum(1)
-        return (self.shared_expert(flat) + routed).view(B, T, C)
+        return reduce_from_tp(self.shared_expert(expert_input) + routed, self.tp_comm).view(B, T, C)
 
     def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the chosen experts' scores (N, k): sigmoid of their logits, fp32, in the logits' dtype as transformers'
@@ -202,5 +214,9 @@ class Llama4(Decoder):
         return self.model.norm(x)
 
 
-# no tensor parallelism yet (config refuses --tp above 1)
-plan, parallelize = no_tp_plan, no_tp_parallelize
+# Tensor parallelism is Llama's plan (llama.plan, llama.parallelize): q_proj by q heads, k_proj and v_proj by KV heads,
+# o_proj row-parallel (the chunked mask, the L2 norms without a gain and the temperature tuning are each head's own:
+# nothing to sum); the dense MLP, each expert and the shared expert split by rows of their width (model/moe.py's
+# plan: Llama 4's stacked expert tensors are per-expert parameters here), the router replicated; the embedding and the
+# head by vocabulary rows.
+plan, parallelize = llama.plan, llama.parallelize

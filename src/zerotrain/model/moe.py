@@ -136,9 +136,8 @@ class MoE(nn.Module):
         # back to (token, slot) order: each token's k outputs, weighted and summed in slot order
         unsorted = outputs[inverse_order(order)]
         y = (unsorted.view(-1, self.top_k, C) * copy_to_tp(weights.to(x.dtype), comm).unsqueeze(-1)).sum(1)
-        if hasattr(self, "shared_expert"):
-            y = y + copy_to_tp(torch.sigmoid(self.shared_expert_gate(flat)), comm) * self.shared_expert(expert_input)
-        y = reduce_from_tp(y, comm)
+        shared = self.shared_output(flat, expert_input)
+        y = reduce_from_tp(y if shared is None else y + shared, comm)
         down = self.local_experts()[0].down_proj
         if isinstance(down, PartialDown) and down.bias is not None:
             # gpt-oss's down biases, once: each token's weights over the E experts times their biases
@@ -148,6 +147,13 @@ class MoE(nn.Module):
                 biases = self.exchange.every_expert(biases)
             y = y + dense.scatter(1, chosen, weights.to(x.dtype)) @ biases
         return y.view(B, T, C)
+
+    def shared_output(self, flat: torch.Tensor, expert_input: torch.Tensor) -> torch.Tensor | None:
+        """What the experts every token goes through add (under TP this rank's partial sum, from `expert_input`, the
+        tokens whose gradient is summed over the group), or None: Qwen2-MoE's sigmoid-gated shared expert here."""
+        if not hasattr(self, "shared_expert"):
+            return None
+        return copy_to_tp(torch.sigmoid(self.shared_expert_gate(flat)), self.tp_comm) * self.shared_expert(expert_input)
 
     def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the top-k weights (N, k): fp32, gpt-oss's in the activations' dtype; the experts chosen (N, k)); records

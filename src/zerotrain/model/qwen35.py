@@ -18,6 +18,9 @@ Packed records (`segments`): the attention layers take the records' mask, the li
 convolution and state at each record's first token (delta_rule.py). Through a KV cache (generation) the attention
 layers append to it; the linear layers keep their convolution's last inputs and their state beside it.
 
+Under tensor parallelism (`plan`, `parallelize`) each rank holds whole heads: the linear layers' key heads and the
+value heads they serve, the attention's heads as Qwen3's (the comment above `linear_plan` gives every split).
+
 Parameter names are transformers' (model.layers.{i}.linear_attn.in_proj_qkv.weight, ...self_attn.q_norm.weight,
 ...mlp.experts.{e}.gate_proj.weight as its files store them): hub/mapping.py's table is the identity.
 """
@@ -32,16 +35,20 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
+from . import moe
 from .attention import attend
-from .decoder import Decoder, no_tp_parallelize, no_tp_plan
+from .decoder import Decoder
 from .delta_rule import causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
-from .llama import LlamaMLP, layer_mask
+from .llama import LlamaMLP, layer_mask, mlp_plan, normalize_heads, parallelize_mlp
 from .moe import MoE
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPSlice, blocks, copy_to_tp,
+                              kv_head_blocks)
+from .vocab import VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,8 +77,10 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.key_width, self.value_width = cfg.linear_key_width, cfg.linear_value_width
+        # this rank's q (and k) and v widths: all heads', or under TP its heads' (parallelize)
         self.key_dim = cfg.linear_key_heads * cfg.linear_key_width
         self.value_dim = cfg.linear_value_heads * cfg.linear_value_width
+        self.tp_comm = None  # under TP: the four input projections share one all-reduce of their input's gradient
         self.eps = cfg.norm_eps
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel, groups=conv_dim, bias=False,
@@ -88,6 +97,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, starts: torch.Tensor | None
                 ) -> torch.Tensor:
         B, T, _ = x.shape
+        x = copy_to_tp(x, self.tp_comm)
         mixed = self.in_proj_qkv(x).transpose(1, 2)
         z = self.in_proj_z(x).reshape(B, T, -1, self.value_width)
         past_inputs, past_state = recurrent_state(cache, layer)
@@ -104,7 +114,8 @@ class GatedDeltaNet(nn.Module):
         y, state = chunk_gated_delta_rule(q, k, v, g, beta, starts, past_state)
         if cache is not None:
             keep_recurrent_state(cache, layer, past_inputs, state)
-        y = gated_rms_norm(y, z, self.norm.weight, self.eps)
+        # under TP each rank normalises its own heads: the replicated gain's gradient is summed over the group
+        y = gated_rms_norm(y, z, copy_to_tp(self.norm.weight, self.tp_comm), self.eps)
         return self.out_proj(y.reshape(B, T, -1))
 
 
@@ -138,6 +149,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         C, D = cfg.n_embd, cfg.head_dim
         self.head_dim = D
+        self.tp_comm = None  # under TP: q, k and v share one all-reduce of their input's gradient (parallelize)
         self.q_proj = nn.Linear(C, cfg.n_head * D * 2, bias=False)
         self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
         self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=False)
@@ -148,9 +160,10 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, documents=None) -> torch.Tensor:
         B, T, _ = x.shape
+        x = copy_to_tp(x, self.tp_comm)
         q, gate = self.q_proj(x).view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        q = normalize_heads(self.q_norm, q, self.tp_comm).transpose(1, 2)
+        k = normalize_heads(self.k_norm, self.k_proj(x).view(B, T, -1, self.head_dim), self.tp_comm).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = partial_rotary(q, *rotary), partial_rotary(k, *rotary)
         y = attend(q, k, v, cache, layer, documents)
@@ -231,5 +244,101 @@ def init_rule(cfg: ModelConfig, name: str):
     return ("normal", 0.02)
 
 
-# no tensor parallelism yet (config refuses --tp above 1)
-plan, parallelize = no_tp_plan, no_tp_parallelize
+# Tensor parallelism (T ranks), by heads. A linear-attention layer: rank r holds key heads r Hk/T .. and the value
+# heads they serve (r Hv/T ..: repeat_interleave's groups of Hv/Hk consecutive value heads per key head), so the delta
+# rule runs on each rank's heads alone. in_proj_qkv stacks q, k and v: the rank takes its heads' rows of each of the
+# three (one TPSlice of three ranges), and the depthwise convolution's channels the same (each channel is one row of
+# in_proj_qkv's output); in_proj_z, in_proj_a, in_proj_b, A_log and dt_bias by value heads; the gated norm's gain
+# (one value head's width, shared by the heads) replicated; out_proj row-parallel over its input columns. An attention
+# layer as Qwen3's: q_proj by heads (each head's query and gate are 2 D consecutive rows: a block of heads keeps them
+# together), k_proj and v_proj by KV heads (replicated past them, as Llama's), o_proj row-parallel, the q/k norms'
+# gains replicated. The MLP (mixture of experts: model/moe.py's), embedding and head as Llama's.
+
+
+def linear_plan(cfg: ModelConfig, tp: int, prefix: str) -> dict[str, TPSlice]:
+    """The TP slices of the linear-attention layer at `prefix` (model.layers.{i}.linear_attn.)."""
+    C, Hv, K = cfg.n_embd, cfg.linear_value_heads, cfg.linear_conv_kernel
+    key, value = cfg.linear_key_heads * cfg.linear_key_width, Hv * cfg.linear_value_width
+    k, v = key // tp, value // tp  # a rank's rows of q (and of k), of v
+    qkv = tuple(((r * k, (r + 1) * k), (key + r * k, key + (r + 1) * k), (2 * key + r * v, 2 * key + (r + 1) * v))
+                for r in range(tp))
+    width = 2 * key + value
+    heads = blocks(Hv // tp, tp)
+    return {prefix + "in_proj_qkv.weight": TPSlice(0, (width, C), qkv),
+            prefix + "conv1d.weight": TPSlice(0, (width, 1, K), qkv),
+            prefix + "in_proj_z.weight": TPSlice(0, (value, C), blocks(v, tp)),
+            prefix + "in_proj_a.weight": TPSlice(0, (Hv, C), heads),
+            prefix + "in_proj_b.weight": TPSlice(0, (Hv, C), heads),
+            prefix + "A_log": TPSlice(0, (Hv,), heads),
+            prefix + "dt_bias": TPSlice(0, (Hv,), heads),
+            prefix + "out_proj.weight": TPSlice(1, (C, value), blocks(v, tp))}
+
+
+def attention_plan(cfg: ModelConfig, tp: int, prefix: str) -> dict[str, TPSlice]:
+    """The TP slices of the gated attention layer at `prefix` (model.layers.{i}.self_attn.)."""
+    C, D = cfg.n_embd, cfg.head_dim
+    q, kv = cfg.n_head * D, cfg.kv_heads * D
+    kv_rows = kv_head_blocks(cfg.kv_heads, D, tp)
+    return {prefix + "q_proj.weight": TPSlice(0, (2 * q, C), blocks(2 * q // tp, tp)),
+            prefix + "k_proj.weight": TPSlice(0, (kv, C), kv_rows),
+            prefix + "v_proj.weight": TPSlice(0, (kv, C), kv_rows),
+            prefix + "o_proj.weight": TPSlice(1, (C, q), blocks(q // tp, tp))}
+
+
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """The TP slice of every split parameter, by its name in the full model."""
+    slices = {}
+    for i in range(cfg.n_layer):
+        h = f"model.layers.{i}."
+        if cfg.linear_attention(i):
+            slices.update(linear_plan(cfg, tp, h + "linear_attn."))
+        else:
+            slices.update(attention_plan(cfg, tp, h + "self_attn."))
+        slices.update(moe.plan(cfg, tp, h + "mlp.") if cfg.has_experts(i) else mlp_plan(cfg, tp, h + "mlp."))
+    if splits_vocab(cfg.vocab_size, tp):
+        slices["model.embed_tokens.weight"] = vocab_slice(cfg.vocab_size, cfg.n_embd, tp)
+        if not cfg.tie_embeddings:
+            slices["lm_head.weight"] = vocab_slice(cfg.vocab_size, cfg.n_embd, tp)
+    return slices
+
+
+def parallelize(model: Qwen35, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place; return the plan. `kv_comm`: the
+    TP ranks holding this rank's KV heads (more TP ranks than KV heads), as llama.parallelize's."""
+    slices = plan(model.cfg, tp_size)
+    for i, block in enumerate(model.model.layers):
+        h = f"model.layers.{i}."
+        if block.linear:
+            parallelize_linear_attention(block.linear_attn, slices, h + "linear_attn.", tp_size, tp_rank, comm)
+        else:
+            attn, a = block.self_attn, h + "self_attn."
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{a}{name}.weight"], None,
+                                                         tp_rank, None, kv_comm if name != "q_proj" else None))
+            attn.o_proj = RowParallelLinear(attn.o_proj, slices[a + "o_proj.weight"], tp_rank, comm)
+            attn.tp_comm = comm
+        if isinstance(block.mlp, MoE):
+            moe.parallelize(block.mlp, slices, h + "mlp.", tp_rank, comm)
+        else:
+            parallelize_mlp(block.mlp, slices, h + "mlp.", tp_rank, comm)
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
+    model.tp_slices = slices
+    return slices
+
+
+def parallelize_linear_attention(layer: GatedDeltaNet, slices: dict[str, TPSlice], prefix: str, tp_size: int,
+                                 rank: int, comm) -> None:
+    """This rank's heads of the linear-attention layer at `prefix`, in place (linear_plan's slices)."""
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
+        setattr(layer, name, ColumnParallelLinear(getattr(layer, name), slices[f"{prefix}{name}.weight"], None,
+                                                  rank, None))
+    layer.conv1d.weight = nn.Parameter(slices[prefix + "conv1d.weight"].take(layer.conv1d.weight.detach(), rank))
+    for name in ("A_log", "dt_bias"):
+        setattr(layer, name, nn.Parameter(slices[prefix + name].take(getattr(layer, name).detach(), rank)))
+    layer.out_proj = RowParallelLinear(layer.out_proj, slices[prefix + "out_proj.weight"], rank, comm)
+    layer.key_dim, layer.value_dim = layer.key_dim // tp_size, layer.value_dim // tp_size
+    layer.tp_comm = comm

@@ -7,18 +7,25 @@ input's next token). The model (Llama.hidden) asks `prepare` once per forward fo
 places in the whole row, or within their record for packed rows) and for the layers' ring, which carries every rank's
 segment ids (gathered once per forward). The loss is each rank's sum over its own tokens over the global token count:
 the reduce-scatter over dp_shard x cp adds the CP ranks' partial gradients, so the step is --cp 1's.
+
+A loss of whole sequences (DPO's, of each sequence's summed log-prob; GRPO's, of each completion's tokens) is not a
+sum over tokens: each rank makes its part's figures whole (sum_over_parts: the per-row sums all-reduced; whole_rows:
+the per-token figures all-gathered), each gradient-carrying with this rank's part of the gradient backward, and every
+rank of the group computes the same loss, counted once (counted_once). Its gradient on each rank is then the whole
+loss's with respect to that rank's tokens, and the reduce-scatter adds them up as for the token loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from zerotrain.data.batches import MicroBatch
-from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes
+from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, rotary_bases
 from zerotrain.model.attention import RingAttention
-from zerotrain.model.tensor_parallel import kv_heads_per_rank
+from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
 from .comm import Comm
 from .ring_attention import gather_segments, ring_attention, rotary_positions, zigzag_split, zigzag_unsplit
 
@@ -54,6 +61,35 @@ class ContextParallel:
         experts' routing counts for its balancing loss: model.moe.balancing_loss's whole_rows)."""
         return self.comm.all_reduce(x.contiguous(), "all_reduce_row_parts")
 
+    def sum_over_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`, sums over this rank's part of each row (DPO's sequence log-probs and token counts, [2, rows]), summed
+        over the cp group: the whole rows', with their gradient (one all-reduce forward; backward each rank's part
+        takes the whole sums' gradient, nothing sent: every rank computes the same loss of them)."""
+        return ReduceFromTP.apply(x, self.comm, "all_reduce_sequence_parts")
+
+    def whole_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (B, T / C), a figure of each of this rank's tokens (GRPO's log-probs), as the whole rows' (B, T): every
+        rank's part all-gathered in place (zigzag_unsplit), with its gradient (backward: this rank's part of it)."""
+        return _WholeRows.apply(x, self)
+
+    def counted_once(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`, a figure every rank of the group computed whole (a loss of whole sequences), on the group's first rank
+        and 0 on the others, so that the step's all-reduce counts it once (as TP's first rank; NaN stays NaN)."""
+        return x * (self.rank == 0)
+
+
+class _WholeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        parts = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))  # rank r's part: rows r B to (r + 1) B
+        cp.comm.all_gather(parts, x.contiguous(), "all_gather_row_parts")
+        return zigzag_unsplit(list(parts.chunk(cp.size)), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.cp.row_part(grad).contiguous(), None
+
 
 def context_parallel(mesh) -> ContextParallel | None:
     """The mesh's context parallelism, None at cp 1."""
@@ -62,12 +98,13 @@ def context_parallel(mesh) -> ContextParallel | None:
 
 class ContextParallelRows:
     """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
-    (every block's, the embedding's, the head's and the loss's), without the records' T x T mask (each hop builds its
-    block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64) and, for packed
-    rows, rotary tables per row (their positions differ by row). The ring's buffers in flight are the communication
-    row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
-    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group.
-    Each row is the difference from the whole row's, which the plan counts first."""
+    (every block's, the embedding's, the head's and the loss's), without the records' or the window's T x T mask (each
+    hop builds its block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64)
+    and, for packed rows, rotary tables per row (their positions differ by row; Gemma 3's two bases). The ring's
+    buffers in flight are the communication row's: at most, in a layer's backward, the next hop's k and v, the
+    gradients of k and v being summed and those arriving (fp32), and the fused kernel's k and v gradients per query
+    head before they are summed over the group. Each row is the difference from the whole row's, which the plan counts
+    first."""
 
     def __init__(self, cp: int):
         self.cp = cp
@@ -78,12 +115,16 @@ class ContextParallelRows:
         common = dict(tp=p.tp, precision=p.precision, recompute=p.activation_checkpointing, device=cfg.launch.device,
                       objective=cfg.objective.method)
         whole = activation_bytes(m, B, T, documents=documents, **common)
-        part = activation_bytes(m, B, T // C, **common)  # the ring takes no mask
+        # the ring takes no mask, a sliding window's neither (each hop masks its block and drops it): the window
+        # lifted to the row, the sliding layers still sliding (Gemma 3's local rotary tables)
+        ring_model = dataclasses.replace(m, sliding_window=T) if m.sliding_window else m
+        part = activation_bytes(ring_model, B, T // C, **common)
         held = part["total"]
         if documents:
             held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
             if p.activation_checkpointing == "none" and p.precision == "fp32":  # the rotations' fp32 cos and sin
-                held += (B - 1) * (T // C) * m.head_dim * 4 * 2
+                windows = [m.sliding_window if m.sliding(layer) else 0 for layer in range(m.n_layer)]
+                held += (B - 1) * (T // C) * m.head_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
         kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
         ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
         # where the activations wait for the backward: with --offload-activations the host row (memory_plan's

@@ -12,6 +12,11 @@ of every rank's tokens (gather_segments, once per forward) restrict each query t
 hop, so a record split over ranks still attends only to itself. GQA: fewer KV heads travel; each serves its group
 of query heads.
 
+A sliding window W (Mistral's, Gemma 3's local layers: query position p sees keys p - W < s <= p) is decided per
+block from the chunks' places in the row, on the host: a block whose every query-key distance is W or more is skipped
+(its keys and values still travel on), one whose farthest causal pair is nearer than W is computed as without a
+window, and one in between is masked by its queries' and keys' positions in the row (window_reach).
+
 Each hop gives its block's output and log-sum-exp; out and lse of the rows merge as
   lse' = logaddexp(lse, lse_h),  out' = out exp(lse - lse') + out_h exp(lse_h - lse'),
 which is softmax over the union of the keys. The backward is an autograd.Function of its own (as FlashAttention's):
@@ -91,6 +96,38 @@ def hop_blocks(rank: int, source: int, chunk: int) -> tuple[slice, slice, bool] 
     if source < rank:
         return slice(0, 2 * chunk), slice(0, chunk), False
     return slice(chunk, 2 * chunk), slice(0, 2 * chunk), False
+
+
+def chunk_starts(rank: int, cp: int, chunk: int, part: slice) -> list[int]:
+    """The row positions at which the chunks of rank `rank`'s local indices `part` (whole chunks of `chunk`) start."""
+    starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)
+    return [starts[i] for i in range(part.start // chunk, part.stop // chunk)]
+
+
+def window_reach(rank: int, source: int, rows: slice, keys: slice, chunk: int, cp: int, window: int) -> str:
+    """How a sliding `window` bears on the block of rank `rank`'s query `rows` over rank `source`'s `keys` (local
+    indices, whole chunks): "outside" (no query sees any of the keys within the window: the block is skipped),
+    "inside" (every query sees every earlier key: the window changes nothing) or "partial". Host arithmetic on the
+    chunks' starts: a query chunk at q and a key chunk at k differ by q - k - (chunk - 1) to q - k + chunk - 1."""
+    if not window:
+        return "inside"
+    pairs = [(q - k - (chunk - 1), q - k + chunk - 1) for q in chunk_starts(rank, cp, chunk, rows)
+             for k in chunk_starts(source, cp, chunk, keys)]
+    if all(far < window for _, far in pairs):
+        return "inside"
+    if not any(far >= 0 and near < window for near, far in pairs):
+        return "outside"
+    return "partial"
+
+
+def window_mask(rank: int, source: int, rows: slice, keys: slice, chunk: int, cp: int, window: int,
+                device: torch.device) -> torch.Tensor:
+    """(tq, tk): which of the block's keys each query sees, causal and within `window`, from their row positions."""
+    def positions(r: int, part: slice) -> torch.Tensor:
+        return torch.cat([torch.arange(s, s + chunk, device=device) for s in chunk_starts(r, cp, chunk, part)])
+
+    distance = positions(rank, rows)[:, None] - positions(source, keys)[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def allowed_keys(segments_q: torch.Tensor | None, segments_k: torch.Tensor | None, causal: bool,
@@ -227,7 +264,7 @@ def _wait(works) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, documents, group, scale):
+    def forward(ctx, q, k, v, documents, group, scale, window):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         T, KV = q.shape[2], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -239,24 +276,24 @@ class _RingAttention(torch.autograd.Function):
             source = (me - hop) % cp
             if hop < cp - 1:  # the next hop's keys and values travel while this hop computes
                 following, works = pass_around(kv, group, TAG_KV)
-            block = hop_blocks(me, source, T // 2)
+            block = _hop(me, source, T // 2, cp, window)
             if block is not None:
-                rows, keys, causal = block
+                rows, keys, causal, reach = block
                 kk, vv = (t[:, :, keys].to(acc) for t in kv)
-                allowed = _allowed(documents, me, source, rows, keys, causal, q.device)
+                allowed = _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp)
                 out_h, lse_h = _hop_forward(qa[:, :, rows], kk, vv, allowed, causal, scale)
                 merge(_grouped(out[:, :, rows], KV), _grouped(lse[:, :, rows], KV), out_h, lse_h)
             if hop < cp - 1:
                 _wait(works)
                 kv = following
         ctx.save_for_backward(q, k, v, out, lse, documents)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.window = group, scale, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, documents = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, window = ctx.group, ctx.scale, ctx.window
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         T, KV = q.shape[2], k.shape[1]
         acc = lse.dtype
@@ -268,11 +305,11 @@ class _RingAttention(torch.autograd.Function):
             if hop < cp - 1:
                 following, works = pass_around(kv, group, TAG_KV)
             dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-            block = hop_blocks(me, source, T // 2)
+            block = _hop(me, source, T // 2, cp, window)
             if block is not None:
-                rows, keys, causal = block
+                rows, keys, causal, reach = block
                 kk, vv = (t[:, :, keys].to(acc) for t in kv)
-                allowed = _allowed(documents, me, source, rows, keys, causal, q.device)
+                allowed = _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp)
                 dq_h, dk_h, dv_h = _hop_backward(qa[:, :, rows], kk, vv, dout[:, :, rows], out[:, :, rows],
                                                  lse[:, :, rows], allowed, causal, scale)
                 _grouped(dq[:, :, rows], KV).add_(dq_h)
@@ -289,25 +326,42 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:
             _wait(arriving[1])
             dkv = arriving[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _allowed(documents, me, source, rows, keys, causal, device):
+def _hop(me, source, chunk, cp, window):
+    """hop_blocks' (rows, keys, causal) with the window's reach over them, None where nothing is computed."""
+    block = hop_blocks(me, source, chunk)
+    if block is None:
+        return None
+    reach = window_reach(me, source, block[0], block[1], chunk, cp, window)
+    return None if reach == "outside" else (*block, reach)
+
+
+def _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp):
+    """Where the block's queries see its keys (allowed_keys), with a window that bears on part of it (window_reach's
+    "partial") as one more mask: then causal by the row's positions, for each row of the batch."""
+    tq, tk = rows.stop - rows.start, keys.stop - keys.start
     segments_q = documents[me][:, rows] if documents is not None else None
     segments_k = documents[source][:, keys] if documents is not None else None
-    return allowed_keys(segments_q, segments_k, causal, rows.stop - rows.start, keys.stop - keys.start, device)
+    allowed = allowed_keys(segments_q, segments_k, causal, tq, tk, q.device)
+    if reach != "partial":
+        return allowed
+    within = window_mask(me, source, rows, keys, q.shape[2] // 2, cp, window, q.device)
+    return within.expand(q.shape[0], 1, tq, tk) if allowed is None else allowed & within
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None,
-                   documents: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's queries q (B, H, T/C, D) over the whole row's keys and values, of which this
     rank holds k and v (B, KV, T/C, D), KV dividing H; every rank of `group` (C ranks, the ring) calls it with its
     zig-zag part (zigzag_split). `documents` (C, B, T/C): every rank's segment ids (gather_segments), for packed
-    records; None: one document per row. `scale`: the scores' factor (None: 1 / sqrt(D)). Returns this rank's
-    output (B, H, T/C, D), in zig-zag order as q."""
+    records; None: one document per row. `scale`: the scores' factor (None: 1 / sqrt(D)). `window`: each query sees
+    at most this many keys, its own included (0: all; window_reach). Returns this rank's output (B, H, T/C, D), in
+    zig-zag order as q."""
     if q.shape[2] % 2:
         raise ValueError(f"a rank's {q.shape[2]} tokens are not two equal chunks (zigzag_split's)")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} KV heads do not divide {q.shape[1]} query heads")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), documents, group, scale)
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), documents, group, scale, window)

@@ -26,6 +26,13 @@ One step, on every rank:
 With --grpo-iterations MU > 1 a generation is trained on for MU steps: the generating policy's log-probs (old) are
 scored once, before the first, and each step's ratio is to them (TRL's num_iterations).
 
+With --cp C generation is not split (the KV cache's forwards run whole on every rank, and a DP rank's CP ranks draw
+the same completions, as its TP ranks do); the loss's forwards are: each row of a micro-batch split over the C ranks
+as SFT's rows are (parallel/context.py), each rank's head gives its part's token log-probs and entropies, and one
+all-gather over the cp group makes them the whole rows' (ContextParallel.whole_rows, whose backward keeps this rank's
+part of the gradient), for the policy, the reference and the generating policy alike. Every rank of the group then
+computes the same loss and figures, counted once (counted_once).
+
 The loss hovers around 0 and changes sign: the guard judges it with no chance loss and no ratio test (NaN and
 non-finite gradients are still refused).
 """
@@ -49,6 +56,7 @@ from zerotrain.errors import InvariantError
 from zerotrain.model.generate import sample_completions, until_stop
 from zerotrain.model.lora import adapters_off
 from zerotrain.model.loss import head_loss
+from zerotrain.parallel.context import context_parallel
 
 from . import grpo_loss as gl
 from . import reference_model, rewards
@@ -156,6 +164,7 @@ class GroupRelative:
         self.writer: RolloutWriter | None = None
         self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
         self.generated: tuple[int, list] | None = None  # (generation, this rank's rollouts) kept for MU steps
+        self.cp = None  # --cp: parallel/context.py's ContextParallel (the loss's rows split over the cp group)
         tok = record_tokenizer(cfg.checkpoint.init_from)
         self.tokenizer = tok
         # TRL's: the tokenizer's end of text and the model's generation eos ids end a completion
@@ -171,6 +180,7 @@ class GroupRelative:
                                self.o.max_completion_length)
         source = PromptSource(prompts, cfg.loop.seed, cfg.global_batch // self.o.num_generations,
                               f"--data {cfg.data.source}")
+        self.cp = context_parallel(mesh)
         return PromptSchedule(source, num_generations=self.o.num_generations, iterations=self.o.grpo_iterations,
                               micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum, rank=mesh.dp_rank,
                               world_size=mesh.dp_size)
@@ -217,6 +227,15 @@ class GroupRelative:
     def extras(self) -> torch.Tensor:
         return self.stats.cpu()
 
+    def token_logps(self, model, micro: MicroBatch, recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target token's log-prob at --temperature and the entropy there, (rows, T) each, under `model`; at --cp
+        `micro` is this rank's part of the rows, and both are gathered whole (the log-probs with their gradient)."""
+        logps, entropy = head_loss(model, micro.inputs, micro.labels, completion_logps(self.o.temperature),
+                                   recompute)
+        if self.cp is None:
+            return logps, entropy
+        return self.cp.whole_rows(logps), self.cp.whole_rows(entropy)
+
     # ------------------------------------------------------------------ the step
 
     def accumulate(self, engine, batch: GroupBatch, forward=None, loss_factor: float = 1.0,
@@ -233,17 +252,14 @@ class GroupRelative:
             with torch.no_grad():
                 for chunk in micro_batches:
                     micro = self.group_micro(engine, chunk, reference=False)
-                    logps = head_loss(engine.model, micro.micro.inputs, micro.micro.labels,
-                                      completion_logps(o.temperature), False)[0]
-                    old = logps.gather(1, micro.positions).detach()
+                    old = self.token_logps(engine.model, micro.micro)[0].gather(1, micro.positions).detach()
                     for row, rollout in zip(old, chunk):
                         rollout["old"] = row
         batch.normaliser, batch.global_tokens, batch.figures = self.step_figures(engine)
         recompute = getattr(engine.model, "recompute_head", False)
-        scorer = completion_logps(o.temperature)
 
         def scored(model, group: GroupMicro):
-            return head_loss(model, group.micro.inputs, group.micro.labels, scorer, recompute)
+            return self.token_logps(model, group.micro, recompute)
 
         def loss(group: GroupMicro, out) -> MicroLoss:
             token_logps, entropy = out
@@ -268,16 +284,21 @@ class GroupRelative:
 
         totals = run_micro_batches(engine, micros(), len(micro_batches), scored, loss, batch.normaliser, model=forward,
                                    loss_factor=loss_factor, saved=saved)
-        self.stats = totals.metrics
-        return totals.loss_sum
+        self.stats, loss_sum = totals.metrics, totals.loss_sum
+        if self.cp is not None:  # every rank of the cp group computed the same loss of the whole rows
+            self.stats, loss_sum = self.cp.counted_once(self.stats), self.cp.counted_once(loss_sum)
+        return loss_sum
 
     def group_micro(self, engine, chunk: list[dict], reference: bool = True) -> GroupMicro:
         """A micro-batch of rollouts on the device, with the reference's log-probs when --grpo-beta > 0 and
         `reference` (scored before the policy's forward: at ZeRO-3 the copy's units and the policy's are never whole
-        together; with LoRA, by the policy with its adapters off)."""
+        together; with LoRA, by the policy with its adapters off). At --cp the rows are this rank's part of each, the
+        positions and the rest the whole rows'."""
         o, device = self.o, engine.device
         micro, positions = rows_of([r["prompt_ids"] for r in chunk], [r["completion_ids"] for r in chunk],
                                    self.cfg.model.seq_len, o.max_completion_length, device)
+        if self.cp is not None:
+            micro = self.cp.part(micro)
         mask = torch.tensor([r["mask"] for r in chunk], dtype=torch.int64, device=device)
         advantages = torch.tensor([r["advantage"] for r in chunk], dtype=torch.float32, device=device)
         old = torch.stack([r["old"] for r in chunk]) if chunk[0].get("old") is not None else None
@@ -289,12 +310,11 @@ class GroupRelative:
     def reference_logps(self, engine, micro: MicroBatch) -> torch.Tensor:
         """The initial model's log-prob of each target token (B, T): the frozen copy's, or with LoRA the base's (the
         engine's model with its adapters off)."""
-        scorer = completion_logps(self.o.temperature)
         if self.reference_model is not None:
             with torch.no_grad():
-                return head_loss(self.reference_model.model, micro.inputs, micro.labels, scorer, False)[0]
+                return self.token_logps(self.reference_model.model, micro)[0]
         with torch.no_grad(), adapters_off(engine.model):
-            return head_loss(engine.model, micro.inputs, micro.labels, scorer, False)[0]
+            return self.token_logps(engine.model, micro)[0]
 
     def rollouts(self, engine, batch: GroupBatch) -> list[dict]:
         """This rank's G completions of each of its prompts, scored, with their advantages over the global batch; rank

@@ -53,6 +53,7 @@ ranks differ by their DP rank (which rows their owned ranges cut) and by the blo
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -71,7 +72,7 @@ from zerotrain.hub import base_digest
 from zerotrain.parallel.parts import Placement, parts_for
 from zerotrain.parallel.units import frozen_layout_of
 
-from .memory_plan import STATE, MemoryPlan, memory_plan, planned_layouts
+from .memory_plan import STATE, MemoryPlan, PlannedModel, memory_plan, planned_layouts
 
 HF_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained max_shard_size default: the files a model folder has
 FILE_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
@@ -114,14 +115,16 @@ class IOPlan:
                 "init_from": self.init_from, "resume_by_ranges": self.resume_by_ranges}
 
 
-def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | None = None) -> IOPlan:
+def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | None = None,
+            planned: PlannedModel | None = None) -> IOPlan:
     """What each rank of `cfg`'s run reads, writes and holds by phase (module docstring), on --nproc ranks or
-    `world_size`; `memory`: the run's memory plan, where the caller has it already."""
+    `world_size`; `memory`: the run's memory plan, `planned`: its planned_layouts, where the caller has them already."""
     p, tp = cfg.parallel, cfg.parallel.tp
     world = world_size or cfg.launch.nproc
     dp = world // tp
     # as the memory plan lays the model out; with --ep DP rank d is replica d // E of EP rank d mod E
-    local, shapes, L, experts = planned_layouts(cfg, dp)
+    planned = planned or planned_layouts(cfg, dp)
+    local, shapes, L, experts = planned
     parts = parts_for(cfg)
     place, E = parts.placement, p.ep
     S = parts.shard_ranks(dp)  # with --dp-replicate R: DP rank d holds what d mod S of replica group 0 does
@@ -129,7 +132,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     # add_adapters, from their own seed, not read); stage 3 shards the base in a layout of its own
     source = frozen_layout_of(local, S, p.bucket_numel) if cfg.lora.rank else L
     esize = file_dtype_bytes(cfg)
-    memory = memory or memory_plan(cfg, world_size=world)
+    memory = memory or memory_plan(cfg, world_size=world, planned=planned)
     state = sum(memory.rows[k] for k in STATE)
     shard_file = shard_file_bytes(L.shard_numel, experts.shard_numel if experts is not None else 0)
     hashed = hashed_bytes(cfg, shapes, esize, world)
@@ -138,12 +141,16 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
     copied_read = [sum(dict(copied)[n] for n in names) for names in share_by_size(copied, world)]
     copied_written = sum(size for _, size in copied)
     resumed = resume_by_ranges(cfg, L, experts, shard_file, copied, world) if S < dp else None
+    # ranks with one DP rank in their replica group (TP ranks, replica groups) read the same rows, and so do the DP
+    # ranks of one expert replica: each read counted once (DeepSeek-V3 on 256 ranks at --ep 32: 264 counts, not 512)
+    source_rows = functools.cache(lambda d: place.read_rows(source, d))
+    expert_rows = functools.cache(lambda q: place.read_rows(experts, q))
     ranks = []
     for rank in range(world):
         d = rank // tp % S  # its DP rank within its replica group
-        rows = place.read_rows(source, d)  # the placement's: its owned ranges' rows, or its TP slices
+        rows = source_rows(d)  # the placement's: its owned ranges' rows, or its TP slices
         if experts is not None:  # and its block of experts, its owned ranges of them at stage 3
-            rows += place.read_rows(experts, d // E)
+            rows = rows + expert_rows(d // E)
         largest = max((r for r, _ in rows), default=0) * (esize + 4)  # read in the file's dtype, then fp32
         writes = parts.writes_shard(rank // tp, dp)  # with --dp-replicate R, replica group 0's ranks
         ranks.append(RankIO(rank, sum(r for r, _ in rows) * esize, sum(v for _, v in rows), hashed[rank], headers,

@@ -97,6 +97,7 @@ make it fit, in order of cost (HOLDS_LESS), each planned by memory_plan with tha
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -108,7 +109,7 @@ from zerotrain.config import LORA_EXPERTS, REFERENCE_FREE, Config, validate
 from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
-from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, explicit_scores
+from zerotrain.model.activation_memory import APPROXIMATE, FP32, INDEX, activation_bytes, explicit_scores
 from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
@@ -160,6 +161,7 @@ class MemoryPlan:
     # bytes a rank sends a step by purpose (Comm's names), of what the parts beyond ZeRO add: with --dp-replicate R
     # the all-reduce of each gradient shard across the replica groups, once a step at any accumulation
     traffic: dict[str, int] = field(default_factory=dict)
+    approximate: str = ""  # what the activation rows leave out, for a family they count as a Llama (APPROXIMATE)
 
     @property
     def total(self) -> int:
@@ -171,7 +173,8 @@ class MemoryPlan:
                    and k != "kv_cache") + beside
 
     def summary(self) -> str:
-        return f"plan {gib(self.total)} per rank (zerotrain plan)"
+        approximate = f"; its activations approximate: {self.approximate}" if self.approximate else ""
+        return f"plan {gib(self.total)} per rank (zerotrain plan{approximate})"
 
 
 def gib(n: float) -> str:
@@ -181,10 +184,11 @@ def gib(n: float) -> str:
 
 
 def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | None = None,
-                documents: bool = False) -> MemoryPlan:
+                documents: bool = False, planned: PlannedModel | None = None) -> MemoryPlan:
     """What a rank of `cfg`'s run will hold (rank 0's figures; the state is every rank's), on --nproc ranks or
     `world_size`, with --micro-batch sequences or `micro_batch`; `documents`: its micro-batches carry segments
-    (packed records), whose attention mask the activations then count."""
+    (packed records), whose attention mask the activations then count; `planned`: planned_layouts' answer for this
+    run, where the caller has it already (a huge model's build takes seconds: DeepSeek-V3-671B's 8-9 s)."""
     p, tp = cfg.parallel, cfg.parallel.tp
     parts = parts_for(cfg)  # each part answers for its own rows; the plan adds them up
     place = parts.placement
@@ -192,7 +196,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     S = parts.shard_ranks(dp)  # the ranks the state is sharded over: with --dp-replicate R, a replica group's
     B = micro_batch or cfg.loop.micro_batch
     sequences = 2 * B if cfg.objective.method == "dpo" else B  # a micro-batch of B pairs is 2B sequences
-    model, _, L, experts = planned_layouts(cfg, dp)
+    model, _, L, experts = planned or planned_layouts(cfg, dp)
     psize = 2 if p.precision == "bf16" else 4
     padded, shard = L.padded_numel, L.shard_numel
     # with --ep the units' experts are the expert engine's buckets, whole with the rest
@@ -234,7 +238,8 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         rows[key] += value
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
     traffic = parts.traffic([L] + ([experts] if experts is not None else []))
-    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most, p.dp_replicate, traffic)
+    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most, p.dp_replicate, traffic,
+                      APPROXIMATE.get(cfg.model.arch, ""))
 
 
 def activation_rows(cfg: Config, saved: int) -> dict[str, int]:
@@ -253,6 +258,11 @@ class PlannedModel(NamedTuple):
     full_shapes: dict[str, tuple[int, ...]]  # each parameter's shape in the full model, before the TP split
     layout: ShardLayout  # the flat layout over the DP ranks (with --ep: of the parameters that are not experts)
     experts: ShardLayout | None  # --ep E: the expert engine's, EP rank 0's block over its replica group of DP / E
+
+    @property
+    def parameters(self) -> int:
+        """The full model's parameters (a tied head counted once): model.param_count, without building it again."""
+        return sum(math.prod(shape) for shape in self.full_shapes.values())
 
 
 def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
@@ -544,13 +554,15 @@ def chain_of_inputs(groups, linears: list, needs_grad: bool, rows: int, size: in
     return extra, needs_grad
 
 
-def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False) -> int:
-    """The largest micro-batch whose plan fits in `device_bytes` (0 if not even 1 does)."""
-    fixed = memory_plan(cfg, 1, documents=documents)
+def largest_micro_batch(cfg: Config, device_bytes: int, limit: int = 1 << 16, documents: bool = False,
+                        planned: PlannedModel | None = None) -> int:
+    """The largest micro-batch whose plan fits in `device_bytes` (0 if not even 1 does); `planned`: as memory_plan's."""
+    planned = planned or planned_layouts(cfg, cfg.launch.nproc // cfg.parallel.tp)
+    fixed = memory_plan(cfg, 1, documents=documents, planned=planned)
     if fixed.total > device_bytes:
         return 0
     # A LoRA run's adapters change what is saved (adapter_activations), from the model the plan builds
-    model = planned_layouts(cfg, cfg.launch.nproc // cfg.parallel.tp).model if cfg.lora.rank else None
+    model = planned.model if cfg.lora.rank else None
     base = fixed.total - micro_batch_bytes(cfg, 1, documents, model)
     lo, hi = 1, limit
     while lo < hi:  # activations grow with the micro-batch: bisect
@@ -627,15 +639,17 @@ class FitAdvice:
                 "together": vars(self.together) if self.together else None}
 
 
-def fit_advice(cfg: Config, device_bytes: int, documents: bool = False) -> FitAdvice | None:
+def fit_advice(cfg: Config, device_bytes: int, documents: bool = False,
+               planned: PlannedModel | None = None) -> FitAdvice | None:
     """None where `cfg`'s plan fits in `device_bytes`; else which part does not (the state and its buffers alone, the
     activations at micro-batch 1, or at the run's micro-batch) and each setting of HOLDS_LESS that makes it fit,
-    every figure a plan of the run with that setting changed."""
+    every figure a plan of the run with that setting changed; `planned`: as memory_plan's."""
     B = cfg.loop.micro_batch
-    plan = memory_plan(cfg, documents=documents)
+    planned = planned or planned_layouts(cfg, cfg.launch.nproc // cfg.parallel.tp)
+    plan = memory_plan(cfg, documents=documents, planned=planned)
     if plan.total <= device_bytes:
         return None
-    one = memory_plan(cfg, 1, documents=documents)
+    one = memory_plan(cfg, 1, documents=documents, planned=planned)
     state = one.total - one.rows["activations"] - one.rows["loss_working_set"]
     at_one = one.total - state
     activations = plan.rows["activations"] + plan.rows["loss_working_set"]
@@ -650,14 +664,16 @@ def fit_advice(cfg: Config, device_bytes: int, documents: bool = False) -> FitAd
                  f"{room}")
 
     def remedy(changed: Config, flags: str, cost: str) -> Remedy | None:
-        fits = largest_micro_batch(changed, device_bytes, documents=documents)
-        return Remedy(flags, cost, memory_plan(changed, documents=documents).total, fits) if fits else None
+        mine = planned_layouts(changed, changed.launch.nproc // changed.parallel.tp)  # built once for both
+        fits = largest_micro_batch(changed, device_bytes, documents=documents, planned=mine)
+        return Remedy(flags, cost, memory_plan(changed, documents=documents, planned=mine).total, fits) if fits \
+            else None
 
     remedies = []
-    smaller = largest_micro_batch(cfg, device_bytes, documents=documents)
+    smaller = largest_micro_batch(cfg, device_bytes, documents=documents, planned=planned)
     if smaller:
         remedies.append(Remedy(f"--micro-batch {smaller}", "the same batch in more micro-batches (raise --accum)",
-                               memory_plan(cfg, smaller, documents=documents).total, smaller))
+                               memory_plan(cfg, smaller, documents=documents, planned=planned).total, smaller))
     for flag, section, name, values, cost in HOLDS_LESS:
         for value in _values_beyond(cfg, section, name, values):
             changed = _changed(cfg, section, name, value)

@@ -32,6 +32,12 @@ the head's log-probs as the precomputed reference does, so live and precomputed 
 With --eval-every, held-out pairs (--val-data, or --data's records that --val-fraction sets aside) are scored against
 the same reference: their log-probs are scored with the training pairs' and stored after them (pair n + j), and each
 validation scores every held-out pair once, each replica its share, every rank the same number of forwards.
+
+With --cp C each row of a pair is split over the C ranks of its replica as SFT's rows are (parallel/context.py: the
+schedule and the reference's and validation's shares keep this rank's zig-zag part): each rank's head sums the
+log-probs (and counts the tokens) of its part of each row, and one all-reduce over the cp group per forward makes them
+the whole sequences' (sum_over_parts, which carries the gradient back to every part), policy and live reference
+alike; every rank of the group then computes the same pair losses and figures, which it counts once (counted_once).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from zerotrain.errors import ConfigError
 from zerotrain.hub.base_digest import first_difference, shown, tagged_digests
 from zerotrain.model.loss import TokenLogpsLoss, head_loss
 from zerotrain.model.lora import adapters_off
+from zerotrain.parallel.context import context_parallel
 
 from . import reference_model
 from .executor import LOSS_SUM_DTYPE, Micro, MicroLoss, run_micro_batches
@@ -129,10 +136,22 @@ class Preference:
         self.stats = torch.zeros(len(STATS), dtype=LOSS_SUM_DTYPE)
         self.source: PreferenceSource | None = None
         self.held_out: PreferenceSource | None = None  # --eval-every's pairs: their reference follows the training's
+        self.cp = None  # --cp: parallel/context.py's ContextParallel (each row split over the cp group)
 
     def all_pairs(self) -> list:
         """The pairs the reference scores: the training pairs, then the held-out ones (their index: n + j)."""
         return self.source.pairs + (self.held_out.pairs if self.held_out else [])
+
+    def pair_logps(self, model, micro: MicroBatch, recompute: bool = False) -> torch.Tensor:
+        """[2, rows]: each row's summed log-prob and token count under `model` (head_loss with sequence_logps); at
+        --cp the whole rows', summed over the parts on the cp group (with the gradient back to this rank's part)."""
+        logps = head_loss(model, micro.inputs, micro.labels, sequence_logps, recompute)
+        return logps if self.cp is None else self.cp.sum_over_parts(logps)
+
+    def counted(self, x: torch.Tensor) -> torch.Tensor:
+        """A sum of whole pairs' figures as the step's and the validation's all-reduces count it: at --cp once per
+        group (each rank computed the same)."""
+        return x if self.cp is None else self.cp.counted_once(x)
 
     @property
     def precomputed(self) -> bool:
@@ -157,8 +176,9 @@ class Preference:
             self.held_out = PreferenceSource(held, held_counts, seq, cfg.loop.seed, len(held), "validation")
             where = f"--val-data {d.val_data}" if d.val_data else f"--val-fraction {d.val_fraction:g} of --data"
             self.source.held_out = f"validation on {held_counts.describe()} from {where}"
+        self.cp = context_parallel(mesh)  # --cp: the replica's pairs, this rank's part of each row
         return PreferenceSchedule(self.source, micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
-                                  rank=mesh.dp_rank, world_size=mesh.dp_size)
+                                  rank=mesh.dp_rank, world_size=mesh.dp_size, part=self.cp.part if self.cp else None)
 
     def validation_source(self) -> PreferenceSource | None:
         return self.held_out
@@ -249,15 +269,14 @@ class Preference:
         forwards = 0
         for source, offset in [(self.source, 0)] + ([(self.held_out, n)] if self.held_out else []):
             for ids, real, micro in self.shares(engine, source):
-                logps = head_loss(engine.model, micro.inputs, micro.labels, sequence_logps, False)[0]
-                logps = logps.view(2, len(ids)).t().cpu()
+                logps = self.pair_logps(engine.model, micro)[0].view(2, len(ids)).t().cpu()
                 for b in real:
                     out[offset + ids[b]] = logps[b].to(torch.float64)
                 forwards += 1
                 if faults is not None:
                     faults.in_reference_pass(forwards)
-        if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs: the first one's count
-            out.zero_()
+        if mesh.tp_rank != 0 or mesh.cp_rank != 0:  # the TP and CP ranks of a replica scored the same pairs: the
+            out.zero_()  # first one's count
         return mesh.world.all_reduce(out.to(mesh.world.device), "all_reduce_reference").cpu()
 
     def shares(self, engine, source: PreferenceSource):
@@ -269,7 +288,8 @@ class Preference:
             first = (f * mesh.dp_size + mesh.dp_rank) * B
             ids = [j if j < n else 0 for j in range(first, first + B)]
             real = [b for b in range(B) if first + b < n]
-            yield ids, real, next(iter(on_device([source.rows(ids)], engine.device)))
+            rows = source.rows(ids)
+            yield ids, real, next(iter(on_device([self.cp.part(rows) if self.cp else rows], engine.device)))
 
     @torch.no_grad()
     def validate(self, engine, source: PreferenceSource) -> dict:
@@ -279,7 +299,7 @@ class Preference:
         mesh, offset = engine.mesh, len(self.source.pairs)
         sums = torch.zeros(1 + len(STATS), dtype=LOSS_SUM_DTYPE)
         for ids, real, micro in self.shares(engine, source):
-            logps = head_loss(engine.model, micro.inputs, micro.labels, sequence_logps, False)
+            logps = self.pair_logps(engine.model, micro)
             policy, counts = logps[0].view(2, len(ids)), logps[1].view(2, len(ids))
             reference = self.reference_of(engine, engine.model, micro, [offset + j for j in ids])
             losses, chosen, rejected = pair_losses(self.o, policy, reference, counts)
@@ -287,7 +307,7 @@ class Preference:
             policy, losses, chosen, rejected = (t.cpu().index_select(-1, keep) for t in (policy, losses, chosen,
                                                                                          rejected))
             sums += torch.cat([losses.sum().to(LOSS_SUM_DTYPE).view(1), pair_stats(policy, chosen, rejected)])
-        if mesh.tp_rank != 0:  # the TP ranks of a replica scored the same pairs
+        if mesh.tp_rank != 0 or mesh.cp_rank != 0:  # the TP and CP ranks of a replica scored the same pairs
             sums.zero_()
         totals = mesh.world.all_reduce(sums.to(mesh.world.device), "all_reduce_eval").cpu().tolist()
         n = len(source.pairs)
@@ -309,7 +329,7 @@ class Preference:
         recompute = getattr(engine.model, "recompute_head", False)
 
         def scored(model, pairs: PairMicro) -> torch.Tensor:
-            return head_loss(model, pairs.micro.inputs, pairs.micro.labels, sequence_logps, recompute)
+            return self.pair_logps(model, pairs.micro, recompute)
 
         def loss(pairs: PairMicro, logps: torch.Tensor) -> MicroLoss:
             B = len(pairs.ids)
@@ -320,8 +340,8 @@ class Preference:
         totals = run_micro_batches(engine, self.micro_batches(engine, batch, forward), len(batch.micro_batches),
                                    scored, loss, batch.global_pairs, model=forward, loss_factor=loss_factor,
                                    saved=saved)
-        self.stats = totals.metrics
-        return totals.loss_sum
+        self.stats = self.counted(totals.metrics)
+        return self.counted(totals.loss_sum)
 
     def micro_batches(self, engine, batch: PairBatch, forward=None):
         """This rank's micro-batches of pairs on the device, each with its rows' places in the global batch and the
@@ -345,10 +365,9 @@ class Preference:
             return None
         if self.reference_model is not None:  # full fine-tuning: the frozen copy of the initial policy
             with torch.no_grad():
-                return head_loss(self.reference_model.model, micro.inputs, micro.labels, sequence_logps,
-                                 False)[0].view(2, len(ids))
+                return self.pair_logps(self.reference_model.model, micro)[0].view(2, len(ids))
         with torch.no_grad(), adapters_off(engine.model):
-            return head_loss(forward, micro.inputs, micro.labels, sequence_logps, False)[0].view(2, len(ids))
+            return self.pair_logps(forward, micro)[0].view(2, len(ids))
 
     def held_state(self) -> dict[str, reference_model.ReferenceCopy]:
         """What the objective holds beyond the engine, for the memory plan's check: the live reference's copy."""

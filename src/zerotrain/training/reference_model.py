@@ -25,6 +25,7 @@ import torch
 from zerotrain.config import Config
 from zerotrain.hub.init_from import initial_model
 from zerotrain.model.init import materialise
+from zerotrain.parallel.context import context_parallel
 from zerotrain.parallel.params import param_dtype, storage_bytes
 from zerotrain.parallel.parts import parts_for
 from zerotrain.parallel.frozen_copy import FrozenCopy, shard_frozen_copy
@@ -59,6 +60,7 @@ def frozen_copy(cfg: Config, engine) -> ReferenceCopy:
     """This rank's frozen copy of the initial policy (`engine`'s model as it was before step 1), on its device."""
     model, init = initial_model(cfg, engine.mesh)
     model.requires_grad_(False)
+    model.context_parallel = context_parallel(engine.mesh)  # --cp: it scores the policy's parts of the rows
     if not parts_for(cfg).placement.holds_whole_model:  # the policy's layout; its owned ranges alone read or drawn
         sharded = shard_frozen_copy(model, engine.dp, bucket_numel=cfg.parallel.bucket_numel,
                                     precision=cfg.parallel.precision, device=rank_device(cfg), init=init)

@@ -68,8 +68,10 @@ def owned_master_values(engine, name: str) -> list[tuple[torch.Tensor, int, int]
 
 
 def routing_bias_for(cfg: Config, engine) -> RoutingBias | None:
-    """The run's RoutingBias: DeepSeek-V3's routers (GLM-4.5's too) with a speed above 0
-    (None otherwise: the bias stays frozen)."""
-    if cfg.model.arch not in GROUP_ROUTED or cfg.model.routing_bias_speed == 0:
+    """The run's RoutingBias: DeepSeek-V3's routers (GLM-4.5's too) with a speed above 0 (None otherwise: the bias
+    stays frozen; Mistral 4's routers have none; under LoRA a part of the frozen base, which a peft adapter does not
+    carry)."""
+    if cfg.model.arch not in GROUP_ROUTED or cfg.model.softmax_router or cfg.model.routing_bias_speed == 0 or \
+            cfg.lora.rank:
         return None
     return RoutingBias(cfg, engine)

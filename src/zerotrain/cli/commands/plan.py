@@ -9,12 +9,12 @@ import json
 from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import REFERENCE_FREE, Config
 from zerotrain.data import packs_records
-from zerotrain.model import ARCH_NAMES, param_count
+from zerotrain.model import ARCH_NAMES
 from zerotrain.model.vocab import chunk_tokens, vocab_rows
 from zerotrain.parallel.parts import parts_for
 from zerotrain.training.io_plan import describe, io_plan
-from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, fit_advice, gib, largest_micro_batch, largest_model,
-                                            largest_seq_len, memory_plan, parse_bytes)
+from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, PlannedModel, fit_advice, gib, largest_micro_batch,
+                                            largest_model, largest_seq_len, memory_plan, parse_bytes, planned_layouts)
 
 # How each row is computed, as the table says it (P: the rank's parameters, padded; shard = P / DP).
 HOW = {
@@ -60,13 +60,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device_bytes = parse_bytes(args.device_memory) if args.device_memory is not None else None
     cfg = config_from_args(args, environment=False)  # a plan for a machine that is not this one
     documents = packs_records(cfg)  # packed records: the attention's document mask is saved too
-    plan = memory_plan(cfg, documents=documents)
-    fits = largest_micro_batch(cfg, device_bytes, documents=documents) if device_bytes is not None else None
+    # the model built once on the meta device, for every plan of this run's model and layout (DeepSeek-V3-671B's
+    # build takes seconds)
+    planned = planned_layouts(cfg, cfg.launch.nproc // cfg.parallel.tp)
+    plan = memory_plan(cfg, documents=documents, planned=planned)
+    fits = largest_micro_batch(cfg, device_bytes, documents=documents, planned=planned) \
+        if device_bytes is not None else None
     deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
     longest = largest_seq_len(cfg, device_bytes, documents=documents) if device_bytes is not None else None
-    advice = fit_advice(cfg, device_bytes, documents=documents) if device_bytes is not None else None
-    io = io_plan(cfg, memory=plan)  # start-up, save, resume and export per rank
-    report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": param_count(cfg.model), "tp": plan.tp,
+    advice = fit_advice(cfg, device_bytes, documents=documents, planned=planned) if device_bytes is not None else None
+    io = io_plan(cfg, memory=plan, planned=planned)  # start-up, save, resume and export per rank
+    report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": planned.parameters, "tp": plan.tp,
               "dp": plan.dp, "zero": cfg.parallel.zero, "precision": cfg.parallel.precision,
               "micro_batch": plan.micro_batch, "seq_len": cfg.model.seq_len,
               "activation_checkpointing": cfg.parallel.activation_checkpointing, "device": plan.device,
@@ -75,8 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "largest_model": dataclasses.asdict(deepest) if deepest else None, "lora_rank": cfg.lora.rank,
               "largest_seq_len": longest[0] if longest else None, "cp": cfg.parallel.cp,
               "seq_len_capped_by_context": bool(longest and longest[1]),
-              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents),
-              "dpo_reference": reference_costs(cfg, plan, documents), "io": io.to_dict(),
+              "grad_reduce": grad_reduce_costs(cfg, plan.total, documents, planned),
+              "dpo_reference": reference_costs(cfg, plan, documents, planned), "io": io.to_dict(),
               "ep": plan.ep, "experts": plan.experts, "expert_bytes_by_rank": plan.expert_bytes_by_rank,
               "all_to_all_most": plan.all_to_all_most, "dp_replicate": plan.replicas, "traffic": plan.traffic}
     print(json.dumps(report, indent=2) if args.json else "\n".join([table(cfg, report), "",
@@ -84,32 +88,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def grad_reduce_costs(cfg: Config, total: int, documents: bool) -> dict:
+def grad_reduce_costs(cfg: Config, total: int, documents: bool, planned: PlannedModel) -> dict:
     """What --grad-reduce costs at stages 2 and 3 with accumulation, both ways: the mode this run takes (auto
     resolved) with its reduce-scatter rounds a step, and the other mode's rounds, gradient buckets and total (None
-    where there is no choice: stage 1, or --accum 1, where both are one round and two buckets)."""
+    where there is no choice: stage 1, or --accum 1, where both are one round and two buckets). `planned`: the
+    run's planned_layouts, which the mode does not change (its buckets are the layout's either way)."""
     mode, accum = cfg.grad_reduce, cfg.loop.accum
     rounds = {"micro-batch": accum, "step": 1}
     out = {"mode": mode, "reduce_scatter_rounds": rounds[mode], "total": total, "other": None}
     if parts_for(cfg).gradients.reduce_choice:  # buckets, accumulating
         other = "step" if mode == "micro-batch" else "micro-batch"
         alt = memory_plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grad_reduce=other)),
-                          documents=documents)
+                          documents=documents, planned=planned)
         out["other"] = {"mode": other, "reduce_scatter_rounds": rounds[other],
                         "gradient_buckets": alt.rows["gradient_buckets"], "total": alt.total}
     return out
 
 
-def reference_costs(cfg: Config, plan, documents: bool) -> dict | None:
+def reference_costs(cfg: Config, plan, documents: bool, planned: PlannedModel) -> dict | None:
     """What DPO's reference costs, both ways (None without one: sft, simpo, orpo): this run's --dpo-reference with
     its rows, and the other one's rows and total. A precomputed reference holds 16 bytes a pair; a live one in full
-    fine-tuning a frozen copy of the model (LoRA's live reference is its base: nothing more)."""
+    fine-tuning a frozen copy of the model (LoRA's live reference is its base: nothing more). `planned`: the run's
+    planned_layouts, the policy's either way."""
     o = cfg.objective
     if o.method != "dpo" or o.dpo_loss in REFERENCE_FREE:
         return None
     other = "precomputed" if o.dpo_reference == "live" else "live"
     alt = memory_plan(dataclasses.replace(cfg, objective=dataclasses.replace(o, dpo_reference=other)),
-                      documents=documents)
+                      documents=documents, planned=planned)
     return {"mode": o.dpo_reference, "reference": plan.rows["reference"],
             "reference_model": plan.rows["reference_model"], "total": plan.total,
             "other": {"mode": other, "reference": alt.rows["reference"],

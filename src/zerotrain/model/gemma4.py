@@ -1,0 +1,233 @@
+"""Gemma 4's text decoder (gemma4), as transformers' Gemma4ForCausalLM computes it (its eager attention).
+
+    layers     sliding and global, alternating (every --sliding-window-pattern-th global, the last always); the two
+               kinds differ in shape: the sliding layers' heads of --head-width and --n-kv-head KV heads, rotated
+               by the local base (--rope-local-theta) over the whole head; the global layers' heads of
+               --global-head-width, their KV heads (--global-kv-heads with --k-eq-v), rotated by --rope-theta's
+               proportional rotary: the first --partial-rotary of the frequencies, as the whole head's, turn, the
+               rest stand still (transformers' rope_type "proportional")
+    attention  q, k (and v) normalised per head before rotary: q and k by RMSNorms with a gain, v by one without;
+               scores unscaled (1, not 1 / sqrt(head width)), no soft-cap; with --k-eq-v the global layers have no
+               v_proj and take their keys' projection (before its norm) as values
+    shared KV  the last --kv-shared-layers layers have no k_proj, v_proj or their norms: each attends with the keys
+               and values of the last earlier layer of its kind (ModelConfig.kv_source), through the cache too
+    block      RMSNorms (a plain w gain, fp32) before and after the attention and the MLP (GeGLU; twice as wide on
+               the shared-KV layers with --double-wide-mlp); then, with --per-layer-width P, the layer's input
+               embedding: gelu(per_layer_input_gate(x)) times it, projected back to the width, normalised and added;
+               the block's output multiplied by its layer_scalar
+    per-layer  each token's row of embed_tokens_per_layer (n_layer x P, scaled by sqrt(P)) plus its scaled
+    inputs     embedding projected (per_layer_model_projection, times 1 / sqrt(width)) and normalised per layer
+               (per_layer_projection_norm), the sum times 1 / sqrt(2): layer i reads its P-wide slice
+    embedding  scaled by sqrt(width) in the weights' dtype; the head tied to it, its logits soft-capped
+               (--final-softcap)
+
+layer_scalar is a buffer in transformers, which its optimizer never moves; here it is a parameter the forward reads
+detached: its gradient is zero, AdamW (undecayed, as a vector) leaves it as it was, and the files' values (the
+released checkpoints' are not 1) are read and exported. Packed records: positions restart at each record, and each
+record's tokens see their own record only (the sliding window inside it), on both kinds and through the shared KV.
+
+Parameter names are transformers' (model.embed_tokens_per_layer, model.per_layer_model_projection,
+model.layers.{i}.per_layer_input_gate, ...): the mapping to and from Hugging Face (hub/mapping.py) is the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerotrain.config import ModelConfig
+
+from .attention import attend
+from .decoder import Decoder, no_tp_parallelize, no_tp_plan
+from .gemma import embedding_scale, geglu
+from .kv_cache import KVCache
+from .llama import layer_mask
+from .positions import new_positions
+from .recompute import run_block
+from .rotary import apply_rotary, rotary_tables
+from .vocab import token_embedding
+
+
+class Gemma4RMSNorm(nn.Module):
+    """x * (mean(x^2) + eps)^-0.5 times a gain w (none for `scaled` False: the values' norm), in fp32, returned in
+    x's dtype (transformers' Gemma4RMSNorm: w, not Gemma 2/3's 1 + w)."""
+
+    def __init__(self, dim: int, eps: float, scaled: bool = True):
+        super().__init__()
+        self.eps = eps
+        if scaled:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if hasattr(self, "weight"):
+            normed = normed * self.weight.float()
+        return normed.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ProportionalRotary:
+    """The global layers' rotary (transformers' rope_type "proportional"): the frequencies of the whole head's
+    rotary, of which the first `turning` turn and the others are 0 (cos 1, sin 0: those units pass unrotated)."""
+
+    turning: int
+
+    def rescale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        return torch.cat((inv_freq[: self.turning], torch.zeros_like(inv_freq[self.turning:])))
+
+
+def global_rotary(cfg: ModelConfig) -> ProportionalRotary:
+    return ProportionalRotary(int(cfg.partial_rotary * cfg.global_head_width // 2))
+
+
+def cached_mask(past: int, T: int, window: int, device: torch.device) -> torch.Tensor:
+    """Query past + i sees keys 0 .. past + i, within the last `window` of them (0: all): boolean (T, past + T), for
+    a forward continuing a cache (the shared-KV layers attend with another layer's keys, so no layer lets attend
+    append to the cache itself)."""
+    query = torch.arange(past, past + T, device=device)[:, None]
+    key = torch.arange(past + T, device=device)[None, :]
+    allowed = key <= query
+    return allowed & (key > query - window) if window else allowed
+
+
+class Gemma4Attention(nn.Module):
+    """The module docstring's attention, of the layer's kind; the shared-KV layers' without keys or values."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        C, eps = cfg.n_embd, cfg.norm_eps
+        kv_heads, D = cfg.attention_shape(layer)
+        self.head_dim, self.kind = D, cfg.global_layer(layer)
+        self.window = 0 if self.kind else cfg.sliding_window
+        self.source = cfg.kv_source(layer)  # the layer whose keys and values this one attends with
+        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=False)
+        self.q_norm = Gemma4RMSNorm(D, eps)
+        if self.source == layer:
+            self.k_proj = nn.Linear(C, kv_heads * D, bias=False)
+            if not (cfg.k_eq_v and self.kind):
+                self.v_proj = nn.Linear(C, kv_heads * D, bias=False)
+            self.k_norm = Gemma4RMSNorm(D, eps)
+            self.v_norm = Gemma4RMSNorm(D, eps, scaled=False)
+        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, layer: int,
+                mask, shared: dict) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, *rotary)
+        if self.source != layer:
+            k, v = shared[self.source]
+        else:
+            k = self.k_proj(x).view(B, T, -1, self.head_dim)
+            v = self.v_proj(x).view(B, T, -1, self.head_dim) if hasattr(self, "v_proj") else k
+            k = apply_rotary(self.k_norm(k).transpose(1, 2), *rotary)
+            v = self.v_norm(v).transpose(1, 2)
+            if cache is not None:  # the keys and values of every position so far
+                k, v = cache.append(layer, k, v)
+            shared[layer] = k, v
+        y = attend(q, k, v, None, layer, mask, scale=1.0)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Gemma4MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        width = cfg.ffn_width_of(layer)
+        self.gate_proj = nn.Linear(cfg.n_embd, width, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Gemma4Block(nn.Module):
+    """Normed attention and MLP, each output normed before its residual add; the layer's input embedding's gated
+    residual; the whole scaled by layer_scalar."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        C, eps = cfg.n_embd, cfg.norm_eps
+        self.input_layernorm = Gemma4RMSNorm(C, eps)
+        self.self_attn = Gemma4Attention(cfg, layer)
+        self.post_attention_layernorm = Gemma4RMSNorm(C, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(C, eps)
+        self.mlp = Gemma4MLP(cfg, layer)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(C, eps)
+        if cfg.per_layer_width:
+            self.per_layer_input_gate = nn.Linear(C, cfg.per_layer_width, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.per_layer_width, C, bias=False)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(C, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, per_layer_input, rotary, cache: KVCache | None, layer: int, mask, shared: dict):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cache, layer, mask,
+                                                             shared))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if per_layer_input is not None:
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar.detach()  # a buffer in transformers: never trained (module docstring)
+
+
+class Gemma4(Decoder):
+    """Token embedding, the per-layer input embeddings, Gemma 4's blocks, final RMSNorm, tied (or own) head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, Gemma4Block, Gemma4RMSNorm(cfg.n_embd, cfg.norm_eps), softcap=cfg.final_softcap)
+        if cfg.per_layer_width:
+            width = cfg.n_layer * cfg.per_layer_width
+            self.model["embed_tokens_per_layer"] = token_embedding(cfg.vocab_size, width, cfg.padding_idx)
+            self.model["per_layer_model_projection"] = nn.Linear(cfg.n_embd, width, bias=False)
+            self.model["per_layer_projection_norm"] = Gemma4RMSNorm(cfg.per_layer_width, cfg.norm_eps)
+
+    def per_layer_inputs(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """Each layer's input embedding (B, T, n_layer, P) from the ids and their scaled embedding `x`; None without
+        --per-layer-width."""
+        cfg = self.cfg
+        if not cfg.per_layer_width:
+            return None
+        shape = (*idx.shape, cfg.n_layer, cfg.per_layer_width)
+        looked_up = self.model.embed_tokens_per_layer(idx) * embedding_scale(cfg.per_layer_width, x.dtype)
+        projected = self.model.per_layer_model_projection(x) * cfg.n_embd ** -0.5
+        projected = self.model.per_layer_projection_norm(projected.view(shape))
+        return (projected + looked_up.view(shape)) * 2 ** -0.5
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.model.embed_tokens(idx)
+        x = x * embedding_scale(cfg.n_embd, x.dtype)
+        per_layer = self.per_layer_inputs(idx, x)
+        positions = new_positions(idx, cache, cfg.positions, segments)
+        tables = {False: rotary_tables(positions, cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta),
+                  True: rotary_tables(positions, cfg.global_head_width, cfg.rope_theta, global_rotary(cfg))}
+        past = 0 if cache is None else cache.length
+        masks = {kind: layer_mask(cfg, idx, x.dtype, None, segments, window) if past == 0 else
+                 cached_mask(past, idx.shape[1], window, idx.device)
+                 for kind, window in ((False, cfg.sliding_window), (True, 0))}
+        shared = {}  # layer -> its keys and values, for the shared-KV layers that read them
+        for layer, block in enumerate(self.model.layers):
+            kind = cfg.global_layer(layer)
+            layer_input = None if per_layer is None else per_layer[:, :, layer]
+            x = run_block(block, self.recompute_blocks and cache is None, x, layer_input, tables[kind], cache,
+                          layer, masks[kind], shared)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        return self.model.norm(x)
+
+
+def init_rule(cfg: ModelConfig, name: str):
+    """How parameter `name` starts (model/init.py): transformers' Gemma 4 initialisation, N(0, 0.02) matrices and
+    embeddings, unit norm gains and layer scalars."""
+    if name.endswith(("norm.weight", "layer_scalar")):
+        return "ones"
+    return ("normal", 0.02)
+
+
+# no tensor parallelism yet (config refuses --tp above 1)
+plan, parallelize = no_tp_plan, no_tp_parallelize
