@@ -253,11 +253,13 @@ def family_configs() -> dict:
         **qwen35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     from test_deepseek import SIZES as DEEPSEEK_SIZES
     from test_gemma4 import hf_config as gemma4_config
+    from test_glm45 import SIZES as GLM_SIZES
     from test_llama4 import hf_config as llama4_config
     from test_mistral4 import SIZES as MISTRAL4_SIZES
 
     configs["deepseek_v3"] = transformers.DeepseekV3Config(**DEEPSEEK_SIZES)
     configs["mistral4"] = transformers.Mistral4Config(**MISTRAL4_SIZES)
+    configs["glm4_moe"] = transformers.Glm4MoeConfig(**GLM_SIZES)
     configs["llama4_text"] = llama4_config()
     configs["gemma4_text"] = gemma4_config()  # without per-layer inputs, whose table's vocabulary is the model's
     configs["gemma4_text"].hidden_size_per_layer_input = 0  # (the survey reads it with a vocabulary of 40000)

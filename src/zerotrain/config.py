@@ -241,6 +241,23 @@ PRESETS: dict[str, dict] = {
                     v_head_dim=128, first_dense_layers=1, shared_experts=1, expert_groups=1,
                     expert_groups_per_token=1, routed_scaling=2.827, rope_scaling="yarn", rope_factor=32.0,
                     rope_original_context=4096, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0),
+    # zai-org/GLM-4.5-Air's and zai-org/GLM-4.5's shapes (their config.json, model_type glm4_moe): grouped-query
+    # attention of 96 heads of 128 (8 KV heads) with q/k/v biases and rotary on half of each head, the first 1 (3)
+    # layers dense, then 128 (160) routed experts in one group, top-8, and one shared; GLM-4.5 normalises q and k per
+    # head and scales its routed weights by 2.5. Their MTP layer is not trained (kept through an hf export).
+    "glm-4.5-air": dict(arch="glm4_moe", n_layer=46, n_head=96, n_kv_head=8, n_embd=4096, head_width=128,
+                        intermediate_size=10944, seq_len=4096, context=131072, vocab_size=151552,
+                        rope_theta=1000000.0, partial_rotary=0.5, norm_eps=1e-5, tie_embeddings=False,
+                        attention_bias=True, use_qk_norm=False, n_experts=128, experts_per_token=8,
+                        expert_width=1408, norm_topk_prob=True, router_aux_coef=0.0, first_dense_layers=1,
+                        shared_experts=1, expert_groups=1, expert_groups_per_token=1, routed_scaling=1.0,
+                        mtp_layers=1),
+    "glm-4.5": dict(arch="glm4_moe", n_layer=92, n_head=96, n_kv_head=8, n_embd=5120, head_width=128,
+                    intermediate_size=12288, seq_len=4096, context=131072, vocab_size=151552, rope_theta=1000000.0,
+                    partial_rotary=0.5, norm_eps=1e-5, tie_embeddings=False, attention_bias=True, use_qk_norm=True,
+                    n_experts=160, experts_per_token=8, expert_width=1536, norm_topk_prob=True, router_aux_coef=0.0,
+                    first_dense_layers=3, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
+                    routed_scaling=2.5, mtp_layers=1),
     # mistralai/Mistral-Small-4-119B-2603's language model (transformers' Mistral4Config defaults, which name that
     # checkpoint): 36 MoE layers of latent attention, 128 routed experts of 2048 (top-4, softmax, one group) and one
     # shared, YaRN x128 over 8192 positions with the query scaling; 118,972,826,624 parameters (its vision tower's are
@@ -274,7 +291,8 @@ _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_
               linear_key_width=128, linear_value_width=128, q_lora_rank=0, kv_lora_rank=512, qk_rope_dim=64,
               qk_nope_dim=128, v_head_dim=128, rope_interleave=True, rope_mscale=0.0, rope_mscale_all_dim=0.0,
               first_dense_layers=0, shared_experts=1, expert_groups=1, expert_groups_per_token=1,
-              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0, llama4_scaling_beta=0.1)
+              routed_scaling=1.0, routing_bias_speed=0.001, mtp_layers=0, llama4_scaling_beta=0.1,
+              attention_bias=False, use_qk_norm=False)
 PRESETS = {name: {**_PLAIN, **values} for name, values in PRESETS.items()}
 
 
@@ -299,6 +317,14 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")
 # mistral4: Mistral 4's decoder, DeepSeek-V3's with a softmax router (group-limited top-k on the probabilities, no
 # bias), always YaRN, and each query scaled by its position (--llama4-scaling-beta).
 DEEPSEEK = ("deepseek_v3", "mistral4")
+# glm4_moe: GLM-4.5's decoder (model/glm.py; GLM-4.5, GLM-4.5-Air, GLM-4.6/4.7): the Llama family's grouped-query
+# attention with partial rotary, q/k/v biases (--attention-bias) and per-head q/k norms (--use-qk-norm), and
+# DeepSeek-V3's MLPs (dense first layers, then group-routed experts with shared experts).
+GLM = ("glm4_moe",)
+# The members whose experts are DeepSeek-V3's (model/group_routing.py): --first-dense-layers, shared experts,
+# group-limited routing (sigmoid scores and a load-balancing bias; Mistral 4's softmax without one) and, but Mistral
+# 4's, multi-token-prediction layers kept through an export.
+GROUP_ROUTED = (*DEEPSEEK, *GLM)
 # llama4: Llama 4's text decoder (model/llama4.py): experts on every --moe-every-th layer (a shared expert beside them,
 # the router's sigmoid scores on the experts' input), chunked local attention on its rotary layers, global attention
 # without rotary on every --nope-every-th layer (with attention temperature tuning), weightless q/k L2 norms.
@@ -308,7 +334,7 @@ LLAMA4 = ("llama4",)
 # --partial-rotary), the last --kv-shared-layers layers reading the keys and values of the last earlier layer of their
 # kind, a per-layer input embedding (--per-layer-width) added after every block; plain w RMSNorms, GeGLU.
 GEMMA4 = ("gemma4",)
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4)
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe", *DEEPSEEK, *LLAMA4, *GLM)
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", *MOE, "qwen3_5", *GEMMA4)
 GEMMA = ("gemma2", "gemma3")
 WINDOWED = ("mistral", "phi3", *GEMMA, "mixtral", "gpt_oss", *GEMMA4)  # the members with a sliding window
@@ -342,10 +368,11 @@ class ModelConfig:
                         "qwen3_5 and qwen3_5_moe (Qwen3.5: Gated DeltaNet linear-attention layers and gated attention "
                         "layers); deepseek_v3 (DeepSeek-V3, Kimi K2: multi-head latent attention, sigmoid "
                         "group-limited routing, shared experts); mistral4 (Mistral 4: DeepSeek-V3's decoder with "
-                        "softmax routing and position-scaled queries); llama4 (Llama 4: chunked attention, layers "
-                        "without rotary, sigmoid-routed experts and a shared expert); gemma4 (Gemma 4: sliding and "
-                        "wider global layers, keys and values shared across the last layers, per-layer input "
-                        "embeddings)",
+                        "softmax routing and position-scaled queries); glm4_moe (GLM-4.5: grouped-query attention "
+                        "with partial rotary, DeepSeek-V3's routing and shared experts); llama4 (Llama 4: chunked "
+                        "attention, layers without rotary, sigmoid-routed experts and a shared expert); gemma4 (Gemma "
+                        "4: sliding and wider global layers, keys and values shared across the last layers, per-layer "
+                        "input embeddings)",
                         rule=one_of(*ARCHS))
     n_layer: int = setting(2, "transformer blocks", rule=POSITIVE)
     n_head: int = setting(4, "attention heads", rule=POSITIVE)
@@ -430,11 +457,12 @@ class ModelConfig:
     full_attention_interval: int = setting(4, "qwen3_5: every N-th layer (layers N-1, 2N-1, ...) is a gated "
                                            "attention layer, the others Gated DeltaNet linear-attention layers",
                                            rule=POSITIVE, applies=archs_scope(*QWEN35))
-    partial_rotary: float = setting(0.25, "qwen3_5: the share of each attention head's width that rotary rotates "
-                                    "(partial_rotary_factor); gemma4: its global layers' (their proportional rotary's "
-                                    "frequencies as the whole head's, the rest unrotated)",
+    partial_rotary: float = setting(0.25, "qwen3_5, glm4_moe: the share of each attention head's width that rotary "
+                                    "rotates, its first units (partial_rotary_factor; GLM-4.5's 0.5); gemma4: its "
+                                    "global layers' (their proportional rotary's frequencies as the whole head's, the "
+                                    "rest unrotated)",
                                     rule=Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
-                                    applies=archs_scope(*QWEN35, *GEMMA4))
+                                    applies=archs_scope(*QWEN35, *GLM, *GEMMA4))
     linear_conv_kernel: int = setting(4, "qwen3_5: the causal convolution's width over the linear-attention layers' "
                                       "q, k and v (linear_conv_kernel_dim)", rule=POSITIVE,
                                       applies=archs_scope(*QWEN35))
@@ -465,27 +493,32 @@ class ModelConfig:
     rope_mscale_all_dim: float = setting(0.0, "deepseek_v3 with yarn rope scaling: mscale_all_dim, which also scales "
                                          "the attention's softmax by (0.1 mscale_all_dim ln(factor) + 1)^2 (0: none)",
                                          rule=NON_NEGATIVE, applies=archs_scope(*DEEPSEEK))
-    first_dense_layers: int = setting(0, "deepseek_v3: the first N layers have a dense MLP of --intermediate-size, the "
-                                      "others experts (first_k_dense_replace)", rule=NON_NEGATIVE,
-                                      applies=archs_scope(*DEEPSEEK))
-    shared_experts: int = setting(1, "deepseek_v3: shared experts every token goes through, as one MLP of this many "
-                                  "times --expert-width (n_shared_experts)", rule=POSITIVE,
-                                  applies=archs_scope(*DEEPSEEK))
-    expert_groups: int = setting(1, "deepseek_v3: the experts split into this many groups; a token's experts come "
-                                 "from its --expert-groups-per-token best groups (n_group)", rule=POSITIVE,
-                                 applies=archs_scope(*DEEPSEEK))
-    expert_groups_per_token: int = setting(1, "deepseek_v3: the groups a token's experts may come from, each group "
-                                           "scored by its two best experts (topk_group)", rule=POSITIVE,
-                                           applies=archs_scope(*DEEPSEEK))
-    routed_scaling: float = setting(1.0, "deepseek_v3: the routed experts' weights are multiplied by this "
-                                    "(routed_scaling_factor)", rule=POSITIVE, applies=archs_scope(*DEEPSEEK))
-    routing_bias_speed: float = setting(0.001, "deepseek_v3: after each optimizer step every MoE layer's "
+    first_dense_layers: int = setting(0, "deepseek_v3, glm4_moe: the first N layers have a dense MLP of "
+                                      "--intermediate-size, the others experts (first_k_dense_replace)",
+                                      rule=NON_NEGATIVE, applies=archs_scope(*GROUP_ROUTED))
+    shared_experts: int = setting(1, "deepseek_v3, glm4_moe: shared experts every token goes through, as one MLP of "
+                                  "this many times --expert-width (n_shared_experts)", rule=POSITIVE,
+                                  applies=archs_scope(*GROUP_ROUTED))
+    expert_groups: int = setting(1, "deepseek_v3, glm4_moe: the experts split into this many groups; a token's "
+                                 "experts come from its --expert-groups-per-token best groups (n_group)",
+                                 rule=POSITIVE, applies=archs_scope(*GROUP_ROUTED))
+    expert_groups_per_token: int = setting(1, "deepseek_v3, glm4_moe: the groups a token's experts may come from, "
+                                           "each group scored by its two best experts (topk_group)", rule=POSITIVE,
+                                           applies=archs_scope(*GROUP_ROUTED))
+    routed_scaling: float = setting(1.0, "deepseek_v3, glm4_moe: the routed experts' weights are multiplied by this "
+                                    "(routed_scaling_factor)", rule=POSITIVE, applies=archs_scope(*GROUP_ROUTED))
+    routing_bias_speed: float = setting(0.001, "deepseek_v3, glm4_moe: after each optimizer step every MoE layer's "
                                         "e_score_correction_bias moves by this times sign(mean load - expert load), "
                                         "the step's loads summed over every rank (DeepSeek-V3's auxiliary-loss-free "
-                                        "balancing; 0: frozen)", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3"))
-    mtp_layers: int = setting(0, "deepseek_v3: multi-token-prediction layers the --init-from folder holds after the "
-                              "decoder's (num_nextn_predict_layers): not trained, copied as they are into an hf "
-                              "export", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3"))
+                                        "balancing; 0: frozen)", rule=NON_NEGATIVE,
+                                        applies=archs_scope("deepseek_v3", *GLM))
+    mtp_layers: int = setting(0, "deepseek_v3, glm4_moe: multi-token-prediction layers the --init-from folder holds "
+                              "after the decoder's (num_nextn_predict_layers): not trained, copied as they are into "
+                              "an hf export", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM))
+    attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
+                                   "them)", applies=archs_scope(*GLM))
+    use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "
+                                "head width (use_qk_norm; GLM-4.5's, not GLM-4.5-Air's)", applies=archs_scope(*GLM))
     llama4_scaling_beta: float = setting(0.1, "mistral4: each query is scaled by 1 + beta ln(1 + floor(position / "
                                          "--rope-original-context)) (rope_parameters' llama_4_scaling_beta; 0: "
                                          "none)", rule=NON_NEGATIVE, applies=archs_scope("mistral4"))
@@ -581,8 +614,8 @@ class ModelConfig:
     @property
     def qkv_bias(self) -> bool:
         """Biases on q, k and v: Qwen2's and Qwen2-MoE's (not on the output projection), gpt-oss's (there too:
-        o_bias)."""
-        return self.arch in ("qwen2", "qwen2_moe", "gpt_oss")
+        o_bias), GLM-4.5's with --attention-bias."""
+        return self.arch in ("qwen2", "qwen2_moe", "gpt_oss") or (self.arch in GLM and self.attention_bias)
 
     @property
     def gpt_oss_experts(self) -> bool:
@@ -603,8 +636,8 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """An RMSNorm of each q and k head (one gain of head_dim shared by the heads) before rotary: Qwen3's,
-        Qwen3-MoE's and Gemma 3's."""
-        return self.arch in ("qwen3", "gemma3", "qwen3_moe")
+        Qwen3-MoE's and Gemma 3's; GLM-4.5's with --use-qk-norm."""
+        return self.arch in ("qwen3", "gemma3", "qwen3_moe") or (self.arch in GLM and self.use_qk_norm)
 
     @property
     def qk_norm_whole(self) -> bool:
@@ -622,7 +655,7 @@ class ModelConfig:
 
     def has_experts(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (every --moe-every-th layer, but --mlp-only-layers)."""
-        if self.arch in DEEPSEEK:
+        if self.arch in GROUP_ROUTED:
             return self.moe and layer >= self.first_dense_layers
         return self.moe and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
@@ -650,7 +683,7 @@ class ModelConfig:
         """The width of each head that rotary rotates: the whole head, or Qwen3.5's partial share of it."""
         if self.arch in DEEPSEEK:
             return self.qk_rope_dim
-        return int(self.head_dim * self.partial_rotary) if self.arch in QWEN35 else self.head_dim
+        return int(self.head_dim * self.partial_rotary) if self.arch in (*QWEN35, *GLM) else self.head_dim
 
     @property
     def expert_ffn(self) -> int:
@@ -1354,17 +1387,11 @@ def _check_qwen35(cfg: Config) -> None:
                           f"--mlp-only-layers {m.mlp_only_layers!r} are for qwen3_moe and qwen2_moe")
 
 
-def _check_deepseek(cfg: Config) -> None:
-    """DeepSeek-V3's (and Mistral 4's) routing sizes, and what its latent attention does not have yet in zerotrain
-    (context parallelism; Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained
-    approximately."""
-    m, p = cfg.model, cfg.parallel
+def _check_group_routing(cfg: Config) -> None:
+    """The routing sizes of DeepSeek-V3's experts (deepseek_v3's, mistral4's and glm4_moe's)."""
+    m = cfg.model
     if not m.moe:
         raise ConfigError(f"--arch {m.arch} has experts after its --first-dense-layers: give --n-experts")
-    if m.arch == "mistral4" and m.rope_scaling != "yarn":
-        # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
-        # reads the query scaling's period from YaRN's original context
-        raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.n_experts % m.expert_groups or m.n_experts // m.expert_groups < 2:
         raise ConfigError(f"--expert-groups {m.expert_groups} does not split the --n-experts {m.n_experts} into equal "
                           "groups of at least 2 (each group is scored by its two best experts)")
@@ -1374,16 +1401,26 @@ def _check_deepseek(cfg: Config) -> None:
     if m.experts_per_token > m.expert_groups_per_token * (m.n_experts // m.expert_groups):
         raise ConfigError(f"--experts-per-token {m.experts_per_token} is more than the experts of "
                           f"--expert-groups-per-token {m.expert_groups_per_token} groups")
-    if m.qk_rope_dim % 2:
-        raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
     if m.shared_expert_width or m.moe_every != 1 or m.mlp_only_layers:
         raise ConfigError(f"--arch {m.arch}'s dense layers are its --first-dense-layers and its shared experts "
                           "--shared-experts: --shared-expert-width, --moe-every and --mlp-only-layers are other "
                           "families'")
-    if m.arch == "deepseek_v3" and m.routing_bias_speed and cfg.objective.method != "sft":
+    if m.arch in ("deepseek_v3", *GLM) and m.routing_bias_speed and cfg.objective.method != "sft":
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
+
+
+def _check_deepseek(cfg: Config) -> None:
+    """What DeepSeek-V3's (and Mistral 4's) latent attention does not have yet in zerotrain (context parallelism;
+    Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if m.arch == "mistral4" and m.rope_scaling != "yarn":
+        # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
+        # reads the query scaling's period from YaRN's original context
+        raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
+    if m.qk_rope_dim % 2:
+        raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
     mistral4 = m.arch == "mistral4"
     refused = [(p.tp > 1 and mistral4, f"--tp {p.tp}", "Mistral 4's tensor parallelism is not in zerotrain yet: give "
                                                        "--tp 1"),
@@ -1394,6 +1431,18 @@ def _check_deepseek(cfg: Config) -> None:
     for hit, what, why in refused:
         if hit:
             raise ConfigError(f"{what} with --arch {m.arch}: {why}")
+
+
+def _check_glm(cfg: Config) -> None:
+    """GLM-4.5's partial rotary, and what zerotrain does not have for it yet (context parallelism): refused, never
+    trained approximately."""
+    m, p = cfg.model, cfg.parallel
+    if m.rotary_dim < 2 or m.rotary_dim % 2:
+        raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
+                          f"{m.head_dim} units; it rotates an even number of them, at least 2")
+    if p.cp > 1:
+        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: context parallelism with its partial rotary and routing "
+                          "bias is not in zerotrain yet: give --cp 1")
 
 
 def _check_llama4(cfg: Config) -> None:
@@ -1509,8 +1558,12 @@ def validate(cfg: Config) -> Config:
     _check_experts(cfg)
     if m.arch in QWEN35:
         _check_qwen35(cfg)
+    if m.arch in GROUP_ROUTED:
+        _check_group_routing(cfg)
     if m.arch in DEEPSEEK:
         _check_deepseek(cfg)
+    if m.arch in GLM:
+        _check_glm(cfg)
     if m.arch in LLAMA4:
         _check_llama4(cfg)
     if m.arch in GEMMA4:

@@ -31,6 +31,9 @@ and export alike, so the two cannot drift apart.
            rope_parameters are YaRN's with llama_4_scaling_beta (the queries' position scaling) and the
            partial_rotary_factor that rotates qk_rope_head_dim units; it has no MTP layers. transformers 5.25's
            AutoModelForCausalLM does not list it: load an export with Mistral4ForCausalLM.from_pretrained.
+    glm4_moe
+           GLM-4.5's (Glm4MoeForCausalLM) names are zerotrain's, as DeepSeek-V3's: the identity, its MTP layers set
+           aside at import the same way.
     llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).
@@ -59,7 +62,7 @@ from typing import Callable
 
 import torch
 
-from zerotrain.config import DEEPSEEK, GEMMA, GEMMA4, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA, GEMMA4, GLM, LLAMA4, MOE, QWEN35, WINDOWED, ModelConfig
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -276,6 +279,8 @@ MAPPINGS = {
                              (".rotary_emb.inv_freq",), layers_after=True),
     "mistral4": HFMapping("mistral4", "mistral4", "Mistral4ForCausalLM", "model.layers.", (),
                           (".rotary_emb.inv_freq",), experts=MISTRAL4_EXPERTS),
+    "glm4_moe": HFMapping("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
+                          layers_after=True),
     "llama4": HFMapping("llama4", "llama4_text", "Llama4ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         infixes=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
                         experts=LLAMA4_EXPERTS),
@@ -324,6 +329,8 @@ def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict:
         return _qwen35_config(cfg, config)
     if cfg.arch in DEEPSEEK:
         return _deepseek_config(cfg, config)
+    if cfg.arch in GLM:
+        return _glm_config(cfg, config)
     if cfg.arch in LLAMA4:
         return _llama4_config(cfg, config)
     if cfg.arch in GEMMA4:
@@ -385,6 +392,22 @@ def _deepseek_config(cfg: ModelConfig, config: dict) -> dict:
         del config["num_nextn_predict_layers"]
         rope.update(llama_4_scaling_beta=cfg.llama4_scaling_beta,
                     partial_rotary_factor=cfg.qk_rope_dim / (cfg.qk_nope_dim + cfg.qk_rope_dim))
+    return config
+
+
+def _glm_config(cfg: ModelConfig, config: dict) -> dict:
+    """GLM-4.5's config.json (Glm4MoeConfig) from the Llama family's fields: the partial rotary in rope_parameters
+    (transformers 5's form), its attention's options, DeepSeek-V3's routing fields."""
+    config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    config.update(rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                   "partial_rotary_factor": cfg.partial_rotary},
+                  attention_bias=cfg.attention_bias, use_qk_norm=cfg.use_qk_norm,
+                  n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                  moe_intermediate_size=cfg.expert_ffn, n_shared_experts=cfg.shared_experts,
+                  n_group=cfg.expert_groups, topk_group=cfg.expert_groups_per_token,
+                  norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
+                  first_k_dense_replace=cfg.first_dense_layers, num_nextn_predict_layers=cfg.mtp_layers,
+                  output_router_logits=False)
     return config
 
 
@@ -506,6 +529,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         return _deepseek(config, where)
     if BY_MODEL_TYPE[kind].arch in LLAMA4:
         return _llama4(config, where)
+    if BY_MODEL_TYPE[kind].arch in GLM:
+        return _glm(config, where)
     if BY_MODEL_TYPE[kind].arch in GEMMA4:
         return _gemma4(config, where)
     return _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, where)
@@ -727,6 +752,64 @@ def _mistral4_rope(scaling: dict, kind: str, where: str, sizes: dict) -> dict:
         raise CheckpointError(f"{where}: partial_rotary_factor {partial!r} does not rotate the qk_rope_head_dim "
                               f"{sizes['qk_rope_head_dim']} units of a {head}-unit head")
     return dict(llama4_scaling_beta=float(beta))
+
+
+# What transformers' Glm4MoeConfig gives a field its config.json leaves out (GLM-4.5-Air's sizes).
+_GLM_DEFAULTS = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                     num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                     moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=128,
+                     routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                     use_qk_norm=False, attention_bias=False, num_nextn_predict_layers=1, partial_rotary_factor=0.5)
+
+
+def _glm(config: dict, where: str) -> ModelConfig:
+    """GLM-4.5's ModelConfig (glm4_moe: GLM-4.5, -Air, 4.6, 4.7): the Llama family's sizes, partial rotary, q/k/v
+    biases and q/k norms, the dense first layers, the experts and their group-limited routing, the MTP layers' count.
+    transformers' Glm4MoeForCausalLM adds no balancing loss: the model's weight of one is 0."""
+    config = {**_GLM_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    _refuse(config, where, (("hidden_act", "silu", ("silu",)),))
+    for key in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob"):
+        if not isinstance(config.get(key, False), bool):
+            raise CheckpointError(f"{where}: {key} must be true or false, got {config[key]!r}")
+    sizes = {key: _count(config, key, where) for key in (
+        "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "max_position_embeddings", "vocab_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+        "n_group", "topk_group")}
+    heads = sizes["num_attention_heads"]
+    sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
+    _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
+    head_dim = _count(config, "head_dim", where, default=sizes["hidden_size"] // heads)
+    for key in ("first_k_dense_replace", "num_nextn_predict_layers"):
+        if isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 0:
+            raise CheckpointError(f"{where}: {key} must be a whole number, got {config[key]!r}")
+    key = "rope_scaling" if _table(config, "rope_scaling", where) else "rope_parameters"
+    rope = _table(config, key, where)
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"{where}: {key} has rope_type {rope.get('rope_type', rope.get('type'))!r}; zerotrain's "
+                              "glm4_moe has 'default'")
+    theta = _positive(rope, "rope_theta", f"{where} {key}", 10000.0) if "rope_theta" in rope else \
+        _positive(config, "rope_theta", where, 10000.0)
+    partial = _positive(rope, "partial_rotary_factor", f"{where} {key}", config["partial_rotary_factor"]) \
+        if "partial_rotary_factor" in rope else _positive(config, "partial_rotary_factor", where, 0.5)
+    if partial > 1 or int(head_dim * partial) % 2 or int(head_dim * partial) < 2:
+        raise CheckpointError(f"{where}: partial_rotary_factor {partial} rotates {int(head_dim * partial)} of the "
+                              f"head's {head_dim} units; zerotrain rotates an even number of them, at least 2")
+    return ModelConfig(arch="glm4_moe", n_layer=sizes["num_hidden_layers"], n_head=heads,
+                       n_kv_head=sizes["num_key_value_heads"], n_embd=sizes["hidden_size"],
+                       head_width=0 if head_dim * heads == sizes["hidden_size"] else head_dim,
+                       intermediate_size=sizes["intermediate_size"], seq_len=sizes["max_position_embeddings"],
+                       vocab_size=sizes["vocab_size"], rope_theta=theta, partial_rotary=partial,
+                       pad_token_id=_padding_id(config, where, "glm4_moe", sizes["vocab_size"]),
+                       norm_eps=_positive(config, "rms_norm_eps", where, 1e-5),
+                       tie_embeddings=config.get("tie_word_embeddings", False),
+                       attention_bias=config["attention_bias"], use_qk_norm=config["use_qk_norm"],
+                       first_dense_layers=min(config["first_k_dense_replace"], sizes["num_hidden_layers"]),
+                       n_experts=sizes["n_routed_experts"], experts_per_token=sizes["num_experts_per_tok"],
+                       expert_width=sizes["moe_intermediate_size"], shared_experts=sizes["n_shared_experts"],
+                       expert_groups=sizes["n_group"], expert_groups_per_token=sizes["topk_group"],
+                       norm_topk_prob=config["norm_topk_prob"],
+                       routed_scaling=_positive(config, "routed_scaling_factor", where, 1.0),
+                       router_aux_coef=0.0, mtp_layers=config["num_nextn_predict_layers"])
 
 
 # What transformers' Llama4TextConfig gives a field its config.json leaves out (its sizes are Scout's: required here).

@@ -1,5 +1,5 @@
-"""The multi-token-prediction layers of a DeepSeek-V3 folder, which zerotrain does not train: kept frozen, as the
-folder holds them, from --init-from's folder into an hf export.
+"""The multi-token-prediction layers of a DeepSeek-V3 (or GLM-4.5) folder, which zerotrain does not train: kept
+frozen, as the folder holds them, from --init-from's folder into an hf export.
 
 DeepSeek-V3's files hold num_nextn_predict_layers of them after the decoder's blocks, model.layers.{num_hidden_layers}
 ... (its embedding, enorm, hnorm, eh_proj, a block and shared_head): hub/mapping.py sets them aside at import; an
@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.stream import read_header
-from zerotrain.config import DEEPSEEK, ModelConfig
+from zerotrain.config import GROUP_ROUTED, ModelConfig
 
 class MTPLayers:
     """The MTP layers' tensors of `folder`'s files (name -> file), their shapes, and a reader of one tensor."""
@@ -44,7 +44,7 @@ class MTPLayers:
 def mtp_layers_of(cfg: ModelConfig, folder: str | None, files_of) -> MTPLayers | None:
     """The MTP layers an hf export of `cfg` keeps, from `folder` (the --init-from folder; `files_of(folder)`: its
     tensors' files); None for a model without them."""
-    if cfg.arch not in DEEPSEEK or not cfg.mtp_layers:
+    if cfg.arch not in GROUP_ROUTED or not cfg.mtp_layers:
         return None
     if folder is None:
         raise CheckpointError(f"the model has {cfg.mtp_layers} multi-token-prediction layers, which an hf export "

@@ -1,7 +1,8 @@
 """The models zerotrain trains: GPT-2 (gpt2.py) and the Llama family (llama.py: Llama, Qwen2, Qwen3, Mistral, Phi-3,
 Gemma 2 and 3, with Gemma's own pieces in gemma.py), Qwen3.5's hybrid (qwen35.py, its linear attention in
 delta_rule.py), DeepSeek-V3's and Mistral 4's (deepseek.py: latent attention in mla.py, its router in
-group_routing.py), Llama 4's text decoder (llama4.py), Gemma 4's (gemma4.py), the layers they share
+group_routing.py), GLM-4.5's (glm.py: Llama's decoder with DeepSeek-V3's experts), Llama 4's text decoder
+(llama4.py), Gemma 4's (gemma4.py), the layers they share
 (tensor_parallel.py, norms.py, positions.py, rotary.py, attention.py, kv_cache.py, recompute.py), the embedding,
 head and loss (vocab.py, loss.py), and sampling (generate.py).
 `build_model`, `plan` and `parallelize` pick the architecture from the config's `arch`."""
@@ -13,9 +14,9 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from zerotrain.config import DEEPSEEK, GEMMA4, LLAMA4, LLAMA_FAMILY, QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA4, GLM, LLAMA4, LLAMA_FAMILY, QWEN35, ModelConfig
 
-from . import deepseek, gemma4, gpt2, llama, llama4, qwen35
+from . import deepseek, gemma4, glm, gpt2, llama, llama4, qwen35
 from .gemma4 import Gemma4
 from .gpt2 import GPT
 from .init import SeedValues, materialise
@@ -30,13 +31,14 @@ from .tensor_parallel import TPSlice
 ARCHITECTURES = {"gpt2": (GPT, gpt2), **{arch: (Llama, llama) for arch in LLAMA_FAMILY},
                  **{arch: (Qwen35, qwen35) for arch in QWEN35},  # Qwen3.5's hybrid: a decoder of its own
                  **{arch: (deepseek.Deepseek, deepseek) for arch in DEEPSEEK},
+                 **{arch: (glm.Glm, glm) for arch in GLM},  # Llama's decoder with DeepSeek-V3's experts
                  **{arch: (Llama4, llama4) for arch in LLAMA4},  # Llama 4's chunked attention and routing: its own
                  **{arch: (Gemma4, gemma4) for arch in GEMMA4}}  # Gemma 4's layer shapes, shared KV: its own
 ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
               "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3_moe": "Qwen3-MoE",
               "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE",
               "gpt_oss": "gpt-oss", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE",
-              "deepseek_v3": "DeepSeek-V3", "mistral4": "Mistral 4", "llama4": "Llama 4",
+              "deepseek_v3": "DeepSeek-V3", "mistral4": "Mistral 4", "glm4_moe": "GLM-4.5", "llama4": "Llama 4",
               "gemma4": "Gemma 4"}  # how messages name them
 
 

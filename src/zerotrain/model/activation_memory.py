@@ -89,7 +89,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import QWEN35, ModelConfig
+from zerotrain.config import GROUP_ROUTED, QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
 from . import moe, tensor_parallel
@@ -129,7 +129,7 @@ class RankShape:
     kv_repeated: bool = False  # k and v copied to the query heads before SDPA (attention.repeats_kv_heads)
     documents: str = ""  # the kernel of the records' or the window's mask (attention.document_kernel), "" without one
     mask_rows: int = 0  # rows of the document or window mask: B for packed records, 1 for a window alone
-    rotary_dim: int = 0  # the rotated share of head_dim (Qwen3.5's partial rotary); 0: all of it
+    rotary_dim: int = 0  # the rotated share of head_dim (Qwen3.5's and GLM-4.5's partial rotary); 0: all of it
 
     @property
     def BT(self) -> int:
@@ -282,8 +282,8 @@ def whole_qk_norms(s: RankShape) -> int:
 
 
 def llama_block(s: RankShape, qk_norm: bool = False, whole_qk_norm: bool = False) -> int:
-    return (2 * rms_norm(s) + attention(s) + rotary_casts(s) + swiglu_mlp(s) + (qk_norms(s) if qk_norm else 0)
-            + (whole_qk_norms(s) if whole_qk_norm else 0))
+    return (2 * rms_norm(s) + attention(s) + rotary_casts(s, s.rotary_dim) + swiglu_mlp(s)
+            + (qk_norms(s) if qk_norm else 0) + (whole_qk_norms(s) if whole_qk_norm else 0))
 
 
 def glu_tensors(cfg: ModelConfig) -> int:
@@ -302,7 +302,10 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     (Qwen2-MoE) adds a SwiGLU on every token, its sigmoid gate's output (N) and its output (N C). Under TP each rank
     holds 1/tp of every expert's (and the shared expert's) hidden width; the router is replicated; gpt-oss's down
     biases, added after the all-reduce, keep each token's weights over the E experts (N E) and the biases stacked
-    (E C). On the grouped path, add grouped_offsets."""
+    (E C). DeepSeek-V3's router (GLM-4.5's; model/group_routing.py) keeps its sigmoid scores (N, E) as the
+    probabilities, and the scores' sum per token (N, fp32) the balancing loss's probabilities divide by, and in bf16
+    its fp32 copies of the tokens (N C) and of its weight (E C); its shared experts are a SwiGLU of n_shared_experts x
+    W on every token, whose output is added (saved nothing more). On the grouped path, add grouped_offsets."""
     N, k, W = s.BT, cfg.experts_per_token, cfg.expert_ffn // tp
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
@@ -313,6 +316,10 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
         shared = 4 * N * (cfg.shared_expert_width // tp) * s.act + N * s.act + N * s.C * s.act
     if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
         dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
+    if cfg.arch in GROUP_ROUTED:
+        # (Mistral 4's softmax router scores in the activations' dtype: no fp32 copies)
+        router += N * FP32 + (0 if s.act == FP32 or cfg.softmax_router else (N + cfg.n_experts) * s.C * FP32)
+        shared = 4 * N * (cfg.expert_ffn * cfg.shared_experts // tp) * s.act
     return router + dispatch + shared
 
 

@@ -28,14 +28,14 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from zerotrain.config import DEEPSEEK, GEMMA4, LLAMA_FAMILY, QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA4, GLM, LLAMA_FAMILY, QWEN35, ModelConfig
 
-from . import deepseek, gemma4, gpt2, llama, qwen35
+from . import deepseek, gemma4, glm, gpt2, llama, qwen35
 from .tensor_parallel import TPSlice
 
 RULES = {"gpt2": gpt2.init_rule, **{arch: llama.init_rule for arch in LLAMA_FAMILY},
          **{arch: qwen35.init_rule for arch in QWEN35}, **{arch: deepseek.init_rule for arch in DEEPSEEK},
-         **{arch: gemma4.init_rule for arch in GEMMA4}}
+         **{arch: glm.init_rule for arch in GLM}, **{arch: gemma4.init_rule for arch in GEMMA4}}
 DRAW_CHUNK = 1 << 16  # values per pass: the temporaries (512 KiB each) stay in the CPU's cache
 _MOD = 1 << 64
 

@@ -152,12 +152,12 @@ class LlamaBlock(nn.Module):
     """Pre-norm attention and MLP; Gemma's also normalizes each one's output before the residual adds it
     (its post_attention_layernorm is that, where Llama's is the MLP's input norm)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, experts: type[MoE] = MoE):
         super().__init__()
         self.input_layernorm = member_norm(cfg, cfg.n_embd)
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = member_norm(cfg, cfg.n_embd)
-        self.mlp = MoE(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
+        self.mlp = experts(cfg) if cfg.has_experts(layer) else LlamaMLP(cfg)
         if cfg.gemma:
             self.pre_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
             self.post_feedforward_layernorm = member_norm(cfg, cfg.n_embd)
@@ -174,8 +174,10 @@ class LlamaBlock(nn.Module):
 class Llama(Decoder):
     """Token embedding, pre-RMSNorm blocks with rotary attention, final RMSNorm, LM head (tied or its own)."""
 
+    block = LlamaBlock  # a member whose experts are another family's names its own block (glm.py)
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, LlamaBlock, member_norm(cfg, cfg.n_embd), softcap=cfg.final_softcap)
+        super().__init__(cfg, self.block, member_norm(cfg, cfg.n_embd), softcap=cfg.final_softcap)
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,10 +191,10 @@ class Llama(Decoder):
             positions, ring = self.context_parallel.prepare(idx, segments)
         else:
             positions = new_positions(idx, cache, cfg.positions, segments)
-        rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+        rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta, rope_scaling(cfg))
         local = rope_local(cfg)  # the sliding layers': their own tables only where they differ (Gemma 3's)
         sliding_rotary = rotary if local == (cfg.rope_theta, rope_scaling(cfg)) else \
-            rotary_tables(positions, cfg.head_dim, *local)
+            rotary_tables(positions, cfg.rotary_dim, *local)
         windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
         masks = {window: layer_mask(cfg, idx, x.dtype, cache, segments, window) if ring is None else ring
                  for window in set(windows)}

@@ -105,7 +105,17 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head's (x_i, x_{i + D/2}) pairs of x (B, H, T, D) by its position's angles."""
+    """Rotate each head's (x_i, x_{i + D/2}) pairs of x (B, H, T, D) by its position's angles. Tables narrower
+    than the head (GLM-4.5's --partial-rotary, D' = cos.shape[-1]) rotate its first D' units, pairs (x_i, x_{i + D'/2}),
+    and pass the rest through, as transformers' apply_rotary_pos_emb does."""
+    if cos.shape[-1] < x.shape[-1]:
+        # written into a tensor of x's layout, not torch.cat's contiguous one: the attention's output then keeps the
+        # layout o_proj reads as a view, as after whole-head rotary (a contiguous q made SDPA's output (B, H, T, D),
+        # whose transpose o_proj saved as one more copy of it per layer: measured on CPU)
+        width, out = cos.shape[-1], torch.empty_like(x)
+        out[..., :width] = apply_rotary(x[..., :width], cos, sin)
+        out[..., width:] = x[..., width:]
+        return out
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's auxiliary-loss-free balancing in the training step: each MoE layer's e_score_correction_bias moves by
---routing-bias-speed x sign(mean load - load) with every optimizer step (model/group_routing.py's bias_update).
+"""DeepSeek-V3's auxiliary-loss-free balancing in the training step (deepseek_v3's and glm4_moe's routers): each MoE
+layer's e_score_correction_bias moves by --routing-bias-speed x sign(mean load - load) with every optimizer step
+(model/group_routing.py's bias_update).
 
 The loads are the step's tokens per expert summed over every rank and micro-batch: Balancing's figures, which ride
 in the step's one all-reduce (training/balancing.py), so every rank computes the same update from the same numbers
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from zerotrain.config import DEEPSEEK, Config
+from zerotrain.config import GROUP_ROUTED, Config
 from zerotrain.model.group_routing import bias_update
 
 BIAS = "e_score_correction_bias"
@@ -67,9 +68,10 @@ def owned_master_values(engine, name: str) -> list[tuple[torch.Tensor, int, int]
 
 
 def routing_bias_for(cfg: Config, engine) -> RoutingBias | None:
-    """The run's RoutingBias: DeepSeek-V3's routers with a speed above 0 (None otherwise: the bias stays frozen;
-    Mistral 4's routers have none; under LoRA a part of the frozen base, which a peft adapter does not carry)."""
-    if cfg.model.arch not in DEEPSEEK or cfg.model.softmax_router or cfg.model.routing_bias_speed == 0 or \
+    """The run's RoutingBias: DeepSeek-V3's routers (GLM-4.5's too) with a speed above 0 (None otherwise: the bias
+    stays frozen; Mistral 4's routers have none; under LoRA a part of the frozen base, which a peft adapter does not
+    carry)."""
+    if cfg.model.arch not in GROUP_ROUTED or cfg.model.softmax_router or cfg.model.routing_bias_speed == 0 or \
             cfg.lora.rank:
         return None
     return RoutingBias(cfg, engine)

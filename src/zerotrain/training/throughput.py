@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from zerotrain.config import LORA_EXPERTS, QWEN35, Config, LoraConfig, ModelConfig
+from zerotrain.config import GROUP_ROUTED, LORA_EXPERTS, QWEN35, Config, LoraConfig, ModelConfig
 from zerotrain.data.corpus import cache_root
 from zerotrain.durable import write_json
 from zerotrain.model.delta_rule import CHUNK
@@ -153,12 +153,15 @@ def delta_rule_flops(m: ModelConfig) -> int:
 def mlp_active_params(m: ModelConfig, layer: int) -> int:
     """The MLP weights one token of `layer` goes through. A dense MLP: 3 matrices d x ffn (SwiGLU's gate, up and
     down), 2 for GPT-2. A mixture of experts (model/moe.py): the router (d x E), its top-k experts' 3 matrices
-    d x expert width each, and Qwen2-MoE's shared expert (3 matrices d x its width) and its gate (d x 1); the
-    experts a token is not routed to do no work for it (dropless routing runs each expert on its own tokens only)."""
+    d x expert width each, and Qwen2-MoE's shared expert (3 matrices d x its width) and its gate (d x 1), or
+    DeepSeek-V3's (GLM-4.5's) ungated shared experts (3 matrices d x shared_experts x expert width); the experts a
+    token is not routed to do no work for it (dropless routing runs each expert on its own tokens only)."""
     d = m.n_embd
     if not m.has_experts(layer):
         return (3 if m.llama_family else 2) * d * m.ffn_width
     shared = 3 * d * m.shared_expert_width + d if m.shared_expert_width else 0
+    if m.arch in GROUP_ROUTED:
+        shared = 3 * d * m.shared_experts * m.expert_ffn
     return d * m.n_experts + m.experts_per_token * 3 * d * m.expert_ffn + shared
 
 
