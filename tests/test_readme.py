@@ -331,23 +331,23 @@ PROMISES = {"stdlib": eval_reproduces_val_loss, "meshes": meshes_continue_to_the
 # ```text block right after a cheap block is (lines of) its output, checked line by line.
 QUOTED = {
     ("docs/parallelism.md", "--micro-batch 1 --device cuda --data synthetic --accum 4"):
-        ["60.46 GiB", "29.92 GiB of gradient buckets", "86.47 GiB in all"],
+        ["60.64 GiB", "29.92 GiB of gradient buckets", "86.65 GiB in all"],
     ("docs/parallelism.md", "zerotrain plan --preset gpt2 --nproc 2 --accum 8 --zero 1 --data synthetic"):
         ["474.7 MiB  P x 4", "712.1 MiB", "237.4 MiB", "195.3 MiB", "159.3 MiB", ("hold 474.7 MiB", "474.7")],
     ("docs/parallelism.md", "--micro-batch 1 --zero 2 --device cuda --device-memory 80GiB --data synthetic"):
-        ["14.96 GiB", "239.3 MiB", "1.79 GiB", "478.7 MiB", "3.91 GiB", "957.4 MiB", "2.25 GiB", "2.14 GiB",
-         "25.13 GiB", "12.20 GiB", ("80.00 GiB: 24", "| 24 |"), ("80.00 GiB: 29", "| 29 |"), "137 layers (30.9B parameters)",
-         "598 layers (131.5B parameters)"],
+        ["14.96 GiB", "239.3 MiB", "1.79 GiB", "478.7 MiB", "3.91 GiB", "957.4 MiB", "2.25 GiB", "2.32 GiB",
+         "25.32 GiB", "12.38 GiB", ("80.00 GiB: 25", "| 25 |"), ("80.00 GiB: 31", "| 31 |"), "137 layers (30.9B parameters)",
+         "597 layers (131.3B parameters)"],
     ("docs/parallelism.md", "--vocab-size 8000 --no-tie-embeddings --nproc 4 --micro-batch 1 --seq-len 32"):
         ["1.90 GiB"],
-    ("docs/parallelism.md", "--micro-batch 1 --device cuda --data synthetic --tp 8"): ["2.14 GiB", "438.4 MiB"],
+    ("docs/parallelism.md", "--micro-batch 1 --device cuda --data synthetic --tp 8"): ["2.32 GiB", "626.2 MiB"],
     ("docs/dpo.md", "--method dpo --lora-rank 16 --micro-batch 1"):
-        ["19.65 GiB", "14.96 GiB", "1.09 GiB", "3.21 GiB", "80.0 MiB", "260.0 MiB", "40.0 MiB", "20.0 MiB",
-         ("80.00 GiB: 51", "51 pairs")],
+        ["19.90 GiB", "14.96 GiB", "1.09 GiB", "3.46 GiB", "80.0 MiB", "260.0 MiB", "40.0 MiB", "20.0 MiB",
+         ("80.00 GiB: 54", "54 pairs")],
     ("docs/dpo.md", "for reference in precomputed live; do"):
-        ["26.87 GiB", "28.74 GiB", "1.87 GiB", ("80.00 GiB: 43", "43 against"), ("80.00 GiB: 42", "against 42"),
-         "38.17 GiB", "53.12 GiB",
-         "79.12 GiB", "94.08 GiB", "14.96 GiB"],
+        ["27.11 GiB", "28.98 GiB", "1.87 GiB", ("80.00 GiB: 46", "46 against"), ("80.00 GiB: 45", "against 45"),
+         "38.41 GiB", "53.37 GiB",
+         "79.37 GiB", "94.33 GiB", "14.96 GiB"],
 }
 
 
@@ -389,14 +389,14 @@ def test_every_quoted_block_runs_and_a_stale_figure_is_caught():
                                              "synthetic")]
     printed = "\n".join(f[0] if isinstance(f, tuple) else f for f in figures)
     assert quoted_problems(block, printed, DOCS) == []
-    stale = printed.replace("12.20 GiB", "10.06 GiB")  # planted: the plan prints the old figure
-    assert quoted_problems(block, stale, DOCS) == [f"{block.name}: its output does not say '12.20 GiB'"]
-    docs = dict(DOCS, **{"docs/parallelism.md": DOCS["docs/parallelism.md"].replace("12.20", "10.06")})  # the old doc
-    assert quoted_problems(block, printed, docs) == ["docs/parallelism.md does not quote '12.20'"]
+    stale = printed.replace("12.38 GiB", "10.06 GiB")  # planted: the plan prints the old figure
+    assert quoted_problems(block, stale, DOCS) == [f"{block.name}: its output does not say '12.38 GiB'"]
+    docs = dict(DOCS, **{"docs/parallelism.md": DOCS["docs/parallelism.md"].replace("12.38", "10.06")})  # the old doc
+    assert quoted_problems(block, printed, docs) == ["docs/parallelism.md does not quote '12.38'"]
     advice = next(b for b in cheap if "--preset llama-3.1-70b" in b.code)
     lines = fenced_text_after(advice)
     assert lines and quoted_problems(advice, "\n".join(lines), DOCS) == []
-    assert quoted_problems(advice, "\n".join(lines).replace("largest micro-batch 3", "largest micro-batch 2"), DOCS)
+    assert quoted_problems(advice, "\n".join(lines).replace("largest micro-batch 4", "largest micro-batch 2"), DOCS)
 
 
 def fenced_text_after(block: Block) -> list[str]:

@@ -59,10 +59,14 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_gradients_and_a_dropped_
     x, y = batch(cfg)
     model = build_model(cfg, seed=0)
     plain, plain_grads = loss_and_grads(model, x, y, plain=True)
-    assert vocab.chunk_tokens(B * T, cfg.vocab_size, cfg.n_embd) == B * T  # below MIN_CHUNK_TOKENS: one chunk
-    # Llama-3-8B, 1 x 8192 tokens: chunks whose logits fit in the head's input (8192 x 4096), at TP 1 and TP 8
-    assert vocab.chunk_tokens(8192, 128_256, 4096) == 256 and vocab.chunk_tokens(8192, 128_256 // 8, 4096) == 2048
-    monkeypatch.setattr(vocab, "chunk_tokens", lambda tokens, rows, width: SMALL_CHUNKS)  # 7, the last of 2 tokens
+    assert vocab.chunk_tokens(B * T, cfg.vocab_size, 4) == B * T  # below MIN_CHUNK_TOKENS: one chunk
+    # Llama-3-8B, 1 x 8192 tokens in bf16 (6 bytes a logit): chunks whose logits fit in LOSS_CHUNK_BYTES (512 MiB),
+    # at TP 1 and TP 8; in fp32 (4 bytes) twice as many tokens; Gemma 2's 256,000 soft-capped rows at the floor
+    bf16 = vocab.loss_logit_bytes(2, False)
+    assert vocab.chunk_tokens(8192, 128_256, bf16) == 512 and vocab.chunk_tokens(8192, 128_256 // 8, bf16) == 4096
+    assert vocab.chunk_tokens(8192, 128_256, vocab.loss_logit_bytes(4, False)) == 1024
+    assert vocab.chunk_tokens(8192, 256_000, vocab.loss_logit_bytes(2, True)) == vocab.MIN_CHUNK_TOKENS
+    monkeypatch.setattr(vocab, "chunk_tokens", lambda tokens, rows, logit_bytes: SMALL_CHUNKS)  # 7, the last of 2
     chunked, grads = loss_and_grads(model, x, y)
     assert abs(chunked - plain) <= 1e-6 * abs(plain)
     assert max(rel(grads[n], plain_grads[n]) for n in grads) <= 1e-6
@@ -73,6 +77,69 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_gradients_and_a_dropped_
     monkeypatch.setattr(vocab, "chunk_bounds", lambda tokens, chunk: cut(tokens, chunk)[:-1])
     dropped, _ = loss_and_grads(model, x, y)
     assert abs(dropped - plain) > 1e-3 * abs(plain)
+
+
+# One block of width 16, a vocabulary of 1,000 and 2 x 1,024 tokens: several chunks at a small budget.
+BUDGET_MODEL = dataclasses.replace(ModelConfig(**PRESETS["tiny"]), n_layer=1, n_embd=16, vocab_size=1000,
+                                   seq_len=1024)
+
+
+def chunk_logits_made(run) -> list[int]:
+    """The tokens of each chunk's logits the head's matmul makes while `run()` runs (its (tokens, rows) products:
+    the counter of what the loss holds at once), forward and backward."""
+    made = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and \
+                    out.shape[-1] == BUDGET_MODEL.vocab_size:
+                made.append(out.shape[0])
+            return out
+
+    with Products():
+        run()
+    return made
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_loss_chunk_follows_the_memory_budget_the_plan_counts_and_an_oversized_chunk_is_caught(precision,
+                                                                                                  monkeypatch):
+    """The loss's chunk is the largest power of two of tokens whose logits (this rank's rows, the bytes each holds)
+    fit in vocab.LOSS_CHUNK_BYTES, and the plan's loss working set (activation_bytes' `working`) is what those
+    chunks hold, by the chunks the run's matmuls make. Planted: the run's path ignores the budget (one chunk of
+    every token), which the plan, sized by the budget, does not foresee."""
+    cfg, (b, t), dtype = BUDGET_MODEL, (2, 1024), {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    rows, per_logit = cfg.vocab_size, vocab.loss_logit_bytes(dtype.itemsize, False)
+    # room for 1.5 x 256 tokens' logits: chunks of 256 (a power of two), 8 of them over the 2,048 tokens
+    monkeypatch.setattr(vocab, "LOSS_CHUNK_BYTES", 384 * rows * per_logit)
+    ids = torch.randint(0, rows, (b, t + 1), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+    model = build_model(cfg, seed=0).to(dtype)
+
+    def measured() -> tuple[list[int], float]:
+        model.zero_grad(set_to_none=True)
+        losses = []
+        made = chunk_logits_made(lambda: losses.append(head_loss(model, x, y, summed_token_loss, False)) or
+                                 losses[0].backward())
+        return made, losses[0].item()
+
+    def working(made: list[int]) -> int:
+        """What the chunks made hold at once: the largest one's logits, and over several in bf16 the weight
+        gradient's fp32 sum (rows x width)."""
+        summed = rows * cfg.n_embd * 4 if len(made) > 1 and dtype != torch.float32 else 0
+        return max(made) * rows * per_logit + summed
+
+    made, loss = measured()
+    assert made == [256] * 8  # the budget's chunks, in the forward (their gradients taken in the same pass)
+    plan = activation_bytes(cfg, b, t, precision=precision)["working"]
+    assert plan == working(made) and max(made) * rows * per_logit <= vocab.LOSS_CHUNK_BYTES
+    plain = summed_token_loss(model(x), y).item()
+    assert abs(loss - plain) <= (1e-6 if precision == "fp32" else 1e-2) * abs(plain)
+    # planted: the run's chunk ignores the budget (the plan's activation_memory keeps its own chunk_tokens)
+    monkeypatch.setattr(vocab, "chunk_tokens", lambda tokens, rows, logit_bytes: tokens)
+    made, _ = measured()
+    assert made == [b * t] and working(made) > activation_bytes(cfg, b, t, precision=precision)["working"]
 
 
 def test_a_soft_capped_loss_equals_the_plain_loss_of_capped_logits():

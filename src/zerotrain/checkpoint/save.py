@@ -21,8 +21,9 @@ collective: rank 0 waits for every rank's sidecar, then commits. `finish_stop_sa
 
 On the CPU the staging copy itself runs in the background thread, behind the next forward and
 backward, which leave the saved state untouched: an optimizer step pre-hook makes the next
-update wait for the copy. On CUDA the copies are queued on the training stream at `start`
-(into pinned memory) and the thread waits for them before writing.
+update wait for the copy. On CUDA the copies are queued at `start` on a stream of their own (into pinned memory),
+beside the next forward and backward; the same pre-hook makes the next update's stream wait for them (a stream wait,
+not the host's), and the thread waits for them before writing.
 
 With tensor parallelism each rank writes its own shard of its local layout; the manifest's TP slices say
 how the TP ranks' parameters make the full model (checkpoint/consolidate.py). Checkpoints of format version 1
@@ -31,6 +32,7 @@ how the TP ranks' parameters make the full model (checkpoint/consolidate.py). Ch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerotrain.errors import InvariantError
-from zerotrain.parallel import Comm, ZeroEngine
+from zerotrain.parallel import Comm, ZeroEngine, stream_api
 
 from .commit import commit, tmp_name, wait_for_sidecars, write_sidecar
 from .format import FORMAT, MANIFEST_SCHEMA, MESH_KEYS, VERSION, CheckpointError, shard_name, step_name
@@ -155,7 +157,7 @@ class CheckpointWriter:
             self._guarded.add(id(engine))
         pending = _Pending(step, base)
         if not staging.copy_in_background:
-            staging.copy_from(engine, step_count)  # queued on the training stream: ordered before the update
+            staging.copy_from(engine, step_count)  # queued on the staging stream: the update waits for it
             pending.staged.set()
         pending.thread = threading.Thread(target=self._background, args=(pending, engine, staging, step_count),
                                           name=f"zerotrain-save-{step}", daemon=True)
@@ -188,6 +190,8 @@ class CheckpointWriter:
         pending = self._pending
         if pending is not None:
             pending.staged.wait()
+            if self._staging is not None:
+                self._staging.order_update()
 
     @property
     def pending_step(self) -> int | None:
@@ -515,15 +519,21 @@ def _part_state(engine: ZeroEngine) -> dict:
 class _Staging:
     """Reusable CPU copies of one rank's checkpoint state: allocated at the first async save, reused after.
 
-    Pinned when the engine is on CUDA, so the device-to-host copies run without blocking training.
+    On CUDA the host buffers are pinned and the device-to-host copies run on a stream of their own (`api`,
+    comm_stream.stream_api: torch.cuda, or a recorder in the tests): it waits for an event the training stream
+    records at the save's start (the state as of the last update), the next forward and backward run beside the
+    copies, and the next update's stream waits for their `copied` event (`order_update`) before it writes the state;
+    the writer thread waits for that event on the host. On the CPU (no stream) the writer thread copies.
     """
 
-    def __init__(self, engine: ZeroEngine, rank: int, world_size: int, writes: bool = True):
+    def __init__(self, engine: ZeroEngine, rank: int, world_size: int, writes: bool = True, api=None):
         L = engine.layout
         self.layout, self.rank, self.world_size = L, rank, world_size  # world rank and size: the shard's file name
         self.writes = writes  # a replica group's but the first's rank (writes_shard) copies and writes nothing
         self.device = engine.device
-        self.copy_in_background = self.device.type == "cpu"
+        self.api = api if api is not None else stream_api(self.device)
+        self.stream = self.api.Stream() if self.api is not None else None
+        self.copy_in_background = self.stream is None
         pin = self.device.type == "cuda"
         self.master, self.exp_avg, self.exp_avg_sq = (torch.empty(L.shard_numel if writes else 0, pin_memory=pin)
                                                       for _ in range(3))
@@ -537,9 +547,15 @@ class _Staging:
     def copy_from(self, engine: ZeroEngine, step_count: int) -> None:
         if not self.writes:
             return
+        on_stream = contextlib.nullcontext()
+        if self.stream is not None:  # after what the training stream has queued: the state as of the last update
+            ready = self.api.Event()
+            ready.record(self.api.current_stream())
+            self.stream.wait_event(ready)
+            on_stream = self.api.stream(self.stream)
         non_blocking = not self.copy_in_background  # CUDA: queued, not waited for
-        (_, flat), *others = shard_parts(engine)  # the flat layout's shard (with --ep the dense engine's), then
-        with torch.no_grad():
+        with on_stream, torch.no_grad():
+            (_, flat), *others = shard_parts(engine)  # the flat layout's shard (with --ep the dense engine's), then
             at = 0
             for part in flat.master_views():  # the masters where they lie, in shard order
                 self.master[at : at + part.numel()].copy_(part, non_blocking=non_blocking)
@@ -549,10 +565,16 @@ class _Staging:
             # expert parallelism: the expert engine's shard, copied whole (it is a fraction of the experts)
             self.experts = {prefix + k: v.detach().cpu().clone() for prefix, part in others
                             for k, v in part.shard_state_dict().items()}
+            if self.stream is not None:
+                self._copied = self.api.Event()
+                self._copied.record(self.stream)
         self.step.fill_(step_count)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+
+    def order_update(self) -> None:
+        """The training stream waits for the copies before the next update writes the state they read (a stream
+        wait: the host goes on)."""
+        if self._copied is not None:
+            self.api.current_stream().wait_event(self._copied)
 
     def wait_copied(self) -> None:
         if self._copied is not None:

@@ -38,7 +38,8 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                  final norm as a block's but for its output, which the head does not keep, and the head with the
                  loss (model/vocab.py): the gradients of the head's input, BTC a, and of its weight, V' C a (V' =
                  V/tp where TP splits the vocabulary, else V), computed with the loss; no logits, no targets.
-    not kept     the loss's working set, one chunk of N tokens at a time (vocab.chunk_tokens): its fp32 logits
+    not kept     the loss's working set, one chunk of N tokens at a time (vocab.chunk_tokens: N V' times these bytes
+                 a logit within vocab.LOSS_CHUNK_BYTES, at least 256 tokens): its fp32 logits
                  N V' 4 (+ N V' a for their copy in bf16, + N V' 4 with a soft-cap), and over several chunks in bf16
                  the fp32 sum of the weight's gradient, V' C 4: `working`, beside the total (Gemma 2's soft-capped
                  logits are capped in the working set too: nothing of the cap is kept).
@@ -95,7 +96,7 @@ from . import attention as kernels  # `attention` here is the attention's bytes
 from . import moe, tensor_parallel
 from .delta_rule import CHUNK
 from .llama import rope_local, rope_scaling
-from .vocab import chunk_tokens, splits_vocab, vocab_rows
+from .vocab import chunk_tokens, logps_logit_bytes, loss_logit_bytes, splits_vocab, vocab_rows
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
 
@@ -238,8 +239,8 @@ def loss(s: RankShape) -> int:
 def loss_working_set(s: RankShape, softcap: bool = False) -> int:
     """What the loss holds while it runs and keeps nothing of: one chunk's fp32 logits (their bf16 product first, and
     the tanh beside them under a soft-cap), and over several chunks in bf16 the weight gradient's fp32 sum."""
-    chunk = chunk_tokens(s.BT, s.vocab, s.C)
-    per_value = FP32 + (s.act if s.act != FP32 else 0) + (FP32 if softcap else 0)
+    per_value = loss_logit_bytes(s.act, softcap)
+    chunk = chunk_tokens(s.BT, s.vocab, per_value)
     summed = s.vocab * s.C * FP32 if chunk < s.BT and s.act != FP32 else 0
     return chunk * s.vocab * per_value + summed
 
@@ -256,8 +257,8 @@ def token_logps_working_set(s: RankShape, softcap: bool = False) -> int:
     chunk's fp32 logits made again (their bf16 product first and the gradient's bf16 copy after; under a soft-cap the
     tanh and its derivative beside them), the gradients of the head's input and of its weight (and over several chunks
     in bf16 the fp32 sum of the weight's); the forward holds one chunk's logits only, less."""
-    chunk = chunk_tokens(s.BT, s.vocab, s.C)
-    per_value = FP32 + (2 * s.act if s.act != FP32 else 0) + (2 * FP32 if softcap else 0)
+    per_value = logps_logit_bytes(s.act, softcap)
+    chunk = chunk_tokens(s.BT, s.vocab, per_value)
     summed = s.vocab * s.C * FP32 if chunk < s.BT and s.act != FP32 else 0
     return chunk * s.vocab * per_value + s.BT * s.C * s.act + s.vocab * s.C * s.act + summed
 

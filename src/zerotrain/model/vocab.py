@@ -20,7 +20,7 @@ would give the TP ranks flat layouts of different sizes, which the engine and th
 to be one. Every large-vocabulary family zerotrain trains divides by 8 (Llama 3's 128,256, Qwen's 151,936, Mistral's
 32,768, Phi-3's 32,064, SmolLM's 49,152, Gemma's 256,000 and 262,144).
 
-The loss runs over chunks of tokens (`chunk_tokens`: a chunk's logits about the size of the head's input), each
+The loss runs over chunks of tokens (`chunk_tokens`: as many as a chunk's logits fit in LOSS_CHUNK_BYTES), each
 chunk's logits in fp32 only while that chunk is computed. Its gradient, softmax - one-hot, is taken in the same pass
 and multiplied at once into the gradient of the head's input and of its weight (as Liger's fused linear
 cross-entropy does), so the backward only scales them by the loss's incoming gradient: autograd keeps the input's
@@ -48,6 +48,14 @@ IGNORE = -100  # the label of a token that is not trained on (data.IGNORE)
 # Fewer tokens per chunk would read the head's weight once per few tokens: on a GPU its matmul would wait on memory
 # (an H100 needs ~300 tokens per read of a bf16 weight to be bound by compute, not by bandwidth).
 MIN_CHUNK_TOKENS = 256
+# What one chunk's logits may hold while the loss runs (loss_logit_bytes or logps_logit_bytes per logit, this rank's
+# vocabulary rows). Liger's fused linear cross-entropy sizes its chunk by the vocabulary / width ratio (logits about
+# the size of the head's input), which bounds no bytes: a budget is what the memory plan leaves room for, whatever
+# the width. 512 MiB is under 1% of an 80 GiB device and gives a 128K vocabulary in bf16 512-token chunks (twice the
+# floor above) and a TP 8 slice of it 4,096; a small model's micro-batch is one chunk. A fixed count of tokens would
+# hold 10x more at Gemma's 262K rows in fp32 than at GPT-2's 50K in bf16.
+LOSS_CHUNK_BYTES = 512 * 2**20
+FP32 = 4  # bytes of the chunk's logits as the loss computes them
 
 
 def splits_vocab(vocab_size: int, tp: int) -> bool:
@@ -65,10 +73,25 @@ def vocab_slice(vocab_size: int, width: int, tp: int) -> TPSlice:
     return TPSlice(0, (vocab_size, width), blocks(vocab_size // tp, tp))
 
 
-def chunk_tokens(tokens: int, rows: int, width: int) -> int:
-    """Tokens per chunk of the loss: the largest power of two whose logits (x `rows`) fit in the head's input
-    (tokens x `width`), at least MIN_CHUNK_TOKENS, at most all of them."""
-    fit = max(1, tokens * width // rows)
+def loss_logit_bytes(dtype_bytes: int, softcap: bool) -> int:
+    """Bytes each logit of a chunk holds while the summed token loss runs (loss_and_grads): its fp32 value, the
+    matmul's product in the compute dtype before it (and the gradient's copy in it after; one at a time) where that
+    is not fp32, and tanh(logit / cap) beside it under a soft-cap."""
+    return FP32 + (dtype_bytes if dtype_bytes != FP32 else 0) + (FP32 if softcap else 0)
+
+
+def logps_logit_bytes(dtype_bytes: int, softcap: bool) -> int:
+    """Bytes each logit of a chunk holds at the largest in token_logps' backward: its fp32 value made again, the
+    product in the compute dtype and the gradient's copy in it both (where that is not fp32), and under a soft-cap
+    the tanh and its derivative."""
+    return FP32 + (2 * dtype_bytes if dtype_bytes != FP32 else 0) + (2 * FP32 if softcap else 0)
+
+
+def chunk_tokens(tokens: int, rows: int, logit_bytes: int) -> int:
+    """Tokens per chunk of the loss: the largest power of two whose logits (x `rows`, this rank's, `logit_bytes`
+    each) fit in LOSS_CHUNK_BYTES, at least MIN_CHUNK_TOKENS, at most all `tokens`. The plan's loss working set
+    (model/activation_memory.py) is sized by this same call."""
+    fit = max(1, LOSS_CHUNK_BYTES // (rows * logit_bytes))
     return min(tokens, max(MIN_CHUNK_TOKENS, 1 << (fit.bit_length() - 1)))
 
 
@@ -191,7 +214,8 @@ def token_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, 
     computed with the loss (module docstring), or with `recompute` (--activation-checkpointing full) in the backward,
     which keeps h and the targets instead."""
     h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], weight.shape[1])
+    per_logit = loss_logit_bytes(weight.element_size(), bool(softcap))
+    chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], per_logit)
     if torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad):
         kind = _RecomputedTokenLoss if recompute else _TokenLoss
         return kind.apply(h2, weight, y, comm, vocab_start, softcap, chunk)
@@ -324,7 +348,8 @@ def token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
     h (..., width): `weight`, `comm`, `vocab_start`, `softcap` and `chunk` as token_loss's. The full logits are never
     held: one chunk's at a time, in the forward and again in the backward (module docstring)."""
     h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], weight.shape[1])
+    per_logit = logps_logit_bytes(weight.element_size(), bool(softcap))
+    chunk = chunk or chunk_tokens(h2.shape[0], weight.shape[0], per_logit)
     return _TokenLogps.apply(h2, weight, y, comm, vocab_start, softcap, chunk).view(targets.shape)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from zerotrain.errors import ZeroTrainError
 
 from . import collective_watchdog
+from .comm_stream import CommStream, stream_api
 
 # torch 2.13 renames the flat variants; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -111,6 +112,8 @@ class Comm:
         self.bytes: Counter[str] = Counter()
         self._tag = 0
         self._scratch_buffers: dict[tuple, torch.Tensor] = {}
+        # The bucket collectives' stream (comm_stream.py): on CUDA their own, ordered by events; here the current one
+        self.stream = CommStream(stream_api(self.device))
 
     def _count(self, purpose: str, nbytes: float) -> None:
         self.calls[purpose] += 1
@@ -148,7 +151,13 @@ class Comm:
         return Counter(self.calls), Counter(self.bytes)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op=False):
-        """Sum `input` (a flat bucket) over ranks; rank r receives chunk r of it in `output`.
+        """Sum `input` (a flat bucket) over ranks; rank r receives chunk r of it in `output`: on CUDA on the
+        communication stream (comm_stream.py), the handle's wait the compute stream's."""
+        return self.stream.run(lambda is_async: self._reduce_scatter(output, input, purpose, is_async),
+                               (output, input), async_op)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool):
+        """reduce_scatter on the current stream.
 
         On gloo it runs point to point: every rank sends chunk k straight to its owner k and sums the
         W-1 chunks it receives with its own, in rank order. Each rank sends (W-1)/W of the bucket, as in
@@ -183,7 +192,13 @@ class Comm:
         return self._guarded(_Works(works, then=total), purpose, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op=False):
-        """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of it.
+        """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of it: on CUDA on the
+        communication stream (comm_stream.py), the handle's wait the compute stream's."""
+        return self.stream.run(lambda is_async: self._all_gather(output, input, purpose, is_async),
+                               (output, input), async_op)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, purpose: str, async_op: bool):
+        """all_gather on the current stream.
 
         On gloo it runs point to point: every rank sends its chunk to every other rank, which receives
         it in place, with no copy out of a staging buffer (gloo's all-gather) and no round per chunk.

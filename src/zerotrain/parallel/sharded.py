@@ -26,9 +26,11 @@ With --overlap on the next unit is prefetched one unit ahead (the root's forward
 u's forward block u+1's, block u's backward block u-1's); at most the root and two neighbouring blocks are whole or in
 flight (units.units_whole_bytes). Every gather is tagged with the shard's update count: a unit computing with values
 gathered before the last update raises StaleParameterError. A prefetch is issued in the unit's forward pre-hook,
-before its compute is queued (tests/test_zero3_prefetch_order.py), so on CUDA NCCL's stream gathers the next unit
-beside it and the compute stream waits for it only when that unit runs (comm._finish); a bucket in flight is never
-released (release_all lands the prefetches first), so its buffer is freed only after its wait. On CPU the prefetch is
+before its compute is queued (tests/test_zero3_prefetch_order.py), so on CUDA the communication stream gathers the
+next unit beside it (comm_stream.py: after an event the compute stream records as the gather is issued) and the
+compute stream waits for the gather's `done` event only when that unit runs; a bucket in flight is never released
+before that wait (release_all lands the prefetches first, _release_bucket waits for one), so its buffer is freed
+only after the stream that wrote it is done. On CPU the prefetch is
 off unless asked for (2 gloo ranks, 2 cores, width 256: 1.07x stage 2's step against 1.09x without, within the noise).
 
 Frozen parameters (a LoRA run's base) are sharded alike in a layout of their own (units.frozen_layout_of,
@@ -314,6 +316,10 @@ class ShardedParameters:
         self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes() + self.param_bytes_beside())
 
     def _release_bucket(self, index: int) -> None:
+        """Free bucket `index`'s full-size buffer; a gather still writing into it is waited for first (on CUDA the
+        compute stream waits for its `done` event: comm_stream.py), so the memory is reused only after it."""
+        if index in self._in_flight:
+            self._in_flight.pop(index).wait()
         self.bucket_params[index].untyped_storage().resize_(0)
         self.whole.discard(index)
 

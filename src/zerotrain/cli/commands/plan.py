@@ -10,7 +10,7 @@ from zerotrain.cli.flags import add_training_flags, config_from_args
 from zerotrain.config import REFERENCE_FREE, Config
 from zerotrain.data import packs_records
 from zerotrain.model import ARCH_NAMES
-from zerotrain.model.vocab import chunk_tokens, vocab_rows
+from zerotrain.model.vocab import chunk_tokens, logps_logit_bytes, loss_logit_bytes, vocab_rows
 from zerotrain.parallel.parts import parts_for
 from zerotrain.training.io_plan import describe, io_plan
 from zerotrain.training.memory_plan import (EXPERT_ROWS, ROWS, PlannedModel, fit_advice, gib, largest_micro_batch,
@@ -128,7 +128,8 @@ def table(cfg: Config, r: dict) -> str:
     placed = parts.placement.notes(bf16, cfg.gather_in_forward)  # each part says its own rows
     dpo, grpo = cfg.objective.method == "dpo", cfg.objective.method == "grpo"
     rows = vocab_rows(cfg.model.vocab_size, p.tp)  # a micro-batch of DPO pairs is twice as many sequences
-    chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, cfg.model.n_embd)
+    per_logit = (logps_logit_bytes if dpo else loss_logit_bytes)(2 if bf16 else 4, bool(cfg.model.final_softcap))
+    chunk = chunk_tokens((2 if dpo else 1) * r["micro_batch"] * r["seq_len"], rows, per_logit)
     mine = " (this TP rank's)" if rows < cfg.model.vocab_size else ""
     batch = f"{2 * r['micro_batch']} ({r['micro_batch']} pairs)" if dpo else r["micro_batch"]
     recompute = {"none": "", "selective": ", each block's element-wise ops recomputed (its matmul outputs kept)",
