@@ -1,7 +1,7 @@
 """The GLM-4.5 planning presets: GLM-4.5-Air and GLM-4.5, their parameters counted as transformers'
 Glm4MoeForCausalLM builds them from the config.json zerotrain writes (106,852,251,264 and 352,797,829,024 with the
 routers' biases; their MTP layer, in neither, makes the released 106B and 355B), config.json both ways; GLM-4.5-Air
-planned on 32 GPUs with --ep 8 at ZeRO-3 fits an 80 GiB device (68.8 GiB). Each model is built once, on the meta
+planned on 32 GPUs with --ep 8 at ZeRO-3 fits an 80 GiB device (69.0 GiB). Each model is built once, on the meta
 device.
 """
 
