@@ -409,8 +409,8 @@ class ModelConfig:
                                    "gemma3, gemma4; 0: none)", rule=NON_NEGATIVE, shown="0: none",
                                    applies=archs_scope(*GEMMA, *GEMMA4))
     n_experts: int = setting(0, "experts of each MoE layer (qwen3_moe, qwen2_moe, mixtral, olmoe; Hugging Face's "
-                             "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none",
-                             applies=archs_scope(*MOE))
+                             "num_experts; gemma4: beside the MLP, enable_moe_block); 0: a dense MLP", rule=NON_NEGATIVE,
+                             shown="0: none", applies=archs_scope(*MOE, *GEMMA4))
     experts_per_token: int = setting(2, "experts each token is routed to (top-k, num_experts_per_tok)", rule=POSITIVE,
                                      applies=EXPERTS)
     expert_width: int = setting(0, "each expert's hidden width (moe_intermediate_size)", rule=NON_NEGATIVE,
@@ -1257,8 +1257,9 @@ def _check_experts(cfg: Config) -> None:
     m = cfg.model
     if m.arch in MOE and not m.n_experts:
         raise ConfigError(f"--arch {m.arch} is a mixture of experts: give --n-experts")
-    if m.n_experts and m.arch not in MOE:
-        raise ConfigError(f"--n-experts {m.n_experts} is for --arch {' or '.join(MOE)}, not --arch {m.arch}")
+    if m.n_experts and m.arch not in (*MOE, *GEMMA4):
+        raise ConfigError(f"--n-experts {m.n_experts} is for --arch {' or '.join((*MOE, *GEMMA4))}, not --arch "
+                          f"{m.arch}")
     if not m.n_experts:
         given = [(m.expert_width, "--expert-width"), (m.shared_expert_width, "--shared-expert-width"),
                  (m.mlp_only_layers, "--mlp-only-layers"), (cfg.parallel.ep if cfg.parallel.ep > 1 else 0, "--ep")]
@@ -1410,9 +1411,8 @@ def _check_llama4(cfg: Config) -> None:
 
 def _check_gemma4(cfg: Config) -> None:
     """Gemma 4's layer pattern (its last layer global, as transformers forces it), a layer of each kind before the
-    shared-KV layers, and what zerotrain does not have for it yet (tensor parallelism, LoRA; the MoE block is refused
-    by _check_experts, gemma4 not being among MOE): refused,
-    never trained approximately."""
+    shared-KV layers, the MoE block (--n-experts) on every layer, and what zerotrain does not have for it yet (tensor
+    parallelism, LoRA): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.sliding_window or not m.sliding_window_pattern or m.n_layer % m.sliding_window_pattern:
         raise ConfigError(f"--arch gemma4's last layer is global and the others slide every --sliding-window-pattern: "
@@ -1429,6 +1429,10 @@ def _check_gemma4(cfg: Config) -> None:
         raise ConfigError(f"--global-kv-heads {m.global_kv_heads} does not divide --n-head {m.n_head}")
     if m.global_head_width % 2:
         raise ConfigError(f"--global-head-width {m.global_head_width} must be even (rotary embeddings rotate pairs)")
+    if m.n_experts and (m.moe_every != 1 or m.mlp_only_layers):  # transformers' MoE block is on every layer
+        given = f"--moe-every {m.moe_every}" if m.moe_every != 1 else f"--mlp-only-layers {m.mlp_only_layers}"
+        raise ConfigError(f"{given}: --arch gemma4's MoE block is on every layer: give --moe-every 1 and no "
+                          "--mlp-only-layers")
     if p.tp > 1:  # two layer shapes to split (the global layers' one KV head replicated), the per-layer input table
         raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet (its global layers' "
                           "own head shapes and the per-layer input table need plans of their own): give --tp 1")

@@ -12,7 +12,12 @@
     shared KV  the last --kv-shared-layers layers have no k_proj, v_proj or their norms: each attends with the keys
                and values of the last earlier layer of its kind (ModelConfig.kv_source), through the cache too
     block      RMSNorms (a plain w gain, fp32) before and after the attention and the MLP (GeGLU; twice as wide on
-               the shared-KV layers with --double-wide-mlp); then, with --per-layer-width P, the layer's input
+               the shared-KV layers with --double-wide-mlp); with --n-experts (enable_moe_block) a mixture of
+               experts beside the MLP on every layer: the router reads the block's residual x (normed without a
+               gain, times its scale and 1 / sqrt(width); softmax, top-k renormalised, times per_expert_scale),
+               the experts (GeGLU, --expert-width) read pre_feedforward_layernorm_2(x), and the MLP's and the
+               experts' outputs, each normed (post_feedforward_layernorm_1, _2), are summed before
+               post_feedforward_layernorm; then, with --per-layer-width P, the layer's input
                embedding: gelu(per_layer_input_gate(x)) times it, projected back to the width, normalised and added;
                the block's output multiplied by its layer_scalar
     per-layer  each token's row of embed_tokens_per_layer (n_layer x P, scaled by sqrt(P)) plus its scaled
@@ -27,7 +32,11 @@ released checkpoints' are not 1) are read and exported. Packed records: position
 record's tokens see their own record only (the sliding window inside it), on both kinds and through the shared KV.
 
 Parameter names are transformers' (model.embed_tokens_per_layer, model.per_layer_model_projection,
-model.layers.{i}.per_layer_input_gate, ...): the mapping to and from Hugging Face (hub/mapping.py) is the identity.
+model.layers.{i}.per_layer_input_gate, ...) but the MoE block's: its router and experts are model/moe.py's under
+layers.{i}.moe (moe.gate.weight, moe.scale, moe.per_expert_scale, moe.experts.{e}.gate_proj.weight, ...), which
+hub/mapping.py maps to transformers' router.proj, router.scale, router.per_expert_scale and the stacked
+experts.gate_up_proj (E, 2F, C: gate rows, then up) and experts.down_proj (E, C, F), and back.
+No balancing loss unless a run asks for one (--moe-aux-coef): transformers' Gemma4ForCausalLM adds none.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from .decoder import Decoder, no_tp_parallelize, no_tp_plan
 from .gemma import embedding_scale, geglu
 from .kv_cache import KVCache
 from .llama import layer_mask
+from .moe import MoE
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
@@ -145,9 +155,36 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
+class Gemma4MoE(MoE):
+    """The module docstring's mixture of experts: model/moe.py's experts (GeGLU), dispatch and expert parallelism (its
+    `exchange`), with Gemma 4's router (transformers' Gemma4TextRouter): the residual normed without a gain, times
+    `scale` and 1 / sqrt(width), projected (`gate`: router.proj), softmax in fp32, the top-k renormalised, each
+    weight times its expert's `per_expert_scale`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        for expert in self.experts:
+            expert.activation = geglu
+        self.norm = Gemma4RMSNorm(cfg.n_embd, cfg.norm_eps, scaled=False)
+        self.scale = nn.Parameter(torch.ones(cfg.n_embd))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.n_experts))
+        self.root_width = cfg.n_embd ** -0.5
+
+    def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the top-k weights (N, k), fp32; the experts chosen (N, k)) from the residual `flat`; records the layer's
+        Routing."""
+        logits = self.gate(self.norm(flat) * self.scale * self.root_width)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[chosen]
+        self.record_routing(probs, chosen, B, T)
+        return weights, chosen
+
+
 class Gemma4Block(nn.Module):
-    """Normed attention and MLP, each output normed before its residual add; the layer's input embedding's gated
-    residual; the whole scaled by layer_scalar."""
+    """Normed attention and MLP, each output normed before its residual add (with the MoE block, the MLP's and the
+    experts' outputs each normed, summed, then normed); the layer's input embedding's gated residual; the whole
+    scaled by layer_scalar."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -158,6 +195,11 @@ class Gemma4Block(nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(C, eps)
         self.mlp = Gemma4MLP(cfg, layer)
         self.post_feedforward_layernorm = Gemma4RMSNorm(C, eps)
+        if cfg.has_experts(layer):  # beside the MLP, each with its own norms (transformers' names)
+            self.moe = Gemma4MoE(cfg)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(C, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(C, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(C, eps)
         if cfg.per_layer_width:
             self.per_layer_input_gate = nn.Linear(C, cfg.per_layer_width, bias=False)
             self.per_layer_projection = nn.Linear(cfg.per_layer_width, C, bias=False)
@@ -167,7 +209,11 @@ class Gemma4Block(nn.Module):
     def forward(self, x, per_layer_input, rotary, cache: KVCache | None, layer: int, mask, shared: dict):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cache, layer, mask,
                                                              shared))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ffn = self.mlp(self.pre_feedforward_layernorm(x))
+        if hasattr(self, "moe"):  # the experts read their own norm of x, the router x itself
+            routed = self.moe(self.pre_feedforward_layernorm_2(x), router_input=x)
+            ffn = self.post_feedforward_layernorm_1(ffn) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(ffn)
         if per_layer_input is not None:
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -222,9 +268,9 @@ class Gemma4(Decoder):
 
 
 def init_rule(cfg: ModelConfig, name: str):
-    """How parameter `name` starts (model/init.py): transformers' Gemma 4 initialisation, N(0, 0.02) matrices and
-    embeddings, unit norm gains and layer scalars."""
-    if name.endswith(("norm.weight", "layer_scalar")):
+    """How parameter `name` starts (model/init.py): transformers' Gemma 4 initialisation, N(0, 0.02) matrices,
+    experts and embeddings, unit norm gains, layer scalars and router scales."""
+    if name.endswith(("norm.weight", "layer_scalar", "moe.scale", "per_expert_scale")):
         return "ones"
     return ("normal", 0.02)
 
