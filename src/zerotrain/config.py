@@ -1411,8 +1411,8 @@ def _check_llama4(cfg: Config) -> None:
 
 def _check_gemma4(cfg: Config) -> None:
     """Gemma 4's layer pattern (its last layer global, as transformers forces it), a layer of each kind before the
-    shared-KV layers, the MoE block (--n-experts) on every layer, and what zerotrain does not have for it yet (tensor
-    parallelism, LoRA): refused, never trained approximately."""
+    shared-KV layers, the MoE block (--n-experts) on every layer, --tp dividing both kinds' KV heads, and what
+    zerotrain does not have for it yet (LoRA): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.sliding_window or not m.sliding_window_pattern or m.n_layer % m.sliding_window_pattern:
         raise ConfigError(f"--arch gemma4's last layer is global and the others slide every --sliding-window-pattern: "
@@ -1433,9 +1433,11 @@ def _check_gemma4(cfg: Config) -> None:
         given = f"--moe-every {m.moe_every}" if m.moe_every != 1 else f"--mlp-only-layers {m.mlp_only_layers}"
         raise ConfigError(f"{given}: --arch gemma4's MoE block is on every layer: give --moe-every 1 and no "
                           "--mlp-only-layers")
-    if p.tp > 1:  # two layer shapes to split (the global layers' one KV head replicated), the per-layer input table
-        raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet (its global layers' "
-                          "own head shapes and the per-layer input table need plans of their own): give --tp 1")
+    global_kv_heads = m.attention_shape(m.n_layer - 1)[0]  # the last layer is global
+    if (m.kv_heads % p.tp or global_kv_heads % p.tp) and p.tp > 1:  # one TP group, no KV group per layer kind
+        raise ConfigError(f"--tp {p.tp} does not divide the KV heads of both of --arch gemma4's layer kinds (sliding "
+                          f"{m.kv_heads}, global {global_kv_heads}): zerotrain's Gemma 4 does not replicate a KV "
+                          "head over TP ranks")
     if cfg.lora.rank:
         raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch gemma4 is not in zerotrain yet: give "
                           "--lora-rank 0")

@@ -50,11 +50,14 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .attention import attend
-from .decoder import Decoder, no_tp_parallelize, no_tp_plan
+from . import moe
+from .decoder import Decoder
 from .gemma import embedding_scale, geglu
 from .kv_cache import KVCache
 from .llama import layer_mask
 from .moe import MoE
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks, copy_to_tp, kv_head_blocks
+from .vocab import VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
@@ -71,11 +74,12 @@ class Gemma4RMSNorm(nn.Module):
         if scaled:
             self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the gain as the caller passes it (under TP the per-head norms' gain, its gradient summed)."""
         xf = x.float()
         normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if hasattr(self, "weight"):
-            normed = normed * self.weight.float()
+            normed = normed * (self.weight if weight is None else weight).float()
         return normed.to(x.dtype)
 
 
@@ -123,24 +127,31 @@ class Gemma4Attention(nn.Module):
             self.k_norm = Gemma4RMSNorm(D, eps)
             self.v_norm = Gemma4RMSNorm(D, eps, scaled=False)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+        self.tp_comm = None  # under TP: q, k and v share one all-reduce of their input's gradient (parallelize)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, layer: int,
                 mask, shared: dict) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        x = copy_to_tp(x, self.tp_comm)
+        q = self.head_norm(self.q_norm, self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, *rotary)
         if self.source != layer:
             k, v = shared[self.source]
         else:
             k = self.k_proj(x).view(B, T, -1, self.head_dim)
             v = self.v_proj(x).view(B, T, -1, self.head_dim) if hasattr(self, "v_proj") else k
-            k = apply_rotary(self.k_norm(k).transpose(1, 2), *rotary)
+            k = apply_rotary(self.head_norm(self.k_norm, k).transpose(1, 2), *rotary)
             v = self.v_norm(v).transpose(1, 2)
             if cache is not None:  # the keys and values of every position so far
                 k, v = cache.append(layer, k, v)
             shared[layer] = k, v
         y = attend(q, k, v, None, layer, mask, scale=1.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def head_norm(self, norm: Gemma4RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """`norm` of each head of x; under TP this rank's heads only, so the replicated gain's gradient is summed over
+        the group (llama.normalize_heads')."""
+        return norm(x, copy_to_tp(norm.weight, self.tp_comm))
 
 
 class Gemma4MLP(nn.Module):
@@ -150,8 +161,10 @@ class Gemma4MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, width, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, width, bias=False)
         self.down_proj = nn.Linear(width, cfg.n_embd, bias=False)
+        self.tp_comm = None  # under TP: gate and up share one all-reduce of their input's gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_comm)
         return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -275,5 +288,63 @@ def init_rule(cfg: ModelConfig, name: str):
     return ("normal", 0.02)
 
 
-# no tensor parallelism yet (config refuses --tp above 1)
-plan, parallelize = no_tp_plan, no_tp_parallelize
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """The TP slice of every split parameter, by its name in the full model: each layer's attention by heads of its
+    own kind's shape (q, k, v by rows, o_proj by the matching columns; tp divides both kinds' KV heads, config checks,
+    so no KV head is replicated), its MLP by its own width (the shared-KV layers' doubled), the experts as
+    model/moe.py splits them (the router replicated), the vocabulary as Llama's. The per-layer input table, its
+    projection and norm and each block's per-layer gate and projection are replicated: each token's row of the table
+    and the projection's are normed per layer's P-wide slice, and the gate's product is P wide (256 in the released
+    models), where a split would add an all-gather per layer for little memory that ZeRO shards anyway."""
+    C, slices = cfg.n_embd, {}
+    for i in range(cfg.n_layer):
+        h = f"model.layers.{i}."
+        kv_heads, D = cfg.attention_shape(i)
+        q, kv = cfg.n_head * D, kv_heads * D
+        slices[h + "self_attn.q_proj.weight"] = TPSlice(0, (q, C), blocks(q // tp, tp))
+        names = () if cfg.kv_source(i) != i else ("k_proj",) if cfg.k_eq_v and cfg.global_layer(i) else \
+            ("k_proj", "v_proj")
+        for name in names:
+            slices[f"{h}self_attn.{name}.weight"] = TPSlice(0, (kv, C), kv_head_blocks(kv_heads, D, tp))
+        slices[h + "self_attn.o_proj.weight"] = TPSlice(1, (C, q), blocks(q // tp, tp))
+        W = cfg.ffn_width_of(i)
+        rows = blocks(W // tp, tp)
+        slices.update({h + "mlp.gate_proj.weight": TPSlice(0, (W, C), rows),
+                       h + "mlp.up_proj.weight": TPSlice(0, (W, C), rows),
+                       h + "mlp.down_proj.weight": TPSlice(1, (C, W), rows)})
+        if cfg.has_experts(i):
+            slices.update(moe.plan(cfg, tp, h + "moe."))
+    if splits_vocab(cfg.vocab_size, tp):
+        slices["model.embed_tokens.weight"] = vocab_slice(cfg.vocab_size, C, tp)
+        if not cfg.tie_embeddings:
+            slices["lm_head.weight"] = vocab_slice(cfg.vocab_size, C, tp)
+    return slices
+
+
+def parallelize(model: Gemma4, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place (`plan`'s slices); return the
+    plan. No KV head is replicated (config), so `kv_comm` is None."""
+    slices = plan(model.cfg, tp_size)
+    for i, block in enumerate(model.model.layers):
+        h = f"model.layers.{i}."
+        attn, mlp = block.self_attn, block.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            if hasattr(attn, name):
+                setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{h}self_attn.{name}.weight"],
+                                                         None, tp_rank, None))
+        attn.tp_comm = comm
+        attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
+                                                    tp_rank, None))
+        mlp.tp_comm = comm
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+        if hasattr(block, "moe"):
+            moe.parallelize(block.moe, slices, h + "moe.", tp_rank, comm)
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
+    model.tp_slices = slices
+    return slices
