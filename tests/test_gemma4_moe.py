@@ -189,3 +189,25 @@ def test_experts_on_some_layers_only_are_refused_in_one_line(flags, said, capsys
 
     assert main(["train", *TINY, "--data", "synthetic", "--out", str(tmp_path), *flags]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"zerotrain: error: {said}"]
+
+
+# google/gemma-4-26B-A4B's text model as transformers builds it from the config.json zerotrain writes: its parameters
+# and the 30 layer scalars (buffers there, parameters here)
+GEMMA4_26B_A4B = 25_233_141_790
+
+
+def test_the_26b_a4b_preset_is_the_model_transformers_builds_from_its_config():
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import param_count
+
+    cfg = ModelConfig(**PRESETS["gemma4-26b-a4b"])
+    config = mapping.hf_config(cfg, None)
+    assert (config["enable_moe_block"], config["num_experts"], config["top_k_experts"],
+            config["moe_intermediate_size"]) == (True, 128, 8, 704)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    scalars = sum(b.numel() for n, b in theirs.named_buffers() if n.endswith("layer_scalar"))
+    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + scalars == GEMMA4_26B_A4B
+    assert [i for i in range(cfg.n_layer) if cfg.global_layer(i)] == [5, 11, 17, 23, 29]
+    assert mapping.model_config_from_hf(config, "gemma4-26b-a4b") == dataclasses.replace(cfg, seq_len=cfg.positions,
+                                                                                          context=0)

@@ -262,6 +262,15 @@ PRESETS: dict[str, dict] = {
                        rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6, tie_embeddings=True,
                        pad_token_id=0, sliding_window=1024, sliding_window_pattern=6, final_softcap=30.0,
                        global_head_width=512, k_eq_v=True, global_kv_heads=1),
+    # google/gemma-4-26B-A4B's text model: 30 layers, every 6th global (heads of 512, 2 KV heads, keys as values),
+    # the others sliding over 1024 (heads of 256, 8 KV heads); beside each layer's MLP of 2112, 128 experts of 704,
+    # top-8 (its config.json's text_config as ollama's GGUF metadata and Megatron-Bridge's Gemma 4 provider give it)
+    "gemma4-26b-a4b": dict(arch="gemma4", n_layer=30, n_head=16, n_kv_head=8, n_embd=2816, head_width=256,
+                           intermediate_size=2112, seq_len=4096, context=262144, vocab_size=262144,
+                           rope_theta=1000000.0, rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6,
+                           tie_embeddings=True, pad_token_id=0, sliding_window=1024, sliding_window_pattern=6,
+                           final_softcap=30.0, global_head_width=512, k_eq_v=True, global_kv_heads=2, n_experts=128,
+                           experts_per_token=8, expert_width=704, norm_topk_prob=True, router_aux_coef=0.0),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
