@@ -13,7 +13,10 @@ Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3 on
 Gemma4ForCausalLM adds none): losses and final weights within 1e-5 relative, gradient norms within 2e-5 (test_gemma4's
 bound; measured at 1 rank / ZeRO-3 / --ep 2: losses 1.3e-7 each, gradient norms 6.6e-6 / 7.1e-6 / 6.8e-6, weights
 2.7e-6 each). The trained model exports with --format hf to Gemma4ForCausalLM computing the run's logits, its experts
-stacked as transformers holds them, config.json both ways.
+stacked as transformers holds them, config.json both ways. Decoding through the KV cache equals the full forward
+(test_gemma4 shows a cache losing its earlier positions caught). A random model's router scales start at 1; experts
+on some layers only (--moe-every, --mlp-only-layers) are refused in one line. The gemma4-26b-a4b planning preset is
+the model transformers builds from its config.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import transformers
 from conftest import world_of_one
 from dist_jobs import in_turn_job
 from test_gemma import one_thread
-from test_gemma4 import CAUGHT, EXACT, LIMIT, UNGUARDED, hf_model, logits
+from test_gemma4 import CAUGHT, EXACT, IDS, LIMIT, UNGUARDED, cached_logits, hf_model, logits
 from test_qwen35 import STEPS, config_for, gaps, transformers_run, weights_of
 
 import zerotrain
@@ -96,6 +99,12 @@ def test_a_planted_bug_in_the_moe_block_changes_the_logits(folder, monkeypatch, 
         for block in model.model.layers:
             monkeypatch.setattr(block.post_feedforward_layernorm_2, "forward", lambda x: x)
     assert (logits(model) - logits(hf)).abs().max() > CAUGHT
+
+
+def test_decoding_through_the_cache_equals_the_full_forward_with_the_moe_block(folder):
+    """Each token routed alone as in the whole sequence (in fp64, as test_gemma4's)."""
+    model = zerotrain.load_model(str(folder[0])).double()
+    assert (cached_logits(model, IDS) - logits(model)).abs().max() < 1e-9
 
 
 @pytest.fixture(scope="module")
