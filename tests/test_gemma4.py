@@ -17,8 +17,8 @@ transformers + AdamW loop (test_qwen35's): losses and final weights within 1e-5 
 (measured at 1 rank / ZeRO-3: losses 2.2e-7 / 1.5e-7, gradient norms 1.1e-5 / 8.9e-6, weights 1.5e-6 / 1.6e-6); the
 layer scalars never move. The trained
 model exports with --format hf to Gemma4ForCausalLM computing the run's logits, config.json both ways. What zerotrain
-does not have for Gemma 4 (--tp, LoRA, the MoE block, bidirectional attention, another rotary) is refused in one
-line.
+does not have for Gemma 4 (LoRA, bidirectional attention, another rotary) is refused in one line. The MoE block:
+test_gemma4_moe.py; --tp: test_gemma4_tp.py.
 """
 
 from __future__ import annotations
@@ -54,10 +54,16 @@ LIMIT = 300  # seconds: a deadlocked job fails the test instead of hanging CI
 LOCAL_THETA, GLOBAL_THETA, PARTIAL = 100.0, 10000.0, 0.5
 
 
-def hf_config(initializer_range: float = 0.1) -> transformers.Gemma4TextConfig:
+# the MoE block's sizes (test_gemma4_moe.py): 4 experts of width 32, top-2, on every layer
+MOE_BLOCK = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+def hf_config(initializer_range: float = 0.1, moe: bool = False, global_kv_heads: int = 1
+              ) -> transformers.Gemma4TextConfig:
     return transformers.Gemma4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        **(MOE_BLOCK if moe else {}), vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
         layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=WINDOW, num_kv_shared_layers=2,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True,
         max_position_embeddings=128, final_logit_softcapping=5.0, initializer_range=initializer_range,
@@ -72,14 +78,16 @@ def _one_thread():
         yield
 
 
-def hf_model(folder, initializer_range: float = 0.1, qk_gain: float = 1.0):
+def hf_model(folder, initializer_range: float = 0.1, qk_gain: float = 1.0, moe: bool = False,
+             global_kv_heads: int = 1):
     """A tiny random Gemma 4 saved by transformers in `folder`; the model in eval mode, eager attention. `qk_gain`:
-    the q and k norms' gains about it."""
+    the q and k norms' gains about it; `moe`: with the MoE block (MOE_BLOCK)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(initializer_range), attn_implementation="eager")
-    with torch.no_grad():  # the RMSNorms and the layer scalars start at 1: moved off it
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(initializer_range, moe, global_kv_heads),
+                                                          attn_implementation="eager")
+    with torch.no_grad():  # the RMSNorms, the router's scales and the layer scalars start at 1: moved off it
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.3)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.mul_(qk_gain)
@@ -313,9 +321,6 @@ def test_the_12b_preset_is_the_model_transformers_builds_from_its_config():
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--nproc", "2", "--tp", "2"], "--tp 2: --arch gemma4 has no tensor parallelism in zerotrain yet (its global "
-                                    "layers' own head shapes and the per-layer input table need plans of their own): "
-                                    "give --tp 1"),
     (["--lora-rank", "8"], "--lora-rank 8: LoRA on --arch gemma4 is not in zerotrain yet: give --lora-rank 0"),
 ])
 def test_what_zerotrain_does_not_have_for_gemma4_is_refused_in_one_line(folder, flags, said, capsys):
@@ -326,7 +331,6 @@ def test_what_zerotrain_does_not_have_for_gemma4_is_refused_in_one_line(folder, 
 
 
 @pytest.mark.parametrize("field, value, said", [
-    ("enable_moe_block", True, "enable_moe_block = True"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention = 'all'"),
     ("hidden_activation", "gelu", "hidden_activation = 'gelu'"),
     ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},

@@ -261,8 +261,8 @@ def family_configs() -> dict:
     configs["mistral4"] = transformers.Mistral4Config(**MISTRAL4_SIZES)
     configs["glm4_moe"] = transformers.Glm4MoeConfig(**GLM_SIZES)
     configs["llama4_text"] = llama4_config()
-    configs["gemma4_text"] = gemma4_config()  # without per-layer inputs, whose table's vocabulary is the model's
-    configs["gemma4_text"].hidden_size_per_layer_input = 0  # (the survey reads it with a vocabulary of 40000)
+    configs["gemma4_text"] = gemma4_config(moe=True)  # with the MoE block, without per-layer inputs, whose table's
+    configs["gemma4_text"].hidden_size_per_layer_input = 0  # vocabulary is the model's (the survey reads 40000)
     return configs
 
 

@@ -279,6 +279,15 @@ PRESETS: dict[str, dict] = {
                        rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6, tie_embeddings=True,
                        pad_token_id=0, sliding_window=1024, sliding_window_pattern=6, final_softcap=30.0,
                        global_head_width=512, k_eq_v=True, global_kv_heads=1),
+    # google/gemma-4-26B-A4B's text model: 30 layers, every 6th global (heads of 512, 2 KV heads, keys as values),
+    # the others sliding over 1024 (heads of 256, 8 KV heads); beside each layer's MLP of 2112, 128 experts of 704,
+    # top-8 (its config.json's text_config as ollama's GGUF metadata and Megatron-Bridge's Gemma 4 provider give it)
+    "gemma4-26b-a4b": dict(arch="gemma4", n_layer=30, n_head=16, n_kv_head=8, n_embd=2816, head_width=256,
+                           intermediate_size=2112, seq_len=4096, context=262144, vocab_size=262144,
+                           rope_theta=1000000.0, rope_local_theta=10000.0, partial_rotary=0.25, norm_eps=1e-6,
+                           tie_embeddings=True, pad_token_id=0, sliding_window=1024, sliding_window_pattern=6,
+                           final_softcap=30.0, global_head_width=512, k_eq_v=True, global_kv_heads=2, n_experts=128,
+                           experts_per_token=8, expert_width=704, norm_topk_prob=True, router_aux_coef=0.0),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -436,8 +445,8 @@ class ModelConfig:
                                    "gemma3, gemma4; 0: none)", rule=NON_NEGATIVE, shown="0: none",
                                    applies=archs_scope(*GEMMA, *GEMMA4))
     n_experts: int = setting(0, "experts of each MoE layer (qwen3_moe, qwen2_moe, mixtral, olmoe; Hugging Face's "
-                             "num_experts); 0: a dense MLP", rule=NON_NEGATIVE, shown="0: none",
-                             applies=archs_scope(*MOE))
+                             "num_experts; gemma4: beside the MLP, enable_moe_block); 0: a dense MLP", rule=NON_NEGATIVE,
+                             shown="0: none", applies=archs_scope(*MOE, *GEMMA4))
     experts_per_token: int = setting(2, "experts each token is routed to (top-k, num_experts_per_tok)", rule=POSITIVE,
                                      applies=EXPERTS)
     expert_width: int = setting(0, "each expert's hidden width (moe_intermediate_size)", rule=NON_NEGATIVE,
@@ -1290,8 +1299,9 @@ def _check_experts(cfg: Config) -> None:
     m = cfg.model
     if m.arch in MOE and not m.n_experts:
         raise ConfigError(f"--arch {m.arch} is a mixture of experts: give --n-experts")
-    if m.n_experts and m.arch not in MOE:
-        raise ConfigError(f"--n-experts {m.n_experts} is for --arch {' or '.join(MOE)}, not --arch {m.arch}")
+    if m.n_experts and m.arch not in (*MOE, *GEMMA4):
+        raise ConfigError(f"--n-experts {m.n_experts} is for --arch {' or '.join((*MOE, *GEMMA4))}, not --arch "
+                          f"{m.arch}")
     if not m.n_experts:
         given = [(m.expert_width, "--expert-width"), (m.shared_expert_width, "--shared-expert-width"),
                  (m.mlp_only_layers, "--mlp-only-layers"), (cfg.parallel.ep if cfg.parallel.ep > 1 else 0, "--ep")]
@@ -1459,9 +1469,8 @@ def _check_llama4(cfg: Config) -> None:
 
 def _check_gemma4(cfg: Config) -> None:
     """Gemma 4's layer pattern (its last layer global, as transformers forces it), a layer of each kind before the
-    shared-KV layers, and what zerotrain does not have for it yet (tensor parallelism, LoRA; the MoE block is refused
-    by _check_experts, gemma4 not being among MOE): refused,
-    never trained approximately."""
+    shared-KV layers, the MoE block (--n-experts) on every layer, --tp dividing both kinds' KV heads, and what
+    zerotrain does not have for it yet (LoRA): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.sliding_window or not m.sliding_window_pattern or m.n_layer % m.sliding_window_pattern:
         raise ConfigError(f"--arch gemma4's last layer is global and the others slide every --sliding-window-pattern: "
@@ -1478,9 +1487,15 @@ def _check_gemma4(cfg: Config) -> None:
         raise ConfigError(f"--global-kv-heads {m.global_kv_heads} does not divide --n-head {m.n_head}")
     if m.global_head_width % 2:
         raise ConfigError(f"--global-head-width {m.global_head_width} must be even (rotary embeddings rotate pairs)")
-    if p.tp > 1:  # two layer shapes to split (the global layers' one KV head replicated), the per-layer input table
-        raise ConfigError(f"--tp {p.tp}: --arch gemma4 has no tensor parallelism in zerotrain yet (its global layers' "
-                          "own head shapes and the per-layer input table need plans of their own): give --tp 1")
+    if m.n_experts and (m.moe_every != 1 or m.mlp_only_layers):  # transformers' MoE block is on every layer
+        given = f"--moe-every {m.moe_every}" if m.moe_every != 1 else f"--mlp-only-layers {m.mlp_only_layers}"
+        raise ConfigError(f"{given}: --arch gemma4's MoE block is on every layer: give --moe-every 1 and no "
+                          "--mlp-only-layers")
+    global_kv_heads = m.attention_shape(m.n_layer - 1)[0]  # the last layer is global
+    if (m.kv_heads % p.tp or global_kv_heads % p.tp) and p.tp > 1:  # one TP group, no KV group per layer kind
+        raise ConfigError(f"--tp {p.tp} does not divide the KV heads of both of --arch gemma4's layer kinds (sliding "
+                          f"{m.kv_heads}, global {global_kv_heads}): zerotrain's Gemma 4 does not replicate a KV "
+                          "head over TP ranks")
     if cfg.lora.rank:
         raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch gemma4 is not in zerotrain yet: give "
                           "--lora-rank 0")

@@ -38,7 +38,9 @@ and export alike, so the two cannot drift apart.
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).
     gemma4 Gemma 4's text model (gemma4_text, Gemma4ForCausalLM) names its tensors as zerotrain's model does (the
-           per-layer input embedding's, each block's layer_scalar, a buffer there, among them): the identity. Its
+           per-layer input embedding's, each block's layer_scalar, a buffer there, among them), but its MoE block's:
+           router.proj, router.scale, router.per_expert_scale and the experts stacked as Mistral 4's beside the MLP
+           (GEMMA4_EXPERTS) are zerotrain's moe.gate, moe.scale, moe.per_expert_scale and moe.experts.{e}.*. Its
            shared-KV layers have no k_proj, v_proj or their norms, in its files as in zerotrain's model.
 
 config.json both ways: each family's Hugging Face fields, read into zerotrain's ModelConfig (model_config_from_hf)
@@ -147,7 +149,7 @@ class HFMapping:
             for name in [n for n in out if n.endswith(".experts.0." + stack.parts[0])]:
                 base = name[: -len(".0." + stack.parts[0])]
                 n_experts = sum(1 for n in out if n.startswith(base + ".") and n.endswith("." + stack.parts[0]))
-                out[base.rpartition("mlp.experts")[0] + stack.stored] = torch.stack([
+                out[base[: -len(stack.stored.rpartition(".")[0])] + stack.stored] = torch.stack([
                     stack.join(*(out.pop(f"{base}.{e}.{part}") for part in stack.parts)) for e in range(n_experts)])
         return {self.stored_name(n): t for n, t in out.items()}
 
@@ -213,6 +215,13 @@ MISTRAL4_EXPERTS = (
                    lambda gate, up: torch.cat((gate, up), dim=0)),
     StackedExperts("mlp.experts.down_proj", ("down_proj.weight",), lambda t: (t,), lambda down: down),
 )
+
+# Gemma 4 stacks them as Mistral 4 does, beside the block's MLP: layers.{i}.experts.gate_up_proj (E, 2F, C) and
+# experts.down_proj (E, C, F), zerotrain's moe.experts (GEMMA4_INFIXES names them)
+GEMMA4_EXPERTS = tuple(StackedExperts(s.stored.replace("mlp.", "moe.", 1), s.parts, s.split, s.join) for s in MISTRAL4_EXPERTS)
+# Gemma 4's router (router.proj, router.scale, router.per_expert_scale) and experts are zerotrain's moe.gate, moe.scale,
+# moe.per_expert_scale and moe.experts; in this order both ways (moe.experts before the rest of moe.)
+GEMMA4_INFIXES = ((".router.proj.", ".moe.gate."), (".experts.", ".moe.experts."), (".router.", ".moe."))
 
 # MXFP4 (OCP microscaling, 4-bit floats): gpt-oss's released folders store each expert matrix as `<name>_blocks`
 # (E, rows, G, 16) uint8, two FP4 (e2m1) values a byte, low nibble first, and `<name>_scales` (E, rows, G) uint8,
@@ -285,7 +294,8 @@ MAPPINGS = {
                         infixes=((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
                         experts=LLAMA4_EXPERTS),
     "gemma2": HFMapping("gemma2", "gemma2", "Gemma2ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",)),
-    "gemma4": HFMapping("gemma4", "gemma4_text", "Gemma4ForCausalLM", "model.layers.", (), ("_inv_freq",)),
+    "gemma4": HFMapping("gemma4", "gemma4_text", "Gemma4ForCausalLM", "model.layers.", (), ("_inv_freq",),
+                        infixes=GEMMA4_INFIXES, experts=GEMMA4_EXPERTS),
     "gemma3": HFMapping("gemma3", "gemma3_text", "Gemma3ForCausalLM", "model.layers.", (), (".rotary_emb.inv_freq",),
                         renamed=(("language_model.model.", "model."), ("model.language_model.", "model."),
                                  ("language_model.lm_head.", "lm_head.")),
@@ -442,7 +452,9 @@ def _gemma4_config(cfg: ModelConfig, config: dict) -> dict:
                   use_bidirectional_attention=None, attention_k_eq_v=cfg.k_eq_v,
                   num_kv_shared_layers=cfg.kv_shared_layers, use_double_wide_mlp=cfg.double_wide_mlp,
                   hidden_size_per_layer_input=cfg.per_layer_width, vocab_size_per_layer_input=cfg.vocab_size,
-                  enable_moe_block=False, num_experts=None, top_k_experts=None, moe_intermediate_size=None,
+                  enable_moe_block=cfg.moe, num_experts=cfg.n_experts or None,
+                  top_k_experts=cfg.experts_per_token if cfg.moe else None,
+                  moe_intermediate_size=cfg.expert_ffn if cfg.moe else None,
                   per_layer_config={str(i): shape for i, kind in enumerate(types) if kind == "full_attention"},
                   rope_parameters={
                       "sliding_attention": {"rope_type": "default",
@@ -897,13 +909,22 @@ def _gemma4(config: dict, where: str) -> ModelConfig:
     """Gemma 4's ModelConfig (gemma4_text): its sizes, its layer types as a pattern (the last layer global, as
     transformers forces it), each kind's rotary, the global layers' shape (per_layer_config, which transformers 5
     writes, or the published global_head_dim and num_global_key_value_heads), the shared KV and the per-layer input
-    embedding. What zerotrain's gemma4 does not compute (the MoE block, bidirectional attention, biases, another
-    activation or rotary) is refused, naming the field."""
+    embedding, the MoE block's experts. What zerotrain's gemma4 does not compute (bidirectional attention, biases,
+    another activation or rotary) is refused, naming the field."""
     config = {**_GEMMA4_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k not in _GEMMA4_DEFAULTS}}
     _refuse(config, where, (("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
                             ("attention_bias", False, (False,)), ("use_bidirectional_attention", None, (None,)),
-                            ("enable_moe_block", False, (False,))))
+                            ("enable_moe_block", False, (False, True))))
     flags = {key: config[key] for key in ("tie_word_embeddings", "attention_k_eq_v", "use_double_wide_mlp")}
+    experts = {}
+    if config.get("enable_moe_block"):  # beside the MLP on every layer; transformers adds no balancing loss
+        experts = dict(n_experts=_count(config, "num_experts", where),
+                       experts_per_token=_count(config, "top_k_experts", where),
+                       expert_width=_count(config, "moe_intermediate_size", where), norm_topk_prob=True,
+                       router_aux_coef=0.0)
+        if experts["experts_per_token"] > experts["n_experts"]:
+            raise CheckpointError(f"{where}: top_k_experts {experts['experts_per_token']} is more than the "
+                                  f"{experts['n_experts']} experts")
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
@@ -968,7 +989,8 @@ def _gemma4(config: dict, where: str) -> ModelConfig:
                        sliding_window_pattern=pattern,
                        final_softcap=0.0 if caps is None else _positive(config, "final_logit_softcapping", where, 0.0),
                        global_head_width=width, k_eq_v=flags["attention_k_eq_v"], global_kv_heads=global_heads or 0,
-                       kv_shared_layers=shared, per_layer_width=per_layer, double_wide_mlp=flags["use_double_wide_mlp"])
+                       kv_shared_layers=shared, per_layer_width=per_layer, double_wide_mlp=flags["use_double_wide_mlp"],
+                       **experts)
 
 
 # Per member of the Llama family: (key, its value when absent, the values zerotrain's model has) for each field that

@@ -11,7 +11,6 @@ import torch.nn as nn
 from zerotrain.config import ModelConfig
 
 from .kv_cache import KVCache
-from .tensor_parallel import TPSlice
 from .vocab import LMHead, tied_head_hook, token_embedding
 
 
@@ -61,16 +60,3 @@ class Decoder(nn.Module):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output, the head's input: (batch, time, width)."""
         raise NotImplementedError
-
-
-
-def no_tp_plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
-    """The plan of a decoder without tensor parallelism yet (Gemma 4; config refuses --tp above 1): no TP slices."""
-    if tp > 1:
-        raise ValueError(f"--arch {cfg.arch} has no tensor parallelism yet (tp {tp})")
-    return {}
-
-
-def no_tp_parallelize(model: Decoder, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
-    model.tp_slices = no_tp_plan(model.cfg, tp_size)
-    return model.tp_slices

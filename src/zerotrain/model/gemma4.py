@@ -12,7 +12,12 @@
     shared KV  the last --kv-shared-layers layers have no k_proj, v_proj or their norms: each attends with the keys
                and values of the last earlier layer of its kind (ModelConfig.kv_source), through the cache too
     block      RMSNorms (a plain w gain, fp32) before and after the attention and the MLP (GeGLU; twice as wide on
-               the shared-KV layers with --double-wide-mlp); then, with --per-layer-width P, the layer's input
+               the shared-KV layers with --double-wide-mlp); with --n-experts (enable_moe_block) a mixture of
+               experts beside the MLP on every layer: the router reads the block's residual x (normed without a
+               gain, times its scale and 1 / sqrt(width); softmax, top-k renormalised, times per_expert_scale),
+               the experts (GeGLU, --expert-width) read pre_feedforward_layernorm_2(x), and the MLP's and the
+               experts' outputs, each normed (post_feedforward_layernorm_1, _2), are summed before
+               post_feedforward_layernorm; then, with --per-layer-width P, the layer's input
                embedding: gelu(per_layer_input_gate(x)) times it, projected back to the width, normalised and added;
                the block's output multiplied by its layer_scalar
     per-layer  each token's row of embed_tokens_per_layer (n_layer x P, scaled by sqrt(P)) plus its scaled
@@ -27,7 +32,11 @@ released checkpoints' are not 1) are read and exported. Packed records: position
 record's tokens see their own record only (the sliding window inside it), on both kinds and through the shared KV.
 
 Parameter names are transformers' (model.embed_tokens_per_layer, model.per_layer_model_projection,
-model.layers.{i}.per_layer_input_gate, ...): the mapping to and from Hugging Face (hub/mapping.py) is the identity.
+model.layers.{i}.per_layer_input_gate, ...) but the MoE block's: its router and experts are model/moe.py's under
+layers.{i}.moe (moe.gate.weight, moe.scale, moe.per_expert_scale, moe.experts.{e}.gate_proj.weight, ...), which
+hub/mapping.py maps to transformers' router.proj, router.scale, router.per_expert_scale and the stacked
+experts.gate_up_proj (E, 2F, C: gate rows, then up) and experts.down_proj (E, C, F), and back.
+No balancing loss unless a run asks for one (--moe-aux-coef): transformers' Gemma4ForCausalLM adds none.
 """
 
 from __future__ import annotations
@@ -41,10 +50,14 @@ import torch.nn.functional as F
 from zerotrain.config import ModelConfig
 
 from .attention import attend
-from .decoder import Decoder, no_tp_parallelize, no_tp_plan
+from . import moe
+from .decoder import Decoder
 from .gemma import embedding_scale, geglu
 from .kv_cache import KVCache
 from .llama import layer_mask
+from .moe import MoE
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks, copy_to_tp, kv_head_blocks
+from .vocab import VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
@@ -61,11 +74,12 @@ class Gemma4RMSNorm(nn.Module):
         if scaled:
             self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the gain as the caller passes it (under TP the per-head norms' gain, its gradient summed)."""
         xf = x.float()
         normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if hasattr(self, "weight"):
-            normed = normed * self.weight.float()
+            normed = normed * (self.weight if weight is None else weight).float()
         return normed.to(x.dtype)
 
 
@@ -113,24 +127,31 @@ class Gemma4Attention(nn.Module):
             self.k_norm = Gemma4RMSNorm(D, eps)
             self.v_norm = Gemma4RMSNorm(D, eps, scaled=False)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=False)
+        self.tp_comm = None  # under TP: q, k and v share one all-reduce of their input's gradient (parallelize)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, layer: int,
                 mask, shared: dict) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        x = copy_to_tp(x, self.tp_comm)
+        q = self.head_norm(self.q_norm, self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, *rotary)
         if self.source != layer:
             k, v = shared[self.source]
         else:
             k = self.k_proj(x).view(B, T, -1, self.head_dim)
             v = self.v_proj(x).view(B, T, -1, self.head_dim) if hasattr(self, "v_proj") else k
-            k = apply_rotary(self.k_norm(k).transpose(1, 2), *rotary)
+            k = apply_rotary(self.head_norm(self.k_norm, k).transpose(1, 2), *rotary)
             v = self.v_norm(v).transpose(1, 2)
             if cache is not None:  # the keys and values of every position so far
                 k, v = cache.append(layer, k, v)
             shared[layer] = k, v
         y = attend(q, k, v, None, layer, mask, scale=1.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def head_norm(self, norm: Gemma4RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """`norm` of each head of x; under TP this rank's heads only, so the replicated gain's gradient is summed over
+        the group (llama.normalize_heads')."""
+        return norm(x, copy_to_tp(norm.weight, self.tp_comm))
 
 
 class Gemma4MLP(nn.Module):
@@ -140,14 +161,43 @@ class Gemma4MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, width, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, width, bias=False)
         self.down_proj = nn.Linear(width, cfg.n_embd, bias=False)
+        self.tp_comm = None  # under TP: gate and up share one all-reduce of their input's gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_comm)
         return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
+class Gemma4MoE(MoE):
+    """The module docstring's mixture of experts: model/moe.py's experts (GeGLU), dispatch and expert parallelism (its
+    `exchange`), with Gemma 4's router (transformers' Gemma4TextRouter): the residual normed without a gain, times
+    `scale` and 1 / sqrt(width), projected (`gate`: router.proj), softmax in fp32, the top-k renormalised, each
+    weight times its expert's `per_expert_scale`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        for expert in self.experts:
+            expert.activation = geglu
+        self.norm = Gemma4RMSNorm(cfg.n_embd, cfg.norm_eps, scaled=False)
+        self.scale = nn.Parameter(torch.ones(cfg.n_embd))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.n_experts))
+        self.root_width = cfg.n_embd ** -0.5
+
+    def route(self, flat: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the top-k weights (N, k), fp32; the experts chosen (N, k)) from the residual `flat`; records the layer's
+        Routing."""
+        logits = self.gate(self.norm(flat) * self.scale * self.root_width)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[chosen]
+        self.record_routing(probs, chosen, B, T)
+        return weights, chosen
+
+
 class Gemma4Block(nn.Module):
-    """Normed attention and MLP, each output normed before its residual add; the layer's input embedding's gated
-    residual; the whole scaled by layer_scalar."""
+    """Normed attention and MLP, each output normed before its residual add (with the MoE block, the MLP's and the
+    experts' outputs each normed, summed, then normed); the layer's input embedding's gated residual; the whole
+    scaled by layer_scalar."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -158,6 +208,11 @@ class Gemma4Block(nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(C, eps)
         self.mlp = Gemma4MLP(cfg, layer)
         self.post_feedforward_layernorm = Gemma4RMSNorm(C, eps)
+        if cfg.has_experts(layer):  # beside the MLP, each with its own norms (transformers' names)
+            self.moe = Gemma4MoE(cfg)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(C, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(C, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(C, eps)
         if cfg.per_layer_width:
             self.per_layer_input_gate = nn.Linear(C, cfg.per_layer_width, bias=False)
             self.per_layer_projection = nn.Linear(cfg.per_layer_width, C, bias=False)
@@ -167,7 +222,11 @@ class Gemma4Block(nn.Module):
     def forward(self, x, per_layer_input, rotary, cache: KVCache | None, layer: int, mask, shared: dict):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cache, layer, mask,
                                                              shared))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ffn = self.mlp(self.pre_feedforward_layernorm(x))
+        if hasattr(self, "moe"):  # the experts read their own norm of x, the router x itself
+            routed = self.moe(self.pre_feedforward_layernorm_2(x), router_input=x)
+            ffn = self.post_feedforward_layernorm_1(ffn) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(ffn)
         if per_layer_input is not None:
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -222,12 +281,70 @@ class Gemma4(Decoder):
 
 
 def init_rule(cfg: ModelConfig, name: str):
-    """How parameter `name` starts (model/init.py): transformers' Gemma 4 initialisation, N(0, 0.02) matrices and
-    embeddings, unit norm gains and layer scalars."""
-    if name.endswith(("norm.weight", "layer_scalar")):
+    """How parameter `name` starts (model/init.py): transformers' Gemma 4 initialisation, N(0, 0.02) matrices,
+    experts and embeddings, unit norm gains, layer scalars and router scales."""
+    if name.endswith(("norm.weight", "layer_scalar", "moe.scale", "per_expert_scale")):
         return "ones"
     return ("normal", 0.02)
 
 
-# no tensor parallelism yet (config refuses --tp above 1)
-plan, parallelize = no_tp_plan, no_tp_parallelize
+def plan(cfg: ModelConfig, tp: int) -> dict[str, TPSlice]:
+    """The TP slice of every split parameter, by its name in the full model: each layer's attention by heads of its
+    own kind's shape (q, k, v by rows, o_proj by the matching columns; tp divides both kinds' KV heads, config checks,
+    so no KV head is replicated), its MLP by its own width (the shared-KV layers' doubled), the experts as
+    model/moe.py splits them (the router replicated), the vocabulary as Llama's. The per-layer input table, its
+    projection and norm and each block's per-layer gate and projection are replicated: each token's row of the table
+    and the projection's are normed per layer's P-wide slice, and the gate's product is P wide (256 in the released
+    models), where a split would add an all-gather per layer for little memory that ZeRO shards anyway."""
+    C, slices = cfg.n_embd, {}
+    for i in range(cfg.n_layer):
+        h = f"model.layers.{i}."
+        kv_heads, D = cfg.attention_shape(i)
+        q, kv = cfg.n_head * D, kv_heads * D
+        slices[h + "self_attn.q_proj.weight"] = TPSlice(0, (q, C), blocks(q // tp, tp))
+        names = () if cfg.kv_source(i) != i else ("k_proj",) if cfg.k_eq_v and cfg.global_layer(i) else \
+            ("k_proj", "v_proj")
+        for name in names:
+            slices[f"{h}self_attn.{name}.weight"] = TPSlice(0, (kv, C), kv_head_blocks(kv_heads, D, tp))
+        slices[h + "self_attn.o_proj.weight"] = TPSlice(1, (C, q), blocks(q // tp, tp))
+        W = cfg.ffn_width_of(i)
+        rows = blocks(W // tp, tp)
+        slices.update({h + "mlp.gate_proj.weight": TPSlice(0, (W, C), rows),
+                       h + "mlp.up_proj.weight": TPSlice(0, (W, C), rows),
+                       h + "mlp.down_proj.weight": TPSlice(1, (C, W), rows)})
+        if cfg.has_experts(i):
+            slices.update(moe.plan(cfg, tp, h + "moe."))
+    if splits_vocab(cfg.vocab_size, tp):
+        slices["model.embed_tokens.weight"] = vocab_slice(cfg.vocab_size, C, tp)
+        if not cfg.tie_embeddings:
+            slices["lm_head.weight"] = vocab_slice(cfg.vocab_size, C, tp)
+    return slices
+
+
+def parallelize(model: Gemma4, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
+    """Replace the full model's split layers by this rank's parallel ones, in place (`plan`'s slices); return the
+    plan. No KV head is replicated (config), so `kv_comm` is None."""
+    slices = plan(model.cfg, tp_size)
+    for i, block in enumerate(model.model.layers):
+        h = f"model.layers.{i}."
+        attn, mlp = block.self_attn, block.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            if hasattr(attn, name):
+                setattr(attn, name, ColumnParallelLinear(getattr(attn, name), slices[f"{h}self_attn.{name}.weight"],
+                                                         None, tp_rank, None))
+        attn.tp_comm = comm
+        attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
+                                                    tp_rank, None))
+        mlp.tp_comm = comm
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+        if hasattr(block, "moe"):
+            moe.parallelize(block.moe, slices, h + "moe.", tp_rank, comm)
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
+        model.tie_weights()
+    model.tp_slices = slices
+    return slices

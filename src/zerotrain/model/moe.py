@@ -120,10 +120,12 @@ class MoE(nn.Module):
         """The experts this rank holds, in expert order: all of them, or its EP block."""
         return list(self.experts.values()) if isinstance(self.experts, nn.ModuleDict) else list(self.experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for tokens `x` (B, T, C), routed from `router_input` where the model routes from
+        another tensor than the experts read (Gemma 4: the block's un-normed residual), else from `x`."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)
-        weights, chosen = self.route(flat, B, T)
+        weights, chosen = self.route(flat if router_input is None else router_input.reshape(-1, C), B, T)
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, slot) pairs by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
         comm = self.tp_comm  # under TP the experts' outputs are this rank's partial sums: see the module docstring
@@ -169,15 +171,20 @@ class MoE(nn.Module):
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.record_routing(probs, chosen, B, T)
+        return weights, chosen
+
+    def record_routing(self, probs: torch.Tensor, chosen: torch.Tensor, B: int, T: int) -> None:
+        """Keep the forward's Routing (the router's fp32 probabilities (N, E), the experts chosen (N, k)) for the
+        balancing loss."""
         if in_backward():
             # a forward recomputed for the backward (activation checkpointing): the balancing loss took the
             # forward's routing; recorded again, this one would hold its graph past the backward
-            return weights, chosen
+            return
         with torch.no_grad():
-            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
-            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=chosen.device)
+            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=chosen.device))
         self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
-        return weights, chosen
 
     def expert_path(self, flat: torch.Tensor) -> str:
         if self.path != "auto":
