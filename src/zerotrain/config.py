@@ -1356,8 +1356,7 @@ def _check_qwen35(cfg: Config) -> None:
 
 def _check_deepseek(cfg: Config) -> None:
     """DeepSeek-V3's (and Mistral 4's) routing sizes, and what its latent attention does not have yet in zerotrain
-    (context parallelism; Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained
-    approximately."""
+    (context parallelism): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.moe:
         raise ConfigError(f"--arch {m.arch} has experts after its --first-dense-layers: give --n-experts")
@@ -1384,16 +1383,9 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--routing-bias-speed {m.routing_bias_speed} with --method {cfg.objective.method}: the bias "
                           "moves with the expert loads of --method sft's steps only in zerotrain yet: give "
                           "--routing-bias-speed 0")
-    mistral4 = m.arch == "mistral4"
-    refused = [(p.tp > 1 and mistral4, f"--tp {p.tp}", "Mistral 4's tensor parallelism is not in zerotrain yet: give "
-                                                       "--tp 1"),
-               (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
-                                          "give --cp 1"),
-               (cfg.lora.rank > 0 and mistral4, f"--lora-rank {cfg.lora.rank}", "LoRA on Mistral 4 is not in "
-                                                                                "zerotrain yet: give --lora-rank 0")]
-    for hit, what, why in refused:
-        if hit:
-            raise ConfigError(f"{what} with --arch {m.arch}: {why}")
+    if p.cp > 1:
+        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: multi-head latent attention has no context parallelism "
+                          "in zerotrain yet: give --cp 1")
 
 
 def _check_llama4(cfg: Config) -> None:
