@@ -1389,15 +1389,12 @@ def _check_deepseek(cfg: Config) -> None:
 
 
 def _check_llama4(cfg: Config) -> None:
-    """Llama 4's experts, and what zerotrain does not have for it yet (LoRA; --cp, whose ring has no chunked
-    attention, is refused with the ring's other gaps): refused, never trained approximately."""
+    """Llama 4's experts (what zerotrain does not have for it yet, --cp, whose ring has no chunked attention, is
+    refused with the ring's other gaps)."""
     m = cfg.model
     if not m.n_experts or m.shared_expert_width != m.expert_ffn:
         raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "
                           f"--shared-expert-width {m.expert_ffn} (got {m.n_experts} and {m.shared_expert_width})")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch llama4 is not in zerotrain yet: give "
-                          "--lora-rank 0")
 
 
 def _check_gemma4(cfg: Config) -> None:
