@@ -52,9 +52,9 @@ def unsummed_adapter_job(cfg, comm):
 
 
 def lora_runs(tmp, build_base, lora=LORA) -> dict:
-    """The LoRA runs (flags `lora`) of the base `build_base(folder)` saves: {"folder", "1 rank": (losses, adapters, step folder),
-    "tp2": (losses, adapters), "unsummed": its report}, the 1-rank run in this process, the others on one start of 2
-    ranks."""
+    """The LoRA runs (flags `lora`) of the base `build_base(folder)` saves: {"folder", "1 rank": (losses, adapters,
+    step folder), "tp2": (losses, adapters), "unsummed": its report}, the 1-rank run in this process, the others on
+    one start of 2 ranks."""
     from zerotrain.training.loop import train, train_job
 
     with one_thread():
