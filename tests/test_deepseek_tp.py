@@ -75,6 +75,17 @@ def unsummed_latent_job(cfg, comm):
         mla.to_heads = real
 
 
+def tp_runs(jobs: dict, time_limit: float = LIMIT) -> dict:
+    """Run {name: (job, config)} in turn on one start of 2 ranks; {name: {"loss", "grad_norm", "read"}} from each
+    job's records, or its report where it returned an error (a planted bug the replica invariant stops)."""
+    names, pairs = list(jobs), list(jobs.values())
+    reports = run_job(functools.partial(in_turn_job, jobs=pairs), pairs[0][1], time_limit=time_limit)
+    return {name: report if "error" in report else
+            {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm", "lr")} | {
+                "read": report["summary"]["per_rank"]["init_bytes_read"]}
+            for name, report in zip(names, reports)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{"tp2 low-rank q" | "tp2 q_proj" | "other grouping" | "transformers low-rank q" | "transformers q_proj":
@@ -87,27 +98,17 @@ def runs(tmp_path_factory):
     for name, changes in FOLDERS.items():
         hf_model(tmp / name.replace(" ", "-"), initializer_range=0.02, **changes)
     low = tmp / "low-rank-q"
-    configs = {f"tp2 {name}": config_for(tmp / name.replace(" ", "-"), tmp / f"tp2-{name.replace(' ', '-')}", *FLAGS)
-               for name in FOLDERS}
-    configs["other grouping"] = config_for(low, tmp / "other-grouping", *FLAGS)
-    configs["unsummed"] = config_for(low, tmp / "unsummed", *FLAGS)
-    jobs = [(train_job, configs["tp2 low-rank q"]), (train_job, configs["tp2 q_proj"]),
-            (other_head_grouping_job, configs["other grouping"]), (unsummed_latent_job, configs["unsummed"])]
-    reports = run_job(functools.partial(in_turn_job, jobs=jobs), configs["tp2 low-rank q"], time_limit=LIMIT)
-    out = {}
-    for run, report in zip(configs, reports):
-        if run == "unsummed":
-            out[run] = report
-            continue
-        out[run] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "read": report["summary"]["per_rank"]["init_bytes_read"]}
-        if run != "other grouping":  # its checkpoint's slices are not the plan's: verification refuses it
-            out[run]["weights"] = weights_of(tmp / f"tp2-{run[4:].replace(' ', '-')}")
-    lrs = [r["lr"] for r in reports[0]["records"]]
+    jobs = {f"tp2 {name}": (train_job, config_for(tmp / name.replace(" ", "-"), tmp / f"tp2-{name.replace(' ', '-')}",
+                                                  *FLAGS)) for name in FOLDERS}
+    jobs["other grouping"] = (other_head_grouping_job, config_for(low, tmp / "other-grouping", *FLAGS))
+    jobs["unsummed"] = (unsummed_latent_job, config_for(low, tmp / "unsummed", *FLAGS))
+    out = tp_runs(jobs)
+    for name in FOLDERS:  # "other grouping"'s checkpoint's slices are not the plan's: verification refuses it
+        out[f"tp2 {name}"]["weights"] = weights_of(tmp / f"tp2-{name.replace(' ', '-')}")
     for name in FOLDERS:
         folder = tmp / name.replace(" ", "-")
-        out[f"transformers {name}"] = transformers_run(config_for(folder, tmp / f"oracle-{folder.name}"), folder, lrs,
-                                                       tmp / f"oracle-weights-{folder.name}")
+        out[f"transformers {name}"] = transformers_run(config_for(folder, tmp / f"oracle-{folder.name}"), folder,
+                                                       out[f"tp2 {name}"]["lr"], tmp / f"oracle-weights-{folder.name}")
     out["folder"], out["file bytes"] = tmp / "tp2-low-rank-q", (low / "model.safetensors").stat().st_size
     stack.close()
     return out

@@ -14,8 +14,8 @@ Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3 on
 2 ranks for both) equal a plain transformers + AdamW loop (test_qwen35's, no balancing loss: transformers'
 Llama4ForCausalLM adds none): losses, gradient norms and final weights within 1e-5 relative (measured: losses
 1.3e-7, gradient norms 1.1e-6, weights 8.6e-7, at each of the three). The trained model exports with --format hf to
-Llama4ForCausalLM computing the run's logits, config.json both ways (--tp: test_llama4_tp.py). What zerotrain does not
-have for Llama 4 yet (LoRA, --cp) is refused in one line, exit 2.
+Llama4ForCausalLM computing the run's logits, config.json both ways (--tp: test_llama4_tp.py; LoRA:
+test_llama4_lora.py). What zerotrain does not have for Llama 4 yet (--cp) is refused in one line, exit 2.
 """
 
 from __future__ import annotations
@@ -258,7 +258,6 @@ def test_a_trained_export_is_loaded_by_transformers_as_llama4_with_the_same_logi
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--lora-rank", "8"], "--lora-rank 8: LoRA on --arch llama4 is not in zerotrain yet: give --lora-rank 0"),
     (["--nproc", "2", "--cp", "2"], "--cp 2 with --arch llama4 (chunked attention): context parallelism does not "
                                     "split that yet: give --cp 1"),
 ])

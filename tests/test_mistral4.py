@@ -174,10 +174,6 @@ def test_an_hf_export_loads_in_transformers_as_mistral4_with_the_same_logits(fol
 # What zerotrain does not have for Mistral 4: refused in one line, exit 2 (as DeepSeek-V3's).
 
 @pytest.mark.parametrize("flags, said", [
-    (["--nproc", "2", "--tp", "2"], "--tp 2 with --arch mistral4: Mistral 4's tensor parallelism is not in "
-                                    "zerotrain yet: give --tp 1"),
-    (["--lora-rank", "8"], "--lora-rank 8 with --arch mistral4: LoRA on Mistral 4 is not in zerotrain yet: give "
-                           "--lora-rank 0"),
     # a new model's rotary (a folder's comes with it)
     (["--arch", "mistral4", "--n-experts", "4"], "--rope-scaling none: --arch mistral4 has YaRN rotary "
                                                  "(--rope-scaling yarn)"),

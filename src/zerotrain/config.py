@@ -1422,8 +1422,8 @@ def _check_group_routing(cfg: Config) -> None:
 
 
 def _check_deepseek(cfg: Config) -> None:
-    """What DeepSeek-V3's (and Mistral 4's) latent attention does not have yet in zerotrain (context parallelism;
-    Mistral 4's tensor parallelism and LoRA, not tested yet): refused, never trained approximately."""
+    """Mistral 4's rotary, and what DeepSeek-V3's (and Mistral 4's) latent attention does not have yet in zerotrain
+    (context parallelism): refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if m.arch == "mistral4" and m.rope_scaling != "yarn":
         # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
@@ -1431,16 +1431,9 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.qk_rope_dim % 2:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
-    mistral4 = m.arch == "mistral4"
-    refused = [(p.tp > 1 and mistral4, f"--tp {p.tp}", "Mistral 4's tensor parallelism is not in zerotrain yet: give "
-                                                       "--tp 1"),
-               (p.cp > 1, f"--cp {p.cp}", "multi-head latent attention has no context parallelism in zerotrain yet: "
-                                          "give --cp 1"),
-               (cfg.lora.rank > 0 and mistral4, f"--lora-rank {cfg.lora.rank}", "LoRA on Mistral 4 is not in "
-                                                                                "zerotrain yet: give --lora-rank 0")]
-    for hit, what, why in refused:
-        if hit:
-            raise ConfigError(f"{what} with --arch {m.arch}: {why}")
+    if p.cp > 1:
+        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: multi-head latent attention has no context parallelism "
+                          "in zerotrain yet: give --cp 1")
 
 
 def _check_glm(cfg: Config) -> None:
@@ -1456,15 +1449,12 @@ def _check_glm(cfg: Config) -> None:
 
 
 def _check_llama4(cfg: Config) -> None:
-    """Llama 4's experts, and what zerotrain does not have for it yet (LoRA; --cp, whose ring has no chunked
-    attention, is refused with the ring's other gaps): refused, never trained approximately."""
+    """Llama 4's experts (what zerotrain does not have for it yet, --cp, whose ring has no chunked attention, is
+    refused with the ring's other gaps)."""
     m = cfg.model
     if not m.n_experts or m.shared_expert_width != m.expert_ffn:
         raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "
                           f"--shared-expert-width {m.expert_ffn} (got {m.n_experts} and {m.shared_expert_width})")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch llama4 is not in zerotrain yet: give "
-                          "--lora-rank 0")
 
 
 def _check_gemma4(cfg: Config) -> None:
