@@ -215,3 +215,84 @@ def test_qwen35_linear_and_gated_attention_layers_are_counted_to_the_byte_and_an
     if recompute == "none":  # a recomputed block keeps its input alone, whatever its layers
         with mock.patch.object(memory, *QWEN35_OMITTED[omitted]):
             assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] < measured
+
+
+def hf_config_of(config) -> ModelConfig:
+    """zerotrain's ModelConfig of a transformers config, as --init-from reads its config.json."""
+    from zerotrain.hub import mapping
+
+    return mapping.model_config_from_hf(config.to_dict(), "config.json")
+
+
+def latent_configs() -> dict[str, ModelConfig]:
+    """tests/test_deepseek.py's and test_mistral4.py's tiny models: a dense layer and two MoE layers, values (12)
+    narrower than q and k (24), with a query rank and without; Mistral 4's softmax router and query scale."""
+    import transformers
+    from test_deepseek import SIZES as DEEPSEEK_SIZES
+    from test_mistral4 import SIZES as MISTRAL4_SIZES
+
+    return {"deepseek_v3": hf_config_of(transformers.DeepseekV3Config(**DEEPSEEK_SIZES)),
+            "deepseek_v3 q_proj": hf_config_of(transformers.DeepseekV3Config(**{**DEEPSEEK_SIZES,
+                                                                                "q_lora_rank": None})),
+            "mistral4": hf_config_of(transformers.Mistral4Config(**MISTRAL4_SIZES))}
+
+
+def _kv_latent_output_forgotten(s, cfg, device, tp=1):
+    """Planted: the KV latent norm's output (kv_b_proj's input, BT r a) left out."""
+    return REAL_LATENT_ATTENTION(s, cfg, device, tp) - s.BT * cfg.kv_lora_rank * s.act
+
+
+def _query_scale_cast_forgotten(s, cfg, device, tp=1):
+    """Planted: Mistral 4's per-layer bf16 cast of its query scale left out (in fp32 its one storage, left out)."""
+    return REAL_LATENT_ATTENTION(s, cfg, device, tp) - (s.position_rows * s.T * s.act if s.act != 4 else 0)
+
+
+REAL_LATENT_ATTENTION = memory.latent_attention
+LATENT_OMITTED = {
+    "KV latent's norm output": ("latent_attention", _kv_latent_output_forgotten),
+    "math kernel taken as fused": ("math_attention", lambda cfg, device: False),
+    "group-limited router": ("group_limited_router", lambda s, cfg: 0),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3 q_proj", "mistral4"])
+def test_latent_attention_layers_are_counted_to_the_byte_and_a_forgotten_latent_norm_or_router_is_caught(
+        family, recompute, precision, micro_batch, seq_len, packed):
+    """DeepSeek-V3's and Mistral 4's blocks (latent attention, the dense first layer, group-routed experts with
+    shared experts, Mistral 4's query scale): the plan equals what autograd saves. Planted in the plan's own terms:
+    the KV latent's norm output forgotten, the CPU math kernel's fp32 q, k, v and probabilities counted as the fused
+    kernels' list, the router's tensors forgotten; with Mistral 4's query scale's cast forgotten too in bf16."""
+    cfg = latent_configs()[family]
+    segments = packed_segments(micro_batch, seq_len) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    if recompute != "none":  # a recomputed block keeps its input alone, whatever its layers
+        return
+    planted = dict(LATENT_OMITTED)
+    if family == "mistral4" and precision == "bf16":
+        planted["query scale's cast"] = ("latent_attention", _query_scale_cast_forgotten)
+    for what, (name, bug) in planted.items():
+        with mock.patch.object(memory, name, bug):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "mistral4"])
+def test_a_latent_attention_tp2_rank_saves_what_the_plan_counts_and_unjoined_latents_are_caught(family, precision):
+    """One TP rank of 2 (its half of the heads, of the MLPs' and experts' widths): the replicated latents joined for
+    the heads (mla.to_heads) are one storage. Planted: counted as at TP 1, each norm's output on its own."""
+    from zerotrain.model import deepseek
+
+    cfg = latent_configs()[family]
+    model = build_model(cfg, seed=0)
+    deepseek.parallelize(model, 2, 0, _OneRankOfTwo())
+    measured = measured_bytes(model, 2, 16, precision, "none")
+    assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] == measured
+    at_tp1 = lambda s, cfg, device, tp=1: REAL_LATENT_ATTENTION(s, cfg, device)  # noqa: E731
+    with mock.patch.object(memory, "latent_attention", at_tp1):
+        assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured

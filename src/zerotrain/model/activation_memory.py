@@ -28,6 +28,11 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                 path: 4 BTHD a + BHTT (a + 4)       q, k and v at H heads, output; capped scores,
                                 (+ BHTT a in bf16)                  fp32 probabilities (and their bf16 copy)
                  GeGLU MLP      4 BTF a                             as SwiGLU's
+    DeepSeek-V3  latent        the query and KV latents' RMSNorms, the core on CPU SDPA's math kernel (values narrower
+    (Mistral 4)  attention     than q and k: fp32 q, k, v and probabilities, BHT (2 D + Dv) 4 + BHTT 4) and o_proj's
+                               copied input (latent_attention); its router's scores, choice and sums
+                               (group_limited_router), ungated shared experts 4 N Ws a; Mistral 4's query scale
+                               (B or 1) T 4 in fp32, cast per block in bf16
     gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
                                in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
                                the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
@@ -85,11 +90,12 @@ bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fuse
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
 from . import moe, tensor_parallel
@@ -307,13 +313,81 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
         router += N * k * FP32 + N * FP32
+    if cfg.arch in DEEPSEEK:  # its group-limited router and its ungated shared experts
+        router = group_limited_router(s, cfg) + N * k * s.act
     dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
-    if cfg.shared_expert_width:
+    if cfg.arch in DEEPSEEK:
+        shared = 4 * N * (cfg.expert_ffn * cfg.shared_experts // tp) * s.act
+    elif cfg.shared_expert_width:
         shared = 4 * N * (cfg.shared_expert_width // tp) * s.act + N * s.act + N * s.C * s.act
     if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
         dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
     return router + dispatch + shared
+
+
+def group_limited_router(s: RankShape, cfg: ModelConfig) -> int:
+    """DeepSeek-V3's router (group_routing.py) over N = BT tokens, before the weights the outputs are multiplied by:
+    the scores (N, E) (sigmoid's in fp32, from fp32 copies of the tokens and, in bf16, of its weight; Mistral 4's
+    softmax in the activations' dtype), the experts chosen (N, k int64), with norm_topk_prob the chosen scores and
+    their sum (the scores' dtype), and the balancing loss's probabilities: the scores' sum per token (fp32; Mistral
+    4's in bf16 from an fp32 copy of its scores)."""
+    N, E, k = s.BT, cfg.n_experts, cfg.experts_per_token
+    scores = s.act if cfg.softmax_router else FP32
+    router = N * E * scores + N * k * INDEX + N * FP32
+    if not cfg.softmax_router and s.act != FP32:
+        router += N * s.C * FP32 + E * s.C * FP32
+    if cfg.softmax_router and s.act != FP32:
+        router += N * E * FP32
+    if cfg.norm_topk_prob:
+        router += N * k * scores + N * scores
+    return router
+
+
+def latent_attention(s: RankShape, cfg: ModelConfig, device: str, tp: int = 1) -> int:
+    """DeepSeek-V3's multi-head latent attention (mla.py) after its input norm, whose output q_a_proj (or q_proj) and
+    kv_a_proj_with_mqa read. With query rank r_q, KV latent r, rotary units R, q/k heads of D = nope + R units and
+    values of Dv:
+
+        query latent  RMSNorm over r_q units (rms_norm's four terms at that width), its output q_b_proj's input
+        KV latent     RMSNorm over r units: its fp32 input (in fp32 a view of kv_a_proj_with_mqa's whole output, BT (r
+                      + R) 4), rsqrt, the normalized latent cast back and the output kv_b_proj reads
+        rotary        in bf16 cos and sin cast for q and again for the shared key: 4 T R a (the fp32 tables are the
+                      embedding's); Mistral 4's query scale in bf16 cast per layer, T a
+        core          values narrower than q and k: SDPA's math kernel on CPU, which computes in fp32 and keeps the
+                      scaled q and k and v (2 BHTD + BHT Dv) and the probabilities (BHTT) in fp32, and whose output
+                      o_proj reads as a copy (BT H Dv a); values as wide: the fused kernels' list (attention)
+        TP            the replicated latents joined into one tensor for the heads (mla.to_heads): that storage, BT (r_q
+                      or C, + r + R) a, in place of the two norms' outputs
+    """
+    BT, a, H, Dv, R, r = s.BT, s.act, s.heads, cfg.v_head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
+    latents = 0
+    if cfg.q_lora_rank:
+        latents += rms_norm(dataclasses.replace(s, C=cfg.q_lora_rank))
+    kv_input = BT * (r + R) * FP32 if a == FP32 else BT * r * FP32
+    latents += kv_input + BT * FP32 + 2 * BT * r * a
+    if tp > 1:
+        latents += BT * ((cfg.q_lora_rank or s.C) + r + R) * a - BT * r * a - BT * cfg.q_lora_rank * a
+    rotary = rotary_casts(s, R)
+    if cfg.arch == "mistral4" and cfg.llama4_scaling_beta and a != FP32:
+        rotary += s.position_rows * s.T * a
+    if math_attention(cfg, device):
+        core = s.B * H * s.T * (2 * s.head_dim + Dv) * FP32 + s.B * H * s.T * s.T * FP32 + BT * H * Dv * a
+    else:
+        core = BT * H * (2 * s.head_dim + Dv) * a + BT * H * Dv * a + attention_logsumexp(s)
+    return latents + rotary + core
+
+
+def math_attention(cfg: ModelConfig, device: str) -> bool:
+    """Whether SDPA takes its math kernel: latent attention's values narrower than q and k, on CPU, whose fused
+    kernel needs one width for all three (CUDA's memory-efficient kernel takes them)."""
+    return cfg.arch in DEEPSEEK and cfg.v_head_dim != cfg.head_dim and device == "cpu"
+
+
+def deepseek_blocks(s: RankShape, cfg: ModelConfig, device: str, tp: int = 1) -> list[int]:
+    """Each DeepSeek-V3 (Mistral 4) block's bytes: its two RMSNorms, the latent attention and the SwiGLU MLP of the
+    first dense layers (the others' experts are added by the caller in its place, as every MoE's)."""
+    return [2 * rms_norm(s) + latent_attention(s, cfg, device, tp) + swiglu_mlp(s) for _ in range(cfg.n_layer)]
 
 
 def grouped_offsets(cfg: ModelConfig, device: str, precision: str, tp: int = 1, ep: int = 1) -> int:
@@ -503,6 +577,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = block_input(s)
         elif cfg.arch in QWEN35:  # its layers differ: counted layer by layer below
             shapes[window] = max(qwen35_blocks(s, cfg, documents, tp))
+        elif cfg.arch in DEEPSEEK:
+            shapes[window] = max(deepseek_blocks(s, cfg, device, tp))
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         elif cfg.attn_sinks:
@@ -512,7 +588,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves
         # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
         attends = cfg.arch not in QWEN35 or not all(cfg.linear_attention(i) for i in range(cfg.n_layer))
-        if recompute != "none" or not eager and attends:  # (Qwen3.5's linear layers restart at records instead)
+        # (Qwen3.5's linear layers restart at records instead; SDPA's math kernel adds the mask, keeping nothing)
+        if recompute != "none" or not eager and attends and not math_attention(cfg, device):
             masks += document_mask(s)
         if recompute != "none" and documents and cfg.arch in QWEN35:  # each record's first token, an argument
             masks += s.BT
@@ -528,6 +605,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         embedding += rotary_tables(s, cfg.rotary_dim) * rotary_bases(cfg, windows) * attends
     if not llama:
         embedding += positions(s)
+    if cfg.arch == "mistral4" and cfg.llama4_scaling_beta and (recompute != "none" or precision == "fp32"):
+        # its query scale (B or 1, T) in fp32: saved as it is (in bf16 each block saves its cast), or a recomputed
+        # block's argument
+        embedding += s.position_rows * s.T * FP32
     if cfg.gemma or cfg.arch in QWEN35:  # the final (1 + w) norm, and its output, which the head reads
         head = gemma_norm(s) + s.BT * s.C * s.act
     else:
@@ -535,6 +616,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     blocks = sum(shapes[window] for window in windows)
     if cfg.arch in QWEN35 and recompute == "none":
         blocks = sum(qwen35_blocks(s, cfg, documents, tp))
+    if cfg.arch in DEEPSEEK and recompute == "none":
+        blocks = sum(deepseek_blocks(s, cfg, device, tp))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
         blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
