@@ -296,3 +296,68 @@ def test_a_latent_attention_tp2_rank_saves_what_the_plan_counts_and_unjoined_lat
     at_tp1 = lambda s, cfg, device, tp=1: REAL_LATENT_ATTENTION(s, cfg, device)  # noqa: E731
     with mock.patch.object(memory, "latent_attention", at_tp1):
         assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured
+
+
+def llama4_config() -> ModelConfig:
+    """tests/test_llama4.py's tiny model: six layers (every third without rotary, every second MoE with a shared
+    expert), chunks of 16 positions, the q/k L2 norms and the temperature tuning."""
+    from test_llama4 import hf_config
+
+    return hf_config_of(hf_config())
+
+
+REAL_LLAMA4_ATTENTION = memory.llama4_attention
+
+
+def _l2_norm_input_forgotten(s, cfg, layer):
+    """Planted: the L2 norms' fp32 copies of q and k (their inputs) left out."""
+    real = REAL_LLAMA4_ATTENTION(s, cfg, layer)
+    return real - s.BT * (s.heads + s.kv_heads) * s.head_dim * 4 if cfg.rotary(layer) else real
+
+
+LLAMA4_OMITTED = {
+    "L2 norm's fp32 input": ("llama4_attention", _l2_norm_input_forgotten),
+    "temperature": ("llama4_attention", lambda s, cfg, layer: REAL_LLAMA4_ATTENTION(s, cfg, layer)
+                    - (0 if cfg.rotary(layer) else s.position_rows * s.T * 4)),
+    "chunked mask": ("llama4_masks", lambda s, cfg, recompute: memory.document_mask(s)),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", [(2, 16), (3, 13), (1, 40)])  # within a chunk of 16, and across
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+def test_llama4_layers_are_counted_to_the_byte_and_a_forgotten_l2_norm_copy_temperature_or_chunk_mask_is_caught(
+        recompute, precision, micro_batch, seq_len, packed):
+    """Llama 4's rotary layers (the interleaved rotary's fp32 tables, the L2 norms in fp32, the chunked mask) and
+    layers without rotary (the temperature), dense and MoE (the sigmoid scores on the experts' input, the ungated
+    shared expert): the plan equals what autograd saves. Planted in the plan's own terms: the L2 norms' fp32 copies,
+    the temperature or (packed, or recomputed across chunks) the chunked mask left out."""
+    cfg = llama4_config()
+    segments = packed_segments(micro_batch, seq_len) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    for what, (name, bug) in LLAMA4_OMITTED.items():
+        if recompute != "none" and name == "llama4_attention":
+            continue  # a recomputed block keeps its input alone, whatever its layers
+        if name == "llama4_masks" and not (packed or recompute != "none" and seq_len > cfg.attention_chunk):
+            continue  # no chunked mask kept: within one chunk SDPA's causal mask is exact
+        with mock.patch.object(memory, name, bug):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_llama4_tp2_rank_saves_what_the_plan_counts_and_whole_experts_are_caught(precision):
+    """One TP rank of 2 (its heads, its share of the MLPs', experts' and shared expert's widths). Planted: the
+    experts counted at their whole width (TP 1's)."""
+    from zerotrain.model import llama4
+
+    cfg = llama4_config()
+    model = build_model(cfg, seed=0)
+    llama4.parallelize(model, 2, 0, _OneRankOfTwo())
+    measured = measured_bytes(model, 2, 16, precision, "none")
+    assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] == measured
+    real = memory.experts
+    with mock.patch.object(memory, "experts", lambda s, cfg, tp=1: real(s, cfg)):
+        assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured

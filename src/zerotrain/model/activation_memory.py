@@ -33,6 +33,12 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                copied input (latent_attention); its router's scores, choice and sums
                                (group_limited_router), ungated shared experts 4 N Ws a; Mistral 4's query scale
                                (B or 1) T 4 in fp32, cast per block in bf16
+    Llama 4      attention     rotary layers: the L2 norms' fp32 inputs and rsqrts (H + KV) BT (D + 1) 4, SDPA's
+                               output copied for o_proj BTHD a, within chunks shorter than T SDPA's T T a copy of the
+                               boolean chunk mask; the others: the temperature (B or 1) T 4 (llama4_attention); the
+                               fp32 rotary tables in bf16 too; the chunked mask beside the records' (llama4_masks)
+                 experts       the existing rows, with the sigmoid scores N k 4 and a third index N k 8, the shared
+                               expert ungated 4 N Ws a
     gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
                                in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
                                the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
@@ -95,7 +101,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import DEEPSEEK, QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, LLAMA4, QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
 from . import moe, tensor_parallel
@@ -315,10 +321,14 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
         router += N * k * FP32 + N * FP32
     if cfg.arch in DEEPSEEK:  # its group-limited router and its ungated shared experts
         router = group_limited_router(s, cfg) + N * k * s.act
+    if cfg.arch in LLAMA4:  # the sigmoid of the top-k logits (fp32), the index its scores are gathered by
+        router += N * k * FP32 + N * k * INDEX
     dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
     if cfg.arch in DEEPSEEK:
         shared = 4 * N * (cfg.expert_ffn * cfg.shared_experts // tp) * s.act
+    elif cfg.arch in LLAMA4:  # ungated
+        shared = 4 * N * (cfg.shared_expert_width // tp) * s.act
     elif cfg.shared_expert_width:
         shared = 4 * N * (cfg.shared_expert_width // tp) * s.act + N * s.act + N * s.C * s.act
     if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
@@ -388,6 +398,38 @@ def deepseek_blocks(s: RankShape, cfg: ModelConfig, device: str, tp: int = 1) ->
     """Each DeepSeek-V3 (Mistral 4) block's bytes: its two RMSNorms, the latent attention and the SwiGLU MLP of the
     first dense layers (the others' experts are added by the caller in its place, as every MoE's)."""
     return [2 * rms_norm(s) + latent_attention(s, cfg, device, tp) + swiglu_mlp(s) for _ in range(cfg.n_layer)]
+
+
+def llama4_attention(s: RankShape, cfg: ModelConfig, layer: int) -> int:
+    """Llama 4's attention (llama4.Llama4Attention) after its input norm. A rotary layer rotates in fp32 (saving only
+    the fp32 tables, the embedding's) and L2-normalises q and k in fp32: each one's fp32 input and rsqrt, (H + KV) BT
+    (D + 1) 4; SDPA's output, laid out by heads, is copied for o_proj (BTHD a); within chunks shorter than T, one
+    sequence per row, SDPA converts the boolean chunk mask to its own T T a copy. A layer without rotary keeps its
+    temperature (rows, T) fp32; its scaled q is SDPA's and o_proj reads SDPA's output as it is."""
+    if not cfg.rotary(layer):
+        return attention(s) + (s.position_rows * s.T * FP32 if cfg.temperature_tuning else 0)
+    norms = s.BT * (s.heads + s.kv_heads) * (s.head_dim + 1) * FP32 if cfg.qk_l2_norm else 0
+    converted = s.T * s.T * s.act if not s.documents and 0 < cfg.attention_chunk < s.T else 0
+    return norms + attention(s) + attention_output(s) + converted
+
+
+def llama4_blocks(s: RankShape, cfg: ModelConfig) -> list[int]:
+    """Each Llama 4 block's bytes: two RMSNorms, its attention (by the layer's kind), a SwiGLU MLP (on the MoE layers
+    the experts, added by the caller in its place)."""
+    return [2 * rms_norm(s) + llama4_attention(s, cfg, layer) + swiglu_mlp(s) for layer in range(cfg.n_layer)]
+
+
+def llama4_masks(s: RankShape, cfg: ModelConfig, recompute: str) -> int:
+    """The masks Llama 4's layers attend through, built once per forward: for packed records the rotary layers'
+    chunked mask (B, 1, T, T) a and the other layers' records' mask (document_mask), one storage where there are no
+    chunks; one sequence per row with chunks shorter than T, the rotary layers' boolean (T, T), which recomputed
+    blocks keep as their argument (without recompute SDPA's converted copies are the layers')."""
+    rotary = [cfg.rotary(layer) for layer in range(cfg.n_layer)]
+    if not s.documents:
+        return s.T * s.T if recompute != "none" and any(rotary) and 0 < cfg.attention_chunk < s.T else 0
+    if not cfg.attention_chunk:
+        return document_mask(s)
+    return (s.mask_rows * s.T * s.T * s.act if any(rotary) else 0) + (document_mask(s) if not all(rotary) else 0)
 
 
 def grouped_offsets(cfg: ModelConfig, device: str, precision: str, tp: int = 1, ep: int = 1) -> int:
@@ -579,6 +621,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = max(qwen35_blocks(s, cfg, documents, tp))
         elif cfg.arch in DEEPSEEK:
             shapes[window] = max(deepseek_blocks(s, cfg, device, tp))
+        elif cfg.arch in LLAMA4:
+            shapes[window] = max(llama4_blocks(s, cfg))
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         elif cfg.attn_sinks:
@@ -589,7 +633,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
         attends = cfg.arch not in QWEN35 or not all(cfg.linear_attention(i) for i in range(cfg.n_layer))
         # (Qwen3.5's linear layers restart at records instead; SDPA's math kernel adds the mask, keeping nothing)
-        if recompute != "none" or not eager and attends and not math_attention(cfg, device):
+        if cfg.arch in LLAMA4:  # its chunked mask beside the records'
+            masks += llama4_masks(s, cfg, recompute)
+        elif recompute != "none" or not eager and attends and not math_attention(cfg, device):
             masks += document_mask(s)
         if recompute != "none" and documents and cfg.arch in QWEN35:  # each record's first token, an argument
             masks += s.BT
@@ -603,6 +649,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         # pair per rotary base the layers use (Gemma 3's sliding layers have their own).
         # (Qwen3.5's of its rotated share of each head, where one of its layers attends)
         embedding += rotary_tables(s, cfg.rotary_dim) * rotary_bases(cfg, windows) * attends
+    if cfg.arch in LLAMA4 and recompute == "none" and precision != "fp32" and any(map(cfg.rotary, range(cfg.n_layer))):
+        embedding += rotary_tables(s)  # rotated in fp32 in every precision: its fp32 tables saved as they are
+    if cfg.arch in LLAMA4 and recompute != "none":  # the positions, each recomputed block's argument
+        embedding += positions(s)
     if not llama:
         embedding += positions(s)
     if cfg.arch == "mistral4" and cfg.llama4_scaling_beta and (recompute != "none" or precision == "fp32"):
@@ -618,6 +668,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         blocks = sum(qwen35_blocks(s, cfg, documents, tp))
     if cfg.arch in DEEPSEEK and recompute == "none":
         blocks = sum(deepseek_blocks(s, cfg, device, tp))
+    if cfg.arch in LLAMA4 and recompute == "none":
+        blocks = sum(llama4_blocks(s, cfg))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
         blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
