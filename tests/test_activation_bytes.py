@@ -361,3 +361,75 @@ def test_a_llama4_tp2_rank_saves_what_the_plan_counts_and_whole_experts_are_caug
     real = memory.experts
     with mock.patch.object(memory, "experts", lambda s, cfg, tp=1: real(s, cfg)):
         assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured
+
+
+def gemma4_config() -> ModelConfig:
+    """tests/test_gemma4.py's tiny model: sliding (heads of 16, 2 KV heads) and global layers (heads of 32, one KV
+    head, keys as values), the last two sharing earlier layers' KV with a doubled MLP, per-layer inputs of 8, a window
+    of 8."""
+    from test_gemma4 import hf_config
+
+    return hf_config_of(hf_config())
+
+
+REAL_GEMMA4_BLOCK = memory.gemma4_block
+GEMMA4_OMITTED = {
+    # the global layers counted at the sliding layers' head width and KV heads
+    "global heads' own shape": ("gemma4_block", lambda s, cfg, layer: REAL_GEMMA4_BLOCK(
+        s, dataclasses.replace(cfg, global_head_width=cfg.head_dim, global_kv_heads=cfg.kv_heads), layer)),
+    # the shared-KV layers counted as computing their own k and v
+    "shared KV": ("gemma4_block", lambda s, cfg, layer: REAL_GEMMA4_BLOCK(
+        s, dataclasses.replace(cfg, kv_shared_layers=0), layer)),
+    "v's norm": ("gemma4_norm", lambda s, rows, width, gain=True: REAL_GEMMA4_NORM(s, rows, width, gain) if gain
+                 else 0),
+    "per-layer inputs": ("gemma4_embedding", lambda s, cfg, recompute: 0),
+}
+REAL_GEMMA4_NORM = memory.gemma4_norm
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+def test_gemma4_layers_are_counted_to_the_byte_and_global_heads_shared_kv_or_per_layer_inputs_forgotten_are_caught(
+        recompute, precision, micro_batch, seq_len, packed):
+    """Gemma 4's blocks (q/k/v norms, the global layers' own head shapes and keys as values, the shared KV, the
+    doubled MLPs, the per-layer inputs, the post-norms) and its two rotary tables: the plan equals what autograd
+    saves. Planted in the plan's own terms: the global layers at the sliding layers' shape, the shared-KV layers as
+    if they had their own keys, v's norm left out, the per-layer inputs left out."""
+    cfg = gemma4_config()
+    segments = packed_segments(micro_batch, seq_len) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    for what, (name, bug) in GEMMA4_OMITTED.items():
+        if recompute != "none" and name != "gemma4_embedding":
+            continue  # a recomputed block keeps its input alone, whatever its layers
+        with mock.patch.object(memory, name, bug):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
+
+
+def test_the_rows_are_approximate_only_for_gemma4s_moe_block():
+    """Every family's rows are counted to the byte but Gemma 4's MoE block's, which the run's start line names."""
+    assert memory.approximate(gemma4_config()) == ""
+    assert memory.approximate(latent_configs()["deepseek_v3"]) == memory.approximate(llama4_config()) == ""
+    assert "MoE block" in memory.approximate(dataclasses.replace(gemma4_config(), n_experts=4))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gemma4_under_selective_recompute_keeps_what_blocks_does_and_the_plan_says_so(precision):
+    """Gemma 4's decoder recomputes each block whole under --activation-checkpointing selective (run_block is handed
+    True): the plan counts that, and a Llama's selective rows (what the policy would keep) are off."""
+    cfg = gemma4_config()
+    model = build_model(cfg, seed=0)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.recompute_blocks = "selective"  # as training/loop.py sets it
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+    measured, _ = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, False, None),
+                                     model.parameters())
+    assert activation_bytes(cfg, 2, 16, precision=precision, recompute="selective")["total"] == measured
+    assert measured == measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "blocks")
+    with mock.patch.object(memory, "GEMMA4", ()):  # planted: counted as a Llama's selective block
+        assert activation_bytes(cfg, 2, 16, precision=precision, recompute="selective")["total"] != measured

@@ -39,6 +39,13 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                fp32 rotary tables in bf16 too; the chunked mask beside the records' (llama4_masks)
                  experts       the existing rows, with the sigmoid scores N k 4 and a third index N k 8, the shared
                                expert ungated 4 N Ws a
+    Gemma 4      block         layer by layer (gemma4_block): five w RMSNorms in fp32 (gemma4_norm: fp32 input and
+                               normalized, two per-token fp32 terms, in bf16 the gain's copy), q/k norms per head and
+                               v's without a gain, the global layers' own head width and KV heads, the shared-KV
+                               layers' q alone, GeGLU at the layer's width, the per-layer input's gate, GELU and
+                               product; outside (gemma4_embedding) the per-layer inputs (B, T, L, P), their norm,
+                               two rotary tables in fp32. Its decoders (and DeepSeek-V3's, Llama 4's) recompute
+                               blocks whole under "selective"
     gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
                                in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
                                the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
@@ -101,7 +108,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import DEEPSEEK, LLAMA4, QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA4, LLAMA4, QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
 from . import moe, tensor_parallel
@@ -111,12 +118,18 @@ from .vocab import chunk_tokens, splits_vocab, vocab_rows
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
 
-# The families whose activations activation_bytes counts as a Llama's: what it leaves out, which the run's start line
-# says (the plan's activation rows are approximate for them).
-APPROXIMATE = {
-    "gemma4": "gemma4's activations counted as a Llama's, without its q/k/v norms, post-norms, per-layer inputs and "
-              "wider global heads (a tiny model saves 1.9x the plan, 1.2x with --activation-checkpointing blocks)",
-}
+
+
+def approximate(cfg: ModelConfig) -> str:
+    """What activation_bytes leaves out of a model's rows, which the run's start line says (the plan's activation rows
+    are approximate for it): Gemma 4's MoE block, whose layers are counted as the dense ones with the MoE families'
+    experts in place of their MLP; "" where the rows are counted to the byte."""
+    if cfg.arch in GEMMA4 and cfg.moe:
+        return ("gemma4's MoE block counted as the MoE families' experts in place of its MLP, not measured against "
+                "what it saves")
+    return ""
+
+
 INDEX = 8  # bytes: int64 token ids, positions and targets
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -432,6 +445,66 @@ def llama4_masks(s: RankShape, cfg: ModelConfig, recompute: str) -> int:
     return (s.mask_rows * s.T * s.T * s.act if any(rotary) else 0) + (document_mask(s) if not all(rotary) else 0)
 
 
+def gemma4_norm(s: RankShape, rows: int, width: int, gain: bool = True) -> int:
+    """Gemma 4's RMSNorm (gemma4.Gemma4RMSNorm: a plain w gain, all in fp32) over `rows` of `width`: its fp32 input
+    (x itself in fp32, a copy in bf16), the mean square plus eps and its power (rows, fp32, both saved by pow), and
+    with a gain the normalized input (fp32) and, in bf16, the gain's fp32 copy; its output is counted where it is
+    read."""
+    normed = rows * width * FP32 + (width * FP32 if s.act != FP32 else 0) if gain else 0
+    return rows * width * FP32 + 2 * rows * FP32 + normed
+
+
+def gemma4_block(s: RankShape, cfg: ModelConfig, layer: int) -> int:
+    """One Gemma 4 block (gemma4.Gemma4Block), its attention of the layer's kind (the global layers' own head width
+    and KV heads, cfg.attention_shape):
+
+        norms         four of the width C around the attention and the MLP, and the per-layer input's, each with its
+                      fp32 input (the block's input, a projection's output or a residual sum); the outputs of the two a
+                      linear reads (2 BTC a)
+        q, k, v       q's and k's norms per head (gemma4_norm) and v's without a gain (its input shared with k's in
+                      fp32 where the keys are the values); in bf16 the rotary tables cast for q and k (2 T D a each);
+                      SDPA's q, k and v, output and logsumexp (attention)
+        shared KV     the last layers rotate and attend q alone: k and v are their source layer's storages
+        MLP           GeGLU at the layer's width (doubled on the shared-KV layers with --double-wide-mlp)
+        per-layer     the block's output the gate reads (BTC a), GELU's input and output and their product with the
+      input           layer's input (3 BT P a); the input itself is the embedding's (B, T, L, P), one storage
+    """
+    kv, D = cfg.attention_shape(layer)
+    own = cfg.kv_source(layer) == layer
+    s = dataclasses.replace(s, kv_heads=kv, head_dim=D)
+    BT, a, C, P = s.BT, s.act, s.C, cfg.per_layer_width
+    norms = (5 if P else 4) * gemma4_norm(s, BT, C) + 2 * BT * C * a
+    q = gemma4_norm(s, BT * s.heads, D)
+    casts = rotary_casts(s) // (1 if own else 2)  # q's and k's casts, or q's alone
+    core = attention(s)
+    if own:
+        keys_as_values = cfg.k_eq_v and cfg.global_layer(layer) and a == FP32
+        q += gemma4_norm(s, BT * kv, D) + gemma4_norm(s, BT * kv, D, gain=False) - (BT * kv * D * FP32
+                                                                                   if keys_as_values else 0)
+    elif not s.kv_repeated:  # the source layer's k and v
+        core -= 2 * BT * kv * D * a
+    per_layer = BT * C * a + 3 * BT * P * a if P else 0
+    mlp = swiglu_mlp(dataclasses.replace(s, ffn=s.ffn * cfg.ffn_width_of(layer) // cfg.ffn_width))  # GeGLU's four
+    return norms + q + casts + core + mlp + per_layer
+
+
+def gemma4_embedding(s: RankShape, cfg: ModelConfig, recompute: str) -> int:
+    """What Gemma 4's per-layer inputs keep (gemma4.Gemma4.per_layer_inputs), beyond the token ids: the scaled
+    embedding per_layer_model_projection reads (BTC a; in fp32, or recomputed, the first block's input as it is,
+    counted there), the per-layer norm over P of BT L rows, and the inputs themselves (B, T, L, P) a, one storage the
+    blocks read; without recompute the fp32 rotary tables of both kinds of layer (2 T D 4 and 2 T Dg 4)."""
+    P, L = cfg.per_layer_width, cfg.n_layer
+    kept = 0
+    if P:
+        kept += gemma4_norm(s, s.BT * L, P) + s.BT * L * P * s.act
+        if s.act != FP32 and recompute == "none":
+            kept += s.BT * s.C * s.act
+    if recompute == "none" and s.act == FP32:
+        kinds = {cfg.global_layer(layer) for layer in range(L)}
+        kept += sum(rotary_tables(s, cfg.global_head_width if kind else cfg.head_dim) for kind in kinds)
+    return kept
+
+
 def grouped_offsets(cfg: ModelConfig, device: str, precision: str, tp: int = 1, ep: int = 1) -> int:
     """What an MoE layer's grouped path (moe.GroupedLinear) keeps beyond the loop's `experts`: its local experts' row
     offsets (int32), one storage shared by the three projections; the experts' weights are parameters, no stacked
@@ -589,6 +662,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         raise ValueError(f"tp must be at least 1, got {tp}")
     if recompute not in ("none", "selective", "blocks", "full"):
         raise ValueError(f"recompute must be none, selective, blocks or full, got {recompute!r}")
+    if recompute == "selective" and cfg.arch in DEEPSEEK + LLAMA4 + GEMMA4:
+        # their decoders hand run_block `recompute_blocks and cache is None`, which is True for "selective": each block
+        # is recomputed whole, and keeps its input alone (measured: tests/test_activation_bytes.py)
+        recompute = "blocks"
     for what, n in (("n_head", cfg.n_head), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
@@ -623,6 +700,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = max(deepseek_blocks(s, cfg, device, tp))
         elif cfg.arch in LLAMA4:
             shapes[window] = max(llama4_blocks(s, cfg))
+        elif cfg.arch in GEMMA4:  # its two kinds of layer differ: counted layer by layer below
+            shapes[window] = max(gemma4_block(s, cfg, layer) for layer in range(cfg.n_layer))
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         elif cfg.attn_sinks:
@@ -644,7 +723,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     embedding = s.BT * INDEX + masks
     if splits_vocab(cfg.vocab_size, tp):  # the rank's ids, and which fall outside its rows (BT bools)
         embedding += s.BT
-    if llama and recompute == "none" and precision == "fp32":
+    if cfg.arch in GEMMA4:  # its per-layer inputs; its rotary tables of two widths
+        embedding += gemma4_embedding(s, cfg, recompute)
+    elif llama and recompute == "none" and precision == "fp32":
         # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none): one
         # pair per rotary base the layers use (Gemma 3's sliding layers have their own).
         # (Qwen3.5's of its rotated share of each head, where one of its layers attends)
@@ -661,6 +742,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         embedding += s.position_rows * s.T * FP32
     if cfg.gemma or cfg.arch in QWEN35:  # the final (1 + w) norm, and its output, which the head reads
         head = gemma_norm(s) + s.BT * s.C * s.act
+    elif cfg.arch in GEMMA4:  # its final norm (w), and its output
+        head = gemma4_norm(s, s.BT, s.C) + s.BT * s.C * s.act
     else:
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
@@ -670,6 +753,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         blocks = sum(deepseek_blocks(s, cfg, device, tp))
     if cfg.arch in LLAMA4 and recompute == "none":
         blocks = sum(llama4_blocks(s, cfg))
+    if cfg.arch in GEMMA4 and recompute == "none":
+        blocks = sum(gemma4_block(s, cfg, layer) for layer in range(cfg.n_layer))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
         blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
