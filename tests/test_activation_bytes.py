@@ -215,3 +215,221 @@ def test_qwen35_linear_and_gated_attention_layers_are_counted_to_the_byte_and_an
     if recompute == "none":  # a recomputed block keeps its input alone, whatever its layers
         with mock.patch.object(memory, *QWEN35_OMITTED[omitted]):
             assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] < measured
+
+
+def hf_config_of(config) -> ModelConfig:
+    """zerotrain's ModelConfig of a transformers config, as --init-from reads its config.json."""
+    from zerotrain.hub import mapping
+
+    return mapping.model_config_from_hf(config.to_dict(), "config.json")
+
+
+def latent_configs() -> dict[str, ModelConfig]:
+    """tests/test_deepseek.py's and test_mistral4.py's tiny models: a dense layer and two MoE layers, values (12)
+    narrower than q and k (24), with a query rank and without; Mistral 4's softmax router and query scale."""
+    import transformers
+    from test_deepseek import SIZES as DEEPSEEK_SIZES
+    from test_mistral4 import SIZES as MISTRAL4_SIZES
+
+    return {"deepseek_v3": hf_config_of(transformers.DeepseekV3Config(**DEEPSEEK_SIZES)),
+            "deepseek_v3 q_proj": hf_config_of(transformers.DeepseekV3Config(**{**DEEPSEEK_SIZES,
+                                                                                "q_lora_rank": None})),
+            "mistral4": hf_config_of(transformers.Mistral4Config(**MISTRAL4_SIZES))}
+
+
+def _kv_latent_output_forgotten(s, cfg, device, tp=1):
+    """Planted: the KV latent norm's output (kv_b_proj's input, BT r a) left out."""
+    return REAL_LATENT_ATTENTION(s, cfg, device, tp) - s.BT * cfg.kv_lora_rank * s.act
+
+
+def _query_scale_cast_forgotten(s, cfg, device, tp=1):
+    """Planted: Mistral 4's per-layer bf16 cast of its query scale left out (in fp32 its one storage, left out)."""
+    return REAL_LATENT_ATTENTION(s, cfg, device, tp) - (s.position_rows * s.T * s.act if s.act != 4 else 0)
+
+
+REAL_LATENT_ATTENTION = memory.latent_attention
+LATENT_OMITTED = {
+    "KV latent's norm output": ("latent_attention", _kv_latent_output_forgotten),
+    "math kernel taken as fused": ("math_attention", lambda cfg, device: False),
+    "group-limited router": ("group_limited_router", lambda s, cfg: 0),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3 q_proj", "mistral4"])
+def test_latent_attention_layers_are_counted_to_the_byte_and_a_forgotten_latent_norm_or_router_is_caught(
+        family, recompute, precision, micro_batch, seq_len, packed):
+    """DeepSeek-V3's and Mistral 4's blocks (latent attention, the dense first layer, group-routed experts with
+    shared experts, Mistral 4's query scale): the plan equals what autograd saves. Planted in the plan's own terms:
+    the KV latent's norm output forgotten, the CPU math kernel's fp32 q, k, v and probabilities counted as the fused
+    kernels' list, the router's tensors forgotten; with Mistral 4's query scale's cast forgotten too in bf16."""
+    cfg = latent_configs()[family]
+    segments = packed_segments(micro_batch, seq_len) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    if recompute != "none":  # a recomputed block keeps its input alone, whatever its layers
+        return
+    planted = dict(LATENT_OMITTED)
+    if family == "mistral4" and precision == "bf16":
+        planted["query scale's cast"] = ("latent_attention", _query_scale_cast_forgotten)
+    for what, (name, bug) in planted.items():
+        with mock.patch.object(memory, name, bug):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "mistral4"])
+def test_a_latent_attention_tp2_rank_saves_what_the_plan_counts_and_unjoined_latents_are_caught(family, precision):
+    """One TP rank of 2 (its half of the heads, of the MLPs' and experts' widths): the replicated latents joined for
+    the heads (mla.to_heads) are one storage. Planted: counted as at TP 1, each norm's output on its own."""
+    from zerotrain.model import deepseek
+
+    cfg = latent_configs()[family]
+    model = build_model(cfg, seed=0)
+    deepseek.parallelize(model, 2, 0, _OneRankOfTwo())
+    measured = measured_bytes(model, 2, 16, precision, "none")
+    assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] == measured
+    at_tp1 = lambda s, cfg, device, tp=1: REAL_LATENT_ATTENTION(s, cfg, device)  # noqa: E731
+    with mock.patch.object(memory, "latent_attention", at_tp1):
+        assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured
+
+
+def llama4_config() -> ModelConfig:
+    """tests/test_llama4.py's tiny model: six layers (every third without rotary, every second MoE with a shared
+    expert), chunks of 16 positions, the q/k L2 norms and the temperature tuning."""
+    from test_llama4 import hf_config
+
+    return hf_config_of(hf_config())
+
+
+REAL_LLAMA4_ATTENTION = memory.llama4_attention
+
+
+def _l2_norm_input_forgotten(s, cfg, layer):
+    """Planted: the L2 norms' fp32 copies of q and k (their inputs) left out."""
+    real = REAL_LLAMA4_ATTENTION(s, cfg, layer)
+    return real - s.BT * (s.heads + s.kv_heads) * s.head_dim * 4 if cfg.rotary(layer) else real
+
+
+LLAMA4_OMITTED = {
+    "L2 norm's fp32 input": ("llama4_attention", _l2_norm_input_forgotten),
+    "temperature": ("llama4_attention", lambda s, cfg, layer: REAL_LLAMA4_ATTENTION(s, cfg, layer)
+                    - (0 if cfg.rotary(layer) else s.position_rows * s.T * 4)),
+    "chunked mask": ("llama4_masks", lambda s, cfg, recompute: memory.document_mask(s)),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", [(2, 16), (3, 13), (1, 40)])  # within a chunk of 16, and across
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+def test_llama4_layers_are_counted_to_the_byte_and_a_forgotten_l2_norm_copy_temperature_or_chunk_mask_is_caught(
+        recompute, precision, micro_batch, seq_len, packed):
+    """Llama 4's rotary layers (the interleaved rotary's fp32 tables, the L2 norms in fp32, the chunked mask) and
+    layers without rotary (the temperature), dense and MoE (the sigmoid scores on the experts' input, the ungated
+    shared expert): the plan equals what autograd saves. Planted in the plan's own terms: the L2 norms' fp32 copies,
+    the temperature or (packed, or recomputed across chunks) the chunked mask left out."""
+    cfg = llama4_config()
+    segments = packed_segments(micro_batch, seq_len) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    for what, (name, bug) in LLAMA4_OMITTED.items():
+        if recompute != "none" and name == "llama4_attention":
+            continue  # a recomputed block keeps its input alone, whatever its layers
+        if name == "llama4_masks" and not (packed or recompute != "none" and seq_len > cfg.attention_chunk):
+            continue  # no chunked mask kept: within one chunk SDPA's causal mask is exact
+        with mock.patch.object(memory, name, bug):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_llama4_tp2_rank_saves_what_the_plan_counts_and_whole_experts_are_caught(precision):
+    """One TP rank of 2 (its heads, its share of the MLPs', experts' and shared expert's widths). Planted: the
+    experts counted at their whole width (TP 1's)."""
+    from zerotrain.model import llama4
+
+    cfg = llama4_config()
+    model = build_model(cfg, seed=0)
+    llama4.parallelize(model, 2, 0, _OneRankOfTwo())
+    measured = measured_bytes(model, 2, 16, precision, "none")
+    assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] == measured
+    real = memory.experts
+    with mock.patch.object(memory, "experts", lambda s, cfg, tp=1: real(s, cfg)):
+        assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured
+
+
+def gemma4_config() -> ModelConfig:
+    """tests/test_gemma4.py's tiny model: sliding (heads of 16, 2 KV heads) and global layers (heads of 32, one KV
+    head, keys as values), the last two sharing earlier layers' KV with a doubled MLP, per-layer inputs of 8, a window
+    of 8."""
+    from test_gemma4 import hf_config
+
+    return hf_config_of(hf_config())
+
+
+REAL_GEMMA4_BLOCK = memory.gemma4_block
+GEMMA4_OMITTED = {
+    # the global layers counted at the sliding layers' head width and KV heads
+    "global heads' own shape": ("gemma4_block", lambda s, cfg, layer: REAL_GEMMA4_BLOCK(
+        s, dataclasses.replace(cfg, global_head_width=cfg.head_dim, global_kv_heads=cfg.kv_heads), layer)),
+    # the shared-KV layers counted as computing their own k and v
+    "shared KV": ("gemma4_block", lambda s, cfg, layer: REAL_GEMMA4_BLOCK(
+        s, dataclasses.replace(cfg, kv_shared_layers=0), layer)),
+    "v's norm": ("gemma4_norm", lambda s, rows, width, gain=True: REAL_GEMMA4_NORM(s, rows, width, gain) if gain
+                 else 0),
+    "per-layer inputs": ("gemma4_embedding", lambda s, cfg, recompute: 0),
+}
+REAL_GEMMA4_NORM = memory.gemma4_norm
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+def test_gemma4_layers_are_counted_to_the_byte_and_global_heads_shared_kv_or_per_layer_inputs_forgotten_are_caught(
+        recompute, precision, micro_batch, seq_len, packed):
+    """Gemma 4's blocks (q/k/v norms, the global layers' own head shapes and keys as values, the shared KV, the
+    doubled MLPs, the per-layer inputs, the post-norms) and its two rotary tables: the plan equals what autograd
+    saves. Planted in the plan's own terms: the global layers at the sliding layers' shape, the shared-KV layers as
+    if they had their own keys, v's norm left out, the per-layer inputs left out."""
+    cfg = gemma4_config()
+    segments = packed_segments(micro_batch, seq_len) if packed else None
+    measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
+    kw = dict(precision=precision, recompute=recompute, documents=packed)
+    assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
+    for what, (name, bug) in GEMMA4_OMITTED.items():
+        if recompute != "none" and name != "gemma4_embedding":
+            continue  # a recomputed block keeps its input alone, whatever its layers
+        with mock.patch.object(memory, name, bug):
+            assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
+
+
+def test_the_rows_are_approximate_only_for_gemma4s_moe_block():
+    """Every family's rows are counted to the byte but Gemma 4's MoE block's, which the run's start line names."""
+    assert memory.approximate(gemma4_config()) == ""
+    assert memory.approximate(latent_configs()["deepseek_v3"]) == memory.approximate(llama4_config()) == ""
+    assert "MoE block" in memory.approximate(dataclasses.replace(gemma4_config(), n_experts=4))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gemma4_under_selective_recompute_keeps_what_blocks_does_and_the_plan_says_so(precision):
+    """Gemma 4's decoder recomputes each block whole under --activation-checkpointing selective (run_block is handed
+    True): the plan counts that, and a Llama's selective rows (what the policy would keep) are off."""
+    cfg = gemma4_config()
+    model = build_model(cfg, seed=0)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.recompute_blocks = "selective"  # as training/loop.py sets it
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+    measured, _ = saved_for_backward(lambda: head_loss(model, x, y, summed_token_loss, False, None),
+                                     model.parameters())
+    assert activation_bytes(cfg, 2, 16, precision=precision, recompute="selective")["total"] == measured
+    assert measured == measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "blocks")
+    with mock.patch.object(memory, "GEMMA4", ()):  # planted: counted as a Llama's selective block
+        assert activation_bytes(cfg, 2, 16, precision=precision, recompute="selective")["total"] != measured

@@ -288,16 +288,12 @@ def test_a_trained_export_is_loaded_by_transformers_as_gemma4_with_the_same_logi
                                                                                       context=0)
 
 
-def test_the_run_says_its_activation_rows_are_approximate(training_folder, tmp_path):
-    """The plan counts Gemma 4's activations as a Llama's (its norms, per-layer inputs and wider global heads not in
-    them): the start line says so; a Llama's does not."""
+def test_the_run_does_not_call_its_activation_rows_approximate(training_folder, tmp_path):
+    """The plan counts Gemma 4's activations to the byte (tests/test_activation_bytes.py): the start line says nothing
+    is approximate, as a Llama's does not."""
     from zerotrain.training.memory_plan import memory_plan
 
-    summary = memory_plan(config_for(training_folder[0], tmp_path / "run")).summary()
-    assert "its activations approximate: gemma4's activations counted as a Llama's" in summary
-    llama = config_for(training_folder[0], tmp_path / "llama")
-    llama.model = dataclasses.replace(ModelConfig(arch="llama"))
-    assert "approximate" not in memory_plan(llama).summary()
+    assert "approximate" not in memory_plan(config_for(training_folder[0], tmp_path / "run")).summary()
 
 
 # google/gemma-4-12B's text model as transformers builds it from the config.json zerotrain writes: its parameters

@@ -28,6 +28,24 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                 path: 4 BTHD a + BHTT (a + 4)       q, k and v at H heads, output; capped scores,
                                 (+ BHTT a in bf16)                  fp32 probabilities (and their bf16 copy)
                  GeGLU MLP      4 BTF a                             as SwiGLU's
+    DeepSeek-V3  latent        the query and KV latents' RMSNorms, the core on CPU SDPA's math kernel (values narrower
+    (Mistral 4)  attention     than q and k: fp32 q, k, v and probabilities, BHT (2 D + Dv) 4 + BHTT 4) and o_proj's
+                               copied input (latent_attention); its router's scores, choice and sums
+                               (group_limited_router), ungated shared experts 4 N Ws a; Mistral 4's query scale
+                               (B or 1) T 4 in fp32, cast per block in bf16
+    Llama 4      attention     rotary layers: the L2 norms' fp32 inputs and rsqrts (H + KV) BT (D + 1) 4, SDPA's
+                               output copied for o_proj BTHD a, within chunks shorter than T SDPA's T T a copy of the
+                               boolean chunk mask; the others: the temperature (B or 1) T 4 (llama4_attention); the
+                               fp32 rotary tables in bf16 too; the chunked mask beside the records' (llama4_masks)
+                 experts       the existing rows, with the sigmoid scores N k 4 and a third index N k 8, the shared
+                               expert ungated 4 N Ws a
+    Gemma 4      block         layer by layer (gemma4_block): five w RMSNorms in fp32 (gemma4_norm: fp32 input and
+                               normalized, two per-token fp32 terms, in bf16 the gain's copy), q/k norms per head and
+                               v's without a gain, the global layers' own head width and KV heads, the shared-KV
+                               layers' q alone, GeGLU at the layer's width, the per-layer input's gate, GELU and
+                               product; outside (gemma4_embedding) the per-layer inputs (B, T, L, P), their norm,
+                               two rotary tables in fp32. Its decoders (and DeepSeek-V3's, Llama 4's) recompute
+                               blocks whole under "selective"
     gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
                                in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
                                the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
@@ -86,11 +104,12 @@ bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fuse
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from zerotrain.config import GROUP_ROUTED, QWEN35, ModelConfig
+from zerotrain.config import DEEPSEEK, GEMMA4, GROUP_ROUTED, LLAMA4, QWEN35, ModelConfig
 
 from . import attention as kernels  # `attention` here is the attention's bytes
 from . import moe, tensor_parallel
@@ -100,12 +119,18 @@ from .vocab import chunk_tokens, logps_logit_bytes, loss_logit_bytes, splits_voc
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
 
-# The families whose activations activation_bytes counts as a Llama's: what it leaves out, which the run's start line
-# says (the plan's activation rows are approximate for them).
-APPROXIMATE = {
-    "gemma4": "gemma4's activations counted as a Llama's, without its q/k/v norms, post-norms, per-layer inputs and "
-              "wider global heads (a tiny model saves 1.9x the plan, 1.2x with --activation-checkpointing blocks)",
-}
+
+
+def approximate(cfg: ModelConfig) -> str:
+    """What activation_bytes leaves out of a model's rows, which the run's start line says (the plan's activation rows
+    are approximate for it): Gemma 4's MoE block, whose layers are counted as the dense ones with the MoE families'
+    experts in place of their MLP; "" where the rows are counted to the byte."""
+    if cfg.arch in GEMMA4 and cfg.moe:
+        return ("gemma4's MoE block counted as the MoE families' experts in place of its MLP, not measured against "
+                "what it saves")
+    return ""
+
+
 INDEX = 8  # bytes: int64 token ids, positions and targets
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -311,17 +336,177 @@ def experts(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
     router = N * cfg.n_experts * FP32 + N * k * INDEX + N * k * s.act
     if cfg.renormalizes:
         router += N * k * FP32 + N * FP32
+    if cfg.arch in GROUP_ROUTED:  # DeepSeek-V3's group-limited router (GLM-4.5's too) and ungated shared experts
+        router = group_limited_router(s, cfg) + N * k * s.act
+    if cfg.arch in LLAMA4:  # the sigmoid of the top-k logits (fp32), the index its scores are gathered by
+        router += N * k * FP32 + N * k * INDEX
     dispatch = 2 * N * k * INDEX + 2 * N * k * s.C * s.act + glu_tensors(cfg) * N * k * W * s.act
     shared = 0
-    if cfg.shared_expert_width:
+    if cfg.arch in GROUP_ROUTED:
+        shared = 4 * N * (cfg.expert_ffn * cfg.shared_experts // tp) * s.act
+    elif cfg.arch in LLAMA4:  # ungated
+        shared = 4 * N * (cfg.shared_expert_width // tp) * s.act
+    elif cfg.shared_expert_width:
         shared = 4 * N * (cfg.shared_expert_width // tp) * s.act + N * s.act + N * s.C * s.act
     if tp > 1 and cfg.gpt_oss_experts:  # the weights over the E experts (N E) and the biases stacked (E C)
         dispatch += N * cfg.n_experts * s.act + cfg.n_experts * s.C * s.act
-    if cfg.arch in GROUP_ROUTED:
-        # (Mistral 4's softmax router scores in the activations' dtype: no fp32 copies)
-        router += N * FP32 + (0 if s.act == FP32 or cfg.softmax_router else (N + cfg.n_experts) * s.C * FP32)
-        shared = 4 * N * (cfg.expert_ffn * cfg.shared_experts // tp) * s.act
     return router + dispatch + shared
+
+
+def group_limited_router(s: RankShape, cfg: ModelConfig) -> int:
+    """DeepSeek-V3's router (group_routing.py) over N = BT tokens, before the weights the outputs are multiplied by:
+    the scores (N, E) (sigmoid's in fp32, from fp32 copies of the tokens and, in bf16, of its weight; Mistral 4's
+    softmax in the activations' dtype), the experts chosen (N, k int64), with norm_topk_prob the chosen scores and
+    their sum (the scores' dtype), and the balancing loss's probabilities: the scores' sum per token (fp32; Mistral
+    4's in bf16 from an fp32 copy of its scores)."""
+    N, E, k = s.BT, cfg.n_experts, cfg.experts_per_token
+    scores = s.act if cfg.softmax_router else FP32
+    router = N * E * scores + N * k * INDEX + N * FP32
+    if not cfg.softmax_router and s.act != FP32:
+        router += N * s.C * FP32 + E * s.C * FP32
+    if cfg.softmax_router and s.act != FP32:
+        router += N * E * FP32
+    if cfg.norm_topk_prob:
+        router += N * k * scores + N * scores
+    return router
+
+
+def latent_attention(s: RankShape, cfg: ModelConfig, device: str, tp: int = 1) -> int:
+    """DeepSeek-V3's multi-head latent attention (mla.py) after its input norm, whose output q_a_proj (or q_proj) and
+    kv_a_proj_with_mqa read. With query rank r_q, KV latent r, rotary units R, q/k heads of D = nope + R units and
+    values of Dv:
+
+        query latent  RMSNorm over r_q units (rms_norm's four terms at that width), its output q_b_proj's input
+        KV latent     RMSNorm over r units: its fp32 input (in fp32 a view of kv_a_proj_with_mqa's whole output, BT (r
+                      + R) 4), rsqrt, the normalized latent cast back and the output kv_b_proj reads
+        rotary        in bf16 cos and sin cast for q and again for the shared key: 4 T R a (the fp32 tables are the
+                      embedding's); Mistral 4's query scale in bf16 cast per layer, T a
+        core          values narrower than q and k: SDPA's math kernel on CPU, which computes in fp32 and keeps the
+                      scaled q and k and v (2 BHTD + BHT Dv) and the probabilities (BHTT) in fp32, and whose output
+                      o_proj reads as a copy (BT H Dv a); values as wide: the fused kernels' list (attention)
+        TP            the replicated latents joined into one tensor for the heads (mla.to_heads): that storage, BT (r_q
+                      or C, + r + R) a, in place of the two norms' outputs
+    """
+    BT, a, H, Dv, R, r = s.BT, s.act, s.heads, cfg.v_head_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
+    latents = 0
+    if cfg.q_lora_rank:
+        latents += rms_norm(dataclasses.replace(s, C=cfg.q_lora_rank))
+    kv_input = BT * (r + R) * FP32 if a == FP32 else BT * r * FP32
+    latents += kv_input + BT * FP32 + 2 * BT * r * a
+    if tp > 1:
+        latents += BT * ((cfg.q_lora_rank or s.C) + r + R) * a - BT * r * a - BT * cfg.q_lora_rank * a
+    rotary = rotary_casts(s, R)
+    if cfg.arch == "mistral4" and cfg.llama4_scaling_beta and a != FP32:
+        rotary += s.position_rows * s.T * a
+    if math_attention(cfg, device):
+        core = s.B * H * s.T * (2 * s.head_dim + Dv) * FP32 + s.B * H * s.T * s.T * FP32 + BT * H * Dv * a
+    else:
+        core = BT * H * (2 * s.head_dim + Dv) * a + BT * H * Dv * a + attention_logsumexp(s)
+    return latents + rotary + core
+
+
+def math_attention(cfg: ModelConfig, device: str) -> bool:
+    """Whether SDPA takes its math kernel: latent attention's values narrower than q and k, on CPU, whose fused
+    kernel needs one width for all three (CUDA's memory-efficient kernel takes them)."""
+    return cfg.arch in DEEPSEEK and cfg.v_head_dim != cfg.head_dim and device == "cpu"
+
+
+def deepseek_blocks(s: RankShape, cfg: ModelConfig, device: str, tp: int = 1) -> list[int]:
+    """Each DeepSeek-V3 (Mistral 4) block's bytes: its two RMSNorms, the latent attention and the SwiGLU MLP of the
+    first dense layers (the others' experts are added by the caller in its place, as every MoE's)."""
+    return [2 * rms_norm(s) + latent_attention(s, cfg, device, tp) + swiglu_mlp(s) for _ in range(cfg.n_layer)]
+
+
+def llama4_attention(s: RankShape, cfg: ModelConfig, layer: int) -> int:
+    """Llama 4's attention (llama4.Llama4Attention) after its input norm. A rotary layer rotates in fp32 (saving only
+    the fp32 tables, the embedding's) and L2-normalises q and k in fp32: each one's fp32 input and rsqrt, (H + KV) BT
+    (D + 1) 4; SDPA's output, laid out by heads, is copied for o_proj (BTHD a); within chunks shorter than T, one
+    sequence per row, SDPA converts the boolean chunk mask to its own T T a copy. A layer without rotary keeps its
+    temperature (rows, T) fp32; its scaled q is SDPA's and o_proj reads SDPA's output as it is."""
+    if not cfg.rotary(layer):
+        return attention(s) + (s.position_rows * s.T * FP32 if cfg.temperature_tuning else 0)
+    norms = s.BT * (s.heads + s.kv_heads) * (s.head_dim + 1) * FP32 if cfg.qk_l2_norm else 0
+    converted = s.T * s.T * s.act if not s.documents and 0 < cfg.attention_chunk < s.T else 0
+    return norms + attention(s) + attention_output(s) + converted
+
+
+def llama4_blocks(s: RankShape, cfg: ModelConfig) -> list[int]:
+    """Each Llama 4 block's bytes: two RMSNorms, its attention (by the layer's kind), a SwiGLU MLP (on the MoE layers
+    the experts, added by the caller in its place)."""
+    return [2 * rms_norm(s) + llama4_attention(s, cfg, layer) + swiglu_mlp(s) for layer in range(cfg.n_layer)]
+
+
+def llama4_masks(s: RankShape, cfg: ModelConfig, recompute: str) -> int:
+    """The masks Llama 4's layers attend through, built once per forward: for packed records the rotary layers'
+    chunked mask (B, 1, T, T) a and the other layers' records' mask (document_mask), one storage where there are no
+    chunks; one sequence per row with chunks shorter than T, the rotary layers' boolean (T, T), which recomputed
+    blocks keep as their argument (without recompute SDPA's converted copies are the layers')."""
+    rotary = [cfg.rotary(layer) for layer in range(cfg.n_layer)]
+    if not s.documents:
+        return s.T * s.T if recompute != "none" and any(rotary) and 0 < cfg.attention_chunk < s.T else 0
+    if not cfg.attention_chunk:
+        return document_mask(s)
+    return (s.mask_rows * s.T * s.T * s.act if any(rotary) else 0) + (document_mask(s) if not all(rotary) else 0)
+
+
+def gemma4_norm(s: RankShape, rows: int, width: int, gain: bool = True) -> int:
+    """Gemma 4's RMSNorm (gemma4.Gemma4RMSNorm: a plain w gain, all in fp32) over `rows` of `width`: its fp32 input
+    (x itself in fp32, a copy in bf16), the mean square plus eps and its power (rows, fp32, both saved by pow), and
+    with a gain the normalized input (fp32) and, in bf16, the gain's fp32 copy; its output is counted where it is
+    read."""
+    normed = rows * width * FP32 + (width * FP32 if s.act != FP32 else 0) if gain else 0
+    return rows * width * FP32 + 2 * rows * FP32 + normed
+
+
+def gemma4_block(s: RankShape, cfg: ModelConfig, layer: int) -> int:
+    """One Gemma 4 block (gemma4.Gemma4Block), its attention of the layer's kind (the global layers' own head width
+    and KV heads, cfg.attention_shape):
+
+        norms         four of the width C around the attention and the MLP, and the per-layer input's, each with its
+                      fp32 input (the block's input, a projection's output or a residual sum); the outputs of the two a
+                      linear reads (2 BTC a)
+        q, k, v       q's and k's norms per head (gemma4_norm) and v's without a gain (its input shared with k's in
+                      fp32 where the keys are the values); in bf16 the rotary tables cast for q and k (2 T D a each);
+                      SDPA's q, k and v, output and logsumexp (attention)
+        shared KV     the last layers rotate and attend q alone: k and v are their source layer's storages
+        MLP           GeGLU at the layer's width (doubled on the shared-KV layers with --double-wide-mlp)
+        per-layer     the block's output the gate reads (BTC a), GELU's input and output and their product with the
+      input           layer's input (3 BT P a); the input itself is the embedding's (B, T, L, P), one storage
+    """
+    kv, D = cfg.attention_shape(layer)
+    own = cfg.kv_source(layer) == layer
+    s = dataclasses.replace(s, kv_heads=kv, head_dim=D)
+    BT, a, C, P = s.BT, s.act, s.C, cfg.per_layer_width
+    norms = (5 if P else 4) * gemma4_norm(s, BT, C) + 2 * BT * C * a
+    q = gemma4_norm(s, BT * s.heads, D)
+    casts = rotary_casts(s) // (1 if own else 2)  # q's and k's casts, or q's alone
+    core = attention(s)
+    if own:
+        keys_as_values = cfg.k_eq_v and cfg.global_layer(layer) and a == FP32
+        q += gemma4_norm(s, BT * kv, D) + gemma4_norm(s, BT * kv, D, gain=False) - (BT * kv * D * FP32
+                                                                                   if keys_as_values else 0)
+    elif not s.kv_repeated:  # the source layer's k and v
+        core -= 2 * BT * kv * D * a
+    per_layer = BT * C * a + 3 * BT * P * a if P else 0
+    mlp = swiglu_mlp(dataclasses.replace(s, ffn=s.ffn * cfg.ffn_width_of(layer) // cfg.ffn_width))  # GeGLU's four
+    return norms + q + casts + core + mlp + per_layer
+
+
+def gemma4_embedding(s: RankShape, cfg: ModelConfig, recompute: str) -> int:
+    """What Gemma 4's per-layer inputs keep (gemma4.Gemma4.per_layer_inputs), beyond the token ids: the scaled
+    embedding per_layer_model_projection reads (BTC a; in fp32, or recomputed, the first block's input as it is,
+    counted there), the per-layer norm over P of BT L rows, and the inputs themselves (B, T, L, P) a, one storage the
+    blocks read; without recompute the fp32 rotary tables of both kinds of layer (2 T D 4 and 2 T Dg 4)."""
+    P, L = cfg.per_layer_width, cfg.n_layer
+    kept = 0
+    if P:
+        kept += gemma4_norm(s, s.BT * L, P) + s.BT * L * P * s.act
+        if s.act != FP32 and recompute == "none":
+            kept += s.BT * s.C * s.act
+    if recompute == "none" and s.act == FP32:
+        kinds = {cfg.global_layer(layer) for layer in range(L)}
+        kept += sum(rotary_tables(s, cfg.global_head_width if kind else cfg.head_dim) for kind in kinds)
+    return kept
 
 
 def grouped_offsets(cfg: ModelConfig, device: str, precision: str, tp: int = 1, ep: int = 1) -> int:
@@ -481,6 +666,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         raise ValueError(f"tp must be at least 1, got {tp}")
     if recompute not in ("none", "selective", "blocks", "full"):
         raise ValueError(f"recompute must be none, selective, blocks or full, got {recompute!r}")
+    if recompute == "selective" and cfg.arch in DEEPSEEK + LLAMA4 + GEMMA4:
+        # their decoders hand run_block `recompute_blocks and cache is None`, which is True for "selective": each block
+        # is recomputed whole, and keeps its input alone (measured: tests/test_activation_bytes.py)
+        recompute = "blocks"
     for what, n in (("n_head", cfg.n_head), ("ffn width", cfg.ffn_width)):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {what} ({n}); pick a tp that divides it")
@@ -511,6 +700,12 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
             shapes[window] = block_input(s)
         elif cfg.arch in QWEN35:  # its layers differ: counted layer by layer below
             shapes[window] = max(qwen35_blocks(s, cfg, documents, tp))
+        elif cfg.arch in DEEPSEEK:
+            shapes[window] = max(deepseek_blocks(s, cfg, device, tp))
+        elif cfg.arch in LLAMA4:
+            shapes[window] = max(llama4_blocks(s, cfg))
+        elif cfg.arch in GEMMA4:  # its two kinds of layer differ: counted layer by layer below
+            shapes[window] = max(gemma4_block(s, cfg, layer) for layer in range(cfg.n_layer))
         elif cfg.gemma:
             shapes[window] = gemma_block(s, cfg.qk_norm, eager)
         elif cfg.attn_sinks:
@@ -520,7 +715,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         # The mask, saved by every SDPA or FlexAttention (and, recomputed, by every block's checkpoint, which saves
         # its tensor arguments), one storage; explicit scores only add it, which keeps nothing.
         attends = cfg.arch not in QWEN35 or not all(cfg.linear_attention(i) for i in range(cfg.n_layer))
-        if recompute != "none" or not eager and attends:  # (Qwen3.5's linear layers restart at records instead)
+        # (Qwen3.5's linear layers restart at records instead; SDPA's math kernel adds the mask, keeping nothing)
+        if cfg.arch in LLAMA4:  # its chunked mask beside the records'
+            masks += llama4_masks(s, cfg, recompute)
+        elif recompute != "none" or not eager and attends and not math_attention(cfg, device):
             masks += document_mask(s)
         if recompute != "none" and documents and cfg.arch in QWEN35:  # each record's first token, an argument
             masks += s.BT
@@ -529,20 +727,38 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     embedding = s.BT * INDEX + masks
     if splits_vocab(cfg.vocab_size, tp):  # the rank's ids, and which fall outside its rows (BT bools)
         embedding += s.BT
-    if llama and recompute == "none" and precision == "fp32":
+    if cfg.arch in GEMMA4:  # its per-layer inputs; its rotary tables of two widths
+        embedding += gemma4_embedding(s, cfg, recompute)
+    elif llama and recompute == "none" and precision == "fp32":
         # Saved as they are by the rotations (in bf16 each block saves its own casts; recomputed blocks, none): one
         # pair per rotary base the layers use (Gemma 3's sliding layers have their own).
         # (Qwen3.5's of its rotated share of each head, where one of its layers attends)
         embedding += rotary_tables(s, cfg.rotary_dim) * rotary_bases(cfg, windows) * attends
+    if cfg.arch in LLAMA4 and recompute == "none" and precision != "fp32" and any(map(cfg.rotary, range(cfg.n_layer))):
+        embedding += rotary_tables(s)  # rotated in fp32 in every precision: its fp32 tables saved as they are
+    if cfg.arch in LLAMA4 and recompute != "none":  # the positions, each recomputed block's argument
+        embedding += positions(s)
     if not llama:
         embedding += positions(s)
+    if cfg.arch == "mistral4" and cfg.llama4_scaling_beta and (recompute != "none" or precision == "fp32"):
+        # its query scale (B or 1, T) in fp32: saved as it is (in bf16 each block saves its cast), or a recomputed
+        # block's argument
+        embedding += s.position_rows * s.T * FP32
     if cfg.gemma or cfg.arch in QWEN35:  # the final (1 + w) norm, and its output, which the head reads
         head = gemma_norm(s) + s.BT * s.C * s.act
+    elif cfg.arch in GEMMA4:  # its final norm (w), and its output
+        head = gemma4_norm(s, s.BT, s.C) + s.BT * s.C * s.act
     else:
         head = rms_norm(s) if llama else layer_norm(s)  # the final norm
     blocks = sum(shapes[window] for window in windows)
     if cfg.arch in QWEN35 and recompute == "none":
         blocks = sum(qwen35_blocks(s, cfg, documents, tp))
+    if cfg.arch in DEEPSEEK and recompute == "none":
+        blocks = sum(deepseek_blocks(s, cfg, device, tp))
+    if cfg.arch in LLAMA4 and recompute == "none":
+        blocks = sum(llama4_blocks(s, cfg))
+    if cfg.arch in GEMMA4 and recompute == "none":
+        blocks = sum(gemma4_block(s, cfg, layer) for layer in range(cfg.n_layer))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
         blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
