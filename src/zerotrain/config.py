@@ -905,14 +905,17 @@ class GuardConfig:
 # Every member of the Llama family has Llama's (Phi-3's files fuse q, k, v and gate, up, but its model does not).
 # Qwen3.5's: its attention layers' and its Gated DeltaNet layers' (in_proj_qkv, in_proj_z, in_proj_a, in_proj_b,
 # out_proj; not the convolution), and the MLP's (the MoE's shared expert). Multi-head latent attention's are its
-# low-rank projections (q_proj where the model has no query rank).
+# low-rank projections (q_proj where the model has no query rank). Gemma 4's also its per-layer input's gate and
+# projection (not the model's per_layer_model_projection, outside the blocks; a keys-as-values layer has no v_proj).
 LORA_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
                    for arch in LLAMA_FAMILY},
                 **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
                           "out_proj", "gate_proj", "up_proj", "down_proj") for arch in QWEN35},
                 **{arch: ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
-                          "up_proj", "down_proj") for arch in DEEPSEEK}}
+                          "up_proj", "down_proj") for arch in DEEPSEEK},
+                **{arch: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                          "per_layer_input_gate", "per_layer_projection") for arch in GEMMA4}}
 ALL_LINEAR = "all"
 LORA = Scope("LoRA runs (--lora-rank above 0)", lambda cfg: cfg.lora.rank > 0,
              lambda cfg, model: "this run trains every weight (--lora-rank 0)")
@@ -1459,8 +1462,8 @@ def _check_llama4(cfg: Config) -> None:
 
 def _check_gemma4(cfg: Config) -> None:
     """Gemma 4's layer pattern (its last layer global, as transformers forces it), a layer of each kind before the
-    shared-KV layers, the MoE block (--n-experts) on every layer, --tp dividing both kinds' KV heads, and what
-    zerotrain does not have for it yet (LoRA): refused, never trained approximately."""
+    shared-KV layers, the MoE block (--n-experts) on every layer, and --tp dividing both kinds' KV heads: else
+    refused, never trained approximately."""
     m, p = cfg.model, cfg.parallel
     if not m.sliding_window or not m.sliding_window_pattern or m.n_layer % m.sliding_window_pattern:
         raise ConfigError(f"--arch gemma4's last layer is global and the others slide every --sliding-window-pattern: "
@@ -1486,9 +1489,6 @@ def _check_gemma4(cfg: Config) -> None:
         raise ConfigError(f"--tp {p.tp} does not divide the KV heads of both of --arch gemma4's layer kinds (sliding "
                           f"{m.kv_heads}, global {global_kv_heads}): zerotrain's Gemma 4 does not replicate a KV "
                           "head over TP ranks")
-    if cfg.lora.rank:
-        raise ConfigError(f"--lora-rank {cfg.lora.rank}: LoRA on --arch gemma4 is not in zerotrain yet: give "
-                          "--lora-rank 0")
 
 
 def validate(cfg: Config) -> Config:
