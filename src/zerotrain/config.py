@@ -1372,6 +1372,7 @@ def _check_context_parallel(cfg: Config) -> None:
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
                (m.arch in LLAMA4, f"--arch {m.arch} (chunked attention)"),
+               (m.arch in GEMMA4, f"--arch {m.arch} (shared KV and per-layer inputs, not checked against --cp 1)"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
                (cfg.loop.compile, "--compile")]
