@@ -340,6 +340,21 @@ def test_a_signal_once_the_stop_save_has_begun_waits_for_it_in_the_rank_and_the_
     assert drill() == ([128 + signal.SIGINT], 0, "SIGINT")
 
 
+def test_a_first_signal_that_finds_a_rank_saving_still_leaves_the_stop_file(tmp_path):
+    """A signal to the group reaches a rank and the launcher at once; when the rank's stop-save has begun before the
+    launcher's handler runs (a loaded machine), the launcher still writes the stop file for that request (what a
+    second request's drill waits for), and ignores the request with its one line."""
+    from zerotrain.runtime.supervise import LauncherSignals
+
+    open(tmp_path / "stepping", "w").close()
+    with open(tmp_path / "saving-rank1", "w") as f:
+        f.write("3")
+    launcher = LauncherSignals(str(tmp_path / "stop"), [str(tmp_path / "stepping")], clock=lambda: 100.0,
+                               saving_files=[str(tmp_path / "saving-rank0"), str(tmp_path / "saving-rank1")])
+    launcher._on_signal(signal.SIGINT, None)
+    assert open(tmp_path / "stop").read() == "SIGINT" and launcher.hard_stop is None
+
+
 def test_a_second_signal_inside_a_stop_save_waits_for_its_commit_and_the_resumed_run_is_bitwise_identical(
         tmp_path, uninterrupted):
     """Ctrl-C to the group at step 3 (the stop), then Ctrl-C again while rank 0 commits step 3, SAME_STOP_S after the

@@ -59,6 +59,10 @@ class LauncherSignals:
         second = self.signals.is_second()
         saving = self.saving_step()
         if saving is not None:
+            if first and not os.path.exists(self.stop_file):
+                # a rank's own delivery of this request began the save before this handler ran: the stop file still
+                # says the request was received (a rank reading it stops at the step it saves anyway)
+                write_atomic(self.stop_file, name, durable=False)
             if first or second:  # said once a request, not again for its own delivery again
                 print(f"zerotrain: saving step {saving}; {name} and any further signal are ignored until the save is "
                       "committed", file=sys.stderr, flush=True)
