@@ -31,7 +31,7 @@ from . import llama, moe
 from .decoder import Decoder
 from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
-from .llama import LlamaMLP, layer_mask
+from .llama import LlamaMLP, layer_mask, parallelize_mlp, parallelize_vocab
 from .mla import LatentAttention, mla_rope_scaling, query_scale
 from .moe import Expert, MoE, PartialDown, Routing
 from .norms import RMSNorm
@@ -39,7 +39,6 @@ from .positions import new_positions
 from .recompute import in_backward, run_block
 from .rotary import rotary_tables
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks
-from .vocab import VocabParallelEmbedding, VocabParallelHead
 
 
 class DeepseekMoE(MoE):
@@ -168,14 +167,7 @@ def parallelize(model: Deepseek, tp_size: int, tp_rank: int, comm, kv_comm=None)
             mlp.shared_experts.down_proj = PartialDown(mlp.shared_experts.down_proj,
                                                        slices[shared + "down_proj.weight"], tp_rank)
             continue
-        column(mlp, "gate_proj", h + "mlp.")
-        column(mlp, "up_proj", h + "mlp.")
-        mlp.tp_comm = comm
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
-    if "model.embed_tokens.weight" in slices:
-        vocab = slices["model.embed_tokens.weight"]
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
-        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
-        model.tie_weights()
+        parallelize_mlp(mlp, slices, h + "mlp.", tp_rank, comm)
+    parallelize_vocab(model, slices, tp_rank, comm)
     model.tp_slices = slices
     return slices

@@ -54,14 +54,13 @@ from . import moe
 from .decoder import Decoder
 from .gemma import embedding_scale, geglu
 from .kv_cache import KVCache
-from .llama import layer_mask
+from .llama import layer_mask, parallelize_mlp, parallelize_vocab
 from .moe import MoE
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks, copy_to_tp, kv_head_blocks
-from .vocab import VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
-from .vocab import token_embedding
+from .vocab import splits_vocab, token_embedding, vocab_slice
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -334,17 +333,9 @@ def parallelize(model: Gemma4, tp_size: int, tp_rank: int, comm, kv_comm=None) -
                                                          None, tp_rank, None))
         attn.tp_comm = comm
         attn.o_proj = RowParallelLinear(attn.o_proj, slices[h + "self_attn.o_proj.weight"], tp_rank, comm)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), slices[f"{h}mlp.{name}.weight"], None,
-                                                    tp_rank, None))
-        mlp.tp_comm = comm
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[h + "mlp.down_proj.weight"], tp_rank, comm)
+        parallelize_mlp(mlp, slices, h + "mlp.", tp_rank, comm)
         if hasattr(block, "moe"):
             moe.parallelize(block.moe, slices, h + "moe.", tp_rank, comm)
-    if "model.embed_tokens.weight" in slices:
-        vocab = slices["model.embed_tokens.weight"]
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
-        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
-        model.tie_weights()
+    parallelize_vocab(model, slices, tp_rank, comm)
     model.tp_slices = slices
     return slices

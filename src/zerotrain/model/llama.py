@@ -316,6 +316,15 @@ def parallelize_mlp(mlp: LlamaMLP, slices: dict[str, TPSlice], prefix: str, rank
     mlp.down_proj = RowParallelLinear(mlp.down_proj, slices[prefix + "down_proj.weight"], rank, comm)
 
 
+def parallelize_vocab(model: nn.Module, slices: dict[str, TPSlice], rank: int, comm) -> None:
+    """This rank's rows of the embedding and the head, where the plan splits the vocabulary (a tied head stays tied)."""
+    if "model.embed_tokens.weight" in slices:
+        vocab = slices["model.embed_tokens.weight"]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, rank, comm)
+        model.lm_head = VocabParallelHead(model.lm_head, vocab, rank, comm)
+        model.tie_weights()
+
+
 def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) -> dict[str, TPSlice]:
     """Replace the full model's split layers by this rank's parallel ones, in place; return the plan.
 
@@ -341,10 +350,6 @@ def parallelize(model: Llama, tp_size: int, tp_rank: int, comm, kv_comm=None) ->
             moe.parallelize(mlp, slices, h + "mlp.", tp_rank, comm)
         else:
             parallelize_mlp(mlp, slices, h + "mlp.", tp_rank, comm)
-    if "model.embed_tokens.weight" in slices:
-        vocab = slices["model.embed_tokens.weight"]
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
-        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
-        model.tie_weights()
+    parallelize_vocab(model, slices, tp_rank, comm)
     model.tp_slices = slices
     return slices

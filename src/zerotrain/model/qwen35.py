@@ -41,14 +41,14 @@ from .decoder import Decoder
 from .delta_rule import causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
-from .llama import LlamaMLP, layer_mask, mlp_plan, normalize_heads, parallelize_mlp
+from .llama import LlamaMLP, layer_mask, mlp_plan, normalize_heads, parallelize_mlp, parallelize_vocab
 from .moe import MoE
 from .positions import new_positions
 from .recompute import run_block
 from .rotary import apply_rotary, rotary_tables
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPSlice, blocks, copy_to_tp,
                               kv_head_blocks)
-from .vocab import VocabParallelEmbedding, VocabParallelHead, splits_vocab, vocab_slice
+from .vocab import splits_vocab, vocab_slice
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -321,11 +321,7 @@ def parallelize(model: Qwen35, tp_size: int, tp_rank: int, comm, kv_comm=None) -
             moe.parallelize(block.mlp, slices, h + "mlp.", tp_rank, comm)
         else:
             parallelize_mlp(block.mlp, slices, h + "mlp.", tp_rank, comm)
-    if "model.embed_tokens.weight" in slices:
-        vocab = slices["model.embed_tokens.weight"]
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp_rank, comm)
-        model.lm_head = VocabParallelHead(model.lm_head, vocab, tp_rank, comm)
-        model.tie_weights()
+    parallelize_vocab(model, slices, tp_rank, comm)
     model.tp_slices = slices
     return slices
 
