@@ -23,18 +23,14 @@ test_gemma4_moe.py; --tp: test_gemma4_tp.py.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import json
 
 import pytest
 import torch
 import transformers
-from conftest import world_of_one
-from dist_jobs import in_turn_job
 from test_gemma import one_thread
-from test_qwen35 import STEPS, config_for, gaps, transformers_run, weights_of
+from test_qwen35 import STEPS, ZERO3, config_for, gaps, one_folder_runs
 
 import zerotrain
 from zerotrain.config import ModelConfig
@@ -42,7 +38,6 @@ from zerotrain.hub import mapping
 from zerotrain.hub.export import export_model
 from zerotrain.model import gemma4
 from zerotrain.model.kv_cache import KVCache
-from zerotrain.runtime.launch import run_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -228,28 +223,9 @@ UNGUARDED = ("--spike-window", "4")
 @pytest.fixture(scope="module")
 def runs(training_folder, tmp_path_factory):
     """{"1 rank" | "zero3" | "transformers": {"loss", "grad_norm", "weights"}, "folder": the 1-rank run's}."""
-    from zerotrain.training.loop import train, train_job
-
     path = training_folder[0]
-    tmp = tmp_path_factory.mktemp("gemma4-runs")
-    stack = contextlib.ExitStack()
-    stack.enter_context(one_thread())
-    two = {"zero3": config_for(path, tmp / "zero3", *UNGUARDED, "--nproc", "2", "--zero", "3", "--micro-batch", "1")}
-    reports = run_job(functools.partial(in_turn_job, jobs=[(train_job, cfg) for cfg in two.values()]),
-                      two["zero3"], time_limit=LIMIT)
-    out = {}
-    for run, report in zip(two, reports):
-        out[run] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / run), "read": report["summary"]["per_rank"]["init_bytes_read"]}
+    out = one_folder_runs(path, tmp_path_factory.mktemp("gemma4-runs"), ZERO3, LIMIT, *UNGUARDED)
     out["file bytes"] = (path / "model.safetensors").stat().st_size
-    with world_of_one() as comm:
-        result = train(config_for(path, tmp / "1", *UNGUARDED), comm, announce=False)
-    out["1 rank"] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
-        "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
-    out["folder"] = tmp / "1"
-    out["transformers"] = transformers_run(config_for(path, tmp / "oracle"), path,
-                                           [r["lr"] for r in result.records], tmp / "oracle-weights", False)
-    stack.close()
     return out
 
 

@@ -21,25 +21,20 @@ the model transformers builds from its config.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import json
 
 import pytest
 import torch
 import transformers
-from conftest import world_of_one
-from dist_jobs import in_turn_job
 from test_gemma import one_thread
 from test_gemma4 import CAUGHT, EXACT, IDS, LIMIT, UNGUARDED, cached_logits, hf_model, logits
-from test_qwen35 import STEPS, config_for, gaps, transformers_run, weights_of
+from test_qwen35 import STEPS, ZERO3_EP2, gaps, one_folder_runs
 
 import zerotrain
 from zerotrain.hub import mapping
 from zerotrain.hub.export import export_model
 from zerotrain.model import gemma4
-from zerotrain.runtime.launch import run_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -118,29 +113,8 @@ def training_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(training_folder, tmp_path_factory):
     """{"1 rank" | "zero3" | "ep2" | "transformers": {"loss", "grad_norm", "weights"}, "folder": the 1-rank run's}."""
-    from zerotrain.training.loop import train, train_job
-
-    path = training_folder[0]
-    tmp = tmp_path_factory.mktemp("gemma4-moe-runs")
-    stack = contextlib.ExitStack()
-    stack.enter_context(one_thread())
-    two = {"zero3": config_for(path, tmp / "zero3", *UNGUARDED, "--nproc", "2", "--zero", "3", "--micro-batch", "1"),
-           "ep2": config_for(path, tmp / "ep2", *UNGUARDED, "--nproc", "2", "--ep", "2", "--micro-batch", "1")}
-    reports = run_job(functools.partial(in_turn_job, jobs=[(train_job, cfg) for cfg in two.values()]),
-                      two["zero3"], time_limit=LIMIT)
-    out = {}
-    for run, report in zip(two, reports):
-        out[run] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / run)}
-    with world_of_one() as comm:
-        result = train(config_for(path, tmp / "1", *UNGUARDED), comm, announce=False)
-    out["1 rank"] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
-        "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
-    out["folder"] = tmp / "1"
-    out["transformers"] = transformers_run(config_for(path, tmp / "oracle"), path,
-                                           [r["lr"] for r in result.records], tmp / "oracle-weights", False)
-    stack.close()
-    return out
+    return one_folder_runs(training_folder[0], tmp_path_factory.mktemp("gemma4-moe-runs"), ZERO3_EP2, LIMIT,
+                           *UNGUARDED)
 
 
 @pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2"])

@@ -390,8 +390,35 @@ def training_folders(tmp_path_factory):
 # --ep 2: the MoE's only (each rank a block of 2 of its 4 experts).
 TWO_RANKS = {"zero3": ("--zero", "3", "--micro-batch", "1"), "tp2": ("--tp", "2", "--micro-batch", str(ROWS)),
              "ep2": ("--ep", "2", "--micro-batch", "1")}
+# The 2-rank runs of the families tested from one folder (test_llama4, test_gemma4*: one_folder_runs).
+ZERO3 = {"zero3": ("--zero", "3", "--micro-batch", "1")}
+ZERO3_EP2 = ZERO3 | {"ep2": ("--ep", "2", "--micro-batch", "1")}
 FAMILY_RUNS = [(family, run) for family in CONFIGS for run in ["1 rank", *TWO_RANKS]
                if run != "ep2" or family.endswith("moe")]
+
+
+def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: float, *flags: str) -> dict:
+    """The runs a family's 8-step test compares, from one folder: each of `two_ranks` (name: its flags) on 2 ranks in
+    one job, 1 rank, and transformers + AdamW at the 1-rank run's learning rates. {run: {"loss", "grad_norm",
+    "weights"; the 2-rank runs' "read", their ranks' init_bytes_read}, "folder": the 1-rank run's}."""
+    from zerotrain.training.loop import train, train_job
+
+    with one_thread():
+        two = {run: config_for(path, tmp / run, *flags, "--nproc", "2", *split) for run, split in two_ranks.items()}
+        reports = run_job(functools.partial(in_turn_job, jobs=[(train_job, cfg) for cfg in two.values()]),
+                          next(iter(two.values())), time_limit=limit)
+        out = {}
+        for run, report in zip(two, reports):
+            out[run] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
+                "weights": weights_of(tmp / run), "read": report["summary"]["per_rank"]["init_bytes_read"]}
+        with world_of_one() as comm:
+            result = train(config_for(path, tmp / "1", *flags), comm, announce=False)
+        out["1 rank"] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
+            "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
+        out["folder"] = tmp / "1"
+        out["transformers"] = transformers_run(config_for(path, tmp / "oracle"), path,
+                                               [r["lr"] for r in result.records], tmp / "oracle-weights", False)
+    return out
 
 
 @pytest.fixture(scope="module")
