@@ -288,6 +288,18 @@ PRESETS: dict[str, dict] = {
                            tie_embeddings=True, pad_token_id=0, sliding_window=1024, sliding_window_pattern=6,
                            final_softcap=30.0, global_head_width=512, k_eq_v=True, global_kv_heads=2, n_experts=128,
                            experts_per_token=8, expert_width=704, norm_topk_prob=True, router_aux_coef=0.0),
+    # Llama 4 Scout's and Maverick's text models (meta-llama/Llama-4-Scout-17B-16E, -Maverick-17B-128E; transformers'
+    # Llama4TextConfig defaults are Scout's): 48 layers of 40 heads (8 KV), every 4th without rotary, chunks of 8192;
+    # one routed expert of 8192 of 16 (128) beside a shared one, on every layer (every 2nd, the others a dense MLP of
+    # 16384). 107,769,861,120 and 400,711,848,960 parameters (their vision towers' are not in this model).
+    "llama-4-scout": dict(arch="llama4", n_layer=48, n_head=40, n_kv_head=8, n_embd=5120, intermediate_size=16384,
+                          seq_len=4096, context=131072, vocab_size=202048, rope_theta=500000.0, tie_embeddings=False,
+                          n_experts=16, experts_per_token=1, expert_width=8192, shared_expert_width=8192,
+                          router_aux_coef=0.0),
+    "llama-4-maverick": dict(arch="llama4", n_layer=48, n_head=40, n_kv_head=8, n_embd=5120, intermediate_size=16384,
+                             seq_len=4096, context=131072, vocab_size=202048, rope_theta=500000.0,
+                             tie_embeddings=False, n_experts=128, experts_per_token=1, expert_width=8192,
+                             shared_expert_width=8192, moe_every=2, router_aux_coef=0.0),
 }
 # What a preset leaves unsaid is the plain Llama's: no head width of its own, no rope scaling, no window.
 _PLAIN = dict(head_width=0, rope_scaling="none", rope_factor=8.0, rope_low_freq_factor=1.0,
