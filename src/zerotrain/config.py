@@ -533,9 +533,10 @@ class ModelConfig:
                                         "the step's loads summed over every rank (DeepSeek-V3's auxiliary-loss-free "
                                         "balancing; 0: frozen)", rule=NON_NEGATIVE,
                                         applies=archs_scope("deepseek_v3", *GLM))
-    mtp_layers: int = setting(0, "deepseek_v3, glm4_moe: multi-token-prediction layers the --init-from folder holds "
-                              "after the decoder's (num_nextn_predict_layers): not trained, copied as they are into "
-                              "an hf export", rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM))
+    mtp_layers: int = setting(0, "deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe: multi-token-prediction layers the "
+                              "--init-from folder holds (num_nextn_predict_layers after the decoder's; Qwen3.5's "
+                              "mtp_num_hidden_layers, under mtp.): not trained, copied as they are into an hf export",
+                              rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
     attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
                                    "them)", applies=archs_scope(*GLM))
     use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "

@@ -148,14 +148,14 @@ class ShardJob:
     groups: tuple[Group, ...]
     folder: str
     fmt: str
-    mtp: MTPLayers | None = None  # DeepSeek-V3's multi-token-prediction layers, copied as they are (mtp_layers.py)
+    mtp: MTPLayers | None = None  # the multi-token-prediction layers (DeepSeek-V3's, Qwen3.5's), copied as they are
 
 
 def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *, tokenizer_folder: str | None,
                  eot_id: int | None, tokenizer_info: dict | None = None, source: dict | None = None,
                  overwrite: bool = False, config_folder: str | None = None, dtype: torch.dtype = torch.float32,
                  max_shard_size: int | str = DEFAULT_SHARD_SIZE, nproc: int = 1,
-                 launch: Callable[[Callable, int], object] | None = None) -> list[str]:
+                 launch: Callable[[Callable, int], object] | None = None, init_from: str | None = None) -> list[str]:
     """Write `model` (a model in memory, or a checkpoint's: CheckpointModel) to folder `out` in format `fmt`, its
     weights in `dtype`, cut into shards of at most `max_shard_size` bytes (weight_shards.py) that `nproc` processes
     write (a checkpoint's only: each reads what it writes); the names of the files written. `launch(job, nproc)`
@@ -167,7 +167,9 @@ def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *
     tokenizer_config.json, special_tokens_map.json, chat_template.jinja, generation_config.json) are copied as
     they are; `hf` writes zerotrain's own for those it lacks. `tokenizer_info` is the tokenizer record, with the
     special ids of the model (written to config.json); the model's context is its seq_len, which
-    pretrained.load_from gives back to a Llama fine-tuned on a shorter window.
+    pretrained.load_from gives back to a Llama fine-tuned on a shorter window. `init_from`: the folder a model in
+    memory came from (a LoRA run's merged model: its checkpoint's --init-from), whose multi-token-prediction layers an
+    hf export keeps (mtp_layers.py; a checkpoint's manifest names its own).
     The files are written into a temporary folder beside `out` and moved into place when all are written.
     """
     check_destination(out, fmt, overwrite)
@@ -184,7 +186,7 @@ def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *
     groups, stored = hf_groups(MAPPINGS[cfg.arch] if fmt == "hf" else None, shapes)
     mtp = None
     if fmt == "hf":  # layers zerotrain does not train, kept from the folder the model came from
-        base = (model.manifest.get("init_from") or {}).get("path") if isinstance(model, CheckpointModel) else None
+        base = (model.manifest.get("init_from") or {}).get("path") if isinstance(model, CheckpointModel) else init_from
         mtp = mtp_layers_of(cfg, base or config_folder, tensor_files)
     if mtp is not None:
         groups += [Group((n,), (n,)) for n in mtp.shapes]

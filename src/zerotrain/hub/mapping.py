@@ -19,7 +19,9 @@ and export alike, so the two cannot drift apart.
     qwen3_5, qwen3_5_moe
            Qwen3.5's text models (qwen3_5_text, qwen3_5_moe_text) name their tensors as zerotrain's model does, the
            experts one linear each as transformers 5 saves them (its qwen2_moe conversion): the identity. Their
-           multi-token-prediction head (mtp.*) is not trained by zerotrain and is skipped.
+           multi-token-prediction head (mtp.*, mtp_num_hidden_layers blocks under mtp.layers.) is set aside at
+           import as DeepSeek-V3's MTP layers are (the config keeps their count, --mtp-layers; mtp_layers.py), and
+           not trained.
     deepseek_v3
            DeepSeek-V3's (and Kimi K2's) names are zerotrain's, the experts one linear each, the router's
            e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
@@ -374,6 +376,8 @@ def _qwen35_config(cfg: ModelConfig, config: dict) -> dict:
                   linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
                                    "partial_rotary_factor": cfg.partial_rotary})
+    if cfg.mtp_layers:  # the head kept from the --init-from folder (mtp_layers.py)
+        config.update(mtp_num_hidden_layers=cfg.mtp_layers, mtp_use_dedicated_embeddings=False)
     if cfg.moe:
         del config["intermediate_size"]  # Qwen3_5MoeTextConfig has none: every layer has experts
         config.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -613,7 +617,8 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
     interval, the linear layers' sizes, partial rotary; the MoE's experts, on every layer, with a shared expert."""
     arch = BY_MODEL_TYPE[config["model_type"]].arch
     config = {**_QWEN35_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-    _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,))))
+    _refuse(config, where, (("hidden_act", "silu", ("silu",)), ("attention_bias", False, (False,)),
+                            ("mtp_use_dedicated_embeddings", False, (False,))))
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise CheckpointError(f"{where}: tie_word_embeddings must be true or false, got {tied!r}")
@@ -626,6 +631,9 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
     sizes["num_key_value_heads"] = _count(config, "num_key_value_heads", where, default=heads)
     _divides(sizes, where, "num_key_value_heads", "num_attention_heads")
     _divides(sizes, where, "linear_num_key_heads", "linear_num_value_heads")
+    mtp = config.get("mtp_num_hidden_layers", 0)
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise CheckpointError(f"{where}: mtp_num_hidden_layers must be a whole number, got {mtp!r}")
     types = config.get("layer_types")
     interval = config.get("full_attention_interval", 4)
     if types is not None:
@@ -663,7 +671,7 @@ def _qwen35(config: dict, where: str) -> ModelConfig:
                        linear_key_heads=sizes["linear_num_key_heads"],
                        linear_value_heads=sizes["linear_num_value_heads"],
                        linear_key_width=sizes["linear_key_head_dim"], linear_value_width=sizes["linear_value_head_dim"],
-                       **experts)
+                       mtp_layers=mtp, **experts)
 
 
 # What transformers' DeepseekV3Config and Mistral4Config give a field their config.json leaves out (their own sizes).

@@ -1,11 +1,13 @@
-"""The multi-token-prediction layers of a DeepSeek-V3 (or GLM-4.5) folder, which zerotrain does not train: kept
-frozen, as the folder holds them, from --init-from's folder into an hf export.
+"""The multi-token-prediction layers of a DeepSeek-V3, GLM-4.5 or Qwen3.5 folder, which zerotrain does not train:
+kept frozen, as the folder holds them, from --init-from's folder into an hf export.
 
 DeepSeek-V3's files hold num_nextn_predict_layers of them after the decoder's blocks, model.layers.{num_hidden_layers}
-... (its embedding, enorm, hnorm, eh_proj, a block and shared_head): hub/mapping.py sets them aside at import; an
-export copies each tensor as it is (cast to the export's dtype) beside the trained ones, and writes their count back
-(num_nextn_predict_layers), so a model that comes with them leaves with them. A folder whose config counts them but
-whose files lack them is refused in one line, never exported without them.
+... (its embedding, enorm, hnorm, eh_proj, a block and shared_head); Qwen3.5's hold mtp_num_hidden_layers blocks under
+mtp.layers.{k}. beside the head's own mtp.* tensors (fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm), which
+transformers does not build either. hub/mapping.py sets them aside at import; an export copies each tensor as it is
+(cast to the export's dtype) beside the trained ones, and writes their count back, so a model that comes with them
+leaves with them. A folder whose config counts them but whose files lack them is refused in one line, never exported
+without them.
 """
 
 from __future__ import annotations
@@ -15,21 +17,41 @@ from safetensors import safe_open
 
 from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint.stream import read_header
-from zerotrain.config import GROUP_ROUTED, ModelConfig
+from zerotrain.config import GROUP_ROUTED, QWEN35, ModelConfig
+
+# Where each family's files keep them: Qwen3.5's under mtp., the others' as blocks past the decoder's
+QWEN35_PREFIX = "mtp."
+
+
+def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether tensor `name` of `cfg`'s folder belongs to its multi-token-prediction layers."""
+    if cfg.arch in QWEN35:
+        return name.startswith(QWEN35_PREFIX)
+    layer = name.removeprefix("model.layers.").partition(".")[0] if name.startswith("model.layers.") else ""
+    return layer.isdigit() and int(layer) >= cfg.n_layer
+
+
+def layer_prefix(cfg: ModelConfig, k: int) -> str:
+    """The names of MTP layer k's tensors start so."""
+    return f"{QWEN35_PREFIX}layers.{k}." if cfg.arch in QWEN35 else f"model.layers.{cfg.n_layer + k}."
+
+
+def count_key(cfg: ModelConfig) -> str:
+    """The config.json key that counts them."""
+    return "mtp_num_hidden_layers" if cfg.arch in QWEN35 else "num_nextn_predict_layers"
+
 
 class MTPLayers:
     """The MTP layers' tensors of `folder`'s files (name -> file), their shapes, and a reader of one tensor."""
 
     def __init__(self, cfg: ModelConfig, files: dict[str, str], folder: str):
-        prefix = "model.layers."
-        self.files = {n: f for n, f in files.items() if n.startswith(prefix)
-                      and n[len(prefix):].partition(".")[0].isdigit()
-                      and int(n[len(prefix):].partition(".")[0]) >= cfg.n_layer}
-        for k in range(cfg.n_layer, cfg.n_layer + cfg.mtp_layers):
-            if not any(n.startswith(f"{prefix}{k}.") for n in self.files):
+        self.files = {n: f for n, f in files.items() if is_mtp_tensor(cfg, n)}
+        for k in range(cfg.mtp_layers):
+            prefix = layer_prefix(cfg, k)
+            if not any(n.startswith(prefix) for n in self.files):
                 raise CheckpointError(f"{folder}: its config counts {cfg.mtp_layers} multi-token-prediction layers "
-                                      f"(num_nextn_predict_layers) but its files hold no {prefix}{k}.*, which an hf "
-                                      "export copies: put them back in the folder")
+                                      f"({count_key(cfg)}) but its files hold no {prefix}*, which an hf export "
+                                      "copies: put them back in the folder")
         self.shapes = {}
         for path in set(self.files.values()):
             for name, (_, shape) in read_header(path).items():
@@ -44,7 +66,7 @@ class MTPLayers:
 def mtp_layers_of(cfg: ModelConfig, folder: str | None, files_of) -> MTPLayers | None:
     """The MTP layers an hf export of `cfg` keeps, from `folder` (the --init-from folder; `files_of(folder)`: its
     tensors' files); None for a model without them."""
-    if cfg.arch not in GROUP_ROUTED or not cfg.mtp_layers:
+    if cfg.arch not in (*GROUP_ROUTED, *QWEN35) or not cfg.mtp_layers:
         return None
     if folder is None:
         raise CheckpointError(f"the model has {cfg.mtp_layers} multi-token-prediction layers, which an hf export "

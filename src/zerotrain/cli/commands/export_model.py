@@ -77,7 +77,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     written = export_model(model, args.out, args.format, tokenizer_folder=source.folder if bpe else None,
                            eot_id=tokenizer.eot_id, tokenizer_info=info, config_folder=source.folder,
                            source={"path": os.path.abspath(source.folder), "step": step}, overwrite=args.overwrite,
-                           dtype=dtype, max_shard_size=args.max_shard_size, nproc=args.nproc, launch=launch_export)
+                           dtype=dtype, max_shard_size=args.max_shard_size, nproc=args.nproc, launch=launch_export,
+                           init_from=((source.manifest or {}).get("init_from") or {}).get("path"))
     what = f"step {step} of {source.folder}" if step is not None else source.folder
     print(f"exported {what} as {args.format} in {why} to {args.out}: {', '.join(written)}")
     return 0
