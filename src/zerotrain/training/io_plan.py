@@ -7,8 +7,9 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 
     start-up, read       with --init-from, its files: at stage 3 the rows that hold the rank's owned ranges (a range that
                          cuts a row reads that row), at stages 1 and 2 its TP slice of every parameter, in the files'
-                         dtype (FileValues, init_bytes_read); a LoRA run's are its frozen base's, at stage 3 in the
-                         base's own flat layout (units.frozen_layout_of), its adapters drawn apart
+                         dtype (FileValues, init_bytes_read; an expert's part of a stacked tensor as any other: its
+                         rows' stored elements, init_from.stacked_rows); a LoRA run's are its frozen base's, at stage 3
+                         in the base's own flat layout (units.frozen_layout_of), its adapters drawn apart
              drawn       without it, from the seed: the values of its owned ranges at stage 3, of its TP slices otherwise
                          (init_values_drawn)
              hashed      --init-from's files this rank hashes for the manifests' record: its run of their blocks,
