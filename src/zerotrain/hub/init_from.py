@@ -11,8 +11,8 @@ tensor it trains from the byte ranges of the shards that hold it (checkpoint.Sha
 slice of it (there, one full tensor is held beyond what the rank keeps). A tensor stacking every expert of a layer
 (gpt-oss's, Mistral 4's, Llama 4's, Gemma 4's) is read as any other by the rows of the parts the rank trains: the
 stored elements of those rows, a strided slice of their expert's (stacked_rows); in MXFP4 one expert's slice at a
-time, dequantized. Weights only: the optimizer and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt)
-are refused: nothing is unpickled.
+time, dequantized. Each file's safetensors header is read once a rank (WeightSource.headers). Weights only: the
+optimizer and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
@@ -69,6 +69,9 @@ class WeightSource:
     experts: dict[str, tuple] = dataclasses.field(default_factory=dict)
     # A stacked tensor stored in MXFP4 (gpt-oss's released folders): its name -> the files of its blocks and scales
     quantized: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # Each file's safetensors header (read_header's), by path, once read: listing model.safetensors' tensors
+    # (tensor_files) and checking them (check_tensors) read it once, not once each
+    headers: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def record(self, comm=None) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's digest (base_digest:
@@ -137,6 +140,7 @@ def _check_tokenizer(file: str) -> None:
 
 
 def _source(folder: str, verify: bool) -> WeightSource:
+    headers: dict[str, dict] = {}  # the header tensor_files reads, kept for check_tensors
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         if verify:
             verify_or_raise(folder)
@@ -149,11 +153,11 @@ def _source(folder: str, verify: bool) -> WeightSource:
             names = {shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])}
             shards = {f["name"]: f["sha256"] for f in manifest["files"] if f["name"] in names}
             return WeightSource(folder, "checkpoint", model, {}, None, shards=shards)
-        return WeightSource(folder, "checkpoint", model, tensor_files(folder), None)
+        return WeightSource(folder, "checkpoint", model, tensor_files(folder, headers), None, headers=headers)
     kind, model, _ = read_export_config(folder)
-    files, mapping = tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
+    files, mapping = tensor_files(folder, headers), MAPPINGS[model.arch] if kind == "hf" else None
     if mapping is None:
-        return WeightSource(folder, kind, model, files, None)
+        return WeightSource(folder, kind, model, files, None, headers=headers)
     names, first_row, experts, quantized = {}, {}, {}, {}
     for n in files:  # an MXFP4 pair (X_blocks, X_scales) is read as the tensor X it dequantizes to
         base = n[: -len(MXFP4_BLOCKS)]
@@ -171,7 +175,8 @@ def _source(folder: str, verify: bool) -> WeightSource:
             if rows is not None:
                 first_row[z] = at
     return WeightSource(folder, kind, model, {z: stored_files[n] for z, n in names.items()}, mapping,
-                        {z: n for z, n in names.items() if z != n}, first_row, experts=experts, quantized=quantized)
+                        {z: n for z, n in names.items() if z != n}, first_row, experts=experts, quantized=quantized,
+                        headers=headers)
 
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -208,7 +213,7 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
     for name in source.first_row:
         if name in shapes:
             fused_rows[source.stored[name]] = fused_rows.get(source.stored[name], 0) + shapes[name][0]
-    headers: dict[str, dict] = {}
+    headers = source.headers  # each file's read once, here or when its tensors were listed
     for name, full in shapes.items():
         file = source.files.get(name)
         if file is None:
@@ -297,7 +302,8 @@ class FileValues:
         mapping = source.mapping or MAPPINGS[source.model.arch]
         self.transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
         self.rows = {n: param_rows(n, p, tp_slices) for n, p in model.named_parameters()}  # a tied head once
-        try:  # checked before the ranks start already; cheap (headers only), and a file may have changed since
+        try:  # checked before the ranks start already, but a file may have changed since; cheap: the headers this
+            # rank read to list the source's tensors, or read now, once
             check_tensors(source, {n: tuple(tp_slices[n].full_shape) if n in tp_slices else tuple(p.shape)
                                    for n, p in model.named_parameters()})
         except CheckpointError as e:
@@ -447,16 +453,18 @@ def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: i
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def initial_model(cfg: Config, mesh, restored: bool = False) -> tuple[torch.nn.Module, object]:
+def initial_model(cfg: Config, mesh, restored: bool = False, source: WeightSource | None = None
+                  ) -> tuple[torch.nn.Module, object]:
     """This rank's model on the meta device (its TP slice of it over `mesh` when --tp > 1) and the source of its
     initial values: --init-from's files (FileValues), or else the seed (model/init.py's SeedValues). What the engine
     fills its flat buffers from, and what a full fine-tuning's live DPO reference copies. `restored`: a checkpoint
     will overwrite every value (a resume of full fine-tuning), which is then neither read nor drawn
-    (RestoredValues)."""
+    (RestoredValues). `source`: --init-from's weight_source where the caller has it (its headers read already)."""
     model = meta_model(cfg.model)
     slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
     if restored:
         return model, RestoredValues()
     if cfg.checkpoint.init_from:
-        return model, FileValues(weight_source(cfg.checkpoint.init_from, verify=False), model, slices, mesh.tp_rank)
+        source = source or weight_source(cfg.checkpoint.init_from, verify=False)
+        return model, FileValues(source, model, slices, mesh.tp_rank)
     return model, SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)

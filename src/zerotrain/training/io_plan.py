@@ -16,8 +16,9 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          about 1/W of the folder (hub/base_digest.py, WeightSource.record; counted in
                          checkpoint_bytes_read). A run without --init-from (a plan for a folder that is not here)
                          is planned as Hugging Face saves a model: files of at most 5 GB
-             headers     every file's safetensors header, which each rank reads to check the tensors' names,
-                         shapes and dtypes (check_tensors; counted in checkpoint_bytes_read; 0 for a folder not here)
+             headers     every file's safetensors header, which each rank reads once to list and check the tensors'
+                         names, shapes and dtypes (tensor_files, check_tensors: WeightSource.headers keeps it;
+                         counted in checkpoint_bytes_read; 0 for a folder not here)
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
                          dtype and in fp32)
     step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)
