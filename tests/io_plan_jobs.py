@@ -1,8 +1,10 @@
 """Job functions for tests/test_io_plan.py, run by spawned ranks (importable by module name): `zerotrain train`'s job
 with each rank's checkpoint bytes counted around it (the counters are the process's, and one start of the ranks runs
 several jobs), and the planted bugs, each patching the product's own function: a whole-tensor read at stage 3's
-start-up, rank 0 writing the whole model at a save, every rank checking every file of the checkpoint it resumes, a
-resume reading --init-from's files again before it restores the checkpoint over them.
+start-up, each expert's slice of a stacked tensor read whole for every part of it (init_from.stacked_rows as it was),
+each safetensors header read again to check the tensors after listing them (tensor_files keeping none), rank 0
+writing the whole model at a save, every rank checking every file of the checkpoint it resumes, a resume reading
+--init-from's files again before it restores the checkpoint over them.
 `hash_job`: the ranks' record of an --init-from folder (WeightSource.record) and each rank's bytes hashed for it,
 planted: each file hashed whole by one rank (the record before block digests)."""
 
@@ -20,7 +22,7 @@ from zerotrain.checkpoint import save as save_module
 from zerotrain.checkpoint.stream import bytes_counted, sha256_file
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
-from zerotrain.hub import init_from
+from zerotrain.hub import export, init_from
 from zerotrain.parallel import Comm, ZeroEngine
 from zerotrain.training import loop as loop_module
 from zerotrain.training.loop import train_job
@@ -34,6 +36,11 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
             patches.enter_context(mock.patch.object(
                 ZeroEngine, "initial_range",
                 lambda self, name, p, lo, hi: self.initial_value(name, p).reshape(-1)[lo:hi]))
+        if "whole expert" in plants:
+            patches.enter_context(mock.patch.object(init_from, "stacked_rows", whole_expert_rows))
+        if "headers read again" in plants:  # the header that lists model.safetensors' tensors not kept
+            patches.enter_context(mock.patch.object(init_from, "tensor_files",
+                                                    lambda folder, headers=None: export.tensor_files(folder)))
         if "whole model saved" in plants:
             real = save_module._live_files
 
@@ -59,6 +66,13 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
         for key in mine:
             summary["per_rank"][key] = [c[key] for c in counted]
     return summary
+
+
+def whole_expert_rows(lazy, e, split, i, tp_slice, rank, first, last, count):
+    """Planted (init_from.stacked_rows' place): expert `e`'s slice of the stacked tensor read whole, then split, sliced
+    and cut to the rows, as --init-from read it before (a gate_up_proj read for the gate and again for up)."""
+    part = split(count(lazy[e]))[i]
+    return (part if tp_slice is None else tp_slice.take(part, rank))[first:last]
 
 
 def whole_files_record(paths: list[str], comm=None) -> tuple[int, list[dict]]:

@@ -97,14 +97,18 @@ def _zerotrain_model(values, path: str) -> ModelConfig:
     return cfg.model
 
 
-def tensor_files(folder: str) -> dict[str, str]:
-    """Tensor name -> file: model.safetensors, or the shards a model.safetensors.index.json names.
+def tensor_files(folder: str, headers: dict[str, dict] | None = None) -> dict[str, str]:
+    """Tensor name -> file: model.safetensors, or the shards a model.safetensors.index.json names. `headers`, if
+    given, keeps the safetensors header read to list model.safetensors (by path), so that it is not read again.
 
     CheckpointError, saying what the folder holds instead, when it has neither.
     """
     single, index = os.path.join(folder, MODEL_FILE), os.path.join(folder, INDEX_FILE)
     if os.path.isfile(single):
-        return {name: single for name in read_header(single)}
+        header = read_header(single)
+        if headers is not None:
+            headers[single] = header
+        return {name: single for name in header}
     if os.path.isfile(index):
         try:
             with open(index) as f:

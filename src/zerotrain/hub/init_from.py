@@ -9,9 +9,10 @@ and at ZeRO-3 a rank reads only the rows that hold its owned ranges (a range tha
 zerotrain checkpoint without a model file (format 2) stores its model as its shards' masters: a rank reads each
 tensor it trains from the byte ranges of the shards that hold it (checkpoint.ShardedModel), whole, and keeps its TP
 slice of it (there, one full tensor is held beyond what the rank keeps). A tensor stacking every expert of a layer
-(gpt-oss's) is read one expert's slice at a time (its MXFP4 blocks and scales dequantized), split into the parts the
-rank trains. Weights only: the optimizer and the
-schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
+(gpt-oss's, Mistral 4's, Llama 4's, Gemma 4's) is read as any other by the rows of the parts the rank trains: the
+stored elements of those rows, a strided slice of their expert's (stacked_rows); in MXFP4 one expert's slice at a
+time, dequantized. Each file's safetensors header is read once a rank (WeightSource.headers). Weights only: the
+optimizer and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
@@ -68,6 +69,9 @@ class WeightSource:
     experts: dict[str, tuple] = dataclasses.field(default_factory=dict)
     # A stacked tensor stored in MXFP4 (gpt-oss's released folders): its name -> the files of its blocks and scales
     quantized: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # Each file's safetensors header (read_header's), by path, once read: listing model.safetensors' tensors
+    # (tensor_files) and checking them (check_tensors) read it once, not once each
+    headers: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def record(self, comm=None) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's digest (base_digest:
@@ -136,6 +140,7 @@ def _check_tokenizer(file: str) -> None:
 
 
 def _source(folder: str, verify: bool) -> WeightSource:
+    headers: dict[str, dict] = {}  # the header tensor_files reads, kept for check_tensors
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         if verify:
             verify_or_raise(folder)
@@ -148,11 +153,11 @@ def _source(folder: str, verify: bool) -> WeightSource:
             names = {shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])}
             shards = {f["name"]: f["sha256"] for f in manifest["files"] if f["name"] in names}
             return WeightSource(folder, "checkpoint", model, {}, None, shards=shards)
-        return WeightSource(folder, "checkpoint", model, tensor_files(folder), None)
+        return WeightSource(folder, "checkpoint", model, tensor_files(folder, headers), None, headers=headers)
     kind, model, _ = read_export_config(folder)
-    files, mapping = tensor_files(folder), MAPPINGS[model.arch] if kind == "hf" else None
+    files, mapping = tensor_files(folder, headers), MAPPINGS[model.arch] if kind == "hf" else None
     if mapping is None:
-        return WeightSource(folder, kind, model, files, None)
+        return WeightSource(folder, kind, model, files, None, headers=headers)
     names, first_row, experts, quantized = {}, {}, {}, {}
     for n in files:  # an MXFP4 pair (X_blocks, X_scales) is read as the tensor X it dequantizes to
         base = n[: -len(MXFP4_BLOCKS)]
@@ -170,7 +175,8 @@ def _source(folder: str, verify: bool) -> WeightSource:
             if rows is not None:
                 first_row[z] = at
     return WeightSource(folder, kind, model, {z: stored_files[n] for z, n in names.items()}, mapping,
-                        {z: n for z, n in names.items() if z != n}, first_row, experts=experts, quantized=quantized)
+                        {z: n for z, n in names.items() if z != n}, first_row, experts=experts, quantized=quantized,
+                        headers=headers)
 
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -207,7 +213,7 @@ def check_tensors(source: WeightSource, shapes: dict[str, tuple[int, ...]]) -> N
     for name in source.first_row:
         if name in shapes:
             fused_rows[source.stored[name]] = fused_rows.get(source.stored[name], 0) + shapes[name][0]
-    headers: dict[str, dict] = {}
+    headers = source.headers  # each file's read once, here or when its tensors were listed
     for name, full in shapes.items():
         file = source.files.get(name)
         if file is None:
@@ -296,7 +302,8 @@ class FileValues:
         mapping = source.mapping or MAPPINGS[source.model.arch]
         self.transposed = mapping.is_transposed if source.mapping is not None else (lambda name: False)
         self.rows = {n: param_rows(n, p, tp_slices) for n, p in model.named_parameters()}  # a tied head once
-        try:  # checked before the ranks start already; cheap (headers only), and a file may have changed since
+        try:  # checked before the ranks start already, but a file may have changed since; cheap: the headers this
+            # rank read to list the source's tensors, or read now, once
             check_tensors(source, {n: tuple(tp_slices[n].full_shape) if n in tp_slices else tuple(p.shape)
                                    for n, p in model.named_parameters()})
         except CheckpointError as e:
@@ -317,33 +324,31 @@ class FileValues:
             self.bytes_read += full.numel() * 4
             local = full if tp_slice is None else tp_slice.take(full, self.tp_rank)
             return local.reshape(-1)[lo:hi].clone()
-        if name in self.source.experts:  # its expert's slice of the stacked tensor, read whole, split
-            return self._expert_part(name)[lo:hi].to(torch.float32)
-        file = self.source.files[name]
-        f = self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
         width = math.prod(shape[1:])  # values per row (a 1-D tensor's rows are its values)
         first, last = lo // width, -(-hi // width)
-        rows = _read_rows(f, self.source.stored.get(name, name), self.tp_slices.get(name), self.tp_rank,
-                          self.transposed(name), self.source.first_row.get(name, 0), first, last, self._count)
+        if name in self.source.experts:  # its rows of its expert's part of the stacked tensor
+            rows = self._expert_rows(name, first, last)
+        else:
+            rows = _read_rows(self._open(self.source.files[name]), self.source.stored.get(name, name),
+                              self.tp_slices.get(name), self.tp_rank, self.transposed(name),
+                              self.source.first_row.get(name, 0), first, last, self._count)
         return rows.reshape(-1)[lo - first * width : hi - first * width].to(torch.float32)
 
     def _open(self, file: str):
         return self._opened.get(file) or self._opened.setdefault(file, safe_open(file, framework="pt"))
 
-    def _expert_part(self, name: str) -> torch.Tensor:
-        """Expert part `name`, flattened: its expert's slice of the stacked tensor (dequantized, if MXFP4) split, this
-        TP rank's slice of it (tp_part: the stored box holding it read, not the whole expert)."""
+    def _expert_rows(self, name: str, first: int, last: int) -> torch.Tensor:
+        """Rows [first, last) of this TP rank's slice of expert part `name`: the stored elements that make them
+        (stacked_rows), or from an MXFP4 tensor its expert's slice dequantized whole, then split and sliced."""
         e, i, stack = self.source.experts[name]
         stored, tp_slice = self.source.stored.get(name, name), self.tp_slices.get(name)
         if stored in self.source.quantized:
             blocks, scales = (self._count(self._open(f).get_slice(stored + suffix)[e])
                               for f, suffix in zip(self.source.quantized[stored], (MXFP4_BLOCKS, MXFP4_SCALES)))
             part = stack.split(dequantize_mxfp4(blocks, scales))[i]
-            return (part if tp_slice is None else tp_slice.take(part, self.tp_rank)).reshape(-1)
+            return (part if tp_slice is None else tp_slice.take(part, self.tp_rank))[first:last]
         lazy = self._open(self.source.files[name]).get_slice(stored)
-        if tp_slice is None:
-            return stack.split(self._count(lazy[e]))[i].reshape(-1)
-        return tp_part(lazy, e, stack.split, i, tp_slice, self.tp_rank, self._count).reshape(-1)
+        return stacked_rows(lazy, e, stack.split, i, tp_slice, self.tp_rank, first, last, self._count)
 
     def _count(self, t: torch.Tensor) -> torch.Tensor:
         self.bytes_read += t.numel() * t.element_size()
@@ -372,36 +377,74 @@ def param_rows(name: str, param: torch.Tensor, tp_slices: dict) -> int:
     return tp_slices[name].full_shape[0] if name in tp_slices else param.shape[0]
 
 
-def tp_part(lazy, e: int, split, i: int, tp_slice, rank: int, count) -> torch.Tensor:
-    """TP rank `rank`'s slice of part `i` of expert `e` of a stacked tensor (`lazy`, safetensors' slice of it; `split`
-    its StackedExperts' split, a view: a transpose, a chunk, strided columns): the stored elements it is made of
-    found by splitting their indices, and only the box of stored rows and columns that holds them read (Llama 4's
-    gate_proj: its rows' columns of gate_up_proj; gpt-oss's interleaved gate and up: both, for its rows)."""
+def tp_row_ranges(tp_slice, rank: int, first: int, last: int) -> tuple[list[tuple[int, int]], list | None]:
+    """Where rows [first, last) of TP rank `rank`'s slice of a tensor are in the full one: its row ranges (a slice
+    along rows maps them through the slice's parts) and its column ranges (a slice along columns: those columns of
+    the rows; else None)."""
+    row_ranges, at = [], 0
+    for a, b in (tp_slice.parts[rank] if tp_slice is not None and tp_slice.dim == 0 else [(0, last)]):
+        lo, hi = max(first, at), min(last, at + b - a)  # local rows [at, at + b - a) are the full rows [a, b)
+        if hi > lo:
+            row_ranges.append((a + lo - at, a + hi - at))
+        at += b - a
+    return row_ranges, (tp_slice.parts[rank] if tp_slice is not None and tp_slice.dim == 1 else None)
+
+
+def stacked_rows(lazy, e: int, split, i: int, tp_slice, rank: int, first: int, last: int, count) -> torch.Tensor:
+    """Rows [first, last) of TP rank `rank`'s slice of part `i` of expert `e` of a stacked tensor (`lazy`,
+    safetensors' slice of it; `split` its StackedExperts' split, a view: a transpose, a chunk, strided columns),
+    read from the stored elements they are made of and nothing more (at ZeRO-3 a rank's owned rows, under --tp its
+    slice: Llama 4's gate_proj rows are columns of gate_up_proj, gpt-oss's every other column). The split is taken
+    of each stored dimension's index, broadcast (nothing of the expert's size is made), which says where each row
+    range lies: a strided box of the stored expert, read as one slice (`count` is given each one)."""
     shape = tuple(lazy.get_shape()[1:])
-    indices = split(torch.arange(math.prod(shape)).view(shape))[i]
-    wanted = torch.unravel_index(tp_slice.take(indices, rank), shape)
-    lows = [int(c.min()) for c in wanted]
-    box = count(lazy[(e, *(slice(lo, int(c.max()) + 1) for lo, c in zip(lows, wanted)))])
-    return box[tuple(c - lo for c, lo in zip(wanted, lows))]
+    index = [split(torch.arange(n).view([n if d == j else 1 for d in range(len(shape))]).expand(shape))[i]
+             for j, n in enumerate(shape)]
+    row_ranges, columns = tp_row_ranges(tp_slice, rank, first, last)
+    pieces = []
+    for a, b in row_ranges:
+        boxes = [[t[a:b] for t in index]] if columns is None else [[t[a:b, c:d] for t in index] for c, d in columns]
+        read = [_read_strided(lazy, e, box, count) for box in boxes]
+        pieces.append(torch.cat(read, dim=1) if len(read) > 1 else read[0])
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _read_strided(lazy, e: int, index: list[torch.Tensor], count) -> torch.Tensor:
+    """The elements of expert `e` of stacked tensor `lazy` whose index along each stored dimension `index` gives (one
+    tensor of the box's shape per dimension): each of the box's dimensions steps along one stored dimension (a view
+    of it), so they are the strided slice of the stored expert from the box's first element, permuted to the box."""
+    box = index[0].shape
+    corner = (0,) * len(box)
+    slices, along = [], {}  # along: stored dimension -> the box's dimension it steps along
+    for j, t in enumerate(index):
+        start = int(t[corner])
+        steps = {k: int(t[tuple(int(d == k) for d in range(len(box)))]) - start for k in range(len(box)) if box[k] > 1}
+        moving = [(k, step) for k, step in steps.items() if step]
+        if len(moving) > 1 or any(step < 0 for _, step in moving):
+            raise ValueError(f"the split of a stacked tensor is not a strided view of it (steps {steps})")
+        if moving:
+            (k, step), = moving
+            along[j] = k
+            slices.append(slice(start, start + step * (box[k] - 1) + 1, step))
+        else:
+            slices.append(slice(start, start + 1))
+    if sorted(along.values()) != [k for k in range(len(box)) if box[k] > 1]:
+        raise ValueError(f"the split of a stacked tensor is not a strided view of it (its box {list(box)})")
+    read = count(lazy[(e, *slices)])
+    return read.permute(sorted(range(len(index)), key=lambda j: along.get(j, -1))).reshape(box)
 
 
 def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: int, first: int, last: int,
                count) -> torch.Tensor:
     """Rows [first, last) of this rank's tensor (its TP slice of stored tensor `name`), in zerotrain's layout, read
     from the file and nothing more: a tensor split along its rows maps them through the slice's parts, one split
-    along its columns reads those columns of them; a transposed one (GPT-2's Conv1D) reads the file's columns; a part
-    of a fused tensor (never transposed, split along its rows) starts at `first_row`. `count` is given each piece
-    read."""
+    along its columns reads those columns of them (tp_row_ranges); a transposed one (GPT-2's Conv1D) reads the
+    file's columns; a part of a fused tensor (never transposed, split along its rows) starts at `first_row`. `count`
+    is given each piece read."""
     lazy = f.get_slice(name)
-    row_ranges, at = [], 0
-    for a, b in (tp_slice.parts[rank] if tp_slice is not None and tp_slice.dim == 0 else [(0, last)]):
-        lo, hi = max(first, at), min(last, at + b - a)  # local rows [at, at + b - a) are the stored rows [a, b)
-        if hi > lo:
-            row_ranges.append((first_row + a + lo - at, first_row + a + hi - at))
-        at += b - a
-    columns = tp_slice.parts[rank] if tp_slice is not None and tp_slice.dim == 1 else None
+    row_ranges, columns = tp_row_ranges(tp_slice, rank, first, last)
     pieces = []
-    for a, b in row_ranges:
+    for a, b in ((first_row + a, first_row + b) for a, b in row_ranges):
         if columns is None:
             pieces.append(count(lazy[:, a:b]).t() if transposed else count(lazy[a:b]))
         else:
@@ -410,16 +453,18 @@ def _read_rows(f, name: str, tp_slice, rank: int, transposed: bool, first_row: i
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def initial_model(cfg: Config, mesh, restored: bool = False) -> tuple[torch.nn.Module, object]:
+def initial_model(cfg: Config, mesh, restored: bool = False, source: WeightSource | None = None
+                  ) -> tuple[torch.nn.Module, object]:
     """This rank's model on the meta device (its TP slice of it over `mesh` when --tp > 1) and the source of its
     initial values: --init-from's files (FileValues), or else the seed (model/init.py's SeedValues). What the engine
     fills its flat buffers from, and what a full fine-tuning's live DPO reference copies. `restored`: a checkpoint
     will overwrite every value (a resume of full fine-tuning), which is then neither read nor drawn
-    (RestoredValues)."""
+    (RestoredValues). `source`: --init-from's weight_source where the caller has it (its headers read already)."""
     model = meta_model(cfg.model)
     slices = parallelize(model, mesh.tp_size, mesh.tp_rank, mesh.tp, mesh.kv) if mesh.tp_size > 1 else {}
     if restored:
         return model, RestoredValues()
     if cfg.checkpoint.init_from:
-        return model, FileValues(weight_source(cfg.checkpoint.init_from, verify=False), model, slices, mesh.tp_rank)
+        source = source or weight_source(cfg.checkpoint.init_from, verify=False)
+        return model, FileValues(source, model, slices, mesh.tp_rank)
     return model, SeedValues(cfg.model, cfg.loop.seed, slices, mesh.tp_rank)

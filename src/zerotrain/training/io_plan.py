@@ -7,16 +7,18 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
 
     start-up, read       with --init-from, its files: at stage 3 the rows that hold the rank's owned ranges (a range that
                          cuts a row reads that row), at stages 1 and 2 its TP slice of every parameter, in the files'
-                         dtype (FileValues, init_bytes_read); a LoRA run's are its frozen base's, at stage 3 in the
-                         base's own flat layout (units.frozen_layout_of), its adapters drawn apart
+                         dtype (FileValues, init_bytes_read; an expert's part of a stacked tensor as any other: its
+                         rows' stored elements, init_from.stacked_rows); a LoRA run's are its frozen base's, at stage 3
+                         in the base's own flat layout (units.frozen_layout_of), its adapters drawn apart
              drawn       without it, from the seed: the values of its owned ranges at stage 3, of its TP slices otherwise
                          (init_values_drawn)
              hashed      --init-from's files this rank hashes for the manifests' record: its run of their blocks,
                          about 1/W of the folder (hub/base_digest.py, WeightSource.record; counted in
                          checkpoint_bytes_read). A run without --init-from (a plan for a folder that is not here)
                          is planned as Hugging Face saves a model: files of at most 5 GB
-             headers     every file's safetensors header, which each rank reads to check the tensors' names,
-                         shapes and dtypes (check_tensors; counted in checkpoint_bytes_read; 0 for a folder not here)
+             headers     every file's safetensors header, which each rank reads once to list and check the tensors'
+                         names, shapes and dtypes (tensor_files, check_tensors: WeightSource.headers keeps it;
+                         counted in checkpoint_bytes_read; 0 for a folder not here)
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
                          dtype and in fp32)
     step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)

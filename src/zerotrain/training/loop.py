@@ -15,7 +15,7 @@ from zerotrain.config import Config
 from zerotrain.data import BatchSchedule, StepBatch
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
-from zerotrain.hub.init_from import initial_model, weight_source
+from zerotrain.hub.init_from import WeightSource, initial_model, weight_source
 from zerotrain.model import ARCH_NAMES, param_count
 from zerotrain.model.compiled import compiled
 from zerotrain.model.init import materialise
@@ -66,7 +66,7 @@ class TrainResult:
     report: dict = field(default_factory=dict)  # what train_job returns; with summary.json's figures on rank 0
 
 
-def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
+def build_engine(cfg: Config, comm: Comm, restored: bool = False, source: WeightSource | None = None) -> ZeroEngine:
     """The model (this rank's TP slice of it when --tp > 1) and its ZeRO engine (--zero 1, 2 or 3) over the run's mesh:
     sharded over its shard group (the DP ranks, or with --dp-replicate R those of this rank's replica group; with --cp
     C each DP rank's C CP ranks too, whose gradients are partial sums over their parts of the rows).
@@ -77,12 +77,12 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False) -> ZeroEngine:
     materialised whole first, in the run's precision, at stages 1 and 2; at stage 3 it stays on the meta device until
     the engine fills its shard of it (its owned ranges alone read or drawn). Its adapters are made at once.
     `restored`: a checkpoint is restored over every trained value before step 1 (loop._restores), so none is read
-    or drawn.
+    or drawn. `source`: --init-from's weight_source, where the caller has it (its headers are read once a rank).
     """
     p = cfg.parallel
     mesh = Mesh.build(comm, p.tp, kv_replicas(cfg.model.kv_heads, p.tp), dp_replicate=p.dp_replicate, ep=p.ep,
                       cp=p.cp)
-    model, init = initial_model(cfg, mesh, restored)
+    model, init = initial_model(cfg, mesh, restored, source)
     model.context_parallel = context_parallel(mesh)  # --cp: its part of each row, attention around the cp ring
     shard_experts(model, mesh)
     if cfg.lora.rank:  # the base frozen, adapters on its linears: only they train
@@ -324,7 +324,9 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     """Build the engine, the data, the guard, the checkpointer and the metrics; resume if asked; say where the run
     starts."""
     restores = _restores(cfg)
-    engine = build_engine(cfg, comm, restored=restores)
+    # one source a rank: the record below and the engine's reads take its headers, read once
+    source = weight_source(cfg.checkpoint.init_from, verify=False) if cfg.checkpoint.init_from else None
+    engine = build_engine(cfg, comm, restored=restores, source=source)
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     objective = objective_for(cfg)
     schedule = objective.schedule(mesh)
@@ -340,7 +342,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     # signal or a rollback saves too (and a LoRA checkpoint's base is this record)
     origin = {}
     if cfg.checkpoint.init_from:
-        origin = {"init_from": weight_source(cfg.checkpoint.init_from, verify=False).record(comm)}
+        origin = {"init_from": source.record(comm)}
     start, manifest, resumed_from = _resume(cfg, engine, comm, origin.get("init_from"), objective)
     if restores and resumed_from is None:  # _restores's promise, made from each rank's own view of the folders
         raise checkpoint.CheckpointError(f"rank {comm.rank}: a checkpoint was to be restored over the initial values "

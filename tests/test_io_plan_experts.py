@@ -1,0 +1,83 @@
+"""The I/O plan (training/io_plan.py) at ZeRO-3 start-up from folders that stack their experts, one tensor of every
+expert a layer (Mistral 4's gate_up_proj (E, 2F, C) in nn.Linear's layout, Llama 4's (E, C, 2F) multiplied as x @ W,
+gpt-oss's (E, C, 2F) with the gate's and up's columns alternating, and its stacked biases): on 2 ranks from
+--init-from, every parameter its own bucket (owned ranges cut the experts' rows), each rank reads from the folder the
+bytes the plan gives it, exactly (its rows of each expert's part: a strided slice of the stored expert,
+init_from.stacked_rows), and reads each safetensors header once, hashing its run of the blocks, as planned.
+
+Planted in the product's own functions, in each family's run, each in its own counter and caught: an expert's slice
+of the stacked tensor read whole for each of its parts (as --init-from read them before: Mistral 4 read 2.05x its
+plan, Llama 4 1.65x, gpt-oss 2.26x), and model.safetensors' header read again to check the tensors after listing
+them (it was read 3 times a rank). One start of 2 ranks runs the six jobs in turn.
+"""
+
+import functools
+
+import dist_jobs
+import io_plan_jobs as jobs
+import pytest
+from conftest import tiny_config
+from test_gemma import one_thread
+from test_gpt_oss import gpt_oss_folder
+from test_llama4 import hf_model as llama4_folder
+from test_mistral4 import mistral4_model as mistral4_folder
+
+from zerotrain.hub.init_from import adopt, weight_source
+from zerotrain.runtime.launch import run_job
+from zerotrain.training.io_plan import TOLERANCE, differences, io_plan
+
+pytestmark = pytest.mark.timeout(300)
+W = 2
+BUCKET_MB = 1e-4  # every parameter its own bucket, cut into W chunks: ranges that cut the experts' rows
+FOLDERS = {"mistral4": mistral4_folder, "llama4": llama4_folder, "gpt_oss": gpt_oss_folder}
+PLANTS = ("whole expert", "headers read again")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{(family, planted): (config, summary)}: each family's run, and its run with both plants in force."""
+    tmp = tmp_path_factory.mktemp("io-plan-experts")
+    configs = {}
+    for family, build in FOLDERS.items():
+        folder = str(tmp / family)
+        with one_thread():
+            build(folder)
+        assert weight_source(folder).experts, family  # its experts are stacked in the files
+        for planted in (False, True):
+            c = tiny_config(tmp / f"{family}-{'planted' if planted else 'run'}", nproc=W, micro=2, steps=1, zero=3,
+                            bucket_mb=BUCKET_MB, seq_len=16, ckpt_every=1)
+            c.checkpoint.init_from = folder
+            c.model = adopt(c.model, weight_source(folder), {"seq_len"})
+            configs[family, planted] = c
+    pairs = [(functools.partial(jobs.counted_job, plants=PLANTS if planted else ()), c)
+             for (_, planted), c in configs.items()]
+    results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=pairs), pairs[0][1], time_limit=240)
+    return {key: (c, summary) for (key, c), summary in zip(configs.items(), results)}
+
+
+def plan_of(runs, family, planted=False):
+    c, summary = runs[family, planted]
+    return io_plan(c), summary["per_rank"]
+
+
+@pytest.mark.parametrize("family", list(FOLDERS))
+def test_each_rank_reads_its_rows_of_the_stacked_experts_as_planned_and_reading_an_expert_whole_is_caught(
+        runs, family):
+    plan, measured = plan_of(runs, family)
+    assert differences(plan, measured, phases=("startup", "save")) == []
+    assert measured["init_bytes_read"] == [r.startup_read for r in plan.ranks]  # exactly, not within the tolerance
+    planted, whole = plan_of(runs, family, planted=True)
+    said = [line for line in differences(planted, whole, phases=("startup",)) if "init_bytes_read" in line]
+    assert len(said) == W, said  # every rank
+    assert min(whole["init_bytes_read"]) > (1 + TOLERANCE) * max(r.startup_read for r in planted.ranks)
+
+
+@pytest.mark.parametrize("family", list(FOLDERS))
+def test_each_rank_reads_each_header_once_as_planned_and_a_second_read_is_caught(runs, family):
+    plan, measured = plan_of(runs, family)
+    assert all(r.startup_headers for r in plan.ranks)
+    assert measured["checkpoint_bytes_read"] == [r.startup_hashed + r.startup_headers for r in plan.ranks]
+    planted, again = plan_of(runs, family, planted=True)
+    # one header more on every rank: within the tolerance `differences` gives a folder's extras, so counted exactly
+    assert [a - (r.startup_hashed + r.startup_headers) for a, r in zip(again["checkpoint_bytes_read"], planted.ranks)] \
+        == [r.startup_headers for r in planted.ranks]
