@@ -140,13 +140,9 @@ class ZeroEngine:
         return self._owned(counted) + (self._owned(self.replicated_ranges) if t == 0 else [])
 
     def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The parts of `flat_ranges` this rank owns, as ranges of its shard."""
-        out = []
-        for b in self.layout.buckets:
-            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
-            out += [(b.shard_offset + max(a, lo) - lo, b.shard_offset + min(z, hi) - lo)
-                    for a, z in flat_ranges if min(z, hi) > max(a, lo)]
-        return out
+        """The parts of `flat_ranges` (sorted, disjoint) this rank owns, as ranges of its shard, in flat order."""
+        return [(p.shard_offset, p.shard_offset + p.numel) for a, z in flat_ranges
+                for p in self.layout.owned_pieces(self.dp.rank, a, z)]
 
     # ---------------------------------------------------------------- backward side: the gradients' part
     def no_sync(self, enabled: bool = True):
