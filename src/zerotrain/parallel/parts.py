@@ -251,11 +251,8 @@ class ExpertParallel:
 
 @dataclass(frozen=True)
 class HybridSharding:
-    """--dp-replicate R (FSDP2's HSDP): the DP ranks form R replica groups of S = DP / R ranks; the state is laid out
-    and sharded over a group's S ranks, as ZeRO over S ranks would, and each gradient shard (the dense engine's and,
-    with --ep, the expert engine's) is all-reduced across the R ranks holding it once a step, at any accumulation
-    (engine.all_reduce_replicas). Replica group 0's ranks write the checkpoint's shards (save.writes_shard) and stage
-    them for --async-save; the other groups' write and stage nothing."""
+    """--dp-replicate R (FSDP2's HSDP): the state sharded over each of R replica groups of S = DP / R ranks as ZeRO
+    over S ranks would, each gradient shard all-reduced across the R groups once a step; group 0 writes the saves."""
 
     replicas: int
 

@@ -48,7 +48,7 @@ def _current_saved_tensors_hooks():
 
 
 class ShardedParameters(ParameterPlacement):
-    """The parameters of ZeRO stage 3: owned chunks, a unit's buckets whole only while it runs (module docstring)."""
+    """The parameters of ZeRO stage 3: owned chunks, a unit's buckets whole only while it runs (docs/design.md)."""
 
     gathers_units = True
 
@@ -316,7 +316,7 @@ class ShardedParameters(ParameterPlacement):
         self.check_whole(unit)
         if not self._unit_waits()[unit] and unit not in self._frozen_units:
             # no parameter of it had a part in the forward, so no gradient would release it: nothing of it is
-            # read (gathered for the collective's sake: the caller's, see the docstring)
+            # read (gathered so that every rank of the DP group gathers it: expert parallelism begins it on each)
             self.release_unit(unit, "backward")
         self._prefetch_after(unit, backward=True)
 

@@ -12,7 +12,7 @@ from .params import OwnedPiece
 
 
 class AdamWShard:
-    """AdamW on this rank's shard of an engine's flat layout (see the module docstring)."""
+    """AdamW on this rank's shard of an engine's flat layout: one AdamW parameter per owned piece."""
 
     def __init__(self, engine, grads, optim: OptimConfig):
         """Over `engine`'s layout and placement, with `grads` (its GradientReducer) holding the gradient shard."""
