@@ -88,6 +88,15 @@ class ZeroEngine:
                           and (select is None or select(n))}
         self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
+        t, slots = self.mesh.tp_rank, self.layout.slots
+        self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
+        # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
+        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
+                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
+        # The flat ranges of each row of param_digests, which both placements digest
+        kv_row = [self.kv_shared_ranges] if self.mesh.kv_replicas > 1 else []
+        self.digest_rows = [[(0, self.layout.padded_numel)]] if self.mesh.tp_size == 1 else \
+            [self.replicated_ranges, self.sliced_ranges, *kv_row]
         placement, part = PLACEMENTS[stage]
         self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
         # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
@@ -97,11 +106,6 @@ class ZeroEngine:
         self.init_bytes_read = getattr(init, "bytes_read", 0)
         self.init_values_drawn = getattr(init, "values_drawn", 0)
         self._init = None  # the source is read only while the buffers are built
-        t, slots = self.mesh.tp_rank, self.layout.slots
-        self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
-        # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
-        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
-                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
         # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW
         self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
                                      counted_ranges=self._counted_ranges())

@@ -99,12 +99,9 @@ class ReplicatedParameters(ParameterPlacement):
         e = self.engine
         self.wait()
         flat = self.param_buffer.detach()
-        if e.mesh.tp_size == 1:
-            rows = [tensor_digest(flat), torch.zeros(2, dtype=torch.int64, device=flat.device)]
-        else:
-            rows = [tensor_digest(flat, e.replicated_ranges), tensor_digest(flat, e.sliced_ranges)]
-            if e.mesh.kv_replicas > 1:
-                rows.append(tensor_digest(flat, e.kv_shared_ranges))
+        rows = [tensor_digest(flat, ranges) for ranges in e.digest_rows]
+        if len(rows) == 1:  # without TP: the second row zeros
+            rows.append(torch.zeros(2, dtype=torch.int64, device=flat.device))
         if e.frozen:  # a LoRA run's base: the trained values' digest and each frozen tensor's, digested again
             for row, sliced in enumerate((False, True)):
                 held = [tensor_digest(p.detach().reshape(-1)) for n, p in e.frozen

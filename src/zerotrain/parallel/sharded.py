@@ -88,7 +88,7 @@ class ShardedParameters(ParameterPlacement):
         self._gathered_at: dict[int, int] = {}  # bucket -> self._updates when its gather was launched
         # Invariant (b) (digests): what the gathers after a check must give, and what they gave otherwise
         self._expected_gathers = None
-        self._gather_drift = self._no_drift(1 if e.mesh.tp_size == 1 else 2 + (e.mesh.kv_replicas > 1))
+        self._gather_drift = self._no_drift(len(e.digest_rows))
         self.param_peak_bytes = self.param_bytes()
 
     def attach(self) -> None:
@@ -434,15 +434,13 @@ class ShardedParameters(ParameterPlacement):
         return rows
 
     def _digest_kinds(self) -> tuple[list, list]:
-        """The flat ranges of each row of param_digests, in the trained layout and in the frozen one: everything in
-        one row without TP; with TP the replicated values, this rank's TP slices and with KV groups the KV heads'
-        slices (the frozen base's KV slices are in the sliced row, as stages 1 and 2 digest them)."""
+        """The flat ranges of each row of param_digests, in the trained layout (engine.digest_rows) and in the frozen
+        one (the frozen base's KV slices in the sliced row, as stages 1 and 2 digest them)."""
         e = self.engine
         if e.mesh.tp_size == 1:
-            return [[(0, e.layout.padded_numel)]], [[(0, self.frozen_layout.padded_numel)]]
-        trained = [e.replicated_ranges, e.sliced_ranges] + ([e.kv_shared_ranges] if e.mesh.kv_replicas > 1 else [])
+            return e.digest_rows, [[(0, self.frozen_layout.padded_numel)]]
         sliced, replicated = split_by_tp(self.frozen_layout.slots, e.model_slices, self.frozen_layout.padded_numel)
-        return trained, [replicated, sliced] + [[]] * (len(trained) - 2)
+        return e.digest_rows, [replicated, sliced] + [[]] * (len(e.digest_rows) - 2)
 
     def _verify_gather(self, index: int) -> None:
         """The first gather of bucket `index` since the last check, before the shard's next update: its digest as
