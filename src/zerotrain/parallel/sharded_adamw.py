@@ -148,10 +148,16 @@ class AdamWShard:
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the shard's state from `sd` (checked first: check_shard), the masters into the owned parameter
-        values where they are the masters (fp32); the caller then has the parameters follow (engine.py)."""
-        self._restore_optimizer_state(sd)
-        if self.master is None:
+        """Restore the shard's state from `sd` (checked first: check_shard): AdamW's moments and step count, and the
+        masters (in fp32 into the owned parameter values); the caller then has the parameters follow (engine.py)."""
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+        step = float(sd["step"].item())
+        for m in self._master_views:
+            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+        if self.master is not None:
+            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))
+        else:
             for pc in self._pieces:
                 self.placement.owned_values(pc).copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
 
@@ -162,13 +168,3 @@ class AdamWShard:
             shape = (sum(p.numel() for p in given),) if isinstance(given, (list, tuple)) else tuple(given.shape)
             if shape != (self.layout.shard_numel,):
                 raise ValueError(f"optimizer shard {key} has shape {shape}, expected ({self.layout.shard_numel},)")
-
-    def _restore_optimizer_state(self, sd: dict[str, torch.Tensor]) -> None:
-        """AdamW's moments and step count from `sd`, and the fp32 master shard where one is kept apart."""
-        self.exp_avg.copy_(sd["exp_avg"])
-        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-        step = float(sd["step"].item())
-        for m in self._master_views:
-            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
-        if self.master is not None:
-            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))
