@@ -183,15 +183,12 @@ class ExpertParallelEngine:
             moe.register_forward_hook(self._on_moe_output(unit))
 
     def _on_moe_output(self, unit: int):
-        """The forward hook of the MoE layer in `unit`: its output's gradient gathers the unit's experts."""
-
-        def arrived(_grad):
-            # its reductions, whether its experts get gradients or not; at ZeRO-3 its experts gathered
-            self.experts.grads.begin_unit_backward(unit)
+        """The forward hook of the MoE layer in `unit`: its output's gradient begins the unit's experts' backward
+        (their reductions, whether they get gradients or not; at ZeRO-3 their gathers)."""
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad and not in_backward():
-                output.register_hook(arrived)
+                output.register_hook(lambda _grad: self.experts.grads.begin_unit_backward(unit))
 
         return hook
 
