@@ -247,7 +247,11 @@ class ShardedParameters(ParameterPlacement):
             self._release_bucket(b)
         self._arrived = [0] * len(self.units)
 
-    release = before_update = release_all  # nothing stays gathered into the reduction, nor into an update
+    def release(self) -> None:
+        self.release_all()  # nothing stays gathered into the reduction
+
+    def before_update(self) -> None:
+        self.release_all()  # nor into an update: no stale copy survives the step
 
     def _land_prefetches(self) -> None:
         """Wait for every prefetch in flight: its buckets are whole (a buffer is never released while a gather writes
