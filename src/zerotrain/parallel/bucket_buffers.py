@@ -1,9 +1,4 @@
-"""ZeRO-3's bucket buffers: full-size, their storage held only while gathered; every parameter a view of one.
-
-A rank keeps its owned chunks in a shard; a bucket's buffer has storage only while a unit needs it whole (gather_bucket
-allocates it and all-gathers into it; releasing resizes it to 0 bytes, the views keeping their shapes). The sharded
-placement (sharded.py) and a frozen copy (frozen_copy.py) share these.
-"""
+"""ZeRO-3's bucket buffers: full-size, their storage held only while gathered; every parameter a view of one."""
 
 from __future__ import annotations
 

@@ -77,14 +77,8 @@ class _Works:
 
 
 def _finish(work, async_op: bool):
-    """An async handle for async_op, else wait now (a synchronous torch call returns None).
-
-    On NCCL a wait is the stream's, not the CPU's: every collective runs on NCCL's own stream, which waits for the
-    work queued on the current stream when it is issued, and `work.wait()` with no timeout (never passed here) makes
-    the current stream wait for it and returns at once (torch 2.13, ProcessGroupNCCL.hpp: "Same as calling
-    synchronize() for NCCL work if timeout is not set"); only TORCH_NCCL_BLOCKING_WAIT makes it block the CPU. A buffer
-    freed after its collective's wait is safe on the caching allocator: NCCL records its stream on the tensors it
-    was given (or, with TORCH_NCCL_AVOID_RECORD_STREAMS, holds them until that wait)."""
+    """An async handle for async_op, else wait now (a synchronous torch call returns None). On NCCL the wait, with no
+    timeout (never passed here), is the stream's, not the CPU's (docs/design.md, "The parallel package")."""
     if async_op:
         return work
     if work is not None:
@@ -178,10 +172,7 @@ class Comm:
         # The first peer's chunk lands in `output` itself; any others need room of their own.
         received = {peers[0]: output}
         received.update({k: self._scratch(output, i) for i, k in enumerate(peers[1:])})
-        tag = self._next_tag()
-        with self._guard(purpose):
-            works = [self._send(chunks[k], k, tag) for k in peers]
-            works += [self._recv(received[k], k, tag) for k in peers]
+        works = self._exchange({k: chunks[k] for k in peers}, received, purpose)
 
         def total():
             # received[peers[0]] + the rest in rank order: the sum in rank order, since a + b == b + a.
@@ -213,28 +204,20 @@ class Comm:
         if chunks[me].data_ptr() != input.data_ptr():
             chunks[me].copy_(input)
         peers = [k for k in range(W) if k != me]
-        tag = self._next_tag()
-        with self._guard(purpose):
-            works = [self._send(chunks[me], k, tag) for k in peers]
-            works += [self._recv(chunks[k], k, tag) for k in peers]
+        works = self._exchange({k: chunks[me] for k in peers}, {k: chunks[k] for k in peers}, purpose)
         return self._guarded(_Works(works), purpose, async_op)
 
-    def _send(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.isend(tensor, group_dst=peer, group=self.group, tag=tag)
-
-    def _recv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.irecv(tensor, group_src=peer, group=self.group, tag=tag)
-
-    def _next_tag(self) -> int:
-        """A fresh tag per collective, so concurrent ones never match each other's messages."""
-        self._tag = (self._tag + 1) % 2**30
-        return self._tag
+    def _exchange(self, sends: dict, receives: dict, purpose: str) -> list:
+        """Post every send, then every receive (peer -> tensor), under a fresh tag: concurrent collectives never match
+        each other's messages."""
+        self._tag = tag = (self._tag + 1) % 2**30
+        with self._guard(purpose):
+            return [dist.isend(t, group_dst=k, group=self.group, tag=tag) for k, t in sends.items()] + \
+                [dist.irecv(t, group_src=k, group=self.group, tag=tag) for k, t in receives.items()]
 
     def _scratch(self, output: torch.Tensor, index: int) -> torch.Tensor:
-        """Receive room for a reduce-scatter with W > 2, made once per output buffer and reused.
-
-        Keyed by the output's memory, so buckets in flight together never share it.
-        """
+        """Receive room for a reduce-scatter with W > 2, made once per output buffer (keyed by its memory, so buckets
+        in flight together never share it) and reused."""
         key = (output.data_ptr(), output.numel(), output.dtype, index)
         buf = self._scratch_buffers.get(key)
         if buf is None:

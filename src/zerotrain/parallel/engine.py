@@ -10,21 +10,7 @@ every bucket. Per optimizer step:
     the parameters follow                  -> stages 1 and 2: all-gather each bucket in place (one round, per bucket);
                                               stage 3: each unit gathered from the shards when next used
 
-The engine composes three parts and calls each at fixed points of the step, never asking which stage it has:
-how gradients are held (gradients.py: whole at stage 1, buckets reduced in backward at stages 2 and 3, the share
-of the norm), AdamW on the owned chunks (sharded_adamw.py: masters, moments, the state a checkpoint stores), and
-where the parameters live (params.ParameterPlacement: the whole flat buffer at stages 1 and 2, replicated.py; the
-owned chunks with each unit gathered while it runs at stage 3, sharded.py); parts.py answers for them at plan time.
-With `reduce_in_backward` a bucket's reduce-scatter starts in backward once its gradients are in; with
-`overlap_gathers` the all-gather runs behind the next forward (stages 1 and 2: each module waits for its own
-buckets) or the next unit is prefetched (stage 3). Whatever reads parameters outside forward calls `wait_params()`.
-
-With tensor parallelism the flat buffer holds this rank's TP slices and the replicated parameters, and all of the
-above runs over the DP group (the mesh's shard group); the norm counts each TP slice once (a KV head on several TP
-ranks, its first rank's) and each replicated value once (TP rank 0's). With hybrid sharding (--dp-replicate R,
-FSDP2's HSDP) the gradient shard is then all-reduced across the R replica groups, and group 0 alone counts it in the
-norm. Frozen parameters (a LoRA run's base) are outside the flat buffer: no gradients, no optimizer state, never
-reduced (stage 3 shards them too).
+How it composes its parts, and what TP, hybrid sharding and frozen parameters change: docs/design.md.
 """
 
 from __future__ import annotations
@@ -82,15 +68,9 @@ class ZeroEngine:
         device: torch.device | str | None = None,
         select=None,
     ):
-        """ZeRO stage `stage` (1, 2 or 3) over `dp` (`mesh`'s shard group when there is one).
-
-        `overlap_gathers` must be False for a compiled model, whose forward cannot wait midway; stages 2 and 3 always
-        reduce in backward. `grad_reduce` "micro-batch" (stages 2 and 3) reduce-scatters every micro-batch's buckets
-        into the shard, which accumulates. A model on the meta device is filled straight into the placement's buffers
-        on `device` from `init` (model/init.py's SeedValues, --init-from's FileValues; at stage 3 the owned ranges
-        only); a model with values keeps them (every rank's must be equal: nothing is broadcast). `select(name)`: the
-        trained parameters this engine holds (expert parallelism runs two engines over one model, experts.py).
-        """
+        """ZeRO stage `stage` (1, 2 or 3) over `dp` (`mesh`'s shard group when there is one). `overlap_gathers` must
+        be False for a compiled model; a model on the meta device is filled from `init` (SeedValues, FileValues), one
+        with values keeps them (nothing is broadcast); `select(name)`: the trained parameters this engine holds."""
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
         self.precision, self.stage = precision, stage
@@ -108,6 +88,15 @@ class ZeroEngine:
                           and (select is None or select(n))}
         self.frozen = [(n, p) for n, p in frozen_parameters(model) if select is None or select(n)]
         self._init, self.device = init, torch.device(device) if device is not None else self.params[0].device
+        t, slots = self.mesh.tp_rank, self.layout.slots
+        self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
+        # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
+        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
+                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
+        # The flat ranges of each row of param_digests, which both placements digest
+        kv_row = [self.kv_shared_ranges] if self.mesh.kv_replicas > 1 else []
+        self.digest_rows = [[(0, self.layout.padded_numel)]] if self.mesh.tp_size == 1 else \
+            [self.replicated_ranges, self.sliced_ranges, *kv_row]
         placement, part = PLACEMENTS[stage]
         self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
         # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
@@ -117,11 +106,6 @@ class ZeroEngine:
         self.init_bytes_read = getattr(init, "bytes_read", 0)
         self.init_values_drawn = getattr(init, "values_drawn", 0)
         self._init = None  # the source is read only while the buffers are built
-        t, slots = self.mesh.tp_rank, self.layout.slots
-        self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
-        # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
-        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
-                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
         # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW
         self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
                                      counted_ranges=self._counted_ranges())
@@ -143,9 +127,8 @@ class ZeroEngine:
         return self.placement_part.computed_norms(norms, self.mesh.tp_size)
 
     def initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """Parameter `name`'s initial values on this rank (its TP slice), for the placement building its buffers: from
-        the init source for a model on the meta device, else its own. Nothing is broadcast (rank 0's values would be a
-        whole model of traffic at start-up, and hide an init that depends on the rank)."""
+        """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
+        device, else its own (broadcasting rank 0's would hide an init that depends on the rank)."""
         return self._init.values(name, tuple(p.shape)) if p.is_meta else p.detach()
 
     def initial_range(self, name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -161,13 +144,9 @@ class ZeroEngine:
         return self._owned(counted) + (self._owned(self.replicated_ranges) if t == 0 else [])
 
     def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The parts of `flat_ranges` this rank owns, as ranges of its shard."""
-        out = []
-        for b in self.layout.buckets:
-            lo, hi = b.chunk(self.dp.rank, self.dp.world_size)
-            out += [(b.shard_offset + max(a, lo) - lo, b.shard_offset + min(z, hi) - lo)
-                    for a, z in flat_ranges if min(z, hi) > max(a, lo)]
-        return out
+        """The parts of `flat_ranges` (sorted, disjoint) this rank owns, as ranges of its shard, in flat order."""
+        return [(p.shard_offset, p.shard_offset + p.numel) for a, z in flat_ranges
+                for p in self.layout.owned_pieces(self.dp.rank, a, z)]
 
     # ---------------------------------------------------------------- backward side: the gradients' part
     def no_sync(self, enabled: bool = True):
@@ -193,13 +172,9 @@ class ZeroEngine:
     def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor],
                      beside=()) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
-
-        Returns the global pre-clip gradient norm (grad_norm.py: the same bits at every world size; 0-d float64) and
-        the extras summed over ranks, both on the device and unread (the loop reads them at its log steps). `extras` may be a function, called once the reduce-scatter is finished (the control flags
-        are read as late as they can be: a rank waiting there for a slower one can still start a stop's save).
-        `beside`: engines over the model's other parameters (expert parallelism's), finished here, their squares
-        joining this rank's partial sum.
-        """
+        Returns the global pre-clip norm (0-d float64) and the extras summed, on the device, unread. `extras` may be a
+        function, called once the reduce-scatter is finished (the control flags read as late as they can be);
+        `beside`: engines over the model's other parameters (expert parallelism's), their squares joining ours."""
         squares = torch.cat([self.grads.finish_grads().reshape(-1),
                              *(e.grads.finish_grads().reshape(-1).to(self.device) for e in beside)])
         limbs = grad_norm.exact_sum_limbs(squares)
@@ -240,10 +215,8 @@ class ZeroEngine:
 
     # ---------------------------------------------------------------- state
     def param_digests(self) -> torch.Tensor:
-        """Digests of [replicated parameters, this rank's TP slices] (with KV heads on several TP ranks, a third row:
-        its slices of them), one row each (digest.tensor_digest), from where the placement keeps them. Replicated
-        rows must match on every rank, sliced rows across each DP group, KV rows across each KV group; without TP
-        everything is in the first row."""
+        """Digests (digest.tensor_digest) of [replicated parameters, this rank's TP slices, its KV heads' slices where
+        several TP ranks hold them]; without TP everything is in the first row."""
         return self.placement.digests()
 
     @property

@@ -1,43 +1,7 @@
 """Expert parallelism (--ep E): each MoE layer's experts split over E ranks, tokens sent to them by all-to-all, and the
 engine that reduces and shards the expert parameters over the ranks that hold the same experts.
 
-    groups    the mesh's (parallel/mesh.py, built with the run's): the ranks of a shard group form EP groups of E
-              consecutive ranks (EP rank = shard index mod E); EP rank r holds the contiguous block of experts
-              [r n/E, (r+1) n/E) of every MoE layer. The shard group's ranks with the same EP rank (dp_shard / E of
-              them) hold the same experts: dp_shard_mod_ep, which the expert engine shards over. With hybrid
-              sharding (--dp-replicate) each replica group is split so, and an expert shard's replicas are the
-              dense shard's (dp_replicate). Under --tp T all of them are per TP index (the ranks of one TP index, as
-              a shard group is): each expert of the block is TP-sliced as at EP 1 (model/moe.py), TP rank t holding
-              slice t.
-    dispatch  each rank routes its own tokens (the router is dense, unchanged) and sorts its (token, slot) rows by
-              expert (model/moe.py). Counts first: an all-to-all of the per-expert counts tells each rank how many rows
-              it gets from every source for each of its experts. Then the rows: all_to_all_single with those splits;
-              the received rows are in (source rank, expert) order, reordered to (expert, source rank) for
-              model/moe.py's expert_outputs, then back, and returned by the reverse all-to-all. Dropless, and the
-              order fixed, so that the result is EP 1's within float noise (an expert's rows are the same rows).
-              Autograd goes through both all-to-alls (the backward of one is the other with the splits swapped).
-              Under TP every TP rank of a DP rank routes the same tokens alike and sends the same rows, within its
-              own TP index's EP group; each computes its TP slice of its experts' outputs (partial sums), and the MoE
-              layer's one TP all-reduce sums them, as at EP 1. gpt-oss's down biases (replicated, added once after
-              that all-reduce) are gathered from the EP group first (`every_expert`).
-    engine    two ZeRO engines over one model: the dense parameters over the shard group, as without EP; the expert
-              parameters (this rank's block) over dp_shard_mod_ep, reduce-scattered there (their gradients already
-              hold every EP rank's tokens: the all-to-all's backward brought them) and their optimizer state sharded
-              there. One scalar all-reduce per step still: the expert shard's squared gradients join the dense
-              engine's (grad_norm's exact limbs add), so the global norm counts every expert value once. Under TP
-              the expert engine runs over the real TP group (expert_mesh): the norm counts its TP slices on every
-              rank and its replicated values on TP rank 0, digests, full tensors and checkpoints see the TP slicing.
-              At ZeRO-3 both are stage-3 engines over the same units (units.model_units), each gathering and
-              releasing its own buckets: a MoE block's experts (this rank's block, sharded over dp_shard_mod_ep)
-              are whole while the block is. Each block's experts are gathered for its backward where every rank's
-              backward of the MoE layer begins (its output's gradient), before the all-to-alls' backward: the
-              first expert weight unpacked would be too late on one rank and never on another (a rank whose experts
-              got no rows saved none), and a dp_shard_mod_ep group gathering while its members wait in different EP
-              groups' all-to-alls would hang. At every stage that same point joins the backward for the experts'
-              reductions and opens their block's buckets (GradientReducer.begin_unit_backward): a rank whose experts got
-              no rows sends them (zeros) there, in the backward, as its replicas send theirs, neither earlier (all at
-              the first MoE layer, then waiting in stage 2's bucket budget while its EP group waits in an
-              all-to-all) nor only after the backward (its replicas waiting in that budget: the same cycle).
+Its groups, the dispatch and the two engines' schedule: docs/design.md, "Expert parallelism".
 """
 
 from __future__ import annotations
@@ -62,11 +26,8 @@ def is_expert_parameter(name: str) -> bool:
 
 
 def expert_mesh(mesh: Mesh) -> Mesh:
-    """The mesh the expert engine runs over: dp_shard_mod_ep (the shard group's ranks holding this rank's experts) as
-    its shard group (ZeRO shards and reduces there), the run's replica groups as its own (hybrid sharding: the same
-    experts' same shard), the model's TP group as its own (each expert TP-sliced: gather_tp, the norm's counting of
-    replicated values, digests, full tensors). No KV heads among the experts. `world` stays the run's (the step's
-    scalar all-reduce is the dense engine's), so the mesh's dp_size is the run's: the engine reads its `dp`."""
+    """The mesh the expert engine runs over: dp_shard_mod_ep as its shard group, the run's replica groups, TP group
+    and `world` (the step's scalar all-reduce is the dense engine's); no KV heads among the experts."""
     return dataclasses.replace(mesh, dp_shard=mesh.dp_shard_mod_ep, kv=None, kv_replicas=1)
 
 
@@ -153,10 +114,8 @@ def shard_experts(model: torch.nn.Module, mesh: Mesh) -> None:
 
 
 def expert_bytes(engine) -> int:
-    """Bytes this rank holds for the routed experts, where they are held: their parameters and their optimizer state
-    (bytes per value x the expert values it owns). Expert parallelism: the expert engine's buffer and shard; else the
-    experts' slots of the one flat buffer (at ZeRO-3 only the rank's owned pieces of them, as for the state) and the
-    rank's owned pieces of them. TP is not counted (0)."""
+    """Bytes this rank holds for the routed experts' parameters and optimizer state: the expert engine's, or their
+    slots of the one flat buffer (at ZeRO-3 their owned pieces) and their owned pieces' state. Under TP: 0."""
     if isinstance(engine, ExpertParallelEngine):
         return engine.expert_bytes()
     if engine.mesh.tp_size > 1:
@@ -186,10 +145,8 @@ def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None
 
 
 class ExpertParallelEngine:
-    """Two ZeRO engines over one model: `dense` over the shard group, `experts` over dp_shard_mod_ep, both of
-    the run's stage. The engine interface its callers use, each member on purpose: steps, norms, digests, state,
-    bytes and the update hooks cover both; `layout` is the dense engine's (a checkpoint's `layout`; the experts'
-    is its `expert_layout`); the run's model, mesh, stage, precision, TP plan and device are the run's."""
+    """Two ZeRO engines over one model, both of the run's stage: `dense` over the shard group, `experts` over
+    dp_shard_mod_ep; the engine interface, each member covering both (`layout` is the dense engine's)."""
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
         self.dense = ZeroEngine(model, mesh.dp_shard, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
@@ -216,14 +173,8 @@ class ExpertParallelEngine:
         self.init_values_drawn = self.experts.init_values_drawn
 
     def _join_at_moe_output(self, model: torch.nn.Module) -> None:
-        """At every stage, the backward joined for the experts' reductions as the gradient of each MoE layer's output
-        arrives, the same point of every rank's backward, and the expert buckets whose expected gradients are in (none,
-        where this rank's experts got no rows) launched there: a rank whose experts get no gradient reduces (zeros)
-        with its replica group all the same, and in the backward, as the group's others do (each micro-batch's with
-        --grad-reduce micro-batch). Left to the end of its backward, or to reduce_grads, a replica waiting on that
-        reduce-scatter (stage 2's bucket budget) and the EP groups' all-to-alls would wait on each other. At ZeRO-3
-        the layer's experts are also gathered for its backward there (see the module docstring), not at the first
-        expert weight the backward unpacks."""
+        """The experts' unit backward begun (their reductions joined, at ZeRO-3 their gathers) as the gradient of each
+        MoE layer's output arrives, the same point of every rank's backward (why: docs/design.md)."""
         units = model_units(model)
         if self.experts.stage != 3:  # (stage 3 schedules its reductions by units itself)
             self.experts.grads.schedule_by_units(bucket_units(model, self.experts.layout))
@@ -232,15 +183,12 @@ class ExpertParallelEngine:
             moe.register_forward_hook(self._on_moe_output(unit))
 
     def _on_moe_output(self, unit: int):
-        """The forward hook of the MoE layer in `unit`: its output's gradient gathers the unit's experts."""
-
-        def arrived(_grad):
-            # its reductions, whether its experts get gradients or not; at ZeRO-3 its experts gathered
-            self.experts.grads.begin_unit_backward(unit)
+        """The forward hook of the MoE layer in `unit`: its output's gradient begins the unit's experts' backward
+        (their reductions, whether they get gradients or not; at ZeRO-3 their gathers)."""
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad and not in_backward():
-                output.register_hook(arrived)
+                output.register_hook(lambda _grad: self.experts.grads.begin_unit_backward(unit))
 
         return hook
 
@@ -279,9 +227,8 @@ class ExpertParallelEngine:
         self.experts.register_update_pre_hook(hook)
 
     def param_norm(self) -> torch.Tensor:
-        """The L2 norm of the parameters this rank computes with, float64 [1]: the dense values it holds and, at
-        stages 1 and 2, every expert of its EP group's blocks (their squares summed over the EP group, so that the
-        norm is --ep 1's); at ZeRO-3 its dense and expert shards (the caller sums the DP group's squares)."""
+        """The L2 norm of the parameters this rank computes with, float64 [1]: its dense values and, at stages 1 and
+        2, its EP group's experts (so that the norm is --ep 1's); at ZeRO-3 its dense and expert shards."""
         dense = self.dense.param_norm().square()
         experts = self.experts.param_norm().square()
         if self.stage != 3:
@@ -315,16 +262,13 @@ class ExpertParallelEngine:
         self.experts.wait_params(buckets)
 
     def param_digests(self) -> torch.Tensor:
-        """The dense engine's rows (replicated, TP-sliced, KV heads: as without EP), then the expert engine's two:
-        this rank's experts' replicated values (without TP: all of them; with it gpt-oss's down biases), equal
-        across its EP rank's ranks of every TP index, and their TP slices (zeros without TP), equal across its
-        replica group at its TP index (invariants.check_no_drift)."""
+        """The dense engine's rows, then the expert engine's two: its experts' replicated values and their TP slices
+        (zeros without TP), as invariants.check_no_drift compares them."""
         return torch.cat([self.dense.param_digests(), self.experts.param_digests()[:2]])
 
     @property
     def param_peak_bytes(self) -> int:
-        """The most parameter bytes held at once, both engines': at ZeRO-3 the shards and the units whole (each
-        gather counts the other engine's too), else the flat buffers."""
+        """The most parameter bytes held at once, both engines' (at ZeRO-3 each gather counts the other's too)."""
         if self.stage != 3:
             return sum(b.numel() * b.element_size() for b in self.flat_buffers)
         return max(self.dense.param_peak_bytes, self.experts.param_peak_bytes)

@@ -1,9 +1,4 @@
-"""A frozen copy of a model sharded as ZeRO-3 shards one: owned chunks on each rank, a unit whole only in its forward.
-
-A preference run's live reference for full fine-tuning at --zero 3 is such a copy of the policy (training/
-reference_model.py): laid out as the policy is, its units gathered for their forward by the engine's gather
-(bucket_buffers.gather_bucket); no gradients, no optimizer, nothing reduced.
-"""
+"""A frozen model sharded as ZeRO-3 shards one (DPO's live reference at --zero 3): a unit whole only in its forward."""
 
 from __future__ import annotations
 
@@ -18,9 +13,8 @@ from .params import param_dtype, storage_bytes
 
 
 class FrozenCopy:
-    """A module whose every parameter is frozen, sharded over a DP group as stage 3 shards a model (shard_frozen_copy
-    builds it): each rank holds its owned chunks (`shard`); a unit's buckets are whole only while its forward runs,
-    and nothing is whole between forwards. Forward only, without gradients."""
+    """A frozen module sharded over a DP group (shard_frozen_copy builds it): each rank holds its owned chunks
+    (`shard`); a unit's buckets are whole only while its forward runs. Forward only, without gradients."""
 
     def __init__(self, module: torch.nn.Module, dp, layout: ShardLayout, shard: torch.Tensor,
                  buffers: list[torch.Tensor]):
@@ -78,15 +72,10 @@ class FrozenCopy:
 
 def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precision: str = "fp32", device=None,
                       init=None, like=None) -> FrozenCopy:
-    """Shard `module`, whose every parameter is frozen (under TP this rank's slice of it), over the DP group `dp` as
-    ZeRO-3 shards a model (units.frozen_layout_of: the layout the same architecture trains in), in `precision`; it
-    runs under torch.no_grad(), each unit gathered for its forward and released after it.
-
-    The values: with `like` (the stage-3 ZeroEngine of the model this copies, laid out alike) that engine's shard as
-    it is now, copied on each rank (nothing read, drawn or sent); else for a module on the meta device `init`'s (the
-    owned ranges alone read or drawn); else the module's own (every rank's must be equal). Keep the returned
-    FrozenCopy: its shard is what the module's parameters, views of its buckets, hold.
-    """
+    """Shard `module`, whose every parameter is frozen, over the DP group `dp` as ZeRO-3 shards a model, in
+    `precision`, for forwards under torch.no_grad(). The values: with `like` (the stage-3 ZeroEngine of the model this
+    copies) that engine's shard as it is now, copied; else `init`'s for a module on the meta device (owned ranges
+    alone); else the module's own. Keep the returned FrozenCopy: its shard is what the parameters hold."""
     trained = [n for n, p in module.named_parameters() if p.requires_grad]
     if trained:
         raise ValueError(f"shard_frozen_copy takes a module whose every parameter is frozen; {trained[0]} "

@@ -1,24 +1,6 @@
 """How a ZeRO engine holds its gradients and reduce-scatters them into this rank's shard, and its share of the norm.
 
-The engine (engine.py) calls a GradientReducer at fixed points: every parameter's gradient hook (_on_grad_ready),
-the end of each backward (_end_backward), `finish_grads` before the step's scalar all-reduce, `zero_grad` as a window
-starts. Placements and expert parallelism say where a bucket may start (schedule_by_units, begin_unit_backward).
-
-Gradients are held whole (stage 1) or in buckets (stages 2 and 3). Whole: views into one flat gradient buffer, or on
-one rank in fp32 autograd's own tensors, read where they are (grads_in_params; nothing to reduce). Buckets: each
-parameter's gradient is added into its bucket's fp32 buffer, allocated at its first gradient, and dropped from the
-parameter; in the reducing backward a complete bucket is reduce-scattered into the shard and freed once done, so a
-rank holds its 1/W plus the buckets in flight, as many as fit in the two largest buckets' bytes (a new bucket waits
-for the oldest reduce-scatters). With accumulation the buckets stay through the window (one round a step; stage 1's
-additions in stage 1's order: bitwise the same shard); with `grad_reduce="micro-batch"` every micro-batch's are
-reduce-scattered into the shard, which accumulates (two buckets' memory, accumulation x the traffic, not bitwise).
-
-A parameter with no gradient in a backward (a skipped module's, an unrouted expert's) has gradient zero: stage 1 reads
-zeros; with buckets a bucket waits only for the parameters the forward's output reaches (_reached_by_forward), and
-the end of a reducing backward launches the buckets still waiting, in bucket order on every rank. Where another
-collective shares the backward (stage 3's gathers, expert parallelism's all-to-alls) a bucket also waits until its
-unit's backward has begun, a point every rank reaches in the same order. With hybrid sharding the shard is then
-all-reduced across the replica groups (all_reduce_replicas), and group 0 alone counts it in the norm.
+Whole or bucketed, where each reduce-scatter starts, and a parameter with no gradient: docs/design.md, "Gradients".
 """
 
 from __future__ import annotations
@@ -209,11 +191,9 @@ class GradientReducer:
             self._launch(self._launched)
 
     def schedule_by_units(self, bucket_units: list[int], *, open_units=(), units=None) -> None:
-        """Start bucket i's reduce-scatter only once unit bucket_units[i]'s backward has begun on this rank
-        (begin_unit_backward; from the start for `open_units`), so that a rank expecting fewer gradients (an expert
-        with no rows here) does not send it earlier than the others. With `units` (units.model_units), every bucket of
-        a unit and of the units after it starts at the latest when the gradient of the unit's input is complete
-        (FSDP2's post-backward point): its gradients that did not arrive are zeros."""
+        """Start bucket i's reduce-scatter only once unit bucket_units[i]'s backward has begun on this rank (from the
+        start for `open_units`); with `units` (units.model_units), at the latest when the gradient of the unit's input
+        is complete (FSDP2's post-backward point)."""
         self._bucket_unit = list(bucket_units)
         self._open_units = set(open_units)
         if units is not None:
@@ -280,9 +260,7 @@ class GradientReducer:
 
     def _reached_by_forward(self, _module, _args, output) -> None:
         """After a forward whose backward reduces (at stage 3, every forward): the trained parameters its output's
-        autograd graph reaches, the ones backward will give a gradient (as DDP's find_unused_parameters finds them),
-        so that a bucket holding a parameter no gradient will reach is reduced once the others are in, not held to the
-        end of the backward. Several forwards before one backward add up; a compiled forward is not walked."""
+        autograd graph reaches, the ones backward will give a gradient, each bucket's count (docs/design.md)."""
         if not (torch.is_grad_enabled() and (self._sync or self.per_micro_batch or self.placement.gathers_units)) or \
                 in_backward() or torch.compiler.is_compiling():
             return

@@ -1,37 +1,12 @@
 """The one device mesh of a run: named dimensions dp_replicate x dp_shard x cp x tp, expert groups inside dp_shard.
 
-Built once, as a run starts (Mesh.build); every communicator is named by the dimensions it spans:
-
-    tp               the ranks that split one replica's layers (activation all-reduces every layer)
-    dp_shard         the ranks with this rank's tp_index and replica index: ZeRO shards its state over them (the
-                     reduce-scatter of the gradients, the all-gather of the parameters, AdamW on 1/dp_shard); with
-                     --cp C the shard group's C x as many ranks, its CP ranks included (torchtitan's dp_shard_cp: a CP
-                     rank's gradient is a partial sum over its tokens, which the reduce-scatter adds up)
-    dp_replicate     the ranks holding the same shard in the other replica groups (hybrid sharding, --dp-replicate R,
-                     as FSDP2's HSDP): after the reduce-scatter each shard is all-reduced across them; None at R = 1
-    ep               expert parallelism (--ep E): E consecutive dp_shard ranks, which split each MoE layer's experts;
-                     with --cp C, E consecutive ranks of dp_shard x cp (shard-major, CP inside), as torchtitan folds
-                     cp into the ranks EP borrows: each CP rank routes its own part of the rows
-    dp_shard_mod_ep  the dp_shard ranks with this rank's EP rank (torchtitan's name): the expert engine shards over
-                     them, as the dense engine over dp_shard; its replicas are the same dp_replicate group
-    kv               with more TP ranks than KV heads, the TP ranks holding this rank's KV heads (each head lives on
-                     `kv_replicas` consecutive TP ranks, which sum their k and v weight gradients: model/tensor_parallel.py,
-                     sum_over_replicas)
-    cp               context parallelism (--cp C): the C ranks that split each row of their replica's micro-batches
-                     along its length (parallel/context.py), the ring of ring_attention; None at C = 1
-
-Ranks are TP-adjacent, then CP, and the shard dimension is outside them: world rank = (dp_index x cp + cp_index) x tp
-+ tp_index, dp_index = replica_index x dp_shard + shard_index. A TP group is a run of consecutive ranks (on a multi-GPU node the GPUs with
-the fastest links between them), a shard group the next level out, and the replica groups outermost (the cheapest
-traffic, one all-reduce of the shard per step, crosses the slowest links). The data-parallel dimension the batch is
-split over is dp_replicate x dp_shard (dp_size, dp_rank): every replica trains on its own part of the global batch;
-its CP ranks read the same rows.
-
-With tp = 1 and dp_replicate = 1 there is no TP group and dp_shard is the whole world: plain ZeRO data parallelism.
+Built once, as a run starts (Mesh.build); every communicator is named by the dimensions it spans (each dimension, and
+the rank order: docs/design.md, "The mesh").
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -83,11 +58,8 @@ class Mesh:
         return self.dp_rank // self.dp_shard_size
 
     def describe(self) -> dict:
-        """The mesh as a checkpoint records it: the TP degree and the ranks the state is sharded over ("dp"), so that
-        a checkpoint written by R replica groups is the one dp_shard x tp ranks write (its replicas write nothing);
-        "dp_replicate" says how many replica groups trained it. The state is sharded over dp_shard x cp, so a
-        checkpoint of --cp C is the one C x as many DP ranks write: "cp" only says what trained it, and any mesh reads
-        it."""
+        """The mesh as a checkpoint records it: the TP degree and the ranks the state is sharded over ("dp"); "ep",
+        "dp_replicate" and "cp" only say what trained it (any mesh reads it)."""
         return {"tp": self.tp_size, "dp": self.dp_shard.world_size, **({"ep": self.ep_size} if self.ep_size > 1 else {}),
                 **({"dp_replicate": self.dp_replicate_size} if self.dp_replicate_size > 1 else {}),
                 **({"cp": self.cp_size} if self.cp_size > 1 else {})}
@@ -174,10 +146,8 @@ class Mesh:
 
     def counters(self) -> tuple[dict, dict]:
         """Calls and bytes by purpose, summed over this rank's communicators."""
-        calls, nbytes = {}, {}
+        calls, nbytes = Counter(), Counter()
         for comm in self.communicators():
-            for k, v in comm.calls.items():
-                calls[k] = calls.get(k, 0) + v
-            for k, v in comm.bytes.items():
-                nbytes[k] = nbytes.get(k, 0) + v
-        return calls, nbytes
+            calls.update(comm.calls)
+            nbytes.update(comm.bytes)
+        return dict(calls), dict(nbytes)

@@ -1,15 +1,10 @@
-"""The parameters an engine trains, and the seam between the engine and its stage: where those parameters live.
-
-What a stage decides about the parameters is a `ParameterPlacement`: the whole flat buffer on every rank (stages 1 and
-2: replicated.py) or only the owned chunks, each unit gathered while it runs (stage 3: sharded.py). A placement reads
-the engine's public attributes and calls its public methods and its gradients' (engine.grads), never a private one.
+"""The parameters an engine trains, and the seam between the engine and its stage: where those parameters live
+(ParameterPlacement; when the engine calls each of its methods: docs/design.md, "The placements' seam").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
 from zerotrain.errors import ZeroTrainError
@@ -37,45 +32,49 @@ class OwnedPiece:
         return self.shard_lo + self.flat_hi - self.flat_lo
 
 
-class ParameterPlacement(Protocol):
-    """Where an engine's parameters live, and what is gathered when: the part of a ZeRO stage that varies.
-
-    Built once the engine's layout is known (filling its buffers, every parameter a view of them), `attach`ed after
-    the engine's own hooks. The engine then calls:
-
-        in_flight          as each parameter's gradient is accumulated: whether its bucket was still being gathered
-        gradient_arrived   then, once the engine has taken it (into its bucket, counted)
-        end_backward       as a backward ends, after the engine launched its reductions
-        reset_window       as an accumulation window starts again
-        release            before the reduction: nothing stays gathered for a backward
-        before_update      before AdamW writes the owned values (an all-gather still sending them finished)
-        after_update       after the owned values were written (an update, a loaded checkpoint): the parameters follow
-        enter_backward     a unit's backward begins (engine.grads.begin_unit_backward)
-    """
+class ParameterPlacement:
+    """Where an engine's parameters live, and what is gathered when: the part of a ZeRO stage that varies. Built once
+    the engine's layout is known (every parameter a view of its buffers), `attach`ed after the engine's own hooks; the
+    engine then calls the step's points below, which do nothing where a placement has nothing to do at them."""
 
     held_params: torch.Tensor  # this rank's values in the engine's flat layout: the whole buffer, or its owned chunks
     param_peak_bytes: int  # the most parameter bytes held at once so far
+    gathers_units: bool  # each unit's parameters freed and gathered again every step
 
     def attach(self) -> None: ...
     def owned_values(self, piece: OwnedPiece) -> torch.Tensor: ...
     def owned_views(self) -> list[torch.Tensor]: ...
     def owned_shard(self, copy: bool) -> torch.Tensor: ...
-    def in_flight(self, bucket: int) -> bool: ...
-    def gradient_arrived(self, p: torch.Tensor) -> None: ...
-    def enter_backward(self, unit: int) -> None: ...
-    def end_backward(self) -> None: ...
-    def reset_window(self) -> None: ...
-    def release(self) -> None: ...
-    def before_update(self) -> None: ...
     def after_update(self, wait: bool) -> None: ...
-    def wait(self, buckets=None) -> None: ...
     def gathered_flat(self) -> torch.Tensor: ...
     def digests(self) -> torch.Tensor: ...
     def param_bytes(self) -> int: ...
     def frozen_bytes(self) -> int: ...
 
-    @property
-    def gathers_units(self) -> bool: ...
+    def in_flight(self, bucket: int) -> bool:
+        """As each parameter's gradient is accumulated: whether its bucket was still being gathered (refused)."""
+        return False
+
+    def gradient_arrived(self, p: torch.Tensor) -> None:
+        """Once the engine has taken `p`'s gradient (into its bucket, counted)."""
+
+    def enter_backward(self, unit: int) -> None:
+        """A unit's backward begins (engine.grads.begin_unit_backward)."""
+
+    def end_backward(self) -> None:
+        """A backward ends, after the engine launched its reductions."""
+
+    def reset_window(self) -> None:
+        """An accumulation window starts again."""
+
+    def release(self) -> None:
+        """Before the reduction: nothing stays gathered for a backward."""
+
+    def before_update(self) -> None:
+        """Before AdamW writes the owned values (an all-gather still sending them finished); then after_update."""
+
+    def wait(self, buckets=None) -> None:
+        """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
 
 
 def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -1,35 +1,13 @@
 """What each part of a run's parallelism holds, gathers and reads, answered before the run from its settings.
 
-A run composes parts, as torchtitan applies FSDP, TP and EP to a plain model as separate functions; each part here
-answers for itself, at plan time (no process group, no tensors: the settings and the layout the engine will build):
-
-    placement    where the parameters live. Replicated (ZeRO-1 and 2): every rank holds the whole flat buffer, the
-                 frozen ones whole, and all-gathers the buffer after each update. Sharded (ZeRO-3): a rank holds its
-                 owned chunks of the trained and the frozen parameters, and gathers each unit while it runs.
-    gradients    how a rank holds gradients. Whole (ZeRO-1): a full buffer, reduce-scattered once a step. Bucketed
-                 (ZeRO-2 and 3): buckets reduce-scattered in the backward into the fp32 shard, each micro-batch's
-                 (--grad-reduce micro-batch) or through the accumulation window (step).
-    optimizer    the sharded AdamW: two fp32 moments per owned value, and in bf16 the fp32 master.
-    experts      --ep E: EP rank 0's block of experts, laid out over its replica group of DP / E ranks, and the
-                 all-to-all's rows.
-    hybrid       --dp-replicate R: the layouts over a replica group's S = DP / R ranks, each gradient shard all-reduced
-                 across the R groups once a step; replica group 0 writes the checkpoint's shards.
-
-The planners (training/memory_plan.py, training/io_plan.py, `zerotrain plan`) ask `parts_for(cfg)` and add up or print
-what the parts give; the loop asks the placement whether replicas start from the same model and what norm a rank
-computes with. None of them asks the stage number: that is read here, once, to pick the parts.
-
-A part beyond these (hybrid sharding, --dp-replicate; context parallelism, context.py) is one more class in `more` with the
-answers it changes, picked in `parts_for`: hybrid sharding lays the state out over `shard_ranks` of the DP ranks (the
-layouts' world), adds its all-reduce to a step's traffic (`traffic`; no memory of its own: `more_rows` is empty), says
-which ranks write a save (`writes_shard`), and the placement sums the norm of what a rank computes with over its
-replica group only (`computed_norms`); start-up reads are each replica's of its owned ranges (`read_rows` at its rank
-within the shard group).
+The planners ask `parts_for(cfg)`, the one place outside the engine that reads the stage number; each part, and how a
+new one joins: docs/design.md, "The plan-time parts".
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -273,11 +251,8 @@ class ExpertParallel:
 
 @dataclass(frozen=True)
 class HybridSharding:
-    """--dp-replicate R (FSDP2's HSDP): the DP ranks form R replica groups of S = DP / R ranks; the state is laid out
-    and sharded over a group's S ranks, as ZeRO over S ranks would, and each gradient shard (the dense engine's and,
-    with --ep, the expert engine's) is all-reduced across the R ranks holding it once a step, at any accumulation
-    (engine.all_reduce_replicas). Replica group 0's ranks write the checkpoint's shards (save.writes_shard) and stage
-    them for --async-save; the other groups' write and stage nothing."""
+    """--dp-replicate R (FSDP2's HSDP): the state sharded over each of R replica groups of S = DP / R ranks as ZeRO
+    over S ranks would, each gradient shard all-reduced across the R groups once a step; group 0 writes the saves."""
 
     replicas: int
 
@@ -329,19 +304,19 @@ class RunParts:
 
     def traffic(self, layouts: list) -> dict[str, int]:
         """The bytes a rank sends a step that the parts to come add, by purpose: each such part's `traffic`."""
-        out: dict[str, int] = {}
-        for part in self.more:
-            for key, value in part.traffic(layouts).items():
-                out[key] = out.get(key, 0) + value
-        return out
+        return _summed(part.traffic(layouts) for part in self.more)
 
     def more_rows(self, **planned) -> dict[str, int]:
         """The bytes the parts to come add to the memory plan's rows, by row: each such part's `rows(**planned)`."""
-        out: dict[str, int] = {}
-        for part in self.more:
-            for key, value in part.rows(**planned).items():
-                out[key] = out.get(key, 0) + value
-        return out
+        return _summed(part.rows(**planned) for part in self.more)
+
+
+def _summed(answers) -> dict[str, int]:
+    """The parts' answers added up by key (a key that answers 0 kept)."""
+    out: Counter[str] = Counter()
+    for answer in answers:
+        out.update(answer)
+    return dict(out)
 
 
 def parts_for(cfg: Config) -> RunParts:

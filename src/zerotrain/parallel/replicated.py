@@ -1,21 +1,16 @@
-"""Where ZeRO stages 1 and 2 keep the parameters: the whole flat buffer on every rank, all-gathered after each update.
-
-Every parameter is a view of one flat buffer in the engine's layout. After AdamW updates this rank's owned chunks,
-every bucket is all-gathered in place, in forward order (the layout is reverse-forward). With `gather_behind_forward`
-the gathers run behind the next forward, each module's forward pre-hook waiting only for its own buckets; a gradient of
-a parameter read while its gather was in flight is refused (in_flight). Frozen parameters keep tensors of their own.
-"""
+"""Where ZeRO stages 1 and 2 keep the parameters: the whole flat buffer on every rank, all-gathered after an update."""
 
 from __future__ import annotations
 
 import torch
 
 from .digest import tensor_digest
-from .params import OwnedPiece, adopt_view, materialise_outside_layout, param_dtype, storage_bytes
+from .params import OwnedPiece, ParameterPlacement, adopt_view, materialise_outside_layout, param_dtype, \
+    storage_bytes
 
 
-class ReplicatedParameters:
-    """The parameters of ZeRO stages 1 and 2 (params.ParameterPlacement): whole on every rank."""
+class ReplicatedParameters(ParameterPlacement):
+    """The parameters of ZeRO stages 1 and 2: whole on every rank; frozen ones keep tensors of their own."""
 
     gathers_units = False
 
@@ -27,17 +22,13 @@ class ReplicatedParameters:
         materialise_outside_layout(engine, {s.name for s in engine.layout.slots})
         L, dtype = engine.layout, param_dtype(engine.precision)
         self.param_buffer = torch.zeros(L.padded_numel, dtype=dtype, device=engine.device)  # the whole flat buffer
+        self.held_params = self.param_buffer
         with torch.no_grad():
             for s, p in zip(L.slots, engine.params):
                 view = self.param_buffer[s.offset : s.offset + s.numel].view(s.shape)
                 view.copy_(engine.initial_value(s.name, p))
                 adopt_view(p, view)
         self.param_peak_bytes = self.param_bytes()
-
-    @property
-    def held_params(self) -> torch.Tensor:
-        """What this rank holds of the flat layout: the whole buffer."""
-        return self.param_buffer
 
     def attach(self) -> None:
         """With `gather_behind_forward`: each module's forward waits for the buckets holding its own parameters."""
@@ -74,21 +65,6 @@ class ReplicatedParameters:
         """Whether `bucket`'s all-gather is still in flight (a gradient of values read now is refused)."""
         return bucket in self._gathering
 
-    def gradient_arrived(self, p: torch.Tensor) -> None:
-        """Nothing to release: every parameter stays whole."""
-
-    def enter_backward(self, unit: int) -> None:
-        """Nothing to gather: every parameter is whole."""
-
-    def end_backward(self) -> None:
-        """Nothing was gathered for the backward."""
-
-    def reset_window(self) -> None:
-        """Nothing is counted per window."""
-
-    def release(self) -> None:
-        """Nothing is held beyond the whole buffer."""
-
     def before_update(self) -> None:
         self.wait()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
 
@@ -123,12 +99,9 @@ class ReplicatedParameters:
         e = self.engine
         self.wait()
         flat = self.param_buffer.detach()
-        if e.mesh.tp_size == 1:
-            rows = [tensor_digest(flat), torch.zeros(2, dtype=torch.int64, device=flat.device)]
-        else:
-            rows = [tensor_digest(flat, e.replicated_ranges), tensor_digest(flat, e.sliced_ranges)]
-            if e.mesh.kv_replicas > 1:
-                rows.append(tensor_digest(flat, e.kv_shared_ranges))
+        rows = [tensor_digest(flat, ranges) for ranges in e.digest_rows]
+        if len(rows) == 1:  # without TP: the second row zeros
+            rows.append(torch.zeros(2, dtype=torch.int64, device=flat.device))
         if e.frozen:  # a LoRA run's base: the trained values' digest and each frozen tensor's, digested again
             for row, sliced in enumerate((False, True)):
                 held = [tensor_digest(p.detach().reshape(-1)) for n, p in e.frozen

@@ -1,43 +1,6 @@
 """ZeRO stage 3's parameters: each DP rank holds only its owned chunks; a unit's buckets are whole only while used.
 
-ShardedParameters is stage 3's ParameterPlacement (params.py); the flat layout, the gradients (gradients.py: stage 2's
-additions, the reductions scheduled by units) and the optimizer are stages 1's and 2's, so stage 3 computes bitwise
-stage 2's step in the same --grad-reduce mode. Where the parameters live:
-
-    between steps          the owned chunks only (`param_shard`: in fp32 the masters themselves; in bf16 rounded
-                           from an fp32 master shard after each update)
-    a unit's forward       its buckets all-gathered into their full-size buffers (module forward pre-hook),
-                           released after it (forward hook); units and what is whole at once: units.py
-    a unit's backward      gathered again when autograd first unpacks a weight its forward saved (saved-tensor
-                           hooks around the model's forward, in one place, so a forward that raises leaves none
-                           behind), released once every parameter of the unit has its gradient (or as the
-                           backward ends)
-
-The reduce-scatters share the DP group's communicator with the gathers, so where each starts is a function of the
-model, not of which gradients arrived: every rank issues the same collectives in the same order. A bucket (with its
-unit, units.bucket_units) starts once its unit's backward has begun on this rank and the gradients this rank's
-forward reached are in; at the latest when the gradient of its unit's input is complete (FSDP2's post-backward
-point); else as the backward ends. Launched where its last expected gradient arrived instead, a bucket that a rank's
-experts got no rows for went out at another point among the gathers than on a rank whose experts did (gloo aborts on
-a message of another size; a test plants it).
-
-With --activation-checkpointing a block's forward recomputed in its backward gathers it again for that backward.
-With --overlap on the next unit is prefetched one unit ahead (the root's forward launches block 1's gather, block
-u's forward block u+1's, block u's backward block u-1's); at most the root and two neighbouring blocks are whole or in
-flight (units.units_whole_bytes). Every gather is tagged with the shard's update count: a unit computing with values
-gathered before the last update raises StaleParameterError. A prefetch is issued in the unit's forward pre-hook,
-before its compute is queued (tests/test_zero3_prefetch_order.py), so on CUDA the communication stream gathers the
-next unit beside it (comm_stream.py: after an event the compute stream records as the gather is issued) and the
-compute stream waits for the gather's `done` event only when that unit runs; a bucket in flight is never released
-before that wait (release_all lands the prefetches first, _release_bucket waits for one), so its buffer is freed
-only after the stream that wrote it is done. On CPU the prefetch is
-off unless asked for (2 gloo ranks, 2 cores, width 256: 1.07x stage 2's step against 1.09x without, within the noise).
-
-Frozen parameters (a LoRA run's base) are sharded alike in a layout of their own (units.frozen_layout_of,
-`frozen_shard`), gathered and released with their units, never reduced. No gradient says when a unit's backward has
-read its last frozen weight, so such a unit is released as the previous unit's backward begins (which reads the
-gradient of the later unit's input, complete only once the later unit's every weight-reading node has run). With
---tp all of this runs over the DP group, exactly as at TP 1.
+When each bucket is gathered, prefetched and released, and why: docs/design.md, "Stage 3's placement".
 """
 
 from __future__ import annotations
@@ -54,8 +17,8 @@ from . import units
 from .bucket_buffers import ReleasedParameterError, gather_bucket, shard_into_buckets
 from .digest import moved, tensor_digest
 from .layout import ShardLayout, split_by_tp
-from .params import OwnedPiece, StaleParameterError, frozen_parameters, materialise_outside_layout, param_dtype, \
-    storage_bytes
+from .params import OwnedPiece, ParameterPlacement, StaleParameterError, frozen_parameters, \
+    materialise_outside_layout, param_dtype, storage_bytes
 
 
 @dataclass(frozen=True)
@@ -84,14 +47,13 @@ def _current_saved_tensors_hooks():
     return hooks if hooks is not None and hooks[0] is not None else None
 
 
-class ShardedParameters:
-    """The parameters of ZeRO stage 3: owned chunks, a unit's buckets whole only while it runs (module docstring)."""
+class ShardedParameters(ParameterPlacement):
+    """The parameters of ZeRO stage 3: owned chunks, a unit's buckets whole only while it runs (docs/design.md)."""
 
     gathers_units = True
 
     def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
-        """`overlap_gathers` (--overlap on): prefetch the next unit one unit ahead. An engine over a selection of the
-        parameters (expert parallelism's two) handles only its own parameters' buckets, and holds no frozen ones."""
+        """`overlap_gathers` (--overlap on): prefetch the next unit one unit ahead."""
         self.engine = engine
         self.prefetch = overlap_gathers
         model, dp = engine.model, engine.dp
@@ -108,13 +70,12 @@ class ShardedParameters:
 
     # ---------------------------------------------------------------- building
     def _build_shards(self) -> None:
-        """The shards, only the owned ranges read or drawn (engine.initial_range), every parameter a view of its
-        bucket's buffer (bucket_buffers.py); the frozen parameters' in their own layout and `frozen_shard`: bucket i
-        of frozen_layout is bucket len(layout.buckets) + i of the placement's lists."""
+        """The shards (owned ranges alone read or drawn), every parameter a view of its bucket's buffer; bucket i of
+        frozen_layout is bucket len(layout.buckets) + i of the placement's lists."""
         e = self.engine
         L, device, rank = e.layout, e.device, e.dp.rank
         dtype = param_dtype(e.precision)
-        self.param_shard = torch.zeros(L.shard_numel, dtype=dtype, device=device)
+        self.param_shard = self.held_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
         by_name = dict(e.model.named_parameters())
         frozen = [by_name[s.name] for s in self.frozen_layout.slots]
@@ -127,13 +88,8 @@ class ShardedParameters:
         self._gathered_at: dict[int, int] = {}  # bucket -> self._updates when its gather was launched
         # Invariant (b) (digests): what the gathers after a check must give, and what they gave otherwise
         self._expected_gathers = None
-        self._gather_drift = self._no_drift(1 if e.mesh.tp_size == 1 else 2 + (e.mesh.kv_replicas > 1))
+        self._gather_drift = self._no_drift(len(e.digest_rows))
         self.param_peak_bytes = self.param_bytes()
-
-    @property
-    def held_params(self) -> torch.Tensor:
-        """What this rank holds of the flat layout between steps: its shard."""
-        return self.param_shard
 
     def attach(self) -> None:
         """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
@@ -209,10 +165,8 @@ class ShardedParameters:
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
-        """Within: a forward that will be differentiated saves the unit weights it uses as where they lie (_pack),
-        left as the block is left, whether it returns or raises; what a forward that raised had gathered and held
-        for itself is released. Outside a differentiated forward (no grad, or a recompute in the backward, whose
-        hooks are the checkpoint's) nothing is entered."""
+        """Within a differentiated forward (not a recompute): the unit weights it saves kept as where they lie
+        (_pack); what a forward that raised had gathered for itself is released."""
         if not torch.is_grad_enabled() or in_backward():
             yield
             return
@@ -293,6 +247,12 @@ class ShardedParameters:
             self._release_bucket(b)
         self._arrived = [0] * len(self.units)
 
+    def release(self) -> None:
+        self.release_all()  # nothing stays gathered into the reduction
+
+    def before_update(self) -> None:
+        self.release_all()  # nor into an update: no stale copy survives the step
+
     def _land_prefetches(self) -> None:
         """Wait for every prefetch in flight: its buckets are whole (a buffer is never released while a gather writes
         into it)."""
@@ -302,9 +262,7 @@ class ShardedParameters:
 
     def _gather_bucket(self, index: int, async_op: bool = False) -> None:
         """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
-        by gather_unit or release_all). Counted apart from stages 1 and 2's one round per step ("all_gather_params"),
-        which stage 3 never runs: a gather a unit waits for at once as "all_gather_units", a prefetch as
-        "prefetch_units" (invariant (b) gathers nothing: digests)."""
+        by gather_unit or release_all), counted as "all_gather_units" or "prefetch_units"."""
         layout, local, shard, _ = self._bucket_source(index)
         self._gathered_at[index] = self._updates
         work = gather_bucket(self.engine.dp, layout, shard, self.bucket_params[index], local,
@@ -346,11 +304,8 @@ class ShardedParameters:
         self._prefetch_after(unit, backward=False)
 
     def enter_backward(self, unit: int) -> None:
-        """`unit`'s backward begins (GradientReducer.begin_unit_backward): hold it whole for it (once), and prefetch
-        the unit whose backward comes next. Called on the first unpack of a weight the unit saved; a caller that knows
-        where every rank's backward of the unit begins may begin it there first, so that every rank of the DP group
-        gathers it (expert parallelism: a rank whose experts got no rows saves none of their weights, and releases
-        them at once)."""
+        """`unit`'s backward begins (GradientReducer.begin_unit_backward, at the first unpack of a weight it saved, or
+        where expert parallelism knows every rank's begins): hold it whole for it (once), prefetch the next one."""
         if all((unit, "backward") in self._holds.get(b, ()) for b in self.unit_buckets[unit]):
             return
         if unit > 0:
@@ -365,7 +320,7 @@ class ShardedParameters:
         self.check_whole(unit)
         if not self._unit_waits()[unit] and unit not in self._frozen_units:
             # no parameter of it had a part in the forward, so no gradient would release it: nothing of it is
-            # read (gathered for the collective's sake: the caller's, see the docstring)
+            # read (gathered so that every rank of the DP group gathers it: expert parallelism begins it on each)
             self.release_unit(unit, "backward")
         self._prefetch_after(unit, backward=True)
 
@@ -411,10 +366,6 @@ class ShardedParameters:
         return self.bucket_params[b].as_strided(shape, stride, offset)
 
     # ---------------------------------------------------------------- the step's points
-    def in_flight(self, bucket: int) -> bool:
-        """A unit waits for its gathers before it computes (gather_unit): no parameter is read in flight."""
-        return False
-
     def gradient_arrived(self, p: torch.Tensor) -> None:
         """A unit whose trained parameters all have their gradients is released for its backward."""
         unit = self._param_unit[id(p)]
@@ -426,8 +377,7 @@ class ShardedParameters:
 
     def _unit_waits(self) -> list[int]:
         """How many gradients each unit waits for in this backward: its parameters the forward reached (every one
-        when no forward said), so a unit with a parameter that gets none is released with the rest of its
-        gradients, not held to the end of the backward beside the units gathered after it."""
+        when no forward said)."""
         if self._waits is None:
             reached = self.engine.grads.reached_parameters
             self._waits = list(self._unit_sizes) if reached is None else \
@@ -435,9 +385,7 @@ class ShardedParameters:
         return self._waits
 
     def end_backward(self) -> None:
-        """Every unit released: a unit with a parameter that got no gradient in this backward never counted all its
-        gradients, and would stay whole into the next micro-batch (where its count, carried over, would release it
-        early). After a backward where every gradient arrived nothing is whole by now, and this releases nothing."""
+        """Every unit released (one with a parameter that got no gradient never counted them all)."""
         self.release_all()
         self._waits = None
 
@@ -447,19 +395,10 @@ class ShardedParameters:
         self._arrived = [0] * len(self.units)
         self._waits = None
 
-    def release(self) -> None:
-        self.release_all()
-
-    def before_update(self) -> None:
-        self.release_all()
-
     def after_update(self, wait: bool) -> None:
         """Nothing to send: the shard is updated (in bf16 its master rounded into it), and every unit is gathered
         from it when next used; the gathers from before are stale from now."""
         self._updates += 1
-
-    def wait(self, buckets=None) -> None:
-        """Gathers are synchronous: nothing is ever in flight."""
 
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
@@ -473,15 +412,8 @@ class ShardedParameters:
 
     # ---------------------------------------------------------------- invariant (b)
     def digests(self) -> torch.Tensor:
-        """Invariant (b) from what each rank holds, gathering nothing: stage 1's and 2's rows, bitwise, each the
-        digest of the flat buffer the DP group's shards make. Each rank digests its owned chunks where they lie in the
-        flat buffer (digest.moved), by bucket and row; one all-reduce of those integers over the DP group sums them
-        (digests of disjoint pieces add up). The frozen shards are digested alike, placed after the trained buffer.
-
-        What a rank computes with is checked one check later: the first gather of each bucket after a check is
-        digested as gathered (no traffic) against the check's; what differs (a stale or wrong copy) is added to this
-        rank's rows at the next check, which then differ from its DP group's.
-        """
+        """Invariant (b) from what each rank holds, gathering nothing: stage 1's and 2's rows, bitwise, from the DP
+        group's shards, plus what the gathers since the last check differed by (docs/design.md)."""
         kinds = self._digest_kinds()
         self._land_prefetches()
         W, rank = self.engine.dp.world_size, self.engine.dp.rank
@@ -506,15 +438,13 @@ class ShardedParameters:
         return rows
 
     def _digest_kinds(self) -> tuple[list, list]:
-        """The flat ranges of each row of param_digests, in the trained layout and in the frozen one: everything in
-        one row without TP; with TP the replicated values, this rank's TP slices and with KV groups the KV heads'
-        slices (the frozen base's KV slices are in the sliced row, as stages 1 and 2 digest them)."""
+        """The flat ranges of each row of param_digests, in the trained layout (engine.digest_rows) and in the frozen
+        one (the frozen base's KV slices in the sliced row, as stages 1 and 2 digest them)."""
         e = self.engine
         if e.mesh.tp_size == 1:
-            return [[(0, e.layout.padded_numel)]], [[(0, self.frozen_layout.padded_numel)]]
-        trained = [e.replicated_ranges, e.sliced_ranges] + ([e.kv_shared_ranges] if e.mesh.kv_replicas > 1 else [])
+            return e.digest_rows, [[(0, self.frozen_layout.padded_numel)]]
         sliced, replicated = split_by_tp(self.frozen_layout.slots, e.model_slices, self.frozen_layout.padded_numel)
-        return trained, [replicated, sliced] + [[]] * (len(trained) - 2)
+        return e.digest_rows, [replicated, sliced] + [[]] * (len(e.digest_rows) - 2)
 
     def _verify_gather(self, index: int) -> None:
         """The first gather of bucket `index` since the last check, before the shard's next update: its digest as

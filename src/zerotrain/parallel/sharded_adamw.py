@@ -1,16 +1,4 @@
-"""The sharded AdamW: AdamW over this rank's owned chunks (masters, moments, step count) and its checkpoint shard.
-
-The engine (engine.py) builds one AdamWShard over its flat layout, once its placement holds the parameters and its
-GradientReducer the gradient shard: each owned piece of a bucket (one weight-decay setting) is one AdamW 'parameter',
-its gradient a view of the gradient shard (or, on one rank in fp32, the parameter's own .grad: grads_in_params).
-
-The flat buffer holds the parameters that train: a LoRA run's adapters alone. Frozen parameters (its base) keep
-their own tensors (stage 3 shards them too: sharded.py), have no gradients or optimizer state and are never reduced;
-invariant (b) checks them too.
-
-A checkpoint stores exactly this state: the masters (in fp32 the owned chunks of the parameters, as they lie), the
-two moments, the step count (state_dict, load_state_dict, master_views).
-"""
+"""The sharded AdamW: AdamW over this rank's owned chunks (masters, moments, step count) and its checkpoint shard."""
 
 from __future__ import annotations
 
@@ -24,11 +12,10 @@ from .params import OwnedPiece
 
 
 class AdamWShard:
-    """AdamW on this rank's shard of an engine's flat layout (see the module docstring)."""
+    """AdamW on this rank's shard of an engine's flat layout: one AdamW parameter per owned piece."""
 
     def __init__(self, engine, grads, optim: OptimConfig):
-        """Over `engine`'s layout, DP rank and placement (whose owned values are the fp32 masters, or are rounded
-        from them in bf16), with `grads` (the engine's GradientReducer) holding the gradient shard."""
+        """Over `engine`'s layout and placement, with `grads` (its GradientReducer) holding the gradient shard."""
         self.layout, self.dp, self.placement, self.params = engine.layout, engine.dp, engine.placement, engine.params
         self.device, self.precision, self.optim_cfg, self.grads = engine.device, engine.precision, optim, grads
         self._build_optimizer()
@@ -82,14 +69,8 @@ class AdamWShard:
         return self.master[pc.shard_lo : pc.shard_hi]
 
     def step(self, lr: float, grad_norm: torch.Tensor | float) -> None:
-        """Clip the gradients by the global norm, and AdamW's step on the shard at learning rate `lr`.
-
-        The clip is computed and applied on the device, from the norm the step's all-reduce left there (0-d), so
-        that no step waits for the host to read the norm: fused AdamW divides the gradients by its `grad_scale`,
-        max(1, (norm + 1e-6) / clip), as it reads them (no pass of its own: multiplying the shard by the factor every
-        step took 80 ms of a 124M model's step on one thread); any other optimizer gets them multiplied by
-        min(1, clip / (norm + 1e-6)). An unclipped step's scale of 1 changes no bit.
-        """
+        """Clip the gradients by the global norm on the device (no host read: docs/design.md), and AdamW's step on
+        the shard at learning rate `lr`."""
         clip = self.optim_cfg.grad_clip
         in_params = self.grads.grads_in_params
         if in_params:
@@ -100,6 +81,7 @@ class AdamWShard:
             norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=grads[0].device)
             clipped = norm > clip  # a nan norm leaves the gradients as they are, as the host's comparison did
             if isinstance(self.optimizer, torch.optim.AdamW) and self.optimizer.defaults.get("fused"):
+                # divided as fused AdamW reads them: multiplying the shard took 80 ms of a 124M step on one thread
                 self.optimizer.grad_scale = torch.where(clipped, (norm + 1e-6) / clip, 1.0).float()
             else:
                 factor = torch.where(clipped, clip / (norm + 1e-6), 1.0)
@@ -123,11 +105,8 @@ class AdamWShard:
         self.optimizer.register_step_pre_hook(lambda *_: hook())
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor held for the optimizer of this rank's shard: the master values, whatever state AdamW keeps
-        for each of them now (after updates it may have replaced or added tensors), and the flat moments.
-
-        AdamW's 0-dim step counters are left out: the ZeRO formula counts per-value state.
-        """
+        """Every tensor held for the optimizer of this rank's shard: the master values, the flat moments and whatever
+        state AdamW keeps now (its 0-dim step counters left out: the ZeRO formula counts per-value state)."""
         out = [*self._master_views, self.exp_avg, self.exp_avg_sq]
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -149,9 +128,8 @@ class AdamWShard:
         return self.master if self.master is not None else self.placement.owned_shard(copy=False)
 
     def master_views(self) -> list[torch.Tensor]:
-        """This rank's fp32 master values, in shard order, as views where they lie (no copy): the fp32 master shard,
-        or in fp32 the owned parts of the parameters (a checkpoint writes them as they are). Call wait_params() first:
-        a background save reads them on its own thread."""
+        """This rank's fp32 master values, in shard order, as views where they lie (no copy). Call wait_params()
+        first: a background save reads them on its own thread."""
         return [self.master] if self.master is not None else self.placement.owned_views()
 
     @property
@@ -170,10 +148,16 @@ class AdamWShard:
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the shard's state from `sd` (checked first: check_shard), the masters into the owned parameter
-        values where they are the masters (fp32); the caller then has the parameters follow (engine.py)."""
-        self._restore_optimizer_state(sd)
-        if self.master is None:
+        """Restore the shard's state from `sd` (checked first: check_shard): AdamW's moments and step count, and the
+        masters (in fp32 into the owned parameter values); the caller then has the parameters follow (engine.py)."""
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+        step = float(sd["step"].item())
+        for m in self._master_views:
+            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+        if self.master is not None:
+            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))
+        else:
             for pc in self._pieces:
                 self.placement.owned_values(pc).copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
 
@@ -184,13 +168,3 @@ class AdamWShard:
             shape = (sum(p.numel() for p in given),) if isinstance(given, (list, tuple)) else tuple(given.shape)
             if shape != (self.layout.shard_numel,):
                 raise ValueError(f"optimizer shard {key} has shape {shape}, expected ({self.layout.shard_numel},)")
-
-    def _restore_optimizer_state(self, sd: dict[str, torch.Tensor]) -> None:
-        """AdamW's moments and step count from `sd`, and the fp32 master shard where one is kept apart."""
-        self.exp_avg.copy_(sd["exp_avg"])
-        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-        step = float(sd["step"].item())
-        for m in self._master_views:
-            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
-        if self.master is not None:
-            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))

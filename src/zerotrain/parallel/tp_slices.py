@@ -8,12 +8,8 @@ from zerotrain.model.tensor_parallel import TPSlice
 
 
 def full_tensors(layout, slices: dict[str, TPSlice], flats) -> dict[str, torch.Tensor]:
-    """The full model's tensors by name, from flats[t] = TP rank t's padded flat buffer (T = len(flats)).
-
-    Split parameters are placed from every TP rank's slice (a KV head on several TP ranks from the first of
-    them, whose replicas hold it bitwise equal: once); replicated ones are TP rank 0's copy (views of flats[0],
-    which every TP rank holds bitwise equal). All in the flats' dtype and device.
-    """
+    """The full model's tensors by name, from flats[t] = TP rank t's padded flat buffer, in their dtype and device:
+    split ones from every TP rank's slice (a KV head from its first holder), replicated ones TP rank 0's (views)."""
     full = {}
     for s in layout.slots:
         local = [flat[s.offset : s.offset + s.numel].view(s.shape) for flat in flats]

@@ -1,14 +1,7 @@
 """ZeRO-3's units: which modules run together, which buckets each one's parameters lie in, and what is whole at once.
 
-A unit is gathered whole for its forward and its backward and released between them (sharded.py, frozen_copy.py);
-the planners ask the same functions what is whole at once. Units, in forward order: the root (the model itself), then
-each transformer block. With a tied head (GPT-2, the small Llamas) the root holds the embeddings, the final norm and
-the head, whole from the model's forward to the end of its backward (the tied weight's gradient is complete only at
-the end; gathering it again instead: 1.30x stage 2's step against 1.26x, 2 CPU ranks, 8 blocks of width 256). With an
-untied head the embedding and the head are units of their own, the two largest tensors of a large-vocabulary model
-never whole together: the embedding before the first block, the final norm with the head after the last block (whole
-from its forward into its backward, which follows at once). A bucket that straddles two units is whole while either
-needs it; each bucket's reduce-scatter goes with one unit (bucket_units), a function of the model alone.
+Units, in forward order: the root (the model itself), with an untied head its embedding, each transformer block, with
+an untied head its final norm and head (why: docs/design.md, "ZeRO-3's units").
 """
 
 from __future__ import annotations
@@ -82,10 +75,8 @@ def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size:
                       prefetch: bool = False, frozen: ShardLayout | None = None,
                       beside: ShardLayout | None = None) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit with the largest other unit, or with
-    `prefetch` the largest two neighbouring ones. A unit's backward gathers it after the next unit's last gradient
-    arrived (with frozen parameters, `frozen` their layout, after the next unit's release), so without a prefetch two
-    are never whole together (the run's check of the plan would say so). `beside`: a second engine's layout over the
-    same units (expert parallelism's experts), whose buckets are whole with the unit's."""
+    `prefetch` the largest two neighbouring ones; `frozen`: the frozen parameters' layout, `beside`: a second
+    engine's layout over the same units (expert parallelism's experts), whose buckets are whole with the unit's."""
     size = {("t", b.index): b.end - b.start for b in layout.buckets}
     units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
     for key, other, trained in (("f", frozen, False), ("e", beside, True)):
