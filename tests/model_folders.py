@@ -84,6 +84,17 @@ def read_prepared(folder, split: str = "train"):
             for a, b in zip(offsets[:-1], offsets[1:])]
 
 
+def read_weights(folder) -> dict:
+    """A model folder's weights as zerotrain reads them: {name: tensor} by hub/init_from.py, --init-from's path."""
+    from zerotrain.hub import init_from
+    from zerotrain.model import build_model
+
+    source = init_from.weight_source(str(folder))
+    model = build_model(source.model, 0)
+    init_from.load_local(model, source, {}, 0)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
 # Tiny random models of each Llama-family member zerotrain builds, fp32, with what sets each member apart: Llama 3.1's
 # rope scaling (its original context below the positions, so that the scaling changes the logits), Qwen2's q/k/v
 # biases and a tied head, Qwen3's q/k norms with heads wider than hidden / heads, Mistral's window shorter than the

@@ -9,6 +9,9 @@ runs and caught: the interleaved rotary units taken as rotate-half's, rotary on 
 limit dropped from the top-k, the bias in the weights, YaRN's softmax mscale left out. The bias update is
 speed x sign(mean load - load) (a flipped sign is caught). An hf export loads in transformers as
 DeepseekV3ForCausalLM with the same logits; MTP layers in a folder are set aside at import and their count kept.
+
+The builder and checks here (hf_model, kind_folders, decoded, packed_gap, exported_to_transformers, add_mtp_layer, the
+refusals) serve the tests of the families built on DeepSeek-V3's decoder too: GLM-4.5's and Mistral 4's.
 """
 
 from __future__ import annotations
@@ -58,16 +61,16 @@ def _one_thread():
 
 
 def hf_model(folder, config_class=transformers.DeepseekV3Config, sizes=SIZES, **changes):
-    """A tiny random DeepSeek-V3 (or another family of `config_class`: Mistral 4's) saved by transformers in
-    `folder`, its norms and routing bias (where the family has one) moved off their starts (the bias large enough to
-    change which experts are chosen); the model in eval mode, eager attention."""
+    """A tiny random DeepSeek-V3 (or another family of `config_class`: Mistral 4's, GLM-4.5's) saved by transformers
+    in `folder`, its norms, biases and routing bias (where the family has them) moved off their starts (the routing
+    bias large enough to change which experts are chosen); the model in eval mode, eager attention."""
     torch.manual_seed(0)
     config = config_class(**{**sizes, **changes})
     model_class = getattr(transformers, mapping.MAPPINGS[config.model_type].hf_class)
     model = model_class._from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.3)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -76,18 +79,45 @@ def hf_model(folder, config_class=transformers.DeepseekV3Config, sizes=SIZES, **
     return model.eval()
 
 
+def kind_folders(root, build, configs: dict) -> dict:
+    """{kind: (its folder under `root`, the transformers model `build(folder, **changes)` saved there)} of each
+    kind of `configs`, built on one thread."""
+    folders = {}
+    with one_thread():
+        for kind, changes in configs.items():
+            folder = root / kind.replace(" ", "_").replace(",", "")
+            folders[kind] = (folder, build(folder, **changes))
+    return folders
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek")
-    with one_thread():
-        return {kind: (root / kind.replace(" ", "_"), hf_model(root / kind.replace(" ", "_"), **changes))
-                for kind, changes in CONFIGS.items()}
+    return kind_folders(tmp_path_factory.mktemp("deepseek"), hf_model, CONFIGS)
 
 
 def logits(model, ids=IDS) -> torch.Tensor:
     with torch.no_grad():
         out = model(ids)
         return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def decoded(model, prompt: int) -> torch.Tensor:
+    """IDS's logits as `sample` computes them: the first `prompt` tokens in one forward, then one token a forward
+    through the cache."""
+    cache = KVCache(model.cfg, IDS.shape[0])
+    with torch.no_grad():
+        steps = [model(IDS[:, :prompt], cache)] + [model(IDS[:, t : t + 1], cache) for t in range(prompt, SEQ)]
+    return torch.cat(steps, dim=1)
+
+
+def packed_gap(model) -> torch.Tensor:
+    """IDS's rows as two records (15 tokens, then the rest, positions restarting): the largest gap between their
+    packed logits and each record's alone."""
+    segments = torch.cat([torch.zeros(15, dtype=torch.long), torch.ones(SEQ - 15, dtype=torch.long)]).expand(2, SEQ)
+    with torch.no_grad():
+        packed = model(IDS, segments=segments.contiguous())
+        alone = torch.cat([model(IDS[:, :15]), model(IDS[:, 15:])], dim=1)
+    return (packed - alone).abs().max()
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -138,34 +168,19 @@ def test_decoding_through_the_cache_equals_the_full_forward(folders, monkeypatch
     values (narrower than the keys) padded in the cache; a query rotated at the wrong position is caught."""
     model = zerotrain.load_model(str(folders["yarn"][0]))
     full = logits(model)
-
-    def cached():
-        cache = KVCache(model.cfg, IDS.shape[0])
-        with torch.no_grad():
-            steps = [model(IDS[:, :30], cache)] + [model(IDS[:, t : t + 1], cache) for t in range(30, SEQ)]
-        return torch.cat(steps, dim=1)
-
-    assert (cached() - full).abs().max() < EXACT
+    assert (decoded(model, 30) - full).abs().max() < EXACT
     monkeypatch.setattr(deepseek, "new_positions", lambda idx, cache, seq_len, segments=None: torch.arange(
         idx.shape[1]))  # planted: every forward's positions from 0
-    assert (cached() - full).abs().max() > CAUGHT
+    assert (decoded(model, 30) - full).abs().max() > CAUGHT
 
 
 def test_packed_records_equal_each_record_alone_and_a_missing_mask_is_caught(folders, monkeypatch):
     """Two records in a row (positions restarting, the records' mask): each one's logits as alone, within 1e-5; the
     layers given the plain causal mask (the second record reading the first) are caught."""
     model = zerotrain.load_model(str(folders["low-rank q"][0]))
-    segments = torch.cat([torch.zeros(15, dtype=torch.long), torch.ones(SEQ - 15, dtype=torch.long)]).expand(2, SEQ)
-
-    def gap():
-        with torch.no_grad():
-            packed = model(IDS, segments=segments.contiguous())
-            alone = torch.cat([model(IDS[:, :15]), model(IDS[:, 15:])], dim=1)
-        return (packed - alone).abs().max()
-
-    assert gap() < 1e-5
+    assert packed_gap(model) < 1e-5
     monkeypatch.setattr(deepseek, "layer_mask", lambda *args: None)
-    assert gap() > CAUGHT
+    assert packed_gap(model) > CAUGHT
 
 
 def test_the_group_limit_keeps_each_tokens_experts_within_its_best_groups():
@@ -190,26 +205,31 @@ def test_the_routing_bias_moves_against_the_load_and_a_flipped_sign_is_caught(mo
         check()
 
 
-def test_an_hf_export_loads_in_transformers_as_deepseek_v3_with_the_same_logits(folders, tmp_path):
-    folder, hf = folders["yarn"]
+def exported_to_transformers(folder, out, hf_class: str, loader=transformers.AutoModelForCausalLM):
+    """`folder`'s model, every parameter moved (a trained model's stand-in), exported with --format hf to `out` and
+    loaded by transformers' `loader` (its Auto class, which has no Mistral 4): (ours, theirs), theirs checked to be
+    `hf_class` computing our logits within EXACT, with a config.json that reads back as our model."""
     model = zerotrain.load_model(str(folder))
-    with torch.no_grad():  # trained weights stand-in: every parameter moved, the bias too
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    export_model(model, str(tmp_path / "out"), "hf", tokenizer_folder=None, eot_id=None)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
-    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
-    bias = dict(theirs.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]
-    assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias.detach())
+    export_model(model, str(out), "hf", tokenizer_folder=None, eot_id=None)
+    theirs = loader.from_pretrained(str(out), attn_implementation="eager")
+    assert type(theirs).__name__ == hf_class
     assert (logits(theirs.eval()) - logits(model)).abs().max() < EXACT
-    again = mapping.model_config_from_hf(theirs.config.to_dict(), "export")
-    assert again == model.cfg
+    assert mapping.model_config_from_hf(theirs.config.to_dict(), "export") == model.cfg
+    return model, theirs
 
 
-def folder_with_mtp(folder) -> dict:
-    """A tiny DeepSeek-V3 folder with one MTP layer (model.layers.3...: a block as layer 2's, and eh_proj, enorm);
-    its MTP tensors."""
-    hf_model(folder)
+def test_an_hf_export_loads_in_transformers_as_deepseek_v3_with_the_same_logits(folders, tmp_path):
+    model, theirs = exported_to_transformers(folders["yarn"][0], tmp_path / "out", "DeepseekV3ForCausalLM")
+    bias = dict(theirs.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]  # moved too
+    assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias.detach())
+
+
+def add_mtp_layer(folder) -> dict:
+    """One MTP layer added to a tiny model's folder of 3 layers, hidden 64 (model.layers.3...: a block as layer 2's,
+    and eh_proj, enorm; config.json's num_nextn_predict_layers 1); its MTP tensors."""
     tensors = load_file(str(folder / "model.safetensors"))
     mtp = {n.replace("model.layers.2.", "model.layers.3."): torch.randn_like(t) for n, t in tensors.items()
            if n.startswith("model.layers.2.")}
@@ -227,7 +247,8 @@ def test_mtp_layers_are_kept_frozen_through_import_training_and_export(tmp_path,
 (exit 1, as every unreadable model folder), nothing written."""
     from zerotrain.cli.main import main
 
-    mtp = folder_with_mtp(tmp_path / "model")
+    hf_model(tmp_path / "model")
+    mtp = add_mtp_layer(tmp_path / "model")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"),
                                                            attn_implementation="eager").eval()
     model = zerotrain.load_model(str(tmp_path / "model"))
@@ -263,9 +284,15 @@ def test_mtp_layers_are_kept_frozen_through_import_training_and_export(tmp_path,
                           "--method sft's steps only in zerotrain yet: give --routing-bias-speed 0"),
 ])
 def test_what_zerotrain_does_not_have_for_deepseek_is_refused_in_one_line(folders, flags, said, capsys):
+    assert_refused_in_one_line(capsys, ["train", "--init-from", str(folders["low-rank q"][0]), "--data", "synthetic",
+                                        *flags], said)
+
+
+def assert_refused_in_one_line(capsys, args: list[str], said: str):
+    """`zerotrain ARGS` exits 2 with `said` as its one line of error."""
     from zerotrain.cli.main import main
 
-    assert main(["train", "--init-from", str(folders["low-rank q"][0]), "--data", "synthetic", *flags]) == 2
+    assert main(args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"zerotrain: error: {said}"]
 
 
@@ -276,6 +303,11 @@ def test_what_zerotrain_does_not_have_for_deepseek_is_refused_in_one_line(folder
     ("first_k_dense_replace", -1, "first_k_dense_replace must be a whole number"),
 ])
 def test_a_config_zerotrain_does_not_compute_is_refused_naming_the_field(field, value, said):
-    config = {**transformers.DeepseekV3Config(**SIZES).to_dict(), field: value}
+    assert_config_refused(transformers.DeepseekV3Config(**SIZES), field, value, said)
+
+
+def assert_config_refused(config, field: str, value, said: str):
+    """transformers' `config` with `field` set to `value` is refused by hub/mapping.py, naming it as `said` does."""
+    changed = {**config.to_dict(), field: value}
     with pytest.raises(zerotrain.errors.CheckpointError, match=said.replace("(", r"\(").replace("[", r"\[")):
-        mapping.model_config_from_hf(config, "config.json")
+        mapping.model_config_from_hf(changed, "config.json")

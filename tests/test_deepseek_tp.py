@@ -19,20 +19,16 @@ loads in transformers as DeepseekV3ForCausalLM with the run's weights.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 import torch
-import transformers
-from dist_jobs import in_turn_job
 from test_deepseek import hf_model
-from test_deepseek_training import LIMIT, SPEED, transformers_run
+from test_deepseek_training import SPEED, assert_biases_moved_as_transformers_did, assert_trained_as_transformers, \
+    exported_run, in_turn_runs, start_biases, transformers_run
 from test_gemma import one_thread
-from test_qwen35 import STEPS, config_for, gaps, weights_of
+from test_qwen35 import config_for, weights_of
 
-from zerotrain.hub import init_from
-from zerotrain.model import TPSlice, build_model, deepseek, mla
-from zerotrain.runtime.launch import run_job
+from zerotrain.model import TPSlice, deepseek, mla
 
 pytestmark = pytest.mark.timeout(900)
 FOLDERS = {"low-rank q": {}, "q_proj": {"q_lora_rank": None}}
@@ -75,17 +71,6 @@ def unsummed_latent_job(cfg, comm):
         mla.to_heads = real
 
 
-def tp_runs(jobs: dict, time_limit: float = LIMIT) -> dict:
-    """Run {name: (job, config)} in turn on one start of 2 ranks; {name: {"loss", "grad_norm", "read"}} from each
-    job's records, or its report where it returned an error (a planted bug the replica invariant stops)."""
-    names, pairs = list(jobs), list(jobs.values())
-    reports = run_job(functools.partial(in_turn_job, jobs=pairs), pairs[0][1], time_limit=time_limit)
-    return {name: report if "error" in report else
-            {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm", "lr")} | {
-                "read": report["summary"]["per_rank"]["init_bytes_read"]}
-            for name, report in zip(names, reports)}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{"tp2 low-rank q" | "tp2 q_proj" | "other grouping" | "transformers low-rank q" | "transformers q_proj":
@@ -102,13 +87,12 @@ def runs(tmp_path_factory):
                                                   *FLAGS)) for name in FOLDERS}
     jobs["other grouping"] = (other_head_grouping_job, config_for(low, tmp / "other-grouping", *FLAGS))
     jobs["unsummed"] = (unsummed_latent_job, config_for(low, tmp / "unsummed", *FLAGS))
-    out = tp_runs(jobs)
+    out = in_turn_runs(jobs)
     for name in FOLDERS:  # "other grouping"'s checkpoint's slices are not the plan's: verification refuses it
         out[f"tp2 {name}"]["weights"] = weights_of(tmp / f"tp2-{name.replace(' ', '-')}")
     for name in FOLDERS:
         folder = tmp / name.replace(" ", "-")
-        out[f"transformers {name}"] = transformers_run(config_for(folder, tmp / f"oracle-{folder.name}"), folder,
-                                                       out[f"tp2 {name}"]["lr"], tmp / f"oracle-weights-{folder.name}")
+        out[f"transformers {name}"] = transformers_run(folder, out[f"tp2 {name}"]["lr"], tmp / f"oracle-{folder.name}")
     out["folder"], out["file bytes"] = tmp / "tp2-low-rank-q", (low / "model.safetensors").stat().st_size
     stack.close()
     return out
@@ -117,23 +101,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_eight_steps_at_tp_train_as_transformers_adamw_and_the_bias_rule_do(runs, name):
     theirs, ours = runs[f"transformers {name}"], runs[f"tp2 {name}"]
-    assert len(ours["loss"]) == STEPS
-    gap = gaps(ours, theirs)
-    assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 1e-5 and gap["weights"] <= 1e-5, gap
-    start = start_biases(name)
-    biases = [n for n in theirs["weights"] if n.endswith("e_score_correction_bias")]
-    for n in biases:  # every bias moved by the rule, and to where transformers' loop moved it
-        assert not torch.equal(theirs["weights"][n], start[n])
-        assert (ours["weights"][n] - theirs["weights"][n]).abs().max() < 1e-6, n
-
-
-def start_biases(name: str) -> dict:
-    """The biases the runs of folder `name` started from: its model built again (hf_model seeds itself)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        hf = hf_model(d, initializer_range=0.02, **FOLDERS[name])
-    return {n: b.detach().clone() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert_trained_as_transformers(ours, theirs)
+    assert_biases_moved_as_transformers_did(ours, theirs, start_biases(hf_model, **FOLDERS[name]))
 
 
 def test_kv_b_proj_rows_dealt_by_another_head_grouping_are_caught(runs):
@@ -152,17 +121,10 @@ def test_each_tp_rank_reads_its_slices_of_the_folder(runs):
 
 
 def test_the_tp_run_exports_as_deepseek_v3_with_its_weights(runs, tmp_path):
-    from zerotrain.cli.main import main
-
     with one_thread():
-        assert main(["export", str(runs["folder"]), str(tmp_path / "out"), "--format", "hf", "--dtype", "fp32"]) == 0
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
-    source = init_from.weight_source(str(tmp_path / "out"))
-    exported = build_model(source.model, 0)
-    init_from.load_local(exported, source, {}, 0)
+        theirs, exported = exported_run(runs["folder"], tmp_path / "out", "DeepseekV3ForCausalLM")
     ours = runs["tp2 low-rank q"]["weights"]
-    assert all(torch.equal(p.detach(), ours[n]) for n, p in exported.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in exported.items())
     loaded = {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())}
     for n in [n for n in ours if n.endswith("e_score_correction_bias") or ".self_attn." in n]:
         assert torch.equal(loaded[n], ours[n]), n

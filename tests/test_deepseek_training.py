@@ -20,13 +20,14 @@ import torch.nn as nn
 import transformers
 from conftest import world_of_one
 from dist_jobs import in_turn_job
+from model_folders import read_weights
+from reference_adamw import reference_adamw, reference_step
 from test_deepseek import hf_model
 from test_gemma import one_thread
-from test_qwen35 import ROWS, config_for, gaps, weights_of
+from test_qwen35 import ROWS, STEPS, config_for, gaps, weights_of
 
 from zerotrain.data import IGNORE, BatchSchedule, make_source
-from zerotrain.hub import init_from
-from zerotrain.model import build_model, group_routing, is_decayed
+from zerotrain.model import group_routing
 from zerotrain.runtime.launch import run_job
 
 pytestmark = pytest.mark.timeout(900)
@@ -34,17 +35,16 @@ SPEED = 0.001
 LIMIT = 600
 
 
-def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
-    """The steps in a plain loop over transformers' model (the class its config.json names: DeepseekV3ForCausalLM,
-    Mistral4ForCausalLM), each router's bias (where the family has one) moved after each optimizer step from the
-    step's loads (its top-k choices over the step's rows); the final weights read back as zerotrain's."""
+def transformers_run(folder, lrs: list[float], scratch) -> dict:
+    """The run's steps (config_for's batches, at learning rates `lrs`) in a plain loop over transformers' model of
+    `folder` (the class its config.json names: DeepseekV3ForCausalLM, Mistral4ForCausalLM), each router's bias (where
+    the family has one) moved after each optimizer step from the step's loads (its top-k choices over the step's
+    rows); the final weights saved under `scratch` and read back as zerotrain's."""
+    cfg = config_for(folder, scratch / "run")
     torch.manual_seed(0)
     model_class = getattr(transformers, json.loads((folder / "config.json").read_text())["architectures"][0])
     hf = model_class.from_pretrained(str(folder), attn_implementation="eager").train()
-    named = list(hf.named_parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": 0.1},
-                                   {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0}],
-                                  lr=lrs[0], betas=(0.9, 0.95), eps=1e-8)
+    optimizer = reference_adamw(hf, lrs[0])
     routers = [m for m in hf.modules() if hasattr(m, "e_score_correction_bias")]
     loads = {}
 
@@ -61,31 +61,68 @@ def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
         logits = hf(micro.inputs).logits
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), micro.labels.flatten(), ignore_index=IGNORE,
                                            reduction="sum") / tokens
-        optimizer.zero_grad()
-        loss.backward()
-        out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
+        out["grad_norm"].append(reference_step(optimizer, hf, loss, lr))
         with torch.no_grad():
             for router in routers:
                 load = loads.pop(router).double()
                 router.e_score_correction_bias += (SPEED * torch.sign(load.mean() - load)).float()
         out["loss"].append(float(loss.detach()))
-    hf.save_pretrained(str(saved))
-    source = init_from.weight_source(str(saved))
-    model = build_model(source.model, 0)
-    init_from.load_local(model, source, {}, 0)
-    out["weights"] = {n: p.detach() for n, p in model.named_parameters()}
+    hf.save_pretrained(str(scratch / "weights"))
+    out["weights"] = read_weights(scratch / "weights")
     return out
+
+
+def in_turn_runs(jobs: dict, time_limit: float = LIMIT) -> dict:
+    """Run {name: (job, config)} in turn on one start of 2 ranks; {name: {"loss", "grad_norm", "lr", "read"}} from
+    each job's records, or its report where it returned an error (a planted bug the replica invariant stops)."""
+    names, pairs = list(jobs), list(jobs.values())
+    reports = run_job(functools.partial(in_turn_job, jobs=pairs), pairs[0][1], time_limit=time_limit)
+    return {name: report if "error" in report else
+            {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm", "lr")} | {
+                "read": report["summary"]["per_rank"]["init_bytes_read"]}
+            for name, report in zip(names, reports)}
+
+
+def two_rank_runs(folder, tmp, *flags: str, more: dict | None = None) -> dict:
+    """`folder` trained at ZeRO-3 and at --ep 2 (one row a micro-batch) and as `more`'s {name: (job, its flags)}, each
+    with `flags`, in turn on one start of 2 ranks, each run's folder under `tmp`: in_turn_runs' figures and each run's
+    final "weights"; "file bytes": the size of `folder`'s weights."""
+    from zerotrain.training.loop import train_job
+
+    runs = {"zero3": (train_job, ("--zero", "3", "--micro-batch", "1")),
+            "ep2": (train_job, ("--ep", "2", "--micro-batch", "1")), **(more or {})}
+    out = in_turn_runs({name: (job, config_for(folder, tmp / name.replace(" ", "-"), *flags, "--nproc", "2", *its))
+                        for name, (job, its) in runs.items()})
+    for name in runs:
+        out[name]["weights"] = weights_of(tmp / name.replace(" ", "-"))
+    out["file bytes"] = (folder / "model.safetensors").stat().st_size
+    return out
+
+
+def one_rank_run(cfg, comm) -> dict:
+    """`cfg`'s run in this process: {"loss", "grad_norm", "lr"} of each step, and the final "weights"."""
+    from zerotrain.training.loop import train
+
+    result = train(cfg, comm, announce=False)
+    return {key: [r[key] for r in result.records] for key in ("loss", "grad_norm", "lr")} | {
+        "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
+
+
+def exported_run(run, out, hf_class: str, loader=transformers.AutoModelForCausalLM):
+    """`zerotrain export RUN OUT --format hf --dtype fp32`: (transformers' model of OUT, loaded by `loader` and
+    checked to be `hf_class`; OUT's weights as zerotrain reads them back)."""
+    from zerotrain.cli.main import main
+
+    assert main(["export", str(run), str(out), "--format", "hf", "--dtype", "fp32"]) == 0
+    theirs = loader.from_pretrained(str(out))
+    assert type(theirs).__name__ == hf_class
+    return theirs, read_weights(out)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"1 rank" | "zero3" | "ep2" | "sign flipped" | "transformers": {"loss", "grad_norm", "weights"}, "resumed":
-    {"weights"}}."""
-    from zerotrain.training.loop import train, train_job
-
+    """{"1 rank" | "zero3" | "ep2" | "sign flipped" | "resumed" | "transformers": {"loss", "grad_norm", "weights"},
+    "folder": the 1-rank run}."""
     tmp = tmp_path_factory.mktemp("deepseek-runs")
     stack = contextlib.ExitStack()
     stack.enter_context(one_thread())
@@ -93,33 +130,20 @@ def runs(tmp_path_factory):
     folder = tmp / "model"
     hf_model(folder, initializer_range=0.02)
     speed = ("--routing-bias-speed", str(SPEED))
-    two = {"zero3": config_for(folder, tmp / "zero3", *speed, "--nproc", "2", "--zero", "3", "--micro-batch", "1"),
-           "ep2": config_for(folder, tmp / "ep2", *speed, "--nproc", "2", "--ep", "2", "--micro-batch", "1")}
-    reports = run_job(functools.partial(in_turn_job, jobs=[(train_job, cfg) for cfg in two.values()]),
-                      next(iter(two.values())), time_limit=LIMIT)
-    out = {}
-    for name, report in zip(two, reports):
-        out[name] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / name), "read": report["summary"]["per_rank"]["init_bytes_read"]}
-    out["file bytes"] = (folder / "model.safetensors").stat().st_size
+    out = two_rank_runs(folder, tmp, *speed)
     with world_of_one() as comm:
         for name in ("1 rank", "sign flipped"):
             with pytest.MonkeyPatch.context() as mp:
                 if name == "sign flipped":
                     mp.setattr("zerotrain.training.routing_bias.bias_update",
                                lambda loads, speed: -group_routing.bias_update(loads, speed))
-                result = train(config_for(folder, tmp / name.replace(" ", "-"), *speed, "--ckpt-every", "4"), comm,
-                               announce=False)
-            out[name] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
-                "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
-            if name == "1 rank":
-                lrs = [r["lr"] for r in result.records]
+                out[name] = one_rank_run(config_for(folder, tmp / name.replace(" ", "-"), *speed, "--ckpt-every", "4"),
+                                         comm)
         # the 1-rank run resumed from its step 4: steps 5-8 again, the biases restored from the checkpoint
         step4 = next((tmp / "1-rank").rglob("step_00000004"))
-        result = train(config_for(folder, tmp / "resumed", *speed, "--resume", str(step4)), comm, announce=False)
+        out["resumed"] = one_rank_run(config_for(folder, tmp / "resumed", *speed, "--resume", str(step4)), comm)
         out["folder"] = tmp / "1-rank"
-        out["resumed"] = {"weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
-        out["transformers"] = transformers_run(config_for(folder, tmp / "oracle"), folder, lrs, tmp / "oracle-weights")
+        out["transformers"] = transformers_run(folder, out["1 rank"]["lr"], tmp / "oracle")
     stack.close()
     return out
 
@@ -127,23 +151,35 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2"])
 def test_eight_steps_train_as_transformers_adamw_and_the_bias_rule_do(runs, run):
     theirs, ours = runs["transformers"], runs[run]
-    assert len(ours["loss"]) == 8
+    assert_trained_as_transformers(ours, theirs)
+    assert_biases_moved_as_transformers_did(ours, theirs, start_biases(hf_model))
+
+
+def assert_trained_as_transformers(ours: dict, theirs: dict):
+    """The run's 8 steps: each one's loss and gradient norm, and the final weights, within 1e-5 relative of
+    transformers' loop's (test_qwen35's gaps)."""
+    assert len(ours["loss"]) == STEPS
     gap = gaps(ours, theirs)
     assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 1e-5 and gap["weights"] <= 1e-5, gap
-    biases = [n for n in theirs["weights"] if n.endswith("e_score_correction_bias")]
-    start = transformers_start_biases(runs)
-    for n in biases:  # every bias moved by the rule, and to where transformers' loop moved it
-        assert not torch.equal(theirs["weights"][n], start[n])
-        assert (ours["weights"][n] - theirs["weights"][n]).abs().max() < 1e-6, n
 
 
-def transformers_start_biases(runs) -> dict:
-    """The biases the runs started from: the fixture's model built again (hf_model seeds itself)."""
+def start_biases(build, **changes) -> dict:
+    """The routers' biases the runs started from: their folder's model built again by `build` (test_deepseek's
+    hf_model or a family's, which seed themselves), at the training folders' initializer_range 0.02."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        hf = hf_model(d, initializer_range=0.02)
+        hf = build(d, initializer_range=0.02, **changes)
     return {n: b.detach().clone() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def assert_biases_moved_as_transformers_did(ours: dict, theirs: dict, start: dict):
+    """Every router's bias (each of `start`'s, the only ones transformers' loop has) moved by the rule, and to within
+    1e-6 of where transformers' loop moved it."""
+    assert start and set(start) == {n for n in theirs["weights"] if n.endswith("e_score_correction_bias")}
+    for n in start:
+        assert not torch.equal(theirs["weights"][n], start[n])
+        assert (ours["weights"][n] - theirs["weights"][n]).abs().max() < 1e-6, n
 
 
 def test_init_from_at_zero3_reads_each_ranks_slice_of_the_folder(runs):
@@ -164,16 +200,9 @@ def test_the_trained_run_exports_as_deepseek_v3_with_its_trained_weights(runs, t
     """`zerotrain export RUN OUT --format hf` of the 8-step run: transformers loads DeepseekV3ForCausalLM with the
     run's weights bitwise (in fp32, the routers' biases into their buffers) and they are the transformers loop's within
     1e-5 relative."""
-    from zerotrain.cli.main import main
-
-    assert main(["export", str(runs["folder"]), str(tmp_path / "out"), "--format", "hf", "--dtype", "fp32"]) == 0
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
-    source = init_from.weight_source(str(tmp_path / "out"))
-    exported = build_model(source.model, 0)
-    init_from.load_local(exported, source, {}, 0)
+    theirs, exported = exported_run(runs["folder"], tmp_path / "out", "DeepseekV3ForCausalLM")
     ours = runs["1 rank"]["weights"]
-    assert all(torch.equal(p.detach(), ours[n]) for n, p in exported.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in exported.items())
     loaded = {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())}
     for n in [n for n in ours if n.endswith("e_score_correction_bias")]:
         assert torch.equal(loaded[n], ours[n])

@@ -18,18 +18,16 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from test_deepseek import CAUGHT, EXACT, VOCAB, add_mtp_layer, assert_config_refused, assert_refused_in_one_line, \
+    decoded, exported_to_transformers, hf_model as deepseek_hf_model, kind_folders, logits, no_group_limit
 from test_gemma import one_thread
 
 import zerotrain
-from zerotrain.hub import mapping
-from zerotrain.hub.export import export_model
 from zerotrain.model import group_routing, llama, rotary
-from zerotrain.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.timeout(600)
 
-VOCAB, SEQ = 300, 40
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=24, n_shared_experts=2, n_routed_experts=8,
              n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5,
@@ -42,8 +40,6 @@ CONFIGS = {
     "no biases, one group": dict(attention_bias=False, n_group=1, topk_group=1, norm_topk_prob=False,
                                  routed_scaling_factor=1.0),
 }
-IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-EXACT, CAUGHT = 1e-4, 1e-3
 
 
 @pytest.fixture(autouse=True)
@@ -53,35 +49,14 @@ def _one_thread():
 
 
 def hf_model(folder, **changes):
-    """A tiny random GLM-4.5 saved by transformers in `folder`, its norms and biases moved off their starts and its
-    routing bias large enough to change which experts are chosen; the model in eval mode, eager attention."""
-    torch.manual_seed(0)
-    config = transformers.Glm4MoeConfig(**{**SIZES, **changes})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.2)
-    model.save_pretrained(str(folder))
-    return model.eval()
+    """A tiny random GLM-4.5 saved by transformers in `folder` (test_deepseek's hf_model: its norms and biases moved
+    off their starts and its routing bias large enough to change which experts are chosen), eval mode."""
+    return deepseek_hf_model(folder, transformers.Glm4MoeConfig, SIZES, **changes)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm45")
-    with one_thread():
-        return {kind: (root / kind.replace(" ", "_").replace(",", ""),
-                       hf_model(root / kind.replace(" ", "_").replace(",", ""), **changes))
-                for kind, changes in CONFIGS.items()}
-
-
-def logits(model, ids=IDS) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(ids)
-        return out if isinstance(out, torch.Tensor) else out.logits
+    return kind_folders(tmp_path_factory.mktemp("glm45"), hf_model, CONFIGS)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -110,10 +85,6 @@ def rotary_on_the_second_half(x, cos, sin):
     return torch.cat([x[..., :-width], rotary.apply_rotary(x[..., -width:], cos, sin)], dim=-1)
 
 
-def no_group_limit(choice, n_group, topk_group, top_k):
-    return choice.topk(top_k, dim=-1, sorted=False)[1]
-
-
 PLANTED = {
     "rotary on the whole head": lambda mp: mp.setattr(llama, "rotary_tables", rotary_on_the_whole_head),
     "rotary on the second half": lambda mp: mp.setattr(llama, "apply_rotary", rotary_on_the_second_half),
@@ -132,25 +103,13 @@ def test_a_planted_bug_changes_the_logits(folders, monkeypatch, bug):
 def test_decoding_through_the_cache_equals_the_full_forward(folders):
     """The prompt in one forward, then one token per forward (what `sample` does): the logits of the whole row."""
     model = zerotrain.load_model(str(folders["qk norm"][0]))
-    cache = KVCache(model.cfg, IDS.shape[0])
-    with torch.no_grad():
-        steps = [model(IDS[:, :30], cache)] + [model(IDS[:, t : t + 1], cache) for t in range(30, SEQ)]
-    assert (torch.cat(steps, dim=1) - logits(model)).abs().max() < EXACT
+    assert (decoded(model, 30) - logits(model)).abs().max() < EXACT
 
 
 def test_an_hf_export_loads_in_transformers_as_glm4_moe_with_the_same_logits(folders, tmp_path):
-    folder, hf = folders["qk norm"]
-    model = zerotrain.load_model(str(folder))
-    with torch.no_grad():  # trained weights stand-in: every parameter moved, the bias too
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    export_model(model, str(tmp_path / "out"), "hf", tokenizer_folder=None, eot_id=None)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
-    assert type(theirs).__name__ == "Glm4MoeForCausalLM"
-    bias = dict(theirs.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]
+    model, theirs = exported_to_transformers(folders["qk norm"][0], tmp_path / "out", "Glm4MoeForCausalLM")
+    bias = dict(theirs.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]  # moved too
     assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias.detach())
-    assert (logits(theirs.eval()) - logits(model)).abs().max() < EXACT
-    assert mapping.model_config_from_hf(theirs.config.to_dict(), "export") == model.cfg
 
 
 def test_mtp_layers_are_set_aside_at_import_and_kept_bitwise_by_an_export(folders, tmp_path):
@@ -160,13 +119,7 @@ def test_mtp_layers_are_set_aside_at_import_and_kept_bitwise_by_an_export(folder
 
     folder = tmp_path / "model"
     hf_model(folder)
-    tensors = load_file(str(folder / "model.safetensors"))
-    mtp = {n.replace("model.layers.2.", "model.layers.3."): torch.randn_like(t) for n, t in tensors.items()
-           if n.startswith("model.layers.2.")}
-    mtp.update({"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.rand(64)})
-    save_file({**tensors, **mtp}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    mtp = add_mtp_layer(folder)
     model = zerotrain.load_model(str(folder))
     assert model.cfg.mtp_layers == 1 and not any(n.startswith("model.layers.3.") for n, _ in model.named_parameters())
     assert (logits(model) - logits(folders["qk norm"][1])).abs().max() < EXACT
@@ -187,10 +140,8 @@ def test_mtp_layers_are_set_aside_at_import_and_kept_bitwise_by_an_export(folder
                           "--method sft's steps only in zerotrain yet: give --routing-bias-speed 0"),
 ])
 def test_what_zerotrain_does_not_have_for_glm_is_refused_in_one_line(folders, flags, said, capsys):
-    from zerotrain.cli.main import main
-
-    assert main(["train", "--init-from", str(folders["qk norm"][0]), "--data", "synthetic", *flags]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [f"zerotrain: error: {said}"]
+    assert_refused_in_one_line(capsys, ["train", "--init-from", str(folders["qk norm"][0]), "--data", "synthetic",
+                                        *flags], said)
 
 
 @pytest.mark.parametrize("field, value, said", [
@@ -202,9 +153,7 @@ def test_what_zerotrain_does_not_have_for_glm_is_refused_in_one_line(folders, fl
     ("first_k_dense_replace", -1, "first_k_dense_replace must be a whole number"),
 ])
 def test_a_config_zerotrain_does_not_compute_is_refused_naming_the_field(field, value, said):
-    config = {**transformers.Glm4MoeConfig(**SIZES).to_dict(), field: value}
-    with pytest.raises(zerotrain.errors.CheckpointError, match=said.replace("(", r"\(").replace("[", r"\[")):
-        mapping.model_config_from_hf(config, "config.json")
+    assert_config_refused(transformers.Glm4MoeConfig(**SIZES), field, value, said)
 
 
 def test_attention_adapters_export_to_peft_with_the_runs_logits_and_a_wrong_scale_is_caught(folders, tmp_path, capfd,

@@ -7,17 +7,8 @@ device.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 import pytest
-import torch
-import transformers
-
-from zerotrain.cli import main as cli
-from zerotrain.config import PRESETS, ModelConfig
-from zerotrain.hub import mapping
-from zerotrain.model import param_count
+from preset_checks import assert_config_json_is_transformers_model, planned
 
 pytestmark = pytest.mark.timeout(600)
 COUNTS = {"glm-4.5-air": 106_852_251_264, "glm-4.5": 352_797_829_024}
@@ -25,20 +16,10 @@ COUNTS = {"glm-4.5-air": 106_852_251_264, "glm-4.5": 352_797_829_024}
 
 @pytest.mark.parametrize("preset", list(COUNTS))
 def test_the_presets_are_the_models_transformers_builds_from_their_config(preset):
-    cfg = ModelConfig(**PRESETS[preset])
-    config = mapping.hf_config(cfg, None)
-    with torch.device("meta"):
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    assert type(theirs).__name__ == "Glm4MoeForCausalLM"
-    biases = sum(b.numel() for n, b in theirs.named_buffers() if n.endswith("e_score_correction_bias"))
-    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + biases == COUNTS[preset]
-    assert mapping.model_config_from_hf(config, preset) == dataclasses.replace(cfg, seq_len=cfg.positions, context=0)
+    assert_config_json_is_transformers_model(preset, "Glm4MoeForCausalLM", COUNTS[preset])
 
 
 def test_glm_4_5_air_on_32_gpus_with_expert_parallelism_fits_80_gib(capsys):
-    assert cli.main(["plan", "--preset", "glm-4.5-air", "--nproc", "32", "--ep", "8", "--zero", "3",
-                     "--precision", "bf16", "--device", "cuda", "--data", "synthetic", "--micro-batch", "1",
-                     "--activation-checkpointing", "blocks", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = planned(capsys, "glm-4.5-air", "--nproc", "32", "--ep", "8")
     assert report["parameters"] == COUNTS["glm-4.5-air"] and report["dp"] == 32
     assert report["total"] < 80 * 2**30

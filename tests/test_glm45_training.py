@@ -12,25 +12,17 @@ sum, and their input's gradient summed over the group) are caught (losses 1.8e-4
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 import torch
-import transformers
 from conftest import world_of_one
-from dist_jobs import in_turn_job
-from test_deepseek_training import transformers_run
+from test_deepseek_training import SPEED, assert_biases_moved_as_transformers_did, assert_trained_as_transformers, \
+    exported_run, one_rank_run, start_biases, transformers_run, two_rank_runs
 from test_gemma import one_thread
 from test_glm45 import hf_model
-from test_qwen35 import config_for, gaps, weights_of
-
-from zerotrain.hub import init_from
-from zerotrain.model import build_model
-from zerotrain.runtime.launch import run_job
+from test_qwen35 import config_for, gaps
 
 pytestmark = pytest.mark.timeout(900)
-SPEED = 0.001
-LIMIT = 600
 
 
 def unsplit_shared_experts_job(cfg, comm):
@@ -49,7 +41,7 @@ def unsplit_shared_experts_job(cfg, comm):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{"1 rank" | "zero3" | "ep2" | "tp2" | "transformers": {"loss", "grad_norm", "weights"}}."""
-    from zerotrain.training.loop import train, train_job
+    from zerotrain.training.loop import train_job
 
     tmp = tmp_path_factory.mktemp("glm45-runs")
     stack = contextlib.ExitStack()
@@ -58,27 +50,13 @@ def runs(tmp_path_factory):
     folder = tmp / "model"
     hf_model(folder, initializer_range=0.02)
     speed = ("--routing-bias-speed", str(SPEED))
-    two = {"zero3": config_for(folder, tmp / "zero3", *speed, "--nproc", "2", "--zero", "3", "--micro-batch", "1"),
-           "ep2": config_for(folder, tmp / "ep2", *speed, "--nproc", "2", "--ep", "2", "--micro-batch", "1"),
-           "tp2": config_for(folder, tmp / "tp2", *speed, "--nproc", "2", "--tp", "2"),
-           "tp2 unsplit": config_for(folder, tmp / "tp2-unsplit", *speed, "--nproc", "2", "--tp", "2")}
-    jobs = [(unsplit_shared_experts_job if "unsplit" in name else train_job, cfg) for name, cfg in two.items()]
-    reports = run_job(functools.partial(in_turn_job, jobs=jobs), next(iter(two.values())), time_limit=LIMIT)
-    out = {}
-    for name, report in zip(two, reports):
-        out[name] = {key: [r[key] for r in report["records"]] for key in ("loss", "grad_norm")} | {
-            "weights": weights_of(tmp / name.replace(" ", "-")),
-            "read": report["summary"]["per_rank"]["init_bytes_read"]}
-    out["file bytes"] = (folder / "model.safetensors").stat().st_size
+    out = two_rank_runs(folder, tmp, *speed, more={"tp2": (train_job, ("--tp", "2")),
+                                                   "tp2 unsplit": (unsplit_shared_experts_job, ("--tp", "2"))})
     with world_of_one() as comm:
-        result = train(config_for(folder, tmp / "1-rank", *speed), comm, announce=False)
-        out["1 rank"] = {key: [r[key] for r in result.records] for key in ("loss", "grad_norm")} | {
-            "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
+        out["1 rank"] = one_rank_run(config_for(folder, tmp / "1-rank", *speed), comm)
         out["folder"] = tmp / "1-rank"
-        lrs = [r["lr"] for r in result.records]
-        out["transformers"] = transformers_run(config_for(folder, tmp / "oracle"), folder, lrs, tmp / "oracle-weights")
-    out["start biases"] = {n: b.detach().clone() for n, b in hf_model(tmp / "again", initializer_range=0.02)
-                           .named_buffers() if n.endswith("e_score_correction_bias")}
+        out["transformers"] = transformers_run(folder, out["1 rank"]["lr"], tmp / "oracle")
+    out["start biases"] = start_biases(hf_model)
     stack.close()
     return out
 
@@ -86,14 +64,9 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2", "tp2"])
 def test_eight_steps_train_as_transformers_adamw_and_the_bias_rule_do(runs, run):
     theirs, ours = runs["transformers"], runs[run]
-    assert len(ours["loss"]) == 8
-    gap = gaps(ours, theirs)
-    assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 1e-5 and gap["weights"] <= 1e-5, gap
-    start = runs["start biases"]
-    assert len(start) == 2
-    for n in start:  # every bias moved by the rule, and to where transformers' loop moved it
-        assert not torch.equal(theirs["weights"][n], start[n])
-        assert (ours["weights"][n] - theirs["weights"][n]).abs().max() < 1e-6, n
+    assert_trained_as_transformers(ours, theirs)
+    assert len(runs["start biases"]) == 2
+    assert_biases_moved_as_transformers_did(ours, theirs, runs["start biases"])
 
 
 def test_tp_with_the_shared_experts_left_unsplit_is_caught(runs):
@@ -111,15 +84,8 @@ def test_the_trained_run_exports_as_glm4_moe_with_its_trained_weights(runs, tmp_
     """`zerotrain export RUN OUT --format hf` of the 8-step run: transformers loads Glm4MoeForCausalLM with the run's
     weights bitwise (in fp32, the routers' biases into their buffers; the experts, which transformers stacks in memory,
     read back by zerotrain from the exported files)."""
-    from zerotrain.cli.main import main
-
-    assert main(["export", str(runs["folder"]), str(tmp_path / "out"), "--format", "hf", "--dtype", "fp32"]) == 0
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    assert type(theirs).__name__ == "Glm4MoeForCausalLM"
+    theirs, exported = exported_run(runs["folder"], tmp_path / "out", "Glm4MoeForCausalLM")
     ours = runs["1 rank"]["weights"]
     loaded = {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())}
     assert all(torch.equal(loaded[n], ours[n]) for n in ours if ".experts." not in n)  # theirs stacked in memory
-    source = init_from.weight_source(str(tmp_path / "out"))
-    exported = build_model(source.model, 0)
-    init_from.load_local(exported, source, {}, 0)
-    assert all(torch.equal(p.detach(), ours[n]) for n, p in exported.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in exported.items())

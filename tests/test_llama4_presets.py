@@ -7,13 +7,11 @@ device (Scout on 32 GPUs, Maverick on 128).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
-import torch
 import transformers
+from preset_checks import as_read, on_meta, parameters_of, planned
 
-from zerotrain.cli import main as cli
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.hub import mapping
 from zerotrain.model import param_count
@@ -31,10 +29,8 @@ def test_the_preset_is_the_model_transformers_builds(preset):
     fields, count, _ = SHAPES[preset]
     cfg = ModelConfig(**PRESETS[preset])
     released = transformers.Llama4TextConfig(**fields)
-    with torch.device("meta"):
-        theirs = transformers.Llama4ForCausalLM(released)
-    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) == count
-    read = dataclasses.replace(cfg, seq_len=cfg.positions, context=0)
+    assert param_count(cfg) == parameters_of(on_meta(transformers.Llama4ForCausalLM, released)) == count
+    read = as_read(cfg)
     # transformers' defaults name no padding row (-1: none); the released folders' config.json give their own
     assert mapping.model_config_from_hf(released.to_dict(), preset) == dataclasses.replace(read, pad_token_id=-1)
     assert mapping.model_config_from_hf(mapping.hf_config(cfg, None), preset) == read
@@ -43,9 +39,6 @@ def test_the_preset_is_the_model_transformers_builds(preset):
 @pytest.mark.parametrize("preset", SHAPES)
 def test_llama_4_with_expert_parallelism_fits_80_gib(preset, capsys):
     _, count, gpus = SHAPES[preset]
-    assert cli.main(["plan", "--preset", preset, "--nproc", str(gpus), "--ep", "8", "--zero", "3", "--precision",
-                     "bf16", "--device", "cuda", "--data", "synthetic", "--micro-batch", "1",
-                     "--activation-checkpointing", "blocks", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = planned(capsys, preset, "--nproc", str(gpus), "--ep", "8")
     assert report["parameters"] == count and report["dp"] == gpus
     assert report["total"] < 80 * 2**30

@@ -18,15 +18,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_deepseek import CAUGHT, EXACT, IDS, SEQ, SIZES as DEEPSEEK_SIZES, hf_model, logits, no_group_limit, \
+from test_deepseek import CAUGHT, EXACT, SIZES as DEEPSEEK_SIZES, assert_config_refused, assert_refused_in_one_line, \
+    decoded, exported_to_transformers, hf_model, kind_folders, logits, no_group_limit, packed_gap, \
     rotary_on_the_wrong_units
 from test_gemma import one_thread
 
 import zerotrain
-from zerotrain.hub import mapping
-from zerotrain.hub.export import export_model
 from zerotrain.model import deepseek, group_routing, mla
-from zerotrain.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -57,10 +55,7 @@ def mistral4_model(folder, **changes):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mistral4")
-    with one_thread():
-        return {kind: (root / kind.replace(" ", "_"), mistral4_model(root / kind.replace(" ", "_"), **changes))
-                for kind, changes in CONFIGS.items()}
+    return kind_folders(tmp_path_factory.mktemp("mistral4"), mistral4_model, CONFIGS)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -131,44 +126,25 @@ def test_decoding_through_the_cache_equals_the_full_forward(folders):
     """The prompt in one forward, then one token per forward (what `sample` does): each query scaled at its own
     position past the cache's."""
     model = zerotrain.load_model(str(folders["low-rank q"][0]))
-    cache = KVCache(model.cfg, IDS.shape[0])
-    with torch.no_grad():
-        steps = [model(IDS[:, :10], cache)] + [model(IDS[:, t : t + 1], cache) for t in range(10, SEQ)]
-    assert (torch.cat(steps, dim=1) - logits(model)).abs().max() < EXACT
+    assert (decoded(model, 10) - logits(model)).abs().max() < EXACT
 
 
 def test_packed_records_are_scaled_by_their_own_positions(folders, monkeypatch):
     """Two records in a row (positions restarting at the second, 25 tokens long: past the scaling's period of 16):
     each one's logits as alone, within 1e-5; the queries scaled by the row's positions instead are caught."""
     model = zerotrain.load_model(str(folders["low-rank q"][0]))
-    segments = torch.cat([torch.zeros(15, dtype=torch.long), torch.ones(SEQ - 15, dtype=torch.long)]).expand(2, SEQ)
-
-    def gap():
-        with torch.no_grad():
-            packed = model(IDS, segments=segments.contiguous())
-            alone = torch.cat([model(IDS[:, :15]), model(IDS[:, 15:])], dim=1)
-        return (packed - alone).abs().max()
-
-    assert gap() < 1e-5
+    assert packed_gap(model) < 1e-5
     real = deepseek.query_scale
     monkeypatch.setattr(deepseek, "query_scale", lambda cfg, positions: real(cfg, torch.arange(positions.shape[-1])))
-    assert gap() > CAUGHT
+    assert packed_gap(model) > CAUGHT
 
 
 def test_an_hf_export_loads_in_transformers_as_mistral4_with_the_same_logits(folders, tmp_path):
-    folder, hf = folders["plain q_proj"]
-    model = zerotrain.load_model(str(folder))
-    with torch.no_grad():  # trained weights stand-in: every parameter moved
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    export_model(model, str(tmp_path / "out"), "hf", tokenizer_folder=None, eot_id=None)
-    theirs = transformers.Mistral4ForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
+    model, theirs = exported_to_transformers(folders["plain q_proj"][0], tmp_path / "out", "Mistral4ForCausalLM",
+                                             loader=transformers.Mistral4ForCausalLM)
     experts = dict(theirs.named_parameters())["model.layers.2.mlp.experts.gate_up_proj"]
     ours = model.model.layers[2].mlp.experts[5]
     assert torch.equal(experts[5], torch.cat([ours.gate_proj.weight, ours.up_proj.weight]).detach())
-    assert (logits(theirs.eval()) - logits(model)).abs().max() < EXACT
-    again = mapping.model_config_from_hf(theirs.config.to_dict(), "export")
-    assert again == model.cfg
 
 
 # What zerotrain does not have for Mistral 4: refused in one line, exit 2 (as DeepSeek-V3's).
@@ -182,11 +158,8 @@ def test_an_hf_export_loads_in_transformers_as_mistral4_with_the_same_logits(fol
      "--routing-bias-speed applies to --arch deepseek_v3 or glm4_moe; this run's model is --arch mistral4"),
 ])
 def test_what_zerotrain_does_not_have_for_mistral4_is_refused_in_one_line(folders, flags, said, capsys):
-    from zerotrain.cli.main import main
-
     model = [] if "--arch" in flags else ["--init-from", str(folders["low-rank q"][0])]
-    assert main(["train", *model, "--data", "synthetic", *flags]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [f"zerotrain: error: {said}"]
+    assert_refused_in_one_line(capsys, ["train", *model, "--data", "synthetic", *flags], said)
 
 
 @pytest.mark.parametrize("field, value, said", [
@@ -201,6 +174,4 @@ def test_what_zerotrain_does_not_have_for_mistral4_is_refused_in_one_line(folder
     ("attention_bias", True, "attention_bias = True"),
 ])
 def test_a_config_zerotrain_does_not_compute_is_refused_naming_the_field(field, value, said):
-    config = {**transformers.Mistral4Config(**SIZES).to_dict(), field: value}
-    with pytest.raises(zerotrain.errors.CheckpointError, match=said.replace("(", r"\(").replace("[", r"\[")):
-        mapping.model_config_from_hf(config, "config.json")
+    assert_config_refused(transformers.Mistral4Config(**SIZES), field, value, said)

@@ -7,13 +7,11 @@ zerotrain writes (118,972,826,624), config.json both ways; planned on 32 GPUs wi
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
-import torch
 import transformers
+from preset_checks import as_read, on_meta, parameters_of, planned
 
-from zerotrain.cli import main as cli
 from zerotrain.config import PRESETS, ModelConfig
 from zerotrain.hub import mapping
 from zerotrain.model import param_count
@@ -28,18 +26,13 @@ def test_the_preset_is_the_model_transformers_builds_from_its_defaults():
     writes reads back as the preset."""
     cfg = ModelConfig(**PRESETS[PRESET])
     released = transformers.Mistral4Config()
-    with torch.device("meta"):
-        theirs = transformers.Mistral4ForCausalLM(released)
-    assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) == COUNT
-    read = dataclasses.replace(cfg, seq_len=cfg.positions, context=0)
+    assert param_count(cfg) == parameters_of(on_meta(transformers.Mistral4ForCausalLM, released)) == COUNT
+    read = as_read(cfg)
     assert mapping.model_config_from_hf(released.to_dict(), PRESET) == dataclasses.replace(read, pad_token_id=11)
     assert mapping.model_config_from_hf(mapping.hf_config(cfg, None), PRESET) == read
 
 
 def test_mistral_small_4_on_32_gpus_with_expert_parallelism_fits_80_gib(capsys):
-    assert cli.main(["plan", "--preset", PRESET, "--nproc", "32", "--ep", "8", "--zero", "3", "--precision", "bf16",
-                     "--device", "cuda", "--data", "synthetic", "--micro-batch", "1", "--activation-checkpointing",
-                     "blocks", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = planned(capsys, PRESET, "--nproc", "32", "--ep", "8")
     assert report["parameters"] == COUNT and report["dp"] == 32
     assert report["total"] < 80 * 2**30

@@ -18,11 +18,10 @@ import functools
 
 import pytest
 import torch
-from test_deepseek_tp import tp_runs
-from test_deepseek_training import transformers_run
+from test_deepseek_training import assert_trained_as_transformers, in_turn_runs, transformers_run
 from test_gemma import one_thread
 from test_mistral4 import mistral4_model
-from test_qwen35 import STEPS, config_for, gaps, weights_of
+from test_qwen35 import config_for, gaps, weights_of
 
 from zerotrain.model import deepseek, group_routing
 
@@ -76,20 +75,16 @@ def runs(tmp_path_factory):
     jobs = {"tp2": (train_job, config_for(folder, tmp / "tp2", *FLAGS))}
     jobs.update({bug: (functools.partial(planted_on_rank_1_job, bug=bug),
                        config_for(folder, tmp / bug.replace(" ", "-"), *FLAGS)) for bug in PLANTED})
-    out = tp_runs(jobs)
+    out = in_turn_runs(jobs)
     for name in [n for n in jobs if "error" not in out[n]]:
         out[name]["weights"] = weights_of(tmp / name.replace(" ", "-"))
-    out["transformers"] = transformers_run(config_for(folder, tmp / "oracle"), folder, out["tp2"]["lr"],
-                                           tmp / "oracle-weights")
+    out["transformers"] = transformers_run(folder, out["tp2"]["lr"], tmp / "oracle")
     stack.close()
     return out
 
 
 def test_eight_steps_at_tp_train_as_transformers_adamw_does(runs):
-    ours = runs["tp2"]
-    assert len(ours["loss"]) == STEPS
-    gap = gaps(ours, runs["transformers"])
-    assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 1e-5 and gap["weights"] <= 1e-5, gap
+    assert_trained_as_transformers(runs["tp2"], runs["transformers"])
 
 
 def test_queries_left_unscaled_on_one_tp_rank_are_caught(runs):

@@ -25,15 +25,15 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers
-from model_folders import moe_folder
+from model_folders import moe_folder, read_weights
+from reference_adamw import reference_adamw, reference_step
 from test_checkpoint import spawn
 from test_packing import make_records, write_records
 
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
 from zerotrain.data import IGNORE, BatchSchedule, make_source
-from zerotrain.hub import init_from
-from zerotrain.model import build_model, decoder as decoder_module, is_decayed, vocab
+from zerotrain.model import build_model, decoder as decoder_module, vocab
 from zerotrain.runtime.run_folder import resolve_paths
 from zerotrain.training import balancing
 from zerotrain.training.loop import train
@@ -75,10 +75,7 @@ def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
     weights are saved in `saved` and read back as zerotrain's parameters (transformers 5 stacks the experts)."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").train()
-    named = list(hf.named_parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": 0.1},
-                                   {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0}],
-                                  lr=lrs[0], betas=(0.9, 0.95), eps=1e-8)
+    optimizer = reference_adamw(hf, lrs[0])
     schedule = BatchSchedule(make_source(cfg), micro_batch=ROWS, accum=1, rank=0, world_size=1)
     out = {"loss": [], "aux_loss": [], "grad_norm": [], "empty_rows": []}
     for step, lr in enumerate(lrs):
@@ -93,20 +90,12 @@ def transformers_run(cfg, folder, lrs: list[float], saved) -> dict:
             aux = aux + result.aux_loss
         aux = aux / int(trained.sum())
         loss = token_loss / tokens + COEF * aux
-        optimizer.zero_grad()
-        loss.backward()
-        out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
+        out["grad_norm"].append(reference_step(optimizer, hf, loss, lr))
         out["loss"].append(float(loss.detach()))
         out["aux_loss"].append(float(aux.detach()))
         out["empty_rows"].append(int((~trained).sum()))
     hf.save_pretrained(str(saved))
-    source = init_from.weight_source(str(saved))
-    model = build_model(source.model, 0)
-    init_from.load_local(model, source, {}, 0)
-    out["weights"] = {n: p.detach() for n, p in model.named_parameters()}
+    out["weights"] = read_weights(saved)
     return out
 
 
