@@ -15,7 +15,9 @@ layers. Packed records equal each record alone (in fp64, within 1e-9); the cache
 Training: 8 AdamW steps of --init-from at 1 rank (in this process) and at ZeRO-3 on 2 ranks equal a plain
 transformers + AdamW loop (test_qwen35's): losses and final weights within 1e-5 relative, gradient norms within 2e-5
 (measured at 1 rank / ZeRO-3: losses 2.2e-7 / 1.5e-7, gradient norms 1.1e-5 / 8.9e-6, weights 1.5e-6 / 1.6e-6); the
-layer scalars never move. The trained
+layer scalars never move. At ZeRO-3 and ZeRO-2 with buckets small enough to hold the per-layer inputs' parameters
+alone, the runs equal the default buckets' run (their reduction waits for every block's gradient); those parameters
+registered after the blocks, reduced with the last block, is caught. The trained
 model exports with --format hf to Gemma4ForCausalLM computing the run's logits, config.json both ways. What zerotrain
 does not have for Gemma 4 (bidirectional attention, another rotary) is refused in one line. The MoE block:
 test_gemma4_moe.py; --tp: test_gemma4_tp.py.
@@ -29,6 +31,7 @@ import json
 import pytest
 import torch
 import transformers
+from gemma4_jobs import per_layer_inputs_after_the_blocks_job
 from test_gemma import one_thread
 from test_qwen35 import STEPS, ZERO3, config_for, gaps, one_folder_runs
 
@@ -38,6 +41,7 @@ from zerotrain.hub import mapping
 from zerotrain.hub.export import export_model
 from zerotrain.model import gemma4
 from zerotrain.model.kv_cache import KVCache
+from zerotrain.runtime.launch import JobFailed, run_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -220,11 +224,19 @@ def training_folder(tmp_path_factory):
 UNGUARDED = ("--spike-window", "4")
 
 
+# Buckets of about 26 values: the per-layer inputs' norm (8 values) and each of several blocks' norms in buckets of
+# their own. ZeRO-2 and ZeRO-3 reduce each bucket as its gradients are complete, in backward.
+TINY_BUCKETS = ("--bucket-mb", "0.0001")
+IN_BUCKETS = {"zero3 tiny buckets": ("--zero", "3", "--micro-batch", "1", *TINY_BUCKETS),
+              "zero2 tiny buckets": ("--zero", "2", "--micro-batch", "1", *TINY_BUCKETS)}
+
+
 @pytest.fixture(scope="module")
 def runs(training_folder, tmp_path_factory):
-    """{"1 rank" | "zero3" | "transformers": {"loss", "grad_norm", "weights"}, "folder": the 1-rank run's}."""
+    """{"1 rank" | "zero3" | "zero3 tiny buckets" | "zero2 tiny buckets" | "transformers": {"loss", "grad_norm",
+    "weights"}, "folder": the 1-rank run's}."""
     path = training_folder[0]
-    out = one_folder_runs(path, tmp_path_factory.mktemp("gemma4-runs"), ZERO3, LIMIT, *UNGUARDED)
+    out = one_folder_runs(path, tmp_path_factory.mktemp("gemma4-runs"), ZERO3 | IN_BUCKETS, LIMIT, *UNGUARDED)
     out["file bytes"] = (path / "model.safetensors").stat().st_size
     return out
 
@@ -240,6 +252,29 @@ def test_eight_steps_train_as_transformers_and_adamw_do(runs, run):
     assert max(theirs["loss"]) != min(theirs["loss"])  # it trained
     scalars = {n: w for n, w in ours["weights"].items() if n.endswith("layer_scalar")}
     assert scalars and all(torch.equal(w, theirs["weights"][n]) for n, w in scalars.items())  # never trained
+
+
+@pytest.mark.parametrize("run", list(IN_BUCKETS))
+def test_tiny_buckets_train_as_the_default_buckets_do(runs, run):
+    """Every block reads the per-layer inputs, so their parameters' gradients are complete only as the backward ends:
+    in buckets of their own they are reduced last, with the embedding's (gemma4.beside_the_embedding). The losses and
+    final weights equal the default buckets' run's, the gradient norms within 1e-8 relative (measured 2.7e-9: the
+    norm's partial sums, by bucket); so they take the 1-rank run's as the default buckets' run does."""
+    ours, default = runs[run], runs["zero3"]
+    assert len(ours["loss"]) == STEPS and ours["loss"] == default["loss"]
+    assert all(torch.equal(w, default["weights"][n]) for n, w in ours["weights"].items())
+    assert gaps(ours, default)["grad_norm"] <= 1e-8
+    alone = gaps(ours, runs["1 rank"])
+    assert alone["loss"] <= 1e-5 and alone["grad_norm"] <= 1e-5 and alone["weights"] <= 1e-5, alone
+
+
+def test_per_layer_inputs_reduced_before_their_gradients_are_complete_are_caught(training_folder, tmp_path):
+    """Planted: the per-layer inputs' modules registered after the blocks, as they were: ZeRO-3 reduced their bucket
+    with the last block's, before the other blocks' gradients reached them, and the run stops in one line."""
+    cfg = config_for(training_folder[0], tmp_path / "run", *UNGUARDED, "--nproc", "2", "--steps", "1",
+                     *IN_BUCKETS["zero3 tiny buckets"])
+    with one_thread(), pytest.raises(JobFailed, match="the gradient of model.per_layer_.* arrived after its bucket"):
+        run_job(per_layer_inputs_after_the_blocks_job, cfg, time_limit=LIMIT)
 
 
 def test_init_from_at_zero3_reads_each_ranks_slice_of_the_folder(runs):
