@@ -319,12 +319,13 @@ def config_for(folder, out, *flags):
     return resolve_paths(config_from_args(args))
 
 
-def transformers_run(cfg, folder, lrs: list[float], saved, moe: bool) -> dict:
-    """The same steps in a plain loop over transformers' model; its final weights saved in `saved` and read back as
-    zerotrain's parameters. The MoE's loss: the summed token losses / the step's tokens + coef x the mean over the
-    rows of each row's balancing loss (one forward per row: transformers' aux_loss pools its batch)."""
+def transformers_run(cfg, folder, lrs: list[float], saved, moe: bool, attention: str = "eager") -> dict:
+    """The same steps in a plain loop over transformers' model (`attention`: its attn_implementation); its final
+    weights saved in `saved` and read back as zerotrain's parameters. The MoE's loss: the summed token losses / the
+    step's tokens + coef x the mean over the rows of each row's balancing loss (one forward per row: transformers'
+    aux_loss pools its batch)."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").train()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation=attention).train()
     named = list(hf.named_parameters())
     optimizer = torch.optim.AdamW([{"params": [p for n, p in named if is_decayed(n, p)], "weight_decay": 0.1},
                                    {"params": [p for n, p in named if not is_decayed(n, p)], "weight_decay": 0.0}],
@@ -397,7 +398,8 @@ FAMILY_RUNS = [(family, run) for family in CONFIGS for run in ["1 rank", *TWO_RA
                if run != "ep2" or family.endswith("moe")]
 
 
-def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: float, *flags: str) -> dict:
+def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: float, *flags: str,
+                    attention: str = "eager") -> dict:
     """The runs a family's 8-step test compares, from one folder: each of `two_ranks` (name: its flags) on 2 ranks in
     one job, 1 rank, and transformers + AdamW at the 1-rank run's learning rates. {run: {"loss", "grad_norm",
     "weights"; the 2-rank runs' "read", their ranks' init_bytes_read}, "folder": the 1-rank run's}."""
@@ -417,7 +419,8 @@ def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: flo
             "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
         out["folder"] = tmp / "1"
         out["transformers"] = transformers_run(config_for(path, tmp / "oracle"), path,
-                                               [r["lr"] for r in result.records], tmp / "oracle-weights", False)
+                                               [r["lr"] for r in result.records], tmp / "oracle-weights", False,
+                                               attention)
     return out
 
 
