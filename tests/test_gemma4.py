@@ -302,14 +302,6 @@ def test_a_trained_export_is_loaded_by_transformers_as_gemma4_with_the_same_logi
                                                                                       context=0)
 
 
-def test_the_run_does_not_call_its_activation_rows_approximate(training_folder, tmp_path):
-    """The plan counts Gemma 4's activations to the byte (tests/test_activation_bytes.py): the start line says nothing
-    is approximate, as a Llama's does not."""
-    from zerotrain.training.memory_plan import memory_plan
-
-    assert "approximate" not in memory_plan(config_for(training_folder[0], tmp_path / "run")).summary()
-
-
 # google/gemma-4-12B's text model as transformers builds it from the config.json zerotrain writes: its parameters
 # and the 48 layer scalars (buffers there, parameters here)
 GEMMA4_12B = 11_907_350_320
