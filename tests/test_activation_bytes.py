@@ -363,13 +363,13 @@ def test_a_llama4_tp2_rank_saves_what_the_plan_counts_and_whole_experts_are_caug
         assert activation_bytes(cfg, 2, 16, precision=precision, tp=2)["total"] != measured
 
 
-def gemma4_config() -> ModelConfig:
+def gemma4_config(moe: bool = False, global_kv_heads: int = 1) -> ModelConfig:
     """tests/test_gemma4.py's tiny model: sliding (heads of 16, 2 KV heads) and global layers (heads of 32, one KV
     head, keys as values), the last two sharing earlier layers' KV with a doubled MLP, per-layer inputs of 8, a window
-    of 8."""
+    of 8; `moe`: with the MoE block on every layer (4 experts of width 32, top-2), test_gemma4_moe's."""
     from test_gemma4 import hf_config
 
-    return hf_config_of(hf_config())
+    return hf_config_of(hf_config(moe=moe, global_kv_heads=global_kv_heads))
 
 
 REAL_GEMMA4_BLOCK = memory.gemma4_block
@@ -385,35 +385,96 @@ GEMMA4_OMITTED = {
     "per-layer inputs": ("gemma4_embedding", lambda s, cfg, recompute: 0),
 }
 REAL_GEMMA4_NORM = memory.gemma4_norm
+REAL_GEMMA4_MOE = memory.gemma4_moe
+GEMMA4_MOE_OMITTED = {
+    # the plan before: the MoE families' experts in place of the MLP
+    "experts in place of the MLP": ("gemma4_moe", lambda s, cfg, tp=1: memory.experts(s, cfg, tp)
+                                    - memory.swiglu_mlp(s)),
+    # the experts' input norm and the two output norms forgotten
+    "the block's three norms": ("gemma4_moe", lambda s, cfg, tp=1: REAL_GEMMA4_MOE(s, cfg, tp)
+                                - 3 * REAL_GEMMA4_NORM(s, s.BT, s.C)),
+}
 
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("micro_batch,seq_len", SHAPES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", ["none", "blocks", "full"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gemma4_layers_are_counted_to_the_byte_and_global_heads_shared_kv_or_per_layer_inputs_forgotten_are_caught(
-        recompute, precision, micro_batch, seq_len, packed):
+        moe, recompute, precision, micro_batch, seq_len, packed):
     """Gemma 4's blocks (q/k/v norms, the global layers' own head shapes and keys as values, the shared KV, the
-    doubled MLPs, the per-layer inputs, the post-norms) and its two rotary tables: the plan equals what autograd
-    saves. Planted in the plan's own terms: the global layers at the sliding layers' shape, the shared-KV layers as
-    if they had their own keys, v's norm left out, the per-layer inputs left out."""
-    cfg = gemma4_config()
+    doubled MLPs, the per-layer inputs, the post-norms; the MoE block beside the MLP) and its two rotary tables: the
+    plan equals what autograd saves. Planted in the plan's own terms: the global layers at the sliding layers' shape,
+    the shared-KV layers as if they had their own keys, v's norm left out, the per-layer inputs left out; with the MoE
+    block, its layers counted as the MoE families' (experts in place of the MLP: the plan before, 648,192 bytes short
+    of 2,330,880 in fp32 at 2 x 16 tokens), or its three norms left out."""
+    cfg = gemma4_config(moe)
     segments = packed_segments(micro_batch, seq_len) if packed else None
     measured = measured_bytes(build_model(cfg, seed=0), micro_batch, seq_len, precision, recompute, segments)
     kw = dict(precision=precision, recompute=recompute, documents=packed)
     assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] == measured
-    for what, (name, bug) in GEMMA4_OMITTED.items():
+    for what, (name, bug) in {**GEMMA4_OMITTED, **(GEMMA4_MOE_OMITTED if moe else {})}.items():
         if recompute != "none" and name != "gemma4_embedding":
             continue  # a recomputed block keeps its input alone, whatever its layers
         with mock.patch.object(memory, name, bug):
             assert activation_bytes(cfg, micro_batch, seq_len, **kw)["total"] != measured, what
 
 
-def test_the_rows_are_approximate_only_for_gemma4s_moe_block():
-    """Every family's rows are counted to the byte but Gemma 4's MoE block's, which the run's start line names."""
-    assert memory.approximate(gemma4_config()) == ""
-    assert memory.approximate(latent_configs()["deepseek_v3"]) == memory.approximate(llama4_config()) == ""
-    assert "MoE block" in memory.approximate(dataclasses.replace(gemma4_config(), n_experts=4))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_gemma4_tp2_rank_saves_what_the_plan_counts_and_whole_kv_heads_are_caught(moe, precision, packed):
+    """One TP rank of 2 (test_gemma4_tp's model: two global KV heads, so that --tp 2 divides both kinds'): its half
+    of each kind's heads and KV heads, of the MLPs' and the experts' widths; the vocabulary split, so the replicated
+    per-layer table keeps the ids beside the rank's own. Planted: each layer's KV heads counted whole (TP 1's, as the
+    plan did: 1,215,008 bytes planned against 1,159,968 saved in fp32, dense; the per-layer table's ids were not
+    counted either)."""
+    from zerotrain.model import gemma4
+
+    cfg = gemma4_config(moe, global_kv_heads=2)
+    model = build_model(cfg, seed=0)
+    gemma4.parallelize(model, 2, 0, _OneRankOfTwo())
+    segments = packed_segments(2, 16) if packed else None
+    measured = measured_bytes(model, 2, 16, precision, "none", segments)
+    kw = dict(precision=precision, tp=2, documents=packed)
+    assert activation_bytes(cfg, 2, 16, **kw)["total"] == measured
+    whole_kv_heads = lambda s, cfg, layer: REAL_GEMMA4_BLOCK(  # noqa: E731
+        s, dataclasses.replace(cfg, n_head=s.heads), layer)
+    with mock.patch.object(memory, "gemma4_block", whole_kv_heads):
+        assert activation_bytes(cfg, 2, 16, **kw)["total"] > measured
+
+
+def gemma4_ep_bytes_job(rank, comm, tmp_path):
+    """Each EP rank's measured bytes of the Gemma 4 MoE model with its block of 2 of the 4 experts, the rows exchanged
+    with the other rank (parallel/experts.ExpertExchange), at micro-batch 2, seq_len 16, in each precision."""
+    from zerotrain.model.moe import moe_layers
+    from zerotrain.parallel.experts import ExpertExchange, keep_expert_block
+
+    out = {}
+    for precision in ("fp32", "bf16"):
+        model = build_model(gemma4_config(moe=True), seed=0)
+        keep_expert_block(model, 2, rank)
+        for layer in moe_layers(model):
+            layer.exchange = ExpertExchange(comm, layer.n_experts)
+        out[precision] = measured_bytes(model, 2, 16, precision, "none")
+    return out
+
+
+def test_gemma4_moe_at_ep2_saves_the_plans_rows_at_the_mean_rank_and_the_old_rows_are_caught(tmp_path):
+    """The rows an EP rank's experts get depend on the routing (dropless): the plan counts the mean rank's, N k, so
+    the two ranks' bytes sum to twice the plan, plus what the exchange itself keeps, which the plan counts for no
+    family yet: each MoE layer's received rows in expert order and back (expert_major_order and its inverse, two int64
+    indices of the rows received: 2 N k 8 bytes at the mean rank). Planted: the experts in place of the MLP."""
+    cfg = gemma4_config(moe=True)
+    codes, results = spawn(gemma4_ep_bytes_job, 2, tmp_path, timeout=90)
+    assert codes == [0, 0] and all(r is not None and "error" not in r for r in results), results
+    exchange = 2 * 2 * 16 * cfg.experts_per_token * 8 * cfg.n_layer  # per rank, at the mean rank's rows
+    for precision in ("fp32", "bf16"):
+        measured = sum(r[precision] for r in results)
+        assert 2 * (activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"] + exchange) == measured
+        with mock.patch.object(memory, *GEMMA4_MOE_OMITTED["experts in place of the MLP"]):
+            assert 2 * (activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"] + exchange) < measured
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -10,13 +10,14 @@ out.
 
 Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3 on 2 ranks and at --ep 2 (one start of
 2 ranks for both) equal a plain transformers + AdamW loop (test_qwen35's, no balancing loss: transformers'
-Gemma4ForCausalLM adds none): losses and final weights within 1e-5 relative, gradient norms within 2e-5 (test_gemma4's
-bound; measured at 1 rank / ZeRO-3 / --ep 2: losses 1.3e-7 each, gradient norms 6.6e-6 / 7.1e-6 / 6.8e-6, weights
-2.7e-6 each). The trained model exports with --format hf to Gemma4ForCausalLM computing the run's logits, its experts
-stacked as transformers holds them, config.json both ways. Decoding through the KV cache equals the full forward
-(test_gemma4 shows a cache losing its earlier positions caught). A random model's router scales start at 1; experts
-on some layers only (--moe-every, --mlp-only-layers) are refused in one line. The gemma4-26b-a4b planning preset is
-the model transformers builds from its config.
+Gemma4ForCausalLM adds none; over its SDPA attention, as test_gemma4's): losses, gradient norms and final weights
+within 1e-5 relative (measured at 1 rank / ZeRO-3 / --ep 2: losses 2.0e-7 / 1.3e-7 / 1.7e-7, gradient norms 4.7e-6 /
+4.7e-6 / 4.4e-6, weights 1.3e-6 each; against the eager loop the gradient norms are 6.6e-6 / 7.1e-6 / 6.8e-6). The
+trained model exports with --format hf to Gemma4ForCausalLM computing the run's logits, its experts stacked as
+transformers holds them, config.json both ways. Decoding through the KV cache equals the full forward (test_gemma4
+shows a cache losing its earlier positions caught). A random model's router scales start at 1; experts on some layers
+only (--moe-every, --mlp-only-layers) are refused in one line. The gemma4-26b-a4b planning preset is the model
+transformers builds from its config.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def training_folder(tmp_path_factory):
 def runs(training_folder, tmp_path_factory):
     """{"1 rank" | "zero3" | "ep2" | "transformers": {"loss", "grad_norm", "weights"}, "folder": the 1-rank run's}."""
     return one_folder_runs(training_folder[0], tmp_path_factory.mktemp("gemma4-moe-runs"), ZERO3_EP2, LIMIT,
-                           *UNGUARDED)
+                           *UNGUARDED, attention="sdpa")
 
 
 @pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2"])
@@ -122,7 +123,7 @@ def test_eight_steps_with_the_moe_block_train_as_transformers_and_adamw_do(runs,
     theirs, ours = runs["transformers"], runs[run]
     assert len(ours["loss"]) == STEPS
     gap = gaps(ours, theirs)
-    assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 2e-5 and gap["weights"] <= 1e-5, gap
+    assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 1e-5 and gap["weights"] <= 1e-5, gap
     assert max(theirs["loss"]) != min(theirs["loss"])  # it trained
 
 

@@ -336,11 +336,11 @@ def config_for(folder, out, *flags):
     return resolve_paths(config_from_args(args))
 
 
-def transformers_run(cfg, folder, lrs: list[float], saved, moe: bool) -> dict:
-    """The same steps in a plain loop over transformers' model (adamw_steps); its final weights saved in `saved`
-    and read back as zerotrain's parameters."""
+def transformers_run(cfg, folder, lrs: list[float], saved, moe: bool, attention: str = "eager") -> dict:
+    """The same steps in a plain loop over transformers' model (adamw_steps; `attention`: its attn_implementation);
+    its final weights saved in `saved` and read back as zerotrain's parameters."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").train()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation=attention).train()
     out = adamw_steps(hf, transformers_forward(hf, moe), cfg, lrs)
     hf.save_pretrained(str(saved))
     source = init_from.weight_source(str(saved))
@@ -469,7 +469,8 @@ FAMILY_RUNS = [(family, run) for family in CONFIGS for run in ["1 rank", *TWO_RA
                if run != "ep2" or family.endswith("moe")]
 
 
-def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: float, *flags: str) -> dict:
+def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: float, *flags: str,
+                    attention: str = "eager") -> dict:
     """The runs a family's 8-step test compares, from one folder: each of `two_ranks` (name: its flags) on 2 ranks in
     one job, 1 rank, and transformers + AdamW at the 1-rank run's learning rates. {run: {"loss", "grad_norm",
     "weights"; the 2-rank runs' "read", their ranks' init_bytes_read}, "folder": the 1-rank run's}."""
@@ -489,7 +490,8 @@ def one_folder_runs(path, tmp, two_ranks: dict[str, tuple[str, ...]], limit: flo
             "weights": {n: p.detach().clone() for n, p in result.engine.model.named_parameters()}}
         out["folder"] = tmp / "1"
         out["transformers"] = transformers_run(config_for(path, tmp / "oracle"), path,
-                                               [r["lr"] for r in result.records], tmp / "oracle-weights", False)
+                                               [r["lr"] for r in result.records], tmp / "oracle-weights", False,
+                                               attention)
     return out
 
 

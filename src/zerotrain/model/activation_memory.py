@@ -46,6 +46,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                product; outside (gemma4_embedding) the per-layer inputs (B, T, L, P), their norm,
                                two rotary tables in fp32. Its decoders (and DeepSeek-V3's, Llama 4's) recompute
                                blocks whole under "selective"
+                 MoE block     beside the MLP (gemma4_moe): the experts' rows, the router's norm without a gain, its
+                               normed and scaled input, each chosen expert's scale and its product, three more w
+                               RMSNorms (the experts' input, the MLP's and the experts' outputs)
     gpt-oss      attention     explicit scores with the sinks' column off FlexAttention: 4 BTHD a + BHTT 4 (+ BHTT a
                                in bf16) + BHT 4 (no cap, so no capped scores); on FlexAttention, SDPA's list and
                                the renormalization factor BHT 4 (+ BHT a in bf16) and its output BTHD a
@@ -118,19 +121,6 @@ from .llama import rope_local, rope_scaling
 from .vocab import chunk_tokens, logps_logit_bytes, loss_logit_bytes, splits_vocab, vocab_rows
 
 FP32 = 4  # bytes: SDPA's logsumexp, RMSNorm's internals, the loss's log-probabilities
-
-
-
-def approximate(cfg: ModelConfig) -> str:
-    """What activation_bytes leaves out of a model's rows, which the run's start line says (the plan's activation rows
-    are approximate for it): Gemma 4's MoE block, whose layers are counted as the dense ones with the MoE families'
-    experts in place of their MLP; "" where the rows are counted to the byte."""
-    if cfg.arch in GEMMA4 and cfg.moe:
-        return ("gemma4's MoE block counted as the MoE families' experts in place of its MLP, not measured against "
-                "what it saves")
-    return ""
-
-
 INDEX = 8  # bytes: int64 token ids, positions and targets
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # the parameters' dtype, which the activations take
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -475,6 +465,7 @@ def gemma4_block(s: RankShape, cfg: ModelConfig, layer: int) -> int:
     """
     kv, D = cfg.attention_shape(layer)
     own = cfg.kv_source(layer) == layer
+    kv //= cfg.n_head // s.heads  # this rank's under TP, which divides both kinds' KV heads (config)
     s = dataclasses.replace(s, kv_heads=kv, head_dim=D)
     BT, a, C, P = s.BT, s.act, s.C, cfg.per_layer_width
     norms = (5 if P else 4) * gemma4_norm(s, BT, C) + 2 * BT * C * a
@@ -490,6 +481,26 @@ def gemma4_block(s: RankShape, cfg: ModelConfig, layer: int) -> int:
     per_layer = BT * C * a + 3 * BT * P * a if P else 0
     mlp = swiglu_mlp(dataclasses.replace(s, ffn=s.ffn * cfg.ffn_width_of(layer) // cfg.ffn_width))  # GeGLU's four
     return norms + q + casts + core + mlp + per_layer
+
+
+def gemma4_moe(s: RankShape, cfg: ModelConfig, tp: int = 1) -> int:
+    """Gemma 4's MoE block (gemma4.Gemma4MoE, and the block's three norms it brings), beside the MLP, over N = BT
+    tokens:
+
+        norms     the experts' input norm (pre_feedforward_layernorm_2) and the MLP's and the experts' output norms
+                  (post_feedforward_layernorm_1, _2), gemma4_norm's each, but that in fp32 the first one's input is x
+                  itself, the MLP norm's; the router's norm without a gain (its fp32 input: x in fp32, a copy in bf16)
+        router    its normed x cast back (saved by the product with `scale`) and the gate's input (2 N C a); the
+                  experts' list (experts: fp32 softmax, top-k indices, renormalised values and their sum, the weights
+                  the outputs are multiplied by), with each chosen expert's per_expert_scale (N k a) and the
+                  renormalised weights it multiplies (N k 4)
+        experts   experts()'s dispatch, GeGLU at 4 tensors a row as SwiGLU, each expert 1/tp of its width under TP
+    """
+    N, k, a = s.BT, cfg.experts_per_token, s.act
+    x = N * s.C * FP32 if a == FP32 else 0  # x itself: the MLP norm's input, saved there
+    norms = 3 * gemma4_norm(s, N, s.C) - x + gemma4_norm(s, N, s.C, gain=False) - x
+    router = 2 * N * s.C * a + N * k * a + N * k * FP32
+    return norms + router + experts(s, cfg, tp)
 
 
 def gemma4_embedding(s: RankShape, cfg: ModelConfig, recompute: str) -> int:
@@ -727,6 +738,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     embedding = s.BT * INDEX + masks
     if splits_vocab(cfg.vocab_size, tp):  # the rank's ids, and which fall outside its rows (BT bools)
         embedding += s.BT
+        if cfg.arch in GEMMA4 and cfg.per_layer_width:  # its replicated per-layer table reads the ids themselves
+            embedding += s.BT * INDEX
     if cfg.arch in GEMMA4:  # its per-layer inputs; its rotary tables of two widths
         embedding += gemma4_embedding(s, cfg, recompute)
     elif llama and recompute == "none" and precision == "fp32":
@@ -759,10 +772,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         blocks = sum(llama4_blocks(s, cfg))
     if cfg.arch in GEMMA4 and recompute == "none":
         blocks = sum(gemma4_block(s, cfg, layer) for layer in range(cfg.n_layer))
-    if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP
+    if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP (Gemma 4's beside it)
         offsets = grouped_offsets(cfg, device, precision, tp, ep)
-        blocks += sum(experts(s, cfg, tp) + offsets - swiglu_mlp(s) for layer in range(cfg.n_layer)
-                      if cfg.has_experts(layer))
+        layer_moe = gemma4_moe(s, cfg, tp) if cfg.arch in GEMMA4 else experts(s, cfg, tp) - swiglu_mlp(s)
+        blocks += sum(layer_moe + offsets for layer in range(cfg.n_layer) if cfg.has_experts(layer))
     if recompute == "full" and objective == "dpo":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`)
         total_loss = 0

@@ -232,6 +232,20 @@ class Gemma4Block(nn.Module):
         return x * self.layer_scalar.detach()  # a buffer in transformers: never trained (module docstring)
 
 
+def beside_the_embedding(model: nn.ModuleDict, modules: dict[str, nn.Module]) -> nn.ModuleDict:
+    """`model`'s modules with `modules` registered right after the token embedding, before the blocks.
+
+    Every block reads the per-layer inputs, computed once before the first block, so their parameters' gradients are
+    complete only as the backward ends, with the embedding's. The flat layout fills its buckets in reverse
+    registration order and ZeRO-3 reduces a root parameter registered after the blocks with the last block
+    (parallel/units.bucket_units: the final norm's place); registered here, they lie in the embedding's buckets,
+    reduced last. Registered after the blocks, buckets small enough to hold them alone were reduced before their
+    gradients arrived (the run stopped)."""
+    ordered = {"embed_tokens": model.embed_tokens, **modules}
+    ordered.update((name, module) for name, module in model.items() if name != "embed_tokens")
+    return nn.ModuleDict(ordered)
+
+
 class Gemma4(Decoder):
     """Token embedding, the per-layer input embeddings, Gemma 4's blocks, final RMSNorm, tied (or own) head."""
 
@@ -239,9 +253,10 @@ class Gemma4(Decoder):
         super().__init__(cfg, Gemma4Block, Gemma4RMSNorm(cfg.n_embd, cfg.norm_eps), softcap=cfg.final_softcap)
         if cfg.per_layer_width:
             width = cfg.n_layer * cfg.per_layer_width
-            self.model["embed_tokens_per_layer"] = token_embedding(cfg.vocab_size, width, cfg.padding_idx)
-            self.model["per_layer_model_projection"] = nn.Linear(cfg.n_embd, width, bias=False)
-            self.model["per_layer_projection_norm"] = Gemma4RMSNorm(cfg.per_layer_width, cfg.norm_eps)
+            self.model = beside_the_embedding(self.model, dict(
+                embed_tokens_per_layer=token_embedding(cfg.vocab_size, width, cfg.padding_idx),
+                per_layer_model_projection=nn.Linear(cfg.n_embd, width, bias=False),
+                per_layer_projection_norm=Gemma4RMSNorm(cfg.per_layer_width, cfg.norm_eps)))
 
     def per_layer_inputs(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """Each layer's input embedding (B, T, n_layer, P) from the ids and their scaled embedding `x`; None without

@@ -109,7 +109,7 @@ from zerotrain.config import LORA_EXPERTS, REFERENCE_FREE, Config, validate
 from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
 from zerotrain.model import build_model, parallelize, param_count
-from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, approximate, explicit_scores
+from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, explicit_scores
 from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
 from zerotrain.model.vocab import splits_vocab, vocab_rows
@@ -161,7 +161,6 @@ class MemoryPlan:
     # bytes a rank sends a step by purpose (Comm's names), of what the parts beyond ZeRO add: with --dp-replicate R
     # the all-reduce of each gradient shard across the replica groups, once a step at any accumulation
     traffic: dict[str, int] = field(default_factory=dict)
-    approximate: str = ""  # what the activation rows leave out (activation_memory.approximate)
 
     @property
     def total(self) -> int:
@@ -173,8 +172,7 @@ class MemoryPlan:
                    and k != "kv_cache") + beside
 
     def summary(self) -> str:
-        note = f"; its activations approximate: {self.approximate}" if self.approximate else ""
-        return f"plan {gib(self.total)} per rank (zerotrain plan{note})"
+        return f"plan {gib(self.total)} per rank (zerotrain plan)"
 
 
 def gib(n: float) -> str:
@@ -238,8 +236,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
         rows[key] += value
     expert_rows, by_rank = expert_bytes_planned(cfg, model, L, experts, dp, psize)
     traffic = parts.traffic([L] + ([experts] if experts is not None else []))
-    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most, p.dp_replicate, traffic,
-                      approximate(cfg.model))
+    return MemoryPlan(rows, B, dp, tp, cfg.launch.device, p.ep, expert_rows, by_rank, most, p.dp_replicate, traffic)
 
 
 def activation_rows(cfg: Config, saved: int) -> dict[str, int]:
