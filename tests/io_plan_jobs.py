@@ -4,7 +4,10 @@ several jobs), and the planted bugs, each patching the product's own function: a
 start-up, each expert's slice of a stacked tensor read whole for every part of it (init_from.stacked_rows as it was),
 each safetensors header read again to check the tensors after listing them (tensor_files keeping none), rank 0
 writing the whole model at a save, every rank checking every file of the checkpoint it resumes, a resume reading
---init-from's files again before it restores the checkpoint over them.
+--init-from's files again before it restores the checkpoint over them, a resume listing --init-from's tensors for
+the record (weight_source's `listed` ignored: model.safetensors' header read), the source a rank checked not handed
+to its start-up (init_from.checked_source finding none: each header read again). `checked`: each rank checks
+--init-from's folder first, as config_from_args does under torchrun, counted with the job.
 `hash_job`: the ranks' record of an --init-from folder (WeightSource.record) and each rank's bytes hashed for it,
 planted: each file hashed whole by one rank (the record before block digests)."""
 
@@ -28,9 +31,9 @@ from zerotrain.training import loop as loop_module
 from zerotrain.training.loop import train_job
 
 
-def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict | None:
-    """`zerotrain train`'s summary (rank 0's), its per_rank checkpoint bytes those of this job alone; `plants` name
-    the planted bugs in force while it runs."""
+def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = (), checked: bool = False) -> dict | None:
+    """`zerotrain train`'s summary (rank 0's), its per_rank checkpoint bytes those of this job alone (with `checked`,
+    and of the check before it); `plants` name the planted bugs in force while it runs."""
     with contextlib.ExitStack() as patches:
         if "whole tensor" in plants:  # stage 3 takes the whole tensor of every parameter it owns part of
             patches.enter_context(mock.patch.object(
@@ -57,7 +60,16 @@ def counted_job(cfg: Config, comm: Comm, plants: tuple[str, ...] = ()) -> dict |
                                                     resume_jobs.every_file_checked))
         if "base read again" in plants:  # a resume fills its engine from --init-from's files before the checkpoint
             patches.enter_context(mock.patch.object(loop_module, "_restores", lambda cfg: False))
+        if "tensors listed at resume" in plants:  # the record's source lists the tensors, as it did before
+            real_source = init_from.weight_source
+            patches.enter_context(mock.patch.object(
+                loop_module, "weight_source",
+                lambda path, verify=True, weights=True, listed=True: real_source(path, verify, weights)))
+        if "check not handed over" in plants:  # the start-up builds its source anew, as it did before
+            patches.enter_context(mock.patch.object(init_from, "checked_source", lambda folder: None))
         before = bytes_counted()
+        if checked:  # config_from_args' check under torchrun: weight_source with verify, in the rank
+            init_from.weight_source(cfg.checkpoint.init_from)
         report = train_job(cfg, comm)
         mine = {k: v - before[k] for k, v in bytes_counted().items()}
     counted = comm.io.all_gather_json(mine, "test_io_plan_counted")

@@ -11,8 +11,10 @@ tensor it trains from the byte ranges of the shards that hold it (checkpoint.Sha
 slice of it (there, one full tensor is held beyond what the rank keeps). A tensor stacking every expert of a layer
 (gpt-oss's, Mistral 4's, Llama 4's, Gemma 4's) is read as any other by the rows of the parts the rank trains: the
 stored elements of those rows, a strided slice of their expert's (stacked_rows); in MXFP4 one expert's slice at a
-time, dequantized. Each file's safetensors header is read once a rank (WeightSource.headers). Weights only: the
-optimizer and the schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
+time, dequantized. Each file's safetensors header is read once a rank (WeightSource.headers; under torchrun the
+source each rank checks in config_from_args is the one its start-up reads from, checked_source), and not at all by a
+resume whose checkpoint overwrites every value (weight_source's `listed`). Weights only: the optimizer and the
+schedule start fresh. Pickle files (pytorch_model.bin, *.pt) are refused: nothing is unpickled.
 The launcher checks the folder before any rank starts, from headers alone (weight_source with verify):
 config.json's types and values, every tensor's name, shape and dtype, every file's size, tokenizer.json.
 """
@@ -72,6 +74,8 @@ class WeightSource:
     # Each file's safetensors header (read_header's), by path, once read: listing model.safetensors' tensors
     # (tensor_files) and checking them (check_tensors) read it once, not once each
     headers: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # The folder's weight files, where its tensors were not listed (weight_source's `listed` False): what record hashes
+    unlisted: tuple[str, ...] = ()
 
     def record(self, comm=None) -> dict:
         """What a checkpoint's manifest records of it: the folder, its kind, each weight file's digest (base_digest:
@@ -86,15 +90,15 @@ class WeightSource:
         """
         if self.kind == "checkpoint":
             listed = self.shards or {f["name"]: f["sha256"] for f in read_manifest(self.folder)["files"]}
-            names = sorted(self.shards or {os.path.basename(f) for f in self.files.values()})
+            names = sorted(self.shards or {os.path.basename(f) for f in (*self.files.values(), *self.unlisted)})
             return {"path": self.folder, "kind": self.kind,
                     "files": [{"name": name, "sha256": listed[name]} for name in names]}
-        held = set(self.files.values()) | {f for pair in self.quantized.values() for f in pair}
+        held = set(self.files.values()) | {f for pair in self.quantized.values() for f in pair} | set(self.unlisted)
         block_bytes, files = folder_record(sorted(held, key=os.path.basename), comm)
         return {"path": self.folder, "kind": self.kind, "block_bytes": block_bytes, "files": files}
 
 
-def weight_source(path: str, verify: bool = True, weights: bool = True) -> WeightSource:
+def weight_source(path: str, verify: bool = True, weights: bool = True, listed: bool = True) -> WeightSource:
     """The weights `path` names; ConfigError (exit 2) for a folder zerotrain cannot start from, naming why.
 
     With `verify` (the launcher, or each rank under torchrun, in config_from_args) the folder is checked whole
@@ -104,6 +108,12 @@ def weight_source(path: str, verify: bool = True, weights: bool = True) -> Weigh
 
     Without `weights` (a plan, made before the weights are downloaded) a folder holding config.json and no weight
     files is its model alone: a source without files, which no run starts from (a run needs `weights`).
+
+    Without `listed` (a resume whose checkpoint overwrites every value: the source is recorded, never read) the
+    folder's weight files alone (`unlisted`), its tensors not listed: model.safetensors' header is not read.
+
+    A source this process checked (`verify`) is handed to its next unchecked one of the same folder, unchanged since
+    (checked_source): under torchrun a rank's check and its start-up read each header once between them.
     """
     if not os.path.exists(path):
         raise ConfigError(f"--init-from {path}: no such folder")
@@ -115,13 +125,33 @@ def weight_source(path: str, verify: bool = True, weights: bool = True) -> Weigh
         if not weights and not has_weight_files(folder):
             kind, model, _ = read_export_config(folder)
             return WeightSource(folder, kind, model, {}, None)
-        source = _source(folder, verify)
+        source = None if verify else checked_source(folder)
+        if source is None:
+            source = _source(folder, verify, listed)
         if verify:
             check_tensors(source, expected_shapes(source.model))
             _check_tokenizer(os.path.join(source.folder, TOKENIZER_FILE))
+            _CHECKED[folder] = (source, _folder_state(folder))
     except CheckpointError as e:
         raise ConfigError(f"--init-from {path}: {e}") from None
     return source
+
+
+# The source a check (weight_source with `verify`) built, by folder, with the folder's state then: taken once by
+# the next unchecked weight_source of that folder in this process (under torchrun, the rank's start-up)
+_CHECKED: dict[str, tuple[WeightSource, tuple]] = {}
+
+
+def checked_source(folder: str) -> WeightSource | None:
+    """The source this process checked of `folder` (an abspath of model_folder), once, if no file of the folder
+    changed since (by size and modification time): its headers, read by the check, are not read again."""
+    source, state = _CHECKED.pop(folder, (None, None))
+    return source if source is not None and state == _folder_state(folder) else None
+
+
+def _folder_state(folder: str) -> tuple:
+    """Each entry of `folder` by name, size and modification time: what a checked source was built from."""
+    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)))
 
 
 def has_weight_files(folder: str) -> bool:
@@ -139,7 +169,7 @@ def _check_tokenizer(file: str) -> None:
             raise CheckpointError(f"{file}: the tokenizers library cannot read it ({e})") from None
 
 
-def _source(folder: str, verify: bool) -> WeightSource:
+def _source(folder: str, verify: bool, listed: bool = True) -> WeightSource:
     headers: dict[str, dict] = {}  # the header tensor_files reads, kept for check_tensors
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         if verify:
@@ -153,8 +183,12 @@ def _source(folder: str, verify: bool) -> WeightSource:
             names = {shard_name(r, manifest["world_size"]) for r in range(manifest["world_size"])}
             shards = {f["name"]: f["sha256"] for f in manifest["files"] if f["name"] in names}
             return WeightSource(folder, "checkpoint", model, {}, None, shards=shards)
+        if not listed:
+            return WeightSource(folder, "checkpoint", model, {}, None, unlisted=weight_files(folder))
         return WeightSource(folder, "checkpoint", model, tensor_files(folder, headers), None, headers=headers)
     kind, model, _ = read_export_config(folder)
+    if not listed:
+        return WeightSource(folder, kind, model, {}, None, unlisted=weight_files(folder))
     files, mapping = tensor_files(folder, headers), MAPPINGS[model.arch] if kind == "hf" else None
     if mapping is None:
         return WeightSource(folder, kind, model, files, None, headers=headers)
@@ -177,6 +211,12 @@ def _source(folder: str, verify: bool) -> WeightSource:
     return WeightSource(folder, kind, model, {z: stored_files[n] for z, n in names.items()}, mapping,
                         {z: n for z, n in names.items() if z != n}, first_row, experts=experts, quantized=quantized,
                         headers=headers)
+
+
+def weight_files(folder: str) -> tuple[str, ...]:
+    """The folder's weight files without reading a header: model.safetensors, or the files its index names."""
+    single = os.path.join(folder, MODEL_FILE)
+    return (single,) if os.path.isfile(single) else tuple(sorted(set(tensor_files(folder).values())))
 
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -17,8 +17,12 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          checkpoint_bytes_read). A run without --init-from (a plan for a folder that is not here)
                          is planned as Hugging Face saves a model: files of at most 5 GB
              headers     every file's safetensors header, which each rank reads once to list and check the tensors'
-                         names, shapes and dtypes (tensor_files, check_tensors: WeightSource.headers keeps it;
-                         counted in checkpoint_bytes_read; 0 for a folder not here)
+                         names, shapes and dtypes (tensor_files, check_tensors: WeightSource.headers keeps it; under
+                         torchrun the rank's check before the run reads it and hands it to the start-up,
+                         init_from.checked_source; counted in checkpoint_bytes_read; 0 for a folder not here). A
+                         resume of full fine-tuning reads none (its record needs the files, not their tensors); under
+                         torchrun its check still reads them once, which a plan, not told how its run is launched,
+                         does not count
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
                          dtype and in fp32)
     step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)

@@ -324,8 +324,10 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     """Build the engine, the data, the guard, the checkpointer and the metrics; resume if asked; say where the run
     starts."""
     restores = _restores(cfg)
-    # one source a rank: the record below and the engine's reads take its headers, read once
-    source = weight_source(cfg.checkpoint.init_from, verify=False) if cfg.checkpoint.init_from else None
+    # one source a rank: the record below and the engine's reads take its headers, read once (none when restoring:
+    # the record needs the folder's files, not their tensors)
+    source = weight_source(cfg.checkpoint.init_from, verify=False, listed=not restores) \
+        if cfg.checkpoint.init_from else None
     engine = build_engine(cfg, comm, restored=restores, source=source)
     mesh = engine.mesh  # the TP ranks of a replica read the same micro-batches
     objective = objective_for(cfg)
