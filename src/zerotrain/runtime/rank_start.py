@@ -18,8 +18,10 @@ rather than from its launcher now are fixed here:
 The server also outlives a stop signal sent to the launcher's whole process group (a terminal's Ctrl-C, `timeout`,
 `kill -TERM -- -PGID`): multiprocessing's server ignores SIGINT but not SIGTERM, and killed it takes with it the
 pipe through which the launcher learns its ranks' exit codes, so every rank that saved and exited 0 was reported
-as exit code 255. Here it ignores SIGTERM too; each rank takes SIGTERM's default back as it starts (and its own
-stop handler after that, stop.py), and the server still ends when its launcher closes its pipe.
+as exit code 255. Here it ignores SIGTERM too, and SIGINT from its first import on: multiprocessing ignores SIGINT
+only after the preload, whose seconds of imports a Ctrl-C at start-up ended with the server's traceback on the
+console. Each rank takes both defaults back as it starts (and its own stop handler after that, stop.py), and the
+server still ends when its launcher closes its pipe.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from multiprocessing import forkserver, reduction
 from .allocator import huge_pages_environment
 
 START_METHOD = "forkserver"
-PRELOAD = ["zerotrain.runtime.launch", "zerotrain.training.loop",
-           "torch._dynamo"]  # torch, what every rank imports, and what AdamW imports when first built
+# This module first (it ignores the stop signals before the slow imports), then torch, what every rank imports, and
+# what AdamW imports when first built.
+PRELOAD = ["zerotrain.runtime.rank_start", "zerotrain.runtime.launch", "zerotrain.training.loop", "torch._dynamo"]
 
 # In the forkserver, imported before any fork: the environment every rank starts from.
 _SERVER_ENV = dict(os.environ)
@@ -43,7 +46,9 @@ _SERVER_ENV = dict(os.environ)
 SERVER_FLAG = "ZEROTRAIN_RANK_SERVER"
 
 if os.environ.get(SERVER_FLAG) == "1" and threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop signal to the process group is the ranks' to answer
+    # a stop signal to the process group is the ranks' to answer
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def start_server() -> None:
@@ -79,8 +84,9 @@ class LauncherState:
 
 def _in_rank(environ: dict[str, str], pid: int, stdout, stderr) -> LauncherState:
     """Unpickled in the rank, before the job: the launcher's streams and environment (with the agent's variables),
-    and SIGTERM's default, which the server ignores."""
+    and SIGTERM's and SIGINT's defaults, which the server ignores."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.stdout.flush()
     sys.stderr.flush()
     for sent, fd in ((stdout, 1), (stderr, 2)):
