@@ -1426,18 +1426,14 @@ def _check_group_routing(cfg: Config) -> None:
 
 
 def _check_deepseek(cfg: Config) -> None:
-    """Mistral 4's rotary, and what DeepSeek-V3's (and Mistral 4's) latent attention does not have yet in zerotrain
-    (context parallelism): refused, never trained approximately."""
-    m, p = cfg.model, cfg.parallel
+    """Mistral 4's rotary and DeepSeek-V3's rotary width."""
+    m = cfg.model
     if m.arch == "mistral4" and m.rope_scaling != "yarn":
         # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
         # reads the query scaling's period from YaRN's original context
         raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.qk_rope_dim % 2:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
-    if p.cp > 1:
-        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: multi-head latent attention has no context parallelism "
-                          "in zerotrain yet: give --cp 1")
 
 
 def _check_glm(cfg: Config) -> None:

@@ -2,7 +2,9 @@
 DeepseekV3ForCausalLM computes it; and Mistral 4's (mistral4, Mistral4ForCausalLM), the same decoder with a softmax
 router without bias (group_routing.py) and queries scaled by their position (mla.py).
 
-    self_attn   multi-head latent attention (mla.py)
+    self_attn   multi-head latent attention (mla.py); under context parallelism (--cp) around the ring
+                (parallel/ring_attention.py: q and k of nope + rope units, values of v_head_dim), the rotary units
+                and Mistral 4's query scale at the tokens' positions in the whole row
     mlp         layers 0 .. first_k_dense_replace - 1: a SwiGLU MLP of intermediate_size; the others a mixture of
                 experts (model/moe.py's experts and sort) routed by group_routing.py's router (sigmoid scores,
                 group-limited top-k, the load-balancing bias), plus shared experts: one SwiGLU MLP of n_shared_experts
@@ -93,9 +95,12 @@ class Deepseek(Decoder):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         x = self.model.embed_tokens(idx)
-        positions = new_positions(idx, cache, cfg.positions, segments)
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row, the ring's attention
+            positions, mask = self.context_parallel.prepare(idx, segments)  # positions in the whole row (or record)
+        else:
+            positions = new_positions(idx, cache, cfg.positions, segments)
+            mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
         rotary = rotary_tables(positions, cfg.qk_rope_dim, cfg.rope_theta, mla_rope_scaling(cfg))
-        mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
         scale = query_scale(cfg, positions)  # Mistral 4's queries by position; None for DeepSeek-V3
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, scale)

@@ -22,8 +22,9 @@ import functools
 
 import torch
 
+from zerotrain.config import DEEPSEEK
 from zerotrain.data.batches import MicroBatch
-from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, rotary_bases
+from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, math_attention, rotary_bases
 from zerotrain.model.attention import RingAttention
 from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
 from .comm import Comm
@@ -100,11 +101,12 @@ class ContextParallelRows:
     """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
     (every block's, the embedding's, the head's and the loss's), without the records' or the window's T x T mask (each
     hop builds its block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64)
-    and, for packed rows, rotary tables per row (their positions differ by row; Gemma 3's two bases). The ring's
-    buffers in flight are the communication row's: at most, in a layer's backward, the next hop's k and v, the
-    gradients of k and v being summed and those arriving (fp32), and the fused kernel's k and v gradients per query
-    head before they are summed over the group. Each row is the difference from the whole row's, which the plan counts
-    first."""
+    and, for packed rows, rotary tables per row (their positions differ by row; Gemma 3's two bases; Mistral 4's
+    query scale). Latent attention's core is the ring's (q, k, v, output, log-sum-exp), not the math kernel a rank
+    would take for the whole row on CPU (latent_ring_difference). The ring's buffers in flight are the communication
+    row's: at most, in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those
+    arriving (fp32), and the fused kernel's k and v gradients per query head before they are summed over the group.
+    Each row is the difference from the whole row's, which the plan counts first."""
 
     def __init__(self, cp: int):
         self.cp = cp
@@ -119,14 +121,23 @@ class ContextParallelRows:
         # lifted to the row, the sliding layers still sliding (Gemma 3's local rotary tables)
         ring_model = dataclasses.replace(m, sliding_window=T) if m.sliding_window else m
         part = activation_bytes(ring_model, B, T // C, **common)
-        held = part["total"]
+        held = part["total"] + latent_ring_difference(m, B, T // C, p.tp, p.precision, p.activation_checkpointing,
+                                                      cfg.launch.device)
         if documents:
             held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
-            if p.activation_checkpointing == "none" and p.precision == "fp32":  # the rotations' fp32 cos and sin
+            if p.activation_checkpointing == "none" and p.precision == "fp32":
+                # the rotations' fp32 cos and sin, one pair per row (of the rotated units: GLM-4.5's partial share,
+                # DeepSeek-V3's rotary units)
                 windows = [m.sliding_window if m.sliding(layer) else 0 for layer in range(m.n_layer)]
-                held += (B - 1) * (T // C) * m.head_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
-        kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
-        ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
+                held += (B - 1) * (T // C) * m.rotary_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
+            held += query_scale_rows(m, B - 1, T // C, p.precision, p.activation_checkpointing)
+        # k and v as they travel (latent attention: every head its own keys, values of v_head_dim); the fused hop
+        # kernel's gradients at the wider of the two widths (values padded to q's)
+        k_units = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
+        v_units = k_units // m.head_dim * (m.v_head_dim if m.arch in DEEPSEEK else m.head_dim)
+        widest = max(k_units, v_units)
+        ring = ((k_units + v_units) * ACTIVATION_BYTES[p.precision] + 2 * (k_units + v_units) * 4
+                + 2 * widest * 4 * (m.n_head // m.kv_heads))
         # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
         # activation_rows), which the whole row's activations are in
         saved = "activations_host" if p.offload_activations else "activations"
@@ -137,6 +148,31 @@ class ContextParallelRows:
         """The step's traffic the plan adds for it: none yet (the ring's point-to-point hops are not planned by
         purpose; their buffers are the communication row's)."""
         return {}
+
+
+def latent_ring_difference(m, B: int, T: int, tp: int, precision: str, recompute: str, device: str) -> int:
+    """What latent attention's core saves around the ring (B rows of this rank's T tokens) less what the plan of T
+    tokens in one rank counts for it: on CPU SDPA's math kernel (values narrower than q and k: fp32 q, k, v and the
+    T x T probabilities, the output copied for o_proj), where the ring saves what the fused kernels do (q, k, v, the
+    output o_proj reads as it is, the log-sum-exp: activation_memory.latent_attention's other branch). 0 for other
+    models, and for recomputed blocks (their input alone is kept)."""
+    if recompute != "none" or not math_attention(m, device):
+        return 0
+    H, D, Dv, a = m.n_head // tp, m.head_dim, m.v_head_dim, ACTIVATION_BYTES[precision]
+    math_kernel = B * H * T * (2 * D + Dv) * 4 + B * H * T * T * 4 + B * T * H * Dv * a
+    fused = B * T * H * (2 * D + Dv) * a + B * T * H * Dv * a + B * H * T * 4
+    return m.n_layer * (fused - math_kernel)
+
+
+def query_scale_rows(m, rows: int, T: int, precision: str, recompute: str) -> int:
+    """Mistral 4's query scale by position for `rows` more rows of T tokens (packed rows' positions differ by row):
+    fp32, saved as it is (or a recomputed block's argument), in bf16 each block's cast
+    (activation_memory.activation_bytes' and latent_attention's terms)."""
+    if m.arch != "mistral4" or not m.llama4_scaling_beta:
+        return 0
+    if recompute != "none" or precision == "fp32":
+        return rows * T * 4
+    return m.n_layer * rows * T * ACTIVATION_BYTES[precision]
 
 
 def context_parallel_rows(cp: int) -> list:

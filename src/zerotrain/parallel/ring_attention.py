@@ -17,6 +17,11 @@ block from the chunks' places in the row, on the host: a block whose every query
 (its keys and values still travel on), one whose farthest causal pair is nearer than W is computed as without a
 window, and one in between is masked by its queries' and keys' positions in the row (window_reach).
 
+Latent attention (DeepSeek-V3, Kimi K2, Mistral 4): q and k of nope + rope units, values of v_head_dim (narrower),
+every head its own keys. The keys and values travel at their own widths; the outputs, and so the merge, are at the
+values' width. torch's fused CPU kernel takes one width for all three: each hop pads the values with zero units
+(their outputs zero, dropped), a copy of the hop's, never of what travels.
+
 Each hop gives its block's output and log-sum-exp; out and lse of the rows merge as
   lse' = logaddexp(lse, lse_h),  out' = out exp(lse - lse') + out_h exp(lse_h - lse'),
 which is softmax over the union of the keys. The backward is an autograd.Function of its own (as FlashAttention's):
@@ -150,19 +155,19 @@ def hop_kernel(device: torch.device) -> str:
 def _hop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T scale) v, log-sum-exp of the scores) of one block, by KV head's group of query heads: (B, KV,
-    G, tq, D) and (B, KV, G, tq, 1); q (B, H, tq, D), k and v (B, KV, tk, D); `allowed` (allowed_keys) or, where
-    None, causal or every key. A row that sees no key here has lse -inf and output 0, so that the merge ignores it.
-    The results are views of what the kernel made, in its layout: nothing copied."""
+    G, tq, Dv) and (B, KV, G, tq, 1); q (B, H, tq, D), k (B, KV, tk, D), v (B, KV, tk, Dv); `allowed` (allowed_keys)
+    or, where None, causal or every key. A row that sees no key here has lse -inf and output 0, so that the merge
+    ignores it. The results are views of what the kernel made, in its layout: nothing copied."""
     B, H, tq, D = q.shape
-    KV = k.shape[1]
+    KV, Dv = k.shape[1], v.shape[-1]
     if hop_kernel(q.device) == "fused":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *_by_kv_head(q, k, v), 0.0, causal and allowed is None,
+            *_by_kv_head(*_one_width(q, k, v)), 0.0, causal and allowed is None,
             attn_mask=_by_kv_head_mask(allowed, KV, q.dtype), scale=scale)
         lse = lse.view(B, KV, H // KV, tq, 1)
         if allowed is not None:  # the kernel gives a row without keys lse 0
             lse = lse.masked_fill(~_per_group(allowed.any(-1, keepdim=True)), float("-inf"))
-        return out.view(B, KV, H // KV, tq, D), lse
+        return out.view(B, KV, H // KV, tq, -1)[..., :Dv], lse
     qg = q.view(B, KV, H // KV, tq, D)
     scores = qg @ k.unsqueeze(2).transpose(-1, -2) * scale
     allowed = _causal(tq, k.shape[2], q.device) if allowed is None and causal else allowed
@@ -173,30 +178,45 @@ def _hop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
 
 
 def _hop_backward(q, k, v, dout, out, lse, allowed, causal, scale):
-    """The block's (dq (B, KV, G, tq, D), dk, dv (B, KV, tk, D)) from the final output and lse (FlashAttention's
-    backward); dk and dv summed over each KV head's group of query heads."""
+    """The block's (dq (B, KV, G, tq, D), dk (B, KV, tk, D), dv (B, KV, tk, Dv)) from the final output and lse
+    (FlashAttention's backward); dk and dv summed over each KV head's group of query heads."""
     B, H, tq, D = q.shape
-    KV = k.shape[1]
+    KV, Dv = k.shape[1], v.shape[-1]
     if hop_kernel(q.device) == "fused":
+        qw, kw, vw = _one_width(q, k, v)
+        W = qw.shape[-1]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.reshape(B * KV, H // KV, tq, D), *_by_kv_head(q, k, v), out.reshape(B * KV, H // KV, tq, D),
-            lse.reshape(B * KV, H // KV, tq), 0.0, causal and allowed is None,
-            attn_mask=_by_kv_head_mask(allowed, KV, q.dtype),
-            scale=scale)
-        return dq.view(B, KV, H // KV, tq, D), *(t.sum(1).view(B, KV, -1, D) for t in (dk, dv))
-    qg, dg = q.view(B, KV, H // KV, tq, D), dout.view(B, KV, H // KV, tq, D)
+            _widened(dout, W).reshape(B * KV, H // KV, tq, W), *_by_kv_head(qw, kw, vw),
+            _widened(out, W).reshape(B * KV, H // KV, tq, W), lse.reshape(B * KV, H // KV, tq), 0.0,
+            causal and allowed is None, attn_mask=_by_kv_head_mask(allowed, KV, q.dtype), scale=scale)
+        return (dq.view(B, KV, H // KV, tq, W)[..., :D], dk.sum(1).view(B, KV, -1, W)[..., :D],
+                dv.sum(1).view(B, KV, -1, W)[..., :Dv])
+    qg, dg = q.view(B, KV, H // KV, tq, D), dout.view(B, KV, H // KV, tq, Dv)
     kk, vv = k.unsqueeze(2), v.unsqueeze(2)
     scores = qg @ kk.transpose(-1, -2) * scale
     allowed = _causal(tq, k.shape[2], q.device) if allowed is None and causal else allowed
     if allowed is not None:
         scores = scores.masked_fill(~_per_group(allowed), float("-inf"))
     p = torch.exp(scores - lse.view(B, KV, H // KV, tq, 1))
-    delta = (dg * out.view(B, KV, H // KV, tq, D)).sum(-1, keepdim=True)
+    delta = (dg * out.view(B, KV, H // KV, tq, Dv)).sum(-1, keepdim=True)
     ds = p * (dg @ vv.transpose(-1, -2) - delta)
     dq = ds @ kk * scale
     dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
     dv = (p.transpose(-1, -2) @ dg).sum(2)
     return dq, dk, dv
+
+
+def _one_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v at one head width, as the fused kernel takes them: latent attention's values (narrower than q and
+    k) padded with zero units, whose outputs are zero and dropped; or q and k padded where the values are wider (zero
+    units add nothing to a score). A hop's copy, never the tensors that travel."""
+    W = max(q.shape[-1], v.shape[-1])
+    return _widened(q, W), _widened(k, W), _widened(v, W)
+
+
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t with zero units appended to its last dimension up to `width` (t itself at that width)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
 def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -269,7 +289,10 @@ class _RingAttention(torch.autograd.Function):
         T, KV = q.shape[2], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
         qa = q.to(acc)
-        out = torch.zeros_like(qa)
+        # the output at the values' width (latent attention's are narrower than q and k), laid out (B, T, H, Dv) as
+        # SDPA's: the output projection reads it as its input without a copy
+        B, H = q.shape[:2]
+        out = qa.new_zeros(B, T, H, v.shape[-1]).transpose(1, 2)
         lse = torch.full((*q.shape[:3], 1), float("-inf"), dtype=acc, device=q.device)
         kv = (k, v)
         for hop in range(cp):
@@ -354,10 +377,11 @@ def _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None,
                    documents: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's queries q (B, H, T/C, D) over the whole row's keys and values, of which this
-    rank holds k and v (B, KV, T/C, D), KV dividing H; every rank of `group` (C ranks, the ring) calls it with its
+    rank holds k (B, KV, T/C, D) and v (B, KV, T/C, Dv: latent attention's values narrower), KV dividing H; every
+    rank of `group` (C ranks, the ring) calls it with its
     zig-zag part (zigzag_split). `documents` (C, B, T/C): every rank's segment ids (gather_segments), for packed
     records; None: one document per row. `scale`: the scores' factor (None: 1 / sqrt(D)). `window`: each query sees
-    at most this many keys, its own included (0: all; window_reach). Returns this rank's output (B, H, T/C, D), in
+    at most this many keys, its own included (0: all; window_reach). Returns this rank's output (B, H, T/C, Dv), in
     zig-zag order as q."""
     if q.shape[2] % 2:
         raise ValueError(f"a rank's {q.shape[2]} tokens are not two equal chunks (zigzag_split's)")
