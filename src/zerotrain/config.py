@@ -1437,15 +1437,11 @@ def _check_deepseek(cfg: Config) -> None:
 
 
 def _check_glm(cfg: Config) -> None:
-    """GLM-4.5's partial rotary, and what zerotrain does not have for it yet (context parallelism): refused, never
-    trained approximately."""
-    m, p = cfg.model, cfg.parallel
+    """GLM-4.5's partial rotary: an even number of each head's units, at least 2."""
+    m = cfg.model
     if m.rotary_dim < 2 or m.rotary_dim % 2:
         raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
                           f"{m.head_dim} units; it rotates an even number of them, at least 2")
-    if p.cp > 1:
-        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: context parallelism with its partial rotary and routing "
-                          "bias is not in zerotrain yet: give --cp 1")
 
 
 def _check_llama4(cfg: Config) -> None:
