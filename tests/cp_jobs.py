@@ -58,11 +58,12 @@ def local_positions_job(cfg: Config, comm: Comm) -> dict:
 
 
 def moe_trained_job(cfg: Config, comm: Comm) -> dict:
-    """trained_job with the mixture's figures of every step: its balancing loss and expert loads."""
+    """trained_job with the mixture's figures of every step: its balancing loss and expert loads (and the plan)."""
     result = train(cfg, comm)
     out = summary(result)
     out["aux_losses"] = [r["aux_loss"] for r in result.records]
     out["expert_loads"] = [r["expert_load"] for r in result.records]
+    out["plan"] = result.plan
     final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
     out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
     return out
@@ -192,4 +193,21 @@ def window_in_local_positions_job(cfg: Config, comm: Comm) -> dict:
         return (distance >= 0) & (distance < window)
 
     with mock.patch.object(ring_attention, "window_mask", local):
+        return trained_job(cfg, comm)
+
+
+def attention_chunks_ignored_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the ring ignores Llama 4's attention chunks (every block computed as if one chunk held it)."""
+    with mock.patch.object(ring_attention, "attention_chunk_reach", lambda *args: "inside"):
+        return trained_job(cfg, comm)
+
+
+def attention_chunks_of_the_row_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: packed records' attention chunks cut by the row's positions, not each record's own."""
+    real = ring_attention.attention_chunk_mask
+
+    def by_row(rank, source, rows, keys, chunk, cp, size, positions, device):
+        return real(rank, source, rows, keys, chunk, cp, size, None, device)
+
+    with mock.patch.object(ring_attention, "attention_chunk_mask", by_row):
         return trained_job(cfg, comm)

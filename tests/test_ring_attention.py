@@ -17,6 +17,7 @@ import torch.distributed as dist
 from test_checkpoint import spawn
 
 from zerotrain.model.attention import attend, document_mask
+from zerotrain.model.llama4 import chunked_mask
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.parallel import ring_attention as ring
 from zerotrain.parallel.ring_attention import (gather_segments, ring_attention, rotary_positions, zigzag_split,
@@ -44,24 +45,31 @@ def inputs(T: int, dtype: torch.dtype, latent: bool = False):
     return q, k, v, weights
 
 
-def whole_row(T: int, dtype: torch.dtype, packed: bool, latent: bool = False):
-    """The model's attention on the whole row: output and the gradients of q, k, v."""
+def whole_row(T: int, dtype: torch.dtype, packed: bool, latent: bool = False, chunk: int = 0):
+    """The model's attention on the whole row: output and the gradients of q, k, v (`chunk`: Llama 4's attention
+    chunks, its own mask of them)."""
     q, k, v, weights = inputs(T, dtype, latent)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     documents = document_mask(segments_of(T), dtype) if packed else None
+    if chunk:
+        segments = segments_of(T) if packed else None
+        positions = positions_from_segments(segments) if packed else torch.arange(T)
+        documents = chunked_mask(positions, segments, chunk, dtype)
     out = attend(q, k, v, documents=documents)
     (out * weights).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def ring_errors(rank: int, cp: int, T: int, dtype: torch.dtype, packed: bool, latent: bool = False) -> float:
+def ring_errors(rank: int, cp: int, T: int, dtype: torch.dtype, packed: bool, latent: bool = False,
+                chunk: int = 0) -> float:
     """The largest difference of this rank's output and gradients from the whole row's, and of the outputs put back
     together (every rank's) from the whole row's output, relative to the largest value."""
     q, k, v, weights = (zigzag_split(t, cp, rank, dim=2).requires_grad_() for t in inputs(T, dtype, latent))
     documents = gather_segments(zigzag_split(segments_of(T), cp, rank)) if packed else None
-    out = ring_attention(q, k, v, documents=documents)
+    positions = torch.stack([zigzag_split(positions_from_segments(segments_of(T)), cp, r) for r in range(cp)])
+    out = ring_attention(q, k, v, documents=documents, attention_chunk=chunk, positions=positions)
     (out * weights.detach()).sum().backward()
-    expected = whole_row(T, dtype, packed, latent)
+    expected = whole_row(T, dtype, packed, latent, chunk)
     mine = [zigzag_split(t, cp, rank, dim=2) for t in expected]
     errors = [relative(a, b) for a, b in zip((out.detach(), q.grad, k.grad, v.grad), mine)]
     parts = [torch.empty_like(out) for _ in range(cp)]
@@ -104,6 +112,7 @@ PLANTS = {"missing hop": ("hop_blocks", skip_a_hop),
           "records' mask ignored across the split": ("allowed_keys", records_only_at_home)}
 CASES = [(torch.float64, False), (torch.float64, True), (torch.float32, False), (torch.float32, True)]
 LATENT_CASES = [(torch.float64, True), (torch.float32, False)]
+CHUNKED = 3  # Llama 4's attention chunks of 3 positions: across the zig-zag chunks (2 or 4 tokens) and the records
 
 
 def ring_job(rank, comm, tmp_path, cp, T):
@@ -116,6 +125,11 @@ def ring_job(rank, comm, tmp_path, cp, T):
                         for dtype, packed in CASES})
         results.update({f"explicit latent {dtype} packed={packed}": ring_errors(rank, cp, T, dtype, packed, True)
                         for dtype, packed in LATENT_CASES})
+        results.update({f"explicit chunked {dtype} packed={packed}": ring_errors(rank, cp, T, dtype, packed,
+                                                                                 chunk=CHUNKED)
+                        for dtype, packed in CASES})
+    results.update({f"fused chunked {dtype} packed={packed}": ring_errors(rank, cp, T, dtype, packed, chunk=CHUNKED)
+                    for dtype, packed in CASES})
     for plant, (name, wrap) in PLANTS.items():
         with mock.patch.object(ring, name, wrap(getattr(ring, name))):
             results[plant] = ring_errors(rank, cp, T, torch.float64, True)
@@ -133,6 +147,8 @@ def test_ring_attention_equals_whole_row_attention_and_planted_errors_are_caught
                 assert r[f"{kernel} {dtype} packed={packed}"] < 1e-6, r
             for dtype, packed in LATENT_CASES:
                 assert r[f"{kernel} latent {dtype} packed={packed}"] < 1e-6, r
+            for dtype, packed in CASES:
+                assert r[f"{kernel} chunked {dtype} packed={packed}"] < 1e-6, r
     for plant in PLANTS:
         assert max(r[plant] for r in results) > 1e-2, (plant, results)
 

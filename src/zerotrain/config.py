@@ -1357,8 +1357,9 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks, sliding windows): soft-caps, sinks, learned positions
-    and linear attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
+    the ring computes (causal, rotary, packed records' masks, sliding windows, latent attention's widths, Llama 4's
+    attention chunks): soft-caps, sinks, learned positions, linear attention and Gemma 4's shared KV and per-layer
+    inputs are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
     sequence's log-prob summed over its parts) and GRPO (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
@@ -1371,7 +1372,6 @@ def _check_context_parallel(cfg: Config) -> None:
                           "chunks of every row")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
-               (m.arch in LLAMA4, f"--arch {m.arch} (chunked attention)"),
                (m.arch in GEMMA4, f"--arch {m.arch} (shared KV and per-layer inputs, not checked against --cp 1)"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
@@ -1445,8 +1445,7 @@ def _check_glm(cfg: Config) -> None:
 
 
 def _check_llama4(cfg: Config) -> None:
-    """Llama 4's experts (what zerotrain does not have for it yet, --cp, whose ring has no chunked attention, is
-    refused with the ring's other gaps)."""
+    """Llama 4's experts: a shared expert of the routed experts' width beside them."""
     m = cfg.model
     if not m.n_experts or m.shared_expert_width != m.expert_ffn:
         raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "
