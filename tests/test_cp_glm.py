@@ -1,8 +1,8 @@
-"""GLM-4.5 at --cp 2: Llama's ring with rotary on the first half of each head's units, turned at each token's position
-in the whole row (or its record), and DeepSeek-V3's experts with their routing bias moving by the whole batch's loads.
-The run trains what one rank holding the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3;
-the memory plan's --cp rows equal what each rank saves. Its rotary half turned at the rank's local positions is
-caught."""
+"""GLM-4.5 at --cp 2: Llama's ring with rotary on the first half of each head's units, turned at each token's position in
+the whole row (or its record), and DeepSeek-V3's experts with their routing bias moving by the whole batch's loads. The
+run trains what one rank holding the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3, with
+--ep 2 and with --tp 2; the memory plan's --cp rows equal what each rank saves. Its rotary half turned at the rank's
+local positions is caught."""
 
 from __future__ import annotations
 
@@ -25,18 +25,20 @@ LIMIT = 900
 pytestmark = pytest.mark.timeout(3 * LIMIT)
 
 
-def glm(tmp, name, data, nproc, **run):
+def glm(tmp, name, data, nproc, ep=1, **run):
     """test_context_parallel's run (rows of 64, a global batch of 4 rows, every step clipped) with test_glm45's tiny
     GLM-4.5: a dense layer and two MoE layers (2 shared experts, 2 groups), 4 heads of 8 units over 2 KV heads, rotary
     on 4 of them, q/k/v biases and q/k norms, the routing bias moving."""
     cfg = config(tmp, name, data, nproc, **run)
     cfg.model = dataclasses.replace(tiny_glm(), seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
+    cfg.parallel.ep = ep
     return resolve(validate(cfg))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One start of 2 ranks (--cp 2 and the planted), one of 1 (the references)."""
+    """One start of 2 ranks (--cp 2, --cp 2 --ep 2 and the planted), one of 4 (--cp 2 --tp 2), one of 1 (the
+    references)."""
     tmp = tmp_path_factory.mktemp("cpglm")
     data = write_records(tmp / "data", make_records(400))  # records of 5 to 18 tokens, crossing the chunks
     out = {}
@@ -50,7 +52,9 @@ def runs(tmp_path_factory):
     start({"cp2": (job, glm(tmp, "cp2", data, 2, cp=2)),
            "cp2 z3": (job, glm(tmp, "cp2-z3", data, 2, cp=2, zero=3)),
            "cp2 unpacked": (job, glm(tmp, "cp2-unpacked", "synthetic", 2, cp=2)),
-           "local positions": (cp_jobs.local_positions_job, glm(tmp, "local", data, 2, cp=2))})
+           "local positions": (cp_jobs.local_positions_job, glm(tmp, "local", data, 2, cp=2)),
+           "cp2 ep2": (job, glm(tmp, "cp2-ep2", data, 2, cp=2, ep=2))})
+    start({"cp2 tp2 z3": (job, glm(tmp, "cp2-tp2-z3", data, 4, cp=2, tp=2, zero=3))})
     start({"cp1": (job, glm(tmp, "cp1", data, 1)), "cp1 z3": (job, glm(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, glm(tmp, "cp1-unpacked", "synthetic", 1))})
     return out
@@ -59,8 +63,10 @@ def runs(tmp_path_factory):
 def test_glm45_at_cp2_trains_as_one_rank_and_its_rotary_half_at_local_positions_is_caught(runs):
     # 6 clipped steps: losses within 1e-6 relative of one rank's, gradient norms and final weights (the routing bias
     # and the q/k/v biases among them) within 1e-5, at ZeRO-1 and 3, packed and one document a row. Measured: losses
-    # <= 8.6e-8, grad norms <= 1.0e-6, weights <= 2.5e-6 (packed 4.2e-8 and 1.4e-7)
-    pairs = {"cp2": "cp1", "cp2 z3": "cp1 z3", "cp2 unpacked": "cp1 unpacked"}
+    # <= 8.6e-8, grad norms <= 1.0e-6, weights <= 2.5e-6 (packed 4.2e-8 and 1.4e-7); --cp 2 --ep 2 7.5e-8, 3.7e-8,
+    # 1.2e-7; --cp 2 --tp 2 at ZeRO-3 on 4 ranks 7.5e-8, 4.2e-8, 2.7e-7
+    pairs = {"cp2": "cp1", "cp2 z3": "cp1 z3", "cp2 unpacked": "cp1 unpacked", "cp2 ep2": "cp1",
+             "cp2 tp2 z3": "cp1 z3"}
     measured = {mine: gaps(runs[mine], runs[theirs]) for mine, theirs in pairs.items()}
     assert all(g["losses"] < 1e-6 and g["grad_norms"] < 1e-5 and g["params"] < 1e-5 for g in measured.values()), \
         measured

@@ -1,10 +1,10 @@
-"""Llama 4 at --cp 2: its rotary layers' chunked attention in the ring (a block whose queries and keys share no
-attention chunk skipped, one within a chunk computed whole, one across a chunk border masked by the positions; packed
-records chunked by their own positions), its layers without rotary attending to the whole row, the rotary angles and
-the attention temperature at each token's position in the whole row (or record). The run trains what one rank holding
-the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3; the memory plan's --cp rows equal
-what each rank saves. A ring ignoring the chunks, packed rows chunked by the row's positions, and positions local to
-the rank are caught."""
+"""Llama 4 at --cp 2: its rotary layers' chunked attention in the ring (a block whose queries and keys share no attention
+chunk skipped, one within a chunk computed whole, one across a chunk border masked by the positions; packed records
+chunked by their own positions), its layers without rotary attending to the whole row, the rotary angles and the
+attention temperature at each token's position in the whole row (or record). The run trains what one rank holding the
+whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3, with --ep 2 and with --tp 2; the memory
+plan's --cp rows equal what each rank saves. A ring ignoring the chunks, packed rows chunked by the row's positions,
+and positions local to the rank are caught."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ LIMIT, SIZE = 900, 12
 pytestmark = pytest.mark.timeout(3 * LIMIT)
 
 
-def llama4(tmp, name, data, nproc, **run):
+def llama4(tmp, name, data, nproc, ep=1, **run):
     """test_context_parallel's run (rows of 64, a global batch of 4 rows, every step clipped) with test_llama4's tiny
     Llama 4 (six layers, every third without rotary, every second with experts; the temperature's floor 4 positions),
     its attention chunks 12 positions: across the zig-zag chunks' borders (16 tokens at --cp 2). Seed 1: at seed 0
@@ -39,12 +39,14 @@ def llama4(tmp, name, data, nproc, **run):
     cfg = config(tmp, name, data, nproc, **{"seed": 1, **run})
     cfg.model = dataclasses.replace(llama4_config(), seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
                                     attention_chunk=SIZE)
+    cfg.parallel.ep = ep
     return resolve(validate(cfg))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One start of 2 ranks (--cp 2 and the planted), one of 1 (the references)."""
+    """One start of 2 ranks (--cp 2, --cp 2 --ep 2 and the planted), one of 4 (--cp 2 --tp 2), one of 1 (the
+    references)."""
     tmp = tmp_path_factory.mktemp("cpllama4")
     data = write_records(tmp / "data", make_records(400))  # records of 5 to 18 tokens: several chunks in some
     out = {}
@@ -60,7 +62,9 @@ def runs(tmp_path_factory):
            "cp2 unpacked": (job, llama4(tmp, "cp2-unpacked", "synthetic", 2, cp=2)),
            "chunks ignored": (cp_jobs.attention_chunks_ignored_job, llama4(tmp, "ignored", "synthetic", 2, cp=2)),
            "row's chunks": (cp_jobs.attention_chunks_of_the_row_job, llama4(tmp, "row-chunks", data, 2, cp=2)),
-           "local positions": (cp_jobs.local_positions_job, llama4(tmp, "local", "synthetic", 2, cp=2))})
+           "local positions": (cp_jobs.local_positions_job, llama4(tmp, "local", "synthetic", 2, cp=2)),
+           "cp2 ep2": (job, llama4(tmp, "cp2-ep2", data, 2, cp=2, ep=2))})
+    start({"cp2 tp2 z3": (job, llama4(tmp, "cp2-tp2-z3", data, 4, cp=2, tp=2, zero=3))})
     start({"cp1": (job, llama4(tmp, "cp1", data, 1)), "cp1 z3": (job, llama4(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, llama4(tmp, "cp1-unpacked", "synthetic", 1))})
     return out
@@ -97,10 +101,12 @@ def test_llama4_at_cp2_trains_as_one_rank_and_chunks_ignored_or_of_the_row_or_lo
     # ZeRO-1 and 3, on packed records; one document a row (the tiny Markov chain) within 1e-4: on it this model
     # amplifies float noise, 1 rank at micro-batch 1 x accum 4 is itself 2.5e-6 (grad norms) and up to 1.1e-5 (a
     # weight) from micro-batch 2 x accum 2, and the ring's merge rounds otherwise than one kernel. Measured: packed
-    # losses 6.8e-8, grad norms 7.4e-8, weights 2.4e-7; one document a row 3.7e-7, 1.4e-5 and 4.1e-5
-    pairs = {"cp2": "cp1", "cp2 z3": "cp1 z3", "cp2 unpacked": "cp1 unpacked"}
+    # losses 6.8e-8, grad norms 7.4e-8, weights 2.4e-7; one document a row 3.7e-7, 1.4e-5 and 4.1e-5; --cp 2 --ep 2
+    # 6.8e-8, 8.6e-8, 2.1e-7; --cp 2 --tp 2 at ZeRO-3 on 4 ranks 4.6e-8, 3.8e-7, 4.3e-7
+    pairs = {"cp2": "cp1", "cp2 z3": "cp1 z3", "cp2 unpacked": "cp1 unpacked", "cp2 ep2": "cp1",
+             "cp2 tp2 z3": "cp1 z3"}
     measured = {mine: gaps(runs[mine], runs[theirs]) for mine, theirs in pairs.items()}
-    bounds = {"cp2": 1e-5, "cp2 z3": 1e-5, "cp2 unpacked": 1e-4}
+    bounds = {"cp2": 1e-5, "cp2 z3": 1e-5, "cp2 unpacked": 1e-4, "cp2 ep2": 1e-5, "cp2 tp2 z3": 1e-5}
     assert all(g["losses"] < 1e-6 and g["grad_norms"] < bounds[name] and g["params"] < bounds[name]
                for name, g in measured.items()), measured
     assert all(runs[mine]["expert_loads"] == runs[theirs]["expert_loads"] for mine, theirs in pairs.items())
