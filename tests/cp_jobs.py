@@ -13,8 +13,9 @@ from dist_jobs import summary
 from zerotrain import checkpoint, load_model
 from zerotrain.checkpoint import homes
 from zerotrain.config import Config
-from zerotrain.model import lora
+from zerotrain.model import deepseek, lora
 from zerotrain.model.positions import positions_from_segments
+from zerotrain.model.recompute import in_backward
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
 from zerotrain.training import grpo, invariants, preference
 from zerotrain.training.loop import train
@@ -211,3 +212,19 @@ def attention_chunks_of_the_row_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(ring_attention, "attention_chunk_mask", by_row):
         return trained_job(cfg, comm)
+
+
+def routing_skipped_in_recompute_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: DeepSeek-V3's router skips its routing probabilities in a forward recomputed for the backward
+    (activation checkpointing), which then saves fewer tensors than the first forward did; the error the run stops
+    with, as {"error": ...}."""
+    real = deepseek.DeepseekMoE.route
+
+    def skipping(self, flat, B, T):
+        return self.gate(flat)[1:] if in_backward() else real(self, flat, B, T)
+
+    with mock.patch.object(deepseek.DeepseekMoE, "route", skipping):
+        try:
+            return trained_job(cfg, comm)
+        except Exception as e:  # noqa: BLE001 - what stopped the run is the result
+            return {"error": f"{type(e).__name__}: {e}"}

@@ -35,10 +35,10 @@ from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask, parallelize_mlp, parallelize_vocab
 from .mla import LatentAttention, mla_rope_scaling, query_scale
-from .moe import Expert, MoE, PartialDown, Routing
+from .moe import Expert, MoE, PartialDown
 from .norms import RMSNorm
 from .positions import new_positions
-from .recompute import in_backward, run_block
+from .recompute import run_block
 from .rotary import rotary_tables
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks
 
@@ -55,13 +55,10 @@ class DeepseekMoE(MoE):
         """(the top-k weights (N, k) fp32, the experts chosen (N, k)); records the layer's Routing (its probabilities
         the scores normalised per token, as DeepSeek-V3's sequence-wise balancing loss takes them)."""
         scores, weights, chosen = self.gate(flat)
-        if in_backward():  # a recomputed forward: the routing was recorded by the first (MoE.route says why)
-            return weights, chosen
-        with torch.no_grad():
-            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
-            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        # computed in a recomputed forward too (activation checkpointing), which must save what the first forward
+        # saved; recorded by the first only (MoE.record_routing)
         probs = scores.float() / scores.float().sum(dim=-1, keepdim=True)
-        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        self.record_routing(probs, chosen, B, T)
         return weights, chosen
 
     def shared_output(self, flat: torch.Tensor, expert_input: torch.Tensor) -> torch.Tensor:

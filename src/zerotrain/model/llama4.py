@@ -46,10 +46,10 @@ from . import llama
 from .decoder import Decoder
 from .kv_cache import KVCache
 from .llama import LlamaMLP, rope_scaling
-from .moe import MoE, Routing, expert_outputs, inverse_order
+from .moe import MoE, expert_outputs, inverse_order
 from .norms import RMSNorm
 from .positions import new_positions
-from .recompute import in_backward, run_block
+from .recompute import run_block
 from .rotary import rotary_tables
 from .tensor_parallel import copy_to_tp, reduce_from_tp
 
@@ -168,13 +168,10 @@ class Llama4MoE(MoE):
         logits = self.gate(flat)
         top, chosen = torch.topk(logits, self.top_k, dim=-1)
         scores = torch.sigmoid(top.float()).to(top.dtype)
-        if in_backward():  # a recomputed forward: the routing was taken by the forward's balancing loss
-            return scores, chosen
-        with torch.no_grad():
-            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
-            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        # computed in a recomputed forward too (activation checkpointing), which must save what the first forward
+        # saved; recorded by the first only (MoE.record_routing)
         probs = torch.softmax(logits.float(), dim=-1)
-        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        self.record_routing(probs, chosen, B, T)
         return scores, chosen
 
 
