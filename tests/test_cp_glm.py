@@ -1,8 +1,8 @@
-"""GLM-4.5 at --cp 2: Llama's ring with rotary on the first half of each head's units, turned at each token's position in
-the whole row (or its record), and DeepSeek-V3's experts with their routing bias moving by the whole batch's loads. The
-run trains what one rank holding the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3, with
---ep 2 and with --tp 2; the memory plan's --cp rows equal what each rank saves. Its rotary half turned at the rank's
-local positions is caught."""
+"""GLM-4.5 at --cp 2: Llama's ring with rotary on the first half of each head's units, turned at each token's position
+in the whole row (or its record), and DeepSeek-V3's experts with their routing bias moving by the whole batch's loads.
+The run trains what one rank holding the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3,
+with --ep 2 and with --tp 2; the memory plan's --cp rows equal what each rank saves. Its rotary half turned at the
+rank's local positions is caught."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def runs(tmp_path_factory):
            "cp2 unpacked": (job, glm(tmp, "cp2-unpacked", "synthetic", 2, cp=2)),
            "local positions": (cp_jobs.local_positions_job, glm(tmp, "local", data, 2, cp=2)),
            "cp2 ep2": (job, glm(tmp, "cp2-ep2", data, 2, cp=2, ep=2)),
-           "cp2 blocks": (job, glm(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks"))})
+           "cp2 blocks": (job, glm(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks")),
+           "cp2 bf16": (job, glm(tmp, "cp2-bf16", data, 2, cp=2, precision="bf16"))})
     start({"cp2 tp2 z3": (job, glm(tmp, "cp2-tp2-z3", data, 4, cp=2, tp=2, zero=3))})
     start({"cp1": (job, glm(tmp, "cp1", data, 1)), "cp1 z3": (job, glm(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, glm(tmp, "cp1-unpacked", "synthetic", 1))})
@@ -73,7 +74,7 @@ def test_glm45_at_cp2_trains_as_one_rank_and_its_rotary_half_at_local_positions_
     assert all(g["losses"] < 1e-6 and g["grad_norms"] < 1e-5 and g["params"] < 1e-5 for g in measured.values()), \
         measured
     # the plan counts a rank's activations to the byte (the rotary tables of the rotated half, per packed row)
-    for name in ("cp2", "cp2 unpacked"):
+    for name in ("cp2", "cp2 unpacked", "cp2 bf16"):
         plan = runs[name]["plan"]
         assert plan["rows"]["activations"] == plan["activations_measured"], (name, plan["rows"]["activations"],
                                                                             plan["activations_measured"])

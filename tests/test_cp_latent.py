@@ -1,5 +1,5 @@
-"""Latent attention (DeepSeek-V3 / Kimi K2, Mistral 4) at --cp 2: the ring carries q and k of nope + rope units and values
-of v_head_dim, merged on the values' width; the rotary units (and Mistral 4's query scale) turn at each token's
+"""Latent attention (DeepSeek-V3 / Kimi K2, Mistral 4) at --cp 2: the ring carries q and k of nope + rope units and
+values of v_head_dim, merged on the values' width; the rotary units (and Mistral 4's query scale) turn at each token's
 position in the whole row (or its record). The run trains what one rank holding the whole rows trains: packed records
 and one document a row, ZeRO-1 and ZeRO-3, with --ep 2 and with --tp 2, the routing bias moving with the whole batch's
 loads; the memory plan's --cp rows equal what each rank saves. A ring whose rotary units turn at the rank's local
@@ -60,7 +60,8 @@ def runs(tmp_path_factory):
            "mistral4 local positions": (cp_jobs.local_positions_job,
                                         latent(tmp, "mistral4-local", "synthetic", 2, "mistral4", cp=2)),
            "cp2 ep2": (job, latent(tmp, "cp2-ep2", data, 2, cp=2, ep=2)),
-           "cp2 blocks": (job, latent(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks"))})
+           "cp2 blocks": (job, latent(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks")),
+           "cp2 bf16": (job, latent(tmp, "cp2-bf16", data, 2, cp=2, precision="bf16"))})
     start({"cp2 tp2 z3": (job, latent(tmp, "cp2-tp2-z3", data, 4, cp=2, tp=2, zero=3))})
     start({"cp1": (job, latent(tmp, "cp1", data, 1)), "cp1 z3": (job, latent(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, latent(tmp, "cp1-unpacked", "synthetic", 1)),
@@ -87,8 +88,9 @@ def test_latent_attention_at_cp2_trains_as_one_rank_and_rotary_at_local_position
     measured = {mine: gaps(runs[mine], runs[theirs]) for mine, theirs in pairs.items()}
     assert all(g["losses"] < 1e-6 and g["grad_norms"] < 1e-5 and g["params"] < 1e-5 for g in measured.values()), \
         measured
-    # the plan counts a rank's activations to the byte: the ring's q, k, v, output and log-sum-exp, no T x T
-    for name in ("cp2", "cp2 unpacked", "cp2 mistral4", "cp2 mistral4 unpacked"):
+    # the plan counts a rank's activations to the byte: the ring's q, k, v, output and log-sum-exp, no T x T (in bf16
+    # the ring's fp32 output beside the copy o_proj reads, each block's rotary casts per packed row)
+    for name in ("cp2", "cp2 unpacked", "cp2 mistral4", "cp2 mistral4 unpacked", "cp2 bf16"):
         plan = runs[name]["plan"]
         assert plan["rows"]["activations"] == plan["activations_measured"], (name, plan["rows"]["activations"],
                                                                             plan["activations_measured"])

@@ -1,10 +1,10 @@
-"""Llama 4 at --cp 2: its rotary layers' chunked attention in the ring (a block whose queries and keys share no attention
-chunk skipped, one within a chunk computed whole, one across a chunk border masked by the positions; packed records
-chunked by their own positions), its layers without rotary attending to the whole row, the rotary angles and the
-attention temperature at each token's position in the whole row (or record). The run trains what one rank holding the
-whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3, with --ep 2 and with --tp 2; the memory
-plan's --cp rows equal what each rank saves. A ring ignoring the chunks, packed rows chunked by the row's positions,
-and positions local to the rank are caught."""
+"""Llama 4 at --cp 2: its rotary layers' chunked attention in the ring (a block whose queries and keys share no
+attention chunk skipped, one within a chunk computed whole, one across a chunk border masked by the positions; packed
+records chunked by their own positions), its layers without rotary attending to the whole row, the rotary angles and
+the attention temperature at each token's position in the whole row (or record). The run trains what one rank holding
+the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3, with --ep 2 and with --tp 2; the
+memory plan's --cp rows equal what each rank saves. A ring ignoring the chunks, packed rows chunked by the row's
+positions, and positions local to the rank are caught."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def runs(tmp_path_factory):
            "row's chunks": (cp_jobs.attention_chunks_of_the_row_job, llama4(tmp, "row-chunks", data, 2, cp=2)),
            "local positions": (cp_jobs.local_positions_job, llama4(tmp, "local", "synthetic", 2, cp=2)),
            "cp2 ep2": (job, llama4(tmp, "cp2-ep2", data, 2, cp=2, ep=2)),
-           "cp2 blocks": (job, llama4(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks"))})
+           "cp2 blocks": (job, llama4(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks")),
+           "cp2 bf16": (job, llama4(tmp, "cp2-bf16", data, 2, cp=2, precision="bf16"))})
     start({"cp2 tp2 z3": (job, llama4(tmp, "cp2-tp2-z3", data, 4, cp=2, tp=2, zero=3))})
     start({"cp1": (job, llama4(tmp, "cp1", data, 1)), "cp1 z3": (job, llama4(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, llama4(tmp, "cp1-unpacked", "synthetic", 1))})
@@ -114,7 +115,7 @@ def test_llama4_at_cp2_trains_as_one_rank_and_chunks_ignored_or_of_the_row_or_lo
                for name, g in measured.items()), measured
     assert all(runs[mine]["expert_loads"] == runs[theirs]["expert_loads"] for mine, theirs in pairs.items())
     # the plan counts a rank's activations to the byte: no chunk mask (each hop builds its block's and drops it)
-    for name in ("cp2", "cp2 unpacked"):
+    for name in ("cp2", "cp2 unpacked", "cp2 bf16"):
         plan = runs[name]["plan"]
         assert plan["rows"]["activations"] == plan["activations_measured"], (name, plan["rows"]["activations"],
                                                                             plan["activations_measured"])

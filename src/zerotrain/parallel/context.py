@@ -109,9 +109,10 @@ class ContextParallelRows:
     3's two bases; Mistral 4's query scale; Llama 4's temperature, and every rank's positions for its chunks:
     per_row_positions). Latent attention's core is the ring's (q, k, v, output, log-sum-exp), not the math kernel a
     rank would take for the whole row on CPU, and Llama 4's output is o_proj's input as it is
-    (ring_core_difference). The ring's buffers in flight are the communication row's: at most, in a layer's
-    backward, the next hop's k and v, the gradients of k and v being summed and those arriving (fp32), and the
-    fused kernel's k and v gradients per query head before they are summed over the group. Each row is the
+    (ring_core_difference); in bf16 the ring keeps its fp32 output for the backward beside the copy o_proj reads,
+    and packed rows' rotary casts are per row. The ring's buffers in flight are the communication row's: at most,
+    in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those arriving (fp32),
+    and the fused kernel's k and v gradients per query head before they are summed over the group. Each row is the
     difference from the whole row's, which the plan counts first."""
 
     def __init__(self, cp: int):
@@ -129,16 +130,21 @@ class ContextParallelRows:
         ring_model = dataclasses.replace(m, sliding_window=T) if m.sliding_window else m
         ring_model = dataclasses.replace(ring_model, attention_chunk=0) if m.arch in LLAMA4 else ring_model
         part = activation_bytes(ring_model, B, T // C, **common)
-        recompute = p.activation_checkpointing
-        held = part["total"] + ring_core_difference(m, B, T // C, p.tp, p.precision, recompute, cfg.launch.device)
+        recompute, a, Tc = p.activation_checkpointing, ACTIVATION_BYTES[p.precision], T // C
+        held = part["total"] + ring_core_difference(m, B, Tc, p.tp, p.precision, recompute, cfg.launch.device)
+        if recompute == "none" and p.precision != "fp32":
+            # the ring merges in fp32 and keeps that output for its backward beside the copy o_proj reads
+            held += m.n_layer * B * Tc * (m.n_head // p.tp) * (m.v_head_dim if m.arch in DEEPSEEK else m.head_dim) * 4
         if documents:
-            held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
-            if p.activation_checkpointing == "none" and p.precision == "fp32":
+            held += C * B * Tc * 8  # gather_segments: every rank's segment ids
+            if recompute == "none" and (p.precision == "fp32" or m.arch in LLAMA4):
                 # the rotations' fp32 cos and sin, one pair per row (of the rotated units: GLM-4.5's partial share,
-                # DeepSeek-V3's rotary units)
+                # DeepSeek-V3's rotary units; Llama 4 rotates in fp32 in every precision)
                 windows = [m.sliding_window if m.sliding(layer) else 0 for layer in range(m.n_layer)]
-                held += (B - 1) * (T // C) * m.rotary_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
-            held += per_row_positions(m, C, B, T // C, p.precision, recompute)
+                held += (B - 1) * Tc * m.rotary_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
+            elif recompute == "none":  # each block's casts of them, for q and for k, one per row
+                held += m.n_layer * (B - 1) * 4 * Tc * m.rotary_dim * a
+            held += per_row_positions(m, C, B, Tc, p.precision, recompute)
         # k and v as they travel (latent attention: every head its own keys, values of v_head_dim); the fused hop
         # kernel's gradients at the wider of the two widths (values padded to q's)
         k_units = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
