@@ -13,8 +13,9 @@ from dist_jobs import summary
 from zerotrain import checkpoint, load_model
 from zerotrain.checkpoint import homes
 from zerotrain.config import Config
-from zerotrain.model import lora
+from zerotrain.model import deepseek, lora
 from zerotrain.model.positions import positions_from_segments
+from zerotrain.model.recompute import in_backward
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
 from zerotrain.training import grpo, invariants, preference
 from zerotrain.training.loop import train
@@ -58,11 +59,12 @@ def local_positions_job(cfg: Config, comm: Comm) -> dict:
 
 
 def moe_trained_job(cfg: Config, comm: Comm) -> dict:
-    """trained_job with the mixture's figures of every step: its balancing loss and expert loads."""
+    """trained_job with the mixture's figures of every step: its balancing loss and expert loads (and the plan)."""
     result = train(cfg, comm)
     out = summary(result)
     out["aux_losses"] = [r["aux_loss"] for r in result.records]
     out["expert_loads"] = [r["expert_load"] for r in result.records]
+    out["plan"] = result.plan
     final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
     out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
     return out
@@ -193,3 +195,36 @@ def window_in_local_positions_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(ring_attention, "window_mask", local):
         return trained_job(cfg, comm)
+
+
+def attention_chunks_ignored_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the ring ignores Llama 4's attention chunks (every block computed as if one chunk held it)."""
+    with mock.patch.object(ring_attention, "attention_chunk_reach", lambda *args: "inside"):
+        return trained_job(cfg, comm)
+
+
+def attention_chunks_of_the_row_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: packed records' attention chunks cut by the row's positions, not each record's own."""
+    real = ring_attention.attention_chunk_mask
+
+    def by_row(rank, source, rows, keys, chunk, cp, size, positions, device):
+        return real(rank, source, rows, keys, chunk, cp, size, None, device)
+
+    with mock.patch.object(ring_attention, "attention_chunk_mask", by_row):
+        return trained_job(cfg, comm)
+
+
+def routing_skipped_in_recompute_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: DeepSeek-V3's router skips its routing probabilities in a forward recomputed for the backward
+    (activation checkpointing), which then saves fewer tensors than the first forward did; the error the run stops
+    with, as {"error": ...}."""
+    real = deepseek.DeepseekMoE.route
+
+    def skipping(self, flat, B, T):
+        return self.gate(flat)[1:] if in_backward() else real(self, flat, B, T)
+
+    with mock.patch.object(deepseek.DeepseekMoE, "route", skipping):
+        try:
+            return trained_job(cfg, comm)
+        except Exception as e:  # noqa: BLE001 - what stopped the run is the result
+            return {"error": f"{type(e).__name__}: {e}"}

@@ -15,7 +15,7 @@ Training: 8 AdamW steps of --init-from at 1 rank (in this process), at ZeRO-3 on
 Llama4ForCausalLM adds none): losses, gradient norms and final weights within 1e-5 relative (measured: losses
 1.3e-7, gradient norms 1.1e-6, weights 8.6e-7, at each of the three). The trained model exports with --format hf to
 Llama4ForCausalLM computing the run's logits, config.json both ways (--tp: test_llama4_tp.py; LoRA:
-test_llama4_lora.py). What zerotrain does not have for Llama 4 yet (--cp) is refused in one line, exit 2.
+test_llama4_lora.py; --cp: test_cp_llama4.py).
 """
 
 from __future__ import annotations
@@ -228,17 +228,6 @@ def test_a_trained_export_is_loaded_by_transformers_as_llama4_with_the_same_logi
     cfg = trained.cfg  # its context is the file's max_position_embeddings, which reads back as the window
     assert mapping.model_config_from_hf(config, "config.json") == dataclasses.replace(cfg, seq_len=cfg.positions,
                                                                                       context=0)
-
-
-@pytest.mark.parametrize("flags, said", [
-    (["--nproc", "2", "--cp", "2"], "--cp 2 with --arch llama4 (chunked attention): context parallelism does not "
-                                    "split that yet: give --cp 1"),
-])
-def test_what_zerotrain_does_not_have_for_llama4_is_refused_in_one_line(folder, flags, said, capsys):
-    from zerotrain.cli.main import main
-
-    assert main(["train", "--init-from", str(folder[0]), "--data", "synthetic", *flags]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [f"zerotrain: error: {said}"]
 
 
 @pytest.mark.parametrize("field, value, said", [

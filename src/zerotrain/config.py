@@ -1370,8 +1370,9 @@ def _check_expert_parallel(cfg: Config) -> None:
 
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
-    the ring computes (causal, rotary, packed records' masks, sliding windows): soft-caps, sinks, learned positions
-    and linear attention are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
+    the ring computes (causal, rotary, packed records' masks, sliding windows, latent attention's widths, Llama 4's
+    attention chunks): soft-caps, sinks, learned positions, linear attention and Gemma 4's shared KV and per-layer
+    inputs are not in it yet: refused. Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each
     sequence's log-prob summed over its parts) and GRPO (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
@@ -1384,7 +1385,6 @@ def _check_context_parallel(cfg: Config) -> None:
                           "chunks of every row")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
-               (m.arch in LLAMA4, f"--arch {m.arch} (chunked attention)"),
                (m.arch in GEMMA4, f"--arch {m.arch} (shared KV and per-layer inputs, not checked against --cp 1)"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
@@ -1439,35 +1439,26 @@ def _check_group_routing(cfg: Config) -> None:
 
 
 def _check_deepseek(cfg: Config) -> None:
-    """Mistral 4's rotary, and what DeepSeek-V3's (and Mistral 4's) latent attention does not have yet in zerotrain
-    (context parallelism): refused, never trained approximately."""
-    m, p = cfg.model, cfg.parallel
+    """Mistral 4's rotary and DeepSeek-V3's rotary width."""
+    m = cfg.model
     if m.arch == "mistral4" and m.rope_scaling != "yarn":
         # transformers' Mistral 4 rotates qk_nope_dim + qk_rope_dim units under any other rope type (it fails) and
         # reads the query scaling's period from YaRN's original context
         raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.qk_rope_dim % 2:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
-    if p.cp > 1:
-        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: multi-head latent attention has no context parallelism "
-                          "in zerotrain yet: give --cp 1")
 
 
 def _check_glm(cfg: Config) -> None:
-    """GLM-4.5's partial rotary, and what zerotrain does not have for it yet (context parallelism): refused, never
-    trained approximately."""
-    m, p = cfg.model, cfg.parallel
+    """GLM-4.5's partial rotary: an even number of each head's units, at least 2."""
+    m = cfg.model
     if m.rotary_dim < 2 or m.rotary_dim % 2:
         raise ConfigError(f"--partial-rotary {m.partial_rotary}: rotary would rotate {m.rotary_dim} of the head's "
                           f"{m.head_dim} units; it rotates an even number of them, at least 2")
-    if p.cp > 1:
-        raise ConfigError(f"--cp {p.cp} with --arch {m.arch}: context parallelism with its partial rotary and routing "
-                          "bias is not in zerotrain yet: give --cp 1")
 
 
 def _check_llama4(cfg: Config) -> None:
-    """Llama 4's experts (what zerotrain does not have for it yet, --cp, whose ring has no chunked attention, is
-    refused with the ring's other gaps)."""
+    """Llama 4's experts: a shared expert of the routed experts' width beside them."""
     m = cfg.model
     if not m.n_experts or m.shared_expert_width != m.expert_ffn:
         raise ConfigError(f"--arch llama4 has experts and a shared expert of their width: give --n-experts and "

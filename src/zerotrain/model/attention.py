@@ -22,10 +22,14 @@ class RingAttention:
     """What the layers attend with when the sequence is split over a context-parallel group (--cp): `ring(q, k, v,
     documents=, scale=)` is parallel/ring_attention.py's ring_attention over the group (the model holds no process
     group of its own: parallel/context.py makes this once per forward); `documents` every rank's segment ids (C, B,
-    T/C) for packed rows, else None."""
+    T/C) for packed rows, else None; `attention_chunk` Llama 4's chunked attention on the layers that take this one
+    (0: none) and `positions` every rank's positions within their records (C, B, T/C), which packed rows are chunked
+    by."""
 
     ring: Callable[..., torch.Tensor]
     documents: torch.Tensor | None = None
+    attention_chunk: int = 0
+    positions: torch.Tensor | None = None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
@@ -41,9 +45,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     `sinks` (heads,): gpt-oss's attention sinks, one logit per query head in each softmax's denominator, which SDPA
     cannot take either: FlexAttention's output renormalized by its log-sum-exp (with_sinks), else the explicit
     scores with a sink column. A RingAttention as `documents`: this rank's queries over the whole row's keys,
-    around the ring (causal, its records' masks, the window; no soft-cap or sinks: --cp refuses those models)."""
+    around the ring (causal, its records' masks, the window, Llama 4's attention chunks; no soft-cap or sinks: --cp
+    refuses those models)."""
     if isinstance(documents, RingAttention):
-        return documents.ring(q, k, v, documents=documents.documents, scale=scale, window=window)
+        return documents.ring(q, k, v, documents=documents.documents, scale=scale, window=window,
+                              attention_chunk=documents.attention_chunk, positions=documents.positions)
     past = 0
     if cache is not None:
         if documents is not None:

@@ -2,7 +2,9 @@
 DeepseekV3ForCausalLM computes it; and Mistral 4's (mistral4, Mistral4ForCausalLM), the same decoder with a softmax
 router without bias (group_routing.py) and queries scaled by their position (mla.py).
 
-    self_attn   multi-head latent attention (mla.py)
+    self_attn   multi-head latent attention (mla.py); under context parallelism (--cp) around the ring
+                (parallel/ring_attention.py: q and k of nope + rope units, values of v_head_dim), the rotary units
+                and Mistral 4's query scale at the tokens' positions in the whole row
     mlp         layers 0 .. first_k_dense_replace - 1: a SwiGLU MLP of intermediate_size; the others a mixture of
                 experts (model/moe.py's experts and sort) routed by group_routing.py's router (sigmoid scores,
                 group-limited top-k, the load-balancing bias), plus shared experts: one SwiGLU MLP of n_shared_experts
@@ -33,10 +35,10 @@ from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask, parallelize_mlp, parallelize_vocab
 from .mla import LatentAttention, mla_rope_scaling, query_scale
-from .moe import Expert, MoE, PartialDown, Routing
+from .moe import Expert, MoE, PartialDown
 from .norms import RMSNorm
 from .positions import new_positions
-from .recompute import in_backward, run_block
+from .recompute import run_block
 from .rotary import rotary_tables
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPSlice, blocks
 
@@ -53,13 +55,10 @@ class DeepseekMoE(MoE):
         """(the top-k weights (N, k) fp32, the experts chosen (N, k)); records the layer's Routing (its probabilities
         the scores normalised per token, as DeepSeek-V3's sequence-wise balancing loss takes them)."""
         scores, weights, chosen = self.gate(flat)
-        if in_backward():  # a recomputed forward: the routing was recorded by the first (MoE.route says why)
-            return weights, chosen
-        with torch.no_grad():
-            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
-            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        # computed in a recomputed forward too (activation checkpointing), which must save what the first forward
+        # saved; recorded by the first only (MoE.record_routing)
         probs = scores.float() / scores.float().sum(dim=-1, keepdim=True)
-        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        self.record_routing(probs, chosen, B, T)
         return weights, chosen
 
     def shared_output(self, flat: torch.Tensor, expert_input: torch.Tensor) -> torch.Tensor:
@@ -93,9 +92,12 @@ class Deepseek(Decoder):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         x = self.model.embed_tokens(idx)
-        positions = new_positions(idx, cache, cfg.positions, segments)
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row, the ring's attention
+            positions, mask = self.context_parallel.prepare(idx, segments)  # positions in the whole row (or record)
+        else:
+            positions = new_positions(idx, cache, cfg.positions, segments)
+            mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
         rotary = rotary_tables(positions, cfg.qk_rope_dim, cfg.rope_theta, mla_rope_scaling(cfg))
-        mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
         scale = query_scale(cfg, positions)  # Mistral 4's queries by position; None for DeepSeek-V3
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, scale)

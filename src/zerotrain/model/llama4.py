@@ -17,7 +17,11 @@
 
 Packed records (`segments`): positions restart at each record, and a record's tokens see their own record only:
 the rotary layers within their chunks of the record's positions (a record alone is chunked from its first token),
-the temperature tuning by the record's positions too. No balancing loss is added unless a run asks for one
+the temperature tuning by the record's positions too.
+
+Context parallelism (--cp): each rank's part of the rows around the ring (parallel/ring_attention.py), the rotary
+layers' ring cut by their attention chunks of the whole row's (or record's) positions, the others' not; the rotary
+angles and the temperature at those positions. No balancing loss is added unless a run asks for one
 (--moe-aux-coef): transformers' Llama4ForCausalLM adds none, and import sets the model's weight to 0.
 
 Under tensor parallelism the attention splits by heads and the MLPs and experts by their width, as Llama's and the
@@ -30,6 +34,8 @@ mlp.shared_expert.*); hub/mapping.py maps transformers' feed_forward.router, fee
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -40,10 +46,10 @@ from . import llama
 from .decoder import Decoder
 from .kv_cache import KVCache
 from .llama import LlamaMLP, rope_scaling
-from .moe import MoE, Routing, expert_outputs, inverse_order
+from .moe import MoE, expert_outputs, inverse_order
 from .norms import RMSNorm
 from .positions import new_positions
-from .recompute import in_backward, run_block
+from .recompute import run_block
 from .rotary import rotary_tables
 from .tensor_parallel import copy_to_tp, reduce_from_tp
 
@@ -162,13 +168,10 @@ class Llama4MoE(MoE):
         logits = self.gate(flat)
         top, chosen = torch.topk(logits, self.top_k, dim=-1)
         scores = torch.sigmoid(top.float()).to(top.dtype)
-        if in_backward():  # a recomputed forward: the routing was taken by the forward's balancing loss
-            return scores, chosen
-        with torch.no_grad():
-            counts = torch.zeros(B, self.n_experts, dtype=torch.float32, device=flat.device)
-            counts.scatter_add_(1, chosen.view(B, T * self.top_k), torch.ones(B, T * self.top_k, device=flat.device))
+        # computed in a recomputed forward too (activation checkpointing), which must save what the first forward
+        # saved; recorded by the first only (MoE.record_routing)
         probs = torch.softmax(logits.float(), dim=-1)
-        self.routing = Routing(probs.view(B, T, -1).sum(1), counts, T)
+        self.record_routing(probs, chosen, B, T)
         return scores, chosen
 
 
@@ -197,15 +200,20 @@ class Llama4(Decoder):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         x = self.model.embed_tokens(idx)
-        positions = new_positions(idx, cache, cfg.positions, segments)
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row, around the ring
+            # positions in the whole row (or record): the rotary angles, the chunks and the temperature take them
+            positions, full = self.context_parallel.prepare(idx, segments)
+            chunked = dataclasses.replace(full, attention_chunk=cfg.attention_chunk)
+        else:
+            positions = new_positions(idx, cache, cfg.positions, segments)
+            past = 0 if cache is None else cache.length
+            # the global layers': the records' mask, or SDPA's causal one; the rotary layers': their chunks' too
+            full = document_attention(segments, x.dtype, cfg.head_dim) if segments is not None else None
+            chunked = full if not cfg.attention_chunk else \
+                chunked_mask(positions, segments, cfg.attention_chunk, x.dtype, past)
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
         half = cfg.head_dim // 2  # the tables' first half holds each frequency once: the interleaved pairs' angles
         rotary = (cos[..., :half], sin[..., :half])
-        past = 0 if cache is None else cache.length
-        # the global layers': the records' mask, or SDPA's causal one; the rotary layers': their chunks' too
-        full = document_attention(segments, x.dtype, cfg.head_dim) if segments is not None else None
-        chunked = full if not cfg.attention_chunk else \
-            chunked_mask(positions, segments, cfg.attention_chunk, x.dtype, past)
         for layer, block in enumerate(self.model.layers):
             mask = chunked if cfg.rotary(layer) else full
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, positions, cache, layer, mask)

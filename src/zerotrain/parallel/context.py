@@ -1,12 +1,13 @@
 """Context parallelism (--cp C) wired into a run: the part of each row a rank keeps, and what the model's layers attend
 with, over the mesh's cp group (the ring of ring_attention.py).
 
-The C ranks of a DP replica read the same micro-batches; each keeps its zig-zag part of every row (chunks i and
-2C-1-i of 2C: inputs, labels and segments alike; the labels were shifted on the whole row, so each is still its
-input's next token). The model (Llama.hidden) asks `prepare` once per forward for its tokens' rotary positions (their
-places in the whole row, or within their record for packed rows) and for the layers' ring, which carries every rank's
-segment ids (gathered once per forward). The loss is each rank's sum over its own tokens over the global token count:
-the reduce-scatter over dp_shard x cp adds the CP ranks' partial gradients, so the step is --cp 1's.
+The C ranks of a DP replica read the same micro-batches; each keeps its zig-zag part of every row (chunks i and 2C-1-i
+of 2C: inputs, labels and segments alike; the labels were shifted on the whole row, so each is still its input's next
+token). The model (Llama.hidden, Deepseek.hidden, Llama4.hidden) asks `prepare` once per forward for its tokens' rotary
+positions (their places in the whole row, or within their record for packed rows: the rotary units, Mistral 4's query
+scale and Llama 4's temperature take them) and for the layers' ring, which carries every rank's segment ids and
+positions (gathered once per forward). The loss is each rank's sum over its own tokens over the global token count: the
+reduce-scatter over dp_shard x cp adds the CP ranks' partial gradients, so the step is --cp 1's.
 
 A loss of whole sequences (DPO's, of each sequence's summed log-prob; GRPO's, of each completion's tokens) is not a
 sum over tokens: each rank makes its part's figures whole (sum_over_parts: the per-row sums all-reduced; whole_rows:
@@ -22,9 +23,11 @@ import functools
 
 import torch
 
+from zerotrain.config import DEEPSEEK, LLAMA4
 from zerotrain.data.batches import MicroBatch
-from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, rotary_bases
+from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, math_attention, rotary_bases
 from zerotrain.model.attention import RingAttention
+from zerotrain.model.positions import positions_from_segments
 from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
 from .comm import Comm
 from .ring_attention import gather_segments, ring_attention, rotary_positions, zigzag_split, zigzag_unsplit
@@ -54,7 +57,9 @@ class ContextParallel:
             return rotary_positions(T, self.size, self.rank, device=idx.device), RingAttention(ring)
         documents = gather_segments(segments, self.comm.group)  # (C, B, T / C)
         whole = zigzag_unsplit(list(documents), dim=1)
-        return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents)
+        # every rank's positions within their records: what Llama 4's attention chunks of packed rows are cut by
+        every = torch.stack([zigzag_split(positions_from_segments(whole), self.size, r) for r in range(self.size)])
+        return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents, positions=every)
 
     def sum_over_rows(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of
@@ -98,13 +103,17 @@ def context_parallel(mesh) -> ContextParallel | None:
 
 class ContextParallelRows:
     """--cp C's share of the memory plan (RunParts.more): a rank's activations are those of T / C tokens of each row
-    (every block's, the embedding's, the head's and the loss's), without the records' or the window's T x T mask (each
-    hop builds its block's and drops it), plus what the ring keeps: every rank's segment ids (C x B x T / C, int64)
-    and, for packed rows, rotary tables per row (their positions differ by row; Gemma 3's two bases). The ring's
-    buffers in flight are the communication row's: at most, in a layer's backward, the next hop's k and v, the
-    gradients of k and v being summed and those arriving (fp32), and the fused kernel's k and v gradients per query
-    head before they are summed over the group. Each row is the difference from the whole row's, which the plan counts
-    first."""
+    (every block's, the embedding's, the head's and the loss's), without the records', the window's or Llama 4's
+    chunks' T x T mask (each hop builds its block's and drops it), plus what the ring keeps: every rank's segment
+    ids (C x B x T / C, int64) and, for packed rows, rotary tables per row (their positions differ by row; Gemma
+    3's two bases; Mistral 4's query scale; Llama 4's temperature, and every rank's positions for its chunks:
+    per_row_positions). Latent attention's core is the ring's (q, k, v, output, log-sum-exp), not the math kernel a
+    rank would take for the whole row on CPU, and Llama 4's output is o_proj's input as it is
+    (ring_core_difference); in bf16 the ring keeps its fp32 output for the backward beside the copy o_proj reads,
+    and packed rows' rotary casts are per row. The ring's buffers in flight are the communication row's: at most,
+    in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those arriving (fp32),
+    and the fused kernel's k and v gradients per query head before they are summed over the group. Each row is the
+    difference from the whole row's, which the plan counts first."""
 
     def __init__(self, cp: int):
         self.cp = cp
@@ -115,18 +124,34 @@ class ContextParallelRows:
         common = dict(tp=p.tp, precision=p.precision, recompute=p.activation_checkpointing, device=cfg.launch.device,
                       objective=cfg.objective.method)
         whole = activation_bytes(m, B, T, documents=documents, **common)
-        # the ring takes no mask, a sliding window's neither (each hop masks its block and drops it): the window
-        # lifted to the row, the sliding layers still sliding (Gemma 3's local rotary tables)
+        # the ring takes no mask, a sliding window's or Llama 4's attention chunks' neither (each hop masks its block
+        # and drops it): the window lifted to the row, the sliding layers still sliding (Gemma 3's local rotary
+        # tables); the chunks lifted
         ring_model = dataclasses.replace(m, sliding_window=T) if m.sliding_window else m
+        ring_model = dataclasses.replace(ring_model, attention_chunk=0) if m.arch in LLAMA4 else ring_model
         part = activation_bytes(ring_model, B, T // C, **common)
-        held = part["total"]
+        recompute, a, Tc = p.activation_checkpointing, ACTIVATION_BYTES[p.precision], T // C
+        held = part["total"] + ring_core_difference(m, B, Tc, p.tp, p.precision, recompute, cfg.launch.device)
+        if recompute == "none" and p.precision != "fp32":
+            # the ring merges in fp32 and keeps that output for its backward beside the copy o_proj reads
+            held += m.n_layer * B * Tc * (m.n_head // p.tp) * (m.v_head_dim if m.arch in DEEPSEEK else m.head_dim) * 4
         if documents:
-            held += C * B * (T // C) * 8  # gather_segments: every rank's segment ids
-            if p.activation_checkpointing == "none" and p.precision == "fp32":  # the rotations' fp32 cos and sin
+            held += C * B * Tc * 8  # gather_segments: every rank's segment ids
+            if recompute == "none" and (p.precision == "fp32" or m.arch in LLAMA4):
+                # the rotations' fp32 cos and sin, one pair per row (of the rotated units: GLM-4.5's partial share,
+                # DeepSeek-V3's rotary units; Llama 4 rotates in fp32 in every precision)
                 windows = [m.sliding_window if m.sliding(layer) else 0 for layer in range(m.n_layer)]
-                held += (B - 1) * (T // C) * m.head_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
-        kv = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
-        ring = 2 * kv * ACTIVATION_BYTES[p.precision] + 2 * 2 * kv * 4 + 2 * kv * 4 * (m.n_head // m.kv_heads)
+                held += (B - 1) * Tc * m.rotary_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
+            elif recompute == "none":  # each block's casts of them, for q and for k, one per row
+                held += m.n_layer * (B - 1) * 4 * Tc * m.rotary_dim * a
+            held += per_row_positions(m, C, B, Tc, p.precision, recompute)
+        # k and v as they travel (latent attention: every head its own keys, values of v_head_dim); the fused hop
+        # kernel's gradients at the wider of the two widths (values padded to q's)
+        k_units = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
+        v_units = k_units // m.head_dim * (m.v_head_dim if m.arch in DEEPSEEK else m.head_dim)
+        widest = max(k_units, v_units)
+        ring = ((k_units + v_units) * ACTIVATION_BYTES[p.precision] + 2 * (k_units + v_units) * 4
+                + 2 * widest * 4 * (m.n_head // m.kv_heads))
         # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
         # activation_rows), which the whole row's activations are in
         saved = "activations_host" if p.offload_activations else "activations"
@@ -137,6 +162,48 @@ class ContextParallelRows:
         """The step's traffic the plan adds for it: none yet (the ring's point-to-point hops are not planned by
         purpose; their buffers are the communication row's)."""
         return {}
+
+
+def ring_core_difference(m, B: int, T: int, tp: int, precision: str, recompute: str, device: str) -> int:
+    """What the attention core saves around the ring (B rows of this rank's T tokens) less what the plan of T tokens
+    in one rank counts for it, where they differ (0 for recomputed blocks: their input alone is kept):
+      latent attention  on CPU one rank takes SDPA's math kernel (values narrower than q and k: fp32 q, k, v and the
+                        T x T probabilities, the output copied for o_proj), the ring saves what the fused kernels do
+                        (q, k, v, the output o_proj reads as it is, the log-sum-exp: activation_memory.
+                        latent_attention's other branch)
+      Llama 4           its rotary layers' SDPA output is copied for o_proj (activation_memory.llama4_attention); the
+                        ring's output, laid out (B, T, H, D), is o_proj's input as it is"""
+    if recompute != "none":
+        return 0
+    H, D, a = m.n_head // tp, m.head_dim, ACTIVATION_BYTES[precision]
+    if m.arch in LLAMA4:
+        return -sum(map(m.rotary, range(m.n_layer))) * B * T * H * D * a
+    if not math_attention(m, device):
+        return 0
+    Dv = m.v_head_dim
+    math_kernel = B * H * T * (2 * D + Dv) * 4 + B * H * T * T * 4 + B * T * H * Dv * a
+    fused = B * T * H * (2 * D + Dv) * a + B * T * H * Dv * a + B * H * T * 4
+    return m.n_layer * (fused - math_kernel)
+
+
+def per_row_positions(m, C: int, B: int, T: int, precision: str, recompute: str) -> int:
+    """What packed rows keep by position beyond one row's (their positions differ by row), for B rows of this rank's
+    T tokens among C: Mistral 4's query scale (fp32 saved as it is or a recomputed block's argument, in bf16 each
+    block's cast: activation_memory's terms); Llama 4's temperature (each layer without rotary its own fp32 factors)
+    or, recomputed, its positions (each block's argument, int64), and every rank's positions, which its rotary layers'
+    rings keep for their attention chunks (C B T int64, once)."""
+    rows = B - 1
+    if m.arch == "mistral4" and m.llama4_scaling_beta:
+        if recompute != "none" or precision == "fp32":
+            return rows * T * 4
+        return m.n_layer * rows * T * ACTIVATION_BYTES[precision]
+    if m.arch in LLAMA4:
+        if recompute != "none":
+            return rows * T * 8
+        without_rotary = sum(not m.rotary(layer) for layer in range(m.n_layer))
+        chunked = m.attention_chunk and without_rotary < m.n_layer
+        return without_rotary * rows * T * 4 * bool(m.temperature_tuning) + (C * B * T * 8 if chunked else 0)
+    return 0
 
 
 def context_parallel_rows(cp: int) -> list:

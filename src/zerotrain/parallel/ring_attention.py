@@ -17,6 +17,17 @@ block from the chunks' places in the row, on the host: a block whose every query
 (its keys and values still travel on), one whose farthest causal pair is nearer than W is computed as without a
 window, and one in between is masked by its queries' and keys' positions in the row (window_reach).
 
+Llama 4's chunked attention (its rotary layers: query position p sees the keys s <= p with s // size = p // size) is
+decided the same way (attention_chunk_reach): a block whose queries and keys share no attention chunk is skipped, one
+wholly within one chunk computed as without chunks, one across a chunk border masked by the positions. Packed records
+are chunked from each record's first token: their blocks are masked by every rank's positions within their records
+(gathered with the segment ids), never skipped.
+
+Latent attention (DeepSeek-V3, Kimi K2, Mistral 4): q and k of nope + rope units, values of v_head_dim (narrower),
+every head its own keys. The keys and values travel at their own widths; the outputs, and so the merge, are at the
+values' width. torch's fused CPU kernel takes one width for all three: each hop pads the values with zero units
+(their outputs zero, dropped), a copy of the hop's, never of what travels.
+
 Each hop gives its block's output and log-sum-exp; out and lse of the rows merge as
   lse' = logaddexp(lse, lse_h),  out' = out exp(lse - lse') + out_h exp(lse_h - lse'),
 which is softmax over the union of the keys. The backward is an autograd.Function of its own (as FlashAttention's):
@@ -123,11 +134,53 @@ def window_reach(rank: int, source: int, rows: slice, keys: slice, chunk: int, c
 def window_mask(rank: int, source: int, rows: slice, keys: slice, chunk: int, cp: int, window: int,
                 device: torch.device) -> torch.Tensor:
     """(tq, tk): which of the block's keys each query sees, causal and within `window`, from their row positions."""
-    def positions(r: int, part: slice) -> torch.Tensor:
-        return torch.cat([torch.arange(s, s + chunk, device=device) for s in chunk_starts(r, cp, chunk, part)])
-
-    distance = positions(rank, rows)[:, None] - positions(source, keys)[None, :]
+    distance = row_positions(rank, rows, chunk, cp, device)[:, None] - row_positions(source, keys, chunk, cp,
+                                                                                     device)[None, :]
     return (distance >= 0) & (distance < window)
+
+
+def row_positions(rank: int, part: slice, chunk: int, cp: int, device: torch.device) -> torch.Tensor:
+    """The row positions of rank `rank`'s local indices `part` (whole chunks of `chunk`)."""
+    return torch.cat([torch.arange(s, s + chunk, device=device) for s in chunk_starts(rank, cp, chunk, part)])
+
+
+def attention_chunk_reach(rank: int, source: int, rows: slice, keys: slice, chunk: int, cp: int, size: int,
+                          packed: bool = False) -> str:
+    """How Llama 4's chunked attention (a query at position p sees the keys s <= p of its own chunk of `size`
+    positions, p // size = s // size) bears on the block, as window_reach says it: "outside", "inside" or "partial".
+    Host arithmetic on the chunks' starts: for query positions [a, b] and key positions [c, d] the farthest causal
+    pair (b, c) decides "inside" (c // size = b // size); a key some query sees lies in an attention chunk both
+    ranges reach, no later than that chunk's last query. Packed records (`packed`) are chunked by each record's own
+    positions, which the row's do not tell: "partial", masked by the positions themselves."""
+    if not size:
+        return "inside"
+    if packed:
+        return "partial"
+    reaches = set()
+    for a in chunk_starts(rank, cp, chunk, rows):
+        for c in chunk_starts(source, cp, chunk, keys):
+            b, d = a + chunk - 1, c + chunk - 1
+            if c > b:  # every key later than every query: the causal mask's, whatever the chunks
+                continue
+            if c // size == b // size:  # every causal pair within one attention chunk
+                reaches.add("inside")
+                continue
+            shared = range(max(a, c) // size, min(b, d) // size + 1)
+            seen = any(max(c, j * size) <= min(b, (j + 1) * size - 1) for j in shared)
+            reaches.add("partial" if seen else "outside")
+    return reaches.pop() if len(reaches) == 1 else "partial" if reaches else "inside"
+
+
+def attention_chunk_mask(rank: int, source: int, rows: slice, keys: slice, chunk: int, cp: int, size: int,
+                         positions: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Which of the block's keys each query sees within its attention chunk of `size` positions: (tq, tk), causal,
+    from the row positions; with `positions` (C, B, T / C: every rank's positions within their records, packed rows)
+    (B, 1, tq, tk), the same chunk of the record (the records' own mask, allowed_keys, says which record and causal)."""
+    if positions is not None:
+        q, k = positions[rank][:, rows] // size, positions[source][:, keys] // size
+        return (q[:, :, None] == k[:, None, :])[:, None]
+    q, k = row_positions(rank, rows, chunk, cp, device), row_positions(source, keys, chunk, cp, device)
+    return (q[:, None] >= k[None, :]) & (q[:, None] // size == k[None, :] // size)
 
 
 def allowed_keys(segments_q: torch.Tensor | None, segments_k: torch.Tensor | None, causal: bool,
@@ -150,19 +203,19 @@ def hop_kernel(device: torch.device) -> str:
 def _hop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T scale) v, log-sum-exp of the scores) of one block, by KV head's group of query heads: (B, KV,
-    G, tq, D) and (B, KV, G, tq, 1); q (B, H, tq, D), k and v (B, KV, tk, D); `allowed` (allowed_keys) or, where
-    None, causal or every key. A row that sees no key here has lse -inf and output 0, so that the merge ignores it.
-    The results are views of what the kernel made, in its layout: nothing copied."""
+    G, tq, Dv) and (B, KV, G, tq, 1); q (B, H, tq, D), k (B, KV, tk, D), v (B, KV, tk, Dv); `allowed` (allowed_keys)
+    or, where None, causal or every key. A row that sees no key here has lse -inf and output 0, so that the merge
+    ignores it. The results are views of what the kernel made, in its layout: nothing copied."""
     B, H, tq, D = q.shape
-    KV = k.shape[1]
+    KV, Dv = k.shape[1], v.shape[-1]
     if hop_kernel(q.device) == "fused":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *_by_kv_head(q, k, v), 0.0, causal and allowed is None,
+            *_by_kv_head(*_one_width(q, k, v)), 0.0, causal and allowed is None,
             attn_mask=_by_kv_head_mask(allowed, KV, q.dtype), scale=scale)
         lse = lse.view(B, KV, H // KV, tq, 1)
         if allowed is not None:  # the kernel gives a row without keys lse 0
             lse = lse.masked_fill(~_per_group(allowed.any(-1, keepdim=True)), float("-inf"))
-        return out.view(B, KV, H // KV, tq, D), lse
+        return out.view(B, KV, H // KV, tq, -1)[..., :Dv], lse
     qg = q.view(B, KV, H // KV, tq, D)
     scores = qg @ k.unsqueeze(2).transpose(-1, -2) * scale
     allowed = _causal(tq, k.shape[2], q.device) if allowed is None and causal else allowed
@@ -173,30 +226,45 @@ def _hop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
 
 
 def _hop_backward(q, k, v, dout, out, lse, allowed, causal, scale):
-    """The block's (dq (B, KV, G, tq, D), dk, dv (B, KV, tk, D)) from the final output and lse (FlashAttention's
-    backward); dk and dv summed over each KV head's group of query heads."""
+    """The block's (dq (B, KV, G, tq, D), dk (B, KV, tk, D), dv (B, KV, tk, Dv)) from the final output and lse
+    (FlashAttention's backward); dk and dv summed over each KV head's group of query heads."""
     B, H, tq, D = q.shape
-    KV = k.shape[1]
+    KV, Dv = k.shape[1], v.shape[-1]
     if hop_kernel(q.device) == "fused":
+        qw, kw, vw = _one_width(q, k, v)
+        W = qw.shape[-1]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.reshape(B * KV, H // KV, tq, D), *_by_kv_head(q, k, v), out.reshape(B * KV, H // KV, tq, D),
-            lse.reshape(B * KV, H // KV, tq), 0.0, causal and allowed is None,
-            attn_mask=_by_kv_head_mask(allowed, KV, q.dtype),
-            scale=scale)
-        return dq.view(B, KV, H // KV, tq, D), *(t.sum(1).view(B, KV, -1, D) for t in (dk, dv))
-    qg, dg = q.view(B, KV, H // KV, tq, D), dout.view(B, KV, H // KV, tq, D)
+            _widened(dout, W).reshape(B * KV, H // KV, tq, W), *_by_kv_head(qw, kw, vw),
+            _widened(out, W).reshape(B * KV, H // KV, tq, W), lse.reshape(B * KV, H // KV, tq), 0.0,
+            causal and allowed is None, attn_mask=_by_kv_head_mask(allowed, KV, q.dtype), scale=scale)
+        return (dq.view(B, KV, H // KV, tq, W)[..., :D], dk.sum(1).view(B, KV, -1, W)[..., :D],
+                dv.sum(1).view(B, KV, -1, W)[..., :Dv])
+    qg, dg = q.view(B, KV, H // KV, tq, D), dout.view(B, KV, H // KV, tq, Dv)
     kk, vv = k.unsqueeze(2), v.unsqueeze(2)
     scores = qg @ kk.transpose(-1, -2) * scale
     allowed = _causal(tq, k.shape[2], q.device) if allowed is None and causal else allowed
     if allowed is not None:
         scores = scores.masked_fill(~_per_group(allowed), float("-inf"))
     p = torch.exp(scores - lse.view(B, KV, H // KV, tq, 1))
-    delta = (dg * out.view(B, KV, H // KV, tq, D)).sum(-1, keepdim=True)
+    delta = (dg * out.view(B, KV, H // KV, tq, Dv)).sum(-1, keepdim=True)
     ds = p * (dg @ vv.transpose(-1, -2) - delta)
     dq = ds @ kk * scale
     dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
     dv = (p.transpose(-1, -2) @ dg).sum(2)
     return dq, dk, dv
+
+
+def _one_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v at one head width, as the fused kernel takes them: latent attention's values (narrower than q and
+    k) padded with zero units, whose outputs are zero and dropped; or q and k padded where the values are wider (zero
+    units add nothing to a score). A hop's copy, never the tensors that travel."""
+    W = max(q.shape[-1], v.shape[-1])
+    return _widened(q, W), _widened(k, W), _widened(v, W)
+
+
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t with zero units appended to its last dimension up to `width` (t itself at that width)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
 def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -264,36 +332,40 @@ def _wait(works) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, documents, group, scale, window):
+    def forward(ctx, q, k, v, documents, positions, group, scale, window, attention_chunk):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         T, KV = q.shape[2], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
         qa = q.to(acc)
-        out = torch.zeros_like(qa)
+        # the output at the values' width (latent attention's are narrower than q and k), laid out (B, T, H, Dv) as
+        # SDPA's: the output projection reads it as its input without a copy
+        B, H = q.shape[:2]
+        out = qa.new_zeros(B, T, H, v.shape[-1]).transpose(1, 2)
         lse = torch.full((*q.shape[:3], 1), float("-inf"), dtype=acc, device=q.device)
         kv = (k, v)
         for hop in range(cp):
             source = (me - hop) % cp
             if hop < cp - 1:  # the next hop's keys and values travel while this hop computes
                 following, works = pass_around(kv, group, TAG_KV)
-            block = _hop(me, source, T // 2, cp, window)
+            block = _hop(me, source, T // 2, cp, window, attention_chunk, positions is not None)
             if block is not None:
                 rows, keys, causal, reach = block
                 kk, vv = (t[:, :, keys].to(acc) for t in kv)
-                allowed = _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp)
+                allowed = _allowed(documents, positions, me, source, rows, keys, causal, q, reach, window,
+                                   attention_chunk, cp)
                 out_h, lse_h = _hop_forward(qa[:, :, rows], kk, vv, allowed, causal, scale)
                 merge(_grouped(out[:, :, rows], KV), _grouped(lse[:, :, rows], KV), out_h, lse_h)
             if hop < cp - 1:
                 _wait(works)
                 kv = following
-        ctx.save_for_backward(q, k, v, out, lse, documents)
-        ctx.group, ctx.scale, ctx.window = group, scale, window
+        ctx.save_for_backward(q, k, v, out, lse, documents, positions)
+        ctx.group, ctx.scale, ctx.window, ctx.attention_chunk = group, scale, window, attention_chunk
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, documents = ctx.saved_tensors
-        group, scale, window = ctx.group, ctx.scale, ctx.window
+        q, k, v, out, lse, documents, positions = ctx.saved_tensors
+        group, scale, window, attention_chunk = ctx.group, ctx.scale, ctx.window, ctx.attention_chunk
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         T, KV = q.shape[2], k.shape[1]
         acc = lse.dtype
@@ -305,11 +377,12 @@ class _RingAttention(torch.autograd.Function):
             if hop < cp - 1:
                 following, works = pass_around(kv, group, TAG_KV)
             dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-            block = _hop(me, source, T // 2, cp, window)
+            block = _hop(me, source, T // 2, cp, window, attention_chunk, positions is not None)
             if block is not None:
                 rows, keys, causal, reach = block
                 kk, vv = (t[:, :, keys].to(acc) for t in kv)
-                allowed = _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp)
+                allowed = _allowed(documents, positions, me, source, rows, keys, causal, q, reach, window,
+                                   attention_chunk, cp)
                 dq_h, dk_h, dv_h = _hop_backward(qa[:, :, rows], kk, vv, dout[:, :, rows], out[:, :, rows],
                                                  lse[:, :, rows], allowed, causal, scale)
                 _grouped(dq[:, :, rows], KV).add_(dq_h)
@@ -326,42 +399,59 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:
             _wait(arriving[1])
             dkv = arriving[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def _hop(me, source, chunk, cp, window):
-    """hop_blocks' (rows, keys, causal) with the window's reach over them, None where nothing is computed."""
+def _hop(me, source, chunk, cp, window, attention_chunk, packed):
+    """hop_blocks' (rows, keys, causal) with the reach of the window and of the attention chunks over them (outside
+    if either's is, inside if both are), None where nothing is computed."""
     block = hop_blocks(me, source, chunk)
     if block is None:
         return None
-    reach = window_reach(me, source, block[0], block[1], chunk, cp, window)
-    return None if reach == "outside" else (*block, reach)
+    reaches = {window_reach(me, source, block[0], block[1], chunk, cp, window),
+               attention_chunk_reach(me, source, block[0], block[1], chunk, cp, attention_chunk, packed)}
+    if "outside" in reaches:
+        return None
+    return (*block, "partial" if "partial" in reaches else "inside")
 
 
-def _allowed(documents, me, source, rows, keys, causal, q, reach, window, cp):
-    """Where the block's queries see its keys (allowed_keys), with a window that bears on part of it (window_reach's
-    "partial") as one more mask: then causal by the row's positions, for each row of the batch."""
+def _allowed(documents, positions, me, source, rows, keys, causal, q, reach, window, attention_chunk, cp):
+    """Where the block's queries see its keys (allowed_keys), with a window and attention chunks that bear on part of
+    it (their reach "partial") as more masks: then causal by the row's positions, for each row of the batch (the
+    attention chunks by the records' positions for packed rows)."""
     tq, tk = rows.stop - rows.start, keys.stop - keys.start
     segments_q = documents[me][:, rows] if documents is not None else None
     segments_k = documents[source][:, keys] if documents is not None else None
     allowed = allowed_keys(segments_q, segments_k, causal, tq, tk, q.device)
     if reach != "partial":
         return allowed
-    within = window_mask(me, source, rows, keys, q.shape[2] // 2, cp, window, q.device)
-    return within.expand(q.shape[0], 1, tq, tk) if allowed is None else allowed & within
+    chunk = q.shape[2] // 2
+    masks = [window_mask(me, source, rows, keys, chunk, cp, window, q.device)] if window else []
+    if attention_chunk:
+        masks.append(attention_chunk_mask(me, source, rows, keys, chunk, cp, attention_chunk, positions, q.device))
+    for within in masks:
+        allowed = within.expand(q.shape[0], 1, tq, tk) if allowed is None else allowed & within
+    return allowed
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None,
-                   documents: torch.Tensor | None = None, scale: float | None = None, window: int = 0) -> torch.Tensor:
+                   documents: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
+                   attention_chunk: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries q (B, H, T/C, D) over the whole row's keys and values, of which this
-    rank holds k and v (B, KV, T/C, D), KV dividing H; every rank of `group` (C ranks, the ring) calls it with its
+    rank holds k (B, KV, T/C, D) and v (B, KV, T/C, Dv: latent attention's values narrower), KV dividing H; every
+    rank of `group` (C ranks, the ring) calls it with its
     zig-zag part (zigzag_split). `documents` (C, B, T/C): every rank's segment ids (gather_segments), for packed
     records; None: one document per row. `scale`: the scores' factor (None: 1 / sqrt(D)). `window`: each query sees
-    at most this many keys, its own included (0: all; window_reach). Returns this rank's output (B, H, T/C, D), in
-    zig-zag order as q."""
+    at most this many keys, its own included (0: all; window_reach). `attention_chunk`: Llama 4's chunked attention,
+    each query sees the keys of its own chunk of that many positions (0: all; attention_chunk_reach); for packed
+    records the chunks are each record's, by `positions` (C, B, T/C: every rank's tokens' positions within their
+    records). Returns this rank's output (B, H, T/C, Dv), in zig-zag order as q."""
     if q.shape[2] % 2:
         raise ValueError(f"a rank's {q.shape[2]} tokens are not two equal chunks (zigzag_split's)")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} KV heads do not divide {q.shape[1]} query heads")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), documents, group, scale, window)
+    if not attention_chunk or documents is None:
+        positions = None  # one document a row: the row's positions, from the chunks' places
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), documents, positions, group, scale, window,
+                                attention_chunk)
