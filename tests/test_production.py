@@ -212,8 +212,11 @@ def test_a_signal_to_the_process_group_is_one_stop_saved_at_its_step_and_the_res
     stopped = str(tmp_path / "stopped")
     r = in_own_session(tmp_path, "train", *args, "--out", stopped, faults=f"group_{kind.lower()}@step=3,rank=1")
     assert r.returncode == 0 and r.left == [], r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (f"zerotrain: {kind} received: every rank finishes its current step "
-                                                 "and saves; send it again to stop at once")
+    # the launcher's one line for the request; the second when a rank's own delivery began its save first (a loaded
+    # machine runs the ranks' handlers before the launcher's)
+    assert r.stderr.strip().splitlines()[-1] in (
+        f"zerotrain: {kind} received: every rank finishes its current step and saves; send it again to stop at once",
+        f"zerotrain: saving step 3; {kind} and any further signal are ignored until the save is committed"), r.stderr
     assert r.stdout.strip().splitlines()[-1] == \
         f"zerotrain: stopped by {kind} at step 3; saved step_00000003; continue with --resume auto"
     assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000003"]
