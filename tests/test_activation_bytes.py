@@ -525,3 +525,23 @@ def test_gemma4_under_selective_recompute_keeps_what_blocks_does_and_the_plan_sa
     assert measured == measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "blocks")
     with mock.patch.object(memory, "GEMMA4", ()):  # planted: counted as a Llama's selective block
         assert activation_bytes(cfg, 2, 16, precision=precision, recompute="selective")["total"] != measured
+
+
+def test_the_plan_at_cp2_ep2_counts_the_exchange_indices_of_a_ranks_own_tokens_and_whole_rows_are_caught(
+        monkeypatch):
+    """Under --cp 2 --ep 2 each rank routes its T / 2 tokens of every row through the exchange: the plan's activations
+    are those of B x T / 2 tokens at --ep 2, the indices of N k = B T / 2 x k rows included. Planted: the --cp rows
+    (parallel/context.py) planned without --ep, which counted the indices of whole rows (512 bytes more a MoE layer
+    here, B 2 x T 16 x top-2)."""
+    from test_plan import config_of
+
+    from zerotrain.parallel import context
+    from zerotrain.training import memory_plan as plan_module
+
+    cfg = config_of("--preset", "qwen3-moe-tiny", "--nproc", "4", "--cp", "2", "--ep", "2", "--data", "synthetic",
+                    "--micro-batch", "2")
+    rank = activation_bytes(cfg.model, 2, cfg.model.seq_len // 2, ep=2)["total"]
+    assert plan_module.memory_plan(cfg).rows["activations"] == rank
+    real = context.activation_bytes
+    monkeypatch.setattr(context, "activation_bytes", lambda *a, ep=1, **kw: real(*a, **kw))
+    assert plan_module.memory_plan(cfg).rows["activations"] == rank + cfg.model.n_layer * 2 * 2 * 8 * 2 * 8
