@@ -445,36 +445,67 @@ def test_a_gemma4_tp2_rank_saves_what_the_plan_counts_and_whole_kv_heads_are_cau
         assert activation_bytes(cfg, 2, 16, **kw)["total"] > measured
 
 
-def gemma4_ep_bytes_job(rank, comm, tmp_path):
-    """Each EP rank's measured bytes of the Gemma 4 MoE model with its block of 2 of the 4 experts, the rows exchanged
-    with the other rank (parallel/experts.ExpertExchange), at micro-batch 2, seq_len 16, in each precision."""
+def ep_configs() -> dict[str, ModelConfig]:
+    """A tiny model of each MoE family, each with 4 experts or more, an even number (--ep 2 splits them): the Qwen3-MoE
+    preset and, as test_moe.py makes them, Qwen2-MoE (a shared expert, a dense layer), OLMoE and Mixtral; gpt-oss
+    (its biased experts, sinks and window) as test_gpt_oss.py's, GLM-4.5 (top-3 of 8) as test_glm45.py's;
+    Qwen3.5-MoE, DeepSeek-V3, Mistral 4, Llama 4 and Gemma 4 as the tests above."""
+    import transformers
+    from test_glm45 import SIZES as GLM45_SIZES
+    from test_gpt_oss import our_config as our_gpt_oss_config
+
+    base = ModelConfig(**PRESETS["qwen3-moe-tiny"])
+    return {"qwen3_moe": base,
+            "qwen2_moe": dataclasses.replace(base, arch="qwen2_moe", norm_topk_prob=False, shared_expert_width=24,
+                                             mlp_only_layers="1"),
+            "olmoe": dataclasses.replace(base, arch="olmoe", norm_topk_prob=False),
+            "mixtral": dataclasses.replace(base, arch="mixtral"),
+            "gpt_oss": dataclasses.replace(our_gpt_oss_config(), n_experts=4, experts_per_token=2, sliding_window=5),
+            "qwen3_5_moe": QWEN35_CONFIGS["qwen3_5_moe"],
+            **{family: cfg for family, cfg in latent_configs().items() if family != "deepseek_v3 q_proj"},
+            "glm4_moe": hf_config_of(transformers.Glm4MoeConfig(**GLM45_SIZES)),
+            "llama4": llama4_config(), "gemma4": gemma4_config(moe=True)}
+
+
+def ep_bytes_job(rank, comm, tmp_path, configs):
+    """Each EP rank's measured bytes of each model with its block of half the experts, the rows exchanged with the
+    other rank (parallel/experts.ExpertExchange), at micro-batch 2, seq_len 16, in each precision."""
     from zerotrain.model.moe import moe_layers
     from zerotrain.parallel.experts import ExpertExchange, keep_expert_block
 
     out = {}
-    for precision in ("fp32", "bf16"):
-        model = build_model(gemma4_config(moe=True), seed=0)
-        keep_expert_block(model, 2, rank)
-        for layer in moe_layers(model):
-            layer.exchange = ExpertExchange(comm, layer.n_experts)
-        out[precision] = measured_bytes(model, 2, 16, precision, "none")
+    for family, cfg in configs.items():
+        for precision in ("fp32", "bf16"):
+            model = build_model(cfg, seed=0)
+            keep_expert_block(model, 2, rank)
+            for layer in moe_layers(model):
+                layer.exchange = ExpertExchange(comm, layer.n_experts)
+            out[f"{family} {precision}"] = measured_bytes(model, 2, 16, precision, "none")
     return out
 
 
-def test_gemma4_moe_at_ep2_saves_the_plans_rows_at_the_mean_rank_and_the_old_rows_are_caught(tmp_path):
+def test_every_moe_family_at_ep2_saves_the_plans_rows_at_the_mean_rank_and_forgotten_exchange_indices_are_caught(
+        tmp_path):
     """The rows an EP rank's experts get depend on the routing (dropless): the plan counts the mean rank's, N k, so
-    the two ranks' bytes sum to twice the plan, plus what the exchange itself keeps, which the plan counts for no
-    family yet: each MoE layer's received rows in expert order and back (expert_major_order and its inverse, two int64
-    indices of the rows received: 2 N k 8 bytes at the mean rank). Planted: the experts in place of the MLP."""
-    cfg = gemma4_config(moe=True)
-    codes, results = spawn(gemma4_ep_bytes_job, 2, tmp_path, timeout=90)
+    the two ranks' bytes sum to twice the plan, the exchange's own two int64 indices of the rows received
+    (expert_major_order and its inverse, expert_exchange: 2 N k 8 bytes a MoE layer) included. Planted: those
+    indices forgotten (the plan before: 1,024 bytes short a MoE layer and rank at 2 x 16 tokens, top-2), and for
+    Gemma 4 its experts counted in place of the MLP."""
+    configs = ep_configs()
+    codes, results = spawn(ep_bytes_job, 2, tmp_path, configs, timeout=180)
     assert codes == [0, 0] and all(r is not None and "error" not in r for r in results), results
-    exchange = 2 * 2 * 16 * cfg.experts_per_token * 8 * cfg.n_layer  # per rank, at the mean rank's rows
-    for precision in ("fp32", "bf16"):
-        measured = sum(r[precision] for r in results)
-        assert 2 * (activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"] + exchange) == measured
-        with mock.patch.object(memory, *GEMMA4_MOE_OMITTED["experts in place of the MLP"]):
-            assert 2 * (activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"] + exchange) < measured
+    assert len(results[0]) == 2 * len(configs)
+    for case in results[0]:
+        family, precision = case.split()
+        cfg, measured = configs[family], sum(r[case] for r in results)
+        assert 2 * activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"] == measured, case
+        with mock.patch.object(memory, "expert_exchange", lambda s, cfg: 0):
+            forgotten = 2 * activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"]
+        moe_layers = sum(map(cfg.has_experts, range(cfg.n_layer)))
+        assert measured - forgotten == 2 * moe_layers * 2 * 2 * 16 * cfg.experts_per_token * 8, case
+        if family == "gemma4":
+            with mock.patch.object(memory, *GEMMA4_MOE_OMITTED["experts in place of the MLP"]):
+                assert 2 * activation_bytes(cfg, 2, 16, precision=precision, ep=2)["total"] < measured, case
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -494,3 +525,23 @@ def test_gemma4_under_selective_recompute_keeps_what_blocks_does_and_the_plan_sa
     assert measured == measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "blocks")
     with mock.patch.object(memory, "GEMMA4", ()):  # planted: counted as a Llama's selective block
         assert activation_bytes(cfg, 2, 16, precision=precision, recompute="selective")["total"] != measured
+
+
+def test_the_plan_at_cp2_ep2_counts_the_exchange_indices_of_a_ranks_own_tokens_and_whole_rows_are_caught(
+        monkeypatch):
+    """Under --cp 2 --ep 2 each rank routes its T / 2 tokens of every row through the exchange: the plan's activations
+    are those of B x T / 2 tokens at --ep 2, the indices of N k = B T / 2 x k rows included. Planted: the --cp rows
+    (parallel/context.py) planned without --ep, which counted the indices of whole rows (512 bytes more a MoE layer
+    here, B 2 x T 16 x top-2)."""
+    from test_plan import config_of
+
+    from zerotrain.parallel import context
+    from zerotrain.training import memory_plan as plan_module
+
+    cfg = config_of("--preset", "qwen3-moe-tiny", "--nproc", "4", "--cp", "2", "--ep", "2", "--data", "synthetic",
+                    "--micro-batch", "2")
+    rank = activation_bytes(cfg.model, 2, cfg.model.seq_len // 2, ep=2)["total"]
+    assert plan_module.memory_plan(cfg).rows["activations"] == rank
+    real = context.activation_bytes
+    monkeypatch.setattr(context, "activation_bytes", lambda *a, ep=1, **kw: real(*a, **kw))
+    assert plan_module.memory_plan(cfg).rows["activations"] == rank + cfg.model.n_layer * 2 * 2 * 8 * 2 * 8

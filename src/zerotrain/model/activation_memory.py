@@ -21,6 +21,9 @@ and everything between the blocks are whole), `a` bytes per activation (4 fp32, 
                                (+ 4 N Ws a + N a + N C a shared)    experts' SwiGLUs; Qwen2-MoE's shared expert
                                gpt-oss: 7 N k W a for 4 N k W a     its clamped SwiGLU (its top-k softmax in the
                                                                     activations' dtype: the weights themselves)
+                               (+ 2 N k 8 under --ep)               the exchange's two indices of the rows its
+                                                                    experts receive, N k at the mean rank; every
+                                                                    MoE family's, Gemma 4's too (expert_exchange)
                  (Qwen2's q/k/v biases save nothing: the linear's output is what it was)
     Gemma block  4 (1 + w)      4 x (2 BTC 4 + BT 4 + C 4)          fp32 input and normalized, rsqrt, gain 1 + w
                  RMSNorms       + 2 BTC a                           the two outputs a linear reads
@@ -536,6 +539,15 @@ def grouped_offsets(cfg: ModelConfig, device: str, precision: str, tp: int = 1, 
     return cfg.n_experts // ep * INT32
 
 
+def expert_exchange(s: RankShape, cfg: ModelConfig) -> int:
+    """What an MoE layer's exchange under --ep keeps beyond `experts` (parallel/experts.ExpertExchange): the rows its
+    experts receive put in expert order (expert_major_order) and back (its inverse), two int64 indices of those rows,
+    saved by the two gathers; N k rows at the mean rank (the rows a rank's experts get depend on the routing, their sum
+    over the EP group does not), as `experts` counts the experts' rows. Its all-to-alls keep nothing (their backward
+    needs the split sizes alone), and the rows in expert order are the experts' input `experts` counts."""
+    return 2 * s.BT * cfg.experts_per_token * INDEX
+
+
 def gemma_norm(s: RankShape) -> int:
     """Gemma's (1 + w) RMSNorm, all in fp32: the fp32 input (x itself in fp32, a copy in bf16), rsqrt per token, the
     normalized input in fp32 and the gain 1 + w (C, fp32), both saved by their product; its output is counted where
@@ -773,9 +785,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
     if cfg.arch in GEMMA4 and recompute == "none":
         blocks = sum(gemma4_block(s, cfg, layer) for layer in range(cfg.n_layer))
     if cfg.moe and recompute == "none":  # its layers' experts in place of their MLP (Gemma 4's beside it)
-        offsets = grouped_offsets(cfg, device, precision, tp, ep)
+        # beyond the experts' rows: the grouped path's offsets, and under --ep the exchange's indices
+        beside = grouped_offsets(cfg, device, precision, tp, ep) + (expert_exchange(s, cfg) if ep > 1 else 0)
         layer_moe = gemma4_moe(s, cfg, tp) if cfg.arch in GEMMA4 else experts(s, cfg, tp) - swiglu_mlp(s)
-        blocks += sum(layer_moe + offsets for layer in range(cfg.n_layer) if cfg.has_experts(layer))
+        blocks += sum(layer_moe + beside for layer in range(cfg.n_layer) if cfg.has_experts(layer))
     if recompute == "full" and objective == "dpo":
         # the head and the loss run under a checkpoint whose one input is the final norm's output (in `head`)
         total_loss = 0

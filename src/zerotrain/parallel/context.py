@@ -122,7 +122,7 @@ class ContextParallelRows:
         m, p = cfg.model, cfg.parallel
         T, B, C = m.seq_len, sequences, self.cp
         common = dict(tp=p.tp, precision=p.precision, recompute=p.activation_checkpointing, device=cfg.launch.device,
-                      objective=cfg.objective.method)
+                      objective=cfg.objective.method, ep=p.ep)  # (with --ep: the exchange's indices of T / C tokens)
         whole = activation_bytes(m, B, T, documents=documents, **common)
         # the ring takes no mask, a sliding window's or Llama 4's attention chunks' neither (each hop masks its block
         # and drops it): the window lifted to the row, the sliding layers still sliding (Gemma 3's local rotary
