@@ -1,6 +1,6 @@
 """One optimizer step's micro-batches: each one's forward, its objective's loss over the global batch, its backward.
 
-Every method feeds its loss to this one loop (sft's token loss, dpo's pair losses, next grpo's policy-gradient loss),
+Every method feeds its loss to this one loop (sft's token loss, dpo's pair losses, grpo's policy-gradient loss),
 so none keeps its own copy of what makes accumulation exact. An objective supplies, for one step:
 
     micro_batches   this rank's micro-batches in order, each a Micro: the rows of the global batch it holds (LoRA's
