@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -49,6 +50,14 @@ def in_turn_job(cfg: Config, comm: Comm, jobs: list[tuple[Callable[[Config, Comm
     real code.
     """
     return [job(c, comm) for job, c in jobs]
+
+
+def run_in_turn(out: dict, jobs: dict, time_limit: float) -> None:
+    """{name: (job, config)} run in turn on one start of the first config's ranks (in_turn_job); each job's result
+    put in `out` under its name."""
+    from zerotrain.runtime.launch import run_job  # the launcher's side: the ranks never call this
+    pairs = list(jobs.values())
+    out.update(zip(jobs, run_job(functools.partial(in_turn_job, jobs=pairs), pairs[0][1], time_limit=time_limit)))
 
 
 def undurable_rollback_job(cfg: Config, comm: Comm) -> dict:

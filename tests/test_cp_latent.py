@@ -20,7 +20,6 @@ from test_hsdp import worst_gap
 from test_packing import make_records, write_records
 
 from zerotrain.config import resolve, validate
-from zerotrain.runtime.launch import run_job
 
 LIMIT = 900
 pytestmark = pytest.mark.timeout(3 * LIMIT)
@@ -45,10 +44,7 @@ def runs(tmp_path_factory):
     data = write_records(tmp / "data", make_records(400))  # records of 5 to 18 tokens, crossing the chunks
     out = {}
 
-    def start(cfgs: dict) -> None:
-        jobs = list(cfgs.values())
-        out.update(zip(cfgs, run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1],
-                                     time_limit=LIMIT)))
+    start = functools.partial(dist_jobs.run_in_turn, out, time_limit=LIMIT)
 
     job = cp_jobs.trained_job
     start({"cp2": (job, latent(tmp, "cp2", data, 2, cp=2)),

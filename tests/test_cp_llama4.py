@@ -23,7 +23,6 @@ from test_packing import make_records, write_records
 
 from zerotrain.config import resolve, validate
 from zerotrain.parallel.ring_attention import attention_chunk_mask, attention_chunk_reach, hop_blocks, zigzag_split
-from zerotrain.runtime.launch import run_job
 
 LIMIT, SIZE = 900, 12
 pytestmark = pytest.mark.timeout(3 * LIMIT)
@@ -51,10 +50,7 @@ def runs(tmp_path_factory):
     data = write_records(tmp / "data", make_records(400))  # records of 5 to 18 tokens: several chunks in some
     out = {}
 
-    def start(cfgs: dict) -> None:
-        jobs = list(cfgs.values())
-        out.update(zip(cfgs, run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1],
-                                     time_limit=LIMIT)))
+    start = functools.partial(dist_jobs.run_in_turn, out, time_limit=LIMIT)
 
     job = cp_jobs.moe_trained_job
     start({"cp2": (job, llama4(tmp, "cp2", data, 2, cp=2)),

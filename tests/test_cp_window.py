@@ -19,7 +19,6 @@ from test_packing import make_records, write_records
 
 from zerotrain.config import resolve, validate
 from zerotrain.parallel.ring_attention import hop_blocks, window_mask, window_reach, zigzag_split
-from zerotrain.runtime.launch import run_job
 
 WINDOW, LIMIT = 12, 900
 pytestmark = pytest.mark.timeout(3 * LIMIT)
@@ -42,10 +41,7 @@ def runs(tmp_path_factory):
     data = write_records(tmp / "data", make_records(400))  # records of 5 to 18 tokens: the window bites in them
     out = {}
 
-    def start(cfgs: dict) -> None:
-        jobs = list(cfgs.values())
-        out.update(zip(cfgs, run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1],
-                                     time_limit=LIMIT)))
+    start = functools.partial(dist_jobs.run_in_turn, out, time_limit=LIMIT)
 
     job = cp_jobs.trained_job
     # 4 ranks, DP 1: the global batch is 4 rows as at 1 rank (micro-batch 2 x accum 2)
