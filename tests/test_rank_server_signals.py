@@ -14,7 +14,10 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = """
-import multiprocessing, sys
+import multiprocessing, signal, sys
+# SIGINT's default, as a terminal gives it: a shell's background job starts with SIGINT ignored, and a process
+# started ignoring it (the server, by exec) never sees the Ctrl-C this test sends
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import sigint_on_import
 import zerotrain.runtime.rank_start as r
 rest = [m for m in r.PRELOAD if m != "zerotrain.runtime.rank_start"]
