@@ -13,7 +13,7 @@ from dist_jobs import summary
 from zerotrain import checkpoint, load_model
 from zerotrain.checkpoint import homes
 from zerotrain.config import Config
-from zerotrain.model import deepseek, lora
+from zerotrain.model import deepseek, gemma4, lora
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.model.recompute import in_backward
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
@@ -228,3 +228,16 @@ def routing_skipped_in_recompute_job(cfg: Config, comm: Comm) -> dict:
             return trained_job(cfg, comm)
         except Exception as e:  # noqa: BLE001 - what stopped the run is the result
             return {"error": f"{type(e).__name__}: {e}"}
+
+
+def shared_kv_off_the_ring_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: Gemma 4's shared-KV layers attend over this rank's part of their source layer's keys and values
+    only, as if it were the whole row (causal in local order), not around the ring with them."""
+    real = gemma4.attend
+
+    def local(q, k, v, cache=None, layer=0, documents=None, **kw):
+        shared = layer >= cfg.model.n_layer - cfg.model.kv_shared_layers
+        return real(q, k, v, cache, layer, None if shared else documents, **{**kw, "window": 0} if shared else kw)
+
+    with mock.patch.object(gemma4, "attend", local):
+        return trained_job(cfg, comm)

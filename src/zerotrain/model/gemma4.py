@@ -30,6 +30,10 @@ layer_scalar is a buffer in transformers, which its optimizer never moves; here 
 detached: its gradient is zero, AdamW (undecayed, as a vector) leaves it as it was, and the files' values (the
 released checkpoints' are not 1) are read and exported. Packed records: positions restart at each record, and each
 record's tokens see their own record only (the sliding window inside it), on both kinds and through the shared KV.
+Context parallelism (--cp): each rank's part of the rows around the ring (parallel/ring_attention.py), both kinds'
+rotary at the tokens' positions in the whole row (or record), the sliding layers' window in the ring; a shared-KV
+layer's ring carries its source layer's keys and values of this rank's part (their gradients come home to that
+layer); the per-layer inputs and the logits' soft-cap are each token's own.
 
 Parameter names are transformers' (model.embed_tokens_per_layer, model.per_layer_model_projection,
 model.layers.{i}.per_layer_input_gate, ...) but the MoE block's: its router and experts are model/moe.py's under
@@ -49,7 +53,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from .attention import attend
+from .attention import RingAttention, attend
 from . import moe
 from .decoder import Decoder
 from .gemma import embedding_scale, geglu
@@ -143,8 +147,11 @@ class Gemma4Attention(nn.Module):
             v = self.v_norm(v).transpose(1, 2)
             if cache is not None:  # the keys and values of every position so far
                 k, v = cache.append(layer, k, v)
+            if isinstance(mask, RingAttention):  # what travels, made contiguous once: a shared-KV layer's ring
+                k, v = k.contiguous(), v.contiguous()  # reads these, not copies of its own
             shared[layer] = k, v
-        y = attend(q, k, v, None, layer, mask, scale=1.0)
+        # the window: a ring's (under --cp each hop masks its block by it); otherwise `mask` holds it already
+        y = attend(q, k, v, None, layer, mask, window=self.window, scale=1.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def head_norm(self, norm: Gemma4RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -275,13 +282,17 @@ class Gemma4(Decoder):
         cfg = self.cfg
         x = self.model.embed_tokens(idx)
         x = x * embedding_scale(cfg.n_embd, x.dtype)
-        per_layer = self.per_layer_inputs(idx, x)
-        positions = new_positions(idx, cache, cfg.positions, segments)
+        per_layer = self.per_layer_inputs(idx, x)  # each token's own: this rank's tokens' under --cp
+        ring = None
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row, around the ring
+            positions, ring = self.context_parallel.prepare(idx, segments)
+        else:
+            positions = new_positions(idx, cache, cfg.positions, segments)
         tables = {False: rotary_tables(positions, cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta),
                   True: rotary_tables(positions, cfg.global_head_width, cfg.rope_theta, global_rotary(cfg))}
         past = 0 if cache is None else cache.length
-        masks = {kind: layer_mask(cfg, idx, x.dtype, None, segments, window) if past == 0 else
-                 cached_mask(past, idx.shape[1], window, idx.device)
+        masks = {kind: ring if ring is not None else layer_mask(cfg, idx, x.dtype, None, segments, window)
+                 if past == 0 else cached_mask(past, idx.shape[1], window, idx.device)
                  for kind, window in ((False, cfg.sliding_window), (True, 0))}
         shared = {}  # layer -> its keys and values, for the shared-KV layers that read them
         for layer, block in enumerate(self.model.layers):

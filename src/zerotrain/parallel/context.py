@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from zerotrain.config import DEEPSEEK, LLAMA4
+from zerotrain.config import DEEPSEEK, GEMMA4, LLAMA4
 from zerotrain.data.batches import MicroBatch
 from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, math_attention, rotary_bases
 from zerotrain.model.attention import RingAttention
@@ -134,16 +134,18 @@ class ContextParallelRows:
         held = part["total"] + ring_core_difference(m, B, Tc, p.tp, p.precision, recompute, cfg.launch.device)
         if recompute == "none" and p.precision != "fp32":
             # the ring merges in fp32 and keeps that output for its backward beside the copy o_proj reads
-            held += m.n_layer * B * Tc * (m.n_head // p.tp) * (m.v_head_dim if m.arch in DEEPSEEK else m.head_dim) * 4
+            held += sum(B * Tc * (m.n_head // p.tp) * head_widths(m, layer)[1] * 4 for layer in range(m.n_layer))
         if documents:
             held += C * B * Tc * 8  # gather_segments: every rank's segment ids
             if recompute == "none" and (p.precision == "fp32" or m.arch in LLAMA4):
                 # the rotations' fp32 cos and sin, one pair per row (of the rotated units: GLM-4.5's partial share,
                 # DeepSeek-V3's rotary units; Llama 4 rotates in fp32 in every precision)
                 windows = [m.sliding_window if m.sliding(layer) else 0 for layer in range(m.n_layer)]
-                held += (B - 1) * Tc * m.rotary_dim * 4 * 2 * rotary_bases(m, windows)  # Gemma 3's two bases
-            elif recompute == "none":  # each block's casts of them, for q and for k, one per row
-                held += m.n_layer * (B - 1) * 4 * Tc * m.rotary_dim * a
+                held += (B - 1) * Tc * rotated_units(m, windows) * 4 * 2
+            elif recompute == "none":  # each block's casts of them, for q and for k (Gemma 4's shared-KV layers
+                # rotate no keys), one per row
+                held += sum((B - 1) * 2 * (1 + (m.kv_source(layer) == layer)) * Tc * head_widths(m, layer)[0] * a
+                            for layer in range(m.n_layer))
             held += per_row_positions(m, C, B, Tc, p.precision, recompute)
         # k and v as they travel (latent attention: every head its own keys, values of v_head_dim); the fused hop
         # kernel's gradients at the wider of the two widths (values padded to q's)
@@ -184,6 +186,24 @@ def ring_core_difference(m, B: int, T: int, tp: int, precision: str, recompute: 
     math_kernel = B * H * T * (2 * D + Dv) * 4 + B * H * T * T * 4 + B * T * H * Dv * a
     fused = B * T * H * (2 * D + Dv) * a + B * T * H * Dv * a + B * H * T * 4
     return m.n_layer * (fused - math_kernel)
+
+
+def head_widths(m, layer: int) -> tuple[int, int]:
+    """(the rotated units, the values' units) of each of `layer`'s heads: Gemma 4's global layers' own width (their
+    proportional rotary's tables span it), latent attention's narrower values, GLM-4.5's partial rotary."""
+    if m.arch in GEMMA4:
+        width = m.attention_shape(layer)[1]
+        return width, width
+    return m.rotary_dim, m.v_head_dim if m.arch in DEEPSEEK else m.head_dim
+
+
+def rotated_units(m, windows: list[int]) -> int:
+    """The units of one position's rotary tables, over the tables the layers rotate with: Gemma 3's two bases;
+    Gemma 4's two kinds of layer, each of its own head width (gemma4.Gemma4.hidden's tables)."""
+    if m.arch in GEMMA4:
+        kinds = {m.global_layer(layer) for layer in range(m.n_layer)}
+        return sum(m.global_head_width if kind else m.head_dim for kind in kinds)
+    return m.rotary_dim * rotary_bases(m, windows)
 
 
 def per_row_positions(m, C: int, B: int, T: int, precision: str, recompute: str) -> int:
