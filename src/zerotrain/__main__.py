@@ -2,6 +2,6 @@
 
 import sys
 
-from zerotrain.cli.main import main
+from zerotrain.cli.entry import run
 
-sys.exit(main())
+sys.exit(run())
