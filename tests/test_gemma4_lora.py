@@ -23,13 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_deepseek import logits  # peft_logits' rows
-from test_deepseek_lora import lora_runs, peft_logits
-from test_gemma import one_thread
+from test_deepseek_lora import lora_runs
 from test_gemma4 import CAUGHT, EXACT, UNGUARDED, hf_model
-from test_llama4_lora import adapted
+from test_llama4_lora import adapted, exported_to_peft, leave_out_of_peft_targets
 
-import zerotrain
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = ("--lora-rank", "4", "--lora-alpha", "8", "--steps", "4", "--ckpt-every", "4", "--lr", "1e-2", *UNGUARDED)
@@ -54,32 +51,15 @@ def test_all_adapts_what_peft_all_linear_does_but_the_per_layer_model_projection
 
 
 def test_the_adapters_export_to_peft_with_the_runs_logits(runs, tmp_path):
-    from zerotrain.cli.main import main
-
-    step = runs["1 rank"][2]
-    with one_thread():
-        assert main(["export", step, str(tmp_path / "adapter"), "--format", "peft"]) == 0
-        ours = logits(zerotrain.load_model(step))
-        base = logits(transformers.AutoModelForCausalLM.from_pretrained(str(runs["folder"]),
-                                                                        attn_implementation="eager").eval())
-        theirs = peft_logits(runs["folder"], tmp_path / "adapter")
+    ours, base, theirs = exported_to_peft(runs, tmp_path / "adapter")
     assert (ours - base).abs().max() > CAUGHT  # the adapters count
     assert (theirs - ours).abs().max() < EXACT
 
 
 def test_an_export_leaving_per_layer_projection_out_of_its_targets_is_caught(runs, tmp_path, monkeypatch):
-    from zerotrain.cli.main import main
-    from zerotrain.hub import adapter
-
-    real = adapter.peft_config
-    monkeypatch.setattr(adapter, "peft_config", lambda run, path, *adapted: {
-        **real(run, path, *adapted), "target_modules": [m for m in real(run, path, *adapted)["target_modules"]
-                                                        if m != "per_layer_projection"]})
-    step = runs["1 rank"][2]
-    with one_thread():
-        assert main(["export", step, str(tmp_path / "wrong"), "--format", "peft"]) == 0
-        gap = (peft_logits(runs["folder"], tmp_path / "wrong") - logits(zerotrain.load_model(step))).abs().max()
-    assert gap > CAUGHT
+    leave_out_of_peft_targets(monkeypatch, "per_layer_projection")
+    ours, _, theirs = exported_to_peft(runs, tmp_path / "wrong")
+    assert (theirs - ours).abs().max() > CAUGHT
 
 
 def test_lora_at_tp2_trains_as_one_rank(runs):

@@ -76,33 +76,40 @@ def test_all_adapts_the_linears_transformers_holds_not_the_routed_experts(runs, 
     assert planted != theirs and any(".experts.0." in n for n in planted)
 
 
-def test_the_attentions_adapters_export_to_peft_with_the_runs_logits(runs, tmp_path):
+def exported_to_peft(runs, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 1-rank run's adapters exported to peft in `out`: the run's logits, the base folder's in transformers and
+    peft's over that base."""
     from zerotrain.cli.main import main
 
     step = runs["1 rank"][2]
     with one_thread():
-        assert main(["export", step, str(tmp_path / "adapter"), "--format", "peft"]) == 0
+        assert main(["export", step, str(out), "--format", "peft"]) == 0
         ours = logits(zerotrain.load_model(step))
         base = logits(transformers.AutoModelForCausalLM.from_pretrained(str(runs["folder"]),
                                                                         attn_implementation="eager").eval())
-        theirs = peft_logits(runs["folder"], tmp_path / "adapter")
-    assert (ours - base).abs().max() > CAUGHT  # the adapters count
-    assert (theirs - ours).abs().max() < EXACT
+        return ours, base, peft_logits(runs["folder"], out)
 
 
-def test_an_export_leaving_o_proj_out_of_its_targets_is_caught(runs, tmp_path, monkeypatch):
-    from zerotrain.cli.main import main
+def leave_out_of_peft_targets(monkeypatch, target: str) -> None:
+    """Planted: a peft export whose config leaves `target` out of its target_modules."""
     from zerotrain.hub import adapter
 
     real = adapter.peft_config
     monkeypatch.setattr(adapter, "peft_config", lambda run, path, *adapted: {
         **real(run, path, *adapted), "target_modules": [m for m in real(run, path, *adapted)["target_modules"]
-                                                        if m != "o_proj"]})
-    step = runs["1 rank"][2]
-    with one_thread():
-        assert main(["export", step, str(tmp_path / "wrong"), "--format", "peft"]) == 0
-        gap = (peft_logits(runs["folder"], tmp_path / "wrong") - logits(zerotrain.load_model(step))).abs().max()
-    assert gap > CAUGHT
+                                                        if m != target]})
+
+
+def test_the_attentions_adapters_export_to_peft_with_the_runs_logits(runs, tmp_path):
+    ours, base, theirs = exported_to_peft(runs, tmp_path / "adapter")
+    assert (ours - base).abs().max() > CAUGHT  # the adapters count
+    assert (theirs - ours).abs().max() < EXACT
+
+
+def test_an_export_leaving_o_proj_out_of_its_targets_is_caught(runs, tmp_path, monkeypatch):
+    leave_out_of_peft_targets(monkeypatch, "o_proj")
+    ours, _, theirs = exported_to_peft(runs, tmp_path / "wrong")
+    assert (theirs - ours).abs().max() > CAUGHT
 
 
 def test_mlp_adapters_are_refused_for_peft_which_would_take_them_for_the_experts(runs, tmp_path, monkeypatch,
