@@ -121,8 +121,6 @@ def test_a_checkpoint_written_at_cp2_resumes_at_cp1(runs):
     (dict(cp=2, arch="gpt2"), "--cp 2 with --arch gpt2 (learned positions)"),
     (dict(cp=2, arch="gemma2", attn_softcap=50.0), "--cp 2 with --attn-softcap 50.0"),
     (dict(cp=2, arch="gpt_oss"), "--cp 2 with --arch gpt_oss"),
-    (dict(cp=2, arch="gemma4", n_experts=4, experts_per_token=2, expert_width=32),
-     "--cp 2 with --arch gemma4 --n-experts 4"),
     (dict(cp=2, arch="qwen3_5"), "--cp 2 with --arch qwen3_5 (linear-attention layers)"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused_naming_the_value(tmp_path, change, says):

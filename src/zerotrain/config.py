@@ -1371,8 +1371,8 @@ def _check_expert_parallel(cfg: Config) -> None:
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
     the ring computes (causal, rotary, packed records' masks, sliding windows, latent attention's widths, Llama 4's
-    attention chunks; Gemma 4's two kinds of layers, shared KV and per-layer inputs): soft-caps, sinks, learned
-    positions, linear attention and Gemma 4's MoE block are not in it yet: refused. Mixtures of experts (--ep too),
+    attention chunks; Gemma 4's two kinds of layers, shared KV, per-layer inputs and MoE block): soft-caps, sinks,
+    learned positions and linear attention are not in it yet: refused. Mixtures of experts (--ep too),
     LoRA, --dp-replicate, DPO (each sequence's log-prob summed over its parts) and GRPO (each completion's token
     log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
@@ -1386,8 +1386,6 @@ def _check_context_parallel(cfg: Config) -> None:
                           "chunks of every row")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
                (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
-               (m.arch in GEMMA4 and m.n_experts > 0, f"--arch {m.arch} --n-experts {m.n_experts} (Gemma 4's MoE "
-                                                      "block, not checked against --cp 1)"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
                (cfg.loop.compile, "--compile")]
