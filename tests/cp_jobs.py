@@ -35,6 +35,41 @@ def trained_job(cfg: Config, comm: Comm) -> dict:
     return out
 
 
+def ring_measured_job(cfg: Config, comm: Comm) -> dict:
+    """trained_job (moe_trained_job for a mixture), with what the ring held in flight, measured: over each layer's
+    ring backward, the most bytes of keys and values received for the next hop, of key and value gradients received
+    (the ones being summed are their twins: x 2), and of the fused hop kernel's k and v gradients per query head; the
+    largest layer's sum (the plan's --cp communication row)."""
+    kernel = "_scaled_dot_product_flash_attention_for_cpu_backward"
+    real_backward, real_pass, real_kernel = (ring_attention._RingAttention.backward, ring_attention.pass_around,
+                                             getattr(torch.ops.aten, kernel))
+    layers = []  # each ring backward's most bytes: {TAG_KV: ..., TAG_GRAD: ..., "kernel": ...}
+
+    def backward(ctx, grad):
+        layers.append({ring_attention.TAG_KV: 0, ring_attention.TAG_GRAD: 0, "kernel": 0})
+        return real_backward(ctx, grad)
+
+    def pass_around(tensors, group, tag):
+        received, works = real_pass(tensors, group, tag)
+        if layers:
+            layers[-1][tag] = max(layers[-1][tag], sum(t.nbytes for t in received))
+        return received, works
+
+    def hop_kernel_backward(*args, **kwargs):
+        dq, dk, dv = real_kernel(*args, **kwargs)
+        layers[-1]["kernel"] = max(layers[-1]["kernel"], dk.nbytes + dv.nbytes)
+        return dq, dk, dv
+
+    job = moe_trained_job if cfg.model.n_experts else trained_job
+    with mock.patch.object(ring_attention._RingAttention, "backward", staticmethod(backward)), \
+            mock.patch.object(ring_attention, "pass_around", pass_around), \
+            mock.patch.object(torch.ops.aten, kernel, hop_kernel_backward):
+        out = job(cfg, comm)
+    out["ring_measured"] = max(held[ring_attention.TAG_KV] + 2 * held[ring_attention.TAG_GRAD] + held["kernel"]
+                               for held in layers)
+    return out
+
+
 def missing_hop_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: the ring computes each rank's own hop only (the keys and values that travel are dropped)."""
     real = ring_attention.hop_blocks

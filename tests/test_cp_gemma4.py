@@ -3,9 +3,9 @@ one KV head, keys as values, the proportional rotary turning half their frequenc
 whole row or its record), the last two layers reading earlier layers' keys and values (this rank's part of them,
 around the ring), per-layer input embeddings (each token's own) and the logits' soft-cap. The run trains what one rank
 holding the whole rows trains, packed records and one document a row, ZeRO-1 and ZeRO-3, with
---activation-checkpointing blocks; the memory plan's --cp rows equal what each rank saves (fp32 and bf16). A ring that
-ignores the window, rotary at the rank's local positions, and shared-KV layers attending over the rank's own part of
-their source's keys only are caught.
+--activation-checkpointing blocks; the memory plan's --cp rows equal what each rank saves (fp32 and bf16), its ring
+row what each rank's ring holds (each layer at its own head shape). A ring that ignores the window, rotary at the
+rank's local positions, and shared-KV layers attending over the rank's own part of their source's keys only are caught.
 With the MoE block (and --ep 2) it trains as one rank too, its balancing loss the whole rows'; one per part is
 caught."""
 
@@ -25,6 +25,8 @@ from test_hsdp import worst_gap
 from test_packing import make_records, write_records
 
 from zerotrain.config import resolve, validate
+from zerotrain.parallel import context
+from zerotrain.training.memory_plan import memory_plan
 
 LIMIT = 900
 # On the tiny Markov chain's rows (one document a row) this model's fp32 rounding grows fast at --lr 3e-3: one rank
@@ -59,17 +61,17 @@ def runs(tmp_path_factory):
 
     start = functools.partial(dist_jobs.run_in_turn, out, time_limit=LIMIT)
 
-    job, moe = cp_jobs.trained_job, cp_jobs.moe_trained_job
-    start({"cp2": (job, gemma4(tmp, "cp2", data, 2, cp=2)),
+    job, measured = cp_jobs.trained_job, cp_jobs.ring_measured_job
+    start({"cp2": (measured, gemma4(tmp, "cp2", data, 2, cp=2)),
            "cp2 z3": (job, gemma4(tmp, "cp2-z3", data, 2, cp=2, zero=3)),
            "cp2 unpacked": (job, gemma4(tmp, "cp2-unpacked", "synthetic", 2, True, cp=2)),
            "window ignored": (cp_jobs.window_everywhere_job, gemma4(tmp, "ignored", "synthetic", 2, True, cp=2)),
            "local positions": (cp_jobs.local_positions_job, gemma4(tmp, "local", data, 2, cp=2)),
            "shared KV off the ring": (cp_jobs.shared_kv_off_the_ring_job, gemma4(tmp, "shared", data, 2, cp=2)),
            "cp2 blocks": (job, gemma4(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks")),
-           "cp2 bf16": (job, gemma4(tmp, "cp2-bf16", data, 2, cp=2, precision="bf16")),
-           "moe cp2": (moe, gemma4(tmp, "moe-cp2", data, 2, moe=True, cp=2)),
-           "moe cp2 ep2": (moe, gemma4(tmp, "moe-cp2-ep2", data, 2, moe=True, ep=2, cp=2)),
+           "cp2 bf16": (measured, gemma4(tmp, "cp2-bf16", data, 2, cp=2, precision="bf16")),
+           "moe cp2": (measured, gemma4(tmp, "moe-cp2", data, 2, moe=True, cp=2)),
+           "moe cp2 ep2": (measured, gemma4(tmp, "moe-cp2-ep2", data, 2, moe=True, ep=2, cp=2)),
            "moe per chunk": (cp_jobs.per_chunk_balancing_job, gemma4(tmp, "moe-chunk", data, 2, moe=True, ep=2, cp=2))})
     start({"cp1": (job, gemma4(tmp, "cp1", data, 1)), "cp1 z3": (job, gemma4(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, gemma4(tmp, "cp1-unpacked", "synthetic", 1, True)),
@@ -122,3 +124,18 @@ def test_gemma4_s_moe_block_at_cp2_trains_as_one_rank_and_a_balancing_loss_per_p
     planted = runs["moe per chunk"]
     assert max(relative_gaps(planted["aux_losses"], runs["moe cp1"]["aux_losses"])) > 1e-3
     assert gaps(planted, runs["moe cp1"])["losses"] > 1e-5
+
+
+def test_the_plan_s_ring_row_is_what_a_rank_holds_at_each_layer_s_shape_and_the_sliding_shape_everywhere_is_caught(
+        runs, tmp_path, monkeypatch):
+    # the ring's buffers in flight at the largest layer's backward: a global layer's (one KV head of 32 serving 4
+    # query heads), not a sliding one's (2 of 16 serving 2): 114,688 bytes in fp32, 106,496 in bf16 (micro-batch 2,
+    # 32 tokens a rank), with the MoE block and --ep as without
+    for name in ("cp2", "cp2 bf16", "moe cp2", "moe cp2 ep2"):
+        assert runs[name]["plan"]["rows"]["communication"] == runs[name]["ring_measured"], \
+            (name, runs[name]["plan"]["rows"]["communication"], runs[name]["ring_measured"])
+    # planted: every layer's ring at the sliding layers' shape (the plan before): 81,920, short of what a rank holds
+    real = context.ring_shape
+    monkeypatch.setattr(context, "ring_shape", lambda m, layer: real(m, 0))
+    planted = memory_plan(gemma4(tmp_path, "planted", "synthetic", 2, cp=2)).rows["communication"]
+    assert planted < runs["cp2"]["ring_measured"], planted

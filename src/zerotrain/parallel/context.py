@@ -147,13 +147,7 @@ class ContextParallelRows:
                 held += sum((B - 1) * 2 * (1 + (m.kv_source(layer) == layer)) * Tc * head_widths(m, layer)[0] * a
                             for layer in range(m.n_layer))
             held += per_row_positions(m, C, B, Tc, p.precision, recompute)
-        # k and v as they travel (latent attention: every head its own keys, values of v_head_dim); the fused hop
-        # kernel's gradients at the wider of the two widths (values padded to q's)
-        k_units = B * kv_heads_per_rank(m.kv_heads, p.tp) * (T // C) * m.head_dim
-        v_units = k_units // m.head_dim * (m.v_head_dim if m.arch in DEEPSEEK else m.head_dim)
-        widest = max(k_units, v_units)
-        ring = ((k_units + v_units) * ACTIVATION_BYTES[p.precision] + 2 * (k_units + v_units) * 4
-                + 2 * widest * 4 * (m.n_head // m.kv_heads))
+        ring = max(ring_buffers(m, layer, B, Tc, p.tp, p.precision) for layer in range(m.n_layer))
         # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
         # activation_rows), which the whole row's activations are in
         saved = "activations_host" if p.offload_activations else "activations"
@@ -164,6 +158,28 @@ class ContextParallelRows:
         """The step's traffic the plan adds for it: none yet (the ring's point-to-point hops are not planned by
         purpose; their buffers are the communication row's)."""
         return {}
+
+
+def ring_buffers(m, layer: int, B: int, T: int, tp: int, precision: str) -> int:
+    """The ring's buffers in flight in `layer`'s backward, B rows of this rank's T tokens: the next hop's k and v as
+    they travel (latent attention: every head its own keys, values of v_head_dim), the gradients of k and v being
+    summed and those arriving (fp32), and the fused hop kernel's k and v gradients per query head at the wider of the
+    two widths (values padded to q's), fp32. Each layer at its own shape (ring_shape): the row is the largest."""
+    kv_heads, k_width, v_width = ring_shape(m, layer)
+    kv_heads = kv_heads_per_rank(kv_heads, tp)
+    k_units, v_units = B * kv_heads * T * k_width, B * kv_heads * T * v_width
+    group = m.n_head // tp // kv_heads  # the query heads each KV head serves
+    return ((k_units + v_units) * ACTIVATION_BYTES[precision] + 2 * (k_units + v_units) * 4
+            + 2 * max(k_units, v_units) * 4 * group)
+
+
+def ring_shape(m, layer: int) -> tuple[int, int, int]:
+    """(KV heads, the keys' width, the values' width) of what `layer`'s ring carries: Gemma 4's global layers' own
+    heads (attention_shape; with --k-eq-v the keys travel as the values too), latent attention's narrower values."""
+    if m.arch in GEMMA4:
+        kv_heads, width = m.attention_shape(layer)
+        return kv_heads, width, width
+    return m.kv_heads, m.head_dim, m.v_head_dim if m.arch in DEEPSEEK else m.head_dim
 
 
 def ring_core_difference(m, B: int, T: int, tp: int, precision: str, recompute: str, device: str) -> int:
