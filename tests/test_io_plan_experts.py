@@ -14,7 +14,9 @@ Mistral 4's folder, one model.safetensors, also shows the headers' other two rea
 reads no header of the folder (its checkpoint overwrites every value; the record needs its files, not their tensors:
 it listed them, reading the header, 4,792 bytes a rank), and each rank's check of the folder before the run, as
 config_from_args makes it under torchrun, hands its source to the start-up (each header was read twice a rank), each
-with its planted bug caught. The same start runs these four jobs after the six.
+with its planted bug caught. A resume after that check reads each header once a rank, in the check, as the plan
+counts under torchrun (resume_headers_torchrun; a plan without it is caught). The same start runs these five jobs
+after the six.
 """
 
 import functools
@@ -33,6 +35,7 @@ from zerotrain.checkpoint import MODEL_FILE
 from zerotrain.checkpoint.stream import bytes_counted
 from zerotrain.hub.init_from import adopt, weight_source
 from zerotrain.runtime.launch import run_job
+from zerotrain.training import io_plan as io_plan_module
 from zerotrain.training.io_plan import TOLERANCE, differences, io_plan
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,7 +48,8 @@ PLANTS = ("whole expert", "headers read again")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{(family, planted): (config, summary)}: each family's run, and its run with both plants in force; and
-{("mistral4", name): ...}: Mistral 4's run resumed, and one after each rank's check, each also planted."""
+{("mistral4", name): ...}: Mistral 4's run resumed, and one after each rank's check, each also planted; and one
+resumed after each rank's check."""
     tmp = tmp_path_factory.mktemp("io-plan-experts")
     configs = {}
     for family, build in FOLDERS.items():
@@ -63,7 +67,8 @@ def runs(tmp_path_factory):
              for (_, planted), c in configs.items()]
     # Mistral 4's run resumed, and started after each rank's check of the folder (torchrun's); each also planted
     for name, plants in (("resumed", ()), ("resumed, planted", ("tensors listed at resume",)),
-                         ("checked", ()), ("checked, planted", ("check not handed over",))):
+                         ("checked", ()), ("checked, planted", ("check not handed over",)),
+                         ("resumed after a check", ())):
         resumed = name.startswith("resumed")
         c = tiny_config(tmp / f"mistral4-{name.replace(', ', '-')}", nproc=W, micro=2, steps=2 if resumed else 1,
                         zero=3, bucket_mb=BUCKET_MB, seq_len=16, ckpt_every=0 if resumed else 1)
@@ -72,7 +77,7 @@ def runs(tmp_path_factory):
         if resumed:
             c.checkpoint.resume = str(tmp / "mistral4-run" / "checkpoints" / "step_00000001")
         configs["mistral4", name] = c
-        pairs.append((functools.partial(jobs.counted_job, plants=plants, checked=name.startswith("checked")), c))
+        pairs.append((functools.partial(jobs.counted_job, plants=plants, checked="check" in name), c))
     results = run_job(functools.partial(dist_jobs.in_turn_job, jobs=pairs), pairs[0][1], time_limit=360)
     return {key: (c, summary) for (key, c), summary in zip(configs.items(), results)}
 
@@ -125,6 +130,23 @@ def test_a_ranks_check_of_the_folder_hands_its_headers_to_the_start_up_and_a_sec
     planted, again = plan_of(runs, "mistral4", "checked, planted")
     assert [a - (r.startup_hashed + r.startup_headers) for a, r in zip(again["checkpoint_bytes_read"], planted.ranks)] \
         == [r.startup_headers for r in planted.ranks]
+
+
+def test_a_resume_under_torchrun_reads_each_header_once_in_its_check_as_planned_and_the_plan_without_it_is_caught(
+        runs, monkeypatch):
+    c, summary = runs["mistral4", "resumed after a check"]
+    plan, measured = io_plan(c), summary["per_rank"]
+    assert differences(plan, measured, phases=("resume",), torchrun=True) == []
+    # exactly: the record's hashing, its shard, and model.safetensors' header, which the rank's check read (4,792
+    # bytes) and the resume none
+    assert all(r.resume_headers_torchrun == r.startup_headers > 0 for r in plan.ranks)
+    assert measured["checkpoint_bytes_read"] == [r.startup_hashed + r.resume_read + r.resume_headers_torchrun
+                                                 for r in plan.ranks]
+    # planted: the plan before, which counted no header at a resume: each rank's header over it
+    monkeypatch.setattr(io_plan_module, "resume_check_headers", lambda cfg, headers: 0)
+    planted = io_plan(c)
+    assert [m - (r.startup_hashed + r.resume_read + r.resume_headers_torchrun)
+            for m, r in zip(measured["checkpoint_bytes_read"], planted.ranks)] == [r.startup_headers for r in plan.ranks]
 
 
 def test_a_checked_source_is_handed_over_once_unless_its_folder_changed_and_an_unlisted_one_records_the_same(

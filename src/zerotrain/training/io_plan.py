@@ -21,8 +21,8 @@ ranks), so that "a rank's cost shrinks with the ranks" can be read off a plan an
                          torchrun the rank's check before the run reads it and hands it to the start-up,
                          init_from.checked_source; counted in checkpoint_bytes_read; 0 for a folder not here). A
                          resume of full fine-tuning reads none (its record needs the files, not their tensors); under
-                         torchrun its check still reads them once, which a plan, not told how its run is launched,
-                         does not count
+                         torchrun its check still reads them once: resume_headers_torchrun, which differences adds
+                         where told the run was launched so
              held        the state (the memory plan's state rows) and the largest one read (its rows in the file's
                          dtype and in fp32)
     step, held           the memory plan's total (parameters, gradients, optimizer state, activations, ...)
@@ -102,6 +102,9 @@ class RankIO:
     save_written: int
     resume_read: int
     resume_held: int
+    # a resume's headers under torchrun: its rank's check of --init-from's folder before the run reads them (zerotrain's
+    # launcher checks the folder once, before the ranks start: none a rank)
+    resume_headers_torchrun: int = 0
 
 
 @dataclass
@@ -163,7 +166,7 @@ def io_plan(cfg: Config, world_size: int | None = None, memory: MemoryPlan | Non
                             state + largest, memory.total,
                             (shard_file if writes else 0) + (copied_written if rank == 0 else 0),
                             shard_file + copied_read[rank] if resumed is None else resumed[rank],
-                            state + read_blocks_held(cfg.launch.device)))
+                            state + read_blocks_held(cfg.launch.device), resume_check_headers(cfg, headers)))
     biggest = max(math.prod(s) for s in shapes.values())
     beyond = biggest * 10 if p.precision == "bf16" else biggest * 4 + (biggest * 4 // tp if tp > 1 else 0)
     return IOPlan(ranks, export_file_bytes(shapes), beyond, esize, bool(cfg.checkpoint.init_from), resumed is not None)
@@ -251,6 +254,13 @@ def header_reads(cfg: Config) -> int:
     return total
 
 
+def resume_check_headers(cfg: Config, headers: int) -> int:
+    """What a resume's rank reads of --init-from's folder under torchrun beyond the record's hashing: its check before
+    the run (config_from_args) reads every header (`headers`), where the resume itself reads none; a LoRA run's
+    resume reads its base, the check's headers handed to its start-up (0 here)."""
+    return 0 if cfg.lora.rank else headers
+
+
 def shard_file_bytes(shard_numel: int, expert_numel: int = 0) -> int:
     """A rank's shard file: its masters and AdamW's two moments (fp32) and the step count, with the header; with --ep
     also the expert engine's shard (`expert_numel` values) under expert_ keys, with its own step."""
@@ -279,12 +289,13 @@ COUNTERS = {"startup": (("init_bytes_read", "startup_read"), ("init_values_drawn
 
 
 def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup", "save"), saves: int = 1,
-                hashed: bool = True) -> list[str]:
+                hashed: bool = True, torchrun: bool = False) -> list[str]:
     """Where a run's counters (summary.json's per_rank) are off the plan beyond TOLERANCE, one line each, naming the
     rank, the counter and both figures. `phases`: what the run did (a fresh run starts and saves; a resumed one
     resumes, and may save); `saves`: how many checkpoints it wrote; `hashed`: its checkpoint reads include the
     hashing of --init-from's files (a run given --init-from hashes them whether it resumes or not, for the
-    manifests' record; a resume of full fine-tuning reads nothing else of them, not even their headers)."""
+    manifests' record; a resume of full fine-tuning reads nothing else of them, not even their headers, but for its
+    check before the run under torchrun: `torchrun`, the run was launched so)."""
     out = []
     for rank in plan.ranks:
         for phase in phases:
@@ -293,7 +304,7 @@ def differences(plan: IOPlan, per_rank: dict[str, list[int]], phases=("startup",
                     continue  # a run reads its model or draws it
                 planned = getattr(rank, key) * (saves if phase == "save" else 1)
                 if phase == "resume" and hashed and plan.init_from:  # the record; no header is read (_restores)
-                    planned += rank.startup_hashed
+                    planned += rank.startup_hashed + (rank.resume_headers_torchrun if torchrun else 0)
                 measured = per_rank[counter][rank.rank]
                 if abs(measured - planned) > TOLERANCE * planned + SLACK:
                     out.append(f"rank {rank.rank} {counter} {measured:,}, the plan {planned:,}")
