@@ -20,6 +20,7 @@ activation bytes the memory plan counts, to the byte.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -178,11 +179,10 @@ class _OneRankOfTwo:
         return tensor
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts_are_caught(family, monkeypatch):
     """One TP rank's saved bytes for a micro-batch, to the byte: its 1/T of every expert's (and the shared expert's)
     hidden width. Planted: the plan counting each expert's full width on every rank (TP 1's experts) is caught."""
-    import dataclasses
 
     from test_activation_bytes import measured_bytes, predicted_bytes
 
@@ -195,6 +195,8 @@ def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts
                                   mlp_only_layers="1")
     if family == "olmoe":  # its q/k norms over each rank's slice of the projections
         cfg = dataclasses.replace(cfg, arch="olmoe", norm_topk_prob=False)
+    if family == "gpt_oss":  # its sinks, biased experts and down biases added after the all-reduce
+        cfg = dataclasses.replace(cfg, arch="gpt_oss")
     for precision in ("fp32", "bf16"):
         model = build_model(cfg, seed=0)
         llama.parallelize(model, 2, 0, _OneRankOfTwo())
@@ -204,6 +206,38 @@ def test_a_tp2_rank_saves_the_activations_the_plan_counts_and_full_width_experts
         with monkeypatch.context() as m:  # planted: every rank counted as holding whole experts
             m.setattr(activation_memory, "experts", lambda s, cfg, tp=1: real(s, cfg))
             assert predicted_bytes(cfg, 2, 16, precision=precision, tp=2) != measured
+
+
+def test_gpt_oss_on_the_qwen3_moe_shape_keeps_its_softmax_weights_as_they_are_and_the_plan_holds_in_bf16(
+        monkeypatch, tmp_path):
+    """The qwen3-moe preset's norm_topk_prob under --arch gpt_oss does nothing: gpt-oss's top-k weights are a softmax
+    over the top-k logits, summing to 1 (transformers' GptOssTopKRouter divides nothing), so the plan counts no
+    quotient and a rank saves none, fp32 and bf16 (273,792 and 168,064 bytes at 2 x 16 tokens). Planted: the weights
+    divided by their sum again, as before: in bf16 the quotient and the sum are bf16 (the softmax's dtype), 384 bytes
+    under the plan's fp32 count (168,448 saved, 168,832 planned). --norm-topk-prob given with it is refused."""
+    from test_activation_bytes import measured_bytes, predicted_bytes
+
+    from zerotrain.cli.flags import config_from_args
+    from zerotrain.cli.main import build_parser
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.errors import ConfigError
+    from zerotrain.model import build_model
+
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["qwen3-moe-tiny"]), arch="gpt_oss")
+    assert cfg.norm_topk_prob and not cfg.renormalizes
+    for precision in ("fp32", "bf16"):
+        measured = measured_bytes(build_model(cfg, seed=0), 2, 16, precision, "none")
+        assert predicted_bytes(cfg, 2, 16, precision=precision) == measured, precision
+    monkeypatch.setattr(ModelConfig, "renormalizes", property(
+        lambda self: self.norm_topk_prob or self.arch in ("mixtral", "qwen3_5_moe")))
+    measured = measured_bytes(build_model(cfg, seed=0), 2, 16, "bf16", "none")
+    assert predicted_bytes(cfg, 2, 16, precision="bf16") - measured == 384
+    monkeypatch.undo()
+    args = build_parser().parse_args(["train", "--preset", "qwen3-moe-tiny", "--arch", "gpt_oss", "--norm-topk-prob",
+                                      "--data", "synthetic", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match="--norm-topk-prob applies to mixture-of-experts models but gpt_oss; "
+                                          "qwen3-moe-tiny is --arch gpt_oss"):
+        config_from_args(args, environment=False)
 
 
 def init_from_job(rank, comm, tmp_path, folder):

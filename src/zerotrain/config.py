@@ -367,6 +367,12 @@ ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 # The kinds of model a setting may need (the model is known once the preset or --init-from's config.json is read).
 EXPERTS = Scope("mixture-of-experts models", lambda cfg: cfg.model.n_experts > 0,
                 lambda cfg, model: f"{model} has no experts")
+# gpt-oss's top-k weights are a softmax over the top-k logits (transformers' GptOssTopKRouter): they sum to 1 already,
+# and its config has no norm_topk_prob
+RENORMALIZABLE = Scope("mixture-of-experts models but gpt_oss",
+                       lambda cfg: cfg.model.n_experts > 0 and cfg.model.arch != "gpt_oss",
+                       lambda cfg, model: f"{model} has no experts" if not cfg.model.n_experts else
+                       f"{model} is --arch gpt_oss, whose top-k weights are a softmax over them: they sum to 1")
 LLAMA_MODELS = Scope("the Llama family's models (rotary positions)", lambda cfg: cfg.model.llama_family,
                      lambda cfg, model: f"{model} is --arch {cfg.model.arch}")
 
@@ -464,7 +470,7 @@ class ModelConfig:
     expert_width: int = setting(0, "each expert's hidden width (moe_intermediate_size)", rule=NON_NEGATIVE,
                                 shown="--intermediate-size", applies=EXPERTS)
     norm_topk_prob: bool = setting(False, "the top-k routing weights renormalised to sum to 1 (norm_topk_prob; "
-                                   "mixtral always)", applies=EXPERTS)
+                                   "mixtral always; gpt_oss's sum to 1 as they are)", applies=RENORMALIZABLE)
     shared_expert_width: int = setting(0, "qwen2_moe, qwen3_5_moe, llama4: the width of the expert every token goes "
                                        "through beside its routed ones, gated by a sigmoid (llama4's: not gated; 0: "
                                        "none)", rule=NON_NEGATIVE, shown="0: none",
@@ -689,8 +695,10 @@ class ModelConfig:
 
     @property
     def renormalizes(self) -> bool:
-        """Whether the top-k routing weights are divided by their sum: --norm-topk-prob, and Mixtral's always."""
-        return self.norm_topk_prob or self.arch in ("mixtral", "qwen3_5_moe")
+        """Whether the top-k routing weights are divided by their sum: --norm-topk-prob (not gpt-oss's, a softmax over
+        the top-k: a preset's value carried to --arch gpt_oss divided them again, in bf16 rounding them and saving
+        the quotient's tensors in bf16), and Mixtral's always."""
+        return self.norm_topk_prob and not self.gpt_oss_experts or self.arch in ("mixtral", "qwen3_5_moe")
 
     def rotary(self, layer: int) -> bool:
         """Whether `layer` rotates q and k: every layer but Llama 4's every --nope-every-th."""
