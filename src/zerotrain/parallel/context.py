@@ -136,7 +136,8 @@ class ContextParallelRows:
             # the ring merges in fp32 and keeps that output for its backward beside the copy o_proj reads
             held += sum(B * Tc * (m.n_head // p.tp) * head_widths(m, layer)[1] * 4 for layer in range(m.n_layer))
         if documents:
-            held += C * B * Tc * 8  # gather_segments: every rank's segment ids
+            if recompute not in ("blocks", "full"):  # recomputed blocks: their rings' saves are the backward's
+                held += C * B * Tc * 8  # gather_segments: every rank's segment ids
             if recompute == "none" and (p.precision == "fp32" or m.arch in LLAMA4):
                 # the rotations' fp32 cos and sin, one pair per row (of the rotated units: GLM-4.5's partial share,
                 # DeepSeek-V3's rotary units; Llama 4 rotates in fp32 in every precision)
