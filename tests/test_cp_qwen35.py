@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
     start = functools.partial(dist_jobs.run_in_turn, out, time_limit=LIMIT)
     job, moe = cp_jobs.trained_job, "qwen3_5_moe"
     start({"cp2": (cp_jobs.chunk_starts_seen_job, qwen35(tmp, "cp2", data, 2, cp=2)),
+           "cp2 z3": (job, qwen35(tmp, "cp2-z3", data, 2, cp=2, zero=3)),
            "cp2 unpacked": (job, qwen35(tmp, "cp2-unpacked", "synthetic", 2, cp=2)),
            "cp2 bf16": (job, qwen35(tmp, "cp2-bf16", data, 2, cp=2, precision="bf16")),
            "cp2 blocks": (job, qwen35(tmp, "cp2-blocks", data, 2, cp=2, activation_checkpointing="blocks")),
@@ -64,6 +65,7 @@ def runs(tmp_path_factory):
     start({"cp4": (cp_jobs.chunk_starts_seen_job, qwen35(tmp, "cp4", data, 4, cp=4)),
            "cp2 tp2": (job, qwen35(tmp, "cp2-tp2", data, 4, cp=2, tp=2))})
     start({"cp1": (job, qwen35(tmp, "cp1", data, 1)),
+           "cp1 z3": (job, qwen35(tmp, "cp1-z3", data, 1, zero=3)),
            "cp1 unpacked": (job, qwen35(tmp, "cp1-unpacked", "synthetic", 1)),
            "cp1 moe": (job, qwen35(tmp, "cp1-moe", data, 1, moe)),
            "cp1 moe unpacked": (job, qwen35(tmp, "cp1-moe-unpacked", "synthetic", 1, moe))})
@@ -72,10 +74,11 @@ def runs(tmp_path_factory):
 
 def test_qwen35_at_cp2_and_4_trains_as_one_rank_and_planted_chunk_bugs_are_caught(runs):
     # 6 clipped steps: losses within 1e-6 relative of one rank's, gradient norms and final weights within 1e-5 (the
-    # bounds of the other --cp tests), packed and one document a row, dense and MoE (--ep 2), at --cp 4 and at --cp 2
-    # --tp 2, the blocks recomputed. Measured: losses <= 1.0e-7, grad norms <= 1.9e-7, weights <= 9.4e-7 packed
-    # (cp2 7.4e-7, MoE ep2 8.1e-7, cp4 9.4e-7, cp2 tp2 7.7e-7) and 2.5e-6 (dense), 4.6e-6 (MoE) unpacked
-    pairs = {"cp2": "cp1", "cp2 unpacked": "cp1 unpacked", "cp2 moe ep2": "cp1 moe",
+    # bounds of the other --cp tests), packed and one document a row, dense and MoE (--ep 2), at ZeRO-3, at --cp 4
+    # and at --cp 2 --tp 2, the blocks recomputed. Measured: losses <= 1.0e-7, grad norms <= 1.9e-7, weights
+    # <= 9.4e-7 packed (cp2 7.4e-7, ZeRO-3 6.8e-7, MoE ep2 8.1e-7, cp4 9.4e-7, cp2 tp2 7.7e-7) and 2.5e-6 (dense),
+    # 4.6e-6 (MoE) one document a row
+    pairs = {"cp2": "cp1", "cp2 z3": "cp1 z3", "cp2 unpacked": "cp1 unpacked", "cp2 moe ep2": "cp1 moe",
              "cp2 moe unpacked": "cp1 moe unpacked", "cp4": "cp1", "cp2 tp2": "cp1", "cp2 blocks": "cp1"}
     measured = {mine: gaps(runs[mine], runs[theirs]) for mine, theirs in pairs.items()}
     assert all(g["losses"] < 1e-6 and g["grad_norms"] < 1e-5 and g["params"] < 1e-5 for g in measured.values()), \
