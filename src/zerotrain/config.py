@@ -1379,10 +1379,11 @@ def _check_expert_parallel(cfg: Config) -> None:
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
     the ring computes (causal, rotary, packed records' masks, sliding windows, latent attention's widths, Llama 4's
-    attention chunks; Gemma 4's two kinds of layers, shared KV, per-layer inputs and MoE block): soft-caps, sinks,
-    learned positions and linear attention are not in it yet: refused. Mixtures of experts (--ep too),
-    LoRA, --dp-replicate, DPO (each sequence's log-prob summed over its parts) and GRPO (each completion's token
-    log-probs gathered) compose."""
+    attention chunks; Gemma 4's two kinds of layers, shared KV, per-layer inputs and MoE block), or Qwen3.5's linear
+    attention (each chunk's state map and convolution inputs gathered, model/delta_rule_cp.py: a chunk holds at least
+    the convolution's K - 1 taps before a token): soft-caps, sinks and learned positions are not in it yet: refused.
+    Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each sequence's log-prob summed over its parts) and GRPO
+    (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1392,8 +1393,11 @@ def _check_context_parallel(cfg: Config) -> None:
     if m.seq_len % (2 * p.cp):
         raise ConfigError(f"--seq-len {m.seq_len} is not divisible by 2 x --cp {p.cp}: each CP rank holds 2 equal "
                           "chunks of every row")
+    if m.arch in QWEN35 and m.seq_len // (2 * p.cp) < m.linear_conv_kernel - 1:
+        raise ConfigError(f"--seq-len {m.seq_len} at --cp {p.cp} leaves chunks of {m.seq_len // (2 * p.cp)} tokens, "
+                          f"fewer than the {m.linear_conv_kernel - 1} inputs --linear-conv-kernel "
+                          f"{m.linear_conv_kernel} reads before a token: give a longer --seq-len or a smaller --cp")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
-               (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
                (cfg.loop.compile, "--compile")]

@@ -594,7 +594,7 @@ def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
             + rotary_casts(s) + swiglu_mlp(s) + (gemma_qk_norms(s) if qk_norm else 0))
 
 
-def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp: int = 1) -> int:
+def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp: int = 1, cp: int = 1) -> int:
     """Qwen3.5's linear-attention layer (qwen35.GatedDeltaNet, delta_rule.py), one rank, one micro-batch; its input
     (the norm's output, which its four projections read) is the block's. With Hk key and Hv value heads (this rank's:
     1/tp of them under TP) of widths
@@ -605,44 +605,75 @@ def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp:
                       columns are cut: B T W a + B W (T + K - 1) a
         decay, beta   exp(A_log) and its negation (Hv, fp32), softplus's input and output (BT Hv, fp32), beta
                       (sigmoid's output, BT Hv a)
-        delta rule    all in fp32: q and k at Hv heads L2-normalised, their inputs and rsqrts (2 B Hv T (dk + 1));
-                      padded to T': beta, v, k, beta k and q (B Hv T' (1 + dv + 3 dk)); the decays' mask (c c bools), five (B, Hv, n, c, c)
-                      squares (the pair decays, k-beta k^T and it decayed, q k^T and it decayed), two exp's of the
-                      summed decays (B Hv T'), the two triangular solves' results (B Hv T' (dv + dk)); per chunk its
-                      state (B Hv dk dv) and corrected values (B Hv c dv); past the first chunk the decayed queries
-                      (B Hv T' dk), and for every chunk but the last (whose state is a cache's, with no graph) its
-                      decay (B Hv), its keys' decays to its end (B Hv c) and its decayed keys (B Hv c dk)
+        delta rule    `delta_rule`
         gated norm    each value head's output RMS-normalised in fp32 (its fp32 input, BT Hv dv 4), rsqrt, the
                       normalised output cast
                       back and times the gain (2 BT Hv dv a); SiLU's fp32 input and output (the output gate z, 2 BT
                       Hv dv 4); the product cast back, out_proj's input (BT Hv dv a)
+
+    At --cp `cp` > 1, the layer on this rank's T tokens, two chunks of T / 2 of a split row (delta_rule_cp.py), as the
+    group's first rank keeps it (it composes the most states): the convolution's input each chunk's, the K - 1 inputs
+    before it in front (2 B W (T / 2 + K - 1) a; packed, each tap's product and mask of those columns), SiLU's input
+    the chunks' outputs put back in row order (B W T a); the delta rule on 2 B rows of T / 2 tokens with values dk
+    wider, from the identity's columns, its last state with a graph (`delta_rule`'s split); every chunk's (M, B)
+    gathered (2 cp B Hv dk (dk + dv) 4) and the states composed from them (2 cp - 3 of B Hv dk dv 4 past the
+    gathered ones); the readout of the two states (their stack, 2 B Hv dk dv 4) by the identity's outputs (copied
+    per head, 2 B Hv (T / 2) dk 4).
     """
     B, T, a = s.B, s.T, s.act
     Hk, Hv, dk, dv, K = (cfg.linear_key_heads // tp, cfg.linear_value_heads // tp, cfg.linear_key_width,
                          cfg.linear_value_width, cfg.linear_conv_kernel)
-    W, c = 2 * Hk * dk + Hv * dv, CHUNK
-    n = -(-T // c)
-    padded = n * c
+    W = 2 * Hk * dk + Hv * dv
     convolution = B * T * W * a + B * W * (T + K - 1) * a
+    if documents:  # packed records: each tap of the convolution its own product, kept, beside its document mask
+        # (B T a); no conv1d input; SiLU's input the taps' sum, T columns
+        convolution = K * (B * W * T * a + B * T * a) + B * W * T * a
     decay = 2 * Hv * FP32 + 2 * B * T * Hv * FP32 + B * T * Hv * a
     normalised = 2 * (B * Hv * T * dk * FP32 + B * Hv * T * FP32)
-    rule = (B * Hv * padded * (1 + dv + 3 * dk) * FP32 + c * c + 5 * B * Hv * n * c * c * FP32
-            + 2 * B * Hv * padded * FP32 + B * Hv * padded * (dv + dk) * FP32
-            + n * B * Hv * dk * dv * FP32 + B * Hv * padded * dv * FP32)
-    if n > 1:
-        rule += B * Hv * padded * dk * FP32 + (n - 1) * B * Hv * (1 + c + c * dk) * FP32
-    if documents:  # packed records: each tap of the convolution its own product, kept, beside its document mask
-        # (B T a); no conv1d input; SiLU's input the taps' sum, T columns. The decays summed per record (the matrix
-        # of same-record pairs, expanded to the heads, B Hv n c c 4), the pairs' mask per row (B n c c bools), the
-        # tokens whose chunk no record started in yet (B n c 4) and, past the first chunk, the last record's tokens
-        # of every chunk but the last (B c bools each), and the decays of the chunks between the first and the last
-        # zeroed where a record started (B Hv 4 each)
-        convolution = K * (B * W * T * a + B * T * a) + B * W * T * a
-        rule += (B * Hv * n * c * c * FP32 + (B * n * c * c - c * c) + B * n * c * FP32 + (n - 1) * B * c
-                 + max(n - 2, 0) * B * Hv * FP32)
     values = B * T * Hv * dv
     norm = values * FP32 + B * T * Hv * FP32 + 2 * values * a + 2 * values * FP32 + values * a
-    return convolution + decay + normalised + rule + norm
+    if cp == 1:
+        return convolution + decay + normalised + delta_rule(B, T, Hv, dk, dv, documents) + norm
+    L = T // 2
+    convolution = 2 * B * W * (L + K - 1) * a + B * W * T * a
+    if documents:
+        convolution = K * (2 * B * W * (L + K - 1) * a + 2 * B * (L + K - 1) * a) + B * W * T * a
+    composed = 2 * cp * B * Hv * dk * (dk + dv) * FP32 + (2 * cp - 3) * B * Hv * dk * dv * FP32
+    readout = 2 * B * Hv * dk * dv * FP32 + 2 * B * Hv * L * dk * FP32
+    rule = delta_rule(2 * B, L, Hv, dk, dk + dv, documents, split=True)
+    return convolution + decay + normalised + rule + composed + readout + norm
+
+
+def delta_rule(B: int, T: int, Hv: int, dk: int, dv: int, documents: bool, split: bool = False) -> int:
+    """delta_rule.chunk_gated_delta_rule's tensors for B rows of T tokens, Hv heads, key width dk, value width dv, all
+    in fp32: q and k at Hv heads L2-normalised are gated_delta_net's; padded to T': beta, v, k, beta k and q (B Hv T'
+    (1 + dv + 3 dk)); the decays' mask (c c bools), five (B, Hv, n, c, c) squares (the pair decays, k-beta k^T and it
+    decayed, q k^T and it decayed), two exp's of the summed decays (B Hv T'), the two triangular solves' results (B Hv
+    T' (dv + dk)); per chunk its state (B Hv dk dv) and corrected values (B Hv c dv); past the first chunk the decayed
+    queries (B Hv T' dk), and for every chunk whose state update has a graph (all but the last, whose state is a
+    cache's) its decay (B Hv), its keys' decays to its end (B Hv c) and its decayed keys (B Hv c dk). `split`: a chunk
+    of a split row (delta_rule_cp.py): the first state the identity's columns (dk dv 4, expanded), every chunk's
+    update with a graph.
+
+    Packed records (`documents`): the decays summed per record (the matrix of same-record pairs, expanded to the
+    heads, B Hv n c c 4), the pairs' mask per row (B n c c bools), the tokens whose chunk no record started in yet (B
+    n c 4), the last record's tokens of every chunk with a graph (B c bools each), and the decays of those past the
+    first zeroed where a record started (B Hv 4 each)."""
+    c = CHUNK
+    n = -(-T // c)
+    padded = n * c
+    graphs = n if split else n - 1
+    first_state = dk * dv * FP32 if split else B * Hv * dk * dv * FP32
+    rule = (B * Hv * padded * (1 + dv + 3 * dk) * FP32 + c * c + 5 * B * Hv * n * c * c * FP32
+            + 2 * B * Hv * padded * FP32 + B * Hv * padded * (dv + dk) * FP32
+            + first_state + (n - 1) * B * Hv * dk * dv * FP32 + B * Hv * padded * dv * FP32
+            + graphs * B * Hv * (1 + c + c * dk) * FP32)
+    if n > 1:
+        rule += B * Hv * padded * dk * FP32
+    if documents:
+        rule += (B * Hv * n * c * c * FP32 + (B * n * c * c - c * c) + B * n * c * FP32 + graphs * B * c
+                 + max(graphs - 1, 0) * B * Hv * FP32)
+    return rule
 
 
 def gated_attention(s: RankShape) -> int:
