@@ -535,8 +535,15 @@ class ModelConfig:
                                         applies=archs_scope("deepseek_v3", *GLM))
     mtp_layers: int = setting(0, "deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe: multi-token-prediction layers the "
                               "--init-from folder holds (num_nextn_predict_layers after the decoder's; Qwen3.5's "
-                              "mtp_num_hidden_layers, under mtp.): not trained, copied as they are into an hf export",
+                              "mtp_num_hidden_layers, under mtp.): trained or kept frozen as --mtp says",
                               rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
+    mtp: str = setting("frozen", "the multi-token-prediction layers (--mtp-layers): frozen (set aside at import, "
+                       "copied as they are into an hf export) or train (depth k predicts the token k+1 places past "
+                       "the next, its loss joins the main one weighted by --mtp-loss-weight: model/mtp.py)",
+                       rule=one_of("frozen", "train"), applies=archs_scope("deepseek_v3"))
+    mtp_loss_weight: float = setting(0.1, "--mtp train: lambda, the weight of the MTP loss, the mean of the D "
+                                     "depths' losses (DeepSeek-V3's lambda; Megatron-LM's --mtp-loss-scaling-factor)",
+                                     rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3"))
     attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
                                    "them)", applies=archs_scope(*GLM))
     use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "
@@ -1451,6 +1458,20 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
 
 
+def _check_mtp(cfg: Config) -> None:
+    """--mtp train: a model with MTP layers, trained by sft's token loss, in the parallel layouts it is built for."""
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_layers:
+        raise ConfigError(f"--mtp {m.mtp}: the model has no multi-token-prediction layers (--mtp-layers 0)")
+    refused = [(cfg.objective.method != "sft", f"--method {cfg.objective.method}"),
+               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"), (p.cp > 1, f"--cp {p.cp}"),
+               (p.activation_checkpointing == "full", "--activation-checkpointing full"),
+               (cfg.loop.compile, "--compile")]
+    for bad, flag in refused:
+        if bad:
+            raise ConfigError(f"{flag} does not train with --mtp train yet: give --mtp frozen")
+
+
 def _check_glm(cfg: Config) -> None:
     """GLM-4.5's partial rotary: an even number of each head's units, at least 2."""
     m = cfg.model
@@ -1574,6 +1595,8 @@ def validate(cfg: Config) -> Config:
         _check_group_routing(cfg)
     if m.arch in DEEPSEEK:
         _check_deepseek(cfg)
+    if m.mtp == "train":
+        _check_mtp(cfg)
     if m.arch in GLM:
         _check_glm(cfg)
     if m.arch in LLAMA4:
