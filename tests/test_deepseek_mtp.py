@@ -301,3 +301,33 @@ def test_the_export_writes_the_trained_mtp_layer_under_the_folders_names(runs, t
     assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
     back = read_weights(tmp_path / "out")  # --init-from of the export reads its main model as the run's
     assert all(torch.equal(back[n], ours[n]) for n in back)
+
+
+@pytest.fixture(scope="module")
+def mtp_model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek-mtp-refused") / "model"
+    with one_thread():
+        mtp_folder(folder)
+    return folder
+
+
+@pytest.mark.parametrize("flags, said", [
+    (("--lora-rank", "4"), "--lora-rank 4 does not train with --mtp train yet: give --mtp frozen"),
+    (("--nproc", "2", "--cp", "2"), "--cp 2 does not train with --mtp train yet: give --mtp frozen"),
+    (("--activation-checkpointing", "full"),
+     "--activation-checkpointing full does not train with --mtp train yet: give --mtp frozen"),
+    (("--mtp-layers", "0"), "--mtp train: the model has no multi-token-prediction layers (--mtp-layers 0)"),
+])
+def test_what_mtp_training_does_not_have_is_refused_in_one_line(mtp_model_folder, flags, said, capsys):
+    from test_deepseek import assert_refused_in_one_line
+
+    folder = mtp_model_folder
+    if flags[0] == "--mtp-layers":  # a folder without MTP layers
+        config = json.loads((folder / "config.json").read_text())
+        (folder.parent / "plain").mkdir(exist_ok=True)
+        for f in folder.iterdir():
+            (folder.parent / "plain" / f.name).write_bytes(f.read_bytes())
+        (folder.parent / "plain" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+        folder, flags = folder.parent / "plain", ()
+    assert_refused_in_one_line(capsys, ["train", "--init-from", str(folder), "--data", "synthetic", "--mtp", "train",
+                                        *flags], said)
