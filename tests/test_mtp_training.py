@@ -342,3 +342,202 @@ def test_what_mtp_training_does_not_have_is_refused_in_one_line(mtp_model_folder
         folder, flags = folder.parent / "plain", ()
     assert_refused_in_one_line(capsys, ["train", "--init-from", str(folder), "--data", "synthetic", "--mtp", "train",
                                         *flags], said)
+
+
+# Qwen3.5's head (mtp.*): test_qwen35's tiny dense and MoE folders at 0.02 with its MTP head (with_mtp_head), against
+# transformers' Qwen3_5DecoderLayer (Qwen3_5MoeDecoderLayer) of full attention, its (1 + w) RMSNorms and an nn.Linear
+# (fc), composed as vLLM's qwen3_next_mtp.py runs them: fc([pre_fc_norm_embedding(Emb(t_{i+1})) ;
+# pre_fc_norm_hidden(h^0)]), the block, mtp.norm, the main head. The runs without the MoE's balancing loss
+# (--moe-aux-coef 0): the reference's loss is the token losses' (test_qwen35's runs test the balancing loss).
+QWEN_FLAGS = {"qwen3_5": FLAGS, "qwen3_5_moe": (*FLAGS, "--moe-aux-coef", "0")}
+
+
+class QwenReferenceMTP(nn.Module):
+    """transformers' modules composed as Qwen3.5's MTP depth 1, loaded with the folder's mtp.* tensors: the block
+    is transformers' own layer n of a model of n + 1 layers (the last of full attention) read from the folder's
+    tensors and the block's (so that transformers stacks its experts as it reads them), under `scratch`."""
+
+    def __init__(self, folder, scratch):
+        super().__init__()
+        tensors = load_file(str(folder / "model.safetensors"))
+        config = json.loads((folder / "config.json").read_text())
+        self.n, self.scratch = config["num_hidden_layers"], scratch
+        scratch.mkdir(parents=True, exist_ok=True)
+        (scratch / "config.json").write_text(json.dumps({**config, "num_hidden_layers": self.n + 1,
+                                                         "layer_types": config["layer_types"] + ["full_attention"],
+                                                         "mtp_num_hidden_layers": 0}))
+        block = {n.replace("mtp.layers.0.", f"model.layers.{self.n}."): t for n, t in tensors.items()
+                 if n.startswith("mtp.layers.0.")}
+        save_file({**{n: t for n, t in tensors.items() if not n.startswith("mtp.")}, **block},
+                  str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        self.big = [transformers.AutoModelForCausalLM.from_pretrained(str(scratch), attn_implementation="eager")]
+        self.block = self.big[0].model.layers[self.n]
+        norm = type(self.big[0].model.norm)
+        C = tensors["mtp.fc.weight"].shape[0]
+        self.fc = nn.Linear(2 * C, C, bias=False)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (norm(C, config["rms_norm_eps"])
+                                                                          for _ in range(3))
+        with torch.no_grad():
+            for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+                getattr(self, name).weight.copy_(tensors[f"mtp.{name}.weight"])
+
+    def forward(self, hf, ids, labels, weight: float) -> torch.Tensor:
+        """(the main loss summed + weight x depth 1's summed) / the main loss's tokens."""
+        h = hf.model(ids).last_hidden_state
+        ce = lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
+                                                           reduction="sum")
+        embedded = hf.model.embed_tokens(ids)
+        next_embedded = torch.cat([embedded[:, 1:], torch.zeros_like(embedded[:, :1])], 1)
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(h)], -1))
+        B, T = ids.shape
+        positions = torch.arange(T)[None]
+        causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        rotary = hf.model.rotary_emb(x, positions[None].expand(3, B, T))
+        x = self.block(x, position_embeddings=rotary, attention_mask=causal, position_ids=positions)
+        depth = ce(hf.lm_head(self.norm(x)), torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1))
+        return (ce(hf.lm_head(h), labels) + weight * depth) / (labels != IGNORE).sum()
+
+    def ours(self) -> dict:
+        """Its parameters under zerotrain's (and the folder's) names, the block's read back through transformers'
+        save (its experts one linear each)."""
+        self.big[0].save_pretrained(str(self.scratch / "saved"))
+        saved = load_file(str(self.scratch / "saved" / "model.safetensors"))
+        prefix = f"model.layers.{self.n}."
+        out = {"mtp.layers.0." + n[len(prefix):]: t for n, t in saved.items() if n.startswith(prefix)}
+        out.update({f"mtp.{name}.weight": getattr(self, name).weight.detach().clone()
+                    for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
+        return out
+
+
+def qwen_folder(folder, family: str, initializer_range: float):
+    from test_qwen35 import hf_model as qwen_model, with_mtp_head
+
+    qwen_model(folder, family, initializer_range)
+    head = with_mtp_head(folder)  # drawn at std 1: brought to the model's scale (matrices), norms' w off 0 by 0.3
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({n: t * (initializer_range if t.dim() >= 2 else 0.3) for n, t in head.items()})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def qwen_loaded(folder, scratch, **changes):
+    """(transformers' model of `folder`, the reference MTP head, zerotrain's --mtp train model of it, fp32)."""
+    from zerotrain.hub.init_from import weight_source
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
+    ref = QwenReferenceMTP(folder, scratch)
+    cfg = ModelConfig(**{**weight_source(str(folder)).model.__dict__, "mtp": "train", **changes})
+    ours = build_model(cfg, 0)
+    ours.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    return hf.train(), ref.train(), ours.train()
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def qwen_models(tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp("qwen-mtp")
+    with one_thread():
+        qwen_folder(tmp / "model", request.param, 0.1)
+        return qwen_loaded(tmp / "model", tmp / "reference", mtp_loss_weight=1.0)
+
+
+QWEN_IDS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(5))
+QWEN_LABELS = torch.cat([QWEN_IDS[:, 1:], torch.randint(0, 300, (2, 1))], 1)
+
+
+@pytest.mark.parametrize("bug", [None, "concatenation swapped", "target one place too near"])
+def test_qwen35s_loss_at_step_0_is_the_references_and_a_planted_bug_changes_it(qwen_models, monkeypatch, bug):
+    hf, ref, ours = qwen_models
+    if bug == "concatenation swapped":
+        monkeypatch.setattr(mtp, "joined", swapped)
+    elif bug == "target one place too near":
+        monkeypatch.setattr(mtp, "depth_targets", one_too_near)
+    with one_thread():
+        theirs = float(ref(hf, QWEN_IDS, QWEN_LABELS, 1.0))
+        mine = float(our_loss(ours, QWEN_IDS, QWEN_LABELS))
+    if bug is None:
+        assert abs(mine - theirs) <= 1e-6 * abs(theirs), (mine, theirs)
+    else:
+        assert abs(mine - theirs) > 1e-5 * abs(theirs), (mine, theirs)
+
+
+def test_qwen35s_packed_records_equal_each_record_alone_and_a_target_from_the_next_record_is_caught(qwen_models,
+                                                                                                   monkeypatch):
+    _, _, ours = qwen_models
+    assert packed_gap(ours) <= 1e-6
+    monkeypatch.setattr(mtp, "depth_targets", lambda targets, segments, k, f=mtp.depth_targets: f(targets, None, k))
+    assert packed_gap(ours) > 1e-4
+
+
+def qwen_reference_run(folder, family: str, lrs: list[float], scratch) -> dict:
+    """The runs' steps in a plain loop over transformers' model and the reference head, one AdamW over both; the
+    final weights under zerotrain's names."""
+    cfg = config_for(folder, scratch / "run", *QWEN_FLAGS[family])
+    torch.manual_seed(0)
+    hf, ref, _ = qwen_loaded(folder, scratch / "reference")
+    both = nn.ModuleDict(dict(hf=hf, ref=ref))
+    optimizer = reference_adamw(both, lrs[0])
+    schedule = BatchSchedule(make_source(cfg), micro_batch=ROWS, accum=1, rank=0, world_size=1)
+    out = {"loss": [], "grad_norm": []}
+    for step, lr in enumerate(lrs):
+        micro = schedule.batch(step).micro_batches[0]
+        loss = ref(hf, micro.inputs, micro.labels, WEIGHT)
+        out["grad_norm"].append(reference_step(optimizer, both, loss, lr))
+        out["loss"].append(float(loss.detach()))
+    hf.save_pretrained(str(scratch / "weights"))
+    out["weights"] = {**read_weights(scratch / "weights"), **ref.ours()}
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def qwen_runs(tmp_path_factory, request):
+    """{"family", "1 rank" | "zero3" | "tp2" | "ep2" (the MoE's) | "reference": {"loss", "grad_norm", "weights"},
+    "folder": the 1-rank run's}."""
+    from zerotrain.training.loop import train_job
+
+    tmp = tmp_path_factory.mktemp("qwen-mtp-runs")
+    folder = tmp / "model"
+    with one_thread():
+        qwen_folder(folder, request.param, 0.02)
+    jobs = {"zero3": ("--zero", "3", "--micro-batch", "1"), "tp2": ("--tp", "2"),
+            **({"ep2": ("--ep", "2", "--micro-batch", "1")} if request.param.endswith("moe") else {})}
+    flags_of = QWEN_FLAGS[request.param]
+    out = in_turn_runs({name: (train_job, config_for(folder, tmp / name, *flags_of, "--nproc", "2", *flags))
+                        for name, flags in jobs.items()}, LIMIT)
+    for name in jobs:
+        out[name]["weights"] = weights_of(tmp / name)
+    with one_thread(), world_of_one() as comm:
+        out["1 rank"] = one_rank_run(config_for(folder, tmp / "1-rank", *flags_of), comm)
+        out["reference"] = qwen_reference_run(folder, request.param, out["1 rank"]["lr"], tmp / "reference")
+    out["folder"], out["family"] = tmp / "1-rank", request.param
+    return out
+
+
+@pytest.mark.parametrize("run", ["1 rank", "zero3", "tp2", "ep2"])
+def test_qwen35s_eight_steps_train_as_the_reference_loop_does(qwen_runs, run):
+    from test_qwen35 import WEIGHTS_BOUND
+
+    if run not in qwen_runs:
+        pytest.skip("--ep is the MoE's")
+    ours, theirs = qwen_runs[run], qwen_runs["reference"]
+    assert "error" not in ours, ours
+    assert set(theirs["weights"]) <= set(ours["weights"])
+    gap = gaps(ours, theirs)
+    bound = WEIGHTS_BOUND[qwen_runs["family"]]
+    assert gap["loss"] <= 1e-5 and gap["grad_norm"] <= 1e-5 and gap["weights"] <= bound, gap
+    heads = [n for n in theirs["weights"] if n.startswith("mtp.")]
+    assert heads
+    moved = gaps({**ours, "weights": {n: ours["weights"][n] for n in heads}},
+                 {**theirs, "weights": {n: theirs["weights"][n] for n in heads}})["weights"]
+    assert moved <= bound, moved
+
+
+def test_qwen35s_export_writes_the_trained_head(qwen_runs, tmp_path):
+    from zerotrain.cli.main import main
+
+    assert main(["export", str(qwen_runs["folder"]), str(tmp_path / "out"), "--format", "hf", "--dtype", "fp32"]) == 0
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    ours = qwen_runs["1 rank"]["weights"]
+    heads = [n for n in ours if n.startswith("mtp.")]
+    assert heads and all(torch.equal(written[n], ours[n]) for n in heads)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert type(theirs).__name__.startswith("Qwen3_5")

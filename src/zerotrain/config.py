@@ -540,10 +540,10 @@ class ModelConfig:
     mtp: str = setting("frozen", "the multi-token-prediction layers (--mtp-layers): frozen (set aside at import, "
                        "copied as they are into an hf export) or train (depth k predicts the token k+1 places past "
                        "the next, its loss joins the main one weighted by --mtp-loss-weight: model/mtp.py)",
-                       rule=one_of("frozen", "train"), applies=archs_scope("deepseek_v3", *GLM))
+                       rule=one_of("frozen", "train"), applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
     mtp_loss_weight: float = setting(0.1, "--mtp train: lambda, the weight of the MTP loss, the mean of the D "
                                      "depths' losses (DeepSeek-V3's lambda; Megatron-LM's --mtp-loss-scaling-factor)",
-                                     rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM))
+                                     rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
     attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
                                    "them)", applies=archs_scope(*GLM))
     use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "

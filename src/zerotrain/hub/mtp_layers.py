@@ -55,7 +55,7 @@ def shared_copies(cfg: ModelConfig) -> dict[str, str]:
     """{each MTP layer's copy of the embedding and the head, as the folder names it: the main model's tensor} that an
     hf export of a --mtp train model writes (the head's only where it is not tied)."""
     out = {}
-    for k in range(cfg.mtp_layers if cfg.mtp == "train" else 0):
+    for k in range(cfg.mtp_layers if cfg.mtp == "train" and cfg.arch not in QWEN35 else 0):  # Qwen3.5's: none
         for rest, ours in SHARED.items():
             out[layer_prefix(cfg, k) + rest] = "model.embed_tokens.weight" if cfg.tie_embeddings else ours
     return out

@@ -69,15 +69,20 @@ class Decoder(nn.Module):
         # the MTP depths' summed loss first, through the head's forward rather than its call: at ZeRO-3 the hooks
         # around the head's call mark its unit's one use, the main loss's below
         embedded, rotary, *rest = mtp_inputs
-        depths = mtp.mtp_loss(self.model["mtp_layers"], lambda x, t: self.lm_head.forward(x, targets=t), h, embedded,
-                              targets, segments, (rotary, None, *rest))
+        depths = mtp.mtp_loss(self.mtp_module, lambda x, t: self.lm_head.forward(x, targets=t), h, embedded,
+                              targets, segments, (rotary, None, *rest), self.cfg.mtp_layers)
         return self.lm_head(h, targets=targets) + self.cfg.mtp_loss_weight / self.cfg.mtp_layers * depths
+
+    @property
+    def mtp_module(self) -> nn.Module | None:
+        """The trained MTP layers (model/mtp.py): DeepSeek-V3's and GLM-4.5's model.mtp_layers, Qwen3.5's mtp."""
+        return self.model["mtp_layers"] if "mtp_layers" in self.model else getattr(self, "mtp", None)
 
     @property
     def trains_mtp(self) -> bool:
         """Whether this forward computes the MTP layers' loss too: --mtp train, while training (the validation loss,
         computed without gradients, is the main model's)."""
-        return "mtp_layers" in self.model and torch.is_grad_enabled()
+        return self.mtp_module is not None and torch.is_grad_enabled()
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,8 +67,8 @@ def depth_targets(targets: torch.Tensor, segments: torch.Tensor | None, k: int) 
 
 
 class MTPLayer(nn.Module):
-    """One depth: enorm, hnorm, eh_proj, the family's decoder block (its modules under its own names) and
-    shared_head.norm."""
+    """One depth of DeepSeek-V3's (GLM-4.5's): enorm, hnorm, eh_proj, the family's decoder block (its modules under
+    its own names) and shared_head.norm."""
 
     def __init__(self, cfg: ModelConfig, block: nn.Module):
         super().__init__()
@@ -81,8 +81,7 @@ class MTPLayer(nn.Module):
         for name, module in block.named_children():
             self.add_module(name, module)
         self.shared_head = nn.ModuleDict(dict(norm=RMSNorm(C, cfg.norm_eps)))
-        if hasattr(self, "mlp") and hasattr(self.mlp, "balanced"):
-            self.mlp.balanced = False  # its routing is no part of the balancing figures (module docstring)
+        unbalanced(self)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, *block_args) -> torch.Tensor:
         """h^k (before shared_head.norm) from the embeddings of t_{i+k} and h^{k-1}; `block_args` as the block's."""
@@ -90,23 +89,74 @@ class MTPLayer(nn.Module):
         return self.block_forward(self, x, *block_args)
 
 
-def build_layers(cfg: ModelConfig, block_class) -> nn.ModuleDict | None:
-    """The trained MTP layers, keyed by their layer index (n + k), or None when --mtp frozen."""
+class MTPLayers(nn.ModuleDict):
+    """DeepSeek-V3's (GLM-4.5's) layers, keyed by their index in the folder (n + k), each a whole depth."""
+
+    def depth(self, k: int, embedded: torch.Tensor, hidden: torch.Tensor, block_args) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        """(h^k, passed to depth k + 1; the head's input, shared_head.norm(h^k))."""
+        index = list(self)[k - 1]
+        layer = self[index]
+        rotary, cache, *rest = block_args
+        h = layer(embedded, hidden, rotary, cache, int(index), *rest)
+        return h, layer.shared_head.norm(h)
+
+
+class QwenMTP(nn.Module):
+    """Qwen3.5's mtp.*: fc, pre_fc_norm_embedding and pre_fc_norm_hidden shared by the depths, a full-attention block
+    per depth (layers.{k - 1}) and the final norm, shared too, as vLLM's qwen3_next_mtp.py runs them (one block per
+    step); its norms the family's (1 + w) RMSNorms. Each depth passes on its normalised output, as vLLM's step does."""
+
+    def __init__(self, cfg: ModelConfig, block_class, norm_class):
+        super().__init__()
+        C = cfg.n_embd
+        self.fc = nn.Linear(2 * C, C, bias=False)
+        self.pre_fc_norm_embedding = norm_class(C, cfg.norm_eps)
+        self.pre_fc_norm_hidden = norm_class(C, cfg.norm_eps)
+        self.first_layer = cfg.n_layer  # the blocks' indices after the decoder's
+        self.layers = nn.ModuleList(block_class(cfg, cfg.n_layer + k, attention=True) for k in range(cfg.mtp_layers))
+        self.norm = norm_class(C, cfg.norm_eps)
+        unbalanced(self)
+
+    def depth(self, k: int, embedded: torch.Tensor, hidden: torch.Tensor, block_args) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        x = self.fc(joined(self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)))
+        rotary, cache, *rest = block_args
+        h = self.norm(self.layers[k - 1](x, rotary, cache, self.first_layer + k - 1, *rest))
+        return h, h
+
+
+def unbalanced(module: nn.Module) -> None:
+    """The MTP block's experts' routing is no part of the balancing figures (module docstring)."""
+    for m in module.modules():
+        if hasattr(m, "balanced"):
+            m.balanced = False
+
+
+def build_layers(cfg: ModelConfig, block_class) -> MTPLayers | None:
+    """DeepSeek-V3's (GLM-4.5's) trained MTP layers, or None when --mtp frozen."""
     if cfg.mtp != "train" or not cfg.mtp_layers:
         return None
     layers = range(cfg.n_layer, cfg.n_layer + cfg.mtp_layers)
-    return nn.ModuleDict({str(i): MTPLayer(cfg, block_class(cfg, i)) for i in layers})
+    return MTPLayers({str(i): MTPLayer(cfg, block_class(cfg, i)) for i in layers})
 
 
-def mtp_loss(layers: nn.ModuleDict, head, hidden: torch.Tensor, embedded: torch.Tensor, targets: torch.Tensor,
-             segments: torch.Tensor | None, block_args) -> torch.Tensor:
-    """sum over the depths of each one's summed token loss (unweighted): `hidden` the main model's final-norm output,
-    `embedded` its token embeddings of the row, `head` the head's summed token loss of (h, targets), `block_args`
-    what the block takes after its input (rotary tables, cache, layer, mask, ...) but the layer index."""
+def build_qwen(cfg: ModelConfig, block_class, norm_class) -> QwenMTP | None:
+    """Qwen3.5's trained mtp.*, or None when --mtp frozen."""
+    if cfg.mtp != "train" or not cfg.mtp_layers:
+        return None
+    return QwenMTP(cfg, block_class, norm_class)
+
+
+def mtp_loss(depths, head, hidden: torch.Tensor, embedded: torch.Tensor, targets: torch.Tensor,
+             segments: torch.Tensor | None, block_args, count: int) -> torch.Tensor:
+    """sum over the `count` depths of each one's summed token loss (unweighted): `depths` the MTP module (its
+    depth(k, ...)), `hidden` the main model's final-norm output, `embedded` its token embeddings of the row, `head` the
+    head's summed token loss of (h, targets), `block_args` what a block takes after its input (rotary tables, cache,
+    then the mask and the rest) but the layer index."""
     outputs, depth_rows = [], []
-    rotary, cache, *rest = block_args
-    for k, (index, layer) in enumerate(layers.items(), start=1):
-        hidden = layer(shifted(embedded, k, 0.0), hidden, rotary, cache, int(index), *rest)
-        outputs.append(layer.shared_head.norm(hidden))
+    for k in range(1, count + 1):
+        hidden, out = depths.depth(k, shifted(embedded, k, 0.0), hidden, block_args)
+        outputs.append(out)
         depth_rows.append(depth_targets(targets, segments, k))
     return head(torch.cat(outputs), torch.cat(depth_rows))
