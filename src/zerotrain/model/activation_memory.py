@@ -104,6 +104,9 @@ to a multiple of 32 rows), not measured here. The CPU flash kernel takes the doc
 counted above, and nothing T x T besides). SDPA's math fallback (a shape or dtype no fused kernel takes; on
 CUDA, GQA that attend does not repeat) saves the T x T attention probabilities as well and is not what this
 predicts.
+--mtp train (model/mtp.py) adds per depth its two input norms (their outputs one 2C-wide concatenation, which the
+projection saves), its block as the decoder's of its kind, counted whole (every TP rank runs it all), its output norm
+(read by the head alone), and the head's loss over the depths' rows at once (D BTC a + V C a), as mtp_depths counts.
 LayerNorm's mean and rstd are counted in the activation dtype, as on CPU; CUDA keeps them in fp32 (4 BT
 bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fused kernels need instead.
 """
@@ -669,11 +672,11 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
                      objective: str = "sft", ep: int = 1) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
-    Returns {"per_block", "blocks", "embedding", "head", "loss", "total", "working"}, where total = blocks +
-    embedding + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
+    Returns {"per_block", "blocks", "embedding", "head", "loss", "mtp", "total", "working"}, where total = blocks +
+    embedding + head + loss + mtp: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
     positions; Llama's fp32 rotary tables; the document mask of packed records), the final norm, and the head with
-    the loss; `working` is the loss's working set beside them (one chunk's logits, soft-capped where the model caps
-    them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
+    the loss, and --mtp train's depths (mtp_depths; 0 without); `working` is the loss's working set beside them (one
+    chunk's logits, soft-capped where the model caps them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
     `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
     whether the micro-batches carry segments (packed records), `objective` "sft" (the summed token loss) or "dpo"
     (each token's log-prob of its target, vocab.token_logps: the head keeps its input, the log-sum-exp and the targets,
