@@ -18,6 +18,7 @@ order swapped, the target one place too near, a packed record's MTP target taken
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -275,10 +276,26 @@ def runs(tmp_path_factory, request):
     for name in jobs:
         out[name]["weights"] = weights_of(tmp / name)
     with one_thread(), world_of_one() as comm:
-        out["1 rank"] = one_rank_run(config_for(folder, tmp / "1-rank", *FLAGS), comm)
+        out["1 rank"] = one_rank_run(config_for(folder, tmp / "1-rank", *FLAGS, "--ckpt-every", "4"), comm)
+        step4 = next((tmp / "1-rank").rglob("step_00000004"))  # steps 5-8 again, the MTP layer from the checkpoint
+        out["resumed"] = one_rank_run(config_for(folder, tmp / "resumed", *FLAGS, "--resume", str(step4)), comm)
         out["reference"] = reference_run(folder, out["1 rank"]["lr"], tmp / "reference")
-    out["folder"] = tmp / "1-rank"
+    out["folder"], out["file bytes"] = tmp / "1-rank", (folder / "model.safetensors").stat().st_size
+    out["mtp bytes"] = sum(t.numel() * 4 for n, t in load_file(str(folder / "model.safetensors")).items()
+                           if trained_name(n) is not None and n.startswith(MTP))
     return out
+
+
+def test_a_resume_continues_the_mtp_layer_bitwise_and_zero3_reads_each_ranks_slice(runs):
+    """Resumed from step 4, step 8's weights (the MTP layer's among them) are the uninterrupted run's bitwise; at
+    ZeRO-3 each rank read its owned ranges' rows of the folder (less than 3/4 of its file), the MTP layer's among
+    them (the two ranks together at least its bytes)."""
+    ours, resumed = runs["1 rank"]["weights"], runs["resumed"]["weights"]
+    assert any(n.startswith("model.mtp_layers.") for n in ours)
+    assert all(torch.equal(resumed[n], ours[n]) for n in ours)
+    reads = runs["zero3"]["read"]
+    assert len(reads) == 2 and all(0 < r < 0.75 * runs["file bytes"] for r in reads), reads
+    assert sum(reads) >= runs["mtp bytes"], (reads, runs["mtp bytes"])
 
 
 @pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2", "tp2"])
@@ -320,6 +337,17 @@ def mtp_model_folder(tmp_path_factory):
     with one_thread():
         mtp_folder(folder)
     return folder
+
+
+def test_the_guard_takes_a_uniform_guess_at_every_depth_as_the_chance_loss():
+    from zerotrain.config import Config
+    from zerotrain.training.objectives import TokenObjective
+
+    cfg = Config()
+    cfg.model = ModelConfig(arch="deepseek_v3", vocab_size=300, mtp_layers=1, mtp="train", mtp_loss_weight=0.3)
+    assert abs(TokenObjective(cfg).loss_rule().chance_loss - 1.3 * math.log(300)) < 1e-12
+    cfg.model.mtp = "frozen"
+    assert abs(TokenObjective(cfg).loss_rule().chance_loss - math.log(300)) < 1e-12
 
 
 @pytest.mark.parametrize("flags, said", [
