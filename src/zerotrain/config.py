@@ -208,7 +208,7 @@ PRESETS: dict[str, dict] = {
                           norm_topk_prob=True),
     # Qwen/Qwen3.5-27B's text model (its config.json's text_config; Qwen3.6-27B shares it): 64 layers, every 4th gated
     # attention (24 heads of 256, 4 KV heads, rotary on a quarter of each head, base 1e7), the others Gated DeltaNet
-    # (16 key heads and 48 value heads of 128); its MTP layer is not trained. 26.9B parameters.
+    # (16 key heads and 48 value heads of 128); its MTP layer is frozen unless --mtp train. 26.9B parameters.
     "qwen3.5-27b": dict(arch="qwen3_5", n_layer=64, n_head=24, n_kv_head=4, n_embd=5120, head_width=256,
                         intermediate_size=17408, seq_len=4096, context=262144, vocab_size=248320,
                         rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, linear_key_heads=16,
@@ -223,7 +223,7 @@ PRESETS: dict[str, dict] = {
                             experts_per_token=8, expert_width=512, shared_expert_width=512, norm_topk_prob=True),
     # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
     # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
-    # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
+    # mscale pair; its MTP layer is kept frozen through an hf export unless --mtp train. 671B parameters, 37B a token.
     "deepseek-v3-671b": dict(arch="deepseek_v3", n_layer=61, n_head=128, n_kv_head=128, n_embd=7168,
                              intermediate_size=18432, seq_len=4096, context=163840, vocab_size=129280,
                              rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
@@ -244,7 +244,7 @@ PRESETS: dict[str, dict] = {
     # zai-org/GLM-4.5-Air's and zai-org/GLM-4.5's shapes (their config.json, model_type glm4_moe): grouped-query
     # attention of 96 heads of 128 (8 KV heads) with q/k/v biases and rotary on half of each head, the first 1 (3)
     # layers dense, then 128 (160) routed experts in one group, top-8, and one shared; GLM-4.5 normalises q and k per
-    # head and scales its routed weights by 2.5. Their MTP layer is not trained (kept through an hf export).
+    # head and scales its routed weights by 2.5. Their MTP layer is kept frozen through an hf export unless --mtp train.
     "glm-4.5-air": dict(arch="glm4_moe", n_layer=46, n_head=96, n_kv_head=8, n_embd=4096, head_width=128,
                         intermediate_size=10944, seq_len=4096, context=131072, vocab_size=151552,
                         rope_theta=1000000.0, partial_rotary=0.5, norm_eps=1e-5, tie_embeddings=False,

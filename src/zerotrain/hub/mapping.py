@@ -20,8 +20,8 @@ and export alike, so the two cannot drift apart.
            Qwen3.5's text models (qwen3_5_text, qwen3_5_moe_text) name their tensors as zerotrain's model does, the
            experts one linear each as transformers 5 saves them (its qwen2_moe conversion): the identity. Their
            multi-token-prediction head (mtp.*, mtp_num_hidden_layers blocks under mtp.layers.) is set aside at
-           import as DeepSeek-V3's MTP layers are (the config keeps their count, --mtp-layers; mtp_layers.py), and
-           not trained.
+           import as DeepSeek-V3's MTP layers are (the config keeps their count, --mtp-layers; mtp_layers.py) with
+           --mtp frozen; with --mtp train it is zerotrain's mtp.* (model/mtp.py), by the same names.
     deepseek_v3
            DeepSeek-V3's (and Kimi K2's) names are zerotrain's, the experts one linear each, the router's
            e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
@@ -36,7 +36,7 @@ and export alike, so the two cannot drift apart.
            AutoModelForCausalLM does not list it: load an export with Mistral4ForCausalLM.from_pretrained.
     glm4_moe
            GLM-4.5's (Glm4MoeForCausalLM) names are zerotrain's, as DeepSeek-V3's: the identity, its MTP layers set
-           aside at import the same way.
+           aside at import or trained the same way.
     llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).

@@ -1,5 +1,5 @@
-"""Multi-token prediction (--mtp train): the D modules after a DeepSeek-V3 decoder that predict, at each position, the
-token k + 1 places past the next one (depth k = 1 .. D), and the loss they add to the main one.
+"""Multi-token prediction (--mtp train): the D modules after a DeepSeek-V3, GLM-4.5 or Qwen3.5 decoder that predict, at
+each position, the token k + 1 places past the next one (depth k = 1 .. D), and the loss they add to the main one.
 
 Depth k at position i (DeepSeek-V3's technical report, section 2.2, eqs. 21-25):
 
@@ -25,11 +25,17 @@ What was chosen where the paper is silent, from the implementations that train o
   - the block's experts do not count in the balancing figures or the routing bias's loads (its router's
     e_score_correction_bias stays as the folder has it)
 
-Parameter names: model.mtp_layers.{n+k}.* (n = num_hidden_layers), each layer's enorm, hnorm, eh_proj,
-shared_head.norm and the block's own names (self_attn, mlp, input_layernorm, post_attention_layernorm) beside them:
-the folder's model.layers.{n+k}.* with mtp_ in the prefix (hub/mtp_layers.py renames them both ways). In ZeRO-3 they
-are in the root unit (whole for the step: parallel/units.py); under TP the block stays whole on every rank (its input,
-the embedding's output and the final norm's, is), its experts split over --ep as the decoder's are.
+Qwen3.5's head (QwenMTP, as vLLM's qwen3_next_mtp.py runs it) is the same computation with its own names: mtp.fc for
+eh_proj, mtp.pre_fc_norm_embedding and mtp.pre_fc_norm_hidden for enorm and hnorm, mtp.norm for shared_head.norm,
+all four shared by the depths and (1 + w) norms, and a full-attention block per depth (mtp.layers.{k-1}); each depth
+passes on its normalised output (vLLM's step returns it so). With one depth, as every release has, both read alike.
+
+Parameter names: DeepSeek-V3's and GLM-4.5's model.mtp_layers.{n+k}.* (n = num_hidden_layers), each layer's enorm,
+hnorm, eh_proj, shared_head.norm and the block's own names (self_attn, mlp, input_layernorm, post_attention_layernorm)
+beside them: the folder's model.layers.{n+k}.* with mtp_ in the prefix (hub/mtp_layers.py renames them both ways);
+Qwen3.5's mtp.*, the folder's. In ZeRO-3 they are in the root unit (whole for the step: parallel/units.py); under TP
+the block stays whole on every rank (its input, the embedding's output and the final norm's, is), its experts split
+over --ep as the decoder's are.
 """
 
 from __future__ import annotations
