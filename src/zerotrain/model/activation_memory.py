@@ -104,6 +104,9 @@ to a multiple of 32 rows), not measured here. The CPU flash kernel takes the doc
 counted above, and nothing T x T besides). SDPA's math fallback (a shape or dtype no fused kernel takes; on
 CUDA, GQA that attend does not repeat) saves the T x T attention probabilities as well and is not what this
 predicts.
+--mtp train (model/mtp.py) adds per depth its two input norms (their outputs one 2C-wide concatenation, which the
+projection saves), its block as the decoder's of its kind, counted whole (every TP rank runs it all), its output norm
+(read by the head alone), and the head's loss over the depths' rows at once (D BTC a + V C a), as mtp_depths counts.
 LayerNorm's mean and rstd are counted in the activation dtype, as on CPU; CUDA keeps them in fp32 (4 BT
 bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fused kernels need instead.
 """
@@ -700,11 +703,11 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
                      objective: str = "sft", ep: int = 1) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
-    Returns {"per_block", "blocks", "embedding", "head", "loss", "total", "working"}, where total = blocks +
-    embedding + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
+    Returns {"per_block", "blocks", "embedding", "head", "loss", "mtp", "total", "working"}, where total = blocks +
+    embedding + head + loss + mtp: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
     positions; Llama's fp32 rotary tables; the document mask of packed records), the final norm, and the head with
-    the loss; `working` is the loss's working set beside them (one chunk's logits, soft-capped where the model caps
-    them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
+    the loss, and --mtp train's depths (mtp_depths; 0 without); `working` is the loss's working set beside them (one
+    chunk's logits, soft-capped where the model caps them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
     `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
     whether the micro-batches carry segments (packed records), `objective` "sft" (the summed token loss) or "dpo"
     (each token's log-prob of its target, vocab.token_logps: the head keeps its input, the log-sum-exp and the targets,
@@ -833,8 +836,42 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         head -= s.BT * s.C * s.act
         total_loss = loss(s)
     working = (token_logps_working_set if objective == "dpo" else loss_working_set)(s, bool(cfg.final_softcap))
+    depths = mtp_depths(s, cfg, device, precision, recompute, ep) if cfg.mtp == "train" and cfg.mtp_layers else 0
+    if depths:  # the depths' loss runs before the main one, over their rows at once: its own chunks
+        working = max(working, loss_working_set(dataclasses.replace(s, B=s.B * cfg.mtp_layers)))
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
-            "total": blocks + embedding + head + total_loss, "working": working}
+            "mtp": depths, "total": blocks + embedding + head + total_loss + depths, "working": working}
+
+
+def mtp_block_shape(s: RankShape, cfg: ModelConfig) -> RankShape:
+    """An MTP block's shape on a TP rank: the full model's heads and widths (the block is whole on every rank)."""
+    return dataclasses.replace(s, heads=cfg.n_head, kv_heads=cfg.kv_heads, ffn=cfg.ffn_width)
+
+
+def mtp_depths(s: RankShape, cfg: ModelConfig, device: str, precision: str, recompute: str, ep: int) -> int:
+    """--mtp train's D depths (model/mtp.py), each: its two input norms (their outputs one concatenation, which the
+    projection saves: 2C wide), its block (whole on every TP rank: the full model's heads and widths; its experts
+    split over --ep as the decoder's), its output norm, whose output only the head reads; and the head's loss over
+    the D depths' rows at once (the gradients of its input, D BTC, and of its weight, kept as the main loss's). A
+    block's mask and rotary tables are the decoder's storages: nothing more."""
+    whole = mtp_block_shape(s, cfg)
+    layer = cfg.n_layer  # the first MTP layer's index: its kind (experts or not) the depths'
+    if cfg.arch in QWEN35:  # (1 + w) norms; a gated-attention block
+        norms = 3 * gemma_norm(s) + 2 * s.BT * s.C * s.act
+        block = 2 * gemma_norm(whole) + 2 * s.BT * s.C * s.act + swiglu_mlp(whole) + gated_attention(whole)
+    else:  # DeepSeek-V3's latent attention, or GLM-4.5's Llama attention
+        norms = 3 * rms_norm(s) - s.BT * s.C * s.act
+        attention_part = latent_attention(whole, cfg, device) if cfg.arch in DEEPSEEK else \
+            llama_block(whole, cfg.qk_norm, cfg.qk_norm_whole) - 2 * rms_norm(whole) - swiglu_mlp(whole)
+        block = 2 * rms_norm(whole) + attention_part + swiglu_mlp(whole)
+    if cfg.has_experts(layer):
+        block += experts(whole, cfg) - swiglu_mlp(whole) + grouped_offsets(cfg, device, precision, 1, ep) + \
+            (expert_exchange(s, cfg) if ep > 1 else 0)
+    rows = dataclasses.replace(s, B=s.B * cfg.mtp_layers)
+    # fp32 rotary tables are saved as they are by the rotations: the embedding counts them unless every decoder block
+    # is recomputed, which the MTP blocks are not
+    tables = rotary_tables(s, cfg.rotary_dim) if precision == "fp32" and recompute != "none" else 0
+    return cfg.mtp_layers * (norms + block) + loss(rows) + tables
 
 
 def explicit_scores(cfg: ModelConfig, device: str) -> bool:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from . import moe
+from . import moe, mtp
 from .attention import attend
 from .decoder import Decoder
 from .delta_rule import causal_conv, chunk_gated_delta_rule
@@ -195,9 +195,9 @@ def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 class Qwen35Block(nn.Module):
     """(1 + w) pre-norm token mixer (linear or attention, by the layer) and MLP or mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, attention: bool = False):
         super().__init__()
-        self.linear = cfg.linear_attention(layer)
+        self.linear = cfg.linear_attention(layer) and not attention  # `attention`: a multi-token-prediction block's
         self.input_layernorm = GemmaRMSNorm(cfg.n_embd, cfg.norm_eps)
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg)
@@ -227,6 +227,9 @@ class Qwen35(Decoder):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, Qwen35Block, GemmaRMSNorm(cfg.n_embd, cfg.norm_eps))
+        trained = mtp.build_qwen(cfg, Qwen35Block, GemmaRMSNorm)  # --mtp train: mtp.*, as the folder names them
+        if trained is not None:
+            self.mtp = trained
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,6 +244,8 @@ class Qwen35(Decoder):
             mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
             starts = None if segments is None else record_starts(segments)
         rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta)
+        if self.trains_mtp and cache is None:  # the MTP blocks (attention) read the embeddings and these too
+            self.mtp_inputs = (x, rotary, mask)
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks if cache is None else False, x, rotary, cache, layer, mask,
                           starts)
