@@ -13,7 +13,7 @@ from dist_jobs import summary
 from zerotrain import checkpoint, load_model
 from zerotrain.checkpoint import homes
 from zerotrain.config import Config
-from zerotrain.model import deepseek, gemma4, lora
+from zerotrain.model import deepseek, delta_rule_cp, gemma4, lora
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.model.recompute import in_backward
 from zerotrain.parallel import Comm, GradientReducer, context, ring_attention
@@ -276,3 +276,59 @@ def shared_kv_off_the_ring_job(cfg: Config, comm: Comm) -> dict:
 
     with mock.patch.object(gemma4, "attend", local):
         return trained_job(cfg, comm)
+
+
+def chunk_starts_seen_job(cfg: Config, comm: Comm) -> dict:
+    """trained_job, with how many record starts the linear layers' split saw among this rank's tokens: at a chunk's
+    first token (a record starting at a chunk boundary, the row's first excluded) and inside a chunk."""
+    real, seen = context.part_record_starts, {"at a boundary": 0, "inside": 0}
+
+    def counting(segments, cp, rank, reach):
+        starts, before = real(segments, cp, rank, reach)
+        firsts = starts[:, [0, starts.shape[1] // 2]]
+        seen["at a boundary"] += int(firsts[:, 1].sum()) + (int(firsts[:, 0].sum()) if rank else 0)
+        seen["inside"] += int(starts.sum()) - int(firsts.sum())
+        return starts, before
+
+    with mock.patch.object(context, "part_record_starts", counting):
+        out = trained_job(cfg, comm)
+    out["starts seen"] = comm.all_gather_json(seen, "test")
+    return out
+
+
+def chunk_state_ignored_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: each chunk of a split row runs the linear layers' delta rule from a zero state (the earlier
+    chunks' states never composed into it)."""
+    def zeros(M, B, chunks):
+        return torch.zeros_like(B[:2])
+
+    with mock.patch.object(delta_rule_cp, "states_before", zeros):
+        return trained_job(cfg, comm)
+
+
+def conv_boundary_dropped_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: the linear layers' convolution reads zeros before each chunk of a split row (the previous chunk's
+    last inputs never exchanged)."""
+    def zeros(tails, chunks):
+        return torch.zeros_like(tails[:2])
+
+    with mock.patch.object(delta_rule_cp, "inputs_before", zeros):
+        return trained_job(cfg, comm)
+
+
+def boundary_reset_dropped_job(cfg: Config, comm: Comm) -> dict:
+    """Planted bug: a record starting at a chunk's first token does not reset the linear layers there (the split's
+    record starts lose each chunk's first)."""
+    with mock.patch.object(context, "part_record_starts", without_chunk_firsts(context.part_record_starts)):
+        return trained_job(cfg, comm)
+
+
+def without_chunk_firsts(real):
+    """context.part_record_starts (`real`) losing the start of each chunk's first token."""
+    def planted(segments, cp, rank, reach):
+        starts, before = real(segments, cp, rank, reach)
+        starts = starts.clone()
+        starts[:, [0, starts.shape[1] // 2]] = False
+        return starts, before
+
+    return planted

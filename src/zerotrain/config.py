@@ -208,7 +208,7 @@ PRESETS: dict[str, dict] = {
                           norm_topk_prob=True),
     # Qwen/Qwen3.5-27B's text model (its config.json's text_config; Qwen3.6-27B shares it): 64 layers, every 4th gated
     # attention (24 heads of 256, 4 KV heads, rotary on a quarter of each head, base 1e7), the others Gated DeltaNet
-    # (16 key heads and 48 value heads of 128); its MTP layer is not trained. 26.9B parameters.
+    # (16 key heads and 48 value heads of 128); its MTP layer is frozen unless --mtp train. 26.9B parameters.
     "qwen3.5-27b": dict(arch="qwen3_5", n_layer=64, n_head=24, n_kv_head=4, n_embd=5120, head_width=256,
                         intermediate_size=17408, seq_len=4096, context=262144, vocab_size=248320,
                         rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False, linear_key_heads=16,
@@ -223,7 +223,7 @@ PRESETS: dict[str, dict] = {
                             experts_per_token=8, expert_width=512, shared_expert_width=512, norm_topk_prob=True),
     # deepseek-ai/DeepSeek-V3's shape (its config.json; V3.1 and R1 share it): 61 layers of latent attention, the first
     # 3 dense, 256 routed experts of 2048 in 8 groups (top-4 groups, top-8 experts) and one shared, YaRN x40 with its
-    # mscale pair; its MTP layer is not trained (kept through an hf export). 671B parameters, 37B a token.
+    # mscale pair; its MTP layer is kept frozen through an hf export unless --mtp train. 671B parameters, 37B a token.
     "deepseek-v3-671b": dict(arch="deepseek_v3", n_layer=61, n_head=128, n_kv_head=128, n_embd=7168,
                              intermediate_size=18432, seq_len=4096, context=163840, vocab_size=129280,
                              rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, n_experts=256,
@@ -244,7 +244,7 @@ PRESETS: dict[str, dict] = {
     # zai-org/GLM-4.5-Air's and zai-org/GLM-4.5's shapes (their config.json, model_type glm4_moe): grouped-query
     # attention of 96 heads of 128 (8 KV heads) with q/k/v biases and rotary on half of each head, the first 1 (3)
     # layers dense, then 128 (160) routed experts in one group, top-8, and one shared; GLM-4.5 normalises q and k per
-    # head and scales its routed weights by 2.5. Their MTP layer is not trained (kept through an hf export).
+    # head and scales its routed weights by 2.5. Their MTP layer is kept frozen through an hf export unless --mtp train.
     "glm-4.5-air": dict(arch="glm4_moe", n_layer=46, n_head=96, n_kv_head=8, n_embd=4096, head_width=128,
                         intermediate_size=10944, seq_len=4096, context=131072, vocab_size=151552,
                         rope_theta=1000000.0, partial_rotary=0.5, norm_eps=1e-5, tie_embeddings=False,
@@ -541,8 +541,15 @@ class ModelConfig:
                                         applies=archs_scope("deepseek_v3", *GLM))
     mtp_layers: int = setting(0, "deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe: multi-token-prediction layers the "
                               "--init-from folder holds (num_nextn_predict_layers after the decoder's; Qwen3.5's "
-                              "mtp_num_hidden_layers, under mtp.): not trained, copied as they are into an hf export",
+                              "mtp_num_hidden_layers, under mtp.): trained or kept frozen as --mtp says",
                               rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
+    mtp: str = setting("frozen", "the multi-token-prediction layers (--mtp-layers): frozen (set aside at import, "
+                       "copied as they are into an hf export) or train (depth k predicts the token k+1 places past "
+                       "the next, its loss joins the main one weighted by --mtp-loss-weight: model/mtp.py)",
+                       rule=one_of("frozen", "train"), applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
+    mtp_loss_weight: float = setting(0.1, "--mtp train: lambda, the weight of the MTP loss, the mean of the D "
+                                     "depths' losses (DeepSeek-V3's lambda; Megatron-LM's --mtp-loss-scaling-factor)",
+                                     rule=NON_NEGATIVE, applies=archs_scope("deepseek_v3", *GLM, *QWEN35))
     attention_bias: bool = setting(False, "glm4_moe: biases on q, k and v (attention_bias; GLM-4.5's releases have "
                                    "them)", applies=archs_scope(*GLM))
     use_qk_norm: bool = setting(False, "glm4_moe: an RMSNorm of each q and k head before rotary, one gain of the "
@@ -1384,10 +1391,11 @@ def _check_expert_parallel(cfg: Config) -> None:
 def _check_context_parallel(cfg: Config) -> None:
     """--cp C: C divides the ranks left by TP, each row splits into 2C equal chunks, and the model's attention is one
     the ring computes (causal, rotary, packed records' masks, sliding windows, latent attention's widths, Llama 4's
-    attention chunks; Gemma 4's two kinds of layers, shared KV, per-layer inputs and MoE block): soft-caps, sinks,
-    learned positions and linear attention are not in it yet: refused. Mixtures of experts (--ep too),
-    LoRA, --dp-replicate, DPO (each sequence's log-prob summed over its parts) and GRPO (each completion's token
-    log-probs gathered) compose."""
+    attention chunks; Gemma 4's two kinds of layers, shared KV, per-layer inputs and MoE block), or Qwen3.5's linear
+    attention (each chunk's state map and convolution inputs gathered, model/delta_rule_cp.py: a chunk holds at least
+    the convolution's K - 1 taps before a token): soft-caps, sinks and learned positions are not in it yet: refused.
+    Mixtures of experts (--ep too), LoRA, --dp-replicate, DPO (each sequence's log-prob summed over its parts) and GRPO
+    (each completion's token log-probs gathered) compose."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -1397,8 +1405,11 @@ def _check_context_parallel(cfg: Config) -> None:
     if m.seq_len % (2 * p.cp):
         raise ConfigError(f"--seq-len {m.seq_len} is not divisible by 2 x --cp {p.cp}: each CP rank holds 2 equal "
                           "chunks of every row")
+    if m.arch in QWEN35 and m.seq_len // (2 * p.cp) < m.linear_conv_kernel - 1:
+        raise ConfigError(f"--seq-len {m.seq_len} at --cp {p.cp} leaves chunks of {m.seq_len // (2 * p.cp)} tokens, "
+                          f"fewer than the {m.linear_conv_kernel - 1} inputs --linear-conv-kernel "
+                          f"{m.linear_conv_kernel} reads before a token: give a longer --seq-len or a smaller --cp")
     refused = [(m.arch == "gpt2", "--arch gpt2 (learned positions)"),
-               (m.arch in QWEN35, f"--arch {m.arch} (linear-attention layers)"),
                (bool(m.attn_softcap), f"--attn-softcap {m.attn_softcap}"),
                (m.attn_sinks, f"--arch {m.arch} (attention sinks)"),
                (cfg.loop.compile, "--compile")]
@@ -1460,6 +1471,20 @@ def _check_deepseek(cfg: Config) -> None:
         raise ConfigError(f"--rope-scaling {m.rope_scaling}: --arch mistral4 has YaRN rotary (--rope-scaling yarn)")
     if m.qk_rope_dim % 2:
         raise ConfigError(f"--qk-rope-dim {m.qk_rope_dim}: rotary rotates pairs of units; give an even width")
+
+
+def _check_mtp(cfg: Config) -> None:
+    """--mtp train: a model with MTP layers, trained by sft's token loss, in the parallel layouts it is built for."""
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_layers:
+        raise ConfigError(f"--mtp {m.mtp}: the model has no multi-token-prediction layers (--mtp-layers 0)")
+    refused = [(cfg.objective.method != "sft", f"--method {cfg.objective.method}"),
+               (cfg.lora.rank > 0, f"--lora-rank {cfg.lora.rank}"), (p.cp > 1, f"--cp {p.cp}"),
+               (p.activation_checkpointing == "full", "--activation-checkpointing full"),
+               (cfg.loop.compile, "--compile")]
+    for bad, flag in refused:
+        if bad:
+            raise ConfigError(f"{flag} does not train with --mtp train yet: give --mtp frozen")
 
 
 def _check_glm(cfg: Config) -> None:
@@ -1585,6 +1610,8 @@ def validate(cfg: Config) -> Config:
         _check_group_routing(cfg)
     if m.arch in DEEPSEEK:
         _check_deepseek(cfg)
+    if m.mtp == "train":
+        _check_mtp(cfg)
     if m.arch in GLM:
         _check_glm(cfg)
     if m.arch in LLAMA4:

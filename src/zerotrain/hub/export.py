@@ -42,7 +42,7 @@ from zerotrain.errors import ConfigError
 from zerotrain.model import meta_model
 
 from .mapping import BY_MODEL_TYPE, MAPPINGS, hf_config, model_config_from_hf
-from .mtp_layers import MTPLayers, mtp_layers_of
+from .mtp_layers import MTPLayers, mtp_layers_of, shared_copies
 from .weight_shards import (DEFAULT_SHARD_SIZE, DTYPE_NAMES, DTYPES, INDEX_FILE, MODEL_FILE, SHARD_PATTERN, Group,
                             ShardPlan, hf_groups, missing_shard, parse_shard_size, plan_shards, write_index,
                             write_shards)
@@ -153,6 +153,7 @@ class ShardJob:
     folder: str
     fmt: str
     mtp: MTPLayers | None = None  # the multi-token-prediction layers (DeepSeek-V3's, Qwen3.5's), copied as they are
+    copies: tuple[tuple[str, str], ...] = ()  # (a trained MTP layer's copy of a shared tensor, that tensor's name)
 
 
 def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *, tokenizer_folder: str | None,
@@ -195,6 +196,9 @@ def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *
     if mtp is not None:
         groups += [Group((n,), (n,)) for n in mtp.shapes]
         stored.update({n: torch.empty(shape, device="meta") for n, shape in mtp.shapes.items()})
+    copies = shared_copies(cfg) if fmt == "hf" else {}  # trained MTP layers' copies of the embedding and the head
+    groups += [Group((n,), (n,)) for n in copies]
+    stored.update({n: shapes[ours] for n, ours in copies.items()})
     plan = plan_shards({n: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items()},
                        parse_shard_size(max_shard_size))
     nproc = min(nproc, len(plan.shards))  # a process with no shard to write is not started
@@ -222,7 +226,8 @@ def export_model(model: torch.nn.Module | CheckpointModel, out: str, fmt: str, *
             _write_json(os.path.join(tmp, CONFIG_FILE), {
                 "format": ZEROTRAIN_FORMAT, "version": 1, "model": dataclasses.asdict(cfg),
                 "tokenizer": tokenizer_info, "source": source})
-        _write_weights(model, ShardJob(model, plan, nproc, tuple(plan.owners(nproc)), tuple(groups), tmp, fmt, mtp),
+        _write_weights(model, ShardJob(model, plan, nproc, tuple(plan.owners(nproc)), tuple(groups), tmp, fmt, mtp,
+                                       tuple(copies.items())),
                        launch)
         problem = missing_shard(plan, tmp)
         if problem:  # whole or absent: a folder missing a shard is never moved into place
@@ -260,16 +265,20 @@ def _write_weights(model: torch.nn.Module | CheckpointModel, job: ShardJob, laun
     mapping, mode_of = MAPPINGS[model.cfg.arch] if job.fmt == "hf" else None, os.path.join(job.folder, CONFIG_FILE)
     if isinstance(model, CheckpointModel):
         with ShardedModel(model.folder, model.manifest) as shards:
-            write_shards(job.plan, every, job.folder, list(job.groups), _with_mtp(shards.tensor, job.mtp), mapping,
+            write_shards(job.plan, every, job.folder, list(job.groups), _with_mtp(shards.tensor, job), mapping,
                          mode_of)
     else:
         params = dict(model.named_parameters())
         write_shards(job.plan, every, job.folder, list(job.groups),
-                     _with_mtp(lambda n: params[n].detach().float(), job.mtp), mapping, mode_of)
+                     _with_mtp(lambda n: params[n].detach().float(), job), mapping, mode_of)
 
 
-def _with_mtp(read: Callable[[str], torch.Tensor], mtp: MTPLayers | None) -> Callable[[str], torch.Tensor]:
-    """`read` (the model's tensors by name), and the kept MTP layers' tensors from their folder."""
+def _with_mtp(read: Callable[[str], torch.Tensor], job: ShardJob) -> Callable[[str], torch.Tensor]:
+    """`read` (the model's tensors by name), the kept MTP layers' tensors from their folder, and trained MTP layers'
+    copies of the embedding and the head from those."""
+    mtp, copies = job.mtp, dict(job.copies)
+    if copies:
+        return lambda name: read(copies.get(name, name))
     if mtp is None:
         return read
     return lambda name: mtp.read(name) if name in mtp.files else read(name)
@@ -281,7 +290,7 @@ def write_shards_job(cfg: Config, comm, *, job: ShardJob) -> None:
     mine = [k for k, rank in enumerate(job.owners) if rank == comm.rank]
     mapping = MAPPINGS[job.source.cfg.arch] if job.fmt == "hf" else None
     with ShardedModel(job.source.folder, job.source.manifest) as shards:
-        write_shards(job.plan, mine, job.folder, list(job.groups), _with_mtp(shards.tensor, job.mtp), mapping,
+        write_shards(job.plan, mine, job.folder, list(job.groups), _with_mtp(shards.tensor, job), mapping,
                      os.path.join(job.folder, CONFIG_FILE))
 
 

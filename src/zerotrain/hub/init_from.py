@@ -41,6 +41,7 @@ from zerotrain.model.init import RestoredValues, SeedValues
 from .base_digest import folder_record
 from .export import INDEX_FILE, MODEL_FILE, read_export_config, tensor_files
 from .mapping import MAPPINGS, MXFP4_BLOCKS, MXFP4_SCALES, HFMapping, dequantize_mxfp4
+from .mtp_layers import is_mtp_tensor, trained_name
 from .pretrained import model_folder
 
 FLOATING = ("F64", "F32", "BF16", "F16")  # safetensors dtypes a parameter can be read from
@@ -201,6 +202,11 @@ def _source(folder: str, verify: bool, listed: bool = True) -> WeightSource:
     stored_files = {n: f for n, f in files.items() if n not in pairs}
     stored_files.update({q: blocks for q, (blocks, _) in quantized.items()})
     for n in stored_files:  # zerotrain's names: a fused tensor's parts each name its rows of it, a stacked one its experts
+        if mapping.layers_after and is_mtp_tensor(model, mapping.canonical(n)):  # read where --mtp train trains them
+            ours = trained_name(mapping.canonical(n))
+            if ours is not None:
+                names[ours] = n
+            continue
         stacked = mapping.expert_parts(mapping.canonical(n), model)
         for z, e, i, stack in stacked:
             names[z], experts[z] = n, (e, i, stack)
@@ -318,6 +324,9 @@ def adopt(model: ModelConfig, source: WeightSource, given: set[str]) -> ModelCon
     for key, value in theirs.items():
         mine = getattr(model, key)
         if key not in given or mine == value:
+            continue
+        if key in ("mtp", "mtp_loss_weight"):  # how the run trains the folder's MTP layers: the run's choice
+            theirs[key] = mine
             continue
         if key == "seq_len" and mine <= source.model.positions:
             theirs["seq_len"], theirs["context"] = mine, source.model.positions

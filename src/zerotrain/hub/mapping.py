@@ -20,13 +20,14 @@ and export alike, so the two cannot drift apart.
            Qwen3.5's text models (qwen3_5_text, qwen3_5_moe_text) name their tensors as zerotrain's model does, the
            experts one linear each as transformers 5 saves them (its qwen2_moe conversion): the identity. Their
            multi-token-prediction head (mtp.*, mtp_num_hidden_layers blocks under mtp.layers.) is set aside at
-           import as DeepSeek-V3's MTP layers are (the config keeps their count, --mtp-layers; mtp_layers.py), and
-           not trained.
+           import as DeepSeek-V3's MTP layers are (the config keeps their count, --mtp-layers; mtp_layers.py) with
+           --mtp frozen; with --mtp train it is zerotrain's mtp.* (model/mtp.py), by the same names.
     deepseek_v3
            DeepSeek-V3's (and Kimi K2's) names are zerotrain's, the experts one linear each, the router's
            e_score_correction_bias a tensor of the files: the identity. Its multi-token-prediction layers
            (model.layers.{num_hidden_layers}... , num_nextn_predict_layers of them) are set aside at import (the
-           config keeps their count, --mtp-layers) and are not trained.
+           config keeps their count, --mtp-layers) with --mtp frozen; with --mtp train they are zerotrain's
+           model.mtp_layers.{num_hidden_layers}... (mtp_layers.py).
     mistral4
            Mistral 4's (Mistral4ForCausalLM) names are DeepSeek-V3's without the router's bias, its experts stacked
            in nn.Linear's layout (MISTRAL4_EXPERTS: gate_up_proj (E, 2F, C), down_proj (E, C, F)). Its
@@ -35,7 +36,7 @@ and export alike, so the two cannot drift apart.
            AutoModelForCausalLM does not list it: load an export with Mistral4ForCausalLM.from_pretrained.
     glm4_moe
            GLM-4.5's (Glm4MoeForCausalLM) names are zerotrain's, as DeepSeek-V3's: the identity, its MTP layers set
-           aside at import the same way.
+           aside at import or trained the same way.
     llama4 Llama 4's text model (llama4_text, Llama4ForCausalLM) names a block's MLP feed_forward (zerotrain's mlp)
            and its router feed_forward.router (mlp.gate); its experts are stacked as x @ W, gate_up_proj (E, C, 2F)
            the gate's columns then the up projection's (LLAMA4_EXPERTS).
@@ -70,6 +71,8 @@ from zerotrain.config import DEEPSEEK, GEMMA, GEMMA4, GLM, LLAMA4, MOE, QWEN35, 
 from zerotrain.errors import CheckpointError
 from zerotrain.model.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
+from .mtp_layers import TRAINED_PREFIX
+
 
 @dataclass(frozen=True)
 class HFMapping:
@@ -97,7 +100,10 @@ class HFMapping:
         return []
 
     def stored_name(self, name: str) -> str:
-        """Parameter `name` (zerotrain's) as the files name it, where a part of it differs (infixes)."""
+        """Parameter `name` (zerotrain's) as the files name it, where a part of it differs (infixes; trained MTP layers:
+        mtp_layers.py)."""
+        if self.layers_after and name.startswith(TRAINED_PREFIX):
+            return self.block_prefix + name[len(TRAINED_PREFIX):]
         for stored, ours in self.infixes:
             name = name.replace(ours, stored)
         return name
@@ -118,6 +124,8 @@ class HFMapping:
     def is_ignored(self, name: str, cfg: ModelConfig | None = None) -> bool:
         """Whether a stored tensor (by its canonical name) is not one of the model's parameters (with `cfg`: a block
         past the model's layers, where the family's files keep their multi-token-prediction layers)."""
+        if self.layers_after and name.startswith(TRAINED_PREFIX):  # read only where the model trains them
+            return True
         if cfg is not None and self.layers_after and name.startswith(self.block_prefix):
             layer = name[len(self.block_prefix):].partition(".")[0]
             if layer.isdigit() and int(layer) >= cfg.n_layer:

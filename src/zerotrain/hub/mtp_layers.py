@@ -1,5 +1,13 @@
-"""The multi-token-prediction layers of a DeepSeek-V3, GLM-4.5 or Qwen3.5 folder, which zerotrain does not train:
-kept frozen, as the folder holds them, from --init-from's folder into an hf export.
+"""The multi-token-prediction layers of a DeepSeek-V3, GLM-4.5 or Qwen3.5 folder: their names in the folder and in
+zerotrain's model (--mtp train, DeepSeek-V3's: model/mtp.py), and with --mtp frozen kept as the folder holds them, from
+--init-from's folder into an hf export.
+
+Trained (--mtp train), DeepSeek-V3's model.layers.{n+k}.* are zerotrain's model.mtp_layers.{n+k}.* (`trained_name`;
+mapping.HFMapping.stored_name renames them back), but for each layer's copies of the embedding and the head
+(embed_tokens, shared_head.head), which are the main model's (shared, as DeepSeek-V3's report has them): read as
+those, and written from them (`shared_copies`).
+
+Frozen:
 
 DeepSeek-V3's files hold num_nextn_predict_layers of them after the decoder's blocks, model.layers.{num_hidden_layers}
 ... (its embedding, enorm, hnorm, eh_proj, a block and shared_head); Qwen3.5's hold mtp_num_hidden_layers blocks under
@@ -29,6 +37,28 @@ def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
         return name.startswith(QWEN35_PREFIX)
     layer = name.removeprefix("model.layers.").partition(".")[0] if name.startswith("model.layers.") else ""
     return layer.isdigit() and int(layer) >= cfg.n_layer
+
+
+TRAINED_PREFIX = "model.mtp_layers."  # model/mtp.py's layers, by their index in the folder (n + k)
+# each MTP layer's copies of the main model's tensors (DeepSeek-V3's files), by their name after the layer's prefix
+SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
+def trained_name(name: str) -> str | None:
+    """zerotrain's name of a DeepSeek-V3 folder's MTP tensor `name` (model.layers.{n+k}.X: model.mtp_layers.{n+k}.X),
+    None for a layer's copy of the embedding or the head (the main model's are read)."""
+    layer, _, rest = name.removeprefix("model.layers.").partition(".")
+    return None if rest in SHARED else f"{TRAINED_PREFIX}{layer}.{rest}"
+
+
+def shared_copies(cfg: ModelConfig) -> dict[str, str]:
+    """{each MTP layer's copy of the embedding and the head, as the folder names it: the main model's tensor} that an
+    hf export of a --mtp train model writes (the head's only where it is not tied)."""
+    out = {}
+    for k in range(cfg.mtp_layers if cfg.mtp == "train" and cfg.arch not in QWEN35 else 0):  # Qwen3.5's: none
+        for rest, ours in SHARED.items():
+            out[layer_prefix(cfg, k) + rest] = "model.embed_tokens.weight" if cfg.tie_embeddings else ours
+    return out
 
 
 def layer_prefix(cfg: ModelConfig, k: int) -> str:
@@ -66,7 +96,7 @@ class MTPLayers:
 def mtp_layers_of(cfg: ModelConfig, folder: str | None, files_of) -> MTPLayers | None:
     """The MTP layers an hf export of `cfg` keeps, from `folder` (the --init-from folder; `files_of(folder)`: its
     tensors' files); None for a model without them."""
-    if cfg.arch not in (*GROUP_ROUTED, *QWEN35) or not cfg.mtp_layers:
+    if cfg.arch not in (*GROUP_ROUTED, *QWEN35) or not cfg.mtp_layers or cfg.mtp == "train":
         return None
     if folder is None:
         raise CheckpointError(f"the model has {cfg.mtp_layers} multi-token-prediction layers, which an hf export "

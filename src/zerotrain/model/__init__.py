@@ -2,7 +2,8 @@
 Gemma 2 and 3, with Gemma's own pieces in gemma.py), Qwen3.5's hybrid (qwen35.py, its linear attention in
 delta_rule.py), DeepSeek-V3's and Mistral 4's (deepseek.py: latent attention in mla.py, its router in
 group_routing.py), GLM-4.5's (glm.py: Llama's decoder with DeepSeek-V3's experts), Llama 4's text decoder
-(llama4.py), Gemma 4's (gemma4.py), the layers they share
+(llama4.py), Gemma 4's (gemma4.py), the multi-token-prediction layers DeepSeek-V3's, GLM-4.5's and Qwen3.5's train
+with --mtp train (mtp.py), the layers they share
 (tensor_parallel.py, norms.py, positions.py, rotary.py, attention.py, kv_cache.py, recompute.py), the embedding,
 head and loss (vocab.py, loss.py), and sampling (generate.py).
 `build_model`, `plan` and `parallelize` pick the architecture from the config's `arch`."""

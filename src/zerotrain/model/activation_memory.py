@@ -104,6 +104,9 @@ to a multiple of 32 rows), not measured here. The CPU flash kernel takes the doc
 counted above, and nothing T x T besides). SDPA's math fallback (a shape or dtype no fused kernel takes; on
 CUDA, GQA that attend does not repeat) saves the T x T attention probabilities as well and is not what this
 predicts.
+--mtp train (model/mtp.py) adds per depth its two input norms (their outputs one 2C-wide concatenation, which the
+projection saves), its block as the decoder's of its kind, counted whole (every TP rank runs it all), its output norm
+(read by the head alone), and the head's loss over the depths' rows at once (D BTC a + V C a), as mtp_depths counts.
 LayerNorm's mean and rstd are counted in the activation dtype, as on CPU; CUDA keeps them in fp32 (4 BT
 bytes more per LayerNorm in bf16). A torch.compile'd forward saves what its fused kernels need instead.
 """
@@ -594,7 +597,7 @@ def gemma_block(s: RankShape, qk_norm: bool, eager: bool) -> int:
             + rotary_casts(s) + swiglu_mlp(s) + (gemma_qk_norms(s) if qk_norm else 0))
 
 
-def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp: int = 1) -> int:
+def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp: int = 1, cp: int = 1) -> int:
     """Qwen3.5's linear-attention layer (qwen35.GatedDeltaNet, delta_rule.py), one rank, one micro-batch; its input
     (the norm's output, which its four projections read) is the block's. With Hk key and Hv value heads (this rank's:
     1/tp of them under TP) of widths
@@ -605,44 +608,75 @@ def gated_delta_net(s: RankShape, cfg: ModelConfig, documents: bool = False, tp:
                       columns are cut: B T W a + B W (T + K - 1) a
         decay, beta   exp(A_log) and its negation (Hv, fp32), softplus's input and output (BT Hv, fp32), beta
                       (sigmoid's output, BT Hv a)
-        delta rule    all in fp32: q and k at Hv heads L2-normalised, their inputs and rsqrts (2 B Hv T (dk + 1));
-                      padded to T': beta, v, k, beta k and q (B Hv T' (1 + dv + 3 dk)); the decays' mask (c c bools), five (B, Hv, n, c, c)
-                      squares (the pair decays, k-beta k^T and it decayed, q k^T and it decayed), two exp's of the
-                      summed decays (B Hv T'), the two triangular solves' results (B Hv T' (dv + dk)); per chunk its
-                      state (B Hv dk dv) and corrected values (B Hv c dv); past the first chunk the decayed queries
-                      (B Hv T' dk), and for every chunk but the last (whose state is a cache's, with no graph) its
-                      decay (B Hv), its keys' decays to its end (B Hv c) and its decayed keys (B Hv c dk)
+        delta rule    `delta_rule`
         gated norm    each value head's output RMS-normalised in fp32 (its fp32 input, BT Hv dv 4), rsqrt, the
                       normalised output cast
                       back and times the gain (2 BT Hv dv a); SiLU's fp32 input and output (the output gate z, 2 BT
                       Hv dv 4); the product cast back, out_proj's input (BT Hv dv a)
+
+    At --cp `cp` > 1, the layer on this rank's T tokens, two chunks of T / 2 of a split row (delta_rule_cp.py), as the
+    group's first rank keeps it (it composes the most states): the convolution's input each chunk's, the K - 1 inputs
+    before it in front (2 B W (T / 2 + K - 1) a; packed, each tap's product and mask of those columns), SiLU's input
+    the chunks' outputs put back in row order (B W T a); the delta rule on 2 B rows of T / 2 tokens with values dk
+    wider, from the identity's columns, its last state with a graph (`delta_rule`'s split); every chunk's (M, B)
+    gathered (2 cp B Hv dk (dk + dv) 4) and the states composed from them (2 cp - 3 of B Hv dk dv 4 past the
+    gathered ones); the readout of the two states (their stack, 2 B Hv dk dv 4) by the identity's outputs (copied
+    per head, 2 B Hv (T / 2) dk 4).
     """
     B, T, a = s.B, s.T, s.act
     Hk, Hv, dk, dv, K = (cfg.linear_key_heads // tp, cfg.linear_value_heads // tp, cfg.linear_key_width,
                          cfg.linear_value_width, cfg.linear_conv_kernel)
-    W, c = 2 * Hk * dk + Hv * dv, CHUNK
-    n = -(-T // c)
-    padded = n * c
+    W = 2 * Hk * dk + Hv * dv
     convolution = B * T * W * a + B * W * (T + K - 1) * a
+    if documents:  # packed records: each tap of the convolution its own product, kept, beside its document mask
+        # (B T a); no conv1d input; SiLU's input the taps' sum, T columns
+        convolution = K * (B * W * T * a + B * T * a) + B * W * T * a
     decay = 2 * Hv * FP32 + 2 * B * T * Hv * FP32 + B * T * Hv * a
     normalised = 2 * (B * Hv * T * dk * FP32 + B * Hv * T * FP32)
-    rule = (B * Hv * padded * (1 + dv + 3 * dk) * FP32 + c * c + 5 * B * Hv * n * c * c * FP32
-            + 2 * B * Hv * padded * FP32 + B * Hv * padded * (dv + dk) * FP32
-            + n * B * Hv * dk * dv * FP32 + B * Hv * padded * dv * FP32)
-    if n > 1:
-        rule += B * Hv * padded * dk * FP32 + (n - 1) * B * Hv * (1 + c + c * dk) * FP32
-    if documents:  # packed records: each tap of the convolution its own product, kept, beside its document mask
-        # (B T a); no conv1d input; SiLU's input the taps' sum, T columns. The decays summed per record (the matrix
-        # of same-record pairs, expanded to the heads, B Hv n c c 4), the pairs' mask per row (B n c c bools), the
-        # tokens whose chunk no record started in yet (B n c 4) and, past the first chunk, the last record's tokens
-        # of every chunk but the last (B c bools each), and the decays of the chunks between the first and the last
-        # zeroed where a record started (B Hv 4 each)
-        convolution = K * (B * W * T * a + B * T * a) + B * W * T * a
-        rule += (B * Hv * n * c * c * FP32 + (B * n * c * c - c * c) + B * n * c * FP32 + (n - 1) * B * c
-                 + max(n - 2, 0) * B * Hv * FP32)
     values = B * T * Hv * dv
     norm = values * FP32 + B * T * Hv * FP32 + 2 * values * a + 2 * values * FP32 + values * a
-    return convolution + decay + normalised + rule + norm
+    if cp == 1:
+        return convolution + decay + normalised + delta_rule(B, T, Hv, dk, dv, documents) + norm
+    L = T // 2
+    convolution = 2 * B * W * (L + K - 1) * a + B * W * T * a
+    if documents:
+        convolution = K * (2 * B * W * (L + K - 1) * a + 2 * B * (L + K - 1) * a) + B * W * T * a
+    composed = 2 * cp * B * Hv * dk * (dk + dv) * FP32 + (2 * cp - 3) * B * Hv * dk * dv * FP32
+    readout = 2 * B * Hv * dk * dv * FP32 + 2 * B * Hv * L * dk * FP32
+    rule = delta_rule(2 * B, L, Hv, dk, dk + dv, documents, split=True)
+    return convolution + decay + normalised + rule + composed + readout + norm
+
+
+def delta_rule(B: int, T: int, Hv: int, dk: int, dv: int, documents: bool, split: bool = False) -> int:
+    """delta_rule.chunk_gated_delta_rule's tensors for B rows of T tokens, Hv heads, key width dk, value width dv, all
+    in fp32: q and k at Hv heads L2-normalised are gated_delta_net's; padded to T': beta, v, k, beta k and q (B Hv T'
+    (1 + dv + 3 dk)); the decays' mask (c c bools), five (B, Hv, n, c, c) squares (the pair decays, k-beta k^T and it
+    decayed, q k^T and it decayed), two exp's of the summed decays (B Hv T'), the two triangular solves' results (B Hv
+    T' (dv + dk)); per chunk its state (B Hv dk dv) and corrected values (B Hv c dv); past the first chunk the decayed
+    queries (B Hv T' dk), and for every chunk whose state update has a graph (all but the last, whose state is a
+    cache's) its decay (B Hv), its keys' decays to its end (B Hv c) and its decayed keys (B Hv c dk). `split`: a chunk
+    of a split row (delta_rule_cp.py): the first state the identity's columns (dk dv 4, expanded), every chunk's
+    update with a graph.
+
+    Packed records (`documents`): the decays summed per record (the matrix of same-record pairs, expanded to the
+    heads, B Hv n c c 4), the pairs' mask per row (B n c c bools), the tokens whose chunk no record started in yet (B
+    n c 4), the last record's tokens of every chunk with a graph (B c bools each), and the decays of those past the
+    first zeroed where a record started (B Hv 4 each)."""
+    c = CHUNK
+    n = -(-T // c)
+    padded = n * c
+    graphs = n if split else n - 1
+    first_state = dk * dv * FP32 if split else B * Hv * dk * dv * FP32
+    rule = (B * Hv * padded * (1 + dv + 3 * dk) * FP32 + c * c + 5 * B * Hv * n * c * c * FP32
+            + 2 * B * Hv * padded * FP32 + B * Hv * padded * (dv + dk) * FP32
+            + first_state + (n - 1) * B * Hv * dk * dv * FP32 + B * Hv * padded * dv * FP32
+            + graphs * B * Hv * (1 + c + c * dk) * FP32)
+    if n > 1:
+        rule += B * Hv * padded * dk * FP32
+    if documents:
+        rule += (B * Hv * n * c * c * FP32 + (B * n * c * c - c * c) + B * n * c * FP32 + graphs * B * c
+                 + max(graphs - 1, 0) * B * Hv * FP32)
+    return rule
 
 
 def gated_attention(s: RankShape) -> int:
@@ -669,11 +703,11 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
                      objective: str = "sft", ep: int = 1) -> dict[str, int]:
     """Bytes autograd saves on one rank for the backward of one micro-batch's forward and summed token loss.
 
-    Returns {"per_block", "blocks", "embedding", "head", "loss", "total", "working"}, where total = blocks +
-    embedding + head + loss: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
+    Returns {"per_block", "blocks", "embedding", "head", "loss", "mtp", "total", "working"}, where total = blocks +
+    embedding + head + loss + mtp: the blocks' (all n_layer of them), what the embedding saves (token ids; GPT-2's
     positions; Llama's fp32 rotary tables; the document mask of packed records), the final norm, and the head with
-    the loss; `working` is the loss's working set beside them (one chunk's logits, soft-capped where the model caps
-    them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
+    the loss, and --mtp train's depths (mtp_depths; 0 without); `working` is the loss's working set beside them (one
+    chunk's logits, soft-capped where the model caps them), not kept for the backward. The formula is in the module docstring; `precision` is the parameters' dtype (--precision),
     `recompute` --activation-checkpointing, `device` the device type the kernels are chosen for, `documents`
     whether the micro-batches carry segments (packed records), `objective` "sft" (the summed token loss) or "dpo"
     (each token's log-prob of its target, vocab.token_logps: the head keeps its input, the log-sum-exp and the targets,
@@ -802,8 +836,42 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, tp: in
         head -= s.BT * s.C * s.act
         total_loss = loss(s)
     working = (token_logps_working_set if objective == "dpo" else loss_working_set)(s, bool(cfg.final_softcap))
+    depths = mtp_depths(s, cfg, device, precision, recompute, ep) if cfg.mtp == "train" and cfg.mtp_layers else 0
+    if depths:  # the depths' loss runs before the main one, over their rows at once: its own chunks
+        working = max(working, loss_working_set(dataclasses.replace(s, B=s.B * cfg.mtp_layers)))
     return {"per_block": per_block, "blocks": blocks, "embedding": embedding, "head": head, "loss": total_loss,
-            "total": blocks + embedding + head + total_loss, "working": working}
+            "mtp": depths, "total": blocks + embedding + head + total_loss + depths, "working": working}
+
+
+def mtp_block_shape(s: RankShape, cfg: ModelConfig) -> RankShape:
+    """An MTP block's shape on a TP rank: the full model's heads and widths (the block is whole on every rank)."""
+    return dataclasses.replace(s, heads=cfg.n_head, kv_heads=cfg.kv_heads, ffn=cfg.ffn_width)
+
+
+def mtp_depths(s: RankShape, cfg: ModelConfig, device: str, precision: str, recompute: str, ep: int) -> int:
+    """--mtp train's D depths (model/mtp.py), each: its two input norms (their outputs one concatenation, which the
+    projection saves: 2C wide), its block (whole on every TP rank: the full model's heads and widths; its experts
+    split over --ep as the decoder's), its output norm, whose output only the head reads; and the head's loss over
+    the D depths' rows at once (the gradients of its input, D BTC, and of its weight, kept as the main loss's). A
+    block's mask and rotary tables are the decoder's storages: nothing more."""
+    whole = mtp_block_shape(s, cfg)
+    layer = cfg.n_layer  # the first MTP layer's index: its kind (experts or not) the depths'
+    if cfg.arch in QWEN35:  # (1 + w) norms; a gated-attention block
+        norms = 3 * gemma_norm(s) + 2 * s.BT * s.C * s.act
+        block = 2 * gemma_norm(whole) + 2 * s.BT * s.C * s.act + swiglu_mlp(whole) + gated_attention(whole)
+    else:  # DeepSeek-V3's latent attention, or GLM-4.5's Llama attention
+        norms = 3 * rms_norm(s) - s.BT * s.C * s.act
+        attention_part = latent_attention(whole, cfg, device) if cfg.arch in DEEPSEEK else \
+            llama_block(whole, cfg.qk_norm, cfg.qk_norm_whole) - 2 * rms_norm(whole) - swiglu_mlp(whole)
+        block = 2 * rms_norm(whole) + attention_part + swiglu_mlp(whole)
+    if cfg.has_experts(layer):
+        block += experts(whole, cfg) - swiglu_mlp(whole) + grouped_offsets(cfg, device, precision, 1, ep) + \
+            (expert_exchange(s, cfg) if ep > 1 else 0)
+    rows = dataclasses.replace(s, B=s.B * cfg.mtp_layers)
+    # fp32 rotary tables are saved as they are by the rotations: the embedding counts them unless every decoder block
+    # is recomputed, which the MTP blocks are not
+    tables = rotary_tables(s, cfg.rotary_dim) if precision == "fp32" and recompute != "none" else 0
+    return cfg.mtp_layers * (norms + block) + loss(rows) + tables
 
 
 def explicit_scores(cfg: ModelConfig, device: str) -> bool:

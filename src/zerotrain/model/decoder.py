@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from zerotrain.config import ModelConfig
 
+from . import mtp
 from .kv_cache import KVCache
 from .vocab import LMHead, tied_head_hook, token_embedding
 
@@ -17,7 +18,8 @@ from .vocab import LMHead, tied_head_hook, token_embedding
 class Decoder(nn.Module):
     """Token embedding, `block(cfg, layer)` for every layer, `norm`, LM head (tied or its own)."""
 
-    def __init__(self, cfg: ModelConfig, block, norm: nn.Module, softcap: float = 0.0):
+    def __init__(self, cfg: ModelConfig, block, norm: nn.Module, softcap: float = 0.0,
+                 mtp_layers: nn.ModuleDict | None = None):
         super().__init__()
         self.cfg = cfg
         self.recompute_blocks = False  # activation checkpointing per block (--activation-checkpointing blocks)
@@ -29,6 +31,11 @@ class Decoder(nn.Module):
             layers=nn.ModuleList(block(cfg, layer) for layer in range(cfg.n_layer)),
             norm=norm,
         ))
+        if mtp_layers is not None:  # --mtp train: the multi-token-prediction layers (model/mtp.py)
+            self.model["mtp_layers"] = mtp_layers
+        # what the MTP layers take from the decoder's forward (its `hidden` leaves it, forward takes it):
+        # (the token embeddings, the block's arguments after its input but the cache and layer)
+        self.mtp_inputs = None
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, softcap=softcap)
         self.tie_weights()
         if cfg.tie_embeddings:
@@ -54,7 +61,28 @@ class Decoder(nn.Module):
         """Logits of shape (batch, time, vocab); with a cache, segments (packed records), a head or targets (the
         summed token loss), as GPT's."""
         h = self.hidden(idx, cache, segments)
-        return head(h) if head is not None else self.lm_head(h, targets=targets)
+        mtp_inputs, self.mtp_inputs = self.mtp_inputs, None
+        if head is not None:
+            return head(h)
+        if mtp_inputs is None or targets is None:
+            return self.lm_head(h, targets=targets)
+        # the MTP depths' summed loss first, through the head's forward rather than its call: at ZeRO-3 the hooks
+        # around the head's call mark its unit's one use, the main loss's below
+        embedded, rotary, *rest = mtp_inputs
+        depths = mtp.mtp_loss(self.mtp_module, lambda x, t: self.lm_head.forward(x, targets=t), h, embedded,
+                              targets, segments, (rotary, None, *rest), self.cfg.mtp_layers)
+        return self.lm_head(h, targets=targets) + self.cfg.mtp_loss_weight / self.cfg.mtp_layers * depths
+
+    @property
+    def mtp_module(self) -> nn.Module | None:
+        """The trained MTP layers (model/mtp.py): DeepSeek-V3's and GLM-4.5's model.mtp_layers, Qwen3.5's mtp."""
+        return self.model["mtp_layers"] if "mtp_layers" in self.model else getattr(self, "mtp", None)
+
+    @property
+    def trains_mtp(self) -> bool:
+        """Whether this forward computes the MTP layers' loss too: --mtp train, while training (the validation loss,
+        computed without gradients, is the main model's)."""
+        return self.mtp_module is not None and torch.is_grad_enabled()
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,8 +16,9 @@ their width, the router stays replicated.
 
 Parameter names are transformers' (model.layers.{i}.self_attn.kv_b_proj.weight, ...mlp.gate.e_score_correction_bias,
 ...mlp.shared_experts.gate_proj.weight, ...mlp.experts.{e}.gate_proj.weight as its files store them): hub/mapping.py's
-table is the identity. Multi-token-prediction layers (model.layers.{num_hidden_layers}...) are not part of this model:
-hub/mapping.py sets them aside at import and an hf export copies them from the folder.
+table is the identity. Multi-token-prediction layers (model.layers.{num_hidden_layers}...): with --mtp frozen not part
+of this model (hub/mapping.py sets them aside at import and an hf export copies them from the folder); with --mtp
+train model.mtp_layers.{num_hidden_layers + k}, trained (model/mtp.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 from zerotrain.config import ModelConfig
 
-from . import llama, moe
+from . import llama, moe, mtp
 from .decoder import Decoder
 from .group_routing import GroupLimitedRouter
 from .kv_cache import KVCache
@@ -86,7 +87,8 @@ class Deepseek(Decoder):
     """Token embedding, DeepSeek-V3's blocks, final RMSNorm, LM head (its own unless tied)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, DeepseekBlock, RMSNorm(cfg.n_embd, cfg.norm_eps))
+        super().__init__(cfg, DeepseekBlock, RMSNorm(cfg.n_embd, cfg.norm_eps),
+                         mtp_layers=mtp.build_layers(cfg, DeepseekBlock))
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,6 +101,8 @@ class Deepseek(Decoder):
             mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
         rotary = rotary_tables(positions, cfg.qk_rope_dim, cfg.rope_theta, mla_rope_scaling(cfg))
         scale = query_scale(cfg, positions)  # Mistral 4's queries by position; None for DeepSeek-V3
+        if self.trains_mtp and cache is None:  # the MTP layers read the embeddings and the blocks' arguments too
+            self.mtp_inputs = (x, rotary, mask, scale)
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks and cache is None, x, rotary, cache, layer, mask, scale)
         if cache is not None:

@@ -65,14 +65,16 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | No
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, starts: torch.Tensor | None = None,
-                           initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK,
+                           state_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule's outputs (B, T, value heads, value width), in query's dtype, and the state after the
     last token (B, value heads, key width, value width), fp32 (fp64 for fp64 inputs).
 
     query, key (B, T, key heads, key width); value (B, T, value heads, value width), each key head serving a group
     of value heads; g, beta (B, T, value heads); `starts` (B, T) bool: each document's first token (None: one
-    document per row); `initial_state`: the state before the first token (None: zeros)."""
+    document per row); `initial_state`: the state before the first token (None: zeros); `state_gradient`: the
+    state after the last token keeps its graph (context parallelism composes it into the next chunks' states; a
+    cache's is read without one)."""
     dtype = query.dtype
     B, T, key_heads, key_width = key.shape
     value_heads, value_width = value.shape[-2:]
@@ -129,7 +131,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         outputs.append(query[:, :, i] @ state + intra[:, :, i] @ v_new)
         # The state after the last chunk is only ever a cache's (read without gradients): no graph is kept for it,
         # so a forward keeps nothing for a backward that never comes (the decayed keys of a one-chunk sequence)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and i < last):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (i < last or state_gradient)):
             state = state * chunk_decay(cum, continues if starts is not None else None, i) + \
                 decayed_keys(key, to_end, in_last if starts is not None else None, i).transpose(-1, -2) @ v_new
     out = torch.stack(outputs, dim=2).reshape(B, value_heads, -1, value_width)[:, :, :T]

@@ -14,7 +14,9 @@ it: the Llama decoder (llama.py) with DeepSeek-V3's experts.
 
 Parameter names are transformers' (the experts one linear each, as transformers 5 saves them, and the router's
 e_score_correction_bias a tensor of the files): hub/mapping.py's table is the identity. Its multi-token-prediction
-layers (model.layers.{num_hidden_layers}...) are set aside at import and copied into an hf export, as DeepSeek-V3's.
+layers (model.layers.{num_hidden_layers}...) are set aside at import and copied into an hf export with --mtp frozen,
+trained as DeepSeek-V3's with --mtp train (model/mtp.py: GlmBlocks after the same enorm, hnorm and eh_proj; vLLM's
+glm4_moe_mtp.py reads them so).
 
 Tensor parallelism is Llama's (llama.plan: attention by heads, the dense MLP and each routed expert by their hidden
 width, the router and its bias replicated) with the shared experts split as a dense MLP's slices: gate_proj and up_proj

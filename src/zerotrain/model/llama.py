@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from . import attention, moe
+from . import attention, moe, mtp
 from .attention import attend, document_attention, window_attention
 from .decoder import Decoder
 from .gemma import GemmaRMSNorm, embedding_scale, geglu
@@ -177,7 +177,8 @@ class Llama(Decoder):
     block = LlamaBlock  # a member whose experts are another family's names its own block (glm.py)
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, self.block, member_norm(cfg, cfg.n_embd), softcap=cfg.final_softcap)
+        super().__init__(cfg, self.block, member_norm(cfg, cfg.n_embd), softcap=cfg.final_softcap,
+                         mtp_layers=mtp.build_layers(cfg, self.block))  # GLM-4.5's, with --mtp train
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,6 +199,8 @@ class Llama(Decoder):
         windows = [cfg.sliding_window if cfg.sliding(layer) else 0 for layer in range(cfg.n_layer)]
         masks = {window: layer_mask(cfg, idx, x.dtype, cache, segments, window) if ring is None else ring
                  for window in set(windows)}
+        if self.trains_mtp and cache is None:  # GLM-4.5's MTP layers: the embeddings, a global layer's arguments
+            self.mtp_inputs = (x, rotary, masks[0])
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks if cache is None else False, x,
                           sliding_rotary if windows[layer] else rotary, cache, layer, masks[windows[layer]])

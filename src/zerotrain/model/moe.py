@@ -111,6 +111,7 @@ class MoE(nn.Module):
         self.tp_comm = None  # under TP: the experts' input gradient and the layer's output summed over it (parallelize)
         self.path = "auto"  # "loop", "grouped", or auto: grouped on CUDA where it works, the loop elsewhere
         self.routing: Routing | None = None  # the last forward's (balancing_loss takes it)
+        self.balanced = True  # False: its routing is not recorded (a multi-token-prediction layer's: model/mtp.py)
         # Expert parallelism (parallel/experts.py): `experts` holds this rank's block of them (a ModuleDict keyed by
         # their global index, so names stay Hugging Face's) and `exchange(moe, rows, counts, path)` computes every
         # sorted row's expert output across the EP group. None: every expert here.
@@ -177,7 +178,7 @@ class MoE(nn.Module):
     def record_routing(self, probs: torch.Tensor, chosen: torch.Tensor, B: int, T: int) -> None:
         """Keep the forward's Routing (the router's fp32 probabilities (N, E), the experts chosen (N, k)) for the
         balancing loss."""
-        if in_backward():
+        if in_backward() or not self.balanced:
             # a forward recomputed for the backward (activation checkpointing): the balancing loss took the
             # forward's routing; recorded again, this one would hold its graph past the backward
             return

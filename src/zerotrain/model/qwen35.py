@@ -18,6 +18,10 @@ Packed records (`segments`): the attention layers take the records' mask, the li
 convolution and state at each record's first token (delta_rule.py). Through a KV cache (generation) the attention
 layers append to it; the linear layers keep their convolution's last inputs and their state beside it.
 
+Context parallelism (--cp): each rank's part of the rows, the attention layers around the ring (rotary at the whole
+row's or record's positions), the linear layers on its two chunks apart, each from the state and the convolution
+inputs the row's earlier chunks leave it (delta_rule_cp.py).
+
 Under tensor parallelism (`plan`, `parallelize`) each rank holds whole heads: the linear layers' key heads and the
 value heads they serve, the attention's heads as Qwen3's (the comment above `linear_plan` gives every split).
 
@@ -35,9 +39,10 @@ import torch.nn.functional as F
 
 from zerotrain.config import ModelConfig
 
-from . import moe
+from . import moe, mtp
 from .attention import attend
 from .decoder import Decoder
+from .delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
 from .fused_delta_rule import causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
@@ -94,15 +99,21 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(cfg.n_embd, cfg.linear_value_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.n_embd, cfg.linear_value_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, starts: torch.Tensor | None
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, starts: torch.Tensor | SplitRows | None
                 ) -> torch.Tensor:
+        """`starts`: each record's first token (B, T) bool, None for one document a row, or under --cp the rows'
+        split (delta_rule_cp.py)."""
         B, T, _ = x.shape
+        split = starts if isinstance(starts, SplitRows) else None
         x = copy_to_tp(x, self.tp_comm)
         mixed = self.in_proj_qkv(x).transpose(1, 2)
         z = self.in_proj_z(x).reshape(B, T, -1, self.value_width)
         past_inputs, past_state = recurrent_state(cache, layer)
         kernel = self.conv1d.weight.shape[-1]
-        conv = causal_conv(mixed.to(self.conv1d.weight.dtype), self.conv1d.weight, starts, past_inputs)
+        if split is not None:
+            conv = split_causal_conv(mixed.to(self.conv1d.weight.dtype), self.conv1d.weight, split)
+        else:
+            conv = causal_conv(mixed.to(self.conv1d.weight.dtype), self.conv1d.weight, starts, past_inputs)
         if cache is not None:  # the convolution's last inputs, for the next tokens
             before = torch.zeros_like(mixed[..., :kernel - 1]) if past_inputs is None else past_inputs
             past_inputs = torch.cat([before, mixed], dim=-1)[..., -(kernel - 1):]
@@ -111,7 +122,10 @@ class GatedDeltaNet(nn.Module):
         q, k = q.reshape(B, T, -1, self.key_width), k.reshape(B, T, -1, self.key_width)
         v = v.reshape(B, T, -1, self.value_width)
         g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-        y, state = chunk_gated_delta_rule(q, k, v, g, beta, starts, past_state)
+        if split is not None:
+            y = split_gated_delta_rule(q, k, v, g, beta, split)
+        else:
+            y, state = chunk_gated_delta_rule(q, k, v, g, beta, starts, past_state)
         if cache is not None:
             keep_recurrent_state(cache, layer, past_inputs, state)
         # under TP each rank normalises its own heads: the replicated gain's gradient is summed over the group
@@ -181,9 +195,9 @@ def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 class Qwen35Block(nn.Module):
     """(1 + w) pre-norm token mixer (linear or attention, by the layer) and MLP or mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, attention: bool = False):
         super().__init__()
-        self.linear = cfg.linear_attention(layer)
+        self.linear = cfg.linear_attention(layer) and not attention  # `attention`: a multi-token-prediction block's
         self.input_layernorm = GemmaRMSNorm(cfg.n_embd, cfg.norm_eps)
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg)
@@ -213,15 +227,25 @@ class Qwen35(Decoder):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, Qwen35Block, GemmaRMSNorm(cfg.n_embd, cfg.norm_eps))
+        trained = mtp.build_qwen(cfg, Qwen35Block, GemmaRMSNorm)  # --mtp train: mtp.*, as the folder names them
+        if trained is not None:
+            self.mtp = trained
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         x = self.model.embed_tokens(idx)
-        positions = new_positions(idx, cache, cfg.positions, segments)
+        if self.context_parallel is not None and cache is None:  # this rank's part of each row: the attention layers
+            # around the ring, the linear ones from the states and inputs of the chunks before this rank's
+            positions, mask = self.context_parallel.prepare(idx, segments)
+            starts = self.context_parallel.split_rows(mask.documents, cfg.linear_conv_kernel - 1)
+        else:
+            positions = new_positions(idx, cache, cfg.positions, segments)
+            mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
+            starts = None if segments is None else record_starts(segments)
         rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta)
-        mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
-        starts = None if segments is None else record_starts(segments)
+        if self.trains_mtp and cache is None:  # the MTP blocks (attention) read the embeddings and these too
+            self.mtp_inputs = (x, rotary, mask)
         for layer, block in enumerate(self.model.layers):
             x = run_block(block, self.recompute_blocks if cache is None else False, x, rotary, cache, layer, mask,
                           starts)

@@ -23,11 +23,14 @@ import functools
 
 import torch
 
-from zerotrain.config import DEEPSEEK, GEMMA4, LLAMA4
+from zerotrain.config import DEEPSEEK, GEMMA4, LLAMA4, QWEN35
 from zerotrain.data.batches import MicroBatch
-from zerotrain.model.activation_memory import ACTIVATION_BYTES, activation_bytes, math_attention, rotary_bases
+from zerotrain.model.activation_memory import (ACTIVATION_BYTES, RankShape, activation_bytes, gated_delta_net,
+                                               math_attention, rotary_bases)
 from zerotrain.model.attention import RingAttention
+from zerotrain.model.delta_rule_cp import SplitRows
 from zerotrain.model.positions import positions_from_segments
+from zerotrain.model.qwen35 import record_starts
 from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
 from .comm import Comm
 from .ring_attention import gather_segments, ring_attention, rotary_positions, zigzag_split, zigzag_unsplit
@@ -60,6 +63,17 @@ class ContextParallel:
         # every rank's positions within their records: what Llama 4's attention chunks of packed rows are cut by
         every = torch.stack([zigzag_split(positions_from_segments(whole), self.size, r) for r in range(self.size)])
         return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents, positions=every)
+
+    def split_rows(self, documents: torch.Tensor | None, reach: int) -> SplitRows:
+        """What linear-attention layers compute with (model/delta_rule_cp.py): every chunk's figures gathered in row
+        order, and for packed rows (`documents`, every rank's segment ids as `prepare`'s ring holds them) the record
+        starts among this rank's tokens and among the `reach` tokens before each of its chunks."""
+        chunks = (self.rank, 2 * self.size - 1 - self.rank)
+        gather = functools.partial(_GatherChunks.apply, cp=self)
+        if documents is None:
+            return SplitRows(gather, chunks)
+        starts, before = part_record_starts(zigzag_unsplit(list(documents), dim=1), self.size, self.rank, reach)
+        return SplitRows(gather, chunks, starts, before)
 
     def sum_over_rows(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of
@@ -96,6 +110,37 @@ class _WholeRows(torch.autograd.Function):
         return ctx.cp.row_part(grad).contiguous(), None
 
 
+class _GatherChunks(torch.autograd.Function):
+    """Every rank's figures of its two chunks (2, ...) as every chunk's in row order (2C, ...); backward, each rank's
+    gradients of every chunk's summed and this rank's two taken (one reduce-scatter: every rank composes the states
+    of the chunks before its own from all of them)."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        parts = x.new_empty((cp.size, *x.shape))  # rank r's two chunks: r and 2C-1-r
+        cp.comm.all_gather(parts.view(-1), x.contiguous().view(-1), "all_gather_chunk_states")
+        return zigzag_unsplit(list(parts.unbind()), dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        by_rank = torch.stack([zigzag_split(grad, cp.size, r, dim=0) for r in range(cp.size)])
+        mine = grad.new_empty(by_rank.shape[1:])
+        cp.comm.reduce_scatter(mine.view(-1), by_rank.view(-1), "reduce_scatter_chunk_states")
+        return mine, None
+
+
+def part_record_starts(segments: torch.Tensor, cp: int, rank: int, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The record starts of rank `rank`'s tokens in the whole rows' `segments` (B, T) -> (B, T / cp), and of the
+    `reach` tokens before each of its two chunks (2, B, reach; none before the row's first)."""
+    starts = record_starts(segments)
+    chunks = starts.chunk(2 * cp, dim=1)
+    before = [chunks[j - 1][:, chunks[0].shape[1] - reach:] if j else torch.zeros_like(chunks[0][:, :reach])
+              for j in (rank, 2 * cp - 1 - rank)]
+    return zigzag_split(starts, cp, rank), torch.stack(before)
+
+
 def context_parallel(mesh) -> ContextParallel | None:
     """The mesh's context parallelism, None at cp 1."""
     return ContextParallel(mesh.cp, mesh.cp_size, mesh.cp_rank) if mesh.cp_size > 1 else None
@@ -112,8 +157,11 @@ class ContextParallelRows:
     (ring_core_difference); in bf16 the ring keeps its fp32 output for the backward beside the copy o_proj reads,
     and packed rows' rotary casts are per row. The ring's buffers in flight are the communication row's: at most,
     in a layer's backward, the next hop's k and v, the gradients of k and v being summed and those arriving (fp32),
-    and the fused kernel's k and v gradients per query head before they are summed over the group. Each row is the
-    difference from the whole row's, which the plan counts first."""
+    and the fused kernel's k and v gradients per query head before they are summed over the group. Qwen3.5's linear
+    layers run on the rank's two chunks apart (activation_memory.gated_delta_net's cp: each chunk's state map, the
+    gathered maps and the composed states; only its attention layers have a ring); their exchange's gradients in
+    flight are the communication row's where they are larger than the ring's. Each row is the difference from the
+    whole row's, which the plan counts first."""
 
     def __init__(self, cp: int):
         self.cp = cp
@@ -131,12 +179,19 @@ class ContextParallelRows:
         ring_model = dataclasses.replace(ring_model, attention_chunk=0) if m.arch in LLAMA4 else ring_model
         part = activation_bytes(ring_model, B, T // C, **common)
         recompute, a, Tc = p.activation_checkpointing, ACTIVATION_BYTES[p.precision], T // C
+        attending = [layer for layer in range(m.n_layer) if not m.linear_attention(layer)]  # the layers with a ring
         held = part["total"] + ring_core_difference(m, B, Tc, p.tp, p.precision, recompute, cfg.launch.device)
+        if recompute == "none" and m.arch in QWEN35:  # the linear layers on two chunks of T / 2C (gated_delta_net's
+            # cp), their records' terms among them (`part` counts T / C tokens of one document a row)
+            s = RankShape(B=B, T=Tc, C=m.n_embd, heads=0, kv_heads=0, head_dim=0, ffn=0, vocab=0, act=a)
+            split = gated_delta_net(s, m, documents, p.tp, C) - gated_delta_net(s, m, False, p.tp)
+            held += split * sum(map(m.linear_attention, range(m.n_layer)))
         if recompute == "none" and p.precision != "fp32":
             # the ring merges in fp32 and keeps that output for its backward beside the copy o_proj reads
-            held += sum(B * Tc * (m.n_head // p.tp) * head_widths(m, layer)[1] * 4 for layer in range(m.n_layer))
+            held += sum(B * Tc * (m.n_head // p.tp) * head_widths(m, layer)[1] * 4 for layer in attending)
         if documents:
-            held += C * B * Tc * 8  # gather_segments: every rank's segment ids
+            if recompute not in ("blocks", "full"):  # recomputed blocks: their rings' saves are the backward's
+                held += C * B * Tc * 8  # gather_segments: every rank's segment ids
             if recompute == "none" and (p.precision == "fp32" or m.arch in LLAMA4):
                 # the rotations' fp32 cos and sin, one pair per row (of the rotated units: GLM-4.5's partial share,
                 # DeepSeek-V3's rotary units; Llama 4 rotates in fp32 in every precision)
@@ -145,9 +200,12 @@ class ContextParallelRows:
             elif recompute == "none":  # each block's casts of them, for q and for k (Gemma 4's shared-KV layers
                 # rotate no keys), one per row
                 held += sum((B - 1) * 2 * (1 + (m.kv_source(layer) == layer)) * Tc * head_widths(m, layer)[0] * a
-                            for layer in range(m.n_layer))
+                            for layer in attending)
             held += per_row_positions(m, C, B, Tc, p.precision, recompute)
-        ring = max(ring_buffers(m, layer, B, Tc, p.tp, p.precision) for layer in range(m.n_layer))
+        ring = max((ring_buffers(m, layer, B, Tc, p.tp, p.precision) for layer in attending), default=0)
+        if m.arch in QWEN35:  # or a linear layer's exchange, in its backward: the gradients of every chunk's (M, B)
+            # (or convolution tails), those put in rank order and this rank's summed part (_GatherChunks)
+            ring = max(ring, (4 * C + 2) * B * linear_exchange_bytes(m, p.tp, a))
         # where the activations wait for the backward: with --offload-activations the host row (memory_plan's
         # activation_rows), which the whole row's activations are in
         saved = "activations_host" if p.offload_activations else "activations"
@@ -190,18 +248,30 @@ def ring_core_difference(m, B: int, T: int, tp: int, precision: str, recompute: 
                         (q, k, v, the output o_proj reads as it is, the log-sum-exp: activation_memory.
                         latent_attention's other branch)
       Llama 4           its rotary layers' SDPA output is copied for o_proj (activation_memory.llama4_attention); the
-                        ring's output, laid out (B, T, H, D), is o_proj's input as it is"""
+                        ring's output, laid out (B, T, H, D), is o_proj's input as it is
+      Qwen3.5           its attention layers' SDPA output is copied for the output gate (activation_memory.
+                        gated_attention); the ring's is the gate's input as it is"""
     if recompute != "none":
         return 0
     H, D, a = m.n_head // tp, m.head_dim, ACTIVATION_BYTES[precision]
     if m.arch in LLAMA4:
         return -sum(map(m.rotary, range(m.n_layer))) * B * T * H * D * a
+    if m.arch in QWEN35:
+        return -sum(not m.linear_attention(layer) for layer in range(m.n_layer)) * B * T * H * D * a
     if not math_attention(m, device):
         return 0
     Dv = m.v_head_dim
     math_kernel = B * H * T * (2 * D + Dv) * 4 + B * H * T * T * 4 + B * T * H * Dv * a
     fused = B * T * H * (2 * D + Dv) * a + B * T * H * Dv * a + B * H * T * 4
     return m.n_layer * (fused - math_kernel)
+
+
+def linear_exchange_bytes(m, tp: int, a: int) -> int:
+    """The larger of what a Qwen3.5 linear layer gathers of one chunk of one row at a time (delta_rule_cp.py): its
+    (M, B), Hv dk (dk + dv) fp32, or its convolution's last K - 1 inputs (W channels, `a` bytes each); under TP this
+    rank's heads'."""
+    Hk, Hv, dk, dv = m.linear_key_heads // tp, m.linear_value_heads // tp, m.linear_key_width, m.linear_value_width
+    return max(Hv * dk * (dk + dv) * 4, (2 * Hk * dk + Hv * dv) * (m.linear_conv_kernel - 1) * a)
 
 
 def head_widths(m, layer: int) -> tuple[int, int]:

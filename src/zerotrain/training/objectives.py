@@ -9,11 +9,14 @@ which scales, accumulates and sums them the same way for every method:
 
     method  forward (what the backward keeps)        loss summed over     units, normaliser    figures summed
     sft     head_loss with the summed token loss     the target tokens    tokens, global_tokens (MoE: balancing's)
+            (--mtp train: + lambda / D x the MTP depths' summed token losses, model/mtp.py; the same normaliser)
     dpo     the reference, then the policy's         the pairs            pairs, global_pairs   preference.STATS
             sequence log-probs (chosen, rejected)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -94,8 +97,14 @@ class TokenObjective:
         return batch.global_tokens
 
     def loss_rule(self) -> LossRule:
-        """How the guard judges this loss: the token loss's tests, ln(V) a uniform guess's loss."""
-        return token_loss_rule(self.cfg.model.vocab_size)
+        """How the guard judges this loss: the token loss's tests, ln(V) a uniform guess's loss (with --mtp train,
+        (1 + lambda) ln(V): the uniform guess at every depth too)."""
+        m = self.cfg.model
+        if m.mtp == "train" and m.mtp_layers:
+            chance = (1 + m.mtp_loss_weight) * math.log(m.vocab_size)
+            return LossRule(chance, f"(1 + {m.mtp_loss_weight}) ln({m.vocab_size}) = {chance:.4g}, the loss of a "
+                                    "uniform guess with its MTP depths")
+        return token_loss_rule(m.vocab_size)
 
     def validation_source(self):
         return make_source(self.cfg, split="val")

@@ -30,7 +30,9 @@ class RoutingBias:
         self.experts = cfg.model.n_experts
         # the router's bias is a dense parameter: under expert parallelism, the dense engine's
         self.engine = getattr(engine, "dense", engine)
-        self.names = [s.name for s in self.engine.layout.slots if s.name.endswith(BIAS)]
+        # the decoder's layers' (a multi-token-prediction layer's routing is not in the loads: model/mtp.py)
+        self.names = [s.name for s in self.engine.layout.slots if s.name.endswith(BIAS) and
+                      s.name.startswith("model.layers.")]
         self.names.sort(key=lambda n: int(n.split(".")[2]))  # model.layers.{i}...: Balancing's layer order
         self.pending: torch.Tensor | None = None
         self.engine.register_update_pre_hook(self._apply)
