@@ -28,6 +28,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
 from zerotrain.model import build_model, delta_rule, fused_delta_rule, qwen35
+from zerotrain.model.delta_rule_cp import SplitRows, split_gated_delta_rule
 from zerotrain.model.kv_cache import KVCache
 from zerotrain.training import loop
 from zerotrain.training.loop import train
@@ -200,6 +201,22 @@ def test_the_rule_through_fla_gives_the_torch_paths_outputs_states_and_gradients
     assert gap(fused, rule_run(delta_rule.chunk_gated_delta_rule, starts, with_state)) < EXACT
     if with_state and packed:  # the state was read where the row continues a record, and only there
         assert fused[-1][1].abs().max() > 0 and fused[-1][0].abs().max() == 0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_context_parallel_chunks_through_fla_compose_to_the_whole_rows(fla, packed):
+    """--cp's linear layers (delta_rule_cp.py) run the rule on each chunk from an identity state and compose the
+    chunks' final states, through their gradients too: through fla, at C = 1 (the rank's two chunks the rows'
+    halves), the whole rows' outputs and gradients as the torch path gives them."""
+    starts = record_starts() if packed else None
+    rows = SplitRows(gather=lambda x: x, chunks=(0, 1), starts=starts)
+    calls = []
+    fla.setattr(sys.modules["fla.ops.gated_delta_rule"], "chunk_gated_delta_rule",
+                lambda *a, **kw: calls.append(kw["initial_state"].shape) or fake_chunk_gated_delta_rule(*a, **kw))
+    fused_delta_rule.fla_kernels.cache_clear()
+    fused = rule_run(lambda *a: (split_gated_delta_rule(*a[:5], rows), torch.zeros(())), None, False)
+    whole = rule_run(delta_rule.chunk_gated_delta_rule, starts, False)
+    assert len(calls) == 1 and gap(fused[:1] + fused[2:], whole[:1] + whole[2:]) < EXACT
 
 
 def rows_only(starts: torch.Tensor) -> torch.Tensor:

@@ -104,11 +104,14 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | No
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, starts: torch.Tensor | None = None,
-                           initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           initial_state: torch.Tensor | None = None, state_gradient: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule.chunk_gated_delta_rule: the outputs (B, T, value heads, value width) in query's dtype and the state
-    after each row's last token (B, value heads, key width, value width)."""
+    after each row's last token (B, value heads, key width, value width); `state_gradient` as there (fla's final
+    state always keeps its graph)."""
     if not fused_on(query.device):
-        return delta_rule.chunk_gated_delta_rule(query, key, value, g, beta, starts, initial_state)
+        return delta_rule.chunk_gated_delta_rule(query, key, value, g, beta, starts, initial_state,
+                                                 state_gradient=state_gradient)
     rows, packed = query.shape[0], starts is not None
     # one dtype for the kernel's q, k and v (a caller may widen the query alone, as context parallelism does)
     key, value = key.to(query.dtype), value.to(query.dtype)
