@@ -28,8 +28,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
 from zerotrain.model import build_model, delta_rule, fused_delta_rule, qwen35
-from zerotrain.model.delta_rule_cp import SplitRows, split_gated_delta_rule
+from zerotrain.model.delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
 from zerotrain.model.kv_cache import KVCache
+from zerotrain.parallel.context import part_record_starts
 from zerotrain.training import loop
 from zerotrain.training.loop import train
 
@@ -217,6 +218,29 @@ def test_context_parallel_chunks_through_fla_compose_to_the_whole_rows(fla, pack
     fused = rule_run(lambda *a: (split_gated_delta_rule(*a[:5], rows), torch.zeros(())), None, False)
     whole = rule_run(delta_rule.chunk_gated_delta_rule, starts, False)
     assert len(calls) == 1 and gap(fused[:1] + fused[2:], whole[:1] + whole[2:]) < EXACT
+
+
+def test_context_parallel_convolution_through_fla_gives_the_whole_rows(fla):
+    """delta_rule_cp.py's convolution of each chunk after the inputs before it, through fla at C = 1: the whole
+    packed rows' convolution as the torch path gives it, and its gradients."""
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ)
+    starts, before = part_record_starts(segments, 1, 0, 3)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 80, SEQ, generator=gen, dtype=torch.float64)
+    weight = torch.randn(80, 1, 4, generator=gen, dtype=torch.float64)
+    calls = []
+    fla.setattr(sys.modules["fla.modules.convolution"], "causal_conv1d",
+                lambda *a, **kw: calls.append(kw["cu_seqlens"]) or fake_causal_conv1d(*a, **kw))
+    fused_delta_rule.fla_kernels.cache_clear()
+    runs = []
+    for conv in (lambda x, w: split_causal_conv(x, w, SplitRows(lambda t: t, (0, 1), starts, before)),
+                 lambda x, w: delta_rule.causal_conv(x, w, starts)):
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = conv(xg, wg)
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(10), dtype=y.dtype)).sum().backward()
+        runs.append([y.detach(), xg.grad, wg.grad])
+    # one call, its segments each chunk's records (the inputs before a chunk counted in as the torch path counts them)
+    assert len(calls) == 1 and calls[0] is not None and gap(*runs) < EXACT
 
 
 def rows_only(starts: torch.Tensor) -> torch.Tensor:
