@@ -58,6 +58,44 @@ else
     check "measure (the CPU rehearsal: device_check.py --tiny)" 600 python scripts/device_check.py --out "$OUT/measure" --tiny
 fi
 
+if [ "$DEVICE" = cuda ] && python -c "import fla.ops.gated_delta_rule" 2>/dev/null; then
+    # fla's own arithmetic, which the CPU tests stand in for: a tiny Qwen3.5 linear-attention layer, packed records
+    # and one row a record, through fla's kernels and through the torch path; the largest differences, relative to
+    # the largest value of each (fp32 runs fla's dots in TF32). Fails only at a leak's size (0.05 of the output).
+    check "Qwen3.5's Gated DeltaNet: flash-linear-attention's kernels against the torch path (fp32, bf16)" 240 \
+        python - <<'PY'
+import torch
+from zerotrain.config import ModelConfig
+from zerotrain.model import fused_delta_rule, qwen35
+cfg = ModelConfig(arch="qwen3_5", n_embd=128, linear_key_heads=2, linear_value_heads=4, linear_key_width=64,
+                  linear_value_width=64, linear_conv_kernel=4)
+torch.manual_seed(0)
+segments = torch.cat([torch.full((n,), i) for i, n in enumerate((100, 70, 130))]).expand(2, 300).cuda()
+worst = 0.0
+for dtype in (torch.float32, torch.bfloat16):
+    layer = qwen35.GatedDeltaNet(cfg).cuda().to(dtype)
+    x = torch.randn(2, 300, 128, device="cuda", dtype=dtype)
+    weights = torch.randn(2, 300, 128, device="cuda", dtype=dtype)
+    for name, starts in (("one record a row", None), ("packed", qwen35.record_starts(segments))):
+        runs = {}
+        for kernel in ("torch", "fla"):
+            fused_delta_rule.choose(kernel)
+            xg = x.clone().requires_grad_()
+            layer.zero_grad()
+            y = layer(xg, None, 0, starts)
+            (y.float() * weights.float()).sum().backward()
+            runs[kernel] = [y.detach().float(), xg.grad.float(), layer.in_proj_qkv.weight.grad.float(),
+                            layer.A_log.grad.float()]
+        gaps = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(runs["fla"], runs["torch"])]
+        print(f"{str(dtype)[6:]:9} {name:16} fla vs torch, max |difference| / max |value|: output {gaps[0]:.2e}, "
+              f"input grad {gaps[1]:.2e}, in_proj_qkv grad {gaps[2]:.2e}, A_log grad {gaps[3]:.2e}")
+        worst = max(worst, gaps[0])
+raise SystemExit(worst > 0.05)
+PY
+elif [ "$DEVICE" = cuda ]; then
+    echo "== Qwen3.5's Gated DeltaNet through flash-linear-attention skipped: the fla package is not installed here"
+fi
+
 if [ "${ZT_PLUMBING:-0}" = 1 ] || [ "${ZT_FULL:-0}" = 1 ]; then
 TRAIN=(zerotrain train --device "$DEVICE" --steps 4 --micro-batch 2 --no-progress)
 # Llama with heads of 16, the narrowest FlexAttention's CUDA kernels take (the tiny presets' 8 take the mask)

@@ -810,6 +810,11 @@ class LaunchConfig:
     deterministic: bool = setting(False, "CUDA: deterministic kernels (cuBLAS's fixed workspace, deterministic "
                                   "algorithms, no flash attention), so a resume is bitwise; without it a CUDA resume "
                                   "is equal within float noise (CPU runs are deterministic either way)")
+    linear_attention_kernel: str = setting("auto", "qwen3_5: the Gated DeltaNet layers' delta rule and convolution "
+                                           "on CUDA: fla (flash-linear-attention's fused kernels; needs the package "
+                                           "and --device cuda), torch (zerotrain's plain torch), or auto: fla where "
+                                           "it is installed, torch on CPU", rule=one_of("auto", "torch", "fla"),
+                                           applies=archs_scope(*QWEN35))
 
 
 @dataclass
@@ -1631,6 +1636,9 @@ def validate(cfg: Config) -> Config:
     if p.offload_activations and cfg.launch.device == "cpu":
         raise ConfigError("--offload-activations moves saved activations from the GPU to host memory: with --device "
                           "cpu they are in host memory already")
+    if cfg.launch.linear_attention_kernel == "fla" and cfg.launch.device != "cuda":
+        raise ConfigError(f"--linear-attention-kernel fla runs flash-linear-attention's CUDA kernels: with --device "
+                          f"{cfg.launch.device} give auto or torch")
     if p.offload_activations and cfg.loop.compile:
         raise ConfigError("--offload-activations' saved-tensor hooks do not reach into a compiled graph: drop --compile")
     if cfg.lora.targets != ALL_LINEAR:

@@ -239,6 +239,9 @@ def check_environment(cfg: Config) -> None:
         # Under torchrun nproc is the world; this machine runs LOCAL_WORLD_SIZE of its ranks.
         if local > torch.cuda.device_count():
             raise ConfigError(f"--nproc {local} exceeds the {torch.cuda.device_count()} CUDA devices here")
+    if cfg.launch.linear_attention_kernel == "fla" and importlib.util.find_spec("fla") is None:
+        raise ConfigError("--linear-attention-kernel fla needs the flash-linear-attention package: pip install "
+                          "flash-linear-attention, or give auto")
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'zerotrain[tb]'")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:

@@ -1,5 +1,5 @@
 """Qwen3.5's linear attention over rows split by context parallelism (--cp C): delta_rule.py's convolution and gated
-delta rule on this rank's two chunks of each row (chunks i and 2C-1-i of 2C, parallel/context.py), exact up to float
+delta rule (or fla's kernels, fused_delta_rule.py) on this rank's two chunks of each row (chunks i and 2C-1-i of 2C, parallel/context.py), exact up to float
 rounding, without any rank holding more of a row than its own tokens.
 
 The state after a chunk is affine in the state before it: in the kernel's convention (the state S is key width x
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .delta_rule import causal_conv, chunk_gated_delta_rule
+from .fused_delta_rule import causal_conv, chunk_gated_delta_rule
 
 
 @dataclass

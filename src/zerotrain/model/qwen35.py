@@ -42,8 +42,8 @@ from zerotrain.config import ModelConfig
 from . import moe, mtp
 from .attention import attend
 from .decoder import Decoder
-from .delta_rule import causal_conv, chunk_gated_delta_rule
 from .delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
+from .fused_delta_rule import causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask, mlp_plan, normalize_heads, parallelize_mlp, parallelize_vocab

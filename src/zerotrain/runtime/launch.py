@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from zerotrain.config import Config
 from zerotrain.errors import ConfigError, ZeroTrainError
+from zerotrain.model import fused_delta_rule
 from zerotrain.parallel import Comm, collective_watchdog
 from zerotrain.parallel.collective_watchdog import CollectiveWatchdog, cuda_marker, process_group_timeout
 from zerotrain.parallel.comm import collective_error
@@ -186,6 +187,7 @@ def _rank(job, cfg: Config, job_dir: str | None, prepare, launcher: rank_start.L
         with open(os.path.join(job_dir, "pids", f"attempt{restart_count()}-rank{os.environ['RANK']}"), "w") as f:
             f.write(str(os.getpid()))
     torch.set_num_threads(default_threads(cfg))
+    fused_delta_rule.choose(cfg.launch.linear_attention_kernel)  # Qwen3.5's linear layers: fla's kernels or torch
     rank_allocator(parts_for(cfg).placement.gathers_units)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ["RANK"])

@@ -11,12 +11,12 @@ import torch
 
 from zerotrain import checkpoint
 from zerotrain.checkpoint.stream import bytes_counted
-from zerotrain.config import Config
+from zerotrain.config import QWEN35, Config
 from zerotrain.data import BatchSchedule, StepBatch
 from zerotrain.errors import ZeroTrainError
 from zerotrain.hub.adapter import base_mismatch
 from zerotrain.hub.init_from import WeightSource, initial_model, weight_source
-from zerotrain.model import ARCH_NAMES, param_count
+from zerotrain.model import ARCH_NAMES, fused_delta_rule, param_count
 from zerotrain.model.compiled import compiled
 from zerotrain.model.init import materialise
 from zerotrain.model.lora import add_adapters
@@ -279,7 +279,8 @@ def train(cfg: Config, comm: Comm, *, after_update: Callable[[int, ZeroEngine], 
             run.faults.before_collectives(done, lambda: run.stop.requested)
             batch = run.schedule.batch(data_step(step, run.skips))
             run.engine.zero_grad()
-            count = None if run.plan_checked or cfg.loop.compile else run.saved_bytes  # a compiled graph saves
+            # a compiled graph, and fla's kernels in Qwen3.5's linear layers, save other tensors than the plan counts
+            count = None if run.plan_checked or cfg.loop.compile or fused_linear_layers(cfg) else run.saved_bytes
             loss_sum = run.objective.accumulate(run.engine, batch, run.model, run.faults.loss_factor(done), count)
             values = _reduce(run, loss_sum)
             if not reads:  # applied now, judged at the next read (a rollback goes back as far as it must)
@@ -692,6 +693,11 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optimizer_bytes", "init_bytes_read",
             "init_values_drawn", "frozen_bytes", "expert_bytes", "peak_rss_bytes", "peak_device_bytes")
     return {key: [int(r[i]) for r in rows] for i, key in enumerate(keys[:len(row)])}
+
+
+def fused_linear_layers(cfg: Config) -> bool:
+    """Whether this rank's Qwen3.5 linear-attention layers run fla's kernels (model/fused_delta_rule.py)."""
+    return cfg.model.arch in QWEN35 and fused_delta_rule.fused_on(rank_device(cfg))
 
 
 def _plan_report(run: _Run) -> dict:
