@@ -51,7 +51,7 @@ NOT_IN = {
     "ep": "llama", "lr_decay_ratio": "gpt2",
     "full_attention_interval": "llama", "partial_rotary": "llama", "linear_conv_kernel": "llama",
     "linear_key_heads": "llama", "linear_value_heads": "llama", "linear_key_width": "llama",
-    "linear_value_width": "llama",
+    "linear_value_width": "llama", "linear_attention_kernel": "llama",
     **{key: "llama" for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "qk_nope_dim", "v_head_dim",
                                 "rope_interleave", "rope_mscale", "rope_mscale_all_dim", "first_dense_layers",
                                 "shared_experts", "expert_groups", "expert_groups_per_token", "routed_scaling",
