@@ -13,7 +13,7 @@ name, and the step equal the checkpoint's bit for bit (both assembled here from 
 steps equal the uninterrupted run's losses within 1e-6 relative. Each rank reads its new shards' values once (within
 1.25x; its dense share and its block of experts) beside its share of the verification's hashing. Planted in the load's
 path and caught: every expert read from its neighbour (homes.expert_home), the expert moments shifted by one expert
-(ExpertParallelEngine.load_shard_state_dict), the old shards' tensors read whole (load.py's _read_ranges).
+(ZeroEngine.load_shard_state_dict), the old shards' tensors read whole (load.py's _read_ranges).
 
 The plans (training/memory_plan.py, io_plan.py) of those runs give each rank's expert bytes (summary.json's
 expert_bytes) exactly at --ep 1, 2 and 4, the rows each MoE layer's all-to-all sends exactly (and those received
