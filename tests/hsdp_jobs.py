@@ -28,8 +28,8 @@ def replicated_job(cfg: Config, comm: Comm) -> dict:
     final = load_model(os.path.join(cfg.checkpoint.dir, checkpoint.step_name(cfg.loop.steps)))
     out["params"] = {name: p.detach().clone() for name, p in final.named_parameters()}
     # per rank: its parameters (the shard at stage 3) and its gradient shard; its optimizer state is out["memory"]'s
-    parts = [engine.dense, engine.experts] if hasattr(engine, "experts") else [engine]
-    held = [sum(e.param_bytes() for e in parts), sum(e.grads.grad_shard.numel() * e.grads.grad_shard.element_size() for e in parts)]
+    parts = engine.parts  # with --ep: the expert group too
+    held = [sum(e.placement.param_bytes() for e in parts), sum(e.grads.grad_shard.numel() * e.grads.grad_shard.element_size() for e in parts)]
     out["held"] = comm.all_gather_rows(torch.tensor(held, dtype=torch.int64), "all_gather_test").tolist()
     out["shard_numel"] = sum(e.layout.shard_numel for e in parts)
     out["sent"] = dict(result.comm_bytes)

@@ -217,7 +217,7 @@ def lora_stale_save_job(cfg: Config, comm: Comm) -> dict:
     before = {}  # kept outside the engine, whose tensors the plan's check counts
 
     def apply(self, lr, grad_norm):
-        before["master"] = self.master_shard().detach().float().clone()
+        before["master"] = self.adamw.master_shard().detach().float().clone()
         real_apply(self, lr, grad_norm)
 
     ZeroEngine.apply = apply

@@ -163,7 +163,7 @@ def test_load_restores_the_exact_state_and_refuses_what_fails_its_checks(tmp_pat
     data = bytearray(good)
     data[-100] ^= 0x01  # one bit of a master value (master's bytes come last: F32 tensors by name)
     open(shard, "wb").write(bytes(data))
-    assert not torch.equal(load_file(shard)["master"], engine.master_shard())  # planted: an unchecked load takes it
+    assert not torch.equal(load_file(shard)["master"], engine.adamw.master_shard())  # planted: an unchecked load takes it
     failed = build_engine(cfg, one_rank)
     with pytest.raises(checkpoint.CheckpointError, match=rf"{SHARD}: sha256 .* \(corrupt\)"):
         checkpoint.load_checkpoint(path, failed, one_rank)

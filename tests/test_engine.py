@@ -90,8 +90,8 @@ def test_bf16_keeps_an_fp32_master_shard_12_bytes_per_value(tmp_path, one_rank):
     assert held_bytes(engine.optimizer_state_tensors(), exclude=[engine.held_params]) == 12 * engine.layout.shard_numel
     run_steps(engine, cfg, 2)
     # parameters are the bf16 rounding of the fp32 masters (one rank: the shard is the whole buffer)
-    assert torch.equal(engine.master_shard().bfloat16(), engine.held_params)
-    assert not torch.equal(engine.master_shard(), engine.held_params.float())  # the master keeps more bits
+    assert torch.equal(engine.adamw.master_shard().bfloat16(), engine.held_params)
+    assert not torch.equal(engine.adamw.master_shard(), engine.held_params.float())  # the master keeps more bits
     assert torch.isfinite(engine.held_params.float()).all()
 
 

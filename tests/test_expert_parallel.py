@@ -13,7 +13,7 @@ name, and the step equal the checkpoint's bit for bit (both assembled here from 
 steps equal the uninterrupted run's losses within 1e-6 relative. Each rank reads its new shards' values once (within
 1.25x; its dense share and its block of experts) beside its share of the verification's hashing. Planted in the load's
 path and caught: every expert read from its neighbour (homes.expert_home), the expert moments shifted by one expert
-(ExpertParallelEngine.load_shard_state_dict), the old shards' tensors read whole (load.py's _read_ranges).
+(ZeroEngine.load_shard_state_dict), the old shards' tensors read whole (load.py's _read_ranges).
 
 The plans (training/memory_plan.py, io_plan.py) of those runs give each rank's expert bytes (summary.json's
 expert_bytes) exactly at --ep 1, 2 and 4, the rows each MoE layer's all-to-all sends exactly (and those received
@@ -50,7 +50,7 @@ from zerotrain.checkpoint.homes import shard_parts
 from zerotrain.checkpoint.stream import bytes_counted, count_read
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
-from zerotrain.parallel import ShardLayout, experts
+from zerotrain.parallel import ShardLayout, ZeroEngine, experts
 from zerotrain.runtime.run_folder import resolve_paths
 from zerotrain.training import io_plan as io_plan_module
 from zerotrain.training import memory_plan
@@ -143,14 +143,14 @@ def neighbour_expert_home(name, per_rank):
 
 
 def neighbour_moments(self, sd):
-    """Planted in place of ExpertParallelEngine.load_shard_state_dict: the expert engine's moments shifted by one
+    """Planted in place of ZeroEngine.load_shard_state_dict: the expert group's moments shifted by one
     expert's parameter (each value's moments the neighbouring expert's), the masters right."""
     n = self.experts.layout.slots[0].numel
     sd = {**sd, **{k: sd[k].roll(n) for k in ("expert_exp_avg", "expert_exp_avg_sq")}}
     return REAL_LOAD_EP(self, sd)
 
 
-REAL_EXPERT_HOME, REAL_LOAD_EP = homes.expert_home, experts.ExpertParallelEngine.load_shard_state_dict
+REAL_EXPERT_HOME, REAL_LOAD_EP = homes.expert_home, ZeroEngine.load_shard_state_dict
 
 # A resume onto another EP layout: case -> (checkpoint saved at step 3, the uninterrupted run it continues, flags)
 RESHARDS = {
@@ -161,7 +161,7 @@ RESHARDS = {
 }
 PLANTED = {
     "neighbour expert": ("EP 2 -> EP 4", (homes, "expert_home", neighbour_expert_home)),
-    "neighbour moments": ("EP 2 -> EP 4", (experts.ExpertParallelEngine, "load_shard_state_dict", neighbour_moments)),
+    "neighbour moments": ("EP 2 -> EP 4", (ZeroEngine, "load_shard_state_dict", neighbour_moments)),
     "whole tensors read": ("W 2 -> W 4 at EP 2", (load_module, "_read_ranges", whole_tensor_reads)),
 }
 

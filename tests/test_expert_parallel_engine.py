@@ -1,8 +1,9 @@
-"""The expert-parallel engine's interface, each member on purpose: the final parameter norms a run reports count the
-experts (--ep 2's equal --ep 1's), and an async save's staging copy is waited for by both engines' updates.
+"""The engine's interface under expert parallelism, each member covering the expert group: the final parameter norms a
+run reports count the experts (--ep 2's equal --ep 1's), and an async save's staging copy is waited for by both
+groups' updates.
 
-2 ranks, the tiny Qwen3-MoE. Planted: a norm of the dense engine's buffer alone (what the run reported while the
-engine forwarded its attributes to the dense engine), and an update hook registered on the dense engine only (an
+2 ranks, the tiny Qwen3-MoE. Planted: a norm of the dense group's buffer alone (what the run reported while an expert
+engine forwarded its attributes to the dense engine), and an update hook registered on the dense group only (an
 expert update then runs before the staging copy, which saves the updated experts).
 """
 
@@ -22,7 +23,7 @@ from zerotrain.checkpoint.format import shard_name
 from zerotrain.checkpoint.save import CheckpointWriter
 from zerotrain.cli.flags import config_from_args
 from zerotrain.cli.main import build_parser
-from zerotrain.parallel import experts
+from zerotrain.parallel import ZeroEngine
 from zerotrain.runtime.run_folder import resolve_paths
 from zerotrain.training.loop import build_engine, train
 
@@ -37,13 +38,13 @@ def config(out, *flags):
 
 
 def dense_norm_only(engine):
-    """Planted in place of ExpertParallelEngine.param_norm: the dense engine's buffer alone."""
-    return engine.dense.param_norm()
+    """Planted in place of ZeroEngine.param_norm: the dense group's buffer alone."""
+    return torch.linalg.vector_norm(engine.held_params.float()).reshape(1).to(torch.float64)
 
 
 def dense_hook_only(engine, hook):
-    """Planted in place of ExpertParallelEngine.register_update_pre_hook: the expert engine's updates unguarded."""
-    engine.dense.register_update_pre_hook(hook)
+    """Planted in place of ZeroEngine.register_update_pre_hook: the expert group's updates unguarded."""
+    engine.adamw.register_update_pre_hook(hook)
 
 
 def staged_experts(comm, tmp, name) -> float:
@@ -58,7 +59,7 @@ def staged_experts(comm, tmp, name) -> float:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     writer.start(1, engine, {"config": {}})
-    at_start = {k: v.clone() for k, v in engine.expert_state_dict().items()}
+    at_start = {f"expert_{k}": v.clone() for k, v in engine.experts.shard_state_dict().items()}
     threading.Timer(1.0, release.set).start()  # the copy starts a second later, after the update asked to run
     engine.experts.apply(1e-2, 0.0)
     writer.finish()
@@ -70,10 +71,10 @@ def staged_experts(comm, tmp, name) -> float:
 
 def job(rank, comm, tmp):
     out = {f"ep{e}": train(config(tmp / f"ep{e}", "--ep", str(e)), comm, announce=False).param_norms for e in (1, 2)}
-    with mock.patch.object(experts.ExpertParallelEngine, "param_norm", dense_norm_only):
+    with mock.patch.object(ZeroEngine, "param_norm", dense_norm_only):
         out["planted norm"] = train(config(tmp / "planted", "--ep", "2"), comm, announce=False).param_norms
     out["staged"] = staged_experts(comm, tmp, "staged")
-    with mock.patch.object(experts.ExpertParallelEngine, "register_update_pre_hook", dense_hook_only):
+    with mock.patch.object(ZeroEngine, "register_update_pre_hook", dense_hook_only):
         out["planted staged"] = staged_experts(comm, tmp, "planted_staged")
     return out
 

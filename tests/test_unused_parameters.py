@@ -131,7 +131,7 @@ def test_a_stage3_unit_with_a_parameter_unused_is_released_with_its_other_gradie
     three = unused_params_jobs.trained(config(tmp_path, 3, "step"), one_rank)
     assert three["counts"]["unused"] > 0 and three["losses"] == step["losses"]
     assert all(torch.equal(three["params"][n], step["params"][n]) for n in step["params"])
-    monkeypatch.setattr(ShardedParameters, "_unit_waits", lambda self: self._unit_sizes)
+    monkeypatch.setattr(ShardedParameters, "_unit_waits", lambda self: [len(unit) for unit in self._unit_params])
     with pytest.raises(InvariantError, match=r"memory plan failed at step 1: rank 0 held [\d,]+ bytes of parameters "
                                              r"at once, the plan at most [\d,]+"):
         unused_params_jobs.trained(config(tmp_path / "planted", 3, "step"), one_rank)

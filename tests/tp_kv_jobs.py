@@ -92,7 +92,7 @@ def double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
 def full_shard_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     """{state key: the full model's tensors} of the engine's masters and moments, gathered over DP then TP."""
     out = {}
-    for key, shard in (("master", engine.master_shard()), ("exp_avg", engine.adamw.exp_avg),
+    for key, shard in (("master", engine.adamw.master_shard()), ("exp_avg", engine.adamw.exp_avg),
                        ("exp_avg_sq", engine.adamw.exp_avg_sq)):
         shards = torch.empty(engine.dp.world_size * shard.numel())
         engine.dp.all_gather(shards, shard.float().contiguous(), "test_gather_shards")

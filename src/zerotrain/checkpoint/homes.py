@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from zerotrain.errors import CheckpointError
 from zerotrain.model.tensor_parallel import TPSlice
-from zerotrain.parallel import ExpertParallelEngine, ParamSlot, ShardLayout
+from zerotrain.parallel import ParamSlot, ShardLayout
 
 from .format import MANIFEST, ep_of, layout_of, mesh_of, tp_slices_of
 
@@ -103,11 +103,9 @@ def full_shapes(layout: ShardLayout, slices: dict[str, TPSlice]) -> dict[str, tu
 
 
 def shard_parts(engine) -> list[tuple[str, object]]:
-    """(key prefix, ZeRO engine) of each shard a rank's file holds: the engine's; with --ep the dense engine's and,
-    under expert_ keys, the expert engine's (its block of experts over its replica group)."""
-    if isinstance(engine, ExpertParallelEngine):
-        return [("", engine.dense), (EXPERT_PREFIX, engine.experts)]
-    return [("", engine)]
+    """(key prefix, ZeRO engine group) of each shard a rank's file holds: the engine's; with --ep, under expert_ keys,
+    its expert group's too (its block of experts over its replica group)."""
+    return list(zip(("", EXPERT_PREFIX), engine.parts))
 
 
 def engine_shapes(engine) -> dict[str, tuple[int, ...]]:

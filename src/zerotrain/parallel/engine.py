@@ -15,14 +15,16 @@ How it composes its parts, and what TP, hybrid sharding and frozen parameters ch
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 
 from zerotrain.config import OptimConfig
+from zerotrain.model.moe import moe_layers
 
-from . import grad_norm
+from . import experts as expert_parallel, grad_norm
 from .comm import Comm
 from .gradients import GradientReducer
 from .layout import ShardLayout, split_by_tp
@@ -49,7 +51,11 @@ PLACEMENTS = {1: (ReplicatedParameters, ReplicatedPlacement), 2: (ReplicatedPara
 
 
 class ZeroEngine:
-    """ZeRO over a model: call backward inside `no_sync(...)` as needed, then `reduce_grads` and `apply`."""
+    """ZeRO over a model: call backward inside `no_sync(...)` as needed, then `reduce_grads` and `apply`.
+
+    With --ep the routed experts are one more group of it (`experts`, an engine of their own over dp_shard_mod_ep:
+    this rank's block of experts); the step, the norms, the counts and the shard state cover both groups, the layout,
+    placement, gradients and AdamW (and master_views) are this group's."""
 
     def __init__(
         self,
@@ -73,6 +79,9 @@ class ZeroEngine:
         with values keeps them (nothing is broadcast); `select(name)`: the trained parameters this engine holds."""
         self.model, self.dp, self.optim_cfg = model, dp, optim
         self.mesh = mesh or Mesh.single(dp)
+        experts_apart = select is None and self.mesh.ep_size > 1
+        if experts_apart:
+            select = lambda n: not expert_parallel.is_expert_parameter(n)  # the expert group holds the rest
         self.precision, self.stage = precision, stage
         # stages 1 and 2: the all-gather after an update runs behind the next forward (stage 3: its placement's prefetch)
         self.gather_behind_forward = overlap_gathers and stage < 3
@@ -101,26 +110,32 @@ class ZeroEngine:
         self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
         # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
         self.placement_part: Placement = part(bucket_numel, replicas=self.mesh.dp_replicate_size)
+        # whether every replica computes with the same whole model (its digests compare before step 1), and whether
+        # each unit's parameters are freed and gathered again every step
+        self.holds_whole_model = self.placement_part.holds_whole_model
+        self.gathers_units = self.placement_part.gathers_units
         self.held_params = self.placement.held_params  # the whole flat buffer (stages 1 and 2), or the shard (3)
-        # What building the buffers took from the source (the run's init_bytes_read and init_values_drawn, per rank)
-        self.init_bytes_read = getattr(init, "bytes_read", 0)
-        self.init_values_drawn = getattr(init, "values_drawn", 0)
         self._init = None  # the source is read only while the buffers are built
         # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW
         self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
                                      counted_ranges=self._counted_ranges())
         self.adamw = AdamWShard(self, self.grads, optim)
         self.placement.attach()
-
-    @property
-    def holds_whole_model(self) -> bool:
-        """Whether every replica computes with the same whole model (its digests compare before step 1)."""
-        return self.placement_part.holds_whole_model
-
-    @property
-    def gathers_units(self) -> bool:
-        """Whether each unit's parameters are freed and gathered again every step."""
-        return self.placement_part.gathers_units
+        self.experts: ZeroEngine | None = None
+        if experts_apart:
+            self.experts = ZeroEngine(model, self.mesh.dp_shard_mod_ep, optim,
+                                      mesh=expert_parallel.expert_mesh(self.mesh),
+                                      select=expert_parallel.is_expert_parameter, bucket_numel=bucket_numel,
+                                      precision=precision, reduce_in_backward=reduce_in_backward,
+                                      overlap_gathers=overlap_gathers, stage=stage, grad_reduce=grad_reduce, init=init,
+                                      device=device)
+            self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints)
+            expert_parallel.attach_expert_group(self, self.experts, overlap_gathers)
+        self.parts = [self] + ([self.experts] if self.experts else [])
+        # What building the buffers took from the source (the run's init_bytes_read and init_values_drawn, per rank;
+        # the groups read one source, whose counts run on)
+        self.init_bytes_read = getattr(init, "bytes_read", 0)
+        self.init_values_drawn = getattr(init, "values_drawn", 0)
 
     def computed_norms(self, norms: list[float]) -> list[float]:
         """The norm of the parameters each world rank computes with, from each rank's param_norm (all gathered)."""
@@ -149,34 +164,36 @@ class ZeroEngine:
                 for p in self.layout.owned_pieces(self.dp.rank, a, z)]
 
     # ---------------------------------------------------------------- backward side: the gradients' part
+    @contextlib.contextmanager
     def no_sync(self, enabled: bool = True):
         """Within this context backward communicates nothing: every micro-batch but a window's last, as with DDP."""
-        return self.grads.no_sync(enabled)
+        with contextlib.ExitStack() as stack:
+            for e in self.parts:
+                stack.enter_context(e.grads.no_sync(enabled))
+            yield
 
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
-        self.grads.zero_grad()
+        for e in self.parts:
+            e.grads.zero_grad()
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        return self.grads.grad_tensors()
+        return [t for e in self.parts for t in e.grads.grad_tensors()]
 
     def grad_bytes(self) -> int:
-        return self.grads.grad_bytes()
+        return sum(e.grads.grad_bytes() for e in self.parts)
 
     @property
     def grad_peak_bytes(self) -> int:
         """The most gradient bytes held at once so far, buckets included."""
-        return self.grads.grad_peak_bytes
+        return sum(e.grads.grad_peak_bytes for e in self.parts)
 
     # ---------------------------------------------------------------- optimizer side
-    def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor],
-                     beside=()) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
         Returns the global pre-clip norm (0-d float64) and the extras summed, on the device, unread. `extras` may be a
-        function, called once the reduce-scatter is finished (the control flags read as late as they can be);
-        `beside`: engines over the model's other parameters (expert parallelism's), their squares joining ours."""
-        squares = torch.cat([self.grads.finish_grads().reshape(-1),
-                             *(e.grads.finish_grads().reshape(-1).to(self.device) for e in beside)])
+        function, called once the reduce-scatter is finished (the control flags read as late as they can be)."""
+        squares = torch.cat([e.grads.finish_grads().reshape(-1).to(self.device) for e in self.parts])
         limbs = grad_norm.exact_sum_limbs(squares)
         extras = (extras() if callable(extras) else extras).to(self.device, torch.float64).reshape(-1)
         stats = self.mesh.world.all_reduce(torch.cat([limbs.to(self.device), extras]), "all_reduce_stats")
@@ -186,9 +203,10 @@ class ZeroEngine:
         """Clip by the global norm (on the device), AdamW on this rank's shard, and the parameters follow (the
         placement's after_update); with `gather_behind_forward` the all-gather is still in flight on return
         (wait_params)."""
-        self.placement.before_update()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
-        self.adamw.step(lr, grad_norm)
-        self._publish_params(wait=not self.gather_behind_forward)
+        for e in self.parts:
+            e.placement.before_update()  # AdamW writes the owned chunks, which an unfinished all-gather may be sending
+            e.adamw.step(lr, grad_norm)
+            e._publish_params(wait=not e.gather_behind_forward)
 
     def _publish_params(self, wait: bool = True) -> None:
         """The owned values updated or loaded: in bf16 the fp32 masters rounded into them, then the placement's
@@ -197,53 +215,58 @@ class ZeroEngine:
         self.placement.after_update(wait)
 
     def register_update_pre_hook(self, hook) -> None:
-        """`hook()` runs before every update of this engine's state (AdamW's step on its shard)."""
-        self.adamw.register_update_pre_hook(hook)
+        """`hook()` runs before every update of this engine's state (AdamW's step on each group's shard)."""
+        for e in self.parts:
+            e.adamw.register_update_pre_hook(hook)
 
     def param_norm(self) -> torch.Tensor:
-        """The L2 norm of the parameters this rank holds (at ZeRO-3 its shard), float64 [1]."""
-        return torch.linalg.vector_norm(self.held_params.float()).reshape(1).to(torch.float64)
+        """The L2 norm of the parameters this rank holds (at ZeRO-3 its shard), float64 [1]; with --ep at stages 1
+        and 2 its EP group's experts too, so that the norm is --ep 1's."""
+        norm = torch.linalg.vector_norm(self.held_params.float()).reshape(1).to(torch.float64)
+        if self.experts is None:
+            return norm
+        experts = self.experts.param_norm().square()
+        if self.stage != 3:
+            experts = self.mesh.ep.all_reduce(experts, "all_reduce_expert_norms")
+        return (norm.square() + experts).sqrt()
 
     @property
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat parameter buffers this rank holds."""
-        return [self.held_params]
+        return [e.held_params for e in self.parts]
 
     def wait_params(self, buckets=None) -> None:
         """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
-        self.placement.wait(buckets)
+        for e in self.parts:
+            e.placement.wait(buckets)
 
     # ---------------------------------------------------------------- state
     def param_digests(self) -> torch.Tensor:
         """Digests (digest.tensor_digest) of [replicated parameters, this rank's TP slices, its KV heads' slices where
-        several TP ranks hold them]; without TP everything is in the first row."""
-        return self.placement.digests()
+        several TP ranks hold them]; without TP everything is in the first row. With --ep the expert group's two
+        rows follow (zeros without TP)."""
+        rows = self.placement.digests()
+        return rows if self.experts is None else torch.cat([rows, self.experts.param_digests()[:2]])
 
     @property
     def param_peak_bytes(self) -> int:
-        """The most parameter bytes held at once so far (stage 3: the shard and the units whole)."""
-        return self.placement.param_peak_bytes
-
-    def param_bytes(self) -> int:
-        """Parameter bytes held now."""
-        return self.placement.param_bytes()
+        """The most parameter bytes held at once so far (stage 3: the shard and the units whole, with --ep each
+        gather counting the other group's too)."""
+        return (max if self.stage == 3 else sum)(e.placement.param_peak_bytes for e in self.parts)
 
     def frozen_bytes(self) -> int:
         """Bytes held for the frozen parameters: each whole at stages 1 and 2, this rank's shard at stage 3."""
-        return self.placement.frozen_bytes()
+        return sum(e.placement.frozen_bytes() for e in self.parts)
 
     # ---------------------------------------------------------------- optimizer state: the sharded AdamW's
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
-        return self.adamw.optimizer_state_tensors()
+        return [t for e in self.parts for t in e.adamw.optimizer_state_tensors()]
 
     def expected_state_bytes(self) -> int:
-        return self.adamw.expected_state_bytes()
+        return sum(e.adamw.expected_state_bytes() for e in self.parts)
 
     def expected_state_bytes_per_value(self) -> int:
         return self.adamw.expected_state_bytes_per_value()
-
-    def master_shard(self) -> torch.Tensor:
-        return self.adamw.master_shard()
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values where they lie (AdamWShard.master_views). Call wait_params() first."""
@@ -254,13 +277,19 @@ class ZeroEngine:
         return self.adamw.step_count
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shard: its masters (an independent copy in fp32), moments and step count."""
+        """This rank's shard: its masters (an independent copy in fp32), moments and step count (this group's: with
+        --ep a checkpoint holds the expert group's too, checkpoint.homes.shard_parts)."""
         return self.adamw.state_dict()
 
     def load_shard_state_dict(self, sd: dict) -> None:
         """Restore this rank's shard (same layout), then the parameters follow the masters. `sd["master"]` may be its
         parts in shard order, as master_views() gives them (a resume reads into them; a view onto itself is not
-        copied)."""
+        copied). With --ep the expert group's keys are prefixed expert_."""
+        self._load_group({k: v for k, v in sd.items() if not k.startswith("expert_")})
+        if self.experts is not None:
+            self.experts._load_group({k[len("expert_"):]: v for k, v in sd.items() if k.startswith("expert_")})
+
+    def _load_group(self, sd: dict) -> None:
         self.adamw.check_shard(sd)
         self.placement.before_update()
         with torch.no_grad():
@@ -270,30 +299,23 @@ class ZeroEngine:
     @property
     def param_count(self) -> int:
         """Parameters of the full model (each TP-sliced tensor counted at its full size)."""
-        return sum(math.prod(self.tp_slices[s.name].full_shape) if s.name in self.tp_slices else s.numel
-                   for s in self.layout.slots)
-
-    def gathered_flat(self) -> torch.Tensor:
-        """The whole padded flat buffer of parameters (at stage 3 a collective of the DP group)."""
-        return self.placement.gathered_flat()
+        experts = 0 if self.experts is None else self.experts.param_count * self.mesh.ep_size
+        return experts + sum(math.prod(self.tp_slices[s.name].full_shape) if s.name in self.tp_slices else s.numel
+                             for s in self.layout.slots)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's parameters in its state_dict names, fp32 on the CPU, one independent tensor each (a
         collective: with TP of the TP group, at stage 3 of the DP group too)."""
-        return self.full_tensors(self.gathered_flat())
+        if self.experts is not None:
+            raise NotImplementedError("the full model of an expert-parallel run is not gathered yet")
+        return self.full_tensors(self.placement.gathered_flat())
 
     def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The full model's tensors by name, fp32 on the CPU, from a buffer in this rank's flat layout (a collective
         of the TP group, whose split tensors are gathered)."""
-        ranks = self.gather_tp(flat, "all_gather_tp_state").float().cpu().chunk(self.mesh.tp_size)
+        T, gathered = self.mesh.tp_size, flat.detach()
+        if T > 1:  # every TP rank's buffer, in TP rank order
+            gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+            self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), "all_gather_tp_state")
+        ranks = gathered.float().cpu().chunk(T)
         return {name: t.clone() for name, t in full_tensors(self.layout, self.tp_slices, ranks).items()}
-
-    def gather_tp(self, flat: torch.Tensor, purpose: str) -> torch.Tensor:
-        """Every TP rank's buffer in this rank's flat layout, concatenated in TP rank order (`flat` itself without
-        TP): a collective of the TP group."""
-        T = self.mesh.tp_size
-        if T == 1:
-            return flat.detach()
-        gathered = torch.empty(T * self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-        self.mesh.tp.all_gather(gathered, flat.detach().contiguous(), purpose)
-        return gathered

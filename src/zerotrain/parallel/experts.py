@@ -1,12 +1,11 @@
 """Expert parallelism (--ep E): each MoE layer's experts split over E ranks, tokens sent to them by all-to-all, and the
-engine that reduces and shards the expert parameters over the ranks that hold the same experts.
+expert group the engine reduces and shards over the ranks that hold the same experts.
 
-Its groups, the dispatch and the two engines' schedule: docs/design.md, "Expert parallelism".
+Its groups, the dispatch and the expert group's schedule: docs/design.md, "Expert parallelism".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -15,7 +14,6 @@ from zerotrain.model.recompute import in_backward
 from zerotrain.model.moe import expert_outputs, inverse_order, moe_layers
 
 from .comm import Comm
-from .engine import ZeroEngine
 from .mesh import Mesh
 from .units import bucket_units, model_units
 
@@ -26,8 +24,8 @@ def is_expert_parameter(name: str) -> bool:
 
 
 def expert_mesh(mesh: Mesh) -> Mesh:
-    """The mesh the expert engine runs over: dp_shard_mod_ep as its shard group, the run's replica groups, TP group
-    and `world` (the step's scalar all-reduce is the dense engine's); no KV heads among the experts."""
+    """The mesh the expert group runs over: dp_shard_mod_ep as its shard group, the run's replica groups, TP group
+    and `world` (the step's scalar all-reduce is the engine's); no KV heads among the experts."""
     return dataclasses.replace(mesh, dp_shard=mesh.dp_shard_mod_ep, kv=None, kv_replicas=1)
 
 
@@ -114,10 +112,11 @@ def shard_experts(model: torch.nn.Module, mesh: Mesh) -> None:
 
 
 def expert_bytes(engine) -> int:
-    """Bytes this rank holds for the routed experts' parameters and optimizer state: the expert engine's, or their
+    """Bytes this rank holds for the routed experts' parameters and optimizer state: the expert group's, or their
     slots of the one flat buffer (at ZeRO-3 their owned pieces) and their owned pieces' state. Under TP: 0."""
-    if isinstance(engine, ExpertParallelEngine):
-        return engine.expert_bytes()
+    if engine.experts is not None:  # its parameters (at ZeRO-3 their shard) and its optimizer state's shard
+        e = engine.experts
+        return e.held_params.numel() * e.held_params.element_size() + e.expected_state_bytes()
     if engine.mesh.tp_size > 1:
         return 0
     L, rank = engine.layout, engine.dp.rank
@@ -144,171 +143,37 @@ def keep_expert_block(model: torch.nn.Module, ep: int, ep_rank: int = 0) -> None
         moe.experts = torch.nn.ModuleDict({str(e): moe.experts[e] for e in range(first, first + local)})
 
 
-class ExpertParallelEngine:
-    """Two ZeRO engines over one model, both of the run's stage: `dense` over the shard group, `experts` over
-    dp_shard_mod_ep; the engine interface, each member covering both (`layout` is the dense engine's)."""
+def attach_expert_group(engine, experts, overlap_gathers: bool) -> None:
+    """Join the expert group `experts` to `engine`'s step: its unit backward begun at each MoE layer's output
+    (join_at_moe_output); at ZeRO-3 the parameter peak is both groups' units whole at once; at stages 1 and 2 with
+    the gathers behind the forward, each MoE layer waits for its experts' buckets (the grouped path reads their
+    weights without calling their linears, whose pre-hooks wait for their all-gathers)."""
+    join_at_moe_output(engine.model, experts)
+    if experts.stage == 3:
+        engine.placement.param_bytes_beside = experts.placement.param_bytes
+        experts.placement.param_bytes_beside = engine.placement.param_bytes
+    elif overlap_gathers:
+        for moe in moe_layers(engine.model):
+            moe.register_forward_pre_hook(lambda *_: experts.wait_params())
 
-    def __init__(self, model: torch.nn.Module, mesh: Mesh, optim, **kwargs):
-        self.dense = ZeroEngine(model, mesh.dp_shard, optim, mesh=mesh, select=lambda n: not is_expert_parameter(n),
-                                **kwargs)
-        self.experts = ZeroEngine(model, mesh.dp_shard_mod_ep, optim, mesh=expert_mesh(mesh), select=is_expert_parameter,
-                                  **kwargs)
-        self.model, self.mesh = model, mesh
-        self.stage, self.precision, self.device = self.dense.stage, self.dense.precision, self.dense.device
-        self.tp_slices = self.dense.tp_slices  # the model's TP plan (both engines')
-        self.experts_per_rank = len(moe_layers(model)[0].local_experts())  # of each MoE layer (checkpoints record it)
-        self._join_at_moe_output(model)
-        if self.dense.stage == 3:
-            # the parameter peak is both engines' units whole at once
-            self.dense.placement.param_bytes_beside, self.experts.placement.param_bytes_beside = \
-                self.experts.param_bytes, self.dense.param_bytes
-        elif kwargs.get("overlap_gathers", True):
-            # The grouped path reads the experts' weights without calling their linears, whose pre-hooks wait for
-            # their all-gathers: each MoE layer waits for its experts' buckets first
-            for moe in moe_layers(model):
-                moe.register_forward_pre_hook(lambda *_: self.experts.wait_params())
-        # Both engines take their values from the one source (kwargs' init), whose counts run on: what it had read
-        # and drawn once the second engine was built is both engines' (their sum counted the dense part twice)
-        self.init_bytes_read = self.experts.init_bytes_read
-        self.init_values_drawn = self.experts.init_values_drawn
 
-    def _join_at_moe_output(self, model: torch.nn.Module) -> None:
-        """The experts' unit backward begun (their reductions joined, at ZeRO-3 their gathers) as the gradient of each
-        MoE layer's output arrives, the same point of every rank's backward (why: docs/design.md)."""
-        units = model_units(model)
-        if self.experts.stage != 3:  # (stage 3 schedules its reductions by units itself)
-            self.experts.grads.schedule_by_units(bucket_units(model, self.experts.layout))
-        for moe in moe_layers(model):
-            unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
-            moe.register_forward_hook(self._on_moe_output(unit))
+def join_at_moe_output(model: torch.nn.Module, experts) -> None:
+    """The expert group's unit backward begun (its reductions joined, at ZeRO-3 its gathers) as the gradient of each
+    MoE layer's output arrives, the same point of every rank's backward (why: docs/design.md)."""
+    units = model_units(model)
+    if experts.stage != 3:  # (stage 3 schedules its reductions by units itself)
+        experts.grads.schedule_by_units(bucket_units(model, experts.layout))
+    for moe in moe_layers(model):
+        unit = max(u for u, modules in enumerate(units) if any(moe is m for top in modules for m in top.modules()))
+        moe.register_forward_hook(_begins_unit_backward(experts, unit))
 
-    def _on_moe_output(self, unit: int):
-        """The forward hook of the MoE layer in `unit`: its output's gradient begins the unit's experts' backward
-        (their reductions, whether they get gradients or not; at ZeRO-3 their gathers)."""
 
-        def hook(_module, _args, output):
-            if torch.is_grad_enabled() and output.requires_grad and not in_backward():
-                output.register_hook(lambda _grad: self.experts.grads.begin_unit_backward(unit))
+def _begins_unit_backward(experts, unit: int):
+    """The forward hook of the MoE layer in `unit`: its output's gradient begins the unit's experts' backward
+    (their reductions, whether they get gradients or not; at ZeRO-3 their gathers)."""
 
-        return hook
+    def hook(_module, _args, output):
+        if torch.is_grad_enabled() and output.requires_grad and not in_backward():
+            output.register_hook(lambda _grad: experts.grads.begin_unit_backward(unit))
 
-    @property
-    def holds_whole_model(self) -> bool:
-        return self.dense.holds_whole_model  # both engines' placement is the run's stage's
-
-    @property
-    def gathers_units(self) -> bool:
-        return self.dense.gathers_units
-
-    def computed_norms(self, norms: list[float]) -> list[float]:
-        """The norm each world rank computes with, from each rank's param_norm (dense and experts together)."""
-        return self.dense.computed_norms(norms)
-
-    @property
-    def parts(self) -> list[ZeroEngine]:
-        return [self.dense, self.experts]
-
-    @property
-    def layout(self):
-        """The dense engine's layout (over the DP group); the experts' is experts.layout."""
-        return self.dense.layout
-
-    @property
-    def flat_buffers(self) -> list[torch.Tensor]:
-        return [self.dense.held_params, self.experts.held_params]
-
-    @property
-    def step_count(self) -> int:
-        return self.dense.step_count  # the two step together
-
-    def register_update_pre_hook(self, hook) -> None:
-        """`hook()` runs before every update of either engine's state (an async save's staging copy waits there)."""
-        self.dense.register_update_pre_hook(hook)
-        self.experts.register_update_pre_hook(hook)
-
-    def param_norm(self) -> torch.Tensor:
-        """The L2 norm of the parameters this rank computes with, float64 [1]: its dense values and, at stages 1 and
-        2, its EP group's experts (so that the norm is --ep 1's); at ZeRO-3 its dense and expert shards."""
-        dense = self.dense.param_norm().square()
-        experts = self.experts.param_norm().square()
-        if self.stage != 3:
-            experts = self.mesh.ep.all_reduce(experts, "all_reduce_expert_norms")
-        return (dense + experts).sqrt()
-
-    def frozen_bytes(self) -> int:
-        return self.dense.frozen_bytes() + self.experts.frozen_bytes()
-
-    def expected_state_bytes_per_value(self) -> int:
-        return self.dense.expected_state_bytes_per_value()  # the run's precision's, both engines'
-
-    @contextlib.contextmanager
-    def no_sync(self, enabled: bool = True):
-        with self.dense.no_sync(enabled), self.experts.no_sync(enabled):
-            yield
-
-    def zero_grad(self) -> None:
-        self.dense.zero_grad()
-        self.experts.zero_grad()
-
-    def reduce_grads(self, extras: torch.Tensor):
-        return self.dense.reduce_grads(extras, beside=(self.experts,))
-
-    def apply(self, lr: float, grad_norm: float) -> None:
-        self.dense.apply(lr, grad_norm)
-        self.experts.apply(lr, grad_norm)
-
-    def wait_params(self, buckets=None) -> None:
-        self.dense.wait_params(buckets)
-        self.experts.wait_params(buckets)
-
-    def param_digests(self) -> torch.Tensor:
-        """The dense engine's rows, then the expert engine's two: its experts' replicated values and their TP slices
-        (zeros without TP), as invariants.check_no_drift compares them."""
-        return torch.cat([self.dense.param_digests(), self.experts.param_digests()[:2]])
-
-    @property
-    def param_peak_bytes(self) -> int:
-        """The most parameter bytes held at once, both engines' (at ZeRO-3 each gather counts the other's too)."""
-        if self.stage != 3:
-            return sum(b.numel() * b.element_size() for b in self.flat_buffers)
-        return max(self.dense.param_peak_bytes, self.experts.param_peak_bytes)
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return self.dense.grad_tensors() + self.experts.grad_tensors()
-
-    def grad_bytes(self) -> int:
-        return self.dense.grad_bytes() + self.experts.grad_bytes()
-
-    @property
-    def grad_peak_bytes(self) -> int:
-        return self.dense.grad_peak_bytes + self.experts.grad_peak_bytes
-
-    def optimizer_state_tensors(self) -> list[torch.Tensor]:
-        return self.dense.optimizer_state_tensors() + self.experts.optimizer_state_tensors()
-
-    def expected_state_bytes(self) -> int:
-        return self.dense.expected_state_bytes() + self.experts.expected_state_bytes()
-
-    def expert_bytes(self) -> int:
-        """Bytes this rank holds for its experts: their parameters (at ZeRO-3 their shard) and their optimizer
-        state's shard."""
-        e = self.experts
-        return e.held_params.numel() * e.held_params.element_size() + e.expected_state_bytes()
-
-    @property
-    def param_count(self) -> int:
-        return self.dense.param_count + self.experts.param_count * self.mesh.ep_size
-
-    def expert_state_dict(self) -> dict[str, torch.Tensor]:
-        """The expert engine's shard state, its keys prefixed with expert_ (beside the dense keys in a shard file)."""
-        return {f"expert_{k}": v for k, v in self.experts.shard_state_dict().items()}
-
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        return {**self.dense.shard_state_dict(), **self.expert_state_dict()}
-
-    def load_shard_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.dense.load_shard_state_dict({k: v for k, v in sd.items() if not k.startswith("expert_")})
-        self.experts.load_shard_state_dict({k[len("expert_"):]: v for k, v in sd.items() if k.startswith("expert_")})
-
-    def full_state_dict(self):
-        raise NotImplementedError("the full model of an expert-parallel run is not gathered yet")
+    return hook

@@ -74,15 +74,11 @@ class GradientReducer:
             torch.zeros(L.padded_numel, device=device)
         # One DP rank at stage 1 reduces nothing: its shard is the fp32 gradient buffer itself (at 124M: 476 MiB of
         # gradients instead of 951)
-        self.grad_shard = self.grad_accum if self.owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
+        owns_whole_buckets = not self.bucketed and self.dp.world_size == 1
+        self.grad_shard = self.grad_accum if owns_whole_buckets else torch.zeros(L.shard_numel, device=device)
         self._bucket_grads: dict[int, torch.Tensor] = {}  # bucket -> its fp32 gradients, while held
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
-
-    @property
-    def owns_whole_buckets(self) -> bool:
-        """Stage 1 on one DP rank: the gradient shard is the whole fp32 gradient buffer."""
-        return not self.bucketed and self.dp.world_size == 1
 
     @property
     def grads_in_params(self) -> bool:

@@ -51,30 +51,17 @@ class ParameterPlacement:
     def param_bytes(self) -> int: ...
     def frozen_bytes(self) -> int: ...
 
+    # The step's points (when the engine calls each, and what for: docs/design.md, "The placements' seam")
     def in_flight(self, bucket: int) -> bool:
-        """As each parameter's gradient is accumulated: whether its bucket was still being gathered (refused)."""
         return False
 
-    def gradient_arrived(self, p: torch.Tensor) -> None:
-        """Once the engine has taken `p`'s gradient (into its bucket, counted)."""
-
-    def enter_backward(self, unit: int) -> None:
-        """A unit's backward begins (engine.grads.begin_unit_backward)."""
-
-    def end_backward(self) -> None:
-        """A backward ends, after the engine launched its reductions."""
-
-    def reset_window(self) -> None:
-        """An accumulation window starts again."""
-
-    def release(self) -> None:
-        """Before the reduction: nothing stays gathered for a backward."""
-
-    def before_update(self) -> None:
-        """Before AdamW writes the owned values (an all-gather still sending them finished); then after_update."""
-
-    def wait(self, buckets=None) -> None:
-        """Finish the parameter all-gathers still in flight: those of `buckets`, or all of them."""
+    def gradient_arrived(self, p: torch.Tensor) -> None: ...
+    def enter_backward(self, unit: int) -> None: ...
+    def end_backward(self) -> None: ...
+    def reset_window(self) -> None: ...
+    def release(self) -> None: ...
+    def before_update(self) -> None: ...
+    def wait(self, buckets=None) -> None: ...
 
 
 def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -49,11 +49,8 @@ class ReplicatedPlacement(Placement):
         """Of values a rank owns `owned` of, the ones it holds between steps: all of them."""
         return whole
 
-    def frozen_layout(self, model: torch.nn.Module, dp: int) -> ShardLayout | None:
-        return None  # the frozen parameters stay whole, in their own tensors
-
     def frozen_numel(self, model: torch.nn.Module, dp: int) -> int:
-        return sum(p.numel() for _, p in frozen_parameters(model))
+        return sum(p.numel() for _, p in frozen_parameters(model))  # whole, in their own tensors
 
     def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
         return 0  # no unit is gathered: every parameter is whole all along
@@ -88,16 +85,13 @@ class ShardedPlacement(Placement):
     def held(self, whole: int, owned: int) -> int:
         return owned
 
-    def frozen_layout(self, model: torch.nn.Module, dp: int) -> ShardLayout | None:
-        return frozen_layout_of(model, dp, self.bucket_numel)
-
     def frozen_numel(self, model: torch.nn.Module, dp: int) -> int:
-        return self.frozen_layout(model, dp).shard_numel
+        return frozen_layout_of(model, dp, self.bucket_numel).shard_numel
 
     def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
         """The most parameter bytes whole at once beyond the shard (units.units_whole_bytes), the frozen base's
-        buckets among them; `beside`: the expert engine's layout, whose buckets are whole with the units'."""
-        frozen = self.frozen_layout(model, layout.world_size)
+        buckets among them; `beside`: the expert group's layout, whose buckets are whole with the units'."""
+        frozen = frozen_layout_of(model, layout.world_size, self.bucket_numel)
         return units_whole_bytes(model, layout, element_size, prefetch=prefetch, frozen=frozen, beside=beside)
 
     def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
@@ -158,7 +152,7 @@ class WholeGradients(GradientHolding):
         --dp-replicate R, dp / R), `dp` where not given."""
         if self.autograd_grads(dp):  # of every DP rank: one rank of R replica groups still all-reduces a buffer
             return numel * 4  # one per parameter: no flat buffer
-        # On one shard rank the shard is the fp32 gradient buffer itself (the engine's owns_whole_buckets).
+        # On one shard rank the shard is the fp32 gradient buffer itself (as GradientReducer builds it).
         shards = dp if shard_ranks is None else shard_ranks
         return padded * psize + (padded * 4 if self.precision == "bf16" else 0) + (shard * 4 if shards > 1 else 0)
 
@@ -194,12 +188,9 @@ class BucketedGradients(GradientHolding):
             -> int:
         return shard * 4  # the fp32 shard the buckets are reduce-scattered into
 
-    @property
-    def per_micro_batch(self) -> bool:
-        return self.accum == 1 or self.grad_reduce == "micro-batch"
-
     def bucket_bytes(self, layout: ShardLayout) -> int:
-        return stage2_bucket_budget(layout) if self.per_micro_batch else 4 * layout.padded_numel
+        per_micro_batch = self.accum == 1 or self.grad_reduce == "micro-batch"  # the two largest buckets in flight
+        return stage2_bucket_budget(layout) if per_micro_batch else 4 * layout.padded_numel
 
     def buckets_hold_less(self, dp: int) -> bool:
         return False  # they are buckets already

@@ -115,10 +115,9 @@ class ShardedParameters(ParameterPlacement):
         self._held_into_backward = held
         first, end = (2, len(self.units) - 1) if units.untied_head(model) else (1, len(self.units))
         self._blocks = set(range(first, end))  # the transformer blocks' units
-        params = [[(n, p) for n, p in unit if id(p) in e.slot_of] for unit in units.unit_parameters(model)]  # ours
-        self._unit_sizes = [len(unit) for unit in params]
         self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
-        self._unit_params = [[id(p) for _, p in unit] for unit in params]
+        # each unit's trained parameters that this engine holds, by id
+        self._unit_params = [[id(p) for _, p in unit if id(p) in e.slot_of] for unit in units.unit_parameters(model)]
         self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
         self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
         self._current: list[int] = []  # the units whose forward is running, innermost last
@@ -380,7 +379,7 @@ class ShardedParameters(ParameterPlacement):
         when no forward said)."""
         if self._waits is None:
             reached = self.engine.grads.reached_parameters
-            self._waits = list(self._unit_sizes) if reached is None else \
+            self._waits = [len(unit) for unit in self._unit_params] if reached is None else \
                 [sum(p in reached for p in unit) for unit in self._unit_params]
         return self._waits
 

@@ -43,7 +43,8 @@ class AdamWShard:
         self._master_views = []
         decayed, plain = [], []
         for pc in self._pieces:
-            m = self._master_of(pc)
+            # the fp32 master values of the piece: in fp32 the owned parameter values themselves (an alias)
+            m = self.placement.owned_values(pc) if self.master is None else self.master[pc.shard_lo : pc.shard_hi]
             if not self.grads.grads_in_params:  # otherwise each step's are the parameters' (apply)
                 m.grad = self.grads.grad_shard[pc.shard_lo : pc.shard_hi]
             self._master_views.append(m)
@@ -61,12 +62,6 @@ class AdamWShard:
                 "exp_avg": self.exp_avg[pc.shard_lo : pc.shard_hi],
                 "exp_avg_sq": self.exp_avg_sq[pc.shard_lo : pc.shard_hi],
             }
-
-    def _master_of(self, pc: OwnedPiece) -> torch.Tensor:
-        """The fp32 master values of piece `pc`: in fp32 the owned parameter values themselves (an alias)."""
-        if self.master is None:
-            return self.placement.owned_values(pc)
-        return self.master[pc.shard_lo : pc.shard_hi]
 
     def step(self, lr: float, grad_norm: torch.Tensor | float) -> None:
         """Clip the gradients by the global norm on the device (no host read: docs/design.md), and AdamW's step on

@@ -21,7 +21,7 @@ from zerotrain.model.compiled import compiled
 from zerotrain.model.init import materialise
 from zerotrain.model.lora import add_adapters
 from zerotrain.model.tensor_parallel import kv_replicas
-from zerotrain.parallel import Comm, ExpertParallelEngine, Mesh, ZeroEngine, expert_bytes, shard_experts
+from zerotrain.parallel import Comm, Mesh, ZeroEngine, expert_bytes, shard_experts
 from zerotrain.parallel.comm import CollectiveError
 from zerotrain.parallel.context import context_parallel
 from zerotrain.parallel.params import param_dtype
@@ -99,8 +99,7 @@ def build_engine(cfg: Config, comm: Comm, restored: bool = False, source: Weight
     settings = dict(bucket_numel=cfg.parallel.bucket_numel, precision=cfg.parallel.precision,
                     reduce_in_backward=cfg.reduce_in_backward, overlap_gathers=cfg.gather_in_forward,
                     stage=cfg.parallel.zero, grad_reduce=cfg.grad_reduce, init=init, device=rank_device(cfg))
-    if mesh.ep_size > 1:  # this rank's block of experts, over dp_shard_mod_ep; the rest over the shard group
-        return ExpertParallelEngine(model, mesh, cfg.optim, **settings)
+    # with --ep this rank's block of experts is a group of its own, over dp_shard_mod_ep; the rest over the shard group
     return ZeroEngine(model, mesh.dp_shard, cfg.optim, mesh=mesh, **settings)
 
 

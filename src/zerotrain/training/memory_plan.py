@@ -839,7 +839,7 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
 def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str, int]:
     """The state rows as the engine holds them now (between steps); `outside`: what the objective holds beyond the
     engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
-    parts = getattr(engine, "parts", [engine])  # expert parallelism: the dense engine and the experts'
+    parts = engine.parts  # with --ep: the expert group too
     master = sum(e.adamw.master.numel() * 4 for e in parts if e.adamw.master is not None)
     buffers = [e.held_params for e in parts]
     optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=buffers)
@@ -866,7 +866,7 @@ def held_state_bytes(engine: ZeroEngine, outside: dict | None = None) -> int:
         elif isinstance(value, dict):
             walk(list(value.values()))
 
-    for part in getattr(engine, "parts", [engine]):  # expert parallelism: the dense engine and the experts'
+    for part in engine.parts:  # with --ep: the expert group too
         for held in (part, part.grads, part.adamw):  # the engine, its gradients, its AdamW's masters and moments
             walk(list(vars(held).values()))
         walk(list(vars(part.placement).values()))  # where its parameters live (stage 3: the shards, the units)
