@@ -28,8 +28,7 @@ class RoutingBias:
     def __init__(self, cfg: Config, engine):
         self.speed = cfg.model.routing_bias_speed
         self.experts = cfg.model.n_experts
-        # the router's bias is a dense parameter: under expert parallelism, the dense engine's
-        self.engine = getattr(engine, "dense", engine)
+        self.engine = engine  # the router's bias is a dense parameter: in the engine's dense group, at any --ep
         # the decoder's layers' (a multi-token-prediction layer's routing is not in the loads: model/mtp.py)
         self.names = [s.name for s in self.engine.layout.slots if s.name.endswith(BIAS) and
                       s.name.startswith("model.layers.")]
