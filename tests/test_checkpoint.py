@@ -397,12 +397,14 @@ def spawn(job, world_size, tmp_path, *args, timeout=120):
     """Run `job(rank, comm, tmp_path, *args)` in `world_size` new processes; (exit codes, results by rank).
 
     The processes are forked from the forkserver local ranks start from (torch imported once), not spawned: a
-    spawned process imports torch again, about 3 s of CPU each.
+    spawned process imports torch again, about 3 s of CPU each. They take this process's environment as it is now,
+    not the server's (started by an earlier test, perhaps while its ZEROTRAIN_FAULTS was set), as the product's ranks
+    do (rank_start.adopt).
     """
     rank_start.start_server()
     ctx = multiprocessing.get_context(rank_start.START_METHOD)
     store = tmp_path / "store"
-    procs = [ctx.Process(target=_rank_main, args=(job, r, world_size, str(store), tmp_path, args))
+    procs = [ctx.Process(target=_rank_main, args=(job, r, world_size, str(store), tmp_path, args, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -420,7 +422,9 @@ def spawn(job, world_size, tmp_path, *args, timeout=120):
     return [p.exitcode for p in procs], results
 
 
-def _rank_main(job, rank, world_size, store, tmp_path, args):
+def _rank_main(job, rank, world_size, store, tmp_path, args, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
