@@ -14,9 +14,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def keep_eager(model: nn.Module) -> None:
     """Each module of `model` whose class says `eager_under_compile` (LoRA's dropout) runs eagerly inside the compiled
     model: its forward disabled in dynamo, on the instance, as `@torch.compiler.disable` on its class would. Here, as
-    the model is compiled, rather than by that decorator: torch.compiler.disable imports torch._dynamo, and at the
-    class's import every zerotrain command paid for it (1.8 s of CPU of a command's 3.8 s of imports, measured on the
-    2-core machine), most of them never compiling; a rank imports dynamo anyway, with torch's AdamW."""
+    the model is compiled, rather than by that decorator: torch.compiler.disable imports torch._dynamo, which at the
+    class's import every zerotrain command paid for, most of them never compiling (docs/benchmarks.md)."""
     for module in model.modules():
         if getattr(module, "eager_under_compile", False):
             module.forward = torch.compiler.disable(module.forward)
