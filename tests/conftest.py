@@ -66,6 +66,10 @@ def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Confi
     cfg.parallel.bucket_mb = 0.01  # ~2.6K values: several buckets for the 28K-parameter model
     cfg.logging.out = str(tmp_path)
     cfg.launch.timeout = 60
+    # MFU against a given peak: rank 0 of each run otherwise times the CPU's matmul as it starts (up to 0.25 s, never
+    # cached under the suite's load), measured a fifth of a multi-rank module's runs (test_zero3's 46 runs on one
+    # start of 2 ranks: 6.9 of 33 s). test_throughput times it.
+    cfg.logging.peak_flops = 1e12
     for key, value in run.items():
         s = setting_for(key)
         setattr(getattr(cfg, s.section), s.name, value)

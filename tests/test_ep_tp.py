@@ -47,7 +47,8 @@ def config(out, *flags):
 
     args = build_parser().parse_args(["train", "--preset", "qwen3-moe-tiny", "--n-experts", "8", "--data", "synthetic",
                                       "--no-progress", "--steps", str(STEPS), "--nproc", "4", "--lr", "1e-2",
-                                      "--eps", "1e-3", "--ckpt-every", "2", "--out", str(out), *flags])
+                                      "--eps", "1e-3", "--ckpt-every", "2", "--out", str(out),
+                                      "--peak-flops", "1e12", *flags])  # MFU untimed: conftest's tiny_config
     return resolve_paths(config_from_args(args))
 
 

@@ -67,7 +67,8 @@ STEPS = 6
 def config(out, *flags):
     args = build_parser().parse_args(["train", "--preset", "qwen3-moe-tiny", "--n-experts", "8", "--data", "synthetic",
                                       "--no-progress", "--steps", str(STEPS), "--nproc", "4", "--micro-batch", "2",
-                                      "--lr", "1e-2", "--out", str(out), *flags])
+                                      "--lr", "1e-2", "--out", str(out),
+                                      "--peak-flops", "1e12", *flags])  # MFU untimed: conftest's tiny_config
     return resolve_paths(config_from_args(args))
 
 

@@ -338,6 +338,67 @@ def test_validation_runs_without_dropout_alike_twice_and_dropout_left_on_is_caug
         engine.zero_grad()
 
 
+def test_under_compile_the_dropout_runs_eagerly_outside_the_graph_and_a_traced_dropout_is_caught(monkeypatch):
+    """--compile's model (model/compiled.py's `compiled`, the whole model: --compile at ZeRO-3, whose blocks are
+    compiled alone, refuses LoRA) calls the adapters' dropout eagerly, outside the graph, and gives the eager model's
+    output with the same masks, bitwise. A q_proj with its adapters alone, compiled by dynamo's eager backend: which
+    code runs inside a graph is dynamo's decision, and the eager backend runs the graph with the eager kernels, without
+    inductor's seconds of code generation. Planted: compiled without keep_eager, the dropout is traced into the graph
+    (its masks drawn while compiling)."""
+    from zerotrain.model import compiled as compiled_model
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    compiling, real_keep_mask = [], lora.keep_mask
+
+    def watched_keep_mask(*args):
+        compiling.append(torch.compiler.is_compiling())
+        return real_keep_mask(*args)
+
+    monkeypatch.setattr(lora, "keep_mask", watched_keep_mask)
+    x = torch.randn(2, 12, 48, generator=torch.Generator().manual_seed(1))
+
+    def adapted_linear() -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.cfg = types.SimpleNamespace(arch="llama")  # what add_adapters reads of a model's config
+        model.q_proj = torch.nn.Linear(48, 24, bias=False)
+        lora.add_adapters(model, LoraConfig(rank=RANK, alpha=ALPHA, dropout=DROPOUT, targets="q_proj"), seed=0)
+        with torch.no_grad():  # B nonzero, so that what the dropout drops shows in the output
+            model.q_proj.lora_B.weight.normal_(generator=torch.Generator().manual_seed(2))
+        return model
+
+    def dropped(model, forward) -> torch.Tensor:
+        with torch.no_grad(), lora.dropout_rows(model, step=3, rows=range(2)):
+            return forward(x)
+
+    model = adapted_linear()
+    eager = dropped(model, model.q_proj)
+    assert not torch.equal(eager, model.q_proj.eval()(x))  # the masks drop
+    model.train()
+    compiling.clear()
+    torch._dynamo.reset()
+    assert torch.equal(dropped(model, compiled_model.compiled(model.q_proj, per_block=False)), eager)
+    assert compiling and not any(compiling), compiling
+    monkeypatch.setattr(compiled_model, "keep_eager", lambda model: None)
+    torch._dynamo.reset()
+    compiling.clear()
+    model = adapted_linear()
+    dropped(model, compiled_model.compiled(model.q_proj, per_block=False))
+    assert any(compiling)
+    torch._dynamo.reset()
+
+
+def test_the_command_line_does_not_import_dynamo_and_the_decorated_dropout_that_did_is_caught():
+    """Every zerotrain command imports the adapters (hub/pretrained) but not torch._dynamo: 1.5 s of CPU of a
+    launcher's 3.5 s (measured on the 2-core machine), which the ranks pay once, with torch's AdamW. The dropout stays
+    out of compiled graphs by keep_eager as the model is compiled (the test above). Planted, in the same interpreter
+    after the check: the dropout's forward decorated by torch.compiler.disable, as its class was, imports it."""
+    code = ("import sys, torch; import zerotrain.cli.main; from zerotrain.model import lora; "
+            "before = 'torch._dynamo' in sys.modules; torch.compiler.disable(lora.LoRADropout.forward); "
+            "print(before, 'torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "True"], r.stderr[-2000:]
+
+
 def gradient_with_dropout(base, group, out, recompute: str) -> list[torch.Tensor]:
     """The adapters' gradient of one step (2 micro-batches) with dropout, recomputing `recompute` in the backward."""
     from zerotrain.data import BatchSchedule, make_source

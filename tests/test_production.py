@@ -30,8 +30,10 @@ from zerotrain.training.loop import train_job
 pytestmark = pytest.mark.timeout(300)
 
 # --threads 1 (a 2-core machine's default): the launcher's ranks and torchrun's, one or two per node, all
-# compute alike, so the runs of every drill can be compared bitwise with one uninterrupted run.
-TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "--data", "synthetic", "--threads", "1"]
+# compute alike, so the runs of every drill can be compared bitwise with one uninterrupted run. --peak-flops: MFU
+# against a given peak, not the CPU's matmul timed as each run starts (conftest's tiny_config).
+TINY = ["--nproc", "2", "--micro-batch", "2", "--accum", "2", "--no-progress", "--data", "synthetic", "--threads", "1",
+        "--peak-flops", "1e12"]
 
 
 def zerotrain(*args, faults=None, timeout=240, cwd=None):

@@ -11,6 +11,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return next((list(m) for m in model.modules() if isinstance(m, nn.ModuleList)), [])
 
 
+def keep_eager(model: nn.Module) -> None:
+    """Each module of `model` whose class says `eager_under_compile` (LoRA's dropout) runs eagerly inside the compiled
+    model: its forward disabled in dynamo, on the instance, as `@torch.compiler.disable` on its class would. Here, as
+    the model is compiled, rather than by that decorator: torch.compiler.disable imports torch._dynamo, which at the
+    class's import every zerotrain command paid for, most of them never compiling (docs/benchmarks.md)."""
+    for module in model.modules():
+        if getattr(module, "eager_under_compile", False):
+            module.forward = torch.compiler.disable(module.forward)
+
+
 def compile_blocks(model: nn.Module) -> nn.Module:
     """Each transformer block's forward compiled on its own, in place (as torchtitan compiles each block), and the
     rest of the model left eager; returns the model.
@@ -32,4 +42,5 @@ def compiled(model: nn.Module, per_block: bool) -> nn.Module:
     """What the step runs under --compile: with `per_block` (a placement that gathers each block's parameters for it,
     ZeRO-3) the model with each block compiled (compile_blocks), else the whole model's forward and backward compiled
     into one graph (torch.compile's module wrapper; the parameters stay the engine's)."""
+    keep_eager(model)
     return compile_blocks(model) if per_block else torch.compile(model)

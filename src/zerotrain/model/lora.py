@@ -158,15 +158,16 @@ class LoRADropout(nn.Module):
     (keep_mask; a routed expert's by routed_keep_mask), never by torch's global generator; none outside a training
     micro-batch (`dropout_rows`)."""
 
+    # eager under --compile (model/compiled.py's keep_eager): the keys change every micro-batch and the generators
+    # are made per row, which a compiled graph would guard on and recompile for
+    eager_under_compile = True
+
     def __init__(self, p: float, adapter: int, features: torch.Tensor | None, in_features: int, rows: DropoutRows,
                  routed: bool = False):
         super().__init__()
         self.p, self.adapter, self.features, self.in_features, self.rows = p, adapter, features, in_features, rows
         self.routed = routed
 
-    # eager under --compile: the keys change every micro-batch and the generators are made per row, which a
-    # compiled graph would guard on and recompile for
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = self.rows.keys
         if keys is None or not self.training:
