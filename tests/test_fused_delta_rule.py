@@ -13,10 +13,12 @@ fla's own arithmetic: scripts/device-check.sh compares the real kernels with the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 import types
 
+import host_reads_jobs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
+from zerotrain.data import MicroBatch, on_device
 from zerotrain.model import build_model, delta_rule, fused_delta_rule, qwen35
 from zerotrain.model.delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
 from zerotrain.model.kv_cache import KVCache
@@ -61,10 +64,15 @@ class KeepsFp64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def segment_bounds(cu_seqlens: torch.Tensor | None, T: int, batch: int) -> list[tuple[int, int]]:
-    """fla's contract for cu_seqlens: batch 1, int64, from 0 to T, strictly increasing."""
+def segment_bounds(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, T: int, batch: int
+                   ) -> list[tuple[int, int]]:
+    """fla's contract for cu_seqlens: batch 1, int64, from 0 to T, strictly increasing; cu_seqlens_cpu (what fla
+    reads instead of copying cu_seqlens back) the same values on the host."""
     if cu_seqlens is None:
+        assert cu_seqlens_cpu is None
         return [(0, T)]
+    assert cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type == "cpu"
+    assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
     bounds = cu_seqlens.tolist()
     assert batch == 1 and cu_seqlens.dtype == torch.long and bounds[0] == 0 and bounds[-1] == T
     assert all(a < b for a, b in zip(bounds, bounds[1:]))
@@ -72,7 +80,7 @@ def segment_bounds(cu_seqlens: torch.Tensor | None, T: int, batch: int) -> list[
 
 
 def fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
+                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **unused):
     """fla.ops.gated_delta_rule.chunk_gated_delta_rule's semantics: q, k (B, T, H, K), v (B, T, HV, V), g and beta
     (B, T, HV); with cu_seqlens each segment on its own; initial and final states (N, HV, K, V), N segments (B
     without cu_seqlens)."""
@@ -80,7 +88,7 @@ def fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None
     assert not unused and scale is None and use_qk_l2norm_in_kernel  # zerotrain asks for these
     assert k.shape == q.shape and v.shape[:2] == (B, T) and v.shape[2] % H == 0 and g.shape == beta.shape == v.shape[:3]
     assert q.dtype == k.dtype == v.dtype
-    spans = segment_bounds(cu_seqlens, T, B)
+    spans = segment_bounds(cu_seqlens, cu_seqlens_cpu, T, B)
     N = B if cu_seqlens is None else len(spans)
     assert initial_state is None or initial_state.shape == (N, v.shape[2], K, v.shape[3])
     outs, states = [], []
@@ -96,11 +104,11 @@ def fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None
 
 
 def fake_causal_conv1d(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
-                       activation=None, cu_seqlens=None, **unused):
+                       activation=None, cu_seqlens=None, cu_seqlens_cpu=None, **unused):
     """fla.modules.convolution.causal_conv1d's semantics: x (B, T, D), weight (D, W), each segment on its own."""
     assert not unused and bias is None and residual is None and initial_state is None and not output_final_state
     assert x.dim() == 3 and weight.shape == (x.shape[-1], weight.shape[-1])
-    spans = segment_bounds(cu_seqlens, x.shape[1], x.shape[0])
+    spans = segment_bounds(cu_seqlens, cu_seqlens_cpu, x.shape[1], x.shape[0])
     out = [REFERENCE_CONV(x[:, a:b].transpose(1, 2), weight, None, activation).transpose(1, 2) for a, b in spans]
     return torch.cat(out, dim=1), None
 
@@ -290,6 +298,55 @@ def test_decoding_through_the_cache_with_fla_gives_the_torch_paths_logits(fla):
     fused_delta_rule.choose("auto")
     assert (cached_logits(model, ids) - torch_path).abs().max() < EXACT
     assert calls[0] == 70 and calls[1:] == [1] * 10  # the linear layer's prompt, then each token
+
+
+def packed_model_run(fla) -> tuple[int, torch.Tensor]:
+    """The logits, and the host reads made from fused_delta_rule.py (tests/test_host_reads.py's counting: torch.Tensor's reading
+    methods patched) in the forward and backward of a packed micro-batch through a Qwen3.5 of two linear layers, the
+    micro-batch taken as the step takes it (data/batches.on_device, with what bounds_for asks it to compute on the
+    host). The stand-in fla's own checks are not counted: they are not zerotrain's."""
+    model = build_model(dataclasses.replace(tiny_config(), n_layer=4), 0).double()
+    assert sum(block.linear for block in model.model.layers) == 2
+    gen = torch.Generator().manual_seed(11)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    micro = MicroBatch(torch.randint(0, 300, (2, SEQ), generator=gen), torch.randint(0, 300, (2, SEQ), generator=gen),
+                       segments)
+    device = torch.device("cpu")
+    micro = next(on_device([micro], device, fused_delta_rule.bounds_for(model.cfg, device)))
+    counter = host_reads_jobs.Counter()
+    counter.where = {}
+    for module, kernel in (("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                           ("fla.modules.convolution", "causal_conv1d")):
+        fla.setattr(sys.modules[module], kernel, host_reads_jobs._paused(counter, getattr(sys.modules[module], kernel)))
+    fused_delta_rule.fla_kernels.cache_clear()
+    with contextlib.ExitStack() as stack:
+        for patch in host_reads_jobs.reading_patches(counter):
+            stack.enter_context(patch)
+        counter.on = True
+        logits = model(micro.inputs, segments=micro.segments)
+        F.cross_entropy(logits.flatten(0, 1), micro.labels.flatten()).backward()
+        counter.on = False
+    return sum(n for where, n in counter.where.items() if "model/fused_delta_rule.py" in where), logits.detach()
+
+
+def test_a_packed_forward_and_backward_reads_nothing_in_the_linear_layers(fla):
+    """The segments' boundaries come with the micro-batch, computed on the host: none of the two calls of each linear
+    layer reads the device (before: one .nonzero() a call, 96 a micro-batch in a 48-layer model). Planted: the
+    boundaries found again from the starts at every call, as before, are caught (at least one read a call). The
+    logits are the torch path's."""
+    fused_delta_rule.choose("torch")
+    torch_path = packed_model_run(fla)[1]
+    fused_delta_rule.choose("auto")
+    reads, logits = packed_model_run(fla)
+    assert reads == 0 and (logits - torch_path).abs().max() < EXACT
+
+    def per_call(starts):  # planted: the old per-call cu_seqlens of the starts on the device
+        starts = fused_delta_rule.plain(starts)
+        bounds = fused_delta_rule.cu_seqlens(starts)
+        return fused_delta_rule.Packed(starts, bounds, bounds.cpu())
+
+    fla.setattr(fused_delta_rule, "with_bounds", per_call)
+    assert packed_model_run(fla)[0] >= 2 * 2
 
 
 def test_the_torch_setting_keeps_cuda_tensors_on_torch(fla):

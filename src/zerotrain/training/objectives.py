@@ -23,6 +23,7 @@ import torch
 from zerotrain.config import Config
 from zerotrain.data import IGNORE, BatchSchedule, MicroBatch, StepBatch, make_source, on_device
 from zerotrain.model import summed_token_loss
+from zerotrain.model.fused_delta_rule import bounds_for
 from zerotrain.model.loss import head_loss
 from zerotrain.parallel.context import context_parallel
 
@@ -61,9 +62,9 @@ def accumulate_gradients(engine, batch: StepBatch, forward=None, loss_factor: fl
 
 def token_micro_batches(engine, batch: StepBatch):
     """This rank's micro-batches on the device, with their rows' places in the global batch (BatchSchedule's layout:
-    each DP replica a contiguous block)."""
+    each DP replica a contiguous block). Packed records' boundaries for fla come along, computed on the host."""
     row = engine.mesh.dp_rank * sum(len(m.inputs) for m in batch.micro_batches)
-    for micro in on_device(batch.micro_batches, engine.device):
+    for micro in on_device(batch.micro_batches, engine.device, bounds_for(engine.model.cfg, engine.device)):
         yield Micro(range(row, row + len(micro.inputs)), micro)
         row += len(micro.inputs)
 
