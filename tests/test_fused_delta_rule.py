@@ -29,12 +29,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
-from zerotrain.data import MicroBatch, on_device
+from zerotrain.data import MicroBatch, StepBatch, on_device
 from zerotrain.model import build_model, delta_rule, fused_delta_rule, qwen35
 from zerotrain.model.delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
 from zerotrain.model.kv_cache import KVCache
-from zerotrain.parallel.context import part_record_starts
-from zerotrain.training import loop
+from zerotrain.parallel.context import ContextParallel, part_record_starts
+from zerotrain.training import loop, objectives
 from zerotrain.training.loop import train
 
 SEQ = 150
@@ -300,20 +300,12 @@ def test_decoding_through_the_cache_with_fla_gives_the_torch_paths_logits(fla):
     assert calls[0] == 70 and calls[1:] == [1] * 10  # the linear layer's prompt, then each token
 
 
-def packed_model_run(fla) -> tuple[int, torch.Tensor]:
-    """The logits, and the host reads made from fused_delta_rule.py (tests/test_host_reads.py's counting: torch.Tensor's reading
-    methods patched) in the forward and backward of a packed micro-batch through a Qwen3.5 of two linear layers, the
-    micro-batch taken as the step takes it (data/batches.on_device, with what bounds_for asks it to compute on the
-    host). The stand-in fla's own checks are not counted: they are not zerotrain's."""
-    model = build_model(dataclasses.replace(tiny_config(), n_layer=4), 0).double()
-    assert sum(block.linear for block in model.model.layers) == 2
-    gen = torch.Generator().manual_seed(11)
-    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
-    micro = MicroBatch(torch.randint(0, 300, (2, SEQ), generator=gen), torch.randint(0, 300, (2, SEQ), generator=gen),
-                       segments)
-    device = torch.device("cpu")
-    micro = next(on_device([micro], device, fused_delta_rule.bounds_for(model.cfg, device)))
-    counter = host_reads_jobs.Counter()
+@contextlib.contextmanager
+def dispatch_reads(fla):
+    """Counts the host reads made from fused_delta_rule.py in the block (tests/test_host_reads.py's counting:
+    torch.Tensor's reading methods patched) into the list it gives; the stand-in fla's own checks are not counted:
+    they are not zerotrain's."""
+    counter, reads = host_reads_jobs.Counter(), []
     counter.where = {}
     for module, kernel in (("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
                            ("fla.modules.convolution", "causal_conv1d")):
@@ -323,10 +315,27 @@ def packed_model_run(fla) -> tuple[int, torch.Tensor]:
         for patch in host_reads_jobs.reading_patches(counter):
             stack.enter_context(patch)
         counter.on = True
+        yield reads
+        counter.on = False
+    reads.append(sum(n for where, n in counter.where.items() if "model/fused_delta_rule.py" in where))
+
+
+def packed_model_run(fla) -> tuple[int, torch.Tensor]:
+    """The host reads from fused_delta_rule.py (dispatch_reads) in the forward and backward of a packed micro-batch
+    through a Qwen3.5 of two linear layers, the micro-batch taken as the step takes it (objectives'
+    token_micro_batches: on_device, with what bounds_for asks it to compute on the host), and the logits."""
+    model = build_model(dataclasses.replace(tiny_config(), n_layer=4), 0).double()
+    assert sum(block.linear for block in model.model.layers) == 2
+    gen = torch.Generator().manual_seed(11)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    micro = MicroBatch(torch.randint(0, 300, (2, SEQ), generator=gen), torch.randint(0, 300, (2, SEQ), generator=gen),
+                       segments)
+    engine = types.SimpleNamespace(model=model, device=torch.device("cpu"), mesh=types.SimpleNamespace(dp_rank=0))
+    micro = next(objectives.token_micro_batches(engine, StepBatch([micro], global_tokens=0))).data
+    with dispatch_reads(fla) as reads:
         logits = model(micro.inputs, segments=micro.segments)
         F.cross_entropy(logits.flatten(0, 1), micro.labels.flatten()).backward()
-        counter.on = False
-    return sum(n for where, n in counter.where.items() if "model/fused_delta_rule.py" in where), logits.detach()
+    return reads[0], logits.detach()
 
 
 def test_a_packed_forward_and_backward_reads_nothing_in_the_linear_layers(fla):
@@ -347,6 +356,60 @@ def test_a_packed_forward_and_backward_reads_nothing_in_the_linear_layers(fla):
 
     fla.setattr(fused_delta_rule, "with_bounds", per_call)
     assert packed_model_run(fla)[0] >= 2 * 2
+
+
+def test_a_host_copy_of_the_boundaries_unlike_the_device_s_is_caught(fla):
+    """The stand-in holds fla's contract for cu_seqlens_cpu (what fla reads instead of cu_seqlens): the same values.
+    Planted: a host copy missing the last boundary."""
+    def short_host_copy(starts):
+        bounds = fused_delta_rule.cu_seqlens(fused_delta_rule.plain(starts))
+        return fused_delta_rule.Packed(fused_delta_rule.plain(starts), bounds, bounds[:-1])
+
+    fla.setattr(fused_delta_rule, "with_bounds", short_host_copy)
+    with pytest.raises(AssertionError):
+        layer_run(tiny_layer().double(), record_starts(), "auto")
+
+
+def split_rows_run(fla) -> tuple[int, list[torch.Tensor]]:
+    """--cp's linear layers (delta_rule_cp.py) at C = 1 on a packed micro-batch taken as the step takes it (this
+    rank's part, ContextParallel.part with the convolution's reach; on_device with bounds_for's computation; the
+    layers' SplitRows from ContextParallel.split_rows): the reads from fused_delta_rule.py (dispatch_reads) in the
+    convolution's and the rule's forward and backward, and their outputs and gradients."""
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    cp, device = ContextParallel(None, 1, 0), torch.device("cpu")
+    part = cp.part(MicroBatch(torch.zeros(2, SEQ, dtype=torch.long), torch.zeros(2, SEQ, dtype=torch.long),
+                              segments), reach=3)
+    micro = next(on_device([part], device, fused_delta_rule.bounds_for(tiny_config(), device)))
+    rows = cp.split_rows(micro.segments[None], 3, getattr(micro.segments, "segment_bounds", None))
+    rows = dataclasses.replace(rows, gather=lambda x: x)  # one rank: every chunk its own
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 80, SEQ, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(80, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    *inputs, _ = rule_inputs()
+    with dispatch_reads(fla) as reads:
+        y, out = split_causal_conv(x, weight, rows), split_gated_delta_rule(*inputs, rows)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+        (y.sum() + (out * weights).sum()).backward()
+    return reads[0], [y.detach(), out.detach(), x.grad, weight.grad] + [t.grad for t in inputs]
+
+
+def test_context_parallel_split_rows_read_nothing_through_fla(fla):
+    """Under --cp the record starts of a rank's chunks need the whole rows: ContextParallel.part computes them on the
+    host, on_device their boundaries, and the split convolution and rule read nothing from the device (before: one
+    read a call); they give the torch path's outputs and gradients. Planted: the per-call boundaries, caught."""
+    fused_delta_rule.choose("torch")
+    torch_path = split_rows_run(fla)[1]
+    fused_delta_rule.choose("auto")
+    reads, fused = split_rows_run(fla)
+    assert reads == 0 and gap(fused, torch_path) < EXACT
+
+    def per_call(starts):  # planted: the old per-call cu_seqlens of the starts on the device
+        starts = fused_delta_rule.plain(starts)
+        bounds = fused_delta_rule.cu_seqlens(starts)
+        return fused_delta_rule.Packed(starts, bounds, bounds.cpu())
+
+    fla.setattr(fused_delta_rule, "with_bounds", per_call)
+    assert split_rows_run(fla)[0] >= 2
 
 
 def test_the_torch_setting_keeps_cuda_tensors_on_torch(fla):

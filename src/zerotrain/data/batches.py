@@ -124,7 +124,7 @@ def on_device(micro_batches: Iterable[MicroBatch], device: torch.device,
     while ahead is not None:
         compute.wait_stream(copies)
         current = ahead
-        carried = getattr(current.segments, "segment_bounds", ())
+        carried = [t for bounds in getattr(current.segments, "segment_bounds", ()) for t in bounds]
         for t in (*current, *carried):
             if t is not None and t.is_cuda:
                 t.record_stream(compute)

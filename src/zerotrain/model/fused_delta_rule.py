@@ -115,14 +115,21 @@ class Packed(NamedTuple):
     cu_seqlens_cpu: torch.Tensor
 
 
-def segment_bounds(segments: torch.Tensor, device: torch.device) -> SegmentBounds:
-    """The SegmentBounds of a micro-batch's `segments` (B, T) on the host, the device's copy queued (pinned, not
-    waited for) on the current stream: on_device's side stream, beside the batch's own copy."""
-    host = cu_seqlens(record_starts(segments))
-    return SegmentBounds(host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host, host)
+def segment_bounds(segments: torch.Tensor, device: torch.device) -> tuple[SegmentBounds, ...]:
+    """The SegmentBounds of a micro-batch's `segments` (B, T) on the host, the device's copies queued (pinned, not
+    waited for) on the current stream: on_device's side stream, beside the batch's own copy. One for the rows; under
+    --cp, the two layouts of this rank's chunks that ContextParallel.part left on its part's segments
+    (`split_starts`: the convolution's and the rule's, delta_rule_cp.split_starts)."""
+    bounds = []
+    for starts in getattr(segments, "split_starts", None) or (record_starts(segments),):
+        host = cu_seqlens(starts)
+        bounds.append(SegmentBounds(host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host,
+                                    host))
+    return tuple(bounds)
 
 
-def bounds_for(cfg: ModelConfig, device: torch.device) -> Callable[[torch.Tensor, torch.device], SegmentBounds] | None:
+def bounds_for(cfg: ModelConfig, device: torch.device
+               ) -> Callable[[torch.Tensor, torch.device], tuple[SegmentBounds, ...]] | None:
     """What data/batches.on_device computes beside each packed micro-batch for a model `cfg` on `device`:
     `segment_bounds` where its linear layers run fla, None (nothing) otherwise."""
     return segment_bounds if cfg.arch in QWEN35 and fused_on(device) else None

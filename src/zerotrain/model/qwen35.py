@@ -232,14 +232,15 @@ class Qwen35(Decoder):
         if self.context_parallel is not None and cache is None:  # this rank's part of each row: the attention layers
             # around the ring, the linear ones from the states and inputs of the chunks before this rank's
             positions, mask = self.context_parallel.prepare(idx, segments)
-            starts = self.context_parallel.split_rows(mask.documents, cfg.linear_conv_kernel - 1)
+            starts = self.context_parallel.split_rows(mask.documents, cfg.linear_conv_kernel - 1,
+                                                      getattr(segments, "segment_bounds", None))
         else:
             positions = new_positions(idx, cache, cfg.positions, segments)
             mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
             starts = None if segments is None else record_starts(segments)
             bounds = getattr(segments, "segment_bounds", None)  # fla's, computed with the micro-batch (on_device)
             if bounds is not None:
-                starts = Packed(starts, *bounds)
+                starts = Packed(starts, *bounds[0])
         rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta)
         if self.trains_mtp and cache is None:  # the MTP blocks (attention) read the embeddings and these too
             self.mtp_inputs = (x, rotary, mask)
