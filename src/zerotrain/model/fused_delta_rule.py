@@ -19,8 +19,9 @@ Host reads: none in a step. With records, fla needs the segments' boundaries on 
 chunks' layout): a step computes them once per micro-batch from its segments while they are still on the host
 (`segment_bounds`, which data/batches.on_device calls where `bounds_for` says the model runs fla) and copies them to
 the device with the batch; the model hands them to every linear layer of that forward (`Packed`), and each call
-gives fla both copies (cu_seqlens, cu_seqlens_cpu), so that neither it nor fla reads the device. Starts given
-without them (a caller outside the step's batches, --cp's split rows) are read to the host once a call.
+gives fla both copies (cu_seqlens, cu_seqlens_cpu), so that neither it nor fla reads the device. Under --cp the
+whole rows give them for each rank's chunks (parallel/context.py's part, delta_rule_cp.py). Starts given without
+them (a caller outside the step's batches: evaluation, the tests) are read to the host once a call.
 
 Stays on torch: CPU tensors, `--linear-attention-kernel torch`, a machine without fla, and the convolution through a
 KV cache (its cached inputs continue one sequence; the delta rule there takes the cached state as its initial state).
@@ -149,6 +150,12 @@ def plain(starts: torch.Tensor | Packed | None) -> torch.Tensor | None:
     return starts.starts if isinstance(starts, Packed) else starts
 
 
+def fla_bounds(records: Packed | None) -> dict[str, torch.Tensor | None]:
+    """fla's cu_seqlens and cu_seqlens_cpu arguments: `records`' (None: one sequence a row)."""
+    return {"cu_seqlens": None if records is None else records.cu_seqlens,
+            "cu_seqlens_cpu": None if records is None else records.cu_seqlens_cpu}
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | Packed | None = None,
                 past: torch.Tensor | None = None) -> torch.Tensor:
     """delta_rule.causal_conv: x (B, channels, T) by `weight` (channels, 1, K), records restarting at `starts`."""
@@ -157,8 +164,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | Pa
     packed = starts is not None
     records = with_bounds(starts) if packed else None
     y, _ = fla_kernels().causal_conv1d(to_fla(x.transpose(1, 2), packed), weight.squeeze(1), activation=None,
-                                       cu_seqlens=records and records.cu_seqlens,
-                                       cu_seqlens_cpu=records and records.cu_seqlens_cpu)
+                                       **fla_bounds(records))
     return from_fla(y, x.shape[0], packed).transpose(1, 2)
 
 
@@ -181,11 +187,11 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         first = segment_starts(starts).sum(dim=1).cumsum(0).roll(1)
         first[0] = 0
         kept = initial_state * (~starts[:, 0]).to(initial_state.dtype)[:, None, None, None]
-        initial_state = initial_state.new_zeros(len(records.cu_seqlens) - 1, *initial_state.shape[1:]).index_copy(0, first, kept)
+        segments = len(records.cu_seqlens) - 1
+        initial_state = initial_state.new_zeros(segments, *initial_state.shape[1:]).index_copy(0, first, kept)
     out, state = fla_kernels().chunk_gated_delta_rule(
         *(to_fla(t, packed) for t in (query, key, value, g, beta)), initial_state=initial_state,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=records and records.cu_seqlens,
-        cu_seqlens_cpu=records and records.cu_seqlens_cpu)
+        output_final_state=True, use_qk_l2norm_in_kernel=True, **fla_bounds(records))
     if packed:  # each row's last segment's
         state = state[segment_starts(starts).sum(dim=1).cumsum(0) - 1]
     return from_fla(out, rows, packed), state
