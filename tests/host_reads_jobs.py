@@ -82,6 +82,13 @@ def _paused(counter: Counter, original):
     return call
 
 
+def reading_patches(counter: Counter) -> list:
+    """torch.Tensor's reading methods (READERS and .to) patched to count into `counter`."""
+    patches = [mock.patch.object(torch.Tensor, name, _counting(counter, name, getattr(torch.Tensor, name)))
+               for name in READERS]
+    return patches + [mock.patch.object(torch.Tensor, "to", _counting_to(counter, torch.Tensor.to))]
+
+
 def count_reads(run, steps: int) -> dict:
     """Run `run()` (a training job) with every read counted; {"reads": {method: count}, "per_step": reads / steps}."""
     counter = Counter()
@@ -91,9 +98,7 @@ def count_reads(run, steps: int) -> dict:
         counter.on = True
         return set_step(self, step)
 
-    patches = [mock.patch.object(torch.Tensor, name, _counting(counter, name, getattr(torch.Tensor, name)))
-               for name in READERS]
-    patches.append(mock.patch.object(torch.Tensor, "to", _counting_to(counter, torch.Tensor.to)))
+    patches = reading_patches(counter)
     patches.append(mock.patch.object(mesh_module.Mesh, "set_step", start_step))
     for owner, name in ((checkpoint.Checkpointer, "_save"), (checkpoint.Checkpointer, "stop"),
                         (checkpoint.Checkpointer, "finish"), (checkpoint.Checkpointer, "recommit"),

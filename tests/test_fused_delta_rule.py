@@ -13,10 +13,12 @@ fla's own arithmetic: scripts/device-check.sh compares the real kernels with the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 import types
 
+import host_reads_jobs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,11 +29,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from zerotrain.cli.main import main
 from zerotrain.config import ModelConfig
+from zerotrain.data import MicroBatch, StepBatch, on_device
 from zerotrain.model import build_model, delta_rule, fused_delta_rule, qwen35
 from zerotrain.model.delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
 from zerotrain.model.kv_cache import KVCache
-from zerotrain.parallel.context import part_record_starts
-from zerotrain.training import loop
+from zerotrain.parallel.context import ContextParallel, part_record_starts
+from zerotrain.training import loop, objectives
 from zerotrain.training.loop import train
 
 SEQ = 150
@@ -61,10 +64,15 @@ class KeepsFp64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def segment_bounds(cu_seqlens: torch.Tensor | None, T: int, batch: int) -> list[tuple[int, int]]:
-    """fla's contract for cu_seqlens: batch 1, int64, from 0 to T, strictly increasing."""
+def segment_bounds(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, T: int, batch: int
+                   ) -> list[tuple[int, int]]:
+    """fla's contract for cu_seqlens: batch 1, int64, from 0 to T, strictly increasing; cu_seqlens_cpu (what fla
+    reads instead of copying cu_seqlens back) the same values on the host."""
     if cu_seqlens is None:
+        assert cu_seqlens_cpu is None
         return [(0, T)]
+    assert cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type == "cpu"
+    assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
     bounds = cu_seqlens.tolist()
     assert batch == 1 and cu_seqlens.dtype == torch.long and bounds[0] == 0 and bounds[-1] == T
     assert all(a < b for a, b in zip(bounds, bounds[1:]))
@@ -72,7 +80,7 @@ def segment_bounds(cu_seqlens: torch.Tensor | None, T: int, batch: int) -> list[
 
 
 def fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
+                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **unused):
     """fla.ops.gated_delta_rule.chunk_gated_delta_rule's semantics: q, k (B, T, H, K), v (B, T, HV, V), g and beta
     (B, T, HV); with cu_seqlens each segment on its own; initial and final states (N, HV, K, V), N segments (B
     without cu_seqlens)."""
@@ -80,7 +88,7 @@ def fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None
     assert not unused and scale is None and use_qk_l2norm_in_kernel  # zerotrain asks for these
     assert k.shape == q.shape and v.shape[:2] == (B, T) and v.shape[2] % H == 0 and g.shape == beta.shape == v.shape[:3]
     assert q.dtype == k.dtype == v.dtype
-    spans = segment_bounds(cu_seqlens, T, B)
+    spans = segment_bounds(cu_seqlens, cu_seqlens_cpu, T, B)
     N = B if cu_seqlens is None else len(spans)
     assert initial_state is None or initial_state.shape == (N, v.shape[2], K, v.shape[3])
     outs, states = [], []
@@ -96,11 +104,11 @@ def fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None
 
 
 def fake_causal_conv1d(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
-                       activation=None, cu_seqlens=None, **unused):
+                       activation=None, cu_seqlens=None, cu_seqlens_cpu=None, **unused):
     """fla.modules.convolution.causal_conv1d's semantics: x (B, T, D), weight (D, W), each segment on its own."""
     assert not unused and bias is None and residual is None and initial_state is None and not output_final_state
     assert x.dim() == 3 and weight.shape == (x.shape[-1], weight.shape[-1])
-    spans = segment_bounds(cu_seqlens, x.shape[1], x.shape[0])
+    spans = segment_bounds(cu_seqlens, cu_seqlens_cpu, x.shape[1], x.shape[0])
     out = [REFERENCE_CONV(x[:, a:b].transpose(1, 2), weight, None, activation).transpose(1, 2) for a, b in spans]
     return torch.cat(out, dim=1), None
 
@@ -290,6 +298,118 @@ def test_decoding_through_the_cache_with_fla_gives_the_torch_paths_logits(fla):
     fused_delta_rule.choose("auto")
     assert (cached_logits(model, ids) - torch_path).abs().max() < EXACT
     assert calls[0] == 70 and calls[1:] == [1] * 10  # the linear layer's prompt, then each token
+
+
+@contextlib.contextmanager
+def dispatch_reads(fla):
+    """Counts the host reads made from fused_delta_rule.py in the block (tests/test_host_reads.py's counting:
+    torch.Tensor's reading methods patched) into the list it gives; the stand-in fla's own checks are not counted:
+    they are not zerotrain's."""
+    counter, reads = host_reads_jobs.Counter(), []
+    counter.where = {}
+    for module, kernel in (("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                           ("fla.modules.convolution", "causal_conv1d")):
+        fla.setattr(sys.modules[module], kernel, host_reads_jobs._paused(counter, getattr(sys.modules[module], kernel)))
+    fused_delta_rule.fla_kernels.cache_clear()
+    with contextlib.ExitStack() as stack:
+        for patch in host_reads_jobs.reading_patches(counter):
+            stack.enter_context(patch)
+        counter.on = True
+        yield reads
+        counter.on = False
+    reads.append(sum(n for where, n in counter.where.items() if "model/fused_delta_rule.py" in where))
+
+
+def packed_model_run(fla) -> tuple[int, torch.Tensor]:
+    """The host reads from fused_delta_rule.py (dispatch_reads) in the forward and backward of a packed micro-batch
+    through a Qwen3.5 of two linear layers, the micro-batch taken as the step takes it (objectives'
+    token_micro_batches: on_device, with what bounds_for asks it to compute on the host), and the logits."""
+    model = build_model(dataclasses.replace(tiny_config(), n_layer=4), 0).double()
+    assert sum(block.linear for block in model.model.layers) == 2
+    gen = torch.Generator().manual_seed(11)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    micro = MicroBatch(torch.randint(0, 300, (2, SEQ), generator=gen), torch.randint(0, 300, (2, SEQ), generator=gen),
+                       segments)
+    engine = types.SimpleNamespace(model=model, device=torch.device("cpu"), mesh=types.SimpleNamespace(dp_rank=0))
+    micro = next(objectives.token_micro_batches(engine, StepBatch([micro], global_tokens=0))).data
+    with dispatch_reads(fla) as reads:
+        logits = model(micro.inputs, segments=micro.segments)
+        F.cross_entropy(logits.flatten(0, 1), micro.labels.flatten()).backward()
+    return reads[0], logits.detach()
+
+
+def test_a_packed_forward_and_backward_reads_nothing_in_the_linear_layers(fla):
+    """The segments' boundaries come with the micro-batch, computed on the host: none of the two calls of each linear
+    layer reads the device (before: one .nonzero() a call, 96 a micro-batch in a 48-layer model). Planted: the
+    boundaries found again from the starts at every call, as before, are caught (at least one read a call). The
+    logits are the torch path's."""
+    fused_delta_rule.choose("torch")
+    torch_path = packed_model_run(fla)[1]
+    fused_delta_rule.choose("auto")
+    reads, logits = packed_model_run(fla)
+    assert reads == 0 and (logits - torch_path).abs().max() < EXACT
+
+    def per_call(starts):  # planted: the old per-call cu_seqlens of the starts on the device
+        starts = fused_delta_rule.plain(starts)
+        bounds = fused_delta_rule.cu_seqlens(starts)
+        return fused_delta_rule.Packed(starts, bounds, bounds.cpu())
+
+    fla.setattr(fused_delta_rule, "with_bounds", per_call)
+    assert packed_model_run(fla)[0] >= 2 * 2
+
+
+def test_a_host_copy_of_the_boundaries_unlike_the_device_s_is_caught(fla):
+    """The stand-in holds fla's contract for cu_seqlens_cpu (what fla reads instead of cu_seqlens): the same values.
+    Planted: a host copy missing the last boundary."""
+    def short_host_copy(starts):
+        bounds = fused_delta_rule.cu_seqlens(fused_delta_rule.plain(starts))
+        return fused_delta_rule.Packed(fused_delta_rule.plain(starts), bounds, bounds[:-1])
+
+    fla.setattr(fused_delta_rule, "with_bounds", short_host_copy)
+    with pytest.raises(AssertionError):
+        layer_run(tiny_layer().double(), record_starts(), "auto")
+
+
+def split_rows_run(fla) -> tuple[int, list[torch.Tensor]]:
+    """--cp's linear layers (delta_rule_cp.py) at C = 1 on a packed micro-batch taken as the step takes it (this
+    rank's part, ContextParallel.part with the convolution's reach; on_device with bounds_for's computation; the
+    layers' SplitRows from ContextParallel.split_rows): the reads from fused_delta_rule.py (dispatch_reads) in the
+    convolution's and the rule's forward and backward, and their outputs and gradients."""
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(RECORDS)]).expand(2, SEQ).contiguous()
+    cp, device = ContextParallel(None, 1, 0), torch.device("cpu")
+    part = cp.part(MicroBatch(torch.zeros(2, SEQ, dtype=torch.long), torch.zeros(2, SEQ, dtype=torch.long),
+                              segments), reach=3)
+    micro = next(on_device([part], device, fused_delta_rule.bounds_for(tiny_config(), device)))
+    rows = cp.split_rows(micro.segments[None], 3, getattr(micro.segments, "segment_bounds", None))
+    rows = dataclasses.replace(rows, gather=lambda x: x)  # one rank: every chunk its own
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 80, SEQ, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(80, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    *inputs, _ = rule_inputs()
+    with dispatch_reads(fla) as reads:
+        y, out = split_causal_conv(x, weight, rows), split_gated_delta_rule(*inputs, rows)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+        (y.sum() + (out * weights).sum()).backward()
+    return reads[0], [y.detach(), out.detach(), x.grad, weight.grad] + [t.grad for t in inputs]
+
+
+def test_context_parallel_split_rows_read_nothing_through_fla(fla):
+    """Under --cp the record starts of a rank's chunks need the whole rows: ContextParallel.part computes them on the
+    host, on_device their boundaries, and the split convolution and rule read nothing from the device (before: one
+    read a call); they give the torch path's outputs and gradients. Planted: the per-call boundaries, caught."""
+    fused_delta_rule.choose("torch")
+    torch_path = split_rows_run(fla)[1]
+    fused_delta_rule.choose("auto")
+    reads, fused = split_rows_run(fla)
+    assert reads == 0 and gap(fused, torch_path) < EXACT
+
+    def per_call(starts):  # planted: the old per-call cu_seqlens of the starts on the device
+        starts = fused_delta_rule.plain(starts)
+        bounds = fused_delta_rule.cu_seqlens(starts)
+        return fused_delta_rule.Packed(starts, bounds, bounds.cpu())
+
+    fla.setattr(fused_delta_rule, "with_bounds", per_call)
+    assert split_rows_run(fla)[0] >= 2
 
 
 def test_the_torch_setting_keeps_cuda_tensors_on_torch(fla):

@@ -88,8 +88,13 @@ class BatchSchedule:
         return StepBatch(micro, self.source.token_count(step, self.global_batch), epoch, global_rows=rows)
 
 
-def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iterator[MicroBatch]:
+def on_device(micro_batches: Iterable[MicroBatch], device: torch.device,
+              bounds: Callable[[torch.Tensor, torch.device], tuple] | None = None) -> Iterator[MicroBatch]:
     """The micro-batches on `device`, in order. On CPU they are used where they are.
+
+    `bounds(segments, device)`: what the model's kernels need of a packed micro-batch's records beyond its segments
+    (model/fused_delta_rule.segment_bounds), computed here while the segments are on the host, and kept on the
+    segments on the device as `segments.segment_bounds` (the model reads them there: no kernel reads them back).
 
     On CUDA each is pinned and copied on a side stream one micro-batch ahead, so the next copy runs
     while this one computes and the host never waits for a copy; the compute stream waits for the
@@ -97,7 +102,10 @@ def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iter
     Micro-batches already on the device are used as they are.
     """
     if device.type != "cuda":
-        yield from micro_batches
+        for micro in micro_batches:
+            if bounds is not None and micro.segments is not None:
+                micro.segments.segment_bounds = bounds(micro.segments, device)
+            yield micro
         return
     copies, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
@@ -105,7 +113,10 @@ def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iter
         if micro.inputs.device.type == "cuda":  # moved there already (bench compare shares its batches so)
             return micro
         with torch.cuda.stream(copies):
-            return micro.pin_memory().to(device, non_blocking=True)
+            moved = micro.pin_memory().to(device, non_blocking=True)
+            if bounds is not None and micro.segments is not None:
+                moved.segments.segment_bounds = bounds(micro.segments, device)
+            return moved
 
     pending = iter(micro_batches)
     ahead = next(pending, None)
@@ -113,8 +124,9 @@ def on_device(micro_batches: Iterable[MicroBatch], device: torch.device) -> Iter
     while ahead is not None:
         compute.wait_stream(copies)
         current = ahead
-        for t in current:
-            if t is not None:
+        carried = [t for bounds in getattr(current.segments, "segment_bounds", ()) for t in bounds]
+        for t in (*current, *carried):
+            if t is not None and t.is_cuda:
                 t.record_stream(compute)
         after = next(pending, None)
         ahead = issue(after) if after is not None else None

@@ -30,6 +30,13 @@ import torch.nn.functional as F
 CHUNK = 64  # transformers' chunk_size
 
 
+def record_starts(segments: torch.Tensor) -> torch.Tensor:
+    """Each record's first token in `segments` (B, T): where the id changes along the row, and at time 0."""
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return starts
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension, as transformers' (and the FLA library's) l2norm."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

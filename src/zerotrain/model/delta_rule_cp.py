@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .fused_delta_rule import causal_conv, chunk_gated_delta_rule
+from .fused_delta_rule import Packed, SegmentBounds, causal_conv, chunk_gated_delta_rule
 
 
 @dataclass
@@ -40,12 +40,35 @@ class SplitRows:
     makes it once per forward). `gather(x)`: this rank's figures of its two chunks (2, ...) as every chunk's, in row
     order (2C, ...), with their gradient; `chunks`: the row-order indices of this rank's two; `starts` (B, 2 L): the
     record starts among this rank's tokens, as in the whole row (a chunk's first token where a record starts there),
-    None for one document a row; `starts_before` (2, B, K - 1): those of the K - 1 tokens before each of its chunks."""
+    None for one document a row; `starts_before` (2, B, K - 1): those of the K - 1 tokens before each of its chunks;
+    `bounds`: through fla, the segments' boundaries of split_starts' two layouts, computed with the micro-batch on the
+    host (fused_delta_rule.segment_bounds), None where they are not."""
 
     gather: Callable[[torch.Tensor], torch.Tensor]
     chunks: tuple[int, int]
     starts: torch.Tensor | None = None
     starts_before: torch.Tensor | None = None
+    bounds: tuple[SegmentBounds, SegmentBounds] | None = None
+
+    def kernel_starts(self, which: int) -> torch.Tensor | Packed | None:
+        """The starts the kernels take: split_starts' layout `which` (0 the convolution's, 1 the rule's), with its
+        bounds where they came with the micro-batch."""
+        if self.starts is None:
+            return None
+        starts = convolution_starts(self.starts, self.starts_before) if which == 0 else by_chunk(self.starts, 1)
+        return starts if self.bounds is None else Packed(starts, *self.bounds[which])
+
+
+def convolution_starts(starts: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The record starts of this rank's chunks (`starts` (B, 2 L), `before` (2, B, K - 1): SplitRows') as the
+    convolution takes them: each chunk after the K - 1 tokens before it (2 B, K - 1 + L)."""
+    return torch.cat([before, torch.stack(starts.chunk(2, dim=1))], dim=-1).flatten(0, 1)
+
+
+def split_starts(starts: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two layouts of record starts the kernels take for this rank's chunks: the convolution's and the rule's
+    (each chunk alone, (2 B, L))."""
+    return convolution_starts(starts, before), by_chunk(starts, 1)
 
 
 def by_chunk(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -67,11 +90,8 @@ def split_causal_conv(x: torch.Tensor, weight: torch.Tensor, rows: SplitRows) ->
     chunks = torch.stack(x.chunk(2, dim=-1))  # (2, B, channels, L)
     before = inputs_before(rows.gather(chunks[..., -reach:]), rows.chunks)  # (2, B, channels, K - 1)
     extended = torch.cat([before, chunks], dim=-1).flatten(0, 1)
-    starts = None
-    if rows.starts is not None:
-        starts = torch.cat([rows.starts_before, torch.stack(rows.starts.chunk(2, dim=1))], dim=-1).flatten(0, 1)
     # the K - 1 inputs before each chunk stand where causal_conv pads with zeros: its outputs there are dropped
-    return by_row(causal_conv(extended, weight, starts)[..., reach:], dim=-1)
+    return by_row(causal_conv(extended, weight, rows.kernel_starts(0))[..., reach:], dim=-1)
 
 
 def inputs_before(tails: torch.Tensor, chunks: tuple[int, int]) -> torch.Tensor:
@@ -91,7 +111,7 @@ def split_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     widened = torch.cat([value, value.new_zeros(*value.shape[:-1], key_width)], dim=-1)
     identity = torch.cat([value.new_zeros(key_width, value_width, dtype=work),
                           torch.eye(key_width, dtype=work, device=value.device)], dim=-1)
-    starts = None if rows.starts is None else by_chunk(rows.starts, 1)
+    starts = rows.kernel_starts(1)
     # outputs in the kernel's precision (a query in it): the two terms are summed before the one cast to the model's
     out, state = chunk_gated_delta_rule(by_chunk(query.to(work), 1), by_chunk(key, 1), by_chunk(widened, 1),
                                         by_chunk(g, 1), by_chunk(beta, 1), starts,

@@ -15,8 +15,13 @@ token, so the state and the convolution restart where the torch path restarts th
 its first segment's (none where a record starts at the row's first token, as the torch path ignores it there), its
 final state its last segment's.
 
-Host reads: without records, none. With records, the segments' boundaries are read once a call (their count sizes
-cu_seqlens), as fla itself reads cu_seqlens to the host to lay out its chunks.
+Host reads: none in a step. With records, fla needs the segments' boundaries on the host too (their count sizes its
+chunks' layout): a step computes them once per micro-batch from its segments while they are still on the host
+(`segment_bounds`, which data/batches.on_device calls where `bounds_for` says the model runs fla) and copies them to
+the device with the batch; the model hands them to every linear layer of that forward (`Packed`), and each call
+gives fla both copies (cu_seqlens, cu_seqlens_cpu), so that neither it nor fla reads the device. Under --cp the
+whole rows give them for each rank's chunks (parallel/context.py's part, delta_rule_cp.py). Starts given without
+them (a caller outside the step's batches: evaluation, the tests) are read to the host once a call.
 
 Stays on torch: CPU tensors, `--linear-attention-kernel torch`, a machine without fla, and the convolution through a
 KV cache (its cached inputs continue one sequence; the delta rule there takes the cached state as its initial state).
@@ -28,10 +33,14 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import Callable, NamedTuple
 
 import torch
 
+from zerotrain.config import QWEN35, ModelConfig
+
 from . import delta_rule
+from .delta_rule import record_starts
 
 KERNELS = ("auto", "torch", "fla")
 _chosen = "auto"  # --linear-attention-kernel, for this process (`choose`)
@@ -86,44 +95,103 @@ def from_fla(y: torch.Tensor, rows: int, packed: bool) -> torch.Tensor:
 
 def cu_seqlens(starts: torch.Tensor) -> torch.Tensor:
     """fla's cumulative segment lengths (N + 1,) of the rows laid end to end: each segment's first token, then the
-    total (reads the boundaries to the host: their count sizes it)."""
+    total (their count sizes it: on the host, without a read)."""
     first = segment_starts(starts).flatten().nonzero().squeeze(1)
     return torch.cat([first, first.new_tensor([starts.numel()])])
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None,
+class SegmentBounds(NamedTuple):
+    """fla's cu_seqlens of one packed micro-batch: on the kernels' device, and on the host (the same values)."""
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+
+
+class Packed(NamedTuple):
+    """Packed records as the linear layers take them through fla: their starts (B, T) bool and their segments'
+    SegmentBounds, computed with the micro-batch."""
+
+    starts: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+
+
+def segment_bounds(segments: torch.Tensor, device: torch.device) -> tuple[SegmentBounds, ...]:
+    """The SegmentBounds of a micro-batch's `segments` (B, T) on the host, the device's copies queued (pinned, not
+    waited for) on the current stream: on_device's side stream, beside the batch's own copy. One for the rows; under
+    --cp, the two layouts of this rank's chunks that ContextParallel.part left on its part's segments
+    (`split_starts`: the convolution's and the rule's, delta_rule_cp.split_starts)."""
+    bounds = []
+    for starts in getattr(segments, "split_starts", None) or (record_starts(segments),):
+        host = cu_seqlens(starts)
+        bounds.append(SegmentBounds(host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host,
+                                    host))
+    return tuple(bounds)
+
+
+def bounds_for(cfg: ModelConfig, device: torch.device
+               ) -> Callable[[torch.Tensor, torch.device], tuple[SegmentBounds, ...]] | None:
+    """What data/batches.on_device computes beside each packed micro-batch for a model `cfg` on `device`:
+    `segment_bounds` where its linear layers run fla, None (nothing) otherwise."""
+    return segment_bounds if cfg.arch in QWEN35 and fused_on(device) else None
+
+
+def with_bounds(starts: torch.Tensor | Packed) -> Packed:
+    """`starts` with its segments' bounds: those computed with the micro-batch, or else from `starts` (one read of
+    the device)."""
+    if isinstance(starts, Packed):
+        return starts
+    host = cu_seqlens(starts.cpu())
+    return Packed(starts, host.to(starts.device), host)
+
+
+def plain(starts: torch.Tensor | Packed | None) -> torch.Tensor | None:
+    """The record starts alone, as delta_rule.py takes them."""
+    return starts.starts if isinstance(starts, Packed) else starts
+
+
+def fla_bounds(records: Packed | None) -> dict[str, torch.Tensor | None]:
+    """fla's cu_seqlens and cu_seqlens_cpu arguments: `records`' (None: one sequence a row)."""
+    return {"cu_seqlens": None if records is None else records.cu_seqlens,
+            "cu_seqlens_cpu": None if records is None else records.cu_seqlens_cpu}
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | Packed | None = None,
                 past: torch.Tensor | None = None) -> torch.Tensor:
     """delta_rule.causal_conv: x (B, channels, T) by `weight` (channels, 1, K), records restarting at `starts`."""
     if past is not None or not fused_on(x.device):
-        return delta_rule.causal_conv(x, weight, starts, past)
+        return delta_rule.causal_conv(x, weight, plain(starts), past)
     packed = starts is not None
+    records = with_bounds(starts) if packed else None
     y, _ = fla_kernels().causal_conv1d(to_fla(x.transpose(1, 2), packed), weight.squeeze(1), activation=None,
-                                       cu_seqlens=cu_seqlens(starts) if packed else None)
+                                       **fla_bounds(records))
     return from_fla(y, x.shape[0], packed).transpose(1, 2)
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, starts: torch.Tensor | None = None,
+                           beta: torch.Tensor, starts: torch.Tensor | Packed | None = None,
                            initial_state: torch.Tensor | None = None, state_gradient: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule.chunk_gated_delta_rule: the outputs (B, T, value heads, value width) in query's dtype and the state
     after each row's last token (B, value heads, key width, value width); `state_gradient` as there (fla's final
     state always keeps its graph)."""
     if not fused_on(query.device):
-        return delta_rule.chunk_gated_delta_rule(query, key, value, g, beta, starts, initial_state,
+        return delta_rule.chunk_gated_delta_rule(query, key, value, g, beta, plain(starts), initial_state,
                                                  state_gradient=state_gradient)
     rows, packed = query.shape[0], starts is not None
     # one dtype for the kernel's q, k and v (a caller may widen the query alone, as context parallelism does)
     key, value = key.to(query.dtype), value.to(query.dtype)
-    bounds = cu_seqlens(starts) if packed else None
+    records = with_bounds(starts) if packed else None
+    starts = plain(starts)
     if packed and initial_state is not None:  # a row's state enters its first segment only
         first = segment_starts(starts).sum(dim=1).cumsum(0).roll(1)
         first[0] = 0
         kept = initial_state * (~starts[:, 0]).to(initial_state.dtype)[:, None, None, None]
-        initial_state = initial_state.new_zeros(len(bounds) - 1, *initial_state.shape[1:]).index_copy(0, first, kept)
+        segments = len(records.cu_seqlens) - 1
+        initial_state = initial_state.new_zeros(segments, *initial_state.shape[1:]).index_copy(0, first, kept)
     out, state = fla_kernels().chunk_gated_delta_rule(
         *(to_fla(t, packed) for t in (query, key, value, g, beta)), initial_state=initial_state,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
+        output_final_state=True, use_qk_l2norm_in_kernel=True, **fla_bounds(records))
     if packed:  # each row's last segment's
         state = state[segment_starts(starts).sum(dim=1).cumsum(0) - 1]
     return from_fla(out, rows, packed), state

@@ -42,8 +42,9 @@ from zerotrain.config import ModelConfig
 from . import moe, mtp
 from .attention import attend
 from .decoder import Decoder
+from .delta_rule import record_starts
 from .delta_rule_cp import SplitRows, split_causal_conv, split_gated_delta_rule
-from .fused_delta_rule import causal_conv, chunk_gated_delta_rule
+from .fused_delta_rule import Packed, causal_conv, chunk_gated_delta_rule
 from .gemma import GemmaRMSNorm
 from .kv_cache import KVCache
 from .llama import LlamaMLP, layer_mask, mlp_plan, normalize_heads, parallelize_mlp, parallelize_vocab
@@ -99,10 +100,10 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(cfg.n_embd, cfg.linear_value_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.n_embd, cfg.linear_value_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, starts: torch.Tensor | SplitRows | None
-                ) -> torch.Tensor:
-        """`starts`: each record's first token (B, T) bool, None for one document a row, or under --cp the rows'
-        split (delta_rule_cp.py)."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int,
+                starts: torch.Tensor | Packed | SplitRows | None) -> torch.Tensor:
+        """`starts`: each record's first token (B, T) bool (through fla, Packed: with their segments' boundaries),
+        None for one document a row, or under --cp the rows' split (delta_rule_cp.py)."""
         B, T, _ = x.shape
         split = starts if isinstance(starts, SplitRows) else None
         x = copy_to_tp(x, self.tp_comm)
@@ -215,13 +216,6 @@ class Qwen35Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def record_starts(segments: torch.Tensor) -> torch.Tensor:
-    """Each record's first token in `segments` (B, T): where the id changes along the row, and at time 0."""
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return starts
-
-
 class Qwen35(Decoder):
     """Token embedding, Qwen3.5's hybrid blocks, final (1 + w) RMSNorm, LM head (tied or its own)."""
 
@@ -238,11 +232,15 @@ class Qwen35(Decoder):
         if self.context_parallel is not None and cache is None:  # this rank's part of each row: the attention layers
             # around the ring, the linear ones from the states and inputs of the chunks before this rank's
             positions, mask = self.context_parallel.prepare(idx, segments)
-            starts = self.context_parallel.split_rows(mask.documents, cfg.linear_conv_kernel - 1)
+            starts = self.context_parallel.split_rows(mask.documents, cfg.linear_conv_kernel - 1,
+                                                      getattr(segments, "segment_bounds", None))
         else:
             positions = new_positions(idx, cache, cfg.positions, segments)
             mask = layer_mask(cfg, idx, x.dtype, cache, segments, 0)
             starts = None if segments is None else record_starts(segments)
+            bounds = getattr(segments, "segment_bounds", None)  # fla's, computed with the micro-batch (on_device)
+            if bounds is not None:
+                starts = Packed(starts, *bounds[0])
         rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta)
         if self.trains_mtp and cache is None:  # the MTP blocks (attention) read the embeddings and these too
             self.mtp_inputs = (x, rotary, mask)

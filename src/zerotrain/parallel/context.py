@@ -28,7 +28,7 @@ from zerotrain.data.batches import MicroBatch
 from zerotrain.model.activation_memory import (ACTIVATION_BYTES, RankShape, activation_bytes, gated_delta_net,
                                                math_attention, rotary_bases)
 from zerotrain.model.attention import RingAttention
-from zerotrain.model.delta_rule_cp import SplitRows
+from zerotrain.model.delta_rule_cp import SplitRows, split_starts
 from zerotrain.model.positions import positions_from_segments
 from zerotrain.model.qwen35 import record_starts
 from zerotrain.model.tensor_parallel import ReduceFromTP, kv_heads_per_rank
@@ -42,9 +42,15 @@ class ContextParallel:
     def __init__(self, comm: Comm, size: int, rank: int):
         self.comm, self.size, self.rank = comm, size, rank
 
-    def part(self, micro: MicroBatch) -> MicroBatch:
-        """This rank's zig-zag part of each row of `micro` (B, T) -> (B, T / C)."""
-        return MicroBatch(*(None if t is None else self.row_part(t) for t in micro))
+    def part(self, micro: MicroBatch, reach: int | None = None) -> MicroBatch:
+        """This rank's zig-zag part of each row of `micro` (B, T) -> (B, T / C). `reach`: where Qwen3.5's linear
+        layers run fla, their convolution's (K - 1): the record starts its kernels take for this rank's chunks, which
+        need the whole rows, are computed here on the host and left on the part's segments as `split_starts`
+        (fused_delta_rule.segment_bounds reads them)."""
+        part = MicroBatch(*(None if t is None else self.row_part(t) for t in micro))
+        if reach is not None and micro.segments is not None:
+            part.segments.split_starts = split_starts(*part_record_starts(micro.segments, self.size, self.rank, reach))
+        return part
 
     def row_part(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole rows `x` (B, T, ...) -> (B, T / C, ...): e.g. LoRA's dropout masks, drawn whole."""
@@ -64,16 +70,17 @@ class ContextParallel:
         every = torch.stack([zigzag_split(positions_from_segments(whole), self.size, r) for r in range(self.size)])
         return rotary_positions(T, self.size, self.rank, whole), RingAttention(ring, documents, positions=every)
 
-    def split_rows(self, documents: torch.Tensor | None, reach: int) -> SplitRows:
+    def split_rows(self, documents: torch.Tensor | None, reach: int, bounds=None) -> SplitRows:
         """What linear-attention layers compute with (model/delta_rule_cp.py): every chunk's figures gathered in row
         order, and for packed rows (`documents`, every rank's segment ids as `prepare`'s ring holds them) the record
-        starts among this rank's tokens and among the `reach` tokens before each of its chunks."""
+        starts among this rank's tokens and among the `reach` tokens before each of its chunks; `bounds`, fla's
+        boundaries of their segments where they came with the micro-batch (`part`)."""
         chunks = (self.rank, 2 * self.size - 1 - self.rank)
         gather = functools.partial(_GatherChunks.apply, cp=self)
         if documents is None:
             return SplitRows(gather, chunks)
         starts, before = part_record_starts(zigzag_unsplit(list(documents), dim=1), self.size, self.rank, reach)
-        return SplitRows(gather, chunks, starts, before)
+        return SplitRows(gather, chunks, starts, before, bounds)
 
     def sum_over_rows(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (B, n), figures of this rank's part of each row, summed over the cp group: the whole rows' (a mixture of

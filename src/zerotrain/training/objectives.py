@@ -16,6 +16,7 @@ which scales, accumulates and sums them the same way for every method:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,8 +24,10 @@ import torch
 from zerotrain.config import Config
 from zerotrain.data import IGNORE, BatchSchedule, MicroBatch, StepBatch, make_source, on_device
 from zerotrain.model import summed_token_loss
+from zerotrain.model.fused_delta_rule import bounds_for
 from zerotrain.model.loss import head_loss
 from zerotrain.parallel.context import context_parallel
+from zerotrain.runtime.launch import rank_device
 
 from .balancing import Balancing
 from .evaluate import validation_loss
@@ -61,9 +64,9 @@ def accumulate_gradients(engine, batch: StepBatch, forward=None, loss_factor: fl
 
 def token_micro_batches(engine, batch: StepBatch):
     """This rank's micro-batches on the device, with their rows' places in the global batch (BatchSchedule's layout:
-    each DP replica a contiguous block)."""
+    each DP replica a contiguous block). Packed records' boundaries for fla come along, computed on the host."""
     row = engine.mesh.dp_rank * sum(len(m.inputs) for m in batch.micro_batches)
-    for micro in on_device(batch.micro_batches, engine.device):
+    for micro in on_device(batch.micro_batches, engine.device, bounds_for(engine.model.cfg, engine.device)):
         yield Micro(range(row, row + len(micro.inputs)), micro)
         row += len(micro.inputs)
 
@@ -81,8 +84,12 @@ class TokenObjective:
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
         cp = context_parallel(mesh)  # --cp: the replica's rows, this rank's part of each
+        part = None
+        if cp:  # through fla, the linear layers' record starts from the whole rows, on the host
+            fused = bounds_for(cfg.model, rank_device(cfg)) is not None
+            part = functools.partial(cp.part, reach=cfg.model.linear_conv_kernel - 1) if fused else cp.part
         return BatchSchedule(make_source(cfg), micro_batch=cfg.loop.micro_batch, accum=cfg.loop.accum,
-                             rank=mesh.dp_rank, world_size=mesh.dp_size, part=cp.part if cp else None)
+                             rank=mesh.dp_rank, world_size=mesh.dp_size, part=part)
 
     def refuse(self, manifest: dict, path: str, base: dict | None) -> str | None:
         theirs = Config.from_dict(manifest["config"]).objective.method
