@@ -98,6 +98,12 @@ class ReferenceMTP(nn.Module):
 
 def reference_loss(hf, ref: ReferenceMTP, ids: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
     """(the main loss summed + weight x depth 1's summed) / the main loss's tokens."""
+    main, depth, tokens = reference_sums(hf, ref, ids, labels)
+    return (main + weight * depth) / tokens
+
+
+def reference_sums(hf, ref: ReferenceMTP, ids: torch.Tensor, labels: torch.Tensor):
+    """(the main loss summed, depth 1's summed, the main loss's tokens)."""
     h = hf.model(ids).last_hidden_state  # after the final norm: the head's input
     ce = lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
                                                        reduction="sum")
@@ -111,7 +117,7 @@ def reference_loss(hf, ref: ReferenceMTP, ids: torch.Tensor, labels: torch.Tenso
     x = ref.block(x, attention_mask=causal, position_ids=positions,
                   position_embeddings=hf.model.rotary_emb(x, positions))
     depth = ce(hf.lm_head(ref.head_norm(x)), torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1))
-    return (main + weight * depth) / (labels != IGNORE).sum()
+    return main, depth, (labels != IGNORE).sum()
 
 
 def mtp_folder(folder, family: str = "deepseek_v3", **changes):

@@ -36,6 +36,9 @@ class Decoder(nn.Module):
         # what the MTP layers take from the decoder's forward (its `hidden` leaves it, forward takes it):
         # (the token embeddings, the block's arguments after its input but the cache and layer)
         self.mtp_inputs = None
+        # the last training forward's MTP depths' summed token loss, detached, on the device: the step's mtp_loss
+        # figure (training/mtp_loss.py), apart from the loss it joins
+        self.mtp_summed = None
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, softcap=softcap)
         self.tie_weights()
         if cfg.tie_embeddings:
@@ -71,6 +74,7 @@ class Decoder(nn.Module):
         embedded, rotary, *rest = mtp_inputs
         depths = mtp.mtp_loss(self.mtp_module, lambda x, t: self.lm_head.forward(x, targets=t), h, embedded,
                               targets, segments, (rotary, None, *rest), self.cfg.mtp_layers)
+        self.mtp_summed = depths.detach()
         return self.lm_head(h, targets=targets) + self.cfg.mtp_loss_weight / self.cfg.mtp_layers * depths
 
     @property

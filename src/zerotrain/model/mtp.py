@@ -33,7 +33,10 @@ passes on its normalised output (vLLM's step returns it so). With one depth, as 
 Parameter names: DeepSeek-V3's and GLM-4.5's model.mtp_layers.{n+k}.* (n = num_hidden_layers), each layer's enorm,
 hnorm, eh_proj, shared_head.norm and the block's own names (self_attn, mlp, input_layernorm, post_attention_layernorm)
 beside them: the folder's model.layers.{n+k}.* with mtp_ in the prefix (hub/mtp_layers.py renames them both ways);
-Qwen3.5's mtp.*, the folder's. In ZeRO-3 they are in the root unit (whole for the step: parallel/units.py); under TP
+Qwen3.5's mtp.*, the folder's. In ZeRO-3 each depth is a unit of its own (`depth_units`: parallel/units.py),
+gathered for its forward and again for its backward as a block is, so that no rank holds an MTP layer whole outside
+them (DeepSeek-V3's is a whole MoE block, 11.5B parameters); Qwen3.5's depths share fc and the norms, so its mtp.* is
+one unit, gathered for each depth (every release has one); under TP
 the block stays whole on every rank (its input, the embedding's output and the final norm's, is), its experts split
 over --ep as the decoder's are.
 """
@@ -89,10 +92,12 @@ class MTPLayer(nn.Module):
         self.shared_head = nn.ModuleDict(dict(norm=RMSNorm(C, cfg.norm_eps)))
         unbalanced(self)
 
-    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, *block_args) -> torch.Tensor:
-        """h^k (before shared_head.norm) from the embeddings of t_{i+k} and h^{k-1}; `block_args` as the block's."""
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, *block_args) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h^k, shared_head.norm(h^k)) from the embeddings of t_{i+k} and h^{k-1}; `block_args` as the block's. The
+        norm runs inside the layer's call: at ZeRO-3 the layer is a unit, whole from its call to its return."""
         x = self.eh_proj(joined(self.enorm(embedded), self.hnorm(hidden)))
-        return self.block_forward(self, x, *block_args)
+        h = self.block_forward(self, x, *block_args)
+        return h, self.shared_head.norm(h)
 
 
 class MTPLayers(nn.ModuleDict):
@@ -104,8 +109,11 @@ class MTPLayers(nn.ModuleDict):
         index = list(self)[k - 1]
         layer = self[index]
         rotary, cache, *rest = block_args
-        h = layer(embedded, hidden, rotary, cache, int(index), *rest)
-        return h, layer.shared_head.norm(h)
+        return layer(embedded, hidden, rotary, cache, int(index), *rest)
+
+    def depth_units(self) -> list[nn.Module]:
+        """The modules ZeRO-3 gathers as units, in forward order: each depth's layer."""
+        return list(self.values())
 
 
 class QwenMTP(nn.Module):
@@ -126,10 +134,19 @@ class QwenMTP(nn.Module):
 
     def depth(self, k: int, embedded: torch.Tensor, hidden: torch.Tensor, block_args) -> tuple[torch.Tensor,
                                                                                                 torch.Tensor]:
+        return self(embedded, hidden, k, block_args)
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, k: int, block_args) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+        """Depth k, inside the module's call (at ZeRO-3 it is a unit, whole from its call to its return)."""
         x = self.fc(joined(self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)))
         rotary, cache, *rest = block_args
         h = self.norm(self.layers[k - 1](x, rotary, cache, self.first_layer + k - 1, *rest))
         return h, h
+
+    def depth_units(self) -> list[nn.Module]:
+        """The modules ZeRO-3 gathers as units: the whole head, once per depth (its depths share fc and the norms)."""
+        return [self]
 
 
 def unbalanced(module: nn.Module) -> None:

@@ -1,7 +1,7 @@
 """ZeRO-3's units: which modules run together, which buckets each one's parameters lie in, and what is whole at once.
 
 Units, in forward order: the root (the model itself), with an untied head its embedding, each transformer block, with
-an untied head its final norm and head (why: docs/design.md, "ZeRO-3's units").
+--mtp train each MTP depth, with an untied head its final norm and head (why: docs/design.md, "ZeRO-3's units").
 """
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ from .params import flat_layout, frozen_parameters
 def model_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
     """The units in forward order, each the modules that run it (the first's forward begins it, the last's ends
     it): the root model; with an untied head its embedding; every transformer block (the members of the model's
-    first ModuleList); with an untied head its final norm and head."""
+    first ModuleList); with --mtp train each MTP depth (model/mtp.py: they run after the blocks, inside the head's
+    unit, which stays whole around them); with an untied head its final norm and head."""
     blocks = next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+    inner = [*((b,) for b in blocks), *((d,) for d in mtp_depths(model))]
     if untied_head(model):
-        return [(model,), (model.embedding,), *((b,) for b in blocks), (model.final_norm, model.lm_head)]
-    return [(model,), *((b,) for b in blocks)]
+        return [(model,), (model.embedding,), *inner, (model.final_norm, model.lm_head)]
+    return [(model,), *inner]
+
+
+def mtp_depths(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """--mtp train's depths as units, in forward order (model/mtp.py's depth_units), or none."""
+    module = getattr(model, "mtp_module", None)
+    return module.depth_units() if module is not None else []
 
 
 def untied_head(model: torch.nn.Module) -> bool:
@@ -59,6 +67,13 @@ def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
     last = len(params) - 1
     after = max((order[n] for unit in params[1:] for n, _ in unit), default=len(order))
     unit_of = {n: (last if u == 0 and order[n] > after else u) for u, unit in enumerate(params) for n, _ in unit}
+    depths = len(mtp_depths(model))
+    if depths:
+        # The MTP depths read the final norm's output: its gradient is complete only after their backward, which the
+        # head's unit encloses. It is reduced with the last block, whose backward begins after it.
+        last_block = last - depths - int(untied_head(model))
+        norm = {id(p) for p in model.final_norm.parameters()}
+        unit_of.update({n: last_block for n, p in model.named_parameters() if id(p) in norm and n in unit_of})
     units = [len(params)] * len(layout.buckets)
     for s in layout.slots:
         units[s.bucket] = min(units[s.bucket], unit_of[s.name])
@@ -75,15 +90,18 @@ def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size:
                       prefetch: bool = False, frozen: ShardLayout | None = None,
                       beside: ShardLayout | None = None) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit with the largest other unit, or with
-    `prefetch` the largest two neighbouring ones; `frozen`: the frozen parameters' layout, `beside`: a second
-    engine's layout over the same units (expert parallelism's experts), whose buckets are whole with the unit's."""
+    `prefetch` the largest two neighbouring ones (an MTP depth with an untied head's unit too); `frozen`: the frozen
+    parameters' layout, `beside`: a second engine's layout over the same units (expert parallelism's experts), whose
+    buckets are whole with the unit's."""
     size = {("t", b.index): b.end - b.start for b in layout.buckets}
     units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
     for key, other, trained in (("f", frozen, False), ("e", beside, True)):
         if other is not None:
             size.update({(key, b.index): b.end - b.start for b in other.buckets})
             units = [u | {(key, b) for b in o} for u, o in zip(units, unit_buckets(model, other, trained))]
-    root, others = units[0], units[1:] or [set()]
-    if prefetch and len(others) > 1:
-        others = [a | b for a, b in zip(others, others[1:])]
-    return element_size * max(sum(size[b] for b in root | unit) for unit in others)
+    root, last = units[0], len(units) - 1
+    windows = [{u, u + 1} for u in range(1, last)] if prefetch and last > 1 else [{u} for u in range(1, last + 1)]
+    # An untied head's unit is whole around the MTP depths, in their forward and their backward (model_units)
+    depths = set(range(last - len(mtp_depths(model)), last)) if untied_head(model) else set()
+    windows = [w | {last} if w & depths else w for w in windows] or [set()]
+    return element_size * max(sum(size[b] for b in root.union(*(units[u] for u in w))) for w in windows)

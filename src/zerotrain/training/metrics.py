@@ -19,7 +19,8 @@ from zerotrain.errors import ConfigError
 BOARD_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "mfu",
               "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracy", "logps_chosen",
               "logps_rejected", "val_rewards_margins", "val_rewards_accuracy",  # from rewards_chosen: --method dpo's
-              "aux_loss")  # a mixture of experts' balancing loss
+              "aux_loss",  # a mixture of experts' balancing loss
+              "mtp_loss")  # --mtp train's MTP loss (training/mtp_loss.py)
 BY_SOURCE_KEYS = ("source_val_loss", "source_tokens")
 WANDB_ID = "zerotrain-run-id"  # in <out>/wandb/: the W&B run a resume continues
 # A step record's figures the summary gives the median of: the first step's warm-up does not move a median
@@ -296,7 +297,8 @@ def count_events(path: str, kind: str) -> int:
 
 def step_line(record: dict, total: int) -> str:
     """One step's figures in a line: `step 20/200: loss 3.4521, lr 2.9e-03, grad norm 0.841, 12,345 tokens/s`."""
-    line = (f"step {record['step']}/{total}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, grad norm "
+    mtp = f", mtp loss {record['mtp_loss']:.4f}" if "mtp_loss" in record else ""  # --mtp train: in loss x lambda
+    line = (f"step {record['step']}/{total}: loss {record['loss']:.4f}{mtp}, lr {record['lr']:.2e}, grad norm "
             f"{record['grad_norm']:.3g}, {record['tokens_per_s']:,.0f} tokens/s")
     if "mfu" in record:
         line += f", MFU {record['mfu']:.3g}"

@@ -33,10 +33,12 @@ from .balancing import Balancing
 from .evaluate import validation_loss
 from .executor import Micro, MicroLoss, run_micro_batches
 from .guard import LossRule, token_loss_rule
+from .mtp_loss import MTPLoss, mtp_loss_for
 
 
 def accumulate_gradients(engine, batch: StepBatch, forward=None, loss_factor: float = 1.0,
-                         saved: list | None = None, balance: Balancing | None = None) -> torch.Tensor:
+                         saved: list | None = None, balance: Balancing | None = None,
+                         mtp: MTPLoss | None = None) -> torch.Tensor:
     """sft's step on this rank: forward and backward every micro-batch (executor.run_micro_batches); return its
     summed token loss (a 0-d tensor on the device: the caller reads it once, for the step's all-reduce).
 
@@ -47,7 +49,8 @@ def accumulate_gradients(engine, batch: StepBatch, forward=None, loss_factor: fl
     split. With `balance` (a mixture of experts: balancing.Balancing) each micro-batch's balancing term (its trained
     rows' balancing losses / the global batch's, weighted) joins the loss before the backward, and the summed loss
     returned holds it at the token loss's scale (x the global token count), so that the step's loss is the token loss
-    plus the weighted balancing loss, as transformers' is.
+    plus the weighted balancing loss, as transformers' is. With `mtp` (--mtp train: mtp_loss.MTPLoss) each
+    micro-batch's MTP depths' summed losses are added up apart, for the step's mtp_loss figure.
     """
     recompute = getattr(engine.model, "recompute_head", False)
 
@@ -56,6 +59,8 @@ def accumulate_gradients(engine, batch: StepBatch, forward=None, loss_factor: fl
 
     def loss(micro: MicroBatch, token_loss: torch.Tensor) -> MicroLoss:
         term = balance.term(engine.model, micro.labels, batch.global_rows) if balance is not None else None
+        if mtp is not None:
+            mtp.add(engine.model)
         return MicroLoss(token_loss, (micro.labels != IGNORE).sum(), term=term)
 
     return run_micro_batches(engine, token_micro_batches(engine, batch), len(batch.micro_batches), scored, loss,
@@ -77,9 +82,10 @@ class TokenObjective:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.balance = Balancing(cfg) if cfg.model.moe else None
+        self.mtp = mtp_loss_for(cfg)
 
     def accumulate(self, engine, batch: StepBatch, forward=None, loss_factor: float = 1.0, saved=None):
-        return accumulate_gradients(engine, batch, forward, loss_factor, saved, balance=self.balance)
+        return accumulate_gradients(engine, batch, forward, loss_factor, saved, balance=self.balance, mtp=self.mtp)
 
     def schedule(self, mesh) -> BatchSchedule:
         cfg = self.cfg
@@ -129,14 +135,19 @@ class TokenObjective:
         return {"val_loss": losses[""]}
 
     def extras(self):
-        """A mixture of experts' balancing losses and expert loads, for the step's all-reduce (else None)."""
-        return self.balance.extras() if self.balance else None
+        """For the step's all-reduce: --mtp train's summed MTP losses first, then a mixture of experts' balancing
+        losses and expert loads (None: neither)."""
+        parts = [part.extras() for part in (self.mtp, self.balance) if part is not None]
+        return torch.cat(parts) if parts else None
 
     def held_state(self) -> dict:
         return {}
 
     def figures(self, totals: list[float], batch: StepBatch) -> dict:
-        return self.balance.figures(totals, batch.global_rows) if self.balance else {}
+        out = {}
+        if self.mtp:
+            out, totals = self.mtp.figures(totals[0], batch.global_tokens), totals[1:]
+        return {**out, **(self.balance.figures(totals, batch.global_rows) if self.balance else {})}
 
 
 def objective_for(cfg: Config):
