@@ -128,18 +128,28 @@ def without_moments(load):
     return load_without_moments
 
 
-def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
+def resume_without_moments():
     """Planted bug: a resume (checkpoint.resume, which the loop calls) that loses AdamW's moments."""
     real = train_module.checkpoint.resume
 
-    def resume_without_moments(target, engine, comm, **kwargs):
+    def lossy(target, engine, comm, **kwargs):
         found = real(target, engine, comm, **kwargs)
         engine.adamw.exp_avg.zero_()
         engine.adamw.exp_avg_sq.zero_()
         return found
 
-    with mock.patch.object(train_module.checkpoint, "resume", resume_without_moments):
+    return mock.patch.object(train_module.checkpoint, "resume", lossy)
+
+
+def forgetful_resume_job(cfg: Config, comm: Comm) -> dict:
+    with resume_without_moments():
         return interrupted_job(cfg, comm)
+
+
+def forgetful_train_job(cfg: Config, comm: Comm) -> dict:
+    """`zerotrain train` (train_job) whose resume loses AdamW's moments."""
+    with resume_without_moments():
+        return train_module.train_job(cfg, comm)
 
 
 def resume_job(cfg: Config, comm: Comm) -> dict:
