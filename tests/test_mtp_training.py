@@ -8,10 +8,12 @@ hnorm(h^0)] through eh_proj and the block, the main head after shared_head.norm 
 one + lambda x the MTP one, both summed over their targets and divided by the main loss's token count.
 
 The summed loss equals the reference's at step 0 (fp32, within 1e-6 relative); packed records' loss equals each
-record's alone; 8 AdamW steps at 1 rank, at ZeRO-3 on 2 ranks, at --ep 2 and at --tp 2 equal the reference loop
-within 1e-5 relative (losses, gradient norms, the final weights, the MTP layer's among them); `zerotrain export
---format hf` writes the trained MTP tensors under the folder's names (its copies of the embedding and the head the
-trained ones) and transformers loads it. Planted in the functions the model runs and caught: the concatenation's
+record's alone; 8 AdamW steps at 1 rank, at ZeRO-3 on 2 ranks, at --ep 2, at --tp 2 and at ZeRO-3 with --ep 2 (the
+MTP depth's unit a MoE block whose experts are split over the ranks) equal the reference loop within 1e-5 relative
+(losses, gradient norms, the final weights, the MTP layer's among them); resumed from step 4 at 1 rank and at ZeRO-3
+with --ep 2 the runs end bitwise where the uninterrupted ones do, and a resume that loses AdamW's moments is caught;
+`zerotrain export --format hf` writes the trained MTP tensors under the folder's names (its copies of the embedding
+and the head the trained ones) and transformers loads it. Planted in the functions the model runs and caught: the concatenation's
 order swapped, the target one place too near, a packed record's MTP target taken from the next record.
 """
 
@@ -267,18 +269,27 @@ def reference_run(folder, lrs: list[float], scratch) -> dict:
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def runs(tmp_path_factory, request):
-    """{"1 rank" | "zero3" | "ep2" | "tp2" | "reference": {"loss", "grad_norm", "weights"}, "folder": the 1-rank run's}
-    of each family."""
+    """{"1 rank" | "zero3" | "ep2" | "tp2" | "zero3-ep2" | "reference": {"loss", "grad_norm", "weights"}, "resumed" |
+    "zero3-ep2-resumed": steps 5-8 of "1 rank" | "zero3-ep2" from its step-4 checkpoint, "zero3-ep2-forgetful": the
+    latter with a resume that loses AdamW's moments (planted), "folder": the 1-rank run's} of each family."""
+    from dist_jobs import forgetful_train_job
     from zerotrain.training.loop import train_job
 
     tmp = tmp_path_factory.mktemp("mtp-runs")
     folder = tmp / "model"
     with one_thread():
         mtp_folder(folder, request.param, initializer_range=0.02)
-    jobs = {"zero3": ("--zero", "3", "--micro-batch", "1"), "ep2": ("--ep", "2", "--micro-batch", "1"),
-            "tp2": ("--tp", "2",)}
-    out = in_turn_runs({name: (train_job, config_for(folder, tmp / name, *FLAGS, "--nproc", "2", *flags))
-                        for name, flags in jobs.items()}, LIMIT)
+    # at --zero 3 --ep 2 the MTP depth's unit is a MoE block whose experts --ep splits: 8 steps saving at step 4, then
+    # steps 5-8 again from that checkpoint (and with the planted resume), in the same start
+    zero3_ep2 = ("--zero", "3", "--ep", "2", "--micro-batch", "1")
+    step4 = ("--resume", str(tmp / "zero3-ep2" / "checkpoints" / "step_00000004"))
+    jobs = {"zero3": (train_job, ("--zero", "3", "--micro-batch", "1")),
+            "ep2": (train_job, ("--ep", "2", "--micro-batch", "1")), "tp2": (train_job, ("--tp", "2")),
+            "zero3-ep2": (train_job, (*zero3_ep2, "--ckpt-every", "4")),
+            "zero3-ep2-resumed": (train_job, (*zero3_ep2, *step4)),
+            "zero3-ep2-forgetful": (forgetful_train_job, (*zero3_ep2, *step4))}
+    out = in_turn_runs({name: (job, config_for(folder, tmp / name, *FLAGS, "--nproc", "2", *flags))
+                        for name, (job, flags) in jobs.items()}, LIMIT)
     for name in jobs:
         out[name]["weights"] = weights_of(tmp / name)
     with one_thread(), world_of_one() as comm:
@@ -294,17 +305,33 @@ def runs(tmp_path_factory, request):
 
 def test_a_resume_continues_the_mtp_layer_bitwise_and_zero3_reads_each_ranks_slice(runs):
     """Resumed from step 4, step 8's weights (the MTP layer's among them) are the uninterrupted run's bitwise; at
-    ZeRO-3 each rank read its owned ranges' rows of the folder (less than 3/4 of its file), the MTP layer's among
-    them (the two ranks together at least its bytes)."""
+    ZeRO-3 (and at ZeRO-3 with --ep 2) each rank read its owned ranges' rows of the folder (less than 3/4 of its file),
+    the MTP layer's among them (the two ranks together at least its bytes)."""
     ours, resumed = runs["1 rank"]["weights"], runs["resumed"]["weights"]
     assert any(n.startswith("model.mtp_layers.") for n in ours)
     assert all(torch.equal(resumed[n], ours[n]) for n in ours)
-    reads = runs["zero3"]["read"]
-    assert len(reads) == 2 and all(0 < r < 0.75 * runs["file bytes"] for r in reads), reads
-    assert sum(reads) >= runs["mtp bytes"], (reads, runs["mtp bytes"])
+    for run in ("zero3", "zero3-ep2"):
+        reads = runs[run]["read"]
+        assert len(reads) == 2 and all(0 < r < 0.75 * runs["file bytes"] for r in reads), (run, reads)
+        assert sum(reads) >= runs["mtp bytes"], (run, reads, runs["mtp bytes"])
 
 
-@pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2", "tp2"])
+def test_a_resume_at_zero3_with_ep2_continues_the_mtp_layer_bitwise_and_a_resume_losing_the_moments_is_caught(runs):
+    """At ZeRO-3 with the MTP depth's experts split over --ep 2, resumed from step 4: steps 5-8's losses and step 8's
+    weights (the MTP layer's among them) are the uninterrupted run's bitwise; resumed without AdamW's moments
+    (planted in checkpoint.resume, which the loop calls), the MTP layer's are not."""
+    ours, resumed, forgetful = runs["zero3-ep2"], runs["zero3-ep2-resumed"], runs["zero3-ep2-forgetful"]
+    assert "error" not in resumed and "error" not in forgetful, (resumed, forgetful)
+    assert resumed["loss"] == ours["loss"][4:] and resumed["grad_norm"] == ours["grad_norm"][4:]
+    mtp_names = [n for n in ours["weights"] if n.startswith("model.mtp_layers.")]
+    assert any(".experts." in n for n in mtp_names)
+    assert set(resumed["weights"]) == set(ours["weights"])
+    assert all(torch.equal(resumed["weights"][n], ours["weights"][n]) for n in ours["weights"])
+    # planted: a resume that loses AdamW's moments ends elsewhere, the MTP layer's weights among them
+    assert not all(torch.equal(forgetful["weights"][n], ours["weights"][n]) for n in mtp_names)
+
+
+@pytest.mark.parametrize("run", ["1 rank", "zero3", "ep2", "tp2", "zero3-ep2"])
 def test_eight_steps_train_as_the_reference_loop_does(runs, run):
     ours, theirs = runs[run], runs["reference"]
     assert "error" not in ours, ours
