@@ -45,14 +45,7 @@ def transformers_run(folder, lrs: list[float], scratch) -> dict:
     model_class = getattr(transformers, json.loads((folder / "config.json").read_text())["architectures"][0])
     hf = model_class.from_pretrained(str(folder), attn_implementation="eager").train()
     optimizer = reference_adamw(hf, lrs[0])
-    routers = [m for m in hf.modules() if hasattr(m, "e_score_correction_bias")]
-    loads = {}
-
-    def count(router, inputs, output):
-        loads[router] = loads.get(router, 0) + torch.bincount(output[2].flatten(), minlength=router.num_experts)
-
-    for router in routers:
-        router.register_forward_hook(count)
+    move_biases = routing_bias_updates(hf.modules())
     schedule = BatchSchedule(make_source(cfg), micro_batch=ROWS, accum=1, rank=0, world_size=1)
     out = {"loss": [], "grad_norm": []}
     for step, lr in enumerate(lrs):
@@ -62,14 +55,33 @@ def transformers_run(folder, lrs: list[float], scratch) -> dict:
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), micro.labels.flatten(), ignore_index=IGNORE,
                                            reduction="sum") / tokens
         out["grad_norm"].append(reference_step(optimizer, hf, loss, lr))
-        with torch.no_grad():
-            for router in routers:
-                load = loads.pop(router).double()
-                router.e_score_correction_bias += (SPEED * torch.sign(load.mean() - load)).float()
+        move_biases()
         out["loss"].append(float(loss.detach()))
     hf.save_pretrained(str(scratch / "weights"))
     out["weights"] = read_weights(scratch / "weights")
     return out
+
+
+def routing_bias_updates(modules):
+    """The auxiliary-loss-free update of transformers' routers among `modules`: their top-k choices counted by a
+    forward hook; the function returned moves each router's bias by SPEED x sign(mean load - load) from the loads
+    counted since its last call (after an optimizer step, as zerotrain's RoutingBias does)."""
+    routers = [m for m in modules if hasattr(m, "e_score_correction_bias")]
+    loads = {}
+
+    def count(router, inputs, output):
+        loads[router] = loads.get(router, 0) + torch.bincount(output[2].flatten(), minlength=router.num_experts)
+
+    for router in routers:
+        router.register_forward_hook(count)
+
+    @torch.no_grad()
+    def move_biases():
+        for router in routers:
+            load = loads.pop(router).double()
+            router.e_score_correction_bias += (SPEED * torch.sign(load.mean() - load)).float()
+
+    return move_biases
 
 
 def in_turn_runs(jobs: dict, time_limit: float = LIMIT) -> dict:

@@ -32,7 +32,7 @@ from reference_adamw import reference_adamw, reference_step
 from safetensors.torch import load_file, save_file
 from test_deepseek import SIZES, hf_model
 from test_glm45 import hf_model as glm_model
-from test_deepseek_training import in_turn_runs, one_rank_run
+from test_deepseek_training import in_turn_runs, one_rank_run, routing_bias_updates
 from test_gemma import one_thread
 from test_qwen35 import ROWS, config_for, gaps, weights_of
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
@@ -48,7 +48,6 @@ N_LAYER, C = SIZES["num_hidden_layers"], SIZES["hidden_size"]
 MTP = f"model.layers.{N_LAYER}."  # the folder's MTP layer
 WEIGHT = 0.3  # --mtp-loss-weight of the runs (not the default, so that a weight taken wrong shows)
 FLAGS = ("--mtp", "train", "--mtp-loss-weight", str(WEIGHT))
-SPEED = 0.001  # the decoder's routers' bias moves by the folder's rule (test_deepseek_training's), the MTP layer's not
 LIMIT = 700
 # each family's tiny folder (test_deepseek's, test_glm45's: 3 layers, the last two MoE, hidden 64) and transformers'
 # decoder layer and RMSNorm, which its MTP layer is built of
@@ -243,24 +242,14 @@ def reference_run(folder, lrs: list[float], scratch) -> dict:
     hf, ref, _ = loaded(folder)
     both = nn.ModuleDict(dict(hf=hf, ref=ref))
     optimizer = reference_adamw(both, lrs[0])
-    routers = [m for m in hf.model.layers.modules() if hasattr(m, "e_score_correction_bias")]
-    loads = {}
-
-    def count(router, inputs, output):
-        loads[router] = loads.get(router, 0) + torch.bincount(output[2].flatten(), minlength=router.num_experts)
-
-    for router in routers:
-        router.register_forward_hook(count)
+    move_biases = routing_bias_updates(hf.model.layers.modules())  # the decoder's routers' (the MTP layer's do not move)
     schedule = BatchSchedule(make_source(cfg), micro_batch=ROWS, accum=1, rank=0, world_size=1)
     out = {"loss": [], "grad_norm": []}
     for step, lr in enumerate(lrs):
         micro = schedule.batch(step).micro_batches[0]
         loss = reference_loss(hf, ref, micro.inputs, micro.labels, WEIGHT)
         out["grad_norm"].append(reference_step(optimizer, both, loss, lr))
-        with torch.no_grad():
-            for router in routers:
-                load = loads.pop(router).double()
-                router.e_score_correction_bias += (SPEED * torch.sign(load.mean() - load)).float()
+        move_biases()
         out["loss"].append(float(loss.detach()))
     hf.save_pretrained(str(scratch / "weights"))  # read back as zerotrain's names (its experts one linear each)
     out["weights"] = {**read_weights(scratch / "weights"), **ref.ours()}
