@@ -13,8 +13,8 @@ MTP depth's unit a MoE block whose experts are split over the ranks) equal the r
 (losses, gradient norms, the final weights, the MTP layer's among them); resumed from step 4 at 1 rank and at ZeRO-3
 with --ep 2 the runs end bitwise where the uninterrupted ones do, and a resume that loses AdamW's moments is caught;
 `zerotrain export --format hf` writes the trained MTP tensors under the folder's names (its copies of the embedding
-and the head the trained ones) and transformers loads it. Planted in the functions the model runs and caught: the concatenation's
-order swapped, the target one place too near, a packed record's MTP target taken from the next record.
+and the head the trained ones) and transformers loads it. Planted in the functions the model runs and caught: the
+concatenation's order swapped, the target one place too near, a packed record's MTP target taken from the next record.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def reference_run(folder, lrs: list[float], scratch) -> dict:
     hf, ref, _ = loaded(folder)
     both = nn.ModuleDict(dict(hf=hf, ref=ref))
     optimizer = reference_adamw(both, lrs[0])
-    move_biases = routing_bias_updates(hf.model.layers.modules())  # the decoder's routers' (the MTP layer's do not move)
+    move_biases = routing_bias_updates(hf.model.layers.modules())  # the decoder's routers alone
     schedule = BatchSchedule(make_source(cfg), micro_batch=ROWS, accum=1, rank=0, world_size=1)
     out = {"loss": [], "grad_norm": []}
     for step, lr in enumerate(lrs):
