@@ -352,7 +352,7 @@ def test_a_packed_forward_and_backward_reads_nothing_in_the_linear_layers(fla):
     def per_call(starts):  # planted: the old per-call cu_seqlens of the starts on the device
         starts = fused_delta_rule.plain(starts)
         bounds = fused_delta_rule.cu_seqlens(starts)
-        return fused_delta_rule.Packed(starts, bounds, bounds.cpu())
+        return fused_delta_rule.Packed(starts, fused_delta_rule.SegmentBounds(bounds, bounds.cpu()))
 
     fla.setattr(fused_delta_rule, "with_bounds", per_call)
     assert packed_model_run(fla)[0] >= 2 * 2
@@ -363,7 +363,8 @@ def test_a_host_copy_of_the_boundaries_unlike_the_device_s_is_caught(fla):
     Planted: a host copy missing the last boundary."""
     def short_host_copy(starts):
         bounds = fused_delta_rule.cu_seqlens(fused_delta_rule.plain(starts))
-        return fused_delta_rule.Packed(fused_delta_rule.plain(starts), bounds, bounds[:-1])
+        short = fused_delta_rule.SegmentBounds(bounds, bounds[:-1])
+        return fused_delta_rule.Packed(fused_delta_rule.plain(starts), short)
 
     fla.setattr(fused_delta_rule, "with_bounds", short_host_copy)
     with pytest.raises(AssertionError):
@@ -406,7 +407,7 @@ def test_context_parallel_split_rows_read_nothing_through_fla(fla):
     def per_call(starts):  # planted: the old per-call cu_seqlens of the starts on the device
         starts = fused_delta_rule.plain(starts)
         bounds = fused_delta_rule.cu_seqlens(starts)
-        return fused_delta_rule.Packed(starts, bounds, bounds.cpu())
+        return fused_delta_rule.Packed(starts, fused_delta_rule.SegmentBounds(bounds, bounds.cpu()))
 
     fla.setattr(fused_delta_rule, "with_bounds", per_call)
     assert split_rows_run(fla)[0] >= 2

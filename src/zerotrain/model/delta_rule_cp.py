@@ -56,7 +56,7 @@ class SplitRows:
         if self.starts is None:
             return None
         starts = convolution_starts(self.starts, self.starts_before) if which == 0 else by_chunk(self.starts, 1)
-        return starts if self.bounds is None else Packed(starts, *self.bounds[which])
+        return starts if self.bounds is None else Packed(starts, self.bounds[which])
 
 
 def convolution_starts(starts: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

@@ -112,8 +112,7 @@ class Packed(NamedTuple):
     SegmentBounds, computed with the micro-batch."""
 
     starts: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_cpu: torch.Tensor
+    bounds: SegmentBounds
 
 
 def segment_bounds(segments: torch.Tensor, device: torch.device) -> tuple[SegmentBounds, ...]:
@@ -142,7 +141,7 @@ def with_bounds(starts: torch.Tensor | Packed) -> Packed:
     if isinstance(starts, Packed):
         return starts
     host = cu_seqlens(starts.cpu())
-    return Packed(starts, host.to(starts.device), host)
+    return Packed(starts, SegmentBounds(host.to(starts.device), host))
 
 
 def plain(starts: torch.Tensor | Packed | None) -> torch.Tensor | None:
@@ -152,8 +151,7 @@ def plain(starts: torch.Tensor | Packed | None) -> torch.Tensor | None:
 
 def fla_bounds(records: Packed | None) -> dict[str, torch.Tensor | None]:
     """fla's cu_seqlens and cu_seqlens_cpu arguments: `records`' (None: one sequence a row)."""
-    return {"cu_seqlens": None if records is None else records.cu_seqlens,
-            "cu_seqlens_cpu": None if records is None else records.cu_seqlens_cpu}
+    return records.bounds._asdict() if records is not None else {"cu_seqlens": None, "cu_seqlens_cpu": None}
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | Packed | None = None,
@@ -187,7 +185,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         first = segment_starts(starts).sum(dim=1).cumsum(0).roll(1)
         first[0] = 0
         kept = initial_state * (~starts[:, 0]).to(initial_state.dtype)[:, None, None, None]
-        segments = len(records.cu_seqlens) - 1
+        segments = len(records.bounds.cu_seqlens) - 1
         initial_state = initial_state.new_zeros(segments, *initial_state.shape[1:]).index_copy(0, first, kept)
     out, state = fla_kernels().chunk_gated_delta_rule(
         *(to_fla(t, packed) for t in (query, key, value, g, beta)), initial_state=initial_state,

@@ -240,7 +240,7 @@ class Qwen35(Decoder):
             starts = None if segments is None else record_starts(segments)
             bounds = getattr(segments, "segment_bounds", None)  # fla's, computed with the micro-batch (on_device)
             if bounds is not None:
-                starts = Packed(starts, *bounds[0])
+                starts = Packed(starts, bounds[0])
         rotary = rotary_tables(positions, cfg.rotary_dim, cfg.rope_theta)
         if self.trains_mtp and cache is None:  # the MTP blocks (attention) read the embeddings and these too
             self.mtp_inputs = (x, rotary, mask)
