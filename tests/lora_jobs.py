@@ -193,12 +193,12 @@ def frozen_copy_job(cfg: Config, comm: Comm, planted: bool = False) -> dict:
     finally:
         units.unit_buckets = real
     idx = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    out = {"held": [c.shard.numel() * c.shard.element_size() for c in copies]}
+    out = {"held": [c.param_shard.numel() * c.param_shard.element_size() for c in copies]}
     try:
         with torch.no_grad():
             out["logits"] = [c.module(idx) for c in copies] + [engine.model(idx)]
-        out["peak"] = [c.peak_bytes for c in copies]
-        out["after"] = [c.held_bytes() for c in copies]
+        out["peak"] = [c.param_peak_bytes for c in copies]
+        out["after"] = [c.param_bytes() for c in copies]
         copies[0].module(idx)  # with gradients
     except Exception as e:  # noqa: BLE001 - the test reads which
         out["error"] = f"{type(e).__name__}: {e}"

@@ -19,6 +19,7 @@ from conftest import tiny_config
 from zerotrain import checkpoint
 from zerotrain.cli.main import main
 from zerotrain.parallel import parts as parts_module
+from zerotrain.parallel.sharded import ShardedParameters
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.io_plan import differences, io_plan
 from zerotrain.training.memory_plan import STATE, memory_plan
@@ -98,7 +99,7 @@ def test_a_rank_of_two_replica_groups_reports_the_norm_zero_over_every_rank_repo
     assert all(abs(a - b) <= 1e-6 * b for a, b in zip(r2, z3, strict=True)), (r2, z3)
     # planted: the placement sums the norms of every DP rank, each replica group's copy of the shards among them
     held = [1.0, 2.0, 1.0, 2.0]  # 4 DP ranks in 2 groups of 2: ranks 2 and 3 hold copies of ranks 0 and 1's shards
-    placement = parts_module.ShardedPlacement(1, replicas=2)
+    placement = ShardedParameters(1, replicas=2)
     assert placement.computed_norms(held, tp_size=1) == [math.sqrt(5)] * 4
     monkeypatch.setattr(placement, "replicas", 1)
     assert placement.computed_norms(held, tp_size=1) == [math.sqrt(10)] * 4  # sqrt(2) x the norm

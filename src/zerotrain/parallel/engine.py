@@ -29,8 +29,7 @@ from .comm import Comm
 from .gradients import GradientReducer
 from .layout import ShardLayout, split_by_tp
 from .mesh import Mesh
-from .params import ParameterPlacement, flat_layout, frozen_parameters, trainable_parameters
-from .parts import Placement, ReplicatedPlacement, ShardedPlacement
+from .params import Placement, flat_layout, frozen_parameters, trainable_parameters
 from .replicated import ReplicatedParameters
 from .sharded import ShardedParameters
 from .sharded_adamw import AdamWShard
@@ -45,9 +44,8 @@ def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int, select
     return flat_layout(trainable_parameters(model, select), world_size, bucket_numel)
 
 
-# Where each stage keeps its parameters (params.ParameterPlacement), and that placement's answers (parts.py)
-PLACEMENTS = {1: (ReplicatedParameters, ReplicatedPlacement), 2: (ReplicatedParameters, ReplicatedPlacement),
-              3: (ShardedParameters, ShardedPlacement)}
+# Where each stage keeps its parameters (params.Placement: the plan's answers and the run's buffers, one class)
+PLACEMENTS = {1: ReplicatedParameters, 2: ReplicatedParameters, 3: ShardedParameters}
 
 
 class ZeroEngine:
@@ -106,17 +104,13 @@ class ZeroEngine:
         kv_row = [self.kv_shared_ranges] if self.mesh.kv_replicas > 1 else []
         self.digest_rows = [[(0, self.layout.padded_numel)]] if self.mesh.tp_size == 1 else \
             [self.replicated_ranges, self.sliced_ranges, *kv_row]
-        placement, part = PLACEMENTS[stage]
-        self.placement: ParameterPlacement = placement(self, bucket_numel=bucket_numel, overlap_gathers=overlap_gathers)
-        # What the placement answers the loop (holds_whole_model, gathers_units, computed_norms): the plan's own part
-        self.placement_part: Placement = part(bucket_numel, replicas=self.mesh.dp_replicate_size)
-        # whether every replica computes with the same whole model (its digests compare before step 1), and whether
-        # each unit's parameters are freed and gathered again every step
-        self.holds_whole_model = self.placement_part.holds_whole_model
-        self.gathers_units = self.placement_part.gathers_units
+        # Built from the settings as the plan builds it (parts_for), then holding this engine's parameters; it answers
+        # the loop too (holds_whole_model, gathers_units, computed_norms)
+        self.placement: Placement = PLACEMENTS[stage](bucket_numel, replicas=self.mesh.dp_replicate_size)
+        self.placement.build(self, overlap_gathers)
         self.held_params = self.placement.held_params  # the whole flat buffer (stages 1 and 2), or the shard (3)
         self._init = None  # the source is read only while the buffers are built
-        # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW
+        # The gradients (their hooks registered before the placement's: Placement.attach), then AdamW
         self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
                                      counted_ranges=self._counted_ranges())
         self.adamw = AdamWShard(self, self.grads, optim)
@@ -139,7 +133,7 @@ class ZeroEngine:
 
     def computed_norms(self, norms: list[float]) -> list[float]:
         """The norm of the parameters each world rank computes with, from each rank's param_norm (all gathered)."""
-        return self.placement_part.computed_norms(norms, self.mesh.tp_size)
+        return self.placement.computed_norms(norms, self.mesh.tp_size)
 
     def initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta

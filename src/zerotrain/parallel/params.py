@@ -1,5 +1,5 @@
 """The parameters an engine trains, and the seam between the engine and its stage: where those parameters live
-(ParameterPlacement; when the engine calls each of its methods: docs/design.md, "The placements' seam").
+(Placement; when the engine calls each of its methods: docs/design.md, "The placements' seam").
 """
 
 from __future__ import annotations
@@ -32,26 +32,27 @@ class OwnedPiece:
         return self.shard_lo + self.flat_hi - self.flat_lo
 
 
-class ParameterPlacement:
-    """Where an engine's parameters live, and what is gathered when: the part of a ZeRO stage that varies. Built once
-    the engine's layout is known (every parameter a view of its buffers), `attach`ed after the engine's own hooks; the
-    engine then calls the step's points below, which do nothing where a placement has nothing to do at them."""
+class Placement:
+    """Where a run's parameters live, one class per ZeRO stage (engine.PLACEMENTS). Built from the run's settings
+    alone, it answers the planners before the run (parts_for(cfg).placement: `held`, `frozen_numel`,
+    `units_whole_bytes`, `copy_numel`, `read_rows`, `computed_norms`, `notes`). At run time `build` over an engine's
+    layout holds the parameters (every one a view of its buffers: `owned_values`, `owned_views`, `owned_shard`,
+    `gathered_flat`, `digests`, `param_bytes`, `frozen_bytes`), `attach` follows the engine's own hooks, and the
+    engine calls `before_update`, `after_update` and the step's points below, which do nothing where a placement has
+    nothing to do at them (docs/design.md, "The placements' seam")."""
 
-    held_params: torch.Tensor  # this rank's values in the engine's flat layout: the whole buffer, or its owned chunks
+    holds_whole_model: bool  # replicas compute with the same whole model: their digests compare before step 1
+    gathers_units: bool  # each unit's parameters freed and gathered again every step (the allocator's choice)
+    read_how: str  # what a rank reads (and draws) at start-up, in `zerotrain plan`'s words
+    drawn_how: str
+    held_params: torch.Tensor  # once built: this rank's values in the flat layout, the whole buffer or its shard
     param_peak_bytes: int  # the most parameter bytes held at once so far
-    gathers_units: bool  # each unit's parameters freed and gathered again every step
 
-    def attach(self) -> None: ...
-    def owned_values(self, piece: OwnedPiece) -> torch.Tensor: ...
-    def owned_views(self) -> list[torch.Tensor]: ...
-    def owned_shard(self, copy: bool) -> torch.Tensor: ...
-    def after_update(self, wait: bool) -> None: ...
-    def gathered_flat(self) -> torch.Tensor: ...
-    def digests(self) -> torch.Tensor: ...
-    def param_bytes(self) -> int: ...
-    def frozen_bytes(self) -> int: ...
+    def __init__(self, bucket_numel: int, replicas: int = 1) -> None:
+        self.bucket_numel = bucket_numel  # the frozen base's layout is bucketed as the trained parameters' are
+        self.replicas = replicas  # --dp-replicate R: the replica groups, each holding the whole sharded state
 
-    # The step's points (when the engine calls each, and what for: docs/design.md, "The placements' seam")
+    # The step's points
     def in_flight(self, bucket: int) -> bool:
         return False
 
@@ -60,7 +61,6 @@ class ParameterPlacement:
     def end_backward(self) -> None: ...
     def reset_window(self) -> None: ...
     def release(self) -> None: ...
-    def before_update(self) -> None: ...
     def wait(self, buckets=None) -> None: ...
 
 

@@ -6,127 +6,19 @@ new one joins: docs/design.md, "The plan-time parts".
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-
-import torch
 
 from zerotrain.config import Config
 
 from .context import context_parallel_rows
 from .gradients import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
-from .params import frozen_parameters
-from .units import frozen_layout_of, units_whole_bytes
+from .params import Placement
+from .replicated import ReplicatedParameters
+from .sharded import ShardedParameters
 
 MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
-
-
-class Placement:
-    """Where a run's parameters live, before the run: what a rank holds of the trained and frozen parameters, what
-    it gathers and when, what it reads at start-up, the norm of what it computes with, and its words for them."""
-
-    holds_whole_model: bool  # replicas compute with the same whole model: their digests compare before step 1
-    gathers_units: bool  # each unit's parameters freed and gathered again every step (the allocator's choice)
-    read_how: str  # what a rank reads (and draws) at start-up, in `zerotrain plan`'s words
-    drawn_how: str
-
-    def __init__(self, bucket_numel: int, replicas: int = 1) -> None:
-        self.bucket_numel = bucket_numel  # the frozen base's layout is bucketed as the trained parameters' are
-        self.replicas = replicas  # --dp-replicate R: the replica groups, each holding the whole sharded state
-
-
-class ReplicatedPlacement(Placement):
-    """ZeRO-1 and 2: every rank holds every parameter of its TP slice whole (the trained ones in the flat buffer, the
-    frozen ones in their own tensors) and all-gathers the buffer after each update."""
-
-    holds_whole_model = True
-    gathers_units = False  # nothing is freed and gathered again within a step: the heap serves the next step
-    read_how = drawn_how = "its TP slice of every parameter"
-
-    def held(self, whole: int, owned: int) -> int:
-        """Of values a rank owns `owned` of, the ones it holds between steps: all of them."""
-        return whole
-
-    def frozen_numel(self, model: torch.nn.Module, dp: int) -> int:
-        return sum(p.numel() for _, p in frozen_parameters(model))  # whole, in their own tensors
-
-    def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
-        return 0  # no unit is gathered: every parameter is whole all along
-
-    def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
-        """A frozen copy of the model (DPO's live reference): its parameters, unpadded (a tied head once)."""
-        return sum(p.numel() for p in model.parameters())
-
-    def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
-        """(values read, values drawn or owned) per parameter at start-up: its TP slice of every parameter."""
-        return [(s.numel, s.numel) for s in layout.slots]
-
-    def computed_norms(self, norms: list[float], tp_size: int) -> list[float]:
-        """The norm of the parameters each world rank computes with, from each rank's norm of what it holds: those."""
-        return norms
-
-    def notes(self, bf16: bool, prefetch: bool) -> dict[str, str]:
-        """`zerotrain plan`'s words for the placement's rows."""
-        size = 2 if bf16 else 4
-        return {"params": f"P x {size}", "units": "none: every parameter is held whole (ZeRO-3 gathers units)",
-                "frozen": "", "copy": f"M x {size}, M unpadded"}
-
-
-class ShardedPlacement(Placement):
-    """ZeRO-3: a rank holds its owned chunks of the trained parameters and of the frozen ones (in a layout of their
-    own), and gathers each unit for its forward and its backward."""
-
-    holds_whole_model = False  # each rank holds its shard: no rank computes with a model it holds whole
-    gathers_units = True  # each unit's parameters freed and gathered again every step
-    read_how, drawn_how = "the rows of its owned ranges", "its owned values"
-
-    def held(self, whole: int, owned: int) -> int:
-        return owned
-
-    def frozen_numel(self, model: torch.nn.Module, dp: int) -> int:
-        return frozen_layout_of(model, dp, self.bucket_numel).shard_numel
-
-    def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
-        """The most parameter bytes whole at once beyond the shard (units.units_whole_bytes), the frozen base's
-        buckets among them; `beside`: the expert group's layout, whose buckets are whole with the units'."""
-        frozen = frozen_layout_of(model, layout.world_size, self.bucket_numel)
-        return units_whole_bytes(model, layout, element_size, prefetch=prefetch, frozen=frozen, beside=beside)
-
-    def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
-        """Sharded as the policy (frozen_copy.shard_frozen_copy): its shard of the policy's layout."""
-        return layout.shard_numel
-
-    def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
-        """Its owned ranges widened to whole rows, as FileValues reads them (a range that cuts a row reads it)."""
-        out = []
-        for s in layout.slots:
-            width = math.prod(s.shape[1:])  # a 1-D tensor's rows are its values
-            owned = [(max(p.start, s.offset), min(p.end, s.offset + s.numel))
-                     for p in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel)]
-            owned = [(a - s.offset, z - s.offset) for a, z in owned if z > a]
-            if owned:
-                rows = sum(-(-z // width) - a // width for a, z in owned)
-                out.append((rows * width, sum(z - a for a, z in owned)))
-        return out
-
-    def computed_norms(self, norms: list[float], tp_size: int) -> list[float]:
-        """Each rank holds its shard: what it computes with is its shard group's shards together, the ranks of its
-        replica group with its TP index (world rank (g S + s) T + t); another replica group holds copies of them."""
-        group = len(norms) // self.replicas  # S x T world ranks a replica group
-        return [math.sqrt(sum(n * n for q, n in enumerate(norms)
-                              if q % tp_size == r % tp_size and q // group == r // group))
-                for r in range(len(norms))]
-
-    def notes(self, bf16: bool, prefetch: bool) -> dict[str, str]:
-        size = 2 if bf16 else 4
-        return {"params": f"shard x {size} (this rank's chunks{'' if bf16 else ': the fp32 masters'})",
-                "units": (f"the root unit and the largest "
-                          f"{'two neighbouring units (prefetch: --overlap)' if prefetch else 'other unit'} "
-                          f"(blocks; an untied head's embedding, final norm with head), gathered x {size}"),
-                "frozen": " / DP (ZeRO-3: its shard, gathered with the units)",
-                "copy": f"shard x {size}, its units gathered as the policy's are not"}
 
 
 class GradientHolding:
@@ -313,7 +205,7 @@ def _summed(answers) -> dict[str, int]:
 def parts_for(cfg: Config) -> RunParts:
     """The parts `cfg`'s run composes: the one place outside the engine that turns the ZeRO stage into parts."""
     p = cfg.parallel
-    placement = (ShardedPlacement if p.zero == 3 else ReplicatedPlacement)(p.bucket_numel, p.dp_replicate)
+    placement = (ShardedParameters if p.zero == 3 else ReplicatedParameters)(p.bucket_numel, p.dp_replicate)
     gradients = (WholeGradients if p.zero == 1 else BucketedGradients)(p.zero, p.precision, p.tp, cfg.loop.accum,
                                                                        cfg.grad_reduce)
     more = context_parallel_rows(p.cp) + ([HybridSharding(p.dp_replicate)] if p.dp_replicate > 1 else [])

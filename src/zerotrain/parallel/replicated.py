@@ -5,16 +5,51 @@ from __future__ import annotations
 import torch
 
 from .digest import tensor_digest
-from .params import OwnedPiece, ParameterPlacement, adopt_view, materialise_outside_layout, param_dtype, \
+from .layout import ShardLayout
+from .params import OwnedPiece, Placement, adopt_view, frozen_parameters, materialise_outside_layout, param_dtype, \
     storage_bytes
 
 
-class ReplicatedParameters(ParameterPlacement):
-    """The parameters of ZeRO stages 1 and 2: whole on every rank; frozen ones keep tensors of their own."""
+class ReplicatedParameters(Placement):
+    """ZeRO-1 and 2: every rank holds every parameter of its TP slice whole (the trained ones in the flat buffer, the
+    frozen ones in their own tensors) and all-gathers the buffer after each update."""
 
-    gathers_units = False
+    holds_whole_model = True
+    gathers_units = False  # nothing is freed and gathered again within a step: the heap serves the next step
+    read_how = drawn_how = "its TP slice of every parameter"
 
-    def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
+    # ---------------------------------------------------------------- before the run
+    def held(self, whole: int, owned: int) -> int:
+        """Of values a rank owns `owned` of, the ones it holds between steps: all of them."""
+        return whole
+
+    def frozen_numel(self, model: torch.nn.Module, dp: int) -> int:
+        return sum(p.numel() for _, p in frozen_parameters(model))  # whole, in their own tensors
+
+    def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
+        return 0  # no unit is gathered: every parameter is whole all along
+
+    def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
+        """A frozen copy of the model (DPO's live reference): its parameters, unpadded (a tied head once)."""
+        return sum(p.numel() for p in model.parameters())
+
+    def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
+        """(values read, values drawn or owned) per parameter at start-up: its TP slice of every parameter."""
+        return [(s.numel, s.numel) for s in layout.slots]
+
+    def computed_norms(self, norms: list[float], tp_size: int) -> list[float]:
+        """The norm of the parameters each world rank computes with, from each rank's norm of what it holds: those."""
+        return norms
+
+    def notes(self, bf16: bool, prefetch: bool) -> dict[str, str]:
+        """`zerotrain plan`'s words for the placement's rows."""
+        size = 2 if bf16 else 4
+        return {"params": f"P x {size}", "units": "none: every parameter is held whole (ZeRO-3 gathers units)",
+                "frozen": "", "copy": f"M x {size}, M unpadded"}
+
+    # ---------------------------------------------------------------- the run
+    def build(self, engine, overlap_gathers: bool) -> None:
+        """The whole flat buffer in `engine`'s layout, filled from its initial values, every parameter a view of it."""
         self.engine = engine
         self.gather_behind_forward = overlap_gathers
         self._gathering: dict[int, object] = {}  # bucket -> its all-gather still in flight

@@ -6,6 +6,7 @@ When each bucket is gathered, prefetched and released, and why: docs/design.md, 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,11 +15,10 @@ import torch
 from zerotrain.model.recompute import in_backward
 
 from . import units
-from .bucket_buffers import ReleasedParameterError, gather_bucket, shard_into_buckets
+from .bucket_buffers import ReleasedParameterError, UnitBuckets
 from .digest import moved, tensor_digest
 from .layout import ShardLayout, split_by_tp
-from .params import OwnedPiece, ParameterPlacement, StaleParameterError, frozen_parameters, \
-    materialise_outside_layout, param_dtype, storage_bytes
+from .params import OwnedPiece, Placement, frozen_parameters, materialise_outside_layout, param_dtype, storage_bytes
 
 
 @dataclass(frozen=True)
@@ -47,70 +47,92 @@ def _current_saved_tensors_hooks():
     return hooks if hooks is not None and hooks[0] is not None else None
 
 
-class ShardedParameters(ParameterPlacement):
-    """The parameters of ZeRO stage 3: owned chunks, a unit's buckets whole only while it runs (docs/design.md)."""
+class ShardedParameters(Placement, UnitBuckets):
+    """ZeRO-3: a rank holds its owned chunks of the trained parameters and of the frozen ones (in a layout of their
+    own), and gathers each unit for its forward and its backward (docs/design.md)."""
 
-    gathers_units = True
+    holds_whole_model = False  # each rank holds its shard: no rank computes with a model it holds whole
+    gathers_units = True  # each unit's parameters freed and gathered again every step
+    read_how, drawn_how = "the rows of its owned ranges", "its owned values"
 
-    def __init__(self, engine, *, bucket_numel: int, overlap_gathers: bool):
-        """`overlap_gathers` (--overlap on): prefetch the next unit one unit ahead."""
+    # ---------------------------------------------------------------- before the run
+    def held(self, whole: int, owned: int) -> int:
+        return owned
+
+    def frozen_numel(self, model: torch.nn.Module, dp: int) -> int:
+        return units.frozen_layout_of(model, dp, self.bucket_numel).shard_numel
+
+    def units_whole_bytes(self, model, layout, element_size, prefetch, beside=None) -> int:
+        """The most parameter bytes whole at once beyond the shard (units.units_whole_bytes), the frozen base's
+        buckets among them; `beside`: the expert group's layout, whose buckets are whole with the units'."""
+        frozen = units.frozen_layout_of(model, layout.world_size, self.bucket_numel)
+        return units.units_whole_bytes(model, layout, element_size, prefetch=prefetch, frozen=frozen, beside=beside)
+
+    def copy_numel(self, model: torch.nn.Module, layout: ShardLayout) -> int:
+        """Sharded as the policy (frozen_copy.shard_frozen_copy): its shard of the policy's layout."""
+        return layout.shard_numel
+
+    def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
+        """Its owned ranges widened to whole rows, as FileValues reads them (a range that cuts a row reads it)."""
+        out = []
+        for s in layout.slots:
+            width = math.prod(s.shape[1:])  # a 1-D tensor's rows are its values
+            owned = [(max(p.start, s.offset), min(p.end, s.offset + s.numel))
+                     for p in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel)]
+            owned = [(a - s.offset, z - s.offset) for a, z in owned if z > a]
+            if owned:
+                rows = sum(-(-z // width) - a // width for a, z in owned)
+                out.append((rows * width, sum(z - a for a, z in owned)))
+        return out
+
+    def computed_norms(self, norms: list[float], tp_size: int) -> list[float]:
+        """Each rank holds its shard: what it computes with is its shard group's shards together, the ranks of its
+        replica group with its TP index (world rank (g S + s) T + t); another replica group holds copies of them."""
+        group = len(norms) // self.replicas  # S x T world ranks a replica group
+        return [math.sqrt(sum(n * n for q, n in enumerate(norms)
+                              if q % tp_size == r % tp_size and q // group == r // group))
+                for r in range(len(norms))]
+
+    def notes(self, bf16: bool, prefetch: bool) -> dict[str, str]:
+        size = 2 if bf16 else 4
+        return {"params": f"shard x {size} (this rank's chunks{'' if bf16 else ': the fp32 masters'})",
+                "units": (f"the root unit and the largest "
+                          f"{'two neighbouring units (prefetch: --overlap)' if prefetch else 'other unit'} "
+                          f"(blocks; an untied head's embedding, final norm with head), gathered x {size}"),
+                "frozen": " / DP (ZeRO-3: its shard, gathered with the units)",
+                "copy": f"shard x {size}, its units gathered as the policy's are not"}
+
+    # ---------------------------------------------------------------- the run
+    def build(self, engine, overlap_gathers: bool) -> None:
+        """The shards (owned ranges alone read or drawn), every parameter a view of its bucket's buffer, the frozen
+        ones in frozen_layout (its buckets after the trained layout's); `overlap_gathers` (--overlap on): prefetch
+        the next unit one unit ahead."""
         self.engine = engine
         self.prefetch = overlap_gathers
         model, dp = engine.model, engine.dp
         if engine.select is not None and frozen_parameters(model):
             raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")
-        # The frozen parameters (a LoRA run's base) in a layout of their own, sharded like the trained ones
-        self.frozen_layout = units.frozen_layout_of(model, dp.world_size, bucket_numel)
-        # What another engine over the same units holds whole now (expert parallelism's): in param_peak_bytes too
-        self.param_bytes_beside: Callable[[], int] = lambda: 0
-        # a parameter neither layout holds gets its own tensor (the frozen ones are sharded: _build_shards)
+        self.frozen_layout = units.frozen_layout_of(model, dp.world_size, self.bucket_numel)
+        # a parameter neither layout holds gets its own tensor
         materialise_outside_layout(engine, {s.name for s in engine.layout.slots} |
                                    {s.name for s in self.frozen_layout.slots})
-        self._build_shards()
-
-    # ---------------------------------------------------------------- building
-    def _build_shards(self) -> None:
-        """The shards (owned ranges alone read or drawn), every parameter a view of its bucket's buffer; bucket i of
-        frozen_layout is bucket len(layout.buckets) + i of the placement's lists."""
-        e = self.engine
-        L, device, rank = e.layout, e.device, e.dp.rank
-        dtype = param_dtype(e.precision)
-        self.param_shard = self.held_params = torch.zeros(L.shard_numel, dtype=dtype, device=device)
-        self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=device)
-        by_name = dict(e.model.named_parameters())
-        frozen = [by_name[s.name] for s in self.frozen_layout.slots]
-        self.bucket_params: list[torch.Tensor] = \
-            shard_into_buckets(L, e.params, self.param_shard, rank, e.initial_range) + \
-            shard_into_buckets(self.frozen_layout, frozen, self.frozen_shard, rank, e.initial_range)
-        self.whole: set[int] = set()  # buckets whose buffers hold their values now
-        self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
-        self._updates = 0  # the shard's updates so far (steps applied, checkpoints loaded)
-        self._gathered_at: dict[int, int] = {}  # bucket -> self._updates when its gather was launched
+        L, dtype = engine.layout, param_dtype(engine.precision)
+        self.held_params = torch.zeros(L.shard_numel, dtype=dtype, device=engine.device)
+        self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=engine.device)
+        held = [(L, True, self.held_params, engine.initial_range),
+                (self.frozen_layout, False, self.frozen_shard, engine.initial_range)]
+        # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
+        # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
+        self._frozen_units = [u for u, (_, fb) in enumerate(self.hold_buckets(model, dp, held)) if fb]
         # Invariant (b) (digests): what the gathers after a check must give, and what they gave otherwise
         self._expected_gathers = None
-        self._gather_drift = self._no_drift(len(e.digest_rows))
-        self.param_peak_bytes = self.param_bytes()
+        self._gather_drift = self._no_drift(len(engine.digest_rows))
 
     def attach(self) -> None:
         """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
         reductions scheduled by units (gradients.GradientReducer.schedule_by_units)."""
         e = self.engine
         model = e.model
-        self.units = units.model_units(model)
-        B = len(e.layout.buckets)
-        frozen_buckets = units.unit_buckets(model, self.frozen_layout, trained=False)
-        self.unit_buckets = [t + tuple(B + f for f in fb) for t, fb in zip(units.unit_buckets(model, e.layout),
-                                                                          frozen_buckets)]
-        # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
-        # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
-        self._frozen_units = [u for u, fb in enumerate(frozen_buckets) if fb]
-        # parameter -> its bucket in the placement's lists, and its unit (the frozen ones too: check_whole)
-        self._bucket_index = {id(p): s.bucket for s, p in zip(e.layout.slots, e.params)}
-        by_name = dict(model.named_parameters())
-        self._param_name = {id(p): n for n, p in by_name.items()}
-        self._bucket_index.update({id(by_name[s.name]): B + s.bucket for s in self.frozen_layout.slots})
-        self._param_unit = {id(p): u for trained in (True, False)
-                            for u, unit in enumerate(units.unit_parameters(model, trained)) for _, p in unit}
         held = units.held_into_backward(model)
         self._held_into_backward = held
         first, end = (2, len(self.units) - 1) if units.untied_head(model) else (1, len(self.units))
@@ -118,7 +140,6 @@ class ShardedParameters(ParameterPlacement):
         self._waits: list[int] | None = None  # _unit_waits of this backward, once asked
         # each unit's trained parameters that this engine holds, by id
         self._unit_params = [[id(p) for _, p in unit if id(p) in e.slot_of] for unit in units.unit_parameters(model)]
-        self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward") holding it whole
         self._arrived = [0] * len(self.units)  # parameters of each unit whose gradient arrived this backward
         self._current: list[int] = []  # the units whose forward is running, innermost last
         self._outer_hooks = None
@@ -142,15 +163,6 @@ class ShardedParameters(ParameterPlacement):
                 return forward(*args, **kwargs)
 
         model.forward = forward_with_saved_tensor_hooks
-
-    def _bucket_source(self, index: int) -> tuple[ShardLayout, int, torch.Tensor, int]:
-        """Bucket `index` of the placement's lists: its layout, its index there, the shard it is gathered from, and
-        where its layout starts in the digests' positions (the frozen layout's after the trained one's)."""
-        L = self.engine.layout
-        B = len(L.buckets)
-        if index < B:
-            return L, index, self.param_shard, 0
-        return self.frozen_layout, index - B, self.frozen_shard, L.padded_numel
 
     # ---------------------------------------------------------------- the engine's owned values
     def owned_values(self, piece: OwnedPiece) -> torch.Tensor:
@@ -186,31 +198,12 @@ class ShardedParameters(ParameterPlacement):
             if not holders and b in self.whole:
                 self._release_bucket(b)
 
-    # ---------------------------------------------------------------- gather and release
+    # ---------------------------------------------------------------- gather and release (UnitBuckets')
     def gather_unit(self, unit: int, phase: str) -> None:
-        """Make `unit`'s buckets whole, held for `phase` ("forward" or "backward"): waiting for a prefetch in flight,
-        gathering now what is neither whole nor in flight."""
+        """UnitBuckets.gather_unit, each bucket's first gather since the last check verified (_verify_gather)."""
+        super().gather_unit(unit, phase)
         for b in self.unit_buckets[unit]:
-            holders = self._holds.setdefault(b, set())
-            holders.discard((unit, "prefetch"))
-            if b in self._in_flight:
-                self._in_flight.pop(b).wait()
-                self.whole.add(b)
-            elif b not in self.whole:
-                self._gather_bucket(b)
-            if self._gathered_at[b] != self._updates:
-                raise StaleParameterError(f"bucket {b} of unit {unit} holds values gathered before the shard's last "
-                                          "update (a gather that outlived its step)")
             self._verify_gather(b)
-            holders.add((unit, phase))
-
-    def prefetch_unit(self, unit: int) -> None:
-        """Launch the all-gathers of `unit`'s buckets that are neither whole nor in flight, held for it until it
-        gathers them (gather_unit waits for them then)."""
-        for b in self.unit_buckets[unit]:
-            self._holds.setdefault(b, set()).add((unit, "prefetch"))
-            if b not in self.whole and b not in self._in_flight:
-                self._gather_bucket(b, async_op=True)
 
     def _prefetch_after(self, unit: int, backward: bool) -> None:
         """With prefetch on, launch the gather of the unit that runs after `unit`: the next one in the forward, the
@@ -220,30 +213,10 @@ class ShardedParameters(ParameterPlacement):
         if self.prefetch and (after in self._blocks if backward else after < len(self.units)):
             self.prefetch_unit(after)
 
-    def check_whole(self, unit: int) -> None:
-        """Raise unless every parameter of `unit` is in a gathered bucket (from the modules' parameters, not the unit's
-        list)."""
-        for p in (p for module in self.units[unit] for p in module.parameters()):
-            b = self._bucket_index.get(id(p))
-            if b is not None and self._param_unit.get(id(p)) == unit and b not in self.whole:
-                raise ReleasedParameterError(f"{self._param_name[id(p)]} was used while its bucket {b} was not "
-                                             f"gathered (unit {unit})")
-
-    def release_unit(self, unit: int, phase: str) -> None:
-        """`unit` no longer needs its buckets for `phase`; a bucket no unit holds is released."""
-        for b in self.unit_buckets[unit]:
-            holders = self._holds.get(b, set())
-            holders.discard((unit, phase))
-            if not holders:
-                self._release_bucket(b)
-
     def release_all(self) -> None:
-        """Release every bucket, prefetches in flight too (before the optimizer updates the shard: no stale copy
-        survives the step)."""
-        self._holds.clear()
-        self._land_prefetches()
-        for b in list(self.whole):
-            self._release_bucket(b)
+        """UnitBuckets.release_all (before the optimizer updates the shard: no stale copy survives the step), and no
+        unit counts gradients."""
+        super().release_all()
         self._arrived = [0] * len(self.units)
 
     def release(self) -> None:
@@ -251,39 +224,6 @@ class ShardedParameters(ParameterPlacement):
 
     def before_update(self) -> None:
         self.release_all()  # nor into an update: no stale copy survives the step
-
-    def _land_prefetches(self) -> None:
-        """Wait for every prefetch in flight: its buckets are whole (a buffer is never released while a gather writes
-        into it)."""
-        for b in list(self._in_flight):
-            self._in_flight.pop(b).wait()
-            self.whole.add(b)
-
-    def _gather_bucket(self, index: int, async_op: bool = False) -> None:
-        """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
-        by gather_unit or release_all), counted as "all_gather_units" or "prefetch_units"."""
-        layout, local, shard, _ = self._bucket_source(index)
-        self._gathered_at[index] = self._updates
-        work = gather_bucket(self.engine.dp, layout, shard, self.bucket_params[index], local,
-                             "prefetch_units" if async_op else "all_gather_units", async_op=async_op)
-        if async_op:
-            self._in_flight[index] = work
-        else:
-            self.whole.add(index)
-        self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes() + self.param_bytes_beside())
-
-    def _release_bucket(self, index: int) -> None:
-        """Free bucket `index`'s full-size buffer; a gather still writing into it is waited for first (on CUDA the
-        compute stream waits for its `done` event: comm_stream.py), so the memory is reused only after it."""
-        if index in self._in_flight:
-            self._in_flight.pop(index).wait()
-        self.bucket_params[index].untyped_storage().resize_(0)
-        self.whole.discard(index)
-
-    def param_bytes(self) -> int:
-        """Parameter bytes held now: the shard and the buckets whole or being gathered at the moment."""
-        whole = sum(self.bucket_params[b].numel() for b in self.whole | set(self._in_flight))
-        return self.param_shard.element_size() * (self.param_shard.numel() + whole)
 
     def frozen_bytes(self) -> int:
         """Bytes this rank holds for the frozen parameters now: its frozen shard, and whatever storage the frozen
@@ -419,7 +359,7 @@ class ShardedParameters(ParameterPlacement):
         per_bucket = torch.zeros(len(self.bucket_params), len(kinds[0]), 2, dtype=torch.int64,
                                  device=self.param_shard.device)
         for index in range(len(self.bucket_params)):
-            layout, local, shard, start = self._bucket_source(index)
+            layout, local, shard, start = self.bucket_sources[index]
             b = layout.buckets[local]
             lo, hi = b.chunk(rank, W)
             for k, ranges in enumerate(kinds[index >= len(self.engine.layout.buckets)]):
@@ -453,7 +393,7 @@ class ShardedParameters(ParameterPlacement):
             return
         _, kinds, per_bucket, verified = expected
         verified.add(index)
-        layout, local, _, start = self._bucket_source(index)
+        layout, local, _, start = self.bucket_sources[index]
         b, buffer = layout.buckets[local], self.bucket_params[index].detach()
         for k, ranges in enumerate(kinds[index >= len(self.engine.layout.buckets)]):
             inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges

@@ -362,7 +362,7 @@ def _start(cfg: Config, comm: Comm, announce: bool) -> _Run:
     recorded = replace(cfg, checkpoint=replace(cfg.checkpoint, resume=resumed_from or ""))
     checkpointer = checkpoint.Checkpointer(recorded, comm, on_commit=policy.note_commit, hooks=faults.writer_hooks(),
                                            manifest_extra=origin, on_stop_save=stop.begin_save)
-    if engine.holds_whole_model:  # invariant (b) before step 1: every replica holds the same model
+    if engine.placement.holds_whole_model:  # invariant (b) before step 1: every replica holds the same model
         invariants.check_no_drift(start, engine.param_digests(), mesh)
     try:  # the spike window and the rollbacks so far, so a resumed run decides as the uninterrupted one would
         if "guard" in manifest:

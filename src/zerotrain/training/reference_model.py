@@ -44,16 +44,17 @@ class ReferenceCopy:
         """Bytes this rank holds for the copy now (between forwards): its parameters, or at ZeRO-3 its shard (its
         units are released)."""
         if self.sharded is not None:
-            return self.sharded.held_bytes()
+            return self.sharded.param_bytes()
         return storage_bytes(self.model.parameters())
 
     def peak_bytes(self) -> int:
         """The most bytes the copy has held at once so far: at ZeRO-3 its shard and the units whole in a forward."""
-        return self.sharded.peak_bytes if self.sharded is not None else self.held_bytes()
+        return self.sharded.param_peak_bytes if self.sharded is not None else self.held_bytes()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the copy holds (the memory plan's walk of what a rank holds)."""
-        return list(self.model.parameters()) + ([self.sharded.shard, *self.sharded.buffers] if self.sharded else [])
+        held = [self.sharded.param_shard, *self.sharded.bucket_params] if self.sharded is not None else []
+        return list(self.model.parameters()) + held
 
 
 def frozen_copy(cfg: Config, engine) -> ReferenceCopy:

@@ -203,7 +203,7 @@ def planned_rounds(cfg: Config, engine: ZeroEngine, accum: int) -> tuple[int, in
     gradients into the shard (stage 3's default), none where the gradients stay in the parameters (one rank); one
     all-gather round after the update, none where the placement gathers each unit for its forward instead."""
     reduces = 0 if engine.grads.grads_in_params else accum if cfg.grad_reduce == "micro-batch" else 1
-    return reduces, 0 if engine.gathers_units else 1
+    return reduces, 0 if engine.placement.gathers_units else 1
 
 
 def _use_plain_sgd(engine: ZeroEngine, lr: float) -> None:
