@@ -24,7 +24,6 @@ from zerotrain import checkpoint, load_model
 from zerotrain.errors import ConfigError
 from zerotrain.hub.export import export_model
 from zerotrain.model import build_model, init
-from zerotrain.parallel import parts
 from zerotrain.parallel import units as unit_rules
 from zerotrain.runtime.launch import run_job
 from zerotrain.training.loop import build_engine, train
@@ -392,8 +391,8 @@ def test_an_untied_embedding_and_head_are_never_whole_together(tmp_path, monkeyp
 
 
 def test_a_planted_error_in_the_stage3_plan_is_caught_by_the_run(one_rank, tmp_path, monkeypatch):
-    real = parts.units_whole_bytes  # the sharded placement's answer, which the plan adds up
-    monkeypatch.setattr(parts, "units_whole_bytes", lambda *args, **kw: real(*args, **kw) - 4)
+    real = unit_rules.units_whole_bytes  # the sharded placement's answer, which the plan adds up
+    monkeypatch.setattr(unit_rules, "units_whole_bytes", lambda *args, **kw: real(*args, **kw) - 4)
     with pytest.raises(InvariantError, match="bytes of parameters at once"):
         train(config(tmp_path, "short", 3, nproc=1, steps=1), one_rank)
 

@@ -49,11 +49,11 @@ class UnitBuckets:
     (frozen_copy.py: forwards only) hold their parameters in it."""
 
     def hold_buckets(self, model: torch.nn.Module, dp, held: list[tuple[ShardLayout, bool, torch.Tensor, Callable]]) \
-            -> list[list[tuple[int, ...]]]:
+            -> None:
         """Hold `model`'s parameters over the DP group `dp` as `held`: per layout, whether it lays out the trained
         parameters or the frozen ones, this rank's shard of it, and the values that fill it (shard_into_buckets);
         the first one's shard is `param_shard`. The layouts' buckets are numbered on from one another (bucket i of
-        the second is the first's count + i). Returns each unit's buckets of each layout, in its own numbering."""
+        the second is the first's count + i: units.numbered_unit_buckets)."""
         self.dp, self.units = dp, units.model_units(model)
         self.param_shard = held[0][2]
         by_name = dict(model.named_parameters())
@@ -66,16 +66,14 @@ class UnitBuckets:
         # bucket -> its layout, its index there, the shard it is gathered from, and where its layout starts in the
         # digests' positions (a layout's after those before it)
         self.bucket_sources: list[tuple[ShardLayout, int, torch.Tensor, int]] = []
-        own, firsts, start = [], [], 0
-        for layout, trained, shard, values in held:
-            firsts.append(len(self.bucket_params))
+        start = 0
+        for layout, _, shard, values in held:
             params = [by_name[s.name] for s in layout.slots]
-            self._bucket_index.update({id(p): firsts[-1] + s.bucket for s, p in zip(layout.slots, params)})
+            self._bucket_index.update({id(p): len(self.bucket_params) + s.bucket for s, p in zip(layout.slots, params)})
             self.bucket_sources += [(layout, i, shard, start) for i in range(len(layout.buckets))]
             self.bucket_params += shard_into_buckets(layout, params, shard, dp.rank, values)
-            own.append(units.unit_buckets(model, layout, trained))
             start += layout.padded_numel
-        self.unit_buckets = [tuple(f + b for f, buckets in zip(firsts, unit) for b in buckets) for unit in zip(*own)]
+        self.unit_buckets = units.numbered_unit_buckets(model, [(layout, trained) for layout, trained, *_ in held])
         self.whole: set[int] = set()  # buckets whose buffers hold their values now
         self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
         self._holds: dict[int, set] = {}  # bucket -> the (unit, "forward" | "backward" | "prefetch") holding it whole
@@ -84,7 +82,6 @@ class UnitBuckets:
         # What another engine over the same units holds whole now (expert parallelism's): in param_peak_bytes too
         self.param_bytes_beside: Callable[[], int] = lambda: 0
         self.param_peak_bytes = self.param_bytes()
-        return list(zip(*own))
 
     def gather_unit(self, unit: int, phase: str) -> None:
         """Make `unit`'s buckets whole, held for `phase` ("forward" or "backward"): waiting for a prefetch in flight,

@@ -77,9 +77,8 @@ class ShardedParameters(Placement, UnitBuckets):
         out = []
         for s in layout.slots:
             width = math.prod(s.shape[1:])  # a 1-D tensor's rows are its values
-            owned = [(max(p.start, s.offset), min(p.end, s.offset + s.numel))
-                     for p in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel)]
-            owned = [(a - s.offset, z - s.offset) for a, z in owned if z > a]
+            owned = [(p.start - s.offset, p.end - s.offset) for p in layout.owned_pieces(dp_rank, s.offset,
+                                                                                     s.offset + s.numel)]
             if owned:
                 rows = sum(-(-z // width) - a // width for a, z in owned)
                 out.append((rows * width, sum(z - a for a, z in owned)))
@@ -119,11 +118,11 @@ class ShardedParameters(Placement, UnitBuckets):
         L, dtype = engine.layout, param_dtype(engine.precision)
         self.held_params = torch.zeros(L.shard_numel, dtype=dtype, device=engine.device)
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=engine.device)
-        held = [(L, True, self.held_params, engine.initial_range),
-                (self.frozen_layout, False, self.frozen_shard, engine.initial_range)]
+        self.hold_buckets(model, dp, [(L, True, self.held_params, engine.initial_range),
+                                      (self.frozen_layout, False, self.frozen_shard, engine.initial_range)])
         # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
         # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
-        self._frozen_units = [u for u, (_, fb) in enumerate(self.hold_buckets(model, dp, held)) if fb]
+        self._frozen_units = [u for u, unit in enumerate(self.unit_buckets) if any(b >= len(L.buckets) for b in unit)]
         # Invariant (b) (digests): what the gathers after a check must give, and what they gave otherwise
         self._expected_gathers = None
         self._gather_drift = self._no_drift(len(engine.digest_rows))
@@ -133,8 +132,7 @@ class ShardedParameters(Placement, UnitBuckets):
         reductions scheduled by units (gradients.GradientReducer.schedule_by_units)."""
         e = self.engine
         model = e.model
-        held = units.held_into_backward(model)
-        self._held_into_backward = held
+        self._held_into_backward = held = units.held_into_backward(model)
         first, end = (2, len(self.units) - 1) if units.untied_head(model) else (1, len(self.units))
         self._blocks = set(range(first, end))  # the transformer blocks' units
         self._waits: list[int] | None = None  # _unit_waits of this backward, once asked

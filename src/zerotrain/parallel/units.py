@@ -11,11 +11,11 @@ import torch
 from .layout import ShardLayout
 from .params import flat_layout, frozen_parameters
 
+
 def model_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
-    """The units in forward order, each the modules that run it (the first's forward begins it, the last's ends
-    it): the root model; with an untied head its embedding; every transformer block (the members of the model's
-    first ModuleList); with --mtp train each MTP depth (model/mtp.py: they run after the blocks, inside the head's
-    unit, which stays whole around them); with an untied head its final norm and head."""
+    """The units in forward order (the module's docstring), each the modules that run it (the first's forward begins
+    it, the last's ends it); the blocks are the members of the model's first ModuleList, an MTP depth runs inside an
+    untied head's unit (model/mtp.py)."""
     blocks = next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
     inner = [*((b,) for b in blocks), *((d,) for d in mtp_depths(model))]
     if untied_head(model):
@@ -58,6 +58,16 @@ def unit_buckets(model: torch.nn.Module, layout: ShardLayout, trained: bool = Tr
             for params in unit_parameters(model, trained)]
 
 
+def numbered_unit_buckets(model: torch.nn.Module, layouts: list[tuple[ShardLayout, bool]]) -> list[tuple[int, ...]]:
+    """Each unit's buckets of `layouts` (each with whether it lays out trained parameters), numbered on from one layout
+    to the next (bucket i of the second is the first's count + i): what bucket_buffers.UnitBuckets holds."""
+    out, first = [()] * len(model_units(model)), 0
+    for layout, trained in layouts:
+        out = [unit + tuple(first + b for b in own) for unit, own in zip(out, unit_buckets(model, layout, trained))]
+        first += len(layout.buckets)
+    return out
+
+
 def bucket_units(model: torch.nn.Module, layout: ShardLayout) -> list[int]:
     """The unit each bucket of `layout` is reduced with: the earliest in forward order of its parameters' units, whose
     backward ends last. A root parameter registered after the blocks (the final norm beside a tied head) counts as the
@@ -93,12 +103,9 @@ def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size:
     `prefetch` the largest two neighbouring ones (an MTP depth with an untied head's unit too); `frozen`: the frozen
     parameters' layout, `beside`: a second engine's layout over the same units (expert parallelism's experts), whose
     buckets are whole with the unit's."""
-    size = {("t", b.index): b.end - b.start for b in layout.buckets}
-    units = [{("t", b) for b in unit} for unit in unit_buckets(model, layout)]
-    for key, other, trained in (("f", frozen, False), ("e", beside, True)):
-        if other is not None:
-            size.update({(key, b.index): b.end - b.start for b in other.buckets})
-            units = [u | {(key, b) for b in o} for u, o in zip(units, unit_buckets(model, other, trained))]
+    layouts = [(layout, True)] + [(other, trained) for other, trained in ((frozen, False), (beside, True)) if other]
+    size = [b.end - b.start for other, _ in layouts for b in other.buckets]
+    units = [set(unit) for unit in numbered_unit_buckets(model, layouts)]
     root, last = units[0], len(units) - 1
     windows = [{u, u + 1} for u in range(1, last)] if prefetch and last > 1 else [{u} for u in range(1, last + 1)]
     # An untied head's unit is whole around the MTP depths, in their forward and their backward (model_units)
