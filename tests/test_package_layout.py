@@ -158,7 +158,7 @@ def test_a_planted_upward_import_and_circle_are_caught(tmp_path):
 
 
 def test_no_module_reaches_into_anothers_private_names_and_a_planted_subclass_is_caught(tmp_path):
-    """The stages are a seam (parallel/params.py's ParameterPlacement), not a subclass of the engine overriding its
+    """The stages are a seam (parallel/params.py's Placement), not a subclass of the engine overriding its
     private methods. Planted in a copy of the package: a stage-3 class subclassing the GradientReducer and
     overriding _launch, and a module importing the engine's private name."""
     import shutil

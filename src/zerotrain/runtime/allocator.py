@@ -48,7 +48,7 @@ def return_large_blocks_to_os() -> bool:
 
 def rank_allocator(gathers_units: bool) -> bool:
     """A rank's malloc for where its parameters live: large blocks back to the OS where its placement frees and
-    gathers units every step (parts.ShardedPlacement), glibc's default where every buffer is allocated once."""
+    gathers units every step (sharded.ShardedParameters), glibc's default where every buffer is allocated once."""
     return return_large_blocks_to_os() if gathers_units else False
 
 
