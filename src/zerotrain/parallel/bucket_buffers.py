@@ -99,7 +99,6 @@ class UnitBuckets:
                                           "update (a gather that outlived its step)")
             holders.add((unit, phase))
 
-
     def prefetch_unit(self, unit: int) -> None:
         """Launch the all-gathers of `unit`'s buckets that are neither whole nor in flight, held for it until it
         gathers them (gather_unit waits for them then)."""
@@ -107,7 +106,6 @@ class UnitBuckets:
             self._holds.setdefault(b, set()).add((unit, "prefetch"))
             if b not in self.whole and b not in self._in_flight:
                 self._gather_bucket(b, async_op=True)
-
 
     def check_whole(self, unit: int) -> None:
         """Raise unless every parameter of `unit` is in a gathered bucket (from the modules' parameters, not the unit's
@@ -118,7 +116,6 @@ class UnitBuckets:
                 raise ReleasedParameterError(f"{self._param_name[id(p)]} was used while its bucket {b} was not "
                                              f"gathered (unit {unit})")
 
-
     def release_unit(self, unit: int, phase: str) -> None:
         """`unit` no longer needs its buckets for `phase`; a bucket no unit holds is released."""
         for b in self.unit_buckets[unit]:
@@ -126,7 +123,6 @@ class UnitBuckets:
             holders.discard((unit, phase))
             if not holders:
                 self._release_bucket(b)
-
 
     def release_all(self) -> None:
         """Release every bucket, prefetches in flight too (before the optimizer updates the shard: no stale copy
@@ -136,14 +132,12 @@ class UnitBuckets:
         for b in list(self.whole):
             self._release_bucket(b)
 
-
     def _land_prefetches(self) -> None:
         """Wait for every prefetch in flight: its buckets are whole (a buffer is never released while a gather writes
         into it)."""
         for b in list(self._in_flight):
             self._in_flight.pop(b).wait()
             self.whole.add(b)
-
 
     def _gather_bucket(self, index: int, async_op: bool = False) -> None:
         """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
@@ -160,7 +154,6 @@ class UnitBuckets:
             self.whole.add(index)
         self.param_peak_bytes = max(self.param_peak_bytes, self.param_bytes() + self.param_bytes_beside())
 
-
     def _release_bucket(self, index: int) -> None:
         """Free bucket `index`'s full-size buffer; a gather still writing into it is waited for first (on CUDA the
         compute stream waits for its `done` event: comm_stream.py), so the memory is reused only after it."""
@@ -168,7 +161,6 @@ class UnitBuckets:
             self._in_flight.pop(index).wait()
         self.bucket_params[index].untyped_storage().resize_(0)
         self.whole.discard(index)
-
 
     def param_bytes(self) -> int:
         """Parameter bytes held now: the shard and the buckets whole or being gathered at the moment."""

@@ -111,6 +111,7 @@ class ShardedParameters(Placement, UnitBuckets):
         model, dp = engine.model, engine.dp
         if engine.select is not None and frozen_parameters(model):
             raise ValueError("a stage-3 engine over a selection of the parameters takes a model without frozen ones")
+        # The frozen parameters (a LoRA run's base) in a layout of their own, sharded like the trained ones
         self.frozen_layout = units.frozen_layout_of(model, dp.world_size, self.bucket_numel)
         # a parameter neither layout holds gets its own tensor
         materialise_outside_layout(engine, {s.name for s in engine.layout.slots} |
