@@ -617,10 +617,10 @@ def test_the_plan_counts_lora_exactly_and_a_plan_without_the_adapters_activation
 
 def test_a_plan_without_the_frozen_base_fails_the_runs_own_check(tmp_path, group, monkeypatch):
     from zerotrain.errors import InvariantError
-    from zerotrain.parallel import parts
+    from zerotrain.parallel import replicated
 
     # planted: the base counted as nothing by the replicated placement's answer, which the plan adds up
-    monkeypatch.setattr(parts, "frozen_parameters", lambda model: [])
+    monkeypatch.setattr(replicated, "frozen_parameters", lambda model: [])
     with pytest.raises(InvariantError, match="rank 0 holds .* bytes of frozen base, the plan 0"):
         planned_run(tmp_path, group, "gpt2, c_attn")
 
