@@ -46,7 +46,7 @@ def test_parameters_are_views_of_the_flat_buffer_and_one_ranks_gradients_are_aut
     run_steps(engine, tiny_config(tmp_path), 1)
     grads = {p.grad.untyped_storage().data_ptr() for p in engine.params}
     assert len(grads) == len(engine.params) and flat_p not in grads  # one tensor each, none a copy's view
-    assert engine.grad_bytes() == 4 * engine.layout.numel
+    assert engine.memory_held()["grad_bytes"] == 4 * engine.layout.numel
     for p in engine.model.parameters():  # still views after backward and an optimizer step
         assert p.untyped_storage().data_ptr() == flat_p
 
@@ -224,7 +224,7 @@ def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_b
 
     plant_flat_gradient_buffer(monkeypatch)
     buffered = build_engine(cfg, one_rank)
-    assert buffered.grad_bytes() == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
+    assert buffered.memory_held()["grad_bytes"] == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
     buffered_grads = []
     assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
     assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))

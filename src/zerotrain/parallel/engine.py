@@ -177,17 +177,6 @@ class ZeroEngine:
         for e in self.parts:
             e.grads.zero_grad()
 
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [t for e in self.parts for t in e.grads.grad_tensors()]
-
-    def grad_bytes(self) -> int:
-        return sum(e.grads.grad_bytes() for e in self.parts)
-
-    @property
-    def grad_peak_bytes(self) -> int:
-        """The most gradient bytes held at once so far, buckets included."""
-        return sum(e.grads.grad_peak_bytes for e in self.parts)
-
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish the gradient reduce-scatter; all-reduce [the gradient norm's exact partial sum, *extras] in one call.
@@ -248,25 +237,25 @@ class ZeroEngine:
         rows = self.placement.digests()
         return rows if self.experts is None else torch.cat([rows, self.experts.param_digests()[:2]])
 
-    @property
-    def param_peak_bytes(self) -> int:
-        """The most parameter bytes held at once so far (stage 3: the shard and the units whole, with --ep each
-        gather counting the other group's too)."""
-        return (max if self.stage == 3 else sum)(e.placement.param_peak_bytes for e in self.parts)
-
-    def frozen_bytes(self) -> int:
-        """Bytes held for the frozen parameters: each whole at stages 1 and 2, this rank's shard at stage 3."""
-        return sum(e.placement.frozen_bytes() for e in self.parts)
+    def memory_held(self) -> dict[str, int]:
+        """The bytes this rank holds, both groups together, by summary.json's per_rank names: the parameters' flat
+        buffers, the gradients and the frozen parameters (each whole at stages 1 and 2, its shard at stage 3) now, and
+        the most parameter and gradient bytes held at once so far (stage 3's units whole, with --ep each gather
+        counting the other group's too; the buckets in flight)."""
+        parts = self.parts
+        return {"param_bytes": sum(b.numel() * b.element_size() for b in self.flat_buffers),
+                "param_peak_bytes": (max if self.stage == 3 else sum)(e.placement.param_peak_bytes for e in parts),
+                "grad_bytes": sum(e.grads.grad_bytes() for e in parts),
+                "grad_peak_bytes": sum(e.grads.grad_peak_bytes for e in parts),
+                "frozen_bytes": sum(e.placement.frozen_bytes() for e in parts)}
 
     # ---------------------------------------------------------------- optimizer state: the sharded AdamW's
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         return [t for e in self.parts for t in e.adamw.optimizer_state_tensors()]
 
     def expected_state_bytes(self) -> int:
-        return sum(e.adamw.expected_state_bytes() for e in self.parts)
-
-    def expected_state_bytes_per_value(self) -> int:
-        return self.adamw.expected_state_bytes_per_value()
+        """The ZeRO formula for this rank: bytes per owned value (AdamWShard.state_bytes_per_value) x its shards."""
+        return sum(e.adamw.state_bytes_per_value * e.layout.shard_numel for e in self.parts)
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values where they lie (AdamWShard.master_views). Call wait_params() first."""

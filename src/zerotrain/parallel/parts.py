@@ -18,9 +18,8 @@ from .context import context_parallel_rows
 from .gradients import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
 from .params import frozen_parameters
+from .sharded_adamw import MOMENT_BYTES, state_bytes_per_value
 from .units import frozen_layout_of, units_whole_bytes
-
-MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
 
 
 class Placement:
@@ -208,14 +207,13 @@ class BucketedGradients(GradientHolding):
 
 @dataclass(frozen=True)
 class ShardedAdamW:
-    """AdamW on the owned values: its two fp32 moments, and in bf16 the fp32 master (in fp32 the masters are the
-    parameter buffer's own chunks). The engine's rule (AdamWShard.expected_state_bytes_per_value)."""
+    """AdamW on the owned values: its two fp32 moments, and in bf16 the fp32 master (sharded_adamw's rule)."""
 
     precision: str
 
     @property
     def state_bytes_per_value(self) -> int:
-        return MOMENT_BYTES + (4 if self.precision == "bf16" else 0)
+        return state_bytes_per_value(self.precision)
 
     def moment_bytes(self, owned: int) -> int:
         return owned * MOMENT_BYTES
