@@ -117,8 +117,7 @@ class ZeroEngine:
         self.held_params = self.placement.held_params  # the whole flat buffer (stages 1 and 2), or the shard (3)
         self._init = None  # the source is read only while the buffers are built
         # The gradients (their hooks registered before the placement's: ParameterPlacement.attach), then AdamW
-        self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
-                                     counted_ranges=self._counted_ranges())
+        self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward)
         self.adamw = AdamWShard(self, self.grads, optim)
         self.placement.attach()
         self.experts: ZeroEngine | None = None
@@ -149,19 +148,6 @@ class ZeroEngine:
     def initial_range(self, name: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Values [lo, hi) of initial_value flattened (the init source reads or draws that range alone)."""
         return self._init.flat_values(name, tuple(p.shape), lo, hi) if p.is_meta else p.detach().reshape(-1)[lo:hi]
-
-    def _counted_ranges(self) -> list[tuple[int, int]]:
-        """The shard ranges whose squared gradients this rank adds to the global norm under TP: its TP slices (a KV
-        head held by several TP ranks, by the first of them only) and, on TP rank 0 alone, the replicated values."""
-        t = self.mesh.tp_rank
-        counted = split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
-                               and self.tp_slices[s.name].first_holder(t) == t], self.tp_slices)[0]
-        return self._owned(counted) + (self._owned(self.replicated_ranges) if t == 0 else [])
-
-    def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The parts of `flat_ranges` (sorted, disjoint) this rank owns, as ranges of its shard, in flat order."""
-        return [(p.shard_offset, p.shard_offset + p.numel) for a, z in flat_ranges
-                for p in self.layout.owned_pieces(self.dp.rank, a, z)]
 
     # ---------------------------------------------------------------- backward side: the gradients' part
     @contextlib.contextmanager

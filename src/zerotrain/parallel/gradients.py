@@ -13,7 +13,7 @@ from zerotrain.errors import ZeroTrainError
 from zerotrain.model.recompute import in_backward
 
 from . import grad_norm
-from .layout import ShardLayout
+from .layout import ShardLayout, split_by_tp
 from .params import StaleParameterError, param_dtype
 
 
@@ -37,8 +37,7 @@ class GradientReducer:
     """An engine's gradients: whole (stage 1) or in buckets reduced in backward (stages 2 and 3), reduce-scattered into
     this rank's fp32 shard (`grad_shard`), and the squares this rank adds to the global norm."""
 
-    def __init__(self, engine, *, grad_reduce: str, reduce_in_backward: bool, counted_ranges: list[tuple[int, int]]):
-        """`counted_ranges`: the shard ranges whose squares this rank adds to the norm under TP."""
+    def __init__(self, engine, *, grad_reduce: str, reduce_in_backward: bool):
         self.model, self.layout, self.params, self.slot_of = engine.model, engine.layout, engine.params, engine.slot_of
         self.dp, self.mesh, self.device, self.placement = engine.dp, engine.mesh, engine.device, engine.placement
         self.stage, self.precision = engine.stage, engine.precision
@@ -51,7 +50,7 @@ class GradientReducer:
         self.grads_in_params = keeps_autograd_grads(self.stage, self.precision,
                                                     self.dp.world_size * self.mesh.dp_replicate_size,
                                                     self.mesh.tp_size)
-        self._sumsq_ranges = counted_ranges
+        self._sumsq_ranges = self._counted_ranges(engine)
         self._build_grad_buffers()
         self._register_hooks(engine.gather_behind_forward)
 
@@ -329,14 +328,12 @@ class GradientReducer:
         if grads is None:
             b = self.layout.buckets[index]
             # Reduce-scatters in flight keep their buckets: wait for the oldest until this one fits in the budget
-            while self._pending and self._bucket_bytes() + 4 * (b.end - b.start) > self._bucket_budget:
+            while self._pending and 4 * (sum(g.numel() for g in self._bucket_grads.values()) + b.end - b.start) > \
+                    self._bucket_budget:
                 self._finish_reduces(keep=len(self._pending) - 1)
             grads = self._bucket_grads[index] = torch.zeros(b.end - b.start, device=self.device)
             self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes())
         return grads
-
-    def _bucket_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._bucket_grads.values())
 
     def _release(self, index: int) -> None:
         """Bucket `index`'s gradients are in the shard; its full-size buffer goes."""
@@ -414,13 +411,23 @@ class GradientReducer:
             shard[offset : offset + grad.numel()] = grad
         return shard
 
-    def _counted_grad_sumsq(self) -> torch.Tensor:
-        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once: the
-        sums of squares of its pieces of the norm's chunk grid (grad_norm.py), summed exactly by reduce_grads.
+    def _counted_ranges(self, engine) -> list[tuple[int, int]]:
+        """The shard ranges whose squared gradients this rank adds to the global norm under TP: its TP slices (a KV
+        head held by several TP ranks, by the first of them only) and, on TP rank 0 alone, the replicated values."""
+        t, slices = self.mesh.tp_rank, engine.tp_slices
+        firsts = [s for s in self.layout.slots if s.name in slices and slices[s.name].first_holder(t) == t]
+        counted = split_by_tp(firsts, slices)[0]
+        return self._owned(counted) + (self._owned(engine.replicated_ranges) if t == 0 else [])
 
-        Every rank's TP slices are its own values: each counts its owned chunk of them. Every DP group
-        owns the same chunks of the replicated values, one copy per TP rank: only TP rank 0's group counts them.
-        """
+    def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The parts of `flat_ranges` (sorted, disjoint) this rank owns, as ranges of its shard, in flat order."""
+        return [(p.shard_offset, p.shard_offset + p.numel) for a, z in flat_ranges
+                for p in self.layout.owned_pieces(self.dp.rank, a, z)]
+
+    def _counted_grad_sumsq(self) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once
+        (under TP its _counted_ranges): the sums of squares of its pieces of the norm's chunk grid (grad_norm.py),
+        summed exactly by reduce_grads."""
         if self.grads_in_params:  # the flat buffer's rows, put together where they span parameters: the same bits
             return grad_norm.scattered_chunk_squares(self._param_grads())
         ranges = [(0, self.layout.shard_numel)] if self.mesh.tp_size == 1 else self._sumsq_ranges

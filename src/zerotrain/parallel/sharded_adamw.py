@@ -112,12 +112,9 @@ class AdamWShard:
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor held for the optimizer of this rank's shard: the master values, the flat moments and whatever
         state AdamW keeps now (its 0-dim step counters left out: the ZeRO formula counts per-value state)."""
-        out = [*self._master_views, self.exp_avg, self.exp_avg_sq]
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                out += [t for t in self.optimizer.state.get(p, {}).values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return out
+        return [*self._master_views, self.exp_avg, self.exp_avg_sq,
+                *(t for state in self.optimizer.state.values() for t in state.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0)]
 
     def master_shard(self, copy: bool = False) -> torch.Tensor:
         """This rank's fp32 master values as one shard-length tensor: in bf16 the master itself; in fp32 the owned
