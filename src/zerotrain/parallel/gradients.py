@@ -85,9 +85,6 @@ class GradientReducer:
     def _register_hooks(self, gather_behind_forward: bool) -> None:
         """Bucket bookkeeping, and the hooks that take each gradient (before the placement's: its attach)."""
         self._sync = True
-        self._bucket_sizes = [0] * len(self.layout.buckets)
-        for s in self.layout.slots:
-            self._bucket_sizes[s.bucket] += 1
         # schedule_by_units: bucket -> the unit whose backward must have begun first (None: no such wait)
         self._bucket_unit: list[int] | None = None
         self._open_units: set[int] = set()  # units whose buckets may start from the backward's beginning
@@ -125,7 +122,7 @@ class GradientReducer:
         self._end_queued = False  # _end_backward is queued to run as this backward ends
         self._begun: set[int] = set()  # the units whose backward has begun in this backward
         # The gradients each bucket waits for in the next reducing backward (_reached_by_forward; all when not said)
-        self._expected, self._reached = list(self._bucket_sizes), None
+        self._expected, self._reached = self._gradients_per_bucket(), None
         self._forwards, self._done = [0] * len(self._forwards), [0] * len(self._done)
 
     def _take_first_grad(self, p: torch.Tensor) -> None:
@@ -261,11 +258,14 @@ class GradientReducer:
             else:
                 stack.extend(next_fn for next_fn, _ in fn.next_functions)
         self._reached = reached
-        expected = [0] * len(self._expected)
+        self._expected = self._gradients_per_bucket(reached)
+
+    def _gradients_per_bucket(self, reached: set[int] | None = None) -> list[int]:
+        """How many of each bucket's parameters get a gradient: all of them, or those in `reached`."""
+        counts = [0] * len(self.layout.buckets)
         for s, p in zip(self.layout.slots, self.params):
-            if id(p) in reached:
-                expected[s.bucket] += 1
-        self._expected = expected
+            counts[s.bucket] += reached is None or id(p) in reached
+        return counts
 
     def _at_end_of_backward(self) -> None:
         """Have `_end_backward` run when this backward ends (once; outside a backward nothing is queued)."""
