@@ -171,11 +171,14 @@ class GradientReducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch the buckets whose expected gradients are all in; with schedule_by_units, only those whose unit's
-        backward has begun (or whose unit is open)."""
-        unit_of = self._bucket_unit
-        self._launch_in_order(lambda i: self._ready[i] == self._expected[i] and (
-            unit_of is None or unit_of[i] in self._begun or unit_of[i] in self._open_units))
+        """Launch the buckets whose expected gradients are all in, and that may start (_may_start)."""
+        self._launch_in_order(lambda i: self._ready[i] == self._expected[i] and self._may_start(i))
+
+    def _may_start(self, index: int) -> bool:
+        """The reduce schedule's gate: with schedule_by_units, bucket `index` starts only once its unit's backward has
+        begun (or from the start, where its unit is open)."""
+        unit = None if self._bucket_unit is None else self._bucket_unit[index]
+        return unit is None or unit in self._begun or unit in self._open_units
 
     def _launch_in_order(self, may_launch=lambda index: True) -> None:
         """Launch the next buckets while `may_launch(index)`, in bucket order only (every rank issues the same
