@@ -267,7 +267,8 @@ class GradientReducer:
         """How many of each bucket's parameters get a gradient: all of them, or those in `reached`."""
         counts = [0] * len(self.layout.buckets)
         for s, p in zip(self.layout.slots, self.params):
-            counts[s.bucket] += reached is None or id(p) in reached
+            if reached is None or id(p) in reached:
+                counts[s.bucket] += 1
         return counts
 
     def _at_end_of_backward(self) -> None:
