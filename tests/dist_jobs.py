@@ -301,12 +301,12 @@ def tp_averaged_grad_all_reduce_job(cfg: Config, comm: Comm) -> dict:
 
 def tp_double_counted_norm_job(cfg: Config, comm: Comm) -> dict:
     """Planted bug: every TP rank counts the replicated gradients in the global norm (T times in all)."""
-    from zerotrain.parallel import engine as engine_module
+    from zerotrain.parallel import GradientReducer
 
-    def counted(self):
-        return self._owned(self.sliced_ranges) + self._owned(self.replicated_ranges)
+    def counted(self, engine):
+        return self._owned(engine.sliced_ranges) + self._owned(engine.replicated_ranges)
 
-    with mock.patch.object(engine_module.ZeroEngine, "_counted_ranges", counted):
+    with mock.patch.object(GradientReducer, "_counted_ranges", counted):
         return tp_params_job(cfg, comm)
 
 

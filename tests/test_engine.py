@@ -9,7 +9,7 @@ from conftest import tiny_config
 from zerotrain.data import BatchSchedule, make_source
 from zerotrain.model import build_model, summed_token_loss
 from zerotrain.model.loss import head_loss
-from zerotrain.parallel import AdamWShard, GradientReducer, ZeroEngine
+from zerotrain.parallel import AdamWShard, GradientReducer, ZeroEngine, gradients
 from zerotrain.parallel.optim import adamw_param_groups, build_adamw
 from zerotrain.training.invariants import held_bytes
 from zerotrain.training.loop import accumulate_gradients, build_engine
@@ -18,7 +18,7 @@ from zerotrain.training.schedule import lr_at
 
 def plant_flat_gradient_buffer(monkeypatch) -> None:
     """Planted: one rank keeps the flat gradient buffer (and copies each gradient into it), as more ranks do."""
-    monkeypatch.setattr(GradientReducer, "grads_in_params", property(lambda self: False))
+    monkeypatch.setattr(gradients, "keeps_autograd_grads", lambda *_: False)
 
 
 def run_steps(engine, cfg, steps, forward=None, grads=None):
@@ -46,7 +46,7 @@ def test_parameters_are_views_of_the_flat_buffer_and_one_ranks_gradients_are_aut
     run_steps(engine, tiny_config(tmp_path), 1)
     grads = {p.grad.untyped_storage().data_ptr() for p in engine.params}
     assert len(grads) == len(engine.params) and flat_p not in grads  # one tensor each, none a copy's view
-    assert engine.grad_bytes() == 4 * engine.layout.numel
+    assert engine.memory_held()["grad_bytes"] == 4 * engine.layout.numel
     for p in engine.model.parameters():  # still views after backward and an optimizer step
         assert p.untyped_storage().data_ptr() == flat_p
 
@@ -224,7 +224,7 @@ def test_one_rank_holds_autograds_gradients_only_trains_bitwise_as_with_a_flat_b
 
     plant_flat_gradient_buffer(monkeypatch)
     buffered = build_engine(cfg, one_rank)
-    assert buffered.grad_bytes() == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
+    assert buffered.memory_held()["grad_bytes"] == 4 * buffered.layout.padded_numel > 4 * buffered.layout.numel
     buffered_grads = []
     assert run_steps(buffered, cfg, 3, grads=buffered_grads) == norm
     assert all(torch.equal(a, b) for a, b in zip(buffered_grads, grads, strict=True))
@@ -260,7 +260,7 @@ def test_a_parameter_without_a_gradient_in_a_window_reads_zero_not_the_last_wind
     norm, skipped_max = second_window_norm(honest)
     assert skipped_max == 0.0 and norm == pytest.approx(sum(p.numel() for p in honest.params[1:]) ** 0.5)
     if path == "flat buffer":
-        monkeypatch.setattr(GradientReducer, "_zero_grads_not_taken", lambda self: self._awaiting.clear())
+        monkeypatch.setattr(GradientReducer, "_zero_grads_not_given", lambda self: None)
     else:
         monkeypatch.setattr(GradientReducer, "zero_grad", lambda self: None)
     planted_norm, planted_max = second_window_norm(build_engine(cfg, one_rank))

@@ -35,7 +35,7 @@ def world_norm(grads: dict[str, torch.Tensor], world_size: int, bucket_numel: in
         flat[s.offset : s.offset + s.numel] = grads[s.name].reshape(-1)
     parts = [grad_norm.exact_sum_limbs(grad_norm.chunk_squares(layout.shard(flat, r), [(0, layout.shard_numel)]))
              for r in range(world_size)]
-    return grad_norm.norm_of_limbs(torch.stack(parts).sum(0))
+    return float(grad_norm.norm_tensor(torch.stack(parts).sum(0)))
 
 
 def test_the_chunked_norm_is_a_float64_norm_to_float_rounding():
@@ -124,7 +124,7 @@ def test_one_ranks_norm_of_the_parameters_own_gradients_is_the_flat_buffers_bits
         flat[offset : offset + g.numel()] = g
     expected = grad_norm.exact_sum_limbs(grad_norm.chunk_squares(flat, [(0, layout.padded_numel)]))
     assert torch.equal(grad_norm.exact_sum_limbs(grad_norm.scattered_chunk_squares(pieces)), expected)
-    assert grad_norm.norm_of_limbs(expected) == world_norm(grads, 2, bucket_numel)
+    assert float(grad_norm.norm_tensor(expected)) == world_norm(grads, 2, bucket_numel)
     monkeypatch.setattr(grad_norm, "NORM_CHUNK", grad_norm.NORM_CHUNK // 2)
     assert not torch.equal(grad_norm.exact_sum_limbs(grad_norm.scattered_chunk_squares(pieces)), expected)
 

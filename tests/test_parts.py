@@ -14,7 +14,7 @@ from zerotrain.training.loop import build_engine
 
 def answers_of_engine(engine) -> dict:
     return {"gathers_units": engine.placement.gathers_units, "autograd_grads": engine.grads.grads_in_params,
-            "state_bytes_per_value": engine.expected_state_bytes_per_value()}
+            "state_bytes_per_value": engine.adamw.state_bytes_per_value}
 
 
 def answers_of_parts(cfg, dp: int) -> dict:

@@ -11,6 +11,7 @@ from conftest import tiny_config
 
 from zerotrain.cli import main as cli
 from zerotrain.config import Config
+from zerotrain.parallel.parts import parts_for
 from zerotrain.training import loop
 from zerotrain.training import memory_plan as plan_module
 from zerotrain.training.invariants import InvariantError
@@ -31,10 +32,10 @@ def test_a_run_holds_exactly_the_planned_state_and_saves_the_planned_activations
     result = train(cfg, one_rank, announce=False)  # the run checks its state against the plan itself, exactly
     rows, engine = result.plan["rows"], result.engine
     assert plan_module.measured_state(engine) == {k: rows[k] for k in plan_module.STATE}
-    assert plan_module.state_bytes_per_value(cfg.parallel.precision) == engine.expected_state_bytes_per_value()
+    assert parts_for(cfg).optimizer.state_bytes_per_value == engine.adamw.state_bytes_per_value
     # and the tensors found by walking the engine, its model and its optimizer, measured without the layout
     assert plan_module.held_state_bytes(engine) == sum(rows[k] for k in plan_module.STATE)
-    assert engine.grad_peak_bytes <= rows["gradients"] + rows["gradient_buckets"]
+    assert engine.memory_held()["grad_peak_bytes"] <= rows["gradients"] + rows["gradient_buckets"]
     assert rows["activations"] == result.plan["activations_measured"]  # to the byte on CPU
 
 

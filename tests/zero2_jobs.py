@@ -15,7 +15,8 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     out = summary(result)
     engine = result.engine
     out["params"] = engine.full_state_dict()
-    out["grad_bytes"], out["grad_peak_bytes"] = engine.grad_bytes(), engine.grad_peak_bytes
+    held = engine.memory_held()
+    out["grad_bytes"], out["grad_peak_bytes"] = held["grad_bytes"], held["grad_peak_bytes"]
     out["shard_bytes"] = engine.grads.grad_shard.numel() * 4
     sizes = sorted((b.end - b.start) * 4 for b in engine.layout.buckets)
     out["two_largest_buckets"] = sum(sizes[-2:])

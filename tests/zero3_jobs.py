@@ -25,10 +25,10 @@ def stage_job(cfg: Config, comm: Comm) -> dict:
     engine = result.engine
     out["params"] = engine.full_state_dict()
     out["param_bytes"] = engine.held_params.numel() * engine.held_params.element_size()
-    out["param_peak_bytes"] = engine.param_peak_bytes
+    out["param_peak_bytes"] = engine.memory_held()["param_peak_bytes"]
     out["whole_after_step"] = sorted(getattr(engine.placement, "whole", ()))  # stage 3's buckets whole now
     out["unit_buckets"] = getattr(engine.placement, "unit_buckets", None)
-    out["grad_peak_bytes"] = engine.grad_peak_bytes
+    out["grad_peak_bytes"] = engine.memory_held()["grad_peak_bytes"]
     out["plan"] = result.plan
     out["param_norms"] = result.param_norms
     return out

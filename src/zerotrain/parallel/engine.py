@@ -111,8 +111,7 @@ class ZeroEngine:
         self.held_params = self.placement.held_params  # the whole flat buffer (stages 1 and 2), or the shard (3)
         self._init = None  # the source is read only while the buffers are built
         # The gradients (their hooks registered before the placement's: Placement.attach), then AdamW
-        self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward,
-                                     counted_ranges=self._counted_ranges())
+        self.grads = GradientReducer(self, grad_reduce=grad_reduce, reduce_in_backward=reduce_in_backward)
         self.adamw = AdamWShard(self, self.grads, optim)
         self.placement.attach()
         self.experts: ZeroEngine | None = None
@@ -144,19 +143,6 @@ class ZeroEngine:
         """Values [lo, hi) of initial_value flattened (the init source reads or draws that range alone)."""
         return self._init.flat_values(name, tuple(p.shape), lo, hi) if p.is_meta else p.detach().reshape(-1)[lo:hi]
 
-    def _counted_ranges(self) -> list[tuple[int, int]]:
-        """The shard ranges whose squared gradients this rank adds to the global norm under TP: its TP slices (a KV
-        head held by several TP ranks, by the first of them only) and, on TP rank 0 alone, the replicated values."""
-        t = self.mesh.tp_rank
-        counted = split_by_tp([s for s in self.layout.slots if s.name in self.tp_slices
-                               and self.tp_slices[s.name].first_holder(t) == t], self.tp_slices)[0]
-        return self._owned(counted) + (self._owned(self.replicated_ranges) if t == 0 else [])
-
-    def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The parts of `flat_ranges` (sorted, disjoint) this rank owns, as ranges of its shard, in flat order."""
-        return [(p.shard_offset, p.shard_offset + p.numel) for a, z in flat_ranges
-                for p in self.layout.owned_pieces(self.dp.rank, a, z)]
-
     # ---------------------------------------------------------------- backward side: the gradients' part
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True):
@@ -170,17 +156,6 @@ class ZeroEngine:
         """Start a new accumulation window."""
         for e in self.parts:
             e.grads.zero_grad()
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [t for e in self.parts for t in e.grads.grad_tensors()]
-
-    def grad_bytes(self) -> int:
-        return sum(e.grads.grad_bytes() for e in self.parts)
-
-    @property
-    def grad_peak_bytes(self) -> int:
-        """The most gradient bytes held at once so far, buckets included."""
-        return sum(e.grads.grad_peak_bytes for e in self.parts)
 
     # ---------------------------------------------------------------- optimizer side
     def reduce_grads(self, extras: torch.Tensor | Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,25 +217,25 @@ class ZeroEngine:
         rows = self.placement.digests()
         return rows if self.experts is None else torch.cat([rows, self.experts.param_digests()[:2]])
 
-    @property
-    def param_peak_bytes(self) -> int:
-        """The most parameter bytes held at once so far (stage 3: the shard and the units whole, with --ep each
-        gather counting the other group's too)."""
-        return (max if self.stage == 3 else sum)(e.placement.param_peak_bytes for e in self.parts)
-
-    def frozen_bytes(self) -> int:
-        """Bytes held for the frozen parameters: each whole at stages 1 and 2, this rank's shard at stage 3."""
-        return sum(e.placement.frozen_bytes() for e in self.parts)
+    def memory_held(self) -> dict[str, int]:
+        """The bytes this rank holds, both groups together, by summary.json's per_rank names: the parameters' flat
+        buffers, the gradients and the frozen parameters (each whole at stages 1 and 2, its shard at stage 3) now, and
+        the most parameter and gradient bytes held at once so far (stage 3's units whole, with --ep each gather
+        counting the other group's too; the buckets in flight)."""
+        parts = self.parts
+        return {"param_bytes": sum(b.numel() * b.element_size() for b in self.flat_buffers),
+                "param_peak_bytes": (max if self.stage == 3 else sum)(e.placement.param_peak_bytes for e in parts),
+                "grad_bytes": sum(e.grads.grad_bytes() for e in parts),
+                "grad_peak_bytes": sum(e.grads.grad_peak_bytes for e in parts),
+                "frozen_bytes": sum(e.placement.frozen_bytes() for e in parts)}
 
     # ---------------------------------------------------------------- optimizer state: the sharded AdamW's
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         return [t for e in self.parts for t in e.adamw.optimizer_state_tensors()]
 
     def expected_state_bytes(self) -> int:
-        return sum(e.adamw.expected_state_bytes() for e in self.parts)
-
-    def expected_state_bytes_per_value(self) -> int:
-        return self.adamw.expected_state_bytes_per_value()
+        """The ZeRO formula for this rank: bytes per owned value (AdamWShard.state_bytes_per_value) x its shards."""
+        return sum(e.adamw.state_bytes_per_value * e.layout.shard_numel for e in self.parts)
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values where they lie (AdamWShard.master_views). Call wait_params() first."""

@@ -123,7 +123,7 @@ def expert_bytes(engine) -> int:
     slots = [s for s in L.slots if is_expert_parameter(s.name)]
     owned = sum(p.numel for s in slots for p in L.owned_pieces(rank, s.offset, s.offset + s.numel))
     held = owned if engine.stage == 3 else sum(s.numel for s in slots)
-    return held * engine.held_params.element_size() + engine.expected_state_bytes_per_value() * owned
+    return held * engine.held_params.element_size() + engine.adamw.state_bytes_per_value * owned
 
 
 def all_to_all_bytes_most(model: torch.nn.Module) -> tuple[int, int]:

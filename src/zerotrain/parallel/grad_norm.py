@@ -14,8 +14,8 @@ ranks and no order of the all-reduce can change the result:
     the world's exact sum rounded once to float64, sqrt   -> the norm
 
 The chunk sums' own rounding (fp32, a pairwise tree of 256 values) is the norm's whole error: measured 1e-9
-relative to a float64 norm. With tensor parallelism the counted ranges (gradients.GradientReducer._counted_grad_sumsq) start and end
-at parameters, and are cut at the same grid, so their pieces are the same at every DP size too.
+relative to a float64 norm. With tensor parallelism the counted ranges (gradients.GradientReducer._counted_ranges)
+start and end at parameters, and are cut at the same grid, so their pieces are the same at every DP size too.
 """
 
 from __future__ import annotations
@@ -216,7 +216,3 @@ def norm_tensor(summed: torch.Tensor) -> torch.Tensor:
     computed from it on the device; the host reads it at the log steps."""
     return torch.sqrt(exact_sum(summed))
 
-
-def norm_of_limbs(summed: torch.Tensor) -> float:
-    """norm_tensor, read: the global norm as a Python float."""
-    return float(norm_tensor(summed))

@@ -13,7 +13,7 @@ from zerotrain.errors import ZeroTrainError
 from zerotrain.model.recompute import in_backward
 
 from . import grad_norm
-from .layout import ShardLayout
+from .layout import ShardLayout, split_by_tp
 from .params import StaleParameterError, param_dtype
 
 
@@ -37,8 +37,7 @@ class GradientReducer:
     """An engine's gradients: whole (stage 1) or in buckets reduced in backward (stages 2 and 3), reduce-scattered into
     this rank's fp32 shard (`grad_shard`), and the squares this rank adds to the global norm."""
 
-    def __init__(self, engine, *, grad_reduce: str, reduce_in_backward: bool, counted_ranges: list[tuple[int, int]]):
-        """`counted_ranges`: the shard ranges whose squares this rank adds to the norm under TP."""
+    def __init__(self, engine, *, grad_reduce: str, reduce_in_backward: bool):
         self.model, self.layout, self.params, self.slot_of = engine.model, engine.layout, engine.params, engine.slot_of
         self.dp, self.mesh, self.device, self.placement = engine.dp, engine.mesh, engine.device, engine.placement
         self.stage, self.precision = engine.stage, engine.precision
@@ -47,10 +46,11 @@ class GradientReducer:
         self.reduce_in_backward = reduce_in_backward or self.bucketed
         # Hybrid sharding: the ranks holding this rank's shard in the other replica groups (None: one group)
         self.replicate = self.mesh.dp_replicate
-        self._grads_in_params = keeps_autograd_grads(self.stage, self.precision,
-                                                     self.dp.world_size * self.mesh.dp_replicate_size,
-                                                     self.mesh.tp_size)
-        self._sumsq_ranges = counted_ranges
+        # Whether this rank's gradients stay in its parameters (keeps_autograd_grads), decided once
+        self.grads_in_params = keeps_autograd_grads(self.stage, self.precision,
+                                                    self.dp.world_size * self.mesh.dp_replicate_size,
+                                                    self.mesh.tp_size)
+        self._sumsq_ranges = self._counted_ranges(engine)
         self._build_grad_buffers()
         self._register_hooks(engine.gather_behind_forward)
 
@@ -63,12 +63,14 @@ class GradientReducer:
         # In fp32 the window's first gradient is copied into the view (_take_first_grad): no zeroing, no addition to
         # zeros (at 124M on one thread, two passes over 476 MiB a step fewer)
         self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
-        self._awaiting: set[int] = set()  # the parameters whose first gradient of the window has not arrived
         if flat_grads:
             for s, p in zip(L.slots, self.params):
                 p.grad = self.flat_grads[s.offset : s.offset + s.numel].view(s.shape)
                 if self._grad_views is not None:
                     self._grad_views[id(p)] = p.grad
+        # A window's first gradient is autograd's tensor, kept or copied in: zero_grad drops the parameters' gradients
+        # and finish_grads gives zeros to those that got none (_zero_grads_not_given); nothing else is zeroed
+        self._keeps_first_grad = self.grads_in_params or self._grad_views is not None
         # In bf16, stage 1 accumulates gradients across micro-batches in fp32 before the reduce-scatter.
         self.grad_accum = self.flat_grads if self.precision == "fp32" or self.bucketed else \
             torch.zeros(L.padded_numel, device=device)
@@ -80,34 +82,17 @@ class GradientReducer:
         self._bucket_budget = stage2_bucket_budget(self.layout)
         self.grad_peak_bytes = self.grad_bytes()  # the most gradient bytes held at once, buckets included
 
-    @property
-    def grads_in_params(self) -> bool:
-        """Whether this rank's gradients stay in its parameters (keeps_autograd_grads), decided once."""
-        return self._grads_in_params
-
     def _register_hooks(self, gather_behind_forward: bool) -> None:
         """Bucket bookkeeping, and the hooks that take each gradient (before the placement's: its attach)."""
-        L = self.layout
         self._sync = True
-        self._ready = [0] * len(L.buckets)
-        self._bucket_sizes = [0] * len(L.buckets)
-        for s in L.slots:
-            self._bucket_sizes[s.bucket] += 1
-        self._launched = 0  # buckets whose reduce-scatter has started this window, in bucket order
-        self._end_queued = False  # _end_backward is queued to run as this backward ends
-        self._reduces_now = False  # this backward reduces (the window's last, or every one per micro-batch)
-        self._window_reduced = False  # a backward has reduced this window (a later one is too late)
-        # The gradients each bucket waits for in the next reducing backward (_reached_by_forward; all when not said)
-        self._expected = list(self._bucket_sizes)
-        self._reached: set[int] | None = None
         # schedule_by_units: bucket -> the unit whose backward must have begun first (None: no such wait)
         self._bucket_unit: list[int] | None = None
         self._open_units: set[int] = set()  # units whose buckets may start from the backward's beginning
-        self._begun: set[int] = set()  # the units whose backward has begun in this backward
         # per unit: the forwards whose unit input will get a gradient, and of those the ones whose backward ended
         self._forwards: list[int] = []
         self._done: list[int] = []
-        self._pending: list = []  # their async work handles, dropped once waited for
+        self._pending: list = []  # the launched reduce-scatters' (bucket, work handle), dropped once waited for
+        self._start_window()
         if self.reduce_in_backward or self.precision == "bf16" or gather_behind_forward or self._grad_views is not None:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -124,6 +109,22 @@ class GradientReducer:
         finally:
             self._sync = previous
 
+    def _start_window(self) -> None:
+        """The window's counts start: no bucket launched, no gradient counted, no backward reduced (_start_backward)."""
+        self._ready = [0] * len(self.layout.buckets)
+        self._launched = 0  # buckets whose reduce-scatter has started this window, in bucket order
+        self._reduces_now = False  # this backward reduces (the window's last, or every one per micro-batch)
+        self._window_reduced = False  # a backward has reduced this window (a later one is too late)
+        self._start_backward()
+
+    def _start_backward(self) -> None:
+        """What a backward counts starts again: no end queued, no unit begun, every gradient expected."""
+        self._end_queued = False  # _end_backward is queued to run as this backward ends
+        self._begun: set[int] = set()  # the units whose backward has begun in this backward
+        # The gradients each bucket waits for in the next reducing backward (_reached_by_forward; all when not said)
+        self._expected, self._reached = self._gradients_per_bucket(), None
+        self._forwards, self._done = [0] * len(self._forwards), [0] * len(self._done)
+
     def _take_first_grad(self, p: torch.Tensor) -> None:
         """The window's first gradient of `p` copied into its view of flat_grads, which accumulates the later ones."""
         view = self._grad_views[id(p)]
@@ -131,16 +132,6 @@ class GradientReducer:
             with torch.no_grad():
                 view.copy_(p.grad)
             p.grad = view
-        self._awaiting.discard(id(p))
-
-    def _zero_grads_not_taken(self) -> None:
-        """A parameter with no gradient in the window: its view of flat_grads (the last window's) zeroed."""
-        for p in self.params:
-            if id(p) in self._awaiting:
-                view = self._grad_views[id(p)]
-                view.zero_()
-                p.grad = view
-        self._awaiting.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._grad_views is not None:
@@ -177,13 +168,22 @@ class GradientReducer:
                 self._reached.add(id(p))
                 self._expected[s.bucket] += 1
             self._ready[s.bucket] += 1
-            self.launch_ready()
+            self._launch_ready()
 
-    def launch_ready(self) -> None:
-        """Launch the buckets whose expected gradients are all in, in bucket order only (every rank issues the same
-        reduce-scatters in the same order); with schedule_by_units, only those whose unit's backward has begun."""
-        while self._launched < len(self._ready) and self._ready[self._launched] == self._expected[self._launched] \
-                and self._may_start(self._launched):
+    def _launch_ready(self) -> None:
+        """Launch the buckets whose expected gradients are all in, and that may start (_may_start)."""
+        self._launch_in_order(lambda i: self._ready[i] == self._expected[i] and self._may_start(i))
+
+    def _may_start(self, index: int) -> bool:
+        """The reduce schedule's gate: with schedule_by_units, bucket `index` starts only once its unit's backward has
+        begun (or from the start, where its unit is open)."""
+        unit = None if self._bucket_unit is None else self._bucket_unit[index]
+        return unit is None or unit in self._begun or unit in self._open_units
+
+    def _launch_in_order(self, may_launch=lambda index: True) -> None:
+        """Launch the next buckets while `may_launch(index)`, in bucket order only (every rank issues the same
+        reduce-scatters in the same order)."""
+        while self._launched < len(self.layout.buckets) and may_launch(self._launched):
             self._launch(self._launched)
 
     def schedule_by_units(self, bucket_units: list[int], *, open_units=(), units=None) -> None:
@@ -204,13 +204,7 @@ class GradientReducer:
         if unit not in self._begun:
             self._begun.add(unit)
             if self.join_backward():
-                self.launch_ready()
-
-    def _may_start(self, index: int) -> bool:
-        if self._bucket_unit is None:
-            return True
-        unit = self._bucket_unit[index]
-        return unit in self._begun or unit in self._open_units
+                self._launch_ready()
 
     def _watch_unit_input(self, unit: int, args) -> None:
         """A differentiated forward of `unit`: the gradient of its input says where its backward ended (_unit_done)."""
@@ -229,15 +223,7 @@ class GradientReducer:
         if self._done[unit] != self._forwards[unit] or not self.join_backward():
             return
         self._begun.add(unit)
-        while self._launched < len(self._ready) and self._bucket_unit[self._launched] >= unit:
-            self._launch(self._launched)
-
-    def _forget_backward(self) -> None:
-        """What a backward counted is forgotten: no end queued, no unit begun, every gradient expected again."""
-        self._end_queued = False
-        self._begun.clear()
-        self._expected, self._reached = list(self._bucket_sizes), None
-        self._forwards, self._done = [0] * len(self._forwards), [0] * len(self._done)
+        self._launch_in_order(lambda i: self._bucket_unit[i] >= unit)
 
     def join_backward(self) -> bool:
         """Whether this backward reduces (the window's last, or each with --grad-reduce micro-batch), and if so its end
@@ -275,11 +261,15 @@ class GradientReducer:
             else:
                 stack.extend(next_fn for next_fn, _ in fn.next_functions)
         self._reached = reached
-        expected = [0] * len(self._expected)
+        self._expected = self._gradients_per_bucket(reached)
+
+    def _gradients_per_bucket(self, reached: set[int] | None = None) -> list[int]:
+        """How many of each bucket's parameters get a gradient: all of them, or those in `reached`."""
+        counts = [0] * len(self.layout.buckets)
         for s, p in zip(self.layout.slots, self.params):
-            if id(p) in reached:
-                expected[s.bucket] += 1
-        self._expected = expected
+            if reached is None or id(p) in reached:
+                counts[s.bucket] += 1
+        return counts
 
     def _at_end_of_backward(self) -> None:
         """Have `_end_backward` run when this backward ends (once; outside a backward nothing is queued)."""
@@ -292,19 +282,15 @@ class GradientReducer:
         are launched in bucket order, as on every rank (stage 1 leaves them to finish_grads); then the placement is
         told (stage 3 releases every unit). With --grad-reduce micro-batch the counts start again; otherwise the
         window is reduced, and a gradient of another backward before zero_grad is the caller's mistake."""
-        self._end_queued = False
-        if self._reduces_now:
-            self._reduces_now = False
-            if self.bucketed:
-                while self._launched < len(self._ready):
-                    self._launch(self._launched)
-            if self.per_micro_batch:  # this micro-batch's share is sent
-                self._finish_reduces()
-                self._ready = [0] * len(self._ready)
-                self._launched = 0
-            else:
-                self._window_reduced = True
-        self._forget_backward()
+        reduced, self._reduces_now = self._reduces_now, False
+        if reduced and self.bucketed:
+            self._launch_in_order()
+        if reduced and self.per_micro_batch:  # this micro-batch's share is sent: the window's counts start again
+            self._finish_reduces()
+            self._start_window()
+        else:
+            self._window_reduced |= reduced
+            self._start_backward()
         self.placement.end_backward()
 
     def _late_gradient(self, name: str, bucket: int) -> str:
@@ -346,14 +332,12 @@ class GradientReducer:
         if grads is None:
             b = self.layout.buckets[index]
             # Reduce-scatters in flight keep their buckets: wait for the oldest until this one fits in the budget
-            while self._pending and self._bucket_bytes() + 4 * (b.end - b.start) > self._bucket_budget:
+            while self._pending and 4 * (sum(g.numel() for g in self._bucket_grads.values()) + b.end - b.start) > \
+                    self._bucket_budget:
                 self._finish_reduces(keep=len(self._pending) - 1)
             grads = self._bucket_grads[index] = torch.zeros(b.end - b.start, device=self.device)
             self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes())
         return grads
-
-    def _bucket_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._bucket_grads.values())
 
     def _release(self, index: int) -> None:
         """Bucket `index`'s gradients are in the shard; its full-size buffer goes."""
@@ -372,11 +356,10 @@ class GradientReducer:
     def zero_grad(self) -> None:
         """Start a new accumulation window."""
         self._reset_window()  # first: a reduce-scatter a failed step left in flight still reads the buffers
-        if self.grads_in_params or self._grad_views is not None:
+        if self._keeps_first_grad:
             for p in self.params:
                 # autograd's first gradient becomes .grad (and, with a flat buffer, _take_first_grad copies it in)
                 p.grad = None
-            self._awaiting = set(self._grad_views or ())
         else:
             self.flat_grads.zero_()
         if self.grad_accum is not self.flat_grads:
@@ -389,24 +372,18 @@ class GradientReducer:
         finished (every rank launched them; their results are overwritten), its buckets gone, nothing counted."""
         self._finish_reduces()
         self._bucket_grads.clear()
-        self._ready = [0] * len(self._ready)
-        self._launched = 0
-        self._reduces_now = self._window_reduced = False
-        self._forget_backward()
+        self._start_window()
         self.placement.reset_window()  # no unit running or counting gradients (after a normal step, none is)
 
     def finish_grads(self) -> torch.Tensor:
         """Finish this window's gradient reduction; the squares this rank adds to the global norm (reduce_grads)."""
         self.placement.release()  # nothing stays gathered past the backward (stage 3)
-        if self.grads_in_params:
+        if self._keeps_first_grad:
             self._zero_grads_not_given()
-        if self._awaiting:
-            self._zero_grads_not_taken()
         # Buckets were launched as the reducing backwards ended (unless the hook was called outside a backward);
         # whole gradients are launched here where backward did not
-        while self._launched < len(self.layout.buckets) and (not self.per_micro_batch or any(self._ready)) and \
-                not self.grads_in_params:
-            self._launch(self._launched)
+        if not self.grads_in_params and (not self.per_micro_batch or any(self._ready)):
+            self._launch_in_order()
         self._finish_reduces()
         self.all_reduce_replicas()
         return self._counted_grad_sumsq()
@@ -418,31 +395,45 @@ class GradientReducer:
             self.replicate.all_reduce(self.grad_shard, "all_reduce_replicas")
 
     def _zero_grads_not_given(self) -> None:
-        """A parameter autograd gave no gradient in the window reads zero, as a flat buffer's view would."""
+        """A parameter autograd gave no gradient in the window reads zero: its view of flat_grads (the last window's
+        values) zeroed, or with grads_in_params a tensor of zeros."""
         for p in self.params:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = torch.zeros_like(p) if self.grads_in_params else self._grad_views[id(p)].zero_()
         self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes())
+
+    def _param_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """With grads_in_params: each parameter's gradient, flat, at its offset in the layout."""
+        return [(s.offset, p.grad.reshape(-1)) for s, p in zip(self.layout.slots, self.params)]
 
     def gradient_shard(self) -> torch.Tensor:
         """This rank's reduced gradient shard, after reduce_grads (with grads_in_params: assembled, a copy)."""
         if not self.grads_in_params:
             return self.grad_shard
         shard = torch.zeros(self.layout.shard_numel, device=self.device)
-        for s, p in zip(self.layout.slots, self.params):
-            shard[s.offset : s.offset + s.numel] = p.grad.reshape(-1)
+        for offset, grad in self._param_grads():
+            shard[offset : offset + grad.numel()] = grad
         return shard
 
-    def _counted_grad_sumsq(self) -> torch.Tensor:
-        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once: the
-        sums of squares of its pieces of the norm's chunk grid (grad_norm.py), summed exactly by reduce_grads.
+    def _counted_ranges(self, engine) -> list[tuple[int, int]]:
+        """The shard ranges whose squared gradients this rank adds to the global norm under TP: its TP slices (a KV
+        head held by several TP ranks, by the first of them only) and, on TP rank 0 alone, the replicated values."""
+        t, slices = self.mesh.tp_rank, engine.tp_slices
+        firsts = [s for s in self.layout.slots if s.name in slices and slices[s.name].first_holder(t) == t]
+        counted = split_by_tp(firsts, slices)[0]
+        return self._owned(counted) + (self._owned(engine.replicated_ranges) if t == 0 else [])
 
-        Every rank's TP slices are its own values: each counts its owned chunk of them. Every DP group
-        owns the same chunks of the replicated values, one copy per TP rank: only TP rank 0's group counts them.
-        """
+    def _owned(self, flat_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The parts of `flat_ranges` (sorted, disjoint) this rank owns, as ranges of its shard, in flat order."""
+        return [(p.shard_offset, p.shard_offset + p.numel) for a, z in flat_ranges
+                for p in self.layout.owned_pieces(self.dp.rank, a, z)]
+
+    def _counted_grad_sumsq(self) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm, so that the world's sum counts every value once
+        (under TP its _counted_ranges): the sums of squares of its pieces of the norm's chunk grid (grad_norm.py),
+        summed exactly by reduce_grads."""
         if self.grads_in_params:  # the flat buffer's rows, put together where they span parameters: the same bits
-            return grad_norm.scattered_chunk_squares([(s.offset, p.grad.reshape(-1))
-                                                      for s, p in zip(self.layout.slots, self.params)])
+            return grad_norm.scattered_chunk_squares(self._param_grads())
         ranges = [(0, self.layout.shard_numel)] if self.mesh.tp_size == 1 else self._sumsq_ranges
         squares = grad_norm.chunk_squares(self.grad_shard, ranges)
         # Hybrid sharding: every replica group holds the same shard after all_reduce_replicas; the first counts it

@@ -17,31 +17,31 @@ from .layout import ShardLayout
 from .params import Placement
 from .replicated import ReplicatedParameters
 from .sharded import ShardedParameters
-
-MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
+from .sharded_adamw import MOMENT_BYTES, state_bytes_per_value
 
 
 class GradientHolding:
-    """How a rank holds gradients, before the run: between steps and in flight, whether --grad-reduce chooses
-    anything, and its words for them."""
+    """How a rank holds gradients, before the run, as GradientReducer does: ZeRO-1 a full gradient buffer (in bf16
+    with an fp32 accumulator) reduce-scattered once a step into the shard, on one rank in fp32 autograd's own
+    gradients (keeps_autograd_grads); ZeRO-2 and 3 (`bucketed`) the fp32 shard between steps, full-size buckets only
+    in flight: each micro-batch's (at --accum 1, or --grad-reduce micro-batch) through the two largest buckets, else
+    every bucket kept through the accumulation window. And its words for them."""
 
     def __init__(self, stage: int, precision: str, tp: int, accum: int, grad_reduce: str) -> None:
         self.stage, self.precision, self.tp, self.accum, self.grad_reduce = stage, precision, tp, accum, grad_reduce
+        self.bucketed = stage >= 2
 
     def autograd_grads(self, dp: int) -> bool:
         """Whether autograd's own gradients are the gradients (the engine's grads_in_params, its own rule)."""
         return keeps_autograd_grads(self.stage, self.precision, dp, self.tp)
-
-
-class WholeGradients(GradientHolding):
-    """ZeRO-1: a full gradient buffer (in bf16 with an fp32 accumulator), reduce-scattered once a step into the shard;
-    on one rank in fp32 autograd's own gradients, no buffer (gradients.keeps_autograd_grads)."""
 
     def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int, shard_ranks: int | None = None) \
             -> int:
         """The gradients a rank holds between steps for `numel` trained values over `dp` DP ranks, `padded` with
         their buckets' padding, `shard` of them its own; `shard_ranks`: the ranks they are sharded over (with
         --dp-replicate R, dp / R), `dp` where not given."""
+        if self.bucketed:
+            return shard * 4  # the fp32 shard the buckets are reduce-scattered into
         if self.autograd_grads(dp):  # of every DP rank: one rank of R replica groups still all-reduces a buffer
             return numel * 4  # one per parameter: no flat buffer
         # On one shard rank the shard is the fp32 gradient buffer itself (as GradientReducer builds it).
@@ -49,20 +49,28 @@ class WholeGradients(GradientHolding):
         return padded * psize + (padded * 4 if self.precision == "bf16" else 0) + (shard * 4 if shards > 1 else 0)
 
     def bucket_bytes(self, layout: ShardLayout) -> int:
-        return 0  # no buckets beyond the full gradients
+        """The most bytes of full-size buckets held at once (whole gradients: none beyond them)."""
+        per_micro_batch = self.accum == 1 or self.grad_reduce == "micro-batch"  # the two largest buckets in flight
+        return 0 if not self.bucketed else stage2_bucket_budget(layout) if per_micro_batch else 4 * layout.padded_numel
 
     def buckets_hold_less(self, dp: int) -> bool:
-        """Whether bucketed gradients (ZeRO-2) would hold less: where they free buckets in the backward, at
-        accumulation 1 over more than one DP rank (through a window every bucket is kept, and one rank's whole
-        gradients are a single buffer already)."""
-        return self.accum == 1 and dp > 1
+        """Whether bucketed gradients (ZeRO-2) would hold less than whole ones: where they free buckets in the
+        backward, at accumulation 1 over more than one DP rank (through a window every bucket is kept, and one rank's
+        whole gradients are a single buffer already)."""
+        return not self.bucketed and self.accum == 1 and dp > 1
 
     @property
     def reduce_choice(self) -> bool:
-        """Whether --grad-reduce chooses anything: not with whole gradients (one round a step either way)."""
-        return False
+        """Whether --grad-reduce chooses anything: with buckets, accumulating (whole gradients: one round a step
+        either way)."""
+        return self.bucketed and self.accum > 1
 
     def notes(self, bf16: bool, dp: int) -> dict[str, str]:
+        if self.bucketed:
+            return {"grads": "shard x 4",
+                    "buckets": "two largest buckets x 4" if self.accum == 1 else
+                               "two largest buckets x 4 (each micro-batch's reduced into the shard)"
+                               if self.grad_reduce == "micro-batch" else "every bucket, through the window"}
         if self.autograd_grads(dp):
             grads = "P x 4 (autograd's own, one per parameter, on one rank: no flat buffer)"
         else:
@@ -71,43 +79,15 @@ class WholeGradients(GradientHolding):
         return {"grads": grads, "buckets": "none: stage 1 keeps full gradients"}
 
 
-class BucketedGradients(GradientHolding):
-    """ZeRO-2 and 3: the fp32 shard held between steps; full-size buckets only in flight, reduce-scattered in the
-    backward: each micro-batch's (at --accum 1, or --grad-reduce micro-batch) through the two largest buckets, else
-    every bucket kept through the accumulation window."""
-
-    def held_bytes(self, numel: int, padded: int, shard: int, dp: int, psize: int, shard_ranks: int | None = None) \
-            -> int:
-        return shard * 4  # the fp32 shard the buckets are reduce-scattered into
-
-    def bucket_bytes(self, layout: ShardLayout) -> int:
-        per_micro_batch = self.accum == 1 or self.grad_reduce == "micro-batch"  # the two largest buckets in flight
-        return stage2_bucket_budget(layout) if per_micro_batch else 4 * layout.padded_numel
-
-    def buckets_hold_less(self, dp: int) -> bool:
-        return False  # they are buckets already
-
-    @property
-    def reduce_choice(self) -> bool:
-        return self.accum > 1
-
-    def notes(self, bf16: bool, dp: int) -> dict[str, str]:
-        return {"grads": "shard x 4",
-                "buckets": "two largest buckets x 4" if self.accum == 1 else
-                           "two largest buckets x 4 (each micro-batch's reduced into the shard)"
-                           if self.grad_reduce == "micro-batch" else "every bucket, through the window"}
-
-
 @dataclass(frozen=True)
 class ShardedAdamW:
-    """AdamW on the owned values: its two fp32 moments, and in bf16 the fp32 master (in fp32 the masters are the
-    parameter buffer's own chunks). The engine's rule (AdamWShard.expected_state_bytes_per_value)."""
+    """AdamW on the owned values: its two fp32 moments, and in bf16 the fp32 master (sharded_adamw's rule)."""
 
     precision: str
 
     @property
     def state_bytes_per_value(self) -> int:
-        return MOMENT_BYTES + (4 if self.precision == "bf16" else 0)
+        return state_bytes_per_value(self.precision)
 
     def moment_bytes(self, owned: int) -> int:
         return owned * MOMENT_BYTES
@@ -139,25 +119,15 @@ class HybridSharding:
 
     replicas: int
 
-    def shard_ranks(self, dp: int) -> int:
-        return dp // self.replicas
-
-    def writes_shard(self, dp_rank: int, dp: int) -> bool:
-        """Whether DP rank `dp_rank` (of `dp`) writes its shard at a save: replica group 0's ranks."""
-        return dp_rank < self.shard_ranks(dp)
-
-    def all_reduce_bytes(self, shard_numels: list[int]) -> int:
-        """Bytes a rank sends a step across the replica groups: each fp32 gradient shard's ring all-reduce over R
-        ranks, 2 (R - 1) / R of it (as Comm.all_reduce counts it, per tensor)."""
-        return sum(int(n * 4 * 2 * (self.replicas - 1) / self.replicas) for n in shard_numels)
-
     def rows(self, **planned) -> dict[str, int]:
         """No memory of its own: the all-reduce runs in place on the gradient shard."""
         return {}
 
     def traffic(self, layouts: list) -> dict[str, int]:
-        """Bytes a rank sends a step by purpose (Comm's names): the all-reduce of its gradient shards."""
-        return {"all_reduce_replicas": self.all_reduce_bytes([L.shard_numel for L in layouts])}
+        """Bytes a rank sends a step by purpose (Comm's names): each fp32 gradient shard's ring all-reduce over the R
+        replica groups, 2 (R - 1) / R of it (as Comm.all_reduce counts it, per tensor)."""
+        R = self.replicas
+        return {"all_reduce_replicas": sum(int(L.shard_numel * 4 * 2 * (R - 1) / R) for L in layouts)}
 
 
 @dataclass
@@ -170,20 +140,15 @@ class RunParts:
     experts: ExpertParallel | None = None
     more: list = field(default_factory=list)  # parts with rows of their own (context parallelism): `more_rows`
 
-    @property
-    def hybrid(self) -> HybridSharding | None:
-        """--dp-replicate R > 1: the hybrid sharding part, among `more`; None otherwise."""
-        return next((part for part in self.more if isinstance(part, HybridSharding)), None)
-
     def shard_ranks(self, dp: int) -> int:
-        """The ranks the flat layout is split over: every DP rank, or with hybrid sharding its shard group's,
-        DP / --dp-replicate."""
-        return self.hybrid.shard_ranks(dp) if self.hybrid is not None else dp
+        """The ranks the flat layout is split over: every DP rank, or with hybrid sharding (--dp-replicate R, the
+        placement's replicas) its replica group's, DP / R."""
+        return dp // self.placement.replicas
 
     def writes_shard(self, dp_rank: int, dp: int) -> bool:
-        """Whether DP rank `dp_rank` writes (and with --async-save stages) its shard at a save: every rank, or with
-        hybrid sharding replica group 0's."""
-        return self.hybrid is None or self.hybrid.writes_shard(dp_rank, dp)
+        """Whether DP rank `dp_rank` writes (and with --async-save stages) its shard at a save: replica group 0's
+        ranks, every rank without hybrid sharding."""
+        return dp_rank < self.shard_ranks(dp)
 
     def traffic(self, layouts: list) -> dict[str, int]:
         """The bytes a rank sends a step that the parts to come add, by purpose: each such part's `traffic`."""
@@ -206,8 +171,7 @@ def parts_for(cfg: Config) -> RunParts:
     """The parts `cfg`'s run composes: the one place outside the engine that turns the ZeRO stage into parts."""
     p = cfg.parallel
     placement = (ShardedParameters if p.zero == 3 else ReplicatedParameters)(p.bucket_numel, p.dp_replicate)
-    gradients = (WholeGradients if p.zero == 1 else BucketedGradients)(p.zero, p.precision, p.tp, cfg.loop.accum,
-                                                                       cfg.grad_reduce)
+    gradients = GradientHolding(p.zero, p.precision, p.tp, cfg.loop.accum, cfg.grad_reduce)
     more = context_parallel_rows(p.cp) + ([HybridSharding(p.dp_replicate)] if p.dp_replicate > 1 else [])
     return RunParts(placement, gradients, ShardedAdamW(p.precision), ExpertParallel(p.ep) if p.ep > 1 else None,
                     more)

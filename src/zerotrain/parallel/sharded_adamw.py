@@ -10,6 +10,15 @@ from .layout import shard_values
 from .optim import build_adamw
 from .params import OwnedPiece
 
+MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq per owned value, fp32 in either precision
+
+
+def state_bytes_per_value(precision: str) -> int:
+    """The ZeRO formula's optimizer state per owned value: the two fp32 moments and, in bf16, the fp32 master (in fp32
+    the masters are the parameter buffer's own chunks): 8 in fp32, 12 in bf16. The plan (parts.ShardedAdamW) and the
+    invariant (c) both ask this."""
+    return MOMENT_BYTES + (4 if precision == "bf16" else 0)
+
 
 class AdamWShard:
     """AdamW on this rank's shard of an engine's flat layout: one AdamW parameter per owned piece."""
@@ -18,6 +27,7 @@ class AdamWShard:
         """Over `engine`'s layout and placement, with `grads` (its GradientReducer) holding the gradient shard."""
         self.layout, self.dp, self.placement, self.params = engine.layout, engine.dp, engine.placement, engine.params
         self.device, self.precision, self.optim_cfg, self.grads = engine.device, engine.precision, optim, grads
+        self.state_bytes_per_value = state_bytes_per_value(self.precision)
         self._build_optimizer()
 
     def _build_optimizer(self) -> None:
@@ -102,25 +112,14 @@ class AdamWShard:
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor held for the optimizer of this rank's shard: the master values, the flat moments and whatever
         state AdamW keeps now (its 0-dim step counters left out: the ZeRO formula counts per-value state)."""
-        out = [*self._master_views, self.exp_avg, self.exp_avg_sq]
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                out += [t for t in self.optimizer.state.get(p, {}).values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return out
+        return [*self._master_views, self.exp_avg, self.exp_avg_sq,
+                *(t for state in self.optimizer.state.values() for t in state.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0)]
 
-    def expected_state_bytes(self) -> int:
-        """The ZeRO formula for this rank: bytes per owned value x the shard."""
-        return self.expected_state_bytes_per_value() * self.layout.shard_numel
-
-    def expected_state_bytes_per_value(self) -> int:
-        """ZeRO formula: 8 bytes (moments) per owned value in fp32, 12 (plus fp32 master) in bf16."""
-        return 8 if self.master is None else 12
-
-    def master_shard(self) -> torch.Tensor:
-        """This rank's fp32 master values as one shard-length tensor (in fp32 at stages 1 and 2 a copy; at stage 3 the
-        shard itself)."""
-        return self.master if self.master is not None else self.placement.owned_shard(copy=False)
+    def master_shard(self, copy: bool = False) -> torch.Tensor:
+        """This rank's fp32 master values as one shard-length tensor: in bf16 the master itself; in fp32 the owned
+        values (at stages 1 and 2 a copy; at stage 3 the shard itself, unless `copy`)."""
+        return self.master if self.master is not None else self.placement.owned_shard(copy=copy)
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values, in shard order, as views where they lie (no copy). Call wait_params()
@@ -129,14 +128,12 @@ class AdamWShard:
 
     @property
     def step_count(self) -> int:
-        m = self._master_views[0] if self._master_views else None
-        return int(self.optimizer.state[m]["step"]) if m is not None else 0
+        return int(self.optimizer.state[self._master_views[0]]["step"]) if self._master_views else 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard: its masters (an independent copy in fp32), moments and step count."""
-        master = self.master if self.master is not None else self.placement.owned_shard(copy=True)
         return {
-            "master": master.float().contiguous(),
+            "master": self.master_shard(copy=True).float().contiguous(),
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
             "step": torch.tensor([self.step_count], dtype=torch.int64),

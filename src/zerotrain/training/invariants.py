@@ -104,7 +104,7 @@ def check_memory(engine, comm: Comm, step: int = 0) -> MemoryReport:
     report = MemoryReport(
         per_rank=[int(v) for v in per_rank.view(-1).tolist()],
         expected=engine.expected_state_bytes(),
-        bytes_per_value=engine.expected_state_bytes_per_value(),
+        bytes_per_value=engine.adamw.state_bytes_per_value,
         shard_numel=engine.layout.shard_numel,
     )
     wrong = [r for r, v in enumerate(report.per_rank) if v != report.expected]

@@ -673,17 +673,13 @@ def _per_rank_bytes(engine: ZeroEngine, comm: Comm) -> dict[str, list[int]]:
     held at once during one, stage 3's units whole and stage 2's buckets in flight included), what its start read
     from --init-from's files or drew from the seed, its peak resident memory and, on CUDA, its device's peak."""
     peaks = peak_memory(engine.device)
-    buffers = engine.flat_buffers  # expert parallelism: the experts' too
-    params = sum(b.numel() * b.element_size() for b in buffers)
+    held = engine.memory_held()  # expert parallelism: the experts' too; ZeRO-3: the shard and the units whole at once
     row = torch.tensor([
-        params,
-        engine.param_peak_bytes,  # ZeRO-3: the shard and the units whole at once
-        engine.grad_bytes(),
-        engine.grad_peak_bytes,
-        invariants.held_bytes(engine.optimizer_state_tensors(), exclude=buffers),
+        *(held[key] for key in ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes")),
+        invariants.held_bytes(engine.optimizer_state_tensors(), exclude=engine.flat_buffers),
         engine.init_bytes_read,  # what building this rank's share of the model read from --init-from's files
         engine.init_values_drawn,  # ... or drew from the seed
-        engine.frozen_bytes(),  # the frozen parameters (a LoRA run's base) it holds: ZeRO-3's shard of them
+        held["frozen_bytes"],  # the frozen parameters (a LoRA run's base) it holds: ZeRO-3's shard of them
         expert_bytes(engine),  # a mixture of experts': its experts' parameters and optimizer state held here
         peaks["peak_host_bytes"],
         *([peaks["peak_device_bytes"]] if "peak_device_bytes" in peaks else []),

@@ -117,7 +117,7 @@ from zerotrain.parallel import Comm, ShardLayout, ZeroEngine, layout_of, units a
 from zerotrain.parallel.context import context_parallel_rows
 from zerotrain.parallel.experts import all_to_all_bytes_most, is_expert_parameter, keep_expert_block
 from zerotrain.parallel.params import storage_bytes
-from zerotrain.parallel.parts import ShardedAdamW, parts_for
+from zerotrain.parallel.parts import parts_for
 
 from .invariants import InvariantError, held_bytes
 
@@ -283,14 +283,6 @@ def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
     experts = layout_of(model, parts.experts.replica_ranks(shards), p.bucket_numel, is_expert_parameter) \
         if parts.experts is not None else None
     return PlannedModel(model, shapes, L, experts)
-
-
-def state_bytes_per_value(precision: str) -> int:
-    """The optimizer state a rank holds per value it owns: AdamW's two fp32 moments (parts.MOMENT_BYTES) and, in bf16,
-    the fp32 master (in fp32 the masters are the parameter buffer's own chunks): 12 in bf16, 8 in fp32. The engine's
-    rule (AdamWShard.expected_state_bytes_per_value), which the plan counts in the optimizer state and master rows
-    and in the experts' state: the sharded AdamW part's (parallel/parts.py)."""
-    return ShardedAdamW(precision).state_bytes_per_value
 
 
 def all_to_all_row_bytes(cfg: Config, sequences: int) -> int:
@@ -841,12 +833,10 @@ def measured_state(engine: ZeroEngine, outside: dict | None = None) -> dict[str,
     engine (its held_state: DPO's live reference copy, reference_model.ReferenceCopy)."""
     parts = engine.parts  # with --ep: the expert group too
     master = sum(e.adamw.master.numel() * 4 for e in parts if e.adamw.master is not None)
-    buffers = [e.held_params for e in parts]
-    optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=buffers)
-    copy = (outside or {}).get("reference_model")
-    return {"parameters": sum(b.numel() * b.element_size() for b in buffers),
-            "frozen_base": engine.frozen_bytes(),
-            "gradients": engine.grad_bytes(), "optimizer_state": optimizer - master, "master_weights": master,
+    optimizer = held_bytes(engine.optimizer_state_tensors(), exclude=engine.flat_buffers)
+    copy, held = (outside or {}).get("reference_model"), engine.memory_held()
+    return {"parameters": held["param_bytes"], "frozen_base": held["frozen_bytes"],
+            "gradients": held["grad_bytes"], "optimizer_state": optimizer - master, "master_weights": master,
             "reference_model": copy.held_bytes() if copy is not None else 0}
 
 
@@ -925,11 +915,11 @@ def check(plan: MemoryPlan, engine: ZeroEngine, comm: Comm, saved_bytes: int | N
     None: not counted) are off by more than 10%. `outside`: what the objective holds beyond the engine (DPO's live
     reference copy), measured as the engine's state is."""
     held = measured_state(engine, outside)
-    param_peak = engine.param_peak_bytes  # ZeRO-3: the shard and units whole
+    peaks = engine.memory_held()  # ZeRO-3's parameters: the shard and units whole
     copy = (outside or {}).get("reference_model")  # its units whole in its forward, beyond its shard (ZeRO-3)
     copy_units = copy.peak_bytes() - copy.held_bytes() if copy is not None else 0
     row = [held[k] for k in STATE] + [held_state_bytes(engine, outside), *all_to_all_bytes_most(engine.model),
-                                      copy_units, param_peak, engine.grad_peak_bytes]
+                                      copy_units, peaks["param_peak_bytes"], peaks["grad_peak_bytes"]]
     rows = comm.all_gather_rows(torch.tensor(row, dtype=torch.int64), "all_gather_plan").tolist()
     differences = differences_from(plan, rows)
     if differences and (strict() or on_difference is None):
