@@ -101,7 +101,7 @@ def units_whole_bytes(model: torch.nn.Module, layout: ShardLayout, element_size:
                       beside: ShardLayout | None = None) -> int:
     """The most parameter bytes whole at once beyond the shard: the root unit with the largest other unit, or with
     `prefetch` the largest two neighbouring ones (an MTP depth with an untied head's unit too); `frozen`: the frozen
-    parameters' layout, `beside`: a second engine's layout over the same units (expert parallelism's experts), whose
+    parameters' layout, `beside`: the expert group's layout over the same units (expert parallelism), whose
     buckets are whole with the unit's."""
     layouts = [(layout, True)] + [(other, trained) for other, trained in ((frozen, False), (beside, True)) if other]
     size = [b.end - b.start for other, _ in layouts for b in other.buckets]
