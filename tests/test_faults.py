@@ -4,10 +4,13 @@ The faults that end or block a process run in child processes, so the test proce
 """
 
 import math
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+import traceback
 
 import pytest
 
@@ -15,9 +18,78 @@ from zerotrain.errors import ConfigError
 from zerotrain.training.faults import CRASH_IN_SAVE_EXIT, ENV, Fault, Faults
 
 
+class ForkedChild:
+    """`code` run as `python -c CODE` would run it, in a child forked from this process, its stdout and stderr piped
+    back, with the Popen methods these tests use. Forked, not a fresh interpreter: zerotrain and torch are imported
+    here already, where a fresh interpreter spends 2-3 s of CPU importing them to run a few lines."""
+
+    def __init__(self, code: str):
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: it never returns into pytest
+            status = 1
+            try:
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                for fd in (out_r, out_w, err_r, err_w):
+                    os.close(fd)
+                # as in a fresh interpreter writing to pipes: stdout block-buffered, stderr line-buffered
+                sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", buffering=1, closefd=False)
+                exec(compile(textwrap.dedent(code), "<child>", "exec"), {"__name__": "__main__"})
+                status = 0
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else 1 if e.code else 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        os.close(out_w)
+        os.close(err_w)
+        self.stdout, self.stderr = open(out_r), open(err_r)
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["<forked child>"], timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait(30)
+            raise
+        finally:
+            out, err = self.stdout.read(), self.stderr.read()
+            self.stdout.close()
+            self.stderr.close()
+        return out, err
+
+
 def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    child = ForkedChild(code)
+    out, err = child.communicate(timeout)
+    return subprocess.CompletedProcess(["<forked child>"], child.returncode, out, err)
 
 
 # --- parsing ---------------------------------------------------------------------------------------------------
@@ -132,7 +204,7 @@ def test_kill_sigkills_the_rank_at_its_step():
 
 
 def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    child = ForkedChild("""
         import signal
         from zerotrain.training.faults import Faults
         signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM handled", flush=True))
@@ -141,7 +213,7 @@ def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
         print("entering step 2", flush=True)
         faults.before_collectives(2)
         print("returned from step 2", flush=True)
-    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """)
     try:
         assert child.stdout.readline() == "entering step 2\n"
         with pytest.raises(subprocess.TimeoutExpired):
@@ -209,16 +281,19 @@ def test_a_crash_halfway_through_writing_the_reference_leaves_the_file_it_replac
     assert path.read_bytes() == (b"new" * 500 if planted else b"old" * 1000)
 
 
+# the worker is forked from the launcher (itself a ForkedChild), which is its parent as a launcher is a rank's
 LAUNCHER = """
-    import signal, subprocess, sys
+    import multiprocessing, os, signal
     received = []
     def on_sigterm(signum, frame):
         received.append(signum)
         if {forward}:
-            worker.send_signal(signal.SIGTERM)  # as the elastic agent forwards a stop to its workers
+            os.kill(worker.pid, signal.SIGTERM)  # as the elastic agent forwards a stop to its workers
     signal.signal(signal.SIGTERM, on_sigterm)
-    worker = subprocess.Popen([sys.executable, "-c", {worker!r}])
-    rc = worker.wait()
+    worker = multiprocessing.get_context("fork").Process(target=exec, args=({worker!r}, {{"__name__": "__main__"}}))
+    worker.start()
+    worker.join()
+    rc = worker.exitcode
     print("launcher received", len(received), "SIGTERM; worker exit", rc, flush=True)
 """
 
