@@ -3,7 +3,8 @@
 A fresh interpreter spends 2-3 s of CPU importing zerotrain and torch to run a few lines; the test's process has
 imported them already, and a forked child starts in milliseconds. For code that a fresh interpreter's state does not
 change: the child inherits what the test's process imported and set (a planted bug included, which is then the
-product's own function, patched).
+product's own function, patched). Not for code that computes with torch: the thread pool of torch's CPU kernels does
+not survive a fork (a matmul in the child can hang), which is why ranks start from a server that never computed.
 """
 
 from __future__ import annotations
