@@ -9,13 +9,14 @@ from zerotrain.runtime.allocator import return_large_blocks_to_os
 
 # Fresh processes (the threshold is process-wide): a 2 MiB block freed (glibc raises its threshold to 2 MiB), then
 # 32 blocks of 2 MiB, all freed but the newest, which pins the heap's top. What the process still holds is printed.
+# Only the stage arms import the placements (and torch with them, 2-3 s a process): allocator.py imports no torch.
 HELD_AFTER_FREEING = """
 import sys
-from zerotrain.config import Config
-from zerotrain.parallel.parts import parts_for
 from zerotrain.runtime import allocator
 arm = sys.argv[1]
 if arm.startswith("stage"):  # as launch._rank asks: the run's parameter placement
+    from zerotrain.config import Config
+    from zerotrain.parallel.parts import parts_for
     cfg = Config()
     cfg.parallel.zero = int(arm[-1])
     applied = allocator.rank_allocator(parts_for(cfg).placement.gathers_units)

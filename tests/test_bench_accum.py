@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 from conftest import zerotrain_here
@@ -18,11 +17,6 @@ POINT_FIELDS = {
     "samples_per_s", "tokens_per_s", "optimizer_steps_per_s", "step_time_median_s", "step_time_p90_s",
     "mean_loss", "collective_calls_per_step", "bytes_per_step", "bytes_per_step_by_purpose",
 }
-
-
-def zerotrain(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def test_quick_sweep_writes_schema_json_and_a_two_panel_png_of_the_expected_size(tmp_path, capfd):
@@ -59,15 +53,15 @@ def test_quick_sweep_writes_schema_json_and_a_two_panel_png_of_the_expected_size
     assert image[..., :3].std() > 0  # something was drawn
 
 
-def test_missing_matplotlib_is_a_one_line_error_with_the_install_hint(tmp_path):
-    fake = tmp_path / "site" / "matplotlib"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('matplotlib is not installed here')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
-    proc = zerotrain("bench", "accum", "--quick", "--out", str(tmp_path / "out"), env=env)
+def test_missing_matplotlib_is_a_one_line_error_with_the_install_hint(tmp_path, capfd, monkeypatch):
+    # None in sys.modules makes `import matplotlib` raise ImportError, as where it is not installed; in this process,
+    # not a fresh one (which would import zerotrain and torch again for one line)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    proc = zerotrain_here(capfd, "bench", "accum", "--quick", "--out", str(tmp_path / "out"))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "pip install 'zerotrain[plot]'" in proc.stderr
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_bad_grid_is_a_one_line_error_naming_the_value(tmp_path, capfd):

@@ -6,18 +6,18 @@ The faults that end or block a process run in child processes, so the test proce
 import math
 import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from forked_child import ForkedChild, run_forked
 
 from zerotrain.errors import ConfigError
 from zerotrain.training.faults import CRASH_IN_SAVE_EXIT, ENV, Fault, Faults
 
 
 def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    """`code` run as `python -c CODE` would run it, in a child forked from this process (forked_child.py)."""
+    return run_forked(textwrap.dedent(code), timeout=timeout)
 
 
 # --- parsing ---------------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_kill_sigkills_the_rank_at_its_step():
 
 
 def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    child = ForkedChild("""
         import signal
         from zerotrain.training.faults import Faults
         signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM handled", flush=True))
@@ -141,7 +141,7 @@ def test_hang_blocks_until_killed_and_shrugs_off_sigterm():
         print("entering step 2", flush=True)
         faults.before_collectives(2)
         print("returned from step 2", flush=True)
-    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """)
     try:
         assert child.stdout.readline() == "entering step 2\n"
         with pytest.raises(subprocess.TimeoutExpired):
@@ -209,16 +209,19 @@ def test_a_crash_halfway_through_writing_the_reference_leaves_the_file_it_replac
     assert path.read_bytes() == (b"new" * 500 if planted else b"old" * 1000)
 
 
+# the worker is forked from the launcher (itself a ForkedChild), which is its parent as a launcher is a rank's
 LAUNCHER = """
-    import signal, subprocess, sys
+    import multiprocessing, os, signal
     received = []
     def on_sigterm(signum, frame):
         received.append(signum)
         if {forward}:
-            worker.send_signal(signal.SIGTERM)  # as the elastic agent forwards a stop to its workers
+            os.kill(worker.pid, signal.SIGTERM)  # as the elastic agent forwards a stop to its workers
     signal.signal(signal.SIGTERM, on_sigterm)
-    worker = subprocess.Popen([sys.executable, "-c", {worker!r}])
-    rc = worker.wait()
+    worker = multiprocessing.get_context("fork").Process(target=exec, args=({worker!r}, {{"__name__": "__main__"}}))
+    worker.start()
+    worker.join()
+    rc = worker.exitcode
     print("launcher received", len(received), "SIGTERM; worker exit", rc, flush=True)
 """
 

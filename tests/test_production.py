@@ -161,10 +161,11 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_is_bitwise_identical(tmp_path
     assert final_state(nudged, 6) != final_state(whole, 6)
 
 
-def in_own_session(tmp_path, *args, faults, python_first=(), console_reader_gone=False):
+def in_own_session(tmp_path, *args, faults, python_first=(), console_reader_gone=False, settle_s=10):
     """`zerotrain ARGS` in a process group of its own (a group signal then reaches only the job), with `faults`;
     `python_first`: lines run in the launcher's interpreter before the command (a planted bug). What the group
-    still holds 10 s after the launcher has exited is killed (a planted bug can orphan ranks) and returned as `left`.
+    still holds `settle_s` after the launcher has exited is killed (a planted bug can orphan ranks) and returned as
+    `left`.
     `console_reader_gone`: its output goes to a pipe whose reader has already gone (nothing of it is returned)."""
     code = "\n".join([*python_first, "import sys", "from zerotrain.cli.main import main", "sys.exit(main(sys.argv[1:]))"])
     env = dict(os.environ, ZEROTRAIN_FAULTS=faults)
@@ -177,7 +178,7 @@ def in_own_session(tmp_path, *args, faults, python_first=(), console_reader_gone
         try:
             job.wait(timeout=240)
         finally:
-            deadline = time.monotonic() + 10  # the ranks' server ends once its launcher has gone
+            deadline = time.monotonic() + settle_s  # the ranks' server ends once its launcher has gone
             while (left := _in_group(job.pid)) and time.monotonic() < deadline:
                 time.sleep(0.1)
             for pid in left:
@@ -223,9 +224,10 @@ def test_a_signal_to_the_process_group_is_one_stop_saved_at_its_step_and_the_res
         f"zerotrain: stopped by {kind} at step 3; saved step_00000003; continue with --resume auto"
     assert checkpoint.committed_steps(os.path.join(stopped, "checkpoints")) == ["step_00000003"]
     if kind == "SIGTERM":
+        # the planted server's death orphans its ranks: no waiting for them to end (they would not)
         planted = in_own_session(tmp_path, "train", *args, "--out", str(tmp_path / "planted"), faults="group_sigterm@step=3",
                                  python_first=["import zerotrain.runtime.rank_start as r",
-                                               "r.SERVER_FLAG = 'NOT_THE_SERVER'"])
+                                               "r.SERVER_FLAG = 'NOT_THE_SERVER'"], settle_s=0)
         assert planted.returncode == 1 and "failed with exit code 255" in planted.stderr, planted.stderr
         return
     resumed, = train_in_turn([*args, "--out", stopped, "--resume", "auto"])

@@ -87,26 +87,67 @@ def test_a_second_run_into_any_folder_of_a_live_run_is_refused_naming_it_and_the
         release_run_folders()
 
 
-def test_the_folder_check_is_the_lock_a_planted_no_op_lock_lets_a_second_run_in(tmp_path, monkeypatch):
+class OtherProcess:
+    """Another process that takes run folders with hold_run_folder when told to, and lets them go: one interpreter for
+    the tests of this file (each would import zerotrain, torch with it, for a line or two)."""
+
+    SERVE = ("import sys\n"
+             "from zerotrain.runtime.run_folder import ConfigError, hold_run_folder, release_run_folders\n"
+             "for line in sys.stdin:\n"
+             "    if line.startswith('take '):\n"
+             "        try:\n"
+             "            hold_run_folder(line[5:].rstrip('\\n'))\n"
+             "            print('taken', flush=True)\n"
+             "        except ConfigError as e:\n"
+             "            print('refused', e, flush=True)\n"
+             "    else:\n"
+             "        release_run_folders()\n"
+             "        print('released', flush=True)\n")
+
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, "-c", self.SERVE], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.pid = self.process.pid
+
+    def _ask(self, line: str) -> str:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline()
+
+    def take(self, folder: str) -> bool:
+        """Whether it took `folder` (it holds it until release)."""
+        answer = self._ask(f"take {folder}")
+        assert answer.startswith(("taken", "refused")), answer
+        return answer.startswith("taken")
+
+    def release(self) -> None:
+        assert self._ask("release") == "released\n"
+
+
+@pytest.fixture(scope="module")
+def other_process():
+    other = OtherProcess()
+    yield other
+    other.process.communicate("", timeout=30)
+
+
+def test_the_folder_check_is_the_lock_a_planted_no_op_lock_lets_a_second_run_in(tmp_path, monkeypatch, other_process):
     """prepare_run refuses a held folder because of the lock alone: with hold_run_folder planted as a no-op, it
     would let a second run into a folder another process is training in."""
     out = str(tmp_path / "held")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from zerotrain.runtime.run_folder import "
-                               f"hold_run_folder; hold_run_folder({out!r}); print('held', flush=True); "
-                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert other_process.take(out)
     try:
-        assert holder.stdout.readline() == "held\n"
         cfg = tiny_config(tmp_path, steps=2)
         cfg.logging.out, cfg.logging.metrics, cfg.checkpoint.dir = out, "", ""
-        with pytest.raises(run_folder.ConfigError, match=f"in use by another run \\(pid {holder.pid} "):
+        with pytest.raises(run_folder.ConfigError, match=f"in use by another run \\(pid {other_process.pid} "):
             prepare_run(cfg)
         monkeypatch.setattr(run_folder, "hold_run_folder", lambda out, flag="--out": None)  # planted: nothing held
         assert prepare_run(cfg).logging.out == out  # the second run would have gone ahead
     finally:
-        holder.communicate("", timeout=30)
+        other_process.release()
 
 
-def test_a_run_refused_after_taking_its_folder_lets_it_go(tmp_path, monkeypatch):
+def test_a_run_refused_after_taking_its_folder_lets_it_go(tmp_path, monkeypatch, other_process):
     """run_job's prepare may take the run folder and then refuse the run: the folder is let go at once, so a caller
     that goes on living (a notebook, a sweep) does not keep the next run out. Planted: the release skipped."""
     from zerotrain.runtime import launch
@@ -116,10 +157,10 @@ def test_a_run_refused_after_taking_its_folder_lets_it_go(tmp_path, monkeypatch)
         raise run_folder.ConfigError("refused after taking the folder")
 
     def other_process_takes_it() -> bool:
-        probe = subprocess.run([sys.executable, "-c", "from zerotrain.runtime.run_folder import hold_run_folder; "
-                                f"hold_run_folder({str(tmp_path / 'run')!r})"], capture_output=True, text=True,
-                               timeout=60)
-        return probe.returncode == 0
+        try:
+            return other_process.take(str(tmp_path / "run"))
+        finally:
+            other_process.release()
 
     cfg = tiny_config(tmp_path, steps=1)
     with pytest.raises(run_folder.ConfigError, match="refused after taking"):
