@@ -43,10 +43,8 @@ def shard_into_buckets(layout: ShardLayout, params: list[torch.nn.Parameter], sh
 
 
 class UnitBuckets:
-    """Parameters held as this rank's shards of their layouts, a bucket's buffer whole only while some unit holds it:
-    gathered when a unit first needs it (or prefetched ahead of it), released once none holds it, never while a gather
-    still writes into it. ZeRO-3's placement (sharded.py: each unit's forward and backward) and the frozen copy
-    (frozen_copy.py: forwards only) hold their parameters in it."""
+    """Parameters held as this rank's shards of their layouts, a bucket's buffer whole only while some unit holds it
+    (docs/design.md, "Bucket buffers"): ZeRO-3's placement's (sharded.py) and the frozen copy's (frozen_copy.py)."""
 
     def hold_buckets(self, model: torch.nn.Module, dp, held: list[tuple[ShardLayout, bool, torch.Tensor, Callable]]) \
             -> None:

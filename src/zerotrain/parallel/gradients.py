@@ -60,7 +60,7 @@ class GradientReducer:
         flat_grads = not self.bucketed and not self.grads_in_params
         self.flat_grads = torch.zeros(L.padded_numel if flat_grads else 0, dtype=param_dtype(self.precision),
                                       device=device)
-        # In fp32 the window's first gradient is copied into the view (_take_first_grad): no zeroing, no addition to
+        # In fp32 the window's first gradient is copied into the view (_on_grad_ready): no zeroing, no addition to
         # zeros (at 124M on one thread, two passes over 476 MiB a step fewer)
         self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
         if flat_grads:
@@ -128,17 +128,12 @@ class GradientReducer:
         self._expected = self.reached_counts(self._bucket_members)
         self._awaiting = [0] * len(self._awaiting)
 
-    def _take_first_grad(self, p: torch.Tensor) -> None:
-        """The window's first gradient of `p` copied into its view of flat_grads, which accumulates the later ones."""
-        view = self._grad_views[id(p)]
-        if p.grad is not view:
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
-
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if self._grad_views is not None:
-            self._take_first_grad(p)
+        if self._grad_views is not None and p.grad is not self._grad_views[id(p)]:
+            # the window's first gradient, copied into its view of flat_grads, which accumulates the later ones
+            with torch.no_grad():
+                self._grad_views[id(p)].copy_(p.grad)
+            p.grad = self._grad_views[id(p)]
         s = self.slot_of[id(p)]
         if self.placement.in_flight(s.bucket):
             # Forward read this parameter before its all-gather finished: the gradient is of stale values.
@@ -251,8 +246,8 @@ class GradientReducer:
                 in_backward() or torch.compiler.is_compiling():
             return
         reached = self._reached if self._reached is not None else set()
-        stack = [t.grad_fn for t in (output if isinstance(output, (tuple, list)) else (output,))
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor)]
         seen: set = set()
         while stack:
             fn = stack.pop()
@@ -274,10 +269,9 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """The end of a backward: where it reduces, the buckets still waiting (a parameter with no gradient: zeros)
-        are launched in bucket order, as on every rank (stage 1 leaves them to finish_grads); then the placement is
-        told (stage 3 releases every unit). With --grad-reduce micro-batch the counts start again; otherwise the
-        window is reduced, and a gradient of another backward before zero_grad is the caller's mistake."""
+        """The end of a backward (docs/design.md, "Gradients"): where it reduces, the buckets still waiting are
+        launched in bucket order (stage 1 leaves them to finish_grads), then the placement is told (stage 3 releases
+        every unit); a gradient of another backward before zero_grad is then late (_late_gradient)."""
         reduced, self._reduces_now = self._reduces_now, False
         if reduced and self.bucketed:
             self._launch_in_order()
@@ -354,7 +348,7 @@ class GradientReducer:
         self._reset_window()  # first: a reduce-scatter a failed step left in flight still reads the buffers
         if self._keeps_first_grad:
             for p in self.params:
-                # autograd's first gradient becomes .grad (and, with a flat buffer, _take_first_grad copies it in)
+                # autograd's first gradient becomes .grad (and, with a flat buffer, _on_grad_ready copies it in)
                 p.grad = None
         else:
             self.flat_grads.zero_()

@@ -101,8 +101,7 @@ class ShardedParameters(Placement, UnitBuckets):
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=engine.device)
         self.hold_buckets(model, dp, [(L, True, self.held_params, engine.initial_range),
                                       (self.frozen_layout, False, self.frozen_shard, engine.initial_range)])
-        # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
-        # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
+        # Units with frozen parameters, released as an earlier unit's backward begins (docs/design.md)
         self._frozen_units = [u for u, unit in enumerate(self.unit_buckets) if any(b >= len(L.buckets) for b in unit)]
         # Invariant (b) (digests): the flat ranges of each row of param_digests, in the trained layout
         # (engine.digest_rows) and in the frozen one (the frozen base's KV slices in the sliced row, as stages 1 and 2
@@ -140,9 +139,8 @@ class ShardedParameters(Placement, UnitBuckets):
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._param_unit[id(model.lm_head.weight)]
         model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
-        # The saved-tensor hooks are entered and left around the model's own forward, in one place: an exception
-        # in it (out of memory, a refused batch) leaves none on the thread's stack (hooks entered by the root's
-        # pre-hook and left by its forward hook stayed there when the forward raised between them).
+        # The saved-tensor hooks are entered and left around the model's own forward, in one place: a forward that
+        # raises (out of memory, a refused batch) leaves none on the thread's stack.
         forward = model.forward
 
         def forward_with_saved_tensor_hooks(*args, **kwargs):
@@ -318,8 +316,9 @@ class ShardedParameters(Placement, UnitBuckets):
 
     def after_update(self, wait: bool) -> None:
         """Nothing to send: the shard is updated (in bf16 its master rounded into it), and every unit is gathered
-        from it when next used; the gathers from before are stale from now."""
+        from it when next used; the gathers from before are stale from now, and no longer verified (digests)."""
         self._updates += 1
+        self._expected_gathers = None
 
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
@@ -346,9 +345,9 @@ class ShardedParameters(Placement, UnitBuckets):
         self.engine.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
         rows = per_bucket.sum(0) + torch.stack([torch.stack(pair) for pair in self._gather_drift])
         self._gather_drift = self._no_drift()
-        # What the next gathers must give until the shard's next update, as integers (the check reads its rows on the
-        # host anyway), and the buckets verified since
-        self._expected_gathers = (self._updates, per_bucket.tolist(), set())
+        # What the next gathers must give until the shard's next update (after_update), as integers (the check reads
+        # its rows on the host anyway), and the buckets verified since
+        self._expected_gathers = (per_bucket.tolist(), set())
         if len(rows) == 1:
             rows = torch.cat([rows, torch.zeros_like(rows)])
         return rows
@@ -366,9 +365,9 @@ class ShardedParameters(Placement, UnitBuckets):
         """The first gather of bucket `index` since the last check, before the shard's next update: its digest as
         gathered, by row, against the DP group's shards' at the check; the difference is kept for the next check."""
         expected = self._expected_gathers
-        if expected is None or expected[0] != self._updates or index in expected[2]:
+        if expected is None or index in expected[1]:
             return
-        _, per_bucket, verified = expected
+        per_bucket, verified = expected
         verified.add(index)
         b = self.bucket_sources[index][0]
         for k, digest in self._row_digests(index, self.bucket_params[index].detach(), b.start, b.end, 0):
