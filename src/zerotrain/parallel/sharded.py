@@ -112,7 +112,7 @@ class ShardedParameters(Placement, UnitBuckets):
             sliced, replicated = split_by_tp(self.frozen_layout.slots, engine.model_slices,
                                              self.frozen_layout.padded_numel)
             self._digest_kinds = engine.digest_rows, [replicated, sliced] + [[]] * (len(engine.digest_rows) - 2)
-        self._expected_gathers = None
+        self._expected_gathers: dict[int, list] = {}
         self._gather_drift = self._no_drift()
 
     def attach(self) -> None:
@@ -197,12 +197,6 @@ class ShardedParameters(Placement, UnitBuckets):
         after = unit - 1 if backward else unit + 1
         if self.prefetch and (after in self._blocks if backward else after < len(self.units)):
             self.prefetch_unit(after)
-
-    def release_all(self) -> None:
-        """UnitBuckets.release_all (before the optimizer updates the shard: no stale copy survives the step), and no
-        unit counts gradients."""
-        super().release_all()
-        self._arrived = [0] * len(self.units)
 
     def release(self) -> None:
         self.release_all()  # nothing stays gathered into the reduction
@@ -304,8 +298,10 @@ class ShardedParameters(Placement, UnitBuckets):
         return self._waits
 
     def end_backward(self) -> None:
-        """Every unit released (one with a parameter that got no gradient never counted them all)."""
+        """Every unit released, and none counts gradients (one with a parameter that got no gradient never counted
+        them all)."""
         self.release_all()
+        self._arrived = [0] * len(self.units)
         self._waits = None
 
     def reset_window(self) -> None:
@@ -318,7 +314,7 @@ class ShardedParameters(Placement, UnitBuckets):
         """Nothing to send: the shard is updated (in bf16 its master rounded into it), and every unit is gathered
         from it when next used; the gathers from before are stale from now, and no longer verified (digests)."""
         self._updates += 1
-        self._expected_gathers = None
+        self._expected_gathers = {}
 
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
@@ -345,9 +341,9 @@ class ShardedParameters(Placement, UnitBuckets):
         self.engine.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
         rows = per_bucket.sum(0) + torch.stack([torch.stack(pair) for pair in self._gather_drift])
         self._gather_drift = self._no_drift()
-        # What the next gathers must give until the shard's next update (after_update), as integers (the check reads
-        # its rows on the host anyway), and the buckets verified since
-        self._expected_gathers = (per_bucket.tolist(), set())
+        # What each bucket's next gather must give until the shard's next update (after_update), as integers (the
+        # check reads its rows on the host anyway)
+        self._expected_gathers = dict(enumerate(per_bucket.tolist()))
         if len(rows) == 1:
             rows = torch.cat([rows, torch.zeros_like(rows)])
         return rows
@@ -364,14 +360,12 @@ class ShardedParameters(Placement, UnitBuckets):
     def _verify_gather(self, index: int) -> None:
         """The first gather of bucket `index` since the last check, before the shard's next update: its digest as
         gathered, by row, against the DP group's shards' at the check; the difference is kept for the next check."""
-        expected = self._expected_gathers
-        if expected is None or index in expected[1]:
+        expected = self._expected_gathers.pop(index, None)
+        if expected is None:
             return
-        per_bucket, verified = expected
-        verified.add(index)
         b = self.bucket_sources[index][0]
         for k, digest in self._row_digests(index, self.bucket_params[index].detach(), b.start, b.end, 0):
-            drift = digest - torch.tensor(per_bucket[index][k], device=digest.device)
+            drift = digest - torch.tensor(expected[k], device=digest.device)
             self._gather_drift[k][0] += drift[0]
             self._gather_drift[k][1] += drift[1]
 
