@@ -10,7 +10,7 @@ import torch
 from zerotrain.errors import ZeroTrainError
 
 from . import units
-from .layout import ShardLayout
+from .layout import Bucket, ShardLayout
 from .params import StaleParameterError, adopt_view
 
 
@@ -43,10 +43,8 @@ def shard_into_buckets(layout: ShardLayout, params: list[torch.nn.Parameter], sh
 
 
 class UnitBuckets:
-    """Parameters held as this rank's shards of their layouts, a bucket's buffer whole only while some unit holds it:
-    gathered when a unit first needs it (or prefetched ahead of it), released once none holds it, never while a gather
-    still writes into it. ZeRO-3's placement (sharded.py: each unit's forward and backward) and the frozen copy
-    (frozen_copy.py: forwards only) hold their parameters in it."""
+    """Parameters held as this rank's shards of their layouts, a bucket's buffer whole only while some unit holds it
+    (docs/design.md, "Bucket buffers"): ZeRO-3's placement's (sharded.py) and the frozen copy's (frozen_copy.py)."""
 
     def hold_buckets(self, model: torch.nn.Module, dp, held: list[tuple[ShardLayout, bool, torch.Tensor, Callable]]) \
             -> None:
@@ -57,22 +55,26 @@ class UnitBuckets:
         self.dp, self.units = dp, units.model_units(model)
         self.param_shard = held[0][2]
         by_name = dict(model.named_parameters())
-        self._param_name = {id(p): n for n, p in by_name.items()}
-        # parameter -> its unit (trained and frozen) and its bucket (check_whole)
+        # parameter -> its unit (trained and frozen)
         self._param_unit = {id(p): u for trained in (True, False)
                             for u, unit in enumerate(units.unit_parameters(model, trained)) for _, p in unit}
-        self._bucket_index: dict[int, int] = {}
         self.bucket_params: list[torch.Tensor] = []
-        # bucket -> its layout, its index there, the shard it is gathered from, and where its layout starts in the
+        # bucket -> its Bucket in its layout, the shard it is gathered from, and where its layout starts in the
         # digests' positions (a layout's after those before it)
-        self.bucket_sources: list[tuple[ShardLayout, int, torch.Tensor, int]] = []
-        start = 0
+        self.bucket_sources: list[tuple[Bucket, torch.Tensor, int]] = []
+        bucket_of, start = {}, 0  # parameter -> its bucket
         for layout, _, shard, values in held:
             params = [by_name[s.name] for s in layout.slots]
-            self._bucket_index.update({id(p): len(self.bucket_params) + s.bucket for s, p in zip(layout.slots, params)})
-            self.bucket_sources += [(layout, i, shard, start) for i in range(len(layout.buckets))]
+            bucket_of.update({id(p): len(self.bucket_params) + s.bucket for s, p in zip(layout.slots, params)})
+            self.bucket_sources += [(b, shard, start) for b in layout.buckets]
             self.bucket_params += shard_into_buckets(layout, params, shard, dp.rank, values)
             start += layout.padded_numel
+        # each unit's parameters these buckets hold, from its modules' parameters (not the unit's list), as (name,
+        # bucket): what check_whole checks
+        names = {id(p): n for n, p in by_name.items()}
+        self._unit_members = [[(names[id(p)], bucket_of[id(p)]) for module in unit for p in module.parameters()
+                               if id(p) in bucket_of and self._param_unit.get(id(p)) == u]
+                              for u, unit in enumerate(self.units)]
         self.unit_buckets = units.numbered_unit_buckets(model, [(layout, trained) for layout, trained, *_ in held])
         self.whole: set[int] = set()  # buckets whose buffers hold their values now
         self._in_flight: dict[int, object] = {}  # bucket -> its prefetch's all-gather, not yet waited for
@@ -110,11 +112,9 @@ class UnitBuckets:
     def check_whole(self, unit: int) -> None:
         """Raise unless every parameter of `unit` is in a gathered bucket (from the modules' parameters, not the unit's
         list)."""
-        for p in (p for module in self.units[unit] for p in module.parameters()):
-            b = self._bucket_index.get(id(p))
-            if b is not None and self._param_unit.get(id(p)) == unit and b not in self.whole:
-                raise ReleasedParameterError(f"{self._param_name[id(p)]} was used while its bucket {b} was not "
-                                             f"gathered (unit {unit})")
+        for name, b in self._unit_members[unit]:
+            if b not in self.whole:
+                raise ReleasedParameterError(f"{name} was used while its bucket {b} was not gathered (unit {unit})")
 
     def release_unit(self, unit: int, phase: str) -> None:
         """`unit` no longer needs its buckets for `phase`; a bucket no unit holds is released."""
@@ -142,8 +142,7 @@ class UnitBuckets:
     def _gather_bucket(self, index: int, async_op: bool = False) -> None:
         """All-gather bucket `index` into its buffer: whole now, or with `async_op` in flight (whole once waited for,
         by gather_unit or release_all), counted as "all_gather_units" or "prefetch_units"."""
-        layout, local, shard, _ = self.bucket_sources[index]
-        b, buffer = layout.buckets[local], self.bucket_params[index]
+        (b, shard, _), buffer = self.bucket_sources[index], self.bucket_params[index]
         self._gathered_at[index] = self._updates
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # its storage allocated again
         work = self.dp.all_gather(buffer, shard[b.shard_offset : b.shard_offset + b.chunk_numel(self.dp.world_size)],

@@ -60,7 +60,7 @@ class GradientReducer:
         flat_grads = not self.bucketed and not self.grads_in_params
         self.flat_grads = torch.zeros(L.padded_numel if flat_grads else 0, dtype=param_dtype(self.precision),
                                       device=device)
-        # In fp32 the window's first gradient is copied into the view (_take_first_grad): no zeroing, no addition to
+        # In fp32 the window's first gradient is copied into the view (_on_grad_ready): no zeroing, no addition to
         # zeros (at 124M on one thread, two passes over 476 MiB a step fewer)
         self._grad_views: dict[int, torch.Tensor] | None = {} if flat_grads and self.precision == "fp32" else None
         if flat_grads:
@@ -85,12 +85,14 @@ class GradientReducer:
     def _register_hooks(self, gather_behind_forward: bool) -> None:
         """Bucket bookkeeping, and the hooks that take each gradient (before the placement's: its attach)."""
         self._sync = True
+        self._bucket_members: list[list[int]] = [[] for _ in self.layout.buckets]  # each bucket's parameters, by id
+        for s, p in zip(self.layout.slots, self.params):
+            self._bucket_members[s.bucket].append(id(p))
         # schedule_by_units: bucket -> the unit whose backward must have begun first (None: no such wait)
         self._bucket_unit: list[int] | None = None
         self._open_units: set[int] = set()  # units whose buckets may start from the backward's beginning
-        # per unit: the forwards whose unit input will get a gradient, and of those the ones whose backward ended
-        self._forwards: list[int] = []
-        self._done: list[int] = []
+        # per unit: the forwards whose unit input will get a gradient less those whose backward ended (_unit_done)
+        self._awaiting: list[int] = []
         self._pending: list = []  # the launched reduce-scatters' (bucket, work handle), dropped once waited for
         self._start_window()
         if self.reduce_in_backward or self.precision == "bf16" or gather_behind_forward or self._grad_views is not None:
@@ -122,20 +124,16 @@ class GradientReducer:
         self._end_queued = False  # _end_backward is queued to run as this backward ends
         self._begun: set[int] = set()  # the units whose backward has begun in this backward
         # The gradients each bucket waits for in the next reducing backward (_reached_by_forward; all when not said)
-        self._expected, self._reached = self._gradients_per_bucket(), None
-        self._forwards, self._done = [0] * len(self._forwards), [0] * len(self._done)
-
-    def _take_first_grad(self, p: torch.Tensor) -> None:
-        """The window's first gradient of `p` copied into its view of flat_grads, which accumulates the later ones."""
-        view = self._grad_views[id(p)]
-        if p.grad is not view:
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
+        self._reached = None
+        self._expected = self.reached_counts(self._bucket_members)
+        self._awaiting = [0] * len(self._awaiting)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if self._grad_views is not None:
-            self._take_first_grad(p)
+        if self._grad_views is not None and p.grad is not self._grad_views[id(p)]:
+            # the window's first gradient, copied into its view of flat_grads, which accumulates the later ones
+            with torch.no_grad():
+                self._grad_views[id(p)].copy_(p.grad)
+            p.grad = self._grad_views[id(p)]
         s = self.slot_of[id(p)]
         if self.placement.in_flight(s.bucket):
             # Forward read this parameter before its all-gather finished: the gradient is of stale values.
@@ -193,7 +191,7 @@ class GradientReducer:
         self._bucket_unit = list(bucket_units)
         self._open_units = set(open_units)
         if units is not None:
-            self._forwards, self._done = [0] * len(units), [0] * len(units)
+            self._awaiting = [0] * len(units)
             for index, unit in enumerate(units):
                 unit[0].register_forward_pre_hook(lambda _m, args, u=index: self._watch_unit_input(u, args))
 
@@ -212,15 +210,15 @@ class GradientReducer:
             return
         x = args[0] if args else None
         if unit > 0 and isinstance(x, torch.Tensor) and x.requires_grad:
-            self._forwards[unit] += 1
+            self._awaiting[unit] += 1
             x.register_hook(lambda _grad, u=unit: self._unit_done(u))
 
     def _unit_done(self, unit: int) -> None:
         """The gradient of `unit`'s input is complete (in every forward of this backward): every bucket of it and of
         the units after it is launched now, in bucket order."""
-        self._done[unit] += 1
+        self._awaiting[unit] -= 1
         self._at_end_of_backward()
-        if self._done[unit] != self._forwards[unit] or not self.join_backward():
+        if self._awaiting[unit] or not self.join_backward():
             return
         self._begun.add(unit)
         self._launch_in_order(lambda i: self._bucket_unit[i] >= unit)
@@ -235,10 +233,11 @@ class GradientReducer:
         self._at_end_of_backward()
         return True
 
-    @property
-    def reached_parameters(self) -> set[int] | None:
-        """The ids of the trained parameters the forwards since the last backward reached (None: not walked)."""
-        return self._reached
+    def reached_counts(self, groups: list[list[int]]) -> list[int]:
+        """How many of each group's parameters (by id) get a gradient in this backward: those the forwards since the
+        last backward reached (_reached_by_forward), every one when no forward said."""
+        reached = self._reached
+        return [len(group) if reached is None else sum(p in reached for p in group) for group in groups]
 
     def _reached_by_forward(self, _module, _args, output) -> None:
         """After a forward whose backward reduces (at stage 3, every forward): the trained parameters its output's
@@ -247,8 +246,8 @@ class GradientReducer:
                 in_backward() or torch.compiler.is_compiling():
             return
         reached = self._reached if self._reached is not None else set()
-        stack = [t.grad_fn for t in (output if isinstance(output, (tuple, list)) else (output,))
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor)]
         seen: set = set()
         while stack:
             fn = stack.pop()
@@ -261,15 +260,7 @@ class GradientReducer:
             else:
                 stack.extend(next_fn for next_fn, _ in fn.next_functions)
         self._reached = reached
-        self._expected = self._gradients_per_bucket(reached)
-
-    def _gradients_per_bucket(self, reached: set[int] | None = None) -> list[int]:
-        """How many of each bucket's parameters get a gradient: all of them, or those in `reached`."""
-        counts = [0] * len(self.layout.buckets)
-        for s, p in zip(self.layout.slots, self.params):
-            if reached is None or id(p) in reached:
-                counts[s.bucket] += 1
-        return counts
+        self._expected = self.reached_counts(self._bucket_members)
 
     def _at_end_of_backward(self) -> None:
         """Have `_end_backward` run when this backward ends (once; outside a backward nothing is queued)."""
@@ -278,10 +269,9 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """The end of a backward: where it reduces, the buckets still waiting (a parameter with no gradient: zeros)
-        are launched in bucket order, as on every rank (stage 1 leaves them to finish_grads); then the placement is
-        told (stage 3 releases every unit). With --grad-reduce micro-batch the counts start again; otherwise the
-        window is reduced, and a gradient of another backward before zero_grad is the caller's mistake."""
+        """The end of a backward (docs/design.md, "Gradients"): where it reduces, the buckets still waiting are
+        launched in bucket order (stage 1 leaves them to finish_grads), then the placement is told (stage 3 releases
+        every unit); a gradient of another backward before zero_grad is then late (_late_gradient)."""
         reduced, self._reduces_now = self._reduces_now, False
         if reduced and self.bucketed:
             self._launch_in_order()
@@ -358,7 +348,7 @@ class GradientReducer:
         self._reset_window()  # first: a reduce-scatter a failed step left in flight still reads the buffers
         if self._keeps_first_grad:
             for p in self.params:
-                # autograd's first gradient becomes .grad (and, with a flat buffer, _take_first_grad copies it in)
+                # autograd's first gradient becomes .grad (and, with a flat buffer, _on_grad_ready copies it in)
                 p.grad = None
         else:
             self.flat_grads.zero_()

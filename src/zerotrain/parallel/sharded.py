@@ -6,9 +6,8 @@ When each bucket is gathered, prefetched and released, and why: docs/design.md, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -19,25 +18,6 @@ from .bucket_buffers import ReleasedParameterError, UnitBuckets
 from .digest import moved, tensor_digest
 from .layout import ShardLayout, split_by_tp
 from .params import OwnedPiece, Placement, frozen_parameters, materialise_outside_layout, param_dtype, storage_bytes
-
-
-@dataclass(frozen=True)
-class _SavedWeight:
-    """Where a parameter view saved for backward lies: its unit, its bucket, and its place in the bucket's buffer."""
-
-    unit: int
-    bucket: int
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _Outer:
-    """A tensor packed by the saved-tensor hooks that were active around the model's forward."""
-
-    unpack: Callable
-    packed: object
 
 
 def _current_saved_tensors_hooks():
@@ -121,12 +101,19 @@ class ShardedParameters(Placement, UnitBuckets):
         self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=dtype, device=engine.device)
         self.hold_buckets(model, dp, [(L, True, self.held_params, engine.initial_range),
                                       (self.frozen_layout, False, self.frozen_shard, engine.initial_range)])
-        # Units with frozen parameters: no gradient says when their backward has read their last weight (a frozen
-        # weight is read for its input's gradient alone), so each is released as an earlier unit's backward begins
+        # Units with frozen parameters, released as an earlier unit's backward begins (docs/design.md)
         self._frozen_units = [u for u, unit in enumerate(self.unit_buckets) if any(b >= len(L.buckets) for b in unit)]
-        # Invariant (b) (digests): what the gathers after a check must give, and what they gave otherwise
-        self._expected_gathers = None
-        self._gather_drift = self._no_drift(len(engine.digest_rows))
+        # Invariant (b) (digests): the flat ranges of each row of param_digests, in the trained layout
+        # (engine.digest_rows) and in the frozen one (the frozen base's KV slices in the sliced row, as stages 1 and 2
+        # digest them); what the gathers after a check must give, and what they differed by, per row [plain, poly]
+        if engine.mesh.tp_size == 1:
+            self._digest_kinds = engine.digest_rows, [[(0, self.frozen_layout.padded_numel)]]
+        else:
+            sliced, replicated = split_by_tp(self.frozen_layout.slots, engine.model_slices,
+                                             self.frozen_layout.padded_numel)
+            self._digest_kinds = engine.digest_rows, [replicated, sliced] + [[]] * (len(engine.digest_rows) - 2)
+        self._expected_gathers: dict[int, list] = {}
+        self._gather_drift = self._no_drift()
 
     def attach(self) -> None:
         """The units' gather and release hooks, the saved-tensor hooks around the model's forward, and the engine's
@@ -152,9 +139,8 @@ class ShardedParameters(Placement, UnitBuckets):
         # The head runs in the backward too with --activation-checkpointing full (recomputed inside its unit's hold).
         head = self._param_unit[id(model.lm_head.weight)]
         model.lm_head.register_forward_pre_hook(lambda _m, _a: self.check_whole(head))
-        # The saved-tensor hooks are entered and left around the model's own forward, in one place: an exception
-        # in it (out of memory, a refused batch) leaves none on the thread's stack (hooks entered by the root's
-        # pre-hook and left by its forward hook stayed there when the forward raised between them).
+        # The saved-tensor hooks are entered and left around the model's own forward, in one place: a forward that
+        # raises (out of memory, a refused batch) leaves none on the thread's stack.
         forward = model.forward
 
         def forward_with_saved_tensor_hooks(*args, **kwargs):
@@ -212,12 +198,6 @@ class ShardedParameters(Placement, UnitBuckets):
         if self.prefetch and (after in self._blocks if backward else after < len(self.units)):
             self.prefetch_unit(after)
 
-    def release_all(self) -> None:
-        """UnitBuckets.release_all (before the optimizer updates the shard: no stale copy survives the step), and no
-        unit counts gradients."""
-        super().release_all()
-        self._arrived = [0] * len(self.units)
-
     def release(self) -> None:
         self.release_all()  # nothing stays gathered into the reduction
 
@@ -273,31 +253,28 @@ class ShardedParameters(Placement, UnitBuckets):
         self.release_unit(unit, "forward")
 
     def _pack(self, tensor: torch.Tensor):
-        """A tensor saved for backward that is a view of a bucket buffer is kept as where it lies, not as itself:
-        its bucket is released after the forward, and gathered again when backward unpacks it."""
+        """A tensor saved for backward that is a view of a bucket buffer is kept as where it lies, not as itself: its
+        bucket is released after the forward, and gathered again when backward unpacks it (_unpack_weight). A tensor
+        packed by hooks around the model's forward (activations.py counts the bytes saved) is kept with their unpack:
+        either way, a call that gives it back."""
         if self._current and tensor.device == self.param_shard.device and tensor.untyped_storage().size():
             ptr = tensor.untyped_storage().data_ptr()
             for b in self.whole:
                 if self.bucket_params[b].untyped_storage().data_ptr() == ptr:
-                    unit = self._unit_owning(b)
-                    return _SavedWeight(unit, b, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
-        if self._outer_hooks is not None:  # hooks around the model's forward (activations.py counts the bytes saved)
-            return _Outer(self._outer_hooks[1], self._outer_hooks[0](tensor))
+                    # the innermost running unit that holds the bucket: the one whose weight is being saved
+                    unit = next((u for u in reversed(self._current) if b in self.unit_buckets[u]), self._current[-1])
+                    return functools.partial(self._unpack_weight, unit, b, tuple(tensor.shape), tuple(tensor.stride()),
+                                             tensor.storage_offset())
+        if self._outer_hooks is not None:
+            return functools.partial(self._outer_hooks[1], self._outer_hooks[0](tensor))
         return tensor
 
-    def _unit_owning(self, bucket: int) -> int:
-        """The innermost running unit that holds `bucket` (the one whose weight is being saved)."""
-        for unit in reversed(self._current):
-            if bucket in self.unit_buckets[unit]:
-                return unit
-        return self._current[-1]
+    @staticmethod
+    def _unpack(packed):
+        return packed() if isinstance(packed, functools.partial) else packed
 
-    def _unpack(self, packed):
-        if isinstance(packed, _Outer):
-            return packed.unpack(packed.packed)
-        if not isinstance(packed, _SavedWeight):
-            return packed
-        unit, b, offset, shape, stride = packed.unit, packed.bucket, packed.offset, packed.shape, packed.stride
+    def _unpack_weight(self, unit: int, b: int, shape, stride, offset: int) -> torch.Tensor:
+        """A weight `unit` saved, read by its backward (which begins here): the view of bucket `b`'s buffer it was."""
         self.engine.grads.begin_unit_backward(unit)
         if b not in self.whole:
             raise ReleasedParameterError(f"bucket {b} of unit {unit} was read in backward while released")
@@ -317,14 +294,14 @@ class ShardedParameters(Placement, UnitBuckets):
         """How many gradients each unit waits for in this backward: its parameters the forward reached (every one
         when no forward said)."""
         if self._waits is None:
-            reached = self.engine.grads.reached_parameters
-            self._waits = [len(unit) for unit in self._unit_params] if reached is None else \
-                [sum(p in reached for p in unit) for unit in self._unit_params]
+            self._waits = self.engine.grads.reached_counts(self._unit_params)
         return self._waits
 
     def end_backward(self) -> None:
-        """Every unit released (one with a parameter that got no gradient never counted them all)."""
+        """Every unit released, and none counts gradients (one with a parameter that got no gradient never counted
+        them all)."""
         self.release_all()
+        self._arrived = [0] * len(self.units)
         self._waits = None
 
     def reset_window(self) -> None:
@@ -335,8 +312,9 @@ class ShardedParameters(Placement, UnitBuckets):
 
     def after_update(self, wait: bool) -> None:
         """Nothing to send: the shard is updated (in bf16 its master rounded into it), and every unit is gathered
-        from it when next used; the gathers from before are stale from now."""
+        from it when next used; the gathers from before are stale from now, and no longer verified (digests)."""
         self._updates += 1
+        self._expected_gathers = {}
 
     def gathered_flat(self) -> torch.Tensor:
         """The whole padded flat buffer, gathered a bucket at a time (a collective of the DP group)."""
@@ -352,59 +330,47 @@ class ShardedParameters(Placement, UnitBuckets):
     def digests(self) -> torch.Tensor:
         """Invariant (b) from what each rank holds, gathering nothing: stage 1's and 2's rows, bitwise, from the DP
         group's shards, plus what the gathers since the last check differed by (docs/design.md)."""
-        kinds = self._digest_kinds()
         self._land_prefetches()
         W, rank = self.engine.dp.world_size, self.engine.dp.rank
-        per_bucket = torch.zeros(len(self.bucket_params), len(kinds[0]), 2, dtype=torch.int64,
+        per_bucket = torch.zeros(len(self.bucket_params), len(self.engine.digest_rows), 2, dtype=torch.int64,
                                  device=self.param_shard.device)
-        for index in range(len(self.bucket_params)):
-            layout, local, shard, start = self.bucket_sources[index]
-            b = layout.buckets[local]
+        for index, (b, shard, _) in enumerate(self.bucket_sources):
             lo, hi = b.chunk(rank, W)
-            for k, ranges in enumerate(kinds[index >= len(self.engine.layout.buckets)]):
-                inside = [(max(a, lo) - lo + b.shard_offset, min(z, hi) - lo + b.shard_offset)
-                          for a, z in ranges if a < hi and z > lo]  # where in the shard
-                if inside:
-                    per_bucket[index, k] = moved(tensor_digest(shard.detach(), inside), start + lo - b.shard_offset)
+            for k, digest in self._row_digests(index, shard.detach(), lo, hi, b.shard_offset):
+                per_bucket[index, k] = digest
         self.engine.dp.all_reduce(per_bucket, "all_reduce_digests")  # each bucket's digest as the DP group gathers it
         rows = per_bucket.sum(0) + torch.stack([torch.stack(pair) for pair in self._gather_drift])
-        self._gather_drift = self._no_drift(len(kinds[0]))
-        # What the next gathers must give, as integers (the check reads its rows on the host anyway)
-        self._expected_gathers = (self._updates, kinds, per_bucket.tolist(), set())
+        self._gather_drift = self._no_drift()
+        # What each bucket's next gather must give until the shard's next update (after_update), as integers (the
+        # check reads its rows on the host anyway)
+        self._expected_gathers = dict(enumerate(per_bucket.tolist()))
         if len(rows) == 1:
             rows = torch.cat([rows, torch.zeros_like(rows)])
         return rows
 
-    def _digest_kinds(self) -> tuple[list, list]:
-        """The flat ranges of each row of param_digests, in the trained layout (engine.digest_rows) and in the frozen
-        one (the frozen base's KV slices in the sliced row, as stages 1 and 2 digest them)."""
-        e = self.engine
-        if e.mesh.tp_size == 1:
-            return e.digest_rows, [[(0, self.frozen_layout.padded_numel)]]
-        sliced, replicated = split_by_tp(self.frozen_layout.slots, e.model_slices, self.frozen_layout.padded_numel)
-        return e.digest_rows, [replicated, sliced] + [[]] * (len(e.digest_rows) - 2)
+    def _row_digests(self, index: int, values: torch.Tensor, lo: int, hi: int, at: int):
+        """(row, digest) for each row of param_digests with values in [lo, hi) of bucket `index`'s layout (the flat
+        ranges of _digest_kinds), which `values` holds from its position `at` on (its layout's digest positions)."""
+        start = self.bucket_sources[index][2]
+        for k, ranges in enumerate(self._digest_kinds[index >= len(self.engine.layout.buckets)]):
+            inside = [(max(a, lo) - lo + at, min(z, hi) - lo + at) for a, z in ranges if a < hi and z > lo]
+            if inside:
+                yield k, moved(tensor_digest(values, inside), start + lo - at)
 
     def _verify_gather(self, index: int) -> None:
         """The first gather of bucket `index` since the last check, before the shard's next update: its digest as
         gathered, by row, against the DP group's shards' at the check; the difference is kept for the next check."""
-        expected = self._expected_gathers
-        if expected is None or expected[0] != self._updates or index in expected[3]:
+        expected = self._expected_gathers.pop(index, None)
+        if expected is None:
             return
-        _, kinds, per_bucket, verified = expected
-        verified.add(index)
-        layout, local, _, start = self.bucket_sources[index]
-        b, buffer = layout.buckets[local], self.bucket_params[index].detach()
-        for k, ranges in enumerate(kinds[index >= len(self.engine.layout.buckets)]):
-            inside = [(max(lo, b.start) - b.start, min(hi, b.end) - b.start) for lo, hi in ranges
-                      if lo < b.end and hi > b.start]  # positions counted from the bucket's start
-            if inside:
-                drift = moved(tensor_digest(buffer, inside), start + b.start) - \
-                    torch.tensor(per_bucket[index][k], device=buffer.device)
-                self._gather_drift[k][0] += drift[0]
-                self._gather_drift[k][1] += drift[1]
+        b = self.bucket_sources[index][0]
+        for k, digest in self._row_digests(index, self.bucket_params[index].detach(), b.start, b.end, 0):
+            drift = digest - torch.tensor(expected[k], device=digest.device)
+            self._gather_drift[k][0] += drift[0]
+            self._gather_drift[k][1] += drift[1]
 
-    def _no_drift(self, rows: int) -> list[list[torch.Tensor]]:
+    def _no_drift(self) -> list[list[torch.Tensor]]:
         """What the gathers since the last check differed by, per row: [plain, poly] as 0-dim int64 tensors (summed
         on the device, read at the next check: a few scalars, beside AdamW's step counters outside the plan's state)."""
         zero = torch.zeros((), dtype=torch.int64, device=self.param_shard.device)
-        return [[zero.clone(), zero.clone()] for _ in range(rows)]
+        return [[zero.clone(), zero.clone()] for _ in self.engine.digest_rows]
