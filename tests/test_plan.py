@@ -545,3 +545,83 @@ def test_a_row_of_the_docs_qwen3_30b_a3b_table_is_what_its_command_plans(capsys)
                rows["master_weights"], experts["parameters"], experts["gradients"], experts["optimizer_state"],
                experts["parameters"] + experts["optimizer_state"], rows["all_to_all"], r["total"]]
     assert row == [plan_module.gib(b) if b else "0.0 MiB" for b in planned]
+
+
+def test_a_meta_slice_is_shaped_as_the_copy_a_run_takes_on_every_tp_rank(monkeypatch):
+    """A plan's TP split on the meta device makes each slice empty, not by torch.cat (whose meta kernel imports
+    torch._dynamo, ~1.5 s of a plan): shaped, typed and laid out as the copy a run takes on the CPU, for every split
+    parameter of GPT-2 (its fused q, k, v: slices of several ranges) and of a mixture of experts whose 2 KV heads are
+    replicated over 4 TP ranks. Planted: a meta slice of the full tensor's shape is caught."""
+    import torch
+
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import meta_model, plan
+
+    cases = []
+    for preset in ("tiny", "qwen3-moe-tiny"):
+        cfg = ModelConfig(**PRESETS[preset])
+        full = dict(meta_model(cfg).named_parameters())
+        cases += [(s, full[n], r, s.take(torch.zeros(full[n].shape), r)) for n, s in plan(cfg, 4).items()
+                  for r in range(4)]
+    assert any(len(s.parts[r]) > 1 for s, _, r, _ in cases) and len(cases) > 40
+
+    def differences() -> list:
+        return [(s, r) for s, full, r, copy in cases
+                if ((shaped := s.take(full, r)).shape, shaped.dtype, shaped.is_meta, shaped.is_contiguous()) !=
+                (copy.shape, copy.dtype, True, True)]
+
+    assert differences() == []
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, shape: torch.empty(self.shape, device="meta"))
+    assert differences()  # planted
+
+
+def test_the_meta_build_pauses_garbage_collection_and_restores_it(monkeypatch):
+    """A huge model's meta build allocates hundreds of thousands of objects that Python's collections would walk
+    again and again (Kimi K2's: half its 8.5 s): the build runs with the collector off, which is on again after, and
+    stays off for a caller that turned it off. Planted: a build that does not pause it is caught."""
+    import contextlib
+    import gc
+
+    from zerotrain import model
+    from zerotrain.config import PRESETS, ModelConfig
+
+    cfg = ModelConfig(**PRESETS["qwen3-moe-tiny"])
+    seen, build = [], model.model_class
+    monkeypatch.setattr(model, "model_class", lambda c: (seen.append(gc.isenabled()), build(c))[1])
+    assert gc.isenabled()
+    model.meta_model(cfg)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        model.meta_model(cfg)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    monkeypatch.setattr(model, "collection_paused", contextlib.nullcontext)  # planted
+    model.meta_model(cfg)
+    assert seen[-1] is True
+
+
+def test_the_depth_and_length_searches_reuse_the_runs_own_build_and_answer_as_without_it(monkeypatch):
+    """`zerotrain plan --device-memory` hands its one build of the run's model to the depth and length searches, which
+    plan the run's own depth and --seq-len with it (DeepSeek-V3-671B's build: seconds) and every other probe with
+    its own: the answers are those of the searches that build every probe, with one build fewer each. Planted: every
+    probe taken for the run's own settings (its build reused at other depths and lengths) is caught."""
+    cfg = config_of("--preset", "llama-tiny", "--data", "synthetic", "--micro-batch", "1", "--seq-len", "16")
+    room = plan_module.memory_plan(cfg).total + 3 * 2**20
+    built = []
+    build = plan_module.planned_layouts
+    monkeypatch.setattr(plan_module, "planned_layouts", lambda c, dp: (built.append(c), build(c, dp))[1])
+
+    def searches(planned) -> tuple:
+        built.clear()
+        answers = (plan_module.largest_model(cfg, room, planned=planned),
+                   plan_module.largest_seq_len(cfg, room, planned=planned))
+        return answers, len(built), sum(c == cfg for c in built)
+
+    mine = build(cfg, cfg.launch.nproc)
+    fresh, count, own = searches(None)
+    assert own == 2 and count > 4 and fresh[0].n_layer > cfg.model.n_layer and fresh[1][0] > cfg.model.seq_len
+    assert searches(mine) == (fresh, count - 2, 0)
+    monkeypatch.setattr(type(cfg), "__eq__", lambda a, b: True)  # planted: every probe is the run's own
+    assert searches(mine)[0] != fresh

@@ -11,6 +11,7 @@ head and loss (vocab.py, loss.py), and sampling (generate.py).
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 import torch.nn as nn
@@ -68,9 +69,25 @@ def draws_skipped():
             setattr(nn.init, name, draw)
 
 
+# Building a huge model's modules allocates hundreds of thousands of Python objects, none of them garbage, and each
+# of Python's full collections walks them all again: Kimi K2's meta build (23,100 experts, 70,158 linears) measured
+# on 2 shared cores 8.5 s collecting, about half of it without (a 20-block Kimi K2: 1.73-1.88 s, 0.96-1.01 s).
+# Paused while building; what the build leaves is the same object graph either way.
+@contextlib.contextmanager
+def collection_paused():
+    """Python's cyclic garbage collector off inside (as it was before, after)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def meta_model(cfg: ModelConfig) -> nn.Module:
     """The model's modules on the meta device: shapes, no values (the engine fills them, model/init.py)."""
-    with torch.device("meta"), draws_skipped():
+    with torch.device("meta"), draws_skipped(), collection_paused():
         return model_class(cfg)(cfg)
 
 
@@ -109,5 +126,5 @@ def is_decayed(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2 and not name.endswith("wpe.weight")
 
 
-__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "is_decayed",
-           "meta_model", "model_class", "param_count", "parallelize", "plan", "summed_token_loss"]
+__all__ = ["ARCHITECTURES", "ARCH_NAMES", "GPT", "KVCache", "Llama", "TPSlice", "build_model", "collection_paused",
+           "is_decayed", "meta_model", "model_class", "param_count", "parallelize", "plan", "summed_token_loss"]

@@ -108,7 +108,7 @@ import torch
 from zerotrain.config import LORA_EXPERTS, REFERENCE_FREE, Config, validate
 from zerotrain.data.jsonl import iter_records
 from zerotrain.errors import ConfigError
-from zerotrain.model import build_model, parallelize, param_count
+from zerotrain.model import build_model, collection_paused, parallelize, param_count
 from zerotrain.model.activation_memory import FP32, INDEX, activation_bytes, explicit_scores
 from zerotrain.model.tensor_parallel import kv_heads_per_rank
 from zerotrain.model.lora import adapted_modules, add_adapters, routed_expert_linears
@@ -186,7 +186,7 @@ def memory_plan(cfg: Config, micro_batch: int | None = None, world_size: int | N
     """What a rank of `cfg`'s run will hold (rank 0's figures; the state is every rank's), on --nproc ranks or
     `world_size`, with --micro-batch sequences or `micro_batch`; `documents`: its micro-batches carry segments
     (packed records), whose attention mask the activations then count; `planned`: planned_layouts' answer for this
-    run, where the caller has it already (a huge model's build takes seconds: DeepSeek-V3-671B's 8-9 s)."""
+    run, where the caller has it already (a huge model's build takes seconds: DeepSeek-V3-671B's 4-5 s)."""
     p, tp = cfg.parallel, cfg.parallel.tp
     parts = parts_for(cfg)  # each part answers for its own rows; the plan adds them up
     place = parts.placement
@@ -268,20 +268,21 @@ def planned_layouts(cfg: Config, dp: int) -> PlannedModel:
     in a layout of its own over its replica group of dp / E ranks, the rest of the model in the flat layout. Every TP
     rank's slices have TP rank 0's shapes, every EP rank's block EP rank 0's."""
     p = cfg.parallel
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.loop.seed)
-        shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
-        if p.tp > 1:
-            parallelize(model, p.tp, 0, None)
-        if cfg.lora.rank:  # the adapters train, the base is frozen
-            add_adapters(model, cfg.lora, cfg.loop.seed)
-    if p.ep > 1:
-        keep_expert_block(model, p.ep)
-    parts = parts_for(cfg)
-    shards = parts.shard_ranks(dp)
-    L = layout_of(model, shards, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if p.ep > 1 else None)
-    experts = layout_of(model, parts.experts.replica_ranks(shards), p.bucket_numel, is_expert_parameter) \
-        if parts.experts is not None else None
+    with collection_paused():  # the TP split replaces every split linear: as many objects again as the build
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.loop.seed)
+            shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
+            if p.tp > 1:
+                parallelize(model, p.tp, 0, None)
+            if cfg.lora.rank:  # the adapters train, the base is frozen
+                add_adapters(model, cfg.lora, cfg.loop.seed)
+        if p.ep > 1:
+            keep_expert_block(model, p.ep)
+        parts = parts_for(cfg)
+        shards = parts.shard_ranks(dp)
+        L = layout_of(model, shards, p.bucket_numel, (lambda n: not is_expert_parameter(n)) if p.ep > 1 else None)
+        experts = layout_of(model, parts.experts.replica_ranks(shards), p.bucket_numel, is_expert_parameter) \
+            if parts.experts is not None else None
     return PlannedModel(model, shapes, L, experts)
 
 
@@ -376,7 +377,7 @@ def reference_model_bytes(cfg: Config, model: torch.nn.Module, layout, psize: in
         return 0
     p = cfg.parallel
     if p.ep > 1:  # the copy scores without the experts' all-to-all: every expert on every rank (hub.initial_model)
-        with torch.device("meta"):
+        with torch.device("meta"), collection_paused():
             model = build_model(cfg.model, cfg.loop.seed)
             if p.tp > 1:
                 parallelize(model, p.tp, 0, None)
@@ -727,18 +728,20 @@ def with_depth(cfg: Config, n_layer: int) -> Config:
 SEQ_LEN_CAP = 1 << 24  # tokens a row: the search's end for a model whose context does not bound it
 
 
-def largest_seq_len(cfg: Config, device_bytes: int, documents: bool = False) -> tuple[int, bool]:
+def largest_seq_len(cfg: Config, device_bytes: int, documents: bool = False,
+                    planned: PlannedModel | None = None) -> tuple[int, bool]:
     """(the longest --seq-len whose plan, at --micro-batch and every other setting as given, fits in `device_bytes`,
     0 if not even the shortest does; whether the model's --context stopped the search, not the memory). The lengths
     are multiples of 2 x --cp (each CP rank holds 2 equal chunks of a row), up to --context where the model has one.
     Each length's plan is the plan's own total (memory_plan, ~40 ms for Llama-3.1-8B's shape): doubling from --seq-len
-    to a length that does not fit, then bisected."""
+    to a length that does not fit, then bisected. `planned`: as memory_plan's, for the probe of --seq-len itself."""
     step = 2 * cfg.parallel.cp
     cap = (cfg.model.context or SEQ_LEN_CAP) // step * step
 
     def fits(n: int) -> bool:
-        return memory_plan(replace(cfg, model=replace(cfg.model, seq_len=n * step)), documents=documents).total \
-            <= device_bytes
+        probe = replace(cfg, model=replace(cfg.model, seq_len=n * step))
+        mine = planned if probe == cfg else None  # the run's own settings: its model and layouts as built
+        return memory_plan(probe, documents=documents, planned=mine).total <= device_bytes
 
     if not cap or not fits(1):
         return 0, False
@@ -754,23 +757,26 @@ def largest_seq_len(cfg: Config, device_bytes: int, documents: bool = False) -> 
 
 
 def largest_model(cfg: Config, device_bytes: int, documents: bool = False,
-                  cap: int = DEPTH_CAP) -> LargestModel | None:
+                  cap: int = DEPTH_CAP, planned: PlannedModel | None = None) -> LargestModel | None:
     """The most blocks `cfg`'s model can have, every other setting as given, with its plan (at --micro-batch) in
     `device_bytes`, up to `cap`; None if not even one block fits.
 
     Each plan builds the model on the meta device, ~1.5 ms a block, so the search probes few depths, most of them
-    near its answer. First Newton's steps on the total, from the given depth: n + (device - total(n)) /
-    (total(n + 1) - total(n)) blocks next. The total is linear in the depth but for its first few blocks and the
-    buckets' padding, so they land on the answer in a step or two (Llama-3-8B's shape at stage 3 on 64 ranks in
-    80 GiB: 32, 33, then 573 and 574, the answer, in ~1.3 s on 2 CPU cores). Then a bracket, whatever the steps
-    did: steps of 1, 2, 4... from their last depth to one that fits and one that does not, bisected. Where
-    Newton's steps converged, those are already probed, n and n + 1, and the bracket costs nothing.
+    near its answer (`planned`: as memory_plan's, for the probe of the run's own depth). First Newton's steps on the
+    total, from the given depth: n + (device - total(n)) / (total(n + 1) - total(n)) blocks next. The total is
+    linear in the depth but for its first few blocks and the buckets' padding, so they land on the answer in a step
+    or two (Llama-3-8B's shape at stage 3 on 64 ranks in 80 GiB: 32, 33, then 573 and 574, the answer, in ~1.3 s on
+    2 CPU cores). Then a bracket, whatever the steps did: steps of 1, 2, 4... from their last depth to one that fits
+    and one that does not, bisected. Where Newton's steps converged, those are already probed, n and n + 1, and the
+    bracket costs nothing.
     """
     totals: dict[int, int] = {}
 
     def total(n: int) -> int:
         if n not in totals:
-            totals[n] = memory_plan(with_depth(cfg, n), documents=documents).total
+            probe = with_depth(cfg, n)
+            mine = planned if probe == cfg else None  # the run's own settings: its model and layouts as built
+            totals[n] = memory_plan(probe, documents=documents, planned=mine).total
         return totals[n]
 
     def fits(n: int) -> bool:

@@ -66,8 +66,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan(cfg, documents=documents, planned=planned)
     fits = largest_micro_batch(cfg, device_bytes, documents=documents, planned=planned) \
         if device_bytes is not None else None
-    deepest = largest_model(cfg, device_bytes, documents=documents) if device_bytes is not None else None
-    longest = largest_seq_len(cfg, device_bytes, documents=documents) if device_bytes is not None else None
+    deepest = largest_model(cfg, device_bytes, documents=documents, planned=planned) \
+        if device_bytes is not None else None
+    longest = largest_seq_len(cfg, device_bytes, documents=documents, planned=planned) \
+        if device_bytes is not None else None
     advice = fit_advice(cfg, device_bytes, documents=documents, planned=planned) if device_bytes is not None else None
     io = io_plan(cfg, memory=plan, planned=planned)  # start-up, save, resume and export per rank
     report = {"model": ARCH_NAMES[cfg.model.arch], "parameters": planned.parameters, "tp": plan.tp,
