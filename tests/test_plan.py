@@ -625,3 +625,24 @@ def test_the_depth_and_length_searches_reuse_the_runs_own_build_and_answer_as_wi
     assert searches(mine) == (fresh, count - 2, 0)
     monkeypatch.setattr(type(cfg), "__eq__", lambda a, b: True)  # planted: every probe is the run's own
     assert searches(mine)[0] != fresh
+
+
+def test_the_advice_builds_each_setting_it_plans_once(monkeypatch):
+    """Where no one setting fits, the settings taken together start from the first one planned alone, which did not
+    fit: it is not built again (a huge model's build takes seconds), and the advice is what it was. Planted: the
+    first of them taken for a new setting (built again) is caught."""
+    argv = ["--preset", "gpt2", "--n-layer", "2", "--nproc", "8", "--micro-batch", "1", "--device", "cuda",
+            "--precision", "fp32", "--data", "synthetic", "--seq-len", "1024"]
+    cfg, room = config_of(*argv), 691 * 2**20
+    built = []
+    build = plan_module.planned_layouts
+    monkeypatch.setattr(plan_module, "planned_layouts", lambda c, dp: (built.append(c), build(c, dp))[1])
+    advice = plan_module.fit_advice(cfg, room)
+    assert advice.remedies == [] and advice.together.flags == "--zero 2 --activation-checkpointing full"
+    assert len(built) > 5 and all(sum(c == b for b in built) == 1 for c in built)
+    assert (advice.together.total, advice.together.largest_micro_batch) == planned_with(argv, advice.together.flags,
+                                                                                         room)
+    built.clear()
+    monkeypatch.setattr(type(cfg), "__eq__", lambda a, b: a is b)  # planted: no setting is one planned before
+    assert plan_module.fit_advice(cfg, room) == advice
+    assert len([c for c in built if c.parallel.zero == 2 and c.parallel.activation_checkpointing == "none"]) == 2

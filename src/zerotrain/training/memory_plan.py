@@ -664,10 +664,12 @@ def fit_advice(cfg: Config, device_bytes: int, documents: bool = False,
     if smaller:
         remedies.append(Remedy(f"--micro-batch {smaller}", "the same batch in more micro-batches (raise --accum)",
                                memory_plan(cfg, smaller, documents=documents, planned=planned).total, smaller))
+    tried = []  # the settings planned alone: none of them fits where `remedies` is empty
     for flag, section, name, values, cost in HOLDS_LESS:
         for value in _values_beyond(cfg, section, name, values):
             changed = _changed(cfg, section, name, value)
             found = remedy(changed, f"{flag} {value}", cost) if _valid(changed) else None
+            tried.append(changed)
             if found:
                 remedies.append(found)
                 break
@@ -679,7 +681,8 @@ def fit_advice(cfg: Config, device_bytes: int, documents: bool = False,
                 trial = _changed(changed, section, name, value)
                 if _valid(trial):
                     changed, flags[flag] = trial, f"{flag} {value}"
-                    together = remedy(changed, " ".join(flags.values()), "")
+                    # the first is one of those planned alone, which did not fit: not built again
+                    together = remedy(changed, " ".join(flags.values()), "") if changed not in tried else None
                 if together:
                     break
             if together:
