@@ -70,9 +70,8 @@ def draws_skipped():
 
 
 # Building a huge model's modules allocates hundreds of thousands of Python objects, none of them garbage, and each
-# of Python's full collections walks them all again: Kimi K2's meta build (23,100 experts, 70,158 linears) measured
-# on 2 shared cores 8.5 s collecting, about half of it without (a 20-block Kimi K2: 1.73-1.88 s, 0.96-1.01 s).
-# Paused while building; what the build leaves is the same object graph either way.
+# of Python's full collections walks them all again: paused while building, what the build leaves is the same object
+# graph (the measurements: docs/benchmarks.md, "Measurements behind choices in the code").
 @contextlib.contextmanager
 def collection_paused():
     """Python's cyclic garbage collector off inside (as it was before, after)."""
