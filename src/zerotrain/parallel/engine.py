@@ -98,10 +98,9 @@ class ZeroEngine:
         t, slots = self.mesh.tp_rank, self.layout.slots
         self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
         # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
-        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
-                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
+        kv_shared = [s for s in slots if s.name in self.tp_slices and self.tp_slices[s.name].holders(t) > 1]
         # The flat ranges of each row of param_digests, which both placements digest
-        kv_row = [self.kv_shared_ranges] if self.mesh.kv_replicas > 1 else []
+        kv_row = [split_by_tp(kv_shared, self.tp_slices)[0]] if self.mesh.kv_replicas > 1 else []
         self.digest_rows = [[(0, self.layout.padded_numel)]] if self.mesh.tp_size == 1 else \
             [self.replicated_ranges, self.sliced_ranges, *kv_row]
         # Built from the settings as the plan builds it (parts_for), then holding this engine's parameters; it answers
@@ -254,16 +253,13 @@ class ZeroEngine:
         """Restore this rank's shard (same layout), then the parameters follow the masters. `sd["master"]` may be its
         parts in shard order, as master_views() gives them (a resume reads into them; a view onto itself is not
         copied). With --ep the expert group's keys are prefixed expert_."""
-        self._load_group({k: v for k, v in sd.items() if not k.startswith("expert_")})
-        if self.experts is not None:
-            self.experts._load_group({k[len("expert_"):]: v for k, v in sd.items() if k.startswith("expert_")})
-
-    def _load_group(self, sd: dict) -> None:
-        self.adamw.check_shard(sd)
-        self.placement.before_update()
-        with torch.no_grad():
-            self.adamw.load_state_dict(sd)
-            self._publish_params()
+        for e in self.parts:
+            own = {k.removeprefix("expert_"): v for k, v in sd.items() if k.startswith("expert_") == (e is not self)}
+            e.adamw.check_shard(own)
+            e.placement.before_update()
+            with torch.no_grad():
+                e.adamw.load_state_dict(own)
+                e._publish_params()
 
     @property
     def param_count(self) -> int:

@@ -36,10 +36,10 @@ class Placement:
     """Where a run's parameters live, one class per ZeRO stage (engine.PLACEMENTS). Built from the run's settings
     alone, it answers the planners before the run (parts_for(cfg).placement: `held`, `frozen_numel`,
     `units_whole_bytes`, `copy_numel`, `read_rows`, `computed_norms`, `notes`). At run time `build` over an engine's
-    layout holds the parameters (every one a view of its buffers: `owned_values`, `owned_views`, `owned_shard`,
-    `gathered_flat`, `digests`, `param_bytes`, `frozen_bytes`), `attach` follows the engine's own hooks, and the
-    engine calls `before_update`, `after_update` and the step's points below, which do nothing where a placement has
-    nothing to do at them (docs/design.md, "The placements' seam")."""
+    layout holds the parameters (every one a view of its buffers: `owned_values`, `owned_views`, `gathered_flat`,
+    `digests`, `param_bytes`, `frozen_bytes`), `attach` follows the engine's own hooks, and the engine calls
+    `before_update`, `after_update` and the step's points below, which do nothing where a placement has nothing to do
+    at them (docs/design.md, "The placements' seam")."""
 
     holds_whole_model: bool  # replicas compute with the same whole model: their digests compare before step 1
     gathers_units: bool  # each unit's parameters freed and gathered again every step (the allocator's choice)

@@ -116,10 +116,13 @@ class AdamWShard:
                 *(t for state in self.optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0)]
 
-    def master_shard(self, copy: bool = False) -> torch.Tensor:
-        """This rank's fp32 master values as one shard-length tensor: in bf16 the master itself; in fp32 the owned
-        values (at stages 1 and 2 a copy; at stage 3 the shard itself, unless `copy`)."""
-        return self.master if self.master is not None else self.placement.owned_shard(copy=copy)
+    def master_shard(self) -> torch.Tensor:
+        """This rank's fp32 master values as one shard-length tensor: in bf16 the master itself; in fp32 a copy of the
+        owned values (master_views concatenated, once the all-gathers are done)."""
+        if self.master is not None:
+            return self.master
+        self.placement.wait()
+        return torch.cat(self.placement.owned_views())
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values, in shard order, as views where they lie (no copy). Call wait_params()
@@ -133,7 +136,7 @@ class AdamWShard:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard: its masters (an independent copy in fp32), moments and step count."""
         return {
-            "master": self.master_shard(copy=True).float().contiguous(),
+            "master": self.master_shard().float().contiguous(),
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
             "step": torch.tensor([self.step_count], dtype=torch.int64),
