@@ -255,7 +255,6 @@ class ZeroEngine:
         copied). With --ep the expert group's keys are prefixed expert_."""
         for e in self.parts:
             own = {k.removeprefix("expert_"): v for k, v in sd.items() if k.startswith("expert_") == (e is not self)}
-            e.adamw.check_shard(own)
             e.placement.before_update()
             with torch.no_grad():
                 e.adamw.load_state_dict(own)
