@@ -129,10 +129,6 @@ class ZeroEngine:
         self.init_bytes_read = getattr(init, "bytes_read", 0)
         self.init_values_drawn = getattr(init, "values_drawn", 0)
 
-    def computed_norms(self, norms: list[float]) -> list[float]:
-        """The norm of the parameters each world rank computes with, from each rank's param_norm (all gathered)."""
-        return self.placement.computed_norms(norms, self.mesh.tp_size)
-
     def initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
         device, else its own (broadcasting rank 0's would hide an init that depends on the rank)."""
