@@ -154,8 +154,5 @@ class AdamWShard:
         step = float(sd["step"].item())
         for m in self._master_views:
             self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
-        if self.master is not None:
-            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))
-        else:
-            for pc in self._pieces:
-                self.placement.owned_values(pc).copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
+        for m, pc in zip(self._master_views, self._pieces):  # the pieces cover the shard where there is a master
+            m.copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
