@@ -29,7 +29,7 @@ from .comm import Comm
 from .gradients import GradientReducer
 from .layout import ShardLayout, split_by_tp
 from .mesh import Mesh
-from .params import Placement, flat_layout, frozen_parameters, trainable_parameters
+from .params import Placement, flat_layout, frozen_parameters
 from .replicated import ReplicatedParameters
 from .sharded import ShardedParameters
 from .sharded_adamw import AdamWShard
@@ -41,7 +41,8 @@ __all__ = ["ZeroEngine", "layout_of"]
 def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int, select=None) -> ShardLayout:
     """The flat layout an engine over `model` uses (a model on the meta device gives the same one): its trainable
     parameters (those `select(name)` takes, where given)."""
-    return flat_layout(trainable_parameters(model, select), world_size, bucket_numel)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
+    return flat_layout(trained, world_size, bucket_numel)
 
 
 # Where each stage keeps its parameters (params.Placement: the plan's answers and the run's buffers, one class)

@@ -78,10 +78,6 @@ def flat_layout(named: list[tuple[str, torch.nn.Parameter]], world_size: int, bu
     return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
 
 
-def trainable_parameters(model: torch.nn.Module, select=None) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
-
-
 def frozen_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
