@@ -39,7 +39,7 @@ def loop_answers(engine) -> dict:
     """What the loop asks the engine it has: whether replicas start from one whole model, whether units are gathered,
     and the norm each of two world ranks computes with when they hold parameters of norms 3 and 4."""
     return {"holds_whole_model": engine.placement.holds_whole_model, "gathers_units": engine.placement.gathers_units,
-            "computed_norms": engine.computed_norms([3.0, 4.0])}
+            "computed_norms": engine.placement.computed_norms([3.0, 4.0], engine.mesh.tp_size)}
 
 
 def held_at_run_time(engine) -> dict:

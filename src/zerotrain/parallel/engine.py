@@ -29,7 +29,7 @@ from .comm import Comm
 from .gradients import GradientReducer
 from .layout import ShardLayout, split_by_tp
 from .mesh import Mesh
-from .params import Placement, flat_layout, frozen_parameters, trainable_parameters
+from .params import Placement, flat_layout, frozen_parameters
 from .replicated import ReplicatedParameters
 from .sharded import ShardedParameters
 from .sharded_adamw import AdamWShard
@@ -41,7 +41,8 @@ __all__ = ["ZeroEngine", "layout_of"]
 def layout_of(model: torch.nn.Module, world_size: int, bucket_numel: int, select=None) -> ShardLayout:
     """The flat layout an engine over `model` uses (a model on the meta device gives the same one): its trainable
     parameters (those `select(name)` takes, where given)."""
-    return flat_layout(trainable_parameters(model, select), world_size, bucket_numel)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
+    return flat_layout(trained, world_size, bucket_numel)
 
 
 # Where each stage keeps its parameters (params.Placement: the plan's answers and the run's buffers, one class)
@@ -98,10 +99,9 @@ class ZeroEngine:
         t, slots = self.mesh.tp_rank, self.layout.slots
         self.sliced_ranges, self.replicated_ranges = split_by_tp(slots, self.tp_slices, self.layout.padded_numel)
         # KV heads held by several TP ranks: checked across those ranks, counted in the norm by the first of them only
-        self.kv_shared_ranges = split_by_tp([s for s in slots if s.name in self.tp_slices and
-                                             self.tp_slices[s.name].holders(t) > 1], self.tp_slices)[0]
+        kv_shared = [s for s in slots if s.name in self.tp_slices and self.tp_slices[s.name].holders(t) > 1]
         # The flat ranges of each row of param_digests, which both placements digest
-        kv_row = [self.kv_shared_ranges] if self.mesh.kv_replicas > 1 else []
+        kv_row = [split_by_tp(kv_shared, self.tp_slices)[0]] if self.mesh.kv_replicas > 1 else []
         self.digest_rows = [[(0, self.layout.padded_numel)]] if self.mesh.tp_size == 1 else \
             [self.replicated_ranges, self.sliced_ranges, *kv_row]
         # Built from the settings as the plan builds it (parts_for), then holding this engine's parameters; it answers
@@ -129,10 +129,6 @@ class ZeroEngine:
         # the groups read one source, whose counts run on)
         self.init_bytes_read = getattr(init, "bytes_read", 0)
         self.init_values_drawn = getattr(init, "values_drawn", 0)
-
-    def computed_norms(self, norms: list[float]) -> list[float]:
-        """The norm of the parameters each world rank computes with, from each rank's param_norm (all gathered)."""
-        return self.placement.computed_norms(norms, self.mesh.tp_size)
 
     def initial_value(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """Parameter `name`'s initial values on this rank (its TP slice): from the init source for a model on the meta
@@ -254,16 +250,12 @@ class ZeroEngine:
         """Restore this rank's shard (same layout), then the parameters follow the masters. `sd["master"]` may be its
         parts in shard order, as master_views() gives them (a resume reads into them; a view onto itself is not
         copied). With --ep the expert group's keys are prefixed expert_."""
-        self._load_group({k: v for k, v in sd.items() if not k.startswith("expert_")})
-        if self.experts is not None:
-            self.experts._load_group({k[len("expert_"):]: v for k, v in sd.items() if k.startswith("expert_")})
-
-    def _load_group(self, sd: dict) -> None:
-        self.adamw.check_shard(sd)
-        self.placement.before_update()
-        with torch.no_grad():
-            self.adamw.load_state_dict(sd)
-            self._publish_params()
+        for e in self.parts:
+            own = {k.removeprefix("expert_"): v for k, v in sd.items() if k.startswith("expert_") == (e is not self)}
+            e.placement.before_update()
+            with torch.no_grad():
+                e.adamw.load_state_dict(own)
+                e._publish_params()
 
     @property
     def param_count(self) -> int:

@@ -53,9 +53,7 @@ def shard_frozen_copy(module: torch.nn.Module, dp, *, bucket_numel: int, precisi
                          f"requires grad (call module.requires_grad_(False) first)")
     layout = units.frozen_layout_of(module, dp.world_size, bucket_numel)
     if like is not None:
-        same = [(s.name, s.shape, s.offset) for s in layout.slots] == \
-            [(s.name, s.shape, s.offset) for s in like.layout.slots] and layout.buckets == like.layout.buckets
-        if not same or like.dp.world_size != dp.world_size:
+        if layout.to_dict() != like.layout.to_dict():  # its world size among them
             raise ValueError("shard_frozen_copy(like=engine): the module is not laid out as the engine's model "
                              "(another architecture, world size or bucket_numel)")
         shard = like.placement.param_shard.detach().clone()  # in the engine's precision: what its model computes with

@@ -36,10 +36,10 @@ class Placement:
     """Where a run's parameters live, one class per ZeRO stage (engine.PLACEMENTS). Built from the run's settings
     alone, it answers the planners before the run (parts_for(cfg).placement: `held`, `frozen_numel`,
     `units_whole_bytes`, `copy_numel`, `read_rows`, `computed_norms`, `notes`). At run time `build` over an engine's
-    layout holds the parameters (every one a view of its buffers: `owned_values`, `owned_views`, `owned_shard`,
-    `gathered_flat`, `digests`, `param_bytes`, `frozen_bytes`), `attach` follows the engine's own hooks, and the
-    engine calls `before_update`, `after_update` and the step's points below, which do nothing where a placement has
-    nothing to do at them (docs/design.md, "The placements' seam")."""
+    layout holds the parameters (every one a view of its buffers: `owned_values`, `owned_views`, `gathered_flat`,
+    `digests`, `param_bytes`, `frozen_bytes`), `attach` follows the engine's own hooks, and the engine calls
+    `before_update`, `after_update` and the step's points below, which do nothing where a placement has nothing to do
+    at them (docs/design.md, "The placements' seam")."""
 
     holds_whole_model: bool  # replicas compute with the same whole model: their digests compare before step 1
     gathers_units: bool  # each unit's parameters freed and gathered again every step (the allocator's choice)
@@ -76,10 +76,6 @@ def adopt_view(p: torch.nn.Parameter, view: torch.Tensor) -> None:
 def flat_layout(named: list[tuple[str, torch.nn.Parameter]], world_size: int, bucket_numel: int) -> ShardLayout:
     """The flat layout of the parameters `named` (engine.layout_of's trained ones, units.frozen_layout_of's frozen)."""
     return ShardLayout.build([(n, tuple(p.shape), is_decayed(n, p)) for n, p in named], world_size, bucket_numel)
-
-
-def trainable_parameters(model: torch.nn.Module, select=None) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (select is None or select(n))]
 
 
 def frozen_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

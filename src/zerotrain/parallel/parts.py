@@ -21,11 +21,8 @@ from .sharded_adamw import MOMENT_BYTES, state_bytes_per_value
 
 
 class GradientHolding:
-    """How a rank holds gradients, before the run, as GradientReducer does: ZeRO-1 a full gradient buffer (in bf16
-    with an fp32 accumulator) reduce-scattered once a step into the shard, on one rank in fp32 autograd's own
-    gradients (keeps_autograd_grads); ZeRO-2 and 3 (`bucketed`) the fp32 shard between steps, full-size buckets only
-    in flight: each micro-batch's (at --accum 1, or --grad-reduce micro-batch) through the two largest buckets, else
-    every bucket kept through the accumulation window. And its words for them."""
+    """How a rank holds gradients, before the run, as GradientReducer does (docs/design.md, "The plan-time parts"; on
+    one rank in fp32 autograd's own gradients, keeps_autograd_grads), and its words for them."""
 
     def __init__(self, stage: int, precision: str, tp: int, accum: int, grad_reduce: str) -> None:
         self.stage, self.precision, self.tp, self.accum, self.grad_reduce = stage, precision, tp, accum, grad_reduce

@@ -90,11 +90,6 @@ class ReplicatedParameters(Placement):
                 runs.append([p.start, p.end])
         return [self.param_buffer.detach()[a:z] for a, z in runs]
 
-    def owned_shard(self, copy: bool) -> torch.Tensor:
-        """This rank's owned values as one shard-length tensor (always a copy)."""
-        self.wait()
-        return self.engine.layout.shard(self.param_buffer, self.engine.dp.rank)
-
     # ---------------------------------------------------------------- the step's points
     def in_flight(self, bucket: int) -> bool:
         """Whether `bucket`'s all-gather is still in flight (a gradient of values read now is refused)."""

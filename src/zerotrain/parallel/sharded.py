@@ -156,9 +156,6 @@ class ShardedParameters(Placement, UnitBuckets):
     def owned_views(self) -> list[torch.Tensor]:
         return [self.param_shard.detach()]
 
-    def owned_shard(self, copy: bool) -> torch.Tensor:
-        return self.param_shard.clone() if copy else self.param_shard
-
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
         """Within a differentiated forward (not a recompute): the unit weights it saves kept as where they lie

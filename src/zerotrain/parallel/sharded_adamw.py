@@ -43,18 +43,16 @@ class AdamWShard:
                 for a, z, decay in ((lo, min(hi, b.decay_end), True), (max(lo, b.decay_end), hi, False)):
                     if z > a:
                         self._pieces.append(OwnedPiece(a, z, b.shard_offset + a - lo, decay))
-        self.master = None
-        if self.precision == "bf16":
-            self.master = torch.empty(L.shard_numel, device=device)
-            for pc in self._pieces:
-                self.master[pc.shard_lo : pc.shard_hi] = self.placement.owned_values(pc).float()
+        self.master = torch.empty(L.shard_numel, device=device) if self.precision == "bf16" else None
         self.exp_avg = torch.zeros(L.shard_numel, device=device)
         self.exp_avg_sq = torch.zeros(L.shard_numel, device=device)
         self._master_views = []
         decayed, plain = [], []
         for pc in self._pieces:
             # the fp32 master values of the piece: in fp32 the owned parameter values themselves (an alias)
-            m = self.placement.owned_values(pc) if self.master is None else self.master[pc.shard_lo : pc.shard_hi]
+            m = self.placement.owned_values(pc)
+            if self.master is not None:
+                m = self.master[pc.shard_lo : pc.shard_hi].copy_(m)
             if not self.grads.grads_in_params:  # otherwise each step's are the parameters' (apply)
                 m.grad = self.grads.grad_shard[pc.shard_lo : pc.shard_hi]
             self._master_views.append(m)
@@ -116,10 +114,13 @@ class AdamWShard:
                 *(t for state in self.optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0)]
 
-    def master_shard(self, copy: bool = False) -> torch.Tensor:
-        """This rank's fp32 master values as one shard-length tensor: in bf16 the master itself; in fp32 the owned
-        values (at stages 1 and 2 a copy; at stage 3 the shard itself, unless `copy`)."""
-        return self.master if self.master is not None else self.placement.owned_shard(copy=copy)
+    def master_shard(self) -> torch.Tensor:
+        """This rank's fp32 master values as one shard-length tensor: in bf16 the master itself; in fp32 a copy of the
+        owned values (master_views concatenated, once the all-gathers are done)."""
+        if self.master is not None:
+            return self.master
+        self.placement.wait()
+        return torch.cat(self.placement.owned_views())
 
     def master_views(self) -> list[torch.Tensor]:
         """This rank's fp32 master values, in shard order, as views where they lie (no copy). Call wait_params()
@@ -133,30 +134,25 @@ class AdamWShard:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard: its masters (an independent copy in fp32), moments and step count."""
         return {
-            "master": self.master_shard(copy=True).float().contiguous(),
+            "master": self.master_shard().float().contiguous(),
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
             "step": torch.tensor([self.step_count], dtype=torch.int64),
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the shard's state from `sd` (checked first: check_shard): AdamW's moments and step count, and the
-        masters (in fp32 into the owned parameter values); the caller then has the parameters follow (engine.py)."""
-        self.exp_avg.copy_(sd["exp_avg"])
-        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-        step = float(sd["step"].item())
-        for m in self._master_views:
-            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
-        if self.master is not None:
-            self.master.copy_(shard_values(sd["master"], 0, self.layout.shard_numel))
-        else:
-            for pc in self._pieces:
-                self.placement.owned_values(pc).copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))
-
-    def check_shard(self, sd: dict) -> None:
-        """ValueError unless `sd`'s master and moments are this rank's shard of this layout."""
+        """Restore the shard's state from `sd`, once checked to be this rank's shard of this layout (else ValueError):
+        AdamW's moments and step count, and the masters (in fp32 into the owned parameter values); the caller then has
+        the parameters follow (engine.py)."""
         for key in ("master", "exp_avg", "exp_avg_sq"):
             given = sd[key]
             shape = (sum(p.numel() for p in given),) if isinstance(given, (list, tuple)) else tuple(given.shape)
             if shape != (self.layout.shard_numel,):
                 raise ValueError(f"optimizer shard {key} has shape {shape}, expected ({self.layout.shard_numel},)")
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+        step = float(sd["step"].item())
+        for m in self._master_views:
+            self.optimizer.state[m]["step"] = torch.tensor(step, device=self._step_device)
+        for m, pc in zip(self._master_views, self._pieces):  # the pieces cover the shard where there is a master
+            m.copy_(shard_values(sd["master"], pc.shard_lo, pc.shard_hi))

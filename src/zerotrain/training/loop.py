@@ -535,7 +535,7 @@ def _finish(run: _Run, comm: Comm, t_start: float, cfg: Config) -> TrainResult:
     digests = invariants.check_no_drift(comm.step, engine.param_digests(), run.mesh)
     run.memory = invariants.check_memory(engine, comm, comm.step)  # (c) as the run ends, after every update
     norms = comm.all_gather_rows(engine.param_norm(), "all_gather_norms").view(-1).tolist()
-    norms = engine.computed_norms(norms)  # of what each rank computes with
+    norms = engine.placement.computed_norms(norms, engine.mesh.tp_size)  # of what each rank computes with
     calls, nbytes = run.mesh.counters()
     result = TrainResult(run.records, run.start, digests, norms, run.memory, run.checkpointer.committed, calls, nbytes,
                          engine.param_count, engine, run.stopped, run.rollbacks, run.resumed_from,
