@@ -5,8 +5,7 @@ import math
 import pytest
 from conftest import tiny_config
 
-from zerotrain.parallel import engine as engine_module
-from zerotrain.parallel.parts import parts_for
+from zerotrain.parallel.parts import GradientHolding, parts_for
 from zerotrain.parallel.replicated import ReplicatedParameters
 from zerotrain.parallel.sharded import ShardedParameters
 from zerotrain.training.loop import build_engine
@@ -14,13 +13,13 @@ from zerotrain.training.loop import build_engine
 
 def answers_of_engine(engine) -> dict:
     return {"gathers_units": engine.placement.gathers_units, "autograd_grads": engine.grads.grads_in_params,
-            "state_bytes_per_value": engine.adamw.state_bytes_per_value}
+            "bucketed": engine.grads.bucketed, "state_bytes_per_value": engine.adamw.state_bytes_per_value}
 
 
 def answers_of_parts(cfg, dp: int) -> dict:
     p = parts_for(cfg)
     return {"gathers_units": p.placement.gathers_units, "autograd_grads": p.gradients.autograd_grads(dp),
-            "state_bytes_per_value": p.optimizer.state_bytes_per_value}
+            "bucketed": p.gradients.bucketed, "state_bytes_per_value": p.optimizer.state_bytes_per_value}
 
 
 @pytest.mark.parametrize("zero, precision", [(1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")])
@@ -29,9 +28,15 @@ def test_the_parts_answer_as_the_engine_they_plan_for_builds_and_a_wrong_answer_
     cfg = tiny_config(tmp_path, zero=zero, precision=precision)
     engine = build_engine(cfg, one_rank)
     assert answers_of_parts(cfg, 1) == answers_of_engine(engine)
-    # planted: the engine's table gives the stage the other placement; the plan's answers disagree with what it builds
-    other = ShardedParameters if zero < 3 else ReplicatedParameters
-    monkeypatch.setitem(engine_module.PLACEMENTS, zero, other)
+    # planted: the plan's gradient holding takes the stage's other way (whole for bucketed, bucketed for whole); its
+    # answers disagree with what the engine builds
+    holding = GradientHolding.__init__
+
+    def other_way(self, *args, **kwargs):
+        holding(self, *args, **kwargs)
+        self.bucketed = not self.bucketed
+
+    monkeypatch.setattr(GradientHolding, "__init__", other_way)
     assert answers_of_parts(cfg, 1) != answers_of_engine(build_engine(cfg, one_rank))
 
 

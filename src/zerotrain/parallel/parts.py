@@ -14,9 +14,8 @@ from zerotrain.config import Config
 from .context import context_parallel_rows
 from .gradients import keeps_autograd_grads, stage2_bucket_budget
 from .layout import ShardLayout
+from .engine import PLACEMENTS
 from .params import Placement
-from .replicated import ReplicatedParameters
-from .sharded import ShardedParameters
 from .sharded_adamw import MOMENT_BYTES, state_bytes_per_value
 
 
@@ -167,7 +166,7 @@ def _summed(answers) -> dict[str, int]:
 def parts_for(cfg: Config) -> RunParts:
     """The parts `cfg`'s run composes: the one place outside the engine that turns the ZeRO stage into parts."""
     p = cfg.parallel
-    placement = (ShardedParameters if p.zero == 3 else ReplicatedParameters)(p.bucket_numel, p.dp_replicate)
+    placement = PLACEMENTS[p.zero](p.bucket_numel, p.dp_replicate)  # the class the engine builds, for the plan
     gradients = GradientHolding(p.zero, p.precision, p.tp, cfg.loop.accum, cfg.grad_reduce)
     more = context_parallel_rows(p.cp) + ([HybridSharding(p.dp_replicate)] if p.dp_replicate > 1 else [])
     return RunParts(placement, gradients, ShardedAdamW(p.precision), ExpertParallel(p.ep) if p.ep > 1 else None,
