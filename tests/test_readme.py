@@ -12,7 +12,9 @@ reads it. Shell blocks run with `bash -eo pipefail`, ```python blocks with this 
 folder, with this interpreter's folder first on PATH, so `python3` is the one under test. The `zerotrain`
 commands of a shell block run by zerotrain's entry point in this test's process (command_server.py: the same
 argument list, folder, environment and output, without importing torch twice per command); one given
-ZEROTRAIN_FAULTS runs as the installed console script.
+ZEROTRAIN_FAULTS runs as the installed console script. A ```python block, and a shell block's `python3 -c` or
+`python3 -`, run the same way in this process (without importing torch and transformers again per script);
+other uses of the interpreter (`python3 -m pydoc`) run as their own process.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def run_blocks(blocks: list[Block], workdir: Path, timeout: float = BLOCK_TIMEOU
     try:
         for block in blocks:
             if block.lang == "python":
-                argv = [sys.executable, "-c", block.code]
+                argv = [server.python, "-c", block.code]
             elif block.lang in SHELLS:
                 argv = ["bash", "-eo", "pipefail", "-c", block.code]
             else:
@@ -447,6 +449,29 @@ def test_a_recipe_s_zerotrain_commands_run_in_this_process_unless_given_faults(t
     script = "zerotrain --version > versions.txt\nZEROTRAIN_FAULTS=kill@step=9 zerotrain --version >> versions.txt\n"
     assert run_blocks(parse_blocks(f"<!-- run: cheap -->\n```bash\n{script}```\n"), tmp_path) == 1  # served: one
     assert (tmp_path / "versions.txt").read_text() == f"zerotrain {__version__}\n" * 2  # same output either way
+
+
+def test_a_recipe_s_python_scripts_run_in_this_process_as_the_interpreter_would(tmp_path):
+    # Each script once served and once (given ZEROTRAIN_FAULTS, which the client hands to the real interpreter) as
+    # its own process: the same output and exit code either way, and a script's failure fails its block.
+    script = """import os, sys
+print(__name__, sys.argv, os.getcwd() == sys.path[0] or sys.path[0] == '', os.environ['WORD'])
+"""
+    block = (f"WORD=one python3 -c \"{script}\" a b > c.txt\n"
+             f"WORD=two ZEROTRAIN_FAULTS=none python3 -c \"{script}\" a b >> c.txt\n"
+             f"python3 - x <<'PY' > stdin.txt\nimport sys; print(sys.argv, sys.stdin is not None)\nPY\n"
+             f"ZEROTRAIN_FAULTS=none python3 - x <<'PY' >> stdin.txt\nimport sys; print(sys.argv, sys.stdin is not None)\n"
+             f"PY\nset +e; python3 -c 'raise SystemExit(4)'; echo $? > codes.txt\n"
+             f"python3 -c 'raise ValueError(5)' 2> raised.txt; echo $? >> codes.txt\n"
+             f"python3 -c 'raise SystemExit(\"said\")' 2>> raised.txt; echo $? >> codes.txt\n")
+    assert run_blocks(parse_blocks(f"<!-- run: cheap -->\n```bash\n{block}```\n"), tmp_path) == 5  # served: five
+    assert (tmp_path / "c.txt").read_text() == "__main__ ['-c', 'a', 'b'] True one\n__main__ ['-c', 'a', 'b'] True two\n"
+    assert (tmp_path / "stdin.txt").read_text() == "['-', 'x'] True\n" * 2
+    assert (tmp_path / "codes.txt").read_text().split() == ["4", "1", "1"]
+    raised = (tmp_path / "raised.txt").read_text()
+    assert "ValueError: 5" in raised and raised.endswith("said\n")
+    with pytest.raises(AssertionError, match=r"README.md:2: exit code 1(.|\n)*ZeroDivisionError"):
+        run_blocks(parse_blocks("<!-- run: cheap -->\n```python\n1 / 0\n```\n"), tmp_path)
 
 
 def test_a_broken_recipe_is_caught(tmp_path):
