@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,13 +21,18 @@ ROWS = ["syncs per step", "tokens/s: zerotrain", "tokens/s: fully_shard", "ratio
 
 
 @pytest.mark.timeout(900)
-def test_the_tiny_rehearsal_prints_one_table_of_every_check_within_bounds(tmp_path):
-    # a bound of 1000 syncs: the rehearsal's own count is the CPU's reads, not CUDA's syncs
-    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "device_check.py"), "--out", str(tmp_path), "--tiny",
-                        "--max-syncs-per-step", "1000"], capture_output=True, text=True, timeout=880,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = r.stdout.strip().splitlines()
+def test_the_tiny_rehearsal_prints_one_table_of_every_check_within_bounds(tmp_path, capsys):
+    # The script's main in this process (the script's own process would import torch and transformers anew): its
+    # world of one is a group of this process, torn down after; the threads it sets are given back.
+    threads = torch.get_num_threads()
+    try:
+        # a bound of 1000 syncs: the rehearsal's own count is the CPU's reads, not CUDA's syncs
+        code = device_check.main(["--out", str(tmp_path), "--tiny", "--max-syncs-per-step", "1000"])
+    finally:
+        torch.set_num_threads(threads)
+    r = capsys.readouterr()
+    assert code == 0, r.out[-3000:] + r.err[-3000:]
+    lines = r.out.strip().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("check "))
     table = lines[start:]
     assert [c.strip() for c in table[0].split("|")] == ["check", "measured", "bound", "ok"]
