@@ -20,14 +20,14 @@ from test_packing import make_records, write_records
 from zerotrain.config import resolve, validate
 from zerotrain.parallel.ring_attention import hop_blocks, window_mask, window_reach, zigzag_split
 
-WINDOW, LIMIT = 12, 900
+WINDOW, LIMIT, STEPS = 12, 900, 3
 pytestmark = pytest.mark.timeout(3 * LIMIT)
 
 
 def windowed(tmp, name, data, nproc, arch="mistral", **run):
     """test_context_parallel's tiny Llama on packed rows of 64 as Mistral (every layer's window 12 tokens) or as Gemma
     3 (its first layer's window 12, the second global; a local rotary base of its own)."""
-    cfg = config(tmp, name, data, nproc, **run)
+    cfg = config(tmp, name, data, nproc, **{"steps": STEPS, **run})
     cfg.model.arch, cfg.model.sliding_window = arch, WINDOW
     if arch == "gemma3":
         cfg.model.sliding_window_pattern, cfg.model.rope_local_theta = 2, 1000.0
@@ -51,7 +51,7 @@ def runs(tmp_path_factory):
            "local positions": (cp_jobs.window_in_local_positions_job, windowed(tmp, "local", data, 4, cp=4)),
            "cp4 unpacked": (job, windowed(tmp, "cp4-unpacked", "synthetic", 4, cp=4)),
            "cp4 gemma3": (job, windowed(tmp, "cp4-gemma3", data, 4, "gemma3", cp=4))})
-    start({"cp1": (job, windowed(tmp, "cp1", data, 1)), "cp1 z3": (job, windowed(tmp, "cp1-z3", data, 1, zero=3)),
+    start({"cp1": (job, windowed(tmp, "cp1", data, 1)),
            "cp1 unpacked": (job, windowed(tmp, "cp1-unpacked", "synthetic", 1)),
            "cp1 gemma3": (job, windowed(tmp, "cp1-gemma3", data, 1, "gemma3"))})
     return out
@@ -83,16 +83,18 @@ def test_each_block_s_reach_is_the_window_s_over_the_row_s_positions():
 
 
 def test_a_window_at_cp4_trains_as_one_rank_and_a_ring_ignoring_it_or_in_local_positions_is_caught(runs):
-    # 6 clipped steps: losses within 1e-6 relative of one rank's, gradient norms and final weights within 1e-5, at
-    # ZeRO-1 and 3, on unpacked rows (the tiny Markov chain's: one document a row, the window alone), and as Gemma 3
-    # (sliding and global layers); measured at most 1.4e-7, 4.0e-8 and 7.5e-7 (Gemma 3's weights)
-    pairs = {"cp4": "cp1", "cp4 z3": "cp1 z3", "cp4 unpacked": "cp1 unpacked", "cp4 gemma3": "cp1 gemma3"}
+    # 3 clipped steps: losses within 1e-6 relative of one rank's, gradient norms and final weights within 1e-5, at
+    # ZeRO-1 and 3 (one rank's reference at ZeRO-1 for both: at one rank they train bitwise alike, measured), on
+    # unpacked rows (the tiny Markov chain's: one document a row, the window alone), and as Gemma 3 (sliding and
+    # global layers); measured at most 9.4e-8, 4.0e-8 and 6.8e-7 (Gemma 3's weights)
+    pairs = {"cp4": "cp1", "cp4 z3": "cp1", "cp4 unpacked": "cp1 unpacked", "cp4 gemma3": "cp1 gemma3"}
     measured = {mine: gaps(runs[mine], runs[theirs]) for mine, theirs in pairs.items()}
     assert all(g["losses"] < 1e-6 and g["grad_norms"] < 1e-5 and g["params"] < 1e-5 for g in measured.values()), \
         measured
     # the plan counts a rank's activations to the byte: no window mask (each hop builds its block's and drops it)
     for name in ("cp4", "cp4 unpacked", "cp4 gemma3"):
         assert runs[name]["plan"]["rows"]["activations"] == runs[name]["plan"]["activations_measured"], name
-    # planted: every block computed whole (the window ignored); a partial block's window in local indices
+    # planted: every block computed whole (the window ignored); a partial block's window in local indices: measured
+    # 1.8e-2 and 3.1e-2 off
     for planted in ("window ignored", "local positions"):
         assert worst_gap(runs[planted], runs["cp1"]) > 1e-3, planted
