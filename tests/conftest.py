@@ -158,8 +158,9 @@ def zerotrain_here(capfd, *argv: str, faults: str | None = None) -> subprocess.C
     ZEROTRAIN_FAULTS is `faults` for this command alone. Any run folder the command still holds is let go here, as
     the end of its own process would let it go.
 
-    Prefer it to a `python -m zerotrain` subprocess unless the command signals its launcher (sigterm, group_*) or
-    needs a bug planted in a fresh interpreter: a subprocess imports zerotrain and starts a ranks' server of its own
+    Prefer it to a `python -m zerotrain` subprocess unless the command signals its launcher's process group (group_*)
+    or needs a bug planted in a fresh interpreter (a SIGTERM to the launcher alone, `sigterm`, reaches the command's
+    own handler here): a subprocess imports zerotrain and starts a ranks' server of its own
     (about 6 s of CPU), where this process's server, started once per pytest worker, forks a 2-rank tiny run's ranks
     for about 0.4 s of CPU (measured with cpuacct on the 2-core machine).
     """

@@ -1,17 +1,19 @@
 """Planted bugs the DPO stop drills run in the ranks (test_dpo_stops.py).
 
 A rank is a fork of the ranks' server (runtime/rank_start.py), which imports its modules afresh: a bug planted in
-the launcher's interpreter never reaches it. A drill's launcher adds this module to rank_start.PRELOAD and names the
-plant in ZEROTRAIN_TEST_PLANT; the server imports it, and every rank forked from it runs the product with that one
-function replaced.
+the launcher's interpreter never reaches it. A drill whose launcher must be a process of its own (a signal to its
+group) adds this module to rank_start.PRELOAD and names the plant in ZEROTRAIN_TEST_PLANT; the server imports it,
+and every rank forked from it runs the product with that one function replaced. A drill run in the test's own
+process plants it in the rank's job instead (the *_job functions, for run_job).
 """
 
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 from zerotrain.runtime import stop
-from zerotrain.training import preference
+from zerotrain.training import loop, preference
 
 PLANT = os.environ.get("ZEROTRAIN_TEST_PLANT", "")
 
@@ -31,7 +33,7 @@ def _pass_in_the_start_up() -> None:
     preference.Preference.prepare = prepare
 
 
-def _reference_written_in_place() -> None:
+def _reference_written_in_place():
     """The reference written over the file it replaces, as the resume's copy was (shutil.copyfile)."""
     def in_place(path, data, *, durable=True, halfway=None):
         with open(path, "wb") as f:
@@ -41,10 +43,16 @@ def _reference_written_in_place() -> None:
                 halfway()
             f.write(data[len(data) // 2 :])
 
-    preference.write_atomic = in_place
+    return in_place
 
 
 if PLANT == "pass_in_the_start_up":
     _pass_in_the_start_up()
 elif PLANT == "reference_written_in_place":
-    _reference_written_in_place()
+    preference.write_atomic = _reference_written_in_place()
+
+
+def reference_written_in_place_job(cfg, comm):
+    """`zerotrain train` in a rank whose reference is written in place."""
+    with mock.patch.object(preference, "write_atomic", _reference_written_in_place()):
+        return loop.train_job(cfg, comm)

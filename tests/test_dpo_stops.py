@@ -12,14 +12,17 @@ import shutil
 import signal
 
 import pytest
+import stop_plants
 from conftest import zerotrain_here
 from model_folders import CHATML, llama_folder, write_jsonl
 from test_dpo import PLAIN, SEQ
 from test_production import final_state, in_own_session, steps_of
 
 from zerotrain import checkpoint
-from zerotrain.cli.main import main
-from zerotrain.runtime.run_folder import release_run_folders
+from zerotrain.cli.flags import config_from_args
+from zerotrain.cli.main import build_parser, main
+from zerotrain.runtime.launch import JobFailed, run_job
+from zerotrain.runtime.run_folder import prepare_run, release_run_folders
 from zerotrain.training.faults import CRASH_IN_SAVE_EXIT
 from zerotrain.training.preference import REFERENCE_FILE
 
@@ -96,7 +99,7 @@ def test_a_signal_during_the_reference_pass_finishes_it_saves_step_0_and_the_res
 
 
 def test_a_crash_while_a_resume_copies_the_reference_leaves_the_folders_own_whole_and_its_checkpoints_resume(
-        dpo, whole, tmp_path, capfd):
+        dpo, dpo_args, whole, tmp_path, capfd, monkeypatch):
     """A run resumed from another folder's checkpoint copies the reference beside its own checkpoints, whose manifests
     record its sha256. Resumed again from there into the same folder, rank 0 crashes halfway through the copy
     (crash_in_reference): the folder's reference is the whole file it was, and the folder's checkpoint resumes to a
@@ -110,10 +113,25 @@ def test_a_crash_while_a_resume_copies_the_reference_leaves_the_folders_own_whol
     kept = reference.read_bytes()
     shutil.copytree(ours, tmp_path / "planted")
 
-    def crash(folder, planted=None):
-        r = dpo(tmp_path, "--steps", "3", "--resume", step2, "--out", str(folder), faults="crash_in_reference@step=0",
-                planted=planted, capfd=None if planted else capfd)
-        assert r.returncode == 1 and f"rank 0 failed with exit code {CRASH_IN_SAVE_EXIT}" in r.stderr, r.stderr
+    def crash(folder, planted=False):
+        """The crash, then the resume; planted: the ranks' job writes the reference in place (stop_plants.py)."""
+        argv = ["--steps", "3", "--resume", step2, "--out", str(folder)]
+        if planted:
+            monkeypatch.setenv("ZEROTRAIN_FAULTS", "crash_in_reference@step=0")
+            try:
+                with pytest.raises(JobFailed) as failed:
+                    run_job(stop_plants.reference_written_in_place_job,
+                            prepare_run(config_from_args(build_parser().parse_args(["train", *dpo_args, *argv]))),
+                            time_limit=240)
+            finally:
+                release_run_folders()
+                monkeypatch.delenv("ZEROTRAIN_FAULTS")
+            error = str(failed.value)
+        else:
+            r = dpo(tmp_path, *argv, faults="crash_in_reference@step=0", capfd=capfd)
+            assert r.returncode == 1, r.stderr
+            error = r.stderr
+        assert f"rank 0 failed with exit code {CRASH_IN_SAVE_EXIT}" in error, error
         return dpo(tmp_path, "--steps", "4", "--ckpt-every", "1", "--resume", "auto", "--out", str(folder),
                    capfd=capfd)
 
@@ -121,7 +139,7 @@ def test_a_crash_while_a_resume_copies_the_reference_leaves_the_folders_own_whol
     assert reference.read_bytes() == kept
     assert resumed.returncode == 0, resumed.stderr
     assert final_state(str(ours), 4) == final_state(whole, 4)
-    refused = crash(tmp_path / "planted", planted="reference_written_in_place")
+    refused = crash(tmp_path / "planted", planted=True)
     assert (tmp_path / "planted" / "checkpoints" / REFERENCE_FILE).stat().st_size == len(kept) // 2
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert "is not the" in refused.stderr and "the checkpoint's manifest records" in refused.stderr

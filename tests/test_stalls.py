@@ -32,11 +32,19 @@ def slow_disk_save_job(rank, io, tmp_path, planted):
         comm.io = comm
     cfg = tiny_config(tmp_path / "cfg", nproc=2)
     engine = build_engine(cfg, io)  # the long wait: only the save is timed, however slowly a loaded machine starts
-    stall = (lambda step: time.sleep(3 * STEP_TIMEOUT_S)) if rank == 1 else None  # a slow disk under rank 1
-    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck"), comm, halfway_hook=stall)
+    timed_out = tmp_path / "rank0-timed-out"
+
+    def stall(step):
+        """A slow disk under rank 1: 3 x STEP_TIMEOUT_S, or until rank 0 has timed out waiting for it (planted)."""
+        deadline = time.monotonic() + 3 * STEP_TIMEOUT_S
+        while not timed_out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    writer = checkpoint.CheckpointWriter(str(tmp_path / "ck"), comm, halfway_hook=stall if rank == 1 else None)
     try:
         return {"saved": writer.save(1, engine, {})[0]}
     except Exception as e:  # noqa: BLE001 - reported to the test
+        timed_out.touch()
         return {"error": str(e)}
 
 

@@ -6,7 +6,8 @@ import os
 
 import host_reads_jobs
 import pytest
-from test_production import TINY, events, final_state, steps_of, train_in_turn, zerotrain
+from conftest import zerotrain_here
+from test_production import TINY, events, final_state, steps_of, train_in_turn
 
 from zerotrain import checkpoint
 from zerotrain.cli.flags import config_from_args
@@ -20,9 +21,10 @@ ARGS = [*TINY, "--steps", "12", "--log-every", "5"]
 STOP = "sigterm@step=2,rank=1"  # after step 2's update: between the log steps 0 and 5
 
 
-def test_a_stop_between_log_steps_saves_the_step_before_the_next_log_step_and_resumes_bitwise(tmp_path, monkeypatch):
+def test_a_stop_between_log_steps_saves_the_step_before_the_next_log_step_and_resumes_bitwise(tmp_path, capfd,
+                                                                                              monkeypatch):
     stopped, whole = str(tmp_path / "stopped"), str(tmp_path / "whole")
-    r = zerotrain("train", *ARGS, "--out", stopped, faults=STOP)
+    r = zerotrain_here(capfd, "train", *ARGS, "--out", stopped, faults=STOP)  # SIGTERM to the launcher: this process
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == \
         "zerotrain: stopped by SIGTERM at step 4; saved step_00000004; continue with --resume auto"

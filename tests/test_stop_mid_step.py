@@ -13,8 +13,9 @@ import sys
 
 import dist_jobs
 import pytest
+from conftest import zerotrain_here
 from forked_child import run_forked
-from test_production import TINY, final_state, steps_of, events, train_in_turn, zerotrain
+from test_production import TINY, final_state, steps_of, events, train_in_turn
 
 from zerotrain import checkpoint
 from zerotrain.cli.flags import config_from_args
@@ -32,13 +33,13 @@ SLOW_STEP = "sigterm_in_slow_step@step=3,rank=1"
 
 
 def test_a_stop_in_a_slow_step_commits_the_last_completed_step_before_the_step_ends_and_resumes_bitwise(
-        tmp_path, monkeypatch):
+        tmp_path, capfd, monkeypatch):
     """The stopped run commits step 2 while step 3 is blocked in its second forward, exits 0 as a stop, never applies
     step 3, and resumed it ends bitwise like a run never stopped. Planted: the save started only once every rank has
     agreed to stop (as before: after the step's all-reduce), so the slow step never sees a commit and the rank fails
     after the fault's bound."""
     stopped, whole = str(tmp_path / "stopped"), str(tmp_path / "whole")
-    r = zerotrain("train", *ARGS, "--out", stopped, faults=SLOW_STEP)
+    r = zerotrain_here(capfd, "train", *ARGS, "--out", stopped, faults=SLOW_STEP)  # SIGTERM to the launcher: this process
     assert r.returncode == 0, r.stderr
     assert "zerotrain: ZEROTRAIN_FAULTS: step_00000002 committed while step 3 was in its forward 2" in r.stderr
     assert r.stdout.strip().splitlines()[-1] == \
@@ -111,8 +112,8 @@ def release(by):
 def signal_then_wait():
     go.wait()  # runs once the main thread has released the GIL: inside released.wait()
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(5)
-    release("the fallback, 5 s later")
+    time.sleep(2)
+    release("the fallback, 2 s later")
 
 watch = StopWatch(stop, lambda: release("the watcher"))
 sender = threading.Thread(target=signal_then_wait, daemon=True)
@@ -135,7 +136,7 @@ def test_a_stop_reaches_the_watcher_while_the_training_thread_waits_inside_a_col
     the C handler writes, and starts the save at once. Planted: the watcher polling the flag, as before."""
     r = run_forked(BLOCKED_IN_A_WAIT, "planted" if planted else "fixed", timeout=60)
     assert r.returncode == 0, r.stderr
-    expected = "the fallback, 5 s later" if planted else "the watcher"
+    expected = "the fallback, 2 s later" if planted else "the watcher"
     assert r.stdout == f"released by {expected}; stop requested: True\n", r.stdout + r.stderr
 
 
