@@ -1,6 +1,6 @@
 """Expert parallelism under tensor parallelism (--ep 2 --tp 2) trains what --ep 1 does, at --tp 2 and at --tp 1.
 
-One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2), 4 steps on the same global batch: --ep 2 --tp 2 (DP 2)
+One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2), 3 steps on the same global batch: --ep 2 --tp 2 (DP 2)
 at ZeRO-1, 2 and 3, --ep 1 --tp 2 (DP 2) and --ep 1 --tp 1 (DP 4); gpt-oss (biased experts: the down biases
 gathered from the EP group) at --ep 2 --tp 2 and --ep 1 --tp 1. Losses agree within 1e-6 (relative), the final
 weights (the checkpoints' models, the exports for Qwen3-MoE) within 1e-5. AdamW's eps is 1e-3, as in
@@ -33,7 +33,7 @@ from conftest import zerotrain_here
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("ep_tp")]
 
-STEPS = 4
+STEPS = 3
 QWEN3, GPT_OSS = [], ["--arch", "gpt_oss"]
 EP2_TP2 = ["--ep", "2", "--tp", "2", "--micro-batch", "4"]
 EP1_TP2 = ["--tp", "2", "--micro-batch", "4"]

@@ -1,15 +1,15 @@
 """Expert parallelism (--ep) trains what EP 1 trains, holds a rank's share of the experts, resumes bitwise, and
 reshards onto another --ep or world size exactly.
 
-One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2): 6 steps at --ep 1, 2 and 4 (ZeRO-1) and --ep 2 at ZeRO-2,
+One 4-rank job of the tiny Qwen3-MoE with 8 experts (top-2): 4 steps at --ep 1, 2 and 4 (ZeRO-1) and --ep 2 at ZeRO-2,
 on the same global batch. Losses agree within 1e-6 (relative) and the final weights within 1e-5; the received rows
 put in another order (planted in parallel/experts.py's expert_major_order, which the dispatch runs) are caught. An
---ep 2 run saved at step 3 and resumed ends bitwise where the uninterrupted run does.
+--ep 2 run saved at step 2 and resumed ends bitwise where the uninterrupted run does.
 
-Reshards (the step-3 checkpoints): --ep 2 (ZeRO-2) -> --ep 4, --ep 1 (the experts in the one flat layout) -> --ep 2,
+Reshards (the step-2 checkpoints): --ep 2 (ZeRO-2) -> --ep 4, --ep 1 (the experts in the one flat layout) -> --ep 2,
 --ep 2 -> --ep 1, and a 2-rank --ep 2 run (a job of its own first, micro-batch 4: the same global batch) -> 4 ranks at
 --ep 2. Each is loaded into a fresh engine and saved again at once: every master, exp_avg and exp_avg_sq, by global
-name, and the step equal the checkpoint's bit for bit (both assembled here from whole shards); the resumed run's 3
+name, and the step equal the checkpoint's bit for bit (both assembled here from whole shards); the resumed run's 2
 steps equal the uninterrupted run's losses within 1e-6 relative. Each rank reads its new shards' values once (within
 1.25x; its dense share and its block of experts) beside its share of the verification's hashing. Planted in the load's
 path and caught: every expert read from its neighbour (homes.expert_home), the expert moments shifted by one expert
@@ -61,7 +61,7 @@ from conftest import zerotrain_here
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 6
+STEPS, SAVED = 4, 2  # the runs' steps; the step each run that is resumed saved at
 
 
 def config(out, *flags):
@@ -84,13 +84,13 @@ def run(comm, out, *flags) -> dict:
             "read": result.per_rank["checkpoint_bytes_read"][comm.rank] - before["checkpoint_bytes_read"]}
 
 
-def step3(tmp_path, key) -> str:
-    return str(tmp_path / key / "checkpoints" / "step_00000003")
+def saved_step(tmp_path, key) -> str:
+    return str(tmp_path / key / "checkpoints" / checkpoint.step_name(SAVED))
 
 
 def two_rank_job(rank, comm, tmp_path):
-    """--ep 2 on 2 ranks (micro-batch 4: the 4-rank runs' global batch), saved at step 3: the W 2 -> W 4 reshard's."""
-    return {"w2": run(comm, tmp_path / "w2", "--nproc", "2", "--micro-batch", "4", "--ep", "2", "--ckpt-every", "3")}
+    """--ep 2 on 2 ranks (micro-batch 4: the 4-rank runs' global batch), saved at step SAVED: the W 2 -> W 4 reshard's."""
+    return {"w2": run(comm, tmp_path / "w2", "--nproc", "2", "--micro-batch", "4", "--ep", "2", "--ckpt-every", str(SAVED))}
 
 
 def loaded_job(comm, path, out, *flags, planted=None) -> dict:
@@ -114,7 +114,7 @@ def loaded_job(comm, path, out, *flags, planted=None) -> dict:
         start = bytes_counted()["checkpoint_bytes_read"]
         checkpoint.load_checkpoint(path, engine, comm)
         total = bytes_counted()["checkpoint_bytes_read"] - start
-    saved, _, _ = checkpoint.save_checkpoint(str(out / "checkpoints"), 3, engine, comm, cfg.to_dict())
+    saved, _, _ = checkpoint.save_checkpoint(str(out / "checkpoints"), SAVED, engine, comm, cfg.to_dict())
     share = sum(12 * owned_values(part.layout, part.dp.rank) + 8 for _, part in shard_parts(engine))
     mine = {"total": total, "verify": sum(verified), "share": share}
     return {"saved": saved, "bytes": comm.io.all_gather_json(mine, "test_load_bytes")}
@@ -153,7 +153,7 @@ def neighbour_moments(self, sd):
 
 REAL_EXPERT_HOME, REAL_LOAD_EP = homes.expert_home, ZeroEngine.load_shard_state_dict
 
-# A resume onto another EP layout: case -> (checkpoint saved at step 3, the uninterrupted run it continues, flags)
+# A resume onto another EP layout: case -> (checkpoint saved at step SAVED, the uninterrupted run it continues, flags)
 RESHARDS = {
     "EP 2 -> EP 4": ("ep2z2", "ep2_zero2", ("--ep", "4", "--zero", "2")),
     "EP 1 -> EP 2": ("ep1", "ep1", ("--ep", "2")),
@@ -180,18 +180,18 @@ def failed(comm, out, *flags) -> str | None:
 
 
 def four_rank_job(rank, comm, tmp_path):
-    # each saved at step 3 (resumed onto other EP layouts by a test) and at the end (exported by a test)
-    out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e), "--ckpt-every", "3" if e < 4 else str(STEPS))
+    # each saved at step SAVED (resumed onto other EP layouts by a test) and at the end (exported by a test)
+    out = {f"ep{e}": run(comm, tmp_path / f"ep{e}", "--ep", str(e), "--ckpt-every", str(SAVED if e < 4 else STEPS))
            for e in (1, 2, 4)}
-    # ZeRO-2, saved at step 3; then resumed from there on the same EP layout
-    out["ep2_zero2"] = run(comm, tmp_path / "ep2z2", "--ep", "2", "--zero", "2", "--ckpt-every", "3")
-    out["resumed"] = run(comm, tmp_path / "resumed", "--ep", "2", "--zero", "2", "--resume", step3(tmp_path, "ep2z2"))
-    for i, (case, (saved, _, flags)) in enumerate(RESHARDS.items()):  # the state right after the load, then 3 steps
-        out[f"loaded {case}"] = loaded_job(comm, step3(tmp_path, saved), tmp_path / f"loaded{i}", *flags)
-        out[f"resumed {case}"] = run(comm, tmp_path / f"resumed{i}", *flags, "--resume", step3(tmp_path, saved))
+    # ZeRO-2, saved at step SAVED; then resumed from there on the same EP layout
+    out["ep2_zero2"] = run(comm, tmp_path / "ep2z2", "--ep", "2", "--zero", "2", "--ckpt-every", str(SAVED))
+    out["resumed"] = run(comm, tmp_path / "resumed", "--ep", "2", "--zero", "2", "--resume", saved_step(tmp_path, "ep2z2"))
+    for i, (case, (saved, _, flags)) in enumerate(RESHARDS.items()):  # the state right after the load, then the rest
+        out[f"loaded {case}"] = loaded_job(comm, saved_step(tmp_path, saved), tmp_path / f"loaded{i}", *flags)
+        out[f"resumed {case}"] = run(comm, tmp_path / f"resumed{i}", *flags, "--resume", saved_step(tmp_path, saved))
     for i, (bug, (case, patch)) in enumerate(PLANTED.items()):
         saved, _, flags = RESHARDS[case]
-        out[f"planted {bug}"] = loaded_job(comm, step3(tmp_path, saved), tmp_path / f"planted{i}", *flags,
+        out[f"planted {bug}"] = loaded_job(comm, saved_step(tmp_path, saved), tmp_path / f"planted{i}", *flags,
                                            planted=patch)
     # planted: the plan's all-to-all rows without top-k (a token's one row, not its k): strict, the run stops
     with mock.patch.object(memory_plan, "all_to_all_row_bytes", lambda cfg, sequences: real_rows(
@@ -331,7 +331,7 @@ def test_the_io_plan_gives_each_ranks_resume_reads_with_ep(four_ranks, tmp_path)
 def test_resume_on_the_same_ep_layout_is_bitwise(four_ranks):
     for r in four_ranks:
         assert r["resumed"]["params"] == r["ep2_zero2"]["params"]
-    assert four_ranks[0]["resumed"]["losses"] == four_ranks[0]["ep2_zero2"]["losses"][3:]
+    assert four_ranks[0]["resumed"]["losses"] == four_ranks[0]["ep2_zero2"]["losses"][SAVED:]
 
 
 def named_state(folder: str) -> dict[str, torch.Tensor]:
@@ -370,20 +370,20 @@ def test_a_resume_onto_another_ep_or_world_size_restores_every_value_and_moment_
                                                                                                       case):
     saved, uninterrupted, _ = RESHARDS[case]
     tmp = four_ranks[0]["folder"]
-    before = named_state(step3(pathlib.Path(tmp), saved))
+    before = named_state(saved_step(pathlib.Path(tmp), saved))
     after = named_state(four_ranks[0][f"loaded {case}"]["saved"])
     assert any(".experts." in k for k in before) and any(k.startswith("exp_avg_sq ") for k in before)
     assert differing(after, before) == []  # every master, exp_avg, exp_avg_sq and the step, bit for bit
-    losses, base = four_ranks[0][f"resumed {case}"]["losses"], four_ranks[0][uninterrupted]["losses"][3:]
-    assert len(losses) == 3 and close(losses, base, 1e-6), (losses, base)
+    losses, base = four_ranks[0][f"resumed {case}"]["losses"], four_ranks[0][uninterrupted]["losses"][SAVED:]
+    assert len(losses) == STEPS - SAVED and close(losses, base, 1e-6), (losses, base)
     if case == "W 2 -> W 4 at EP 2":  # and the 2 ranks' own run, which the 4 ranks' --ep 2 run equals in turn
-        assert close(losses, four_ranks[0]["w2"]["losses"][3:], 1e-6), (losses, four_ranks[0]["w2"]["losses"])
+        assert close(losses, four_ranks[0]["w2"]["losses"][SAVED:], 1e-6), (losses, four_ranks[0]["w2"]["losses"])
 
 
 @pytest.mark.parametrize("bug", ["neighbour expert", "neighbour moments"])
 def test_a_reshard_that_misplaces_an_experts_values_or_moments_is_caught(four_ranks, bug):
     case = PLANTED[bug][0]
-    before = named_state(step3(pathlib.Path(four_ranks[0]["folder"]), RESHARDS[case][0]))
+    before = named_state(saved_step(pathlib.Path(four_ranks[0]["folder"]), RESHARDS[case][0]))
     wrong = differing(named_state(four_ranks[0][f"planted {bug}"]["saved"]), before)
     assert wrong and all(".experts." in k for k in wrong), wrong
     if bug == "neighbour moments":
@@ -396,7 +396,7 @@ def test_a_reshard_reads_each_ranks_dense_share_and_its_experts_and_a_reader_of_
     ranks = four_ranks[0][f"loaded {case}"]["bytes"]
     # summary.json's checkpoint_bytes_read of the resumed run counts the same load
     assert [r[f"resumed {case}"]["read"] for r in four_ranks] == [r["total"] for r in ranks]
-    folder = step3(pathlib.Path(four_ranks[0]["folder"]), RESHARDS[case][0])
+    folder = saved_step(pathlib.Path(four_ranks[0]["folder"]), RESHARDS[case][0])
     sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".safetensors")]
     for r in ranks:  # the ranged reads: its new shards' values and steps, nothing more than 1.25x of it
         assert r["share"] <= r["total"] - r["verify"] <= 1.25 * r["share"], (case, r)
@@ -410,7 +410,7 @@ def test_a_reshard_reads_each_ranks_dense_share_and_its_experts_and_a_reader_of_
 def test_verify_checks_the_expert_layouts_partition_and_an_overlap_planted_in_it_is_caught(four_ranks, tmp_path):
     from zerotrain.checkpoint.verify import first_failure
 
-    saved = step3(pathlib.Path(four_ranks[0]["folder"]), "ep2")
+    saved = saved_step(pathlib.Path(four_ranks[0]["folder"]), "ep2")
     assert first_failure(checkpoint.verify_checkpoint(saved)) is None
     folder = tmp_path / "overlap"
     shutil.copytree(saved, folder)

@@ -17,7 +17,7 @@ from conftest import tiny_config, zerotrain_here
 from zerotrain import checkpoint
 from zerotrain.runtime.launch import run_job
 
-STEPS, SAVED_AT = 6, 3
+STEPS, SAVED_AT = 4, 2
 MOE = dict(arch="qwen3_moe", n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, tie_embeddings=False,
            n_experts=4, experts_per_token=2, expert_width=32)
 LIMIT = 900
@@ -89,7 +89,7 @@ def worst_gap(a: dict, b: dict) -> float:
 
 def test_two_replica_groups_train_as_zero_over_every_rank_at_each_stage_and_a_skipped_all_reduce_is_caught(runs):
     # Each replica group reduce-scatters its ranks' gradients, the shard is all-reduced across the groups: the sums
-    # are the same numbers added in another order, so within float noise of ZeRO over all 4 ranks, over 6 steps
+    # are the same numbers added in another order, so within float noise of ZeRO over all 4 ranks, over 4 steps
     # (every one clipped by the global norm).
     pairs = [("z3 r2", "z3"), ("z1 r2", "z1"), ("z2 r2", "z2"), ("z3 accum r2", "z3 accum"),
              ("z1 r4", "z1")]  # R 4: one rank a group, each holding the whole state, as DDP

@@ -10,7 +10,7 @@ one + lambda x the MTP one, both summed over their targets and divided by the ma
 The summed loss equals the reference's at step 0 (fp32, within 1e-6 relative); packed records' loss equals each
 record's alone; 8 AdamW steps at 1 rank, at ZeRO-3 on 2 ranks, at --ep 2, at --tp 2 and at ZeRO-3 with --ep 2 (the
 MTP depth's unit a MoE block whose experts are split over the ranks) equal the reference loop within 1e-5 relative
-(losses, gradient norms, the final weights, the MTP layer's among them); resumed from step 4 at 1 rank and at ZeRO-3
+(losses, gradient norms, the final weights, the MTP layer's among them); resumed from step 6 at 1 rank and at ZeRO-3
 with --ep 2 the runs end bitwise where the uninterrupted ones do, and a resume that loses AdamW's moments is caught;
 `zerotrain export --format hf` writes the trained MTP tensors under the folder's names (its copies of the embedding
 and the head the trained ones) and transformers loads it. Planted in the functions the model runs and caught: the
@@ -38,6 +38,7 @@ from test_qwen35 import ROWS, config_for, gaps, weights_of
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
 
+from zerotrain.checkpoint import step_name
 from zerotrain.config import ModelConfig
 from zerotrain.data import IGNORE, BatchSchedule, make_source
 from zerotrain.hub.mtp_layers import trained_name
@@ -48,6 +49,7 @@ N_LAYER, C = SIZES["num_hidden_layers"], SIZES["hidden_size"]
 MTP = f"model.layers.{N_LAYER}."  # the folder's MTP layer
 WEIGHT = 0.3  # --mtp-loss-weight of the runs (not the default, so that a weight taken wrong shows)
 FLAGS = ("--mtp", "train", "--mtp-loss-weight", str(WEIGHT))
+RESUMED_AT = 6  # the step the resumed runs start from: two steps of their own, the moments carried through both
 LIMIT = 700
 # each family's tiny folder (test_deepseek's, test_glm45's: 3 layers, the last two MoE, hidden 64) and transformers'
 # decoder layer and RMSNorm, which its MTP layer is built of
@@ -259,7 +261,7 @@ def reference_run(folder, lrs: list[float], scratch) -> dict:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def runs(tmp_path_factory, request):
     """{"1 rank" | "zero3" | "ep2" | "tp2" | "zero3-ep2" | "reference": {"loss", "grad_norm", "weights"}, "resumed" |
-    "zero3-ep2-resumed": steps 5-8 of "1 rank" | "zero3-ep2" from its step-4 checkpoint, "zero3-ep2-forgetful": the
+    "zero3-ep2-resumed": steps 7-8 of "1 rank" | "zero3-ep2" from its step-6 checkpoint, "zero3-ep2-forgetful": the
     latter with a resume that loses AdamW's moments (planted), "folder": the 1-rank run's} of each family."""
     from dist_jobs import forgetful_train_job
     from zerotrain.training.loop import train_job
@@ -268,23 +270,23 @@ def runs(tmp_path_factory, request):
     folder = tmp / "model"
     with one_thread():
         mtp_folder(folder, request.param, initializer_range=0.02)
-    # at --zero 3 --ep 2 the MTP depth's unit is a MoE block whose experts --ep splits: 8 steps saving at step 4, then
-    # steps 5-8 again from that checkpoint (and with the planted resume), in the same start
+    # at --zero 3 --ep 2 the MTP depth's unit is a MoE block whose experts --ep splits: 8 steps saving at step 6, then
+    # steps 7-8 again from that checkpoint (and with the planted resume), in the same start
     zero3_ep2 = ("--zero", "3", "--ep", "2", "--micro-batch", "1")
-    step4 = ("--resume", str(tmp / "zero3-ep2" / "checkpoints" / "step_00000004"))
+    saved = ("--resume", str(tmp / "zero3-ep2" / "checkpoints" / step_name(RESUMED_AT)))
     jobs = {"zero3": (train_job, ("--zero", "3", "--micro-batch", "1")),
             "ep2": (train_job, ("--ep", "2", "--micro-batch", "1")), "tp2": (train_job, ("--tp", "2")),
-            "zero3-ep2": (train_job, (*zero3_ep2, "--ckpt-every", "4")),
-            "zero3-ep2-resumed": (train_job, (*zero3_ep2, *step4)),
-            "zero3-ep2-forgetful": (forgetful_train_job, (*zero3_ep2, *step4))}
+            "zero3-ep2": (train_job, (*zero3_ep2, "--ckpt-every", str(RESUMED_AT))),
+            "zero3-ep2-resumed": (train_job, (*zero3_ep2, *saved)),
+            "zero3-ep2-forgetful": (forgetful_train_job, (*zero3_ep2, *saved))}
     out = in_turn_runs({name: (job, config_for(folder, tmp / name, *FLAGS, "--nproc", "2", *flags))
                         for name, (job, flags) in jobs.items()}, LIMIT)
     for name in jobs:
         out[name]["weights"] = weights_of(tmp / name)
     with one_thread(), world_of_one() as comm:
-        out["1 rank"] = one_rank_run(config_for(folder, tmp / "1-rank", *FLAGS, "--ckpt-every", "4"), comm)
-        step4 = next((tmp / "1-rank").rglob("step_00000004"))  # steps 5-8 again, the MTP layer from the checkpoint
-        out["resumed"] = one_rank_run(config_for(folder, tmp / "resumed", *FLAGS, "--resume", str(step4)), comm)
+        out["1 rank"] = one_rank_run(config_for(folder, tmp / "1-rank", *FLAGS, "--ckpt-every", str(RESUMED_AT)), comm)
+        saved = next((tmp / "1-rank").rglob(step_name(RESUMED_AT)))  # steps 7-8 again, the MTP layer from the checkpoint
+        out["resumed"] = one_rank_run(config_for(folder, tmp / "resumed", *FLAGS, "--resume", str(saved)), comm)
         out["reference"] = reference_run(folder, out["1 rank"]["lr"], tmp / "reference")
     out["folder"], out["file bytes"] = tmp / "1-rank", (folder / "model.safetensors").stat().st_size
     out["mtp bytes"] = sum(t.numel() * 4 for n, t in load_file(str(folder / "model.safetensors")).items()
@@ -293,7 +295,7 @@ def runs(tmp_path_factory, request):
 
 
 def test_a_resume_continues_the_mtp_layer_bitwise_and_zero3_reads_each_ranks_slice(runs):
-    """Resumed from step 4, step 8's weights (the MTP layer's among them) are the uninterrupted run's bitwise; at
+    """Resumed from step 6, step 8's weights (the MTP layer's among them) are the uninterrupted run's bitwise; at
     ZeRO-3 (and at ZeRO-3 with --ep 2) each rank read its owned ranges' rows of the folder (less than 3/4 of its file),
     the MTP layer's among them (the two ranks together at least its bytes)."""
     ours, resumed = runs["1 rank"]["weights"], runs["resumed"]["weights"]
@@ -306,12 +308,12 @@ def test_a_resume_continues_the_mtp_layer_bitwise_and_zero3_reads_each_ranks_sli
 
 
 def test_a_resume_at_zero3_with_ep2_continues_the_mtp_layer_bitwise_and_a_resume_losing_the_moments_is_caught(runs):
-    """At ZeRO-3 with the MTP depth's experts split over --ep 2, resumed from step 4: steps 5-8's losses and step 8's
+    """At ZeRO-3 with the MTP depth's experts split over --ep 2, resumed from step 6: steps 7-8's losses and step 8's
     weights (the MTP layer's among them) are the uninterrupted run's bitwise; resumed without AdamW's moments
     (planted in checkpoint.resume, which the loop calls), the MTP layer's are not."""
     ours, resumed, forgetful = runs["zero3-ep2"], runs["zero3-ep2-resumed"], runs["zero3-ep2-forgetful"]
     assert "error" not in resumed and "error" not in forgetful, (resumed, forgetful)
-    assert resumed["loss"] == ours["loss"][4:] and resumed["grad_norm"] == ours["grad_norm"][4:]
+    assert resumed["loss"] == ours["loss"][RESUMED_AT:] and resumed["grad_norm"] == ours["grad_norm"][RESUMED_AT:]
     mtp_names = [n for n in ours["weights"] if n.startswith("model.mtp_layers.")]
     assert any(".experts." in n for n in mtp_names)
     assert set(resumed["weights"]) == set(ours["weights"])

