@@ -12,6 +12,7 @@ something in: its methods (`methods`) and the models or options it needs (`appli
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
@@ -1167,11 +1168,18 @@ class Setting:
 def declared(section: str | None = None) -> Iterator[Setting]:
     """Every setting, in declaration order (of one section, or of all)."""
     for name in (section,) if section else SECTIONS:
-        owner = Config.__dataclass_fields__[name].default_factory
-        for f in fields(owner):
-            yield Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
-                          f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")),
-                          f.metadata.get("methods"), f.metadata.get("applies"))
+        yield from _section_settings(name)
+
+
+@functools.cache
+def _section_settings(name: str) -> tuple[Setting, ...]:
+    """A section's settings, read from its dataclass once: every command line is parsed by a parser of every
+    command's flags, which asked for each setting ~30k times (half the CPU of a `zerotrain` call that stops at its
+    settings, measured). A Setting is frozen: callers share it, and cannot change it."""
+    owner = Config.__dataclass_fields__[name].default_factory
+    return tuple(Setting(name, f.name, f.metadata.get("key") or f.name, f.default, f.metadata["help"],
+                         f.metadata.get("rule"), f.metadata.get("shown"), bool(f.metadata.get("many")),
+                         f.metadata.get("methods"), f.metadata.get("applies")) for f in fields(owner))
 
 
 def setting_for(key: str) -> Setting:
