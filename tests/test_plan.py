@@ -646,3 +646,142 @@ def test_the_advice_builds_each_setting_it_plans_once(monkeypatch):
     monkeypatch.setattr(type(cfg), "__eq__", lambda a, b: a is b)  # planted: no setting is one planned before
     assert plan_module.fit_advice(cfg, room) == advice
     assert len([c for c in built if c.parallel.zero == 2 and c.parallel.activation_checkpointing == "none"]) == 2
+
+
+def test_a_length_search_with_a_context_builds_once_and_answers_as_building_every_length(monkeypatch):
+    """Where the model's positions are its --context no length changes a parameter: the length search plans every
+    probe with the run's one build (DeepSeek-V3-671B's: seconds, ~20 probes) and answers as a search that builds each
+    length. Planted: GPT-2 without a context (its position embedding has --seq-len rows) taken for a model whose
+    parameters no length changes is caught."""
+    import dataclasses
+
+    built = []
+    build = plan_module.planned_layouts
+    monkeypatch.setattr(plan_module, "planned_layouts", lambda c, dp: (built.append(c), build(c, dp))[1])
+
+    def search(cfg, room, reuse: bool) -> tuple[int, bool]:
+        built.clear()
+        with mock.patch.object(plan_module, "length_changes_no_parameter", lambda m: reuse):
+            return plan_module.largest_seq_len(cfg, room)
+
+    llama = config_of("--preset", "llama-tiny", "--data", "synthetic", "--micro-batch", "1", "--seq-len", "16")
+    llama = dataclasses.replace(llama, model=dataclasses.replace(llama.model, context=1 << 14))
+    room = plan_module.memory_plan(llama).total + 3 * 2**20
+    answer = search(llama, room, reuse=True)
+    assert len(built) == 1 and answer[0] > llama.model.seq_len and plan_module.length_changes_no_parameter(llama.model)
+    assert search(llama, room, reuse=False) == answer and len(built) > 4  # every length built: the same answer
+    gpt2 = config_of("--preset", "gpt2", "--n-layer", "1", "--data", "synthetic", "--micro-batch", "1",
+                     "--seq-len", "64")
+    room = plan_module.memory_plan(gpt2).total + 40 * 2**20
+    assert not plan_module.length_changes_no_parameter(gpt2.model)
+    assert search(gpt2, room, reuse=True) != search(gpt2, room, reuse=False)  # planted: caught
+
+
+def test_meta_copied_experts_are_experts_built_one_by_one_sharing_nothing_and_a_shared_part_is_caught(monkeypatch):
+    """On the meta device a mixture of experts builds its first expert and copies it (model/moe.py meta_copy, 3x
+    cheaper than nn.Linear's construction): every expert is what building it gives (its class, attributes, parameter
+    names, shapes, dtypes), the model's parameter names are the built model's, and no expert shares a container, a
+    parameter or a submodule with another. Planted: copies that share their parameters' dict (copy.copy) are
+    caught."""
+    import copy as copies
+
+    import torch
+
+    from zerotrain import model as models
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import moe
+
+    def described(module) -> list:
+        return [(name, type(m), sorted(k for k in vars(m) if not k.startswith("_")),
+                 [(n, tuple(p.shape), p.dtype, p.requires_grad, p.is_meta) for n, p in m.named_parameters()])
+                for name, m in module.named_modules()]
+
+    def shared(experts) -> set:
+        seen, out = {}, set()
+        for e, expert in enumerate(experts):
+            for m in expert.modules():
+                for obj in [m, *vars(m).values(), *m._parameters.values()]:
+                    if isinstance(obj, (dict, set, torch.Tensor, torch.nn.Module)):
+                        if seen.setdefault(id(obj), e) != e:
+                            out.add(type(obj).__name__)
+        return out
+
+    for arch in ("qwen3_moe", "gpt_oss"):  # gpt-oss's experts with biases
+        cfg = ModelConfig(**{**PRESETS["qwen3-moe-tiny"], "arch": arch})
+        copied = models.meta_model(cfg)
+        with mock.patch.object(moe, "routed_experts", lambda n, build: [build() for _ in range(n)]):
+            built = models.meta_model(cfg)
+        assert described(copied) == described(built)
+        assert [n for n, _ in copied.named_parameters()] == [n for n, _ in built.named_parameters()]
+        layers = [m for m in copied.modules() if isinstance(m, moe.MoE)]
+        assert layers and all(not shared(layer.experts) for layer in layers)
+        with mock.patch.object(moe, "meta_copy", copies.copy):  # planted
+            planted = models.meta_model(cfg)
+        assert shared([m for m in planted.modules() if isinstance(m, moe.MoE)][0].experts)
+
+
+def test_a_layouts_owned_slots_are_its_owned_pieces_of_each_slot_and_a_slot_left_out_is_caught(monkeypatch):
+    """ShardLayout.owned_slots (each parameter's part a rank holds, one pass over the buckets: what a plan's reads
+    and owned values count, sharded.read_rows) gives what owned_pieces gives slot by slot, for every rank of layouts
+    whose chunks cut parameters anywhere (buckets of one to many parameters, 1 to 8 ranks); a stage-3 rank's
+    read_rows are its owned ranges widened to rows. Planted: the part of the slot a chunk starts inside left out
+    (the search for the chunk's first slot off by one) is caught."""
+    from zerotrain.parallel.layout import ShardLayout
+    from zerotrain.parallel.sharded import ShardedParameters
+
+    params = [(f"p{i}", shape, i % 3 != 0) for i, shape in
+              enumerate([(7, 5), (300,), (64, 33), (5,), (1000, 3), (17, 17, 2), (1,), (640, 8), (90, 11)])]
+
+    def by_pieces(layout, rank):
+        return [(s, p.start, p.end) for s in layout.slots for p in layout.owned_pieces(rank, s.offset,
+                                                                                        s.offset + s.numel)]
+
+    def rows(layout, rank):  # read_rows as it was: every slot's owned pieces widened to rows
+        out = []
+        for s, a, z in by_pieces(layout, rank):
+            width = max(1, s.numel // s.shape[0])
+            a, z = a - s.offset, z - s.offset
+            out.append(((-(-z // width) - a // width) * width, z - a))
+        return out
+
+    layouts = [ShardLayout.build(params, world, bucket) for world in (1, 2, 3, 8) for bucket in (1, 700, 5000, 10**6)]
+    read_rows = ShardedParameters.read_rows
+    for layout in layouts:
+        for rank in range(layout.world_size):
+            assert layout.owned_slots(rank) == by_pieces(layout, rank)
+            assert read_rows(None, layout, rank) == rows(layout, rank)
+    real = ShardLayout.owned_slots
+
+    def planted(self, rank):
+        starts = {b.chunk(rank, self.world_size)[0] for b in self.buckets}
+        return [(s, a, z) for s, a, z in real(self, rank) if not (s.offset < a and a in starts)]
+
+    monkeypatch.setattr(ShardLayout, "owned_slots", planted)
+    assert any(read_rows(None, layout, rank) != rows(layout, rank)
+               for layout in layouts for rank in range(layout.world_size))
+
+
+def test_a_planned_exports_size_is_the_written_files_and_a_header_sized_wrong_is_caught(tmp_path, monkeypatch):
+    """export_file_bytes sizes model.safetensors from the parameters' shapes alone (stream.shape_header_bytes, no
+    tensor built: DeepSeek-V3-671B's 90k names took 1 s as meta tensors): the size of the file write_safetensors
+    writes of those tensors, and header_bytes' header of meta tensors of those shapes. Planted: the header sized
+    with a tensor's dimensions left out is caught."""
+    import os
+
+    import torch
+
+    from zerotrain.checkpoint import stream
+    from zerotrain.config import PRESETS, ModelConfig
+    from zerotrain.model import meta_model
+    from zerotrain.training import io_plan
+
+    for preset in ("llama-tiny", "qwen3-moe-tiny"):
+        shapes = {n: tuple(p.shape) for n, p in meta_model(ModelConfig(**PRESETS[preset])).named_parameters()}
+        stream.write_safetensors(str(tmp_path / "model.safetensors"), {n: torch.zeros(s) for n, s in shapes.items()})
+        assert io_plan.export_file_bytes(shapes) == os.path.getsize(tmp_path / "model.safetensors")
+        assert stream.shape_header_bytes(shapes, torch.float32) == stream.header_bytes(
+            {n: torch.empty(s, device="meta") for n, s in shapes.items()})[0]
+    real = stream.shape_header_bytes
+    monkeypatch.setattr(io_plan, "shape_header_bytes", lambda shapes, dtype: real(
+        {n: s[:1] for n, s in shapes.items()}, dtype))  # planted
+    assert io_plan.export_file_bytes(shapes) != os.path.getsize(tmp_path / "model.safetensors")

@@ -249,3 +249,21 @@ def test_another_tools_name_for_a_flag_is_answered_with_zerotrains(theirs, ours)
     """transformers' Trainer, TRL and torchtitan users type their tools' names; a misspelling of one too."""
     with pytest.raises(ConfigError, match=rf"unrecognized arguments: {theirs} 3 \(did you mean {ours}\?\)"):
         build_parser().parse_args(["train", theirs, "3"])
+
+
+def test_help_is_wrapped_at_the_terminals_width_as_argparse_wraps_it_and_a_stale_width_is_caught(monkeypatch):
+    """The parser asks the terminal's width once (flags.Parser: argparse asks it at every add_argument): a command's
+    --help is argparse's own at any width. Planted: a width kept from another terminal is caught."""
+    import argparse
+
+    from zerotrain.cli.flags import Parser
+
+    for columns in ("61", "97", "160"):
+        monkeypatch.setenv("COLUMNS", columns)
+        train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+        mine = train.format_help()
+        with monkeypatch.context() as m:
+            m.setattr(Parser, "_get_formatter", argparse.ArgumentParser._get_formatter)
+            assert mine == train.format_help()
+        train._width = 78  # planted
+        assert train.format_help() != mine

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
 import struct
@@ -176,15 +177,31 @@ def _meta(value) -> tuple[torch.dtype, list[int], int]:
 def header_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, object]]]:
     """The length prefix and JSON header of a safetensors file, and the tensors (or lists of parts) in the order of
     their bytes; `metadata` is the header's __metadata__ (an export's {"format": "pt"}, as save_file writes it)."""
-    ordered = sorted(tensors.items(), key=lambda item: (_RANK[DTYPE_CODES[_meta(item[1])[0]]], item[0]))
+    described = {name: _meta(t) for name, t in tensors.items()}
+    head, names = _header(described, metadata)
+    return head, [(name, tensors[name]) for name in names]
+
+
+def shape_header_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
+    """header_bytes' header for tensors of `shapes`, all of `dtype`, from the shapes alone: a plan sizes an export's
+    header without a tensor (DeepSeek-V3-671B's 90k names: 1 s as meta tensors)."""
+    size = dtype.itemsize
+    return _header({name: (dtype, list(shape), math.prod(shape) * size) for name, shape in shapes.items()})[0]
+
+
+def _header(described: dict[str, tuple[torch.dtype, list[int], int]],
+            metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
+    """The length prefix and JSON header of tensors given as (dtype, shape, bytes), and their names in the order of
+    their bytes."""
+    names = sorted(described, key=lambda name: (_RANK[DTYPE_CODES[described[name][0]]], name))
     header, offset = ({"__metadata__": metadata} if metadata else {}), 0
-    for name, t in ordered:
-        dtype, shape, size = _meta(t)
+    for name in names:
+        dtype, shape, size = described[name]
         header[name] = {"dtype": DTYPE_CODES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, ordered
+    return struct.pack("<Q", len(text)) + text, names
 
 
 def write_safetensors(path: str, tensors: dict, *, halfway: Callable[[], None] | None = None,

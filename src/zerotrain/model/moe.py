@@ -86,6 +86,43 @@ class Expert(nn.Module):
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
+def routed_experts(n: int, build) -> list[nn.Module]:
+    """`n` experts from `build`: each built on its own, or on the meta device the first built and the others copies
+    of it (meta_copy). A plan builds every expert of the largest models on the meta device (DeepSeek-V3-671B: 14,906
+    experts, 45k linears), where nn.Linear's construction costs 3x a copy (measured: 49 us of CPU a linear built,
+    16 us copied, 2 shared cores)."""
+    first = build()
+    if not all(p.is_meta for p in first.parameters()):
+        return [first] + [build() for _ in range(n - 1)]
+    return [first] + [meta_copy(first) for _ in range(n - 1)]
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A module as `module` (on the meta device) was built: its class and attributes, with containers (its
+    parameters', buffers', submodules', hooks') of its own, a fresh meta tensor of each parameter's and buffer's shape
+    and dtype, each submodule a meta_copy: nothing is shared with `module` but plain values (widths, the activation
+    function)."""
+    state = module.__dict__.copy()
+    for key, value in state.items():
+        if isinstance(value, (dict, set)):
+            state[key] = value.copy()
+    params, buffers = state["_parameters"], state["_buffers"]
+    # torch.empty, not empty_like: on the meta device empty_like runs torch's Python reference (3x the cost)
+    for name, p in params.items():
+        if p is not None:
+            params[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+    for name, b in buffers.items():
+        if b is not None:
+            buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    modules = state["_modules"]
+    for name, child in modules.items():
+        if child is not None:
+            modules[name] = meta_copy(child)
+    copy = object.__new__(type(module))
+    copy.__dict__.update(state)
+    return copy
+
+
 class Routing(NamedTuple):
     """What one MoE layer's forward leaves for the balancing loss and the metrics, per row of the batch."""
 
@@ -103,8 +140,8 @@ class MoE(nn.Module):
         self.softmax_of_top_k = cfg.gpt_oss_experts  # gpt-oss's: the weights are a softmax over the top-k logits
         biased, activation = cfg.gpt_oss_experts, clamped_swiglu if cfg.gpt_oss_experts else swiglu
         self.gate = nn.Linear(cfg.n_embd, cfg.n_experts, bias=biased)
-        self.experts = nn.ModuleList(Expert(cfg.n_embd, cfg.expert_ffn, biased, activation)
-                                     for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleList(routed_experts(
+            cfg.n_experts, lambda: Expert(cfg.n_embd, cfg.expert_ffn, biased, activation)))
         if cfg.shared_expert_width:
             self.shared_expert = Expert(cfg.n_embd, cfg.shared_expert_width)
             self.shared_expert_gate = nn.Linear(cfg.n_embd, 1, bias=False)

@@ -76,6 +76,7 @@ class ShardLayout:
         self.padded_numel = buckets[-1].end if buckets else 0
         self.shard_numel = self.padded_numel // world_size
         self._starts = [b.start for b in buckets]
+        self._slot_offsets = [slot.offset for slot in slots]  # in flat order: layout order
 
     @classmethod
     def build(cls, params: list[tuple[str, tuple[int, ...], bool]], world_size: int, bucket_numel: int):
@@ -119,6 +120,22 @@ class ShardLayout:
             a, z = max(lo, start), min(hi, end)
             if a < z:
                 out.append(ShardPiece(rank, a, z, b.shard_offset + a - lo))
+        return out
+
+    def owned_slots(self, rank: int) -> list[tuple[ParamSlot, int, int]]:
+        """(slot, start, end) for each parameter rank `rank` holds a part of, [start, end) of the flat buffer, in flat
+        order: what owned_pieces(rank, slot's range) gives for every slot, without a call a slot (a slot lies in one
+        bucket, so its part is one range; a plan of DeepSeek-V3-671B asks for every slot of 264 ranks' layouts)."""
+        out = []
+        for b in self.buckets:
+            lo, hi = b.chunk(rank, self.world_size)
+            i = max(0, bisect.bisect_right(self._slot_offsets, lo) - 1)
+            while i < len(self.slots) and self.slots[i].offset < hi:
+                s = self.slots[i]
+                a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < z:
+                    out.append((s, a, z))
+                i += 1
         return out
 
     def pieces(self, start: int, end: int) -> list[ShardPiece]:

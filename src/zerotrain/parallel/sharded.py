@@ -55,13 +55,10 @@ class ShardedParameters(Placement, UnitBuckets):
     def read_rows(self, layout: ShardLayout, dp_rank: int) -> list[tuple[int, int]]:
         """Its owned ranges widened to whole rows, as FileValues reads them (a range that cuts a row reads it)."""
         out = []
-        for s in layout.slots:
+        for s, start, end in layout.owned_slots(dp_rank):  # a slot's owned part is one range
             width = math.prod(s.shape[1:])  # a 1-D tensor's rows are its values
-            owned = [(p.start - s.offset, p.end - s.offset) for p in layout.owned_pieces(dp_rank, s.offset,
-                                                                                     s.offset + s.numel)]
-            if owned:
-                rows = sum(-(-z // width) - a // width for a, z in owned)
-                out.append((rows * width, sum(z - a for a, z in owned)))
+            a, z = start - s.offset, end - s.offset
+            out.append(((-(-z // width) - a // width) * width, z - a))
         return out
 
     def computed_norms(self, norms: list[float], tp_size: int) -> list[float]:

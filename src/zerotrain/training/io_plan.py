@@ -69,7 +69,7 @@ import torch
 
 from zerotrain.checkpoint import MANIFEST
 from zerotrain.checkpoint.homes import EXPERT_PREFIX
-from zerotrain.checkpoint.stream import header_bytes, read_blocks_held, read_header
+from zerotrain.checkpoint.stream import header_bytes, read_blocks_held, read_header, shape_header_bytes
 from zerotrain.checkpoint.verify import share_by_size
 from zerotrain.config import Config
 from zerotrain.data.tokenizer import TOKENIZER_FILE
@@ -195,7 +195,7 @@ def resume_by_ranges(cfg: Config, L, experts, shard_file: int, copied: list[tupl
 
 def owned_values(layout, dp_rank: int) -> int:
     """The values of parameters (not of the buckets' padding) that DP rank `dp_rank` owns in `layout`."""
-    return sum(q.numel for s in layout.slots for q in layout.owned_pieces(dp_rank, s.offset, s.offset + s.numel))
+    return sum(end - start for _, start, end in layout.owned_slots(dp_rank))
 
 
 def file_dtype_bytes(cfg: Config) -> int:
@@ -278,8 +278,7 @@ def shard_file_bytes(shard_numel: int, expert_numel: int = 0) -> int:
 def export_file_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
     """model.safetensors of an export: every parameter once (a tied head as the embedding), fp32, with its header
     (in zerotrain's names; Hugging Face's differ by a few bytes each)."""
-    meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
-    return len(header_bytes(meta)[0]) + 4 * sum(math.prod(s) for s in shapes.values())
+    return len(shape_header_bytes(shapes, torch.float32)) + 4 * sum(math.prod(s) for s in shapes.values())
 
 
 # What a run's summary.json counts (per_rank) against the plan's figure for each phase.

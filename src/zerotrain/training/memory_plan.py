@@ -313,8 +313,9 @@ def expert_bytes_planned(cfg: Config, model: torch.nn.Module, L, experts, dp: in
     if not slots:
         return None, None
     held, S = sum(s.numel for s in slots), L.world_size  # every replica group's DP rank d holds what d mod S does
-    owned = [sum(q.numel for s in slots for q in L.owned_pieces(r % S, s.offset, s.offset + s.numel))
-             for r in range(dp)]
+    owned_by = [sum(end - start for s, start, end in L.owned_slots(d) if is_expert_parameter(s.name))
+                for d in range(min(S, dp))]
+    owned = [owned_by[r % S] for r in range(dp)]
     by_rank = [place.held(held, o) * psize + per_value * o for o in owned]
     rows = {"parameters": place.held(held, owned[0]) * psize,
             "gradients": held_gradient_bytes(cfg, held, held, owned[0], dp, psize, S),  # the slots unpadded
@@ -731,6 +732,13 @@ def with_depth(cfg: Config, n_layer: int) -> Config:
 SEQ_LEN_CAP = 1 << 24  # tokens a row: the search's end for a model whose context does not bound it
 
 
+def length_changes_no_parameter(m) -> bool:
+    """Whether a model's parameters are the same at every --seq-len: where its positions are its --context (the
+    positions a model holds, ModelConfig.positions, are the one parameter shape a length sets: GPT-2's learned
+    position embedding's rows)."""
+    return bool(m.context)
+
+
 def largest_seq_len(cfg: Config, device_bytes: int, documents: bool = False,
                     planned: PlannedModel | None = None) -> tuple[int, bool]:
     """(the longest --seq-len whose plan, at --micro-batch and every other setting as given, fits in `device_bytes`,
@@ -740,10 +748,15 @@ def largest_seq_len(cfg: Config, device_bytes: int, documents: bool = False,
     to a length that does not fit, then bisected. `planned`: as memory_plan's, for the probe of --seq-len itself."""
     step = 2 * cfg.parallel.cp
     cap = (cfg.model.context or SEQ_LEN_CAP) // step * step
+    # where the length changes no parameter every probe's model and layouts are the run's, built once (DeepSeek-V3-
+    # 671B's search probes ~20 lengths, its build takes seconds)
+    same_model = length_changes_no_parameter(cfg.model)
+    if same_model and planned is None:
+        planned = planned_layouts(cfg, cfg.launch.nproc // cfg.parallel.tp)
 
     def fits(n: int) -> bool:
         probe = replace(cfg, model=replace(cfg.model, seq_len=n * step))
-        mine = planned if probe == cfg else None  # the run's own settings: its model and layouts as built
+        mine = planned if probe == cfg or same_model else None  # the run's model and layouts, as built
         return memory_plan(probe, documents=documents, planned=mine).total <= device_bytes
 
     if not cap or not fits(1):
