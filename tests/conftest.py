@@ -57,6 +57,16 @@ from zerotrain.config import Config, resolve, setting_for, validate  # noqa: E40
 from zerotrain.runtime.run_folder import resolve_paths  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def strict_plan_kept():
+    """A test that ran a script or command in this process must leave the strict check on for the tests after it on
+    this worker (a script that turned it off for good once made three later tests pass a planted plan mistake)."""
+    yield
+    if os.environ.get("ZEROTRAIN_STRICT_PLAN") != "1":
+        os.environ["ZEROTRAIN_STRICT_PLAN"] = "1"
+        pytest.fail("the test left ZEROTRAIN_STRICT_PLAN off for the tests after it")
+
+
 def tiny_config(tmp_path, *, nproc=1, micro=8, accum=1, steps=5, **run) -> Config:
     """The lesson's tiny GPT with small buckets, so multi-bucket code paths are exercised."""
     cfg = Config()
