@@ -36,12 +36,12 @@ def runs(tmp_path_factory):
         out.update(zip(cfgs, run_job(functools.partial(dist_jobs.in_turn_job, jobs=jobs), jobs[0][1],
                                      time_limit=LIMIT)))
 
-    whole = config(tmp, "cp2-ep2", data, 4, cp=2, ep=2, ckpt_every=SAVED_AT)
+    whole = config(tmp, "cp2-ep2", data, 4, cp=2, ep=2, steps=STEPS, ckpt_every=SAVED_AT)
     start({"cp2 ep2": (cp_jobs.moe_trained_job, whole)})
     out["saved"] = os.path.join(whole.checkpoint.dir, checkpoint.step_name(SAVED_AT))
-    start({"cp1 ep2 resumed": (cp_jobs.moe_trained_job, config(tmp, "resumed", data, 2, ep=2, resume=out["saved"])),
-           "neighbour expert": (cp_jobs.neighbour_expert_resume_job,
-                                config(tmp, "neighbour", data, 2, ep=2, resume=out["saved"]))})
+    resumed = functools.partial(config, tmp, data=data, nproc=2, ep=2, steps=STEPS, resume=out["saved"])
+    start({"cp1 ep2 resumed": (cp_jobs.moe_trained_job, resumed(name="resumed")),
+           "neighbour expert": (cp_jobs.neighbour_expert_resume_job, resumed(name="neighbour"))})
     return out
 
 
@@ -58,7 +58,6 @@ def test_a_cp2_ep2_checkpoint_resumes_at_cp1_on_2_ranks_as_the_run_never_stopped
     assert max(relative_gaps(resumed["aux_losses"], whole["aux_losses"][SAVED_AT:])) < 1e-6
     assert resumed["expert_loads"] == whole["expert_loads"][SAVED_AT:]
     assert worst_gap({**resumed, "losses": [], "grad_norms": []}, {**whole, "losses": [], "grad_norms": []}) < 1e-6
-    # planted: each expert's masters and moments read from the next expert of its block
     planted = runs["neighbour expert"]
     # planted: each expert's masters and moments read from the next expert of its block (measured: losses 4.5e-4 off,
     # the final weights 0.45)
